@@ -1,0 +1,56 @@
+// pybind11 module tpgraph._C. Plain types only: pointers and streams are Python ints.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "api.h"
+
+namespace py = pybind11;
+using namespace tpgraph;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "tpgraph CUDA extension: device queries, CUDA IPC handles (cached), copies";
+
+  py::class_<DeviceProperties>(m, "DeviceProperties")
+      .def_readonly("name", &DeviceProperties::name)
+      .def_readonly("major", &DeviceProperties::major)
+      .def_readonly("minor", &DeviceProperties::minor)
+      .def_readonly("sm_count", &DeviceProperties::sm_count)
+      .def_readonly("total_memory", &DeviceProperties::total_memory)
+      .def_readonly("pci_bus_id", &DeviceProperties::pci_bus_id)
+      .def_readonly("uuid", &DeviceProperties::uuid)
+      .def("__repr__", [](const DeviceProperties& p) {
+        return "DeviceProperties(name='" + p.name + "', sm=" + std::to_string(p.major) + std::to_string(p.minor) +
+               ", sm_count=" + std::to_string(p.sm_count) + ", uuid='" + p.uuid + "')";
+      });
+
+  py::class_<BuildInfo>(m, "BuildInfo")
+      .def_readonly("archs", &BuildInfo::archs)
+      .def_readonly("nvcc_major", &BuildInfo::nvcc_major)
+      .def_readonly("nvcc_minor", &BuildInfo::nvcc_minor)
+      .def_readonly("runtime_version", &BuildInfo::runtime_version)
+      .def("__repr__", [](const BuildInfo& b) {
+        return "BuildInfo(archs='" + b.archs + "', nvcc=" + std::to_string(b.nvcc_major) + "." +
+               std::to_string(b.nvcc_minor) + ", cudart=" + std::to_string(b.runtime_version) + ")";
+      });
+
+  m.def("build_info", &build_info, "how this library was built (nvcc version, gencode targets)");
+  m.def("device_count", &device_count);
+  m.def("current_device", &current_device);
+  m.def("set_device", &set_device, py::arg("device"));
+  m.def("device_properties", &device_properties, py::arg("device"));
+  m.def("can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
+  m.def("driver_version", &driver_version);
+  m.def("memcpy_async", &memcpy_async, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
+  m.def("stream_synchronize", &stream_synchronize, py::arg("stream"));
+  m.def("fill_u32", &fill_u32, py::arg("ptr"), py::arg("value"), py::arg("count"), py::arg("stream"));
+
+  m.def(
+      "ipc_get_handle", [](uintptr_t ptr) { return py::bytes(ipc_get_handle(ptr)); }, py::arg("ptr"),
+      "CUDA IPC handle (64 bytes) of the allocation that starts at ptr");
+  m.def(
+      "ipc_open_handle", [](py::bytes handle) { return ipc_open_handle(std::string(handle)); }, py::arg("handle"),
+      "map a peer's handle into this process (cached: opening twice returns the same pointer)");
+  m.def(
+      "ipc_close_handle", [](py::bytes handle) { ipc_close_handle(std::string(handle)); }, py::arg("handle"));
+  m.def("ipc_open_count", &ipc_open_count, "number of distinct peer mappings currently open");
+}

@@ -1,0 +1,98 @@
+"""Build tpgraph._C: CUDA sources compiled by nvcc, driven by ninja, bound with pybind11.
+
+The extension has no libtorch linkage: raw device pointers and stream handles cross the boundary,
+and it links the static CUDA runtime. Without nvcc the package still installs (with a warning) and
+any call that needs the extension raises an error that names the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+DEFAULT_ARCHS = "90a;100a"  # SM90 (H100/H200) and SM100 (B200); override with TPGRAPH_CUDA_ARCHS
+
+
+def find_nvcc() -> Path | None:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return Path(home) / "bin" / "nvcc"
+    found = shutil.which("nvcc")
+    return Path(found).resolve() if found else None
+
+
+def gencode_flags(archs: str) -> list[str]:
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs.split(";"))):
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return flags
+
+
+class NinjaNvccBuild(build_ext):
+    """Writes a build.ninja for the CUDA/C++ sources and runs ninja on it."""
+
+    def build_extension(self, ext: Extension) -> None:
+        nvcc = find_nvcc()
+        if nvcc is None:
+            warnings.warn(
+                "nvcc not found: installing tpgraph WITHOUT its CUDA extension (tpgraph._C). "
+                "CPU paths work; the custom all-reduce and IPC need it. Put nvcc on PATH (or set "
+                "CUDA_HOME) and reinstall.",
+                stacklevel=1,
+            )
+            return
+        import pybind11
+
+        archs = os.environ.get("TPGRAPH_CUDA_ARCHS", DEFAULT_ARCHS)
+        build_dir = Path(self.build_temp).resolve() / "tpgraph_C"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        out = Path(self.get_ext_fullpath(ext.name)).resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        includes = [pybind11.get_include(), sysconfig.get_paths()["include"], str(CSRC)]
+        inc = " ".join(f"-I{p}" for p in includes)
+        cxx = os.environ.get("CXX", "c++")
+        arch_macro = f"'-DTPGRAPH_ARCHS=\"{archs.replace(';', ',')}\"'"
+        nvcc_flags = " ".join(["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC",
+                               "-Xcompiler", "-fvisibility=hidden", arch_macro, *gencode_flags(archs)])
+        cxx_flags = "-O2 -std=c++17 -fPIC -fvisibility=hidden"
+
+        objs, lines = [], [
+            f"rule nvcc\n  command = {nvcc} {nvcc_flags} {inc} -c $in -o $out\n  description = NVCC $in",
+            f"rule cxx\n  command = {cxx} {cxx_flags} {inc} -c $in -o $out\n  description = CXX $in",
+            # nvcc links: it knows where its own static runtime lives.
+            f"rule link\n  command = {nvcc} -shared --cudart static $in -o $out"
+            "\n  description = LINK $out",
+        ]
+        for src in ext.sources:
+            src_path = ROOT / src
+            obj = build_dir / (src_path.name + ".o")
+            rule = "nvcc" if src_path.suffix == ".cu" else "cxx"
+            lines.append(f"build {obj}: {rule} {src_path}")
+            objs.append(str(obj))
+        lines.append(f"build {out}: link {' '.join(objs)}")
+        (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
+        print(f"tpgraph: building {ext.name} with {nvcc} for sm_{archs.replace(';', ', sm_')}", flush=True)
+        subprocess.run([sys.executable, "-m", "ninja", "-v", "-C", str(build_dir)], check=True)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "tpgraph._C",
+            sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/bindings.cpp"],
+        )
+    ],
+    cmdclass={"build_ext": NinjaNvccBuild},
+)
