@@ -1,0 +1,184 @@
+"""Typed, frozen configuration: the model (from HF config.json) and the runner."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpgraph.errors import CheckpointError, ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope type {rope_type!r} is not supported; tpgraph supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        return RopeConfig(
+            theta=theta,
+            type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ConfigError unless this model can be split over tp_size ranks."""
+        if tp_size < 1:
+            raise ConfigError(f"tensor-parallel size must be >= 1, got {tp_size}")
+        if self.num_attention_heads % tp_size:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) is not divisible by the tensor-parallel size "
+                f"({tp_size}); choose a TP size that divides it"
+            )
+        kv = self.num_key_value_heads
+        if kv % tp_size and tp_size % kv:
+            raise ConfigError(
+                f"num_key_value_heads ({kv}) and the tensor-parallel size ({tp_size}) must divide one another "
+                "(KV heads are split when kv >= tp and replicated when kv < tp)"
+            )
+        if self.intermediate_size % tp_size:
+            raise ConfigError(
+                f"intermediate_size ({self.intermediate_size}) is not divisible by the tensor-parallel size "
+                f"({tp_size})"
+            )
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if unsupported or cfg.get("model_type", "llama") != "llama":
+            raise ConfigError(
+                f"unsupported architecture {archs} (model_type={cfg.get('model_type')!r}); tpgraph runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ConfigError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return ModelConfig(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope=RopeConfig.from_hf(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=eos_ids,
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
+
+    @staticmethod
+    def from_dir(model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+        if not path.is_file():
+            raise CheckpointError(f"no config.json in {str(model_dir)!r}: is this a Hugging Face checkpoint?")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        return ModelConfig.from_hf_dict(cfg)
+
+
+# The built-in default: small enough for a laptop CPU, shaped like Llama 3 (GQA, llama3 rope, tied
+# embeddings) and with a byte-level vocabulary (256 bytes + <bos> + <eos>), so it needs no download.
+BUILTIN_MODEL = ModelConfig(
+    vocab_size=258,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=512),
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    bos_token_id=256,
+    eos_token_id=(257,),
+    torch_dtype="float32",
+)

@@ -1,0 +1,134 @@
+"""Process topology: rank and world size from torchrun (or given explicitly), a TP group and a CPU group.
+
+Nothing here is global: `init_distributed` returns a ParallelState that callers pass down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tpgraph.errors import ConfigError, TPGraphError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tp_group: dist.ProcessGroup | None  # NCCL on GPU, gloo on CPU; None when world_size == 1
+    cpu_group: dist.ProcessGroup | None  # always gloo: handles, error consensus, small metadata
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(
+    device: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelState:
+    """Join (or create) the process group.
+
+    Under torchrun, rank/world size come from RANK/WORLD_SIZE/LOCAL_RANK. Spawned workers pass rank,
+    world_size and an init_method (e.g. 'file:///tmp/x' or 'tcp://127.0.0.1:port') explicitly.
+    """
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    local_rank = _env_int("LOCAL_RANK")
+    local_rank = rank if local_rank is None else local_rank
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but no CUDA GPU is visible; use --device cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
+                "Launch at most one process per GPU."
+            )
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    elif device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        raise ConfigError(f"unknown device {device!r}; use 'cuda' or 'cpu'")
+
+    if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
+        return ParallelState(0, 1, local_rank, dev, None, None)
+
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    tp_group = dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
+    return ParallelState(rank, world_size, local_rank, dev, tp_group, cpu_group)
+
+
+def destroy_distributed(state: ParallelState) -> None:
+    if state.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def gather_objects(state: ParallelState, obj: T) -> list[T]:
+    """All-gather a small picklable object over the CPU group (the value itself when world_size == 1)."""
+    if state.world_size == 1:
+        return [obj]
+    out: list[T] = [None] * state.world_size  # type: ignore[list-item]
+    dist.all_gather_object(out, obj, group=state.cpu_group)
+    return out
+
+
+def run_on_all_ranks(state: ParallelState, fn: Callable[[], T], what: str) -> T:
+    """Run fn on every rank; if it fails on any rank, raise on every rank.
+
+    This is how a bad checkpoint on one rank becomes an error everywhere instead of a hang in the
+    next collective: every rank reaches the same CPU-group exchange whether or not fn raised.
+    """
+    result: T | None = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        error = exc
+    failures = gather_objects(state, None if error is None else (type(error).__name__, str(error)))
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        if error is not None:
+            raise error
+        rank, (kind, message) = failed[0]
+        raise TPGraphError(f"{what} failed on rank {rank}: {kind}: {message}")
+    return result  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Sequences, KV-cache blocks and the model runner."""

@@ -1,0 +1,59 @@
+"""The greedy generation loop (the scheduler-driven engine replaces it later)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpgraph.engine.runner import ModelRunner
+from tpgraph.engine.sequence import Sequence
+from tpgraph.errors import ConfigError
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[list[int]]  # generated ids per prompt
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, vocab] fp32 on CPU (if kept)
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
+                    eos_ids: tuple[int, ...] = (), keep_logits: bool = False) -> GreedyResult:
+    """Prefill all prompts together, then decode until each hits max_new_tokens or an EOS id.
+
+    Every rank computes the same gathered logits, so argmax agrees everywhere without a broadcast.
+    """
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompts) > runner.cfg.max_batch:
+        raise ConfigError(f"{len(prompts)} prompts exceed max_batch {runner.cfg.max_batch}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ConfigError(f"prompt {i} is empty")
+        if len(p) + max_new_tokens > runner.max_model_len:
+            raise ConfigError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                              f"max_model_len {runner.max_model_len}")
+    seqs = [Sequence(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+    result = GreedyResult(tokens=[[] for _ in prompts])
+    try:
+        active = seqs
+        logits = runner.prefill(active)
+        while True:
+            if keep_logits:
+                full = torch.full((len(seqs), logits.shape[-1]), float("nan"))
+                full[[s.seq_id for s in active]] = logits.float().cpu()
+                result.step_logits.append(full)
+            next_ids = logits.argmax(dim=-1).tolist()
+            for seq, tok in zip(active, next_ids, strict=True):
+                seq.output_ids.append(tok)
+                seq.finished = tok in eos_ids or len(seq.output_ids) >= seq.max_new_tokens
+            active = [s for s in active if not s.finished]
+            if not active:
+                break
+            logits = runner.decode(active)
+    finally:
+        for seq in seqs:
+            runner.free(seq)
+    for seq in seqs:
+        result.tokens[seq.seq_id] = seq.output_ids
+    return result

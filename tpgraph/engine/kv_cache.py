@@ -1,0 +1,39 @@
+"""Paged KV cache: fixed-size blocks handed out from a free list, and the per-layer cache tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from tpgraph.errors import ConfigError
+from tpgraph.model.attention import KVCache
+
+
+class OutOfBlocks(RuntimeError):
+    """The cache has no free block left (the caller queues or preempts)."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return [KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]

@@ -1,0 +1,1 @@
+"""The hand-written tensor-parallel Llama and its checkpoint loader."""

@@ -1,0 +1,135 @@
+"""Tensor-parallel building blocks. None of them communicates: callers pass partial outputs to the
+TPCommunicator explicitly, so every cross-rank byte is visible in llama.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpgraph.model.shards import ShardSpec, even_split, whole
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T, W split along output rows. Fused layers stack several checkpoint
+    tensors (parts) along the output dim; each part is (hf_name, hf_rows, src_start, local_rows)."""
+
+    def __init__(self, input_size: int, parts: list[tuple[str, int, int, int]], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.parts = parts
+        self.output_sizes = [local for _, _, _, local in parts]
+        self.weight = _param(sum(self.output_sizes), input_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        specs, dst = [], 0
+        for hf_name, hf_rows, src_start, local in self.parts:
+            specs.append(ShardSpec(self.weight, hf_name, (hf_rows, self.weight.shape[1]), 0, src_start, local, dst))
+            dst += local
+        return specs
+
+
+class RowParallelLinear(nn.Module):
+    """Partial y = x_local @ W_local^T, W split along input columns. The caller all-reduces."""
+
+    def __init__(self, input_size: int, output_size: int, hf_name: str, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.hf_name, self.input_size = hf_name, input_size
+        self.src_start, local = even_split(input_size, tp_rank, tp_size)
+        self.weight = _param(output_size, local, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        shape = (self.weight.shape[0], self.input_size)
+        return [ShardSpec(self.weight, self.hf_name, shape, 1, self.src_start, self.weight.shape[1])]
+
+
+class VocabShard:
+    """The vocabulary padded up to a multiple of TP and cut into equal per-rank ranges."""
+
+    def __init__(self, vocab_size: int, tp_rank: int, tp_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.padded_size = -(-vocab_size // tp_size) * tp_size
+        self.per_rank = self.padded_size // tp_size
+        self.start = tp_rank * self.per_rank
+        self.end = self.start + self.per_rank
+        self.real_rows = max(0, min(self.end, vocab_size) - self.start)  # the rest are padding rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a vocab range; ids outside it contribute zeros. The caller all-reduces."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, hf_name: str, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.hf_name, self.hidden_size = hf_name, hidden_size
+        self.shard = VocabShard(vocab_size, tp_rank, tp_size)
+        self.tp_size = tp_size
+        self.weight = _param(self.shard.per_rank, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        if self.shard.real_rows == 0:
+            return []
+        shape = (self.shard.vocab_size, self.hidden_size)
+        return [ShardSpec(self.weight, self.hf_name, shape, 0, self.shard.start, self.shard.real_rows)]
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for this rank's vocab range (padding rows are zero and sliced off after the gather)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, hf_name: str | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.shard = embedding.shard
+        if hf_name is None:  # tied: share the embedding's storage, load nothing
+            self.weight = embedding.weight
+            self.hf_name = None
+        else:
+            self.weight = _param(*embedding.weight.shape, dtype=dtype, device=device)
+            self.hf_name = hf_name
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        if self.hf_name is None or self.shard.real_rows == 0:
+            return []
+        shape = (self.shard.vocab_size, self.weight.shape[1])
+        return [ShardSpec(self.weight, self.hf_name, shape, 0, self.shard.start, self.shard.real_rows)]
+
+
+class RMSNorm(nn.Module):
+    """Replicated. Normalises in fp32 and casts back before the weight, as HF Llama does."""
+
+    def __init__(self, hidden_size: int, eps: float, hf_name: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.eps, self.hf_name = eps, hf_name
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        return [whole(self.weight, self.hf_name)]

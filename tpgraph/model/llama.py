@@ -1,0 +1,132 @@
+"""Tensor-parallel Llama (2, 3, 3.1, 3.2). Every all-reduce and all-gather is called here, in plain sight."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.config import ModelConfig
+from tpgraph.model.attention import AttentionMetadata, KVCache, attention
+from tpgraph.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tpgraph.model.rotary import RotaryEmbedding
+from tpgraph.model.shards import ShardSpec, even_split
+
+
+def kv_head_split(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first kv head, local kv heads): split when kv >= tp, else each rank keeps one replicated head."""
+    if num_kv_heads >= tp_size:
+        return even_split(num_kv_heads, tp_rank, tp_size)
+    return tp_rank // (tp_size // num_kv_heads), 1
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, comm: TPCommunicator, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        rank, tp = comm.rank, comm.world_size
+        self.comm = comm
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp
+        kv_start, self.num_kv_heads = kv_head_split(cfg.num_key_value_heads, rank, tp)
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [
+            (f"{prefix}.q_proj.weight", cfg.q_size, rank * self.num_heads * d, self.num_heads * d),
+            (f"{prefix}.k_proj.weight", cfg.kv_size, kv_start * d, self.num_kv_heads * d),
+            (f"{prefix}.v_proj.weight", cfg.kv_size, kv_start * d, self.num_kv_heads * d),
+        ], dtype, device)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, f"{prefix}.o_proj.weight", rank, tp, dtype,
+                                        device)
+        self.rotary = RotaryEmbedding(d, cfg.rope, device)
+        self.scale = d ** -0.5
+        self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = attention(q, k, v, self.kv_cache, meta, self.scale)
+        return self.comm.all_reduce(self.o_proj(out.reshape(out.shape[0], -1)))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, comm: TPCommunicator, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        rank, tp = comm.rank, comm.world_size
+        self.comm = comm
+        start, local = even_split(cfg.intermediate_size, rank, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [
+            (f"{prefix}.gate_proj.weight", cfg.intermediate_size, start, local),
+            (f"{prefix}.up_proj.weight", cfg.intermediate_size, start, local),
+        ], dtype, device)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight",
+                                           rank, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, comm: TPCommunicator, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, f"{prefix}.input_layernorm.weight", dtype, device)
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", comm, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, f"{prefix}.post_attention_layernorm.weight", dtype,
+                                                device)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: TPCommunicator, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        cfg.check_tp(comm.world_size)
+        self.cfg, self.comm = cfg, comm
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight",
+                                                   comm.rank, comm.world_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, comm, dtype, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", dtype, device)
+        lm_head_name = None if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = ParallelLMHead(self.embed_tokens, lm_head_name, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Flat tokens [T] -> final hidden states [T, hidden] (after the last norm)."""
+        h = self.comm.all_reduce(self.embed_tokens(input_ids))
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off."""
+        logits = self.comm.all_gather(self.lm_head(hidden), dim=-1)
+        return logits[..., : self.cfg.vocab_size]
+
+    def shard_specs(self) -> list[ShardSpec]:
+        specs: list[ShardSpec] = []
+        for module in self.modules():
+            if hasattr(module, "shard_specs") and module is not self:
+                specs.extend(module.shard_specs())
+        return specs
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.layers]
