@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device session's worth of GPU checks (build, GPU tests, HF parity, generate). Logs go to $1.
+set -uo pipefail
+out=${1:-bench/results/gpu_checks}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } 2>&1 | tee "$out/gpu.txt"
+pip install --no-build-isolation --no-deps -e . 2>&1 | tail -2 | tee "$out/build.log"
+python -c "import tpgraph._C as c; print(c.build_info())" 2>&1 | tee -a "$out/build.log"
+python -m pytest tests/gpu -v -rs 2>&1 | tail -80 | tee "$out/gpu_tests.log"
+torchrun --nproc-per-node 2 bench/hf_parity.py --out "$out/hf_parity_tp2_bf16.json" 2>&1 \
+  | grep -v "it/s\]" | tee "$out/hf_parity.log"
+torchrun --nproc-per-node 2 -m tpgraph.generate --prompt "Hello, tpgraph" --max-tokens 16 2>&1 \
+  | grep -v "tensor/s\]" | tee "$out/generate.log"
