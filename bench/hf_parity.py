@@ -98,7 +98,8 @@ def main() -> None:
             rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1))
             top2 = ref.topk(2, dim=-1).values
             same = result.tokens[b] == hf_tokens[b]
-            first_diff = next((i for i, (a, c) in enumerate(zip(result.tokens[b], hf_tokens[b])) if a != c), None)
+            pairs = zip(result.tokens[b], hf_tokens[b], strict=False)
+            first_diff = next((i for i, (a, c) in enumerate(pairs) if a != c), None)
             ok &= same and rel.max().item() < 1e-2
             report["prompts"].append({
                 "prompt_len": len(prompt), "tokens_identical": same, "first_divergence": first_diff,

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from tpgtest.paged_cases import random_paged_case
 
-from tests.paged_cases import random_paged_case
 from tpgraph.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 
 pytest.importorskip("triton")

@@ -1,0 +1,99 @@
+"""Functions run on every rank by tests in this folder (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed, run_on_all_ranks
+from tpgraph.engine.greedy import greedy_generate
+from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.model.loader import load_model
+
+
+def greedy_with_logits(rank, world_size, init, model_dir, prompts, steps, block_size, use_triton):
+    state = init_distributed("cpu", rank, world_size, init)
+    try:
+        comm = TPCommunicator(state)
+        model = load_model(state, comm, model_dir, dtype=torch.float32)
+        runner = ModelRunner(model, RunnerConfig(block_size=block_size, max_batch=len(prompts), max_model_len=128,
+                                                 use_triton=use_triton))
+        result = greedy_generate(runner, prompts, steps, keep_logits=True)
+        free_after = runner.allocator.num_free == runner.allocator.num_blocks
+        return {"tokens": result.tokens, "logits": torch.stack(result.step_logits), "blocks_returned": free_after}
+    finally:
+        destroy_distributed(state)
+
+
+def load_expecting_error(rank, world_size, init, model_dir):
+    """Load a bad checkpoint; return the error each rank raised (type name and message)."""
+    state = init_distributed("cpu", rank, world_size, init)
+    try:
+        load_model(state, TPCommunicator(state), model_dir, dtype=torch.float32)
+    except Exception as exc:  # the test inspects it
+        return type(exc).__name__, str(exc)
+    finally:
+        destroy_distributed(state)
+    return None
+
+
+def fail_on_one_rank(rank, world_size, init, failing_rank):
+    """Only failing_rank raises; every rank must get an error, then a collective must still work."""
+    state = init_distributed("cpu", rank, world_size, init)
+    try:
+        def work():
+            if rank == failing_rank:
+                raise ValueError(f"disk on rank {rank} is on fire")
+            return rank
+
+        try:
+            run_on_all_ranks(state, work, "test work")
+        except Exception as exc:
+            error = (type(exc).__name__, str(exc))
+        else:
+            error = None
+        x = torch.ones(1)
+        TPCommunicator(state).all_reduce(x)  # nobody is stuck: the group still works
+        return error, float(x)
+    finally:
+        destroy_distributed(state)
+
+
+def collectives(rank, world_size, init):
+    state = init_distributed("cpu", rank, world_size, init)
+    try:
+        comm = TPCommunicator(state)
+        x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
+        summed = comm.all_reduce(x.clone())
+        gathered = comm.all_gather(torch.full((2, 1), float(rank)), dim=-1)
+        return summed, gathered
+    finally:
+        destroy_distributed(state)
+
+
+def ipc_roundtrip(rank, world_size, init):
+    """Each rank maps its neighbour's buffer through CUDA IPC and copies it out."""
+    from tpgraph._ext import load_ext
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ext = load_ext()
+    try:
+        mine = torch.arange(4096, dtype=torch.int32, device=state.device) + 1000 * rank
+        torch.cuda.synchronize()
+        handles = gather_objects(state, ext.ipc_get_handle(mine.data_ptr()))
+        peer = (rank + 1) % world_size
+        ptr = ext.ipc_open_handle(handles[peer])
+        assert ext.ipc_open_handle(handles[peer]) == ptr  # cached: one mapping
+        assert ext.ipc_open_count() == 1
+        got = torch.empty_like(mine)
+        stream = torch.cuda.current_stream().cuda_stream
+        ext.memcpy_async(got.data_ptr(), ptr, got.numel() * 4, stream)
+        ext.stream_synchronize(stream)
+        ok = torch.equal(got.cpu(), torch.arange(4096, dtype=torch.int32) + 1000 * peer)
+        ext.ipc_close_handle(handles[peer])
+        ext.ipc_close_handle(handles[peer])
+        dist.barrier(group=state.cpu_group)
+        return ok, ext.ipc_open_count()
+    finally:
+        destroy_distributed(state)
