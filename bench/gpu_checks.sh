@@ -3,11 +3,11 @@
 set -uo pipefail
 out=${1:-bench/results/gpu_checks}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } 2>&1 | tee "$out/gpu.txt"
-pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1; grep -E "NVCC|LINK|tpgraph: building|Successfully|rror" "$out/build.log" | cut -c1-300
-python -c "import tpgraph._C as c; print(c.build_info())" 2>&1 | tee -a "$out/build.log"
-python -m pytest tests/gpu -v -rs 2>&1 | tail -80 | tee "$out/gpu_tests.log"
+python3 -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1; grep -E "NVCC|LINK|tpgraph: building|Successfully|rror" "$out/build.log" | cut -c1-300
+python3 -c "import tpgraph._C as c; print(c.build_info())" 2>&1 | tee -a "$out/build.log"
+python3 -m pytest tests/gpu -v -rs 2>&1 | tail -80 | tee "$out/gpu_tests.log"
 torchrun --nproc-per-node 2 bench/hf_parity.py --out "$out/hf_parity_tp2_bf16.json" 2>&1 \
   | grep -v "it/s\]" | tee "$out/hf_parity.log"
 torchrun --nproc-per-node 2 -m tpgraph.generate --prompt "Hello, tpgraph" --max-tokens 16 2>&1 \
