@@ -35,19 +35,20 @@ PROMPTS = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311, 1373, 26
            [128000] + list(range(1000, 1040))]
 
 
-def make_checkpoint(path: Path, seed: int) -> None:
+def make_checkpoint(path: Path, seed: int, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(initializer_range=0.02, dtype="bfloat16", **SHAPE)
+    cfg = LlamaConfig(initializer_range=0.02, dtype="bfloat16", **{**SHAPE, "num_hidden_layers": layers})
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="1GB")
 
 
-def hf_reference(path: Path, prompts, our_tokens, steps: int):
+def hf_reference(path: Path, prompts, our_tokens, steps: int, dtype: torch.dtype):
+    """HF greedy tokens (generate, KV cache) and HF logits along our tokens (one teacher-forced pass)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     hf_tokens, forced = [], []
     with torch.no_grad():
         for prompt, ours in zip(prompts, our_tokens, strict=True):
@@ -57,7 +58,13 @@ def hf_reference(path: Path, prompts, our_tokens, steps: int):
             hf_tokens.append(out[0, len(prompt):].tolist())
             seq = torch.tensor([prompt + ours[:-1]], device="cuda")
             forced.append(model(seq).logits[0, len(prompt) - 1:].float().cpu())
+    del model
+    torch.cuda.empty_cache()
     return hf_tokens, forced
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
 
 
 def main() -> None:
@@ -65,6 +72,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     args = p.parse_args()
 
     state = init_distributed("cuda")
@@ -72,11 +81,12 @@ def main() -> None:
     dist.broadcast_object_list(workdir, src=0, group=state.cpu_group)
     ckpt = Path(workdir[0])
     if state.is_driver:
-        make_checkpoint(ckpt, args.seed)
+        make_checkpoint(ckpt, args.seed, args.layers)
     dist.barrier(group=state.cpu_group)
 
     comm = TPCommunicator(state)
-    model = load_model(state, comm, ckpt, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = load_model(state, comm, ckpt, dtype=dtype)
     runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(PROMPTS), max_model_len=256))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -88,14 +98,19 @@ def main() -> None:
     if state.is_driver:
         del model, runner
         torch.cuda.empty_cache()
-        hf_tokens, forced = hf_reference(ckpt, PROMPTS, result.tokens, args.steps)
-        report = {"tp": state.world_size, "dtype": "bfloat16", "steps": args.steps, "shape": SHAPE,
+        hf_tokens, forced = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, dtype)
+        # fp32 HF on the same (bf16-stored) weights: the noise floor of bf16 arithmetic itself
+        _, forced32 = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, torch.float32)
+        report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps, "layers": args.layers,
+                  "shape": SHAPE,
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prompts": []}
         ok = True
         for b, prompt in enumerate(PROMPTS):
             ours = torch.stack([step[b] for step in result.step_logits])
             ref = forced[b]
-            rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1))
+            rel = rel_err(ours, ref)
+            ours_vs_fp32 = rel_err(ours, forced32[b]).max().item()
+            hf_vs_fp32 = rel_err(ref, forced32[b]).max().item()
             top2 = ref.topk(2, dim=-1).values
             same = result.tokens[b] == hf_tokens[b]
             pairs = zip(result.tokens[b], hf_tokens[b], strict=False)
@@ -105,10 +120,12 @@ def main() -> None:
                 "prompt_len": len(prompt), "tokens_identical": same, "first_divergence": first_diff,
                 "max_rel_logits_err": rel.max().item(), "median_rel_logits_err": rel.median().item(),
                 "min_top1_top2_margin": (top2[:, 0] - top2[:, 1]).min().item(),
+                "max_rel_err_ours_vs_hf_fp32": ours_vs_fp32, "max_rel_err_hf_vs_hf_fp32": hf_vs_fp32,
                 "ours": result.tokens[b], "hf": hf_tokens[b],
             })
             print(f"prompt {b} (len {len(prompt)}): tokens identical={same} first_divergence={first_diff} "
-                  f"max rel err={rel.max().item():.2e} median={rel.median().item():.2e}")
+                  f"max rel err={rel.max().item():.2e} median={rel.median().item():.2e} | vs HF fp32: "
+                  f"ours {ours_vs_fp32:.2e}, HF {args.dtype} {hf_vs_fp32:.2e}")
         report["pass"] = ok
         report["our_generate_s"] = elapsed
         print(f"PASS={ok}  (ours: {args.steps} steps x {len(PROMPTS)} prompts in {elapsed:.2f}s, eager)")

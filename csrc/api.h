@@ -38,6 +38,12 @@ void stream_synchronize(uintptr_t stream);
 void fill_u32(uintptr_t ptr, uint32_t value, size_t count, uintptr_t stream);
 
 // ipc.cu: CUDA IPC handles, with a per-process cache of opened peer mappings.
+// A handle names a whole allocation: peers map its base, so callers ship (handle, ptr - base).
+struct AllocationRange {
+  uintptr_t base = 0;
+  size_t size = 0;
+};
+AllocationRange allocation_range(uintptr_t ptr);
 std::string ipc_get_handle(uintptr_t ptr);
 uintptr_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(const std::string& handle);

@@ -45,8 +45,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("fill_u32", &fill_u32, py::arg("ptr"), py::arg("value"), py::arg("count"), py::arg("stream"));
 
   m.def(
+      "allocation_range",
+      [](uintptr_t ptr) {
+        auto r = allocation_range(ptr);
+        return py::make_tuple(r.base, r.size);
+      },
+      py::arg("ptr"), "(base, size) of the device allocation that contains ptr");
+  m.def(
       "ipc_get_handle", [](uintptr_t ptr) { return py::bytes(ipc_get_handle(ptr)); }, py::arg("ptr"),
-      "CUDA IPC handle (64 bytes) of the allocation that starts at ptr");
+      "CUDA IPC handle (64 bytes) of the allocation that contains ptr (peers map its base)");
   m.def(
       "ipc_open_handle", [](py::bytes handle) { return ipc_open_handle(std::string(handle)); }, py::arg("handle"),
       "map a peer's handle into this process (cached: opening twice returns the same pointer)");

@@ -3,6 +3,8 @@
 #include <mutex>
 #include <utility>
 
+#include <cuda.h>
+
 #include "api.h"
 #include "common.cuh"
 
@@ -34,6 +36,25 @@ cudaIpcMemHandle_t to_handle(const std::string& bytes) {
   return handle;
 }
 }  // namespace
+
+AllocationRange allocation_range(uintptr_t ptr) {
+  TPG_CHECK(ptr != 0, "allocation_range: null pointer");
+  // The driver call comes through the runtime's entry-point table, so the library needs no -lcuda.
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    TPG_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &status));
+    TPG_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "driver has no cuMemGetAddressRange");
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  CUresult res = get_range(&base, &size, static_cast<CUdeviceptr>(ptr));
+  TPG_CHECK(res == CUDA_SUCCESS, "cuMemGetAddressRange failed (error " << int(res) << ") for pointer 0x" << std::hex
+                                                                        << ptr << ": not device memory?");
+  return {static_cast<uintptr_t>(base), size};
+}
 
 std::string ipc_get_handle(uintptr_t ptr) {
   TPG_CHECK(ptr != 0, "ipc_get_handle: null pointer");

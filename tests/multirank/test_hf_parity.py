@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from tpgtest.hf_fixtures import CASES, PROMPTS, hf_greedy_reference, make_checkpoint
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import greedy_with_logits
-from tpgtest.hf_fixtures import CASES, PROMPTS, hf_greedy_reference, make_checkpoint
 
 STEPS = 32  # one prefill + 32 decode steps: 33 logit rows per prompt
 REL_TOL = 1e-4

@@ -79,12 +79,18 @@ def ipc_roundtrip(rank, world_size, init):
     state = init_distributed("cuda", rank, world_size, init)
     ext = load_ext()
     try:
+        pad = torch.zeros(1000 + 24 * rank, dtype=torch.int32, device=state.device)  # mine sits past the base
         mine = torch.arange(4096, dtype=torch.int32, device=state.device) + 1000 * rank
         torch.cuda.synchronize()
-        handles = gather_objects(state, ext.ipc_get_handle(mine.data_ptr()))
+        base, size = ext.allocation_range(mine.data_ptr())
+        assert base < mine.data_ptr() < base + size, "expected a sub-allocation (offset > 0)"
+        del pad
+        exported = gather_objects(state, (ext.ipc_get_handle(mine.data_ptr()), mine.data_ptr() - base))
         peer = (rank + 1) % world_size
-        ptr = ext.ipc_open_handle(handles[peer])
-        assert ext.ipc_open_handle(handles[peer]) == ptr  # cached: one mapping
+        handle, offset = exported[peer]
+        handles = {peer: handle}
+        ptr = ext.ipc_open_handle(handle) + offset
+        assert ext.ipc_open_handle(handle) + offset == ptr  # cached: one mapping
         assert ext.ipc_open_count() == 1
         got = torch.empty_like(mine)
         stream = torch.cuda.current_stream().cuda_stream
