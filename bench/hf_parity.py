@@ -35,12 +35,24 @@ PROMPTS = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311, 1373, 26
            [128000] + list(range(1000, 1040))]
 
 
-def make_checkpoint(path: Path, seed: int, layers: int) -> None:
+def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None) -> None:
+    """HF's default init, or (embed_std set) a well-conditioned variant: large embeddings that dominate the
+    residual stream and an untied head whose rows are a permutation of them, so each step's top logit is
+    far above bf16 rounding noise (HF's default init has exact bf16 ties at the top)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(initializer_range=0.02, dtype="bfloat16", **{**SHAPE, "num_hidden_layers": layers})
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    shape = {**SHAPE, "num_hidden_layers": layers}
+    if embed_std is not None:
+        shape["tie_word_embeddings"] = False
+    cfg = LlamaConfig(initializer_range=0.02, dtype="bfloat16", **shape)
+    model = LlamaForCausalLM(cfg)
+    if embed_std is not None:
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight
+            emb.normal_(0.0, embed_std)
+            model.lm_head.weight.copy_(emb[torch.randperm(emb.shape[0])] / embed_std * 0.02)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="1GB")
 
 
@@ -74,6 +86,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--embed-std", type=float, default=None, help="well-conditioned checkpoint (see make_checkpoint)")
     args = p.parse_args()
 
     state = init_distributed("cuda")
@@ -81,7 +94,7 @@ def main() -> None:
     dist.broadcast_object_list(workdir, src=0, group=state.cpu_group)
     ckpt = Path(workdir[0])
     if state.is_driver:
-        make_checkpoint(ckpt, args.seed, args.layers)
+        make_checkpoint(ckpt, args.seed, args.layers, args.embed_std)
     dist.barrier(group=state.cpu_group)
 
     comm = TPCommunicator(state)
@@ -101,7 +114,8 @@ def main() -> None:
         hf_tokens, forced = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, dtype)
         # fp32 HF on the same (bf16-stored) weights: the noise floor of bf16 arithmetic itself
         _, forced32 = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, torch.float32)
-        report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps, "layers": args.layers,
+        report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps,
+                  "layers": args.layers, "embed_std": args.embed_std,
                   "shape": SHAPE,
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prompts": []}
         ok = True
