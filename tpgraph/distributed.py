@@ -6,6 +6,7 @@ Nothing here is global: `init_distributed` returns a ParallelState that callers 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def init_distributed(
 
 def destroy_distributed(state: ParallelState) -> None:
     if state.world_size > 1 and dist.is_initialized():
+        gc.collect()  # drop unreachable holders of the groups now, not during interpreter shutdown
         dist.destroy_process_group()
 
 
@@ -128,7 +130,12 @@ def run_on_all_ranks(state: ParallelState, fn: Callable[[], T], what: str) -> T:
     failed = [(r, f) for r, f in enumerate(failures) if f is not None]
     if failed:
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                # break the frame <-> exception cycle: it would keep the model and process groups alive
+                # until interpreter shutdown, where destroying a gloo group aborts the process
+                del error
         rank, (kind, message) = failed[0]
         raise TPGraphError(f"{what} failed on rank {rank}: {kind}: {message}")
     return result  # type: ignore[return-value]
