@@ -1,0 +1,98 @@
+import json
+
+import pytest
+
+from tpgraph.config import BUILTIN_MODEL, ModelConfig, RopeConfig, parse_dtype
+from tpgraph.errors import CheckpointError, ConfigError
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+    "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
+    "rope_scaling": None, "max_position_embeddings": 4096, "eos_token_id": 2,
+}
+
+
+def test_llama31_config_transformers4_layout():
+    cfg = ModelConfig.from_hf_dict(LLAMA31_8B)
+    assert cfg.num_key_value_heads == 8 and cfg.head_dim == 128
+    assert cfg.rope == RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192)
+    assert cfg.eos_token_id == (128001, 128008, 128009)
+
+
+def test_transformers5_rope_parameters_layout():
+    d = dict(LLAMA31_8B)
+    d.pop("rope_theta")
+    d["rope_parameters"] = {**d.pop("rope_scaling"), "rope_theta": 500000.0}
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA31_8B)
+
+
+def test_llama2_defaults():
+    cfg = ModelConfig.from_hf_dict(LLAMA2_7B)
+    assert cfg.num_key_value_heads == 32 and cfg.rope.type == "default" and cfg.rope.theta == 10000.0
+    assert cfg.eos_token_id == (2,)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_sizes_that_work(tp):
+    ModelConfig.from_hf_dict(LLAMA31_8B).check_tp(tp)
+
+
+def test_heads_not_divisible_by_tp():
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(32\) is not divisible by the tensor-parallel "
+                                          r"size \(3\)"):
+        ModelConfig.from_hf_dict(LLAMA31_8B).check_tp(3)
+
+
+def test_kv_heads_and_tp_must_divide():
+    d = {**LLAMA31_8B, "num_attention_heads": 24, "num_key_value_heads": 6, "intermediate_size": 14400}
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        ModelConfig.from_hf_dict(d).check_tp(4)
+
+
+def test_unsupported_architecture():
+    with pytest.raises(ConfigError, match="unsupported architecture.*MistralForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["MistralForCausalLM"]})
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_missing_field():
+    d = dict(LLAMA2_7B)
+    del d["hidden_size"]
+    with pytest.raises(ConfigError, match="'hidden_size'"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_from_dir_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ModelConfig.from_dir(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    assert ModelConfig.from_dir(tmp_path).vocab_size == 32000
+
+
+def test_builtin_model_splits_over_common_tp_sizes():
+    for tp in (1, 2, 4):
+        BUILTIN_MODEL.check_tp(tp)
+
+
+def test_parse_dtype():
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        parse_dtype("int4")

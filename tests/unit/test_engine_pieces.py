@@ -1,0 +1,76 @@
+import subprocess
+import sys
+
+import pytest
+
+from tpgraph._ext import extension_available, load_ext
+from tpgraph.comm import TPCommunicator
+from tpgraph.distributed import init_distributed
+from tpgraph.engine.greedy import greedy_generate
+from tpgraph.engine.kv_cache import BlockAllocator, OutOfBlocks
+from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.errors import ConfigError, ExtensionError
+from tpgraph.model.loader import load_model
+from tpgraph.tokenizer import builtin_tokenizer
+
+
+def test_block_allocator():
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert sorted(a) == [0, 1, 2] and alloc.num_free == 1
+    with pytest.raises(OutOfBlocks, match="need 2 KV blocks, 1 free of 4"):
+        alloc.allocate(2)
+    alloc.free(a)
+    assert alloc.num_free == 4
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = builtin_tokenizer()
+    text = "héllo, wörld — 你好 \n\t!"
+    ids = tok.encode(text).ids
+    assert ids[0] == 256 and all(i < 256 for i in ids[1:])
+    assert ids[1:] == list(text.encode())
+    assert tok.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def runner():
+    state = init_distributed("cpu")
+    model = load_model(state, TPCommunicator(state))
+    return ModelRunner(model, RunnerConfig(block_size=4, max_batch=2, max_model_len=32, num_kv_blocks=12))
+
+
+def test_prompt_too_long_is_rejected(runner):
+    with pytest.raises(ConfigError, match="exceeds max_model_len 32"):
+        greedy_generate(runner, [[1] * 30], 4)
+    assert runner.allocator.num_free == 12
+
+
+def test_empty_prompt_and_batch_limits(runner):
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        greedy_generate(runner, [[]], 4)
+    with pytest.raises(ConfigError, match="exceed max_batch"):
+        greedy_generate(runner, [[1], [2], [3]], 4)
+
+
+def test_batched_equals_one_by_one(runner):
+    """Paging and batching do not change results: a batch of two equals each prompt alone."""
+    a, b = [256, 72, 105], [256, 1, 2, 3, 4, 5, 6, 7, 8]
+    both = greedy_generate(runner, [a, b], 10).tokens
+    assert both == [greedy_generate(runner, [a], 10).tokens[0], greedy_generate(runner, [b], 10).tokens[0]]
+    assert runner.allocator.num_free == 12
+
+
+def test_extension_error_names_the_fix():
+    if extension_available():
+        assert load_ext().build_info().archs
+        return
+    with pytest.raises(ExtensionError, match="pip install --no-build-isolation -e ."):
+        load_ext()
+
+
+def test_generate_cli_builtin_model():
+    proc = subprocess.run([sys.executable, "-m", "tpgraph.generate", "--prompt", "Hello", "--max-tokens", "5",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "completion:" in proc.stdout and "5 tokens" in proc.stdout

@@ -1,0 +1,99 @@
+"""Sharding arithmetic, slice-only reads, and loader errors (single process: no collectives needed)."""
+
+import pytest
+import torch
+from tpgtest.hf_fixtures import make_checkpoint
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.config import BUILTIN_MODEL, ModelConfig
+from tpgraph.distributed import ParallelState
+from tpgraph.errors import CheckpointError
+from tpgraph.model.layers import VocabShard
+from tpgraph.model.llama import LlamaForCausalLM, kv_head_split
+from tpgraph.model.loader import RandomSource, SafetensorsSource, load_weights
+from tpgraph.model.rotary import inv_frequencies
+
+
+def fake_rank(rank: int, world: int) -> TPCommunicator:
+    """A communicator for building one rank's shard in-process (loading does no communication)."""
+    return TPCommunicator(ParallelState(rank, world, rank, torch.device("cpu"), None, None))
+
+
+@pytest.mark.parametrize(("vocab", "tp"), [(32003, 4), (32000, 8), (258, 4), (7, 8)])
+def test_vocab_shards_cover_vocab_once(vocab, tp):
+    shards = [VocabShard(vocab, r, tp) for r in range(tp)]
+    assert shards[0].padded_size % tp == 0 and shards[0].padded_size >= vocab
+    assert sum(s.real_rows for s in shards) == vocab
+    assert [s.start for s in shards] == [r * shards[0].per_rank for r in range(tp)]
+
+
+@pytest.mark.parametrize(("kv", "tp", "expected"), [
+    (8, 2, [(0, 4), (4, 4)]), (2, 4, [(0, 1), (0, 1), (1, 1), (1, 1)]), (1, 4, [(0, 1)] * 4)])
+def test_kv_head_split(kv, tp, expected):
+    assert [kv_head_split(kv, r, tp) for r in range(tp)] == expected
+
+
+def test_rope_llama3_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192, rope_theta=500000.0)
+    hf_cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=rope)
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = inv_frequencies(128, ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": None}).rope)
+    torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)
+
+
+class RecordingSource(SafetensorsSource):
+    def __init__(self, path):
+        super().__init__(path)
+        self.reads = []
+
+    def read(self, name, dim, start, length):
+        out = super().read(name, dim, start, length)
+        self.reads.append((name, out.numel()))
+        return out
+
+
+def test_each_rank_reads_only_its_slices(tmp_path):
+    path = make_checkpoint("llama2_vocab32003_sharded", tmp_path / "c")
+    cfg = ModelConfig.from_dir(path)
+    full = {}
+    probe = RecordingSource(path)
+    for name in probe.file_of:
+        full[name] = int(torch.tensor(probe.shape(name)).prod())
+    per_rank = []
+    for rank in range(4):
+        model = LlamaForCausalLM(cfg, fake_rank(rank, 4), torch.float32, torch.device("cpu"))
+        src = RecordingSource(path)
+        load_weights(model, src, show_progress=False)
+        per_rank.append(src.reads)
+    for name, total in full.items():
+        sizes = [n for reads in per_rank for (nm, n) in reads if nm == name]
+        if "norm" in name:
+            assert sizes == [total] * 4  # replicated
+        else:
+            assert sum(sizes) == total and max(sizes) < total, name  # split, no rank reads it whole
+
+
+def test_random_weights_are_tp_invariant():
+    """Built-in/dummy weights are generated whole per tensor, then sliced: rank 1 of 2 holds the second half."""
+    whole = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(0, 1), torch.float32, torch.device("cpu"))
+    half = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(1, 2), torch.float32, torch.device("cpu"))
+    for m in (whole, half):
+        load_weights(m, RandomSource(BUILTIN_MODEL, 0, torch.device("cpu")), show_progress=False)
+    w, h = whole.layers[0].mlp.down_proj.weight, half.layers[0].mlp.down_proj.weight
+    assert torch.equal(h, w[:, w.shape[1] // 2:])
+    assert torch.equal(half.norm.weight, whole.norm.weight)
+
+
+def test_no_safetensors(tmp_path):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        SafetensorsSource(tmp_path)
+
+
+def test_garbage_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
+        SafetensorsSource(tmp_path)
