@@ -74,3 +74,19 @@ def test_generate_cli_builtin_model():
                            "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "completion:" in proc.stdout and "5 tokens" in proc.stdout
+
+
+def test_dummy_load_format_needs_only_config(tmp_path):
+    import json
+
+    from tpgraph.config import BUILTIN_MODEL
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    state = init_distributed("cpu")
+    model = load_model(state, TPCommunicator(state), tmp_path, load_format="dummy")
+    assert model.cfg.vocab_size == 300 and model.cfg != BUILTIN_MODEL
+    assert model.layers[0].mlp.down_proj.weight.abs().sum() > 0  # filled, not left at zero
+    with pytest.raises(ConfigError, match="load_format must be one of"):
+        load_model(state, TPCommunicator(state), tmp_path, load_format="gguf")
