@@ -1,0 +1,155 @@
+import json
+
+import pytest
+import torch
+
+from tpgraph.comm.multicast import DISABLING_VARIABLES, multicast_allowed, multicast_disabled_reason
+from tpgraph.comm.thresholds import (
+    MODES,
+    WORLD_SIZES,
+    Algo,
+    config_dir,
+    load_table,
+    load_table_for,
+    parse_table,
+    pick_algo,
+)
+from tpgraph.errors import ConfigError
+
+ARCHS = {"sm90": (9, 0), "sm100": (10, 0), "other": (8, 0)}
+
+
+def expected(n, b, multicast_live):
+    """The rule from DESIGN.md, written independently of pick_algo."""
+    if n <= b.push_max:
+        return Algo.PUSH_1SHOT
+    if n <= b.pull1_max:
+        return Algo.PULL_1SHOT
+    if multicast_live and b.multicast and b.multicast[0] <= n <= b.multicast[1]:
+        return Algo.MULTICAST_2SHOT
+    if n <= b.pull2_max:
+        return Algo.PULL_2SHOT
+    return Algo.NCCL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mc_live", [False, True])
+def test_every_boundary_plus_minus_16(arch, ws, mode, mc_live):
+    table = load_table_for(ARCHS[arch])
+    b = table.bands(ws, mode == "graph")
+    edges = [b.push_max, b.pull1_max, b.pull2_max, *(b.multicast or ())]
+    for edge in edges:
+        for n in (edge - 16, edge, edge + 16):
+            if n <= 0:
+                continue
+            got = pick_algo(n, mode == "graph", table, ws, multicast_live=mc_live)
+            assert got == expected(n, b, mc_live), (arch, ws, mode, n)
+    # the bound is inclusive: at the edge the lower band, 16 bytes later the next
+    assert pick_algo(b.push_max + 16, mode == "graph", table, ws) != Algo.PUSH_1SHOT or b.push_max == 0
+    assert pick_algo(b.pull2_max + 16, mode == "graph", table, ws, multicast_live=mc_live) in (
+        Algo.NCCL, Algo.MULTICAST_2SHOT)
+
+
+def test_published_sm90_ws2_graph_row():
+    t = load_table_for((9, 0))
+    assert pick_algo(16 << 20, True, t, 2) == Algo.PUSH_1SHOT
+    assert pick_algo((16 << 20) + 16, True, t, 2) == Algo.PULL_1SHOT
+    assert pick_algo((128 << 20) + 16, True, t, 2) == Algo.NCCL
+    assert pick_algo((16 << 20) + 16, False, t, 2) == Algo.PUSH_1SHOT  # eager push bound is 32 MB
+
+
+def test_graph_and_eager_differ_and_multicast_needs_liveness():
+    t = load_table_for((9, 0))
+    n = 1 << 20  # ws=8: graph row has multicast 512KB..128MB, eager 0..128MB; push/pull1 128KB
+    assert pick_algo(n, True, t, 8) == Algo.PULL_2SHOT
+    assert pick_algo(n, True, t, 8, multicast_live=True) == Algo.MULTICAST_2SHOT
+    assert pick_algo(256 << 10, True, t, 8, multicast_live=True) == Algo.PULL_2SHOT  # below the graph mc range
+    assert pick_algo(256 << 10, False, t, 8, multicast_live=True) == Algo.MULTICAST_2SHOT
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(nbytes=8200),  # not a multiple of 16
+    dict(nbytes=8192, contiguous=False),
+    dict(nbytes=8192, dtype=torch.int32),
+    dict(nbytes=8192, dtype=torch.float64),
+    dict(nbytes=8192, multi_node=True),
+    dict(nbytes=0),
+    dict(nbytes=1 << 40),  # above every band
+])
+def test_falls_back_to_nccl(kwargs):
+    t = load_table_for((9, 0))
+    n = kwargs.pop("nbytes")
+    assert pick_algo(n, True, t, 2, **kwargs) == Algo.NCCL
+    assert pick_algo(n, False, t, 2, **kwargs) == Algo.NCCL
+
+
+def test_unsupported_world_size_is_nccl():
+    t = load_table_for((9, 0))
+    assert pick_algo(8192, True, t, 1) == Algo.NCCL
+    assert pick_algo(8192, True, t, 16) == Algo.NCCL
+
+
+def test_every_row_has_provenance():
+    for name in ("sm90", "sm100", "other"):
+        t = load_table(config_dir() / "allreduce" / f"{name}.json")
+        assert all(b.provenance for b in t.rows.values())
+        assert len(t.rows) == len(WORLD_SIZES) * len(MODES)
+
+
+def good_doc():
+    return json.loads((config_dir() / "allreduce" / "sm90.json").read_text())
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d["rows"][0].update(push_max=1000), "multiples of 16"),
+    (lambda d: d["rows"][0].update(push_max=-16), "non-negative"),
+    (lambda d: d["rows"][0].update(push_max="16MB"), "multiples of 16"),
+    (lambda d: d["rows"][0].update(pull1_max=16), "push_max <= pull1_max <= pull2_max"),
+    (lambda d: d["rows"][0].update(mode="warm"), "mode must be 'graph' or 'eager'"),
+    (lambda d: d["rows"][0].update(world_size=9), "world_size must be an integer in 2..8"),
+    (lambda d: d["rows"][0].update(multicast=[64, 32]), "is empty"),
+    (lambda d: d["rows"][0].update(multicast=[64]), "multicast must be null or"),
+    (lambda d: d["rows"][0].update(provenance=""), "provenance"),
+    (lambda d: d["rows"][0].update(bogus=1), "unknown keys \\['bogus'\\]"),
+    (lambda d: d["rows"][0].pop("pull2_max"), "missing keys \\['pull2_max'\\]"),
+    (lambda d: d["rows"].append(dict(d["rows"][0])), "duplicate row for world_size=2, mode=graph"),
+    (lambda d: d["rows"].pop(3), "rows missing for world_size/mode 3/eager"),
+    (lambda d: d.pop("rows"), "'rows' \\(list\\)"),
+])
+def test_loader_rejects_malformed_tables(mutate, message):
+    doc = good_doc()
+    mutate(doc)
+    with pytest.raises(ConfigError, match=message):
+        parse_table(doc, "test.json")
+
+
+def test_loader_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_table(tmp_path / "sm90.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_table(tmp_path / "bad.json")
+
+
+def test_launch_blocks():
+    t90, t100 = load_table_for((9, 0)), load_table_for((10, 0))
+    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132) == 132
+    assert t90.blocks(Algo.PULL_1SHOT, 2, 132) == 64
+    assert t100.blocks(Algo.PULL_2SHOT, 2, 148) == 148
+    assert t100.blocks(Algo.PULL_2SHOT, 4, 148) == 96
+    assert t100.blocks(Algo.MULTICAST_2SHOT, 8, 148) == 32
+
+
+@pytest.mark.parametrize(("name", "value"), DISABLING_VARIABLES)
+def test_multicast_unavailable_under_each_variable(name, value):
+    assert multicast_allowed({})
+    reason = multicast_disabled_reason({name: value})
+    assert reason is not None and name in reason
+    assert not multicast_allowed({name: value})
+
+
+def test_multicast_other_values_do_not_disable():
+    assert multicast_allowed({"NCCL_NVLS_ENABLE": "1", "TPGRAPH_DISABLE_MULTICAST": "0"})
+    assert not multicast_allowed({"TPGRAPH_DISABLE_MULTICAST": "true"})

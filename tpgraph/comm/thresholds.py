@@ -1,0 +1,162 @@
+"""All-reduce algorithm tables: schema, loading with validation, and the pure `pick_algo` policy.
+
+A table holds, per architecture, per world size and per mode (graph / eager), inclusive byte bounds:
+n <= push_max -> 1shot_push; n <= pull1_max -> 1shot_pull; multicast live and lo <= n <= hi ->
+2shot_multicast; n <= pull2_max -> 2shot_pull; else nccl. Equal adjacent bounds disable the middle one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpgraph.errors import ConfigError
+
+VECTOR_BYTES = 16  # every custom kernel moves 16-byte vectors
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WORLD_SIZES = range(2, 9)
+MODES = ("graph", "eager")
+ROW_KEYS = {"world_size", "mode", "push_max", "pull1_max", "pull2_max", "multicast", "provenance"}
+
+
+class Algo(str, Enum):
+    PUSH_1SHOT = "1shot_push"
+    PULL_1SHOT = "1shot_pull"
+    PULL_2SHOT = "2shot_pull"
+    MULTICAST_2SHOT = "2shot_multicast"
+    NCCL = "nccl"
+
+
+@dataclass(frozen=True)
+class Bands:
+    """One (arch, world size, mode) row of a table."""
+
+    push_max: int
+    pull1_max: int
+    pull2_max: int
+    multicast: tuple[int, int] | None
+    provenance: str
+
+    def describe(self) -> str:
+        mc = f", multicast {self.multicast[0]}..{self.multicast[1]}" if self.multicast else ""
+        return f"push<={self.push_max}, pull1<={self.pull1_max}, pull2<={self.pull2_max}{mc} B"
+
+
+@dataclass(frozen=True)
+class AlgoTable:
+    arch: str
+    source: str
+    rows: dict[tuple[int, str], Bands]
+    launch: dict[str, Any]
+
+    def bands(self, world_size: int, graph: bool) -> Bands:
+        key = (world_size, "graph" if graph else "eager")
+        if key not in self.rows:
+            raise ConfigError(f"{self.source} has no row for world_size={world_size}, mode={key[1]}")
+        return self.rows[key]
+
+    def blocks(self, algo: Algo, world_size: int, num_sms: int) -> int:
+        """Grid size for an algorithm: table policy, resolved against this GPU's SM count."""
+        key = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull_blocks", Algo.PULL_2SHOT: "pull_blocks",
+               Algo.MULTICAST_2SHOT: "multicast_blocks"}[algo]
+        spec = self.launch.get(key, 64)
+        if isinstance(spec, dict):
+            spec = spec.get(str(world_size), spec.get("default", 64))
+        value = num_sms if spec == "num_sms" else int(spec)
+        return max(1, min(value, num_sms))
+
+
+def pick_algo(nbytes: int, graph: bool, table: AlgoTable, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
+              contiguous: bool = True, multi_node: bool = False, multicast_live: bool = False) -> Algo:
+    """The algorithm for one all-reduce. Pure: same inputs, same answer, no side effects."""
+    if (multi_node or not contiguous or dtype not in SUPPORTED_DTYPES or nbytes <= 0
+            or nbytes % VECTOR_BYTES or world_size not in WORLD_SIZES):
+        return Algo.NCCL
+    b = table.bands(world_size, graph)
+    if nbytes <= b.push_max:
+        return Algo.PUSH_1SHOT
+    if nbytes <= b.pull1_max:
+        return Algo.PULL_1SHOT
+    if multicast_live and b.multicast is not None and b.multicast[0] <= nbytes <= b.multicast[1]:
+        return Algo.MULTICAST_2SHOT
+    if nbytes <= b.pull2_max:
+        return Algo.PULL_2SHOT
+    return Algo.NCCL
+
+
+def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a row must be an object, got {type(row).__name__}")
+    missing, unknown = ROW_KEYS - row.keys(), row.keys() - ROW_KEYS
+    if missing or unknown:
+        raise ConfigError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+    ws, mode = row["world_size"], row["mode"]
+    if not isinstance(ws, int) or ws not in WORLD_SIZES:
+        raise ConfigError(f"{where}: world_size must be an integer in 2..8, got {ws!r}")
+    if mode not in MODES:
+        raise ConfigError(f"{where}: mode must be 'graph' or 'eager', got {mode!r}")
+    bounds = [row["push_max"], row["pull1_max"], row["pull2_max"]]
+    mc = row["multicast"]
+    if mc is not None:
+        if not (isinstance(mc, list) and len(mc) == 2):
+            raise ConfigError(f"{where}: multicast must be null or [lo, hi], got {mc!r}")
+        bounds += mc
+    for v in bounds:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % VECTOR_BYTES:
+            raise ConfigError(f"{where}: thresholds must be non-negative multiples of {VECTOR_BYTES} bytes, got {v!r}")
+    if not row["push_max"] <= row["pull1_max"] <= row["pull2_max"]:
+        raise ConfigError(f"{where}: thresholds must satisfy push_max <= pull1_max <= pull2_max, got {bounds[:3]}")
+    if mc is not None and mc[0] > mc[1]:
+        raise ConfigError(f"{where}: multicast range [{mc[0]}, {mc[1]}] is empty")
+    if not isinstance(row["provenance"], str) or not row["provenance"].strip():
+        raise ConfigError(f"{where}: every row needs a provenance string (where the numbers came from)")
+    return (ws, mode), Bands(row["push_max"], row["pull1_max"], row["pull2_max"],
+                             None if mc is None else (mc[0], mc[1]), row["provenance"])
+
+
+def parse_table(doc: Any, source: str) -> AlgoTable:
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not isinstance(doc.get("arch"), str):
+        raise ConfigError(f"{source}: a table is an object with 'arch' (string) and 'rows' (list)")
+    rows: dict[tuple[int, str], Bands] = {}
+    for i, raw in enumerate(doc["rows"]):
+        key, bands = _parse_row(raw, f"{source} row {i}")
+        if key in rows:
+            raise ConfigError(f"{source} row {i}: duplicate row for world_size={key[0]}, mode={key[1]}")
+        rows[key] = bands
+    absent = [f"{ws}/{m}" for ws in WORLD_SIZES for m in MODES if (ws, m) not in rows]
+    if absent:
+        raise ConfigError(f"{source}: rows missing for world_size/mode {', '.join(absent)}")
+    launch = doc.get("launch", {})
+    if not isinstance(launch, dict):
+        raise ConfigError(f"{source}: 'launch' must be an object")
+    return AlgoTable(doc["arch"], source, rows, launch)
+
+
+def config_dir() -> Path:
+    """configs/ of this checkout (override with TPGRAPH_CONFIG_DIR)."""
+    return Path(os.environ.get("TPGRAPH_CONFIG_DIR") or Path(__file__).resolve().parents[2] / "configs")
+
+
+def table_file_for(capability: tuple[int, int]) -> str:
+    return {9: "sm90.json", 10: "sm100.json"}.get(capability[0], "other.json")
+
+
+def load_table(path: str | Path) -> AlgoTable:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"all-reduce table {path} does not exist (run tpgraph-tune or restore it)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"all-reduce table {path} is not valid JSON: {exc}") from None
+    return parse_table(doc, str(path))
+
+
+def load_table_for(capability: tuple[int, int]) -> AlgoTable:
+    return load_table(config_dir() / "allreduce" / table_file_for(capability))
