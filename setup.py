@@ -91,7 +91,8 @@ setup(
     ext_modules=[
         Extension(
             "tpgraph._C",
-            sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/bindings.cpp"],
+            sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/pull.cu",
+                     "csrc/bindings.cpp"],
         )
     ],
     cmdclass={"build_ext": NinjaNvccBuild},

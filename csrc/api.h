@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tpgraph {
 
@@ -48,5 +49,16 @@ std::string ipc_get_handle(uintptr_t ptr);
 uintptr_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(const std::string& handle);
 size_t ipc_open_count();
+
+// ar_context.cu: one rank's custom all-reduce context (opaque handle).
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes);
+uintptr_t ar_workspace(uintptr_t ctx);
+size_t ar_workspace_bytes(uintptr_t ctx);
+void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
+void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
+                   uintptr_t stream, uint64_t timeout_ns);
+std::string ar_timeout_message(uintptr_t ctx);
+void ar_destroy(uintptr_t ctx);
+bool multicast_env_allowed();
 
 }  // namespace tpgraph

@@ -59,5 +59,17 @@ PYBIND11_MODULE(_C, m) {
       "map a peer's handle into this process (cached: opening twice returns the same pointer)");
   m.def(
       "ipc_close_handle", [](py::bytes handle) { ipc_close_handle(std::string(handle)); }, py::arg("handle"));
+  m.def("ar_create", &ar_create, py::arg("rank"), py::arg("world_size"), py::arg("push_slot_bytes"),
+        py::arg("staging_bytes"), "allocate this rank's all-reduce workspace; returns an opaque context handle");
+  m.def("ar_workspace", &ar_workspace, py::arg("ctx"));
+  m.def("ar_workspace_bytes", &ar_workspace_bytes, py::arg("ctx"));
+  m.def("ar_set_peers", &ar_set_peers, py::arg("ctx"), py::arg("peer_workspaces"));
+  m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
+        py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"));
+  m.def("ar_timeout_message", &ar_timeout_message, py::arg("ctx"), "'' unless a kernel wait timed out");
+  m.def("ar_destroy", &ar_destroy, py::arg("ctx"));
+  m.def("multicast_env_allowed", &multicast_env_allowed,
+        "false if any of NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, "
+        "TPGRAPH_DISABLE_MULTICAST=1 is set");
   m.def("ipc_open_count", &ipc_open_count, "number of distinct peer mappings currently open");
 }

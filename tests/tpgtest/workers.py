@@ -103,3 +103,63 @@ def ipc_roundtrip(rank, world_size, init):
         return ok, ext.ipc_open_count()
     finally:
         destroy_distributed(state)
+
+
+def custom_ar_exactness(rank, world_size, init, sizes, iters):
+    """Every algorithm forced, every dtype: integer-valued inputs must give NCCL's result exactly."""
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state)
+    failures, checked = [], 0
+    try:
+        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):  # dtypes interleave on one workspace
+                for numel in sizes(dtype):
+                    for it in range(iters):
+                        g = torch.Generator(device="cuda").manual_seed(1000 * rank + 7 * it + numel)
+                        x = torch.randint(-8, 8, (numel,), device="cuda", generator=g).to(dtype)
+                        x[::97] = -0.0  # real negative zeros must survive the push sentinel
+                        ref = x.clone()
+                        dist.all_reduce(ref, group=state.tp_group)
+                        ar.all_reduce(x, algo)
+                        checked += 1
+                        if not torch.equal(x, ref):
+                            bad = (x != ref).nonzero()[:3].flatten().tolist()
+                            failures.append((algo.value, str(dtype), numel, it, bad))
+        torch.cuda.synchronize()
+        return failures, checked
+    finally:
+        ar.close()
+        destroy_distributed(state)
+
+
+def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
+    """Rank 1 skips an all-reduce; rank 0's kernel must time out and name rank 1."""
+    import os
+    import time
+
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.thresholds import Algo
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=timeout_s))
+    x = torch.ones(4096, device="cuda")
+    ar.all_reduce(x, Algo.PULL_1SHOT)
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    if rank == 0:
+        ar.all_reduce(x, Algo.PULL_1SHOT)
+        try:
+            torch.cuda.synchronize()
+            outcome = ("no error", None)
+        except RuntimeError as exc:
+            err = ar.timeout_error()
+            outcome = (str(err) if err else f"untranslated: {exc}", time.monotonic() - start)
+    else:
+        outcome = ("skipped", 0.0)
+    from pathlib import Path
+
+    Path(out_dir, f"outcome{rank}").write_text(repr(outcome))
+    os._exit(0)  # the trapped context cannot be torn down cleanly

@@ -1,0 +1,164 @@
+// The all-reduce context of one rank: its workspace (one cudaMalloc, exported over IPC by Python), the peers'
+// mapped workspaces, the host-mapped timeout record, and argument checking before each launch. No policy:
+// the algorithm and the grid size come from Python.
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "api.h"
+#include "ar_launch.h"
+
+namespace tpgraph {
+
+namespace {
+__global__ void fill_words(uint32_t* p, uint32_t value, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = value;
+}
+
+const char* algo_name(int algo) {
+  switch (algo) {
+    case 0: return "1shot_push";
+    case 1: return "1shot_pull";
+    case 2: return "2shot_pull";
+    case 3: return "2shot_multicast";
+    default: return "unknown";
+  }
+}
+}  // namespace
+
+struct ArContext {
+  int rank = 0;
+  WorkspaceLayout layout;
+  char* workspace = nullptr;
+  TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
+  std::vector<uintptr_t> peers;
+};
+
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes) {
+  TPG_CHECK(world_size >= 2 && world_size <= kMaxRanks, "custom all-reduce supports world sizes 2.." << kMaxRanks
+                                                                                                    << ", got " << world_size);
+  TPG_CHECK(rank >= 0 && rank < world_size, "rank " << rank << " outside world size " << world_size);
+  TPG_CHECK(push_slot_bytes % 16 == 0 && staging_bytes % 16 == 0, "workspace sizes must be multiples of 16 bytes");
+  auto* ctx = new ArContext;
+  ctx->rank = rank;
+  ctx->layout.world_size = world_size;
+  ctx->layout.push_slot_bytes = push_slot_bytes;
+  ctx->layout.staging_bytes = staging_bytes;
+  try {
+    TPG_CUDA_CHECK(cudaMalloc(&ctx->workspace, ctx->layout.total_bytes()));
+    TPG_CUDA_CHECK(cudaMemset(ctx->workspace, 0, ctx->layout.push_offset()));  // flags and counters start at 0
+    const size_t push_words = ctx->layout.push_bytes() / sizeof(uint32_t);
+    if (push_words) {
+      fill_words<<<1024, 256>>>(reinterpret_cast<uint32_t*>(ctx->workspace + ctx->layout.push_offset()),
+                                kSentinelWord, push_words);
+      TPG_CUDA_CHECK(cudaGetLastError());
+    }
+    TPG_CUDA_CHECK(cudaHostAlloc(&ctx->timeout, sizeof(TimeoutRecord), cudaHostAllocMapped));
+    std::memset(ctx->timeout, 0, sizeof(TimeoutRecord));
+    TPG_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (...) {
+    if (ctx->workspace) cudaFree(ctx->workspace);
+    if (ctx->timeout) cudaFreeHost(ctx->timeout);
+    delete ctx;
+    throw;
+  }
+  return reinterpret_cast<uintptr_t>(ctx);
+}
+
+static ArContext& get(uintptr_t handle) {
+  TPG_CHECK(handle != 0, "all-reduce context is null (destroyed?)");
+  return *reinterpret_cast<ArContext*>(handle);
+}
+
+uintptr_t ar_workspace(uintptr_t handle) { return reinterpret_cast<uintptr_t>(get(handle).workspace); }
+
+size_t ar_workspace_bytes(uintptr_t handle) { return get(handle).layout.total_bytes(); }
+
+void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspaces) {
+  ArContext& ctx = get(handle);
+  TPG_CHECK(int(peer_workspaces.size()) == ctx.layout.world_size,
+            "expected " << ctx.layout.world_size << " peer workspaces, got " << peer_workspaces.size());
+  TPG_CHECK(peer_workspaces[ctx.rank] == reinterpret_cast<uintptr_t>(ctx.workspace),
+            "entry " << ctx.rank << " must be this rank's own workspace");
+  ctx.peers = peer_workspaces;
+}
+
+void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
+                   uintptr_t stream_handle, uint64_t timeout_ns) {
+  ArContext& ctx = get(handle);
+  const int ws = ctx.layout.world_size;
+  TPG_CHECK(int(ctx.peers.size()) == ws, "peer workspaces are not set: exchange IPC handles first");
+  TPG_CHECK(algo >= 0 && algo <= 2, "algorithm " << algo_name(algo) << " is not available in this build");
+  TPG_CHECK(dtype >= 0 && dtype <= 2, "unsupported dtype code " << dtype);
+  TPG_CHECK(nbytes > 0 && nbytes % 16 == 0, "message size must be a positive multiple of 16 bytes, got " << nbytes);
+  TPG_CHECK(in % 16 == 0 && out % 16 == 0, "input and output must be 16-byte aligned");
+  TPG_CHECK(blocks >= 1 && blocks <= kMaxBlocks, "grid must have 1.." << kMaxBlocks << " blocks, got " << blocks);
+  const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : ctx.layout.staging_bytes;
+  TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
+                                                << " bytes)");
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  ArParams p{};
+  for (int r = 0; r < ws; ++r) {
+    p.peer_ws[r] = reinterpret_cast<char*>(ctx.peers[r]);
+    p.peer_in[r] = p.peer_ws[r] + ctx.layout.staging_offset();
+  }
+  p.rank = ctx.rank;
+  p.world_size = ws;
+  p.push_slot_bytes = ctx.layout.push_slot_bytes;
+  p.staging_offset = ctx.layout.staging_offset();
+  p.timeout_ns = timeout_ns;
+  TimeoutRecord* dev_record = nullptr;
+  TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_record), ctx.timeout, 0));
+  p.timeout = dev_record;
+  const auto dt = static_cast<DType>(dtype);
+  if (algo == 0) {
+    launch_push_1shot(p, dt, reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), nbytes, blocks, stream);
+    return;
+  }
+  // Eager pull: stage the input in this rank's workspace, where peers can read it.
+  char* staging = ctx.workspace + ctx.layout.staging_offset();
+  if (reinterpret_cast<char*>(in) != staging) {
+    TPG_CUDA_CHECK(cudaMemcpyAsync(staging, reinterpret_cast<const void*>(in), nbytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
+}
+
+std::string ar_timeout_message(uintptr_t handle) {
+  ArContext& ctx = get(handle);
+  const TimeoutRecord& t = *ctx.timeout;
+  if (!t.fired) return "";
+  std::ostringstream msg;
+  msg << "custom all-reduce timed out on rank " << t.rank << ": " << algo_name(t.algo) << " (block " << t.block
+      << ") waited too long for rank " << t.peer << " (a dead peer, or ranks that issued different all-reduces)";
+  return msg.str();
+}
+
+void ar_destroy(uintptr_t handle) {
+  ArContext* ctx = &get(handle);
+  cudaFree(ctx->workspace);
+  cudaFreeHost(ctx->timeout);
+  delete ctx;
+}
+
+bool multicast_env_allowed() {
+  // Same list as tpgraph/comm/multicast.py: any of these means multicast objects must never be created.
+  struct Var {
+    const char* name;
+    const char* disabling;
+  };
+  const Var vars[] = {{"NCCL_NVLS_ENABLE", "0"},
+                      {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"},
+                      {"NVSHMEM_DISABLE_NVLS", "1"},
+                      {"TPGRAPH_DISABLE_MULTICAST", "1"}};
+  for (const Var& v : vars) {
+    const char* value = std::getenv(v.name);
+    if (value == nullptr) continue;
+    std::string s(value);
+    if (s == v.disabling || (std::string(v.disabling) == "1" && (s == "true" || s == "TRUE" || s == "yes"))) return false;
+  }
+  return true;
+}
+
+}  // namespace tpgraph

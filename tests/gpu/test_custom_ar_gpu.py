@@ -1,0 +1,43 @@
+"""Custom all-reduce on 2 GPUs: exact equality with NCCL on integer-valued inputs, and timeouts."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tpgtest.spawn import run_ranks
+from tpgtest.workers import custom_ar_exactness
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+def sizes(dtype):
+    """Element counts: 16 bytes, 1040 elements, 4 KB .. 16 MB (the eager workspace's push slot)."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    byte_sizes = [16, 4 << 10, 8 << 10, 64 << 10, 512 << 10, 2 << 20, 16 << 20]
+    return [b // item for b in byte_sizes] + [1040]
+
+
+def test_every_algorithm_equals_nccl():
+    results = run_ranks(custom_ar_exactness, 2, sizes, 3, timeout_s=300)
+    for failures, checked in results:
+        assert checked == 3 * 3 * len(sizes(torch.float32)) * 3
+        assert failures == []
+
+
+def test_skipped_call_times_out_with_a_named_peer(tmp_path):
+    timeout_s = 3.0
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from tpgtest.spawn import run_ranks; from tpgtest.workers import custom_ar_skipped_call;"
+        f"run_ranks(custom_ar_skipped_call, 2, {timeout_s}, {str(tmp_path)!r}, timeout_s=120)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
+                          cwd=Path(__file__).resolve().parents[2])
+    out = tmp_path / "outcome0"
+    assert out.exists(), proc.stderr[-2000:]
+    message, elapsed = ast.literal_eval(out.read_text())
+    assert "timed out on rank 0" in message and "1shot_pull" in message and "rank 1" in message, message
+    assert elapsed < timeout_s + 10

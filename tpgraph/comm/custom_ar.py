@@ -1,0 +1,113 @@
+"""CustomAllReduce: the workspace, its IPC exchange, and calls into tpgraph._C. Policy (which algorithm,
+how many blocks) comes from the tables in thresholds.py; the kernels live in csrc/.
+
+Status: eager mode for 1shot_push, 1shot_pull and 2shot_pull. Graph-mode zero-copy registration
+(`capture()`), the multicast kernel and the P2P/NVLink gates are still to come.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from tpgraph._ext import load_ext
+from tpgraph.comm.thresholds import VECTOR_BYTES, Algo, AlgoTable, Bands, load_table_for, pick_algo
+from tpgraph.distributed import ParallelState, gather_objects
+from tpgraph.errors import CommError, ConfigError
+
+logger = logging.getLogger(__name__)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ALGO_CODES = {Algo.PUSH_1SHOT: 0, Algo.PULL_1SHOT: 1, Algo.PULL_2SHOT: 2}
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CustomAllReduceConfig:
+    max_push_bytes: int = 16 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
+    max_staging_bytes: int = 64 * MB
+    timeout_s: float = float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_push_bytes", "max_staging_bytes"):
+            value = getattr(self, name)
+            if value < 0 or value % VECTOR_BYTES:
+                raise ConfigError(f"{name} must be a non-negative multiple of {VECTOR_BYTES}, got {value}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int) -> AlgoTable:
+    """The table with every band cut to what the workspace can hold (larger messages fall through)."""
+    def clamp(b: Bands) -> Bands:
+        push = min(b.push_max, push_bytes)
+        pull1 = max(push, min(b.pull1_max, staging_bytes))
+        pull2 = max(pull1, min(b.pull2_max, staging_bytes))
+        return replace(b, push_max=push, pull1_max=pull1, pull2_max=pull2, multicast=None)
+
+    return replace(table, rows={k: clamp(b) for k, b in table.rows.items()})
+
+
+class CustomAllReduce:
+    def __init__(self, state: ParallelState, cfg: CustomAllReduceConfig = CustomAllReduceConfig()) -> None:
+        if state.device.type != "cuda":
+            raise CommError("the custom all-reduce needs CUDA devices")
+        if not 2 <= state.world_size <= 8:
+            raise CommError(f"the custom all-reduce supports 2..8 ranks, got {state.world_size}")
+        self.ext = load_ext()
+        self.state, self.cfg = state, cfg
+        props = self.ext.device_properties(state.device.index)
+        self.num_sms = props.sm_count
+        ws = state.world_size
+        table = load_table_for((props.major, props.minor))
+        rows = [table.bands(ws, graph) for graph in (True, False)]
+        push = min(max(b.push_max for b in rows), cfg.max_push_bytes)
+        staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
+        self.table = clamp_to_workspace(table, push, staging)
+        self.ctx = self.ext.ar_create(state.rank, ws, push, staging)
+        base = self.ext.ar_workspace(self.ctx)
+        handles = gather_objects(state, self.ext.ipc_get_handle(base))
+        self._opened = [h for r, h in enumerate(handles) if r != state.rank]
+        peers = [base if r == state.rank else self.ext.ipc_open_handle(h) for r, h in enumerate(handles)]
+        self.ext.ar_set_peers(self.ctx, peers)
+        torch.cuda.synchronize()
+        gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
+        self.timeout_ns = int(cfg.timeout_s * 1e9)
+        if state.is_driver:
+            logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
+                        self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
+
+    def pick(self, x: torch.Tensor, graph: bool = False) -> Algo:
+        return pick_algo(x.numel() * x.element_size(), graph, self.table, self.state.world_size, dtype=x.dtype,
+                         contiguous=x.is_contiguous())
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and self.pick(x) != Algo.NCCL
+
+    def all_reduce(self, x: torch.Tensor, algo: Algo | None = None) -> torch.Tensor:
+        """Sum x over the ranks in place (eager path) with `algo`, or the table's choice."""
+        algo = algo or self.pick(x)
+        if algo not in ALGO_CODES:
+            raise CommError(f"{algo.value} cannot run on the custom path here")
+        if x.dtype not in DTYPE_CODES or not x.is_contiguous():
+            raise CommError(f"custom all-reduce needs a contiguous bf16/fp16/fp32 tensor, got {x.dtype}")
+        blocks = self.table.blocks(algo, self.state.world_size, self.num_sms)
+        stream = torch.cuda.current_stream().cuda_stream
+        self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), x.data_ptr(),
+                               x.numel() * x.element_size(), blocks, stream, self.timeout_ns)
+        return x
+
+    def timeout_error(self) -> CommError | None:
+        """After a CUDA failure: the error naming rank, algorithm and peer, if a kernel wait timed out."""
+        message = self.ext.ar_timeout_message(self.ctx)
+        return CommError(message) if message else None
+
+    def close(self) -> None:
+        if self.ctx:
+            torch.cuda.synchronize()
+            for h in self._opened:
+                self.ext.ipc_close_handle(h)
+            self.ext.ar_destroy(self.ctx)
+            self.ctx = 0
