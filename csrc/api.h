@@ -56,7 +56,9 @@ uintptr_t ar_workspace(uintptr_t ctx);
 size_t ar_workspace_bytes(uintptr_t ctx);
 void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
 void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
-                   uintptr_t stream, uint64_t timeout_ns);
+                   uintptr_t stream, uint64_t timeout_ns, int row);
+int ar_reserve_row(uintptr_t ctx);
+void ar_fill_rows(uintptr_t ctx, const std::vector<int>& rows, const std::vector<uintptr_t>& ptrs);
 std::string ar_timeout_message(uintptr_t ctx);
 void ar_destroy(uintptr_t ctx);
 bool multicast_env_allowed();

@@ -52,7 +52,10 @@ struct ArParams {
   size_t staging_offset;
   uint64_t timeout_ns;
   TimeoutRecord* timeout;  // host-mapped
+  const uint64_t* row;     // graph mode: this call's pointer-table row (filled after capture), else nullptr
 };
+
+constexpr int kUnregisteredPeer = -1;  // TimeoutRecord::peer when a graph ran before registration
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;

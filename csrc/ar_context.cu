@@ -1,6 +1,7 @@
 // The all-reduce context of one rank: its workspace (one cudaMalloc, exported over IPC by Python), the peers'
 // mapped workspaces, the host-mapped timeout record, and argument checking before each launch. No policy:
 // the algorithm and the grid size come from Python.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -28,8 +29,12 @@ const char* algo_name(int algo) {
 }
 }  // namespace
 
+constexpr int kMaxRows = 16384;  // graph-captured pull calls per communicator; rows are never reused
+
 struct ArContext {
   int rank = 0;
+  uint64_t* rows = nullptr;  // device pointer table [kMaxRows][kMaxRanks]
+  int next_row = 0;
   WorkspaceLayout layout;
   char* workspace = nullptr;
   TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
@@ -55,11 +60,14 @@ uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t sta
                                 kSentinelWord, push_words);
       TPG_CUDA_CHECK(cudaGetLastError());
     }
+    TPG_CUDA_CHECK(cudaMalloc(&ctx->rows, sizeof(uint64_t) * kMaxRows * kMaxRanks));
+    TPG_CUDA_CHECK(cudaMemset(ctx->rows, 0, sizeof(uint64_t) * kMaxRows * kMaxRanks));
     TPG_CUDA_CHECK(cudaHostAlloc(&ctx->timeout, sizeof(TimeoutRecord), cudaHostAllocMapped));
     std::memset(ctx->timeout, 0, sizeof(TimeoutRecord));
     TPG_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (...) {
     if (ctx->workspace) cudaFree(ctx->workspace);
+    if (ctx->rows) cudaFree(ctx->rows);
     if (ctx->timeout) cudaFreeHost(ctx->timeout);
     delete ctx;
     throw;
@@ -85,8 +93,30 @@ void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspace
   ctx.peers = peer_workspaces;
 }
 
+int ar_reserve_row(uintptr_t handle) {
+  ArContext& ctx = get(handle);
+  TPG_CHECK(ctx.next_row < kMaxRows, "all " << kMaxRows << " graph pointer-table rows are used");
+  return ctx.next_row++;
+}
+
+void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vector<uintptr_t>& ptrs) {
+  ArContext& ctx = get(handle);
+  const int ws = ctx.layout.world_size;
+  TPG_CHECK(ptrs.size() == rows.size() * ws, "expected " << rows.size() * ws << " pointers, got " << ptrs.size());
+  std::vector<uint64_t> row(kMaxRanks, 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TPG_CHECK(rows[i] >= 0 && rows[i] < ctx.next_row, "row " << rows[i] << " was never reserved");
+    for (int r = 0; r < ws; ++r) {
+      row[r] = ptrs[i * ws + r];
+      TPG_CHECK(row[r] != 0 && row[r] % 16 == 0, "row " << rows[i] << ": pointer of rank " << r << " is null or misaligned");
+    }
+    TPG_CUDA_CHECK(cudaMemcpy(ctx.rows + size_t(rows[i]) * kMaxRanks, row.data(), sizeof(uint64_t) * kMaxRanks,
+                              cudaMemcpyHostToDevice));
+  }
+}
+
 void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
-                   uintptr_t stream_handle, uint64_t timeout_ns) {
+                   uintptr_t stream_handle, uint64_t timeout_ns, int row) {
   ArContext& ctx = get(handle);
   const int ws = ctx.layout.world_size;
   TPG_CHECK(int(ctx.peers.size()) == ws, "peer workspaces are not set: exchange IPC handles first");
@@ -95,7 +125,10 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(nbytes > 0 && nbytes % 16 == 0, "message size must be a positive multiple of 16 bytes, got " << nbytes);
   TPG_CHECK(in % 16 == 0 && out % 16 == 0, "input and output must be 16-byte aligned");
   TPG_CHECK(blocks >= 1 && blocks <= kMaxBlocks, "grid must have 1.." << kMaxBlocks << " blocks, got " << blocks);
-  const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : ctx.layout.staging_bytes;
+  TPG_CHECK(row < ctx.next_row, "row " << row << " was never reserved");
+  const bool zero_copy = row >= 0 && algo != 0;
+  TPG_CHECK(!(zero_copy && algo == 1 && in == out), "1shot_pull in a graph reads peers' inputs: output must differ");
+  const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : (zero_copy ? SIZE_MAX : ctx.layout.staging_bytes);
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -112,9 +145,14 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TimeoutRecord* dev_record = nullptr;
   TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_record), ctx.timeout, 0));
   p.timeout = dev_record;
+  p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
   const auto dt = static_cast<DType>(dtype);
   if (algo == 0) {
     launch_push_1shot(p, dt, reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), nbytes, blocks, stream);
+    return;
+  }
+  if (zero_copy) {  // graph: peers read our original input through the row; 2shot writes results in place
+    launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
     return;
   }
   // Eager pull: stage the input in this rank's workspace, where peers can read it.
@@ -130,6 +168,11 @@ std::string ar_timeout_message(uintptr_t handle) {
   const TimeoutRecord& t = *ctx.timeout;
   if (!t.fired) return "";
   std::ostringstream msg;
+  if (t.peer == kUnregisteredPeer) {
+    msg << "rank " << t.rank << ": a CUDA graph ran " << algo_name(t.algo)
+        << " before its inputs were registered (replay only after the communicator's capture() has exited)";
+    return msg.str();
+  }
   msg << "custom all-reduce timed out on rank " << t.rank << ": " << algo_name(t.algo) << " (block " << t.block
       << ") waited too long for rank " << t.peer << " (a dead peer, or ranks that issued different all-reduces)";
   return msg.str();
@@ -138,6 +181,7 @@ std::string ar_timeout_message(uintptr_t handle) {
 void ar_destroy(uintptr_t handle) {
   ArContext* ctx = &get(handle);
   cudaFree(ctx->workspace);
+  cudaFree(ctx->rows);
   cudaFreeHost(ctx->timeout);
   delete ctx;
 }

@@ -65,7 +65,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("ar_workspace_bytes", &ar_workspace_bytes, py::arg("ctx"));
   m.def("ar_set_peers", &ar_set_peers, py::arg("ctx"), py::arg("peer_workspaces"));
   m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
-        py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"));
+        py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),
+        py::arg("row") = -1, "row -1: eager (pull stages the input); row >= 0: graph, zero-copy through that row");
+  m.def("ar_reserve_row", &ar_reserve_row, py::arg("ctx"), "next unused pointer-table row (graph capture)");
+  m.def("ar_fill_rows", &ar_fill_rows, py::arg("ctx"), py::arg("rows"), py::arg("ptrs"),
+        "fill rows after capture: ptrs holds world_size pointers per row, in rank order");
   m.def("ar_timeout_message", &ar_timeout_message, py::arg("ctx"), "'' unless a kernel wait timed out");
   m.def("ar_destroy", &ar_destroy, py::arg("ctx"));
   m.def("multicast_env_allowed", &multicast_env_allowed,

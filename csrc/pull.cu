@@ -16,8 +16,21 @@ __device__ __forceinline__ uint4 reduce_at(const ArParams& p, size_t i) {
   return reduce_vecs<T, W>(vals);
 }
 
+// Graph mode: the inputs are the peers' original buffers, read from this call's pointer-table row at run time
+// (the row is filled after capture). An empty row means the graph was replayed before registration.
+template <int W>
+__device__ __forceinline__ void resolve_inputs(ArParams& p, ArAlgo algo) {
+  if (p.row == nullptr) return;
+#pragma unroll
+  for (int r = 0; r < W; ++r) {
+    p.peer_in[r] = reinterpret_cast<const void*>(p.row[r]);
+    if (p.peer_in[r] == nullptr) timeout_trap(p, algo, kUnregisteredPeer);
+  }
+}
+
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) pull_1shot_kernel(ArParams p, uint4* out, size_t nvec) {
+  resolve_inputs<W>(p, ArAlgo::Pull1);
   uint32_t* epoch_counter = counters_of(p) + blockIdx.x;
   uint32_t epoch = *epoch_counter;
   block_barrier(p, ArAlgo::Pull1, epoch);  // every rank's input is ready
@@ -32,6 +45,7 @@ __global__ void __launch_bounds__(kThreads) pull_1shot_kernel(ArParams p, uint4*
 // then each rank copies the whole reduced buffer out of its own memory.
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) pull_2shot_kernel(ArParams p, uint4* out, size_t nvec) {
+  resolve_inputs<W>(p, ArAlgo::Pull2);
   uint32_t* epoch_counter = counters_of(p) + blockIdx.x;
   uint32_t epoch = *epoch_counter;
   block_barrier(p, ArAlgo::Pull2, epoch);

@@ -41,3 +41,14 @@ def test_skipped_call_times_out_with_a_named_peer(tmp_path):
     message, elapsed = ast.literal_eval(out.read_text())
     assert "timed out on rank 0" in message and "1shot_pull" in message and "rank 1" in message, message
     assert elapsed < timeout_s + 10
+
+
+def test_graphs_zero_copy_equal_nccl():
+    from tpgtest.workers import custom_ar_graphs
+
+    replays = 100
+    results = run_ranks(custom_ar_graphs, 2, replays, timeout_s=400)
+    for failures, compared, mismatch in results:
+        assert compared == 3 * replays * 4 * 3 * 4
+        assert failures == []
+        assert mismatch is not None and "different numbers of custom all-reduces: [1, 2]" in mismatch

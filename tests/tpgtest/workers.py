@@ -163,3 +163,73 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
 
     Path(out_dir, f"outcome{rank}").write_text(repr(outcome))
     os._exit(0)  # the trapped context cannot be torn down cleanly
+
+
+def custom_ar_graphs(rank, world_size, init, replays):
+    """4 layers x (push, 1shot_pull, 2shot_pull) x sizes, each followed by an in-place NCCL all-reduce of the
+    same tensor, captured once and replayed with fresh inputs written in place; compared with eager NCCL."""
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state)
+    algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)
+    failures, compared = [], 0
+    try:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            item = torch.tensor([], dtype=dtype).element_size()
+            numels = [16 // item, 1040, (64 << 10) // item, (1 << 20) // item]
+            inputs = [[torch.zeros(n, dtype=dtype, device="cuda") for n in numels for _ in algos] for _ in range(4)]
+
+            def body(inputs=inputs):
+                outs = []
+                for layer in inputs:
+                    for j, x in enumerate(layer):
+                        y = ar.all_reduce(x.clone(), algos[j % len(algos)])
+                        dist.all_reduce(y, group=state.tp_group)  # in-place NCCL on the custom result
+                        outs.append(y)
+                return outs
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with ar.capture():
+                with torch.cuda.stream(side):
+                    body()  # warm-up inside the context: eager path, really communicates
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = body()
+            for it in range(replays):
+                g = torch.Generator(device="cuda").manual_seed(rank * 100003 + it)
+                for layer in inputs:
+                    for x in layer:
+                        x.copy_(torch.randint(0, 8, x.shape, device="cuda", generator=g).to(dtype))
+                graph.replay()
+                refs = []
+                for layer in inputs:
+                    for x in layer:
+                        r = x.clone()
+                        dist.all_reduce(r, group=state.tp_group)
+                        dist.all_reduce(r, group=state.tp_group)
+                        refs.append(r)
+                for k, (o, r) in enumerate(zip(outs, refs, strict=True)):
+                    compared += 1
+                    if not torch.equal(o, r):
+                        failures.append((str(dtype), it, k, algos[k % len(algos)].value))
+            del graph
+        # ranks that capture different numbers of custom all-reduces are told so, on every rank
+        x = torch.ones(1024, device="cuda")
+        mismatch = None
+        try:
+            with ar.capture():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(1 + rank):
+                        ar.all_reduce(x, Algo.PULL_2SHOT)
+        except CommError as exc:
+            mismatch = str(exc)
+        torch.cuda.synchronize()
+        return failures[:10], compared, mismatch
+    finally:
+        destroy_distributed(state)

@@ -1,14 +1,18 @@
 """CustomAllReduce: the workspace, its IPC exchange, and calls into tpgraph._C. Policy (which algorithm,
 how many blocks) comes from the tables in thresholds.py; the kernels live in csrc/.
 
-Status: eager mode for 1shot_push, 1shot_pull and 2shot_pull. Graph-mode zero-copy registration
-(`capture()`), the multicast kernel and the P2P/NVLink gates are still to come.
+Eager: pull algorithms stage the input in this rank's workspace. Inside `capture()`, while the stream is
+capturing, pull calls are zero-copy: each takes a row of a device pointer table and the kernel reads the
+peers' original buffers through it; the rows are filled when `capture()` exits (one handle exchange).
+Still to come: the multicast kernel and the P2P/NVLink gates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -75,29 +79,86 @@ class CustomAllReduce:
         torch.cuda.synchronize()
         gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
         self.timeout_ns = int(cfg.timeout_s * 1e9)
+        self._capturing = False
+        self._pending: list[tuple[int, int]] = []  # (row, input pointer) recorded during capture
+        self._exported: dict[int, bytes] = {}  # allocation base -> IPC handle
         if state.is_driver:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
 
-    def pick(self, x: torch.Tensor, graph: bool = False) -> Algo:
+    def pick(self, x: torch.Tensor, graph: bool | None = None) -> Algo:
+        graph = self.graph_mode if graph is None else graph
         return pick_algo(x.numel() * x.element_size(), graph, self.table, self.state.world_size, dtype=x.dtype,
                          contiguous=x.is_contiguous())
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.is_cuda and self.pick(x) != Algo.NCCL
 
+    @property
+    def graph_mode(self) -> bool:
+        """True while the current stream is capturing inside capture(): the graph table and zero-copy apply."""
+        return self._capturing and torch.cuda.is_current_stream_capturing()
+
     def all_reduce(self, x: torch.Tensor, algo: Algo | None = None) -> torch.Tensor:
-        """Sum x over the ranks in place (eager path) with `algo`, or the table's choice."""
-        algo = algo or self.pick(x)
+        """Sum x over the ranks with `algo` or the table's choice. Returns the result: x itself (in place),
+        except 1shot_pull in graph mode, which writes a new tensor (peers still read x)."""
+        graph = self.graph_mode
+        algo = algo or self.pick(x, graph)
         if algo not in ALGO_CODES:
             raise CommError(f"{algo.value} cannot run on the custom path here")
         if x.dtype not in DTYPE_CODES or not x.is_contiguous():
             raise CommError(f"custom all-reduce needs a contiguous bf16/fp16/fp32 tensor, got {x.dtype}")
         blocks = self.table.blocks(algo, self.state.world_size, self.num_sms)
         stream = torch.cuda.current_stream().cuda_stream
-        self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), x.data_ptr(),
-                               x.numel() * x.element_size(), blocks, stream, self.timeout_ns)
-        return x
+        out, row = x, -1
+        if graph and algo != Algo.PUSH_1SHOT:
+            row = self.ext.ar_reserve_row(self.ctx)
+            self._pending.append((row, x.data_ptr()))
+            if algo == Algo.PULL_1SHOT:
+                out = torch.empty_like(x)
+        self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(),
+                               x.numel() * x.element_size(), blocks, stream, self.timeout_ns, row)
+        return out
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Wrap CUDA-graph capture. On exit, every rank's captured pull inputs are registered in one exchange."""
+        if self._capturing:
+            raise CommError("capture() is already active")
+        self._capturing, self._pending = True, []
+        try:
+            yield
+        finally:
+            self._capturing = False
+        self.register_captured()
+
+    def register_captured(self) -> None:
+        pending, self._pending = self._pending, []
+        counts = gather_objects(self.state, len(pending))
+        if len(set(counts)) != 1:
+            raise CommError(f"ranks captured different numbers of custom all-reduces: {counts} (rank order); "
+                            "every rank must capture the same sequence of collectives")
+        mine = []
+        for _, ptr in pending:
+            base, _size = self.ext.allocation_range(ptr)
+            if base not in self._exported:
+                try:
+                    self._exported[base] = self.ext.ipc_get_handle(base)
+                except RuntimeError as exc:
+                    raise CommError(f"cannot share a captured all-reduce input over CUDA IPC: {exc}") from None
+            mine.append((self._exported[base], ptr - base))
+        everyone = gather_objects(self.state, mine)
+        ptrs = []
+        for i, (_, ptr) in enumerate(pending):
+            for r in range(self.state.world_size):
+                if r == self.state.rank:
+                    ptrs.append(ptr)
+                else:
+                    handle, offset = everyone[r][i]
+                    ptrs.append(self.ext.ipc_open_handle(handle) + offset)  # cached: one mapping per allocation
+        self.ext.ar_fill_rows(self.ctx, [row for row, _ in pending], ptrs)
+        torch.cuda.synchronize()
+        gather_objects(self.state, None)  # all rows everywhere before anyone replays
 
     def timeout_error(self) -> CommError | None:
         """After a CUDA failure: the error naming rank, algorithm and peer, if a kernel wait timed out."""
