@@ -81,7 +81,6 @@ class CustomAllReduce:
         self.timeout_ns = int(cfg.timeout_s * 1e9)
         self._capturing = False
         self._pending: list[tuple[int, int]] = []  # (row, input pointer) recorded during capture
-        self._exported: dict[int, bytes] = {}  # allocation base -> IPC handle
         if state.is_driver:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
@@ -138,15 +137,18 @@ class CustomAllReduce:
         if len(set(counts)) != 1:
             raise CommError(f"ranks captured different numbers of custom all-reduces: {counts} (rank order); "
                             "every rank must capture the same sequence of collectives")
+        # Handles are taken afresh at every registration: a freed graph pool can hand the same address to a new
+        # allocation, whose handle differs (peers cache mappings by handle, so a new handle gets a new mapping).
+        exported: dict[int, bytes] = {}
         mine = []
         for _, ptr in pending:
             base, _size = self.ext.allocation_range(ptr)
-            if base not in self._exported:
+            if base not in exported:
                 try:
-                    self._exported[base] = self.ext.ipc_get_handle(base)
+                    exported[base] = self.ext.ipc_get_handle(base)
                 except RuntimeError as exc:
                     raise CommError(f"cannot share a captured all-reduce input over CUDA IPC: {exc}") from None
-            mine.append((self._exported[base], ptr - base))
+            mine.append((exported[base], ptr - base))
         everyone = gather_objects(self.state, mine)
         ptrs = []
         for i, (_, ptr) in enumerate(pending):
