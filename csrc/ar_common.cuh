@@ -133,7 +133,7 @@ __device__ __forceinline__ void block_barrier(const ArParams& p, ArAlgo algo, ui
 
 // ---- 16-byte vectors of T, accumulated in fp32 ----------------------------------------------------------
 template <typename T>
-struct Vec;
+struct Vec;  // defined below: float, then the 16-bit types
 
 template <>
 struct Vec<float> {
@@ -143,27 +143,12 @@ struct Vec<float> {
   static constexpr int kElemsPerWord = 1;
 };
 
-template <>
-struct Vec<__nv_bfloat16> {
+// bf16 and fp16: eight per vector; their float conversions round to nearest even.
+template <typename T>
+struct Vec {
   static constexpr int N = 8;
-  static __device__ __forceinline__ float get(const uint4& v, int i) {
-    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&v)[i]);
-  }
-  static __device__ __forceinline__ void set(uint4& v, int i, float f) {
-    reinterpret_cast<__nv_bfloat16*>(&v)[i] = __float2bfloat16_rn(f);
-  }
-  static constexpr int kElemsPerWord = 2;
-};
-
-template <>
-struct Vec<__half> {
-  static constexpr int N = 8;
-  static __device__ __forceinline__ float get(const uint4& v, int i) {
-    return __half2float(reinterpret_cast<const __half*>(&v)[i]);
-  }
-  static __device__ __forceinline__ void set(uint4& v, int i, float f) {
-    reinterpret_cast<__half*>(&v)[i] = __float2half_rn(f);
-  }
+  static __device__ __forceinline__ float get(const uint4& v, int i) { return float(reinterpret_cast<const T*>(&v)[i]); }
+  static __device__ __forceinline__ void set(uint4& v, int i, float f) { reinterpret_cast<T*>(&v)[i] = T(f); }
   static constexpr int kElemsPerWord = 2;
 };
 

@@ -39,6 +39,7 @@ struct ArContext {
   char* workspace = nullptr;
   TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
   std::vector<uintptr_t> peers;
+  ArParams base_params{};  // filled once peers are known; each call copies it and sets what varies
 };
 
 uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes) {
@@ -91,6 +92,16 @@ void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspace
   TPG_CHECK(peer_workspaces[ctx.rank] == reinterpret_cast<uintptr_t>(ctx.workspace),
             "entry " << ctx.rank << " must be this rank's own workspace");
   ctx.peers = peer_workspaces;
+  ArParams& p = ctx.base_params;
+  for (int r = 0; r < ctx.layout.world_size; ++r) {
+    p.peer_ws[r] = reinterpret_cast<char*>(peer_workspaces[r]);
+    p.peer_in[r] = p.peer_ws[r] + ctx.layout.staging_offset();
+  }
+  p.rank = ctx.rank;
+  p.world_size = ctx.layout.world_size;
+  p.push_slot_bytes = ctx.layout.push_slot_bytes;
+  p.staging_offset = ctx.layout.staging_offset();
+  TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&p.timeout), ctx.timeout, 0));
 }
 
 int ar_reserve_row(uintptr_t handle) {
@@ -132,19 +143,8 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  ArParams p{};
-  for (int r = 0; r < ws; ++r) {
-    p.peer_ws[r] = reinterpret_cast<char*>(ctx.peers[r]);
-    p.peer_in[r] = p.peer_ws[r] + ctx.layout.staging_offset();
-  }
-  p.rank = ctx.rank;
-  p.world_size = ws;
-  p.push_slot_bytes = ctx.layout.push_slot_bytes;
-  p.staging_offset = ctx.layout.staging_offset();
+  ArParams p = ctx.base_params;
   p.timeout_ns = timeout_ns;
-  TimeoutRecord* dev_record = nullptr;
-  TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_record), ctx.timeout, 0));
-  p.timeout = dev_record;
   p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
   const auto dt = static_cast<DType>(dtype);
   if (algo == 0) {

@@ -3,12 +3,45 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "ar_common.cuh"
 #include "common.cuh"
 
 namespace tpgraph {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// fn(TypeTag<T>{}) for the element type behind a dtype code.
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(TypeTag<float>{}); return;
+    case DType::kBFloat16: fn(TypeTag<__nv_bfloat16>{}); return;
+    case DType::kFloat16: fn(TypeTag<__half>{}); return;
+  }
+  TPG_CHECK(false, "unsupported dtype code " << int(dtype));
+}
+
+// fn(std::integral_constant<int, W>{}) for world sizes 2..kMaxRanks: kernels are specialised per world size.
+template <typename Fn>
+void dispatch_world_size(int world_size, Fn&& fn) {
+  switch (world_size) {
+    case 2: fn(std::integral_constant<int, 2>{}); return;
+    case 3: fn(std::integral_constant<int, 3>{}); return;
+    case 4: fn(std::integral_constant<int, 4>{}); return;
+    case 5: fn(std::integral_constant<int, 5>{}); return;
+    case 6: fn(std::integral_constant<int, 6>{}); return;
+    case 7: fn(std::integral_constant<int, 7>{}); return;
+    case 8: fn(std::integral_constant<int, 8>{}); return;
+  }
+  TPG_CHECK(false, "unsupported world size " << world_size);
+}
 
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, int blocks,
                        cudaStream_t stream);

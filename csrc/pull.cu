@@ -67,33 +67,23 @@ __global__ void __launch_bounds__(kThreads) pull_2shot_kernel(ArParams p, uint4*
   if (threadIdx.x == 0) *epoch_counter = epoch;
 }
 
-template <typename T>
-void launch_for_type(ArAlgo algo, const ArParams& p, void* out, size_t nvec, int blocks, cudaStream_t stream) {
-  auto out4 = static_cast<uint4*>(out);
-  switch (p.world_size) {
-#define TPG_CASE(W)                                                                   \
-  case W:                                                                             \
-    if (algo == ArAlgo::Pull1)                                                        \
-      pull_1shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);        \
-    else                                                                              \
-      pull_2shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);        \
-    break;
-    TPG_CASE(2) TPG_CASE(3) TPG_CASE(4) TPG_CASE(5) TPG_CASE(6) TPG_CASE(7) TPG_CASE(8)
-#undef TPG_CASE
-    default:
-      TPG_CHECK(false, "pull: unsupported world size " << p.world_size);
-  }
-}
 }  // namespace
 
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks,
                  cudaStream_t stream) {
   const size_t nvec = nbytes / sizeof(uint4);
-  switch (dtype) {
-    case DType::kFloat32: launch_for_type<float>(algo, p, out, nvec, blocks, stream); break;
-    case DType::kBFloat16: launch_for_type<__nv_bfloat16>(algo, p, out, nvec, blocks, stream); break;
-    case DType::kFloat16: launch_for_type<__half>(algo, p, out, nvec, blocks, stream); break;
-  }
+  auto out4 = static_cast<uint4*>(out);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_world_size(p.world_size, [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      if (algo == ArAlgo::Pull1) {
+        pull_1shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);
+      } else {
+        pull_2shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);
+      }
+    });
+  });
   TPG_CUDA_CHECK(cudaGetLastError());
 }
 

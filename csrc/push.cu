@@ -42,31 +42,18 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
   if (threadIdx.x == 0) *phase_counter += 1;
 }
 
-template <typename T>
-void launch_for_type(const ArParams& p, const void* in, void* out, size_t nvec, int blocks, cudaStream_t stream) {
-  auto in4 = static_cast<const uint4*>(in);
-  auto out4 = static_cast<uint4*>(out);
-  switch (p.world_size) {
-#define TPG_CASE(W) \
-  case W:           \
-    push_1shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(p, in4, out4, nvec); \
-    break;
-    TPG_CASE(2) TPG_CASE(3) TPG_CASE(4) TPG_CASE(5) TPG_CASE(6) TPG_CASE(7) TPG_CASE(8)
-#undef TPG_CASE
-    default:
-      TPG_CHECK(false, "1shot_push: unsupported world size " << p.world_size);
-  }
-}
 }  // namespace
 
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, int blocks,
                        cudaStream_t stream) {
   const size_t nvec = nbytes / sizeof(uint4);
-  switch (dtype) {
-    case DType::kFloat32: launch_for_type<float>(p, in, out, nvec, blocks, stream); break;
-    case DType::kBFloat16: launch_for_type<__nv_bfloat16>(p, in, out, nvec, blocks, stream); break;
-    case DType::kFloat16: launch_for_type<__half>(p, in, out, nvec, blocks, stream); break;
-  }
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_world_size(p.world_size, [&](auto w) {
+      push_1shot_kernel<T, decltype(w)::value><<<blocks, kThreads, 0, stream>>>(
+          p, static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
+    });
+  });
   TPG_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -31,14 +31,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 class TensorSource(Protocol):
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        """The stored tensor's shape, or None if the source has no such tensor."""
-
-    def read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        """Only the slice [start, start+length) along dim."""
-
-    def describe(self, name: str) -> str:
-        """Where the tensor lives, for error messages."""
+    def read_shard(self, spec: ShardSpec) -> torch.Tensor:
+        """This rank's slice of spec.hf_name (and only that slice), checked against spec.hf_shape."""
 
 
 def _check_safetensors_file(path: Path) -> None:
@@ -116,9 +110,16 @@ class SafetensorsSource:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.file_of[name]}: {exc}") from None
 
-    def describe(self, name: str) -> str:
-        path = self.file_of.get(name)
-        return str(path) if path else str(self.dir)
+    def read_shard(self, spec: ShardSpec) -> torch.Tensor:
+        shape = self.shape(spec.hf_name)
+        if shape is None:
+            raise CheckpointError(f"tensor {spec.hf_name!r} is missing from the checkpoint in {self.dir}")
+        if shape != spec.hf_shape:
+            raise CheckpointError(
+                f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} has shape {shape}, expected "
+                f"{spec.hf_shape}: is config.json from the same checkpoint?"
+            )
+        return self.read(spec.hf_name, spec.dim, spec.src_start, spec.length)
 
 
 class RandomSource:
@@ -128,44 +129,19 @@ class RandomSource:
     def __init__(self, cfg: ModelConfig, seed: int, device: torch.device, std: float = 0.02) -> None:
         self.cfg, self.seed, self.device, self.std = cfg, seed, device, std
 
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        return None  # shapes come from the config
-
-    def read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        raise NotImplementedError  # RandomSource is read through read_full
-
-    def read_full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-            return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen, device=self.device) * self.std
-
-    def describe(self, name: str) -> str:
-        return f"random weights (seed {self.seed})"
+    def read_shard(self, spec: ShardSpec) -> torch.Tensor:
+        seed = self.seed * 1_000_003 + zlib.crc32(spec.hf_name.encode())
+        if spec.hf_name.endswith("norm.weight"):
+            full = 1.0 + 0.1 * torch.randn(spec.hf_shape, generator=torch.Generator().manual_seed(seed))
+        else:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            full = torch.randn(spec.hf_shape, generator=gen, device=self.device) * self.std
+        return full.narrow(spec.dim, spec.src_start, spec.length)
 
 
-def _copy_slice(spec: ShardSpec, src: torch.Tensor) -> None:
-    dst = spec.param.data.narrow(spec.dim, spec.dst_start, spec.length)
-    dst.copy_(src)
-
-
-def load_weights(model: LlamaForCausalLM, source: SafetensorsSource | RandomSource, show_progress: bool) -> None:
-    specs = model.shard_specs()
-    for spec in tqdm(specs, desc="loading weights", disable=not show_progress, unit="tensor"):
-        if isinstance(source, RandomSource):
-            full = source.read_full(spec.hf_name, spec.hf_shape)
-            _copy_slice(spec, full.narrow(spec.dim, spec.src_start, spec.length))
-            continue
-        shape = source.shape(spec.hf_name)
-        if shape is None:
-            raise CheckpointError(f"tensor {spec.hf_name!r} is missing from the checkpoint in {source.dir}")
-        if shape != spec.hf_shape:
-            raise CheckpointError(
-                f"tensor {spec.hf_name!r} in {source.describe(spec.hf_name)} has shape {shape}, expected "
-                f"{spec.hf_shape}: is config.json from the same checkpoint?"
-            )
-        _copy_slice(spec, source.read(spec.hf_name, spec.dim, spec.src_start, spec.length))
+def load_weights(model: LlamaForCausalLM, source: TensorSource, show_progress: bool) -> None:
+    for spec in tqdm(model.shard_specs(), desc="loading weights", disable=not show_progress, unit="tensor"):
+        spec.param.data.narrow(spec.dim, spec.dst_start, spec.length).copy_(source.read_shard(spec))
 
 
 def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -198,7 +174,7 @@ def load_model(
         cfg.check_tp(state.world_size)
         model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         if model_dir is None or load_format == "dummy":
-            source: SafetensorsSource | RandomSource = RandomSource(cfg, seed, state.device)
+            source: TensorSource = RandomSource(cfg, seed, state.device)
         else:
             source = SafetensorsSource(Path(model_dir))
         load_weights(model, source, show_progress=state.is_driver)
