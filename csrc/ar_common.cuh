@@ -28,7 +28,7 @@ struct TimeoutRecord {
 // Workspace of one rank, one cudaMalloc: [flags | counters | push buffers | staging].
 struct WorkspaceLayout {
   static constexpr size_t kFlagsBytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t);
-  static constexpr size_t kCountersBytes = size_t(kMaxBlocks) * 2 * sizeof(uint32_t);  // barrier epoch, push phase
+  static constexpr size_t kCountersBytes = size_t(kMaxBlocks) * 2 * sizeof(uint32_t);  // per-block barrier epochs; push phase
   static constexpr int kPushPhases = 3;
   size_t push_slot_bytes = 0;  // bytes of one rank's slot in one phase
   size_t staging_bytes = 0;

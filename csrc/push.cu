@@ -1,7 +1,8 @@
 // 1shot_push: Lamport-style, no flags. Each rank writes its 16-byte vectors into its slot of every rank's push
 // buffer, then polls its own buffer until no word is the sentinel, reduces in fixed rank order, and re-arms the
-// slots it read. The phase (3 buffers) lives on the device, per block, so the kernel is graph-safe with no host
-// state, and it never reads a staged copy of the input: graph capture changes nothing for it.
+// slots it read. The phase (3 buffers) lives on the device, one for the whole grid (the last block to finish
+// advances it), so calls may use different grid sizes and the kernel is graph-safe with no host state. It never
+// reads a staged copy of the input: graph capture changes nothing for it.
 #include "ar_common.cuh"
 #include "ar_launch.h"
 
@@ -11,7 +12,9 @@ namespace {
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const uint4* __restrict__ in, uint4* out,
                                                                size_t nvec) {
-  uint32_t* phase_counter = counters_of(p) + kMaxBlocks + blockIdx.x;
+  // counters_of(p)[kMaxBlocks]: the phase; [kMaxBlocks + 1]: blocks finished in this call.
+  uint32_t* phase_counter = counters_of(p) + kMaxBlocks;
+  uint32_t* finished = phase_counter + 1;
   const uint32_t phase = *phase_counter % WorkspaceLayout::kPushPhases;
   const size_t slot_vecs = p.push_slot_bytes / sizeof(uint4);
   auto slot = [&](int owner, int src) {
@@ -39,7 +42,13 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
     for (int r = 0; r < W; ++r) store_volatile_v4(slot(p.rank, r) + i, sentinel_vec());
   }
   __syncthreads();
-  if (threadIdx.x == 0) *phase_counter += 1;
+  if (threadIdx.x == 0) {
+    __threadfence();  // every block has read the phase before the last one advances it
+    if (atomicAdd(finished, 1u) == gridDim.x - 1) {
+      *finished = 0;
+      *phase_counter += 1;  // seen by the next launch (kernel boundary)
+    }
+  }
 }
 
 }  // namespace

@@ -153,3 +153,12 @@ def test_multicast_unavailable_under_each_variable(name, value):
 def test_multicast_other_values_do_not_disable():
     assert multicast_allowed({"NCCL_NVLS_ENABLE": "1", "TPGRAPH_DISABLE_MULTICAST": "0"})
     assert not multicast_allowed({"TPGRAPH_DISABLE_MULTICAST": "true"})
+
+
+def test_launch_blocks_shrink_to_the_work():
+    t90 = load_table_for((9, 0))
+    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 1  # 512 vectors: one block of 512 threads
+    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=16 << 20) == 132
+    assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=16 * 1024) == 1  # 1024 vectors, 512 per shard
+    assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=32 * 1024) == 2
+    assert t90.blocks(Algo.PULL_1SHOT, 8, 132, nbytes=16) == 1

@@ -107,7 +107,7 @@ class CustomAllReduce:
             raise CommError(f"{algo.value} cannot run on the custom path here")
         if x.dtype not in DTYPE_CODES or not x.is_contiguous():
             raise CommError(f"custom all-reduce needs a contiguous bf16/fp16/fp32 tensor, got {x.dtype}")
-        blocks = self.table.blocks(algo, self.state.world_size, self.num_sms)
+        blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, x.numel() * x.element_size())
         stream = torch.cuda.current_stream().cuda_stream
         out, row = x, -1
         if graph and algo != Algo.PUSH_1SHOT:

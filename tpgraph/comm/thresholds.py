@@ -19,6 +19,7 @@ import torch
 from tpgraph.errors import ConfigError
 
 VECTOR_BYTES = 16  # every custom kernel moves 16-byte vectors
+THREADS_PER_BLOCK = 512  # csrc/ar_common.cuh kThreads
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WORLD_SIZES = range(2, 9)
 MODES = ("graph", "eager")
@@ -61,14 +62,20 @@ class AlgoTable:
             raise ConfigError(f"{self.source} has no row for world_size={world_size}, mode={key[1]}")
         return self.rows[key]
 
-    def blocks(self, algo: Algo, world_size: int, num_sms: int) -> int:
-        """Grid size for an algorithm: table policy, resolved against this GPU's SM count."""
+    def blocks(self, algo: Algo, world_size: int, num_sms: int, nbytes: int | None = None) -> int:
+        """Grid size for an algorithm: table policy, resolved against this GPU's SM count, and no more blocks
+        than the message has work for (THREADS_PER_BLOCK 16-byte vectors each; 2shot: per shard)."""
         key = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull_blocks", Algo.PULL_2SHOT: "pull_blocks",
                Algo.MULTICAST_2SHOT: "multicast_blocks"}[algo]
         spec = self.launch.get(key, 64)
         if isinstance(spec, dict):
             spec = spec.get(str(world_size), spec.get("default", 64))
         value = num_sms if spec == "num_sms" else int(spec)
+        if nbytes is not None:
+            vectors = -(-nbytes // VECTOR_BYTES)
+            if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
+                vectors = -(-vectors // world_size)
+            value = min(value, -(-vectors // THREADS_PER_BLOCK))
         return max(1, min(value, num_sms))
 
 
