@@ -92,7 +92,7 @@ setup(
         Extension(
             "tpgraph._C",
             sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/pull.cu",
-                     "csrc/bindings.cpp"],
+                     "csrc/multicast.cu", "csrc/bindings.cpp"],
         )
     ],
     cmdclass={"build_ext": NinjaNvccBuild},

@@ -53,6 +53,7 @@ struct ArParams {
   uint64_t timeout_ns;
   TimeoutRecord* timeout;  // host-mapped
   const uint64_t* row;     // graph mode: this call's pointer-table row (filled after capture), else nullptr
+  void* mc_staging;        // multicast mapping of the staging buffers (never set where multicast is off)
 };
 
 constexpr int kUnregisteredPeer = -1;  // TimeoutRecord::peer when a graph ran before registration

@@ -131,13 +131,13 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   ArContext& ctx = get(handle);
   const int ws = ctx.layout.world_size;
   TPG_CHECK(int(ctx.peers.size()) == ws, "peer workspaces are not set: exchange IPC handles first");
-  TPG_CHECK(algo >= 0 && algo <= 2, "algorithm " << algo_name(algo) << " is not available in this build");
+  TPG_CHECK(algo >= 0 && algo <= 3, "unknown algorithm code " << algo);
   TPG_CHECK(dtype >= 0 && dtype <= 2, "unsupported dtype code " << dtype);
   TPG_CHECK(nbytes > 0 && nbytes % 16 == 0, "message size must be a positive multiple of 16 bytes, got " << nbytes);
   TPG_CHECK(in % 16 == 0 && out % 16 == 0, "input and output must be 16-byte aligned");
   TPG_CHECK(blocks >= 1 && blocks <= kMaxBlocks, "grid must have 1.." << kMaxBlocks << " blocks, got " << blocks);
   TPG_CHECK(row < ctx.next_row, "row " << row << " was never reserved");
-  const bool zero_copy = row >= 0 && algo != 0;
+  const bool zero_copy = row >= 0 && (algo == 1 || algo == 2);  // multicast is always staged
   TPG_CHECK(!(zero_copy && algo == 1 && in == out), "1shot_pull in a graph reads peers' inputs: output must differ");
   const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : (zero_copy ? SIZE_MAX : ctx.layout.staging_bytes);
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
@@ -159,6 +159,10 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   char* staging = ctx.workspace + ctx.layout.staging_offset();
   if (reinterpret_cast<char*>(in) != staging) {
     TPG_CUDA_CHECK(cudaMemcpyAsync(staging, reinterpret_cast<const void*>(in), nbytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  if (algo == 3) {  // multicast objects are never created by this build: always the unicast emulation
+    launch_multicast_2shot(p, dt, reinterpret_cast<void*>(out), nbytes, blocks, /*emulate=*/true, stream);
+    return;
   }
   launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
 }

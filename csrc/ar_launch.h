@@ -45,6 +45,8 @@ void dispatch_world_size(int world_size, Fn&& fn) {
 
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, int blocks,
                        cudaStream_t stream);
+void launch_multicast_2shot(const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks, bool emulate,
+                            cudaStream_t stream);
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks,
                  cudaStream_t stream);
 

@@ -114,7 +114,7 @@ def custom_ar_exactness(rank, world_size, init, sizes, iters):
     ar = CustomAllReduce(state)
     failures, checked = [], 0
     try:
-        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):  # dtypes interleave on one workspace
                 for numel in sizes(dtype):
                     for it in range(iters):
@@ -174,7 +174,7 @@ def custom_ar_graphs(rank, world_size, init, replays):
 
     state = init_distributed("cuda", rank, world_size, init)
     ar = CustomAllReduce(state)
-    algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)
+    algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT)  # multicast: emulated
     failures, compared = [], 0
     try:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -4,7 +4,8 @@ how many blocks) comes from the tables in thresholds.py; the kernels live in csr
 Eager: pull algorithms stage the input in this rank's workspace. Inside `capture()`, while the stream is
 capturing, pull calls are zero-copy: each takes a row of a device pointer table and the kernel reads the
 peers' original buffers through it; the rows are filled when `capture()` exits (one handle exchange).
-Still to come: the multicast kernel and the P2P/NVLink gates.
+2shot_multicast runs as its unicast emulation (the same kernel over peer mappings): this build never creates
+a multicast object, so `multicast_live` is False and the tables never pick it; tests force it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tpgraph.errors import CommError, ConfigError
 
 logger = logging.getLogger(__name__)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ALGO_CODES = {Algo.PUSH_1SHOT: 0, Algo.PULL_1SHOT: 1, Algo.PULL_2SHOT: 2}
+ALGO_CODES = {Algo.PUSH_1SHOT: 0, Algo.PULL_1SHOT: 1, Algo.PULL_2SHOT: 2, Algo.MULTICAST_2SHOT: 3}
+ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
 MB = 1 << 20
 
 
@@ -85,10 +87,12 @@ class CustomAllReduce:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
 
+    multicast_live = False  # no multicast objects yet; where the environment forbids them, never
+
     def pick(self, x: torch.Tensor, graph: bool | None = None) -> Algo:
         graph = self.graph_mode if graph is None else graph
         return pick_algo(x.numel() * x.element_size(), graph, self.table, self.state.world_size, dtype=x.dtype,
-                         contiguous=x.is_contiguous())
+                         contiguous=x.is_contiguous(), multicast_live=self.multicast_live)
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.is_cuda and self.pick(x) != Algo.NCCL
@@ -110,7 +114,7 @@ class CustomAllReduce:
         blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, x.numel() * x.element_size())
         stream = torch.cuda.current_stream().cuda_stream
         out, row = x, -1
-        if graph and algo != Algo.PUSH_1SHOT:
+        if graph and algo in ZERO_COPY_IN_GRAPHS:
             row = self.ext.ar_reserve_row(self.ctx)
             self._pending.append((row, x.data_ptr()))
             if algo == Algo.PULL_1SHOT:
