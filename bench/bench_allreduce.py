@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -63,6 +64,42 @@ def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> 
     return statistics.median(out)
 
 
+CUSTOM = ("auto", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
+NO_CTX = contextlib.nullcontext
+
+
+def host_cost_us(fn, n: int) -> float:
+    """CPU time to submit one call: n calls timed on the host, the GPU kept ahead by small messages."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / n
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    sizes = [r["bytes"] for r in rows]
+    for ax, mode in zip(axes, ("graph", "eager"), strict=True):
+        names = sorted({k[: -len(f"_{mode}_us")] for r in rows for k in r if k.endswith(f"_{mode}_us")})
+        for name in names:
+            ys = [r.get(f"{name}_{mode}_us", float("nan")) for r in rows]
+            ax.plot(sizes, ys, marker="o", label=name, linewidth=2.5 if name == "auto" else 1.2)
+        ax.set(xscale="log", yscale="log", xlabel="message bytes", title=f"all-reduce, {mode}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("us per op")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -84,7 +121,7 @@ def main() -> None:
         numel = nbytes // 2
         x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
         cands = {"nccl": lambda x=x: dist.all_reduce(x, group=state.tp_group)}
-        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):  # multicast: emulation only here
             cap = ar.table.bands(state.world_size, False)
             limit = cap.push_max if algo == Algo.PUSH_1SHOT else cap.pull2_max
             if nbytes <= limit:
@@ -99,17 +136,27 @@ def main() -> None:
                 cands["symm_2shot"] = lambda sx=sx: torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group_name)
             except Exception as exc:  # noqa: BLE001
                 print(f"symm_mem at {nbytes}: {exc}")
-        row = {"bytes": nbytes, "auto_algo": ar.pick(x).value}
+        row = {"bytes": nbytes, "auto_algo": ar.pick(x, graph=False).value,
+               "auto_graph_algo": ar.pick(x, graph=True).value}
         for name, fn in cands.items():
             x.fill_(0)  # keep values bounded across repeats
+            custom = name in CUSTOM
             row[f"{name}_eager_us"] = time_eager(fn, 20, args.repeats)
-            ctx = ar.capture if name in ("auto", "1shot_push", "1shot_pull", "2shot_pull") else contextlib.nullcontext
-            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ctx)
+            # graph: custom calls captured inside ar.capture() (zero-copy); eager_device: the eager data path
+            # (staging copy + kernel) captured without it, so host launch cost does not hide device time
+            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ar.capture if custom else NO_CTX)
+            if custom:
+                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)
+        if nbytes == 8 * KB:
+            host_us = host_cost_us(cands["auto"], 2000)
+            if state.is_driver:
+                print(f"host cost per eager auto call at 8 KB: {host_us:.1f} us (Python -> kernel submitted)")
         rows.append(row)
         if state.is_driver:
             cols = " ".join(f"{k.removesuffix('_us')}={v:.1f}" for k, v in row.items() if k.endswith("_us"))
             print(f"{nbytes:>9} B  auto={row['auto_algo']:<11} {cols}", flush=True)
     if state.is_driver and args.out:
+        plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
                                               "dtype": "bfloat16", "k": args.k, "rows": rows}, indent=1))
     ar.close()

@@ -54,6 +54,7 @@ size_t ipc_open_count();
 uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes);
 uintptr_t ar_workspace(uintptr_t ctx);
 size_t ar_workspace_bytes(uintptr_t ctx);
+size_t ar_staging_offset(uintptr_t ctx);
 void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
 void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream, uint64_t timeout_ns, int row);

@@ -40,6 +40,9 @@ struct ArContext {
   TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
   std::vector<uintptr_t> peers;
   ArParams base_params{};  // filled once peers are known; each call copies it and sets what varies
+  cudaEvent_t last_done = nullptr;  // recorded after each eager call, to catch use from two streams at once
+  cudaStream_t last_stream = nullptr;
+  bool used = false;
 };
 
 uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes) {
@@ -64,6 +67,7 @@ uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t sta
     TPG_CUDA_CHECK(cudaMalloc(&ctx->rows, sizeof(uint64_t) * kMaxRows * kMaxRanks));
     TPG_CUDA_CHECK(cudaMemset(ctx->rows, 0, sizeof(uint64_t) * kMaxRows * kMaxRanks));
     TPG_CUDA_CHECK(cudaHostAlloc(&ctx->timeout, sizeof(TimeoutRecord), cudaHostAllocMapped));
+    TPG_CUDA_CHECK(cudaEventCreateWithFlags(&ctx->last_done, cudaEventDisableTiming));
     std::memset(ctx->timeout, 0, sizeof(TimeoutRecord));
     TPG_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (...) {
@@ -84,6 +88,8 @@ static ArContext& get(uintptr_t handle) {
 uintptr_t ar_workspace(uintptr_t handle) { return reinterpret_cast<uintptr_t>(get(handle).workspace); }
 
 size_t ar_workspace_bytes(uintptr_t handle) { return get(handle).layout.total_bytes(); }
+
+size_t ar_staging_offset(uintptr_t handle) { return get(handle).layout.staging_offset(); }
 
 void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspaces) {
   ArContext& ctx = get(handle);
@@ -143,28 +149,46 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  // One call in flight at a time: the epochs and phases assume it. A call on another stream while the last one
+  // may still run would interleave two calls' barriers and hang, so it is refused instead.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TPG_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (!capturing && ctx.used && stream != ctx.last_stream) {
+    cudaError_t q = cudaEventQuery(ctx.last_done);
+    if (q == cudaErrorNotReady) {
+      throw std::runtime_error(
+          "custom all-reduce used from two streams at once: the previous call on another stream has not "
+          "finished (order the streams, e.g. stream.wait_stream(other), or use one communicator per stream)");
+    }
+    if (q != cudaSuccess) TPG_CUDA_CHECK(q);
+  }
   ArParams p = ctx.base_params;
   p.timeout_ns = timeout_ns;
   p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
   const auto dt = static_cast<DType>(dtype);
   if (algo == 0) {
     launch_push_1shot(p, dt, reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), nbytes, blocks, stream);
-    return;
-  }
-  if (zero_copy) {  // graph: peers read our original input through the row; 2shot writes results in place
+  } else if (zero_copy) {  // graph: peers read our original input through the row; 2shot writes results in place
     launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
-    return;
+  } else {
+    // Staged: copy the input into this rank's workspace, where peers can read it.
+    char* staging = ctx.workspace + ctx.layout.staging_offset();
+    if (reinterpret_cast<char*>(in) != staging) {
+      TPG_CUDA_CHECK(
+          cudaMemcpyAsync(staging, reinterpret_cast<const void*>(in), nbytes, cudaMemcpyDeviceToDevice, stream));
+    }
+    if (algo == 3) {  // this build never creates multicast objects: always the unicast emulation
+      launch_multicast_2shot(p, dt, reinterpret_cast<void*>(out), nbytes, blocks, /*emulate=*/true, stream);
+    } else {
+      launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
+    }
   }
-  // Eager pull: stage the input in this rank's workspace, where peers can read it.
-  char* staging = ctx.workspace + ctx.layout.staging_offset();
-  if (reinterpret_cast<char*>(in) != staging) {
-    TPG_CUDA_CHECK(cudaMemcpyAsync(staging, reinterpret_cast<const void*>(in), nbytes, cudaMemcpyDeviceToDevice, stream));
+  if (!capturing) {
+    TPG_CUDA_CHECK(cudaEventRecord(ctx.last_done, stream));
+    ctx.last_stream = stream;
+    ctx.used = true;
   }
-  if (algo == 3) {  // multicast objects are never created by this build: always the unicast emulation
-    launch_multicast_2shot(p, dt, reinterpret_cast<void*>(out), nbytes, blocks, /*emulate=*/true, stream);
-    return;
-  }
-  launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
 }
 
 std::string ar_timeout_message(uintptr_t handle) {
@@ -186,6 +210,7 @@ void ar_destroy(uintptr_t handle) {
   ArContext* ctx = &get(handle);
   cudaFree(ctx->workspace);
   cudaFree(ctx->rows);
+  cudaEventDestroy(ctx->last_done);
   cudaFreeHost(ctx->timeout);
   delete ctx;
 }

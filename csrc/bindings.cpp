@@ -63,6 +63,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("staging_bytes"), "allocate this rank's all-reduce workspace; returns an opaque context handle");
   m.def("ar_workspace", &ar_workspace, py::arg("ctx"));
   m.def("ar_workspace_bytes", &ar_workspace_bytes, py::arg("ctx"));
+  m.def("ar_staging_offset", &ar_staging_offset, py::arg("ctx"), "byte offset of the staging buffer in the workspace");
   m.def("ar_set_peers", &ar_set_peers, py::arg("ctx"), py::arg("peer_workspaces"));
   m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
         py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),

@@ -52,3 +52,18 @@ def test_graphs_zero_copy_equal_nccl():
         assert compared == 3 * replays * 4 * 4 * 4
         assert failures == []
         assert mismatch is not None and "different numbers of custom all-reduces: [1, 2]" in mismatch
+
+
+def test_second_stream_is_refused_not_hung():
+    from tpgtest.workers import custom_ar_two_streams
+
+    for refused, x, y in run_ranks(custom_ar_two_streams, 2, timeout_s=120):
+        assert refused is not None and "two streams at once" in refused
+        assert (x, y) == (2.0, 2.0)
+
+
+def test_communicator_routes_through_custom_path():
+    from tpgtest.workers import communicator_uses_custom
+
+    for used, ok in run_ranks(communicator_uses_custom, 2, timeout_s=120):
+        assert used and all(ok)

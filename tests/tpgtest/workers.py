@@ -233,3 +233,52 @@ def custom_ar_graphs(rank, world_size, init, replays):
         return failures[:10], compared, mismatch
     finally:
         destroy_distributed(state)
+
+
+def custom_ar_two_streams(rank, world_size, init):
+    """A call from a second stream while the first stream's call may still run is refused, not hung."""
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state)
+    try:
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # keep stream a busy
+            ar.all_reduce(x, Algo.PULL_1SHOT)
+        refused = None
+        with torch.cuda.stream(b):
+            try:
+                ar.all_reduce(y, Algo.PULL_1SHOT)
+            except CommError as exc:
+                refused = str(exc)
+        torch.cuda.synchronize()
+        b.wait_stream(a)  # ordered use of another stream is fine
+        with torch.cuda.stream(b):
+            ar.all_reduce(y, Algo.PULL_1SHOT)
+        torch.cuda.synchronize()
+        return refused, float(x[0]), float(y[0])
+    finally:
+        ar.close()
+        destroy_distributed(state)
+
+
+def communicator_uses_custom(rank, world_size, init):
+    """TPCommunicator picks the custom path on GPUs (the model calls it unchanged) and matches NCCL."""
+    from tpgraph.comm import TPCommunicator
+
+    state = init_distributed("cuda", rank, world_size, init)
+    comm = TPCommunicator(state)
+    try:
+        out = []
+        for n in (8, 1040, 4096, 1 << 20, 40 << 20):  # the last is above the workspace: NCCL
+            x = torch.full((n,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+            out.append(bool(torch.all(comm.all_reduce(x) == sum(range(1, world_size + 1)))))
+        return comm.custom is not None, out
+    finally:
+        comm.close()
+        destroy_distributed(state)

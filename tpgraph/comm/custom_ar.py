@@ -20,6 +20,7 @@ import torch
 
 from tpgraph._ext import load_ext
 from tpgraph.comm.thresholds import VECTOR_BYTES, Algo, AlgoTable, Bands, load_table_for, pick_algo
+from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
 
@@ -64,6 +65,14 @@ class CustomAllReduce:
             raise CommError(f"the custom all-reduce supports 2..8 ranks, got {state.world_size}")
         self.ext = load_ext()
         self.state, self.cfg = state, cfg
+        for reason in (p2p_env_reason(), nvlink_reason([state.device.index]) if state.world_size > 2 else None):
+            if reason:  # NVLink matters from 3 ranks up; two PCIe GPUs still gain, as vLLM also allows
+                raise CommError(f"custom all-reduce disabled: {reason}")
+        # VMM-backed (expandable_segments) memory cannot be exported over CUDA IPC: graphs then stage their inputs
+        self.zero_copy = not expandable_segments()
+        if not self.zero_copy and state.is_driver:
+            logger.warning("expandable_segments is on: graph-captured all-reduces copy their input into the "
+                           "workspace (slower) instead of zero-copy registration")
         props = self.ext.device_properties(state.device.index)
         self.num_sms = props.sm_count
         ws = state.world_size
@@ -80,12 +89,35 @@ class CustomAllReduce:
         self.ext.ar_set_peers(self.ctx, peers)
         torch.cuda.synchronize()
         gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
+        self._check_p2p_writes(peers)
         self.timeout_ns = int(cfg.timeout_s * 1e9)
         self._capturing = False
         self._pending: list[tuple[int, int]] = []  # (row, input pointer) recorded during capture
         if state.is_driver:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
+
+    def _check_p2p_writes(self, peers: list[int]) -> None:
+        """A real P2P check: write a word into each peer's workspace through the IPC mapping, then let the peer
+        read it back. Links that advertise P2P but drop writes (some VMs, PCIe ACS) fail here, on every rank."""
+        ws, rank = self.state.world_size, self.state.rank
+        staging = self.ext.ar_staging_offset(self.ctx)
+        stream = torch.cuda.current_stream().cuda_stream
+        for peer in range(ws):
+            if peer != rank:
+                self.ext.fill_u32(peers[peer] + staging + 4 * rank, 0x7A170000 + 16 * rank + peer, 1, stream)
+        torch.cuda.synchronize()
+        gather_objects(self.state, None)  # all writes issued and completed
+        got = torch.empty(ws, dtype=torch.int32, device=self.state.device)
+        self.ext.memcpy_async(got.data_ptr(), peers[rank] + staging, 4 * ws, stream)
+        torch.cuda.synchronize()
+        words = got.cpu().tolist()
+        bad = [r for r in range(ws) if r != rank and (words[r] & 0xFFFFFFFF) != 0x7A170000 + 16 * r + rank]
+        everyone = gather_objects(self.state, bad)
+        broken = [(r, p) for r, lost in enumerate(everyone) for p in lost]
+        if broken:
+            raise CommError(f"peer writes through CUDA IPC were lost (writer -> reader): "
+                            f"{[(p, r) for r, p in broken]}; P2P is advertised but does not work here")
 
     multicast_live = False  # no multicast objects yet; where the environment forbids them, never
 
@@ -114,13 +146,16 @@ class CustomAllReduce:
         blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, x.numel() * x.element_size())
         stream = torch.cuda.current_stream().cuda_stream
         out, row = x, -1
-        if graph and algo in ZERO_COPY_IN_GRAPHS:
+        if graph and self.zero_copy and algo in ZERO_COPY_IN_GRAPHS:
             row = self.ext.ar_reserve_row(self.ctx)
             self._pending.append((row, x.data_ptr()))
             if algo == Algo.PULL_1SHOT:
                 out = torch.empty_like(x)
-        self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(),
-                               x.numel() * x.element_size(), blocks, stream, self.timeout_ns, row)
+        try:
+            self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(),
+                                   x.numel() * x.element_size(), blocks, stream, self.timeout_ns, row)
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.state.rank}, {algo.value}: {exc}") from None
         return out
 
     @contextlib.contextmanager

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.comm.topology import expandable_segments, p2p_env_reason, physical_device_ids
+from tpgraph.distributed import ParallelState
+
+
+def test_nccl_p2p_disable_gates_the_custom_path():
+    assert p2p_env_reason({}) is None
+    assert p2p_env_reason({"NCCL_P2P_DISABLE": "0"}) is None
+    assert "NCCL_P2P_DISABLE=1" in p2p_env_reason({"NCCL_P2P_DISABLE": "1"})
+
+
+@pytest.mark.parametrize(("conf", "expected"), [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+])
+def test_expandable_segments_detection(conf, expected):
+    assert expandable_segments(conf) is expected
+
+
+def test_physical_ids_follow_cuda_visible_devices():
+    assert physical_device_ids(None, 2) == ["0", "1"]
+    assert physical_device_ids("3,1", 2) == ["3", "1"]
+    assert physical_device_ids("GPU-aaa,GPU-bbb", 1) == ["GPU-aaa"]
+    with pytest.raises(ValueError, match="names 1 devices, 2 are in use"):
+        physical_device_ids("2", 2)
+
+
+def test_communicator_says_why_it_uses_nccl_on_cpu():
+    state = ParallelState(0, 2, 0, torch.device("cpu"), None, None)
+    assert TPCommunicator(state).custom_reason == "not on CUDA"
+    assert TPCommunicator(state, use_custom_allreduce=False).custom_reason == "disabled by the caller"

@@ -1,0 +1,64 @@
+"""Gates for the custom all-reduce: environment, allocator mode, NVLink topology. Each returns a reason string
+when the custom path must not be used (None when it may), so the log can say why."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    if env.get("NCCL_P2P_DISABLE", "0").strip() not in ("", "0"):
+        return f"NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']} forbids peer-to-peer traffic"
+    return None
+
+
+def expandable_segments(env: Mapping[str, str] | None = None) -> bool:
+    """True if PyTorch's allocator hands out VMM-backed memory, which cudaIpcGetMemHandle cannot export."""
+    env = os.environ if env is None else env
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in env.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return True
+    return False
+
+
+def physical_device_ids(visible: str | None, count: int) -> list[str]:
+    """NVML identifiers (index or UUID) of CUDA devices 0..count-1 under CUDA_VISIBLE_DEVICES."""
+    if not visible:
+        return [str(i) for i in range(count)]
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if len(ids) < count:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)} devices, {count} are in use")
+    return ids[:count]
+
+
+def nvlink_reason(local_devices: list[int]) -> str | None:
+    """None if every pair of the given CUDA devices is linked by NVLink (checked through NVML by physical id);
+    otherwise why not, or why it could not be checked."""
+    try:
+        import pynvml
+    except ImportError:
+        return "NVML (nvidia-ml-py) is not installed, so NVLink connectivity cannot be checked"
+    ids = physical_device_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), max(local_devices) + 1)
+    try:
+        pynvml.nvmlInit()
+        try:
+            handles = []
+            for d in local_devices:
+                ident = ids[d]
+                handles.append(pynvml.nvmlDeviceGetHandleByUUID(ident) if ident.startswith(("GPU-", "MIG-"))
+                               else pynvml.nvmlDeviceGetHandleByIndex(int(ident)))
+            for i, a in enumerate(handles):
+                for j, b in enumerate(handles):
+                    if i < j:
+                        status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                        if status != pynvml.NVML_P2P_STATUS_OK:
+                            return f"GPUs {ids[local_devices[i]]} and {ids[local_devices[j]]} are not linked by NVLink"
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:
+        return f"NVML query failed: {exc}"
+    return None
