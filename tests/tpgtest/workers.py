@@ -237,18 +237,18 @@ def custom_ar_graphs(rank, world_size, init, replays):
 
 def custom_ar_two_streams(rank, world_size, init):
     """A call from a second stream while the first stream's call may still run is refused, not hung."""
-    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
     state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=20))
     try:
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
         x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
         torch.cuda.synchronize()
         with torch.cuda.stream(a):
-            torch.cuda._sleep(200_000_000)  # keep stream a busy
+            torch.cuda._sleep(2_000_000_000)  # keep stream a busy for about a second
             ar.all_reduce(x, Algo.PULL_1SHOT)
         refused = None
         with torch.cuda.stream(b):

@@ -52,12 +52,13 @@ def test_every_boundary_plus_minus_16(arch, ws, mode, mc_live):
         Algo.NCCL, Algo.MULTICAST_2SHOT)
 
 
-def test_published_sm90_ws2_graph_row():
-    t = load_table_for((9, 0))
-    assert pick_algo(16 << 20, True, t, 2) == Algo.PUSH_1SHOT
-    assert pick_algo((16 << 20) + 16, True, t, 2) == Algo.PULL_1SHOT
+def test_published_sm100_ws2_rows():
+    t = load_table_for((10, 0))
+    assert pick_algo(8 << 20, True, t, 2) == Algo.PUSH_1SHOT
+    assert pick_algo((8 << 20) + 16, True, t, 2) == Algo.PULL_1SHOT
+    assert pick_algo((32 << 20) + 16, True, t, 2) == Algo.PULL_2SHOT
     assert pick_algo((128 << 20) + 16, True, t, 2) == Algo.NCCL
-    assert pick_algo((16 << 20) + 16, False, t, 2) == Algo.PUSH_1SHOT  # eager push bound is 32 MB
+    assert pick_algo((8 << 20) + 16, False, t, 2) == Algo.PUSH_1SHOT  # eager push bound is 16 MB
 
 
 def test_graph_and_eager_differ_and_multicast_needs_liveness():
