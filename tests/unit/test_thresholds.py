@@ -163,3 +163,17 @@ def test_launch_blocks_shrink_to_the_work():
     assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=16 * 1024) == 1  # 1024 vectors, 512 per shard
     assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=32 * 1024) == 2
     assert t90.blocks(Algo.PULL_1SHOT, 8, 132, nbytes=16) == 1
+
+
+@pytest.mark.parametrize(("name", "value"), DISABLING_VARIABLES)
+def test_cpp_multicast_gate_reads_the_same_variables(name, value, monkeypatch):
+    from tpgraph._ext import extension_available, load_ext
+
+    if not extension_available():
+        pytest.skip("tpgraph._C not built")
+    ext = load_ext()
+    for var, _ in DISABLING_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    assert ext.multicast_env_allowed()
+    monkeypatch.setenv(name, value)
+    assert not ext.multicast_env_allowed()
