@@ -65,8 +65,11 @@ class CustomAllReduce:
             raise CommError(f"the custom all-reduce supports 2..8 ranks, got {state.world_size}")
         self.ext = load_ext()
         self.state, self.cfg = state, cfg
-        for reason in (p2p_env_reason(), nvlink_reason([state.device.index]) if state.world_size > 2 else None):
-            if reason:  # NVLink matters from 3 ranks up; two PCIe GPUs still gain, as vLLM also allows
+        # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r); two PCIe
+        # GPUs still gain from it, as vLLM also allows.
+        group_devices = list(range(state.world_size))
+        for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
+            if reason:
                 raise CommError(f"custom all-reduce disabled: {reason}")
         # VMM-backed (expandable_segments) memory cannot be exported over CUDA IPC: graphs then stage their inputs
         self.zero_copy = not expandable_segments()
