@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpgraph.comm.custom_ar import CustomAllReduce
+from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
 from tpgraph.comm.thresholds import Algo
 from tpgraph.distributed import destroy_distributed, init_distributed
 
@@ -64,19 +64,62 @@ def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> 
     return statistics.median(out)
 
 
-CUSTOM = ("auto", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
+CUSTOM = ("auto", "auto_nopdl", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
+SWEEP_SIZES = [8 * KB, 128 * KB, 512 * KB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
+SWEEP_BLOCKS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 132]
 NO_CTX = contextlib.nullcontext
 
 
-def host_cost_us(fn, n: int) -> float:
-    """CPU time to submit one call: n calls timed on the host, the GPU kept ahead by small messages."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / n
+def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> list[dict]:
+    """Graph-mode latency of each forced algorithm over grid sizes: the data behind the tables' launch bands."""
+    rows = []
+    for nbytes in SWEEP_SIZES:
+        x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+            if algo == Algo.PUSH_1SHOT and nbytes > ar.table.bands(ar.state.world_size, True).push_max:
+                continue
+            times = {}
+            for blocks in SWEEP_BLOCKS:
+                if blocks > ar.num_sms:
+                    continue
+                times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k, repeats,
+                                           ar.capture)
+            best = min(times, key=times.get)
+            rows.append({"bytes": nbytes, "algo": algo.value, "us_by_blocks": times, "best_blocks": best})
+            if is_driver:
+                cells = " ".join(f"{b}:{t:.1f}" for b, t in times.items())
+                print(f"sweep {nbytes:>9} B {algo.value:<10} best {best:>3} blocks  {cells}", flush=True)
+    return rows
+
+
+def host_cost_us(fn, n: int, repeats: int = 5) -> float:
+    """CPU time to submit one call: n calls timed on the host (median of repeats). n stays below the launch
+    queue's depth, so the host never waits for the GPU and device time cannot leak into the figure."""
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        out.append((t1 - t0) * 1e6 / n)
+    return statistics.median(out)
+
+
+def host_costs(ar: CustomAllReduce, x: torch.Tensor) -> dict[str, float]:
+    """Host time per eager call, and its parts: the communicator's entry, the extension call alone, and one
+    plain torch op for scale."""
+    plan = ar.plan(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (ar.ctx, plan.algo_code, plan.dtype_code, x.data_ptr(), x.data_ptr(), plan.nbytes, plan.blocks, stream,
+            ar.timeout_ns, -1)
+    n = 500
+    out = {"try_all_reduce": host_cost_us(lambda: ar.try_all_reduce(x), n),
+           "extension_call": host_cost_us(lambda: ar.ext.ar_all_reduce(*args), n),
+           "torch_add_": host_cost_us(lambda: x.add_(0), n)}
+    x.zero_()
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -105,9 +148,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also sweep grid sizes per algorithm (graph mode)")
     args = p.parse_args()
     state = init_distributed("cuda")
     ar = CustomAllReduce(state)
+    ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
+    sweep = sweep_blocks(ar, 20, 10, state.is_driver) if args.sweep else []
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -126,7 +172,10 @@ def main() -> None:
             limit = cap.push_max if algo == Algo.PUSH_1SHOT else cap.pull2_max
             if nbytes <= limit:
                 cands[algo.value] = lambda x=x, a=algo: ar.all_reduce(x, a)
-        cands["auto"] = lambda x=x: ar.all_reduce(x) if ar.accepts(x) else dist.all_reduce(x, group=state.tp_group)
+        # what TPCommunicator.all_reduce does: the custom path when the table allows it, else NCCL
+        cands["auto"] = lambda x=x: ar.try_all_reduce(x) is not None or dist.all_reduce(x, group=state.tp_group)
+        cands["auto_nopdl"] = (lambda x=x: ar_nopdl.try_all_reduce(x) is not None
+                               or dist.all_reduce(x, group=state.tp_group))
         if symm_mem is not None:
             try:
                 sx = symm_mem.empty(numel, dtype=torch.bfloat16, device="cuda")
@@ -144,13 +193,15 @@ def main() -> None:
             row[f"{name}_eager_us"] = time_eager(fn, 20, args.repeats)
             # graph: custom calls captured inside ar.capture() (zero-copy); eager_device: the eager data path
             # (staging copy + kernel) captured without it, so host launch cost does not hide device time
-            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ar.capture if custom else NO_CTX)
+            ctx = (ar_nopdl.capture if name == "auto_nopdl" else ar.capture) if custom else NO_CTX
+            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ctx)
             if custom:
                 row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)
         if nbytes == 8 * KB:
-            host_us = host_cost_us(cands["auto"], 2000)
+            host = host_costs(ar, x)
             if state.is_driver:
-                print(f"host cost per eager auto call at 8 KB: {host_us:.1f} us (Python -> kernel submitted)")
+                print("host cost per eager call at 8 KB (us, Python -> kernel submitted): "
+                      + ", ".join(f"{k}={v:.1f}" for k, v in host.items()), flush=True)
         rows.append(row)
         if state.is_driver:
             cols = " ".join(f"{k.removesuffix('_us')}={v:.1f}" for k, v in row.items() if k.endswith("_us"))
@@ -158,7 +209,9 @@ def main() -> None:
     if state.is_driver and args.out:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
-                                              "dtype": "bfloat16", "k": args.k, "rows": rows}, indent=1))
+                                              "dtype": "bfloat16", "k": args.k, "host_us_8kb": host,
+                                              "rows": rows, "sweep": sweep}, indent=1))
+    ar_nopdl.close()
     ar.close()
     destroy_distributed(state)
 

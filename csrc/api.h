@@ -51,7 +51,7 @@ void ipc_close_handle(const std::string& handle);
 size_t ipc_open_count();
 
 // ar_context.cu: one rank's custom all-reduce context (opaque handle).
-uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes);
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl);
 uintptr_t ar_workspace(uintptr_t ctx);
 size_t ar_workspace_bytes(uintptr_t ctx);
 size_t ar_staging_offset(uintptr_t ctx);

@@ -25,21 +25,28 @@ struct TimeoutRecord {
   int block;
 };
 
-// Workspace of one rank, one cudaMalloc: [flags | counters | push buffers | staging].
+// 1shot_push tracks its buffer phase per chunk of kThreads vectors (8 KB), not per grid: the block that owns a
+// chunk reads and advances its phase with no atomics, and calls may use different grid sizes.
+constexpr size_t kPushChunkVecs = kThreads;
+
+// Workspace of one rank, one cudaMalloc: [flags | block epochs | push phases | push buffers | staging].
 struct WorkspaceLayout {
   static constexpr size_t kFlagsBytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t);
-  static constexpr size_t kCountersBytes = size_t(kMaxBlocks) * 2 * sizeof(uint32_t);  // per-block barrier epochs; push phase
+  static constexpr size_t kEpochsBytes = size_t(kMaxBlocks) * sizeof(uint32_t);  // per-block barrier epochs
   static constexpr int kPushPhases = 3;
   size_t push_slot_bytes = 0;  // bytes of one rank's slot in one phase
   size_t staging_bytes = 0;
   int world_size = 0;
 
+  size_t push_chunks() const { return (push_slot_bytes / 16 + kPushChunkVecs - 1) / kPushChunkVecs; }
   size_t flags_offset() const { return 0; }
-  size_t counters_offset() const { return kFlagsBytes; }
-  size_t push_offset() const { return kFlagsBytes + kCountersBytes; }
+  size_t epochs_offset() const { return kFlagsBytes; }
+  size_t phases_offset() const { return kFlagsBytes + kEpochsBytes; }
+  size_t push_offset() const { return round16(phases_offset() + push_chunks() * sizeof(uint32_t)); }
   size_t push_bytes() const { return size_t(kPushPhases) * world_size * push_slot_bytes; }
   size_t staging_offset() const { return push_offset() + push_bytes(); }
   size_t total_bytes() const { return staging_offset() + staging_bytes; }
+  static constexpr size_t round16(size_t n) { return (n + 15) / 16 * 16; }
 };
 
 // Everything a kernel needs, passed by value.
@@ -49,6 +56,8 @@ struct ArParams {
   int rank;
   int world_size;
   size_t push_slot_bytes;
+  size_t phases_offset;
+  size_t push_offset;
   size_t staging_offset;
   uint64_t timeout_ns;
   TimeoutRecord* timeout;  // host-mapped
@@ -63,6 +72,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// Programmatic dependent launch (sm_90+): kernels are launched so that the next one may start while this one
+// drains. pdl_wait() returns once the previous kernel in the stream has finished and its writes are visible, so
+// every kernel calls it before touching memory; pdl_launch_dependents() lets the next kernel be scheduled now.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
 __device__ __forceinline__ void store_release_sys(uint32_t* addr, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
@@ -113,7 +128,7 @@ __device__ __forceinline__ uint32_t* flags_of(const ArParams& p, int rank) {
   return reinterpret_cast<uint32_t*>(p.peer_ws[rank]);
 }
 
-__device__ __forceinline__ uint32_t* counters_of(const ArParams& p) {
+__device__ __forceinline__ uint32_t* epochs_of(const ArParams& p) {
   return reinterpret_cast<uint32_t*>(p.peer_ws[p.rank] + WorkspaceLayout::kFlagsBytes);
 }
 

@@ -40,24 +40,26 @@ struct ArContext {
   TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
   std::vector<uintptr_t> peers;
   ArParams base_params{};  // filled once peers are known; each call copies it and sets what varies
+  bool pdl = true;  // launch as programmatic dependents of the previous kernel
   cudaEvent_t last_done = nullptr;  // recorded after each eager call, to catch use from two streams at once
   cudaStream_t last_stream = nullptr;
   bool used = false;
 };
 
-uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes) {
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl) {
   TPG_CHECK(world_size >= 2 && world_size <= kMaxRanks, "custom all-reduce supports world sizes 2.." << kMaxRanks
                                                                                                     << ", got " << world_size);
   TPG_CHECK(rank >= 0 && rank < world_size, "rank " << rank << " outside world size " << world_size);
   TPG_CHECK(push_slot_bytes % 16 == 0 && staging_bytes % 16 == 0, "workspace sizes must be multiples of 16 bytes");
   auto* ctx = new ArContext;
   ctx->rank = rank;
+  ctx->pdl = pdl;
   ctx->layout.world_size = world_size;
   ctx->layout.push_slot_bytes = push_slot_bytes;
   ctx->layout.staging_bytes = staging_bytes;
   try {
     TPG_CUDA_CHECK(cudaMalloc(&ctx->workspace, ctx->layout.total_bytes()));
-    TPG_CUDA_CHECK(cudaMemset(ctx->workspace, 0, ctx->layout.push_offset()));  // flags and counters start at 0
+    TPG_CUDA_CHECK(cudaMemset(ctx->workspace, 0, ctx->layout.push_offset()));  // flags, epochs, phases start at 0
     const size_t push_words = ctx->layout.push_bytes() / sizeof(uint32_t);
     if (push_words) {
       fill_words<<<1024, 256>>>(reinterpret_cast<uint32_t*>(ctx->workspace + ctx->layout.push_offset()),
@@ -106,6 +108,8 @@ void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspace
   p.rank = ctx.rank;
   p.world_size = ctx.layout.world_size;
   p.push_slot_bytes = ctx.layout.push_slot_bytes;
+  p.phases_offset = ctx.layout.phases_offset();
+  p.push_offset = ctx.layout.push_offset();
   p.staging_offset = ctx.layout.staging_offset();
   TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&p.timeout), ctx.timeout, 0));
 }
@@ -167,22 +171,15 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   p.timeout_ns = timeout_ns;
   p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
   const auto dt = static_cast<DType>(dtype);
-  if (algo == 0) {
-    launch_push_1shot(p, dt, reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), nbytes, blocks, stream);
-  } else if (zero_copy) {  // graph: peers read our original input through the row; 2shot writes results in place
-    launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
-  } else {
-    // Staged: copy the input into this rank's workspace, where peers can read it.
-    char* staging = ctx.workspace + ctx.layout.staging_offset();
-    if (reinterpret_cast<char*>(in) != staging) {
-      TPG_CUDA_CHECK(
-          cudaMemcpyAsync(staging, reinterpret_cast<const void*>(in), nbytes, cudaMemcpyDeviceToDevice, stream));
-    }
-    if (algo == 3) {  // this build never creates multicast objects: always the unicast emulation
-      launch_multicast_2shot(p, dt, reinterpret_cast<void*>(out), nbytes, blocks, /*emulate=*/true, stream);
-    } else {
-      launch_pull(static_cast<ArAlgo>(algo), p, dt, reinterpret_cast<void*>(out), nbytes, blocks, stream);
-    }
+  const Launch launch{blocks, ctx.pdl, stream};
+  const auto* in_ptr = reinterpret_cast<const void*>(in);
+  auto* out_ptr = reinterpret_cast<void*>(out);
+  switch (static_cast<ArAlgo>(algo)) {
+    case ArAlgo::Push1: launch_push_1shot(p, dt, in_ptr, out_ptr, nbytes, launch); break;
+    case ArAlgo::Pull1:
+    case ArAlgo::Pull2: launch_pull(static_cast<ArAlgo>(algo), p, dt, in_ptr, out_ptr, nbytes, launch); break;
+    // this build never creates multicast objects: always the unicast emulation
+    case ArAlgo::Multicast2: launch_multicast_2shot(p, dt, in_ptr, out_ptr, nbytes, /*emulate=*/true, launch); break;
   }
   if (!capturing) {
     TPG_CUDA_CHECK(cudaEventRecord(ctx.last_done, stream));

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "ar_common.cuh"
 #include "common.cuh"
@@ -43,11 +44,35 @@ void dispatch_world_size(int world_size, Fn&& fn) {
   TPG_CHECK(false, "unsupported world size " << world_size);
 }
 
-void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, int blocks,
-                       cudaStream_t stream);
-void launch_multicast_2shot(const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks, bool emulate,
-                            cudaStream_t stream);
-void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks,
-                 cudaStream_t stream);
+// How one call is launched: grid size (policy, from Python), programmatic dependent launch, stream.
+struct Launch {
+  int blocks = 1;
+  bool pdl = true;
+  cudaStream_t stream = nullptr;
+};
+
+// cudaLaunchKernelEx with kThreads threads per block; with launch.pdl the kernel may be scheduled while the
+// previous kernel in the stream drains (every all-reduce kernel starts with pdl_wait()).
+template <typename... Params, typename... Args>
+void launch_ar_kernel(void (*kernel)(Params...), const Launch& launch, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(launch.blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = launch.stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = launch.pdl ? 1 : 0;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  TPG_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// `in` is this rank's input. Pull and multicast kernels copy it into the staging buffer themselves when
+// p.row is null (eager); with a graph row they read every rank's original buffer instead.
+void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch);
+void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
+                 const Launch& launch);
+void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, bool emulate,
+                            const Launch& launch);
 
 }  // namespace tpgraph

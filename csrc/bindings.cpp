@@ -60,7 +60,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ipc_close_handle", [](py::bytes handle) { ipc_close_handle(std::string(handle)); }, py::arg("handle"));
   m.def("ar_create", &ar_create, py::arg("rank"), py::arg("world_size"), py::arg("push_slot_bytes"),
-        py::arg("staging_bytes"), "allocate this rank's all-reduce workspace; returns an opaque context handle");
+        py::arg("staging_bytes"), py::arg("pdl") = true, "allocate this rank's all-reduce workspace; returns an opaque context handle");
   m.def("ar_workspace", &ar_workspace, py::arg("ctx"));
   m.def("ar_workspace_bytes", &ar_workspace_bytes, py::arg("ctx"));
   m.def("ar_staging_offset", &ar_staging_offset, py::arg("ctx"), "byte offset of the staging buffer in the workspace");

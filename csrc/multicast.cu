@@ -1,119 +1,65 @@
-// 2shot_multicast (NVLS): reduce-scatter with multimem.ld_reduce on the multicast mapping of the staging
-// buffers, then one multimem.st per reduced vector that lands in every rank at once. The kernel is written once
-// over its memory operations: MulticastOps issues the multimem instructions on the multicast address;
-// UnicastEmulation performs the same loads, sums and stores through every peer's unicast mapping. Only the
-// emulation runs where multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+// 2shot_multicast (NVLS): two_shot_kernel (two_shot.cuh) over MulticastOps, which reduces with one
+// multimem.ld_reduce per vector on the multicast mapping of the staging buffers and stores with one multimem.st
+// that lands in every rank at once. The same kernel over UnicastOps is the unicast emulation, and that is the
+// only one that runs where multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 // NVSHMEM_DISABLE_NVLS=1 or TPGRAPH_DISABLE_MULTICAST=1): this build never creates a multicast object.
 // Always staged: the multicast mapping covers the workspace, so it cannot be zero-copy.
 #include "api.h"
-#include "ar_common.cuh"
 #include "ar_launch.h"
+#include "two_shot.cuh"
 
 namespace tpgraph {
 
 namespace {
-struct UnicastEmulation {
-  template <typename T, int W>
-  static __device__ __forceinline__ uint4 load_reduce(const ArParams& p, size_t i) {
-    uint4 vals[W];
-#pragma unroll
-    for (int r = 0; r < W; ++r) vals[r] = static_cast<const uint4*>(p.peer_in[r])[i];
-    return reduce_vecs<T, W>(vals);
-  }
-  template <int W>
-  static __device__ __forceinline__ void store(const ArParams& p, size_t i, uint4 v) {
-#pragma unroll
-    for (int r = 0; r < W; ++r) const_cast<uint4*>(static_cast<const uint4*>(p.peer_in[r]))[i] = v;
-  }
-};
-
+// multimem.ld_reduce of one 16-byte vector of T, accumulated in fp32 for the 16-bit types.
 template <typename T>
-struct MultimemPtx;
-
-template <>
-struct MultimemPtx<float> {
-  static __device__ __forceinline__ uint4 ld_reduce(const void* a) {
-    uint4 v;
+__device__ __forceinline__ uint4 multimem_ld_reduce(const void* a) {
+  uint4 v;
+  if constexpr (std::is_same_v<T, float>) {
     asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-    return v;
-  }
-};
-
-template <>
-struct MultimemPtx<__nv_bfloat16> {
-  static __device__ __forceinline__ uint4 ld_reduce(const void* a) {
-    uint4 v;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-    return v;
-  }
-};
-
-template <>
-struct MultimemPtx<__half> {
-  static __device__ __forceinline__ uint4 ld_reduce(const void* a) {
-    uint4 v;
+  } else {
     asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-    return v;
   }
-};
+  return v;
+}
+
+__device__ __forceinline__ void multimem_st(void* a, const uint4& v) {
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};" ::"l"(a), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
 
 struct MulticastOps {
   template <typename T, int W>
-  static __device__ __forceinline__ uint4 load_reduce(const ArParams& p, size_t i) {
-    return MultimemPtx<T>::ld_reduce(static_cast<const uint4*>(p.mc_staging) + i);
-  }
-  template <int W>
-  static __device__ __forceinline__ void store(const ArParams& p, size_t i, uint4 v) {
-    asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};" ::"l"(
-                     static_cast<uint4*>(p.mc_staging) + i),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
+  static __device__ __forceinline__ void reduce_and_broadcast(const ArParams& p, size_t first, size_t end,
+                                                              size_t stride) {
+    auto* mc = static_cast<uint4*>(p.mc_staging);
+    for (size_t i = first; i < end; i += stride) multimem_st(mc + i, multimem_ld_reduce<T>(mc + i));
   }
 };
-
-template <typename T, int W, typename Ops>
-__global__ void __launch_bounds__(kThreads) multicast_2shot_kernel(ArParams p, uint4* out, size_t nvec) {
-  uint32_t* epoch_counter = counters_of(p) + blockIdx.x;
-  uint32_t epoch = *epoch_counter;
-  block_barrier(p, ArAlgo::Multicast2, epoch);  // every rank's input is staged
-  const size_t shard = (nvec + W - 1) / W;
-  const size_t begin = shard * p.rank;
-  const size_t end = begin + shard < nvec ? begin + shard : nvec;
-  for (size_t i = begin + size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end; i += size_t(gridDim.x) * blockDim.x) {
-    Ops::template store<W>(p, i, Ops::template load_reduce<T, W>(p, i));
-  }
-  block_barrier(p, ArAlgo::Multicast2, epoch);  // every shard has landed everywhere
-  const uint4* mine = static_cast<const uint4*>(p.peer_in[p.rank]);
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec; i += size_t(gridDim.x) * blockDim.x) {
-    out[i] = mine[i];
-  }
-  if (threadIdx.x == 0) *epoch_counter = epoch;
-}
 }  // namespace
 
-void launch_multicast_2shot(const ArParams& p, DType dtype, void* out, size_t nbytes, int blocks, bool emulate,
-                            cudaStream_t stream) {
-  if (!emulate) {
-    TPG_CHECK(multicast_env_allowed(), "2shot_multicast: multicast is disabled by the environment");
-    TPG_CHECK(p.mc_staging != nullptr, "2shot_multicast: no multicast mapping (run the unicast emulation)");
+void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, bool emulate,
+                            const Launch& launch) {
+  if (emulate) {
+    launch_pull(ArAlgo::Multicast2, p, dtype, in, out, nbytes, launch);
+    return;
   }
+  TPG_CHECK(multicast_env_allowed(), "2shot_multicast: multicast is disabled by the environment");
+  TPG_CHECK(p.mc_staging != nullptr, "2shot_multicast: no multicast mapping (run the unicast emulation)");
   const size_t nvec = nbytes / sizeof(uint4);
-  auto out4 = static_cast<uint4*>(out);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_world_size(p.world_size, [&](auto w) {
-      constexpr int W = decltype(w)::value;
-      if (emulate) {
-        multicast_2shot_kernel<T, W, UnicastEmulation><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);
-      } else {
-        multicast_2shot_kernel<T, W, MulticastOps><<<blocks, kThreads, 0, stream>>>(p, out4, nvec);
-      }
+      launch_ar_kernel(two_shot_kernel<T, decltype(w)::value, MulticastOps>, launch, p, ArAlgo::Multicast2,
+                       static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
     });
   });
-  TPG_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tpgraph

@@ -1,8 +1,9 @@
-// 1shot_push: Lamport-style, no flags. Each rank writes its 16-byte vectors into its slot of every rank's push
-// buffer, then polls its own buffer until no word is the sentinel, reduces in fixed rank order, and re-arms the
-// slots it read. The phase (3 buffers) lives on the device, one for the whole grid (the last block to finish
-// advances it), so calls may use different grid sizes and the kernel is graph-safe with no host state. It never
-// reads a staged copy of the input: graph capture changes nothing for it.
+// 1shot_push: Lamport-style, no flags. Each rank writes its 16-byte vectors into its slot of every peer's push
+// buffer, then polls its own buffer until no word is the sentinel, reduces in fixed rank order (its own vectors
+// straight from the input) and re-arms the slots it read. Buffers rotate through 3 phases; the phase is kept per
+// 8 KB chunk on the device and advanced by the block that owned the chunk, so the kernel is graph-safe with no
+// host state, needs no atomics, and successive calls may use different grid sizes. It never reads a staged copy
+// of the input: graph capture changes nothing for it.
 #include "ar_common.cuh"
 #include "ar_launch.h"
 
@@ -10,60 +11,64 @@ namespace tpgraph {
 
 namespace {
 template <typename T, int W>
-__global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const uint4* __restrict__ in, uint4* out,
-                                                               size_t nvec) {
-  // counters_of(p)[kMaxBlocks]: the phase; [kMaxBlocks + 1]: blocks finished in this call.
-  uint32_t* phase_counter = counters_of(p) + kMaxBlocks;
-  uint32_t* finished = phase_counter + 1;
-  const uint32_t phase = *phase_counter % WorkspaceLayout::kPushPhases;
+__global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const uint4* in, uint4* out, size_t nvec) {
+  pdl_wait();
+  pdl_launch_dependents();
+  uint32_t* phases = reinterpret_cast<uint32_t*>(p.peer_ws[p.rank] + p.phases_offset);
   const size_t slot_vecs = p.push_slot_bytes / sizeof(uint4);
-  auto slot = [&](int owner, int src) {
-    return reinterpret_cast<uint4*>(p.peer_ws[owner] + WorkspaceLayout::kFlagsBytes + WorkspaceLayout::kCountersBytes) +
-           (size_t(phase) * W + src) * slot_vecs;
+  auto slot = [&](int owner, uint32_t phase, int src) {
+    return reinterpret_cast<uint4*>(p.peer_ws[owner] + p.push_offset) + (size_t(phase) * W + src) * slot_vecs;
   };
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nchunks = (nvec + kPushChunkVecs - 1) / kPushChunkVecs;
 
-  for (size_t i = first; i < nvec; i += stride) {
+  for (size_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const size_t i = c * kPushChunkVecs + threadIdx.x;
+    if (i >= nvec) break;  // later chunks only go further
+    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
     const uint4 v = avoid_sentinel<T>(in[i]);
 #pragma unroll
-    for (int r = 0; r < W; ++r) store_volatile_v4(slot(r, p.rank) + i, v);
+    for (int r = 0; r < W; ++r) {
+      if (r != p.rank) store_volatile_v4(slot(r, phase, p.rank) + i, v);
+    }
   }
   const uint64_t start = global_timer_ns();
-  for (size_t i = first; i < nvec; i += stride) {
+  for (size_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const size_t i = c * kPushChunkVecs + threadIdx.x;
+    if (i >= nvec) break;
+    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
     uint4 vals[W];
 #pragma unroll
     for (int r = 0; r < W; ++r) {
-      const uint4* src = slot(p.rank, r) + i;
-      wait_until(p, ArAlgo::Push1, r, start, [&] { return !has_sentinel(vals[r] = load_volatile_v4(src)); });
+      if (r == p.rank) {
+        vals[r] = avoid_sentinel<T>(in[i]);  // what the peers received from us
+      } else {
+        const uint4* src = slot(p.rank, phase, r) + i;
+        wait_until(p, ArAlgo::Push1, r, start, [&] { return !has_sentinel(vals[r] = load_volatile_v4(src)); });
+      }
     }
     out[i] = reduce_vecs<T, W>(vals);
 #pragma unroll
-    for (int r = 0; r < W; ++r) store_volatile_v4(slot(p.rank, r) + i, sentinel_vec());
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // every block has read the phase before the last one advances it
-    if (atomicAdd(finished, 1u) == gridDim.x - 1) {
-      *finished = 0;
-      *phase_counter += 1;  // seen by the next launch (kernel boundary)
+    for (int r = 0; r < W; ++r) {
+      if (r != p.rank) store_volatile_v4(slot(p.rank, phase, r) + i, sentinel_vec());
     }
+  }
+  __syncthreads();  // every thread of this block has read its chunks' phases
+  for (size_t c = blockIdx.x + size_t(threadIdx.x) * gridDim.x; c < nchunks; c += size_t(gridDim.x) * blockDim.x) {
+    phases[c] += 1;  // seen by the next call (kernel boundary)
   }
 }
 
 }  // namespace
 
-void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, int blocks,
-                       cudaStream_t stream) {
+void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch) {
   const size_t nvec = nbytes / sizeof(uint4);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_world_size(p.world_size, [&](auto w) {
-      push_1shot_kernel<T, decltype(w)::value><<<blocks, kThreads, 0, stream>>>(
-          p, static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
+      launch_ar_kernel(push_1shot_kernel<T, decltype(w)::value>, launch, p, static_cast<const uint4*>(in),
+                       static_cast<uint4*>(out), nvec);
     });
   });
-  TPG_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tpgraph

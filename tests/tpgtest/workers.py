@@ -106,12 +106,14 @@ def ipc_roundtrip(rank, world_size, init):
 
 
 def custom_ar_exactness(rank, world_size, init, sizes, iters):
-    """Every algorithm forced, every dtype: integer-valued inputs must give NCCL's result exactly."""
-    from tpgraph.comm.custom_ar import CustomAllReduce
+    """Every algorithm forced, every dtype: integer-valued inputs must give NCCL's result exactly. Iterations
+    alternate the table's grid, 3 blocks and one block per SM, so calls with different grids follow each other."""
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
 
     state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 << 20))
+    grids = (None, 3, ar.num_sms)
     failures, checked = [], 0
     try:
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
@@ -123,7 +125,7 @@ def custom_ar_exactness(rank, world_size, init, sizes, iters):
                         x[::97] = -0.0  # real negative zeros must survive the push sentinel
                         ref = x.clone()
                         dist.all_reduce(ref, group=state.tp_group)
-                        ar.all_reduce(x, algo)
+                        ar.all_reduce(x, algo, blocks=grids[it % len(grids)])
                         checked += 1
                         if not torch.equal(x, ref):
                             bad = (x != ref).nonzero()[:3].flatten().tolist()
@@ -165,21 +167,24 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
     os._exit(0)  # the trapped context cannot be torn down cleanly
 
 
+GRAPH_TEST_BYTES = (16, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
+
+
 def custom_ar_graphs(rank, world_size, init, replays):
     """4 layers x (push, 1shot_pull, 2shot_pull) x sizes, each followed by an in-place NCCL all-reduce of the
     same tensor, captured once and replayed with fresh inputs written in place; compared with eager NCCL."""
-    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
     state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 << 20))
     algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT)  # multicast: emulated
     failures, compared = [], 0
     try:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             item = torch.tensor([], dtype=dtype).element_size()
-            numels = [16 // item, 1040, (64 << 10) // item, (1 << 20) // item]
+            numels = [n // item for n in GRAPH_TEST_BYTES] + [1040]
             inputs = [[torch.zeros(n, dtype=dtype, device="cuda") for n in numels for _ in algos] for _ in range(4)]
 
             def body(inputs=inputs):
@@ -246,11 +251,14 @@ def custom_ar_two_streams(rank, world_size, init):
     try:
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
         x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
+        with torch.cuda.stream(a):  # first launch loads the kernel module (lazy loading may synchronize)
+            ar.all_reduce(torch.ones(4096, device="cuda"), Algo.PULL_1SHOT)
         torch.cuda.synchronize()
         with torch.cuda.stream(a):
             torch.cuda._sleep(2_000_000_000)  # keep stream a busy for about a second
             ar.all_reduce(x, Algo.PULL_1SHOT)
         refused = None
+        busy = not a.query()  # the premise: stream a is still sleeping
         with torch.cuda.stream(b):
             try:
                 ar.all_reduce(y, Algo.PULL_1SHOT)
@@ -261,7 +269,7 @@ def custom_ar_two_streams(rank, world_size, init):
         with torch.cuda.stream(b):
             ar.all_reduce(y, Algo.PULL_1SHOT)
         torch.cuda.synchronize()
-        return refused, float(x[0]), float(y[0])
+        return busy, refused, float(x[0]), float(y[0])
     finally:
         ar.close()
         destroy_distributed(state)

@@ -134,13 +134,56 @@ def test_loader_file_errors(tmp_path):
         load_table(tmp_path / "bad.json")
 
 
+LAUNCH = {"push_blocks": [[1 << 20, 4], [4 << 20, 32], [1 << 30, "num_sms"]], "pull1_blocks": 64,
+          "pull2_blocks": {"2": "num_sms", "default": 96}, "multicast_blocks": {"8": 32}}
+
+
+def launch_table(launch=LAUNCH):
+    doc = good_doc()
+    doc["launch"] = launch
+    return parse_table(doc, "test.json")
+
+
 def test_launch_blocks():
-    t90, t100 = load_table_for((9, 0)), load_table_for((10, 0))
-    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132) == 132
-    assert t90.blocks(Algo.PULL_1SHOT, 2, 132) == 64
-    assert t100.blocks(Algo.PULL_2SHOT, 2, 148) == 148
-    assert t100.blocks(Algo.PULL_2SHOT, 4, 148) == 96
-    assert t100.blocks(Algo.MULTICAST_2SHOT, 8, 148) == 32
+    t = launch_table()
+    assert t.blocks(Algo.PULL_1SHOT, 2, 132) == 64
+    assert t.blocks(Algo.PULL_2SHOT, 2, 148) == 148
+    assert t.blocks(Algo.PULL_2SHOT, 4, 148) == 96
+    assert t.blocks(Algo.MULTICAST_2SHOT, 8, 148) == 32
+    assert t.blocks(Algo.MULTICAST_2SHOT, 4, 148) == 64  # absent: the default
+    assert t.blocks(Algo.PULL_1SHOT, 2, 32) == 32  # never more blocks than SMs
+
+
+def test_launch_block_bands_pick_the_first_that_holds_the_message():
+    t = launch_table()
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=1 << 20) == 4
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=(1 << 20) + 16) == 32
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=4 << 20) == 32
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=(4 << 20) + 16) == 132
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=1 << 31) == 132  # beyond the last band: the last band
+
+
+@pytest.mark.parametrize(("launch", "message"), [
+    ({"pull_blocks": 64}, "unknown launch keys \\['pull_blocks'\\]"),
+    ({"push_blocks": 0}, "grid size is 1..256"),
+    ({"push_blocks": "all"}, "grid size is 1..256"),
+    ({"push_blocks": [[1024, 4], [512, 8]]}, "growing max_bytes"),
+    ({"push_blocks": [[1024, [[2048, 4]]]]}, "grid size is 1..256"),
+    ({"pull2_blocks": {"9": 4}}, "world sizes 2..8"),
+    ([], "'launch' must be an object"),
+])
+def test_loader_rejects_malformed_launch(launch, message):
+    with pytest.raises(ConfigError, match=message):
+        launch_table(launch)
+
+
+def test_shipped_launch_specs_resolve_everywhere():
+    for cap in ((9, 0), (10, 0), (8, 0)):
+        t = load_table_for(cap)
+        for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
+            for ws in range(2, 9):
+                for nbytes in (16, 8192, 1 << 20, 64 << 20):
+                    assert 1 <= t.blocks(algo, ws, 132, nbytes) <= 132
 
 
 @pytest.mark.parametrize(("name", "value"), DISABLING_VARIABLES)
@@ -157,12 +200,12 @@ def test_multicast_other_values_do_not_disable():
 
 
 def test_launch_blocks_shrink_to_the_work():
-    t90 = load_table_for((9, 0))
-    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 1  # 512 vectors: one block of 512 threads
-    assert t90.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=16 << 20) == 132
-    assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=16 * 1024) == 1  # 1024 vectors, 512 per shard
-    assert t90.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=32 * 1024) == 2
-    assert t90.blocks(Algo.PULL_1SHOT, 8, 132, nbytes=16) == 1
+    t = launch_table({"push_blocks": "num_sms", "pull1_blocks": 64, "pull2_blocks": 64})
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 1  # 512 vectors: one block of 512 threads
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=16 << 20) == 132
+    assert t.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=16 * 1024) == 1  # 1024 vectors, 512 per shard
+    assert t.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=32 * 1024) == 2
+    assert t.blocks(Algo.PULL_1SHOT, 8, 132, nbytes=16) == 1
 
 
 @pytest.mark.parametrize(("name", "value"), DISABLING_VARIABLES)

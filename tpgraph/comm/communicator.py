@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from tpgraph.comm.thresholds import Algo
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import TPGraphError
 
@@ -41,9 +40,9 @@ class TPCommunicator:
         if self.world_size == 1:
             return x
         if self.custom is not None:
-            algo = self.custom.pick(x)
-            if algo != Algo.NCCL:
-                return self.custom.all_reduce(x, algo)
+            out = self.custom.try_all_reduce(x)
+            if out is not None:
+                return out
         dist.all_reduce(x, group=self.state.tp_group)
         return x
 

@@ -32,15 +32,30 @@ MB = 1 << 20
 
 
 @dataclass(frozen=True)
+class CallPlan:
+    """Everything one call needs besides its pointers, computed once per (dtype, size, mode) and cached."""
+
+    algo: Algo
+    algo_code: int
+    dtype_code: int
+    nbytes: int
+    blocks: int
+    zero_copy: bool  # graph mode: pull inputs are read through a pointer-table row, no staging copy
+
+
+@dataclass(frozen=True)
 class CustomAllReduceConfig:
     max_push_bytes: int = 16 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
+    push_slot_bytes: int | None = None  # None: the table's largest push band, capped by max_push_bytes
     max_staging_bytes: int = 64 * MB
     timeout_s: float = float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30"))
+    # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
+    pdl: bool = os.environ.get("TPGRAPH_AR_PDL", "1") != "0"
 
     def __post_init__(self) -> None:
-        for name in ("max_push_bytes", "max_staging_bytes"):
+        for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes"):
             value = getattr(self, name)
-            if value < 0 or value % VECTOR_BYTES:
+            if value is not None and (value < 0 or value % VECTOR_BYTES):
                 raise ConfigError(f"{name} must be a non-negative multiple of {VECTOR_BYTES}, got {value}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
@@ -81,10 +96,11 @@ class CustomAllReduce:
         ws = state.world_size
         table = load_table_for((props.major, props.minor))
         rows = [table.bands(ws, graph) for graph in (True, False)]
-        push = min(max(b.push_max for b in rows), cfg.max_push_bytes)
+        push = cfg.push_slot_bytes if cfg.push_slot_bytes is not None else min(max(b.push_max for b in rows),
+                                                                                cfg.max_push_bytes)
         staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
         self.table = clamp_to_workspace(table, push, staging)
-        self.ctx = self.ext.ar_create(state.rank, ws, push, staging)
+        self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl)
         base = self.ext.ar_workspace(self.ctx)
         handles = gather_objects(state, self.ext.ipc_get_handle(base))
         self._opened = [h for r, h in enumerate(handles) if r != state.rank]
@@ -96,6 +112,8 @@ class CustomAllReduce:
         self.timeout_ns = int(cfg.timeout_s * 1e9)
         self._capturing = False
         self._pending: list[tuple[int, int]] = []  # (row, input pointer) recorded during capture
+        self._plans: dict[tuple, CallPlan | None] = {}
+        self._device_index = state.device.index
         if state.is_driver:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
@@ -130,35 +148,70 @@ class CustomAllReduce:
                          contiguous=x.is_contiguous(), multicast_live=self.multicast_live)
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and self.pick(x) != Algo.NCCL
+        return x.is_cuda and x.is_contiguous() and self.plan(x) is not None
 
     @property
     def graph_mode(self) -> bool:
         """True while the current stream is capturing inside capture(): the graph table and zero-copy apply."""
         return self._capturing and torch.cuda.is_current_stream_capturing()
 
-    def all_reduce(self, x: torch.Tensor, algo: Algo | None = None) -> torch.Tensor:
-        """Sum x over the ranks with `algo` or the table's choice. Returns the result: x itself (in place),
-        except 1shot_pull in graph mode, which writes a new tensor (peers still read x)."""
+    def plan(self, x: torch.Tensor, algo: Algo | None = None, blocks: int | None = None) -> CallPlan | None:
+        """The call plan for x in the current mode (None: the table sends it to NCCL). Forcing an algorithm or a
+        grid size overrides the table. Cached, so a decode step pays for the policy once per shape."""
         graph = self.graph_mode
-        algo = algo or self.pick(x, graph)
+        key = (x.dtype, x.numel(), graph, algo, blocks)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        nbytes = x.numel() * x.element_size()
+        if algo is None:
+            algo = pick_algo(nbytes, graph, self.table, self.state.world_size, dtype=x.dtype,
+                             multicast_live=self.multicast_live)
+            if algo == Algo.NCCL:
+                self._plans[key] = None
+                return None
         if algo not in ALGO_CODES:
             raise CommError(f"{algo.value} cannot run on the custom path here")
-        if x.dtype not in DTYPE_CODES or not x.is_contiguous():
-            raise CommError(f"custom all-reduce needs a contiguous bf16/fp16/fp32 tensor, got {x.dtype}")
-        blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, x.numel() * x.element_size())
-        stream = torch.cuda.current_stream().cuda_stream
+        if x.dtype not in DTYPE_CODES:
+            raise CommError(f"custom all-reduce needs a bf16/fp16/fp32 tensor, got {x.dtype}")
+        if blocks is None:
+            blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, nbytes)
+        zero_copy = graph and self.zero_copy and algo in ZERO_COPY_IN_GRAPHS
+        plan = CallPlan(algo, ALGO_CODES[algo], DTYPE_CODES[x.dtype], nbytes, blocks, zero_copy)
+        self._plans[key] = plan
+        return plan
+
+    def all_reduce(self, x: torch.Tensor, algo: Algo | None = None, blocks: int | None = None) -> torch.Tensor:
+        """Sum x over the ranks with `algo` (and `blocks`) or the table's choice. Returns the result: x itself
+        (in place), except 1shot_pull in graph mode, which writes a new tensor (peers still read x)."""
+        if not x.is_contiguous():
+            raise CommError("custom all-reduce needs a contiguous tensor")
+        plan = self.plan(x, algo, blocks)
+        if plan is None:
+            raise CommError(f"the table sends {x.numel() * x.element_size()} bytes to NCCL")
+        return self._run(x, plan)
+
+    def try_all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The table's choice on the custom path, or None where NCCL should do it (the communicator's entry)."""
+        if not x.is_contiguous():
+            return None
+        plan = self.plan(x)
+        return None if plan is None else self._run(x, plan)
+
+    def _run(self, x: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         out, row = x, -1
-        if graph and self.zero_copy and algo in ZERO_COPY_IN_GRAPHS:
+        if plan.zero_copy:
             row = self.ext.ar_reserve_row(self.ctx)
             self._pending.append((row, x.data_ptr()))
-            if algo == Algo.PULL_1SHOT:
+            if plan.algo == Algo.PULL_1SHOT:
                 out = torch.empty_like(x)
+        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         try:
-            self.ext.ar_all_reduce(self.ctx, ALGO_CODES[algo], DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(),
-                                   x.numel() * x.element_size(), blocks, stream, self.timeout_ns, row)
+            self.ext.ar_all_reduce(self.ctx, plan.algo_code, plan.dtype_code, x.data_ptr(), out.data_ptr(),
+                                   plan.nbytes, plan.blocks, stream, self.timeout_ns, row)
         except RuntimeError as exc:
-            raise CommError(f"rank {self.state.rank}, {algo.value}: {exc}") from None
+            raise CommError(f"rank {self.state.rank}, {plan.algo.value}: {exc}") from None
         return out
 
     @contextlib.contextmanager

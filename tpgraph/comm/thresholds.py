@@ -34,6 +34,14 @@ class Algo(str, Enum):
     NCCL = "nccl"
 
 
+# Grid size per algorithm, in a table's "launch" object. A spec is a block count, "num_sms", a list of
+# [max_bytes, spec] bands (the first band that holds the message wins; the last also covers larger ones), or an
+# object keyed by world size ("2".."8", "default") whose values are such specs.
+LAUNCH_KEYS = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull1_blocks", Algo.PULL_2SHOT: "pull2_blocks",
+               Algo.MULTICAST_2SHOT: "multicast_blocks"}
+DEFAULT_BLOCKS = 64
+
+
 @dataclass(frozen=True)
 class Bands:
     """One (arch, world size, mode) row of a table."""
@@ -65,11 +73,11 @@ class AlgoTable:
     def blocks(self, algo: Algo, world_size: int, num_sms: int, nbytes: int | None = None) -> int:
         """Grid size for an algorithm: table policy, resolved against this GPU's SM count, and no more blocks
         than the message has work for (THREADS_PER_BLOCK 16-byte vectors each; 2shot: per shard)."""
-        key = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull_blocks", Algo.PULL_2SHOT: "pull_blocks",
-               Algo.MULTICAST_2SHOT: "multicast_blocks"}[algo]
-        spec = self.launch.get(key, 64)
+        spec = self.launch.get(LAUNCH_KEYS[algo], DEFAULT_BLOCKS)
         if isinstance(spec, dict):
-            spec = spec.get(str(world_size), spec.get("default", 64))
+            spec = spec.get(str(world_size), spec.get("default", DEFAULT_BLOCKS))
+        if isinstance(spec, list):  # [[max_bytes, blocks], ...]: the first band that holds the message
+            spec = next((b for upto, b in spec if nbytes is None or nbytes <= upto), spec[-1][1])
         value = num_sms if spec == "num_sms" else int(spec)
         if nbytes is not None:
             vectors = -(-nbytes // VECTOR_BYTES)
@@ -127,6 +135,39 @@ def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
                              None if mc is None else (mc[0], mc[1]), row["provenance"])
 
 
+def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None:
+    if spec == "num_sms" or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= 256):
+        return
+    if bands_allowed and isinstance(spec, list) and spec:
+        last = 0
+        for band in spec:
+            if not (isinstance(band, list) and len(band) == 2 and isinstance(band[0], int) and band[0] > last):
+                raise ConfigError(f"{where}: bands must be [max_bytes, blocks] pairs with growing max_bytes, "
+                                  f"got {band!r}")
+            _check_block_spec(band[1], where, bands_allowed=False)
+            last = band[0]
+        return
+    raise ConfigError(f"{where}: a grid size is 1..256 blocks, \"num_sms\" or a list of [max_bytes, blocks] "
+                      f"bands, got {spec!r}")
+
+
+def _check_launch(launch: Any, source: str) -> None:
+    if not isinstance(launch, dict):
+        raise ConfigError(f"{source}: 'launch' must be an object")
+    unknown = launch.keys() - set(LAUNCH_KEYS.values())
+    if unknown:
+        raise ConfigError(f"{source}: unknown launch keys {sorted(unknown)} (known: {sorted(LAUNCH_KEYS.values())})")
+    for key, spec in launch.items():
+        where = f"{source} launch.{key}"
+        if isinstance(spec, dict):
+            for ws, sub in spec.items():
+                if ws != "default" and not (ws.isdigit() and int(ws) in WORLD_SIZES):
+                    raise ConfigError(f"{where}: keys are world sizes 2..8 or 'default', got {ws!r}")
+                _check_block_spec(sub, f"{where}.{ws}")
+        else:
+            _check_block_spec(spec, where)
+
+
 def parse_table(doc: Any, source: str) -> AlgoTable:
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not isinstance(doc.get("arch"), str):
         raise ConfigError(f"{source}: a table is an object with 'arch' (string) and 'rows' (list)")
@@ -140,8 +181,7 @@ def parse_table(doc: Any, source: str) -> AlgoTable:
     if absent:
         raise ConfigError(f"{source}: rows missing for world_size/mode {', '.join(absent)}")
     launch = doc.get("launch", {})
-    if not isinstance(launch, dict):
-        raise ConfigError(f"{source}: 'launch' must be an object")
+    _check_launch(launch, source)
     return AlgoTable(doc["arch"], source, rows, launch)
 
 
