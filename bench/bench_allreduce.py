@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
 from tpgraph.comm.thresholds import Algo
-from tpgraph.distributed import destroy_distributed, init_distributed
+from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
+from tpgraph.errors import CommError
 
 KB, MB = 1 << 10, 1 << 20
 SIZES = [4 * KB, 8 * KB, 32 * KB, 128 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
@@ -66,7 +67,7 @@ def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> 
 
 CUSTOM = ("auto", "auto_nopdl", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
 SWEEP_SIZES = [8 * KB, 128 * KB, 512 * KB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
-SWEEP_BLOCKS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 132]
+SWEEP_BLOCKS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 132, 264]  # 264: two per SM where the kernel fits
 NO_CTX = contextlib.nullcontext
 
 
@@ -76,14 +77,17 @@ def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> 
     for nbytes in SWEEP_SIZES:
         x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
-            if algo == Algo.PUSH_1SHOT and nbytes > ar.table.bands(ar.state.world_size, True).push_max:
+            if algo == Algo.PUSH_1SHOT and nbytes > ar.push_slot_bytes:
                 continue
             times = {}
             for blocks in SWEEP_BLOCKS:
-                if blocks > ar.num_sms:
+                if blocks > 2 * ar.num_sms:
                     continue
-                times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k, repeats,
-                                           ar.capture)
+                try:
+                    times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k,
+                                               repeats, ar.capture)
+                except CommError:  # more blocks than this kernel keeps resident
+                    break
             best = min(times, key=times.get)
             rows.append({"bytes": nbytes, "algo": algo.value, "us_by_blocks": times, "best_blocks": best})
             if is_driver:
@@ -105,6 +109,33 @@ def host_cost_us(fn, n: int, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         out.append((t1 - t0) * 1e6 / n)
     return statistics.median(out)
+
+
+def p2p_bandwidth_gbs(state, nbytes: int = 256 * MB, iters: int = 10) -> dict[str, float]:
+    """Copy-engine bandwidth into the next rank's GPU (GB/s): one way (rank 0 alone), and both ways at once."""
+    peer = (state.rank + 1) % state.world_size
+    src = torch.empty(nbytes, dtype=torch.uint8, device=state.device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{peer}")
+    dst.copy_(src)
+    torch.cuda.synchronize(state.device)
+
+    def timed() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return nbytes * iters / (start.elapsed_time(end) * 1e-3) / 1e9
+
+    out = {}
+    gather_objects(state, None)
+    if state.rank == 0:
+        out["one_way"] = timed()
+    gather_objects(state, None)
+    out["both_ways_each"] = timed()
+    gather_objects(state, None)
+    return out
 
 
 def host_costs(ar: CustomAllReduce, x: torch.Tensor) -> dict[str, float]:
@@ -151,7 +182,10 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also sweep grid sizes per algorithm (graph mode)")
     args = p.parse_args()
     state = init_distributed("cuda")
-    ar = CustomAllReduce(state)
+    p2p = p2p_bandwidth_gbs(state)
+    if state.is_driver:
+        print("P2P copy bandwidth (GB/s): " + ", ".join(f"{k}={v:.0f}" for k, v in p2p.items()), flush=True)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB))  # push slot: room to sweep
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
     sweep = sweep_blocks(ar, 20, 10, state.is_driver) if args.sweep else []
     group_name = dist.group.WORLD.group_name
@@ -169,7 +203,7 @@ def main() -> None:
         cands = {"nccl": lambda x=x: dist.all_reduce(x, group=state.tp_group)}
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):  # multicast: emulation only here
             cap = ar.table.bands(state.world_size, False)
-            limit = cap.push_max if algo == Algo.PUSH_1SHOT else cap.pull2_max
+            limit = ar.push_slot_bytes if algo == Algo.PUSH_1SHOT else cap.pull2_max
             if nbytes <= limit:
                 cands[algo.value] = lambda x=x, a=algo: ar.all_reduce(x, a)
         # what TPCommunicator.all_reduce does: the custom path when the table allows it, else NCCL
@@ -209,7 +243,8 @@ def main() -> None:
     if state.is_driver and args.out:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
-                                              "dtype": "bfloat16", "k": args.k, "host_us_8kb": host,
+                                              "dtype": "bfloat16", "k": args.k, "num_sms": ar.num_sms,
+                                              "host_us_8kb": host, "p2p_gbs": p2p,
                                               "rows": rows, "sweep": sweep}, indent=1))
     ar_nopdl.close()
     ar.close()

@@ -11,8 +11,13 @@
 namespace tpgraph {
 
 constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 256;
+constexpr int kMaxBlocks = 1024;  // more than one block per SM is allowed, up to what can be resident at once
 constexpr int kThreads = 512;
+
+// Loop unrolling: U vectors per thread in flight at once (fewer for large world sizes, whose W loads per vector
+// already fill the registers).
+template <int W>
+constexpr int kUnroll = W <= 2 ? 4 : (W <= 4 ? 2 : 1);
 
 enum class ArAlgo : int { Push1 = 0, Pull1 = 1, Pull2 = 2, Multicast2 = 3 };
 

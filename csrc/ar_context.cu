@@ -41,6 +41,7 @@ struct ArContext {
   std::vector<uintptr_t> peers;
   ArParams base_params{};  // filled once peers are known; each call copies it and sets what varies
   bool pdl = true;  // launch as programmatic dependents of the previous kernel
+  int sm_count = 0;
   cudaEvent_t last_done = nullptr;  // recorded after each eager call, to catch use from two streams at once
   cudaStream_t last_stream = nullptr;
   bool used = false;
@@ -58,6 +59,9 @@ uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t sta
   ctx->layout.push_slot_bytes = push_slot_bytes;
   ctx->layout.staging_bytes = staging_bytes;
   try {
+    int device = 0;
+    TPG_CUDA_CHECK(cudaGetDevice(&device));
+    TPG_CUDA_CHECK(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, device));
     TPG_CUDA_CHECK(cudaMalloc(&ctx->workspace, ctx->layout.total_bytes()));
     TPG_CUDA_CHECK(cudaMemset(ctx->workspace, 0, ctx->layout.push_offset()));  // flags, epochs, phases start at 0
     const size_t push_words = ctx->layout.push_bytes() / sizeof(uint32_t);
@@ -171,7 +175,7 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   p.timeout_ns = timeout_ns;
   p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
   const auto dt = static_cast<DType>(dtype);
-  const Launch launch{blocks, ctx.pdl, stream};
+  const Launch launch{blocks, ctx.pdl, stream, ctx.sm_count};
   const auto* in_ptr = reinterpret_cast<const void*>(in);
   auto* out_ptr = reinterpret_cast<void*>(out);
   switch (static_cast<ArAlgo>(algo)) {

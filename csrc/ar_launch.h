@@ -49,12 +49,21 @@ struct Launch {
   int blocks = 1;
   bool pdl = true;
   cudaStream_t stream = nullptr;
+  int sm_count = 0;  // of this device
 };
 
 // cudaLaunchKernelEx with kThreads threads per block; with launch.pdl the kernel may be scheduled while the
 // previous kernel in the stream drains (every all-reduce kernel starts with pdl_wait()).
 template <typename... Params, typename... Args>
 void launch_ar_kernel(void (*kernel)(Params...), const Launch& launch, Args&&... args) {
+  if (launch.blocks > launch.sm_count) {
+    // Blocks wait on the same block index of other ranks, so every block must be resident at once.
+    int per_sm = 0;
+    TPG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    TPG_CHECK(launch.blocks <= per_sm * launch.sm_count,
+              "grid of " << launch.blocks << " blocks exceeds the " << per_sm * launch.sm_count
+                         << " this kernel can keep resident (" << per_sm << " per SM)");
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(launch.blocks);
   cfg.blockDim = dim3(kThreads);

@@ -9,11 +9,6 @@
 
 namespace tpgraph {
 
-// Loop unrolling for the copy and reduce loops: U vectors per thread in flight at once (fewer for large
-// world sizes, whose W loads per vector already fill the registers).
-template <int W>
-constexpr int kUnroll = W <= 2 ? 4 : (W <= 4 ? 2 : 1);
-
 // dst[i] = src[i] for i = first, first + stride, ... < end.
 template <int U>
 __device__ __forceinline__ void copy_strided(uint4* dst, const uint4* src, size_t first, size_t end, size_t stride) {

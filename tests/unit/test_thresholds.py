@@ -134,7 +134,8 @@ def test_loader_file_errors(tmp_path):
         load_table(tmp_path / "bad.json")
 
 
-LAUNCH = {"push_blocks": [[1 << 20, 4], [4 << 20, 32], [1 << 30, "num_sms"]], "pull1_blocks": 64,
+LAUNCH = {"push_blocks": [[1 << 20, 4], [4 << 20, 32], [16 << 20, "num_sms"], [1 << 30, "num_sms*2"]],
+          "pull1_blocks": 64,
           "pull2_blocks": {"2": "num_sms", "default": 96}, "multicast_blocks": {"8": 32}}
 
 
@@ -160,15 +161,19 @@ def test_launch_block_bands_pick_the_first_that_holds_the_message():
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=(1 << 20) + 16) == 32
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=4 << 20) == 32
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=(4 << 20) + 16) == 132
-    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=1 << 31) == 132  # beyond the last band: the last band
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=16 << 20) == 132
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=64 << 20) == 264  # two blocks per SM
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=1 << 31) == 264  # beyond the last band: the last band
 
 
 @pytest.mark.parametrize(("launch", "message"), [
     ({"pull_blocks": 64}, "unknown launch keys \\['pull_blocks'\\]"),
-    ({"push_blocks": 0}, "grid size is 1..256"),
-    ({"push_blocks": "all"}, "grid size is 1..256"),
+    ({"push_blocks": 0}, "grid size is 1..1024"),
+    ({"push_blocks": "all"}, "grid size is 1..1024"),
+    ({"push_blocks": "num_sms*0"}, "grid size is 1..1024"),
+    ({"push_blocks": "num_sms*x"}, "grid size is 1..1024"),
     ({"push_blocks": [[1024, 4], [512, 8]]}, "growing max_bytes"),
-    ({"push_blocks": [[1024, [[2048, 4]]]]}, "grid size is 1..256"),
+    ({"push_blocks": [[1024, [[2048, 4]]]]}, "grid size is 1..1024"),
     ({"pull2_blocks": {"9": 4}}, "world sizes 2..8"),
     ([], "'launch' must be an object"),
 ])
@@ -183,7 +188,7 @@ def test_shipped_launch_specs_resolve_everywhere():
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
             for ws in range(2, 9):
                 for nbytes in (16, 8192, 1 << 20, 64 << 20):
-                    assert 1 <= t.blocks(algo, ws, 132, nbytes) <= 132
+                    assert 1 <= t.blocks(algo, ws, 132, nbytes) <= 8 * 132
 
 
 @pytest.mark.parametrize(("name", "value"), DISABLING_VARIABLES)

@@ -100,6 +100,7 @@ class CustomAllReduce:
                                                                                 cfg.max_push_bytes)
         staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
         self.table = clamp_to_workspace(table, push, staging)
+        self.push_slot_bytes, self.staging_bytes = push, staging
         self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl)
         base = self.ext.ar_workspace(self.ctx)
         handles = gather_objects(state, self.ext.ipc_get_handle(base))

@@ -34,12 +34,24 @@ class Algo(str, Enum):
     NCCL = "nccl"
 
 
-# Grid size per algorithm, in a table's "launch" object. A spec is a block count, "num_sms", a list of
+# Grid size per algorithm, in a table's "launch" object. A spec is a block count (capped at the GPU's SM count),
+# "num_sms" or "num_sms*k" (k blocks per SM; the extension refuses grids that cannot all be resident), a list of
 # [max_bytes, spec] bands (the first band that holds the message wins; the last also covers larger ones), or an
 # object keyed by world size ("2".."8", "default") whose values are such specs.
 LAUNCH_KEYS = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull1_blocks", Algo.PULL_2SHOT: "pull2_blocks",
                Algo.MULTICAST_2SHOT: "multicast_blocks"}
 DEFAULT_BLOCKS = 64
+MAX_BLOCKS = 1024  # csrc/ar_common.cuh kMaxBlocks
+
+
+def _sms_multiple(spec: Any) -> int:
+    """k for "num_sms" (1) or "num_sms*k"; 0 for anything else."""
+    if not isinstance(spec, str) or not spec.startswith("num_sms"):
+        return 0
+    rest = spec[len("num_sms"):]
+    if rest == "":
+        return 1
+    return int(rest[1:]) if rest[0] == "*" and rest[1:].isdigit() and 1 <= int(rest[1:]) <= 8 else 0
 
 
 @dataclass(frozen=True)
@@ -78,13 +90,14 @@ class AlgoTable:
             spec = spec.get(str(world_size), spec.get("default", DEFAULT_BLOCKS))
         if isinstance(spec, list):  # [[max_bytes, blocks], ...]: the first band that holds the message
             spec = next((b for upto, b in spec if nbytes is None or nbytes <= upto), spec[-1][1])
-        value = num_sms if spec == "num_sms" else int(spec)
+        per_sm = _sms_multiple(spec)
+        value = num_sms * per_sm if per_sm else min(int(spec), num_sms)
         if nbytes is not None:
             vectors = -(-nbytes // VECTOR_BYTES)
             if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
                 vectors = -(-vectors // world_size)
             value = min(value, -(-vectors // THREADS_PER_BLOCK))
-        return max(1, min(value, num_sms))
+        return max(1, min(value, MAX_BLOCKS))
 
 
 def pick_algo(nbytes: int, graph: bool, table: AlgoTable, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
@@ -136,7 +149,7 @@ def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
 
 
 def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None:
-    if spec == "num_sms" or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= 256):
+    if _sms_multiple(spec) or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= MAX_BLOCKS):
         return
     if bands_allowed and isinstance(spec, list) and spec:
         last = 0
@@ -147,8 +160,8 @@ def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None
             _check_block_spec(band[1], where, bands_allowed=False)
             last = band[0]
         return
-    raise ConfigError(f"{where}: a grid size is 1..256 blocks, \"num_sms\" or a list of [max_bytes, blocks] "
-                      f"bands, got {spec!r}")
+    raise ConfigError(f"{where}: a grid size is 1..{MAX_BLOCKS} blocks, \"num_sms\", \"num_sms*k\" (k 1..8) or a "
+                      f"list of [max_bytes, blocks] bands, got {spec!r}")
 
 
 def _check_launch(launch: Any, source: str) -> None:
