@@ -1,4 +1,4 @@
-from tpgraph.comm.tune import derive_bands, winners
+from tpgraph.comm.tune import derive_bands, derive_launch, grid_spec, winners
 
 MB = 1 << 20
 
@@ -28,3 +28,24 @@ def test_eager_uses_device_time():
     rows = [row(1 * MB, 5, 7, 8, nccl=10, eager_shift=6)]  # eager push 11 > NCCL 10
     assert derive_bands(rows, "eager", 128 * MB) == {"push_max": 0, "pull1_max": 0, "pull2_max": 0}
     assert derive_bands(rows, "graph", 128 * MB)["push_max"] == 128 * MB
+
+
+def sweep_entry(n, algo, times):
+    return {"bytes": n, "algo": algo, "us_by_blocks": {str(b): t for b, t in times.items()}}  # JSON keys
+
+
+def test_launch_bands_take_the_smallest_near_best_grid_and_merge():
+    sweep = [sweep_entry(8192, "1shot_push", {1: 2.6, 2: 2.55, 132: 4.8}),  # 2 is best, 1 is within 2%
+             sweep_entry(1 * MB, "1shot_push", {1: 20.0, 64: 7.0, 132: 6.0}),
+             sweep_entry(8 * MB, "1shot_push", {64: 40.0, 132: 30.0}),
+             sweep_entry(8 * MB, "2shot_pull", {32: 31.5, 64: 30.6, 132: 30.8})]
+    launch = derive_launch(sweep, 132)
+    assert launch["push_blocks"] == [[8192, 1], [8 * MB, "num_sms"]]
+    assert launch["pull2_blocks"] == [[8 * MB, 64]]
+    assert "pull1_blocks" not in launch
+
+
+def test_grid_spec_names_sm_multiples():
+    assert grid_spec(132, 132) == "num_sms"
+    assert grid_spec(264, 132) == "num_sms*2"
+    assert grid_spec(96, 132) == 96

@@ -2,9 +2,11 @@
 
     python -m tpgraph.comm.tune --from-bench bench/results/.../bench_allreduce_tp2.json --arch sm90
 
-Graph rows use the graph (zero-copy) times; eager rows use the eager data path's *device* time (staging copy +
-kernel, captured in a graph so host launch cost does not hide it). NCCL competes in both. Bands must be ordered
-push <= pull1 <= pull2 <= nccl, so a winner that would break the order is folded into the later band.
+Launch bands (grid size per message size, per algorithm) come from the benchmark's `--sweep` (graph mode): at
+each measured size, the smallest grid within 2% of the fastest. Graph rows use the graph (zero-copy) times;
+eager rows use the eager data path's *device* time (staging copy + kernel, captured in a graph so host launch
+cost does not hide it). NCCL competes in both. Bands must be ordered push <= pull1 <= pull2 <= nccl, so a winner
+that would break the order is folded into the later band.
 (The measuring `tpgraph-tune` command comes with its own issue; this derives rows from a benchmark file.)
 """
 
@@ -15,10 +17,39 @@ import datetime
 import json
 from pathlib import Path
 
-from tpgraph.comm.thresholds import config_dir, parse_table
+from tpgraph.comm.thresholds import LAUNCH_KEYS, Algo, config_dir, parse_table
 
 ORDER = ("1shot_push", "1shot_pull", "2shot_pull", "nccl")
 KEYS = ("push_max", "pull1_max", "pull2_max")
+NEAR_BEST = 1.02  # a grid this close to the fastest counts as fast: prefer fewer blocks (less SM contention)
+
+
+def grid_spec(blocks: int, num_sms: int) -> int | str:
+    """A grid size as a table writes it: per-SM multiples by name, so the row carries to GPUs of the same arch
+    with other SM counts."""
+    if blocks % num_sms == 0:
+        k = blocks // num_sms
+        return "num_sms" if k == 1 else f"num_sms*{k}"
+    return blocks
+
+
+def derive_launch(sweep: list[dict], num_sms: int) -> dict[str, list]:
+    """Launch key -> [[max_bytes, spec], ...]: each measured size's grid holds up to that size; equal neighbours
+    merge; the last band also covers larger messages."""
+    out: dict[str, list] = {}
+    for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+        bands: list[list] = []
+        for entry in sorted((e for e in sweep if e["algo"] == algo.value), key=lambda e: e["bytes"]):
+            times = {int(b): t for b, t in entry["us_by_blocks"].items()}
+            best = min(times.values())
+            spec = grid_spec(min(b for b, t in times.items() if t <= best * NEAR_BEST), num_sms)
+            if bands and bands[-1][1] == spec:
+                bands[-1][0] = entry["bytes"]
+            else:
+                bands.append([entry["bytes"], spec])
+        if bands:
+            out[LAUNCH_KEYS[algo]] = bands
+    return out
 
 
 def winners(rows: list[dict], mode: str) -> list[tuple[int, str]]:
@@ -59,6 +90,14 @@ def update_table(table_path: Path, bench: dict, source: str) -> dict:
         row["provenance"] = (f"measured {today} on {bench['gpu']} x{ws} by bench/bench_allreduce.py ({source}); "
                              f"{row['mode']} bands from {'graph' if row['mode'] == 'graph' else 'eager device'} "
                              "times, NCCL competing")
+    if bench.get("sweep"):
+        for key, bands in derive_launch(bench["sweep"], bench["num_sms"]).items():
+            current = doc["launch"].get(key, {})
+            per_ws = dict(current) if isinstance(current, dict) else {"default": current}
+            per_ws[str(ws)] = bands
+            doc["launch"][key] = per_ws
+        doc["launch_provenance"] = (f"world size {ws} grids measured {today} on {bench['gpu']} x{ws} by "
+                                    f"bench/bench_allreduce.py --sweep ({source})")
     parse_table(doc, str(table_path))  # still a valid table
     return doc
 
