@@ -143,6 +143,8 @@ void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vec
 void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream_handle, uint64_t timeout_ns, int row) {
   ArContext& ctx = get(handle);
+  // After a timed-out kernel trapped, the context is dead: say why instead of a bare sticky CUDA error.
+  if (ctx.timeout->fired) throw std::runtime_error(ar_timeout_message(handle));
   const int ws = ctx.layout.world_size;
   TPG_CHECK(int(ctx.peers.size()) == ws, "peer workspaces are not set: exchange IPC handles first");
   TPG_CHECK(algo >= 0 && algo <= 3, "unknown algorithm code " << algo);

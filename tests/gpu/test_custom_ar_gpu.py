@@ -38,9 +38,11 @@ def test_skipped_call_times_out_with_a_named_peer(tmp_path):
                           cwd=Path(__file__).resolve().parents[2])
     out = tmp_path / "outcome0"
     assert out.exists(), proc.stderr[-2000:]
-    message, elapsed = ast.literal_eval(out.read_text())
+    message, elapsed, next_call = ast.literal_eval(out.read_text())
     assert "timed out on rank 0" in message and "1shot_pull" in message and "rank 1" in message, message
     assert elapsed < timeout_s + 10
+    assert "timed out on rank 0" in next_call and "rank 1" in next_call, next_call
+    assert "timed out on rank 0" in proc.stderr  # the watchdog logged it as it happened
 
 
 def test_graphs_zero_copy_equal_nccl():

@@ -144,6 +144,7 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
 
     from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
 
     state = init_distributed("cuda", rank, world_size, init)
     ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=timeout_s))
@@ -159,6 +160,12 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
         except RuntimeError as exc:
             err = ar.timeout_error()
             outcome = (str(err) if err else f"untranslated: {exc}", time.monotonic() - start)
+            try:  # the dead context refuses further calls with the same message
+                ar.all_reduce(x, Algo.PULL_1SHOT)
+                outcome += ("next call accepted",)
+            except CommError as again:
+                outcome += (str(again),)
+            ar._watchdog.join(timeout=2.0)  # it polls every 0.2 s; let it log before the hard exit
     else:
         outcome = ("skipped", 0.0)
     from pathlib import Path

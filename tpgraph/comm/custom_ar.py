@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -111,6 +112,9 @@ class CustomAllReduce:
         gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
         self._check_p2p_writes(peers)
         self.timeout_ns = int(cfg.timeout_s * 1e9)
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_timeouts, name="tpgraph-ar-watchdog", daemon=True)
+        self._watchdog.start()
         self._capturing = False
         self._pending: list[tuple[int, int]] = []  # (row, input pointer) recorded during capture
         self._plans: dict[tuple, CallPlan | None] = {}
@@ -258,12 +262,26 @@ class CustomAllReduce:
         torch.cuda.synchronize()
         gather_objects(self.state, None)  # all rows everywhere before anyone replays
 
+    def _watch_timeouts(self) -> None:
+        """Log a kernel timeout the moment it fires (the record is host memory, no CUDA call): the trap's sticky
+        CUDA error then reaches the caller wherever it next synchronizes, but the log already names the peer.
+        The next all_reduce raises the same message as a CommError."""
+        while not self._watchdog_stop.wait(0.2):
+            message = self.ext.ar_timeout_message(self.ctx)
+            if message:
+                logger.error("%s", message)
+                return
+
     def timeout_error(self) -> CommError | None:
         """After a CUDA failure: the error naming rank, algorithm and peer, if a kernel wait timed out."""
         message = self.ext.ar_timeout_message(self.ctx)
         return CommError(message) if message else None
 
     def close(self) -> None:
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog_stop.set()
+            self._watchdog.join()
+            self._watchdog = None
         if self.ctx:
             torch.cuda.synchronize()
             for h in self._opened:
