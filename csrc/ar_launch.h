@@ -78,6 +78,12 @@ void launch_ar_kernel(void (*kernel)(Params...), const Launch& launch, Args&&...
 
 // `in` is this rank's input. Pull and multicast kernels copy it into the staging buffer themselves when
 // p.row is null (eager); with a graph row they read every rank's original buffer instead.
+// fn(TypeTag<T>{}, std::integral_constant<int, W>{}): one kernel instance per element type and world size.
+template <typename Fn>
+void dispatch_kernel(DType dtype, int world_size, Fn&& fn) {
+  dispatch_dtype(dtype, [&](auto tag) { dispatch_world_size(world_size, [&](auto w) { fn(tag, w); }); });
+}
+
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch);
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                  const Launch& launch);

@@ -53,12 +53,9 @@ void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void
   TPG_CHECK(multicast_env_allowed(), "2shot_multicast: multicast is disabled by the environment");
   TPG_CHECK(p.mc_staging != nullptr, "2shot_multicast: no multicast mapping (run the unicast emulation)");
   const size_t nvec = nbytes / sizeof(uint4);
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    dispatch_world_size(p.world_size, [&](auto w) {
-      launch_ar_kernel(two_shot_kernel<T, decltype(w)::value, MulticastOps>, launch, p, ArAlgo::Multicast2,
-                       static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
-    });
+  dispatch_kernel(dtype, p.world_size, [&](auto tag, auto w) {
+    launch_ar_kernel(two_shot_kernel<typename decltype(tag)::type, decltype(w)::value, MulticastOps>, launch, p,
+                     ArAlgo::Multicast2, static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
   });
 }
 

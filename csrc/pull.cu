@@ -33,16 +33,14 @@ void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, vo
   const size_t nvec = nbytes / sizeof(uint4);
   auto in4 = static_cast<const uint4*>(in);
   auto out4 = static_cast<uint4*>(out);
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_kernel(dtype, p.world_size, [&](auto tag, auto w) {
     using T = typename decltype(tag)::type;
-    dispatch_world_size(p.world_size, [&](auto w) {
-      constexpr int W = decltype(w)::value;
-      if (algo == ArAlgo::Pull1) {
-        launch_ar_kernel(pull_1shot_kernel<T, W>, launch, p, in4, out4, nvec);
-      } else {  // Pull2, or Multicast2 emulated
-        launch_ar_kernel(two_shot_kernel<T, W, UnicastOps>, launch, p, algo, in4, out4, nvec);
-      }
-    });
+    constexpr int W = decltype(w)::value;
+    if (algo == ArAlgo::Pull1) {
+      launch_ar_kernel(pull_1shot_kernel<T, W>, launch, p, in4, out4, nvec);
+    } else {  // Pull2, or Multicast2 emulated
+      launch_ar_kernel(two_shot_kernel<T, W, UnicastOps>, launch, p, algo, in4, out4, nvec);
+    }
   });
 }
 

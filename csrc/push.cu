@@ -93,12 +93,9 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
 
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch) {
   const size_t nvec = nbytes / sizeof(uint4);
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    dispatch_world_size(p.world_size, [&](auto w) {
-      launch_ar_kernel(push_1shot_kernel<T, decltype(w)::value>, launch, p, static_cast<const uint4*>(in),
-                       static_cast<uint4*>(out), nvec);
-    });
+  dispatch_kernel(dtype, p.world_size, [&](auto tag, auto w) {
+    launch_ar_kernel(push_1shot_kernel<typename decltype(tag)::type, decltype(w)::value>, launch, p,
+                     static_cast<const uint4*>(in), static_cast<uint4*>(out), nvec);
   });
 }
 
