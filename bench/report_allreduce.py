@@ -1,0 +1,97 @@
+"""Turn a bench_allreduce.py JSON into the markdown table and the issue's performance checks.
+
+    python bench/report_allreduce.py bench/results/.../bench.json [--p2p-gbs 395]
+
+The NVLink floor is bytes each way / P2P bandwidth: the bandwidth the benchmark measured (one-way copy), unless
+--p2p-gbs overrides it. Peers' device time is their graph figure; "best peer" is the best of NCCL, symm_mem
+one-shot and symm_mem two-shot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+KB, MB = 1 << 10, 1 << 20
+PEERS = ("nccl", "symm_1shot", "symm_2shot")
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // KB} KB"
+
+
+def best_peer(row: dict, mode: str = "graph") -> tuple[str, float]:
+    times = {p: row[f"{p}_{mode}_us"] for p in PEERS if f"{p}_{mode}_us" in row}
+    name = min(times, key=times.get)
+    return name, times[name]
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| bytes | auto graph (algo) | no PDL | NCCL | symm 1-shot | symm 2-shot | ÷ NCCL | ÷ best peer "
+            "| auto eager device | eager ÷ best peer | auto eager back-to-back |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        _, best = best_peer(r)
+        auto = r["auto_graph_us"]
+        nan = float("nan")
+        lines.append(
+            f"| {human(r['bytes'])} | {auto:.1f} ({r['auto_graph_algo']}) | {r.get('auto_nopdl_graph_us', nan):.1f} "
+            f"| {r['nccl_graph_us']:.1f} | {r.get('symm_1shot_graph_us', nan):.1f} "
+            f"| {r.get('symm_2shot_graph_us', nan):.1f} | {auto / r['nccl_graph_us']:.2f} | {auto / best:.2f} "
+            f"| {r['auto_eager_device_us']:.1f} ({r['auto_algo']}) | {r['auto_eager_device_us'] / best:.2f} "
+            f"| {r['auto_eager_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def checks(doc: dict, p2p_gbs: float) -> list[tuple[str, bool, str]]:
+    rows = {r["bytes"]: r for r in doc["rows"]}
+    out = []
+
+    def ratio(n: int, peer: str) -> float:
+        return rows[n]["auto_graph_us"] / rows[n][f"{peer}_graph_us"]
+
+    out.append(("8 KB: auto <= 0.22x NCCL", ratio(8 * KB, "nccl") <= 0.22, f"{ratio(8 * KB, 'nccl'):.3f}"))
+    out.append(("8 KB: auto <= 0.6x symm one-shot", ratio(8 * KB, "symm_1shot") <= 0.6,
+                f"{ratio(8 * KB, 'symm_1shot'):.3f} ({rows[8 * KB]['auto_graph_us']:.2f} us)"))
+    out.append(("512 KB: auto <= 0.30x NCCL", ratio(512 * KB, "nccl") <= 0.30, f"{ratio(512 * KB, 'nccl'):.3f}"))
+    out.append(("2 MB: auto <= 0.35x NCCL", ratio(2 * MB, "nccl") <= 0.35, f"{ratio(2 * MB, 'nccl'):.3f}"))
+    worst = max(doc["rows"], key=lambda r: r["auto_graph_us"] / best_peer(r)[1])
+    w = worst["auto_graph_us"] / best_peer(worst)[1]
+    out.append(("every size: auto <= 1.0x best peer", w <= 1.0, f"worst {w:.3f} at {human(worst['bytes'])}"))
+    floors = []
+    for n, r in sorted(rows.items()):
+        if n >= 8 * MB:
+            floor_us = n / (p2p_gbs * 1e3)
+            floors.append((n, r["auto_graph_us"] / floor_us, floor_us))
+    worst_floor = max(floors, key=lambda f: f[1])
+    out.append((">= 8 MB: within 1.4x of the NVLink floor", worst_floor[1] <= 1.4,
+                ", ".join(f"{human(n)} {q:.2f}x (floor {f:.1f} us)" for n, q, f in floors)))
+    eager = [(n, r["auto_eager_device_us"] / best_peer(r)[1]) for n, r in sorted(rows.items()) if n <= 2 * MB]
+    worst_eager = max(eager, key=lambda e: e[1])
+    out.append(("eager device time <= best peer up to 2 MB", worst_eager[1] <= 1.0,
+                f"worst {worst_eager[1]:.3f} at {human(worst_eager[0])}"))
+    host = doc.get("host_us_8kb", {}).get("try_all_reduce")
+    if host is not None:
+        out.append(("host cost per eager call < 10 us", host < 10, f"{host:.1f} us"))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench_json", type=Path)
+    p.add_argument("--p2p-gbs", type=float, default=None)
+    args = p.parse_args()
+    doc = json.loads(args.bench_json.read_text())
+    p2p = args.p2p_gbs or doc.get("p2p_gbs", {}).get("one_way")
+    if p2p is None:
+        raise SystemExit("the benchmark file has no measured P2P bandwidth: pass --p2p-gbs")
+    print(f"{doc['gpu']} x{doc['world_size']}, {doc['dtype']}, graph K={doc['k']}, P2P {p2p:.0f} GB/s one way\n")
+    print(table(doc["rows"]))
+    print()
+    for name, ok, detail in checks(doc, p2p):
+        print(f"- [{'x' if ok else ' '}] {name}: {detail}")
+
+
+if __name__ == "__main__":
+    main()
