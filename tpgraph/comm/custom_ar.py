@@ -215,7 +215,7 @@ class CustomAllReduce:
         try:
             self.ext.ar_all_reduce(self.ctx, plan.algo_code, plan.dtype_code, x.data_ptr(), out.data_ptr(),
                                    plan.nbytes, plan.blocks, stream, self.timeout_ns, row)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # the extension's CUDA errors and refused arguments
             raise CommError(f"rank {self.state.rank}, {plan.algo.value}: {exc}") from None
         return out
 
