@@ -15,85 +15,53 @@ template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const uint4* in, uint4* out, size_t nvec) {
   pdl_wait();
   pdl_launch_dependents();
-  // U chunks per step, their loads issued together: the volatile stores and polls are compiler barriers, so a
-  // loop over one chunk at a time would wait out a memory latency per chunk.
-  constexpr int U = kUnroll<W>;
   uint32_t* phases = reinterpret_cast<uint32_t*>(p.peer_ws[p.rank] + p.phases_offset);
   const size_t slot_vecs = p.push_slot_bytes / sizeof(uint4);
   auto slot = [&](int owner, uint32_t phase, int src) {
     return reinterpret_cast<uint4*>(p.peer_ws[owner] + p.push_offset) + (size_t(phase) * W + src) * slot_vecs;
   };
   const size_t nchunks = (nvec + kPushChunkVecs - 1) / kPushChunkVecs;
-  const size_t cstride = gridDim.x;
-  auto vec_of = [&](size_t c) { return c * kPushChunkVecs + threadIdx.x; };
-  auto live = [&](size_t c) { return c < nchunks && vec_of(c) < nvec; };
 
-  // Push the U chunks of one step into every peer's slot.
-  auto push_step = [&](size_t c0) {
-    uint4 v[U];
-    uint32_t phase[U];
+  // Push one chunk (this thread's vector of it) into every peer's slot.
+  auto push_chunk = [&](size_t c) {
+    const size_t i = c * kPushChunkVecs + threadIdx.x;
+    if (i >= nvec) return;
+    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
+    const uint4 v = avoid_sentinel<T>(in[i]);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t c = c0 + u * cstride;
-      if (live(c)) {
-        v[u] = avoid_sentinel<T>(in[vec_of(c)]);
-        phase[u] = phases[c] % WorkspaceLayout::kPushPhases;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t c = c0 + u * cstride;
-      if (!live(c)) break;
-#pragma unroll
-      for (int r = 0; r < W; ++r) {
-        if (r != p.rank) store_volatile_v4(slot(r, phase[u], p.rank) + vec_of(c), v[u]);
-      }
+    for (int r = 0; r < W; ++r) {
+      if (r != p.rank) store_volatile_v4(slot(r, phase, p.rank) + i, v);
     }
   };
-  // Wait for the peers' vectors of one step's chunks, reduce in rank order, re-arm the slots.
+  // Wait for the peers' vectors of one chunk, reduce in rank order, re-arm the slots.
   const uint64_t start = global_timer_ns();
-  auto reduce_step = [&](size_t c0) {
-    uint4 vals[U][W];
-    uint32_t phase[U];
+  auto reduce_chunk = [&](size_t c) {
+    const size_t i = c * kPushChunkVecs + threadIdx.x;
+    if (i >= nvec) return;
+    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
+    uint4 vals[W];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // first look at every slot of the U chunks at once
-      const size_t c = c0 + u * cstride;
-      if (live(c)) {
-        phase[u] = phases[c] % WorkspaceLayout::kPushPhases;
-#pragma unroll
-        for (int r = 0; r < W; ++r) {  // our own part straight from the input, as the peers received it
-          vals[u][r] = r == p.rank ? avoid_sentinel<T>(in[vec_of(c)])
-                                   : load_volatile_v4(slot(p.rank, phase[u], r) + vec_of(c));
-        }
+    for (int r = 0; r < W; ++r) {
+      if (r == p.rank) {
+        vals[r] = avoid_sentinel<T>(in[i]);  // our own part straight from the input, as the peers received it
+      } else {
+        const uint4* src = slot(p.rank, phase, r) + i;
+        wait_until(p, ArAlgo::Push1, r, start, [&] { return !has_sentinel(vals[r] = load_volatile_v4(src)); });
       }
     }
+    out[i] = reduce_vecs<T, W>(vals);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t c = c0 + u * cstride;
-      if (!live(c)) break;
-      const size_t i = vec_of(c);
-#pragma unroll
-      for (int r = 0; r < W; ++r) {
-        if (r == p.rank) continue;
-        const uint4* src = slot(p.rank, phase[u], r) + i;
-        wait_until(p, ArAlgo::Push1, r, start, [&] {
-          return !has_sentinel(vals[u][r]) || !has_sentinel(vals[u][r] = load_volatile_v4(src));
-        });
-      }
-      out[i] = reduce_vecs<T, W>(vals[u]);
-#pragma unroll
-      for (int r = 0; r < W; ++r) {
-        if (r != p.rank) store_volatile_v4(slot(p.rank, phase[u], r) + i, sentinel_vec());
-      }
+    for (int r = 0; r < W; ++r) {
+      if (r != p.rank) store_volatile_v4(slot(p.rank, phase, r) + i, sentinel_vec());
     }
   };
-  // Software pipeline, one step deep: push step k, then reduce step k - 1, whose data has had a step's time to
-  // arrive. NVLink traffic (pushes) and local traffic (polls, reduction, re-arming) then overlap instead of
-  // taking turns.
-  const size_t step = size_t(U) * cstride;
-  for (size_t c0 = blockIdx.x; c0 < nchunks + step; c0 += step) {
-    if (c0 < nchunks) push_step(c0);
-    if (c0 >= step) reduce_step(c0 - step);
+  // Software pipeline, one chunk deep: push chunk k, then reduce chunk k - 1, whose data has had a step's time to
+  // arrive. NVLink traffic (pushes) and local traffic (polls, reduction, re-arming) overlap instead of taking
+  // turns, and the last reduction is short. (Measured on 2xH200: finer than 2 or 4 chunks per step.)
+  const size_t stride = gridDim.x;
+  for (size_t c = blockIdx.x; c < nchunks + stride; c += stride) {
+    if (c < nchunks) push_chunk(c);
+    if (c >= stride) reduce_chunk(c - stride);
   }
   __syncthreads();  // every thread of this block has read its chunks' phases
   for (size_t c = blockIdx.x + size_t(threadIdx.x) * gridDim.x; c < nchunks; c += size_t(gridDim.x) * blockDim.x) {
