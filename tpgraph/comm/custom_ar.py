@@ -46,7 +46,7 @@ class CallPlan:
 
 @dataclass(frozen=True)
 class CustomAllReduceConfig:
-    max_push_bytes: int = 16 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
+    max_push_bytes: int = 64 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
     push_slot_bytes: int | None = None  # None: the table's largest push band, capped by max_push_bytes
     max_staging_bytes: int = 64 * MB
     timeout_s: float = float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30"))
