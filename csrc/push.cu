@@ -22,46 +22,54 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
   };
   const size_t nchunks = (nvec + kPushChunkVecs - 1) / kPushChunkVecs;
 
+  // What a thread keeps of a chunk between pushing it and reducing it: the slot phase and its own vector, so the
+  // reduction starts polling at once instead of reloading them.
+  struct Held {
+    uint32_t phase;
+    uint4 own;
+  };
   // Push one chunk (this thread's vector of it) into every peer's slot.
-  auto push_chunk = [&](size_t c) {
-    const size_t i = c * kPushChunkVecs + threadIdx.x;
-    if (i >= nvec) return;
-    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
-    const uint4 v = avoid_sentinel<T>(in[i]);
+  auto push_chunk = [&](size_t c, size_t i) {
+    const Held h{phases[c] % WorkspaceLayout::kPushPhases, avoid_sentinel<T>(in[i])};
 #pragma unroll
     for (int r = 0; r < W; ++r) {
-      if (r != p.rank) store_volatile_v4(slot(r, phase, p.rank) + i, v);
+      if (r != p.rank) store_volatile_v4(slot(r, h.phase, p.rank) + i, h.own);
     }
+    return h;
   };
-  // Wait for the peers' vectors of one chunk, reduce in rank order, re-arm the slots.
+  // Wait for the peers' vectors of one chunk, reduce in rank order (our own part as the peers received it),
+  // re-arm the slots.
   const uint64_t start = global_timer_ns();
-  auto reduce_chunk = [&](size_t c) {
-    const size_t i = c * kPushChunkVecs + threadIdx.x;
-    if (i >= nvec) return;
-    const uint32_t phase = phases[c] % WorkspaceLayout::kPushPhases;
+  auto reduce_chunk = [&](size_t i, const Held& h) {
     uint4 vals[W];
 #pragma unroll
     for (int r = 0; r < W; ++r) {
       if (r == p.rank) {
-        vals[r] = avoid_sentinel<T>(in[i]);  // our own part straight from the input, as the peers received it
+        vals[r] = h.own;
       } else {
-        const uint4* src = slot(p.rank, phase, r) + i;
+        const uint4* src = slot(p.rank, h.phase, r) + i;
         wait_until(p, ArAlgo::Push1, r, start, [&] { return !has_sentinel(vals[r] = load_volatile_v4(src)); });
       }
     }
     out[i] = reduce_vecs<T, W>(vals);
 #pragma unroll
     for (int r = 0; r < W; ++r) {
-      if (r != p.rank) store_volatile_v4(slot(p.rank, phase, r) + i, sentinel_vec());
+      if (r != p.rank) store_volatile_v4(slot(p.rank, h.phase, r) + i, sentinel_vec());
     }
   };
   // Software pipeline, one chunk deep: push chunk k, then reduce chunk k - 1, whose data has had a step's time to
   // arrive. NVLink traffic (pushes) and local traffic (polls, reduction, re-arming) overlap instead of taking
   // turns, and the last reduction is short. (Measured on 2xH200: finer than 2 or 4 chunks per step.)
   const size_t stride = gridDim.x;
+  Held held{}, pushed{};
+  size_t held_i = nvec;  // nvec: nothing held
   for (size_t c = blockIdx.x; c < nchunks + stride; c += stride) {
-    if (c < nchunks) push_chunk(c);
-    if (c >= stride) reduce_chunk(c - stride);
+    const size_t i = c * kPushChunkVecs + threadIdx.x;
+    const bool push = c < nchunks && i < nvec;
+    if (push) pushed = push_chunk(c, i);
+    if (held_i < nvec) reduce_chunk(held_i, held);
+    held = pushed;
+    held_i = push ? i : nvec;
   }
   __syncthreads();  // every thread of this block has read its chunks' phases
   for (size_t c = blockIdx.x + size_t(threadIdx.x) * gridDim.x; c < nchunks; c += size_t(gridDim.x) * blockDim.x) {
