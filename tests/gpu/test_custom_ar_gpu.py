@@ -45,6 +45,22 @@ def test_skipped_call_times_out_with_a_named_peer(tmp_path):
     assert "timed out on rank 0" in proc.stderr  # the watchdog logged it as it happened
 
 
+def test_replay_before_registration_raises(tmp_path):
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from tpgtest.spawn import run_ranks; from tpgtest.workers import custom_ar_unregistered_replay;"
+        f"run_ranks(custom_ar_unregistered_replay, 2, {str(tmp_path)!r}, timeout_s=120)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
+                          cwd=Path(__file__).resolve().parents[2])
+    for rank in range(2):
+        out = tmp_path / f"outcome{rank}"
+        assert out.exists(), proc.stderr[-2000:]
+        message, after = ast.literal_eval(out.read_text())
+        assert f"rank {rank}: a CUDA graph ran 2shot_pull before its inputs were registered" in message, message
+        assert "before its inputs were registered" in after, after
+
+
 def test_graphs_zero_copy_equal_nccl():
     from tpgtest.workers import custom_ar_graphs
 

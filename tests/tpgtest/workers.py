@@ -174,6 +174,40 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
     os._exit(0)  # the trapped context cannot be torn down cleanly
 
 
+def custom_ar_unregistered_replay(rank, world_size, init, out_dir):
+    """A graph replayed before capture() registered its rows: the kernel must refuse it, and the error say why."""
+    import os
+    from pathlib import Path
+
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state)
+    x = torch.ones(4096, device="cuda")
+    ar.all_reduce(x, Algo.PULL_2SHOT)  # warm-up (eager)
+    torch.cuda.synchronize()
+    outcome = ("no error",)
+    with ar.capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ar.all_reduce(x, Algo.PULL_2SHOT)
+        graph.replay()  # rows still empty: registration happens when the context exits
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            err = ar.timeout_error()
+            try:
+                ar.all_reduce(x, Algo.PULL_2SHOT)
+                after = "next call accepted"
+            except CommError as exc:
+                after = str(exc)
+            outcome = (str(err) if err else "untranslated", after)
+        Path(out_dir, f"outcome{rank}").write_text(repr(outcome))
+        os._exit(0)  # the trapped context cannot be torn down cleanly
+
+
 GRAPH_TEST_BYTES = (16, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 
 
