@@ -158,7 +158,12 @@ class CustomAllReduce:
     @property
     def graph_mode(self) -> bool:
         """True while the current stream is capturing inside capture(): the graph table and zero-copy apply."""
-        return self._capturing and torch.cuda.is_current_stream_capturing()
+        if not self._capturing:
+            return False
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        except RuntimeError as exc:  # a trapped kernel poisoned the context: name the cause if it was ours
+            raise self.timeout_error() or exc from None
 
     def plan(self, x: torch.Tensor, algo: Algo | None = None, blocks: int | None = None) -> CallPlan | None:
         """The call plan for x in the current mode (None: the table sends it to NCCL). Forcing an algorithm or a
