@@ -88,6 +88,8 @@ def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> 
                                                repeats, ar.capture)
                 except CommError:  # more blocks than this kernel keeps resident
                     break
+            if not times:
+                continue
             best = min(times, key=times.get)
             rows.append({"bytes": nbytes, "algo": algo.value, "us_by_blocks": times, "best_blocks": best})
             if is_driver:

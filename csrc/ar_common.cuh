@@ -63,7 +63,6 @@ struct ArParams {
   size_t push_slot_bytes;
   size_t phases_offset;
   size_t push_offset;
-  size_t staging_offset;
   uint64_t timeout_ns;
   TimeoutRecord* timeout;  // host-mapped
   const uint64_t* row;     // graph mode: this call's pointer-table row (filled after capture), else nullptr
@@ -109,8 +108,9 @@ __device__ __forceinline__ void store_volatile_v4(void* addr, uint4 v) {
                : "memory");
 }
 
-// Record who we waited for, then trap: the host turns the trap into an error naming rank, algorithm, peer.
-static __device__ __noinline__ void timeout_trap(const ArParams& p, ArAlgo algo, int peer) {
+// Record what failed (the peer waited for, or kUnregisteredPeer), then trap: the host turns the record into an
+// error naming rank, algorithm and peer.
+static __device__ __noinline__ void record_and_trap(const ArParams& p, ArAlgo algo, int peer) {
   if (atomicCAS_system(&p.timeout->fired, 0, 1) == 0) {
     p.timeout->rank = p.rank;
     p.timeout->algo = int(algo);
@@ -125,7 +125,7 @@ static __device__ __noinline__ void timeout_trap(const ArParams& p, ArAlgo algo,
 template <typename Pred>
 __device__ __forceinline__ void wait_until(const ArParams& p, ArAlgo algo, int peer, uint64_t start, Pred pred) {
   for (uint32_t polls = 1; !pred(); ++polls) {
-    if ((polls & 255) == 0 && global_timer_ns() - start > p.timeout_ns) timeout_trap(p, algo, peer);
+    if ((polls & 255) == 0 && global_timer_ns() - start > p.timeout_ns) record_and_trap(p, algo, peer);
   }
 }
 

@@ -6,12 +6,26 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "api.h"
 #include "ar_launch.h"
 
 namespace tpgraph {
+
+int resident_blocks_per_sm(const void* kernel) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(kernel);
+  if (it != cache.end()) return it->second;
+  int per_sm = 0;
+  TPG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  cache.emplace(kernel, per_sm);
+  return per_sm;
+}
 
 namespace {
 __global__ void fill_words(uint32_t* p, uint32_t value, size_t n) {
@@ -114,7 +128,6 @@ void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspace
   p.push_slot_bytes = ctx.layout.push_slot_bytes;
   p.phases_offset = ctx.layout.phases_offset();
   p.push_offset = ctx.layout.push_offset();
-  p.staging_offset = ctx.layout.staging_offset();
   TPG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&p.timeout), ctx.timeout, 0));
 }
 
@@ -155,6 +168,8 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(row < ctx.next_row, "row " << row << " was never reserved");
   const bool zero_copy = row >= 0 && (algo == 1 || algo == 2);  // multicast is always staged
   TPG_CHECK(!(zero_copy && algo == 1 && in == out), "1shot_pull in a graph reads peers' inputs: output must differ");
+  TPG_CHECK(!(zero_copy && algo == 2 && in != out), "2shot_pull in a graph reduces in place: output must be the input");
+  TPG_CHECK(in == out || in + nbytes <= out || out + nbytes <= in, "input and output overlap without being the same");
   const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : (zero_copy ? SIZE_MAX : ctx.layout.staging_bytes);
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");

@@ -52,14 +52,16 @@ struct Launch {
   int sm_count = 0;  // of this device
 };
 
+// Blocks of kThreads threads of `kernel` that one SM keeps resident (queried once per kernel).
+int resident_blocks_per_sm(const void* kernel);
+
 // cudaLaunchKernelEx with kThreads threads per block; with launch.pdl the kernel may be scheduled while the
 // previous kernel in the stream drains (every all-reduce kernel starts with pdl_wait()).
 template <typename... Params, typename... Args>
 void launch_ar_kernel(void (*kernel)(Params...), const Launch& launch, Args&&... args) {
   if (launch.blocks > launch.sm_count) {
     // Blocks wait on the same block index of other ranks, so every block must be resident at once.
-    int per_sm = 0;
-    TPG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel));
     TPG_CHECK(launch.blocks <= per_sm * launch.sm_count,
               "grid of " << launch.blocks << " blocks exceeds the " << per_sm * launch.sm_count
                          << " this kernel can keep resident (" << per_sm << " per SM)");
@@ -76,14 +78,14 @@ void launch_ar_kernel(void (*kernel)(Params...), const Launch& launch, Args&&...
   TPG_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
-// `in` is this rank's input. Pull and multicast kernels copy it into the staging buffer themselves when
-// p.row is null (eager); with a graph row they read every rank's original buffer instead.
 // fn(TypeTag<T>{}, std::integral_constant<int, W>{}): one kernel instance per element type and world size.
 template <typename Fn>
 void dispatch_kernel(DType dtype, int world_size, Fn&& fn) {
   dispatch_dtype(dtype, [&](auto tag) { dispatch_world_size(world_size, [&](auto w) { fn(tag, w); }); });
 }
 
+// `in` is this rank's input. Pull and multicast kernels copy it into the staging buffer themselves when
+// p.row is null (eager); with a graph row they read every rank's original buffer instead.
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch);
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                  const Launch& launch);

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
   };
   // Push one chunk (this thread's vector of it) into every peer's slot.
   auto push_chunk = [&](size_t c, size_t i) {
-    const Held h{phases[c] % WorkspaceLayout::kPushPhases, avoid_sentinel<T>(in[i])};
+    const Held h{phases[c], avoid_sentinel<T>(in[i])};
 #pragma unroll
     for (int r = 0; r < W; ++r) {
       if (r != p.rank) store_volatile_v4(slot(r, h.phase, p.rank) + i, h.own);
@@ -59,21 +59,22 @@ __global__ void __launch_bounds__(kThreads) push_1shot_kernel(ArParams p, const 
   };
   // Software pipeline, one chunk deep: push chunk k, then reduce chunk k - 1, whose data has had a step's time to
   // arrive. NVLink traffic (pushes) and local traffic (polls, reduction, re-arming) overlap instead of taking
-  // turns, and the last reduction is short. (Measured on 2xH200: finer than 2 or 4 chunks per step.)
+  // turns, and the last reduction is short. (Measured on 2xH200: faster than 2 or 4 chunks per step.)
   const size_t stride = gridDim.x;
-  Held held{}, pushed{};
+  Held held{};
   size_t held_i = nvec;  // nvec: nothing held
   for (size_t c = blockIdx.x; c < nchunks + stride; c += stride) {
     const size_t i = c * kPushChunkVecs + threadIdx.x;
     const bool push = c < nchunks && i < nvec;
-    if (push) pushed = push_chunk(c, i);
+    const Held next = push ? push_chunk(c, i) : Held{};
     if (held_i < nvec) reduce_chunk(held_i, held);
-    held = pushed;
+    held = next;
     held_i = push ? i : nvec;
   }
   __syncthreads();  // every thread of this block has read its chunks' phases
   for (size_t c = blockIdx.x + size_t(threadIdx.x) * gridDim.x; c < nchunks; c += size_t(gridDim.x) * blockDim.x) {
-    phases[c] += 1;  // seen by the next call (kernel boundary)
+    // Kept in 0..2, never a growing count: 2^32 is not a multiple of 3, so a wrapping count would repeat a phase.
+    phases[c] = phases[c] + 1 == WorkspaceLayout::kPushPhases ? 0 : phases[c] + 1;  // next call (kernel boundary)
   }
 }
 

@@ -55,7 +55,7 @@ __device__ __forceinline__ bool resolve_inputs(ArParams& p, ArAlgo algo) {
 #pragma unroll
   for (int r = 0; r < W; ++r) {
     p.peer_in[r] = reinterpret_cast<const void*>(p.row[r]);
-    if (p.peer_in[r] == nullptr) timeout_trap(p, algo, kUnregisteredPeer);
+    if (p.peer_in[r] == nullptr) record_and_trap(p, algo, kUnregisteredPeer);
   }
   return false;
 }

@@ -81,6 +81,18 @@ def test_second_stream_is_refused_not_hung():
         assert (x, y) == (2.0, 2.0)
 
 
+def test_bad_arguments_are_refused_with_a_reason():
+    from tpgtest.workers import custom_ar_bad_arguments
+
+    for messages, after in run_ranks(custom_ar_bad_arguments, 2, timeout_s=120):
+        cpu, strided, int32, overlap = messages
+        assert "runs on cuda:" in cpu and "cpu" in cpu
+        assert "contiguous" in strided
+        assert "bf16/fp16/fp32" in int32
+        assert "overlap" in overlap
+        assert after == 2.0  # still serving
+
+
 def test_communicator_routes_through_custom_path():
     from tpgtest.workers import communicator_uses_custom
 

@@ -316,6 +316,42 @@ def custom_ar_two_streams(rank, world_size, init):
         destroy_distributed(state)
 
 
+def custom_ar_bad_arguments(rank, world_size, init):
+    """Mistakes a caller can make are refused with a reason, and the communicator keeps working afterwards."""
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state)
+    messages = []
+
+    def refused(fn):
+        try:
+            fn()
+            messages.append("accepted")
+        except CommError as exc:
+            messages.append(str(exc))
+
+    try:
+        refused(lambda: ar.all_reduce(torch.ones(64)))  # a CPU tensor
+        refused(lambda: ar.all_reduce(torch.ones(64, device="cuda")[::2], Algo.PUSH_1SHOT))  # strided
+        refused(lambda: ar.all_reduce(torch.ones(64, dtype=torch.int32, device="cuda"), Algo.PUSH_1SHOT))
+        buf = torch.ones(1024, device="cuda")  # input and output overlapping by 16 bytes, through the extension
+        try:
+            ar.ext.ar_all_reduce(ar.ctx, 1, 0, buf.data_ptr() + 16, buf.data_ptr(), 4000, 1,
+                                 torch.cuda.current_stream().cuda_stream, ar.timeout_ns, -1)
+            messages.append("accepted")
+        except (RuntimeError, ValueError) as exc:
+            messages.append(str(exc))
+        y = torch.ones(4096, device="cuda")
+        ar.all_reduce(y)
+        return messages, float(y[0])
+    finally:
+        ar.close()
+        destroy_distributed(state)
+
+
 def communicator_uses_custom(rank, world_size, init):
     """TPCommunicator picks the custom path on GPUs (the model calls it unchanged) and matches NCCL."""
     from tpgraph.comm import TPCommunicator

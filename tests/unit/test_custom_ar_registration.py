@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tpgraph.comm.custom_ar as custom_ar
-from tpgraph.comm.custom_ar import CustomAllReduce
+from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig, agree_on_devices
 from tpgraph.distributed import ParallelState
 from tpgraph.errors import CommError
 
@@ -38,11 +38,17 @@ def fake_communicator(rank, peer_exports, monkeypatch):
     ar.ctx = 1
     ar.state = ParallelState(rank, 2, rank, torch.device("cpu"), None, None)
     ar._pending = []
+    ar._opened = []
+    ar._capturing = False
     calls = iter(peer_exports)
+    sent = []
 
     def gather(state, obj):  # what the other rank contributes to each exchange, in order
+        sent.append(obj)
         peer = next(calls)
         return [obj, peer] if rank == 0 else [peer, obj]
+
+    ar.sent = sent
 
     monkeypatch.setattr(custom_ar, "gather_objects", gather)
     monkeypatch.setattr(custom_ar.torch.cuda, "synchronize", lambda: None)
@@ -74,3 +80,40 @@ def test_different_capture_counts_fail_loudly(monkeypatch):
     with pytest.raises(CommError, match=r"different numbers of custom all-reduces: \[2, 3\]"):
         ar.register_captured()
     assert ar.ext.filled is None  # nothing half-registered
+
+
+def test_opened_peer_mappings_are_remembered_for_close(monkeypatch):
+    ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)], None], monkeypatch)
+    ar._pending = [(0, 9 * SEGMENT + 32)]
+    ar.register_captured()
+    assert ar._opened == [b"handle-0x100000"]
+
+
+def test_a_rank_failing_inside_capture_tells_its_peers(monkeypatch):
+    ar = fake_communicator(0, [0], monkeypatch)  # the peer's capture count, exchanged with our failure
+    with pytest.raises(ValueError, match="boom"):
+        with ar.capture():
+            raise ValueError("boom")
+    assert "rank 0 failed while capturing" in ar.sent[0] and "boom" in ar.sent[0]
+    assert not ar._capturing and ar._pending == []
+
+
+def test_the_peer_of_a_failed_capture_raises_instead_of_waiting(monkeypatch):
+    ar = fake_communicator(1, ["rank 0 failed while capturing: ValueError('boom')"], monkeypatch)
+    with pytest.raises(CommError, match="capture abandoned: rank 0 failed while capturing"):
+        with ar.capture():
+            pass
+    assert ar.ext.filled is None
+
+
+def test_grids_follow_the_smallest_gpu_and_architectures_must_match():
+    assert agree_on_devices([(132, (9, 0)), (114, (9, 0))]) == 114
+    with pytest.raises(CommError, match=r"differ in architecture \['sm_90', 'sm_100'\]"):
+        agree_on_devices([(132, (9, 0)), (148, (10, 0))])
+
+
+def test_config_reads_the_environment_when_made(monkeypatch):
+    monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", "7")
+    monkeypatch.setenv("TPGRAPH_AR_PDL", "0")
+    cfg = CustomAllReduceConfig()
+    assert cfg.timeout_s == 7.0 and cfg.pdl is False

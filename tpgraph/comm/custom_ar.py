@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,7 +34,8 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class CallPlan:
-    """Everything one call needs besides its pointers, computed once per (dtype, size, mode) and cached."""
+    """Everything one call needs besides its pointers, computed once per (dtype, size, mode, forced algorithm,
+    forced grid) and cached."""
 
     algo: Algo
     algo_code: int
@@ -49,9 +50,10 @@ class CustomAllReduceConfig:
     max_push_bytes: int = 64 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
     push_slot_bytes: int | None = None  # None: the table's largest push band, capped by max_push_bytes
     max_staging_bytes: int = 64 * MB
-    timeout_s: float = float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30"))
+    # read when a config is made (not at import), so the environment of the moment counts
+    timeout_s: float = field(default_factory=lambda: float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")))
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
-    pdl: bool = os.environ.get("TPGRAPH_AR_PDL", "1") != "0"
+    pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
 
     def __post_init__(self) -> None:
         for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes"):
@@ -73,8 +75,20 @@ def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int) ->
     return replace(table, rows={k: clamp(b) for k, b in table.rows.items()})
 
 
+def agree_on_devices(devices: list[tuple[int, tuple[int, int]]]) -> int:
+    """Every rank's (SM count, compute capability) -> the SM count all ranks size their grids with. Grids must be
+    equal on every rank (block b waits for block b of each peer), so the smallest GPU decides; one table serves
+    the group, so the architectures must match."""
+    archs = {cap for _, cap in devices}
+    if len(archs) != 1:
+        raise CommError(f"custom all-reduce disabled: the ranks' GPUs differ in architecture "
+                        f"{[f'sm_{a}{b}' for _, (a, b) in devices]} (rank order)")
+    return min(sms for sms, _ in devices)
+
+
 class CustomAllReduce:
-    def __init__(self, state: ParallelState, cfg: CustomAllReduceConfig = CustomAllReduceConfig()) -> None:
+    def __init__(self, state: ParallelState, cfg: CustomAllReduceConfig | None = None) -> None:
+        cfg = cfg or CustomAllReduceConfig()
         if state.device.type != "cuda":
             raise CommError("the custom all-reduce needs CUDA devices")
         if not 2 <= state.world_size <= 8:
@@ -93,7 +107,7 @@ class CustomAllReduce:
             logger.warning("expandable_segments is on: graph-captured all-reduces copy their input into the "
                            "workspace (slower) instead of zero-copy registration")
         props = self.ext.device_properties(state.device.index)
-        self.num_sms = props.sm_count
+        self.num_sms = agree_on_devices(gather_objects(state, (props.sm_count, (props.major, props.minor))))
         ws = state.world_size
         table = load_table_for((props.major, props.minor))
         rows = [table.bands(ws, graph) for graph in (True, False)]
@@ -102,15 +116,23 @@ class CustomAllReduce:
         staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
         self.table = clamp_to_workspace(table, push, staging)
         self.push_slot_bytes, self.staging_bytes = push, staging
+        self._opened: list[bytes] = []  # peer handles this object opened (workspaces, captured inputs)
         self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl)
-        base = self.ext.ar_workspace(self.ctx)
-        handles = gather_objects(state, self.ext.ipc_get_handle(base))
-        self._opened = [h for r, h in enumerate(handles) if r != state.rank]
-        peers = [base if r == state.rank else self.ext.ipc_open_handle(h) for r, h in enumerate(handles)]
-        self.ext.ar_set_peers(self.ctx, peers)
-        torch.cuda.synchronize()
-        gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
-        self._check_p2p_writes(peers)
+        try:
+            base = self.ext.ar_workspace(self.ctx)
+            handles = gather_objects(state, self.ext.ipc_get_handle(base))
+            peers = []
+            for r, h in enumerate(handles):
+                if r != state.rank:
+                    self._opened.append(h)
+                peers.append(base if r == state.rank else self.ext.ipc_open_handle(h))
+            self.ext.ar_set_peers(self.ctx, peers)
+            torch.cuda.synchronize()
+            gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
+            self._check_p2p_writes(peers)
+        except BaseException:
+            self._release()  # the workspace is hundreds of MiB: never leak it when setup fails
+            raise
         self.timeout_ns = int(cfg.timeout_s * 1e9)
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_timeouts, name="tpgraph-ar-watchdog", daemon=True)
@@ -193,8 +215,10 @@ class CustomAllReduce:
         return plan
 
     def all_reduce(self, x: torch.Tensor, algo: Algo | None = None, blocks: int | None = None) -> torch.Tensor:
-        """Sum x over the ranks with `algo` (and `blocks`) or the table's choice. Returns the result: x itself
-        (in place), except 1shot_pull in graph mode, which writes a new tensor (peers still read x)."""
+        """Sum x over the ranks with `algo` (and `blocks`, which must then be the same on every rank) or the
+        table's choice. Returns the result: x itself (in place), except zero-copy 1shot_pull in graph mode, which
+        writes a new tensor (peers still read x)."""
+        self._check_tensor(x)
         if not x.is_contiguous():
             raise CommError("custom all-reduce needs a contiguous tensor")
         plan = self.plan(x, algo, blocks)
@@ -204,20 +228,26 @@ class CustomAllReduce:
 
     def try_all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
         """The table's choice on the custom path, or None where NCCL should do it (the communicator's entry)."""
+        self._check_tensor(x)
         if not x.is_contiguous():
             return None
         plan = self.plan(x)
         return None if plan is None else self._run(x, plan)
 
+    def _check_tensor(self, x: torch.Tensor) -> None:
+        if x.get_device() != self._device_index:  # -1 on CPU
+            raise CommError(f"custom all-reduce of rank {self.state.rank} runs on cuda:{self._device_index}, "
+                            f"got a tensor on {x.device}")
+
     def _run(self, x: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         out, row = x, -1
-        if plan.zero_copy:
-            row = self.ext.ar_reserve_row(self.ctx)
-            self._pending.append((row, x.data_ptr()))
-            if plan.algo == Algo.PULL_1SHOT:
-                out = torch.empty_like(x)
-        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         try:
+            if plan.zero_copy:
+                row = self.ext.ar_reserve_row(self.ctx)
+                self._pending.append((row, x.data_ptr()))
+                if plan.algo == Algo.PULL_1SHOT:
+                    out = torch.empty_like(x)
+            stream = torch._C._cuda_getCurrentRawStream(self._device_index)
             self.ext.ar_all_reduce(self.ctx, plan.algo_code, plan.dtype_code, x.data_ptr(), out.data_ptr(),
                                    plan.nbytes, plan.blocks, stream, self.timeout_ns, row)
         except (RuntimeError, ValueError) as exc:  # the extension's CUDA errors and refused arguments
@@ -232,13 +262,20 @@ class CustomAllReduce:
         self._capturing, self._pending = True, []
         try:
             yield
-        finally:
-            self._capturing = False
+        except BaseException as exc:
+            self._capturing, self._pending = False, []
+            # the peers are about to exchange their captured calls: tell them instead of leaving them waiting
+            gather_objects(self.state, f"rank {self.state.rank} failed while capturing: {exc!r}")
+            raise
+        self._capturing = False
         self.register_captured()
 
     def register_captured(self) -> None:
         pending, self._pending = self._pending, []
         counts = gather_objects(self.state, len(pending))
+        failed = [c for c in counts if isinstance(c, str)]
+        if failed:
+            raise CommError(f"capture abandoned: {'; '.join(failed)}")
         if len(set(counts)) != 1:
             raise CommError(f"ranks captured different numbers of custom all-reduces: {counts} (rank order); "
                             "every rank must capture the same sequence of collectives")
@@ -263,6 +300,7 @@ class CustomAllReduce:
                 else:
                     handle, offset = everyone[r][i]
                     ptrs.append(self.ext.ipc_open_handle(handle) + offset)  # cached: one mapping per allocation
+                    self._opened.append(handle)  # each open counts a reference, closed in close()
         self.ext.ar_fill_rows(self.ctx, [row for row, _ in pending], ptrs)
         torch.cuda.synchronize()
         gather_objects(self.state, None)  # all rows everywhere before anyone replays
@@ -288,8 +326,17 @@ class CustomAllReduce:
             self._watchdog.join()
             self._watchdog = None
         if self.ctx:
-            torch.cuda.synchronize()
-            for h in self._opened:
-                self.ext.ipc_close_handle(h)
-            self.ext.ar_destroy(self.ctx)
-            self.ctx = 0
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError as exc:  # a trapped kernel: the CUDA context is gone, nothing can be freed
+                logger.error("custom all-reduce not released: %s", self.timeout_error() or exc)
+                self.ctx = 0
+                return
+            self._release()
+
+    def _release(self) -> None:
+        for h in self._opened:
+            self.ext.ipc_close_handle(h)
+        self._opened = []
+        self.ext.ar_destroy(self.ctx)
+        self.ctx = 0

@@ -82,10 +82,10 @@ def update_table(table_path: Path, bench: dict, source: str) -> dict:
     doc = json.loads(table_path.read_text())
     ws = bench["world_size"]
     today = datetime.date.today().isoformat()
+    ceiling = max(r["bytes"] for r in bench["rows"])  # unmeasured sizes go to NCCL
     for row in doc["rows"]:
         if row["world_size"] != ws:
             continue
-        ceiling = max(r["bytes"] for r in bench["rows"])  # unmeasured sizes go to NCCL
         row.update(derive_bands(bench["rows"], row["mode"], ceiling))
         row["provenance"] = (f"measured {today} on {bench['gpu']} x{ws} by bench/bench_allreduce.py ({source}); "
                              f"{row['mode']} bands from {'graph' if row['mode'] == 'graph' else 'eager device'} "
