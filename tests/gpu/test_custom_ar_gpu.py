@@ -1,13 +1,10 @@
 """Custom all-reduce on 2 GPUs: exact equality with NCCL on integer-valued inputs, and timeouts."""
 
 import ast
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tpgtest.spawn import run_ranks
+from tpgtest.spawn import run_ranks, run_ranks_in_subprocess
 from tpgtest.workers import GRAPH_TEST_BYTES, custom_ar_exactness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -29,13 +26,7 @@ def test_every_algorithm_equals_nccl():
 
 def test_skipped_call_times_out_with_a_named_peer(tmp_path):
     timeout_s = 3.0
-    code = (
-        "import sys; sys.path.insert(0, 'tests');"
-        "from tpgtest.spawn import run_ranks; from tpgtest.workers import custom_ar_skipped_call;"
-        f"run_ranks(custom_ar_skipped_call, 2, {timeout_s}, {str(tmp_path)!r}, timeout_s=120)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = run_ranks_in_subprocess("custom_ar_skipped_call", 2, timeout_s, str(tmp_path))
     out = tmp_path / "outcome0"
     assert out.exists(), proc.stderr[-2000:]
     message, elapsed, next_call = ast.literal_eval(out.read_text())
@@ -46,13 +37,7 @@ def test_skipped_call_times_out_with_a_named_peer(tmp_path):
 
 
 def test_replay_before_registration_raises(tmp_path):
-    code = (
-        "import sys; sys.path.insert(0, 'tests');"
-        "from tpgtest.spawn import run_ranks; from tpgtest.workers import custom_ar_unregistered_replay;"
-        f"run_ranks(custom_ar_unregistered_replay, 2, {str(tmp_path)!r}, timeout_s=120)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = run_ranks_in_subprocess("custom_ar_unregistered_replay", 2, str(tmp_path))
     for rank in range(2):
         out = tmp_path / f"outcome{rank}"
         assert out.exists(), proc.stderr[-2000:]

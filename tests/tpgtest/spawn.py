@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,3 +33,14 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) ->
                     p.kill()
                 raise TimeoutError(f"ranks still running after {timeout_s:.0f}s (a hang)")
         return [pickle.loads(Path(workdir, f"result{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def run_ranks_in_subprocess(worker: str, world_size: int, *args, timeout_s: float = 120.0
+                            ) -> subprocess.CompletedProcess:
+    """run_ranks(tpgtest.workers.<worker>, world_size, *args) in a fresh interpreter, for workers whose CUDA
+    context dies (a trapped kernel): they report through files and exit hard, so only their output comes back."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from tpgtest.spawn import run_ranks; "
+            f"from tpgtest.workers import {worker}; "
+            f"run_ranks({worker}, {world_size}, *{args!r}, timeout_s={timeout_s})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s + 30,
+                          cwd=Path(__file__).resolve().parents[2])
