@@ -170,12 +170,10 @@ class CustomAllReduce:
     multicast_live = False  # no multicast objects yet; where the environment forbids them, never
 
     def pick(self, x: torch.Tensor, graph: bool | None = None) -> Algo:
+        """The table's algorithm for x, in the current mode unless `graph` says which."""
         graph = self.graph_mode if graph is None else graph
         return pick_algo(x.numel() * x.element_size(), graph, self.table, self.state.world_size, dtype=x.dtype,
                          contiguous=x.is_contiguous(), multicast_live=self.multicast_live)
-
-    def accepts(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.is_contiguous() and self.plan(x) is not None
 
     @property
     def graph_mode(self) -> bool:
@@ -198,8 +196,7 @@ class CustomAllReduce:
             pass
         nbytes = x.numel() * x.element_size()
         if algo is None:
-            algo = pick_algo(nbytes, graph, self.table, self.state.world_size, dtype=x.dtype,
-                             multicast_live=self.multicast_live)
+            algo = self.pick(x, graph)
             if algo == Algo.NCCL:
                 self._plans[key] = None
                 return None
