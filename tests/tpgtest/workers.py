@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -105,17 +108,31 @@ def ipc_roundtrip(rank, world_size, init):
         destroy_distributed(state)
 
 
+@contextlib.contextmanager
+def custom_ar_on_rank(rank, world_size, init, cfg=None) -> Iterator[tuple]:
+    """(state, CustomAllReduce) on this rank's GPU, closed and torn down on the way out."""
+    from tpgraph.comm.custom_ar import CustomAllReduce
+
+    state = init_distributed("cuda", rank, world_size, init)
+    try:
+        ar = CustomAllReduce(state, cfg)
+        try:
+            yield state, ar
+        finally:
+            ar.close()
+    finally:
+        destroy_distributed(state)
+
+
 def custom_ar_exactness(rank, world_size, init, sizes, iters):
     """Every algorithm forced, every dtype: integer-valued inputs must give NCCL's result exactly. Iterations
     alternate the table's grid, 3 blocks and one block per SM, so calls with different grids follow each other."""
-    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
 
-    state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 << 20))
-    grids = (None, 3, ar.num_sms)
-    failures, checked = [], 0
-    try:
+    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+        grids = (None, 3, ar.num_sms)
+        failures, checked = [], 0
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):  # dtypes interleave on one workspace
                 for numel in sizes(dtype):
@@ -132,9 +149,6 @@ def custom_ar_exactness(rank, world_size, init, sizes, iters):
                             failures.append((algo.value, str(dtype), numel, it, bad))
         torch.cuda.synchronize()
         return failures, checked
-    finally:
-        ar.close()
-        destroy_distributed(state)
 
 
 def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
@@ -214,15 +228,13 @@ GRAPH_TEST_BYTES = (16, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 def custom_ar_graphs(rank, world_size, init, replays):
     """4 layers x (push, 1shot_pull, 2shot_pull) x sizes, each followed by an in-place NCCL all-reduce of the
     same tensor, captured once and replayed with fresh inputs written in place; compared with eager NCCL."""
-    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
-    state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 << 20))
-    algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT)  # multicast: emulated
-    failures, compared = [], 0
-    try:
+    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+        algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT)  # multicast: emulated
+        failures, compared = [], 0
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             item = torch.tensor([], dtype=dtype).element_size()
             numels = [n // item for n in GRAPH_TEST_BYTES] + [1040]
@@ -277,19 +289,15 @@ def custom_ar_graphs(rank, world_size, init, replays):
             mismatch = str(exc)
         torch.cuda.synchronize()
         return failures[:10], compared, mismatch
-    finally:
-        destroy_distributed(state)
 
 
 def custom_ar_two_streams(rank, world_size, init):
     """A call from a second stream while the first stream's call may still run is refused, not hung."""
-    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
-    state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=20))
-    try:
+    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(timeout_s=20)) as (state, ar):
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
         x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
         with torch.cuda.stream(a):  # first launch loads the kernel module (lazy loading may synchronize)
@@ -311,29 +319,23 @@ def custom_ar_two_streams(rank, world_size, init):
             ar.all_reduce(y, Algo.PULL_1SHOT)
         torch.cuda.synchronize()
         return busy, refused, float(x[0]), float(y[0])
-    finally:
-        ar.close()
-        destroy_distributed(state)
 
 
 def custom_ar_bad_arguments(rank, world_size, init):
     """Mistakes a caller can make are refused with a reason, and the communicator keeps working afterwards."""
-    from tpgraph.comm.custom_ar import CustomAllReduce
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
-    state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state)
-    messages = []
+    with custom_ar_on_rank(rank, world_size, init, None) as (state, ar):
+        messages = []
 
-    def refused(fn, errors=(CommError,)):
-        try:
-            fn()
-            messages.append("accepted")
-        except errors as exc:
-            messages.append(str(exc))
+        def refused(fn, errors=(CommError,)):
+            try:
+                fn()
+                messages.append("accepted")
+            except errors as exc:
+                messages.append(str(exc))
 
-    try:
         refused(lambda: ar.all_reduce(torch.ones(64)))  # a CPU tensor
         refused(lambda: ar.all_reduce(torch.ones(64, device="cuda")[::2], Algo.PUSH_1SHOT))  # strided
         refused(lambda: ar.all_reduce(torch.ones(64, dtype=torch.int32, device="cuda"), Algo.PUSH_1SHOT))
@@ -344,9 +346,6 @@ def custom_ar_bad_arguments(rank, world_size, init):
         y = torch.ones(4096, device="cuda")
         ar.all_reduce(y)
         return messages, float(y[0])
-    finally:
-        ar.close()
-        destroy_distributed(state)
 
 
 def communicator_uses_custom(rank, world_size, init):
