@@ -30,9 +30,10 @@ struct TimeoutRecord {
   int block;
 };
 
-// 1shot_push tracks its buffer phase per chunk of kThreads vectors (8 KB), not per grid: the block that owns a
-// chunk reads and advances its phase with no atomics, and calls may use different grid sizes.
-constexpr size_t kPushChunkVecs = kThreads;
+// 1shot_push tracks its buffer phase per chunk of one warp's vectors (512 bytes), not per grid: the warp that owns
+// a chunk reads and advances its phase with no atomics, and calls may use different grid sizes.
+constexpr int kWarpSize = 32;
+constexpr size_t kPushChunkVecs = kWarpSize;
 
 // Workspace of one rank, one cudaMalloc: [flags | block epochs | push phases | push buffers | staging].
 struct WorkspaceLayout {
@@ -121,11 +122,19 @@ static __device__ __noinline__ void record_and_trap(const ArParams& p, ArAlgo al
   __trap();
 }
 
-// Spin until pred() holds; check the clock every 256 polls.
+// Spin until pred() holds. The clock is first read after 256 failed polls and then every 256 polls, so a wait
+// that succeeds quickly (the common case) never reads it; the timeout counts from that first reading.
 template <typename Pred>
-__device__ __forceinline__ void wait_until(const ArParams& p, ArAlgo algo, int peer, uint64_t start, Pred pred) {
+__device__ __forceinline__ void wait_until(const ArParams& p, ArAlgo algo, int peer, Pred pred) {
+  uint64_t start = 0;
   for (uint32_t polls = 1; !pred(); ++polls) {
-    if ((polls & 255) == 0 && global_timer_ns() - start > p.timeout_ns) record_and_trap(p, algo, peer);
+    if ((polls & 255) != 0) continue;
+    const uint64_t now = global_timer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > p.timeout_ns) {
+      record_and_trap(p, algo, peer);
+    }
   }
 }
 
@@ -147,7 +156,7 @@ __device__ __forceinline__ void block_barrier(const ArParams& p, ArAlgo algo, ui
     store_release_sys(flags_of(p, t) + blockIdx.x * kMaxRanks + p.rank, epoch);
     const uint32_t* mine = flags_of(p, p.rank) + blockIdx.x * kMaxRanks + t;
     const uint32_t want = epoch;
-    wait_until(p, algo, t, global_timer_ns(), [&] { return int32_t(load_acquire_sys(mine) - want) >= 0; });
+    wait_until(p, algo, t, [&] { return int32_t(load_acquire_sys(mine) - want) >= 0; });
   }
   __syncthreads();
 }
