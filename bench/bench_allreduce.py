@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 2 bench/bench_allreduce.py --out bench/results/ar.json
 
 Eager: back-to-back calls timed with CUDA events (median of repeats). Graph: K ops captured into one CUDA graph,
-replayed; per-op time = replay time / K (median). Custom algorithms are captured inside `ar.capture()`, so their
-pull inputs are zero-copy in graphs.
+replayed; per-op time = replay time / K (median). A GPU-side sleep is queued ahead of the start event, so the host's
+submission of the replay happens while the GPU sleeps and the timed window holds the graph's device time only
+(`--no-launch-hiding` times it the plain way, submission gap included). Custom algorithms are captured inside
+`ar.capture()`, so their pull inputs are zero-copy in graphs.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ def time_eager(fn, iters: int, repeats: int) -> float:
     return statistics.median(out)
 
 
-def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> float:
+# GPU cycles to sleep before a timed replay (about 100 us on an H200): longer than the host takes to submit it.
+LAUNCH_HIDING_CYCLES = 200_000
+
+
+def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext, hide_launch: bool = True) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -57,6 +63,8 @@ def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> 
     out = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hide_launch:
+            torch.cuda._sleep(LAUNCH_HIDING_CYCLES)  # the replay is submitted while this runs
         start.record()
         graph.replay()
         end.record()
@@ -71,7 +79,7 @@ SWEEP_BLOCKS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 132, 264]  # 264: two per SM whe
 NO_CTX = contextlib.nullcontext
 
 
-def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> list[dict]:
+def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool, hide_launch: bool) -> list[dict]:
     """Graph-mode latency of each forced algorithm over grid sizes: the data behind the tables' launch bands."""
     rows = []
     for nbytes in SWEEP_SIZES:
@@ -85,7 +93,7 @@ def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> 
                     continue
                 try:
                     times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k,
-                                               repeats, ar.capture)
+                                               repeats, ar.capture, hide_launch)
                 except CommError:  # more blocks than this kernel keeps resident
                     break
             if not times:
@@ -182,6 +190,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also sweep grid sizes per algorithm (graph mode)")
+    p.add_argument("--no-launch-hiding", dest="hide_launch", action="store_false",
+                   help="graph timings include the gap while the host submits the replay")
     args = p.parse_args()
     state = init_distributed("cuda")
     p2p = p2p_bandwidth_gbs(state)
@@ -189,7 +199,7 @@ def main() -> None:
         print("P2P copy bandwidth (GB/s): " + ", ".join(f"{k}={v:.0f}" for k, v in p2p.items()), flush=True)
     ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB))  # push slot: room to sweep
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
-    sweep = sweep_blocks(ar, 20, 10, state.is_driver) if args.sweep else []
+    sweep = sweep_blocks(ar, 20, 10, state.is_driver, args.hide_launch) if args.sweep else []
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -230,9 +240,9 @@ def main() -> None:
             # graph: custom calls captured inside ar.capture() (zero-copy); eager_device: the eager data path
             # (staging copy + kernel) captured without it, so host launch cost does not hide device time
             ctx = (ar_nopdl.capture if name == "auto_nopdl" else ar.capture) if custom else NO_CTX
-            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ctx)
+            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ctx, args.hide_launch)
             if custom:
-                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)
+                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX, args.hide_launch)
         if nbytes == 8 * KB:
             host = host_costs(ar, x)
             if state.is_driver:
@@ -246,6 +256,7 @@ def main() -> None:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
                                               "dtype": "bfloat16", "k": args.k, "num_sms": ar.num_sms,
+                                              "launch_hiding": args.hide_launch,
                                               "host_us_8kb": host, "p2p_gbs": p2p,
                                               "rows": rows, "sweep": sweep}, indent=1))
     ar_nopdl.close()

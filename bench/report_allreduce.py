@@ -90,7 +90,9 @@ def main() -> None:
     p2p = args.p2p_gbs or doc.get("p2p_gbs", {}).get("one_way")
     if p2p is None:
         raise SystemExit("the benchmark file has no measured P2P bandwidth: pass --p2p-gbs")
-    print(f"{doc['gpu']} x{doc['world_size']}, {doc['dtype']}, graph K={doc['k']}, P2P {p2p:.0f} GB/s one way\n")
+    timing = "replay submitted during a GPU sleep" if doc.get("launch_hiding") else "submission gap included"
+    print(f"{doc['gpu']} x{doc['world_size']}, {doc['dtype']}, graph K={doc['k']} ({timing}), "
+          f"P2P {p2p:.0f} GB/s one way\n")
     print(table(doc["rows"]))
     print()
     for name, ok, detail in checks(doc, p2p):
