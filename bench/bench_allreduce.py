@@ -2,11 +2,10 @@
 
     torchrun --nproc-per-node 2 bench/bench_allreduce.py --out bench/results/ar.json
 
-Eager: back-to-back calls timed with CUDA events (median of repeats). Graph: K ops captured into one CUDA graph,
-replayed; per-op time = replay time / K (median). A GPU-side sleep is queued ahead of the start event, so the host's
-submission of the replay happens while the GPU sleeps and the timed window holds the graph's device time only
-(`--no-launch-hiding` times it the plain way, submission gap included). Custom algorithms are captured inside
-`ar.capture()`, so their pull inputs are zero-copy in graphs.
+Eager: back-to-back calls timed with CUDA events (median of repeats). Graph: K and 2K ops captured into CUDA graphs
+and replayed (median of repeats); per-op time = (T(2K) - T(K)) / K, so the fixed costs of a replay cancel. The plain
+T(K) / K and the same with the replay submitted during a GPU sleep are kept too (see `time_graph`). Custom
+algorithms are captured inside `ar.capture()`, so their pull inputs are zero-copy in graphs.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ def time_eager(fn, iters: int, repeats: int) -> float:
 LAUNCH_HIDING_CYCLES = 200_000
 
 
-def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext, hide_launch: bool = True) -> float:
+def capture_graph(fn, k: int, capture_ctx) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -60,17 +59,38 @@ def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext, hid
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, repeats: int, hide_launch: bool = False) -> float:
+    """Median µs of one replay between CUDA events. hide_launch queues a GPU sleep first, so the host submits the
+    replay while the GPU is busy and the submission gap falls outside the timed window."""
     out = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if hide_launch:
-            torch.cuda._sleep(LAUNCH_HIDING_CYCLES)  # the replay is submitted while this runs
+            torch.cuda._sleep(LAUNCH_HIDING_CYCLES)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / k)
+        out.append(start.elapsed_time(end) * 1e3)
     return statistics.median(out)
+
+
+def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext, slope: bool = True) -> dict[str, float]:
+    """µs per op of back-to-back ops in a CUDA graph, three ways, all in this process:
+    slope  = (T(2K ops) - T(K ops)) / K: every fixed cost of a replay (host submission gap, first-op rank skew)
+             cancels; the headline figure;
+    plain  = T(K) / K, submission gap included (the figure of earlier results);
+    hidden = T(K) / K with the replay submitted during a GPU sleep.
+    slope=False measures plain only (the grid sweep: relative, and it spends fewer pointer-table rows)."""
+    graph = capture_graph(fn, k, capture_ctx)
+    out = {"plain": replay_us(graph, repeats) / k}
+    if slope:
+        out["hidden"] = replay_us(graph, repeats, hide_launch=True) / k
+        out["slope"] = (replay_us(capture_graph(fn, 2 * k, capture_ctx), repeats) - out["plain"] * k) / k
+    return out
 
 
 CUSTOM = ("auto", "auto_nopdl", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
@@ -79,7 +99,7 @@ SWEEP_BLOCKS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 132, 264]  # 264: two per SM whe
 NO_CTX = contextlib.nullcontext
 
 
-def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool, hide_launch: bool) -> list[dict]:
+def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> list[dict]:
     """Graph-mode latency of each forced algorithm over grid sizes: the data behind the tables' launch bands."""
     rows = []
     for nbytes in SWEEP_SIZES:
@@ -93,7 +113,7 @@ def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool, hid
                     continue
                 try:
                     times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k,
-                                               repeats, ar.capture, hide_launch)
+                                               repeats, ar.capture, slope=False)["plain"]
                 except CommError:  # more blocks than this kernel keeps resident
                     break
             if not times:
@@ -190,8 +210,6 @@ def main() -> None:
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also sweep grid sizes per algorithm (graph mode)")
-    p.add_argument("--no-launch-hiding", dest="hide_launch", action="store_false",
-                   help="graph timings include the gap while the host submits the replay")
     args = p.parse_args()
     state = init_distributed("cuda")
     p2p = p2p_bandwidth_gbs(state)
@@ -199,7 +217,7 @@ def main() -> None:
         print("P2P copy bandwidth (GB/s): " + ", ".join(f"{k}={v:.0f}" for k, v in p2p.items()), flush=True)
     ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB))  # push slot: room to sweep
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
-    sweep = sweep_blocks(ar, 20, 10, state.is_driver, args.hide_launch) if args.sweep else []
+    sweep = sweep_blocks(ar, 20, 10, state.is_driver) if args.sweep else []
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -240,9 +258,11 @@ def main() -> None:
             # graph: custom calls captured inside ar.capture() (zero-copy); eager_device: the eager data path
             # (staging copy + kernel) captured without it, so host launch cost does not hide device time
             ctx = (ar_nopdl.capture if name == "auto_nopdl" else ar.capture) if custom else NO_CTX
-            row[f"{name}_graph_us"] = time_graph(fn, args.k, args.repeats, ctx, args.hide_launch)
+            graph = time_graph(fn, args.k, args.repeats, ctx)
+            row[f"{name}_graph_us"] = graph["slope"]
+            row[f"{name}_graph_plain_us"], row[f"{name}_graph_hidden_us"] = graph["plain"], graph["hidden"]
             if custom:
-                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX, args.hide_launch)
+                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)["slope"]
         if nbytes == 8 * KB:
             host = host_costs(ar, x)
             if state.is_driver:
@@ -256,7 +276,7 @@ def main() -> None:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
                                               "dtype": "bfloat16", "k": args.k, "num_sms": ar.num_sms,
-                                              "launch_hiding": args.hide_launch,
+                                              "graph_timing": "slope",
                                               "host_us_8kb": host, "p2p_gbs": p2p,
                                               "rows": rows, "sweep": sweep}, indent=1))
     ar_nopdl.close()

@@ -90,11 +90,22 @@ def main() -> None:
     p2p = args.p2p_gbs or doc.get("p2p_gbs", {}).get("one_way")
     if p2p is None:
         raise SystemExit("the benchmark file has no measured P2P bandwidth: pass --p2p-gbs")
-    timing = "replay submitted during a GPU sleep" if doc.get("launch_hiding") else "submission gap included"
+    timings = {"slope": "per op = (T(2K) - T(K)) / K", "hidden": "replay submitted during a GPU sleep"}
+    timing = timings.get(doc.get("graph_timing") or ("hidden" if doc.get("launch_hiding") else ""), "T(K) / K")
     print(f"{doc['gpu']} x{doc['world_size']}, {doc['dtype']}, graph K={doc['k']} ({timing}), "
           f"P2P {p2p:.0f} GB/s one way\n")
     print(table(doc["rows"]))
     print()
+    if "auto_graph_plain_us" in doc["rows"][0]:
+        print("Graph timing methods side by side (µs per op: slope / plain T(K)/K / plain with the replay submitted "
+              "during a GPU sleep):\n")
+        for r in doc["rows"]:
+            if r["bytes"] <= 512 * KB:
+                cells = [f"{n} {r[f'{n}_graph_us']:.2f} / {r[f'{n}_graph_plain_us']:.2f} / "
+                         f"{r[f'{n}_graph_hidden_us']:.2f}" for n in ("auto", "nccl", "symm_1shot")
+                         if f"{n}_graph_plain_us" in r]
+                print(f"- {human(r['bytes'])}: " + "; ".join(cells))
+        print()
     for name, ok, detail in checks(doc, p2p):
         print(f"- [{'?' if ok is None else 'x' if ok else ' '}] {name}: {detail}")
 
