@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 bench/bench_allreduce.py --out bench/results/ar.json
 
 Eager: back-to-back calls timed with CUDA events (median of repeats). Graph: K and 2K ops captured into CUDA graphs
-and replayed (median of repeats); per-op time = (T(2K) - T(K)) / K, so the fixed costs of a replay cancel. The plain
-T(K) / K and the same with the replay submitted during a GPU sleep are kept too (see `time_graph`). Custom
-algorithms are captured inside `ar.capture()`, so their pull inputs are zero-copy in graphs.
+and replayed (median of repeats), timed three ways (`time_graph`): the slope (T(2K) - T(K)) / K, the plain T(K) / K,
+and T(K) / K with the replay submitted during a GPU sleep. Each candidate's graph figure is the lowest of the three,
+so no timing artifact counts against anyone; all three are in the JSON. Custom algorithms are captured inside
+`ar.capture()`, so their pull inputs are zero-copy in graphs.
 """
 
 from __future__ import annotations
@@ -259,8 +260,11 @@ def main() -> None:
             # (staging copy + kernel) captured without it, so host launch cost does not hide device time
             ctx = (ar_nopdl.capture if name == "auto_nopdl" else ar.capture) if custom else NO_CTX
             graph = time_graph(fn, args.k, args.repeats, ctx)
-            row[f"{name}_graph_us"] = graph["slope"]
-            row[f"{name}_graph_plain_us"], row[f"{name}_graph_hidden_us"] = graph["plain"], graph["hidden"]
+            row.update({f"{name}_graph_{method}_us": us for method, us in graph.items()})
+            # headline: each candidate's best method, so no method's artifact counts against anyone (NCCL's
+            # 100-op graphs cost far more than twice its 50-op ones, so its slope is not its figure)
+            row[f"{name}_graph_method"] = min(graph, key=graph.get)
+            row[f"{name}_graph_us"] = graph[row[f"{name}_graph_method"]]
             if custom:
                 row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)["slope"]
         if nbytes == 8 * KB:
@@ -276,7 +280,7 @@ def main() -> None:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": state.world_size,
                                               "dtype": "bfloat16", "k": args.k, "num_sms": ar.num_sms,
-                                              "graph_timing": "slope",
+                                              "graph_timing": "best of slope, plain, hidden",
                                               "host_us_8kb": host, "p2p_gbs": p2p,
                                               "rows": rows, "sweep": sweep}, indent=1))
     ar_nopdl.close()
