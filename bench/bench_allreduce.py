@@ -208,6 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    # each zero-copy candidate spends 3K pointer-table rows per size (K and 2K graphs; 16384 rows in all)
     p.add_argument("--k", type=int, default=50)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also sweep grid sizes per algorithm (graph mode)")

@@ -206,7 +206,10 @@ def test_multicast_other_values_do_not_disable():
 
 def test_launch_blocks_shrink_to_the_work():
     t = launch_table({"push_blocks": "num_sms", "pull1_blocks": 64, "pull2_blocks": 64})
-    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 1  # 512 vectors: one block of 512 threads
+    # push deals 32-vector chunks round-robin over blocks: at most one block per chunk
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 16  # 512 vectors, 16 chunks
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=512) == 1
+    assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=528) == 2  # a partial second chunk
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=16 << 20) == 132
     assert t.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=16 * 1024) == 1  # 1024 vectors, 512 per shard
     assert t.blocks(Algo.PULL_2SHOT, 2, 132, nbytes=32 * 1024) == 2

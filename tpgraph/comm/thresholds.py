@@ -20,6 +20,7 @@ from tpgraph.errors import ConfigError
 
 VECTOR_BYTES = 16  # every custom kernel moves 16-byte vectors
 THREADS_PER_BLOCK = 512  # csrc/ar_common.cuh kThreads
+PUSH_CHUNK_VECTORS = 32  # csrc/ar_common.cuh kPushChunkVecs: 1shot_push deals one warp's vectors to each block
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WORLD_SIZES = range(2, 9)
 MODES = ("graph", "eager")
@@ -84,7 +85,8 @@ class AlgoTable:
 
     def blocks(self, algo: Algo, world_size: int, num_sms: int, nbytes: int | None = None) -> int:
         """Grid size for an algorithm: table policy, resolved against this GPU's SM count, and no more blocks
-        than the message has work for (THREADS_PER_BLOCK 16-byte vectors each; 2shot: per shard)."""
+        than the message has work for (1shot_push: one chunk of PUSH_CHUNK_VECTORS each; the pull kernels:
+        THREADS_PER_BLOCK 16-byte vectors each, per shard for 2shot)."""
         spec = self.launch.get(LAUNCH_KEYS[algo], DEFAULT_BLOCKS)
         if isinstance(spec, dict):
             spec = spec.get(str(world_size), spec.get("default", DEFAULT_BLOCKS))
@@ -96,7 +98,8 @@ class AlgoTable:
             vectors = -(-nbytes // VECTOR_BYTES)
             if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
                 vectors = -(-vectors // world_size)
-            value = min(value, -(-vectors // THREADS_PER_BLOCK))
+            per_block = PUSH_CHUNK_VECTORS if algo == Algo.PUSH_1SHOT else THREADS_PER_BLOCK
+            value = min(value, -(-vectors // per_block))
         return max(1, min(value, MAX_BLOCKS))
 
 
