@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -79,19 +80,16 @@ def replay_us(graph: torch.cuda.CUDAGraph, repeats: int, hide_launch: bool = Fal
     return statistics.median(out)
 
 
-def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext, slope: bool = True) -> dict[str, float]:
+def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> dict[str, float]:
     """µs per op of back-to-back ops in a CUDA graph, three ways, all in this process:
     slope  = (T(2K ops) - T(K ops)) / K: every fixed cost of a replay (host submission gap, first-op rank skew)
              cancels; the headline figure;
     plain  = T(K) / K, submission gap included (the figure of earlier results);
-    hidden = T(K) / K with the replay submitted during a GPU sleep.
-    slope=False measures plain only (the grid sweep: relative, and it spends fewer pointer-table rows)."""
+    hidden = T(K) / K with the replay submitted during a GPU sleep."""
     graph = capture_graph(fn, k, capture_ctx)
-    out = {"plain": replay_us(graph, repeats) / k}
-    if slope:
-        out["hidden"] = replay_us(graph, repeats, hide_launch=True) / k
-        out["slope"] = (replay_us(capture_graph(fn, 2 * k, capture_ctx), repeats) - out["plain"] * k) / k
-    return out
+    plain = replay_us(graph, repeats)
+    return {"plain": plain / k, "hidden": replay_us(graph, repeats, hide_launch=True) / k,
+            "slope": (replay_us(capture_graph(fn, 2 * k, capture_ctx), repeats) - plain) / k}
 
 
 CUSTOM = ("auto", "auto_nopdl", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
@@ -113,8 +111,9 @@ def sweep_blocks(ar: CustomAllReduce, k: int, repeats: int, is_driver: bool) -> 
                 if blocks > 2 * ar.num_sms:
                     continue
                 try:
-                    times[blocks] = time_graph(lambda x=x, a=algo, b=blocks: ar.all_reduce(x, a, blocks=b), k,
-                                               repeats, ar.capture, slope=False)["plain"]
+                    # plain T(K) / K: the grids are compared with each other, and it spends K rows, not 3K
+                    fn = functools.partial(ar.all_reduce, x, algo, blocks=blocks)
+                    times[blocks] = replay_us(capture_graph(fn, k, ar.capture), repeats) / k
                 except CommError:  # more blocks than this kernel keeps resident
                     break
             if not times:

@@ -18,9 +18,6 @@ KB, MB = 1 << 10, 1 << 20
 PEERS = ("nccl", "symm_1shot", "symm_2shot")
 
 
-GRAPH_METHODS = ("slope", "plain", "hidden")
-
-
 def with_best_graph_method(row: dict) -> dict:
     """The graph figure of every candidate = the lowest of the timing methods the run recorded. (Runs that wrote the
     slope as `{name}_graph_us` next to `_graph_plain_us` and `_graph_hidden_us` are read the same way.)"""
