@@ -16,7 +16,7 @@ from tpgraph.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tpgraph.model.rotary import RotaryEmbedding
+from tpgraph.model.rotary import Rope, RotaryEmbedding, apply_rotary
 from tpgraph.model.shards import ShardSpec, even_split
 
 
@@ -44,18 +44,17 @@ class LlamaAttention(nn.Module):
         ], dtype, device)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, f"{prefix}.o_proj.weight", rank, tp, dtype,
                                         device)
-        self.rotary = RotaryEmbedding(d, cfg.rope, device)
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.comm.all_reduce(self.o_proj(out.reshape(out.shape[0], -1)))
 
@@ -91,8 +90,8 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+    def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -105,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
                                                    comm.rank, comm.world_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, comm, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, device)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", dtype, device)
         lm_head_name = None if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = ParallelLMHead(self.embed_tokens, lm_head_name, dtype, device)
@@ -112,8 +112,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat tokens [T] -> final hidden states [T, hidden] (after the last norm)."""
         h = self.comm.all_reduce(self.embed_tokens(input_ids))
+        rope = self.rotary(positions, h.dtype)  # the same for every layer
         for layer in self.layers:
-            h = layer(positions, h, meta)
+            h = layer(rope, h, meta)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

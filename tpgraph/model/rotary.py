@@ -34,14 +34,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin for a step's positions, computed once per forward and shared by every layer."""
+
     def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_frequencies(head_dim, rope).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype as inputs)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """positions [T] -> (cos, sin), each [T, 1, D] in `dtype`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype as inputs)."""
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
