@@ -21,7 +21,7 @@ def test_reference_is_attention_over_the_gathered_context():
     """The reference itself against dense SDPA over the tokens that the block table names."""
     q, k, v, bt, lens, scale = random_paged_case(4, "cpu", torch.float32)
     ref = paged_decode_reference(q, k, v, bt, lens, scale)
-    bs, kvh, d = k.shape[1], k.shape[2], k.shape[3]
+    kvh, d = k.shape[2], k.shape[3]
     for b, n in enumerate(lens.tolist()):
         if n == 0:
             assert torch.all(ref[b] == 0)
@@ -30,7 +30,6 @@ def test_reference_is_attention_over_the_gathered_context():
         vv = v[bt[b].long()].reshape(-1, kvh, d)[:n].transpose(0, 1)
         dense = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], kk, vv, scale=scale, enable_gqa=True)
         torch.testing.assert_close(ref[b], dense[:, 0], atol=1e-5, rtol=1e-5)
-        del bs
 
 
 def test_padded_row_gives_zeros_not_nan():

@@ -171,7 +171,6 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         cfg = config or (ModelConfig.from_dir(model_dir) if model_dir is not None else BUILTIN_MODEL)
-        cfg.check_tp(state.world_size)
         model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         if model_dir is None or load_format == "dummy":
             source: TensorSource = RandomSource(cfg, seed, state.device)
