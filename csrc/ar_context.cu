@@ -1,6 +1,7 @@
 // The all-reduce context of one rank: its workspace (one cudaMalloc, exported over IPC by Python), the peers'
 // mapped workspaces, the host-mapped timeout record, and argument checking before each launch. No policy:
 // the algorithm and the grid size come from Python.
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -234,7 +235,8 @@ void ar_destroy(uintptr_t handle) {
 }
 
 bool multicast_env_allowed() {
-  // Same list as tpgraph/comm/multicast.py: any of these means multicast objects must never be created.
+  // Same list and the same reading as tpgraph/comm/multicast.py (trimmed, case-insensitive): any of these means
+  // multicast objects must never be created.
   struct Var {
     const char* name;
     const char* disabling;
@@ -247,7 +249,10 @@ bool multicast_env_allowed() {
     const char* value = std::getenv(v.name);
     if (value == nullptr) continue;
     std::string s(value);
-    if (s == v.disabling || (std::string(v.disabling) == "1" && (s == "true" || s == "TRUE" || s == "yes"))) return false;
+    const size_t first = s.find_first_not_of(" \t\r\n"), last = s.find_last_not_of(" \t\r\n");
+    s = first == std::string::npos ? "" : s.substr(first, last - first + 1);
+    for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+    if (s == v.disabling || (std::string(v.disabling) == "1" && (s == "true" || s == "yes"))) return false;
   }
   return true;
 }

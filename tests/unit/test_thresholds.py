@@ -228,3 +228,17 @@ def test_cpp_multicast_gate_reads_the_same_variables(name, value, monkeypatch):
     assert ext.multicast_env_allowed()
     monkeypatch.setenv(name, value)
     assert not ext.multicast_env_allowed()
+
+
+@pytest.mark.parametrize("spelling", ["{v}", " {v} ", "{v}\n", "TRUE", "Yes", "false", "2", ""])
+def test_python_and_cpp_gates_read_spellings_alike(spelling, monkeypatch):
+    from tpgraph._ext import extension_available, load_ext
+
+    if not extension_available():
+        pytest.skip("tpgraph._C not built")
+    ext = load_ext()
+    for name, value in DISABLING_VARIABLES:
+        for var, _ in DISABLING_VARIABLES:
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(name, spelling.format(v=value))
+        assert ext.multicast_env_allowed() == multicast_allowed({name: spelling.format(v=value)}), (name, spelling)

@@ -1,5 +1,6 @@
 """NVLink multicast (NVLS) gate. Creating a multicast object can take a shared host's GPUs out of service,
-so any of these variables means "multicast unavailable" (csrc/multicast.cuh checks the same list in C++)."""
+so any of these variables means "multicast unavailable". csrc/ar_context.cu (multicast_env_allowed) reads the same
+list the same way in C++."""
 
 from __future__ import annotations
 
