@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from report_allreduce import with_best_graph_method  # bench/ is on the path when this script runs
 
 from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
 from tpgraph.comm.thresholds import Algo
@@ -80,16 +81,22 @@ def replay_us(graph: torch.cuda.CUDAGraph, repeats: int, hide_launch: bool = Fal
     return statistics.median(out)
 
 
+def slope_us(fn, k: int, repeats: int, capture_ctx, t_k: float | None = None) -> float:
+    """(T(2K ops) - T(K ops)) / K: every fixed cost of a replay (host submission gap, first-op rank skew) cancels.
+    t_k: T(K) when the caller already measured it."""
+    if t_k is None:
+        t_k = replay_us(capture_graph(fn, k, capture_ctx), repeats)
+    return (replay_us(capture_graph(fn, 2 * k, capture_ctx), repeats) - t_k) / k
+
+
 def time_graph(fn, k: int, repeats: int, capture_ctx=contextlib.nullcontext) -> dict[str, float]:
-    """µs per op of back-to-back ops in a CUDA graph, three ways, all in this process:
-    slope  = (T(2K ops) - T(K ops)) / K: every fixed cost of a replay (host submission gap, first-op rank skew)
-             cancels; the headline figure;
-    plain  = T(K) / K, submission gap included (the figure of earlier results);
-    hidden = T(K) / K with the replay submitted during a GPU sleep."""
+    """µs per op of back-to-back ops in a CUDA graph, three ways, all in this process: plain = T(K) / K (submission
+    gap included, the figure of earlier results); hidden = T(K) / K with the replay submitted during a GPU sleep;
+    slope (slope_us)."""
     graph = capture_graph(fn, k, capture_ctx)
     plain = replay_us(graph, repeats)
     return {"plain": plain / k, "hidden": replay_us(graph, repeats, hide_launch=True) / k,
-            "slope": (replay_us(capture_graph(fn, 2 * k, capture_ctx), repeats) - plain) / k}
+            "slope": slope_us(fn, k, repeats, capture_ctx, plain)}
 
 
 CUSTOM = ("auto", "auto_nopdl", "1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")
@@ -261,12 +268,11 @@ def main() -> None:
             ctx = (ar_nopdl.capture if name == "auto_nopdl" else ar.capture) if custom else NO_CTX
             graph = time_graph(fn, args.k, args.repeats, ctx)
             row.update({f"{name}_graph_{method}_us": us for method, us in graph.items()})
-            # headline: each candidate's best method, so no method's artifact counts against anyone (NCCL's
-            # 100-op graphs cost far more than twice its 50-op ones, so its slope is not its figure)
-            row[f"{name}_graph_method"] = min(graph, key=graph.get)
-            row[f"{name}_graph_us"] = graph[row[f"{name}_graph_method"]]
             if custom:
-                row[f"{name}_eager_device_us"] = time_graph(fn, args.k, args.repeats, NO_CTX)["slope"]
+                row[f"{name}_eager_device_us"] = slope_us(fn, args.k, args.repeats, NO_CTX)
+        # headline graph figure: each candidate's best method, so no method's artifact counts against anyone
+        # (NCCL's 100-op graphs cost far more than twice its 50-op ones, so its slope is not its figure)
+        row = with_best_graph_method(row)
         if nbytes == 8 * KB:
             host = host_costs(ar, x)
             if state.is_driver:

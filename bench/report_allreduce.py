@@ -19,12 +19,13 @@ PEERS = ("nccl", "symm_1shot", "symm_2shot")
 
 
 def with_best_graph_method(row: dict) -> dict:
-    """The graph figure of every candidate = the lowest of the timing methods the run recorded. (Runs that wrote the
-    slope as `{name}_graph_us` next to `_graph_plain_us` and `_graph_hidden_us` are read the same way.)"""
+    """The graph figure of every candidate = the lowest of the timing methods the run recorded (the bench calls this
+    too). Runs that wrote the slope as `{name}_graph_us` next to `_graph_plain_us` and `_graph_hidden_us` are read
+    the same way."""
     row = dict(row)
     for key in [k for k in row if k.endswith("_graph_plain_us")]:
         name = key.removesuffix("_graph_plain_us")
-        slope = row.get(f"{name}_graph_slope_us", row[f"{name}_graph_us"])
+        slope = row[f"{name}_graph_slope_us" if f"{name}_graph_slope_us" in row else f"{name}_graph_us"]
         times = {"plain": row[key], "hidden": row[f"{name}_graph_hidden_us"], "slope": slope}  # the bench's order
         row[f"{name}_graph_method"] = min(times, key=times.get)
         row[f"{name}_graph_slope_us"], row[f"{name}_graph_us"] = slope, times[row[f"{name}_graph_method"]]
@@ -105,7 +106,8 @@ def main() -> None:
     p2p = args.p2p_gbs or doc.get("p2p_gbs", {}).get("one_way")
     if p2p is None:
         raise SystemExit("the benchmark file has no measured P2P bandwidth: pass --p2p-gbs")
-    if "auto_graph_plain_us" in doc["rows"][0]:
+    has_methods = "auto_graph_plain_us" in doc["rows"][0]
+    if has_methods:
         timing = "each candidate's best of three timing methods"
     else:
         timing = "replay submitted during a GPU sleep" if doc.get("launch_hiding") else "T(K) / K"
@@ -113,7 +115,7 @@ def main() -> None:
           f"P2P {p2p:.0f} GB/s one way\n")
     print(table(doc["rows"]))
     print()
-    if "auto_graph_plain_us" in doc["rows"][0]:
+    if has_methods:
         print("Graph timing methods side by side (µs per op: slope / plain T(K)/K / plain with the replay submitted "
               "during a GPU sleep):\n")
         for r in doc["rows"]:
