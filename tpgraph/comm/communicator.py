@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import TPGraphError
 
@@ -74,8 +75,8 @@ def _try_custom_allreduce(state: ParallelState):
     """(CustomAllReduce, None) when every rank can use it, else (None, reason). Decided the same on all ranks."""
     if state.device.type != "cuda":
         return None, "not on CUDA"
-    if not 2 <= state.world_size <= 8:
-        return None, f"world size {state.world_size} is outside 2..8"
+    if state.world_size not in WORLD_SIZES:
+        return None, f"world size {state.world_size} is outside {WORLD_SIZES.start}..{WORLD_SIZES.stop - 1}"
     from tpgraph._ext import extension_available
 
     if not extension_available():

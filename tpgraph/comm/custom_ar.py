@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tpgraph._ext import load_ext
-from tpgraph.comm.thresholds import VECTOR_BYTES, Algo, AlgoTable, Bands, load_table_for, pick_algo
+from tpgraph.comm.thresholds import VECTOR_BYTES, WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
@@ -91,8 +91,9 @@ class CustomAllReduce:
         cfg = cfg or CustomAllReduceConfig()
         if state.device.type != "cuda":
             raise CommError("the custom all-reduce needs CUDA devices")
-        if not 2 <= state.world_size <= 8:
-            raise CommError(f"the custom all-reduce supports 2..8 ranks, got {state.world_size}")
+        if state.world_size not in WORLD_SIZES:
+            raise CommError(f"the custom all-reduce supports {WORLD_SIZES.start}..{WORLD_SIZES.stop - 1} ranks, "
+                            f"got {state.world_size}")
         self.ext = load_ext()
         self.state, self.cfg = state, cfg
         # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r); two PCIe
