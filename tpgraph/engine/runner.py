@@ -111,7 +111,7 @@ class ModelRunner:
             block_tables=self._block_tables(seqs),
             use_triton=self.use_triton,
         )
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        ids = torch.tensor([s.last_token for s in seqs], device=self.device)  # no list copy per step
         hidden = self.model(ids, torch.tensor(positions, device=self.device), meta)
         for seq in seqs:
             seq.num_cached = len(seq)

@@ -19,6 +19,10 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
