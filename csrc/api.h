@@ -59,6 +59,8 @@ void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
 void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream, uint64_t timeout_ns, int row);
 int ar_reserve_row(uintptr_t ctx);
+void ar_release_rows(uintptr_t ctx, const std::vector<int>& rows);
+int ar_rows_in_use(uintptr_t ctx);
 void ar_fill_rows(uintptr_t ctx, const std::vector<int>& rows, const std::vector<uintptr_t>& ptrs);
 std::string ar_timeout_message(uintptr_t ctx);
 void ar_destroy(uintptr_t ctx);

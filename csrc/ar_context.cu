@@ -44,12 +44,15 @@ const char* algo_name(int algo) {
 }
 }  // namespace
 
-constexpr int kMaxRows = 16384;  // graph-captured pull calls per communicator; rows are never reused
+constexpr int kMaxRows = 16384;  // graph-captured pull calls alive at once per communicator (released rows are reused)
 
 struct ArContext {
   int rank = 0;
   uint64_t* rows = nullptr;  // device pointer table [kMaxRows][kMaxRanks]
-  int next_row = 0;
+  int next_row = 0;  // rows below this were handed out at least once
+  std::vector<int> free_rows;  // released rows, handed out again before new ones
+  std::vector<bool> row_in_use = std::vector<bool>(kMaxRows, false);
+  int rows_in_use = 0;
   WorkspaceLayout layout;
   char* workspace = nullptr;
   TimeoutRecord* timeout = nullptr;  // pinned, mapped into the device address space
@@ -134,9 +137,38 @@ void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspace
 
 int ar_reserve_row(uintptr_t handle) {
   ArContext& ctx = get(handle);
-  TPG_CHECK(ctx.next_row < kMaxRows, "all " << kMaxRows << " graph pointer-table rows are used");
-  return ctx.next_row++;
+  int row;
+  if (!ctx.free_rows.empty()) {
+    row = ctx.free_rows.back();
+    ctx.free_rows.pop_back();
+  } else {
+    TPG_CHECK(ctx.next_row < kMaxRows, "all " << kMaxRows << " graph pointer-table rows are in use (captured "
+                                                 "graphs that were never released?)");
+    row = ctx.next_row++;
+  }
+  ctx.row_in_use[row] = true;
+  ctx.rows_in_use += 1;
+  return row;
 }
+
+void ar_release_rows(uintptr_t handle, const std::vector<int>& rows) {
+  ArContext& ctx = get(handle);
+  for (int row : rows) {
+    TPG_CHECK(row >= 0 && row < ctx.next_row && ctx.row_in_use[row], "row " << row << " is not in use");
+  }
+  // A graph still replaying would read these rows: wait for the device, then zero them, so a stale replay of a
+  // released graph traps as 'unregistered' instead of reading memory that may be gone.
+  TPG_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int row : rows) {
+    TPG_CUDA_CHECK(cudaMemset(ctx.rows + size_t(row) * kMaxRanks, 0, sizeof(uint64_t) * kMaxRanks));
+    ctx.row_in_use[row] = false;
+    ctx.free_rows.push_back(row);
+    ctx.rows_in_use -= 1;
+  }
+  TPG_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+int ar_rows_in_use(uintptr_t handle) { return get(handle).rows_in_use; }
 
 void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vector<uintptr_t>& ptrs) {
   ArContext& ctx = get(handle);
@@ -144,7 +176,8 @@ void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vec
   TPG_CHECK(ptrs.size() == rows.size() * ws, "expected " << rows.size() * ws << " pointers, got " << ptrs.size());
   std::vector<uint64_t> row(kMaxRanks, 0);
   for (size_t i = 0; i < rows.size(); ++i) {
-    TPG_CHECK(rows[i] >= 0 && rows[i] < ctx.next_row, "row " << rows[i] << " was never reserved");
+    TPG_CHECK(rows[i] >= 0 && rows[i] < ctx.next_row && ctx.row_in_use[rows[i]],
+              "row " << rows[i] << " is not reserved");
     for (int r = 0; r < ws; ++r) {
       row[r] = ptrs[i * ws + r];
       TPG_CHECK(row[r] != 0 && row[r] % 16 == 0, "row " << rows[i] << ": pointer of rank " << r << " is null or misaligned");
@@ -166,7 +199,7 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(nbytes > 0 && nbytes % 16 == 0, "message size must be a positive multiple of 16 bytes, got " << nbytes);
   TPG_CHECK(in % 16 == 0 && out % 16 == 0, "input and output must be 16-byte aligned");
   TPG_CHECK(blocks >= 1 && blocks <= kMaxBlocks, "grid must have 1.." << kMaxBlocks << " blocks, got " << blocks);
-  TPG_CHECK(row < ctx.next_row, "row " << row << " was never reserved");
+  TPG_CHECK(row < 0 || (row < ctx.next_row && ctx.row_in_use[row]), "row " << row << " is not reserved");
   const bool zero_copy = row >= 0 && (algo == 1 || algo == 2);  // multicast is always staged
   TPG_CHECK(!(zero_copy && algo == 1 && in == out), "1shot_pull in a graph reads peers' inputs: output must differ");
   TPG_CHECK(!(zero_copy && algo == 2 && in != out), "2shot_pull in a graph reduces in place: output must be the input");

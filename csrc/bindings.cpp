@@ -68,7 +68,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
         py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),
         py::arg("row") = -1, "row -1: eager (pull stages the input); row >= 0: graph, zero-copy through that row");
-  m.def("ar_reserve_row", &ar_reserve_row, py::arg("ctx"), "next unused pointer-table row (graph capture)");
+  m.def("ar_reserve_row", &ar_reserve_row, py::arg("ctx"), "a free pointer-table row (graph capture)");
+  m.def("ar_release_rows", &ar_release_rows, py::arg("ctx"), py::arg("rows"),
+        "zero rows of released graphs and hand them out again (synchronizes the device)");
+  m.def("ar_rows_in_use", &ar_rows_in_use, py::arg("ctx"));
   m.def("ar_fill_rows", &ar_fill_rows, py::arg("ctx"), py::arg("rows"), py::arg("ptrs"),
         "fill rows after capture: ptrs holds world_size pointers per row, in rank order");
   m.def("ar_timeout_message", &ar_timeout_message, py::arg("ctx"), "'' unless a kernel wait timed out");

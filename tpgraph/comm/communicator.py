@@ -14,9 +14,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
-from tpgraph.errors import TPGraphError
+from tpgraph.errors import CaptureError, TPGraphError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class TPCommunicator:
         self.world_size = state.world_size
         self.rank = state.rank
         self.custom = None
+        self.capture_locked = False  # set by the graph runner once its capture phase is over
         self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
         if use_custom_allreduce:
             self.custom, self.custom_reason = _try_custom_allreduce(state)
@@ -47,23 +49,39 @@ class TPCommunicator:
         dist.all_reduce(x, group=self.state.tp_group)
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's x along dim, in rank order."""
+    def all_gather(self, x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's x along dim, in rank order (into `out` if given)."""
         if self.world_size == 1:
-            return x
+            return x if out is None else out.copy_(x)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.state.tp_group)
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=dim, out=out)
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Wrap CUDA-graph capture: custom all-reduce inputs captured inside are registered on exit."""
+    def capture(self) -> Iterator[CaptureRegistration]:
+        """Wrap CUDA-graph capture: custom all-reduce inputs captured inside are registered on exit.
+
+        Yields the registration (pointer-table rows, peer mappings); give it back with `release_capture` once the
+        graphs captured inside are dropped."""
+        if self.capture_locked:
+            raise CaptureError("all-reduce capture after the capture phase: graphs were already captured and the "
+                               "communicator locked; re-capture through the graph runner, which releases first")
         if self.custom is None:
-            yield
+            yield CaptureRegistration()
             return
-        with self.custom.capture():
-            yield
+        with self.custom.capture() as registration:
+            yield registration
+
+    def release_capture(self, registration: CaptureRegistration) -> None:
+        """Return a capture's rows and close its peer mappings (local; the graphs must be dropped already)."""
+        if self.custom is not None:
+            self.custom.release_registration(registration)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device memory the custom all-reduce holds on this rank (0 without it): the KV budget subtracts it."""
+        return 0 if self.custom is None else self.custom.workspace_bytes
 
     def close(self) -> None:
         if self.custom is not None:

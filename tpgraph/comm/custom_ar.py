@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tpgraph._ext import load_ext
+from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import VECTOR_BYTES, WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
@@ -117,7 +118,8 @@ class CustomAllReduce:
         staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
         self.table = clamp_to_workspace(table, push, staging)
         self.push_slot_bytes, self.staging_bytes = push, staging
-        self._opened: list[bytes] = []  # peer handles this object opened (workspaces, captured inputs)
+        self._opened: list[bytes] = []  # peer workspace handles this object opened
+        self._registrations: list[CaptureRegistration] = []  # live captures (released with their graphs)
         self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl)
         try:
             base = self.ext.ar_workspace(self.ctx)
@@ -253,23 +255,36 @@ class CustomAllReduce:
         return out
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Wrap CUDA-graph capture. On exit, every rank's captured pull inputs are registered in one exchange."""
+    def capture(self) -> Iterator[CaptureRegistration]:
+        """Wrap CUDA-graph capture. On exit, every rank's captured pull inputs are registered in one exchange.
+
+        Yields the registration: the rows and peer mappings this capture takes. Whoever owns the captured graphs
+        releases it (`release_registration`) once they are dropped, so rows are reused and peers' memory freed."""
         if self._capturing:
             raise CommError("capture() is already active")
         self._capturing, self._pending = True, []
+        registration = CaptureRegistration()
         try:
-            yield
+            yield registration
         except BaseException as exc:
-            self._capturing, self._pending = False, []
+            self._capturing = False
+            self._return_rows([row for row, _ in self._pending])
+            self._pending = []
             # the peers are about to exchange their captured calls: tell them instead of leaving them waiting
             gather_objects(self.state, f"rank {self.state.rank} failed while capturing: {exc!r}")
             raise
         self._capturing = False
-        self.register_captured()
+        try:
+            self.register_captured(registration)
+        except BaseException:
+            self.release_registration(registration)
+            raise
+        self._registrations.append(registration)
 
-    def register_captured(self) -> None:
+    def register_captured(self, registration: CaptureRegistration | None = None) -> None:
+        registration = registration if registration is not None else CaptureRegistration()
         pending, self._pending = self._pending, []
+        registration.rows.extend(row for row, _ in pending)
         counts = gather_objects(self.state, len(pending))
         failed = [c for c in counts if isinstance(c, str)]
         if failed:
@@ -298,10 +313,36 @@ class CustomAllReduce:
                 else:
                     handle, offset = everyone[r][i]
                     ptrs.append(self.ext.ipc_open_handle(handle) + offset)  # cached: one mapping per allocation
-                    self._opened.append(handle)  # each open counts a reference, closed in close()
+                    registration.handles.append(handle)  # each open counts a reference, closed on release
         self.ext.ar_fill_rows(self.ctx, [row for row, _ in pending], ptrs)
         torch.cuda.synchronize()
         gather_objects(self.state, None)  # all rows everywhere before anyone replays
+
+    def release_registration(self, registration: CaptureRegistration) -> None:
+        """Give back what a capture registered: its rows (zeroed, reused by later captures) and its mappings of
+        the peers' captured buffers (which otherwise pin the peers' freed graph pools). The graphs that use the
+        rows must be dropped first: a replay after this traps as 'unregistered'. Local only: no collective."""
+        if registration.released:
+            return
+        registration.released = True
+        if registration in self._registrations:
+            self._registrations.remove(registration)
+        self._return_rows(registration.rows)
+        for handle in registration.handles:
+            self.ext.ipc_close_handle(handle)
+        registration.rows, registration.handles = [], []
+
+    def _return_rows(self, rows: list[int]) -> None:
+        if rows and self.ctx:
+            self.ext.ar_release_rows(self.ctx, rows)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.ext.ar_workspace_bytes(self.ctx) if self.ctx else 0
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.ext.ar_rows_in_use(self.ctx)
 
     def _watch_timeouts(self) -> None:
         """Log a kernel timeout the moment it fires (the record is host memory, no CUDA call): the trap's sticky
@@ -333,6 +374,8 @@ class CustomAllReduce:
             self._release()
 
     def _release(self) -> None:
+        for registration in list(self._registrations):
+            self.release_registration(registration)
         for h in self._opened:
             self.ext.ipc_close_handle(h)
         self._opened = []

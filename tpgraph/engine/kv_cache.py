@@ -13,11 +13,13 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int) -> None:
+    """Hands out block ids first_block .. first_block + num_blocks - 1 (ids below first_block are reserved)."""
+
+    def __init__(self, num_blocks: int, first_block: int = 0) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._free = list(range(first_block + num_blocks - 1, first_block - 1, -1))  # pop() hands out low ids first
 
     @property
     def num_free(self) -> int:
@@ -37,3 +39,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_hea
     shape = (num_blocks, block_size, kv_heads, head_dim)
     return [KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
+
+
+def kv_block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers (K and V)."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

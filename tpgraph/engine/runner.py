@@ -1,118 +1,351 @@
-"""ModelRunner: owns the KV cache and turns sequences into flat model inputs (prefill and decode)."""
+"""ModelRunner: owns the KV cache, the persistent inputs and the graphs, and runs prefill and decode steps.
+
+Every step writes its inputs into pinned host twins of persistent device buffers and copies them in place
+(non-blocking), asks the dispatcher which captured bucket serves it, and replays that graph (or runs eagerly).
+The only host synchronization in a decode step is the caller reading its sampled tokens.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches
+from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
+from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.sequence import Sequence
 from tpgraph.errors import ConfigError
-from tpgraph.model.attention import AttentionMetadata
+from tpgraph.graphs.buffers import Pad, PersistentBuffers
+from tpgraph.graphs.captured import call
+from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
+from tpgraph.graphs.ladder import capture_sizes
+from tpgraph.graphs.modes import log_downgrades, resolve_modes
+from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
+from tpgraph.graphs.stats import GraphStats
+from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read nothing
+NULL_SLOT = NULL_BLOCK  # its first slot
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
     block_size: int = 16
-    max_batch: int = 8
+    max_batch: int = 8  # max_num_seqs
     max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
-    num_kv_blocks: int | None = None  # default: enough for max_batch sequences of max_model_len
+    num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
+    gpu_memory_utilization: float = 0.9
+    graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cfg: RunnerConfig = RunnerConfig()) -> None:
+    def __init__(self, model: LlamaForCausalLM, cfg: RunnerConfig = RunnerConfig(),
+                 stats: GraphStats | None = None) -> None:
         self.model, self.cfg = model, cfg
-        mcfg = model.cfg
+        mcfg, g = model.cfg, cfg.graphs
         self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.is_driver = model.comm.rank == 0
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
         if self.max_model_len > mcfg.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({mcfg.max_position_embeddings})"
-            )
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                              f"({mcfg.max_position_embeddings})")
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        num_blocks = cfg.num_kv_blocks or self.max_blocks_per_seq * cfg.max_batch
-        self.allocator = BlockAllocator(num_blocks)
-        attn = model.attention_layers()
-        self.kv_caches = allocate_kv_caches(len(attn), num_blocks, self.block_size, attn[0].num_kv_heads,
-                                            mcfg.head_dim, model.embed_tokens.weight.dtype, self.device)
-        for layer, cache in zip(attn, self.kv_caches, strict=True):
-            layer.kv_cache = cache
         self.use_triton = self.device.type == "cuda" if cfg.use_triton is None else cfg.use_triton
+        self.backend = attention_backend(self.use_triton)
 
-    # ---- cache bookkeeping -------------------------------------------------------------------
+        # which graph mode each phase runs: resolved once, every downgrade reported loudly
+        self.stats = stats if stats is not None else GraphStats()
+        self.modes = resolve_modes(g.decode_mode, g.prefill_mode, enforce_eager=g.enforce_eager,
+                                   device_type=self.device.type, support=self.backend.capture_support)
+        for d in self.modes.downgrades:
+            self.stats.record_downgrade(d.phase, d.requested, d.resolved, d.reason)
+        if self.is_driver:
+            log_downgrades(self.modes, logger)
+        decode_sizes = capture_sizes(g.ladder, cfg.max_batch) if self.modes.decode != "none" else ()
+        prefill_sizes = tuple(g.prefill_sizes) if self.modes.prefill == "piecewise" else ()
+        keyed_full = self.modes.decode in ("full", "breakable")
+        self.decode_dispatcher = Dispatcher(decode_sizes if keyed_full else (), () if keyed_full else decode_sizes)
+        self.prefill_dispatcher = Dispatcher((), prefill_sizes)
+        self._decode_mode_label = GraphMode.BREAKABLE if self.modes.decode == "breakable" else None
+
+        # persistent inputs, sized once for the largest bucket
+        self.seq_rows = max(cfg.max_batch, *decode_sizes) if decode_sizes else cfg.max_batch
+        self.token_rows = max(self.seq_rows, *prefill_sizes) if prefill_sizes else self.seq_rows
+        self.tokens = PersistentBuffers(self.token_rows, self.device)
+        self.tokens.add("input_ids", torch.int64, Pad.ZERO)
+        self.tokens.add("positions", torch.int64, Pad.ZERO)
+        self.tokens.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
+        self.seqs = PersistentBuffers(self.seq_rows, self.device)
+        self.seqs.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
+        self.seqs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
+        self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
+        self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
+        self._prefill_meta: dict[int, AttentionMetadata] = {}
+
+        attn = model.attention_layers()
+        self._kv_shape = (len(attn), attn[0].num_kv_heads, mcfg.head_dim)
+        self.block_bytes = kv_block_bytes(len(attn), self.block_size, attn[0].num_kv_heads, mcfg.head_dim,
+                                          self.dtype)
+        self.graphs = GraphRunner(model.comm, self.device, warmups=g.warmups, check_addresses=g.check_addresses,
+                                  show_progress=self.is_driver)
+        self.budget: MemoryBudget | None = None
+        num_blocks = self._size_kv_cache()
+        self._bind_kv_cache(num_blocks)
+        self.capture_s = self.capture_bytes = 0.0
+        self.capture_all()
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        layers, heads, dim = self._kv_shape
+        self.kv_caches = None  # free the old cache before the new one is allocated
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = allocate_kv_caches(layers, num_blocks, self.block_size, heads, dim, self.dtype, self.device)
+        for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.kv_cache = cache
+        self.num_kv_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks - 1, first_block=NULL_BLOCK + 1)
+
+    def _size_kv_cache(self) -> int:
+        """Blocks for the cache: given, or (CUDA) what free memory holds after weights, workspace, activations and an
+        estimate of the graph pool from capturing the two largest buckets of each captured phase."""
+        if self.cfg.num_kv_blocks:
+            return self.cfg.num_kv_blocks
+        if self.device.type != "cuda":
+            return self.max_blocks_per_seq * self.cfg.max_batch + 1
+        self._bind_kv_cache(2)  # the null block and one more: enough for profiling and trial captures
+        provisional = 2 * self.block_bytes
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            self._prepare_dummy(self.seq_rows)
+            self._decode_forward(self.seq_rows, call)
+            self._prepare_dummy(self.token_rows, prefill=True)
+            self._prefill_forward(self.token_rows, call)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        estimate = 0
+        for phase, kind, sizes in self._phases():
+            if kind == "breakable":
+                continue
+            trial = self._capture_phase(phase, kind, sizes[-2:])
+            by_size = sorted(trial.capture_bytes.items(), reverse=True)
+            second = by_size[1][1] if len(by_size) > 1 else by_size[0][1]
+            estimate += estimate_pool_bytes(by_size[0][1], second, len(sizes))
+        self.graphs.release()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.budget = MemoryBudget(total=total, utilization=self.cfg.gpu_memory_utilization,
+                                   in_use=total - free - provisional, weights=weights,
+                                   workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
+                                   graph_pool_estimate=estimate, block_bytes=self.block_bytes)
+        self.budget.check(self.max_blocks_per_seq + 1)
+        if self.is_driver:
+            logger.info("KV budget: %s", self.budget.describe())
+        return self.budget.num_blocks
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+    def _phases(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        phases = []
+        decode = self.decode_dispatcher.full_sizes or self.decode_dispatcher.piecewise_sizes
+        if decode:
+            phases.append(("decode", self.modes.decode, decode))
+        if self.prefill_dispatcher.piecewise_sizes:
+            phases.append(("prefill", "piecewise", self.prefill_dispatcher.piecewise_sizes))
+        return phases
+
+    def _capture_phase(self, phase: str, kind: str, sizes: tuple[int, ...]):
+        # one boundary scratch serves every layer and size: reserved at the largest token count, before any capture
+        heads = self.model.attention_layers()[0].num_heads
+        self.graphs.workspaces.reserve("piecewise_boundary", self.token_rows * heads * self.model.cfg.head_dim,
+                                       self.dtype, self.device)
+        prefill = phase == "prefill"
+        forward = self._prefill_forward if prefill else self._decode_forward
+        inputs = self._prefill_inputs if prefill else self._decode_inputs
+        with torch.inference_mode():
+            return self.graphs.capture(phase, kind, sizes, forward, inputs,
+                                       lambda size: self._prepare_dummy(size, prefill))
+
+    def capture_all(self) -> None:
+        """Capture every phase's graphs (re-capturing releases the old ones first), then close the capture phase."""
+        phases = self._phases()
+        if not phases:
+            return
+        self.graphs.reopen_capture_phase()
+        start = time.perf_counter()
+        for phase, kind, sizes in phases:
+            self._capture_phase(phase, kind, sizes)
+        self.graphs.close_capture_phase()
+        self.capture_s = time.perf_counter() - start
+        self.capture_bytes = self.graphs.pool_bytes
+        estimate = self.budget.graph_pool_estimate if self.budget else 0
+        if self.is_driver:
+            counts = ", ".join(f"{s.phase} {s.kind} x{len(s.graphs)}" for s in self.graphs.sets.values())
+            logger.info("Graph capture finished in %.1f s, took %.2f GiB (estimated %.2f GiB) [%s]", self.capture_s,
+                        self.capture_bytes / GiB, estimate / GiB, counts)
+
+    def _prepare_dummy(self, size: int, prefill: bool = False) -> None:
+        """Padding everywhere: ids 0, slots to the null block, seq_lens 0 (reads nothing)."""
+        self.tokens.commit(0, size)
+        self.seqs.commit(0, min(size, self.seq_rows))
+        if prefill:
+            self._meta_for_prefill(size).query_lens = ()
+
+    # ---- forwards over the persistent buffers (what graphs capture) ------------------------------------------
+    def _decode_inputs(self, n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens.device("input_ids", n), "positions": self.tokens.device("positions", n),
+                "slot_mapping": self.tokens.device("slot_mapping", n), "seq_lens": self.seqs.device("seq_lens", n),
+                "block_tables": self.seqs.device("block_tables", n), "logits": self.logits}
+
+    def _decode_forward(self, n: int, boundary) -> torch.Tensor:
+        t = self._decode_inputs(n)
+        meta = AttentionMetadata(False, t["slot_mapping"], t["seq_lens"], t["block_tables"], self.backend,
+                                 self.max_model_len, boundary=boundary)
+        hidden = self.model(t["input_ids"], t["positions"], meta)
+        return self.model.compute_logits(hidden, out=self.logits)
+
+    def _prefill_inputs(self, n: int) -> dict[str, torch.Tensor]:
+        return {name: self.tokens.device(name, n) for name in ("input_ids", "positions", "slot_mapping")}
+
+    def _meta_for_prefill(self, n: int) -> AttentionMetadata:
+        """One persistent metadata object per token count: piecewise graphs' attention reads its query_lens."""
+        meta = self._prefill_meta.get(n)
+        if meta is None:
+            meta = AttentionMetadata(True, self.tokens.device("slot_mapping", n), self.seqs.device("seq_lens", 1),
+                                     self.seqs.device("block_tables", 1), self.backend, self.max_model_len)
+            self._prefill_meta[n] = meta
+        return meta
+
+    def _prefill_forward(self, n: int, boundary) -> torch.Tensor:
+        meta = self._meta_for_prefill(n)
+        meta.boundary = boundary
+        t = self._prefill_inputs(n)
+        return self.model(t["input_ids"], t["positions"], meta)
+
+    # ---- cache bookkeeping -----------------------------------------------------------------------------------
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Make seq's block table large enough for num_tokens tokens."""
         if num_tokens > self.max_model_len:
             raise ConfigError(f"sequence {seq.seq_id} would reach {num_tokens} tokens, over max_model_len "
                               f"{self.max_model_len}")
-        seq.block_table.extend(self.allocator.allocate(seq.blocks_needed(self.block_size, num_tokens)))
+        need = seq.blocks_needed(self.block_size, num_tokens)
+        if need:
+            seq.block_table.extend(self.allocator.allocate(need))
 
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_cached = 0
+        self._bt_rows = [None] * self.seq_rows  # rows must be rewritten: a block id may now mean another sequence
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
-
-    # ---- forward passes ------------------------------------------------------------------------
+    # ---- steps -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run every token of fresh sequences; return the last token's logits [B, vocab]."""
-        ids, positions, slots, lens = [], [], [], []
+        lens = []
         for seq in seqs:
-            tokens = seq.token_ids
-            self.reserve(seq, len(tokens))
-            ids.extend(tokens)
-            positions.extend(range(len(tokens)))
-            slots.extend(self._slot(seq, p) for p in range(len(tokens)))
-            lens.append(len(tokens))
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=self._block_tables(seqs),
-            query_lens=tuple(lens),
-            use_triton=self.use_triton,
-        )
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta)
+            self.reserve(seq, len(seq))
+            lens.append(len(seq))
+        total = sum(lens)
+        mode, desc = self.prefill_dispatcher.dispatch(total, len(seqs), False)
+        if total <= self.token_rows:
+            ids, pos, slots = (self.tokens.host_np(n) for n in ("input_ids", "positions", "slot_mapping"))
+            i = 0
+            for seq in seqs:
+                tokens = seq.token_ids
+                ids[i:i + len(tokens)] = tokens
+                for p in range(len(tokens)):
+                    pos[i + p] = p
+                    slots[i + p] = self._slot(seq, p)
+                i += len(tokens)
+            padded = desc.num_tokens
+            self.tokens.commit(total, padded)
+            if mode is GraphMode.PIECEWISE:
+                self._meta_for_prefill(padded).query_lens = tuple(lens)
+                hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
+            else:
+                meta = self._meta_for_prefill(total)
+                meta.query_lens, meta.boundary = tuple(lens), call
+                hidden = self._prefill_forward(total, call)
+        else:  # larger than any persistent buffer: plain tensors, eagerly
+            padded = total
+            ids_t = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+            pos_t = torch.tensor([p for n in lens for p in range(n)], device=self.device)
+            slot_t = torch.tensor([self._slot(s, p) for s in seqs for p in range(len(s))], device=self.device)
+            meta = AttentionMetadata(True, slot_t, self.seqs.device("seq_lens", 1), self.seqs.device("block_tables", 1),
+                                     self.backend, self.max_model_len, query_lens=tuple(lens))
+            hidden = self.model(ids_t, pos_t, meta)
+        self.stats.record("prefill", total, padded, mode)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for seq in seqs:
             seq.num_cached = len(seq)
         return self.model.compute_logits(hidden[last])
 
+    def _write_decode_inputs(self, seqs: list[Sequence]) -> None:
+        ids, pos, slots = (self.tokens.host_np(n) for n in ("input_ids", "positions", "slot_mapping"))
+        lens, tables = self.seqs.host_np("seq_lens"), self.seqs.host_np("block_tables")
+        bs, rows = self.block_size, self._bt_rows
+        for i, seq in enumerate(seqs):
+            n = len(seq)
+            table = seq.block_table
+            ids[i] = seq.last_token
+            pos[i] = n - 1
+            lens[i] = n
+            slots[i] = table[(n - 1) // bs] * bs + (n - 1) % bs
+            key = (seq.seq_id, len(table))
+            if rows[i] != key:  # a block table row changes once every block_size steps
+                tables[i, :len(table)] = table
+                rows[i] = key
+
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token per sequence (its last token, not yet cached); return logits [B, vocab]."""
+        """One new token per sequence (its last token, not yet cached). Returns logits [B, vocab]: a view of a
+        persistent buffer, valid until the next step (copy out what must outlive it)."""
+        n = len(seqs)
+        if n > self.seq_rows:
+            raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
         for seq in seqs:
             self.reserve(seq, len(seq))
-        positions = [len(s) - 1 for s in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=torch.tensor([self._slot(s, p) for s, p in zip(seqs, positions, strict=True)],
-                                      dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=self.device),
-            block_tables=self._block_tables(seqs),
-            use_triton=self.use_triton,
-        )
-        ids = torch.tensor([s.last_token for s in seqs], device=self.device)  # no list copy per step
-        hidden = self.model(ids, torch.tensor(positions, device=self.device), meta)
+        mode, desc = self.decode_dispatcher.dispatch(n, n, True)
+        padded = desc.num_tokens
+        self._write_decode_inputs(seqs)
+        self.tokens.commit(n, padded)
+        self.seqs.commit(n, padded)
+        if mode is GraphMode.NONE:
+            logits = self._decode_forward(n, call)
+        else:
+            logits = self.graphs.replay("decode", padded, self._decode_inputs)
+        self.stats.record("decode", n, padded, self._decode_mode_label or mode)
         for seq in seqs:
             seq.num_cached = len(seq)
-        return self.model.compute_logits(hidden)
+        return logits[:n, : self.model.cfg.vocab_size]
+
+    def close(self) -> None:
+        """Release the graphs (their all-reduce rows and peer mappings) and the KV cache."""
+        self.graphs.reopen_capture_phase()
+        self.graphs.release()
+        self.kv_caches = None
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None

@@ -1,30 +1,27 @@
-"""Attention front end over a paged KV cache: store K/V by slot, SDPA for prefill, paged decode."""
+"""Attention front end over a paged KV cache: metadata, and the backends that attend (SDPA prefill, paged decode).
+
+K/V reach the cache in the same kernel that rotates them (kernels/rope_store.py); a backend only reads the cache.
+Each backend says what it tolerates under CUDA-graph capture, and the attention core is called through
+`meta.boundary`, where piecewise capture splits its graphs (attention runs eagerly between them).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tpgraph.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from tpgraph.graphs.modes import CaptureSupport
+from tpgraph.kernels.decode_attention import paged_decode_attention_v2
+from tpgraph.kernels.paged_decode import paged_decode_reference
 
 
-@dataclass
-class AttentionMetadata:
-    """Describes one forward over a flat token batch.
-
-    Prefill: `query_lens` gives each sequence's new-token count (tokens are laid out sequence after
-    sequence); every sequence starts from an empty cache. Decode: one token per sequence, attending to
-    `seq_lens[b]` cached tokens (the new one included) through `block_tables`.
-    """
-
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [T] int64, flat cache slot = block * block_size + offset
-    seq_lens: torch.Tensor  # [B] int32, context length after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    query_lens: tuple[int, ...] = ()
-    use_triton: bool = False
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """The boundary outside piecewise capture: just the call."""
+    return fn(*args)
 
 
 @dataclass
@@ -39,20 +36,41 @@ class KVCache:
         return self.k.shape[1]
 
 
-def store_kv(cache: KVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    heads, dim = cache.k.shape[2], cache.k.shape[3]
-    cache.k.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    cache.v.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+class AttentionBackend(Protocol):
+    name: str
+    capture_support: CaptureSupport
+
+    def decode(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] (one token per sequence) -> [B, Hq, D], reading seq_lens[b] cached tokens."""
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Fresh sequences laid out one after another (meta.query_lens) -> [T, Hq, D]."""
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-              scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq, D]. Writes k/v into the cache."""
-    store_kv(cache, meta.slot_mapping, k, v)
-    if not meta.is_prefill:
-        decode = paged_decode_attention if meta.use_triton else paged_decode_reference
-        return decode(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale)
-    out = torch.empty_like(q)
+@dataclass
+class AttentionMetadata:
+    """Describes one forward over a flat token batch.
+
+    Prefill: `query_lens` gives each sequence's new-token count (tokens are laid out sequence after sequence);
+    every sequence starts from an empty cache; tokens past sum(query_lens) are padding. Decode: one token per
+    sequence, attending to `seq_lens[b]` cached tokens (the new one included) through `block_tables`; a padded
+    row has seq_len 0 and reads nothing. `max_seq_len` bounds seq_lens without reading them (graph-safe grids).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot = block * block_size + offset
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    backend: AttentionBackend
+    max_seq_len: int
+    query_lens: tuple[int, ...] = ()
+    boundary: Callable[..., Any] = field(default=call)  # piecewise capture ends a graph piece here
+
+
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    out = torch.zeros_like(q)  # padded token rows stay zero
     start = 0
     for n in meta.query_lens:
         # [H, L, D] layout for SDPA; GQA through enable_gqa (no materialised repeat).
@@ -62,3 +80,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
         out[start:start + n] = o.squeeze(0).transpose(0, 1)
         start += n
     return out
+
+
+class TritonAttention:
+    """Paged decode through the split-KV Triton kernel (grid from shapes and max_seq_len only), SDPA prefill."""
+
+    name = "triton"
+    capture_support = CaptureSupport(full_decode=True, piecewise=True)
+
+    def decode(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_decode_attention_v2(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale,
+                                         max_seq_len=meta.max_seq_len)
+
+    prefill = staticmethod(sdpa_prefill)
+
+
+class TorchAttention:
+    """The plain-torch reference (CPU, and a debugging aid on GPU). Decode reads seq_lens on the host."""
+
+    name = "torch"
+    capture_support = CaptureSupport(full_decode=False, piecewise=True,
+                                     reason="the torch reference decode reads seq_lens on the host (.tolist())")
+
+    def decode(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_decode_reference(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale)
+
+    prefill = staticmethod(sdpa_prefill)
+
+
+def attention_backend(use_triton: bool) -> AttentionBackend:
+    return TritonAttention() if use_triton else TorchAttention()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import ModelConfig
-from tpgraph.model.attention import AttentionMetadata, KVCache, attention
+from tpgraph.kernels.activation import silu_and_mul
+from tpgraph.kernels.rope_store import rope_and_store
+from tpgraph.model.attention import AttentionMetadata, KVCache
 from tpgraph.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -16,7 +17,7 @@ from tpgraph.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tpgraph.model.rotary import Rope, RotaryEmbedding, apply_rotary
+from tpgraph.model.rotary import RotaryEmbedding
 from tpgraph.model.shards import ShardSpec, even_split
 
 
@@ -47,16 +48,22 @@ class LlamaAttention(nn.Module):
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.kv_cache is None:
+    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cache = self.kv_cache
+        if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
-        out = attention(q, k, v, self.kv_cache, meta, self.scale)
-        return self.comm.all_reduce(self.o_proj(out.reshape(out.shape[0], -1)))
+        qkv = self.qkv_proj(x)
+        # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
+        q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
+                              self.num_kv_heads, self.head_dim)
+        # the attention core is where piecewise capture splits its graphs (meta.boundary)
+        if meta.is_prefill:
+            v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
+            out = meta.boundary(meta.backend.prefill, q, k, v, meta, self.scale)
+        else:
+            out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
+        return self.comm.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
 
 
 class LlamaMLP(nn.Module):
@@ -74,8 +81,7 @@ class LlamaMLP(nn.Module):
                                            rank, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.comm.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,9 +96,16 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
 
-    def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): each add is fused into the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(positions, rope, x, meta)
+        x, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
                                                    comm.rank, comm.world_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, comm, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", dtype, device)
         lm_head_name = None if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = ParallelLMHead(self.embed_tokens, lm_head_name, dtype, device)
@@ -112,15 +125,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat tokens [T] -> final hidden states [T, hidden] (after the last norm)."""
         h = self.comm.all_reduce(self.embed_tokens(input_ids))
-        rope = self.rotary(positions, h.dtype)  # the same for every layer
+        residual = None
         for layer in self.layers:
-            h = layer(rope, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, self.rotary.tables, h, residual, meta)
+        return self.norm.add(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off."""
-        logits = self.comm.all_gather(self.lm_head(hidden), dim=-1)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off. `out` ([>= N, padded vocab]),
+        if given, receives the logits (a persistent buffer that CUDA graphs write into)."""
+        logits = self.comm.all_gather(self.lm_head(hidden), dim=-1, out=None if out is None else out[: len(hidden)])
         return logits[..., : self.cfg.vocab_size]
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.lm_head.shard.padded_size
 
     def shard_specs(self) -> list[ShardSpec]:
         specs: list[ShardSpec] = []

@@ -1,4 +1,8 @@
-"""Rotary position embedding (rotate-half layout, as HF Llama), with linear and llama3 scaling."""
+"""Rotary position embedding (rotate-half layout, as HF Llama), with linear and llama3 scaling.
+
+The cos/sin tables are computed once at load for every position; each step's kernel (kernels/rope_store.py)
+indexes them by position, rotates q and k, and writes k and v into the paged cache.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from torch import nn
 
 from tpgraph.config import RopeConfig
+from tpgraph.kernels.rope_store import rope_cos_sin_table
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -29,29 +34,16 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
-
-
 class RotaryEmbedding(nn.Module):
-    """cos/sin for a step's positions, computed once per forward and shared by every layer."""
+    """cos/sin tables [max_positions, head_dim / 2] in the model dtype, as HF computes them per position."""
 
-    def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device) -> None:
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_frequencies(head_dim, rope).to(device), persistent=False)
+        cos, sin = rope_cos_sin_table(inv_frequencies(head_dim, rope), max_positions, dtype, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """positions [T] -> (cos, sin), each [T, 1, D] in `dtype`."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtype as inputs)."""
-    cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    @property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin

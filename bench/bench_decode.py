@@ -1,0 +1,233 @@
+"""Decode TPOT, side by side in one run: graph modes (full / piecewise / none) x all-reduce (custom / NCCL) x batch.
+
+    torchrun --nproc-per-node 2 bench/bench_decode.py --out bench/results/decode.json [--profile]
+
+Llama-3-8B shape, dummy weights, bf16, every sequence at `--context` cached tokens. A step is what a user waits for
+between tokens: input preparation, dispatch, replay (or eager forward), greedy argmax and the one device-to-host
+copy of the sampled ids. TPOT is the median step over `--steps`, from the slowest rank. Beside it: the weight-read
+floor (this rank's weight bytes / measured HBM copy bandwidth) and the ratio to it; host time per step (preparation
++ dispatch + replay submission, before the sync); capture time and graph pool for both ladders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.config import ModelConfig, RopeConfig
+from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
+from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.engine.sequence import Sequence
+from tpgraph.graphs.config import GraphConfig
+from tpgraph.model.loader import load_model
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                        rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=8192),
+                        max_position_embeddings=8192, tie_word_embeddings=False)
+GiB = 1 << 30
+
+
+def hbm_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), median of 10."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times[2:])
+
+
+def fake_context(runner: ModelRunner, batch: int, context: int) -> list[Sequence]:
+    """Sequences whose `context` tokens are already cached (cache contents do not matter for timing)."""
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(i, [1] * context, max_new_tokens=1 << 30)
+        runner.reserve(seq, context)
+        seq.num_cached = context
+        seqs.append(seq)
+    return seqs
+
+
+def time_decode(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: int = 3) -> dict:
+    host, wall = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = runner.decode(seqs)
+        t1 = time.perf_counter()
+        tokens = logits.argmax(dim=-1).tolist()  # the one sync of the step
+        t2 = time.perf_counter()
+        for seq, tok in zip(seqs, tokens, strict=True):
+            seq.output_ids.append(tok)
+        if i >= warmup:
+            host.append(t1 - t0)
+            wall.append(t2 - t0)
+    return {"tpot_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3}
+
+
+def slowest(state, value: float) -> float:
+    return max(gather_objects(state, value))
+
+
+def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
+    """One decode step under torch.profiler: kernels by category, gaps, total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.decode(seqs).argmax(-1).tolist()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode(seqs).argmax(-1).tolist()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    by_cat: dict[str, list[float]] = {}
+    for e in kernels:
+        by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
+    if not kernels:
+        return {"kernels": 0}
+    start = min(e.time_range.start for e in kernels)
+    end = max(e.time_range.end for e in kernels)
+    busy = sum(e.device_time for e in kernels)
+    return {"kernels": len(kernels), "kernel_us": busy, "span_us": end - start, "gaps_us": end - start - busy,
+            "by_category": {c: {"count": len(v), "us": sum(v)} for c, v in sorted(by_cat.items())}}
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("nccl", "push_1shot", "pull_1shot", "two_shot")):
+        return "all-reduce"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "splitk", "gemv", "cublas")):
+        return "gemm"
+    if any(k in n for k in ("decode_attn", "paged", "flash", "fmha", "attention", "combine")):
+        return "attention"
+    if "norm" in n:
+        return "norm"
+    if "rope" in n:
+        return "rope+kv"
+    return "other"
+
+
+def run(args, state) -> dict:
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    context, steps = args.context, args.steps
+    max_len = context + 2 * (steps + 8)
+    bw = hbm_bandwidth(state.device)
+    results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
+                     "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
+                     "ladders": [], "profile": []}
+    for ar in args.allreduce.split(","):
+        comm = TPCommunicator(state, use_custom_allreduce=ar == "custom")
+        model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        floor_ms = weight_bytes / bw * 1e3
+        results["weight_bytes_per_rank"] = weight_bytes
+        results["floor_ms"] = floor_ms
+        for mode in modes:
+            blocks = max(batches) * -(-max_len // 16) + 16
+            graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
+            runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
+                                                     num_kv_blocks=blocks, graphs=graphs))
+            for batch in batches:
+                seqs = fake_context(runner, batch, context)
+                t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4))
+                row = {"allreduce": ar, "mode": mode, "batch": batch, "tpot_ms": slowest(state, t["tpot_ms"]),
+                       "host_ms": slowest(state, t["host_ms"]), "floor_ms": floor_ms}
+                row["x_floor"] = row["tpot_ms"] / floor_ms
+                if state.is_driver:
+                    print(f"{ar:6s} {mode:9s} bs={batch:4d}  TPOT {row['tpot_ms']:7.3f} ms  ({row['x_floor']:.2f}x "
+                          f"floor {floor_ms:.2f} ms)  host {row['host_ms']:.3f} ms", flush=True)
+                results["tpot"].append(row)
+                if args.profile and mode == "full" and batch in (1, 8):
+                    prof = profile_step(runner, seqs)
+                    prof.update(allreduce=ar, batch=batch, floor_ms=floor_ms)
+                    results["profile"].append(prof)
+                    if state.is_driver:
+                        print(json.dumps(prof), flush=True)
+                for seq in seqs:
+                    runner.free(seq)
+            runner.close()
+            del runner
+            torch.cuda.empty_cache()
+        if ar == "custom" and args.ladders:
+            for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
+                graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
+                runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
+                                                         num_kv_blocks=max_batch + 16, graphs=graphs))
+                row = {"ladder": ladder, "buckets": len(runner.graphs.sets["decode"].graphs),
+                       "capture_s": slowest(state, runner.capture_s),
+                       "pool_gib": slowest(state, runner.capture_bytes / GiB)}
+                if state.is_driver:
+                    print(f"ladder {ladder}: {row['buckets']} buckets captured in {row['capture_s']:.2f} s, "
+                          f"pool {row['pool_gib']:.3f} GiB", flush=True)
+                results["ladders"].append(row)
+                runner.close()
+                del runner
+                torch.cuda.empty_cache()
+        del model
+        comm.close()
+        torch.cuda.empty_cache()
+        dist.barrier(group=state.cpu_group)
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = results["tpot"]
+    for key in sorted({(r["allreduce"], r["mode"]) for r in rows}):
+        pts = sorted((r["batch"], r["tpot_ms"]) for r in rows if (r["allreduce"], r["mode"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[1]}, {key[0]}")
+    ax.axhline(results["floor_ms"], color="k", linestyle="--", label=f"weight-read floor {results['floor_ms']:.2f} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title(f"Llama-3-8B shape, TP={results['tp']}, context {results['context']}, {results['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--modes", default="full,piecewise,none")
+    p.add_argument("--allreduce", default="custom,nccl")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
+    p.add_argument("--profile", action="store_true", help="profile one full-graph step at batch 1 and 8")
+    p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
+    args = p.parse_args()
+    state = init_distributed("cuda")
+    try:
+        results = run(args, state)
+        if state.is_driver:
+            args.out.write_text(json.dumps(results, indent=1))
+            try:
+                plot(results, args.out.with_suffix(".png"))
+            except ImportError:
+                print("matplotlib missing: no plot (pip install -e '.[bench]')")
+    finally:
+        destroy_distributed(state)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+import argparse
+
+import pytest
+
+from tpgraph.errors import ConfigError
+from tpgraph.graphs.config import GraphConfig, add_graph_args, graph_config_from_args
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_graph_args(parser)
+    return graph_config_from_args(parser.parse_args(list(argv)))
+
+
+def test_defaults():
+    cfg = GraphConfig()
+    assert (cfg.decode_mode, cfg.prefill_mode, cfg.ladder, cfg.warmups) == ("full", "piecewise", "sglang", 1)
+    assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512)
+    assert not cfg.enforce_eager and not cfg.check_addresses
+    assert parse() == cfg  # the CLI defaults are the dataclass defaults
+
+
+def test_ladder_normalized():
+    assert GraphConfig(ladder="VLLM").ladder == "vllm"
+    assert GraphConfig(ladder="1,2,4").ladder == (1, 2, 4)
+    assert GraphConfig(ladder=[4, 1]).ladder == (1, 4)
+    assert GraphConfig(ladder="1,2,4") == GraphConfig(ladder=(1, 2, 4))
+    assert GraphConfig(prefill_sizes=[8, 16]).prefill_sizes == (8, 16)
+
+
+def test_decode_sizes():
+    assert GraphConfig(ladder="vllm").decode_sizes(100)[-1] == 104
+    assert GraphConfig(ladder="sglang").decode_sizes(9) == (1, 2, 4, 8, 12)
+    with pytest.raises(ConfigError, match="tops out at 4 but max_batch is 8"):
+        GraphConfig(ladder="1,2,4").decode_sizes(8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(decode_mode="fast"), "decode_mode must be one of full, piecewise, breakable, none, got 'fast'"),
+        (dict(prefill_mode="full"), "prefill_mode must be one of piecewise, none, got 'full'"),
+        (dict(ladder="1,0"), "ladder: .*0 is not positive"),
+        (dict(ladder="huge"), "ladder: .*'huge' is not an integer"),
+        (dict(ladder=()), "ladder: .*empty"),
+        (dict(ladder="2,2"), r"ladder: .*repeats \[2\]"),
+        (dict(prefill_sizes=(32, 16)), r"prefill_sizes must be ascending, got \[32, 16\]; did you mean \[16, 32\]"),
+        (dict(prefill_sizes=(16, 16)), r"prefill_sizes repeats \[16\]"),
+        (dict(prefill_sizes=(0, 16)), "prefill_sizes entry 0 is not positive"),
+        (dict(prefill_sizes=()), "prefill_sizes is empty"),
+        (dict(prefill_sizes=64), "prefill_sizes must be a sequence"),
+        (dict(warmups=-1), "warmups must be an integer >= 0, got -1"),
+        (dict(warmups=1.5), "warmups must be an integer >= 0"),
+        (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
+        (dict(check_addresses=1), "check_addresses must be True or False"),
+    ],
+)
+def test_validation_names_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        GraphConfig(**kwargs)
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        GraphConfig().warmups = 3
+
+
+def test_cli_mapping():
+    cfg = parse("--cuda-graph-mode", "breakable", "--prefill-graph-mode", "none", "--cuda-graph-ladder", "1,2,8",
+                "--graph-warmups", "3", "--enforce-eager", "--check-graph-addresses")
+    assert cfg == GraphConfig(decode_mode="breakable", prefill_mode="none", ladder=(1, 2, 8), warmups=3,
+                              enforce_eager=True, check_addresses=True)
+    assert parse("--cuda-graph-ladder", "vllm").ladder == "vllm"
+    assert parse("--cuda-graph-mode", "piecewise").decode_mode == "piecewise"
+
+
+def test_cli_bad_values():
+    with pytest.raises(SystemExit):  # argparse refuses modes outside the choices
+        parse("--cuda-graph-mode", "fast")
+    with pytest.raises(SystemExit):
+        parse("--prefill-graph-mode", "full")
+    with pytest.raises(ConfigError, match="ladder: .*'x' is not an integer"):
+        parse("--cuda-graph-ladder", "1,x")
+    with pytest.raises(ConfigError, match="warmups"):
+        parse("--graph-warmups", "-2")

@@ -1,0 +1,54 @@
+"""KV-cache budget: what is left of the GPU for the cache once everything else the engine holds is counted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpgraph.errors import ConfigError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """All in bytes, for one rank's GPU. `in_use` is what the device reports used after the weights, the all-reduce
+    workspace, the persistent buffers and a profiling step (its cached activations freed): it includes all of those
+    and the CUDA context. Activations of a step and the graph pool come on top of it."""
+
+    total: int
+    utilization: float
+    in_use: int
+    weights: int
+    workspace: int  # custom all-reduce workspace (inside in_use; shown so the log can say where memory went)
+    activation_peak: int
+    graph_pool_estimate: int
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.utilization}")
+        if self.block_bytes < 1:
+            raise ConfigError(f"a KV block must take at least one byte, got {self.block_bytes}")
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.total * self.utilization) - self.in_use - self.activation_peak - self.graph_pool_estimate
+
+    @property
+    def num_blocks(self) -> int:
+        return max(self.kv_bytes, 0) // self.block_bytes
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:.2f} GiB"
+        return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}: in use "
+                f"{g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}), activations "
+                f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
+                f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
+
+    def check(self, min_blocks: int) -> None:
+        """Refuse a cache too small to hold min_blocks (one max-length sequence), with the ways out."""
+        if self.num_blocks < min_blocks:
+            raise ConfigError(
+                f"the KV cache would get {self.num_blocks} blocks but needs at least {min_blocks} for one sequence of "
+                f"max_model_len ({self.describe()}). Raise --gpu-memory-utilization, lower --max-model-len or "
+                "--max-num-seqs, capture fewer graphs, or use --enforce-eager")

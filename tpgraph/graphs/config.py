@@ -1,0 +1,77 @@
+"""GraphConfig: the graph settings, validated once; and the one place CLI flags map to its fields."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from tpgraph.errors import ConfigError
+from tpgraph.graphs.ladder import LADDERS, capture_sizes, check_sizes, parse_ladder
+from tpgraph.graphs.modes import DECODE_MODES, PREFILL_MODES
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    decode_mode: str = "full"
+    prefill_mode: str = "piecewise"
+    ladder: str | tuple[int, ...] = "sglang"  # a LADDERS name, or explicit decode batch sizes
+    prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # token counts captured for piecewise prefill
+    warmups: int = 1  # eager runs per size before its capture
+    enforce_eager: bool = False
+    check_addresses: bool = False  # debug: verify replay input addresses equal the captured ones
+
+    def __post_init__(self) -> None:
+        if self.decode_mode not in DECODE_MODES:
+            raise ConfigError(f"decode_mode must be one of {', '.join(DECODE_MODES)}, got {self.decode_mode!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ConfigError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
+        try:
+            ladder = parse_ladder(self.ladder)
+        except ConfigError as e:
+            raise ConfigError(f"ladder: {e}") from None
+        # Normalized in place (e.g. "1,2,4" -> (1, 2, 4)) so equal settings compare equal; frozen, hence setattr.
+        object.__setattr__(self, "ladder", ladder)
+        sizes = tuple(self.prefill_sizes) if isinstance(self.prefill_sizes, list) else self.prefill_sizes
+        checked = check_sizes(sizes, "prefill_sizes")
+        if checked != sizes:
+            raise ConfigError(f"prefill_sizes must be ascending, got {list(sizes)}; did you mean {list(checked)}?")
+        object.__setattr__(self, "prefill_sizes", checked)
+        if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 0:
+            raise ConfigError(f"warmups must be an integer >= 0, got {self.warmups!r}")
+        for name in ("enforce_eager", "check_addresses"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def decode_sizes(self, max_batch: int) -> tuple[int, ...]:
+        """The decode batch sizes to capture for `max_batch` (the ladder's rungs up to the first >= max_batch)."""
+        return capture_sizes(self.ladder, max_batch)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(GraphConfig)}
+
+
+def add_graph_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("CUDA graphs")
+    group.add_argument("--cuda-graph-mode", choices=DECODE_MODES, default=_DEFAULTS["decode_mode"],
+                       help="decode graph mode: one graph per batch size (full), graphs between attention calls "
+                            "(piecewise), the capture/replay path with no graph (breakable, debug), or eager (none)")
+    group.add_argument("--prefill-graph-mode", choices=PREFILL_MODES, default=_DEFAULTS["prefill_mode"],
+                       help="prefill graph mode")
+    group.add_argument("--cuda-graph-ladder", default=_DEFAULTS["ladder"], metavar="{" + ",".join(LADDERS) + ",N,...}",
+                       help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8")
+    group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
+                       help="eager runs per size before capturing it")
+    group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
+    group.add_argument("--check-graph-addresses", action="store_true",
+                       help="debug: check each replay reads the input addresses its graph captured")
+
+
+def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
+    return GraphConfig(
+        decode_mode=args.cuda_graph_mode,
+        prefill_mode=args.prefill_graph_mode,
+        ladder=args.cuda_graph_ladder,
+        warmups=args.graph_warmups,
+        enforce_eager=args.enforce_eager,
+        check_addresses=args.check_graph_addresses,
+    )

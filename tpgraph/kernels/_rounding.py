@@ -1,0 +1,50 @@
+"""Rounding helpers shared by the elementwise Triton kernels that must match torch's eager math bit for bit.
+
+Torch rounds every elementwise op on 16-bit tensors to the tensor's dtype (compute in fp32, round to nearest
+even). The kernels keep values in fp32 registers and call `round_to` wherever torch would have rounded.
+
+Why a software path: Triton's CPU interpreter (TRITON_INTERPRET=1, used by the unit tests) converts fp32 to
+bf16 by truncation, not round-to-nearest-even, so under the interpreter bf16 rounding is done on the bits.
+On a GPU the native conversion (cvt.rn) is already round-to-nearest-even and is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without Triton use the torch references
+    triton = None
+
+
+def soft_bf16_rounding(t: torch.Tensor) -> bool:
+    """Whether a launch on `t` runs under the interpreter (CPU tensors, or TRITON_INTERPRET set)."""
+    return not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+if triton is not None:
+
+    @triton.jit
+    def to_dtype(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """fp32 `x` -> DTYPE, rounded to nearest even."""
+        if SOFT_BF16 and DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(x != x, bits >> 16, rounded)  # keep NaNs NaN (the add could carry out of them)
+            y = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(DTYPE)
+        return y
+
+    @triton.jit
+    def round_to(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """fp32 `x` rounded (nearest even) to DTYPE's precision, returned as fp32."""
+        if DTYPE == tl.float32:
+            y = x
+        else:
+            y = to_dtype(x, DTYPE, SOFT_BF16).to(tl.float32)
+        return y

@@ -1,0 +1,222 @@
+"""Paged decode attention, GQA-grouped and split over the context (flash-decoding).
+
+`paged_decode_attention_v2` computes the same thing as `paged_decode.paged_decode_reference` (its
+plain-torch definition and test oracle), faster than `paged_decode.paged_decode_attention`:
+
+- one program per (sequence, KV head, KV split) serves the KV head's whole query group, so each K/V row
+  is read once per KV head rather than once per query head, and scores and P @ V are `tl.dot` tiles of
+  [group, BLOCK_N] tokens;
+- the context is cut into `num_splits` pieces, chosen on the host from the batch size, KV heads, the static
+  `max_seq_len` and the SM count, so that a small batch still spreads over the GPU; each split leaves a
+  partial (unnormalised acc, running max, sum of exps) in fp32 scratch and a second small kernel merges them.
+  With one split the first kernel writes the output itself and the merge is not launched.
+
+The launch depends only on shapes and `max_seq_len` (no `.item()`, no host sync), so it can be captured in
+a CUDA graph; `seq_lens` is read on the device only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tpgraph.kernels._rounding import soft_bf16_rounding
+
+try:
+    import triton
+    import triton.language as tl
+
+    from tpgraph.kernels._rounding import to_dtype
+except ImportError:  # CPU-only installs without Triton use paged_decode_reference
+    triton = None
+
+BLOCK_N = 64  # context tokens per tile
+MIN_SPLIT_TOKENS = 256  # below this, a split's fixed cost (q load, partial write, merge) outweighs the spread
+MAX_SPLITS = 64
+CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms_for(device: torch.device) -> int:
+    """Streaming multiprocessors on `device` (a fixed stand-in off CUDA)."""
+    if device.type != "cuda":
+        return CPU_NUM_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits per (sequence, KV head): enough programs for about two per SM, none shorter than
+    MIN_SPLIT_TOKENS, at most MAX_SPLITS; and no split that `max_seq_len` leaves empty."""
+    programs = max(1, batch * kv_heads)
+    want = -(-2 * num_sms // programs)
+    splits = max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return -(-max(max_seq_len, 1) // _tokens_per_split(max_seq_len, splits))
+
+
+def _tokens_per_split(max_seq_len: int, num_splits: int) -> int:
+    """Whole tiles per split, so that every split starts on a tile boundary."""
+    per_split = -(-max(max_seq_len, 1) // num_splits)
+    return -(-per_split // BLOCK_N) * BLOCK_N
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        qk_scale, tokens_per_split,
+        stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kv_h = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + b)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
+        # The last split runs to the end even if seq_len exceeds max_seq_len: slower, never wrong.
+        end = tl.where(split == NUM_SPLITS - 1, seq_len, end)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        g_ok = offs_g < GROUP  # rows past the group are padding so that tl.dot gets M >= 16
+        heads = kv_h * GROUP + offs_g
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        q_mask = g_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        if INTERPRETED:
+            q = q.to(tl.float32)  # the interpreter's tl.dot multiplies 16-bit floats as raw integers
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        bt_row = block_tables_ptr + b * stride_bt
+        for tile in range(start, end, BLOCK_N):
+            tok = tile + offs_n
+            tok_ok = tok < end
+            # Token t lives in cache block block_tables[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE; int64
+            # because block * stride_cb overflows int32 on large caches.
+            block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+            rows = block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+            kv_mask = tok_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if INTERPRETED:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+            s = tl.where(tok_ok[None, :], s, float("-inf"))
+            # The tile holds at least one valid token, so m_new is finite and no exp sees inf - inf.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p_lo = to_dtype(p, v_ptr.dtype.element_ty, INTERPRETED)  # P @ V in the cache dtype, as FA does
+            if INTERPRETED:
+                p_lo = p_lo.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
+            out = acc / l_safe[:, None]
+            out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # An empty split (past seq_len) leaves the neutral partial: m = -inf, l = 0, acc = 0.
+            part = b * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(part_m_ptr + part, m_i, mask=g_ok)
+            tl.store(part_l_ptr + part, l_i, mask=g_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+
+    @triton.jit
+    def _decode_combine_kernel(
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+        stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_ok = offs_s < NUM_SPLITS
+        part = b * stride_pb + h * stride_ph + offs_s * stride_ps
+        m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+        l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights 0, not NaN
+        w = tl.exp2(m - m_max)
+        l_total = tl.sum(l * w, axis=0)
+        l_total = tl.where(l_total == 0.0, 1.0, l_total)
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / l_total
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                              max_seq_len: int, num_splits: int | None = None) -> torch.Tensor:
+    """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
+    block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
+
+    max_seq_len: a static upper bound on seq_lens that sizes the split grid (a longer sequence is still
+    handled, by its last split). num_splits overrides the heuristic `choose_num_splits`.
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
+    batch, num_heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % kv_heads or k_cache.shape[3] != dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("K and V caches must share a layout with a contiguous head_dim")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    group = num_heads // kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms_for(q.device))
+    num_splits = max(1, int(num_splits))
+    tokens_per_split = _tokens_per_split(max_seq_len, num_splits)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    interpreted = soft_bf16_rounding(q)
+    dim_pad = triton.next_power_of_2(dim)
+    if num_splits > 1:
+        part_acc = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:  # placeholders, not touched when NUM_SPLITS == 1
+        part_acc = part_m = part_l = out
+    part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * _LOG2E, tokens_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=interpreted,
+        num_warps=4, num_stages=2, enable_fp_fusion=True,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, num_heads)](
+            part_acc, part_m, part_l, out, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4, enable_fp_fusion=True,
+        )
+    return out

@@ -1,0 +1,159 @@
+"""Rotary embedding of the fused qkv projection plus the K/V cache write, in one launch.
+
+`rope_and_store` splits a [T, (Hq + 2 * Hkv) * D] qkv row into heads, rotates q and k (rotate-half layout, as
+HF Llama), returns the rotated q and k, and writes the rotated k and the untouched v into the paged caches at
+`slot_mapping`. `rope_and_store_reference` is the plain-torch definition (HF's `apply_rotary_pos_emb` plus
+`index_copy_`) it is tested against and the path used on CPU. `rope_cos_sin_table` precomputes the cos/sin
+rows that HF's rotary embedding computes per position.
+
+The kernel rounds where eager torch does: each product (x * cos, rotate_half(x) * sin) to the model dtype,
+then their sum; so the result is bit-identical to the eager math.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpgraph.kernels._rounding import soft_bf16_rounding
+
+try:
+    import triton
+    import triton.language as tl
+
+    from tpgraph.kernels._rounding import round_to, to_dtype
+except ImportError:  # CPU-only installs without Triton use the reference path
+    triton = None
+
+
+def rope_cos_sin_table(inv_freq: torch.Tensor, max_pos: int, dtype: torch.dtype,
+                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv_freq fp32 [D/2] -> (cos, sin), each [max_pos, D/2] in `dtype`.
+
+    Row p holds what HF's rotary embedding computes for position p (its full row is cat(row, row)): the fp32
+    product p * inv_freq, cos/sin in fp32 on `device`, then one cast to `dtype`.
+    """
+    freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq.to(device=device, dtype=torch.float32)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].reshape(tokens, num_heads, head_dim)
+    k = qkv[:, q_width:q_width + kv_width].reshape(tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_width + kv_width:q_width + 2 * kv_width].reshape(tokens, num_kv_heads, head_dim)
+    return q, k, v
+
+
+def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                             slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 * Hkv) * D] -> (q [T, Hq, D], k [T, Hkv, D]) rotated; k and v written to the caches.
+
+    cos_sin: (cos, sin) tables [max_pos, D/2] (see `rope_cos_sin_table`); slot_mapping [T]: flat cache slot
+    (block * block_size + offset); caches [num_blocks, block_size, Hkv, D].
+    """
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    cos, sin = cos_sin
+    pos = positions.long()
+    c, s = cos[pos], sin[pos]
+    c = torch.cat((c, c), dim=-1)[:, None, :]
+    s = torch.cat((s, s), dim=-1)[:, None, :]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    return q, k
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_store_kernel(
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr,
+        stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SOFT_BF16: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a kv head (k rotated, v copied)
+        half: tl.constexpr = HEAD_DIM // 2
+        dtype = qkv_ptr.dtype.element_ty
+        offs = tl.arange(0, HALF_PAD)
+        ok = offs < half
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_cos + offs, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_sin + offs, mask=ok, other=0.0).to(tl.float32)
+        # q heads then k heads are adjacent in the row, so head h (either kind) starts at h * HEAD_DIM.
+        src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
+        x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + offs, mask=ok, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); every op rounded as eager torch.
+        # round(-x2 * s) == -round(x2 * s), and a + (-b) == a - b exactly, so the first half is a subtraction.
+        o1 = to_dtype(round_to(x1 * c, dtype, SOFT_BF16) - round_to(x2 * s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+        o2 = to_dtype(round_to(x2 * c, dtype, SOFT_BF16) + round_to(x1 * s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+        if h < NUM_HEADS:
+            dst = q_out_ptr + t * stride_qo + h * HEAD_DIM
+            tl.store(dst + offs, o1, mask=ok)
+            tl.store(dst + half + offs, o2, mask=ok)
+        else:
+            kv_h = h - NUM_HEADS
+            dst = k_out_ptr + t * stride_ko + kv_h * HEAD_DIM
+            tl.store(dst + offs, o1, mask=ok)
+            tl.store(dst + half + offs, o2, mask=ok)
+            slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: block * stride_cb overflows int32 on big caches
+            cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_h * stride_ch
+            tl.store(k_cache_ptr + cache_off + offs, o1, mask=ok)
+            tl.store(k_cache_ptr + cache_off + half + offs, o2, mask=ok)
+            offs_d = tl.arange(0, DIM_PAD)
+            dim_ok = offs_d < HEAD_DIM
+            v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=dim_ok, other=0.0)
+            tl.store(v_cache_ptr + cache_off + offs_d, v, mask=dim_ok)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int, *,
+                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same arguments and result as `rope_and_store_reference`, in one Triton launch (grid: tokens x heads).
+
+    q and k come back as new contiguous tensors; qkv rows may be a strided view (last dim contiguous).
+    `use_triton` defaults to `qkv.is_cuda`.
+    """
+    if not (qkv.is_cuda if use_triton is None else use_triton):
+        return rope_and_store_reference(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache,
+                                        num_heads, num_kv_heads, head_dim)
+    if triton is None:
+        raise RuntimeError("Triton is not installed; use rope_and_store_reference or install triton")
+    cos, sin = cos_sin
+    tokens = qkv.shape[0]
+    if head_dim % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 * {num_kv_heads} heads of {head_dim}")
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.shape[-1] != head_dim // 2:
+        raise ValueError("qkv and the cos/sin tables need a contiguous last dim; the tables are [max_pos, D/2]")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.shape[2:] != (num_kv_heads,
+                                                                                                  head_dim):
+        raise ValueError("K and V caches must be [blocks, block_size, Hkv, D] with one layout and a contiguous D")
+    if qkv.dtype != cos.dtype or qkv.dtype != sin.dtype or qkv.dtype != k_cache.dtype:
+        raise ValueError("qkv, the cos/sin tables and the caches must share the model dtype")
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q, k
+    _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k,
+        qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), k.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), DIM_PAD=triton.next_power_of_2(head_dim),
+        SOFT_BF16=soft_bf16_rounding(qkv),
+        num_warps=1 if head_dim <= 128 else 2,
+        enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
+    )
+    return q, k
