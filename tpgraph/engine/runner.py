@@ -344,8 +344,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the graphs (their all-reduce rows and peer mappings) and the KV cache."""
-        self.graphs.reopen_capture_phase()
-        self.graphs.release()
+        self.graphs.close()
         self.kv_caches = None
         for layer in self.model.attention_layers():
             layer.kv_cache = None

@@ -196,8 +196,12 @@ class GraphRunner:
             self.comm.release_capture(graph_set.registration)
         if not self.sets:
             self._pool = None  # a fresh pool next time: the old one dies with its graphs
-            if self.capture_open:
-                self.workspaces.release()
+
+    def close(self) -> None:
+        """Release every graph and forget the workspaces (the runner is done)."""
+        self.reopen_capture_phase()
+        self.release()
+        self.workspaces.release()
 
     @property
     def pool_bytes(self) -> int:

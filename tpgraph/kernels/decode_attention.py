@@ -38,7 +38,7 @@ CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU
 _LOG2E = 1.4426950408889634
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -151,11 +151,11 @@ if triton is not None:
         s_ok = offs_s < NUM_SPLITS
         part = b * stride_pb + h * stride_ph + offs_s * stride_ps
         m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
-        l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+        l_part = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
         m_max = tl.max(m, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights 0, not NaN
         w = tl.exp2(m - m_max)
-        l_total = tl.sum(l * w, axis=0)
+        l_total = tl.sum(l_part * w, axis=0)
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
         offs_d = tl.arange(0, DIM_PAD)
         d_ok = offs_d < HEAD_DIM

@@ -1,0 +1,75 @@
+"""The Triton decode kernels compiled for the GPU, against their torch references, and captured in a graph."""
+
+import pytest
+import torch
+from tpgtest.paged_cases import random_paged_case
+
+from tpgraph.kernels.activation import silu_and_mul, silu_and_mul_reference
+from tpgraph.kernels.decode_attention import paged_decode_attention_v2
+from tpgraph.kernels.norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from tpgraph.kernels.paged_decode import paged_decode_reference
+from tpgraph.kernels.rope_store import rope_and_store, rope_and_store_reference, rope_cos_sin_table
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (13, 2048), (200, 4096), (3, 96)])
+def test_norms_equal_reference_bit_for_bit(dtype, rows, hidden):
+    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    x, res = (torch.randn(rows, hidden, device="cuda", generator=g).to(dtype) * 3 for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+    assert torch.equal(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    for got, ref in zip(add_rms_norm(x, res, w, 1e-5), add_rms_norm_reference(x, res, w, 1e-5), strict=True):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_on_gpu(dtype):
+    x = torch.randn(37, 2 * 7168, device="cuda").to(dtype)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=0, rtol=1e-2 if dtype != torch.float32
+                               else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_store_equal_reference_bit_for_bit(dtype):
+    heads, kv_heads, dim, tokens, block_size = 16, 4, 128, 29, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda").to(dtype)
+    positions = torch.randint(0, 4000, (tokens,), device="cuda")
+    tables = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 4096, dtype, "cuda")
+    slots = torch.randperm(64 * block_size, device="cuda")[:tokens]
+    caches = [torch.zeros(64, block_size, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
+    q, k = rope_and_store(qkv, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim)
+    rq, rk = rope_and_store_reference(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim)
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(12))
+def test_split_kv_decode_matches_reference(seed, dtype):
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=600)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
+    ref = paged_decode_reference(q, k, v, bt, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_split_kv_decode_replays_in_a_graph():
+    q, k, v, bt, lens, scale = random_paged_case(3, "cuda", torch.bfloat16, max_batch=8, max_len=2000)
+    eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000)  # compile outside capture
+        with torch.cuda.graph(graph, stream=side):
+            out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    assert torch.equal(out, eager)
+    lens.copy_(torch.clamp(lens - 7, min=0))  # new lengths written in place: the replay sees them
+    graph.replay()
+    torch.testing.assert_close(out.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=1e-2,
+                               rtol=1e-2)

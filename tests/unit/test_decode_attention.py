@@ -1,0 +1,87 @@
+"""The split-KV, GQA-grouped Triton decode kernel (run by Triton's interpreter on CPU) against the torch
+reference `paged_decode_reference`."""
+
+import pytest
+import torch
+from tpgtest.paged_cases import random_paged_case
+
+from tpgraph.kernels.decode_attention import BLOCK_N, CPU_NUM_SMS, choose_num_splits, paged_decode_attention_v2
+from tpgraph.kernels.paged_decode import paged_decode_reference
+
+pytest.importorskip("triton")
+
+# Seeds whose layouts cover group sizes 1/4/8, head_dim 64/80/128 and block sizes 4/8/16, with padded rows
+# (checked by test_seeds_cover_the_layouts).
+SEEDS = [0, 4, 6, 10, 17, 22, 31, 36]
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_seeds_cover_the_layouts():
+    seen = set()
+    for seed in SEEDS:
+        q, k, _, _, lens, _ = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=70)
+        seen |= {("group", q.shape[1] // k.shape[2]), ("dim", k.shape[3]), ("block", k.shape[1])}
+        seen |= {("padded row",)} if (lens == 0).any() else set()
+    assert seen >= {("group", 1), ("group", 4), ("group", 8), ("dim", 64), ("dim", 80), ("dim", 128),
+                    ("block", 4), ("block", 8), ("block", 16), ("padded row",)}
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_matches_reference(seed, num_splits):
+    """max_seq_len 70 is one split by the heuristic; 3 forced splits of one 64-token tile each leave the
+    third empty for every sequence (a neutral partial) and cut the longer ones at token 64."""
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=70)
+    if num_splits is None:
+        assert choose_num_splits(q.shape[0], k.shape[2], 70, CPU_NUM_SMS) == 1
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+@pytest.mark.parametrize("seed", [0, 10, 22])
+def test_heuristic_splits_long_contexts(seed):
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=600)
+    assert choose_num_splits(q.shape[0], k.shape[2], 600, CPU_NUM_SMS) > 1
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(64, 8, 4096, 132) == 1  # enough programs already
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to be worth splitting
+    splits = choose_num_splits(1, 1, 32768, 132)
+    assert 1 < splits <= 64
+    assert choose_num_splits(1, 1, 512, 132) == 2  # no split shorter than MIN_SPLIT_TOKENS
+    for batch, kv_heads, max_len in [(1, 1, 1000), (2, 4, 3000), (3, 2, 130)]:  # never an empty split by design
+        n = choose_num_splits(batch, kv_heads, max_len, 132)
+        tiles_per_split = (-(-max_len // n) + BLOCK_N - 1) // BLOCK_N  # ceil(ceil(max_len / n) / BLOCK_N)
+        assert (n - 1) * tiles_per_split * BLOCK_N < max_len
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padded_rows_give_zeros_not_nan(num_splits):
+    q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32)
+    lens[0] = 0
+    lens[-1] = 0
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits)
+    assert torch.all(out[0] == 0) and torch.all(out[-1] == 0) and not torch.isnan(out).any()
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+def test_context_longer_than_max_seq_len_is_still_whole():
+    """max_seq_len only sizes the grid: the last split runs on to seq_len."""
+    q, k, v, bt, lens, scale = random_paged_case(17, "cpu", torch.float32, max_batch=3, max_len=200)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=64, num_splits=2)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+def test_bf16_within_bf16_tolerance():
+    """16-bit caches take the P @ V product in bf16 (as flash attention does); a bf16-sized tolerance."""
+    q, k, v, bt, lens, scale = random_paged_case(22, "cpu", torch.bfloat16, max_batch=3, max_len=150)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=150, num_splits=2)
+    ref = paged_decode_reference(q, k, v, bt, lens, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)

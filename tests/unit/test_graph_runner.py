@@ -1,0 +1,161 @@
+"""The graph runner and the engine's use of it, on CPU: breakable mode keeps the whole capture/replay path (buffers,
+padding, dispatcher, address checks, registrations) without capturing, so all of it runs here."""
+
+import contextlib
+
+import pytest
+import torch
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.comm.registration import CaptureRegistration
+from tpgraph.distributed import init_distributed
+from tpgraph.engine.greedy import greedy_generate
+from tpgraph.engine.memory import MemoryBudget
+from tpgraph.engine.runner import NULL_SLOT, ModelRunner, RunnerConfig
+from tpgraph.errors import CaptureError, ConfigError
+from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
+from tpgraph.graphs.workspace import Workspaces
+from tpgraph.model.loader import load_model
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+class FakeComm:
+    capture_locked = False
+
+    def __init__(self):
+        self.captures, self.released = [], []
+
+    @contextlib.contextmanager
+    def capture(self):
+        reg = CaptureRegistration(rows=[len(self.captures)])
+        self.captures.append(reg)
+        yield reg
+
+    def release_capture(self, reg):
+        self.released.append(reg)
+
+
+def test_pool_estimate_from_the_two_largest_captures():
+    assert estimate_pool_bytes(100 * MiB, 2 * MiB, 36) == 100 * MiB + 35 * 2 * MiB
+    assert estimate_pool_bytes(100 * MiB, -5, 4) == 100 * MiB  # a capture that freed memory adds nothing
+    assert estimate_pool_bytes(7, 3, 1) == 7 and estimate_pool_bytes(7, 3, 0) == 0
+
+
+def test_kv_budget_arithmetic_and_refusal():
+    b = MemoryBudget(total=100 * GiB, utilization=0.9, in_use=20 * GiB, weights=15 * GiB, workspace=448 * MiB,
+                     activation_peak=2 * GiB, graph_pool_estimate=1 * GiB, block_bytes=2 * MiB)
+    assert b.kv_bytes == int(90 * GiB) - 23 * GiB
+    assert b.num_blocks == b.kv_bytes // (2 * MiB)
+    without_graphs = MemoryBudget(**{**b.__dict__, "graph_pool_estimate": 0})
+    assert without_graphs.num_blocks - b.num_blocks == GiB // (2 * MiB)  # the graph pool comes out of the cache
+    assert "graph pool (estimated) 1.00 GiB" in b.describe() and "all-reduce workspace 0.44 GiB" in b.describe()
+    b.check(10)
+    tight = MemoryBudget(**{**b.__dict__, "in_use": 87 * GiB})
+    with pytest.raises(ConfigError, match="needs at least 10 for one sequence.*--gpu-memory-utilization"):
+        tight.check(10)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        MemoryBudget(**{**b.__dict__, "utilization": 1.5})
+
+
+def test_workspaces_never_move_under_a_graph():
+    ws = Workspaces()
+    ws.reserve("scratch", 100, torch.float32, "cpu")
+    view = ws.get("scratch", 50, torch.float32, "cpu")
+    assert ws.get("scratch", 100, torch.float32, "cpu").data_ptr() == view.data_ptr()
+    with pytest.raises(CaptureError, match="captured graphs already hold its address"):
+        ws.get("scratch", 101, torch.float32, "cpu")
+    ws.lock()
+    with pytest.raises(CaptureError, match="the capture phase is over"):
+        ws.reserve("other", 1, torch.float32, "cpu")
+
+
+def make_graph_runner(comm, check=False):
+    return GraphRunner(comm, torch.device("cpu"), check_addresses=check, show_progress=False)
+
+
+def test_runner_captures_largest_first_releases_on_recapture_and_locks():
+    comm, seen = FakeComm(), []
+    x = torch.arange(8.0)
+    runner = make_graph_runner(comm)
+    forward = lambda n, boundary: (seen.append(n), x[:n] * 2)[1]
+    first = runner.capture("decode", "breakable", (1, 4, 2), forward, lambda n: {"x": x[:n]}, lambda n: None)
+    assert first.sizes == (1, 2, 4) and len(comm.captures) == 1
+    assert torch.equal(runner.replay("decode", 2), torch.tensor([0.0, 2.0]))
+    runner.capture("decode", "breakable", (1, 2), forward, lambda n: {"x": x[:n]}, lambda n: None)
+    assert comm.released == [first.registration]  # re-capture gave the old rows and mappings back first
+    runner.close_capture_phase()
+    assert comm.capture_locked
+    with pytest.raises(CaptureError, match="after the capture phase ended"):
+        runner.capture("prefill", "breakable", (1,), forward, lambda n: {}, lambda n: None)
+    runner.close()
+    assert len(comm.released) == 2 and runner.sets == {}
+
+
+def test_full_graphs_need_cuda_and_kinds_are_checked():
+    runner = make_graph_runner(FakeComm())
+    with pytest.raises(CaptureError, match="need a CUDA device"):
+        runner.capture("decode", "full", (1,), None, None, None)
+    with pytest.raises(CaptureError, match="unknown graph kind"):
+        runner.capture("decode", "sideways", (1,), None, None, None)
+
+
+def test_address_check_catches_a_rebound_input():
+    inputs = {"ids": torch.zeros(4)}
+    runner = make_graph_runner(FakeComm(), check=True)
+    runner.capture("decode", "breakable", (4,), lambda n, b: inputs["ids"][:n], lambda n: {"ids": inputs["ids"]},
+                   lambda n: None)
+    runner.replay("decode", 4, lambda n: {"ids": inputs["ids"]})
+    inputs["ids"] = torch.zeros(4)
+    with pytest.raises(CaptureError, match="would read stale inputs.*ids: captured at"):
+        runner.replay("decode", 4, lambda n: {"ids": inputs["ids"]})
+
+
+def test_communicator_refuses_capture_once_locked():
+    comm = TPCommunicator(init_distributed("cpu"))
+    with comm.capture() as reg:
+        assert reg.rows == [] and reg.handles == []
+    comm.capture_locked = True
+    with pytest.raises(CaptureError, match="after the capture phase"):
+        with comm.capture():
+            pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    state = init_distributed("cpu")
+    return load_model(state, TPCommunicator(state))
+
+
+PROMPTS = [[256, 1, 2, 3], [256, 5], [256, 7, 8, 9, 10, 11]]
+
+
+def runner_for(model, mode, **graph_kw):
+    graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder=(1, 2, 4, 8), **graph_kw)
+    return ModelRunner(model, RunnerConfig(block_size=4, max_batch=5, max_model_len=64, graphs=graphs))
+
+
+def test_breakable_decode_equals_eager_with_padding_recorded(model):
+    eager = greedy_generate(runner_for(model, "none"), PROMPTS, 6, keep_logits=True)
+    runner = runner_for(model, "breakable", check_addresses=True)
+    broken = greedy_generate(runner, PROMPTS, 6, keep_logits=True)
+    assert broken.tokens == eager.tokens
+    for a, b in zip(broken.step_logits, eager.step_logits, strict=True):
+        # the padded batch may take another matmul blocking: equal up to fp32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert ("decode", "breakable", 3, 4, 5) in runner.stats.frequency_table()  # 3 sequences ran as the 4 bucket
+    # the padded row read nothing and wrote to the null block
+    assert runner.seqs.device("seq_lens")[3].item() == 0
+    assert runner.tokens.device("slot_mapping")[3].item() == NULL_SLOT
+    assert runner.allocator.num_free == runner.allocator.num_blocks  # every block came back
+    runner.close()
+
+
+def test_cpu_downgrades_are_recorded_in_the_metrics(model):
+    runner = runner_for(model, "full")
+    assert runner.modes.decode == "none"
+    value = runner.stats.registry.get_sample_value(
+        "tpgraph_graph_mode_downgrade", {"phase": "decode", "requested": "full", "resolved": "none",
+                                         "reason": "CUDA graphs need a CUDA device (device is 'cpu')"})
+    assert value == 1.0

@@ -1,0 +1,90 @@
+"""The Triton rope-and-store kernel (run by Triton's interpreter on CPU) against the torch reference, and the
+reference against Hugging Face's rotary embedding."""
+
+import pytest
+import torch
+
+from tpgraph.kernels.rope_store import rope_and_store, rope_and_store_reference, rope_cos_sin_table
+
+pytest.importorskip("triton")
+
+MAX_POS = 4096
+
+
+def _inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _case(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+          index_dtype: torch.dtype):
+    """A strided qkv view, random positions, distinct random slots and caches filled with noise."""
+    g = torch.Generator().manual_seed(seed)
+    width = (heads + 2 * kv_heads) * head_dim
+    wide = torch.randn(tokens, width + 24, generator=g).to(dtype)
+    qkv = wide[:, 8:8 + width]  # rows width + 24 apart: the kernel must honour the row stride
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=g).to(index_dtype)
+    num_blocks = 2 + -(-tokens // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(index_dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    return qkv, positions, slots, k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,index_dtype", [
+    (4, 2, 64, 4, torch.int64),
+    (8, 1, 128, 16, torch.int32),
+    (2, 2, 80, 8, torch.int32),  # head_dim 80: a padded half (40 of 64 lanes)
+])
+def test_triton_matches_reference_bit_for_bit(dtype, heads, kv_heads, head_dim, block_size, index_dtype):
+    qkv, positions, slots, k_cache, v_cache = _case(head_dim + heads, 6, heads, kv_heads, head_dim, block_size,
+                                                    dtype, index_dtype)
+    cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, dtype, "cpu")
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
+                          use_triton=True)
+    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
+                                            kv_heads, head_dim)
+    assert q.shape == (6, heads, head_dim) and k.shape == (6, kv_heads, head_dim)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)  # other slots untouched too
+
+
+def test_zero_tokens():
+    qkv, positions, slots, k_cache, v_cache = _case(0, 0, 4, 2, 64, 4, torch.bfloat16, torch.int64)
+    before = k_cache.clone()
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
+    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 4, 2, 64, use_triton=True)
+    assert q.shape == (0, 4, 64) and k.shape == (0, 2, 64) and torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    dict(rope_type="default", rope_theta=10000.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=64, rope_theta=500000.0),
+])
+def test_reference_is_hf_apply_rotary_pos_emb(rope_parameters):
+    """HF's rotary embedding builds cos/sin per position; `rope_cos_sin_table` rows must be those, and the
+    reference's rotation HF's `apply_rotary_pos_emb`, bit for bit in bf16."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    heads, kv_heads, head_dim, dtype = 4, 2, 64, torch.bfloat16
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=MAX_POS, rope_parameters=rope_parameters)
+    rotary = LlamaRotaryEmbedding(config)
+    qkv, positions, slots, k_cache, v_cache = _case(1, 7, heads, kv_heads, head_dim, 4, dtype, torch.int64)
+    cos_sin = rope_cos_sin_table(rotary.inv_freq, MAX_POS, dtype, "cpu")
+    q, k = rope_and_store_reference(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim)
+
+    cos, sin = rotary(qkv, positions[None])  # [1, T, D] in bf16
+    assert torch.equal(cos[0], torch.cat((cos_sin[0][positions],) * 2, dim=-1))
+    assert torch.equal(sin[0], torch.cat((cos_sin[1][positions],) * 2, dim=-1))
+    hf_q = qkv[:, :heads * head_dim].reshape(1, 7, heads, head_dim).transpose(1, 2)  # HF layout [1, H, T, D]
+    hf_k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(1, 7, kv_heads, head_dim).transpose(1, 2)
+    hf_q, hf_k = apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
+    assert torch.equal(q, hf_q[0].transpose(0, 1)) and torch.equal(k, hf_k[0].transpose(0, 1))
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(7, kv_heads, head_dim)
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], k)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
