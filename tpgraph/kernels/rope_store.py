@@ -83,7 +83,7 @@ if triton is not None:
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a kv head (k rotated, v copied)
-        half: tl.constexpr = HEAD_DIM // 2
+        half = HEAD_DIM // 2
         dtype = qkv_ptr.dtype.element_ty
         offs = tl.arange(0, HALF_PAD)
         ok = offs < half

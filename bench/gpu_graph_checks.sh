@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
+# usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [all-gpu-tests] [full-bench]
+set -uo pipefail
+out=${1:?outdir}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+python3 -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+python3 -c "import tpgraph._C as c; print(c.build_info())"
+for step in "$@"; do
+  case $step in
+    kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -x -rs 2>&1 | tail -25 | tee "$out/kernels.log" ;;
+    bench) timeout 400 torchrun --nproc-per-node 2 bench/bench_decode.py --batches 1,8 --modes full,none \
+             --allreduce custom --steps 20 --no-ladders --profile --out "$out/decode_quick.json" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/bench_quick.log" ;;
+    graph-tests) timeout 560 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/graph_tests.log" ;;
+    all-gpu-tests) timeout 580 python3 -m pytest tests/gpu -q -rs 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
+             | tail -60 | tee "$out/gpu_tests.log" ;;
+    full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
+  esac
+done
