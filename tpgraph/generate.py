@@ -17,6 +17,7 @@ from tpgraph.distributed import destroy_distributed, init_distributed
 from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.errors import TPGraphError
+from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.model.loader import LOAD_FORMATS, load_model
 from tpgraph.tokenizer import load_tokenizer
 
@@ -31,7 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: checkpoint dtype; fp32 on CPU)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model's, 4096))")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights (built-in/dummy)")
+    add_graph_args(p)
     return p.parse_args(argv)
 
 
@@ -44,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         dtype = parse_dtype(args.dtype) if args.dtype else None
         model = load_model(state, comm, args.model, args.load_format, dtype, seed=args.seed)
         tokenizer = load_tokenizer(args.model, model.cfg.vocab_size)
-        runner = ModelRunner(model, RunnerConfig(block_size=args.block_size, max_batch=max(8, len(args.prompt))))
+        runner = ModelRunner(model, RunnerConfig(
+            block_size=args.block_size, max_batch=max(args.max_num_seqs, len(args.prompt)),
+            max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+            graphs=graph_config_from_args(args)))
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
         start = time.perf_counter()
         result = greedy_generate(runner, prompts, args.max_tokens, eos_ids=model.cfg.eos_token_id)
@@ -53,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if state.is_driver:
+        print(runner.stats.summary())
         for prompt, ids in zip(args.prompt, result.tokens, strict=True):
             print(f"prompt: {prompt!r}\ncompletion: {tokenizer.decode(ids)!r}\ntoken ids: {ids}\n")
         n = sum(len(t) for t in result.tokens)
