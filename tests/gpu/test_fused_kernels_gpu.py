@@ -16,13 +16,18 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 4096), (13, 2048), (200, 4096), (3, 96)])
-def test_norms_equal_reference_bit_for_bit(dtype, rows, hidden):
+def test_norms_match_reference(dtype, rows, hidden):
+    """The residual add is exact; the norm sums its squares in another order than torch's CUDA reduction (whose own
+    order depends on the row count), so it may differ by one rounding step."""
     g = torch.Generator(device="cuda").manual_seed(rows + hidden)
     x, res = (torch.randn(rows, hidden, device="cuda", generator=g).to(dtype) * 3 for _ in range(2))
     w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
-    assert torch.equal(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
-    for got, ref in zip(add_rms_norm(x, res, w, 1e-5), add_rms_norm_reference(x, res, w, 1e-5), strict=True):
-        assert torch.equal(got, ref)
+    rtol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), rtol=rtol, atol=0)
+    normed, residual = add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_residual = add_rms_norm_reference(x, res, w, 1e-5)
+    assert torch.equal(residual, ref_residual)
+    torch.testing.assert_close(normed, ref_normed, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -98,7 +98,7 @@ if triton is not None:
         q_mask = g_ok[:, None] & d_ok[None, :]
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
         if INTERPRETED:
-            q = q.to(tl.float32)  # the interpreter's tl.dot multiplies 16-bit floats as raw integers
+            q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -135,7 +135,7 @@ if triton is not None:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
             out = acc / l_safe[:, None]
             out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
         else:
             # An empty split (past seq_len) leaves the neutral partial: m = -inf, l = 0, acc = 0.
             part = b * stride_pb + heads * stride_ph + split * stride_ps
@@ -148,6 +148,7 @@ if triton is not None:
         part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -166,7 +167,8 @@ if triton is not None:
         acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                       other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / l_total
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=d_ok)
 
 
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -221,6 +223,6 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4, enable_fp_fusion=True,
+            INTERPRETED=interpreted, num_warps=4, enable_fp_fusion=True,
         )
     return out
