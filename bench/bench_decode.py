@@ -131,7 +131,9 @@ def run(args, state) -> dict:
     for ar in args.allreduce.split(","):
         comm = TPCommunicator(state, use_custom_allreduce=ar == "custom")
         model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # bytes a step must read: every weight but the embedding table, of which it reads only B rows
+        embed = model.embed_tokens.weight
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
         floor_ms = weight_bytes / bw * 1e3
         results["weight_bytes_per_rank"] = weight_bytes
         results["floor_ms"] = floor_ms

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(len(t) for t in result.tokens)
         print(f"[tp={state.world_size} device={state.device.type} dtype={model.embed_tokens.weight.dtype}] "
               f"{n} tokens in {elapsed:.2f}s")
+    runner.close()  # graphs (which hold NCCL work) go before the process group
+    comm.close()
     destroy_distributed(state)
     return 0
 

@@ -120,6 +120,7 @@ def graph_guards(rank, world_size, init, ckpt):
                 out[what] = "no error"
             except CaptureError as exc:
                 out[what] = str(exc)
+        runner.close()  # graphs holding NCCL work must go before the process group does
         return out
     finally:
         destroy_distributed(state)
