@@ -20,7 +20,7 @@ for step in "$@"; do
              | tail -60 | tee "$out/gpu_tests.log" ;;
     guards-memory) timeout 240 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs -k "guards or memory" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
-    full-bench) timeout 350 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
+    full-bench) timeout 350 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --steps 15 --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
 done
