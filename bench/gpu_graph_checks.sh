@@ -20,6 +20,14 @@ for step in "$@"; do
              | tail -60 | tee "$out/gpu_tests.log" ;;
     guards-memory) timeout 240 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs -k "guards or memory" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
+    regress) timeout 200 python3 -m pytest tests/gpu -q -rs -k "not full_piecewise_breakable" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests.log" ;;
+    parity) timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_bf16.json" \
+             2>&1 | grep -E "prompt|PASS" | tee "$out/hf_parity.log"
+            timeout 120 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype fp32 --out "$out/hf_parity_fp32.json" \
+             2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity.log" ;;
+    ar-gap) timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
+             --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
     full-bench) timeout 350 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --steps 15 --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac

@@ -38,9 +38,10 @@ class FakeComm:
 
 
 def test_pool_estimate_from_the_two_largest_captures():
-    assert estimate_pool_bytes(100 * MiB, 2 * MiB, 36) == 100 * MiB + 35 * 2 * MiB
-    assert estimate_pool_bytes(100 * MiB, -5, 4) == 100 * MiB  # a capture that freed memory adds nothing
-    assert estimate_pool_bytes(7, 3, 1) == 7 and estimate_pool_bytes(7, 3, 0) == 0
+    # the second largest (8) added 2 MiB: smaller captures add in proportion to their size
+    assert estimate_pool_bytes(100 * MiB, 2 * MiB, (1, 2, 4, 8, 16)) == 100 * MiB + (2 * MiB // 8) * (8 + 4 + 2 + 1)
+    assert estimate_pool_bytes(100 * MiB, -5, (1, 2)) == 100 * MiB  # a capture that freed memory adds nothing
+    assert estimate_pool_bytes(7, 3, (4,)) == 7 and estimate_pool_bytes(7, 3, ()) == 0
 
 
 def test_kv_budget_arithmetic_and_refusal():

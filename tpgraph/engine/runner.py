@@ -178,7 +178,7 @@ class ModelRunner:
             trial = self._capture_phase(phase, kind, sizes[-2:])
             by_size = sorted(trial.capture_bytes.items(), reverse=True)
             second = by_size[1][1] if len(by_size) > 1 else by_size[0][1]
-            estimate += estimate_pool_bytes(by_size[0][1], second, len(sizes))
+            estimate += estimate_pool_bytes(by_size[0][1], second, sizes)
         self.graphs.release()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -62,12 +62,17 @@ class GraphSet:
         return sum(self.capture_bytes.values())
 
 
-def estimate_pool_bytes(first: int, second: int, num_graphs: int) -> int:
-    """Graph memory for num_graphs captures into one pool, from the two largest: the first holds the pool's working
-    set; each later (smaller) one reuses it and adds at most what the second added."""
-    if num_graphs <= 0:
+def estimate_pool_bytes(first: int, second: int, sizes: tuple[int, ...]) -> int:
+    """Graph memory for capturing every size in `sizes` into one pool, from the two largest captures: the largest
+    (`first` bytes) sets the pool's working set; each smaller one reuses it and adds what the second largest added
+    (`second` bytes), scaled by its size (what a capture adds beyond the shared working set grows with its batch)."""
+    order = sorted(sizes, reverse=True)
+    if not order:
         return 0
-    return max(first, 0) + (num_graphs - 1) * max(second, 0)
+    if len(order) == 1:
+        return max(first, 0)
+    per_token = max(second, 0) / order[1]
+    return max(first, 0) + int(per_token * sum(order[1:]))
 
 
 class GraphRunner:
