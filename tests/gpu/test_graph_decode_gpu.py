@@ -55,6 +55,7 @@ def test_memory_estimate_budget_and_lifecycle(ckpt):
         assert abs(free1 - free9) <= 2 * MiB, (free1 - free9) / MiB
         full, none = out["full"], out["none"]
         print(full["describe"], "| actual pool", full["actual"], "| eager:", none["describe"])
+        print("trial captures (size: bytes):", full["trial"], "| real captures:", full["per_size"])
         assert full["actual"] > 0 and none["estimate"] == 0
         # the KV budget shrinks by the estimate (in_use and activations agree within a little between the runs)
         shrink = (none["kv_bytes"] - full["kv_bytes"]) - full["estimate"]

@@ -146,7 +146,9 @@ def graph_memory(rank, world_size, init, ckpt, cycles):
             runner = ModelRunner(model, RunnerConfig(max_batch=256, max_model_len=1024, gpu_memory_utilization=0.5,
                                                      graphs=graphs))
             b = runner.budget
+            per_size = runner.graphs.sets["decode"].capture_bytes if "decode" in runner.graphs.sets else {}
             out[mode] = {"estimate": b.graph_pool_estimate, "actual": runner.capture_bytes, "blocks": b.num_blocks,
+                         "per_size": dict(sorted(per_size.items(), reverse=True)), "trial": runner.trial_capture_bytes,
                          "block_bytes": b.block_bytes, "in_use": b.in_use, "activation": b.activation_peak,
                          "kv_bytes": b.kv_bytes, "describe": b.describe()}
             runner.close()

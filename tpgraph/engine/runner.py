@@ -105,6 +105,7 @@ class ModelRunner:
         self.graphs = GraphRunner(model.comm, self.device, warmups=g.warmups, check_addresses=g.check_addresses,
                                   show_progress=self.is_driver)
         self.budget: MemoryBudget | None = None
+        self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
         self._bind_kv_cache(num_blocks)
         self.capture_s = self.capture_bytes = 0.0
@@ -168,6 +169,7 @@ class ModelRunner:
             self._prepare_dummy(self.seq_rows)
             self._decode_forward(self.seq_rows, call)
             self._prepare_dummy(self.token_rows, prefill=True)
+            self._meta_for_prefill(self.token_rows).query_lens = (self.token_rows,)  # attention over every token
             self._prefill_forward(self.token_rows, call)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -177,6 +179,7 @@ class ModelRunner:
                 continue
             trial = self._capture_phase(phase, kind, sizes[-2:])
             by_size = sorted(trial.capture_bytes.items(), reverse=True)
+            self.trial_capture_bytes[phase] = dict(by_size)
             second = by_size[1][1] if len(by_size) > 1 else by_size[0][1]
             estimate += estimate_pool_bytes(by_size[0][1], second, sizes)
         self.graphs.release()
