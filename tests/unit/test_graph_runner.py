@@ -38,8 +38,8 @@ class FakeComm:
 
 
 def test_pool_estimate_from_the_two_largest_captures():
-    # the second largest (8) added 2 MiB: smaller captures add in proportion to their size
-    assert estimate_pool_bytes(100 * MiB, 2 * MiB, (1, 2, 4, 8, 16)) == 100 * MiB + (2 * MiB // 8) * (8 + 4 + 2 + 1)
+    # the largest sets the working set, the second adds the cost of sharing it, smaller ones fit in the pool
+    assert estimate_pool_bytes(100 * MiB, 2 * MiB, (1, 2, 4, 8, 16)) == 102 * MiB
     assert estimate_pool_bytes(100 * MiB, -5, (1, 2)) == 100 * MiB  # a capture that freed memory adds nothing
     assert estimate_pool_bytes(7, 3, (4,)) == 7 and estimate_pool_bytes(7, 3, ()) == 0
 

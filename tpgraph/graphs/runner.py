@@ -64,15 +64,15 @@ class GraphSet:
 
 def estimate_pool_bytes(first: int, second: int, sizes: tuple[int, ...]) -> int:
     """Graph memory for capturing every size in `sizes` into one pool, from the two largest captures: the largest
-    (`first` bytes) sets the pool's working set; each smaller one reuses it and adds what the second largest added
-    (`second` bytes), scaled by its size (what a capture adds beyond the shared working set grows with its batch)."""
-    order = sorted(sizes, reverse=True)
-    if not order:
+    (`first` bytes) sets the pool's working set, the second adds what sharing it costs (`second` bytes), and the
+    smaller ones fit in what is there. Outputs live in persistent buffers, so nothing else accumulates per graph.
+
+    Measured on 2xH200 (35 vLLM-ladder buckets, 4-layer model): a uniform `second` per later graph estimated 150 MiB
+    and one proportional to the bucket size 119 MiB, both against 94 MiB taken; the two equations give the largest
+    capture 92.1 MiB and the second 1.7 MiB, so all 33 later captures together added about 0.2 MiB."""
+    if not sizes:
         return 0
-    if len(order) == 1:
-        return max(first, 0)
-    per_token = max(second, 0) / order[1]
-    return max(first, 0) + int(per_token * sum(order[1:]))
+    return max(first, 0) + (max(second, 0) if len(set(sizes)) > 1 else 0)
 
 
 class GraphRunner:
