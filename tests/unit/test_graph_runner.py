@@ -42,6 +42,10 @@ def test_pool_estimate_from_the_two_largest_captures():
     assert estimate_pool_bytes(100 * MiB, 2 * MiB, (1, 2, 4, 8, 16)) == 102 * MiB
     assert estimate_pool_bytes(100 * MiB, -5, (1, 2)) == 100 * MiB  # a capture that freed memory adds nothing
     assert estimate_pool_bytes(7, 3, (4,)) == 7 and estimate_pool_bytes(7, 3, ()) == 0
+    # piecewise graphs keep their attention inputs: each smaller size adds in proportion to its token count
+    sizes = (16, 32, 64, 128, 256, 512)
+    assert estimate_pool_bytes(300 * MiB, 64 * MiB, sizes, "piecewise") == 300 * MiB + MiB // 4 * (256 + 128 + 64 + 32
+                                                                                                   + 16)
 
 
 def test_kv_budget_arithmetic_and_refusal():
@@ -53,6 +57,9 @@ def test_kv_budget_arithmetic_and_refusal():
     assert without_graphs.num_blocks - b.num_blocks == GiB // (2 * MiB)  # the graph pool comes out of the cache
     assert "graph pool (estimated) 1.00 GiB" in b.describe() and "all-reduce workspace 0.44 GiB" in b.describe()
     b.check(10)
+    agreed = MemoryBudget(**{**b.__dict__, "agreed_blocks": 100})  # another rank had less room: every rank takes 100
+    assert agreed.num_blocks == 100
+    assert MemoryBudget(**{**b.__dict__, "agreed_blocks": 10**9}).num_blocks == b.num_blocks
     tight = MemoryBudget(**{**b.__dict__, "in_use": 87 * GiB})
     with pytest.raises(ConfigError, match="needs at least 10 for one sequence.*--gpu-memory-utilization"):
         tight.check(10)
@@ -160,3 +167,17 @@ def test_cpu_downgrades_are_recorded_in_the_metrics(model):
         "tpgraph_graph_mode_downgrade", {"phase": "decode", "requested": "full", "resolved": "none",
                                          "reason": "CUDA graphs need a CUDA device (device is 'cpu')"})
     assert value == 1.0
+
+
+def test_prefill_runs_in_forwards_of_at_most_max_num_batched_tokens(model):
+    prompts = [[256] + list(range(1, 20)), [256] + list(range(30, 45)), [256] + list(range(50, 70))]
+    whole = greedy_generate(runner_for(model, "none"), prompts, 3, keep_logits=True)
+    graphs = GraphConfig(decode_mode="none", prefill_mode="none")
+    capped = ModelRunner(model, RunnerConfig(block_size=4, max_batch=5, max_model_len=40, max_num_batched_tokens=40,
+                                             graphs=graphs))
+    split = greedy_generate(capped, prompts, 3, keep_logits=True)
+    assert split.tokens == whole.tokens
+    assert sum(c for p, _, _, _, c in capped.stats.frequency_table() if p == "prefill") == 2  # 20+16 | 21 tokens
+    torch.testing.assert_close(split.step_logits[0], whole.step_logits[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="must hold a whole prompt of max_model_len"):
+        ModelRunner(model, RunnerConfig(max_model_len=64, max_num_batched_tokens=32, graphs=graphs))

@@ -268,10 +268,15 @@ class CustomAllReduce:
             yield registration
         except BaseException as exc:
             self._capturing = False
-            self._return_rows([row for row, _ in self._pending])
-            self._pending = []
-            # the peers are about to exchange their captured calls: tell them instead of leaving them waiting
-            gather_objects(self.state, f"rank {self.state.rank} failed while capturing: {exc!r}")
+            rows, self._pending = [row for row, _ in self._pending], []
+            # the peers are about to exchange their captured calls: tell them first, instead of leaving them waiting
+            try:
+                gather_objects(self.state, f"rank {self.state.rank} failed while capturing: {exc!r}")
+            finally:
+                try:
+                    self._return_rows(rows)
+                except RuntimeError as cuda_error:  # a dead context cannot zero rows; the original error matters
+                    logger.error("pointer-table rows not returned after a failed capture: %s", cuda_error)
             raise
         self._capturing = False
         try:

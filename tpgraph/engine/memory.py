@@ -23,6 +23,7 @@ class MemoryBudget:
     activation_peak: int
     graph_pool_estimate: int
     block_bytes: int
+    agreed_blocks: int | None = None  # the smallest num_blocks over the ranks, once they have compared
 
     def __post_init__(self) -> None:
         if not 0.0 < self.utilization <= 1.0:
@@ -36,7 +37,8 @@ class MemoryBudget:
 
     @property
     def num_blocks(self) -> int:
-        return max(self.kv_bytes, 0) // self.block_bytes
+        own = max(self.kv_bytes, 0) // self.block_bytes
+        return own if self.agreed_blocks is None else min(own, self.agreed_blocks)
 
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"

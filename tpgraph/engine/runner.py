@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from tpgraph.distributed import gather_objects
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.sequence import Sequence
@@ -41,6 +42,7 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(max_model_len, 512)
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -94,6 +96,10 @@ class ModelRunner:
         self.seqs = PersistentBuffers(self.seq_rows, self.device)
         self.seqs.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
         self.seqs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(self.max_model_len, self.token_rows, 512)
+        if self.max_prefill_tokens < self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_prefill_tokens}) must hold a whole prompt of "
+                              f"max_model_len ({self.max_model_len}) tokens (chunked prefill comes with the scheduler)")
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
         self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
         self._prefill_meta: dict[int, AttentionMetadata] = {}
@@ -168,9 +174,7 @@ class ModelRunner:
         with torch.inference_mode():
             self._prepare_dummy(self.seq_rows)
             self._decode_forward(self.seq_rows, call)
-            self._prepare_dummy(self.token_rows, prefill=True)
-            self._meta_for_prefill(self.token_rows).query_lens = (self.token_rows,)  # attention over every token
-            self._prefill_forward(self.token_rows, call)
+            self._profile_prefill(self.max_prefill_tokens)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
         estimate = 0
@@ -181,7 +185,7 @@ class ModelRunner:
             by_size = sorted(trial.capture_bytes.items(), reverse=True)
             self.trial_capture_bytes[phase] = dict(by_size)
             second = by_size[1][1] if len(by_size) > 1 else by_size[0][1]
-            estimate += estimate_pool_bytes(by_size[0][1], second, sizes)
+            estimate += estimate_pool_bytes(by_size[0][1], second, sizes, kind)
         self.graphs.release()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -190,10 +194,24 @@ class ModelRunner:
                                    in_use=total - free - provisional, weights=weights,
                                    workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
                                    graph_pool_estimate=estimate, block_bytes=self.block_bytes)
+        # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
+        agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
+        self.budget = replace(self.budget, agreed_blocks=agreed)
         self.budget.check(self.max_blocks_per_seq + 1)
         if self.is_driver:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks
+
+    def _profile_prefill(self, tokens: int) -> None:
+        """The largest prefill a step can run, eagerly: prompts of max_model_len, every token writing the null slot."""
+        lens = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if
+                                                                         tokens % self.max_model_len else [])
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        meta = AttentionMetadata(True, torch.full((tokens,), NULL_SLOT, device=self.device),
+                                 self.seqs.device("seq_lens", 1), self.seqs.device("block_tables", 1), self.backend,
+                                 self.max_model_len, query_lens=tuple(lens))
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
+        self.model.compute_logits(hidden[-len(lens):])
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _phases(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -271,7 +289,10 @@ class ModelRunner:
         meta = self._meta_for_prefill(n)
         meta.boundary = boundary
         t = self._prefill_inputs(n)
-        return self.model(t["input_ids"], t["positions"], meta)
+        try:
+            return self.model(t["input_ids"], t["positions"], meta)
+        finally:
+            meta.boundary = call  # a capture's boundary must not stay reachable (it would keep that graph alive)
 
     # ---- cache bookkeeping -----------------------------------------------------------------------------------
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
@@ -295,7 +316,20 @@ class ModelRunner:
     # ---- steps -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run every token of fresh sequences; return the last token's logits [B, vocab]."""
+        """Run every token of fresh sequences (in forwards of at most max_num_batched_tokens tokens); return the last
+        token's logits [B, vocab]."""
+        groups: list[list[Sequence]] = [[]]
+        total = 0
+        for seq in seqs:
+            if groups[-1] and total + len(seq) > self.max_prefill_tokens:
+                groups.append([])
+                total = 0
+            groups[-1].append(seq)
+            total += len(seq)
+        logits = [self._prefill_group(group) for group in groups]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _prefill_group(self, seqs: list[Sequence]) -> torch.Tensor:
         lens = []
         for seq in seqs:
             self.reserve(seq, len(seq))

@@ -54,31 +54,38 @@ class PiecewiseGraph:
 
     def __init__(self, forward: Forward, size: int, pool: Any, stream: torch.cuda.Stream,
                  workspaces: Workspaces) -> None:
-        self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.ops: list[tuple[Callable[..., Any], tuple[Any, ...], torch.Tensor]] = []
-        current = torch.cuda.CUDAGraph()
+        pieces: list[torch.cuda.CUDAGraph] = []
+        ops: list[tuple[Callable[..., Any], tuple[Any, ...], torch.Tensor]] = []
+        # what the boundary closure needs, emptied after capture: the closure may outlive it (a metadata object in the
+        # ops' arguments holds it), and must not keep this graph, its pool and its tensors alive through a cycle
+        live: dict[str, Any] = {"graph": torch.cuda.CUDAGraph(), "capturing": False}
 
         def boundary(fn: Callable[..., Any], *args: Any) -> torch.Tensor:
-            nonlocal current
-            current.capture_end()
-            self.pieces.append(current)
+            live["graph"].capture_end()
+            live["capturing"] = False
+            pieces.append(live["graph"])
             result = fn(*args)  # eagerly, between pieces (its inputs are not computed yet: values are garbage)
             static = workspaces.get("piecewise_boundary", result.numel(), result.dtype, result.device)
             static = static.view(result.shape)
             static.copy_(result)
-            self.ops.append((fn, args, static))
-            current = torch.cuda.CUDAGraph()
-            current.capture_begin(pool=pool)
+            ops.append((fn, args, static))
+            live["graph"] = torch.cuda.CUDAGraph()
+            live["graph"].capture_begin(pool=pool)
+            live["capturing"] = True
             return static
 
         with torch.cuda.stream(stream):
-            current.capture_begin(pool=pool)
+            live["graph"].capture_begin(pool=pool)
+            live["capturing"] = True
             try:
                 self.output = forward(size, boundary)
             finally:
-                current.capture_end()
-                self.pieces.append(current)
-        self.num_pieces = len(self.pieces)
+                if live["capturing"]:  # an error between pieces leaves no capture open: keep that error
+                    live["graph"].capture_end()
+                    pieces.append(live["graph"])
+                live.clear()
+        self.pieces, self.ops = pieces, ops
+        self.num_pieces = len(pieces)
 
     def replay(self) -> torch.Tensor:
         for i, piece in enumerate(self.pieces):

@@ -62,17 +62,26 @@ class GraphSet:
         return sum(self.capture_bytes.values())
 
 
-def estimate_pool_bytes(first: int, second: int, sizes: tuple[int, ...]) -> int:
-    """Graph memory for capturing every size in `sizes` into one pool, from the two largest captures: the largest
-    (`first` bytes) sets the pool's working set, the second adds what sharing it costs (`second` bytes), and the
-    smaller ones fit in what is there. Outputs live in persistent buffers, so nothing else accumulates per graph.
+def estimate_pool_bytes(first: int, second: int, sizes: tuple[int, ...], kind: str = "full") -> int:
+    """Graph memory for capturing every size in `sizes` into one pool, from the two largest captures (`first` and
+    `second` bytes). The largest sets the pool's working set.
 
-    Measured on 2xH200 (35 vLLM-ladder buckets, 4-layer model): a uniform `second` per later graph estimated 150 MiB
-    and one proportional to the bucket size 119 MiB, both against 94 MiB taken; the two equations give the largest
-    capture 92.1 MiB and the second 1.7 MiB, so all 33 later captures together added about 0.2 MiB."""
-    if not sizes:
+    full: the second adds what sharing the pool costs and the smaller ones fit in what is there (outputs live in
+    persistent buffers, so nothing accumulates per graph). Measured on 2xH200 (35 vLLM-ladder buckets, 4-layer
+    model): a uniform `second` per later graph estimated 150 MiB and one proportional to the bucket size 119 MiB,
+    against 94 MiB taken; the two equations give the largest capture 92.1 MiB and the second 1.7 MiB, so the 33 later
+    captures together added about 0.2 MiB.
+    piecewise: each graph keeps the tensors its attention calls read (q, k, v per layer), in proportion to its token
+    count, so each smaller size adds `second` scaled by its size."""
+    order = sorted(set(sizes), reverse=True)
+    if not order:
         return 0
-    return max(first, 0) + (max(second, 0) if len(set(sizes)) > 1 else 0)
+    first, second = max(first, 0), max(second, 0)
+    if len(order) == 1:
+        return first
+    if kind == "piecewise":
+        return first + int(second / order[1] * sum(order[1:]))
+    return first + second
 
 
 class GraphRunner:
@@ -196,6 +205,7 @@ class GraphRunner:
             if graph_set is None:
                 continue
             graph_set.graphs.clear()
+            gc.collect()  # graphs referenced from cycles (metadata in piecewise ops) must be gone before the pool
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.comm.release_capture(graph_set.registration)
