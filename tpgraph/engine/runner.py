@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from tpgraph.distributed import gather_objects
@@ -374,16 +375,23 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _write_decode_inputs(self, seqs: list[Sequence]) -> None:
-        ids, pos, slots = (self.tokens.host_np(n) for n in ("input_ids", "positions", "slot_mapping"))
-        lens, tables = self.seqs.host_np("seq_lens"), self.seqs.host_np("block_tables")
-        bs, rows = self.block_size, self._bt_rows
+        """Host rows [0, n) of every decode input, written a column at a time (the per-sequence Python work is what
+        host time per step is made of at large batches)."""
+        n, bs = len(seqs), self.block_size
+        lens = [len(seq) for seq in seqs]
+        for seq, length in zip(seqs, lens, strict=True):
+            if length > len(seq.block_table) * bs:  # a new block once every block_size steps
+                self.reserve(seq, length)
+        last = np.asarray(lens, dtype=np.int64) - 1
+        self.seqs.host_np("seq_lens")[:n] = lens
+        self.tokens.host_np("positions")[:n] = last
+        self.tokens.host_np("input_ids")[:n] = [seq.last_token for seq in seqs]
+        blocks = np.fromiter((seq.block_table[p // bs] for seq, p in zip(seqs, last.tolist(), strict=True)),
+                             dtype=np.int64, count=n)
+        self.tokens.host_np("slot_mapping")[:n] = blocks * bs + last % bs
+        tables, rows = self.seqs.host_np("block_tables"), self._bt_rows
         for i, seq in enumerate(seqs):
-            n = len(seq)
             table = seq.block_table
-            ids[i] = seq.last_token
-            pos[i] = n - 1
-            lens[i] = n
-            slots[i] = table[(n - 1) // bs] * bs + (n - 1) % bs
             key = (seq.seq_id, len(table))
             if rows[i] != key:  # a block table row changes once every block_size steps
                 tables[i, :len(table)] = table
@@ -396,8 +404,6 @@ class ModelRunner:
         n = len(seqs)
         if n > self.seq_rows:
             raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
-        for seq in seqs:
-            self.reserve(seq, len(seq))
         mode, desc = self.decode_dispatcher.dispatch(n, n, True)
         padded = desc.num_tokens
         self._write_decode_inputs(seqs)
