@@ -12,19 +12,24 @@ from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed, run_on_all_ranks
 from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.graphs.config import GraphConfig
 from tpgraph.model.loader import load_model
 
 
-def greedy_with_logits(rank, world_size, init, model_dir, prompts, steps, block_size, use_triton):
+def greedy_with_logits(rank, world_size, init, model_dir, prompts, steps, block_size, use_triton,
+                       decode_mode="none"):
     state = init_distributed("cpu", rank, world_size, init)
     try:
         comm = TPCommunicator(state)
         model = load_model(state, comm, model_dir, dtype=torch.float32)
+        graphs = GraphConfig(decode_mode=decode_mode, prefill_mode="none", ladder=(1, 2, 4, 8))
         runner = ModelRunner(model, RunnerConfig(block_size=block_size, max_batch=len(prompts), max_model_len=128,
-                                                 use_triton=use_triton))
+                                                 use_triton=use_triton, graphs=graphs))
         result = greedy_generate(runner, prompts, steps, keep_logits=True)
         free_after = runner.allocator.num_free == runner.allocator.num_blocks
-        return {"tokens": result.tokens, "logits": torch.stack(result.step_logits), "blocks_returned": free_after}
+        runner.close()
+        return {"tokens": result.tokens, "logits": torch.stack(result.step_logits), "blocks_returned": free_after,
+                "steps": runner.stats.frequency_table(), "kv_blocks": runner.num_kv_blocks}
     finally:
         destroy_distributed(state)
 
