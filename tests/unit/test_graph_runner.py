@@ -181,3 +181,13 @@ def test_prefill_runs_in_forwards_of_at_most_max_num_batched_tokens(model):
     torch.testing.assert_close(split.step_logits[0], whole.step_logits[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="must hold a whole prompt of max_model_len"):
         ModelRunner(model, RunnerConfig(max_model_len=64, max_num_batched_tokens=32, graphs=graphs))
+
+
+def test_running_out_of_memory_in_capture_names_the_remedies():
+    comm = FakeComm()
+
+    def prepare(n):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(CaptureError, match="capturing the decode graph for 8 tokens.*--enforce-eager"):
+        make_graph_runner(comm).capture("decode", "breakable", (8,), None, lambda n: {}, prepare)

@@ -119,32 +119,32 @@ class GraphRunner:
             bar = tqdm(order, desc=f"capturing {phase} graphs ({kind})", disable=not self.show_progress,
                        unit="graph", leave=False)
             for size in bar:
-                prepare(size)
-                if kind != "breakable":
-                    for _ in range(self.warmups):
-                        forward(size, call)  # eager, inside capture(): all-reduces really communicate
-                free_before = self._free_bytes()
-                graphs[size] = self._capture_one(kind, forward, size, phase)
-                used[size] = free_before - self._free_bytes()
+                try:
+                    prepare(size)
+                    if kind != "breakable":
+                        for _ in range(self.warmups):
+                            forward(size, call)  # eager, inside capture(): all-reduces really communicate
+                    free_before = self._free_bytes()
+                    graphs[size] = self._capture_one(kind, forward, size)
+                    used[size] = free_before - self._free_bytes()
+                except torch.OutOfMemoryError as exc:
+                    raise CaptureError(f"out of GPU memory while capturing the {phase} graph for {size} tokens: "
+                                       f"{OOM_REMEDIES}") from exc
         graph_set = GraphSet(phase, kind, graphs, registration,
                              {s: _ptrs(inputs(s)) for s in graphs}, used, time.perf_counter() - start)
         self.sets[phase] = graph_set
         return graph_set
 
-    def _capture_one(self, kind: str, forward: Forward, size: int, phase: str) -> Captured:
+    def _capture_one(self, kind: str, forward: Forward, size: int) -> Captured:
         if kind == "breakable":
             return BreakableGraph(forward, size)
         assert self._stream is not None
         torch.cuda.synchronize(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            if kind == "full":
-                graph: Captured = FullGraph(forward, size, self._pool, self._stream)
-            else:
-                graph = PiecewiseGraph(forward, size, self._pool, self._stream, self.workspaces)
-        except torch.OutOfMemoryError as exc:
-            raise CaptureError(f"out of GPU memory while capturing the {phase} graph for {size} tokens: "
-                               f"{OOM_REMEDIES}") from exc
+        if kind == "full":
+            graph: Captured = FullGraph(forward, size, self._pool, self._stream)
+        else:
+            graph = PiecewiseGraph(forward, size, self._pool, self._stream, self.workspaces)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return graph
 
