@@ -74,6 +74,21 @@ def test_generate_cli_builtin_model():
                            "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "completion:" in proc.stdout and "5 tokens" in proc.stdout
+    assert "CUDA GRAPH MODE DOWNGRADED" in proc.stderr and "decode: full -> none" in proc.stderr  # loud, on CPU
+
+
+def test_generate_cli_graph_flags():
+    proc = subprocess.run([sys.executable, "-m", "tpgraph.generate", "--prompt", "Hello", "--prompt", "Hi there",
+                           "--prompt", "x", "--max-tokens", "4", "--device", "cpu", "--cuda-graph-mode", "breakable",
+                           "--cuda-graph-ladder", "1,4", "--max-num-seqs", "4", "--prefill-graph-mode", "none",
+                           "--check-graph-addresses"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "decode graphs        breakable: [1, 4]" in proc.stderr  # the start-up summary
+    assert "decode   breakable         3       4      3" in proc.stdout  # 3 sequences padded to the 4 bucket
+    bad = subprocess.run([sys.executable, "-m", "tpgraph.generate", "--prompt", "x", "--device", "cpu",
+                          "--cuda-graph-ladder", "1,0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "ladder" in bad.stderr
 
 
 def test_dummy_load_format_needs_only_config(tmp_path):
