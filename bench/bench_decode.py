@@ -104,13 +104,27 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
             "by_category": {c: {"count": len(v), "us": sum(v)} for c, v in sorted(by_cat.items())}}
 
 
+def profile_table(prof: dict) -> str:
+    """The profile as a readable table: kernels by category, gaps, and the step against the floor."""
+    if not prof.get("kernels"):
+        return "profile: no kernels recorded"
+    lines = [f"profile, {prof['allreduce']} all-reduce, batch {prof['batch']}: {prof['kernels']} kernels, "
+             f"{prof['kernel_us'] / 1e3:.3f} ms kernel time ({prof['kernel_us'] / 1e3 / prof['floor_ms']:.2f}x the "
+             f"{prof['floor_ms']:.2f} ms floor), {prof['gaps_us'] / 1e3:.3f} ms of gaps in a "
+             f"{prof['span_us'] / 1e3:.3f} ms span (under the profiler)",
+             f"  {'category':12s} {'kernels':>7s} {'ms':>8s} {'share':>6s}"]
+    for cat, v in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]["us"]):
+        lines.append(f"  {cat:12s} {v['count']:7d} {v['us'] / 1e3:8.3f} {v['us'] / prof['kernel_us']:6.1%}")
+    return "\n".join(lines)
+
+
 def kernel_category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("nccl", "push_1shot", "pull_1shot", "two_shot")):
-        return "all-reduce"
+        return "collective"  # the all-reduces and the logits all-gather
     if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "splitk", "gemv", "cublas")):
         return "gemm"
-    if any(k in n for k in ("decode_attn", "paged", "flash", "fmha", "attention", "combine")):
+    if any(k in n for k in ("_decode_", "paged", "flash", "fmha", "attention")):
         return "attention"
     if "norm" in n:
         return "norm"
@@ -157,7 +171,7 @@ def run(args, state) -> dict:
                     prof.update(allreduce=ar, batch=batch, floor_ms=floor_ms)
                     results["profile"].append(prof)
                     if state.is_driver:
-                        print(json.dumps(prof), flush=True)
+                        print(profile_table(prof), flush=True)
                 for seq in seqs:
                     runner.free(seq)
             runner.close()

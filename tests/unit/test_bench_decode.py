@@ -1,0 +1,39 @@
+"""bench/bench_decode.py's pure parts: kernel categories and the profile table."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name,category", [
+    ("void tpgraph::push_1shot_kernel<__nv_bfloat16, 2>(ArParams, uint4 const*, uint4*, unsigned long)", "collective"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(...)", "gemm"),
+    ("_decode_split_kernel", "attention"),
+    ("_decode_combine_kernel", "attention"),
+    ("_add_rms_norm_kernel", "norm"),
+    ("_rope_store_kernel", "rope+kv"),
+    ("_silu_and_mul_kernel", "other"),
+])
+def test_kernel_categories(bench, name, category):
+    assert bench.kernel_category(name) == category
+
+
+def test_profile_table_compares_with_the_floor(bench):
+    prof = {"kernels": 3, "kernel_us": 3600.0, "span_us": 4000.0, "gaps_us": 400.0, "allreduce": "custom", "batch": 1,
+            "floor_ms": 1.8, "by_category": {"gemm": {"count": 2, "us": 2700.0}, "norm": {"count": 1, "us": 900.0}}}
+    table = bench.profile_table(prof)
+    assert "3 kernels, 3.600 ms kernel time (2.00x the 1.80 ms floor), 0.400 ms of gaps" in table
+    lines = table.splitlines()
+    assert lines[2].split() == ["gemm", "2", "2.700", "75.0%"] and lines[3].split()[0] == "norm"
