@@ -36,6 +36,7 @@ def test_guards(ckpt):
 
     for out in run_ranks(graph_guards, 2, str(ckpt), timeout_s=300):
         assert out["first_decode_ok"]
+        assert out["step_syncs"] is None, f"a decode step synchronized with the GPU: {out['step_syncs']}"
         assert "would read stale inputs" in out["rebound"] and "input_ids" in out["rebound"], out["rebound"]
         for what in ("graphs", "comm"):
             assert "after the capture phase" in out[what], (what, out[what])

@@ -106,6 +106,16 @@ def graph_guards(rank, world_size, init, ckpt):
         for seq in seqs:
             seq.output_ids.append(11)
         out["first_decode_ok"] = runner.decode(seqs).shape == (3, 32000)
+        for seq in seqs:
+            seq.output_ids.append(12)
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the step raises
+        try:
+            runner.decode(seqs)
+            out["step_syncs"] = None
+        except RuntimeError as exc:
+            out["step_syncs"] = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         buf = runner.tokens._buffers["input_ids"]
         buf.device = torch.zeros_like(buf.device)  # deliberately rebound: the captured graph still reads the old one
         try:
