@@ -1,18 +1,12 @@
 """bench/bench_decode.py's pure parts: kernel categories and the profile table."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from tpgtest.bench_modules import load_bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_module("bench_decode")
 
 
 @pytest.mark.parametrize("name,category", [

@@ -1,20 +1,14 @@
 """bench/report_allreduce.py: graph figures take each candidate's best timing method; the checks use them."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from tpgtest.bench_modules import load_bench_module
 
 KB = 1 << 10
 
 
 @pytest.fixture(scope="module")
 def report():
-    path = Path(__file__).resolve().parents[2] / "bench" / "report_allreduce.py"
-    spec = importlib.util.spec_from_file_location("report_allreduce", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_module("report_allreduce")
 
 
 def timed(slope: float, plain: float, hidden: float, slope_key: bool) -> dict:
