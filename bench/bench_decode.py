@@ -227,7 +227,7 @@ def main() -> None:
     p.add_argument("--modes", default="full,piecewise,none")
     p.add_argument("--allreduce", default="custom,nccl")
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
     p.add_argument("--profile", action="store_true", help="profile one full-graph step at batch 1 and 8")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))

@@ -28,7 +28,7 @@ for step in "$@"; do
              2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity.log" ;;
     ar-gap) timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
              --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
-    full-bench) timeout 350 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --steps 15 --out "$out/decode.json" 2>&1 \
+    full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
 done
