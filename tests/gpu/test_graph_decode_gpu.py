@@ -26,8 +26,9 @@ def test_full_piecewise_breakable_give_eager_tokens(ckpt):
         assert same, f"{mode} bs={bs}: tokens differ from eager from step {first} (rel err {rel:.2e})"
         assert rel < 1e-2, f"{mode} bs={bs}: logits rel err {rel:.2e}"
     seen = {r[0]: r[2] for r in report if r[1] == "modes"}
-    assert seen["full"] == ["full", "none", "piecewise"]  # decode full; prefill piecewise (small), none (large)
-    assert "piecewise" in seen["piecewise"] and "breakable" in seen["breakable"]
+    # decode in its mode; prefill piecewise (prompts are split into forwards of at most 512 tokens, all captured)
+    assert set(seen["full"]) == {"full", "piecewise"}
+    assert set(seen["piecewise"]) == {"piecewise"} and set(seen["breakable"]) == {"breakable", "piecewise"}
     print(report)
 
 
