@@ -18,6 +18,7 @@ from tpgraph.distributed import gather_objects
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.sequence import Sequence
+from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.buffers import Pad, PersistentBuffers
 from tpgraph.graphs.captured import call
@@ -121,31 +122,7 @@ class ModelRunner:
             logger.info("start-up summary\n%s", self.summary())
 
     def summary(self) -> str:
-        """Model, TP, dtype, all-reduce bands, graph modes and buckets, graph memory, KV blocks: one table."""
-        comm, mcfg = self.model.comm, self.model.cfg
-        custom = getattr(comm, "custom", None)
-        if custom is not None:
-            bands = {m: custom.table.bands(comm.world_size, m == "graph").describe() for m in ("graph", "eager")}
-        else:
-            bands = {"graph": comm.custom_reason or "n/a", "eager": "NCCL" if comm.world_size > 1 else "none (TP=1)"}
-        sets = self.graphs.sets
-        rows = [
-            ("model", f"{mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, vocab {mcfg.vocab_size}"),
-            ("TP / dtype / device", f"{comm.world_size} / {str(self.dtype).removeprefix('torch.')} / {self.device}"),
-            ("all-reduce (graph)", bands["graph"]),
-            ("all-reduce (eager)", bands["eager"]),
-            ("decode graphs", f"{self.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
-            ("prefill graphs", f"{self.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"),
-            ("downgrades", "; ".join(d.describe() for d in self.modes.downgrades) or "none"),
-            ("graph memory", f"{self.capture_bytes / GiB:.2f} GiB taken, "
-                             f"{(self.budget.graph_pool_estimate if self.budget else 0) / GiB:.2f} GiB estimated, "
-                             f"captured in {self.capture_s:.1f} s"),
-            ("KV cache", f"{self.num_kv_blocks} blocks x {self.block_size} tokens "
-                         f"({self.num_kv_blocks * self.block_bytes / GiB:.2f} GiB)"
-                         + (f"; {self.budget.describe()}" if self.budget else "")),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+        return startup_summary(self)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def _bind_kv_cache(self, num_blocks: int) -> None:
