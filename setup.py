@@ -15,7 +15,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -88,6 +88,11 @@ class NinjaNvccBuild(build_ext):
 
 
 setup(
+    # configs/ (the all-reduce tables) ships inside the package as tpgraph/configs, so a wheel or `pip install .`
+    # reads the same tables as a checkout
+    packages=find_packages(include=["tpgraph*"]) + ["tpgraph.configs", "tpgraph.configs.allreduce"],
+    package_dir={"tpgraph.configs": "configs"},
+    package_data={"tpgraph": ["py.typed"], "tpgraph.configs.allreduce": ["*.json"]},
     ext_modules=[
         Extension(
             "tpgraph._C",

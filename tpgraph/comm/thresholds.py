@@ -202,8 +202,13 @@ def parse_table(doc: Any, source: str) -> AlgoTable:
 
 
 def config_dir() -> Path:
-    """configs/ of this checkout (override with TPGRAPH_CONFIG_DIR)."""
-    return Path(os.environ.get("TPGRAPH_CONFIG_DIR") or Path(__file__).resolve().parents[2] / "configs")
+    """TPGRAPH_CONFIG_DIR if set; else the tables installed with the package (tpgraph/configs, from a wheel or
+    `pip install .`); else configs/ of this checkout (an editable install)."""
+    if os.environ.get("TPGRAPH_CONFIG_DIR"):
+        return Path(os.environ["TPGRAPH_CONFIG_DIR"])
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
 
 
 def table_file_for(capability: tuple[int, int]) -> str:
