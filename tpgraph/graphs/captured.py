@@ -23,6 +23,7 @@ Forward = Callable[[int, Callable[..., Any]], torch.Tensor]
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """The boundary outside piecewise capture: just the call."""
     return fn(*args)
 
 

@@ -14,14 +14,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from tpgraph.graphs.captured import call
 from tpgraph.graphs.modes import CaptureSupport
 from tpgraph.kernels.decode_attention import paged_decode_attention_v2
 from tpgraph.kernels.paged_decode import paged_decode_reference
-
-
-def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """The boundary outside piecewise capture: just the call."""
-    return fn(*args)
 
 
 @dataclass
