@@ -1,7 +1,8 @@
 """Paged decode attention, GQA-grouped and split over the context (flash-decoding).
 
 `paged_decode_attention_v2` computes the same thing as `paged_decode.paged_decode_reference` (its
-plain-torch definition and test oracle), faster than `paged_decode.paged_decode_attention`:
+plain-torch definition and test oracle). It replaced a kernel with one program per (sequence, query head)
+that was 10-100x slower on an H200:
 
 - one program per (sequence, KV head, KV split) serves the KV head's whole query group, so each K/V row
   is read once per KV head rather than once per query head, and scores and P @ V are `tl.dot` tiles of
