@@ -90,7 +90,12 @@ class ModelRunner:
 
         # persistent inputs, sized once for the largest bucket
         self.seq_rows = max(cfg.max_batch, *decode_sizes) if decode_sizes else cfg.max_batch
-        self.token_rows = max(self.seq_rows, *prefill_sizes) if prefill_sizes else self.seq_rows
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(self.max_model_len, 512, *prefill_sizes)
+        if self.max_prefill_tokens < self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_prefill_tokens}) must hold a whole prompt of "
+                              f"max_model_len ({self.max_model_len}) tokens (chunked prefill comes with the scheduler)")
+        # every prefill forward fits the token buffers (a few bytes per row)
+        self.token_rows = max(self.seq_rows, self.max_prefill_tokens, *prefill_sizes)
         self.tokens = PersistentBuffers(self.token_rows, self.device)
         self.tokens.add("input_ids", torch.int64, Pad.ZERO)
         self.tokens.add("positions", torch.int64, Pad.ZERO)
@@ -98,10 +103,6 @@ class ModelRunner:
         self.seqs = PersistentBuffers(self.seq_rows, self.device)
         self.seqs.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
         self.seqs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
-        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(self.max_model_len, self.token_rows, 512)
-        if self.max_prefill_tokens < self.max_model_len:
-            raise ConfigError(f"max_num_batched_tokens ({self.max_prefill_tokens}) must hold a whole prompt of "
-                              f"max_model_len ({self.max_model_len}) tokens (chunked prefill comes with the scheduler)")
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
         self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
         self._prefill_meta: dict[int, AttentionMetadata] = {}
@@ -186,13 +187,13 @@ class ModelRunner:
 
     def _profile_prefill(self, tokens: int) -> None:
         """The largest prefill a step can run, eagerly: prompts of max_model_len, every token writing the null slot."""
-        lens = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if
-                                                                         tokens % self.max_model_len else [])
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        meta = AttentionMetadata(True, torch.full((tokens,), NULL_SLOT, device=self.device),
-                                 self.seqs.device("seq_lens", 1), self.seqs.device("block_tables", 1), self.backend,
-                                 self.max_model_len, query_lens=tuple(lens))
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
+        lens = [self.max_model_len] * (tokens // self.max_model_len)
+        lens += [tokens % self.max_model_len] if tokens % self.max_model_len else []
+        self.tokens.host_np("input_ids")[:tokens] = 0
+        self.tokens.host_np("positions")[:tokens] = np.concatenate([np.arange(n) for n in lens])
+        self.tokens.host_np("slot_mapping")[:tokens] = NULL_SLOT
+        self.tokens.commit(tokens, tokens)
+        hidden = self._eager_prefill(tokens, lens)
         self.model.compute_logits(hidden[-len(lens):])
 
     # ---- capture ---------------------------------------------------------------------------------------------
@@ -292,9 +293,6 @@ class ModelRunner:
         seq.num_cached = 0
         self._bt_rows = [None] * self.seq_rows  # rows must be rewritten: a block id may now mean another sequence
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     # ---- steps -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -316,40 +314,33 @@ class ModelRunner:
         for seq in seqs:
             self.reserve(seq, len(seq))
             lens.append(len(seq))
-        total = sum(lens)
+        total, bs = sum(lens), self.block_size
         mode, desc = self.prefill_dispatcher.dispatch(total, len(seqs), False)
-        if total <= self.token_rows:
-            ids, pos, slots = (self.tokens.host_np(n) for n in ("input_ids", "positions", "slot_mapping"))
-            i = 0
-            for seq in seqs:
-                tokens = seq.token_ids
-                ids[i:i + len(tokens)] = tokens
-                for p in range(len(tokens)):
-                    pos[i + p] = p
-                    slots[i + p] = self._slot(seq, p)
-                i += len(tokens)
-            padded = desc.num_tokens
-            self.tokens.commit(total, padded)
-            if mode is GraphMode.PIECEWISE:
-                self._meta_for_prefill(padded).query_lens = tuple(lens)
-                hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
-            else:
-                meta = self._meta_for_prefill(total)
-                meta.query_lens, meta.boundary = tuple(lens), call
-                hidden = self._prefill_forward(total, call)
-        else:  # larger than any persistent buffer: plain tensors, eagerly
-            padded = total
-            ids_t = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
-            pos_t = torch.tensor([p for n in lens for p in range(n)], device=self.device)
-            slot_t = torch.tensor([self._slot(s, p) for s in seqs for p in range(len(s))], device=self.device)
-            meta = AttentionMetadata(True, slot_t, self.seqs.device("seq_lens", 1), self.seqs.device("block_tables", 1),
-                                     self.backend, self.max_model_len, query_lens=tuple(lens))
-            hidden = self.model(ids_t, pos_t, meta)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        tables = np.concatenate([np.asarray(seq.block_table, dtype=np.int64)[np.arange(n) // bs]
+                                 for seq, n in zip(seqs, lens, strict=True)])
+        self.tokens.host_np("input_ids")[:total] = [t for seq in seqs for t in seq.token_ids]
+        self.tokens.host_np("positions")[:total] = positions
+        self.tokens.host_np("slot_mapping")[:total] = tables * bs + positions % bs
+        padded = desc.num_tokens
+        self.tokens.commit(total, padded)
+        if mode is GraphMode.PIECEWISE:
+            self._meta_for_prefill(padded).query_lens = tuple(lens)
+            hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
+        else:
+            hidden = self._eager_prefill(total, lens)
         self.stats.record("prefill", total, padded, mode)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for seq in seqs:
             seq.num_cached = len(seq)
         return self.model.compute_logits(hidden[last])
+
+    def _eager_prefill(self, total: int, lens: list[int]) -> torch.Tensor:
+        t = self._prefill_inputs(total)
+        meta = AttentionMetadata(True, t["slot_mapping"], self.seqs.device("seq_lens", 1),
+                                 self.seqs.device("block_tables", 1), self.backend, self.max_model_len,
+                                 query_lens=tuple(lens))
+        return self.model(t["input_ids"], t["positions"], meta)
 
     def _write_decode_inputs(self, seqs: list[Sequence]) -> None:
         """Host rows [0, n) of every decode input, written a column at a time (the per-sequence Python work is what
