@@ -87,6 +87,10 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
     """One decode step under torch.profiler: kernels by category, gaps, total."""
     from torch.profiler import ProfilerActivity, profile
 
+    # a throwaway profiled step first: CUPTI starts up on each rank at its own pace, and a rank still starting would
+    # show up as the other rank's all-reduce waiting for it
+    with profile(activities=[ProfilerActivity.CUDA]):
+        runner.decode(seqs).argmax(-1).tolist()
     for _ in range(3):
         runner.decode(seqs).argmax(-1).tolist()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -116,7 +116,7 @@ def graph_guards(rank, world_size, init, ckpt):
             out["step_syncs"] = str(exc)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        buf = runner.tokens._buffers["input_ids"]
+        buf = runner.decode_in._buffers["input_ids"]
         buf.device = torch.zeros_like(buf.device)  # deliberately rebound: the captured graph still reads the old one
         try:
             runner.decode(seqs)

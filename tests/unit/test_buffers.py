@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tpgraph.errors import CaptureError, ConfigError
-from tpgraph.graphs.buffers import Pad, PersistentBuffers
+from tpgraph.graphs.buffers import ALIGN, Pad, PersistentBuffers
 
 STEP1 = [10, 11, 12, 13, 14]  # n=5, padded=8
 STEP2 = [20, 21]  # n=2, padded=4
@@ -77,30 +77,33 @@ def test_fill_once_starts_filled():
 
 def test_rows_and_mixed_buffers():
     bufs = PersistentBuffers(4, "cpu")
-    bt = bufs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, row_shape=(3,))
-    seq = bufs.add("seq_lens", torch.int32, Pad.fill(0))
-    emb = bufs.add("h", torch.bfloat16, Pad.ZERO, row_shape=(2,))
+    bufs.add("seq_lens", torch.int32, Pad.fill(0))
+    bufs.add("h", torch.bfloat16, Pad.ZERO, row_shape=(2,))
+    bufs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, row_shape=(3,))  # wide, tail never read: last
+    bt, seq, emb = (bufs.device(name) for name in ("block_tables", "seq_lens", "h"))
     assert bt.shape == (4, 3) and seq.shape == (4,) and emb.shape == (4, 2)
     bufs.host_np("block_tables")[:3] = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     bufs.host_np("seq_lens")[:3] = [5, 6, 7]
     bufs.host("h")[:3] = 1.5
     copied = bufs.commit(3, 4)
-    assert copied == 3 * 3 * 4 + 4 * 4 + 4 * 2 * 2
+    assert copied == 2 * ALIGN + 3 * 3 * 4  # one copy: the two small buffers whole, then 3 block-table rows
     bufs.host_np("seq_lens")[:1] = [9]
     bufs.host("h")[:1] = 2.0
     bufs.commit(1, 2)
     assert bt.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]]
     assert seq.tolist() == [9, 0, 7, 0]
     assert emb.tolist() == [[2.0, 2.0], [0.0, 0.0], [1.5, 1.5], [0.0, 0.0]]
-    assert bufs.names == ("block_tables", "seq_lens", "h")
-    assert bufs.nbytes == 4 * 3 * 4 + 4 * 4 + 4 * 2 * 2
+    assert bufs.names == ("seq_lens", "h", "block_tables")
+    assert bufs.nbytes == 3 * ALIGN  # each buffer 256-byte aligned in one arena
+    assert [bufs.data_ptrs()[name] - seq.data_ptr() for name in bufs.names] == [0, ALIGN, 2 * ALIGN]
     with pytest.raises(ConfigError, match="numpy cannot view"):
         bufs.host_np("h")
 
 
 def test_device_views_share_storage():
     bufs = PersistentBuffers(8, "cpu")
-    full = bufs.add("ids", torch.int64, Pad.ZERO)
+    bufs.add("ids", torch.int64, Pad.ZERO)
+    full = bufs.device("ids")
     view = bufs.device("ids", 3)
     assert view.shape == (3,)
     assert view.data_ptr() == full.data_ptr() == bufs.data_ptrs()["ids"]
@@ -131,6 +134,10 @@ def test_errors():
     bufs.add("x", torch.int32, Pad.ZERO)
     with pytest.raises(ConfigError, match="declared twice"):
         bufs.add("x", torch.int32, Pad.ZERO)
+    with pytest.raises(ConfigError, match="row_shape"):
+        bufs.add("z", torch.int32, Pad.ZERO, row_shape=(0,))
+    with pytest.raises(ConfigError, match="must be a Pad"):
+        bufs.add("z", torch.int32, "zero")
     with pytest.raises(CaptureError, match="n <= padded"):
         bufs.commit(5, 4)
     with pytest.raises(CaptureError, match="exceeds the buffers' 8 rows"):
@@ -139,12 +146,27 @@ def test_errors():
         bufs.device("x", 9)
     with pytest.raises(ConfigError, match="no persistent buffer 'y'; declared: x"):
         bufs.host("y")
-    with pytest.raises(ConfigError, match="row_shape"):
-        bufs.add("z", torch.int32, Pad.ZERO, row_shape=(0,))
-    with pytest.raises(ConfigError, match="must be a Pad"):
-        bufs.add("z", torch.int32, "zero")
     with pytest.raises(ConfigError, match="max_rows"):
         PersistentBuffers(0, "cpu")
+    bufs.host("x")  # first use lays the buffers out: no more declarations
+    with pytest.raises(ConfigError, match="declared after the buffers were laid out"):
+        bufs.add("late", torch.int32, Pad.ZERO)
+
+
+def test_span_copy_carries_earlier_buffers_rows_as_the_host_holds_them():
+    """One copy per commit: a COPY_HEAD_ONLY buffer declared before a buffer that needs rows rides along in the span,
+    which is safe because host rows past n still equal what the device got when they were written."""
+    bufs = PersistentBuffers(4, "cpu")
+    bufs.add("head", torch.int64, Pad.COPY_HEAD_ONLY)
+    bufs.add("tail", torch.int64, Pad.fill(-1))
+    bufs.host_np("head")[:4] = [1, 2, 3, 4]
+    bufs.host_np("tail")[:4] = [5, 6, 7, 8]
+    bufs.commit(4, 4)
+    bufs.host_np("head")[:1] = [9]
+    bufs.host_np("tail")[:1] = [10]
+    assert bufs.commit(1, 2) == ALIGN + 2 * 8
+    assert bufs.device("head").tolist() == [9, 2, 3, 4]
+    assert bufs.device("tail").tolist() == [10, -1, 7, 8]
 
 
 def test_pad_validation():

@@ -154,8 +154,8 @@ def test_breakable_decode_equals_eager_with_padding_recorded(model):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert ("decode", "breakable", 3, 4, 5) in runner.stats.frequency_table()  # 3 sequences ran as the 4 bucket
     # the padded row read nothing and wrote to the null block
-    assert runner.seqs.device("seq_lens")[3].item() == 0
-    assert runner.tokens.device("slot_mapping")[3].item() == NULL_SLOT
+    assert runner.decode_in.device("seq_lens")[3].item() == 0
+    assert runner.decode_in.device("slot_mapping")[3].item() == NULL_SLOT
     assert runner.allocator.num_free == runner.allocator.num_blocks  # every block came back
     runner.close()
 

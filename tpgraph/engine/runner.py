@@ -95,14 +95,20 @@ class ModelRunner:
             raise ConfigError(f"max_num_batched_tokens ({self.max_prefill_tokens}) must hold a whole prompt of "
                               f"max_model_len ({self.max_model_len}) tokens (chunked prefill comes with the scheduler)")
         # every prefill forward fits the token buffers (a few bytes per row)
-        self.token_rows = max(self.seq_rows, self.max_prefill_tokens, *prefill_sizes)
-        self.tokens = PersistentBuffers(self.token_rows, self.device)
-        self.tokens.add("input_ids", torch.int64, Pad.ZERO)
-        self.tokens.add("positions", torch.int64, Pad.ZERO)
-        self.tokens.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
-        self.seqs = PersistentBuffers(self.seq_rows, self.device)
-        self.seqs.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
-        self.seqs.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
+        # decode inputs: one row per sequence, one arena, so a step's inputs reach the device in one copy; block tables
+        # (wide, padded rows never read) last, so the copy spans only their first n rows
+        self.decode_in = PersistentBuffers(self.seq_rows, self.device)
+        self.decode_in.add("input_ids", torch.int64, Pad.ZERO)
+        self.decode_in.add("positions", torch.int64, Pad.ZERO)
+        self.decode_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))  # padded rows write the null block
+        self.decode_in.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
+        self.decode_in.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
+        # prefill inputs: one row per token; every prefill forward fits (a few bytes per row)
+        self.token_rows = max(self.max_prefill_tokens, *prefill_sizes, 1)
+        self.prefill_in = PersistentBuffers(self.token_rows, self.device)
+        self.prefill_in.add("input_ids", torch.int64, Pad.ZERO)
+        self.prefill_in.add("positions", torch.int64, Pad.ZERO)
+        self.prefill_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
         self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
         self._prefill_meta: dict[int, AttentionMetadata] = {}
@@ -189,10 +195,10 @@ class ModelRunner:
         """The largest prefill a step can run, eagerly: prompts of max_model_len, every token writing the null slot."""
         lens = [self.max_model_len] * (tokens // self.max_model_len)
         lens += [tokens % self.max_model_len] if tokens % self.max_model_len else []
-        self.tokens.host_np("input_ids")[:tokens] = 0
-        self.tokens.host_np("positions")[:tokens] = np.concatenate([np.arange(n) for n in lens])
-        self.tokens.host_np("slot_mapping")[:tokens] = NULL_SLOT
-        self.tokens.commit(tokens, tokens)
+        self.prefill_in.host_np("input_ids")[:tokens] = 0
+        self.prefill_in.host_np("positions")[:tokens] = np.concatenate([np.arange(n) for n in lens])
+        self.prefill_in.host_np("slot_mapping")[:tokens] = NULL_SLOT
+        self.prefill_in.commit(tokens, tokens)
         hidden = self._eager_prefill(tokens, lens)
         self.model.compute_logits(hidden[-len(lens):])
 
@@ -238,16 +244,17 @@ class ModelRunner:
 
     def _prepare_dummy(self, size: int, prefill: bool = False) -> None:
         """Padding everywhere: ids 0, slots to the null block, seq_lens 0 (reads nothing)."""
-        self.tokens.commit(0, size)
-        self.seqs.commit(0, min(size, self.seq_rows))
         if prefill:
+            self.prefill_in.commit(0, size)
             self._meta_for_prefill(size).query_lens = ()
+        else:
+            self.decode_in.commit(0, size)
 
     # ---- forwards over the persistent buffers (what graphs capture) ------------------------------------------
     def _decode_inputs(self, n: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens.device("input_ids", n), "positions": self.tokens.device("positions", n),
-                "slot_mapping": self.tokens.device("slot_mapping", n), "seq_lens": self.seqs.device("seq_lens", n),
-                "block_tables": self.seqs.device("block_tables", n), "logits": self.logits}
+        inputs = {name: self.decode_in.device(name, n) for name in self.decode_in.names}
+        inputs["logits"] = self.logits
+        return inputs
 
     def _decode_forward(self, n: int, boundary) -> torch.Tensor:
         t = self._decode_inputs(n)
@@ -257,14 +264,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden, out=self.logits)
 
     def _prefill_inputs(self, n: int) -> dict[str, torch.Tensor]:
-        return {name: self.tokens.device(name, n) for name in ("input_ids", "positions", "slot_mapping")}
+        return {name: self.prefill_in.device(name, n) for name in self.prefill_in.names}
 
     def _meta_for_prefill(self, n: int) -> AttentionMetadata:
         """One persistent metadata object per token count: piecewise graphs' attention reads its query_lens."""
         meta = self._prefill_meta.get(n)
         if meta is None:
-            meta = AttentionMetadata(True, self.tokens.device("slot_mapping", n), self.seqs.device("seq_lens", 1),
-                                     self.seqs.device("block_tables", 1), self.backend, self.max_model_len)
+            # prefill attention reads query_lens, not seq_lens / block tables (they are placeholders)
+            meta = AttentionMetadata(True, self.prefill_in.device("slot_mapping", n),
+                                     self.decode_in.device("seq_lens", 1), self.decode_in.device("block_tables", 1),
+                                     self.backend, self.max_model_len)
             self._prefill_meta[n] = meta
         return meta
 
@@ -319,11 +328,11 @@ class ModelRunner:
         positions = np.concatenate([np.arange(n) for n in lens])
         tables = np.concatenate([np.asarray(seq.block_table, dtype=np.int64)[np.arange(n) // bs]
                                  for seq, n in zip(seqs, lens, strict=True)])
-        self.tokens.host_np("input_ids")[:total] = [t for seq in seqs for t in seq.token_ids]
-        self.tokens.host_np("positions")[:total] = positions
-        self.tokens.host_np("slot_mapping")[:total] = tables * bs + positions % bs
+        self.prefill_in.host_np("input_ids")[:total] = [t for seq in seqs for t in seq.token_ids]
+        self.prefill_in.host_np("positions")[:total] = positions
+        self.prefill_in.host_np("slot_mapping")[:total] = tables * bs + positions % bs
         padded = desc.num_tokens
-        self.tokens.commit(total, padded)
+        self.prefill_in.commit(total, padded)
         if mode is GraphMode.PIECEWISE:
             self._meta_for_prefill(padded).query_lens = tuple(lens)
             hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
@@ -337,33 +346,33 @@ class ModelRunner:
 
     def _eager_prefill(self, total: int, lens: list[int]) -> torch.Tensor:
         t = self._prefill_inputs(total)
-        meta = AttentionMetadata(True, t["slot_mapping"], self.seqs.device("seq_lens", 1),
-                                 self.seqs.device("block_tables", 1), self.backend, self.max_model_len,
+        meta = AttentionMetadata(True, t["slot_mapping"], self.decode_in.device("seq_lens", 1),
+                                 self.decode_in.device("block_tables", 1), self.backend, self.max_model_len,
                                  query_lens=tuple(lens))
         return self.model(t["input_ids"], t["positions"], meta)
 
     def _write_decode_inputs(self, seqs: list[Sequence]) -> None:
-        """Host rows [0, n) of every decode input, written a column at a time (the per-sequence Python work is what
-        host time per step is made of at large batches)."""
+        """Host rows [0, n) of every decode input: one pass over the sequences collects the per-row values, then numpy
+        writes each column (the per-sequence Python work is what host time per step is made of)."""
         n, bs = len(seqs), self.block_size
-        lens = [len(seq) for seq in seqs]
-        for seq, length in zip(seqs, lens, strict=True):
-            if length > len(seq.block_table) * bs:  # a new block once every block_size steps
-                self.reserve(seq, length)
-        last = np.asarray(lens, dtype=np.int64) - 1
-        self.seqs.host_np("seq_lens")[:n] = lens
-        self.tokens.host_np("positions")[:n] = last
-        self.tokens.host_np("input_ids")[:n] = [seq.last_token for seq in seqs]
-        blocks = np.fromiter((seq.block_table[p // bs] for seq, p in zip(seqs, last.tolist(), strict=True)),
-                             dtype=np.int64, count=n)
-        self.tokens.host_np("slot_mapping")[:n] = blocks * bs + last % bs
-        tables, rows = self.seqs.host_np("block_tables"), self._bt_rows
+        inputs, rows = self.decode_in, self._bt_rows
+        tables = inputs.host_np("block_tables")
+        lens, tokens, blocks = [0] * n, [0] * n, [0] * n
         for i, seq in enumerate(seqs):
+            length = len(seq)
             table = seq.block_table
+            if length > len(table) * bs:  # a new block once every block_size steps
+                self.reserve(seq, length)
+            lens[i], tokens[i], blocks[i] = length, seq.last_token, table[(length - 1) // bs]
             key = (seq.seq_id, len(table))
             if rows[i] != key:  # a block table row changes once every block_size steps
                 tables[i, :len(table)] = table
                 rows[i] = key
+        last = np.array(lens, dtype=np.int64) - 1
+        inputs.host_np("seq_lens")[:n] = lens
+        inputs.host_np("positions")[:n] = last
+        inputs.host_np("input_ids")[:n] = tokens
+        inputs.host_np("slot_mapping")[:n] = np.array(blocks, dtype=np.int64) * bs + last % bs
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -375,8 +384,7 @@ class ModelRunner:
         mode, desc = self.decode_dispatcher.dispatch(n, n, True)
         padded = desc.num_tokens
         self._write_decode_inputs(seqs)
-        self.tokens.commit(n, padded)
-        self.seqs.commit(n, padded)
+        self.decode_in.commit(n, padded)
         if mode is GraphMode.NONE:
             logits = self._decode_forward(n, call)
         else:

@@ -68,14 +68,28 @@ Pad.COPY_HEAD_ONLY = Pad("copy_head_only")
 @dataclass
 class _Buffer:
     pad: Pad
-    host: torch.Tensor
-    host_np: np.ndarray | None  # None where numpy has no such dtype (bfloat16)
-    device: torch.Tensor
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    offset: int = 0  # bytes into the arenas
+    row_bytes: int = 0
+    host: torch.Tensor | None = None
+    host_np: np.ndarray | None = None  # None where numpy has no such dtype (bfloat16)
+    device: torch.Tensor | None = None
     dirty_rows: int = 0  # fill_once: rows [0, dirty_rows) may hold real data from an earlier step (host and device)
+
+
+ALIGN = 256  # every buffer starts 256-byte aligned in the arenas, as a fresh allocation would
 
 
 class PersistentBuffers:
     """Named device buffers of `max_rows` rows, each with a host twin and a padding policy.
+
+    Declare every buffer with `add`, then use them: the first use lays them out, in declaration order, in one pinned
+    host arena and one device arena, so a step's `commit` is a single host-to-device copy (a copy costs ~10-20 us of
+    host time; a decode step has several inputs). The copy spans from the arena start to the end of the last rows any
+    buffer's policy needs, so it may also carry rows of earlier-declared buffers that their policy would skip. That is
+    harmless because the host twin is the source of truth: every row it holds was meant for the device. Declare wide
+    buffers whose tail is never read (block tables, COPY_HEAD_ONLY) last, so the span stays short.
 
     Per step: write rows [0, n) through `host(name)` / `host_np(name)`, then `commit(n, padded)`. With
     non_blocking=True the copy reads the host twin asynchronously: the next step must not write the host twins before
@@ -90,6 +104,8 @@ class PersistentBuffers:
         # Pinned host memory lets the host->device copy run asynchronously; pinning needs CUDA.
         self._pin = self._device.type == "cuda" if pin_memory is None else pin_memory
         self._buffers: dict[str, _Buffer] = {}
+        self._host_arena: torch.Tensor | None = None
+        self._device_arena: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -101,11 +117,15 @@ class PersistentBuffers:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held by all buffers (for graph memory accounting)."""
-        return sum(b.device.nbytes for b in self._buffers.values())
+        """Device bytes held by the buffers, alignment included (for graph memory accounting)."""
+        self._allocate()
+        return 0 if self._device_arena is None else self._device_arena.nbytes
 
-    def add(self, name: str, dtype: torch.dtype, pad: Pad, row_shape: tuple[int, ...] = ()) -> torch.Tensor:
-        """Declare a buffer of shape [max_rows, *row_shape]; returns the device tensor."""
+    def add(self, name: str, dtype: torch.dtype, pad: Pad, row_shape: tuple[int, ...] = ()) -> None:
+        """Declare a buffer of shape [max_rows, *row_shape]. Every buffer is declared before any is used."""
+        if self._device_arena is not None:
+            raise ConfigError(f"buffer {name!r} declared after the buffers were laid out; declare every buffer "
+                              f"before the first host()/device()/commit()")
         if name in self._buffers:
             raise ConfigError(f"persistent buffer {name!r} is declared twice; give each buffer one name")
         if not isinstance(pad, Pad):
@@ -113,15 +133,29 @@ class PersistentBuffers:
         row_shape = tuple(row_shape)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in row_shape):
             raise ConfigError(f"buffer {name!r}: row_shape must hold positive integers, got {row_shape!r}")
-        shape = (self._max_rows, *row_shape)
-        host = torch.full(shape, pad.initial_value, dtype=dtype, pin_memory=self._pin)
-        device = torch.full(shape, pad.initial_value, dtype=dtype, device=self._device)
-        try:
-            host_np = host.numpy()
-        except TypeError:  # numpy has no bfloat16
-            host_np = None
-        self._buffers[name] = _Buffer(pad, host, host_np, device)
-        return device
+        self._buffers[name] = _Buffer(pad, dtype, row_shape)
+
+    def _allocate(self) -> None:
+        """Lay every declared buffer out in the two arenas (once), each filled with its policy's initial value."""
+        if self._device_arena is not None or not self._buffers:
+            return
+        total = 0
+        for buf in self._buffers.values():
+            buf.offset = total
+            buf.row_bytes = torch.Size(buf.row_shape).numel() * buf.dtype.itemsize
+            total += -(-buf.row_bytes * self._max_rows // ALIGN) * ALIGN
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        device = torch.empty(total, dtype=torch.uint8, device=self._device)
+        for buf in self._buffers.values():
+            span = slice(buf.offset, buf.offset + buf.row_bytes * self._max_rows)
+            shape = (self._max_rows, *buf.row_shape)
+            buf.host = host[span].view(buf.dtype).view(shape).fill_(buf.pad.initial_value)
+            buf.device = device[span].view(buf.dtype).view(shape).fill_(buf.pad.initial_value)
+            try:
+                buf.host_np = buf.host.numpy()
+            except TypeError:  # numpy has no bfloat16
+                buf.host_np = None
+        self._host_arena, self._device_arena = host, device
 
     def host(self, name: str) -> torch.Tensor:
         """The host twin to write rows [0, n) into."""
@@ -145,12 +179,13 @@ class PersistentBuffers:
 
     def data_ptrs(self) -> dict[str, int]:
         """Device address of every buffer, for the debug check that replays read the captured addresses."""
+        self._allocate()
         return {name: b.device.data_ptr() for name, b in self._buffers.items()}
 
     def commit(self, n: int, padded: int, non_blocking: bool = True) -> int:
         """Apply every padding policy to host rows [n, padded) and copy the rows the policy needs to the device.
 
-        Returns the bytes copied host -> device.
+        Returns the bytes copied host -> device (one copy, from the arena start).
         """
         if not 0 <= n <= padded:
             raise CaptureError(f"commit needs 0 <= n <= padded, got n={n}, padded={padded}")
@@ -159,13 +194,15 @@ class PersistentBuffers:
                 f"commit of {padded} rows exceeds the buffers' {self._max_rows} rows; buffers are sized for the "
                 f"largest capture size"
             )
-        copied = 0
+        self._allocate()
+        end = 0
         for buf in self._buffers.values():
             rows = self._pad_tail(buf, n, padded)
             if rows:
-                buf.device[:rows].copy_(buf.host[:rows], non_blocking=non_blocking)
-                copied += buf.host[:rows].nbytes
-        return copied
+                end = max(end, buf.offset + rows * buf.row_bytes)
+        if end:
+            self._device_arena[:end].copy_(self._host_arena[:end], non_blocking=non_blocking)
+        return end
 
     @staticmethod
     def _pad_tail(buf: _Buffer, n: int, padded: int) -> int:
@@ -186,6 +223,7 @@ class PersistentBuffers:
         return padded
 
     def _get(self, name: str) -> _Buffer:
+        self._allocate()
         try:
             return self._buffers[name]
         except KeyError:
