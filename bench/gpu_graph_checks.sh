@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
-# usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [all-gpu-tests] [full-bench]
+# usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
+#        [ar-gap] [host] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -28,6 +29,8 @@ for step in "$@"; do
              2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity.log" ;;
     ar-gap) timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
              --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
+    host) timeout 200 torchrun --nproc-per-node 2 bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \
+             | grep -E "write=" | tee "$out/host_breakdown.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
