@@ -30,7 +30,8 @@ for step in "$@"; do
     ar-gap) timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
              --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
     host) timeout 200 torchrun --nproc-per-node 2 bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \
-             | grep -E "write=" | tee "$out/host_breakdown.log" ;;
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" > "$out/host_breakdown.log"; grep -E "write=" "$out/host_breakdown.log" \
+             || tail -20 "$out/host_breakdown.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
