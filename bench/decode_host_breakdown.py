@@ -28,8 +28,9 @@ from tpgraph.model.loader import load_model
 
 def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readback: str) -> dict[str, float]:
     seqs = fake_context(runner, batch, context)
-    pinned = torch.empty(batch, dtype=torch.int64, pin_memory=True)
-    done = torch.cuda.Event()
+    cuda = runner.device.type == "cuda"
+    pinned = torch.empty(batch, dtype=torch.int64, pin_memory=cuda)
+    done = torch.cuda.Event() if cuda else None
     parts: dict[str, list[float]] = {k: [] for k in ("null", "dispatch", "stats", "write", "commit", "replay", "sync",
                                                      "wall")}
     for i in range(steps + 3):
@@ -37,7 +38,7 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readbac
         t0 = time.perf_counter()
         mode, desc = runner.decode_dispatcher.dispatch(batch, batch, True)
         ts = time.perf_counter()
-        runner.stats.record("decode", batch, desc.num_tokens, mode)
+        runner.stats.record("decode", batch, desc.num_tokens, runner._decode_mode_label or mode)
         t1 = time.perf_counter()
         runner._write_decode_inputs(seqs)
         t2 = time.perf_counter()
@@ -45,7 +46,7 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readbac
         t3 = time.perf_counter()
         logits = runner.graphs.replay("decode", desc.num_tokens)
         t4 = time.perf_counter()
-        if readback == "pinned":
+        if readback == "pinned" and cuda:
             pinned.copy_(logits[:batch].argmax(-1), non_blocking=True)
             done.record()
             done.synchronize()
@@ -64,29 +65,34 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readbac
             for k, v in zip(parts, spans, strict=True):
                 parts[k].append(v * 1e3)
     row = {k: statistics.median(v) for k, v in parts.items()}
+    if cuda:
+        row.update(gpu_times(runner, desc.num_tokens, steps))
+    for seq in seqs:
+        runner.free(seq)
+    return row
+
+
+def gpu_times(runner: ModelRunner, size: int, steps: int) -> dict[str, float]:
     # the graph alone: replays back to back, so each launch hides behind the previous replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
-        runner.graphs.replay("decode", desc.num_tokens)
+        runner.graphs.replay("decode", size)
     start.record()
     for _ in range(steps):
-        runner.graphs.replay("decode", desc.num_tokens)
+        runner.graphs.replay("decode", size)
     end.record()
     end.synchronize()
-    row["gpu_alone"] = start.elapsed_time(end) / steps
+    alone = start.elapsed_time(end) / steps
     # one replay alone, event to event, after a sync (includes the launch's own latency)
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         start.record()
-        runner.graphs.replay("decode", desc.num_tokens)
+        runner.graphs.replay("decode", size)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    row["gpu_single"] = statistics.median(times)
-    for seq in seqs:
-        runner.free(seq)
-    return row
+    return {"gpu_alone": alone, "gpu_single": statistics.median(times)}
 
 
 def main() -> None:

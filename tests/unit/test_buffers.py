@@ -179,3 +179,14 @@ def test_pad_validation():
         Pad.fill_once(None)
     with pytest.raises(ConfigError, match="takes no value"):
         Pad("zero", 1)
+
+
+def test_first_use_under_inference_mode_still_commits_outside_it():
+    bufs = PersistentBuffers(4, "cpu")
+    bufs.add("x", torch.int64, Pad.ZERO)
+    with torch.inference_mode():
+        bufs.host_np("x")[:2] = [1, 2]  # lays the buffers out here
+        bufs.commit(2, 2)
+    bufs.host_np("x")[:2] = [3, 4]
+    bufs.commit(2, 4)
+    assert bufs.device("x").tolist() == [3, 4, 0, 0]

@@ -144,6 +144,11 @@ class PersistentBuffers:
             buf.offset = total
             buf.row_bytes = torch.Size(buf.row_shape).numel() * buf.dtype.itemsize
             total += -(-buf.row_bytes * self._max_rows // ALIGN) * ALIGN
+        # normal tensors even when first used under inference_mode: inference tensors refuse in-place writes outside it
+        with torch.inference_mode(False):
+            self._lay_out(total)
+
+    def _lay_out(self, total: int) -> None:
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         device = torch.empty(total, dtype=torch.uint8, device=self._device)
         for buf in self._buffers.values():
