@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -32,6 +32,13 @@ for step in "$@"; do
     host) timeout 200 torchrun --nproc-per-node 2 bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" > "$out/host_breakdown.log"; grep -E "write=" "$out/host_breakdown.log" \
              || tail -20 "$out/host_breakdown.log" ;;
+    pdl) TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "norm" 2>&1 \
+             | tail -5 | tee "$out/pdl_kernels.log"
+         TPGRAPH_TRITON_PDL=1 timeout 300 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -rs \
+             -k full_piecewise_breakable 2>&1 | tail -5 | tee -a "$out/pdl_kernels.log"
+         for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
+             --modes full --batches 1,8,32 --no-ladders --out "$out/decode_pdl$pdl.json" 2>&1 | grep -E "TPOT" \
+             | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac

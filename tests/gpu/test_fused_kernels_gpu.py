@@ -78,3 +78,33 @@ def test_split_kv_decode_replays_in_a_graph():
     graph.replay()
     torch.testing.assert_close(out.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=1e-2,
                                rtol=1e-2)
+
+
+def test_add_rms_norm_as_programmatic_dependent_equals_plain_launch(monkeypatch):
+    """TPGRAPH_TRITON_PDL=1: the norm launches early and waits in-kernel for the kernel before it; eagerly and inside
+    a graph (where the wait becomes a programmatic edge) it gives the plain launch's bits."""
+    from tpgraph.kernels._pdl import triton_has_pdl, use_pdl
+
+    if torch.cuda.get_device_capability()[0] < 9 or not triton_has_pdl():
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with launch_pdl")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(8, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
+    m = torch.randn(4096, 4096, device="cuda", generator=g).bfloat16() * 0.02
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "0")
+    plain = add_rms_norm(a @ m, b, w, 1e-5)
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    assert use_pdl(a)
+    eager = add_rms_norm(a @ m, b, w, 1e-5)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        add_rms_norm(a @ m, b, w, 1e-5)  # compile outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = add_rms_norm(a @ m, b, w, 1e-5)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got in (eager, captured):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpgraph.kernels._pdl import use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
@@ -47,7 +48,10 @@ if triton is not None:
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps, mean_scale,
         stride_x, stride_r, stride_o, stride_ro,
         HAS_RESIDUAL: tl.constexpr, MEAN_BY_DIV: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # launched early as a programmatic dependent: wait for the kernel before (the all-reduce) to finish
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -88,12 +92,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     mean_scale = float(hidden) if by_div else float(np.float32(1.0) / np.float32(hidden))
     res_in = residual if residual is not None else x  # placeholders: not read when HAS_RESIDUAL is False
     res_o = res_out if res_out is not None else out
+    pdl = use_pdl(x)
     _rms_norm_kernel[(rows,)](
         x, res_in, weight, out, res_o, hidden, eps, mean_scale,
         x.stride(0), res_in.stride(0), out.stride(0), res_o.stride(0),
         HAS_RESIDUAL=residual is not None, MEAN_BY_DIV=by_div, SOFT_BF16=soft_bf16_rounding(x), BLOCK=block,
-        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        PDL=pdl, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, res_out
 

@@ -1,0 +1,32 @@
+"""When the Triton kernels after an all-reduce launch as programmatic dependents: only on request, only on a GPU."""
+
+import torch
+
+from tpgraph.kernels import _pdl
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("TPGRAPH_TRITON_PDL", raising=False)
+    monkeypatch.setattr(_pdl, "_device_has_pdl", lambda index: True)
+    monkeypatch.setattr(_pdl, "triton_has_pdl", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = torch.zeros(1)
+    assert not _pdl.use_pdl(t)
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    assert _pdl.use_pdl(t)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no grid dependency control
+    assert not _pdl.use_pdl(t)
+
+
+def test_needs_the_gpu_and_triton_support(monkeypatch):
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not _pdl.use_pdl(torch.zeros(1))  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(_pdl, "triton_has_pdl", lambda: True)
+    monkeypatch.setattr(_pdl, "_device_has_pdl", lambda index: False)  # sm_80
+    assert not _pdl.use_pdl(torch.zeros(1))
+    monkeypatch.setattr(_pdl, "_device_has_pdl", lambda index: True)
+    monkeypatch.setattr(_pdl, "triton_has_pdl", lambda: False)  # an old Triton
+    assert not _pdl.use_pdl(torch.zeros(1))
