@@ -23,3 +23,7 @@ class CaptureError(TPGraphError):
 
 class ExtensionError(TPGraphError, ImportError):
     """The compiled extension tpgraph._C is missing or unusable."""
+
+
+class RequestError(TPGraphError, ValueError):
+    """A request that cannot be served as asked (bad sampling parameter, prompt too long); the server answers 400."""

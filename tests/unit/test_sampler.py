@@ -1,0 +1,161 @@
+"""The sampling chain: masks, the draw, seeds, penalties and log-probabilities, against plain references."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from tpgraph.engine.sampler import Sampler, SampleRow, apply_penalties, row_seed, top_k_mask, top_p_mask
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.errors import RequestError
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def rows(n, **kw):
+    return [SampleRow(SamplingParams(**kw), [1, 2], []) for _ in range(n)]
+
+
+def drawn(params_kw, n=4000, seed=0):
+    out = Sampler("cpu", seed).sample(LOGITS.expand(n, -1).clone(), rows(n, **params_kw))
+    return Counter(out.token_ids)
+
+
+def test_greedy_is_argmax_and_banned_ids_are_skipped():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler("cpu").sample(logits, rows(5, temperature=0.0))
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs is None
+    top = logits.argmax(-1).tolist()
+    banned = [SampleRow(SamplingParams(temperature=0.0), [1], [], banned_ids=(t,)) for t in top]
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    before = logits.clone()
+    assert Sampler("cpu").sample(logits, banned).token_ids == second
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+
+
+def test_the_draw_follows_the_distribution():
+    counts = drawn({})
+    for token, p in enumerate(PROBS.tolist()):
+        assert abs(counts[token] / 4000 - p) < 0.03, (token, counts)
+
+
+def test_top_k_top_p_min_p_keep_the_right_tokens():
+    assert set(drawn({"top_k": 1})) == {0}
+    assert set(drawn({"top_k": 2})) == {0, 1}
+    assert set(drawn({"top_p": 0.7})) == {0, 1}
+    assert set(drawn({"top_p": 0.8})) == {0, 1}  # 0.5 + 0.3 reach 0.8: token 2 is not needed
+    assert set(drawn({"top_p": 0.81})) == {0, 1, 2}
+    assert set(drawn({"min_p": 0.2})) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
+    assert set(drawn({"min_p": 0.7})) == {0}
+    assert set(drawn({"temperature": 1e-4})) == {0}
+
+
+def test_masks_per_row():
+    x = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    masked = top_k_mask(x, [2, 0])
+    assert torch.isinf(masked[0, 2:]).all() and not torch.isinf(masked[0, :2]).any()
+    assert not torch.isinf(masked[1]).any()  # k 0: off
+    kept = ~torch.isinf(top_p_mask(LOGITS.expand(2, -1).clone(), [0.6, 1.0]))
+    assert kept.tolist() == [[True, True, False, False], [True] * 4]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch_or_the_shared_generator():
+    seeded = SampleRow(SamplingParams(seed=7), [1], [3, 4])
+    alone = Sampler("cpu", seed=0).sample(LOGITS.expand(1, -1).clone(), [seeded]).token_ids
+    logits = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    logits[2] = LOGITS
+    batch = [SampleRow(SamplingParams(), [1], []), SampleRow(SamplingParams(seed=3), [1], [])]
+    batch += [seeded, SampleRow(SamplingParams(temperature=0.0), [1], [])]
+    in_batch = Sampler("cpu", seed=99).sample(logits, batch).token_ids
+    assert in_batch[2] == alone[0]
+    # a seeded request's tokens repeat exactly; another seed or another position draws differently
+    draws = [Sampler("cpu", seed=s).sample(LOGITS.expand(64, -1).clone(),
+                                           [SampleRow(SamplingParams(seed=5), [1], [0] * i) for i in range(64)])
+             for s in (0, 1)]
+    assert draws[0].token_ids == draws[1].token_ids
+    assert len(set(draws[0].token_ids)) > 1
+    assert row_seed(5, 0, 1) != row_seed(5, 1, 1) != row_seed(6, 0, 1)
+
+
+def test_two_ranks_with_one_engine_seed_agree():
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(2))
+    batch = rows(16, temperature=0.8, top_p=0.9)
+    a, b = Sampler("cpu", seed=123), Sampler("cpu", seed=123)
+    for _ in range(3):
+        assert a.sample(logits, batch).token_ids == b.sample(logits, batch).token_ids
+
+
+def reference_penalties(x, row):
+    x = x.clone()
+    p = row.params
+    for t in set(row.prompt_ids) | set(row.output_ids):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, c in Counter(row.output_ids).items():
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def test_penalties_match_a_per_token_reference():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 30, generator=g)
+    batch = [SampleRow(SamplingParams(repetition_penalty=1.3), [1, 2, 2, 5], [7, 7, 8]),
+             SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=-0.25), [3], [4, 4, 4, 9]),
+             SampleRow(SamplingParams(), [1], [])]
+    got = apply_penalties(x, batch)
+    for i, row in enumerate(batch):
+        torch.testing.assert_close(got[i], reference_penalties(x[i], row))
+
+
+def test_penalties_change_a_greedy_choice():
+    x = torch.tensor([[0.0, 2.0, 1.9]])
+    row = SampleRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], [1])
+    assert Sampler("cpu").sample(x, [row]).token_ids == [2]
+
+
+def test_logprobs_are_the_models_log_softmax():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 40, generator=g)
+    batch = [SampleRow(SamplingParams(temperature=0.0, logprobs=3), [1], []),
+             SampleRow(SamplingParams(temperature=0.7, logprobs=0, seed=1), [1], []),
+             SampleRow(SamplingParams(temperature=0.0), [1], [])]
+    out = Sampler("cpu").sample(x, batch)
+    ref = torch.log_softmax(x, dim=-1)
+    for i, tok in enumerate(out.token_ids):
+        assert math.isclose(out.logprobs[i], ref[i, tok].item(), rel_tol=1e-6, abs_tol=1e-6)
+    top = ref.topk(3, dim=-1)
+    assert out.top_ids[0] == top.indices[0].tolist()
+    assert out.top_logprobs[0] == pytest.approx(top.values[0].tolist(), abs=1e-6)
+    assert out.token_ids[0] == out.top_ids[0][0]  # greedy picks the top one
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -0.1, "temperature must be in"),
+    ("temperature", float("nan"), "temperature must be a finite number"),
+    ("top_p", 0.0, r"top_p must be in \(0.0"),
+    ("top_p", 1.5, "top_p must be in"),
+    ("top_k", -2, "top_k must be >= 0"),
+    ("top_k", 2.5, "top_k must be an integer"),
+    ("min_p", 1.1, "min_p must be in"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in"),
+    ("frequency_penalty", 3.0, "frequency_penalty must be in"),
+    ("presence_penalty", -2.5, "presence_penalty must be in"),
+    ("max_tokens", -1, "max_tokens must be >= 1"),
+    ("max_tokens", 0, "max_tokens must be >= 1"),
+    ("n", 0, "n must be between 1 and 128"),
+    ("logprobs", 21, "logprobs must be between 0 and 20"),
+    ("seed", "x", "seed must be an integer"),
+    ("stop", ("",), "stop must hold non-empty strings"),
+    ("stop_token_ids", (-1,), "stop_token_ids entry must be >= 0"),
+    ("min_tokens", 20, "min_tokens must be between 0 and 16"),
+])
+def test_bad_sampling_params_name_the_field(field, value, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalise():
+    p = SamplingParams(stop="###", top_k=-1, stop_token_ids=[5])
+    assert p.stop == ("###",) and p.top_k == 0 and p.stop_token_ids == (5,)
+    assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).has_penalties

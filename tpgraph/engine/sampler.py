@@ -1,0 +1,160 @@
+"""Batched sampling on the logits' device: penalties, temperature, top-k, top-p, min-p, seeds and log-probabilities.
+
+Every rank holds the same gathered logits and runs the same calls with the same generator states, so every rank
+samples the same tokens: nothing is broadcast. A seeded request draws from its own generator, seeded from
+(seed, sample index, output position), so its tokens do not depend on what else is in the batch. Unseeded rows share
+one generator that every rank seeds alike at start-up.
+
+Order: penalties on the raw logits (greedy rows too), then temperature, top-k, top-p, min-p, and a draw by the
+exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those of the
+model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpgraph.engine.sampling_params import SamplingParams
+
+_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What sampling one row needs: the request's parameters and the tokens so far."""
+
+    params: SamplingParams
+    prompt_ids: tuple[int, ...] | list[int]
+    output_ids: tuple[int, ...] | list[int]
+    sample_index: int = 0  # which of the request's n samples
+    banned_ids: tuple[int, ...] = ()  # ids this step may not produce (EOS before min_tokens)
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # the sampled token's, per row
+    top_ids: list[list[int]] | None = None  # per row, the top `max logprobs` ids (a row asking fewer slices)
+    top_logprobs: list[list[float]] | None = None
+
+
+def row_seed(seed: int, sample_index: int, position: int) -> int:
+    """A 64-bit seed for one draw of a seeded request (splitmix64 of the three)."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (x ^ (x >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """logits [B, V] (one row per SampleRow) -> sampled ids, and log-probabilities where asked. One host sync."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        x = logits.float()
+        raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        if any(r.params.has_penalties for r in rows):
+            x = apply_penalties(x, rows)
+        if any(r.banned_ids for r in rows):
+            x = x.clone() if x is logits else x  # never write into the caller's logits
+            for i, r in enumerate(rows):
+                if r.banned_ids:
+                    x[i, list(r.banned_ids)] = float("-inf")
+        if all(r.params.greedy for r in rows):
+            ids = x.argmax(dim=-1)
+        else:
+            ids = self._draw(x, rows)
+        return self._to_host(ids, raw_logprobs, max(want_logprobs, default=None))
+
+    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        greedy_ids = x.argmax(dim=-1)
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=x.device)
+        x = x / temperature.unsqueeze(1)
+        if any(p.top_k > 0 for p in params):
+            x = top_k_mask(x, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            x = top_p_mask(x, [p.top_p for p in params])
+        probs = torch.softmax(x, dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=x.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator(device=x.device).manual_seed(
+                    row_seed(r.params.seed, r.sample_index, len(r.output_ids)))
+                race[i].exponential_(generator=g)
+        sampled = (probs / race).argmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=x.device)
+        return torch.where(greedy, greedy_ids, sampled)
+
+    def _to_host(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> SampleOutput:
+        if raw_logprobs is None:
+            return SampleOutput(ids.tolist())
+        chosen = raw_logprobs.gather(1, ids.unsqueeze(1))
+        parts = [ids.double().unsqueeze(1), chosen.double()]
+        if k:
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            parts += [top_ids.double(), top_lp.double()]
+        packed = torch.cat(parts, dim=1).tolist()  # one device-to-host transfer (ids are exact in float64)
+        return SampleOutput(token_ids=[int(r[0]) for r in packed], logprobs=[r[1] for r in packed],
+                            top_ids=[[int(v) for v in r[2:2 + k]] for r in packed],
+                            top_logprobs=[r[2 + k:] for r in packed])
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens) penalties."""
+    batch, vocab = x.shape
+    device = x.device
+
+    def padded(lists: list) -> torch.Tensor:
+        width = max((len(t) for t in lists), default=0)
+        out = torch.full((batch, max(width, 1)), vocab, dtype=torch.int64)  # id `vocab`: a spare column
+        for i, t in enumerate(lists):
+            out[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.int64)
+        return out.to(device)
+
+    out_ids = padded([r.output_ids for r in rows])
+    counts = torch.zeros(batch, vocab + 1, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+    counts = counts[:, :vocab]
+    in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+    in_prompt.scatter_(1, padded([r.prompt_ids for r in rows]), True)
+    seen = in_prompt[:, :vocab] | (counts > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - freq * counts - pres * (counts > 0).float()
+
+
+def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Keep each row's k largest logits (k 0: all); ties at the k-th value are kept."""
+    vocab = x.shape[1]
+    k_max = min(max(ks), vocab)
+    kth = x.topk(k_max, dim=-1).values  # descending
+    index = torch.tensor([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], device=x.device).unsqueeze(1)
+    threshold = kth.gather(1, index)
+    off = torch.tensor([k <= 0 for k in ks], device=x.device).unsqueeze(1)
+    return x.masked_fill(~off & (x < threshold), float("-inf"))
+
+
+def top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (always at least the top one)."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    p = torch.tensor(ps, device=x.device).unsqueeze(1)
+    drop_sorted = before >= p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

@@ -1,0 +1,87 @@
+"""What a request asks of sampling and stopping, checked once when it arrives (OpenAI / vLLM field names)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tpgraph.errors import RequestError
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 switch those filters off. Penalties follow
+    OpenAI (frequency, presence: subtracted per output occurrence / once) and HF (repetition: divides positive
+    logits and multiplies negative ones, for every prompt and output token). `logprobs` = how many top
+    alternatives to return beside the sampled token's log-probability (None: no log-probabilities)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check_int("n", self.n, 1, 128)
+        _check_real("temperature", self.temperature, 0.0, 100.0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, None, hint="0 or -1 turns it off")
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2 ** 63), 2 ** 63 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids entry", t, 0, None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _check_int(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise RequestError(f"{name} must be {bound}, got {value}" + (f" ({hint})" if hint else ""))
+
+
+def _check_real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        left = "(" if low_open else "["
+        raise RequestError(f"{name} must be in {left}{low}, {high}], got {value}")
