@@ -246,7 +246,8 @@ class ModelRunner:
         """Padding everywhere: ids 0, slots to the null block, seq_lens 0 (reads nothing)."""
         if prefill:
             self.prefill_in.commit(0, size)
-            self._meta_for_prefill(size).query_lens = ()
+            meta = self._meta_for_prefill(size)
+            meta.query_lens, meta.context_lens, meta.context_blocks = (), (), ()
         else:
             self.decode_in.commit(0, size)
 
@@ -304,51 +305,65 @@ class ModelRunner:
 
     # ---- steps -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run every token of fresh sequences (in forwards of at most max_num_batched_tokens tokens); return the last
-        token's logits [B, vocab]."""
-        groups: list[list[Sequence]] = [[]]
+    def prefill(self, seqs: list[Sequence], num_tokens: list[int] | None = None) -> torch.Tensor:
+        """Run each sequence's next num_tokens[i] uncached tokens (default: all of them; a chunk continues from the
+        sequence's cached tokens), in forwards of at most max_num_batched_tokens tokens. Returns the logits of each
+        sequence's last run token [B, vocab]."""
+        counts = [len(seq) - seq.num_cached for seq in seqs] if num_tokens is None else list(num_tokens)
+        if len(counts) != len(seqs):
+            raise ConfigError(f"{len(counts)} token counts for {len(seqs)} sequences")
+        for seq, n in zip(seqs, counts, strict=True):
+            if not 1 <= n <= min(len(seq) - seq.num_cached, self.max_prefill_tokens):
+                raise ConfigError(f"sequence {seq.seq_id}: cannot prefill {n} tokens ({len(seq) - seq.num_cached} "
+                                  f"uncached, at most {self.max_prefill_tokens} per forward)")
+        groups: list[list[int]] = [[]]
         total = 0
-        for seq in seqs:
-            if groups[-1] and total + len(seq) > self.max_prefill_tokens:
+        for i, n in enumerate(counts):
+            if groups[-1] and total + n > self.max_prefill_tokens:
                 groups.append([])
                 total = 0
-            groups[-1].append(seq)
-            total += len(seq)
-        logits = [self._prefill_group(group) for group in groups]
+            groups[-1].append(i)
+            total += n
+        logits = [self._prefill_group([seqs[i] for i in g], [counts[i] for i in g]) for g in groups]
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    def _prefill_group(self, seqs: list[Sequence]) -> torch.Tensor:
-        lens = []
-        for seq in seqs:
-            self.reserve(seq, len(seq))
-            lens.append(len(seq))
-        total, bs = sum(lens), self.block_size
+    def _prefill_group(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        starts = [seq.num_cached for seq in seqs]
+        for seq, start, n in zip(seqs, starts, counts, strict=True):
+            self.reserve(seq, start + n)
+        total = sum(counts)
         mode, desc = self.prefill_dispatcher.dispatch(total, len(seqs), False)
-        positions = np.concatenate([np.arange(n) for n in lens])
-        tables = np.concatenate([np.asarray(seq.block_table, dtype=np.int64)[np.arange(n) // bs]
-                                 for seq, n in zip(seqs, lens, strict=True)])
-        self.prefill_in.host_np("input_ids")[:total] = [t for seq in seqs for t in seq.token_ids]
-        self.prefill_in.host_np("positions")[:total] = positions
-        self.prefill_in.host_np("slot_mapping")[:total] = tables * bs + positions % bs
+        spans = list(zip(seqs, starts, counts, strict=True))
+        positions = np.concatenate([np.arange(start, start + n) for _, start, n in spans])
+        slots = np.concatenate([np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, start + n) // bs]
+                                for seq, start, n in spans]) * bs + positions % bs
+        inputs = self.prefill_in
+        inputs.host_np("input_ids")[:total] = [t for seq, start, n in spans for t in seq.token_ids[start:start + n]]
+        inputs.host_np("positions")[:total] = positions
+        inputs.host_np("slot_mapping")[:total] = slots
         padded = desc.num_tokens
-        self.prefill_in.commit(total, padded)
+        inputs.commit(total, padded)
+        context = tuple(starts) if any(starts) else ()
+        blocks = tuple(tuple(seq.block_table) for seq in seqs) if context else ()
         if mode is GraphMode.PIECEWISE:
-            self._meta_for_prefill(padded).query_lens = tuple(lens)
+            meta = self._meta_for_prefill(padded)
+            meta.query_lens, meta.context_lens, meta.context_blocks = tuple(counts), context, blocks
             hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
         else:
-            hidden = self._eager_prefill(total, lens)
+            hidden = self._eager_prefill(total, counts, context, blocks)
         self.stats.record("prefill", total, padded, mode)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        for seq in seqs:
-            seq.num_cached = len(seq)
+        last = torch.tensor(counts, device=self.device).cumsum(0) - 1
+        for seq, start, n in spans:
+            seq.num_cached = start + n
         return self.model.compute_logits(hidden[last])
 
-    def _eager_prefill(self, total: int, lens: list[int]) -> torch.Tensor:
+    def _eager_prefill(self, total: int, lens: list[int], context: tuple[int, ...] = (),
+                       blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
         t = self._prefill_inputs(total)
         meta = AttentionMetadata(True, t["slot_mapping"], self.decode_in.device("seq_lens", 1),
                                  self.decode_in.device("block_tables", 1), self.backend, self.max_model_len,
-                                 query_lens=tuple(lens))
+                                 query_lens=tuple(lens), context_lens=context, context_blocks=blocks)
         return self.model(t["input_ids"], t["positions"], meta)
 
     def _write_decode_inputs(self, seqs: list[Sequence]) -> None:

@@ -39,9 +39,10 @@ class AttentionBackend(Protocol):
     def decode(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (one token per sequence) -> [B, Hq, D], reading seq_lens[b] cached tokens."""
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """Fresh sequences laid out one after another (meta.query_lens) -> [T, Hq, D]."""
+        """Chunks of sequences laid out one after another (meta.query_lens), each after meta.context_lens cached
+        tokens -> [T, Hq, D]."""
 
 
 @dataclass
@@ -49,7 +50,8 @@ class AttentionMetadata:
     """Describes one forward over a flat token batch.
 
     Prefill: `query_lens` gives each sequence's new-token count (tokens are laid out sequence after sequence);
-    every sequence starts from an empty cache; tokens past sum(query_lens) are padding. Decode: one token per
+    `context_lens` how many of its tokens are cached already (a chunked or resumed prefill; empty: none), read through
+    `context_blocks` (each sequence's block ids); tokens past sum(query_lens) are padding. Decode: one token per
     sequence, attending to `seq_lens[b]` cached tokens (the new one included) through `block_tables`; a padded
     row has seq_len 0 and reads nothing. `max_seq_len` bounds seq_lens without reading them (graph-safe grids).
     """
@@ -61,18 +63,29 @@ class AttentionMetadata:
     backend: AttentionBackend
     max_seq_len: int
     query_lens: tuple[int, ...] = ()
+    context_lens: tuple[int, ...] = ()
+    context_blocks: tuple[tuple[int, ...], ...] = ()
     boundary: Callable[..., Any] = field(default=call)  # piecewise capture ends a graph piece here
 
 
-def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
     out = torch.zeros_like(q)  # padded token rows stay zero
     start = 0
-    for n in meta.query_lens:
+    for i, n in enumerate(meta.query_lens):
+        context = meta.context_lens[i] if meta.context_lens else 0
+        ks, vs = k[start:start + n], v[start:start + n]
+        mask = None
+        if context:  # the cached prefix first (its K/V are in the cache), then this chunk; query j sees context + j
+            blocks = torch.as_tensor(meta.context_blocks[i], device=k.device)
+            ks = torch.cat([cache.k[blocks].flatten(0, 1)[:context], ks])
+            vs = torch.cat([cache.v[blocks].flatten(0, 1)[:context], vs])
+            mask = (torch.arange(context + n, device=q.device)[None, :]
+                    <= context + torch.arange(n, device=q.device)[:, None])
         # [H, L, D] layout for SDPA; GQA through enable_gqa (no materialised repeat).
-        qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
-                                           scale=scale, enable_gqa=ks.shape[0] != qs.shape[0])
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[start:start + n], ks, vs))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=ks.shape[1] != qs.shape[1])
         out[start:start + n] = o.squeeze(0).transpose(0, 1)
         start += n
     return out

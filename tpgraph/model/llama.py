@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         # the attention core is where piecewise capture splits its graphs (meta.boundary)
         if meta.is_prefill:
             v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
-            out = meta.boundary(meta.backend.prefill, q, k, v, meta, self.scale)
+            out = meta.boundary(meta.backend.prefill, q, k, v, cache, meta, self.scale)
         else:
             out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
         return self.comm.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
