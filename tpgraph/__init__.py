@@ -1,6 +1,27 @@
 """tpgraph: small-batch tensor-parallel Llama decode with a graph-aware custom all-reduce."""
 
-from tpgraph.errors import CaptureError, CheckpointError, CommError, ConfigError, ExtensionError, TPGraphError
+from tpgraph.errors import (
+    CaptureError,
+    CheckpointError,
+    CommError,
+    ConfigError,
+    ExtensionError,
+    RequestError,
+    TPGraphError,
+)
 
-__all__ = ["TPGraphError", "ConfigError", "CheckpointError", "CommError", "CaptureError", "ExtensionError"]
+__all__ = ["TPGraphError", "ConfigError", "CheckpointError", "CommError", "CaptureError", "ExtensionError",
+           "RequestError", "TPEngine", "SamplingParams", "GenerationOutput"]
 __version__ = "0.1.0"
+
+_LAZY = {"TPEngine": "tpgraph.engine.tp_engine", "GenerationOutput": "tpgraph.engine.tp_engine",
+         "SamplingParams": "tpgraph.engine.sampling_params"}
+
+
+def __getattr__(name: str):
+    """The engine API, imported on first use (importing tpgraph alone stays light)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tpgraph' has no attribute {name!r}")

@@ -368,3 +368,14 @@ def communicator_uses_custom(rank, world_size, init):
     finally:
         comm.close()
         destroy_distributed(state)
+
+
+def engine_generate(rank, world_size, init, prompts, params, engine_kw):
+    """TPEngine on every rank (SPMD), the same prompts everywhere; returns each rank's completions."""
+    from tpgraph import TPEngine
+
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        out = engine.generate(prompts, params)
+        blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
+    return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
+            "blocks_back": blocks_back}

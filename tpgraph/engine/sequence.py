@@ -1,8 +1,19 @@
-"""A request's token state and its KV blocks."""
+"""A request's token state and its KV blocks (one Sequence per sample: a request with n > 1 has n)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tpgraph.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its KV blocks given back; it will be recomputed)
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -14,6 +25,17 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
     finished: bool = False
+    # engine bookkeeping (the plain runner and the greedy loop leave these at their defaults)
+    request_id: str = ""
+    sample_index: int = 0
+    params: SamplingParams | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_preemptions: int = 0
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self) - self.num_cached
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,54 @@
+"""Incremental detokenization: streamed pieces add up to the final text, UTF-8 is never split, stop strings cut."""
+
+import pytest
+
+from tpgraph.engine.detokenizer import Detokenizer
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.tokenizer import builtin_tokenizer
+
+TOK = builtin_tokenizer()
+PROMPT = TOK.encode("Q:").ids
+
+
+def stream(text, **params):
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(**params))
+    pieces, stopped = [], False
+    for t in TOK.encode(text, add_special_tokens=False).ids:
+        piece, stopped = detok.add(t)
+        pieces.append(piece)
+        if stopped:
+            break
+    if not stopped:
+        pieces.append(detok.flush())
+    return pieces, stopped
+
+
+def test_pieces_add_up_and_never_split_a_character():
+    text = " héllo 你好, wörld 🚀!"
+    pieces, stopped = stream(text)
+    assert "".join(pieces) == text and not stopped
+    assert all("\\ufffd" not in p for p in pieces)
+    assert "" in pieces  # the first bytes of a multi-byte character wait for the rest
+    assert pieces[0] == " "  # primed with the prompt: a leading space survives
+
+
+@pytest.mark.parametrize("stop,include,expected", [
+    (["wör"], False, " héllo 你好, "),
+    (["wör"], True, " héllo 你好, wör"),
+    (["你好", "llo"], False, " hé"),  # the earliest stop wins
+    (["🚀"], False, " héllo 你好, wörld "),
+    (["absent"], False, None),
+])
+def test_stop_strings(stop, include, expected):
+    text = " héllo 你好, wörld 🚀!"
+    pieces, stopped = stream(text, stop=stop, include_stop_str_in_output=include)
+    assert stopped == (expected is not None)
+    assert "".join(pieces) == (expected if expected is not None else text)
+
+
+def test_text_that_could_start_a_stop_string_is_held_back():
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["END"]))
+    out = [detok.add(t)[0] for t in TOK.encode("abEN", add_special_tokens=False).ids]
+    assert "".join(out) == "ab"  # "EN" might become "END"
+    assert detok.add(TOK.encode("X", add_special_tokens=False).ids[0]) == ("ENX", False)  # it did not
+    assert detok.flush() == ""

@@ -1,0 +1,128 @@
+"""The engine on CPU with the built-in model: continuous batching, chunked prefill, preemption, stops and sampling
+through TPEngine.generate, checked against the plain greedy loop."""
+
+import pytest
+
+from tpgraph import RequestError, SamplingParams, TPEngine
+from tpgraph.comm import TPCommunicator
+from tpgraph.distributed import init_distributed
+from tpgraph.engine.greedy import greedy_generate
+from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.model.loader import load_model
+
+PROMPTS = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def engine(**kw):
+    base = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
+    return TPEngine(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The plain greedy loop's tokens for PROMPTS (whole prompts, one batch)."""
+    with engine() as e:
+        ids = [e.encode(p) for p in PROMPTS]
+    state = init_distributed("cpu")
+    model = load_model(state, TPCommunicator(state))
+    runner = ModelRunner(model, RunnerConfig(block_size=4, max_batch=4, max_model_len=64))
+    return greedy_generate(runner, ids, 12).tokens
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_generate_equals_the_greedy_loop(reference):
+    with engine() as e:
+        out = e.generate(PROMPTS, GREEDY)
+    assert tokens(out) == reference
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 12 for o in out)
+    assert out[1].prompt == "tpgraph" and out[1].prompt_token_ids[0] == 256
+    assert all(0 < o.ttft_s <= o.latency_s for o in out)
+
+
+def test_preemption_and_queueing_change_nothing(reference):
+    # 15 usable blocks of 4 tokens hold the longest sequence (44 + 12 tokens) but not all four (151 tokens)
+    with engine(num_kv_blocks=16) as e:
+        out = e.generate(PROMPTS, GREEDY)
+        assert e.core.scheduler.num_preemptions > 0
+        assert e.runner.allocator.num_free == e.runner.allocator.num_blocks  # every block came back
+    assert tokens(out) == reference
+
+
+def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(reference):
+    with engine(num_kv_blocks=13) as e:  # 12 usable blocks: 48 tokens; the 44-token prompt reaches it after 4
+        out = e.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
+        assert e.runner.allocator.num_free == e.runner.allocator.num_blocks and not e.core.has_work
+    assert out.finish_reason == "length" and out.token_ids == reference[3][:len(out.token_ids)]
+    assert 4 <= len(out.token_ids) <= 5
+
+
+def test_chunked_prefill_and_one_sequence_at_a_time(reference):
+    with engine(max_num_seqs=1) as e:
+        assert tokens(e.generate(PROMPTS, GREEDY)) == reference
+    with engine(max_model_len=48, max_num_batched_tokens=48) as e:  # 4 prompts of 5-44 tokens share 48 a step
+        out = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4))
+        chunks = [row for row in e.runner.stats.frequency_table() if row[0] == "prefill"]
+    assert tokens(out) == [t[:4] for t in reference]
+    assert len(chunks) >= 2
+
+
+def test_stop_strings_cut_the_text(reference):
+    assert reference[2][:12] == [97] * 12  # the built-in model answers "a" * 30 with more "a"s
+    with engine() as e:
+        full = e.generate(PROMPTS[2], GREEDY)[0].outputs[0]
+        cut = e.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=["aaa"]))[0].outputs[0]
+        kept = e.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop="aaa",
+                                                     include_stop_str_in_output=True))[0].outputs[0]
+    assert full.text == "a" * 12
+    assert (cut.text, cut.token_ids, cut.finish_reason) == ("", [97] * 3, "stop")
+    assert (kept.text, kept.finish_reason) == ("aaa", "stop")
+
+
+def test_stop_token_ids_min_tokens_and_eos(reference):
+    first = reference[0][0]
+    with engine() as e:
+        one = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, stop_token_ids=[first]))[0].outputs[0]
+        assert (one.token_ids, one.finish_reason) == ([first], "stop")
+        later = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, stop_token_ids=[first], min_tokens=3,
+                                                      max_tokens=5))[0].outputs[0]
+        assert first not in later.token_ids[:3] and len(later.token_ids) >= 3
+
+
+def test_seeded_samples_repeat_and_n_gives_n():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, n=3, max_tokens=8, logprobs=2)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8)
+    with engine() as e:
+        a = e.generate(PROMPTS[:2], params)
+        # again, beside unseeded requests that draw from (and advance) the shared generator
+        b = e.generate(PROMPTS[:3], [unseeded, params, params])[1:]
+        c = e.generate(PROMPTS[:2], unseeded)
+        d = e.generate(PROMPTS[:2], unseeded)
+    assert [x.token_ids for x in a[1].outputs] == [x.token_ids for x in b[0].outputs]  # PROMPTS[1], seeded
+    assert tokens(c) != tokens(d)  # unseeded draws move on
+    assert len(a[0].outputs) == 3 and len({tuple(x.token_ids) for x in a[0].outputs}) > 1
+    c0 = a[0].outputs[0]
+    assert len(c0.logprobs) == len(c0.token_ids) == len(c0.top_logprobs) and all(lp <= 0 for lp in c0.logprobs)
+    assert all(len(top) == 2 for top in c0.top_logprobs)
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
+    with engine() as e:
+        with pytest.raises(RequestError, match="the prompt is empty"):
+            e.generate([[]], GREEDY)
+        with pytest.raises(RequestError, match="max_model_len is 64"):
+            e.generate("x" * 80, GREEDY)
+        with pytest.raises(RequestError, match="prompt token ids must lie in"):
+            e.generate([[1, 10 ** 6]], GREEDY)
+        with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
+            e.generate(["a"], [GREEDY, GREEDY])
+        assert not e.core.has_work and e.runner.allocator.num_free == e.runner.allocator.num_blocks
+        assert tokens(e.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_tp_size_needs_ranks():
+    with pytest.raises(Exception, match="launch with torchrun --nproc-per-node 2"):
+        TPEngine(tp_size=2, device="cpu")

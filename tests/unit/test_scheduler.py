@@ -1,0 +1,126 @@
+"""The scheduler's decisions on plain sequences: budgets, order, chunked prefill, preemption, queueing."""
+
+import pytest
+
+from tpgraph.engine.kv_cache import BlockAllocator
+from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.errors import ConfigError, RequestError
+
+
+def make(blocks=100, seqs=4, tokens=16, chunked=True, max_len=64, block=4):
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_len, block_size=block,
+                          enable_chunked_prefill=chunked)
+    return Scheduler(cfg, BlockAllocator(blocks, first_block=1))
+
+
+def seq(i, n):
+    return Sequence(i, list(range(1, n + 1)), 100)
+
+
+def run(step):
+    """What the runner and sampler would do: cache the scheduled tokens, add a token where a prompt completed."""
+    for s, n in step.prefill:
+        s.num_cached += n
+        if s.num_uncached == 0:
+            s.output_ids.append(7)
+    for s in step.decode:
+        s.num_cached += 1
+        s.output_ids.append(7)
+
+
+def test_budget_chunks_and_fifo():
+    sched = make(tokens=16)
+    a, b, c = seq(0, 10), seq(1, 10), seq(2, 3)
+    for s in (a, b, c):
+        sched.add(s)
+    step = sched.schedule()
+    assert [(s.seq_id, n) for s, n in step.prefill] == [(0, 10), (1, 6)]  # b chunked, c waits
+    assert step.num_tokens == 16 and list(sched.waiting) == [c]
+    run(step)
+    step = sched.schedule()
+    assert step.decode == [a] and [(s.seq_id, n) for s, n in step.prefill] == [(1, 4), (2, 3)]
+    run(step)
+    assert sorted(s.seq_id for s in sched.schedule().decode) == [0, 1, 2]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = make(tokens=64, chunked=False)
+    a, b = seq(0, 40), seq(1, 30)
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    assert [(s.seq_id, n) for s, n in step.prefill] == [(0, 40)] and list(sched.waiting) == [b]
+    with pytest.raises(ConfigError, match="without chunked prefill"):
+        make(tokens=16, chunked=False)
+
+
+def test_max_num_seqs():
+    sched = make(seqs=2, tokens=64)
+    for i in range(3):
+        sched.add(seq(i, 4))
+    assert [s.seq_id for s, _ in sched.schedule().prefill] == [0, 1] and len(sched.waiting) == 1
+
+
+def test_blocks_are_reserved_before_the_step():
+    sched = make(tokens=64, block=4)
+    a = seq(0, 9)
+    sched.add(a)
+    run(sched.schedule())
+    assert len(a.block_table) == 3  # 9 tokens
+    for _ in range(3):  # tokens 10, 11, 12 fit in block 3
+        step = sched.schedule()
+        assert len(a.block_table) == 3
+        run(step)
+    sched.schedule()
+    assert len(a.block_table) == 4  # token 13 needs a fourth block
+
+
+def test_preemption_takes_the_newest_and_it_goes_first_in_line():
+    sched = make(blocks=6, tokens=64, block=4)  # 24 token slots
+    a, b, c = seq(0, 8), seq(1, 8), seq(2, 4)
+    for s in (a, b, c):
+        sched.add(s)
+    run(sched.schedule())  # 2 + 2 + 1 blocks: 5 of 6
+    assert sched.allocator.num_free == 1
+    step = sched.schedule()  # a's 9th token takes the last block; b's needs one too: c (newest) is preempted
+    assert step.preempted == [c] and c.status is Status.WAITING and sched.waiting[0] is c
+    assert c.block_table == [] and c.num_cached == 0 and c.num_preemptions == 1
+    assert step.decode == [a, b]
+    sched.add(d := seq(3, 2))
+    assert list(sched.waiting) == [c, d]
+
+
+def test_waiting_sequences_queue_instead_of_preempting():
+    sched = make(blocks=4, tokens=64, block=4)
+    a, b = seq(0, 12), seq(1, 8)
+    sched.add(a)
+    run(sched.schedule())
+    sched.add(b)
+    step = sched.schedule()
+    assert step.decode == [a] and not step.prefill and not step.preempted and list(sched.waiting) == [b]
+
+
+def test_outgrowing_the_whole_cache_finishes_with_length():
+    sched = make(blocks=3, tokens=64, block=4)
+    a = seq(0, 12)
+    sched.add(a)
+    run(sched.schedule())
+    step = sched.schedule()
+    assert step.out_of_cache == [a] and step.empty
+    assert (a.status, a.finish_reason) == (Status.FINISHED, "length") and sched.allocator.num_free == 3
+
+
+def test_finish_and_refusals():
+    sched = make(blocks=4, tokens=64, block=4, max_len=32)
+    a = seq(0, 5)
+    sched.add(a)
+    run(sched.schedule())
+    sched.finish(a, "abort")
+    assert sched.allocator.num_free == 4 and not sched.has_work and a.finish_reason == "abort"
+    with pytest.raises(RequestError, match="at most 16 fit"):  # the cache holds 16 tokens
+        sched.add(seq(1, 17))
+    b = seq(2, 3)
+    sched.add(b)
+    sched.finish(b, "abort")  # finishing a waiting sequence
+    assert not sched.has_work

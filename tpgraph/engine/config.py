@@ -1,0 +1,41 @@
+"""EngineConfig: everything TPEngine needs, validated once (vLLM's names where vLLM has the setting)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpgraph.errors import ConfigError
+from tpgraph.graphs.config import GraphConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path | None = None  # an HF checkpoint directory; None: the built-in model
+    tp_size: int = 1
+    device: str | None = None  # "cuda" | "cpu"; default: cuda if a GPU is visible
+    dtype: str | None = None  # "auto" or None: the checkpoint's (fp32 on CPU); else bf16 | fp16 | fp32
+    load_format: str = "auto"
+    seed: int = 0  # random weights (built-in / dummy) and the shared sampling generator
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 512)
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.device not in (None, "cuda", "cpu"):
+            raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if not isinstance(self.graphs, GraphConfig):
+            raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")

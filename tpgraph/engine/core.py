@@ -1,0 +1,182 @@
+"""The engine's step loop: schedule, run (chunked prefill and graph decode), sample, stop, report.
+
+One EngineCore per rank. Given the same requests in the same order, every rank's core takes the same decisions and
+samples the same tokens (the logits are gathered on every rank, and the samplers share a seed), so the ranks stay in
+lockstep without exchanging anything inside a step. Front ends (TPEngine.generate, the server) feed requests in and
+read `StepUpdate`s out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from tpgraph.engine.detokenizer import Detokenizer
+from tpgraph.engine.runner import ModelRunner
+from tpgraph.engine.sampler import Sampler, SampleRow
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.errors import ConfigError, RequestError
+
+
+@dataclass
+class StepUpdate:
+    """One sequence's news from one step: its new token (if one was sampled), text, and whether it finished."""
+
+    request_id: str
+    sample_index: int
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[Detokenizer | None]
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, eos_ids: tuple[int, ...] = (),
+                 tokenizer: Tokenizer | None = None, seed: int = 0) -> None:
+        if scheduler_cfg.max_num_seqs > runner.cfg.max_batch:
+            raise ConfigError(f"max_num_seqs ({scheduler_cfg.max_num_seqs}) exceeds the runner's max_batch "
+                              f"({runner.cfg.max_batch}): decode batches must fit the captured graphs")
+        if scheduler_cfg.max_num_batched_tokens > runner.max_prefill_tokens:
+            raise ConfigError(f"max_num_batched_tokens ({scheduler_cfg.max_num_batched_tokens}) exceeds the "
+                              f"runner's prefill buffers ({runner.max_prefill_tokens} tokens)")
+        self.runner = runner
+        self.scheduler = Scheduler(scheduler_cfg, runner.allocator)
+        self.sampler = Sampler(runner.device, seed)
+        self.eos_ids = tuple(eos_ids)
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._next_seq_id = 0
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        max_len = self.scheduler.cfg.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len}, which leaves "
+                               f"no room to generate")
+        seqs = []
+        for i in range(params.n):
+            seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
+                                 request_id=request_id, sample_index=i, params=params))
+            self._next_seq_id += 1
+        for seq in seqs:
+            self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued
+        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
+                  for _ in seqs]
+        self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs, detoks)
+
+    def abort(self, request_id: str) -> list[StepUpdate]:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        updates = []
+        for seq in state.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                updates.append(StepUpdate(request_id, seq.sample_index, None, "", "abort"))
+        return updates
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[StepUpdate]:
+        sched = self.scheduler.schedule()
+        updates = [self._ended(seq) for seq in sched.out_of_cache]
+        if not sched.empty:
+            updates += self._run(sched)
+        for request_id in {u.request_id for u in updates if u.finish_reason}:
+            if self.requests[request_id].finished:
+                del self.requests[request_id]
+        return updates
+
+    def _run(self, sched: ScheduledStep) -> list[StepUpdate]:
+        parts: list[torch.Tensor] = []
+        sampled: list[Sequence] = []
+        if sched.prefill:
+            seqs = [s for s, _ in sched.prefill]
+            logits = self.runner.prefill(seqs, [n for _, n in sched.prefill])
+            done = [i for i, s in enumerate(seqs) if s.num_uncached == 0]  # prompt (or recompute) complete
+            if done:
+                parts.append(logits if len(done) == len(seqs) else logits[done])
+                sampled += [seqs[i] for i in done]
+        if sched.decode:
+            parts.append(self.runner.decode(sched.decode))
+            sampled += sched.decode
+        if not sampled:
+            return []
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = self.sampler.sample(logits, [self._sample_row(s) for s in sampled])
+        now = time.perf_counter()
+        updates = []
+        for i, seq in enumerate(sampled):
+            state = self.requests[seq.request_id]
+            state.first_token = state.first_token or now
+            update = self._append(seq, state, out.token_ids[i])
+            if out.logprobs is not None and seq.params.logprobs is not None:
+                update.logprob = out.logprobs[i]
+                k = seq.params.logprobs
+                update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
+            updates.append(update)
+        return updates
+
+    def _ended(self, seq: Sequence) -> StepUpdate:
+        """A sequence the scheduler finished (it outgrew the KV cache): hand out its held-back text."""
+        detok = self.requests[seq.request_id].detokenizers[seq.sample_index]
+        return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", seq.finish_reason)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.params
+        banned = ()
+        if len(seq.output_ids) < p.min_tokens:
+            banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
+        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned)
+
+    def _append(self, seq: Sequence, state: RequestState, token: int) -> StepUpdate:
+        p = seq.params
+        seq.output_ids.append(token)
+        detok = state.detokenizers[seq.sample_index]
+        reason = None
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+        text = ""
+        if stop_token:  # (before min_tokens these ids were banned from sampling)
+            reason = "stop"
+        elif detok is not None:
+            text, stopped = detok.add(token)
+            reason = "stop" if stopped else None
+        if reason is None and (len(seq.output_ids) >= seq.max_new_tokens
+                               or len(seq) >= self.scheduler.cfg.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if detok is not None:
+                text += detok.flush()
+            self.scheduler.finish(seq, reason)
+        return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)

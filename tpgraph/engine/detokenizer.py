@@ -1,0 +1,61 @@
+"""Incremental detokenization with stop strings, for one sequence.
+
+Text comes from tokenizers' DecodeStream (primed with the prompt's last tokens, so a leading space or a word joined
+across the boundary decodes as in one pass), which never returns half a UTF-8 character. While a request has stop
+strings, a tail of the text that a stop string starts with is held back, so text handed out never has to be taken
+back: the streamed text always equals the final text.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from tpgraph.engine.sampling_params import SamplingParams
+
+PRIME_TOKENS = 6  # prompt tokens the stream starts from
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]),
+                                   skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # the output text so far (cut at a stop string once one appears)
+        self.emitted = 0  # characters of self.text already handed out
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Feed one generated token: (text to hand out now, whether a stop string ended the sequence)."""
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        if not piece:
+            return "", False
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += piece
+        hit = min(((i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0), default=None)
+        if hit is not None:
+            at, stop = hit
+            self.text = self.text[: at + len(stop) if self.include_stop else at]
+            return self.flush(), True
+        safe = len(self.text) - self._held()
+        if safe <= self.emitted:
+            return "", False
+        delta = self.text[self.emitted:safe]
+        self.emitted = safe
+        return delta, False
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that a stop string starts with (it may yet become that stop)."""
+        for k in range(min(self.hold, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """Everything not handed out yet (the held-back tail), when the sequence ends."""
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta

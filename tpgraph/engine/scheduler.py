@@ -1,0 +1,161 @@
+"""Which sequences run this step, and how many tokens each: continuous batching over the paged KV cache.
+
+Each step spends a token budget (max_num_batched_tokens) over at most max_num_seqs sequences:
+
+1. running sequences first, oldest first: one token for a decoding sequence, the next chunk for one still
+   prefilling (chunked prefill);
+2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last.
+
+The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
+none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the
+front of the queue, to be recomputed (its prompt and the tokens it generated are prefilled again). Waiting sequences
+never preempt running ones: they queue. A sequence that outgrows the whole cache ends with finish reason "length"
+(the cache is its context limit). Nothing crashes or spins for want of blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tpgraph.engine.kv_cache import BlockAllocator
+from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.errors import ConfigError, RequestError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must hold a whole prompt of max_model_len ({self.max_model_len}) tokens")
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens it runs this step)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_cache: list[Sequence] = field(default_factory=list)  # grew past the whole KV cache: finished, "length"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) + len(self.decode)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; refuse one that could never run (longer than the context or than the whole cache)."""
+        limit = min(self.cfg.max_model_len, self.allocator.num_blocks * self.cfg.block_size)
+        if len(seq) > limit:
+            raise RequestError(f"the prompt has {len(seq)} tokens; at most {limit} fit (max_model_len "
+                               f"{self.cfg.max_model_len}, KV cache {self.allocator.num_blocks} blocks of "
+                               f"{self.cfg.block_size})")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """The sequence is done (stop, length, abort): its blocks go back at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason, seq.finished = Status.FINISHED, reason, True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
+
+    # ---- one step --------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.cfg.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop to make room
+                continue
+            n = 1 if seq.num_uncached == 1 else min(seq.num_uncached, budget)
+            if not self._reserve_running(seq, n, step):
+                continue  # seq itself was preempted
+            budget -= n
+            if seq.num_uncached == 1 and seq.num_cached >= len(seq.prompt_ids):
+                step.decode.append(seq)
+            else:
+                step.prefill.append((seq, n))
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncached, budget)
+            if n < seq.num_uncached and not self.cfg.enable_chunked_prefill:
+                break
+            need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
+            if need > self.allocator.num_free:
+                break  # queue: waiting sequences never preempt running ones
+            seq.block_table.extend(self.allocator.allocate(need))
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            step.prefill.append((seq, n))
+            budget -= n
+        return step
+
+    def _reserve_running(self, seq: Sequence, n: int, step: ScheduledStep) -> bool:
+        """Blocks for seq's next n tokens, preempting the newest other running sequences if needed. False if seq
+        had to be preempted itself, or finished because it outgrew the whole cache."""
+        need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
+        if len(seq.block_table) + need > self.allocator.num_blocks:  # the whole cache cannot hold it
+            self.finish(seq, "length")
+            step.out_of_cache.append(seq)
+            return False
+        while need > self.allocator.num_free:
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+        # a victim scheduled earlier in this step must not run
+        step.prefill = [(s, n) for s, n in step.prefill if s is not seq]
+        step.decode = [s for s in step.decode if s is not seq]
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_cached = 0

@@ -1,0 +1,167 @@
+"""TPEngine: the one composition root (distributed setup, communicator, model, runner, scheduler, sampler).
+
+    with TPEngine() as engine:                                  # the built-in model, one process
+        out = engine.generate(["Hello"], SamplingParams(max_tokens=16))
+        print(out[0].outputs[0].text)
+
+Under torchrun every rank builds a TPEngine and calls generate with the same prompts (SPMD): every rank's core takes
+the same decisions, so they stay in lockstep with no control messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tpgraph.comm import TPCommunicator
+from tpgraph.config import parse_dtype
+from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
+from tpgraph.engine.config import EngineConfig
+from tpgraph.engine.core import EngineCore, StepUpdate
+from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.scheduler import SchedulerConfig
+from tpgraph.errors import ConfigError, RequestError
+from tpgraph.model.loader import load_model
+from tpgraph.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None  # the sampled tokens', when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    ttft_s: float = 0.0  # time to the first token
+    latency_s: float = 0.0  # time to the last
+
+
+class TPEngine:
+    def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
+                 dist_init: tuple[int, int, str] | None = None, **kwargs: Any) -> None:
+        """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
+        torchrun (tests, spawned ranks)."""
+        self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
+        if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
+            raise ConfigError(f"tp_size={tp_size} needs {tp_size} ranks: launch with torchrun --nproc-per-node "
+                              f"{tp_size}")
+        rank, world, init = dist_init or (None, None, None)
+        self.state: ParallelState = init_distributed(cfg.device, rank, world, init)
+        try:
+            if self.state.world_size != tp_size:
+                raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
+            self.comm = TPCommunicator(self.state)
+            dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
+            self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
+            self.tokenizer = load_tokenizer(cfg.model, self.model.cfg.vocab_size)
+            self.runner = ModelRunner(self.model, RunnerConfig(
+                block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, graphs=cfg.graphs))
+            self.core = EngineCore(self.runner, SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
+                max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
+                enable_chunked_prefill=cfg.enable_chunked_prefill),
+                eos_ids=self.model.cfg.eos_token_id, tokenizer=self.tokenizer, seed=cfg.seed)
+        except BaseException:
+            destroy_distributed(self.state)
+            raise
+        self._closed = False
+        self._next_id = 0
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, GenerationOutput] = {}
+        order = []
+        try:
+            for prompt, p in zip(prompts, per_prompt, strict=True):
+                request_id = f"gen-{self._next_id}"
+                self._next_id += 1
+                ids = self.encode(prompt)
+                self.core.add_request(request_id, ids, p)
+                order.append(request_id)
+                results[request_id] = GenerationOutput(
+                    request_id, prompt if isinstance(prompt, str) else None, ids,
+                    [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
+                                      top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
+            start = time.perf_counter()
+            bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
+            while self.core.has_work:
+                for update in self.core.step():
+                    out = results[update.request_id]
+                    self._apply(out, update, start, bar)
+            bar.close()
+        except BaseException:
+            for request_id in order:  # nothing stays queued behind a failure or a Ctrl-C
+                self.core.abort(request_id)
+            raise
+        return [results[r] for r in order]
+
+    @staticmethod
+    def _apply(out: GenerationOutput, update: StepUpdate, start: float, bar: tqdm) -> None:
+        completion = out.outputs[update.sample_index]
+        now = time.perf_counter() - start
+        if update.token_id is not None:
+            out.ttft_s = out.ttft_s or now
+            completion.token_ids.append(update.token_id)
+        completion.text += update.text
+        if update.logprob is not None:
+            completion.logprobs.append(update.logprob)
+            completion.top_logprobs.append(update.top_logprobs or [])
+        if update.finish_reason is not None:
+            completion.finish_reason = update.finish_reason
+            out.latency_s = now
+            if all(c.finish_reason is not None for c in out.outputs):
+                bar.update(1)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Graphs (holding all-reduce registrations and NCCL work) go first, then the communicator, then the
+        process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self.runner.close()
+        self.comm.close()
+        destroy_distributed(self.state)
+
+    def __enter__(self) -> TPEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
