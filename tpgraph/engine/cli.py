@@ -1,0 +1,42 @@
+"""The engine's command-line flags, shared by `tpgraph.generate` and `tpgraph.serve` (vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from tpgraph.graphs.config import add_graph_args, graph_config_from_args
+from tpgraph.model.loader import LOAD_FORMATS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in model)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks to shard over (default and required value: torchrun's world size)")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    p.add_argument("--dtype", default="auto",
+                   help="auto (the checkpoint's; fp32 on CPU) | bfloat16 | float16 | float32 (and bf16 / fp16 / fp32)")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"))
+    p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model's, 4096))")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: max(max_model_len, 512))")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="run each prompt in one step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
+    add_graph_args(p)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return dict(model=args.model, tp_size=args.tensor_parallel_size or world, device=args.device, dtype=args.dtype,
+                load_format=args.load_format, seed=args.seed, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                gpu_memory_utilization=args.gpu_memory_utilization, graphs=graph_config_from_args(args))
