@@ -115,7 +115,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
             e.generate([[]], GREEDY)
         with pytest.raises(RequestError, match="max_model_len is 64"):
             e.generate("x" * 80, GREEDY)
-        with pytest.raises(RequestError, match="prompt token ids must lie in"):
+        with pytest.raises(RequestError, match="prompt token ids must be integers in"):
             e.generate([[1, 10 ** 6]], GREEDY)
         with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
             e.generate(["a"], [GREEDY, GREEDY])

@@ -69,18 +69,28 @@ class EngineCore:
         self._next_seq_id = 0
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already running")
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if add_request would refuse this prompt (front ends check before accepting it)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         vocab = self.runner.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         max_len = self.scheduler.cfg.max_model_len
         if len(prompt_ids) >= max_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len}, which leaves "
                                f"no room to generate")
+        cache_tokens = self.scheduler.allocator.num_blocks * self.scheduler.cfg.block_size
+        if len(prompt_ids) > cache_tokens:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {cache_tokens}")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.check_request(prompt_ids, params)
+        max_len = self.scheduler.cfg.max_model_len
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,

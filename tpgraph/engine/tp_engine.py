@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
@@ -29,11 +30,11 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.tokenizer import load_tokenizer
+from tpgraph.tokenizer import BOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
 
 
 @dataclass
@@ -74,6 +75,9 @@ class TPEngine:
             dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
             self.tokenizer = load_tokenizer(cfg.model, self.model.cfg.vocab_size)
+            self.chat_template = ChatTemplate.from_dir(cfg.model, BOS)
+            self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
+            eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -82,7 +86,7 @@ class TPEngine:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
                 enable_chunked_prefill=cfg.enable_chunked_prefill),
-                eos_ids=self.model.cfg.eos_token_id, tokenizer=self.tokenizer, seed=cfg.seed)
+                eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed)
         except BaseException:
             destroy_distributed(self.state)
             raise
@@ -91,18 +95,32 @@ class TPEngine:
 
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
+        """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=False).ids
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        raise RequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        raise RequestError(f"a prompt is a string, a list of token ids or a list of chat messages, got "
+                           f"{type(prompt).__name__}")
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise RequestError(f"{self.config.model} has no chat template (tokenizer_config.json chat_template); "
+                               f"send a plain prompt")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
+        return SamplingParams(**{**self.generation_defaults.sampling, **overrides})
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")

@@ -1,0 +1,68 @@
+"""Chat templates render exactly as HF's apply_chat_template; generation_config supplies stop ids and defaults."""
+
+import pytest
+from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
+
+from tpgraph import RequestError, TPEngine
+from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.errors import CheckpointError
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "  Capital of Peru?  "},
+     {"role": "assistant", "content": "Lima"}, {"role": "user", "content": "And Chile — ¿ñ? 你好"}],
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(ckpt):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_renders_as_hf(ckpt, hf_tokenizer, messages, add_generation_prompt):
+    ours = ChatTemplate.from_dir(ckpt, "").render(messages, add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+    assert ours.startswith("<|begin_of_text|><|start_header_id|>system")
+
+
+def test_engine_encodes_chat_as_hf_and_stops_on_generation_config_ids(ckpt, hf_tokenizer):
+    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
+                  num_kv_blocks=40) as engine:
+        for messages in CONVERSATIONS:
+            ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            assert engine.encode(messages) == list(ids)
+        assert set(engine.core.eos_ids) == {EOS_ID, EOT_ID}  # config.json's and generation_config's
+        assert engine.default_params().temperature == 0.6 and engine.default_params().top_p == 0.9
+        with pytest.raises(RequestError, match="only user and assistant messages"):
+            engine.encode([{"role": "system", "content": "a"}, {"role": "system", "content": "b"}])
+        out = engine.generate(CONVERSATIONS[0], engine.default_params(max_tokens=4, seed=1))
+        assert len(out[0].outputs[0].token_ids) <= 4
+
+
+def test_generation_defaults_and_bad_files(tmp_path):
+    assert GenerationDefaults.from_dir(None) == GenerationDefaults()
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7, "top_k": 20, "do_sample": false}')
+    assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults((7,), {"top_k": 20})
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        GenerationDefaults.from_dir(tmp_path)
+    assert ChatTemplate.from_dir(tmp_path, "") is None  # no tokenizer_config.json: no template
+    with pytest.raises(CheckpointError, match="does not parse"):
+        ChatTemplate("{% for %}")
+
+
+def test_builtin_model_has_a_template():
+    with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
+        text = engine.render_chat([{"role": "user", "content": "hi"}])
+        assert text == "<|begin_of_text|><|user|>\nhi\n<|assistant|>\n"
+        assert engine.encode([{"role": "user", "content": "hi"}])[0] == 256  # BOS once, from the template

@@ -1,0 +1,112 @@
+"""Chat templates (rendered as HF's apply_chat_template renders them) and a checkpoint's generation_config.
+
+A checkpoint's template is tokenizer_config.json's `chat_template` (a string, or a list of named templates whose
+"default" is used), rendered in a sandboxed Jinja environment with HF's settings (trim_blocks, lstrip_blocks,
+loop controls, raise_exception, strftime_now, tojson) and the tokenizer's special tokens as variables. The rendered
+text already holds BOS where the template puts it, so it is encoded without adding special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tpgraph.errors import CheckpointError, RequestError
+
+# The built-in model's template: role headers as plain text around each message.
+BUILTIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise CheckpointError(f"the chat template does not parse: {exc}") from None
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                        documents=None, **self.special_tokens)
+        except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
+            raise RequestError(f"the chat template refused these messages: {exc}") from None
+
+    @staticmethod
+    def from_dir(model_dir: str | Path | None, builtin_bos: str) -> ChatTemplate | None:
+        """The checkpoint's template; the built-in one for the built-in model; None if a checkpoint has none."""
+        if model_dir is None:
+            return ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": builtin_bos})
+        path = Path(model_dir) / "tokenizer_config.json"
+        if not path.is_file():
+            return None
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        source = cfg.get("chat_template")
+        jinja_file = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it beside the config
+        if source is None and jinja_file.is_file():
+            source = jinja_file.read_text()
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str):
+            return None
+        special = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return ChatTemplate(source, special)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """generation_config.json: the ids that end a generation, and default sampling values."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: dict[str, float] = field(default_factory=dict)  # temperature, top_p, top_k, repetition_penalty
+
+    @staticmethod
+    def from_dir(model_dir: str | Path | None) -> GenerationDefaults:
+        if model_dir is None:
+            return GenerationDefaults()
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return GenerationDefaults()
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        # as vLLM: these become the request defaults (do_sample is not consulted)
+        sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+                    if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
+        return GenerationDefaults(eos_ids, sampling)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end (FastAPI on rank 0)."""

@@ -1,0 +1,134 @@
+"""OpenAI request bodies (pydantic) and their translation into prompts and SamplingParams.
+
+Field names and defaults follow OpenAI's API; vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos, ...) are accepted too. Unknown fields are ignored, as vLLM does. A field of the wrong type
+is a 400 from pydantic; a value out of range is a 400 from SamplingParams.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.errors import RequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, float] | None = None) -> SamplingParams:
+        """defaults: the checkpoint's generation_config values, used where the request leaves a field unset."""
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported")
+        d = defaults or {}
+
+        def pick(name: str, fallback: float) -> float:
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
+        return SamplingParams(
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=int(pick("top_k", 0)),
+            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo:
+            raise RequestError("echo is not supported")
+        if self.suffix:
+            raise RequestError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of other than n is not supported")
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("the prompt is empty")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is understood
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise RequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
+                parts.append(str(part.get("text", "")))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def checked_messages(self) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+            out.append({"role": m.role, "content": m.text()})
+        return out
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
