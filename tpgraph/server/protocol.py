@@ -40,6 +40,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probability entries name tokens as "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -84,9 +85,11 @@ class CompletionRequest(SamplingFields):
             raise RequestError("best_of other than n is not supported")
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
+            p = [p]
+        if not p or any(len(x) == 0 for x in p if isinstance(x, (str, list))):
             raise RequestError("the prompt is empty")
+        if isinstance(p[0], str):
+            return list(p)
         if all(isinstance(t, int) for t in p):
             return [list(p)]
         return list(p)

@@ -1,0 +1,223 @@
+"""`torchrun --nproc-per-node 2 -m tpgraph.serve` on the built-in model (gloo, CPU), driven with the official openai
+client: completions, chat, streaming, stops, concurrency against TPEngine.generate, bad input, SIGTERM."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tpgraph-builtin"
+ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "16", "--block-size", "8"]
+PROMPTS = [f"Prompt {i}: " + "ab" * i for i in range(16)]
+
+
+@dataclass
+class Reply:
+    status_code: int
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 60) -> Reply:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read().decode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # a file, not a pipe: it never fills up
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tpgraph.serve",
+             "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            env=env, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.output()}")
+            try:
+                if http("GET", f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("the server did not come up in 180 s")
+
+    def client(self):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def post(self, path: str, body: dict | str) -> Reply:
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        return http("POST", f"{self.url}{path}", data)
+
+    def output(self) -> str:
+        self.log.flush()
+        return open(self.log.name).read()
+
+    def ranks(self) -> list[int]:
+        """The worker processes (torchrun starts each in its own session)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self) -> str:
+        for pid in [*self.ranks(), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        return self.output()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(free_port())
+    yield s
+    s.stop()
+
+
+def greedy(**kw):
+    return {"temperature": 0.0, **kw}
+
+
+def ids_of(choice) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert http("GET", f"{server.url}/health").status_code == 200
+
+
+def test_completion_stream_equals_non_stream(server):
+    c = server.client()
+    whole = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=10, **greedy())
+    text = "".join(chunk.choices[0].text for chunk in c.completions.create(
+        model=MODEL, prompt="a" * 20, max_tokens=10, stream=True, **greedy()) if chunk.choices)
+    assert whole.choices[0].text == text and text
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+
+
+def test_chat_stream_equals_non_stream(server):
+    c = server.client()
+    messages = [{"role": "user", "content": "a" * 20}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **greedy())
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, **greedy()))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
+
+
+def test_stop_strings_and_max_tokens(server):
+    c = server.client()
+    full = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=12, **greedy()).choices[0].text
+    assert full[:4] == "aaaa"
+    stopped = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=12, stop=["aa"], **greedy()).choices[0]
+    assert (stopped.text, stopped.finish_reason) == ("", "stop")
+    short = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=3, **greedy())
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+def test_sixteen_concurrent_requests_equal_tp_engine(server):
+    c = server.client()
+
+    def one(prompt):
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=0,
+                                 extra_body={"return_tokens_as_token_ids": True}, **greedy())
+        return ids_of(r.choices[0])
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        served = list(pool.map(one, PROMPTS))
+    from tpgraph import SamplingParams, TPEngine
+
+    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
+        local = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    assert served == [o.outputs[0].token_ids for o in local]
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model: Field required"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be >= 1"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature must be in"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p must be in"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -5}, 400, "top_k must be >= 0"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 200}, 400, "max_model_len is 128"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs must be between 0 and 20"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "role 'wizard' is not one of"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 30}, 400, "logprobs must be between 0 and 20"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+])
+def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body, status, needle):
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"], r.text
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_metrics(server):
+    text = http("GET", f"{server.url}/metrics").text
+    for name in ("tpgraph_time_to_first_token_seconds_count", "tpgraph_time_per_output_token_seconds_count",
+                 "tpgraph_requests_running", "tpgraph_requests_waiting", "tpgraph_kv_cache_usage",
+                 "tpgraph_preemptions", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count"):
+        assert name in text, name
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_stops_every_rank_within_10_s():
+    s = Server(free_port())
+    try:
+        ranks = s.ranks()
+        assert len(ranks) == 2
+        start = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=30)
+        while any(alive(p) for p in ranks) and time.monotonic() - start < 30:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - start
+        assert elapsed < 10 and not any(alive(p) for p in ranks), (elapsed, s.output()[-2000:])
+    finally:
+        s.stop()

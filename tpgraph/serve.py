@@ -1,0 +1,104 @@
+"""`torchrun --nproc-per-node N -m tpgraph.serve`: an OpenAI-compatible server (FastAPI + uvicorn on rank 0).
+
+    python -m tpgraph.serve                                              # the built-in model, one process, CPU ok
+    torchrun --nproc-per-node 2 -m tpgraph.serve --model DIR --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tpgraph-builtin", "prompt": "Hello", "max_tokens": 16}'
+
+Every rank builds the engine; rank 0 serves HTTP and runs the step loop, and the other ranks follow its messages.
+SIGTERM or Ctrl-C stops the server and every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from tpgraph.engine.cli import add_engine_args, engine_kwargs
+from tpgraph.errors import TPGraphError
+
+logger = logging.getLogger("tpgraph.serve")
+BUILTIN_NAME = "tpgraph-builtin"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tpgraph.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
+                                                             f"{BUILTIN_NAME})")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="idle message interval from rank 0")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+    from tpgraph.engine.tp_engine import TPEngine
+
+    try:
+        engine = TPEngine(**engine_kwargs(args))
+    except TPGraphError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if engine.state.rank != 0:
+        # torchrun forwards SIGTERM to every rank; a follower has nothing to save, so it leaves at once
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        service = EngineService(engine.core, ControlPlane(engine.state))
+        try:
+            service.run_worker()
+        finally:
+            _close(engine)
+        return 0
+
+    import uvicorn
+
+    from tpgraph.server.app import create_app
+    from tpgraph.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+
+    def on_step(_updates, step_s: float) -> None:
+        metrics.step.observe(step_s)
+        if service.times.control_s:
+            metrics.control.observe(service.times.control_s[-1])
+
+    service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=args.heartbeat_s, on_step=on_step)
+    name = args.served_model_name or (args.model or BUILTIN_NAME)
+    app = create_app(engine, service, metrics, name)
+    service.start()
+    logger.info("serving %s on http://%s:%d (tp=%d)", name, args.host, args.port, engine.state.world_size)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.shutdown(timeout_s=10.0)
+        _close(engine)
+    return 0
+
+
+def _close(engine) -> None:
+    """Release graphs, communicator and process group, but never hang on a peer that is gone."""
+    done = threading.Event()
+
+    def close() -> None:
+        try:
+            engine.close()
+        finally:
+            done.set()
+
+    threading.Thread(target=close, daemon=True).start()
+    if not done.wait(15.0):
+        logger.warning("closing the engine took over 15 s (a peer is gone?); exiting anyway")
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
+/health, /metrics. Every mistake in a request is a 400 (404 for an unknown model) with an OpenAI error body, and the
+server keeps serving; a client that disconnects aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.service import EngineService
+from tpgraph.engine.tp_engine import TPEngine
+from tpgraph.errors import RequestError
+from tpgraph.server.metrics import ServerMetrics
+from tpgraph.server.protocol import ChatRequest, CompletionRequest
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@dataclass
+class Choice:
+    """One choice being built: text, token ids, log-probabilities, finish reason."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Api:
+    def __init__(self, engine: TPEngine, service: EngineService, metrics: ServerMetrics, model_name: str) -> None:
+        self.engine, self.service, self.metrics, self.model_name = engine, service, metrics, model_name
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "NotFoundError", "model")
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        return f"token_id:{token_id}" if as_id else self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams
+                  ) -> AsyncIterator[tuple[int, StepUpdate]]:
+        """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
+        Aborts whatever is unfinished if the client goes away or the caller stops early."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, StepUpdate]] = asyncio.Queue()
+        ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
+        open_samples = {rid: params.n for rid in ids}
+        try:
+            for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+                self.metrics.arrived(rid)
+                self.service.submit(rid, prompt, params,
+                                    lambda u, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, u)))
+            while any(open_samples.values()):
+                try:
+                    i, update = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if update.finish_reason == "error":
+                    raise ApiError(500, f"the engine failed: {update.text or self.service.error}", "InternalError")
+                self.metrics.observe(update)
+                if update.finish_reason is not None:
+                    open_samples[ids[i]] -= 1
+                    if not open_samples[ids[i]]:
+                        self.metrics.finished(ids[i], update.finish_reason)
+                yield i, update
+        finally:
+            for rid, left in open_samples.items():
+                if left:
+                    self.service.abort(rid)
+
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics, model_name: str) -> FastAPI:
+    app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None)
+    api = Api(engine, service, metrics, model_name)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'unparsable')})")
+                continue
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{where or 'body'}: {err.get('msg')}")
+        return JSONResponse(error_body(400, "; ".join(problems) or "invalid request", "BadRequestError"), 400)
+
+    @app.exception_handler(RequestError)
+    async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc), "BadRequestError"), 400)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, exc.message, exc.kind, exc.param), exc.status)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if service.alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "tpgraph", "max_model_len": engine.runner.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        sched = engine.core.scheduler
+        metrics.running.set(len(sched.running))
+        metrics.waiting.set(len(sched.waiting))
+        metrics.kv_usage.set(sched.kv_usage)
+        metrics.preemptions.set(sched.num_preemptions)
+        return Response(metrics.exposition(engine.runner.stats.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        api.check_model(body.model)
+        prompts = [engine.encode(p) for p in body.prompts()]
+        params = body.sampling_params(body.max_tokens, body.logprobs, engine.generation_defaults.sampling)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = [Choice(i) for i in range(len(prompts) * params.n)]
+        stream = api.run(request, prompts, params)
+        first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
+
+        def choice_logprobs(c: Choice) -> dict | None:
+            if params.logprobs is None:
+                return None
+            as_id = body.return_tokens_as_token_ids
+            tokens = [api.token_text(t, as_id) for t, _, _ in c.logprobs]
+            offsets, at = [], 0
+            for t in tokens:
+                offsets.append(at)
+                at += len(t)
+            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs],
+                    "top_logprobs": [{api.token_text(t, as_id): lp for t, lp in top} for _, _, top in c.logprobs],
+                    "text_offset": offsets}
+
+        def apply(i: int, u: StepUpdate) -> Choice:
+            c = choices[i * params.n + u.sample_index]
+            c.text += u.text
+            if u.token_id is not None:
+                c.token_ids.append(u.token_id)
+                if u.logprob is not None:
+                    c.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
+            c.finish_reason = u.finish_reason or c.finish_reason
+            return c
+
+        if not body.stream:
+            async for i, u in _chain(first, stream):
+                apply(i, u)
+            return JSONResponse({
+                "id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c),
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": _usage(prompts, choices)})
+
+        async def events() -> AsyncIterator[str]:
+            async for i, u in _chain(first, stream):
+                c = apply(i, u)
+                delta = Choice(c.index)
+                if u.token_id is not None and u.logprob is not None:
+                    delta.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [{"index": c.index, "text": u.text, "logprobs": choice_logprobs(delta),
+                                         "finish_reason": u.finish_reason}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [], "usage": _usage(prompts, choices)})
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        api.check_model(body.model)
+        messages = body.checked_messages()
+        text = engine.render_chat(messages, body.add_generation_prompt)
+        prompts = [engine.tokenizer.encode(text, add_special_tokens=False).ids]
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.logprobs_count(),
+                                      engine.generation_defaults.sampling)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = [Choice(i) for i in range(params.n)]
+        stream = api.run(request, prompts, params)
+        first = await _first(stream)
+
+        def entry(t: int, lp: float) -> dict:
+            s = api.token_text(t, body.return_tokens_as_token_ids)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        def content_logprobs(items: list) -> dict | None:
+            if params.logprobs is None:
+                return None
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                                for t, lp, top in items]}
+
+        def apply(u: StepUpdate) -> Choice:
+            c = choices[u.sample_index]
+            c.text += u.text
+            if u.token_id is not None:
+                c.token_ids.append(u.token_id)
+                if u.logprob is not None:
+                    c.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
+            c.finish_reason = u.finish_reason or c.finish_reason
+            return c
+
+        if not body.stream:
+            async for _, u in _chain(first, stream):
+                apply(u)
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": content_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                            for c in choices],
+                "usage": _usage(prompts, choices)})
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+            for c in choices:
+                yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            async for _, u in _chain(first, stream):
+                c = apply(u)
+                items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
+                delta = {"content": u.text} if u.text or u.finish_reason is None else {}
+                yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
+                                                 "logprobs": content_logprobs(items),
+                                                 "finish_reason": u.finish_reason}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(prompts, choices)})
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+_END = object()
+
+
+async def _first(stream: AsyncIterator) -> object:
+    """Run the stream to its first item (submitting the request, so refusals raise here)."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _chain(first: object, stream: AsyncIterator) -> AsyncIterator:
+    if first is _END:
+        return
+    yield first
+    async for item in stream:
+        yield item

@@ -1,0 +1,59 @@
+"""Server metrics for /metrics (prometheus-client, the server's own registry beside the graph stats' registry)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tpgraph.engine.core import StepUpdate
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("tpgraph_engine_step_seconds", "Host wall time of an engine step",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.control = Histogram("tpgraph_control_path_seconds", "Per-step broadcast of changes to the other ranks",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tpgraph_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
+        self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
+        self.preemptions = Gauge("tpgraph_preemptions", "Preemptions so far", registry=r)
+        self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
+                                registry=r)
+        self.tokens = Counter("tpgraph_generated_tokens", "Tokens generated", registry=r)
+        self._arrival: dict[str, float] = {}
+        self._first: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def arrived(self, request_id: str) -> None:
+        self._arrival[request_id] = time.perf_counter()
+
+    def observe(self, update: StepUpdate) -> None:
+        now = time.perf_counter()
+        rid = update.request_id
+        if update.token_id is not None:
+            self.tokens.inc()
+            self._count[rid] = self._count.get(rid, 0) + 1
+            if rid not in self._first and rid in self._arrival:
+                self._first[rid] = now
+                self.ttft.observe(now - self._arrival[rid])
+
+    def finished(self, request_id: str, reason: str) -> None:
+        """The whole request is over."""
+        self.requests.labels(reason).inc()
+        first, count = self._first.pop(request_id, None), self._count.pop(request_id, 0)
+        if first is not None and count > 1:
+            self.tpot.observe((time.perf_counter() - first) / (count - 1))
+        self._arrival.pop(request_id, None)
+
+    def exposition(self, *others: CollectorRegistry) -> bytes:
+        return b"".join(generate_latest(reg) for reg in (self.registry, *others))
