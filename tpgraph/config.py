@@ -13,6 +13,15 @@ from tpgraph.errors import CheckpointError, ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# config.json fields whose other values change the model: the values here are the ones tpgraph computes
+UNIMPLEMENTED_FIELDS = {
+    "sliding_window": (None,),
+    "use_sliding_window": (None, False),
+    "pretraining_tp": (None, 1),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logits_scaling": (None, 1, 1.0),
+}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -43,7 +52,8 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
-                f"rope type {rope_type!r} is not supported; tpgraph supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"config.json rope_scaling type {rope_type!r} is not supported; tpgraph supports "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         return RopeConfig(
             theta=theta,
@@ -125,6 +135,11 @@ class ModelConfig:
             raise ConfigError("Llama checkpoints with attention_bias or mlp_bias are not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        # fields that change the computation and that this model does not implement: refused, never ignored
+        for name, harmless in UNIMPLEMENTED_FIELDS.items():
+            if cfg.get(name) not in harmless:
+                raise ConfigError(f"config.json sets {name}={cfg.get(name)!r}, which tpgraph does not implement "
+                                  f"(it would run as if unset and give wrong results)")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])

@@ -65,7 +65,7 @@ def test_unsupported_architecture():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="rope_scaling type 'yarn' is not supported"):
         ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
@@ -96,3 +96,13 @@ def test_builtin_model_splits_over_common_tp_sizes():
 def test_parse_dtype():
     with pytest.raises(ConfigError, match="unknown dtype"):
         parse_dtype("int4")
+
+
+@pytest.mark.parametrize("field,value", [("sliding_window", 4096), ("use_sliding_window", True),
+                                         ("pretraining_tp", 2), ("attn_logit_softcapping", 50.0)])
+def test_unimplemented_fields_are_refused_by_name(field, value):
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    with pytest.raises(ConfigError, match=f"config.json sets {field}="):
+        ModelConfig.from_hf_dict({**base, field: value})
+    assert ModelConfig.from_hf_dict({**base, "sliding_window": None, "pretraining_tp": 1}).vocab_size == 10
