@@ -221,3 +221,47 @@ def test_sigterm_stops_every_rank_within_10_s():
         assert elapsed < 10 and not any(alive(p) for p in ranks), (elapsed, s.output()[-2000:])
     finally:
         s.stop()
+
+
+def rank_pids(server: Server) -> dict[int, int]:
+    pids = {}
+    for pid in server.ranks():
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        rank = next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK="))
+        pids[rank] = pid
+    return pids
+
+
+def wait_gone(pids: list[int], seconds: float) -> float:
+    start = time.monotonic()
+    while any(alive(p) for p in pids) and time.monotonic() - start < seconds:
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_a_killed_rank_takes_every_other_process_down_within_60_s():
+    s = Server(free_port())
+    try:
+        pids = rank_pids(s)
+        os.kill(pids[1], signal.SIGKILL)
+        elapsed = wait_gone([pids[0], s.proc.pid], 90)
+        out = s.output()
+        assert elapsed < 60, (elapsed, out[-3000:])
+        assert "rank 1" in out or "local_rank: 1" in out, out[-3000:]
+    finally:
+        s.stop()
+
+
+def test_a_frozen_rank_is_named_and_every_other_process_exits_within_60_s():
+    s = Server(free_port())
+    pids = rank_pids(s)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        elapsed = wait_gone([pids[0], s.proc.pid], 90)
+        out = s.output()
+        assert elapsed < 60, (elapsed, out[-3000:])
+        assert "rank 1 stopped answering" in out, out[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGKILL)
+        s.stop()

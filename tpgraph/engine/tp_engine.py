@@ -25,6 +25,7 @@ from tpgraph.config import parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
 from tpgraph.engine.config import EngineConfig
 from tpgraph.engine.core import EngineCore, StepUpdate
+from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
@@ -90,6 +91,8 @@ class TPEngine:
         except BaseException:
             destroy_distributed(self.state)
             raise
+        self.peer_watch = PeerWatch(self.state)  # a dead or frozen rank ends every rank, named
+        self.peer_watch.start()
         self._closed = False
         self._next_id = 0
 
@@ -174,6 +177,7 @@ class TPEngine:
         if self._closed:
             return
         self._closed = True
+        self.peer_watch.stop()
         self.runner.close()
         self.comm.close()
         destroy_distributed(self.state)
