@@ -76,7 +76,7 @@ class EngineService:
         try:
             while True:
                 message, sinks = self._collect(block=not self.core.has_work)
-                if not self._turn(message, sinks):
+                if not self.turn(message, sinks):
                     return
         except BaseException as exc:  # the engine is gone: every waiting request learns it
             self.error = exc
@@ -87,10 +87,11 @@ class EngineService:
 
     def run_worker(self) -> None:
         """Ranks other than 0: follow rank 0's messages until it says shut down."""
-        while self._turn(None, {}):
+        while self.turn(None, {}):
             pass
 
-    def _turn(self, message: StepMessage | None, sinks: dict[str, Sink]) -> bool:
+    def turn(self, message: StepMessage | None, sinks: dict[str, Sink]) -> bool:
+        """One loop turn on any rank: exchange the message, apply it, step if there is work. False: shut down."""
         t0 = time.perf_counter()
         message = self.control.exchange(message)
         t1 = time.perf_counter()

@@ -10,9 +10,13 @@ the same decisions, so they stay in lockstep with no control messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +28,13 @@ from tpgraph.comm import TPCommunicator
 from tpgraph.config import parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
 from tpgraph.engine.config import EngineConfig
+from tpgraph.engine.control import ControlPlane, StepMessage
 from tpgraph.engine.core import EngineCore, StepUpdate
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
+from tpgraph.engine.service import EngineService
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
 from tpgraph.tokenizer import BOS, load_tokenizer
@@ -58,15 +64,34 @@ class GenerationOutput:
     latency_s: float = 0.0  # time to the last
 
 
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[threading.Event]:
+    """While inside: Ctrl-C (SIGINT) sets the event instead of raising wherever the main thread happens to be."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks)."""
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
+        self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
-            raise ConfigError(f"tp_size={tp_size} needs {tp_size} ranks: launch with torchrun --nproc-per-node "
-                              f"{tp_size}")
+            from tpgraph.engine.followers import free_tcp_init, start_followers
+
+            init = free_tcp_init()
+            self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs})
+            dist_init = (0, tp_size, init)
         rank, world, init = dist_init or (None, None, None)
         self.state: ParallelState = init_distributed(cfg.device, rank, world, init)
         try:
@@ -90,9 +115,12 @@ class TPEngine:
                 eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed)
         except BaseException:
             destroy_distributed(self.state)
+            self._stop_followers()
             raise
         self.peer_watch = PeerWatch(self.state)  # a dead or frozen rank ends every rank, named
         self.peer_watch.start()
+        # rank 0 of started followers tells them each step what changed; under torchrun (SPMD) nobody needs telling
+        self.service = EngineService(self.core, ControlPlane(self.state)) if self._followers else None
         self._closed = False
         self._next_id = 0
 
@@ -128,30 +156,65 @@ class TPEngine:
         if len(per_prompt) != len(prompts):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         results: dict[str, GenerationOutput] = {}
-        order = []
+        order, adds = [], []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            ids = self.encode(prompt)
+            self.core.check_request(ids, p)  # every prompt is checked before any is queued
+            request_id = f"gen-{self._next_id}"
+            self._next_id += 1
+            order.append(request_id)
+            adds.append((request_id, ids, p))
+            results[request_id] = GenerationOutput(
+                request_id, prompt if isinstance(prompt, str) else None, ids,
+                [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
+                                  top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
+        start = time.perf_counter()
+        bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
         try:
-            for prompt, p in zip(prompts, per_prompt, strict=True):
-                request_id = f"gen-{self._next_id}"
-                self._next_id += 1
-                ids = self.encode(prompt)
-                self.core.add_request(request_id, ids, p)
-                order.append(request_id)
-                results[request_id] = GenerationOutput(
-                    request_id, prompt if isinstance(prompt, str) else None, ids,
-                    [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
-                                      top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
-            start = time.perf_counter()
-            bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
-            while self.core.has_work:
-                for update in self.core.step():
-                    out = results[update.request_id]
-                    self._apply(out, update, start, bar)
-            bar.close()
+            with deferred_interrupt() as interrupted:
+                for update in self._run(adds, interrupted):
+                    self._apply(results[update.request_id], update, start, bar)
         except BaseException:
-            for request_id in order:  # nothing stays queued behind a failure or a Ctrl-C
-                self.core.abort(request_id)
+            self._abort(order)  # nothing stays queued behind a failure or a Ctrl-C
             raise
+        finally:
+            bar.close()
         return [results[r] for r in order]
+
+    def _run(self, adds: list[tuple[str, list[int], SamplingParams]], interrupted: threading.Event):
+        """Queue the requests and step until the engine is idle, yielding updates. Ctrl-C lands between steps, never
+        inside one: a step interrupted halfway would leave the ranks in different collectives."""
+        if self.service is None:  # alone, or SPMD under torchrun: every rank runs this same loop
+            for request_id, ids, p in adds:
+                self.core.add_request(request_id, ids, p)
+            while self.core.has_work:
+                yield from self.core.step()
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
+            return
+        collected: list[StepUpdate] = []
+        sinks = {request_id: collected.append for request_id, _, _ in adds}
+        message = StepMessage(adds=adds)
+        while True:
+            self.service.turn(message, sinks)
+            message, sinks = StepMessage(), {}
+            yield from collected
+            collected.clear()
+            if not self.core.has_work:
+                return
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self.service is None:
+            for request_id in request_ids:
+                self.core.abort(request_id)
+        else:
+            self.service.turn(StepMessage(aborts=request_ids), {})
+
+    def follow(self) -> None:
+        """A started follower rank: obey rank 0 until it shuts down."""
+        EngineService(self.core, ControlPlane(self.state)).run_worker()
 
     @staticmethod
     def _apply(out: GenerationOutput, update: StepUpdate, start: float, bar: tqdm) -> None:
@@ -177,10 +240,19 @@ class TPEngine:
         if self._closed:
             return
         self._closed = True
+        if self.service is not None:
+            self.service.turn(StepMessage(shutdown=True), {})  # the followers return and close too
         self.peer_watch.stop()
         self.runner.close()
         self.comm.close()
         destroy_distributed(self.state)
+        self._stop_followers()
+
+    def _stop_followers(self, timeout_s: float = 30.0) -> None:
+        for p in self._followers:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.terminate()
 
     def __enter__(self) -> TPEngine:
         return self

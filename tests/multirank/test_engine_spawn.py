@@ -1,0 +1,82 @@
+"""TPEngine(tp_size=2) from a plain Python process starts its second rank itself, matches TP=1, survives a refused
+request, and takes the rank down on exit and on Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = """
+import sys, time
+from tpgraph import RequestError, SamplingParams, TPEngine
+
+if __name__ == "__main__":
+    kw = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=16, block_size=4)
+    prompts = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
+    params = [SamplingParams(temperature=0.0, max_tokens=10),
+              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=10)] * 2
+    ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
+    with TPEngine(tp_size=2, **kw) as engine:
+        print("followers", [p.pid for p in engine._followers], flush=True)
+        if sys.argv[1] == "hang":
+            print("ready", flush=True)
+            while True:
+                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+        two = engine.generate(prompts, params)
+        try:
+            engine.generate([[]], params[0])
+        except RequestError as exc:
+            print("refused:", exc, flush=True)
+        again = engine.generate(prompts, params)
+    with TPEngine(**kw) as engine:
+        one = engine.generate(prompts, params)
+    print("tp2 == tp1:", ids(two) == ids(one), "after a refusal:", ids(again) == ids(one), flush=True)
+"""
+
+
+def run(mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+
+
+def followers_of(line: str) -> list[int]:
+    return [int(p) for p in line.split("[", 1)[1].rstrip("]\n").split(",") if p.strip()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_spawned_ranks_match_one_rank_and_go_away():
+    proc = run("check")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "refused: the prompt is empty" in out
+    assert "tp2 == tp1: True after a refusal: True" in out, out
+    pids = followers_of(next(line for line in out.splitlines() if line.startswith("followers")))
+    assert len(pids) == 1 and all(gone(p) for p in pids)
+
+
+def test_ctrl_c_stops_the_spawned_ranks():
+    proc = run("hang")
+    pids = []
+    for line in proc.stdout:
+        if line.startswith("followers"):
+            pids = followers_of(line)
+        if line.startswith("ready"):
+            break
+    time.sleep(2)  # inside generate
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0  # KeyboardInterrupt
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and all(gone(p) for p in pids)
