@@ -191,6 +191,30 @@ def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body
     assert ok.status_code == 200
 
 
+def metric(server, name: str) -> float:
+    for line in http("GET", f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_disconnect_aborts_its_request(server):
+    before = metric(server, 'tpgraph_requests_total{finish_reason="abort"}')
+    body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 120, "stream": True, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: ")  # streaming has begun
+    deadline = time.monotonic() + 20
+    while metric(server, 'tpgraph_requests_total{finish_reason="abort"}') <= before:
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.2)
+    while metric(server, "tpgraph_requests_running") != 0:  # the engine drops it at its next turn
+        assert time.monotonic() < deadline, "the aborted request is still running"
+        time.sleep(0.2)
+
+
 def test_metrics(server):
     text = http("GET", f"{server.url}/metrics").text
     for name in ("tpgraph_time_to_first_token_seconds_count", "tpgraph_time_per_output_token_seconds_count",

@@ -37,6 +37,22 @@ class StepUpdate:
 
 
 @dataclass
+class StepTiming:
+    """Where the host time of the last step went (seconds). `sample` includes waiting for the GPU (its one sync);
+    prepare and submit are the decode inputs' preparation and the graph launch; gpu is the decode forward's device
+    time (from CUDA events, read one step late; None on CPU)."""
+
+    schedule: float = 0.0
+    prefill: float = 0.0
+    prepare: float = 0.0
+    submit: float = 0.0
+    sample: float = 0.0
+    postprocess: float = 0.0
+    decode_batch: int = 0
+    gpu: float | None = None
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt_ids: list[int]
@@ -67,6 +83,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
+        self.timing = StepTiming()
 
     # ---- requests ----------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -119,7 +136,9 @@ class EngineCore:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.timing = StepTiming(schedule=time.perf_counter() - t0, decode_batch=len(sched.decode))
         updates = [self._ended(seq) for seq in sched.out_of_cache]
         if not sched.empty:
             updates += self._run(sched)
@@ -131,9 +150,12 @@ class EngineCore:
     def _run(self, sched: ScheduledStep) -> list[StepUpdate]:
         parts: list[torch.Tensor] = []
         sampled: list[Sequence] = []
+        timing = self.timing
         if sched.prefill:
+            t0 = time.perf_counter()
             seqs = [s for s, _ in sched.prefill]
             logits = self.runner.prefill(seqs, [n for _, n in sched.prefill])
+            timing.prefill = time.perf_counter() - t0
             done = [i for i, s in enumerate(seqs) if s.num_uncached == 0]  # prompt (or recompute) complete
             if done:
                 parts.append(logits if len(done) == len(seqs) else logits[done])
@@ -141,11 +163,16 @@ class EngineCore:
         if sched.decode:
             parts.append(self.runner.decode(sched.decode))
             sampled += sched.decode
+            timing.prepare, timing.submit = self.runner.last_decode.prepare_s, self.runner.last_decode.submit_s
+            timer = self.runner.gpu_timer
+            timing.gpu = timer.last_s if timer is not None else None
         if not sampled:
             return []
+        t0 = time.perf_counter()
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.sampler.sample(logits, [self._sample_row(s) for s in sampled])
         now = time.perf_counter()
+        timing.sample = now - t0
         updates = []
         for i, seq in enumerate(sampled):
             state = self.requests[seq.request_id]
@@ -156,6 +183,7 @@ class EngineCore:
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             updates.append(update)
+        timing.postprocess = time.perf_counter() - now
         return updates
 
     def _ended(self, seq: Sequence) -> StepUpdate:

@@ -36,6 +36,39 @@ NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read no
 NULL_SLOT = NULL_BLOCK  # its first slot
 
 
+@dataclass
+class DecodeTiming:
+    """Host time of the last decode call: input preparation (dispatch, writes, the copy) and forward submission."""
+
+    prepare_s: float = 0.0
+    submit_s: float = 0.0
+
+
+class GpuTimer:
+    """GPU time of decode forwards from CUDA events, read one step late (by then the step has synchronized), so
+    timing never adds a sync."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.last_s: float | None = None
+
+    def begin(self) -> torch.cuda.Event:
+        self._collect()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end(self, start: torch.cuda.Event) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending = (start, end)
+
+    def _collect(self) -> None:
+        if self._pending is not None and self._pending[1].query():
+            self.last_s = self._pending[0].elapsed_time(self._pending[1]) / 1e3
+        self._pending = None
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     block_size: int = 16
@@ -120,6 +153,8 @@ class ModelRunner:
         self.graphs = GraphRunner(model.comm, self.device, warmups=g.warmups, check_addresses=g.check_addresses,
                                   show_progress=self.is_driver)
         self.budget: MemoryBudget | None = None
+        self.last_decode = DecodeTiming()
+        self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
         self._bind_kv_cache(num_blocks)
@@ -396,15 +431,21 @@ class ModelRunner:
         n = len(seqs)
         if n > self.seq_rows:
             raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
+        t0 = time.perf_counter()
         mode, desc = self.decode_dispatcher.dispatch(n, n, True)
         padded = desc.num_tokens
         self._write_decode_inputs(seqs)
         self.decode_in.commit(n, padded)
+        t1 = time.perf_counter()
+        gpu = self.gpu_timer.begin() if self.gpu_timer is not None else None
         if mode is GraphMode.NONE:
             logits = self._decode_forward(n, call)
         else:
             logits = self.graphs.replay("decode", padded, self._decode_inputs)
+        if gpu is not None:
+            self.gpu_timer.end(gpu)
         self.stats.record("decode", n, padded, self._decode_mode_label or mode)
+        self.last_decode = DecodeTiming(prepare_s=t1 - t0, submit_s=time.perf_counter() - t1)
         for seq in seqs:
             seq.num_cached = len(seq)
         return logits[:n, : self.model.cfg.vocab_size]

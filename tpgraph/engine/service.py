@@ -26,10 +26,12 @@ Sink = Callable[[StepUpdate], None]
 
 @dataclass
 class LoopTimes:
-    """Host time per loop turn, split as issue #9 asks: control path, and the step (schedule + inputs + run)."""
+    """The last loop turn's control-path broadcast and step wall time, and running totals."""
 
-    control_s: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
+    control_s: list[float] = field(default_factory=lambda: [0.0])
+    step_s: list[float] = field(default_factory=lambda: [0.0])
+    turns: int = 0
+    control_total_s: float = 0.0
 
 
 class EngineService:
@@ -111,8 +113,9 @@ class EngineService:
         if self.core.has_work:
             updates = self.core.step()
             t2 = time.perf_counter()
-            self.times.control_s.append(t1 - t0)
-            self.times.step_s.append(t2 - t1)
+            self.times.control_s[-1], self.times.step_s[-1] = t1 - t0, t2 - t1
+            self.times.turns += 1
+            self.times.control_total_s += t1 - t0
             self._deliver(updates)
             if self.on_step is not None:
                 self.on_step(updates, t2 - t1)

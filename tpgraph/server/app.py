@@ -88,8 +88,9 @@ class Api:
                 yield i, update
         finally:
             for rid, left in open_samples.items():
-                if left:
+                if left:  # the client went away (or the caller stopped): the engine drops the rest
                     self.service.abort(rid)
+                    self.metrics.finished(rid, "abort")
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:

@@ -23,6 +23,12 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.control = Histogram("tpgraph_control_path_seconds", "Per-step broadcast of changes to the other ranks",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.host = Histogram("tpgraph_step_host_seconds", "Host time of an engine step, by part (decode steps)",
+                              ("part",), buckets=LATENCY_BUCKETS, registry=r)
+        self.sample = Histogram("tpgraph_step_sample_seconds", "Sampling, including the wait for the GPU",
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.gpu = Histogram("tpgraph_decode_gpu_seconds", "Device time of a decode forward (CUDA events)",
+                             buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("tpgraph_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
         self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
@@ -33,6 +39,17 @@ class ServerMetrics:
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
         self._count: dict[str, int] = {}
+
+    def step_done(self, timing, control_s: float) -> None:
+        """One engine step's timing (engine.core.StepTiming) and its control-path broadcast."""
+        self.control.observe(control_s)
+        if timing.decode_batch:
+            for part in ("schedule", "prepare", "submit", "postprocess"):
+                self.host.labels(part).observe(getattr(timing, part))
+            self.host.labels("control").observe(control_s)
+            self.sample.observe(timing.sample)
+            if timing.gpu is not None:
+                self.gpu.observe(timing.gpu)
 
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = time.perf_counter()
