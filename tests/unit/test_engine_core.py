@@ -3,7 +3,7 @@ through TPEngine.generate, checked against the plain greedy loop."""
 
 import pytest
 
-from tpgraph import RequestError, SamplingParams, TPEngine
+from tpgraph import ConfigError, RequestError, SamplingParams, TPEngine
 from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import init_distributed
 from tpgraph.engine.greedy import greedy_generate
@@ -123,6 +123,8 @@ def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
         assert tokens(e.generate(PROMPTS, GREEDY)) == reference
 
 
-def test_tp_size_needs_ranks():
-    with pytest.raises(Exception, match="launch with torchrun --nproc-per-node 2"):
+def test_tp_size_must_match_torchruns_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun --nproc-per-node 1
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="tp_size=2 but 1 ranks were launched"):
         TPEngine(tp_size=2, device="cpu")

@@ -9,6 +9,7 @@ read `StepUpdate`s out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,16 @@ class StepUpdate:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+class _Once:
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 @dataclass
@@ -135,19 +146,23 @@ class EngineCore:
         return self.scheduler.has_work
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def step(self) -> list[StepUpdate]:
+    def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[StepUpdate]:
+        """One step. `while_gpu_runs` is called once, after the step's forwards are launched and before the host
+        waits for them (the control path uses it to talk to the other ranks while the GPU is busy)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.timing = StepTiming(schedule=time.perf_counter() - t0, decode_batch=len(sched.decode))
+        hook = _Once(while_gpu_runs)
         updates = [self._ended(seq) for seq in sched.out_of_cache]
         if not sched.empty:
-            updates += self._run(sched)
+            updates += self._run(sched, hook)
+        hook()
         for request_id in {u.request_id for u in updates if u.finish_reason}:
             if self.requests[request_id].finished:
                 del self.requests[request_id]
         return updates
 
-    def _run(self, sched: ScheduledStep) -> list[StepUpdate]:
+    def _run(self, sched: ScheduledStep, while_gpu_runs: Callable[[], None]) -> list[StepUpdate]:
         parts: list[torch.Tensor] = []
         sampled: list[Sequence] = []
         timing = self.timing
@@ -168,6 +183,7 @@ class EngineCore:
             timing.gpu = timer.last_s if timer is not None else None
         if not sampled:
             return []
+        while_gpu_runs()
         t0 = time.perf_counter()
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.sampler.sample(logits, [self._sample_row(s) for s in sampled])

@@ -44,6 +44,7 @@ class EngineService:
         self.times = LoopTimes()
         self.error: BaseException | None = None
         self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._next: tuple[StepMessage, dict[str, Sink]] | None = None  # exchanged, applied next turn
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
 
@@ -53,10 +54,10 @@ class EngineService:
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
         self.core.check_request(prompt_ids, params)  # reads fixed configuration only: safe from any thread
-        self._inbox.put(("add", request_id, list(prompt_ids), params, sink))
+        self.enqueue(request_id, prompt_ids, params, sink)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self.enqueue_abort(request_id)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run_driver, name="tpgraph-engine", daemon=True)
@@ -66,7 +67,7 @@ class EngineService:
         """Stop the loop and tell every other rank to return."""
         if self._thread is None or not self._thread.is_alive():
             return
-        self._inbox.put(("shutdown",))
+        self.enqueue_shutdown()
         self._thread.join(timeout_s)
 
     @property
@@ -76,10 +77,8 @@ class EngineService:
     # ---- the loops ---------------------------------------------------------------------------------------------
     def _run_driver(self) -> None:
         try:
-            while True:
-                message, sinks = self._collect(block=not self.core.has_work)
-                if not self.turn(message, sinks):
-                    return
+            while self.turn():
+                pass
         except BaseException as exc:  # the engine is gone: every waiting request learns it
             self.error = exc
             logger.exception("the engine loop failed")
@@ -89,14 +88,67 @@ class EngineService:
 
     def run_worker(self) -> None:
         """Ranks other than 0: follow rank 0's messages until it says shut down."""
-        while self.turn(None, {}):
+        while self.turn():
             pass
 
-    def turn(self, message: StepMessage | None, sinks: dict[str, Sink]) -> bool:
-        """One loop turn on any rank: exchange the message, apply it, step if there is work. False: shut down."""
+    def enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Queue an already checked request (rank 0 driving the loop itself)."""
+        self._inbox.put(("add", request_id, list(prompt_ids), params, sink))
+
+    def enqueue_abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def enqueue_shutdown(self) -> None:
+        self._inbox.put(("shutdown",))
+
+    @property
+    def pending(self) -> bool:
+        """Rank 0: something queued or exchanged that no turn has applied yet."""
+        return not self._inbox.empty() or (self._next is not None and not self._next[0].empty)
+
+    def turn(self) -> bool:
+        """One loop turn, the same on every rank. False: shut down.
+
+        In steady decode the next turn's message travels during this turn's step, while the GPU runs (the step's
+        `while_gpu_runs` hook), so no rank waits for it. After a turn without a step it is exchanged at the top of
+        the next turn (rank 0 waiting up to heartbeat_s for something to send). Every rank takes the same branches
+        (their cores agree on has_work), so the broadcasts always pair up.
+        """
         t0 = time.perf_counter()
-        message = self.control.exchange(message)
+        if self._next is None:
+            self._next = self._exchange(block=not self.core.has_work)
+        (message, sinks), self._next = self._next, None
+        self._apply(message, sinks)
+        if message.shutdown:
+            return False
+        if not self.core.has_work:
+            return True
+        control = time.perf_counter() - t0
+
+        def exchange_next() -> None:
+            nonlocal control
+            t = time.perf_counter()
+            self._next = self._exchange(block=False)
+            control += time.perf_counter() - t
+
         t1 = time.perf_counter()
+        updates = self.core.step(while_gpu_runs=exchange_next)
+        t2 = time.perf_counter()
+        self.times.control_s[-1], self.times.step_s[-1] = control, t2 - t1 - (control - (t1 - t0))
+        self.times.turns += 1
+        self.times.control_total_s += control
+        self._deliver(updates)
+        if self.on_step is not None:
+            self.on_step(updates, t2 - t1)
+        return True
+
+    def _exchange(self, block: bool) -> tuple[StepMessage, dict[str, Sink]]:
+        if self.control.state.rank == 0:
+            message, sinks = self._collect(block)
+            return self.control.exchange(message), sinks
+        return self.control.exchange(None), {}
+
+    def _apply(self, message: StepMessage, sinks: dict[str, Sink]) -> None:
         for request_id, prompt_ids, params in message.adds:
             try:
                 self.core.add_request(request_id, prompt_ids, params)
@@ -108,18 +160,6 @@ class EngineService:
                     sink(StepUpdate(request_id, 0, None, str(exc), "error"))
         for request_id in message.aborts:
             self._deliver(self.core.abort(request_id))
-        if message.shutdown:
-            return False
-        if self.core.has_work:
-            updates = self.core.step()
-            t2 = time.perf_counter()
-            self.times.control_s[-1], self.times.step_s[-1] = t1 - t0, t2 - t1
-            self.times.turns += 1
-            self.times.control_total_s += t1 - t0
-            self._deliver(updates)
-            if self.on_step is not None:
-                self.on_step(updates, t2 - t1)
-        return True
 
     def _collect(self, block: bool) -> tuple[StepMessage, dict[str, Sink]]:
         message, sinks = StepMessage(), {}

@@ -28,7 +28,7 @@ from tpgraph.comm import TPCommunicator
 from tpgraph.config import parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
 from tpgraph.engine.config import EngineConfig
-from tpgraph.engine.control import ControlPlane, StepMessage
+from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import EngineCore, StepUpdate
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
@@ -193,15 +193,12 @@ class TPEngine:
                     raise KeyboardInterrupt
             return
         collected: list[StepUpdate] = []
-        sinks = {request_id: collected.append for request_id, _, _ in adds}
-        message = StepMessage(adds=adds)
-        while True:
-            self.service.turn(message, sinks)
-            message, sinks = StepMessage(), {}
+        for request_id, ids, p in adds:
+            self.service.enqueue(request_id, ids, p, collected.append)
+        while self.core.has_work or self.service.pending:
+            self.service.turn()
             yield from collected
             collected.clear()
-            if not self.core.has_work:
-                return
             if interrupted.is_set():
                 raise KeyboardInterrupt
 
@@ -209,8 +206,11 @@ class TPEngine:
         if self.service is None:
             for request_id in request_ids:
                 self.core.abort(request_id)
-        else:
-            self.service.turn(StepMessage(aborts=request_ids), {})
+            return
+        for request_id in request_ids:
+            self.service.enqueue_abort(request_id)
+        while self.service.pending:
+            self.service.turn()
 
     def follow(self) -> None:
         """A started follower rank: obey rank 0 until it shuts down."""
@@ -240,8 +240,10 @@ class TPEngine:
         if self._closed:
             return
         self._closed = True
-        if self.service is not None:
-            self.service.turn(StepMessage(shutdown=True), {})  # the followers return and close too
+        if self.service is not None:  # the followers return and close too
+            self.service.enqueue_shutdown()
+            while self.service.turn():
+                pass
         self.peer_watch.stop()
         self.runner.close()
         self.comm.close()

@@ -1,0 +1,127 @@
+"""Serving benchmark: N concurrent streaming requests against a running `tpgraph.serve`, then one request alone.
+
+    torchrun --nproc-per-node 2 -m tpgraph.serve --model DIR --load-format dummy --max-num-seqs 64 &
+    python bench/bench_serve.py --url http://127.0.0.1:8000 --model DIR --concurrency 64 --out serve.json
+
+Client side (stdlib only, one thread per request): TTFT (request sent -> first token) and TPOT ((last - first token)
+/ (tokens - 1)) per request, p50 and p99, and output tokens/s over the run. Server side, from /metrics, the mean host
+time per decode step by part (schedule, control path, input preparation, launch, postprocess), the mean decode GPU
+time, and the mean decode batch. `ignore_eos` makes every request generate exactly --max-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    stamps = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - sent if stamps else float("nan")
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
+    return {"ttft_s": ttft, "tpot_s": tpot, "chunks": len(stamps), "done_s": stamps[-1] - sent if stamps else 0.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def scrape(url: str) -> dict[str, float]:
+    out = {}
+    for line in urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def step_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean per decode step of each host part, the GPU time and the sampling wait, between two scrapes (ms)."""
+    def mean(sum_key: str, count_key: str) -> float:
+        n = after.get(count_key, 0) - before.get(count_key, 0)
+        return (after.get(sum_key, 0) - before.get(sum_key, 0)) / n * 1e3 if n else float("nan")
+
+    means = {}
+    for part in ("schedule", "control", "prepare", "submit", "postprocess"):
+        means[f"host_{part}_ms"] = mean(f'tpgraph_step_host_seconds_sum{{part="{part}"}}',
+                                        f'tpgraph_step_host_seconds_count{{part="{part}"}}')
+    means["host_total_ms"] = sum(v for k, v in means.items() if v == v)
+    means["gpu_decode_ms"] = mean("tpgraph_decode_gpu_seconds_sum", "tpgraph_decode_gpu_seconds_count")
+    means["sample_ms"] = mean("tpgraph_step_sample_seconds_sum", "tpgraph_step_sample_seconds_count")
+    steps = after.get("tpgraph_step_sample_seconds_count", 0) - before.get("tpgraph_step_sample_seconds_count", 0)
+    means["decode_steps"] = steps
+    return means
+
+
+def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int) -> dict:
+    prompts = [(f"request {i}: " + "lorem ipsum " * prompt_len)[:prompt_len] for i in range(concurrency)]
+    results: list[dict] = [None] * concurrency  # type: ignore[list-item]
+    before = scrape(url)
+    start = time.perf_counter()
+
+    def worker(i: int) -> None:
+        results[i] = stream_one(url, model, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = scrape(url)
+    tokens = sum(r["chunks"] for r in results)
+    ttft = [r["ttft_s"] for r in results]
+    tpot = [r["tpot_s"] for r in results]
+    return {"concurrency": concurrency, "max_tokens": max_tokens, "prompt_chars": prompt_len,
+            "completed": sum(r["chunks"] == max_tokens for r in results), "wall_s": wall,
+            "output_tokens_per_s": tokens / wall,
+            "ttft_ms": {"p50": percentile(ttft, 0.5) * 1e3, "p99": percentile(ttft, 0.99) * 1e3},
+            "tpot_ms": {"p50": percentile(tpot, 0.5) * 1e3, "p99": percentile(tpot, 0.99) * 1e3},
+            "server_step": step_means(before, after)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt characters (the byte tokenizer: ~tokens)")
+    p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
+    args = p.parse_args()
+    run(args.url, args.model, 2, 8, args.prompt_len)  # warm-up
+    loaded = run(args.url, args.model, args.concurrency, args.max_tokens, args.prompt_len)
+    single = run(args.url, args.model, 1, args.max_tokens, args.prompt_len)
+    result = {"loaded": loaded, "single": single}
+    args.out.write_text(json.dumps(result, indent=1))
+    for name, r in result.items():
+        s = r["server_step"]
+        print(f"{name:6s} x{r['concurrency']}: {r['completed']}/{r['concurrency']} complete, "
+              f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} p99 {r['ttft_ms']['p99']:.1f} "
+              f"ms, TPOT p50 {r['tpot_ms']['p50']:.2f} p99 {r['tpot_ms']['p99']:.2f} ms | per decode step: host "
+              f"{s['host_total_ms']:.3f} ms (schedule {s['host_schedule_ms']:.3f}, control {s['host_control_ms']:.3f}, "
+              f"prepare {s['host_prepare_ms']:.3f}, launch {s['host_submit_ms']:.3f}, post "
+              f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
