@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -39,6 +39,20 @@ for step in "$@"; do
          for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_pdl$pdl.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
+    serve) # issue 9 on the GPU: 64 concurrent streams through the server, then one alone (needs fastapi + uvicorn there)
+         python3 -c "import fastapi, uvicorn" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
+             --find-links wheelhouse fastapi uvicorn jinja2 pydantic; }
+         mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
+             'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
+             'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
+             'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16'},
+             open(sys.argv[1], 'w'))" "$out/llama3_8b/config.json"
+         timeout 400 torchrun --nproc-per-node 2 -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
+             --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 > "$out/serve.log" 2>&1 &
+         for _ in $(seq 240); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
+         timeout 300 python3 bench/bench_serve.py --model llama3-8b --concurrency 64 --max-tokens 256 \
+             --prompt-len 256 --out "$out/serve.json" 2>&1 | tee "$out/bench_serve.log"
+         pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/serve.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
