@@ -179,8 +179,22 @@ def test_prefill_runs_in_forwards_of_at_most_max_num_batched_tokens(model):
     assert split.tokens == whole.tokens
     assert sum(c for p, _, _, _, c in capped.stats.frequency_table() if p == "prefill") == 2  # 20+16 | 21 tokens
     torch.testing.assert_close(split.step_logits[0], whole.step_logits[0], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ConfigError, match="must hold a whole prompt of max_model_len"):
-        ModelRunner(model, RunnerConfig(max_model_len=64, max_num_batched_tokens=32, graphs=graphs))
+    # a budget below max_model_len: whole prompts run in chunks and give the same result
+    chunked = ModelRunner(model, RunnerConfig(block_size=4, max_batch=5, max_model_len=40, max_num_batched_tokens=8,
+                                              graphs=graphs))
+    assert greedy_generate(chunked, prompts, 3).tokens == whole.tokens
+    assert sum(c for p, _, _, _, c in chunked.stats.frequency_table() if p == "prefill") >= 7  # 56 tokens, 8 a time
+
+
+def test_max_model_len_defaults_to_the_models_and_must_fit_the_cache(model):
+    graphs = GraphConfig(decode_mode="none", prefill_mode="none")
+    assert ModelRunner(model, RunnerConfig(max_batch=1, graphs=graphs)).max_model_len == \
+        model.cfg.max_position_embeddings
+    capped = ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, num_kv_blocks=11, graphs=graphs))
+    assert capped.max_model_len == 160  # 10 usable blocks of 16
+    with pytest.raises(ConfigError, match="max_model_len 512 needs that many tokens of KV cache, but only 160 fit"):
+        ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, max_model_len=512, num_kv_blocks=11,
+                                        graphs=graphs))
 
 
 def test_running_out_of_memory_in_capture_names_the_remedies():

@@ -21,9 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: min(model's, 4096))")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (default: the model's, capped by what the KV cache holds)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: max(max_model_len, 512))")
+                   help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="run each prompt in one step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -73,11 +73,11 @@ class GpuTimer:
 class RunnerConfig:
     block_size: int = 16
     max_batch: int = 8  # max_num_seqs
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by what the KV cache holds
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(max_model_len, 512)
+    max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(min(max_model_len, 8192), 512)
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -98,7 +98,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.is_driver = model.comm.rank == 0
         self.block_size = cfg.block_size
-        self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"({mcfg.max_position_embeddings})")
@@ -123,10 +123,9 @@ class ModelRunner:
 
         # persistent inputs, sized once for the largest bucket
         self.seq_rows = max(cfg.max_batch, *decode_sizes) if decode_sizes else cfg.max_batch
-        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(self.max_model_len, 512, *prefill_sizes)
-        if self.max_prefill_tokens < self.max_model_len:
-            raise ConfigError(f"max_num_batched_tokens ({self.max_prefill_tokens}) must hold a whole prompt of "
-                              f"max_model_len ({self.max_model_len}) tokens (chunked prefill comes with the scheduler)")
+        # longer prompts run in chunks of this many tokens (chunked prefill)
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512,
+                                                                      *prefill_sizes)
         # every prefill forward fits the token buffers (a few bytes per row)
         # decode inputs: one row per sequence, one arena, so a step's inputs reach the device in one copy; block tables
         # (wide, padded rows never read) last, so the copy spans only their first n rows
@@ -158,6 +157,7 @@ class ModelRunner:
         self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
         self._bind_kv_cache(num_blocks)
+        self._fit_max_model_len()
         self.capture_s = self.capture_bytes = 0.0
         self.capture_all()
         if self.is_driver:
@@ -167,6 +167,20 @@ class ModelRunner:
         return startup_summary(self)
 
     # ---- memory ----------------------------------------------------------------------------------------------
+    def _fit_max_model_len(self) -> None:
+        """A sequence of max_model_len tokens must fit the cache: cap the default, refuse an explicit value."""
+        capacity = self.allocator.num_blocks * self.block_size
+        if capacity >= self.max_model_len:
+            return
+        if self.cfg.max_model_len is not None:
+            raise ConfigError(f"max_model_len {self.max_model_len} needs that many tokens of KV cache, but only "
+                              f"{capacity} fit ({self.allocator.num_blocks} blocks of {self.block_size}); lower "
+                              f"--max-model-len, raise --gpu-memory-utilization, or use more GPUs")
+        if self.is_driver:
+            logger.warning("max_model_len: the model's %d tokens do not fit the KV cache; capped at %d",
+                           self.max_model_len, capacity)
+        self.max_model_len = capacity
+
     def _bind_kv_cache(self, num_blocks: int) -> None:
         layers, heads, dim = self._kv_shape
         self.kv_caches = None  # free the old cache before the new one is allocated
@@ -344,7 +358,16 @@ class ModelRunner:
         """Run each sequence's next num_tokens[i] uncached tokens (default: all of them; a chunk continues from the
         sequence's cached tokens), in forwards of at most max_num_batched_tokens tokens. Returns the logits of each
         sequence's last run token [B, vocab]."""
-        counts = [len(seq) - seq.num_cached for seq in seqs] if num_tokens is None else list(num_tokens)
+        if num_tokens is None:  # whole prompts; a prompt over the per-forward budget runs in chunks
+            last: dict[int, torch.Tensor] = {}
+            pending = list(seqs)
+            while pending:
+                logits = self.prefill(pending, [min(s.num_uncached, self.max_prefill_tokens) for s in pending])
+                for seq, row in zip(pending, logits, strict=True):
+                    last[id(seq)] = row
+                pending = [s for s in pending if s.num_uncached > 0]
+            return torch.stack([last[id(seq)] for seq in seqs])
+        counts = list(num_tokens)
         if len(counts) != len(seqs):
             raise ConfigError(f"{len(counts)} token counts for {len(seqs)} sequences")
         for seq, n in zip(seqs, counts, strict=True):
