@@ -64,6 +64,8 @@ class Api:
         Aborts whatever is unfinished if the client goes away or the caller stops early."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, StepUpdate]] = asyncio.Queue()
+        for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
+            self.service.core.check_request(prompt, params)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: params.n for rid in ids}
         try:
