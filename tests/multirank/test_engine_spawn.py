@@ -14,7 +14,7 @@ import sys, time
 from tpgraph import RequestError, SamplingParams, TPEngine
 
 if __name__ == "__main__":
-    kw = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=16, block_size=4)
+    kw = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=17, block_size=4)
     prompts = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
     params = [SamplingParams(temperature=0.0, max_tokens=10),
               SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=10)] * 2

@@ -7,7 +7,7 @@ from tpgtest.workers import engine_generate
 from tpgraph import SamplingParams, TPEngine
 
 PROMPTS = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
-ENGINE = dict(max_num_seqs=4, max_model_len=64, num_kv_blocks=16, block_size=4)  # tight: preemption happens
+ENGINE = dict(max_num_seqs=4, max_model_len=64, num_kv_blocks=17, block_size=4)  # tight: preemption happens
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.9, top_k=50, max_tokens=10),
           SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=10,
                                                                                    repetition_penalty=1.3)]

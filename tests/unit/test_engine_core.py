@@ -44,20 +44,17 @@ def test_greedy_generate_equals_the_greedy_loop(reference):
 
 
 def test_preemption_and_queueing_change_nothing(reference):
-    # 15 usable blocks of 4 tokens hold the longest sequence (44 + 12 tokens) but not all four (151 tokens)
-    with engine(num_kv_blocks=16) as e:
+    # 16 usable blocks of 4 tokens hold one sequence of max_model_len (64) but not all four (151 tokens)
+    with engine(num_kv_blocks=17) as e:
         out = e.generate(PROMPTS, GREEDY)
         assert e.core.scheduler.num_preemptions > 0
         assert e.runner.allocator.num_free == e.runner.allocator.num_blocks  # every block came back
     assert tokens(out) == reference
 
 
-def test_a_sequence_outgrowing_the_whole_cache_ends_with_length(reference):
-    with engine(num_kv_blocks=13) as e:  # 12 usable blocks: 48 tokens; the 44-token prompt reaches it after 4
-        out = e.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
-        assert e.runner.allocator.num_free == e.runner.allocator.num_blocks and not e.core.has_work
-    assert out.finish_reason == "length" and out.token_ids == reference[3][:len(out.token_ids)]
-    assert 4 <= len(out.token_ids) <= 5
+def test_a_cache_smaller_than_max_model_len_is_refused():
+    with pytest.raises(ConfigError, match="max_model_len 64 needs that many tokens of KV cache, but only 48 fit"):
+        engine(num_kv_blocks=13)
 
 
 def test_chunked_prefill_and_one_sequence_at_a_time(reference):
