@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_step(_updates, step_s: float) -> None:
         metrics.step.observe(step_s)
-        metrics.step_done(engine.core.timing, service.times.control_s[-1] if service.times.control_s else 0.0)
+        metrics.step_done(engine.core.timing, service.times.control_s)
 
     service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=args.heartbeat_s, on_step=on_step)
     name = args.served_model_name or (args.model or BUILTIN_NAME)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
@@ -70,8 +70,6 @@ class RequestState:
     params: SamplingParams
     seqs: list[Sequence]
     detokenizers: list[Detokenizer | None]
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -191,9 +189,7 @@ class EngineCore:
         timing.sample = now - t0
         updates = []
         for i, seq in enumerate(sampled):
-            state = self.requests[seq.request_id]
-            state.first_token = state.first_token or now
-            update = self._append(seq, state, out.token_ids[i])
+            update = self._append(seq, self.requests[seq.request_id], out.token_ids[i])
             if out.logprobs is not None and seq.params.logprobs is not None:
                 update.logprob = out.logprobs[i]
                 k = seq.params.logprobs

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tpgraph.engine.control import ControlPlane, StepMessage
 from tpgraph.engine.core import EngineCore, StepUpdate
@@ -26,12 +26,10 @@ Sink = Callable[[StepUpdate], None]
 
 @dataclass
 class LoopTimes:
-    """The last loop turn's control-path broadcast and step wall time, and running totals."""
+    """The last stepping turn: its control-path broadcasts and the step's wall time without them (seconds)."""
 
-    control_s: list[float] = field(default_factory=lambda: [0.0])
-    step_s: list[float] = field(default_factory=lambda: [0.0])
-    turns: int = 0
-    control_total_s: float = 0.0
+    control_s: float = 0.0
+    step_s: float = 0.0
 
 
 class EngineService:
@@ -123,23 +121,21 @@ class EngineService:
             return False
         if not self.core.has_work:
             return True
-        control = time.perf_counter() - t0
+        top = time.perf_counter() - t0
+        mid = 0.0
 
         def exchange_next() -> None:
-            nonlocal control
+            nonlocal mid
             t = time.perf_counter()
             self._next = self._exchange(block=False)
-            control += time.perf_counter() - t
+            mid = time.perf_counter() - t
 
         t1 = time.perf_counter()
         updates = self.core.step(while_gpu_runs=exchange_next)
-        t2 = time.perf_counter()
-        self.times.control_s[-1], self.times.step_s[-1] = control, t2 - t1 - (control - (t1 - t0))
-        self.times.turns += 1
-        self.times.control_total_s += control
+        self.times = LoopTimes(control_s=top + mid, step_s=time.perf_counter() - t1 - mid)
         self._deliver(updates)
         if self.on_step is not None:
-            self.on_step(updates, t2 - t1)
+            self.on_step(updates, self.times.step_s)
         return True
 
     def _exchange(self, block: bool) -> tuple[StepMessage, dict[str, Sink]]:

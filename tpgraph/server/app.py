@@ -45,6 +45,15 @@ class Choice:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
 
+    def add(self, u: StepUpdate) -> Choice:
+        self.text += u.text
+        if u.token_id is not None:
+            self.token_ids.append(u.token_id)
+            if u.logprob is not None:
+                self.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
+        self.finish_reason = u.finish_reason or self.finish_reason
+        return self
+
 
 class Api:
     def __init__(self, engine: TPEngine, service: EngineService, metrics: ServerMetrics, model_name: str) -> None:
@@ -171,14 +180,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                     "text_offset": offsets}
 
         def apply(i: int, u: StepUpdate) -> Choice:
-            c = choices[i * params.n + u.sample_index]
-            c.text += u.text
-            if u.token_id is not None:
-                c.token_ids.append(u.token_id)
-                if u.logprob is not None:
-                    c.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
-            c.finish_reason = u.finish_reason or c.finish_reason
-            return c
+            return choices[i * params.n + u.sample_index].add(u)
 
         if not body.stream:
             async for i, u in _chain(first, stream):
@@ -229,14 +231,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                                 for t, lp, top in items]}
 
         def apply(u: StepUpdate) -> Choice:
-            c = choices[u.sample_index]
-            c.text += u.text
-            if u.token_id is not None:
-                c.token_ids.append(u.token_id)
-                if u.logprob is not None:
-                    c.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
-            c.finish_reason = u.finish_reason or c.finish_reason
-            return c
+            return choices[u.sample_index].add(u)
 
         if not body.stream:
             async for _, u in _chain(first, stream):

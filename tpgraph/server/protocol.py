@@ -7,8 +7,6 @@ is a 400 from pydantic; a value out of range is a 400 from SamplingParams.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpgraph.engine.sampling_params import SamplingParams
@@ -133,5 +131,3 @@ class ChatRequest(SamplingFields):
             raise RequestError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-
-FinishReason = Literal["stop", "length", "abort", "error"]
