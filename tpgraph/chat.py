@@ -46,7 +46,12 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise CheckpointError(f"the chat template does not parse: {exc}") from None
+        self.source = source
         self.special_tokens = dict(special_tokens or {})
+
+    def __reduce__(self) -> tuple:
+        # the compiled template does not pickle; the server's front-end process rebuilds it from the source
+        return ChatTemplate, (self.source, self.special_tokens)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         try:

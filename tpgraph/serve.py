@@ -5,7 +5,8 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tpgraph-builtin", "prompt": "Hello", "max_tokens": 16}'
 
-Every rank builds the engine; rank 0 serves HTTP and runs the step loop, and the other ranks follow its messages.
+Every rank builds the engine; rank 0 runs the step loop and starts the HTTP front end as its own process (FastAPI +
+uvicorn, server/frontend.py), and the other ranks follow rank 0's messages.
 SIGTERM or Ctrl-C stops the server and every rank.
 """
 
@@ -59,28 +60,44 @@ def main(argv: list[str] | None = None) -> int:
             _close(engine)
         return 0
 
-    import uvicorn
+    from tpgraph.server.bridge import EngineBridge
+    from tpgraph.server.frontend import FrontendSpec, start_frontend
+    from tpgraph.server.metrics import EngineMetrics
 
-    from tpgraph.server.app import create_app
-    from tpgraph.server.metrics import ServerMetrics
-
-    metrics = ServerMetrics()
-
-    def on_step(_updates, step_s: float) -> None:
-        metrics.step.observe(step_s)
-        metrics.step_done(engine.core.timing, service.times.control_s)
-
-    service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=args.heartbeat_s, on_step=on_step)
+    metrics = EngineMetrics(engine.core)
+    service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=args.heartbeat_s,
+                            on_step=lambda _, step_s: metrics.step_done(engine.core.timing, step_s,
+                                                                        service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
-    app = create_app(engine, service, metrics, name)
+    spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts)
+    frontend, conn = start_frontend(spec)
+    stop = threading.Event()
+    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=stop.set)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     service.start()
+    bridge.start()
     logger.info("serving %s on http://%s:%d (tp=%d)", name, args.host, args.port, engine.state.world_size)
+    failed = False
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        while not stop.wait(0.5):
+            if not service.alive:
+                logger.error("the engine loop stopped: %s", service.error)
+                failed = True
+                break
+            if not frontend.is_alive():
+                logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
+                failed = True
+                break
+    except KeyboardInterrupt:
+        pass
     finally:
         service.shutdown(timeout_s=10.0)
+        bridge.close()
+        frontend.join(5.0)
+        if frontend.is_alive():
+            frontend.terminate()
         _close(engine)
-    return 0
+    return 1 if failed else 0
 
 
 def _close(engine) -> None:

@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tpgraph.engine.detokenizer import Detokenizer
+from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import Sampler, SampleRow
 from tpgraph.engine.sampling_params import SamplingParams
@@ -95,22 +96,15 @@ class EngineCore:
         self.timing = StepTiming()
 
     # ---- requests ----------------------------------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        cfg = self.scheduler.cfg
+        return RequestLimits(self.runner.model.cfg.vocab_size, cfg.max_model_len,
+                             self.scheduler.allocator.num_blocks * cfg.block_size)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if add_request would refuse this prompt (front ends check before accepting it)."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.runner.model.cfg.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        max_len = self.scheduler.cfg.max_model_len
-        if len(prompt_ids) >= max_len:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len}, which leaves "
-                               f"no room to generate")
-        cache_tokens = self.scheduler.allocator.num_blocks * self.scheduler.cfg.block_size
-        if len(prompt_ids) > cache_tokens:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {cache_tokens}")
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        self.limits.check(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:

@@ -37,11 +37,11 @@ from tpgraph.engine.scheduler import SchedulerConfig
 from tpgraph.engine.service import EngineService
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
+from tpgraph.prompts import Prompt, PromptCodec
 from tpgraph.tokenizer import BOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
 
 
 @dataclass
@@ -104,6 +104,8 @@ class TPEngine:
             self.chat_template = ChatTemplate.from_dir(cfg.model, BOS)
             self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
+            self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
+                                       str(cfg.model or "the built-in model"))
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -127,24 +129,14 @@ class TPEngine:
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=False).ids
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise RequestError(f"a prompt is a string, a list of token ids or a list of chat messages, got "
-                           f"{type(prompt).__name__}")
+        return self.prompts.encode(prompt)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            raise RequestError(f"{self.config.model} has no chat template (tokenizer_config.json chat_template); "
-                               f"send a plain prompt")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.prompts.render_chat(messages, add_generation_prompt)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
-        return SamplingParams(**{**self.generation_defaults.sampling, **overrides})
+        return self.prompts.default_params(**overrides)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:

@@ -5,6 +5,7 @@ server keeps serving; a client that disconnects aborts its request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -18,9 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.engine.service import EngineService
-from tpgraph.engine.tp_engine import TPEngine
 from tpgraph.errors import RequestError
+from tpgraph.prompts import PromptCodec
+from tpgraph.server.bridge import EngineClient
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 
@@ -56,32 +57,27 @@ class Choice:
 
 
 class Api:
-    def __init__(self, engine: TPEngine, service: EngineService, metrics: ServerMetrics, model_name: str) -> None:
-        self.engine, self.service, self.metrics, self.model_name = engine, service, metrics, model_name
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, model_name: str) -> None:
+        self.client, self.metrics, self.model_name = client, metrics, model_name
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 
-    def token_text(self, token_id: int, as_id: bool = False) -> str:
-        return f"token_id:{token_id}" if as_id else self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams
                   ) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
         Aborts whatever is unfinished if the client goes away or the caller stops early."""
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, StepUpdate]] = asyncio.Queue()
         for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
-            self.service.core.check_request(prompt, params)
+            self.client.check(prompt, params)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: params.n for rid in ids}
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self.metrics.arrived(rid)
-                self.service.submit(rid, prompt, params,
-                                    lambda u, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, u)))
+                self.client.submit(rid, prompt, params, lambda u, i=i: queue.put_nowait((i, u)))
             while any(open_samples.values()):
                 try:
                     i, update = await asyncio.wait_for(queue.get(), timeout=1.0)
@@ -90,7 +86,7 @@ class Api:
                         return
                     continue
                 if update.finish_reason == "error":
-                    raise ApiError(500, f"the engine failed: {update.text or self.service.error}", "InternalError")
+                    raise ApiError(500, f"the engine failed: {update.text or self.client.error}", "InternalError")
                 self.metrics.observe(update)
                 if update.finish_reason is not None:
                     open_samples[ids[i]] -= 1
@@ -100,8 +96,10 @@ class Api:
         finally:
             for rid, left in open_samples.items():
                 if left:  # the client went away (or the caller stopped): the engine drops the rest
-                    self.service.abort(rid)
+                    self.client.abort(rid)
                     self.metrics.finished(rid, "abort")
+                else:
+                    self.client.release(rid)
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
@@ -115,9 +113,15 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics, model_name: str) -> FastAPI:
-    app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None)
-    api = Api(engine, service, metrics, model_name)
+def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
+               max_model_len: int) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client.attach(asyncio.get_running_loop())
+        yield
+
+    app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None, lifespan=lifespan)
+    api = Api(client, metrics, model_name)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -140,43 +144,38 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if service.alive else 503)
+        return Response(status_code=200 if client.alive else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "tpgraph", "max_model_len": engine.runner.max_model_len}]}
+                                            "owned_by": "tpgraph", "max_model_len": max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        sched = engine.core.scheduler
-        metrics.running.set(len(sched.running))
-        metrics.waiting.set(len(sched.waiting))
-        metrics.kv_usage.set(sched.kv_usage)
-        metrics.preemptions.set(sched.num_preemptions)
-        return Response(metrics.exposition(engine.runner.stats.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition() + await client.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
-        prompts = [engine.encode(p) for p in body.prompts()]
-        params = body.sampling_params(body.max_tokens, body.logprobs, engine.generation_defaults.sampling)
+        token_ids = [prompts.encode(p) for p in body.prompts()]
+        params = body.sampling_params(body.max_tokens, body.logprobs, prompts.generation_defaults.sampling)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = [Choice(i) for i in range(len(prompts) * params.n)]
-        stream = api.run(request, prompts, params)
+        choices = [Choice(i) for i in range(len(token_ids) * params.n)]
+        stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
 
         def choice_logprobs(c: Choice) -> dict | None:
             if params.logprobs is None:
                 return None
             as_id = body.return_tokens_as_token_ids
-            tokens = [api.token_text(t, as_id) for t, _, _ in c.logprobs]
+            tokens = [prompts.token_text(t, as_id) for t, _, _ in c.logprobs]
             offsets, at = [], 0
             for t in tokens:
                 offsets.append(at)
                 at += len(t)
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs],
-                    "top_logprobs": [{api.token_text(t, as_id): lp for t, lp in top} for _, _, top in c.logprobs],
+                    "top_logprobs": [{prompts.token_text(t, as_id): lp for t, lp in top} for _, _, top in c.logprobs],
                     "text_offset": offsets}
 
         def apply(i: int, u: StepUpdate) -> Choice:
@@ -189,7 +188,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c),
                              "finish_reason": c.finish_reason} for c in choices],
-                "usage": _usage(prompts, choices)})
+                "usage": _usage(token_ids, choices)})
 
         async def events() -> AsyncIterator[str]:
             async for i, u in _chain(first, stream):
@@ -202,7 +201,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                                          "finish_reason": u.finish_reason}]})
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [], "usage": _usage(prompts, choices)})
+                            "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -211,17 +210,17 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check_model(body.model)
         messages = body.checked_messages()
-        text = engine.render_chat(messages, body.add_generation_prompt)
-        prompts = [engine.tokenizer.encode(text, add_special_tokens=False).ids]
+        text = prompts.render_chat(messages, body.add_generation_prompt)
+        token_ids = [prompts.tokenizer.encode(text, add_special_tokens=False).ids]
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.logprobs_count(),
-                                      engine.generation_defaults.sampling)
+                                      prompts.generation_defaults.sampling)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
-        stream = api.run(request, prompts, params)
+        stream = api.run(request, token_ids, params)
         first = await _first(stream)
 
         def entry(t: int, lp: float) -> dict:
-            s = api.token_text(t, body.return_tokens_as_token_ids)
+            s = prompts.token_text(t, body.return_tokens_as_token_ids)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
         def content_logprobs(items: list) -> dict | None:
@@ -241,7 +240,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": c.finish_reason}
                             for c in choices],
-                "usage": _usage(prompts, choices)})
+                "usage": _usage(token_ids, choices)})
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
@@ -256,7 +255,7 @@ def create_app(engine: TPEngine, service: EngineService, metrics: ServerMetrics,
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": u.finish_reason}]})
             if body.stream_options and body.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(prompts, choices)})
+                yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,4 +1,6 @@
-"""Server metrics for /metrics (prometheus-client, the server's own registry beside the graph stats' registry)."""
+"""Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
+step and host times, queue lengths, KV usage, beside the runner's graph stats); the HTTP front-end process keeps the
+request-level ones (ServerMetrics: TTFT, TPOT, finished requests). /metrics serves both."""
 
 from __future__ import annotations
 
@@ -6,19 +8,16 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.core import EngineCore, StepTiming, StepUpdate
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
 
 
-class ServerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
-                              buckets=LATENCY_BUCKETS, registry=r)
+class EngineMetrics:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.registry = r = CollectorRegistry()
         self.step = Histogram("tpgraph_engine_step_seconds", "Host wall time of an engine step",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.control = Histogram("tpgraph_control_path_seconds", "Per-step broadcast of changes to the other ranks",
@@ -33,23 +32,41 @@ class ServerMetrics:
         self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
         self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Gauge("tpgraph_preemptions", "Preemptions so far", registry=r)
+
+    def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
+        """One engine step's wall time, its timing parts and its control-path broadcasts."""
+        self.step.observe(step_s)
+        self.control.observe(control_s)
+        if timing.decode_batch:
+            for part in HOST_PARTS:
+                self.host.labels(part).observe(getattr(timing, part))
+            self.host.labels("control").observe(control_s)
+            self.sample.observe(timing.sample)
+            if timing.gpu is not None:
+                self.gpu.observe(timing.gpu)
+
+    def exposition(self) -> bytes:
+        sched = self.core.scheduler  # read from another thread: a scrape may see a step half applied, no more
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(sched.kv_usage)
+        self.preemptions.set(sched.num_preemptions)
+        return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
                                 registry=r)
         self.tokens = Counter("tpgraph_generated_tokens", "Tokens generated", registry=r)
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
         self._count: dict[str, int] = {}
-
-    def step_done(self, timing, control_s: float) -> None:
-        """One engine step's timing (engine.core.StepTiming) and its control-path broadcast."""
-        self.control.observe(control_s)
-        if timing.decode_batch:
-            for part in ("schedule", "prepare", "submit", "postprocess"):
-                self.host.labels(part).observe(getattr(timing, part))
-            self.host.labels("control").observe(control_s)
-            self.sample.observe(timing.sample)
-            if timing.gpu is not None:
-                self.gpu.observe(timing.gpu)
 
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = time.perf_counter()
@@ -72,5 +89,5 @@ class ServerMetrics:
             self.tpot.observe((time.perf_counter() - first) / (count - 1))
         self._arrival.pop(request_id, None)
 
-    def exposition(self, *others: CollectorRegistry) -> bytes:
-        return b"".join(generate_latest(reg) for reg in (self.registry, *others))
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,87 @@
+"""The pipe between the HTTP front end and the engine: requests reach the service, updates come back batched to the
+right sinks on the event loop, metrics answer by ticket, and a closed pipe fails every open request."""
+
+import asyncio
+import multiprocessing as mp
+import threading
+
+from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.limits import RequestLimits
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.server.bridge import EngineBridge, EngineClient
+
+LIMITS = RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=256)
+
+
+class FakeService:
+    """Answers each request with three tokens at once, from the bridge's reader thread."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def enqueue(self, request_id, prompt_ids, params, sink) -> None:
+        for i, token in enumerate(prompt_ids[:3]):
+            sink(StepUpdate(request_id, 0, token, str(token), "length" if i == 2 else None))
+
+    def enqueue_abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+
+def test_requests_updates_metrics_and_a_lost_engine():
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    service, closed = FakeService(), threading.Event()
+    bridge = EngineBridge(service, engine_end, lambda: b"engine_metric 1\n", on_closed=closed.set)
+    bridge.start()
+    lost = threading.Event()
+    client = EngineClient(frontend_end, LIMITS, on_lost=lost.set)
+
+    async def main() -> None:
+        client.attach(asyncio.get_running_loop())
+        got: dict[str, list[StepUpdate]] = {"a": [], "b": []}
+        done = {rid: asyncio.Event() for rid in got}
+
+        def sink_for(rid):
+            def sink(u):
+                assert threading.current_thread() is threading.main_thread()  # delivered on the loop
+                got[rid].append(u)
+                if u.finish_reason:
+                    done[rid].set()
+            return sink
+
+        client.submit("a", [5, 6, 7, 8], SamplingParams(), sink_for("a"))
+        client.submit("b", [9, 10, 11], SamplingParams(), sink_for("b"))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in done.values())), 10)
+        assert [u.token_id for u in got["a"]] == [5, 6, 7] and [u.token_id for u in got["b"]] == [9, 10, 11]
+        assert await client.engine_metrics() == b"engine_metric 1\n"
+        client.abort("a")
+        await asyncio.sleep(0.2)
+        assert service.aborted == ["a"]
+
+        # the engine goes away: an open request hears an error, and the client says it is not alive
+        errors = []
+        client._sinks["c"] = errors.append
+        bridge.close()
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, lost.wait, 10), 15)
+        await asyncio.sleep(0)
+        assert errors and errors[0].finish_reason == "error" and not client.alive
+
+    asyncio.run(main())
+
+
+def test_the_engine_side_hears_the_front_end_go():
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    closed = threading.Event()
+    EngineBridge(FakeService(), engine_end, lambda: b"", on_closed=closed.set).start()
+    frontend_end.close()
+    assert closed.wait(10)
+
+
+def test_limits_refuse_what_the_engine_would():
+    import pytest
+
+    from tpgraph.errors import RequestError
+
+    for prompt, needle in (([], "empty"), ([100], "integers in [0, 100)"), (list(range(64)), "max_model_len")):
+        with pytest.raises(RequestError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            LIMITS.check(prompt, SamplingParams())
+    LIMITS.check([1, 2, 3], SamplingParams())

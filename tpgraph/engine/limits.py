@@ -1,0 +1,31 @@
+"""What a request must satisfy before the engine takes it. Plain values, so the server's front-end process checks
+requests itself (a refused one is a 400 before anything reaches the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.errors import RequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    cache_tokens: int  # what the whole KV cache holds
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine would refuse this prompt."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+                               f"which leaves no room to generate")
+        if len(prompt_ids) > self.cache_tokens:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {self.cache_tokens}")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")

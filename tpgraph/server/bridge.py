@@ -1,0 +1,181 @@
+"""The pipe between the HTTP front-end process and the engine on rank 0.
+
+The front end (FastAPI, SSE formatting, tokenization) and the engine's step loop each need a core's worth of Python;
+in one process they share one GIL, and at batch 64 the step loop waited milliseconds for it every step. So rank 0
+starts the front end as its own process, and the two talk through one duplex pipe:
+
+    front end -> engine: ("add", request id, prompt ids, params), ("abort", request id), ("metrics", ticket)
+    engine -> front end: a list per send, of StepUpdates, ("metrics", ticket, exposition bytes) replies and a last
+                         ("closing",)
+
+The engine side batches whatever accumulated while the pipe was busy, so a decode step costs one send, not one per
+stream. Either side seeing the pipe close knows the other is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.limits import RequestLimits
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.service import EngineService
+
+logger = logging.getLogger(__name__)
+Sink = Callable[[StepUpdate], None]
+_STOP = object()
+
+
+class EngineBridge:
+    """Engine side (rank 0's process): requests from the pipe go to the service's inbox; its updates go back."""
+
+    def __init__(self, service: EngineService, conn: Connection, exposition: Callable[[], bytes],
+                 on_closed: Callable[[], None]) -> None:
+        self.service, self.conn, self.exposition, self.on_closed = service, conn, exposition, on_closed
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._read, name="tpgraph-bridge-in", daemon=True),
+                         threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        """Tell the front end the engine is going (it exits), stop sending and close the pipe. The message comes
+        first because closing alone is not seen while this process's reader thread still blocks on the pipe."""
+        self._out.put(("closing",))
+        self._out.put(_STOP)
+        self._threads[1].join(5.0)
+        self.conn.close()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.conn.recv()
+                kind = message[0]
+                if kind == "add":
+                    _, request_id, prompt_ids, params = message
+                    self.service.enqueue(request_id, prompt_ids, params, self._out.put)
+                elif kind == "abort":
+                    self.service.enqueue_abort(message[1])
+                elif kind == "metrics":
+                    self._out.put(("metrics", message[1], self.exposition()))
+        except (EOFError, OSError):
+            logger.info("the HTTP front end closed its pipe")
+        finally:
+            self.on_closed()
+
+    def _send(self) -> None:
+        while True:
+            batch = [self._out.get()]
+            while True:  # whatever else is waiting goes in the same send
+                try:
+                    batch.append(self._out.get_nowait())
+                except queue.Empty:
+                    break
+            stop = _STOP in batch
+            batch = [item for item in batch if item is not _STOP]
+            try:
+                if batch:
+                    self.conn.send(batch)
+            except (OSError, ValueError):  # the front end is gone; the reader reports it
+                return
+            if stop:
+                return
+
+
+class EngineClient:
+    """Front-end side: submit and abort requests, receive their updates on the event loop, fetch engine metrics.
+
+    Sinks are called on the event loop's thread. Every send happens on that thread too (the pipe allows one writer).
+    """
+
+    def __init__(self, conn: Connection, limits: RequestLimits, on_lost: Callable[[], None] | None = None) -> None:
+        self.conn, self.limits, self.on_lost = conn, limits, on_lost
+        self.error: str | None = None
+        self._sinks: dict[str, Sink] = {}
+        self._metrics: dict[int, asyncio.Future] = {}
+        self._tickets = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start receiving (call once, from the event loop that serves requests)."""
+        self._loop = loop
+        threading.Thread(target=self._read, name="tpgraph-engine-client", daemon=True).start()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop is not None and self.error is None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.limits.check(prompt_ids, params)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error}")
+        self._sinks[request_id] = sink
+        self.conn.send(("add", request_id, list(prompt_ids), params))
+
+    def release(self, request_id: str) -> None:
+        """The request is over; forget its sink."""
+        self._sinks.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        if self.error is None:
+            self.conn.send(("abort", request_id))
+
+    async def engine_metrics(self, timeout_s: float = 5.0) -> bytes:
+        """The engine process's Prometheus exposition (empty if it does not answer in time)."""
+        if self.error is not None:
+            return b""
+        ticket = next(self._tickets)
+        future = asyncio.get_running_loop().create_future()
+        self._metrics[ticket] = future
+        self.conn.send(("metrics", ticket))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            return b"# the engine did not answer within the scrape timeout\n"
+        finally:
+            self._metrics.pop(ticket, None)
+
+    def _read(self) -> None:
+        assert self._loop is not None
+        try:
+            while True:
+                batch = self.conn.recv()
+                self._loop.call_soon_threadsafe(self._dispatch, batch)
+        except (EOFError, OSError):
+            self._loop.call_soon_threadsafe(self._lost, "the engine process closed the connection")
+
+    def _lost(self, reason: str) -> None:
+        if self.error is None:
+            self._fail(reason)
+
+    def _dispatch(self, batch: list) -> None:
+        for item in batch:
+            if isinstance(item, StepUpdate):
+                sink = self._sinks.get(item.request_id)
+                if sink is not None:
+                    sink(item)
+            elif item[0] == "metrics":
+                future = self._metrics.get(item[1])
+                if future is not None and not future.done():
+                    future.set_result(item[2])
+            elif item[0] == "closing" and self.error is None:
+                self._lost("the engine is shutting down")
+
+    def _fail(self, reason: str) -> None:
+        self.error = reason
+        for request_id, sink in list(self._sinks.items()):
+            sink(StepUpdate(request_id, 0, None, reason, "error"))
+        self._sinks.clear()
+        if self.on_lost is not None:
+            self.on_lost()

@@ -1,0 +1,62 @@
+"""The HTTP front end as its own process (see bridge.py for why): rank 0 starts it with `start_frontend` and it runs
+FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told to stop (SIGTERM, Ctrl-C)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from tpgraph.engine.limits import RequestLimits
+from tpgraph.prompts import PromptCodec
+
+logger = logging.getLogger("tpgraph.serve")
+EXIT_GRACE_S = 3.0  # after the engine is gone, streams still open get this long to hear it before the process ends
+
+
+@dataclass
+class FrontendSpec:
+    """Everything the front end needs, picklable: where to listen, what to call the model, how to check and encode."""
+
+    host: str
+    port: int
+    model_name: str
+    max_model_len: int
+    limits: RequestLimits
+    prompts: PromptCodec
+
+
+def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
+    """Start the front-end process; returns it and the engine's end of the pipe."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context, no process group, no engine threads
+    engine_end, frontend_end = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=run_frontend, args=(frontend_end, spec), name="tpgraph-http", daemon=True)
+    proc.start()
+    frontend_end.close()
+    return proc, engine_end
+
+
+def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
+    import uvicorn
+
+    from tpgraph.server.app import create_app
+    from tpgraph.server.bridge import EngineClient
+    from tpgraph.server.metrics import ServerMetrics
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    server: uvicorn.Server | None = None
+
+    def engine_gone() -> None:
+        logger.error("the engine is gone; the HTTP server stops")
+        if server is not None:
+            server.should_exit = True
+        threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
+
+    client = EngineClient(conn, spec.limits, on_lost=engine_gone)
+    app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len)
+    server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
+    server.run()
