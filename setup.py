@@ -96,7 +96,8 @@ setup(
     ext_modules=[
         Extension(
             "tpgraph._C",
-            sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/pull.cu",
+            sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/push_norm.cu",
+                     "csrc/pull.cu",
                      "csrc/multicast.cu", "csrc/bindings.cpp"],
         )
     ],

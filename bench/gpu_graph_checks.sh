@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [engine-tests] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -53,6 +53,11 @@ for step in "$@"; do
          timeout 300 python3 bench/bench_serve.py --model llama3-8b --concurrency 64 --max-tokens 256 \
              --prompt-len 256 --out "$out/serve.json" 2>&1 | tee "$out/bench_serve.log"
          pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/serve.log" ;;
+    fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
+         timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
+         for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
+             --modes full --batches 1,8,32 --no-ladders --out "$out/decode_fused$f.json" 2>&1 | grep -E "TPOT" \
+             | sed "s/^/fused=$f /" | tee -a "$out/bench_fused.log"; done ;;
     engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -rs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \

@@ -58,6 +58,10 @@ size_t ar_staging_offset(uintptr_t ctx);
 void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
 void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream, uint64_t timeout_ns, int row);
+// 1shot_push + residual add + RMSNorm: out = weight * rmsnorm(allreduce(in) + residual), residual_out = the sum.
+void ar_all_reduce_add_rmsnorm(uintptr_t ctx, int dtype, uintptr_t in, uintptr_t residual, uintptr_t weight,
+                               uintptr_t out, uintptr_t residual_out, int rows, int hidden, float eps, int blocks,
+                               uintptr_t stream, uint64_t timeout_ns);
 int ar_reserve_row(uintptr_t ctx);
 void ar_release_rows(uintptr_t ctx, const std::vector<int>& rows);
 int ar_rows_in_use(uintptr_t ctx);

@@ -187,6 +187,33 @@ void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vec
   }
 }
 
+// One call in flight at a time: the epochs and phases assume it. A call on another stream while the last one
+// may still run would interleave two calls' barriers and hang, so it is refused instead. Returns whether the
+// stream is capturing.
+static bool begin_call(ArContext& ctx, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TPG_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (!capturing && ctx.used && stream != ctx.last_stream) {
+    cudaError_t q = cudaEventQuery(ctx.last_done);
+    if (q == cudaErrorNotReady) {
+      throw std::runtime_error(
+          "custom all-reduce used from two streams at once: the previous call on another stream has not "
+          "finished (order the streams, e.g. stream.wait_stream(other), or use one communicator per stream)");
+    }
+    if (q != cudaSuccess) TPG_CUDA_CHECK(q);
+  }
+  return capturing;
+}
+
+static void end_call(ArContext& ctx, cudaStream_t stream, bool capturing) {
+  if (!capturing) {
+    TPG_CUDA_CHECK(cudaEventRecord(ctx.last_done, stream));
+    ctx.last_stream = stream;
+    ctx.used = true;
+  }
+}
+
 void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream_handle, uint64_t timeout_ns, int row) {
   ArContext& ctx = get(handle);
@@ -208,20 +235,7 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  // One call in flight at a time: the epochs and phases assume it. A call on another stream while the last one
-  // may still run would interleave two calls' barriers and hang, so it is refused instead.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TPG_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
-  if (!capturing && ctx.used && stream != ctx.last_stream) {
-    cudaError_t q = cudaEventQuery(ctx.last_done);
-    if (q == cudaErrorNotReady) {
-      throw std::runtime_error(
-          "custom all-reduce used from two streams at once: the previous call on another stream has not "
-          "finished (order the streams, e.g. stream.wait_stream(other), or use one communicator per stream)");
-    }
-    if (q != cudaSuccess) TPG_CUDA_CHECK(q);
-  }
+  const bool capturing = begin_call(ctx, stream);
   ArParams p = ctx.base_params;
   p.timeout_ns = timeout_ns;
   p.row = zero_copy ? ctx.rows + size_t(row) * kMaxRanks : nullptr;
@@ -236,11 +250,42 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
     // this build never creates multicast objects: always the unicast emulation
     case ArAlgo::Multicast2: launch_multicast_2shot(p, dt, in_ptr, out_ptr, nbytes, /*emulate=*/true, launch); break;
   }
-  if (!capturing) {
-    TPG_CUDA_CHECK(cudaEventRecord(ctx.last_done, stream));
-    ctx.last_stream = stream;
-    ctx.used = true;
+  end_call(ctx, stream, capturing);
+}
+
+void ar_all_reduce_add_rmsnorm(uintptr_t handle, int dtype, uintptr_t in, uintptr_t residual, uintptr_t weight,
+                               uintptr_t out, uintptr_t residual_out, int rows, int hidden, float eps, int blocks,
+                               uintptr_t stream_handle, uint64_t timeout_ns) {
+  ArContext& ctx = get(handle);
+  if (ctx.timeout->fired) throw std::runtime_error(ar_timeout_message(handle));
+  TPG_CHECK(int(ctx.peers.size()) == ctx.layout.world_size, "peer workspaces are not set: exchange IPC handles first");
+  TPG_CHECK(dtype >= 0 && dtype <= 2, "unsupported dtype code " << dtype);
+  const size_t elem = dtype == 0 ? 4 : 2;
+  const size_t row_bytes = size_t(hidden) * elem;
+  TPG_CHECK(rows > 0 && hidden > 0 && row_bytes % (kPushChunkVecs * 16) == 0,
+            "fused all-reduce + RMSNorm needs rows of whole 512-byte chunks, got hidden " << hidden);
+  const int row_chunks = int(row_bytes / (kPushChunkVecs * 16));
+  TPG_CHECK(row_chunks <= kNormMaxRowChunks, "fused all-reduce + RMSNorm rows hold at most "
+                                                 << kNormMaxRowChunks * kPushChunkVecs * 16 << " bytes, got "
+                                                 << row_bytes);
+  const size_t nbytes = row_bytes * size_t(rows);
+  TPG_CHECK(nbytes <= ctx.layout.push_slot_bytes, "1shot_push + RMSNorm: " << nbytes
+                                                      << " bytes exceed the workspace ("
+                                                      << ctx.layout.push_slot_bytes << " bytes)");
+  for (uintptr_t ptr : {in, residual, weight, out, residual_out}) {
+    TPG_CHECK(ptr % 16 == 0, "fused all-reduce + RMSNorm tensors must be 16-byte aligned");
   }
+  TPG_CHECK(blocks >= 1 && blocks <= kMaxBlocks, "grid must have 1.." << kMaxBlocks << " blocks, got " << blocks);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const bool capturing = begin_call(ctx, stream);
+  ArParams p = ctx.base_params;
+  p.timeout_ns = timeout_ns;
+  p.row = nullptr;
+  const NormArgs args{reinterpret_cast<const void*>(in), reinterpret_cast<const void*>(residual),
+                      reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
+                      reinterpret_cast<void*>(residual_out), rows, row_chunks, eps, 1.0f / float(hidden)};
+  launch_push_1shot_add_rmsnorm(p, static_cast<DType>(dtype), args, Launch{blocks, ctx.pdl, stream, ctx.sm_count});
+  end_call(ctx, stream, capturing);
 }
 
 std::string ar_timeout_message(uintptr_t handle) {

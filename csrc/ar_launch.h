@@ -87,6 +87,21 @@ void dispatch_kernel(DType dtype, int world_size, Fn&& fn) {
 // `in` is this rank's input. Pull and multicast kernels copy it into the staging buffer themselves when
 // p.row is null (eager); with a graph row they read every rank's original buffer instead.
 void launch_push_1shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, const Launch& launch);
+
+// 1shot_push + residual add + RMSNorm over [rows, hidden] (push_norm.cu).
+struct NormArgs {
+  const void* in;
+  const void* residual;
+  const void* weight;
+  void* out;
+  void* residual_out;
+  int rows;
+  int row_chunks;  // 512-byte chunks per row
+  float eps;
+  float inv_hidden;  // fl(1 / hidden): the mean as torch computes it on CUDA
+};
+constexpr int kNormMaxRowChunks = 64;  // 16 warps x 4 chunks of registers
+void launch_push_1shot_add_rmsnorm(const ArParams& p, DType dtype, const NormArgs& args, const Launch& launch);
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                  const Launch& launch);
 void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, bool emulate,

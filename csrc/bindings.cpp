@@ -68,6 +68,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
         py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),
         py::arg("row") = -1, "row -1: eager (pull stages the input); row >= 0: graph, zero-copy through that row");
+  m.def("ar_all_reduce_add_rmsnorm", &ar_all_reduce_add_rmsnorm, py::arg("ctx"), py::arg("dtype"), py::arg("inp"),
+        py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("residual_out"), py::arg("rows"),
+        py::arg("hidden"), py::arg("eps"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),
+        "1shot_push fused with the residual add and RMSNorm after it (out, residual_out)");
   m.def("ar_reserve_row", &ar_reserve_row, py::arg("ctx"), "a free pointer-table row (graph capture)");
   m.def("ar_release_rows", &ar_release_rows, py::arg("ctx"), py::arg("rows"),
         "zero rows of released graphs and hand them out again (synchronizes the device)");

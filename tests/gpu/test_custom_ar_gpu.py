@@ -83,3 +83,27 @@ def test_communicator_routes_through_custom_path():
 
     for used, ok in run_ranks(communicator_uses_custom, 2, timeout_s=120):
         assert used and all(ok)
+
+
+def fused_norm_cases(dtype):
+    """(rows, hidden): odd row counts, more rows than SMs, 4 KB .. 64 MB messages."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    h = 4096
+    cases = [(1, h), (3, h), (7, h), (64, h), (200, h), (1, 2048 * 2 // item), (5, 256 * 2 // item)]
+    cases += [(1, 16384 * 2 // item), (17, 8192 * 2 // item), ((64 << 20) // (16384 * 2), 16384 * 2 // item)]
+    return cases
+
+
+def test_fused_all_reduce_add_rmsnorm_matches_the_unfused_pair():
+    from tpgtest.workers import custom_ar_fused_norm
+
+    replays = 3
+    for failures, checked, worst in run_ranks(custom_ar_fused_norm, 2, fused_norm_cases, replays, timeout_s=400):
+        expected = 0
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            item = torch.tensor([], dtype=dtype).element_size()
+            cases = fused_norm_cases(dtype)
+            expected += len(cases) + replays * sum(1 for r, h in cases if r * h * item <= 1 << 20)
+        assert checked == expected
+        assert failures == [], failures
+        assert worst <= 1e-2

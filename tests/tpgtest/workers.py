@@ -379,3 +379,67 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
         blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
             "blocks_back": blocks_back}
+
+
+def custom_ar_fused_norm(rank, world_size, init, cases, replays):
+    """1shot_push + residual add + RMSNorm against 1shot_push then the add+RMSNorm kernel, on random-normal inputs:
+    the new residual bit-equal, the normed output within bf16 rounding, both equal across ranks; eager, then the
+    same calls captured in a graph and replayed on new inputs. A plain push of another size runs between fused calls
+    (they share the push slots and phases) and must still equal NCCL."""
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.kernels.norm import add_rms_norm
+
+    eps = 1e-5
+    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+        failures, checked, worst = [], 0, 0.0
+
+        def inputs(dtype, rows, hidden, seed):
+            own = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
+            common = torch.Generator(device="cuda").manual_seed(seed)
+            x = torch.randn(rows, hidden, device="cuda", generator=own).to(dtype)
+            residual = (4 * torch.randn(rows, hidden, device="cuda", generator=common)).to(dtype)
+            weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=common)).to(dtype)
+            return x, residual, weight
+
+        def compare(tag, out, res, x, residual, weight):
+            nonlocal checked, worst
+            s = ar.all_reduce(x.clone(), Algo.PUSH_1SHOT)
+            ref_out, ref_res = add_rms_norm(s, residual, weight, eps)
+            rel = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+            worst = max(worst, rel)
+            peers = gather_objects(state, (out.cpu(), res.cpu()))
+            same_everywhere = all(torch.equal(o, peers[0][0]) and torch.equal(r, peers[0][1]) for o, r in peers)
+            ints = torch.randint(-8, 8, (rank + 1000,), device="cuda").float()  # another size, same slots
+            ref_ints = ints.clone()
+            dist.all_reduce(ref_ints, group=state.tp_group)
+            plain_ok = torch.equal(ar.all_reduce(ints, Algo.PUSH_1SHOT), ref_ints)
+            checked += 1
+            if not (torch.equal(res, ref_res) and rel <= 1e-2 and same_everywhere and plain_ok):
+                failures.append((tag, torch.equal(res, ref_res), rel, same_everywhere, plain_ok))
+
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for rows, hidden in cases(dtype):
+                tag = (str(dtype), rows, hidden)
+                x, residual, weight = inputs(dtype, rows, hidden, rows + hidden)
+                out, res = ar.all_reduce_add_rmsnorm(x, residual, weight, eps)
+                compare(("eager", *tag), out, res, x, residual, weight)
+                if rows * hidden * x.element_size() > 1 << 20:
+                    continue  # graphs for the decode sizes; the large ones ran eagerly above
+                static = [t.clone() for t in (x, residual, weight)]
+                graph = torch.cuda.CUDAGraph()
+                with ar.capture():
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                        g_out, g_res = ar.all_reduce_add_rmsnorm(*static, eps)
+                    torch.cuda.current_stream().wait_stream(stream)
+                for it in range(replays):
+                    fresh = inputs(dtype, rows, hidden, 7919 * (it + 1) + rows)
+                    for dst, src in zip(static, fresh, strict=True):
+                        dst.copy_(src)
+                    graph.replay()
+                    compare(("graph", it, *tag), g_out, g_res, *fresh)
+                del graph
+        torch.cuda.synchronize()
+        return failures, checked, worst

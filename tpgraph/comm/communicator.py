@@ -18,6 +18,7 @@ from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import CaptureError, TPGraphError
+from tpgraph.kernels.norm import add_rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,17 @@ class TPCommunicator:
                 return out
         dist.all_reduce(x, group=self.state.tp_group)
         return x
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(s + residual), s + residual) with s = the sum of x over the TP group: the all-reduce at a
+        row-parallel output with the residual add and RMSNorm that follow it. One kernel where the custom
+        all-reduce's 1shot_push applies (it fuses them), else the all-reduce and then the add+RMSNorm kernel."""
+        if self.world_size > 1 and self.custom is not None:
+            fused = self.custom.try_all_reduce_add_rmsnorm(x, residual, weight, eps)
+            if fused is not None:
+                return fused
+        return add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's x along dim, in rank order (into `out` if given)."""

@@ -55,6 +55,8 @@ class CustomAllReduceConfig:
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")))
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
+    # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
+    fused_norm: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0")
 
     def __post_init__(self) -> None:
         for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes"):
@@ -74,6 +76,21 @@ def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int) ->
         return replace(b, push_max=push, pull1_max=pull1, pull2_max=pull2, multicast=None)
 
     return replace(table, rows={k: clamp(b) for k, b in table.rows.items()})
+
+
+NORM_CHUNK_BYTES = 512  # the fused kernel's rows are whole chunks of one warp's 16-byte vectors ...
+NORM_MAX_ROW_BYTES = 64 * NORM_CHUNK_BYTES  # ... at most 64 of them (csrc/ar_launch.h, kNormMaxRowChunks)
+
+
+def fused_norm_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Shapes, dtypes and layouts the fused 1shot_push + add + RMSNorm kernel takes."""
+    if x.dim() != 2 or x.dtype not in DTYPE_CODES or residual.shape != x.shape or residual.dtype != x.dtype:
+        return False
+    row_bytes = x.shape[1] * x.element_size()
+    return (weight.shape == (x.shape[1],) and weight.dtype == x.dtype and x.shape[0] > 0
+            and row_bytes % NORM_CHUNK_BYTES == 0 and row_bytes <= NORM_MAX_ROW_BYTES
+            and x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()
+            and all(t.data_ptr() % 16 == 0 for t in (x, residual, weight)))
 
 
 def agree_on_devices(devices: list[tuple[int, tuple[int, int]]]) -> int:
@@ -233,6 +250,41 @@ class CustomAllReduce:
             return None
         plan = self.plan(x)
         return None if plan is None else self._run(x, plan)
+
+    def try_all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused kernel where the table picks 1shot_push for x and the rows fit it; None otherwise (the caller
+        runs the unfused pair)."""
+        self._check_tensor(x)
+        if not (self.cfg.fused_norm and fused_norm_fits(x, residual, weight)):
+            return None
+        plan = self.plan(x)
+        if plan is None or plan.algo != Algo.PUSH_1SHOT:
+            return None
+        return self.all_reduce_add_rmsnorm(x, residual, weight, eps)
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(sum(x) + residual), sum(x) + residual): 1shot_push, the residual add and RMSNorm in one
+        kernel, whatever the table says. x, residual [rows, hidden] and weight [hidden], one dtype."""
+        self._check_tensor(x)
+        if not fused_norm_fits(x, residual, weight):
+            raise CommError(f"fused all-reduce + RMSNorm needs contiguous, 16-byte aligned x and residual [rows, "
+                            f"hidden] and weight [hidden] of one bf16/fp16/fp32 dtype, with rows of whole "
+                            f"{NORM_CHUNK_BYTES}-byte chunks up to {NORM_MAX_ROW_BYTES} bytes; got x "
+                            f"{tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, weight "
+                            f"{tuple(weight.shape)} {weight.dtype}")
+        rows, hidden = x.shape
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        blocks = blocks or min(rows, self.num_sms)  # a block owns whole rows; every block must be resident
+        try:
+            stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+            self.ext.ar_all_reduce_add_rmsnorm(self.ctx, DTYPE_CODES[x.dtype], x.data_ptr(), residual.data_ptr(),
+                                               weight.data_ptr(), out.data_ptr(), res_out.data_ptr(), rows, hidden,
+                                               eps, blocks, stream, self.timeout_ns)
+        except (RuntimeError, ValueError) as exc:
+            raise CommError(f"rank {self.state.rank}, 1shot_push + RMSNorm: {exc}") from None
+        return out, res_out
 
     def _check_tensor(self, x: torch.Tensor) -> None:
         if x.get_device() != self._device_index:  # -1 on CPU

@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
             out = meta.boundary(meta.backend.prefill, q, k, v, cache, meta, self.scale)
         else:
             out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
-        return self.comm.all_reduce(self.o_proj(out.view(out.shape[0], -1)))
+        return self.o_proj(out.view(out.shape[0], -1))  # this rank's partial sums: the caller all-reduces
 
 
 class LlamaMLP(nn.Module):
@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
                                            rank, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # this rank's partial sums: the caller all-reduces
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,21 +90,21 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.comm = comm
         self.input_layernorm = RMSNorm(hidden, eps, f"{prefix}.input_layernorm.weight", dtype, device)
         self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", comm, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, f"{prefix}.post_attention_layernorm.weight", dtype,
                                                 device)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
 
-    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                residual: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it): each add is fused into the next norm."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.add(h, residual)
-        h = self.self_attn(positions, rope, x, meta)
-        x, residual = self.post_attention_layernorm.add(h, residual)
+    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's normalised input; residual: the stream so far. Returns (the MLP's partial sums on this
+        rank, the residual stream): the caller all-reduces them together with the next norm."""
+        partial = self.self_attn(positions, rope, x, meta)
+        norm = self.post_attention_layernorm
+        # the all-reduce, the residual add and the norm after it: one kernel where the custom all-reduce fuses them
+        x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
         return self.mlp(x), residual
 
 
@@ -124,11 +124,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Flat tokens [T] -> final hidden states [T, hidden] (after the last norm)."""
-        h = self.comm.all_reduce(self.embed_tokens(input_ids))
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(positions, self.rotary.tables, h, residual, meta)
-        return self.norm.add(h, residual)[0]
+        residual = self.comm.all_reduce(self.embed_tokens(input_ids))
+        x = self.layers[0].input_layernorm(residual)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, norm in zip(self.layers, norms, strict=True):
+            partial, residual = layer(positions, self.rotary.tables, x, residual, meta)
+            x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off. `out` ([>= N, padded vocab]),
