@@ -408,9 +408,11 @@ def custom_ar_fused_norm(rank, world_size, init, cases, replays):
             ref_out, ref_res = add_rms_norm(s, residual, weight, eps)
             rel = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
             worst = max(worst, rel)
-            peers = gather_objects(state, (out.cpu(), res.cpu()))
-            same_everywhere = all(torch.equal(o, peers[0][0]) and torch.equal(r, peers[0][1]) for o, r in peers)
-            ints = torch.randint(-8, 8, (rank + 1000,), device="cuda").float()  # another size, same slots
+            both = torch.cat([out.flatten(), res.flatten()])
+            peers = [torch.empty_like(both) for _ in range(world_size)]
+            dist.all_gather(peers, both, group=state.tp_group)
+            same_everywhere = all(torch.equal(p, peers[0]) for p in peers)
+            ints = torch.randint(-8, 8, (1024 + 4 * out.shape[0],), device="cuda").float()  # another size
             ref_ints = ints.clone()
             dist.all_reduce(ref_ints, group=state.tp_group)
             plain_ok = torch.equal(ar.all_reduce(ints, Algo.PUSH_1SHOT), ref_ints)
