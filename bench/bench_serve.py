@@ -55,7 +55,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def step_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean per decode step of each host part, the GPU time and the sampling wait, between two scrapes (ms)."""
+    """Mean per decode step of each host part, the GPU time and the sampling wait; the mean wall time of every step
+    and of the prefill forwards of the steps that had one; between two scrapes (ms)."""
     def mean(sum_key: str, count_key: str) -> float:
         n = after.get(count_key, 0) - before.get(count_key, 0)
         return (after.get(sum_key, 0) - before.get(sum_key, 0)) / n * 1e3 if n else float("nan")
@@ -69,6 +70,12 @@ def step_means(before: dict, after: dict) -> dict[str, float]:
     means["sample_ms"] = mean("tpgraph_step_sample_seconds_sum", "tpgraph_step_sample_seconds_count")
     steps = after.get("tpgraph_step_sample_seconds_count", 0) - before.get("tpgraph_step_sample_seconds_count", 0)
     means["decode_steps"] = steps
+    means["step_wall_ms"] = mean("tpgraph_engine_step_seconds_sum", "tpgraph_engine_step_seconds_count")
+    means["steps"] = (after.get("tpgraph_engine_step_seconds_count", 0)
+                      - before.get("tpgraph_engine_step_seconds_count", 0))
+    means["prefill_ms"] = mean("tpgraph_step_prefill_seconds_sum", "tpgraph_step_prefill_seconds_count")
+    means["prefill_steps"] = (after.get("tpgraph_step_prefill_seconds_count", 0)
+                              - before.get("tpgraph_step_prefill_seconds_count", 0))
     return means
 
 
@@ -120,7 +127,9 @@ def main() -> None:
               f"ms, TPOT p50 {r['tpot_ms']['p50']:.2f} p99 {r['tpot_ms']['p99']:.2f} ms | per decode step: host "
               f"{s['host_total_ms']:.3f} ms (schedule {s['host_schedule_ms']:.3f}, control {s['host_control_ms']:.3f}, "
               f"prepare {s['host_prepare_ms']:.3f}, launch {s['host_submit_ms']:.3f}, post "
-              f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms", flush=True)
+              f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms | {s['steps']:.0f} steps of "
+              f"{s['step_wall_ms']:.2f} ms, {s['prefill_steps']:.0f} with prefill ({s['prefill_ms']:.1f} ms of it)",
+              flush=True)
 
 
 if __name__ == "__main__":

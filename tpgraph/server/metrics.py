@@ -26,6 +26,8 @@ class EngineMetrics:
                               ("part",), buckets=LATENCY_BUCKETS, registry=r)
         self.sample = Histogram("tpgraph_step_sample_seconds", "Sampling, including the wait for the GPU",
                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("tpgraph_step_prefill_seconds", "Prefill forwards of a step (host wall time, to "
+                                 "the logits' launch)", buckets=LATENCY_BUCKETS, registry=r)
         self.gpu = Histogram("tpgraph_decode_gpu_seconds", "Device time of a decode forward (CUDA events)",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("tpgraph_requests_running", "Sequences running", registry=r)
@@ -37,6 +39,8 @@ class EngineMetrics:
         """One engine step's wall time, its timing parts and its control-path broadcasts."""
         self.step.observe(step_s)
         self.control.observe(control_s)
+        if timing.prefill:
+            self.prefill.observe(timing.prefill)
         if timing.decode_batch:
             for part in HOST_PARTS:
                 self.host.labels(part).observe(getattr(timing, part))
