@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt characters (the byte tokenizer: ~tokens)")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
-    run(args.url, args.model, 2, 8, args.prompt_len)  # warm-up
+    run(args.url, args.model, args.concurrency, 16, args.prompt_len)  # warm-up: the same batch shapes, short
     loaded = run(args.url, args.model, args.concurrency, args.max_tokens, args.prompt_len)
     single = run(args.url, args.model, 1, args.max_tokens, args.prompt_len)
     result = {"loaded": loaded, "single": single}
