@@ -1,0 +1,77 @@
+"""tpgraph-tune's command line and its writing step, on synthetic measurements (the measuring itself needs GPUs)."""
+
+import json
+import shutil
+from argparse import Namespace
+
+import pytest
+
+from tpgraph.comm.thresholds import Algo, config_dir, load_table
+from tpgraph.tune.cli import _write, main
+from tpgraph.tune.measure import Measurement, grids_for
+
+SIZES = [4096 << i for i in range(15)]
+
+
+def synthetic() -> list[Measurement]:
+    out = []
+    for mode in ("graph", "eager"):
+        for i, n in enumerate(SIZES):
+            winner = "1shot_push" if i < 5 else ("1shot_pull" if i < 8 else ("2shot_pull" if i < 12 else "nccl"))
+            for algo in ("1shot_push", "1shot_pull", "2shot_pull", "nccl"):
+                us = 10.0 if algo == winner else 20.0
+                blocks = None if algo == "nccl" else (2 if n <= 65536 else 132)
+                out.append(Measurement(mode, algo, n, us, blocks))
+    return out
+
+
+def args(tmp_path, **kw):
+    base = dict(tolerance=0.03, min_points=2, dry_run=False, plot=None, log=tmp_path / "tune.json")
+    return Namespace(**{**base, **kw})
+
+
+def test_write_updates_this_world_size_only_and_logs(tmp_path):
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    before = json.loads(table.read_text())
+    _write(args(tmp_path), 2, 132, synthetic(), table, "synthetic provenance")
+    t = load_table(table)
+    for graph in (True, False):
+        b = t.bands(2, graph)
+        assert (b.push_max, b.pull1_max, b.pull2_max) == (SIZES[4], SIZES[7], SIZES[11])
+        assert "synthetic provenance" in b.provenance
+    after = json.loads(table.read_text())
+    assert [r for r in after["rows"] if r["world_size"] != 2] == [r for r in before["rows"] if r["world_size"] != 2]
+    assert after["launch"]["push_blocks"]["2"] == [[65536, 2], [SIZES[-1], "num_sms"]]
+    log = json.loads((tmp_path / "tune.json").read_text())
+    assert len(log["measurements"]) == 2 * 4 * len(SIZES) and log["rows"]["graph"]["push_max"] == SIZES[4]
+
+
+def test_dry_run_prints_the_diff_and_writes_nothing(tmp_path, capsys):
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    text = table.read_text()
+    _write(args(tmp_path, dry_run=True, log=None), 2, 132, synthetic(), table, "synthetic provenance")
+    assert table.read_text() == text
+    out = capsys.readouterr().out
+    assert "synthetic provenance" in out and f"+++ {table} (tuned)" in out
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    _write(args(tmp_path, plot=tmp_path / "tune.png", dry_run=True), 2, 132, synthetic(), table, "p")
+    assert (tmp_path / "tune.png").stat().st_size > 10_000
+
+
+def test_command_line_mistakes_are_refused(monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main([]) == 2 and "--world-size" in capsys.readouterr().err
+    assert main(["--world-size", "2", "--runs", "5"]) == 2 and "at least 20" in capsys.readouterr().err
+
+
+def test_grids_stop_at_the_work_a_message_has():
+    assert grids_for(Algo.PUSH_1SHOT, 4096, 2, 132) == [1, 2, 4, 8]  # 8 chunks of 512 bytes
+    assert grids_for(Algo.PUSH_1SHOT, 64 << 20, 2, 132) == [1, 2, 4, 8, 16, 32, 64, 132, 264]
+    assert grids_for(Algo.PULL_2SHOT, 8192 * 16 * 2, 2, 132) == [1, 2, 4, 8, 16]

@@ -1,0 +1,159 @@
+"""`tpgraph-tune`: measure the all-reduce algorithms on this machine and rewrite its rows of the table.
+
+    tpgraph-tune --world-size 2                       # starts its own ranks
+    torchrun --nproc-per-node 2 -m tpgraph.tune.cli   # or under torchrun
+    tpgraph-tune --world-size 2 --dry-run --plot tune.png
+
+Every algorithm (1shot_push, 1shot_pull, 2shot_pull; NCCL) at sizes 4 KB .. 64 MB, in graph and eager mode, custom
+ones over grid sizes, by one timing method (tpgraph/tune/timing.py). From the curves: monotone bands (the least
+time lost beyond --tolerance, every band at least --min-points sizes), NCCL above the last; grid bands from graph
+mode. Writes this architecture's graph and eager rows for this world size, with provenance, into the table the
+loader reads (TPGRAPH_CONFIG_DIR, else the package's), leaving other rows and architectures as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("tpgraph.tune")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tpgraph-tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=None, help="ranks to start (outside torchrun)")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per candidate (median; at least 20)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts as fast")
+    p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least")
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size measured")
+    p.add_argument("--table", type=Path, default=None, help="table to update (default: the one the loader reads)")
+    p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing to the table")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of the curves with the chosen bands shaded")
+    p.add_argument("--log", type=Path, default=None, help="JSON of every measurement and the derived rows")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.runs < 20:
+        print("error: --runs must be at least 20 (the timing method's median)", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" in os.environ:
+        return run_rank(args, None)
+    if args.world_size is None:
+        print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
+        return 2
+    import torch
+    import torch.multiprocessing as mp
+
+    from tpgraph.engine.followers import free_tcp_init
+
+    if args.world_size < 2 or args.world_size > torch.cuda.device_count():
+        print(f"error: --world-size {args.world_size} needs 2..{torch.cuda.device_count()} GPUs here",
+              file=sys.stderr)
+        return 2
+    init = free_tcp_init()
+    mp.start_processes(_spawned, args=(args, init), nprocs=args.world_size, start_method="spawn")
+    return 0
+
+
+def _spawned(rank: int, args: argparse.Namespace, init: str) -> None:
+    code = run_rank(args, (rank, args.world_size, init))
+    if code:
+        raise SystemExit(code)
+
+
+def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -> int:
+    from tqdm import tqdm
+
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.thresholds import config_dir, table_file_for
+    from tpgraph.distributed import destroy_distributed, init_distributed
+    from tpgraph.tune.measure import DEFAULT_SIZES, count_steps, measure, skipped_multicast
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    rank, world, init = dist_init or (None, None, None)
+    state = init_distributed("cuda", rank, world, init)
+    try:
+        # the workspace must hold the largest size for every algorithm, whatever the current table says
+        ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=args.max_bytes,
+                                                          max_staging_bytes=args.max_bytes))
+        try:
+            sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
+            driver = state.is_driver
+            if driver:
+                logger.info("%s", skipped_multicast())
+            bar = tqdm(total=count_steps(sizes, state.world_size, ar.num_sms), desc="tuning", disable=not driver)
+            results = measure(state, ar, sizes, args.runs, progress=lambda label: (bar.set_postfix_str(label),
+                                                                                   bar.update()))
+            bar.close()
+            props = ar.ext.device_properties(state.device.index)
+            if driver:
+                table = args.table or config_dir() / "allreduce" / table_file_for((props.major, props.minor))
+                _write(args, state.world_size, ar.num_sms, results, table, _provenance(ar, props))
+        finally:
+            ar.close()
+    finally:
+        destroy_distributed(state)
+    return 0
+
+
+def _provenance(ar, props) -> str:
+    """GPU, SM count, driver, CUDA, torch and NCCL versions, date and command."""
+    import torch
+
+    driver = ar.ext.driver_version()  # CUDA driver API version, e.g. 13000
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    command = "tpgraph-tune " + shlex.join(sys.argv[1:])
+    return (f"tpgraph-tune on {props.name} ({ar.num_sms} SMs), driver API {driver // 1000}.{driver % 1000 // 10}, "
+            f"CUDA {torch.version.cuda}, torch {torch.__version__}, NCCL {nccl}, "
+            f"{datetime.date.today().isoformat()}: `{command}`")
+
+
+def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: list, table: Path,
+           provenance: str) -> None:
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.tune.bands import Curves, derive_bands
+    from tpgraph.tune.launch import launch_bands
+    from tpgraph.tune.writer import diff, render, updated_table
+
+    sizes = sorted({m.nbytes for m in results})
+    rows, choices = {}, {}
+    for mode in ("graph", "eager"):
+        times = {a.value: [next((m.us for m in results if m.mode == mode and m.algo == a.value and m.nbytes == s),
+                                None) for s in sizes] for a in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT,
+                                                                 Algo.NCCL)}
+        choices[mode] = derive_bands(Curves(tuple(sizes), times), args.tolerance, args.min_points)
+        rows[mode] = choices[mode].bounds
+        print(f"ws={world_size} {mode}: " + ", ".join(f"{k}={v}" for k, v in rows[mode].items())
+              + f" (excess {choices[mode].excess:.3f})", flush=True)
+    launch = {}
+    for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
+        best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
+        if best:
+            launch[algo] = launch_bands(best, num_sms)
+    doc = json.loads(table.read_text())
+    new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
+    if args.log:
+        args.log.write_text(json.dumps({"provenance": provenance, "rows": rows, "launch": {a.value: b for a, b in
+                                        launch.items()}, "measurements": [vars(m) for m in results]}, indent=1))
+    if args.plot:
+        from tpgraph.tune.plot import plot_curves
+
+        plot_curves(results, choices, args.plot, f"all-reduce, {world_size} ranks")
+    if args.dry_run:
+        print(diff(table, new_text) or f"{table}: no change", flush=True)
+        return
+    table.write_text(new_text)
+    print(f"wrote {table}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
