@@ -223,7 +223,8 @@ def main() -> None:
     p2p = p2p_bandwidth_gbs(state)
     if state.is_driver:
         print("P2P copy bandwidth (GB/s): " + ", ".join(f"{k}={v:.0f}" for k, v in p2p.items()), flush=True)
-    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB))  # push slot: room to sweep
+    # room for every forced algorithm up to 64 MB, whatever the table gives each
+    ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB, staging_bytes=64 * MB))
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
     sweep = sweep_blocks(ar, 20, 10, state.is_driver) if args.sweep else []
     group_name = dist.group.WORLD.group_name

@@ -113,6 +113,13 @@ def ipc_roundtrip(rank, world_size, init):
         destroy_distributed(state)
 
 
+def roomy_config():
+    """A workspace with room for every algorithm up to 64 MB (forced algorithms, whatever the table says)."""
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+
+    return CustomAllReduceConfig(push_slot_bytes=64 << 20, staging_bytes=64 << 20)
+
+
 @contextlib.contextmanager
 def custom_ar_on_rank(rank, world_size, init, cfg=None) -> Iterator[tuple]:
     """(state, CustomAllReduce) on this rank's GPU, closed and torn down on the way out."""
@@ -132,10 +139,9 @@ def custom_ar_on_rank(rank, world_size, init, cfg=None) -> Iterator[tuple]:
 def custom_ar_exactness(rank, world_size, init, sizes, iters):
     """Every algorithm forced, every dtype: integer-valued inputs must give NCCL's result exactly. Iterations
     alternate the table's grid, 3 blocks and one block per SM, so calls with different grids follow each other."""
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
 
-    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+    with custom_ar_on_rank(rank, world_size, init, roomy_config()) as (state, ar):
         grids = (None, 3, ar.num_sms)
         failures, checked = [], 0
         for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
@@ -233,11 +239,10 @@ GRAPH_TEST_BYTES = (16, 4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 def custom_ar_graphs(rank, world_size, init, replays):
     """4 layers x (push, 1shot_pull, 2shot_pull) x sizes, each followed by an in-place NCCL all-reduce of the
     same tensor, captured once and replayed with fresh inputs written in place; compared with eager NCCL."""
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
-    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+    with custom_ar_on_rank(rank, world_size, init, roomy_config()) as (state, ar):
         algos = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT)  # multicast: emulated
         failures, compared = [], 0
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -386,12 +391,11 @@ def custom_ar_fused_norm(rank, world_size, init, cases, replays):
     the new residual bit-equal, the normed output within bf16 rounding, both equal across ranks; eager, then the
     same calls captured in a graph and replayed on new inputs. A plain push of another size runs between fused calls
     (they share the push slots and phases) and must still equal NCCL."""
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.kernels.norm import add_rms_norm
 
     eps = 1e-5
-    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(push_slot_bytes=64 << 20)) as (state, ar):
+    with custom_ar_on_rank(rank, world_size, init, roomy_config()) as (state, ar):
         failures, checked, worst = [], 0, 0.0
 
         def inputs(dtype, rows, hidden, seed):

@@ -7,18 +7,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_installed_package_reads_its_own_tables(tmp_path):
-    # build_py lays out the package exactly as a wheel or `pip install .` does (without compiling the extension)
-    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True)
-    tables = sorted(p.name for p in (tmp_path / "tpgraph" / "configs" / "allreduce").glob("*.json"))
-    assert tables == sorted(p.name for p in (ROOT / "configs" / "allreduce").glob("*.json"))
+def test_a_wheel_carries_the_tables_and_an_installed_copy_reads_them(tmp_path):
+    """`pip wheel .`, then a plain (non-editable) install of it: the tables are in the wheel and the installed
+    package loads its own copy."""
+    import importlib.util
+    import zipfile
+
+    # the build requirements already here: build in this environment (faster); else pip's isolated one
+    here = all(importlib.util.find_spec(m) for m in ("setuptools", "wheel", "pybind11", "ninja"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
+                    *(["--no-build-isolation"] if here else [])], cwd=ROOT, check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("tpgraph-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tables = sorted(p.name for p in (ROOT / "configs" / "allreduce").glob("*.json"))
+    assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tpgraph/configs/allreduce/")) == tables
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
     code = ("from tpgraph.comm.thresholds import config_dir, load_table_for; "
             "print(config_dir()); print(load_table_for((9, 0)).source)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)},
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(tmp_path / "tpgraph" / "configs"), str(tmp_path / "tpgraph" / "configs" / "allreduce" /
-                                                                   "sm90.json")]
+    assert out == [str(site / "tpgraph" / "configs"), str(site / "tpgraph" / "configs" / "allreduce" / "sm90.json")]
 
 
 def test_config_dir_override(monkeypatch, tmp_path):
@@ -27,3 +37,22 @@ def test_config_dir_override(monkeypatch, tmp_path):
     assert config_dir() == ROOT / "configs"  # the checkout's tables in an editable install
     monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
     assert config_dir() == tmp_path
+
+
+def test_a_missing_table_stops_start_up(monkeypatch, tmp_path):
+    """Not a silent fall back to NCCL: the communicator's setup raises, naming the file."""
+    import types
+
+    import pytest
+    import torch
+
+    from tpgraph.comm import communicator
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))  # no tables there
+    monkeypatch.setattr("tpgraph._ext.extension_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(communicator, "run_on_all_ranks", lambda state, fn, what: fn())
+    state = types.SimpleNamespace(device=torch.device("cuda", 0), world_size=2, rank=0)
+    with pytest.raises(ConfigError, match="sm90.json does not exist"):
+        communicator._try_custom_allreduce(state)

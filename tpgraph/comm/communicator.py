@@ -112,7 +112,11 @@ def _try_custom_allreduce(state: ParallelState):
     if not extension_available():
         return None, "tpgraph._C is not built (no nvcc at install time)"
     from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import load_table_for
 
+    # A missing or broken table is a setup error to fix, not a reason to fall back to NCCL unnoticed.
+    capability = torch.cuda.get_device_capability(state.device)
+    run_on_all_ranks(state, lambda: load_table_for(capability), "reading the all-reduce table")
     try:
         return run_on_all_ranks(state, lambda: CustomAllReduce(state), "setting up the custom all-reduce"), None
     except TPGraphError as exc:

@@ -48,9 +48,12 @@ class CallPlan:
 
 @dataclass(frozen=True)
 class CustomAllReduceConfig:
-    max_push_bytes: int = 64 * MB  # per rank slot; the workspace holds 3 phases x world_size slots
+    # The push slot is per rank and the workspace holds 3 phases x world_size of them (at 8 ranks, 24 x the slot),
+    # so it is capped: larger messages fall through to the next algorithm in the table's order.
+    max_push_bytes: int = 16 * MB
     push_slot_bytes: int | None = None  # None: the table's largest push band, capped by max_push_bytes
-    max_staging_bytes: int = 64 * MB
+    max_staging_bytes: int = 64 * MB  # eager pull copies its input here; graphs read inputs in place (zero-copy)
+    staging_bytes: int | None = None  # None: what the table's pull bands can reach, capped by max_staging_bytes
     # read when a config is made (not at import), so the environment of the moment counts
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")))
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
@@ -59,7 +62,7 @@ class CustomAllReduceConfig:
     fused_norm: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0")
 
     def __post_init__(self) -> None:
-        for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes"):
+        for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes", "staging_bytes"):
             value = getattr(self, name)
             if value is not None and (value < 0 or value % VECTOR_BYTES):
                 raise ConfigError(f"{name} must be a non-negative multiple of {VECTOR_BYTES}, got {value}")
@@ -67,15 +70,34 @@ class CustomAllReduceConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
-def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int) -> AlgoTable:
-    """The table with every band cut to what the workspace can hold (larger messages fall through)."""
-    def clamp(b: Bands) -> Bands:
+def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int,
+                       graph_in_place: bool = False) -> AlgoTable:
+    """The table with every band cut to what the workspace can hold (larger messages fall through to the next
+    algorithm). `graph_in_place`: graph rows' pull algorithms read their inputs in place (zero-copy), so the
+    staging buffer does not bound them."""
+    def clamp(mode: str, b: Bands) -> Bands:
         push = min(b.push_max, push_bytes)
-        pull1 = max(push, min(b.pull1_max, staging_bytes))
-        pull2 = max(pull1, min(b.pull2_max, staging_bytes))
+        limit = b.pull2_max if (graph_in_place and mode == "graph") else staging_bytes
+        pull1 = max(push, min(b.pull1_max, limit))  # (pull1_max >= push_max: what push cannot hold goes to pull)
+        pull2 = max(pull1, min(b.pull2_max, limit))
         return replace(b, push_max=push, pull1_max=pull1, pull2_max=pull2, multicast=None)
 
-    return replace(table, rows={k: clamp(b) for k, b in table.rows.items()})
+    return replace(table, rows={k: clamp(k[1], b) for k, b in table.rows.items()})
+
+
+def size_workspace(table: AlgoTable, world_size: int, cfg: CustomAllReduceConfig,
+                   graph_in_place: bool) -> tuple[int, int, AlgoTable]:
+    """(push slot bytes, staging bytes, the table cut to them) for this world size. The slot holds the largest push
+    band, capped by max_push_bytes; staging holds the largest message a staged pull can get once push is capped
+    (eager rows, and graph rows unless inputs are read in place), capped by max_staging_bytes, and nothing where
+    no pull band is reachable."""
+    rows = {mode: table.bands(world_size, mode == "graph") for mode in ("graph", "eager")}
+    push = cfg.push_slot_bytes if cfg.push_slot_bytes is not None else min(max(b.push_max for b in rows.values()),
+                                                                            cfg.max_push_bytes)
+    staged = [b for mode, b in rows.items() if mode == "eager" or not graph_in_place]
+    reach = max((max(b.pull2_max, b.push_max) for b in staged if max(b.pull2_max, b.push_max) > push), default=0)
+    staging = cfg.staging_bytes if cfg.staging_bytes is not None else min(reach, cfg.max_staging_bytes)
+    return push, staging, clamp_to_workspace(table, push, staging, graph_in_place)
 
 
 NORM_CHUNK_BYTES = 512  # the fused kernel's rows are whole chunks of one warp's 16-byte vectors ...
@@ -129,11 +151,7 @@ class CustomAllReduce:
         self.num_sms = agree_on_devices(gather_objects(state, (props.sm_count, (props.major, props.minor))))
         ws = state.world_size
         table = load_table_for((props.major, props.minor))
-        rows = [table.bands(ws, graph) for graph in (True, False)]
-        push = cfg.push_slot_bytes if cfg.push_slot_bytes is not None else min(max(b.push_max for b in rows),
-                                                                                cfg.max_push_bytes)
-        staging = min(max(b.pull2_max for b in rows), cfg.max_staging_bytes)
-        self.table = clamp_to_workspace(table, push, staging)
+        push, staging, self.table = size_workspace(table, ws, cfg, graph_in_place=self.zero_copy)
         self.push_slot_bytes, self.staging_bytes = push, staging
         self._opened: list[bytes] = []  # peer workspace handles this object opened
         self._registrations: list[CaptureRegistration] = []  # live captures (released with their graphs)

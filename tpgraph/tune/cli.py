@@ -84,7 +84,7 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
     try:
         # the workspace must hold the largest size for every algorithm, whatever the current table says
         ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=args.max_bytes,
-                                                          max_staging_bytes=args.max_bytes))
+                                                          staging_bytes=args.max_bytes))
         try:
             sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
             driver = state.is_driver
