@@ -1,9 +1,9 @@
-"""bench/report_allreduce.py: graph figures take each candidate's best timing method; the checks use them."""
+"""bench/report_allreduce.py: the checks of issue 10 on synthetic benchmark rows (they must be able to fail)."""
 
 import pytest
 from tpgtest.bench_modules import load_bench_module
 
-KB = 1 << 10
+KB, MB = 1 << 10, 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -11,39 +11,37 @@ def report():
     return load_bench_module("report_allreduce")
 
 
-def timed(slope: float, plain: float, hidden: float, slope_key: bool) -> dict:
-    """One candidate's graph figures as the bench writes them (slope_key) or as runs of a5687cb wrote them."""
-    if slope_key:
-        best = min(slope, plain, hidden)
-        return {"graph_us": best, "graph_slope_us": slope, "graph_plain_us": plain, "graph_hidden_us": hidden}
-    return {"graph_us": slope, "graph_plain_us": plain, "graph_hidden_us": hidden}
+def row(nbytes, auto, push, pull1, pull2, nccl, symm=(99.0, 99.0), auto_eager=None):
+    r = {"bytes": nbytes, "auto_graph_algo": "1shot_push", "auto_algo": "1shot_push"}
+    for mode, scale in (("graph", 1.0), ("eager", 2.0)):
+        for name, us in (("auto", auto if mode == "graph" or auto_eager is None else auto_eager / scale),
+                         ("1shot_push", push), ("1shot_pull", pull1), ("2shot_pull", pull2), ("nccl", nccl),
+                         ("symm_1shot", symm[0]), ("symm_2shot", symm[1])):
+            r[f"{name}_{mode}_us"] = us * scale
+    return r
 
 
-def row_8kb(auto: tuple, nccl: tuple, slope_key: bool) -> dict:
-    row = {"bytes": 8 * KB, "auto_graph_algo": "1shot_push", "auto_algo": "1shot_push", "auto_eager_us": 5.0,
-           "auto_eager_device_us": 2.4}
-    for name, figures in (("auto", auto), ("nccl", nccl)):
-        row.update({f"{name}_{k}": v for k, v in timed(*figures, slope_key=slope_key).items()})
-    return row
+
+def test_auto_at_the_best_forced_passes_and_a_miss_fails(report):
+    good = {"rows": [row(8 * KB, 2.2, 2.2, 3.0, 4.0, 17.0), row(64 * MB, 193, 200, 210, 195, 264, symm=(369.0, 212.0))],
+            "in_layer": {"8KB": {"auto": 3.2}}}
+    checks = {n: ok for n, ok, _ in report.checks(good, 400.0)}
+    assert all(ok for n, ok in checks.items() if "within 5%" in n or "best peer" in n or "in a layer" in n)
+    bad = {"rows": [row(8 * KB, 2.5, 2.2, 3.0, 4.0, 17.0)], "in_layer": {"8KB": {"auto": 3.5}}}
+    checks = {n: ok for n, ok, _ in report.checks(bad, 400.0)}
+    assert checks["graph: auto within 5% of the best forced algorithm at every size"] is False  # 2.5 / 2.2
+    assert [ok for n, ok in checks.items() if "in a layer" in n] == [False]  # 3.5 > 0.7 x 4.77
 
 
-@pytest.mark.parametrize("slope_key", [False, True])
-def test_each_candidate_gets_its_lowest_method(report, slope_key):
-    row = report.with_best_graph_method(row_8kb((2.3, 2.5, 2.4), (17.0, 11.5, 13.0), slope_key))
-    assert (row["auto_graph_us"], row["auto_graph_method"]) == (2.3, "slope")
-    assert (row["nccl_graph_us"], row["nccl_graph_method"]) == (11.5, "plain")
-    assert row["nccl_graph_slope_us"] == 17.0  # kept, not overwritten by the headline
-    assert report.with_best_graph_method(row) == row  # idempotent
+def test_eager_is_checked_on_its_own(report):
+    doc = {"rows": [row(8 * KB, 2.2, 2.2, 3.0, 4.0, 17.0, auto_eager=5.0)]}  # eager push 4.4, auto 5.0: +14%
+    checks = {n: ok for n, ok, _ in report.checks(doc, None)}
+    assert checks["eager: auto within 5% of the best forced algorithm at every size"] is False
+    assert checks["graph: auto within 5% of the best forced algorithm at every size"] is True
 
 
-def test_rows_without_methods_are_left_alone(report):
-    row = {"bytes": 8 * KB, "auto_graph_us": 2.5, "nccl_graph_us": 11.0}
-    assert report.with_best_graph_method(row) == row
-
-
-@pytest.mark.parametrize(("nccl_plain", "met"), [(11.5, True), (10.0, False)])
-def test_the_8kb_check_compares_best_figures(report, nccl_plain, met):
-    # NCCL's slope (17) is never its figure: with plain 10.0, 2.3 / 10.0 = 0.23 > 0.22 must fail
-    row = report.with_best_graph_method(row_8kb((2.3, 2.5, 2.4), (17.0, nccl_plain, 13.0), slope_key=False))
-    results = {name: ok for name, ok, _ in report.checks({"rows": [row]}, p2p_gbs=380.0)}
-    assert results["8 KB: auto <= 0.22x NCCL"] is met
+def test_a_peer_faster_than_auto_fails(report):
+    doc = {"rows": [row(2 * MB, 14.0, 14.0, 15.0, 16.0, 45.0, symm=(18.7, 13.3))]}
+    checks = {n: ok for n, ok, _ in report.checks(doc, None)}
+    assert checks["graph: auto <= 1.0x the best peer at every size"] is False
+    assert "2 MB" in report.table(doc["rows"])
