@@ -123,12 +123,13 @@ static __device__ __noinline__ void record_and_trap(const ArParams& p, ArAlgo al
 }
 
 // Spin until pred() holds. The clock is first read after 256 failed polls and then every 256 polls, so a wait
-// that succeeds quickly (the common case) never reads it; the timeout counts from that first reading.
+// that succeeds quickly (the common case) never reads it; the timeout counts from that first reading. A timeout of
+// 0 never traps.
 template <typename Pred>
 __device__ __forceinline__ void wait_until(const ArParams& p, ArAlgo algo, int peer, Pred pred) {
   uint64_t start = 0;
   for (uint32_t polls = 1; !pred(); ++polls) {
-    if ((polls & 255) != 0) continue;
+    if ((polls & 255) != 0 || p.timeout_ns == 0) continue;  // timeout 0: wait forever (for debuggers)
     const uint64_t now = global_timer_ns();
     if (start == 0) {
       start = now;

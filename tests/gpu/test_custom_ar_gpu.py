@@ -107,3 +107,49 @@ def test_fused_all_reduce_add_rmsnorm_matches_the_unfused_pair():
         assert checked == expected
         assert failures == [], failures
         assert worst <= 1e-2
+
+
+def random_normal_sizes(dtype):
+    """16 bytes, an odd 1040 elements, 8 KB, 512 KB, 4 MB."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    return [16 // item, 1040, (8 << 10) // item, (512 << 10) // item, (4 << 20) // item]
+
+
+def test_random_normal_inputs_give_the_rank_order_fp32_sum_bit_for_bit():
+    from tpgtest.workers import ALL_ALGOS, custom_ar_random_normal
+
+    for failures, checked in run_ranks(custom_ar_random_normal, 2, random_normal_sizes, timeout_s=400):
+        assert checked == len(ALL_ALGOS) * 3 * len(random_normal_sizes(torch.float32)) * 2
+        assert failures == []
+
+
+def test_many_graphs_in_one_pool_replayed_in_random_order_with_eager_calls_between():
+    from tpgtest.workers import custom_ar_many_graphs
+
+    for failures, checked in run_ranks(custom_ar_many_graphs, 2, 60, timeout_s=300):
+        assert checked > 60 and failures == []
+
+
+def test_pdl_on_and_off_give_the_same_bits():
+    from tpgtest.workers import custom_ar_pdl_bits
+
+    for differ, checked in run_ranks(custom_ar_pdl_bits, 2, [1040, 4096, 1 << 18, 1 << 21], timeout_s=200):
+        assert checked == 3 * 4 and differ == []
+
+
+def test_an_extra_push_call_on_one_rank(tmp_path):
+    """What happens, exactly: rank 0's extra call waits for data rank 1 never sends and times out, naming
+    1shot_push and rank 1. Rank 1's next call of the same chunks completes with rank 0's extra data in it (Lamport
+    slots carry no call identity: documented in the README), and its call after that times out naming rank 0."""
+    timeout_s = 3.0
+    proc = run_ranks_in_subprocess("custom_ar_extra_push_call", 2, timeout_s, str(tmp_path), timeout_s=120)
+    outcomes = {}
+    for rank in range(2):
+        out = tmp_path / f"outcome{rank}"
+        assert out.exists(), proc.stderr[-2000:]
+        outcomes[rank] = ast.literal_eval(out.read_text())
+    (kind, message, _), = outcomes[0]
+    assert kind == "error" and "1shot_push" in message and "rank 1" in message, outcomes
+    first, second = outcomes[1]
+    assert first == ("next call returned", [7.0, 7.0]), outcomes  # 5 (rank 0's extra data) + 2, not 1 + 2
+    assert second[0] == "error" and "1shot_push" in second[1] and "rank 0" in second[1], outcomes

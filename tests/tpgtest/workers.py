@@ -449,3 +449,173 @@ def custom_ar_fused_norm(rank, world_size, init, cases, replays):
                 del graph
         torch.cuda.synchronize()
         return failures, checked, worst
+
+
+ALL_ALGOS = ("1shot_push", "1shot_pull", "2shot_pull", "2shot_multicast")  # multicast: its unicast emulation
+
+
+def rank_order_sum(state, x):
+    """The sum every rank must produce: every rank's x, added in fp32 in rank order, rounded once."""
+    parts = [torch.empty_like(x) for _ in range(state.world_size)]
+    dist.all_gather(parts, x, group=state.tp_group)
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc += p.float()
+    return acc.to(x.dtype)
+
+
+def same_on_every_rank(state, x) -> bool:
+    parts = [torch.empty_like(x) for _ in range(state.world_size)]
+    dist.all_gather(parts, x, group=state.tp_group)
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def capture_all_reduce(ar, static, algo, pool=None):
+    """One forced all-reduce of `static` captured in a graph (inside ar.capture()); returns (graph, output,
+    registration)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with ar.capture() as registration:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = ar.all_reduce(static, algo)
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out, registration
+
+
+def custom_ar_random_normal(rank, world_size, init, sizes):
+    """Random-normal inputs, where summation order shows: every algorithm, dtype and size, eager and in a graph,
+    must give the fp32 sum in rank order bit for bit, and the same bits on every rank."""
+    from tpgraph.comm.thresholds import Algo
+
+    with custom_ar_on_rank(rank, world_size, init, roomy_config()) as (state, ar):
+        failures, checked = [], 0
+        for name in ALL_ALGOS:
+            algo = Algo(name)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for numel in sizes(dtype):
+                    for in_graph in (False, True):
+                        g = torch.Generator(device="cuda").manual_seed(7919 * rank + numel + 13 * in_graph)
+                        x = torch.randn(numel, device="cuda", generator=g).to(dtype)
+                        ref = rank_order_sum(state, x)
+                        if in_graph:
+                            static = torch.zeros_like(x)
+                            graph, out, registration = capture_all_reduce(ar, static, algo)
+                            static.copy_(x)
+                            graph.replay()
+                            result = out.clone()
+                            del graph, out
+                            torch.cuda.synchronize()
+                            ar.release_registration(registration)
+                        else:
+                            result = ar.all_reduce(x.clone(), algo)
+                        checked += 1
+                        if not (torch.equal(result, ref) and same_on_every_rank(state, result)):
+                            failures.append((name, str(dtype), numel, in_graph,
+                                             int((result != ref).sum().item())))
+        return failures, checked
+
+
+def custom_ar_many_graphs(rank, world_size, init, replays):
+    """Graphs of different algorithms and sizes alive together in one pool, replayed in a seeded random order (the
+    same on every rank) with eager calls of other sizes in between: every result is the rank-order sum."""
+    import random
+
+    from tpgraph.comm.thresholds import Algo
+
+    specs = [(Algo.PUSH_1SHOT, 4096, torch.bfloat16), (Algo.PULL_1SHOT, 262144, torch.bfloat16),
+             (Algo.PULL_2SHOT, 1 << 20, torch.float16), (Algo.PUSH_1SHOT, 16384, torch.float32),
+             (Algo.PULL_1SHOT, 2048, torch.float32), (Algo.PULL_2SHOT, 4096, torch.bfloat16)]
+    with custom_ar_on_rank(rank, world_size, init, roomy_config()) as (state, ar):
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for algo, numel, dtype in specs:
+            static = torch.zeros(numel, dtype=dtype, device="cuda")
+            graph, out, _ = capture_all_reduce(ar, static, algo, pool)
+            graphs.append((graph, static, out))
+        order = random.Random(1234)
+        failures, checked = [], 0
+        for i in range(replays):
+            k = order.randrange(len(graphs))
+            graph, static, out = graphs[k]
+            g = torch.Generator(device="cuda").manual_seed(100003 * rank + i)
+            fresh = torch.randn(static.numel(), device="cuda", generator=g).to(static.dtype)
+            static.copy_(fresh)
+            graph.replay()
+            checked += 1
+            if not torch.equal(out, rank_order_sum(state, fresh)):
+                failures.append(("graph", i, k))
+            if order.random() < 0.5:  # an eager call of another algorithm and size in between
+                algo = Algo(order.choice(ALL_ALGOS[:3]))
+                y = torch.randn(order.choice((1024, 8192, 65536)), device="cuda", generator=g).to(torch.bfloat16)
+                checked += 1
+                if not torch.equal(ar.all_reduce(y.clone(), algo), rank_order_sum(state, y)):
+                    failures.append(("eager", i, algo.value))
+        torch.cuda.synchronize()
+        del graphs
+        return failures, checked
+
+
+def custom_ar_pdl_bits(rank, world_size, init, sizes):
+    """The same calls with programmatic dependent launch on and off give the same bits."""
+    from dataclasses import replace
+
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.comm.thresholds import Algo
+
+    state = init_distributed("cuda", rank, world_size, init)
+    try:
+        on = CustomAllReduce(state, replace(roomy_config(), pdl=True))
+        off = CustomAllReduce(state, replace(roomy_config(), pdl=False))
+        differ, checked = [], 0
+        for name in ALL_ALGOS[:3]:
+            for numel in sizes:
+                g = torch.Generator(device="cuda").manual_seed(31 * rank + numel)
+                x = torch.randn(numel, device="cuda", generator=g).to(torch.bfloat16)
+                a, b = on.all_reduce(x.clone(), Algo(name)), off.all_reduce(x.clone(), Algo(name))
+                checked += 1
+                if not torch.equal(a, b):
+                    differ.append((name, numel))
+        torch.cuda.synchronize()
+        on.close()
+        off.close()
+        return differ, checked
+    finally:
+        destroy_distributed(state)
+
+
+def custom_ar_extra_push_call(rank, world_size, init, timeout_s, out_dir):
+    """Rank 0 issues one extra 1shot_push call of another size. What each rank sees is written to out_dir."""
+    import os
+    import time
+    from pathlib import Path
+
+    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.thresholds import Algo
+    from tpgraph.errors import CommError
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=timeout_s))
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")  # 8 KB
+    ar.all_reduce(x, Algo.PUSH_1SHOT)
+    torch.cuda.synchronize()
+    gather_objects(state, None)
+    events = []
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            extra = torch.full((32768,), 5.0, dtype=torch.bfloat16, device="cuda")  # 64 KB, a call rank 1 never makes
+            ar.all_reduce(extra, Algo.PUSH_1SHOT)
+        y = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+        out = ar.all_reduce(y, Algo.PUSH_1SHOT)
+        torch.cuda.synchronize()
+        events.append(("next call returned", out[:2].float().tolist()))
+        z = ar.all_reduce(torch.ones(4096, dtype=torch.bfloat16, device="cuda"), Algo.PUSH_1SHOT)
+        torch.cuda.synchronize()
+        events.append(("call after returned", z[:2].float().tolist()))
+    except (RuntimeError, CommError) as exc:
+        err = ar.timeout_error()
+        events.append(("error", str(err) if err else f"untranslated: {exc}", round(time.monotonic() - start, 1)))
+        ar._watchdog.join(timeout=2.0)
+    Path(out_dir, f"outcome{rank}").write_text(repr(events))
+    os._exit(0)  # a trapped context cannot be torn down cleanly

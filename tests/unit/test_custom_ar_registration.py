@@ -185,3 +185,14 @@ def test_config_reads_the_environment_when_made(monkeypatch):
     monkeypatch.setenv("TPGRAPH_AR_PDL", "0")
     cfg = CustomAllReduceConfig()
     assert cfg.timeout_s == 7.0 and cfg.pdl is False
+
+
+def test_timeout_zero_waits_forever_and_negative_is_refused(monkeypatch):
+    import pytest
+
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", "0")
+    assert CustomAllReduceConfig().timeout_s == 0.0
+    with pytest.raises(ConfigError, match="0: wait forever"):
+        CustomAllReduceConfig(timeout_s=-1)

@@ -55,6 +55,8 @@ class CustomAllReduceConfig:
     max_staging_bytes: int = 64 * MB  # eager pull copies its input here; graphs read inputs in place (zero-copy)
     staging_bytes: int | None = None  # None: what the table's pull bands can reach, capped by max_staging_bytes
     # read when a config is made (not at import), so the environment of the moment counts
+    # A kernel waiting longer than this for a peer traps, which ends this process's CUDA context (every later CUDA
+    # call fails; the process must exit) but names rank, algorithm and peer instead of hanging. 0: wait forever.
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")))
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
@@ -66,8 +68,8 @@ class CustomAllReduceConfig:
             value = getattr(self, name)
             if value is not None and (value < 0 or value % VECTOR_BYTES):
                 raise ConfigError(f"{name} must be a non-negative multiple of {VECTOR_BYTES}, got {value}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.timeout_s < 0:
+            raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers), got {self.timeout_s}")
 
 
 def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int,
