@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,11 +28,8 @@ struct BuildInfo {
 };
 
 // device.cu
-int device_count();
 int current_device();
-void set_device(int device);
 DeviceProperties device_properties(int device);
-bool can_access_peer(int device, int peer);
 int driver_version();
 BuildInfo build_info();
 void memcpy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream);
@@ -49,6 +47,19 @@ std::string ipc_get_handle(uintptr_t ptr);
 uintptr_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(const std::string& handle);
 size_t ipc_open_count();
+
+// ar_context.cu: the kernels' fixed sizes and codes, for the Python policy (one source of truth).
+struct KernelLimits {
+  int vector_bytes = 0;
+  int threads_per_block = 0;
+  int push_chunk_vectors = 0;
+  int max_blocks = 0;
+  int max_ranks = 0;
+  int norm_max_row_chunks = 0;
+};
+KernelLimits kernel_limits();
+std::map<std::string, int> algo_codes();
+std::map<std::string, int> dtype_codes();
 
 // ar_context.cu: one rank's custom all-reduce context (opaque handle).
 uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl);

@@ -190,6 +190,19 @@ void ar_fill_rows(uintptr_t handle, const std::vector<int>& rows, const std::vec
 // One call in flight at a time: the epochs and phases assume it. A call on another stream while the last one
 // may still run would interleave two calls' barriers and hang, so it is refused instead. Returns whether the
 // stream is capturing.
+KernelLimits kernel_limits() {
+  return KernelLimits{int(sizeof(uint4)), kThreads, int(kPushChunkVecs), kMaxBlocks, kMaxRanks, kNormMaxRowChunks};
+}
+
+std::map<std::string, int> algo_codes() {
+  return {{"1shot_push", int(ArAlgo::Push1)}, {"1shot_pull", int(ArAlgo::Pull1)}, {"2shot_pull", int(ArAlgo::Pull2)},
+          {"2shot_multicast", int(ArAlgo::Multicast2)}};
+}
+
+std::map<std::string, int> dtype_codes() {
+  return {{"float32", int(DType::kFloat32)}, {"bfloat16", int(DType::kBFloat16)}, {"float16", int(DType::kFloat16)}};
+}
+
 static bool begin_call(ArContext& ctx, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TPG_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -247,8 +260,8 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
     case ArAlgo::Push1: launch_push_1shot(p, dt, in_ptr, out_ptr, nbytes, launch); break;
     case ArAlgo::Pull1:
     case ArAlgo::Pull2: launch_pull(static_cast<ArAlgo>(algo), p, dt, in_ptr, out_ptr, nbytes, launch); break;
-    // this build never creates multicast objects: always the unicast emulation
-    case ArAlgo::Multicast2: launch_multicast_2shot(p, dt, in_ptr, out_ptr, nbytes, /*emulate=*/true, launch); break;
+    // this build never creates multicast objects, so p.mc_staging is null: the launcher runs the emulation
+    case ArAlgo::Multicast2: launch_multicast_2shot(p, dt, in_ptr, out_ptr, nbytes, launch); break;
   }
   end_call(ctx, stream, capturing);
 }

@@ -104,7 +104,8 @@ constexpr int kNormMaxRowChunks = 64;  // 16 warps x 4 chunks of registers
 void launch_push_1shot_add_rmsnorm(const ArParams& p, DType dtype, const NormArgs& args, const Launch& launch);
 void launch_pull(ArAlgo algo, const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                  const Launch& launch);
-void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, bool emulate,
+// Runs over the multicast mapping when the context has one, else as its unicast emulation.
+void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                             const Launch& launch);
 
 }  // namespace tpgraph

@@ -34,11 +34,23 @@ PYBIND11_MODULE(_C, m) {
       });
 
   m.def("build_info", &build_info, "how this library was built (nvcc version, gencode targets)");
-  m.def("device_count", &device_count);
-  m.def("current_device", &current_device);
-  m.def("set_device", &set_device, py::arg("device"));
+  m.def(
+      "limits",
+      [] {
+        const KernelLimits k = kernel_limits();
+        py::dict d;
+        d["vector_bytes"] = k.vector_bytes;
+        d["threads_per_block"] = k.threads_per_block;
+        d["push_chunk_vectors"] = k.push_chunk_vectors;
+        d["max_blocks"] = k.max_blocks;
+        d["max_ranks"] = k.max_ranks;
+        d["norm_max_row_chunks"] = k.norm_max_row_chunks;
+        return d;
+      },
+      "the kernels' fixed sizes, which the Python policy works with");
+  m.def("algo_codes", &algo_codes, "algorithm name -> the code ar_all_reduce takes");
+  m.def("dtype_codes", &dtype_codes, "dtype name -> the code ar_all_reduce takes");
   m.def("device_properties", &device_properties, py::arg("device"));
-  m.def("can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
   m.def("driver_version", &driver_version);
   m.def("memcpy_async", &memcpy_async, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
   m.def("stream_synchronize", &stream_synchronize, py::arg("stream"));

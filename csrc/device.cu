@@ -26,24 +26,11 @@ std::string format_uuid(const cudaUUID_t& uuid) {
 }
 }  // namespace
 
-int device_count() {
-  int n = 0;
-  cudaError_t err = cudaGetDeviceCount(&n);
-  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  TPG_CUDA_CHECK(err);
-  return n;
-}
-
 int current_device() {
   int dev = 0;
   TPG_CUDA_CHECK(cudaGetDevice(&dev));
   return dev;
 }
-
-void set_device(int device) { TPG_CUDA_CHECK(cudaSetDevice(device)); }
 
 DeviceProperties device_properties(int device) {
   cudaDeviceProp prop{};
@@ -59,12 +46,6 @@ DeviceProperties device_properties(int device) {
   out.pci_bus_id = bus;
   out.uuid = format_uuid(prop.uuid);
   return out;
-}
-
-bool can_access_peer(int device, int peer) {
-  int ok = 0;
-  TPG_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, device, peer));
-  return ok != 0;
 }
 
 int driver_version() {

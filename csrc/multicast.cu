@@ -44,14 +44,13 @@ struct MulticastOps {
 };
 }  // namespace
 
-void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes, bool emulate,
+void launch_multicast_2shot(const ArParams& p, DType dtype, const void* in, void* out, size_t nbytes,
                             const Launch& launch) {
-  if (emulate) {
+  if (p.mc_staging == nullptr) {  // no multicast mapping (never made where multicast is gated): the emulation
     launch_pull(ArAlgo::Multicast2, p, dtype, in, out, nbytes, launch);
     return;
   }
   TPG_CHECK(multicast_env_allowed(), "2shot_multicast: multicast is disabled by the environment");
-  TPG_CHECK(p.mc_staging != nullptr, "2shot_multicast: no multicast mapping (run the unicast emulation)");
   const size_t nvec = nbytes / sizeof(uint4);
   dispatch_kernel(dtype, p.world_size, [&](auto tag, auto w) {
     launch_ar_kernel(two_shot_kernel<typename decltype(tag)::type, decltype(w)::value, MulticastOps>, launch, p,

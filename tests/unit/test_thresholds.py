@@ -19,37 +19,48 @@ from tpgraph.errors import ConfigError
 ARCHS = {"sm90": (9, 0), "sm100": (10, 0), "other": (8, 0)}
 
 
-def expected(n, b, multicast_live):
-    """The rule from DESIGN.md, written independently of pick_algo."""
-    if n <= b.push_max:
-        return Algo.PUSH_1SHOT
-    if n <= b.pull1_max:
-        return Algo.PULL_1SHOT
-    if multicast_live and b.multicast and b.multicast[0] <= n <= b.multicast[1]:
-        return Algo.MULTICAST_2SHOT
-    if n <= b.pull2_max:
-        return Algo.PULL_2SHOT
-    return Algo.NCCL
+KB, MB = 1 << 10, 1 << 20
+# A row with every band open: push <= 64 KB, 1shot_pull <= 1 MB, multicast 2..8 MB (when live), 2shot_pull <= 32 MB.
+ROW = {"push_max": 64 * KB, "pull1_max": 1 * MB, "pull2_max": 32 * MB, "multicast": [2 * MB, 8 * MB]}
+# (bytes, multicast live) -> the answer, written out by hand
+ANSWERS = [
+    (16, False, Algo.PUSH_1SHOT), (64 * KB, False, Algo.PUSH_1SHOT), (64 * KB + 16, False, Algo.PULL_1SHOT),
+    (1 * MB, False, Algo.PULL_1SHOT), (1 * MB + 16, False, Algo.PULL_2SHOT), (2 * MB, False, Algo.PULL_2SHOT),
+    (2 * MB, True, Algo.MULTICAST_2SHOT), (8 * MB, True, Algo.MULTICAST_2SHOT), (8 * MB + 16, True, Algo.PULL_2SHOT),
+    (1 * MB + 16, True, Algo.PULL_2SHOT), (32 * MB, True, Algo.PULL_2SHOT), (32 * MB + 16, False, Algo.NCCL),
+    (32 * MB + 16, True, Algo.NCCL), (64 * KB, True, Algo.PUSH_1SHOT), (24, False, Algo.NCCL),  # not 16-byte whole
+]
+
+
+def table_with_row(row: dict):
+    doc = json.loads((config_dir() / "allreduce" / "sm90.json").read_text())
+    for r in doc["rows"]:
+        if r["world_size"] == 4:
+            r.update(row)
+    return parse_table(doc, "test")
+
+
+@pytest.mark.parametrize(("nbytes", "mc_live", "answer"), ANSWERS)
+@pytest.mark.parametrize("graph", [True, False])
+def test_pick_algo_gives_the_written_answers(nbytes, mc_live, answer, graph):
+    assert pick_algo(nbytes, graph, table_with_row(ROW), 4, multicast_live=mc_live) == answer
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("mc_live", [False, True])
-def test_every_boundary_plus_minus_16(arch, ws, mode, mc_live):
+def test_shipped_bounds_are_inclusive(arch, ws, mode):
     table = load_table_for(ARCHS[arch])
     b = table.bands(ws, mode == "graph")
-    edges = [b.push_max, b.pull1_max, b.pull2_max, *(b.multicast or ())]
-    for edge in edges:
-        for n in (edge - 16, edge, edge + 16):
-            if n <= 0:
-                continue
-            got = pick_algo(n, mode == "graph", table, ws, multicast_live=mc_live)
-            assert got == expected(n, b, mc_live), (arch, ws, mode, n)
-    # the bound is inclusive: at the edge the lower band, 16 bytes later the next
-    assert pick_algo(b.push_max + 16, mode == "graph", table, ws) != Algo.PUSH_1SHOT or b.push_max == 0
-    assert pick_algo(b.pull2_max + 16, mode == "graph", table, ws, multicast_live=mc_live) in (
-        Algo.NCCL, Algo.MULTICAST_2SHOT)
+    graph = mode == "graph"
+    if b.push_max:
+        assert pick_algo(b.push_max, graph, table, ws) == Algo.PUSH_1SHOT
+    if b.pull1_max > b.push_max:
+        assert pick_algo(b.pull1_max, graph, table, ws) == Algo.PULL_1SHOT
+        assert pick_algo(b.push_max + 16, graph, table, ws) == Algo.PULL_1SHOT
+    if b.pull2_max > b.pull1_max:
+        assert pick_algo(b.pull2_max, graph, table, ws) == Algo.PULL_2SHOT
+    assert pick_algo(b.pull2_max + 16, graph, table, ws, multicast_live=False) == Algo.NCCL
 
 
 def test_published_sm100_ws2_rows():

@@ -20,15 +20,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tpgraph._ext import load_ext
+from tpgraph.comm.limits import algo_codes, dtype_codes, kernel_limits
 from tpgraph.comm.registration import CaptureRegistration
-from tpgraph.comm.thresholds import VECTOR_BYTES, WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
+from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
 
 logger = logging.getLogger(__name__)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ALGO_CODES = {Algo.PUSH_1SHOT: 0, Algo.PULL_1SHOT: 1, Algo.PULL_2SHOT: 2, Algo.MULTICAST_2SHOT: 3}
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
 MB = 1 << 20
 
@@ -66,8 +65,9 @@ class CustomAllReduceConfig:
     def __post_init__(self) -> None:
         for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes", "staging_bytes"):
             value = getattr(self, name)
-            if value is not None and (value < 0 or value % VECTOR_BYTES):
-                raise ConfigError(f"{name} must be a non-negative multiple of {VECTOR_BYTES}, got {value}")
+            vector = kernel_limits().vector_bytes
+            if value is not None and (value < 0 or value % vector):
+                raise ConfigError(f"{name} must be a non-negative multiple of {vector}, got {value}")
         if self.timeout_s < 0:
             raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers), got {self.timeout_s}")
 
@@ -102,17 +102,14 @@ def size_workspace(table: AlgoTable, world_size: int, cfg: CustomAllReduceConfig
     return push, staging, clamp_to_workspace(table, push, staging, graph_in_place)
 
 
-NORM_CHUNK_BYTES = 512  # the fused kernel's rows are whole chunks of one warp's 16-byte vectors ...
-NORM_MAX_ROW_BYTES = 64 * NORM_CHUNK_BYTES  # ... at most 64 of them (csrc/ar_launch.h, kNormMaxRowChunks)
-
-
 def fused_norm_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
     """Shapes, dtypes and layouts the fused 1shot_push + add + RMSNorm kernel takes."""
-    if x.dim() != 2 or x.dtype not in DTYPE_CODES or residual.shape != x.shape or residual.dtype != x.dtype:
+    if x.dim() != 2 or x.dtype not in dtype_codes() or residual.shape != x.shape or residual.dtype != x.dtype:
         return False
     row_bytes = x.shape[1] * x.element_size()
+    k = kernel_limits()  # rows are whole chunks (one warp's vectors), at most norm_max_row_chunks of them
     return (weight.shape == (x.shape[1],) and weight.dtype == x.dtype and x.shape[0] > 0
-            and row_bytes % NORM_CHUNK_BYTES == 0 and row_bytes <= NORM_MAX_ROW_BYTES
+            and row_bytes % k.chunk_bytes == 0 and row_bytes <= k.norm_max_row_chunks * k.chunk_bytes
             and x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()
             and all(t.data_ptr() % 16 == 0 for t in (x, residual, weight)))
 
@@ -240,14 +237,14 @@ class CustomAllReduce:
             if algo == Algo.NCCL:
                 self._plans[key] = None
                 return None
-        if algo not in ALGO_CODES:
+        if algo.value not in algo_codes():
             raise CommError(f"{algo.value} cannot run on the custom path here")
-        if x.dtype not in DTYPE_CODES:
+        if x.dtype not in dtype_codes():
             raise CommError(f"custom all-reduce needs a bf16/fp16/fp32 tensor, got {x.dtype}")
         if blocks is None:
             blocks = self.table.blocks(algo, self.state.world_size, self.num_sms, nbytes)
         zero_copy = graph and self.zero_copy and algo in ZERO_COPY_IN_GRAPHS
-        plan = CallPlan(algo, ALGO_CODES[algo], DTYPE_CODES[x.dtype], nbytes, blocks, zero_copy)
+        plan = CallPlan(algo, algo_codes()[algo.value], dtype_codes()[x.dtype], nbytes, blocks, zero_copy)
         self._plans[key] = plan
         return plan
 
@@ -291,7 +288,8 @@ class CustomAllReduce:
         if not fused_norm_fits(x, residual, weight):
             raise CommError(f"fused all-reduce + RMSNorm needs contiguous, 16-byte aligned x and residual [rows, "
                             f"hidden] and weight [hidden] of one bf16/fp16/fp32 dtype, with rows of whole "
-                            f"{NORM_CHUNK_BYTES}-byte chunks up to {NORM_MAX_ROW_BYTES} bytes; got x "
+                            f"{kernel_limits().chunk_bytes}-byte chunks up to "
+                            f"{kernel_limits().norm_max_row_chunks * kernel_limits().chunk_bytes} bytes; got x "
                             f"{tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, weight "
                             f"{tuple(weight.shape)} {weight.dtype}")
         rows, hidden = x.shape
@@ -299,7 +297,7 @@ class CustomAllReduce:
         blocks = blocks or min(rows, self.num_sms)  # a block owns whole rows; every block must be resident
         try:
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
-            self.ext.ar_all_reduce_add_rmsnorm(self.ctx, DTYPE_CODES[x.dtype], x.data_ptr(), residual.data_ptr(),
+            self.ext.ar_all_reduce_add_rmsnorm(self.ctx, dtype_codes()[x.dtype], x.data_ptr(), residual.data_ptr(),
                                                weight.data_ptr(), out.data_ptr(), res_out.data_ptr(), rows, hidden,
                                                eps, blocks, stream, self.timeout_ns)
         except (RuntimeError, ValueError) as exc:

@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
+from tpgraph.comm.limits import kernel_limits
 from tpgraph.errors import ConfigError
 
-VECTOR_BYTES = 16  # every custom kernel moves 16-byte vectors
-THREADS_PER_BLOCK = 512  # csrc/ar_common.cuh kThreads
-PUSH_CHUNK_VECTORS = 32  # csrc/ar_common.cuh kPushChunkVecs: 1shot_push deals one warp's vectors to each block
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WORLD_SIZES = range(2, 9)
 MODES = ("graph", "eager")
@@ -42,7 +40,6 @@ class Algo(str, Enum):
 LAUNCH_KEYS = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull1_blocks", Algo.PULL_2SHOT: "pull2_blocks",
                Algo.MULTICAST_2SHOT: "multicast_blocks"}
 DEFAULT_BLOCKS = 64
-MAX_BLOCKS = 1024  # csrc/ar_common.cuh kMaxBlocks
 
 
 def _sms_multiple(spec: Any) -> int:
@@ -85,8 +82,9 @@ class AlgoTable:
 
     def blocks(self, algo: Algo, world_size: int, num_sms: int, nbytes: int | None = None) -> int:
         """Grid size for an algorithm: table policy, resolved against this GPU's SM count, and no more blocks
-        than the message has work for (1shot_push: one chunk of PUSH_CHUNK_VECTORS each; the pull kernels:
-        THREADS_PER_BLOCK 16-byte vectors each, per shard for 2shot)."""
+        than the message has work for (1shot_push: one chunk of vectors each; the pull kernels: one vector per
+        thread, per shard for 2shot). The kernel sizes come from the extension (limits.py)."""
+        k = kernel_limits()
         spec = self.launch.get(LAUNCH_KEYS[algo], DEFAULT_BLOCKS)
         if isinstance(spec, dict):
             spec = spec.get(str(world_size), spec.get("default", DEFAULT_BLOCKS))
@@ -95,19 +93,19 @@ class AlgoTable:
         per_sm = _sms_multiple(spec)
         value = num_sms * per_sm if per_sm else min(int(spec), num_sms)
         if nbytes is not None:
-            vectors = -(-nbytes // VECTOR_BYTES)
+            vectors = -(-nbytes // k.vector_bytes)
             if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
                 vectors = -(-vectors // world_size)
-            per_block = PUSH_CHUNK_VECTORS if algo == Algo.PUSH_1SHOT else THREADS_PER_BLOCK
+            per_block = k.push_chunk_vectors if algo == Algo.PUSH_1SHOT else k.threads_per_block
             value = min(value, -(-vectors // per_block))
-        return max(1, min(value, MAX_BLOCKS))
+        return max(1, min(value, k.max_blocks))
 
 
 def pick_algo(nbytes: int, graph: bool, table: AlgoTable, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
               contiguous: bool = True, multi_node: bool = False, multicast_live: bool = False) -> Algo:
     """The algorithm for one all-reduce. Pure: same inputs, same answer, no side effects."""
     if (multi_node or not contiguous or dtype not in SUPPORTED_DTYPES or nbytes <= 0
-            or nbytes % VECTOR_BYTES or world_size not in WORLD_SIZES):
+            or nbytes % kernel_limits().vector_bytes or world_size not in WORLD_SIZES):
         return Algo.NCCL
     b = table.bands(world_size, graph)
     if nbytes <= b.push_max:
@@ -139,8 +137,9 @@ def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
             raise ConfigError(f"{where}: multicast must be null or [lo, hi], got {mc!r}")
         bounds += mc
     for v in bounds:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % VECTOR_BYTES:
-            raise ConfigError(f"{where}: thresholds must be non-negative multiples of {VECTOR_BYTES} bytes, got {v!r}")
+        vector = kernel_limits().vector_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % vector:
+            raise ConfigError(f"{where}: thresholds must be non-negative multiples of {vector} bytes, got {v!r}")
     if not row["push_max"] <= row["pull1_max"] <= row["pull2_max"]:
         raise ConfigError(f"{where}: thresholds must satisfy push_max <= pull1_max <= pull2_max, got {bounds[:3]}")
     if mc is not None and mc[0] > mc[1]:
@@ -152,7 +151,8 @@ def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
 
 
 def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None:
-    if _sms_multiple(spec) or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= MAX_BLOCKS):
+    max_blocks = kernel_limits().max_blocks
+    if _sms_multiple(spec) or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= max_blocks):
         return
     if bands_allowed and isinstance(spec, list) and spec:
         last = 0
@@ -163,7 +163,7 @@ def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None
             _check_block_spec(band[1], where, bands_allowed=False)
             last = band[0]
         return
-    raise ConfigError(f"{where}: a grid size is 1..{MAX_BLOCKS} blocks, \"num_sms\", \"num_sms*k\" (k 1..8) or a "
+    raise ConfigError(f"{where}: a grid size is 1..{max_blocks} blocks, \"num_sms\", \"num_sms*k\" (k 1..8) or a "
                       f"list of [max_bytes, blocks] bands, got {spec!r}")
 
 
