@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [engine-tests] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -59,6 +59,13 @@ for step in "$@"; do
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_fused$f.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/fused=$f /" | tee -a "$out/bench_fused.log"; done ;;
+    gemv) # the small-M projection kernel: GPU tests, bandwidth against cuBLAS, then TPOT with it off and on
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -x -k small_m 2>&1 | tail -3 \
+             | tee "$out/gemv_tests.log"
+         timeout 300 python3 bench/bench_gemv.py --out "$out/gemv.json" 2>&1 | tail -30 | tee "$out/gemv.log"
+         for g in 0 1; do TPGRAPH_GEMV=$g timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
+             --modes full --batches 1,8,32 --no-ladders --out "$out/decode_gemv$g.json" 2>&1 | grep -E "TPOT" \
+             | sed "s/^/gemv=$g /" | tee -a "$out/bench_gemv_tpot.log"; done ;;
     engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -rs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \

@@ -108,3 +108,18 @@ def test_add_rms_norm_as_programmatic_dependent_equals_plain_launch(monkeypatch)
     torch.cuda.synchronize()
     for got in (eager, captured):
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+@pytest.mark.parametrize("m", list(range(1, 17)))
+@pytest.mark.parametrize(("n", "k"), [(3072, 4096), (32003, 4096), (4096, 4100), (257, 2048)])
+def test_small_m_projection_matches_matmul(m, n, k):
+    from tpgraph.kernels.gemv import linear_small_m
+
+    g = torch.Generator(device="cuda").manual_seed(m * n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    ref = x.float() @ w.float().T
+    got = linear_small_m(x, w).float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    x32, w32 = x.float(), w.float()
+    torch.testing.assert_close(linear_small_m(x32, w32), x32 @ w32.T, rtol=1e-4, atol=1e-4)

@@ -7,12 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpgraph.kernels import gemv
 from tpgraph.kernels.norm import add_rms_norm, rms_norm
 from tpgraph.model.shards import ShardSpec, even_split, whole
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool) -> torch.Tensor:
+    """x @ weight.T: the small-M kernel when it is on (TPGRAPH_GEMV=1; decode rows), else cuBLAS."""
+    return gemv.linear_small_m(x, weight) if small_m else F.linear(x, weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -25,9 +31,10 @@ class ColumnParallelLinear(nn.Module):
         self.parts = parts
         self.output_sizes = [local for _, _, _, local in parts]
         self.weight = _param(sum(self.output_sizes), input_size, dtype=dtype, device=device)
+        self.small_m = gemv.enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _project(x, self.weight, self.small_m)
 
     def shard_specs(self) -> list[ShardSpec]:
         specs, dst = [], 0
@@ -46,9 +53,10 @@ class RowParallelLinear(nn.Module):
         self.hf_name, self.input_size = hf_name, input_size
         self.src_start, local = even_split(input_size, tp_rank, tp_size)
         self.weight = _param(output_size, local, dtype=dtype, device=device)
+        self.small_m = gemv.enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _project(x, self.weight, self.small_m)
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)
@@ -106,9 +114,10 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = _param(*embedding.weight.shape, dtype=dtype, device=device)
             self.hf_name = hf_name
+        self.small_m = gemv.enabled()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return _project(hidden, self.weight, self.small_m)
 
     def shard_specs(self) -> list[ShardSpec]:
         if self.hf_name is None or self.shard.real_rows == 0:
