@@ -145,9 +145,10 @@ def test_loader_file_errors(tmp_path):
         load_table(tmp_path / "bad.json")
 
 
-LAUNCH = {"push_blocks": [[1 << 20, 4], [4 << 20, 32], [16 << 20, "num_sms"], [1 << 30, "num_sms*2"]],
-          "pull1_blocks": 64,
-          "pull2_blocks": {"2": "num_sms", "default": 96}, "multicast_blocks": {"8": 32}}
+LAUNCH = {"push_blocks": {"default": [[1 << 20, 4], [4 << 20, 32], [16 << 20, "num_sms"], [1 << 30, "num_sms*2"]]},
+          "pull1_blocks": {"default": [[1 << 30, 64]]},
+          "pull2_blocks": {"2": [[1 << 30, "num_sms"]], "default": [[1 << 30, 96]]},
+          "multicast_blocks": {"8": [[1 << 30, 32]]}}
 
 
 def launch_table(launch=LAUNCH):
@@ -178,14 +179,17 @@ def test_launch_block_bands_pick_the_first_that_holds_the_message():
 
 
 @pytest.mark.parametrize(("launch", "message"), [
-    ({"pull_blocks": 64}, "unknown launch keys \\['pull_blocks'\\]"),
-    ({"push_blocks": 0}, "grid size is 1..1024"),
-    ({"push_blocks": "all"}, "grid size is 1..1024"),
-    ({"push_blocks": "num_sms*0"}, "grid size is 1..1024"),
-    ({"push_blocks": "num_sms*x"}, "grid size is 1..1024"),
-    ({"push_blocks": [[1024, 4], [512, 8]]}, "growing max_bytes"),
-    ({"push_blocks": [[1024, [[2048, 4]]]]}, "grid size is 1..1024"),
-    ({"pull2_blocks": {"9": 4}}, "world sizes 2..8"),
+    ({"pull_blocks": {}}, "unknown launch keys \\['pull_blocks'\\]"),
+    ({"push_blocks": 64}, "must be an object of world size"),  # the one spelling: no bare grids
+    ({"push_blocks": [[1024, 4]]}, "must be an object of world size"),
+    ({"push_blocks": {"default": 64}}, "non-empty list of \\[max_bytes, grid\\] bands"),
+    ({"push_blocks": {"default": []}}, "non-empty list"),
+    ({"push_blocks": {"default": [[1024, 0]]}}, "a grid is 1..1024"),
+    ({"push_blocks": {"default": [[1024, "all"]]}}, "a grid is 1..1024"),
+    ({"push_blocks": {"default": [[1024, "num_sms*0"]]}}, "a grid is 1..1024"),
+    ({"push_blocks": {"default": [[1024, 4], [512, 8]]}}, "growing max_bytes"),
+    ({"push_blocks": {"default": [[1024, [[2048, 4]]]]}}, "a grid is 1..1024"),
+    ({"pull2_blocks": {"9": [[1024, 4]]}}, "world sizes 2..8"),
     ([], "'launch' must be an object"),
 ])
 def test_loader_rejects_malformed_launch(launch, message):
@@ -216,7 +220,8 @@ def test_multicast_other_values_do_not_disable():
 
 
 def test_launch_blocks_shrink_to_the_work():
-    t = launch_table({"push_blocks": "num_sms", "pull1_blocks": 64, "pull2_blocks": 64})
+    t = launch_table({"push_blocks": {"default": [[1 << 30, "num_sms"]]}, "pull1_blocks": {"default": [[1 << 30, 64]]},
+                      "pull2_blocks": {"default": [[1 << 30, 64]]}})
     # push deals 32-vector chunks round-robin over blocks: at most one block per chunk
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=8192) == 16  # 512 vectors, 16 chunks
     assert t.blocks(Algo.PUSH_1SHOT, 2, 132, nbytes=512) == 1

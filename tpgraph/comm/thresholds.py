@@ -33,10 +33,10 @@ class Algo(str, Enum):
     NCCL = "nccl"
 
 
-# Grid size per algorithm, in a table's "launch" object. A spec is a block count (capped at the GPU's SM count),
-# "num_sms" or "num_sms*k" (k blocks per SM; the extension refuses grids that cannot all be resident), a list of
-# [max_bytes, spec] bands (the first band that holds the message wins; the last also covers larger ones), or an
-# object keyed by world size ("2".."8", "default") whose values are such specs.
+# Grid size per algorithm, in a table's "launch" object, spelled one way: {"<world size>" or "default": bands}, where
+# bands are [[max_bytes, grid], ...] with growing max_bytes (the first band that holds the message wins; the last also
+# covers larger ones) and a grid is a block count (capped at the GPU's SM count), "num_sms" or "num_sms*k" (k blocks
+# per SM; the extension refuses grids that cannot all be resident). No entry for a world size: DEFAULT_BLOCKS.
 LAUNCH_KEYS = {Algo.PUSH_1SHOT: "push_blocks", Algo.PULL_1SHOT: "pull1_blocks", Algo.PULL_2SHOT: "pull2_blocks",
                Algo.MULTICAST_2SHOT: "multicast_blocks"}
 DEFAULT_BLOCKS = 64
@@ -85,11 +85,11 @@ class AlgoTable:
         than the message has work for (1shot_push: one chunk of vectors each; the pull kernels: one vector per
         thread, per shard for 2shot). The kernel sizes come from the extension (limits.py)."""
         k = kernel_limits()
-        spec = self.launch.get(LAUNCH_KEYS[algo], DEFAULT_BLOCKS)
-        if isinstance(spec, dict):
-            spec = spec.get(str(world_size), spec.get("default", DEFAULT_BLOCKS))
-        if isinstance(spec, list):  # [[max_bytes, blocks], ...]: the first band that holds the message
-            spec = next((b for upto, b in spec if nbytes is None or nbytes <= upto), spec[-1][1])
+        per_ws = self.launch.get(LAUNCH_KEYS[algo], {})
+        bands = per_ws.get(str(world_size), per_ws.get("default"))
+        spec: Any = DEFAULT_BLOCKS
+        if bands:  # the first band that holds the message; the last also covers larger ones
+            spec = next((b for upto, b in bands if nbytes is None or nbytes <= upto), bands[-1][1])
         per_sm = _sms_multiple(spec)
         value = num_sms * per_sm if per_sm else min(int(spec), num_sms)
         if nbytes is not None:
@@ -150,21 +150,12 @@ def _parse_row(row: Any, where: str) -> tuple[tuple[int, str], Bands]:
                              None if mc is None else (mc[0], mc[1]), row["provenance"])
 
 
-def _check_block_spec(spec: Any, where: str, bands_allowed: bool = True) -> None:
+def _check_grid(grid: Any, where: str) -> None:
     max_blocks = kernel_limits().max_blocks
-    if _sms_multiple(spec) or (isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= max_blocks):
+    if _sms_multiple(grid) or (isinstance(grid, int) and not isinstance(grid, bool) and 1 <= grid <= max_blocks):
         return
-    if bands_allowed and isinstance(spec, list) and spec:
-        last = 0
-        for band in spec:
-            if not (isinstance(band, list) and len(band) == 2 and isinstance(band[0], int) and band[0] > last):
-                raise ConfigError(f"{where}: bands must be [max_bytes, blocks] pairs with growing max_bytes, "
-                                  f"got {band!r}")
-            _check_block_spec(band[1], where, bands_allowed=False)
-            last = band[0]
-        return
-    raise ConfigError(f"{where}: a grid size is 1..{max_blocks} blocks, \"num_sms\", \"num_sms*k\" (k 1..8) or a "
-                      f"list of [max_bytes, blocks] bands, got {spec!r}")
+    raise ConfigError(f"{where}: a grid is 1..{max_blocks} blocks, \"num_sms\" or \"num_sms*k\" (k 1..8), "
+                      f"got {grid!r}")
 
 
 def _check_launch(launch: Any, source: str) -> None:
@@ -173,15 +164,23 @@ def _check_launch(launch: Any, source: str) -> None:
     unknown = launch.keys() - set(LAUNCH_KEYS.values())
     if unknown:
         raise ConfigError(f"{source}: unknown launch keys {sorted(unknown)} (known: {sorted(LAUNCH_KEYS.values())})")
-    for key, spec in launch.items():
+    for key, per_ws in launch.items():
         where = f"{source} launch.{key}"
-        if isinstance(spec, dict):
-            for ws, sub in spec.items():
-                if ws != "default" and not (ws.isdigit() and int(ws) in WORLD_SIZES):
-                    raise ConfigError(f"{where}: keys are world sizes 2..8 or 'default', got {ws!r}")
-                _check_block_spec(sub, f"{where}.{ws}")
-        else:
-            _check_block_spec(spec, where)
+        if not isinstance(per_ws, dict):
+            raise ConfigError(f"{where}: must be an object of world size (or 'default') -> [[max_bytes, grid], ...] "
+                              f"bands, e.g. {{\"default\": [[67108864, \"num_sms\"]]}}; got {per_ws!r}")
+        for ws, bands in per_ws.items():
+            if ws != "default" and not (ws.isdigit() and int(ws) in WORLD_SIZES):
+                raise ConfigError(f"{where}: keys are world sizes 2..8 or 'default', got {ws!r}")
+            if not isinstance(bands, list) or not bands:
+                raise ConfigError(f"{where}.{ws}: a non-empty list of [max_bytes, grid] bands, got {bands!r}")
+            last = 0
+            for band in bands:
+                if not (isinstance(band, list) and len(band) == 2 and isinstance(band[0], int) and band[0] > last):
+                    raise ConfigError(f"{where}.{ws}: bands must be [max_bytes, grid] pairs with growing max_bytes, "
+                                      f"got {band!r}")
+                _check_grid(band[1], f"{where}.{ws}")
+                last = band[0]
 
 
 def parse_table(doc: Any, source: str) -> AlgoTable:

@@ -33,10 +33,7 @@ def updated_table(doc: dict[str, Any], world_size: int, rows: dict[str, dict[str
     if launch:
         for algo, bands in launch.items():
             key = LAUNCH_KEYS[algo]
-            current = out.setdefault("launch", {}).get(key, {})
-            per_ws = dict(current) if isinstance(current, dict) else {"default": current}
-            per_ws[str(world_size)] = bands
-            out["launch"][key] = per_ws
+            out.setdefault("launch", {}).setdefault(key, {})[str(world_size)] = bands
     parse_table(out, source)  # still a table the loader accepts
     return out
 
