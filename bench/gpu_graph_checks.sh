@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
 set -uo pipefail
 out=${1:?outdir}; shift
 mkdir -p "$out"
@@ -66,6 +66,16 @@ for step in "$@"; do
          for g in 0 1; do TPGRAPH_GEMV=$g timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_gemv$g.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/gemv=$g /" | tee -a "$out/bench_gemv_tpot.log"; done ;;
+    tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
+         timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
+             | grep -v "tuning:" | tail -20 | tee "$out/tune.log"
+         git diff --stat -- configs/ | tee -a "$out/tune.log"; cp configs/allreduce/sm90.json "$out/sm90.json" ;;
+    allreduce) # issue 10: every candidate by the one method, then the checks
+         timeout 580 torchrun --nproc-per-node 2 bench/bench_allreduce.py --out "$out/ar.json" 2>&1 | tail -30 \
+             > "$out/ar.log"; python3 bench/report_allreduce.py "$out/ar.json" 2>&1 | tee "$out/ar_report.md" ;;
+    ar-tests) # issue 10: the exactness tests that can fail where it matters
+         timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
+             "random_normal or many_graphs or pdl_on_and_off or extra_push" 2>&1 | tail -25 | tee "$out/ar_tests.log" ;;
     engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -rs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
