@@ -106,10 +106,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < Vec<T>::N; ++e) {
         const float x = Vec<T>::get(held[n], e);
-        squares += x * x;
+        squares = __fadd_rn(squares, __fmul_rn(x, x));  // no FMA: round as the unfused kernels do
       }
     }
-    const float rstd = rsqrtf(block_sum(squares, scratch) * inv_hidden + eps);
+    // mean, then + eps, each rounded (an FMA would round once, unlike torch and the Triton kernel)
+    const float rstd = rsqrtf(__fadd_rn(__fmul_rn(block_sum(squares, scratch), inv_hidden), eps));
 #pragma unroll
     for (int n = 0; n < kChunksPerWarp; ++n) {
       const int k = warp + n * kWarps;

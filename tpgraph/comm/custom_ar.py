@@ -72,6 +72,9 @@ class CustomAllReduceConfig:
             raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers), got {self.timeout_s}")
 
 
+MIN_STAGING_BYTES = 4096  # room for the P2P probe words, one per rank
+
+
 def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int,
                        graph_in_place: bool = False) -> AlgoTable:
     """The table with every band cut to what the workspace can hold (larger messages fall through to the next
@@ -99,6 +102,8 @@ def size_workspace(table: AlgoTable, world_size: int, cfg: CustomAllReduceConfig
     staged = [b for mode, b in rows.items() if mode == "eager" or not graph_in_place]
     reach = max((max(b.pull2_max, b.push_max) for b in staged if max(b.pull2_max, b.push_max) > push), default=0)
     staging = cfg.staging_bytes if cfg.staging_bytes is not None else min(reach, cfg.max_staging_bytes)
+    # set-up writes a probe word per rank at the staging offset of every peer (_check_p2p_writes): keep room for it
+    staging = max(staging, MIN_STAGING_BYTES)
     return push, staging, clamp_to_workspace(table, push, staging, graph_in_place)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpgraph._ext import load_ext
+from tpgraph._ext import extension_available, load_ext
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,17 @@ class KernelLimits:
         return self.push_chunk_vectors * self.vector_bytes
 
 
+# What the kernels are built with, for installs without the extension (no nvcc), where the custom all-reduce never
+# runs but tables are still read and written (tests, the tuner's writer). test_kernel_limits checks it against the
+# extension, so it cannot drift unnoticed.
+BUILT_WITH = KernelLimits(vector_bytes=16, threads_per_block=512, push_chunk_vectors=32, max_blocks=1024, max_ranks=8,
+                          norm_max_row_chunks=64)
+
+
 @functools.cache
 def kernel_limits() -> KernelLimits:
+    if not extension_available():
+        return BUILT_WITH
     return KernelLimits(**load_ext().limits())
 
 
