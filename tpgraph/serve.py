@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if engine.state.rank != 0:
-        # torchrun forwards SIGTERM to every rank; a follower has nothing to save, so it leaves at once
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        # torchrun sends SIGTERM to every rank at once. A follower leaving at once would strand rank 0 inside a step's
+        # collectives, so it keeps following until rank 0's shutdown message, and leaves by itself if that is late.
+        signal.signal(signal.SIGTERM, lambda *_: _exit_later(FOLLOWER_GRACE_S))
         service = EngineService(engine.core, ControlPlane(engine.state))
         try:
             service.run_worker()
@@ -71,36 +72,49 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts)
     frontend, conn = start_frontend(spec)
-    stop = threading.Event()
-    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=stop.set)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
+    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=frontend_closed.set)
+    signal.signal(signal.SIGTERM, lambda *_: requested.set())
     service.start()
     bridge.start()
     logger.info("serving %s on http://%s:%d (tp=%d)", name, args.host, args.port, engine.state.world_size)
     failed = False
     try:
-        while not stop.wait(0.5):
+        while not requested.wait(0.5):
             if not service.alive:
                 logger.error("the engine loop stopped: %s", service.error)
                 failed = True
                 break
-            if not frontend.is_alive():
+            if frontend_closed.is_set() or not frontend.is_alive():
+                frontend.join(1.0)
                 logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
                 failed = True
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C reaches the front end too; it stops by itself
         pass
-    finally:
-        service.shutdown(timeout_s=10.0)
-        bridge.close()
-        frontend.join(5.0)
-        if frontend.is_alive():
-            frontend.terminate()
-        _close(engine)
+    # Every step of the way is bounded, so SIGTERM ends the process within 10 s even with requests in flight.
+    service.shutdown(timeout_s=4.0)
+    bridge.close()
+    frontend.join(2.0)
+    if frontend.is_alive():
+        frontend.terminate()
+    if service.alive:  # still inside a step whose collectives will not complete: releasing would hang or trap
+        logger.warning("the engine loop did not stop in time; exiting without releasing the GPU state")
+        os._exit(1)
+    _close(engine, timeout_s=3.0)
     return 1 if failed else 0
 
 
-def _close(engine) -> None:
+FOLLOWER_GRACE_S = 8.0
+
+
+def _exit_later(seconds: float) -> None:
+    timer = threading.Timer(seconds, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
+
+
+def _close(engine, timeout_s: float = 15.0) -> None:
     """Release graphs, communicator and process group, but never hang on a peer that is gone."""
     done = threading.Event()
 
@@ -111,8 +125,8 @@ def _close(engine) -> None:
             done.set()
 
     threading.Thread(target=close, daemon=True).start()
-    if not done.wait(15.0):
-        logger.warning("closing the engine took over 15 s (a peer is gone?); exiting anyway")
+    if not done.wait(timeout_s):
+        logger.warning("closing the engine took over %.0f s (a peer is gone?); exiting anyway", timeout_s)
         os._exit(0)
 
 

@@ -237,12 +237,19 @@ def children(pid: int) -> list[int]:
 
 
 def test_sigterm_stops_every_rank_within_10_s():
+    """Also with a stream in flight: the followers keep following until rank 0 says stop, so rank 0 is not left
+    inside a step's collectives."""
     s = Server(free_port())
     try:
         ranks = s.ranks()
         assert len(ranks) == 2
         ranks += [p for r in ranks for p in children(r)]  # rank 0's HTTP front end (and its resource tracker)
         assert len(ranks) >= 3
+        body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        stream = urllib.request.urlopen(req, timeout=60)
+        assert stream.readline().startswith(b"data: ")  # generating
         start = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(timeout=30)
@@ -250,6 +257,20 @@ def test_sigterm_stops_every_rank_within_10_s():
             time.sleep(0.1)
         elapsed = time.monotonic() - start
         assert elapsed < 10 and not any(alive(p) for p in ranks), (elapsed, s.output()[-2000:])
+    finally:
+        s.stop()
+
+
+def test_a_dead_front_end_stops_the_server_with_an_error():
+    s = Server(free_port())
+    try:
+        rank0 = rank_pids(s)[0]
+        front = [p for p in children(rank0) if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(front) == 1
+        os.kill(front[0], signal.SIGKILL)
+        code = s.proc.wait(timeout=30)
+        assert code != 0, s.output()[-2000:]
+        assert "the HTTP front end exited" in s.output()
     finally:
         s.stop()
 

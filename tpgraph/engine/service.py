@@ -81,7 +81,7 @@ class EngineService:
             self.error = exc
             logger.exception("the engine loop failed")
             for request_id, sink in list(self._sinks.items()):
-                sink(StepUpdate(request_id, 0, None, "", "error"))
+                sink(StepUpdate(request_id, 0, None, f"{type(exc).__name__}: {exc}", "error"))
             self._sinks.clear()
 
     def run_worker(self) -> None:

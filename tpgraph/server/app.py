@@ -21,7 +21,7 @@ from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.bridge import EngineClient
+from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 
@@ -137,6 +137,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(error_body(400, str(exc), "BadRequestError"), 400)
+
+    @app.exception_handler(EngineUnavailable)
+    async def unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        return JSONResponse(error_body(503, str(exc), "ServiceUnavailableError"), 503)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

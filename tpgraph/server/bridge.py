@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
+import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -30,6 +32,10 @@ from tpgraph.engine.service import EngineService
 logger = logging.getLogger(__name__)
 Sink = Callable[[StepUpdate], None]
 _STOP = object()
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is gone (the server answers 503)."""
 
 
 class EngineBridge:
@@ -47,11 +53,17 @@ class EngineBridge:
             t.start()
 
     def close(self) -> None:
-        """Tell the front end the engine is going (it exits), stop sending and close the pipe. The message comes
-        first because closing alone is not seen while this process's reader thread still blocks on the pipe."""
+        """Tell the front end the engine is going (it exits), stop sending, shut the socket down (which also ends
+        this side's blocked reader; closing the descriptor alone would not) and close it."""
         self._out.put(("closing",))
         self._out.put(_STOP)
-        self._threads[1].join(5.0)
+        self._threads[1].join(2.0)
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._threads[0].join(2.0)
         self.conn.close()
 
     def _read(self) -> None:
@@ -68,6 +80,8 @@ class EngineBridge:
                     self._out.put(("metrics", message[1], self.exposition()))
         except (EOFError, OSError):
             logger.info("the HTTP front end closed its pipe")
+        except Exception:  # noqa: BLE001 - a message the engine cannot take: stop serving rather than hang
+            logger.exception("the pipe from the HTTP front end failed")
         finally:
             self.on_closed()
 
@@ -85,6 +99,10 @@ class EngineBridge:
                 if batch:
                     self.conn.send(batch)
             except (OSError, ValueError):  # the front end is gone; the reader reports it
+                return
+            except Exception:  # noqa: BLE001 - an update that does not pickle: streams would hang, so stop serving
+                logger.exception("sending to the HTTP front end failed")
+                self.on_closed()
                 return
             if stop:
                 return
@@ -117,10 +135,16 @@ class EngineClient:
         self.limits.check(prompt_ids, params)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Raises EngineUnavailable if the engine is gone."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+            raise EngineUnavailable(f"the engine stopped: {self.error}")
         self._sinks[request_id] = sink
-        self.conn.send(("add", request_id, list(prompt_ids), params))
+        try:
+            self.conn.send(("add", request_id, list(prompt_ids), params))
+        except OSError as exc:
+            self._sinks.pop(request_id, None)
+            self._lost(f"the connection to the engine broke: {exc}")
+            raise EngineUnavailable(f"the engine stopped: {self.error}") from None
 
     def release(self, request_id: str) -> None:
         """The request is over; forget its sink."""
@@ -129,7 +153,10 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
         if self.error is None:
-            self.conn.send(("abort", request_id))
+            try:
+                self.conn.send(("abort", request_id))
+            except OSError as exc:  # the engine is gone: nothing left to abort
+                self._lost(f"the connection to the engine broke: {exc}")
 
     async def engine_metrics(self, timeout_s: float = 5.0) -> bytes:
         """The engine process's Prometheus exposition (empty if it does not answer in time)."""
@@ -138,7 +165,12 @@ class EngineClient:
         ticket = next(self._tickets)
         future = asyncio.get_running_loop().create_future()
         self._metrics[ticket] = future
-        self.conn.send(("metrics", ticket))
+        try:
+            self.conn.send(("metrics", ticket))
+        except OSError as exc:
+            self._metrics.pop(ticket, None)
+            self._lost(f"the connection to the engine broke: {exc}")
+            return b""
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -154,6 +186,9 @@ class EngineClient:
                 self._loop.call_soon_threadsafe(self._dispatch, batch)
         except (EOFError, OSError):
             self._loop.call_soon_threadsafe(self._lost, "the engine process closed the connection")
+        except Exception as exc:  # noqa: BLE001 - an unreadable message: treat the engine as lost, say why
+            logger.exception("the pipe from the engine failed")
+            self._loop.call_soon_threadsafe(self._lost, f"the connection to the engine failed: {exc}")
 
     def _lost(self, reason: str) -> None:
         if self.error is None:
