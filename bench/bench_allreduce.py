@@ -72,11 +72,12 @@ def in_layer_us(state, all_reduce: Callable[[torch.Tensor], object] | None, m: i
     if custom is None:
         graph = capture(step, 1)
         us = graph_op_us(state, graph, LAYERS, runs)
+        del graph
     else:
         with released(custom) as ctx:
             graph = capture(step, 1, ctx)
             us = graph_op_us(state, graph, LAYERS, runs)
-    del graph
+            del graph  # before its registration is given back
     return us
 
 
@@ -159,7 +160,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def symm_mem_candidates(state, numel: int, group_name: str) -> dict[str, tuple[Callable, torch.Tensor]]:
-    """symm_mem one-shot and two-shot on a symmetric buffer of numel bf16 (empty where symm_mem is unavailable)."""
+    """symm_mem one-shot and two-shot on a symmetric buffer of numel bf16; empty where symm_mem is unavailable on
+    any rank (every rank must time the same candidates, or the timing's collectives would not pair up)."""
+    error = None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -167,8 +170,11 @@ def symm_mem_candidates(state, numel: int, group_name: str) -> dict[str, tuple[C
         symm_mem.rendezvous(sx, group_name)
         sx.zero_()
     except Exception as exc:  # noqa: BLE001 - reported, and the column left empty
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [e for e in gather_objects(state, error) if e]
+    if errors:
         if state.is_driver:
-            print(f"symm_mem unavailable at {numel * 2} B: {exc}", flush=True)
+            print(f"symm_mem unavailable at {numel * 2} B: {errors[0]}", flush=True)
         return {}
     return {"symm_1shot": (lambda: torch.ops.symm_mem.one_shot_all_reduce(sx, "sum", group_name), sx),
             "symm_2shot": (lambda: torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group_name), sx)}
@@ -211,7 +217,7 @@ def main() -> None:
                "auto_graph_algo": ar.pick(x, graph=True).value}
         for name, (fn, custom) in cands.items():
             row.update({f"{name}_{mode}_us": us for mode, us in timed(state, fn, args.runs, custom).items()})
-        if nbytes == 8 * KB:
+        if nbytes == 8 * KB and ar.plan(x) is not None:
             host = host_costs(ar, x)
             if state.is_driver:
                 print("host cost per eager call at 8 KB (us, Python -> kernel submitted): "
@@ -246,7 +252,7 @@ def main() -> None:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "world_size": state.world_size, "dtype": "bfloat16", "k": K_OPS,
-            "runs": args.runs, "num_sms": ar.num_sms,
+            "runs": args.runs, "num_sms": ar.num_sms, "push_cap_bytes": ar.push_slot_bytes,
             "method": "T(K)/K, K=64; barrier + GPU sleep before the start event; median of runs; slowest rank",
             "host_us_8kb": host, "p2p_gbs": p2p, "rows": rows, "in_layer": in_layer}, indent=1))
     for a in (ar_nopdl, forced_ar, ar):

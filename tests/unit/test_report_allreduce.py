@@ -45,3 +45,13 @@ def test_a_peer_faster_than_auto_fails(report):
     checks = {n: ok for n, ok, _ in report.checks(doc, None)}
     assert checks["graph: auto <= 1.0x the best peer at every size"] is False
     assert "2 MB" in report.table(doc["rows"])
+
+
+def test_forced_push_beyond_the_products_slot_is_not_a_choice(report):
+    # at 32 MB forced push (from a 64 MB workspace) is fastest, but the product caps push at 16 MB
+    doc = {"rows": [row(32 * MB, 100.0, 90.0, 99.0, 98.0, 150.0, symm=(300.0, 120.0))], "push_cap_bytes": 16 * MB}
+    checks = {n: ok for n, ok, _ in report.checks(doc, None)}
+    assert checks["graph: auto within 5% of the best forced algorithm at every size"] is True
+    doc.pop("push_cap_bytes")
+    checks = {n: ok for n, ok, _ in report.checks(doc, None)}
+    assert checks["graph: auto within 5% of the best forced algorithm at every size"] is False

@@ -119,15 +119,18 @@ def _provenance(ar, props) -> str:
 
 def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: list, table: Path,
            provenance: str) -> None:
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.tune.bands import Curves, derive_bands
     from tpgraph.tune.launch import launch_bands
     from tpgraph.tune.writer import diff, render, updated_table
 
     sizes = sorted({m.nbytes for m in results})
+    push_cap = CustomAllReduceConfig().max_push_bytes  # the product's slot: push above it can never be chosen
+    choosable = [m for m in results if not (m.algo == Algo.PUSH_1SHOT.value and m.nbytes > push_cap)]
     rows, choices = {}, {}
     for mode in ("graph", "eager"):
-        times = {a.value: [next((m.us for m in results if m.mode == mode and m.algo == a.value and m.nbytes == s),
+        times = {a.value: [next((m.us for m in choosable if m.mode == mode and m.algo == a.value and m.nbytes == s),
                                 None) for s in sizes] for a in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT,
                                                                  Algo.NCCL)}
         choices[mode] = derive_bands(Curves(tuple(sizes), times), args.tolerance, args.min_points)
@@ -136,7 +139,7 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
               + f" (excess {choices[mode].excess:.3f})", flush=True)
     launch = {}
     for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
-        best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
+        best = {m.nbytes: m.blocks for m in choosable if m.mode == "graph" and m.algo == algo.value and m.blocks}
         if best:
             launch[algo] = launch_bands(best, num_sms)
     doc = json.loads(table.read_text())
