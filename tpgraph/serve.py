@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    engine.warm_up()  # every rank, before anyone is served: the first burst of requests should not pay first-use costs
     if engine.state.rank != 0:
         # torchrun sends SIGTERM to every rank at once. A follower leaving at once would strand rank 0 inside a step's
         # collectives, so it keeps following until rank 0's shutdown message, and leaves by itself if that is late.

@@ -112,6 +112,10 @@ def ids_of(choice) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
 
 
+def test_the_server_warms_up_before_serving(server):
+    assert "warmed up in" in server.output()
+
+
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert http("GET", f"{server.url}/health").status_code == 200

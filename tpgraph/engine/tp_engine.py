@@ -173,6 +173,28 @@ class TPEngine:
             bar.close()
         return [results[r] for r in order]
 
+    def warm_up(self) -> float:
+        """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows) and the
+        largest prefill chunk, so first-use costs (kernel compilation for new shapes, allocator growth, library
+        initialisation) are paid at start-up, not by the first burst of requests. Every rank calls it (SPMD).
+        Returns the seconds it took."""
+        start = time.perf_counter()
+        vocab, max_len = self.model.cfg.vocab_size, self.runner.max_model_len
+        batch = self.core.scheduler.cfg.max_num_seqs
+        short = min(16, max_len - 3)
+        long = max(1, min(self.core.scheduler.cfg.max_num_batched_tokens, max_len - 3,
+                          self.core.limits.cache_tokens - 3))
+        prompts = [[(7 * i + j) % vocab for j in range(short)] for i in range(batch)]
+        prompts.append([j % vocab for j in range(long)])
+        params = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=2, ignore_eos=True)
+                  for i in range(len(prompts))]
+        self.generate(prompts, params)
+        took = time.perf_counter() - start
+        if self.state.is_driver:
+            logger.info("warmed up in %.1f s (%d short prompts and one of %d tokens)", took, batch, long)
+        return took
+
     def _run(self, adds: list[tuple[str, list[int], SamplingParams]], interrupted: threading.Event):
         """Queue the requests and step until the engine is idle, yielding updates. Ctrl-C lands between steps, never
         inside one: a step interrupted halfway would leave the ranks in different collectives."""
