@@ -2,15 +2,22 @@
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
 #        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+# The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
+# work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
+# console output so far), so a step that hangs still leaves every earlier step's results.
 set -uo pipefail
-out=${1:?outdir}; shift
-mkdir -p "$out"
+dest=${1:?outdir}; shift
+mkdir -p "$dest"
+out=$(mktemp -d /tmp/gpc.XXXX)
+pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
+exec > >(tee -a "$dest/summary.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 [ -n "${TPG_SKIP_BUILD:-}" ] || python3 -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import tpgraph._C as c; print(c.build_info())"
 for step in "$@"; do
+  echo "=== $step $(date +%T)"
   case $step in
     kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -x -rs 2>&1 | tail -25 | tee "$out/kernels.log" ;;
     bench) timeout 400 torchrun --nproc-per-node 2 bench/bench_decode.py --batches 1,8 --modes full,none \
@@ -81,4 +88,6 @@ for step in "$@"; do
     full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
+  pack
 done
+echo "=== done $(date +%T)"
