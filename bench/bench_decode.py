@@ -137,6 +137,40 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def variant(name: str) -> tuple[bool, bool, bool]:
+    """An --allreduce entry -> (custom all-reduce, fused all-reduce + RMSNorm, small-M projection kernel):
+    "custom" or "nccl", then modifiers: "+unfused" (the all-reduce and the add+RMSNorm as two kernels), "+gemv" (the
+    Triton small-M projections instead of cuBLAS)."""
+    base, *mods = name.split("+")
+    if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv"}:
+        raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused and/or +gemv; got {name!r}")
+    return base == "custom", "unfused" not in mods, "gemv" in mods
+
+
+def entries(args) -> list[str]:
+    """The --allreduce entries, and with --unfused each fused custom entry's unfused twin beside it."""
+    names = args.allreduce.split(",")
+    for name in names:
+        variant(name)  # refuse a bad entry before any work
+    if args.unfused:
+        names = [n for name in names for n in ([name, f"{name}+unfused"] if variant(name)[:2] == (True, True)
+                                                else [name])]
+    return names
+
+
+def build(state, name: str):
+    """(communicator, model) for one --allreduce entry."""
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+
+    custom, fused, gemv = variant(name)
+    comm = TPCommunicator(state, use_custom_allreduce=custom, custom_config=CustomAllReduceConfig(fused_norm=fused))
+    model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+    for module in model.modules():  # the projections' kernel choice, made explicitly for this entry
+        if hasattr(module, "small_m"):
+            module.small_m = gemv
+    return comm, model
+
+
 def run(args, state) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
@@ -146,9 +180,8 @@ def run(args, state) -> dict:
     results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
                      "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
                      "ladders": [], "profile": []}
-    for ar in args.allreduce.split(","):
-        comm = TPCommunicator(state, use_custom_allreduce=ar == "custom")
-        model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+    for ar in entries(args):
+        comm, model = build(state, ar)
         # bytes a step must read: every weight but the embedding table, of which it reads only B rows
         embed = model.embed_tokens.weight
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
@@ -175,7 +208,7 @@ def run(args, state) -> dict:
             runner.close()
             del runner
             torch.cuda.empty_cache()
-        if ar == "custom" and args.ladders:
+        if ar == entries(args)[0] and variant(ar)[0] and args.ladders:
             for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
                 graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
                 runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
@@ -202,9 +235,8 @@ def run(args, state) -> dict:
 def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     """One full-graph step at batch 1 and 8 under torch.profiler, for each all-reduce."""
     out = []
-    for ar in args.allreduce.split(","):
-        comm = TPCommunicator(state, use_custom_allreduce=ar == "custom")
-        model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+    for ar in entries(args):
+        comm, model = build(state, ar)
         graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
         runner = ModelRunner(model, RunnerConfig(max_batch=8, max_model_len=max_len,
                                                  num_kv_blocks=8 * -(-max_len // 16) + 16, graphs=graphs))
@@ -251,7 +283,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--modes", default="full,piecewise,none")
-    p.add_argument("--allreduce", default="custom,nccl")
+    p.add_argument("--allreduce", default="custom,nccl", help="entries: custom or nccl, with +unfused (all-reduce and "
+                   "add+RMSNorm as two kernels) and/or +gemv (the small-M projection kernel)")
+    p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")

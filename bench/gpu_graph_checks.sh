@@ -70,9 +70,11 @@ for step in "$@"; do
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -x -k small_m 2>&1 | tail -3 \
              | tee "$out/gemv_tests.log"
          timeout 300 python3 bench/bench_gemv.py --out "$out/gemv.json" 2>&1 | tail -30 | tee "$out/gemv.log"
-         for g in 0 1; do TPGRAPH_GEMV=$g timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
-             --modes full --batches 1,8,32 --no-ladders --out "$out/decode_gemv$g.json" 2>&1 | grep -E "TPOT" \
-             | sed "s/^/gemv=$g /" | tee -a "$out/bench_gemv_tpot.log"; done ;;
+         # every fused piece beside its plain version, in one run: cuBLAS or Triton projections, fused or two-kernel
+         # all-reduce + RMSNorm, NCCL
+         timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+             --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
+             | tee "$out/bench_variants.log" ;;
     tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
          timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"

@@ -31,3 +31,17 @@ def test_profile_table_compares_with_the_floor(bench):
     assert "3 kernels, 3.600 ms kernel time (2.00x the 1.80 ms floor), 0.400 ms of gaps" in table
     lines = table.splitlines()
     assert lines[2].split() == ["gemm", "2", "2.700", "75.0%"] and lines[3].split()[0] == "norm"
+
+
+def test_allreduce_entries_and_the_unfused_twins(bench):
+    from argparse import Namespace
+
+    assert bench.variant("custom") == (True, True, False)
+    assert bench.variant("custom+unfused+gemv") == (True, False, True)
+    assert bench.variant("nccl+gemv") == (False, True, True)
+    with pytest.raises(SystemExit, match="custom or nccl"):
+        bench.variant("vllm")
+    with pytest.raises(SystemExit, match="custom or nccl"):
+        bench.variant("custom+fast")
+    args = Namespace(allreduce="custom,custom+gemv,nccl", unfused=True)
+    assert bench.entries(args) == ["custom", "custom+unfused", "custom+gemv", "custom+gemv+unfused", "nccl"]

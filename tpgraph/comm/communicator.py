@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class TPCommunicator:
-    def __init__(self, state: ParallelState, use_custom_allreduce: bool = True) -> None:
+    def __init__(self, state: ParallelState, use_custom_allreduce: bool = True, custom_config=None) -> None:
+        """custom_config: a CustomAllReduceConfig for the custom path (default: its defaults and environment)."""
         self.state = state
         self.world_size = state.world_size
         self.rank = state.rank
@@ -32,7 +33,7 @@ class TPCommunicator:
         self.capture_locked = False  # set by the graph runner once its capture phase is over
         self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
         if use_custom_allreduce:
-            self.custom, self.custom_reason = _try_custom_allreduce(state)
+            self.custom, self.custom_reason = _try_custom_allreduce(state, custom_config)
         if state.is_driver and state.world_size > 1:
             if self.custom is not None:
                 logger.info("all-reduce: custom (tables: %s), NCCL above its bands", self.custom.table.source)
@@ -101,7 +102,7 @@ class TPCommunicator:
             self.custom = None
 
 
-def _try_custom_allreduce(state: ParallelState):
+def _try_custom_allreduce(state: ParallelState, config=None):
     """(CustomAllReduce, None) when every rank can use it, else (None, reason). Decided the same on all ranks."""
     if state.device.type != "cuda":
         return None, "not on CUDA"
@@ -118,7 +119,7 @@ def _try_custom_allreduce(state: ParallelState):
     capability = torch.cuda.get_device_capability(state.device)
     run_on_all_ranks(state, lambda: load_table_for(capability), "reading the all-reduce table")
     try:
-        return run_on_all_ranks(state, lambda: CustomAllReduce(state), "setting up the custom all-reduce"), None
+        return run_on_all_ranks(state, lambda: CustomAllReduce(state, config), "setting up the custom all-reduce"), None
     except TPGraphError as exc:
         logger.warning("custom all-reduce unavailable, using NCCL: %s", exc)
         return None, str(exc)
