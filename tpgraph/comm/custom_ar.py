@@ -278,7 +278,9 @@ class CustomAllReduce:
         """The fused kernel where the table picks 1shot_push for x and the rows fit it; None otherwise (the caller
         runs the unfused pair)."""
         self._check_tensor(x)
-        if not (self.cfg.fused_norm and fused_norm_fits(x, residual, weight)):
+        # Fused only while every row gets its own block (decode batches): with more rows a block works through several
+        # one after another, unpipelined, which has not been measured against the unfused pair (prefill sizes).
+        if not (self.cfg.fused_norm and fused_norm_fits(x, residual, weight) and x.shape[0] <= self.num_sms):
             return None
         plan = self.plan(x)
         if plan is None or plan.algo != Algo.PUSH_1SHOT:
