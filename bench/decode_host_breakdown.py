@@ -17,13 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decode import LLAMA3_8B, fake_context, slowest
+from bench_decode import build, fake_context, slowest
 
-from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import destroy_distributed, init_distributed
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.graphs.config import GraphConfig
-from tpgraph.model.loader import load_model
 
 
 def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readback: str) -> dict[str, float]:
@@ -98,7 +96,8 @@ def gpu_times(runner: ModelRunner, size: int, steps: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
-    p.add_argument("--allreduce", default="custom,nccl")
+    p.add_argument("--allreduce", default="custom,nccl", help="bench_decode.py's entries (custom or nccl, +unfused, "
+                   "+gemv)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--readback", choices=("tolist", "pinned", "pause"), default="tolist")
@@ -110,8 +109,7 @@ def main() -> None:
     rows = []
     try:
         for ar in args.allreduce.split(","):
-            comm = TPCommunicator(state, use_custom_allreduce=ar == "custom")
-            model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+            comm, model = build(state, ar)
             max_len = args.context + 2 * (args.steps + 80)
             runner = ModelRunner(model, RunnerConfig(
                 max_batch=max(batches), max_model_len=max_len, num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
