@@ -285,7 +285,7 @@ class CustomAllReduce:
         plan = self.plan(x)
         if plan is None or plan.algo != Algo.PUSH_1SHOT:
             return None
-        return self.all_reduce_add_rmsnorm(x, residual, weight, eps)
+        return self._fused_norm(x, residual, weight, eps, min(x.shape[0], self.num_sms))
 
     def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,9 +299,14 @@ class CustomAllReduce:
                             f"{kernel_limits().norm_max_row_chunks * kernel_limits().chunk_bytes} bytes; got x "
                             f"{tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}, weight "
                             f"{tuple(weight.shape)} {weight.dtype}")
+        # a block owns whole rows; every block must be resident
+        return self._fused_norm(x, residual, weight, eps, blocks or min(x.shape[0], self.num_sms))
+
+    def _fused_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launch, once the callers above have checked the tensors."""
         rows, hidden = x.shape
         out, res_out = torch.empty_like(x), torch.empty_like(x)
-        blocks = blocks or min(rows, self.num_sms)  # a block owns whole rows; every block must be resident
         try:
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
             self.ext.ar_all_reduce_add_rmsnorm(self.ctx, dtype_codes()[x.dtype], x.data_ptr(), residual.data_ptr(),
