@@ -82,9 +82,7 @@ class AlgoTable:
 
     def blocks(self, algo: Algo, world_size: int, num_sms: int, nbytes: int | None = None) -> int:
         """Grid size for an algorithm: table policy, resolved against this GPU's SM count, and no more blocks
-        than the message has work for (1shot_push: one chunk of vectors each; the pull kernels: one vector per
-        thread, per shard for 2shot). The kernel sizes come from the extension (limits.py)."""
-        k = kernel_limits()
+        than the message has work for (useful_blocks)."""
         per_ws = self.launch.get(LAUNCH_KEYS[algo], {})
         bands = per_ws.get(str(world_size), per_ws.get("default"))
         spec: Any = DEFAULT_BLOCKS
@@ -93,12 +91,19 @@ class AlgoTable:
         per_sm = _sms_multiple(spec)
         value = num_sms * per_sm if per_sm else min(int(spec), num_sms)
         if nbytes is not None:
-            vectors = -(-nbytes // k.vector_bytes)
-            if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
-                vectors = -(-vectors // world_size)
-            per_block = k.push_chunk_vectors if algo == Algo.PUSH_1SHOT else k.threads_per_block
-            value = min(value, -(-vectors // per_block))
-        return max(1, min(value, k.max_blocks))
+            value = min(value, useful_blocks(algo, nbytes, world_size))
+        return max(1, min(value, kernel_limits().max_blocks))
+
+
+def useful_blocks(algo: Algo, nbytes: int, world_size: int) -> int:
+    """The most blocks a message has work for: 1shot_push gives each block whole chunks of vectors; the pull kernels
+    give each thread one vector, of a rank's shard for the 2-shot ones."""
+    k = kernel_limits()
+    vectors = -(-nbytes // k.vector_bytes)
+    if algo in (Algo.PULL_2SHOT, Algo.MULTICAST_2SHOT):
+        vectors = -(-vectors // world_size)
+    per_block = k.push_chunk_vectors if algo == Algo.PUSH_1SHOT else k.threads_per_block
+    return max(1, -(-vectors // per_block))
 
 
 def pick_algo(nbytes: int, graph: bool, table: AlgoTable, world_size: int, *, dtype: torch.dtype = torch.bfloat16,

@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tpgraph.comm.custom_ar import CustomAllReduce
-from tpgraph.comm.limits import kernel_limits
 from tpgraph.comm.multicast import multicast_disabled_reason
-from tpgraph.comm.thresholds import Algo
+from tpgraph.comm.thresholds import Algo, useful_blocks
 from tpgraph.distributed import ParallelState
 from tpgraph.errors import CommError
 from tpgraph.tune.launch import smallest_near_best
@@ -38,13 +37,8 @@ class Measurement:
 
 def grids_for(algo: Algo, nbytes: int, world_size: int, num_sms: int) -> list[int]:
     """Grid sizes worth trying: up to the blocks the message has work for (as the table's resolver caps them)."""
-    k = kernel_limits()
-    vectors = -(-nbytes // k.vector_bytes)
-    if algo == Algo.PULL_2SHOT:
-        vectors = -(-vectors // world_size)
-    per_block = k.push_chunk_vectors if algo == Algo.PUSH_1SHOT else k.threads_per_block
-    useful = -(-vectors // per_block)
-    return sorted({g for g in (*BASE_GRIDS, num_sms, 2 * num_sms) if g <= max(1, useful)})
+    useful = useful_blocks(algo, nbytes, world_size)
+    return sorted({g for g in (*BASE_GRIDS, num_sms, 2 * num_sms) if g <= useful})
 
 
 def skipped_multicast() -> str:
