@@ -39,15 +39,10 @@ LAYERS, HIDDEN = 32, 4096
 
 def timed(state, fn: Callable[[], object], runs: int, custom: CustomAllReduce | None) -> dict[str, float]:
     """{graph, eager} per-op µs of fn by the one method (custom calls captured in the all-reduce's capture())."""
-    if custom is None:
-        graph = capture(fn, K_OPS)
+    with released(custom) as ctx:
+        graph = capture(fn, K_OPS, ctx)
         out = {"graph": graph_op_us(state, graph, K_OPS, runs)}
-        del graph
-    else:
-        with released(custom) as ctx:
-            graph = capture(fn, K_OPS, ctx)
-            out = {"graph": graph_op_us(state, graph, K_OPS, runs)}
-            del graph
+        del graph  # before its registration is given back
     out["eager"] = eager_op_us(state, fn, K_OPS, runs)
     return out
 
@@ -69,15 +64,10 @@ def in_layer_us(state, all_reduce: Callable[[torch.Tensor], object] | None, m: i
             if all_reduce is not None:
                 all_reduce(out)
 
-    if custom is None:
-        graph = capture(step, 1)
+    with released(custom) as ctx:
+        graph = capture(step, 1, ctx)
         us = graph_op_us(state, graph, LAYERS, runs)
-        del graph
-    else:
-        with released(custom) as ctx:
-            graph = capture(step, 1, ctx)
-            us = graph_op_us(state, graph, LAYERS, runs)
-            del graph  # before its registration is given back
+        del graph  # before its registration is given back
     return us
 
 

@@ -3,8 +3,8 @@
 
     python bench/bench_gemv.py --out bench/results/.../gemv.json
 
-Each figure: a CUDA graph of 64 projections cycling through enough weight copies that they cannot sit in L2,
-replayed 20 times after a GPU sleep (the replay's submission hidden); the median replay / 64. Bandwidth = the
+Each figure, by the one timing method (tpgraph/tune/timing.py): a CUDA graph of 64 projections cycling through enough
+weight copies that they cannot sit in L2, replayed 20 times after a GPU sleep; the median replay / 64. Bandwidth = the
 weight's bytes (plus x and y) / that time, over the HBM copy bandwidth measured the same way as bench_decode.py.
 Also checks each kernel output against F.linear (bf16: max relative error). Writes JSON and a PNG.
 """
@@ -12,8 +12,8 @@ Also checks each kernel output against F.linear (bf16: max relative error). Writ
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -21,34 +21,19 @@ import torch.nn.functional as F
 from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
 from tpgraph.kernels.gemv import linear_small_m
+from tpgraph.tune.timing import K_OPS, capture, graph_op_us
 
 SHAPES = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
           "lm_head": (64128, 4096)}  # (N, K) per rank at TP=2
-OPS, RUNS, L2_MULTIPLE = 64, 20, 4
-SLEEP_CYCLES = 200_000
+L2_MULTIPLE = 4
 
 
 def per_op_us(fn, copies: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(OPS):
-            fn(i % copies)
-    times = []
-    for _ in range(RUNS):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / OPS)
-    return statistics.median(times)
+    """The one timing method (tpgraph/tune/timing.py) on this GPU alone: K_OPS projections in a graph, cycling
+    through the weight copies."""
+    turn = itertools.cycle(range(copies))
+    graph = capture(lambda: fn(next(turn)), K_OPS)
+    return graph_op_us(None, graph, K_OPS)
 
 
 def main() -> None:

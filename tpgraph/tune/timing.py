@@ -44,14 +44,15 @@ def capture(fn: Callable[[], object], k: int = K_OPS,
     return graph
 
 
-def _aligned_runs(state: ParallelState, body: Callable[[], None], runs: int) -> list[float]:
-    """µs of `body` between CUDA events, `runs` times, each after a barrier and the same GPU sleep."""
+def _aligned_runs(state: ParallelState | None, body: Callable[[], None], runs: int) -> list[float]:
+    """µs of `body` between CUDA events, `runs` times, each after a barrier and the same GPU sleep (state None: this
+    process alone, no barrier)."""
     if runs < MIN_RUNS:
         raise ValueError(f"the timing method takes the median of at least {MIN_RUNS} runs, got {runs}")
     out = []
     for _ in range(runs):
         torch.cuda.synchronize()
-        if state.world_size > 1:
+        if state is not None and state.world_size > 1:
             dist.barrier(group=state.cpu_group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -63,17 +64,19 @@ def _aligned_runs(state: ParallelState, body: Callable[[], None], runs: int) -> 
     return out
 
 
-def slowest_median(state: ParallelState, samples: list[float], per: int = 1) -> float:
-    """The slowest rank's median, divided by `per` ops."""
-    return max(gather_objects(state, statistics.median(samples) / per))
+def slowest_median(state: ParallelState | None, samples: list[float], per: int = 1) -> float:
+    """The slowest rank's median, divided by `per` ops (state None: this process's)."""
+    mine = statistics.median(samples) / per
+    return mine if state is None else max(gather_objects(state, mine))
 
 
-def graph_op_us(state: ParallelState, graph: torch.cuda.CUDAGraph, k: int = K_OPS, runs: int = MIN_RUNS) -> float:
+def graph_op_us(state: ParallelState | None, graph: torch.cuda.CUDAGraph, k: int = K_OPS,
+                runs: int = MIN_RUNS) -> float:
     """Per-op µs of a captured graph of k ops."""
     return slowest_median(state, _aligned_runs(state, graph.replay, runs), k)
 
 
-def eager_op_us(state: ParallelState, fn: Callable[[], object], k: int = K_OPS, runs: int = MIN_RUNS) -> float:
+def eager_op_us(state: ParallelState | None, fn: Callable[[], object], k: int = K_OPS, runs: int = MIN_RUNS) -> float:
     """Per-op µs of k eager calls issued back to back."""
     fn()  # warm-up
     torch.cuda.synchronize()
@@ -86,9 +89,13 @@ def eager_op_us(state: ParallelState, fn: Callable[[], object], k: int = K_OPS, 
 
 
 @contextlib.contextmanager
-def released(ar, capture_ctx=None) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
+def released(ar) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
     """A capture context for the custom all-reduce whose registrations are handed back when the block ends (a
-    tuner captures hundreds of graphs; each would otherwise keep its pointer-table rows)."""
+    tuner captures hundreds of graphs; each would otherwise keep its pointer-table rows). ar None: a plain one.
+    Drop the block's graphs inside it, before their registrations go."""
+    if ar is None:
+        yield contextlib.nullcontext
+        return
     registrations = []
 
     @contextlib.contextmanager
