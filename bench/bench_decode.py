@@ -180,7 +180,8 @@ def run(args, state) -> dict:
     results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
                      "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
                      "ladders": [], "profile": []}
-    for ar in entries(args):
+    names = entries(args)
+    for ar in names:
         comm, model = build(state, ar)
         # bytes a step must read: every weight but the embedding table, of which it reads only B rows
         embed = model.embed_tokens.weight
@@ -208,7 +209,7 @@ def run(args, state) -> dict:
             runner.close()
             del runner
             torch.cuda.empty_cache()
-        if ar == entries(args)[0] and variant(ar)[0] and args.ladders:
+        if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once, with the first custom entry
             for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
                 graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
                 runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
