@@ -209,7 +209,7 @@ def run(args, state) -> dict:
             runner.close()
             del runner
             torch.cuda.empty_cache()
-        if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once, with the first custom entry
+        if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once: the first entry, if custom
             for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
                 graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
                 runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
