@@ -76,3 +76,10 @@ def test_grids_stop_at_the_work_a_message_has():
     assert grids_for(Algo.PUSH_1SHOT, 4096, 2, 132) == [1, 2, 4, 8]  # 8 chunks of 512 bytes
     assert grids_for(Algo.PUSH_1SHOT, 64 << 20, 2, 132) == [1, 2, 4, 8, 16, 32, 64, 132, 264]
     assert grids_for(Algo.PULL_2SHOT, 8192 * 16 * 2, 2, 132) == [1, 2, 4, 8, 16]
+
+
+def test_provenance_keeps_file_arguments_by_name_only():
+    from tpgraph.tune.cli import _without_paths
+
+    argv = ["--world-size", "2", "--plot", "/some/dir/tune.png", "--log=/other/dir/tune.json", "--dry-run"]
+    assert _without_paths(argv) == ["--world-size", "2", "--plot", "tune.png", "--log=tune.json", "--dry-run"]

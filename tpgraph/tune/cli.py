@@ -111,10 +111,20 @@ def _provenance(ar, props) -> str:
 
     driver = ar.ext.driver_version()  # CUDA driver API version, e.g. 13000
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    command = "tpgraph-tune " + shlex.join(sys.argv[1:])
+    command = "tpgraph-tune " + shlex.join(_without_paths(sys.argv[1:]))
     return (f"tpgraph-tune on {props.name} ({ar.num_sms} SMs), driver API {driver // 1000}.{driver % 1000 // 10}, "
             f"CUDA {torch.version.cuda}, torch {torch.__version__}, NCCL {nccl}, "
             f"{datetime.date.today().isoformat()}: `{command}`")
+
+
+def _without_paths(argv: list[str]) -> list[str]:
+    """The command as provenance keeps it: file arguments by their names alone, since the table ships to other
+    machines and a folder on this one means nothing there."""
+    def short(arg: str) -> str:
+        flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+        return flag + eq + (Path(value).name if os.sep in value else value)
+
+    return [short(a) for a in argv]
 
 
 def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: list, table: Path,
