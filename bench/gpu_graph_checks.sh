@@ -66,15 +66,20 @@ for step in "$@"; do
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_fused$f.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/fused=$f /" | tee -a "$out/bench_fused.log"; done ;;
-    gemv) # the small-M projection kernel: GPU tests, bandwidth against cuBLAS, then TPOT with it off and on
+    gemv) # the small-M projection kernel: GPU tests, the config sweep (its best per shape becomes the table), bandwidth
+          # against cuBLAS with that table, then TPOT with it off and on
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -x -k small_m 2>&1 | tail -3 \
              | tee "$out/gemv_tests.log"
-         timeout 300 python3 bench/bench_gemv.py --out "$out/gemv.json" 2>&1 | tail -30 | tee "$out/gemv.log"
+         timeout 420 python3 bench/bench_gemv.py --sweep --sweep-ms 1,8 --out "$out/gemv_sweep.json" 2>&1 \
+             | grep -v "it/s\]\|s/it\]" | tail -40 | tee "$out/gemv_sweep.log"
+         export TPGRAPH_GEMV_TABLE="$out/gemv_sweep.json"
+         timeout 200 python3 bench/bench_gemv.py --out "$out/gemv.json" 2>&1 | tail -30 | tee "$out/gemv.log"
          # every fused piece beside its plain version, in one run: cuBLAS or Triton projections, fused or two-kernel
          # all-reduce + RMSNorm, NCCL
          timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
              --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
-             | tee "$out/bench_variants.log" ;;
+             | tee "$out/bench_variants.log"
+         unset TPGRAPH_GEMV_TABLE ;;
     tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
          timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"

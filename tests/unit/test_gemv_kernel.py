@@ -1,12 +1,14 @@
 """The small-M projection kernel (Triton's interpreter on CPU) against torch.matmul, at the shapes a loader can
 produce (odd N and K included)."""
 
+import json
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tpgraph.kernels.gemv import linear_small_m, tiles
+from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
 pytest.importorskip("triton")
 interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -41,9 +43,39 @@ def test_falls_back_to_linear_where_the_kernel_does_not_apply():
     torch.testing.assert_close(linear_small_m(x[:4], w), x[:4] @ w.T)  # CPU tensors by default: F.linear
 
 
+@interpreted
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("block_k", [64, 256])  # 256 with K = 300: the last split has no K step and adds zeros
+def test_split_k_within_bf16_rounding_and_repeatable(m, split_k, block_k):
+    g = torch.Generator().manual_seed(31 * m + split_k)
+    x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+    w = torch.randn(37, 300, generator=g).to(torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=2, split_k=split_k)
+    y = linear_small_m(x, w, use_triton=True, config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 37)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()).to(torch.bfloat16))  # one bf16 rounding apart
+    assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), y)  # the splits add in a fixed order
+
+
+@interpreted
+def test_split_k_sums_every_k_once_in_fp32():
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 300, generator=g), torch.randn(37, 300, generator=g)
+    y = linear_small_m(x, w, use_triton=True, config=GemvConfig(16, 32, 4, 2, split_k=3))
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
 def test_tiles_give_every_sm_work_on_narrow_matrices():
-    assert tiles(2048)[0] == 16 and 2048 // tiles(2048)[0] >= 128
-    assert tiles(64128)[0] == 32
+    assert tiles(2048, 4096).block_n == 16 and 2048 // tiles(2048, 4096).block_n >= 128
+    assert tiles(64128, 4096) == GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=1)
+
+
+@pytest.mark.parametrize("bad", [dict(block_n=8), dict(block_k=96), dict(num_warps=3), dict(split_k=0),
+                                 dict(num_stages=0)])
+def test_config_rejects_tiles_the_kernel_cannot_run(bad):
+    with pytest.raises(ValueError):
+        GemvConfig(**{**dict(block_n=16, block_k=64, num_warps=4, num_stages=2), **bad})
 
 
 def test_layers_use_it_only_when_asked(monkeypatch):
@@ -59,3 +91,26 @@ def test_layers_use_it_only_when_asked(monkeypatch):
     torch.nn.init.normal_(lin.weight)
     x = torch.randn(3, 64)
     torch.testing.assert_close(lin(x), x @ lin.weight.T)  # CPU tensors: F.linear, the same numbers
+
+
+def test_a_tuned_table_picks_the_config_by_shape_and_largest_m_not_above(tmp_path, monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import GemvConfig, tiles
+
+    table = {"best": {"3072,4096,1": {"block_n": 32, "block_k": 512, "num_warps": 8, "num_stages": 3, "split_k": 2},
+                      "3072,4096,8": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5, "split_k": 1}}}
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(path))
+    assert tiles(3072, 4096, 1) == GemvConfig(32, 512, 8, 3, 2)
+    assert tiles(3072, 4096, 7) == GemvConfig(32, 512, 8, 3, 2)
+    assert tiles(3072, 4096, 16) == GemvConfig(64, 128, 4, 5, 1)
+    monkeypatch.delenv("TPGRAPH_GEMV_TABLE")
+    default = tiles(3072, 4096, 1)
+    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(path))
+    assert tiles(4096, 2048, 1) == default == GemvConfig(16, 256, 4, 4)  # a shape the table lacks
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(bad))
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_TABLE"):
+        tiles(3072, 4096, 1)

@@ -65,6 +65,19 @@ def test_crossings_that_reverse_get_the_least_loss():
     assert choice.owner[2:] == ("1shot_pull",) * 13
 
 
+def test_of_two_algorithms_within_the_tolerance_the_faster_gets_the_band():
+    # measured on 2xH200 (tune run1): above the push slot, 1shot_pull within 2% of 2shot_pull at 32 and 64 MB; either
+    # band costs nothing beyond a 3% tolerance and opens one band, so the faster must win the tie
+    push = [10.0] * 13 + [None, None]
+    pull1 = [20.0] * 13 + [109.3, 209.4]
+    pull2 = [20.0] * 13 + [107.0, 206.1]
+    nccl = [30.0] * 13 + [152.3, 265.0]
+    choice = derive_bands(curves(push, pull1, pull2, nccl), tolerance=0.03)
+    assert choice.excess == 0
+    assert choice.owner[-2:] == ("2shot_pull", "2shot_pull")
+    assert choice.bounds == {"push_max": SIZES[12], "pull1_max": SIZES[12], "pull2_max": SIZES[14]}
+
+
 def test_an_unmeasured_algorithm_gets_no_size():
     push, pull1, pull2, nccl = clean()
     choice = derive_bands(Curves(SIZES, {"1shot_push": push, "nccl": nccl, "2shot_pull": pull2}), tolerance=0.0)

@@ -2,19 +2,31 @@
 
 `linear_small_m(x, w)` = x @ w.T for x [M, K] and w [N, K] (nn.Linear's layout). Decode at small batch is a
 weight-read problem: each program owns BLOCK_N output columns, walks K in BLOCK_K steps with the weight tile loaded
-once and M padded to 16 rows for the tensor-core dot, accumulates in fp32 and rounds once. No split-K: the sum over
-K runs in one fixed order, so results do not depend on timing. The tile sizes are a fixed table by N (no autotuning:
-the same shape gets the same kernel, and so the same bits, in every run).
+once and M padded to 16 rows for the tensor-core dot, accumulates in fp32 and rounds once.
 
-Off unless `TPGRAPH_GEMV=1`: it replaces cuBLAS only once bench/bench_gemv.py has shown it faster on the GPU.
+Split-K (`GemvConfig.split_k` > 1) gives narrow matrices more programs than they have column blocks: split s sums
+its own contiguous, BLOCK_K-aligned K range in fixed order into an fp32 workspace [SPLIT_K, M, N], and a second
+small kernel adds the splits in split order and rounds. No atomics, so results do not depend on timing. The tiles
+are a fixed table (`tiles`; no autotuning): the same shape gets the same config, and so the same bits, in every run.
+A different config is a different (equally valid) rounding of the same sum.
+
+Off unless `TPGRAPH_GEMV=1`: it replaces cuBLAS only once bench/bench_gemv.py has shown it faster on the GPU
+(`--sweep` there times the config grid per decode shape, and its JSON, named by `TPGRAPH_GEMV_TABLE`, gives each
+shape its best config).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tpgraph.errors import ConfigError
 
 try:
     import triton
@@ -25,6 +37,29 @@ except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
 MAX_M = 16
+SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration: BLOCK_N output columns per program, BLOCK_K per step, and split_k programs per
+    column block (1: no workspace, no second kernel)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+        if self.block_n < 16 or self.block_k < 16:  # tl.dot's smallest tile side
+            raise ValueError(f"GemvConfig needs block_n, block_k >= 16, got {self.block_n}, {self.block_k}")
+        if self.num_stages < 1 or self.split_k < 1:
+            raise ValueError(f"GemvConfig needs num_stages, split_k >= 1, got {self.num_stages}, {self.split_k}")
 
 
 def enabled() -> bool:
@@ -32,28 +67,51 @@ def enabled() -> bool:
     return os.environ.get("TPGRAPH_GEMV", "0") == "1"
 
 
-def tiles(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for N output columns: narrow column blocks for narrow matrices, so
-    that every SM gets programs (132 on an H200: N = 2048 / 16 = 128 programs)."""
+@functools.lru_cache(maxsize=1)
+def _tuned(path: str) -> dict[tuple[int, int, int], GemvConfig]:
+    """A table written by `bench/bench_gemv.py --sweep` ({"best": {"n,k,m": config fields}}), read once per path."""
+    try:
+        best = json.loads(Path(path).read_text())["best"]
+        return {tuple(int(v) for v in key.split(",")): GemvConfig(**fields) for key, fields in best.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"TPGRAPH_GEMV_TABLE={path}: not a table from bench_gemv.py --sweep ({exc})") from exc
+
+
+def tiles(n: int, k: int, m: int = 1) -> GemvConfig:
+    """The config for an [N, K] weight at M rows: from the table TPGRAPH_GEMV_TABLE names, if it has this shape
+    (the entry with the largest M not above m), else the default: narrow column blocks for narrow matrices, so that
+    every SM gets programs (132 on an H200: N = 2048 / 16 = 128 programs)."""
+    if path := os.environ.get("TPGRAPH_GEMV_TABLE"):
+        fits = [(tm, cfg) for (tn, tk, tm), cfg in _tuned(path).items() if (tn, tk) == (n, k) and tm <= m]
+        if fits:
+            return max(fits, key=lambda e: e[0])[1]
     if n <= 8192:
-        return 16, 256, 4, 4
-    return 32, 256, 4, 4
+        return GemvConfig(16, 256, 4, 4)
+    return GemvConfig(32, 256, 4, 4)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr):
+        """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
+        workspace and split s writes its partial sum at out + s * stride_os."""
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
+        # K mask (a per-split bound in the mask would cost the loads their vector width).
+        k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)  # <= k_lo for an empty split: it stores zeros
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -66,13 +124,26 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        y = to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+        y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """y (contiguous, numel elements) = the SPLITS partials of ws [SPLITS, numel], added in split order (a
+        fixed order: the bits do not depend on which split finished first), rounded once."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+        for s in range(1, SPLITS):
+            acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+        tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
 
 
-def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
+                   config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
-    without the interpreter, strided inputs)."""
+    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
     if not (x.is_cuda if use_triton is None else use_triton) or triton is None:
         return F.linear(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.shape[0] > MAX_M or x.shape[0] == 0:
@@ -83,11 +154,16 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
 
     m, k = x.shape
     n = w.shape[0]
+    cfg = config if config is not None else tiles(n, k, m)
+    soft = soft_bf16_rounding(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tiles(n)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SOFT_BF16=soft_bf16_rounding(x),
-        IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages)
+    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
+    out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if cfg.split_k > 1 else 0,
+        BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)
     return y

@@ -5,7 +5,8 @@ The measured winner need not follow that order (curves cross back, noise flips c
 monotone assignment with the least total excess time, where excess is counted only beyond `tolerance` of the
 fastest at that size: an algorithm within it counts as fast. Every band that is used must cover at least
 `min_points` consecutive measured sizes (hysteresis: one noisy point cannot open a band). Among equally good
-assignments the one with the fewest bands wins, then the one that hands sizes to earlier bands.
+assignments the one with the fewest bands wins, then the one with the least time in all (so that of two algorithms
+within the tolerance of each other the faster gets the band), then the one that hands sizes to earlier bands.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def derive_bands(curves: Curves, tolerance: float = DEFAULT_TOLERANCE,
     """The monotone bands with the least excess time (see the module docstring)."""
     n = len(curves.sizes)
     cost = [[_excess(curves, a, i, tolerance) for i in range(n)] for a in ORDER]
+    slowness = [[_excess(curves, a, i, 0.0) for i in range(n)] for a in ORDER]  # tie-break: excess at no tolerance
     best: tuple | None = None
     # cuts c0 <= c1 <= c2: sizes [0, c0) push, [c0, c1) pull1, [c1, c2) pull2, [c2, n) NCCL
     for cuts in itertools.combinations_with_replacement(range(n + 1), len(ORDER) - 1):
@@ -70,7 +72,9 @@ def derive_bands(curves: Curves, tolerance: float = DEFAULT_TOLERANCE,
             continue
         total = sum(cost[k][i] for k, (lo, hi) in enumerate(spans) for i in range(lo, hi))
         used = sum(1 for lo, hi in spans if hi > lo)
-        key = (round(total, 9), used, tuple(-c for c in cuts))  # least excess, fewest bands, earlier bands larger
+        slow = sum(slowness[k][i] for k, (lo, hi) in enumerate(spans) for i in range(lo, hi))
+        # least excess, fewest bands, least time, earlier bands larger
+        key = (round(total, 9), used, round(slow, 9), tuple(-c for c in cuts))
         if best is None or key < best[0]:
             best = (key, spans, total)
     assert best is not None  # all sizes to NCCL is always allowed

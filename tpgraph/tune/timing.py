@@ -5,7 +5,9 @@ bench/bench_allreduce.py use it alike, for ours, NCCL and symm_mem):
   T(K) / K;
 - eager: K calls issued back to back; per-op time T(K) / K (launch costs included: eager users pay them);
 - every timed run starts with the ranks aligned by a barrier, then the same GPU sleep queued ahead of the start
-  event on every rank, so the host's submission is hidden and the ranks start together;
+  event on every rank, so the host's submission is hidden, then a one-element NCCL all-reduce after the sleep, so
+  the GPUs start together: a CPU barrier releases the ranks tens of µs apart, which a graph of 2 µs ops would
+  otherwise count as its own time on the rank that waits;
 - the median of at least 20 runs per rank, and the slowest rank's median is the figure.
 """
 
@@ -50,12 +52,16 @@ def _aligned_runs(state: ParallelState | None, body: Callable[[], None], runs: i
     if runs < MIN_RUNS:
         raise ValueError(f"the timing method takes the median of at least {MIN_RUNS} runs, got {runs}")
     out = []
+    ranks = state is not None and state.world_size > 1
+    token = torch.zeros(1, device="cuda") if ranks else None
     for _ in range(runs):
         torch.cuda.synchronize()
-        if state is not None and state.world_size > 1:
+        if ranks:
             dist.barrier(group=state.cpu_group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
+        if ranks:  # the GPUs leave this together, whenever each host got here
+            dist.all_reduce(token, group=state.tp_group)
         start.record()
         body()
         end.record()
