@@ -88,11 +88,12 @@ class NinjaNvccBuild(build_ext):
 
 
 setup(
-    # configs/ (the all-reduce tables) ships inside the package as tpgraph/configs, so a wheel or `pip install .`
-    # reads the same tables as a checkout
-    packages=find_packages(include=["tpgraph*"]) + ["tpgraph.configs", "tpgraph.configs.allreduce"],
+    # configs/ (the all-reduce and GEMV tables) ships inside the package as tpgraph/configs, so a wheel or
+    # `pip install .` reads the same tables as a checkout
+    packages=find_packages(include=["tpgraph*"]) + ["tpgraph.configs", "tpgraph.configs.allreduce",
+                                                    "tpgraph.configs.gemv"],
     package_dir={"tpgraph.configs": "configs"},
-    package_data={"tpgraph": ["py.typed"], "tpgraph.configs.allreduce": ["*.json"]},
+    package_data={"tpgraph": ["py.typed"], "tpgraph.configs.allreduce": ["*.json"], "tpgraph.configs.gemv": ["*.json"]},
     ext_modules=[
         Extension(
             "tpgraph._C",

@@ -3,19 +3,26 @@ auto without PDL), NCCL, torch symm_mem one-shot and two-shot.
 
     torchrun --nproc-per-node 2 bench/bench_allreduce.py --out bench/results/ar.json
 
-The method (tpgraph/tune/timing.py, the tuner's too), fixed before any number is read: graph per-op time T(K)/K with
-K = 64 ops in one graph; eager per-op time of K calls back to back; ranks aligned by a barrier and the same GPU sleep
-queued ahead of the start event; the median of 20 runs; the slowest rank. Custom calls are captured inside
-`ar.capture()`, so pull inputs are zero-copy in graphs.
+The method (tpgraph/tune/timing.py, the tuner's too), fixed before any number is read. Every timed run: a CPU
+barrier, the same GPU sleep queued ahead of the start event, a one-element NCCL all-reduce after it so the GPUs start
+together, CUDA events around the timed work. Graph: per-op time T(K)/K of a graph of K = 64 ops; at each size every
+candidate's graph is captured first, then all are timed interleaved (`graph_ops_us_interleaved`): each round gives
+every graph one run, in the candidates' order rotated by one per round, so no candidate always goes first and drift
+falls on all alike; max(--runs, 50) rounds up to 1 MB (a round costs about a barrier per candidate), --runs above.
+Eager: per-op time of K calls back to back, each candidate's --runs runs after one another. Per rank the median of a
+candidate's runs; the slowest rank's median is the figure. Custom calls are captured inside `ar.capture()`, so pull
+inputs are zero-copy in graphs; each candidate's registration is given back after the size's graphs are dropped.
 
 In a layer: a graph of 32 x (a [M,4096] x [4096,4096] GEMV, then the all-reduce of its output), minus the same graph
-without the all-reduces, per layer, at 8 KB (M = 1) and 64 KB (M = 8); also with rank 0 doing twice the GEMV work
-(one rank arriving late). `python bench/report_allreduce.py ar.json` prints the table and the checks.
+without the all-reduces, per layer, at 8 KB (M = 1) and 64 KB (M = 8), all of a case's graphs timed interleaved as
+above (max(--runs, 50) rounds); also with rank 0 doing twice the GEMV work (one rank arriving late).
+`python bench/report_allreduce.py ar.json` prints the table and the checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -29,28 +36,59 @@ import torch.distributed as dist
 from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
 from tpgraph.comm.thresholds import Algo
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
-from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_op_us, graph_op_us, released
+from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_op_us, graph_ops_us_interleaved, released
 
 KB, MB = 1 << 10, 1 << 20
 SIZES = [4 * KB, 8 * KB, 32 * KB, 128 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
 FORCED = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)  # multicast: gated, never run here
 LAYERS, HIDDEN = 32, 4096
+SMALL_BYTES, SMALL_MIN_RUNS = 1 * MB, 50  # graph rounds at sizes up to 1 MB: at least 50 (cheap: ~0.2 ms a run)
 
 
-def timed(state, fn: Callable[[], object], runs: int, custom: CustomAllReduce | None) -> dict[str, float]:
-    """{graph, eager} per-op µs of fn by the one method (custom calls captured in the all-reduce's capture())."""
-    with released(custom) as ctx:
-        graph = capture(fn, K_OPS, ctx)
-        out = {"graph": graph_op_us(state, graph, K_OPS, runs)}
-        del graph  # before its registration is given back
-    out["eager"] = eager_op_us(state, fn, K_OPS, runs)
+def graph_runs(nbytes: int, runs: int) -> int:
+    """Interleaved graph rounds at this size: max(runs, 50) up to 1 MB, where per-op times are a few µs and noise
+    is largest relative to them; runs above."""
+    return max(runs, SMALL_MIN_RUNS) if nbytes <= SMALL_BYTES else runs
+
+
+def method(runs: int) -> str:
+    """The method, as the JSON states it."""
+    return (f"T(K)/K, K={K_OPS}; every run: barrier + GPU sleep + one-element NCCL all-reduce before the start event; "
+            f"graph: all candidates' graphs captured first, then timed interleaved, one run of each per round in an "
+            f"order rotated per round, {graph_runs(SMALL_BYTES, runs)} rounds up to {SMALL_BYTES // MB} MB, {runs} "
+            f"above; eager: {runs} runs per candidate, one candidate after another; median of runs per rank; "
+            f"slowest rank")
+
+
+def graph_times(state, cands: dict[str, tuple[Callable[[], object], CustomAllReduce | None]],
+                runs: int, calls: int = K_OPS, per: int = K_OPS) -> dict[str, float]:
+    """Graph µs per op of every candidate by the one method, interleaved: every graph (`calls` calls of its fn, `per`
+    ops in all) captured first, a custom candidate inside its own `released` capture context, then all timed
+    together; the graphs are dropped before the contexts close and give the registrations back."""
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    with contextlib.ExitStack() as registrations:
+        try:
+            for name, (fn, custom) in cands.items():
+                graphs[name] = capture(fn, calls, registrations.enter_context(released(custom)))
+            return graph_ops_us_interleaved(state, graphs, per, runs)
+        finally:
+            graphs.clear()  # before their registrations are given back (the ExitStack's exit, after this)
+
+
+def timed(state, cands: dict[str, tuple[Callable[[], object], CustomAllReduce | None]], nbytes: int,
+          runs: int) -> dict[str, float]:
+    """{name_graph_us, name_eager_us} of every candidate at this size: graphs interleaved (`graph_times`, more
+    rounds at small sizes), then eager one candidate after another."""
+    out = {f"{name}_graph_us": us for name, us in graph_times(state, cands, graph_runs(nbytes, runs)).items()}
+    for name, (fn, _) in cands.items():
+        out[f"{name}_eager_us"] = eager_op_us(state, fn, K_OPS, runs)
     return out
 
 
-def in_layer_us(state, all_reduce: Callable[[torch.Tensor], object] | None, m: int, runs: int, skew: bool,
-                custom: CustomAllReduce | None, out_buffers: list[torch.Tensor] | None = None) -> float:
-    """µs per layer of a graph of LAYERS x (GEMV, all-reduce); all_reduce None: the GEMV-only graph. With skew, rank 0
-    runs its GEMV twice. out_buffers: where each layer's GEMV writes (symm_mem needs its own buffers)."""
+def in_layer_step(state, all_reduce: Callable[[torch.Tensor], object] | None, m: int, skew: bool,
+                  out_buffers: list[torch.Tensor] | None = None) -> Callable[[], None]:
+    """One pass of LAYERS x (GEMV, all-reduce); all_reduce None: GEMVs only. With skew, rank 0 runs its GEMV twice.
+    out_buffers: where each layer's GEMV writes (symm_mem needs its own buffers)."""
     torch.manual_seed(0)
     x = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.01
     w = torch.randn(HIDDEN, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.01
@@ -64,11 +102,7 @@ def in_layer_us(state, all_reduce: Callable[[torch.Tensor], object] | None, m: i
             if all_reduce is not None:
                 all_reduce(out)
 
-    with released(custom) as ctx:
-        graph = capture(step, 1, ctx)
-        us = graph_op_us(state, graph, LAYERS, runs)
-        del graph  # before its registration is given back
-    return us
+    return step
 
 
 def host_cost_us(fn, n: int, repeats: int = 5) -> float:
@@ -205,8 +239,9 @@ def main() -> None:
             cands[name] = (fn, None)
         row = {"bytes": nbytes, "auto_algo": ar.pick(x, graph=False).value,
                "auto_graph_algo": ar.pick(x, graph=True).value}
-        for name, (fn, custom) in cands.items():
-            row.update({f"{name}_{mode}_us": us for mode, us in timed(state, fn, args.runs, custom).items()})
+        times = timed(state, cands, nbytes, args.runs)
+        for name in cands:  # the row's order as before: each candidate's graph, then its eager figure
+            row.update({key: times[key] for key in (f"{name}_graph_us", f"{name}_eager_us")})
         if nbytes == 8 * KB and ar.plan(x) is not None:
             host = host_costs(ar, x)
             if state.is_driver:
@@ -223,17 +258,19 @@ def main() -> None:
         nbytes = m * HIDDEN * 2
         for skew in (False, True):
             key = f"{nbytes // KB}KB{'_skew' if skew else ''}"
-            base = in_layer_us(state, None, m, args.runs, skew, None)
-            figures = {"nccl": in_layer_us(state, nccl, m, args.runs, skew, None) - base,
-                       "auto": in_layer_us(state, lambda t: ar.try_all_reduce(t) is not None or nccl(t), m, args.runs,
-                                           skew, ar) - base}
-            sym = symm_mem_candidates(state, m * HIDDEN, group_name)
-            for name, (_, buf) in sym.items():
+            # the GEMV-only graph and every candidate's, timed interleaved; each minus the GEMV-only one, per layer
+            cands: dict[str, tuple[Callable[[], object], CustomAllReduce | None]] = {
+                "base": (in_layer_step(state, None, m, skew), None),
+                "nccl": (in_layer_step(state, nccl, m, skew), None),
+                "auto": (in_layer_step(state, lambda t: ar.try_all_reduce(t) is not None or nccl(t), m, skew), ar)}
+            for name, (_, buf) in symm_mem_candidates(state, m * HIDDEN, group_name).items():
                 bufs = [buf.view(m, HIDDEN)] * LAYERS  # symm_mem reduces its own buffer: the GEMV writes there
                 op = (torch.ops.symm_mem.one_shot_all_reduce if name == "symm_1shot"
                       else torch.ops.symm_mem.two_shot_all_reduce_)
-                figures[name] = in_layer_us(state, lambda t, op=op: op(t.view(-1), "sum", group_name), m, args.runs,
-                                            skew, None, bufs) - base
+                cands[name] = (in_layer_step(state, lambda t, op=op: op(t.view(-1), "sum", group_name), m, skew,
+                                             bufs), None)
+            per_layer = graph_times(state, cands, graph_runs(0, args.runs), calls=1, per=LAYERS)
+            figures = {name: us - per_layer["base"] for name, us in per_layer.items() if name != "base"}
             in_layer[key] = figures
             if state.is_driver:
                 print(f"in a layer, {key}: " + ", ".join(f"{k}={v:.2f}" for k, v in figures.items()) + " us",
@@ -243,7 +280,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "world_size": state.world_size, "dtype": "bfloat16", "k": K_OPS,
             "runs": args.runs, "num_sms": ar.num_sms, "push_cap_bytes": ar.push_slot_bytes,
-            "method": "T(K)/K, K=64; barrier + GPU sleep before the start event; median of runs; slowest rank",
+            "method": method(args.runs),
             "host_us_8kb": host, "p2p_gbs": p2p, "rows": rows, "in_layer": in_layer}, indent=1))
     for a in (ar_nopdl, forced_ar, ar):
         a.close()

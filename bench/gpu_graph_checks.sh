@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -80,6 +80,14 @@ for step in "$@"; do
              --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
              | tee "$out/bench_variants.log"
          unset TPGRAPH_GEMV_TABLE ;;
+    parity-gemv) # HF parity with the small-M projection kernel on (decode rows and short prompts take it)
+         for dt in bf16 fp32; do TPGRAPH_GEMV=1 timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $dt \
+             $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
+             | tee -a "$out/hf_parity_gemv.log"; done ;;
+    variants) # every fused piece beside its plain version, in one run (the shipped GEMV table)
+         timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+             --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
+             | tee "$out/bench_variants.log" ;;
     tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
          timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"

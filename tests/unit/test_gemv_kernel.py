@@ -95,22 +95,31 @@ def test_layers_use_it_only_when_asked(monkeypatch):
 
 def test_a_tuned_table_picks_the_config_by_shape_and_largest_m_not_above(tmp_path, monkeypatch):
     from tpgraph.errors import ConfigError
-    from tpgraph.kernels.gemv import GemvConfig, tiles
+    from tpgraph.kernels.gemv import GemvConfig, table_path, tiles
 
     table = {"best": {"3072,4096,1": {"block_n": 32, "block_k": 512, "num_warps": 8, "num_stages": 3, "split_k": 2},
                       "3072,4096,8": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5, "split_k": 1}}}
     path = tmp_path / "gemv.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(path))
-    assert tiles(3072, 4096, 1) == GemvConfig(32, 512, 8, 3, 2)
-    assert tiles(3072, 4096, 7) == GemvConfig(32, 512, 8, 3, 2)
-    assert tiles(3072, 4096, 16) == GemvConfig(64, 128, 4, 5, 1)
-    monkeypatch.delenv("TPGRAPH_GEMV_TABLE")
-    default = tiles(3072, 4096, 1)
-    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(path))
-    assert tiles(4096, 2048, 1) == default == GemvConfig(16, 256, 4, 4)  # a shape the table lacks
+    assert table_path((9, 0)) == path
+    assert tiles(3072, 4096, 1, path) == GemvConfig(32, 512, 8, 3, 2)
+    assert tiles(3072, 4096, 7, path) == GemvConfig(32, 512, 8, 3, 2)
+    assert tiles(3072, 4096, 16, path) == GemvConfig(64, 128, 4, 5, 1)
+    assert tiles(4096, 2048, 1, path) == tiles(4096, 2048, 1) == GemvConfig(16, 256, 4, 4)  # a shape it lacks
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", str(bad))
-    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_TABLE"):
-        tiles(3072, 4096, 1)
+    with pytest.raises(ConfigError, match="bench_gemv.py --sweep"):
+        tiles(3072, 4096, 1, bad)
+
+
+def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypatch):
+    from tpgraph.kernels.gemv import _tuned, table_path
+
+    monkeypatch.delenv("TPGRAPH_GEMV_TABLE", raising=False)
+    path = table_path((9, 0))
+    assert path is not None and path.name == "sm90.json" and path.parent.name == "gemv"
+    assert table_path((10, 0)) is None  # nothing measured on SM100: the defaults
+    shapes = {(n, k, m) for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (64128, 4096))
+              for m in (1, 8)}
+    assert set(_tuned(str(path))) == shapes

@@ -1,4 +1,4 @@
-"""What users install must carry every file the code reads: the all-reduce tables ship inside the package."""
+"""What users install must carry every file the code reads: the all-reduce and GEMV tables ship inside the package."""
 
 import subprocess
 import sys
@@ -21,14 +21,18 @@ def test_a_wheel_carries_the_tables_and_an_installed_copy_reads_them(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tables = sorted(p.name for p in (ROOT / "configs" / "allreduce").glob("*.json"))
     assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tpgraph/configs/allreduce/")) == tables
+    gemv = sorted(p.name for p in (ROOT / "configs" / "gemv").glob("*.json"))
+    assert gemv and sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("tpgraph/configs/gemv/")) == gemv
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
     code = ("from tpgraph.comm.thresholds import config_dir, load_table_for; "
-            "print(config_dir()); print(load_table_for((9, 0)).source)")
+            "from tpgraph.kernels.gemv import table_path; "
+            "print(config_dir()); print(load_table_for((9, 0)).source); print(table_path((9, 0)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(site / "tpgraph" / "configs"), str(site / "tpgraph" / "configs" / "allreduce" / "sm90.json")]
+    assert out == [str(site / "tpgraph" / "configs"), str(site / "tpgraph" / "configs" / "allreduce" / "sm90.json"),
+                   str(site / "tpgraph" / "configs" / "gemv" / "sm90.json")]
 
 
 def test_config_dir_override(monkeypatch, tmp_path):

@@ -11,8 +11,8 @@ are a fixed table (`tiles`; no autotuning): the same shape gets the same config,
 A different config is a different (equally valid) rounding of the same sum.
 
 Off unless `TPGRAPH_GEMV=1`: it replaces cuBLAS only once bench/bench_gemv.py has shown it faster on the GPU
-(`--sweep` there times the config grid per decode shape, and its JSON, named by `TPGRAPH_GEMV_TABLE`, gives each
-shape its best config).
+(`--sweep` there times the config grid per decode shape; its JSON, shipped as configs/gemv/sm90.json or named by
+`TPGRAPH_GEMV_TABLE`, gives each shape its best config).
 """
 
 from __future__ import annotations
@@ -67,22 +67,33 @@ def enabled() -> bool:
     return os.environ.get("TPGRAPH_GEMV", "0") == "1"
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=4)
 def _tuned(path: str) -> dict[tuple[int, int, int], GemvConfig]:
     """A table written by `bench/bench_gemv.py --sweep` ({"best": {"n,k,m": config fields}}), read once per path."""
     try:
         best = json.loads(Path(path).read_text())["best"]
         return {tuple(int(v) for v in key.split(",")): GemvConfig(**fields) for key, fields in best.items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"TPGRAPH_GEMV_TABLE={path}: not a table from bench_gemv.py --sweep ({exc})") from exc
+        raise ConfigError(f"GEMV table {path}: not a table from bench_gemv.py --sweep ({exc})") from exc
 
 
-def tiles(n: int, k: int, m: int = 1) -> GemvConfig:
-    """The config for an [N, K] weight at M rows: from the table TPGRAPH_GEMV_TABLE names, if it has this shape
-    (the entry with the largest M not above m), else the default: narrow column blocks for narrow matrices, so that
-    every SM gets programs (132 on an H200: N = 2048 / 16 = 128 programs)."""
-    if path := os.environ.get("TPGRAPH_GEMV_TABLE"):
-        fits = [(tm, cfg) for (tn, tk, tm), cfg in _tuned(path).items() if (tn, tk) == (n, k) and tm <= m]
+def table_path(capability: tuple[int, int]) -> Path | None:
+    """TPGRAPH_GEMV_TABLE if set; else the tuned table shipped for this architecture (configs/gemv), if there is one.
+    Without a table every shape gets the default tiles: a table tunes speed, never the result's validity."""
+    if env := os.environ.get("TPGRAPH_GEMV_TABLE"):
+        return Path(env)
+    from tpgraph.comm.thresholds import config_dir, table_file_for
+
+    shipped = config_dir() / "gemv" / table_file_for(capability)
+    return shipped if shipped.is_file() else None
+
+
+def tiles(n: int, k: int, m: int = 1, table: Path | None = None) -> GemvConfig:
+    """The config for an [N, K] weight at M rows: from `table` if it has this shape (the entry with the largest M not
+    above m), else the default: narrow column blocks for narrow matrices, so that every SM gets programs (132 on an
+    H200: N = 2048 / 16 = 128 programs)."""
+    if table is not None:
+        fits = [(tm, cfg) for (tn, tk, tm), cfg in _tuned(str(table)).items() if (tn, tk) == (n, k) and tm <= m]
         if fits:
             return max(fits, key=lambda e: e[0])[1]
     if n <= 8192:
@@ -154,7 +165,9 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
 
     m, k = x.shape
     n = w.shape[0]
-    cfg = config if config is not None else tiles(n, k, m)
+    if config is None:  # the interpreter (CPU tensors) has no architecture to tune for: the default tiles
+        config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
+    cfg = config
     soft = soft_bf16_rounding(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.

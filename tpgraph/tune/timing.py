@@ -4,18 +4,26 @@ bench/bench_allreduce.py use it alike, for ours, NCCL and symm_mem):
 - graph: K ops captured in one CUDA graph (K = 64, the all-reduces of one Llama-3-8B decode step); per-op time
   T(K) / K;
 - eager: K calls issued back to back; per-op time T(K) / K (launch costs included: eager users pay them);
-- every timed run starts with the ranks aligned by a barrier, then the same GPU sleep queued ahead of the start
-  event on every rank, so the host's submission is hidden, then a one-element NCCL all-reduce after the sleep, so
-  the GPUs start together: a CPU barrier releases the ranks tens of µs apart, which a graph of 2 µs ops would
-  otherwise count as its own time on the rank that waits;
+- every timed run (`_aligned_run`) starts with the ranks aligned by a CPU barrier, then the same GPU sleep queued
+  ahead of the start event on every rank, so the host's submission is hidden, then a one-element NCCL all-reduce
+  after the sleep, so the GPUs start together: a CPU barrier releases the ranks tens of µs apart, which a graph of
+  2 µs ops would otherwise count as its own time on the rank that waits; CUDA events around the one replay (or the
+  K eager calls);
 - the median of at least 20 runs per rank, and the slowest rank's median is the figure.
+
+One candidate (`graph_op_us`, `eager_op_us`) gets its runs back to back. Several captured graphs compared with each
+other (`graph_ops_us_interleaved`) get them interleaved: in round r every graph gets one run, in the candidates'
+order rotated to start at candidate r mod n, so slow drift of the machine (clocks, other work) falls on all of them
+alike and no candidate always runs first in a round; then each candidate's median per rank and the slowest rank's
+median per candidate (one gather for all), exactly as for one. The pure part, the order and the medians, is
+`round_order` and `interleaved_medians`; `slowest_per_candidate` takes the ranks' figures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,28 +54,68 @@ def capture(fn: Callable[[], object], k: int = K_OPS,
     return graph
 
 
-def _aligned_runs(state: ParallelState | None, body: Callable[[], None], runs: int) -> list[float]:
-    """µs of `body` between CUDA events, `runs` times, each after a barrier and the same GPU sleep (state None: this
-    process alone, no barrier)."""
+def _check_runs(runs: int) -> None:
     if runs < MIN_RUNS:
         raise ValueError(f"the timing method takes the median of at least {MIN_RUNS} runs, got {runs}")
-    out = []
-    ranks = state is not None and state.world_size > 1
-    token = torch.zeros(1, device="cuda") if ranks else None
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        if ranks:
-            dist.barrier(group=state.cpu_group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SLEEP_CYCLES)
-        if ranks:  # the GPUs leave this together, whenever each host got here
-            dist.all_reduce(token, group=state.tp_group)
-        start.record()
-        body()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
-    return out
+
+
+def _alignment_token(state: ParallelState | None) -> torch.Tensor | None:
+    """The one-element tensor the GPUs align on; None where there is one rank (no barrier, no all-reduce)."""
+    return torch.zeros(1, device="cuda") if state is not None and state.world_size > 1 else None
+
+
+def _aligned_run(state: ParallelState | None, body: Callable[[], None], token: torch.Tensor | None) -> float:
+    """µs of one `body` between CUDA events, after a CPU barrier, the same GPU sleep and (token given) a one-element
+    NCCL all-reduce that releases the GPUs together. Every rank must make the same calls in the same order."""
+    torch.cuda.synchronize()
+    if token is not None:
+        dist.barrier(group=state.cpu_group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    if token is not None:  # the GPUs leave this together, whenever each host got here
+        dist.all_reduce(token, group=state.tp_group)
+    start.record()
+    body()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def _aligned_runs(state: ParallelState | None, body: Callable[[], None], runs: int) -> list[float]:
+    """µs of `body`, `runs` aligned runs back to back (state None: this process alone, no barrier)."""
+    _check_runs(runs)
+    token = _alignment_token(state)
+    return [_aligned_run(state, body, token) for _ in range(runs)]
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """The order of the candidates in round r: `names` rotated to start at candidate r mod n."""
+    i = r % len(names) if names else 0
+    return list(names[i:]) + list(names[:i])
+
+
+def interleaved_medians(names: Sequence[str], runs: int, run_one: Callable[[str], float],
+                        per: int = 1) -> dict[str, float]:
+    """`runs` rounds, each calling run_one(name) once per candidate in `round_order`; each candidate's median of
+    its `runs` samples, divided by `per` ops. Pure given run_one (the CPU tests drive it with a fake)."""
+    _check_runs(runs)
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidate names repeat: {list(names)}")
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(runs):
+        for name in round_order(names, r):
+            samples[name].append(run_one(name))
+    return {name: statistics.median(xs) / per for name, xs in samples.items()}
+
+
+def slowest_per_candidate(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each candidate's slowest figure over the ranks' {candidate: figure} (every rank must have timed the same
+    candidates, in the same order)."""
+    names = list(per_rank[0])
+    for rank, figures in enumerate(per_rank):
+        if list(figures) != names:
+            raise ValueError(f"rank {rank} timed {list(figures)}, rank 0 {names}")
+    return {name: max(figures[name] for figures in per_rank) for name in names}
 
 
 def slowest_median(state: ParallelState | None, samples: list[float], per: int = 1) -> float:
@@ -78,8 +126,19 @@ def slowest_median(state: ParallelState | None, samples: list[float], per: int =
 
 def graph_op_us(state: ParallelState | None, graph: torch.cuda.CUDAGraph, k: int = K_OPS,
                 runs: int = MIN_RUNS) -> float:
-    """Per-op µs of a captured graph of k ops."""
+    """Per-op µs of a captured graph of k ops, its runs back to back."""
     return slowest_median(state, _aligned_runs(state, graph.replay, runs), k)
+
+
+def graph_ops_us_interleaved(state: ParallelState | None, graphs: Mapping[str, torch.cuda.CUDAGraph],
+                             k: int = K_OPS, runs: int = MIN_RUNS) -> dict[str, float]:
+    """Per-op µs of each captured graph of k ops, {name: µs}, timed interleaved: `runs` rounds, each one aligned
+    run of every graph in `round_order`; per rank each graph's median; then the slowest rank's median per graph
+    (one gather for all). Every rank must pass the same names in the same order (the runs' collectives pair up)."""
+    _check_runs(runs)
+    token = _alignment_token(state)
+    mine = interleaved_medians(list(graphs), runs, lambda name: _aligned_run(state, graphs[name].replay, token), k)
+    return mine if state is None else slowest_per_candidate(gather_objects(state, mine))
 
 
 def eager_op_us(state: ParallelState | None, fn: Callable[[], object], k: int = K_OPS, runs: int = MIN_RUNS) -> float:

@@ -1,0 +1,110 @@
+"""tpgraph/tune/timing.py: the interleaved graph timing's order of candidates per round and its aggregation (per
+candidate medians per rank, then the slowest rank per candidate), on CPU with fake runs."""
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from tpgraph.tune import timing
+from tpgraph.tune.timing import MIN_RUNS, interleaved_medians, round_order, slowest_per_candidate
+
+
+def test_round_r_starts_at_candidate_r_mod_n():
+    names = ["a", "b", "c"]
+    assert [round_order(names, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert round_order(["only"], 7) == ["only"]
+    assert round_order([], 3) == []
+
+
+def test_every_candidate_takes_every_position_equally_often():
+    names = [f"c{i}" for i in range(8)]
+    orders = [round_order(names, r) for r in range(8 * 7)]
+    for order in orders:
+        assert sorted(order) == sorted(names)  # one run of each per round
+    for pos in range(len(names)):
+        counts = {n: sum(o[pos] == n for o in orders) for n in names}
+        assert set(counts.values()) == {7}
+
+
+def test_interleaved_medians_runs_the_rotated_rounds_and_takes_each_candidates_median():
+    names = ["auto", "1shot_push", "nccl"]
+    calls = []
+    base = {"auto": 100.0, "1shot_push": 200.0, "nccl": 1000.0}
+
+    def run_one(name):
+        calls.append(name)
+        return base[name] + len(calls)  # drifts upward over time: every candidate sees the drift alike
+
+    runs = MIN_RUNS
+    out = interleaved_medians(names, runs, run_one, per=10)
+    assert calls == [n for r in range(runs) for n in round_order(names, r)]
+    samples = {n: [base[n] + i + 1 for i, c in enumerate(calls) if c == n] for n in names}
+    assert out == {n: statistics.median(samples[n]) / 10 for n in names}
+    assert list(out) == names  # the caller's order, whatever the rounds did
+    # drift shared: the medians differ by the base difference alone (within one round's span)
+    assert abs((out["1shot_push"] - out["auto"]) * 10 - 100.0) <= len(names)
+
+
+def test_interleaved_medians_keeps_the_methods_minimum_and_unique_names():
+    with pytest.raises(ValueError, match="at least"):
+        interleaved_medians(["a"], MIN_RUNS - 1, lambda name: 1.0)
+    with pytest.raises(ValueError, match="repeat"):
+        interleaved_medians(["a", "a"], MIN_RUNS, lambda name: 1.0)
+
+
+def test_slowest_rank_per_candidate():
+    assert slowest_per_candidate([{"a": 2.0, "b": 5.0}, {"a": 3.0, "b": 4.0}]) == {"a": 3.0, "b": 5.0}
+    assert slowest_per_candidate([{"a": 2.0}]) == {"a": 2.0}
+    with pytest.raises(ValueError, match="rank 1"):
+        slowest_per_candidate([{"a": 2.0, "b": 5.0}, {"b": 4.0, "a": 3.0}])
+
+
+class FakeGraph:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def replay(self):
+        self.log.append(self.name)
+
+
+def fake_run(us_of):
+    """An _aligned_run stand-in: runs the body (a graph's replay) and returns its made-up µs."""
+    def run(state, body, token):
+        body()
+        return us_of(body.__self__.name)
+    return run
+
+
+def test_graph_ops_us_interleaved_one_process(monkeypatch):
+    log = []
+    monkeypatch.setattr(timing, "_aligned_run", fake_run({"x": 640.0, "y": 128.0}.get))
+    graphs = {"x": FakeGraph("x", log), "y": FakeGraph("y", log)}
+    assert timing.graph_ops_us_interleaved(None, graphs, k=64, runs=MIN_RUNS) == {"x": 10.0, "y": 2.0}
+    assert log == [n for r in range(MIN_RUNS) for n in round_order(["x", "y"], r)]
+
+
+def test_graph_ops_us_interleaved_gathers_once_and_takes_the_slowest_rank(monkeypatch):
+    gathers = []
+
+    def gather(state, obj):
+        gathers.append(obj)
+        return [obj, {"x": 9.0, "y": 3.0}]  # the other rank: slower on y, faster on x
+
+    monkeypatch.setattr(timing, "_aligned_run", fake_run({"x": 640.0, "y": 128.0}.get))
+    monkeypatch.setattr(timing, "_alignment_token", lambda state: None)
+    monkeypatch.setattr(timing, "gather_objects", gather)
+    state = SimpleNamespace(world_size=2)
+    out = timing.graph_ops_us_interleaved(state, {"x": FakeGraph("x", []), "y": FakeGraph("y", [])}, 64, MIN_RUNS)
+    assert out == {"x": 10.0, "y": 3.0}
+    assert gathers == [{"x": 10.0, "y": 2.0}]  # one gather of the whole dict
+
+
+def test_graph_op_us_goes_through_the_shared_run(monkeypatch):
+    log = []
+    monkeypatch.setattr(timing, "_aligned_run", fake_run({"g": 320.0}.get))
+    assert timing.graph_op_us(None, FakeGraph("g", log), k=32, runs=MIN_RUNS) == 10.0
+    assert log == ["g"] * MIN_RUNS
+    with pytest.raises(ValueError, match="at least"):
+        timing.graph_op_us(None, FakeGraph("g", log), k=32, runs=MIN_RUNS - 1)
