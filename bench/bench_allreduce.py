@@ -9,9 +9,10 @@ together, CUDA events around the timed work. Graph: per-op time T(K)/K of a grap
 candidate's graph is captured first, then all are timed interleaved (`graph_ops_us_interleaved`): each round gives
 every graph one run, in the candidates' order rotated by one per round, so no candidate always goes first and drift
 falls on all alike; max(--runs, 50) rounds up to 1 MB (a round costs about a barrier per candidate), --runs above.
-Eager: per-op time of K calls back to back, each candidate's --runs runs after one another. Per rank the median of a
-candidate's runs; the slowest rank's median is the figure. Custom calls are captured inside `ar.capture()`, so pull
-inputs are zero-copy in graphs; each candidate's registration is given back after the size's graphs are dropped.
+Eager: per-op time of K calls back to back, the candidates interleaved the same way, as many rounds. Per rank the
+median of a candidate's runs; the slowest rank's median is the figure. Custom calls are captured inside
+`ar.capture()`, so pull inputs are zero-copy in graphs; each candidate's registration is given back after the size's
+graphs are dropped.
 
 In a layer: a graph of 32 x (a [M,4096] x [4096,4096] GEMV, then the all-reduce of its output), minus the same graph
 without the all-reduces, per layer, at 8 KB (M = 1) and 64 KB (M = 8), all of a case's graphs timed interleaved as
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
 from tpgraph.comm.thresholds import Algo
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
-from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_op_us, graph_ops_us_interleaved, released
+from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_ops_us_interleaved, graph_ops_us_interleaved, released
 
 KB, MB = 1 << 10, 1 << 20
 SIZES = [4 * KB, 8 * KB, 32 * KB, 128 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
@@ -56,7 +57,7 @@ def method(runs: int) -> str:
     return (f"T(K)/K, K={K_OPS}; every run: barrier + GPU sleep + one-element NCCL all-reduce before the start event; "
             f"graph: all candidates' graphs captured first, then timed interleaved, one run of each per round in an "
             f"order rotated per round, {graph_runs(SMALL_BYTES, runs)} rounds up to {SMALL_BYTES // MB} MB, {runs} "
-            f"above; eager: {runs} runs per candidate, one candidate after another; median of runs per rank; "
+            f"above; eager: K calls back to back per run, interleaved the same way; median of runs per rank; "
             f"slowest rank")
 
 
@@ -77,11 +78,12 @@ def graph_times(state, cands: dict[str, tuple[Callable[[], object], CustomAllRed
 
 def timed(state, cands: dict[str, tuple[Callable[[], object], CustomAllReduce | None]], nbytes: int,
           runs: int) -> dict[str, float]:
-    """{name_graph_us, name_eager_us} of every candidate at this size: graphs interleaved (`graph_times`, more
-    rounds at small sizes), then eager one candidate after another."""
+    """{name_graph_us, name_eager_us} of every candidate at this size: graphs interleaved (`graph_times`), then the
+    eager calls interleaved the same way (more rounds at small sizes, both)."""
     out = {f"{name}_graph_us": us for name, us in graph_times(state, cands, graph_runs(nbytes, runs)).items()}
-    for name, (fn, _) in cands.items():
-        out[f"{name}_eager_us"] = eager_op_us(state, fn, K_OPS, runs)
+    eager = eager_ops_us_interleaved(state, {name: fn for name, (fn, _) in cands.items()}, K_OPS,
+                                     graph_runs(nbytes, runs))
+    out.update({f"{name}_eager_us": us for name, us in eager.items()})
     return out
 
 

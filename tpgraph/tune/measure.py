@@ -1,6 +1,7 @@
-"""Measure every all-reduce candidate on this machine, by the one timing method (timing.py): each custom algorithm
-at every size over a range of grid sizes in graph mode, then in eager mode at the grid graph mode chose; NCCL at
-every size in both modes. Multicast is never measured while it is gated."""
+"""Measure every all-reduce candidate on this machine, by the one timing method (timing.py): at each size, each
+custom algorithm over a range of grid sizes and NCCL in graph mode, all graphs captured first and timed interleaved;
+then in eager mode each custom algorithm at the grid graph mode chose, and NCCL, interleaved the same way. Multicast
+is never measured while it is gated."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tpgraph.comm.thresholds import Algo, useful_blocks
 from tpgraph.distributed import ParallelState
 from tpgraph.errors import CommError
 from tpgraph.tune.launch import smallest_near_best
-from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_op_us, graph_op_us, released
+from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_ops_us_interleaved, graph_ops_us_interleaved, released
 
 DEFAULT_SIZES = tuple(4096 << i for i in range(15))  # 4 KB .. 64 MB
 CUSTOM = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)
@@ -49,49 +50,73 @@ def skipped_multicast() -> str:
 
 def measure(state: ParallelState, ar: CustomAllReduce, sizes: Iterable[int] = DEFAULT_SIZES, runs: int = MIN_RUNS,
             k: int = K_OPS, progress: Callable[[str], None] | None = None) -> list[Measurement]:
-    """Every candidate at every size, graph and eager. `progress(label)` is called once per timed candidate."""
+    """Every candidate at every size, graph and eager. `progress(label)` is called once per captured graph and once
+    per eager candidate."""
     out: list[Measurement] = []
     tick = progress or (lambda _: None)
     for nbytes in sizes:
         x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=state.device)  # zeros: sums stay finite
-        for algo in CUSTOM:
-            out += _custom(state, ar, algo, x, runs, k, tick)
+        graph_us, notes = _graphs(state, ar, x, runs, k, tick)
         nccl = functools.partial(dist.all_reduce, x, group=state.tp_group)
-        graph = capture(nccl, k)
-        out.append(Measurement("graph", Algo.NCCL.value, nbytes, graph_op_us(state, graph, k, runs)))
-        del graph
-        tick(f"nccl {nbytes} B")
-        out.append(Measurement("eager", Algo.NCCL.value, nbytes, eager_op_us(state, nccl, k, runs)))
+        eager = {"nccl": nccl}
+        for algo in CUSTOM:
+            times = {blocks: us for (a, blocks), us in graph_us.items() if a == algo.value}
+            if not times:
+                out += [Measurement(m, algo.value, nbytes, None, note=notes[algo.value]) for m in ("graph", "eager")]
+                continue
+            best = smallest_near_best(times)
+            out.append(Measurement("graph", algo.value, nbytes, times[best], best, times))
+            if algo != Algo.PUSH_1SHOT and nbytes > ar.staging_bytes:  # eager pull stages its input
+                out.append(Measurement("eager", algo.value, nbytes, None, note="over the staging buffer"))
+            else:
+                eager[algo.value] = functools.partial(ar.all_reduce, x, algo, blocks=best)
+        out.append(Measurement("graph", Algo.NCCL.value, nbytes, graph_us[(Algo.NCCL.value, None)]))
+        eager_us = eager_ops_us_interleaved(state, eager, k, runs)
+        for name, us in eager_us.items():
+            blocks = None if name == Algo.NCCL.value else eager[name].keywords["blocks"]
+            out.append(Measurement("eager", name, nbytes, us, blocks))
+            tick(f"{name} {nbytes} B eager")
         del x
         torch.cuda.empty_cache()
-    return out
+    return _in_order(out)
 
 
-def _custom(state: ParallelState, ar: CustomAllReduce, algo: Algo, x: torch.Tensor, runs: int, k: int,
-            tick: Callable[[str], None]) -> list[Measurement]:
+def _graphs(state: ParallelState, ar: CustomAllReduce, x: torch.Tensor, runs: int, k: int,
+            tick: Callable[[str], None]) -> tuple[dict[tuple[str, int | None], float], dict[str, str]]:
+    """Graph per-op µs of every custom algorithm at every grid worth trying, and NCCL's, for x: every graph captured
+    first, then all timed interleaved (so drift falls on all alike); {(algo, blocks): µs}, and why an algorithm got
+    no graph."""
     nbytes = x.numel() * x.element_size()
-    if algo == Algo.PUSH_1SHOT and nbytes > ar.push_slot_bytes:
-        note = f"over the push slot ({ar.push_slot_bytes} B)"
-        return [Measurement(m, algo.value, nbytes, None, note=note) for m in ("graph", "eager")]
-    times: dict[int, float] = {}
-    for blocks in grids_for(algo, nbytes, state.world_size, ar.num_sms):
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    keys: dict[str, tuple[str, int | None]] = {}
+    notes: dict[str, str] = {}
+    with released(ar) as ctx:
         try:
-            with released(ar) as ctx:
-                graph = capture(functools.partial(ar.all_reduce, x, algo, blocks=blocks), k, ctx)
-                times[blocks] = graph_op_us(state, graph, k, runs)
-                del graph
-        except CommError:  # more blocks than this kernel keeps resident (refused the same on every rank)
-            break
-        tick(f"{algo.value} {nbytes} B, {blocks} blocks")
-    if not times:
-        return [Measurement(m, algo.value, nbytes, None, note="no grid ran") for m in ("graph", "eager")]
-    best = smallest_near_best(times)
-    graph_m = Measurement("graph", algo.value, nbytes, times[best], best, times)
-    if algo != Algo.PUSH_1SHOT and nbytes > ar.staging_bytes:  # eager pull stages its input
-        return [graph_m, Measurement("eager", algo.value, nbytes, None, note="over the staging buffer")]
-    eager = eager_op_us(state, functools.partial(ar.all_reduce, x, algo, blocks=best), k, runs)
-    tick(f"{algo.value} {nbytes} B eager")
-    return [graph_m, Measurement("eager", algo.value, nbytes, eager, best)]
+            for algo in CUSTOM:
+                if algo == Algo.PUSH_1SHOT and nbytes > ar.push_slot_bytes:
+                    notes[algo.value] = f"over the push slot ({ar.push_slot_bytes} B)"
+                    continue
+                for blocks in grids_for(algo, nbytes, state.world_size, ar.num_sms):
+                    try:
+                        graph = capture(functools.partial(ar.all_reduce, x, algo, blocks=blocks), k, ctx)
+                    except CommError:  # more blocks than this kernel keeps resident (refused the same on every rank)
+                        break
+                    name = f"{algo.value}/{blocks}"
+                    graphs[name], keys[name] = graph, (algo.value, blocks)
+                    tick(f"{algo.value} {nbytes} B, {blocks} blocks")
+                notes.setdefault(algo.value, "no grid ran")
+            graphs["nccl"], keys["nccl"] = capture(functools.partial(dist.all_reduce, x, group=state.tp_group), k), (
+                Algo.NCCL.value, None)
+            times = graph_ops_us_interleaved(state, graphs, k, runs)
+        finally:
+            graphs.clear()  # before their registrations are given back
+    return {keys[name]: us for name, us in times.items()}, notes
+
+
+def _in_order(out: list[Measurement]) -> list[Measurement]:
+    """Per size: each custom algorithm's graph then eager figure, then NCCL's (the log's order)."""
+    rank = {a: i for i, a in enumerate([a.value for a in CUSTOM] + [Algo.NCCL.value])}
+    return sorted(out, key=lambda m: (m.nbytes, rank[m.algo], m.mode != "graph"))
 
 
 def count_steps(sizes: Iterable[int], world_size: int, num_sms: int) -> int:

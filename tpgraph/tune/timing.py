@@ -11,8 +11,9 @@ bench/bench_allreduce.py use it alike, for ours, NCCL and symm_mem):
   K eager calls);
 - the median of at least 20 runs per rank, and the slowest rank's median is the figure.
 
-One candidate (`graph_op_us`, `eager_op_us`) gets its runs back to back. Several captured graphs compared with each
-other (`graph_ops_us_interleaved`) get them interleaved: in round r every graph gets one run, in the candidates'
+One candidate (`graph_op_us`, `eager_op_us`) gets its runs back to back. Several candidates compared with each
+other (`graph_ops_us_interleaved`, `eager_ops_us_interleaved`: what the tuner and bench_allreduce use) get them
+interleaved: in round r every graph gets one run, in the candidates'
 order rotated to start at candidate r mod n, so slow drift of the machine (clocks, other work) falls on all of them
 alike and no candidate always runs first in a round; then each candidate's median per rank and the slowest rank's
 median per candidate (one gather for all), exactly as for one. The pure part, the order and the medians, is
@@ -135,9 +136,32 @@ def graph_ops_us_interleaved(state: ParallelState | None, graphs: Mapping[str, t
     """Per-op µs of each captured graph of k ops, {name: µs}, timed interleaved: `runs` rounds, each one aligned
     run of every graph in `round_order`; per rank each graph's median; then the slowest rank's median per graph
     (one gather for all). Every rank must pass the same names in the same order (the runs' collectives pair up)."""
+    return _bodies_us_interleaved(state, {name: graph.replay for name, graph in graphs.items()}, k, runs)
+
+
+def eager_ops_us_interleaved(state: ParallelState | None, fns: Mapping[str, Callable[[], object]], k: int = K_OPS,
+                             runs: int = MIN_RUNS) -> dict[str, float]:
+    """Per-op µs of k eager calls of each fn issued back to back, {name: µs}, timed interleaved as
+    `graph_ops_us_interleaved` times graphs (each fn called once first, as a warm-up)."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+
+    def calls(fn: Callable[[], object]) -> Callable[[], None]:
+        def body() -> None:
+            for _ in range(k):
+                fn()
+
+        return body
+
+    return _bodies_us_interleaved(state, {name: calls(fn) for name, fn in fns.items()}, k, runs)
+
+
+def _bodies_us_interleaved(state: ParallelState | None, bodies: Mapping[str, Callable[[], None]], per: int,
+                           runs: int) -> dict[str, float]:
     _check_runs(runs)
     token = _alignment_token(state)
-    mine = interleaved_medians(list(graphs), runs, lambda name: _aligned_run(state, graphs[name].replay, token), k)
+    mine = interleaved_medians(list(bodies), runs, lambda name: _aligned_run(state, bodies[name], token), per)
     return mine if state is None else slowest_per_candidate(gather_objects(state, mine))
 
 
