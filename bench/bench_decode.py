@@ -139,8 +139,9 @@ def kernel_category(name: str) -> str:
 
 def variant(name: str) -> tuple[bool, bool, bool]:
     """An --allreduce entry -> (custom all-reduce, fused all-reduce + RMSNorm, small-M projection kernel):
-    "custom" or "nccl", then modifiers: "+unfused" (the all-reduce and the add+RMSNorm as two kernels), "+gemv" (the
-    Triton small-M projections instead of cuBLAS)."""
+    "custom" or "nccl", then modifiers: "+unfused" (the all-reduce and the add+RMSNorm as two kernels, and with +gemv
+    SiLU·mul as its own kernel before the down projection), "+gemv" (the Triton small-M projections instead of
+    cuBLAS)."""
     base, *mods = name.split("+")
     if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv"}:
         raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused and/or +gemv; got {name!r}")
@@ -168,6 +169,8 @@ def build(state, name: str):
     for module in model.modules():  # the projections' kernel choice, made explicitly for this entry
         if hasattr(module, "small_m"):
             module.small_m = gemv
+        if hasattr(module, "fused_activation"):  # SiLU·mul inside the down projection (with +gemv)
+            module.fused_activation = fused
     return comm, model
 
 

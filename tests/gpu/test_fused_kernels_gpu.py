@@ -146,3 +146,26 @@ def test_small_m_split_k_is_repeatable_and_capturable(m, n, k, split_k):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("n", "inter"), [(4096, 7168), (257, 4100)])
+def test_small_m_swiglu_prologue_gives_the_two_kernels_bits(m, n, inter, dtype):
+    """The down projection making silu(gate) * up as it reads it: the bits of silu_and_mul then the projection, with
+    the shipped tiles (split-K among them), eager and replayed in a graph."""
+    from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.gemv import linear_small_m
+
+    g = torch.Generator(device="cuda").manual_seed(m * n + inter)
+    gate_up = (torch.randn(m, 2 * inter, device="cuda", generator=g) * 3).to(dtype)
+    w = (torch.randn(n, inter, device="cuda", generator=g) * 0.02).to(dtype)
+    two = linear_small_m(silu_and_mul(gate_up), w)
+    fused = linear_small_m(gate_up, w, swiglu=True)
+    assert torch.equal(fused, two)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_small_m(gate_up, w, swiglu=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, two)

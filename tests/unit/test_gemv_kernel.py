@@ -123,3 +123,30 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     shapes = {(n, k, m) for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (64128, 4096))
               for m in (1, 8)}
     assert set(_tuned(str(path))) == shapes
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (5, 1), (3, 2)])
+def test_swiglu_prologue_gives_the_two_kernels_bits(dtype, m, split_k):
+    """down(silu_and_mul(gate_up)) in one kernel: the same bits as the activation kernel, then the projection."""
+    from tpgraph.kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(m * 7 + split_k)
+    inter, n = 300, 37  # odd sizes: the last K step is partial
+    x = (torch.randn(m, 2 * inter, generator=g) * 3).to(dtype)
+    w = torch.randn(n, inter, generator=g).to(dtype)
+    cfg = GemvConfig(16, 64, 4, 2, split_k)
+    fused = linear_small_m(x, w, use_triton=True, config=cfg, swiglu=True)
+    two = linear_small_m(silu_and_mul(x, use_triton=True), w, use_triton=True, config=cfg)
+    assert fused.shape == (m, n) and torch.equal(fused, two)
+
+
+def test_swiglu_falls_back_to_the_activation_then_linear():
+    from tpgraph.kernels.activation import silu_and_mul_reference
+
+    x, w = torch.randn(20, 64), torch.randn(8, 32)  # 20 rows: above the kernel's 16
+    torch.testing.assert_close(linear_small_m(x, w, use_triton=False, swiglu=True),
+                               silu_and_mul_reference(x) @ w.T)
+    torch.testing.assert_close(linear_small_m(x[:3], w, use_triton=False, swiglu=True),
+                               silu_and_mul_reference(x[:3]) @ w.T)

@@ -31,8 +31,9 @@ from tpgraph.errors import ConfigError
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
-    from tpgraph.kernels._rounding import to_dtype
+    from tpgraph.kernels._rounding import round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
@@ -106,9 +107,10 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
-        workspace and split s writes its partial sum at out + s * stride_os."""
+        workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
+        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
@@ -125,8 +127,19 @@ if triton is not None:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            x_at = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            if SWIGLU:  # silu(gate) rounded to the dtype, then the product rounded: what silu_and_mul stores
+                gate = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
+                if LIBDEVICE_EXP:
+                    e = libdevice.exp(-gate)
+                else:
+                    e = tl.exp(-gate)
+                dtype = w_ptr.dtype.element_ty
+                x = to_dtype(round_to(tl.div_rn(gate, 1.0 + e), dtype, SOFT_BF16) * up, dtype, SOFT_BF16)
+            else:
+                x = tl.load(x_at, mask=x_ok, other=0.0)
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
@@ -152,18 +165,22 @@ if triton is not None:
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor:
+                   config: GemvConfig | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
-    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
-    if not (x.is_cuda if use_triton is None else use_triton) or triton is None:
-        return F.linear(x, w)
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.shape[0] > MAX_M or x.shape[0] == 0:
-        return F.linear(x, w)
-    if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
-        return F.linear(x, w)
+    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables).
+    swiglu: x is [M, 2K] = cat(gate, up), and the result is silu_and_mul(x) @ w.T, the activation made inside the
+    kernel (one launch and one [M, K] round trip fewer), bit for bit what the two kernels give."""
+    from tpgraph.kernels.activation import silu_and_mul
+
+    use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
+    inner = x.shape[-1] // 2 if swiglu else x.shape[-1]
+    fits = (x.dim() == 2 and w.dim() == 2 and inner == w.shape[1] and (not swiglu or x.shape[1] % 2 == 0)
+            and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
+    if not (use and fits):
+        return F.linear(silu_and_mul(x, use_triton=use_triton) if swiglu else x, w)
     from tpgraph.kernels._rounding import soft_bf16_rounding
 
-    m, k = x.shape
+    m, k = x.shape[0], inner
     n = w.shape[0]
     if config is None:  # the interpreter (CPU tensors) has no architecture to tune for: the default tiles
         config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
@@ -175,7 +192,8 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWIGLU=swiglu, LIBDEVICE_EXP=not soft, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=not swiglu)  # the activation's roundings, as in activation.py: no FMA may skip one
     if cfg.split_k > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpgraph.kernels import gemv
+from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.norm import add_rms_norm, rms_norm
 from tpgraph.model.shards import ShardSpec, even_split, whole
 
@@ -57,6 +58,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(x, self.weight, self.small_m)
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu_and_mul(gate_up)): with the small-M kernel on, one kernel that makes the activation as it
+        reads it (where the kernel applies; else the two steps)."""
+        if self.small_m:
+            return gemv.linear_small_m(gate_up, self.weight, swiglu=True)
+        return F.linear(silu_and_mul(gate_up), self.weight)
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)

@@ -79,9 +79,13 @@ class LlamaMLP(nn.Module):
         ], dtype, device)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight",
                                            rank, tp, dtype, device)
+        self.fused_activation = True  # bench_decode's +unfused turns it off, to time the two kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # this rank's partial sums: the caller all-reduces
+        # this rank's partial sums: the caller all-reduces
+        if self.fused_activation:  # SiLU·mul inside the down projection where its kernel allows
+            return self.down_proj.forward_swiglu(self.gate_up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
