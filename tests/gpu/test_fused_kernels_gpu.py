@@ -169,3 +169,32 @@ def test_small_m_swiglu_prologue_gives_the_two_kernels_bits(m, n, inter, dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, two)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (3072, 4096), (14336, 4096)])
+def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, swiglu):
+    """Launched as a programmatic dependent of the kernel that writes x (weights prefetched into L2 before the
+    wait): the bits of the plain launch, eager and in a graph, where the dependency is real."""
+    from tpgraph.kernels._pdl import triton_has_pdl
+    from tpgraph.kernels.gemv import linear_small_m
+
+    if not triton_has_pdl():
+        pytest.skip("this Triton has no launch_pdl / gdc_wait")
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    src = torch.randn(4, 2 * k if swiglu else k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return linear_small_m(src * 2, w, swiglu=swiglu)  # x is written by the kernel just before
+
+    plain = step()
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    assert torch.equal(step(), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)

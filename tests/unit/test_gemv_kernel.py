@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 
@@ -150,3 +150,41 @@ def test_swiglu_falls_back_to_the_activation_then_linear():
                                silu_and_mul_reference(x) @ w.T)
     torch.testing.assert_close(linear_small_m(x[:3], w, use_triton=False, swiglu=True),
                                silu_and_mul_reference(x[:3]) @ w.T)
+
+
+def test_prefetch_covers_small_weights_whole_and_caps_large_ones():
+    from tpgraph.kernels.gemv import PREFETCH_BUDGET, GemvConfig, prefetch_tiles
+
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 16  # o_proj: all 16 steps of K (16 MB)
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2) == 8  # qkv, split-K 4: each split's 8 steps
+    big = prefetch_tiles(GemvConfig(64, 128, 4, 3), 14336, 4096, 2)  # gate_up, 117 MB: only what the budget holds
+    assert big == PREFETCH_BUDGET // (14336 * 128 * 2) and big < 4096 // 128
+    assert prefetch_tiles(GemvConfig(64, 128, 4, 3), 64128 * 64, 4096, 2) == 1  # at least the first tile
+
+
+def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
+    """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x.
+    In a subprocess: the tests' interpreter mode (TRITON_INTERPRET=1) has no compiler."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpgraph.kernels import gemv
+sig = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os")}
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", **sig}
+const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "SWIGLU": True,
+         "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64}
+sig.update({n: "constexpr" for n in const})
+kernel = triton.compile(ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+print(kernel.asm["ptx"])
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert ptx.count("prefetch.global.L2") == 4
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")

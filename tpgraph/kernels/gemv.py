@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
+from tpgraph.kernels._pdl import use_pdl
 
 try:
     import triton
@@ -38,6 +39,7 @@ except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
 MAX_M = 16
+PREFETCH_BUDGET = 24 << 20  # bytes of weight pulled into L2 ahead of the wait, all programs together (L2: 50-60 MB)
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
@@ -107,10 +109,15 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
-        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings."""
+        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings.
+        PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
+        The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
+        into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
+        before writes, is read after it."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
@@ -123,6 +130,15 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
+        if PDL:
+            rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
+            for t in tl.static_range(PREFETCH_TILES):
+                cols = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [w_ptr + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
+            tl.extra.cuda.gdc_launch_dependents()  # the kernel after may become resident (it waits for us)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
@@ -164,6 +180,14 @@ if triton is not None:
         tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
 
 
+def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
+    """Weight tiles each program pulls into L2 before its PDL wait: all of its K range where the whole weight fits
+    the budget (the small projections, whose ~4 µs read the kernel ramp costs most), else as many as fit."""
+    steps = -(-k // (cfg.split_k * cfg.block_k))  # BLOCK_K steps per program
+    tile_bytes = n * cfg.block_k * elem * cfg.split_k  # one step of every program
+    return max(1, min(steps, PREFETCH_BUDGET // tile_bytes))
+
+
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
                    config: GemvConfig | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
@@ -186,14 +210,17 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
         config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
     cfg = config
     soft = soft_bf16_rounding(x)
+    pdl = use_pdl(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        SWIGLU=swiglu, LIBDEVICE_EXP=not soft, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=not swiglu)  # the activation's roundings, as in activation.py: no FMA may skip one
+        SWIGLU=swiglu, LIBDEVICE_EXP=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
+        LINE=128 // x.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=not swiglu,  # the activation's roundings, as in activation.py: no FMA may skip one
+        **({"launch_pdl": True} if pdl else {}))
     if cfg.split_k > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)
