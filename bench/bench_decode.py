@@ -34,6 +34,7 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
                         max_position_embeddings=8192, tie_word_embeddings=False)
 GiB = 1 << 30
+INTERLEAVE_CHUNK = 10  # steps an entry runs per round with --interleave
 
 
 def hbm_bandwidth(device: torch.device) -> float:
@@ -64,6 +65,12 @@ def fake_context(runner: ModelRunner, batch: int, context: int) -> list[Sequence
 
 
 def time_decode(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: int = 3) -> dict:
+    wall, host = decode_steps(runner, seqs, steps, warmup)
+    return {"tpot_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3}
+
+
+def decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: int = 0) -> tuple[list, list]:
+    """(wall, host) seconds of each of `steps` decode steps, after `warmup` untimed ones."""
     host, wall = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -76,7 +83,7 @@ def time_decode(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: i
         if i >= warmup:
             host.append(t1 - t0)
             wall.append(t2 - t0)
-    return {"tpot_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3}
+    return wall, host
 
 
 def slowest(state, value: float) -> float:
@@ -126,7 +133,7 @@ def kernel_category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("nccl", "push_1shot", "pull_1shot", "two_shot")):
         return "collective"  # the all-reduces and the logits all-gather
-    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "splitk", "gemv", "cublas")):
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "splitk", "gemv", "split_sum", "cublas")):
         return "gemm"
     if any(k in n for k in ("_decode_", "paged", "flash", "fmha", "attention")):
         return "attention"
@@ -236,6 +243,66 @@ def run(args, state) -> dict:
     return results
 
 
+def run_interleaved(args, state) -> dict:
+    """Full graphs only, every entry side by side: all entries' engines built first, then each batch timed in
+    rounds; a round gives every entry CHUNK steps, in the entries' order rotated by one per round (the one method's
+    interleaving, tpgraph/tune/timing.py), so drift falls on all alike. Per entry the median step over its
+    rounds, from the slowest rank."""
+    from tpgraph.tune.timing import round_order
+
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.modes != "full":
+        raise SystemExit("--interleave times full graphs only: pass --modes full")
+    context, steps, names = args.context, args.steps, entries(args)
+    rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
+    max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
+    bw = hbm_bandwidth(state.device)
+    results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
+                     "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
+                     "ladders": [], "profile": [], "method": f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} "
+                     f"steps per entry, order rotated per round; median step; slowest rank"}
+    engines = {}
+    for ar in names:
+        comm, model = build(state, ar)
+        graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
+        runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
+                                                 num_kv_blocks=max(batches) * -(-max_len // 16) + 16, graphs=graphs))
+        engines[ar] = (comm, model, runner)
+    embed = engines[names[0]][1].embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in engines[names[0]][1].parameters() if p is not embed)
+    floor_ms = weight_bytes / bw * 1e3
+    results.update(weight_bytes_per_rank=weight_bytes, floor_ms=floor_ms)
+    for batch in batches:
+        seqs = {ar: fake_context(runner, batch, context) for ar, (_, _, runner) in engines.items()}
+        wall: dict[str, list[float]] = {ar: [] for ar in names}
+        host: dict[str, list[float]] = {ar: [] for ar in names}
+        for ar, (_, _, runner) in engines.items():
+            decode_steps(runner, seqs[ar], 0, warmup=3)
+        for r in range(rounds):
+            for ar in round_order(names, r):
+                w, h = decode_steps(engines[ar][2], seqs[ar], INTERLEAVE_CHUNK)
+                wall[ar] += w
+                host[ar] += h
+        for ar in names:
+            row = {"allreduce": ar, "mode": "full", "batch": batch,
+                   "tpot_ms": slowest(state, statistics.median(wall[ar]) * 1e3),
+                   "host_ms": slowest(state, statistics.median(host[ar]) * 1e3), "floor_ms": floor_ms}
+            row["x_floor"] = row["tpot_ms"] / floor_ms
+            if state.is_driver:
+                print(f"{ar:6s} full      bs={batch:4d}  TPOT {row['tpot_ms']:7.3f} ms  ({row['x_floor']:.2f}x floor "
+                      f"{floor_ms:.2f} ms)  host {row['host_ms']:.3f} ms  (interleaved)", flush=True)
+            results["tpot"].append(row)
+            for seq in seqs[ar]:
+                engines[ar][2].free(seq)
+    for comm, _, runner in engines.values():
+        runner.close()
+        comm.close()
+    engines.clear()
+    torch.cuda.empty_cache()
+    dist.barrier(group=state.cpu_group)
+    return results
+
+
 def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     """One full-graph step at batch 1 and 8 under torch.profiler, for each all-reduce."""
     out = []
@@ -295,11 +362,14 @@ def main() -> None:
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
     p.add_argument("--profile", action="store_true",
                    help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches)")
+    p.add_argument("--interleave", action="store_true",
+                   help="full graphs only: every entry's engine built first, the entries' steps timed in rotated "
+                        "rounds (for comparing variants under the same drift)")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args()
     state = init_distributed("cuda")
     try:
-        results = run(args, state)
+        results = run_interleaved(args, state) if args.interleave else run(args, state)
         if state.is_driver:
             args.out.write_text(json.dumps(results, indent=1))
             try:

@@ -84,17 +84,17 @@ for step in "$@"; do
          for dt in bf16 fp32; do TPGRAPH_GEMV=1 timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $dt \
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
              | tee -a "$out/hf_parity_gemv.log"; done ;;
-    variants) # every fused piece beside its plain version, in one run (the shipped GEMV table)
+    variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
          timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
-             --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
-             | tee "$out/bench_variants.log" ;;
+             --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
+             2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log" ;;
     variants-pdl) # the same variants with the Triton kernels launched as programmatic dependents (GEMV weights
          # prefetched into L2 before the wait), twice each way; kernel bit-equality with PDL first
          TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "small_m or norm" \
              2>&1 | tail -3 | tee "$out/pdl_tests.log"
          for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
-             --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused \
-             --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
+             --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
+             --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;
     tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
          timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \

@@ -19,6 +19,8 @@ def bench():
     ("_add_rms_norm_kernel", "norm"),
     ("_rope_store_kernel", "rope+kv"),
     ("_silu_and_mul_kernel", "other"),
+    ("_gemv_kernel", "gemm"),
+    ("_split_sum_kernel", "gemm"),  # split-K's reduce belongs to its projection
 ])
 def test_kernel_categories(bench, name, category):
     assert bench.kernel_category(name) == category
@@ -45,3 +47,20 @@ def test_allreduce_entries_and_the_unfused_twins(bench):
         bench.variant("custom+fast")
     args = Namespace(allreduce="custom,custom+gemv,nccl", unfused=True)
     assert bench.entries(args) == ["custom", "custom+unfused", "custom+gemv", "custom+gemv+unfused", "nccl"]
+
+
+def test_decode_steps_times_each_step_after_the_warm_up(bench):
+    class FakeRunner:
+        calls = 0
+
+        def decode(self, seqs):
+            import torch
+
+            FakeRunner.calls += 1
+            return torch.zeros(len(seqs), 5)
+
+    seqs = [type("S", (), {"output_ids": []})() for _ in range(2)]
+    wall, host = bench.decode_steps(FakeRunner(), seqs, 4, warmup=2)
+    assert len(wall) == len(host) == 4 and FakeRunner.calls == 6
+    assert all(w >= h >= 0 for w, h in zip(wall, host, strict=True))
+    assert [len(s.output_ids) for s in seqs] == [6, 6]
