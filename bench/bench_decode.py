@@ -251,8 +251,9 @@ def run_interleaved(args, state) -> dict:
     from tpgraph.tune.timing import round_order
 
     batches = [int(b) for b in args.batches.split(",")]
-    if args.modes != "full":
-        raise SystemExit("--interleave times full graphs only: pass --modes full")
+    if args.modes != "full" or args.profile:
+        raise SystemExit("--interleave times full graphs only, without ladders or profiles: pass --modes full and "
+                         "no --profile")
     context, steps, names = args.context, args.steps, entries(args)
     rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
@@ -268,8 +269,8 @@ def run_interleaved(args, state) -> dict:
         runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
                                                  num_kv_blocks=max(batches) * -(-max_len // 16) + 16, graphs=graphs))
         engines[ar] = (comm, model, runner)
-    embed = engines[names[0]][1].embed_tokens.weight
-    weight_bytes = sum(p.numel() * p.element_size() for p in engines[names[0]][1].parameters() if p is not embed)
+    first = engines[names[0]][1]
+    weight_bytes = sum(p.numel() * p.element_size() for p in first.parameters() if p is not first.embed_tokens.weight)
     floor_ms = weight_bytes / bw * 1e3
     results.update(weight_bytes_per_rank=weight_bytes, floor_ms=floor_ms)
     for batch in batches:
@@ -363,8 +364,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches)")
     p.add_argument("--interleave", action="store_true",
-                   help="full graphs only: every entry's engine built first, the entries' steps timed in rotated "
-                        "rounds (for comparing variants under the same drift)")
+                   help="full graphs only, no ladders or profile: every entry's engine built first, the entries' "
+                        "steps timed in rotated rounds of 10 (--steps rounded up to whole rounds), for comparing "
+                        "variants under the same drift")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args()
     state = init_distributed("cuda")

@@ -90,6 +90,8 @@ def test_graph_ops_us_interleaved_gathers_once_and_takes_the_slowest_rank(monkey
 
     def gather(state, obj):
         gathers.append(obj)
+        if isinstance(obj, list):  # the names, checked before any run: the other rank times the same
+            return [obj, list(obj)]
         return [obj, {"x": 9.0, "y": 3.0}]  # the other rank: slower on y, faster on x
 
     monkeypatch.setattr(timing, "_aligned_run", fake_run({"x": 640.0, "y": 128.0}.get))
@@ -98,7 +100,17 @@ def test_graph_ops_us_interleaved_gathers_once_and_takes_the_slowest_rank(monkey
     state = SimpleNamespace(world_size=2)
     out = timing.graph_ops_us_interleaved(state, {"x": FakeGraph("x", []), "y": FakeGraph("y", [])}, 64, MIN_RUNS)
     assert out == {"x": 10.0, "y": 3.0}
-    assert gathers == [{"x": 10.0, "y": 2.0}]  # one gather of the whole dict
+    assert gathers == [["x", "y"], {"x": 10.0, "y": 2.0}]  # the names first, then one gather of the whole dict
+
+
+def test_ranks_that_would_time_different_candidates_stop_before_any_run(monkeypatch):
+    runs = []
+    monkeypatch.setattr(timing, "_aligned_run", lambda state, body, token: runs.append(1) or 1.0)
+    monkeypatch.setattr(timing, "gather_objects", lambda state, obj: [obj, ["x"]])
+    with pytest.raises(RuntimeError, match="different candidates"):
+        timing.graph_ops_us_interleaved(SimpleNamespace(world_size=2), {"x": FakeGraph("x", []),
+                                                                         "y": FakeGraph("y", [])}, 64, MIN_RUNS)
+    assert runs == []
 
 
 def test_graph_op_us_goes_through_the_shared_run(monkeypatch):

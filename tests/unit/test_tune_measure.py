@@ -42,6 +42,7 @@ def faked(monkeypatch):
     monkeypatch.setattr(m, "graph_ops_us_interleaved", graph_times)
     monkeypatch.setattr(m, "eager_ops_us_interleaved", eager_times)
     monkeypatch.setattr(m.dist, "all_reduce", lambda x, group=None: None)
+    monkeypatch.setattr(m, "gather_objects", lambda state, obj: [obj, obj])  # two ranks that agree
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     return calls
 
@@ -65,3 +66,21 @@ def test_one_interleaved_call_per_size_and_mode(faked):
     # every algorithm has one graph and one eager figure per size, in the log's order
     assert [(x.algo, x.mode) for x in out if x.nbytes == 4096] == [
         (a, mode) for a in ("1shot_push", "1shot_pull", "2shot_pull", "nccl") for mode in ("graph", "eager")]
+
+
+def test_a_grid_refused_on_one_rank_stops_that_algorithm_on_every_rank(faked, monkeypatch):
+    """The other rank's refusal arrives through the gather: this rank must not time graphs the other lacks."""
+    state = types.SimpleNamespace(device="cpu", world_size=2, tp_group=None)
+
+    seen = []
+
+    def gather(state, refused):  # this rank never refuses; the other refuses the third push grid
+        seen.append(refused)
+        return [refused, "rank 1: too many blocks" if len(seen) == 3 else None]
+
+    monkeypatch.setattr(m, "gather_objects", gather)
+    out = m.measure(state, FakeAR(), [4096], runs=20)
+    pushes = [n for n in faked["graph"][0] if n.startswith("1shot_push/")]
+    assert len(pushes) == 2  # the third grid was refused elsewhere: no rank times it or any larger one
+    graph = {x.algo: x for x in out if x.mode == "graph"}
+    assert graph["1shot_push"].us is not None

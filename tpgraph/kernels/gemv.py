@@ -83,7 +83,14 @@ def _tuned(path: str) -> dict[tuple[int, int, int], GemvConfig]:
 def table_path(capability: tuple[int, int]) -> Path | None:
     """TPGRAPH_GEMV_TABLE if set; else the tuned table shipped for this architecture (configs/gemv), if there is one.
     Without a table every shape gets the default tiles: a table tunes speed, never the result's validity."""
-    if env := os.environ.get("TPGRAPH_GEMV_TABLE"):
+    return _table_path(os.environ.get("TPGRAPH_GEMV_TABLE"), os.environ.get("TPGRAPH_CONFIG_DIR"), capability)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_path(env: str | None, config_dir_env: str | None, capability: tuple[int, int]) -> Path | None:
+    """Resolved once per setting (every eager projection asks; the file system is not asked again)."""
+    del config_dir_env  # part of the key only: config_dir() reads it
+    if env:
         return Path(env)
     from tpgraph.comm.thresholds import config_dir, table_file_for
 
@@ -218,7 +225,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
         SWIGLU=swiglu, LIBDEVICE_EXP=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
-        LINE=128 // x.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_fp_fusion=not swiglu,  # the activation's roundings, as in activation.py: no FMA may skip one
         **({"launch_pdl": True} if pdl else {}))
     if cfg.split_k > 1:

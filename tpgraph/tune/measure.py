@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tpgraph.comm.custom_ar import CustomAllReduce
 from tpgraph.comm.multicast import multicast_disabled_reason
 from tpgraph.comm.thresholds import Algo, useful_blocks
-from tpgraph.distributed import ParallelState
+from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError
 from tpgraph.tune.launch import smallest_near_best
 from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_ops_us_interleaved, graph_ops_us_interleaved, released
@@ -97,12 +97,19 @@ def _graphs(state: ParallelState, ar: CustomAllReduce, x: torch.Tensor, runs: in
                     notes[algo.value] = f"over the push slot ({ar.push_slot_bytes} B)"
                     continue
                 for blocks in grids_for(algo, nbytes, state.world_size, ar.num_sms):
-                    try:
-                        graph = capture(functools.partial(ar.all_reduce, x, algo, blocks=blocks), k, ctx)
-                    except CommError:  # more blocks than this kernel keeps resident (refused the same on every rank)
-                        break
                     name = f"{algo.value}/{blocks}"
-                    graphs[name], keys[name] = graph, (algo.value, blocks)
+                    try:
+                        graphs[name] = capture(functools.partial(ar.all_reduce, x, algo, blocks=blocks), k, ctx)
+                        refused = None
+                    except CommError as exc:  # more blocks than this kernel keeps resident
+                        refused = str(exc)
+                    # every rank must time the same graphs (their runs pair up): a refusal anywhere stops them all
+                    reasons = [r for r in gather_objects(state, refused) if r]
+                    if reasons:
+                        graphs.pop(name, None)
+                        notes[algo.value] = f"{blocks} blocks refused: {reasons[0]}"
+                        break
+                    keys[name] = (algo.value, blocks)
                     tick(f"{algo.value} {nbytes} B, {blocks} blocks")
                 notes.setdefault(algo.value, "no grid ran")
             graphs["nccl"], keys["nccl"] = capture(functools.partial(dist.all_reduce, x, group=state.tp_group), k), (

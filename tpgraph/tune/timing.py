@@ -160,6 +160,10 @@ def eager_ops_us_interleaved(state: ParallelState | None, fns: Mapping[str, Call
 def _bodies_us_interleaved(state: ParallelState | None, bodies: Mapping[str, Callable[[], None]], per: int,
                            runs: int) -> dict[str, float]:
     _check_runs(runs)
+    if state is not None and state.world_size > 1:  # the runs' collectives pair up only if every rank times the same
+        names = gather_objects(state, list(bodies))
+        if any(n != names[0] for n in names):
+            raise RuntimeError(f"ranks would time different candidates: {names}")
     token = _alignment_token(state)
     mine = interleaved_medians(list(bodies), runs, lambda name: _aligned_run(state, bodies[name], token), per)
     return mine if state is None else slowest_per_candidate(gather_objects(state, mine))
