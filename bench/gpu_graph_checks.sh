@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [kernel-bench] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -96,6 +96,9 @@ for step in "$@"; do
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;
+    kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
+         timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
+             | tee "$out/kernels.log" ;;
     tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
          timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"

@@ -1,0 +1,245 @@
+"""Every decode kernel against its bandwidth floor, and decode attention against torch SDPA. One GPU.
+
+    python bench/bench_kernels.py --out bench/results/.../kernels.json
+
+Llama-3-8B at TP=2 (per rank: 16 query heads, 4 KV heads of 128, hidden 4096, intermediate 7168), bf16, at the
+decode batch sizes `--batches`. For each kernel: the bytes it must move (reads + writes, `moved_bytes`), its floor
+(those bytes over the HBM copy bandwidth measured the same way as bench_decode.py), the time by the one timing method
+(tpgraph/tune/timing.py: a graph of 64 calls cycling through enough input copies that they cannot sit in L2, the
+median of 20 replays after a GPU sleep), and the floor's share of that time. The projections come from
+tpgraph/kernels/gemv.py (the shipped tiles) beside cuBLAS. Attention: ours (paged, GQA-grouped, split-KV) against
+`F.scaled_dot_product_attention` on a contiguous cache (`enable_gqa`), at contexts `--contexts`.
+Writes JSON, a markdown table (`.md`) and a plot (`.png`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 7168, 16, 4, 128, 64128  # per rank at TP=2
+BLOCK_SIZE = 16
+L2_MULTIPLE = 4  # inputs cycled through at least this many times the L2 size
+BF16 = 2
+
+
+@dataclass
+class KernelRow:
+    kernel: str
+    batch: int
+    context: int | None
+    moved_bytes: int
+    us: float
+    floor_us: float
+
+    @property
+    def of_floor(self) -> float:
+        """The floor's share of the time: 1.0 is a kernel at the bandwidth floor."""
+        return self.floor_us / self.us
+
+
+def moved_bytes(kernel: str, m: int, context: int = 0) -> int:
+    """Bytes a kernel must read and write at m rows (decode: one token per sequence), bf16 unless said. `kernel` may
+    carry an implementation in parentheses ("qkv (Triton)")."""
+    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    name = kernel.split(" (")[0]
+    if name == "rope_and_store":  # qkv in; q, k out; k, v into the cache; the fp32 cos and sin rows (D/2 each)
+        return (m * (q_width + 2 * kv_width) + m * (q_width + kv_width) + 2 * m * kv_width) * BF16 + \
+            2 * m * (HEAD_DIM // 2) * 4
+    elements = {
+        "rms_norm": 2 * m * HIDDEN + HIDDEN,  # x in, out; weight
+        "add_rms_norm": 4 * m * HIDDEN + HIDDEN,  # x, residual in; out, residual out; weight
+        "silu_and_mul": m * 2 * INTER + m * INTER,
+        "attention": 2 * m * context * kv_width + 2 * m * q_width,  # K and V of every cached token; q in, out
+        "qkv": (q_width + 2 * kv_width) * HIDDEN + m * (HIDDEN + q_width + 2 * kv_width),
+        "o_proj": HIDDEN * q_width + m * (q_width + HIDDEN),
+        "gate_up": 2 * INTER * HIDDEN + m * (HIDDEN + 2 * INTER),
+        "down": HIDDEN * INTER + m * (INTER + HIDDEN),
+        "down+swiglu": HIDDEN * INTER + m * (2 * INTER + HIDDEN),
+        "lm_head": VOCAB * HIDDEN + m * (HIDDEN + VOCAB),
+    }
+    return elements[name] * BF16
+
+
+def copies_for(nbytes: int, l2: int) -> int:
+    """Input copies a graph cycles through so that they cannot sit in L2."""
+    return max(1, -(-L2_MULTIPLE * l2 // max(1, nbytes)))
+
+
+def per_op_us(fn: Callable[[int], object], copies: int) -> float:
+    from tpgraph.tune.timing import K_OPS, capture, graph_op_us
+
+    turn = itertools.cycle(range(copies))
+    graph = capture(lambda: fn(next(turn)), K_OPS)
+    return graph_op_us(None, graph, K_OPS)
+
+
+def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
+    from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.norm import add_rms_norm, rms_norm
+    from tpgraph.kernels.rope_store import rope_and_store
+
+    weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+
+    def at(m: int) -> list[KernelRow]:  # one batch size (a function: the timed closures bind its inputs)
+        rows = []
+        n = copies_for(moved_bytes("add_rms_norm", m), l2)
+        xs = [torch.randn(m, HIDDEN, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        res = [torch.randn(m, HIDDEN, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        rows.append(_row("rms_norm", m, None, hbm, per_op_us(lambda i: rms_norm(xs[i], weight, 1e-5), n)))
+        rows.append(_row("add_rms_norm", m, None, hbm,
+                         per_op_us(lambda i: add_rms_norm(xs[i], res[i], weight, 1e-5), n)))
+        n = copies_for(moved_bytes("silu_and_mul", m), l2)
+        gu = [torch.randn(m, 2 * INTER, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        rows.append(_row("silu_and_mul", m, None, hbm, per_op_us(lambda i: silu_and_mul(gu[i]), n)))
+        n = copies_for(moved_bytes("rope_and_store", m), l2)
+        width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        qkv = [torch.randn(m, width, dtype=torch.bfloat16, device=device) for _ in range(n)]
+        blocks = m * 4 + 1
+        kc = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        vc = torch.zeros_like(kc)
+        cos = torch.rand(4096, HEAD_DIM // 2, device=device)
+        sin = torch.rand(4096, HEAD_DIM // 2, device=device)
+        pos = torch.arange(m, device=device) + 100
+        slots = torch.arange(m, device=device) * BLOCK_SIZE
+        rows.append(_row("rope_and_store", m, None, hbm, per_op_us(
+            lambda i: rope_and_store(qkv[i], pos, (cos, sin), slots, kc, vc, HEADS, KV_HEADS, HEAD_DIM), n)))
+        return rows
+
+    return [row for m in batches for row in at(m)]
+
+
+def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
+    from tpgraph.kernels.gemv import MAX_M, linear_small_m
+
+    shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+              "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+    def at(name: str, n: int, k: int) -> list[KernelRow]:  # one shape (the timed closures bind its inputs)
+        rows = []
+        copies = copies_for(n * k * BF16, l2)
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
+        for m in (b for b in batches if b <= MAX_M):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+            gu = torch.randn(m, 2 * k, dtype=torch.bfloat16, device=device)
+            timed = {f"{name} (cuBLAS)": lambda i, x=x: F.linear(x, ws[i]),
+                     f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}
+            if name == "down":
+                timed["down+swiglu (Triton)"] = lambda i, gu=gu: linear_small_m(gu, ws[i], swiglu=True)
+            rows += [_row(label, m, None, hbm, per_op_us(fn, copies)) for label, fn in timed.items()]
+        ws.clear()
+        torch.cuda.empty_cache()
+        return rows
+
+    return [row for name, (n, k) in shapes.items() for row in at(name, n, k)]
+
+
+def attention_rows(batches: list[int], contexts: list[int], hbm: float, l2: int,
+                   device: torch.device) -> list[KernelRow]:
+    from tpgraph.kernels.decode_attention import paged_decode_attention_v2
+
+    scale = HEAD_DIM ** -0.5
+
+    def at(m: int, ctx: int) -> list[KernelRow]:  # one batch x context (the timed closures bind its inputs)
+        rows = []
+        nbytes = moved_bytes("attention", m, ctx)
+        copies = copies_for(nbytes, l2)
+        if copies * nbytes > 24 << 30:  # the largest batch x context: as many copies as 24 GiB holds
+            copies = max(1, (24 << 30) // nbytes)
+        per_seq = -(-ctx // BLOCK_SIZE)
+        q = torch.randn(m, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        caches = [(torch.randn(m * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                   torch.randn(m * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device))
+                  for _ in range(copies)]
+        tables = torch.arange(m * per_seq, dtype=torch.int32, device=device).view(m, per_seq)
+        lens = torch.full((m,), ctx, dtype=torch.int32, device=device)
+        ours = per_op_us(lambda i: paged_decode_attention_v2(q, caches[i][0], caches[i][1], tables, lens, scale,
+                                                             max_seq_len=ctx), copies)
+        rows.append(_row("attention (ours, paged)", m, ctx, hbm, ours, nbytes))
+        caches.clear()
+        # SDPA on a contiguous cache [B, Hkv, ctx, D], the query group served through enable_gqa
+        sq = q.unsqueeze(2)  # [B, Hq, 1, D]
+        contiguous = [(torch.randn(m, KV_HEADS, ctx, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                       torch.randn(m, KV_HEADS, ctx, HEAD_DIM, dtype=torch.bfloat16, device=device))
+                      for _ in range(copies)]
+        sdpa = per_op_us(lambda i: F.scaled_dot_product_attention(sq, contiguous[i][0], contiguous[i][1],
+                                                                  scale=scale, enable_gqa=True), copies)
+        rows.append(_row("attention (SDPA, contiguous)", m, ctx, hbm, sdpa, nbytes))
+        contiguous.clear()
+        torch.cuda.empty_cache()
+        return rows
+
+    return [row for m, ctx in itertools.product(batches, contexts) for row in at(m, ctx)]
+
+
+def _row(kernel: str, m: int, context: int | None, hbm: float, us: float, nbytes: int | None = None) -> KernelRow:
+    nbytes = moved_bytes(kernel, m, context or 0) if nbytes is None else nbytes
+    return KernelRow(kernel, m, context, nbytes, us, nbytes / hbm * 1e6)
+
+
+def table(rows: list[KernelRow], hbm: float) -> str:
+    lines = [f"HBM copy bandwidth {hbm / 1e12:.2f} TB/s; floor = bytes moved / that bandwidth", "",
+             "| kernel | batch | context | bytes moved | µs | floor µs | floor ÷ time |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.kernel} | {r.batch} | {r.context or ''} | {r.moved_bytes:,} | {r.us:.2f} | "
+                     f"{r.floor_us:.2f} | {r.of_floor:.0%} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[KernelRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, attn) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 2))
+    flat = [r for r in rows if r.context is None]
+    labels = [f"{r.kernel}, M={r.batch}" for r in flat]
+    bars.barh(range(len(flat)), [r.of_floor for r in flat], color="tab:blue")
+    bars.set_yticks(range(len(flat)), labels, fontsize=7)
+    bars.axvline(0.88, color="gray", ls="--", lw=0.8)
+    bars.set(xlabel="bandwidth floor ÷ measured time", title="decode kernels against their floor")
+    bars.invert_yaxis()
+    for kernel in sorted({r.kernel for r in rows if r.context is not None}):
+        for m in sorted({r.batch for r in rows if r.kernel == kernel}):
+            pts = sorted((r.context, r.us) for r in rows if r.kernel == kernel and r.batch == m)
+            attn.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{kernel}, batch {m}")
+    attn.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="µs per call", title="decode attention")
+    attn.legend(fontsize=7)
+    attn.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("kernels.json"))
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--contexts", default="512,4096,32768")
+    args = p.parse_args()
+    from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
+
+    device = torch.device("cuda")
+    hbm = hbm_bandwidth(device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = elementwise_rows(batches, hbm, l2, device) + projection_rows(batches, hbm, l2, device)
+    rows += attention_rows(batches, contexts, hbm, l2, device)
+    text = table(rows, hbm)
+    print(text, flush=True)
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,
+                                    "rows": [asdict(r) | {"of_floor": r.of_floor} for r in rows]}, indent=1))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""bench/bench_kernels.py's pure parts: the bytes each kernel must move, the table and the plot."""
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench_module("bench_kernels")
+
+
+def test_bytes_moved_at_tp2_llama3_8b_shapes(bench):
+    mb = bench.moved_bytes
+    assert mb("o_proj (Triton)", 1) == (4096 * 2048 + 2048 + 4096) * 2  # the weight once, x in, y out
+    assert mb("qkv", 1) == mb("qkv (cuBLAS)", 1) == (3072 * 4096 + 4096 + 3072) * 2
+    assert mb("down+swiglu", 8) - mb("down", 8) == 8 * 7168 * 2  # gate and up read instead of the activation
+    assert mb("attention", 1, 4096) == (2 * 4096 * 4 * 128 + 2 * 16 * 128) * 2  # K and V of the context
+    assert mb("attention", 8, 512) == 8 * mb("attention", 1, 512)
+    assert mb("add_rms_norm", 1) == (4 * 4096 + 4096) * 2
+    assert mb("rope_and_store", 2) == (2 * 3072 + 2 * 2560 + 2 * 2 * 512) * 2 + 2 * 2 * 64 * 4
+    with pytest.raises(KeyError):
+        mb("softmax", 1)
+
+
+def test_table_and_plot(bench, tmp_path):
+    rows = [bench.KernelRow("rms_norm", 1, None, 16384, 4.0, 2.0),
+            bench.KernelRow("attention (ours, paged)", 1, 512, 1 << 20, 10.0, 5.0),
+            bench.KernelRow("attention (SDPA, contiguous)", 1, 512, 1 << 20, 20.0, 5.0)]
+    assert rows[0].of_floor == 0.5
+    text = bench.table(rows, 4e12)
+    assert "| rms_norm | 1 |  | 16,384 | 4.00 | 2.00 | 50% |" in text
+    assert "| attention (SDPA, contiguous) | 1 | 512 |" in text
+    pytest.importorskip("matplotlib")
+    bench.plot(rows, tmp_path / "k.png")
+    assert (tmp_path / "k.png").stat().st_size > 0
