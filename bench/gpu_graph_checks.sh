@@ -89,10 +89,13 @@ for step in "$@"; do
              --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log" ;;
     variants-pdl) # the same variants with the Triton kernels launched as programmatic dependents (GEMV weights
-         # prefetched into L2 before the wait), twice each way; kernel bit-equality with PDL first
+         # prefetched into L2 before the wait) and split-K reduced in its last split, twice each way; kernel
+         # bit-equality with each first
          TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "small_m or norm" \
              2>&1 | tail -3 | tee "$out/pdl_tests.log"
-         for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         TPGRAPH_GEMV_LAST_REDUCES=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
+             -k "small_m" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
+         for pdl in 0 1 0 1; do TPGRAPH_GEMV_LAST_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;

@@ -198,3 +198,28 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, sw
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, plain)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize(("n", "k"), [(3072, 4096), (257, 4100)])
+def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k):
+    """Split-K with the last-arriving split adding the partials (no second kernel): the sum kernel's bits, every
+    call and every graph replay (the counters go back to zero each time)."""
+    from tpgraph.kernels.gemv import GemvConfig, linear_small_m, split_counters
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + split_k)
+    x = torch.randn(8, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    cfg = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=split_k)
+    two_kernels = linear_small_m(x, w, config=cfg)
+    monkeypatch.setenv("TPGRAPH_GEMV_LAST_REDUCES", "1")
+    for _ in range(3):
+        assert torch.equal(linear_small_m(x, w, config=cfg), two_kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_small_m(x, w, config=cfg)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, two_kernels)
+    assert not split_counters(x.device, 1).any()

@@ -175,9 +175,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tpgraph.kernels import gemv
 sig = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os")}
-sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", **sig}
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32", **sig}
 const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "SWIGLU": True,
-         "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64}
+         "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True}
 sig.update({n: "constexpr" for n in const})
 kernel = triton.compile(ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
@@ -188,3 +188,28 @@ print(kernel.asm["ptx"])
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
+    # the last split's reduction: an acq_rel arrival count, partials read past L1, the counter set back
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    assert "atom.global" in ptx[ptx.rindex("ld.global.cg"):]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(monkeypatch, dtype, split_k):
+    from tpgraph.kernels.gemv import split_counters
+
+    g = torch.Generator().manual_seed(split_k)
+    x = torch.randn(3, 300, generator=g).to(dtype)
+    w = torch.randn(37, 300, generator=g).to(dtype)
+    cfg = GemvConfig(16, 64, 4, 2, split_k)
+    two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
+    monkeypatch.setenv("TPGRAPH_GEMV_LAST_REDUCES", "1")
+    for _ in range(2):  # twice: the counters are back at zero after each call
+        assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), two_kernels)
+        assert not split_counters(x.device, 3).any()
+    swiglu_x = torch.randn(3, 600, generator=g).to(dtype)
+    with monkeypatch.context() as off:
+        off.setenv("TPGRAPH_GEMV_LAST_REDUCES", "0")
+        plain = linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True)
+    assert torch.equal(linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True), plain)

@@ -114,17 +114,20 @@ def tiles(n: int, k: int, m: int = 1, table: Path | None = None) -> GemvConfig:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
         and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings.
         PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
         The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
-        before writes, is read after it."""
+        before writes, is read after it.
+        LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
+        partial is stored; the split that arrives last adds the partials in split order (the bits of
+        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
@@ -172,8 +175,18 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
         y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y,
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tile = offs_m[:, None] * stride_om + offs_n[None, :]
+        tile_ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
+        if LAST_REDUCES:
+            tl.debug_barrier()  # every thread's part of the partial is stored before the block counts itself in
+            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:  # the last split: every partial is in memory
+                total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                for s in range(1, tl.num_programs(1)):
+                    total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
+                tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call (graph replays included)
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
@@ -185,6 +198,35 @@ if triton is not None:
         for s in range(1, SPLITS):
             acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
         tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
+
+
+def last_split_reduces() -> bool:
+    """Split-K without a second kernel (the last split adds the partials): opt-in, TPGRAPH_GEMV_LAST_REDUCES=1,
+    until measured on the GPU against the separate sum kernel."""
+    return os.environ.get("TPGRAPH_GEMV_LAST_REDUCES", "0") == "1"
+
+
+MAX_COLUMN_BLOCKS = 1 << 16
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
+
+
+def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """The arrival counters of in-kernel split-K reduction on this device: one int32 per column block, zero between
+    calls (each call's last split sets its counters back). Made on the device's first call; calls on one stream run
+    one after another (a PDL launch counts in only after its wait). That first call must not be under graph capture,
+    or the buffer would live in the graph's pool."""
+    if blocks > MAX_COLUMN_BLOCKS:
+        raise ValueError(f"{blocks} column blocks: split-K counts at most {MAX_COLUMN_BLOCKS}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K counters are made on a device's first eager call; run one before "
+                               "capturing")
+        _COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
@@ -221,14 +263,19 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if cfg.split_k > 1 else 0,
+    blocks = triton.cdiv(n, cfg.block_n)
+    last_reduces = cfg.split_k > 1 and last_split_reduces()
+    counters = split_counters(x.device, blocks) if last_reduces else y
+    _gemv_kernel[(blocks, cfg.split_k)](
+        x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
+        out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
         SWIGLU=swiglu, LIBDEVICE_EXP=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
-        LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         enable_fp_fusion=not swiglu,  # the activation's roundings, as in activation.py: no FMA may skip one
         **({"launch_pdl": True} if pdl else {}))
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)
     return y
