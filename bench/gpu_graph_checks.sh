@@ -93,9 +93,13 @@ for step in "$@"; do
          # bit-equality with each first
          TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "small_m or norm" \
              2>&1 | tail -3 | tee "$out/pdl_tests.log"
-         TPGRAPH_GEMV_LAST_REDUCES=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
-             -k "small_m" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
-         for pdl in 0 1 0 1; do TPGRAPH_GEMV_LAST_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
+             -k "small_m or split_kv" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
+         # graph decode = eager tokens with every new path on (small-M kernel, PDL + prefetch, in-kernel reductions)
+         TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 300 python3 -m pytest \
+             tests/gpu/test_graph_decode_gpu.py -x -q -rs -k full_piecewise_breakable 2>&1 | tail -3 \
+             | tee -a "$out/pdl_tests.log"
+         for pdl in 0 1 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;

@@ -205,14 +205,15 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, sw
 def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k):
     """Split-K with the last-arriving split adding the partials (no second kernel): the sum kernel's bits, every
     call and every graph replay (the counters go back to zero each time)."""
-    from tpgraph.kernels.gemv import GemvConfig, linear_small_m, split_counters
+    from tpgraph.kernels._counters import split_counters
+    from tpgraph.kernels.gemv import GemvConfig, linear_small_m
 
     g = torch.Generator(device="cuda").manual_seed(n + k + split_k)
     x = torch.randn(8, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     cfg = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=split_k)
     two_kernels = linear_small_m(x, w, config=cfg)
-    monkeypatch.setenv("TPGRAPH_GEMV_LAST_REDUCES", "1")
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     for _ in range(3):
         assert torch.equal(linear_small_m(x, w, config=cfg), two_kernels)
     graph = torch.cuda.CUDAGraph()
@@ -223,3 +224,27 @@ def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, s
         torch.cuda.synchronize()
         assert torch.equal(captured, two_kernels)
     assert not split_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(6))
+def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype):
+    """TPGRAPH_LAST_SPLIT_REDUCES=1 (no combine kernel): the reference within tolerance, the same bits every call
+    and every graph replay, and the counters back at zero."""
+    from tpgraph.kernels._counters import split_counters
+
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=2000)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
+                               rtol=tol)
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8), eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
+    for _ in range(4):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert not split_counters(q.device, 16 * k.shape[2]).any()

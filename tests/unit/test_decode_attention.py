@@ -96,3 +96,56 @@ def test_bf16_within_bf16_tolerance():
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=150, num_splits=2)
     ref = paged_decode_reference(q, k, v, bt, lens, scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 6, 17, 31])
+@pytest.mark.parametrize("num_splits", [2, 3, 4])
+def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_splits):
+    """TPGRAPH_LAST_SPLIT_REDUCES=1: the last split of each (sequence, KV head) merges the group's partials (no
+    combine kernel). It matches the reference and the combine kernel, repeats bit for bit, padded rows give zeros,
+    and the counters are back at zero after every call."""
+    from tpgraph.kernels._counters import split_counters
+
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=200)
+    lens[-1] = 0  # a padded row: every split empty
+    kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    first = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    _check(first, paged_decode_reference(q, k, v, bt, lens, scale))
+    torch.testing.assert_close(first, kernel, atol=1e-6, rtol=1e-6)
+    assert torch.all(first[-1] == 0)
+    assert not split_counters(q.device, q.shape[0] * k.shape[2]).any()
+    again = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    assert torch.equal(again, first)
+
+
+def test_the_last_split_variant_compiles_for_sm90():
+    """Ahead of time, without a GPU (a subprocess: the tests' interpreter mode has no compiler): the arrival count
+    is an acq_rel atomic and the partials are read past L1."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpgraph.kernels import decode_attention as da
+names = ["q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "part_acc_ptr", "part_m_ptr",
+         "part_l_ptr", "counter_ptr"]
+types = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32", "*i32"]
+sig = dict(zip(names, types))
+sig.update({"qk_scale": "fp32", "tokens_per_split": "i32"})
+for n in ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt", "stride_ob", "stride_oh",
+          "stride_pb", "stride_ph", "stride_ps"):
+    sig[n] = "i32"
+const = {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_N": da.BLOCK_N,
+         "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False, "LAST_COMBINES": True}
+sig.update({n: "constexpr" for n in const})
+k = triton.compile(ASTSource(fn=da._decode_split_kernel, signature=sig, constexprs=const),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+print(k.asm["ptx"])
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx

@@ -197,19 +197,19 @@ print(kernel.asm["ptx"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(monkeypatch, dtype, split_k):
-    from tpgraph.kernels.gemv import split_counters
+    from tpgraph.kernels._counters import split_counters
 
     g = torch.Generator().manual_seed(split_k)
     x = torch.randn(3, 300, generator=g).to(dtype)
     w = torch.randn(37, 300, generator=g).to(dtype)
     cfg = GemvConfig(16, 64, 4, 2, split_k)
     two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
-    monkeypatch.setenv("TPGRAPH_GEMV_LAST_REDUCES", "1")
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     for _ in range(2):  # twice: the counters are back at zero after each call
         assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), two_kernels)
         assert not split_counters(x.device, 3).any()
     swiglu_x = torch.randn(3, 600, generator=g).to(dtype)
     with monkeypatch.context() as off:
-        off.setenv("TPGRAPH_GEMV_LAST_REDUCES", "0")
+        off.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
         plain = linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True)
     assert torch.equal(linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True), plain)

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
@@ -75,13 +76,16 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        qk_scale, tokens_per_split,
+        counter_ptr, qk_scale, tokens_per_split,
         stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ob, stride_oh,
         stride_pb, stride_ph, stride_ps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr,
     ):
+        """LAST_COMBINES (more than one split): no combine kernel. Each split counts itself in at
+        counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
+        partials of its whole query group in split order (tpgraph/kernels/_counters.py)."""
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
@@ -143,6 +147,37 @@ if triton is not None:
             tl.store(part_m_ptr + part, m_i, mask=g_ok)
             tl.store(part_l_ptr + part, l_i, mask=g_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+            if LAST_COMBINES:
+                tl.debug_barrier()  # the whole partial is stored before the block counts itself in
+                counter = counter_ptr + b * tl.num_programs(1) + kv_h
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                    _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b * stride_pb + heads * stride_ph,
+                                   stride_ps, b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], g_ok,
+                                   q_mask, offs_d, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, INTERPRETED)
+                    tl.atomic_xchg(counter, 0)  # ready for the next call (graph replays included)
+
+    @triton.jit
+    def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, part0, stride_ps, out_offs, g_ok, q_mask,
+                       offs_d, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """The query group's output from its NUM_SPLITS partials (at part0 + split * stride_ps), merged in split
+        order: the running max first, then the weighted sums."""
+        m_max = tl.load(part_m_ptr + part0, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        for split in range(1, NUM_SPLITS):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + split * stride_ps, mask=g_ok,
+                                              other=float("-inf"), cache_modifier=".cg"))
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
+        l_total = tl.zeros_like(m_max)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for split in range(NUM_SPLITS):
+            part = part0 + split * stride_ps
+            w = tl.exp2(tl.load(part_m_ptr + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
+            l_total += tl.load(part_l_ptr + part, mask=g_ok, other=0.0, cache_modifier=".cg") * w
+            acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0,
+                           cache_modifier=".cg") * w[:, None]
+        l_total = tl.where(l_total == 0.0, 1.0, l_total)
+        tl.store(out_ptr + out_offs, to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=q_mask)
 
     @triton.jit
     def _decode_combine_kernel(
@@ -208,8 +243,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     else:  # placeholders, not touched when NUM_SPLITS == 1
         part_acc = part_m = part_l = out
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
+    last_combines = num_splits > 1 and last_split_reduces()
+    counters = split_counters(q.device, batch * kv_heads) if last_combines else out
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,
         scale * _LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
@@ -217,10 +254,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted,
+        INTERPRETED=interpreted, LAST_COMBINES=last_combines,
         num_warps=4, num_stages=2, enable_fp_fusion=True,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not last_combines:
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
+from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import use_pdl
 
 try:
@@ -198,35 +199,6 @@ if triton is not None:
         for s in range(1, SPLITS):
             acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
         tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
-
-
-def last_split_reduces() -> bool:
-    """Split-K without a second kernel (the last split adds the partials): opt-in, TPGRAPH_GEMV_LAST_REDUCES=1,
-    until measured on the GPU against the separate sum kernel."""
-    return os.environ.get("TPGRAPH_GEMV_LAST_REDUCES", "0") == "1"
-
-
-MAX_COLUMN_BLOCKS = 1 << 16
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
-
-
-def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The arrival counters of in-kernel split-K reduction on this device: one int32 per column block, zero between
-    calls (each call's last split sets its counters back). Made on the device's first call; calls on one stream run
-    one after another (a PDL launch counts in only after its wait). That first call must not be under graph capture,
-    or the buffer would live in the graph's pool."""
-    if blocks > MAX_COLUMN_BLOCKS:
-        raise ValueError(f"{blocks} column blocks: split-K counts at most {MAX_COLUMN_BLOCKS}")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K counters are made on a device's first eager call; run one before "
-                               "capturing")
-        _COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:

@@ -1,0 +1,38 @@
+"""Arrival counters for kernels whose last-arriving program reduces what the others left (split-K projections,
+split-KV attention), so that no second kernel is launched for it.
+
+Each program stores its partial, then counts itself in with an acq_rel atomic; the one that sees the count reach
+the number of splits adds the partials in split order (a fixed order: the bits do not depend on arrival) and sets the
+counter back to 0 for the next call or graph replay. One int32 buffer per device, shared by those kernels: they run
+one after another on one stream, and each leaves its counters at zero (a PDL launch counts in only after its wait).
+
+Opt-in (`TPGRAPH_LAST_SPLIT_REDUCES=1`) until measured on the GPU against the separate reduce kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MAX_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
+
+
+def last_split_reduces() -> bool:
+    """Whether split kernels reduce in their last-arriving program instead of a second kernel."""
+    return os.environ.get("TPGRAPH_LAST_SPLIT_REDUCES", "0") == "1"
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """This device's counters (zero between calls), of which a kernel uses the first `count`. Made on the device's
+    first call, which must not be under graph capture, or the buffer would live in the graph's pool."""
+    if count > MAX_COUNTERS:
+        raise ValueError(f"{count} counters needed: at most {MAX_COUNTERS}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters are made on a device's first eager call; run one before capturing")
+        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
