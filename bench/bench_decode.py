@@ -178,6 +178,8 @@ def build(state, name: str):
             module.small_m = gemv
         if hasattr(module, "fused_activation"):  # SiLU·mul inside the down projection (with +gemv)
             module.fused_activation = fused
+        if hasattr(module, "fused_qkv_rope"):  # qkv + rope + cache writes in one kernel (+gemv, in-kernel reduces)
+            module.fused_qkv_rope = fused
     return comm, model
 
 

@@ -50,15 +50,16 @@ def moved_bytes(kernel: str, m: int, context: int = 0) -> int:
     carry an implementation in parentheses ("qkv (Triton)")."""
     q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     name = kernel.split(" (")[0]
-    if name == "rope_and_store":  # qkv in; q, k out; k, v into the cache; the fp32 cos and sin rows (D/2 each)
-        return (m * (q_width + 2 * kv_width) + m * (q_width + kv_width) + 2 * m * kv_width) * BF16 + \
-            2 * m * (HEAD_DIM // 2) * 4
+    if name == "rope_and_store":  # qkv in; q, k out; k, v into the cache; the cos and sin rows (D/2 each)
+        return (m * (q_width + 2 * kv_width) + m * (q_width + kv_width) + 2 * m * kv_width + m * HEAD_DIM) * BF16
     elements = {
         "rms_norm": 2 * m * HIDDEN + HIDDEN,  # x in, out; weight
         "add_rms_norm": 4 * m * HIDDEN + HIDDEN,  # x, residual in; out, residual out; weight
         "silu_and_mul": m * 2 * INTER + m * INTER,
         "attention": 2 * m * context * kv_width + 2 * m * q_width,  # K and V of every cached token; q in, out
         "qkv": (q_width + 2 * kv_width) * HIDDEN + m * (HIDDEN + q_width + 2 * kv_width),
+        # the same weight and x; q out, k and v into the cache, the cos and sin rows
+        "qkv+rope_store": (q_width + 2 * kv_width) * HIDDEN + m * (HIDDEN + q_width + 2 * kv_width + HEAD_DIM),
         "o_proj": HIDDEN * q_width + m * (q_width + HIDDEN),
         "gate_up": 2 * INTER * HIDDEN + m * (HIDDEN + 2 * INTER),
         "down": HIDDEN * INTER + m * (INTER + HIDDEN),
@@ -105,8 +106,8 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
         blocks = m * 4 + 1
         kc = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
         vc = torch.zeros_like(kc)
-        cos = torch.rand(4096, HEAD_DIM // 2, device=device)
-        sin = torch.rand(4096, HEAD_DIM // 2, device=device)
+        cos = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)  # tables in the model dtype
+        sin = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)
         pos = torch.arange(m, device=device) + 100
         slots = torch.arange(m, device=device) * BLOCK_SIZE
         rows.append(_row("rope_and_store", m, None, hbm, per_op_us(
@@ -117,7 +118,13 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
 
 
 def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
-    from tpgraph.kernels.gemv import MAX_M, linear_small_m
+    from tpgraph.kernels.gemv import MAX_M, linear_small_m, qkv_rope_store
+
+    rope = (torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16),
+            torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16))
+    rope_rows = torch.arange(MAX_M, device=device)  # positions and cache slots of the rows
+    kc = torch.zeros(MAX_M // BLOCK_SIZE + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    vc = torch.zeros_like(kc)
 
     shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
               "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
@@ -132,6 +139,9 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
                      f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}
             if name == "down":
                 timed["down+swiglu (Triton)"] = lambda i, gu=gu: linear_small_m(gu, ws[i], swiglu=True)
+            if name == "qkv":
+                timed["qkv+rope_store (Triton)"] = lambda i, x=x, rows=rope_rows[:m]: qkv_rope_store(
+                    x, ws[i], rows, rope, rows, kc, vc, HEADS, KV_HEADS, HEAD_DIM)
             rows += [_row(label, m, None, hbm, per_op_us(fn, copies)) for label, fn in timed.items()]
         ws.clear()
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [kernel-bench] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -84,6 +84,10 @@ for step in "$@"; do
          for dt in bf16 fp32; do TPGRAPH_GEMV=1 timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $dt \
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
              | tee -a "$out/hf_parity_gemv.log"; done ;;
+    parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
+         for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout 200 torchrun \
+             --nproc-per-node 2 bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
+             --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
          timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
              --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \

@@ -17,7 +17,7 @@ def test_bytes_moved_at_tp2_llama3_8b_shapes(bench):
     assert mb("attention", 1, 4096) == (2 * 4096 * 4 * 128 + 2 * 16 * 128) * 2  # K and V of the context
     assert mb("attention", 8, 512) == 8 * mb("attention", 1, 512)
     assert mb("add_rms_norm", 1) == (4 * 4096 + 4096) * 2
-    assert mb("rope_and_store", 2) == (2 * 3072 + 2 * 2560 + 2 * 2 * 512) * 2 + 2 * 2 * 64 * 4
+    assert mb("rope_and_store", 2) == (2 * 3072 + 2 * 2560 + 2 * 2 * 512 + 2 * 128) * 2
     with pytest.raises(KeyError):
         mb("softmax", 1)
 

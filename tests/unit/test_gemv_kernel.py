@@ -213,3 +213,77 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
         off.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
         plain = linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True)
     assert torch.equal(linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True), plain)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "block_n", "split_k"), [(1, 16, 1), (3, 32, 2), (5, 64, 3)])
+def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k):
+    """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
+    then rope_and_store; the counters back at zero."""
+    from tpgraph.kernels._counters import split_counters
+    from tpgraph.kernels.gemv import qkv_rope_store
+    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+
+    heads, kv_heads, dim, hidden, block_size = 4, 2, 64, 96, 4
+    g = torch.Generator().manual_seed(m * 10 + split_k)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
+    tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
+    positions = torch.randint(0, 64, (m,), generator=g)
+    slots = torch.randperm(8 * block_size, generator=g)[:m]
+    caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    cfg = GemvConfig(block_n, 32, 4, 2, split_k)
+    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, use_triton=True,
+                       config=cfg)
+    qkv = linear_small_m(x, w, use_triton=True, config=cfg)
+    rq, _ = rope_and_store(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim, use_triton=True)
+    assert q is not None and torch.equal(q, rq)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not split_counters(x.device, heads + 2 * kv_heads).any()
+
+
+def test_qkv_rope_store_declines_what_it_cannot_do():
+    from tpgraph.kernels.gemv import qkv_rope_store
+
+    x, w = torch.randn(20, 96), torch.randn(8 * 64, 96)  # 20 rows: above the kernel's 16
+    cache = torch.zeros(8, 4, 2, 64)
+    rows = torch.zeros(20, dtype=torch.long)
+    args = (rows, (torch.ones(64, 32), torch.ones(64, 32)), rows, cache, cache.clone(), 4, 2, 64)
+    assert qkv_rope_store(x, w, *args, use_triton=True) is None
+    assert qkv_rope_store(x[:2], w, *args, use_triton=False) is None  # no Triton asked for
+    assert qkv_rope_store(x[:2], w[:-64], *args, use_triton=True) is None  # not (Hq + 2 Hkv) heads of the weight
+    assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
+
+
+def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
+    """Ahead of time, in a subprocess (the tests' interpreter mode has no compiler): rope's products are their own
+    mul.rn.f32 (no FMA may skip a rounding), and the head's last program counts in with an acq_rel atomic."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpgraph.kernels import gemv
+names = ["x_ptr", "w_ptr", "ws_ptr", "counter_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "slot_ptr", "k_cache_ptr",
+         "v_cache_ptr", "q_out_ptr"]
+types = ["*bf16", "*bf16", "*fp32", "*i32", "*i64", "*bf16", "*bf16", "*i64", "*bf16", "*bf16", "*bf16"]
+sig = dict(zip(names, types))
+for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin", "stride_cb", "stride_ct",
+          "stride_ch", "stride_qo"):
+    sig[n] = "i32"
+const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
+         "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
+         "EXACT_MUL": True}
+sig.update({n: "constexpr" for n in const})
+k = triton.compile(ASTSource(fn=gemv._qkv_rope_kernel, signature=sig, constexprs=const),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+print(k.asm["ptx"])
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx

@@ -115,22 +115,12 @@ def tiles(n: int, k: int, m: int = 1, table: Path | None = None) -> GemvConfig:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr):
-        """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
-        workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
-        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings.
-        PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
-        The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
-        into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
-        before writes, is read after it.
-        LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
-        partial is stored; the split that arrives last adds the partials in split order (the bits of
-        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay."""
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
+                 SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+                 LINE: tl.constexpr):
+        """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
+        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel)."""
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
         # K mask (a per-split bound in the mask would cost the loads their vector width).
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
@@ -175,6 +165,31 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
+                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr):
+        """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
+        workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
+        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings.
+        PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
+        The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
+        into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
+        before writes, is read after it.
+        LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
+        partial is stored; the split that arrives last adds the partials in split order (the bits of
+        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
+                       IEEE, SWIGLU, LIBDEVICE_EXP, PDL, PREFETCH_TILES, LINE)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
         y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
         tile = offs_m[:, None] * stride_om + offs_n[None, :]
         tile_ok = m_ok[:, None] & n_ok[None, :]
@@ -188,6 +203,91 @@ if triton is not None:
                     total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
                 tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call (graph replays included)
+
+    @triton.jit
+    def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+                         v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
+                         stride_cb, stride_ct, stride_ch, stride_qo,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr):
+        """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
+        every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
+        counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
+        in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
+        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
+                       IEEE, False, False, PDL, PREFETCH_TILES, LINE)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
+                 mask=m_ok[:, None] & (offs_n < N)[None, :])
+        tl.debug_barrier()  # every thread's part of the partial is stored before the block counts itself in
+        head = pid // (HEAD_DIM // BLOCK_N)
+        arrivals = (HEAD_DIM // BLOCK_N) * tl.num_programs(1)
+        if tl.atomic_add(counter_ptr + head, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+            _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
+                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, BLOCK_M,
+                       SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL)
+            tl.atomic_xchg(counter_ptr + head, 0)  # ready for the next call (graph replays included)
+
+    @triton.jit
+    def _mul_rn(a, b):
+        """a * b rounded to nearest, as its own instruction: an explicit rounding mode is never fused into an FMA,
+        and unlike libdevice's mul_rn it does not flush denormals."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
+                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo,
+                   BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   EXACT_MUL: tl.constexpr):
+        """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
+        _rope_store_kernel rounds it) or v copied, to where rope_store would write them. EXACT_MUL: products by
+        `mul.rn.f32`, which no FMA contraction fuses into the add after it (the kernel keeps fp fusion on for its
+        projection, which must give the GEMV's bits; the interpreter never contracts)."""
+        half: tl.constexpr = HEAD_DIM // 2
+        dtype = q_out_ptr.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        offs_h = tl.arange(0, half)
+        rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
+        at = offs_m[:, None] * N + head * HEAD_DIM + offs_h[None, :]
+        t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, tl.num_programs(1)):
+            t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            x1 = round_to(t1, dtype, SOFT_BF16)  # the qkv output, as the GEMV would have stored it
+            x2 = round_to(t2, dtype, SOFT_BF16)
+            pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+            if EXACT_MUL:
+                x1c, x2s, x2c, x1s = _mul_rn(x1, c), _mul_rn(x2, sn), _mul_rn(x2, c), _mul_rn(x1, sn)
+            else:
+                x1c, x2s, x2c, x1s = x1 * c, x2 * sn, x2 * c, x1 * sn
+            o1 = to_dtype(round_to(x1c, dtype, SOFT_BF16) - round_to(x2s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+            o2 = to_dtype(round_to(x2c, dtype, SOFT_BF16) + round_to(x1s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+            if head < NUM_HEADS:
+                dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
+            else:
+                dst = k_cache_ptr + cache_row[:, None] + (head - NUM_HEADS) * stride_ch + offs_h[None, :]
+            tl.store(dst, o1, mask=rows_ok)
+            tl.store(dst + half, o2, mask=rows_ok)
+        else:
+            dst = v_cache_ptr + cache_row[:, None] + (head - NUM_HEADS - NUM_KV_HEADS) * stride_ch + offs_h[None, :]
+            tl.store(dst, to_dtype(t1, dtype, SOFT_BF16), mask=rows_ok)
+            tl.store(dst + half, to_dtype(t2, dtype, SOFT_BF16), mask=rows_ok)
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
@@ -251,3 +351,44 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)
     return y
+
+
+def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                   use_triton: bool | None = None,
+                   config: GemvConfig | None = None) -> torch.Tensor | None:
+    """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
+    and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
+    caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse."""
+    m, k = x.shape if x.dim() == 2 else (0, 0)
+    n = w.shape[0]
+    use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
+    if not use or not 0 < m <= MAX_M or w.shape[1] != k or n != (num_heads + 2 * num_kv_heads) * head_dim:
+        return None
+    if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype or head_dim & (head_dim - 1) or head_dim < 32:
+        return None
+    cos, sin = cos_sin
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return None
+    if config is None:
+        config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
+    if head_dim % config.block_n:
+        return None
+    from tpgraph.kernels._rounding import soft_bf16_rounding
+
+    soft = soft_bf16_rounding(x)
+    pdl = use_pdl(x)
+    heads = num_heads + 2 * num_kv_heads
+    q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+        x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
+        m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), q.stride(0),
+        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
+        PDL=pdl, PREFETCH_TILES=prefetch_tiles(config, n, k, x.element_size()),
+        LINE=min(128 // x.element_size(), config.block_k), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not soft, num_warps=config.num_warps,
+        num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+    return q

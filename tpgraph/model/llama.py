@@ -7,6 +7,8 @@ from torch import nn
 
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import ModelConfig
+from tpgraph.kernels import gemv
+from tpgraph.kernels._counters import last_split_reduces
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.rope_store import rope_and_store
 from tpgraph.model.attention import AttentionMetadata, KVCache
@@ -47,12 +49,20 @@ class LlamaAttention(nn.Module):
                                         device)
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
+        self.fused_qkv_rope = True  # with the small-M kernel and TPGRAPH_LAST_SPLIT_REDUCES=1; +unfused turns it off
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
+        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and last_split_reduces():
+            # decode rows: the projection, rope and the cache writes in one kernel (None: it does not apply here)
+            q = gemv.qkv_rope_store(x, self.qkv_proj.weight, positions, rope, meta.slot_mapping, cache.k, cache.v,
+                                    self.num_heads, self.num_kv_heads, self.head_dim)
+            if q is not None:
+                out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
+                return self.o_proj(out.view(out.shape[0], -1))
         qkv = self.qkv_proj(x)
         # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
         q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
