@@ -97,6 +97,9 @@ for step in "$@"; do
          # bit-equality with each first
          TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "small_m or norm" \
              2>&1 | tail -3 | tee "$out/pdl_tests.log"
+         # the PTX checks with this machine's Triton (ordering of the last-arriving reductions, rope's own products)
+         timeout 200 python3 -m pytest tests/unit/test_gemv_kernel.py tests/unit/test_decode_attention.py -q -rs \
+             -k "sm90 or pdl_variant" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
          TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
              -k "small_m or split_kv" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
          # graph decode = eager tokens with every new path on (small-M kernel, PDL + prefetch, in-kernel reductions)

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
+from tpgtest.ptx import assert_semaphore_order
 
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
@@ -149,3 +150,4 @@ print(k.asm["ptx"])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    assert_semaphore_order(ptx)

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from tpgtest.ptx import assert_semaphore_order
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -191,6 +192,7 @@ print(kernel.asm["ptx"])
     # the last split's reduction: an acq_rel arrival count, partials read past L1, the counter set back
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert "atom.global" in ptx[ptx.rindex("ld.global.cg"):]
+    assert_semaphore_order(ptx)
 
 
 @interpreted
@@ -287,3 +289,5 @@ print(k.asm["ptx"])
     ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
+    assert_semaphore_order(ptx)

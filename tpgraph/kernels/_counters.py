@@ -6,6 +6,11 @@ the number of splits adds the partials in split order (a fixed order: the bits d
 counter back to 0 for the next call or graph replay. One int32 buffer per device, shared by those kernels: they run
 one after another on one stream, and each leaves its counters at zero (a PDL launch counts in only after its wait).
 
+The kernels must use the buffer from one stream at a time per device (decode runs on one stream): two at once would
+share counters, and a reduction that never fires leaves its output unwritten. Split-K projections give the bits of
+the separate sum kernel; split-KV attention merges in sequence where the combine kernel sums as a tree, so switching
+the flag may change the last bit of attention outputs.
+
 Opt-in (`TPGRAPH_LAST_SPLIT_REDUCES=1`) until measured on the GPU against the separate reduce kernels.
 """
 

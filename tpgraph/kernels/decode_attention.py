@@ -161,7 +161,9 @@ if triton is not None:
                        offs_d, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
         """The query group's output from its NUM_SPLITS partials (at part0 + split * stride_ps), merged in split
-        order: the running max first, then the weighted sums."""
+        order: the running max first, then the weighted sums. The same merge as _decode_combine_kernel, summed in
+        sequence where that one sums as a tree: equal within rounding, not bit for bit (both fixed, whatever the
+        arrival order, so graph and eager agree either way)."""
         m_max = tl.load(part_m_ptr + part0, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
         for split in range(1, NUM_SPLITS):
             m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + split * stride_ps, mask=g_ok,

@@ -371,6 +371,9 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     cos, sin = cos_sin
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return None
+    if cos.shape[-1] != head_dim // 2 or k_cache.shape[2:] != (num_kv_heads, head_dim) or any(
+            t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)):
+        return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     if config is None:
         config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
     if head_dim % config.block_n:
