@@ -51,13 +51,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, ranks: int = 2) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # a file, not a pipe: it never fills up
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tpgraph.serve",
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "tpgraph.serve",
              "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT, text=True,
             env=env, start_new_session=True)
         deadline = time.monotonic() + 180
@@ -166,6 +166,27 @@ def test_sixteen_concurrent_requests_equal_tp_engine(server):
     with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
         local = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
     assert served == [o.outputs[0].token_ids for o in local]
+
+
+def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
+    """`torchrun --nproc-per-node 4 -m tpgraph.serve` (gloo, CPU): TP=4 streams the same greedy tokens as TP=2."""
+    def served(s: Server) -> list[list[int]]:
+        c = s.client()
+
+        def one(prompt):
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=0,
+                                     extra_body={"return_tokens_as_token_ids": True}, **greedy())
+            return ids_of(r.choices[0])
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, PROMPTS[:4]))
+
+    four = Server(free_port(), ranks=4)
+    try:
+        assert len(four.ranks()) == 4
+        assert served(four) == served(server)
+    finally:
+        four.stop()
 
 
 @pytest.mark.parametrize("path,body,status,needle", [
