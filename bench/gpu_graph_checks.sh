@@ -93,20 +93,21 @@ for step in "$@"; do
              --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log" ;;
     variants-pdl) # the same variants with the Triton kernels launched as programmatic dependents (GEMV weights
-         # prefetched into L2 before the wait) and split-K reduced in its last split, twice each way; kernel
-         # bit-equality with each first
-         TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "small_m or norm" \
+         # prefetched into L2 before the wait) and split kernels reduced in their last program, once each way (the
+         # bench interleaves its entries); kernel bit-equality with each first
+         TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
+             -k "small_m or norm or qkv_rope" \
              2>&1 | tail -3 | tee "$out/pdl_tests.log"
          # the PTX checks with this machine's Triton (ordering of the last-arriving reductions, rope's own products)
          timeout 200 python3 -m pytest tests/unit/test_gemv_kernel.py tests/unit/test_decode_attention.py -q -rs \
              -k "sm90 or pdl_variant" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
          TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
-             -k "small_m or split_kv" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
+             -k "small_m or split_kv or qkv_rope" 2>&1 | tail -3 | tee -a "$out/pdl_tests.log"
          # graph decode = eager tokens with every new path on (small-M kernel, PDL + prefetch, in-kernel reductions)
          TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 300 python3 -m pytest \
              tests/gpu/test_graph_decode_gpu.py -x -q -rs -k full_piecewise_breakable 2>&1 | tail -3 \
              | tee -a "$out/pdl_tests.log"
-         for pdl in 0 1 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         for pdl in 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;
