@@ -1,4 +1,39 @@
-"""Checks on PTX compiled ahead of time (no GPU needed)."""
+"""Kernels compiled ahead of time for sm_90 (no GPU needed), and checks on their PTX."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, typed, scalars, constexprs, options = json.loads(sys.argv[1])
+signature = {**typed, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constexprs}}
+fn = getattr(importlib.import_module(module), kernel)
+compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+print(compiled.asm["ptx"])
+"""
+
+
+def sm90_ptx(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
+             num_warps: int = 4, num_stages: int = 3) -> str:
+    """PTX of `module.kernel` for sm_90. Its arguments in order: `typed` with their Triton types ("*bf16", "fp32"),
+    then `scalars` (i32), then the constexprs. In a subprocess: the tests' interpreter mode (TRITON_INTERPRET=1)
+    has no compiler."""
+    pytest.importorskip("triton.backends.nvidia")
+    args = json.dumps([module, kernel, typed, scalars, constexprs,
+                       {"num_warps": num_warps, "num_stages": num_stages}])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    return subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True,
+                          check=True).stdout
 
 
 def assert_semaphore_order(ptx: str) -> None:
@@ -11,4 +46,3 @@ def assert_semaphore_order(ptx: str) -> None:
     first_partial = after.index("ld.global.cg")
     shared_store, barrier, shared_load = (after.index("st.shared"), after.index("bar.sync"), after.index("ld.shared"))
     assert shared_store < barrier < shared_load < first_partial
-

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
-from tpgtest.ptx import assert_semaphore_order
+from tpgtest.ptx import assert_semaphore_order, sm90_ptx
 
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
@@ -121,33 +121,17 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
 
 
 def test_the_last_split_variant_compiles_for_sm90():
-    """Ahead of time, without a GPU (a subprocess: the tests' interpreter mode has no compiler): the arrival count
-    is an acq_rel atomic and the partials are read past L1."""
-    import subprocess
-    import sys
+    """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1."""
+    from tpgraph.kernels import decode_attention as da
 
-    pytest.importorskip("triton.backends.nvidia")
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tpgraph.kernels import decode_attention as da
-names = ["q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "part_acc_ptr", "part_m_ptr",
-         "part_l_ptr", "counter_ptr"]
-types = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32", "*i32"]
-sig = dict(zip(names, types))
-sig.update({"qk_scale": "fp32", "tokens_per_split": "i32"})
-for n in ("stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt", "stride_ob", "stride_oh",
-          "stride_pb", "stride_ph", "stride_ps"):
-    sig[n] = "i32"
-const = {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_N": da.BLOCK_N,
-         "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False, "LAST_COMBINES": True}
-sig.update({n: "constexpr" for n in const})
-k = triton.compile(ASTSource(fn=da._decode_split_kernel, signature=sig, constexprs=const),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-print(k.asm["ptx"])
-"""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
+    ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
+                   ["tokens_per_split", "stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
+                    "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
+                   {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+                    "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False,
+                    "LAST_COMBINES": True}, num_stages=2)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)

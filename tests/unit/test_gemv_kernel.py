@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tpgtest.ptx import assert_semaphore_order
+from tpgtest.ptx import assert_semaphore_order, sm90_ptx
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -164,28 +164,12 @@ def test_prefetch_covers_small_weights_whole_and_caps_large_ones():
 
 
 def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
-    """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x.
-    In a subprocess: the tests' interpreter mode (TRITON_INTERPRET=1) has no compiler."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tpgraph.kernels import gemv
-sig = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os")}
-sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32", **sig}
-const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "SWIGLU": True,
-         "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True}
-sig.update({n: "constexpr" for n in const})
-kernel = triton.compile(ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-print(kernel.asm["ptx"])
-"""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
+                   {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32"},
+                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
+                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "SWIGLU": True,
+                    "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True})
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
@@ -259,34 +243,17 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
 
 
 def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
-    """Ahead of time, in a subprocess (the tests' interpreter mode has no compiler): rope's products are their own
-    mul.rn.f32 (no FMA may skip a rounding), and the head's last program counts in with an acq_rel atomic."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tpgraph.kernels import gemv
-names = ["x_ptr", "w_ptr", "ws_ptr", "counter_ptr", "pos_ptr", "cos_ptr", "sin_ptr", "slot_ptr", "k_cache_ptr",
-         "v_cache_ptr", "q_out_ptr"]
-types = ["*bf16", "*bf16", "*fp32", "*i32", "*i64", "*bf16", "*bf16", "*i64", "*bf16", "*bf16", "*bf16"]
-sig = dict(zip(names, types))
-for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin", "stride_cb", "stride_ct",
-          "stride_ch", "stride_qo"):
-    sig[n] = "i32"
-const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
-         "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
-         "EXACT_MUL": True}
-sig.update({n: "constexpr" for n in const})
-k = triton.compile(ASTSource(fn=gemv._qkv_rope_kernel, signature=sig, constexprs=const),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-print(k.asm["ptx"])
-"""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    ptx = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    """Ahead of time, without a GPU: rope's products are their own mul.rn.f32 (no FMA may skip a rounding), and the
+    head's last program counts in with an acq_rel atomic."""
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
+                "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
+                "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", pointers,
+                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin", "stride_cb",
+                    "stride_ct", "stride_ch", "stride_qo"],
+                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
+                    "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
+                    "BLOCK_SIZE": 16, "EXACT_MUL": True})
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
