@@ -112,6 +112,19 @@ def ids_of(choice) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
 
 
+def served_greedy(server: Server, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The greedy token ids the server streams for each prompt, every prompt at once (a thread each)."""
+    c = server.client()
+
+    def one(prompt):
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, logprobs=0,
+                                 extra_body={"return_tokens_as_token_ids": True}, **greedy())
+        return ids_of(r.choices[0])
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
 def test_the_server_warms_up_before_serving(server):
     assert "warmed up in" in server.output()
 
@@ -152,15 +165,7 @@ def test_stop_strings_and_max_tokens(server):
 
 
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
-    c = server.client()
-
-    def one(prompt):
-        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=0,
-                                 extra_body={"return_tokens_as_token_ids": True}, **greedy())
-        return ids_of(r.choices[0])
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        served = list(pool.map(one, PROMPTS))
+    served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine
 
     with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
@@ -170,21 +175,10 @@ def test_sixteen_concurrent_requests_equal_tp_engine(server):
 
 def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     """`torchrun --nproc-per-node 4 -m tpgraph.serve` (gloo, CPU): TP=4 streams the same greedy tokens as TP=2."""
-    def served(s: Server) -> list[list[int]]:
-        c = s.client()
-
-        def one(prompt):
-            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=0,
-                                     extra_body={"return_tokens_as_token_ids": True}, **greedy())
-            return ids_of(r.choices[0])
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            return list(pool.map(one, PROMPTS[:4]))
-
     four = Server(free_port(), ranks=4)
     try:
         assert len(four.ranks()) == 4
-        assert served(four) == served(server)
+        assert served_greedy(four, PROMPTS[:4], 8) == served_greedy(server, PROMPTS[:4], 8)
     finally:
         four.stop()
 
