@@ -20,6 +20,12 @@ import os
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without Triton never launch these kernels
+    triton = None
+
 MAX_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
 
@@ -41,3 +47,18 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
             raise RuntimeError("the split counters are made on a device's first eager call; run one before capturing")
         _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
+
+
+if triton is not None:
+
+    @triton.jit
+    def arrived_last(counter_ptr, arrivals):
+        """Count this program in, once every thread of it has stored its partial; True in the program that makes the
+        count reach `arrivals`: every other partial is then in memory (the acq_rel count orders the reads after)."""
+        tl.debug_barrier()
+        return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+    @triton.jit
+    def reset_counter(counter_ptr):
+        """Zero again, for the next call (graph replays included); by the last program, after its reduction."""
+        tl.atomic_xchg(counter_ptr, 0)

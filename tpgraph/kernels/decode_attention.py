@@ -29,6 +29,7 @@ try:
     import triton
     import triton.language as tl
 
+    from tpgraph.kernels._counters import arrived_last, reset_counter
     from tpgraph.kernels._rounding import to_dtype
 except ImportError:  # CPU-only installs without Triton use paged_decode_reference
     triton = None
@@ -148,13 +149,12 @@ if triton is not None:
             tl.store(part_l_ptr + part, l_i, mask=g_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
             if LAST_COMBINES:
-                tl.debug_barrier()  # the whole partial is stored before the block counts itself in
                 counter = counter_ptr + b * tl.num_programs(1) + kv_h
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                if arrived_last(counter, NUM_SPLITS):
                     _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b * stride_pb + heads * stride_ph,
                                    stride_ps, b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], g_ok,
                                    q_mask, offs_d, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, INTERPRETED)
-                    tl.atomic_xchg(counter, 0)  # ready for the next call (graph replays included)
+                    reset_counter(counter)
 
     @triton.jit
     def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, part0, stride_ps, out_offs, g_ok, q_mask,

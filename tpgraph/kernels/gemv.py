@@ -35,7 +35,9 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from tpgraph.kernels._counters import arrived_last, reset_counter
     from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
@@ -195,14 +197,12 @@ if triton is not None:
         tile_ok = m_ok[:, None] & n_ok[None, :]
         tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
         if LAST_REDUCES:
-            tl.debug_barrier()  # every thread's part of the partial is stored before the block counts itself in
-            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:  # the last split: every partial is in memory
+            if arrived_last(counter_ptr + pid, tl.num_programs(1)):  # the last split: every partial is in memory
                 total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                 for s in range(1, tl.num_programs(1)):
                     total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
-                tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call (graph replays included)
+                reset_counter(counter_ptr + pid)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
@@ -226,21 +226,12 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
-        tl.debug_barrier()  # every thread's part of the partial is stored before the block counts itself in
         head = pid // (HEAD_DIM // BLOCK_N)
-        arrivals = (HEAD_DIM // BLOCK_N) * tl.num_programs(1)
-        if tl.atomic_add(counter_ptr + head, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
                        stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, BLOCK_M,
                        SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL)
-            tl.atomic_xchg(counter_ptr + head, 0)  # ready for the next call (graph replays included)
-
-    @triton.jit
-    def _mul_rn(a, b):
-        """a * b rounded to nearest, as its own instruction: an explicit rounding mode is never fused into an FMA,
-        and unlike libdevice's mul_rn it does not flush denormals."""
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+            reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
@@ -249,9 +240,8 @@ if triton is not None:
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    EXACT_MUL: tl.constexpr):
         """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
-        _rope_store_kernel rounds it) or v copied, to where rope_store would write them. EXACT_MUL: products by
-        `mul.rn.f32`, which no FMA contraction fuses into the add after it (the kernel keeps fp fusion on for its
-        projection, which must give the GEMV's bits; the interpreter never contracts)."""
+        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
+        kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -272,12 +262,7 @@ if triton is not None:
             pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
             c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
             sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
-            if EXACT_MUL:
-                x1c, x2s, x2c, x1s = _mul_rn(x1, c), _mul_rn(x2, sn), _mul_rn(x2, c), _mul_rn(x1, sn)
-            else:
-                x1c, x2s, x2c, x1s = x1 * c, x2 * sn, x2 * c, x1 * sn
-            o1 = to_dtype(round_to(x1c, dtype, SOFT_BF16) - round_to(x2s, dtype, SOFT_BF16), dtype, SOFT_BF16)
-            o2 = to_dtype(round_to(x2c, dtype, SOFT_BF16) + round_to(x1s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+            o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
             else:
@@ -299,6 +284,11 @@ if triton is not None:
         for s in range(1, SPLITS):
             acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
         tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
+
+
+def config_for(x: torch.Tensor, n: int, k: int, m: int) -> GemvConfig:
+    """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles)."""
+    return tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
@@ -327,9 +317,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
 
     m, k = x.shape[0], inner
     n = w.shape[0]
-    if config is None:  # the interpreter (CPU tensors) has no architecture to tune for: the default tiles
-        config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
-    cfg = config
+    cfg = config or config_for(x, n, k, m)
     soft = soft_bf16_rounding(x)
     pdl = use_pdl(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -374,8 +362,7 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     if cos.shape[-1] != head_dim // 2 or k_cache.shape[2:] != (num_kv_heads, head_dim) or any(
             t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)):
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
-    if config is None:
-        config = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
+    config = config or config_for(x, n, k, m)
     if head_dim % config.block_n:
         return None
     from tpgraph.kernels._rounding import soft_bf16_rounding

@@ -75,6 +75,27 @@ def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin
 if triton is not None:
 
     @triton.jit
+    def mul_rn(a, b):
+        """a * b rounded to nearest, as its own instruction: an explicit rounding mode is never fused into an FMA,
+        and unlike libdevice's mul_rn it does not flush denormals."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def rotate_pair(x1, x2, c, s, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr):
+        """(first, second) halves of x * cos + rotate_half(x) * sin in DTYPE, from fp32 halves x1, x2 and the cos/sin
+        rows, every op rounded as eager torch rounds it. rotate_half(x) = cat(-x2, x1); round(-x2 * s) ==
+        -round(x2 * s) and a + (-b) == a - b exactly, so the first half is a subtraction. EXACT_MUL: the products by
+        `mul_rn`, for kernels that keep FMA contraction on (the interpreter never contracts)."""
+        if EXACT_MUL:
+            x1c, x2s, x2c, x1s = mul_rn(x1, c), mul_rn(x2, s), mul_rn(x2, c), mul_rn(x1, s)
+        else:
+            x1c, x2s, x2c, x1s = x1 * c, x2 * s, x2 * c, x1 * s
+        o1 = to_dtype(round_to(x1c, DTYPE, SOFT_BF16) - round_to(x2s, DTYPE, SOFT_BF16), DTYPE, SOFT_BF16)
+        o2 = to_dtype(round_to(x2c, DTYPE, SOFT_BF16) + round_to(x1s, DTYPE, SOFT_BF16), DTYPE, SOFT_BF16)
+        return o1, o2
+
+    @triton.jit
     def _rope_store_kernel(
         qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr,
         stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
@@ -94,10 +115,7 @@ if triton is not None:
         src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
         x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + half + offs, mask=ok, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); every op rounded as eager torch.
-        # round(-x2 * s) == -round(x2 * s), and a + (-b) == a - b exactly, so the first half is a subtraction.
-        o1 = to_dtype(round_to(x1 * c, dtype, SOFT_BF16) - round_to(x2 * s, dtype, SOFT_BF16), dtype, SOFT_BF16)
-        o2 = to_dtype(round_to(x2 * c, dtype, SOFT_BF16) + round_to(x1 * s, dtype, SOFT_BF16), dtype, SOFT_BF16)
+        o1, o2 = rotate_pair(x1, x2, c, s, dtype, SOFT_BF16, False)  # the launch turns FMA contraction off
         if h < NUM_HEADS:
             dst = q_out_ptr + t * stride_qo + h * HEAD_DIM
             tl.store(dst + offs, o1, mask=ok)
