@@ -183,24 +183,32 @@ def build(state, name: str):
     return comm, model
 
 
+def header(state, context: int, steps: int, bw: float) -> dict:
+    """The results document before any point is timed."""
+    return {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps, "hbm_bytes_per_s": bw,
+            "gpu": torch.cuda.get_device_name(state.device), "tpot": [], "ladders": [], "profile": []}
+
+
+def with_floor(results: dict, model, bw: float) -> float:
+    """The weight-read floor (ms) of a step, recorded in results: the bytes of every weight but the embedding table,
+    of which a step reads only B rows, over the HBM bandwidth."""
+    embed = model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    results.update(weight_bytes_per_rank=weight_bytes, floor_ms=weight_bytes / bw * 1e3)
+    return results["floor_ms"]
+
+
 def run(args, state) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     context, steps = args.context, args.steps
     max_len = context + 2 * (steps + 8)
     bw = hbm_bandwidth(state.device)
-    results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
-                     "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
-                     "ladders": [], "profile": []}
+    results = header(state, context, steps, bw)
     names = entries(args)
     for ar in names:
         comm, model = build(state, ar)
-        # bytes a step must read: every weight but the embedding table, of which it reads only B rows
-        embed = model.embed_tokens.weight
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
-        floor_ms = weight_bytes / bw * 1e3
-        results["weight_bytes_per_rank"] = weight_bytes
-        results["floor_ms"] = floor_ms
+        floor_ms = with_floor(results, model, bw)
         for mode in modes:
             blocks = max(batches) * -(-max_len // 16) + 16
             graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
@@ -260,10 +268,9 @@ def run_interleaved(args, state) -> dict:
     rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
     bw = hbm_bandwidth(state.device)
-    results: dict = {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps,
-                     "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [],
-                     "ladders": [], "profile": [], "method": f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} "
-                     f"steps per entry, order rotated per round; median step; slowest rank"}
+    results = header(state, context, steps, bw)
+    results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order rotated per "
+                         f"round; median step; slowest rank")
     engines = {}
     for ar in names:
         comm, model = build(state, ar)
@@ -271,10 +278,7 @@ def run_interleaved(args, state) -> dict:
         runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
                                                  num_kv_blocks=max(batches) * -(-max_len // 16) + 16, graphs=graphs))
         engines[ar] = (comm, model, runner)
-    first = engines[names[0]][1]
-    weight_bytes = sum(p.numel() * p.element_size() for p in first.parameters() if p is not first.embed_tokens.weight)
-    floor_ms = weight_bytes / bw * 1e3
-    results.update(weight_bytes_per_rank=weight_bytes, floor_ms=floor_ms)
+    floor_ms = with_floor(results, engines[names[0]][1], bw)
     for batch in batches:
         seqs = {ar: fake_context(runner, batch, context) for ar, (_, _, runner) in engines.items()}
         wall: dict[str, list[float]] = {ar: [] for ar in names}

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import use_pdl
+from tpgraph.kernels._rounding import soft_bf16_rounding
+from tpgraph.kernels.activation import silu_and_mul
 
 try:
     import triton
@@ -305,16 +307,12 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables).
     swiglu: x is [M, 2K] = cat(gate, up), and the result is silu_and_mul(x) @ w.T, the activation made inside the
     kernel (one launch and one [M, K] round trip fewer), bit for bit what the two kernels give."""
-    from tpgraph.kernels.activation import silu_and_mul
-
     use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
     inner = x.shape[-1] // 2 if swiglu else x.shape[-1]
     fits = (x.dim() == 2 and w.dim() == 2 and inner == w.shape[1] and (not swiglu or x.shape[1] % 2 == 0)
             and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
     if not (use and fits):
         return F.linear(silu_and_mul(x, use_triton=use_triton) if swiglu else x, w)
-    from tpgraph.kernels._rounding import soft_bf16_rounding
-
     m, k = x.shape[0], inner
     n = w.shape[0]
     cfg = config or config_for(x, n, k, m)
@@ -365,8 +363,6 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n:
         return None
-    from tpgraph.kernels._rounding import soft_bf16_rounding
-
     soft = soft_bf16_rounding(x)
     pdl = use_pdl(x)
     heads = num_heads + 2 * num_kv_heads
