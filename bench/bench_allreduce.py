@@ -221,12 +221,7 @@ def main() -> None:
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
     nccl = functools.partial(dist.all_reduce, group=state.tp_group)
     group_name = dist.group.WORLD.group_name
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.enable_symm_mem_for_group(group_name)
-    except Exception as exc:  # noqa: BLE001
-        print(f"symm_mem unavailable: {exc}")
+    # (symm_mem needs no enabling per group since torch 2.11; symm_mem_candidates reports it where it is missing)
     rows, host = [], {}
     for nbytes in SIZES:
         numel = nbytes // 2

@@ -78,6 +78,28 @@ def test_of_two_algorithms_within_the_tolerance_the_faster_gets_the_band():
     assert choice.bounds == {"push_max": SIZES[12], "pull1_max": SIZES[12], "pull2_max": SIZES[14]}
 
 
+def test_the_default_grid_resolves_a_crossing_inside_an_octave():
+    # tune run 2026-11-30 (session 5), eager, above the 16 MiB push slot: 1shot_pull 5% ahead of NCCL at 32 MB, 8%
+    # behind at 64 MB. On powers of two alone 32 MB is a one-point band and goes to NCCL; the default grid's
+    # midpoints give 1shot_pull two sizes (24 and 32 MB), so it keeps them.
+    from tpgraph.tune.measure import DEFAULT_SIZES
+
+    assert all(s % 16 == 0 for s in DEFAULT_SIZES) and list(DEFAULT_SIZES) == sorted(set(DEFAULT_SIZES))
+    assert {24 << 20, 48 << 20} <= set(DEFAULT_SIZES) and DEFAULT_SIZES[-1] == 64 << 20
+    above = {24 << 20: (98.0, 110.0, 104.0), 32 << 20: (131.7, 144.1, 138.3), 48 << 20: (203.0, 215.0, 196.0),
+             64 << 20: (267.5, 282.4, 248.4)}  # (1shot_pull, 2shot_pull, NCCL)
+
+    def grid(sizes):
+        push = [10.0 if s <= 16 << 20 else None for s in sizes]  # the push slot
+        pull1, pull2, nccl = ([above[s][k] if s in above else 20.0 + 10 * k for s in sizes] for k in range(3))
+        return curves(push, pull1, pull2, nccl, sizes=tuple(sizes))
+
+    owner = dict(zip(DEFAULT_SIZES, derive_bands(grid(DEFAULT_SIZES)).owner, strict=True))
+    assert owner[24 << 20] == owner[32 << 20] == "1shot_pull" and owner[64 << 20] == "nccl"
+    octaves = [s for s in DEFAULT_SIZES if s & (s - 1) == 0]
+    assert dict(zip(octaves, derive_bands(grid(octaves)).owner, strict=True))[32 << 20] == "nccl"
+
+
 def test_an_unmeasured_algorithm_gets_no_size():
     push, pull1, pull2, nccl = clean()
     choice = derive_bands(Curves(SIZES, {"1shot_push": push, "nccl": nccl, "2shot_pull": pull2}), tolerance=0.0)
