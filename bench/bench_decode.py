@@ -34,6 +34,7 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
                         max_position_embeddings=8192, tie_word_embeddings=False)
 GiB = 1 << 30
+TOP_KERNELS = 8  # the profile's kernels by total time, by name
 INTERLEAVE_CHUNK = 10  # steps an entry runs per round with --interleave
 
 
@@ -104,15 +105,19 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
         runner.decode(seqs).argmax(-1).tolist()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
     by_cat: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
+        by_name.setdefault(e.name, []).append(e.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     if not kernels:
         return {"kernels": 0}
     start = min(e.time_range.start for e in kernels)
     end = max(e.time_range.end for e in kernels)
     busy = sum(e.device_time for e in kernels)
     return {"kernels": len(kernels), "kernel_us": busy, "span_us": end - start, "gaps_us": end - start - busy,
-            "by_category": {c: {"count": len(v), "us": sum(v)} for c, v in sorted(by_cat.items())}}
+            "by_category": {c: {"count": len(v), "us": sum(v)} for c, v in sorted(by_cat.items())},
+            "top_kernels": [{"name": n, "count": len(v), "us": sum(v)} for n, v in top]}
 
 
 def profile_table(prof: dict) -> str:
@@ -126,6 +131,9 @@ def profile_table(prof: dict) -> str:
              f"  {'category':12s} {'kernels':>7s} {'ms':>8s} {'share':>6s}"]
     for cat, v in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]["us"]):
         lines.append(f"  {cat:12s} {v['count']:7d} {v['us'] / 1e3:8.3f} {v['us'] / prof['kernel_us']:6.1%}")
+    lines.append(f"  top kernels: {'count':>5s} {'ms':>8s}  name")
+    for k in prof.get("top_kernels", []):
+        lines.append(f"  {'':12s} {k['count']:5d} {k['us'] / 1e3:8.3f}  {k['name'][:100]}")
     return "\n".join(lines)
 
 
@@ -176,8 +184,8 @@ def build(state, name: str):
     for module in model.modules():  # the projections' kernel choice, made explicitly for this entry
         if hasattr(module, "small_m"):
             module.small_m = gemv
-        if hasattr(module, "fused_activation"):  # SiLU·mul inside the down projection (with +gemv)
-            module.fused_activation = fused
+        if hasattr(module, "fused_activation"):  # SiLU·mul inside the down projection (+gemv, opt-in by its env)
+            module.fused_activation = fused and module.fused_activation
         if hasattr(module, "fused_qkv_rope"):  # qkv + rope + cache writes in one kernel (+gemv, in-kernel reduces)
             module.fused_qkv_rope = fused
     return comm, model

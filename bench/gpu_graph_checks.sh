@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -111,6 +111,16 @@ for step in "$@"; do
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;
+    pdl-quick) # issue 11 in one short call: TPOT with the Triton kernels as programmatic dependents + in-kernel split
+         # reductions off and on (bs 1, 8), then bf16 HF parity with every new path on, unfiltered (a teardown hung once)
+         for pdl in 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout -k 5 120 torchrun \
+             --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl$pdl.json" 2>&1 \
+             | grep -E "TPOT" | sed "s/^/pdl=$pdl /" | tee -a "$out/pdl_quick.log"; done
+         TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout -k 5 150 torchrun --nproc-per-node 2 \
+             bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_all_bf16.json" > "$out/hf_parity_all_bf16.log" 2>&1
+         echo "bf16 parity, all on: rc=$?"; grep -E "prompt|PASS" "$out/hf_parity_all_bf16.log"
+         grep -v "Warning\|warn(" "$out/hf_parity_all_bf16.log" | tail -40 ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

@@ -11,6 +11,7 @@ our tokens (one teacher-forced pass). Pass: identical tokens and per-step relati
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import tempfile
 import time
@@ -25,6 +26,7 @@ from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.model.loader import load_model
 
+TEARDOWN_TIMEOUT_S = 60
 SHAPE = dict(  # Llama 3.2 1B, 4 of its 16 layers
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
     num_key_value_heads=8, tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -145,6 +147,9 @@ def main() -> None:
         print(f"PASS={ok}  (ours: {args.steps} steps x {len(PROMPTS)} prompts in {elapsed:.2f}s, eager)")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
+    dist.barrier(group=state.cpu_group)  # rank 0 compared against HF meanwhile: start the teardown together
+    # a teardown that hangs dumps every thread's stack and exits, instead of holding the job to its time limit
+    faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
     destroy_distributed(state)
 
 
