@@ -121,6 +121,12 @@ for step in "$@"; do
              bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_all_bf16.json" > "$out/hf_parity_all_bf16.log" 2>&1
          echo "bf16 parity, all on: rc=$?"; grep -E "prompt|PASS" "$out/hf_parity_all_bf16.log"
          grep -v "Warning\|warn(" "$out/hf_parity_all_bf16.log" | tail -40 ;;
+    teardown) # which opt-in path makes the job hang in destroy_process_group: HF parity bf16 with none, then PDL alone,
+         # then the in-kernel reductions alone (each with hf_parity's 60 s teardown watchdog)
+         for flags in "TPGRAPH_GEMV=0" "TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1" "TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1"; do
+             env $flags timeout -k 5 130 torchrun --nproc-per-node 2 bench/hf_parity.py --embed-std 4.0 \
+                 > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
+watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

@@ -109,10 +109,14 @@ def main() -> None:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     dist.barrier(group=state.cpu_group)
+    # every rank gives back its graphs (NCCL kernels captured in them), KV cache and all-reduce workspace before the
+    # process group goes: left open, both ranks waited forever in destroy_process_group (2xH200, 2026-11-30)
+    runner.close()
+    comm.close()
+    del model, runner
+    torch.cuda.empty_cache()
 
     if state.is_driver:
-        del model, runner
-        torch.cuda.empty_cache()
         hf_tokens, forced = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, dtype)
         # fp32 HF on the same (bf16-stored) weights: the noise floor of bf16 arithmetic itself
         _, forced32 = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, torch.float32)
