@@ -184,8 +184,8 @@ def build(state, name: str):
     for module in model.modules():  # the projections' kernel choice, made explicitly for this entry
         if hasattr(module, "small_m"):
             module.small_m = gemv
-        if hasattr(module, "fused_activation"):  # SiLU·mul inside the down projection (+gemv, opt-in by its env)
-            module.fused_activation = fused and module.fused_activation
+        if hasattr(module, "fused_activation"):  # SiLU·mul in the gate_up projection's epilogue (with +gemv)
+            module.fused_activation = fused
         if hasattr(module, "fused_qkv_rope"):  # qkv + rope + cache writes in one kernel (+gemv, in-kernel reduces)
             module.fused_qkv_rope = fused
     return comm, model

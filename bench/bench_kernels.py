@@ -62,8 +62,8 @@ def moved_bytes(kernel: str, m: int, context: int = 0) -> int:
         "qkv+rope_store": (q_width + 2 * kv_width) * HIDDEN + m * (HIDDEN + q_width + 2 * kv_width + HEAD_DIM),
         "o_proj": HIDDEN * q_width + m * (q_width + HIDDEN),
         "gate_up": 2 * INTER * HIDDEN + m * (HIDDEN + 2 * INTER),
+        "gate_up+silu": 2 * INTER * HIDDEN + m * (HIDDEN + INTER),  # the activation out, not gate and up
         "down": HIDDEN * INTER + m * (INTER + HIDDEN),
-        "down+swiglu": HIDDEN * INTER + m * (2 * INTER + HIDDEN),
         "lm_head": VOCAB * HIDDEN + m * (HIDDEN + VOCAB),
     }
     return elements[name] * BF16
@@ -118,7 +118,7 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
 
 
 def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
-    from tpgraph.kernels.gemv import MAX_M, linear_small_m, qkv_rope_store
+    from tpgraph.kernels.gemv import MAX_M, gate_up_silu, linear_small_m, qkv_rope_store
 
     rope = (torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16),
             torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16))
@@ -134,11 +134,10 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
         for m in (b for b in batches if b <= MAX_M):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-            gu = torch.randn(m, 2 * k, dtype=torch.bfloat16, device=device)
             timed = {f"{name} (cuBLAS)": lambda i, x=x: F.linear(x, ws[i]),
                      f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}
-            if name == "down":
-                timed["down+swiglu (Triton)"] = lambda i, gu=gu: linear_small_m(gu, ws[i], swiglu=True)
+            if name == "gate_up":
+                timed["gate_up+silu (Triton)"] = lambda i, x=x: gate_up_silu(x, ws[i])
             if name == "qkv":
                 timed["qkv+rope_store (Triton)"] = lambda i, x=x, rows=rope_rows[:m]: qkv_rope_store(
                     x, ws[i], rows, rope, rows, kc, vc, HEADS, KV_HEADS, HEAD_DIM)

@@ -13,7 +13,7 @@ def test_bytes_moved_at_tp2_llama3_8b_shapes(bench):
     mb = bench.moved_bytes
     assert mb("o_proj (Triton)", 1) == (4096 * 2048 + 2048 + 4096) * 2  # the weight once, x in, y out
     assert mb("qkv", 1) == mb("qkv (cuBLAS)", 1) == (3072 * 4096 + 4096 + 3072) * 2
-    assert mb("down+swiglu", 8) - mb("down", 8) == 8 * 7168 * 2  # gate and up read instead of the activation
+    assert mb("gate_up", 8) - mb("gate_up+silu", 8) == 8 * 7168 * 2  # the activation written, not gate and up
     assert mb("attention", 1, 4096) == (2 * 4096 * 4 * 128 + 2 * 16 * 128) * 2  # K and V of the context
     assert mb("attention", 8, 512) == 8 * mb("attention", 1, 512)
     assert mb("add_rms_norm", 1) == (4 * 4096 + 4096) * 2

@@ -128,29 +128,74 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (5, 1), (3, 2)])
-def test_swiglu_prologue_gives_the_two_kernels_bits(dtype, m, split_k):
-    """down(silu_and_mul(gate_up)) in one kernel: the same bits as the activation kernel, then the projection."""
+@pytest.mark.parametrize(("m", "block_n"), [(1, 16), (5, 32), (16, 64)])
+def test_gate_up_epilogue_gives_the_two_kernels_bits(dtype, m, block_n):
+    """silu_and_mul(gate_up(x)) in one launch: the same bits as the projection (same tiles) and then the activation
+    kernel, with an odd inter (the last column block partial) and a partial last K step. Small-integer multiples
+    of 1/4 as inputs: the interpreter's dot is numpy's, whose summation order depends on where a column sits in
+    the tile (the fused tile interleaves gate and up rows), so only exact sums can show the epilogue's bits; on the
+    GPU each column's sum has one order, and tests/gpu checks random-normal inputs bit for bit."""
     from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.gemv import gate_up_silu
 
-    g = torch.Generator().manual_seed(m * 7 + split_k)
-    inter, n = 300, 37  # odd sizes: the last K step is partial
-    x = (torch.randn(m, 2 * inter, generator=g) * 3).to(dtype)
-    w = torch.randn(n, inter, generator=g).to(dtype)
-    cfg = GemvConfig(16, 64, 4, 2, split_k)
-    fused = linear_small_m(x, w, use_triton=True, config=cfg, swiglu=True)
-    two = linear_small_m(silu_and_mul(x, use_triton=True), w, use_triton=True, config=cfg)
-    assert fused.shape == (m, n) and torch.equal(fused, two)
-
-
-def test_swiglu_falls_back_to_the_activation_then_linear():
+    g = torch.Generator().manual_seed(m * 7 + block_n)
+    inter, k = 37, 300
+    x = torch.randint(-4, 5, (m, k), generator=g).to(dtype) / 4
+    w = torch.randint(-2, 3, (2 * inter, k), generator=g).to(dtype) / 8  # cat(gate, up)
+    cfg = GemvConfig(block_n, 64, 4, 2)
+    fused = gate_up_silu(x, w, use_triton=True, config=cfg)
+    two = silu_and_mul(linear_small_m(x, w, use_triton=True, config=cfg), use_triton=True)
+    assert fused is not None and fused.shape == (m, inter) and fused.dtype == dtype
+    assert torch.equal(fused, two)
+    # and it is the activation of this projection, not of some other rows
     from tpgraph.kernels.activation import silu_and_mul_reference
 
-    x, w = torch.randn(20, 64), torch.randn(8, 32)  # 20 rows: above the kernel's 16
-    torch.testing.assert_close(linear_small_m(x, w, use_triton=False, swiglu=True),
-                               silu_and_mul_reference(x) @ w.T)
-    torch.testing.assert_close(linear_small_m(x[:3], w, use_triton=False, swiglu=True),
-                               silu_and_mul_reference(x[:3]) @ w.T)
+    torch.testing.assert_close(fused.float(), silu_and_mul_reference(x.float() @ w.float().T),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+
+
+def test_gate_up_epilogue_declines_what_it_cannot_do():
+    from tpgraph.kernels.gemv import gate_up_silu
+
+    x, w = torch.randn(3, 64), torch.randn(32, 64)
+    assert gate_up_silu(x, w, use_triton=False) is None  # the kernel is off: the caller runs the two steps
+    assert gate_up_silu(torch.randn(20, 64), w, use_triton=True) is None  # 20 rows: above the kernel's 16
+    assert gate_up_silu(x, torch.randn(33, 64), use_triton=True) is None  # no (gate, up) halves
+    assert gate_up_silu(x, w, use_triton=True, config=GemvConfig(16, 64, 4, 2, split_k=2)) is None  # split sums
+
+
+@interpreted
+def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch):
+    """The model's MLP with the small-M kernel: the activation made in the gate_up epilogue (on by default) and the
+    two steps give the same output, and the fused kernel did run."""
+    from tpgraph.config import ModelConfig
+    from tpgraph.kernels import gemv
+    from tpgraph.model.llama import LlamaMLP
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+    class OneRank:
+        rank, world_size = 0, 1
+
+    mlp = LlamaMLP(cfg, "model.layers.0.mlp", OneRank(), torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.small_m = True
+    ran = []
+    real = gemv.gate_up_silu
+    monkeypatch.setattr(gemv, "gate_up_silu", lambda x, w: ran.append(1) or real(x, w, use_triton=True))
+    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: gemv.__dict__["_launch"](
+        x, w, gemv.tiles(w.shape[0], x.shape[1], x.shape[0]), gate_up=False))
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    assert mlp.fused_activation
+    fused = mlp(x)
+    assert ran
+    mlp.fused_activation = False
+    assert torch.equal(fused, mlp(x))
 
 
 def test_prefetch_covers_small_weights_whole_and_caps_large_ones():
@@ -168,8 +213,8 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
                    {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32"},
                    ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
-                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "SWIGLU": True,
-                    "LIBDEVICE_EXP": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True})
+                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
+                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True})
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
@@ -177,6 +222,21 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert "atom.global" in ptx[ptx.rindex("ld.global.cg"):]
     assert_semaphore_order(ptx)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype):
+    """Ahead of time, without a GPU: the interleaved tile splits into gate and up under the tensor-core layout, and
+    the activation's add, division and product are their own round-to-nearest instructions (no FMA absorbs one)."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
+                   {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
+                    "counter_ptr": f"*{dtype}"},
+                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
+                   {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
+                    "GATE_UP": True, "EXACT": True, "PDL": False, "PREFETCH_TILES": 1, "LINE": 64,
+                    "LAST_REDUCES": False})
+    assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "div.rn.f32" in ptx
+    assert "griddepcontrol" not in ptx
 
 
 @interpreted
@@ -194,11 +254,6 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
     for _ in range(2):  # twice: the counters are back at zero after each call
         assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), two_kernels)
         assert not split_counters(x.device, 3).any()
-    swiglu_x = torch.randn(3, 600, generator=g).to(dtype)
-    with monkeypatch.context() as off:
-        off.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
-        plain = linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True)
-    assert torch.equal(linear_small_m(swiglu_x, w, use_triton=True, config=cfg, swiglu=True), plain)
 
 
 @interpreted

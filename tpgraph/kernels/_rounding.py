@@ -48,3 +48,16 @@ if triton is not None:
         else:
             y = to_dtype(x, DTYPE, SOFT_BF16).to(tl.float32)
         return y
+
+    @triton.jit
+    def mul_rn(a, b):
+        """a * b rounded to nearest, as its own instruction: an explicit rounding mode is never fused into an FMA,
+        and unlike libdevice's mul_rn it does not flush denormals."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def add_rn(a, b):
+        """a + b rounded to nearest, as its own instruction (never the add of an FMA)."""
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)

@@ -10,6 +10,9 @@ small kernel adds the splits in split order and rounds. No atomics, so results d
 are a fixed table (`tiles`; no autotuning): the same shape gets the same config, and so the same bits, in every run.
 A different config is a different (equally valid) rounding of the same sum.
 
+`gate_up_silu(x, w)` is the gate_up projection with SiLU·mul in its epilogue: each program's tile takes gate rows
+and the matching up rows interleaved, so it holds both halves of its outputs and stores the activation only.
+
 Off unless `TPGRAPH_GEMV=1`: it replaces cuBLAS only once bench/bench_gemv.py has shown it faster on the GPU
 (`--sweep` there times the config grid per decode shape; its JSON, shipped as configs/gemv/sm90.json or named by
 `TPGRAPH_GEMV_TABLE`, gives each shape its best config).
@@ -30,7 +33,6 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.activation import silu_and_mul
 
 try:
     import triton
@@ -38,7 +40,7 @@ try:
     from triton.language.extra import libdevice
 
     from tpgraph.kernels._counters import arrived_last, reset_counter
-    from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
@@ -119,22 +121,35 @@ def tiles(n: int, k: int, m: int = 1, table: Path | None = None) -> GemvConfig:
 if triton is not None:
 
     @triton.jit
+    def _weight_rows(pid, N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+        """The weight rows of column block pid's tile, and which of them exist (see _partial for GATE_UP)."""
+        if GATE_UP:
+            r = tl.arange(0, BLOCK_N)
+            j = pid * (BLOCK_N // 2) + r // 2  # the output column (gate/up pair) of tile column r
+            rows = j + (r % 2) * (N // 2)
+            ok = j < N // 2
+        else:
+            rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = rows < N
+        return rows, ok
+
+    @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-                 LINE: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel)."""
+        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is
+        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
+        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
         # K mask (a per-split bound in the mask would cost the loads their vector width).
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)  # <= k_lo for an empty split: it stores zeros
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
-        n_ok = offs_n < N
         if PDL:
             rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
             for t in tl.static_range(PREFETCH_TILES):
@@ -148,19 +163,8 @@ if triton is not None:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            x_at = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
-            x_ok = m_ok[:, None] & k_ok[None, :]
-            if SWIGLU:  # silu(gate) rounded to the dtype, then the product rounded: what silu_and_mul stores
-                gate = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
-                up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
-                if LIBDEVICE_EXP:
-                    e = libdevice.exp(-gate)
-                else:
-                    e = tl.exp(-gate)
-                dtype = w_ptr.dtype.element_ty
-                x = to_dtype(round_to(tl.div_rn(gate, 1.0 + e), dtype, SOFT_BF16) * up, dtype, SOFT_BF16)
-            else:
-                x = tl.load(x_at, mask=x_ok, other=0.0)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
@@ -172,13 +176,35 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _silu_mul_store(acc, y_ptr, pid, M, INTER, stride_ym, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
+                        SOFT_BF16: tl.constexpr, EXACT: tl.constexpr):
+        """y[:, pid * HALF + i] = silu(gate) * up from an interleaved [BLOCK_M, 2 * HALF] tile of fp32 sums (gate,
+        up, gate, ...), every step rounded as the projection and then _silu_and_mul_kernel round it."""
+        dtype = y_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF, 2)))
+        gate = round_to(gate, dtype, SOFT_BF16)  # the projection's output, as it would be stored
+        up = round_to(up, dtype, SOFT_BF16)
+        if EXACT:  # libdevice's expf and IEEE division, as torch's CUDA silu; no FMA absorbs the add or the product
+            silu = round_to(tl.div_rn(gate, add_rn(1.0, libdevice.exp(-gate))), dtype, SOFT_BF16)
+            y = mul_rn(silu, up)
+        else:
+            silu = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, SOFT_BF16)
+            y = silu * up
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_j = pid * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_j[None, :], to_dtype(y, dtype, SOFT_BF16),
+                 mask=(offs_m < M)[:, None] & (offs_j < INTER)[None, :])
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     IEEE: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+                     IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
-        workspace and split s writes its partial sum at out + s * stride_os. SWIGLU: x is [M, 2K] = cat(gate, up)
-        and the kernel's input is silu(gate) * up, made per tile with activation.py's roundings.
+        workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
+        [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
+        store them, then activation.py's roundings; EXACT: those ops as instructions no FMA can absorb (the GPU; the
+        interpreter never contracts).
         PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
         The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
@@ -189,22 +215,25 @@ if triton is not None:
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, SWIGLU, LIBDEVICE_EXP, PDL, PREFETCH_TILES, LINE)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
-        tile = offs_m[:, None] * stride_om + offs_n[None, :]
-        tile_ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
-        if LAST_REDUCES:
-            if arrived_last(counter_ptr + pid, tl.num_programs(1)):  # the last split: every partial is in memory
-                total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                for s in range(1, tl.num_programs(1)):
-                    total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
-                reset_counter(counter_ptr + pid)
+                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
+        if GATE_UP:
+            _silu_mul_store(acc, y_ptr, pid, M, N // 2, stride_om, BLOCK_M, BLOCK_N // 2, SOFT_BF16, EXACT)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_ok = offs_m < M
+            n_ok = offs_n < N
+            y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
+            tile = offs_m[:, None] * stride_om + offs_n[None, :]
+            tile_ok = m_ok[:, None] & n_ok[None, :]
+            tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
+            if LAST_REDUCES:
+                if arrived_last(counter_ptr + pid, tl.num_programs(1)):  # the last split: every partial is in memory
+                    total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                    for s in range(1, tl.num_programs(1)):
+                        total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
+                    reset_counter(counter_ptr + pid)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
@@ -222,7 +251,7 @@ if triton is not None:
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, False, False, PDL, PREFETCH_TILES, LINE)
+                       IEEE, False, PDL, PREFETCH_TILES, LINE)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,37 +331,52 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
-                   config: GemvConfig | None = None, swiglu: bool = False) -> torch.Tensor:
+                   config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
-    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables).
-    swiglu: x is [M, 2K] = cat(gate, up), and the result is silu_and_mul(x) @ w.T, the activation made inside the
-    kernel (one launch and one [M, K] round trip fewer), bit for bit what the two kernels give."""
+    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
+    if not _applies(x, w, use_triton):
+        return F.linear(x, w)
+    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
+                 config: GemvConfig | None = None) -> torch.Tensor | None:
+    """silu_and_mul(linear_small_m(x, w)) in one launch, bit for bit (the same tiles and sums, the activation's
+    roundings), for w = cat(gate, up) [2 * inter, K]: the gate_up projection's epilogue makes the activation, so the
+    [M, 2 * inter] projection output is never stored and read back. None where it does not apply (the caller then
+    runs the two steps): where linear_small_m would not run the kernel, or the shape's tiles split K."""
+    if not _applies(x, w, use_triton) or w.shape[0] % 2:
+        return None
+    cfg = config or config_for(x, w.shape[0], x.shape[1], x.shape[0])
+    if cfg.split_k != 1:  # the epilogue needs whole sums; a split-K table entry keeps the two kernels
+        return None
+    return _launch(x, w, cfg, gate_up=True)
+
+
+def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
     use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
-    inner = x.shape[-1] // 2 if swiglu else x.shape[-1]
-    fits = (x.dim() == 2 and w.dim() == 2 and inner == w.shape[1] and (not swiglu or x.shape[1] % 2 == 0)
-            and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
-    if not (use and fits):
-        return F.linear(silu_and_mul(x, use_triton=use_triton) if swiglu else x, w)
-    m, k = x.shape[0], inner
+    return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and 0 < x.shape[0] <= MAX_M
+            and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) -> torch.Tensor:
+    m, k = x.shape
     n = w.shape[0]
-    cfg = config or config_for(x, n, k, m)
     soft = soft_bf16_rounding(x)
     pdl = use_pdl(x)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-    blocks = triton.cdiv(n, cfg.block_n)
+    blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     counters = split_counters(x.device, blocks) if last_reduces else y
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        SWIGLU=swiglu, LIBDEVICE_EXP=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
+        GATE_UP=gate_up, EXACT=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
         LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=not swiglu,  # the activation's roundings, as in activation.py: no FMA may skip one
-        **({"launch_pdl": True} if pdl else {}))
+        num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)

@@ -20,7 +20,7 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels._rounding import mul_rn, round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
 
@@ -73,13 +73,6 @@ def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin
 
 
 if triton is not None:
-
-    @triton.jit
-    def mul_rn(a, b):
-        """a * b rounded to nearest, as its own instruction: an explicit rounding mode is never fused into an FMA,
-        and unlike libdevice's mul_rn it does not flush denormals."""
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
 
     @triton.jit
     def rotate_pair(x1, x2, c, s, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr):

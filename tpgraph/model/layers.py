@@ -37,6 +37,14 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(x, self.weight, self.small_m)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(forward(x)) for a cat(gate, up) weight. With the small-M kernel on, one launch whose epilogue
+        makes the activation (same bits), where it applies; else the two steps."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this layer has {self.output_sizes}")
+        fused = gemv.gate_up_silu(x, self.weight) if self.small_m else None
+        return fused if fused is not None else silu_and_mul(self.forward(x))
+
     def shard_specs(self) -> list[ShardSpec]:
         specs, dst = [], 0
         for hf_name, hf_rows, src_start, local in self.parts:
@@ -58,13 +66,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _project(x, self.weight, self.small_m)
-
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu_and_mul(gate_up)): with the small-M kernel on, one kernel that makes the activation as it
-        reads it (where the kernel applies; else the two steps)."""
-        if self.small_m:
-            return gemv.linear_small_m(gate_up, self.weight, swiglu=True)
-        return F.linear(silu_and_mul(gate_up), self.weight)
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -91,15 +89,14 @@ class LlamaMLP(nn.Module):
         ], dtype, device)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight",
                                            rank, tp, dtype, device)
-        # SiLU·mul inside the down projection: opt-in. Measured on 2xH200 (2026-11-30, bench_decode --profile): the
-        # kernel makes the activation per program for all BLOCK_M rows, 0.78 ms a call at batch 1 against 0.07 ms
-        # for the two kernels, a 25 ms step. bench_decode's +unfused turns it off.
-        self.fused_activation = os.environ.get("TPGRAPH_SWIGLU_DOWN", "0") == "1"
+        # SiLU·mul made in the gate_up projection's epilogue where the small-M kernel runs (the same bits, one launch
+        # and one [M, 2 * inter] round trip fewer); bench_decode's +unfused turns it off to time the two kernels
+        self.fused_activation = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # this rank's partial sums: the caller all-reduces
-        if self.fused_activation:  # SiLU·mul inside the down projection where its kernel allows
-            return self.down_proj.forward_swiglu(self.gate_up_proj(x))
+        if self.fused_activation:
+            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
