@@ -185,6 +185,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def forced_instance(ar: CustomAllReduce, roomy: CustomAllReduce, algo: Algo, nbytes: int) -> CustomAllReduce:
+    """Where a forced algorithm runs: on the product's own workspace where the message fits it (the push slot; for
+    pulls, the staging their eager calls copy into), so that `auto` and the forced algorithm it picks are one launch
+    on one memory and differ only by the method's noise; else on the roomy second workspace."""
+    room = ar.push_slot_bytes if algo == Algo.PUSH_1SHOT else ar.staging_bytes
+    return ar if nbytes <= room else roomy
+
+
 def symm_mem_candidates(state, numel: int, group_name: str) -> dict[str, tuple[Callable, torch.Tensor]]:
     """symm_mem one-shot and two-shot on a symmetric buffer of numel bf16; empty where symm_mem is unavailable on
     any rank (every rank must time the same candidates, or the timing's collectives would not pair up)."""
@@ -216,7 +224,8 @@ def main() -> None:
     if state.is_driver:
         print("P2P copy bandwidth (GB/s): " + ", ".join(f"{k}={v:.0f}" for k, v in p2p.items()), flush=True)
     ar = CustomAllReduce(state)  # auto: the product's configuration and table
-    # forced algorithms get room up to 64 MB whatever the table gives each; a second workspace for them
+    # forced algorithms get room up to 64 MB whatever the table gives each: a second workspace for what the
+    # product's cannot hold (forced_instance)
     forced_ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=64 * MB, staging_bytes=64 * MB))
     ar_nopdl = CustomAllReduce(state, CustomAllReduceConfig(pdl=False))  # the same kernels, plain launches
     nccl = functools.partial(dist.all_reduce, group=state.tp_group)
@@ -228,7 +237,8 @@ def main() -> None:
         x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")  # zeros: sums stay finite over repeats
         cands: dict[str, tuple[Callable, CustomAllReduce | None]] = {"nccl": (lambda x=x: nccl(x), None)}
         for algo in FORCED:
-            cands[algo.value] = (lambda x=x, a=algo: forced_ar.all_reduce(x, a), forced_ar)
+            inst = forced_instance(ar, forced_ar, algo, nbytes)
+            cands[algo.value] = (lambda x=x, a=algo, inst=inst: inst.all_reduce(x, a), inst)
         # what TPCommunicator.all_reduce does: the custom path when the table allows it, else NCCL
         cands["auto"] = (lambda x=x: ar.try_all_reduce(x) is not None or nccl(x), ar)
         cands["auto_nopdl"] = (lambda x=x: ar_nopdl.try_all_reduce(x) is not None or nccl(x), ar_nopdl)

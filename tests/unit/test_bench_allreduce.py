@@ -90,3 +90,18 @@ def test_graphs_are_dropped_before_release_when_timing_fails(bench, monkeypatch)
     with pytest.raises(RuntimeError, match="a rank failed"):
         bench.graph_times(None, {"a": (None, "ar"), "b": (None, "ar")}, 20)
     assert events == ["drop", "drop", "release", "release"]
+
+
+def test_a_forced_algorithm_runs_on_the_products_workspace_where_it_fits(bench):
+    from types import SimpleNamespace
+
+    from tpgraph.comm.thresholds import Algo
+
+    product = SimpleNamespace(push_slot_bytes=16 << 20, staging_bytes=4096)
+    roomy = SimpleNamespace(push_slot_bytes=64 << 20, staging_bytes=64 << 20)
+    pick = bench.forced_instance
+    assert pick(product, roomy, Algo.PUSH_1SHOT, 4096) is product  # auto's own launch, on auto's own memory
+    assert pick(product, roomy, Algo.PUSH_1SHOT, 16 << 20) is product
+    assert pick(product, roomy, Algo.PUSH_1SHOT, 32 << 20) is roomy  # beyond the product's push slot
+    assert pick(product, roomy, Algo.PULL_1SHOT, 4096) is product
+    assert pick(product, roomy, Algo.PULL_2SHOT, 8192) is roomy  # eager pulls stage; the product has 4 KB
