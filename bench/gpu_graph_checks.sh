@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-tests] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
+# NPROC (default 2): the ranks of every torchrun and of the tuner, and the world size of the all-reduce exactness
+# tests, e.g. NPROC=4 bash bench/gpu_graph_checks.sh OUT ar-exact tune allreduce full-bench serve on four GPUs.
 set -uo pipefail
+NPROC=${NPROC:-2}
+export TPGRAPH_GPU_TEST_WORLD_SIZE=$NPROC
 dest=${1:?outdir}; shift
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
@@ -20,7 +24,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -x -rs 2>&1 | tail -25 | tee "$out/kernels.log" ;;
-    bench) timeout 400 torchrun --nproc-per-node 2 bench/bench_decode.py --batches 1,8 --modes full,none \
+    bench) timeout 400 torchrun --nproc-per-node $NPROC bench/bench_decode.py --batches 1,8 --modes full,none \
              --allreduce custom --steps 20 --no-ladders --profile --out "$out/decode_quick.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/bench_quick.log" ;;
     graph-tests) timeout 560 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs 2>&1 \
@@ -31,20 +35,20 @@ for step in "$@"; do
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
     regress) timeout 200 python3 -m pytest tests/gpu -q -rs -k "not full_piecewise_breakable" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests.log" ;;
-    parity) timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_bf16.json" \
+    parity) timeout 150 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_bf16.json" \
              2>&1 | grep -E "prompt|PASS" | tee "$out/hf_parity.log"
-            timeout 120 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype fp32 --out "$out/hf_parity_fp32.json" \
+            timeout 120 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype fp32 --out "$out/hf_parity_fp32.json" \
              2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity.log" ;;
-    ar-gap) timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
+    ar-gap) timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
              --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
-    host) timeout 200 torchrun --nproc-per-node 2 bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \
+    host) timeout 200 torchrun --nproc-per-node $NPROC bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" > "$out/host_breakdown.log"; grep -E "write=" "$out/host_breakdown.log" \
              || tail -20 "$out/host_breakdown.log" ;;
     pdl) TPGRAPH_TRITON_PDL=1 timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "norm" 2>&1 \
              | tail -5 | tee "$out/pdl_kernels.log"
          TPGRAPH_TRITON_PDL=1 timeout 300 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -rs \
              -k full_piecewise_breakable 2>&1 | tail -5 | tee -a "$out/pdl_kernels.log"
-         for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_pdl$pdl.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
     serve) # issue 9 on the GPU: 64 concurrent streams through the server, then one alone (needs fastapi + uvicorn there)
@@ -55,7 +59,7 @@ for step in "$@"; do
              'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
              'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16'},
              open(sys.argv[1], 'w'))" "$out/llama3_8b/config.json"
-         timeout 400 torchrun --nproc-per-node 2 -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
+         timeout 400 torchrun --nproc-per-node $NPROC -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
              --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 > "$out/serve.log" 2>&1 &
          for _ in $(seq 240); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
          timeout 300 python3 bench/bench_serve.py --model llama3-8b --concurrency 64 --max-tokens 256 \
@@ -63,7 +67,7 @@ for step in "$@"; do
          pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/serve.log" ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
-         for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_fused$f.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/fused=$f /" | tee -a "$out/bench_fused.log"; done ;;
     gemv) # the small-M projection kernel: GPU tests, the config sweep (its best per shape becomes the table), bandwidth
@@ -76,20 +80,20 @@ for step in "$@"; do
          timeout 200 python3 bench/bench_gemv.py --out "$out/gemv.json" 2>&1 | tail -30 | tee "$out/gemv.log"
          # every fused piece beside its plain version, in one run: cuBLAS or Triton projections, fused or two-kernel
          # all-reduce + RMSNorm, NCCL
-         timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+         timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
              --allreduce custom,custom+gemv,nccl --unfused --out "$out/decode_variants.json" 2>&1 | grep -E "TPOT" \
              | tee "$out/bench_variants.log"
          unset TPGRAPH_GEMV_TABLE ;;
     parity-gemv) # HF parity with the small-M projection kernel on (decode rows and short prompts take it)
-         for dt in bf16 fp32; do TPGRAPH_GEMV=1 timeout 150 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $dt \
+         for dt in bf16 fp32; do TPGRAPH_GEMV=1 timeout 150 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt \
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
          for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout 200 torchrun \
-             --nproc-per-node 2 bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
+             --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
              --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
-         timeout 300 torchrun --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+         timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
              --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log" ;;
     variants-pdl) # the same variants with the Triton kernels launched as programmatic dependents (GEMV weights
@@ -107,42 +111,47 @@ for step in "$@"; do
          TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout 300 python3 -m pytest \
              tests/gpu/test_graph_decode_gpu.py -x -q -rs -k full_piecewise_breakable 2>&1 | tail -3 \
              | tee -a "$out/pdl_tests.log"
-         for pdl in 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node 2 bench/bench_decode.py \
+         for pdl in 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --allreduce custom,custom+gemv --unfused --interleave \
              --steps 100 --out "$out/decode_variants_pdl$pdl.json" 2>&1 | grep -E "TPOT" | sed "s/^/pdl=$pdl /" \
              | tee -a "$out/bench_variants_pdl.log"; done ;;
     pdl-quick) # issue 11 in one short call: TPOT with the Triton kernels as programmatic dependents + in-kernel split
          # reductions off and on (bs 1, 8), then bf16 HF parity with every new path on, unfiltered (a teardown hung once)
          for pdl in 0 1; do TPGRAPH_LAST_SPLIT_REDUCES=$pdl TPGRAPH_TRITON_PDL=$pdl timeout -k 5 120 torchrun \
-             --nproc-per-node 2 bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
              --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl$pdl.json" 2>&1 \
              | grep -E "TPOT" | sed "s/^/pdl=$pdl /" | tee -a "$out/pdl_quick.log"; done
-         TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout -k 5 150 torchrun --nproc-per-node 2 \
+         TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1 TPGRAPH_LAST_SPLIT_REDUCES=1 timeout -k 5 150 torchrun --nproc-per-node $NPROC \
              bench/hf_parity.py --embed-std 4.0 --out "$out/hf_parity_all_bf16.json" > "$out/hf_parity_all_bf16.log" 2>&1
          echo "bf16 parity, all on: rc=$?"; grep -E "prompt|PASS" "$out/hf_parity_all_bf16.log"
          grep -v "Warning\|warn(" "$out/hf_parity_all_bf16.log" | tail -40 ;;
     teardown) # which opt-in path makes the job hang in destroy_process_group: HF parity bf16 with none, then PDL alone,
          # then the in-kernel reductions alone (each with hf_parity's 60 s teardown watchdog)
          for flags in "TPGRAPH_GEMV=0" "TPGRAPH_GEMV=1 TPGRAPH_TRITON_PDL=1" "TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1"; do
-             env $flags timeout -k 5 130 torchrun --nproc-per-node 2 bench/hf_parity.py --embed-std 4.0 \
+             env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;
-    tune) # issue 10: the tuner at world size 2 (rewrites the SM90 ws=2 rows in place), its log and plot
-         timeout 580 tpgraph-tune --world-size 2 --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
+    tune) # issue 10: the tuner at world size NPROC (rewrites the SM90 rows of that world size in place), its log and plot
+         timeout 580 tpgraph-tune --world-size $NPROC --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"
          git diff --stat -- configs/ | tee -a "$out/tune.log"; cp configs/allreduce/sm90.json "$out/sm90.json" ;;
     allreduce) # issue 10: every candidate by the one method, then the checks
-         timeout 580 torchrun --nproc-per-node 2 bench/bench_allreduce.py --out "$out/ar.json" 2>&1 | tail -30 \
+         timeout 580 torchrun --nproc-per-node $NPROC bench/bench_allreduce.py --out "$out/ar.json" 2>&1 | tail -30 \
              > "$out/ar.log"; python3 bench/report_allreduce.py "$out/ar.json" 2>&1 | tee "$out/ar_report.md" ;;
     ar-tests) # issue 10: the exactness tests that can fail where it matters
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "random_normal or many_graphs or pdl_on_and_off or extra_push" 2>&1 | tail -25 | tee "$out/ar_tests.log" ;;
+    ar-exact) # issues 10, 12: every exactness test of the custom all-reduce at world size NPROC (every algorithm
+         # forced, eager and graph, against NCCL; random-normal rank-order sums; fused norm; PDL on/off)
+         timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
+             "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
+             | tail -25 | tee "$out/ar_exact.log" ;;
     engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -rs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
-    full-bench) timeout 580 torchrun --nproc-per-node 2 bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
+    full-bench) timeout 580 torchrun --nproc-per-node $NPROC bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
   pack
