@@ -269,7 +269,10 @@ def main() -> None:
             cands: dict[str, tuple[Callable[[], object], CustomAllReduce | None]] = {
                 "base": (in_layer_step(state, None, m, skew), None),
                 "nccl": (in_layer_step(state, nccl, m, skew), None),
-                "auto": (in_layer_step(state, lambda t: ar.try_all_reduce(t) is not None or nccl(t), m, skew), ar)}
+                "auto": (in_layer_step(state, lambda t: ar.try_all_reduce(t) is not None or nccl(t), m, skew), ar),
+                # diagnostic: after a GEMV that never triggers its dependents, does the PDL launch help or cost?
+                "auto_nopdl": (in_layer_step(state, lambda t: ar_nopdl.try_all_reduce(t) is not None or nccl(t), m,
+                                             skew), ar_nopdl)}
             for name, (_, buf) in symm_mem_candidates(state, m * HIDDEN, group_name).items():
                 bufs = [buf.view(m, HIDDEN)] * LAYERS  # symm_mem reduces its own buffer: the GEMV writes there
                 op = (torch.ops.symm_mem.one_shot_all_reduce if name == "symm_1shot"
