@@ -188,7 +188,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def forced_instance(ar: CustomAllReduce, roomy: CustomAllReduce, algo: Algo, nbytes: int) -> CustomAllReduce:
     """Where a forced algorithm runs: on the product's own workspace where the message fits it (the push slot; for
     pulls, the staging their eager calls copy into), so that `auto` and the forced algorithm it picks are one launch
-    on one memory and differ only by the method's noise; else on the roomy second workspace."""
+    on one memory and differ only by the method's noise; else on the roomy second workspace. (One candidate serves
+    graph and eager timing, so pulls go by the staging their eager calls need: a graph pull above it, which the
+    product would read in place, runs on the second workspace.)"""
     room = ar.push_slot_bytes if algo == Algo.PUSH_1SHOT else ar.staging_bytes
     return ar if nbytes <= room else roomy
 

@@ -185,6 +185,12 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch):
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         layer.small_m = True
+    import tpgraph.model.llama as llama
+    from tpgraph.kernels.activation import silu_and_mul
+
+    # the unfused side as the GPU runs it: the Triton activation kernel (the model's call defaults to the torch
+    # reference for CPU tensors)
+    monkeypatch.setattr(llama, "silu_and_mul", lambda t: silu_and_mul(t, use_triton=True))
     ran = []
     real = gemv.gate_up_silu
     monkeypatch.setattr(gemv, "gate_up_silu", lambda x, w: ran.append(1) or real(x, w, use_triton=True))
@@ -224,19 +230,23 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     assert_semaphore_order(ptx)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype):
+@pytest.mark.parametrize(("dtype", "block_n", "pdl"), [("bf16", 64, False), ("fp32", 64, False), ("bf16", 16, True)])
+def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype, block_n, pdl):
     """Ahead of time, without a GPU: the interleaved tile splits into gate and up under the tensor-core layout, and
     the activation's add, division and product are their own round-to-nearest instructions (no FMA absorbs one)."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
                    {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
                     "counter_ptr": f"*{dtype}"},
                    ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
-                   {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
-                    "GATE_UP": True, "EXACT": True, "PDL": False, "PREFETCH_TILES": 1, "LINE": 64,
+                   {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
+                    "GATE_UP": True, "EXACT": True, "PDL": pdl, "PREFETCH_TILES": 3, "LINE": 64,
                     "LAST_REDUCES": False})
     assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "div.rn.f32" in ptx
-    assert "griddepcontrol" not in ptx
+    if pdl:  # the weight prefetches, then the wait, before any load of x
+        assert ptx.count("prefetch.global.L2") == 3
+        assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    else:
+        assert "griddepcontrol" not in ptx and "prefetch.global" not in ptx
 
 
 @interpreted
