@@ -16,7 +16,8 @@ graphs are dropped.
 
 In a layer: a graph of 32 x (a [M,4096] x [4096,4096] GEMV, then the all-reduce of its output), minus the same graph
 without the all-reduces, per layer, at 8 KB (M = 1) and 64 KB (M = 8), all of a case's graphs timed interleaved as
-above (max(--runs, 50) rounds); also with rank 0 doing twice the GEMV work (one rank arriving late).
+above (max(--runs, 50) rounds); also with rank 0 doing twice the GEMV work (one rank arriving late). Diagnostics
+beside them: auto without PDL, and 1shot_push at fixed grids (IN_LAYER_PUSH_GRIDS).
 `python bench/report_allreduce.py ar.json` prints the table and the checks.
 """
 
@@ -43,6 +44,7 @@ KB, MB = 1 << 10, 1 << 20
 SIZES = [4 * KB, 8 * KB, 32 * KB, 128 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB]
 FORCED = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)  # multicast: gated, never run here
 LAYERS, HIDDEN = 32, 4096
+IN_LAYER_PUSH_GRIDS = (1, 4)  # 1shot_push grids also timed in a layer (the tuned table's grid is "auto")
 SMALL_BYTES, SMALL_MIN_RUNS = 1 * MB, 50  # graph rounds at sizes up to 1 MB: at least 50 (cheap: ~0.2 ms a run)
 
 
@@ -275,6 +277,9 @@ def main() -> None:
                 # diagnostic: after a GEMV that never triggers its dependents, does the PDL launch help or cost?
                 "auto_nopdl": (in_layer_step(state, lambda t: ar_nopdl.try_all_reduce(t) is not None or nccl(t), m,
                                              skew), ar_nopdl)}
+            for blocks in IN_LAYER_PUSH_GRIDS:  # diagnostic: the tuner picks grids back to back, not in a layer
+                cands[f"push/{blocks}"] = (in_layer_step(
+                    state, lambda t, b=blocks: ar.all_reduce(t, Algo.PUSH_1SHOT, blocks=b), m, skew), ar)
             for name, (_, buf) in symm_mem_candidates(state, m * HIDDEN, group_name).items():
                 bufs = [buf.view(m, HIDDEN)] * LAYERS  # symm_mem reduces its own buffer: the GEMV writes there
                 op = (torch.ops.symm_mem.one_shot_all_reduce if name == "symm_1shot"
