@@ -354,6 +354,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = 
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
+    """Whether the small-M kernels take x [M, K] @ w [N, K].T: Triton here, M <= 16, unit-stride rows, one dtype."""
     use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
     return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and 0 < x.shape[0] <= MAX_M
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
@@ -391,12 +392,11 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse."""
-    m, k = x.shape if x.dim() == 2 else (0, 0)
-    n = w.shape[0]
-    use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
-    if not use or not 0 < m <= MAX_M or w.shape[1] != k or n != (num_heads + 2 * num_kv_heads) * head_dim:
+    if not _applies(x, w, use_triton):
         return None
-    if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype or head_dim & (head_dim - 1) or head_dim < 32:
+    m, k = x.shape
+    n = w.shape[0]
+    if n != (num_heads + 2 * num_kv_heads) * head_dim or head_dim & (head_dim - 1) or head_dim < 32:
         return None
     cos, sin = cos_sin
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
