@@ -60,3 +60,13 @@ def test_strided_rows_and_zero_rows():
 def test_cpu_default_is_the_reference():
     x = _case(2, 2, 32, torch.bfloat16)
     assert torch.equal(silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
+
+
+def test_the_kernel_compiles_for_sm90_with_torchs_roundings():
+    """Ahead of time, without a GPU: silu_mul's add, IEEE division and product are their own round-to-nearest
+    instructions (the gate_up projection's epilogue shares them and keeps FMA contraction on)."""
+    from tpgtest.ptx import sm90_ptx
+
+    ptx = sm90_ptx("tpgraph.kernels.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                   ["inter", "stride_x", "stride_o"], {"BLOCK": 1024, "SOFT_BF16": False, "EXACT": True})
+    assert "add.rn.f32" in ptx and "div.rn.f32" in ptx and "mul.rn.f32" in ptx

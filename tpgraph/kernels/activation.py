@@ -17,7 +17,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
 
@@ -33,22 +33,31 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def silu_mul(gate, up, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT: tl.constexpr):
+        """silu(gate) * up in fp32, from fp32 gate and up that hold DTYPE values, rounded where eager torch rounds:
+        silu(gate) to DTYPE, then the product (the caller rounds it). torch's CUDA silu is x / (1 + expf(-x)) with
+        IEEE division: libdevice's expf and div_rn copy it (tl.exp and `/` lower to approximate instructions).
+        EXACT (the GPU): the add and the product as instructions no FMA can absorb, so kernels that keep FMA
+        contraction on get these bits too. Not EXACT (the interpreter: no libdevice, no contraction): numpy's exp."""
+        if EXACT:
+            silu = round_to(tl.div_rn(gate, add_rn(1.0, libdevice.exp(-gate))), DTYPE, SOFT_BF16)
+            y = mul_rn(silu, up)
+        else:
+            silu = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE, SOFT_BF16)
+            y = silu * up
+        return y
+
+    @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o,
-                             BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                             BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < inter
         dtype = x_ptr.dtype.element_ty
         gate = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + inter + offs, mask=ok, other=0.0).to(tl.float32)
-        # torch's CUDA silu is x / (1 + expf(-x)) with IEEE division: libdevice's expf and div_rn copy it
-        # (tl.exp and `/` lower to approximate instructions). The interpreter has no libdevice; numpy's exp.
-        if LIBDEVICE_EXP:
-            e = libdevice.exp(-gate)
-        else:
-            e = tl.exp(-gate)
-        silu = round_to(tl.div_rn(gate, 1.0 + e), dtype, SOFT_BF16)
-        tl.store(out_ptr + row * stride_o + offs, to_dtype(silu * up, out_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
+        y = silu_mul(gate, up, dtype, SOFT_BF16, EXACT)
+        tl.store(out_ptr + row * stride_o + offs, to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
@@ -67,7 +76,7 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     block = min(_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0),
-        BLOCK=block, SOFT_BF16=soft, LIBDEVICE_EXP=not soft,
+        BLOCK=block, SOFT_BF16=soft, EXACT=not soft,
         num_warps=4,
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
     )

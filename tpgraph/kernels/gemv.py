@@ -37,10 +37,10 @@ from tpgraph.kernels._rounding import soft_bf16_rounding
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     from tpgraph.kernels._counters import arrived_last, reset_counter
-    from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
+    from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
@@ -182,14 +182,8 @@ if triton is not None:
         up, gate, ...), every step rounded as the projection and then _silu_and_mul_kernel round it."""
         dtype = y_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF, 2)))
-        gate = round_to(gate, dtype, SOFT_BF16)  # the projection's output, as it would be stored
-        up = round_to(up, dtype, SOFT_BF16)
-        if EXACT:  # libdevice's expf and IEEE division, as torch's CUDA silu; no FMA absorbs the add or the product
-            silu = round_to(tl.div_rn(gate, add_rn(1.0, libdevice.exp(-gate))), dtype, SOFT_BF16)
-            y = mul_rn(silu, up)
-        else:
-            silu = round_to(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, SOFT_BF16)
-            y = silu * up
+        # the projection's outputs, as it would store them, then the activation kernel's roundings
+        y = silu_mul(round_to(gate, dtype, SOFT_BF16), round_to(up, dtype, SOFT_BF16), dtype, SOFT_BF16, EXACT)
         offs_m = tl.arange(0, BLOCK_M)
         offs_j = pid * HALF + tl.arange(0, HALF)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_j[None, :], to_dtype(y, dtype, SOFT_BF16),
