@@ -23,7 +23,7 @@ from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, eager_ops_us_interleav
 # 4 KB .. 64 MB in powers of two, and from 1 MB up the midpoints too (1.5 MB, 3 MB, .. 48 MB): above the push slot
 # the algorithms cross within an octave, and a band must hold two measured sizes, so a crossing between two powers
 # of two would otherwise hand a size the slower algorithm (eager 32 MB: 1shot_pull 5% ahead of NCCL, alone).
-DEFAULT_SIZES = tuple(sorted({4096 << i for i in range(15)} | {3 * (1 << 20) << i >> 1 for i in range(6)}))
+DEFAULT_SIZES = tuple(sorted([4096 << i for i in range(15)] + [(3 << 19) << i for i in range(6)]))
 CUSTOM = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)
 BASE_GRIDS = (1, 2, 4, 8, 16, 32, 64)  # and one and two blocks per SM
 
