@@ -7,8 +7,9 @@ The method (tpgraph/tune/timing.py, the tuner's too), fixed before any number is
 barrier, the same GPU sleep queued ahead of the start event, a one-element NCCL all-reduce after it so the GPUs start
 together, CUDA events around the timed work. Graph: per-op time T(K)/K of a graph of K = 64 ops; at each size every
 candidate's graph is captured first, then all are timed interleaved (`graph_ops_us_interleaved`): each round gives
-every graph one run, in the candidates' order rotated by one per round, so no candidate always goes first and drift
-falls on all alike; max(--runs, 50) rounds up to 1 MB (a round costs about a barrier per candidate), --runs above.
+every graph one run, in an order from a Williams design (`round_order`), so no candidate always goes first or always
+follows the same one, and drift falls on all alike; max(--runs, 100) rounds up to 4 MB (a round costs about a barrier
+per candidate), --runs above.
 Eager: per-op time of K calls back to back, the candidates interleaved the same way, as many rounds. Per rank the
 median of a candidate's runs; the slowest rank's median is the figure. Custom calls are captured inside
 `ar.capture()`, so pull inputs are zero-copy in graphs; each candidate's registration is given back after the size's
@@ -45,12 +46,14 @@ SIZES = [4 * KB, 8 * KB, 32 * KB, 128 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 
 FORCED = (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT)  # multicast: gated, never run here
 LAYERS, HIDDEN = 32, 4096
 IN_LAYER_PUSH_GRIDS = (1, 4)  # 1shot_push grids also timed in a layer (the tuned table's grid is "auto")
-SMALL_BYTES, SMALL_MIN_RUNS = 1 * MB, 50  # graph rounds at sizes up to 1 MB: at least 50 (cheap: ~0.2 ms a run)
+# rounds at sizes up to 4 MB: at least 100 (cheap: about 1 ms a run). Per-op times there are 2-16 µs, and two
+# identical launches timed as two candidates differed by 5-8% at 50 rounds (2 and 4 KB, 2 MB)
+SMALL_BYTES, SMALL_MIN_RUNS = 4 * MB, 100
 
 
 def graph_runs(nbytes: int, runs: int) -> int:
-    """Interleaved graph rounds at this size: max(runs, 50) up to 1 MB, where per-op times are a few µs and noise
-    is largest relative to them; runs above."""
+    """Interleaved rounds at this size: max(runs, SMALL_MIN_RUNS) up to SMALL_BYTES, where per-op times are a few
+    µs and noise is largest relative to them; runs above."""
     return max(runs, SMALL_MIN_RUNS) if nbytes <= SMALL_BYTES else runs
 
 
@@ -58,7 +61,8 @@ def method(runs: int) -> str:
     """The method, as the JSON states it."""
     return (f"T(K)/K, K={K_OPS}; every run: barrier + GPU sleep + one-element NCCL all-reduce before the start event; "
             f"graph: all candidates' graphs captured first, then timed interleaved, one run of each per round in an "
-            f"order rotated per round, {graph_runs(SMALL_BYTES, runs)} rounds up to {SMALL_BYTES // MB} MB, {runs} "
+            f"order from a Williams design per round (each candidate in each position and after each other one "
+            f"equally often), {graph_runs(SMALL_BYTES, runs)} rounds up to {SMALL_BYTES // MB} MB, {runs} "
             f"above; eager: K calls back to back per run, interleaved the same way; median of runs per rank; "
             f"slowest rank")
 

@@ -263,7 +263,7 @@ def run(args, state) -> dict:
 
 def run_interleaved(args, state) -> dict:
     """Full graphs only, every entry side by side: all entries' engines built first, then each batch timed in
-    rounds; a round gives every entry CHUNK steps, in the entries' order rotated by one per round (the one method's
+    rounds; a round gives every entry CHUNK steps, in an order from a Williams design (the one method's
     interleaving, tpgraph/tune/timing.py), so drift falls on all alike. Per entry the median step over its
     rounds, from the slowest rank."""
     from tpgraph.tune.timing import round_order
@@ -277,7 +277,8 @@ def run_interleaved(args, state) -> dict:
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw)
-    results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order rotated per "
+    results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order from a "
+                         f"Williams design per "
                          f"round; median step; slowest rank")
     engines = {}
     for ar in names:
@@ -379,7 +380,7 @@ def main() -> None:
                    help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches)")
     p.add_argument("--interleave", action="store_true",
                    help="full graphs only, no ladders or profile: every entry's engine built first, the entries' "
-                        "steps timed in rotated rounds of 10 (--steps rounded up to whole rounds), for comparing "
+                        "steps timed in interleaved rounds of 10 (--steps rounded up to whole rounds), for comparing "
                         "variants under the same drift")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args()

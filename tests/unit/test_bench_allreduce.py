@@ -16,12 +16,12 @@ def bench():
 
 
 def test_more_graph_rounds_at_small_sizes(bench):
-    assert bench.graph_runs(4 * KB, 20) == 50
-    assert bench.graph_runs(1 * MB, 20) == 50
-    assert bench.graph_runs(1 * MB, 80) == 80
-    assert bench.graph_runs(2 * MB, 20) == 20
+    assert bench.graph_runs(4 * KB, 20) == 100
+    assert bench.graph_runs(4 * MB, 20) == 100
+    assert bench.graph_runs(4 * MB, 180) == 180
+    assert bench.graph_runs(8 * MB, 20) == 20
     text = bench.method(20)
-    assert "interleaved" in text and "50 rounds up to 1 MB" in text and "20 above" in text
+    assert "interleaved" in text and "100 rounds up to 4 MB" in text and "20 above" in text
 
 
 def test_graphs_are_captured_first_timed_together_and_dropped_before_release(bench, monkeypatch):

@@ -1,6 +1,7 @@
 """tpgraph/tune/timing.py: the interleaved graph timing's order of candidates per round and its aggregation (per
 candidate medians per rank, then the slowest rank per candidate), on CPU with fake runs."""
 
+import itertools
 import statistics
 from types import SimpleNamespace
 
@@ -10,25 +11,32 @@ from tpgraph.tune import timing
 from tpgraph.tune.timing import MIN_RUNS, interleaved_medians, round_order, slowest_per_candidate
 
 
-def test_round_r_starts_at_candidate_r_mod_n():
-    names = ["a", "b", "c"]
-    assert [round_order(names, r) for r in range(4)] == [
-        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+def test_round_order_is_a_williams_design():
+    names = ["a", "b", "c", "d"]
+    assert [round_order(names, r) for r in range(5)] == [
+        ["a", "b", "d", "c"], ["b", "c", "a", "d"], ["c", "d", "b", "a"], ["d", "a", "c", "b"], ["a", "b", "d", "c"]]
     assert round_order(["only"], 7) == ["only"]
     assert round_order([], 3) == []
 
 
-def test_every_candidate_takes_every_position_equally_often():
-    names = [f"c{i}" for i in range(8)]
-    orders = [round_order(names, r) for r in range(8 * 7)]
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 9])
+def test_every_candidate_takes_every_position_and_follows_every_other_equally_often(n):
+    names = [f"c{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    orders = [round_order(names, r) for r in range(3 * period)]
     for order in orders:
         assert sorted(order) == sorted(names)  # one run of each per round
-    for pos in range(len(names)):
-        counts = {n: sum(o[pos] == n for o in orders) for n in names}
-        assert set(counts.values()) == {7}
+    for pos in range(n):
+        counts = {name: sum(o[pos] == name for o in orders) for name in names}
+        assert len(set(counts.values())) == 1, (pos, counts)
+    follows = {(a, b): 0 for a in names for b in names if a != b}
+    for order in orders:
+        for a, b in itertools.pairwise(order):
+            follows[(a, b)] += 1
+    assert len(set(follows.values())) == 1, follows  # no candidate always runs after the same one
 
 
-def test_interleaved_medians_runs_the_rotated_rounds_and_takes_each_candidates_median():
+def test_interleaved_medians_runs_the_rounds_in_order_and_takes_each_candidates_median():
     names = ["auto", "1shot_push", "nccl"]
     calls = []
     base = {"auto": 100.0, "1shot_push": 200.0, "nccl": 1000.0}

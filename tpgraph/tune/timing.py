@@ -13,10 +13,10 @@ bench/bench_allreduce.py use it alike, for ours, NCCL and symm_mem):
 
 One candidate (`graph_op_us`, `eager_op_us`) gets its runs back to back. Several candidates compared with each
 other (`graph_ops_us_interleaved`, `eager_ops_us_interleaved`: what the tuner and bench_allreduce use) get them
-interleaved: in round r every graph gets one run, in the candidates'
-order rotated to start at candidate r mod n, so slow drift of the machine (clocks, other work) falls on all of them
-alike and no candidate always runs first in a round; then each candidate's median per rank and the slowest rank's
-median per candidate (one gather for all), exactly as for one. The pure part, the order and the medians, is
+interleaved: in round r every graph gets one run, in an order from a Williams design (`round_order`), so slow drift
+of the machine (clocks, other work) falls on all of them alike, and no candidate always runs first in a round or
+always after the same other candidate; then each candidate's median per rank and the slowest rank's median per
+candidate (one gather for all), exactly as for one. The pure part, the order and the medians, is
 `round_order` and `interleaved_medians`; `slowest_per_candidate` takes the ranks' figures.
 """
 
@@ -89,10 +89,30 @@ def _aligned_runs(state: ParallelState | None, body: Callable[[], None], runs: i
     return [_aligned_run(state, body, token) for _ in range(runs)]
 
 
+def _williams_row(n: int) -> list[int]:
+    """0, 1, n-1, 2, n-2, ...: the first row of a Williams design (shifted by r, row r; see round_order)."""
+    row, lo, hi = [0], 1, n - 1
+    while len(row) < n:
+        row.append(lo)
+        lo += 1
+        if len(row) < n:
+            row.append(hi)
+            hi -= 1
+    return row
+
+
 def round_order(names: Sequence[str], r: int) -> list[str]:
-    """The order of the candidates in round r: `names` rotated to start at candidate r mod n."""
-    i = r % len(names) if names else 0
-    return list(names[i:]) + list(names[:i])
+    """The order of the candidates in round r, from a Williams design: over every n rounds (2n where n is odd, the
+    second n reversed) each candidate takes each position equally often and follows each other candidate equally
+    often, so neither a fixed slot in the round nor a fixed predecessor (what the kernel before left in the caches
+    and buffers) can favour one candidate."""
+    n = len(names)
+    if n == 0:
+        return []
+    row = [(c + r) % n for c in _williams_row(n)]
+    if n % 2 and (r // n) % 2:
+        row.reverse()
+    return [names[c] for c in row]
 
 
 def interleaved_medians(names: Sequence[str], runs: int, run_one: Callable[[str], float],
