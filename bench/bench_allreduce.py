@@ -192,13 +192,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def forced_instance(ar: CustomAllReduce, roomy: CustomAllReduce, algo: Algo, nbytes: int) -> CustomAllReduce:
-    """Where a forced algorithm runs: on the product's own workspace where the message fits it (the push slot; for
-    pulls, the staging their eager calls copy into), so that `auto` and the forced algorithm it picks are one launch
-    on one memory and differ only by the method's noise; else on the roomy second workspace. (One candidate serves
-    graph and eager timing, so pulls go by the staging their eager calls need: a graph pull above it, which the
-    product would read in place, runs on the second workspace.)"""
-    room = ar.push_slot_bytes if algo == Algo.PUSH_1SHOT else ar.staging_bytes
-    return ar if nbytes <= room else roomy
+    """Where a forced algorithm runs: on the product's own workspace where it can take the message (1shot_push
+    always: above the slot it runs in pieces, as auto would; pulls up to the staging their eager calls copy into),
+    so that `auto` and the forced algorithm it picks are one launch on one memory and differ only by the method's
+    noise; else on the roomy second workspace. (One candidate serves graph and eager timing, so pulls go by the
+    staging their eager calls need: a graph pull above it, which the product would read in place, runs on the
+    second workspace.)"""
+    if algo == Algo.PUSH_1SHOT:
+        return ar
+    return ar if nbytes <= ar.staging_bytes else roomy
 
 
 def symm_mem_candidates(state, numel: int, group_name: str) -> dict[str, tuple[Callable, torch.Tensor]]:
@@ -252,6 +254,8 @@ def main() -> None:
         cands["auto_nopdl"] = (lambda x=x: ar_nopdl.try_all_reduce(x) is not None or nccl(x), ar_nopdl)
         for name, (fn, _) in symm_mem_candidates(state, numel, group_name).items():
             cands[name] = (fn, None)
+        if nbytes > ar.push_slot_bytes:  # diagnostic: what one launch with a slot this large would give (not a choice)
+            cands["1shot_push_one_piece"] = (lambda x=x: forced_ar.all_reduce(x, Algo.PUSH_1SHOT), forced_ar)
         row = {"bytes": nbytes, "auto_algo": ar.pick(x, graph=False).value,
                "auto_graph_algo": ar.pick(x, graph=True).value}
         times = timed(state, cands, nbytes, args.runs)
@@ -300,7 +304,7 @@ def main() -> None:
         plot(rows, Path(args.out).with_suffix(".png"))
         Path(args.out).write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "world_size": state.world_size, "dtype": "bfloat16", "k": K_OPS,
-            "runs": args.runs, "num_sms": ar.num_sms, "push_cap_bytes": ar.push_slot_bytes,
+            "runs": args.runs, "num_sms": ar.num_sms, "push_slot_bytes": ar.push_slot_bytes,
             "method": method(args.runs),
             "host_us_8kb": host, "p2p_gbs": p2p, "rows": rows, "in_layer": in_layer}, indent=1))
     for a in (ar_nopdl, forced_ar, ar):

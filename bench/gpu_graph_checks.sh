@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -144,6 +144,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
     ar-tests) # issue 10: the exactness tests that can fail where it matters
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "random_normal or many_graphs or pdl_on_and_off or extra_push" 2>&1 | tail -25 | tee "$out/ar_tests.log" ;;
+    ar-pieces) # issue 10: 1shot_push above its slot, in pieces: rank-order bits, NCCL's result, eager and graph
+         timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k "pieces" 2>&1 | tail -8 \
+             | tee "$out/ar_pieces.log" ;;
     ar-exact) # issues 10, 12: every exactness test of the custom all-reduce at world size NPROC (every algorithm
          # forced, eager and graph, against NCCL; random-normal rank-order sums; fused norm; PDL on/off)
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \

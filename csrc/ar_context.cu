@@ -1,6 +1,7 @@
 // The all-reduce context of one rank: its workspace (one cudaMalloc, exported over IPC by Python), the peers'
 // mapped workspaces, the host-mapped timeout record, and argument checking before each launch. No policy:
 // the algorithm and the grid size come from Python.
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
@@ -244,7 +245,8 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   TPG_CHECK(!(zero_copy && algo == 1 && in == out), "1shot_pull in a graph reads peers' inputs: output must differ");
   TPG_CHECK(!(zero_copy && algo == 2 && in != out), "2shot_pull in a graph reduces in place: output must be the input");
   TPG_CHECK(in == out || in + nbytes <= out || out + nbytes <= in, "input and output overlap without being the same");
-  const size_t capacity = algo == 0 ? ctx.layout.push_slot_bytes : (zero_copy ? SIZE_MAX : ctx.layout.staging_bytes);
+  // 1shot_push takes any size: a message larger than the slot goes through it in slot-sized pieces (below)
+  const size_t capacity = algo == 0 || zero_copy ? SIZE_MAX : ctx.layout.staging_bytes;
   TPG_CHECK(nbytes <= capacity, algo_name(algo) << ": " << nbytes << " bytes exceed the workspace (" << capacity
                                                 << " bytes)");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -257,7 +259,17 @@ void ar_all_reduce(uintptr_t handle, int algo, int dtype, uintptr_t in, uintptr_
   const auto* in_ptr = reinterpret_cast<const void*>(in);
   auto* out_ptr = reinterpret_cast<void*>(out);
   switch (static_cast<ArAlgo>(algo)) {
-    case ArAlgo::Push1: launch_push_1shot(p, dt, in_ptr, out_ptr, nbytes, launch); break;
+    case ArAlgo::Push1: {
+      // Pieces of at most one slot, one launch each, in order: each is a complete push call (its chunks' phases
+      // advance at its end), so a large message costs no more workspace than the slot, only a launch per piece.
+      const size_t piece = ctx.layout.push_slot_bytes;
+      TPG_CHECK(piece > 0, "1shot_push: this workspace has no push slot");
+      for (size_t off = 0; off < nbytes; off += piece) {
+        launch_push_1shot(p, dt, static_cast<const char*>(in_ptr) + off, static_cast<char*>(out_ptr) + off,
+                          std::min(piece, nbytes - off), launch);
+      }
+      break;
+    }
     case ArAlgo::Pull1:
     case ArAlgo::Pull2: launch_pull(static_cast<ArAlgo>(algo), p, dt, in_ptr, out_ptr, nbytes, launch); break;
     // this build never creates multicast objects, so p.mc_staging is null: the launcher runs the emulation

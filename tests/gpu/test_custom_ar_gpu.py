@@ -129,6 +129,16 @@ def test_random_normal_inputs_give_the_rank_order_fp32_sum_bit_for_bit():
         assert failures == []
 
 
+def test_push_above_its_slot_runs_in_pieces_bit_for_bit():
+    from tpgtest.workers import custom_ar_push_pieces
+
+    slot = 64 << 10
+    byte_sizes = [slot, slot + 16, 3 * slot + 4096, 1 << 20]
+    for failures, checked in run_ranks(custom_ar_push_pieces, WORLD, slot, byte_sizes, timeout_s=300):
+        assert checked == 3 * len(byte_sizes) * 2 * 2
+        assert failures == []
+
+
 def test_many_graphs_in_one_pool_replayed_in_random_order_with_eager_calls_between():
     from tpgtest.workers import custom_ar_many_graphs
 

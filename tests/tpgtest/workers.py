@@ -516,6 +516,52 @@ def custom_ar_random_normal(rank, world_size, init, sizes):
         return failures, checked
 
 
+def custom_ar_push_pieces(rank, world_size, init, slot_bytes, byte_sizes):
+    """1shot_push above its slot runs in slot-sized pieces: with a small slot, every size (one piece, a piece and 16
+    bytes, several and a part) and dtype, eager and in a graph, interleaved with one-piece calls, must give the fp32
+    rank-order sum bit for bit on random-normal inputs, the same bits on every rank, and NCCL's result on
+    integer-valued ones."""
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+    from tpgraph.comm.thresholds import Algo
+
+    cfg = CustomAllReduceConfig(push_slot_bytes=slot_bytes)
+    with custom_ar_on_rank(rank, world_size, init, cfg) as (state, ar):
+        assert ar.push_slot_bytes == slot_bytes
+        failures, checked = [], 0
+        small = torch.ones(1024, device="cuda")
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            item = torch.tensor([], dtype=dtype).element_size()
+            for nbytes in byte_sizes:
+                numel = nbytes // item
+                g = torch.Generator(device="cuda").manual_seed(7919 * rank + numel)
+                x = torch.randn(numel, device="cuda", generator=g).to(dtype)
+                ints = torch.randint(-8, 8, (numel,), device="cuda", generator=g).to(dtype)
+                ref, int_ref = rank_order_sum(state, x), ints.clone()
+                dist.all_reduce(int_ref, group=state.tp_group)
+                for in_graph in (False, True):
+                    for value, want in ((x, ref), (ints, int_ref)):
+                        if in_graph:
+                            static = torch.zeros_like(value)
+                            graph, out, registration = capture_all_reduce(ar, static, Algo.PUSH_1SHOT)
+                            static.copy_(value)
+                            graph.replay()
+                            result = out.clone()
+                            del graph, out
+                            torch.cuda.synchronize()
+                            ar.release_registration(registration)
+                        else:
+                            result = ar.all_reduce(value.clone(), Algo.PUSH_1SHOT)
+                        small.fill_(1.0)
+                        ar.all_reduce(small, Algo.PUSH_1SHOT)  # a one-piece call between: phases stay in step
+                        checked += 1
+                        if not (torch.equal(result, want) and same_on_every_rank(state, result)):
+                            failures.append((str(dtype), nbytes, in_graph, int((result != want).sum().item())))
+                        if not torch.all(small == world_size):
+                            failures.append(("one-piece call between", str(dtype), nbytes, in_graph))
+        torch.cuda.synchronize()
+        return failures, checked
+
+
 def custom_ar_many_graphs(rank, world_size, init, replays):
     """Graphs of different algorithms and sizes alive together in one pool, replayed in a seeded random order (the
     same on every rank) with eager calls of other sizes in between: every result is the rank-order sum."""

@@ -54,11 +54,11 @@ def test_one_interleaved_call_per_size_and_mode(faked):
     assert len(faked["graph"]) == len(faked["eager"]) == len(sizes)
     small, large = faked["graph"]
     assert "nccl" in small and any(n.startswith("1shot_push/") for n in small)
-    assert not any(n.startswith("1shot_push/") for n in large)  # over the push slot: never captured
-    assert faked["eager"][1] == ["nccl"]  # at 32 MB the pulls stage over the staging buffer; push is over its slot
+    assert any(n.startswith("1shot_push/") for n in large)  # over the push slot: pieces, measured as the product runs
+    assert faked["eager"][1] == ["nccl", "1shot_push"]  # at 32 MB the pulls stage over the staging buffer
     graph = {(x.algo, x.nbytes): x for x in out if x.mode == "graph"}
     assert graph[("1shot_push", 4096)].blocks == min(m.grids_for(Algo.PUSH_1SHOT, 4096, 2, 132))  # fewest is fastest
-    assert graph[("1shot_push", 32 * MB)].us is None and "push slot" in graph[("1shot_push", 32 * MB)].note
+    assert graph[("1shot_push", 32 * MB)].us is not None
     assert graph[("nccl", 32 * MB)].us == 10.0
     eager = {(x.algo, x.nbytes): x for x in out if x.mode == "eager"}
     assert eager[("2shot_pull", 32 * MB)].note == "over the staging buffer"

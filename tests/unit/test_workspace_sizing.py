@@ -1,5 +1,5 @@
-"""How much workspace the custom all-reduce takes: a capped push slot, staging only for what a staged pull can get,
-and the table cut to both (larger messages fall through to the next algorithm)."""
+"""How much workspace the custom all-reduce takes: a capped push slot (larger pushes go through it in pieces),
+staging only for what a staged pull band reaches, and the pull bands cut to it (larger messages fall through)."""
 
 from dataclasses import replace
 
@@ -17,15 +17,26 @@ def table_with(ws, graph, eager):
     return replace(t, rows=rows)
 
 
-def test_push_everywhere_is_capped_and_falls_through_to_1shot_pull():
+def test_push_above_its_capped_slot_stays_push_in_pieces_and_needs_no_staging():
     t = table_with(2, (64 * MB,) * 3, (64 * MB,) * 3)  # push up to 64 MB, no pull band
     push, staging, cut = size_workspace(t, 2, CustomAllReduceConfig(), graph_in_place=True)
-    assert push == 16 * MB
-    assert staging == 64 * MB  # eager 16..64 MB now goes to 1shot_pull, which stages its input
+    assert push == 16 * MB  # the slot is capped; 16..64 MB go through it in pieces
+    assert staging == 4096  # no pull band: no staging beyond the P2P probe's page
     for graph in (True, False):
         assert pick_algo(16 * MB, graph, cut, 2) == Algo.PUSH_1SHOT
-        assert pick_algo(32 * MB, graph, cut, 2) == Algo.PULL_1SHOT
+        assert pick_algo(32 * MB, graph, cut, 2) == Algo.PUSH_1SHOT
         assert pick_algo(128 * MB, graph, cut, 2) == Algo.NCCL
+
+
+def test_staging_holds_what_the_eager_pull_bands_reach_above_push():
+    t = table_with(2, (1 * MB, 1 * MB, 64 * MB), (1 * MB, 8 * MB, 32 * MB))
+    push, staging, cut = size_workspace(t, 2, CustomAllReduceConfig(), graph_in_place=True)
+    assert (push, staging) == (1 * MB, 32 * MB)
+    assert pick_algo(4 * MB, False, cut, 2) == Algo.PULL_1SHOT and pick_algo(32 * MB, False, cut, 2) == Algo.PULL_2SHOT
+    # a staging buffer smaller than the eager pull bands cuts them: larger messages fall through to NCCL
+    _, _, small = size_workspace(t, 2, CustomAllReduceConfig(staging_bytes=8 * MB), graph_in_place=True)
+    assert pick_algo(8 * MB, False, small, 2) == Algo.PULL_1SHOT and pick_algo(16 * MB, False, small, 2) == Algo.NCCL
+    assert pick_algo(64 * MB, True, small, 2) == Algo.PULL_2SHOT  # graphs read in place
 
 
 def test_no_staging_when_no_staged_pull_can_be_reached():

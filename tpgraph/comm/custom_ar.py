@@ -48,7 +48,7 @@ class CallPlan:
 @dataclass(frozen=True)
 class CustomAllReduceConfig:
     # The push slot is per rank and the workspace holds 3 phases x world_size of them (at 8 ranks, 24 x the slot),
-    # so it is capped: larger messages fall through to the next algorithm in the table's order.
+    # so it is capped: a larger message goes through it in slot-sized pieces, one launch each.
     max_push_bytes: int = 16 * MB
     push_slot_bytes: int | None = None  # None: the table's largest push band, capped by max_push_bytes
     max_staging_bytes: int = 64 * MB  # eager pull copies its input here; graphs read inputs in place (zero-copy)
@@ -75,13 +75,12 @@ class CustomAllReduceConfig:
 MIN_STAGING_BYTES = 4096  # room for the P2P probe words, one per rank
 
 
-def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int,
-                       graph_in_place: bool = False) -> AlgoTable:
-    """The table with every band cut to what the workspace can hold (larger messages fall through to the next
-    algorithm). `graph_in_place`: graph rows' pull algorithms read their inputs in place (zero-copy), so the
-    staging buffer does not bound them."""
+def clamp_to_workspace(table: AlgoTable, staging_bytes: int, graph_in_place: bool = False) -> AlgoTable:
+    """The table with every staged pull band cut to what the staging buffer holds (larger messages fall through to
+    the next algorithm). 1shot_push is never cut: above the slot it runs in pieces. `graph_in_place`: graph rows'
+    pull algorithms read their inputs in place (zero-copy), so the staging buffer does not bound them."""
     def clamp(mode: str, b: Bands) -> Bands:
-        push = min(b.push_max, push_bytes)
+        push = b.push_max
         limit = b.pull2_max if (graph_in_place and mode == "graph") else staging_bytes
         pull1 = max(push, min(b.pull1_max, limit))  # (pull1_max >= push_max: what push cannot hold goes to pull)
         pull2 = max(pull1, min(b.pull2_max, limit))
@@ -93,18 +92,18 @@ def clamp_to_workspace(table: AlgoTable, push_bytes: int, staging_bytes: int,
 def size_workspace(table: AlgoTable, world_size: int, cfg: CustomAllReduceConfig,
                    graph_in_place: bool) -> tuple[int, int, AlgoTable]:
     """(push slot bytes, staging bytes, the table cut to them) for this world size. The slot holds the largest push
-    band, capped by max_push_bytes; staging holds the largest message a staged pull can get once push is capped
-    (eager rows, and graph rows unless inputs are read in place), capped by max_staging_bytes, and nothing where
-    no pull band is reachable."""
+    band, capped by max_push_bytes (larger pushes go through it in pieces); staging holds the largest message a
+    staged pull band reaches (eager rows, and graph rows unless inputs are read in place), capped by
+    max_staging_bytes, and nothing where no pull band is reachable."""
     rows = {mode: table.bands(world_size, mode == "graph") for mode in ("graph", "eager")}
     push = cfg.push_slot_bytes if cfg.push_slot_bytes is not None else min(max(b.push_max for b in rows.values()),
                                                                             cfg.max_push_bytes)
     staged = [b for mode, b in rows.items() if mode == "eager" or not graph_in_place]
-    reach = max((max(b.pull2_max, b.push_max) for b in staged if max(b.pull2_max, b.push_max) > push), default=0)
+    reach = max((b.pull2_max for b in staged if b.pull2_max > b.push_max), default=0)
     staging = cfg.staging_bytes if cfg.staging_bytes is not None else min(reach, cfg.max_staging_bytes)
     # set-up writes a probe word per rank at the staging offset of every peer (_check_p2p_writes): keep room for it
     staging = max(staging, MIN_STAGING_BYTES)
-    return push, staging, clamp_to_workspace(table, push, staging, graph_in_place)
+    return push, staging, clamp_to_workspace(table, staging, graph_in_place)
 
 
 def fused_norm_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -280,7 +279,8 @@ class CustomAllReduce:
         self._check_tensor(x)
         # Fused only while every row gets its own block (decode batches): with more rows a block works through several
         # one after another, unpipelined, which has not been measured against the unfused pair (prefill sizes).
-        if not (self.cfg.fused_norm and fused_norm_fits(x, residual, weight) and x.shape[0] <= self.num_sms):
+        if not (self.cfg.fused_norm and fused_norm_fits(x, residual, weight) and x.shape[0] <= self.num_sms
+                and x.numel() * x.element_size() <= self.push_slot_bytes):  # the fused kernel takes no pieces
             return None
         plan = self.plan(x)
         if plan is None or plan.algo != Algo.PUSH_1SHOT:

@@ -82,9 +82,10 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
     rank, world, init = dist_init or (None, None, None)
     state = init_distributed("cuda", rank, world, init)
     try:
-        # the workspace must hold the largest size for every algorithm, whatever the current table says
-        ar = CustomAllReduce(state, CustomAllReduceConfig(push_slot_bytes=args.max_bytes,
-                                                          staging_bytes=args.max_bytes))
+        # staging for the largest size, whatever the current table says; the push slot the product gets when push
+        # reaches its cap (larger pushes go through it in pieces, as in the product)
+        ar = CustomAllReduce(state, CustomAllReduceConfig(
+            push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes), staging_bytes=args.max_bytes))
         try:
             sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
             driver = state.is_driver
@@ -129,18 +130,15 @@ def _without_paths(argv: list[str]) -> list[str]:
 
 def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: list, table: Path,
            provenance: str) -> None:
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.tune.bands import Curves, derive_bands
     from tpgraph.tune.launch import launch_bands
     from tpgraph.tune.writer import diff, render, updated_table
 
     sizes = sorted({m.nbytes for m in results})
-    push_cap = CustomAllReduceConfig().max_push_bytes  # the product's slot: push above it can never be chosen
-    choosable = [m for m in results if not (m.algo == Algo.PUSH_1SHOT.value and m.nbytes > push_cap)]
     rows, choices = {}, {}
     for mode in ("graph", "eager"):
-        times = {a.value: [next((m.us for m in choosable if m.mode == mode and m.algo == a.value and m.nbytes == s),
+        times = {a.value: [next((m.us for m in results if m.mode == mode and m.algo == a.value and m.nbytes == s),
                                 None) for s in sizes] for a in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT,
                                                                  Algo.NCCL)}
         choices[mode] = derive_bands(Curves(tuple(sizes), times), args.tolerance, args.min_points)
@@ -149,7 +147,7 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
               + f" (excess {choices[mode].excess:.3f})", flush=True)
     launch = {}
     for algo in (Algo.PUSH_1SHOT, Algo.PULL_1SHOT, Algo.PULL_2SHOT):
-        best = {m.nbytes: m.blocks for m in choosable if m.mode == "graph" and m.algo == algo.value and m.blocks}
+        best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
         if best:
             launch[algo] = launch_bands(best, num_sms)
     doc = json.loads(table.read_text())

@@ -96,9 +96,6 @@ def _graphs(state: ParallelState, ar: CustomAllReduce, x: torch.Tensor, runs: in
     with released(ar) as ctx:
         try:
             for algo in CUSTOM:
-                if algo == Algo.PUSH_1SHOT and nbytes > ar.push_slot_bytes:
-                    notes[algo.value] = f"over the push slot ({ar.push_slot_bytes} B)"
-                    continue
                 for blocks in grids_for(algo, nbytes, state.world_size, ar.num_sms):
                     name = f"{algo.value}/{blocks}"
                     try:
