@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import ModelConfig, RopeConfig
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
+from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sequence import Sequence
 from tpgraph.graphs.config import GraphConfig
@@ -77,7 +78,7 @@ def decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: 
         t0 = time.perf_counter()
         logits = runner.decode(seqs)
         t1 = time.perf_counter()
-        tokens = logits.argmax(dim=-1).tolist()  # the one sync of the step
+        tokens = row_argmax(logits).tolist()  # the one sync of the step
         t2 = time.perf_counter()
         for seq, tok in zip(seqs, tokens, strict=True):
             seq.output_ids.append(tok)
@@ -98,11 +99,11 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
     # a throwaway profiled step first: CUPTI starts up on each rank at its own pace, and a rank still starting would
     # show up as the other rank's all-reduce waiting for it
     with profile(activities=[ProfilerActivity.CUDA]):
-        runner.decode(seqs).argmax(-1).tolist()
+        row_argmax(runner.decode(seqs)).tolist()
     for _ in range(3):
-        runner.decode(seqs).argmax(-1).tolist()
+        row_argmax(runner.decode(seqs)).tolist()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.decode(seqs).argmax(-1).tolist()
+        row_argmax(runner.decode(seqs)).tolist()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
     by_cat: dict[str, list[float]] = {}
     by_name: dict[str, list[float]] = {}

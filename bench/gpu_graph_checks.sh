@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -23,7 +23,8 @@ python3 -c "import tpgraph._C as c; print(c.build_info())"
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -x -rs 2>&1 | tail -25 | tee "$out/kernels.log" ;;
+    kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_argmax_gpu.py -q -x -rs 2>&1 \
+             | tail -25 | tee "$out/kernels.log" ;;
     bench) timeout 400 torchrun --nproc-per-node $NPROC bench/bench_decode.py --batches 1,8 --modes full,none \
              --allreduce custom --steps 20 --no-ladders --profile --out "$out/decode_quick.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/bench_quick.log" ;;
@@ -131,6 +132,21 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
+    profile) # issue 11: kernels per step and time per category, cuBLAS against the small-M kernels (fused paths on),
+         # then the small-M kernels with PDL + in-kernel split reductions on too
+         timeout -k 5 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --allreduce custom,custom+gemv --profile --steps 20 --out "$out/profile.json" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/profile.log"
+         TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout -k 5 200 torchrun --nproc-per-node $NPROC \
+             bench/bench_decode.py --modes full --batches 1,8 --no-ladders --allreduce custom+gemv --profile --steps 20 \
+             --out "$out/profile_pdl.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 \
+             | tee "$out/profile_pdl.log" ;;
+    flags) # issue 11: Triton PDL (+ L2 weight prefetch) and in-kernel split reductions, each alone and together
+         # (2x2), every run with cuBLAS "custom" beside the small-M kernels as the in-run reference, interleaved
+         for pdl in 0 1; do for lr in 0 1; do TPGRAPH_TRITON_PDL=$pdl TPGRAPH_LAST_SPLIT_REDUCES=$lr timeout -k 5 120 \
+             torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl${pdl}_lr${lr}.json" 2>&1 \
+             | grep -E "TPOT" | sed "s/^/pdl=$pdl lr=$lr /" | tee -a "$out/flags.log"; pack; done; done ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

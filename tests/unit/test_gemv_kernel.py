@@ -79,14 +79,15 @@ def test_config_rejects_tiles_the_kernel_cannot_run(bad):
         GemvConfig(**{**dict(block_n=16, block_k=64, num_warps=4, num_stages=2), **bad})
 
 
-def test_layers_use_it_only_when_asked(monkeypatch):
+def test_layers_use_it_unless_turned_off(monkeypatch):
     from tpgraph.model.layers import ColumnParallelLinear
 
     def layer():
         return ColumnParallelLinear(64, [("w", 32, 0, 32)], torch.float32, torch.device("cpu"))
 
+    monkeypatch.setenv("TPGRAPH_GEMV", "0")
     assert layer().small_m is False
-    monkeypatch.setenv("TPGRAPH_GEMV", "1")
+    monkeypatch.delenv("TPGRAPH_GEMV")
     lin = layer()
     assert lin.small_m is True
     torch.nn.init.normal_(lin.weight)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sequence import Sequence
 from tpgraph.errors import ConfigError
@@ -43,7 +44,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
                 full = torch.full((len(seqs), logits.shape[-1]), float("nan"))
                 full[[s.seq_id for s in active]] = logits.float().cpu()
                 result.step_logits.append(full)
-            next_ids = logits.argmax(dim=-1).tolist()
+            next_ids = row_argmax(logits).tolist()
             for seq, tok in zip(active, next_ids, strict=True):
                 seq.output_ids.append(tok)
                 seq.finished = tok in eos_ids or len(seq.output_ids) >= seq.max_new_tokens

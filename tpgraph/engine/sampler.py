@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.sampling_params import SamplingParams
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -69,13 +70,13 @@ class Sampler:
                 if r.banned_ids:
                     x[i, list(r.banned_ids)] = float("-inf")
         if all(r.params.greedy for r in rows):
-            ids = x.argmax(dim=-1)
+            ids = row_argmax(x)
         else:
             ids = self._draw(x, rows)
         return self._to_host(ids, raw_logprobs, max(want_logprobs, default=None))
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        greedy_ids = x.argmax(dim=-1)
+        greedy_ids = row_argmax(x)
         params = [r.params for r in rows]
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=x.device)
         x = x / temperature.unsqueeze(1)
@@ -93,7 +94,7 @@ class Sampler:
                 g = torch.Generator(device=x.device).manual_seed(
                     row_seed(r.params.seed, r.sample_index, len(r.output_ids)))
                 race[i].exponential_(generator=g)
-        sampled = (probs / race).argmax(dim=-1)
+        sampled = row_argmax(probs / race)
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         return torch.where(greedy, greedy_ids, sampled)
 

@@ -13,9 +13,11 @@ A different config is a different (equally valid) rounding of the same sum.
 `gate_up_silu(x, w)` is the gate_up projection with SiLU·mul in its epilogue: each program's tile takes gate rows
 and the matching up rows interleaved, so it holds both halves of its outputs and stores the activation only.
 
-Off unless `TPGRAPH_GEMV=1`: it replaces cuBLAS only once bench/bench_gemv.py has shown it faster on the GPU
-(`--sweep` there times the config grid per decode shape; its JSON, shipped as configs/gemv/sm90.json or named by
-`TPGRAPH_GEMV_TABLE`, gives each shape its best config).
+On by default for CUDA tensors on sm_80 and later (`TPGRAPH_GEMV=0` keeps cuBLAS): on 2xH200, Llama-3-8B shape at
+TP=2, full graphs, it took a decode step from 3.352 to 3.209 ms at batch 1 and from 3.582 to 3.472 ms at batch 8
+against cuBLAS in the same interleaved run (bench/results/2026-11-30_h200x2_gemv, session 6), with HF parity
+identical in bf16 and fp32. bench/bench_gemv.py `--sweep` times the config grid per decode shape; its JSON, shipped
+as configs/gemv/sm90.json or named by `TPGRAPH_GEMV_TABLE`, gives each shape its best config.
 """
 
 from __future__ import annotations
@@ -73,8 +75,15 @@ class GemvConfig:
 
 
 def enabled() -> bool:
-    """Whether the model's projections use this kernel for M <= MAX_M (read when a layer is built)."""
-    return os.environ.get("TPGRAPH_GEMV", "0") == "1"
+    """Whether the model's projections use this kernel for M <= MAX_M (read when a layer is built; on unless
+    TPGRAPH_GEMV=0). Where it cannot run (CPU tensors, GPUs before sm_80) the layers still get cuBLAS."""
+    return os.environ.get("TPGRAPH_GEMV", "1") != "0"
+
+
+@functools.cache
+def _tensor_core_dot(index: int) -> bool:
+    """sm_80+: tl.dot takes bf16 and fp16 tiles on this GPU."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 @functools.lru_cache(maxsize=4)
@@ -349,7 +358,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
     """Whether the small-M kernels take x [M, K] @ w [N, K].T: Triton here, M <= 16, unit-stride rows, one dtype."""
-    use = (x.is_cuda if use_triton is None else use_triton) and triton is not None
+    use = (x.is_cuda and _tensor_core_dot(x.device.index) if use_triton is None else use_triton) and triton is not None
     return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and 0 < x.shape[0] <= MAX_M
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 

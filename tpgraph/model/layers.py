@@ -18,7 +18,8 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool) -> torch.Tensor:
-    """x @ weight.T: the small-M kernel when it is on (TPGRAPH_GEMV=1; decode rows), else cuBLAS."""
+    """x @ weight.T: the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it off) and applies
+    (decode rows on an sm_80+ GPU), else cuBLAS."""
     return gemv.linear_small_m(x, weight) if small_m else F.linear(x, weight)
 
 

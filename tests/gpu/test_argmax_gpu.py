@@ -1,0 +1,18 @@
+"""The two-stage argmax on CUDA: torch.argmax's answer, ties and NaN included."""
+
+import pytest
+import torch
+
+from tpgraph.engine.argmax import row_argmax
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+def test_cuda_equals_torch_argmax_with_ties_and_nan():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16, 128256, device="cuda", generator=g).to(torch.bfloat16)
+    x[3, [300, 5000, 100000]] = 100.0  # ties across chunks
+    x[4, [256, 257]] = 100.0  # ties in one chunk
+    x[5, 99999] = float("nan")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x)[3].item() == 300 and row_argmax(x)[4].item() == 256
