@@ -225,6 +225,9 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
+    # the kernel after is let in once the K loop's products are done, not at the start
+    trigger = ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 and ptx.rindex("mma") < trigger
     # the last split's reduction: an acq_rel arrival count, partials read past L1, the counter set back
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert "atom.global" in ptx[ptx.rindex("ld.global.cg"):]

@@ -49,6 +49,13 @@ except ImportError:  # CPU-only installs without Triton use F.linear
 
 MAX_M = 16
 PREFETCH_BUDGET = 24 << 20  # bytes of weight pulled into L2 ahead of the wait, all programs together (L2: 50-60 MB)
+
+
+def prefetch_budget() -> int:
+    """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set (0: one tile per program), for measuring the prefetch
+    against none (bench/gpu_graph_checks.sh flags)."""
+    env = os.environ.get("TPGRAPH_PDL_PREFETCH_MB")
+    return PREFETCH_BUDGET if env is None else int(float(env) * (1 << 20))
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
@@ -167,7 +174,6 @@ if triton is not None:
                                           [w_ptr + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32,
                                           is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
-            tl.extra.cuda.gdc_launch_dependents()  # the kernel after may become resident (it waits for us)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
@@ -182,6 +188,10 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        if PDL:
+            # Only now may the kernel after become resident (it waits for us before reading anything we write): its
+            # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
+            tl.extra.cuda.gdc_launch_dependents()
         return acc
 
     @triton.jit
@@ -211,7 +221,7 @@ if triton is not None:
         PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
         The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
-        before writes, is read after it.
+        before writes, is read after it. The kernel after is let in once the K loop is done (see _partial).
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
         partial is stored; the split that arrives last adds the partials in split order (the bits of
         _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay."""
@@ -330,7 +340,7 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
     the budget (the small projections, whose ~4 µs read the kernel ramp costs most), else as many as fit."""
     steps = -(-k // (cfg.split_k * cfg.block_k))  # BLOCK_K steps per program
     tile_bytes = n * cfg.block_k * elem * cfg.split_k  # one step of every program
-    return max(1, min(steps, PREFETCH_BUDGET // tile_bytes))
+    return max(1, min(steps, prefetch_budget() // tile_bytes))
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
