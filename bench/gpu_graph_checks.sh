@@ -148,10 +148,12 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl${pdl}_lr${lr}.json" 2>&1 \
              | grep -E "TPOT" | sed "s/^/pdl=$pdl lr=$lr /" | tee -a "$out/flags.log"; pack; done; done ;;
     pdl-late) # issue 11: the small-M kernels let their dependents in after the K loop (not at the start): PDL off,
-         # PDL with the L2 weight prefetch, PDL without it; cuBLAS "custom" beside them in every run, interleaved
-         for setting in "0 24" "1 24" "1 0"; do read -r pdl mb <<< "$setting"; TPGRAPH_TRITON_PDL=$pdl TPGRAPH_PDL_PREFETCH_MB=$mb \
+         # PDL with the L2 weight prefetch, PDL without it; cuBLAS "custom" beside them in every run, interleaved.
+         # PDL_SETTINGS: the runs, as pdl:prefetch-MB pairs
+         n=0; for setting in $(echo "${PDL_SETTINGS:-0:24 1:24 1:0}"); do IFS=: read -r pdl mb <<< "$setting"; n=$((n + 1))
+             TPGRAPH_TRITON_PDL=$pdl TPGRAPH_PDL_PREFETCH_MB=$mb \
              timeout -k 5 120 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 \
-             --no-ladders --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl${pdl}_mb$mb.json" \
+             --no-ladders --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_${n}_pdl${pdl}_mb$mb.json" \
              2>&1 | grep -E "TPOT" | sed "s/^.*\r//; s/^/pdl=$pdl prefetch=${mb}MB /" | tee -a "$out/pdl_late.log"; pack
          done ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
