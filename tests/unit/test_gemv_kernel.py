@@ -205,14 +205,20 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch):
     assert torch.equal(fused, mlp(x))
 
 
-def test_prefetch_covers_small_weights_whole_and_caps_large_ones():
-    from tpgraph.kernels.gemv import PREFETCH_BUDGET, GemvConfig, prefetch_tiles
+def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
+    from tpgraph.kernels.gemv import GemvConfig, prefetch_tiles
 
-    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 16  # o_proj: all 16 steps of K (16 MB)
-    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2) == 8  # qkv, split-K 4: each split's 8 steps
-    big = prefetch_tiles(GemvConfig(64, 128, 4, 3), 14336, 4096, 2)  # gate_up, 117 MB: only what the budget holds
-    assert big == PREFETCH_BUDGET // (14336 * 128 * 2) and big < 4096 // 128
-    assert prefetch_tiles(GemvConfig(64, 128, 4, 3), 64128 * 64, 4096, 2) == 1  # at least the first tile
+    budget = 24 << 20
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2, budget) == 16  # o_proj: all 16 K steps (16 MB)
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2, budget) == 8  # qkv, split-K 4: 8 steps each
+    big = prefetch_tiles(GemvConfig(64, 128, 4, 3), 14336, 4096, 2, budget)  # gate_up, 117 MB: what the budget holds
+    assert big == budget // (14336 * 128 * 2) and big < 4096 // 128
+    assert prefetch_tiles(GemvConfig(64, 128, 4, 3), 64128 * 64, 4096, 2, budget) == 1  # at least the first tile
+    # the shipped default: the first tile of each program only (measured: a larger prefetch slowed decode)
+    monkeypatch.delenv("TPGRAPH_PDL_PREFETCH_MB", raising=False)
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 1
+    monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "24")
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 16
 
 
 def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():

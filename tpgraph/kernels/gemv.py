@@ -48,12 +48,16 @@ except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
 MAX_M = 16
-PREFETCH_BUDGET = 24 << 20  # bytes of weight pulled into L2 ahead of the wait, all programs together (L2: 50-60 MB)
+# Bytes of weight pulled into L2 ahead of the PDL wait, all programs together; every program takes at least its
+# first tile. 0: measured on 2xH200 (bench/results/2026-11-30_h200x2_gemv, run13/run14), a 24 MB budget made the
+# small-M path 4-5% slower relative to cuBLAS in the same run than one tile per program did, at batch 1 and 8: the
+# prefetch competes with the kernel before it for HBM, and that kernel's own stream evicts what it pulled.
+PREFETCH_BUDGET = 0
 
 
 def prefetch_budget() -> int:
-    """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set (0: one tile per program), for measuring the prefetch
-    against none (bench/gpu_graph_checks.sh flags)."""
+    """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set, for measuring a prefetch against none
+    (bench/gpu_graph_checks.sh pdl-late)."""
     env = os.environ.get("TPGRAPH_PDL_PREFETCH_MB")
     return PREFETCH_BUDGET if env is None else int(float(env) * (1 << 20))
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
@@ -335,12 +339,12 @@ def config_for(x: torch.Tensor, n: int, k: int, m: int) -> GemvConfig:
     return tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
 
 
-def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int) -> int:
+def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
     """Weight tiles each program pulls into L2 before its PDL wait: all of its K range where the whole weight fits
-    the budget (the small projections, whose ~4 µs read the kernel ramp costs most), else as many as fit."""
+    the budget (default `prefetch_budget()`), else as many as fit, and at least the first."""
     steps = -(-k // (cfg.split_k * cfg.block_k))  # BLOCK_K steps per program
     tile_bytes = n * cfg.block_k * elem * cfg.split_k  # one step of every program
-    return max(1, min(steps, prefetch_budget() // tile_bytes))
+    return max(1, min(steps, (prefetch_budget() if budget is None else budget) // tile_bytes))
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
