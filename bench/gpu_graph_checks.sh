@@ -96,7 +96,9 @@ for step in "$@"; do
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
          timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
              --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
-             2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log" ;;
+             2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log"
+         python3 bench/report_decode.py "$out/decode_variants.json" $([ -f "$out/kernels.json" ] && echo --kernels \
+             "$out/kernels.json") | tee "$out/decode_report.md" ;;
     variants-pdl) # the same variants with the Triton kernels launched as programmatic dependents (GEMV weights
          # prefetched into L2 before the wait) and split kernels reduced in their last program, once each way (the
          # bench interleaves its entries); kernel bit-equality with each first

@@ -1,0 +1,122 @@
+"""Issue 11's performance lines, checked from the benchmarks' JSON:
+
+    python bench/report_decode.py decode.json [--kernels kernels.json] [--profile profile.json] [--entry custom+gemv]
+
+decode.json: `bench/bench_decode.py` (full graphs; `--unfused` adds the unfused entries the fused ones are compared
+with). kernels.json: `bench/bench_kernels.py` (each kernel against its bandwidth floor). profile.json: a
+`bench_decode.py --profile` run (kernels per step). `--entry` is the configuration the TPOT lines judge: the product's
+default path, the small-M kernels with every fused piece (`custom+gemv`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TPOT_LIMITS = {1: 1.4, 8: 1.5, 32: 1.7}  # batch: at most this many times the weight-read floor
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+MIN_PROJECTION = 0.88  # of the measured HBM bandwidth, at M = 1
+MIN_LM_HEAD = 0.90
+MAX_KERNELS = 200  # per step, batch 1
+# the kernel the product runs for each projection, as bench_kernels.py names it (the gate_up one makes SiLU·mul too)
+PRODUCT_KERNEL = {"qkv": "qkv (Triton)", "o_proj": "o_proj (Triton)", "gate_up": "gate_up+silu (Triton)",
+                  "down": "down (Triton)", "lm_head": "lm_head (Triton)"}
+
+Check = tuple[str, bool | None, str]
+
+
+def _full_rows(decode: dict) -> dict[tuple[str, int], dict]:
+    return {(r["allreduce"], r["batch"]): r for r in decode["tpot"] if r.get("mode", "full") == "full"}
+
+
+def tpot_checks(decode: dict, entry: str) -> list[Check]:
+    rows = _full_rows(decode)
+    out: list[Check] = []
+    for batch, limit in TPOT_LIMITS.items():
+        row = rows.get((entry, batch))
+        name = f"{entry}, batch {batch}: TPOT <= {limit}x the floor"
+        if row is None:
+            out.append((name, None, "not measured"))
+            continue
+        bound = limit * row["floor_ms"]
+        out.append((name, row["tpot_ms"] <= bound,
+                    f"{row['tpot_ms']:.3f} ms against {bound:.3f} ms ({row['tpot_ms'] / row['floor_ms']:.2f}x "
+                    f"the {row['floor_ms']:.3f} ms floor)"))
+    return out
+
+
+def fused_checks(decode: dict) -> list[Check]:
+    """Every entry faster than its +unfused version at every batch both ran."""
+    rows = _full_rows(decode)
+    pairs = []
+    for (name, batch), row in rows.items():
+        if "unfused" in name.split("+"):
+            continue
+        unfused = rows.get((name + "+unfused", batch))
+        if unfused is not None:
+            pairs.append((name, batch, row["tpot_ms"], unfused["tpot_ms"]))
+    if not pairs:
+        return [("every fused path faster than its unfused version", None, "no +unfused entries in this run")]
+    slow = [p for p in pairs if p[2] >= p[3]]
+    worst = max(pairs, key=lambda p: p[2] / p[3])
+    detail = (f"{len(pairs)} pairs; closest: {worst[0]} at batch {worst[1]}, {worst[2]:.3f} against "
+              f"{worst[3]:.3f} ms unfused")
+    if slow:
+        detail += "; slower: " + ", ".join(f"{n} bs {b}" for n, b, _, _ in slow)
+    return [("every fused path faster than its unfused version", not slow, detail)]
+
+
+def kernel_checks(kernels: dict) -> list[Check]:
+    rows = {r["kernel"]: r for r in kernels["rows"] if r["batch"] == 1}
+    out: list[Check] = []
+    found = {p: rows.get(PRODUCT_KERNEL[p]) for p in PROJECTIONS}
+    missing = [p for p, r in found.items() if r is None]
+    if missing:
+        out.append((f"each projection at >= {MIN_PROJECTION:.0%} of the bandwidth at M = 1", None,
+                    f"not measured: {', '.join(missing)}"))
+    else:
+        out.append((f"each projection at >= {MIN_PROJECTION:.0%} of the bandwidth at M = 1",
+                    all(r["of_floor"] >= MIN_PROJECTION for r in found.values()),
+                    ", ".join(f"{p} {r['of_floor']:.0%} ({r['us']:.1f} us)" for p, r in found.items())))
+    head = rows.get(PRODUCT_KERNEL["lm_head"])
+    out.append((f"lm_head at >= {MIN_LM_HEAD:.0%} of the bandwidth", None if head is None
+                else head["of_floor"] >= MIN_LM_HEAD, "not measured" if head is None
+                else f"{head['of_floor']:.0%} ({head['us']:.1f} us)"))
+    return out
+
+
+def profile_checks(profile: dict, entry: str) -> list[Check]:
+    row = next((p for p in profile.get("profile", []) if p["allreduce"] == entry and p["batch"] == 1), None)
+    name = f"{entry}: kernels per step at batch 1 <= {MAX_KERNELS}"
+    if row is None:
+        return [(name, None, "not profiled")]
+    return [(name, row["kernels"] <= MAX_KERNELS, f"{row['kernels']} kernels")]
+
+
+def checks(decode: dict, kernels: dict | None, profile: dict | None, entry: str) -> list[Check]:
+    out = tpot_checks(decode, entry) + fused_checks(decode)
+    if kernels is not None:
+        out += kernel_checks(kernels)
+    if profile is not None:
+        out += profile_checks(profile, entry)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("decode_json", type=Path)
+    p.add_argument("--kernels", type=Path, default=None)
+    p.add_argument("--profile", type=Path, default=None)
+    p.add_argument("--entry", default="custom+gemv")
+    args = p.parse_args()
+
+    def load(path: Path | None) -> dict | None:
+        return None if path is None else json.loads(path.read_text())
+
+    for name, ok, detail in checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry):
+        print(f"- [{'?' if ok is None else 'x' if ok else ' '}] {name}: {detail}")
+
+
+if __name__ == "__main__":
+    main()

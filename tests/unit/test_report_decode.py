@@ -1,0 +1,60 @@
+"""bench/report_decode.py: issue 11's lines on synthetic benchmark JSON (each must be able to fail)."""
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_bench_module("report_decode")
+
+
+def tpot(entry, batch, ms, floor=1.8):
+    return {"allreduce": entry, "mode": "full", "batch": batch, "tpot_ms": ms, "floor_ms": floor}
+
+
+def by_name(checks):
+    return {name: ok for name, ok, _ in checks}
+
+
+def test_tpot_lines_hold_at_the_bound_and_fail_above_it(report):
+    decode = {"tpot": [tpot("custom+gemv", 1, 1.4 * 1.8), tpot("custom+gemv", 8, 1.5 * 1.8 + 0.01),
+                       tpot("custom", 32, 2.0)]}
+    got = by_name(report.tpot_checks(decode, "custom+gemv"))
+    assert got["custom+gemv, batch 1: TPOT <= 1.4x the floor"] is True
+    assert got["custom+gemv, batch 8: TPOT <= 1.5x the floor"] is False
+    assert got["custom+gemv, batch 32: TPOT <= 1.7x the floor"] is None  # that entry did not run batch 32
+
+
+def test_every_fused_entry_must_beat_its_unfused_version(report):
+    rows = [tpot("custom", 1, 3.0), tpot("custom+unfused", 1, 3.1), tpot("custom+gemv", 1, 2.9),
+            tpot("custom+gemv+unfused", 1, 3.0), tpot("nccl", 1, 3.5)]
+    (name, ok, detail), = report.fused_checks({"tpot": rows})
+    assert ok is True and "2 pairs" in detail
+    rows.append(tpot("custom", 8, 3.2))
+    rows.append(tpot("custom+unfused", 8, 3.2))  # a tie is not faster
+    (_, ok, detail), = report.fused_checks({"tpot": rows})
+    assert ok is False and "custom bs 8" in detail
+    assert report.fused_checks({"tpot": [tpot("custom", 1, 3.0)]})[0][1] is None
+
+
+def test_projection_and_lm_head_bandwidth(report):
+    def row(kernel, of_floor, batch=1):
+        return {"kernel": kernel, "batch": batch, "us": 10.0, "of_floor": of_floor}
+
+    good = [row("qkv (Triton)", 0.9), row("o_proj (Triton)", 0.88), row("gate_up+silu (Triton)", 0.95),
+            row("down (Triton)", 0.91), row("lm_head (Triton)", 0.95), row("qkv (cuBLAS)", 0.1)]
+    assert all(ok for _, ok, _ in report.kernel_checks({"rows": good}))
+    slow = good[:1] + [row("o_proj (Triton)", 0.87)] + good[2:4] + [row("lm_head (Triton)", 0.89)]
+    assert [ok for _, ok, _ in report.kernel_checks({"rows": slow})] == [False, False]
+    only_batch_8 = [row(r["kernel"], r["of_floor"], batch=8) for r in good]
+    assert [ok for _, ok, _ in report.kernel_checks({"rows": only_batch_8})] == [None, None]
+
+
+def test_kernels_per_step(report):
+    profile = {"profile": [{"allreduce": "custom+gemv", "batch": 1, "kernels": 200},
+                           {"allreduce": "custom+gemv", "batch": 8, "kernels": 400}]}
+    assert report.profile_checks(profile, "custom+gemv")[0][1] is True
+    profile["profile"][0]["kernels"] = 201
+    assert report.profile_checks(profile, "custom+gemv")[0][1] is False
+    assert report.profile_checks(profile, "custom")[0][1] is None
