@@ -194,8 +194,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def forced_instance(ar: CustomAllReduce, roomy: CustomAllReduce, algo: Algo, nbytes: int) -> CustomAllReduce:
     """Where a forced algorithm runs: on the product's own workspace where it can take the message (1shot_push
     always: above the slot it runs in pieces, as auto would; pulls up to the staging their eager calls copy into),
-    so that `auto` and the forced algorithm it picks are one launch on one memory and differ only by the method's
-    noise; else on the roomy second workspace. (One candidate serves graph and eager timing, so pulls go by the
+    so that `auto` and the forced algorithm it picks are the same launches on the same memory and differ only by the
+    method's noise; else on the roomy second workspace. (One candidate serves graph and eager timing, so pulls go by the
     staging their eager calls need: a graph pull above it, which the product would read in place, runs on the
     second workspace.)"""
     if algo == Algo.PUSH_1SHOT:

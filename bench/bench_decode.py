@@ -371,8 +371,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--modes", default="full,piecewise,none")
-    p.add_argument("--allreduce", default="custom,nccl", help="entries: custom or nccl, with +unfused (all-reduce and "
-                   "add+RMSNorm as two kernels) and/or +gemv (the small-M projection kernel)")
+    p.add_argument("--allreduce", default="custom+gemv,nccl+gemv",
+                   help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels) and/or "
+                        "+gemv (the small-M projection kernel). Each entry sets every choice explicitly: custom+gemv "
+                        "is the product's default path, plain custom forces cuBLAS projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")

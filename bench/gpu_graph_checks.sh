@@ -148,11 +148,11 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          for pdl in 0 1; do for lr in 0 1; do TPGRAPH_TRITON_PDL=$pdl TPGRAPH_LAST_SPLIT_REDUCES=$lr timeout -k 5 120 \
              torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
              --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_pdl${pdl}_lr${lr}.json" 2>&1 \
-             | grep -E "TPOT" | sed "s/^/pdl=$pdl lr=$lr /" | tee -a "$out/flags.log"; pack; done; done ;;
+             | grep -E "TPOT" | sed "s/^.*\r//; s/^/pdl=$pdl lr=$lr /" | tee -a "$out/flags.log"; pack; done; done ;;
     pdl-late) # issue 11: the small-M kernels let their dependents in after the K loop (not at the start): PDL off,
-         # PDL with the L2 weight prefetch, PDL without it; cuBLAS "custom" beside them in every run, interleaved.
-         # PDL_SETTINGS: the runs, as pdl:prefetch-MB pairs
-         n=0; for setting in $(echo "${PDL_SETTINGS:-0:24 1:24 1:0}"); do IFS=: read -r pdl mb <<< "$setting"; n=$((n + 1))
+         # PDL with a 24 MB L2 weight prefetch, PDL with one tile per program (budget 0, the default); cuBLAS "custom"
+         # beside them in every run, interleaved. PDL_SETTINGS: the runs, as pdl:prefetch-MB pairs
+         n=0; for setting in $(echo "${PDL_SETTINGS:-0:24 1:24 1:0}"); do IFS=: read -r pdl mb <<< "$setting"; mb=${mb:-0}; n=$((n + 1))
              TPGRAPH_TRITON_PDL=$pdl TPGRAPH_PDL_PREFETCH_MB=$mb \
              timeout -k 5 120 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 \
              --no-ladders --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_${n}_pdl${pdl}_mb$mb.json" \

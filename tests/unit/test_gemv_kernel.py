@@ -333,3 +333,34 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
     assert_semaphore_order(ptx)
+
+
+def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from tpgraph.kernels import gemv
+
+    gpus = {0: SimpleNamespace(major=7, shared_memory_per_block_optin=98304),  # V100: no bf16 tensor-core dot
+            1: SimpleNamespace(major=8, shared_memory_per_block_optin=101376),  # sm_86: bf16 yes, fp32 tiles too big
+            2: SimpleNamespace(major=9, shared_memory_per_block_optin=232448)}  # H200: both
+    monkeypatch.setattr(gemv.torch.cuda, "get_device_properties", lambda index: gpus[index])
+    gemv._device_takes.cache_clear()
+    try:
+        assert [gemv._device_takes(i, 2) for i in range(3)] == [False, True, True]
+        assert [gemv._device_takes(i, 4) for i in range(3)] == [False, False, True]
+    finally:
+        gemv._device_takes.cache_clear()
+
+
+def test_the_prefetch_budget_setting(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import PREFETCH_BUDGET, prefetch_budget
+
+    for unset in ("", "  "):
+        monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", unset)
+        assert prefetch_budget() == PREFETCH_BUDGET
+    monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "1.5")
+    assert prefetch_budget() == 3 << 19
+    monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "lots")
+    with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
+        prefetch_budget()

@@ -13,11 +13,12 @@ A different config is a different (equally valid) rounding of the same sum.
 `gate_up_silu(x, w)` is the gate_up projection with SiLU·mul in its epilogue: each program's tile takes gate rows
 and the matching up rows interleaved, so it holds both halves of its outputs and stores the activation only.
 
-On by default for CUDA tensors on sm_80 and later (`TPGRAPH_GEMV=0` keeps cuBLAS): on 2xH200, Llama-3-8B shape at
-TP=2, full graphs, it took a decode step from 3.352 to 3.209 ms at batch 1 and from 3.582 to 3.472 ms at batch 8
-against cuBLAS in the same interleaved run (bench/results/2026-11-30_h200x2_gemv, session 6), with HF parity
-identical in bf16 and fp32. bench/bench_gemv.py `--sweep` times the config grid per decode shape; its JSON, shipped
-as configs/gemv/sm90.json or named by `TPGRAPH_GEMV_TABLE`, gives each shape its best config.
+On by default for CUDA tensors on sm_80 and later (fp32 only where its tiles' shared memory fits; `TPGRAPH_GEMV=0`
+keeps cuBLAS): on 2xH200, Llama-3-8B shape at TP=2, full graphs, it took a decode step from 3.352 to 3.209 ms at
+batch 1 and from 3.582 to 3.472 ms at batch 8 against cuBLAS in the same interleaved run
+(bench/results/2026-11-30_h200x2_gemv, session 6), with HF parity identical in bf16 and fp32. bench/bench_gemv.py
+`--sweep` times the config grid per decode shape; its JSON, shipped as configs/gemv/sm90.json or named by
+`TPGRAPH_GEMV_TABLE`, gives each shape its best config.
 """
 
 from __future__ import annotations
@@ -58,8 +59,13 @@ PREFETCH_BUDGET = 0
 def prefetch_budget() -> int:
     """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set, for measuring a prefetch against none
     (bench/gpu_graph_checks.sh pdl-late)."""
-    env = os.environ.get("TPGRAPH_PDL_PREFETCH_MB")
-    return PREFETCH_BUDGET if env is None else int(float(env) * (1 << 20))
+    env = os.environ.get("TPGRAPH_PDL_PREFETCH_MB", "").strip()
+    if not env:
+        return PREFETCH_BUDGET
+    try:
+        return max(0, int(float(env) * (1 << 20)))
+    except ValueError:
+        raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB, got {env!r}") from None
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
@@ -91,10 +97,19 @@ def enabled() -> bool:
     return os.environ.get("TPGRAPH_GEMV", "1") != "0"
 
 
+# fp32 tiles stage 4-byte weights: the widest shipped or default config pipelines up to 192 KiB of shared memory per
+# program, more than sm_86/sm_89 parts allow (99 KiB); those take cuBLAS for fp32 by default
+FP32_SHARED_BYTES = 192 << 10
+
+
 @functools.cache
-def _tensor_core_dot(index: int) -> bool:
-    """sm_80+: tl.dot takes bf16 and fp16 tiles on this GPU."""
-    return torch.cuda.get_device_capability(index)[0] >= 8
+def _device_takes(index: int, elem: int) -> bool:
+    """Whether the kernel runs here by default for elements of `elem` bytes: sm_80+ (tl.dot on bf16/fp16 tiles), and
+    for fp32 a GPU with the shared memory its tiles need."""
+    props = torch.cuda.get_device_properties(index)
+    if props.major < 8:
+        return False
+    return elem <= 2 or getattr(props, "shared_memory_per_block_optin", 0) >= FP32_SHARED_BYTES
 
 
 @functools.lru_cache(maxsize=4)
@@ -372,7 +387,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
     """Whether the small-M kernels take x [M, K] @ w [N, K].T: Triton here, M <= 16, unit-stride rows, one dtype."""
-    use = (x.is_cuda and _tensor_core_dot(x.device.index) if use_triton is None else use_triton) and triton is not None
+    use = (x.is_cuda and _device_takes(x.device.index, x.element_size()) if use_triton is None
+           else use_triton) and triton is not None
     return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and 0 < x.shape[0] <= MAX_M
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 

@@ -102,10 +102,10 @@ def _williams_row(n: int) -> list[int]:
 
 
 def round_order(names: Sequence[str], r: int) -> list[str]:
-    """The order of the candidates in round r, from a Williams design: over every n rounds (2n where n is odd, the
-    second n reversed) each candidate takes each position equally often and follows each other candidate equally
-    often, so neither a fixed slot in the round nor a fixed predecessor (what the kernel before left in the caches
-    and buffers) can favour one candidate."""
+    """The order of the candidates in round r, from a Williams design: over each whole period from round 0 (n rounds;
+    2n where n is odd, the second n reversed) each candidate takes each position equally often and follows each
+    other candidate equally often (a partial last period is close to that), so neither a fixed slot in the round nor
+    a fixed predecessor (what the kernel before left in the caches and buffers) can favour one candidate."""
     n = len(names)
     if n == 0:
         return []
