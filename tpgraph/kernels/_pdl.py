@@ -6,10 +6,10 @@ That saves a launch gap per all-reduce (64 per Llama-3-8B step). NCCL's kernels 
 launch simply starts when the all-reduce ends, as before.
 
 Opt-in (`TPGRAPH_TRITON_PDL=1`); it needs sm_90+ and a Triton with `launch_pdl` and `gdc_wait`. Measured on 2xH200
-(bench/results/2026-11-30_h200x2_gemv, run13 and run14: three runs each way, Llama-3-8B shape, TP=2, full graphs), the
-small-M path with it took 3.306-3.316 ms a step at batch 1 against 3.323-3.351 without, and 3.444-3.470 against
-3.494-3.552 at batch 8; but the cuBLAS path (larger batches) got 0.06-0.08 ms slower in the same runs, and batch 32
-was not measured. Default-on waits for that.
+(bench/results/2026-11-30_h200x2_gemv, runs 12-14, Llama-3-8B shape, TP=2, full graphs), the small-M path with it
+took 3.306-3.316 ms a step at batch 1 against 3.323-3.366 without, and 3.444-3.470 against 3.490-3.552 at batch 8;
+but the cuBLAS path (larger batches) was up to 0.08 ms slower with it in the same calls, and batch 32 was not
+measured. Default-on waits for that.
 """
 
 from __future__ import annotations
