@@ -12,9 +12,12 @@ floor (this rank's weight bytes / measured HBM copy bandwidth) and the ratio to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -153,15 +156,39 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+# launch modifiers: the environment the entry's graphs are captured under (read by the kernels at launch)
+LAUNCH_ENV = {"pdl": "TPGRAPH_TRITON_PDL", "lr": "TPGRAPH_LAST_SPLIT_REDUCES"}
+
+
 def variant(name: str) -> tuple[bool, bool, bool]:
     """An --allreduce entry -> (custom all-reduce, fused all-reduce + RMSNorm, small-M projection kernel):
     "custom" or "nccl", then modifiers: "+unfused" (the all-reduce and the add+RMSNorm as two kernels, and with +gemv
     SiLU·mul as its own kernel before the down projection), "+gemv" (the Triton small-M projections instead of
-    cuBLAS)."""
+    cuBLAS), and the launch modifiers "+pdl" (Triton kernels as programmatic dependents) and "+lr" (split kernels
+    reduced in their last program), which `entry_env` applies."""
     base, *mods = name.split("+")
-    if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv"}:
-        raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused and/or +gemv; got {name!r}")
+    if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", *LAUNCH_ENV}:
+        raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl and/or +lr; "
+                         f"got {name!r}")
     return base == "custom", "unfused" not in mods, "gemv" in mods
+
+
+@contextlib.contextmanager
+def entry_env(name: str) -> Iterator[None]:
+    """The entry's launch modifiers set in the environment while its graphs are captured or its steps run (entries
+    without them keep the process's own setting), then put back."""
+    mods = set(name.split("+")[1:])
+    saved = {var: os.environ.get(var) for mod, var in LAUNCH_ENV.items() if mod in mods}
+    try:
+        for var in saved:
+            os.environ[var] = "1"
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def entries(args) -> list[str]:
@@ -216,47 +243,48 @@ def run(args, state) -> dict:
     results = header(state, context, steps, bw)
     names = entries(args)
     for ar in names:
-        comm, model = build(state, ar)
-        floor_ms = with_floor(results, model, bw)
-        for mode in modes:
-            blocks = max(batches) * -(-max_len // 16) + 16
-            graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
-            runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
-                                                     num_kv_blocks=blocks, graphs=graphs))
-            for batch in batches:
-                seqs = fake_context(runner, batch, context)
-                t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4))
-                row = {"allreduce": ar, "mode": mode, "batch": batch, "tpot_ms": slowest(state, t["tpot_ms"]),
-                       "host_ms": slowest(state, t["host_ms"]), "floor_ms": floor_ms}
-                row["x_floor"] = row["tpot_ms"] / floor_ms
-                if state.is_driver:
-                    print(f"{ar:6s} {mode:9s} bs={batch:4d}  TPOT {row['tpot_ms']:7.3f} ms  ({row['x_floor']:.2f}x "
-                          f"floor {floor_ms:.2f} ms)  host {row['host_ms']:.3f} ms", flush=True)
-                results["tpot"].append(row)
-                for seq in seqs:
-                    runner.free(seq)
-            runner.close()
-            del runner
-            torch.cuda.empty_cache()
-        if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once: the first entry, if custom
-            for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
-                graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
-                runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
-                                                         num_kv_blocks=max_batch + 16, graphs=graphs))
-                row = {"ladder": ladder, "buckets": len(runner.graphs.sets["decode"].graphs),
-                       "capture_s": slowest(state, runner.capture_s),
-                       "pool_gib": slowest(state, runner.capture_bytes / GiB)}
-                if state.is_driver:
-                    print(f"ladder {ladder}: {row['buckets']} buckets captured in {row['capture_s']:.2f} s, "
-                          f"pool {row['pool_gib']:.3f} GiB", flush=True)
-                results["ladders"].append(row)
+        with entry_env(ar):  # eager modes launch under it too
+            comm, model = build(state, ar)
+            floor_ms = with_floor(results, model, bw)
+            for mode in modes:
+                blocks = max(batches) * -(-max_len // 16) + 16
+                graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
+                runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
+                                                         num_kv_blocks=blocks, graphs=graphs))
+                for batch in batches:
+                    seqs = fake_context(runner, batch, context)
+                    t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4))
+                    row = {"allreduce": ar, "mode": mode, "batch": batch, "tpot_ms": slowest(state, t["tpot_ms"]),
+                           "host_ms": slowest(state, t["host_ms"]), "floor_ms": floor_ms}
+                    row["x_floor"] = row["tpot_ms"] / floor_ms
+                    if state.is_driver:
+                        print(f"{ar:6s} {mode:9s} bs={batch:4d}  TPOT {row['tpot_ms']:7.3f} ms  ({row['x_floor']:.2f}x "
+                              f"floor {floor_ms:.2f} ms)  host {row['host_ms']:.3f} ms", flush=True)
+                    results["tpot"].append(row)
+                    for seq in seqs:
+                        runner.free(seq)
                 runner.close()
                 del runner
                 torch.cuda.empty_cache()
-        del model
-        comm.close()
-        torch.cuda.empty_cache()
-        dist.barrier(group=state.cpu_group)
+            if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once: the first entry, if custom
+                for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
+                    graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
+                    runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
+                                                             num_kv_blocks=max_batch + 16, graphs=graphs))
+                    row = {"ladder": ladder, "buckets": len(runner.graphs.sets["decode"].graphs),
+                           "capture_s": slowest(state, runner.capture_s),
+                           "pool_gib": slowest(state, runner.capture_bytes / GiB)}
+                    if state.is_driver:
+                        print(f"ladder {ladder}: {row['buckets']} buckets captured in {row['capture_s']:.2f} s, "
+                              f"pool {row['pool_gib']:.3f} GiB", flush=True)
+                    results["ladders"].append(row)
+                    runner.close()
+                    del runner
+                    torch.cuda.empty_cache()
+            del model
+            comm.close()
+            torch.cuda.empty_cache()
+            dist.barrier(group=state.cpu_group)
     if args.profile:  # last: once CUPTI is up, every later launch in the process costs more host time
         results["profile"] = profiles(args, state, max_len, results["floor_ms"])
     return results
@@ -283,10 +311,12 @@ def run_interleaved(args, state) -> dict:
                          f"round; median step; slowest rank")
     engines = {}
     for ar in names:
-        comm, model = build(state, ar)
-        graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
-        runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
-                                                 num_kv_blocks=max(batches) * -(-max_len // 16) + 16, graphs=graphs))
+        with entry_env(ar):
+            comm, model = build(state, ar)
+            graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
+            runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
+                                                     num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
+                                                     graphs=graphs))
         engines[ar] = (comm, model, runner)
     floor_ms = with_floor(results, engines[names[0]][1], bw)
     for batch in batches:
@@ -294,10 +324,12 @@ def run_interleaved(args, state) -> dict:
         wall: dict[str, list[float]] = {ar: [] for ar in names}
         host: dict[str, list[float]] = {ar: [] for ar in names}
         for ar, (_, _, runner) in engines.items():
-            decode_steps(runner, seqs[ar], 0, warmup=3)
+            with entry_env(ar):
+                decode_steps(runner, seqs[ar], 0, warmup=3)
         for r in range(rounds):
             for ar in round_order(names, r):
-                w, h = decode_steps(engines[ar][2], seqs[ar], INTERLEAVE_CHUNK)
+                with entry_env(ar):
+                    w, h = decode_steps(engines[ar][2], seqs[ar], INTERLEAVE_CHUNK)
                 wall[ar] += w
                 host[ar] += h
         for ar in names:
@@ -324,13 +356,15 @@ def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     """One full-graph step at batch 1 and 8 under torch.profiler, for each all-reduce."""
     out = []
     for ar in entries(args):
-        comm, model = build(state, ar)
-        graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
-        runner = ModelRunner(model, RunnerConfig(max_batch=8, max_model_len=max_len,
-                                                 num_kv_blocks=8 * -(-max_len // 16) + 16, graphs=graphs))
+        with entry_env(ar):
+            comm, model = build(state, ar)
+            graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
+            runner = ModelRunner(model, RunnerConfig(max_batch=8, max_model_len=max_len,
+                                                     num_kv_blocks=8 * -(-max_len // 16) + 16, graphs=graphs))
         for batch in (1, 8):
             seqs = fake_context(runner, batch, args.context)
-            prof = profile_step(runner, seqs)
+            with entry_env(ar):
+                prof = profile_step(runner, seqs)
             prof.update(allreduce=ar, batch=batch, floor_ms=floor_ms)
             out.append(prof)
             if state.is_driver:
@@ -372,9 +406,10 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--modes", default="full,piecewise,none")
     p.add_argument("--allreduce", default="custom+gemv,nccl+gemv",
-                   help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels) and/or "
-                        "+gemv (the small-M projection kernel). Each entry sets every choice explicitly: custom+gemv "
-                        "is the product's default path, plain custom forces cuBLAS projections")
+                   help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels), +gemv "
+                        "(the small-M projection kernel), +pdl (TPGRAPH_TRITON_PDL=1) and/or +lr "
+                        "(TPGRAPH_LAST_SPLIT_REDUCES=1) while its graphs are captured and run. custom+gemv is the "
+                        "product's default path, plain custom forces cuBLAS projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -158,6 +158,12 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --no-ladders --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_${n}_pdl${pdl}_mb$mb.json" \
              2>&1 | grep -E "TPOT" | sed "s/^.*\r//; s/^/pdl=$pdl prefetch=${mb}MB /" | tee -a "$out/pdl_late.log"; pack
          done ;;
+    pdl-default) # issue 11: should Triton PDL be on by default? Every path with and without it in one interleaved
+         # process (graphs captured under each entry's setting): cuBLAS and small-M projections, bs 1 / 8 / 32
+         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 \
+             --no-ladders --allreduce custom,custom+pdl,custom+gemv,custom+gemv+pdl,custom+gemv+pdl+lr --interleave \
+             --steps 100 --out "$out/decode_pdl_default.json" 2>&1 | grep -E "TPOT" | sed "s/^.*\r//" \
+             | tee "$out/pdl_default.log" ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

@@ -49,6 +49,27 @@ def test_allreduce_entries_and_the_unfused_twins(bench):
     assert bench.entries(args) == ["custom", "custom+unfused", "custom+gemv", "custom+gemv+unfused", "nccl"]
 
 
+def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkeypatch):
+    import os
+
+    assert bench.variant("custom+gemv+pdl+lr") == (True, True, True)
+    monkeypatch.delenv("TPGRAPH_TRITON_PDL", raising=False)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
+    with bench.entry_env("custom+gemv+pdl"):
+        assert os.environ["TPGRAPH_TRITON_PDL"] == "1" and os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
+    assert "TPGRAPH_TRITON_PDL" not in os.environ  # put back: unset again
+    with bench.entry_env("custom+lr"):
+        assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "1" and "TPGRAPH_TRITON_PDL" not in os.environ
+    assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
+    with pytest.raises(RuntimeError), bench.entry_env("nccl+pdl"):
+        raise RuntimeError("a failing step")
+    assert "TPGRAPH_TRITON_PDL" not in os.environ  # restored on the way out of an error too
+    from argparse import Namespace
+
+    args = Namespace(allreduce="custom+gemv+pdl", unfused=True)
+    assert bench.entries(args) == ["custom+gemv+pdl", "custom+gemv+pdl+unfused"]
+
+
 def test_decode_steps_times_each_step_after_the_warm_up(bench):
     class FakeRunner:
         calls = 0
