@@ -62,11 +62,16 @@ def test_cpu_default_is_the_reference():
     assert torch.equal(silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
 
 
-def test_the_kernel_compiles_for_sm90_with_torchs_roundings():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_kernel_compiles_for_sm90_with_torchs_roundings(pdl):
     """Ahead of time, without a GPU: silu_mul's add, IEEE division and product are their own round-to-nearest
     instructions (the gate_up projection's epilogue shares them and keeps FMA contraction on)."""
     from tpgtest.ptx import sm90_ptx
 
     ptx = sm90_ptx("tpgraph.kernels.activation", "_silu_and_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"},
-                   ["inter", "stride_x", "stride_o"], {"BLOCK": 1024, "SOFT_BF16": False, "EXACT": True})
+                   ["inter", "stride_x", "stride_o"], {"BLOCK": 1024, "SOFT_BF16": False, "EXACT": True, "PDL": pdl})
     assert "add.rn.f32" in ptx and "div.rn.f32" in ptx and "mul.rn.f32" in ptx
+    # as a programmatic dependent: the wait before any load (the kernel before writes x)
+    assert ("griddepcontrol.wait" in ptx) == pdl
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

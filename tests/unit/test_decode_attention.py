@@ -120,8 +120,10 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
     assert torch.equal(again, first)
 
 
-def test_the_last_split_variant_compiles_for_sm90():
-    """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1."""
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_last_split_variant_compiles_for_sm90(pdl):
+    """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1; as a
+    programmatic dependent, the wait comes before any load and the next kernel is let in right after it."""
     from tpgraph.kernels import decode_attention as da
 
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -132,6 +134,11 @@ def test_the_last_split_variant_compiles_for_sm90():
                     "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                     "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False,
-                    "LAST_COMBINES": True}, num_stages=2)
+                    "LAST_COMBINES": True, "PDL": pdl}, num_stages=2)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)
+    if pdl:
+        wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert wait < trigger < ptx.index("ld.global")
+    else:
+        assert "griddepcontrol" not in ptx

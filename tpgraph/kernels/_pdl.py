@@ -1,9 +1,11 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels that follow an all-reduce.
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
 
-The all-reduce kernels signal `griddepcontrol.launch_dependents` as they start, so a kernel launched as a programmatic
-dependent can be resident and waiting (`gdc_wait`) while the all-reduce runs, instead of being launched after it ends.
-That saves a launch gap per all-reduce (64 per Llama-3-8B step). NCCL's kernels never signal, so after NCCL the same
-launch simply starts when the all-reduce ends, as before.
+A kernel launched as a programmatic dependent can be resident and waiting (`gdc_wait`) while the kernel before it
+still runs, once that kernel lets it in (`griddepcontrol.launch_dependents`), instead of being launched after it ends.
+The all-reduce kernels and the small kernels (`pdl_enter`: RMSNorm, rope + KV store, split-K sum, decode attention and
+its combine, SiLU·mul) let the next kernel in as they start; the small-M projections after their K loop, so that the
+next kernel does not take SM slots and L2 from their weight stream. cuBLAS and NCCL kernels never let anyone in
+early: after them the same launch simply starts when they end, as before.
 
 Opt-in (`TPGRAPH_TRITON_PDL=1`); it needs sm_90+ and a Triton with `launch_pdl` and `gdc_wait`. Measured on 2xH200
 (bench/results/2026-11-30_h200x2_gemv, runs 12-14, Llama-3-8B shape, TP=2, full graphs), the small-M path with it
@@ -18,6 +20,12 @@ import functools
 import os
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no kernels to launch
+    triton = None
 
 
 @functools.cache
@@ -46,3 +54,20 @@ def use_pdl(t: torch.Tensor) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     return _device_has_pdl(t.device.index) and triton_has_pdl()
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """The first statement of a small kernel launched as a programmatic dependent: wait until the kernel before
+        has finished and its writes are visible, then let the kernel after become resident at once (a small grid
+        leaves the SMs room for it; it waits in turn)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch option that makes a kernel a programmatic dependent, where `pdl` (from use_pdl)."""
+    return {"launch_pdl": True} if pdl else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
@@ -17,6 +18,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
@@ -49,7 +51,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o,
-                             BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT: tl.constexpr):
+                             BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < inter
@@ -74,10 +77,12 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
         return out
     soft = soft_bf16_rounding(x)
     block = min(_BLOCK, triton.next_power_of_2(inter))
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0),
-        BLOCK=block, SOFT_BF16=soft, EXACT=not soft,
+        BLOCK=block, SOFT_BF16=soft, EXACT=not soft, PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
+        **pdl_launch(pdl),
     )
     return out

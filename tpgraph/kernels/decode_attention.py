@@ -23,6 +23,7 @@ import functools
 import torch
 
 from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
@@ -30,6 +31,7 @@ try:
     import triton.language as tl
 
     from tpgraph.kernels._counters import arrived_last, reset_counter
+    from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import to_dtype
 except ImportError:  # CPU-only installs without Triton use paged_decode_reference
     triton = None
@@ -82,11 +84,12 @@ if triton is not None:
         stride_pb, stride_ph, stride_ps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr,
+        INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
         partials of its whole query group in split order (tpgraph/kernels/_counters.py)."""
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
@@ -186,8 +189,9 @@ if triton is not None:
         part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -247,6 +251,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out
+    pdl = use_pdl(q)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,
         scale * _LOG2E, tokens_per_split,
@@ -256,13 +261,13 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted, LAST_COMBINES=last_combines,
-        num_warps=4, num_stages=2, enable_fp_fusion=True,
+        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
+        num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            INTERPRETED=interpreted, num_warps=4, enable_fp_fusion=True,
+            INTERPRETED=interpreted, PDL=pdl, num_warps=4, enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
-from tpgraph.kernels._pdl import use_pdl
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
@@ -42,6 +42,7 @@ try:
     import triton.language as tl
 
     from tpgraph.kernels._counters import arrived_last, reset_counter
+    from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.rope_store import rotate_pair
@@ -338,9 +339,11 @@ if triton is not None:
             tl.store(dst + half, to_dtype(t2, dtype, SOFT_BF16), mask=rows_ok)
 
     @triton.jit
-    def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+    def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+                          PDL: tl.constexpr):
         """y (contiguous, numel elements) = the SPLITS partials of ws [SPLITS, numel], added in split order (a
         fixed order: the bits do not depend on which split finished first), rounded once."""
+        pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < numel
         acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
@@ -410,10 +413,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) ->
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
         GATE_UP=gate_up, EXACT=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
         LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        num_stages=cfg.num_stages, **pdl_launch(pdl))
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, num_warps=4)
+            out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return y
 
 
@@ -453,5 +456,5 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
         PDL=pdl, PREFETCH_TILES=prefetch_tiles(config, n, k, x.element_size()),
         LINE=min(128 // x.element_size(), config.block_k), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not soft, num_warps=config.num_warps,
-        num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+        num_stages=config.num_stages, **pdl_launch(pdl))
     return q

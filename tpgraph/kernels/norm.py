@@ -15,13 +15,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpgraph.kernels._pdl import use_pdl
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
     import triton
     import triton.language as tl
 
+    from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
@@ -50,8 +51,7 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, MEAN_BY_DIV: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # launched early as a programmatic dependent: wait for the kernel before (the all-reduce) to finish
-            tl.extra.cuda.gdc_wait()
+        pdl_enter(PDL)  # as a programmatic dependent: wait for the kernel before, then let the next one in
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -99,7 +99,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         HAS_RESIDUAL=residual is not None, MEAN_BY_DIV=by_div, SOFT_BF16=soft_bf16_rounding(x), BLOCK=block,
         PDL=pdl, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_launch(pdl),
     )
     return out, res_out
 

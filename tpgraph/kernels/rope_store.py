@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 
 try:
     import triton
     import triton.language as tl
 
+    from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import mul_rn, round_to, to_dtype
 except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
@@ -93,8 +95,9 @@ if triton is not None:
         qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr,
         stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SOFT_BF16: tl.constexpr,
+        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a kv head (k rotated, v copied)
         half = HEAD_DIM // 2
@@ -157,14 +160,16 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q, k
+    pdl = use_pdl(qkv)
     _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k,
         qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         q.stride(0), k.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HALF_PAD=triton.next_power_of_2(head_dim // 2), DIM_PAD=triton.next_power_of_2(head_dim),
-        SOFT_BF16=soft_bf16_rounding(qkv),
+        SOFT_BF16=soft_bf16_rounding(qkv), PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
+        **pdl_launch(pdl),
     )
     return q, k
