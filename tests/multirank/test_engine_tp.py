@@ -22,3 +22,14 @@ def test_two_ranks_agree_with_one():
     # sequence of draws also matches, since both runs schedule identically)
     single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]
     assert ranks[0]["completions"] == single
+
+
+def test_four_ranks_agree_with_one():
+    """TP=4 on CPU (issue 12's path where no four GPUs are lent): every rank the same completions, equal to TP=1's
+    for the greedy and seeded requests."""
+    ranks = run_ranks(engine_generate, 4, PROMPTS, PARAMS, ENGINE, timeout_s=300)
+    assert all(r == ranks[0] for r in ranks[1:]) and ranks[0]["blocks_back"]
+    with TPEngine(device="cpu", **ENGINE) as engine:
+        one = engine.generate(PROMPTS, PARAMS)
+    single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]
+    assert ranks[0]["completions"] == single
