@@ -163,7 +163,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 \
              --no-ladders --allreduce custom,custom+pdl,custom+gemv,custom+gemv+pdl,custom+gemv+pdl+lr --interleave \
              --steps 100 --out "$out/decode_pdl_default.json" 2>&1 | grep -E "TPOT" | sed "s/^.*\r//" \
-             | tee "$out/pdl_default.log" ;;
+             | tee "$out/pdl_default.log"
+         python3 bench/report_decode.py "$out/decode_pdl_default.json" --entry custom+gemv+pdl \
+             | tee -a "$out/pdl_default.log" ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;
