@@ -35,6 +35,21 @@ def test_profile_table_compares_with_the_floor(bench):
     assert lines[2].split() == ["gemm", "2", "2.700", "75.0%"] and lines[3].split()[0] == "norm"
 
 
+def test_busy_time_is_the_union_of_the_kernels_intervals(bench):
+    assert bench.covered_us([]) == 0.0
+    assert bench.covered_us([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # disjoint: the sum
+    assert bench.covered_us([(0.0, 4.0), (1.0, 2.0), (3.0, 6.0)]) == 6.0  # nested and overlapping: counted once
+    assert bench.covered_us([(3.0, 6.0), (0.0, 4.0)]) == 6.0  # any order
+
+
+def test_profile_table_says_when_kernels_overlapped(bench):
+    prof = {"kernels": 2, "kernel_us": 5000.0, "busy_us": 3000.0, "span_us": 3500.0, "gaps_us": 500.0,
+            "overlap_us": 2000.0, "allreduce": "custom+gemv+pdl", "batch": 1, "floor_ms": 1.8,
+            "by_category": {"gemm": {"count": 2, "us": 5000.0}}}
+    table = bench.profile_table(prof)
+    assert "kernels overlapped for 2.000 ms" in table and "busy 3.000 ms" in table
+
+
 def test_allreduce_entries_and_the_unfused_twins(bench):
     from argparse import Namespace
 
