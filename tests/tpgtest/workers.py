@@ -483,6 +483,22 @@ def capture_all_reduce(ar, static, algo, pool=None):
     return graph, out, registration
 
 
+def all_reduce_once(ar, x, algo, in_graph):
+    """x's forced all-reduce into a new tensor (x untouched): eager, or captured in a graph (inside ar.capture()),
+    replayed once and dropped, its registration given back."""
+    if not in_graph:
+        return ar.all_reduce(x.clone(), algo)
+    static = torch.zeros_like(x)
+    graph, out, registration = capture_all_reduce(ar, static, algo)
+    static.copy_(x)
+    graph.replay()
+    result = out.clone()
+    del graph, out
+    torch.cuda.synchronize()
+    ar.release_registration(registration)
+    return result
+
+
 def custom_ar_random_normal(rank, world_size, init, sizes):
     """Random-normal inputs, where summation order shows: every algorithm, dtype and size, eager and in a graph,
     must give the fp32 sum in rank order bit for bit, and the same bits on every rank."""
@@ -498,17 +514,7 @@ def custom_ar_random_normal(rank, world_size, init, sizes):
                         g = torch.Generator(device="cuda").manual_seed(7919 * rank + numel + 13 * in_graph)
                         x = torch.randn(numel, device="cuda", generator=g).to(dtype)
                         ref = rank_order_sum(state, x)
-                        if in_graph:
-                            static = torch.zeros_like(x)
-                            graph, out, registration = capture_all_reduce(ar, static, algo)
-                            static.copy_(x)
-                            graph.replay()
-                            result = out.clone()
-                            del graph, out
-                            torch.cuda.synchronize()
-                            ar.release_registration(registration)
-                        else:
-                            result = ar.all_reduce(x.clone(), algo)
+                        result = all_reduce_once(ar, x, algo, in_graph)
                         checked += 1
                         if not (torch.equal(result, ref) and same_on_every_rank(state, result)):
                             failures.append((name, str(dtype), numel, in_graph,
@@ -540,17 +546,7 @@ def custom_ar_push_pieces(rank, world_size, init, slot_bytes, byte_sizes):
                 dist.all_reduce(int_ref, group=state.tp_group)
                 for in_graph in (False, True):
                     for value, want in ((x, ref), (ints, int_ref)):
-                        if in_graph:
-                            static = torch.zeros_like(value)
-                            graph, out, registration = capture_all_reduce(ar, static, Algo.PUSH_1SHOT)
-                            static.copy_(value)
-                            graph.replay()
-                            result = out.clone()
-                            del graph, out
-                            torch.cuda.synchronize()
-                            ar.release_registration(registration)
-                        else:
-                            result = ar.all_reduce(value.clone(), Algo.PUSH_1SHOT)
+                        result = all_reduce_once(ar, value, Algo.PUSH_1SHOT, in_graph)
                         small.fill_(1.0)
                         ar.all_reduce(small, Algo.PUSH_1SHOT)  # a one-piece call between: phases stay in step
                         checked += 1
