@@ -55,6 +55,7 @@ MAX_M = 16
 # small-M path 4-5% slower relative to cuBLAS in the same run than one tile per program did, at batch 1 and 8: the
 # prefetch competes with the kernel before it for HBM, and that kernel's own stream evicts what it pulled.
 PREFETCH_BUDGET = 0
+SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
 def prefetch_budget() -> int:
@@ -67,7 +68,6 @@ def prefetch_budget() -> int:
         return max(0, int(float(env) * (1 << 20)))
     except ValueError:
         raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB, got {env!r}") from None
-SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
 @dataclass(frozen=True)
@@ -411,7 +411,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) ->
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        GATE_UP=gate_up, EXACT=not soft, PDL=pdl, PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()),
+        GATE_UP=gate_up, EXACT=not soft, PDL=pdl,
+        PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,  # unused without PDL
         LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(pdl))
     if cfg.split_k > 1 and not last_reduces:
@@ -453,7 +454,7 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0),
         BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        PDL=pdl, PREFETCH_TILES=prefetch_tiles(config, n, k, x.element_size()),
+        PDL=pdl, PREFETCH_TILES=prefetch_tiles(config, n, k, x.element_size()) if pdl else 1,
         LINE=min(128 // x.element_size(), config.block_k), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not soft, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_launch(pdl))
