@@ -17,7 +17,7 @@ graphs are dropped.
 
 In a layer: a graph of 32 x (a [M,4096] x [4096,4096] GEMV, then the all-reduce of its output), minus the same graph
 without the all-reduces, per layer, at 8 KB (M = 1) and 64 KB (M = 8), all of a case's graphs timed interleaved as
-above (max(--runs, 50) rounds); also with rank 0 doing twice the GEMV work (one rank arriving late). Diagnostics
+above (max(--runs, 100) rounds); also with rank 0 doing twice the GEMV work (one rank arriving late). Diagnostics
 beside them: auto without PDL, and 1shot_push at fixed grids (IN_LAYER_PUSH_GRIDS).
 `python bench/report_allreduce.py ar.json` prints the table and the checks.
 """

@@ -17,8 +17,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -190,22 +190,11 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     return base == "custom", "unfused" not in mods, "gemv" in mods
 
 
-@contextlib.contextmanager
-def entry_env(name: str) -> Iterator[None]:
+def entry_env(name: str) -> contextlib.AbstractContextManager:
     """The entry's launch modifiers set in the environment while its graphs are captured or its steps run (entries
     without them keep the process's own setting), then put back."""
     mods = set(name.split("+")[1:])
-    saved = {var: os.environ.get(var) for mod, var in LAUNCH_ENV.items() if mod in mods}
-    try:
-        for var in saved:
-            os.environ[var] = "1"
-        yield
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+    return mock.patch.dict(os.environ, {var: "1" for mod, var in LAUNCH_ENV.items() if mod in mods})
 
 
 def entries(args) -> list[str]:
