@@ -90,6 +90,7 @@ for step in "$@"; do
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
+         # (the defaults, set here in case the environment turns one off)
          for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout 200 torchrun \
              --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
              --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
@@ -158,13 +159,13 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --no-ladders --allreduce custom,custom+gemv --interleave --steps 60 --out "$out/decode_${n}_pdl${pdl}_mb$mb.json" \
              2>&1 | grep -E "TPOT" | sed "s/^.*\r//; s/^/pdl=$pdl prefetch=${mb}MB /" | tee -a "$out/pdl_late.log"; pack
          done ;;
-    pdl-default) # issue 11: should Triton PDL be on by default? Every path with and without it in one interleaved
-         # process (graphs captured under each entry's setting): cuBLAS and small-M projections, bs 1 / 8 / 32
+    pdl-default) # issue 11: Triton PDL and last-split reductions (both on by default) against each off, in one
+         # interleaved process (graphs captured under each entry's setting): cuBLAS and small-M projections, bs 1 / 8 / 32
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 \
-             --no-ladders --allreduce custom,custom+pdl,custom+gemv,custom+gemv+pdl,custom+gemv+pdl+lr --interleave \
-             --steps 100 --out "$out/decode_pdl_default.json" 2>&1 | grep -E "TPOT" | sed "s/^.*\r//" \
+             --no-ladders --allreduce custom+nopdl,custom,custom+gemv+nopdl+nolr,custom+gemv+nolr,custom+gemv \
+             --interleave --steps 100 --out "$out/decode_pdl_default.json" 2>&1 | grep -E "TPOT" | sed "s/^.*\r//" \
              | tee "$out/pdl_default.log"
-         python3 bench/report_decode.py "$out/decode_pdl_default.json" --entry custom+gemv+pdl \
+         python3 bench/report_decode.py "$out/decode_pdl_default.json" --entry custom+gemv \
              | tee -a "$out/pdl_default.log" ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \

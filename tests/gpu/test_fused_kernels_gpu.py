@@ -215,6 +215,7 @@ def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, s
     x = torch.randn(8, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     cfg = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=split_k)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the sum kernel first
     two_kernels = linear_small_m(x, w, config=cfg)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     for _ in range(3):

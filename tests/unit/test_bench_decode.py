@@ -76,6 +76,9 @@ def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkey
     with bench.entry_env("custom+lr"):
         assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "1" and "TPGRAPH_TRITON_PDL" not in os.environ
     assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
+    with bench.entry_env("custom+gemv+nopdl+nolr"):
+        assert os.environ["TPGRAPH_TRITON_PDL"] == "0" and os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
+    assert "TPGRAPH_TRITON_PDL" not in os.environ
     with pytest.raises(RuntimeError), bench.entry_env("nccl+pdl"):
         raise RuntimeError("a failing step")
     assert "TPGRAPH_TRITON_PDL" not in os.environ  # restored on the way out of an error too

@@ -102,13 +102,14 @@ def test_bf16_within_bf16_tolerance():
 @pytest.mark.parametrize("seed", [0, 6, 17, 31])
 @pytest.mark.parametrize("num_splits", [2, 3, 4])
 def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_splits):
-    """TPGRAPH_LAST_SPLIT_REDUCES=1: the last split of each (sequence, KV head) merges the group's partials (no
+    """Last-split reductions (the default): the last split of each (sequence, KV head) merges the group's partials (no
     combine kernel). It matches the reference and the combine kernel, repeats bit for bit, padded rows give zeros,
     and the counters are back at zero after every call."""
     from tpgraph.kernels._counters import split_counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=200)
     lens[-1] = 0  # a padded row: every split empty
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the combine kernel first
     kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     first = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)

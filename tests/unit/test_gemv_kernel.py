@@ -269,6 +269,7 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
     x = torch.randn(3, 300, generator=g).to(dtype)
     w = torch.randn(37, 300, generator=g).to(dtype)
     cfg = GemvConfig(16, 64, 4, 2, split_k)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the sum kernel first
     two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     for _ in range(2):  # twice: the counters are back at zero after each call

@@ -7,11 +7,11 @@ its combine, SiLU·mul) let the next kernel in as they start; the small-M projec
 next kernel does not take SM slots and L2 from their weight stream. cuBLAS and NCCL kernels never let anyone in
 early: after them the same launch simply starts when they end, as before.
 
-Opt-in (`TPGRAPH_TRITON_PDL=1`); it needs sm_90+ and a Triton with `launch_pdl` and `gdc_wait`. Measured on 2xH200
-(bench/results/2026-11-30_h200x2_gemv, runs 12-14, Llama-3-8B shape, TP=2, full graphs), the small-M path with it
-took 3.306-3.316 ms a step at batch 1 against 3.323-3.366 without, and 3.444-3.470 against 3.490-3.552 at batch 8;
-but the cuBLAS path (larger batches) was up to 0.08 ms slower with it in the same calls, and batch 32 was not
-measured. Default-on waits for that.
+On by default on sm_90+ with a Triton that has `launch_pdl` and `gdc_wait` (`TPGRAPH_TRITON_PDL=0` turns it off).
+Measured on 2xH200 (Llama-3-8B shape, TP=2, full graphs, every entry in one interleaved process:
+bench/results/2026-11-30_h200x2_session7/run1_pdl_default), a step took, at batch 1 / 8 / 32: small-M projections
+3.180 / 3.361 / 3.952 ms with it against 3.309 / 3.402 / 3.932 without; cuBLAS 3.370 / 3.522 / 3.940 against
+3.461 / 3.517 / 3.940.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _device_has_pdl(index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Launch the kernel reading `t` as a programmatic dependent of the kernel before it?"""
-    if os.environ.get("TPGRAPH_TRITON_PDL", "0") != "1" or not t.is_cuda:
+    if os.environ.get("TPGRAPH_TRITON_PDL", "1") == "0" or not t.is_cuda:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False

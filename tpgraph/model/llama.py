@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
                                         device)
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
-        self.fused_qkv_rope = True  # with the small-M kernel and TPGRAPH_LAST_SPLIT_REDUCES=1; +unfused turns it off
+        self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
