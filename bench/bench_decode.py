@@ -39,6 +39,7 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         max_position_embeddings=8192, tie_word_embeddings=False)
 GiB = 1 << 30
 TOP_KERNELS = 8  # the profile's kernels by total time, by name
+LAYER_WINDOW = 16  # kernels listed in order from the middle of the step (a layer and a half)
 INTERLEAVE_CHUNK = 10  # steps an entry runs per round with --interleave
 
 
@@ -122,10 +123,34 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
     # Programmatic dependents are resident (and timed) while the kernel before them still runs: the kernels' sum
     # then exceeds the span. The GPU's busy time is the union of their intervals; the gaps are what it leaves.
     busy = covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    added = time_added([(e.name, e.time_range.start, e.time_range.end) for e in kernels])
+    mid = len(added) // 2
+    added_by_cat: dict[str, float] = {}
+    added_by_name: dict[str, float] = {}
+    for name, us in added:
+        added_by_cat[kernel_category(name)] = added_by_cat.get(kernel_category(name), 0.0) + us
+        added_by_name[name] = added_by_name.get(name, 0.0) + us
     return {"kernels": len(kernels), "kernel_us": total, "busy_us": busy, "span_us": end - start,
             "gaps_us": end - start - busy, "overlap_us": total - busy,
-            "by_category": {c: {"count": len(v), "us": sum(v)} for c, v in sorted(by_cat.items())},
-            "top_kernels": [{"name": n, "count": len(v), "us": sum(v)} for n, v in top]}
+            "by_category": {c: {"count": len(v), "us": sum(v), "added_us": added_by_cat[c]}
+                            for c, v in sorted(by_cat.items())},
+            "top_kernels": [{"name": n, "count": len(v), "us": sum(v), "added_us": added_by_name[n]} for n, v in top],
+            "one_layer": [{"name": n, "added_us": us} for n, us in added[mid:mid + LAYER_WINDOW]]}
+
+
+def time_added(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """(name, µs) per kernel in the order they end: how much later the step's last kernel so far ends because of it
+    (its end minus the previous end, or minus the first start). The kernels of a step depend on one another, so this
+    splits the span exactly, gaps and waits included, and a programmatic dependent resident early is charged only
+    for the time it adds, not for the time it spent waiting."""
+    if not kernels:
+        return []
+    reach = min(start for _, start, _ in kernels)
+    out = []
+    for name, _, end in sorted(kernels, key=lambda k: k[2]):
+        out.append((name, max(end - reach, 0.0)))
+        reach = max(reach, end)
+    return out
 
 
 def covered_us(intervals: list[tuple[float, float]]) -> float:
@@ -149,13 +174,23 @@ def profile_table(prof: dict) -> str:
              + (f"; kernels overlapped for {prof['overlap_us'] / 1e3:.3f} ms (programmatic dependents resident "
                 f"early), so the GPU was busy {prof['busy_us'] / 1e3:.3f} ms" if prof.get("overlap_us", 0) > 0.5
                 else ""),
-             f"  {'category':12s} {'kernels':>7s} {'ms':>8s} {'share':>6s}"]
+             f"  {'category':12s} {'kernels':>7s} {'ms':>8s} {'share':>6s} {'added ms':>9s}"]
     for cat, v in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]["us"]):
-        lines.append(f"  {cat:12s} {v['count']:7d} {v['us'] / 1e3:8.3f} {v['us'] / prof['kernel_us']:6.1%}")
-    lines.append(f"  top kernels: {'count':>5s} {'ms':>8s}  name")
+        lines.append(f"  {cat:12s} {v['count']:7d} {v['us'] / 1e3:8.3f} {v['us'] / prof['kernel_us']:6.1%} "
+                     f"{v.get('added_us', float('nan')) / 1e3:9.3f}")
+    lines.append(f"  top kernels: {'count':>5s} {'ms':>8s} {'added ms':>9s}  name")
     for k in prof.get("top_kernels", []):
-        lines.append(f"  {'':12s} {k['count']:5d} {k['us'] / 1e3:8.3f}  {k['name'][:100]}")
+        lines.append(f"  {'':12s} {k['count']:5d} {k['us'] / 1e3:8.3f} {k.get('added_us', float('nan')) / 1e3:9.3f}  "
+                     f"{k['name'][:90]}")
+    if prof.get("one_layer"):
+        lines.append("  mid-step kernels in order, µs each adds to the step: " + ", ".join(
+            f"{short_name(k['name'])} {k['added_us']:.1f}" for k in prof["one_layer"]))
     return "\n".join(lines)
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments and namespaces."""
+    return name.split("<")[0].split("::")[-1].split("(")[0].removeprefix("void ").strip()
 
 
 def kernel_category(name: str) -> str:

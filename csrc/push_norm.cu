@@ -56,16 +56,26 @@ __global__ void __launch_bounds__(kThreads)
                                   uint4* residual_out, int rows, int row_chunks, float eps, float inv_hidden) {
   pdl_wait();
   pdl_launch_dependents();
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  // The weight, and below each row's residual, are loaded with the input, not after the peers' vectors arrive: their
+  // latency then hides in that wait instead of adding to it. (Not before pdl_wait: the caller may have just written
+  // the weight, and only the wait makes the kernel before visible.)
+  uint4 w_held[kChunksPerWarp];
+#pragma unroll
+  for (int n = 0; n < kChunksPerWarp; ++n) {
+    const int k = warp + n * kWarps;
+    if (k < row_chunks) w_held[n] = weight[size_t(k) * kPushChunkVecs + lane];
+  }
   __shared__ float scratch[kWarps + 1];
   uint32_t* phases = reinterpret_cast<uint32_t*>(p.peer_ws[p.rank] + p.phases_offset);
   const size_t slot_vecs = p.push_slot_bytes / sizeof(uint4);
   auto slot = [&](int owner, uint32_t phase, int src) {
     return reinterpret_cast<uint4*>(p.peer_ws[owner] + p.push_offset) + (size_t(phase) * W + src) * slot_vecs;
   };
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
     uint32_t phase[kChunksPerWarp];
     uint4 held[kChunksPerWarp];  // first this rank's vector, then the new residual
+    uint4 res[kChunksPerWarp];   // the residual
     // Push this warp's chunks of the row into every peer's slot.
 #pragma unroll
     for (int n = 0; n < kChunksPerWarp; ++n) {
@@ -75,6 +85,7 @@ __global__ void __launch_bounds__(kThreads)
       const size_t i = c * kPushChunkVecs + lane;
       phase[n] = phases[c];
       held[n] = avoid_sentinel<T>(in[i]);
+      res[n] = residual[i];
 #pragma unroll
       for (int r = 0; r < W; ++r) {
         if (r != p.rank) store_volatile_v4(slot(r, phase[n], p.rank) + i, held[n]);
@@ -101,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < W; ++r) {
         if (r != p.rank) store_volatile_v4(slot(p.rank, phase[n], r) + i, sentinel_vec());
       }
-      held[n] = add_round<T>(reduce_vecs<T, W>(vals), residual[i]);
+      held[n] = add_round<T>(reduce_vecs<T, W>(vals), res[n]);
       residual_out[i] = held[n];
 #pragma unroll
       for (int e = 0; e < Vec<T>::N; ++e) {
@@ -116,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
       const int k = warp + n * kWarps;
       if (k >= row_chunks) break;
       const size_t i = (size_t(row) * row_chunks + k) * kPushChunkVecs + lane;
-      const uint4 w = weight[size_t(k) * kPushChunkVecs + lane];
+      const uint4& w = w_held[n];
       uint4 normed, o;
 #pragma unroll
       for (int e = 0; e < Vec<T>::N; ++e) Vec<T>::set(normed, e, Vec<T>::get(held[n], e) * rstd);

@@ -28,11 +28,24 @@ def test_kernel_categories(bench, name, category):
 
 def test_profile_table_compares_with_the_floor(bench):
     prof = {"kernels": 3, "kernel_us": 3600.0, "span_us": 4000.0, "gaps_us": 400.0, "allreduce": "custom", "batch": 1,
-            "floor_ms": 1.8, "by_category": {"gemm": {"count": 2, "us": 2700.0}, "norm": {"count": 1, "us": 900.0}}}
+            "floor_ms": 1.8, "by_category": {"gemm": {"count": 2, "us": 2700.0, "added_us": 3000.0},
+                                             "norm": {"count": 1, "us": 900.0, "added_us": 1000.0}},
+            "one_layer": [{"name": "void tpgraph::(anonymous namespace)::push_kernel<__nv_bfloat16, 2>(Args)",
+                           "added_us": 4.25}, {"name": "_gemv_kernel", "added_us": 10.0}]}
     table = bench.profile_table(prof)
     assert "3 kernels, 3.600 ms kernel time (2.00x the 1.80 ms floor), 0.400 ms of gaps" in table
     lines = table.splitlines()
-    assert lines[2].split() == ["gemm", "2", "2.700", "75.0%"] and lines[3].split()[0] == "norm"
+    assert lines[2].split() == ["gemm", "2", "2.700", "75.0%", "3.000"] and lines[3].split()[0] == "norm"
+    assert lines[-1].endswith("push_kernel 4.2, _gemv_kernel 10.0")
+
+
+def test_time_added_splits_the_span_by_kernel_end(bench):
+    assert bench.time_added([]) == []
+    # b is resident early (PDL) and ends 1 after a: charged 1, not its 9 of residency; c ends 3 after b, with a gap
+    added = bench.time_added([("b", 1.0, 10.0), ("a", 0.0, 9.0), ("c", 11.0, 13.0)])
+    assert added == [("a", 9.0), ("b", 1.0), ("c", 3.0)]
+    assert sum(us for _, us in added) == 13.0  # the span
+    assert bench.time_added([("a", 0.0, 9.0), ("b", 2.0, 5.0)]) == [("b", 5.0), ("a", 4.0)]  # a kernel inside another
 
 
 def test_busy_time_is_the_union_of_the_kernels_intervals(bench):
