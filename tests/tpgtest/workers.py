@@ -120,6 +120,14 @@ def roomy_config():
     return CustomAllReduceConfig(push_slot_bytes=64 << 20, staging_bytes=64 << 20)
 
 
+def forced_pull_config(**kw):
+    """The default workspace, plus staging for a forced eager pull of a few KB: the product sizes staging from its
+    table's pull bands, and the SM90 ws=2 rows have none, so the default would refuse it."""
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+
+    return CustomAllReduceConfig(staging_bytes=1 << 20, **kw)
+
+
 @contextlib.contextmanager
 def custom_ar_on_rank(rank, world_size, init, cfg=None) -> Iterator[tuple]:
     """(state, CustomAllReduce) on this rank's GPU, closed and torn down on the way out."""
@@ -167,12 +175,12 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
     import os
     import time
 
-    from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
+    from tpgraph.comm.custom_ar import CustomAllReduce
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
     state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state, CustomAllReduceConfig(timeout_s=timeout_s))
+    ar = CustomAllReduce(state, forced_pull_config(timeout_s=timeout_s))
     x = torch.ones(4096, device="cuda")
     ar.all_reduce(x, Algo.PULL_1SHOT)
     torch.cuda.synchronize()
@@ -209,7 +217,7 @@ def custom_ar_unregistered_replay(rank, world_size, init, out_dir):
     from tpgraph.errors import CommError
 
     state = init_distributed("cuda", rank, world_size, init)
-    ar = CustomAllReduce(state)
+    ar = CustomAllReduce(state, forced_pull_config())
     x = torch.ones(4096, device="cuda")
     ar.all_reduce(x, Algo.PULL_2SHOT)  # warm-up (eager)
     torch.cuda.synchronize()
@@ -303,11 +311,10 @@ def custom_ar_graphs(rank, world_size, init, replays):
 
 def custom_ar_two_streams(rank, world_size, init):
     """A call from a second stream while the first stream's call may still run is refused, not hung."""
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.comm.thresholds import Algo
     from tpgraph.errors import CommError
 
-    with custom_ar_on_rank(rank, world_size, init, CustomAllReduceConfig(timeout_s=20)) as (state, ar):
+    with custom_ar_on_rank(rank, world_size, init, forced_pull_config(timeout_s=20)) as (state, ar):
         a, b = torch.cuda.Stream(), torch.cuda.Stream()
         x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
         with torch.cuda.stream(a):  # first launch loads the kernel module (lazy loading may synchronize)
