@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -211,6 +212,7 @@ def kernel_category(name: str) -> str:
 # launch modifiers: the environment the entry's graphs are captured under (read by the kernels at launch); "+pdl"
 # sets the variable to 1, "+nopdl" to 0
 LAUNCH_ENV = {"pdl": "TPGRAPH_TRITON_PDL", "lr": "TPGRAPH_LAST_SPLIT_REDUCES"}
+PREFETCH_MOD = r"pf\d+"  # "+pf16": TPGRAPH_PDL_PREFETCH_MB=16 (weights pulled into L2 ahead of the PDL wait)
 LAUNCH_MODS = {**{mod: (var, "1") for mod, var in LAUNCH_ENV.items()},
                **{f"no{mod}": (var, "0") for mod, var in LAUNCH_ENV.items()}}
 
@@ -220,8 +222,10 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     "custom" or "nccl", then modifiers: "+unfused" (the all-reduce and the add+RMSNorm as two kernels, and with +gemv
     SiLU·mul as its own kernel before the down projection), "+gemv" (the Triton small-M projections instead of
     cuBLAS), and the launch modifiers "+pdl" / "+nopdl" (Triton kernels as programmatic dependents or not) and
-    "+lr" / "+nolr" (split kernels reduced in their last program or by a second kernel), which `entry_env` applies."""
+    "+lr" / "+nolr" (split kernels reduced in their last program or by a second kernel) and "+pf<MB>" (the L2
+    prefetch budget of the projections), which `entry_env` applies."""
     base, *mods = name.split("+")
+    mods = [m for m in mods if not re.fullmatch(PREFETCH_MOD, m)]
     if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", *LAUNCH_MODS}:
         raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl/+nopdl and/or +lr/+nolr; "
                          f"got {name!r}")
@@ -232,7 +236,9 @@ def entry_env(name: str) -> contextlib.AbstractContextManager:
     """The entry's launch modifiers set in the environment while its graphs are captured or its steps run (entries
     without them keep the process's own setting), then put back."""
     mods = set(name.split("+")[1:])
-    return mock.patch.dict(os.environ, dict(LAUNCH_MODS[mod] for mod in mods if mod in LAUNCH_MODS))
+    env = dict(LAUNCH_MODS[mod] for mod in mods if mod in LAUNCH_MODS)
+    env.update(("TPGRAPH_PDL_PREFETCH_MB", m[2:]) for m in mods if re.fullmatch(PREFETCH_MOD, m))
+    return mock.patch.dict(os.environ, env)
 
 
 def entries(args) -> list[str]:
@@ -452,7 +458,8 @@ def main() -> None:
     p.add_argument("--allreduce", default="custom+gemv,nccl+gemv",
                    help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels), +gemv "
                         "(the small-M projection kernel), +pdl/+nopdl (TPGRAPH_TRITON_PDL=1/0) and/or +lr/+nolr "
-                        "(TPGRAPH_LAST_SPLIT_REDUCES=1/0) while its graphs are captured and run. custom+gemv is the "
+                        "(TPGRAPH_LAST_SPLIT_REDUCES=1/0), +pf<MB> (TPGRAPH_PDL_PREFETCH_MB) while its graphs are "
+                        "captured and run. custom+gemv is the "
                         "product's default path, plain custom forces cuBLAS projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--context", type=int, default=512)

@@ -89,6 +89,11 @@ def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkey
     with bench.entry_env("custom+lr"):
         assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "1" and "TPGRAPH_TRITON_PDL" not in os.environ
     assert os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
+    assert bench.variant("custom+gemv+pf16") == (True, True, True)
+    with bench.entry_env("custom+gemv+pf16"):
+        assert os.environ["TPGRAPH_PDL_PREFETCH_MB"] == "16" and "TPGRAPH_TRITON_PDL" not in os.environ
+    with pytest.raises(SystemExit):
+        bench.variant("custom+pfx")
     with bench.entry_env("custom+gemv+nopdl+nolr"):
         assert os.environ["TPGRAPH_TRITON_PDL"] == "0" and os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
     assert "TPGRAPH_TRITON_PDL" not in os.environ
