@@ -366,15 +366,12 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
-                   config: GemvConfig | None = None, prefetch: bool = True) -> torch.Tensor:
+                   config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
-    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables).
-    prefetch=False: one weight tile per program ahead of the PDL wait whatever the budget (for a projection that
-    follows a weight stream of its own, which a prefetch would only compete with)."""
+    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
     if not _applies(x, w, use_triton):
         return F.linear(x, w)
-    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False,
-                   budget=None if prefetch else 0)
+    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
@@ -399,8 +396,7 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool,
-            budget: int | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     soft = soft_bf16_rounding(x)
@@ -416,7 +412,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool,
         out.stride(0) if cfg.split_k > 1 else 0,
         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
         GATE_UP=gate_up, EXACT=not soft, PDL=pdl,
-        PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size(), budget) if pdl else 1,  # unused without PDL
+        PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,  # unused without PDL
         LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(pdl))
     if cfg.split_k > 1 and not last_reduces:

@@ -17,10 +17,10 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool, prefetch: bool = True) -> torch.Tensor:
+def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool) -> torch.Tensor:
     """x @ weight.T: the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it off) and applies
     (decode rows on an sm_80+ GPU), else cuBLAS."""
-    return gemv.linear_small_m(x, weight, prefetch=prefetch) if small_m else F.linear(x, weight)
+    return gemv.linear_small_m(x, weight) if small_m else F.linear(x, weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -58,16 +58,15 @@ class RowParallelLinear(nn.Module):
     """Partial y = x_local @ W_local^T, W split along input columns. The caller all-reduces."""
 
     def __init__(self, input_size: int, output_size: int, hf_name: str, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device, prefetch: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.hf_name, self.input_size = hf_name, input_size
         self.src_start, local = even_split(input_size, tp_rank, tp_size)
         self.weight = _param(output_size, local, dtype=dtype, device=device)
         self.small_m = gemv.enabled()
-        self.prefetch = prefetch  # weights into L2 ahead of the PDL wait (see gemv.linear_small_m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(x, self.weight, self.small_m, self.prefetch)
+        return _project(x, self.weight, self.small_m)
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)

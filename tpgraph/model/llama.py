@@ -87,9 +87,8 @@ class LlamaMLP(nn.Module):
             (f"{prefix}.gate_proj.weight", cfg.intermediate_size, start, local),
             (f"{prefix}.up_proj.weight", cfg.intermediate_size, start, local),
         ], dtype, device)
-        # down follows gate_up's weight stream, which a prefetch of its own weights would only compete with
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight",
-                                           rank, tp, dtype, device, prefetch=False)
+                                           rank, tp, dtype, device)
         # SiLU·mul made in the gate_up projection's epilogue where the small-M kernel runs (the same bits, one launch
         # and one [M, 2 * inter] round trip fewer); bench_decode's +unfused turns it off to time the two kernels
         self.fused_activation = True
