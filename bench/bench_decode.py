@@ -227,8 +227,8 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     base, *mods = name.split("+")
     mods = [m for m in mods if not re.fullmatch(PREFETCH_MOD, m)]
     if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", *LAUNCH_MODS}:
-        raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl/+nopdl and/or +lr/+nolr; "
-                         f"got {name!r}")
+        raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl/+nopdl, +lr/+nolr "
+                         f"and/or +pf<MB>; got {name!r}")
     return base == "custom", "unfused" not in mods, "gemv" in mods
 
 
@@ -459,8 +459,8 @@ def main() -> None:
                    help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels), +gemv "
                         "(the small-M projection kernel), +pdl/+nopdl (TPGRAPH_TRITON_PDL=1/0) and/or +lr/+nolr "
                         "(TPGRAPH_LAST_SPLIT_REDUCES=1/0), +pf<MB> (TPGRAPH_PDL_PREFETCH_MB) while its graphs are "
-                        "captured and run. custom+gemv is the "
-                        "product's default path, plain custom forces cuBLAS projections")
+                        "captured and run. custom+gemv is the product's default path, plain custom forces cuBLAS "
+                        "projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
