@@ -396,11 +396,22 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 
 
+def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
+    """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
+    matters only to a PDL launch)."""
+    pdl = use_pdl(x)
+    return dict(BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
+                IEEE=x.dtype == torch.float32, PDL=pdl,
+                PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
+                LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_launch(pdl))
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    soft = soft_bf16_rounding(x)
-    pdl = use_pdl(x)
+    tile = _tile_args(x, cfg, n, k)
+    soft, pdl = tile["SOFT_BF16"], tile["PDL"]
     y = torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
@@ -409,12 +420,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) ->
     counters = split_counters(x.device, blocks) if last_reduces else y
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
-        out.stride(0) if cfg.split_k > 1 else 0,
-        BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        GATE_UP=gate_up, EXACT=not soft, PDL=pdl,
-        PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,  # unused without PDL
-        LINE=min(128 // x.element_size(), cfg.block_k), LAST_REDUCES=last_reduces, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(pdl))
+        out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -444,18 +450,13 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n:
         return None
-    soft = soft_bf16_rounding(x)
-    pdl = use_pdl(x)
+    tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0),
-        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SOFT_BF16=soft, IEEE=x.dtype == torch.float32,
-        PDL=pdl, PREFETCH_TILES=prefetch_tiles(config, n, k, x.element_size()) if pdl else 1,
-        LINE=min(128 // x.element_size(), config.block_k), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not soft, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch(pdl))
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **tile)
     return q
