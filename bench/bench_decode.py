@@ -241,6 +241,14 @@ def entry_env(name: str) -> contextlib.AbstractContextManager:
     return mock.patch.dict(os.environ, env)
 
 
+def decode_runner(model, max_batch: int, max_len: int, mode: str = "full") -> ModelRunner:
+    """A runner whose decode graphs (sglang ladder, no prefill graphs) serve `max_batch` sequences of `max_len`
+    tokens, with KV blocks for all of them (16-token blocks) and a few spare."""
+    graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
+    return ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
+                                           num_kv_blocks=max_batch * -(-max_len // 16) + 16, graphs=graphs))
+
+
 def entries(args) -> list[str]:
     """The --allreduce entries, and with --unfused each fused custom entry's unfused twin beside it."""
     names = args.allreduce.split(",")
@@ -297,10 +305,7 @@ def run(args, state) -> dict:
             comm, model = build(state, ar)
             floor_ms = with_floor(results, model, bw)
             for mode in modes:
-                blocks = max(batches) * -(-max_len // 16) + 16
-                graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
-                runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
-                                                         num_kv_blocks=blocks, graphs=graphs))
+                runner = decode_runner(model, max(batches), max_len, mode)
                 for batch in batches:
                     seqs = fake_context(runner, batch, context)
                     t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4))
@@ -363,10 +368,7 @@ def run_interleaved(args, state) -> dict:
     for ar in names:
         with entry_env(ar):
             comm, model = build(state, ar)
-            graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
-            runner = ModelRunner(model, RunnerConfig(max_batch=max(batches), max_model_len=max_len,
-                                                     num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
-                                                     graphs=graphs))
+            runner = decode_runner(model, max(batches), max_len)
         engines[ar] = (comm, model, runner)
     floor_ms = with_floor(results, engines[names[0]][1], bw)
     for batch in batches:
@@ -408,9 +410,7 @@ def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     for ar in entries(args):
         with entry_env(ar):
             comm, model = build(state, ar)
-            graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")
-            runner = ModelRunner(model, RunnerConfig(max_batch=8, max_model_len=max_len,
-                                                     num_kv_blocks=8 * -(-max_len // 16) + 16, graphs=graphs))
+            runner = decode_runner(model, 8, max_len)
         for batch in (1, 8):
             seqs = fake_context(runner, batch, args.context)
             with entry_env(ar):

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decode import build, fake_context, slowest
+from bench_decode import build, decode_runner, fake_context, slowest
 
 from tpgraph.distributed import destroy_distributed, init_distributed
-from tpgraph.engine.runner import ModelRunner, RunnerConfig
-from tpgraph.graphs.config import GraphConfig
+from tpgraph.engine.runner import ModelRunner
 
 
 def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readback: str) -> dict[str, float]:
@@ -111,9 +110,7 @@ def main() -> None:
         for ar in args.allreduce.split(","):
             comm, model = build(state, ar)
             max_len = args.context + 2 * (args.steps + 80)
-            runner = ModelRunner(model, RunnerConfig(
-                max_batch=max(batches), max_model_len=max_len, num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
-                graphs=GraphConfig(decode_mode="full", prefill_mode="none", ladder="sglang")))
+            runner = decode_runner(model, max(batches), max_len)
             if state.is_driver:
                 print(f"gc enabled {gc.isenabled()}, counts {gc.get_count()}, frozen {gc.get_freeze_count()}, "
                       f"tracked {len(gc.get_objects())}", flush=True)
