@@ -96,7 +96,8 @@ for step in "$@"; do
              --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
          timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
-             --allreduce custom,custom+gemv,nccl --unfused --interleave --steps 100 --out "$out/decode_variants.json" \
+             --allreduce custom,custom+gemv,custom+gemv+nopdl+nolr,nccl+gemv --unfused --interleave --steps 100 \
+             --out "$out/decode_variants.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log"
          python3 bench/report_decode.py "$out/decode_variants.json" $([ -f "$out/kernels.json" ] && echo --kernels \
              "$out/kernels.json") | tee "$out/decode_report.md" ;;
@@ -135,15 +136,11 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
-    profile) # issue 11: kernels per step and time per category, cuBLAS against the small-M kernels (fused paths on),
-         # then the small-M kernels with PDL + in-kernel split reductions on too
-         timeout -k 5 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
-             --allreduce custom,custom+gemv --profile --steps 20 --out "$out/profile.json" 2>&1 \
-             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/profile.log"
-         TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout -k 5 200 torchrun --nproc-per-node $NPROC \
-             bench/bench_decode.py --modes full --batches 1,8 --no-ladders --allreduce custom+gemv --profile --steps 20 \
-             --out "$out/profile_pdl.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 \
-             | tee "$out/profile_pdl.log" ;;
+    profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
+         # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
+         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --allreduce custom,custom+gemv,custom+gemv+nopdl+nolr --profile --steps 20 --out "$out/profile.json" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile.log" ;;
     flags) # issue 11: Triton PDL (+ L2 weight prefetch) and in-kernel split reductions, each alone and together
          # (2x2), every run with cuBLAS "custom" beside the small-M kernels as the in-run reference, interleaved
          for pdl in 0 1; do for lr in 0 1; do TPGRAPH_TRITON_PDL=$pdl TPGRAPH_LAST_SPLIT_REDUCES=$lr timeout -k 5 120 \
