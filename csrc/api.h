@@ -62,10 +62,12 @@ std::map<std::string, int> algo_codes();
 std::map<std::string, int> dtype_codes();
 
 // ar_context.cu: one rank's custom all-reduce context (opaque handle).
-uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl);
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl,
+                    size_t channel_bytes);
 uintptr_t ar_workspace(uintptr_t ctx);
 size_t ar_workspace_bytes(uintptr_t ctx);
 size_t ar_staging_offset(uintptr_t ctx);
+size_t ar_channel_offset(uintptr_t ctx);
 void ar_set_peers(uintptr_t ctx, const std::vector<uintptr_t>& peer_workspaces);
 void ar_all_reduce(uintptr_t ctx, int algo, int dtype, uintptr_t in, uintptr_t out, size_t nbytes, int blocks,
                    uintptr_t stream, uint64_t timeout_ns, int row);

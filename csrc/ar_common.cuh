@@ -42,6 +42,7 @@ struct WorkspaceLayout {
   static constexpr int kPushPhases = 3;
   size_t push_slot_bytes = 0;  // bytes of one rank's slot in one phase
   size_t staging_bytes = 0;
+  size_t channel_bytes = 0;  // the fused GEMV all-reduce's region (Python lays it out: tpgraph/kernels/lamport.py)
   int world_size = 0;
 
   size_t push_chunks() const { return (push_slot_bytes / 16 + kPushChunkVecs - 1) / kPushChunkVecs; }
@@ -51,7 +52,8 @@ struct WorkspaceLayout {
   size_t push_offset() const { return round16(phases_offset() + push_chunks() * sizeof(uint32_t)); }
   size_t push_bytes() const { return size_t(kPushPhases) * world_size * push_slot_bytes; }
   size_t staging_offset() const { return push_offset() + push_bytes(); }
-  size_t total_bytes() const { return staging_offset() + staging_bytes; }
+  size_t channel_offset() const { return round16(staging_offset() + staging_bytes); }
+  size_t total_bytes() const { return channel_offset() + channel_bytes; }
   static constexpr size_t round16(size_t n) { return (n + 15) / 16 * 16; }
 };
 

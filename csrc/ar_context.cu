@@ -66,17 +66,20 @@ struct ArContext {
   bool used = false;
 };
 
-uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl) {
+uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t staging_bytes, bool pdl,
+                    size_t channel_bytes) {
   TPG_CHECK(world_size >= 2 && world_size <= kMaxRanks, "custom all-reduce supports world sizes 2.." << kMaxRanks
                                                                                                     << ", got " << world_size);
   TPG_CHECK(rank >= 0 && rank < world_size, "rank " << rank << " outside world size " << world_size);
-  TPG_CHECK(push_slot_bytes % 16 == 0 && staging_bytes % 16 == 0, "workspace sizes must be multiples of 16 bytes");
+  TPG_CHECK(push_slot_bytes % 16 == 0 && staging_bytes % 16 == 0 && channel_bytes % 16 == 0,
+            "workspace sizes must be multiples of 16 bytes");
   auto* ctx = new ArContext;
   ctx->rank = rank;
   ctx->pdl = pdl;
   ctx->layout.world_size = world_size;
   ctx->layout.push_slot_bytes = push_slot_bytes;
   ctx->layout.staging_bytes = staging_bytes;
+  ctx->layout.channel_bytes = channel_bytes;
   try {
     int device = 0;
     TPG_CUDA_CHECK(cudaGetDevice(&device));
@@ -88,6 +91,9 @@ uintptr_t ar_create(int rank, int world_size, size_t push_slot_bytes, size_t sta
       fill_words<<<1024, 256>>>(reinterpret_cast<uint32_t*>(ctx->workspace + ctx->layout.push_offset()),
                                 kSentinelWord, push_words);
       TPG_CUDA_CHECK(cudaGetLastError());
+    }
+    if (channel_bytes) {  // zeroed here; Python arms its slots (it owns the region's layout)
+      TPG_CUDA_CHECK(cudaMemset(ctx->workspace + ctx->layout.channel_offset(), 0, channel_bytes));
     }
     TPG_CUDA_CHECK(cudaMalloc(&ctx->rows, sizeof(uint64_t) * kMaxRows * kMaxRanks));
     TPG_CUDA_CHECK(cudaMemset(ctx->rows, 0, sizeof(uint64_t) * kMaxRows * kMaxRanks));
@@ -115,6 +121,8 @@ uintptr_t ar_workspace(uintptr_t handle) { return reinterpret_cast<uintptr_t>(ge
 size_t ar_workspace_bytes(uintptr_t handle) { return get(handle).layout.total_bytes(); }
 
 size_t ar_staging_offset(uintptr_t handle) { return get(handle).layout.staging_offset(); }
+
+size_t ar_channel_offset(uintptr_t handle) { return get(handle).layout.channel_offset(); }
 
 void ar_set_peers(uintptr_t handle, const std::vector<uintptr_t>& peer_workspaces) {
   ArContext& ctx = get(handle);

@@ -72,10 +72,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ipc_close_handle", [](py::bytes handle) { ipc_close_handle(std::string(handle)); }, py::arg("handle"));
   m.def("ar_create", &ar_create, py::arg("rank"), py::arg("world_size"), py::arg("push_slot_bytes"),
-        py::arg("staging_bytes"), py::arg("pdl") = true, "allocate this rank's all-reduce workspace; returns an opaque context handle");
+        py::arg("staging_bytes"), py::arg("pdl") = true, py::arg("channel_bytes") = 0,
+        "allocate this rank's all-reduce workspace; returns an opaque context handle");
   m.def("ar_workspace", &ar_workspace, py::arg("ctx"));
   m.def("ar_workspace_bytes", &ar_workspace_bytes, py::arg("ctx"));
   m.def("ar_staging_offset", &ar_staging_offset, py::arg("ctx"), "byte offset of the staging buffer in the workspace");
+  m.def("ar_channel_offset", &ar_channel_offset, py::arg("ctx"),
+        "byte offset of the fused GEMV all-reduce's region (channel_bytes long) in the workspace");
   m.def("ar_set_peers", &ar_set_peers, py::arg("ctx"), py::arg("peer_workspaces"));
   m.def("ar_all_reduce", &ar_all_reduce, py::arg("ctx"), py::arg("algo"), py::arg("dtype"), py::arg("inp"),
         py::arg("out"), py::arg("nbytes"), py::arg("blocks"), py::arg("stream"), py::arg("timeout_ns"),

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tpgtest.ptx import assert_semaphore_order, sm90_ptx
+from tpgtest.ptx import NO_CHANNEL, assert_semaphore_order, gemv_signature, sm90_ptx
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -223,11 +223,10 @@ def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
 
 def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x."""
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
-                   {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32"},
-                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
-                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True})
+                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True, "SPLIT": True,
+                    "PUSH": False, **NO_CHANNEL})
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
@@ -244,13 +243,10 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
 def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype, block_n, pdl):
     """Ahead of time, without a GPU: the interleaved tile splits into gate and up under the tensor-core layout, and
     the activation's add, division and product are their own round-to-nearest instructions (no FMA absorbs one)."""
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel",
-                   {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
-                    "counter_ptr": f"*{dtype}"},
-                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os"],
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature(dtype, dtype, dtype), [],
                    {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
                     "GATE_UP": True, "EXACT": True, "PDL": pdl, "PREFETCH_TILES": 3, "LINE": 64,
-                    "LAST_REDUCES": False})
+                    "LAST_REDUCES": False, "SPLIT": False, "PUSH": False, **NO_CHANNEL})
     assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "div.rn.f32" in ptx
     if pdl:  # the weight prefetches, then the wait, before any load of x
         assert ptx.count("prefetch.global.L2") == 3
@@ -324,12 +320,14 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", pointers,
-                   ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin", "stride_cb",
-                    "stride_ct", "stride_ch", "stride_qo"],
+    ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
+                                     "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
+    channel = {"ch_ptr": "*i64", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "sq_ptr": "*fp32", "slot_elems": "i32",
+               "eps": "fp32", "mean_scale": "fp32"}
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **channel}, [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
-                    "BLOCK_SIZE": 16, "EXACT_MUL": True})
+                    "BLOCK_SIZE": 16, "EXACT_MUL": True, **NO_CHANNEL})
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
+from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm
 
 try:
     import triton
@@ -45,6 +47,14 @@ try:
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
+    from tpgraph.kernels.lamport import (
+        finish_push,
+        finish_receive,
+        phase_slots,
+        push_tile,
+        receive_phase,
+        received_tile,
+    )
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
@@ -170,13 +180,17 @@ if triton is not None:
         return rows, ok
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, slot_elems,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
+                 IEEE: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+                 LINE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr, RANK: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is
-        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
-        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
+        order, and its rows' sums of squares of the input over that split (RECV; else zeros); with PDL, the weight
+        prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is cat(gate, up) with N = 2 * inter
+        rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its odd columns the matching up rows
+        inter + pid * BLOCK_N / 2 + i. RECV: the input is a pushed all-reduce (lamport.py), received tile by tile:
+        x_ptr is the residual, nw_ptr the norm weight, and column block 0 writes the new residual to rout_ptr; the
+        tiles are h * norm weight, unscaled (the caller applies the rows' RMS scale to the sums)."""
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
         # K mask (a per-split bound in the mask would cost the loads their vector width).
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
@@ -195,11 +209,20 @@ if triton is not None:
                                           is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if RECV:
+            phase = receive_phase(ch_ptr, RANK)
+            slots = phase_slots(ch_ptr, RANK, phase, slot_elems, WS, x_ptr.dtype.element_ty)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            if RECV:
+                x, sq = received_tile(slots, slot_elems, x_ptr, stride_xm, nw_ptr, rout_ptr, offs_m, m_ok, k, k_ok, K,
+                                      pid == 0, WS, SOFT_BF16)
+                sumsq += sq
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
@@ -212,7 +235,9 @@ if triton is not None:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
             # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
-        return acc
+        if RECV:
+            finish_receive(ch_ptr, phase, (pid == 0) & (pid_k == 0), RANK)
+        return acc, sumsq
 
     @triton.jit
     def _silu_mul_store(acc, y_ptr, pid, M, INTER, stride_ym, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
@@ -230,9 +255,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
+                     ch_ptr, nw_ptr, rout_ptr, slot_elems, eps, mean_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr):
+                     PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                     SPLIT: tl.constexpr, RECV: tl.constexpr, PUSH: tl.constexpr, WS: tl.constexpr,
+                     RANK: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -244,11 +272,16 @@ if triton is not None:
         before writes, is read after it. The kernel after is let in once the K loop is done (see _partial).
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
         partial is stored; the split that arrives last adds the partials in split order (the bits of
-        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay."""
+        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
+        RECV (GATE_UP, one split): x is a pushed all-reduce to receive, add to the residual and normalise
+        (lamport.py). PUSH (not GATE_UP): y is not stored but pushed into every rank's channel slots."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
+        acc, sumsq = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr,
+                              slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, GATE_UP, PDL, PREFETCH_TILES,
+                              LINE, RECV, WS, RANK)
+        if RECV:
+            acc = acc * tl.rsqrt(sumsq * mean_scale + eps)[:, None]
         if GATE_UP:
             _silu_mul_store(acc, y_ptr, pid, M, N // 2, stride_om, BLOCK_M, BLOCK_N // 2, SOFT_BF16, EXACT)
         else:
@@ -259,50 +292,68 @@ if triton is not None:
             y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
             tile = offs_m[:, None] * stride_om + offs_n[None, :]
             tile_ok = m_ok[:, None] & n_ok[None, :]
-            tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
+            if PUSH and not SPLIT:
+                push_tile(y, ch_ptr, offs_m, offs_n, tile_ok, N, slot_elems, WS, RANK)
+            else:
+                tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
                 if arrived_last(counter_ptr + pid, tl.num_programs(1)):  # the last split: every partial is in memory
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     for s in range(1, tl.num_programs(1)):
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                    tl.store(y_ptr + tile, to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16), mask=tile_ok)
+                    total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
+                    if PUSH:
+                        push_tile(total, ch_ptr, offs_m, offs_n, tile_ok, N, slot_elems, WS, RANK)
+                    else:
+                        tl.store(y_ptr + tile, total, mask=tile_ok)
                     reset_counter(counter_ptr + pid)
+            if PUSH:
+                finish_push(ch_ptr, pid * tl.num_programs(1) + pid_k, tl.num_programs(0) * tl.num_programs(1), M, N,
+                            slot_elems, WS, RANK, y_ptr.dtype.element_ty, 512)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                          v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
-                         stride_cb, stride_ct, stride_ch, stride_qo,
+                         stride_cb, stride_ct, stride_ch, stride_qo, ch_ptr, nw_ptr, rout_ptr, sq_ptr, slot_elems, eps,
+                         mean_scale,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
+                         RANK: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
-        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot."""
+        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot.
+        RECV: x is a pushed all-reduce (see _partial); each program also stores its rows' sums of squares at
+        sq_ptr [splits, column blocks, BLOCK_M], which the head's last program adds for the RMS scale."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, False, PDL, PREFETCH_TILES, LINE)
+        acc, sumsq = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr,
+                              slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, False, PDL, PREFETCH_TILES, LINE,
+                              RECV, WS, RANK)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
+        if RECV:
+            tl.store(sq_ptr + (pid_k * tl.num_programs(0) + pid) * BLOCK_M + offs_m, sumsq)
         head = pid // (HEAD_DIM // BLOCK_N)
         if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, BLOCK_M,
-                       SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL)
+                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, eps,
+                       mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
+                       RECV, HEAD_DIM // BLOCK_N)
             reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo,
-                   BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, eps,
+                   mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   EXACT_MUL: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, RECV: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
         """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
         kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
@@ -318,6 +369,15 @@ if triton is not None:
         for s in range(1, tl.num_programs(1)):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        if RECV:  # the RMS scale: the squares of every split (from the head's first column block, counted in above)
+            blocks = tl.num_programs(0)
+            first = head * HEAD_BLOCKS
+            sq = tl.load(sq_ptr + first * BLOCK_M + offs_m, cache_modifier=".cg")
+            for s in range(1, tl.num_programs(1)):
+                sq += tl.load(sq_ptr + (s * blocks + first) * BLOCK_M + offs_m, cache_modifier=".cg")
+            rstd = tl.rsqrt(sq * mean_scale + eps)
+            t1 = t1 * rstd[:, None]
+            t2 = t2 * rstd[:, None]
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
         cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         if head < NUM_HEADS + NUM_KV_HEADS:
@@ -374,18 +434,58 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
 
 
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
+def linear_push(x: torch.Tensor, w: torch.Tensor, channel: Channel, *, use_triton: bool | None = None,
+                config: GemvConfig | None = None) -> Pushed | None:
+    """x @ w.T for a row-parallel weight, its output tiles pushed into every rank's channel slots instead of stored
+    (lamport.py): the all-reduce's send half, in the projection's epilogue. The receive half is a ReducedNorm
+    (TPCommunicator.all_reduce_add_rmsnorm) that the next projection takes. None where it does not apply (the caller
+    runs the projection and the all-reduce): where linear_small_m would not run the kernel, an output the channel
+    cannot hold, or split-K tiles whose reduction is a second kernel."""
+    if not _applies(x, w, use_triton):
+        return None
+    m, k = x.shape
+    n = w.shape[0]
+    if not channel.fits(m, n, x.dtype, x.device):
+        return None
+    cfg = config or config_for(x, n, k, m)
+    if cfg.split_k > 1 and not last_split_reduces():
+        return None
+    _launch(x, w, cfg, gate_up=False, push=channel)
+    return Pushed(channel, m, n, x.dtype)
+
+
+def gate_up_silu(x: torch.Tensor | ReducedNorm, w: torch.Tensor, *, use_triton: bool | None = None,
                  config: GemvConfig | None = None) -> torch.Tensor | None:
     """silu_and_mul(linear_small_m(x, w)) in one launch, bit for bit (the same tiles and sums, the activation's
     roundings), for w = cat(gate, up) [2 * inter, K]: the gate_up projection's epilogue makes the activation, so the
-    [M, 2 * inter] projection output is never stored and read back. None where it does not apply (the caller then
-    runs the two steps): where linear_small_m would not run the kernel, or the shape's tiles split K."""
-    if not _applies(x, w, use_triton) or w.shape[0] % 2:
+    [M, 2 * inter] projection output is never stored and read back. x may be a ReducedNorm: then the kernel receives
+    the all-reduce, adds the residual and normalises in its K loop (lamport.py), and takes it. None where it does not
+    apply (the caller then runs the two steps, and x is not taken): where linear_small_m would not run the kernel, or
+    the shape's tiles split K."""
+    xt = _operand(x)
+    if not _applies(xt, w, use_triton) or w.shape[0] % 2:
         return None
-    cfg = config or config_for(x, w.shape[0], x.shape[1], x.shape[0])
+    cfg = config or config_for(xt, w.shape[0], xt.shape[1], xt.shape[0])
     if cfg.split_k != 1:  # the epilogue needs whole sums; a split-K table entry keeps the two kernels
         return None
-    return _launch(x, w, cfg, gate_up=True)
+    return _launch(xt, w, cfg, gate_up=True, recv=x.take() if isinstance(x, ReducedNorm) else None)
+
+
+def _operand(x: torch.Tensor | ReducedNorm) -> torch.Tensor:
+    """The tensor that stands for x in shape, dtype and device checks (a ReducedNorm's residual)."""
+    return x.residual if isinstance(x, ReducedNorm) else x
+
+
+def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, push: Channel | None) -> tuple[list, dict]:
+    """The kernels' channel arguments (placeholders where neither receives nor pushes): (ch, norm weight, new
+    residual, slot_elems, eps, mean scale) and the constexprs RECV, WS, RANK."""
+    ch = recv.pushed.channel if recv is not None else push
+    if ch is None:
+        return [x, x, x, 0, 0.0, 0.0], dict(RECV=False, WS=1, RANK=0)
+    scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
+    nw, rout, eps = (recv.weight, recv.residual_out, recv.eps) if recv is not None else (x, x, 0.0)
+    return [ch.addrs, nw, rout, ch.slot_elems, eps, scale], dict(RECV=recv is not None, WS=ch.world_size,
+                                                                  RANK=ch.rank)
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
@@ -407,7 +507,10 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
                 **pdl_launch(pdl))
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
+            push: Channel | None = None) -> torch.Tensor:
+    """recv (gate_up only): x is recv's residual and the kernel receives the input. push: y is pushed, not stored
+    (the returned tensor is then unwritten)."""
     m, k = x.shape
     n = w.shape[0]
     tile = _tile_args(x, cfg, n, k)
@@ -418,23 +521,28 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool) ->
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     counters = split_counters(x.device, blocks) if last_reduces else y
+    channel, flags = _channel_args(x, recv, push)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
-        out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces, **tile)
+        out.stride(0) if cfg.split_k > 1 else 0, *channel, GATE_UP=gate_up, EXACT=not soft,
+        LAST_REDUCES=last_reduces, SPLIT=cfg.split_k > 1, PUSH=push is not None, **flags, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return y
 
 
-def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
+def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: torch.Tensor,
                    cos_sin: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                    use_triton: bool | None = None,
                    config: GemvConfig | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
-    caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse."""
+    caller then runs the two steps, and a ReducedNorm x is not taken): M > 16, a head_dim the tiles do not divide,
+    layouts rope_store would refuse. x may be a ReducedNorm, received in the K loop as gate_up_silu does."""
+    recv = x if isinstance(x, ReducedNorm) else None
+    x = _operand(x)
     if not _applies(x, w, use_triton):
         return None
     m, k = x.shape
@@ -454,9 +562,13 @@ def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+    blocks = triton.cdiv(n, config.block_n)
+    channel, flags = _channel_args(x, recv.take() if recv is not None else None, None)
+    sq = torch.empty(config.split_k, blocks, MAX_M, dtype=torch.float32, device=x.device) if recv is not None else ws
+    _qkv_rope_kernel[(blocks, config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **tile)
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), *channel[:3], sq, *channel[3:], NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"],
+        **flags, **tile)
     return q
