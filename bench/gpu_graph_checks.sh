@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -23,6 +23,10 @@ python3 -c "import tpgraph._C as c; print(c.build_info())"
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
+    lamport) timeout 300 python3 -m pytest tests/unit/test_lamport_gemv.py -q -rs -k cuda 2>&1 | tail -6 \
+             | tee "$out/lamport_tests.log"
+             timeout 300 python3 bench/bench_lamport.py --out "$out/lamport.json" 2>&1 | tail -8 \
+             | tee "$out/lamport_bench.log" ;;
     kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_argmax_gpu.py -q -x -rs 2>&1 \
              | tail -25 | tee "$out/kernels.log" ;;
     bench) timeout 400 torchrun --nproc-per-node $NPROC bench/bench_decode.py --batches 1,8 --modes full,none \

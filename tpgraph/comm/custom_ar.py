@@ -26,6 +26,7 @@ from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_ta
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
+from tpgraph.kernels.lamport import CONTROL_BYTES, SENTINEL_WORD, Channel, region_bytes
 
 logger = logging.getLogger(__name__)
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
@@ -61,6 +62,10 @@ class CustomAllReduceConfig:
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
     fused_norm: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0")
+    # elements (rows x hidden, 16-bit) one push of the all-reduce fused into the small-M projections can carry
+    # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192. 0: no channel (the projections return their
+    # partial sums and the all-reduce runs as its own kernel).
+    channel_slot_elems: int = 16 * 8192
 
     def __post_init__(self) -> None:
         for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes", "staging_bytes"):
@@ -68,6 +73,8 @@ class CustomAllReduceConfig:
             vector = kernel_limits().vector_bytes
             if value is not None and (value < 0 or value % vector):
                 raise ConfigError(f"{name} must be a non-negative multiple of {vector}, got {value}")
+        if self.channel_slot_elems < 0 or self.channel_slot_elems % 8:
+            raise ConfigError(f"channel_slot_elems must be a non-negative multiple of 8, got {self.channel_slot_elems}")
         if self.timeout_s < 0:
             raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers), got {self.timeout_s}")
 
@@ -158,7 +165,10 @@ class CustomAllReduce:
         self.push_slot_bytes, self.staging_bytes = push, staging
         self._opened: list[bytes] = []  # peer workspace handles this object opened
         self._registrations: list[CaptureRegistration] = []  # live captures (released with their graphs)
-        self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl)
+        slot_elems = cfg.channel_slot_elems
+        channel_bytes = region_bytes(ws, slot_elems) if slot_elems else 0
+        self.channel: Channel | None = None
+        self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl, channel_bytes)
         try:
             base = self.ext.ar_workspace(self.ctx)
             handles = gather_objects(state, self.ext.ipc_get_handle(base))
@@ -168,6 +178,12 @@ class CustomAllReduce:
                     self._opened.append(h)
                 peers.append(base if r == state.rank else self.ext.ipc_open_handle(h))
             self.ext.ar_set_peers(self.ctx, peers)
+            if channel_bytes:  # arm the channel's slots (its control block is zero), before any peer can push
+                offset = self.ext.ar_channel_offset(self.ctx)
+                self.ext.fill_u32(base + offset + CONTROL_BYTES, SENTINEL_WORD, (channel_bytes - CONTROL_BYTES) // 4,
+                                  torch.cuda.current_stream(state.device).cuda_stream)
+                self.channel = Channel(torch.tensor([p + offset for p in peers], dtype=torch.int64,
+                                                    device=state.device), state.rank, ws, slot_elems)
             torch.cuda.synchronize()
             gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
             self._check_p2p_writes(peers)
@@ -185,6 +201,15 @@ class CustomAllReduce:
         if state.is_driver:
             logger.info("custom all-reduce: %.1f MiB workspace per rank; eager bands %s",
                         self.ext.ar_workspace_bytes(self.ctx) / MB, self.table.bands(ws, False).describe())
+
+    def push_channel(self, residual: torch.Tensor) -> Channel | None:
+        """The channel for a row-parallel output shaped like `residual`, where the fused all-reduce takes it (the
+        fused norm on, TPGRAPH_GEMV_ALLREDUCE not 0, rows and dtype the channel carries), else None."""
+        if self.channel is None or not self.cfg.fused_norm or os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "1") == "0":
+            return None
+        if residual.dim() != 2 or not self.channel.fits(*residual.shape, residual.dtype, residual.device):
+            return None
+        return self.channel
 
     def _check_p2p_writes(self, peers: list[int]) -> None:
         """A real P2P check: write a word into each peer's workspace through the IPC mapping, then let the peer

@@ -70,7 +70,7 @@ class Channel:
     rank: int
     world_size: int
     slot_elems: int
-    keepalive: tuple = field(default=(), repr=False, compare=False)  # emulated regions' tensors (tests)
+    keepalive: tuple = field(default=(), repr=False, compare=False)  # local_channels' region tensors
 
     def fits(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a row-parallel output [rows, hidden] can go through the channel."""
@@ -115,6 +115,20 @@ class ReducedNorm:
         """The normalised input as a tensor (one small kernel: receive, add, RMSNorm)."""
         self.take()
         return _receive_norm(self)
+
+
+def local_channels(world_size: int, slot_elems: int, device: torch.device | str) -> list[Channel]:
+    """Channels of `world_size` ranks whose regions all live in this process, on one device: rank r's push writes
+    into the others' regions as it would over NVLink. For tests and one-GPU benchmarks, which run the ranks' kernels
+    one after another (every push, then every receive): a receive only waits for data already there."""
+    words = region_bytes(world_size, slot_elems) // 4
+    regions = []
+    for _ in range(world_size):
+        region = torch.zeros(words, dtype=torch.int32, device=device)
+        region[CONTROL_BYTES // 4:] = SENTINEL_WORD - (1 << 32)  # armed: the word's bits as an int32
+        regions.append(region)
+    addrs = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64, device=device)
+    return [Channel(addrs, rank, world_size, slot_elems, keepalive=tuple(regions)) for rank in range(world_size)]
 
 
 def materialized(x: torch.Tensor | ReducedNorm) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 
 from tpgraph.kernels import gemv
 from tpgraph.kernels.activation import silu_and_mul
+from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, materialized
 from tpgraph.kernels.norm import add_rms_norm, rms_norm
 from tpgraph.model.shards import ShardSpec, even_split, whole
 
@@ -35,12 +36,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(sum(self.output_sizes), input_size, dtype=dtype, device=device)
         self.small_m = gemv.enabled()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(x, self.weight, self.small_m)
+    def forward(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
+        """x may be a pushed all-reduce still to receive (ReducedNorm): made here first, by its own kernel."""
+        return _project(materialized(x), self.weight, self.small_m)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_and_mul(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
         """silu_and_mul(forward(x)) for a cat(gate, up) weight. With the small-M kernel on, one launch whose epilogue
-        makes the activation (same bits), where it applies; else the two steps."""
+        makes the activation (same bits), where it applies, and which receives x in its K loop if x is a pushed
+        all-reduce (ReducedNorm); else the two steps."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this layer has {self.output_sizes}")
         fused = gemv.gate_up_silu(x, self.weight) if self.small_m else None
@@ -65,7 +68,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(output_size, local, dtype=dtype, device=device)
         self.small_m = gemv.enabled()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, push_to: Channel | None = None) -> torch.Tensor | Pushed:
+        """This rank's partial sums; or, given a channel the small-M kernel can push into, those sums pushed to every
+        rank (the all-reduce's send half, kernels/lamport.py) and a Pushed marker for all_reduce_add_rmsnorm."""
+        if push_to is not None and self.small_m:
+            pushed = gemv.linear_push(x, self.weight, push_to)
+            if pushed is not None:
+                return pushed
         return _project(x, self.weight, self.small_m)
 
     def shard_specs(self) -> list[ShardSpec]:

@@ -10,6 +10,7 @@ from tpgraph.config import ModelConfig
 from tpgraph.kernels import gemv
 from tpgraph.kernels._counters import last_split_reduces
 from tpgraph.kernels.activation import silu_and_mul
+from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, materialized
 from tpgraph.kernels.rope_store import rope_and_store
 from tpgraph.model.attention import AttentionMetadata, KVCache
 from tpgraph.model.layers import (
@@ -51,8 +52,10 @@ class LlamaAttention(nn.Module):
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
         self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
 
-    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
+                meta: AttentionMetadata, push_to: Channel | None = None) -> torch.Tensor | Pushed:
+        """x: the normalised input, or the all-reduce before it still to receive (ReducedNorm). Returns o_proj's
+        partial sums, or with push_to those sums pushed to every rank (Pushed)."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
@@ -62,7 +65,7 @@ class LlamaAttention(nn.Module):
                                     self.num_heads, self.num_kv_heads, self.head_dim)
             if q is not None:
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
-                return self.o_proj(out.view(out.shape[0], -1))
+                return self.o_proj(out.view(out.shape[0], -1), push_to)
         qkv = self.qkv_proj(x)
         # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
         q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
@@ -73,7 +76,7 @@ class LlamaAttention(nn.Module):
             out = meta.boundary(meta.backend.prefill, q, k, v, cache, meta, self.scale)
         else:
             out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
-        return self.o_proj(out.view(out.shape[0], -1))  # this rank's partial sums: the caller all-reduces
+        return self.o_proj(out.view(out.shape[0], -1), push_to)  # this rank's partial sums: the caller all-reduces
 
 
 class LlamaMLP(nn.Module):
@@ -93,11 +96,11 @@ class LlamaMLP(nn.Module):
         # and one [M, 2 * inter] round trip fewer); bench_decode's +unfused turns it off to time the two kernels
         self.fused_activation = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # this rank's partial sums: the caller all-reduces
+    def forward(self, x: torch.Tensor | ReducedNorm, push_to: Channel | None = None) -> torch.Tensor | Pushed:
+        # this rank's partial sums (or, with push_to, those pushed to every rank): the caller all-reduces
         if self.fused_activation:
-            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x), push_to)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), push_to)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,15 +116,20 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
 
-    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                residual: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's normalised input; residual: the stream so far. Returns (the MLP's partial sums on this
-        rank, the residual stream): the caller all-reduces them together with the next norm."""
-        partial = self.self_attn(positions, rope, x, meta)
+    def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
+                residual: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | Pushed, torch.Tensor]:
+        """x: this layer's normalised input (or the all-reduce before it, to receive); residual: the stream so far.
+        Returns (the MLP's partial sums on this rank, or Pushed, the residual stream): the caller all-reduces them
+        together with the next norm."""
+        # decode rows: o_proj and down push their partial sums to every rank from their epilogues, and the
+        # projection after each receives them in its K loop (no all-reduce kernel between); else None
+        channel = self.comm.push_channel(residual)
+        partial = self.self_attn(positions, rope, x, meta, push_to=channel)
         norm = self.post_attention_layernorm
-        # the all-reduce, the residual add and the norm after it: one kernel where the custom all-reduce fuses them
+        # the all-reduce, the residual add and the norm after it: one kernel where the custom all-reduce fuses them,
+        # none where o_proj pushed (gate_up receives)
         x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
-        return self.mlp(x), residual
+        return self.mlp(x, push_to=channel), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, norm in zip(self.layers, norms, strict=True):
             partial, residual = layer(positions, self.rotary.tables, x, residual, meta)
             x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
-        return x
+        return materialized(x)  # after a pushed last layer: the final norm's receive, as its own kernel
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off. `out` ([>= N, padded vocab]),
