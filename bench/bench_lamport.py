@@ -70,6 +70,23 @@ def chains(m: int, weights: list[dict], device: torch.device):
     return plain, pushed
 
 
+def kernel_times(fn, layers: int) -> list[tuple[str, float]]:
+    """(kernel, µs) of the last of `layers` eager layers, in launch order (torch.profiler's device durations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(layers):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(layers):
+            fn(i)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0),
+                    key=lambda e: e.time_range.start)
+    per_layer = len(events) // layers
+    return [(e.name[:40], e.device_time) for e in events[-per_layer:]]
+
+
 def main() -> None:
     from tpgraph.tune.timing import K_OPS, capture, graph_ops_us_interleaved
 
@@ -90,7 +107,10 @@ def main() -> None:
             turn = itertools.cycle(range(len(weights)))
             graphs[name] = capture(lambda fn=fn, turn=turn: fn(next(turn)), K_OPS)
         us = graph_ops_us_interleaved(None, graphs, K_OPS, args.runs)
-        rows.append({"batch": m, **{f"{k}_us_per_layer": v for k, v in us.items()}})
+        kernels = {name: kernel_times(fn, len(weights)) for name, fn in (("plain", plain), ("pushed", pushed))}
+        rows.append({"batch": m, **{f"{k}_us_per_layer": v for k, v in us.items()}, "kernels": kernels})
+        for name, ks in kernels.items():
+            print(f"  {name}: " + ", ".join(f"{k} {t:.1f}" for k, t in ks), flush=True)
         print(f"m={m}: plain {us['plain']:.2f} µs/layer, pushed {us['pushed']:.2f} µs/layer "
               f"({us['pushed'] - us['plain']:+.2f})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -322,8 +322,8 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
     ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
-    channel = {"ch_ptr": "*i64", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "sq_ptr": "*fp32", "slot_elems": "i32",
-               "eps": "fp32", "mean_scale": "fp32"}
+    channel = {"ch_ptr": "*i64", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "xs_ptr": "*bf16", "sq_ptr": "*fp32",
+               "slot_elems": "i32", "eps": "fp32", "mean_scale": "fp32"}
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **channel}, [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,

@@ -37,7 +37,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm
+from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, pieces_per_row
 
 try:
     import triton
@@ -50,10 +50,10 @@ try:
     from tpgraph.kernels.lamport import (
         finish_push,
         finish_receive,
-        phase_slots,
         push_tile,
         receive_phase,
-        received_tile,
+        rows_rstd,
+        stage_received,
     )
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
@@ -180,17 +180,18 @@ if triton is not None:
         return rows, ok
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, slot_elems,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 IEEE: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-                 LINE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr, RANK: tl.constexpr):
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr,
+                 slot_elems, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SOFT_BF16: tl.constexpr, IEEE: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
+                 RANK: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order, and its rows' sums of squares of the input over that split (RECV; else zeros); with PDL, the weight
-        prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is cat(gate, up) with N = 2 * inter
-        rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its odd columns the matching up rows
-        inter + pid * BLOCK_N / 2 + i. RECV: the input is a pushed all-reduce (lamport.py), received tile by tile:
-        x_ptr is the residual, nw_ptr the norm weight, and column block 0 writes the new residual to rout_ptr; the
-        tiles are h * norm weight, unscaled (the caller applies the rows' RMS scale to the sums)."""
+        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is
+        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
+        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RECV: the input is a pushed all-reduce
+        (lamport.py), received by the programs together into xs_ptr (h * norm weight) and sq_ptr (squares) first:
+        x_ptr is the residual, nw_ptr the norm weight, rout_ptr the new residual; the sums are unscaled (the caller
+        applies the rows' RMS scale, rows_rstd)."""
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
         # K mask (a per-split bound in the mask would cost the loads their vector width).
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
@@ -209,17 +210,17 @@ if triton is not None:
                                           is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if RECV:
             phase = receive_phase(ch_ptr, RANK)
-            slots = phase_slots(ch_ptr, RANK, phase, slot_elems, WS, x_ptr.dtype.element_ty)
+            staged = stage_received(ch_ptr, phase, x_ptr, stride_xm, nw_ptr, rout_ptr, xs_ptr, sq_ptr, M, K, slot_elems,
+                                    WS, RANK, SOFT_BF16)
+            k_lo += staged * BLOCK_K  # + 0, which keeps the wait (see wait_landed) and k_lo's alignment
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            if RECV:
-                x, sq = received_tile(slots, slot_elems, x_ptr, stride_xm, nw_ptr, rout_ptr, offs_m, m_ok, k, k_ok, K,
-                                      pid == 0, WS, SOFT_BF16)
-                sumsq += sq
+            if RECV:  # written by this kernel's programs: read past L1
+                x = tl.load(xs_ptr + offs_m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0,
+                            cache_modifier=".cg")
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0)
@@ -237,7 +238,7 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         if RECV:
             finish_receive(ch_ptr, phase, (pid == 0) & (pid_k == 0), RANK)
-        return acc, sumsq
+        return acc
 
     @triton.jit
     def _silu_mul_store(acc, y_ptr, pid, M, INTER, stride_ym, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
@@ -255,12 +256,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-                     ch_ptr, nw_ptr, rout_ptr, slot_elems, eps, mean_scale,
+                     ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, slot_elems, eps, mean_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLIT: tl.constexpr, RECV: tl.constexpr, PUSH: tl.constexpr, WS: tl.constexpr,
-                     RANK: tl.constexpr):
+                     RANK: tl.constexpr, PIECES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -277,11 +278,12 @@ if triton is not None:
         (lamport.py). PUSH (not GATE_UP): y is not stored but pushed into every rank's channel slots."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc, sumsq = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr,
-                              slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, GATE_UP, PDL, PREFETCH_TILES,
-                              LINE, RECV, WS, RANK)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr,
+                       sq_ptr, slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, GATE_UP, PDL,
+                       PREFETCH_TILES, LINE, RECV, WS, RANK)
         if RECV:
-            acc = acc * tl.rsqrt(sumsq * mean_scale + eps)[:, None]
+            offs_m = tl.arange(0, BLOCK_M)
+            acc = acc * rows_rstd(sq_ptr, offs_m, offs_m < M, K, mean_scale, eps, PIECES)[:, None]
         if GATE_UP:
             _silu_mul_store(acc, y_ptr, pid, M, N // 2, stride_om, BLOCK_M, BLOCK_N // 2, SOFT_BF16, EXACT)
         else:
@@ -308,52 +310,49 @@ if triton is not None:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
                     reset_counter(counter_ptr + pid)
             if PUSH:
-                finish_push(ch_ptr, pid * tl.num_programs(1) + pid_k, tl.num_programs(0) * tl.num_programs(1), M, N,
-                            slot_elems, WS, RANK, y_ptr.dtype.element_ty, 512)
+                finish_push(ch_ptr, pid * tl.num_programs(1) + pid_k, tl.num_programs(0) * tl.num_programs(1),
+                            M, N, slot_elems, WS, RANK, y_ptr.dtype.element_ty, 512)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                          v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
-                         stride_cb, stride_ct, stride_ch, stride_qo, ch_ptr, nw_ptr, rout_ptr, sq_ptr, slot_elems, eps,
-                         mean_scale,
+                         stride_cb, stride_ct, stride_ch, stride_qo, ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr,
+                         slot_elems, eps, mean_scale,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
-                         RANK: tl.constexpr):
+                         RANK: tl.constexpr, PIECES: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
         _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot.
-        RECV: x is a pushed all-reduce (see _partial); each program also stores its rows' sums of squares at
-        sq_ptr [splits, column blocks, BLOCK_M], which the head's last program adds for the RMS scale."""
+        RECV: x is a pushed all-reduce (see _partial); the head's last program applies the rows' RMS scale."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc, sumsq = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr,
-                              slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, False, PDL, PREFETCH_TILES, LINE,
-                              RECV, WS, RANK)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr,
+                       sq_ptr, slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, False, PDL,
+                       PREFETCH_TILES, LINE, RECV, WS, RANK)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
-        if RECV:
-            tl.store(sq_ptr + (pid_k * tl.num_programs(0) + pid) * BLOCK_M + offs_m, sumsq)
         head = pid // (HEAD_DIM // BLOCK_N)
         if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, eps,
+                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, K, eps,
                        mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
-                       RECV, HEAD_DIM // BLOCK_N)
+                       RECV, PIECES)
             reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, eps,
+                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, K, eps,
                    mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, RECV: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, RECV: tl.constexpr, PIECES: tl.constexpr):
         """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
         kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
@@ -369,13 +368,8 @@ if triton is not None:
         for s in range(1, tl.num_programs(1)):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        if RECV:  # the RMS scale: the squares of every split (from the head's first column block, counted in above)
-            blocks = tl.num_programs(0)
-            first = head * HEAD_BLOCKS
-            sq = tl.load(sq_ptr + first * BLOCK_M + offs_m, cache_modifier=".cg")
-            for s in range(1, tl.num_programs(1)):
-                sq += tl.load(sq_ptr + (s * blocks + first) * BLOCK_M + offs_m, cache_modifier=".cg")
-            rstd = tl.rsqrt(sq * mean_scale + eps)
+        if RECV:  # the rows' RMS scale, from the squares the prologue staged
+            rstd = rows_rstd(sq_ptr, offs_m, m_ok, K, mean_scale, eps, PIECES)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
@@ -478,14 +472,22 @@ def _operand(x: torch.Tensor | ReducedNorm) -> torch.Tensor:
 
 def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, push: Channel | None) -> tuple[list, dict]:
     """The kernels' channel arguments (placeholders where neither receives nor pushes): (ch, norm weight, new
-    residual, slot_elems, eps, mean scale) and the constexprs RECV, WS, RANK."""
+    residual, staged input, staged squares, slot_elems, eps, mean scale) and the constexprs RECV,
+    WS, RANK, PIECES."""
     ch = recv.pushed.channel if recv is not None else push
     if ch is None:
-        return [x, x, x, 0, 0.0, 0.0], dict(RECV=False, WS=1, RANK=0)
-    scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
-    nw, rout, eps = (recv.weight, recv.residual_out, recv.eps) if recv is not None else (x, x, 0.0)
-    return [ch.addrs, nw, rout, ch.slot_elems, eps, scale], dict(RECV=recv is not None, WS=ch.world_size,
-                                                                  RANK=ch.rank)
+        return [x, x, x, x, x, 0, 0.0, 0.0], dict(RECV=False, WS=1, RANK=0, PIECES=1)
+    m, hidden = x.shape
+    if recv is None:
+        return [ch.addrs, x, x, x, x, ch.slot_elems, 0.0, 0.0], dict(RECV=False, WS=ch.world_size, RANK=ch.rank,
+                                                                      PIECES=1)
+    pieces = pieces_per_row(hidden)
+    # torch.empty is capturable: under graph capture the scratch comes from the graph's pool
+    staged = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    squares = torch.empty(m * pieces, dtype=torch.float32, device=x.device)
+    scale = float(np.float32(1.0) / np.float32(hidden))  # the kernels multiply the squares' sum by fl(1/H)
+    return ([ch.addrs, recv.weight, recv.residual_out, staged, squares, ch.slot_elems, recv.eps, scale],
+            dict(RECV=True, WS=ch.world_size, RANK=ch.rank, PIECES=pieces))
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
@@ -564,11 +566,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     blocks = triton.cdiv(n, config.block_n)
     channel, flags = _channel_args(x, recv.take() if recv is not None else None, None)
-    sq = torch.empty(config.split_k, blocks, MAX_M, dtype=torch.float32, device=x.device) if recv is not None else ws
     _qkv_rope_kernel[(blocks, config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0), *channel[:3], sq, *channel[3:], NUM_HEADS=num_heads,
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), *channel, NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"],
         **flags, **tile)
     return q
