@@ -5,10 +5,11 @@
 Llama-3-8B at TP=2 per rank (bench_kernels.py's shapes), bf16. Per layer:
 - plain: o_proj, add + RMSNorm, gate_up + SiLU·mul, down, add + RMSNorm, qkv + rope + KV store (six kernels; the
   add + RMSNorm kernels stand where the all-reduce + add + RMSNorm kernels run at TP=2);
-- pushed: o_proj pushing, gate_up receiving, down pushing, qkv receiving (four kernels).
-The channel is one rank's (world size 1: it pushes to itself), so what is timed is the kernels' own cost of the
-fusion (the pushes, the polls, the re-arming, the receive in the K loop), not the NVLink round trip that the
-all-reduce kernel between them pays at TP=2. Timing: tpgraph/tune/timing.py's method, both chains interleaved, a
+- fused: o_proj with the all-reduce + add + norm staging in its epilogue, gate_up on the staged input, down as
+  o_proj, qkv as gate_up (four kernels).
+The channel is one rank's (world size 1: nothing to push or wait for), so what is timed is the kernels' own cost of
+the fusion (the epilogue's residual add and staging, the RMS scale), not the NVLink round trip that the all-reduce
+pays at TP=2. Timing: tpgraph/tune/timing.py's method, both chains interleaved, a
 graph of 64 layers cycling through weight copies that cannot sit in L2; µs per layer.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tpgraph.kernels import gemv
-from tpgraph.kernels.lamport import local_channels, reduced_norm
+from tpgraph.kernels.lamport import local_channels
 from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_cos_sin_table
 
@@ -39,7 +40,7 @@ def layer_weights(device: torch.device, copies: int) -> list[dict[str, torch.Ten
 
 
 def chains(m: int, weights: list[dict], device: torch.device):
-    """(plain layer, pushed layer): functions of a weight-copy index."""
+    """(plain layer, fused layer): functions of a weight-copy index."""
     bf16 = torch.bfloat16
     attn = torch.randn(m, HEADS * HEAD_DIM, device=device).to(bf16)
     residual = torch.randn(m, HIDDEN, device=device).to(bf16)
@@ -60,14 +61,14 @@ def chains(m: int, weights: list[dict], device: torch.device):
         x, res = add_rms_norm(gemv.linear_small_m(act, w["down"]), res, norm_w, EPS)
         qkv(x, w["qkv"])
 
-    def pushed(i: int) -> None:
+    def fused(i: int) -> None:
         w = weights[i]
-        got = reduced_norm(gemv.linear_push(attn, w["o"], channel), residual, norm_w, EPS)
+        got = gemv.linear_all_reduce_norm(attn, w["o"], channel, residual, norm_w, EPS)
         act = gemv.gate_up_silu(got, w["gate_up"])
-        got = reduced_norm(gemv.linear_push(act, w["down"], channel), got.residual_out, norm_w, EPS)
+        got = gemv.linear_all_reduce_norm(act, w["down"], channel, got.residual_out, norm_w, EPS)
         qkv(got, w["qkv"])
 
-    return plain, pushed
+    return plain, fused
 
 
 def kernel_times(fn, layers: int) -> list[tuple[str, float]]:
@@ -101,18 +102,18 @@ def main() -> None:
     weights = layer_weights(device, max(2, -(-4 * l2 // per_layer)))
     rows = []
     for m in (int(b) for b in args.batches.split(",")):
-        plain, pushed = chains(m, weights, device)
+        plain, fused = chains(m, weights, device)
         graphs = {}
-        for name, fn in (("plain", plain), ("pushed", pushed)):
+        for name, fn in (("plain", plain), ("fused", pushed)):
             turn = itertools.cycle(range(len(weights)))
             graphs[name] = capture(lambda fn=fn, turn=turn: fn(next(turn)), K_OPS)
         us = graph_ops_us_interleaved(None, graphs, K_OPS, args.runs)
-        kernels = {name: kernel_times(fn, len(weights)) for name, fn in (("plain", plain), ("pushed", pushed))}
+        kernels = {name: kernel_times(fn, len(weights)) for name, fn in (("plain", plain), ("fused", pushed))}
         rows.append({"batch": m, **{f"{k}_us_per_layer": v for k, v in us.items()}, "kernels": kernels})
         for name, ks in kernels.items():
             print(f"  {name}: " + ", ".join(f"{k} {t:.1f}" for k, t in ks), flush=True)
-        print(f"m={m}: plain {us['plain']:.2f} µs/layer, pushed {us['pushed']:.2f} µs/layer "
-              f"({us['pushed'] - us['plain']:+.2f})", flush=True)
+        print(f"m={m}: plain {us['plain']:.2f} µs/layer, fused {us['fused']:.2f} µs/layer "
+              f"({us['fused'] - us['plain']:+.2f})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "weights_bytes_per_layer": per_layer,
                                     "rows": rows}, indent=1))

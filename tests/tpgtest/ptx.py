@@ -52,10 +52,10 @@ def gemv_signature(dtype: str, out: str, counter: str = "i32") -> dict[str, str]
     """gemv._gemv_kernel's arguments before its constexprs, typed."""
     return {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{out}", "y_ptr": f"*{dtype}",
             "counter_ptr": f"*{counter}", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-            "stride_om": "i32", "stride_os": "i32", "ch_ptr": "*i64", "nw_ptr": f"*{dtype}", "rout_ptr": f"*{dtype}",
-            "xs_ptr": f"*{dtype}", "sq_ptr": "*fp32", "slot_elems": "i32", "eps": "fp32",
-            "mean_scale": "fp32"}
+            "stride_om": "i32", "stride_os": "i32", "ch_ptr": "*i64", "res_ptr": f"*{dtype}", "nw_ptr": f"*{dtype}",
+            "rout_ptr": f"*{dtype}", "xs_ptr": f"*{dtype}", "sq_ptr": "*fp32", "tiles": "i32", "slot_elems": "i32",
+            "eps": "fp32", "mean_scale": "fp32"}
 
 
-# the constexprs of a gemv kernel that neither receives nor pushes an all-reduce
-NO_CHANNEL = {"RECV": False, "WS": 1, "RANK": 0, "PIECES": 1}
+# the constexprs of a gemv kernel without a fused all-reduce on either side
+NO_ALL_REDUCE = {"ALL_REDUCE": False, "RECV": False, "WS": 1, "RANK": 0, "PIECES": 1}

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tpgtest.ptx import NO_CHANNEL, assert_semaphore_order, gemv_signature, sm90_ptx
+from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -226,7 +226,7 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
                     "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True, "SPLIT": True,
-                    "PUSH": False, **NO_CHANNEL})
+                    **NO_ALL_REDUCE})
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.rindex("prefetch.global.L2") < wait < ptx.index("ld.global")
@@ -246,7 +246,7 @@ def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype, block_
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature(dtype, dtype, dtype), [],
                    {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
                     "GATE_UP": True, "EXACT": True, "PDL": pdl, "PREFETCH_TILES": 3, "LINE": 64,
-                    "LAST_REDUCES": False, "SPLIT": False, "PUSH": False, **NO_CHANNEL})
+                    "LAST_REDUCES": False, "SPLIT": False, **NO_ALL_REDUCE})
     assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "div.rn.f32" in ptx
     if pdl:  # the weight prefetches, then the wait, before any load of x
         assert ptx.count("prefetch.global.L2") == 3
@@ -322,12 +322,11 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
     ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
-    channel = {"ch_ptr": "*i64", "nw_ptr": "*bf16", "rout_ptr": "*bf16", "xs_ptr": "*bf16", "sq_ptr": "*fp32",
-               "slot_elems": "i32", "eps": "fp32", "mean_scale": "fp32"}
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **channel}, [],
+    scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
-                    "BLOCK_SIZE": 16, "EXACT_MUL": True, **NO_CHANNEL})
+                    "BLOCK_SIZE": 16, "EXACT_MUL": True, "RECV": False, "PIECES": 1})
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")

@@ -18,7 +18,8 @@ from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import CaptureError, TPGraphError
-from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, reduced_norm
+from tpgraph.kernels import gemv
+from tpgraph.kernels.lamport import Channel, PendingProjection, ReducedNorm
 from tpgraph.kernels.norm import add_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -53,24 +54,27 @@ class TPCommunicator:
         return x
 
     def push_channel(self, residual: torch.Tensor) -> Channel | None:
-        """Where a row-parallel projection whose output is shaped like `residual` may push its partial sums, for the
-        all-reduce fused into the projections around it (kernels/lamport.py): the custom all-reduce's channel, for
-        decode rows of a 16-bit model; else None."""
+        """Where a row-parallel projection whose output is shaped like `residual` may all-reduce in its epilogue
+        (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a 16-bit model; else None."""
         if self.world_size == 1 or self.custom is None:
             return None
         return self.custom.push_channel(residual)
 
-    def all_reduce_add_rmsnorm(self, x: torch.Tensor | Pushed, residual: torch.Tensor, weight: torch.Tensor,
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor | PendingProjection, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float) -> tuple[torch.Tensor | ReducedNorm, torch.Tensor]:
         """(weight * rmsnorm(s + residual), s + residual) with s = the sum of x over the TP group: the all-reduce at a
         row-parallel output with the residual add and RMSNorm that follow it. One kernel where the custom
         all-reduce's 1shot_push applies (it fuses them), else the all-reduce and then the add+RMSNorm kernel.
-        x Pushed (the projection pushed its partial sums into push_channel): no kernel here. The normalised input is
-        a ReducedNorm that the next projection receives in its K loop (or materializes), and the new residual is
-        written then."""
-        if isinstance(x, Pushed):
-            reduced = reduced_norm(x, residual, weight, eps)
-            return reduced, reduced.residual_out
+        x a PendingProjection (a row-parallel projection not yet run): at decode rows with the custom all-reduce's
+        channel, the projection with all of this in its epilogue (kernels/lamport.py), which leaves a ReducedNorm
+        for the next projection instead of the normalised input; else the projection first, then as above."""
+        if isinstance(x, PendingProjection):
+            channel = self.push_channel(residual) if self.world_size > 1 else None
+            if channel is not None and getattr(x.layer, "small_m", False):
+                reduced = gemv.linear_all_reduce_norm(x.x, x.layer.weight, channel, residual, weight, eps)
+                if reduced is not None:
+                    return reduced, reduced.residual_out
+            x = x.run()
         if self.world_size > 1 and self.custom is not None:
             fused = self.custom.try_all_reduce_add_rmsnorm(x, residual, weight, eps)
             if fused is not None:

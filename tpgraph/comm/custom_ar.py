@@ -26,7 +26,7 @@ from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_ta
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
-from tpgraph.kernels.lamport import CONTROL_BYTES, SENTINEL_WORD, Channel, region_bytes
+from tpgraph.kernels.lamport import PHASES_BYTES, SENTINEL_WORD, Channel, region_bytes
 
 logger = logging.getLogger(__name__)
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
@@ -62,9 +62,9 @@ class CustomAllReduceConfig:
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
     fused_norm: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0")
-    # elements (rows x hidden, 16-bit) one push of the all-reduce fused into the small-M projections can carry
-    # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192. 0: no channel (the projections return their
-    # partial sums and the all-reduce runs as its own kernel).
+    # elements (rows x hidden, 16-bit) one all-reduce fused into a small-M projection's epilogue can carry
+    # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192. 0: no channel (the all-reduce runs as its
+    # own kernel after the projection).
     channel_slot_elems: int = 16 * 8192
 
     def __post_init__(self) -> None:
@@ -178,9 +178,9 @@ class CustomAllReduce:
                     self._opened.append(h)
                 peers.append(base if r == state.rank else self.ext.ipc_open_handle(h))
             self.ext.ar_set_peers(self.ctx, peers)
-            if channel_bytes:  # arm the channel's slots (its control block is zero), before any peer can push
+            if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
                 offset = self.ext.ar_channel_offset(self.ctx)
-                self.ext.fill_u32(base + offset + CONTROL_BYTES, SENTINEL_WORD, (channel_bytes - CONTROL_BYTES) // 4,
+                self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD, (channel_bytes - PHASES_BYTES) // 4,
                                   torch.cuda.current_stream(state.device).cuda_stream)
                 self.channel = Channel(torch.tensor([p + offset for p in peers], dtype=torch.int64,
                                                     device=state.device), state.rank, ws, slot_elems)

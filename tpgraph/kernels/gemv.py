@@ -37,7 +37,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, pieces_per_row
+from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
 try:
     import triton
@@ -47,14 +47,7 @@ try:
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
-    from tpgraph.kernels.lamport import (
-        finish_push,
-        finish_receive,
-        push_tile,
-        receive_phase,
-        rows_rstd,
-        stage_received,
-    )
+    from tpgraph.kernels.lamport import all_reduce_tile, rows_rstd
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
@@ -180,18 +173,13 @@ if triton is not None:
         return rows, ok
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr,
-                 slot_elems, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SOFT_BF16: tl.constexpr, IEEE: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
-                 RANK: tl.constexpr):
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order; with PDL, the weight prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is
         cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
-        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RECV: the input is a pushed all-reduce
-        (lamport.py), received by the programs together into xs_ptr (h * norm weight) and sq_ptr (squares) first:
-        x_ptr is the residual, nw_ptr the norm weight, rout_ptr the new residual; the sums are unscaled (the caller
-        applies the rows' RMS scale, rows_rstd)."""
+        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
         # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
         # K mask (a per-split bound in the mask would cost the loads their vector width).
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
@@ -210,20 +198,11 @@ if triton is not None:
                                           is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if RECV:
-            phase = receive_phase(ch_ptr, RANK)
-            staged = stage_received(ch_ptr, phase, x_ptr, stride_xm, nw_ptr, rout_ptr, xs_ptr, sq_ptr, M, K, slot_elems,
-                                    WS, RANK, SOFT_BF16)
-            k_lo += staged * BLOCK_K  # + 0, which keeps the wait (see wait_landed) and k_lo's alignment
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            if RECV:  # written by this kernel's programs: read past L1
-                x = tl.load(xs_ptr + offs_m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0,
-                            cache_modifier=".cg")
-            else:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
@@ -236,8 +215,6 @@ if triton is not None:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
             # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
-        if RECV:
-            finish_receive(ch_ptr, phase, (pid == 0) & (pid_k == 0), RANK)
         return acc
 
     @triton.jit
@@ -256,11 +233,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-                     ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, slot_elems, eps, mean_scale,
+                     ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tiles, slot_elems, eps, mean_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                     SPLIT: tl.constexpr, RECV: tl.constexpr, PUSH: tl.constexpr, WS: tl.constexpr,
+                     SPLIT: tl.constexpr, ALL_REDUCE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
@@ -274,16 +251,17 @@ if triton is not None:
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
         partial is stored; the split that arrives last adds the partials in split order (the bits of
         _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
-        RECV (GATE_UP, one split): x is a pushed all-reduce to receive, add to the residual and normalise
-        (lamport.py). PUSH (not GATE_UP): y is not stored but pushed into every rank's channel slots."""
+        ALL_REDUCE (a row-parallel weight, one split or LAST_REDUCES): y is not stored; each finished tile goes
+        through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
+        after). RECV: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
+        1 / RMS from its squares [tiles, BLOCK_M] before the epilogue."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr,
-                       sq_ptr, slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, GATE_UP, PDL,
-                       PREFETCH_TILES, LINE, RECV, WS, RANK)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
+                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
         if RECV:
-            offs_m = tl.arange(0, BLOCK_M)
-            acc = acc * rows_rstd(sq_ptr, offs_m, offs_m < M, K, mean_scale, eps, PIECES)[:, None]
+            offs_r = tl.arange(0, BLOCK_M)
+            acc = acc * rows_rstd(sq_ptr, tiles, offs_r, offs_r < M, mean_scale, eps, BLOCK_M, PIECES)[:, None]
         if GATE_UP:
             _silu_mul_store(acc, y_ptr, pid, M, N // 2, stride_om, BLOCK_M, BLOCK_N // 2, SOFT_BF16, EXACT)
         else:
@@ -294,8 +272,9 @@ if triton is not None:
             y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
             tile = offs_m[:, None] * stride_om + offs_n[None, :]
             tile_ok = m_ok[:, None] & n_ok[None, :]
-            if PUSH and not SPLIT:
-                push_tile(y, ch_ptr, offs_m, offs_n, tile_ok, N, slot_elems, WS, RANK)
+            if ALL_REDUCE and not SPLIT:
+                all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok,
+                                N, slot_elems, WS, RANK, SOFT_BF16)
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
@@ -304,36 +283,32 @@ if triton is not None:
                     for s in range(1, tl.num_programs(1)):
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
-                    if PUSH:
-                        push_tile(total, ch_ptr, offs_m, offs_n, tile_ok, N, slot_elems, WS, RANK)
+                    if ALL_REDUCE:
+                        all_reduce_tile(total, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n,
+                                        m_ok, n_ok, N, slot_elems, WS, RANK, SOFT_BF16)
                     else:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
                     reset_counter(counter_ptr + pid)
-            if PUSH:
-                finish_push(ch_ptr, pid * tl.num_programs(1) + pid_k, tl.num_programs(0) * tl.num_programs(1),
-                            M, N, slot_elems, WS, RANK, y_ptr.dtype.element_ty, 512)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                          v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
-                         stride_cb, stride_ct, stride_ch, stride_qo, ch_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr,
-                         slot_elems, eps, mean_scale,
+                         stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps, mean_scale,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
-                         RANK: tl.constexpr, PIECES: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, RECV: tl.constexpr,
+                         PIECES: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
-        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot.
-        RECV: x is a pushed all-reduce (see _partial); the head's last program applies the rows' RMS scale."""
+        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. RECV: x is a
+        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, ch_ptr, nw_ptr, rout_ptr, xs_ptr,
-                       sq_ptr, slot_elems, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, False, PDL,
-                       PREFETCH_TILES, LINE, RECV, WS, RANK)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
+                       IEEE, False, PDL, PREFETCH_TILES, LINE)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -342,14 +317,14 @@ if triton is not None:
         head = pid // (HEAD_DIM // BLOCK_N)
         if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, K, eps,
-                       mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
+                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles,
+                       eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
                        RECV, PIECES)
             reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, K, eps,
+                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps,
                    mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    EXACT_MUL: tl.constexpr, RECV: tl.constexpr, PIECES: tl.constexpr):
@@ -368,8 +343,8 @@ if triton is not None:
         for s in range(1, tl.num_programs(1)):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        if RECV:  # the rows' RMS scale, from the squares the prologue staged
-            rstd = rows_rstd(sq_ptr, offs_m, m_ok, K, mean_scale, eps, PIECES)
+        if RECV:  # the rows' RMS scale, from the fused all-reduce's squares
+            rstd = rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M, PIECES)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
@@ -428,66 +403,68 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
 
 
-def linear_push(x: torch.Tensor, w: torch.Tensor, channel: Channel, *, use_triton: bool | None = None,
-                config: GemvConfig | None = None) -> Pushed | None:
-    """x @ w.T for a row-parallel weight, its output tiles pushed into every rank's channel slots instead of stored
-    (lamport.py): the all-reduce's send half, in the projection's epilogue. The receive half is a ReducedNorm
-    (TPCommunicator.all_reduce_add_rmsnorm) that the next projection takes. None where it does not apply (the caller
-    runs the projection and the all-reduce): where linear_small_m would not run the kernel, an output the channel
-    cannot hold, or split-K tiles whose reduction is a second kernel."""
+def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float, *, use_triton: bool | None = None,
+                           config: GemvConfig | None = None) -> ReducedNorm | None:
+    """A row-parallel projection x @ w.T with the all-reduce, the residual add and the next RMSNorm's staging in its
+    epilogue (lamport.py): the sum over ranks is never stored, the new residual is, and the projection after takes
+    the ReducedNorm. Every rank must call it for the same shapes at the same point (it waits for their tiles). None
+    where it does not apply (the caller runs the projection and the all-reduce): where linear_small_m would not run
+    the kernel, an output the channel cannot carry, or split-K tiles whose reduction is a second kernel."""
     if not _applies(x, w, use_triton):
         return None
     m, k = x.shape
     n = w.shape[0]
-    if not channel.fits(m, n, x.dtype, x.device):
+    if (not channel.fits(m, n, x.dtype, x.device) or residual.shape != (m, n) or residual.dtype != x.dtype
+            or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
         return None
     cfg = config or config_for(x, n, k, m)
     if cfg.split_k > 1 and not last_split_reduces():
         return None
-    _launch(x, w, cfg, gate_up=False, push=channel)
-    return Pushed(channel, m, n, x.dtype)
+    residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
+    tiles = triton.cdiv(n, cfg.block_n)
+    # torch.empty is capturable: under CUDA graph capture these come from the graph's pool
+    reduced = ReducedNorm(torch.empty_like(residual), torch.empty_like(residual),
+                          torch.empty(tiles, MAX_M, dtype=torch.float32, device=x.device), tiles, norm_weight, eps)
+    _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced))
+    return reduced
 
 
 def gate_up_silu(x: torch.Tensor | ReducedNorm, w: torch.Tensor, *, use_triton: bool | None = None,
                  config: GemvConfig | None = None) -> torch.Tensor | None:
     """silu_and_mul(linear_small_m(x, w)) in one launch, bit for bit (the same tiles and sums, the activation's
     roundings), for w = cat(gate, up) [2 * inter, K]: the gate_up projection's epilogue makes the activation, so the
-    [M, 2 * inter] projection output is never stored and read back. x may be a ReducedNorm: then the kernel receives
-    the all-reduce, adds the residual and normalises in its K loop (lamport.py), and takes it. None where it does not
-    apply (the caller then runs the two steps, and x is not taken): where linear_small_m would not run the kernel, or
-    the shape's tiles split K."""
-    xt = _operand(x)
+    [M, 2 * inter] projection output is never stored and read back. x may be a fused all-reduce's ReducedNorm: the
+    kernel then reads its staged input and applies the RMS scale. None where it does not apply (the caller then runs
+    the two steps): where linear_small_m would not run the kernel, or the shape's tiles split K."""
+    xt = x.staged if isinstance(x, ReducedNorm) else x
     if not _applies(xt, w, use_triton) or w.shape[0] % 2:
         return None
     cfg = config or config_for(xt, w.shape[0], xt.shape[1], xt.shape[0])
     if cfg.split_k != 1:  # the epilogue needs whole sums; a split-K table entry keeps the two kernels
         return None
-    return _launch(xt, w, cfg, gate_up=True, recv=x.take() if isinstance(x, ReducedNorm) else None)
+    return _launch(xt, w, cfg, gate_up=True, recv=x if isinstance(x, ReducedNorm) else None)
 
 
-def _operand(x: torch.Tensor | ReducedNorm) -> torch.Tensor:
-    """The tensor that stands for x in shape, dtype and device checks (a ReducedNorm's residual)."""
-    return x.residual if isinstance(x, ReducedNorm) else x
+def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, all_reduce: tuple | None) -> tuple[list, dict]:
+    """_gemv_kernel's fused all-reduce arguments (placeholders where there is none): (channel, residual, norm weight,
+    new residual, staged input, squares, tiles, slot_elems, eps, fl(1/H)) and the constexprs ALL_REDUCE, RECV, WS,
+    RANK, PIECES: the outputs of an all-reducing projection, or the squares a staged input is scaled by."""
+    if all_reduce is not None:
+        ch, residual, r = all_reduce
+        return ([ch.addrs, residual, r.weight, r.residual_out, r.staged, r.squares, r.tiles, ch.slot_elems, 0.0, 0.0],
+                dict(ALL_REDUCE=True, RECV=False, WS=ch.world_size, RANK=ch.rank, PIECES=1))
+    scale, flags = _recv_args(x, recv)
+    return [x, x, x, x, x, *scale[:2], 0, *scale[2:]], dict(ALL_REDUCE=False, WS=1, RANK=0, **flags)
 
 
-def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, push: Channel | None) -> tuple[list, dict]:
-    """The kernels' channel arguments (placeholders where neither receives nor pushes): (ch, norm weight, new
-    residual, staged input, staged squares, slot_elems, eps, mean scale) and the constexprs RECV,
-    WS, RANK, PIECES."""
-    ch = recv.pushed.channel if recv is not None else push
-    if ch is None:
-        return [x, x, x, x, x, 0, 0.0, 0.0], dict(RECV=False, WS=1, RANK=0, PIECES=1)
-    m, hidden = x.shape
+def _recv_args(x: torch.Tensor, recv: ReducedNorm | None) -> tuple[list, dict]:
+    """A staged input's (squares, tiles, eps, fl(1/H)) (placeholders where x is plain) and the constexprs RECV,
+    PIECES."""
     if recv is None:
-        return [ch.addrs, x, x, x, x, ch.slot_elems, 0.0, 0.0], dict(RECV=False, WS=ch.world_size, RANK=ch.rank,
-                                                                      PIECES=1)
-    pieces = pieces_per_row(hidden)
-    # torch.empty is capturable: under graph capture the scratch comes from the graph's pool
-    staged = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    squares = torch.empty(m * pieces, dtype=torch.float32, device=x.device)
-    scale = float(np.float32(1.0) / np.float32(hidden))  # the kernels multiply the squares' sum by fl(1/H)
-    return ([ch.addrs, recv.weight, recv.residual_out, staged, squares, ch.slot_elems, recv.eps, scale],
-            dict(RECV=True, WS=ch.world_size, RANK=ch.rank, PIECES=pieces))
+        return [x, 0, 0.0, 0.0], dict(RECV=False, PIECES=1)
+    scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
+    return [recv.squares, recv.tiles, recv.eps, scale], dict(RECV=True, PIECES=pieces_for(recv.tiles))
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
@@ -510,9 +487,9 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
-            push: Channel | None = None) -> torch.Tensor:
-    """recv (gate_up only): x is recv's residual and the kernel receives the input. push: y is pushed, not stored
-    (the returned tensor is then unwritten)."""
+            all_reduce: tuple | None = None) -> torch.Tensor:
+    """recv: x is recv's staged input (scaled by its RMS). all_reduce (channel, residual, ReducedNorm to fill): the
+    output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
     n = w.shape[0]
     tile = _tile_args(x, cfg, n, k)
@@ -523,11 +500,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     counters = split_counters(x.device, blocks) if last_reduces else y
-    channel, flags = _channel_args(x, recv, push)
+    channel, flags = _channel_args(x, recv, all_reduce)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, *channel, GATE_UP=gate_up, EXACT=not soft,
-        LAST_REDUCES=last_reduces, SPLIT=cfg.split_k > 1, PUSH=push is not None, **flags, **tile)
+        LAST_REDUCES=last_reduces, SPLIT=cfg.split_k > 1, **flags, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -541,10 +518,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
                    config: GemvConfig | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
-    caller then runs the two steps, and a ReducedNorm x is not taken): M > 16, a head_dim the tiles do not divide,
-    layouts rope_store would refuse. x may be a ReducedNorm, received in the K loop as gate_up_silu does."""
+    caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse. x
+    may be a fused all-reduce's ReducedNorm (see gate_up_silu)."""
     recv = x if isinstance(x, ReducedNorm) else None
-    x = _operand(x)
+    x = x.staged if recv is not None else x
     if not _applies(x, w, use_triton):
         return None
     m, k = x.shape
@@ -564,12 +541,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    blocks = triton.cdiv(n, config.block_n)
-    channel, flags = _channel_args(x, recv.take() if recv is not None else None, None)
-    _qkv_rope_kernel[(blocks, config.split_k)](
+    scale, recv_flags = _recv_args(x, recv)
+    _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0), *channel, NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"],
-        **flags, **tile)
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), *scale, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **recv_flags, **tile)
     return q

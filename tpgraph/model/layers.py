@@ -9,7 +9,7 @@ from torch import nn
 
 from tpgraph.kernels import gemv
 from tpgraph.kernels.activation import silu_and_mul
-from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, materialized
+from tpgraph.kernels.lamport import PendingProjection, ReducedNorm, materialized
 from tpgraph.kernels.norm import add_rms_norm, rms_norm
 from tpgraph.model.shards import ShardSpec, even_split, whole
 
@@ -68,14 +68,14 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(output_size, local, dtype=dtype, device=device)
         self.small_m = gemv.enabled()
 
-    def forward(self, x: torch.Tensor, push_to: Channel | None = None) -> torch.Tensor | Pushed:
-        """This rank's partial sums; or, given a channel the small-M kernel can push into, those sums pushed to every
-        rank (the all-reduce's send half, kernels/lamport.py) and a Pushed marker for all_reduce_add_rmsnorm."""
-        if push_to is not None and self.small_m:
-            pushed = gemv.linear_push(x, self.weight, push_to)
-            if pushed is not None:
-                return pushed
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums."""
         return _project(x, self.weight, self.small_m)
+
+    def pending(self, x: torch.Tensor) -> PendingProjection:
+        """This projection of x, left for the all-reduce after it to run (with the all-reduce in its epilogue where
+        it can: TPCommunicator.all_reduce_add_rmsnorm)."""
+        return PendingProjection(x, self)
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)

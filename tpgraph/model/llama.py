@@ -10,7 +10,7 @@ from tpgraph.config import ModelConfig
 from tpgraph.kernels import gemv
 from tpgraph.kernels._counters import last_split_reduces
 from tpgraph.kernels.activation import silu_and_mul
-from tpgraph.kernels.lamport import Channel, Pushed, ReducedNorm, materialized
+from tpgraph.kernels.lamport import PendingProjection, ReducedNorm, materialized
 from tpgraph.kernels.rope_store import rope_and_store
 from tpgraph.model.attention import AttentionMetadata, KVCache
 from tpgraph.model.layers import (
@@ -53,9 +53,9 @@ class LlamaAttention(nn.Module):
         self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
-                meta: AttentionMetadata, push_to: Channel | None = None) -> torch.Tensor | Pushed:
-        """x: the normalised input, or the all-reduce before it still to receive (ReducedNorm). Returns o_proj's
-        partial sums, or with push_to those sums pushed to every rank (Pushed)."""
+                meta: AttentionMetadata) -> PendingProjection:
+        """x: the normalised input, or what a fused all-reduce left for it (ReducedNorm). Returns o_proj of the
+        attention output, for the caller's all-reduce to run (this rank's partial sums)."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
                                     self.num_heads, self.num_kv_heads, self.head_dim)
             if q is not None:
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
-                return self.o_proj(out.view(out.shape[0], -1), push_to)
+                return self.o_proj.pending(out.view(out.shape[0], -1))
         qkv = self.qkv_proj(x)
         # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
         q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
@@ -76,7 +76,7 @@ class LlamaAttention(nn.Module):
             out = meta.boundary(meta.backend.prefill, q, k, v, cache, meta, self.scale)
         else:
             out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
-        return self.o_proj(out.view(out.shape[0], -1), push_to)  # this rank's partial sums: the caller all-reduces
+        return self.o_proj.pending(out.view(out.shape[0], -1))  # this rank's partial sums: the caller all-reduces
 
 
 class LlamaMLP(nn.Module):
@@ -96,11 +96,11 @@ class LlamaMLP(nn.Module):
         # and one [M, 2 * inter] round trip fewer); bench_decode's +unfused turns it off to time the two kernels
         self.fused_activation = True
 
-    def forward(self, x: torch.Tensor | ReducedNorm, push_to: Channel | None = None) -> torch.Tensor | Pushed:
-        # this rank's partial sums (or, with push_to, those pushed to every rank): the caller all-reduces
+    def forward(self, x: torch.Tensor | ReducedNorm) -> PendingProjection:
+        # the down projection of this rank, for the caller's all-reduce to run
         if self.fused_activation:
-            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x), push_to)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), push_to)
+            return self.down_proj.pending(self.gate_up_proj.forward_silu_and_mul(x))
+        return self.down_proj.pending(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,19 +117,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", comm, dtype, device)
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
-                residual: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | Pushed, torch.Tensor]:
-        """x: this layer's normalised input (or the all-reduce before it, to receive); residual: the stream so far.
-        Returns (the MLP's partial sums on this rank, or Pushed, the residual stream): the caller all-reduces them
-        together with the next norm."""
-        # decode rows: o_proj and down push their partial sums to every rank from their epilogues, and the
-        # projection after each receives them in its K loop (no all-reduce kernel between); else None
-        channel = self.comm.push_channel(residual)
-        partial = self.self_attn(positions, rope, x, meta, push_to=channel)
+                residual: torch.Tensor, meta: AttentionMetadata) -> tuple[PendingProjection, torch.Tensor]:
+        """x: this layer's normalised input (or what a fused all-reduce left for it); residual: the stream so far.
+        Returns (the MLP's down projection, still to run, the residual stream): the caller all-reduces it together
+        with the next norm."""
+        partial = self.self_attn(positions, rope, x, meta)
         norm = self.post_attention_layernorm
-        # the all-reduce, the residual add and the norm after it: one kernel where the custom all-reduce fuses them,
-        # none where o_proj pushed (gate_up receives)
+        # o_proj, the all-reduce, the residual add and the norm after it: at decode rows, o_proj with the all-reduce
+        # in its epilogue and the norm staged for gate_up (kernels/lamport.py); else o_proj, then one kernel where
+        # the custom all-reduce fuses the rest, or the all-reduce and then the add+RMSNorm kernel
         x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
-        return self.mlp(x, push_to=channel), residual
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
