@@ -104,11 +104,11 @@ def main() -> None:
     for m in (int(b) for b in args.batches.split(",")):
         plain, fused = chains(m, weights, device)
         graphs = {}
-        for name, fn in (("plain", plain), ("fused", pushed)):
+        for name, fn in (("plain", plain), ("fused", fused)):
             turn = itertools.cycle(range(len(weights)))
             graphs[name] = capture(lambda fn=fn, turn=turn: fn(next(turn)), K_OPS)
         us = graph_ops_us_interleaved(None, graphs, K_OPS, args.runs)
-        kernels = {name: kernel_times(fn, len(weights)) for name, fn in (("plain", plain), ("fused", pushed))}
+        kernels = {name: kernel_times(fn, len(weights)) for name, fn in (("plain", plain), ("fused", fused))}
         rows.append({"batch": m, **{f"{k}_us_per_layer": v for k, v in us.items()}, "kernels": kernels})
         for name, ks in kernels.items():
             print(f"  {name}: " + ", ".join(f"{k} {t:.1f}" for k, t in ks), flush=True)
