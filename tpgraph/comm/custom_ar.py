@@ -204,8 +204,9 @@ class CustomAllReduce:
 
     def push_channel(self, residual: torch.Tensor) -> Channel | None:
         """The channel for a row-parallel output shaped like `residual`, where the fused all-reduce takes it (the
-        fused norm on, TPGRAPH_GEMV_ALLREDUCE not 0, rows and dtype the channel carries), else None."""
-        if self.channel is None or not self.cfg.fused_norm or os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "1") == "0":
+        fused norm on, TPGRAPH_GEMV_ALLREDUCE=1, rows and dtype the channel carries), else None. Off by default until
+        it has run on two GPUs: so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport)."""
+        if self.channel is None or not self.cfg.fused_norm or os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "0") != "1":
             return None
         if residual.dim() != 2 or not self.channel.fits(*residual.shape, residual.dtype, residual.device):
             return None

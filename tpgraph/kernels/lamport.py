@@ -49,6 +49,7 @@ MAX_HIDDEN = 8192
 PHASES_BYTES = MAX_HIDDEN // GRANULE * 4
 SENTINEL_WORD = 0x80008000  # two 16-bit -0.0: what an armed slot holds (the all-reduce kernels' sentinel)
 DTYPES = (torch.bfloat16, torch.float16)
+MAX_POLLS = 1 << 26  # about a minute of polls (each an L2 round trip) before a missing peer traps
 
 
 def region_bytes(world_size: int, slot_elems: int) -> int:
@@ -136,6 +137,7 @@ if triton is not None:
     _PHASES = tl.constexpr(PHASES)
     _GRANULE = tl.constexpr(GRANULE)
     _PHASES_BYTES = tl.constexpr(PHASES_BYTES)
+    _MAX_POLLS = tl.constexpr(MAX_POLLS)
 
     @triton.jit
     def _armed(v):
@@ -155,6 +157,15 @@ if triton is not None:
                 armed += tl.sum(tl.sum((_armed(v) & mask).to(tl.int32), axis=1), axis=0)
                 s += v.to(tl.float32)
         return s, armed
+
+    @triton.jit
+    def _trap_after(polls, SOFT_BF16: tl.constexpr):
+        """A peer that never pushes (it died, or runs another sequence of calls) must not hang the GPU forever: after
+        MAX_POLLS polls (tens of seconds) the kernel traps, which ends this process's CUDA context with an error."""
+        if not SOFT_BF16:
+            if polls > _MAX_POLLS:
+                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [polls], dtype=tl.int32, is_pure=False,
+                                          pack=1)
 
     @triton.jit
     def all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tile, offs_m, offs_n, m_ok, n_ok, N,
@@ -182,8 +193,11 @@ if triton is not None:
         slots = (own_base + _PHASES_BYTES).to(tl.pointer_type(dtype), bitcast=True)
         slots = tl.multiple_of(slots + phase.to(tl.int64) * WS * slot_elems, 16)
         s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
+        polls = 0
         while armed > 0:
             s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
+            polls += 1
+            _trap_after(polls, SOFT_BF16)
         h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
         tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
         tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
