@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -27,6 +27,19 @@ for step in "$@"; do
              | tee "$out/lamport_tests.log"
              timeout 300 python3 bench/bench_lamport.py --out "$out/lamport.json" 2>&1 | tail -8 \
              | tee "$out/lamport_bench.log" ;;
+    lamport-tp2) # the all-reduce in the row-parallel projection's epilogue on NPROC GPUs (opt-in until this has run):
+         # its exactness test, HF parity with it on, then the decode step with and without it, interleaved, and the profile
+         timeout 400 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k epilogue 2>&1 | tail -6 \
+             | tee "$out/lamport_tp2_tests.log"
+         for dt in bf16 fp32; do TPGRAPH_GEMV_ALLREDUCE=1 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py \
+             --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_push_$dt.json" 2>&1 \
+             | grep -E "prompt|PASS" | tee -a "$out/hf_parity_push.log"; done  # (fp32: the path declines, unfused)
+         timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+             --allreduce custom+gemv,custom+gemv+push,nccl+gemv --interleave --steps 100 --out "$out/decode_push.json" \
+             2>&1 | grep -E "TPOT" | tee "$out/bench_push.log"
+         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
+             --allreduce custom+gemv,custom+gemv+push --profile --steps 20 --out "$out/profile_push.json" 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
     kernels) timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_argmax_gpu.py -q -x -rs 2>&1 \
              | tail -25 | tee "$out/kernels.log" ;;
     bench) timeout 400 torchrun --nproc-per-node $NPROC bench/bench_decode.py --batches 1,8 --modes full,none \

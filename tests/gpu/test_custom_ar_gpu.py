@@ -115,6 +115,21 @@ def test_fused_all_reduce_add_rmsnorm_matches_the_unfused_pair():
         assert worst <= 1e-2
 
 
+# (rows, hidden, K): decode rows at the Llama-3-8B TP=2 o_proj shape, and an odd row count at a smaller one
+GEMV_ALL_REDUCE_CASES = [(1, 4096, 2048), (3, 4096, 2048), (16, 4096, 2048), (5, 1024, 768)]
+
+
+def test_the_all_reduce_in_the_projection_epilogue_matches_the_unfused_sequence():
+    from tpgtest.workers import gemv_all_reduce
+
+    replays = 3
+    for failures, checked, worst in run_ranks(gemv_all_reduce, WORLD, GEMV_ALL_REDUCE_CASES, replays,
+                                              timeout_s=400):
+        assert failures == [], failures
+        assert checked == 2 * len(GEMV_ALL_REDUCE_CASES) * (4 + replays)
+        assert worst <= 2e-2
+
+
 def random_normal_sizes(dtype):
     """16 bytes, an odd 1040 elements, 8 KB, 512 KB, 4 MB."""
     item = torch.tensor([], dtype=dtype).element_size()

@@ -668,3 +668,69 @@ def custom_ar_extra_push_call(rank, world_size, init, timeout_s, out_dir):
         ar._watchdog.join(timeout=2.0)
     Path(out_dir, f"outcome{rank}").write_text(repr(events))
     os._exit(0)  # a trapped context cannot be torn down cleanly
+
+
+def gemv_all_reduce(rank, world_size, init, cases, replays):
+    """The all-reduce fused into a row-parallel projection's epilogue (kernels/lamport.py) on real GPUs, against the
+    unfused sequence: this rank's partial sums (the same kernel and tiles), the rank-order sum, the add + RMSNorm
+    kernel. The new residual and the materialized norm bit-equal and equal on every rank; gate_up on the staged input
+    within bf16 rounding of gate_up on the normalised one. Eager calls one after another (the phases go round), then
+    the same calls captured in one graph and replayed on new inputs."""
+    from tpgraph.kernels.gemv import gate_up_silu, linear_all_reduce_norm, linear_small_m
+    from tpgraph.kernels.norm import add_rms_norm
+
+    eps = 1e-5
+    with custom_ar_on_rank(rank, world_size, init) as (state, ar):
+        failures, checked, worst = [], 0, 0.0
+
+        def inputs(dtype, rows, hidden, k, seed):
+            own = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
+            common = torch.Generator(device="cuda").manual_seed(seed)
+            x = torch.randn(rows, k, device="cuda", generator=own).to(dtype)
+            w = (0.05 * torch.randn(hidden, k, device="cuda", generator=own)).to(dtype)
+            residual = (4 * torch.randn(rows, hidden, device="cuda", generator=common)).to(dtype)
+            nw = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=common)).to(dtype)
+            wg = (0.02 * torch.randn(256, hidden, device="cuda", generator=own)).to(dtype)
+            return x, w, residual, nw, wg
+
+        def compare(tag, reduced, x, w, residual, nw, wg):
+            nonlocal checked, worst
+            s = rank_order_sum(state, linear_small_m(x, w))
+            normed, new_res = add_rms_norm(s, residual, nw, eps)
+            ref = gate_up_silu(normed, wg)
+            got = gate_up_silu(reduced, wg)
+            rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            worst = max(worst, rel)
+            checked += 1
+            ok = (torch.equal(reduced.residual_out, new_res) and torch.equal(reduced.materialize(), normed)
+                  and same_on_every_rank(state, reduced.residual_out) and rel <= 2e-2)
+            if not ok:
+                failures.append((tag, torch.equal(reduced.residual_out, new_res), rel))
+
+        for dtype in (torch.bfloat16, torch.float16):
+            for rows, hidden, k in cases:
+                tag = (str(dtype), rows, hidden, k)
+                for it in range(4):  # more calls than phases
+                    args = inputs(dtype, rows, hidden, k, 31 * it + rows)
+                    x, w, residual, nw, wg = args
+                    reduced = linear_all_reduce_norm(x, w, ar.channel, residual, nw, eps)
+                    if reduced is None:
+                        failures.append((*tag, "declined"))
+                        break
+                    compare(("eager", it, *tag), reduced, *args)
+                static = [t.clone() for t in inputs(dtype, rows, hidden, k, rows)]
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                    g_reduced = linear_all_reduce_norm(*static[:2], ar.channel, *static[2:4], eps)
+                torch.cuda.current_stream().wait_stream(stream)
+                for it in range(replays):
+                    fresh = inputs(dtype, rows, hidden, k, 7919 * (it + 1) + rows)
+                    for dst, src in zip(static, fresh, strict=True):
+                        dst.copy_(src)
+                    graph.replay()
+                    compare(("graph", it, *tag), g_reduced, *fresh)
+                del graph
+        torch.cuda.synchronize()
+        return failures, checked, worst
