@@ -173,3 +173,56 @@ def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
                     "RECV": True})
     assert "ld.global.cv" not in ptx and "ld.volatile" not in ptx
     assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+
+
+@interpreted
+def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_takes_it(monkeypatch):
+    """all_reduce_add_rmsnorm on a row-parallel projection left pending: decode rows go through the channel (a
+    ReducedNorm whose new residual is the unfused one); rows the channel cannot carry run the projection, then the
+    all-reduce and the add + RMSNorm kernel."""
+    from tpgraph.comm.communicator import TPCommunicator
+    from tpgraph.distributed import ParallelState
+    from tpgraph.kernels import gemv
+    from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
+    from tpgraph.model.layers import RowParallelLinear
+
+    ranks = Ranks(2, "cpu", torch.bfloat16, seed=5)
+    layer = RowParallelLinear(2 * KIN, HIDDEN, "o_proj", 0, 2, torch.bfloat16, torch.device("cpu"))
+    layer.weight.data.copy_(ranks.w_row[0])
+    layer.small_m = True
+    cfg = GemvConfig(16, 32, 4, 2, 1)
+    monkeypatch.setattr(gemv, "config_for", lambda *a: cfg)
+    monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
+    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
+    monkeypatch.setattr(gemv, "linear_all_reduce_norm",
+                        lambda *a: linear_all_reduce_norm(*a, use_triton=True, config=cfg))
+
+    class Custom:  # the custom all-reduce as rank 0 of two, whose peer always holds the same partial sums
+        def push_channel(self, residual):
+            ch = ranks.channels[0]
+            return ch if ch.fits(*residual.shape, residual.dtype, residual.device) else None
+
+        def try_all_reduce_add_rmsnorm(self, x, residual, weight, eps):
+            return None
+
+        def try_all_reduce(self, x):
+            return (x.float() * 2).to(x.dtype)
+
+    comm = TPCommunicator(ParallelState(0, 2, 0, torch.device("cpu"), None, None), use_custom_allreduce=False)
+    comm.custom = Custom()
+    for rows in (3, 20):
+        x = ranks.rnd(rows, KIN, scale=1.0)
+        residual = ranks.rnd(rows, HIDDEN, scale=1.0)
+        partial = linear_small_m(x, layer.weight, use_triton=True, config=cfg)
+        normed, new_residual = add_rms_norm((partial.float() * 2).to(torch.bfloat16), residual, ranks.norm_w, EPS,
+                                            use_triton=True)
+        if rows <= 16:  # the peer's tile, where its push would land
+            data = partial.clone()
+            data[data.view(torch.int16) == -32768] = 0
+            phase = int(phases_view(ranks.channels[0])[0])
+            slots_view(ranks.channels[0])[phase, 1, : rows * HIDDEN] = data.flatten()
+        out, res = comm.all_reduce_add_rmsnorm(PendingProjection(x, layer), residual, ranks.norm_w, EPS)
+        assert isinstance(out, ReducedNorm) == (rows <= 16)
+        assert torch.equal(res, new_residual)
+        if rows <= 16:
+            assert torch.equal(out.materialize(), normed)
