@@ -282,3 +282,14 @@ def test_qkv_rope_store_gives_the_two_steps_bits(m, dtype):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, rq) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vocab_shard_embedding_copies_the_torch_sequence_bit_for_bit(dtype):
+    from tpgraph.kernels.embedding import vocab_shard_embedding, vocab_shard_embedding_reference
+
+    weight = torch.randn(64128, 4096, device="cuda").to(dtype)
+    ids = torch.randint(0, 128256, (37,), device="cuda")
+    for start in (0, 64128):
+        out = vocab_shard_embedding(ids, weight, start)
+        assert torch.equal(out, vocab_shard_embedding_reference(ids, weight, start))

@@ -9,6 +9,7 @@ from torch import nn
 
 from tpgraph.kernels import gemv
 from tpgraph.kernels.activation import silu_and_mul
+from tpgraph.kernels.embedding import vocab_shard_embedding
 from tpgraph.kernels.lamport import PendingProjection, ReducedNorm, materialized
 from tpgraph.kernels.norm import add_rms_norm, rms_norm
 from tpgraph.model.shards import ShardSpec, even_split, whole
@@ -108,10 +109,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        local = input_ids - self.shard.start
-        outside = (local < 0) | (local >= self.shard.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+        # the range mask and the lookup in one kernel on GPUs (the torch sequence is about seven small kernels)
+        return vocab_shard_embedding(input_ids, self.weight, self.shard.start)
 
     def shard_specs(self) -> list[ShardSpec]:
         if self.shard.real_rows == 0:
