@@ -6,6 +6,9 @@ from tpgtest.workers import collectives
 def test_all_reduce_and_all_gather_on_gloo():
     results = run_ranks(collectives, 3)
     base = torch.arange(6, dtype=torch.float32).view(2, 3)
-    for summed, gathered in results:
+    parts = [torch.tensor([[r, 10 + r], [20 + r, 30 + r]], dtype=torch.float32) for r in range(3)]
+    for summed, gathered, buffer, stacked in results:
         assert torch.equal(summed, base * 6)
         assert torch.equal(gathered, torch.tensor([[0.0, 1.0, 2.0]] * 2))
+        assert torch.equal(buffer[:2], torch.cat(parts, dim=-1)) and (buffer[2:] == -1).all()  # rows after: untouched
+        assert torch.equal(stacked, torch.cat(parts, dim=0))

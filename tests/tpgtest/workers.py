@@ -75,7 +75,12 @@ def collectives(rank, world_size, init):
         x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
         summed = comm.all_reduce(x.clone())
         gathered = comm.all_gather(torch.full((2, 1), float(rank)), dim=-1)
-        return summed, gathered
+        # rows of a wider persistent buffer (as the logits are gathered), and along the first dim
+        buffer = torch.full((4, 2 * world_size), -1.0)
+        mine = torch.tensor([[rank, 10 + rank], [20 + rank, 30 + rank]], dtype=torch.float32)
+        comm.all_gather(mine, dim=-1, out=buffer[:2])
+        stacked = comm.all_gather(mine, dim=0)
+        return summed, gathered, buffer, stacked
     finally:
         destroy_distributed(state)
 

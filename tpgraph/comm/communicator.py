@@ -86,9 +86,20 @@ class TPCommunicator:
         if self.world_size == 1:
             return x if out is None else out.copy_(x)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.state.tp_group)
-        return torch.cat(parts, dim=dim, out=out)
+        # one collective into one buffer [world, *x.shape], then one copy into place (a list of parts costs a copy
+        # out per rank and then the concatenation)
+        flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(flat, x, group=self.state.tp_group)
+        flat = flat.view(self.world_size, *x.shape)
+        dim = dim % x.dim()
+        shape = (*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"all_gather out has shape {tuple(out.shape)}, expected {shape}")
+        # out viewed as [..., world, x.shape[dim], ...] is flat with the world axis moved to dim
+        out.view(*x.shape[:dim], self.world_size, *x.shape[dim:]).copy_(flat.movedim(0, dim))
+        return out
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[CaptureRegistration]:
