@@ -54,8 +54,8 @@ def gemv_signature(dtype: str, out: str, counter: str = "i32") -> dict[str, str]
             "counter_ptr": f"*{counter}", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
             "stride_om": "i32", "stride_os": "i32", "ch_ptr": "*i64", "res_ptr": f"*{dtype}", "nw_ptr": f"*{dtype}",
             "rout_ptr": f"*{dtype}", "xs_ptr": f"*{dtype}", "sq_ptr": "*fp32", "tiles": "i32", "slot_elems": "i32",
-            "eps": "fp32", "mean_scale": "fp32"}
+            "timeout_ns": "i64", "eps": "fp32", "mean_scale": "fp32"}
 
 
 # the constexprs of a gemv kernel without a fused all-reduce on either side
-NO_ALL_REDUCE = {"ALL_REDUCE": False, "RECV": False, "WS": 1, "RANK": 0, "PIECES": 1}
+NO_ALL_REDUCE = {"ALL_REDUCE": False, "STAGED": False, "WS": 1, "RANK": 0, "PIECES": 1}

@@ -76,9 +76,9 @@ def collectives(rank, world_size, init):
         summed = comm.all_reduce(x.clone())
         gathered = comm.all_gather(torch.full((2, 1), float(rank)), dim=-1)
         # rows of a wider persistent buffer (as the logits are gathered), and along the first dim
-        buffer = torch.full((4, 2 * world_size), -1.0)
+        buffer = torch.full((4, 2 * world_size + 1), -1.0)
         mine = torch.tensor([[rank, 10 + rank], [20 + rank, 30 + rank]], dtype=torch.float32)
-        comm.all_gather(mine, dim=-1, out=buffer[:2])
+        comm.all_gather(mine, dim=-1, out=buffer[:2, :-1])  # (not contiguous: a copy goes through a buffer)
         stacked = comm.all_gather(mine, dim=0)
         return summed, gathered, buffer, stacked
     finally:
@@ -712,17 +712,20 @@ def gemv_all_reduce(rank, world_size, init, cases, replays):
             if not ok:
                 failures.append((tag, torch.equal(reduced.residual_out, new_res), rel))
 
-        for dtype in (torch.bfloat16, torch.float16):
-            for rows, hidden, k in cases:
-                tag = (str(dtype), rows, hidden, k)
-                for it in range(4):  # more calls than phases
-                    args = inputs(dtype, rows, hidden, k, 31 * it + rows)
-                    x, w, residual, nw, wg = args
-                    reduced = linear_all_reduce_norm(x, w, ar.channel, residual, nw, eps)
-                    if reduced is None:
-                        failures.append((*tag, "declined"))
-                        break
-                    compare(("eager", it, *tag), reduced, *args)
+        dtype = torch.bfloat16
+        for rows, hidden, k in cases:
+            tag = (str(dtype), rows, hidden, k)
+            declined = False
+            for it in range(4):  # more calls than phases
+                args = inputs(dtype, rows, hidden, k, 31 * it + rows)
+                x, w, residual, nw, wg = args
+                reduced = linear_all_reduce_norm(x, w, ar.channel, residual, nw, eps)
+                if reduced is None:  # (every rank declines alike: same shapes)
+                    failures.append((*tag, "declined"))
+                    declined = True
+                    break
+                compare(("eager", it, *tag), reduced, *args)
+            if not declined:
                 static = [t.clone() for t in inputs(dtype, rows, hidden, k, rows)]
                 graph = torch.cuda.CUDAGraph()
                 stream = torch.cuda.Stream()

@@ -26,6 +26,11 @@ def test_the_kernel_copies_the_rows_in_range_and_zeros_the_rest(dtype, rows, hid
     assert torch.equal(vocab_shard_embedding(ids[:0], weight, start, use_triton=True), ref[:0])
 
 
-def test_the_kernel_refuses_ids_that_are_not_a_row():
-    with pytest.raises(ValueError, match="expected ids"):
-        vocab_shard_embedding(torch.zeros(2, 2, dtype=torch.long), torch.zeros(4, 8), 0, use_triton=True)
+@interpreted
+def test_ids_of_any_shape_come_out_in_that_shape_and_a_bad_weight_is_refused():
+    weight = torch.randn(6, 8)
+    ids = torch.tensor([[0, 5], [9, 2]])
+    assert torch.equal(vocab_shard_embedding(ids, weight, 2, use_triton=True),
+                       vocab_shard_embedding_reference(ids, weight, 2))
+    with pytest.raises(ValueError, match="expected weight"):
+        vocab_shard_embedding(ids, torch.zeros(4, 8, 2), 0, use_triton=True)

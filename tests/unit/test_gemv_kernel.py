@@ -326,7 +326,7 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
-                    "BLOCK_SIZE": 16, "EXACT_MUL": True, "RECV": False, "PIECES": 1})
+                    "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1})
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")

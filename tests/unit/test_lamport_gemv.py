@@ -5,6 +5,7 @@ ranks on one GPU, one stream each, deadlock on the first launch: loading a kerne
 running, and the first rank's kernel waits for the second's. Two GPUs run them for real: tests/gpu.)"""
 
 import os
+import re
 
 import pytest
 import torch
@@ -65,8 +66,12 @@ class Ranks:
                 slots_view(self.channels[r], self.dtype)[phase, q, : rows * HIDDEN] = data.flatten()
             out.append(run[r]())
         for r in range(self.ws):
-            for q in range(r):
-                slots_view(self.channels[q], self.dtype)[phase, r, : rows * HIDDEN].view(torch.int16).fill_(-32768)
+            for q in range(r):  # rank r's real push into rank q's region: its tile as rank q would have read it
+                landed = slots_view(self.channels[q], self.dtype)[phase, r, : rows * HIDDEN]
+                sent = parts[r].clone()
+                sent[sent.view(torch.int16) == -32768] = 0
+                assert torch.equal(landed.view(torch.int16), sent.flatten().view(torch.int16)), (r, q)
+                landed.view(torch.int16).fill_(-32768)
         return out
 
 
@@ -131,7 +136,9 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
     x, res = ranks.rnd(17, KIN), ranks.rnd(17, HIDDEN)
     assert linear_all_reduce_norm(x, w, ch, res, nw, EPS, use_triton=True) is None  # over 16 rows
     assert linear_all_reduce_norm(x[:2].float(), w.float(), ch, res[:2].float(), nw.float(), EPS,
-                                  use_triton=True) is None  # 16-bit slots only
+                                  use_triton=True) is None  # bf16 slots only
+    half = [t.half() for t in (x[:2], w, res[:2], nw)]
+    assert linear_all_reduce_norm(*half[:2], ch, *half[2:], EPS, use_triton=True) is None  # fp16 could overflow
     assert linear_all_reduce_norm(x[:2], w, ch, res[:2], nw, EPS, use_triton=False) is None  # no Triton asked for
     assert linear_all_reduce_norm(x[:2], w, ch, res[:3], nw, EPS, use_triton=True) is None  # residual of other rows
     small = local_channels(2, HIDDEN, "cpu")[0]
@@ -148,21 +155,26 @@ GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, 
 
 def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_wait():
     """Ahead of time, without a GPU: the phases are read and the peers' tiles polled past L1 (ld.global.cv), after
-    griddepcontrol.wait (the kernels before touched them last); the last split pushes what it reduced."""
+    griddepcontrol.wait (the kernels before touched them last); the last split (after its arrival count) pushes what
+    it reduced, then polls."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
                    {**GEMV_FLAGS, "GATE_UP": False, "LAST_REDUCES": True, "SPLIT": True, "ALL_REDUCE": True,
-                    "RECV": False})
+                    "STAGED": False})
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.cv" in ptx and wait < ptx.index("ld.global.cv")
-    assert "atom.global.gpu.acq_rel.add" in ptx
-    assert "trap;" in ptx  # a peer that never pushes ends the context instead of hanging it
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    push = ptx.index("st.global", atom)  # after the arrival count: the push, then the polls of the peers' tiles
+    assert "ld.global.cv" in ptx[push:]
+    assert "trap;" in ptx and "%globaltimer" in ptx  # a peer that never pushes ends the context instead of hanging it
     assert_no_grid_wide_wait(ptx)
 
 
 def assert_no_grid_wide_wait(ptx: str) -> None:
-    """The only waits are on peers' data (no other program of the kernel is waited for): no acquire loads or spins
-    on counters besides the last-split arrival count."""
+    """The only waits are on peers' data (no other program of the kernel is waited for): no acquire loads, and the
+    only atomics are the last split's arrival count and its reset."""
     assert "ld.acquire" not in ptx
+    atoms = re.findall(r"\batom\.[a-z0-9.]+", ptx)
+    assert len(atoms) == 2, atoms
 
 
 def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
@@ -170,7 +182,7 @@ def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
     weight's) and no polls at all: it only scales its sums."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
                    {**GEMV_FLAGS, "GATE_UP": True, "LAST_REDUCES": False, "SPLIT": False, "ALL_REDUCE": False,
-                    "RECV": True})
+                    "STAGED": True})
     assert "ld.global.cv" not in ptx and "ld.volatile" not in ptx
     assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 

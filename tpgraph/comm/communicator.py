@@ -69,7 +69,7 @@ class TPCommunicator:
         channel, the projection with all of this in its epilogue (kernels/lamport.py), which leaves a ReducedNorm
         for the next projection instead of the normalised input; else the projection first, then as above."""
         if isinstance(x, PendingProjection):
-            channel = self.push_channel(residual) if self.world_size > 1 else None
+            channel = self.push_channel(residual)
             if channel is not None and getattr(x.layer, "small_m", False):
                 reduced = gemv.linear_all_reduce_norm(x.x, x.layer.weight, channel, residual, weight, eps)
                 if reduced is not None:
@@ -93,13 +93,12 @@ class TPCommunicator:
         flat = flat.view(self.world_size, *x.shape)
         dim = dim % x.dim()
         shape = (*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
-        if out is None:
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        elif tuple(out.shape) != shape:
+        if out is not None and tuple(out.shape) != shape:
             raise ValueError(f"all_gather out has shape {tuple(out.shape)}, expected {shape}")
-        # out viewed as [..., world, x.shape[dim], ...] is flat with the world axis moved to dim
-        out.view(*x.shape[:dim], self.world_size, *x.shape[dim:]).copy_(flat.movedim(0, dim))
-        return out
+        target = out if out is not None and out.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)
+        # target viewed as [..., world, x.shape[dim], ...] is flat with the world axis moved to dim
+        target.view(*x.shape[:dim], self.world_size, *x.shape[dim:]).copy_(flat.movedim(0, dim))
+        return target if out is None or target is out else out.copy_(target)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[CaptureRegistration]:

@@ -183,7 +183,8 @@ class CustomAllReduce:
                 self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD, (channel_bytes - PHASES_BYTES) // 4,
                                   torch.cuda.current_stream(state.device).cuda_stream)
                 self.channel = Channel(torch.tensor([p + offset for p in peers], dtype=torch.int64,
-                                                    device=state.device), state.rank, ws, slot_elems)
+                                                    device=state.device), state.rank, ws, slot_elems,
+                                       int(cfg.timeout_s * 1e9))
             torch.cuda.synchronize()
             gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
             self._check_p2p_writes(peers)

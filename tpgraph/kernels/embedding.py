@@ -55,9 +55,10 @@ def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, *
     """As vocab_shard_embedding_reference, in one launch where Triton runs (default: CUDA tensors)."""
     if not (ids.is_cuda if use_triton is None else use_triton) or triton is None:
         return vocab_shard_embedding_reference(ids, weight, start)
-    if ids.dim() != 1 or weight.dim() != 2 or weight.stride(-1) != 1:
-        raise ValueError(f"expected ids [T] and weight [rows, H] with unit-stride rows, got {tuple(ids.shape)}, "
-                         f"{tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        raise ValueError(f"expected weight [rows, H] with unit-stride rows, got {tuple(weight.shape)}")
+    if ids.dim() != 1:  # any shape of ids, as F.embedding: the rows come out in that shape
+        return vocab_shard_embedding(ids.reshape(-1), weight, start, use_triton=use_triton).view(*ids.shape, -1)
     t, h = ids.shape[0], weight.shape[1]
     out = torch.empty(t, h, dtype=weight.dtype, device=weight.device)
     if t == 0:

@@ -233,11 +233,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-                     ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tiles, slot_elems, eps, mean_scale,
+                     ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tiles, slot_elems, timeout_ns, eps,
+                     mean_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                     SPLIT: tl.constexpr, ALL_REDUCE: tl.constexpr, RECV: tl.constexpr, WS: tl.constexpr,
+                     SPLIT: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
@@ -253,13 +254,13 @@ if triton is not None:
         _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
         ALL_REDUCE (a row-parallel weight, one split or LAST_REDUCES): y is not stored; each finished tile goes
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
-        after). RECV: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
+        after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
         1 / RMS from its squares [tiles, BLOCK_M] before the epilogue."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
                        IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
-        if RECV:
+        if STAGED:
             offs_r = tl.arange(0, BLOCK_M)
             acc = acc * rows_rstd(sq_ptr, tiles, offs_r, offs_r < M, mean_scale, eps, BLOCK_M, PIECES)[:, None]
         if GATE_UP:
@@ -274,7 +275,7 @@ if triton is not None:
             tile_ok = m_ok[:, None] & n_ok[None, :]
             if ALL_REDUCE and not SPLIT:
                 all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok,
-                                N, slot_elems, WS, RANK, SOFT_BF16)
+                                N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
@@ -285,7 +286,7 @@ if triton is not None:
                     total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
                     if ALL_REDUCE:
                         all_reduce_tile(total, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n,
-                                        m_ok, n_ok, N, slot_elems, WS, RANK, SOFT_BF16)
+                                        m_ok, n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
                     else:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
                     reset_counter(counter_ptr + pid)
@@ -297,13 +298,13 @@ if triton is not None:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, RECV: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
                          PIECES: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
-        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. RECV: x is a
+        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
         fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -319,7 +320,7 @@ if triton is not None:
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
                        stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles,
                        eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
-                       RECV, PIECES)
+                       STAGED, PIECES)
             reset_counter(counter_ptr + head)
 
     @triton.jit
@@ -327,7 +328,7 @@ if triton is not None:
                    stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps,
                    mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, RECV: tl.constexpr, PIECES: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, PIECES: tl.constexpr):
         """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
         kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
@@ -343,7 +344,7 @@ if triton is not None:
         for s in range(1, tl.num_programs(1)):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        if RECV:  # the rows' RMS scale, from the fused all-reduce's squares
+        if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares
             rstd = rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M, PIECES)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
@@ -422,10 +423,11 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     if cfg.split_k > 1 and not last_split_reduces():
         return None
     residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
-    tiles = triton.cdiv(n, cfg.block_n)
+    n_tiles = triton.cdiv(n, cfg.block_n)
     # torch.empty is capturable: under CUDA graph capture these come from the graph's pool
     reduced = ReducedNorm(torch.empty_like(residual), torch.empty_like(residual),
-                          torch.empty(tiles, MAX_M, dtype=torch.float32, device=x.device), tiles, norm_weight, eps)
+                          torch.empty(n_tiles, MAX_M, dtype=torch.float32, device=x.device), n_tiles, norm_weight,
+                          eps)
     _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced))
     return reduced
 
@@ -435,7 +437,8 @@ def gate_up_silu(x: torch.Tensor | ReducedNorm, w: torch.Tensor, *, use_triton: 
     """silu_and_mul(linear_small_m(x, w)) in one launch, bit for bit (the same tiles and sums, the activation's
     roundings), for w = cat(gate, up) [2 * inter, K]: the gate_up projection's epilogue makes the activation, so the
     [M, 2 * inter] projection output is never stored and read back. x may be a fused all-reduce's ReducedNorm: the
-    kernel then reads its staged input and applies the RMS scale. None where it does not apply (the caller then runs
+    kernel then reads its staged input and applies the RMS scale (within bf16 rounding of the normalised input's
+    result, not its bits). None where it does not apply (the caller then runs
     the two steps): where linear_small_m would not run the kernel, or the shape's tiles split K."""
     xt = x.staged if isinstance(x, ReducedNorm) else x
     if not _applies(xt, w, use_triton) or w.shape[0] % 2:
@@ -448,23 +451,25 @@ def gate_up_silu(x: torch.Tensor | ReducedNorm, w: torch.Tensor, *, use_triton: 
 
 def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, all_reduce: tuple | None) -> tuple[list, dict]:
     """_gemv_kernel's fused all-reduce arguments (placeholders where there is none): (channel, residual, norm weight,
-    new residual, staged input, squares, tiles, slot_elems, eps, fl(1/H)) and the constexprs ALL_REDUCE, RECV, WS,
+    new residual, staged input, squares, tiles, slot_elems, timeout_ns, eps, fl(1/H)) and the constexprs ALL_REDUCE,
+    STAGED, WS,
     RANK, PIECES: the outputs of an all-reducing projection, or the squares a staged input is scaled by."""
     if all_reduce is not None:
         ch, residual, r = all_reduce
-        return ([ch.addrs, residual, r.weight, r.residual_out, r.staged, r.squares, r.tiles, ch.slot_elems, 0.0, 0.0],
-                dict(ALL_REDUCE=True, RECV=False, WS=ch.world_size, RANK=ch.rank, PIECES=1))
+        return ([ch.addrs, residual, r.weight, r.residual_out, r.staged, r.squares, r.tiles, ch.slot_elems,
+                 ch.timeout_ns, 0.0, 0.0],
+                dict(ALL_REDUCE=True, STAGED=False, WS=ch.world_size, RANK=ch.rank, PIECES=1))
     scale, flags = _recv_args(x, recv)
-    return [x, x, x, x, x, *scale[:2], 0, *scale[2:]], dict(ALL_REDUCE=False, WS=1, RANK=0, **flags)
+    return [x, x, x, x, x, *scale[:2], 0, 0, *scale[2:]], dict(ALL_REDUCE=False, WS=1, RANK=0, **flags)
 
 
 def _recv_args(x: torch.Tensor, recv: ReducedNorm | None) -> tuple[list, dict]:
-    """A staged input's (squares, tiles, eps, fl(1/H)) (placeholders where x is plain) and the constexprs RECV,
+    """A staged input's (squares, tiles, eps, fl(1/H)) (placeholders where x is plain) and the constexprs STAGED,
     PIECES."""
     if recv is None:
-        return [x, 0, 0.0, 0.0], dict(RECV=False, PIECES=1)
+        return [x, 0, 0.0, 0.0], dict(STAGED=False, PIECES=1)
     scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
-    return [recv.squares, recv.tiles, recv.eps, scale], dict(RECV=True, PIECES=pieces_for(recv.tiles))
+    return [recv.squares, recv.tiles, recv.eps, scale], dict(STAGED=True, PIECES=pieces_for(recv.tiles))
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
@@ -494,7 +499,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     n = w.shape[0]
     tile = _tile_args(x, cfg, n, k)
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
-    y = torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
+    # (an all-reducing projection stores no y: x stands in for it, for its dtype)
+    y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
@@ -519,7 +525,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse. x
-    may be a fused all-reduce's ReducedNorm (see gate_up_silu)."""
+    may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits)."""
     recv = x if isinstance(x, ReducedNorm) else None
     x = x.staged if recv is not None else x
     if not _applies(x, w, use_triton):

@@ -10,16 +10,24 @@ finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
 - it writes what the next projection needs: h * norm weight (rounded) and the tile's sum of squares per row;
 - it re-arms the slots it read (it is their only reader) and advances the phase of its columns.
 The projection after it (gate_up, qkv) then runs its plain K loop on h * norm weight and scales its sums by the rows'
-1 / RMS, added up from the tiles' squares in tile order: y = rstd * (W @ (h * w)), the norm's math in another rounding
-order (within bf16 rounding of the unfused path's bits, not equal to them). Anything else that needs the normalised
-input makes it from the new residual with the plain RMSNorm kernel (`ReducedNorm.materialize`: the unfused bits).
+1 / RMS, added up from the tiles' squares in a fixed order: y = rstd * (W @ (h * w)), the norm's math in another
+rounding order (within bf16 rounding of the unfused path's bits, not equal to them). Anything else that needs the
+normalised input makes it from the new residual with the plain RMSNorm kernel (`ReducedNorm.materialize`: the unfused
+bits).
 
 So no all-reduce kernel runs between the projections, and every wait is on a peer's data, never on another program of
-the same kernel (no grid-wide barrier, nothing that depends on which programs are resident).
+the same kernel (no grid-wide barrier). Progress does assume what 1shot_push-style kernels assume: a program for tile
+t waits for tile t's program on every peer, so when a grid is larger than what fits on the GPU at once (hidden 8192
+with 16-wide tiles: 512 programs), both GPUs must dispatch programs in index order, as CUDA does in practice though it
+does not promise it. A peer that never pushes (it died, or runs another sequence of calls) ends the poll after the
+custom all-reduce's timeout (TPGRAPH_AR_TIMEOUT_S, by %globaltimer; 0 waits forever) with a trap, which ends the
+CUDA context with an error; unlike the CUDA kernels it does not name the peer.
 
 Phases: slots rotate through 3 phases, kept per 16-column granule in the region (each granule is written by the one
-program that owns it in a call), so a peer that runs ahead into the next boundary writes another phase than the one
-being read. A peer can reach the same phase again only after this rank's next push, which follows the re-arming.
+program that owns it in a call; every call covers all granules, so the phases stay equal across granules and ranks).
+A peer is at most one call ahead: it finishes a call only once this rank has pushed it, which this rank does after its
+whole previous call (reads and re-arming) is done. So a peer's next push lands in another phase than the one being
+read, and the phase being re-armed is not written again before this rank pushes the next call.
 
 A region is PHASES_BYTES of granule phases (int32), then [3 phases][world_size sources][slot_elems] 16-bit elements;
 the rows of one push are packed with a row stride of the hidden size. The custom all-reduce allocates it in its
@@ -48,8 +56,8 @@ MAX_ROWS = 16  # the small-M projections' rows
 MAX_HIDDEN = 8192
 PHASES_BYTES = MAX_HIDDEN // GRANULE * 4
 SENTINEL_WORD = 0x80008000  # two 16-bit -0.0: what an armed slot holds (the all-reduce kernels' sentinel)
-DTYPES = (torch.bfloat16, torch.float16)
-MAX_POLLS = 1 << 26  # about a minute of polls (each an L2 round trip) before a missing peer traps
+# bf16 only: the staged h * norm weight of a large residual could overflow fp16 where the normalised input would not
+DTYPES = (torch.bfloat16,)
 
 
 def region_bytes(world_size: int, slot_elems: int) -> int:
@@ -57,7 +65,7 @@ def region_bytes(world_size: int, slot_elems: int) -> int:
     return PHASES_BYTES + (PHASES * world_size * slot_elems * 2 + 15) // 16 * 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Channel:
     """Where a rank's fused all-reduce pushes and polls: every rank's region base as mapped in this process."""
 
@@ -65,6 +73,7 @@ class Channel:
     rank: int
     world_size: int
     slot_elems: int
+    timeout_ns: int = 0  # a poll longer than this traps (0: waits forever)
     keepalive: tuple = field(default=(), repr=False, compare=False)  # local_channels' region tensors
 
     def fits(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -73,7 +82,7 @@ class Channel:
                 and rows * hidden <= self.slot_elems and device == self.addrs.device)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReducedNorm:
     """What a fused all-reduce left for the projection after it: residual_out = the sum over ranks + the residual,
     staged = round(residual_out * norm weight), squares [tiles, 16] = each tile's per-row sum of residual_out^2.
@@ -87,16 +96,12 @@ class ReducedNorm:
     weight: torch.Tensor
     eps: float
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.residual_out.shape
-
     def materialize(self) -> torch.Tensor:
         """weight * rmsnorm(residual_out), as the unfused add + RMSNorm kernel rounds it (one small kernel)."""
         return rms_norm(self.residual_out, self.weight, self.eps)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PendingProjection:
     """A row-parallel projection not yet run: its input and layer. The all-reduce after it runs it
     (TPCommunicator.all_reduce_add_rmsnorm): with the all-reduce in its epilogue where the fused path applies, else
@@ -137,7 +142,6 @@ if triton is not None:
     _PHASES = tl.constexpr(PHASES)
     _GRANULE = tl.constexpr(GRANULE)
     _PHASES_BYTES = tl.constexpr(PHASES_BYTES)
-    _MAX_POLLS = tl.constexpr(MAX_POLLS)
 
     @triton.jit
     def _armed(v):
@@ -159,17 +163,26 @@ if triton is not None:
         return s, armed
 
     @triton.jit
-    def _trap_after(polls, SOFT_BF16: tl.constexpr):
-        """A peer that never pushes (it died, or runs another sequence of calls) must not hang the GPU forever: after
-        MAX_POLLS polls (tens of seconds) the kernel traps, which ends this process's CUDA context with an error."""
+    def _now_ns(dep, SOFT_BF16: tl.constexpr):
+        """%globaltimer (0 under the interpreter); `dep` orders it after the value it is computed from."""
+        if SOFT_BF16:
+            t = dep.to(tl.int64) * 0
+        else:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
+                                          is_pure=False, pack=1)
+        return t
+
+    @triton.jit
+    def _trap_after(start, now, timeout_ns, SOFT_BF16: tl.constexpr):
+        """A peer that never pushes must not hang the GPU: past timeout_ns (0: never) the kernel traps."""
         if not SOFT_BF16:
-            if polls > _MAX_POLLS:
-                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [polls], dtype=tl.int32, is_pure=False,
-                                          pack=1)
+            if (timeout_ns > 0) & (now - start > timeout_ns):
+                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [timeout_ns.to(tl.int32)], dtype=tl.int32,
+                                          is_pure=False, pack=1)
 
     @triton.jit
     def all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tile, offs_m, offs_n, m_ok, n_ok, N,
-                        slot_elems, WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+                        slot_elems, timeout_ns, WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
         """A row-parallel projection's finished output tile y [BLOCK_M, BLOCK_N] (columns offs_n, a whole number of
         granules): push it to every peer, wait for theirs, and leave residual_out, staged and squares (see the
         module doc) for its columns. After the PDL wait (the phases and the slots were last touched by the kernels
@@ -193,11 +206,10 @@ if triton is not None:
         slots = (own_base + _PHASES_BYTES).to(tl.pointer_type(dtype), bitcast=True)
         slots = tl.multiple_of(slots + phase.to(tl.int64) * WS * slot_elems, 16)
         s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
-        polls = 0
+        start = _now_ns(armed, SOFT_BF16)
         while armed > 0:
             s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
-            polls += 1
-            _trap_after(polls, SOFT_BF16)
+            _trap_after(start, _now_ns(armed, SOFT_BF16), timeout_ns, SOFT_BF16)
         h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
         tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
         tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
@@ -210,7 +222,7 @@ if triton is not None:
 
     @triton.jit
     def rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M: tl.constexpr, PIECES: tl.constexpr):
-        """1 / RMS of rows offs_m from a fused all-reduce's squares [tiles, BLOCK_M], added in tile order."""
+        """1 / RMS of rows offs_m from a fused all-reduce's squares [tiles, BLOCK_M], added in a fixed order."""
         c = tl.arange(0, PIECES)
         sq = tl.load(sq_ptr + c[None, :] * BLOCK_M + offs_m[:, None], mask=m_ok[:, None] & (c < tiles)[None, :],
                      other=0.0)

@@ -38,13 +38,13 @@ class ColumnParallelLinear(nn.Module):
         self.small_m = gemv.enabled()
 
     def forward(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
-        """x may be a pushed all-reduce still to receive (ReducedNorm): made here first, by its own kernel."""
+        """x may be what a fused all-reduce left (ReducedNorm): its normalised input is made first (rms_norm)."""
         return _project(materialized(x), self.weight, self.small_m)
 
     def forward_silu_and_mul(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
         """silu_and_mul(forward(x)) for a cat(gate, up) weight. With the small-M kernel on, one launch whose epilogue
-        makes the activation (same bits), where it applies, and which receives x in its K loop if x is a pushed
-        all-reduce (ReducedNorm); else the two steps."""
+        makes the activation (same bits), where it applies, and which takes a fused all-reduce's ReducedNorm as its
+        staged input and RMS scale (within bf16 rounding); else the two steps."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this layer has {self.output_sizes}")
         fused = gemv.gate_up_silu(x, self.weight) if self.small_m else None

@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, norm in zip(self.layers, norms, strict=True):
             partial, residual = layer(positions, self.rotary.tables, x, residual, meta)
             x, residual = self.comm.all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
-        return materialized(x)  # after a pushed last layer: the final norm's receive, as its own kernel
+        return materialized(x)  # after a fused last all-reduce: the final norm, from its new residual (rms_norm)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off. `out` ([>= N, padded vocab]),
