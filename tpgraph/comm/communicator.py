@@ -55,7 +55,7 @@ class TPCommunicator:
 
     def push_channel(self, residual: torch.Tensor) -> Channel | None:
         """Where a row-parallel projection whose output is shaped like `residual` may all-reduce in its epilogue
-        (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a 16-bit model; else None."""
+        (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; else None."""
         if self.world_size == 1 or self.custom is None:
             return None
         return self.custom.push_channel(residual)

@@ -1,5 +1,6 @@
 """The all-reduce + residual add + RMSNorm at a Llama layer boundary, fused into the row-parallel projection before it
-and the projection after it (decode rows, 16-bit models).
+and the projection after it (decode rows, bf16 models). Opt-in (TPGRAPH_GEMV_ALLREDUCE=1) until it has run on two
+GPUs; so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport).
 
 The row-parallel projection (o_proj, down) makes this rank's partial sums tile by tile. In its epilogue each program
 finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
