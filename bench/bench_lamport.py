@@ -21,14 +21,14 @@ import json
 from pathlib import Path
 
 import torch
+from bench_kernels import BLOCK_SIZE, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, copies_for
 
 from tpgraph.kernels import gemv
 from tpgraph.kernels.lamport import local_channels
 from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_cos_sin_table
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 7168, 16, 4, 128  # per rank at TP=2
-BLOCK_SIZE, EPS = 16, 1e-5
+EPS = 1e-5
 
 
 def layer_weights(device: torch.device, copies: int) -> list[dict[str, torch.Tensor]]:
@@ -99,7 +99,7 @@ def main() -> None:
     device = torch.device("cuda", 0)
     per_layer = (HIDDEN * HEADS * HEAD_DIM + 3 * INTER * HIDDEN + (HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN) * 2
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    weights = layer_weights(device, max(2, -(-4 * l2 // per_layer)))
+    weights = layer_weights(device, max(2, copies_for(per_layer, l2)))
     rows = []
     for m in (int(b) for b in args.batches.split(",")):
         plain, fused = chains(m, weights, device)

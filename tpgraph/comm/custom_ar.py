@@ -26,7 +26,7 @@ from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_ta
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
-from tpgraph.kernels.lamport import PHASES_BYTES, SENTINEL_WORD, Channel, region_bytes
+from tpgraph.kernels.lamport import MAX_HIDDEN, MAX_ROWS, PHASES_BYTES, SENTINEL_WORD, Channel, region_bytes
 
 logger = logging.getLogger(__name__)
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
@@ -65,7 +65,7 @@ class CustomAllReduceConfig:
     # elements (rows x hidden, 16-bit) one all-reduce fused into a small-M projection's epilogue can carry
     # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192. 0: no channel (the all-reduce runs as its
     # own kernel after the projection).
-    channel_slot_elems: int = 16 * 8192
+    channel_slot_elems: int = MAX_ROWS * MAX_HIDDEN
 
     def __post_init__(self) -> None:
         for name in ("max_push_bytes", "max_staging_bytes", "push_slot_bytes", "staging_bytes"):
