@@ -449,27 +449,26 @@ def gate_up_silu(x: torch.Tensor | ReducedNorm, w: torch.Tensor, *, use_triton: 
     return _launch(xt, w, cfg, gate_up=True, recv=x if isinstance(x, ReducedNorm) else None)
 
 
-def _channel_args(x: torch.Tensor, recv: ReducedNorm | None, all_reduce: tuple | None) -> tuple[list, dict]:
-    """_gemv_kernel's fused all-reduce arguments (placeholders where there is none): (channel, residual, norm weight,
-    new residual, staged input, squares, tiles, slot_elems, timeout_ns, eps, fl(1/H)) and the constexprs ALL_REDUCE,
-    STAGED, WS,
-    RANK, PIECES: the outputs of an all-reducing projection, or the squares a staged input is scaled by."""
-    if all_reduce is not None:
-        ch, residual, r = all_reduce
-        return ([ch.addrs, residual, r.weight, r.residual_out, r.staged, r.squares, r.tiles, ch.slot_elems,
-                 ch.timeout_ns, 0.0, 0.0],
-                dict(ALL_REDUCE=True, STAGED=False, WS=ch.world_size, RANK=ch.rank, PIECES=1))
-    scale, flags = _recv_args(x, recv)
-    return [x, x, x, x, x, *scale[:2], 0, 0, *scale[2:]], dict(ALL_REDUCE=False, WS=1, RANK=0, **flags)
-
-
-def _recv_args(x: torch.Tensor, recv: ReducedNorm | None) -> tuple[list, dict]:
-    """A staged input's (squares, tiles, eps, fl(1/H)) (placeholders where x is plain) and the constexprs STAGED,
-    PIECES."""
+def _staged_args(x: torch.Tensor, recv: ReducedNorm | None) -> dict:
+    """The kernels' arguments for an input a fused all-reduce staged (its squares; x's own tensors as placeholders
+    where x is plain)."""
     if recv is None:
-        return [x, 0, 0.0, 0.0], dict(STAGED=False, PIECES=1)
+        return dict(sq_ptr=x, tiles=0, eps=0.0, mean_scale=0.0, STAGED=False, PIECES=1)
     scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
-    return [recv.squares, recv.tiles, recv.eps, scale], dict(STAGED=True, PIECES=pieces_for(recv.tiles))
+    return dict(sq_ptr=recv.squares, tiles=recv.tiles, eps=recv.eps, mean_scale=scale, STAGED=True,
+                PIECES=pieces_for(recv.tiles))
+
+
+def _all_reduce_args(x: torch.Tensor, all_reduce: tuple | None) -> dict:
+    """_gemv_kernel's arguments for an all-reduce in its epilogue: (channel, residual, ReducedNorm to fill), or
+    placeholders."""
+    if all_reduce is None:
+        return dict(ch_ptr=x, res_ptr=x, nw_ptr=x, rout_ptr=x, xs_ptr=x, slot_elems=0, timeout_ns=0,
+                    ALL_REDUCE=False, WS=1, RANK=0)
+    ch, residual, r = all_reduce
+    return dict(ch_ptr=ch.addrs, res_ptr=residual, nw_ptr=r.weight, rout_ptr=r.residual_out, xs_ptr=r.staged,
+                sq_ptr=r.squares, tiles=r.tiles, slot_elems=ch.slot_elems, timeout_ns=ch.timeout_ns, ALL_REDUCE=True,
+                WS=ch.world_size, RANK=ch.rank)
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
@@ -506,11 +505,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     counters = split_counters(x.device, blocks) if last_reduces else y
-    channel, flags = _channel_args(x, recv, all_reduce)
+    fused = {**_staged_args(x, recv), **_all_reduce_args(x, all_reduce)}  # (a pusher's squares are its output)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
-        out.stride(0) if cfg.split_k > 1 else 0, *channel, GATE_UP=gate_up, EXACT=not soft,
-        LAST_REDUCES=last_reduces, SPLIT=cfg.split_k > 1, **flags, **tile)
+        out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
+        SPLIT=cfg.split_k > 1, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -547,10 +546,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    scale, recv_flags = _recv_args(x, recv)
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0), *scale, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **recv_flags, **tile)
+        k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **_staged_args(x, recv),
+        **tile)
     return q
