@@ -18,6 +18,7 @@ import os
 import re
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -29,7 +30,8 @@ from tpgraph.config import ModelConfig, RopeConfig
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
-from tpgraph.engine.sequence import Sequence
+from tpgraph.engine.sampler import PendingSample
+from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.model.loader import load_model
 
@@ -38,6 +40,13 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
                         max_position_embeddings=8192, tie_word_embeddings=False)
+# one rank's share of Llama-3-8B at TP=2 (half the heads, the MLP and the vocabulary), as a whole model: its decode
+# step at TP=1 is a TP=2 rank's step without the all-reduces (for studying the kernels on one GPU)
+SHAPES = {"llama3-8b": LLAMA3_8B,
+          "llama3-8b-half": replace(LLAMA3_8B, vocab_size=LLAMA3_8B.vocab_size // 2,
+                                    intermediate_size=LLAMA3_8B.intermediate_size // 2,
+                                    num_attention_heads=LLAMA3_8B.num_attention_heads // 2,
+                                    num_key_value_heads=LLAMA3_8B.num_key_value_heads // 2)}
 GiB = 1 << 30
 TOP_KERNELS = 8  # the profile's kernels by total time, by name
 LAYER_WINDOW = 16  # kernels listed in order from the middle of the step (a layer and a half)
@@ -71,8 +80,9 @@ def fake_context(runner: ModelRunner, batch: int, context: int) -> list[Sequence
     return seqs
 
 
-def time_decode(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: int = 3) -> dict:
-    wall, host = decode_steps(runner, seqs, steps, warmup)
+def time_decode(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: int = 3,
+                overlap: bool = False) -> dict:
+    wall, host = (decode_steps_overlapped if overlap else decode_steps)(runner, seqs, steps, warmup)
     return {"tpot_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3}
 
 
@@ -90,6 +100,42 @@ def decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: 
         if i >= warmup:
             host.append(t1 - t0)
             wall.append(t2 - t0)
+    return wall, host
+
+
+def decode_steps_overlapped(runner: ModelRunner, seqs: list[Sequence], steps: int,
+                            warmup: int = 0) -> tuple[list, list]:
+    """(wall, host) seconds of each of `steps` decode steps run as the engine's overlapped scheduling runs them:
+    step i+1 is launched (its input ids taken on the device from step i's sampled ids) before step i's ids are read
+    back. A step's wall time is the time from one read to the next (the first: from the first launch); host time is
+    its launch (preparation, dispatch, replay submission)."""
+    host, wall = [], []
+    in_flight: tuple[PendingSample, list[int]] | None = None
+    last = time.perf_counter()
+    for i in range(warmup + steps + 1):
+        launched = None
+        if i < warmup + steps:
+            t0 = time.perf_counter()
+            logits = runner.decode(seqs, list(range(len(seqs))) if in_flight is not None else None)
+            t1 = time.perf_counter()
+            ids = row_argmax(logits)
+            runner.keep_sampled(ids)
+            launched = (PendingSample(ids, ids, 0), [len(seq.output_ids) for seq in seqs])
+            for seq in seqs:
+                seq.output_ids.append(PENDING_TOKEN)
+                seq.num_pending += 1
+            if i >= warmup:
+                host.append(t1 - t0)
+        if in_flight is not None:
+            sample, index = in_flight
+            for seq, at, tok in zip(seqs, index, sample.result().token_ids, strict=True):
+                seq.output_ids[at] = tok
+                seq.num_pending -= 1
+            now = time.perf_counter()
+            if i - 1 >= warmup:  # the step just read
+                wall.append(now - last)
+            last = now
+        in_flight = launched
     return wall, host
 
 
@@ -225,16 +271,22 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     cuBLAS), and the launch modifiers "+pdl" / "+nopdl" (Triton kernels as programmatic dependents or not) and
     "+lr" / "+nolr" (split kernels reduced in their last program or by a second kernel), "+push" / "+nopush" (the
     all-reduce in the row-parallel projection's epilogue, needs +gemv and no +unfused; or its own kernel) and
-    "+pf<MB>" (the L2 prefetch budget of the projections), which `entry_env` applies."""
+    "+pf<MB>" (the L2 prefetch budget of the projections), which `entry_env` applies; "+overlap" changes only how
+    its steps are driven (`overlapped`)."""
     base, *mods = name.split("+")
     mods = [m for m in mods if not re.fullmatch(PREFETCH_MOD, m)]
-    if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", *LAUNCH_MODS}:
+    if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", "overlap", *LAUNCH_MODS}:
         raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl/+nopdl, +lr/+nolr, "
-                         f"+push/+nopush and/or +pf<MB>; got {name!r}")
+                         f"+push/+nopush, +pf<MB> and/or +overlap; got {name!r}")
     if "push" in mods and (base != "custom" or "gemv" not in mods or "unfused" in mods):
         raise SystemExit(f"+push needs the custom all-reduce, +gemv and no +unfused (it lives in the small-M "
                          f"projection's epilogue and is a fused path); got {name!r}")
     return base == "custom", "unfused" not in mods, "gemv" in mods
+
+
+def overlapped(name: str) -> bool:
+    """"+overlap": the entry's steps run as overlapped scheduling runs them (decode_steps_overlapped)."""
+    return "overlap" in name.split("+")[1:]
 
 
 def entry_env(name: str) -> contextlib.AbstractContextManager:
@@ -265,13 +317,13 @@ def entries(args) -> list[str]:
     return names
 
 
-def build(state, name: str):
+def build(state, name: str, shape: str = "llama3-8b"):
     """(communicator, model) for one --allreduce entry."""
     from tpgraph.comm.custom_ar import CustomAllReduceConfig
 
     custom, fused, gemv = variant(name)
     comm = TPCommunicator(state, use_custom_allreduce=custom, custom_config=CustomAllReduceConfig(fused_norm=fused))
-    model = load_model(state, comm, None, "dummy", torch.bfloat16, config=LLAMA3_8B)
+    model = load_model(state, comm, None, "dummy", torch.bfloat16, config=SHAPES[shape])
     for module in model.modules():  # the projections' kernel choice, made explicitly for this entry
         if hasattr(module, "small_m"):
             module.small_m = gemv
@@ -282,9 +334,9 @@ def build(state, name: str):
     return comm, model
 
 
-def header(state, context: int, steps: int, bw: float) -> dict:
+def header(state, context: int, steps: int, bw: float, shape: str = "llama3-8b") -> dict:
     """The results document before any point is timed."""
-    return {"shape": "llama3-8b", "tp": state.world_size, "context": context, "steps": steps, "hbm_bytes_per_s": bw,
+    return {"shape": shape, "tp": state.world_size, "context": context, "steps": steps, "hbm_bytes_per_s": bw,
             "gpu": torch.cuda.get_device_name(state.device), "tpot": [], "ladders": [], "profile": []}
 
 
@@ -303,17 +355,18 @@ def run(args, state) -> dict:
     context, steps = args.context, args.steps
     max_len = context + 2 * (steps + 8)
     bw = hbm_bandwidth(state.device)
-    results = header(state, context, steps, bw)
+    results = header(state, context, steps, bw, args.shape)
     names = entries(args)
     for ar in names:
         with entry_env(ar):  # eager modes launch under it too
-            comm, model = build(state, ar)
+            comm, model = build(state, ar, args.shape)
             floor_ms = with_floor(results, model, bw)
             for mode in modes:
                 runner = decode_runner(model, max(batches), max_len, mode)
                 for batch in batches:
                     seqs = fake_context(runner, batch, context)
-                    t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4))
+                    t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4),
+                                    overlap=overlapped(ar))
                     row = {"allreduce": ar, "mode": mode, "batch": batch, "tpot_ms": slowest(state, t["tpot_ms"]),
                            "host_ms": slowest(state, t["host_ms"]), "floor_ms": floor_ms}
                     row["x_floor"] = row["tpot_ms"] / floor_ms
@@ -365,14 +418,14 @@ def run_interleaved(args, state) -> dict:
     rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
     bw = hbm_bandwidth(state.device)
-    results = header(state, context, steps, bw)
+    results = header(state, context, steps, bw, args.shape)
     results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order from a "
                          f"Williams design per "
                          f"round; median step; slowest rank")
     engines = {}
     for ar in names:
         with entry_env(ar):
-            comm, model = build(state, ar)
+            comm, model = build(state, ar, args.shape)
             runner = decode_runner(model, max(batches), max_len)
         engines[ar] = (comm, model, runner)
     floor_ms = with_floor(results, engines[names[0]][1], bw)
@@ -380,13 +433,14 @@ def run_interleaved(args, state) -> dict:
         seqs = {ar: fake_context(runner, batch, context) for ar, (_, _, runner) in engines.items()}
         wall: dict[str, list[float]] = {ar: [] for ar in names}
         host: dict[str, list[float]] = {ar: [] for ar in names}
+        loop = {ar: decode_steps_overlapped if overlapped(ar) else decode_steps for ar in names}
         for ar, (_, _, runner) in engines.items():
             with entry_env(ar):
-                decode_steps(runner, seqs[ar], 0, warmup=3)
+                loop[ar](runner, seqs[ar], 0, warmup=3)
         for r in range(rounds):
             for ar in round_order(names, r):
                 with entry_env(ar):
-                    w, h = decode_steps(engines[ar][2], seqs[ar], INTERLEAVE_CHUNK)
+                    w, h = loop[ar](engines[ar][2], seqs[ar], INTERLEAVE_CHUNK)
                 wall[ar] += w
                 host[ar] += h
         for ar in names:
@@ -414,7 +468,7 @@ def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     out = []
     for ar in entries(args):
         with entry_env(ar):
-            comm, model = build(state, ar)
+            comm, model = build(state, ar, args.shape)
             runner = decode_runner(model, 8, max_len)
         for batch in (1, 8):
             seqs = fake_context(runner, batch, args.context)
@@ -450,7 +504,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch")
     ax.set_ylabel("TPOT (ms)")
-    ax.set_title(f"Llama-3-8B shape, TP={results['tp']}, context {results['context']}, {results['gpu']}")
+    ax.set_title(f"{results['shape']}, TP={results['tp']}, context {results['context']}, {results['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -467,6 +521,8 @@ def main() -> None:
                         "captured and run. custom+gemv is the product's default path, plain custom forces cuBLAS "
                         "projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
+                   help="llama3-8b-half: one TP=2 rank's share of it as a whole model, to run at TP=1")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")

@@ -38,3 +38,21 @@ def test_seeded_sampling_repeats_on_the_gpu():
         out = engine.generate(PROMPTS[0], params)[0].outputs[0]
     assert a == b and len({tuple(x) for x in a[0]}) == 2
     assert len(out.logprobs) == 16 and all(len(t) == 2 for t in out.top_logprobs)
+
+
+def test_overlapped_scheduling_changes_no_tokens_under_graphs():
+    mixed = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=3, n=2, max_tokens=24, logprobs=1),
+             SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+             SamplingParams(temperature=0.0, max_tokens=24, stop=["aaa"])]
+    with make(overlap_scheduling=False) as engine:
+        want = engine.generate(PROMPTS, mixed)
+    with make() as engine:
+        assert engine.core.overlap and engine.runner.modes.decode == "full"
+        got = engine.generate(PROMPTS, mixed)
+        assert not engine.core.has_work and engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
+
+    def summary(outs):
+        return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+    assert summary(got) == summary(want)
+    assert got[1].outputs[0].logprobs == pytest.approx(want[1].outputs[0].logprobs, rel=1e-4, abs=1e-4)

@@ -121,3 +121,30 @@ def test_decode_steps_times_each_step_after_the_warm_up(bench):
     assert len(wall) == len(host) == 4 and FakeRunner.calls == 6
     assert all(w >= h >= 0 for w, h in zip(wall, host, strict=True))
     assert [len(s.output_ids) for s in seqs] == [6, 6]
+
+
+def test_overlapped_steps_decode_the_same_tokens_as_plain_steps(bench):
+    from tpgraph.comm import TPCommunicator
+    from tpgraph.distributed import init_distributed
+    from tpgraph.engine.runner import ModelRunner, RunnerConfig
+    from tpgraph.engine.sequence import Sequence
+    from tpgraph.model.loader import load_model
+
+    assert bench.overlapped("custom+gemv+overlap") and not bench.overlapped("custom+gemv")
+    assert bench.variant("custom+gemv+overlap") == (True, True, True)
+    state = init_distributed("cpu")
+    runner = ModelRunner(load_model(state, TPCommunicator(state)), RunnerConfig(block_size=4, max_batch=4,
+                                                                                max_model_len=64))
+    decoded = []
+    for loop in (bench.decode_steps, bench.decode_steps_overlapped):
+        seqs = [Sequence(i, [3 + i, 40, 41 + 2 * i], 64) for i in range(3)]
+        runner.prefill(seqs)
+        for seq in seqs:
+            seq.output_ids.append(97)
+        wall, host = loop(runner, seqs, 5, warmup=2)
+        assert len(wall) == len(host) == 5 and all(w > 0 for w in wall)
+        assert all(seq.num_pending == 0 and len(seq.output_ids) == 8 for seq in seqs)
+        decoded.append([seq.output_ids for seq in seqs])
+        for seq in seqs:
+            runner.free(seq)
+    assert decoded[0] == decoded[1]

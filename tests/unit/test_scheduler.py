@@ -124,3 +124,42 @@ def test_finish_and_refusals():
     sched.add(b)
     sched.finish(b, "abort")  # finishing a waiting sequence
     assert not sched.has_work
+
+
+def pending(s):
+    """Its last output token sampled on the GPU, not read back yet (overlapped scheduling)."""
+    s.output_ids.append(-1)
+    s.num_pending += 1
+
+
+def test_a_pending_token_that_decides_a_sequence_keeps_it_out_of_the_step():
+    sched = make(tokens=64, max_len=12)
+    ends, runs, grows = Sequence(0, [1, 2, 3], 2), Sequence(1, [1, 2, 3], 100), Sequence(2, list(range(1, 11)), 100)
+    for s in (ends, runs, grows):
+        sched.add(s)
+    run(sched.schedule())  # every prompt cached, a token each
+    for s in (ends, runs, grows):
+        pending(s)
+        s.num_cached = len(s) - 1
+    # ends: its pending token is its max_tokens-th; grows: it reaches max_model_len (12) with it
+    assert sched.schedule().decode == [runs]
+    for s in (ends, grows):
+        s.output_ids[-1], s.num_pending = 7, 0
+    assert sched.schedule().decode == [ends, runs, grows]  # read back: the engine decides (here nothing stopped them)
+
+
+def test_a_preempted_sequence_with_a_pending_token_waits_to_be_recomputed():
+    sched = make(blocks=3, tokens=64)
+    a, b = seq(0, 4), seq(1, 4)  # a block each; a's next token needs a second block, b's a second too: b goes
+    sched.add(a)
+    sched.add(b)
+    run(sched.schedule())
+    a.output_ids.append(7)
+    pending(b)
+    a.num_cached = b.num_cached = 5
+    step = sched.schedule()
+    assert step.decode == [a] and step.preempted == [b] and list(sched.waiting) == [b]
+    sched.finish(a, "stop")  # room for b again
+    assert sched.schedule().empty  # but b's token is still pending: it is not recomputed yet
+    b.output_ids[-1], b.num_pending = 7, 0
+    assert [(s.seq_id, n) for s, n in sched.schedule().prefill] == [(1, 6)]

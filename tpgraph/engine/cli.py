@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="run each prompt in one step")
+    p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
+                   help="read each step's tokens before scheduling the next (default: the next step is launched "
+                        "first, so the host's work hides behind the GPU's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
     add_graph_args(p)
@@ -39,5 +42,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.enable_chunked_prefill,
+                enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
                 gpu_memory_utilization=args.gpu_memory_utilization, graphs=graph_config_from_args(args))

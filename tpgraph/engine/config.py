@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 512)
     enable_chunked_prefill: bool = True
+    overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
     graphs: GraphConfig = field(default_factory=GraphConfig)
@@ -37,5 +38,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if not isinstance(self.overlap_scheduling, bool):
+            raise ConfigError(f"overlap_scheduling must be True or False, got {self.overlap_scheduling!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")

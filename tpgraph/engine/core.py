@@ -17,11 +17,11 @@ from tokenizers import Tokenizer
 
 from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
-from tpgraph.engine.runner import ModelRunner
-from tpgraph.engine.sampler import Sampler, SampleRow
+from tpgraph.engine.runner import NO_SOURCE, ModelRunner
+from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.engine.sequence import PENDING_TOKEN, Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
 
 
@@ -65,6 +65,20 @@ class StepTiming:
 
 
 @dataclass
+class InFlight:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    rows: list[tuple[Sequence, int]]  # per sampled row: its sequence and the index of its placeholder in output_ids
+    sample: PendingSample
+
+    def sources(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each sequence's row of this step's sampled ids if its last token is pending there, else NO_SOURCE."""
+        row_of = {id(seq): r for r, (seq, _) in enumerate(self.rows)}
+        sources = [row_of[id(seq)] if seq.num_pending else NO_SOURCE for seq in seqs]
+        return sources if any(s != NO_SOURCE for s in sources) else None
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt_ids: list[int]
@@ -79,7 +93,7 @@ class RequestState:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, eos_ids: tuple[int, ...] = (),
-                 tokenizer: Tokenizer | None = None, seed: int = 0) -> None:
+                 tokenizer: Tokenizer | None = None, seed: int = 0, overlap: bool = True) -> None:
         if scheduler_cfg.max_num_seqs > runner.cfg.max_batch:
             raise ConfigError(f"max_num_seqs ({scheduler_cfg.max_num_seqs}) exceeds the runner's max_batch "
                               f"({runner.cfg.max_batch}): decode batches must fit the captured graphs")
@@ -94,6 +108,8 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self.timing = StepTiming()
+        self.overlap = overlap  # schedule a step before reading the last one's tokens (see step)
+        self._in_flight: InFlight | None = None
 
     # ---- requests ----------------------------------------------------------------------------------------
     @property
@@ -129,32 +145,55 @@ class EngineCore:
         updates = []
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
+                del seq.output_ids[len(seq.output_ids) - seq.num_pending:]  # its step in flight is dropped when read
+                seq.num_pending = 0
                 self.scheduler.finish(seq, "abort")
                 updates.append(StepUpdate(request_id, seq.sample_index, None, "", "abort"))
         return updates
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[StepUpdate]:
         """One step. `while_gpu_runs` is called once, after the step's forwards are launched and before the host
-        waits for them (the control path uses it to talk to the other ranks while the GPU is busy)."""
+        waits for them (the control path uses it to talk to the other ranks while the GPU is busy).
+
+        Overlapped (the default): the step is launched before the previous step's tokens are read, which happens
+        while this step runs; its own tokens are read, and their updates returned, by the next call. The host work
+        of a step (scheduling, input writes, launches, reading tokens, detokenizing, stop checks) then hides behind
+        the GPU's. What needs a token on the host first (penalties over output tokens) reads the previous step
+        before scheduling: such steps run one after the other."""
+        self.timing = StepTiming()
+        hook = _Once(while_gpu_runs)
+        updates: list[StepUpdate] = []
+        if self._in_flight is not None and not self._may_overlap():
+            updates += self._resolve()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.timing = StepTiming(schedule=time.perf_counter() - t0, decode_batch=len(sched.decode))
-        hook = _Once(while_gpu_runs)
-        updates = [self._ended(seq) for seq in sched.out_of_cache]
-        if not sched.empty:
-            updates += self._run(sched, hook)
+        self.timing.schedule, self.timing.decode_batch = time.perf_counter() - t0, len(sched.decode)
+        updates += [self._ended(seq) for seq in sched.out_of_cache]
+        launched = self._launch(sched) if not sched.empty else None
         hook()
+        if self._in_flight is not None:
+            updates += self._resolve()
+        self._in_flight = launched
+        if launched is not None and not self.overlap:
+            updates += self._resolve()
         for request_id in {u.request_id for u in updates if u.finish_reason}:
-            if self.requests[request_id].finished:
+            state = self.requests.get(request_id)
+            if state is not None and state.finished:
                 del self.requests[request_id]
         return updates
 
-    def _run(self, sched: ScheduledStep, while_gpu_runs: Callable[[], None]) -> list[StepUpdate]:
+    def _may_overlap(self) -> bool:
+        """Can the next step be scheduled before the step in flight is read? Not where sampling needs the host's
+        copy of every output token (repetition, frequency and presence penalties)."""
+        return self.overlap and not any(seq.params.has_penalties for seq, _ in self._in_flight.rows)
+
+    def _launch(self, sched: ScheduledStep) -> InFlight | None:
+        """Run the step's forwards and sample on the device; the sampled rows' tokens stay pending."""
         parts: list[torch.Tensor] = []
         sampled: list[Sequence] = []
         timing = self.timing
@@ -168,28 +207,43 @@ class EngineCore:
                 parts.append(logits if len(done) == len(seqs) else logits[done])
                 sampled += [seqs[i] for i in done]
         if sched.decode:
-            parts.append(self.runner.decode(sched.decode))
+            sources = self._in_flight.sources(sched.decode) if self._in_flight is not None else None
+            parts.append(self.runner.decode(sched.decode, sources))
             sampled += sched.decode
             timing.prepare, timing.submit = self.runner.last_decode.prepare_s, self.runner.last_decode.submit_s
             timer = self.runner.gpu_timer
             timing.gpu = timer.last_s if timer is not None else None
         if not sampled:
-            return []
-        while_gpu_runs()
-        t0 = time.perf_counter()
+            return None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.sampler.sample(logits, [self._sample_row(s) for s in sampled])
+        pending = self.sampler.sample_async(logits, [self._sample_row(s) for s in sampled])
+        self.runner.keep_sampled(pending.ids)
+        rows = []
+        for seq in sampled:
+            seq.output_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            rows.append((seq, len(seq.output_ids) - 1))
+        return InFlight(rows, pending)
+
+    def _resolve(self) -> list[StepUpdate]:
+        """Read the step in flight back and hand its tokens out. A row whose sequence finished after the step was
+        launched (aborted, or stopped by an earlier token) is dropped."""
+        flight, self._in_flight = self._in_flight, None
+        t0 = time.perf_counter()
+        out = flight.sample.result()
         now = time.perf_counter()
-        timing.sample = now - t0
+        self.timing.sample += now - t0
         updates = []
-        for i, seq in enumerate(sampled):
-            update = self._append(seq, self.requests[seq.request_id], out.token_ids[i])
+        for i, (seq, index) in enumerate(flight.rows):
+            if seq.status is Status.FINISHED:
+                continue
+            update = self._accept(seq, self.requests[seq.request_id], index, out.token_ids[i])
             if out.logprobs is not None and seq.params.logprobs is not None:
                 update.logprob = out.logprobs[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             updates.append(update)
-        timing.postprocess = time.perf_counter() - now
+        self.timing.postprocess += time.perf_counter() - now
         return updates
 
     def _ended(self, seq: Sequence) -> StepUpdate:
@@ -204,9 +258,11 @@ class EngineCore:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
         return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned)
 
-    def _append(self, seq: Sequence, state: RequestState, token: int) -> StepUpdate:
+    def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
+        """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
-        seq.output_ids.append(token)
+        seq.output_ids[index] = token
+        seq.num_pending -= 1
         detok = state.detokenizers[seq.sample_index]
         reason = None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
@@ -216,11 +272,14 @@ class EngineCore:
         elif detok is not None:
             text, stopped = detok.add(token)
             reason = "stop" if stopped else None
-        if reason is None and (len(seq.output_ids) >= seq.max_new_tokens
-                               or len(seq) >= self.scheduler.cfg.max_model_len):
+        produced = index + 1  # output tokens up to this one (later placeholders may follow it)
+        if reason is None and (produced >= seq.max_new_tokens
+                               or len(seq.prompt_ids) + produced >= self.scheduler.cfg.max_model_len):
             reason = "length"
         if reason is not None:
             if detok is not None:
                 text += detok.flush()
+            del seq.output_ids[produced:]  # tokens sampled after the last one are not the sequence's
+            seq.num_pending = 0
             self.scheduler.finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)

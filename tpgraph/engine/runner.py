@@ -29,12 +29,14 @@ from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
 from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels.tokens import resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read nothing
 NULL_SLOT = NULL_BLOCK  # its first slot
+NO_SOURCE = -1  # token_source of a row whose input id the host wrote
 
 
 @dataclass
@@ -135,6 +137,8 @@ class ModelRunner:
         self.decode_in.add("positions", torch.int64, Pad.ZERO)
         self.decode_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))  # padded rows write the null block
         self.decode_in.add("seq_lens", torch.int32, Pad.fill(0))  # padded rows attend to nothing
+        # a row whose last token the previous step sampled and the host has not read: where it lies in sampled_ids
+        self.decode_in.add("token_source", torch.int64, Pad.fill(NO_SOURCE))
         self.decode_in.add("block_tables", torch.int32, Pad.COPY_HEAD_ONLY, (self.max_blocks_per_seq,))
         # prefill inputs: one row per token; every prefill forward fits (a few bytes per row)
         self.token_rows = max(self.max_prefill_tokens, *prefill_sizes, 1)
@@ -143,6 +147,8 @@ class ModelRunner:
         self.prefill_in.add("positions", torch.int64, Pad.ZERO)
         self.prefill_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
+        # the last step's sampled ids, one per sampled row (keep_sampled): the next decode takes pending tokens here
+        self.sampled_ids = torch.zeros(self.seq_rows, dtype=torch.int64, device=self.device)
         self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
         self._prefill_meta: dict[int, AttentionMetadata] = {}
 
@@ -311,6 +317,7 @@ class ModelRunner:
 
     def _decode_forward(self, n: int, boundary) -> torch.Tensor:
         t = self._decode_inputs(n)
+        resolve_input_ids(t["input_ids"], t["token_source"], self.sampled_ids, use_triton=self.use_triton)
         meta = AttentionMetadata(False, t["slot_mapping"], t["seq_lens"], t["block_tables"], self.backend,
                                  self.max_model_len, boundary=boundary)
         hidden = self.model(t["input_ids"], t["positions"], meta)
@@ -373,6 +380,10 @@ class ModelRunner:
         counts = list(num_tokens)
         if len(counts) != len(seqs):
             raise ConfigError(f"{len(counts)} token counts for {len(seqs)} sequences")
+        for seq in seqs:
+            if seq.num_pending:  # its prompt and outputs go to the GPU from the host: every id must be known
+                raise ConfigError(f"sequence {seq.seq_id} cannot prefill: {seq.num_pending} of its tokens are still "
+                                  f"being sampled")
         for seq, n in zip(seqs, counts, strict=True):
             if not 1 <= n <= min(len(seq) - seq.num_cached, self.max_prefill_tokens):
                 raise ConfigError(f"sequence {seq.seq_id}: cannot prefill {n} tokens ({len(seq) - seq.num_cached} "
@@ -427,10 +438,18 @@ class ModelRunner:
                                  query_lens=tuple(lens), context_lens=context, context_blocks=blocks)
         return self.model(t["input_ids"], t["positions"], meta)
 
-    def _write_decode_inputs(self, seqs: list[Sequence]) -> None:
+    def _write_decode_inputs(self, seqs: list[Sequence], token_sources: list[int] | None = None) -> None:
         """Host rows [0, n) of every decode input: one pass over the sequences collects the per-row values, then numpy
         writes each column (the per-sequence Python work is what host time per step is made of)."""
         n, bs = len(seqs), self.block_size
+        if token_sources is None:
+            token_sources = [NO_SOURCE] * n
+        elif len(token_sources) != n:
+            raise ConfigError(f"{len(token_sources)} token sources for {n} sequences")
+        for seq, source in zip(seqs, token_sources, strict=True):
+            if seq.num_pending != (source != NO_SOURCE) or not NO_SOURCE <= source < self.seq_rows:
+                raise ConfigError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens but token source "
+                                  f"{source} (a pending last token needs its row of sampled_ids, and only it)")
         inputs, rows = self.decode_in, self._bt_rows
         tables = inputs.host_np("block_tables")
         lens, tokens, blocks = [0] * n, [0] * n, [0] * n
@@ -448,19 +467,23 @@ class ModelRunner:
         inputs.host_np("seq_lens")[:n] = lens
         inputs.host_np("positions")[:n] = last
         inputs.host_np("input_ids")[:n] = tokens
+        inputs.host_np("token_source")[:n] = token_sources
         inputs.host_np("slot_mapping")[:n] = np.array(blocks, dtype=np.int64) * bs + last % bs
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], token_sources: list[int] | None = None) -> torch.Tensor:
         """One new token per sequence (its last token, not yet cached). Returns logits [B, vocab]: a view of a
-        persistent buffer, valid until the next step (copy out what must outlive it)."""
+        persistent buffer, valid until the next step (copy out what must outlive it).
+
+        A sequence whose last token is still pending (sampled by the previous step, not read back) names its row of
+        `sampled_ids` in token_sources (NO_SOURCE for the others): the step reads the id there, on the device."""
         n = len(seqs)
         if n > self.seq_rows:
             raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
         t0 = time.perf_counter()
         mode, desc = self.decode_dispatcher.dispatch(n, n, True)
         padded = desc.num_tokens
-        self._write_decode_inputs(seqs)
+        self._write_decode_inputs(seqs, token_sources)
         self.decode_in.commit(n, padded)
         t1 = time.perf_counter()
         gpu = self.gpu_timer.begin() if self.gpu_timer is not None else None
@@ -475,6 +498,13 @@ class ModelRunner:
         for seq in seqs:
             seq.num_cached = len(seq)
         return logits[:n, : self.model.cfg.vocab_size]
+
+    def keep_sampled(self, ids: torch.Tensor) -> None:
+        """Keep a step's sampled ids [rows] on the device, where the next decode reads the pending ones (stream
+        order puts this copy after the step that sampled them and before the step that reads them)."""
+        if ids.dim() != 1 or ids.shape[0] > self.seq_rows:
+            raise ConfigError(f"{tuple(ids.shape)} sampled ids do not fit the {self.seq_rows} rows kept")
+        self.sampled_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
 
     def close(self) -> None:
         """Release the graphs (their all-reduce rows and peer mappings) and the KV cache."""

@@ -54,9 +54,14 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [B, V] (one row per SampleRow) -> sampled ids, and log-probabilities where asked. One host sync."""
+        return self.sample_async(logits, rows).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """As `sample`, without waiting: the ids stay on the device (`PendingSample.ids`, for the next step's inputs)
+        and their copy to the host is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
@@ -98,18 +103,46 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         return torch.where(greedy, greedy_ids, sampled)
 
-    def _to_host(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> SampleOutput:
+    def _to_host(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> PendingSample:
         if raw_logprobs is None:
-            return SampleOutput(ids.tolist())
+            return PendingSample(ids, ids, 0)
         chosen = raw_logprobs.gather(1, ids.unsqueeze(1))
         parts = [ids.double().unsqueeze(1), chosen.double()]
         if k:
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
             parts += [top_ids.double(), top_lp.double()]
-        packed = torch.cat(parts, dim=1).tolist()  # one device-to-host transfer (ids are exact in float64)
-        return SampleOutput(token_ids=[int(r[0]) for r in packed], logprobs=[r[1] for r in packed],
-                            top_ids=[[int(v) for v in r[2:2 + k]] for r in packed],
-                            top_logprobs=[r[2 + k:] for r in packed])
+        return PendingSample(ids, torch.cat(parts, dim=1), k or 0)  # one transfer (ids are exact in float64)
+
+
+class PendingSample:
+    """Sampled ids on the device and their copy to the host, under way (pinned memory, an event after it): the
+    host reads them with `result()`, which waits for that copy only."""
+
+    def __init__(self, ids: torch.Tensor, packed: torch.Tensor, top_k: int) -> None:
+        self.ids = ids  # [B] int64 on the logits' device
+        self._top_k = top_k
+        self._with_logprobs = packed is not ids  # packed: [B, 2 + 2k] float64 (id, logprob, top ids, top logprobs)
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = packed, None
+
+    def ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def result(self) -> SampleOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host.tolist()
+        if not self._with_logprobs:
+            return SampleOutput(rows)
+        k = self._top_k
+        return SampleOutput(token_ids=[int(r[0]) for r in rows], logprobs=[r[1] for r in rows],
+                            top_ids=[[int(v) for v in r[2:2 + k]] for r in rows],
+                            top_logprobs=[r[2 + k:] for r in rows])
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -124,12 +157,13 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
             out[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.int64)
         return out.to(device)
 
-    out_ids = padded([r.output_ids for r in rows])
+    # rows without penalties count nothing (their output ids may still be pending: overlapped scheduling)
+    out_ids = padded([r.output_ids if r.params.has_penalties else () for r in rows])
     counts = torch.zeros(batch, vocab + 1, device=device)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
     counts = counts[:, :vocab]
     in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
-    in_prompt.scatter_(1, padded([r.prompt_ids for r in rows]), True)
+    in_prompt.scatter_(1, padded([r.prompt_ids if r.params.has_penalties else () for r in rows]), True)
     seen = in_prompt[:, :vocab] | (counts > 0)
     rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)

@@ -11,6 +11,10 @@ none is free, the most recently admitted running sequence is preempted: its bloc
 front of the queue, to be recomputed (its prompt and the tokens it generated are prefilled again). Waiting sequences
 never preempt running ones: they queue. A sequence that outgrows the whole cache ends with finish reason "length"
 (the cache is its context limit). Nothing crashes or spins for want of blocks.
+
+With overlapped scheduling a sequence may carry pending tokens (sampled on the GPU, not read back yet). It decodes
+as usual (its input id is taken on the device), but whatever its pending tokens decide waits for them: a sequence
+whose pending token ends it is not scheduled, and a preempted one is not recomputed until its tokens are known.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop to make room
                 continue
+            if seq.num_pending and self._decided_by_pending(seq):
+                continue  # its pending token ends it, or it outgrows the cache: decided once the token is read
             n = 1 if seq.num_uncached == 1 else min(seq.num_uncached, budget)
             if not self._reserve_running(seq, n, step):
                 continue  # seq itself was preempted
@@ -112,6 +118,8 @@ class Scheduler:
                 step.prefill.append((seq, n))
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token still on the GPU: its recompute waits until the token is read
             n = min(seq.num_uncached, budget)
             if n < seq.num_uncached and not self.cfg.enable_chunked_prefill:
                 break
@@ -125,6 +133,16 @@ class Scheduler:
             step.prefill.append((seq, n))
             budget -= n
         return step
+
+    def _decided_by_pending(self, seq: Sequence) -> bool:
+        """Would this sequence's fate be decided by its pending tokens? Its last one reaches max_tokens or
+        max_model_len (it finishes when read), or its next block outgrows the whole cache (finished "length", which
+        must come after the pending token is delivered). Such a sequence sits out a step rather than run a row whose
+        token would be thrown away."""
+        if len(seq.output_ids) >= seq.max_new_tokens or len(seq) >= self.cfg.max_model_len:
+            return True
+        need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + 1)
+        return len(seq.block_table) + need > self.allocator.num_blocks
 
     def _reserve_running(self, seq: Sequence, n: int, step: ScheduledStep) -> bool:
         """Blocks for seq's next n tokens, preempting the newest other running sequences if needed. False if seq

@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tpgraph.engine.sampling_params import SamplingParams
 
+# An output token the GPU has sampled but the host has not read yet (overlapped scheduling): it holds its place in
+# output_ids, so lengths and positions are right, and the engine writes the real id in when the step resolves.
+PENDING_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (its KV blocks given back; it will be recomputed)
@@ -32,6 +36,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    num_pending: int = 0  # trailing output_ids that are PENDING_TOKEN (sampled on the GPU, not read back yet)
 
     @property
     def num_uncached(self) -> int:

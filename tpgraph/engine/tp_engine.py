@@ -114,7 +114,7 @@ class TPEngine:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
                 enable_chunked_prefill=cfg.enable_chunked_prefill),
-                eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed)
+                eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling)
         except BaseException:
             destroy_distributed(self.state)
             self._stop_followers()

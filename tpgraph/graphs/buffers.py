@@ -92,8 +92,9 @@ class PersistentBuffers:
     buffers whose tail is never read (block tables, COPY_HEAD_ONLY) last, so the span stays short.
 
     Per step: write rows [0, n) through `host(name)` / `host_np(name)`, then `commit(n, padded)`. With
-    non_blocking=True the copy reads the host twin asynchronously: the next step must not write the host twins before
-    the previous copy ran (a step that reads its sampled tokens back to the CPU has synchronized already).
+    non_blocking=True the copy reads the pinned host twin asynchronously, so the next `host` / `host_np` waits for it
+    (an event recorded after the copy): a step submitted before the last one's tokens were read back (overlapped
+    scheduling) cannot overwrite rows the last copy has yet to read.
     """
 
     def __init__(self, max_rows: int, device: torch.device | str, pin_memory: bool | None = None) -> None:
@@ -106,6 +107,8 @@ class PersistentBuffers:
         self._buffers: dict[str, _Buffer] = {}
         self._host_arena: torch.Tensor | None = None
         self._device_arena: torch.Tensor | None = None
+        self._copy_done: torch.cuda.Event | None = None  # recorded after each asynchronous copy from pinned memory
+        self._copy_pending = False
 
     @property
     def max_rows(self) -> int:
@@ -163,11 +166,13 @@ class PersistentBuffers:
         self._host_arena, self._device_arena = host, device
 
     def host(self, name: str) -> torch.Tensor:
-        """The host twin to write rows [0, n) into."""
+        """The host twin to write rows [0, n) into (once the last commit's copy has read it)."""
+        self._await_copy()
         return self._get(name).host
 
     def host_np(self, name: str) -> np.ndarray:
         """A numpy view of the host twin (same memory), the fastest way to write small rows."""
+        self._await_copy()
         buf = self._get(name)
         if buf.host_np is None:
             raise ConfigError(f"buffer {name!r} is {buf.host.dtype}, which numpy cannot view; write through host()")
@@ -200,6 +205,7 @@ class PersistentBuffers:
                 f"largest capture size"
             )
         self._allocate()
+        self._await_copy()  # the padding below writes host rows
         end = 0
         for buf in self._buffers.values():
             rows = self._pad_tail(buf, n, padded)
@@ -207,7 +213,16 @@ class PersistentBuffers:
                 end = max(end, buf.offset + rows * buf.row_bytes)
         if end:
             self._device_arena[:end].copy_(self._host_arena[:end], non_blocking=non_blocking)
+            if non_blocking and self._pin and self._device.type == "cuda":
+                self._copy_done = self._copy_done or torch.cuda.Event()
+                self._copy_done.record()
+                self._copy_pending = True
         return end
+
+    def _await_copy(self) -> None:
+        if self._copy_pending:
+            self._copy_done.synchronize()
+            self._copy_pending = False
 
     @staticmethod
     def _pad_tail(buf: _Buffer, n: int, padded: int) -> int:

@@ -1,0 +1,164 @@
+"""Overlapped scheduling on CPU with the built-in model: each step is launched before the last one's tokens are read,
+the pending token reaching the next step on the device. Every output (tokens, text, finish reasons, log-probabilities)
+must equal the engine's with overlap off, through stops, penalties, preemption, chunked prefill and aborts."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.engine import sampler as sampler_module
+from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
+from tpgraph.errors import ConfigError
+from tpgraph.kernels.tokens import resolve_input_ids, resolve_input_ids_reference
+
+PROMPTS = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
+
+
+def engine(**kw):
+    base = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
+    return TPEngine(**{**base, **kw})
+
+
+def outputs(out):
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out]
+
+
+def logprobs(out):
+    """Every log-probability, flat. A step may hold a row more with overlap (a sequence stopped by the token still
+    being read runs once more, its token dropped), and a CPU matmul over another row count rounds differently."""
+    flat = []
+    for o in out:
+        for c in o.outputs:
+            flat += (c.logprobs or []) + [lp for top in c.top_logprobs or [] for _, lp in top]
+    return flat
+
+
+MIXED = [SamplingParams(temperature=0.0, max_tokens=12),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=5, n=2, max_tokens=10, logprobs=2),
+         SamplingParams(temperature=0.0, max_tokens=12, stop=["aaa"]),
+         SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=9, min_tokens=4, repetition_penalty=1.3,
+                        frequency_penalty=0.5)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 17}, {"max_model_len": 48, "max_num_batched_tokens": 48},
+                                {"max_num_seqs": 1}], ids=["plain", "preemption", "chunked", "one-at-a-time"])
+def test_overlap_changes_no_output(kw):
+    with engine(overlap_scheduling=False, **kw) as e:
+        want = e.generate(PROMPTS, MIXED)
+    with engine(**kw) as e:
+        got = e.generate(PROMPTS, MIXED)
+        assert not e.core.has_work and e.runner.allocator.num_free == e.runner.allocator.num_blocks
+        if kw.get("num_kv_blocks"):
+            assert e.core.scheduler.num_preemptions > 0
+    assert outputs(got) == outputs(want)
+    assert len(logprobs(got)) == len(logprobs(want)) > 0
+    assert logprobs(got) == pytest.approx(logprobs(want), rel=1e-5, abs=1e-5)
+
+
+def order_of_calls(e: TPEngine, monkeypatch) -> list[str]:
+    """Record, in order, each decode launch and each read of sampled tokens."""
+    log: list[str] = []
+    decode, result = e.runner.decode, sampler_module.PendingSample.result
+    monkeypatch.setattr(e.runner, "decode", lambda *a, **k: (log.append("launch"), decode(*a, **k))[1])
+    monkeypatch.setattr(sampler_module.PendingSample, "result", lambda self: (log.append("read"), result(self))[1])
+    return log
+
+
+def test_each_decode_step_is_launched_before_the_last_ones_tokens_are_read(monkeypatch):
+    with engine() as e:
+        log = order_of_calls(e, monkeypatch)
+        out = e.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6))
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    # the prefill's tokens are read after the first decode is launched, and so on: launch, read, launch, read ...
+    assert log[:4] == ["launch", "read", "launch", "read"] and log.count("launch") == 5 and log[-1] == "read"
+
+
+def test_penalties_read_the_last_step_first(monkeypatch):
+    with engine() as e:
+        log = order_of_calls(e, monkeypatch)
+        e.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=1.0))
+    assert log == ["read", "launch"] * 3 + ["read"]  # penalties count output tokens: every step reads first
+
+
+def test_the_pending_token_reaches_the_next_step_on_the_device():
+    with engine() as e:
+        core, runner = e.core, e.runner
+        core.add_request("r", e.encode(PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=8))
+        core.step()  # the prefill: its token is pending
+        seq = core.requests["r"].seqs[0]
+        assert seq.output_ids == [PENDING_TOKEN] and seq.num_pending == 1
+        pending_id = int(runner.sampled_ids[0])
+        (update,) = core.step()  # the first decode is launched, then the prefill's token read
+        assert update.token_id == pending_id and seq.output_ids == [pending_id, PENDING_TOKEN]
+        assert int(runner.decode_in.device("input_ids")[0]) == pending_id  # the decode ran on it
+        core.abort("r")
+        assert seq.output_ids == [pending_id] and seq.num_pending == 0
+        assert core.step() == [] and not core.has_work  # the aborted row's token is dropped
+        assert runner.allocator.num_free == runner.allocator.num_blocks
+
+
+def test_a_stop_drops_the_token_sampled_after_it():
+    with engine() as e:
+        core = e.core
+        core.add_request("r", e.encode(PROMPTS[2]), SamplingParams(temperature=0.0, max_tokens=12, stop=["aaa"]))
+        seq = core.requests["r"].seqs[0]
+        launched_after_the_stop = False
+        while core.has_work:
+            updates = core.step()
+            if any(u.finish_reason for u in updates):
+                # the third "a" was read while the step after it ran: that step's token is not the sequence's
+                flight = core._in_flight
+                launched_after_the_stop = flight is not None and [s for s, _ in flight.rows] == [seq]
+        assert (seq.output_ids, seq.num_pending, seq.finish_reason) == ([97] * 3, 0, "stop")
+        assert launched_after_the_stop and e.runner.allocator.num_free == e.runner.allocator.num_blocks
+
+
+def test_the_runner_refuses_a_pending_token_without_its_source():
+    with engine() as e:
+        runner = e.runner
+        seq = Sequence(0, [1, 2, 3], 8, output_ids=[PENDING_TOKEN], num_pending=1)
+        runner.reserve(seq, 4)
+        seq.num_cached = 3
+        with pytest.raises(ConfigError, match="1 pending tokens but token source -1"):
+            runner.decode([seq])
+        with pytest.raises(ConfigError, match="cannot prefill: 1 of its tokens are still being sampled"):
+            runner.prefill([seq], [1])
+        runner.free(seq)
+
+
+def test_decode_from_a_device_token_equals_decode_from_the_host():
+    with engine() as e:
+        runner = e.runner
+        a = Sequence(0, [5, 6, 7, 8, 9], 8)
+        b = Sequence(1, [5, 6, 7, 8], 8)
+        for seq in (a, b):
+            runner.prefill([seq], [4])
+        b.output_ids, b.num_pending = [PENDING_TOKEN], 1  # its fifth token, 9, is on the device only
+        runner.sampled_ids[3] = 9
+        host = runner.decode([a]).clone()
+        device = runner.decode([b], [3])
+        torch.testing.assert_close(device, host, rtol=0, atol=0)
+        for seq in (a, b):
+            runner.free(seq)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_the_resolve_kernel_equals_the_torch_sequence(n):
+    g = torch.Generator().manual_seed(n)
+    sampled = torch.randint(0, 1000, (40,), generator=g)
+    source = torch.randint(-1, 40, (n,), generator=g)
+    source[0] = -1
+    ids = torch.randint(1000, 2000, (n,), generator=g)
+    want, got = ids.clone(), ids.clone()
+    resolve_input_ids_reference(want, source, sampled)
+    resolve_input_ids(got, source, sampled, use_triton=True)
+    assert torch.equal(got, want) and got[0] == ids[0]
+    assert torch.equal(got[source >= 0], sampled[source[source >= 0]])
+    with pytest.raises(ValueError, match="must be the same 1-D shape"):
+        resolve_input_ids(ids, source[:0], sampled)
