@@ -298,12 +298,16 @@ def entry_env(name: str) -> contextlib.AbstractContextManager:
     return mock.patch.dict(os.environ, env)
 
 
-def decode_runner(model, max_batch: int, max_len: int, mode: str = "full") -> ModelRunner:
+def decode_runner(model, max_batch: int, max_len: int, mode: str = "full",
+                  max_model_len: int | None = None) -> ModelRunner:
     """A runner whose decode graphs (sglang ladder, no prefill graphs) serve `max_batch` sequences of `max_len`
-    tokens, with KV blocks for all of them (16-token blocks) and a few spare."""
+    tokens, with KV blocks for all of them (16-token blocks) and a few spare. Its max_model_len (default max_len)
+    is what sizes static grids, such as decode attention's splits, as a server's would."""
+    max_model_len = max(max_model_len or max_len, max_len)  # (0 or None: max_len)
     graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
-    return ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
-                                           num_kv_blocks=max_batch * -(-max_len // 16) + 16, graphs=graphs))
+    blocks = max(max_batch * -(-max_len // 16), -(-max_model_len // 16)) + 16
+    return ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_model_len, num_kv_blocks=blocks,
+                                           graphs=graphs))
 
 
 def entries(args) -> list[str]:
@@ -356,13 +360,14 @@ def run(args, state) -> dict:
     max_len = context + 2 * (steps + 8)
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape)
+    results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
     names = entries(args)
     for ar in names:
         with entry_env(ar):  # eager modes launch under it too
             comm, model = build(state, ar, args.shape)
             floor_ms = with_floor(results, model, bw)
             for mode in modes:
-                runner = decode_runner(model, max(batches), max_len, mode)
+                runner = decode_runner(model, max(batches), max_len, mode, args.max_model_len)
                 for batch in batches:
                     seqs = fake_context(runner, batch, context)
                     t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4),
@@ -419,6 +424,7 @@ def run_interleaved(args, state) -> dict:
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape)
+    results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
     results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order from a "
                          f"Williams design per "
                          f"round; median step; slowest rank")
@@ -426,7 +432,7 @@ def run_interleaved(args, state) -> dict:
     for ar in names:
         with entry_env(ar):
             comm, model = build(state, ar, args.shape)
-            runner = decode_runner(model, max(batches), max_len)
+            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len)
         engines[ar] = (comm, model, runner)
     floor_ms = with_floor(results, engines[names[0]][1], bw)
     for batch in batches:
@@ -469,7 +475,7 @@ def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     for ar in entries(args):
         with entry_env(ar):
             comm, model = build(state, ar, args.shape)
-            runner = decode_runner(model, 8, max_len)
+            runner = decode_runner(model, 8, max_len, max_model_len=args.max_model_len)
         for batch in (1, 8):
             seqs = fake_context(runner, batch, args.context)
             with entry_env(ar):
@@ -523,6 +529,10 @@ def main() -> None:
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
                    help="llama3-8b-half: one TP=2 rank's share of it as a whole model, to run at TP=1")
+    p.add_argument("--max-model-len", type=int, default=LLAMA3_8B.max_position_embeddings,
+                   help="the runners' max_model_len, which sizes static grids (attention's split count) as a server's "
+                        "does; default: the model's own (8192), what a server runs with. 0: just what the timed "
+                        "steps need (runs before 2026-12-01 were sized so)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")

@@ -293,3 +293,30 @@ def test_vocab_shard_embedding_copies_the_torch_sequence_bit_for_bit(dtype):
     for start in (0, 64128):
         out = vocab_shard_embedding(ids, weight, start)
         assert torch.equal(out, vocab_shard_embedding_reference(ids, weight, start))
+
+
+@pytest.mark.parametrize("max_seq_len", [600, 8192])
+def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(max_seq_len):
+    """As in a layer: rope + cache store writes q and the newest token's K/V, and attention runs right after it (a
+    programmatic dependent, whose programs load older K/V rows before their wait). Every step's output must be
+    the reference's over the cache as the store left it, at a grid sized for ~600 tokens and for 8192."""
+    heads, kv_heads, dim, block_size, batch = 16, 4, 128, 16, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks = batch * 38 + 1  # 38 blocks of 16 hold each sequence's (at most 596) tokens
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks - 1, device="cuda", generator=g)[:batch * 38].view(batch, 38).to(torch.int32) + 1
+    cos_sin = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1024, torch.bfloat16,
+                                 "cuda")
+    lens = torch.tensor([1, 64, 65, 300, 511, 512, 577, 590], dtype=torch.int32, device="cuda")
+    for step in range(6):
+        lens += 1  # one new token per sequence a step, its K/V written by the store kernel just before attention
+        positions = (lens - 1).long()
+        slots = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).long() * block_size \
+            + positions % block_size
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(torch.bfloat16)
+        q, _ = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, dim)
+        out = paged_decode_attention_v2(q.view(batch, heads, dim), k_cache, v_cache, tables, lens, dim ** -0.5,
+                                        max_seq_len=max_seq_len)
+        ref = paged_decode_reference(q.view(batch, heads, dim), k_cache, v_cache, tables, lens, dim ** -0.5)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2, msg=f"step {step}")

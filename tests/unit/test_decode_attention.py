@@ -68,10 +68,10 @@ def test_choose_num_splits():
     splits = choose_num_splits(1, 1, 32768, 132)
     assert 1 < splits <= 64
     assert choose_num_splits(1, 1, 512, 132) == 512 // MIN_SPLIT_TOKENS  # none shorter than MIN_SPLIT_TOKENS
-    for batch, kv_heads, max_len in [(1, 1, 1000), (2, 4, 3000), (3, 2, 130)]:  # never an empty split by design
-        n = choose_num_splits(batch, kv_heads, max_len, 132)
-        tiles_per_split = (-(-max_len // n) + BLOCK_N - 1) // BLOCK_N  # ceil(ceil(max_len / n) / BLOCK_N)
-        assert (n - 1) * tiles_per_split * BLOCK_N < max_len
+    # a TP=2 rank of Llama-3-8B (4 KV heads) at batch 8, graphs for ~600 tokens: 9 splits, so a 512-token context
+    # runs 8 splits of one tile each (the grid's spare split exits)
+    assert choose_num_splits(8, 4, 600, 132) == 9 > 512 // BLOCK_N
+    assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -124,14 +124,15 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_last_split_variant_compiles_for_sm90(pdl):
     """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1; as a
-    programmatic dependent, the wait comes before any load and the next kernel is let in right after it."""
+    programmatic dependent, the first tile's older K/V rows are loaded before the wait (they do not depend on the
+    kernel before), the next kernel is let in right after the wait, and q and the newest row are loaded after it."""
     from tpgraph.kernels import decode_attention as da
 
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
              "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
     ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
-                   ["tokens_per_split", "stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
+                   ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
                     "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                     "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False,
@@ -140,6 +141,23 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
     assert_semaphore_order(ptx)
     if pdl:
         wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
-        assert wait < trigger < ptx.index("ld.global")
+        before, after = ptx[:wait], ptx[trigger:]
+        assert wait < trigger and "ld.global" not in ptx[wait:trigger]
+        assert before.count("ld.global") >= 3  # the length, the block ids, the K and V rows: prefetched
+        assert after.count("ld.global") >= 3  # q, the newest K and V rows (and the later tiles)
     else:
         assert "griddepcontrol" not in ptx
+
+
+@pytest.mark.parametrize("last_combines", ["0", "1"])
+def test_a_grid_sized_for_a_long_context_splits_the_actual_one(monkeypatch, last_combines):
+    """Splits follow each sequence's length, not max_seq_len: 16 splits over contexts of at most 200 tokens use at
+    most 4 tiles' worth of them (the rest exit), and the result is the reference's either way it is merged."""
+    from tpgraph.kernels._counters import split_counters
+
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", last_combines)
+    q, k, v, bt, lens, scale = random_paged_case(5, "cpu", torch.float32, max_batch=4, max_len=200)
+    lens[1] = 1  # one token: the newest row alone
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=4096, num_splits=16)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+    assert not split_counters(q.device, q.shape[0] * k.shape[2]).any()

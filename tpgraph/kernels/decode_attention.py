@@ -7,10 +7,15 @@ that was 10-100x slower on an H200:
 - one program per (sequence, KV head, KV split) serves the KV head's whole query group, so each K/V row
   is read once per KV head rather than once per query head, and scores and P @ V are `tl.dot` tiles of
   [group, BLOCK_N] tokens;
-- the context is cut into `num_splits` pieces, chosen on the host from the batch size, KV heads, the static
-  `max_seq_len` and the SM count, so that a small batch still spreads over the GPU; each split leaves a
-  partial (unnormalised acc, running max, sum of exps) in fp32 scratch and a second small kernel merges them.
-  With one split the first kernel writes the output itself and the merge is not launched.
+- the grid has `num_splits` splits per (sequence, KV head), chosen on the host from the batch size, KV heads, the
+  static `max_seq_len` and the SM count, so that a small batch still spreads over the GPU. Each program cuts its
+  sequence's actual length (read on the device) into at most that many whole-tile pieces, so a short context on a
+  grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once. Each split in use
+  leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one to arrive (or a
+  second small kernel) merges. With one split the first kernel writes the output itself;
+- as a programmatic dependent, a program loads its first tile of older K/V rows before it waits for the kernel
+  before (only q and the newest row come from it), so the dependent loads (length -> block table -> K/V) overlap
+  the qkv kernel's tail.
 
 The launch depends only on shapes and `max_seq_len` (no `.item()`, no host sync), so it can be captured in
 a CUDA graph; `seq_lens` is read on the device only.
@@ -60,121 +65,159 @@ def num_sms_for(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """KV splits per (sequence, KV head): enough programs for about PROGRAMS_PER_SM per SM, none shorter than
-    MIN_SPLIT_TOKENS, at most MAX_SPLITS; and no split that `max_seq_len` leaves empty."""
+    """KV splits per (sequence, KV head) in the grid: enough programs for about PROGRAMS_PER_SM per SM, at most
+    MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
+    actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
+    empty exit at once, and the ones in use stay a tile or more long (one tile each for contexts of up to
+    splits x BLOCK_N tokens, so their loads all happen before the programmatic wait)."""
     programs = max(1, batch * kv_heads)
     want = -(-PROGRAMS_PER_SM * num_sms // programs)
-    splits = max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
-    return -(-max(max_seq_len, 1) // _tokens_per_split(max_seq_len, splits))
-
-
-def _tokens_per_split(max_seq_len: int, num_splits: int) -> int:
-    """Whole tiles per split, so that every split starts on a tile boundary."""
-    per_split = -(-max(max_seq_len, 1) // num_splits)
-    return -(-per_split // BLOCK_N) * BLOCK_N
+    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 if triton is not None:
 
     @triton.jit
+    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at most NUM_SPLITS
+        splits, the last one ending at seq_len. A short context on a grid sized for max_model_len then runs a few
+        full splits, and the rest of the grid exits at once (a padded row, seq_len 0, uses one empty split)."""
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.maximum(per_split, BLOCK_N)
+        return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
+
+    @triton.jit
+    def _load_kv_tile(k_ptr, v_ptr, bt_row, tok, load, kv_h, offs_d, d_ok, stride_cb, stride_ct, stride_ch,
+                      BLOCK_SIZE: tl.constexpr):
+        """K and V rows of tokens `tok` where `load` (zeros elsewhere). Token t lives in cache block
+        block_tables[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE; int64 because block * stride_cb overflows int32
+        on large caches."""
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=load, other=0).to(tl.int64)
+        rows = block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+        kv_mask = load[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_dtype, DOT_PRECISION: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+        """One tile of the online softmax: (m, l, acc) updated with the tile's scores and P @ V."""
+        if INTERPRETED:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        # The tile holds at least one valid token, so m_new is finite and no exp sees inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_lo = to_dtype(p, v_dtype, INTERPRETED)  # P @ V in the cache dtype, as FA does
+        if INTERPRETED:
+            p_lo = p_lo.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        counter_ptr, qk_scale, tokens_per_split,
+        counter_ptr, qk_scale,
         stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ob, stride_oh,
         stride_pb, stride_ph, stride_ps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
     ):
-        """LAST_COMBINES (more than one split): no combine kernel. Each split counts itself in at
+        """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
-        partials of its whole query group in split order (tpgraph/kernels/_counters.py)."""
-        pdl_enter(PDL)
+        partials of its whole query group in split order (tpgraph/kernels/_counters.py).
+
+        As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
+        before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
+        store). Sequence lengths and block tables were copied in before the step's first kernel, and older cache
+        rows by earlier steps; every kernel waits before it lets the next one in, so all but the one before are
+        done when a program starts."""
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, seq_len)
-        # The last split runs to the end even if seq_len exceeds max_seq_len: slower, never wrong.
-        end = tl.where(split == NUM_SPLITS - 1, seq_len, end)
+        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N)
+        if split < used:
+            start = split * per_split
+            end = tl.minimum(start + per_split, seq_len)
+            offs_g = tl.arange(0, GROUP_PAD)
+            g_ok = offs_g < GROUP  # rows past the group are padding so that tl.dot gets M >= 16
+            heads = kv_h * GROUP + offs_g
+            offs_d = tl.arange(0, DIM_PAD)
+            d_ok = offs_d < HEAD_DIM
+            q_mask = g_ok[:, None] & d_ok[None, :]
+            offs_n = tl.arange(0, BLOCK_N)
+            bt_row = block_tables_ptr + b * stride_bt
 
-        offs_g = tl.arange(0, GROUP_PAD)
-        g_ok = offs_g < GROUP  # rows past the group are padding so that tl.dot gets M >= 16
-        heads = kv_h * GROUP + offs_g
-        offs_d = tl.arange(0, DIM_PAD)
-        d_ok = offs_d < HEAD_DIM
-        q_mask = g_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-        if INTERPRETED:
-            q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
-
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        bt_row = block_tables_ptr + b * stride_bt
-        for tile in range(start, end, BLOCK_N):
-            tok = tile + offs_n
+            tok = start + offs_n
             tok_ok = tok < end
-            # Token t lives in cache block block_tables[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE; int64
-            # because block * stride_cb overflows int32 on large caches.
-            block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-            rows = block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
-            kv_mask = tok_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            newest = tok == seq_len - 1
+            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok & ~newest, kv_h, offs_d, d_ok, stride_cb,
+                                 stride_ct, stride_ch, BLOCK_SIZE)
+            pdl_enter(PDL)
+            new_k, new_v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok & newest, kv_h, offs_d, d_ok, stride_cb,
+                                         stride_ct, stride_ch, BLOCK_SIZE)
+            k = tl.where(newest[:, None], new_k, k)
+            v = tl.where(newest[:, None], new_v, v)
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
+                        other=0.0)
             if INTERPRETED:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
-            s = tl.where(tok_ok[None, :], s, float("-inf"))
-            # The tile holds at least one valid token, so m_new is finite and no exp sees inf - inf.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_lo = to_dtype(p, v_ptr.dtype.element_ty, INTERPRETED)  # P @ V in the cache dtype, as FA does
-            if INTERPRETED:
-                p_lo = p_lo.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
-            m_i = m_new
+                q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
+            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            if start < end:  # (a padded row's one split is empty)
+                m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                                             DOT_PRECISION, INTERPRETED)
+            for tile in range(start + BLOCK_N, end, BLOCK_N):
+                tok = tile + offs_n
+                tok_ok = tok < end
+                k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok, kv_h, offs_d, d_ok, stride_cb, stride_ct,
+                                     stride_ch, BLOCK_SIZE)
+                m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                                             DOT_PRECISION, INTERPRETED)
 
-        if NUM_SPLITS == 1:
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
-            out = acc / l_safe[:, None]
-            out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
-        else:
-            # An empty split (past seq_len) leaves the neutral partial: m = -inf, l = 0, acc = 0.
-            part = b * stride_pb + heads * stride_ph + split * stride_ps
-            tl.store(part_m_ptr + part, m_i, mask=g_ok)
-            tl.store(part_l_ptr + part, l_i, mask=g_ok)
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
-            if LAST_COMBINES:
-                counter = counter_ptr + b * tl.num_programs(1) + kv_h
-                if arrived_last(counter, NUM_SPLITS):
-                    _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b * stride_pb + heads * stride_ph,
-                                   stride_ps, b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], g_ok,
-                                   q_mask, offs_d, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, INTERPRETED)
-                    reset_counter(counter)
+            if NUM_SPLITS == 1:
+                l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
+                out = acc / l_safe[:, None]
+                out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
+            else:
+                part = b * stride_pb + heads * stride_ph + split * stride_ps
+                tl.store(part_m_ptr + part, m_i, mask=g_ok)
+                tl.store(part_l_ptr + part, l_i, mask=g_ok)
+                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+                if LAST_COMBINES:
+                    counter = counter_ptr + b * tl.num_programs(1) + kv_h
+                    if arrived_last(counter, used):
+                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+                                       b * stride_pb + heads * stride_ph, stride_ps,
+                                       b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], g_ok, q_mask,
+                                       offs_d, used, GROUP_PAD, HEAD_DIM, DIM_PAD, INTERPRETED)
+                        reset_counter(counter)
 
     @triton.jit
     def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, part0, stride_ps, out_offs, g_ok, q_mask,
-                       offs_d, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """The query group's output from its NUM_SPLITS partials (at part0 + split * stride_ps), merged in split
-        order: the running max first, then the weighted sums. The same merge as _decode_combine_kernel, summed in
-        sequence where that one sums as a tree: equal within rounding, not bit for bit (both fixed, whatever the
-        arrival order, so graph and eager agree either way)."""
+                       offs_d, used, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+        """The query group's output from the partials of its `used` splits (at part0 + split * stride_ps), merged
+        in split order: the running max first, then the weighted sums. The same merge as _decode_combine_kernel,
+        summed in sequence where that one sums as a tree: equal within rounding, not bit for bit (both fixed,
+        whatever the arrival order, so graph and eager agree either way)."""
         m_max = tl.load(part_m_ptr + part0, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        for split in range(1, NUM_SPLITS):
+        for split in range(1, used):
             m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + split * stride_ps, mask=g_ok,
                                               other=float("-inf"), cache_modifier=".cg"))
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
         l_total = tl.zeros_like(m_max)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for split in range(NUM_SPLITS):
+        for split in range(used):
             part = part0 + split * stride_ps
             w = tl.exp2(tl.load(part_m_ptr + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
             l_total += tl.load(part_l_ptr + part, mask=g_ok, other=0.0, cache_modifier=".cg") * w
@@ -186,16 +229,17 @@ if triton is not None:
 
     @triton.jit
     def _decode_combine_kernel(
-        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N)
         offs_s = tl.arange(0, SPLITS_PAD)
-        s_ok = offs_s < NUM_SPLITS
+        s_ok = offs_s < used  # the splits past them wrote nothing
         part = b * stride_pb + h * stride_ph + offs_s * stride_ps
         m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
         l_part = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
@@ -236,7 +280,6 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms_for(q.device))
     num_splits = max(1, int(num_splits))
-    tokens_per_split = _tokens_per_split(max_seq_len, num_splits)
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -254,7 +297,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     pdl = use_pdl(q)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,
-        scale * _LOG2E, tokens_per_split,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
@@ -266,8 +309,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
     if num_splits > 1 and not last_combines:
         _decode_combine_kernel[(batch, num_heads)](
-            part_acc, part_m, part_l, out, *part_strides, out.stride(0), out.stride(1),
+            part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            INTERPRETED=interpreted, PDL=pdl, num_warps=4, enable_fp_fusion=True, **pdl_launch(pdl),
+            BLOCK_N=BLOCK_N, INTERPRETED=interpreted, PDL=pdl, num_warps=4, enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out
