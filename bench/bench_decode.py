@@ -520,12 +520,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--modes", default="full,piecewise,none")
-    p.add_argument("--allreduce", default="custom+gemv,nccl+gemv",
+    p.add_argument("--allreduce", default="custom+gemv+overlap,nccl+gemv+overlap",
                    help="entries: custom or nccl, with +unfused (all-reduce and add+RMSNorm as two kernels), +gemv "
                         "(the small-M projection kernel), +pdl/+nopdl (TPGRAPH_TRITON_PDL=1/0) and/or +lr/+nolr "
                         "(TPGRAPH_LAST_SPLIT_REDUCES=1/0), +pf<MB> (TPGRAPH_PDL_PREFETCH_MB) while its graphs are "
-                        "captured and run. custom+gemv is the product's default path, plain custom forces cuBLAS "
-                        "projections")
+                        "captured and run; +overlap drives the steps as the engine's overlapped scheduling does. "
+                        "custom+gemv+overlap is the product's default path, plain custom forces cuBLAS projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
                    help="llama3-8b-half: one TP=2 rank's share of it as a whole model, to run at TP=1")
