@@ -31,7 +31,7 @@ from tpgraph.distributed import destroy_distributed, gather_objects, init_distri
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampler import PendingSample
-from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
+from tpgraph.engine.sequence import Sequence
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.model.loader import load_model
 
@@ -120,17 +120,13 @@ def decode_steps_overlapped(runner: ModelRunner, seqs: list[Sequence], steps: in
             t1 = time.perf_counter()
             ids = row_argmax(logits)
             runner.keep_sampled(ids)
-            launched = (PendingSample(ids, ids, 0), [len(seq.output_ids) for seq in seqs])
-            for seq in seqs:
-                seq.output_ids.append(PENDING_TOKEN)
-                seq.num_pending += 1
+            launched = (PendingSample(ids, ids, 0), [seq.add_pending() for seq in seqs])
             if i >= warmup:
                 host.append(t1 - t0)
         if in_flight is not None:
             sample, index = in_flight
             for seq, at, tok in zip(seqs, index, sample.result().token_ids, strict=True):
-                seq.output_ids[at] = tok
-                seq.num_pending -= 1
+                seq.resolve_pending(at, tok)
             now = time.perf_counter()
             if i - 1 >= warmup:  # the step just read
                 wall.append(now - last)
@@ -537,7 +533,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
     p.add_argument("--profile", action="store_true",
-                   help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches)")
+                   help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches; "
+                        "steps are driven plainly, +overlap or not)")
     p.add_argument("--interleave", action="store_true",
                    help="full graphs only, no ladders or profile: every entry's engine built first, the entries' "
                         "steps timed in interleaved rounds of 10 (--steps rounded up to whole rounds), for comparing "

@@ -116,6 +116,20 @@ def test_a_stop_drops_the_token_sampled_after_it():
         assert launched_after_the_stop and e.runner.allocator.num_free == e.runner.allocator.num_blocks
 
 
+def test_a_sequences_pending_tokens_are_resolved_in_place_or_dropped():
+    seq = Sequence(0, [1, 2], 8, output_ids=[5])
+    first, second = seq.add_pending(), seq.add_pending()
+    assert (first, second, len(seq), seq.last_token, seq.num_pending) == (1, 2, 5, PENDING_TOKEN, 2)
+    seq.resolve_pending(first, 7)
+    with pytest.raises(ValueError, match="output 1 is not pending"):
+        seq.resolve_pending(first, 8)
+    seq.drop_pending()
+    assert (seq.output_ids, seq.num_pending) == ([5, 7], 0)
+    seq.add_pending()
+    seq.drop_pending(keep=1)  # ended at its first output: the rest, resolved or not, goes
+    assert (seq.output_ids, seq.num_pending) == ([5], 0)
+
+
 def test_the_runner_refuses_a_pending_token_without_its_source():
     with engine() as e:
         runner = e.runner
@@ -136,7 +150,7 @@ def test_decode_from_a_device_token_equals_decode_from_the_host():
         b = Sequence(1, [5, 6, 7, 8], 8)
         for seq in (a, b):
             runner.prefill([seq], [4])
-        b.output_ids, b.num_pending = [PENDING_TOKEN], 1  # its fifth token, 9, is on the device only
+        b.add_pending()  # its fifth token, 9, is on the device only
         runner.sampled_ids[3] = 9
         host = runner.decode([a]).clone()
         device = runner.decode([b], [3])

@@ -128,8 +128,7 @@ def test_finish_and_refusals():
 
 def pending(s):
     """Its last output token sampled on the GPU, not read back yet (overlapped scheduling)."""
-    s.output_ids.append(-1)
-    s.num_pending += 1
+    s.add_pending()
 
 
 def test_a_pending_token_that_decides_a_sequence_keeps_it_out_of_the_step():
@@ -144,7 +143,7 @@ def test_a_pending_token_that_decides_a_sequence_keeps_it_out_of_the_step():
     # ends: its pending token is its max_tokens-th; grows: it reaches max_model_len (12) with it
     assert sched.schedule().decode == [runs]
     for s in (ends, grows):
-        s.output_ids[-1], s.num_pending = 7, 0
+        s.resolve_pending(len(s.output_ids) - 1, 7)
     assert sched.schedule().decode == [ends, runs, grows]  # read back: the engine decides (here nothing stopped them)
 
 
@@ -161,5 +160,5 @@ def test_a_preempted_sequence_with_a_pending_token_waits_to_be_recomputed():
     assert step.decode == [a] and step.preempted == [b] and list(sched.waiting) == [b]
     sched.finish(a, "stop")  # room for b again
     assert sched.schedule().empty  # but b's token is still pending: it is not recomputed yet
-    b.output_ids[-1], b.num_pending = 7, 0
+    b.resolve_pending(len(b.output_ids) - 1, 7)
     assert [(s.seq_id, n) for s, n in sched.schedule().prefill] == [(1, 6)]

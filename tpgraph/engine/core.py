@@ -17,12 +17,13 @@ from tokenizers import Tokenizer
 
 from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
-from tpgraph.engine.runner import NO_SOURCE, ModelRunner
+from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from tpgraph.engine.sequence import PENDING_TOKEN, Sequence, Status
+from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
+from tpgraph.kernels.tokens import NO_SOURCE
 
 
 @dataclass
@@ -145,8 +146,7 @@ class EngineCore:
         updates = []
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
-                del seq.output_ids[len(seq.output_ids) - seq.num_pending:]  # its step in flight is dropped when read
-                seq.num_pending = 0
+                seq.drop_pending()  # the row of its step in flight is dropped when read
                 self.scheduler.finish(seq, "abort")
                 updates.append(StepUpdate(request_id, seq.sample_index, None, "", "abort"))
         return updates
@@ -218,12 +218,7 @@ class EngineCore:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         pending = self.sampler.sample_async(logits, [self._sample_row(s) for s in sampled])
         self.runner.keep_sampled(pending.ids)
-        rows = []
-        for seq in sampled:
-            seq.output_ids.append(PENDING_TOKEN)
-            seq.num_pending += 1
-            rows.append((seq, len(seq.output_ids) - 1))
-        return InFlight(rows, pending)
+        return InFlight([(seq, seq.add_pending()) for seq in sampled], pending)
 
     def _resolve(self) -> list[StepUpdate]:
         """Read the step in flight back and hand its tokens out. A row whose sequence finished after the step was
@@ -261,8 +256,7 @@ class EngineCore:
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
-        seq.output_ids[index] = token
-        seq.num_pending -= 1
+        seq.resolve_pending(index, token)
         detok = state.detokenizers[seq.sample_index]
         reason = None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
@@ -279,7 +273,6 @@ class EngineCore:
         if reason is not None:
             if detok is not None:
                 text += detok.flush()
-            del seq.output_ids[produced:]  # tokens sampled after the last one are not the sequence's
-            seq.num_pending = 0
+            seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self.scheduler.finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)

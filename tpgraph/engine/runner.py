@@ -29,14 +29,13 @@ from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
 from tpgraph.kernels._counters import last_split_reduces, split_counters
-from tpgraph.kernels.tokens import resolve_input_ids
+from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read nothing
 NULL_SLOT = NULL_BLOCK  # its first slot
-NO_SOURCE = -1  # token_source of a row whose input id the host wrote
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Sampler:
             ids = row_argmax(x)
         else:
             ids = self._draw(x, rows)
-        return self._to_host(ids, raw_logprobs, max(want_logprobs, default=None))
+        return self._start_copy(ids, raw_logprobs, max(want_logprobs, default=None))
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         greedy_ids = row_argmax(x)
@@ -103,7 +103,7 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         return torch.where(greedy, greedy_ids, sampled)
 
-    def _to_host(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> PendingSample:
+    def _start_copy(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> PendingSample:
         if raw_logprobs is None:
             return PendingSample(ids, ids, 0)
         chosen = raw_logprobs.gather(1, ids.unsqueeze(1))
@@ -129,9 +129,6 @@ class PendingSample:
             self._copied.record()
         else:
             self._host, self._copied = packed, None
-
-    def ready(self) -> bool:
-        return self._copied is None or self._copied.query()
 
     def result(self) -> SampleOutput:
         if self._copied is not None:

@@ -50,6 +50,28 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
+    def add_pending(self) -> int:
+        """Hold the place of a token sampled on the GPU and not read back yet; returns its index in output_ids."""
+        self.output_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+        return len(self.output_ids) - 1
+
+    def resolve_pending(self, index: int, token: int) -> None:
+        """The token read back for the placeholder at output index `index`."""
+        if self.output_ids[index] != PENDING_TOKEN:
+            raise ValueError(f"sequence {self.seq_id}: output {index} is not pending")
+        self.output_ids[index] = token
+        self.num_pending -= 1
+
+    def drop_pending(self, keep: int | None = None) -> None:
+        """Drop every output after the first `keep` (default: the unresolved placeholders at the end): tokens sampled
+        for a sequence that had already ended are not its own."""
+        if keep is None:
+            keep = len(self.output_ids) - self.num_pending
+        dropped = self.output_ids[keep:]
+        del self.output_ids[keep:]
+        self.num_pending -= sum(t == PENDING_TOKEN for t in dropped)
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

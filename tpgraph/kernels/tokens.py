@@ -18,8 +18,11 @@ except ImportError:  # CPU-only installs without Triton use the reference path
     triton = None
 
 
+NO_SOURCE = -1  # a row whose input id the host wrote
+
+
 def resolve_input_ids_reference(ids: torch.Tensor, source: torch.Tensor, sampled: torch.Tensor) -> None:
-    """In place: ids[i] = sampled[source[i]] where source[i] >= 0."""
+    """In place: ids[i] = sampled[source[i]] where source[i] is a row (>= 0; NO_SOURCE keeps ids[i])."""
     fresh = sampled[source.clamp(min=0)]
     ids.copy_(torch.where(source >= 0, fresh, ids))
 
@@ -31,14 +34,15 @@ if triton is not None:
         rows = tl.arange(0, BLOCK)
         inside = rows < n
         source = tl.load(source_ptr + rows, mask=inside, other=-1)
-        from_gpu = inside & (source >= 0)
+        from_gpu = inside & (source >= 0)  # NO_SOURCE (-1): the host's id stays
         fresh = tl.load(sampled_ptr + source, mask=from_gpu, other=0)
         tl.store(ids_ptr + rows, fresh, mask=from_gpu)
 
 
 def resolve_input_ids(ids: torch.Tensor, source: torch.Tensor, sampled: torch.Tensor, *,
                       use_triton: bool | None = None) -> None:
-    """ids [n] int64 (written in place), source [n] int64 (a row of `sampled`, or -1: keep ids[i]), sampled [m]."""
+    """ids [n] int64 (written in place), source [n] int64 (a row of `sampled`, or NO_SOURCE: keep ids[i]),
+    sampled [m]."""
     if ids.shape != source.shape or ids.dim() != 1:
         raise ValueError(f"ids {tuple(ids.shape)} and source {tuple(source.shape)} must be the same 1-D shape")
     if ids.dtype != sampled.dtype:
