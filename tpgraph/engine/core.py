@@ -51,9 +51,11 @@ class _Once:
 
 @dataclass
 class StepTiming:
-    """Where the host time of the last step went (seconds). `sample` includes waiting for the GPU (its one sync);
-    prepare and submit are the decode inputs' preparation and the graph launch; gpu is the decode forward's device
-    time (from CUDA events, read one step late; None on CPU)."""
+    """Where the host time of the last step went (seconds). `sample` is reading sampled tokens back, the wait for
+    the GPU included (overlapped: the previous step's tokens, while this step runs); prepare and submit are the
+    decode inputs' preparation and the graph launch; gpu is a decode forward's device time (CUDA events, taken
+    when they have completed, a step or two late; None on CPU or when none completed since the last step);
+    overlapped says whether the step was launched before the previous one was read."""
 
     schedule: float = 0.0
     prefill: float = 0.0
@@ -63,6 +65,7 @@ class StepTiming:
     postprocess: float = 0.0
     decode_batch: int = 0
     gpu: float | None = None
+    overlapped: bool = False
 
 
 @dataclass
@@ -177,6 +180,7 @@ class EngineCore:
         launched = self._launch(sched) if not sched.empty else None
         hook()
         if self._in_flight is not None:
+            self.timing.overlapped = launched is not None
             updates += self._resolve()
         self._in_flight = launched
         if launched is not None and not self.overlap:
@@ -212,7 +216,7 @@ class EngineCore:
             sampled += sched.decode
             timing.prepare, timing.submit = self.runner.last_decode.prepare_s, self.runner.last_decode.submit_s
             timer = self.runner.gpu_timer
-            timing.gpu = timer.last_s if timer is not None else None
+            timing.gpu = timer.take() if timer is not None else None
         if not sampled:
             return None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -47,12 +48,15 @@ class DecodeTiming:
 
 
 class GpuTimer:
-    """GPU time of decode forwards from CUDA events, read one step late (by then the step has synchronized), so
-    timing never adds a sync."""
+    """GPU time of decode forwards from CUDA events. A pair is read only once its end event has completed (never
+    waited for), so timing adds no sync; with overlapped steps that is usually two steps after its launch."""
+
+    MAX_PENDING = 8  # pairs kept unread at most (the oldest go unmeasured)
 
     def __init__(self) -> None:
-        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self.last_s: float | None = None
+        self._fresh = False
 
     def begin(self) -> torch.cuda.Event:
         self._collect()
@@ -63,12 +67,21 @@ class GpuTimer:
     def end(self, start: torch.cuda.Event) -> None:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending = (start, end)
+        self._pending.append((start, end))
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.popleft()
+
+    def take(self) -> float | None:
+        """The newest measurement not taken before, or None (none completed since)."""
+        self._collect()
+        fresh, self._fresh = self._fresh, False
+        return self.last_s if fresh else None
 
     def _collect(self) -> None:
-        if self._pending is not None and self._pending[1].query():
-            self.last_s = self._pending[0].elapsed_time(self._pending[1]) / 1e3
-        self._pending = None
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.last_s = start.elapsed_time(end) / 1e3
+            self._fresh = True
 
 
 @dataclass(frozen=True)

@@ -263,8 +263,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
-    max_seq_len: a static upper bound on seq_lens that sizes the split grid (a longer sequence is still
-    handled, by its last split). num_splits overrides the heuristic `choose_num_splits`.
+    max_seq_len: the static bound on seq_lens that sizes the split grid (each program splits its sequence's actual
+    length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")

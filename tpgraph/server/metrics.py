@@ -24,7 +24,8 @@ class EngineMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.host = Histogram("tpgraph_step_host_seconds", "Host time of an engine step, by part (decode steps)",
                               ("part",), buckets=LATENCY_BUCKETS, registry=r)
-        self.sample = Histogram("tpgraph_step_sample_seconds", "Sampling, including the wait for the GPU",
+        self.sample = Histogram("tpgraph_step_sample_seconds", "Reading sampled tokens back, the wait for the GPU "
+                                "included (overlapped: the previous step's)",
                                 buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("tpgraph_step_prefill_seconds", "Prefill forwards of a step (host wall time, to "
                                  "the logits' launch)", buckets=LATENCY_BUCKETS, registry=r)
