@@ -8,6 +8,7 @@ import torch
 from tpgtest.paged_cases import random_paged_case
 from tpgtest.ptx import assert_semaphore_order, sm90_ptx
 
+from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
@@ -17,7 +18,8 @@ from tpgraph.kernels.decode_attention import (
 )
 from tpgraph.kernels.paged_decode import paged_decode_reference
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 # CPU tensors: only Triton's interpreter runs them (conftest turns it on when there is no GPU).
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
@@ -45,8 +47,8 @@ def test_seeds_cover_the_layouts():
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_matches_reference(seed, num_splits):
-    """max_seq_len 70 is one split by the heuristic; 3 forced splits of one 64-token tile each leave the
-    third empty for every sequence (a neutral partial) and cut the longer ones at token 64."""
+    """max_seq_len 70 is one split by the heuristic; with 3 forced splits, a sequence of up to 64 tokens uses one
+    and a longer one two tiles' worth (the third program exits)."""
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=70)
     if num_splits is None:
         assert choose_num_splits(q.shape[0], k.shape[2], 70, CPU_NUM_SMS) == 1
@@ -85,7 +87,7 @@ def test_padded_rows_give_zeros_not_nan(num_splits):
 
 
 def test_context_longer_than_max_seq_len_is_still_whole():
-    """max_seq_len only sizes the grid: the last split runs on to seq_len."""
+    """max_seq_len only sizes the grid: splits follow seq_len, so they just get longer."""
     q, k, v, bt, lens, scale = random_paged_case(17, "cpu", torch.float32, max_batch=3, max_len=200)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=64, num_splits=2)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
@@ -161,3 +163,28 @@ def test_a_grid_sized_for_a_long_context_splits_the_actual_one(monkeypatch, last
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=4096, num_splits=16)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
     assert not split_counters(q.device, q.shape[0] * k.shape[2]).any()
+
+
+@triton.jit
+def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    i = tl.program_id(0)
+    per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N)
+    tl.store(out_ptr + 2 * i, per_split)
+    tl.store(out_ptr + 2 * i + 1, used)
+
+
+@pytest.mark.parametrize("num_splits", [1, 16])
+def test_each_sequence_is_split_by_its_own_length(num_splits):
+    """(tokens per split, splits in use) per length: whole tiles, at most the grid's splits, every split in use
+    non-empty and together covering the sequence; a padded row (0 tokens) uses one empty split."""
+    lens = [0, 1, 64, 65, 200, 512, 1024, 1025, 5000]
+    out = torch.zeros(2 * len(lens), dtype=torch.int32)
+    _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N)
+    got = [tuple(out[2 * i:2 * i + 2].tolist()) for i in range(len(lens))]
+    for n, (per_split, used) in zip(lens, got, strict=True):
+        assert per_split % BLOCK_N == 0 and 1 <= used <= num_splits
+        assert (used - 1) * per_split < max(n, 1) <= used * per_split  # none empty (but a padded row's), all covered
+    if num_splits == 16:  # a 512-token context on a 16-split grid: 8 splits of one tile, not 16 half-empty ones
+        assert got[lens.index(512)] == (64, 8) and got[lens.index(5000)] == (320, 16)
+    else:
+        assert all(used == 1 for _, used in got)

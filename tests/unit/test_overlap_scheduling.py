@@ -43,16 +43,42 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=12),
                         frequency_penalty=0.5)]
 
 
+NO_PENALTIES = MIXED[:3] + [SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=9, min_tokens=4)]
+
+
+def count_overlapped(e: TPEngine, monkeypatch) -> list[bool]:
+    """Record, per step, whether it was launched before the previous step was read."""
+    seen: list[bool] = []
+    step = e.core.step
+
+    def counted(*args, **kwargs):
+        out = step(*args, **kwargs)
+        seen.append(e.core.timing.overlapped)
+        return out
+
+    monkeypatch.setattr(e.core, "step", counted)
+    return seen
+
+
+@pytest.mark.parametrize("params", [MIXED, NO_PENALTIES], ids=["penalties", "no-penalties"])
 @pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 17}, {"max_model_len": 48, "max_num_batched_tokens": 48},
                                 {"max_num_seqs": 1}], ids=["plain", "preemption", "chunked", "one-at-a-time"])
-def test_overlap_changes_no_output(kw):
+def test_overlap_changes_no_output(kw, params, monkeypatch):
     with engine(overlap_scheduling=False, **kw) as e:
-        want = e.generate(PROMPTS, MIXED)
+        plain = count_overlapped(e, monkeypatch)
+        want = e.generate(PROMPTS, params)
     with engine(**kw) as e:
-        got = e.generate(PROMPTS, MIXED)
+        overlapped = count_overlapped(e, monkeypatch)
+        got = e.generate(PROMPTS, params)
         assert not e.core.has_work and e.runner.allocator.num_free == e.runner.allocator.num_blocks
         if kw.get("num_kv_blocks"):
             assert e.core.scheduler.num_preemptions > 0
+    assert plain and not any(plain)
+    if params is NO_PENALTIES:  # most steps overlap: not the first, nor one with nothing to launch (a sequence
+        # sitting out while its last token is read), nor the last
+        assert sum(overlapped) >= 0.75 * len(overlapped) and sum(overlapped) > 5
+    else:
+        assert sum(overlapped) >= 2  # the penalty row reads first until it finishes
     assert outputs(got) == outputs(want)
     assert len(logprobs(got)) == len(logprobs(want)) > 0
     assert logprobs(got) == pytest.approx(logprobs(want), rel=1e-5, abs=1e-5)
