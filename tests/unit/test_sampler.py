@@ -159,3 +159,13 @@ def test_sampling_params_normalise():
     p = SamplingParams(stop="###", top_k=-1, stop_token_ids=[5])
     assert p.stop == ("###",) and p.top_k == 0 and p.stop_token_ids == (5,)
     assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).has_penalties
+
+
+def test_penalties_refuse_a_pending_token_and_other_rows_ignore_theirs():
+    logits = torch.zeros(2, 4)
+    plain = SampleRow(SamplingParams(temperature=0.0), [1], [2, -1])  # its last token pending (overlap): unused
+    penalized = SampleRow(SamplingParams(temperature=0.0, presence_penalty=1.0), [1], [2, 3])
+    out = apply_penalties(logits, [plain, penalized])
+    assert torch.equal(out[0], logits[0]) and out[1].tolist() == [0.0, 0.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="one is still pending"):
+        apply_penalties(logits, [SampleRow(penalized.params, [1], [2, -1])])

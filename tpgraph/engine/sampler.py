@@ -18,6 +18,7 @@ import torch
 
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.sequence import PENDING_TOKEN
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -126,7 +127,7 @@ class PendingSample:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._copied: torch.cuda.Event | None = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(packed.device))
         else:
             self._host, self._copied = packed, None
 
@@ -146,6 +147,9 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens) penalties."""
     batch, vocab = x.shape
     device = x.device
+    for r in rows:  # overlapped scheduling reads the last step first for these rows; a placeholder here is a bug
+        if r.params.has_penalties and PENDING_TOKEN in r.output_ids:
+            raise ValueError("penalties need every output token on the host, but one is still pending")
 
     def padded(lists: list) -> torch.Tensor:
         width = max((len(t) for t in lists), default=0)

@@ -215,7 +215,7 @@ class PersistentBuffers:
             self._device_arena[:end].copy_(self._host_arena[:end], non_blocking=non_blocking)
             if non_blocking and self._pin and self._device.type == "cuda":
                 self._copy_done = self._copy_done or torch.cuda.Event()
-                self._copy_done.record()
+                self._copy_done.record(torch.cuda.current_stream(self._device))
                 self._copy_pending = True
         return end
 
