@@ -8,6 +8,7 @@ from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import init_distributed
 from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
+from tpgraph.engine.sequence import Sequence
 from tpgraph.model.loader import load_model
 
 PROMPTS = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
@@ -125,3 +126,24 @@ def test_tp_size_must_match_torchruns_world_size(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="tp_size=2 but 1 ranks were launched"):
         TPEngine(tp_size=2, device="cpu")
+
+
+def test_a_recomputed_sequence_gets_its_new_block_table_row():
+    """Preemption gives a sequence's blocks back without the runner (the scheduler frees them): when it is recomputed
+    into as many new blocks, its decode row must carry the new block ids, not the ones cached for that row."""
+    with engine() as e:
+        runner, alloc = e.runner, e.runner.allocator
+        seq = Sequence(0, [5, 6, 7, 8, 9], 8)
+        runner.prefill([seq], [4])
+        runner.decode([seq])
+        old = list(seq.block_table)
+        alloc.free(seq.block_table)  # what Scheduler._preempt does
+        seq.block_table, seq.num_cached = [], 0
+        seq.num_preemptions += 1
+        held = alloc.allocate(len(old))  # so the recompute gets other blocks
+        runner.prefill([seq], [4])
+        runner.decode([seq])
+        assert seq.block_table != old and len(seq.block_table) == len(old)
+        assert runner.decode_in.host_np("block_tables")[0, :len(old)].tolist() == seq.block_table
+        alloc.free(held)
+        runner.free(seq)

@@ -202,3 +202,4 @@ def test_the_resolve_kernel_equals_the_torch_sequence(n):
     assert torch.equal(got[source >= 0], sampled[source[source >= 0]])
     with pytest.raises(ValueError, match="must be the same 1-D shape"):
         resolve_input_ids(ids, source[:0], sampled)
+

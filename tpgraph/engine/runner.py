@@ -161,7 +161,8 @@ class ModelRunner:
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
         # the last step's sampled ids, one per sampled row (keep_sampled): the next decode takes pending tokens here
         self.sampled_ids = torch.zeros(self.seq_rows, dtype=torch.int64, device=self.device)
-        self._bt_rows: list[tuple[int, int] | None] = [None] * self.seq_rows  # (seq_id, blocks) each row holds
+        # (seq_id, preemptions, blocks) of the table each row holds: a recomputed sequence has new blocks
+        self._bt_rows: list[tuple[int, int, int] | None] = [None] * self.seq_rows
         self._prefill_meta: dict[int, AttentionMetadata] = {}
 
         attn = model.attention_layers()
@@ -471,7 +472,7 @@ class ModelRunner:
             if length > len(table) * bs:  # a new block once every block_size steps
                 self.reserve(seq, length)
             lens[i], tokens[i], blocks[i] = length, seq.last_token, table[(length - 1) // bs]
-            key = (seq.seq_id, len(table))
+            key = (seq.seq_id, seq.num_preemptions, len(table))
             if rows[i] != key:  # a block table row changes once every block_size steps
                 tables[i, :len(table)] = table
                 rows[i] = key
