@@ -35,7 +35,8 @@ for step in "$@"; do
              --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_push_$dt.json" 2>&1 \
              | grep -E "prompt|PASS" | tee -a "$out/hf_parity_push.log"; done  # (fp32: the path declines, unfused)
          timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
-             --allreduce custom+gemv,custom+gemv+push,nccl+gemv --interleave --steps 100 --out "$out/decode_push.json" \
+             --allreduce custom+gemv+overlap,custom+gemv+push+overlap,nccl+gemv+overlap --interleave --steps 100 \
+             --out "$out/decode_push.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_push.log"
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
              --allreduce custom+gemv,custom+gemv+push --profile --steps 20 --out "$out/profile_push.json" 2>&1 \
@@ -119,8 +120,10 @@ for step in "$@"; do
              --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
              --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
-         timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
-             --allreduce custom,custom+gemv,custom+gemv+nopdl+nolr,nccl+gemv --unfused --interleave --steps 100 \
+         # (+overlap: steps driven as the engine drives them; custom+gemv beside it shows what overlap gives)
+         timeout 420 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+             --allreduce custom+overlap,custom+gemv+overlap,nccl+gemv+overlap,custom+gemv --unfused --interleave \
+             --steps 100 \
              --out "$out/decode_variants.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_variants.log"
          python3 bench/report_decode.py "$out/decode_variants.json" $([ -f "$out/kernels.json" ] && echo --kernels \

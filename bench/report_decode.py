@@ -1,11 +1,13 @@
 """Issue 11's performance lines, checked from the benchmarks' JSON:
 
-    python bench/report_decode.py decode.json [--kernels kernels.json] [--profile profile.json] [--entry custom+gemv]
+    python bench/report_decode.py decode.json [--kernels kernels.json] [--profile profile.json]
+        [--entry custom+gemv+overlap]
 
 decode.json: `bench/bench_decode.py` (full graphs; `--unfused` adds the unfused entries the fused ones are compared
 with). kernels.json: `bench/bench_kernels.py` (each kernel against its bandwidth floor). profile.json: a
 `bench_decode.py --profile` run (kernels per step). `--entry` is the configuration the TPOT lines judge: the product's
-default path, the small-M kernels with every fused piece (`custom+gemv`).
+default path, the small-M kernels with every fused piece, driven as the engine's overlapped scheduling drives it
+(`custom+gemv+overlap`; runs before 2026-12-01 have only `custom+gemv`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def main() -> None:
     p.add_argument("decode_json", type=Path)
     p.add_argument("--kernels", type=Path, default=None)
     p.add_argument("--profile", type=Path, default=None)
-    p.add_argument("--entry", default="custom+gemv")
+    p.add_argument("--entry", default="custom+gemv+overlap")
     args = p.parse_args()
 
     def load(path: Path | None) -> dict | None:

@@ -40,9 +40,12 @@ def test_seeded_sampling_repeats_on_the_gpu():
     assert len(out.logprobs) == 16 and all(len(t) == 2 for t in out.top_logprobs)
 
 
-def test_overlapped_scheduling_changes_no_tokens_under_graphs():
-    mixed = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=3, n=2, max_tokens=24, logprobs=1),
-             SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+@pytest.mark.parametrize("penalties", [True, False])
+def test_overlapped_scheduling_changes_no_tokens_under_graphs(penalties):
+    # a penalty row makes every step read the last one first: without it, nearly every step overlaps
+    third = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3) if penalties else \
+        SamplingParams(temperature=0.0, max_tokens=17, min_tokens=5)
+    mixed = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=3, n=2, max_tokens=24, logprobs=1), third,
              SamplingParams(temperature=0.0, max_tokens=24, stop=["aaa"])]
     with make(overlap_scheduling=False) as engine:
         want = engine.generate(PROMPTS, mixed)
