@@ -3,7 +3,7 @@
 One EngineCore per rank. Given the same requests in the same order, every rank's core takes the same decisions and
 samples the same tokens (the logits are gathered on every rank, and the samplers share a seed), so the ranks stay in
 lockstep without exchanging anything inside a step. Front ends (TPEngine.generate, the server) feed requests in and
-read `StepUpdate`s out.
+read `StepUpdate`s out. By default steps overlap: each is launched before the last one's tokens are read (`step`).
 """
 
 from __future__ import annotations
