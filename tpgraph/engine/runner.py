@@ -459,14 +459,13 @@ class ModelRunner:
             token_sources = [NO_SOURCE] * n
         elif len(token_sources) != n:
             raise ConfigError(f"{len(token_sources)} token sources for {n} sequences")
-        for seq, source in zip(seqs, token_sources, strict=True):
-            if seq.num_pending != (source != NO_SOURCE) or not NO_SOURCE <= source < self.seq_rows:
-                raise ConfigError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens but token source "
-                                  f"{source} (a pending last token needs its row of sampled_ids, and only it)")
         inputs, rows = self.decode_in, self._bt_rows
         tables = inputs.host_np("block_tables")
         lens, tokens, blocks = [0] * n, [0] * n, [0] * n
-        for i, seq in enumerate(seqs):
+        for i, (seq, source) in enumerate(zip(seqs, token_sources, strict=True)):
+            if seq.num_pending != (source != NO_SOURCE) or not NO_SOURCE <= source < self.seq_rows:
+                raise ConfigError(f"sequence {seq.seq_id}: {seq.num_pending} pending tokens but token source "
+                                  f"{source} (a pending last token needs its row of sampled_ids, and only it)")
             length = len(seq)
             table = seq.block_table
             if length > len(table) * bs:  # a new block once every block_size steps
