@@ -271,8 +271,7 @@ class EngineCore:
             text, stopped = detok.add(token)
             reason = "stop" if stopped else None
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
-        if reason is None and (produced >= seq.max_new_tokens
-                               or len(seq.prompt_ids) + produced >= self.scheduler.cfg.max_model_len):
+        if reason is None and seq.reached_length(self.scheduler.cfg.max_model_len, produced):
             reason = "length"
         if reason is not None:
             if detok is not None:

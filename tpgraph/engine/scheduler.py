@@ -139,16 +139,19 @@ class Scheduler:
         max_model_len (it finishes when read), or its next block outgrows the whole cache (finished "length", which
         must come after the pending token is delivered). Such a sequence sits out a step rather than run a row whose
         token would be thrown away."""
-        if len(seq.output_ids) >= seq.max_new_tokens or len(seq) >= self.cfg.max_model_len:
+        if seq.reached_length(self.cfg.max_model_len):
             return True
-        need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + 1)
+        return self._outgrows_cache(seq, seq.blocks_needed(self.cfg.block_size, seq.num_cached + 1))
+
+    def _outgrows_cache(self, seq: Sequence, need: int) -> bool:
+        """Would `need` more blocks take the sequence past the whole cache?"""
         return len(seq.block_table) + need > self.allocator.num_blocks
 
     def _reserve_running(self, seq: Sequence, n: int, step: ScheduledStep) -> bool:
         """Blocks for seq's next n tokens, preempting the newest other running sequences if needed. False if seq
         had to be preempted itself, or finished because it outgrew the whole cache."""
         need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
-        if len(seq.block_table) + need > self.allocator.num_blocks:  # the whole cache cannot hold it
+        if self._outgrows_cache(seq, need):  # the whole cache cannot hold it
             self.finish(seq, "length")
             step.out_of_cache.append(seq)
             return False

@@ -50,6 +50,12 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
+    def reached_length(self, max_model_len: int, outputs: int | None = None) -> bool:
+        """Does the sequence end by length once it has `outputs` output tokens (default: all it has)? At
+        max_new_tokens, or at max_model_len tokens in all."""
+        outputs = len(self.output_ids) if outputs is None else outputs
+        return outputs >= self.max_new_tokens or len(self.prompt_ids) + outputs >= max_model_len
+
     def add_pending(self) -> int:
         """Hold the place of a token sampled on the GPU and not read back yet; returns its index in output_ids."""
         self.output_ids.append(PENDING_TOKEN)
