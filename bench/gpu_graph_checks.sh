@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -41,6 +41,22 @@ for step in "$@"; do
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
              --allreduce custom+gemv,custom+gemv+push --profile --steps 20 --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
+    solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel, on
+         # by default at one rank): the kernel tests (ws 1-3 on this GPU), HF parity with it on, then decode steps with
+         # it off and on, interleaved (SHAPE as for overlap), and the profile of both
+         timeout 300 python3 -m pytest tests/unit/test_lamport_gemv.py -q -rs -k cuda 2>&1 | tail -4 \
+             | tee "$out/solo_tests.log"
+         for dt in bf16 fp32; do TPGRAPH_GEMV_ALLREDUCE=1 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py \
+             --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_solo_$dt.json" 2>&1 \
+             | grep -E "prompt|PASS" | tee -a "$out/hf_parity_solo.log"; done  # (fp32: the path declines, unfused)
+         timeout 400 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" --modes full \
+             --batches 1,8,32 --no-ladders --allreduce custom+gemv+nopush+overlap,custom+gemv+push+overlap \
+             --interleave --steps 100 --out "$out/decode_solo.json" 2>&1 | grep -E "TPOT|Error|error" \
+             | tee "$out/bench_solo.log"
+         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
+             --modes full --batches 1,8 --no-ladders --allreduce custom+gemv+nopush,custom+gemv+push --profile \
+             --steps 20 --out "$out/profile_solo.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 \
+             | tee "$out/profile_solo.log" ;;
     overlap) # overlapped scheduling: its GPU tests, then decode steps driven plainly and overlapped, interleaved
          # (SHAPE: bench_decode's --shape; llama3-8b-half is a TP=2 rank's share, for one GPU)
          timeout 300 python3 -m pytest tests/gpu/test_buffers_gpu.py tests/gpu/test_engine_gpu.py -q -rs 2>&1 \

@@ -15,7 +15,7 @@ from tpgtest.ptx import gemv_signature, sm90_ptx
 
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.gemv import GemvConfig, gate_up_silu, linear_all_reduce_norm, linear_small_m, qkv_rope_store
-from tpgraph.kernels.lamport import GRANULE, local_channels
+from tpgraph.kernels.lamport import GRANULE, epilogue_enabled, local_channels, solo_channel
 from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
@@ -38,7 +38,9 @@ class Ranks:
             return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
         self.ws, self.device, self.dtype, self.rnd = world_size, device, dtype, rnd
-        self.channels = local_channels(world_size, 16 * HIDDEN, device)
+        # one rank: the solo channel (the epilogue adds the residual and stages the norm, nothing to exchange)
+        self.channels = [solo_channel(device)] if world_size == 1 else local_channels(world_size, 16 * HIDDEN,
+                                                                                       device)
         self.w_row = [rnd(HIDDEN, KIN) for _ in range(world_size)]  # o_proj / down: [hidden, K_local]
         self.w_gate_up = [rnd(2 * INTER, HIDDEN) for _ in range(world_size)]
         self.w_qkv = [rnd((HEADS + 2 * KV_HEADS) * DIM, HIDDEN) for _ in range(world_size)]
@@ -53,6 +55,8 @@ class Ranks:
         """Every rank's projection with the all-reduce in its epilogue -> each rank's ReducedNorm."""
         run = [lambda r=r: linear_all_reduce_norm(xs[r], self.w_row[r], self.channels[r], residual, self.norm_w,
                                                   EPS, use_triton=True, config=cfg) for r in range(self.ws)]
+        if self.ws == 1:
+            return [run[0]()]
         # one at a time: the later ranks' tiles are put where their pushes would land, and the pushes that then land
         # in an earlier rank's region (already read) are re-armed, as that rank's reader would have
         rows = xs[0].shape[0]
@@ -77,7 +81,9 @@ class Ranks:
 
 def assert_armed_and_advanced(ranks: Ranks, boundaries: int) -> None:
     """Every slot of every phase holds the sentinel again (each reader re-armed what it read), and every granule of
-    the hidden columns has advanced once per boundary."""
+    the hidden columns has advanced once per boundary (a solo channel has neither)."""
+    if ranks.ws == 1:
+        return
     for ch in ranks.channels:
         bits = slots_view(ch, ranks.dtype).view(torch.int16)
         assert (bits == -32768).all(), f"rank {ch.rank}: {(bits != -32768).sum()} elements not re-armed"
@@ -85,7 +91,7 @@ def assert_armed_and_advanced(ranks: Ranks, boundaries: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device, world_size):
     """Seven boundaries (more than the 3 phases; rows changing), split-K and not, each taken by one of the three
     consumers: the gate_up projection, the qkv + rope projection, and the plain norm (materialize). The new residual
@@ -238,3 +244,63 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
         assert torch.equal(res, new_residual)
         if rows <= 16:
             assert torch.equal(out.materialize(), normed)
+
+
+def test_the_epilogue_is_on_by_default_for_one_rank_only(monkeypatch):
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
+    assert epilogue_enabled(1) and not epilogue_enabled(2)
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
+    assert not epilogue_enabled(1)
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "1")
+    assert epilogue_enabled(2) and epilogue_enabled(8)
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_ALLREDUCE must be 0 or 1"):
+        epilogue_enabled(1)
+
+
+@interpreted
+def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogue(monkeypatch):
+    """TP=1: all_reduce_add_rmsnorm on a pending o_proj / down gives a ReducedNorm from the solo channel (the new
+    residual is the unfused add's bits, the materialized norm the add + RMSNorm kernel's); rows over 16, fp32, the
+    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE=0 run the projection and the add + RMSNorm kernel."""
+    from tpgraph.comm.communicator import TPCommunicator
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig
+    from tpgraph.distributed import ParallelState
+    from tpgraph.kernels import gemv
+    from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
+    from tpgraph.model.layers import RowParallelLinear
+
+    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
+    ranks = Ranks(1, "cpu", torch.bfloat16, seed=9)
+    layer = RowParallelLinear(KIN, HIDDEN, "o_proj", 0, 1, torch.bfloat16, torch.device("cpu"))
+    layer.weight.data.copy_(ranks.w_row[0])
+    layer.small_m = True
+    cfg = GemvConfig(16, 32, 4, 2, 1)
+    monkeypatch.setattr(gemv, "config_for", lambda *a: cfg)
+    monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
+    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
+    monkeypatch.setattr(gemv, "linear_all_reduce_norm",
+                        lambda *a: linear_all_reduce_norm(*a, use_triton=True, config=cfg))
+    state = ParallelState(0, 1, 0, torch.device("cpu"), None, None)
+    comm = TPCommunicator(state, use_custom_allreduce=False)
+    unfused = TPCommunicator(state, use_custom_allreduce=False, custom_config=CustomAllReduceConfig(fused_norm=False))
+    assert comm.solo is not None and unfused.solo is None
+
+    def boundary(c, rows, dtype=torch.bfloat16):
+        x, residual = ranks.rnd(rows, KIN, scale=1.0).to(dtype), ranks.rnd(rows, HIDDEN, scale=1.0).to(dtype)
+        layer.weight.data = ranks.w_row[0].to(dtype)
+        normed, new_residual = add_rms_norm(linear_small_m(x, layer.weight, use_triton=True, config=cfg), residual,
+                                            ranks.norm_w.to(dtype), EPS, use_triton=True)
+        out, res = c.all_reduce_add_rmsnorm(PendingProjection(x, layer), residual, ranks.norm_w.to(dtype), EPS)
+        assert torch.equal(res, new_residual)
+        assert torch.equal(out.materialize() if isinstance(out, ReducedNorm) else out, normed)
+        return isinstance(out, ReducedNorm)
+
+    assert boundary(comm, 1) and boundary(comm, 16)
+    assert not boundary(comm, 17)  # prefill rows: the projection, then the add + RMSNorm kernel
+    assert not boundary(comm, 2, torch.float32)  # bf16 only
+    assert not boundary(unfused, 2)
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
+    assert not boundary(comm, 2)

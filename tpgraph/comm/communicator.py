@@ -19,7 +19,7 @@ from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import CaptureError, TPGraphError
 from tpgraph.kernels import gemv
-from tpgraph.kernels.lamport import Channel, PendingProjection, ReducedNorm
+from tpgraph.kernels.lamport import Channel, PendingProjection, ReducedNorm, epilogue_enabled, solo_channel
 from tpgraph.kernels.norm import add_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,10 @@ class TPCommunicator:
         self.custom = None
         self.capture_locked = False  # set by the graph runner once its capture phase is over
         self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
+        # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue, unless the
+        # fused norm is off (custom_config.fused_norm, TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
+        fused_norm = custom_config.fused_norm if custom_config is not None else _fused_norm_default()
+        self.solo = solo_channel(state.device) if state.world_size == 1 and fused_norm else None
         if use_custom_allreduce:
             self.custom, self.custom_reason = _try_custom_allreduce(state, custom_config)
         if state.is_driver and state.world_size > 1:
@@ -55,8 +59,13 @@ class TPCommunicator:
 
     def push_channel(self, residual: torch.Tensor) -> Channel | None:
         """Where a row-parallel projection whose output is shaped like `residual` may all-reduce in its epilogue
-        (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; else None."""
-        if self.world_size == 1 or self.custom is None:
+        (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; at TP=1 a solo
+        channel (the epilogue adds the residual and stages the norm); else None."""
+        if self.world_size == 1:
+            if self.solo is None or not epilogue_enabled(1) or residual.dim() != 2:
+                return None
+            return self.solo if self.solo.fits(*residual.shape, residual.dtype, residual.device) else None
+        if self.custom is None:
             return None
         return self.custom.push_channel(residual)
 
@@ -129,6 +138,12 @@ class TPCommunicator:
         if self.custom is not None:
             self.custom.close()
             self.custom = None
+
+
+def _fused_norm_default() -> bool:
+    from tpgraph.comm.custom_ar import CustomAllReduceConfig  # (its module loads the extension's helpers lazily)
+
+    return CustomAllReduceConfig().fused_norm
 
 
 def _try_custom_allreduce(state: ParallelState, config=None):

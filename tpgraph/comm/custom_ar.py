@@ -26,7 +26,15 @@ from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_ta
 from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
-from tpgraph.kernels.lamport import MAX_HIDDEN, MAX_ROWS, PHASES_BYTES, SENTINEL_WORD, Channel, region_bytes
+from tpgraph.kernels.lamport import (
+    MAX_HIDDEN,
+    MAX_ROWS,
+    PHASES_BYTES,
+    SENTINEL_WORD,
+    Channel,
+    epilogue_enabled,
+    region_bytes,
+)
 
 logger = logging.getLogger(__name__)
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
@@ -207,7 +215,7 @@ class CustomAllReduce:
         """The channel for a row-parallel output shaped like `residual`, where the fused all-reduce takes it (the
         fused norm on, TPGRAPH_GEMV_ALLREDUCE=1, rows and dtype the channel carries), else None. Off by default until
         it has run on two GPUs: so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport)."""
-        if self.channel is None or not self.cfg.fused_norm or os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "0") != "1":
+        if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled(self.state.world_size):
             return None
         if residual.dim() != 2 or not self.channel.fits(*residual.shape, residual.dtype, residual.device):
             return None

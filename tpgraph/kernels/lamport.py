@@ -1,6 +1,8 @@
 """The all-reduce + residual add + RMSNorm at a Llama layer boundary, fused into the row-parallel projection before it
-and the projection after it (decode rows, bf16 models). Opt-in (TPGRAPH_GEMV_ALLREDUCE=1) until it has run on two
-GPUs; so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport).
+and the projection after it (decode rows, bf16 models). At TP > 1 opt-in (TPGRAPH_GEMV_ALLREDUCE=1) until it has run
+on two GPUs; so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport). At TP=1 there is
+nothing to exchange and it is on by default (`solo_channel`, `epilogue_enabled`): the projection's epilogue adds the
+residual and stages the norm, so no add + RMSNorm kernel runs between the projections.
 
 The row-parallel projection (o_proj, down) makes this rank's partial sums tile by tile. In its epilogue each program
 finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
@@ -37,10 +39,12 @@ IPC-shared workspace (comm/custom_ar.py); `local_channels` emulates ranks in one
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from tpgraph.errors import ConfigError
 from tpgraph.kernels.norm import rms_norm
 
 try:
@@ -124,6 +128,25 @@ def pieces_for(tiles: int) -> int:
     return 1 << max(0, (tiles - 1).bit_length())
 
 
+def solo_channel(device: torch.device | str) -> Channel:
+    """The channel of a single rank (TP=1): nothing crosses a GPU, so it has no region; the projection's epilogue only
+    adds the residual and stages the next norm (all_reduce_tile at WS=1). A launch per layer boundary fewer."""
+    return Channel(torch.zeros(1, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
+
+
+def epilogue_enabled(world_size: int) -> bool:
+    """Whether row-parallel projections take the all-reduce (and at TP=1 the residual add) into their epilogue:
+    TPGRAPH_GEMV_ALLREDUCE=1 or 0 decides; unset, on for one rank, where nothing crosses a GPU, and off for more
+    until the exchange has run on two GPUs (so far with ranks emulated on one: bench/results/2026-12-01_h200_lamport).
+    """
+    env = os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ConfigError(f"TPGRAPH_GEMV_ALLREDUCE must be 0 or 1, got {env!r}")
+    return world_size == 1
+
+
 def local_channels(world_size: int, slot_elems: int, device: torch.device | str) -> list[Channel]:
     """Channels of `world_size` ranks whose regions all live in this process, on one device: rank r's push writes
     into the others' regions as it would over NVLink. For tests and one-GPU benchmarks, which run the ranks' kernels
@@ -190,12 +213,31 @@ if triton is not None:
         before)."""
         dtype = y.dtype
         mask = m_ok[:, None] & n_ok[None, :]
+        at = offs_m[:, None] * N + offs_n[None, :]
+        if WS == 1:  # a solo channel: nothing to exchange, only the residual add and the norm's staging
+            s = y.to(tl.float32)
+            res = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            s, res, w = _exchange_tile(y, ch_ptr, res_ptr, nw_ptr, at, offs_n, mask, n_ok, N, slot_elems, timeout_ns,
+                                       WS, RANK, SOFT_BF16)
+        h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
+        tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
+        tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
+        tl.store(sq_ptr + tile * offs_m.shape[0] + offs_m, tl.sum(h * h, axis=1))
+
+    @triton.jit
+    def _exchange_tile(y, ch_ptr, res_ptr, nw_ptr, at, offs_n, mask, n_ok, N, slot_elems, timeout_ns,
+                       WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """all_reduce_tile's exchange: push y to every peer, load the residual and the norm weight while the peers'
+        tiles travel, wait for theirs, re-arm what was read and advance the phase of these columns -> (the ranks'
+        sum in fp32, the residual, the norm weight)."""
+        dtype = y.dtype
         own_base = tl.load(ch_ptr + RANK)
         phases = own_base.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n // _GRANULE  # [BLOCK_N]
         phase = tl.max(tl.load(phases, mask=n_ok, other=0, cache_modifier=".cv"), axis=0)  # one value: all equal
         bits = y.to(tl.uint16, bitcast=True)
         y = tl.where(bits == 0x8000, tl.zeros_like(bits), bits).to(dtype, bitcast=True)  # -0.0 travels as +0.0
-        at = offs_m[:, None] * N + offs_n[None, :]
         for i in tl.static_range(1, WS):
             r = (RANK + i) % WS
             peer = (tl.load(ch_ptr + r) + _PHASES_BYTES).to(tl.pointer_type(dtype), bitcast=True)
@@ -211,15 +253,12 @@ if triton is not None:
         while armed > 0:
             s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
             _trap_after(start, _now_ns(armed, SOFT_BF16), timeout_ns, SOFT_BF16)
-        h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
-        tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
-        tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
-        tl.store(sq_ptr + tile * offs_m.shape[0] + offs_m, tl.sum(h * h, axis=1))
         armed_tile = tl.full(y.shape, 0x8000, tl.uint16).to(dtype, bitcast=True)
         for r in tl.static_range(WS):
             if r != RANK:  # re-arm what we read: we are its only reader
                 tl.store(slots + r * slot_elems + at, armed_tile, mask=mask)
         tl.store(phases, ((phase + 1) % _PHASES).to(tl.int32) + tl.zeros_like(offs_n), mask=n_ok)
+        return s, res, w
 
     @triton.jit
     def rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M: tl.constexpr, PIECES: tl.constexpr):
