@@ -47,7 +47,7 @@ try:
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
-    from tpgraph.kernels.lamport import all_reduce_tile, rows_rstd
+    from tpgraph.kernels.lamport import all_reduce_tile, epilogue_inputs, rows_squares, rstd_of
     from tpgraph.kernels.rope_store import rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
@@ -173,23 +173,23 @@ if triton is not None:
         return rows, ok
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
-        """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order; with PDL, the weight prefetch and the wait first (see _gemv_kernel). GATE_UP: the weight is
-        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
-        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
-        # Split ranges are whole BLOCK_K steps, so only the last step of K is partial and `k < K` is the only
-        # K mask (a per-split bound in the mask would cost the loads their vector width).
+    def _k_range(K, pid_k, BLOCK_K: tl.constexpr):
+        """Split pid_k's K range [k_lo, k_hi). Split ranges are whole BLOCK_K steps, so only the last step of K is
+        partial and `k < K` is the only K mask (a per-split bound in the mask would cost the loads their vector
+        width); k_hi <= k_lo for an empty split: it stores zeros."""
         k_per_split = tl.cdiv(K, tl.num_programs(1) * BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)  # <= k_lo for an empty split: it stores zeros
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
+        return k_lo, tl.minimum(k_lo + k_per_split, K)
+
+    @triton.jit
+    def _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+        """With PDL: the weight prefetch, then the wait (see _gemv_kernel). After it, what the kernel before wrote
+        may be read: the caller issues its epilogue's loads (residual, squares) before the K loop (_partial), so
+        that they arrive while the weights stream instead of after."""
         if PDL:
+            k_lo, _ = _k_range(K, pid_k, BLOCK_K)
+            offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP)
             rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
             for t in tl.static_range(PREFETCH_TILES):
                 cols = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
@@ -197,6 +197,20 @@ if triton is not None:
                                           [w_ptr + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32,
                                           is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
+
+    @triton.jit
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+        """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
+        order, after _enter; with PDL, the kernel after is let in once it is done. GATE_UP: the weight is
+        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
+        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
+        k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
@@ -258,24 +272,29 @@ if triton is not None:
         1 / RMS from its squares [tiles, BLOCK_M] before the epilogue."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
+        # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights
+        if STAGED:
+            squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
+        if ALL_REDUCE:
+            res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
                        IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
         if STAGED:
-            offs_r = tl.arange(0, BLOCK_M)
-            acc = acc * rows_rstd(sq_ptr, tiles, offs_r, offs_r < M, mean_scale, eps, BLOCK_M, PIECES)[:, None]
+            acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
             _silu_mul_store(acc, y_ptr, pid, M, N // 2, stride_om, BLOCK_M, BLOCK_N // 2, SOFT_BF16, EXACT)
         else:
-            offs_m = tl.arange(0, BLOCK_M)
-            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_ok = offs_m < M
-            n_ok = offs_n < N
             y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
             tile = offs_m[:, None] * stride_om + offs_n[None, :]
             tile_ok = m_ok[:, None] & n_ok[None, :]
             if ALL_REDUCE and not SPLIT:
-                all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok,
-                                N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+                all_reduce_tile(y, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok, N,
+                                slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
@@ -285,8 +304,8 @@ if triton is not None:
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
                     if ALL_REDUCE:
-                        all_reduce_tile(total, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n,
-                                        m_ok, n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+                        all_reduce_tile(total, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok,
+                                        n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
                     else:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
                     reset_counter(counter_ptr + pid)
@@ -308,27 +327,32 @@ if triton is not None:
         fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, False, PDL, PREFETCH_TILES, LINE)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE)
+        if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
+            squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
+        else:
+            squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
+                       IEEE, False, PDL, PREFETCH_TILES, LINE)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
         head = pid // (HEAD_DIM // BLOCK_N)
         if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
             _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles,
-                       eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
-                       STAGED, PIECES)
+                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, squares, eps,
+                       mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
+                       STAGED)
             reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps,
+                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, squares, eps,
                    mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, PIECES: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
         """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
         kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
@@ -344,8 +368,8 @@ if triton is not None:
         for s in range(1, tl.num_programs(1)):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares
-            rstd = rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M, PIECES)
+        if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
+            rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)

@@ -124,7 +124,7 @@ def materialized(x: torch.Tensor | ReducedNorm) -> torch.Tensor:
 
 
 def pieces_for(tiles: int) -> int:
-    """A power of two >= tiles (rows_rstd's tile width)."""
+    """A power of two >= tiles (rows_squares' piece count)."""
     return 1 << max(0, (tiles - 1).bit_length())
 
 
@@ -205,33 +205,36 @@ if triton is not None:
                                           is_pure=False, pack=1)
 
     @triton.jit
-    def all_reduce_tile(y, ch_ptr, res_ptr, nw_ptr, rout_ptr, xs_ptr, sq_ptr, tile, offs_m, offs_n, m_ok, n_ok, N,
-                        slot_elems, timeout_ns, WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+    def epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N):
+        """all_reduce_tile's residual tile and norm weights, in fp32: the projection loads them after its PDL wait
+        and before its K loop, so that they have arrived when its epilogue needs them."""
+        res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        return res.to(tl.float32), tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def all_reduce_tile(y, res, w, ch_ptr, rout_ptr, xs_ptr, sq_ptr, tile, offs_m, offs_n, m_ok, n_ok, N, slot_elems,
+                        timeout_ns, WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
         """A row-parallel projection's finished output tile y [BLOCK_M, BLOCK_N] (columns offs_n, a whole number of
         granules): push it to every peer, wait for theirs, and leave residual_out, staged and squares (see the
-        module doc) for its columns. After the PDL wait (the phases and the slots were last touched by the kernels
-        before)."""
+        module doc) for its columns, from the residual tile and norm weights `res`, `w` (epilogue_inputs). After the
+        PDL wait (the phases and the slots were last touched by the kernels before)."""
         dtype = y.dtype
         mask = m_ok[:, None] & n_ok[None, :]
         at = offs_m[:, None] * N + offs_n[None, :]
         if WS == 1:  # a solo channel: nothing to exchange, only the residual add and the norm's staging
             s = y.to(tl.float32)
-            res = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         else:
-            s, res, w = _exchange_tile(y, ch_ptr, res_ptr, nw_ptr, at, offs_n, mask, n_ok, N, slot_elems, timeout_ns,
-                                       WS, RANK, SOFT_BF16)
+            s = _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
         h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
         tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
         tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
         tl.store(sq_ptr + tile * offs_m.shape[0] + offs_m, tl.sum(h * h, axis=1))
 
     @triton.jit
-    def _exchange_tile(y, ch_ptr, res_ptr, nw_ptr, at, offs_n, mask, n_ok, N, slot_elems, timeout_ns,
-                       WS: tl.constexpr, RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
-        """all_reduce_tile's exchange: push y to every peer, load the residual and the norm weight while the peers'
-        tiles travel, wait for theirs, re-arm what was read and advance the phase of these columns -> (the ranks'
-        sum in fp32, the residual, the norm weight)."""
+    def _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, WS: tl.constexpr,
+                       RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """all_reduce_tile's exchange: push y to every peer, wait for theirs, re-arm what was read and advance the
+        phase of these columns -> the ranks' sum in fp32."""
         dtype = y.dtype
         own_base = tl.load(ch_ptr + RANK)
         phases = own_base.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n // _GRANULE  # [BLOCK_N]
@@ -243,9 +246,6 @@ if triton is not None:
             peer = (tl.load(ch_ptr + r) + _PHASES_BYTES).to(tl.pointer_type(dtype), bitcast=True)
             peer = tl.multiple_of(peer + phase.to(tl.int64) * WS * slot_elems, 16)
             tl.store(peer + RANK * slot_elems + at, y, mask=mask)
-        # the residual and the norm weight while the peers' tiles travel
-        res = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         slots = (own_base + _PHASES_BYTES).to(tl.pointer_type(dtype), bitcast=True)
         slots = tl.multiple_of(slots + phase.to(tl.int64) * WS * slot_elems, 16)
         s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
@@ -258,12 +258,17 @@ if triton is not None:
             if r != RANK:  # re-arm what we read: we are its only reader
                 tl.store(slots + r * slot_elems + at, armed_tile, mask=mask)
         tl.store(phases, ((phase + 1) % _PHASES).to(tl.int32) + tl.zeros_like(offs_n), mask=n_ok)
-        return s, res, w
+        return s
 
     @triton.jit
-    def rows_rstd(sq_ptr, tiles, offs_m, m_ok, mean_scale, eps, BLOCK_M: tl.constexpr, PIECES: tl.constexpr):
-        """1 / RMS of rows offs_m from a fused all-reduce's squares [tiles, BLOCK_M], added in a fixed order."""
+    def rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M: tl.constexpr, PIECES: tl.constexpr):
+        """Rows offs_m's pieces [BLOCK_M, PIECES] of a fused all-reduce's squares [tiles, BLOCK_M] (zeros past
+        `tiles`): loaded early, summed by rstd_of where the scale is needed."""
         c = tl.arange(0, PIECES)
-        sq = tl.load(sq_ptr + c[None, :] * BLOCK_M + offs_m[:, None], mask=m_ok[:, None] & (c < tiles)[None, :],
-                     other=0.0)
-        return tl.rsqrt(tl.sum(sq, axis=1) * mean_scale + eps)
+        return tl.load(sq_ptr + c[None, :] * BLOCK_M + offs_m[:, None], mask=m_ok[:, None] & (c < tiles)[None, :],
+                       other=0.0)
+
+    @triton.jit
+    def rstd_of(squares, mean_scale, eps):
+        """1 / RMS per row from rows_squares' pieces, added in a fixed order."""
+        return tl.rsqrt(tl.sum(squares, axis=1) * mean_scale + eps)
