@@ -201,7 +201,8 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
+                 TRIGGER: tl.constexpr = True):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL, the kernel after is let in once it is done. GATE_UP: the weight is
         cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
@@ -225,7 +226,7 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        if PDL:
+        if PDL and TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
             # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
@@ -253,7 +254,7 @@ if triton is not None:
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLIT: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
-                     RANK: tl.constexpr, PIECES: tl.constexpr):
+                     RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -283,7 +284,7 @@ if triton is not None:
         if ALL_REDUCE:
             res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE)
+                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE, EARLY_TRIGGER)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -503,10 +504,10 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 
 
-def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
+def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, staged: bool = False) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch)."""
-    pdl = use_pdl(x)
+    pdl = use_pdl(x) and not (staged and os.environ.get("TPGRAPH_X_STAGED_PDL", "1") == "0")  # EXPERIMENT
     return dict(BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
@@ -520,8 +521,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
     n = w.shape[0]
-    tile = _tile_args(x, cfg, n, k)
+    tile = _tile_args(x, cfg, n, k, staged=recv is not None)
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
+    # EXPERIMENT
+    early = not (all_reduce is not None and os.environ.get("TPGRAPH_X_LATE_TRIGGER", "0") == "1")
     # (an all-reducing projection stores no y: x stands in for it, for its dtype)
     y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
@@ -533,7 +536,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
-        SPLIT=cfg.split_k > 1, **fused, **tile)
+        SPLIT=cfg.split_k > 1, EARLY_TRIGGER=early, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -566,7 +569,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n:
         return None
-    tile = _tile_args(x, config, n, k)
+    tile = _tile_args(x, config, n, k, staged=recv is not None)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
