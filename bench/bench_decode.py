@@ -254,7 +254,9 @@ def kernel_category(name: str) -> str:
 # launch modifiers: the environment the entry's graphs are captured under (read by the kernels at launch); "+pdl"
 # sets the variable to 1, "+nopdl" to 0
 # "+push": the all-reduce in the small-M row-parallel projection's epilogue (kernels/lamport.py)
-LAUNCH_ENV = {"pdl": "TPGRAPH_TRITON_PDL", "lr": "TPGRAPH_LAST_SPLIT_REDUCES", "push": "TPGRAPH_GEMV_ALLREDUCE"}
+# "+late": such a projection lets the kernel after it in only at its exit (gemv.late_trigger)
+LAUNCH_ENV = {"pdl": "TPGRAPH_TRITON_PDL", "lr": "TPGRAPH_LAST_SPLIT_REDUCES", "push": "TPGRAPH_GEMV_ALLREDUCE",
+              "late": "TPGRAPH_GEMV_AR_LATE_TRIGGER"}
 PREFETCH_MOD = r"pf\d+"  # "+pf16": TPGRAPH_PDL_PREFETCH_MB=16 (weights pulled into L2 ahead of the PDL wait)
 LAUNCH_MODS = {**{mod: (var, "1") for mod, var in LAUNCH_ENV.items()},
                **{f"no{mod}": (var, "0") for mod, var in LAUNCH_ENV.items()}}
@@ -266,14 +268,15 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     SiLU·mul as its own kernel before the down projection), "+gemv" (the Triton small-M projections instead of
     cuBLAS), and the launch modifiers "+pdl" / "+nopdl" (Triton kernels as programmatic dependents or not) and
     "+lr" / "+nolr" (split kernels reduced in their last program or by a second kernel), "+push" / "+nopush" (the
-    all-reduce in the row-parallel projection's epilogue, needs +gemv and no +unfused; or its own kernel) and
-    "+pf<MB>" (the L2 prefetch budget of the projections), which `entry_env` applies; "+overlap" changes only how
-    its steps are driven (`overlapped`)."""
+    all-reduce in the row-parallel projection's epilogue, needs +gemv and no +unfused; or its own kernel), "+late" /
+    "+nolate" (that projection lets the kernel after it in at its exit or after its K loop) and "+pf<MB>" (the L2
+    prefetch budget of the projections), which `entry_env` applies; "+overlap" changes only how its steps are driven
+    (`overlapped`)."""
     base, *mods = name.split("+")
     mods = [m for m in mods if not re.fullmatch(PREFETCH_MOD, m)]
     if base not in ("custom", "nccl") or not set(mods) <= {"unfused", "gemv", "overlap", *LAUNCH_MODS}:
         raise SystemExit(f"--allreduce entries are custom or nccl, with +unfused, +gemv, +pdl/+nopdl, +lr/+nolr, "
-                         f"+push/+nopush, +pf<MB> and/or +overlap; got {name!r}")
+                         f"+push/+nopush, +late/+nolate, +pf<MB> and/or +overlap; got {name!r}")
     if "push" in mods and (base != "custom" or "gemv" not in mods or "unfused" in mods):
         raise SystemExit(f"+push needs the custom all-reduce, +gemv and no +unfused (it lives in the small-M "
                          f"projection's epilogue and is a fused path); got {name!r}")

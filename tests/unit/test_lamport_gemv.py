@@ -175,6 +175,19 @@ def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_
     assert_no_grid_wide_wait(ptx)
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_the_all_reducing_projection_lets_the_next_kernel_in_after_its_loop_or_at_exit(early):
+    """EARLY_TRIGGER: griddepcontrol.launch_dependents after the K loop's last mma and before the epilogue's stores;
+    without it (TPGRAPH_GEMV_AR_LATE_TRIGGER=1) none at all, so the kernel after becomes resident at this one's exit."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                   {**GEMV_FLAGS, "WS": 1, "RANK": 0, "GATE_UP": False, "LAST_REDUCES": False, "SPLIT": False,
+                    "ALL_REDUCE": True, "STAGED": False, "EARLY_TRIGGER": early})
+    assert ("griddepcontrol.launch_dependents" in ptx) == early
+    if early:
+        trigger = ptx.index("griddepcontrol.launch_dependents")
+        assert ptx.rindex("mma.sync") < trigger < ptx.index("st.global")
+
+
 def assert_no_grid_wide_wait(ptx: str) -> None:
     """The only waits are on peers' data (no other program of the kernel is waited for): no acquire loads, and the
     only atomics are the last split's arrival count and its reset."""
@@ -246,25 +259,25 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
             assert torch.equal(out.materialize(), normed)
 
 
-def test_the_epilogue_is_on_by_default_for_one_rank_only(monkeypatch):
+def test_the_epilogue_is_opt_in_and_refuses_a_bad_setting(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
-    assert epilogue_enabled(1) and not epilogue_enabled(2)
+    assert not epilogue_enabled()
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
-    assert not epilogue_enabled(1)
+    assert not epilogue_enabled()
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "1")
-    assert epilogue_enabled(2) and epilogue_enabled(8)
+    assert epilogue_enabled()
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "yes")
     with pytest.raises(ConfigError, match="TPGRAPH_GEMV_ALLREDUCE must be 0 or 1"):
-        epilogue_enabled(1)
+        epilogue_enabled()
 
 
 @interpreted
 def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogue(monkeypatch):
     """TP=1: all_reduce_add_rmsnorm on a pending o_proj / down gives a ReducedNorm from the solo channel (the new
     residual is the unfused add's bits, the materialized norm the add + RMSNorm kernel's); rows over 16, fp32, the
-    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE=0 run the projection and the add + RMSNorm kernel."""
+    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE unset run the projection and the add + RMSNorm kernel."""
     from tpgraph.comm.communicator import TPCommunicator
     from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.distributed import ParallelState
@@ -272,7 +285,7 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
     from tpgraph.model.layers import RowParallelLinear
 
-    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "1")
     ranks = Ranks(1, "cpu", torch.bfloat16, seed=9)
     layer = RowParallelLinear(KIN, HIDDEN, "o_proj", 0, 1, torch.bfloat16, torch.device("cpu"))
     layer.weight.data.copy_(ranks.w_row[0])
@@ -302,5 +315,5 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     assert not boundary(comm, 17)  # prefill rows: the projection, then the add + RMSNorm kernel
     assert not boundary(comm, 2, torch.float32)  # bf16 only
     assert not boundary(unfused, 2)
-    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
+    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE")  # off by default
     assert not boundary(comm, 2)

@@ -34,8 +34,9 @@ class TPCommunicator:
         self.custom = None
         self.capture_locked = False  # set by the graph runner once its capture phase is over
         self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
-        # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue, unless the
-        # fused norm is off (custom_config.fused_norm, TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
+        # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue where it is
+        # turned on (TPGRAPH_GEMV_ALLREDUCE=1) and the fused norm is not off (custom_config.fused_norm,
+        # TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
         fused_norm = custom_config.fused_norm if custom_config is not None else _fused_norm_default()
         self.solo = solo_channel(state.device) if state.world_size == 1 and fused_norm else None
         if use_custom_allreduce:
@@ -62,7 +63,7 @@ class TPCommunicator:
         (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; at TP=1 a solo
         channel (the epilogue adds the residual and stages the norm); else None."""
         if self.world_size == 1:
-            if self.solo is None or not epilogue_enabled(1) or residual.dim() != 2:
+            if self.solo is None or not epilogue_enabled() or residual.dim() != 2:
                 return None
             return self.solo if self.solo.fits(*residual.shape, residual.dtype, residual.device) else None
         if self.custom is None:

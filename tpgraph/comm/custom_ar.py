@@ -215,7 +215,7 @@ class CustomAllReduce:
         """The channel for a row-parallel output shaped like `residual`, where the fused all-reduce takes it (the
         fused norm on, TPGRAPH_GEMV_ALLREDUCE=1, rows and dtype the channel carries), else None. Off by default until
         it has run on two GPUs: so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport)."""
-        if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled(self.state.world_size):
+        if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled():
             return None
         if residual.dim() != 2 or not self.channel.fits(*residual.shape, residual.dtype, residual.device):
             return None

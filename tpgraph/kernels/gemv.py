@@ -61,6 +61,13 @@ PREFETCH_BUDGET = 0
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
+def late_trigger() -> bool:
+    """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: a projection with the all-reduce (or at TP=1 the residual add) in its epilogue
+    lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 (bench/results/
+    2026-12-01_h200_solo): 0.045 ms a step faster at batch 8, 0.01 ms slower at batch 1; off until measured at TP=2."""
+    return os.environ.get("TPGRAPH_GEMV_AR_LATE_TRIGGER", "0") == "1"
+
+
 def prefetch_budget() -> int:
     """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set, for measuring a prefetch against none
     (bench/gpu_graph_checks.sh pdl-late)."""
@@ -270,7 +277,8 @@ if triton is not None:
         ALL_REDUCE (a row-parallel weight, one split or LAST_REDUCES): y is not stored; each finished tile goes
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
         after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
-        1 / RMS from its squares [tiles, BLOCK_M] before the epilogue."""
+        1 / RMS from its squares [tiles, BLOCK_M] before the epilogue. EARLY_TRIGGER (with PDL): the kernel after is
+        let in after the K loop; else only at exit (late_trigger)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -504,10 +512,10 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
 
 
-def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, staged: bool = False) -> dict:
+def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch)."""
-    pdl = use_pdl(x) and not (staged and os.environ.get("TPGRAPH_X_STAGED_PDL", "1") == "0")  # EXPERIMENT
+    pdl = use_pdl(x)
     return dict(BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
@@ -521,10 +529,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
     n = w.shape[0]
-    tile = _tile_args(x, cfg, n, k, staged=recv is not None)
+    tile = _tile_args(x, cfg, n, k)
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
-    # EXPERIMENT
-    early = not (all_reduce is not None and os.environ.get("TPGRAPH_X_LATE_TRIGGER", "0") == "1")
+    early = all_reduce is None or not late_trigger()
     # (an all-reducing projection stores no y: x stands in for it, for its dtype)
     y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
@@ -569,7 +576,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n:
         return None
-    tile = _tile_args(x, config, n, k, staged=recv is not None)
+    tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)

@@ -1,8 +1,10 @@
 """The all-reduce + residual add + RMSNorm at a Llama layer boundary, fused into the row-parallel projection before it
 and the projection after it (decode rows, bf16 models). At TP > 1 opt-in (TPGRAPH_GEMV_ALLREDUCE=1) until it has run
 on two GPUs; so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport). At TP=1 there is
-nothing to exchange and it is on by default (`solo_channel`, `epilogue_enabled`): the projection's epilogue adds the
-residual and stages the norm, so no add + RMSNorm kernel runs between the projections.
+nothing to exchange (`solo_channel`): the projection's epilogue adds the residual and stages the norm, so no add +
+RMSNorm kernel runs between the projections (173 kernels a step instead of 236), but in the whole decode step it
+measured 0.035-0.04 ms slower at batch 1 and 8 than the plain chain (bench/results/2026-12-01_h200_solo), so it is
+opt-in there too.
 
 The row-parallel projection (o_proj, down) makes this rank's partial sums tile by tile. In its epilogue each program
 finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
@@ -134,17 +136,14 @@ def solo_channel(device: torch.device | str) -> Channel:
     return Channel(torch.zeros(1, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
 
 
-def epilogue_enabled(world_size: int) -> bool:
+def epilogue_enabled() -> bool:
     """Whether row-parallel projections take the all-reduce (and at TP=1 the residual add) into their epilogue:
-    TPGRAPH_GEMV_ALLREDUCE=1 or 0 decides; unset, on for one rank, where nothing crosses a GPU, and off for more
-    until the exchange has run on two GPUs (so far with ranks emulated on one: bench/results/2026-12-01_h200_lamport).
-    """
+    TPGRAPH_GEMV_ALLREDUCE=1 (0 or unset: off). Off by default: at TP=1 the whole step measured slower with it
+    (bench/results/2026-12-01_h200_solo), and at TP > 1 the exchange has not run on two GPUs yet."""
     env = os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    if env:
+    if env not in ("", "0", "1"):
         raise ConfigError(f"TPGRAPH_GEMV_ALLREDUCE must be 0 or 1, got {env!r}")
-    return world_size == 1
+    return env == "1"
 
 
 def local_channels(world_size: int, slot_elems: int, device: torch.device | str) -> list[Channel]:
