@@ -14,6 +14,7 @@ from tpgraph.kernels.decode_attention import (
     CPU_NUM_SMS,
     MIN_SPLIT_TOKENS,
     choose_num_splits,
+    min_split_tiles,
     paged_decode_attention_v2,
 )
 from tpgraph.kernels.paged_decode import paged_decode_reference
@@ -74,6 +75,13 @@ def test_choose_num_splits():
     # runs 8 splits of one tile each (the grid's spare split exits)
     assert choose_num_splits(8, 4, 600, 132) == 9 > 512 // BLOCK_N
     assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
+
+
+def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():
+    """Batch 1 and 4 of a TP=2 Llama-3-8B rank (4 KV heads) on 132 SMs keep one-tile splits; batch 8 and more
+    take two."""
+    assert [min_split_tiles(b, 4, 132) for b in (1, 4, 8, 32)] == [1, 1, 2, 2]
+    assert min_split_tiles(2, 8, 132) == 1 and min_split_tiles(3, 8, 132) == 2  # 8 KV heads: 24 pairs
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -137,8 +145,8 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
                    ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
                     "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                    "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "DOT_PRECISION": "tf32", "INTERPRETED": False,
-                    "LAST_COMBINES": True, "PDL": pdl}, num_stages=2)
+                    "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
+                    "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl}, num_stages=2)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)
     if pdl:
@@ -166,25 +174,29 @@ def test_a_grid_sized_for_a_long_context_splits_the_actual_one(monkeypatch, last
 
 
 @triton.jit
-def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
     i = tl.program_id(0)
-    per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N)
+    per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N, SPLIT_TILES)
     tl.store(out_ptr + 2 * i, per_split)
     tl.store(out_ptr + 2 * i + 1, used)
 
 
+@pytest.mark.parametrize("split_tiles", [1, 2])
 @pytest.mark.parametrize("num_splits", [1, 16])
-def test_each_sequence_is_split_by_its_own_length(num_splits):
-    """(tokens per split, splits in use) per length: whole tiles, at most the grid's splits, every split in use
-    non-empty and together covering the sequence; a padded row (0 tokens) uses one empty split."""
+def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
+    """(tokens per split, splits in use) per length: whole tiles, at least split_tiles of them, at most the grid's
+    splits, every split in use non-empty and together covering the sequence; a padded row (0 tokens) uses one empty
+    split."""
     lens = [0, 1, 64, 65, 200, 512, 1024, 1025, 5000]
     out = torch.zeros(2 * len(lens), dtype=torch.int32)
-    _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N)
+    _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
+                              SPLIT_TILES=split_tiles)
     got = [tuple(out[2 * i:2 * i + 2].tolist()) for i in range(len(lens))]
     for n, (per_split, used) in zip(lens, got, strict=True):
-        assert per_split % BLOCK_N == 0 and 1 <= used <= num_splits
+        assert per_split % BLOCK_N == 0 and per_split >= split_tiles * BLOCK_N and 1 <= used <= num_splits
         assert (used - 1) * per_split < max(n, 1) <= used * per_split  # none empty (but a padded row's), all covered
-    if num_splits == 16:  # a 512-token context on a 16-split grid: 8 splits of one tile, not 16 half-empty ones
-        assert got[lens.index(512)] == (64, 8) and got[lens.index(5000)] == (320, 16)
+    if num_splits == 16:  # a 512-token context on a 16-split grid: 8 splits of one tile (or 4 of two), not 16
+        assert got[lens.index(512)] == ((64, 8) if split_tiles == 1 else (128, 4))
+        assert got[lens.index(5000)] == (320, 16)
     else:
         assert all(used == 1 for _, used in got)

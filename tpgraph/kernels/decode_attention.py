@@ -48,6 +48,11 @@ BLOCK_N = 64  # context tokens per tile
 PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = BLOCK_N
 MAX_SPLITS = 64
+# Once (sequence, KV head) pairs x 8 reach the SM count (batch 8 at 4 KV heads on an H200), splits are at least two
+# tiles: one-tile splits of a 512-token context would already fill the GPU, and each split pays its partial's store,
+# count and merge. Measured in the whole decode step (bench/results/2026-12-01_h200_solo, run5/run6): 0.033 ms a
+# step faster at batch 8 than one-tile splits, with batch 1 (one-tile splits kept) and 32 unchanged.
+TWO_TILE_PAIRS_PER_SM = 1 / 8
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
 
@@ -75,15 +80,22 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
+    """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
+    (TWO_TILE_PAIRS_PER_SM), else 1, so that a small batch spreads a short context over the most programs."""
+    return 2 if batch * kv_heads >= TWO_TILE_PAIRS_PER_SM * num_sms else 1
+
+
 if triton is not None:
 
     @triton.jit
-    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at most NUM_SPLITS
-        splits, the last one ending at seq_len. A short context on a grid sized for max_model_len then runs a few
-        full splits, and the rest of the grid exits at once (a padded row, seq_len 0, uses one empty split)."""
+    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+        """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at least SPLIT_TILES
+        of them (min_split_tiles), at most NUM_SPLITS splits, the last one ending at seq_len. A short context on a
+        grid sized for max_model_len then runs a few full splits, and the rest of the grid exits at once (a padded
+        row, seq_len 0, uses one empty split)."""
         per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        per_split = tl.maximum(per_split, BLOCK_N)
+        per_split = tl.maximum(per_split, SPLIT_TILES * BLOCK_N)
         return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
 
     @triton.jit
@@ -126,8 +138,8 @@ if triton is not None:
         stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ob, stride_oh,
         stride_pb, stride_ph, stride_ps,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
+        DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -142,7 +154,7 @@ if triton is not None:
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N)
+        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES)
         if split < used:
             start = split * per_split
             end = tl.minimum(start + per_split, seq_len)
@@ -232,12 +244,12 @@ if triton is not None:
         part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N)
+        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES)
         offs_s = tl.arange(0, SPLITS_PAD)
         s_ok = offs_s < used  # the splits past them wrote nothing
         part = b * stride_pb + h * stride_ph + offs_s * stride_ps
@@ -259,12 +271,14 @@ if triton is not None:
 
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                              max_seq_len: int, num_splits: int | None = None) -> torch.Tensor:
+                              max_seq_len: int, num_splits: int | None = None,
+                              split_tiles: int | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
     max_seq_len: the static bound on seq_lens that sizes the split grid (each program splits its sequence's actual
-    length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`.
+    length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
+    split_tiles `min_split_tiles`.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -277,9 +291,11 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError("q and the caches must share a dtype")
     group = num_heads // kv_heads
+    num_sms = num_sms_for(q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms_for(q.device))
+        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms)
     num_splits = max(1, int(num_splits))
+    split_tiles = min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -301,7 +317,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
@@ -311,6 +327,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=BLOCK_N, INTERPRETED=interpreted, PDL=pdl, num_warps=4, enable_fp_fusion=True, **pdl_launch(pdl),
+            BLOCK_N=BLOCK_N, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, num_warps=4,
+            enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out
