@@ -28,21 +28,24 @@ for step in "$@"; do
              timeout 300 python3 bench/bench_lamport.py --out "$out/lamport.json" 2>&1 | tail -8 \
              | tee "$out/lamport_bench.log" ;;
     lamport-tp2) # the all-reduce in the row-parallel projection's epilogue on NPROC GPUs (opt-in until this has run):
-         # its exactness test, HF parity with it on, then the decode step with and without it, interleaved, and the profile
+         # its exactness test, HF parity with it on, then the decode step with and without it (and with the late trigger),
+         # interleaved, and the profile
          timeout 400 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k epilogue 2>&1 | tail -6 \
              | tee "$out/lamport_tp2_tests.log"
          for dt in bf16 fp32; do TPGRAPH_GEMV_ALLREDUCE=1 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py \
              --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_push_$dt.json" 2>&1 \
              | grep -E "prompt|PASS" | tee -a "$out/hf_parity_push.log"; done  # (fp32: the path declines, unfused)
          timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
-             --allreduce custom+gemv+overlap,custom+gemv+push+overlap,nccl+gemv+overlap --interleave --steps 100 \
+             --allreduce custom+gemv+overlap,custom+gemv+push+overlap,custom+gemv+push+late+overlap,nccl+gemv+overlap \
+             --interleave --steps 100 \
              --out "$out/decode_push.json" \
              2>&1 | grep -E "TPOT" | tee "$out/bench_push.log"
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
-             --allreduce custom+gemv,custom+gemv+push --profile --steps 20 --out "$out/profile_push.json" 2>&1 \
+             --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
+             --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
-    solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel, on
-         # by default at one rank): the kernel tests (ws 1-3 on this GPU), HF parity with it on, then decode steps with
+    solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel, opt-in
+         # like at TP > 1): the kernel tests (ws 1-3 on this GPU), HF parity with it on, then decode steps with
          # it off and on, interleaved (SHAPE as for overlap), and the profile of both
          timeout 300 python3 -m pytest tests/unit/test_lamport_gemv.py -q -rs -k cuda 2>&1 | tail -4 \
              | tee "$out/solo_tests.log"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# run5 as it ran (commit 2fb5d31 plus an uncommitted knob in choose_num_splits: TPGRAPH_X_ATTN_PPS replaced PROGRAMS_PER_SM)
 # one-off A/B (deleted after the run): decode attention's programs per SM (the split count of its grid)
 set -uo pipefail
 out=$1; mkdir -p $out
