@@ -280,6 +280,8 @@ def variant(name: str) -> tuple[bool, bool, bool]:
     if "push" in mods and (base != "custom" or "gemv" not in mods or "unfused" in mods):
         raise SystemExit(f"+push needs the custom all-reduce, +gemv and no +unfused (it lives in the small-M "
                          f"projection's epilogue and is a fused path); got {name!r}")
+    if "late" in mods and "push" not in mods:
+        raise SystemExit(f"+late changes when a +push projection lets the next kernel in: it needs +push; got {name!r}")
     return base == "custom", "unfused" not in mods, "gemv" in mods
 
 

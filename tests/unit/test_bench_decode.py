@@ -94,6 +94,10 @@ def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkey
         assert os.environ["TPGRAPH_PDL_PREFETCH_MB"] == "16" and "TPGRAPH_TRITON_PDL" not in os.environ
     with pytest.raises(SystemExit):
         bench.variant("custom+pfx")
+    with bench.entry_env("custom+gemv+push+late"):
+        assert os.environ["TPGRAPH_GEMV_ALLREDUCE"] == "1" and os.environ["TPGRAPH_GEMV_AR_LATE_TRIGGER"] == "1"
+    with pytest.raises(SystemExit, match="needs \\+push"):
+        bench.variant("custom+gemv+late")
     with bench.entry_env("custom+gemv+nopdl+nolr"):
         assert os.environ["TPGRAPH_TRITON_PDL"] == "0" and os.environ["TPGRAPH_LAST_SPLIT_REDUCES"] == "0"
     assert "TPGRAPH_TRITON_PDL" not in os.environ

@@ -45,15 +45,17 @@ def test_seeds_cover_the_layouts():
                     ("block", 4), ("block", 8), ("block", 16), ("padded row",)}
 
 
+@pytest.mark.parametrize("split_tiles", [1, 2])
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_matches_reference(seed, num_splits):
-    """max_seq_len 70 is one split by the heuristic; with 3 forced splits, a sequence of up to 64 tokens uses one
-    and a longer one two tiles' worth (the third program exits)."""
+def test_matches_reference(seed, num_splits, split_tiles):
+    """max_seq_len 70 is one split by the heuristic; with 3 forced splits of one tile or more, a sequence of up to 64
+    tokens uses one and a longer one two (the third program exits); with two tiles or more, one."""
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=70)
     if num_splits is None:
         assert choose_num_splits(q.shape[0], k.shape[2], 70, CPU_NUM_SMS) == 1
-    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits,
+                                    split_tiles=split_tiles)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
@@ -71,25 +73,27 @@ def test_choose_num_splits():
     splits = choose_num_splits(1, 1, 32768, 132)
     assert 1 < splits <= 64
     assert choose_num_splits(1, 1, 512, 132) == 512 // MIN_SPLIT_TOKENS  # none shorter than MIN_SPLIT_TOKENS
-    # a TP=2 rank of Llama-3-8B (4 KV heads) at batch 8, graphs for ~600 tokens: 9 splits, so a 512-token context
-    # runs 8 splits of one tile each (the grid's spare split exits)
+    # a TP=2 rank of Llama-3-8B (4 KV heads) at batch 8, graphs for ~600 tokens: 9 splits in the grid; a 512-token
+    # context runs 4 of them, two tiles each (min_split_tiles), and the grid's spare splits exit
     assert choose_num_splits(8, 4, 600, 132) == 9 > 512 // BLOCK_N
     assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
 
 
 def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():
-    """Batch 1 and 4 of a TP=2 Llama-3-8B rank (4 KV heads) on 132 SMs keep one-tile splits; batch 8 and more
+    """Batch 1 to 4 of a TP=2 Llama-3-8B rank (4 KV heads) on 132 SMs keep one-tile splits; batch 5 and more
     take two."""
-    assert [min_split_tiles(b, 4, 132) for b in (1, 4, 8, 32)] == [1, 1, 2, 2]
+    assert [min_split_tiles(b, 4, 132) for b in (1, 4, 5, 8, 32)] == [1, 1, 2, 2, 2]
     assert min_split_tiles(2, 8, 132) == 1 and min_split_tiles(3, 8, 132) == 2  # 8 KV heads: 24 pairs
 
 
+@pytest.mark.parametrize("split_tiles", [1, 2])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_padded_rows_give_zeros_not_nan(num_splits):
+def test_padded_rows_give_zeros_not_nan(num_splits, split_tiles):
     q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32)
     lens[0] = 0
     lens[-1] = 0
-    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=num_splits,
+                                    split_tiles=split_tiles)
     assert torch.all(out[0] == 0) and torch.all(out[-1] == 0) and not torch.isnan(out).any()
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
@@ -109,9 +113,10 @@ def test_bf16_within_bf16_tolerance():
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("split_tiles", [1, 2])
 @pytest.mark.parametrize("seed", [0, 6, 17, 31])
 @pytest.mark.parametrize("num_splits", [2, 3, 4])
-def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_splits):
+def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_splits, split_tiles):
     """Last-split reductions (the default): the last split of each (sequence, KV head) merges the group's partials (no
     combine kernel). It matches the reference and the combine kernel, repeats bit for bit, padded rows give zeros,
     and the counters are back at zero after every call."""
@@ -120,14 +125,15 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=200)
     lens[-1] = 0  # a padded row: every split empty
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the combine kernel first
-    kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    run = dict(max_seq_len=200, num_splits=num_splits, split_tiles=split_tiles)
+    kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
-    first = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    first = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
     _check(first, paged_decode_reference(q, k, v, bt, lens, scale))
     torch.testing.assert_close(first, kernel, atol=1e-6, rtol=1e-6)
     assert torch.all(first[-1] == 0)
     assert not split_counters(q.device, q.shape[0] * k.shape[2]).any()
-    again = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200, num_splits=num_splits)
+    again = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
     assert torch.equal(again, first)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import torch
@@ -37,8 +38,9 @@ class TPCommunicator:
         # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue where it is
         # turned on (TPGRAPH_GEMV_ALLREDUCE=1) and the fused norm is not off (custom_config.fused_norm,
         # TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
-        fused_norm = custom_config.fused_norm if custom_config is not None else _fused_norm_default()
-        self.solo = solo_channel(state.device) if state.world_size == 1 and fused_norm else None
+        self.solo = None
+        if state.world_size == 1 and (custom_config.fused_norm if custom_config is not None else _fused_norm_default()):
+            self.solo = solo_channel(state.device)
         if use_custom_allreduce:
             self.custom, self.custom_reason = _try_custom_allreduce(state, custom_config)
         if state.is_driver and state.world_size > 1:
@@ -75,9 +77,10 @@ class TPCommunicator:
         """(weight * rmsnorm(s + residual), s + residual) with s = the sum of x over the TP group: the all-reduce at a
         row-parallel output with the residual add and RMSNorm that follow it. One kernel where the custom
         all-reduce's 1shot_push applies (it fuses them), else the all-reduce and then the add+RMSNorm kernel.
-        x a PendingProjection (a row-parallel projection not yet run): at decode rows with the custom all-reduce's
-        channel, the projection with all of this in its epilogue (kernels/lamport.py), which leaves a ReducedNorm
-        for the next projection instead of the normalised input; else the projection first, then as above."""
+        x a PendingProjection (a row-parallel projection not yet run): at decode rows with a push channel (the
+        custom all-reduce's, or at TP=1 the solo channel), the projection with all of this in its epilogue
+        (kernels/lamport.py), which leaves a ReducedNorm for the next projection instead of the normalised input;
+        else the projection first, then as above."""
         if isinstance(x, PendingProjection):
             channel = self.push_channel(residual)
             if channel is not None and getattr(x.layer, "small_m", False):
@@ -142,9 +145,8 @@ class TPCommunicator:
 
 
 def _fused_norm_default() -> bool:
-    from tpgraph.comm.custom_ar import CustomAllReduceConfig  # (its module loads the extension's helpers lazily)
-
-    return CustomAllReduceConfig().fused_norm
+    """CustomAllReduceConfig.fused_norm's default (TPGRAPH_FUSED_AR_NORM=0 turns it off), without making a config."""
+    return os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0"
 
 
 def _try_custom_allreduce(state: ParallelState, config=None):

@@ -48,11 +48,12 @@ BLOCK_N = 64  # context tokens per tile
 PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = BLOCK_N
 MAX_SPLITS = 64
-# Once (sequence, KV head) pairs x 8 reach the SM count (batch 8 at 4 KV heads on an H200), splits are at least two
-# tiles: one-tile splits of a 512-token context would already fill the GPU, and each split pays its partial's store,
-# count and merge. Measured in the whole decode step (bench/results/2026-12-01_h200_solo, run5/run6): 0.033 ms a
-# step faster at batch 8 than one-tile splits, with batch 1 (one-tile splits kept) and 32 unchanged.
-TWO_TILE_PAIRS_PER_SM = 1 / 8
+# Once (sequence, KV head) pairs x TWO_TILE_PAIRS_DIVISOR reach the SM count (batch 5 and up at 4 KV heads on an
+# H200's 132 SMs), splits are at least two tiles: one-tile splits of a 512-token context would already fill the GPU,
+# and each split pays its partial's store, count and merge. Measured in the whole decode step (bench/results/
+# 2026-12-01_h200_solo, run5/run6): 0.030 ms a step faster at batch 8 than one-tile splits, batch 1 (one-tile splits
+# kept) and 32 unchanged; batches 2-7 were not measured.
+TWO_TILE_PAIRS_DIVISOR = 8
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
 
@@ -73,8 +74,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     """KV splits per (sequence, KV head) in the grid: enough programs for about PROGRAMS_PER_SM per SM, at most
     MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
     actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
-    empty exit at once, and the ones in use stay a tile or more long (one tile each for contexts of up to
-    splits x BLOCK_N tokens, so their loads all happen before the programmatic wait)."""
+    empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
+    tile is loaded before the programmatic wait, the rest after it)."""
     programs = max(1, batch * kv_heads)
     want = -(-PROGRAMS_PER_SM * num_sms // programs)
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
@@ -82,8 +83,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
 
 def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
     """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
-    (TWO_TILE_PAIRS_PER_SM), else 1, so that a small batch spreads a short context over the most programs."""
-    return 2 if batch * kv_heads >= TWO_TILE_PAIRS_PER_SM * num_sms else 1
+    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs."""
+    return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
 if triton is not None:
@@ -295,7 +296,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms)
     num_splits = max(1, int(num_splits))
-    split_tiles = min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles
+    split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
     out = torch.empty_like(q)
     if batch == 0:
         return out

@@ -37,7 +37,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
+from tpgraph.kernels.lamport import Channel, ReducedNorm, env_flag, pieces_for
 
 try:
     import triton
@@ -63,9 +63,10 @@ SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp3
 
 def late_trigger() -> bool:
     """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: a projection with the all-reduce (or at TP=1 the residual add) in its epilogue
-    lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 (bench/results/
-    2026-12-01_h200_solo): 0.045 ms a step faster at batch 8, 0.01 ms slower at batch 1; off until measured at TP=2."""
-    return os.environ.get("TPGRAPH_GEMV_AR_LATE_TRIGGER", "0") == "1"
+    lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 against the plain chain
+    (bench/results/2026-12-01_h200_solo, run4): 0.045 ms a step faster at batch 8, 0.046 ms slower at batch 1; off
+    until measured at TP=2."""
+    return env_flag("TPGRAPH_GEMV_AR_LATE_TRIGGER")
 
 
 def prefetch_budget() -> int:
@@ -208,12 +209,11 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
-                 TRIGGER: tl.constexpr = True):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order, after _enter; with PDL, the kernel after is let in once it is done. GATE_UP: the weight is
-        cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows pid * BLOCK_N / 2 + i, its
-        odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
+        order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
+        weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
+        pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
         k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
@@ -233,7 +233,7 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        if PDL and TRIGGER:
+        if PDL and EARLY_TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
             # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
@@ -292,7 +292,7 @@ if triton is not None:
         if ALL_REDUCE:
             res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, GATE_UP, PDL, PREFETCH_TILES, LINE, EARLY_TRIGGER)
+                       IEEE, GATE_UP, PDL, EARLY_TRIGGER)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -344,7 +344,7 @@ if triton is not None:
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, False, PDL, PREFETCH_TILES, LINE)
+                       IEEE, False, PDL, True)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
