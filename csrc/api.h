@@ -80,6 +80,9 @@ void ar_release_rows(uintptr_t ctx, const std::vector<int>& rows);
 int ar_rows_in_use(uintptr_t ctx);
 void ar_fill_rows(uintptr_t ctx, const std::vector<int>& rows, const std::vector<uintptr_t>& ptrs);
 std::string ar_timeout_message(uintptr_t ctx);
+// Device address of the host-mapped timeout record (int fired, rank, algo, peer, block), for Triton kernels that
+// record their own timeouts there (kernels/lamport.py, algo 4).
+uintptr_t ar_timeout_record(uintptr_t ctx);
 void ar_destroy(uintptr_t ctx);
 bool multicast_env_allowed();
 

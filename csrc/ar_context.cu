@@ -40,6 +40,7 @@ const char* algo_name(int algo) {
     case 1: return "1shot_pull";
     case 2: return "2shot_pull";
     case 3: return "2shot_multicast";
+    case 4: return "the all-reduce in a projection's epilogue (kernels/lamport.py)";
     default: return "unknown";
   }
 }
@@ -319,6 +320,12 @@ void ar_all_reduce_add_rmsnorm(uintptr_t handle, int dtype, uintptr_t in, uintpt
                       reinterpret_cast<void*>(residual_out), rows, row_chunks, eps, 1.0f / float(hidden)};
   launch_push_1shot_add_rmsnorm(p, static_cast<DType>(dtype), args, Launch{blocks, ctx.pdl, stream, ctx.sm_count});
   end_call(ctx, stream, capturing);
+}
+
+uintptr_t ar_timeout_record(uintptr_t handle) {
+  void* device = nullptr;
+  TPG_CUDA_CHECK(cudaHostGetDevicePointer(&device, get(handle).timeout, 0));
+  return reinterpret_cast<uintptr_t>(device);
 }
 
 std::string ar_timeout_message(uintptr_t handle) {

@@ -94,6 +94,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ar_fill_rows", &ar_fill_rows, py::arg("ctx"), py::arg("rows"), py::arg("ptrs"),
         "fill rows after capture: ptrs holds world_size pointers per row, in rank order");
   m.def("ar_timeout_message", &ar_timeout_message, py::arg("ctx"), "'' unless a kernel wait timed out");
+  m.def("ar_timeout_record", &ar_timeout_record, py::arg("ctx"),
+        "device address of the timeout record, for kernels that record their own timeouts");
   m.def("ar_destroy", &ar_destroy, py::arg("ctx"));
   m.def("multicast_env_allowed", &multicast_env_allowed,
         "false if any of NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, "

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from tpgtest.lamport_emul import phases_view, slots_view
 from tpgtest.ptx import gemv_signature, sm90_ptx
 
+from tpgraph.errors import ConfigError
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.gemv import GemvConfig, gate_up_silu, linear_all_reduce_norm, linear_small_m, qkv_rope_store
-from tpgraph.kernels.lamport import GRANULE, epilogue_enabled, local_channels, solo_channel
+from tpgraph.kernels.lamport import EPILOGUE_ALGO, GRANULE, epilogue_enabled, local_channels, solo_channel
 from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
@@ -190,10 +191,13 @@ def test_the_all_reducing_projection_lets_the_next_kernel_in_after_its_loop_or_a
 
 def assert_no_grid_wide_wait(ptx: str) -> None:
     """The only waits are on peers' data (no other program of the kernel is waited for): no acquire loads, and the
-    only atomics are the last split's arrival count and its reset."""
+    only atomics are the last split's arrival count, its reset, and the timeout record's claim (system scope, before
+    the trap, after a fence that lets the record reach host memory)."""
     assert "ld.acquire" not in ptx
     atoms = re.findall(r"\batom\.[a-z0-9.]+", ptx)
-    assert len(atoms) == 2, atoms
+    claims = [a for a in atoms if ".sys." in a and "cas" in a]
+    assert len(atoms) == 3 and len(claims) == 1, atoms
+    assert ptx.count("trap;") == 1 and "fence.sc.sys; trap;" in ptx
 
 
 def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
@@ -260,8 +264,6 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
 
 
 def test_the_epilogue_is_opt_in_and_refuses_a_bad_setting(monkeypatch):
-    from tpgraph.errors import ConfigError
-
     monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
     assert not epilogue_enabled()
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
@@ -317,3 +319,74 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     assert not boundary(unfused, 2)
     monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE")  # off by default
     assert not boundary(comm, 2)
+
+
+TRAP_SCRIPT = """
+import dataclasses, json, torch
+from tpgraph.kernels.gemv import GemvConfig, linear_all_reduce_norm
+from tpgraph.kernels.lamport import local_channels, timeout_record
+channels = local_channels(2, 16 * 128, "cuda")
+rank0 = dataclasses.replace(channels[0], timeout_ns=50_000_000)  # rank 1 never pushes: 50 ms, then the trap
+x, w = torch.randn(2, 96, device="cuda").bfloat16(), torch.randn(128, 96, device="cuda").bfloat16()
+res, nw = torch.randn(2, 128, device="cuda").bfloat16(), torch.ones(128, device="cuda").bfloat16()
+try:
+    linear_all_reduce_norm(x, w, rank0, res, nw, 1e-5, use_triton=True, config=GemvConfig(32, 32, 4, 2, 1))
+    torch.cuda.synchronize()
+    print("no trap")
+except RuntimeError:
+    print("record", json.dumps(timeout_record(channels[0])))
+"""
+
+
+@pytest.mark.gpu
+def test_a_peer_that_never_pushes_traps_and_is_named_in_the_record():
+    """Rank 0 of two emulated ranks, whose peer never pushes: the kernel traps after its timeout, and the record
+    (host memory, read after the trap) names rank 0, the epilogue's algorithm, peer 1 and one of its 4 tiles."""
+    import json
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run = subprocess.run([sys.executable, "-c", TRAP_SCRIPT], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith(("record", "no trap"))), run.stderr[-2000:])
+    assert line.startswith("record {"), line
+    record = json.loads(line.removeprefix("record "))
+    assert record["fired"] == 1 and record["rank"] == 0 and record["algo"] == EPILOGUE_ALGO and record["peer"] == 1
+    assert 0 <= record["tile"] < 4
+
+
+def test_local_channels_end_with_their_timeout_record():
+    """addrs: every rank's region, then the record's address (none off the GPU: the interpreter never traps)."""
+    channels = local_channels(2, 16 * HIDDEN, "cpu")
+    assert channels[0].addrs.shape == (3,) and int(channels[0].addrs[2]) == 0
+    assert solo_channel("cpu").addrs.shape == (2,)
+
+
+@interpreted
+def test_the_late_trigger_setting_reaches_only_all_reducing_launches(monkeypatch):
+    """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: the projection with the epilogue launches with EARLY_TRIGGER off; a plain
+    projection keeps it on; a bad value is refused by name."""
+    from tpgraph.kernels import gemv
+
+    launched = []
+
+    class Recorder:  # stands in for the kernel: records each launch's EARLY_TRIGGER
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw["EARLY_TRIGGER"])
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder())
+    ranks = Ranks(1, "cpu", torch.bfloat16)
+    x, res = ranks.rnd(2, KIN), ranks.rnd(2, HIDDEN)
+    cfg = GemvConfig(16, 32, 4, 2, 1)
+    for late in ("0", "1"):
+        monkeypatch.setenv("TPGRAPH_GEMV_AR_LATE_TRIGGER", late)
+        linear_small_m(x, ranks.w_row[0], use_triton=True, config=cfg)
+        linear_all_reduce_norm(x, ranks.w_row[0], ranks.channels[0], res, ranks.norm_w, EPS, use_triton=True,
+                               config=cfg)
+    assert launched == [True, True, True, False]
+    monkeypatch.setenv("TPGRAPH_GEMV_AR_LATE_TRIGGER", "on")
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_AR_LATE_TRIGGER must be 0 or 1"):
+        linear_all_reduce_norm(x, ranks.w_row[0], ranks.channels[0], res, ranks.norm_w, EPS, use_triton=True,
+                               config=cfg)

@@ -190,9 +190,10 @@ class CustomAllReduce:
                 offset = self.ext.ar_channel_offset(self.ctx)
                 self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD, (channel_bytes - PHASES_BYTES) // 4,
                                   torch.cuda.current_stream(state.device).cuda_stream)
-                self.channel = Channel(torch.tensor([p + offset for p in peers], dtype=torch.int64,
-                                                    device=state.device), state.rank, ws, slot_elems,
-                                       int(cfg.timeout_s * 1e9))
+                # the regions, then this context's timeout record: the epilogue's timeouts are named as ours are
+                addrs = [p + offset for p in peers] + [self.ext.ar_timeout_record(self.ctx)]
+                self.channel = Channel(torch.tensor(addrs, dtype=torch.int64, device=state.device), state.rank, ws,
+                                       slot_elems, int(cfg.timeout_s * 1e9))
             torch.cuda.synchronize()
             gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
             self._check_p2p_writes(peers)

@@ -13,7 +13,8 @@ finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
 - it polls its own region until every peer's copy of the same tile has landed, sums the ranks in rank order and
   rounds (1shot_push's bits), adds the residual and rounds (the unfused add's bits), and writes the new residual;
 - it writes what the next projection needs: h * norm weight (rounded) and the tile's sum of squares per row;
-- it re-arms the slots it read (it is their only reader) and advances the phase of its columns.
+- it re-arms the slots it read (it is their only reader) and advances the phase of its columns (the code does this
+  before the local stores above: peers never read those, and this rank's next push comes after the whole kernel).
 The projection after it (gate_up, qkv) then runs its plain K loop on h * norm weight and scales its sums by the rows'
 1 / RMS, added up from the tiles' squares in a fixed order: y = rstd * (W @ (h * w)), the norm's math in another
 rounding order (within bf16 rounding of the unfused path's bits, not equal to them). Anything else that needs the
@@ -26,7 +27,9 @@ t waits for tile t's program on every peer, so when a grid is larger than what f
 with 16-wide tiles: 512 programs), both GPUs must dispatch programs in index order, as CUDA does in practice though it
 does not promise it. A peer that never pushes (it died, or runs another sequence of calls) ends the poll after the
 custom all-reduce's timeout (TPGRAPH_AR_TIMEOUT_S, by %globaltimer; 0 waits forever) with a trap, which ends the
-CUDA context with an error; unlike the CUDA kernels it does not name the peer.
+CUDA context with an error. Before it traps, the first program to time out writes rank, the peer it waited for and
+its tile into the channel's timeout record (host memory, readable after the trap): for the custom all-reduce's
+channel that is its context's record, so its watchdog names the peer as for its own kernels.
 
 Phases: slots rotate through 3 phases, kept per 16-column granule in the region (each granule is written by the one
 program that owns it in a call; every call covers all granules, so the phases stay equal across granules and ranks).
@@ -63,6 +66,8 @@ MAX_ROWS = 16  # the small-M projections' rows
 MAX_HIDDEN = 8192
 PHASES_BYTES = MAX_HIDDEN // GRANULE * 4
 SENTINEL_WORD = 0x80008000  # two 16-bit -0.0: what an armed slot holds (the all-reduce kernels' sentinel)
+EPILOGUE_ALGO = 4  # the timeout record's algorithm code for this exchange (csrc/ar_context.cu names it)
+RECORD_WORDS = 5  # fired, rank, algo, peer, tile
 # bf16 only: the staged h * norm weight of a large residual could overflow fp16 where the normalised input would not
 DTYPES = (torch.bfloat16,)
 
@@ -76,7 +81,9 @@ def region_bytes(world_size: int, slot_elems: int) -> int:
 class Channel:
     """Where a rank's fused all-reduce pushes and polls: every rank's region base as mapped in this process."""
 
-    addrs: torch.Tensor  # int64 [world_size] on the device the kernels run on
+    # int64 [world_size + 1] on the device the kernels run on: each rank's region base, then the address of the timeout
+    # record (int32 fired, rank, algo, peer, tile in host memory mapped for the device; 0: none)
+    addrs: torch.Tensor
     rank: int
     world_size: int
     slot_elems: int
@@ -133,17 +140,22 @@ def pieces_for(tiles: int) -> int:
 def solo_channel(device: torch.device | str) -> Channel:
     """The channel of a single rank (TP=1): nothing crosses a GPU, so it has no region; the projection's epilogue only
     adds the residual and stages the next norm (all_reduce_tile at WS=1). A launch per layer boundary fewer."""
-    return Channel(torch.zeros(1, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
+    return Channel(torch.zeros(2, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
+
+
+def env_flag(name: str) -> bool:
+    """A 0/1 switch from the environment (unset: 0); anything else is refused with its name."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def epilogue_enabled() -> bool:
     """Whether row-parallel projections take the all-reduce (and at TP=1 the residual add) into their epilogue:
     TPGRAPH_GEMV_ALLREDUCE=1 (0 or unset: off). Off by default: at TP=1 the whole step measured slower with it
     (bench/results/2026-12-01_h200_solo), and at TP > 1 the exchange has not run on two GPUs yet."""
-    env = os.environ.get("TPGRAPH_GEMV_ALLREDUCE", "").strip()
-    if env not in ("", "0", "1"):
-        raise ConfigError(f"TPGRAPH_GEMV_ALLREDUCE must be 0 or 1, got {env!r}")
-    return env == "1"
+    return env_flag("TPGRAPH_GEMV_ALLREDUCE")
 
 
 def local_channels(world_size: int, slot_elems: int, device: torch.device | str) -> list[Channel]:
@@ -157,14 +169,27 @@ def local_channels(world_size: int, slot_elems: int, device: torch.device | str)
         region = torch.zeros(words, dtype=torch.int32, device=device)
         region[PHASES_BYTES // 4:] = SENTINEL_WORD - (1 << 32)  # armed: the word's bits as an int32
         regions.append(region)
-    addrs = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64, device=device)
-    return [Channel(addrs, rank, world_size, slot_elems, keepalive=tuple(regions)) for rank in range(world_size)]
+    # the timeout record: pinned host memory, which a kernel can write (unified addressing) and the host read after
+    # a trap has ended the CUDA context; none off the GPU (the interpreter never traps)
+    record = torch.zeros(RECORD_WORDS, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+    record_addr = record.data_ptr() if record.is_pinned() else 0
+    addrs = torch.tensor([r.data_ptr() for r in regions] + [record_addr], dtype=torch.int64, device=device)
+    return [Channel(addrs, rank, world_size, slot_elems, keepalive=(*regions, record)) for rank in range(world_size)]
+
+
+def timeout_record(channel: Channel) -> dict[str, int] | None:
+    """A local channel's timeout record after a trap (fired, rank, algo, peer, tile), or None if none fired."""
+    record = next((t for t in channel.keepalive if t.numel() == RECORD_WORDS and t.is_pinned()), None)
+    if record is None or not int(record[0]):
+        return None
+    return dict(zip(("fired", "rank", "algo", "peer", "tile"), (int(v) for v in record), strict=True))
 
 
 if triton is not None:
     _PHASES = tl.constexpr(PHASES)
     _GRANULE = tl.constexpr(GRANULE)
     _PHASES_BYTES = tl.constexpr(PHASES_BYTES)
+    EPILOGUE_CODE = tl.constexpr(EPILOGUE_ALGO)
 
     @triton.jit
     def _armed(v):
@@ -196,12 +221,30 @@ if triton is not None:
         return t
 
     @triton.jit
-    def _trap_after(start, now, timeout_ns, SOFT_BF16: tl.constexpr):
-        """A peer that never pushes must not hang the GPU: past timeout_ns (0: never) the kernel traps."""
+    def _trap_after(start, now, timeout_ns, ch_ptr, slots, slot_elems, at, mask, tile, WS: tl.constexpr,
+                    RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """A peer that never pushes must not hang the GPU: past timeout_ns (0: never) the first program to time out
+        records rank, the first peer whose tile is missing, and its tile in the channel's timeout record (host memory,
+        read after the trap; csrc/ar_context.cu names it), then the kernel traps."""
         if not SOFT_BF16:
             if (timeout_ns > 0) & (now - start > timeout_ns):
-                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [timeout_ns.to(tl.int32)], dtype=tl.int32,
-                                          is_pure=False, pack=1)
+                record = tl.load(ch_ptr + WS)
+                if record != 0:
+                    peer = -1
+                    for r in tl.static_range(WS):  # the lowest peer whose tile is missing
+                        if r != RANK:
+                            v = tl.load(slots + r * slot_elems + at, mask=mask, other=0.0, cache_modifier=".cv")
+                            missing = tl.sum(tl.sum((_armed(v) & mask).to(tl.int32), axis=1), axis=0)
+                            peer = tl.where((peer < 0) & (missing > 0), r, peer)
+                    words = record.to(tl.pointer_type(tl.int32), bitcast=True)
+                    if tl.atomic_cas(words, 0, 1, sem="relaxed", scope="sys") == 0:
+                        tl.store(words + 1, RANK)
+                        tl.store(words + 2, EPILOGUE_CODE)
+                        tl.store(words + 3, peer)
+                        tl.store(words + 4, tile)
+                # the record's stores reach host memory before the trap ends the context
+                tl.inline_asm_elementwise("fence.sc.sys; trap; mov.u32 $0, 0;", "=r,r", [timeout_ns.to(tl.int32)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N):
@@ -223,14 +266,14 @@ if triton is not None:
         if WS == 1:  # a solo channel: nothing to exchange, only the residual add and the norm's staging
             s = y.to(tl.float32)
         else:
-            s = _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+            s = _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, tile, WS, RANK, SOFT_BF16)
         h = round_to(round_to(s, dtype, SOFT_BF16) + res, dtype, SOFT_BF16)
         tl.store(rout_ptr + at, to_dtype(h, dtype, SOFT_BF16), mask=mask)
         tl.store(xs_ptr + at, to_dtype(h * w[None, :], dtype, SOFT_BF16), mask=mask)
         tl.store(sq_ptr + tile * offs_m.shape[0] + offs_m, tl.sum(h * h, axis=1))
 
     @triton.jit
-    def _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, WS: tl.constexpr,
+    def _exchange_tile(y, ch_ptr, at, offs_n, mask, n_ok, slot_elems, timeout_ns, tile, WS: tl.constexpr,
                        RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
         """all_reduce_tile's exchange: push y to every peer, wait for theirs, re-arm what was read and advance the
         phase of these columns -> the ranks' sum in fp32."""
@@ -251,7 +294,8 @@ if triton is not None:
         start = _now_ns(armed, SOFT_BF16)
         while armed > 0:
             s, armed = _rank_sum(y, slots, slot_elems, at, mask, WS, RANK)
-            _trap_after(start, _now_ns(armed, SOFT_BF16), timeout_ns, SOFT_BF16)
+            _trap_after(start, _now_ns(armed, SOFT_BF16), timeout_ns, ch_ptr, slots, slot_elems, at, mask, tile, WS,
+                        RANK, SOFT_BF16)
         armed_tile = tl.full(y.shape, 0x8000, tl.uint16).to(dtype, bitcast=True)
         for r in tl.static_range(WS):
             if r != RANK:  # re-arm what we read: we are its only reader
