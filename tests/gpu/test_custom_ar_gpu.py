@@ -130,6 +130,20 @@ def test_the_all_reduce_in_the_projection_epilogue_matches_the_unfused_sequence(
         assert worst <= 2e-2
 
 
+def test_a_skipped_epilogue_exchange_times_out_naming_the_peer(tmp_path):
+    """Rank 1 skips one projection with the all-reduce in its epilogue: rank 0's kernel traps after the timeout, and
+    the error (and the watchdog's log) names rank 0, the epilogue and rank 1, as for the CUDA kernels."""
+    timeout_s = 3.0
+    proc = run_ranks_in_subprocess("custom_ar_skipped_epilogue", 2, timeout_s, str(tmp_path))
+    out = tmp_path / "outcome0"
+    assert out.exists(), proc.stderr[-2000:]
+    taken, message, elapsed = ast.literal_eval(out.read_text())
+    assert taken, "the channel declined a 2 x 4096 bf16 output"
+    assert "timed out on rank 0" in message and "epilogue" in message and "rank 1" in message, message
+    assert elapsed < timeout_s + 10
+    assert "timed out on rank 0" in proc.stderr
+
+
 def random_normal_sizes(dtype):
     """16 bytes, an odd 1040 elements, 8 KB, 512 KB, 4 MB."""
     item = torch.tensor([], dtype=dtype).element_size()

@@ -212,6 +212,41 @@ def custom_ar_skipped_call(rank, world_size, init, timeout_s, out_dir):
     os._exit(0)  # the trapped context cannot be torn down cleanly
 
 
+def custom_ar_skipped_epilogue(rank, world_size, init, timeout_s, out_dir):
+    """Rank 1 skips a projection whose epilogue all-reduces (kernels/lamport.py); rank 0's must time out, and the
+    custom all-reduce's record (written by the Triton kernel before its trap) name the epilogue and rank 1."""
+    import os
+    import time
+    from pathlib import Path
+
+    from tpgraph.comm.custom_ar import CustomAllReduce
+    from tpgraph.kernels.gemv import linear_all_reduce_norm
+
+    state = init_distributed("cuda", rank, world_size, init)
+    ar = CustomAllReduce(state, forced_pull_config(timeout_s=timeout_s))
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(2, 2048, device="cuda", generator=g).bfloat16()
+    w = (0.05 * torch.randn(4096, 2048, device="cuda", generator=g)).bfloat16()
+    residual, nw = torch.zeros(2, 4096, device="cuda").bfloat16(), torch.ones(4096, device="cuda").bfloat16()
+    call = lambda: linear_all_reduce_norm(x, w, ar.channel, residual, nw, 1e-5)  # noqa: E731
+    taken = call() is not None  # one exchange both ranks make
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    if rank == 0:
+        call()
+        try:
+            torch.cuda.synchronize()
+            outcome = (taken, "no error", None)
+        except RuntimeError as exc:
+            err = ar.timeout_error()
+            outcome = (taken, str(err) if err else f"untranslated: {exc}", time.monotonic() - start)
+            ar._watchdog.join(timeout=2.0)  # it polls every 0.2 s; let it log before the hard exit
+    else:
+        outcome = (taken, "skipped", 0.0)
+    Path(out_dir, f"outcome{rank}").write_text(repr(outcome))
+    os._exit(0)  # the trapped context cannot be torn down cleanly
+
+
 def custom_ar_unregistered_replay(rank, world_size, init, out_dir):
     """A graph replayed before capture() registered its rows: the kernel must refuse it, and the error say why."""
     import os
