@@ -210,19 +210,13 @@ def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
     assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 
-@interpreted
-def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_takes_it(monkeypatch):
-    """all_reduce_add_rmsnorm on a row-parallel projection left pending: decode rows go through the channel (a
-    ReducedNorm whose new residual is the unfused one); rows the channel cannot carry run the projection, then the
-    all-reduce and the add + RMSNorm kernel."""
-    from tpgraph.comm.communicator import TPCommunicator
-    from tpgraph.distributed import ParallelState
+def interpreted_o_proj(monkeypatch, ranks: Ranks):
+    """Rank 0's o_proj (RowParallelLinear holding ranks.w_row[0], small-M kernel on), with the projection kernels
+    routed through Triton's interpreter at one fixed config -> (layer, config)."""
     from tpgraph.kernels import gemv
-    from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
     from tpgraph.model.layers import RowParallelLinear
 
-    ranks = Ranks(2, "cpu", torch.bfloat16, seed=5)
-    layer = RowParallelLinear(2 * KIN, HIDDEN, "o_proj", 0, 2, torch.bfloat16, torch.device("cpu"))
+    layer = RowParallelLinear(ranks.ws * KIN, HIDDEN, "o_proj", 0, ranks.ws, torch.bfloat16, torch.device("cpu"))
     layer.weight.data.copy_(ranks.w_row[0])
     layer.small_m = True
     cfg = GemvConfig(16, 32, 4, 2, 1)
@@ -231,6 +225,20 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
     monkeypatch.setattr(gemv, "linear_all_reduce_norm",
                         lambda *a: linear_all_reduce_norm(*a, use_triton=True, config=cfg))
+    return layer, cfg
+
+
+@interpreted
+def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_takes_it(monkeypatch):
+    """all_reduce_add_rmsnorm on a row-parallel projection left pending: decode rows go through the channel (a
+    ReducedNorm whose new residual is the unfused one); rows the channel cannot carry run the projection, then the
+    all-reduce and the add + RMSNorm kernel."""
+    from tpgraph.comm.communicator import TPCommunicator
+    from tpgraph.distributed import ParallelState
+    from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
+
+    ranks = Ranks(2, "cpu", torch.bfloat16, seed=5)
+    layer, cfg = interpreted_o_proj(monkeypatch, ranks)
 
     class Custom:  # the custom all-reduce as rank 0 of two, whose peer always holds the same partial sums
         def push_channel(self, residual):
@@ -283,21 +291,11 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     from tpgraph.comm.communicator import TPCommunicator
     from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.distributed import ParallelState
-    from tpgraph.kernels import gemv
     from tpgraph.kernels.lamport import PendingProjection, ReducedNorm
-    from tpgraph.model.layers import RowParallelLinear
 
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "1")
     ranks = Ranks(1, "cpu", torch.bfloat16, seed=9)
-    layer = RowParallelLinear(KIN, HIDDEN, "o_proj", 0, 1, torch.bfloat16, torch.device("cpu"))
-    layer.weight.data.copy_(ranks.w_row[0])
-    layer.small_m = True
-    cfg = GemvConfig(16, 32, 4, 2, 1)
-    monkeypatch.setattr(gemv, "config_for", lambda *a: cfg)
-    monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
-    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
-    monkeypatch.setattr(gemv, "linear_all_reduce_norm",
-                        lambda *a: linear_all_reduce_norm(*a, use_triton=True, config=cfg))
+    layer, cfg = interpreted_o_proj(monkeypatch, ranks)
     state = ParallelState(0, 1, 0, torch.device("cpu"), None, None)
     comm = TPCommunicator(state, use_custom_allreduce=False)
     unfused = TPCommunicator(state, use_custom_allreduce=False, custom_config=CustomAllReduceConfig(fused_norm=False))
