@@ -243,7 +243,7 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
     class Custom:  # the custom all-reduce as rank 0 of two, whose peer always holds the same partial sums
         def push_channel(self, residual):
             ch = ranks.channels[0]
-            return ch if ch.fits(*residual.shape, residual.dtype, residual.device) else None
+            return ch if ch.takes(residual) else None
 
         def try_all_reduce_add_rmsnorm(self, x, residual, weight, eps):
             return None

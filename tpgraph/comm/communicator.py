@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from tpgraph.comm.custom_ar import fused_norm_default
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
@@ -39,7 +39,7 @@ class TPCommunicator:
         # turned on (TPGRAPH_GEMV_ALLREDUCE=1) and the fused norm is not off (custom_config.fused_norm,
         # TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
         self.solo = None
-        if state.world_size == 1 and (custom_config.fused_norm if custom_config is not None else _fused_norm_default()):
+        if state.world_size == 1 and (custom_config.fused_norm if custom_config is not None else fused_norm_default()):
             self.solo = solo_channel(state.device)
         if use_custom_allreduce:
             self.custom, self.custom_reason = _try_custom_allreduce(state, custom_config)
@@ -65,9 +65,7 @@ class TPCommunicator:
         (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; at TP=1 a solo
         channel (the epilogue adds the residual and stages the norm); else None."""
         if self.world_size == 1:
-            if self.solo is None or not epilogue_enabled() or residual.dim() != 2:
-                return None
-            return self.solo if self.solo.fits(*residual.shape, residual.dtype, residual.device) else None
+            return self.solo if self.solo is not None and epilogue_enabled() and self.solo.takes(residual) else None
         if self.custom is None:
             return None
         return self.custom.push_channel(residual)
@@ -142,11 +140,6 @@ class TPCommunicator:
         if self.custom is not None:
             self.custom.close()
             self.custom = None
-
-
-def _fused_norm_default() -> bool:
-    """CustomAllReduceConfig.fused_norm's default (TPGRAPH_FUSED_AR_NORM=0 turns it off), without making a config."""
-    return os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0"
 
 
 def _try_custom_allreduce(state: ParallelState, config=None):

@@ -54,6 +54,12 @@ class CallPlan:
     zero_copy: bool  # graph mode: pull inputs are read through a pointer-table row, no staging copy
 
 
+def fused_norm_default() -> bool:
+    """Whether the all-reduce is fused with the residual add + RMSNorm after it, unless the caller says (on;
+    TPGRAPH_FUSED_AR_NORM=0: the unfused pair, for comparisons)."""
+    return os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0"
+
+
 @dataclass(frozen=True)
 class CustomAllReduceConfig:
     # The push slot is per rank and the workspace holds 3 phases x world_size of them (at 8 ranks, 24 x the slot),
@@ -69,7 +75,7 @@ class CustomAllReduceConfig:
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
-    fused_norm: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0")
+    fused_norm: bool = field(default_factory=fused_norm_default)
     # elements (rows x hidden, 16-bit) one all-reduce fused into a small-M projection's epilogue can carry
     # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192. 0: no channel (the all-reduce runs as its
     # own kernel after the projection).
@@ -218,9 +224,7 @@ class CustomAllReduce:
         it has run on two GPUs: so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport)."""
         if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled():
             return None
-        if residual.dim() != 2 or not self.channel.fits(*residual.shape, residual.dtype, residual.device):
-            return None
-        return self.channel
+        return self.channel if self.channel.takes(residual) else None
 
     def _check_p2p_writes(self, peers: list[int]) -> None:
         """A real P2P check: write a word into each peer's workspace through the IPC mapping, then let the peer

@@ -95,6 +95,10 @@ class Channel:
         return (dtype in DTYPES and 0 < rows <= MAX_ROWS and hidden <= MAX_HIDDEN and hidden % GRANULE == 0
                 and rows * hidden <= self.slot_elems and device == self.addrs.device)
 
+    def takes(self, residual: torch.Tensor) -> bool:
+        """Whether a row-parallel output shaped like `residual` (2-D) can go through the channel."""
+        return residual.dim() == 2 and self.fits(*residual.shape, residual.dtype, residual.device)
+
 
 @dataclass(frozen=True, eq=False)
 class ReducedNorm:
