@@ -3,6 +3,7 @@ produce (odd N and K included)."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -225,7 +226,7 @@ def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
-                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True, "SPLIT": True,
+                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "LAST_REDUCES": True, "SPLITS": 2,
                     **NO_ALL_REDUCE})
     assert ptx.count("prefetch.global.L2") == 4
     wait = ptx.index("griddepcontrol.wait")
@@ -246,7 +247,7 @@ def test_the_gate_up_epilogue_compiles_for_sm90_with_its_exact_ops(dtype, block_
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature(dtype, dtype, dtype), [],
                    {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": dtype == "fp32",
                     "GATE_UP": True, "EXACT": True, "PDL": pdl, "PREFETCH_TILES": 3, "LINE": 64,
-                    "LAST_REDUCES": False, "SPLIT": False, **NO_ALL_REDUCE})
+                    "LAST_REDUCES": False, "SPLITS": 1, **NO_ALL_REDUCE})
     assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "div.rn.f32" in ptx
     if pdl:  # the weight prefetches, then the wait, before any load of x
         assert ptx.count("prefetch.global.L2") == 3
@@ -314,23 +315,36 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
 
 
-def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
-    """Ahead of time, without a GPU: rope's products are their own mul.rn.f32 (no FMA may skip a rounding), and the
-    head's last program counts in with an acq_rel atomic."""
+def _qkv_rope_ptx(splits: int) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
     ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
-                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
-                    "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
-                    "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1})
+    return sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
+                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
+                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
+                     "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits})
+
+
+def _loads_after_the_count(ptx: str) -> list[str]:
+    return re.findall(r"ld\.global[.\w]*", ptx[ptx.index("atom.global.gpu.acq_rel.add"):])
+
+
+def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
+    """Ahead of time, without a GPU: rope's products are their own mul.rn.f32 (no FMA may skip a rounding), the
+    head's last program counts in with an acq_rel atomic, and after it loads nothing but the partials (.cg, past L1:
+    the positions, slots and cos/sin rows came in before the K loop), unrolled: twice the splits, twice the loads,
+    so that they are in flight together instead of a loop's one split at a time."""
+    ptx = _qkv_rope_ptx(4)
     assert ptx.count("mul.rn.f32") >= 4 and "mul.rn.ftz" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
     assert_semaphore_order(ptx)
+    four = _loads_after_the_count(ptx)
+    assert four and all(".cg" in ld for ld in four)
+    assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
 
 
 def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):

@@ -165,7 +165,7 @@ def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_
     griddepcontrol.wait (the kernels before touched them last); the last split (after its arrival count) pushes what
     it reduced, then polls."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
-                   {**GEMV_FLAGS, "GATE_UP": False, "LAST_REDUCES": True, "SPLIT": True, "ALL_REDUCE": True,
+                   {**GEMV_FLAGS, "GATE_UP": False, "LAST_REDUCES": True, "SPLITS": 2, "ALL_REDUCE": True,
                     "STAGED": False})
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.cv" in ptx and wait < ptx.index("ld.global.cv")
@@ -181,7 +181,7 @@ def test_the_all_reducing_projection_lets_the_next_kernel_in_after_its_loop_or_a
     """EARLY_TRIGGER: griddepcontrol.launch_dependents after the K loop's last mma and before the epilogue's stores;
     without it (TPGRAPH_GEMV_AR_LATE_TRIGGER=1) none at all, so the kernel after becomes resident at this one's exit."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
-                   {**GEMV_FLAGS, "WS": 1, "RANK": 0, "GATE_UP": False, "LAST_REDUCES": False, "SPLIT": False,
+                   {**GEMV_FLAGS, "WS": 1, "RANK": 0, "GATE_UP": False, "LAST_REDUCES": False, "SPLITS": 1,
                     "ALL_REDUCE": True, "STAGED": False, "EARLY_TRIGGER": early})
     assert ("griddepcontrol.launch_dependents" in ptx) == early
     if early:
@@ -204,7 +204,7 @@ def test_the_staged_gate_up_compiles_for_sm90_as_a_plain_projection():
     """The projection after a fused all-reduce has the plain K loop (its x loads pipelined as cp.async like the
     weight's) and no polls at all: it only scales its sums."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
-                   {**GEMV_FLAGS, "GATE_UP": True, "LAST_REDUCES": False, "SPLIT": False, "ALL_REDUCE": False,
+                   {**GEMV_FLAGS, "GATE_UP": True, "LAST_REDUCES": False, "SPLITS": 1, "ALL_REDUCE": False,
                     "STAGED": True})
     assert "ld.global.cv" not in ptx and "ld.volatile" not in ptx
     assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")

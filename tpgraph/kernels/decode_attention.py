@@ -13,9 +13,10 @@ that was 10-100x slower on an H200:
   grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once. Each split in use
   leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one to arrive (or a
   second small kernel) merges. With one split the first kernel writes the output itself;
-- as a programmatic dependent, a program loads its first tile of older K/V rows before it waits for the kernel
-  before (only q and the newest row come from it), so the dependent loads (length -> block table -> K/V) overlap
-  the qkv kernel's tail.
+- as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
+  cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
+  (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
+  newest K and V row as vectors) precedes the first dot.
 
 The launch depends only on shapes and `max_seq_len` (no `.item()`, no host sync), so it can be captured in
 a CUDA graph; `seq_lens` is read on the device only.
@@ -100,13 +101,15 @@ if triton is not None:
         return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
 
     @triton.jit
-    def _load_kv_tile(k_ptr, v_ptr, bt_row, tok, load, kv_h, offs_d, d_ok, stride_cb, stride_ct, stride_ch,
-                      BLOCK_SIZE: tl.constexpr):
-        """K and V rows of tokens `tok` where `load` (zeros elsewhere). Token t lives in cache block
-        block_tables[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE; int64 because block * stride_cb overflows int32
-        on large caches."""
-        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=load, other=0).to(tl.int64)
-        rows = block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+    def _kv_rows(bt_row, tok, ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
+        """The cache offsets of tokens `tok` (where `ok`): token t lives in cache block block_tables[b, t // BLOCK_SIZE]
+        at offset t % BLOCK_SIZE; int64 because block * stride_cb overflows int32 on large caches."""
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        return block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+
+    @triton.jit
+    def _load_kv_rows(k_ptr, v_ptr, rows, load, offs_d, d_ok):
+        """K and V at cache offsets `rows` where `load` (zeros elsewhere)."""
         kv_mask = load[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -171,13 +174,20 @@ if triton is not None:
             tok = start + offs_n
             tok_ok = tok < end
             newest = tok == seq_len - 1
-            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok & ~newest, kv_h, offs_d, d_ok, stride_cb,
-                                 stride_ct, stride_ch, BLOCK_SIZE)
+            rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+            k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok & ~newest, offs_d, d_ok)
+            # the newest row's place is read before the wait too (one dependent load after it, not two), and the row
+            # comes in as one vector: a second [BLOCK_N, D] tile of K and V would cost registers the kernel lacks
+            last = tl.maximum(seq_len - 1, 0)  # (a padded row reads block_tables[b, 0] and loads nothing)
+            has_newest = (seq_len - 1 >= start) & (seq_len - 1 < end)
+            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
+            new_row = block * stride_cb + (last % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
             pdl_enter(PDL)
-            new_k, new_v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok & newest, kv_h, offs_d, d_ok, stride_cb,
-                                         stride_ct, stride_ch, BLOCK_SIZE)
-            k = tl.where(newest[:, None], new_k, k)
-            v = tl.where(newest[:, None], new_v, v)
+            new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
+            new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
+            new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)
+            k = tl.where(newest[:, None], new_k[None, :], k)
+            v = tl.where(newest[:, None], new_v[None, :], v)
             q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
                         other=0.0)
             if INTERPRETED:
@@ -191,8 +201,8 @@ if triton is not None:
             for tile in range(start + BLOCK_N, end, BLOCK_N):
                 tok = tile + offs_n
                 tok_ok = tok < end
-                k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, tok, tok_ok, kv_h, offs_d, d_ok, stride_cb, stride_ct,
-                                     stride_ch, BLOCK_SIZE)
+                rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
                 m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
 

@@ -260,7 +260,7 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                     SPLIT: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
+                     SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
@@ -301,15 +301,15 @@ if triton is not None:
             y = to_dtype(acc, out_ptr.dtype.element_ty, SOFT_BF16)  # fp32 workspace: stored as is
             tile = offs_m[:, None] * stride_om + offs_n[None, :]
             tile_ok = m_ok[:, None] & n_ok[None, :]
-            if ALL_REDUCE and not SPLIT:
+            if ALL_REDUCE and SPLITS == 1:
                 all_reduce_tile(y, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok, N,
                                 slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
-                if arrived_last(counter_ptr + pid, tl.num_programs(1)):  # the last split: every partial is in memory
+                if arrived_last(counter_ptr + pid, SPLITS):  # the last split: every partial is in memory
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                    for s in range(1, tl.num_programs(1)):
+                    for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
                     if ALL_REDUCE:
@@ -327,13 +327,16 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
         _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
-        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel)."""
+        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel).
+        What the last program needs besides the partials (positions, slots, cos/sin rows: written before the step)
+        is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
+        the head's last count the work is one round of loads and the stores, not a chain of dependent loads."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -343,28 +346,43 @@ if triton is not None:
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
+        c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
+                                        stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
                        IEEE, False, PDL, True)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
         head = pid // (HEAD_DIM // BLOCK_N)
-        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * tl.num_programs(1)):
-            _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                       stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, squares, eps,
-                       mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, EXACT_MUL,
-                       STAGED)
+        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
+            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+                       stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
+                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
             reset_counter(counter_ptr + head)
 
     @triton.jit
-    def _rope_head(ws_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N,
-                   stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, squares, eps,
-                   mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
-        """One head of every row: its two halves summed over the splits, then q/k rotated (every op rounded as
-        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them. EXACT_MUL: the
-        kernel keeps FMA contraction on for its projection, which must give the GEMV's bits."""
+    def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The rows' cos and sin halves at their positions (fp32), and their cache row offsets from the slot mapping."""
+        half: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, half)
+        rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
+        pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        return c, sn, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+
+    @triton.jit
+    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os, stride_ch,
+                   stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr):
+        """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
+        they are in flight together), then q/k rotated with the rows' cos/sin (c, sn; every op rounded as
+        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
+        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
+        GEMV's bits."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -374,21 +392,16 @@ if triton is not None:
         at = offs_m[:, None] * N + head * HEAD_DIM + offs_h[None, :]
         t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
         t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        for s in range(1, tl.num_programs(1)):
+        for s in tl.static_range(1, SPLITS):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
         if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
-        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
-        cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         if head < NUM_HEADS + NUM_KV_HEADS:
             x1 = round_to(t1, dtype, SOFT_BF16)  # the qkv output, as the GEMV would have stored it
             x2 = round_to(t2, dtype, SOFT_BF16)
-            pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
-            c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
-            sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
             o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
@@ -543,7 +556,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
-        SPLIT=cfg.split_k > 1, EARLY_TRIGGER=early, **fused, **tile)
+        SPLITS=cfg.split_k, EARLY_TRIGGER=early, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -584,6 +597,6 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], **_staged_args(x, recv),
-        **tile)
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
+        **_staged_args(x, recv), **tile)
     return q
