@@ -137,6 +137,27 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
     assert torch.equal(again, first)
 
 
+@pytest.mark.parametrize("seed", [6, 17, 23])  # query groups of 4, 8, 4: 8, 4, 8 splits a load
+@pytest.mark.parametrize("num_splits", [13, 22])
+def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed, num_splits):
+    """Long contexts: more splits in use than COMBINE_CHUNK (the merge's unrolled loads) and not a multiple of it; the
+    reference, the combine kernel within rounding, and the same bits on a second call."""
+    from tpgraph.kernels.decode_attention import combine_tiles
+
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=2, max_len=1500)
+    lens[0] = 1500  # 24 tiles: every split of the grid in use
+    chunk = combine_tiles(q.shape[1] // k.shape[2])["COMBINE_CHUNK"]
+    assert num_splits > chunk and num_splits % chunk  # a partial last chunk
+    run = dict(max_seq_len=1500, num_splits=num_splits, split_tiles=1)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
+    kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    first = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+    _check(first, paged_decode_reference(q, k, v, bt, lens, scale))
+    torch.testing.assert_close(first, kernel, atol=1e-6, rtol=1e-6)
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_last_split_variant_compiles_for_sm90(pdl):
     """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1; as a
@@ -153,7 +174,8 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
                     "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                     "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
-                    "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl}, num_stages=2)
+                    "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8},
+                   num_stages=2)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)
     if pdl:
@@ -193,12 +215,12 @@ def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constex
 
 
 @pytest.mark.parametrize("split_tiles", [1, 2])
-@pytest.mark.parametrize("num_splits", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 16, 64])
 def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
     """(tokens per split, splits in use) per length: whole tiles, at least split_tiles of them, at most the grid's
     splits, every split in use non-empty and together covering the sequence; a padded row (0 tokens) uses one empty
     split."""
-    lens = [0, 1, 64, 65, 200, 512, 1024, 1025, 5000]
+    lens = [0, 1, 64, 65, 200, 512, 1024, 1025, 4096, 5000, 8192, 32768]
     out = torch.zeros(2 * len(lens), dtype=torch.int32)
     _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
                               SPLIT_TILES=split_tiles)
@@ -209,5 +231,10 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
     if num_splits == 16:  # a 512-token context on a 16-split grid: 8 splits of one tile (or 4 of two), not 16
         assert got[lens.index(512)] == ((64, 8) if split_tiles == 1 else (128, 4))
         assert got[lens.index(5000)] == (320, 16)
+    elif num_splits == 64:  # long sequences: at most MERGE_SPLITS splits until they would pass 8 tiles each
+        assert got[lens.index(512)] == ((64, 8) if split_tiles == 1 else (128, 4))
+        assert got[lens.index(4096)] == (256, 16)
+        assert got[lens.index(8192)] == (512, 16)
+        assert got[lens.index(32768)] == (512, 64)
     else:
         assert all(used == 1 for _, used in got)

@@ -10,9 +10,11 @@ that was 10-100x slower on an H200:
 - the grid has `num_splits` splits per (sequence, KV head), chosen on the host from the batch size, KV heads, the
   static `max_seq_len` and the SM count, so that a small batch still spreads over the GPU. Each program cuts its
   sequence's actual length (read on the device) into at most that many whole-tile pieces, so a short context on a
-  grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once. Each split in use
-  leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one to arrive (or a
-  second small kernel) merges. With one split the first kernel writes the output itself;
+  grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once; a long one is
+  cut into fewer, longer pieces than the grid allows (MERGE_SPLITS), so that merging them costs less than it saves.
+  Each split in use leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one
+  to arrive (or a second small kernel) merges, several splits a load. With one split the first kernel writes the
+  output itself;
 - as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
   cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
   (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
@@ -55,6 +57,15 @@ MAX_SPLITS = 64
 # 2026-12-01_h200_solo, run5/run6): 0.030 ms a step faster at batch 8 than one-tile splits, batch 1 (one-tile splits
 # kept) and 32 unchanged; batches 2-7 were not measured.
 TWO_TILE_PAIRS_DIVISOR = 8
+# A long sequence is cut into at most MERGE_SPLITS splits as long as that keeps them within LONG_SPLIT_TILES tiles,
+# however many splits the grid has (`_split_span`): the last split's merge walks every split in use, and at batch 1
+# and 4K tokens 64 one-tile splits made the merge cost more than the tiles. Measured on an H200 (bench/results/
+# 2026-12-01_h200_critical_path, run5, attention alone, µs): 4K tokens 22.3 with 64 splits, 14.4 with 32, 13.2 with 16;
+# 32K tokens 41.7 / 43.6 / 66.3, so a 32K context keeps 64 eight-tile splits; and the whole TP=1 step at 4K, batch 1,
+# 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid) is unchanged, as is a 512-token context (8 one-tile splits).
+MERGE_SPLITS = 16
+LONG_SPLIT_TILES = 8
+COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
 
@@ -89,15 +100,22 @@ def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
 
 
 if triton is not None:
+    # (module constants a kernel reads must be constexprs)
+    MERGE_SPLITS = tl.constexpr(MERGE_SPLITS)
+    LONG_SPLIT_TILES = tl.constexpr(LONG_SPLIT_TILES)
 
     @triton.jit
     def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
         """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at least SPLIT_TILES
-        of them (min_split_tiles), at most NUM_SPLITS splits, the last one ending at seq_len. A short context on a
-        grid sized for max_model_len then runs a few full splits, and the rest of the grid exits at once (a padded
-        row, seq_len 0, uses one empty split)."""
+        of them (min_split_tiles), at most NUM_SPLITS splits (and MERGE_SPLITS up to LONG_SPLIT_TILES-tile splits),
+        the last one ending at seq_len. A short context on a grid sized for max_model_len then runs a few full
+        splits, and the rest of the grid exits at once (a padded row, seq_len 0, uses one empty split)."""
         per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         per_split = tl.maximum(per_split, SPLIT_TILES * BLOCK_N)
+        # a long sequence: at most MERGE_SPLITS splits while they stay within LONG_SPLIT_TILES tiles, since the last
+        # split's merge walks every split in use (decode_attention's MERGE_SPLITS note)
+        few = tl.cdiv(tl.cdiv(seq_len, MERGE_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.maximum(per_split, tl.minimum(few, LONG_SPLIT_TILES * BLOCK_N))
         return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
 
     @triton.jit
@@ -144,10 +162,11 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
+        GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
-        partials of its whole query group in split order (tpgraph/kernels/_counters.py).
+        partials of its whole query group in split order (_combine_group: GROUP_P2 rows, COMBINE_CHUNK splits a load).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -219,36 +238,49 @@ if triton is not None:
                 if LAST_COMBINES:
                     counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
-                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
-                                       b * stride_pb + heads * stride_ph, stride_ps,
-                                       b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], g_ok, q_mask,
-                                       offs_d, used, GROUP_PAD, HEAD_DIM, DIM_PAD, INTERPRETED)
+                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
+                                       stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,
+                                       COMBINE_CHUNK, INTERPRETED)
                         reset_counter(counter)
 
     @triton.jit
-    def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, part0, stride_ps, out_offs, g_ok, q_mask,
-                       offs_d, used, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph, stride_ps,
+                       stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
                        INTERPRETED: tl.constexpr):
-        """The query group's output from the partials of its `used` splits (at part0 + split * stride_ps), merged
-        in split order: the running max first, then the weighted sums. The same merge as _decode_combine_kernel,
-        summed in sequence where that one sums as a tree: equal within rounding, not bit for bit (both fixed,
-        whatever the arrival order, so graph and eager agree either way)."""
-        m_max = tl.load(part_m_ptr + part0, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        for split in range(1, used):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + split * stride_ps, mask=g_ok,
-                                              other=float("-inf"), cache_modifier=".cg"))
+        """The query group's output from the partials of its `used` splits (at b * stride_pb + head * stride_ph +
+        split * stride_ps), merged in split order: the running max first, then the weighted sums. This runs after the
+        last split's count, on the step's critical path, so each pass walks the splits CHUNK at a time, unrolled: the
+        chunk's loads are independent and in flight together, where a plain loop waited out one L2 round trip per
+        split (64 splits at 4K tokens). The same merge as _decode_combine_kernel, summed in sequence where that one
+        sums as a tree: equal within rounding, not bit for bit (both fixed, whatever the arrival order, so graph and
+        eager agree either way)."""
+        offs_g = tl.arange(0, GROUP_P2)
+        g_ok = offs_g < GROUP
+        part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        m_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        for c0 in range(0, used, CHUNK):
+            for j in tl.static_range(CHUNK):
+                ok = tl.where(c0 + j < used, g_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
+                m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + (c0 + j) * stride_ps, mask=ok,
+                                                  other=float("-inf"), cache_modifier=".cg"))
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
-        l_total = tl.zeros_like(m_max)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for split in range(used):
-            part = part0 + split * stride_ps
-            w = tl.exp2(tl.load(part_m_ptr + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
-            l_total += tl.load(part_l_ptr + part, mask=g_ok, other=0.0, cache_modifier=".cg") * w
-            acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0,
-                           cache_modifier=".cg") * w[:, None]
+        l_total = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+        for c0 in range(0, used, CHUNK):
+            for j in tl.static_range(CHUNK):
+                part = part0 + (c0 + j) * stride_ps
+                ok = tl.where(c0 + j < used, g_ok, False)  # splits past `used`: weight 0, adding zeros
+                w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_max)
+                l_total += tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg") * w[:, None]
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
-        tl.store(out_ptr + out_offs, to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED),
-                 mask=q_mask)
+        tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                 to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=g_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _decode_combine_kernel(
@@ -278,6 +310,13 @@ if triton is not None:
         out = tl.sum(acc * w[:, None], axis=0) / l_total
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED),
                  mask=d_ok)
+
+
+def combine_tiles(group: int) -> dict:
+    """The last split's merge (_combine_group): the query group to a power of two, and COMBINE_ROWS // that many
+    splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
+    group_p2 = triton.next_power_of_2(group)
+    return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, COMBINE_ROWS // group_p2))
 
 
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -331,7 +370,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
+        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:

@@ -1,0 +1,366 @@
+"""Paged decode attention, GQA-grouped and split over the context (flash-decoding).
+
+`paged_decode_attention_v2` computes the same thing as `paged_decode.paged_decode_reference` (its
+plain-torch definition and test oracle). It replaced a kernel with one program per (sequence, query head)
+that was 10-100x slower on an H200:
+
+- one program per (sequence, KV head, KV split) serves the KV head's whole query group, so each K/V row
+  is read once per KV head rather than once per query head, and scores and P @ V are `tl.dot` tiles of
+  [group, BLOCK_N] tokens;
+- the grid has `num_splits` splits per (sequence, KV head), chosen on the host from the batch size, KV heads, the
+  static `max_seq_len` and the SM count, so that a small batch still spreads over the GPU. Each program cuts its
+  sequence's actual length (read on the device) into at most that many whole-tile pieces, so a short context on a
+  grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once. Each split in use
+  leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one to arrive (or a
+  second small kernel) merges. With one split the first kernel writes the output itself;
+- as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
+  cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
+  (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
+  newest K and V row as vectors) precedes the first dot.
+
+The launch depends only on shapes and `max_seq_len` (no `.item()`, no host sync), so it can be captured in
+a CUDA graph; `seq_lens` is read on the device only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels._pdl import pdl_launch, use_pdl
+from tpgraph.kernels._rounding import soft_bf16_rounding
+
+try:
+    import triton
+    import triton.language as tl
+
+    from tpgraph.kernels._counters import arrived_last, reset_counter
+    from tpgraph.kernels._pdl import pdl_enter
+    from tpgraph.kernels._rounding import to_dtype
+except ImportError:  # CPU-only installs without Triton use paged_decode_reference
+    triton = None
+
+BLOCK_N = 64  # context tokens per tile
+# Split heuristic, tuned on an H200 (bf16, D 128, block 16): about three programs per SM, splits of at least
+# one tile, at most 64. Against the best split count found by sweeping, it is within ~10% from 1 to 256
+# sequences and 512 to 32K tokens.
+PROGRAMS_PER_SM = 3
+MIN_SPLIT_TOKENS = BLOCK_N
+MAX_SPLITS = 64
+# Once (sequence, KV head) pairs x TWO_TILE_PAIRS_DIVISOR reach the SM count (batch 5 and up at 4 KV heads on an
+# H200's 132 SMs), splits are at least two tiles: one-tile splits of a 512-token context would already fill the GPU,
+# and each split pays its partial's store, count and merge. Measured in the whole decode step (bench/results/
+# 2026-12-01_h200_solo, run5/run6): 0.030 ms a step faster at batch 8 than one-tile splits, batch 1 (one-tile splits
+# kept) and 32 unchanged; batches 2-7 were not measured.
+TWO_TILE_PAIRS_DIVISOR = 8
+COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
+CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms_for(device: torch.device) -> int:
+    """Streaming multiprocessors on `device` (a fixed stand-in off CUDA)."""
+    if device.type != "cuda":
+        return CPU_NUM_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits per (sequence, KV head) in the grid: enough programs for about PROGRAMS_PER_SM per SM, at most
+    MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
+    actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
+    empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
+    tile is loaded before the programmatic wait, the rest after it)."""
+    programs = max(1, batch * kv_heads)
+    want = -(-PROGRAMS_PER_SM * num_sms // programs)
+    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
+    """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
+    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs."""
+    return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+        """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at least SPLIT_TILES
+        of them (min_split_tiles), at most NUM_SPLITS splits, the last one ending at seq_len. A short context on a
+        grid sized for max_model_len then runs a few full splits, and the rest of the grid exits at once (a padded
+        row, seq_len 0, uses one empty split)."""
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.maximum(per_split, SPLIT_TILES * BLOCK_N)
+        return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
+
+    @triton.jit
+    def _kv_rows(bt_row, tok, ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
+        """The cache offsets of tokens `tok` (where `ok`): token t lives in cache block block_tables[b, t // BLOCK_SIZE]
+        at offset t % BLOCK_SIZE; int64 because block * stride_cb overflows int32 on large caches."""
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        return block * stride_cb + (tok % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+
+    @triton.jit
+    def _load_kv_rows(k_ptr, v_ptr, rows, load, offs_d, d_ok):
+        """K and V at cache offsets `rows` where `load` (zeros elsewhere)."""
+        kv_mask = load[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_dtype, DOT_PRECISION: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+        """One tile of the online softmax: (m, l, acc) updated with the tile's scores and P @ V."""
+        if INTERPRETED:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        # The tile holds at least one valid token, so m_new is finite and no exp sees inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_lo = to_dtype(p, v_dtype, INTERPRETED)  # P @ V in the cache dtype, as FA does
+        if INTERPRETED:
+            p_lo = p_lo.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        counter_ptr, qk_scale,
+        stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
+        GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+    ):
+        """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
+        counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
+        partials of its whole query group in split order (_combine_group: GROUP_P2 rows, COMBINE_CHUNK splits a load).
+
+        As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
+        before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
+        store). Sequence lengths and block tables were copied in before the step's first kernel, and older cache
+        rows by earlier steps; every kernel waits before it lets the next one in, so all but the one before are
+        done when a program starts."""
+        b = tl.program_id(0).to(tl.int64)
+        kv_h = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + b)
+        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES)
+        if split < used:
+            start = split * per_split
+            end = tl.minimum(start + per_split, seq_len)
+            offs_g = tl.arange(0, GROUP_PAD)
+            g_ok = offs_g < GROUP  # rows past the group are padding so that tl.dot gets M >= 16
+            heads = kv_h * GROUP + offs_g
+            offs_d = tl.arange(0, DIM_PAD)
+            d_ok = offs_d < HEAD_DIM
+            q_mask = g_ok[:, None] & d_ok[None, :]
+            offs_n = tl.arange(0, BLOCK_N)
+            bt_row = block_tables_ptr + b * stride_bt
+
+            tok = start + offs_n
+            tok_ok = tok < end
+            newest = tok == seq_len - 1
+            rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+            k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok & ~newest, offs_d, d_ok)
+            # the newest row's place is read before the wait too (one dependent load after it, not two), and the row
+            # comes in as one vector: a second [BLOCK_N, D] tile of K and V would cost registers the kernel lacks
+            last = tl.maximum(seq_len - 1, 0)  # (a padded row reads block_tables[b, 0] and loads nothing)
+            has_newest = (seq_len - 1 >= start) & (seq_len - 1 < end)
+            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
+            new_row = block * stride_cb + (last % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+            pdl_enter(PDL)
+            new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
+            new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
+            new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)
+            k = tl.where(newest[:, None], new_k[None, :], k)
+            v = tl.where(newest[:, None], new_v[None, :], v)
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
+                        other=0.0)
+            if INTERPRETED:
+                q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
+            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            if start < end:  # (a padded row's one split is empty)
+                m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                                             DOT_PRECISION, INTERPRETED)
+            for tile in range(start + BLOCK_N, end, BLOCK_N):
+                tok = tile + offs_n
+                tok_ok = tok < end
+                rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
+                m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                                             DOT_PRECISION, INTERPRETED)
+
+            if NUM_SPLITS == 1:
+                l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
+                out = acc / l_safe[:, None]
+                out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
+            else:
+                part = b * stride_pb + heads * stride_ph + split * stride_ps
+                tl.store(part_m_ptr + part, m_i, mask=g_ok)
+                tl.store(part_l_ptr + part, l_i, mask=g_ok)
+                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+                if LAST_COMBINES:
+                    counter = counter_ptr + b * tl.num_programs(1) + kv_h
+                    if arrived_last(counter, used):
+                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
+                                       stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,
+                                       COMBINE_CHUNK, INTERPRETED)
+                        reset_counter(counter)
+
+    @triton.jit
+    def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph, stride_ps,
+                       stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+        """The query group's output from the partials of its `used` splits (at b * stride_pb + head * stride_ph +
+        split * stride_ps), merged in split order: the running max first, then the weighted sums. This runs after the
+        last split's count, on the step's critical path, so each pass walks the splits CHUNK at a time, unrolled: the
+        chunk's loads are independent and in flight together, where a plain loop waited out one L2 round trip per
+        split (64 splits at 4K tokens). The same merge as _decode_combine_kernel, summed in sequence where that one
+        sums as a tree: equal within rounding, not bit for bit (both fixed, whatever the arrival order, so graph and
+        eager agree either way)."""
+        offs_g = tl.arange(0, GROUP_P2)
+        g_ok = offs_g < GROUP
+        part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        m_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        for c0 in range(0, used, CHUNK):
+            for j in tl.static_range(CHUNK):
+                ok = tl.where(c0 + j < used, g_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
+                m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + (c0 + j) * stride_ps, mask=ok,
+                                                  other=float("-inf"), cache_modifier=".cg"))
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
+        l_total = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+        for c0 in range(0, used, CHUNK):
+            for j in tl.static_range(CHUNK):
+                part = part0 + (c0 + j) * stride_ps
+                ok = tl.where(c0 + j < used, g_ok, False)  # splits past `used`: weight 0, adding zeros
+                w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_max)
+                l_total += tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg") * w[:, None]
+        l_total = tl.where(l_total == 0.0, 1.0, l_total)
+        tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                 to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _decode_combine_kernel(
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
+        stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_enter(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_ok = offs_s < used  # the splits past them wrote nothing
+        part = b * stride_pb + h * stride_ph + offs_s * stride_ps
+        m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+        l_part = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights 0, not NaN
+        w = tl.exp2(m - m_max)
+        l_total = tl.sum(l_part * w, axis=0)
+        l_total = tl.where(l_total == 0.0, 1.0, l_total)
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / l_total
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=d_ok)
+
+
+def combine_tiles(group: int) -> dict:
+    """The last split's merge (_combine_group): the query group to a power of two, and COMBINE_ROWS // that many
+    splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
+    group_p2 = triton.next_power_of_2(group)
+    return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, COMBINE_ROWS // group_p2))
+
+
+def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                              max_seq_len: int, num_splits: int | None = None,
+                              split_tiles: int | None = None) -> torch.Tensor:
+    """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
+    block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
+
+    max_seq_len: the static bound on seq_lens that sizes the split grid (each program splits its sequence's actual
+    length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
+    split_tiles `min_split_tiles`.
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
+    batch, num_heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % kv_heads or k_cache.shape[3] != dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("K and V caches must share a layout with a contiguous head_dim")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    group = num_heads // kv_heads
+    num_sms = num_sms_for(q.device)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms)
+    num_splits = max(1, int(num_splits))
+    split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    interpreted = soft_bf16_rounding(q)
+    dim_pad = triton.next_power_of_2(dim)
+    if num_splits > 1:
+        part_acc = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:  # placeholders, not touched when NUM_SPLITS == 1
+        part_acc = part_m = part_l = out
+    part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
+    last_combines = num_splits > 1 and last_split_reduces()
+    counters = split_counters(q.device, batch * kv_heads) if last_combines else out
+    pdl = use_pdl(q)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
+        # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
+        num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
+    )
+    if num_splits > 1 and not last_combines:
+        _decode_combine_kernel[(batch, num_heads)](
+            part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_N=BLOCK_N, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, num_warps=4,
+            enable_fp_fusion=True, **pdl_launch(pdl),
+        )
+    return out
