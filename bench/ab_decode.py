@@ -1,0 +1,168 @@
+"""Whole decode steps, A against B: package trees (this checkout's, a revision's) and environment settings, each run
+its own `bench_decode.py` process, the variants alternating round by round, so that the machine's drift between
+device calls (0.02 ms a step was seen, bench/results/2026-12-01_h200_critical_path) never enters a comparison.
+
+    # here, before the device call: a revision's package, unpacked where the device copy will carry it
+    python bench/ab_decode.py --prepare HEAD ab/head
+    # on the device (the checkout built): two rounds of new against HEAD, and new with a setting changed
+    python bench/ab_decode.py --out OUT --rounds 2 --nproc 1 --variant new=. --variant old=ab/head \\
+        --variant nolr=.:TPGRAPH_LAST_SPLIT_REDUCES=0 -- --shape llama3-8b-half --modes full --batches 1,8,32 \\
+        --no-ladders --allreduce custom+gemv+overlap --steps 100
+
+A variant is LABEL=DIR[:NAME=VALUE,...]: DIR holds the `tpgraph` package to import (put first on PYTHONPATH; the
+built extension is copied into it where it lacks one), and the settings are added to that variant's environment.
+The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
+OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
+against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench" / "bench_decode.py"  # this checkout's benchmark runs every variant's package
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    tree: Path  # holds the tpgraph package
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_variant(text: str) -> Variant:
+    """LABEL=DIR[:NAME=VALUE,...] -> Variant; a clear error for anything else."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label or not rest:
+        raise argparse.ArgumentTypeError(f"a variant is LABEL=DIR[:NAME=VALUE,...], got {text!r}")
+    if not label.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"variant label {label!r}: letters, digits, - and _ only (it names files)")
+    tree, _, settings = rest.partition(":")
+    env = {}
+    for item in filter(None, settings.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"variant {label!r}: a setting is NAME=VALUE, got {item!r}")
+        env[name] = value
+    return Variant(label, Path(tree), env)
+
+
+def prepare(rev: str, dest: Path) -> None:
+    """`git archive` rev's tpgraph package into dest/tpgraph (dest must not exist yet)."""
+    if dest.exists():
+        raise SystemExit(f"{dest} exists: remove it or pick another folder")
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "tpgraph"], capture_output=True, check=False)
+    if archive.returncode:
+        shutil.rmtree(dest)
+        raise SystemExit(f"git archive {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    print(f"{rev}'s tpgraph package is in {dest}: pass --variant LABEL={dest} on the device")
+
+
+def with_extension(tree: Path) -> None:
+    """A prepared tree has no built extension: copy this checkout's (built on the device before the runs)."""
+    if tree.resolve() == REPO or any((tree / "tpgraph").glob("_C*.so")):
+        return
+    built = sorted((REPO / "tpgraph").glob("_C*.so"))
+    if not built:
+        raise SystemExit("no tpgraph/_C*.so in this checkout: build it first (pip install --no-build-isolation -e .)")
+    shutil.copy2(built[0], tree / "tpgraph" / built[0].name)
+
+
+def run_command(variant: Variant, nproc: int, bench_args: list[str], out: Path) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment of one run."""
+    env = {**os.environ, **variant.env, "PYTHONPATH": os.pathsep.join(
+        [str(variant.tree.resolve()), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           str(BENCH), *bench_args, "--out", str(out)]
+    return cmd, env
+
+
+def tpots(result: dict) -> dict[str, float]:
+    """'entry mode bs N' -> TPOT ms, from one bench_decode.py JSON."""
+    return {f"{r['allreduce']} {r['mode']} bs {r['batch']}": r["tpot_ms"] for r in result["tpot"]}
+
+
+def table(runs: dict[str, list[dict[str, float]]]) -> str:
+    """Markdown: one row per point (entry, mode, batch), per variant the median over its rounds and the rounds, and
+    each variant's change against the first one's median."""
+    labels = list(runs)
+    points = list(dict.fromkeys(p for rounds in runs.values() for r in rounds for p in r))
+    head = ["point", *(f"{label} (ms)" for label in labels), *(f"{label} - {labels[0]}" for label in labels[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in points:
+        medians = {lb: statistics.median(v) if (v := [r[p] for r in runs[lb] if p in r]) else None for lb in labels}
+        cells = [p]
+        for lb in labels:
+            got = [f"{r[p]:.3f}" for r in runs[lb] if p in r]
+            cells.append(f"{medians[lb]:.3f} ({' / '.join(got)})" if got else "-")
+        for lb in labels[1:]:
+            base, m = medians[labels[0]], medians[lb]
+            cells.append(f"{m - base:+.3f}" if base is not None and m is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepare", nargs=2, metavar=("REV", "DIR"), help="unpack REV's package into DIR and stop")
+    p.add_argument("--variant", action="append", type=parse_variant, default=[], help="LABEL=DIR[:NAME=VALUE,...]")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="ranks of every run (torchrun --nproc-per-node)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare[0], Path(args.prepare[1]))
+        return
+    if len(args.variant) < 2 or args.out is None:
+        p.error("give --out and at least two --variant (or --prepare REV DIR)")
+    if len({v.label for v in args.variant}) != len(args.variant):
+        p.error("variant labels must differ")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if "--out" in bench_args:
+        p.error("--out after -- is set per run here; leave it out")
+    for v in args.variant:
+        if not (v.tree / "tpgraph" / "__init__.py").is_file():
+            p.error(f"variant {v.label}: {v.tree} holds no tpgraph package (bench/ab_decode.py --prepare REV DIR)")
+        with_extension(v.tree)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, float]]] = {v.label: [] for v in args.variant}
+    for k in range(args.rounds):
+        for v in args.variant:
+            out = args.out / f"{v.label}_r{k + 1}.json"
+            cmd, env = run_command(v, args.nproc, bench_args, out)
+            print(f"== round {k + 1}, {v.label}", flush=True)
+            try:
+                done = subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
+            except subprocess.TimeoutExpired:
+                print(f"   {v.label} round {k + 1}: past {args.timeout:.0f} s, left out", flush=True)
+                continue
+            if done.returncode or not out.is_file():
+                print(f"   {v.label} round {k + 1}: exit {done.returncode}, left out", flush=True)
+                continue
+            runs[v.label].append(tpots(json.loads(out.read_text())))
+    text = table(runs)
+    print(text)
+    (args.out / "ab.md").write_text(text + "\n")
+    (args.out / "ab.json").write_text(json.dumps({
+        "variants": [{"label": v.label, "tree": str(v.tree), "env": v.env} for v in args.variant],
+        "bench_args": bench_args, "nproc": args.nproc, "tpot_ms": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""bench/ab_decode.py's pure parts: variants, the run command, the table, --prepare, and its refusals."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ab():
+    return load_bench_module("ab_decode")
+
+
+def test_a_variant_is_a_label_a_tree_and_settings(ab):
+    v = ab.parse_variant("nolr=ab/head:TPGRAPH_LAST_SPLIT_REDUCES=0,TPGRAPH_PDL_PREFETCH_MB=4")
+    assert (v.label, v.tree, v.env) == ("nolr", Path("ab/head"),
+                                        {"TPGRAPH_LAST_SPLIT_REDUCES": "0", "TPGRAPH_PDL_PREFETCH_MB": "4"})
+    assert ab.parse_variant("new=.") == ab.Variant("new", Path("."), {})
+
+
+@pytest.mark.parametrize("text", ["new", "=.", "new=", "a/b=.", "x=.:NOVALUE", "x=.:=1"])
+def test_a_malformed_variant_is_refused_with_the_form(ab, text):
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL=DIR|label|NAME=VALUE"):
+        ab.parse_variant(text)
+
+
+def test_each_run_imports_its_variants_tree_with_its_settings(ab, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    v = ab.Variant("old", tmp_path, {"TPGRAPH_TRITON_PDL": "0"})
+    cmd, env = ab.run_command(v, 2, ["--batches", "1,8"], tmp_path / "old_r1.json")
+    assert env["PYTHONPATH"].split(":")[0] == str(tmp_path.resolve()) and env["PYTHONPATH"].endswith("/elsewhere")
+    assert env["TPGRAPH_TRITON_PDL"] == "0"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[-4:] == ["--batches", "1,8", "--out", str(tmp_path / "old_r1.json")]
+    assert Path(cmd[cmd.index("--nproc-per-node") + 2]) == REPO / "bench" / "bench_decode.py"
+
+
+FAKE_BENCH = """
+import json, os, sys
+import marker  # from the variant's tree: which tree this run imported
+out = sys.argv[sys.argv.index("--out") + 1]
+fail = os.environ.get("FAKE_FAIL") == "1"
+if not fail:
+    ms = marker.MS + float(os.environ.get("FAKE_EXTRA", "0"))
+    json.dump({"tpot": [{"allreduce": "custom", "mode": "full", "batch": 1, "tpot_ms": ms}]}, open(out, "w"))
+"""
+
+
+def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypatch):
+    """End to end through torchrun with a stand-in benchmark: each variant imports its own tree with its settings,
+    a run that fails is left out (and said), and ab.md / ab.json hold the rest."""
+    trees = {}
+    for label, ms in (("a", 2.0), ("b", 3.0)):
+        trees[label] = tmp_path / label
+        (trees[label] / "tpgraph").mkdir(parents=True)
+        (trees[label] / "tpgraph" / "__init__.py").write_text("")
+        (trees[label] / "tpgraph" / "_C.fake.so").write_text("")  # stands in for the built extension
+        (trees[label] / "marker.py").write_text(f"MS = {ms}\n")
+    (tmp_path / "bench.py").write_text(FAKE_BENCH)
+    monkeypatch.setattr(ab, "BENCH", tmp_path / "bench.py")
+    out = tmp_path / "out"
+    ab.main(["--out", str(out), "--rounds", "2", "--variant", f"a={trees['a']}",
+             "--variant", f"b={trees['b']}:FAKE_EXTRA=0.5", "--variant", f"c={trees['a']}:FAKE_FAIL=1",
+             "--", "--batches", "1"])
+    lines = (out / "ab.md").read_text().splitlines()
+    assert lines[2] == "| custom full bs 1 | 2.000 (2.000 / 2.000) | 3.500 (3.500 / 3.500) | - | +1.500 | - |"
+    assert sorted(p.name for p in out.glob("*_r*.json")) == ["a_r1.json", "a_r2.json", "b_r1.json", "b_r2.json"]
+
+
+def test_the_table_gives_medians_rounds_and_the_change_against_the_first(ab):
+    result = {"tpot": [{"allreduce": "custom+gemv", "mode": "full", "batch": 1, "tpot_ms": 2.6},
+                       {"allreduce": "custom+gemv", "mode": "full", "batch": 8, "tpot_ms": 2.9}]}
+    new = ab.tpots(result)
+    assert new == {"custom+gemv full bs 1": 2.6, "custom+gemv full bs 8": 2.9}
+    runs = {"new": [new, {"custom+gemv full bs 1": 2.5}],
+            "old": [{"custom+gemv full bs 1": 2.7, "custom+gemv full bs 8": 3.0}]}
+    lines = ab.table(runs).splitlines()
+    assert lines[0] == "| point | new (ms) | old (ms) | old - new |"
+    assert lines[2] == "| custom+gemv full bs 1 | 2.550 (2.600 / 2.500) | 2.700 (2.700) | +0.150 |"
+    assert lines[3] == "| custom+gemv full bs 8 | 2.900 (2.900) | 3.000 (3.000) | +0.100 |"
+    assert ab.table({"new": [new], "old": []}).splitlines()[2].endswith("| - | - |")  # a variant with no run
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "bench" / "ab_decode.py"), *args], capture_output=True,
+                          text=True, cwd=REPO)
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--out", "x", "--variant", "a=."], "at least two"),
+    (["--out", "x", "--variant", "a=.", "--variant", "a=."], "labels must differ"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out", "y"], "set per run"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=no/such/tree"], "holds no tpgraph package"),
+])
+def test_mistakes_are_refused_before_anything_runs(args, reason, tmp_path):
+    done = _main(*[str(tmp_path / a) if a in ("x", "y") else a for a in args])
+    assert done.returncode == 2 and reason in done.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_prepare_unpacks_a_revisions_package(tmp_path):
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    done = _main("--prepare", "HEAD", str(tmp_path / "head"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "head" / "tpgraph" / "__init__.py").is_file()
+    assert (tmp_path / "head" / "tpgraph" / "kernels" / "gemv.py").is_file()
+    again = _main("--prepare", "HEAD", str(tmp_path / "head"))
+    assert again.returncode != 0 and "exists" in again.stderr
+    bad = _main("--prepare", "no-such-revision", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "git archive no-such-revision" in bad.stderr and not (tmp_path / "bad").exists()
