@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -44,6 +44,14 @@ for step in "$@"; do
              --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
              --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
+    ab) # whole steps of package trees / settings, alternating processes (bench/ab_decode.py; prepare the trees
+         # before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant arguments, e.g.
+         # "--variant new=. --variant old=ab/head"; AB_ROUNDS (2), AB_ENTRY (custom+gemv+overlap), AB_CONTEXT (512),
+         # SHAPE as for overlap
+         timeout 560 python3 bench/ab_decode.py --out "$out/ab" --nproc $NPROC --rounds "${AB_ROUNDS:-2}" \
+             ${AB_VARIANTS:?set AB_VARIANTS to the --variant arguments} -- --shape "${SHAPE:-llama3-8b}" --modes full \
+             --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+             --context "${AB_CONTEXT:-512}" --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab.log" ;;
     solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel, opt-in
          # like at TP > 1): the kernel tests (ws 1-3 on this GPU), HF parity with it on, then decode steps with
          # it off and on, interleaved (SHAPE as for overlap), and the profile of both
