@@ -38,3 +38,14 @@ def test_the_wait_comes_first_and_the_next_kernel_is_let_in_after_it(kernel, pdl
     wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert wait < trigger < ptx.index("ld.global")
     assert ptx.count("griddepcontrol.wait") == 1
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_norm_loads_its_weight_with_its_input(residual):
+    """Every load of the add + RMSNorm kernel is issued before the row sum's barrier: the weight comes in with x and
+    the residual, not after the sum (a second round trip on a kernel that runs at every layer boundary)."""
+    module, name, typed, scalars, constexprs = NORM
+    ptx = sm90_ptx(module, name, typed, scalars, {**constexprs, "HAS_RESIDUAL": residual, "PDL": True}, num_warps=8)
+    barrier = ptx.index("bar.sync")
+    assert ptx[barrier:].count("ld.global") == 0
+    assert ptx[:barrier].count("ld.global") >= (3 if residual else 2)

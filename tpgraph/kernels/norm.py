@@ -57,6 +57,8 @@ if triton is not None:
         mask = offs < hidden
         dtype = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        # the weight with x: loaded after the sum's barrier, it was a second round trip after the wait
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             x = round_to(x + r, dtype, SOFT_BF16)  # eager `x + residual` is rounded to the dtype
@@ -68,9 +70,8 @@ if triton is not None:
         else:
             var = total * mean_scale
         normed = round_to(x * tl.rsqrt(var + eps), dtype, SOFT_BF16)  # HF casts back before the weight
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         out_dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row * stride_o + offs, to_dtype(w * normed, out_dtype, SOFT_BF16), mask=mask)
+        tl.store(out_ptr + row * stride_o + offs, to_dtype(w.to(tl.float32) * normed, out_dtype, SOFT_BF16), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
