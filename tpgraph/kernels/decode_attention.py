@@ -197,10 +197,8 @@ if triton is not None:
             k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok & ~newest, offs_d, d_ok)
             # the newest row's place is read before the wait too (one dependent load after it, not two), and the row
             # comes in as one vector: a second [BLOCK_N, D] tile of K and V would cost registers the kernel lacks
-            last = tl.maximum(seq_len - 1, 0)  # (a padded row reads block_tables[b, 0] and loads nothing)
             has_newest = (seq_len - 1 >= start) & (seq_len - 1 < end)
-            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
-            new_row = block * stride_cb + (last % BLOCK_SIZE).to(tl.int64) * stride_ct + kv_h * stride_ch
+            new_row = _kv_rows(bt_row, seq_len - 1, has_newest, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
             pdl_enter(PDL)
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
