@@ -110,6 +110,8 @@ def test_prepare_unpacks_a_revisions_package(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "head" / "tpgraph" / "__init__.py").is_file()
     assert (tmp_path / "head" / "tpgraph" / "kernels" / "gemv.py").is_file()
+    # its tables beside it, where thresholds.config_dir looks for a package's configs
+    assert (tmp_path / "head" / "configs" / "gemv" / "sm90.json").is_file()
     again = _main("--prepare", "HEAD", str(tmp_path / "head"))
     assert again.returncode != 0 and "exists" in again.stderr
     bad = _main("--prepare", "no-such-revision", str(tmp_path / "bad"))
