@@ -63,9 +63,11 @@ def chains(m: int, weights: list[dict], device: torch.device):
 
     def fused(i: int) -> None:
         w = weights[i]
-        got = gemv.linear_all_reduce_norm(attn, w["o"], channel, residual, norm_w, EPS)
+        # the residuals predate the projections' inputs, as in the model (read before the PDL wait)
+        got = gemv.linear_all_reduce_norm(attn, w["o"], channel, residual, norm_w, EPS, residual_early=True)
         act = gemv.gate_up_silu(got, w["gate_up"])
-        got = gemv.linear_all_reduce_norm(act, w["down"], channel, got.residual_out, norm_w, EPS)
+        got = gemv.linear_all_reduce_norm(act, w["down"], channel, got.residual_out, norm_w, EPS,
+                                          residual_early=True)
         qkv(got, w["qkv"])
 
     return plain, fused

@@ -126,6 +126,33 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     shapes = {(n, k, m) for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (64128, 4096))
               for m in (1, 8)}
     assert set(_tuned(str(path))) == shapes
+    # the epilogue's own tiles for down at one row, chosen by whole steps with the fused epilogue
+    assert set(_tuned(str(path), "epilogue")) <= shapes
+
+
+def test_epilogue_entries_take_precedence_at_their_rows_only(tmp_path):
+    """A projection with the all-reduce in its epilogue takes the "epilogue" entry with the largest M not above its
+    rows, unless "best" has a larger one still; the plain projection never sees the epilogue entries; a table
+    without the section serves both from "best"."""
+    from tpgraph.errors import ConfigError
+
+    def fields(block_n: int, split_k: int) -> dict:
+        return {"block_n": block_n, "block_k": 128, "num_warps": 4, "num_stages": 4, "split_k": split_k}
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"best": {"4096,7168,1": fields(32, 2), "4096,7168,8": fields(64, 2)},
+                                "epilogue": {"4096,7168,1": fields(32, 4)}}))
+    assert tiles(4096, 7168, 1, path) == GemvConfig(32, 128, 4, 4, 2)
+    assert tiles(4096, 7168, 1, path, epilogue=True) == GemvConfig(32, 128, 4, 4, 4)
+    assert tiles(4096, 7168, 7, path, epilogue=True) == GemvConfig(32, 128, 4, 4, 4)
+    assert tiles(4096, 7168, 8, path, epilogue=True) == GemvConfig(64, 128, 4, 4, 2)  # best's M=8 entry is larger
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"best": {"4096,7168,1": fields(32, 2)}}))
+    assert tiles(4096, 7168, 1, plain, epilogue=True) == GemvConfig(32, 128, 4, 4, 2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"best": {}, "epilogue": []}))
+    with pytest.raises(ConfigError, match="bench_gemv.py --sweep"):
+        tiles(4096, 7168, 1, bad, epilogue=True)
 
 
 @interpreted
@@ -220,6 +247,9 @@ def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
     assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 1
     monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "24")
     assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 16
+    monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "4096x2048:24")
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 5), 4096, 2048, 2) == 16
+    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2) == 1
 
 
 def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
@@ -376,3 +406,12 @@ def test_the_prefetch_budget_setting(monkeypatch):
     monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "lots")
     with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
         prefetch_budget()
+    # per weight shape: the named shapes get theirs, the others the default
+    monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", "4096x2048:17/ 3072x4096:0.5")
+    assert prefetch_budget(4096, 2048) == 17 << 20
+    assert prefetch_budget(3072, 4096) == 1 << 19
+    assert prefetch_budget(14336, 4096) == prefetch_budget() == PREFETCH_BUDGET
+    for bad in ("4096:17", "4096x2048:many", "ax2048:1"):
+        monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", bad)
+        with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
+            prefetch_budget(4096, 2048)

@@ -52,10 +52,12 @@ class Ranks:
         """Each rank's partial sums, as its projection computes them (the same kernel and tiles)."""
         return [linear_small_m(x, w, use_triton=True, config=cfg) for x, w in zip(xs, self.w_row, strict=True)]
 
-    def boundary(self, xs, residual, cfg):
-        """Every rank's projection with the all-reduce in its epilogue -> each rank's ReducedNorm."""
+    def boundary(self, xs, residual, cfg, residual_early=False):
+        """Every rank's projection with the all-reduce in its epilogue -> each rank's ReducedNorm. residual_early:
+        the residual was written before xs (the caller's promise; the kernel then reads it before its PDL wait)."""
         run = [lambda r=r: linear_all_reduce_norm(xs[r], self.w_row[r], self.channels[r], residual, self.norm_w,
-                                                  EPS, use_triton=True, config=cfg) for r in range(self.ws)]
+                                                  EPS, residual_early=residual_early, use_triton=True, config=cfg)
+               for r in range(self.ws)]
         if self.ws == 1:
             return [run[0]()]
         # one at a time: the later ranks' tiles are put where their pushes would land, and the pushes that then land
@@ -95,7 +97,8 @@ def assert_armed_and_advanced(ranks: Ranks, boundaries: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device, world_size):
     """Seven boundaries (more than the 3 phases; rows changing), split-K and not, each taken by one of the three
-    consumers: the gate_up projection, the qkv + rope projection, and the plain norm (materialize). The new residual
+    consumers: the gate_up projection, the qkv + rope projection, and the plain norm (materialize), every other one
+    with the residual read before the PDL wait (written before the inputs, as in the model). The new residual
     is the unfused one bit for bit on every rank, the materialized norm is the unfused add + RMSNorm's bits, and the
     projections are within bf16 rounding of the unfused sequence."""
     dtype = torch.bfloat16
@@ -103,15 +106,15 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device,
     rows_each = [3, 1, 5, 2, 16, 4, 1]
     consumers = ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv"]
     for step, (rows, consumer) in enumerate(zip(rows_each, consumers, strict=True)):
+        residual = ranks.rnd(rows, HIDDEN, scale=1.0)  # before xs: the early read's promise
         xs = [ranks.rnd(rows, KIN, scale=1.0) for _ in range(world_size)]
-        residual = ranks.rnd(rows, HIDDEN, scale=1.0)
         cfg = GemvConfig(16, 32, 4, 2, 1) if step % 2 else GemvConfig(32, 32, 4, 2, 2)  # split-K: the last split
         parts = ranks.partials(xs, cfg)
         total = parts[0].float()
         for p in parts[1:]:
             total += p.float()
         normed, new_residual = add_rms_norm(total.to(dtype), residual, ranks.norm_w, EPS, use_triton=True)
-        reduced = ranks.boundary(xs, residual, cfg)
+        reduced = ranks.boundary(xs, residual, cfg, residual_early=step % 2 == 0)
         for r, got in enumerate(reduced):
             assert got is not None
             assert torch.equal(got.residual_out, new_residual), f"step {step} rank {r}"
@@ -157,7 +160,8 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
 
 
 GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "EXACT": True,
-              "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True}
+              "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True,
+              "RES_EARLY": False}
 
 
 def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_wait():
@@ -187,6 +191,27 @@ def test_the_all_reducing_projection_lets_the_next_kernel_in_after_its_loop_or_a
     if early:
         trigger = ptx.index("griddepcontrol.launch_dependents")
         assert ptx.rindex("mma.sync") < trigger < ptx.index("st.global")
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_an_early_residual_is_loaded_before_the_wait_and_its_layout_change_with_it(early):
+    """RES_EARLY (the model's residual, written two launches back): the residual tile's load and its shared-memory
+    layout change (st.shared, bar.sync, ld.shared) come before griddepcontrol.wait, so that after the wait the first
+    memory instructions are the K loop's loads; without it they follow the wait and hold those loads back. Both
+    bypass L1 (.cg)."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                   {**GEMV_FLAGS, "WS": 1, "RANK": 0, "GATE_UP": False, "LAST_REDUCES": False, "SPLITS": 1,
+                    "ALL_REDUCE": True, "STAGED": False, "RES_EARLY": early}, num_stages=5)
+    wait = ptx.index("griddepcontrol.wait")
+    first_cg = ptx.index("ld.global.cg")
+    assert (first_cg < wait) == early
+    after = ptx[wait:]
+    first_loop_load = re.search(r"ld\.global\.(b|v)|cp\.async", after).start()  # x or the weights
+    if early:
+        assert "st.shared" in ptx[first_cg:wait] and "bar.sync" in ptx[first_cg:wait]
+        assert "ld.global.cg" not in after[:first_loop_load] and "st.shared" not in after[:first_loop_load]
+    else:
+        assert "st.shared" in after[:first_loop_load]  # the residual's layout change, before any loop load
 
 
 def assert_no_grid_wide_wait(ptx: str) -> None:
@@ -224,7 +249,7 @@ def interpreted_o_proj(monkeypatch, ranks: Ranks):
     monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
     monkeypatch.setattr(gemv, "linear_all_reduce_norm",
-                        lambda *a: linear_all_reduce_norm(*a, use_triton=True, config=cfg))
+                        lambda *a, **kw: linear_all_reduce_norm(*a, **kw, use_triton=True, config=cfg))
     return layer, cfg
 
 
@@ -271,16 +296,16 @@ def test_the_communicator_runs_a_pending_projection_fused_where_the_channel_take
             assert torch.equal(out.materialize(), normed)
 
 
-def test_the_epilogue_is_opt_in_and_refuses_a_bad_setting(monkeypatch):
+def test_the_epilogue_is_on_at_tp1_opt_in_above_and_refuses_a_bad_setting(monkeypatch):
     monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE", raising=False)
-    assert not epilogue_enabled()
+    assert epilogue_enabled(1) and not epilogue_enabled(2) and not epilogue_enabled(8)
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")
-    assert not epilogue_enabled()
+    assert not epilogue_enabled(1) and not epilogue_enabled(2)
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "1")
-    assert epilogue_enabled()
+    assert epilogue_enabled(1) and epilogue_enabled(2)
     monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "yes")
     with pytest.raises(ConfigError, match="TPGRAPH_GEMV_ALLREDUCE must be 0 or 1"):
-        epilogue_enabled()
+        epilogue_enabled(1)
 
 
 @interpreted
@@ -302,7 +327,8 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     assert comm.solo is not None and unfused.solo is None
 
     def boundary(c, rows, dtype=torch.bfloat16):
-        x, residual = ranks.rnd(rows, KIN, scale=1.0).to(dtype), ranks.rnd(rows, HIDDEN, scale=1.0).to(dtype)
+        residual = ranks.rnd(rows, HIDDEN, scale=1.0).to(dtype)  # before x, as the model writes them
+        x = ranks.rnd(rows, KIN, scale=1.0).to(dtype)
         layer.weight.data = ranks.w_row[0].to(dtype)
         normed, new_residual = add_rms_norm(linear_small_m(x, layer.weight, use_triton=True, config=cfg), residual,
                                             ranks.norm_w.to(dtype), EPS, use_triton=True)
@@ -315,8 +341,10 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     assert not boundary(comm, 17)  # prefill rows: the projection, then the add + RMSNorm kernel
     assert not boundary(comm, 2, torch.float32)  # bf16 only
     assert not boundary(unfused, 2)
-    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE")  # off by default
+    monkeypatch.setenv("TPGRAPH_GEMV_ALLREDUCE", "0")  # turned off
     assert not boundary(comm, 2)
+    monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE")  # on by default at TP=1
+    assert boundary(comm, 2)
 
 
 TRAP_SCRIPT = """

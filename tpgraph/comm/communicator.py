@@ -35,8 +35,8 @@ class TPCommunicator:
         self.custom = None
         self.capture_locked = False  # set by the graph runner once its capture phase is over
         self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
-        # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue where it is
-        # turned on (TPGRAPH_GEMV_ALLREDUCE=1) and the fused norm is not off (custom_config.fused_norm,
+        # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue unless it is
+        # turned off (TPGRAPH_GEMV_ALLREDUCE=0) or the fused norm is (custom_config.fused_norm,
         # TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
         self.solo = None
         if state.world_size == 1 and (custom_config.fused_norm if custom_config is not None else fused_norm_default()):
@@ -65,7 +65,7 @@ class TPCommunicator:
         (kernels/lamport.py): the custom all-reduce's channel, for decode rows of a bf16 model; at TP=1 a solo
         channel (the epilogue adds the residual and stages the norm); else None."""
         if self.world_size == 1:
-            return self.solo if self.solo is not None and epilogue_enabled() and self.solo.takes(residual) else None
+            return self.solo if self.solo is not None and epilogue_enabled(1) and self.solo.takes(residual) else None
         if self.custom is None:
             return None
         return self.custom.push_channel(residual)
@@ -82,7 +82,9 @@ class TPCommunicator:
         if isinstance(x, PendingProjection):
             channel = self.push_channel(residual)
             if channel is not None and getattr(x.layer, "small_m", False):
-                reduced = gemv.linear_all_reduce_norm(x.x, x.layer.weight, channel, residual, weight, eps)
+                # the residual predates x's branch (the contract of a PendingProjection): read before the PDL wait
+                reduced = gemv.linear_all_reduce_norm(x.x, x.layer.weight, channel, residual, weight, eps,
+                                                      residual_early=True)
                 if reduced is not None:
                     return reduced, reduced.residual_out
             x = x.run()

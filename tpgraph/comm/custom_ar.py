@@ -220,9 +220,10 @@ class CustomAllReduce:
 
     def push_channel(self, residual: torch.Tensor) -> Channel | None:
         """The channel for a row-parallel output shaped like `residual`, where the fused all-reduce takes it (the
-        fused norm on, TPGRAPH_GEMV_ALLREDUCE=1, rows and dtype the channel carries), else None. Off by default until
-        it has run on two GPUs: so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport)."""
-        if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled():
+        fused norm on, TPGRAPH_GEMV_ALLREDUCE=1, rows and dtype the channel carries), else None. Off by default at
+        TP > 1 until it has run on two GPUs: so far it has run with ranks emulated on one
+        (bench/results/2026-12-01_h200_lamport)."""
+        if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled(self.state.world_size):
             return None
         return self.channel if self.channel.takes(residual) else None
 

@@ -69,16 +69,35 @@ def late_trigger() -> bool:
     return env_flag("TPGRAPH_GEMV_AR_LATE_TRIGGER")
 
 
-def prefetch_budget() -> int:
+def prefetch_budget(n: int | None = None, k: int | None = None) -> int:
     """PREFETCH_BUDGET, or TPGRAPH_PDL_PREFETCH_MB where set, for measuring a prefetch against none
-    (bench/gpu_graph_checks.sh pdl-late)."""
+    (bench/gpu_graph_checks.sh pdl-late): a number of MB for every projection, or per weight shape, entries
+    `NxK:MB` separated by `/` (e.g. `4096x2048:17/3072x4096:8`; a shape not named keeps PREFETCH_BUDGET)."""
     env = os.environ.get("TPGRAPH_PDL_PREFETCH_MB", "").strip()
     if not env:
         return PREFETCH_BUDGET
-    try:
-        return max(0, int(float(env) * (1 << 20)))
-    except ValueError:
-        raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB, got {env!r}") from None
+    return _parse_budget(env, n, k)
+
+
+def _parse_budget(env: str, n: int | None, k: int | None) -> int:
+    def mb(text: str) -> int:
+        try:
+            return max(0, int(float(text) * (1 << 20)))
+        except ValueError:
+            raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB or NxK:MB entries joined by '/', "
+                              f"got {env!r}") from None
+
+    if ":" not in env:
+        return mb(env)
+    for entry in filter(None, (e.strip() for e in env.split("/"))):
+        shape, _, value = entry.partition(":")
+        dims = shape.lower().split("x")
+        if len(dims) != 2 or not all(d.strip().isdigit() for d in dims):
+            raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB entry {entry!r}: want NxK:MB, e.g. 4096x2048:17")
+        budget = mb(value)
+        if (int(dims[0]), int(dims[1])) == (n, k):
+            return budget
+    return PREFETCH_BUDGET
 
 
 @dataclass(frozen=True)
@@ -124,13 +143,16 @@ def _device_takes(index: int, elem: int) -> bool:
     return elem <= 2 or getattr(props, "shared_memory_per_block_optin", 0) >= FP32_SHARED_BYTES
 
 
-@functools.lru_cache(maxsize=4)
-def _tuned(path: str) -> dict[tuple[int, int, int], GemvConfig]:
-    """A table written by `bench/bench_gemv.py --sweep` ({"best": {"n,k,m": config fields}}), read once per path."""
+@functools.lru_cache(maxsize=8)
+def _tuned(path: str, section: str = "best") -> dict[tuple[int, int, int], GemvConfig]:
+    """A table written by `bench/bench_gemv.py --sweep` ({"best": {"n,k,m": config fields}}), read once per path.
+    section "epilogue": the optional entries for projections with the all-reduce in their epilogue (their best tiles
+    in a whole step differ from the plain chain's); none where the table has no such section."""
     try:
-        best = json.loads(Path(path).read_text())["best"]
-        return {tuple(int(v) for v in key.split(",")): GemvConfig(**fields) for key, fields in best.items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        table = json.loads(Path(path).read_text())
+        entries = table["best"] if section == "best" else table.get(section, {})
+        return {tuple(int(v) for v in key.split(",")): GemvConfig(**fields) for key, fields in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"GEMV table {path}: not a table from bench_gemv.py --sweep ({exc})") from exc
 
 
@@ -152,14 +174,17 @@ def _table_path(env: str | None, config_dir_env: str | None, capability: tuple[i
     return shipped if shipped.is_file() else None
 
 
-def tiles(n: int, k: int, m: int = 1, table: Path | None = None) -> GemvConfig:
+def tiles(n: int, k: int, m: int = 1, table: Path | None = None, epilogue: bool = False) -> GemvConfig:
     """The config for an [N, K] weight at M rows: from `table` if it has this shape (the entry with the largest M not
-    above m), else the default: narrow column blocks for narrow matrices, so that every SM gets programs (132 on an
-    H200: N = 2048 / 16 = 128 programs)."""
+    above m; for a projection with the all-reduce in its epilogue, the table's "epilogue" entry where it has one at
+    that M or a larger one not above m), else the default: narrow column blocks for narrow matrices, so that every SM
+    gets programs (132 on an H200: N = 2048 / 16 = 128 programs)."""
     if table is not None:
-        fits = [(tm, cfg) for (tn, tk, tm), cfg in _tuned(str(table)).items() if (tn, tk) == (n, k) and tm <= m]
+        sections = ("best", "epilogue") if epilogue else ("best",)
+        fits = [(tm, rank, cfg) for rank, section in enumerate(sections)
+                for (tn, tk, tm), cfg in _tuned(str(table), section).items() if (tn, tk) == (n, k) and tm <= m]
         if fits:
-            return max(fits, key=lambda e: e[0])[1]
+            return max(fits, key=lambda e: e[:2])[2]
     if n <= 8192:
         return GemvConfig(16, 256, 4, 4)
     return GemvConfig(32, 256, 4, 4)
@@ -261,7 +286,7 @@ if triton is not None:
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
-                     RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+                     RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -278,19 +303,26 @@ if triton is not None:
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
         after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
         1 / RMS from its squares [tiles, BLOCK_M] before the epilogue. EARLY_TRIGGER (with PDL): the kernel after is
-        let in after the K loop; else only at exit (late_trigger)."""
+        let in after the K loop; else only at exit (late_trigger). RES_EARLY (with ALL_REDUCE): the residual and norm
+        weights were written at least two launches back (linear_all_reduce_norm's residual_early), so they are loaded
+        before the wait: the residual tile's load ends in a shared-memory layout change (st.shared, bar.sync,
+        ld.shared), and after the wait it held the K loop's first weight loads back by one memory round trip."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
         n_ok = offs_n < N
+        if ALL_REDUCE:
+            if RES_EARLY:  # settled before the kernel before us started (see above): no wait needed
+                res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
         # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights
         if STAGED:
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         if ALL_REDUCE:
-            res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
+            if not RES_EARLY:
+                res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
                        IEEE, GATE_UP, PDL, EARLY_TRIGGER)
         if STAGED:
@@ -428,9 +460,9 @@ if triton is not None:
         tl.store(y_ptr + offs, to_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=ok)
 
 
-def config_for(x: torch.Tensor, n: int, k: int, m: int) -> GemvConfig:
+def config_for(x: torch.Tensor, n: int, k: int, m: int, epilogue: bool = False) -> GemvConfig:
     """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles)."""
-    return tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None)
+    return tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None, epilogue)
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
@@ -438,7 +470,7 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
     the budget (default `prefetch_budget()`), else as many as fit, and at least the first."""
     steps = -(-k // (cfg.split_k * cfg.block_k))  # BLOCK_K steps per program
     tile_bytes = n * cfg.block_k * elem * cfg.split_k  # one step of every program
-    return max(1, min(steps, (prefetch_budget() if budget is None else budget) // tile_bytes))
+    return max(1, min(steps, (prefetch_budget(n, k) if budget is None else budget) // tile_bytes))
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
@@ -451,13 +483,18 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
 
 
 def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, residual: torch.Tensor,
-                           norm_weight: torch.Tensor, eps: float, *, use_triton: bool | None = None,
-                           config: GemvConfig | None = None) -> ReducedNorm | None:
+                           norm_weight: torch.Tensor, eps: float, *, residual_early: bool = False,
+                           use_triton: bool | None = None, config: GemvConfig | None = None) -> ReducedNorm | None:
     """A row-parallel projection x @ w.T with the all-reduce, the residual add and the next RMSNorm's staging in its
     epilogue (lamport.py): the sum over ranks is never stored, the new residual is, and the projection after takes
     the ReducedNorm. Every rank must call it for the same shapes at the same point (it waits for their tiles). None
     where it does not apply (the caller runs the projection and the all-reduce): where linear_small_m would not run
-    the kernel, an output the channel cannot carry, or split-K tiles whose reduction is a second kernel."""
+    the kernel, an output the channel cannot carry, or split-K tiles whose reduction is a second kernel.
+    residual_early: the caller vouches that `residual` and `norm_weight` were written before the kernel that produced
+    x was launched (a transformer block's residual predates its branch), so the kernel reads them before its PDL
+    wait. Safe because every kernel here lets its dependent in only after its own wait: while we wait, the kernel
+    before ours has passed its wait, so the one before that has finished and its writes are in L2 (the loads bypass
+    L1). Never for a residual that the kernel just before this one writes."""
     if not _applies(x, w, use_triton):
         return None
     m, k = x.shape
@@ -465,7 +502,7 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     if (not channel.fits(m, n, x.dtype, x.device) or residual.shape != (m, n) or residual.dtype != x.dtype
             or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
         return None
-    cfg = config or config_for(x, n, k, m)
+    cfg = config or config_for(x, n, k, m, epilogue=True)
     if cfg.split_k > 1 and not last_split_reduces():
         return None
     residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
@@ -474,7 +511,7 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     reduced = ReducedNorm(torch.empty_like(residual), torch.empty_like(residual),
                           torch.empty(n_tiles, MAX_M, dtype=torch.float32, device=x.device), n_tiles, norm_weight,
                           eps)
-    _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced))
+    _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced), residual_early=residual_early)
     return reduced
 
 
@@ -537,7 +574,7 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
-            all_reduce: tuple | None = None) -> torch.Tensor:
+            all_reduce: tuple | None = None, residual_early: bool = False) -> torch.Tensor:
     """recv: x is recv's staged input (scaled by its RMS). all_reduce (channel, residual, ReducedNorm to fill): the
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
@@ -556,7 +593,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
-        SPLITS=cfg.split_k, EARLY_TRIGGER=early, **fused, **tile)
+        SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None, **fused,
+        **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))

@@ -2,9 +2,10 @@
 and the projection after it (decode rows, bf16 models). At TP > 1 opt-in (TPGRAPH_GEMV_ALLREDUCE=1) until it has run
 on two GPUs; so far it has run with ranks emulated on one (bench/results/2026-12-01_h200_lamport). At TP=1 there is
 nothing to exchange (`solo_channel`): the projection's epilogue adds the residual and stages the norm, so no add +
-RMSNorm kernel runs between the projections (173 kernels a step instead of 236), but in the whole decode step it
-measured 0.035-0.04 ms slower at batch 1 and 8 than the plain chain (bench/results/2026-12-01_h200_solo), so it is
-opt-in there too.
+RMSNorm kernel runs between the projections (173 kernels a step instead of 236). On by default there since the
+projection reads the residual before its PDL wait and down takes its own tiles: a whole decode step measured 0.019 ms
+faster at batch 1 and 0.067 ms at batch 8 than the plain chain (bench/results/2026-12-01_h200_early_residual, run8);
+before that it had measured 0.035-0.04 ms slower (bench/results/2026-12-01_h200_solo).
 
 The row-parallel projection (o_proj, down) makes this rank's partial sums tile by tile. In its epilogue each program
 finishes the all-reduce of its own tile (`all_reduce_tile`), 1shot_push style:
@@ -123,7 +124,8 @@ class ReducedNorm:
 class PendingProjection:
     """A row-parallel projection not yet run: its input and layer. The all-reduce after it runs it
     (TPCommunicator.all_reduce_add_rmsnorm): with the all-reduce in its epilogue where the fused path applies, else
-    plainly, before the all-reduce."""
+    plainly, before the all-reduce. The residual given with it must have been written before x (a transformer
+    block's residual predates its branch): the fused projection reads it before its PDL wait."""
 
     x: torch.Tensor
     layer: torch.nn.Module  # a RowParallelLinear
@@ -147,19 +149,21 @@ def solo_channel(device: torch.device | str) -> Channel:
     return Channel(torch.zeros(2, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
 
 
-def env_flag(name: str) -> bool:
-    """A 0/1 switch from the environment (unset: 0); anything else is refused with its name."""
+def env_flag(name: str, default: bool = False) -> bool:
+    """A 0/1 switch from the environment (unset: `default`); anything else is refused with its name."""
     value = os.environ.get(name, "").strip()
     if value not in ("", "0", "1"):
         raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return default if not value else value == "1"
 
 
-def epilogue_enabled() -> bool:
+def epilogue_enabled(world_size: int) -> bool:
     """Whether row-parallel projections take the all-reduce (and at TP=1 the residual add) into their epilogue:
-    TPGRAPH_GEMV_ALLREDUCE=1 (0 or unset: off). Off by default: at TP=1 the whole step measured slower with it
-    (bench/results/2026-12-01_h200_solo), and at TP > 1 the exchange has not run on two GPUs yet."""
-    return env_flag("TPGRAPH_GEMV_ALLREDUCE")
+    TPGRAPH_GEMV_ALLREDUCE=1 or 0; unset, on at TP=1 only. At TP=1, with the residual read before the PDL wait and
+    down's own tiles (the table's "epilogue" entries), a whole step measured 0.019 ms faster at batch 1 and 0.067 ms
+    at batch 8 than the plain chain on one H200 (bench/results/2026-12-01_h200_early_residual, run8); at TP > 1 the
+    exchange has not run on two GPUs yet."""
+    return env_flag("TPGRAPH_GEMV_ALLREDUCE", default=world_size == 1)
 
 
 def local_channels(world_size: int, slot_elems: int, device: torch.device | str) -> list[Channel]:
@@ -252,10 +256,13 @@ if triton is not None:
 
     @triton.jit
     def epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N):
-        """all_reduce_tile's residual tile and norm weights, in fp32: the projection loads them after its PDL wait
-        and before its K loop, so that they have arrived when its epilogue needs them."""
-        res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        return res.to(tl.float32), tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        """all_reduce_tile's residual tile and norm weights, in fp32: the projection loads them before its K loop (or
+        its PDL wait: gemv's RES_EARLY), so that they have arrived when its epilogue needs them. Through L2 (.cg):
+        before the wait only L2 is sure to hold what other kernels wrote."""
+        res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0,
+                      cache_modifier=".cg")
+        w = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        return res.to(tl.float32), w.to(tl.float32)
 
     @triton.jit
     def all_reduce_tile(y, res, w, ch_ptr, rout_ptr, xs_ptr, sq_ptr, tile, offs_m, offs_n, m_ok, n_ok, N, slot_elems,
