@@ -124,8 +124,9 @@ class ReducedNorm:
 class PendingProjection:
     """A row-parallel projection not yet run: its input and layer. The all-reduce after it runs it
     (TPCommunicator.all_reduce_add_rmsnorm): with the all-reduce in its epilogue where the fused path applies, else
-    plainly, before the all-reduce. The residual given with it must have been written before x (a transformer
-    block's residual predates its branch): the fused projection reads it before its PDL wait."""
+    plainly, before the all-reduce. The residual given with it must have been written by a kernel launched before
+    the one that wrote x (a transformer block's residual predates its branch): the fused projection reads it before
+    its PDL wait (gemv.linear_all_reduce_norm's residual_early)."""
 
     x: torch.Tensor
     layer: torch.nn.Module  # a RowParallelLinear
