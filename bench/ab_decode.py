@@ -11,6 +11,12 @@ device calls (0.02 ms a step was seen, bench/results/2026-12-01_h200_critical_pa
 
 A variant is LABEL=DIR[:NAME=VALUE,...]: DIR holds the `tpgraph` package to import (put first on PYTHONPATH; the
 built extension is copied into it where it lacks one), and the settings are added to that variant's environment.
+`--tiles LABEL=SPEC` gives variant LABEL a small-M tile table: DIR's configs/gemv table (--tiles-arch, sm90) with
+SPEC's entries replaced, written to OUT/tables/LABEL.json and named by TPGRAPH_GEMV_TABLE. SPEC is entries joined by
+`/`, each `[epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K` (GemvConfig's fields in order; `epilogue:` for the
+table's section read by projections with the all-reduce in their epilogue), e.g.
+
+    --variant d2=. --tiles d2=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4
 The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
 OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
 against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
@@ -54,6 +60,44 @@ def parse_variant(text: str) -> Variant:
             raise argparse.ArgumentTypeError(f"variant {label!r}: a setting is NAME=VALUE, got {item!r}")
         env[name] = value
     return Variant(label, Path(tree), env)
+
+
+FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+
+
+def parse_tiles(text: str) -> tuple[str, list[tuple[str, str, dict[str, int]]]]:
+    """LABEL=SPEC -> (label, [(section, "n,k,m", config fields)]); a clear error for anything else."""
+    label, sep, spec = text.partition("=")
+    if not sep or not label or not spec:
+        raise argparse.ArgumentTypeError(f"--tiles is LABEL=SPEC, got {text!r}")
+    entries = []
+    for item in filter(None, spec.split("/")):
+        section, _, item_body = item.rpartition(":")
+        key, sep, cfg = item_body.partition("=")
+        dims, sizes = key.split(","), cfg.lower().split("x")
+        if (section not in ("", "epilogue") or not sep or len(dims) != 3 or len(sizes) != len(FIELDS)
+                or not all(d.strip().isdigit() for d in dims + sizes)):
+            raise argparse.ArgumentTypeError(
+                f"--tiles {label}: an entry is [epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K, got {item!r}")
+        entries.append((section or "best", ",".join(d.strip() for d in dims),
+                        dict(zip(FIELDS, (int(v) for v in sizes), strict=True))))
+    if not entries:
+        raise argparse.ArgumentTypeError(f"--tiles {label}: no entries")
+    return label, entries
+
+
+def write_tiles(variant: Variant, entries: list[tuple[str, str, dict[str, int]]], arch: str, out: Path) -> Variant:
+    """The variant's tree's table with the entries replaced, written under out/tables; the variant then names it."""
+    base = variant.tree / "configs" / "gemv" / f"{arch}.json"
+    if not base.is_file():
+        raise SystemExit(f"--tiles {variant.label}: {base} not found (a tree from --prepare carries its configs)")
+    table = json.loads(base.read_text())
+    for section, key, fields in entries:
+        table.setdefault(section, {})[key] = fields
+    dest = out / "tables" / f"{variant.label}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(table, indent=1) + "\n")
+    return Variant(variant.label, variant.tree, {**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())})
 
 
 def prepare(rev: str, dest: Path) -> None:
@@ -123,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prepare", nargs=2, metavar=("REV", "DIR"), help="unpack REV's package into DIR and stop")
     p.add_argument("--variant", action="append", type=parse_variant, default=[], help="LABEL=DIR[:NAME=VALUE,...]")
+    p.add_argument("--tiles", action="append", type=parse_tiles, default=[],
+                   help="LABEL=SPEC: variant LABEL's tile table (see above)")
+    p.add_argument("--tiles-arch", default="sm90", help="which configs/gemv table --tiles starts from")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="ranks of every run (torchrun --nproc-per-node)")
     p.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
@@ -139,11 +186,16 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--rounds must be at least 1")
     if "--out" in bench_args:
         p.error("--out after -- is set per run here; leave it out")
+    tiles = dict(args.tiles)
+    if len(tiles) != len(args.tiles) or set(tiles) - {v.label for v in args.variant}:
+        p.error("--tiles: one per variant, and only for a variant given by --variant")
     for v in args.variant:
         if not (v.tree / "tpgraph" / "__init__.py").is_file():
             p.error(f"variant {v.label}: {v.tree} holds no tpgraph package (bench/ab_decode.py --prepare REV DIR)")
         with_extension(v.tree)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.variant = [write_tiles(v, tiles[v.label], args.tiles_arch, args.out) if v.label in tiles else v
+                    for v in args.variant]
     runs: dict[str, list[dict[str, float]]] = {v.label: [] for v in args.variant}
     for k in range(args.rounds):
         for v in args.variant:

@@ -44,10 +44,10 @@ for step in "$@"; do
              --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
              --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
-    ab) # whole steps of package trees / settings, alternating processes (bench/ab_decode.py; prepare the trees
-         # before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant arguments, e.g.
-         # "--variant new=. --variant old=ab/head"; AB_ROUNDS (2), AB_ENTRY (custom+gemv+overlap), AB_CONTEXT (512),
-         # SHAPE as for overlap
+    ab) # whole steps of package trees / settings / tile tables, alternating processes (bench/ab_decode.py; prepare
+         # the trees before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant (and
+         # --tiles) arguments, e.g. "--variant new=. --variant old=ab/head"; AB_ROUNDS (2), AB_ENTRY
+         # (custom+gemv+overlap), AB_CONTEXT (512), SHAPE as for overlap
          timeout 560 python3 bench/ab_decode.py --out "$out/ab" --nproc $NPROC --rounds "${AB_ROUNDS:-2}" \
              ${AB_VARIANTS:?set AB_VARIANTS to the --variant arguments} -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \

@@ -116,3 +116,46 @@ def test_prepare_unpacks_a_revisions_package(tmp_path):
     assert again.returncode != 0 and "exists" in again.stderr
     bad = _main("--prepare", "no-such-revision", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "git archive no-such-revision" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_a_tiles_spec_names_entries_of_either_section(ab):
+    label, entries = ab.parse_tiles("d2=4096,7168,1=32x128x4x5x2/epilogue:4096, 7168, 1=32x128x4x4x4")
+    assert label == "d2"
+    assert entries == [("best", "4096,7168,1", dict(block_n=32, block_k=128, num_warps=4, num_stages=5, split_k=2)),
+                       ("epilogue", "4096,7168,1",
+                        dict(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4))]
+
+
+@pytest.mark.parametrize("text", ["d2", "d2=", "d2=4096,7168=32x128x4x5x2", "d2=4096,7168,1=32x128x4x5",
+                                  "d2=prologue:4096,7168,1=32x128x4x5x2", "d2=4096,7168,1:32x128x4x5x2", "d2=/"])
+def test_a_malformed_tiles_spec_is_refused_with_the_form(ab, text):
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL=SPEC|an entry is|no entries"):
+        ab.parse_tiles(text)
+
+
+def test_a_variants_tiles_start_from_its_trees_table(ab, tmp_path):
+    """The variant's own tree's table, the named entries replaced (a section added where missing), the rest kept;
+    the variant's environment then names the written table, its other settings kept."""
+    import json
+
+    tree = tmp_path / "tree"
+    (tree / "configs" / "gemv").mkdir(parents=True)
+    keep = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=1)
+    (tree / "configs" / "gemv" / "sm90.json").write_text(json.dumps(
+        {"arch": "sm90", "best": {"4096,7168,1": keep, "14336,4096,1": keep}}))
+    _, entries = ab.parse_tiles("d=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4")
+    v = ab.write_tiles(ab.Variant("d", tree, {"X": "1"}), entries, "sm90", tmp_path / "out")
+    assert v.env["X"] == "1" and Path(v.env["TPGRAPH_GEMV_TABLE"]) == (tmp_path / "out" / "tables" / "d.json")
+    table = json.loads(Path(v.env["TPGRAPH_GEMV_TABLE"]).read_text())
+    assert table["arch"] == "sm90" and table["best"]["14336,4096,1"] == keep
+    assert table["best"]["4096,7168,1"]["split_k"] == 2 and table["epilogue"]["4096,7168,1"]["split_k"] == 4
+    with pytest.raises(SystemExit, match="not found"):
+        ab.write_tiles(ab.Variant("d", tmp_path / "bare", {}), entries, "sm90", tmp_path / "out")
+
+
+def test_tiles_only_for_a_given_variant_once(tmp_path):
+    spec = "4096,7168,1=32x128x4x5x2"
+    for args in (["--tiles", f"z={spec}"], ["--tiles", f"a={spec}", "--tiles", f"a={spec}"]):
+        done = _main("--out", str(tmp_path / "x"), "--variant", "a=.", "--variant", "b=.", *args)
+        assert done.returncode == 2 and "--tiles: one per variant" in done.stderr
+        assert not (tmp_path / "x").exists()
