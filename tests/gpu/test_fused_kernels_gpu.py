@@ -51,11 +51,13 @@ def test_rope_and_store_equal_reference_bit_for_bit(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("newest_apart", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(12))
-def test_split_kv_decode_matches_reference(seed, dtype):
+def test_split_kv_decode_matches_reference(seed, dtype, newest_apart):
+    """(newest_apart: TPGRAPH_ATTN_NEWEST_APART's kernel, the newest row as its own term)"""
     q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=600)
-    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, newest_apart=newest_apart)
     ref = paged_decode_reference(q, k, v, bt, lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -238,3 +238,59 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
         assert got[lens.index(32768)] == (512, 64)
     else:
         assert all(used == 1 for _, used in got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("newest_apart", [False, True])
+def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apart):
+    """TPGRAPH_ATTN_NEWEST_APART's kernel and the default one, at lengths that put the newest row alone in a split's
+    first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row (64), beside one other
+    row (130: split 2 holds tokens 128-129), and in a padded row (0)."""
+    q, k, v, bt, _, scale = random_paged_case(17, "cpu", dtype, max_batch=5, max_len=140)  # 5 rows, group 8
+    lens = torch.tensor([65, 1, 64, 130, 0][: q.shape[0]], dtype=torch.int32)
+    assert q.shape[0] == 5 and k.shape[1] * bt.shape[1] >= 130
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=140, num_splits=3, split_tiles=1,
+                                    newest_apart=newest_apart)
+    ref = paged_decode_reference(q, k, v, bt, lens, scale)
+    if dtype == torch.float32:
+        _check(out, ref)
+    else:
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_newest_row_apart_is_an_opt_in_setting(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.decode_attention import newest_apart_enabled
+
+    monkeypatch.delenv("TPGRAPH_ATTN_NEWEST_APART", raising=False)
+    assert not newest_apart_enabled()
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "1")
+    assert newest_apart_enabled()
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "on")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
+        newest_apart_enabled()
+
+
+def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
+    """Ahead of time, without a GPU: with the newest row apart, the first tile (loaded before the PDL wait) is no
+    longer rewritten after it, so most of its staging into shared memory for the dot moves before the wait: in this
+    compile (unaligned strides) 144 st.shared between the trigger and the first mma with the row merged, 25 apart."""
+    from tpgraph.kernels import decode_attention as da
+
+    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
+    staged = {}
+    for apart in (False, True):
+        ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
+                       ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
+                        "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
+                       {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+                        "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
+                        "INTERPRETED": False, "LAST_COMBINES": True, "PDL": True, "GROUP_P2": 4,
+                        "COMBINE_CHUNK": 8, "NEWEST_APART": apart}, num_stages=2)
+        wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
+    assert staged[False][0] == 0 and staged[True][0] > 0
+    assert staged[True][1] * 4 < staged[False][1]

@@ -33,6 +33,7 @@ import torch
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
+from tpgraph.kernels.lamport import env_flag
 
 try:
     import triton
@@ -162,7 +163,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
-        GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+        GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr = False,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -203,17 +204,28 @@ if triton is not None:
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
             new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)
-            k = tl.where(newest[:, None], new_k[None, :], k)
-            v = tl.where(newest[:, None], new_v[None, :], v)
             q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
                         other=0.0)
             if INTERPRETED:
                 q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
-            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            if NEWEST_APART:
+                # the newest row as its own score column and P.V term, so that the first tile (loaded before the
+                # wait) reaches its dot unchanged; the online softmax starts from it, so a tile that holds only the
+                # newest row (all its other columns masked) still sees a finite running max
+                s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * qk_scale
+                m_i = tl.where(has_newest, s_new, float("-inf"))
+                l_i = tl.where(has_newest, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
+                acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32) + new_v.to(tl.float32)[None, :]
+                tile_ok = tok_ok & ~newest
+            else:
+                k = tl.where(newest[:, None], new_k[None, :], k)
+                v = tl.where(newest[:, None], new_v[None, :], v)
+                m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                l_i = tl.zeros([GROUP_PAD], tl.float32)
+                acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+                tile_ok = tok_ok
             if start < end:  # (a padded row's one split is empty)
-                m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                m_i, l_i, acc = _attend_tile(q, k, v, tile_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
             for tile in range(start + BLOCK_N, end, BLOCK_N):
                 tok = tile + offs_n
@@ -310,6 +322,15 @@ if triton is not None:
                  mask=d_ok)
 
 
+def newest_apart_enabled() -> bool:
+    """TPGRAPH_ATTN_NEWEST_APART=1 (an experiment, off until timed): the newest row, which the kernel before has just
+    written, is not merged into the first K/V tile after the PDL wait but added as its own score column and P.V term,
+    so that the tile loaded before the wait reaches its dot unchanged. Compiled for sm_90a this cuts the instructions
+    between the wait and the first mma from 442 to 177 (shared-memory stores 20 -> 5) and the registers from 156 to
+    128; whether a decode step gains has not been measured."""
+    return env_flag("TPGRAPH_ATTN_NEWEST_APART")
+
+
 def combine_tiles(group: int) -> dict:
     """The last split's merge (_combine_group): the query group to a power of two, and COMBINE_ROWS // that many
     splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
@@ -320,13 +341,14 @@ def combine_tiles(group: int) -> dict:
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
-                              split_tiles: int | None = None) -> torch.Tensor:
+                              split_tiles: int | None = None, newest_apart: bool | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
     max_seq_len: the static bound on seq_lens that sizes the split grid (each program splits its sequence's actual
     length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
-    split_tiles `min_split_tiles`.
+    split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_enabled()`): the newest row enters the
+    online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -369,6 +391,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
+        NEWEST_APART=newest_apart_enabled() if newest_apart is None else bool(newest_apart),
         num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
