@@ -256,28 +256,32 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
     assert not split_counters(q.device, 16 * k.shape[2]).any()
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_qkv_rope_store_gives_the_two_steps_bits(m, dtype):
+def test_qkv_rope_store_gives_the_two_steps_bits(m, dtype, early):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32):
-    q and both caches bit for bit the two steps, eager and replayed in a graph."""
+    q and both caches bit for bit the two steps, eager and replayed in a graph. early: the rotation inputs read
+    before the PDL wait (inputs_early; positions and slots are written before x here, as the model's are)."""
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
-    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
     tables = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 4096, dtype, "cuda")
     positions = torch.randint(0, 4000, (m,), device="cuda")
     slots = torch.randperm(64 * block_size, device="cuda")[:m]
     caches = [torch.zeros(64, block_size, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
-    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim)
+    x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
+    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
+                       inputs_early=early)
     rq, _ = rope_and_store(linear_small_m(x, w), positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim)
     assert q is not None and torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim)
+        captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
+                                  inputs_early=early)
     caches[0].zero_()
     caches[1].zero_()
     for _ in range(3):

@@ -306,10 +306,12 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "block_n", "split_k"), [(1, 16, 1), (3, 32, 2), (5, 64, 3)])
-def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k):
+@pytest.mark.parametrize(("m", "block_n", "split_k", "early"), [(1, 16, 1, False), (3, 32, 2, True),
+                                                                (5, 64, 3, False), (5, 64, 3, True)])
+def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k, early):
     """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
-    then rope_and_store; the counters back at zero."""
+    then rope_and_store; the counters back at zero. early: the rotation inputs read before the wait (inputs_early,
+    written before x as the model's metadata is)."""
     from tpgraph.kernels._counters import split_counters
     from tpgraph.kernels.gemv import qkv_rope_store
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
@@ -323,8 +325,8 @@ def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k):
     slots = torch.randperm(8 * block_size, generator=g)[:m]
     caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
     cfg = GemvConfig(block_n, 32, 4, 2, split_k)
-    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, use_triton=True,
-                       config=cfg)
+    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
+                       inputs_early=early, use_triton=True, config=cfg)
     qkv = linear_small_m(x, w, use_triton=True, config=cfg)
     rq, _ = rope_and_store(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim, use_triton=True)
     assert q is not None and torch.equal(q, rq)
@@ -345,7 +347,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
 
 
-def _qkv_rope_ptx(splits: int) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -355,7 +357,8 @@ def _qkv_rope_ptx(splits: int) -> str:
     return sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
                     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
                      "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
-                     "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits})
+                     "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
+                     "ROPE_EARLY": rope_early})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -375,6 +378,30 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     four = _loads_after_the_count(ptx)
     assert four and all(".cg" in ld for ld in four)
     assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_rotation_inputs_come_before_the_wait_where_the_caller_vouches_for_them(early):
+    """ROPE_EARLY (TPGRAPH_QKV_ROPE_EARLY's model path): the positions (ld.global of the i64 pointer's rows) and
+    the cos/sin rows at them load before griddepcontrol.wait, so that after it no load of theirs holds the K loop's
+    weight loads back; without it, they follow the wait."""
+    ptx = _qkv_rope_ptx(4, rope_early=early)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ("ld.global.b64" in ptx[:wait]) == early  # the positions (and slots), i64
+    assert ("ld.global.b64" in ptx[wait:ptx.index("atom.global")]) != early
+
+
+def test_the_early_rotation_inputs_are_an_opt_in_setting(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import rope_inputs_early
+
+    monkeypatch.delenv("TPGRAPH_QKV_ROPE_EARLY", raising=False)
+    assert not rope_inputs_early()
+    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "1")
+    assert rope_inputs_early()
+    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_QKV_ROPE_EARLY must be 0 or 1"):
+        rope_inputs_early()
 
 
 def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):

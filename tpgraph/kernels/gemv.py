@@ -61,6 +61,12 @@ PREFETCH_BUDGET = 0
 SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp32 partials from L2, latency-bound
 
 
+def rope_inputs_early() -> bool:
+    """TPGRAPH_QKV_ROPE_EARLY=1 (an experiment, off until timed): the model lets the qkv + rope kernel read the step's
+    positions and slots before its PDL wait (qkv_rope_store's inputs_early)."""
+    return env_flag("TPGRAPH_QKV_ROPE_EARLY")
+
+
 def late_trigger() -> bool:
     """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: a projection with the all-reduce (or at TP=1 the residual add) in its epilogue
     lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 against the plain chain
@@ -359,7 +365,7 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr = False):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -368,18 +374,24 @@ if triton is not None:
         fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel).
         What the last program needs besides the partials (positions, slots, cos/sin rows: written before the step)
         is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
-        the head's last count the work is one round of loads and the stores, not a chain of dependent loads."""
+        the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
+        ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
+        loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
+        if ROPE_EARLY:  # settled before the kernel before us started (qkv_rope_store's inputs_early)
+            c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
+                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE)
         if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
-        c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
-                                        stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
+        if not ROPE_EARLY:
+            c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
+                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
                        IEEE, False, PDL, True)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -604,12 +616,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
 def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: torch.Tensor,
                    cos_sin: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                   use_triton: bool | None = None,
+                   inputs_early: bool = False, use_triton: bool | None = None,
                    config: GemvConfig | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse. x
-    may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits)."""
+    may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
+    inputs_early: the caller vouches that positions and slot_mapping were written before the kernel before this one
+    was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
+    rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe)."""
     recv = x if isinstance(x, ReducedNorm) else None
     x = x.staged if recv is not None else x
     if not _applies(x, w, use_triton):
@@ -636,5 +651,6 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
+        ROPE_EARLY=inputs_early,
         **_staged_args(x, recv), **tile)
     return q
