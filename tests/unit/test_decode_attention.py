@@ -240,17 +240,19 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
         assert all(used == 1 for _, used in got)
 
 
+@pytest.mark.parametrize(("num_splits", "split_tiles"), [(3, 1), (2, 2), (1, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("newest_apart", [False, True])
-def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apart):
-    """TPGRAPH_ATTN_NEWEST_APART's kernel and the default one, at lengths that put the newest row alone in a split's
-    first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row (64), beside one other
-    row (130: split 2 holds tokens 128-129), and in a padded row (0)."""
+def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apart, num_splits, split_tiles):
+    """TPGRAPH_ATTN_NEWEST_APART's kernel and the default one. One-tile splits (3, 1) put the newest row alone in a
+    split's first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row (64), beside one
+    other row (130: split 2 holds tokens 128-129), and in a padded row (0); splits of two tiles or more (2, 2 and one
+    split) put it in a split's later tile (65, 130), where it must not be counted twice."""
     q, k, v, bt, _, scale = random_paged_case(17, "cpu", dtype, max_batch=5, max_len=140)  # 5 rows, group 8
     lens = torch.tensor([65, 1, 64, 130, 0][: q.shape[0]], dtype=torch.int32)
     assert q.shape[0] == 5 and k.shape[1] * bt.shape[1] >= 130
-    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=140, num_splits=3, split_tiles=1,
-                                    newest_apart=newest_apart)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=140, num_splits=num_splits,
+                                    split_tiles=split_tiles, newest_apart=newest_apart)
     ref = paged_decode_reference(q, k, v, bt, lens, scale)
     if dtype == torch.float32:
         _check(out, ref)

@@ -227,9 +227,12 @@ if triton is not None:
             if start < end:  # (a padded row's one split is empty)
                 m_i, l_i, acc = _attend_tile(q, k, v, tile_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
+            # with the newest row apart, a later tile that holds it (the split's last, in a split of several tiles)
+            # leaves it out too: it is already in the running sums
+            stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
             for tile in range(start + BLOCK_N, end, BLOCK_N):
                 tok = tile + offs_n
-                tok_ok = tok < end
+                tok_ok = tok < stop
                 rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
                 k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
                 m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
