@@ -52,9 +52,10 @@ for step in "$@"; do
              ${AB_VARIANTS:?set AB_VARIANTS to the --variant arguments} -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --context "${AB_CONTEXT:-512}" --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab.log" ;;
-    solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel, opt-in
-         # like at TP > 1): the kernel tests (ws 1-3 on this GPU), HF parity with it on, then decode steps with
-         # it off and on, interleaved (SHAPE as for overlap), and the profile of both
+    solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel,
+         # the TP=1 default since session 12, forced on here): the kernel tests (ws 1-3 on this GPU), HF parity with
+         # it on, then decode steps with it off and on, interleaved (SHAPE as for overlap), and the profile of both.
+         # (At NPROC=1 a plain custom+gemv entry in the other steps now times this chain too.)
          timeout 300 python3 -m pytest tests/unit/test_lamport_gemv.py -q -rs -k cuda 2>&1 | tail -4 \
              | tee "$out/solo_tests.log"
          for dt in bf16 fp32; do TPGRAPH_GEMV_ALLREDUCE=1 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py \

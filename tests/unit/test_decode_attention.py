@@ -247,8 +247,9 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
 def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apart, num_splits, split_tiles):
     """TPGRAPH_ATTN_NEWEST_APART's kernel and the default one. One-tile splits (3, 1) put the newest row alone in a
     split's first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row (64), beside one
-    other row (130: split 2 holds tokens 128-129), and in a padded row (0); splits of two tiles or more (2, 2 and one
-    split) put it in a split's later tile (65, 130), where it must not be counted twice."""
+    other row (130: split 2 holds tokens 128-129), and in a padded row (0). Longer splits put it in a split's later
+    tile, where it must not be counted twice: two-tile splits (2, 2) at 65 (one split, tokens 0-64), one split at 65
+    and 130."""
     q, k, v, bt, _, scale = random_paged_case(17, "cpu", dtype, max_batch=5, max_len=140)  # 5 rows, group 8
     lens = torch.tensor([65, 1, 64, 130, 0][: q.shape[0]], dtype=torch.int32)
     assert q.shape[0] == 5 and k.shape[1] * bt.shape[1] >= 130

@@ -312,7 +312,8 @@ def test_the_epilogue_is_on_at_tp1_opt_in_above_and_refuses_a_bad_setting(monkey
 def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogue(monkeypatch):
     """TP=1: all_reduce_add_rmsnorm on a pending o_proj / down gives a ReducedNorm from the solo channel (the new
     residual is the unfused add's bits, the materialized norm the add + RMSNorm kernel's); rows over 16, fp32, the
-    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE unset run the projection and the add + RMSNorm kernel."""
+    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE=0 run the projection and the add + RMSNorm kernel (unset: the
+    epilogue, the TP=1 default)."""
     from tpgraph.comm.communicator import TPCommunicator
     from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.distributed import ParallelState

@@ -143,7 +143,8 @@ if triton is not None:
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
         s = tl.where(tok_ok[None, :], s, float("-inf"))
-        # The tile holds at least one valid token, so m_new is finite and no exp sees inf - inf.
+        # The tile holds at least one valid token, or (the newest row apart) m_i is already finite from that row:
+        # either way m_new is finite and no exp sees inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])

@@ -95,15 +95,14 @@ def _parse_budget(env: str, n: int | None, k: int | None) -> int:
 
     if ":" not in env:
         return mb(env)
+    budgets = {}  # every entry checked, not only up to the one asked for: a typo fails at the first projection
     for entry in filter(None, (e.strip() for e in env.split("/"))):
         shape, _, value = entry.partition(":")
         dims = shape.lower().split("x")
         if len(dims) != 2 or not all(d.strip().isdigit() for d in dims):
             raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB entry {entry!r}: want NxK:MB, e.g. 4096x2048:17")
-        budget = mb(value)
-        if (int(dims[0]), int(dims[1])) == (n, k):
-            return budget
-    return PREFETCH_BUDGET
+        budgets[(int(dims[0]), int(dims[1]))] = mb(value)
+    return budgets.get((n, k), PREFETCH_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -224,8 +223,9 @@ if triton is not None:
     def _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """With PDL: the weight prefetch, then the wait (see _gemv_kernel). After it, what the kernel before wrote
-        may be read: the caller issues its epilogue's loads (residual, squares) before the K loop (_partial), so
-        that they arrive while the weights stream instead of after."""
+        may be read: the caller issues its epilogue's loads (squares; the residual, unless RES_EARLY has read it
+        before the wait) before the K loop (_partial), so that they arrive while the weights stream instead of
+        after."""
         if PDL:
             k_lo, _ = _k_range(K, pid_k, BLOCK_K)
             offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP)
