@@ -209,6 +209,9 @@ if triton is not None:
                         other=0.0)
             if INTERPRETED:
                 q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
+            # the tiles' tokens end at `stop`: with the newest row apart, before it (whichever tile of the split
+            # holds it), since it is already in the running sums
+            stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
             if NEWEST_APART:
                 # the newest row as its own score column and P.V term, so that the first tile (loaded before the
                 # wait) reaches its dot unchanged; the online softmax starts from it, so a tile that holds only the
@@ -217,20 +220,15 @@ if triton is not None:
                 m_i = tl.where(has_newest, s_new, float("-inf"))
                 l_i = tl.where(has_newest, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
                 acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32) + new_v.to(tl.float32)[None, :]
-                tile_ok = tok_ok & ~newest
             else:
                 k = tl.where(newest[:, None], new_k[None, :], k)
                 v = tl.where(newest[:, None], new_v[None, :], v)
                 m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
                 l_i = tl.zeros([GROUP_PAD], tl.float32)
                 acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-                tile_ok = tok_ok
             if start < end:  # (a padded row's one split is empty)
-                m_i, l_i, acc = _attend_tile(q, k, v, tile_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
+                m_i, l_i, acc = _attend_tile(q, k, v, tok < stop, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
-            # with the newest row apart, a later tile that holds it (the split's last, in a split of several tiles)
-            # leaves it out too: it is already in the running sums
-            stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
             for tile in range(start + BLOCK_N, end, BLOCK_N):
                 tok = tile + offs_n
                 tok_ok = tok < stop
