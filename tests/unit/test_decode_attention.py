@@ -263,19 +263,6 @@ def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apar
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_the_newest_row_apart_is_an_opt_in_setting(monkeypatch):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.decode_attention import newest_apart_enabled
-
-    monkeypatch.delenv("TPGRAPH_ATTN_NEWEST_APART", raising=False)
-    assert not newest_apart_enabled()
-    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "1")
-    assert newest_apart_enabled()
-    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "on")
-    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
-        newest_apart_enabled()
-
-
 def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
     """Ahead of time, without a GPU: with the newest row apart, the first tile (loaded before the PDL wait) is no
     longer rewritten after it, so most of its staging into shared memory for the dot moves before the wait: in this

@@ -391,17 +391,23 @@ def test_the_rotation_inputs_come_before_the_wait_where_the_caller_vouches_for_t
     assert ("ld.global.b64" in ptx[wait:ptx.index("atom.global")]) != early
 
 
-def test_the_early_rotation_inputs_are_an_opt_in_setting(monkeypatch):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.gemv import rope_inputs_early
+@pytest.mark.parametrize(("module", "setting", "env"), [
+    ("gemv", "rope_inputs_early", "TPGRAPH_QKV_ROPE_EARLY"),
+    ("decode_attention", "newest_apart_enabled", "TPGRAPH_ATTN_NEWEST_APART"),
+])
+def test_the_untimed_experiments_are_opt_in_settings(monkeypatch, module, setting, env):
+    import importlib
 
-    monkeypatch.delenv("TPGRAPH_QKV_ROPE_EARLY", raising=False)
-    assert not rope_inputs_early()
-    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "1")
-    assert rope_inputs_early()
-    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "yes")
-    with pytest.raises(ConfigError, match="TPGRAPH_QKV_ROPE_EARLY must be 0 or 1"):
-        rope_inputs_early()
+    from tpgraph.errors import ConfigError
+
+    enabled = getattr(importlib.import_module(f"tpgraph.kernels.{module}"), setting)
+    monkeypatch.delenv(env, raising=False)
+    assert not enabled()
+    monkeypatch.setenv(env, "1")
+    assert enabled()
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ConfigError, match=f"{env} must be 0 or 1"):
+        enabled()
 
 
 def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):

@@ -328,8 +328,8 @@ def newest_apart_enabled() -> bool:
     """TPGRAPH_ATTN_NEWEST_APART=1 (an experiment, off until timed): the newest row, which the kernel before has just
     written, is not merged into the first K/V tile after the PDL wait but added as its own score column and P.V term,
     so that the tile loaded before the wait reaches its dot unchanged. Compiled for sm_90a this cuts the instructions
-    between the wait and the first mma from 442 to 174 (shared-memory stores 20 -> 5) and the registers from 156 to
-    138; whether a decode step gains has not been measured."""
+    between the wait and the first mma from 442 to 163 (shared-memory stores 20 -> 5) and the registers from 156 to
+    128; whether a decode step gains has not been measured."""
     return env_flag("TPGRAPH_ATTN_NEWEST_APART")
 
 
