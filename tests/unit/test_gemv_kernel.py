@@ -391,23 +391,30 @@ def test_the_rotation_inputs_come_before_the_wait_where_the_caller_vouches_for_t
     assert ("ld.global.b64" in ptx[wait:ptx.index("atom.global")]) != early
 
 
-@pytest.mark.parametrize(("module", "setting", "env"), [
-    ("gemv", "rope_inputs_early", "TPGRAPH_QKV_ROPE_EARLY"),
-    ("decode_attention", "newest_apart_enabled", "TPGRAPH_ATTN_NEWEST_APART"),
-])
-def test_the_untimed_experiments_are_opt_in_settings(monkeypatch, module, setting, env):
-    import importlib
-
+@pytest.mark.parametrize(("value", "batch", "expected"), [
+    ("", 1, False), ("", 2, True), ("", 8, True), ("1", 1, True), ("0", 8, False)])
+def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, value, batch, expected):
     from tpgraph.errors import ConfigError
+    from tpgraph.kernels.decode_attention import newest_apart_for
 
-    enabled = getattr(importlib.import_module(f"tpgraph.kernels.{module}"), setting)
-    monkeypatch.delenv(env, raising=False)
-    assert not enabled()
-    monkeypatch.setenv(env, "1")
-    assert enabled()
-    monkeypatch.setenv(env, "yes")
-    with pytest.raises(ConfigError, match=f"{env} must be 0 or 1"):
-        enabled()
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", value)
+    assert newest_apart_for(batch) is expected
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
+        newest_apart_for(batch)
+
+
+def test_the_rope_inputs_are_read_early_unless_turned_off(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import rope_inputs_early
+
+    monkeypatch.delenv("TPGRAPH_QKV_ROPE_EARLY", raising=False)
+    assert rope_inputs_early()
+    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "0")
+    assert not rope_inputs_early()
+    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_QKV_ROPE_EARLY must be 0 or 1"):
+        rope_inputs_early()
 
 
 def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):

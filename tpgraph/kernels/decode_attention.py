@@ -27,6 +27,7 @@ a CUDA graph; `seq_lens` is read on the device only.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -66,6 +67,8 @@ TWO_TILE_PAIRS_DIVISOR = 8
 # 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid) is unchanged, as is a 512-token context (8 one-tile splits).
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
+# From this many sequences the newest row is its own softmax term (newest_apart_for).
+NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
@@ -90,7 +93,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
     tile is loaded before the programmatic wait, the rest after it)."""
     programs = max(1, batch * kv_heads)
-    want = -(-PROGRAMS_PER_SM * num_sms // programs)
+    # rounded down: one program past PROGRAMS_PER_SM per SM does not fit beside the others (registers), and with it
+    # the next kernel's programmatic launch waits for a second wave of this grid
+    want = PROGRAMS_PER_SM * num_sms // programs
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
@@ -324,13 +329,17 @@ if triton is not None:
                  mask=d_ok)
 
 
-def newest_apart_enabled() -> bool:
-    """TPGRAPH_ATTN_NEWEST_APART=1 (an experiment, off until timed): the newest row, which the kernel before has just
-    written, is not merged into the first K/V tile after the PDL wait but added as its own score column and P.V term,
-    so that the tile loaded before the wait reaches its dot unchanged. Compiled for sm_90a this cuts the instructions
-    between the wait and the first mma from 442 to 163 (shared-memory stores 20 -> 5) and the registers from 156 to
-    128; whether a decode step gains has not been measured."""
-    return env_flag("TPGRAPH_ATTN_NEWEST_APART")
+def newest_apart_for(batch: int) -> bool:
+    """Whether the newest row, which the kernel before has just written, enters the online softmax as its own score
+    column and P.V term (NEWEST_APART) instead of being merged into the first K/V tile after the PDL wait; the tile
+    loaded before the wait then reaches its dot unchanged (sm_90a: 163 instructions between the wait and the first
+    mma instead of 442, 128 registers instead of 156). TPGRAPH_ATTN_NEWEST_APART=1 / 0 forces it; unset, from
+    NEWEST_APART_MIN_BATCH sequences up. Whole TP=1 steps on one H200 (bench/results/2026-12-01_h200_newest_apart,
+    run3, context 512): 0.052-0.070 ms faster at batches 2, 4 and 8, and 0.010 ms slower at batch 1."""
+    forced = os.environ.get("TPGRAPH_ATTN_NEWEST_APART", "").strip()
+    if forced:
+        return env_flag("TPGRAPH_ATTN_NEWEST_APART")
+    return batch >= NEWEST_APART_MIN_BATCH
 
 
 def combine_tiles(group: int) -> dict:
@@ -349,7 +358,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     max_seq_len: the static bound on seq_lens that sizes the split grid (each program splits its sequence's actual
     length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
-    split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_enabled()`): the newest row enters the
+    split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     """
     if triton is None:
@@ -393,7 +402,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
-        NEWEST_APART=newest_apart_enabled() if newest_apart is None else bool(newest_apart),
+        NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:

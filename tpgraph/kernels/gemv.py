@@ -62,9 +62,11 @@ SUM_BLOCK = 512  # elements per program of the split-K sum: it reads SPLIT_K fp3
 
 
 def rope_inputs_early() -> bool:
-    """TPGRAPH_QKV_ROPE_EARLY=1 (an experiment, off until timed): the model lets the qkv + rope kernel read the step's
-    positions and slots before its PDL wait (qkv_rope_store's inputs_early)."""
-    return env_flag("TPGRAPH_QKV_ROPE_EARLY")
+    """Whether the model lets the qkv + rope kernel read the step's positions and slots before its PDL wait
+    (qkv_rope_store's inputs_early): on unless TPGRAPH_QKV_ROPE_EARLY=0. Whole TP=1 steps on one H200
+    (bench/results/2026-12-01_h200_newest_apart, run1 and run3): 0.001-0.004 ms faster at batch 1, 0.009-0.012 at
+    batches 2-8."""
+    return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
 
 
 def late_trigger() -> bool:
