@@ -87,14 +87,15 @@ def num_sms_for(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """KV splits per (sequence, KV head) in the grid: enough programs for about PROGRAMS_PER_SM per SM, at most
+    """KV splits per (sequence, KV head) in the grid: as many programs as PROGRAMS_PER_SM per SM holds, at most
     MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
     actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
     empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
     tile is loaded before the programmatic wait, the rest after it)."""
     programs = max(1, batch * kv_heads)
-    # rounded down: one program past PROGRAMS_PER_SM per SM does not fit beside the others (registers), and with it
-    # the next kernel's programmatic launch waits for a second wave of this grid
+    # Rounded down: a program past PROGRAMS_PER_SM per SM finds no registers free and runs in a second wave. Rounded
+    # up, batch 8 at 4K tokens (13 busy splits, 416 programs) was 0.095 ms a step slower on an H200
+    # (bench/results/2026-12-01_h200_newest_apart, run3).
     want = PROGRAMS_PER_SM * num_sms // programs
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
