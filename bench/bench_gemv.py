@@ -186,6 +186,12 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the config grid per shape x M instead")
     p.add_argument("--sweep-ms", default="1,8", help="M values for --sweep")
     args = p.parse_args()
+    from tpgraph.kernels.gemv import max_rows
+
+    # above the kernels' rows linear_small_m takes F.linear: it would time cuBLAS under the kernel's name
+    most = max(int(m) for m in f"{args.ms},{args.sweep_ms}".split(",") if m)
+    if most > max_rows(2):
+        raise SystemExit(f"M={most} is above the small-M kernels' {max_rows(2)} rows (TPGRAPH_GEMV_MAX_M=32: up to 32)")
     device = torch.device("cuda")
     hbm = hbm_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
@@ -217,7 +223,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for label in ("cublas", "triton"):
             ax.plot([r["m"] for r in sel], [r[f"{label}_of_hbm"] for r in sel], marker="o", label=label)
         ax.axhline(0.88, color="gray", ls="--", lw=0.8)
-        ax.set(title=name, xlabel="M (rows)", xscale="log", xticks=[1, 2, 4, 8, 16], xticklabels=[1, 2, 4, 8, 16])
+        ticks = [1, 2, 4, 8, 16, 32]
+        ax.set(title=name, xlabel="M (rows)", xscale="log", xticks=ticks, xticklabels=ticks)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of HBM copy bandwidth")
     axes[0].legend()

@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--embed-std", type=float, default=None, help="well-conditioned checkpoint (see make_checkpoint)")
+    p.add_argument("--copies", type=int, default=1,
+                   help="run the prompts this many times over in one batch (8: 24 rows a decode step), each checked")
     args = p.parse_args()
 
     state = init_distributed("cuda")
@@ -102,10 +104,13 @@ def main() -> None:
     comm = TPCommunicator(state)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(state, comm, ckpt, dtype=dtype)
-    runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(PROMPTS), max_model_len=256))
+    if args.copies < 1:
+        raise SystemExit(f"--copies must be at least 1, got {args.copies}")
+    prompts = PROMPTS * args.copies
+    runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    result = greedy_generate(runner, PROMPTS, args.steps, keep_logits=True)
+    result = greedy_generate(runner, prompts, args.steps, keep_logits=True)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     dist.barrier(group=state.cpu_group)
@@ -117,15 +122,15 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     if state.is_driver:
-        hf_tokens, forced = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, dtype)
+        hf_tokens, forced = hf_reference(ckpt, prompts, result.tokens, args.steps, dtype)
         # fp32 HF on the same (bf16-stored) weights: the noise floor of bf16 arithmetic itself
-        _, forced32 = hf_reference(ckpt, PROMPTS, result.tokens, args.steps, torch.float32)
-        report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps,
+        _, forced32 = hf_reference(ckpt, prompts, result.tokens, args.steps, torch.float32)
+        report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps, "copies": args.copies,
                   "layers": args.layers, "embed_std": args.embed_std,
                   "shape": SHAPE,
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prompts": []}
         ok = True
-        for b, prompt in enumerate(PROMPTS):
+        for b, prompt in enumerate(prompts):
             ours = torch.stack([step[b] for step in result.step_logits])
             ref = forced[b]
             rel = rel_err(ours, ref)
@@ -148,7 +153,7 @@ def main() -> None:
                   f"ours {ours_vs_fp32:.2e}, HF {args.dtype} {hf_vs_fp32:.2e}")
         report["pass"] = ok
         report["our_generate_s"] = elapsed
-        print(f"PASS={ok}  (ours: {args.steps} steps x {len(PROMPTS)} prompts in {elapsed:.2f}s, eager)")
+        print(f"PASS={ok}  (ours: {args.steps} steps x {len(prompts)} prompts in {elapsed:.2f}s, eager)")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     dist.barrier(group=state.cpu_group)  # rank 0 compared against HF meanwhile: start the teardown together

@@ -347,7 +347,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -355,8 +355,8 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False) -> str:
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
     return sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
-                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
-                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
+                    {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                     "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
                      "ROPE_EARLY": rope_early})
 
@@ -455,3 +455,100 @@ def test_the_prefetch_budget_setting(monkeypatch):
         monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", bad)
         with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
             prefetch_budget(4096, 2048)
+
+
+def test_wide_rows_are_an_opt_in_setting_for_16_bit_elements(monkeypatch):
+    """TPGRAPH_GEMV_MAX_M=32 takes 17-32 rows in 32-row tiles (bf16/fp16 only); unset, 16 rows; nothing else."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import block_m, max_rows
+
+    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    assert max_rows(2) == max_rows(4) == 16
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    assert max_rows(2) == 32 and max_rows(4) == 16  # fp32's 32-row x tiles would outgrow its stages' shared memory
+    assert [block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "24")
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_MAX_M must be 16 or 32, got '24'"):
+        max_rows(2)
+
+
+def _launches(monkeypatch) -> list[int]:
+    """The row tile of every small-M kernel launch from here on."""
+    from tpgraph.kernels import gemv
+
+    seen: list[int] = []
+    real = gemv._tile_args
+    monkeypatch.setattr(gemv, "_tile_args", lambda x, *a: seen.append(gemv.block_m(x.shape[0])) or real(x, *a))
+    return seen
+
+
+@interpreted
+@pytest.mark.parametrize("m", [17, 24, 32])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_wide_rows_within_bf16_rounding_and_repeatable(monkeypatch, m, split_k):
+    """17-32 rows in one 32-row tile, with split-K reduced by the last split (the default) too; without the setting
+    the same call takes F.linear."""
+    g = torch.Generator().manual_seed(m + split_k)
+    x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+    w = torch.randn(37, 300, generator=g).to(torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    launches = _launches(monkeypatch)
+    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    torch.testing.assert_close(linear_small_m(x, w, use_triton=True, config=cfg), F.linear(x, w))
+    assert launches == []
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    y = linear_small_m(x, w, use_triton=True, config=cfg)
+    assert launches == [32] and y.shape == (m, 37)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()).to(torch.bfloat16))  # one bf16 rounding apart
+    assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), y)
+
+
+@interpreted
+def test_wide_rows_fuse_the_activation_and_rope_with_the_two_steps_bits(monkeypatch):
+    """gate_up + SiLU·mul and qkv + rope + cache store at 23 rows: the same bits as the projection and then the
+    activation / rope_store kernel (exact inputs, as in the 16-row tests: see the gate_up test's note)."""
+    from tpgraph.kernels._counters import split_counters
+    from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.gemv import gate_up_silu, qkv_rope_store
+    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    launches = _launches(monkeypatch)
+    m, dtype = 23, torch.bfloat16
+    g = torch.Generator().manual_seed(23)
+    x = torch.randint(-4, 5, (m, 300), generator=g).to(dtype) / 4
+    w = torch.randint(-2, 3, (74, 300), generator=g).to(dtype) / 8
+    cfg = GemvConfig(32, 64, 4, 2)
+    fused = gate_up_silu(x, w, use_triton=True, config=cfg)
+    assert fused is not None and torch.equal(
+        fused, silu_and_mul(linear_small_m(x, w, use_triton=True, config=cfg), use_triton=True))
+
+    heads, kv_heads, dim, hidden, block_size = 4, 2, 64, 96, 4
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
+    tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
+    positions = torch.randint(0, 64, (m,), generator=g)
+    slots = torch.randperm(8 * block_size, generator=g)[:m]
+    caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    cfg = GemvConfig(32, 32, 4, 2, split_k=2)
+    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, inputs_early=True,
+                       use_triton=True, config=cfg)
+    rq, _ = rope_and_store(linear_small_m(x, w, use_triton=True, config=cfg), positions, tables, slots, caches[2],
+                           caches[3], heads, kv_heads, dim, use_triton=True)
+    assert q is not None and torch.equal(q, rq)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not split_counters(x.device, heads + 2 * kv_heads).any()
+    assert set(launches) == {32} and len(launches) == 4
+
+
+def test_wide_rows_compile_for_sm90():
+    """Ahead of time, without a GPU: the projection and the qkv + rope kernel at a 32-row tile (their 16-row
+    compiles are checked above); the rows enter the tensor-core dot as one tile."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                   {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": True,
+                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
+                    **NO_ALL_REDUCE})
+    assert "mma" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    rope = _qkv_rope_ptx(4, rope_early=True, block_m=32)
+    assert "mma" in rope and "mul.rn.f32" in rope
+    assert_semaphore_order(rope)
