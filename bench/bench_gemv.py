@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
-from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
+from tpgraph.kernels.gemv import GemvConfig, linear_small_m, max_rows, tiles
 from tpgraph.tune.timing import K_OPS, capture, graph_op_us
 
 SHAPES = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
@@ -186,8 +186,6 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the config grid per shape x M instead")
     p.add_argument("--sweep-ms", default="1,8", help="M values for --sweep")
     args = p.parse_args()
-    from tpgraph.kernels.gemv import max_rows
-
     # above the kernels' rows linear_small_m takes F.linear: it would time cuBLAS under the kernel's name
     most = max(int(m) for m in f"{args.ms},{args.sweep_ms}".split(",") if m)
     if most > max_rows(2):

@@ -92,6 +92,8 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=1,
                    help="run the prompts this many times over in one batch (8: 24 rows a decode step), each checked")
     args = p.parse_args()
+    if args.copies < 1:
+        raise SystemExit(f"--copies must be at least 1, got {args.copies}")
 
     state = init_distributed("cuda")
     workdir = [tempfile.mkdtemp(prefix="tpgraph_parity_") if state.is_driver else None]
@@ -104,8 +106,6 @@ def main() -> None:
     comm = TPCommunicator(state)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(state, comm, ckpt, dtype=dtype)
-    if args.copies < 1:
-        raise SystemExit(f"--copies must be at least 1, got {args.copies}")
     prompts = PROMPTS * args.copies
     runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
     torch.cuda.synchronize()

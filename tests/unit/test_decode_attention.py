@@ -15,6 +15,7 @@ from tpgraph.kernels.decode_attention import (
     MIN_SPLIT_TOKENS,
     choose_num_splits,
     min_split_tiles,
+    newest_apart_for,
     paged_decode_attention_v2,
 )
 from tpgraph.kernels.paged_decode import paged_decode_reference
@@ -77,6 +78,7 @@ def test_choose_num_splits():
     # context runs 4 of them, two tiles each (min_split_tiles), and the grid's spare splits exit
     assert choose_num_splits(8, 4, 600, 132) == 9 > 512 // BLOCK_N
     assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
+    assert choose_num_splits(8, 4, 4096, 132) == 12  # 396 // 32: rounded down, the grid fits 3 programs an SM
 
 
 def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():
@@ -245,11 +247,11 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("newest_apart", [False, True])
 def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apart, num_splits, split_tiles):
-    """TPGRAPH_ATTN_NEWEST_APART's kernel and the default one. One-tile splits (3, 1) put the newest row alone in a
-    split's first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row (64), beside one
-    other row (130: split 2 holds tokens 128-129), and in a padded row (0). Longer splits put it in a split's later
-    tile, where it must not be counted twice: two-tile splits (2, 2) at 65 (one split, tokens 0-64), one split at 65
-    and 130."""
+    """The newest row apart and merged (newest_apart_for picks one by batch). One-tile splits (3, 1) put the newest
+    row alone in a split's first tile (65: split 1 holds token 64 only; 1: the whole sequence), at a split's last row
+    (64), beside one other row (130: split 2 holds tokens 128-129), and in a padded row (0). Longer splits put it in a
+    split's later tile, where it must not be counted twice: two-tile splits (2, 2) at 65 (one split, tokens 0-64), one
+    split at 65 and 130."""
     q, k, v, bt, _, scale = random_paged_case(17, "cpu", dtype, max_batch=5, max_len=140)  # 5 rows, group 8
     lens = torch.tensor([65, 1, 64, 130, 0][: q.shape[0]], dtype=torch.int32)
     assert q.shape[0] == 5 and k.shape[1] * bt.shape[1] >= 130
@@ -285,3 +287,15 @@ def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
         staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
     assert staged[False][0] == 0 and staged[True][0] > 0
     assert staged[True][1] * 4 < staged[False][1]
+
+
+@pytest.mark.parametrize(("value", "batch", "expected"), [
+    ("", 1, False), ("", 2, True), ("", 8, True), ("1", 1, True), ("0", 8, False)])
+def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, value, batch, expected):
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", value)
+    assert newest_apart_for(batch) is expected
+    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
+        newest_apart_for(batch)

@@ -391,19 +391,6 @@ def test_the_rotation_inputs_come_before_the_wait_where_the_caller_vouches_for_t
     assert ("ld.global.b64" in ptx[wait:ptx.index("atom.global")]) != early
 
 
-@pytest.mark.parametrize(("value", "batch", "expected"), [
-    ("", 1, False), ("", 2, True), ("", 8, True), ("1", 1, True), ("0", 8, False)])
-def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, value, batch, expected):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.decode_attention import newest_apart_for
-
-    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", value)
-    assert newest_apart_for(batch) is expected
-    monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "yes")
-    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
-        newest_apart_for(batch)
-
-
 def test_the_rope_inputs_are_read_early_unless_turned_off(monkeypatch):
     from tpgraph.errors import ConfigError
     from tpgraph.kernels.gemv import rope_inputs_early
@@ -542,13 +529,34 @@ def test_wide_rows_fuse_the_activation_and_rope_with_the_two_steps_bits(monkeypa
 
 
 def test_wide_rows_compile_for_sm90():
-    """Ahead of time, without a GPU: the projection and the qkv + rope kernel at a 32-row tile (their 16-row
-    compiles are checked above); the rows enter the tensor-core dot as one tile."""
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
-                   {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": True,
-                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
-                    **NO_ALL_REDUCE})
-    assert "mma" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    """Ahead of time, without a GPU: the projection and the qkv + rope kernel at a 32-row tile; the projection's
+    tensor-core dot covers twice the rows of a 16-row tile's (twice its mma instructions), and x is read after the
+    PDL wait."""
+    def gate_up_ptx(rows: int) -> str:
+        return sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                        {"BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                         "GATE_UP": True, "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64,
+                         "LAST_REDUCES": False, "SPLITS": 1, **NO_ALL_REDUCE})
+
+    ptx = gate_up_ptx(32)
+    assert ptx.count("mma.sync") == 2 * gate_up_ptx(16).count("mma.sync") > 0
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     rope = _qkv_rope_ptx(4, rope_early=True, block_m=32)
     assert "mma" in rope and "mul.rn.f32" in rope
     assert_semaphore_order(rope)
+
+
+@interpreted
+def test_a_fused_all_reduces_squares_must_match_the_row_tile(monkeypatch):
+    """The kernels read a ReducedNorm's squares with their row tile as the stride: squares written for 16-row tiles
+    and 24 staged rows (a 32-row tile) are refused, not misread."""
+    from tpgraph.kernels.gemv import gate_up_silu
+    from tpgraph.kernels.lamport import ReducedNorm
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    rows, hidden = 24, 64
+    h = torch.randn(rows, hidden).to(torch.bfloat16)
+    reduced = ReducedNorm(h, h.clone(), torch.zeros(4, 16), 4, torch.ones(hidden, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="24 staged rows take a 32-row tile; .* written for 16"):
+        gate_up_silu(reduced, torch.randn(32, hidden).to(torch.bfloat16), use_triton=True,
+                     config=GemvConfig(16, 64, 4, 2))

@@ -27,7 +27,6 @@ a CUDA graph; `seq_lens` is read on the device only.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -64,7 +63,8 @@ TWO_TILE_PAIRS_DIVISOR = 8
 # and 4K tokens 64 one-tile splits made the merge cost more than the tiles. Measured on an H200 (bench/results/
 # 2026-12-01_h200_critical_path, run5, attention alone, µs): 4K tokens 22.3 with 64 splits, 14.4 with 32, 13.2 with 16;
 # 32K tokens 41.7 / 43.6 / 66.3, so a 32K context keeps 64 eight-tile splits; and the whole TP=1 step at 4K, batch 1,
-# 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid) is unchanged, as is a 512-token context (8 one-tile splits).
+# 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid then, 12 since the grid rounds down) was unchanged, as was a
+# 512-token context (8 one-tile splits).
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
@@ -93,9 +93,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
     tile is loaded before the programmatic wait, the rest after it)."""
     programs = max(1, batch * kv_heads)
-    # Rounded down: a program past PROGRAMS_PER_SM per SM finds no registers free and runs in a second wave. Rounded
-    # up, batch 8 at 4K tokens (13 busy splits, 416 programs) was 0.095 ms a step slower on an H200
-    # (bench/results/2026-12-01_h200_newest_apart, run3).
+    # Rounded down, so the grid stays within PROGRAMS_PER_SM a SM: rounded up, batch 8 at 4K tokens (13 busy splits,
+    # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
+    # run3), presumably a second wave for the programs past them.
     want = PROGRAMS_PER_SM * num_sms // programs
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
@@ -337,10 +337,7 @@ def newest_apart_for(batch: int) -> bool:
     mma instead of 442, 128 registers instead of 156). TPGRAPH_ATTN_NEWEST_APART=1 / 0 forces it; unset, from
     NEWEST_APART_MIN_BATCH sequences up. Whole TP=1 steps on one H200 (bench/results/2026-12-01_h200_newest_apart,
     run3, context 512): 0.052-0.070 ms faster at batches 2, 4 and 8, and 0.010 ms slower at batch 1."""
-    forced = os.environ.get("TPGRAPH_ATTN_NEWEST_APART", "").strip()
-    if forced:
-        return env_flag("TPGRAPH_ATTN_NEWEST_APART")
-    return batch >= NEWEST_APART_MIN_BATCH
+    return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
 def combine_tiles(group: int) -> dict:

@@ -150,7 +150,7 @@ class GemvConfig:
 
 
 def enabled() -> bool:
-    """Whether the model's projections use this kernel for M <= MAX_M (read when a layer is built; on unless
+    """Whether the model's projections use this kernel for M <= max_rows (read when a layer is built; on unless
     TPGRAPH_GEMV=0). Where it cannot run (CPU tensors, GPUs before sm_80) the layers still get cuBLAS."""
     return os.environ.get("TPGRAPH_GEMV", "1") != "0"
 
@@ -543,7 +543,7 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     n_tiles = triton.cdiv(n, cfg.block_n)
     # torch.empty is capturable: under CUDA graph capture these come from the graph's pool
     reduced = ReducedNorm(torch.empty_like(residual), torch.empty_like(residual),
-                          torch.empty(n_tiles, MAX_M, dtype=torch.float32, device=x.device), n_tiles, norm_weight,
+                          torch.empty(n_tiles, block_m(m), dtype=torch.float32, device=x.device), n_tiles, norm_weight,
                           eps)
     _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced), residual_early=residual_early)
     return reduced
@@ -572,7 +572,8 @@ def _staged_args(x: torch.Tensor, recv: ReducedNorm | None) -> dict:
     if recv is None:
         return dict(sq_ptr=x, tiles=0, eps=0.0, mean_scale=0.0, STAGED=False, PIECES=1)
     if block_m(x.shape[0]) != recv.squares.shape[1]:  # the kernels read the squares with their row tile as stride
-        raise ValueError(f"a fused all-reduce's {x.shape[0]} staged rows exceed its squares' {recv.squares.shape[1]}")
+        raise ValueError(f"{x.shape[0]} staged rows take a {block_m(x.shape[0])}-row tile; the fused all-reduce's "
+                         f"squares were written for {recv.squares.shape[1]}")
     scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
     return dict(sq_ptr=recv.squares, tiles=recv.tiles, eps=recv.eps, mean_scale=scale, STAGED=True,
                 PIECES=pieces_for(recv.tiles))
