@@ -261,15 +261,17 @@ def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, s
     assert not split_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("one_pass", ["0", "1"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
-def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype):
+def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype, one_pass):
     """TPGRAPH_LAST_SPLIT_REDUCES=1 (no combine kernel): the reference within tolerance, the same bits every call
-    and every graph replay, and the counters back at zero."""
+    and every graph replay, and the counters back at zero; one_pass: TPGRAPH_ATTN_ONE_PASS_MERGE's merge."""
     from tpgraph.kernels._counters import split_counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=2000)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", one_pass)
     eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,

@@ -177,7 +177,7 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                     "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                     "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
-                    "NEWEST_APART": False},
+                    "NEWEST_APART": False, "ONE_PASS_MERGE": False},
                    num_stages=2)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)
@@ -282,7 +282,7 @@ def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
                        {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                         "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                         "INTERPRETED": False, "LAST_COMBINES": True, "PDL": True, "GROUP_P2": 4,
-                        "COMBINE_CHUNK": 8, "NEWEST_APART": apart}, num_stages=2)
+                        "COMBINE_CHUNK": 8, "NEWEST_APART": apart, "ONE_PASS_MERGE": False}, num_stages=2)
         wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
     assert staged[False][0] == 0 and staged[True][0] > 0
@@ -299,3 +299,59 @@ def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, v
     monkeypatch.setenv("TPGRAPH_ATTN_NEWEST_APART", "yes")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_NEWEST_APART must be 0 or 1"):
         newest_apart_for(batch)
+
+
+@pytest.mark.parametrize("seed", [6, 17, 23])  # query groups of 4, 8, 4: 8, 4, 8 splits a chunk
+@pytest.mark.parametrize("num_splits", [3, 8, 13, 22])  # within one chunk, exactly one, and past it (partial last)
+def test_the_one_pass_merge_matches_the_two_passes(seed, num_splits):
+    """TPGRAPH_ATTN_ONE_PASS_MERGE's merge: the reference, the two-pass merge within rounding, the same bits on a
+    second call; a padded row (length 0) still gives zeros."""
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=1500)
+    lens[0] = 1500  # 24 tiles: every split of the grid in use
+    lens[-1] = 0
+    run = dict(max_seq_len=1500, num_splits=num_splits, split_tiles=1)
+    one = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run)
+    _check(one, paged_decode_reference(q, k, v, bt, lens, scale))
+    torch.testing.assert_close(one, paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=False, **run),
+                               atol=1e-6, rtol=1e-6)
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run), one)
+    assert not one[-1].any()
+
+
+def test_the_one_pass_merge_loads_every_partial_in_one_round():
+    """Ahead of time, without a GPU: after the last split's count the two-pass merge loads the maxima, then, behind
+    their reduction, the weighted partials; the one-pass merge issues the maxima, sums and accumulators of its chunk
+    together, so no exp2 (the weights) comes between the first and the last partial load of a chunk."""
+    import re
+
+    from tpgraph.kernels import decode_attention as da
+
+    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
+    between = {}
+    for one_pass in (False, True):
+        ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
+                       ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
+                        "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
+                       {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+                        "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
+                        "INTERPRETED": False, "LAST_COMBINES": True, "PDL": True, "GROUP_P2": 4,
+                        "COMBINE_CHUNK": 8, "NEWEST_APART": True, "ONE_PASS_MERGE": one_pass}, num_stages=2)
+        merge = ptx[ptx.index("atom.global.gpu.acq_rel.add"):]
+        loads = [m.start() for m in re.finditer(r"ld\.global\.cg", merge)]
+        between[one_pass] = merge[loads[0]:loads[-1]].count("ex2.approx")
+    assert between[False] > 0 and between[True] == 0
+
+
+def test_the_one_pass_merge_is_an_opt_in_setting(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.decode_attention import one_pass_merge_enabled
+
+    monkeypatch.delenv("TPGRAPH_ATTN_ONE_PASS_MERGE", raising=False)
+    assert not one_pass_merge_enabled()
+    monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", "1")
+    assert one_pass_merge_enabled()
+    monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", "on")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_ONE_PASS_MERGE must be 0 or 1"):
+        one_pass_merge_enabled()

@@ -171,6 +171,7 @@ if triton is not None:
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
+        ONE_PASS_MERGE: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -256,9 +257,14 @@ if triton is not None:
                 if LAST_COMBINES:
                     counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
-                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
-                                       stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,
-                                       COMBINE_CHUNK, INTERPRETED)
+                        if ONE_PASS_MERGE:
+                            _combine_group_one_pass(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb,
+                                                    stride_ph, stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2,
+                                                    HEAD_DIM, DIM_PAD, COMBINE_CHUNK, INTERPRETED)
+                        else:
+                            _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb,
+                                           stride_ph, stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM,
+                                           DIM_PAD, COMBINE_CHUNK, INTERPRETED)
                         reset_counter(counter)
 
     @triton.jit
@@ -301,6 +307,45 @@ if triton is not None:
                  mask=g_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def _combine_group_one_pass(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
+                                stride_ps, stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                                INTERPRETED: tl.constexpr):
+        """_combine_group's merge in one pass (TPGRAPH_ATTN_ONE_PASS_MERGE): each chunk of CHUNK splits loads its
+        maxima, sums and accumulators at once, as [CHUNK, group] and [CHUNK, group, D] tiles, and folds them into a
+        running max, rescaling what came before. Up to CHUNK splits (8 at a query group of 4: every split of a
+        512-token context) that is one round of L2 loads after the last split's count, where the two passes took two:
+        the maxima, then the weighted sums. The same sums within rounding (a running rescale, and each chunk added as
+        a tree); in a fixed order, so every call and replay gives the same bits."""
+        offs_g = tl.arange(0, GROUP_P2)
+        g_ok = offs_g < GROUP
+        part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        offs_c = tl.arange(0, CHUNK)
+        m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        l_run = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+        for c0 in range(0, used, CHUNK):
+            part = part0[None, :] + (c0 + offs_c)[:, None] * stride_ps  # [CHUNK, group]
+            ok = ((c0 + offs_c) < used)[:, None] & g_ok[None, :]  # splits past `used`: weight 0, adding zeros
+            m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            sums = tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+            accs = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                           mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing but empty splits yet: weights 0, not NaN
+            rescale = tl.exp2(m_run - m_ref)
+            w = tl.exp2(m - m_ref[None, :])
+            l_run = l_run * rescale + tl.sum(sums * w, axis=0)
+            acc = acc * rescale[:, None] + tl.sum(accs * w[:, :, None], axis=0)
+            m_run = m_new
+        l_run = tl.where(l_run == 0.0, 1.0, l_run)
+        tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                 to_dtype(acc / l_run[:, None], out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
     def _decode_combine_kernel(
         part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -340,6 +385,12 @@ def newest_apart_for(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
+def one_pass_merge_enabled() -> bool:
+    """TPGRAPH_ATTN_ONE_PASS_MERGE=1 (an experiment, off until timed): the last split merges the partials in one pass
+    (_combine_group_one_pass), one round of L2 loads where the two passes take two."""
+    return env_flag("TPGRAPH_ATTN_ONE_PASS_MERGE")
+
+
 def combine_tiles(group: int) -> dict:
     """The last split's merge (_combine_group): the query group to a power of two, and COMBINE_ROWS // that many
     splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
@@ -350,7 +401,8 @@ def combine_tiles(group: int) -> dict:
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
-                              split_tiles: int | None = None, newest_apart: bool | None = None) -> torch.Tensor:
+                              split_tiles: int | None = None, newest_apart: bool | None = None,
+                              one_pass_merge: bool | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -358,6 +410,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
+    one_pass_merge (default: `one_pass_merge_enabled()`): the last split's merge in one pass.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -401,6 +454,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
+        ONE_PASS_MERGE=one_pass_merge_enabled() if one_pass_merge is None else bool(one_pass_merge),
         num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
