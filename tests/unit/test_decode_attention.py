@@ -355,3 +355,23 @@ def test_the_one_pass_merge_is_an_opt_in_setting(monkeypatch):
     monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", "on")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_ONE_PASS_MERGE must be 0 or 1"):
         one_pass_merge_enabled()
+
+
+def test_the_split_tiles_setting_overrides_the_batch_rule(monkeypatch):
+    """TPGRAPH_ATTN_SPLIT_TILES=N: every batch's splits take at least N tiles, attention so split still matches the
+    reference (a 512-token row in two 4-tile splits, a 200-token one in one), and nothing but a positive count is
+    taken."""
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.delenv("TPGRAPH_ATTN_SPLIT_TILES", raising=False)
+    assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (1, 2)
+    monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", "4")
+    assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (4, 4)
+    q, k, v, bt, lens, scale = random_paged_case(3, "cpu", torch.float32, max_batch=2, max_len=600)
+    lens[:] = torch.tensor([512, 200])[: lens.shape[0]]
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", bad)
+        with pytest.raises(ConfigError, match="TPGRAPH_ATTN_SPLIT_TILES must be a whole number"):
+            min_split_tiles(1, 4, 132)

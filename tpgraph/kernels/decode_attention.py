@@ -27,9 +27,11 @@ a CUDA graph; `seq_lens` is read on the device only.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
+from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
@@ -102,7 +104,14 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
 
 def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
     """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
-    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs."""
+    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs.
+    TPGRAPH_ATTN_SPLIT_TILES=N sets it for every batch (for timing fewer, longer splits: each split's first tile is
+    loaded before the PDL wait, but its partial costs a store, a count and a share of the merge)."""
+    forced = os.environ.get("TPGRAPH_ATTN_SPLIT_TILES", "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ConfigError(f"TPGRAPH_ATTN_SPLIT_TILES must be a whole number of tiles >= 1, got {forced!r}")
+        return int(forced)
     return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
