@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -191,6 +191,17 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
+    attn-variants) # decode attention's untimed settings in whole steps (alternating processes): the default, the
+         # one-pass merge, and fewer, longer splits (2 and 4 tiles at least), at context 512 and 4096, batches 1 and 8
+         # (SHAPE, AB_ENTRY as for ab); then the one-pass merge's GPU tests
+         for ctx in 512 4096; do timeout 280 python3 bench/ab_decode.py --out "$out/ab_attn$ctx" --nproc $NPROC \
+             --rounds 2 --variant new=. --variant onepass=.:TPGRAPH_ATTN_ONE_PASS_MERGE=1 \
+             --variant st2=.:TPGRAPH_ATTN_SPLIT_TILES=2 --variant st4=.:TPGRAPH_ATTN_SPLIT_TILES=4 -- \
+             --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8 --no-ladders \
+             --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx --steps 100 2>&1 \
+             | grep -E "^\||left out|Error" | tee "$out/ab_attn$ctx.log"; done
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "last_split_combining" 2>&1 \
+             | tail -3 | tee "$out/attn_tests.log" ;;
     wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels instead of cuBLAS and
          # the unfused rope / SiLU kernels): its GPU tests, HF parity at 24 rows a step with it on, whole steps at
          # batches 16, 24 and 32 with it off and on (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32
