@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants] [boundary]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -191,6 +191,10 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
+    boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
+         # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
+         timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
+             | tail -8 | tee "$out/boundary.log" ;;
     attn-variants) # decode attention's untimed settings in whole steps (alternating processes): the default, the
          # one-pass merge, and fewer, longer splits (2 and 4 tiles at least), at context 512 and 4096, batches 1 and 8
          # (SHAPE, AB_ENTRY as for ab); then the one-pass merge's GPU tests
