@@ -5,12 +5,13 @@ the time between one kernel's last store and the next kernel's first dependent l
 measures it on its own, for the forms a decode step uses:
 
 - `plain`: each hop a normal launch (the next starts when this one ends);
-- `pdl`: launched as a programmatic dependent that lets the next one in as it starts (`pdl_enter`, as the small
-  Triton kernels do), then waits (`gdc_wait`) for this one to end;
+- `pdl`: launched as a programmatic dependent that waits (`gdc_wait`) for the one before to end, then lets the next
+  one in at once (`pdl_enter`, as the small Triton kernels do);
 - `pdl_late`: the same, but the next one is let in only at the end (as a projection with the late trigger);
-- `barrier`: all the hops in one kernel, each followed by a software grid barrier (an acq_rel count per hop and a
-  spin on it), the alternative to a kernel boundary when the producer and the consumer are one grid whose programs
-  are all resident.
+- `barrier`: all the hops in one kernel, each followed by a software grid barrier (an acq_rel count per hop and an
+  acquire poll on it), the alternative to a kernel boundary when the producer and the consumer are one grid whose
+  programs are all resident. The counts only grow (each barrier waits for the next multiple of the grid), so a
+  replay needs no reset.
 
 Every hop is a grid-wide dependency: program p of hop i reads what program p + 1 wrote in hop i - 1, and adds one, so
 after K hops every element has grown by K (checked). Timing: the project's one method (`tpgraph.tune.timing`): K hops
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tpgraph.kernels._pdl import pdl_launch, triton_has_pdl
+from tpgraph.kernels._pdl import pdl_enter, pdl_launch, triton_has_pdl
 from tpgraph.tune.timing import K_OPS, MIN_RUNS, capture, graph_ops_us_interleaved
 
 try:
@@ -37,7 +38,7 @@ except ImportError:  # the bench needs Triton; the CPU tests skip without it
     triton = None
 
 WIDTH = 128  # floats each program carries from hop to hop (one 512-byte row)
-SPIN_LIMIT = 1 << 22  # polls before a barrier gives up (a grid larger than what is resident would never pass)
+SPIN_LIMIT = 1 << 18  # polls before a barrier gives up (a grid larger than what is resident would never pass)
 MODES = ("plain", "pdl", "pdl_late", "barrier")
 
 if triton is not None:
@@ -45,10 +46,11 @@ if triton is not None:
     @triton.jit
     def _hop(src, dst, G, WIDTH: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr):
         """dst[p] = src[(p + 1) % G] + 1, for program p's row of WIDTH floats."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            if not LATE:
-                tl.extra.cuda.gdc_launch_dependents()
+        if LATE:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+        else:
+            pdl_enter(PDL)
         p = tl.program_id(0)
         offs = tl.arange(0, WIDTH)
         row = tl.load(src + ((p + 1) % G) * WIDTH + offs)
@@ -60,7 +62,9 @@ if triton is not None:
     def _hops_with_barriers(a, b, counts, failed, G, HOPS, SPIN_LIMIT, WIDTH: tl.constexpr):
         """HOPS hops between buffers a and b in one grid, a software barrier after each: every program stores its
         row, counts itself in (acq_rel: its stores are visible to whoever sees the count), and polls until the count
-        reaches G. A poll that runs out sets `failed` and goes on (the result is then wrong, and reported)."""
+        reaches the multiple of G its own count belongs to (counts[hop] grows by G a replay and is never reset). A
+        poll that runs out sets `failed`, and the polls after it give up at once (the result is then wrong, and
+        reported)."""
         p = tl.program_id(0)
         offs = tl.arange(0, WIDTH)
         for hop in range(HOPS):
@@ -69,12 +73,14 @@ if triton is not None:
             row = tl.load(src + ((p + 1) % G) * WIDTH + offs, cache_modifier=".cg")
             tl.store(dst + p * WIDTH + offs, row + 1.0)
             tl.debug_barrier()  # every thread's store before the count
-            seen = tl.atomic_add(counts + hop, 1, sem="acq_rel", scope="gpu") + 1
-            tries = 0
-            while (seen < G) & (tries < SPIN_LIMIT):
+            old = tl.atomic_add(counts + hop, 1, sem="acq_rel", scope="gpu")
+            target = (old // G + 1) * G
+            seen = old + 1
+            tries = tl.where(tl.load(failed) != 0, SPIN_LIMIT, 0)
+            while (seen < target) & (tries < SPIN_LIMIT):
                 seen = tl.atomic_add(counts + hop, 0, sem="acquire", scope="gpu")
                 tries += 1
-            if seen < G:
+            if seen < target:
                 tl.atomic_xchg(failed, 1)
 
 
@@ -91,12 +97,13 @@ class BoundaryChain:
     def __init__(self, mode: str, grid: int, hops: int, device: torch.device) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode in ("pdl", "pdl_late") and not (device.type == "cuda" and triton_has_pdl()):
-            raise RuntimeError(f"{mode} needs a GPU and a Triton with programmatic dependent launch")
+        if mode in ("pdl", "pdl_late") and not (device.type == "cuda" and triton_has_pdl()
+                                                and torch.cuda.get_device_capability(device)[0] >= 9):
+            raise RuntimeError(f"{mode} needs a GPU of sm_90 or later and a Triton with programmatic dependent launch")
         self.mode, self.grid, self.hops = mode, grid, hops
         # small integers: every hop's sum is exact, so the check is equality
         self.start = torch.randint(-1000, 1000, (grid, WIDTH), device=device).float()
-        self.a, self.b = self.start.clone(), torch.empty_like(self.start)
+        self.a, self.b = self.start.clone(), torch.zeros_like(self.start)
         self.counts = torch.zeros(hops, dtype=torch.int32, device=device)
         self.failed = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -106,7 +113,6 @@ class BoundaryChain:
     def run(self) -> None:
         """One pass of K hops (the barrier mode: one launch; the others: K launches)."""
         if self.mode == "barrier":
-            self.counts.zero_()
             _hops_with_barriers[(self.grid,)](self.a, self.b, self.counts, self.failed, self.grid, self.hops,
                                               SPIN_LIMIT, WIDTH=WIDTH, num_warps=1)
             return
@@ -121,10 +127,15 @@ class BoundaryChain:
         return self.b if self.hops % 2 else self.a
 
 
-def check(chain: BoundaryChain) -> None:
-    """One pass from the start must give hops_reference's rows (an exact float sum of small integers)."""
+def check(chain: BoundaryChain, graph: torch.cuda.CUDAGraph | None = None) -> None:
+    """One pass from the start (eager, or a replay of `graph`) must give hops_reference's rows (an exact float sum
+    of small integers)."""
     chain.reset()
-    chain.run()
+    if graph is None:
+        chain.run()
+    else:
+        graph.replay()
+        torch.cuda.synchronize()
     if chain.failed.item():
         raise RuntimeError(f"the {chain.grid}-program barrier gave up: not every program was resident")
     want = hops_reference(chain.start.cpu(), chain.hops)
@@ -142,8 +153,7 @@ def measure(grids: list[int], modes: list[str], runs: int, device: torch.device)
         graphs = {mode: capture(chain.run, 1) for mode, chain in chains.items()}
         per_hop = graph_ops_us_interleaved(None, graphs, K_OPS, runs)
         for mode, chain in chains.items():
-            if chain.failed.item():
-                raise RuntimeError(f"the {grid}-program barrier gave up during timing")
+            check(chain, graphs[mode])  # what was timed carried the rows too (the PDL edges are the graph's)
             rows.append({"grid": grid, "mode": mode, "us_per_hop": per_hop[mode]})
         print(f"grid {grid:4d}: " + "  ".join(f"{m} {per_hop[m]:.2f} µs" for m in modes), flush=True)
     return rows
@@ -168,7 +178,7 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
     for mode in modes:
         sel = sorted((r["grid"], r["us_per_hop"]) for r in rows if r["mode"] == mode)
         ax.plot([g for g, _ in sel], [u for _, u in sel], marker="o", label=mode)
-    ax.set(xlabel="programs a hop", ylabel="µs a hop (graph of 64)", xscale="log", title="one kernel boundary")
+    ax.set(xlabel="programs a hop", ylabel=f"µs a hop (graph of {K_OPS})", xscale="log", title="one kernel boundary")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -187,7 +197,12 @@ def main() -> None:
         raise SystemExit(f"--modes: unknown {sorted(bad)}; known: {', '.join(MODES)}")
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("bench_pdl_boundary needs a GPU and Triton")
-    grids = [int(g) for g in args.grids.split(",") if g]
+    try:
+        grids = [int(g) for g in args.grids.split(",") if g]
+    except ValueError:
+        raise SystemExit(f"--grids: comma-separated program counts, got {args.grids!r}") from None
+    if not grids or min(grids) < 1:
+        raise SystemExit(f"--grids: program counts of at least 1, got {args.grids!r}")
     device = torch.device("cuda")
     rows = measure(grids, modes, args.runs, device)
     print(table(rows, modes))

@@ -196,15 +196,16 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
     attn-variants) # decode attention's untimed settings in whole steps (alternating processes): the default, the
-         # one-pass merge, and fewer, longer splits (2 and 4 tiles at least), at context 512 and 4096, batches 1 and 8
-         # (SHAPE, AB_ENTRY as for ab); then the one-pass merge's GPU tests
+         # one-pass merge, and fewer, longer splits (2 and 4 tiles at least; batch 8 takes 2 by default, so st2 is
+         # its control there), at context 512 and 4096, batches 1 and 8 (SHAPE, AB_ENTRY as for ab); then the GPU
+         # tests of the one-pass merge
          for ctx in 512 4096; do timeout 280 python3 bench/ab_decode.py --out "$out/ab_attn$ctx" --nproc $NPROC \
              --rounds 2 --variant new=. --variant onepass=.:TPGRAPH_ATTN_ONE_PASS_MERGE=1 \
              --variant st2=.:TPGRAPH_ATTN_SPLIT_TILES=2 --variant st4=.:TPGRAPH_ATTN_SPLIT_TILES=4 -- \
              --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8 --no-ladders \
              --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_attn$ctx.log"; done
-         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "last_split_combining" 2>&1 \
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "last_split_combining or one_pass" 2>&1 \
              | tail -3 | tee "$out/attn_tests.log" ;;
     wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels instead of cuBLAS and
          # the unfused rope / SiLU kernels): its GPU tests, HF parity at 24 rows a step with it on, whole steps at

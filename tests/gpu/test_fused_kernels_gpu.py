@@ -287,6 +287,30 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     assert not split_counters(q.device, 16 * k.shape[2]).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("seed", "lens"), [(6, [1500, 512, 0]), (10, [1500, 512, 150]), (22, [150, 1500, 512])])
+def test_the_one_pass_merge_matches_the_two_passes_on_the_gpu(monkeypatch, seed, lens, dtype):
+    """TPGRAPH_ATTN_ONE_PASS_MERGE at query groups of 4 and 8 with 3, 8 and 12 splits in use (a grid of 16): one
+    chunk, a partial one and several, so the running rescale runs; the two-pass merge within rounding, the same
+    bits eager and replayed."""
+    q, k, v, bt, _, scale = random_paged_case(seed, "cuda", dtype, max_batch=3, max_len=1500)
+    lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    run = dict(max_seq_len=1500, num_splits=16, split_tiles=1)
+    one = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run)
+    two = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=False, **run)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(one.float(), two.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(one.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
+                               rtol=tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, one)
+
+
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
                          + [(24, torch.bfloat16), (24, torch.float16)])  # 24: 16-bit only (max_rows)

@@ -25,10 +25,14 @@ def test_the_reference_moves_each_row_k_places_and_adds_k(bench):
 
 
 @interpreted
-@pytest.mark.parametrize(("grid", "hops"), [(1, 3), (5, 4), (6, 7)])
-def test_plain_hops_carry_every_row(bench, grid, hops):
-    bench.check(bench.BoundaryChain("plain", grid, hops, torch.device("cpu")))  # raises where a row was not carried
-    broken = bench.BoundaryChain("plain", grid, hops, torch.device("cpu"))
+@pytest.mark.parametrize(("mode", "grid", "hops"), [("plain", 1, 3), ("plain", 5, 4), ("plain", 6, 7),
+                                                    ("barrier", 1, 5), ("barrier", 1, 4)])
+def test_the_hops_carry_every_row(bench, mode, grid, hops):
+    """(The interpreter runs programs one after another: a barrier of more than one program would never pass.)"""
+    chain = bench.BoundaryChain(mode, grid, hops, torch.device("cpu"))
+    bench.check(chain)  # raises where a row was not carried
+    bench.check(chain)  # and again: the barrier's counts carry over from the pass before
+    broken = bench.BoundaryChain(mode, grid, hops, torch.device("cpu"))
     broken.run = lambda: None  # no hop runs: the rows stay where they were
     with pytest.raises(AssertionError, match="did not carry"):
         bench.check(broken)

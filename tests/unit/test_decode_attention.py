@@ -140,16 +140,17 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
 
 
 @pytest.mark.parametrize("seed", [6, 17, 23])  # query groups of 4, 8, 4: 8, 4, 8 splits a load
-@pytest.mark.parametrize("num_splits", [13, 22])
+@pytest.mark.parametrize("num_splits", [13, 22])  # grids of 13 and 22 splits, 12 of them in use
 def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed, num_splits):
-    """Long contexts: more splits in use than COMBINE_CHUNK (the merge's unrolled loads) and not a multiple of it; the
-    reference, the combine kernel within rounding, and the same bits on a second call."""
+    """Long contexts: more splits in use than COMBINE_CHUNK (the merge's unrolled loads), a partial last chunk at
+    groups of 4, whole chunks at 8; the reference, the combine kernel within rounding, the same bits on a second
+    call."""
     from tpgraph.kernels.decode_attention import combine_tiles
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=2, max_len=1500)
-    lens[0] = 1500  # 24 tiles: every split of the grid in use
+    lens[0] = 1500  # MERGE_SPLITS: splits of 2 tiles (1500 / 16 tokens, rounded up to tiles), 12 of them in use
     chunk = combine_tiles(q.shape[1] // k.shape[2])["COMBINE_CHUNK"]
-    assert num_splits > chunk and num_splits % chunk  # a partial last chunk
+    assert 12 > chunk
     run = dict(max_seq_len=1500, num_splits=num_splits, split_tiles=1)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
     kernel = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
@@ -301,21 +302,23 @@ def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, v
         newest_apart_for(batch)
 
 
-@pytest.mark.parametrize("seed", [6, 17, 23])  # query groups of 4, 8, 4: 8, 4, 8 splits a chunk
-@pytest.mark.parametrize("num_splits", [3, 8, 13, 22])  # within one chunk, exactly one, and past it (partial last)
-def test_the_one_pass_merge_matches_the_two_passes(seed, num_splits):
-    """TPGRAPH_ATTN_ONE_PASS_MERGE's merge: the reference, the two-pass merge within rounding, the same bits on a
-    second call; a padded row (length 0) still gives zeros."""
-    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=1500)
-    lens[0] = 1500  # 24 tiles: every split of the grid in use
-    lens[-1] = 0
-    run = dict(max_seq_len=1500, num_splits=num_splits, split_tiles=1)
+@pytest.mark.parametrize(("seed", "lens"), [(6, [1500, 512, 0]), (22, [150, 1500, 512]), (10, [1500, 512, 150]),
+                                            (0, [1500, 150, 0])])  # query groups of 4, 4, 8, 1: 8, 8, 4, 32 a chunk
+def test_the_one_pass_merge_matches_the_two_passes(monkeypatch, seed, lens):
+    """TPGRAPH_ATTN_ONE_PASS_MERGE's merge in the last split (a grid of 16 splits: 1500 tokens use 12, 512 use 8, 150
+    use 3; so one chunk, a partial one and several, by group): the reference, the two-pass merge within rounding, the
+    same bits on a second call; a padded row (length 0) gives zeros."""
+    q, k, v, bt, _, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=1500)
+    assert q.shape[0] == 3
+    lens = torch.tensor(lens, dtype=torch.int32)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    run = dict(max_seq_len=1500, num_splits=16, split_tiles=1)
     one = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run)
     _check(one, paged_decode_reference(q, k, v, bt, lens, scale))
     torch.testing.assert_close(one, paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=False, **run),
                                atol=1e-6, rtol=1e-6)
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run), one)
-    assert not one[-1].any()
+    assert not one[lens == 0].any()
 
 
 def test_the_one_pass_merge_loads_every_partial_in_one_round():
@@ -358,19 +361,22 @@ def test_the_one_pass_merge_is_an_opt_in_setting(monkeypatch):
 
 
 def test_the_split_tiles_setting_overrides_the_batch_rule(monkeypatch):
-    """TPGRAPH_ATTN_SPLIT_TILES=N: every batch's splits take at least N tiles, attention so split still matches the
-    reference (a 512-token row in two 4-tile splits, a 200-token one in one), and nothing but a positive count is
-    taken."""
+    """TPGRAPH_ATTN_SPLIT_TILES=N: every batch's splits take at least N tiles (the launch gives the bits of 4-tile
+    splits: a 512-token row in two, a 200-token one in one), attention so split still matches the reference, and
+    nothing but a positive count is taken."""
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_SPLIT_TILES", raising=False)
     assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (1, 2)
     monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", "4")
     assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (4, 4)
-    q, k, v, bt, lens, scale = random_paged_case(3, "cpu", torch.float32, max_batch=2, max_len=600)
-    lens[:] = torch.tensor([512, 200])[: lens.shape[0]]
+    q, k, v, bt, _, scale = random_paged_case(5, "cpu", torch.float32, max_batch=3, max_len=600)
+    lens = torch.tensor([512, 200, 71], dtype=torch.int32)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+    # the setting reached the launch: the bits of 4-tile splits, not of 1-tile ones
+    assert torch.equal(out, paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=4))
+    assert not torch.equal(out, paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=1))
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", bad)
         with pytest.raises(ConfigError, match="TPGRAPH_ATTN_SPLIT_TILES must be a whole number"):

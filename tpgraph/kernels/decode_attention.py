@@ -184,7 +184,8 @@ if triton is not None:
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
-        partials of its whole query group in split order (_combine_group: GROUP_P2 rows, COMBINE_CHUNK splits a load).
+        partials of its whole query group in split order (_combine_group, or with ONE_PASS_MERGE
+        _combine_group_one_pass: GROUP_P2 rows, COMBINE_CHUNK splits a load).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -401,8 +402,8 @@ def one_pass_merge_enabled() -> bool:
 
 
 def combine_tiles(group: int) -> dict:
-    """The last split's merge (_combine_group): the query group to a power of two, and COMBINE_ROWS // that many
-    splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
+    """The last split's merge (_combine_group or _combine_group_one_pass): the query group to a power of two, and
+    COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
     group_p2 = triton.next_power_of_2(group)
     return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, COMBINE_ROWS // group_p2))
 
