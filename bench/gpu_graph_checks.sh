@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants] [boundary]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -191,6 +191,13 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
+    argmax) # TPGRAPH_FUSED_ARGMAX=1 (the greedy argmax in one Triton launch instead of five torch kernels between
+         # steps): its GPU tests, then whole steps with it off and on (alternating processes; SHAPE, AB_ENTRY as for ab)
+         timeout 200 python3 -m pytest tests/gpu/test_argmax_gpu.py -q -rs 2>&1 | tail -2 | tee "$out/argmax_tests.log"
+         timeout 300 python3 bench/ab_decode.py --out "$out/ab_argmax" --nproc $NPROC --rounds 2 --variant new=. \
+             --variant fused=.:TPGRAPH_FUSED_ARGMAX=1 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
+             --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
+             | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
     boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \

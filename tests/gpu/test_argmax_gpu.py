@@ -16,3 +16,18 @@ def test_cuda_equals_torch_argmax_with_ties_and_nan():
     x[5, 99999] = float("nan")
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert row_argmax(x)[3].item() == 300 and row_argmax(x)[4].item() == 256
+
+
+def test_the_fused_kernel_equals_torch_argmax_on_cuda():
+    """TPGRAPH_FUSED_ARGMAX's one launch: the same rows as above, and its counters back at zero."""
+    from tpgraph.kernels._counters import split_counters
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(16, 128256, device="cuda", generator=g).to(dtype)
+        x[3, [300, 5000, 100000]] = 100.0
+        x[4, [256, 257]] = 100.0
+        x[5, [99999, 1234]] = float("nan")
+        x[6] = float("-inf")
+        assert torch.equal(row_argmax(x, fused=True), x.argmax(dim=-1))
+    assert not split_counters(x.device, 16).any()

@@ -1,5 +1,7 @@
 """tpgraph/engine/argmax.py: the two-stage argmax gives torch.argmax's answer: first maximum, NaN as maximum."""
 
+import os
+
 import pytest
 import torch
 
@@ -46,3 +48,57 @@ def test_mistakes_are_refused():
     with pytest.raises(ValueError, match="batch, vocab"):
         row_argmax(torch.zeros(3))
     assert row_argmax(torch.zeros(0, 32000), two_stage=True).shape == (0,)
+
+
+fused_on_cpu = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+
+
+@fused_on_cpu
+@pytest.mark.parametrize("vocab", [128256, 32003, 1000, 1024, 1025])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_equals_torch_argmax(vocab, dtype):
+    """TPGRAPH_FUSED_ARGMAX's one launch (kernels/argmax.py): random rows, ties within a chunk and across chunks
+    (chunks of 1024), NaN (the first one wins, wherever the maximum is), +inf, and a row of -inf only."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g).to(dtype)
+    x[1, [vocab - 1, 5, vocab // 2]] = 50.0  # ties across chunks: 5
+    x[2, [3, 4]] = 50.0  # ties in one chunk: 3
+    x[3, [vocab - 2, vocab // 3]] = float("nan")  # the first NaN, not the later one
+    x[3, 0] = float("inf")
+    x[4, vocab - 1] = float("inf")  # the very last entry
+    x[5] = float("-inf")  # nothing but -inf: index 0
+    got = row_argmax(x, fused=True)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[1].item() == 5 and got[2].item() == 3 and got[3].item() == min(vocab - 2, vocab // 3)
+    assert torch.equal(row_argmax(x[:, ::1], fused=True), got)
+
+
+@fused_on_cpu
+def test_the_fused_kernel_takes_strided_rows_and_leaves_its_counters_at_zero():
+    pytest.importorskip("triton")
+    from tpgraph.kernels._counters import split_counters
+
+    x = torch.randn(3, 4000)
+    wide = torch.randn(3, 5000)
+    wide[:, :4000] = x
+    assert torch.equal(row_argmax(wide[:, :4000], fused=True), x.argmax(dim=-1))  # row stride 5000
+    assert torch.equal(row_argmax(x.t().contiguous().t(), fused=True), x.argmax(dim=-1))  # column-major: copied
+    assert not split_counters(x.device, 3).any()
+    assert row_argmax(torch.zeros(0, 4000), fused=True).shape == (0,)
+
+
+def test_the_fused_argmax_is_an_opt_in_setting(monkeypatch):
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.argmax import fused_argmax_enabled
+
+    monkeypatch.delenv("TPGRAPH_FUSED_ARGMAX", raising=False)
+    assert not fused_argmax_enabled()
+    monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "1")
+    assert fused_argmax_enabled()
+    assert torch.equal(row_argmax(torch.tensor([[1.0, 3.0, 2.0]])), torch.tensor([1]))  # CPU tensors: torch's path
+    monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "y")
+    with pytest.raises(ConfigError, match="TPGRAPH_FUSED_ARGMAX must be 0 or 1"):
+        fused_argmax_enabled()

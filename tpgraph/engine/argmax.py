@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from tpgraph.kernels.argmax import argmax_rows, fused_argmax_enabled
+
 MIN_CHUNK, MAX_CHUNKS = 64, 512  # chunks of at least 64 entries, at most 512 of them (Llama-3: 501 x 256)
 
 
@@ -28,11 +30,14 @@ def chunks_for(vocab: int) -> int:
     return 1
 
 
-def row_argmax(x: torch.Tensor, two_stage: bool | None = None) -> torch.Tensor:
+def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | None = None) -> torch.Tensor:
     """x [B, V] -> [B] int64: x.argmax(dim=-1), in two stages (see the module docstring) on CUDA, or wherever
-    `two_stage` asks for them."""
+    `two_stage` asks for them; both stages in one Triton launch (kernels/argmax.py) where `fused` asks, by default
+    on CUDA with TPGRAPH_FUSED_ARGMAX=1."""
     if x.dim() != 2:
         raise ValueError(f"row_argmax takes [batch, vocab] logits, got {tuple(x.shape)}")
+    if fused if fused is not None else (x.is_cuda and fused_argmax_enabled()):
+        return argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
     batch, vocab = x.shape
     chunks = chunks_for(vocab)
     if not (x.is_cuda if two_stage is None else two_stage) or chunks == 1 or batch == 0:

@@ -66,6 +66,10 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        plain_greedy = not want_logprobs and all(r.params.greedy and not r.params.has_penalties and not r.banned_ids
+                                                 for r in rows)
+        if plain_greedy:  # the argmax of the logits is that of their fp32 copy (an exact cast): no copy made
+            return self._start_copy(row_argmax(logits), None, None)
         x = logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
         if any(r.params.has_penalties for r in rows):

@@ -1,0 +1,96 @@
+"""Greedy argmax over vocabulary rows in one Triton launch (TPGRAPH_FUSED_ARGMAX=1, an experiment, off until timed).
+
+engine/argmax.py's two-stage argmax is five small torch kernels between two decode steps (a chunked max, an argmax
+over the chunk maxima, a gather, a multiply and an add), each a few µs on the GPU's critical path. Here one grid of
+(rows, chunks) programs does both stages: each program finds its chunk's first maximum and stores it, and the
+program that arrives last for its row (kernels/_counters.py) picks the first chunk holding the row's maximum.
+
+The answer is torch.argmax's: the first index of the row's maximum, NaN counted as the maximum (the first NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpgraph.kernels._counters import split_counters
+from tpgraph.kernels.lamport import env_flag
+
+try:
+    import triton
+    import triton.language as tl
+
+    from tpgraph.kernels._counters import arrived_last, reset_counter
+except ImportError:  # CPU-only installs without Triton use engine/argmax.py's torch path
+    triton = None
+
+CHUNK = 1024  # entries a program scans (a bf16 row of 128256 entries: 126 programs)
+
+
+def fused_argmax_enabled() -> bool:
+    """TPGRAPH_FUSED_ARGMAX=1: engine/argmax.row_argmax takes this kernel on CUDA."""
+    return env_flag("TPGRAPH_FUSED_ARGMAX")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_first_max(x_ptr, row, c, V, stride_x, CHUNK: tl.constexpr):
+        """(has NaN, the chunk's maximum ignoring NaN, the index of its first NaN or else of its first maximum)."""
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < V
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        nan = (x != x) & ok
+        has_nan = tl.max(nan.to(tl.int32), axis=0)
+        clean = tl.where(nan, float("-inf"), x)
+        best = tl.max(clean, axis=0)
+        first_nan = tl.min(tl.where(nan, offs, V), axis=0)
+        first_best = tl.min(tl.where(ok & (clean == best), offs, V), axis=0)
+        return has_nan, best, tl.where(has_nan > 0, first_nan, first_best)
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, ids_ptr, part_best_ptr, part_idx_ptr, part_nan_ptr, counter_ptr, V, stride_x, chunks,
+                       CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        """Grid (rows, chunks). Partials at [row, chunk] of the three part_ buffers; the row's last program reduces
+        them: the first chunk holding a NaN, else the first chunk holding the maximum (its index is the chunk's
+        first), so the row's first NaN or first maximum."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        has_nan, best, idx = _chunk_first_max(x_ptr, row, c, V, stride_x, CHUNK)
+        at = row * chunks + c
+        tl.store(part_best_ptr + at, best)
+        tl.store(part_idx_ptr + at, idx)
+        tl.store(part_nan_ptr + at, has_nan)
+        if arrived_last(counter_ptr + row, chunks):
+            cs = tl.arange(0, CHUNKS_P2)
+            ok = cs < chunks
+            bests = tl.load(part_best_ptr + row * chunks + cs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            idxs = tl.load(part_idx_ptr + row * chunks + cs, mask=ok, other=V, cache_modifier=".cg")
+            nans = tl.load(part_nan_ptr + row * chunks + cs, mask=ok, other=0, cache_modifier=".cg")
+            top = tl.max(bests, axis=0)
+            first_nan = tl.min(tl.where(nans > 0, idxs, V), axis=0)
+            first_top = tl.min(tl.where(ok & (bests == top), idxs, V), axis=0)
+            winner = tl.where(tl.max(nans, axis=0) > 0, first_nan, first_top)
+            tl.store(ids_ptr + row, winner.to(tl.int64))
+            reset_counter(counter_ptr + row)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] (a contiguous last dim) -> [B] int64, torch.argmax(x, dim=-1)'s answer, in one launch."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed; use torch.argmax")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"argmax_rows takes [batch, vocab] rows with a contiguous last dim, got {tuple(x.shape)}")
+    batch, vocab = x.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=x.device)
+    if batch == 0:
+        return ids
+    if vocab == 0:
+        raise ValueError("argmax of an empty row")
+    chunks = triton.cdiv(vocab, CHUNK)
+    part_best = torch.empty(batch, chunks, dtype=torch.float32, device=x.device)
+    part_idx = torch.empty(batch, chunks, dtype=torch.int32, device=x.device)
+    part_nan = torch.empty(batch, chunks, dtype=torch.int32, device=x.device)
+    _argmax_kernel[(batch, chunks)](x, ids, part_best, part_idx, part_nan, split_counters(x.device, batch), vocab,
+                                    x.stride(0), chunks, CHUNK=CHUNK, CHUNKS_P2=triton.next_power_of_2(chunks),
+                                    num_warps=4)
+    return ids
