@@ -18,16 +18,24 @@ def test_cuda_equals_torch_argmax_with_ties_and_nan():
     assert row_argmax(x)[3].item() == 300 and row_argmax(x)[4].item() == 256
 
 
-def test_the_fused_kernel_equals_torch_argmax_on_cuda():
-    """TPGRAPH_FUSED_ARGMAX's one launch: the same rows as above, and its counters back at zero."""
+def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch):
+    """TPGRAPH_FUSED_ARGMAX's one launch, taken by default with the setting on: the same rows as above, on a view
+    with a padded row stride as the runner's decode logits are, and its counters back at zero."""
+    import tpgraph.engine.argmax as engine_argmax
     from tpgraph.kernels._counters import split_counters
 
+    ran = []
+    real = engine_argmax.argmax_rows
+    monkeypatch.setattr(engine_argmax, "argmax_rows", lambda x: ran.append(1) or real(x))
+    monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "1")
     g = torch.Generator(device="cuda").manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(16, 128256, device="cuda", generator=g).to(dtype)
+        buf = torch.randn(16, 128320, device="cuda", generator=g).to(dtype)
+        x = buf[:, :128256]
         x[3, [300, 5000, 100000]] = 100.0
         x[4, [256, 257]] = 100.0
         x[5, [99999, 1234]] = float("nan")
         x[6] = float("-inf")
-        assert torch.equal(row_argmax(x, fused=True), x.argmax(dim=-1))
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert len(ran) == 2
     assert not split_counters(x.device, 16).any()

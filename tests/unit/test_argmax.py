@@ -73,7 +73,7 @@ def test_the_fused_kernel_equals_torch_argmax(vocab, dtype):
     got = row_argmax(x, fused=True)
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[1].item() == 5 and got[2].item() == 3 and got[3].item() == min(vocab - 2, vocab // 3)
-    assert torch.equal(row_argmax(x[:, ::1], fused=True), got)
+    assert torch.equal(row_argmax(x[:, ::2], fused=True), x[:, ::2].argmax(dim=-1))  # strided: made contiguous
 
 
 @fused_on_cpu
@@ -90,15 +90,27 @@ def test_the_fused_kernel_takes_strided_rows_and_leaves_its_counters_at_zero():
     assert row_argmax(torch.zeros(0, 4000), fused=True).shape == (0,)
 
 
-def test_the_fused_argmax_is_an_opt_in_setting(monkeypatch):
+def test_the_fused_argmax_is_an_opt_in_setting_that_takes_only_what_it_compares_exactly(monkeypatch):
+    """The setting (off unless 1), and the routing: CPU tensors by default, fp64 rows and more rows than the
+    counters hold take torch's path even where the fused kernel is asked for."""
+    import tpgraph.engine.argmax as engine_argmax
     from tpgraph.errors import ConfigError
-    from tpgraph.kernels.argmax import fused_argmax_enabled
+    from tpgraph.kernels._counters import MAX_COUNTERS
+    from tpgraph.kernels.argmax import fused_argmax_enabled, takes
 
     monkeypatch.delenv("TPGRAPH_FUSED_ARGMAX", raising=False)
     assert not fused_argmax_enabled()
     monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "1")
     assert fused_argmax_enabled()
-    assert torch.equal(row_argmax(torch.tensor([[1.0, 3.0, 2.0]])), torch.tensor([1]))  # CPU tensors: torch's path
+
+    def refuse(x):
+        raise AssertionError("the fused kernel ran")
+
+    monkeypatch.setattr(engine_argmax, "argmax_rows", refuse)
+    assert row_argmax(torch.tensor([[1.0, 3.0, 2.0]])).tolist() == [1]  # CPU tensors: torch's path
+    x64 = torch.tensor([[0.0, 1.0 - 1e-12, 0.0, 1.0]], dtype=torch.float64)  # apart in fp64 only
+    assert row_argmax(x64, fused=True).tolist() == [3]
+    assert not takes(torch.zeros(MAX_COUNTERS + 1, 2)) and takes(torch.zeros(MAX_COUNTERS, 2))
     monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "y")
     with pytest.raises(ConfigError, match="TPGRAPH_FUSED_ARGMAX must be 0 or 1"):
         fused_argmax_enabled()

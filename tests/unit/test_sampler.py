@@ -35,6 +35,23 @@ def test_greedy_is_argmax_and_banned_ids_are_skipped():
     assert torch.equal(logits, before)  # the caller's logits are untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_plain_greedy_rows_take_the_argmax_of_the_logits_as_given(dtype):
+    """A batch of greedy rows without penalties, banned ids or logprobs skips the fp32 copy: the ids are still those of
+    the fp32 logits (an exact cast for 16- and 32-bit floats), on a view with a padded row stride as the runner's
+    decode logits are, with NaN, ties and a row of -inf only; the logits are left as they were."""
+    g = torch.Generator().manual_seed(1)
+    buf = torch.randn(8, 70, generator=g).to(dtype)
+    logits = buf[:6, :64]  # rows 70 apart
+    logits[1, [3, 40]] = 9.0  # a tie: the first
+    logits[2, 17] = float("nan")
+    logits[3] = float("-inf")
+    before = buf.clone()
+    out = Sampler("cpu").sample(logits, rows(6, temperature=0.0))
+    assert out.token_ids == logits.float().argmax(-1).tolist() and out.token_ids[1:4] == [3, 17, 0]
+    assert torch.equal(buf.nan_to_num(), before.nan_to_num())
+
+
 def test_the_draw_follows_the_distribution():
     counts = drawn({})
     for token, p in enumerate(PROBS.tolist()):

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from tpgraph.kernels.argmax import argmax_rows, fused_argmax_enabled
+from tpgraph.kernels.argmax import argmax_rows, fused_argmax_enabled, takes
 
 MIN_CHUNK, MAX_CHUNKS = 64, 512  # chunks of at least 64 entries, at most 512 of them (Llama-3: 501 x 256)
 
@@ -36,7 +36,8 @@ def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | Non
     on CUDA with TPGRAPH_FUSED_ARGMAX=1."""
     if x.dim() != 2:
         raise ValueError(f"row_argmax takes [batch, vocab] logits, got {tuple(x.shape)}")
-    if fused if fused is not None else (x.is_cuda and fused_argmax_enabled()):
+    use_fused = (x.is_cuda and fused_argmax_enabled()) if fused is None else fused
+    if use_fused and takes(x):  # (fp64 rows, or more rows than the kernel's counters, take torch's path)
         return argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
     batch, vocab = x.shape
     chunks = chunks_for(vocab)

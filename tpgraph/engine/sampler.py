@@ -68,7 +68,8 @@ class Sampler:
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         plain_greedy = not want_logprobs and all(r.params.greedy and not r.params.has_penalties and not r.banned_ids
                                                  for r in rows)
-        if plain_greedy:  # the argmax of the logits is that of their fp32 copy (an exact cast): no copy made
+        if plain_greedy and logits.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            # their argmax is that of their fp32 copy (an exact cast), so no fp32 copy is made
             return self._start_copy(row_argmax(logits), None, None)
         x = logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None

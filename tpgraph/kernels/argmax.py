@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpgraph.kernels._counters import split_counters
+from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels.lamport import env_flag
 
 try:
@@ -24,6 +24,13 @@ except ImportError:  # CPU-only installs without Triton use engine/argmax.py's t
     triton = None
 
 CHUNK = 1024  # entries a program scans (a bf16 row of 128256 entries: 126 programs)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compared in fp32: exact for these, not for fp64
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether argmax_rows gives torch.argmax's answer for x: a float type it compares exactly, and a batch the shared
+    counters hold."""
+    return x.dtype in DTYPES and x.dim() == 2 and x.shape[0] <= MAX_COUNTERS
 
 
 def fused_argmax_enabled() -> bool:
@@ -78,8 +85,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] (a contiguous last dim) -> [B] int64, torch.argmax(x, dim=-1)'s answer, in one launch."""
     if triton is None:
         raise RuntimeError("Triton is not installed; use torch.argmax")
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"argmax_rows takes [batch, vocab] rows with a contiguous last dim, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.stride(-1) != 1 or not takes(x):
+        raise ValueError(f"argmax_rows takes [batch <= {MAX_COUNTERS}, vocab] fp16/bf16/fp32 rows with a contiguous "
+                         f"last dim, got {tuple(x.shape)} {x.dtype}")
     batch, vocab = x.shape
     ids = torch.empty(batch, dtype=torch.int64, device=x.device)
     if batch == 0:
