@@ -143,10 +143,14 @@ for step in "$@"; do
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_gemv_$dt.json" 2>&1 | grep -E "prompt|PASS" \
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
-         # (the defaults, set here in case the environment turns one off)
-         for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 timeout 200 torchrun \
-             --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
-             --out "$out/hf_parity_all_$dt.json" 2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity_all.log"; done ;;
+         # (the defaults, set here in case the environment turns one off), the all-reduce in the projections' epilogue,
+         # and the untimed ones (32-row small-M tiles, the one-pass attention merge, the fused argmax), at 3 and at 24
+         # rows a step (--copies 8)
+         for copies in 1 8; do for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 \
+             TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_GEMV_MAX_M=32 TPGRAPH_ATTN_ONE_PASS_MERGE=1 TPGRAPH_FUSED_ARGMAX=1 \
+             timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt --copies $copies \
+             $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_all_${dt}_x$copies.json" 2>&1 \
+             | grep -E "identical=False|PASS" | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_all.log"; done; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
          # (+overlap: steps driven as the engine drives them; custom+gemv beside it shows what overlap gives)
          timeout 420 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
