@@ -222,7 +222,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # the unfused rope / SiLU kernels): its GPU tests, HF parity at 24 rows a step with it on, whole steps at
          # batches 16, 24 and 32 with it off and on (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32
          # profile of both
-         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "wide or (qkv_rope and 24)" 2>&1 \
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 \
              | tail -3 | tee "$out/wide_tests.log"
          TPGRAPH_GEMV_MAX_M=32 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
              --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"

@@ -128,11 +128,10 @@ def test_small_m_projection_matches_matmul(m, n, k):
 
 
 @pytest.mark.parametrize("m", [17, 24, 32])
-def test_wide_rows_match_matmul_and_fuse_with_the_two_steps_bits(monkeypatch, m):
-    """TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the shipped tiles, split-K reduced by the last split):
-    within bf16 rounding of matmul, and gate_up + SiLU·mul with the two kernels' bits, eager and replayed."""
-    from tpgraph.kernels.activation import silu_and_mul
-    from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
+def test_wide_rows_match_matmul(monkeypatch, m):
+    """TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the shipped tiles, split-K reduced by the last split),
+    within bf16 rounding of matmul (gate_up's epilogue at 24 rows: the gate_up test below)."""
+    from tpgraph.kernels.gemv import linear_small_m
 
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -143,17 +142,6 @@ def test_wide_rows_match_matmul_and_fuse_with_the_two_steps_bits(monkeypatch, m)
         got = linear_small_m(x, w)
         assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
         assert torch.equal(linear_small_m(x, w), got)
-    x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(2 * 7168, 4096, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
-    two = silu_and_mul(linear_small_m(x, w))
-    fused = gate_up_silu(x, w)
-    assert fused is not None and torch.equal(fused, two)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gate_up_silu(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, two)
 
 
 @pytest.mark.parametrize("split_k", [2, 4])
@@ -179,14 +167,17 @@ def test_small_m_split_k_is_repeatable_and_capturable(m, n, k, split_k):
     assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 3, 8, 16) for dtype in (torch.bfloat16,
+                                                                                           torch.float32)]
+                         + [(24, torch.bfloat16)])  # 24: TPGRAPH_GEMV_MAX_M=32's 32-row tiles (16-bit only)
 @pytest.mark.parametrize(("inter", "k"), [(7168, 4096), (2050, 4100)])
-def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(m, inter, k, dtype):
+def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(monkeypatch, m, inter, k, dtype):
     """The gate_up projection making silu(gate) * up in its epilogue: the bits of the projection (the shipped tiles)
     then silu_and_mul, on random-normal inputs, eager and replayed in a graph."""
     from tpgraph.kernels.activation import silu_and_mul
     from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")
 
     g = torch.Generator(device="cuda").manual_seed(m * inter + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)

@@ -161,25 +161,28 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
+def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, one_pass_merge: bool = False) -> str:
+    """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
+    last one."""
+    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
+    return sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
+                    ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
+                     "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
+                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+                     "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
+                     "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
+                     "NEWEST_APART": newest_apart, "ONE_PASS_MERGE": one_pass_merge}, num_stages=2)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_last_split_variant_compiles_for_sm90(pdl):
     """Ahead of time, without a GPU: the arrival count is an acq_rel atomic and the partials are read past L1; as a
     programmatic dependent, the first tile's older K/V rows and the newest row's place are loaded before the wait
     (they do not depend on the kernel before), the next kernel is let in right after the wait, and q and the newest
     row are loaded after it."""
-    from tpgraph.kernels import decode_attention as da
-
-    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
-    ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
-                   ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
-                    "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
-                   {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                    "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
-                    "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
-                    "NEWEST_APART": False, "ONE_PASS_MERGE": False},
-                   num_stages=2)
+    ptx = _split_kernel_ptx(pdl=pdl)
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert_semaphore_order(ptx)
     if pdl:
@@ -270,20 +273,9 @@ def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
     """Ahead of time, without a GPU: with the newest row apart, the first tile (loaded before the PDL wait) is no
     longer rewritten after it, so most of its staging into shared memory for the dot moves before the wait: in this
     compile (unaligned strides) 144 st.shared between the trigger and the first mma with the row merged, 25 apart."""
-    from tpgraph.kernels import decode_attention as da
-
-    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
     staged = {}
     for apart in (False, True):
-        ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
-                       ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
-                        "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
-                       {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                        "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
-                        "INTERPRETED": False, "LAST_COMBINES": True, "PDL": True, "GROUP_P2": 4,
-                        "COMBINE_CHUNK": 8, "NEWEST_APART": apart, "ONE_PASS_MERGE": False}, num_stages=2)
+        ptx = _split_kernel_ptx(newest_apart=apart)
         wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
     assert staged[False][0] == 0 and staged[True][0] > 0
@@ -327,20 +319,9 @@ def test_the_one_pass_merge_loads_every_partial_in_one_round():
     together, so no exp2 (the weights) comes between the first and the last partial load of a chunk."""
     import re
 
-    from tpgraph.kernels import decode_attention as da
-
-    typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-             "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
     between = {}
     for one_pass in (False, True):
-        ptx = sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
-                       ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
-                        "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
-                       {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                        "BLOCK_N": da.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
-                        "INTERPRETED": False, "LAST_COMBINES": True, "PDL": True, "GROUP_P2": 4,
-                        "COMBINE_CHUNK": 8, "NEWEST_APART": True, "ONE_PASS_MERGE": one_pass}, num_stages=2)
+        ptx = _split_kernel_ptx(newest_apart=True, one_pass_merge=one_pass)
         merge = ptx[ptx.index("atom.global.gpu.acq_rel.add"):]
         loads = [m.start() for m in re.finditer(r"ld\.global\.cg", merge)]
         between[one_pass] = merge[loads[0]:loads[-1]].count("ex2.approx")

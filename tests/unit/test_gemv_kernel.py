@@ -319,19 +319,24 @@ def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k, ear
     """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
     then rope_and_store; the counters back at zero. early: the rotation inputs read before the wait (inputs_early,
     written before x as the model's metadata is)."""
+    _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early, torch.Generator().manual_seed(
+        m * 10 + split_k))
+
+
+def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: bool, g: torch.Generator) -> None:
+    """qkv_rope_store on m random rows (4 + 2 * 2 heads of 64) against linear_small_m (the same tiles) and then
+    rope_and_store: q and both caches bit for bit, and the counters back at zero."""
     from tpgraph.kernels._counters import split_counters
     from tpgraph.kernels.gemv import qkv_rope_store
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
     heads, kv_heads, dim, hidden, block_size = 4, 2, 64, 96, 4
-    g = torch.Generator().manual_seed(m * 10 + split_k)
     x = torch.randn(m, hidden, generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
     tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
     positions = torch.randint(0, 64, (m,), generator=g)
     slots = torch.randperm(8 * block_size, generator=g)[:m]
     caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
-    cfg = GemvConfig(block_n, 32, 4, 2, split_k)
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
                        inputs_early=early, use_triton=True, config=cfg)
     qkv = linear_small_m(x, w, use_triton=True, config=cfg)
@@ -501,10 +506,8 @@ def test_wide_rows_within_bf16_rounding_and_repeatable(monkeypatch, m, split_k):
 def test_wide_rows_fuse_the_activation_and_rope_with_the_two_steps_bits(monkeypatch):
     """gate_up + SiLU·mul and qkv + rope + cache store at 23 rows: the same bits as the projection and then the
     activation / rope_store kernel (exact inputs, as in the 16-row tests: see the gate_up test's note)."""
-    from tpgraph.kernels._counters import split_counters
     from tpgraph.kernels.activation import silu_and_mul
-    from tpgraph.kernels.gemv import gate_up_silu, qkv_rope_store
-    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+    from tpgraph.kernels.gemv import gate_up_silu
 
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
     launches = _launches(monkeypatch)
@@ -517,21 +520,7 @@ def test_wide_rows_fuse_the_activation_and_rope_with_the_two_steps_bits(monkeypa
     assert fused is not None and torch.equal(
         fused, silu_and_mul(linear_small_m(x, w, use_triton=True, config=cfg), use_triton=True))
 
-    heads, kv_heads, dim, hidden, block_size = 4, 2, 64, 96, 4
-    x = torch.randn(m, hidden, generator=g).to(dtype)
-    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
-    tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
-    positions = torch.randint(0, 64, (m,), generator=g)
-    slots = torch.randperm(8 * block_size, generator=g)[:m]
-    caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
-    cfg = GemvConfig(32, 32, 4, 2, split_k=2)
-    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, inputs_early=True,
-                       use_triton=True, config=cfg)
-    rq, _ = rope_and_store(linear_small_m(x, w, use_triton=True, config=cfg), positions, tables, slots, caches[2],
-                           caches[3], heads, kv_heads, dim, use_triton=True)
-    assert q is not None and torch.equal(q, rq)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert not split_counters(x.device, heads + 2 * kv_heads).any()
+    _check_qkv_rope_bits(m, dtype, GemvConfig(32, 32, 4, 2, split_k=2), True, g)
     assert set(launches) == {32} and len(launches) == 4
 
 
