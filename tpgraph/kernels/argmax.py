@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
-from tpgraph.kernels.lamport import env_flag
+from tpgraph.kernels._settings import env_flag
 
 try:
     import triton

@@ -35,7 +35,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.lamport import env_flag
+from tpgraph.kernels._settings import env_flag
 
 try:
     import triton

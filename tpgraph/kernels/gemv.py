@@ -38,7 +38,8 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels.lamport import Channel, ReducedNorm, env_flag, pieces_for
+from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
 try:
     import triton

@@ -45,12 +45,11 @@ IPC-shared workspace (comm/custom_ar.py); `local_channels` emulates ranks in one
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from tpgraph.errors import ConfigError
+from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.norm import rms_norm
 
 try:
@@ -148,14 +147,6 @@ def solo_channel(device: torch.device | str) -> Channel:
     """The channel of a single rank (TP=1): nothing crosses a GPU, so it has no region; the projection's epilogue only
     adds the residual and stages the next norm (all_reduce_tile at WS=1). A launch per layer boundary fewer."""
     return Channel(torch.zeros(2, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """A 0/1 switch from the environment (unset: `default`); anything else is refused with its name."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
-    return default if not value else value == "1"
 
 
 def epilogue_enabled(world_size: int) -> bool:
