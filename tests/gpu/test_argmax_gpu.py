@@ -8,18 +8,21 @@ from tpgraph.engine.argmax import row_argmax
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def test_cuda_equals_torch_argmax_with_ties_and_nan():
+@pytest.mark.parametrize("fused", [False, True], ids=["two_stage", "fused"])
+def test_cuda_equals_torch_argmax_with_ties_and_nan(fused):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(16, 128256, device="cuda", generator=g).to(torch.bfloat16)
     x[3, [300, 5000, 100000]] = 100.0  # ties across chunks
     x[4, [256, 257]] = 100.0  # ties in one chunk
     x[5, 99999] = float("nan")
-    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
-    assert row_argmax(x)[3].item() == 300 and row_argmax(x)[4].item() == 256
+    ids = row_argmax(x, fused=fused)
+    assert torch.equal(ids, x.argmax(dim=-1))
+    assert ids[3].item() == 300 and ids[4].item() == 256
 
 
-def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch):
-    """TPGRAPH_FUSED_ARGMAX's one launch, taken by default with the setting on: the same rows as above, on a view
+@pytest.mark.parametrize("setting", [None, "1"], ids=["default", "on"])
+def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch, setting):
+    """The one launch, taken by default (and with TPGRAPH_FUSED_ARGMAX=1): the same rows as above, on a view
     with a padded row stride as the runner's decode logits are, and its counters back at zero."""
     import tpgraph.engine.argmax as engine_argmax
     from tpgraph.kernels._counters import split_counters
@@ -27,7 +30,10 @@ def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch):
     ran = []
     real = engine_argmax.argmax_rows
     monkeypatch.setattr(engine_argmax, "argmax_rows", lambda x: ran.append(1) or real(x))
-    monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "1")
+    if setting is None:
+        monkeypatch.delenv("TPGRAPH_FUSED_ARGMAX", raising=False)
+    else:
+        monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", setting)
     g = torch.Generator(device="cuda").manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
         buf = torch.randn(16, 128320, device="cuda", generator=g).to(dtype)

@@ -90,8 +90,8 @@ def test_the_fused_kernel_takes_strided_rows_and_leaves_its_counters_at_zero():
     assert row_argmax(torch.zeros(0, 4000), fused=True).shape == (0,)
 
 
-def test_the_fused_argmax_is_an_opt_in_setting_that_takes_only_what_it_compares_exactly(monkeypatch):
-    """The setting (off unless 1), and the routing: CPU tensors by default, fp64 rows and more rows than the
+def test_the_fused_argmax_is_on_unless_turned_off_and_takes_only_what_it_compares_exactly(monkeypatch):
+    """The setting (on unless 0), and the routing: CPU tensors by default, fp64 rows and more rows than the
     counters hold take torch's path even where the fused kernel is asked for."""
     import tpgraph.engine.argmax as engine_argmax
     from tpgraph.errors import ConfigError
@@ -99,6 +99,8 @@ def test_the_fused_argmax_is_an_opt_in_setting_that_takes_only_what_it_compares_
     from tpgraph.kernels.argmax import fused_argmax_enabled, takes
 
     monkeypatch.delenv("TPGRAPH_FUSED_ARGMAX", raising=False)
+    assert fused_argmax_enabled()
+    monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "0")
     assert not fused_argmax_enabled()
     monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "1")
     assert fused_argmax_enabled()

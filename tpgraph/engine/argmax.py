@@ -1,4 +1,4 @@
-"""Greedy argmax over a vocabulary row, in two stages.
+"""Greedy argmax over a vocabulary row: in one Triton launch on CUDA (kernels/argmax.py), or in two torch stages.
 
 torch's argmax reduces a [B, V] tensor with one reduction per row: on an H200 a [1, 128256] row took 29 µs, about
 1% of a Llama-3-8B decode step at TP=2 (bench/bench_decode.py --profile). Cutting the row into C chunks of V / C
@@ -7,6 +7,8 @@ gives a reduction with C outputs per row, which spreads over the GPU, then a sma
 The result is argmax's: the first index of the row's maximum, with NaN counted as the maximum. torch.max(dim) gives
 each chunk's first maximal index, and the argmax over the chunk maxima the first chunk holding the row's maximum, so
 the first maximal index of the row (tests/unit/test_argmax.py checks ties and NaN on CPU; the GPU test on CUDA).
+The two stages are still five small kernels between steps; the fused launch does both in one, and what it cannot
+compare exactly (fp64 rows, more rows than its counters) comes here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def chunks_for(vocab: int) -> int:
 def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | None = None) -> torch.Tensor:
     """x [B, V] -> [B] int64: x.argmax(dim=-1), in two stages (see the module docstring) on CUDA, or wherever
     `two_stage` asks for them; both stages in one Triton launch (kernels/argmax.py) where `fused` asks, by default
-    on CUDA with TPGRAPH_FUSED_ARGMAX=1."""
+    on CUDA unless TPGRAPH_FUSED_ARGMAX=0."""
     if x.dim() != 2:
         raise ValueError(f"row_argmax takes [batch, vocab] logits, got {tuple(x.shape)}")
     use_fused = (x.is_cuda and fused_argmax_enabled()) if fused is None else fused
