@@ -161,7 +161,7 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
-def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, one_pass_merge: bool = False) -> str:
+def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -173,7 +173,7 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, one_pass_mer
                     {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
-                     "NEWEST_APART": newest_apart, "ONE_PASS_MERGE": one_pass_merge}, num_stages=2)
+                     "NEWEST_APART": newest_apart}, num_stages=2)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -294,71 +294,11 @@ def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, v
         newest_apart_for(batch)
 
 
-@pytest.mark.parametrize(("seed", "lens"), [(6, [1500, 512, 0]), (22, [150, 1500, 512]), (10, [1500, 512, 150]),
-                                            (0, [1500, 150, 0])])  # query groups of 4, 4, 8, 1: 8, 8, 4, 32 a chunk
-def test_the_one_pass_merge_matches_the_two_passes(monkeypatch, seed, lens):
-    """TPGRAPH_ATTN_ONE_PASS_MERGE's merge in the last split (a grid of 16 splits: 1500 tokens use 12, 512 use 8, 150
-    use 3; so one chunk, a partial one and several, by group): the reference, the two-pass merge within rounding, the
-    same bits on a second call; a padded row (length 0) gives zeros."""
-    q, k, v, bt, _, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=1500)
-    assert q.shape[0] == 3
-    lens = torch.tensor(lens, dtype=torch.int32)
-    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
-    run = dict(max_seq_len=1500, num_splits=16, split_tiles=1)
-    one = paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run)
-    _check(one, paged_decode_reference(q, k, v, bt, lens, scale))
-    torch.testing.assert_close(one, paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=False, **run),
-                               atol=1e-6, rtol=1e-6)
-    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, one_pass_merge=True, **run), one)
-    assert not one[lens == 0].any()
-
-
-def test_the_one_pass_merge_loads_every_partial_in_one_round():
-    """Ahead of time, without a GPU: after the last split's count the two-pass merge loads the maxima, then, behind
-    their reduction, the weighted partials; the one-pass merge issues the maxima, sums and accumulators of its chunk
-    together, so no exp2 (the weights) comes between the first and the last partial load of a chunk."""
-    import re
-
-    between = {}
-    for one_pass in (False, True):
-        ptx = _split_kernel_ptx(newest_apart=True, one_pass_merge=one_pass)
-        merge = ptx[ptx.index("atom.global.gpu.acq_rel.add"):]
-        loads = [m.start() for m in re.finditer(r"ld\.global\.cg", merge)]
-        between[one_pass] = merge[loads[0]:loads[-1]].count("ex2.approx")
-    assert between[False] > 0 and between[True] == 0
-
-
-def test_the_one_pass_merge_is_an_opt_in_setting(monkeypatch):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.decode_attention import one_pass_merge_enabled
-
-    monkeypatch.delenv("TPGRAPH_ATTN_ONE_PASS_MERGE", raising=False)
-    assert not one_pass_merge_enabled()
-    monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", "1")
-    assert one_pass_merge_enabled()
-    monkeypatch.setenv("TPGRAPH_ATTN_ONE_PASS_MERGE", "on")
-    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_ONE_PASS_MERGE must be 0 or 1"):
-        one_pass_merge_enabled()
-
-
-def test_the_split_tiles_setting_overrides_the_batch_rule(monkeypatch):
-    """TPGRAPH_ATTN_SPLIT_TILES=N: every batch's splits take at least N tiles (the launch gives the bits of 4-tile
-    splits: a 512-token row in two, a 200-token one in one), attention so split still matches the reference, and
-    nothing but a positive count is taken."""
-    from tpgraph.errors import ConfigError
-
-    monkeypatch.delenv("TPGRAPH_ATTN_SPLIT_TILES", raising=False)
-    assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (1, 2)
-    monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", "4")
-    assert (min_split_tiles(1, 4, 132), min_split_tiles(8, 4, 132)) == (4, 4)
+def test_four_tile_splits_match_the_reference():
+    """split_tiles=4 (more than the batch rule ever picks): a 512-token row in two splits, a 200-token one in one,
+    still the reference, and split_tiles reaches the launch (other bits than 1-tile splits)."""
     q, k, v, bt, _, scale = random_paged_case(5, "cpu", torch.float32, max_batch=3, max_len=600)
     lens = torch.tensor([512, 200, 71], dtype=torch.int32)
-    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=4)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
-    # the setting reached the launch: the bits of 4-tile splits, not of 1-tile ones
-    assert torch.equal(out, paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=4))
     assert not torch.equal(out, paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=1))
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv("TPGRAPH_ATTN_SPLIT_TILES", bad)
-        with pytest.raises(ConfigError, match="TPGRAPH_ATTN_SPLIT_TILES must be a whole number"):
-            min_split_tiles(1, 4, 132)

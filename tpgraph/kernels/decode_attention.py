@@ -27,11 +27,9 @@ a CUDA graph; `seq_lens` is read on the device only.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
@@ -58,7 +56,8 @@ MAX_SPLITS = 64
 # H200's 132 SMs), splits are at least two tiles: one-tile splits of a 512-token context would already fill the GPU,
 # and each split pays its partial's store, count and merge. Measured in the whole decode step (bench/results/
 # 2026-12-01_h200_solo, run5/run6): 0.030 ms a step faster at batch 8 than one-tile splits, batch 1 (one-tile splits
-# kept) and 32 unchanged; batches 2-7 were not measured.
+# kept) and 32 unchanged; batches 2-7 were not measured. Forcing 2 or 4 tiles at every batch won nothing on an H200
+# (2: -0.005..+0.018 ms a step, 4: up to +0.116 ms).
 TWO_TILE_PAIRS_DIVISOR = 8
 # A long sequence is cut into at most MERGE_SPLITS splits as long as that keeps them within LONG_SPLIT_TILES tiles,
 # however many splits the grid has (`_split_span`): the last split's merge walks every split in use, and at batch 1
@@ -72,6 +71,8 @@ LONG_SPLIT_TILES = 8
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
+# (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
+# loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
 
@@ -104,14 +105,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
 
 def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
     """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
-    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs.
-    TPGRAPH_ATTN_SPLIT_TILES=N sets it for every batch (for timing fewer, longer splits: each split's first tile is
-    loaded before the PDL wait, but its partial costs a store, a count and a share of the merge)."""
-    forced = os.environ.get("TPGRAPH_ATTN_SPLIT_TILES", "").strip()
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ConfigError(f"TPGRAPH_ATTN_SPLIT_TILES must be a whole number of tiles >= 1, got {forced!r}")
-        return int(forced)
+    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs."""
     return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
@@ -180,12 +174,11 @@ if triton is not None:
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
-        ONE_PASS_MERGE: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
-        partials of its whole query group in split order (_combine_group, or with ONE_PASS_MERGE
-        _combine_group_one_pass: GROUP_P2 rows, COMBINE_CHUNK splits a load).
+        partials of its whole query group in split order (_combine_group: GROUP_P2 rows, COMBINE_CHUNK splits a
+        load).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -267,14 +260,9 @@ if triton is not None:
                 if LAST_COMBINES:
                     counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
-                        if ONE_PASS_MERGE:
-                            _combine_group_one_pass(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb,
-                                                    stride_ph, stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2,
-                                                    HEAD_DIM, DIM_PAD, COMBINE_CHUNK, INTERPRETED)
-                        else:
-                            _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb,
-                                           stride_ph, stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM,
-                                           DIM_PAD, COMBINE_CHUNK, INTERPRETED)
+                        _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
+                                       stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,
+                                       COMBINE_CHUNK, INTERPRETED)
                         reset_counter(counter)
 
     @triton.jit
@@ -317,45 +305,6 @@ if triton is not None:
                  mask=g_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _combine_group_one_pass(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
-                                stride_ps, stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                                INTERPRETED: tl.constexpr):
-        """_combine_group's merge in one pass (TPGRAPH_ATTN_ONE_PASS_MERGE): each chunk of CHUNK splits loads its
-        maxima, sums and accumulators at once, as [CHUNK, group] and [CHUNK, group, D] tiles, and folds them into a
-        running max, rescaling what came before. Up to CHUNK splits (8 at a query group of 4: every split of a
-        512-token context) that is one round of L2 loads after the last split's count, where the two passes took two:
-        the maxima, then the weighted sums. The same sums within rounding (a running rescale, and each chunk added as
-        a tree); in a fixed order, so every call and replay gives the same bits."""
-        offs_g = tl.arange(0, GROUP_P2)
-        g_ok = offs_g < GROUP
-        part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
-        offs_d = tl.arange(0, DIM_PAD)
-        d_ok = offs_d < HEAD_DIM
-        offs_c = tl.arange(0, CHUNK)
-        m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        l_run = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
-        for c0 in range(0, used, CHUNK):
-            part = part0[None, :] + (c0 + offs_c)[:, None] * stride_ps  # [CHUNK, group]
-            ok = ((c0 + offs_c) < used)[:, None] & g_ok[None, :]  # splits past `used`: weight 0, adding zeros
-            m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            sums = tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-            accs = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                           mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(m, axis=0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing but empty splits yet: weights 0, not NaN
-            rescale = tl.exp2(m_run - m_ref)
-            w = tl.exp2(m - m_ref[None, :])
-            l_run = l_run * rescale + tl.sum(sums * w, axis=0)
-            acc = acc * rescale[:, None] + tl.sum(accs * w[:, :, None], axis=0)
-            m_run = m_new
-        l_run = tl.where(l_run == 0.0, 1.0, l_run)
-        tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
-                 to_dtype(acc / l_run[:, None], out_ptr.dtype.element_ty, INTERPRETED),
-                 mask=g_ok[:, None] & d_ok[None, :])
-
-    @triton.jit
     def _decode_combine_kernel(
         part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_lens_ptr,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -395,14 +344,8 @@ def newest_apart_for(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
-def one_pass_merge_enabled() -> bool:
-    """TPGRAPH_ATTN_ONE_PASS_MERGE=1 (an experiment, off until timed): the last split merges the partials in one pass
-    (_combine_group_one_pass), one round of L2 loads where the two passes take two."""
-    return env_flag("TPGRAPH_ATTN_ONE_PASS_MERGE")
-
-
 def combine_tiles(group: int) -> dict:
-    """The last split's merge (_combine_group or _combine_group_one_pass): the query group to a power of two, and
+    """The last split's merge (_combine_group): the query group to a power of two, and
     COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
     group_p2 = triton.next_power_of_2(group)
     return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, COMBINE_ROWS // group_p2))
@@ -411,8 +354,7 @@ def combine_tiles(group: int) -> dict:
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
-                              split_tiles: int | None = None, newest_apart: bool | None = None,
-                              one_pass_merge: bool | None = None) -> torch.Tensor:
+                              split_tiles: int | None = None, newest_apart: bool | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -420,7 +362,6 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
-    one_pass_merge (default: `one_pass_merge_enabled()`): the last split's merge in one pass.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -464,7 +405,6 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
-        ONE_PASS_MERGE=one_pass_merge_enabled() if one_pass_merge is None else bool(one_pass_merge),
         num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
