@@ -354,8 +354,19 @@ def with_floor(results: dict, model, bw: float) -> float:
     return results["floor_ms"]
 
 
+def parse_batches(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]; a batch that is not a positive whole number is refused by name."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"batches are comma-separated whole numbers, got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"batches must be >= 1, got {text!r}")
+    return batches
+
+
 def run(args, state) -> dict:
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = parse_batches(args.batches)
     modes = args.modes.split(",")
     context, steps = args.context, args.steps
     max_len = context + 2 * (steps + 8)
@@ -416,7 +427,7 @@ def run_interleaved(args, state) -> dict:
     rounds, from the slowest rank."""
     from tpgraph.tune.timing import round_order
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = parse_batches(args.batches)
     if args.modes != "full" or args.profile:
         raise SystemExit("--interleave times full graphs only, without ladders or profiles: pass --modes full and "
                          "no --profile")
@@ -471,13 +482,14 @@ def run_interleaved(args, state) -> dict:
 
 
 def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
-    """One full-graph step at batch 1 and 8 under torch.profiler, for each all-reduce."""
+    """One full-graph step at each of --profile-batches under torch.profiler, for each all-reduce."""
     out = []
+    batches = parse_batches(args.profile_batches)
     for ar in entries(args):
         with entry_env(ar):
             comm, model = build(state, ar, args.shape)
-            runner = decode_runner(model, 8, max_len, max_model_len=args.max_model_len)
-        for batch in (1, 8):
+            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len)
+        for batch in batches:
             seqs = fake_context(runner, batch, args.context)
             with entry_env(ar):
                 prof = profile_step(runner, seqs)
@@ -538,8 +550,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
     p.add_argument("--profile", action="store_true",
-                   help="profile one full-graph step at batch 1 and 8 (after every timing: CUPTI slows later launches; "
-                        "steps are driven plainly, +overlap or not)")
+                   help="profile one full-graph step at each of --profile-batches (after every timing: CUPTI slows "
+                        "later launches; steps are driven plainly, +overlap or not)")
+    p.add_argument("--profile-batches", default="1,8", help="the batches --profile profiles (comma-separated)")
     p.add_argument("--interleave", action="store_true",
                    help="full graphs only, no ladders or profile: every entry's engine built first, the entries' "
                         "steps timed in interleaved rounds of 10 (--steps rounded up to whole rounds), for comparing "

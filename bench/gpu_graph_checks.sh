@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-variants] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -144,10 +144,9 @@ for step in "$@"; do
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
          # (the defaults, set here in case the environment turns one off), the all-reduce in the projections' epilogue,
-         # and the untimed ones (32-row small-M tiles, the one-pass attention merge, the fused argmax), at 3 and at 24
-         # rows a step (--copies 8)
+         # and the fused argmax, at 3 and at 24 rows a step (--copies 8)
          for copies in 1 8; do for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 \
-             TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_GEMV_MAX_M=32 TPGRAPH_ATTN_ONE_PASS_MERGE=1 TPGRAPH_FUSED_ARGMAX=1 \
+             TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_FUSED_ARGMAX=1 \
              timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt --copies $copies \
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_all_${dt}_x$copies.json" 2>&1 \
              | grep -E "identical=False|PASS" | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_all.log"; done; done ;;
@@ -195,45 +194,17 @@ for step in "$@"; do
              env $flags timeout -k 5 130 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
                  > "$out/teardown.tmp" 2>&1; echo "$flags: rc=$? $(grep -c 'Timeout (0:01:00)' "$out/teardown.tmp") \
 watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.log"; pack; done ;;
-    argmax) # TPGRAPH_FUSED_ARGMAX=1 (the greedy argmax in one Triton launch instead of five torch kernels between
-         # steps): its GPU tests, then whole steps with it off and on (alternating processes; SHAPE, AB_ENTRY as for ab)
+    argmax) # the greedy argmax in one Triton launch (the default) against five torch kernels between steps
+         # (TPGRAPH_FUSED_ARGMAX=0): its GPU tests, then whole steps of both (alternating processes; SHAPE, AB_ENTRY as for ab)
          timeout 200 python3 -m pytest tests/gpu/test_argmax_gpu.py -q -rs 2>&1 | tail -2 | tee "$out/argmax_tests.log"
-         timeout 300 python3 bench/ab_decode.py --out "$out/ab_argmax" --nproc $NPROC --rounds 2 --variant new=. \
-             --variant fused=.:TPGRAPH_FUSED_ARGMAX=1 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
+         timeout 300 python3 bench/ab_decode.py --out "$out/ab_argmax" --nproc $NPROC --rounds 2 --variant fused=. \
+             --variant two_stage=.:TPGRAPH_FUSED_ARGMAX=0 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
              --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
     boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
-    attn-variants) # decode attention's untimed settings in whole steps (alternating processes): the default, the
-         # one-pass merge, and fewer, longer splits (2 and 4 tiles at least; batch 8 takes 2 by default, so st2 is
-         # its control there), at context 512 and 4096, batches 1 and 8 (SHAPE, AB_ENTRY as for ab); then the GPU
-         # tests of the one-pass merge
-         for ctx in 512 4096; do timeout 280 python3 bench/ab_decode.py --out "$out/ab_attn$ctx" --nproc $NPROC \
-             --rounds 2 --variant new=. --variant onepass=.:TPGRAPH_ATTN_ONE_PASS_MERGE=1 \
-             --variant st2=.:TPGRAPH_ATTN_SPLIT_TILES=2 --variant st4=.:TPGRAPH_ATTN_SPLIT_TILES=4 -- \
-             --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8 --no-ladders \
-             --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx --steps 100 2>&1 \
-             | grep -E "^\||left out|Error" | tee "$out/ab_attn$ctx.log"; done
-         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "last_split_combining or one_pass" 2>&1 \
-             | tail -3 | tee "$out/attn_tests.log" ;;
-    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels instead of cuBLAS and
-         # the unfused rope / SiLU kernels): its GPU tests, HF parity at 24 rows a step with it on, whole steps at
-         # batches 16, 24 and 32 with it off and on (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32
-         # profile of both
-         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 \
-             | tail -3 | tee "$out/wide_tests.log"
-         TPGRAPH_GEMV_MAX_M=32 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
-             --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"
-         timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=. \
-             --variant m32=.:TPGRAPH_GEMV_MAX_M=32 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 16,24,32 \
-             --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
-             | grep -E "^\||left out|Error" | tee "$out/ab_wide.log"
-         for m in 16 32; do TPGRAPH_GEMV_MAX_M=$m timeout -k 5 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
-             --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
-             --profile --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
-             | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
