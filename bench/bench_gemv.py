@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
-from tpgraph.kernels.gemv import MAX_M, GemvConfig, linear_small_m, tiles
+from tpgraph.kernels.gemv import GemvConfig, linear_small_m, max_rows, tiles
 from tpgraph.tune.timing import K_OPS, capture, graph_op_us
 
 SHAPES = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
@@ -188,8 +188,8 @@ def main() -> None:
     args = p.parse_args()
     # above the kernels' rows linear_small_m takes F.linear: it would time cuBLAS under the kernel's name
     most = max(int(m) for m in f"{args.ms},{args.sweep_ms}".split(",") if m)
-    if most > MAX_M:
-        raise SystemExit(f"M={most} is above the small-M kernels' {MAX_M} rows")
+    if most > max_rows(2):
+        raise SystemExit(f"M={most} is above the small-M kernels' {max_rows(2)} rows (TPGRAPH_GEMV_MAX_M=32: up to 32)")
     device = torch.device("cuda")
     hbm = hbm_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
@@ -221,7 +221,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for label in ("cublas", "triton"):
             ax.plot([r["m"] for r in sel], [r[f"{label}_of_hbm"] for r in sel], marker="o", label=label)
         ax.axhline(0.88, color="gray", ls="--", lw=0.8)
-        ax.set(title=name, xlabel="M (rows)", xscale="log", xticks=[1, 2, 4, 8, 16], xticklabels=[1, 2, 4, 8, 16])
+        ticks = [1, 2, 4, 8, 16, 32]
+        ax.set(title=name, xlabel="M (rows)", xscale="log", xticks=ticks, xticklabels=ticks)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of HBM copy bandwidth")
     axes[0].legend()

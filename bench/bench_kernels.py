@@ -118,12 +118,14 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
 
 
 def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
-    from tpgraph.kernels.gemv import MAX_M, gate_up_silu, linear_small_m, qkv_rope_store
+    from tpgraph.kernels.gemv import gate_up_silu, linear_small_m, max_rows, qkv_rope_store
+
+    most = max_rows(2)  # 16, or 32 with TPGRAPH_GEMV_MAX_M=32
 
     rope = (torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16),
             torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16))
-    rope_rows = torch.arange(MAX_M, device=device)  # positions and cache slots of the rows
-    kc = torch.zeros(MAX_M // BLOCK_SIZE + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    rope_rows = torch.arange(most, device=device)  # positions and cache slots of the rows
+    kc = torch.zeros(most // BLOCK_SIZE + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     vc = torch.zeros_like(kc)
 
     shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
@@ -132,7 +134,7 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
         rows = []
         copies = copies_for(n * k * BF16, l2)
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
-        for m in (b for b in batches if b <= MAX_M):
+        for m in (b for b in batches if b <= most):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
             timed = {f"{name} (cuBLAS)": lambda i, x=x: F.linear(x, ws[i]),
                      f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}

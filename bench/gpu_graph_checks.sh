@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -205,6 +205,22 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
+    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels instead of cuBLAS and
+         # the unfused rope / SiLU kernels; the table's M=32 tiles): its GPU tests, HF parity at 24 rows a step with it
+         # on, whole steps at batches 16, 24 and 32 with it off and on (alternating processes; SHAPE, AB_ENTRY as for
+         # ab), and the batch-32 profile of both
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 \
+             | tail -3 | tee "$out/wide_tests.log"
+         TPGRAPH_GEMV_MAX_M=32 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
+             --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"
+         timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=. \
+             --variant m32=.:TPGRAPH_GEMV_MAX_M=32 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 16,24,32 \
+             --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
+             | grep -E "^\||left out|Error" | tee "$out/ab_wide.log"
+         for m in 16 32; do TPGRAPH_GEMV_MAX_M=$m timeout -k 5 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
+             --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+             --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
+             | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \

@@ -127,6 +127,23 @@ def test_small_m_projection_matches_matmul(m, n, k):
     torch.testing.assert_close(linear_small_m(x32, w32), x32 @ w32.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [17, 24, 32])
+def test_wide_rows_match_matmul(monkeypatch, m):
+    """TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the shipped tiles, split-K reduced by the last split),
+    within bf16 rounding of matmul (gate_up's epilogue at 24 rows: the gate_up test below)."""
+    from tpgraph.kernels.gemv import linear_small_m
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(3072, 4096), (4096, 7168), (32003, 4096)]:
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        ref = x.float() @ w.float().T
+        got = linear_small_m(x, w)
+        assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+        assert torch.equal(linear_small_m(x, w), got)
+
+
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (257, 4100)])
@@ -150,14 +167,17 @@ def test_small_m_split_k_is_repeatable_and_capturable(m, n, k, split_k):
     assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 3, 8, 16) for dtype in (torch.bfloat16,
+                                                                                           torch.float32)]
+                         + [(24, torch.bfloat16)])  # 24: TPGRAPH_GEMV_MAX_M=32's 32-row tiles (16-bit only)
 @pytest.mark.parametrize(("inter", "k"), [(7168, 4096), (2050, 4100)])
-def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(m, inter, k, dtype):
+def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(monkeypatch, m, inter, k, dtype):
     """The gate_up projection making silu(gate) * up in its epilogue: the bits of the projection (the shipped tiles)
     then silu_and_mul, on random-normal inputs, eager and replayed in a graph."""
     from tpgraph.kernels.activation import silu_and_mul
     from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")
 
     g = torch.Generator(device="cuda").manual_seed(m * inter + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
@@ -257,14 +277,15 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
 
 
 @pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_qkv_rope_store_gives_the_two_steps_bits(m, dtype, early):
+@pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
+                         + [(24, torch.bfloat16), (24, torch.float16)])  # 24: 16-bit only (max_rows)
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32):
     q and both caches bit for bit the two steps, eager and replayed in a graph. early: the rotation inputs read
     before the PDL wait (inputs_early; positions and slots are written before x here, as the model's are)."""
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")  # 24 rows: the 32-row tiles
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(m)
     tables = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 4096, dtype, "cuda")

@@ -123,9 +123,13 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     path = table_path((9, 0))
     assert path is not None and path.name == "sm90.json" and path.parent.name == "gemv"
     assert table_path((10, 0)) is None  # nothing measured on SM100: the defaults
-    shapes = {(n, k, m) for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (64128, 4096))
-              for m in (1, 8)}
-    assert set(_tuned(str(path))) == shapes
+    projections = ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168))
+    shapes = {(n, k, m) for n, k in (*projections, (64128, 4096)) for m in (1, 8)}
+    wide = {(n, k, 32) for n, k in projections}  # TPGRAPH_GEMV_MAX_M=32's tiles (no lm_head: it has 1 row a sequence)
+    assert set(_tuned(str(path))) == shapes | wide
+    # 17-31 rows keep the 8-row tiles, 32 rows take their own
+    assert tiles(4096, 7168, 24, path) == tiles(4096, 7168, 8, path) != tiles(4096, 7168, 32, path)
+    assert tiles(4096, 7168, 32, path) == GemvConfig(32, 512, 4, 3, 1)
     # the epilogue's own tiles for down at one row, chosen by whole steps with the fused epilogue
     assert set(_tuned(str(path), "epilogue")) <= shapes
 
@@ -194,9 +198,11 @@ def test_gate_up_epilogue_declines_what_it_cannot_do():
 
 
 @interpreted
-def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch):
+@pytest.mark.parametrize("rows", [3, 24])
+def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch, rows):
     """The model's MLP with the small-M kernel: the activation made in the gate_up epilogue (on by default) and the
-    two steps give the same output, and the fused kernel did run (not declined)."""
+    two steps give the same output, and the fused kernel did run; 24 rows with TPGRAPH_GEMV_MAX_M=32."""
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if rows > 16 else "16")
     from tpgraph.config import ModelConfig
     from tpgraph.kernels import gemv
     from tpgraph.model.llama import LlamaMLP
@@ -230,7 +236,7 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch):
 
     monkeypatch.setattr(gemv, "gate_up_silu", fused_gate_up)
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear(x, w, use_triton=True))
-    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
     assert mlp.fused_activation
     fused = mlp(x).run()  # (the MLP leaves its down projection to the all-reduce after it)
     assert ran == [True]
@@ -317,19 +323,24 @@ def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k, ear
     """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
     then rope_and_store; the counters back at zero. early: the rotation inputs read before the wait (inputs_early,
     written before x as the model's metadata is)."""
+    _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early, torch.Generator().manual_seed(
+        m * 10 + split_k))
+
+
+def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: bool, g: torch.Generator) -> None:
+    """qkv_rope_store on m random rows (4 + 2 * 2 heads of 64) against linear_small_m (the same tiles) and then
+    rope_and_store: q and both caches bit for bit, and the counters back at zero."""
     from tpgraph.kernels._counters import split_counters
     from tpgraph.kernels.gemv import qkv_rope_store
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
     heads, kv_heads, dim, hidden, block_size = 4, 2, 64, 96, 4
-    g = torch.Generator().manual_seed(m * 10 + split_k)
     x = torch.randn(m, hidden, generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
     tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
     positions = torch.randint(0, 64, (m,), generator=g)
     slots = torch.randperm(8 * block_size, generator=g)[:m]
     caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
-    cfg = GemvConfig(block_n, 32, 4, 2, split_k)
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
                        inputs_early=early, use_triton=True, config=cfg)
     qkv = linear_small_m(x, w, use_triton=True, config=cfg)
@@ -352,7 +363,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -360,8 +371,8 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False) -> str:
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
     return sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
-                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "PDL": True,
-                     "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
+                    {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                     "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
                      "ROPE_EARLY": rope_early})
 
@@ -447,3 +458,105 @@ def test_the_prefetch_budget_setting(monkeypatch):
         monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", bad)
         with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
             prefetch_budget(4096, 2048)
+
+
+def test_wide_rows_are_an_opt_in_setting_for_16_bit_elements(monkeypatch):
+    """TPGRAPH_GEMV_MAX_M=32 takes 17-32 rows in 32-row tiles (bf16/fp16 only); unset, 16 rows; nothing else."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import block_m, max_rows
+
+    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    assert max_rows(2) == max_rows(4) == 16
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    assert max_rows(2) == 32 and max_rows(4) == 16  # fp32's 32-row x tiles would outgrow its stages' shared memory
+    assert [block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "24")
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_MAX_M must be 16 or 32, got '24'"):
+        max_rows(2)
+
+
+def _launches(monkeypatch) -> list[int]:
+    """The row tile of every small-M kernel launch from here on."""
+    from tpgraph.kernels import gemv
+
+    seen: list[int] = []
+    real = gemv._tile_args
+    monkeypatch.setattr(gemv, "_tile_args", lambda x, *a: seen.append(gemv.block_m(x.shape[0])) or real(x, *a))
+    return seen
+
+
+@interpreted
+@pytest.mark.parametrize("m", [17, 24, 32])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_wide_rows_within_bf16_rounding_and_repeatable(monkeypatch, m, split_k):
+    """17-32 rows in one 32-row tile, with split-K reduced by the last split (the default) too; without the setting
+    the same call takes F.linear."""
+    g = torch.Generator().manual_seed(m + split_k)
+    x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+    w = torch.randn(37, 300, generator=g).to(torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    launches = _launches(monkeypatch)
+    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    torch.testing.assert_close(linear_small_m(x, w, use_triton=True, config=cfg), F.linear(x, w))
+    assert launches == []
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    y = linear_small_m(x, w, use_triton=True, config=cfg)
+    assert launches == [32] and y.shape == (m, 37)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()).to(torch.bfloat16))  # one bf16 rounding apart
+    assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), y)
+
+
+@interpreted
+def test_wide_rows_fuse_the_activation_and_rope_with_the_two_steps_bits(monkeypatch):
+    """gate_up + SiLU·mul and qkv + rope + cache store at 23 rows: the same bits as the projection and then the
+    activation / rope_store kernel (exact inputs, as in the 16-row tests: see the gate_up test's note)."""
+    from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.gemv import gate_up_silu
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    launches = _launches(monkeypatch)
+    m, dtype = 23, torch.bfloat16
+    g = torch.Generator().manual_seed(23)
+    x = torch.randint(-4, 5, (m, 300), generator=g).to(dtype) / 4
+    w = torch.randint(-2, 3, (74, 300), generator=g).to(dtype) / 8
+    cfg = GemvConfig(32, 64, 4, 2)
+    fused = gate_up_silu(x, w, use_triton=True, config=cfg)
+    assert fused is not None and torch.equal(
+        fused, silu_and_mul(linear_small_m(x, w, use_triton=True, config=cfg), use_triton=True))
+
+    _check_qkv_rope_bits(m, dtype, GemvConfig(32, 32, 4, 2, split_k=2), True, g)
+    assert set(launches) == {32} and len(launches) == 4
+
+
+def test_wide_rows_compile_for_sm90():
+    """Ahead of time, without a GPU: the projection and the qkv + rope kernel at a 32-row tile; the projection's
+    tensor-core dot covers twice the rows of a 16-row tile's (twice its mma instructions), and x is read after the
+    PDL wait."""
+    def gate_up_ptx(rows: int) -> str:
+        return sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                        {"BLOCK_M": rows, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                         "GATE_UP": True, "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64,
+                         "LAST_REDUCES": False, "SPLITS": 1, **NO_ALL_REDUCE})
+
+    ptx = gate_up_ptx(32)
+    assert ptx.count("mma.sync") == 2 * gate_up_ptx(16).count("mma.sync") > 0
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    rope = _qkv_rope_ptx(4, rope_early=True, block_m=32)
+    assert "mma" in rope and "mul.rn.f32" in rope
+    assert_semaphore_order(rope)
+
+
+@interpreted
+def test_a_fused_all_reduces_squares_must_match_the_row_tile(monkeypatch):
+    """The kernels read a ReducedNorm's squares with their row tile as the stride: squares written for 16-row tiles
+    and 24 staged rows (a 32-row tile) are refused, not misread."""
+    from tpgraph.kernels.gemv import gate_up_silu
+    from tpgraph.kernels.lamport import ReducedNorm
+
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    rows, hidden = 24, 64
+    h = torch.randn(rows, hidden).to(torch.bfloat16)
+    reduced = ReducedNorm(h, h.clone(), torch.zeros(4, 16), 4, torch.ones(hidden, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="24 staged rows take a 32-row tile; .* written for 16"):
+        gate_up_silu(reduced, torch.randn(32, hidden).to(torch.bfloat16), use_triton=True,
+                     config=GemvConfig(16, 64, 4, 2))

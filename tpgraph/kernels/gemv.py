@@ -1,8 +1,9 @@
-"""Small-M projections (decode: M <= 16 rows) as one Triton kernel that streams each weight once.
+"""Small-M projections (decode: M <= 16 rows, or 32 with TPGRAPH_GEMV_MAX_M=32) as one Triton kernel that streams
+each weight once.
 
 `linear_small_m(x, w)` = x @ w.T for x [M, K] and w [N, K] (nn.Linear's layout). Decode at small batch is a
 weight-read problem: each program owns BLOCK_N output columns, walks K in BLOCK_K steps with the weight tile loaded
-once and M padded to 16 rows for the tensor-core dot, accumulates in fp32 and rounds once.
+once and M padded to 16 rows (32 for 17-32 rows) for the tensor-core dot, accumulates in fp32 and rounds once.
 
 Split-K (`GemvConfig.split_k` > 1) gives narrow matrices more programs than they have column blocks: split s sums
 its own contiguous, BLOCK_K-aligned K range in fixed order into an fp32 workspace [SPLIT_K, M, N], and a second
@@ -53,7 +54,15 @@ try:
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
-MAX_M = 16
+MAX_M = 16  # the rows the kernels take by default, and the row tile up to them
+# TPGRAPH_GEMV_MAX_M=32 (opt-in): 17-32 rows in 32-row tiles, 16-bit dtypes only (fp32's wider x tiles would outgrow
+# the shared memory of its stages), so that a batch-17..32 step streams its weights once per projection instead of
+# taking cuBLAS and the unfused rope, SiLU and split-K kernels. The all-reduce epilogue (lamport.MAX_ROWS) stays at 16
+# rows. Timed on an H200 with the M<=16 tiles it lost (+0.019 ms a step at batch 32; bench/results/
+# 2026-12-01_h200_argmax_wide): down alone took 22.0 us against cuBLAS's 20.0. Swept at 32 rows, the table's M=32
+# tiles beat cuBLAS at qkv (10.6 / 11.2 us) and down (18.3 / 19.1), tie at o_proj and trail by 0.9 us at gate_up
+# (which drops the SiLU kernel); whole steps with them are not yet timed.
+WIDE_M = 32
 # Bytes of weight pulled into L2 ahead of the PDL wait, all programs together; every program takes at least its
 # first tile. 0: measured on 2xH200 (bench/results/2026-11-30_h200x2_gemv, run13/run14), a 24 MB budget made the
 # small-M path 4-5% slower relative to cuBLAS in the same run than one tile per program did, at batch 1 and 8: the
@@ -68,6 +77,20 @@ def rope_inputs_early() -> bool:
     (bench/results/2026-12-01_h200_newest_apart, run1 and run3): 0.001-0.004 ms faster at batch 1, 0.009-0.012 at
     batches 2-8."""
     return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
+
+
+def max_rows(elem: int) -> int:
+    """The most rows the kernels take for elements of `elem` bytes: MAX_M, or WIDE_M for 16-bit elements with
+    TPGRAPH_GEMV_MAX_M=32 (any other value than 16 or 32 is refused)."""
+    value = os.environ.get("TPGRAPH_GEMV_MAX_M", "").strip()
+    if value not in ("", str(MAX_M), str(WIDE_M)):
+        raise ConfigError(f"TPGRAPH_GEMV_MAX_M must be {MAX_M} or {WIDE_M}, got {value!r}")
+    return WIDE_M if value == str(WIDE_M) and elem <= 2 else MAX_M
+
+
+def block_m(m: int) -> int:
+    """The row tile for m rows: MAX_M (tl.dot's 16) up to MAX_M rows, WIDE_M above."""
+    return MAX_M if m <= MAX_M else WIDE_M
 
 
 def late_trigger() -> bool:
@@ -131,7 +154,7 @@ class GemvConfig:
 
 
 def enabled() -> bool:
-    """Whether the model's projections use this kernel for M <= MAX_M (read when a layer is built; on unless
+    """Whether the model's projections use this kernel for M <= max_rows (read when a layer is built; on unless
     TPGRAPH_GEMV=0). Where it cannot run (CPU tensors, GPUs before sm_80) the layers still get cuBLAS."""
     return os.environ.get("TPGRAPH_GEMV", "1") != "0"
 
@@ -490,8 +513,8 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
                    config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M > 16, CPU
-    without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M above `max_rows`,
+    CPU without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
     if not _applies(x, w, use_triton):
         return F.linear(x, w)
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
@@ -524,7 +547,7 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     n_tiles = triton.cdiv(n, cfg.block_n)
     # torch.empty is capturable: under CUDA graph capture these come from the graph's pool
     reduced = ReducedNorm(torch.empty_like(residual), torch.empty_like(residual),
-                          torch.empty(n_tiles, MAX_M, dtype=torch.float32, device=x.device), n_tiles, norm_weight,
+                          torch.empty(n_tiles, block_m(m), dtype=torch.float32, device=x.device), n_tiles, norm_weight,
                           eps)
     _launch(x, w, cfg, gate_up=False, all_reduce=(channel, residual, reduced), residual_early=residual_early)
     return reduced
@@ -552,6 +575,9 @@ def _staged_args(x: torch.Tensor, recv: ReducedNorm | None) -> dict:
     where x is plain)."""
     if recv is None:
         return dict(sq_ptr=x, tiles=0, eps=0.0, mean_scale=0.0, STAGED=False, PIECES=1)
+    if block_m(x.shape[0]) != recv.squares.shape[1]:  # the kernels read the squares with their row tile as stride
+        raise ValueError(f"{x.shape[0]} staged rows take a {block_m(x.shape[0])}-row tile; the fused all-reduce's "
+                         f"squares were written for {recv.squares.shape[1]}")
     scale = float(np.float32(1.0) / np.float32(x.shape[1]))  # the kernels multiply the squares' sum by fl(1/H)
     return dict(sq_ptr=recv.squares, tiles=recv.tiles, eps=recv.eps, mean_scale=scale, STAGED=True,
                 PIECES=pieces_for(recv.tiles))
@@ -570,18 +596,20 @@ def _all_reduce_args(x: torch.Tensor, all_reduce: tuple | None) -> dict:
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
-    """Whether the small-M kernels take x [M, K] @ w [N, K].T: Triton here, M <= 16, unit-stride rows, one dtype."""
+    """Whether the small-M kernels take x [M, K] @ w [N, K].T: Triton here, M <= max_rows, unit-stride rows, one
+    dtype."""
     use = (x.is_cuda and _device_takes(x.device.index, x.element_size()) if use_triton is None
            else use_triton) and triton is not None
-    return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and 0 < x.shape[0] <= MAX_M
-            and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype)
+    return (use and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
+            and 0 < x.shape[0] <= max_rows(x.element_size()) and x.stride(-1) == 1 and w.stride(-1) == 1
+            and x.dtype == w.dtype)
 
 
 def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch)."""
     pdl = use_pdl(x)
-    return dict(BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
+    return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
                 LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -623,8 +651,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
                    config: GemvConfig | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
-    caller then runs the two steps): M > 16, a head_dim the tiles do not divide, layouts rope_store would refuse. x
-    may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
+    caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would
+    refuse. x may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
     inputs_early: the caller vouches that positions and slot_mapping were written before the kernel before this one
     was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
     rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe)."""
