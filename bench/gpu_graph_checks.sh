@@ -205,12 +205,12 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
-    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels instead of cuBLAS and
-         # the unfused rope / SiLU kernels; the table's M=32 tiles): its GPU tests, HF parity at 24 rows a step with it
-         # on, whole steps at batches 16, 24 and 32 with it off and on (alternating processes; SHAPE, AB_ENTRY as for
-         # ab), and the batch-32 profile of both
-         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 \
-             | tail -3 | tee "$out/wide_tests.log"
+    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels and the epilogue's
+         # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's M=32 tiles): its GPU
+         # tests, HF parity at 24 rows a step with it on, whole steps at batches 16, 24 and 32 with it off and on
+         # (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32 profile of both
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/unit/test_lamport_gemv.py -q -rs \
+             -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 | tail -3 | tee "$out/wide_tests.log"
          TPGRAPH_GEMV_MAX_M=32 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
              --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"
          timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=. \

@@ -40,7 +40,7 @@ class Ranks:
 
         self.ws, self.device, self.dtype, self.rnd = world_size, device, dtype, rnd
         # one rank: the solo channel (the epilogue adds the residual and stages the norm, nothing to exchange)
-        self.channels = [solo_channel(device)] if world_size == 1 else local_channels(world_size, 16 * HIDDEN,
+        self.channels = [solo_channel(device)] if world_size == 1 else local_channels(world_size, 32 * HIDDEN,
                                                                                        device)
         self.w_row = [rnd(HIDDEN, KIN) for _ in range(world_size)]  # o_proj / down: [hidden, K_local]
         self.w_gate_up = [rnd(2 * INTER, HIDDEN) for _ in range(world_size)]
@@ -101,10 +101,27 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device,
     with the residual read before the PDL wait (written before the inputs, as in the model). The new residual
     is the unfused one bit for bit on every rank, the materialized norm is the unfused add + RMSNorm's bits, and the
     projections are within bf16 rounding of the unfused sequence."""
-    dtype = torch.bfloat16
-    ranks = Ranks(world_size, device, dtype, seed=world_size)
-    rows_each = [3, 1, 5, 2, 16, 4, 1]
-    consumers = ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv"]
+    check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=world_size), device, [3, 1, 5, 2, 16, 4, 1],
+                     ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_fused_all_reduce_takes_17_to_32_rows_with_the_wide_setting(monkeypatch, device, world_size):
+    """TPGRAPH_GEMV_MAX_M=32: 24, 32 and 17 rows through the epilogue in 32-row tiles (squares [tiles, 32]), each
+    consumer once, as above; a row over 32 is declined."""
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
+    ranks = Ranks(world_size, device, torch.bfloat16, seed=7 + world_size)
+    check_boundaries(ranks, device, [24, 32, 17, 3], ["qkv", "gate_up", "norm", "qkv"])
+    x, res = ranks.rnd(33, KIN), ranks.rnd(33, HIDDEN)
+    assert linear_all_reduce_norm(x, ranks.w_row[0], ranks.channels[0], res, ranks.norm_w, EPS,
+                                  use_triton=True) is None
+
+
+def check_boundaries(ranks: Ranks, device: str, rows_each: list[int], consumers: list[str]) -> None:
+    """One layer boundary per entry (rows, consumer), phases rotating, split-K on every other one, the residual read
+    early on the others: see the test above."""
+    dtype, world_size = ranks.dtype, ranks.ws
     for step, (rows, consumer) in enumerate(zip(rows_each, consumers, strict=True)):
         residual = ranks.rnd(rows, HIDDEN, scale=1.0)  # before xs: the early read's promise
         xs = [ranks.rnd(rows, KIN, scale=1.0) for _ in range(world_size)]
@@ -311,9 +328,9 @@ def test_the_epilogue_is_on_at_tp1_opt_in_above_and_refuses_a_bad_setting(monkey
 @interpreted
 def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogue(monkeypatch):
     """TP=1: all_reduce_add_rmsnorm on a pending o_proj / down gives a ReducedNorm from the solo channel (the new
-    residual is the unfused add's bits, the materialized norm the add + RMSNorm kernel's); rows over 16, fp32, the
-    fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE=0 run the projection and the add + RMSNorm kernel (unset: the
-    epilogue, the TP=1 default)."""
+    residual is the unfused add's bits, the materialized norm the add + RMSNorm kernel's); rows over 16 (over 32
+    with TPGRAPH_GEMV_MAX_M=32), fp32, the fused norm turned off, or TPGRAPH_GEMV_ALLREDUCE=0 run the projection and
+    the add + RMSNorm kernel (unset: the epilogue, the TP=1 default)."""
     from tpgraph.comm.communicator import TPCommunicator
     from tpgraph.comm.custom_ar import CustomAllReduceConfig
     from tpgraph.distributed import ParallelState
@@ -346,6 +363,8 @@ def test_one_rank_runs_a_pending_projection_with_the_add_and_norm_in_its_epilogu
     assert not boundary(comm, 2)
     monkeypatch.delenv("TPGRAPH_GEMV_ALLREDUCE")  # on by default at TP=1
     assert boundary(comm, 2)
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")  # 17-32 rows through the small-M kernels, the epilogue too
+    assert boundary(comm, 24) and not boundary(comm, 33)
 
 
 TRAP_SCRIPT = """

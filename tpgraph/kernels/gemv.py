@@ -38,6 +38,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
+from tpgraph.kernels._rows import MAX_M, WIDE_M, block_m, max_rows  # noqa: F401 (WIDE_M: gemv's API)
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
@@ -54,15 +55,6 @@ try:
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
-MAX_M = 16  # the rows the kernels take by default, and the row tile up to them
-# TPGRAPH_GEMV_MAX_M=32 (opt-in): 17-32 rows in 32-row tiles, 16-bit dtypes only (fp32's wider x tiles would outgrow
-# the shared memory of its stages), so that a batch-17..32 step streams its weights once per projection instead of
-# taking cuBLAS and the unfused rope, SiLU and split-K kernels. The all-reduce epilogue (lamport.MAX_ROWS) stays at 16
-# rows. Timed on an H200 with the M<=16 tiles it lost (+0.019 ms a step at batch 32; bench/results/
-# 2026-12-01_h200_argmax_wide): down alone took 22.0 us against cuBLAS's 20.0. Swept at 32 rows, the table's M=32
-# tiles beat cuBLAS at qkv (10.6 / 11.2 us) and down (18.3 / 19.1), tie at o_proj and trail by 0.9 us at gate_up
-# (which drops the SiLU kernel); whole steps with them are not yet timed.
-WIDE_M = 32
 # Bytes of weight pulled into L2 ahead of the PDL wait, all programs together; every program takes at least its
 # first tile. 0: measured on 2xH200 (bench/results/2026-11-30_h200x2_gemv, run13/run14), a 24 MB budget made the
 # small-M path 4-5% slower relative to cuBLAS in the same run than one tile per program did, at batch 1 and 8: the
@@ -77,20 +69,6 @@ def rope_inputs_early() -> bool:
     (bench/results/2026-12-01_h200_newest_apart, run1 and run3): 0.001-0.004 ms faster at batch 1, 0.009-0.012 at
     batches 2-8."""
     return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
-
-
-def max_rows(elem: int) -> int:
-    """The most rows the kernels take for elements of `elem` bytes: MAX_M, or WIDE_M for 16-bit elements with
-    TPGRAPH_GEMV_MAX_M=32 (any other value than 16 or 32 is refused)."""
-    value = os.environ.get("TPGRAPH_GEMV_MAX_M", "").strip()
-    if value not in ("", str(MAX_M), str(WIDE_M)):
-        raise ConfigError(f"TPGRAPH_GEMV_MAX_M must be {MAX_M} or {WIDE_M}, got {value!r}")
-    return WIDE_M if value == str(WIDE_M) and elem <= 2 else MAX_M
-
-
-def block_m(m: int) -> int:
-    """The row tile for m rows: MAX_M (tl.dot's 16) up to MAX_M rows, WIDE_M above."""
-    return MAX_M if m <= MAX_M else WIDE_M
 
 
 def late_trigger() -> bool:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpgraph.kernels._rows import WIDE_M, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.norm import rms_norm
 
@@ -62,7 +63,7 @@ except ImportError:  # CPU-only installs without Triton never push
 
 PHASES = 3
 GRANULE = 16  # columns per phase word: every projection tile is whole granules (tl.dot's smallest tile side)
-MAX_ROWS = 16  # the small-M projections' rows
+MAX_ROWS = 16  # rows a channel's slots are sized for at MAX_HIDDEN (more fit a narrower hidden: Channel.fits)
 MAX_HIDDEN = 8192
 PHASES_BYTES = MAX_HIDDEN // GRANULE * 4
 SENTINEL_WORD = 0x80008000  # two 16-bit -0.0: what an armed slot holds (the all-reduce kernels' sentinel)
@@ -91,8 +92,9 @@ class Channel:
     keepalive: tuple = field(default=(), repr=False, compare=False)  # local_channels' region tensors
 
     def fits(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a row-parallel output [rows, hidden] can go through the channel."""
-        return (dtype in DTYPES and 0 < rows <= MAX_ROWS and hidden <= MAX_HIDDEN and hidden % GRANULE == 0
+        """Whether a row-parallel output [rows, hidden] can go through the channel: rows the small-M kernels take
+        (16, or 32 with TPGRAPH_GEMV_MAX_M=32) that its slots hold."""
+        return (dtype in DTYPES and 0 < rows <= max_rows(2) and hidden <= MAX_HIDDEN and hidden % GRANULE == 0
                 and rows * hidden <= self.slot_elems and device == self.addrs.device)
 
     def takes(self, residual: torch.Tensor) -> bool:
@@ -103,7 +105,7 @@ class Channel:
 @dataclass(frozen=True, eq=False)
 class ReducedNorm:
     """What a fused all-reduce left for the projection after it: residual_out = the sum over ranks + the residual,
-    staged = round(residual_out * norm weight), squares [tiles, 16] = each tile's per-row sum of residual_out^2.
+    staged = round(residual_out * norm weight), squares [tiles, row tile] = each tile's per-row sum of residual_out^2.
     The normalised input itself, weight * rmsnorm(residual_out), is never stored: a projection takes `staged` and
     scales its sums by the rows' 1 / RMS; `materialize` makes it for anything else."""
 
@@ -146,7 +148,7 @@ def pieces_for(tiles: int) -> int:
 def solo_channel(device: torch.device | str) -> Channel:
     """The channel of a single rank (TP=1): nothing crosses a GPU, so it has no region; the projection's epilogue only
     adds the residual and stages the next norm (all_reduce_tile at WS=1). A launch per layer boundary fewer."""
-    return Channel(torch.zeros(2, dtype=torch.int64, device=device), 0, 1, MAX_ROWS * MAX_HIDDEN)
+    return Channel(torch.zeros(2, dtype=torch.int64, device=device), 0, 1, WIDE_M * MAX_HIDDEN)  # (no slots to size)
 
 
 def epilogue_enabled(world_size: int) -> bool:
