@@ -118,8 +118,7 @@ def decode_steps_overlapped(runner: ModelRunner, seqs: list[Sequence], steps: in
             t0 = time.perf_counter()
             logits = runner.decode(seqs, list(range(len(seqs))) if in_flight is not None else None)
             t1 = time.perf_counter()
-            ids = row_argmax(logits)
-            runner.keep_sampled(ids)
+            ids = row_argmax(logits, out=runner.sampled_rows(len(seqs)))  # as the engine: no copy between
             launched = (PendingSample(ids, ids, 0), [seq.add_pending() for seq in seqs])
             if i >= warmup:
                 host.append(t1 - t0)

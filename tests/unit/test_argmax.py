@@ -116,3 +116,19 @@ def test_the_fused_argmax_is_on_unless_turned_off_and_takes_only_what_it_compare
     monkeypatch.setenv("TPGRAPH_FUSED_ARGMAX", "y")
     with pytest.raises(ConfigError, match="TPGRAPH_FUSED_ARGMAX must be 0 or 1"):
         fused_argmax_enabled()
+
+
+@fused_on_cpu
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_the_ids_go_into_the_rows_given_and_a_wrong_out_is_refused(fused):
+    """out: the rows the next decode step reads its pending tokens from (the runner's sampled_ids). The fused kernel
+    writes them itself, torch's paths copy them in; either way the result is that tensor, and only its rows change."""
+    pytest.importorskip("triton")
+    x = torch.randn(3, 4000, generator=torch.Generator().manual_seed(3))
+    kept = torch.full((5,), -1, dtype=torch.int64)
+    got = row_argmax(x, fused=fused, two_stage=True, out=kept[:3])
+    assert got.data_ptr() == kept.data_ptr() and kept[:3].tolist() == x.argmax(dim=-1).tolist()
+    assert kept[3:].tolist() == [-1, -1]
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="out must be"):
+            row_argmax(x, fused=fused, out=bad)

@@ -52,6 +52,20 @@ def test_plain_greedy_rows_take_the_argmax_of_the_logits_as_given(dtype):
     assert torch.equal(buf.nan_to_num(), before.nan_to_num())
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(temperature=0.7)],
+                         ids=["plain_greedy", "greedy_logprobs", "sampled"])
+def test_ids_out_receives_the_ids_the_host_reads(kw):
+    """sample_async's ids_out (the runner's sampled_ids rows, which the next decode step reads): the step's ids land
+    there, whichever path made them, PendingSample.ids is that tensor, and the rows past it are untouched."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    kept = torch.full((6,), -1, dtype=torch.int64)
+    pending = Sampler("cpu", seed=2).sample_async(logits, rows(3, **kw), ids_out=kept[:3])
+    out = pending.result()
+    assert pending.ids.data_ptr() == kept.data_ptr() and kept[:3].tolist() == out.token_ids
+    assert kept[3:].tolist() == [-1, -1, -1]
+    assert out.token_ids == Sampler("cpu", seed=2).sample(logits, rows(3, **kw)).token_ids
+
+
 def test_the_draw_follows_the_distribution():
     counts = drawn({})
     for token, p in enumerate(PROBS.tolist()):

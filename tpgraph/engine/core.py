@@ -220,8 +220,8 @@ class EngineCore:
         if not sampled:
             return None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        pending = self.sampler.sample_async(logits, [self._sample_row(s) for s in sampled])
-        self.runner.keep_sampled(pending.ids)
+        pending = self.sampler.sample_async(logits, [self._sample_row(s) for s in sampled],
+                                            ids_out=self.runner.sampled_rows(len(sampled)))
         return InFlight([(seq, seq.add_pending()) for seq in sampled], pending)
 
     def _resolve(self) -> list[StepUpdate]:

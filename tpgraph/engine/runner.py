@@ -159,7 +159,7 @@ class ModelRunner:
         self.prefill_in.add("positions", torch.int64, Pad.ZERO)
         self.prefill_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
         self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
-        # the last step's sampled ids, one per sampled row (keep_sampled): the next decode takes pending tokens here
+        # the last step's sampled ids, one per sampled row (sampled_rows): the next decode takes pending tokens here
         self.sampled_ids = torch.zeros(self.seq_rows, dtype=torch.int64, device=self.device)
         # (seq_id, preemptions, blocks) of the table each row holds: a recomputed sequence has new blocks
         self._bt_rows: list[tuple[int, int, int] | None] = [None] * self.seq_rows
@@ -511,12 +511,13 @@ class ModelRunner:
             seq.num_cached = len(seq)
         return logits[:n, : self.model.cfg.vocab_size]
 
-    def keep_sampled(self, ids: torch.Tensor) -> None:
-        """Keep a step's sampled ids [rows] on the device, where the next decode reads the pending ones (stream
-        order puts this copy after the step that sampled them and before the step that reads them)."""
-        if ids.dim() != 1 or ids.shape[0] > self.seq_rows:
-            raise ConfigError(f"{tuple(ids.shape)} sampled ids do not fit the {self.seq_rows} rows kept")
-        self.sampled_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
+    def sampled_rows(self, rows: int) -> torch.Tensor:
+        """Where a step's sampler writes its `rows` ids (sampled_ids[:rows]), so that the next decode reads the
+        pending ones on the device without a copy in between. Stream order puts that write after the step that
+        produced the logits, and the host copy of the ids before the next step's sampler writes here again."""
+        if not 0 <= rows <= self.seq_rows:
+            raise ConfigError(f"{rows} sampled ids do not fit the {self.seq_rows} rows kept")
+        return self.sampled_ids[:rows]
 
     def close(self) -> None:
         """Release the graphs (their all-reduce rows and peer mappings) and the KV cache."""

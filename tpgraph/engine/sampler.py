@@ -60,8 +60,10 @@ class Sampler:
         return self.sample_async(logits, rows).result()
 
     @torch.inference_mode()
-    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
-        """As `sample`, without waiting: the ids stay on the device (`PendingSample.ids`, for the next step's inputs)
+    def sample_async(self, logits: torch.Tensor, rows: list[SampleRow],
+                     ids_out: torch.Tensor | None = None) -> PendingSample:
+        """As `sample`, without waiting: the ids stay on the device (`PendingSample.ids`, for the next step's inputs;
+        in `ids_out` where given, [B] int64: plain greedy rows are written there by the argmax itself, others copied)
         and their copy to the host is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -70,7 +72,7 @@ class Sampler:
                                                  for r in rows)
         if plain_greedy and logits.dtype in (torch.float16, torch.bfloat16, torch.float32):
             # their argmax is that of their fp32 copy (an exact cast), so no fp32 copy is made
-            return self._start_copy(row_argmax(logits), None, None)
+            return self._start_copy(row_argmax(logits, out=ids_out), None, None)
         x = logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
         if any(r.params.has_penalties for r in rows):
@@ -84,6 +86,8 @@ class Sampler:
             ids = row_argmax(x)
         else:
             ids = self._draw(x, rows)
+        if ids_out is not None:
+            ids = ids_out.copy_(ids)
         return self._start_copy(ids, raw_logprobs, max(want_logprobs, default=None))
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -133,8 +137,8 @@ class PendingSample:
             self._host.copy_(packed, non_blocking=True)
             self._copied: torch.cuda.Event | None = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(packed.device))
-        else:
-            self._host, self._copied = packed, None
+        else:  # a copy all the same: packed may be the runner's sampled_ids, which the next step overwrites
+            self._host, self._copied = packed.clone(), None
 
     def result(self) -> SampleOutput:
         if self._copied is not None:

@@ -82,15 +82,20 @@ if triton is not None:
             reset_counter(counter_ptr + row)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] (a contiguous last dim) -> [B] int64, torch.argmax(x, dim=-1)'s answer, in one launch."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, V] (a contiguous last dim) -> [B] int64, torch.argmax(x, dim=-1)'s answer, in one launch; written into
+    `out` ([B] int64, unit stride) where given, e.g. the rows the next decode step reads its pending tokens from."""
     if triton is None:
         raise RuntimeError("Triton is not installed; use torch.argmax")
     if x.dim() != 2 or x.stride(-1) != 1 or not takes(x):
         raise ValueError(f"argmax_rows takes [batch <= {MAX_COUNTERS}, vocab] fp16/bf16/fp32 rows with a contiguous "
                          f"last dim, got {tuple(x.shape)} {x.dtype}")
     batch, vocab = x.shape
-    ids = torch.empty(batch, dtype=torch.int64, device=x.device)
+    if out is not None and (out.shape != (batch,) or out.dtype != torch.int64 or out.device != x.device
+                            or (batch > 1 and out.stride(0) != 1)):
+        raise ValueError(f"argmax_rows' out must be [{batch}] int64 with a unit stride on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
     if batch == 0:
         return ids
     if vocab == 0:
