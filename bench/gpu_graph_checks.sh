@@ -144,9 +144,10 @@ for step in "$@"; do
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
          # (the defaults, set here in case the environment turns one off), the all-reduce in the projections' epilogue,
-         # and the fused argmax, at 3 and at 24 rows a step (--copies 8)
+         # the fused argmax, and 32-row small-M tiles (TPGRAPH_GEMV_MAX_M=32, opt-in), at 3 and at 24 rows a step
+         # (--copies 8)
          for copies in 1 8; do for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 \
-             TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_FUSED_ARGMAX=1 \
+             TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_FUSED_ARGMAX=1 TPGRAPH_GEMV_MAX_M=32 \
              timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype $dt --copies $copies \
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_all_${dt}_x$copies.json" 2>&1 \
              | grep -E "identical=False|PASS" | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_all.log"; done; done ;;

@@ -119,14 +119,21 @@ def test_fused_all_reduce_add_rmsnorm_matches_the_unfused_pair():
 GEMV_ALL_REDUCE_CASES = [(1, 4096, 2048), (3, 4096, 2048), (16, 4096, 2048), (5, 1024, 768)]
 
 
-def test_the_all_reduce_in_the_projection_epilogue_matches_the_unfused_sequence():
+# TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the table's M=32 tiles), through the same channel slots
+GEMV_ALL_REDUCE_WIDE_CASES = [(24, 4096, 2048), (32, 4096, 2048), (32, 4096, 7168)]
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["16_rows", "wide"])
+def test_the_all_reduce_in_the_projection_epilogue_matches_the_unfused_sequence(monkeypatch, wide):
     from tpgtest.workers import gemv_all_reduce
 
+    cases = GEMV_ALL_REDUCE_WIDE_CASES if wide else GEMV_ALL_REDUCE_CASES
+    if wide:
+        monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")  # the spawned ranks inherit it
     replays = 3
-    for failures, checked, worst in run_ranks(gemv_all_reduce, WORLD, GEMV_ALL_REDUCE_CASES, replays,
-                                              timeout_s=400):
+    for failures, checked, worst in run_ranks(gemv_all_reduce, WORLD, cases, replays, timeout_s=400):
         assert failures == [], failures
-        assert checked == len(GEMV_ALL_REDUCE_CASES) * (4 + replays)
+        assert checked == len(cases) * (4 + replays)
         assert worst <= 2e-2
 
 

@@ -169,7 +169,7 @@ def test_small_m_split_k_is_repeatable_and_capturable(m, n, k, split_k):
 
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 3, 8, 16) for dtype in (torch.bfloat16,
                                                                                            torch.float32)]
-                         + [(24, torch.bfloat16)])  # 24: TPGRAPH_GEMV_MAX_M=32's 32-row tiles (16-bit only)
+                         + [(24, torch.bfloat16), (32, torch.bfloat16)])  # TPGRAPH_GEMV_MAX_M=32's 32-row tiles
 @pytest.mark.parametrize(("inter", "k"), [(7168, 4096), (2050, 4100)])
 def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(monkeypatch, m, inter, k, dtype):
     """The gate_up projection making silu(gate) * up in its epilogue: the bits of the projection (the shipped tiles)
@@ -278,7 +278,7 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
 
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
-                         + [(24, torch.bfloat16), (24, torch.float16)])  # 24: 16-bit only (max_rows)
+                         + [(24, torch.bfloat16), (24, torch.float16), (32, torch.bfloat16)])  # 16-bit only
 def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32):
     q and both caches bit for bit the two steps, eager and replayed in a graph. early: the rotation inputs read

@@ -152,3 +152,10 @@ def test_overlapped_steps_decode_the_same_tokens_as_plain_steps(bench):
         for seq in seqs:
             runner.free(seq)
     assert decoded[0] == decoded[1]
+
+
+def test_batches_are_positive_whole_numbers(bench):
+    assert bench.parse_batches("1,8,32") == [1, 8, 32]
+    for bad in ("1,x", "0,8", "", "1,,8"):
+        with pytest.raises(SystemExit, match="batches"):
+            bench.parse_batches(bad)

@@ -125,11 +125,12 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     assert table_path((10, 0)) is None  # nothing measured on SM100: the defaults
     projections = ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168))
     shapes = {(n, k, m) for n, k in (*projections, (64128, 4096)) for m in (1, 8)}
-    wide = {(n, k, 32) for n, k in projections}  # TPGRAPH_GEMV_MAX_M=32's tiles (no lm_head: it has 1 row a sequence)
+    # TPGRAPH_GEMV_MAX_M=32's tiles, keyed at 17: every 17-32-row call runs the 32-row tile they were swept for (no
+    # lm_head: it takes one row a sequence)
+    wide = {(n, k, 17) for n, k in projections}
     assert set(_tuned(str(path))) == shapes | wide
-    # 17-31 rows keep the 8-row tiles, 32 rows take their own
-    assert tiles(4096, 7168, 24, path) == tiles(4096, 7168, 8, path) != tiles(4096, 7168, 32, path)
-    assert tiles(4096, 7168, 32, path) == GemvConfig(32, 512, 4, 3, 1)
+    assert tiles(4096, 7168, 16, path) == tiles(4096, 7168, 8, path) != tiles(4096, 7168, 17, path)
+    assert tiles(4096, 7168, 24, path) == tiles(4096, 7168, 32, path) == GemvConfig(32, 512, 4, 3, 1)
     # the epilogue's own tiles for down at one row, chosen by whole steps with the fused epilogue
     assert set(_tuned(str(path), "epilogue")) <= shapes
 

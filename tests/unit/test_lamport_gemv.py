@@ -25,6 +25,12 @@ interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("T
                                  reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
 EPS = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _default_rows(monkeypatch):
+    """Every test starts from the default 16 rows; the wide tests set TPGRAPH_GEMV_MAX_M=32 themselves."""
+    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 2, 1, 32, 4
 HIDDEN, KIN, INTER = 128, 96, 64
 
@@ -113,7 +119,7 @@ def test_the_fused_all_reduce_takes_17_to_32_rows_with_the_wide_setting(monkeypa
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
     ranks = Ranks(world_size, device, torch.bfloat16, seed=7 + world_size)
     check_boundaries(ranks, device, [24, 32, 17, 3], ["qkv", "gate_up", "norm", "qkv"])
-    x, res = ranks.rnd(33, KIN), ranks.rnd(33, HIDDEN)
+    x, res = ranks.rnd(33, KIN), ranks.rnd(33, HIDDEN)  # over the small-M kernels' 32 rows
     assert linear_all_reduce_norm(x, ranks.w_row[0], ranks.channels[0], res, ranks.norm_w, EPS,
                                   use_triton=True) is None
 
@@ -181,13 +187,14 @@ GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, 
               "RES_EARLY": False}
 
 
-def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_wait():
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_the_all_reducing_projection_compiles_for_sm90_with_its_polls_after_the_wait(block_m):
     """Ahead of time, without a GPU: the phases are read and the peers' tiles polled past L1 (ld.global.cv), after
     griddepcontrol.wait (the kernels before touched them last); the last split (after its arrival count) pushes what
-    it reduced, then polls."""
+    it reduced, then polls. 32: TPGRAPH_GEMV_MAX_M=32's row tile."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
-                   {**GEMV_FLAGS, "GATE_UP": False, "LAST_REDUCES": True, "SPLITS": 2, "ALL_REDUCE": True,
-                    "STAGED": False})
+                   {**GEMV_FLAGS, "BLOCK_M": block_m, "GATE_UP": False, "LAST_REDUCES": True, "SPLITS": 2,
+                    "ALL_REDUCE": True, "STAGED": False})
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.cv" in ptx and wait < ptx.index("ld.global.cv")
     atom = ptx.index("atom.global.gpu.acq_rel.add")

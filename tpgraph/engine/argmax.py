@@ -34,16 +34,16 @@ def chunks_for(vocab: int) -> int:
 
 def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, V] -> [B] int64: x.argmax(dim=-1), in two stages (see the module docstring) on CUDA, or wherever
-    `two_stage` asks for them; both stages in one Triton launch (kernels/argmax.py) where `fused` asks, by default
-    on CUDA unless TPGRAPH_FUSED_ARGMAX=0. `out` ([B] int64 on x's device): where the ids go (the fused kernel
-    writes them there itself; the other paths copy them in)."""
+    """x [B, V] -> [B] int64: x.argmax(dim=-1). On CUDA by default in one Triton launch (kernels/argmax.py), and in
+    the two torch stages (see the module docstring) with TPGRAPH_FUSED_ARGMAX=0; `fused` and `two_stage` ask for
+    one path explicitly (`two_stage` also on CPU, where torch.argmax is the default). `out` ([B] int64 on x's
+    device): where the ids go (the fused kernel writes them there itself; the other paths copy them in)."""
     if x.dim() != 2:
         raise ValueError(f"row_argmax takes [batch, vocab] logits, got {tuple(x.shape)}")
     if out is not None and (out.shape != (x.shape[0],) or out.dtype != torch.int64 or out.device != x.device):
         raise ValueError(f"row_argmax's out must be [{x.shape[0]}] int64 on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
-    use_fused = (x.is_cuda and fused_argmax_enabled()) if fused is None else fused
+    use_fused = (x.is_cuda and two_stage is None and fused_argmax_enabled()) if fused is None else fused
     if use_fused and takes(x):  # (fp64 rows, or more rows than the kernel's counters, take torch's path)
         return argmax_rows(x if x.stride(-1) == 1 else x.contiguous(), out=out)
     ids = _two_stage_or_plain(x, two_stage)

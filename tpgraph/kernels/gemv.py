@@ -38,7 +38,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels._rows import MAX_M, WIDE_M, block_m, max_rows  # noqa: F401 (WIDE_M: gemv's API)
+from tpgraph.kernels._rows import block_m, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
