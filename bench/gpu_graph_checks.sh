@@ -207,7 +207,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
     wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels and the epilogue's
-         # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's M=32 tiles): its GPU
+         # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's entries from 17 rows): its GPU
          # tests, HF parity at 24 rows a step with it on, whole steps at batches 16, 24 and 32 with it off and on
          # (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32 profile of both
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/unit/test_lamport_gemv.py -q -rs \

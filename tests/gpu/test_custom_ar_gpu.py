@@ -119,7 +119,7 @@ def test_fused_all_reduce_add_rmsnorm_matches_the_unfused_pair():
 GEMV_ALL_REDUCE_CASES = [(1, 4096, 2048), (3, 4096, 2048), (16, 4096, 2048), (5, 1024, 768)]
 
 
-# TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the table's M=32 tiles), through the same channel slots
+# TPGRAPH_GEMV_MAX_M=32: 17-32 rows in 32-row tiles (the table's entries from 17 rows), through the same channel slots
 GEMV_ALL_REDUCE_WIDE_CASES = [(24, 4096, 2048), (32, 4096, 2048), (32, 4096, 7168)]
 
 
