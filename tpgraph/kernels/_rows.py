@@ -13,8 +13,8 @@ MAX_M = 16  # the rows the kernels take by default, and the row tile up to them
 # taking cuBLAS and the unfused rope, SiLU and split-K kernels; the all-reduce epilogue takes them too (lamport's
 # Channel.fits), where the channel's slots hold them. Timed on an H200 with the M<=16 tiles it lost (+0.019 ms a step
 # at batch 32; bench/results/2026-12-01_h200_argmax_wide): down alone took 22.0 us against cuBLAS's 20.0. Swept at
-# 32 rows, the table's 32-row tiles (keyed at 17) beat cuBLAS at qkv (10.6 / 11.2 us) and down (18.3 / 19.1), tie at o_proj and trail
-# by 0.9 us at gate_up (which drops the SiLU kernel); whole steps with them are not yet timed.
+# 32 rows, the table's 32-row tiles (keyed at 17) beat cuBLAS at qkv (10.6 / 11.2 us) and down (18.3 / 19.1), tie
+# at o_proj and trail by 0.9 us at gate_up (which drops the SiLU kernel); whole steps with them are not yet timed.
 WIDE_M = 32
 
 
