@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-sweep] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -222,6 +222,10 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
+    attn-sweep) # issue 11: decode attention's launch shapes (tile length, warps, stages, split count, split tiles) per
+         # batch x context against the shipped heuristic, each alone by the one timing method (bench_attention_sweep.py)
+         timeout 500 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512}" \
+             --out "$out/attn_sweep.json" 2>&1 | grep -v "shape/s\]" | tail -8 | tee "$out/attn_sweep.log" ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \

@@ -60,6 +60,25 @@ def test_matches_reference(seed, num_splits, split_tiles):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
+@pytest.mark.parametrize("newest_apart", [False, True])
+@pytest.mark.parametrize(("block_n", "num_splits"), [(16, 5), (32, None), (128, 2), (128, None)])
+@pytest.mark.parametrize("seed", [0, 10, 22])
+def test_other_tile_lengths_and_launch_shapes_match_the_reference(seed, block_n, num_splits, newest_apart):
+    """The launch shapes bench_kernels.py --attention-sweep tries: tiles of 16 to 128 tokens (the grid's split count
+    then follows the tile: choose_num_splits' min_split_tokens), 8 warps, 3 stages, the newest row apart or not."""
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=300)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=num_splits,
+                                    newest_apart=newest_apart, block_n=block_n, num_warps=8, num_stages=3)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+def test_a_tile_length_that_is_not_a_power_of_two_from_16_is_refused():
+    q, k, v, bt, lens, scale = random_paged_case(0, "cpu", torch.float32, max_batch=2, max_len=70)
+    for bad in (8, 48, 0):
+        with pytest.raises(ValueError, match="block_n must be a power of two from 16"):
+            paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, block_n=bad)
+
+
 @pytest.mark.parametrize("seed", [0, 10, 22])
 def test_heuristic_splits_long_contexts(seed):
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=600)
@@ -79,6 +98,7 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 4, 600, 132) == 9 > 512 // BLOCK_N
     assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
     assert choose_num_splits(8, 4, 4096, 132) == 12  # 396 // 32: rounded down, the grid fits 3 programs an SM
+    assert choose_num_splits(1, 4, 512, 132, min_split_tokens=128) == 4  # longer tiles: fewer splits fit
 
 
 def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():

@@ -89,7 +89,8 @@ def num_sms_for(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
+                      min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """KV splits per (sequence, KV head) in the grid: as many programs as PROGRAMS_PER_SM per SM holds, at most
     MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
     actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
@@ -100,7 +101,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int)
     # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
     # run3), presumably a second wave for the programs past them.
     want = PROGRAMS_PER_SM * num_sms // programs
-    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return max(1, min(want, max_seq_len // min_split_tokens, MAX_SPLITS))
 
 
 def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
@@ -354,7 +355,8 @@ def combine_tiles(group: int) -> dict:
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
-                              split_tiles: int | None = None, newest_apart: bool | None = None) -> torch.Tensor:
+                              split_tiles: int | None = None, newest_apart: bool | None = None,
+                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -362,6 +364,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length, so a longer sequence is still whole, in longer splits). num_splits overrides `choose_num_splits`,
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
+    block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
+    them (bench/bench_kernels.py --attention-sweep); the defaults are what the model runs.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -373,10 +377,12 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("K and V caches must share a layout with a contiguous head_dim")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError("q and the caches must share a dtype")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
     group = num_heads // kv_heads
     num_sms = num_sms_for(q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms)
+        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms, min_split_tokens=block_n)
     num_splits = max(1, int(num_splits))
     split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
     out = torch.empty_like(q)
@@ -400,18 +406,18 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        DIM_PAD=dim_pad, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
+        DIM_PAD=dim_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
-        num_warps=4, num_stages=2, enable_fp_fusion=True, **pdl_launch(pdl),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=BLOCK_N, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, num_warps=4,
+            BLOCK_N=block_n, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, num_warps=4,
             enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out

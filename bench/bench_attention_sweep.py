@@ -1,0 +1,165 @@
+"""Decode attention's launch shapes, swept per batch x context against the shipped heuristic. One GPU.
+
+    python bench/bench_attention_sweep.py --points 1x512,8x512,32x512,8x4096 --out bench/results/.../attn_sweep.json
+
+At Llama-3-8B's TP=2 rank shape (bench_kernels.py: 16 query heads, 4 KV heads of 128, bf16, 16-token cache blocks),
+each point times `paged_decode_attention_v2` with the model's launch (the default: 64-token tiles, 4 warps, 2
+stages, choose_num_splits / min_split_tiles) and with every shape of the grid: tile length, warps, stages, the split
+count the heuristic gives scaled by `--split-scales`, and the fewest tiles a split takes. One timing method for all
+(tpgraph/tune/timing.py: a graph of 64 calls cycling through cache copies that cannot sit in L2, the median replay),
+and every output is checked against the default's (a shape off by more than bf16 rounding is wrong, not fast).
+Prints the best and top 3 per point with the default's time and the K/V bytes' floor; writes JSON.
+
+A kernel alone is not the step: attention in the step starts as a programmatic dependent of the qkv kernel, so a
+shape that wins here is a candidate to time in whole steps (bench/ab_decode.py), not a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from bench_kernels import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, copies_for, moved_bytes, per_op_us
+
+MAX_ABS_ERR = 2e-2  # bf16 outputs of O(1): a shape further than this from the default's is wrong
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """One launch of paged_decode_attention_v2 (None: the heuristic's choice)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None
+    split_tiles: int | None = None
+
+    def short(self) -> str:
+        splits = "auto" if self.num_splits is None else str(self.num_splits)
+        tiles = "auto" if self.split_tiles is None else str(self.split_tiles)
+        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}"
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """'8x512,32x4096' -> [(8, 512), (32, 4096)] (batch x context)."""
+    points = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        batch, _, ctx = item.partition("x")
+        if not (batch.isdigit() and ctx.isdigit() and int(batch) > 0 and int(ctx) > 0):
+            raise SystemExit(f"--points takes BATCHxCONTEXT entries joined by ',', e.g. 8x512, got {item!r}")
+        points.append((int(batch), int(ctx)))
+    if not points:
+        raise SystemExit("--points is empty")
+    return points
+
+
+def grid(batch: int, ctx: int, sms: int, block_ns: list[int], warps: list[int], stages: list[int],
+         split_scales: list[float], split_tiles: list[int | None]) -> list[AttnShape]:
+    """The default first, then every combination; split counts are the heuristic's for that tile length, scaled,
+    and at most one split a tile of the context (duplicates dropped)."""
+    from tpgraph.kernels.decode_attention import choose_num_splits
+
+    shapes = [AttnShape()]
+    for block_n, w, s, scale, tiles in itertools.product(block_ns, warps, stages, split_scales, split_tiles):
+        auto = choose_num_splits(batch, KV_HEADS, ctx, sms, min_split_tokens=block_n)
+        splits = None if scale == 1 else max(1, min(round(auto * scale), -(-ctx // block_n)))
+        shapes.append(AttnShape(block_n, w, s, splits, tiles))
+    return list(dict.fromkeys(shapes))
+
+
+def sweep_point(batch: int, ctx: int, shapes: list[AttnShape], hbm: float, l2: int,
+                device: torch.device) -> dict:
+    """Every shape at one batch x context: timed, failed (a launch the GPU refused) or wrong."""
+    from tqdm import tqdm
+
+    from tpgraph.kernels.decode_attention import paged_decode_attention_v2
+
+    scale = HEAD_DIM ** -0.5
+    nbytes = moved_bytes("attention", batch, ctx)
+    copies = min(copies_for(nbytes, l2), max(1, (24 << 30) // nbytes))
+    per_seq = -(-ctx // BLOCK_SIZE)
+    g = torch.Generator(device=device).manual_seed(batch * 100003 + ctx)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=g)
+    caches = [tuple(torch.randn(batch * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device,
+                                generator=g) for _ in range(2)) for _ in range(copies)]
+    tables = torch.randperm(batch * per_seq, device=device, generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+
+    def run(shape: AttnShape, i: int) -> torch.Tensor:
+        return paged_decode_attention_v2(q, caches[i][0], caches[i][1], tables, lens, scale, max_seq_len=ctx,
+                                         **asdict(shape))
+
+    ref = run(AttnShape(), 0).float()
+    timed, failed, wrong = [], [], []
+    for shape in tqdm(shapes, desc=f"attention {batch}x{ctx}", leave=False, unit="shape", mininterval=2):
+        try:
+            err = (run(shape, 0).float() - ref).abs().max().item()
+            us = per_op_us(lambda i, shape=shape: run(shape, i), copies)
+        except Exception as e:  # out of registers or shared memory, a launch the GPU refuses: skip it
+            torch.cuda.synchronize()  # a sticky CUDA error raises here and ends the sweep
+            failed.append({**asdict(shape), "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        (wrong if err > MAX_ABS_ERR else timed).append({**asdict(shape), "us": us, "max_abs_err": err})
+    timed.sort(key=lambda r: r["us"])
+    caches.clear()
+    torch.cuda.empty_cache()
+    default = next((r for r in timed if AttnShape(**shape_fields(r)) == AttnShape()), None)
+    return {"batch": batch, "context": ctx, "moved_bytes": nbytes, "floor_us": nbytes / hbm * 1e6,
+            "default": default, "best": timed[0] if timed else None, "top3": timed[:3], "timed": timed,
+            "failed": failed, "wrong": wrong}
+
+
+def shape_fields(result: dict) -> dict:
+    return {name: result[name] for name in AttnShape.__dataclass_fields__}
+
+
+def point_line(e: dict) -> str:
+    """One line per point: the best shape, the default's time and the floor, the top 3."""
+    head = f"attention {e['batch']:3d} x {e['context']:6d}"
+    counts = f"[{len(e['timed'])} timed, {len(e['failed'])} failed, {len(e['wrong'])} wrong]"
+    if e["best"] is None:
+        return f"{head}  no shape ran  {counts}"
+    b, d = e["best"], e["default"]
+    default = f"default {d['us']:.1f} us" if d else "default failed"
+    top = ", ".join(f"{AttnShape(**shape_fields(r)).short()} {r['us']:.1f}" for r in e["top3"])
+    return (f"{head}  best {AttnShape(**shape_fields(b)).short()} {b['us']:.1f} us  {default}  floor "
+            f"{e['floor_us']:.1f} us  top3: {top}  {counts}")
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("attn_sweep.json"))
+    p.add_argument("--points", default="1x512,8x512,32x512", help="BATCHxCONTEXT entries joined by ','")
+    p.add_argument("--block-n", default="32,64,128", help="tokens per tile")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="2,3")
+    p.add_argument("--split-scales", default="1,2", help="the heuristic's split count times these")
+    p.add_argument("--split-tiles", default="auto,1", help="the fewest tiles a split takes (auto: the heuristic)")
+    args = p.parse_args()
+    points = parse_points(args.points)
+    tiles = [None if t == "auto" else int(t) for t in args.split_tiles.split(",")]
+    from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
+
+    device = torch.device("cuda")
+    hbm = hbm_bandwidth(device)
+    props = torch.cuda.get_device_properties(device)
+    entries = []
+    for batch, ctx in points:
+        shapes = grid(batch, ctx, props.multi_processor_count, ints(args.block_n), ints(args.warps),
+                      ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles)
+        entries.append(sweep_point(batch, ctx, shapes, hbm, props.L2_cache_size, device))
+        print(point_line(entries[-1]), flush=True)
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,
+                                    "points": entries}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

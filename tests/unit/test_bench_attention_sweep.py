@@ -1,0 +1,39 @@
+"""bench/bench_attention_sweep.py's pure parts: the points, the grid of launch shapes, the summary line."""
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    load_bench_module("bench_kernels")  # what the sweep imports by name, as the script finds it beside itself
+    return load_bench_module("bench_attention_sweep")
+
+
+def test_points_are_batch_x_context_and_mistakes_are_named(sweep):
+    assert sweep.parse_points("1x512, 32x4096") == [(1, 512), (32, 4096)]
+    for bad in ("8", "8x", "0x512", "ax512", ""):
+        with pytest.raises(SystemExit, match="--points"):
+            sweep.parse_points(bad)
+
+
+def test_the_grid_starts_with_the_default_and_scales_the_heuristics_splits(sweep):
+    from tpgraph.kernels.decode_attention import choose_num_splits
+
+    shapes = sweep.grid(32, 512, 132, [32, 64], [4], [2], [1, 2], [None, 1])
+    assert shapes[0] == sweep.AttnShape()  # the model's launch, timed first
+    assert len(shapes) == len(set(shapes)) == 8  # the default is also the (64, 4, 2, auto, auto) point
+    doubled = [s for s in shapes if s.block_n == 32 and s.num_splits is not None]
+    assert {s.num_splits for s in doubled} == {min(2 * choose_num_splits(32, 4, 512, 132, min_split_tokens=32),
+                                                   512 // 32)}
+    # never more splits than tiles in the context
+    assert all(s.num_splits <= 2 for s in sweep.grid(1, 256, 132, [128], [4], [2], [64], [None]) if s.num_splits)
+
+
+def test_the_line_names_the_best_the_default_and_the_floor(sweep):
+    best = {"block_n": 32, "num_warps": 8, "num_stages": 3, "num_splits": 6, "split_tiles": 1, "us": 9.5}
+    default = {**vars(sweep.AttnShape()), "us": 14.0}
+    line = sweep.point_line({"batch": 32, "context": 512, "floor_us": 8.0, "best": best, "default": default,
+                             "top3": [best, default], "timed": [best, default], "failed": [], "wrong": []})
+    assert "best n32 w8 s3 splits 6 tiles 1 9.5 us" in line and "default 14.0 us" in line and "floor 8.0" in line
+    assert "[2 timed, 0 failed, 0 wrong]" in line
