@@ -64,7 +64,7 @@ def test_matches_reference(seed, num_splits, split_tiles):
 @pytest.mark.parametrize(("block_n", "num_splits"), [(16, 5), (32, None), (128, 2), (128, None)])
 @pytest.mark.parametrize("seed", [0, 10, 22])
 def test_other_tile_lengths_and_launch_shapes_match_the_reference(seed, block_n, num_splits, newest_apart):
-    """The launch shapes bench_kernels.py --attention-sweep tries: tiles of 16 to 128 tokens (the grid's split count
+    """The launch shapes bench/bench_attention_sweep.py tries: tiles of 16 to 128 tokens (the grid's split count
     then follows the tile: choose_num_splits' min_split_tokens), 8 warps, 3 stages, the newest row apart or not."""
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=300)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=num_splits,

@@ -200,3 +200,10 @@ def test_penalties_refuse_a_pending_token_and_other_rows_ignore_theirs():
     assert torch.equal(out[0], logits[0]) and out[1].tolist() == [0.0, 0.0, -1.0, -1.0]
     with pytest.raises(ValueError, match="one is still pending"):
         apply_penalties(logits, [SampleRow(penalized.params, [1], [2, -1])])
+
+
+def test_an_ids_out_that_does_not_fit_is_refused():
+    logits = torch.randn(3, 50)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="ids_out must be"):
+            Sampler("cpu").sample_async(logits, rows(3, temperature=0.7), ids_out=bad)

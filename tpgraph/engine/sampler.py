@@ -67,6 +67,10 @@ class Sampler:
         and their copy to the host is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if ids_out is not None and (ids_out.shape != (len(rows),) or ids_out.dtype != torch.int64
+                                    or ids_out.device != logits.device):
+            raise ValueError(f"ids_out must be [{len(rows)}] int64 on {logits.device}, got {tuple(ids_out.shape)} "
+                             f"{ids_out.dtype} on {ids_out.device}")
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         plain_greedy = not want_logprobs and all(r.params.greedy and not r.params.has_penalties and not r.banned_ids
                                                  for r in rows)
@@ -129,7 +133,9 @@ class PendingSample:
     host reads them with `result()`, which waits for that copy only."""
 
     def __init__(self, ids: torch.Tensor, packed: torch.Tensor, top_k: int) -> None:
-        self.ids = ids  # [B] int64 on the logits' device
+        # [B] int64 on the logits' device: with the sampler's ids_out, the runner's sampled_ids rows, which the next
+        # step's sampler overwrites (the host copy below is taken first, in stream order)
+        self.ids = ids
         self._top_k = top_k
         self._with_logprobs = packed is not ids  # packed: [B, 2 + 2k] float64 (id, logprob, top ids, top logprobs)
         if packed.is_cuda:

@@ -92,10 +92,10 @@ def num_sms_for(device: torch.device) -> int:
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
                       min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """KV splits per (sequence, KV head) in the grid: as many programs as PROGRAMS_PER_SM per SM holds, at most
-    MAX_SPLITS, and no more than whole tiles of MIN_SPLIT_TOKENS in `max_seq_len`. Each program cuts its sequence's
-    actual length into at most that many pieces of whole tiles (`_split_span`): the splits a shorter sequence leaves
-    empty exit at once, and the ones in use stay a tile or more long (at least `min_split_tiles`; a split's first
-    tile is loaded before the programmatic wait, the rest after it)."""
+    MAX_SPLITS, and no more than whole tiles of `min_split_tokens` (the tile length) in `max_seq_len`. Each program
+    cuts its sequence's actual length into at most that many pieces of whole tiles (`_split_span`): the splits a
+    shorter sequence leaves empty exit at once, and the ones in use stay a tile or more long (at least
+    `min_split_tiles`; a split's first tile is loaded before the programmatic wait, the rest after it)."""
     programs = max(1, batch * kv_heads)
     # Rounded down, so the grid stays within PROGRAMS_PER_SM a SM: rounded up, batch 8 at 4K tokens (13 busy splits,
     # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
@@ -105,8 +105,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
 
 
 def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
-    """The fewest BLOCK_N tiles a split takes (`_split_span`): 2 once the (sequence, KV head) pairs are many
-    (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the most programs."""
+    """The fewest tiles (of the launch's block_n tokens) a split takes (`_split_span`): 2 once the (sequence, KV
+    head) pairs are many (TWO_TILE_PAIRS_DIVISOR), else 1, so that a small batch spreads a short context over the
+    most programs."""
     return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
@@ -365,7 +366,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
-    them (bench/bench_kernels.py --attention-sweep); the defaults are what the model runs.
+    them (bench/bench_attention_sweep.py); the defaults are what the model runs.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
