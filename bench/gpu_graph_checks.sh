@@ -207,15 +207,19 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
     wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels and the epilogue's
-         # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's entries from 17 rows): its GPU
-         # tests, HF parity at 24 rows a step with it on, whole steps at batches 16, 24 and 32 with it off and on
-         # (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32 profile of both
+         # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's entries from 17
+         # rows): its GPU tests, HF parity at 24 rows a step with it on, whole steps at batches 16, 24 and 32 with it
+         # off and on (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32 profile of both
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py tests/unit/test_lamport_gemv.py -q -rs \
-             -k "wide or (qkv_rope and 24) or (gate_up_epilogue and 24)" 2>&1 | tail -3 | tee "$out/wide_tests.log"
+             -k "wide or ((qkv_rope or gate_up_epilogue) and (24 or 32))" 2>&1 | tail -3 | tee "$out/wide_tests.log"
          TPGRAPH_GEMV_MAX_M=32 timeout 200 torchrun --nproc-per-node $NPROC bench/hf_parity.py --embed-std 4.0 \
              --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"
+         # m32e: the epilogue projections (o_proj, down) in 32x128 tiles, which the all-reduce epilogue compiles
+         # without spilling at 32 rows (the swept 32x512 tiles: 255 registers and 144 bytes spilled with it, sm_90a)
          timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=. \
-             --variant m32=.:TPGRAPH_GEMV_MAX_M=32 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 16,24,32 \
+             --variant m32=.:TPGRAPH_GEMV_MAX_M=32 --variant m32e=.:TPGRAPH_GEMV_MAX_M=32 \
+             --tiles m32e=epilogue:4096,2048,17=32x128x4x5x1/epilogue:4096,7168,17=32x128x4x5x1 \
+             -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 16,24,32 \
              --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_wide.log"
          for m in 16 32; do TPGRAPH_GEMV_MAX_M=$m timeout -k 5 200 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
