@@ -40,14 +40,19 @@ def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | Non
     device): where the ids go (the fused kernel writes them there itself; the other paths copy them in)."""
     if x.dim() != 2:
         raise ValueError(f"row_argmax takes [batch, vocab] logits, got {tuple(x.shape)}")
-    if out is not None and (out.shape != (x.shape[0],) or out.dtype != torch.int64 or out.device != x.device):
-        raise ValueError(f"row_argmax's out must be [{x.shape[0]}] int64 on {x.device}, got {tuple(out.shape)} "
-                         f"{out.dtype} on {out.device}")
+    check_ids_out(out, x.shape[0], x.device, "row_argmax's out")
     use_fused = (x.is_cuda and two_stage is None and fused_argmax_enabled()) if fused is None else fused
     if use_fused and takes(x):  # (fp64 rows, or more rows than the kernel's counters, take torch's path)
         return argmax_rows(x if x.stride(-1) == 1 else x.contiguous(), out=out)
     ids = _two_stage_or_plain(x, two_stage)
     return ids if out is None else out.copy_(ids)
+
+
+def check_ids_out(out: torch.Tensor | None, rows: int, device: torch.device, name: str) -> None:
+    """Refuse, by `name`, a tensor that cannot take `rows` ids: [rows] int64 on `device` (None: nothing to check)."""
+    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64 or out.device != device):
+        raise ValueError(f"{name} must be [{rows}] int64 on {device}, got {tuple(out.shape)} {out.dtype} on "
+                         f"{out.device}")
 
 
 def _two_stage_or_plain(x: torch.Tensor, two_stage: bool | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpgraph.engine.argmax import row_argmax
+from tpgraph.engine.argmax import check_ids_out, row_argmax
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
 
@@ -67,10 +67,7 @@ class Sampler:
         and their copy to the host is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-        if ids_out is not None and (ids_out.shape != (len(rows),) or ids_out.dtype != torch.int64
-                                    or ids_out.device != logits.device):
-            raise ValueError(f"ids_out must be [{len(rows)}] int64 on {logits.device}, got {tuple(ids_out.shape)} "
-                             f"{ids_out.dtype} on {ids_out.device}")
+        check_ids_out(ids_out, len(rows), logits.device, "ids_out")
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         plain_greedy = not want_logprobs and all(r.params.greedy and not r.params.has_penalties and not r.banned_ids
                                                  for r in rows)

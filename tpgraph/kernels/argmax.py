@@ -101,9 +101,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     if vocab == 0:
         raise ValueError("argmax of an empty row")
     chunks = triton.cdiv(vocab, CHUNK)
-    part_best = torch.empty(batch, chunks, dtype=torch.float32, device=x.device)
-    part_idx = torch.empty(batch, chunks, dtype=torch.int32, device=x.device)
-    part_nan = torch.empty(batch, chunks, dtype=torch.int32, device=x.device)
+    # the three partials in one allocation (a step calls this between its graphs): fp32 maxima, int32 indices, flags
+    parts = torch.empty(3, batch, chunks, dtype=torch.float32, device=x.device)
+    part_best, part_idx, part_nan = parts[0], parts[1].view(torch.int32), parts[2].view(torch.int32)
     _argmax_kernel[(batch, chunks)](x, ids, part_best, part_idx, part_nan, split_counters(x.device, batch), vocab,
                                     x.stride(0), chunks, CHUNK=CHUNK, CHUNKS_P2=triton.next_power_of_2(chunks),
                                     num_warps=4)
