@@ -6,7 +6,8 @@ At Llama-3-8B's TP=2 rank shape (bench_kernels.py: 16 query heads, 4 KV heads of
 each point times `paged_decode_attention_v2` with the model's launch (the default: 64-token tiles, 4 warps, 2
 stages, choose_num_splits / min_split_tiles for a grid sized by `--max-seq-len`, the max_model_len a server runs
 with) and with every shape of the grid: tile length, warps, stages, the split count the heuristic gives scaled by
-`--split-scales`, and the fewest tiles a split takes. Shapes that resolve to the same launch are timed once. One
+`--split-scales`, the fewest tiles a split takes, and the tiles each program asks L2 for before its wait
+(`--l2-prefetch`). Shapes that resolve to the same launch are timed once. One
 timing method for all (tpgraph/tune/timing.py: a graph of 64 calls cycling through cache copies that cannot sit in
 L2, the median replay); the default and the best three are then timed again, interleaved, and those figures are the
 ones reported. The default's output is checked against the fp32 reference and every shape's against the default's,
@@ -43,11 +44,13 @@ class AttnShape:
     num_stages: int = 2
     num_splits: int | None = None
     split_tiles: int | None = None
+    l2_prefetch: int | None = None  # tiles asked of L2 before the wait (None: the launch's default)
 
     def short(self) -> str:
         splits = "auto" if self.num_splits is None else str(self.num_splits)
         tiles = "auto" if self.split_tiles is None else str(self.split_tiles)
-        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}"
+        prefetch = "" if self.l2_prefetch is None else f" l2 {self.l2_prefetch}"
+        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}{prefetch}"
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -64,24 +67,37 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 
 
 def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: list[int], stages: list[int],
-         split_scales: list[float], split_tiles: list[int | None]) -> list[AttnShape]:
+         split_scales: list[float], split_tiles: list[int | None], l2_prefetch: tuple[int | str, ...] = (0,),
+         l2_bytes: int = 50 << 20) -> list[AttnShape]:
     """The default first, then every combination, each resolved to the launch it makes: the grid's split count
-    (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len) and the fewest tiles a
-    split takes (min_split_tiles where not given). A combination that resolves to a launch already listed is
-    dropped, so the default is timed once, under its own name."""
-    from tpgraph.kernels.decode_attention import choose_num_splits, min_split_tiles
+    (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
+    split takes (min_split_tiles where not given) and the tiles each program asks L2 for before its wait ("auto":
+    the budget rule `l2_prefetch_tiles` for that launch's programs and an `l2_bytes` L2; the default launch's is
+    TPGRAPH_ATTN_L2_PREFETCH's). A combination that resolves to a launch already listed is dropped, so the default
+    is timed once, under its own name."""
+    from tpgraph.kernels._settings import env_flag
+    from tpgraph.kernels.decode_attention import choose_num_splits, l2_prefetch_tiles, min_split_tiles, splits_in_use
+
+    def rule(block_n: int, splits: int) -> int:
+        programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n)
+        return l2_prefetch_tiles(programs, 2 * block_n * HEAD_DIM * 2, l2_bytes)  # bf16 K and V tiles
 
     def resolved(shape: AttnShape) -> tuple:
         auto = choose_num_splits(batch, KV_HEADS, max_seq_len, sms, min_split_tokens=shape.block_n)
         splits = auto if shape.num_splits is None else shape.num_splits
         tiles = min_split_tiles(batch, KV_HEADS, sms) if shape.split_tiles is None else shape.split_tiles
-        return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles
+        prefetch = shape.l2_prefetch
+        if prefetch is None:
+            prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
+        return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch
 
     launches = {resolved(AttnShape()): AttnShape()}
-    for block_n, w, s, scale, tiles in itertools.product(block_ns, warps, stages, split_scales, split_tiles):
+    for block_n, w, s, scale, tiles, pf in itertools.product(block_ns, warps, stages, split_scales, split_tiles,
+                                                             l2_prefetch):
         auto = choose_num_splits(batch, KV_HEADS, max_seq_len, sms, min_split_tokens=block_n)
         splits = None if scale == 1 else max(1, min(round(auto * scale), -(-max_seq_len // block_n)))
-        shape = AttnShape(block_n, w, s, splits, tiles)
+        prefetch = rule(block_n, auto if splits is None else splits) if pf == "auto" else int(pf)
+        shape = AttnShape(block_n, w, s, splits, tiles, prefetch)
         launches.setdefault(resolved(shape), shape)
     return list(launches.values())
 
@@ -147,7 +163,8 @@ def sweep_point(batch: int, ctx: int, max_seq_len: int, shapes: list[AttnShape],
 
 
 def shape_fields(result: dict) -> dict:
-    return {name: result[name] for name in AttnShape.__dataclass_fields__}
+    """The AttnShape fields of a result (a field it lacks, as in results written before that field: its default)."""
+    return {name: result.get(name, f.default) for name, f in AttnShape.__dataclass_fields__.items()}
 
 
 def point_line(e: dict) -> str:
@@ -178,9 +195,12 @@ def main() -> None:
     p.add_argument("--stages", default="2,3")
     p.add_argument("--split-scales", default="1,2", help="the heuristic's split count times these")
     p.add_argument("--split-tiles", default="auto,1", help="the fewest tiles a split takes (auto: the heuristic)")
+    p.add_argument("--l2-prefetch", default="0",
+                   help="tiles each program asks L2 for before its wait: 0 or powers of two, auto: the budget rule")
     args = p.parse_args()
     points = parse_points(args.points)
     tiles = [None if t == "auto" else int(t) for t in args.split_tiles.split(",")]
+    prefetch = tuple(v if v == "auto" else int(v) for v in args.l2_prefetch.split(","))
     from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
     device = torch.device("cuda")
@@ -191,7 +211,8 @@ def main() -> None:
         if ctx > args.max_seq_len:
             raise SystemExit(f"context {ctx} is above --max-seq-len {args.max_seq_len}")
         shapes = grid(batch, args.max_seq_len, props.multi_processor_count, ints(args.block_n), ints(args.warps),
-                      ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles)
+                      ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles, prefetch,
+                      props.L2_cache_size)
         entries.append(sweep_point(batch, ctx, args.max_seq_len, shapes, hbm, props.L2_cache_size, device))
         print(point_line(entries[-1]), flush=True)
         # after every point: a call cut short by its time limit keeps what it timed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-sweep] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -226,6 +226,20 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
+    attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait
+         # (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM round trip in turn): the GPU tests
+         # (prefetch changes no bit, the newest row seen), attention alone with and without it by the sweep's one method
+         # (longer splits beside the heuristic's, which a prefetch may now pay for), then whole steps at contexts 512
+         # and 4096 (alternating processes; SHAPE, AB_ENTRY as for ab)
+         timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "prefetch or newest_row or split_kv" \
+             2>&1 | tail -3 | tee "$out/prefetch_tests.log"
+         timeout 300 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512,1x4096,8x4096}" \
+             --block-n 64 --warps 4 --stages 2 --split-scales 0.5,1 --split-tiles auto,1,2,4 --l2-prefetch 0,auto \
+             --out "$out/prefetch_sweep.json" 2> "$out/prefetch_sweep.err" | tee "$out/prefetch_sweep.log"
+         for ctx in 512 4096; do timeout 300 python3 bench/ab_decode.py --out "$out/ab_prefetch_$ctx" --nproc $NPROC \
+             --rounds 2 --variant off=. --variant l2=.:TPGRAPH_ATTN_L2_PREFETCH=1 -- --shape "${SHAPE:-llama3-8b}" \
+             --modes full --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx \
+             --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_prefetch_$ctx.log"; pack; done ;;
     attn-sweep) # issue 11: decode attention's launch shapes (tile length, warps, stages, split count, split tiles) per
          # batch x context against the shipped heuristic, each alone by the one timing method (bench_attention_sweep.py)
          timeout 500 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512}" \

@@ -322,11 +322,15 @@ def test_vocab_shard_embedding_copies_the_torch_sequence_bit_for_bit(dtype):
         assert torch.equal(out, vocab_shard_embedding_reference(ids, weight, start))
 
 
+@pytest.mark.parametrize("l2_prefetch", ["0", "1"])
 @pytest.mark.parametrize("max_seq_len", [600, 8192])
-def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(max_seq_len):
+def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(monkeypatch, max_seq_len, l2_prefetch):
     """As in a layer: rope + cache store writes q and the newest token's K/V, and attention runs right after it (a
-    programmatic dependent, whose programs load older K/V rows before their wait). Every step's output must be
-    the reference's over the cache as the store left it, at a grid sized for ~600 tokens and for 8192."""
+    programmatic dependent, whose programs load older K/V rows before their wait, and with TPGRAPH_ATTN_L2_PREFETCH=1
+    ask L2 for their later tiles, the newest row's line among them, before the store has written it). Every step's
+    output must be the reference's over the cache as the store left it, at a grid sized for ~600 tokens and for
+    8192."""
+    monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", l2_prefetch)
     heads, kv_heads, dim, block_size, batch = 16, 4, 128, 16, 8
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks = batch * 38 + 1  # 38 blocks of 16 hold each sequence's (at most 596) tokens
@@ -347,3 +351,21 @@ def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(max_seq_l
                                         max_seq_len=max_seq_len)
         ref = paged_decode_reference(q.view(batch, heads, dim), k_cache, v_cache, tables, lens, dim ** -0.5)
         torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2, msg=f"step {step}")
+
+
+@pytest.mark.parametrize(("batch", "max_len", "num_splits"), [(1, 4096, None), (8, 600, None), (32, 600, None),
+                                                              (3, 2000, 2)])
+def test_the_l2_prefetch_changes_no_bit(batch, max_len, num_splits):
+    """The L2 prefetch (every tile count, the budget rule's among them) only moves lines into L2: eager and in a
+    graph, the output is the bits of the launch without it, from one-tile splits to long ones."""
+    q, k, v, bt, lens, scale = random_paged_case(batch, "cuda", torch.bfloat16, max_batch=batch, max_len=max_len)
+    lens[0] = max_len  # at least one sequence as long as the grid allows: the most tiles a split
+    run = dict(max_seq_len=max_len, num_splits=num_splits)
+    plain = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=0)
+    for tiles in (1, 2, 4, 8):
+        assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=tiles), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=8)
+    graph.replay()
+    assert torch.equal(out, plain)

@@ -37,3 +37,16 @@ def test_the_line_names_the_best_the_default_and_the_floor(sweep):
                              "top3": [best, default], "timed": [best, default], "failed": [], "wrong": []})
     assert "best n32 w8 s3 splits 6 tiles 1 9.5 us" in line and "default 14.0 us" in line and "floor 8.0" in line
     assert "[2 timed, 0 failed, 0 wrong]" in line
+
+
+def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatch):
+    """auto is the rule's tile count for each launch (batch 32's 384 programs: 2; batch 1: 8); an explicit 0 is the
+    default launch (timed once, as the default), and the default follows TPGRAPH_ATTN_L2_PREFETCH."""
+    monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
+    shapes = sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto", 4))
+    assert shapes == [sweep.AttnShape(), sweep.AttnShape(l2_prefetch=2), sweep.AttnShape(l2_prefetch=4)]
+    assert sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], ("auto",))[1].l2_prefetch == 8
+    assert "l2 2" in shapes[1].short() and "l2" not in shapes[0].short()
+    monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
+    assert sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto")) == [
+        sweep.AttnShape(), sweep.AttnShape(l2_prefetch=0)]

@@ -12,11 +12,15 @@ from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
+    MAX_PREFETCH_TILES,
     MIN_SPLIT_TOKENS,
     choose_num_splits,
+    l2_prefetch_tiles,
+    l2_prefetch_tiles_for,
     min_split_tiles,
     newest_apart_for,
     paged_decode_attention_v2,
+    splits_in_use,
 )
 from tpgraph.kernels.paged_decode import paged_decode_reference
 
@@ -181,7 +185,7 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
-def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False) -> str:
+def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -193,7 +197,8 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False) -> str:
                     {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
-                     "NEWEST_APART": newest_apart}, num_stages=2)
+                     "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2},
+                    num_stages=2)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -322,3 +327,62 @@ def test_four_tile_splits_match_the_reference():
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=4)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
     assert not torch.equal(out, paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=600, split_tiles=1))
+
+
+@pytest.mark.parametrize("prefetch_tiles", [0, 2, 8])
+def test_the_l2_prefetch_asks_for_the_next_tiles_before_the_wait(prefetch_tiles):
+    """Ahead of time, without a GPU: each of the 128 threads asks L2 for its share of the next tiles' K and V lines
+    (tiles x 64 tokens x 2 lines x 2 caches / 128 threads), all before the PDL wait, and none when off."""
+    ptx = _split_kernel_ptx(prefetch_tiles=prefetch_tiles)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count("prefetch.global.L2") == prefetch_tiles * BLOCK_N * 2 * 2 // 128
+    assert "prefetch.global.L2" not in ptx[wait:]
+
+
+def test_the_l2_prefetch_budget_rule():
+    """Powers of two up to MAX_PREFETCH_TILES, as many as keep the grid within half the L2, 0 when even one does not
+    fit: batch 32's 384 programs of 32 KB tiles on a 50 MB L2 take 2, a small grid 8."""
+    tile = 2 * 64 * 128 * 2
+    l2 = 50 << 20
+    assert l2_prefetch_tiles(384, tile, l2) == 2
+    assert l2_prefetch_tiles(64, tile, l2) == MAX_PREFETCH_TILES == 8
+    assert l2_prefetch_tiles(4096, tile, l2) == 0
+    for programs in (1, 100, 200, 400, 800, 1600):
+        tiles = l2_prefetch_tiles(programs, tile, l2)
+        assert tiles in (0, 1, 2, 4, 8) and programs * tiles * tile <= l2 // 2
+        assert tiles == MAX_PREFETCH_TILES or programs * max(1, 2 * tiles) * tile > l2 // 2
+
+
+@pytest.mark.parametrize("max_seq_len", [512, 4096, 8192, 32768, 131072])
+@pytest.mark.parametrize("num_splits", [3, 16, 64])
+def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits):
+    """splits_in_use is an upper bound on _split_span's splits for every length up to max_seq_len, and reached by
+    one (the prefetch budget counts those programs, not the grid's)."""
+    lens = sorted({1, 64, 511, 512, 1000, 4095, 4096, 8191, 8192, 20000, 32768, 131072} & set(range(max_seq_len + 1))
+                  | {max_seq_len})
+    out = torch.zeros(2 * len(lens), dtype=torch.int32)
+    _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
+                              SPLIT_TILES=1)
+    used = out.view(-1, 2)[:, 1].tolist()
+    assert max(used) == splits_in_use(num_splits, max_seq_len)
+
+
+def test_the_l2_prefetch_is_off_unless_asked_and_off_cuda(monkeypatch):
+    from tpgraph.errors import ConfigError
+
+    q = torch.zeros(32, 16, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
+    assert l2_prefetch_tiles_for(q, 4, 3, 8192) == 0
+    monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")
+    assert l2_prefetch_tiles_for(q, 4, 3, 8192) == 0  # a CPU tensor: nothing to prefetch
+    monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "on")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_L2_PREFETCH must be 0 or 1"):
+        l2_prefetch_tiles_for(q, 4, 3, 8192)
+
+
+def test_an_l2_prefetch_that_is_not_a_power_of_two_is_refused_and_one_changes_nothing_off_cuda():
+    q, k, v, bt, lens, scale = random_paged_case(5, "cpu", torch.float32, max_batch=3, max_len=300)
+    with pytest.raises(ValueError, match="l2_prefetch must be 0 or a power of two"):
+        paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, l2_prefetch=3)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=2, l2_prefetch=4)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))

@@ -15,6 +15,10 @@ that was 10-100x slower on an H200:
   Each split in use leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one
   to arrive (or a second small kernel) merges, several splits a load. With one split the first kernel writes the
   output itself;
+- with the L2 prefetch on (`l2_prefetch_tiles_for`), a program also asks L2 for its split's next tiles before that
+  wait: the compiled loop loads each later tile into its one shared buffer only once the tile before has been used
+  (sm_90a: the next tile's cp.async follows the scores, and the loop's top waits for it), so without it every tile
+  pays a whole HBM round trip in turn;
 - as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
   cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
   (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
@@ -73,6 +77,12 @@ NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
 # (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
+# The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1, until timed on a GPU): the tiles after its first that a
+# program asks L2 for before its wait, a power of two up to MAX_PREFETCH_TILES (a split has at most LONG_SPLIT_TILES
+# tiles up to 32K tokens), as many as keep the whole grid's prefetch within L2_PREFETCH_SHARE of the L2: lines
+# evicted before their tile is loaded would be read from HBM twice.
+MAX_PREFETCH_TILES = 8
+L2_PREFETCH_SHARE = 0.5
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
 _LOG2E = 1.4426950408889634
 
@@ -111,6 +121,41 @@ def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
     return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
+def splits_in_use(num_splits: int, max_seq_len: int, block_n: int = BLOCK_N) -> int:
+    """The most splits of a (sequence, KV head) that `_split_span` puts to work for sequences up to max_seq_len: the
+    grid's, no more than one a tile, and no more than MERGE_SPLITS until those splits would pass LONG_SPLIT_TILES
+    tiles."""
+    long_split = LONG_SPLIT_TILES * block_n
+    return max(1, min(num_splits, -(-max_seq_len // block_n), max(MERGE_SPLITS, -(-max_seq_len // long_split))))
+
+
+@functools.cache
+def _cuda_l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_prefetch_tiles(programs: int, tile_bytes: int, l2_bytes: int) -> int:
+    """The budget rule: the most tiles (0 or a power of two up to MAX_PREFETCH_TILES) that `programs` programs can
+    each pull into L2 in `tile_bytes` tiles (K and V) within L2_PREFETCH_SHARE of `l2_bytes`."""
+    fit = int(l2_bytes * L2_PREFETCH_SHARE) // max(1, programs * tile_bytes)
+    tiles = 0
+    while tiles < MAX_PREFETCH_TILES and max(1, 2 * tiles) <= fit:
+        tiles = max(1, 2 * tiles)
+    return tiles
+
+
+def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_seq_len: int,
+                          block_n: int = BLOCK_N) -> int:
+    """Tiles each program of a launch prefetches into L2 (`l2_prefetch_tiles` over the programs that can be in use):
+    0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in until timed), and 0 off CUDA (the interpreter has no prefetch)."""
+    if not env_flag("TPGRAPH_ATTN_L2_PREFETCH", default=False) or q.device.type != "cuda":
+        return 0
+    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n)
+    tile_bytes = 2 * block_n * q.shape[-1] * q.element_size()
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return l2_prefetch_tiles(programs, tile_bytes, _cuda_l2_bytes(index))
+
+
 if triton is not None:
     # (module constants a kernel reads must be constexprs)
     MERGE_SPLITS = tl.constexpr(MERGE_SPLITS)
@@ -146,6 +191,22 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def _prefetch_kv_l2(k_ptr, v_ptr, bt_row, lo, hi, kv_h, stride_cb, stride_ct, stride_ch,
+                        BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, LINE: tl.constexpr,
+                        LINES: tl.constexpr):
+        """Ask L2 for the K and V rows of tokens lo .. lo + TOKENS (those before hi; lo < hi), LINE elements (a
+        128-byte line) at a time. Tokens past hi are clamped to hi - 1, not masked (a prefetch takes no mask): at worst
+        a line is asked for twice. No registers hold the data, and L2 is where the kernel before writes the newest
+        row, so a line prefetched before that write is not stale."""
+        tok = tl.minimum(lo + tl.arange(0, TOKENS), hi - 1)
+        rows = _kv_rows(bt_row, tok, tok >= 0, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        offs = rows[:, None] + tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_ptr + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_ptr + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_dtype, DOT_PRECISION: tl.constexpr,
                      INTERPRETED: tl.constexpr):
         """One tile of the online softmax: (m, l, acc) updated with the tile's scores and P @ V."""
@@ -176,6 +237,7 @@ if triton is not None:
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
+        PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -213,6 +275,10 @@ if triton is not None:
             # comes in as one vector: a second [BLOCK_N, D] tile of K and V would cost registers the kernel lacks
             has_newest = (seq_len - 1 >= start) & (seq_len - 1 < end)
             new_row = _kv_rows(bt_row, seq_len - 1, has_newest, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+            if PREFETCH_TILES > 0:
+                if start + BLOCK_N < end:  # the split's next tiles: in L2 by the time the loop loads them
+                    _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + BLOCK_N, end, kv_h, stride_cb, stride_ct, stride_ch,
+                                    BLOCK_SIZE, PREFETCH_TILES * BLOCK_N, HEAD_DIM, LINE, LINES)
             pdl_enter(PDL)
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
@@ -357,7 +423,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
                               split_tiles: int | None = None, newest_apart: bool | None = None,
-                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2,
+                              l2_prefetch: int | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -366,7 +433,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
-    them (bench/bench_attention_sweep.py); the defaults are what the model runs.
+    them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: the tiles after its
+    first that each program asks L2 for before its wait, 0 or a power of two (default: `l2_prefetch_tiles_for`, off
+    unless TPGRAPH_ATTN_L2_PREFETCH=1); off CUDA it is not done (a prefetch changes no result, and the interpreter has
+    none).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -380,6 +450,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("q and the caches must share a dtype")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
+    if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)):
+        raise ValueError(f"l2_prefetch must be 0 or a power of two (tiles), got {l2_prefetch}")
     group = num_heads // kv_heads
     num_sms = num_sms_for(q.device)
     if num_splits is None:
@@ -398,6 +470,9 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     else:  # placeholders, not touched when NUM_SPLITS == 1
         part_acc = part_m = part_l = out
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
+    if l2_prefetch is None:
+        l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n)
+    line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out
     pdl = use_pdl(q)
@@ -412,6 +487,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
+        PREFETCH_TILES=l2_prefetch if q.device.type == "cuda" else 0, LINE=line,
+        LINES=triton.next_power_of_2(-(-dim // line)),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
