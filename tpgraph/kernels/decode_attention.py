@@ -194,17 +194,24 @@ if triton is not None:
     def _prefetch_kv_l2(k_ptr, v_ptr, bt_row, lo, hi, kv_h, stride_cb, stride_ct, stride_ch,
                         BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, LINE: tl.constexpr,
                         LINES: tl.constexpr):
-        """Ask L2 for the K and V rows of tokens lo .. lo + TOKENS (those before hi; lo < hi), LINE elements (a
-        128-byte line) at a time. Tokens past hi are clamped to hi - 1, not masked (a prefetch takes no mask): at worst
-        a line is asked for twice. No registers hold the data, and L2 is where the kernel before writes the newest
-        row, so a line prefetched before that write is not stale."""
-        tok = tl.minimum(lo + tl.arange(0, TOKENS), hi - 1)
-        rows = _kv_rows(bt_row, tok, tok >= 0, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        """Ask L2 for the K and V rows of tokens lo .. lo + TOKENS that are before hi, LINE elements (a 128-byte line)
+        at a time; each prefetch is predicated on its token (tokens past hi ask for nothing). No registers hold the
+        data, and L2 is where the kernel before writes the newest row, so a line prefetched before that write is not
+        stale."""
+        tok = lo + tl.arange(0, TOKENS)
+        ok = tok < hi
+        rows = _kv_rows(bt_row, tok, ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         offs = rows[:, None] + tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_ptr + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_ptr + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        want = (ok[:, None] & (offs >= 0)).to(tl.int32)  # (offs >= 0: the mask at the pointers' shape)
+        _prefetch_l2(k_ptr + offs, want)
+        _prefetch_l2(v_ptr + offs, want)
+
+    @triton.jit
+    def _prefetch_l2(ptrs, want):
+        """prefetch.global.L2 at each pointer whose `want` is not 0."""
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t}\n\tmov.u32 $0, 0;",
+            "=r,l,r", [ptrs, want], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_dtype, DOT_PRECISION: tl.constexpr,
