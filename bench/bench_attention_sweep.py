@@ -6,7 +6,7 @@ At Llama-3-8B's TP=2 rank shape (bench_kernels.py: 16 query heads, 4 KV heads of
 each point times `paged_decode_attention_v2` with the model's launch (the default: 64-token tiles, 4 warps, 2
 stages, choose_num_splits / min_split_tiles for a grid sized by `--max-seq-len`, the max_model_len a server runs
 with) and with every shape of the grid: tile length, warps, stages, the split count the heuristic gives scaled by
-`--split-scales`, the fewest tiles a split takes, and the tiles each program asks L2 for before its wait
+`--split-scales`, the fewest tiles a split takes, and the tiles each program keeps asked of L2 ahead
 (`--l2-prefetch`). Shapes that resolve to the same launch are timed once. One
 timing method for all (tpgraph/tune/timing.py: a graph of 64 calls cycling through cache copies that cannot sit in
 L2, the median replay); the default and the best three are then timed again, interleaved, and those figures are the
@@ -44,7 +44,7 @@ class AttnShape:
     num_stages: int = 2
     num_splits: int | None = None
     split_tiles: int | None = None
-    l2_prefetch: int | None = None  # tiles asked of L2 before the wait (None: the launch's default)
+    l2_prefetch: int | None = None  # tiles kept asked of L2 ahead (None: the launch's default)
 
     def short(self) -> str:
         splits = "auto" if self.num_splits is None else str(self.num_splits)
@@ -71,7 +71,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
          l2_bytes: int = 50 << 20) -> list[AttnShape]:
     """The default first, then every combination, each resolved to the launch it makes: the grid's split count
     (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
-    split takes (min_split_tiles where not given) and the tiles each program asks L2 for before its wait ("auto":
+    split takes (min_split_tiles where not given) and the tiles each program keeps asked of L2 ahead ("auto":
     the budget rule `l2_prefetch_tiles` for that launch's programs and an `l2_bytes` L2; the default launch's is
     TPGRAPH_ATTN_L2_PREFETCH's). A combination that resolves to a launch already listed is dropped, so the default
     is timed once, under its own name."""
@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--split-scales", default="1,2", help="the heuristic's split count times these")
     p.add_argument("--split-tiles", default="auto,1", help="the fewest tiles a split takes (auto: the heuristic)")
     p.add_argument("--l2-prefetch", default="0",
-                   help="tiles each program asks L2 for before its wait: 0 or powers of two, auto: the budget rule")
+                   help="tiles each program keeps asked of L2 ahead: 0 or powers of two, auto: the budget rule")
     args = p.parse_args()
     points = parse_points(args.points)
     tiles = [None if t == "auto" else int(t) for t in args.split_tiles.split(",")]

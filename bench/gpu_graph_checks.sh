@@ -227,7 +227,8 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
     attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait
-         # (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM round trip in turn): the GPU tests
+         # and then one more each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM
+         # round trip in turn): the GPU tests
          # (prefetch changes no bit, the newest row seen), attention alone with and without it by the sweep's one method
          # (longer splits beside the heuristic's, which a prefetch may now pay for), then whole steps at contexts 512
          # and 4096 (alternating processes; SHAPE, AB_ENTRY as for ab)

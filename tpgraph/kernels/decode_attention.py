@@ -16,9 +16,10 @@ that was 10-100x slower on an H200:
   to arrive (or a second small kernel) merges, several splits a load. With one split the first kernel writes the
   output itself;
 - with the L2 prefetch on (`l2_prefetch_tiles_for`), a program also asks L2 for its split's next tiles before that
-  wait: the compiled loop loads each later tile into its one shared buffer only once the tile before has been used
-  (sm_90a: the next tile's cp.async follows the scores, and the loop's top waits for it), so without it every tile
-  pays a whole HBM round trip in turn;
+  wait, and each turn of its loop for one more, so that it stays that many tiles ahead: the compiled loop loads each
+  later tile into its one shared buffer only once the tile before has been used (sm_90a: the next tile's cp.async
+  follows the scores, and the loop's top waits for it), so without it every tile pays a whole HBM round trip in
+  turn;
 - as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
   cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
   (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
@@ -77,10 +78,11 @@ NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
 # (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
-# The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1, until timed on a GPU): the tiles after its first that a
-# program asks L2 for before its wait, a power of two up to MAX_PREFETCH_TILES (a split has at most LONG_SPLIT_TILES
-# tiles up to 32K tokens), as many as keep the whole grid's prefetch within L2_PREFETCH_SHARE of the L2: lines
-# evicted before their tile is loaded would be read from HBM twice.
+# The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1, until timed on a GPU): how many tiles a program keeps asked of
+# L2 ahead of the one it loads next (those after its first before its wait, then one more each turn of its loop), a
+# power of two up to MAX_PREFETCH_TILES (a split has at most LONG_SPLIT_TILES tiles up to 32K tokens), as many as
+# keep the whole grid's prefetch within L2_PREFETCH_SHARE of the L2: lines evicted before their tile is loaded would
+# be read from HBM twice.
 MAX_PREFETCH_TILES = 8
 L2_PREFETCH_SHARE = 0.5
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too
@@ -315,6 +317,11 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(q, k, v, tok < stop, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
             for tile in range(start + BLOCK_N, end, BLOCK_N):
+                if PREFETCH_TILES > 0:  # keep PREFETCH_TILES tiles ahead of the one loaded next
+                    ahead = tile + PREFETCH_TILES * BLOCK_N
+                    if ahead < end:
+                        _prefetch_kv_l2(k_ptr, v_ptr, bt_row, ahead, end, kv_h, stride_cb, stride_ct, stride_ch,
+                                        BLOCK_SIZE, BLOCK_N, HEAD_DIM, LINE, LINES)
                 tok = tile + offs_n
                 tok_ok = tok < stop
                 rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
@@ -440,10 +447,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
-    them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: the tiles after its
-    first that each program asks L2 for before its wait, 0 or a power of two (default: `l2_prefetch_tiles_for`, off
-    unless TPGRAPH_ATTN_L2_PREFETCH=1); off CUDA it is not done (a prefetch changes no result, and the interpreter has
-    none).
+    them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: how many tiles each
+    program keeps asked of L2 ahead of the one it loads next, 0 or a power of two (default: `l2_prefetch_tiles_for`,
+    off unless TPGRAPH_ATTN_L2_PREFETCH=1); off CUDA it is not done (a prefetch changes no result, and the interpreter
+    has none).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
