@@ -226,21 +226,21 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
-    attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait
-         # and then one more each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM
-         # round trip in turn): the GPU tests
-         # (prefetch changes no bit, the newest row seen), attention alone with and without it by the sweep's one method
-         # (longer splits beside the heuristic's, which a prefetch may now pay for), then whole steps at contexts 512
-         # and 4096 (alternating processes; SHAPE, AB_ENTRY as for ab)
+    attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait, and then one
+         # more each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM round trip
+         # in turn): the GPU tests (prefetch changes no bit, the newest row seen), attention alone with and without it
+         # by the sweep's one method (longer splits beside the heuristic's, which a prefetch may now pay for), then
+         # whole steps at each of AB_CONTEXTS (default 512; alternating processes; SHAPE, AB_ENTRY as for ab)
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "prefetch or newest_row or split_kv" \
              2>&1 | tail -3 | tee "$out/prefetch_tests.log"
-         timeout 300 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512,1x4096,8x4096}" \
-             --block-n 64 --warps 4 --stages 2 --split-scales 0.5,1 --split-tiles auto,1,2,4 --l2-prefetch 0,auto \
-             --out "$out/prefetch_sweep.json" 2> "$out/prefetch_sweep.err" | tee "$out/prefetch_sweep.log"
-         for ctx in 512 4096; do timeout 300 python3 bench/ab_decode.py --out "$out/ab_prefetch_$ctx" --nproc $NPROC \
-             --rounds 2 --variant off=. --variant l2=.:TPGRAPH_ATTN_L2_PREFETCH=1 -- --shape "${SHAPE:-llama3-8b}" \
-             --modes full --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx \
-             --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_prefetch_$ctx.log"; pack; done ;;
+         timeout 240 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512,1x4096,8x4096}" \
+             --block-n 64 --warps 4 --stages 2 --split-scales 0.5,1 --split-tiles auto,1,2 --l2-prefetch 0,auto \
+             --out "$out/prefetch_sweep.json" 2> "$out/prefetch_sweep.err" | tee "$out/prefetch_sweep.log"; pack
+         for ctx in ${AB_CONTEXTS:-512}; do timeout 240 python3 bench/ab_decode.py --out "$out/ab_prefetch_$ctx" \
+             --nproc $NPROC --rounds 2 --variant off=. --variant l2=.:TPGRAPH_ATTN_L2_PREFETCH=1 -- \
+             --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 --no-ladders \
+             --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context $ctx --steps 100 2>&1 \
+             | grep -E "^\||left out|Error" | tee "$out/ab_prefetch_$ctx.log"; pack; done ;;
     attn-sweep) # issue 11: decode attention's launch shapes (tile length, warps, stages, split count, split tiles) per
          # batch x context against the shipped heuristic, each alone by the one timing method (bench_attention_sweep.py)
          timeout 500 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512}" \
