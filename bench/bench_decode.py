@@ -299,15 +299,15 @@ def entry_env(name: str) -> contextlib.AbstractContextManager:
 
 
 def decode_runner(model, max_batch: int, max_len: int, mode: str = "full",
-                  max_model_len: int | None = None) -> ModelRunner:
+                  max_model_len: int | None = None, block_size: int = 16) -> ModelRunner:
     """A runner whose decode graphs (sglang ladder, no prefill graphs) serve `max_batch` sequences of `max_len`
-    tokens, with KV blocks for all of them (16-token blocks) and a few spare. Its max_model_len (default max_len)
-    is what sizes static grids, such as decode attention's splits, as a server's would."""
+    tokens, with KV blocks (of `block_size` tokens) for all of them and a few spare. Its max_model_len (default
+    max_len) is what sizes static grids, such as decode attention's splits, as a server's would."""
     max_model_len = max(max_model_len or max_len, max_len)  # (0 or None: max_len)
     graphs = GraphConfig(decode_mode=mode, prefill_mode="none", ladder="sglang")
-    blocks = max(max_batch * -(-max_len // 16), -(-max_model_len // 16)) + 16
-    return ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_model_len, num_kv_blocks=blocks,
-                                           graphs=graphs))
+    blocks = max(max_batch * -(-max_len // block_size), -(-max_model_len // block_size)) + 16
+    return ModelRunner(model, RunnerConfig(block_size=block_size, max_batch=max_batch, max_model_len=max_model_len,
+                                           num_kv_blocks=blocks, graphs=graphs))
 
 
 def entries(args) -> list[str]:
@@ -378,7 +378,7 @@ def run(args, state) -> dict:
             comm, model = build(state, ar, args.shape)
             floor_ms = with_floor(results, model, bw)
             for mode in modes:
-                runner = decode_runner(model, max(batches), max_len, mode, args.max_model_len)
+                runner = decode_runner(model, max(batches), max_len, mode, args.max_model_len, args.block_size)
                 for batch in batches:
                     seqs = fake_context(runner, batch, context)
                     t = time_decode(runner, seqs, steps if mode != "none" else max(5, steps // 4),
@@ -443,7 +443,8 @@ def run_interleaved(args, state) -> dict:
     for ar in names:
         with entry_env(ar):
             comm, model = build(state, ar, args.shape)
-            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len)
+            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len,
+                                   block_size=args.block_size)
         engines[ar] = (comm, model, runner)
     floor_ms = with_floor(results, engines[names[0]][1], bw)
     for batch in batches:
@@ -487,7 +488,8 @@ def profiles(args, state, max_len: int, floor_ms: float) -> list[dict]:
     for ar in entries(args):
         with entry_env(ar):
             comm, model = build(state, ar, args.shape)
-            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len)
+            runner = decode_runner(model, max(batches), max_len, max_model_len=args.max_model_len,
+                                   block_size=args.block_size)
         for batch in batches:
             seqs = fake_context(runner, batch, args.context)
             with entry_env(ar):
@@ -546,6 +548,7 @@ def main() -> None:
                         "does; default: the model's own (8192), what a server runs with. 0: just what the timed "
                         "steps need (runs before 2026-12-01 were sized so)")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per point (eager: a quarter)")
     p.add_argument("--no-ladders", dest="ladders", action="store_false", help="skip the capture-time comparison")
     p.add_argument("--profile", action="store_true",

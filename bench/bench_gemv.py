@@ -189,7 +189,7 @@ def main() -> None:
     # above the kernels' rows linear_small_m takes F.linear: it would time cuBLAS under the kernel's name
     most = max(int(m) for m in f"{args.ms},{args.sweep_ms}".split(",") if m)
     if most > max_rows(2):
-        raise SystemExit(f"M={most} is above the small-M kernels' {max_rows(2)} rows (TPGRAPH_GEMV_MAX_M=32: up to 32)")
+        raise SystemExit(f"M={most} is above the small-M kernels' {max_rows(2)} rows (TPGRAPH_GEMV_MAX_M=16 is set)")
     device = torch.device("cuda")
     hbm = hbm_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size

@@ -120,7 +120,7 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
 def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
     from tpgraph.kernels.gemv import gate_up_silu, linear_small_m, max_rows, qkv_rope_store
 
-    most = max_rows(2)  # 16, or 32 with TPGRAPH_GEMV_MAX_M=32
+    most = max_rows(2)  # 32 (16 with TPGRAPH_GEMV_MAX_M=16)
 
     rope = (torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16),
             torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16))

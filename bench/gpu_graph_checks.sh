@@ -144,7 +144,7 @@ for step in "$@"; do
              | tee -a "$out/hf_parity_gemv.log"; done ;;
     parity-all) # HF parity with every new path on: small-M kernels, SiLU·mul and qkv+rope fused, in-kernel reductions, PDL
          # (the defaults, set here in case the environment turns one off), the all-reduce in the projections' epilogue,
-         # the fused argmax, and 32-row small-M tiles (TPGRAPH_GEMV_MAX_M=32, opt-in), at 3 and at 24 rows a step
+         # the fused argmax, and 32-row small-M tiles (TPGRAPH_GEMV_MAX_M=32, the default since session 15), at 3 and at 24 rows a step
          # (--copies 8)
          for copies in 1 8; do for dt in bf16 fp32; do TPGRAPH_GEMV=1 TPGRAPH_LAST_SPLIT_REDUCES=1 TPGRAPH_TRITON_PDL=1 \
              TPGRAPH_GEMV_ALLREDUCE=1 TPGRAPH_FUSED_ARGMAX=1 TPGRAPH_GEMV_MAX_M=32 \
@@ -206,7 +206,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \
              | tail -8 | tee "$out/boundary.log" ;;
-    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (17-32 rows through the small-M kernels and the epilogue's
+    wide-m) # issue 11, batch 32: TPGRAPH_GEMV_MAX_M=32 (the default since session 15; 17-32 rows through the small-M kernels and the epilogue's
          # add + norm, instead of cuBLAS and the unfused rope / SiLU / norm kernels; the table's entries from 17
          # rows): its GPU tests, HF parity at 24 rows a step with it on, whole steps at batches 16, 24 and 32 with it
          # off and on (alternating processes; SHAPE, AB_ENTRY as for ab), and the batch-32 profile of both

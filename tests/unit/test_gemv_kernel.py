@@ -461,15 +461,16 @@ def test_the_prefetch_budget_setting(monkeypatch):
             prefetch_budget(4096, 2048)
 
 
-def test_wide_rows_are_an_opt_in_setting_for_16_bit_elements(monkeypatch):
-    """TPGRAPH_GEMV_MAX_M=32 takes 17-32 rows in 32-row tiles (bf16/fp16 only); unset, 16 rows; nothing else."""
+def test_wide_rows_are_the_default_for_16_bit_elements(monkeypatch):
+    """17-32 rows in 32-row tiles (bf16/fp16 only) unless TPGRAPH_GEMV_MAX_M=16; 32 as well; nothing else."""
     from tpgraph.errors import ConfigError
     from tpgraph.kernels.gemv import block_m, max_rows
 
-    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "16")
     assert max_rows(2) == max_rows(4) == 16
-    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")
-    assert max_rows(2) == 32 and max_rows(4) == 16  # fp32's 32-row x tiles would outgrow its stages' shared memory
+    for value in ("32", ""):
+        monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", value)
+        assert max_rows(2) == 32 and max_rows(4) == 16  # fp32's 32-row x tiles would outgrow its stages' shared memory
     assert [block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "24")
     with pytest.raises(ConfigError, match="TPGRAPH_GEMV_MAX_M must be 16 or 32, got '24'"):
@@ -490,14 +491,14 @@ def _launches(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("m", [17, 24, 32])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_wide_rows_within_bf16_rounding_and_repeatable(monkeypatch, m, split_k):
-    """17-32 rows in one 32-row tile, with split-K reduced by the last split (the default) too; without the setting
-    the same call takes F.linear."""
+    """17-32 rows in one 32-row tile, with split-K reduced by the last split (the default) too; with
+    TPGRAPH_GEMV_MAX_M=16 the same call takes F.linear."""
     g = torch.Generator().manual_seed(m + split_k)
     x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
     w = torch.randn(37, 300, generator=g).to(torch.bfloat16)
     cfg = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
     launches = _launches(monkeypatch)
-    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "16")
     torch.testing.assert_close(linear_small_m(x, w, use_triton=True, config=cfg), F.linear(x, w))
     assert launches == []
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32")

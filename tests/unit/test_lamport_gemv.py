@@ -29,8 +29,8 @@ EPS = 1e-5
 
 @pytest.fixture(autouse=True)
 def _default_rows(monkeypatch):
-    """Every test starts from the default 16 rows; the wide tests set TPGRAPH_GEMV_MAX_M=32 themselves."""
-    monkeypatch.delenv("TPGRAPH_GEMV_MAX_M", raising=False)
+    """Every test starts from 16 rows (TPGRAPH_GEMV_MAX_M=16); the wide tests set 32 themselves."""
+    monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "16")
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 2, 1, 32, 4
 HIDDEN, KIN, INTER = 128, 96, 64
 

@@ -77,8 +77,8 @@ class CustomAllReduceConfig:
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
     fused_norm: bool = field(default_factory=fused_norm_default)
     # elements (rows x hidden, 16-bit) one all-reduce fused into a small-M projection's epilogue can carry
-    # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192 (32 of a hidden size up to 4096 with
-    # TPGRAPH_GEMV_MAX_M=32). 0: no channel (the all-reduce runs as its own kernel after the projection).
+    # (kernels/lamport.py): 16 decode rows of a hidden size up to 8192, or 32 of a hidden size up to 4096. 0: no
+    # channel (the all-reduce runs as its own kernel after the projection).
     channel_slot_elems: int = MAX_ROWS * MAX_HIDDEN
 
     def __post_init__(self) -> None:

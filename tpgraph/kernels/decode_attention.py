@@ -78,11 +78,14 @@ NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
 # (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
-# The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1, until timed on a GPU): how many tiles a program keeps asked of
+# The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1): how many tiles a program keeps asked of
 # L2 ahead of the one it loads next (those after its first before its wait, then one more each turn of its loop), a
 # power of two up to MAX_PREFETCH_TILES (a split has at most LONG_SPLIT_TILES tiles up to 32K tokens), as many as
 # keep the whole grid's prefetch within L2_PREFETCH_SHARE of the L2: lines evicted before their tile is loaded would
-# be read from HBM twice.
+# be read from HBM twice. Timed on an H200 (bench/results/2026-12-01_h200_wide_default, run1), attention alone: 14.3 ->
+# 13.1 µs at batch 1 and 4K tokens (64 programs), but 16.4 -> 18.4 at batch 32 and 512 tokens, 29.9 -> 34.8 at batch
+# 8 and 4K, where the grid already streams HBM; whole steps at 512 tokens moved by under 0.005 ms. Left opt-in: a rule
+# that prefetches only for grids smaller than the GPU is the candidate, untimed in whole steps at long contexts.
 MAX_PREFETCH_TILES = 8
 L2_PREFETCH_SHARE = 0.5
 CPU_NUM_SMS = 16  # stands in for the SM count off-GPU (the interpreter), so CPU tests see split launches too

@@ -1,5 +1,5 @@
-"""Small-M projections (decode: M <= 16 rows, or 32 with TPGRAPH_GEMV_MAX_M=32) as one Triton kernel that streams
-each weight once.
+"""Small-M projections (decode: M <= 32 rows of 16-bit data, 16 of fp32 or with TPGRAPH_GEMV_MAX_M=16) as one
+Triton kernel that streams each weight once.
 
 `linear_small_m(x, w)` = x @ w.T for x [M, K] and w [N, K] (nn.Linear's layout). Decode at small batch is a
 weight-read problem: each program owns BLOCK_N output columns, walks K in BLOCK_K steps with the weight tile loaded

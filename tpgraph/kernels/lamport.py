@@ -93,7 +93,7 @@ class Channel:
 
     def fits(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a row-parallel output [rows, hidden] can go through the channel: rows the small-M kernels take
-        (16, or 32 with TPGRAPH_GEMV_MAX_M=32) that its slots hold."""
+        (32, or 16 with TPGRAPH_GEMV_MAX_M=16) that its slots hold."""
         return (dtype in DTYPES and 0 < rows <= max_rows(2) and hidden <= MAX_HIDDEN and hidden % GRANULE == 0
                 and rows * hidden <= self.slot_elems and device == self.addrs.device)
 
