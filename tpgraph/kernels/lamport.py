@@ -200,14 +200,17 @@ if triton is not None:
     @triton.jit
     def _rank_sum(own, slots, slot_elems, at, mask, WS: tl.constexpr, RANK: tl.constexpr):
         """(the ranks' tiles summed in rank order in fp32, this rank's own from registers; how many peer elements
-        are still the sentinel): one load per peer, all issued before any is counted, past L1."""
+        are still the sentinel): one load per peer, all issued before any is counted, past L1. The polls are volatile
+        loads (ld.volatile.global: re-read every time, never from L1, in every Triton), not `cache_modifier=".cv"`:
+        torch 2.11's Triton 3.6 emitted no ld.global.cv for it (only .cg and plain loads were in the kernel's PTX),
+        where 3.9 does."""
         armed = 0
         s = tl.zeros(own.shape, dtype=tl.float32)
         for r in tl.static_range(WS):
             if r == RANK:
                 s += own.to(tl.float32)
             else:
-                v = tl.load(slots + r * slot_elems + at, mask=mask, other=0.0, cache_modifier=".cv")
+                v = tl.load(slots + r * slot_elems + at, mask=mask, other=0.0, volatile=True)
                 armed += tl.sum(tl.sum((_armed(v) & mask).to(tl.int32), axis=1), axis=0)
                 s += v.to(tl.float32)
         return s, armed
@@ -235,7 +238,7 @@ if triton is not None:
                     peer = -1
                     for r in tl.static_range(WS):  # the lowest peer whose tile is missing
                         if r != RANK:
-                            v = tl.load(slots + r * slot_elems + at, mask=mask, other=0.0, cache_modifier=".cv")
+                            v = tl.load(slots + r * slot_elems + at, mask=mask, other=0.0, volatile=True)
                             missing = tl.sum(tl.sum((_armed(v) & mask).to(tl.int32), axis=1), axis=0)
                             peer = tl.where((peer < 0) & (missing > 0), r, peer)
                     words = record.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -285,7 +288,7 @@ if triton is not None:
         dtype = y.dtype
         own_base = tl.load(ch_ptr + RANK)
         phases = own_base.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n // _GRANULE  # [BLOCK_N]
-        phase = tl.max(tl.load(phases, mask=n_ok, other=0, cache_modifier=".cv"), axis=0)  # one value: all equal
+        phase = tl.max(tl.load(phases, mask=n_ok, other=0, volatile=True), axis=0)  # one value: all equal
         bits = y.to(tl.uint16, bitcast=True)
         y = tl.where(bits == 0x8000, tl.zeros_like(bits), bits).to(dtype, bitcast=True)  # -0.0 travels as +0.0
         for i in tl.static_range(1, WS):
