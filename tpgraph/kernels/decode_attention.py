@@ -152,7 +152,8 @@ def l2_prefetch_tiles(programs: int, tile_bytes: int, l2_bytes: int) -> int:
 def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_seq_len: int,
                           block_n: int = BLOCK_N) -> int:
     """Tiles each program of a launch prefetches into L2 (`l2_prefetch_tiles` over the programs that can be in use):
-    0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in until timed), and 0 off CUDA (the interpreter has no prefetch)."""
+    0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in: see L2_PREFETCH_SHARE), and 0 off CUDA (the interpreter has no
+    prefetch)."""
     if not env_flag("TPGRAPH_ATTN_L2_PREFETCH", default=False) or q.device.type != "cuda":
         return 0
     programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n)
