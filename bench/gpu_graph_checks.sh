@@ -230,11 +230,13 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # more each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM round trip
          # in turn): the GPU tests (prefetch changes no bit, the newest row seen), attention alone with and without it
          # by the sweep's one method (longer splits beside the heuristic's, which a prefetch may now pay for), then
-         # whole steps at each of AB_CONTEXTS (default 512; alternating processes; SHAPE, AB_ENTRY as for ab)
+         # whole steps at each of AB_CONTEXTS (default 512; alternating processes; SHAPE, AB_ENTRY as for ab). L2_TILES:
+         # the prefetch depths swept (session 15 timed only the budget rule's, 2 at batches 8-32: slower alone there, 24 MB
+         # asked of the 50 MB L2 at once, perhaps evicted before use; 1 is the next to try)
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "prefetch or newest_row or split_kv" \
              2>&1 | tail -3 | tee "$out/prefetch_tests.log"
          timeout 240 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512,1x4096,8x4096}" \
-             --block-n 64 --warps 4 --stages 2 --split-scales 0.5,1 --split-tiles auto,1,2 --l2-prefetch 0,auto \
+             --block-n 64 --warps 4 --stages 2 --split-scales 0.5,1 --split-tiles auto,1 --l2-prefetch ${L2_TILES:-0,1,2} \
              --out "$out/prefetch_sweep.json" 2> "$out/prefetch_sweep.err" | tee "$out/prefetch_sweep.log"; pack
          for ctx in ${AB_CONTEXTS:-512}; do timeout 240 python3 bench/ab_decode.py --out "$out/ab_prefetch_$ctx" \
              --nproc $NPROC --rounds 2 --variant off=. --variant l2=.:TPGRAPH_ATTN_L2_PREFETCH=1 -- \
