@@ -48,7 +48,7 @@ def time_point(batch: int, ctx: int, block_size: int, max_seq_len: int, hbm: flo
         torch.arange(batch * per_seq, device=device)
     tables = order.to(torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    row = {"batch": batch, "context": ctx, "block_size": block_size, "shuffled": shuffled,
+    row = {"batch": batch, "context": ctx, "block_size": block_size, "shuffled": shuffled, "max_seq_len": max_seq_len,
            "floor_us": nbytes / hbm * 1e6}
     nhd = layout_caches("NHD", batch * per_seq, block_size, copies, g, device)
     hnd = layout_caches("HND", batch * per_seq, block_size, copies, g, device)

@@ -338,10 +338,11 @@ def build(state, name: str, shape: str = "llama3-8b"):
     return comm, model
 
 
-def header(state, context: int, steps: int, bw: float, shape: str = "llama3-8b") -> dict:
+def header(state, context: int, steps: int, bw: float, shape: str = "llama3-8b", block_size: int = 16) -> dict:
     """The results document before any point is timed."""
-    return {"shape": shape, "tp": state.world_size, "context": context, "steps": steps, "hbm_bytes_per_s": bw,
-            "gpu": torch.cuda.get_device_name(state.device), "tpot": [], "ladders": [], "profile": []}
+    return {"shape": shape, "tp": state.world_size, "context": context, "steps": steps, "block_size": block_size,
+            "hbm_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(state.device), "tpot": [], "ladders": [],
+            "profile": []}
 
 
 def with_floor(results: dict, model, bw: float) -> float:
@@ -370,7 +371,7 @@ def run(args, state) -> dict:
     context, steps = args.context, args.steps
     max_len = context + 2 * (steps + 8)
     bw = hbm_bandwidth(state.device)
-    results = header(state, context, steps, bw, args.shape)
+    results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
     names = entries(args)
     for ar in names:
@@ -434,7 +435,7 @@ def run_interleaved(args, state) -> dict:
     rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
     max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
     bw = hbm_bandwidth(state.device)
-    results = header(state, context, steps, bw, args.shape)
+    results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
     results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order from a "
                          f"Williams design per "

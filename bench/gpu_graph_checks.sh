@@ -216,7 +216,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --copies 8 --out "$out/hf_parity_wide.json" 2>&1 | grep -E "PASS|identical=False" | tee "$out/hf_parity_wide.log"
          # m32e: the epilogue projections (o_proj, down) in 32x128 tiles, which the all-reduce epilogue compiles
          # without spilling at 32 rows (the swept 32x512 tiles: 255 registers and 144 bytes spilled with it, sm_90a)
-         timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=. \
+         timeout 400 python3 bench/ab_decode.py --out "$out/ab_wide" --nproc $NPROC --rounds 2 --variant m16=.:TPGRAPH_GEMV_MAX_M=16 \
              --variant m32=.:TPGRAPH_GEMV_MAX_M=32 --variant m32e=.:TPGRAPH_GEMV_MAX_M=32 \
              --tiles m32e=epilogue:4096,2048,17=32x128x4x5x1/epilogue:4096,7168,17=32x128x4x5x1 \
              -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 16,24,32 \

@@ -353,19 +353,35 @@ def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(monkeypat
         torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2, msg=f"step {step}")
 
 
+def _rank_case(batch: int, max_len: int, seed: int):
+    """Decode attention at Llama-3-8B's TP=2 rank shape (16 query heads, 4 KV heads of 128, bf16, 16-token blocks):
+    `batch` sequences of 1..max_len tokens, the first max_len long (the most tiles a split), shuffled blocks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = -(-max_len // 16)
+    q = torch.randn(batch, 16, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(batch * per_seq, 16, 4, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    tables = torch.randperm(batch * per_seq, device="cuda", generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.randint(1, max_len + 1, (batch,), device="cuda", generator=g, dtype=torch.int32)
+    lens[0] = max_len
+    return q, k, v, tables, lens, 128 ** -0.5
+
+
 @pytest.mark.parametrize(("batch", "max_len", "num_splits"), [(1, 4096, None), (8, 600, None), (32, 600, None),
                                                               (3, 2000, 2)])
 def test_the_l2_prefetch_changes_no_bit(batch, max_len, num_splits):
     """The L2 prefetch (every tile count, the budget rule's among them) only moves lines into L2: eager and in a
-    graph, the output is the bits of the launch without it, from one-tile splits to long ones."""
-    q, k, v, bt, lens, scale = random_paged_case(batch, "cuda", torch.bfloat16, max_batch=batch, max_len=max_len)
-    lens[0] = max_len  # at least one sequence as long as the grid allows: the most tiles a split
-    run = dict(max_seq_len=max_len, num_splits=num_splits)
-    plain = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=0)
-    for tiles in (1, 2, 4, 8):
-        assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=tiles), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=8)
-    graph.replay()
-    assert torch.equal(out, plain)
+    graph, the output is the bits of the launch without it, from one-tile splits to long ones; at the model's rank
+    shape and at random layouts (head dims 64 and 80 among them)."""
+    cases = [_rank_case(batch, max_len, batch)]
+    cases.append(random_paged_case(batch, "cuda", torch.bfloat16, max_batch=batch, max_len=max_len))
+    cases[1][4][0] = max_len  # at least one sequence as long as the grid allows
+    for q, k, v, bt, lens, scale in cases:
+        run = dict(max_seq_len=max_len, num_splits=num_splits)
+        plain = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=0)
+        for tiles in (1, 2, 4, 8):
+            assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=tiles), plain)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=8)
+        graph.replay()
+        assert torch.equal(out, plain)

@@ -385,5 +385,7 @@ def test_an_l2_prefetch_that_is_not_a_power_of_two_is_refused_and_one_changes_no
     q, k, v, bt, lens, scale = random_paged_case(5, "cpu", torch.float32, max_batch=3, max_len=300)
     with pytest.raises(ValueError, match="l2_prefetch must be 0 or a power of two"):
         paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, l2_prefetch=3)
+    with pytest.raises(ValueError, match="a power of two up to 8"):
+        paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, l2_prefetch=16)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=2, l2_prefetch=4)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))

@@ -80,9 +80,9 @@ COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads a
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
 # The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1): how many tiles a program keeps asked of
 # L2 ahead of the one it loads next (those after its first before its wait, then one more each turn of its loop), a
-# power of two up to MAX_PREFETCH_TILES (a split has at most LONG_SPLIT_TILES tiles up to 32K tokens), as many as
-# keep the whole grid's prefetch within L2_PREFETCH_SHARE of the L2: lines evicted before their tile is loaded would
-# be read from HBM twice. Timed on an H200 (bench/results/2026-12-01_h200_wide_default, run1), attention alone: 14.3 ->
+# power of two up to MAX_PREFETCH_TILES (a longer split is still covered, a tile a turn), as many as keep the whole
+# grid's prefetch within L2_PREFETCH_SHARE of the L2: lines evicted before their tile is loaded would be read from HBM
+# twice. Timed on an H200 (bench/results/2026-12-01_h200_wide_default, run1), attention alone: 14.3 ->
 # 13.1 µs at batch 1 and 4K tokens (64 programs), but 16.4 -> 18.4 at batch 32 and 512 tokens, 29.9 -> 34.8 at batch
 # 8 and 4K, where the grid already streams HBM; whole steps at 512 tokens moved by under 0.005 ms. Left opt-in: a rule
 # that prefetches only for grids smaller than the GPU is the candidate, untimed in whole steps at long contexts.
@@ -453,8 +453,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
     them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: how many tiles each
     program keeps asked of L2 ahead of the one it loads next, 0 or a power of two (default: `l2_prefetch_tiles_for`,
-    off unless TPGRAPH_ATTN_L2_PREFETCH=1); off CUDA it is not done (a prefetch changes no result, and the interpreter
-    has none).
+    off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done (a prefetch changes no result, and the
+    interpreter runs no inline assembly).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -468,8 +468,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("q and the caches must share a dtype")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
-    if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)):
-        raise ValueError(f"l2_prefetch must be 0 or a power of two (tiles), got {l2_prefetch}")
+    if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)
+                                    or l2_prefetch > MAX_PREFETCH_TILES):
+        raise ValueError(f"l2_prefetch must be 0 or a power of two up to {MAX_PREFETCH_TILES} (tiles), "
+                         f"got {l2_prefetch}")
     group = num_heads // kv_heads
     num_sms = num_sms_for(q.device)
     if num_splits is None:
@@ -505,7 +507,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
-        PREFETCH_TILES=l2_prefetch if q.device.type == "cuda" else 0, LINE=line,
+        PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
