@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from tpgraph.kernels.argmax import argmax_rows, fused_argmax_enabled, takes
+from tpgraph.kernels.argmax import argmax_rows, check_ids_out, fused_argmax_enabled, takes
 
 MIN_CHUNK, MAX_CHUNKS = 64, 512  # chunks of at least 64 entries, at most 512 of them (Llama-3: 501 x 256)
 
@@ -46,13 +46,6 @@ def row_argmax(x: torch.Tensor, two_stage: bool | None = None, fused: bool | Non
         return argmax_rows(x if x.stride(-1) == 1 else x.contiguous(), out=out)
     ids = _two_stage_or_plain(x, two_stage)
     return ids if out is None else out.copy_(ids)
-
-
-def check_ids_out(out: torch.Tensor | None, rows: int, device: torch.device, name: str) -> None:
-    """Refuse, by `name`, a tensor that cannot take `rows` ids: [rows] int64 on `device` (None: nothing to check)."""
-    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64 or out.device != device):
-        raise ValueError(f"{name} must be [{rows}] int64 on {device}, got {tuple(out.shape)} {out.dtype} on "
-                         f"{out.device}")
 
 
 def _two_stage_or_plain(x: torch.Tensor, two_stage: bool | None) -> torch.Tensor:

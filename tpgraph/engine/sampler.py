@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tpgraph.engine.argmax import check_ids_out, row_argmax
+from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
+from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 

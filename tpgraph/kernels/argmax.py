@@ -39,6 +39,17 @@ def fused_argmax_enabled() -> bool:
     return env_flag("TPGRAPH_FUSED_ARGMAX", default=True)
 
 
+def check_ids_out(out: torch.Tensor | None, rows: int, device: torch.device, name: str,
+                  unit_stride: bool = False) -> None:
+    """Refuse, by `name`, a tensor that cannot take `rows` ids: [rows] int64 on `device`, with a unit stride where
+    asked (None: nothing to check)."""
+    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64 or out.device != device
+                            or (unit_stride and rows > 1 and out.stride(0) != 1)):
+        stride = " with a unit stride" if unit_stride else ""
+        raise ValueError(f"{name} must be [{rows}] int64{stride} on {device}, got {tuple(out.shape)} {out.dtype} on "
+                         f"{out.device}")
+
+
 if triton is not None:
 
     @triton.jit
@@ -91,10 +102,7 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"argmax_rows takes [batch <= {MAX_COUNTERS}, vocab] fp16/bf16/fp32 rows with a contiguous "
                          f"last dim, got {tuple(x.shape)} {x.dtype}")
     batch, vocab = x.shape
-    if out is not None and (out.shape != (batch,) or out.dtype != torch.int64 or out.device != x.device
-                            or (batch > 1 and out.stride(0) != 1)):
-        raise ValueError(f"argmax_rows' out must be [{batch}] int64 with a unit stride on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    check_ids_out(out, batch, x.device, "argmax_rows' out", unit_stride=True)
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
     if batch == 0:
         return ids
