@@ -225,6 +225,39 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, ga
     assert torch.equal(captured, plain)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(("block_n", "warps"), [(32, 16), (16, 8)])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (257, 2000)])
+def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch, m, block_n, warps, n, k):
+    """Tiles whose one step spans K (the weights loaded whole before the PDL wait): within bf16 rounding of matmul,
+    and as a programmatic dependent of the kernel that writes x, eager and replayed in a graph, the plain launch's
+    bits (x is read only after the wait)."""
+    from tpgraph.kernels.gemv import GemvConfig, linear_small_m, resident
+
+    cfg = GemvConfig(block_n=block_n, block_k=2048, num_warps=warps, num_stages=1)
+    assert resident(cfg, k)
+    g = torch.Generator(device="cuda").manual_seed(m * n + k)
+    src = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return linear_small_m(src * 2, w, config=cfg)  # x is written by the kernel just before
+
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "0")
+    plain = step()
+    ref = (src * 2).float() @ w.float().T
+    assert ((plain.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    assert torch.equal(step(), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)
+
+
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize(("n", "k"), [(3072, 4096), (257, 4100)])
 def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k):

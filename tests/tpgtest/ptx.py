@@ -14,23 +14,26 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, typed, scalars, constexprs, options = json.loads(sys.argv[1])
+module, kernel, typed, scalars, constexprs, options, divisible = json.loads(sys.argv[1])
 signature = {**typed, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constexprs}}
+names = list(signature)
+attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
 fn = getattr(importlib.import_module(module), kernel)
-compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 print(compiled.asm["ptx"])
 """
 
 
 def sm90_ptx(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
-             num_warps: int = 4, num_stages: int = 3) -> str:
+             num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> str:
     """PTX of `module.kernel` for sm_90. Its arguments in order: `typed` with their Triton types ("*bf16", "fp32"),
-    then `scalars` (i32), then the constexprs. In a subprocess: the tests' interpreter mode (TRITON_INTERPRET=1)
-    has no compiler."""
+    then `scalars` (i32), then the constexprs; `divisible`: the arguments known to be multiples of 16 (as Triton
+    specializes them at run time: pointers and sizes, for vector loads). In a subprocess: the tests' interpreter mode
+    (TRITON_INTERPRET=1) has no compiler."""
     pytest.importorskip("triton.backends.nvidia")
     args = json.dumps([module, kernel, typed, scalars, constexprs,
-                       {"num_warps": num_warps, "num_stages": num_stages}])
+                       {"num_warps": num_warps, "num_stages": num_stages}, list(divisible)])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     return subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True,
                           check=True).stdout
@@ -59,4 +62,4 @@ def gemv_signature(dtype: str, out: str, counter: str = "i32") -> dict[str, str]
 
 # the constexprs of a gemv kernel without a fused all-reduce on either side
 NO_ALL_REDUCE = {"ALL_REDUCE": False, "STAGED": False, "WS": 1, "RANK": 0, "PIECES": 1, "EARLY_TRIGGER": True,
-                 "RES_EARLY": False}
+                 "RES_EARLY": False, "RESIDENT": False, "ONE_ROW": False}

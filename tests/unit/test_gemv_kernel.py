@@ -39,6 +39,47 @@ def test_bf16_within_rounding(m):
     assert ((y.float() - ref).abs() / ref.abs().clamp_min(1.0)).max() < 1e-2
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3])
+def test_resident_weights_within_rounding_of_the_looped_kernel(dtype, m):
+    """Tiles whose one step spans K (resident: the weights loaded whole before the PDL wait, each row a reduction over
+    K): within rounding of the K loop's result, for one row and several, odd N and K past a power of two."""
+    from tpgraph.kernels.gemv import resident
+
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 300, generator=g).to(dtype), torch.randn(37, 300, generator=g).to(dtype)
+    cfg = GemvConfig(16, 512, 4, 1, 1)
+    assert resident(cfg, 300) and not resident(GemvConfig(16, 256, 4, 1, 1), 300)
+    assert not resident(GemvConfig(16, 512, 4, 1, 2), 300)
+    y = linear_small_m(x, w, use_triton=True, config=cfg)
+    looped = linear_small_m(x, w, use_triton=True, config=GemvConfig(16, 64, 4, 2, 1))
+    ref = x.double() @ w.double().T
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for got in (y, looped):
+        assert got.dtype == dtype
+        assert ((got.double() - ref).abs() / ref.abs().clamp_min(1.0)).max() < tol
+    assert torch.equal(y, linear_small_m(x, w, use_triton=True, config=cfg))  # the same bits every call
+
+
+@pytest.mark.parametrize("one_row", [True, False])
+def test_resident_weights_compile_for_sm90_loaded_before_the_wait(one_row):
+    """Ahead of time, without a GPU: every weight load precedes griddepcontrol.wait (no L2 prefetch, no tensor-core
+    dot), and after it only x is loaded."""
+    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
+                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
+                    **NO_ALL_REDUCE, "RESIDENT": True, "ONE_ROW": one_row}, num_warps=16, num_stages=1,
+                   divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
+    wait = ptx.index("griddepcontrol.wait")
+    assert "prefetch.global" not in ptx and "mma" not in ptx
+    assert ptx[:wait].count("ld.global") == 16  # 32 x 2048 bf16 over 512 threads: sixteen 16-byte loads each
+    if one_row:
+        assert ptx[wait:].count("ld.global") == 1  # x's row
+    else:
+        assert "ld.global" in ptx[ptx.index("griddepcontrol.wait"):]
+
+
 def test_falls_back_to_linear_where_the_kernel_does_not_apply():
     x, w = torch.randn(17, 64), torch.randn(32, 64)
     torch.testing.assert_close(linear_small_m(x, w, use_triton=True), x @ w.T)  # M > 16: F.linear

@@ -242,32 +242,60 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()  # the kernel before has finished: x is ready, y's memory is free
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M: tl.constexpr,
+    def _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GATE_UP: tl.constexpr):
+        """Column block pid's [BLOCK_N, BLOCK_K] weight tile at K offset k0 (zeros past N and K)."""
+        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                       mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _tile_product(acc, x, w, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
+        """acc + x @ w.T for one K step, in fp32."""
+        if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
+                 ONE_ROW: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
-        pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i."""
-        k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
+        pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
+        K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel) and spread over the
+        threads along K. Each row's sums are then fp32 products and a reduction over K (tl.sum), not tensor-core
+        dots: a dot over the whole K keeps every warp's copy of the weight fragments in registers (sm_90a: 128
+        mma.sync a warp, 900+ bytes spilled), and this way costs a row's work per row, for the few rows it is for."""
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if RESIDENT:
+            if ONE_ROW:  # (no loop: a loop over rows would hoist the weights' fp32 copy, twice their registers)
+                x0 = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                acc = tl.where(offs_m[:, None] == 0, tl.sum(w_resident.to(tl.float32) * x0[None, :], axis=1)[None, :],
+                               acc)
             else:
-                acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+                for m in range(0, M):
+                    xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                    row = tl.sum(w_resident.to(tl.float32) * xm[None, :], axis=1)
+                    acc = tl.where(offs_m[:, None] == m, row[None, :], acc)
+        else:
+            k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k = k0 + offs_k
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                            other=0.0)
+                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
+                acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
             # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
@@ -296,7 +324,8 @@ if triton is not None:
                      IEEE: tl.constexpr, GATE_UP: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
-                     RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr):
+                     RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
+                     RESIDENT: tl.constexpr, ONE_ROW: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -316,7 +345,10 @@ if triton is not None:
         let in after the K loop; else only at exit (late_trigger). RES_EARLY (with ALL_REDUCE): the residual and norm
         weights were written at least two launches back (linear_all_reduce_norm's residual_early), so they are loaded
         before the wait: the residual tile's load ends in a shared-memory layout change (st.shared, bar.sync,
-        ld.shared), and after the wait it held the K loop's first weight loads back by one memory round trip."""
+        ld.shared), and after the wait it held the K loop's first weight loads back by one memory round trip.
+        RESIDENT (one split whose one tile spans K: `resident`): the program's whole weight slice is loaded into
+        registers before the wait, not prefetched into L2, so it streams while the kernel before still runs (decode
+        attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -326,6 +358,10 @@ if triton is not None:
         if ALL_REDUCE:
             if RES_EARLY:  # settled before the kernel before us started (see above): no wait needed
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
+        if RESIDENT:  # the weights do not depend on the kernel before: all of them now, before the wait
+            w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP)
+        else:
+            w_resident = 0
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
         # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights
         if STAGED:
@@ -333,8 +369,8 @@ if triton is not None:
         if ALL_REDUCE:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, GATE_UP, PDL, EARLY_TRIGGER)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, ONE_ROW)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -396,8 +432,8 @@ if triton is not None:
         if not ROPE_EARLY:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, BLOCK_M, BLOCK_N, BLOCK_K, SOFT_BF16,
-                       IEEE, False, PDL, True)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SOFT_BF16, IEEE, False, PDL, True, False, False)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -583,13 +619,19 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.dtype == w.dtype)
 
 
-def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int) -> dict:
+def resident(cfg: GemvConfig, k: int) -> bool:
+    """Whether a program's weights are one tile (one split, BLOCK_K spanning K), which _gemv_kernel then loads whole
+    before its PDL wait (RESIDENT) instead of prefetching its first tile into L2."""
+    return cfg.split_k == 1 and cfg.block_k >= k
+
+
+def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = False) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
-    matters only to a PDL launch)."""
+    matters only to a PDL launch; none where `whole`, the weights resident)."""
     pdl = use_pdl(x)
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
-                PREFETCH_TILES=prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
+                PREFETCH_TILES=0 if whole else prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
                 LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **pdl_launch(pdl))
 
@@ -600,7 +642,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
     n = w.shape[0]
-    tile = _tile_args(x, cfg, n, k)
+    whole = resident(cfg, k)
+    tile = _tile_args(x, cfg, n, k, whole)
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
     early = all_reduce is None or not late_trigger()
     # (an all-reducing projection stores no y: x stands in for it, for its dtype)
@@ -614,8 +657,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
-        SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None, **fused,
-        **tile)
+        SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None,
+        RESIDENT=whole, ONE_ROW=whole and m == 1, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
