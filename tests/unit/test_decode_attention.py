@@ -106,10 +106,10 @@ def test_choose_num_splits():
 
 
 def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():
-    """Batch 1 to 4 of a TP=2 Llama-3-8B rank (4 KV heads) on 132 SMs keep one-tile splits; batch 5 and more
+    """Batch 1 to 3 of a TP=2 Llama-3-8B rank (4 KV heads) on 132 SMs keep one-tile splits; batch 4 and more
     take two."""
-    assert [min_split_tiles(b, 4, 132) for b in (1, 4, 5, 8, 32)] == [1, 1, 2, 2, 2]
-    assert min_split_tiles(2, 8, 132) == 1 and min_split_tiles(3, 8, 132) == 2  # 8 KV heads: 24 pairs
+    assert [min_split_tiles(b, 4, 132) for b in (1, 3, 4, 5, 8, 32)] == [1, 1, 2, 2, 2, 2]
+    assert min_split_tiles(1, 8, 132) == 1 and min_split_tiles(2, 8, 132) == 2  # 8 KV heads: 16 pairs
 
 
 @pytest.mark.parametrize("split_tiles", [1, 2])

@@ -158,7 +158,7 @@ def test_a_tuned_table_picks_the_config_by_shape_and_largest_m_not_above(tmp_pat
 
 
 def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypatch):
-    from tpgraph.kernels.gemv import _tuned, table_path
+    from tpgraph.kernels.gemv import _tuned, resident, table_path
 
     monkeypatch.delenv("TPGRAPH_GEMV_TABLE", raising=False)
     path = table_path((9, 0))
@@ -172,8 +172,13 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     assert set(_tuned(str(path))) == shapes | wide
     assert tiles(4096, 7168, 16, path) == tiles(4096, 7168, 8, path) != tiles(4096, 7168, 17, path)
     assert tiles(4096, 7168, 24, path) == tiles(4096, 7168, 32, path) == GemvConfig(32, 512, 4, 3, 1)
-    # the epilogue's own tiles for down at one row, chosen by whole steps with the fused epilogue
-    assert set(_tuned(str(path), "epilogue")) <= shapes
+    # the epilogue's own tiles, chosen by whole steps with the fused epilogue: down at one row; o_proj at one row
+    # with its weights resident (loaded before the PDL wait), and from two rows its plain tiles again
+    assert set(_tuned(str(path), "epilogue")) <= shapes | {(4096, 2048, 2)}
+    assert resident(tiles(4096, 2048, 1, path, epilogue=True), 2048)
+    assert not resident(tiles(4096, 2048, 1, path), 2048)  # the plain chain, and fp32 (no epilogue): as before
+    assert tiles(4096, 2048, 2, path, epilogue=True) == tiles(4096, 2048, 8, path, epilogue=True) == tiles(
+        4096, 2048, 1, path)
 
 
 def test_epilogue_entries_take_precedence_at_their_rows_only(tmp_path):

@@ -57,13 +57,14 @@ BLOCK_N = 64  # context tokens per tile
 PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = BLOCK_N
 MAX_SPLITS = 64
-# Once (sequence, KV head) pairs x TWO_TILE_PAIRS_DIVISOR reach the SM count (batch 5 and up at 4 KV heads on an
+# Once (sequence, KV head) pairs x TWO_TILE_PAIRS_DIVISOR reach the SM count (batch 4 and up at 4 KV heads on an
 # H200's 132 SMs), splits are at least two tiles: one-tile splits of a 512-token context would already fill the GPU,
 # and each split pays its partial's store, count and merge. Measured in the whole decode step (bench/results/
 # 2026-12-01_h200_solo, run5/run6): 0.030 ms a step faster at batch 8 than one-tile splits, batch 1 (one-tile splits
-# kept) and 32 unchanged; batches 2-7 were not measured. Forcing 2 or 4 tiles at every batch won nothing on an H200
-# (2: -0.005..+0.018 ms a step, 4: up to +0.116 ms).
-TWO_TILE_PAIRS_DIVISOR = 8
+# kept) and 32 unchanged. Forcing 2 or 4 tiles at every batch won nothing on an H200 (2: -0.005..+0.018 ms a step, 4:
+# up to +0.116 ms). 9 rather than 8 (bench/results/2026-12-01_h200_resident, run1): batch 4 then takes two-tile
+# splits, 2.658 -> 2.598 ms a step (it had been slower than batch 5); batches 3 and 5 unchanged.
+TWO_TILE_PAIRS_DIVISOR = 9
 # A long sequence is cut into at most MERGE_SPLITS splits as long as that keeps them within LONG_SPLIT_TILES tiles,
 # however many splits the grid has (`_split_span`): the last split's merge walks every split in use, and at batch 1
 # and 4K tokens 64 one-tile splits made the merge cost more than the tiles. Measured on an H200 (bench/results/
