@@ -258,6 +258,19 @@ def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch
     assert torch.equal(captured, plain)
 
 
+def test_resident_tiles_are_for_16_bit_weights_only(monkeypatch):
+    """The shipped sm90 table's o_proj at one row is resident for bf16; fp32 takes the default tiles (a resident fp32
+    slice spills)."""
+    from tpgraph.kernels.gemv import config_for, resident, tiles
+
+    monkeypatch.delenv("TPGRAPH_GEMV_TABLE", raising=False)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the shipped resident entry is sm90's")
+    x16 = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
+    assert resident(config_for(x16, 4096, 2048, 1), 2048) and resident(config_for(x16, 4096, 2048, 1, True), 2048)
+    assert config_for(x16.float(), 4096, 2048, 1) == tiles(4096, 2048, 1)
+
+
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize(("n", "k"), [(3072, 4096), (257, 4100)])
 def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k):

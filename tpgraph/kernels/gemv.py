@@ -513,8 +513,11 @@ if triton is not None:
 
 
 def config_for(x: torch.Tensor, n: int, k: int, m: int, epilogue: bool = False) -> GemvConfig:
-    """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles)."""
-    return tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None, epilogue)
+    """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles). A
+    table's resident tiles are for 16-bit weights: 4-byte ones take the default tiles instead (a resident 32 x 2048
+    fp32 slice is 128 registers a thread over 16 warps, and spills)."""
+    cfg = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None, epilogue)
+    return tiles(n, k, m) if x.element_size() > 2 and resident(cfg, k) else cfg
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
