@@ -407,6 +407,8 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w, *args, use_triton=False) is None  # no Triton asked for
     assert qkv_rope_store(x[:2], w[:-64], *args, use_triton=True) is None  # not (Hq + 2 Hkv) heads of the weight
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
+    # resident tiles (one tile spans K) sum without tensor cores, which would not give the two steps' bits
+    assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1)) is None
 
 
 def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:

@@ -283,7 +283,7 @@ if triton is not None:
         m_ok = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if RESIDENT:
-            if ONE_ROW:  # (no loop: a loop over rows would hoist the weights' fp32 copy, twice their registers)
+            if ONE_ROW:  # (no loop: at 32 x 2048 over 16 warps, sm_90a, the rows' loop spills; one row takes 85 regs)
                 x0 = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 acc = tl.where(offs_m[:, None] == 0, tl.sum(w_resident.to(tl.float32) * x0[None, :], axis=1)[None, :],
                                acc)
@@ -702,7 +702,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
             t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)):
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     config = config or config_for(x, n, k, m)
-    if head_dim % config.block_n:
+    if head_dim % config.block_n or resident(config, k):  # (resident tiles sum without tensor cores: other bits)
         return None
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
