@@ -13,10 +13,11 @@ A variant is LABEL=DIR[:NAME=VALUE,...]: DIR holds the `tpgraph` package to impo
 built extension is copied into it where it lacks one), and the settings are added to that variant's environment.
 `--tiles LABEL=SPEC` gives variant LABEL a small-M tile table: DIR's configs/gemv table (--tiles-arch, sm90) with
 SPEC's entries replaced, written to OUT/tables/LABEL.json and named by TPGRAPH_GEMV_TABLE. SPEC is entries joined by
-`/`, each `[epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K` (GemvConfig's fields in order; `epilogue:` for the
-table's section read by projections with the all-reduce in their epilogue), e.g.
+`/`, each `[epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K[xRESIDENT]` (GemvConfig's fields in order, RESIDENT
+0 or 1; `epilogue:` for the table's section read by projections with the all-reduce in their epilogue), e.g.
 
     --variant d2=. --tiles d2=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4
+    --variant r=. --tiles r=4096,2048,1=32x2048x16x1x1x1
 The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
 OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
 against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
@@ -62,7 +63,7 @@ def parse_variant(text: str) -> Variant:
     return Variant(label, Path(tree), env)
 
 
-FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "resident")
 
 
 def parse_tiles(text: str) -> tuple[str, list[tuple[str, str, dict[str, int]]]]:
@@ -75,12 +76,15 @@ def parse_tiles(text: str) -> tuple[str, list[tuple[str, str, dict[str, int]]]]:
         section, _, item_body = item.rpartition(":")
         key, sep, cfg = item_body.partition("=")
         dims, sizes = key.split(","), cfg.lower().split("x")
-        if (section not in ("", "epilogue") or not sep or len(dims) != 3 or len(sizes) != len(FIELDS)
+        if (section not in ("", "epilogue") or not sep or len(dims) != 3 or len(sizes) not in (5, len(FIELDS))
                 or not all(d.strip().isdigit() for d in dims + sizes)):
             raise argparse.ArgumentTypeError(
-                f"--tiles {label}: an entry is [epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K, got {item!r}")
-        entries.append((section or "best", ",".join(d.strip() for d in dims),
-                        dict(zip(FIELDS, (int(v) for v in sizes), strict=True))))
+                f"--tiles {label}: an entry is [epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K[xRESIDENT], "
+                f"got {item!r}")
+        fields = dict(zip(FIELDS, (int(v) for v in sizes), strict=False))
+        if "resident" in fields:
+            fields["resident"] = bool(fields["resident"])
+        entries.append((section or "best", ",".join(d.strip() for d in dims), fields))
     if not entries:
         raise argparse.ArgumentTypeError(f"--tiles {label}: no entries")
     return label, entries

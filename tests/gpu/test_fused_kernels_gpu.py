@@ -229,12 +229,17 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, ga
 @pytest.mark.parametrize(("block_n", "warps"), [(32, 16), (16, 8)])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (257, 2000)])
 def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch, m, block_n, warps, n, k):
-    """Tiles whose one step spans K (the weights loaded whole before the PDL wait): within bf16 rounding of matmul,
-    and as a programmatic dependent of the kernel that writes x, eager and replayed in a graph, the plain launch's
-    bits (x is read only after the wait)."""
-    from tpgraph.kernels.gemv import GemvConfig, linear_small_m, resident
+    """Resident tiles (the weights loaded whole before the PDL wait): within bf16 rounding of matmul, and as a
+    programmatic dependent, eager and replayed in a graph, the plain launch's bits. (The kernel before here is torch's,
+    which never lets its dependent in early, so this cannot catch x read before the wait: the sm_90 PTX test in
+    tests/unit guards that order.) The gate_up epilogue on resident tiles gives the two kernels' bits."""
+    from tpgraph.kernels._pdl import triton_has_pdl
+    from tpgraph.kernels.activation import silu_and_mul
+    from tpgraph.kernels.gemv import GemvConfig, gate_up_silu, linear_small_m, resident
 
-    cfg = GemvConfig(block_n=block_n, block_k=2048, num_warps=warps, num_stages=1)
+    if not triton_has_pdl():
+        pytest.skip("this Triton has no launch_pdl / gdc_wait")
+    cfg = GemvConfig(block_n=block_n, block_k=2048, num_warps=warps, num_stages=1, resident=True)
     assert resident(cfg, k)
     g = torch.Generator(device="cuda").manual_seed(m * n + k)
     src = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -256,6 +261,9 @@ def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, plain)
+    if n % 2 == 0:  # w as cat(gate, up)
+        fused = gate_up_silu(src * 2, w, config=cfg)
+        assert fused is not None and torch.equal(fused, silu_and_mul(linear_small_m(src * 2, w, config=cfg)))
 
 
 def test_resident_tiles_are_for_16_bit_weights_only(monkeypatch):

@@ -124,9 +124,13 @@ def test_a_tiles_spec_names_entries_of_either_section(ab):
     assert entries == [("best", "4096,7168,1", dict(block_n=32, block_k=128, num_warps=4, num_stages=5, split_k=2)),
                        ("epilogue", "4096,7168,1",
                         dict(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=4))]
+    _, entries = ab.parse_tiles("r=4096,2048,1=32x2048x16x1x1x1")  # a sixth field: resident tiles
+    assert entries == [("best", "4096,2048,1", dict(block_n=32, block_k=2048, num_warps=16, num_stages=1, split_k=1,
+                                                    resident=True))]
 
 
 @pytest.mark.parametrize("text", ["d2", "d2=", "d2=4096,7168=32x128x4x5x2", "d2=4096,7168,1=32x128x4x5",
+                                  "d2=4096,7168,1=32x128x4x5x2x1x1",
                                   "d2=prologue:4096,7168,1=32x128x4x5x2", "d2=4096,7168,1:32x128x4x5x2", "d2=/"])
 def test_a_malformed_tiles_spec_is_refused_with_the_form(ab, text):
     with pytest.raises(argparse.ArgumentTypeError, match="LABEL=SPEC|an entry is|no entries"):

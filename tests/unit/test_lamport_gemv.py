@@ -132,7 +132,7 @@ def check_boundaries(ranks: Ranks, device: str, rows_each: list[int], consumers:
         residual = ranks.rnd(rows, HIDDEN, scale=1.0)  # before xs: the early read's promise
         xs = [ranks.rnd(rows, KIN, scale=1.0) for _ in range(world_size)]
         # split-K (the last split sums), a program's whole K as one tile loaded before the wait (resident), plain
-        cfg = (GemvConfig(32, 32, 4, 2, 2), GemvConfig(16, 128, 4, 1, 1), GemvConfig(16, 32, 4, 2, 1))[step % 3]
+        cfg = (GemvConfig(32, 32, 4, 2, 2), GemvConfig(16, 128, 4, 1, 1, True), GemvConfig(16, 32, 4, 2, 1))[step % 3]
         parts = ranks.partials(xs, cfg)
         total = parts[0].float()
         for p in parts[1:]:

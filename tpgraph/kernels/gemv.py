@@ -116,13 +116,15 @@ def _parse_budget(env: str, n: int | None, k: int | None) -> int:
 @dataclass(frozen=True)
 class GemvConfig:
     """One launch configuration: BLOCK_N output columns per program, BLOCK_K per step, and split_k programs per
-    column block (1: no workspace, no second kernel)."""
+    column block (1: no workspace, no second kernel). resident (one split): where BLOCK_K spans K, each program loads
+    its whole weight slice before its PDL wait and sums each row without tensor cores (`resident`)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int = 1
+    resident: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -133,6 +135,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig needs block_n, block_k >= 16, got {self.block_n}, {self.block_k}")
         if self.num_stages < 1 or self.split_k < 1:
             raise ValueError(f"GemvConfig needs num_stages, split_k >= 1, got {self.num_stages}, {self.split_k}")
+        if self.resident and self.split_k != 1:
+            raise ValueError(f"GemvConfig: resident tiles take one split, got split_k={self.split_k}")
 
 
 def enabled() -> bool:
@@ -367,7 +371,8 @@ if triton is not None:
         else:
             w_resident = 0
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
-        # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights
+        # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights (or,
+        # resident, with x)
         if STAGED:
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         if ALL_REDUCE:
@@ -627,12 +632,14 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
 
 
 def resident(cfg: GemvConfig, k: int) -> bool:
-    """Whether a program's weights are one tile (one split, BLOCK_K spanning K), which _gemv_kernel then loads whole
-    before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The shipped sm90 table gives them
-    to o_proj at one row (32 x 2048 over 16 warps): it follows decode attention, which leaves HBM idle, so its 16 MB
-    stream during attention. Whole TP=1 steps on one H200 (bench/results/2026-12-01_h200_resident): batch 1 2.498 ->
-    2.417 ms (epilogue chain), 2.549 -> 2.477 (plain chain); at 2-4 rows the rows' loop lost 0.3-0.9 ms."""
-    return cfg.split_k == 1 and cfg.block_k >= k
+    """Whether the config asks for resident tiles and its one tile spans K: _gemv_kernel then loads a program's whole
+    weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The weights are then
+    read before the kernel before has finished, so they must not be what that kernel writes (the model's parameters
+    never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps): it follows decode
+    attention, which leaves HBM idle, so its 16 MB stream during attention. Whole TP=1 steps on one H200
+    (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477 (plain
+    chain); at 2-4 rows the rows' loop lost 0.3-0.9 ms."""
+    return cfg.resident and cfg.block_k >= k
 
 
 def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = False) -> dict:
@@ -641,7 +648,7 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
     pdl = use_pdl(x)
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
-                PREFETCH_TILES=0 if whole else prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1,
+                PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
                 LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **pdl_launch(pdl))
 
@@ -683,7 +690,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would
-    refuse. x may be a fused all-reduce's ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
+    refuse, resident tiles (they sum without tensor cores: not the two steps' bits). x may be a fused all-reduce's
+    ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
     inputs_early: the caller vouches that positions and slot_mapping were written before the kernel before this one
     was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
     rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe)."""
