@@ -154,7 +154,8 @@ def sweep(args: argparse.Namespace, device: torch.device, hbm: float, l2: int) -
 
 
 def config_fields(result: dict) -> dict:
-    return {f.name: result[f.name] for f in dataclasses.fields(GemvConfig)}
+    """GemvConfig's fields in a timing result (an older JSON lacks the later fields, which have defaults)."""
+    return {f.name: result[f.name] for f in dataclasses.fields(GemvConfig) if f.name in result}
 
 
 def sweep_line(e: dict) -> str:
