@@ -1,5 +1,7 @@
 """The Triton decode kernels compiled for the GPU, against their torch references, and captured in a graph."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
@@ -193,6 +195,19 @@ def test_small_m_gate_up_epilogue_gives_the_two_kernels_bits(monkeypatch, m, int
     assert torch.equal(captured, two)
 
 
+def assert_pdl_launch_gives(plain: torch.Tensor, step: Callable[[], torch.Tensor], monkeypatch) -> None:
+    """With TPGRAPH_TRITON_PDL=1, step() gives `plain`'s bits eagerly and replayed in a graph."""
+    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
+    assert torch.equal(step(), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)
+
+
 @pytest.mark.parametrize("gate_up", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (3072, 4096), (14336, 4096)])
 def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, gate_up):
@@ -214,15 +229,7 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, ga
         return project(src * 2, w)  # x is written by the kernel just before
 
     plain = step()
-    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
-    assert torch.equal(step(), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plain)
+    assert_pdl_launch_gives(plain, step, monkeypatch)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -252,15 +259,7 @@ def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch
     plain = step()
     ref = (src * 2).float() @ w.float().T
     assert ((plain.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
-    monkeypatch.setenv("TPGRAPH_TRITON_PDL", "1")
-    assert torch.equal(step(), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plain)
+    assert_pdl_launch_gives(plain, step, monkeypatch)
     if n % 2 == 0:  # w as cat(gate, up)
         fused = gate_up_silu(src * 2, w, config=cfg)
         assert fused is not None and torch.equal(fused, silu_and_mul(linear_small_m(src * 2, w, config=cfg)))
