@@ -232,7 +232,7 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, ga
     assert_pdl_launch_gives(plain, step, monkeypatch)
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 16])  # several rows: a batched tensor-core dot over K slices
 @pytest.mark.parametrize(("block_n", "warps"), [(32, 16), (16, 8)])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (257, 2000)])
 def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch, m, block_n, warps, n, k):

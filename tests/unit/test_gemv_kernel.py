@@ -66,19 +66,26 @@ def test_resident_weights_within_rounding_of_the_looped_kernel(dtype, m):
     assert torch.equal(y, linear_small_m(x, w, use_triton=True, config=cfg))  # the same bits every call
 
 
-@pytest.mark.parametrize("one_row", [True, False])
-def test_resident_weights_compile_for_sm90_loaded_before_the_wait(one_row):
-    """Ahead of time, without a GPU: every weight load precedes griddepcontrol.wait (no L2 prefetch, no tensor-core
-    dot), and after it only x is loaded."""
+@pytest.mark.parametrize("slices", [0, 16])
+def test_resident_weights_compile_for_sm90_loaded_before_the_wait(slices):
+    """Ahead of time, without a GPU: every weight load precedes griddepcontrol.wait (no L2 prefetch), and after it
+    only x is loaded. One row (slices 0): no tensor-core dot. Several rows: the weights reach the dot's operand
+    layout (ldmatrix) before the wait too, and the dots come after it, without spills."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
                     "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
-                    **NO_ALL_REDUCE, "RESIDENT": True, "ONE_ROW": one_row}, num_warps=16, num_stages=1,
+                    **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices}, num_warps=16, num_stages=1,
                    divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
     wait = ptx.index("griddepcontrol.wait")
-    assert "prefetch.global" not in ptx and "mma" not in ptx
+    assert "prefetch.global" not in ptx and "local" not in ptx  # (a spill would be local memory)
     assert ptx[:wait].count("ld.global") == 16  # 32 x 2048 bf16 over 512 threads: sixteen 16-byte loads each
-    assert ptx[wait:].count("ld.global") == 1  # x's row (in the rows' loop: one load a turn)
+    if slices == 0:
+        assert "mma" not in ptx
+        assert ptx[wait:].count("ld.global") == 1  # x's one row
+    else:
+        assert ptx[:wait].count("ldmatrix") == 16 and "mma" not in ptx[:wait]  # the weights' fragments, ready
+        assert ptx[wait:].count("mma.sync") == 32  # 16 rows x 32 columns x 128 deep a warp, in m16n8k16 steps
+        assert ptx[wait:].count("ld.global") == 8  # 16 rows of x, 2048 wide, over 512 threads: eight 16-byte loads
 
 
 def test_falls_back_to_linear_where_the_kernel_does_not_apply():

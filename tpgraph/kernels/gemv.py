@@ -259,40 +259,51 @@ if triton is not None:
                        mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
+    def _dot_f32(a, b, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
+        """a @ b (2D, or batched 3D) in fp32."""
+        if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b, out_dtype=tl.float32)
+
+    @triton.jit
     def _tile_product(acc, x, w, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
         """acc + x @ w.T for one K step, in fp32."""
-        if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        return acc
+        return acc + _dot_f32(x, tl.trans(w), SOFT_BF16, IEEE)
 
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
                  GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 ONE_ROW: tl.constexpr):
+                 SLICES: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
         pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
-        K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel) and spread over the
-        threads along K. Each row's sums are then fp32 products and a reduction over K (tl.sum), not tensor-core
-        dots: a dot over the whole K keeps every warp's copy of the weight fragments in registers (sm_90a: 128
-        mma.sync a warp, 900+ bytes spilled), and this way costs a row's work per row, for the few rows it is for."""
+        K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel). One row (SLICES 0): fp32
+        products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's copy
+        of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled). Several rows: K cut
+        into SLICES slices (one per warp), a batched dot gives each slice's [BLOCK_M, BLOCK_N] products, and they are
+        summed over the slices. The weights' change to the dot's operand layout (through shared memory, ldmatrix) is
+        independent of x, so the compiler does it before the wait too (sm_90a: 32 x 2048 over 16 warps, 128
+        registers, no spills). Rows per row as fp32 products (the one-row way) spilled from two rows on."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if RESIDENT:
-            # ONE_ROW: a loop of one known turn, which unrolls (sm_90a, 32 x 2048 over 16 warps: 85 registers; the
-            # rows' loop takes 128)
-            for m in range(0, 1 if ONE_ROW else M):
-                xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                row = tl.sum(w_resident.to(tl.float32) * xm[None, :], axis=1)
-                acc = tl.where(offs_m[:, None] == m, row[None, :], acc)
+        if RESIDENT and SLICES == 0:  # one row: fp32 products and a reduction over K
+            xm = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            row = tl.sum(w_resident.to(tl.float32) * xm[None, :], axis=1)
+            acc = tl.where(offs_m[:, None] == 0, row[None, :], acc)
+        elif RESIDENT:  # several rows: a batched tensor-core dot, one K slice each, then the slices' sum
+            KS: tl.constexpr = BLOCK_K // SLICES
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            x3 = tl.permute(tl.reshape(x, (BLOCK_M, SLICES, KS)), (1, 0, 2))  # [slice, row, k]
+            w3 = tl.permute(tl.reshape(w_resident, (BLOCK_N, SLICES, KS)), (1, 2, 0))  # [slice, k, column]
+            acc = tl.sum(_dot_f32(x3, w3, SOFT_BF16, IEEE), axis=0)
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -330,7 +341,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, ONE_ROW: tl.constexpr):
+                     RESIDENT: tl.constexpr, SLICES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -376,7 +387,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, ONE_ROW)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, SLICES)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -439,7 +450,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, False)
+                       SOFT_BF16, IEEE, False, PDL, True, False, 0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -639,6 +650,11 @@ def resident(cfg: GemvConfig, k: int) -> bool:
     return cfg.resident and cfg.block_k >= k
 
 
+def resident_slices(cfg: GemvConfig) -> int:
+    """The K slices of a resident several-row launch: one per warp, each at least tl.dot's 16 deep."""
+    return min(cfg.num_warps, cfg.block_k // 16)
+
+
 def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = False) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch; none where `whole`, the weights resident)."""
@@ -672,7 +688,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
         SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None,
-        RESIDENT=whole, ONE_ROW=whole and m == 1, **fused, **tile)
+        RESIDENT=whole, SLICES=resident_slices(cfg) if whole and m > 1 else 0, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
