@@ -181,11 +181,14 @@ def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypat
     assert tiles(4096, 7168, 16, path) == tiles(4096, 7168, 8, path) != tiles(4096, 7168, 17, path)
     assert tiles(4096, 7168, 24, path) == tiles(4096, 7168, 32, path) == GemvConfig(32, 512, 4, 3, 1)
     # the epilogue's own tiles for down at one row, chosen by whole steps with the fused epilogue; o_proj at one row
-    # with its weights resident (loaded before the PDL wait), and from two rows its plain tiles again
+    # with its weights resident (loaded before the PDL wait), from two rows its plain tiles again, and from eight
+    # split-K 2 in each chain's own tiles (chosen by whole steps)
     assert set(_tuned(str(path), "epilogue")) <= shapes
     assert resident(tiles(4096, 2048, 1, path, epilogue=True), 2048) and resident(tiles(4096, 2048, 1, path), 2048)
     assert not resident(tiles(4096, 2048, 2, path), 2048)
-    assert tiles(4096, 2048, 2, path, epilogue=True) == tiles(4096, 2048, 8, path) == GemvConfig(32, 128, 4, 5)
+    assert tiles(4096, 2048, 7, path, epilogue=True) == tiles(4096, 2048, 2, path) == GemvConfig(32, 128, 4, 5)
+    assert tiles(4096, 2048, 16, path, epilogue=True) == GemvConfig(32, 128, 4, 5, 2)
+    assert tiles(4096, 2048, 8, path) == GemvConfig(64, 128, 4, 4, 2)
 
 
 def test_epilogue_entries_take_precedence_at_their_rows_only(tmp_path):
