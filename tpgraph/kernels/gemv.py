@@ -11,9 +11,9 @@ small kernel adds the splits in split order and rounds. No atomics, so results d
 are a fixed table (`tiles`; no autotuning): the same shape gets the same config, and so the same bits, in every run.
 A different config is a different (equally valid) rounding of the same sum.
 
-Resident tiles (`resident`: one split whose one tile spans K) load a program's whole weight slice before the PDL wait
-and reduce each row over K without tensor cores; the shipped table uses them where a latency-bound kernel comes before
-(o_proj at one row).
+Resident tiles (`resident`: one split whose one tile spans K) load a program's whole weight slice before the PDL wait;
+one row is reduced over K without tensor cores, several rows take a batched tensor-core dot over K slices. The shipped
+table uses them where a latency-bound kernel comes before (o_proj at one row).
 
 `gate_up_silu(x, w)` is the gate_up projection with SiLU·mul in its epilogue: each program's tile takes gate rows
 and the matching up rows interleaved, so it holds both halves of its outputs and stores the activation only.
@@ -288,7 +288,7 @@ if triton is not None:
         into SLICES slices (one per warp), a batched dot gives each slice's [BLOCK_M, BLOCK_N] products, and they are
         summed over the slices. The weights' change to the dot's operand layout (through shared memory, ldmatrix) is
         independent of x, so the compiler does it before the wait too (sm_90a: 32 x 2048 over 16 warps, 128
-        registers, no spills). Rows per row as fp32 products (the one-row way) spilled from two rows on."""
+        registers, no spills; the one row's fp32 products, row after row, spilled from two rows on)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
@@ -646,7 +646,9 @@ def resident(cfg: GemvConfig, k: int) -> bool:
     never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps): it follows decode
     attention, which leaves HBM idle, so its 16 MB stream during attention. Whole TP=1 steps on one H200
     (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477 (plain
-    chain); at 2-4 rows the rows' loop lost 0.3-0.9 ms."""
+    chain). Not from two rows on: the batched dot takes 128 registers a thread over 16 warps, a whole SM's register
+    file, so o_proj's programs cannot sit beside attention's, and it lost 0.15-0.35 ms a step at batches 2-16
+    (bench/results/2026-12-02_h200_resident_rows, run1)."""
     return cfg.resident and cfg.block_k >= k
 
 
