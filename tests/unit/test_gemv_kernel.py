@@ -43,9 +43,9 @@ def test_bf16_within_rounding(m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3])
 def test_resident_weights_within_rounding_of_the_looped_kernel(dtype, m):
-    """Resident tiles (asked for, and one step spanning K: the weights loaded whole before the PDL wait, each row a
-    reduction over K): within rounding of the K loop's result, for one row and several, odd N and K past a power of
-    two. Only a config that asks for them gets them: not the default tiles where they happen to span K."""
+    """Resident tiles (asked for, and one step spanning K: the weights loaded whole before the PDL wait; one row a
+    reduction over K, several a batched dot over K slices): within rounding of the K loop's result, odd N and K past a
+    power of two. Only a config that asks for them gets them: not the default tiles where they happen to span K."""
     from tpgraph.kernels.gemv import resident
 
     g = torch.Generator().manual_seed(m)
