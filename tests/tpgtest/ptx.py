@@ -14,7 +14,7 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, typed, scalars, constexprs, options, divisible = json.loads(sys.argv[1])
+module, kernel, typed, scalars, constexprs, options, divisible, cubin = json.loads(sys.argv[1])
 signature = {**typed, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constexprs}}
 names = list(signature)
 attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -22,6 +22,8 @@ fn = getattr(importlib.import_module(module), kernel)
 compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 print(compiled.asm["ptx"])
+if cubin:
+    open(cubin, "wb").write(compiled.asm["cubin"])
 """
 
 
@@ -31,12 +33,38 @@ def sm90_ptx(module: str, kernel: str, typed: dict[str, str], scalars: list[str]
     then `scalars` (i32), then the constexprs; `divisible`: the arguments known to be multiples of 16 (as Triton
     specializes them at run time: pointers and sizes, for vector loads). In a subprocess: the tests' interpreter mode
     (TRITON_INTERPRET=1) has no compiler."""
+    return _compile(module, kernel, typed, scalars, constexprs, num_warps, num_stages, divisible)
+
+
+def _compile(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict, num_warps: int,
+             num_stages: int, divisible: tuple[str, ...], cubin: str = "") -> str:
+    """The kernel's PTX (see sm90_ptx); with `cubin`, its cubin written to that path too."""
     pytest.importorskip("triton.backends.nvidia")
     args = json.dumps([module, kernel, typed, scalars, constexprs,
-                       {"num_warps": num_warps, "num_stages": num_stages}, list(divisible)])
+                       {"num_warps": num_warps, "num_stages": num_stages}, list(divisible), cubin])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     return subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True,
                           check=True).stdout
+
+
+def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
+                       num_warps: int = 4, num_stages: int = 3,
+                       divisible: tuple[str, ...] = ()) -> tuple[str, dict[str, int]]:
+    """sm90_ptx's PTX, and what ptxas gave that build: registers a thread ("REG") and local memory, where spills go
+    ("LOCAL"), as the cuobjdump that Triton ships reads them from the cubin."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        pytest.skip("this Triton ships no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        ptx = _compile(module, kernel, typed, scalars, constexprs, num_warps, num_stages, divisible, cubin)
+        report = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    return ptx, {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
 def assert_semaphore_order(ptx: str) -> None:

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx
+from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -71,13 +71,16 @@ def test_resident_weights_compile_for_sm90_loaded_before_the_wait(slices):
     """Ahead of time, without a GPU: every weight load precedes griddepcontrol.wait (no L2 prefetch), and after it
     only x is loaded. One row (slices 0): no tensor-core dot. Several rows: the weights reach the dot's operand
     layout (ldmatrix) before the wait too, and the dots come after it, without spills."""
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
-                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
-                    "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
-                    **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices}, num_warps=16, num_stages=1,
-                   divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
+    ptx, usage = sm90_ptx_and_usage(
+        "tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
+         "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
+         **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices}, num_warps=16, num_stages=1,
+        divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
+    # the weights stay in registers: none spilled to local memory (16 warps leave 128 registers a thread)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and usage["REG"] <= 128, usage
     wait = ptx.index("griddepcontrol.wait")
-    assert "prefetch.global" not in ptx and "local" not in ptx  # (a spill would be local memory)
+    assert "prefetch.global" not in ptx
     assert ptx[:wait].count("ld.global") == 16  # 32 x 2048 bf16 over 512 threads: sixteen 16-byte loads each
     if slices == 0:
         assert "mma" not in ptx
