@@ -185,7 +185,8 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
-def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0) -> str:
+def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
+                     late_trigger: bool = False) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -197,7 +198,8 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                     {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
-                     "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2},
+                     "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
+                     "LATE_TRIGGER": late_trigger},
                     num_stages=2)
 
 
@@ -222,6 +224,28 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
         assert ptx[trigger:ptx.index("mma.sync", trigger)].count("ld.global") <= 24
     else:
         assert "griddepcontrol" not in ptx
+
+
+def test_the_late_trigger_lets_the_next_kernel_in_after_the_tiles():
+    """TPGRAPH_ATTN_LATE_TRIGGER's kernel (sm_90, ahead of time): the wait first, then every K/V tile's dot, and only
+    then the next kernel let in, before the partials are stored and counted; the setting is read by name."""
+    ptx = _split_kernel_ptx(late_trigger=True)
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert wait < ptx.index("mma.sync") and ptx.rindex("mma.sync") < trigger
+    assert trigger < ptx.index("atom.global.gpu.acq_rel.add")
+    assert "st.global" not in ptx[wait:trigger]  # the partials come after it
+
+
+def test_the_late_trigger_setting_is_read_by_name(monkeypatch):
+    from tpgraph.errors import ConfigError
+
+    assert not decode_attention.late_trigger()
+    monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "1")
+    assert decode_attention.late_trigger()
+    monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_LATE_TRIGGER"):
+        decode_attention.late_trigger()
 
 
 @pytest.mark.parametrize("last_combines", ["0", "1"])

@@ -251,7 +251,7 @@ if triton is not None:
         DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
-        PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+        PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -262,7 +262,8 @@ if triton is not None:
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
         store). Sequence lengths and block tables were copied in before the step's first kernel, and older cache
         rows by earlier steps; every kernel waits before it lets the next one in, so all but the one before are
-        done when a program starts."""
+        done when a program starts. The next kernel is let in right after the wait, or with LATE_TRIGGER once the
+        split's tiles are attended (`late_trigger`)."""
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
@@ -293,7 +294,10 @@ if triton is not None:
                 if start + BLOCK_N < end:  # the split's next tiles: in L2 by the time the loop loads them
                     _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + BLOCK_N, end, kv_h, stride_cb, stride_ct, stride_ch,
                                     BLOCK_SIZE, PREFETCH_TILES * BLOCK_N, HEAD_DIM, LINE, LINES)
-            pdl_enter(PDL)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                if not LATE_TRIGGER:
+                    tl.extra.cuda.gdc_launch_dependents()
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
             new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)
@@ -333,6 +337,8 @@ if triton is not None:
                 k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
                 m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
+            if PDL and LATE_TRIGGER:  # the K/V reads are done: the next kernel's loads no longer queue before ours
+                tl.extra.cuda.gdc_launch_dependents()
 
             if NUM_SPLITS == 1:
                 l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding row): write zeros, not NaN
@@ -431,6 +437,15 @@ def newest_apart_for(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
+def late_trigger() -> bool:
+    """TPGRAPH_ATTN_LATE_TRIGGER=1: decode attention lets the next kernel in once a split's tiles are attended (before
+    its partials are stored and merged), not right after its PDL wait. The next kernel is o_proj, whose one-row
+    resident tiles load 16 MB of weights as soon as they are in (gemv.resident), and attention's loads after the wait
+    (q, the newest row, later tiles) then queue behind them: at batch 1 attention added 8.4-9.2 us a layer beside
+    them against 6.1 before (bench/results/2026-12-01_h200_resident). Off until timed in whole steps."""
+    return env_flag("TPGRAPH_ATTN_LATE_TRIGGER")
+
+
 def combine_tiles(group: int) -> dict:
     """The last split's merge (_combine_group): the query group to a power of two, and
     COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
@@ -509,7 +524,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
-        LINES=triton.next_power_of_2(-(-dim // line)),
+        LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=pdl and late_trigger(),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
