@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -50,13 +52,9 @@ def _compile(module: str, kernel: str, typed: dict[str, str], scalars: list[str]
 def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
                        num_warps: int = 4, num_stages: int = 3,
                        divisible: tuple[str, ...] = ()) -> tuple[str, dict[str, int]]:
-    """sm90_ptx's PTX, and what ptxas gave that build: registers a thread ("REG") and local memory, where spills go
-    ("LOCAL"), as the cuobjdump that Triton ships reads them from the cubin."""
-    import re
-    import tempfile
-
-    import triton
-
+    """sm90_ptx's PTX, and what ptxas gave that build, as the cuobjdump that Triton ships reads it from the cubin:
+    registers a thread ("REG") and the stack frame, where ptxas puts spilled registers ("STACK")."""
+    triton = pytest.importorskip("triton")
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.isfile(tool):
         pytest.skip("this Triton ships no cuobjdump")

@@ -240,12 +240,13 @@ def test_the_late_trigger_lets_the_next_kernel_in_after_the_tiles():
 def test_the_late_trigger_setting_is_read_by_name(monkeypatch):
     from tpgraph.errors import ConfigError
 
-    assert not decode_attention.late_trigger()
+    monkeypatch.delenv("TPGRAPH_ATTN_LATE_TRIGGER", raising=False)
+    assert not decode_attention.attention_late_trigger()  # off by default
     monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "1")
-    assert decode_attention.late_trigger()
+    assert decode_attention.attention_late_trigger()
     monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "yes")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_LATE_TRIGGER"):
-        decode_attention.late_trigger()
+        decode_attention.attention_late_trigger()
 
 
 @pytest.mark.parametrize("last_combines", ["0", "1"])

@@ -263,7 +263,7 @@ if triton is not None:
         store). Sequence lengths and block tables were copied in before the step's first kernel, and older cache
         rows by earlier steps; every kernel waits before it lets the next one in, so all but the one before are
         done when a program starts. The next kernel is let in right after the wait, or with LATE_TRIGGER once the
-        split's tiles are attended (`late_trigger`)."""
+        split's tiles are attended (`attention_late_trigger`)."""
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
@@ -437,7 +437,7 @@ def newest_apart_for(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
-def late_trigger() -> bool:
+def attention_late_trigger() -> bool:
     """TPGRAPH_ATTN_LATE_TRIGGER=1: decode attention lets the next kernel in once a split's tiles are attended (before
     its partials are stored and merged), not right after its PDL wait. The next kernel is o_proj, whose one-row
     resident tiles load 16 MB of weights as soon as they are in (gemv.resident), and attention's loads after the wait
@@ -524,7 +524,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
-        LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=pdl and late_trigger(),
+        LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger() and pdl,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:

@@ -42,7 +42,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels._rows import block_m, max_rows
+from tpgraph.kernels._rows import MAX_M, block_m, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
@@ -117,7 +117,8 @@ def _parse_budget(env: str, n: int | None, k: int | None) -> int:
 class GemvConfig:
     """One launch configuration: BLOCK_N output columns per program, BLOCK_K per step, and split_k programs per
     column block (1: no workspace, no second kernel). resident (one split): where BLOCK_K spans K, each program loads
-    its whole weight slice before its PDL wait and sums each row without tensor cores (`resident`)."""
+    its whole weight slice before its PDL wait: one row is a reduction over K, several a batched dot over K slices
+    (`resident`)."""
 
     block_n: int
     block_k: int
@@ -287,8 +288,9 @@ if triton is not None:
         of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled). Several rows: K cut
         into SLICES slices (one per warp), a batched dot gives each slice's [BLOCK_M, BLOCK_N] products, and they are
         summed over the slices. The weights' change to the dot's operand layout (through shared memory, ldmatrix) is
-        independent of x, so the compiler does it before the wait too (sm_90a: 32 x 2048 over 16 warps, 128
-        registers, no spills; the one row's fp32 products, row after row, spilled from two rows on)."""
+        independent of x, so the compiler does it before the wait too (sm_90a: 32 x 2048 over 16 warps, 16 rows: 128
+        registers and no spills, 8 bytes spilled with the fused all-reduce epilogue; the one row's fp32 products, row
+        after row, spilled from two rows on)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
@@ -531,10 +533,17 @@ if triton is not None:
 
 def config_for(x: torch.Tensor, n: int, k: int, m: int, epilogue: bool = False) -> GemvConfig:
     """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles). A
-    table's resident tiles are for 16-bit weights: 4-byte ones take the default tiles instead (a resident 32 x 2048
-    fp32 slice is 128 registers a thread over 16 warps, and spills)."""
+    table's resident tiles are for 16-bit weights in the 16-row tile: 4-byte ones (a resident 32 x 2048 fp32 slice is
+    128 registers a thread over 16 warps, and spills) and more rows (`resident`) take the default tiles instead, not
+    one whole-K step."""
     cfg = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None, epilogue)
-    return tiles(n, k, m) if x.element_size() > 2 and resident(cfg, k) else cfg
+    return resident_or_default(cfg, n, k, m, x.element_size())
+
+
+def resident_or_default(cfg: GemvConfig, n: int, k: int, m: int, elem: int) -> GemvConfig:
+    """cfg, unless it is a resident config spanning K that m rows of `elem`-byte data cannot run resident (see
+    config_for): then the default tiles."""
+    return tiles(n, k, m) if resident(cfg, k) and (elem > 2 or not resident(cfg, k, m)) else cfg
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
@@ -639,8 +648,10 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
             and x.dtype == w.dtype)
 
 
-def resident(cfg: GemvConfig, k: int) -> bool:
-    """Whether the config asks for resident tiles and its one tile spans K: _gemv_kernel then loads a program's whole
+def resident(cfg: GemvConfig, k: int, m: int = 1) -> bool:
+    """Whether the config asks for resident tiles, its one tile spans K, and the m rows take the 16-row tile (in a
+    32-row tile the several-row dot spills: sm_90a, 32 x 2048 over 16 warps, 80 bytes): _gemv_kernel then loads a
+    program's whole
     weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The weights are then
     read before the kernel before has finished, so they must not be what that kernel writes (the model's parameters
     never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps): it follows decode
@@ -649,7 +660,7 @@ def resident(cfg: GemvConfig, k: int) -> bool:
     chain). Not from two rows on: the batched dot takes 128 registers a thread over 16 warps, a whole SM's register
     file, so o_proj's programs cannot sit beside attention's, and it lost 0.15-0.35 ms a step at batches 2-16
     (bench/results/2026-12-02_h200_resident_rows, run1)."""
-    return cfg.resident and cfg.block_k >= k
+    return cfg.resident and cfg.block_k >= k and m <= MAX_M
 
 
 def resident_slices(cfg: GemvConfig) -> int:
@@ -674,7 +685,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
     m, k = x.shape
     n = w.shape[0]
-    whole = resident(cfg, k)
+    whole = resident(cfg, k, m)
     tile = _tile_args(x, cfg, n, k, whole)
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
     early = all_reduce is None or not late_trigger()
@@ -690,6 +701,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
         SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None,
+        # (SLICES 0 is the one-row sum, which computes row 0 alone: only for m == 1)
         RESIDENT=whole, SLICES=resident_slices(cfg) if whole and m > 1 else 0, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
@@ -705,7 +717,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would
-    refuse, resident tiles (they sum without tensor cores: not the two steps' bits). x may be a fused all-reduce's
+    refuse, resident tiles (they sum over K in another order: not the two steps' bits). x may be a fused all-reduce's
     ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
     inputs_early: the caller vouches that positions and slot_mapping were written before the kernel before this one
     was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
@@ -725,7 +737,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
             t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)):
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     config = config or config_for(x, n, k, m)
-    if head_dim % config.block_n or resident(config, k):  # (resident tiles sum without tensor cores: other bits)
+    if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
         return None
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
