@@ -60,13 +60,14 @@ def use_pdl(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def pdl_enter(PDL: tl.constexpr):
+    def pdl_enter(PDL: tl.constexpr, LET_IN: tl.constexpr = True):
         """The first statement of a small kernel launched as a programmatic dependent: wait until the kernel before
-        has finished and its writes are visible, then let the kernel after become resident at once (a small grid
-        leaves the SMs room for it; it waits in turn)."""
+        has finished and its writes are visible, then (LET_IN) let the kernel after become resident at once (a small
+        grid leaves the SMs room for it; it waits in turn). Without LET_IN the kernel lets it in later itself."""
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if LET_IN:
+                tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_launch(pdl: bool) -> dict:

@@ -294,10 +294,7 @@ if triton is not None:
                 if start + BLOCK_N < end:  # the split's next tiles: in L2 by the time the loop loads them
                     _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + BLOCK_N, end, kv_h, stride_cb, stride_ct, stride_ch,
                                     BLOCK_SIZE, PREFETCH_TILES * BLOCK_N, HEAD_DIM, LINE, LINES)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                if not LATE_TRIGGER:
-                    tl.extra.cuda.gdc_launch_dependents()
+            pdl_enter(PDL, not LATE_TRIGGER)
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
             new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)

@@ -651,15 +651,14 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
 def resident(cfg: GemvConfig, k: int, m: int = 1) -> bool:
     """Whether the config asks for resident tiles, its one tile spans K, and the m rows take the 16-row tile (in a
     32-row tile the several-row dot spills: sm_90a, 32 x 2048 over 16 warps, 80 bytes): _gemv_kernel then loads a
-    program's whole
-    weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The weights are then
-    read before the kernel before has finished, so they must not be what that kernel writes (the model's parameters
-    never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps): it follows decode
-    attention, which leaves HBM idle, so its 16 MB stream during attention. Whole TP=1 steps on one H200
-    (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477 (plain
-    chain). Not from two rows on: the batched dot takes 128 registers a thread over 16 warps, a whole SM's register
-    file, so o_proj's programs cannot sit beside attention's, and it lost 0.15-0.35 ms a step at batches 2-16
-    (bench/results/2026-12-02_h200_resident_rows, run1)."""
+    program's whole weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The
+    weights are then read before the kernel before has finished, so they must not be what that kernel writes (the
+    model's parameters never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps):
+    it follows decode attention, which leaves HBM idle, so its 16 MB stream during attention. Whole TP=1 steps on
+    one H200 (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477
+    (plain chain). Not from two rows on: the batched dot takes 128 registers a thread over 16 warps, a whole SM's
+    register file, so o_proj's programs cannot sit beside attention's, and it lost 0.15-0.35 ms a step at batches
+    2-16 (bench/results/2026-12-02_h200_resident_rows, run1)."""
     return cfg.resident and cfg.block_k >= k and m <= MAX_M
 
 
