@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -250,8 +250,11 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          tr '\r' '\n' < "$out/attn_sweep.err" | grep -v "shape/s\]\|s/shape\]" | tail -5 ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
-         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8 --no-ladders \
-             --allreduce custom,custom+gemv,custom+gemv+nopdl+nolr --profile --steps 20 --out "$out/profile.json" 2>&1 \
+         # (PROFILE_ENTRY overrides the entries; SHAPE and AB_CONTEXT as for ab)
+         timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
+             --context "${AB_CONTEXT:-512}" --modes full --batches 1,8 --no-ladders \
+             --allreduce "${PROFILE_ENTRY:-custom,custom+gemv,custom+gemv+nopdl+nolr}" --profile --steps 20 \
+             --out "$out/profile.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile.log" ;;
     flags) # issue 11: Triton PDL (+ L2 weight prefetch) and in-kernel split reductions, each alone and together
          # (2x2), every run with cuBLAS "custom" beside the small-M kernels as the in-run reference, interleaved
@@ -279,6 +282,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;
+    kernel-bench-nopdl) # the same with the Triton kernels launched without PDL: each call waits for the last to end
+         TPGRAPH_TRITON_PDL=0 timeout 400 python3 bench/bench_kernels.py --out "$out/kernels_nopdl.json" 2>&1 \
+             | tail -60 | tee "$out/kernels_nopdl.log" ;;
     tune) # issue 10: the tuner at world size NPROC (rewrites the SM90 rows of that world size in place), its log and plot
          timeout 580 tpgraph-tune --world-size $NPROC --plot "$out/tune.png" --log "$out/tune.json" 2>&1 \
              | grep -v "tuning:" | tail -20 | tee "$out/tune.log"
