@@ -45,12 +45,14 @@ class AttnShape:
     num_splits: int | None = None
     split_tiles: int | None = None
     l2_prefetch: int | None = None  # tiles kept asked of L2 ahead (None: the launch's default)
+    kv_ahead: int | None = None  # how far the tile loop reads ahead (None: TPGRAPH_ATTN_KV_AHEAD's)
 
     def short(self) -> str:
         splits = "auto" if self.num_splits is None else str(self.num_splits)
         tiles = "auto" if self.split_tiles is None else str(self.split_tiles)
         prefetch = "" if self.l2_prefetch is None else f" l2 {self.l2_prefetch}"
-        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}{prefetch}"
+        ahead = "" if self.kv_ahead is None else f" ahead {self.kv_ahead}"
+        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}{prefetch}{ahead}"
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -68,15 +70,16 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 
 def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: list[int], stages: list[int],
          split_scales: list[float], split_tiles: list[int | None], l2_prefetch: tuple[int | str, ...] = (0,),
-         l2_bytes: int = 50 << 20) -> list[AttnShape]:
+         l2_bytes: int = 50 << 20, kv_ahead: tuple[int | None, ...] = (None,)) -> list[AttnShape]:
     """The default first, then every combination, each resolved to the launch it makes: the grid's split count
     (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
     split takes (min_split_tiles where not given) and the tiles each program keeps asked of L2 ahead ("auto":
     the budget rule `l2_prefetch_tiles` for that launch's programs and an `l2_bytes` L2; the default launch's is
-    TPGRAPH_ATTN_L2_PREFETCH's). A combination that resolves to a launch already listed is dropped, so the default
+    TPGRAPH_ATTN_L2_PREFETCH's) and how far the tile loop reads ahead (None: `kv_lookahead`). A combination that resolves to a launch already listed is dropped, so the default
     is timed once, under its own name."""
     from tpgraph.kernels._settings import env_flag
-    from tpgraph.kernels.decode_attention import choose_num_splits, l2_prefetch_tiles, min_split_tiles, splits_in_use
+    from tpgraph.kernels.decode_attention import (choose_num_splits, kv_lookahead, l2_prefetch_tiles, min_split_tiles,
+                                                  splits_in_use)
 
     def rule(block_n: int, splits: int) -> int:
         programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n)
@@ -89,15 +92,16 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         prefetch = shape.l2_prefetch
         if prefetch is None:
             prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
-        return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch
+        ahead = kv_lookahead() if shape.kv_ahead is None else shape.kv_ahead
+        return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch, ahead
 
     launches = {resolved(AttnShape()): AttnShape()}
-    for block_n, w, s, scale, tiles, pf in itertools.product(block_ns, warps, stages, split_scales, split_tiles,
-                                                             l2_prefetch):
+    for block_n, w, s, scale, tiles, pf, ahead in itertools.product(block_ns, warps, stages, split_scales,
+                                                                    split_tiles, l2_prefetch, kv_ahead):
         auto = choose_num_splits(batch, KV_HEADS, max_seq_len, sms, min_split_tokens=block_n)
         splits = None if scale == 1 else max(1, min(round(auto * scale), -(-max_seq_len // block_n)))
         prefetch = rule(block_n, auto if splits is None else splits) if pf == "auto" else int(pf)
-        shape = AttnShape(block_n, w, s, splits, tiles, prefetch)
+        shape = AttnShape(block_n, w, s, splits, tiles, prefetch, ahead)
         launches.setdefault(resolved(shape), shape)
     return list(launches.values())
 
@@ -195,6 +199,8 @@ def main() -> None:
     p.add_argument("--stages", default="2,3")
     p.add_argument("--split-scales", default="1,2", help="the heuristic's split count times these")
     p.add_argument("--split-tiles", default="auto,1", help="the fewest tiles a split takes (auto: the heuristic)")
+    p.add_argument("--kv-ahead", default="auto",
+                   help="how far the tile loop reads ahead: 0, 1, 2 (decode_attention's KV_AHEAD), auto: the setting's")
     p.add_argument("--l2-prefetch", default="0",
                    help="tiles each program keeps asked of L2 ahead: 0 or powers of two, auto: the budget rule")
     args = p.parse_args()
@@ -212,7 +218,7 @@ def main() -> None:
             raise SystemExit(f"context {ctx} is above --max-seq-len {args.max_seq_len}")
         shapes = grid(batch, args.max_seq_len, props.multi_processor_count, ints(args.block_n), ints(args.warps),
                       ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles, prefetch,
-                      props.L2_cache_size)
+                      props.L2_cache_size, tuple(None if v == "auto" else int(v) for v in args.kv_ahead.split(",")))
         entries.append(sweep_point(batch, ctx, args.max_seq_len, shapes, hbm, props.L2_cache_size, device))
         print(point_line(entries[-1]), flush=True)
         # after every point: a call cut short by its time limit keeps what it timed

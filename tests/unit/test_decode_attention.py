@@ -12,11 +12,13 @@ from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
+    KV_AHEAD_DEFAULT,
     MAX_PREFETCH_TILES,
     MIN_SPLIT_TOKENS,
     choose_num_splits,
     l2_prefetch_tiles,
     l2_prefetch_tiles_for,
+    kv_lookahead,
     min_split_tiles,
     newest_apart_for,
     paged_decode_attention_v2,
@@ -199,7 +201,7 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
-                     "LATE_TRIGGER": late_trigger},
+                     "LATE_TRIGGER": late_trigger, "KV_AHEAD": 0},
                     num_stages=2)
 
 
@@ -295,6 +297,33 @@ def test_each_sequence_is_split_by_its_own_length(num_splits, split_tiles):
         assert got[lens.index(32768)] == (512, 64)
     else:
         assert all(used == 1 for _, used in got)
+
+
+@pytest.mark.parametrize("newest_apart", [False, True])
+@pytest.mark.parametrize(("block_n", "num_splits"), [(16, 1), (16, 3), (32, 2)])
+@pytest.mark.parametrize("seed", [0, 10, 22])
+def test_reading_the_next_tile_ahead_gives_the_same_bits(seed, block_n, num_splits, newest_apart):
+    """KV_AHEAD 1 (the next tile's cache places a tile early) and 2 (its K/V too, the second tile before the wait
+    with the newest row apart) attend the same tiles in the same order as 0: splits of up to 19 tiles of 16 tokens,
+    with the newest row in a later tile, and padded rows."""
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=300)
+    outs = [paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=num_splits,
+                                      newest_apart=newest_apart, block_n=block_n, kv_ahead=ahead)
+            for ahead in (0, 1, 2)]
+    _check(outs[0], paged_decode_reference(q, k, v, bt, lens, scale))
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+def test_the_read_ahead_setting_is_read_by_name(monkeypatch):
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
+    assert kv_lookahead() == KV_AHEAD_DEFAULT
+    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
+    assert kv_lookahead() == 2
+    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_KV_AHEAD must be one of 0, 1, 2"):
+        kv_lookahead()
 
 
 @pytest.mark.parametrize(("num_splits", "split_tiles"), [(3, 1), (2, 2), (1, 1)])

@@ -1,5 +1,5 @@
 """The kernels' on/off settings from the environment, read where they apply (so a test or a benchmark can change
-one between calls), each refused with its name when it is not 0 or 1."""
+one between calls), each refused with its name when it is not one of its values."""
 
 from __future__ import annotations
 
@@ -14,3 +14,14 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value not in ("", "0", "1"):
         raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
     return default if not value else value == "1"
+
+
+def env_choice(name: str, choices: tuple[int, ...], default: int) -> int:
+    """A whole number from the environment, one of `choices` (unset: `default`); anything else is refused with its
+    name."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value not in {str(c) for c in choices}:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return int(value)

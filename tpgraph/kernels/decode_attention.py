@@ -38,7 +38,7 @@ import torch
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels._settings import env_choice, env_flag
 
 try:
     import triton
@@ -74,6 +74,8 @@ TWO_TILE_PAIRS_DIVISOR = 9
 # 512-token context (8 one-tile splits).
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
+# How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD).
+KV_AHEAD_DEFAULT = 0
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
@@ -252,6 +254,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
         PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+        KV_AHEAD: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -263,7 +266,13 @@ if triton is not None:
         store). Sequence lengths and block tables were copied in before the step's first kernel, and older cache
         rows by earlier steps; every kernel waits before it lets the next one in, so all but the one before are
         done when a program starts. The next kernel is let in right after the wait, or with LATE_TRIGGER once the
-        split's tiles are attended (`attention_late_trigger`)."""
+        split's tiles are attended (`attention_late_trigger`).
+
+        KV_AHEAD (`kv_lookahead`): how far the loop over a split's later tiles reads ahead. 0: each tile's block-table
+        entries, then its K/V, then its dots, so a tile costs two dependent round trips. 1: the next tile's cache
+        places are read while this tile's K/V load (one round trip a tile). 2: the next tile's K/V too, into registers
+        (before the wait with the newest row apart, since older rows do not depend on the kernel before), so the round
+        trips of consecutive tiles overlap."""
         b = tl.program_id(0).to(tl.int64)
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
@@ -294,7 +303,16 @@ if triton is not None:
                 if start + BLOCK_N < end:  # the split's next tiles: in L2 by the time the loop loads them
                     _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + BLOCK_N, end, kv_h, stride_cb, stride_ct, stride_ch,
                                     BLOCK_SIZE, PREFETCH_TILES * BLOCK_N, HEAD_DIM, LINE, LINES)
+            # the second tile's tokens end at `stop` too (see below); its cache places are older data
+            stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
+            tok_a = start + BLOCK_N + offs_n
+            if KV_AHEAD > 0:
+                rows_a = _kv_rows(bt_row, tok_a, tok_a < end, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+            if KV_AHEAD == 2 and NEWEST_APART:  # older rows only: they do not wait for the kernel before
+                k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_a < stop, offs_d, d_ok)
             pdl_enter(PDL, not LATE_TRIGGER)
+            if KV_AHEAD == 2 and not NEWEST_APART:  # the newest row may be in it: after the wait
+                k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_a < stop, offs_d, d_ok)
             new_ok = tl.where(has_newest, d_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
             new_k = tl.load(k_ptr + new_row + offs_d, mask=new_ok, other=0.0)
             new_v = tl.load(v_ptr + new_row + offs_d, mask=new_ok, other=0.0)
@@ -302,9 +320,8 @@ if triton is not None:
                         other=0.0)
             if INTERPRETED:
                 q = q.to(tl.float32)  # the interpreter holds bf16 as raw uint16 bits, which its tl.dot would multiply
-            # the tiles' tokens end at `stop`: with the newest row apart, before it (whichever tile of the split
-            # holds it), since it is already in the running sums
-            stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
+            # the tiles' tokens end at `stop` (set before the wait): with the newest row apart, before it (whichever
+            # tile of the split holds it), since it is already in the running sums
             if NEWEST_APART:
                 # the newest row as its own score column and P.V term, so that the first tile (loaded before the
                 # wait) reaches its dot unchanged; the online softmax starts from it, so a tile that holds only the
@@ -330,8 +347,19 @@ if triton is not None:
                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, LINE, LINES)
                 tok = tile + offs_n
                 tok_ok = tok < stop
-                rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-                k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
+                tok_n = tok + BLOCK_N  # the next tile's tokens
+                if KV_AHEAD == 0:
+                    rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                    k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
+                elif KV_AHEAD == 1:
+                    k, v = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_ok, offs_d, d_ok)
+                    rows_a = _kv_rows(bt_row, tok_n, tok_n < end, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                else:
+                    k = k_a
+                    v = v_a
+                    ok_n = tok_n < stop
+                    rows_a = _kv_rows(bt_row, tok_n, ok_n, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                    k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, ok_n, offs_d, d_ok)
                 m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
             if PDL and LATE_TRIGGER:  # the K/V reads are done: the next kernel's loads no longer queue before ours
@@ -443,6 +471,12 @@ def attention_late_trigger() -> bool:
     return env_flag("TPGRAPH_ATTN_LATE_TRIGGER")
 
 
+def kv_lookahead() -> int:
+    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD): 0, 1 or 2;
+    TPGRAPH_ATTN_KV_AHEAD sets it."""
+    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), KV_AHEAD_DEFAULT)
+
+
 def combine_tiles(group: int) -> dict:
     """The last split's merge (_combine_group): the query group to a power of two, and
     COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
@@ -455,7 +489,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               max_seq_len: int, num_splits: int | None = None,
                               split_tiles: int | None = None, newest_apart: bool | None = None,
                               block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2,
-                              l2_prefetch: int | None = None) -> torch.Tensor:
+                              l2_prefetch: int | None = None, kv_ahead: int | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -522,6 +556,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger() and pdl,
+        KV_AHEAD=kv_lookahead() if kv_ahead is None else kv_ahead,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
