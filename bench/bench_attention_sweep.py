@@ -75,11 +75,16 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
     (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
     split takes (min_split_tiles where not given) and the tiles each program keeps asked of L2 ahead ("auto":
     the budget rule `l2_prefetch_tiles` for that launch's programs and an `l2_bytes` L2; the default launch's is
-    TPGRAPH_ATTN_L2_PREFETCH's) and how far the tile loop reads ahead (None: `kv_lookahead`). A combination that resolves to a launch already listed is dropped, so the default
-    is timed once, under its own name."""
+    TPGRAPH_ATTN_L2_PREFETCH's) and how far the tile loop reads ahead (None: `kv_lookahead`). A combination that
+    resolves to a launch already listed is dropped, so the default is timed once, under its own name."""
     from tpgraph.kernels._settings import env_flag
-    from tpgraph.kernels.decode_attention import (choose_num_splits, kv_lookahead, l2_prefetch_tiles, min_split_tiles,
-                                                  splits_in_use)
+    from tpgraph.kernels.decode_attention import (
+        choose_num_splits,
+        kv_lookahead,
+        l2_prefetch_tiles,
+        min_split_tiles,
+        splits_in_use,
+    )
 
     def rule(block_n: int, splits: int) -> int:
         programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n)
