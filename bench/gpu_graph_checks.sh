@@ -47,10 +47,10 @@ for step in "$@"; do
     ab) # whole steps of package trees / settings / tile tables, alternating processes (bench/ab_decode.py; prepare
          # the trees before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant (and
          # --tiles) arguments, e.g. "--variant new=. --variant old=ab/head"; AB_ROUNDS (2), AB_ENTRY
-         # (custom+gemv+overlap), AB_CONTEXT (512), SHAPE as for overlap
+         # (custom+gemv+overlap), AB_CONTEXT (512), AB_BATCHES (1,8,32), SHAPE as for overlap
          timeout 560 python3 bench/ab_decode.py --out "$out/ab" --nproc $NPROC --rounds "${AB_ROUNDS:-2}" \
              ${AB_VARIANTS:?set AB_VARIANTS to the --variant arguments} -- --shape "${SHAPE:-llama3-8b}" --modes full \
-             --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+             --batches "${AB_BATCHES:-1,8,32}" --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --context "${AB_CONTEXT:-512}" --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab.log" ;;
     solo) # TP=1 (NPROC=1): the residual add + the norm's staging in o_proj's and down's epilogue (a solo channel,
          # the TP=1 default since session 12, forced on here): the kernel tests (ws 1-3 on this GPU), HF parity with
