@@ -97,7 +97,8 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         prefetch = shape.l2_prefetch
         if prefetch is None:
             prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
-        ahead = kv_lookahead() if shape.kv_ahead is None else shape.kv_ahead
+        programs = batch * KV_HEADS * splits
+        ahead = kv_lookahead(programs, sms) if shape.kv_ahead is None else shape.kv_ahead
         return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch, ahead
 
     launches = {resolved(AttnShape()): AttnShape()}

@@ -12,7 +12,7 @@ from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
-    KV_AHEAD_DEFAULT,
+    KV_AHEAD_REGISTER_PROGRAMS_PER_SM,
     MAX_PREFETCH_TILES,
     MIN_SPLIT_TOKENS,
     choose_num_splits,
@@ -314,16 +314,23 @@ def test_reading_the_next_tile_ahead_gives_the_same_bits(seed, block_n, num_spli
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
-def test_the_read_ahead_setting_is_read_by_name(monkeypatch):
+def test_the_read_ahead_holds_k_and_v_in_registers_while_the_grid_fits_two_programs_a_sm(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
-    assert kv_lookahead() == KV_AHEAD_DEFAULT
+    per_sm = KV_AHEAD_REGISTER_PROGRAMS_PER_SM
+    # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits fit two a SM, batch 8's 12 do not
+    assert kv_lookahead(1 * 4 * 64, 132) == 2 and 1 * 4 * 64 <= per_sm * 132
+    assert kv_lookahead(8 * 4 * 12, 132) == 1
+    assert kv_lookahead(per_sm * 132 + 1, 132) == 1
+    assert kv_lookahead(4, 132, torch.float32) == 1  # fp32 tiles in registers would spill
+    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "0")
+    assert kv_lookahead(4, 132) == 0
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
-    assert kv_lookahead() == 2
+    assert kv_lookahead(8 * 4 * 12, 132) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_KV_AHEAD must be one of 0, 1, 2"):
-        kv_lookahead()
+        kv_lookahead(4, 132)
 
 
 @pytest.mark.parametrize(("num_splits", "split_tiles"), [(3, 1), (2, 2), (1, 1)])

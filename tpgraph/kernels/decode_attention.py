@@ -74,8 +74,15 @@ TWO_TILE_PAIRS_DIVISOR = 9
 # 512-token context (8 one-tile splits).
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
-# How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD).
-KV_AHEAD_DEFAULT = 0
+# How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
+# (sm_90a, 2 stages) read a tile's block-table entries, then its K/V, then waited for both: two dependent round trips a
+# tile. Reading the next tile's places a tile early (1) makes it one; holding the next tile's K/V in registers too (2)
+# overlaps consecutive tiles, but takes 202 registers instead of 138 at 4 warps, so two programs a SM at most. Timed
+# on an H200 (bench/results/2026-12-02_h200_kernel_floor, run3/run4), whole TP=1 steps at a TP=2 rank's shape: at 4K
+# tokens 1 gained 0.024 / 0.018 / 0.044 ms at batches 1 / 8 / 32, and 2 gained 0.050 at batch 1 but lost 0.31 / 0.79
+# at 8 / 32, where the grid no longer fits two a SM; at 512 tokens 1 gained 0.015-0.019 at batch 32. Attention alone
+# at batch 1 and 32K tokens: 42.0 -> 37.8 us with 2.
+KV_AHEAD_REGISTER_PROGRAMS_PER_SM = 2
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
@@ -471,10 +478,13 @@ def attention_late_trigger() -> bool:
     return env_flag("TPGRAPH_ATTN_LATE_TRIGGER")
 
 
-def kv_lookahead() -> int:
-    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD): 0, 1 or 2;
-    TPGRAPH_ATTN_KV_AHEAD sets it."""
-    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), KV_AHEAD_DEFAULT)
+def kv_lookahead(programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for a grid of
+    `programs`: the next tile's K/V in registers (2) while the grid fits KV_AHEAD_REGISTER_PROGRAMS_PER_SM programs a
+    SM and the cache is 16-bit (fp32 tiles would spill), else the next tile's cache places (1).
+    TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
+    fits = programs <= KV_AHEAD_REGISTER_PROGRAMS_PER_SM * num_sms and dtype.itemsize == 2
+    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 1)
 
 
 def combine_tiles(group: int) -> dict:
@@ -501,7 +511,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: how many tiles each
     program keeps asked of L2 ahead of the one it loads next, 0 or a power of two (default: `l2_prefetch_tiles_for`,
     off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done (a prefetch changes no result, and the
-    interpreter runs no inline assembly).
+    interpreter runs no inline assembly). kv_ahead: how far the tile loop reads ahead, 0, 1 or 2 (default:
+    `kv_lookahead`); every value gives the same bits.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -556,7 +567,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger() and pdl,
-        KV_AHEAD=kv_lookahead() if kv_ahead is None else kv_ahead,
+        KV_AHEAD=kv_lookahead(batch * kv_heads * num_splits, num_sms, q.dtype) if kv_ahead is None else kv_ahead,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
