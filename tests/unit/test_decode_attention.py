@@ -321,11 +321,11 @@ def test_the_read_ahead_holds_k_and_v_in_registers_while_the_grid_fits_two_progr
     per_sm = KV_AHEAD_REGISTER_PROGRAMS_PER_SM
     # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits fit two a SM, batch 8's 12 do not
     assert kv_lookahead(1 * 4 * 64, 132) == 2 and 1 * 4 * 64 <= per_sm * 132
-    assert kv_lookahead(8 * 4 * 12, 132) == 1
-    assert kv_lookahead(per_sm * 132 + 1, 132) == 1
-    assert kv_lookahead(4, 132, torch.float32) == 1  # fp32 tiles in registers would spill
-    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "0")
-    assert kv_lookahead(4, 132) == 0
+    assert kv_lookahead(8 * 4 * 12, 132) == 0
+    assert kv_lookahead(per_sm * 132 + 1, 132) == 0
+    assert kv_lookahead(4, 132, torch.float32) == 0  # fp32 tiles in registers would spill
+    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "1")
+    assert kv_lookahead(4, 132) == 1
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
     assert kv_lookahead(8 * 4 * 12, 132) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")

@@ -75,13 +75,16 @@ TWO_TILE_PAIRS_DIVISOR = 9
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
-# (sm_90a, 2 stages) read a tile's block-table entries, then its K/V, then waited for both: two dependent round trips a
-# tile. Reading the next tile's places a tile early (1) makes it one; holding the next tile's K/V in registers too (2)
-# overlaps consecutive tiles, but takes 202 registers instead of 138 at 4 warps, so two programs a SM at most. Timed
-# on an H200 (bench/results/2026-12-02_h200_kernel_floor, run3/run4), whole TP=1 steps at a TP=2 rank's shape: at 4K
-# tokens 1 gained 0.024 / 0.018 / 0.044 ms at batches 1 / 8 / 32, and 2 gained 0.050 at batch 1 but lost 0.31 / 0.79
-# at 8 / 32, where the grid no longer fits two a SM; at 512 tokens 1 gained 0.015-0.019 at batch 32. Attention alone
-# at batch 1 and 32K tokens: 42.0 -> 37.8 us with 2.
+# (sm_90a, 2 stages) reads a tile's block-table entries, then its K/V, then waits for both: two dependent round trips
+# a tile. Reading the next tile's places a tile early (1) makes it one; holding the next tile's K/V in registers too
+# (2) overlaps consecutive tiles, but takes 202 registers instead of 138 at 4 warps, so two programs a SM at most.
+# Timed on an H200 (bench/results/2026-12-02_h200_kernel_floor, run3-run5), whole TP=1 steps at a TP=2 rank's shape,
+# each against 0 in the same call:
+# - 2 at batch 1 (256 programs): -0.007 to -0.010 ms at 512 tokens, -0.050 at 4K; attention alone at 32K tokens
+#   42.0 -> 37.8 us. At batches 8 and 32 the grid no longer fits two a SM: +0.05 to +0.79 ms.
+# - 1: -0.012 to -0.019 ms at batch 32 and 512 tokens, -0.040 / -0.044 at 4K; at batch 8 +0.045 and +0.067 in the
+#   epilogue chain at 512 tokens (-0.010 and +0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
+# So 2 where the grid fits two programs a SM, else 0.
 KV_AHEAD_REGISTER_PROGRAMS_PER_SM = 2
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
@@ -481,10 +484,10 @@ def attention_late_trigger() -> bool:
 def kv_lookahead(programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for a grid of
     `programs`: the next tile's K/V in registers (2) while the grid fits KV_AHEAD_REGISTER_PROGRAMS_PER_SM programs a
-    SM and the cache is 16-bit (fp32 tiles would spill), else the next tile's cache places (1).
-    TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
+    SM and the cache is 16-bit (fp32 tiles would spill), else not at all (0; see KV_AHEAD_REGISTER_PROGRAMS_PER_SM's
+    note for why not 1). TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
     fits = programs <= KV_AHEAD_REGISTER_PROGRAMS_PER_SM * num_sms and dtype.itemsize == 2
-    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 1)
+    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 0)
 
 
 def combine_tiles(group: int) -> dict:
