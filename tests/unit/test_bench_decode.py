@@ -159,3 +159,12 @@ def test_batches_are_positive_whole_numbers(bench):
     for bad in ("1,x", "0,8", "", "1,,8"):
         with pytest.raises(SystemExit, match="batches"):
             bench.parse_batches(bad)
+
+
+def test_the_long_context_shapes_differ_only_in_positions(bench):
+    """llama31-* runs --context 32768 (max_model_len past Llama-3's 8192 positions) with the same weights."""
+    from dataclasses import replace
+
+    for short, long in (("llama3-8b", "llama31-8b"), ("llama3-8b-half", "llama31-8b-half")):
+        assert bench.SHAPES[long].max_position_embeddings == 131072 >= 32768 + 1024
+        assert replace(bench.SHAPES[long], max_position_embeddings=8192) == bench.SHAPES[short]
