@@ -2,6 +2,7 @@
 reference `paged_decode_reference`."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -187,8 +188,13 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
+# the pointers and strides a real launch finds multiples of 16 (Triton then vectorizes, and copies tiles async)
+_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_ptr", "stride_qb", "stride_qh",
+            "stride_cb", "stride_ct", "stride_ch", "stride_bt")
+
+
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
-                     late_trigger: bool = False) -> str:
+                     late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -201,8 +207,8 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
-                     "LATE_TRIGGER": late_trigger, "KV_AHEAD": 0},
-                    num_stages=2)
+                     "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead},
+                    num_stages=2, divisible=_ALIGNED if aligned else ())
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -366,6 +372,22 @@ def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
         staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
     assert staged[False][0] == 0 and staged[True][0] > 0
     assert staged[True][1] * 4 < staged[False][1]
+
+
+def test_reading_ahead_loads_the_second_tile_before_the_wait_and_the_loop_without_async_copies():
+    """Ahead of time, without a GPU: with KV_AHEAD 2 and the newest row apart, the second tile's K and V (older rows)
+    are loaded before the PDL wait too, twice the first tile's vector loads; with the newest row merged they wait for
+    it. The loop then loads into registers, with no async copy that its next turn would wait out. Without the
+    read-ahead the loop's tiles go through cp.async, waited for (wait_group 0) at the top of the next turn."""
+    def before_wait(ptx: str) -> int:
+        return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global.v4")
+
+    plain = _split_kernel_ptx(newest_apart=True, aligned=True)
+    ahead = _split_kernel_ptx(newest_apart=True, kv_ahead=2, aligned=True)
+    merged = _split_kernel_ptx(newest_apart=False, kv_ahead=2, aligned=True)
+    assert before_wait(plain) > 0 and before_wait(ahead) == 2 * before_wait(plain)
+    assert before_wait(merged) == before_wait(_split_kernel_ptx(newest_apart=False, aligned=True))
+    assert re.search(r"cp\.async\.wait_group\s+0", plain) and "cp.async" not in ahead and "cp.async" not in merged
 
 
 @pytest.mark.parametrize(("value", "batch", "expected"), [
