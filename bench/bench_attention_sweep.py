@@ -45,7 +45,7 @@ class AttnShape:
     num_splits: int | None = None
     split_tiles: int | None = None
     l2_prefetch: int | None = None  # tiles kept asked of L2 ahead (None: the launch's default)
-    kv_ahead: int | None = None  # how far the tile loop reads ahead (None: TPGRAPH_ATTN_KV_AHEAD's)
+    kv_ahead: int | None = None  # how far the tile loop reads ahead (None: kv_lookahead's choice)
 
     def short(self) -> str:
         splits = "auto" if self.num_splits is None else str(self.num_splits)
@@ -98,7 +98,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         if prefetch is None:
             prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
         programs = batch * KV_HEADS * splits
-        ahead = kv_lookahead(programs, sms) if shape.kv_ahead is None else shape.kv_ahead
+        ahead = kv_lookahead(batch, programs, sms) if shape.kv_ahead is None else shape.kv_ahead
         return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch, ahead
 
     launches = {resolved(AttnShape()): AttnShape()}

@@ -247,7 +247,8 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # batch x context against the shipped heuristic, each alone by the one timing method (bench_attention_sweep.py;
          # ATTN_SWEEP_ARGS: more of its arguments)
          timeout 500 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512}" \
-             --out "$out/attn_sweep.json" ${ATTN_SWEEP_ARGS:-} 2> "$out/attn_sweep.err" | tee "$out/attn_sweep.log"  # (progress: stderr)
+             --out "$out/attn_sweep.json" ${ATTN_SWEEP_ARGS:-} 2> "$out/attn_sweep.err" \
+             | tee "$out/attn_sweep.log"  # (progress: stderr)
          tr '\r' '\n' < "$out/attn_sweep.err" | grep -v "shape/s\]\|s/shape\]" | tail -5 ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off

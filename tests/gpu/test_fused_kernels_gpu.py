@@ -375,21 +375,24 @@ def test_vocab_shard_embedding_copies_the_torch_sequence_bit_for_bit(dtype):
         assert torch.equal(out, vocab_shard_embedding_reference(ids, weight, start))
 
 
-@pytest.mark.parametrize(("l2_prefetch", "kv_ahead"), [("0", None), ("1", None), ("0", "0"), ("0", "2")])
+@pytest.mark.parametrize(("l2_prefetch", "kv_ahead", "newest_apart"), [
+    ("0", None, None), ("1", None, None), ("0", "1", None), ("0", "2", "1"), ("0", "2", "0"), ("1", "2", "1")])
 @pytest.mark.parametrize("max_seq_len", [600, 8192])
 def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(monkeypatch, max_seq_len, l2_prefetch,
-                                                                       kv_ahead):
+                                                                       kv_ahead, newest_apart):
     """As in a layer: rope + cache store writes q and the newest token's K/V, and attention runs right after it (a
     programmatic dependent, whose programs load older K/V rows before their wait, and with TPGRAPH_ATTN_L2_PREFETCH=1
     ask L2 for their later tiles, the newest row's line among them, before the store has written it). Every step's
     output must be the reference's over the cache as the store left it, at a grid sized for ~600 tokens and for
-    8192; and with the tile loop's read-ahead as chosen, off, and holding the next tile's K/V (its older rows loaded
-    before the wait)."""
-    monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", l2_prefetch)
-    if kv_ahead is None:
-        monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
-    else:
-        monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", kv_ahead)
+    8192; and with the tile loop's read-ahead as chosen (none at batch 8), the next tile's places only, and the next
+    tile's K/V in registers with the newest row apart (the second tile's older rows loaded before the wait) and merged
+    (as at batch 1), with and without the L2 prefetch."""
+    for name, value in (("TPGRAPH_ATTN_L2_PREFETCH", l2_prefetch), ("TPGRAPH_ATTN_KV_AHEAD", kv_ahead),
+                        ("TPGRAPH_ATTN_NEWEST_APART", newest_apart)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     heads, kv_heads, dim, block_size, batch = 16, 4, 128, 16, 8
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks = batch * 38 + 1  # 38 blocks of 16 hold each sequence's (at most 596) tokens

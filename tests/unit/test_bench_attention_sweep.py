@@ -50,3 +50,14 @@ def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatc
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
     assert sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto")) == [
         sweep.AttnShape(), sweep.AttnShape(l2_prefetch=0)]
+
+
+def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):
+    """At batch 1 the rule reads ahead 2, so an explicit 2 is the default launch (timed once, as the default) and 0 and
+    1 are launches of their own; at batch 8 the rule's 0 is the default."""
+    monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
+    one = sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))
+    assert one[0] == sweep.AttnShape() and {s.kv_ahead for s in one[1:]} == {0, 1} and len(one) == 3
+    eight = sweep.grid(8, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))
+    assert {s.kv_ahead for s in eight[1:]} == {1, 2} and len(eight) == 3
+    assert "ahead 2" in sweep.AttnShape(kv_ahead=2).short() and "ahead" not in sweep.AttnShape().short()

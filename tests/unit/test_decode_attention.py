@@ -320,23 +320,41 @@ def test_reading_the_next_tile_ahead_gives_the_same_bits(seed, block_n, num_spli
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
-def test_the_read_ahead_holds_k_and_v_in_registers_while_the_grid_fits_two_programs_a_sm(monkeypatch):
+def test_the_read_ahead_holds_k_and_v_in_registers_at_batch_1_while_the_grid_fits_two_programs_a_sm(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
     per_sm = KV_AHEAD_REGISTER_PROGRAMS_PER_SM
     # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits fit two a SM, batch 8's 12 do not
-    assert kv_lookahead(1 * 4 * 64, 132) == 2 and 1 * 4 * 64 <= per_sm * 132
-    assert kv_lookahead(8 * 4 * 12, 132) == 0
-    assert kv_lookahead(per_sm * 132 + 1, 132) == 0
-    assert kv_lookahead(4, 132, torch.float32) == 0  # fp32 tiles in registers would spill
+    assert kv_lookahead(1, 1 * 4 * 64, 132) == 2 and 1 * 4 * 64 <= per_sm * 132
+    assert kv_lookahead(8, 8 * 4 * 12, 132) == 0
+    assert kv_lookahead(1, per_sm * 132 + 1, 132) == 0
+    assert kv_lookahead(2, 2 * 4 * 8, 132) == 0  # a grid that fits, but only batch 1 was timed to win
+    assert kv_lookahead(1, 4, 132, torch.float32) == 0  # fp32 tiles in registers would spill
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "1")
-    assert kv_lookahead(4, 132) == 1
+    assert kv_lookahead(1, 4, 132) == 1
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
-    assert kv_lookahead(8 * 4 * 12, 132) == 2
+    assert kv_lookahead(8, 8 * 4 * 12, 132) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_KV_AHEAD must be one of 0, 1, 2"):
-        kv_lookahead(4, 132)
+        kv_lookahead(1, 4, 132)
+
+
+def test_the_launch_asks_the_read_ahead_rule_with_its_grid_and_refuses_other_values(monkeypatch):
+    """paged_decode_attention_v2 hands kv_lookahead its batch and the grid it launches (batch x KV heads x splits),
+    and a kv_ahead argument other than 0, 1, 2 is refused before any launch."""
+    q, k, v, bt, lens, scale = random_paged_case(0, "cpu", torch.float32, max_batch=3, max_len=70)
+    asked = []
+
+    def rule(batch, programs, num_sms, dtype):
+        asked.append((batch, programs, num_sms, dtype))
+        return 0
+
+    monkeypatch.setattr(decode_attention, "kv_lookahead", rule)
+    paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=3)
+    assert asked == [(q.shape[0], q.shape[0] * k.shape[2] * 3, CPU_NUM_SMS, q.dtype)]
+    with pytest.raises(ValueError, match="kv_ahead must be 0, 1 or 2"):
+        paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, kv_ahead=3)
 
 
 @pytest.mark.parametrize(("num_splits", "split_tiles"), [(3, 1), (2, 2), (1, 1)])
@@ -388,6 +406,8 @@ def test_reading_ahead_loads_the_second_tile_before_the_wait_and_the_loop_withou
     assert before_wait(plain) > 0 and before_wait(ahead) == 2 * before_wait(plain)
     assert before_wait(merged) == before_wait(_split_kernel_ptx(newest_apart=False, aligned=True))
     assert re.search(r"cp\.async\.wait_group\s+0", plain) and "cp.async" not in ahead and "cp.async" not in merged
+    # with the L2 prefetch, ahead of the tile the loop loads next (one later when it reads ahead)
+    assert "prefetch.global.L2" in _split_kernel_ptx(newest_apart=True, kv_ahead=2, prefetch_tiles=2, aligned=True)
 
 
 @pytest.mark.parametrize(("value", "batch", "expected"), [

@@ -20,6 +20,8 @@ that was 10-100x slower on an H200:
   later tile into its one shared buffer only once the tile before has been used (sm_90a: the next tile's cp.async
   follows the scores, and the loop's top waits for it), so without it every tile pays a whole HBM round trip in
   turn;
+- at batch 1 (`kv_lookahead`) the loop instead holds the next tile's K/V in registers while it attends this one, so
+  consecutive tiles' round trips overlap;
 - as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
   cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
   (length -> block table -> K/V) overlap the qkv kernel's tail, and after the wait one round of loads (q, and the
@@ -77,14 +79,16 @@ LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
 # (sm_90a, 2 stages) reads a tile's block-table entries, then its K/V, then waits for both: two dependent round trips
 # a tile. Reading the next tile's places a tile early (1) makes it one; holding the next tile's K/V in registers too
-# (2) overlaps consecutive tiles, but takes 202 registers instead of 138 at 4 warps, so two programs a SM at most.
-# Timed on an H200 (bench/results/2026-12-02_h200_kernel_floor, run3-run5), whole TP=1 steps at a TP=2 rank's shape,
-# each against 0 in the same call:
-# - 2 at batch 1 (256 programs): -0.007 to -0.010 ms at 512 tokens, -0.050 at 4K; attention alone at 32K tokens
-#   42.0 -> 37.8 us. At batches 8 and 32 the grid no longer fits two a SM: +0.05 to +0.79 ms.
+# (2) overlaps consecutive tiles, at 221 registers instead of 160 (4 warps, the newest row merged, as at batch 1; 202
+# instead of 138 with it apart), so two programs a SM at most. Timed on an H200
+# (bench/results/2026-12-02_h200_kernel_floor, run3-run5), whole TP=1 steps at a TP=2 rank's shape (4 KV heads,
+# max_model_len 8192), each against 0 in the same call:
+# - 2 at batch 1 (256 programs): -0.002 to -0.010 ms at 512 tokens, -0.050 at 4K; attention alone at 32K tokens
+#   42.0 -> 37.8 us. At batches 8 and 32 (384 programs, more than fit two a SM): -0.008 to +0.79 ms, mostly worse,
+#   and +0.052 at batch 8 and 512 tokens even though only 128 of its programs have tokens to attend.
 # - 1: -0.012 to -0.019 ms at batch 32 and 512 tokens, -0.040 / -0.044 at 4K; at batch 8 +0.045 and +0.067 in the
-#   epilogue chain at 512 tokens (-0.010 and +0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
-# So 2 where the grid fits two programs a SM, else 0.
+#   epilogue chain at 512 tokens (-0.010 and -0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
+# So 2 at batch 1 where the grid fits two programs a SM (the only case timed to win), else 0.
 KV_AHEAD_REGISTER_PROGRAMS_PER_SM = 2
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
@@ -309,9 +313,15 @@ if triton is not None:
             # comes in as one vector: a second [BLOCK_N, D] tile of K and V would cost registers the kernel lacks
             has_newest = (seq_len - 1 >= start) & (seq_len - 1 < end)
             new_row = _kv_rows(bt_row, seq_len - 1, has_newest, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+            # the tiles the loop leaves to L2's prefetch start after those it loads itself: the first (and, reading
+            # ahead into registers, the second)
+            if KV_AHEAD == 2:
+                lead = 2 * BLOCK_N
+            else:
+                lead = BLOCK_N
             if PREFETCH_TILES > 0:
-                if start + BLOCK_N < end:  # the split's next tiles: in L2 by the time the loop loads them
-                    _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + BLOCK_N, end, kv_h, stride_cb, stride_ct, stride_ch,
+                if start + lead < end:  # the split's next tiles: in L2 by the time the loop loads them
+                    _prefetch_kv_l2(k_ptr, v_ptr, bt_row, start + lead, end, kv_h, stride_cb, stride_ct, stride_ch,
                                     BLOCK_SIZE, PREFETCH_TILES * BLOCK_N, HEAD_DIM, LINE, LINES)
             # the second tile's tokens end at `stop` too (see below); its cache places are older data
             stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
@@ -351,7 +361,7 @@ if triton is not None:
                                              DOT_PRECISION, INTERPRETED)
             for tile in range(start + BLOCK_N, end, BLOCK_N):
                 if PREFETCH_TILES > 0:  # keep PREFETCH_TILES tiles ahead of the one loaded next
-                    ahead = tile + PREFETCH_TILES * BLOCK_N
+                    ahead = tile + lead - BLOCK_N + PREFETCH_TILES * BLOCK_N
                     if ahead < end:
                         _prefetch_kv_l2(k_ptr, v_ptr, bt_row, ahead, end, kv_h, stride_cb, stride_ct, stride_ch,
                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, LINE, LINES)
@@ -481,12 +491,12 @@ def attention_late_trigger() -> bool:
     return env_flag("TPGRAPH_ATTN_LATE_TRIGGER")
 
 
-def kv_lookahead(programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for a grid of
-    `programs`: the next tile's K/V in registers (2) while the grid fits KV_AHEAD_REGISTER_PROGRAMS_PER_SM programs a
-    SM and the cache is 16-bit (fp32 tiles would spill), else not at all (0; see KV_AHEAD_REGISTER_PROGRAMS_PER_SM's
-    note for why not 1). TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
-    fits = programs <= KV_AHEAD_REGISTER_PROGRAMS_PER_SM * num_sms and dtype.itemsize == 2
+def kv_lookahead(batch: int, programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for `batch`
+    sequences in a grid of `programs`: the next tile's K/V in registers (2) for one sequence whose grid fits
+    KV_AHEAD_REGISTER_PROGRAMS_PER_SM programs a SM, with a 16-bit cache (fp32 tiles would spill); else not at all
+    (0; see KV_AHEAD_REGISTER_PROGRAMS_PER_SM's note for why, and why not 1). TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
+    fits = batch == 1 and programs <= KV_AHEAD_REGISTER_PROGRAMS_PER_SM * num_sms and dtype.itemsize == 2
     return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 0)
 
 
@@ -515,7 +525,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     program keeps asked of L2 ahead of the one it loads next, 0 or a power of two (default: `l2_prefetch_tiles_for`,
     off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done (a prefetch changes no result, and the
     interpreter runs no inline assembly). kv_ahead: how far the tile loop reads ahead, 0, 1 or 2 (default:
-    `kv_lookahead`); every value gives the same bits.
+    `kv_lookahead`); each attends the same tiles in the same order (the same bits under the interpreter).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -529,6 +539,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("q and the caches must share a dtype")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
+    if kv_ahead is not None and kv_ahead not in (0, 1, 2):
+        raise ValueError(f"kv_ahead must be 0, 1 or 2, got {kv_ahead}")
     if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)
                                     or l2_prefetch > MAX_PREFETCH_TILES):
         raise ValueError(f"l2_prefetch must be 0 or a power of two up to {MAX_PREFETCH_TILES} (tiles), "
@@ -570,7 +582,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger() and pdl,
-        KV_AHEAD=kv_lookahead(batch * kv_heads * num_splits, num_sms, q.dtype) if kv_ahead is None else kv_ahead,
+        KV_AHEAD=kv_lookahead(batch, batch * kv_heads * num_splits, num_sms, q.dtype) if kv_ahead is None
+        else kv_ahead,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
