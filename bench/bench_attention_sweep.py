@@ -3,17 +3,17 @@
     python bench/bench_attention_sweep.py --points 1x512,8x512,32x512,8x4096 --out bench/results/.../attn_sweep.json
 
 At Llama-3-8B's TP=2 rank shape (bench_kernels.py: 16 query heads, 4 KV heads of 128, bf16, 16-token cache blocks),
-each point times `paged_decode_attention_v2` with the model's launch (the default: 64-token tiles, 4 warps, 2
-stages, choose_num_splits / min_split_tiles for a grid sized by `--max-seq-len`, the max_model_len a server runs
-with) and with every shape of the grid: tile length, warps, stages, the split count the heuristic gives scaled by
-`--split-scales`, the fewest tiles a split takes, and the tiles each program keeps asked of L2 ahead
-(`--l2-prefetch`). Shapes that resolve to the same launch are timed once. One
-timing method for all (tpgraph/tune/timing.py: a graph of 64 calls cycling through cache copies that cannot sit in
-L2, the median replay); the default and the best three are then timed again, interleaved, and those figures are the
-ones reported. The default's output is checked against the fp32 reference and every shape's against the default's,
-relative to the output's largest value (a dropped row or tile moves it by more than bf16 rounding does): a shape off
-by more is wrong, not fast. Prints the best and top 3 per point with the default's time and the K/V bytes' floor;
-writes JSON after every point.
+each point times `paged_decode_attention_v2` with the model's launch (the default: 64-token tiles, 4 warps,
+attention_stages' stages, choose_num_splits / min_split_tiles for a grid sized by `--max-seq-len`, the max_model_len a
+server runs with) and with every shape of the grid: tile length, warps, stages, the split count the heuristic gives
+scaled by `--split-scales`, the fewest tiles a split takes, and the tiles each program keeps asked of L2 ahead
+(`--l2-prefetch`). Shapes that resolve to the same launch are timed once. One timing method for all
+(tpgraph/tune/timing.py: a graph of 64 calls cycling through cache copies that cannot sit in L2, the median replay);
+the default and the best three are then timed again, interleaved, and those figures are the ones reported. The
+default's output is checked against the fp32 reference and every shape's against the default's, relative to the
+output's largest value (a dropped row or tile moves it by more than bf16 rounding does): a shape off by more is wrong,
+not fast. Prints the best and top 3 per point with the default's time and the K/V bytes' floor; writes JSON after
+every point.
 
 A kernel alone is not the step: attention in the step starts as a programmatic dependent of the qkv kernel, so a
 shape that wins here is a candidate to time in whole steps (bench/ab_decode.py), not a verdict.
@@ -41,7 +41,7 @@ class AttnShape:
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None  # (None: attention_stages, the model's)
     num_splits: int | None = None
     split_tiles: int | None = None
     l2_prefetch: int | None = None  # tiles kept asked of L2 ahead (None: the launch's default)
@@ -52,7 +52,8 @@ class AttnShape:
         tiles = "auto" if self.split_tiles is None else str(self.split_tiles)
         prefetch = "" if self.l2_prefetch is None else f" l2 {self.l2_prefetch}"
         ahead = "" if self.kv_ahead is None else f" ahead {self.kv_ahead}"
-        return f"n{self.block_n} w{self.num_warps} s{self.num_stages} splits {splits} tiles {tiles}{prefetch}{ahead}"
+        stages = "auto" if self.num_stages is None else str(self.num_stages)
+        return f"n{self.block_n} w{self.num_warps} s{stages} splits {splits} tiles {tiles}{prefetch}{ahead}"
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -79,6 +80,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
     resolves to a launch already listed is dropped, so the default is timed once, under its own name."""
     from tpgraph.kernels._settings import env_flag
     from tpgraph.kernels.decode_attention import (
+        attention_stages,
         choose_num_splits,
         kv_lookahead,
         l2_prefetch_tiles,
@@ -99,7 +101,8 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
             prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
         programs = batch * KV_HEADS * splits
         ahead = kv_lookahead(batch, programs, sms) if shape.kv_ahead is None else shape.kv_ahead
-        return shape.block_n, shape.num_warps, shape.num_stages, splits, tiles, prefetch, ahead
+        stages = attention_stages() if shape.num_stages is None else shape.num_stages
+        return shape.block_n, shape.num_warps, stages, splits, tiles, prefetch, ahead
 
     launches = {resolved(AttnShape()): AttnShape()}
     for block_n, w, s, scale, tiles, pf, ahead in itertools.product(block_ns, warps, stages, split_scales,

@@ -44,12 +44,13 @@ def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatc
     default launch (timed once, as the default), and the default follows TPGRAPH_ATTN_L2_PREFETCH."""
     monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
     shapes = sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto", 4))
-    assert shapes == [sweep.AttnShape(), sweep.AttnShape(l2_prefetch=2), sweep.AttnShape(l2_prefetch=4)]
+    assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_stages=2, l2_prefetch=2),
+                      sweep.AttnShape(num_stages=2, l2_prefetch=4)]
     assert sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], ("auto",))[1].l2_prefetch == 8
     assert "l2 2" in shapes[1].short() and "l2" not in shapes[0].short()
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
     assert sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto")) == [
-        sweep.AttnShape(), sweep.AttnShape(l2_prefetch=0)]
+        sweep.AttnShape(), sweep.AttnShape(num_stages=2, l2_prefetch=0)]
 
 
 def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):

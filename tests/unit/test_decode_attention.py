@@ -16,6 +16,7 @@ from tpgraph.kernels.decode_attention import (
     KV_AHEAD_REGISTER_PROGRAMS_PER_SM,
     MAX_PREFETCH_TILES,
     MIN_SPLIT_TOKENS,
+    attention_stages,
     choose_num_splits,
     kv_lookahead,
     l2_prefetch_tiles,
@@ -194,7 +195,8 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_
 
 
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
-                     late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False) -> str:
+                     late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False,
+                     num_stages: int = 2) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -208,7 +210,7 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
                      "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead},
-                    num_stages=2, divisible=_ALIGNED if aligned else ())
+                    num_stages=num_stages, divisible=_ALIGNED if aligned else ())
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -408,6 +410,29 @@ def test_reading_ahead_loads_the_second_tile_before_the_wait_and_the_loop_withou
     assert re.search(r"cp\.async\.wait_group\s+0", plain) and "cp.async" not in ahead and "cp.async" not in merged
     # with the L2 prefetch, ahead of the tile the loop loads next (one later when it reads ahead)
     assert "prefetch.global.L2" in _split_kernel_ptx(newest_apart=True, kv_ahead=2, prefetch_tiles=2, aligned=True)
+
+
+def test_more_stages_pipeline_the_tile_loop_only_when_it_reads_the_next_places_ahead():
+    """Ahead of time, without a GPU: Triton's pipeliner leaves the loop whose K/V addresses come from a block-table
+    load in the same turn unpipelined at 3 stages (it waits for every copy, wait_group 0); with the places carried
+    from the turn before (KV_AHEAD 1), 3 stages keep the next tile's K and V copies in flight (wait_group 2)."""
+    def waits(ptx: str) -> set[int]:
+        return {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
+
+    assert waits(_split_kernel_ptx(newest_apart=True, aligned=True, num_stages=3)) == {0}
+    assert max(waits(_split_kernel_ptx(newest_apart=True, kv_ahead=1, aligned=True, num_stages=3))) == 2
+
+
+def test_the_stages_setting_is_read_by_name(monkeypatch):
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
+    assert attention_stages() == 2
+    monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "3")
+    assert attention_stages() == 3
+    monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "5")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_STAGES must be one of 2, 3, 4"):
+        attention_stages()
 
 
 @pytest.mark.parametrize(("value", "batch", "expected"), [

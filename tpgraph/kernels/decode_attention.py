@@ -90,6 +90,7 @@ LONG_SPLIT_TILES = 8
 #   epilogue chain at 512 tokens (-0.010 and -0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
 # So 2 at batch 1 where the grid fits two programs a SM (the only case timed to win), else 0.
 KV_AHEAD_REGISTER_PROGRAMS_PER_SM = 2
+ATTENTION_STAGES = 2  # the split kernel's pipeline stages (attention_stages)
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
@@ -500,6 +501,15 @@ def kv_lookahead(batch: int, programs: int, num_sms: int, dtype: torch.dtype = t
     return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 0)
 
 
+def attention_stages() -> int:
+    """The split kernel's software-pipeline stages: ATTENTION_STAGES, or TPGRAPH_ATTN_STAGES=2/3/4 (for timing them in
+    whole steps). More than 2 only pipelines the tile loop when it reads the next tile's places ahead
+    (TPGRAPH_ATTN_KV_AHEAD=1): Triton's pipeliner leaves a loop whose K/V addresses come from a load in the same turn
+    (the block table) unpipelined at any stage count; with them carried from the turn before, 3 stages keep a tile's
+    K/V copies in flight (sm_90a: wait_group 2, 70 KB of shared memory, 137 registers) and 4 stages two."""
+    return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), ATTENTION_STAGES)
+
+
 def combine_tiles(group: int) -> dict:
     """The last split's merge (_combine_group): the query group to a power of two, and
     COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
@@ -511,7 +521,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
                               split_tiles: int | None = None, newest_apart: bool | None = None,
-                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2,
+                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None,
                               l2_prefetch: int | None = None, kv_ahead: int | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
@@ -521,11 +531,12 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
-    them (bench/bench_attention_sweep.py); the defaults are what the model runs. l2_prefetch: how many tiles each
-    program keeps asked of L2 ahead of the one it loads next, 0 or a power of two (default: `l2_prefetch_tiles_for`,
-    off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done (a prefetch changes no result, and the
-    interpreter runs no inline assembly). kv_ahead: how far the tile loop reads ahead, 0, 1 or 2 (default:
-    `kv_lookahead`); each attends the same tiles in the same order (the same bits under the interpreter).
+    them (bench/bench_attention_sweep.py); the defaults are what the model runs (num_stages: `attention_stages`).
+    l2_prefetch: how many tiles each program keeps asked of L2 ahead of the one it loads next, 0 or a power of two
+    (default: `l2_prefetch_tiles_for`, off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done
+    (a prefetch changes no result, and the interpreter runs no inline assembly). kv_ahead: how far the tile loop
+    reads ahead, 0, 1 or 2 (default: `kv_lookahead`); each attends the same tiles in the same order (the same bits
+    under the interpreter).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -547,6 +558,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          f"got {l2_prefetch}")
     group = num_heads // kv_heads
     num_sms = num_sms_for(q.device)
+    num_stages = attention_stages() if num_stages is None else num_stages
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms, min_split_tokens=block_n)
     num_splits = max(1, int(num_splits))
