@@ -79,8 +79,8 @@ LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
 # (sm_90a, 2 stages) reads a tile's block-table entries, then its K/V, then waits for both: two dependent round trips
 # a tile. Reading the next tile's places a tile early (1) makes it one; holding the next tile's K/V in registers too
-# (2) overlaps consecutive tiles, at 221 registers instead of 160 (4 warps, the newest row merged, as at batch 1; 202
-# instead of 138 with it apart), so two programs a SM at most. Timed on an H200
+# (2) overlaps consecutive tiles, at 226 registers instead of 162 (Triton 3.6, 4 warps, the newest row merged, as at
+# batch 1; 204 instead of 111 with it apart), so two programs a SM at most. Timed on an H200
 # (bench/results/2026-12-02_h200_kernel_floor, run3-run5), whole TP=1 steps at a TP=2 rank's shape (4 KV heads,
 # max_model_len 8192), each against 0 in the same call:
 # - 2 at batch 1 (256 programs): -0.002 to -0.010 ms at 512 tokens, -0.050 at 4K; attention alone at 32K tokens
@@ -506,7 +506,8 @@ def attention_stages() -> int:
     whole steps). More than 2 only pipelines the tile loop when it reads the next tile's places ahead
     (TPGRAPH_ATTN_KV_AHEAD=1): Triton's pipeliner leaves a loop whose K/V addresses come from a load in the same turn
     (the block table) unpipelined at any stage count; with them carried from the turn before, 3 stages keep a tile's
-    K/V copies in flight (sm_90a: wait_group 2, 70 KB of shared memory, 137 registers) and 4 stages two."""
+    K/V copies in flight (sm_90a, Triton 3.6 and 3.9: wait_group 2, 70 KB of shared memory; 117 registers with the
+    newest row apart, 168 merged, on 3.6) and 4 stages two."""
     return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), ATTENTION_STAGES)
 
 
