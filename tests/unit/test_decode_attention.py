@@ -384,14 +384,15 @@ def test_the_newest_row_apart_or_merged_matches_the_reference(dtype, newest_apar
 def test_the_newest_row_apart_stages_the_first_tile_before_the_wait():
     """Ahead of time, without a GPU: with the newest row apart, the first tile (loaded before the PDL wait) is no
     longer rewritten after it, so most of its staging into shared memory for the dot moves before the wait: in this
-    compile (unaligned strides) 144 st.shared between the trigger and the first mma with the row merged, 25 apart."""
+    compile (unaligned strides) 144 st.shared between the trigger and the first mma with the row merged, 25 apart
+    (Triton 3.9; 38 with the device's 3.6)."""
     staged = {}
     for apart in (False, True):
         ptx = _split_kernel_ptx(newest_apart=apart)
         wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         staged[apart] = (ptx[:wait].count("st.shared"), ptx[trigger:ptx.index("mma.sync", trigger)].count("st.shared"))
     assert staged[False][0] == 0 and staged[True][0] > 0
-    assert staged[True][1] * 4 < staged[False][1]
+    assert staged[True][1] * 3 < staged[False][1]
 
 
 def test_reading_ahead_loads_the_second_tile_before_the_wait_and_the_loop_without_async_copies():
