@@ -328,7 +328,7 @@ if triton is not None:
             stop = tl.minimum(end, seq_len - 1) if NEWEST_APART else end
             tok_a = start + BLOCK_N + offs_n
             if KV_AHEAD > 0:
-                rows_a = _kv_rows(bt_row, tok_a, tok_a < end, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                rows_a = _kv_rows(bt_row, tok_a, tok_a < stop, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
             if KV_AHEAD == 2 and NEWEST_APART:  # older rows only: they do not wait for the kernel before
                 k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_a < stop, offs_d, d_ok)
             pdl_enter(PDL, not LATE_TRIGGER)
@@ -368,19 +368,20 @@ if triton is not None:
                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, LINE, LINES)
                 tok = tile + offs_n
                 tok_ok = tok < stop
-                tok_n = tok + BLOCK_N  # the next tile's tokens
                 if KV_AHEAD == 0:
                     rows = _kv_rows(bt_row, tok, tok_ok, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
                     k, v = _load_kv_rows(k_ptr, v_ptr, rows, tok_ok, offs_d, d_ok)
-                elif KV_AHEAD == 1:
-                    k, v = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_ok, offs_d, d_ok)
-                    rows_a = _kv_rows(bt_row, tok_n, tok_n < end, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-                else:
-                    k = k_a
-                    v = v_a
+                else:  # this tile's places (and with 2 its K/V) came a turn early; read the next tile's now
+                    if KV_AHEAD == 1:
+                        k, v = _load_kv_rows(k_ptr, v_ptr, rows_a, tok_ok, offs_d, d_ok)
+                    else:
+                        k = k_a
+                        v = v_a
+                    tok_n = tok + BLOCK_N
                     ok_n = tok_n < stop
                     rows_a = _kv_rows(bt_row, tok_n, ok_n, kv_h, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-                    k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, ok_n, offs_d, d_ok)
+                    if KV_AHEAD == 2:
+                        k_a, v_a = _load_kv_rows(k_ptr, v_ptr, rows_a, ok_n, offs_d, d_ok)
                 m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, qk_scale, v_ptr.dtype.element_ty,
                                              DOT_PRECISION, INTERPRETED)
             if PDL and LATE_TRIGGER:  # the K/V reads are done: the next kernel's loads no longer queue before ours
