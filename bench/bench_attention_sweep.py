@@ -209,7 +209,8 @@ def main() -> None:
     p.add_argument("--split-scales", default="1,2", help="the heuristic's split count times these")
     p.add_argument("--split-tiles", default="auto,1", help="the fewest tiles a split takes (auto: the heuristic)")
     p.add_argument("--kv-ahead", default="auto",
-                   help="how far the tile loop reads ahead: 0, 1, 2 (decode_attention's KV_AHEAD), auto: kv_lookahead's")
+                   help="how far the tile loop reads ahead: 0, 1, 2 (decode_attention's KV_AHEAD), "
+                        "auto: kv_lookahead's")
     p.add_argument("--l2-prefetch", default="0",
                    help="tiles each program keeps asked of L2 ahead: 0 or powers of two, auto: the budget rule")
     args = p.parse_args()
