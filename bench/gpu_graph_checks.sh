@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -250,6 +250,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --out "$out/attn_sweep.json" ${ATTN_SWEEP_ARGS:-} 2> "$out/attn_sweep.err" \
              | tee "$out/attn_sweep.log"  # (progress: stderr)
          tr '\r' '\n' < "$out/attn_sweep.err" | grep -v "shape/s\]\|s/shape\]" | tail -5 ;;
+    l2-carry) # issue 11: whether L2 keeps a prefetched weight (evict_last) while 176 MB stream past it (evict_first),
+         # read after each sequence by one kernel alone (bench_l2_carry.py)
+         timeout 300 python3 bench/bench_l2_carry.py --out "$out/l2_carry.json" 2>&1 | tee "$out/l2_carry.log" ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
          # (PROFILE_ENTRY overrides the entries; SHAPE and AB_CONTEXT as for ab)
