@@ -13,7 +13,6 @@ from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
-    KV_AHEAD_REGISTER_PROGRAMS_PER_SM,
     MAX_PREFETCH_TILES,
     MIN_SPLIT_TOKENS,
     attention_stages,
@@ -251,12 +250,16 @@ def test_the_late_trigger_setting_is_read_by_name(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_LATE_TRIGGER", raising=False)
-    assert not decode_attention.attention_late_trigger()  # off by default
+    assert not decode_attention.attention_late_trigger(1)  # batch 1: o_proj's resident tiles load beside attention
+    assert decode_attention.LATE_TRIGGER_MIN_BATCH == 2
+    assert decode_attention.attention_late_trigger(2) and decode_attention.attention_late_trigger(32)
     monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "1")
-    assert decode_attention.attention_late_trigger()
+    assert decode_attention.attention_late_trigger(1)
+    monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "0")
+    assert not decode_attention.attention_late_trigger(8)
     monkeypatch.setenv("TPGRAPH_ATTN_LATE_TRIGGER", "yes")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_LATE_TRIGGER"):
-        decode_attention.attention_late_trigger()
+        decode_attention.attention_late_trigger(8)
 
 
 @pytest.mark.parametrize("last_combines", ["0", "1"])
@@ -322,19 +325,20 @@ def test_reading_the_next_tile_ahead_gives_the_same_bits(seed, block_n, num_spli
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
-def test_the_read_ahead_holds_k_and_v_in_registers_at_batch_1_while_the_grid_fits_two_programs_a_sm(monkeypatch):
+def test_the_read_ahead_carries_the_next_tiles_places_with_a_16_bit_cache_at_3_stages(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
-    per_sm = KV_AHEAD_REGISTER_PROGRAMS_PER_SM
-    # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits fit two a SM, batch 8's 12 do not
-    assert kv_lookahead(1, 1 * 4 * 64, 132) == 2 and 1 * 4 * 64 <= per_sm * 132
-    assert kv_lookahead(8, 8 * 4 * 12, 132) == 0
-    assert kv_lookahead(1, per_sm * 132 + 1, 132) == 0
-    assert kv_lookahead(2, 2 * 4 * 8, 132) == 0  # a grid that fits, but only batch 1 was timed to win
-    assert kv_lookahead(1, 4, 132, torch.float32) == 0  # fp32 tiles in registers would spill
-    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "1")
-    assert kv_lookahead(1, 4, 132) == 1
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
+    # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits, batch 8's 12, batch 32's
+    for dtype in (torch.bfloat16, torch.float16):
+        for batch, programs in ((1, 1 * 4 * 64), (8, 8 * 4 * 12), (32, 32 * 4 * 3)):
+            assert kv_lookahead(batch, programs, 132, dtype) == 1
+    assert attention_stages(kv_lookahead(1, 4, 132)) == 3  # pipelined: the next tile's copies in flight
+    assert kv_lookahead(1, 4, 132, torch.float32) == 0  # fp32's 3-stage tiles would take 140 KB of shared memory
+    assert attention_stages(kv_lookahead(1, 4, 132, torch.float32)) == 2
+    monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "0")
+    assert kv_lookahead(1, 4, 132) == 0
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
     assert kv_lookahead(8, 8 * 4 * 12, 132) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")
@@ -428,7 +432,10 @@ def test_the_stages_setting_is_read_by_name(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
-    assert attention_stages() == 2
+    assert attention_stages() == 2 and attention_stages(0) == 2 and attention_stages(2) == 2
+    assert attention_stages(1) == 3
+    monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "4")
+    assert attention_stages(1) == 4
     monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "3")
     assert attention_stages() == 3
     monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "5")

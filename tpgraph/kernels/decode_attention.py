@@ -20,7 +20,8 @@ that was 10-100x slower on an H200:
   later tile into its one shared buffer only once the tile before has been used (sm_90a: the next tile's cp.async
   follows the scores, and the loop's top waits for it), so without it every tile pays a whole HBM round trip in
   turn;
-- at batch 1 (`kv_lookahead`) the loop instead holds the next tile's K/V in registers while it attends this one, so
+- with a 16-bit cache (`kv_lookahead`, `attention_stages`) the loop reads the next tile's places in the cache a turn
+  early, so that the pipeliner keeps a tile's K/V copies in flight (3 stages) while it attends this one, and
   consecutive tiles' round trips overlap;
 - as a programmatic dependent, a program loads its first tile of older K/V rows, and the newest row's place in the
   cache, before it waits for the kernel before (only q and the newest row come from it), so the dependent loads
@@ -88,9 +89,18 @@ LONG_SPLIT_TILES = 8
 #   and +0.052 at batch 8 and 512 tokens even though only 128 of its programs have tokens to attend.
 # - 1: -0.012 to -0.019 ms at batch 32 and 512 tokens, -0.040 / -0.044 at 4K; at batch 8 +0.045 and +0.067 in the
 #   epilogue chain at 512 tokens (-0.010 and -0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
-# So 2 at batch 1 where the grid fits two programs a SM (the only case timed to win), else 0.
-KV_AHEAD_REGISTER_PROGRAMS_PER_SM = 2
-ATTENTION_STAGES = 2  # the split kernel's pipeline stages (attention_stages)
+# Those ran at 2 stages, where 1 cannot pipeline (see attention_stages). At 3 stages, 1 keeps the next tile's copies in
+# flight, and it is now the default with a 16-bit cache (bench/results/2026-12-02_h200_pipelined_tiles), whole TP=1
+# steps against the rule before (2 at batch 1 where the grid fits, else 0) in the same call:
+# - 512 tokens: -0.012 to +0.019 ms at batches 1-32 (within noise but for +0.019 at batch 2);
+# - 4K tokens: -0.034 / 0.000 / -0.127 ms at batches 1 / 8 / 32;
+# - 32K tokens (max_model_len 32K+): -0.114 / -0.171 ms at batches 1 / 8.
+# 2 and 0 stay opt-in (TPGRAPH_ATTN_KV_AHEAD); an fp32 cache keeps 0 at 2 stages (its 3-stage tiles would take about
+# 140 KB of shared memory, untimed).
+ATTENTION_STAGES = 2  # the split kernel's pipeline stages without the read-ahead (attention_stages)
+PIPELINED_STAGES = 3  # and with it (KV_AHEAD 1)
+# From this many sequences decode attention lets o_proj in after its tiles (attention_late_trigger).
+LATE_TRIGGER_MIN_BATCH = 2
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
 COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
@@ -484,32 +494,36 @@ def newest_apart_for(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_NEWEST_APART", default=batch >= NEWEST_APART_MIN_BATCH)
 
 
-def attention_late_trigger() -> bool:
+def attention_late_trigger(batch: int) -> bool:
     """TPGRAPH_ATTN_LATE_TRIGGER=1: decode attention lets the next kernel in once a split's tiles are attended (before
     its partials are stored and merged), not right after its PDL wait. The next kernel is o_proj, whose one-row
     resident tiles load 16 MB of weights as soon as they are in (gemv.resident), and attention's loads after the wait
     (q, the newest row, later tiles) then queue behind them: at batch 1 attention added 8.4-9.2 us a layer beside
-    them against 6.1 before (bench/results/2026-12-01_h200_resident). Off until timed in whole steps."""
-    return env_flag("TPGRAPH_ATTN_LATE_TRIGGER")
+    them against 6.1 before (bench/results/2026-12-01_h200_resident). On from LATE_TRIGGER_MIN_BATCH sequences
+    (TPGRAPH_ATTN_LATE_TRIGGER=0/1 forces it). Whole TP=1 steps, 512 tokens, against it off in the same call
+    (bench/results/2026-12-02_h200_kernel_floor run1, 2026-12-02_h200_pipelined_tiles): batch 1 +0.021 / +0.025 ms,
+    2 -0.003, 4 0.000, 8 -0.023 / -0.036, 16 -0.027, 32 +0.005 / -0.002: at batch 1 o_proj's resident tiles need
+    attention's whole time to load, and from batch 8 o_proj streams after its wait."""
+    return env_flag("TPGRAPH_ATTN_LATE_TRIGGER", default=batch >= LATE_TRIGGER_MIN_BATCH)
 
 
 def kv_lookahead(batch: int, programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for `batch`
-    sequences in a grid of `programs`: the next tile's K/V in registers (2) for one sequence whose grid fits
-    KV_AHEAD_REGISTER_PROGRAMS_PER_SM programs a SM, with a 16-bit cache (fp32 tiles would spill); else not at all
-    (0; see KV_AHEAD_REGISTER_PROGRAMS_PER_SM's note for why, and why not 1). TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it."""
-    fits = batch == 1 and programs <= KV_AHEAD_REGISTER_PROGRAMS_PER_SM * num_sms and dtype.itemsize == 2
-    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 2 if fits else 0)
+    sequences in a grid of `programs`: the next tile's places (1, pipelined at PIPELINED_STAGES) with a 16-bit cache,
+    else not at all (0); see the note above ATTENTION_STAGES for the timings. TPGRAPH_ATTN_KV_AHEAD=0/1/2
+    forces it (2: the next tile's K/V in registers, timed to win only where the grid fits two
+    programs a SM). The launch hands the rule its batch and grid (the rules timed before it used them)."""
+    return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 1 if dtype.itemsize == 2 else 0)
 
 
-def attention_stages() -> int:
-    """The split kernel's software-pipeline stages: ATTENTION_STAGES, or TPGRAPH_ATTN_STAGES=2/3/4 (for timing them in
-    whole steps). More than 2 only pipelines the tile loop when it reads the next tile's places ahead
-    (TPGRAPH_ATTN_KV_AHEAD=1): Triton's pipeliner leaves a loop whose K/V addresses come from a load in the same turn
-    (the block table) unpipelined at any stage count; with them carried from the turn before, 3 stages keep a tile's
-    K/V copies in flight (sm_90a, Triton 3.6 and 3.9: wait_group 2, 70 KB of shared memory; 117 registers with the
-    newest row apart, 168 merged, on 3.6) and 4 stages two."""
-    return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), ATTENTION_STAGES)
+def attention_stages(kv_ahead: int = 0) -> int:
+    """The split kernel's software-pipeline stages for a tile loop that reads `kv_ahead` ahead: PIPELINED_STAGES for
+    1, else ATTENTION_STAGES; TPGRAPH_ATTN_STAGES=2/3/4 forces them. More than 2 only pipelines the tile loop when it
+    reads the next tile's places ahead (KV_AHEAD 1): Triton's pipeliner leaves a loop whose K/V addresses come from a
+    load in the same turn (the block table) unpipelined at any stage count; with them carried from the turn before, 3
+    stages keep a tile's K/V copies in flight (sm_90a, Triton 3.6 and 3.9: wait_group 2, 70 KB of shared memory; 117
+    registers with the newest row apart, 168 merged, on 3.6) and 4 stages two."""
+    return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), PIPELINED_STAGES if kv_ahead == 1 else ATTENTION_STAGES)
 
 
 def combine_tiles(group: int) -> dict:
@@ -560,10 +574,12 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          f"got {l2_prefetch}")
     group = num_heads // kv_heads
     num_sms = num_sms_for(q.device)
-    num_stages = attention_stages() if num_stages is None else num_stages
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms, min_split_tokens=block_n)
     num_splits = max(1, int(num_splits))
+    if kv_ahead is None:
+        kv_ahead = kv_lookahead(batch, batch * kv_heads * num_splits, num_sms, q.dtype)
+    num_stages = attention_stages(kv_ahead) if num_stages is None else num_stages
     split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
     out = torch.empty_like(q)
     if batch == 0:
@@ -595,9 +611,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
-        LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger() and pdl,
-        KV_AHEAD=kv_lookahead(batch, batch * kv_heads * num_splits, num_sms, q.dtype) if kv_ahead is None
-        else kv_ahead,
+        LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger(batch) and pdl,
+        KV_AHEAD=kv_ahead,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
