@@ -79,7 +79,7 @@ def test_resident_weights_compile_for_sm90_loaded_before_the_wait(slices):
         "tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
         {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
          "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
-         **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices, "W_EVICT": ""}, num_warps=16, num_stages=1,
+         **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices}, num_warps=16, num_stages=1,
         divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
     assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage  # the weights stay in registers: nothing spilled
     wait = ptx.index("griddepcontrol.wait")
@@ -441,7 +441,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> s
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "W_EVICT": ""})
+                     "ROPE_EARLY": rope_early})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:

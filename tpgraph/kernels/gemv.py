@@ -75,13 +75,6 @@ def rope_inputs_early() -> bool:
     return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
 
 
-def weight_eviction() -> str:
-    """The L2 eviction priority of the projections' weight loads: "" (normal) unless TPGRAPH_GEMV_EVICT_FIRST=1.
-    A weight is read once a step, so evict_first spends no L2 on it that the step's small tensors could use (opt-in
-    until timed in whole steps)."""
-    return "evict_first" if env_flag("TPGRAPH_GEMV_EVICT_FIRST") else ""
-
-
 def late_trigger() -> bool:
     """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: a projection with the all-reduce (or at TP=1 the residual add) in its epilogue
     lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 against the plain chain
@@ -259,13 +252,12 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATE_UP: tl.constexpr, W_EVICT: tl.constexpr):
-        """Column block pid's [BLOCK_N, BLOCK_K] weight tile at K offset k0 (zeros past N and K), loaded with the L2
-        eviction priority W_EVICT ("" or "evict_first": see weight_eviction)."""
+                     GATE_UP: tl.constexpr):
+        """Column block pid's [BLOCK_N, BLOCK_K] weight tile at K offset k0 (zeros past N and K)."""
         offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
         k = k0 + tl.arange(0, BLOCK_K)
         return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                       mask=n_ok[:, None] & (k < K)[None, :], other=0.0, eviction_policy=W_EVICT)
+                       mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
     def _dot_f32(a, b, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
@@ -286,7 +278,7 @@ if triton is not None:
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
                  GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 SLICES: tl.constexpr, W_EVICT: tl.constexpr):
+                 SLICES: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
@@ -320,7 +312,7 @@ if triton is not None:
                 k = k0 + offs_k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
                             other=0.0)
-                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP, W_EVICT)
+                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
                 acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
@@ -351,7 +343,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, SLICES: tl.constexpr, W_EVICT: tl.constexpr):
+                     RESIDENT: tl.constexpr, SLICES: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -385,7 +377,7 @@ if triton is not None:
             if RES_EARLY:  # settled before the kernel before us started (see above): no wait needed
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         if RESIDENT:  # the weights do not depend on the kernel before: all of them now, before the wait
-            w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP, W_EVICT)
+            w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP)
         else:
             w_resident = 0
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
@@ -397,7 +389,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, SLICES, W_EVICT)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, SLICES)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -432,7 +424,7 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr, W_EVICT: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -460,7 +452,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, 0, W_EVICT)
+                       SOFT_BF16, IEEE, False, PDL, True, False, 0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -682,8 +674,8 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
-                LINE=min(128 // x.element_size(), cfg.block_k), W_EVICT=weight_eviction(), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_launch(pdl))
+                LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_launch(pdl))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
