@@ -295,7 +295,8 @@ if triton is not None:
 
         KV_AHEAD (`kv_lookahead`): how far the loop over a split's later tiles reads ahead. 0: each tile's block-table
         entries, then its K/V, then its dots, so a tile costs two dependent round trips. 1: the next tile's cache
-        places are read while this tile's K/V load (one round trip a tile). 2: the next tile's K/V too, into registers
+        places are read while this tile's K/V load, which lets the pipeliner keep the next tile's K/V copies in flight
+        at 3 stages (the default with a 16-bit cache). 2: the next tile's K/V too, into registers
         (before the wait with the newest row apart, since older rows do not depend on the kernel before), so the round
         trips of consecutive tiles overlap."""
         b = tl.program_id(0).to(tl.int64)
