@@ -417,15 +417,17 @@ def test_reading_ahead_loads_the_second_tile_before_the_wait_and_the_loop_withou
     assert "prefetch.global.L2" in _split_kernel_ptx(newest_apart=True, kv_ahead=2, prefetch_tiles=2, aligned=True)
 
 
-def test_more_stages_pipeline_the_tile_loop_only_when_it_reads_the_next_places_ahead():
+@pytest.mark.parametrize("newest_apart", [True, False])
+def test_more_stages_pipeline_the_tile_loop_only_when_it_reads_the_next_places_ahead(newest_apart):
     """Ahead of time, without a GPU: Triton's pipeliner leaves the loop whose K/V addresses come from a block-table
     load in the same turn unpipelined at 3 stages (it waits for every copy, wait_group 0); with the places carried
-    from the turn before (KV_AHEAD 1), 3 stages keep the next tile's K and V copies in flight (wait_group 2)."""
+    from the turn before (KV_AHEAD 1), 3 stages keep the next tile's K and V copies in flight (wait_group 2), with the
+    newest row apart (from batch 2) and merged (batch 1) alike: the defaults' kernels."""
     def waits(ptx: str) -> set[int]:
         return {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
 
-    assert waits(_split_kernel_ptx(newest_apart=True, aligned=True, num_stages=3)) == {0}
-    assert max(waits(_split_kernel_ptx(newest_apart=True, kv_ahead=1, aligned=True, num_stages=3))) == 2
+    assert waits(_split_kernel_ptx(newest_apart=newest_apart, aligned=True, num_stages=3)) == {0}
+    assert max(waits(_split_kernel_ptx(newest_apart=newest_apart, kv_ahead=1, aligned=True, num_stages=3))) == 2
 
 
 def test_the_stages_setting_is_read_by_name(monkeypatch):
