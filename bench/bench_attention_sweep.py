@@ -99,8 +99,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         prefetch = shape.l2_prefetch
         if prefetch is None:
             prefetch = rule(shape.block_n, splits) if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0
-        programs = batch * KV_HEADS * splits
-        ahead = kv_lookahead(batch, programs, sms) if shape.kv_ahead is None else shape.kv_ahead
+        ahead = kv_lookahead(torch.bfloat16) if shape.kv_ahead is None else shape.kv_ahead
         stages = attention_stages(ahead) if shape.num_stages is None else shape.num_stages
         return shape.block_n, shape.num_warps, stages, splits, tiles, prefetch, ahead
 

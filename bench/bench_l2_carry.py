@@ -2,7 +2,7 @@
 
 In a batch-1 decode step, attention and o_proj leave HBM idle for several µs a layer, while qkv (the next layer's
 first kernel) pays about 3.6 µs above its floor to ramp its weight stream up and down. If qkv's weights were pulled
-into L2 during that idle time (a prefetch with evict_last priority), and the 175 MB of gate_up and down weights that
+into L2 during that idle time (a prefetch with evict_last priority), and the 176 MB of gate_up and down weights that
 stream in between were read with evict_first priority, qkv could read them from L2. This measures whether L2 keeps
 them, before any kernel is changed. For each size of the carried read (`--sizes`, MB), one kernel reading it is timed
 (CUDA events, the median of `--runs`) after each sequence:
@@ -38,10 +38,10 @@ SCENARIOS = ("cold", "carry", "carry-ns", "carry-pn", "carry-bulk", "hot")
 
 
 @triton.jit
-def _prefetch_lines_kernel(ptr, n, EVICT_LAST: tl.constexpr, BLOCK: tl.constexpr):
+def _prefetch_lines_kernel(ptr, n, EVICT_LAST: tl.constexpr, BLOCK: tl.constexpr, LINE: tl.constexpr):
     """One L2 prefetch per 128-byte line, BLOCK lines a program."""
     lines = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs = tl.minimum(lines * 64, n - 1)
+    offs = tl.minimum(lines * LINE, n - 1)
     if EVICT_LAST:
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + offs],
                                   dtype=tl.int32, is_pure=False, pack=1)
@@ -51,10 +51,11 @@ def _prefetch_lines_kernel(ptr, n, EVICT_LAST: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _prefetch_bulk_kernel(ptr, n, BLOCK: tl.constexpr):
-    """One 4 KB bulk L2 prefetch (the copy engine's, no registers held) per element, evict_last; n is a multiple."""
+def _prefetch_bulk_kernel(ptr, n, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """One 4 KB (CHUNK bf16 elements: the asm's byte count) bulk L2 prefetch per element, evict_last; n is a multiple
+    of CHUNK."""
     chunks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs = tl.minimum(chunks * 2048, n - 2048)
+    offs = tl.minimum(chunks * CHUNK, n - CHUNK)
     tl.inline_asm_elementwise(
         "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
         "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], 4096, pol;\n\t}\n\tmov.u32 $0, 0;",
@@ -91,13 +92,14 @@ class Streams:
     def prefetch(buf: torch.Tensor, evict_last: bool) -> None:
         block = 256
         grid = (triton.cdiv(triton.cdiv(buf.numel(), LINE_ELEMS), block),)
-        _prefetch_lines_kernel[grid](buf, buf.numel(), EVICT_LAST=evict_last, BLOCK=block, num_warps=4)
+        _prefetch_lines_kernel[grid](buf, buf.numel(), EVICT_LAST=evict_last, BLOCK=block, LINE=LINE_ELEMS,
+                                     num_warps=4)
 
     @staticmethod
     def prefetch_bulk(buf: torch.Tensor) -> None:
         block = 128
         grid = (triton.cdiv(triton.cdiv(buf.numel(), BULK_ELEMS), block),)
-        _prefetch_bulk_kernel[grid](buf, buf.numel(), BLOCK=block, num_warps=4)
+        _prefetch_bulk_kernel[grid](buf, buf.numel(), BLOCK=block, CHUNK=BULK_ELEMS, num_warps=4)
 
 
 def timed(before, body) -> float:

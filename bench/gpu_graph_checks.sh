@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for the CUDA-graph decode work, one device call: build, kernel tests, a step. Logs go to $1.
 # usage: bash bench/gpu_graph_checks.sh OUTDIR [kernels] [bench] [graph-tests] [guards-memory] [regress] [parity]
-#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all] [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport] [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests] [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
+#        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all]
+#        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
+#        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
+#        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -226,13 +229,14 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --profile --profile-batches 32 --steps 20 --out "$out/profile_wide_m$m.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -24 | tee "$out/profile_wide_m$m.log"; done ;;
-    attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait, and then one
-         # more each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: the loop waits out each later tile's HBM round trip
-         # in turn): the GPU tests (prefetch changes no bit, the newest row seen), attention alone with and without it
-         # by the sweep's one method (longer splits beside the heuristic's, which a prefetch may now pay for), then
-         # whole steps at each of AB_CONTEXTS (default 512; alternating processes; SHAPE, AB_ENTRY as for ab). L2_TILES:
-         # the prefetch depths swept (session 15 timed only the budget rule's, 2 at batches 8-32: slower alone there, 24 MB
-         # asked of the 50 MB L2 at once, perhaps evicted before use; 1 is the next to try)
+    attn-prefetch) # issue 11: decode attention asking L2 for its split's later tiles before its wait, and then one more
+         # each loop turn (TPGRAPH_ATTN_L2_PREFETCH=1; sm_90a: at 2 stages without the read-ahead the loop waits out
+         # each later tile's HBM round trip in turn): the GPU tests (prefetch changes no bit, the newest row seen),
+         # attention alone with and without it by the sweep's one method (longer splits beside the heuristic's, which a
+         # prefetch may now pay for), then whole steps at each of AB_CONTEXTS (default 512; alternating processes;
+         # SHAPE, AB_ENTRY as for ab). L2_TILES: the prefetch depths swept (session 15 timed only the budget rule's, 2
+         # at batches 8-32: slower alone there, 24 MB asked of the 50 MB L2 at once, perhaps evicted before use; 1 is
+         # the next to try)
          timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -k "prefetch or newest_row or split_kv" \
              2>&1 | tail -3 | tee "$out/prefetch_tests.log"
          timeout 240 python3 bench/bench_attention_sweep.py --points "${ATTN_POINTS:-1x512,8x512,32x512,1x4096,8x4096}" \

@@ -376,7 +376,8 @@ def test_vocab_shard_embedding_copies_the_torch_sequence_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize(("l2_prefetch", "kv_ahead", "newest_apart"), [
-    ("0", None, None), ("1", None, None), ("0", "1", None), ("0", "2", "1"), ("0", "2", "0"), ("1", "2", "1")])
+    ("0", None, None), ("1", None, None), ("0", None, "0"), ("0", "0", None), ("0", "2", "1"), ("0", "2", "0"),
+    ("1", "2", "1")])
 @pytest.mark.parametrize("max_seq_len", [600, 8192])
 def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(monkeypatch, max_seq_len, l2_prefetch,
                                                                        kv_ahead, newest_apart):
@@ -384,9 +385,10 @@ def test_decode_attention_sees_the_newest_row_the_kernel_before_writes(monkeypat
     programmatic dependent, whose programs load older K/V rows before their wait, and with TPGRAPH_ATTN_L2_PREFETCH=1
     ask L2 for their later tiles, the newest row's line among them, before the store has written it). Every step's
     output must be the reference's over the cache as the store left it, at a grid sized for ~600 tokens and for
-    8192; and with the tile loop's read-ahead as chosen (none at batch 8), the next tile's places only, and the next
-    tile's K/V in registers with the newest row apart (the second tile's older rows loaded before the wait) and merged
-    (as at batch 1), with and without the L2 prefetch."""
+    8192; and with the tile loop's read-ahead as chosen (the next tile's places, at 3 stages: pipelined), with the
+    newest row apart (as from batch 2) and merged (as at batch 1), none, and the next tile's K/V in registers with the
+    newest row apart (the second tile's older rows loaded before the wait) and merged, with and without the L2
+    prefetch."""
     for name, value in (("TPGRAPH_ATTN_L2_PREFETCH", l2_prefetch), ("TPGRAPH_ATTN_KV_AHEAD", kv_ahead),
                         ("TPGRAPH_ATTN_NEWEST_APART", newest_apart)):
         if value is None:

@@ -20,9 +20,9 @@ def test_points_are_batch_x_context_and_mistakes_are_named(sweep):
 def test_the_grid_starts_with_the_default_and_scales_the_heuristics_splits(sweep):
     from tpgraph.kernels.decode_attention import choose_num_splits
 
-    shapes = sweep.grid(32, 512, 132, [32, 64], [4], [2], [1, 2], [None, 1])
+    shapes = sweep.grid(32, 512, 132, [32, 64], [4], [3], [1, 2], [None, 1])
     assert shapes[0] == sweep.AttnShape()  # the model's launch, timed first
-    assert len(shapes) == len(set(shapes)) == 8  # the default is also the (64, 4, 2, auto, auto) point
+    assert len(shapes) == len(set(shapes)) == 8  # the default is also the (64, 4, 3, auto, auto) point
     doubled = [s for s in shapes if s.block_n == 32 and s.num_splits is not None]
     assert {s.num_splits for s in doubled} == {min(2 * choose_num_splits(32, 4, 512, 132, min_split_tokens=32),
                                                    512 // 32)}
@@ -43,22 +43,26 @@ def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatc
     """auto is the rule's tile count for each launch (batch 32's 384 programs: 2; batch 1: 8); an explicit 0 is the
     default launch (timed once, as the default), and the default follows TPGRAPH_ATTN_L2_PREFETCH."""
     monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
-    shapes = sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto", 4))
-    assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_stages=2, l2_prefetch=2),
-                      sweep.AttnShape(num_stages=2, l2_prefetch=4)]
-    assert sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], ("auto",))[1].l2_prefetch == 8
+    monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
+    shapes = sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto", 4))
+    assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_stages=3, l2_prefetch=2),
+                      sweep.AttnShape(num_stages=3, l2_prefetch=4)]
+    assert sweep.grid(1, 8192, 132, [64], [4], [3], [1], [None], ("auto",))[1].l2_prefetch == 8
     assert "l2 2" in shapes[1].short() and "l2" not in shapes[0].short()
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
-    assert sweep.grid(32, 8192, 132, [64], [4], [2], [1], [None], (0, "auto")) == [
-        sweep.AttnShape(), sweep.AttnShape(num_stages=2, l2_prefetch=0)]
+    assert sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto")) == [
+        sweep.AttnShape(), sweep.AttnShape(num_stages=3, l2_prefetch=0)]
 
 
 def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):
-    """At batch 1 the rule reads ahead 2, so an explicit 2 is the default launch (timed once, as the default) and 0 and
-    1 are launches of their own; at batch 8 the rule's 0 is the default."""
+    """The rule reads ahead 1 at 3 stages at every batch (16-bit cache), so an explicit 1 at 3 stages is the default
+    launch (timed once, as the default) and 0 and 2 are launches of their own; at 2 stages all three are."""
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
-    one = sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))
-    assert one[0] == sweep.AttnShape() and {s.kv_ahead for s in one[1:]} == {0, 1} and len(one) == 3
-    eight = sweep.grid(8, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))
-    assert {s.kv_ahead for s in eight[1:]} == {1, 2} and len(eight) == 3
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
+    for batch in (1, 8):
+        shapes = sweep.grid(batch, 8192, 132, [64], [4], [3], [1], [None], kv_ahead=(0, 1, 2))
+        assert shapes[0] == sweep.AttnShape() and [s.kv_ahead for s in shapes[1:]] == [0, 2]
+    assert [s.kv_ahead for s in sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))[1:]] == [
+        0, 1, 2]
     assert "ahead 2" in sweep.AttnShape(kv_ahead=2).short() and "ahead" not in sweep.AttnShape().short()

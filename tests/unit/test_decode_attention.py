@@ -235,10 +235,13 @@ def test_the_last_split_variant_compiles_for_sm90(pdl):
         assert "griddepcontrol" not in ptx
 
 
-def test_the_late_trigger_lets_the_next_kernel_in_after_the_tiles():
-    """TPGRAPH_ATTN_LATE_TRIGGER's kernel (sm_90, ahead of time): the wait first, then every K/V tile's dot, and only
-    then the next kernel let in, before the partials are stored and counted; the setting is read by name."""
-    ptx = _split_kernel_ptx(late_trigger=True)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_late_trigger_lets_the_next_kernel_in_after_the_tiles(pipelined):
+    """The late trigger's kernel (sm_90, ahead of time): the wait first, then every K/V tile's dot, and only then the
+    next kernel let in, before the partials are stored and counted; also in the kernel the defaults launch from batch
+    2 (the newest row apart, the read-ahead at 3 stages)."""
+    extra = dict(newest_apart=True, kv_ahead=1, aligned=True, num_stages=3) if pipelined else {}
+    ptx = _split_kernel_ptx(late_trigger=True, **extra)
     wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert wait < ptx.index("mma.sync") and ptx.rindex("mma.sync") < trigger
@@ -330,35 +333,46 @@ def test_the_read_ahead_carries_the_next_tiles_places_with_a_16_bit_cache_at_3_s
 
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
-    # an H200 (132 SMs), 4 KV heads: batch 1's 64 splits, batch 8's 12, batch 32's
-    for dtype in (torch.bfloat16, torch.float16):
-        for batch, programs in ((1, 1 * 4 * 64), (8, 8 * 4 * 12), (32, 32 * 4 * 3)):
-            assert kv_lookahead(batch, programs, 132, dtype) == 1
-    assert attention_stages(kv_lookahead(1, 4, 132)) == 3  # pipelined: the next tile's copies in flight
-    assert kv_lookahead(1, 4, 132, torch.float32) == 0  # fp32's 3-stage tiles would take 140 KB of shared memory
-    assert attention_stages(kv_lookahead(1, 4, 132, torch.float32)) == 2
+    assert kv_lookahead(torch.bfloat16) == 1 and kv_lookahead(torch.float16) == 1
+    assert attention_stages(kv_lookahead(torch.bfloat16)) == 3  # pipelined: the next tile's copies in flight
+    assert kv_lookahead(torch.float32) == 0  # fp32's 3-stage tiles would take about 140 KB of shared memory
+    assert attention_stages(kv_lookahead(torch.float32)) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "0")
-    assert kv_lookahead(1, 4, 132) == 0
+    assert kv_lookahead(torch.bfloat16) == 0
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "2")
-    assert kv_lookahead(8, 8 * 4 * 12, 132) == 2
+    assert kv_lookahead(torch.float32) == 2
     monkeypatch.setenv("TPGRAPH_ATTN_KV_AHEAD", "3")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_KV_AHEAD must be one of 0, 1, 2"):
-        kv_lookahead(1, 4, 132)
+        kv_lookahead(torch.bfloat16)
 
 
-def test_the_launch_asks_the_read_ahead_rule_with_its_grid_and_refuses_other_values(monkeypatch):
-    """paged_decode_attention_v2 hands kv_lookahead its batch and the grid it launches (batch x KV heads x splits),
-    and a kv_ahead argument other than 0, 1, 2 is refused before any launch."""
+@pytest.mark.parametrize(("kv_ahead", "dtype", "ahead", "stages"), [
+    (None, torch.bfloat16, 1, 3), (None, torch.float32, 0, 2), (2, torch.bfloat16, 2, 2), (0, torch.bfloat16, 0, 2)])
+def test_the_launch_takes_its_stages_from_the_read_ahead_it_resolved(monkeypatch, kv_ahead, dtype, ahead, stages):
+    """paged_decode_attention_v2 asks kv_lookahead with the cache's dtype (unless kv_ahead is given) and then
+    attention_stages with the read-ahead it resolved, and launches with both; a kv_ahead other than 0, 1, 2 is refused
+    before any launch."""
+    monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
     q, k, v, bt, lens, scale = random_paged_case(0, "cpu", torch.float32, max_batch=3, max_len=70)
-    asked = []
+    asked, launched = [], []
+    rule, stages_rule = decode_attention.kv_lookahead, decode_attention.attention_stages
+    monkeypatch.setattr(decode_attention, "kv_lookahead", lambda d: asked.append(d) or rule(dtype))
+    monkeypatch.setattr(decode_attention, "attention_stages", lambda a: launched.append(a) or stages_rule(a))
+    kernel = decode_attention._decode_split_kernel
 
-    def rule(batch, programs, num_sms, dtype):
-        asked.append((batch, programs, num_sms, dtype))
-        return 0
+    class Spy:  # the launch's KV_AHEAD and num_stages, then the real kernel
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["KV_AHEAD"], kwargs["num_stages"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
 
-    monkeypatch.setattr(decode_attention, "kv_lookahead", rule)
-    paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=3)
-    assert asked == [(q.shape[0], q.shape[0] * k.shape[2] * 3, CPU_NUM_SMS, q.dtype)]
+    monkeypatch.setattr(decode_attention, "_decode_split_kernel", Spy())
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, num_splits=3, kv_ahead=kv_ahead)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+    assert asked == ([q.dtype] if kv_ahead is None else [])
+    assert launched == [ahead, (ahead, stages)]
     with pytest.raises(ValueError, match="kv_ahead must be 0, 1 or 2"):
         paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=70, kv_ahead=3)
 
@@ -434,15 +448,15 @@ def test_the_stages_setting_is_read_by_name(monkeypatch):
     from tpgraph.errors import ConfigError
 
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
-    assert attention_stages() == 2 and attention_stages(0) == 2 and attention_stages(2) == 2
+    assert attention_stages(0) == 2 and attention_stages(2) == 2
     assert attention_stages(1) == 3
     monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "4")
     assert attention_stages(1) == 4
     monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "3")
-    assert attention_stages() == 3
+    assert attention_stages(0) == 3
     monkeypatch.setenv("TPGRAPH_ATTN_STAGES", "5")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_STAGES must be one of 2, 3, 4"):
-        attention_stages()
+        attention_stages(1)
 
 
 @pytest.mark.parametrize(("value", "batch", "expected"), [

@@ -16,10 +16,10 @@ that was 10-100x slower on an H200:
   to arrive (or a second small kernel) merges, several splits a load. With one split the first kernel writes the
   output itself;
 - with the L2 prefetch on (`l2_prefetch_tiles_for`), a program also asks L2 for its split's next tiles before that
-  wait, and each turn of its loop for one more, so that it stays that many tiles ahead: the compiled loop loads each
-  later tile into its one shared buffer only once the tile before has been used (sm_90a: the next tile's cp.async
-  follows the scores, and the loop's top waits for it), so without it every tile pays a whole HBM round trip in
-  turn;
+  wait, and each turn of its loop for one more, so that it stays that many tiles ahead: at 2 stages without the
+  read-ahead (an fp32 cache, or forced) the compiled loop loads each later tile into its one shared buffer only once
+  the tile before has been used (sm_90a: the next tile's cp.async follows the scores, and the loop's top waits for
+  it), so without it every tile pays a whole HBM round trip in turn;
 - with a 16-bit cache (`kv_lookahead`, `attention_stages`) the loop reads the next tile's places in the cache a turn
   early, so that the pipeliner keeps a tile's K/V copies in flight (3 stages) while it attends this one, and
   consecutive tiles' round trips overlap;
@@ -88,7 +88,7 @@ LONG_SPLIT_TILES = 8
 #   42.0 -> 37.8 us. At batches 8 and 32 (384 programs, more than fit two a SM): -0.008 to +0.79 ms, mostly worse,
 #   and +0.052 at batch 8 and 512 tokens even though only 128 of its programs have tokens to attend.
 # - 1: -0.012 to -0.019 ms at batch 32 and 512 tokens, -0.040 / -0.044 at 4K; at batch 8 +0.045 and +0.067 in the
-#   epilogue chain at 512 tokens (-0.010 and -0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in.
+#   epilogue chain at 512 tokens (-0.010 and -0.004 in the plain one), -0.018 and +0.017 at 4K. Left opt-in then.
 # Those ran at 2 stages, where 1 cannot pipeline (see attention_stages). At 3 stages, 1 keeps the next tile's copies in
 # flight, and it is now the default with a 16-bit cache (bench/results/2026-12-02_h200_pipelined_tiles), whole TP=1
 # steps against the rule before (2 at batch 1 where the grid fits, else 0) in the same call:
@@ -496,8 +496,8 @@ def newest_apart_for(batch: int) -> bool:
 
 
 def attention_late_trigger(batch: int) -> bool:
-    """TPGRAPH_ATTN_LATE_TRIGGER=1: decode attention lets the next kernel in once a split's tiles are attended (before
-    its partials are stored and merged), not right after its PDL wait. The next kernel is o_proj, whose one-row
+    """Whether decode attention lets the next kernel in once a split's tiles are attended (before its partials are
+    stored and merged), not right after its PDL wait. The next kernel is o_proj, whose one-row
     resident tiles load 16 MB of weights as soon as they are in (gemv.resident), and attention's loads after the wait
     (q, the newest row, later tiles) then queue behind them: at batch 1 attention added 8.4-9.2 us a layer beside
     them against 6.1 before (bench/results/2026-12-01_h200_resident). On from LATE_TRIGGER_MIN_BATCH sequences
@@ -508,22 +508,24 @@ def attention_late_trigger(batch: int) -> bool:
     return env_flag("TPGRAPH_ATTN_LATE_TRIGGER", default=batch >= LATE_TRIGGER_MIN_BATCH)
 
 
-def kv_lookahead(batch: int, programs: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) for `batch`
-    sequences in a grid of `programs`: the next tile's places (1, pipelined at PIPELINED_STAGES) with a 16-bit cache,
-    else not at all (0); see the note above ATTENTION_STAGES for the timings. TPGRAPH_ATTN_KV_AHEAD=0/1/2
-    forces it (2: the next tile's K/V in registers, timed to win only where the grid fits two
-    programs a SM). The launch hands the rule its batch and grid (the rules timed before it used them)."""
+def kv_lookahead(dtype: torch.dtype) -> int:
+    """How far decode attention's loop over a split's later tiles reads ahead (the kernel's KV_AHEAD) with a cache of
+    `dtype`: the next tile's places (1, pipelined at PIPELINED_STAGES) for 16 bits, else not at all (0); see the note
+    above ATTENTION_STAGES for the timings. TPGRAPH_ATTN_KV_AHEAD=0/1/2 forces it (2: the next tile's K/V in
+    registers, which beat 0 at 2 stages at batch 1 and lost to 1 at 3 stages: 2026-12-02_h200_pipelined_tiles run5).
+    Every batch and grid takes the same: batch 1 and batch 8 were timed alike."""
     return env_choice("TPGRAPH_ATTN_KV_AHEAD", (0, 1, 2), 1 if dtype.itemsize == 2 else 0)
 
 
-def attention_stages(kv_ahead: int = 0) -> int:
+def attention_stages(kv_ahead: int) -> int:
     """The split kernel's software-pipeline stages for a tile loop that reads `kv_ahead` ahead: PIPELINED_STAGES for
     1, else ATTENTION_STAGES; TPGRAPH_ATTN_STAGES=2/3/4 forces them. More than 2 only pipelines the tile loop when it
     reads the next tile's places ahead (KV_AHEAD 1): Triton's pipeliner leaves a loop whose K/V addresses come from a
     load in the same turn (the block table) unpipelined at any stage count; with them carried from the turn before, 3
     stages keep a tile's K/V copies in flight (sm_90a, Triton 3.6 and 3.9: wait_group 2, 70 KB of shared memory; 117
-    registers with the newest row apart, 168 merged, on 3.6) and 4 stages two."""
+    registers with the newest row apart, 168 merged, on 3.6) and 4 stages two. Forced settings are taken as given:
+    TPGRAPH_ATTN_STAGES=2 with the read-ahead 1 is the unpipelined loop that lost at batch 8, and
+    TPGRAPH_ATTN_KV_AHEAD=1 with an fp32 cache takes 3 stages of fp32 tiles (about 140 KB of shared memory, untimed)."""
     return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), PIPELINED_STAGES if kv_ahead == 1 else ATTENTION_STAGES)
 
 
@@ -579,7 +581,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms, min_split_tokens=block_n)
     num_splits = max(1, int(num_splits))
     if kv_ahead is None:
-        kv_ahead = kv_lookahead(batch, batch * kv_heads * num_splits, num_sms, q.dtype)
+        kv_ahead = kv_lookahead(q.dtype)
     num_stages = attention_stages(kv_ahead) if num_stages is None else num_stages
     split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
     out = torch.empty_like(q)
