@@ -66,3 +66,18 @@ def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):
     assert [s.kv_ahead for s in sweep.grid(1, 8192, 132, [64], [4], [2], [1], [None], kv_ahead=(0, 1, 2))[1:]] == [
         0, 1, 2]
     assert "ahead 2" in sweep.AttnShape(kv_ahead=2).short() and "ahead" not in sweep.AttnShape().short()
+
+
+def test_the_merge_axes_time_the_models_settings_once(sweep, monkeypatch):
+    """Long splits' cap and the merge's rows a load: the model's values (LONG_SPLIT_TILES, COMBINE_ROWS) given
+    explicitly are the default launch, other values launches of their own, named in the line."""
+    from tpgraph.kernels.decode_attention import COMBINE_ROWS, LONG_SPLIT_TILES
+
+    monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
+    monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
+    shapes = sweep.grid(1, 32768, 132, [64], [4], [3], [1], [None], long_tiles=(None, LONG_SPLIT_TILES, 4),
+                        combine_rows=(COMBINE_ROWS, 64))
+    assert shapes[0] == sweep.AttnShape()
+    assert [(s.long_split_tiles, s.combine_rows) for s in shapes[1:]] == [(None, 64), (4, COMBINE_ROWS), (4, 64)]
+    assert "long 4 rows 64" in shapes[-1].short() and "long" not in sweep.AttnShape().short()
+    assert sweep.auto_ints("auto,4") == (None, 4)

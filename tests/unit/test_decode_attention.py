@@ -176,7 +176,7 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=2, max_len=1500)
     lens[0] = 1500  # MERGE_SPLITS: splits of 2 tiles (1500 / 16 tokens, rounded up to tiles), 12 of them in use
-    chunk = combine_tiles(q.shape[1] // k.shape[2])["COMBINE_CHUNK"]
+    chunk = combine_tiles(q.shape[1] // k.shape[2], num_splits)["COMBINE_CHUNK"]
     assert 12 > chunk
     run = dict(max_seq_len=1500, num_splits=num_splits, split_tiles=1)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
@@ -186,6 +186,42 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     _check(first, paged_decode_reference(q, k, v, bt, lens, scale))
     torch.testing.assert_close(first, kernel, atol=1e-6, rtol=1e-6)
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
+
+
+@pytest.mark.parametrize("combine_rows", [4, 8, 64])  # one split a load at groups of 4 and 8; every split at once
+def test_the_merge_chunk_does_not_change_the_bits(combine_rows):
+    """The last split's merge sums the splits in order however many it loads at once (combine_rows): the same bits
+    as the default's, over 12 splits in use."""
+    q, k, v, bt, lens, scale = random_paged_case(23, "cpu", torch.float32, max_batch=2, max_len=1500)
+    lens[0] = 1500
+    run = dict(max_seq_len=1500, num_splits=22, split_tiles=1)
+    default = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, combine_rows=combine_rows, **run),
+                       default)
+
+
+@pytest.mark.parametrize("long_split_tiles", [1, 2, 3])
+def test_shorter_long_splits_put_more_splits_to_work(long_split_tiles):
+    """long_split_tiles caps how long a long sequence's splits grow: at 1500 tokens in 16-token tiles the default (8)
+    leaves MERGE_SPLITS (16) six-tile splits, a cap of 1-3 tiles more splits, up to the grid's; each gives the
+    reference's result."""
+    from tpgraph.kernels.decode_attention import splits_in_use
+
+    q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=1500)
+    lens[0] = 1500
+    used = splits_in_use(64, 1500, 16, long_split_tiles)
+    assert used == min(64, -(-1500 // (16 * long_split_tiles)))
+    assert used > splits_in_use(64, 1500, 16)
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=1500, num_splits=64, split_tiles=1,
+                                    block_n=16, long_split_tiles=long_split_tiles)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+def test_merge_and_split_caps_must_be_positive():
+    q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=1, max_len=64)
+    for bad in (dict(long_split_tiles=0), dict(combine_rows=0)):
+        with pytest.raises(ValueError, match="long_split_tiles and combine_rows"):
+            paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=64, **bad)
 
 
 # the pointers and strides a real launch finds multiples of 16 (Triton then vectorizes, and copies tiles async)
@@ -208,7 +244,8 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
-                     "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead},
+                     "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead,
+                     "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "SPLITS_P2": 8},
                     num_stages=num_stages, divisible=_ALIGNED if aligned else ())
 
 
@@ -280,9 +317,11 @@ def test_a_grid_sized_for_a_long_context_splits_the_actual_one(monkeypatch, last
 
 
 @triton.jit
-def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
+                LONG_TILES: tl.constexpr = decode_attention.LONG_SPLIT_TILES):
     i = tl.program_id(0)
-    per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N, SPLIT_TILES)
+    per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N, SPLIT_TILES,
+                                                   LONG_TILES)
     tl.store(out_ptr + 2 * i, per_split)
     tl.store(out_ptr + 2 * i + 1, used)
 
@@ -459,6 +498,24 @@ def test_the_stages_setting_is_read_by_name(monkeypatch):
         attention_stages(1)
 
 
+def test_the_warps_setting_is_read_by_name_and_reaches_the_launch(monkeypatch):
+    """4 warps unless TPGRAPH_ATTN_WARPS says 8; another value is refused by name. A forced 8 launches (the
+    interpreter runs it) and gives the default's result."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.decode_attention import attention_warps
+
+    monkeypatch.delenv("TPGRAPH_ATTN_WARPS", raising=False)
+    assert attention_warps() == 4
+    q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=200)
+    four = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200)
+    monkeypatch.setenv("TPGRAPH_ATTN_WARPS", "8")
+    assert attention_warps() == 8
+    torch.testing.assert_close(paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=200), four)
+    monkeypatch.setenv("TPGRAPH_ATTN_WARPS", "6")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_WARPS must be one of 4, 8"):
+        attention_warps()
+
+
 @pytest.mark.parametrize(("value", "batch", "expected"), [
     ("", 1, False), ("", 2, True), ("", 8, True), ("1", 1, True), ("0", 8, False)])
 def test_the_newest_row_is_apart_from_two_sequences_unless_forced(monkeypatch, value, batch, expected):
@@ -506,18 +563,19 @@ def test_the_l2_prefetch_budget_rule():
         assert tiles == MAX_PREFETCH_TILES or programs * max(1, 2 * tiles) * tile > l2 // 2
 
 
+@pytest.mark.parametrize("long_tiles", [4, 8])
 @pytest.mark.parametrize("max_seq_len", [512, 4096, 8192, 32768, 131072])
-@pytest.mark.parametrize("num_splits", [3, 16, 64])
-def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits):
+@pytest.mark.parametrize("num_splits", [3, 16, 64, 128])
+def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits, long_tiles):
     """splits_in_use is an upper bound on _split_span's splits for every length up to max_seq_len, and reached by
-    one (the prefetch budget counts those programs, not the grid's)."""
+    one (the prefetch budget counts those programs, not the grid's), whatever the long splits' cap."""
     lens = sorted({1, 64, 511, 512, 1000, 4095, 4096, 8191, 8192, 20000, 32768, 131072} & set(range(max_seq_len + 1))
                   | {max_seq_len})
     out = torch.zeros(2 * len(lens), dtype=torch.int32)
     _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
-                              SPLIT_TILES=1)
+                              SPLIT_TILES=1, LONG_TILES=long_tiles)
     used = out.view(-1, 2)[:, 1].tolist()
-    assert max(used) == splits_in_use(num_splits, max_seq_len)
+    assert max(used) == splits_in_use(num_splits, max_seq_len, BLOCK_N, long_tiles)
 
 
 def test_the_l2_prefetch_is_off_unless_asked_and_off_cuda(monkeypatch):

@@ -13,7 +13,8 @@ that was 10-100x slower on an H200:
   grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once; a long one is
   cut into fewer, longer pieces than the grid allows (MERGE_SPLITS), so that merging them costs less than it saves.
   Each split in use leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one
-  to arrive (or a second small kernel) merges, several splits a load. With one split the first kernel writes the
+  to arrive (or a second small kernel) merges: every split's maxima in one load, then the weighted sums several splits
+  a load (L2 round trips on the critical path, not bandwidth). With one split the first kernel writes the
   output itself;
 - with the L2 prefetch on (`l2_prefetch_tiles_for`), a program also asks L2 for its split's next tiles before that
   wait, and each turn of its loop for one more, so that it stays that many tiles ahead: at 2 stages without the
@@ -74,7 +75,9 @@ TWO_TILE_PAIRS_DIVISOR = 9
 # 2026-12-01_h200_critical_path, run5, attention alone, µs): 4K tokens 22.3 with 64 splits, 14.4 with 32, 13.2 with 16;
 # 32K tokens 41.7 / 43.6 / 66.3, so a 32K context keeps 64 eight-tile splits; and the whole TP=1 step at 4K, batch 1,
 # 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid then, 12 since the grid rounds down) was unchanged, as was a
-# 512-token context (8 one-tile splits).
+# 512-token context (8 one-tile splits). Those ran with the merge before its maxima came in one load; with it, 4-tile
+# long splits (128 at 32K tokens) gained nothing alone (bench/results/2026-12-02_h200_merge_one_load, run1), and
+# MERGE_SPLITS itself is not re-timed.
 MERGE_SPLITS = 16
 LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
@@ -97,13 +100,26 @@ LONG_SPLIT_TILES = 8
 # - 32K tokens (max_model_len 32K+): -0.114 / -0.171 ms at batches 1 / 8.
 # 2 and 0 stay opt-in (TPGRAPH_ATTN_KV_AHEAD); an fp32 cache keeps 0 at 2 stages (its 3-stage tiles would take about
 # 140 KB of shared memory, untimed).
+# The split kernel's warps (attention_warps). 8 (TPGRAPH_ATTN_WARPS=8) won alone at batch 1 and 32K tokens (28.8 ->
+# 24.8 µs) but not in whole TP=1 steps, each against 4 in the same call (bench/results/2026-12-02_h200_merge_one_load,
+# run4/run5): batch 1 -0.002 / -0.002 / -0.012 ms at 512 / 4K / 32K tokens; batch 2 -0.057 / -0.061 / +0.079; batches
+# 3-4 +0.023 to +0.146; batch 8 -0.010 at 512, +0.210 at 4K. The grid is chosen per captured batch, not per context,
+# so no rule from these holds at every context.
+ATTENTION_WARPS = 4
 ATTENTION_STAGES = 2  # the split kernel's pipeline stages without the read-ahead (attention_stages)
 PIPELINED_STAGES = 3  # and with it (KV_AHEAD 1)
 # From this many sequences decode attention lets o_proj in after its tiles (attention_late_trigger).
 LATE_TRIGGER_MIN_BATCH = 2
 # From this many sequences the newest row is its own softmax term (newest_apart_for).
 NEWEST_APART_MIN_BATCH = 2
-COMBINE_ROWS = 32  # (split, query head) rows of partials the last split loads at once
+# (split, query head) rows of partials the last split's merge loads at once, after one load of every split's maxima
+# (_combine_group). That merge used to walk the maxima COMBINE_ROWS at a time too: at batch 1 and 32K tokens (64 splits
+# of a 4-head group) 16 dependent L2 round trips, now 9. Attention alone (bench/results/2026-12-02_h200_merge_one_load,
+# run1/run6; before: 2026-12-02_h200_pipelined_tiles run1): 1 x 4K 12.7 -> 9.5 µs, 1 x 32K about 37 -> 28.8 (SDPA 9.0
+# and 24.0). Whole TP=1 steps against that kernel in the same call (run2/run3): batch 1 -0.059 / -0.089 / -0.373 ms at
+# 512 / 4K / 32K tokens, batch 4 at 32K -0.164, batches 8 and 32 within 0.01. 64 rows (16 splits a load at groups of 4)
+# gained 0.1-0.4 µs alone (run1), not timed in whole steps.
+COMBINE_ROWS = 32
 # (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
 # The L2 prefetch (opt-in, TPGRAPH_ATTN_L2_PREFETCH=1): how many tiles a program keeps asked of
@@ -154,11 +170,12 @@ def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
     return 2 if batch * kv_heads * TWO_TILE_PAIRS_DIVISOR >= num_sms else 1
 
 
-def splits_in_use(num_splits: int, max_seq_len: int, block_n: int = BLOCK_N) -> int:
+def splits_in_use(num_splits: int, max_seq_len: int, block_n: int = BLOCK_N,
+                  long_split_tiles: int = LONG_SPLIT_TILES) -> int:
     """The most splits of a (sequence, KV head) that `_split_span` puts to work for sequences up to max_seq_len: the
-    grid's, no more than one a tile, and no more than MERGE_SPLITS until those splits would pass LONG_SPLIT_TILES
+    grid's, no more than one a tile, and no more than MERGE_SPLITS until those splits would pass `long_split_tiles`
     tiles."""
-    long_split = LONG_SPLIT_TILES * block_n
+    long_split = long_split_tiles * block_n
     return max(1, min(num_splits, -(-max_seq_len // block_n), max(MERGE_SPLITS, -(-max_seq_len // long_split))))
 
 
@@ -178,13 +195,13 @@ def l2_prefetch_tiles(programs: int, tile_bytes: int, l2_bytes: int) -> int:
 
 
 def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_seq_len: int,
-                          block_n: int = BLOCK_N) -> int:
+                          block_n: int = BLOCK_N, long_split_tiles: int = LONG_SPLIT_TILES) -> int:
     """Tiles each program of a launch prefetches into L2 (`l2_prefetch_tiles` over the programs that can be in use):
     0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in: see L2_PREFETCH_SHARE), and 0 off CUDA (the interpreter has no
     prefetch)."""
     if not env_flag("TPGRAPH_ATTN_L2_PREFETCH", default=False) or q.device.type != "cuda":
         return 0
-    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n)
+    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n, long_split_tiles)
     tile_bytes = 2 * block_n * q.shape[-1] * q.element_size()
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return l2_prefetch_tiles(programs, tile_bytes, _cuda_l2_bytes(index))
@@ -193,20 +210,20 @@ def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_s
 if triton is not None:
     # (module constants a kernel reads must be constexprs)
     MERGE_SPLITS = tl.constexpr(MERGE_SPLITS)
-    LONG_SPLIT_TILES = tl.constexpr(LONG_SPLIT_TILES)
 
     @triton.jit
-    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+    def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
+                    LONG_TILES: tl.constexpr):
         """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at least SPLIT_TILES
-        of them (min_split_tiles), at most NUM_SPLITS splits (and MERGE_SPLITS up to LONG_SPLIT_TILES-tile splits),
+        of them (min_split_tiles), at most NUM_SPLITS splits (and MERGE_SPLITS up to LONG_TILES-tile splits),
         the last one ending at seq_len. A short context on a grid sized for max_model_len then runs a few full
         splits, and the rest of the grid exits at once (a padded row, seq_len 0, uses one empty split)."""
         per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         per_split = tl.maximum(per_split, SPLIT_TILES * BLOCK_N)
-        # a long sequence: at most MERGE_SPLITS splits while they stay within LONG_SPLIT_TILES tiles, since the last
+        # a long sequence: at most MERGE_SPLITS splits while they stay within LONG_TILES tiles, since the last
         # split's merge walks every split in use (decode_attention's MERGE_SPLITS note)
         few = tl.cdiv(tl.cdiv(seq_len, MERGE_SPLITS), BLOCK_N) * BLOCK_N
-        per_split = tl.maximum(per_split, tl.minimum(few, LONG_SPLIT_TILES * BLOCK_N))
+        per_split = tl.maximum(per_split, tl.minimum(few, LONG_TILES * BLOCK_N))
         return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
 
     @triton.jit
@@ -279,7 +296,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
         PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-        KV_AHEAD: tl.constexpr,
+        KV_AHEAD: tl.constexpr, LONG_TILES: tl.constexpr, SPLITS_P2: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -303,7 +320,7 @@ if triton is not None:
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES)
+        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES)
         if split < used:
             start = split * per_split
             end = tl.minimum(start + per_split, seq_len)
@@ -413,32 +430,31 @@ if triton is not None:
                     if arrived_last(counter, used):
                         _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
                                        stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,
-                                       COMBINE_CHUNK, INTERPRETED)
+                                       COMBINE_CHUNK, SPLITS_P2, INTERPRETED)
                         reset_counter(counter)
 
     @triton.jit
     def _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph, stride_ps,
                        stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLITS_P2: tl.constexpr,
                        INTERPRETED: tl.constexpr):
         """The query group's output from the partials of its `used` splits (at b * stride_pb + head * stride_ph +
         split * stride_ps), merged in split order: the running max first, then the weighted sums. This runs after the
-        last split's count, on the step's critical path, so each pass walks the splits CHUNK at a time, unrolled: the
-        chunk's loads are independent and in flight together, where a plain loop waited out one L2 round trip per
-        split (64 splits at 4K tokens). The same merge as _decode_combine_kernel, summed in sequence where that one
-        sums as a tree: equal within rounding, not bit for bit (both fixed, whatever the arrival order, so graph and
-        eager agree either way)."""
+        last split's count, on the step's critical path, so it costs L2 round trips, not bandwidth: the maxima of
+        every split (SPLITS_P2 >= used) come in one load, and the weighted sums walk the splits CHUNK at a time,
+        unrolled, so that a chunk's loads are in flight together (a plain loop waited out one round trip a split).
+        The same merge as _decode_combine_kernel, summed in sequence where that one sums as a tree: equal within
+        rounding, not bit for bit (both fixed, whatever the arrival order, so graph and eager agree either way); the
+        chunk size does not change the order of the sums."""
         offs_g = tl.arange(0, GROUP_P2)
         g_ok = offs_g < GROUP
         part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
         offs_d = tl.arange(0, DIM_PAD)
         d_ok = offs_d < HEAD_DIM
-        m_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        for c0 in range(0, used, CHUNK):
-            for j in tl.static_range(CHUNK):
-                ok = tl.where(c0 + j < used, g_ok, False)  # (not `&`: the interpreter mistypes scalar & vector)
-                m_max = tl.maximum(m_max, tl.load(part_m_ptr + part0 + (c0 + j) * stride_ps, mask=ok,
-                                                  other=float("-inf"), cache_modifier=".cg"))
+        offs_s = tl.arange(0, SPLITS_P2)
+        m_all = tl.load(part_m_ptr + part0[None, :] + offs_s[:, None] * stride_ps,
+                        mask=(offs_s < used)[:, None] & g_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.max(m_all, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
         l_total = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
@@ -461,11 +477,12 @@ if triton is not None:
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+        LONG_TILES: tl.constexpr,
     ):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES)
+        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES)
         offs_s = tl.arange(0, SPLITS_PAD)
         s_ok = offs_s < used  # the splits past them wrote nothing
         part = b * stride_pb + h * stride_ph + offs_s * stride_ps
@@ -529,19 +546,28 @@ def attention_stages(kv_ahead: int) -> int:
     return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), PIPELINED_STAGES if kv_ahead == 1 else ATTENTION_STAGES)
 
 
-def combine_tiles(group: int) -> dict:
-    """The last split's merge (_combine_group): the query group to a power of two, and
-    COMBINE_ROWS // that many splits' partials a load (32 fp32 registers a thread for 128-dim heads at 4 warps)."""
+def attention_warps() -> int:
+    """The split kernel's warps: ATTENTION_WARPS; TPGRAPH_ATTN_WARPS=4/8 forces them."""
+    return env_choice("TPGRAPH_ATTN_WARPS", (4, 8), ATTENTION_WARPS)
+
+
+def combine_tiles(group: int, splits: int, combine_rows: int = COMBINE_ROWS) -> dict:
+    """The last split's merge (_combine_group): the query group to a power of two, `splits` (the grid's) to one for
+    the one load of every split's maxima, and combine_rows // the group's power of two splits' partials a load (32
+    rows: 32 fp32 registers a thread for 128-dim heads at 4 warps)."""
     group_p2 = triton.next_power_of_2(group)
-    return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, COMBINE_ROWS // group_p2))
+    return dict(GROUP_P2=group_p2, COMBINE_CHUNK=max(1, combine_rows // group_p2),
+                SPLITS_P2=triton.next_power_of_2(splits))
 
 
 def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               max_seq_len: int, num_splits: int | None = None,
                               split_tiles: int | None = None, newest_apart: bool | None = None,
-                              block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None,
-                              l2_prefetch: int | None = None, kv_ahead: int | None = None) -> torch.Tensor:
+                              block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int | None = None,
+                              l2_prefetch: int | None = None, kv_ahead: int | None = None,
+                              long_split_tiles: int | None = None, combine_rows: int | None = None
+                              ) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -550,12 +576,15 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     split_tiles `min_split_tiles`. newest_apart (default: `newest_apart_for(batch)`): the newest row enters the
     online softmax as its own score column and P.V term rather than merged into the first tile (see that setting).
     block_n (tokens per tile, a power of two from 16), num_warps and num_stages: the launch's shape, for sweeping
-    them (bench/bench_attention_sweep.py); the defaults are what the model runs (num_stages: `attention_stages`).
+    them (bench/bench_attention_sweep.py); the defaults are what the model runs (`attention_warps`,
+    `attention_stages`).
     l2_prefetch: how many tiles each program keeps asked of L2 ahead of the one it loads next, 0 or a power of two
     (default: `l2_prefetch_tiles_for`, off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done
     (a prefetch changes no result, and the interpreter runs no inline assembly). kv_ahead: how far the tile loop
     reads ahead, 0, 1 or 2 (default: `kv_lookahead`); each attends the same tiles in the same order (the same bits
-    under the interpreter).
+    under the interpreter). long_split_tiles: how long a long sequence's splits may grow before it takes more than
+    MERGE_SPLITS of them (`splits_in_use`); combine_rows: how many (split, query head) rows of partials the last
+    split's merge loads at once (defaults LONG_SPLIT_TILES, COMBINE_ROWS: the model's; other values are for sweeping).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -569,6 +598,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("q and the caches must share a dtype")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
+    long_split_tiles = LONG_SPLIT_TILES if long_split_tiles is None else long_split_tiles
+    combine_rows = COMBINE_ROWS if combine_rows is None else combine_rows
+    if long_split_tiles < 1 or combine_rows < 1:
+        raise ValueError(f"long_split_tiles and combine_rows must be >= 1, got {long_split_tiles}, {combine_rows}")
     if kv_ahead is not None and kv_ahead not in (0, 1, 2):
         raise ValueError(f"kv_ahead must be 0, 1 or 2, got {kv_ahead}")
     if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)
@@ -583,6 +616,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if kv_ahead is None:
         kv_ahead = kv_lookahead(q.dtype)
     num_stages = attention_stages(kv_ahead) if num_stages is None else num_stages
+    num_warps = attention_warps() if num_warps is None else num_warps
     split_tiles = max(1, int(min_split_tiles(batch, kv_heads, num_sms) if split_tiles is None else split_tiles))
     out = torch.empty_like(q)
     if batch == 0:
@@ -597,7 +631,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         part_acc = part_m = part_l = out
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
     if l2_prefetch is None:
-        l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n)
+        l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n, long_split_tiles)
     line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out
@@ -611,7 +645,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         DIM_PAD=dim_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLIT_TILES=split_tiles,
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl, **combine_tiles(group),
+        INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
+        **combine_tiles(group, num_splits, combine_rows), LONG_TILES=long_split_tiles,
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger(batch) and pdl,
@@ -622,7 +657,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=block_n, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, num_warps=4,
+            BLOCK_N=block_n, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, LONG_TILES=long_split_tiles,
+            num_warps=4,
             enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out
