@@ -47,6 +47,7 @@ class AttnShape:
     l2_prefetch: int | None = None  # tiles kept asked of L2 ahead (None: the launch's default)
     kv_ahead: int | None = None  # how far the tile loop reads ahead (None: kv_lookahead's choice)
     long_split_tiles: int | None = None  # a long sequence's splits grow to this many tiles (None: the model's)
+    merge_splits: int | None = None  # and it takes at most this many splits until then (None: the model's)
     combine_rows: int | None = None  # partial rows the last split's merge loads at once (None: the model's)
 
     def short(self) -> str:
@@ -56,6 +57,7 @@ class AttnShape:
         ahead = "" if self.kv_ahead is None else f" ahead {self.kv_ahead}"
         stages = "auto" if self.num_stages is None else str(self.num_stages)
         long = "" if self.long_split_tiles is None else f" long {self.long_split_tiles}"
+        long += "" if self.merge_splits is None else f" merge {self.merge_splits}"
         rows = "" if self.combine_rows is None else f" rows {self.combine_rows}"
         return (f"n{self.block_n} w{self.num_warps} s{stages} splits {splits} tiles {tiles}{prefetch}{ahead}{long}"
                 f"{rows}")
@@ -77,15 +79,15 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: list[int], stages: list[int],
          split_scales: list[float], split_tiles: list[int | None], l2_prefetch: tuple[int | str, ...] = (0,),
          l2_bytes: int = 50 << 20, kv_ahead: tuple[int | None, ...] = (None,),
-         long_tiles: tuple[int | None, ...] = (None,), combine_rows: tuple[int | None, ...] = (None,)
-         ) -> list[AttnShape]:
+         long_tiles: tuple[int | None, ...] = (None,), combine_rows: tuple[int | None, ...] = (None,),
+         merge_splits: tuple[int | None, ...] = (None,)) -> list[AttnShape]:
     """The default first, then every combination, each resolved to the launch it makes: the grid's split count
     (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
     split takes (min_split_tiles where not given) and the tiles each program keeps asked of L2 ahead ("auto":
     the budget rule `l2_prefetch_tiles` for that launch's programs and an `l2_bytes` L2; the default launch's is
     TPGRAPH_ATTN_L2_PREFETCH's), how far the tile loop reads ahead (None: `kv_lookahead`), how long a long
-    sequence's splits grow (None: LONG_SPLIT_TILES) and how many partial rows the merge loads at once (None:
-    COMBINE_ROWS). A combination that
+    sequence's splits grow and how many it takes until then (None: LONG_SPLIT_TILES, `merge_split_cap`) and how many
+    partial rows the merge loads at once (None: COMBINE_ROWS). A combination that
     resolves to a launch already listed is dropped, so the default is timed once, under its own name."""
     from tpgraph.kernels._settings import env_flag
     from tpgraph.kernels.decode_attention import (
@@ -95,12 +97,14 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         choose_num_splits,
         kv_lookahead,
         l2_prefetch_tiles,
+        merge_split_cap,
         min_split_tiles,
         splits_in_use,
     )
 
-    def rule(block_n: int, splits: int, long: int | None) -> int:
-        programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n, long or LONG_SPLIT_TILES)
+    def rule(block_n: int, splits: int, long: int | None, merge: int | None) -> int:
+        programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n, long or LONG_SPLIT_TILES,
+                                                    merge or merge_split_cap())
         return l2_prefetch_tiles(programs, 2 * block_n * HEAD_DIM * 2, l2_bytes)  # bf16 K and V tiles
 
     def resolved(shape: AttnShape) -> tuple:
@@ -109,21 +113,22 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         tiles = min_split_tiles(batch, KV_HEADS, sms) if shape.split_tiles is None else shape.split_tiles
         prefetch = shape.l2_prefetch
         if prefetch is None:
-            prefetch = (rule(shape.block_n, splits, shape.long_split_tiles) if env_flag("TPGRAPH_ATTN_L2_PREFETCH")
-                        else 0)
+            prefetch = (rule(shape.block_n, splits, shape.long_split_tiles, shape.merge_splits)
+                        if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0)
         ahead = kv_lookahead(torch.bfloat16) if shape.kv_ahead is None else shape.kv_ahead
         stages = attention_stages(ahead) if shape.num_stages is None else shape.num_stages
         long = shape.long_split_tiles or LONG_SPLIT_TILES
         return (shape.block_n, shape.num_warps, stages, splits, tiles, prefetch, ahead, long,
-                shape.combine_rows or COMBINE_ROWS)
+                shape.merge_splits or merge_split_cap(), shape.combine_rows or COMBINE_ROWS)
 
     launches = {resolved(AttnShape()): AttnShape()}
-    for block_n, w, s, scale, tiles, pf, ahead, long, rows in itertools.product(
-            block_ns, warps, stages, split_scales, split_tiles, l2_prefetch, kv_ahead, long_tiles, combine_rows):
+    for block_n, w, s, scale, tiles, pf, ahead, long, merge, rows in itertools.product(
+            block_ns, warps, stages, split_scales, split_tiles, l2_prefetch, kv_ahead, long_tiles, merge_splits,
+            combine_rows):
         auto = choose_num_splits(batch, KV_HEADS, max_seq_len, sms, min_split_tokens=block_n)
         splits = None if scale == 1 else max(1, min(round(auto * scale), -(-max_seq_len // block_n)))
-        prefetch = rule(block_n, auto if splits is None else splits, long) if pf == "auto" else int(pf)
-        shape = AttnShape(block_n, w, s, splits, tiles, prefetch, ahead, long, rows)
+        prefetch = rule(block_n, auto if splits is None else splits, long, merge) if pf == "auto" else int(pf)
+        shape = AttnShape(block_n, w, s, splits, tiles, prefetch, ahead, long, merge, rows)
         launches.setdefault(resolved(shape), shape)
     return list(launches.values())
 
@@ -234,6 +239,8 @@ def main() -> None:
     p.add_argument("--long-split-tiles", default="auto",
                    help="how many tiles a long sequence's splits grow to before it takes more than MERGE_SPLITS "
                         "(auto: LONG_SPLIT_TILES)")
+    p.add_argument("--merge-splits", default="auto",
+                   help="the most splits a long sequence takes until they pass --long-split-tiles (auto: the model's)")
     p.add_argument("--combine-rows", default="auto",
                    help="(split, query head) rows of partials the last split's merge loads at once "
                         "(auto: COMBINE_ROWS)")
@@ -253,7 +260,7 @@ def main() -> None:
         shapes = grid(batch, args.max_seq_len, props.multi_processor_count, ints(args.block_n), ints(args.warps),
                       ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles, prefetch,
                       props.L2_cache_size, auto_ints(args.kv_ahead), auto_ints(args.long_split_tiles),
-                      auto_ints(args.combine_rows))
+                      auto_ints(args.combine_rows), auto_ints(args.merge_splits))
         entries.append(sweep_point(batch, ctx, args.max_seq_len, shapes, hbm, props.L2_cache_size, device))
         print(point_line(entries[-1]), flush=True)
         # after every point: a call cut short by its time limit keeps what it timed

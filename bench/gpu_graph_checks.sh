@@ -259,9 +259,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 300 python3 bench/bench_l2_carry.py --out "$out/l2_carry.json" 2>&1 | tee "$out/l2_carry.log" ;;
     profile) # issue 11: kernels per step, time per category and the time each kernel adds: cuBLAS, the small-M
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
-         # (PROFILE_ENTRY overrides the entries; SHAPE and AB_CONTEXT as for ab)
+         # (PROFILE_ENTRY and PROFILE_BATCHES override the entries and batches; SHAPE and AB_CONTEXT as for ab)
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
-             --context "${AB_CONTEXT:-512}" --modes full --batches 1,8 --no-ladders \
+             --context "${AB_CONTEXT:-512}" --modes full --batches "${PROFILE_BATCHES:-1,8}" --no-ladders \
              --allreduce "${PROFILE_ENTRY:-custom,custom+gemv,custom+gemv+nopdl+nolr}" --profile --steps 20 \
              --out "$out/profile.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile.log" ;;

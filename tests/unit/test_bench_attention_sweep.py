@@ -81,3 +81,5 @@ def test_the_merge_axes_time_the_models_settings_once(sweep, monkeypatch):
     assert [(s.long_split_tiles, s.combine_rows) for s in shapes[1:]] == [(None, 64), (4, COMBINE_ROWS), (4, 64)]
     assert "long 4 rows 64" in shapes[-1].short() and "long" not in sweep.AttnShape().short()
     assert sweep.auto_ints("auto,4") == (None, 4)
+    merged = sweep.grid(1, 4096, 132, [64], [4], [3], [1], [None], merge_splits=(None, 16, 32))
+    assert [s.merge_splits for s in merged] == [None, 32] and "merge 32" in merged[1].short()

@@ -217,10 +217,31 @@ def test_shorter_long_splits_put_more_splits_to_work(long_split_tiles):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
+def test_more_merged_splits_at_4k_take_shorter_splits(monkeypatch):
+    """TPGRAPH_ATTN_MERGE_SPLITS (merge_split_cap) lets a long sequence take that many splits: at 4096 tokens on a
+    64-split grid, 16 four-tile splits by default, 32 two-tile ones at 32; the reference's result either way, and
+    another value is refused by name."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.decode_attention import merge_split_cap, splits_in_use
+
+    monkeypatch.delenv("TPGRAPH_ATTN_MERGE_SPLITS", raising=False)
+    assert merge_split_cap() == 16 and splits_in_use(64, 4096) == 16
+    monkeypatch.setenv("TPGRAPH_ATTN_MERGE_SPLITS", "32")
+    assert merge_split_cap() == 32 and splits_in_use(64, 4096, merge_splits=merge_split_cap()) == 32
+    q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=1500)
+    lens[0] = 1500
+    out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=1500, num_splits=64, split_tiles=1,
+                                    block_n=16)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+    monkeypatch.setenv("TPGRAPH_ATTN_MERGE_SPLITS", "12")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_MERGE_SPLITS must be one of 8, 16, 32, 64"):
+        merge_split_cap()
+
+
 def test_merge_and_split_caps_must_be_positive():
     q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=1, max_len=64)
-    for bad in (dict(long_split_tiles=0), dict(combine_rows=0)):
-        with pytest.raises(ValueError, match="long_split_tiles and combine_rows"):
+    for bad in (dict(long_split_tiles=0), dict(combine_rows=0), dict(merge_splits=0)):
+        with pytest.raises(ValueError, match="long_split_tiles, merge_splits and combine_rows"):
             paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=64, **bad)
 
 
@@ -245,7 +266,8 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
                      "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead,
-                     "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "SPLITS_P2": 8},
+                     "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "MERGE": decode_attention.MERGE_SPLITS,
+                     "SPLITS_P2": 8},
                     num_stages=num_stages, divisible=_ALIGNED if aligned else ())
 
 
@@ -318,10 +340,11 @@ def test_a_grid_sized_for_a_long_context_splits_the_actual_one(monkeypatch, last
 
 @triton.jit
 def _span_probe(lens_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-                LONG_TILES: tl.constexpr = decode_attention.LONG_SPLIT_TILES):
+                LONG_TILES: tl.constexpr = decode_attention.LONG_SPLIT_TILES,
+                MERGE: tl.constexpr = decode_attention.MERGE_SPLITS):
     i = tl.program_id(0)
     per_split, used = decode_attention._split_span(tl.load(lens_ptr + i), NUM_SPLITS, BLOCK_N, SPLIT_TILES,
-                                                   LONG_TILES)
+                                                   LONG_TILES, MERGE)
     tl.store(out_ptr + 2 * i, per_split)
     tl.store(out_ptr + 2 * i + 1, used)
 
@@ -563,19 +586,19 @@ def test_the_l2_prefetch_budget_rule():
         assert tiles == MAX_PREFETCH_TILES or programs * max(1, 2 * tiles) * tile > l2 // 2
 
 
-@pytest.mark.parametrize("long_tiles", [4, 8])
+@pytest.mark.parametrize(("long_tiles", "merge"), [(4, 16), (8, 16), (8, 32), (8, 64)])
 @pytest.mark.parametrize("max_seq_len", [512, 4096, 8192, 32768, 131072])
 @pytest.mark.parametrize("num_splits", [3, 16, 64, 128])
-def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits, long_tiles):
+def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits, long_tiles, merge):
     """splits_in_use is an upper bound on _split_span's splits for every length up to max_seq_len, and reached by
-    one (the prefetch budget counts those programs, not the grid's), whatever the long splits' cap."""
+    one (the prefetch budget counts those programs, not the grid's), whatever the long splits' caps."""
     lens = sorted({1, 64, 511, 512, 1000, 4095, 4096, 8191, 8192, 20000, 32768, 131072} & set(range(max_seq_len + 1))
                   | {max_seq_len})
     out = torch.zeros(2 * len(lens), dtype=torch.int32)
     _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
-                              SPLIT_TILES=1, LONG_TILES=long_tiles)
+                              SPLIT_TILES=1, LONG_TILES=long_tiles, MERGE=merge)
     used = out.view(-1, 2)[:, 1].tolist()
-    assert max(used) == splits_in_use(num_splits, max_seq_len, BLOCK_N, long_tiles)
+    assert max(used) == splits_in_use(num_splits, max_seq_len, BLOCK_N, long_tiles, merge)
 
 
 def test_the_l2_prefetch_is_off_unless_asked_and_off_cuda(monkeypatch):

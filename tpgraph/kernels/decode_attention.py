@@ -171,12 +171,12 @@ def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
 
 
 def splits_in_use(num_splits: int, max_seq_len: int, block_n: int = BLOCK_N,
-                  long_split_tiles: int = LONG_SPLIT_TILES) -> int:
+                  long_split_tiles: int = LONG_SPLIT_TILES, merge_splits: int = MERGE_SPLITS) -> int:
     """The most splits of a (sequence, KV head) that `_split_span` puts to work for sequences up to max_seq_len: the
-    grid's, no more than one a tile, and no more than MERGE_SPLITS until those splits would pass `long_split_tiles`
-    tiles."""
+    grid's, no more than one a tile, and no more than `merge_splits` until those splits would pass
+    `long_split_tiles` tiles."""
     long_split = long_split_tiles * block_n
-    return max(1, min(num_splits, -(-max_seq_len // block_n), max(MERGE_SPLITS, -(-max_seq_len // long_split))))
+    return max(1, min(num_splits, -(-max_seq_len // block_n), max(merge_splits, -(-max_seq_len // long_split))))
 
 
 @functools.cache
@@ -195,13 +195,14 @@ def l2_prefetch_tiles(programs: int, tile_bytes: int, l2_bytes: int) -> int:
 
 
 def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_seq_len: int,
-                          block_n: int = BLOCK_N, long_split_tiles: int = LONG_SPLIT_TILES) -> int:
+                          block_n: int = BLOCK_N, long_split_tiles: int = LONG_SPLIT_TILES,
+                          merge_splits: int = MERGE_SPLITS) -> int:
     """Tiles each program of a launch prefetches into L2 (`l2_prefetch_tiles` over the programs that can be in use):
     0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in: see L2_PREFETCH_SHARE), and 0 off CUDA (the interpreter has no
     prefetch)."""
     if not env_flag("TPGRAPH_ATTN_L2_PREFETCH", default=False) or q.device.type != "cuda":
         return 0
-    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n, long_split_tiles)
+    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n, long_split_tiles, merge_splits)
     tile_bytes = 2 * block_n * q.shape[-1] * q.element_size()
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return l2_prefetch_tiles(programs, tile_bytes, _cuda_l2_bytes(index))
@@ -209,20 +210,19 @@ def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_s
 
 if triton is not None:
     # (module constants a kernel reads must be constexprs)
-    MERGE_SPLITS = tl.constexpr(MERGE_SPLITS)
 
     @triton.jit
     def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-                    LONG_TILES: tl.constexpr):
+                    LONG_TILES: tl.constexpr, MERGE: tl.constexpr):
         """(tokens per split, splits in use) for this sequence's actual length: whole tiles, at least SPLIT_TILES
-        of them (min_split_tiles), at most NUM_SPLITS splits (and MERGE_SPLITS up to LONG_TILES-tile splits),
+        of them (min_split_tiles), at most NUM_SPLITS splits (and MERGE up to LONG_TILES-tile splits),
         the last one ending at seq_len. A short context on a grid sized for max_model_len then runs a few full
         splits, and the rest of the grid exits at once (a padded row, seq_len 0, uses one empty split)."""
         per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         per_split = tl.maximum(per_split, SPLIT_TILES * BLOCK_N)
-        # a long sequence: at most MERGE_SPLITS splits while they stay within LONG_TILES tiles, since the last
+        # a long sequence: at most MERGE splits while they stay within LONG_TILES tiles, since the last
         # split's merge walks every split in use (decode_attention's MERGE_SPLITS note)
-        few = tl.cdiv(tl.cdiv(seq_len, MERGE_SPLITS), BLOCK_N) * BLOCK_N
+        few = tl.cdiv(tl.cdiv(seq_len, MERGE), BLOCK_N) * BLOCK_N
         per_split = tl.maximum(per_split, tl.minimum(few, LONG_TILES * BLOCK_N))
         return per_split, tl.maximum(tl.cdiv(seq_len, per_split), 1)
 
@@ -296,7 +296,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, LAST_COMBINES: tl.constexpr, PDL: tl.constexpr,
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
         PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-        KV_AHEAD: tl.constexpr, LONG_TILES: tl.constexpr, SPLITS_P2: tl.constexpr,
+        KV_AHEAD: tl.constexpr, LONG_TILES: tl.constexpr, MERGE: tl.constexpr, SPLITS_P2: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
@@ -320,7 +320,7 @@ if triton is not None:
         kv_h = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + b)
-        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES)
+        per_split, used = _split_span(seq_len, NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES, MERGE)
         if split < used:
             start = split * per_split
             end = tl.minimum(start + per_split, seq_len)
@@ -477,12 +477,12 @@ if triton is not None:
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
-        LONG_TILES: tl.constexpr,
+        LONG_TILES: tl.constexpr, MERGE: tl.constexpr,
     ):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES)
+        _, used = _split_span(tl.load(seq_lens_ptr + b), NUM_SPLITS, BLOCK_N, SPLIT_TILES, LONG_TILES, MERGE)
         offs_s = tl.arange(0, SPLITS_PAD)
         s_ok = offs_s < used  # the splits past them wrote nothing
         part = b * stride_pb + h * stride_ph + offs_s * stride_ps
@@ -546,6 +546,12 @@ def attention_stages(kv_ahead: int) -> int:
     return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), PIPELINED_STAGES if kv_ahead == 1 else ATTENTION_STAGES)
 
 
+def merge_split_cap() -> int:
+    """How many splits a long sequence takes at most until they would pass LONG_SPLIT_TILES tiles: MERGE_SPLITS;
+    TPGRAPH_ATTN_MERGE_SPLITS=8/16/32/64 forces it."""
+    return env_choice("TPGRAPH_ATTN_MERGE_SPLITS", (8, 16, 32, 64), MERGE_SPLITS)
+
+
 def attention_warps() -> int:
     """The split kernel's warps: ATTENTION_WARPS; TPGRAPH_ATTN_WARPS=4/8 forces them."""
     return env_choice("TPGRAPH_ATTN_WARPS", (4, 8), ATTENTION_WARPS)
@@ -566,8 +572,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               split_tiles: int | None = None, newest_apart: bool | None = None,
                               block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int | None = None,
                               l2_prefetch: int | None = None, kv_ahead: int | None = None,
-                              long_split_tiles: int | None = None, combine_rows: int | None = None
-                              ) -> torch.Tensor:
+                              long_split_tiles: int | None = None, merge_splits: int | None = None,
+                              combine_rows: int | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_decode_reference`: q [B, Hq, D]; caches [blocks, block_size, Hkv, D];
     block_tables [B, M] int32; seq_lens [B] int32 -> [B, Hq, D]; a seq_len 0 row yields zeros.
 
@@ -582,9 +588,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (default: `l2_prefetch_tiles_for`, off unless TPGRAPH_ATTN_L2_PREFETCH=1); under the interpreter it is not done
     (a prefetch changes no result, and the interpreter runs no inline assembly). kv_ahead: how far the tile loop
     reads ahead, 0, 1 or 2 (default: `kv_lookahead`); each attends the same tiles in the same order (the same bits
-    under the interpreter). long_split_tiles: how long a long sequence's splits may grow before it takes more than
-    MERGE_SPLITS of them (`splits_in_use`); combine_rows: how many (split, query head) rows of partials the last
-    split's merge loads at once (defaults LONG_SPLIT_TILES, COMBINE_ROWS: the model's; other values are for sweeping).
+    under the interpreter). merge_splits and long_split_tiles: a long sequence takes at most merge_splits splits
+    (default `merge_split_cap`) until they would pass long_split_tiles tiles (default LONG_SPLIT_TILES; see
+    `splits_in_use`); combine_rows: how many (split, query head) rows of partials the last split's merge loads at
+    once (default COMBINE_ROWS). The defaults are the model's; other values are for sweeping.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -600,8 +607,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
     long_split_tiles = LONG_SPLIT_TILES if long_split_tiles is None else long_split_tiles
     combine_rows = COMBINE_ROWS if combine_rows is None else combine_rows
-    if long_split_tiles < 1 or combine_rows < 1:
-        raise ValueError(f"long_split_tiles and combine_rows must be >= 1, got {long_split_tiles}, {combine_rows}")
+    merge_splits = merge_split_cap() if merge_splits is None else merge_splits
+    if min(long_split_tiles, combine_rows, merge_splits) < 1:
+        raise ValueError(f"long_split_tiles, merge_splits and combine_rows must be >= 1, got {long_split_tiles}, "
+                         f"{merge_splits}, {combine_rows}")
     if kv_ahead is not None and kv_ahead not in (0, 1, 2):
         raise ValueError(f"kv_ahead must be 0, 1 or 2, got {kv_ahead}")
     if l2_prefetch is not None and (l2_prefetch < 0 or l2_prefetch & (l2_prefetch - 1)
@@ -631,7 +640,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         part_acc = part_m = part_l = out
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
     if l2_prefetch is None:
-        l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n, long_split_tiles)
+        l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n, long_split_tiles,
+                                            merge_splits)
     line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out
@@ -646,7 +656,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
-        **combine_tiles(group, num_splits, combine_rows), LONG_TILES=long_split_tiles,
+        **combine_tiles(group, num_splits, combine_rows), LONG_TILES=long_split_tiles, MERGE=merge_splits,
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger(batch) and pdl,
@@ -658,7 +668,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             BLOCK_N=block_n, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, LONG_TILES=long_split_tiles,
-            num_warps=4,
+            MERGE=merge_splits, num_warps=4,
             enable_fp_fusion=True, **pdl_launch(pdl),
         )
     return out
