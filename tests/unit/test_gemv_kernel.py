@@ -43,19 +43,21 @@ def test_bf16_within_rounding(m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3])
 def test_resident_weights_within_rounding_of_the_looped_kernel(dtype, m):
-    """Resident tiles (asked for, and one step spanning K: the weights loaded whole before the PDL wait; one row a
-    reduction over K, several a batched dot over K slices): within rounding of the K loop's result, odd N and K past a
-    power of two. Only a config that asks for them gets them: not the default tiles where they happen to span K."""
+    """Resident tiles (asked for, one row, and one step spanning K: the weights loaded whole before the PDL wait, the
+    row a reduction over K): within rounding of the K loop's result, odd N and K past a power of two. Only a config
+    that asks for them gets them: not the default tiles where they happen to span K. Several rows given a resident
+    config run its one whole-K step as a plain tile."""
     from tpgraph.kernels.gemv import resident, resident_or_default
 
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 300, generator=g).to(dtype), torch.randn(37, 300, generator=g).to(dtype)
     cfg = GemvConfig(16, 512, 4, 1, 1, resident=True)
     assert resident(cfg, 300) and not resident(GemvConfig(16, 256, 4, 1, 1, resident=True), 300)
-    assert resident(cfg, 300, 16) and not resident(cfg, 300, 17)  # in a 32-row tile the several-row dot spills
-    # a table's resident entry: kept for 16-bit data up to 16 rows, else the default tiles (not one whole-K step)
-    assert resident_or_default(cfg, 37, 300, 16, 2) == cfg
-    assert resident_or_default(cfg, 37, 300, 17, 2) == resident_or_default(cfg, 37, 300, 3, 4) == tiles(37, 300, 3)
+    assert resident(cfg, 300, 1) and not resident(cfg, 300, 2)  # (several rows' batched dot lost in whole steps)
+    # a table's resident entry: kept for 16-bit data at one row, else the default tiles (not one whole-K step)
+    assert resident_or_default(cfg, 37, 300, 1, 2) == cfg
+    assert resident_or_default(cfg, 37, 300, 2, 2) == tiles(37, 300, 2)
+    assert resident_or_default(cfg, 37, 300, 1, 4) == tiles(37, 300, 1)
     assert not resident(GemvConfig(16, 512, 4, 1, 1), 300) and not resident(tiles(37, 64), 64)
     with pytest.raises(ValueError, match="one split"):
         GemvConfig(16, 512, 4, 1, 2, resident=True)
@@ -70,28 +72,21 @@ def test_resident_weights_within_rounding_of_the_looped_kernel(dtype, m):
     assert torch.equal(y, linear_small_m(x, w, use_triton=True, config=cfg))  # the same bits every call
 
 
-@pytest.mark.parametrize("slices", [0, 16])
-def test_resident_weights_compile_for_sm90_loaded_before_the_wait(slices):
+def test_resident_weights_compile_for_sm90_loaded_before_the_wait():
     """Ahead of time, without a GPU: every weight load precedes griddepcontrol.wait (no L2 prefetch), and after it
-    only x is loaded. One row (slices 0): no tensor-core dot. Several rows: the weights reach the dot's operand
-    layout (ldmatrix) before the wait too, and the dots come after it, without spills."""
+    only x's one row is loaded; no tensor-core dot, and nothing spilled."""
     ptx, usage = sm90_ptx_and_usage(
         "tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "bf16"), [],
         {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 2048, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
          "EXACT": True, "PDL": True, "PREFETCH_TILES": 0, "LINE": 64, "LAST_REDUCES": False, "SPLITS": 1,
-         **NO_ALL_REDUCE, "RESIDENT": True, "SLICES": slices}, num_warps=16, num_stages=1,
+         **NO_ALL_REDUCE, "RESIDENT": True}, num_warps=16, num_stages=1,
         divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
     assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage  # the weights stay in registers: nothing spilled
     wait = ptx.index("griddepcontrol.wait")
     assert "prefetch.global" not in ptx
     assert ptx[:wait].count("ld.global") == 16  # 32 x 2048 bf16 over 512 threads: sixteen 16-byte loads each
-    if slices == 0:
-        assert "mma" not in ptx
-        assert ptx[wait:].count("ld.global") == 1  # x's one row
-    else:
-        assert ptx[:wait].count("ldmatrix") == 16 and "mma" not in ptx[:wait]  # the weights' fragments, ready
-        assert ptx[wait:].count("mma.sync") == 32  # 16 rows x 32 columns x 128 deep a warp, in m16n8k16 steps
-        assert ptx[wait:].count("ld.global") == 8  # 16 rows of x, 2048 wide, over 512 threads: eight 16-byte loads
+    assert "mma" not in ptx
+    assert ptx[wait:].count("ld.global") == 1  # x's one row
 
 
 def test_falls_back_to_linear_where_the_kernel_does_not_apply():
@@ -231,8 +226,8 @@ def test_gate_up_epilogue_gives_the_two_kernels_bits(dtype, m, block_n, whole):
     kernel, with an odd inter (the last column block partial) and a partial last K step. Small-integer multiples
     of 1/4 as inputs: the interpreter's dot is numpy's, whose summation order depends on where a column sits in
     the tile (the fused tile interleaves gate and up rows), so only exact sums can show the epilogue's bits; on the
-    GPU each column's sum has one order, and tests/gpu checks random-normal inputs bit for bit. whole: resident
-    tiles (one step spans K), in both launches."""
+    GPU each column's sum has one order, and tests/gpu checks random-normal inputs bit for bit. whole: one step spans
+    K (resident tiles at one row, a plain whole-K tile at several), in both launches."""
     from tpgraph.kernels.activation import silu_and_mul
     from tpgraph.kernels.gemv import gate_up_silu
 
@@ -427,7 +422,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:2], w[:-64], *args, use_triton=True) is None  # not (Hq + 2 Hkv) heads of the weight
     assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(128, 32, 4, 2)) is None  # > head_dim
     # resident tiles (one tile spans K) sum without tensor cores, which would not give the two steps' bits
-    assert qkv_rope_store(x[:2], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
+    assert qkv_rope_store(x[:1], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
 
 
 def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:

@@ -125,8 +125,9 @@ def test_the_fused_all_reduce_takes_17_to_32_rows_with_the_wide_setting(monkeypa
 
 
 def check_boundaries(ranks: Ranks, device: str, rows_each: list[int], consumers: list[str]) -> None:
-    """One layer boundary per entry (rows, consumer), phases rotating, the tiles rotating (split-K, resident: one row
-    and several, plain), the residual read early on every other one: see the test above."""
+    """One layer boundary per entry (rows, consumer), phases rotating, the tiles rotating (split-K, resident: at one
+    row, and at several its whole-K tile run plain; plain), the residual read early on every other one: see the test
+    above."""
     dtype, world_size = ranks.dtype, ranks.ws
     for step, (rows, consumer) in enumerate(zip(rows_each, consumers, strict=True)):
         residual = ranks.rnd(rows, HIDDEN, scale=1.0)  # before xs: the early read's promise
@@ -185,7 +186,7 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
 
 GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "EXACT": True,
               "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True,
-              "RES_EARLY": False, "RESIDENT": False, "SLICES": 0}
+              "RES_EARLY": False, "RESIDENT": False}
 
 
 @pytest.mark.parametrize("block_m", [16, 32])

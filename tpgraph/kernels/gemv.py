@@ -11,9 +11,9 @@ small kernel adds the splits in split order and rounds. No atomics, so results d
 are a fixed table (`tiles`; no autotuning): the same shape gets the same config, and so the same bits, in every run.
 A different config is a different (equally valid) rounding of the same sum.
 
-Resident tiles (`resident`: one split whose one tile spans K) load a program's whole weight slice before the PDL wait;
-one row is reduced over K without tensor cores, several rows take a batched tensor-core dot over K slices. The shipped
-table uses them where a latency-bound kernel comes before (o_proj at one row).
+Resident tiles (`resident`: one row, one split whose one tile spans K) load a program's whole weight slice before the
+PDL wait and reduce the row over K without tensor cores. The shipped table uses them where a latency-bound kernel
+comes before (o_proj at one row).
 
 `gate_up_silu(x, w)` is the gate_up projection with SiLU·mul in its epilogue: each program's tile takes gate rows
 and the matching up rows interleaved, so it holds both halves of its outputs and stores the activation only.
@@ -42,7 +42,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
-from tpgraph.kernels._rows import MAX_M, block_m, max_rows
+from tpgraph.kernels._rows import block_m, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
@@ -117,8 +117,7 @@ def _parse_budget(env: str, n: int | None, k: int | None) -> int:
 class GemvConfig:
     """One launch configuration: BLOCK_N output columns per program, BLOCK_K per step, and split_k programs per
     column block (1: no workspace, no second kernel). resident (one split): where BLOCK_K spans K, each program loads
-    its whole weight slice before its PDL wait: one row is a reduction over K, several a batched dot over K slices
-    (`resident`)."""
+    its whole weight slice before its PDL wait, at one row (`resident`)."""
 
     block_n: int
     block_k: int
@@ -261,7 +260,7 @@ if triton is not None:
 
     @triton.jit
     def _dot_f32(a, b, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
-        """a @ b (2D, or batched 3D) in fp32."""
+        """a @ b in fp32."""
         if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
@@ -277,35 +276,22 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 SLICES: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
         pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
-        K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel). One row (SLICES 0): fp32
-        products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's copy
-        of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled). Several rows: K cut
-        into SLICES slices (one per warp), a batched dot gives each slice's [BLOCK_M, BLOCK_N] products, and they are
-        summed over the slices. The weights' change to the dot's operand layout (through shared memory, ldmatrix) is
-        independent of x, so the compiler does it before the wait too (sm_90a: 32 x 2048 over 16 warps, 16 rows: 128
-        registers and no spills, 8 bytes spilled with the fused all-reduce epilogue; the one row's fp32 products, row
-        after row, spilled from two rows on)."""
+        K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
+        fp32 products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's
+        copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if RESIDENT and SLICES == 0:  # one row: fp32 products and a reduction over K
+        if RESIDENT:  # one row: fp32 products and a reduction over K
             xm = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             row = tl.sum(w_resident.to(tl.float32) * xm[None, :], axis=1)
             acc = tl.where(offs_m[:, None] == 0, row[None, :], acc)
-        elif RESIDENT:  # several rows: a batched tensor-core dot, one K slice each, then the slices' sum
-            KS: tl.constexpr = BLOCK_K // SLICES
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-            x3 = tl.permute(tl.reshape(x, (BLOCK_M, SLICES, KS)), (1, 0, 2))  # [slice, row, k]
-            w3 = tl.permute(tl.reshape(w_resident, (BLOCK_N, SLICES, KS)), (1, 2, 0))  # [slice, k, column]
-            acc = tl.sum(_dot_f32(x3, w3, SOFT_BF16, IEEE), axis=0)
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -343,7 +329,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, SLICES: tl.constexpr):
+                     RESIDENT: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -389,7 +375,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, SLICES)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -452,7 +438,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, 0)
+                       SOFT_BF16, IEEE, False, PDL, True, False)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -543,7 +529,7 @@ def config_for(x: torch.Tensor, n: int, k: int, m: int, epilogue: bool = False) 
 def resident_or_default(cfg: GemvConfig, n: int, k: int, m: int, elem: int) -> GemvConfig:
     """cfg, unless it is a resident config spanning K that m rows of `elem`-byte data cannot run resident (see
     config_for): then the default tiles."""
-    return tiles(n, k, m) if resident(cfg, k) and (elem > 2 or not resident(cfg, k, m)) else cfg
+    return tiles(n, k, m) if resident(cfg, k) and (elem > 2 or m > 1) else cfg
 
 
 def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
@@ -649,22 +635,17 @@ def _applies(x: torch.Tensor, w: torch.Tensor, use_triton: bool | None) -> bool:
 
 
 def resident(cfg: GemvConfig, k: int, m: int = 1) -> bool:
-    """Whether the config asks for resident tiles, its one tile spans K, and the m rows take the 16-row tile (in a
-    32-row tile the several-row dot spills: sm_90a, 32 x 2048 over 16 warps, 80 bytes): _gemv_kernel then loads a
-    program's whole weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The
+    """Whether the config asks for resident tiles, its one tile spans K, and there is one row: _gemv_kernel then loads
+    a program's whole weight slice before its PDL wait (RESIDENT) instead of prefetching its first tile into L2. The
     weights are then read before the kernel before has finished, so they must not be what that kernel writes (the
     model's parameters never are). The shipped sm90 table gives them to o_proj at one row (32 x 2048 over 16 warps):
     it follows decode attention, which leaves HBM idle, so its 16 MB stream during attention. Whole TP=1 steps on
     one H200 (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477
-    (plain chain). Not from two rows on: the batched dot takes 128 registers a thread over 16 warps, a whole SM's
-    register file, so o_proj's programs cannot sit beside attention's, and it lost 0.15-0.35 ms a step at batches
-    2-16 (bench/results/2026-12-02_h200_resident_rows, run1)."""
-    return cfg.resident and cfg.block_k >= k and m <= MAX_M
-
-
-def resident_slices(cfg: GemvConfig) -> int:
-    """The K slices of a resident several-row launch: one per warp, each at least tl.dot's 16 deep."""
-    return min(cfg.num_warps, cfg.block_k // 16)
+    (plain chain). Not from two rows on: a batched tensor-core dot over K slices took 128 registers a thread over 16
+    warps, a whole SM's register file, so o_proj's programs could not sit beside attention's, and it lost 0.15-0.35
+    ms a step at batches 2-16 (bench/results/2026-12-02_h200_resident_rows, run1); that path is gone, and a resident
+    entry for more rows runs its one whole-K tile as a plain one."""
+    return cfg.resident and cfg.block_k >= k and m == 1
 
 
 def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = False) -> dict:
@@ -700,8 +681,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
         SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None,
-        # (SLICES 0 is the one-row sum, which computes row 0 alone: only for m == 1)
-        RESIDENT=whole, SLICES=resident_slices(cfg) if whole and m > 1 else 0, **fused, **tile)
+        RESIDENT=whole, **fused, **tile)
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
