@@ -104,7 +104,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
 
     def rule(block_n: int, splits: int, long: int | None, merge: int | None) -> int:
         programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n, long or LONG_SPLIT_TILES,
-                                                    merge or merge_split_cap())
+                                                    merge or merge_split_cap(batch, KV_HEADS, sms))
         return l2_prefetch_tiles(programs, 2 * block_n * HEAD_DIM * 2, l2_bytes)  # bf16 K and V tiles
 
     def resolved(shape: AttnShape) -> tuple:
@@ -119,7 +119,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         stages = attention_stages(ahead) if shape.num_stages is None else shape.num_stages
         long = shape.long_split_tiles or LONG_SPLIT_TILES
         return (shape.block_n, shape.num_warps, stages, splits, tiles, prefetch, ahead, long,
-                shape.merge_splits or merge_split_cap(), shape.combine_rows or COMBINE_ROWS)
+                shape.merge_splits or merge_split_cap(batch, KV_HEADS, sms), shape.combine_rows or COMBINE_ROWS)
 
     launches = {resolved(AttnShape()): AttnShape()}
     for block_n, w, s, scale, tiles, pf, ahead, long, merge, rows in itertools.product(

@@ -261,7 +261,8 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # kernels (the default path: PDL and last-split reductions on), and the small-M kernels with both off
          # (PROFILE_ENTRY and PROFILE_BATCHES override the entries and batches; SHAPE and AB_CONTEXT as for ab)
          timeout -k 5 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
-             --context "${AB_CONTEXT:-512}" --modes full --batches "${PROFILE_BATCHES:-1,8}" --no-ladders \
+             --context "${AB_CONTEXT:-512}" --modes full --batches "${PROFILE_BATCHES:-1,8}" \
+             --profile-batches "${PROFILE_BATCHES:-1,8}" --no-ladders \
              --allreduce "${PROFILE_ENTRY:-custom,custom+gemv,custom+gemv+nopdl+nolr}" --profile --steps 20 \
              --out "$out/profile.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile.log" ;;

@@ -40,15 +40,16 @@ def test_the_line_names_the_best_the_default_and_the_floor(sweep):
 
 
 def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatch):
-    """auto is the rule's tile count for each launch (batch 32's 384 programs: 2; batch 1: 8); an explicit 0 is the
-    default launch (timed once, as the default), and the default follows TPGRAPH_ATTN_L2_PREFETCH."""
+    """auto is the rule's tile count for each launch (batch 32's 384 programs: 2; batch 1's 128, 32 splits: 4); an
+    explicit 0 is the default launch (timed once, as the default), and the default follows
+    TPGRAPH_ATTN_L2_PREFETCH."""
     monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
     shapes = sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto", 4))
     assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_stages=3, l2_prefetch=2),
                       sweep.AttnShape(num_stages=3, l2_prefetch=4)]
-    assert sweep.grid(1, 8192, 132, [64], [4], [3], [1], [None], ("auto",))[1].l2_prefetch == 8
+    assert sweep.grid(1, 8192, 132, [64], [4], [3], [1], [None], ("auto",))[1].l2_prefetch == 4
     assert "l2 2" in shapes[1].short() and "l2" not in shapes[0].short()
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
     assert sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto")) == [
@@ -82,4 +83,4 @@ def test_the_merge_axes_time_the_models_settings_once(sweep, monkeypatch):
     assert "long 4 rows 64" in shapes[-1].short() and "long" not in sweep.AttnShape().short()
     assert sweep.auto_ints("auto,4") == (None, 4)
     merged = sweep.grid(1, 4096, 132, [64], [4], [3], [1], [None], merge_splits=(None, 16, 32))
-    assert [s.merge_splits for s in merged] == [None, 32] and "merge 32" in merged[1].short()
+    assert [s.merge_splits for s in merged] == [None, 16] and "merge 16" in merged[1].short()  # batch 1's rule: 32

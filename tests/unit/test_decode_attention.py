@@ -217,17 +217,21 @@ def test_shorter_long_splits_put_more_splits_to_work(long_split_tiles):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
-def test_more_merged_splits_at_4k_take_shorter_splits(monkeypatch):
-    """TPGRAPH_ATTN_MERGE_SPLITS (merge_split_cap) lets a long sequence take that many splits: at 4096 tokens on a
-    64-split grid, 16 four-tile splits by default, 32 two-tile ones at 32; the reference's result either way, and
-    another value is refused by name."""
+def test_a_grid_that_fits_one_wave_takes_more_long_splits(monkeypatch):
+    """merge_split_cap: a long sequence takes up to WIDE_MERGE_SPLITS (32) splits where the (sequence, KV head)
+    pairs x 32 fit the SMs (batch 1 at 4 KV heads on 132 SMs), else MERGE_SPLITS (16): at 4096 tokens on a 64-split
+    grid, 32 two-tile splits against 16 four-tile ones. TPGRAPH_ATTN_MERGE_SPLITS forces it, another value is refused
+    by name, and a forced 32 gives the reference's result."""
     from tpgraph.errors import ConfigError
     from tpgraph.kernels.decode_attention import merge_split_cap, splits_in_use
 
     monkeypatch.delenv("TPGRAPH_ATTN_MERGE_SPLITS", raising=False)
-    assert merge_split_cap() == 16 and splits_in_use(64, 4096) == 16
+    assert merge_split_cap(1, 4, 132) == 32 and merge_split_cap(2, 4, 132) == 16 and merge_split_cap(1, 8, 132) == 16
+    assert merge_split_cap(1, 4, 127) == 16  # 128 programs no longer fit
+    assert splits_in_use(64, 4096, merge_splits=32) == 32 and splits_in_use(64, 4096) == 16
+    assert splits_in_use(64, 32768, merge_splits=32) == splits_in_use(64, 32768) == 64  # long splits either way
     monkeypatch.setenv("TPGRAPH_ATTN_MERGE_SPLITS", "32")
-    assert merge_split_cap() == 32 and splits_in_use(64, 4096, merge_splits=merge_split_cap()) == 32
+    assert merge_split_cap(8, 4, 132) == 32
     q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=1500)
     lens[0] = 1500
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=1500, num_splits=64, split_tiles=1,
@@ -235,7 +239,7 @@ def test_more_merged_splits_at_4k_take_shorter_splits(monkeypatch):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
     monkeypatch.setenv("TPGRAPH_ATTN_MERGE_SPLITS", "12")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_MERGE_SPLITS must be one of 8, 16, 32, 64"):
-        merge_split_cap()
+        merge_split_cap(1, 4, 132)
 
 
 def test_merge_and_split_caps_must_be_positive():

@@ -77,8 +77,16 @@ TWO_TILE_PAIRS_DIVISOR = 9
 # 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid then, 12 since the grid rounds down) was unchanged, as was a
 # 512-token context (8 one-tile splits). Those ran with the merge before its maxima came in one load; with it, 4-tile
 # long splits (128 at 32K tokens) gained nothing alone (bench/results/2026-12-02_h200_merge_one_load, run1), and
-# MERGE_SPLITS itself is not re-timed.
+# WIDE_MERGE_SPLITS (below) now applies where the grid is small.
 MERGE_SPLITS = 16
+# Where (sequence, KV head) pairs x WIDE_MERGE_SPLITS programs fit the SMs one each (batch 1 at a TP=2 rank's 4 KV
+# heads on an H200), a long sequence takes up to that many splits instead (merge_split_cap): with the merge's maxima in
+# one load, more splits of fewer tiles finish sooner while they still fit one wave. Whole TP=1 steps, batch 1, against
+# 16 in the same call (bench/results/2026-12-02_h200_merge_one_load, run7c/run8): 4K tokens 2.551 -> 2.517 ms, 8K
+# 2.691 -> 2.614; alone 9.6 -> 8.8 µs at 4K, 13.8 -> 11.5 at 8K. At batch 2 (256 programs) 32 lost: +0.033 ms a step
+# at 4K, alone 14.6 -> 16.2 µs. Contexts from 16K tokens take LONG_SPLIT_TILES-tile splits either way, and up to 1K
+# one-tile splits.
+WIDE_MERGE_SPLITS = 32
 LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
 # (sm_90a, 2 stages) reads a tile's block-table entries, then its K/V, then waits for both: two dependent round trips
@@ -546,10 +554,12 @@ def attention_stages(kv_ahead: int) -> int:
     return env_choice("TPGRAPH_ATTN_STAGES", (2, 3, 4), PIPELINED_STAGES if kv_ahead == 1 else ATTENTION_STAGES)
 
 
-def merge_split_cap() -> int:
-    """How many splits a long sequence takes at most until they would pass LONG_SPLIT_TILES tiles: MERGE_SPLITS;
-    TPGRAPH_ATTN_MERGE_SPLITS=8/16/32/64 forces it."""
-    return env_choice("TPGRAPH_ATTN_MERGE_SPLITS", (8, 16, 32, 64), MERGE_SPLITS)
+def merge_split_cap(batch: int, kv_heads: int, num_sms: int) -> int:
+    """How many splits a long sequence takes at most until they would pass LONG_SPLIT_TILES tiles: WIDE_MERGE_SPLITS
+    where batch x kv_heads x that many programs fit num_sms, else MERGE_SPLITS; TPGRAPH_ATTN_MERGE_SPLITS=8/16/32/64
+    forces it."""
+    wide = batch * kv_heads * WIDE_MERGE_SPLITS <= num_sms
+    return env_choice("TPGRAPH_ATTN_MERGE_SPLITS", (8, 16, 32, 64), WIDE_MERGE_SPLITS if wide else MERGE_SPLITS)
 
 
 def attention_warps() -> int:
@@ -589,9 +599,9 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (a prefetch changes no result, and the interpreter runs no inline assembly). kv_ahead: how far the tile loop
     reads ahead, 0, 1 or 2 (default: `kv_lookahead`); each attends the same tiles in the same order (the same bits
     under the interpreter). merge_splits and long_split_tiles: a long sequence takes at most merge_splits splits
-    (default `merge_split_cap`) until they would pass long_split_tiles tiles (default LONG_SPLIT_TILES; see
-    `splits_in_use`); combine_rows: how many (split, query head) rows of partials the last split's merge loads at
-    once (default COMBINE_ROWS). The defaults are the model's; other values are for sweeping.
+    (default `merge_split_cap`, by the batch and the SM count) until they would pass long_split_tiles tiles (default
+    LONG_SPLIT_TILES; see `splits_in_use`); combine_rows: how many (split, query head) rows of partials the last
+    split's merge loads at once (default COMBINE_ROWS). The defaults are the model's; other values are for sweeping.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed; use paged_decode_reference or install triton")
@@ -607,7 +617,8 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"block_n must be a power of two from 16 (tl.dot's smallest side), got {block_n}")
     long_split_tiles = LONG_SPLIT_TILES if long_split_tiles is None else long_split_tiles
     combine_rows = COMBINE_ROWS if combine_rows is None else combine_rows
-    merge_splits = merge_split_cap() if merge_splits is None else merge_splits
+    num_sms = num_sms_for(q.device)
+    merge_splits = merge_split_cap(batch, kv_heads, num_sms) if merge_splits is None else merge_splits
     if min(long_split_tiles, combine_rows, merge_splits) < 1:
         raise ValueError(f"long_split_tiles, merge_splits and combine_rows must be >= 1, got {long_split_tiles}, "
                          f"{merge_splits}, {combine_rows}")
@@ -618,7 +629,6 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"l2_prefetch must be 0 or a power of two up to {MAX_PREFETCH_TILES} (tiles), "
                          f"got {l2_prefetch}")
     group = num_heads // kv_heads
-    num_sms = num_sms_for(q.device)
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_sms, min_split_tokens=block_n)
     num_splits = max(1, int(num_splits))
