@@ -14,7 +14,8 @@ built extension is copied into it where it lacks one), and the settings are adde
 `--tiles LABEL=SPEC` gives variant LABEL a small-M tile table: DIR's configs/gemv table (--tiles-arch, sm90) with
 SPEC's entries replaced, written to OUT/tables/LABEL.json and named by TPGRAPH_GEMV_TABLE. SPEC is entries joined by
 `/`, each `[epilogue:]N,K,M=BLOCK_NxBLOCK_KxWARPSxSTAGESxSPLIT_K[xRESIDENT]` (GemvConfig's fields in order, RESIDENT
-0 or 1; `epilogue:` for the table's section read by projections with the all-reduce in their epilogue), e.g.
+0 or 1, and 1 only at M = 1; `epilogue:` for the table's section read by projections with the all-reduce in their
+epilogue), e.g.
 
     --variant d2=. --tiles d2=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4
     --variant r=. --tiles r=4096,2048,1=32x2048x16x1x1x1
@@ -84,6 +85,8 @@ def parse_tiles(text: str) -> tuple[str, list[tuple[str, str, dict[str, int]]]]:
         fields = dict(zip(FIELDS, (int(v) for v in sizes), strict=False))
         if "resident" in fields:
             fields["resident"] = bool(fields["resident"])
+            if fields["resident"] and int(dims[2]) != 1:  # more rows would take the default tiles, silently
+                raise argparse.ArgumentTypeError(f"--tiles {label}: resident tiles take one row (M = 1), got {item!r}")
         entries.append((section or "best", ",".join(d.strip() for d in dims), fields))
     if not entries:
         raise argparse.ArgumentTypeError(f"--tiles {label}: no entries")

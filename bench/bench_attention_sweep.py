@@ -40,7 +40,7 @@ class AttnShape:
     """One launch of paged_decode_attention_v2 (None: the heuristic's choice)."""
 
     block_n: int = 64
-    num_warps: int = 4
+    num_warps: int | None = None  # (None: attention_warps, the model's)
     num_stages: int | None = None  # (None: attention_stages, the model's)
     num_splits: int | None = None
     split_tiles: int | None = None
@@ -59,7 +59,8 @@ class AttnShape:
         long = "" if self.long_split_tiles is None else f" long {self.long_split_tiles}"
         long += "" if self.merge_splits is None else f" merge {self.merge_splits}"
         rows = "" if self.combine_rows is None else f" rows {self.combine_rows}"
-        return (f"n{self.block_n} w{self.num_warps} s{stages} splits {splits} tiles {tiles}{prefetch}{ahead}{long}"
+        warps = "auto" if self.num_warps is None else str(self.num_warps)
+        return (f"n{self.block_n} w{warps} s{stages} splits {splits} tiles {tiles}{prefetch}{ahead}{long}"
                 f"{rows}")
 
 
@@ -79,8 +80,8 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: list[int], stages: list[int],
          split_scales: list[float], split_tiles: list[int | None], l2_prefetch: tuple[int | str, ...] = (0,),
          l2_bytes: int = 50 << 20, kv_ahead: tuple[int | None, ...] = (None,),
-         long_tiles: tuple[int | None, ...] = (None,), combine_rows: tuple[int | None, ...] = (None,),
-         merge_splits: tuple[int | None, ...] = (None,)) -> list[AttnShape]:
+         long_split_tiles: tuple[int | None, ...] = (None,), merge_splits: tuple[int | None, ...] = (None,),
+         combine_rows: tuple[int | None, ...] = (None,)) -> list[AttnShape]:
     """The default first, then every combination, each resolved to the launch it makes: the grid's split count
     (the heuristic's for that tile length, scaled, at most one split a tile of max_seq_len), the fewest tiles a
     split takes (min_split_tiles where not given) and the tiles each program keeps asked of L2 ahead ("auto":
@@ -94,6 +95,7 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         COMBINE_ROWS,
         LONG_SPLIT_TILES,
         attention_stages,
+        attention_warps,
         choose_num_splits,
         kv_lookahead,
         l2_prefetch_tiles,
@@ -102,9 +104,12 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
         splits_in_use,
     )
 
+    def given(value: int | None, default: int) -> int:
+        return default if value is None else value
+
     def rule(block_n: int, splits: int, long: int | None, merge: int | None) -> int:
-        programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n, long or LONG_SPLIT_TILES,
-                                                    merge or merge_split_cap(batch, KV_HEADS, sms))
+        programs = batch * KV_HEADS * splits_in_use(splits, max_seq_len, block_n, given(long, LONG_SPLIT_TILES),
+                                                    merge_splits=given(merge, merge_split_cap(batch, KV_HEADS, sms)))
         return l2_prefetch_tiles(programs, 2 * block_n * HEAD_DIM * 2, l2_bytes)  # bf16 K and V tiles
 
     def resolved(shape: AttnShape) -> tuple:
@@ -117,13 +122,14 @@ def grid(batch: int, max_seq_len: int, sms: int, block_ns: list[int], warps: lis
                         if env_flag("TPGRAPH_ATTN_L2_PREFETCH") else 0)
         ahead = kv_lookahead(torch.bfloat16) if shape.kv_ahead is None else shape.kv_ahead
         stages = attention_stages(ahead) if shape.num_stages is None else shape.num_stages
-        long = shape.long_split_tiles or LONG_SPLIT_TILES
-        return (shape.block_n, shape.num_warps, stages, splits, tiles, prefetch, ahead, long,
-                shape.merge_splits or merge_split_cap(batch, KV_HEADS, sms), shape.combine_rows or COMBINE_ROWS)
+        return (shape.block_n, given(shape.num_warps, attention_warps()), stages, splits, tiles, prefetch, ahead,
+                given(shape.long_split_tiles, LONG_SPLIT_TILES),
+                given(shape.merge_splits, merge_split_cap(batch, KV_HEADS, sms)),
+                given(shape.combine_rows, COMBINE_ROWS))
 
     launches = {resolved(AttnShape()): AttnShape()}
     for block_n, w, s, scale, tiles, pf, ahead, long, merge, rows in itertools.product(
-            block_ns, warps, stages, split_scales, split_tiles, l2_prefetch, kv_ahead, long_tiles, merge_splits,
+            block_ns, warps, stages, split_scales, split_tiles, l2_prefetch, kv_ahead, long_split_tiles, merge_splits,
             combine_rows):
         auto = choose_num_splits(batch, KV_HEADS, max_seq_len, sms, min_split_tokens=block_n)
         splits = None if scale == 1 else max(1, min(round(auto * scale), -(-max_seq_len // block_n)))
@@ -237,10 +243,11 @@ def main() -> None:
     p.add_argument("--l2-prefetch", default="0",
                    help="tiles each program keeps asked of L2 ahead: 0 or powers of two, auto: the budget rule")
     p.add_argument("--long-split-tiles", default="auto",
-                   help="how many tiles a long sequence's splits grow to before it takes more than MERGE_SPLITS "
+                   help="how many tiles a long sequence's splits grow to before it takes more than --merge-splits "
                         "(auto: LONG_SPLIT_TILES)")
     p.add_argument("--merge-splits", default="auto",
-                   help="the most splits a long sequence takes until they pass --long-split-tiles (auto: the model's)")
+                   help="the most splits a long sequence takes until they pass --long-split-tiles "
+                        "(auto: merge_split_cap's)")
     p.add_argument("--combine-rows", default="auto",
                    help="(split, query head) rows of partials the last split's merge loads at once "
                         "(auto: COMBINE_ROWS)")
@@ -259,8 +266,8 @@ def main() -> None:
             raise SystemExit(f"context {ctx} is above --max-seq-len {args.max_seq_len}")
         shapes = grid(batch, args.max_seq_len, props.multi_processor_count, ints(args.block_n), ints(args.warps),
                       ints(args.stages), [float(v) for v in args.split_scales.split(",")], tiles, prefetch,
-                      props.L2_cache_size, auto_ints(args.kv_ahead), auto_ints(args.long_split_tiles),
-                      auto_ints(args.combine_rows), auto_ints(args.merge_splits))
+                      props.L2_cache_size, auto_ints(args.kv_ahead), long_split_tiles=auto_ints(args.long_split_tiles),
+                      merge_splits=auto_ints(args.merge_splits), combine_rows=auto_ints(args.combine_rows))
         entries.append(sweep_point(batch, ctx, args.max_seq_len, shapes, hbm, props.L2_cache_size, device))
         print(point_line(entries[-1]), flush=True)
         # after every point: a call cut short by its time limit keeps what it timed

@@ -127,6 +127,8 @@ def test_a_tiles_spec_names_entries_of_either_section(ab):
     _, entries = ab.parse_tiles("r=4096,2048,1=32x2048x16x1x1x1")  # a sixth field: resident tiles
     assert entries == [("best", "4096,2048,1", dict(block_n=32, block_k=2048, num_warps=16, num_stages=1, split_k=1,
                                                     resident=True))]
+    with pytest.raises(argparse.ArgumentTypeError, match="resident tiles take one row"):
+        ab.parse_tiles("r=4096,2048,2=32x2048x16x1x1x1")  # more rows would silently take the default tiles
 
 
 @pytest.mark.parametrize("text", ["d2", "d2=", "d2=4096,7168=32x128x4x5x2", "d2=4096,7168,1=32x128x4x5",

@@ -10,6 +10,13 @@ def sweep():
     return load_bench_module("bench_attention_sweep")
 
 
+@pytest.fixture(autouse=True)
+def model_rules(monkeypatch):
+    """The model's own launch rules: none of the settings that force them, whatever the environment exports."""
+    for name in ("KV_AHEAD", "STAGES", "L2_PREFETCH", "MERGE_SPLITS", "WARPS"):
+        monkeypatch.delenv(f"TPGRAPH_ATTN_{name}", raising=False)
+
+
 def test_points_are_batch_x_context_and_mistakes_are_named(sweep):
     assert sweep.parse_points("1x512, 32x4096") == [(1, 512), (32, 4096)]
     for bad in ("8", "8x", "0x512", "ax512", ""):
@@ -47,13 +54,13 @@ def test_the_l2_prefetch_axis_resolves_auto_by_the_budget_rule(sweep, monkeypatc
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
     shapes = sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto", 4))
-    assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_stages=3, l2_prefetch=2),
-                      sweep.AttnShape(num_stages=3, l2_prefetch=4)]
+    assert shapes == [sweep.AttnShape(), sweep.AttnShape(num_warps=4, num_stages=3, l2_prefetch=2),
+                      sweep.AttnShape(num_warps=4, num_stages=3, l2_prefetch=4)]
     assert sweep.grid(1, 8192, 132, [64], [4], [3], [1], [None], ("auto",))[1].l2_prefetch == 4
     assert "l2 2" in shapes[1].short() and "l2" not in shapes[0].short()
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")  # the default now prefetches by the rule: auto is the default
     assert sweep.grid(32, 8192, 132, [64], [4], [3], [1], [None], (0, "auto")) == [
-        sweep.AttnShape(), sweep.AttnShape(num_stages=3, l2_prefetch=0)]
+        sweep.AttnShape(), sweep.AttnShape(num_warps=4, num_stages=3, l2_prefetch=0)]
 
 
 def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):
@@ -69,6 +76,15 @@ def test_the_read_ahead_axis_times_the_rules_choice_once(sweep, monkeypatch):
     assert "ahead 2" in sweep.AttnShape(kv_ahead=2).short() and "ahead" not in sweep.AttnShape().short()
 
 
+def test_the_default_follows_the_warps_setting(sweep, monkeypatch):
+    """The default launch's warps are attention_warps'; an explicit 4 is that launch unless TPGRAPH_ATTN_WARPS says
+    8, and then 8 is."""
+    assert [s.num_warps for s in sweep.grid(1, 8192, 132, [64], [4, 8], [3], [1], [None])] == [None, 8]
+    assert "w auto" in sweep.AttnShape().short() or "wauto" in sweep.AttnShape().short()
+    monkeypatch.setenv("TPGRAPH_ATTN_WARPS", "8")
+    assert [s.num_warps for s in sweep.grid(1, 8192, 132, [64], [4, 8], [3], [1], [None])] == [None, 4]
+
+
 def test_the_merge_axes_time_the_models_settings_once(sweep, monkeypatch):
     """Long splits' cap and the merge's rows a load: the model's values (LONG_SPLIT_TILES, COMBINE_ROWS) given
     explicitly are the default launch, other values launches of their own, named in the line."""
@@ -76,7 +92,7 @@ def test_the_merge_axes_time_the_models_settings_once(sweep, monkeypatch):
 
     monkeypatch.delenv("TPGRAPH_ATTN_KV_AHEAD", raising=False)
     monkeypatch.delenv("TPGRAPH_ATTN_STAGES", raising=False)
-    shapes = sweep.grid(1, 32768, 132, [64], [4], [3], [1], [None], long_tiles=(None, LONG_SPLIT_TILES, 4),
+    shapes = sweep.grid(1, 32768, 132, [64], [4], [3], [1], [None], long_split_tiles=(None, LONG_SPLIT_TILES, 4),
                         combine_rows=(COMBINE_ROWS, 64))
     assert shapes[0] == sweep.AttnShape()
     assert [(s.long_split_tiles, s.combine_rows) for s in shapes[1:]] == [(None, 64), (4, COMBINE_ROWS), (4, 64)]

@@ -14,6 +14,7 @@ from tpgraph.kernels.decode_attention import (
     BLOCK_N,
     CPU_NUM_SMS,
     MAX_PREFETCH_TILES,
+    MERGE_SPLITS,
     MIN_SPLIT_TOKENS,
     attention_stages,
     choose_num_splits,
@@ -168,8 +169,8 @@ def test_the_last_split_combines_like_the_combine_kernel(monkeypatch, seed, num_
 
 @pytest.mark.parametrize("seed", [6, 17, 23])  # query groups of 4, 8, 4: 8, 4, 8 splits a load
 @pytest.mark.parametrize("num_splits", [13, 22])  # grids of 13 and 22 splits, 12 of them in use
-def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed, num_splits):
-    """Long contexts: more splits in use than COMBINE_CHUNK (the merge's unrolled loads), a partial last chunk at
+def test_the_last_split_merges_more_splits_than_one_load_of_sums_takes(monkeypatch, seed, num_splits):
+    """Long contexts: more splits in use than COMBINE_CHUNK (the weighted sums' unrolled loads), a partial last chunk at
     groups of 4, whole chunks at 8; the reference, the combine kernel within rounding, the same bits on a second
     call."""
     from tpgraph.kernels.decode_attention import combine_tiles
@@ -188,11 +189,13 @@ def test_the_last_split_merges_more_splits_than_one_load_takes(monkeypatch, seed
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
-@pytest.mark.parametrize("combine_rows", [4, 8, 64])  # one split a load at groups of 4 and 8; every split at once
-def test_the_merge_chunk_does_not_change_the_bits(combine_rows):
+@pytest.mark.parametrize("combine_rows", [4, 8, 64])  # a query group of 4: 1, 2 and 16 splits a load (12 in use)
+def test_the_merge_chunk_does_not_change_the_bits(monkeypatch, combine_rows):
     """The last split's merge sums the splits in order however many it loads at once (combine_rows): the same bits
     as the default's, over 12 splits in use."""
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")  # the merge in the last split, not the combine kernel
     q, k, v, bt, lens, scale = random_paged_case(23, "cpu", torch.float32, max_batch=2, max_len=1500)
+    assert q.shape[1] // k.shape[2] == 4
     lens[0] = 1500
     run = dict(max_seq_len=1500, num_splits=22, split_tiles=1)
     default = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
@@ -209,9 +212,9 @@ def test_shorter_long_splits_put_more_splits_to_work(long_split_tiles):
 
     q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=1500)
     lens[0] = 1500
-    used = splits_in_use(64, 1500, 16, long_split_tiles)
+    used = splits_in_use(64, 1500, 16, long_split_tiles, merge_splits=MERGE_SPLITS)
     assert used == min(64, -(-1500 // (16 * long_split_tiles)))
-    assert used > splits_in_use(64, 1500, 16)
+    assert used > splits_in_use(64, 1500, 16, merge_splits=MERGE_SPLITS)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=1500, num_splits=64, split_tiles=1,
                                     block_n=16, long_split_tiles=long_split_tiles)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
@@ -228,8 +231,8 @@ def test_a_grid_that_fits_one_wave_takes_more_long_splits(monkeypatch):
     monkeypatch.delenv("TPGRAPH_ATTN_MERGE_SPLITS", raising=False)
     assert merge_split_cap(1, 4, 132) == 32 and merge_split_cap(2, 4, 132) == 16 and merge_split_cap(1, 8, 132) == 16
     assert merge_split_cap(1, 4, 127) == 16  # 128 programs no longer fit
-    assert splits_in_use(64, 4096, merge_splits=32) == 32 and splits_in_use(64, 4096) == 16
-    assert splits_in_use(64, 32768, merge_splits=32) == splits_in_use(64, 32768) == 64  # long splits either way
+    assert splits_in_use(64, 4096, merge_splits=32) == 32 and splits_in_use(64, 4096, merge_splits=16) == 16
+    assert splits_in_use(64, 32768, merge_splits=32) == splits_in_use(64, 32768, merge_splits=16) == 64  # 8-tile splits
     monkeypatch.setenv("TPGRAPH_ATTN_MERGE_SPLITS", "32")
     assert merge_split_cap(8, 4, 132) == 32
     q, k, v, bt, lens, scale = random_paged_case(6, "cpu", torch.float32, max_batch=2, max_len=1500)
@@ -602,7 +605,7 @@ def test_splits_in_use_bound_what_each_length_uses(max_seq_len, num_splits, long
     _span_probe[(len(lens),)](torch.tensor(lens, dtype=torch.int32), out, NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N,
                               SPLIT_TILES=1, LONG_TILES=long_tiles, MERGE=merge)
     used = out.view(-1, 2)[:, 1].tolist()
-    assert max(used) == splits_in_use(num_splits, max_seq_len, BLOCK_N, long_tiles, merge)
+    assert max(used) == splits_in_use(num_splits, max_seq_len, BLOCK_N, long_tiles, merge_splits=merge)
 
 
 def test_the_l2_prefetch_is_off_unless_asked_and_off_cuda(monkeypatch):
@@ -610,12 +613,12 @@ def test_the_l2_prefetch_is_off_unless_asked_and_off_cuda(monkeypatch):
 
     q = torch.zeros(32, 16, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("TPGRAPH_ATTN_L2_PREFETCH", raising=False)
-    assert l2_prefetch_tiles_for(q, 4, 3, 8192) == 0
+    assert l2_prefetch_tiles_for(q, 4, 3, 8192, merge_splits=16) == 0
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "1")
-    assert l2_prefetch_tiles_for(q, 4, 3, 8192) == 0  # a CPU tensor: nothing to prefetch
+    assert l2_prefetch_tiles_for(q, 4, 3, 8192, merge_splits=16) == 0  # a CPU tensor: nothing to prefetch
     monkeypatch.setenv("TPGRAPH_ATTN_L2_PREFETCH", "on")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_L2_PREFETCH must be 0 or 1"):
-        l2_prefetch_tiles_for(q, 4, 3, 8192)
+        l2_prefetch_tiles_for(q, 4, 3, 8192, merge_splits=16)
 
 
 def test_an_l2_prefetch_that_is_not_a_power_of_two_is_refused_and_one_changes_nothing_off_cuda():

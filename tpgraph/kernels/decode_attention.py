@@ -11,7 +11,8 @@ that was 10-100x slower on an H200:
   static `max_seq_len` and the SM count, so that a small batch still spreads over the GPU. Each program cuts its
   sequence's actual length (read on the device) into at most that many whole-tile pieces, so a short context on a
   grid sized for a long max_model_len runs a few full splits and the rest of the grid exits at once; a long one is
-  cut into fewer, longer pieces than the grid allows (MERGE_SPLITS), so that merging them costs less than it saves.
+  cut into fewer, longer pieces than the grid allows (`merge_split_cap`), so that merging them costs less than it
+  saves.
   Each split in use leaves a partial (unnormalised acc, running max, sum of exps) in fp32 scratch, which the last one
   to arrive (or a second small kernel) merges: every split's maxima in one load, then the weighted sums several splits
   a load (L2 round trips on the critical path, not bandwidth). With one split the first kernel writes the
@@ -75,17 +76,17 @@ TWO_TILE_PAIRS_DIVISOR = 9
 # 2026-12-01_h200_critical_path, run5, attention alone, µs): 4K tokens 22.3 with 64 splits, 14.4 with 32, 13.2 with 16;
 # 32K tokens 41.7 / 43.6 / 66.3, so a 32K context keeps 64 eight-tile splits; and the whole TP=1 step at 4K, batch 1,
 # 3.080 -> 2.882 ms. Batch 8 (13 splits of the grid then, 12 since the grid rounds down) was unchanged, as was a
-# 512-token context (8 one-tile splits). Those ran with the merge before its maxima came in one load; with it, 4-tile
-# long splits (128 at 32K tokens) gained nothing alone (bench/results/2026-12-02_h200_merge_one_load, run1), and
-# WIDE_MERGE_SPLITS (below) now applies where the grid is small.
+# 512-token context (8 one-tile splits). Those ran with the merge before its maxima came in one load. With it
+# (bench/results/2026-12-02_h200_merge_one_load, run1, alone), 128 four-tile splits at 32K tokens lost (28.9 -> 33.4
+# µs), and WIDE_MERGE_SPLITS (below) now applies where the grid is small.
 MERGE_SPLITS = 16
 # Where (sequence, KV head) pairs x WIDE_MERGE_SPLITS programs fit the SMs one each (batch 1 at a TP=2 rank's 4 KV
 # heads on an H200), a long sequence takes up to that many splits instead (merge_split_cap): with the merge's maxima in
 # one load, more splits of fewer tiles finish sooner while they still fit one wave. Whole TP=1 steps, batch 1, against
 # 16 in the same call (bench/results/2026-12-02_h200_merge_one_load, run7c/run8): 4K tokens 2.551 -> 2.517 ms, 8K
-# 2.691 -> 2.614; alone 9.6 -> 8.8 µs at 4K, 13.8 -> 11.5 at 8K. At batch 2 (256 programs) 32 lost: +0.033 ms a step
-# at 4K, alone 14.6 -> 16.2 µs. Contexts from 16K tokens take LONG_SPLIT_TILES-tile splits either way, and up to 1K
-# one-tile splits.
+# 2.691 -> 2.614; alone 9.6 -> 8.8 µs at 4K, 13.8 -> 11.6 at 8K (run7b). At batch 2 (256 programs) 32 lost: +0.033 ms
+# a step at 4K, alone 14.6 -> 16.9 µs. Contexts from 16K tokens take LONG_SPLIT_TILES-tile splits either way, and up
+# to 1K one-tile splits.
 WIDE_MERGE_SPLITS = 32
 LONG_SPLIT_TILES = 8
 # How far the loop over a split's later tiles reads ahead (kv_lookahead, the kernel's KV_AHEAD). The compiled loop
@@ -123,10 +124,10 @@ NEWEST_APART_MIN_BATCH = 2
 # (split, query head) rows of partials the last split's merge loads at once, after one load of every split's maxima
 # (_combine_group). That merge used to walk the maxima COMBINE_ROWS at a time too: at batch 1 and 32K tokens (64 splits
 # of a 4-head group) 16 dependent L2 round trips, now 9. Attention alone (bench/results/2026-12-02_h200_merge_one_load,
-# run1/run6; before: 2026-12-02_h200_pipelined_tiles run1): 1 x 4K 12.7 -> 9.5 µs, 1 x 32K about 37 -> 28.8 (SDPA 9.0
-# and 24.0). Whole TP=1 steps against that kernel in the same call (run2/run3): batch 1 -0.059 / -0.089 / -0.373 ms at
-# 512 / 4K / 32K tokens, batch 4 at 32K -0.164, batches 8 and 32 within 0.01. 64 rows (16 splits a load at groups of 4)
-# gained 0.1-0.4 µs alone (run1), not timed in whole steps.
+# run1/run6; before: 2026-12-02_h200_pipelined_tiles run1): 1 x 4K 12.7 -> 9.5 µs, 1 x 32K 37.2 or more -> 28.8 (SDPA
+# 9.0 and 24.0). Whole TP=1 steps against that kernel in the same call (run2/run3): batch 1 -0.059 / -0.089 / -0.373
+# ms at 512 / 4K / 32K tokens, batch 4 at 32K -0.164, batches 8 and 32 within 0.01. 64 rows (16 splits a load at
+# groups of 4) was within 0.4 µs of 32 either way alone (run1), not timed in whole steps.
 COMBINE_ROWS = 32
 # (_combine_group keeps two passes, max then weighted sums: a one-pass merge with a running rescale, one round of
 # loads, was slower on an H200, +0.027 / +0.096 ms a step at batch 1 / 8 and context 512, +0.063 ms at batch 8, 4K.)
@@ -179,10 +180,10 @@ def min_split_tiles(batch: int, kv_heads: int, num_sms: int) -> int:
 
 
 def splits_in_use(num_splits: int, max_seq_len: int, block_n: int = BLOCK_N,
-                  long_split_tiles: int = LONG_SPLIT_TILES, merge_splits: int = MERGE_SPLITS) -> int:
+                  long_split_tiles: int = LONG_SPLIT_TILES, *, merge_splits: int) -> int:
     """The most splits of a (sequence, KV head) that `_split_span` puts to work for sequences up to max_seq_len: the
-    grid's, no more than one a tile, and no more than `merge_splits` until those splits would pass
-    `long_split_tiles` tiles."""
+    grid's, no more than one a tile, and no more than `merge_splits` (the launch's: `merge_split_cap` by default, so a
+    caller must say which) until those splits would pass `long_split_tiles` tiles."""
     long_split = long_split_tiles * block_n
     return max(1, min(num_splits, -(-max_seq_len // block_n), max(merge_splits, -(-max_seq_len // long_split))))
 
@@ -203,14 +204,15 @@ def l2_prefetch_tiles(programs: int, tile_bytes: int, l2_bytes: int) -> int:
 
 
 def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_seq_len: int,
-                          block_n: int = BLOCK_N, long_split_tiles: int = LONG_SPLIT_TILES,
-                          merge_splits: int = MERGE_SPLITS) -> int:
+                          block_n: int = BLOCK_N, long_split_tiles: int = LONG_SPLIT_TILES, *,
+                          merge_splits: int) -> int:
     """Tiles each program of a launch prefetches into L2 (`l2_prefetch_tiles` over the programs that can be in use):
     0 unless TPGRAPH_ATTN_L2_PREFETCH=1 (opt-in: see L2_PREFETCH_SHARE), and 0 off CUDA (the interpreter has no
     prefetch)."""
     if not env_flag("TPGRAPH_ATTN_L2_PREFETCH", default=False) or q.device.type != "cuda":
         return 0
-    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n, long_split_tiles, merge_splits)
+    programs = q.shape[0] * kv_heads * splits_in_use(num_splits, max_seq_len, block_n, long_split_tiles,
+                                                     merge_splits=merge_splits)
     tile_bytes = 2 * block_n * q.shape[-1] * q.element_size()
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return l2_prefetch_tiles(programs, tile_bytes, _cuda_l2_bytes(index))
@@ -308,8 +310,9 @@ if triton is not None:
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
-        partials of its whole query group in split order (_combine_group: GROUP_P2 rows, COMBINE_CHUNK splits a
-        load).
+        partials of its whole query group in split order (_combine_group: GROUP_P2 rows; every split's maxima in one
+        load of SPLITS_P2 rows, then the weighted sums COMBINE_CHUNK splits a load). LONG_TILES and MERGE: a long
+        sequence's splits (_split_span).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -651,7 +654,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     part_strides = (num_heads * num_splits, num_splits, 1)  # of part_m / part_l; part_acc adds * HEAD_DIM
     if l2_prefetch is None:
         l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n, long_split_tiles,
-                                            merge_splits)
+                                            merge_splits=merge_splits)
     line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out

@@ -519,9 +519,9 @@ if triton is not None:
 
 def config_for(x: torch.Tensor, n: int, k: int, m: int, epilogue: bool = False) -> GemvConfig:
     """The tiles for x's device: its architecture's table (the interpreter's CPU tensors: the default tiles). A
-    table's resident tiles are for 16-bit weights in the 16-row tile: 4-byte ones (a resident 32 x 2048 fp32 slice is
-    128 registers a thread over 16 warps, and spills) and more rows (`resident`) take the default tiles instead, not
-    one whole-K step."""
+    table's resident tiles are for 16-bit weights at one row: 4-byte ones (a resident 32 x 2048 fp32 slice is 128
+    registers a thread over 16 warps, and spills) and more rows (`resident`) take the default tiles instead, not one
+    whole-K step."""
     cfg = tiles(n, k, m, table_path(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None, epilogue)
     return resident_or_default(cfg, n, k, m, x.element_size())
 
@@ -643,8 +643,9 @@ def resident(cfg: GemvConfig, k: int, m: int = 1) -> bool:
     one H200 (bench/results/2026-12-01_h200_resident): batch 1 2.498 -> 2.417 ms (epilogue chain), 2.549 -> 2.477
     (plain chain). Not from two rows on: a batched tensor-core dot over K slices took 128 registers a thread over 16
     warps, a whole SM's register file, so o_proj's programs could not sit beside attention's, and it lost 0.15-0.35
-    ms a step at batches 2-16 (bench/results/2026-12-02_h200_resident_rows, run1); that path is gone, and a resident
-    entry for more rows runs its one whole-K tile as a plain one."""
+    ms a step at batches 2-16 (bench/results/2026-12-02_h200_resident_rows, run1); that path is gone. A table's
+    resident entry gives more rows the default tiles (`resident_or_default`); a resident config passed explicitly
+    runs its one whole-K tile as a plain one."""
     return cfg.resident and cfg.block_k >= k and m == 1
 
 
