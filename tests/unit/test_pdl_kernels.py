@@ -24,7 +24,7 @@ COMBINE = ("tpgraph.kernels.decode_attention", "_decode_combine_kernel",
             "seq_lens_ptr": "*i32"},
            ["stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"],
            {"HEAD_DIM": 128, "DIM_PAD": 128, "NUM_SPLITS": 8, "SPLITS_PAD": 8, "BLOCK_N": 64, "SPLIT_TILES": 1,
-            "INTERPRETED": False})
+            "INTERPRETED": False, "LONG_TILES": 8, "MERGE": 16})
 
 
 @pytest.mark.parametrize("kernel", [ROPE, SPLIT_SUM, COMBINE, NORM], ids=["rope_store", "split_sum", "combine", "norm"])
