@@ -534,7 +534,7 @@ def test_wide_rows_are_the_default_for_16_bit_elements(monkeypatch):
         assert max_rows(2) == 32 and max_rows(4) == 16  # fp32's 32-row x tiles would outgrow its stages' shared memory
     assert [block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "24")
-    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_MAX_M must be 16 or 32, got '24'"):
+    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_MAX_M must be one of 16, 32, got '24'"):
         max_rows(2)
 
 

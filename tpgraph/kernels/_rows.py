@@ -3,9 +3,7 @@ its own so that both read one bound without importing each other."""
 
 from __future__ import annotations
 
-import os
-
-from tpgraph.errors import ConfigError
+from tpgraph.kernels._settings import env_choice
 
 MAX_M = 16  # the row tile up to 16 rows, and the most rows with TPGRAPH_GEMV_MAX_M=16 or for fp32
 # 17-32 rows in 32-row tiles, 16-bit dtypes only (fp32's wider x tiles would outgrow the shared memory of its stages),
@@ -23,10 +21,8 @@ WIDE_M = 32
 def max_rows(elem: int) -> int:
     """The most rows the kernels take for elements of `elem` bytes: WIDE_M for 16-bit elements, MAX_M for fp32 or
     with TPGRAPH_GEMV_MAX_M=16 (any other value than 16 or 32 is refused)."""
-    value = os.environ.get("TPGRAPH_GEMV_MAX_M", "").strip()
-    if value not in ("", str(MAX_M), str(WIDE_M)):
-        raise ConfigError(f"TPGRAPH_GEMV_MAX_M must be {MAX_M} or {WIDE_M}, got {value!r}")
-    return WIDE_M if value != str(MAX_M) and elem <= 2 else MAX_M
+    limit = env_choice("TPGRAPH_GEMV_MAX_M", (MAX_M, WIDE_M), WIDE_M)
+    return WIDE_M if limit == WIDE_M and elem <= 2 else MAX_M
 
 
 def block_m(m: int) -> int:
