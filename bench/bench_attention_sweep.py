@@ -253,7 +253,7 @@ def main() -> None:
                         "(auto: COMBINE_ROWS)")
     args = p.parse_args()
     points = parse_points(args.points)
-    tiles = [None if t == "auto" else int(t) for t in args.split_tiles.split(",")]
+    tiles = list(auto_ints(args.split_tiles))
     prefetch = tuple(v if v == "auto" else int(v) for v in args.l2_prefetch.split(","))
     from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 

@@ -219,7 +219,6 @@ def l2_prefetch_tiles_for(q: torch.Tensor, kv_heads: int, num_splits: int, max_s
 
 
 if triton is not None:
-    # (module constants a kernel reads must be constexprs)
 
     @triton.jit
     def _split_span(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
@@ -659,6 +658,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     last_combines = num_splits > 1 and last_split_reduces()
     counters = split_counters(q.device, batch * kv_heads) if last_combines else out
     pdl = use_pdl(q)
+    merge_tiles = combine_tiles(group, num_splits, combine_rows)  # (SPLITS_P2 sizes the combine kernel's load as well)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,
         scale * _LOG2E,
@@ -669,7 +669,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         # fp32 inputs: full-precision dot (tf32 would lose ~3 digits); 16-bit inputs ignore the setting.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted, LAST_COMBINES=last_combines, PDL=pdl,
-        **combine_tiles(group, num_splits, combine_rows), LONG_TILES=long_split_tiles, MERGE=merge_splits,
+        **merge_tiles, LONG_TILES=long_split_tiles, MERGE=merge_splits,
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger(batch) and pdl,
@@ -679,7 +679,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_splits > 1 and not last_combines:
         _decode_combine_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, seq_lens, *part_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=merge_tiles["SPLITS_P2"],
             BLOCK_N=block_n, SPLIT_TILES=split_tiles, INTERPRETED=interpreted, PDL=pdl, LONG_TILES=long_split_tiles,
             MERGE=merge_splits, num_warps=4,
             enable_fp_fusion=True, **pdl_launch(pdl),
