@@ -328,18 +328,14 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
     assert not split_counters(q.device, 16 * k.shape[2]).any()
 
 
-@pytest.mark.parametrize("tiles", ["shipped", "16x256x4x4x1", "32x128x4x5x1"])
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
                          + [(24, torch.bfloat16), (24, torch.float16), (32, torch.bfloat16)])  # 16-bit only
-def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, tiles):
-    """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32; or one
-    split, each program rotating its own paired rows): q and both caches bit for bit the two steps with the same
-    tiles, eager and replayed in a graph. early: the rotation inputs read before the PDL wait (inputs_early;
-    positions and slots are written before x here, as the model's are)."""
-    from tpgraph.kernels.gemv import GemvConfig, linear_small_m, qkv_rope_store
-
-    cfg = None if tiles == "shipped" else GemvConfig(*map(int, tiles.split("x")))
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early):
+    """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32):
+    q and both caches bit for bit the two steps, eager and replayed in a graph. early: the rotation inputs read
+    before the PDL wait (inputs_early; positions and slots are written before x here, as the model's are)."""
+    from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")  # 24 rows: the 32-row tiles
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
@@ -351,15 +347,14 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, t
     x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                       inputs_early=early, config=cfg)
-    rq, _ = rope_and_store(linear_small_m(x, w, config=cfg), positions, tables, slots, caches[2], caches[3], heads,
-                           kv_heads, dim)
+                       inputs_early=early)
+    rq, _ = rope_and_store(linear_small_m(x, w), positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim)
     assert q is not None and torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                                  inputs_early=early, config=cfg)
+                                  inputs_early=early)
     caches[0].zero_()
     caches[1].zero_()
     for _ in range(3):

@@ -378,13 +378,11 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("m", "block_n", "split_k", "early"), [(1, 16, 1, False), (3, 32, 2, True),
-                                                                (5, 64, 3, False), (5, 64, 3, True),
-                                                                (2, 32, 1, True), (5, 64, 1, False)])
+                                                                (5, 64, 3, False), (5, 64, 3, True)])
 def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k, early):
     """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
     then rope_and_store; the counters back at zero. early: the rotation inputs read before the wait (inputs_early,
-    written before x as the model's metadata is). One split: each program rotates its own paired rows (16 / 32 / 64
-    wide tiles of 64-dim heads: 4, 2 and 1 programs a head)."""
+    written before x as the model's metadata is)."""
     _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early, torch.Generator().manual_seed(
         m * 10 + split_k))
 
@@ -427,7 +425,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:1], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, block_n: int = 32) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -435,10 +433,10 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, bloc
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
     return sm90_ptx("tpgraph.kernels.gemv", "_qkv_rope_kernel", {**pointers, **ints, **scale}, [],
-                    {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                    {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "PAIRED": splits == 1})
+                     "ROPE_EARLY": rope_early})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -458,19 +456,6 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     four = _loads_after_the_count(ptx)
     assert four and all(".cg" in ld for ld in four)
     assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
-
-
-@pytest.mark.parametrize("block_n", [16, 32])
-def test_one_split_rotates_its_own_rows_without_a_count(block_n):
-    """PAIRED (one split), ahead of time for sm_90a: no atomic count and no workspace (no fp32 store, no .cg load of
-    partials): after the last mma the program rotates (mul.rn.f32) and stores its own rows; the rotation inputs
-    still come in before the wait."""
-    ptx = _qkv_rope_ptx(1, rope_early=True, block_n=block_n)
-    assert "atom.global" not in ptx and "ld.global.cg" not in ptx and "st.global.f32" not in ptx
-    assert ptx.count("mul.rn.f32") >= 4 and "griddepcontrol.wait" in ptx
-    wait = ptx.index("griddepcontrol.wait")
-    assert "ld.global.b64" in ptx[:wait] and "ld.global.b64" not in ptx[wait:]
-    assert ptx.rindex("mma.sync") < ptx.index("mul.rn.f32", ptx.rindex("mma.sync")) < ptx.rindex("st.global")
 
 
 @pytest.mark.parametrize("early", [False, True])

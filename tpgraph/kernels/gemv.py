@@ -210,17 +210,9 @@ def tiles(n: int, k: int, m: int = 1, table: Path | None = None, epilogue: bool 
 if triton is not None:
 
     @triton.jit
-    def _weight_rows(pid, N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, ROPE_HALF: tl.constexpr):
-        """The weight rows of column block pid's tile, and which of them exist (see _partial for GATE_UP). ROPE_HALF
-        (> 0, qkv rows in heads of 2 * ROPE_HALF): the tile pairs rows the same way within a head, its even columns
-        rows j of the head and its odd columns the rows j + ROPE_HALF that rotary embedding rotates with them
-        (_qkv_rope_kernel's PAIRED)."""
-        if ROPE_HALF > 0:
-            r = tl.arange(0, BLOCK_N)
-            pair = pid * (BLOCK_N // 2) + r // 2  # the pair's index over every head: head * ROPE_HALF + j
-            rows = (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF + (r % 2) * ROPE_HALF
-            ok = rows < N
-        elif GATE_UP:
+    def _weight_rows(pid, N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+        """The weight rows of column block pid's tile, and which of them exist (see _partial for GATE_UP)."""
+        if GATE_UP:
             r = tl.arange(0, BLOCK_N)
             j = pid * (BLOCK_N // 2) + r // 2  # the output column (gate/up pair) of tile column r
             rows = j + (r % 2) * (N // 2)
@@ -241,15 +233,14 @@ if triton is not None:
 
     @triton.jit
     def _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
-               ROPE_HALF: tl.constexpr):
+               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """With PDL: the weight prefetch, then the wait (see _gemv_kernel). After it, what the kernel before wrote
         may be read: the caller issues its epilogue's loads (squares; the residual, unless RES_EARLY has read it
         before the wait) before the K loop (_partial), so that they arrive while the weights stream instead of
         after."""
         if PDL:
             k_lo, _ = _k_range(K, pid_k, BLOCK_K)
-            offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP, ROPE_HALF)
+            offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP)
             rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
             for t in tl.static_range(PREFETCH_TILES):
                 cols = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
@@ -260,9 +251,9 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATE_UP: tl.constexpr, ROPE_HALF: tl.constexpr):
+                     GATE_UP: tl.constexpr):
         """Column block pid's [BLOCK_N, BLOCK_K] weight tile at K offset k0 (zeros past N and K)."""
-        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP, ROPE_HALF)
+        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
         k = k0 + tl.arange(0, BLOCK_K)
         return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                        mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -285,8 +276,7 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 ROPE_HALF: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
@@ -308,7 +298,7 @@ if triton is not None:
                 k = k0 + offs_k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
                             other=0.0)
-                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP, ROPE_HALF)
+                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
                 acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
@@ -373,10 +363,10 @@ if triton is not None:
             if RES_EARLY:  # settled before the kernel before us started (see above): no wait needed
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         if RESIDENT:  # the weights do not depend on the kernel before: all of them now, before the wait
-            w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP, 0)
+            w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP)
         else:
             w_resident = 0
-        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE, 0)
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
         # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights (or,
         # resident, with x)
         if STAGED:
@@ -385,7 +375,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, 0)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -420,69 +410,52 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr, PAIRED: tl.constexpr):
-        """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel.
-        PAIRED (one split): each program's tile holds BLOCK_N // 2 rows of one head and the rows rotary embedding
-        pairs with them (_weight_rows' ROPE_HALF), so it rounds, rotates and stores its own outputs: no workspace, no
-        count, nothing after its K loop but the stores. Else every program stores its fp32 partial to the workspace
-        [splits, M, N] and counts itself in at counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column
-        blocks x splits adds the head's partials in split order (the GEMV's bits), rounds them as the GEMV output
-        would be, rotates q and k as _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at
-        the row's slot. Either way the output bits are the GEMV's with the same tiles and then rope_store's (a tile's
-        columns each sum over K in the same order, whichever rows they are). STAGED: x is a fused all-reduce's staged
-        input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel).
-        What the rotation needs besides the sums (positions, slots, cos/sin rows: written before the step) is loaded
-        by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after the head's
-        last count the work is one round of loads and the stores, not a chain of dependent loads.
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
+        """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
+        every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
+        counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
+        in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
+        _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
+        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel).
+        What the last program needs besides the partials (positions, slots, cos/sin rows: written before the step)
+        is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
+        the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
         loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS)."""
-        half: tl.constexpr = HEAD_DIM // 2
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
-        if PAIRED:  # this program's dims j of its head (and j + half with them)
-            pairs: tl.constexpr = BLOCK_N // 2
-            offs_h = (pid % (half // pairs)) * pairs + tl.arange(0, pairs)
-            rope_half: tl.constexpr = half
-        else:
-            offs_h = tl.arange(0, half)
-            rope_half: tl.constexpr = 0
         if ROPE_EARLY:  # settled before the kernel before us started (qkv_rope_store's inputs_early)
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
-                                            stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
-        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE, rope_half)
+                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE)
         if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
         if not ROPE_EARLY:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
-                                            stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
+                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, rope_half)
-        if PAIRED:
-            t1, t2 = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-            _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr,
-                        pid // (half // pairs), M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16,
-                        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED)
-        else:
-            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
-                     mask=m_ok[:, None] & (offs_n < N)[None, :])
-            head = pid // (HEAD_DIM // BLOCK_N)
-            if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
-                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
-                           stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                           HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
-                reset_counter(counter_ptr + head)
+                       SOFT_BF16, IEEE, False, PDL, True, False)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
+                 mask=m_ok[:, None] & (offs_n < N)[None, :])
+        head = pid // (HEAD_DIM // BLOCK_N)
+        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
+            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+                       stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
+                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
+            reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
-                     offs_h, BLOCK_SIZE: tl.constexpr):
-        """The rows' cos and sin at their positions and dims offs_h (fp32), and their cache row offsets from the slot
-        mapping."""
-        rows_ok = m_ok[:, None] & (offs_h >= 0)[None, :]
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The rows' cos and sin halves at their positions (fp32), and their cache row offsets from the slot mapping."""
+        half: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, half)
+        rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
         pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
         c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
         sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
@@ -495,8 +468,12 @@ if triton is not None:
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
-        they are in flight together), then _rope_store."""
+        they are in flight together), then q/k rotated with the rows' cos/sin (c, sn; every op rounded as
+        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
+        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
+        GEMV's bits."""
         half: tl.constexpr = HEAD_DIM // 2
+        dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_h = tl.arange(0, half)
@@ -507,23 +484,6 @@ if triton is not None:
         for s in tl.static_range(1, SPLITS):
             t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
             t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
-                    stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                    EXACT_MUL, STAGED)
-
-    @triton.jit
-    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
-                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
-                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
-        """Head `head`'s fp32 sums at dims offs_h (t1) and offs_h + HEAD_DIM / 2 (t2) of every row: q/k rotated with
-        the rows' cos/sin at those dims (c, sn; every op rounded as _rope_store_kernel rounds it: rotate_pair) or v
-        copied, to where rope_store would write them (cache_row: the rows' cache offsets). EXACT_MUL: the kernel keeps
-        FMA contraction on for its projection, which must give the GEMV's bits."""
-        half: tl.constexpr = HEAD_DIM // 2
-        dtype = q_out_ptr.dtype.element_ty
-        offs_m = tl.arange(0, BLOCK_M)
-        rows_ok = (offs_m < M)[:, None] & (offs_h >= 0)[None, :]
         if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
@@ -762,14 +722,12 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    paired = config.split_k == 1  # each program rotates its own rows: no workspace, no counters (q stands in)
-    ws = q if paired else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    counters = q if paired else split_counters(x.device, heads)
+    ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x, w, ws, counters, positions, cos, sin, slot_mapping, k_cache, v_cache, q,
+        x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early, PAIRED=paired,
+        ROPE_EARLY=inputs_early,
         **_staged_args(x, recv), **tile)
     return q
