@@ -436,7 +436,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> s
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early})
+                     "ROPE_EARLY": rope_early, "TRIGGER_AHEAD": 0})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
