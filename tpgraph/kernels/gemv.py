@@ -87,7 +87,8 @@ def trigger_ahead() -> int:
     """How many K steps before the end of its K loop a small-M projection lets the kernel after it in
     (TPGRAPH_GEMV_TRIGGER_AHEAD, 0-4; 0, the default: once the loop is done). Earlier, the next kernel's programs are
     resident, and pull their first weight tile into L2, while this one's last tiles still arrive, instead of in its
-    drain."""
+    drain. Nothing changes for resident tiles (no K loop) or with TPGRAPH_GEMV_AR_LATE_TRIGGER=1. Opt-in: not yet
+    timed in whole steps (bench/results/2026-12-02_h200_resident_rows_cuda_cores)."""
     return env_choice("TPGRAPH_GEMV_TRIGGER_AHEAD", (0, 1, 2, 3, 4), 0)
 
 
@@ -287,7 +288,8 @@ if triton is not None:
                  GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
                  TRIGGER_AHEAD: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
+        order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done (or TRIGGER_AHEAD
+        steps before: trigger_ahead). GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
         pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
         K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
@@ -304,7 +306,8 @@ if triton is not None:
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                if PDL and EARLY_TRIGGER and TRIGGER_AHEAD > 0:  # (trigger_ahead; again each later step: no-ops)
+                # let the kernel after in this many steps early (trigger_ahead); each repeat is a no-op
+                if PDL and EARLY_TRIGGER and TRIGGER_AHEAD > 0:
                     if k0 + TRIGGER_AHEAD * BLOCK_K >= k_hi:
                         tl.extra.cuda.gdc_launch_dependents()
                 k = k0 + offs_k
@@ -313,8 +316,9 @@ if triton is not None:
                 w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
                 acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
-            # Only now may the kernel after become resident (it waits for us before reading anything we write): its
-            # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
+            # Only now (unless TRIGGER_AHEAD let it in a few steps earlier) may the kernel after become resident (it
+            # waits for us before reading anything we write): its programs then take SM slots and L2 for its prefetch
+            # during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
         return acc
 
@@ -350,7 +354,8 @@ if triton is not None:
         PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
         The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
-        before writes, is read after it. The kernel after is let in once the K loop is done (see _partial).
+        before writes, is read after it. The kernel after is let in once the K loop is done, or TRIGGER_AHEAD steps
+        before its end (see _partial).
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
         partial is stored; the split that arrives last adds the partials in split order (the bits of
         _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
@@ -358,9 +363,10 @@ if triton is not None:
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
         after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
         1 / RMS from its squares [tiles, BLOCK_M] before the epilogue. EARLY_TRIGGER (with PDL): the kernel after is
-        let in after the K loop; else only at exit (late_trigger). RES_EARLY (with ALL_REDUCE): the residual and norm
-        weights were written at least two launches back (linear_all_reduce_norm's residual_early), so they are loaded
-        before the wait: the residual tile's load ends in a shared-memory layout change (st.shared, bar.sync,
+        let in after the K loop (TRIGGER_AHEAD: that many steps before its end); else only at exit (late_trigger).
+        RES_EARLY (with ALL_REDUCE): the residual and norm weights were written at least two launches back
+        (linear_all_reduce_norm's residual_early), so they are loaded before the wait: the residual tile's load ends in
+        a shared-memory layout change (st.shared, bar.sync,
         ld.shared), and after the wait it held the K loop's first weight loads back by one memory round trip.
         RESIDENT (one split whose one tile spans K: `resident`): the program's whole weight slice is loaded into
         registers before the wait, not prefetched into L2, so it streams while the kernel before still runs (decode
