@@ -529,7 +529,8 @@ def test_the_kernel_after_is_let_in_inside_the_k_loop_only_when_asked(ahead):
     first = ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.launch_dependents") == (2 if ahead else 1)
     assert (loop < first < after) == bool(ahead)
-    assert ptx.count("cp.async.commit_group") == compile_with(0).count("cp.async.commit_group")
+    if ahead:  # the same pipelined copies as without it
+        assert ptx.count("cp.async.commit_group") == compile_with(0).count("cp.async.commit_group")
 
 
 def test_the_prefetch_budget_setting(monkeypatch):

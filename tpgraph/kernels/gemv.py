@@ -289,9 +289,9 @@ if triton is not None:
                  TRIGGER_AHEAD: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done (or TRIGGER_AHEAD
-        steps before: trigger_ahead). GATE_UP: the
-        weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
-        pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
+        steps before: trigger_ahead). GATE_UP: the weight is cat(gate, up) with N = 2 * inter rows, and the tile's even
+        columns are gate rows pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i.
+        RESIDENT: the whole
         K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
         fp32 products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's
         copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled)."""
@@ -366,8 +366,8 @@ if triton is not None:
         let in after the K loop (TRIGGER_AHEAD: that many steps before its end); else only at exit (late_trigger).
         RES_EARLY (with ALL_REDUCE): the residual and norm weights were written at least two launches back
         (linear_all_reduce_norm's residual_early), so they are loaded before the wait: the residual tile's load ends in
-        a shared-memory layout change (st.shared, bar.sync,
-        ld.shared), and after the wait it held the K loop's first weight loads back by one memory round trip.
+        a shared-memory layout change (st.shared, bar.sync, ld.shared), and after the wait it held the K loop's first
+        weight loads back by one memory round trip.
         RESIDENT (one split whose one tile spans K: `resident`): the program's whole weight slice is loaded into
         registers before the wait, not prefetched into L2, so it streams while the kernel before still runs (decode
         attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded."""
@@ -675,7 +675,9 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
-                LINE=min(128 // x.element_size(), cfg.block_k), TRIGGER_AHEAD=trigger_ahead() if pdl else 0,
+                LINE=min(128 // x.element_size(), cfg.block_k),
+                # (resident tiles have no K loop to trigger in: 0 spares them a second compiled variant)
+                TRIGGER_AHEAD=trigger_ahead() if pdl and not whole else 0,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
 
 
