@@ -4,9 +4,9 @@ A kernel launched as a programmatic dependent can be resident and waiting (`gdc_
 still runs, once that kernel lets it in (`griddepcontrol.launch_dependents`), instead of being launched after it ends.
 The all-reduce kernels and the small kernels (`pdl_enter`: RMSNorm, rope + KV store, split-K sum, decode attention and
 its combine, SiLU·mul) let the next kernel in as they start (decode attention from batch 2 after its tiles:
-attention_late_trigger); the small-M projections after their K loop (or TPGRAPH_GEMV_TRIGGER_AHEAD steps before its
-end, opt-in), so that the next kernel does not take SM slots and L2 from their weight stream. cuBLAS and NCCL kernels
-never let anyone in early: after them the same launch simply starts when they end, as before.
+attention_late_trigger); the small-M projections after their K loop, so that the next kernel does not take SM slots
+and L2 from their weight stream (two K steps earlier lost: bench/results/2026-12-02_h200_trigger_ahead). cuBLAS and
+NCCL kernels never let anyone in early: after them the same launch simply starts when they end, as before.
 
 On by default on sm_90+ with a Triton that has `launch_pdl` and `gdc_wait` (`TPGRAPH_TRITON_PDL=0` turns it off).
 Measured on 2xH200 (Llama-3-8B shape, TP=2, full graphs, every entry in one interleaved process:

@@ -43,7 +43,7 @@ from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
-from tpgraph.kernels._settings import env_choice, env_flag
+from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
 try:
@@ -81,15 +81,6 @@ def late_trigger() -> bool:
     (bench/results/2026-12-01_h200_solo, run4): 0.045 ms a step faster at batch 8, 0.046 ms slower at batch 1; off
     until measured at TP=2."""
     return env_flag("TPGRAPH_GEMV_AR_LATE_TRIGGER")
-
-
-def trigger_ahead() -> int:
-    """How many K steps before the end of its K loop a small-M projection lets the kernel after it in
-    (TPGRAPH_GEMV_TRIGGER_AHEAD, 0-4; 0, the default: once the loop is done). Earlier, the next kernel's programs are
-    resident, and pull their first weight tile into L2, while this one's last tiles still arrive, instead of in its
-    drain. Nothing changes for resident tiles (no K loop) or with TPGRAPH_GEMV_AR_LATE_TRIGGER=1. Opt-in: not yet
-    timed in whole steps (bench/results/2026-12-02_h200_resident_rows_cuda_cores)."""
-    return env_choice("TPGRAPH_GEMV_TRIGGER_AHEAD", (0, 1, 2, 3, 4), 0)
 
 
 def prefetch_budget(n: int | None = None, k: int | None = None) -> int:
@@ -285,13 +276,11 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 TRIGGER_AHEAD: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
-        order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done (or TRIGGER_AHEAD
-        steps before: trigger_ahead). GATE_UP: the weight is cat(gate, up) with N = 2 * inter rows, and the tile's even
-        columns are gate rows pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i.
-        RESIDENT: the whole
+        order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
+        weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
+        pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
         K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
         fp32 products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's
         copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled)."""
@@ -306,19 +295,14 @@ if triton is not None:
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                # let the kernel after in this many steps early (trigger_ahead); each repeat is a no-op
-                if PDL and EARLY_TRIGGER and TRIGGER_AHEAD > 0:
-                    if k0 + TRIGGER_AHEAD * BLOCK_K >= k_hi:
-                        tl.extra.cuda.gdc_launch_dependents()
                 k = k0 + offs_k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
                             other=0.0)
                 w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
                 acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
-            # Only now (unless TRIGGER_AHEAD let it in a few steps earlier) may the kernel after become resident (it
-            # waits for us before reading anything we write): its programs then take SM slots and L2 for its prefetch
-            # during our tail, not while we still stream weights.
+            # Only now may the kernel after become resident (it waits for us before reading anything we write): its
+            # programs then take SM slots and L2 for its prefetch during our tail, not while we still stream weights.
             tl.extra.cuda.gdc_launch_dependents()
         return acc
 
@@ -345,7 +329,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, TRIGGER_AHEAD: tl.constexpr):
+                     RESIDENT: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -354,8 +338,7 @@ if triton is not None:
         PDL: launched as a programmatic dependent, so the program is resident while the kernel before still runs.
         The weights do not depend on that kernel: the first PREFETCH_TILES tiles of this program's rows are pulled
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
-        before writes, is read after it. The kernel after is let in once the K loop is done, or TRIGGER_AHEAD steps
-        before its end (see _partial).
+        before writes, is read after it. The kernel after is let in once the K loop is done (see _partial).
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
         partial is stored; the split that arrives last adds the partials in split order (the bits of
         _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
@@ -363,7 +346,7 @@ if triton is not None:
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
         after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
         1 / RMS from its squares [tiles, BLOCK_M] before the epilogue. EARLY_TRIGGER (with PDL): the kernel after is
-        let in after the K loop (TRIGGER_AHEAD: that many steps before its end); else only at exit (late_trigger).
+        let in after the K loop; else only at exit (late_trigger).
         RES_EARLY (with ALL_REDUCE): the residual and norm weights were written at least two launches back
         (linear_all_reduce_norm's residual_early), so they are loaded before the wait: the residual tile's load ends in
         a shared-memory layout change (st.shared, bar.sync, ld.shared), and after the wait it held the K loop's first
@@ -393,7 +376,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, TRIGGER_AHEAD)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -428,8 +411,7 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
-                         TRIGGER_AHEAD: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -457,7 +439,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, TRIGGER_AHEAD)
+                       SOFT_BF16, IEEE, False, PDL, True, False)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -675,10 +657,8 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
                 PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
-                LINE=min(128 // x.element_size(), cfg.block_k),
-                # (resident tiles have no K loop to trigger in: 0 spares them a second compiled variant)
-                TRIGGER_AHEAD=trigger_ahead() if pdl and not whole else 0,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
+                LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_launch(pdl))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
