@@ -232,40 +232,6 @@ def test_small_m_with_pdl_and_prefetch_gives_the_same_bits(monkeypatch, n, k, ga
     assert_pdl_launch_gives(plain, step, monkeypatch)
 
 
-@pytest.mark.parametrize("m", [1, 4, 8])
-@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (3072, 4096), (14336, 4096), (4096, 7168), (257, 4100)])
-def test_peeled_tiles_give_the_plain_bits(monkeypatch, m, n, k):
-    """The first tiles loaded before the PDL wait (TPGRAPH_GEMV_PEEL 1 and 2), with the shipped tiles at these rows:
-    the projection's (and the gate_up epilogue's) bits without peeling, eager and as a programmatic dependent in a
-    graph, where x is written by the kernel just before."""
-    from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
-
-    g = torch.Generator(device="cuda").manual_seed(n + k + m)
-    src = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-
-    def step() -> list[torch.Tensor]:
-        x = src * 2  # written by the kernel just before
-        return [y for y in (linear_small_m(x, w), gate_up_silu(x, w)) if y is not None]
-
-    def run_both() -> list[torch.Tensor]:
-        eager = step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        graph.replay()
-        torch.cuda.synchronize()
-        return eager + captured
-
-    monkeypatch.setenv("TPGRAPH_GEMV_PEEL", "0")
-    plain = run_both()
-    torch.testing.assert_close(plain[0].float(), (src.float() * 2) @ w.float().T, rtol=2e-2, atol=2e-2)
-    for peel in ("1", "2"):
-        monkeypatch.setenv("TPGRAPH_GEMV_PEEL", peel)
-        peeled = run_both()
-        assert len(peeled) == len(plain) and all(torch.equal(a, b) for a, b in zip(peeled, plain, strict=True)), peel
-
-
 @pytest.mark.parametrize(("block_n", "warps"), [(32, 16), (16, 8)])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (257, 2000)])
 def test_resident_weights_with_pdl_match_matmul_and_the_plain_launch(monkeypatch, block_n, warps, n, k):

@@ -323,84 +323,6 @@ def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
     assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2) == 1
 
 
-def test_the_prefetch_starts_after_the_peeled_tiles():
-    from tpgraph.kernels.gemv import GemvConfig, prefetch_tiles
-
-    budget = 24 << 20
-    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2, budget, peel=2) == 6  # qkv: 8 steps, 2 peeled
-    assert prefetch_tiles(GemvConfig(32, 128, 4, 3, 4), 3072, 4096, 2, 1, peel=1) == 1  # at least one after them
-    assert prefetch_tiles(GemvConfig(32, 256, 4, 3, 2), 64, 1024, 2, budget, peel=2) == 0  # nothing left after them
-
-
-def test_the_peel_setting(monkeypatch):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.gemv import peel_tiles
-
-    monkeypatch.delenv("TPGRAPH_GEMV_PEEL", raising=False)
-    assert peel_tiles() == 0
-    monkeypatch.setenv("TPGRAPH_GEMV_PEEL", "2")
-    assert peel_tiles() == 2
-    monkeypatch.setenv("TPGRAPH_GEMV_PEEL", "3")
-    with pytest.raises(ConfigError, match="TPGRAPH_GEMV_PEEL must be one of 0, 1, 2"):
-        peel_tiles()
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "k", "cfg"), [
-    (1, 300, GemvConfig(16, 64, 4, 2)),  # 5 steps, the last partial
-    (3, 300, GemvConfig(32, 128, 4, 2, split_k=2)),  # split 1 has one step: its second peeled tile is out of it
-    (5, 130, GemvConfig(16, 32, 4, 2, split_k=4)),  # splits of 2, 2, 1 (partial) and 0 steps
-    (16, 4100, GemvConfig(64, 128, 4, 3, split_k=3)),
-])
-def test_peeled_tiles_give_the_same_bits(monkeypatch, dtype, m, k, cfg):
-    """The first one or two tiles of each split loaded before the wait (TPGRAPH_GEMV_PEEL): the projection, the
-    gate_up epilogue and qkv + rope, bit for bit what the plain K loop gives, on splits shorter than the peel too."""
-    from tpgraph.kernels.gemv import gate_up_silu
-
-    g = torch.Generator().manual_seed(m * k)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(74, k, generator=g).to(dtype)
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return linear_small_m(x, w, use_triton=True, config=cfg), gate_up_silu(x, w, use_triton=True, config=cfg)
-
-    monkeypatch.setenv("TPGRAPH_GEMV_PEEL", "0")
-    plain = run()
-    for peel in ("1", "2"):
-        monkeypatch.setenv("TPGRAPH_GEMV_PEEL", peel)
-        peeled = run()
-        assert torch.equal(peeled[0], plain[0]), peel
-        # (the gate_up epilogue takes one split only: None, the caller's two kernels, for the others)
-        assert (peeled[1] is None) == (plain[1] is None) == (cfg.split_k > 1)
-        assert cfg.split_k > 1 or torch.equal(peeled[1], plain[1]), peel
-    torch.testing.assert_close(plain[0].float(), x.float() @ w.float().T,
-                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2 if dtype == torch.bfloat16
-                               else 1e-3)
-
-
-@interpreted
-@pytest.mark.parametrize("peel", ["1", "2"])
-def test_peeled_tiles_give_qkv_rope_the_two_steps_bits(monkeypatch, peel):
-    monkeypatch.setenv("TPGRAPH_GEMV_PEEL", peel)
-    _check_qkv_rope_bits(3, torch.bfloat16, GemvConfig(32, 32, 4, 2, 2), False, torch.Generator().manual_seed(5))
-
-
-@pytest.mark.parametrize("peel", [0, 1, 2])
-def test_peeled_tiles_are_loaded_before_the_wait_in_full_vectors(peel):
-    """sm_90a, the down tiles (32 x 128 bf16, split-K 2): PEEL tiles' weight loads precede griddepcontrol.wait, each
-    thread's share of a tile in 16-byte loads (32 x 128 x 2 bytes over 128 threads: 4 of them), none spilled."""
-    ptx, usage = sm90_ptx_and_usage(
-        "tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
-        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "GATE_UP": False,
-         "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64, "LAST_REDUCES": True, "SPLITS": 2,
-         **{**NO_ALL_REDUCE, "PEEL": peel}}, num_warps=4, num_stages=5,
-        divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
-    before = ptx[:ptx.index("griddepcontrol.wait")]
-    assert len(re.findall(r"ld\.global\S*\.v4\.b32", before)) == len(re.findall(r"ld\.global", before)) == 4 * peel
-    assert usage["STACK"] == 0
-
-
 def test_the_pdl_variant_compiles_for_sm90_with_its_prefetches_and_waits():
     """Ahead of time, without a GPU: the L2 prefetches precede griddepcontrol.wait, which precedes every load of x."""
     ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
@@ -514,7 +436,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> s
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "PEEL": 0})
+                     "ROPE_EARLY": rope_early})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:

@@ -43,7 +43,7 @@ from tpgraph.kernels._counters import last_split_reduces, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
-from tpgraph.kernels._settings import env_choice, env_flag
+from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
 try:
@@ -81,14 +81,6 @@ def late_trigger() -> bool:
     (bench/results/2026-12-01_h200_solo, run4): 0.045 ms a step faster at batch 8, 0.046 ms slower at batch 1; off
     until measured at TP=2."""
     return env_flag("TPGRAPH_GEMV_AR_LATE_TRIGGER")
-
-
-def peel_tiles() -> int:
-    """Weight tiles each program of a streaming (not resident) small-M projection loads into registers before its
-    PDL wait (TPGRAPH_GEMV_PEEL, 0-2; 0, the default): they arrive while the kernel before still runs, so that after
-    the wait the first tensor-core steps need only x, and the K loop's copies start that many tiles in. Under
-    measurement (bench/results/2026-12-02_h200_peel)."""
-    return env_choice("TPGRAPH_GEMV_PEEL", (0, 1, 2), 0)
 
 
 def prefetch_budget(n: int | None = None, k: int | None = None) -> int:
@@ -241,15 +233,13 @@ if triton is not None:
 
     @triton.jit
     def _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
-               PEEL: tl.constexpr):
+               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
         """With PDL: the weight prefetch, then the wait (see _gemv_kernel). After it, what the kernel before wrote
         may be read: the caller issues its epilogue's loads (squares; the residual, unless RES_EARLY has read it
         before the wait) before the K loop (_partial), so that they arrive while the weights stream instead of
-        after. The prefetch starts after the PEEL tiles the caller has loaded already (_peeled_tile)."""
+        after."""
         if PDL:
             k_lo, _ = _k_range(K, pid_k, BLOCK_K)
-            k_lo += PEEL * BLOCK_K
             offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP)
             rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
             for t in tl.static_range(PREFETCH_TILES):
@@ -269,20 +259,6 @@ if triton is not None:
                        mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
-    def _peeled_tile(w_ptr, N, K, stride_wn, pid, pid_k, T: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GATE_UP: tl.constexpr, PEEL: tl.constexpr):
-        """Split pid_k's T-th weight tile where T < PEEL (zeros where the split is shorter), else 0 (unused)."""
-        if T < PEEL:
-            k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
-            offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
-            k = k_lo + T * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_end = tl.where(k_lo + T * BLOCK_K < k_hi, K, 0)  # (K or nothing: K's divisibility keeps the vectors)
-            return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                           mask=n_ok[:, None] & (k < k_end)[None, :], other=0.0)
-        else:
-            return 0
-
-    @triton.jit
     def _dot_f32(a, b, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
         """a @ b in fp32."""
         if SOFT_BF16:  # the interpreter has no bf16 dot: products in fp32 (exact for bf16 inputs)
@@ -298,19 +274,16 @@ if triton is not None:
         return acc + _dot_f32(x, tl.trans(w), SOFT_BF16, IEEE)
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, w_peel0, w_peel1,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 IEEE: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-                 RESIDENT: tl.constexpr, PEEL: tl.constexpr):
+    def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
         pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
         K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
         fp32 products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's
-        copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled). PEEL: the split's
-        first PEEL tiles are w_peel0 and w_peel1, loaded already (_peeled_tile), and the loop starts after them; the
-        same steps in the same order, so the same bits."""
+        copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
@@ -321,17 +294,7 @@ if triton is not None:
             acc = tl.where(offs_m[:, None] == 0, row[None, :], acc)
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
-            if PEEL >= 1:
-                k = k_lo + offs_k
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                            other=0.0)
-                acc = _tile_product(acc, x, w_peel0, SOFT_BF16, IEEE)
-            if PEEL >= 2:
-                k = k_lo + BLOCK_K + offs_k
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                            other=0.0)
-                acc = _tile_product(acc, x, w_peel1, SOFT_BF16, IEEE)
-            for k0 in range(k_lo + PEEL * BLOCK_K, k_hi, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 k = k0 + offs_k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
                             other=0.0)
@@ -366,7 +329,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, PEEL: tl.constexpr):
+                     RESIDENT: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -390,8 +353,7 @@ if triton is not None:
         weight loads back by one memory round trip.
         RESIDENT (one split whose one tile spans K: `resident`): the program's whole weight slice is loaded into
         registers before the wait, not prefetched into L2, so it streams while the kernel before still runs (decode
-        attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded.
-        PEEL (streaming tiles, peel_tiles): the first PEEL tiles of the program's K range likewise, into registers."""
+        attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -405,9 +367,7 @@ if triton is not None:
             w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP)
         else:
             w_resident = 0
-        w_peel0 = _peeled_tile(w_ptr, N, K, stride_wn, pid, pid_k, 0, BLOCK_N, BLOCK_K, GATE_UP, PEEL)
-        w_peel1 = _peeled_tile(w_ptr, N, K, stride_wn, pid, pid_k, 1, BLOCK_N, BLOCK_K, GATE_UP, PEEL)
-        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE, PEEL)
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, GATE_UP, PDL, PREFETCH_TILES, LINE)
         # the epilogue's inputs from the kernels before, loaded now: they arrive while the K loop streams weights (or,
         # resident, with x)
         if STAGED:
@@ -415,8 +375,8 @@ if triton is not None:
         if ALL_REDUCE:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, w_peel0, w_peel1, BLOCK_M,
-                       BLOCK_N, BLOCK_K, SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, PEEL)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -451,7 +411,7 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr, PEEL: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -462,8 +422,7 @@ if triton is not None:
         is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
         the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
-        loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS).
-        PEEL: as _gemv_kernel's."""
+        loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -471,9 +430,7 @@ if triton is not None:
         if ROPE_EARLY:  # settled before the kernel before us started (qkv_rope_store's inputs_early)
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
-        w_peel0 = _peeled_tile(w_ptr, N, K, stride_wn, pid, pid_k, 0, BLOCK_N, BLOCK_K, False, PEEL)
-        w_peel1 = _peeled_tile(w_ptr, N, K, stride_wn, pid, pid_k, 1, BLOCK_N, BLOCK_K, False, PEEL)
-        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE, PEEL)
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE)
         if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
@@ -481,8 +438,8 @@ if triton is not None:
         if not ROPE_EARLY:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
-        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, w_peel0, w_peel1, BLOCK_M, BLOCK_N,
-                       BLOCK_K, SOFT_BF16, IEEE, False, PDL, True, False, PEEL)
+        acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SOFT_BF16, IEEE, False, PDL, True, False)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -576,13 +533,10 @@ def resident_or_default(cfg: GemvConfig, n: int, k: int, m: int, elem: int) -> G
     return tiles(n, k, m) if resident(cfg, k) and (elem > 2 or m > 1) else cfg
 
 
-def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None, peel: int = 0) -> int:
-    """Weight tiles each program pulls into L2 before its PDL wait, after the `peel` it loads into registers: all of
-    the rest of its K range where the whole weight fits the budget (default `prefetch_budget()`), else as many as fit,
-    and at least the first (none where the peeled tiles are all there is)."""
-    steps = -(-k // (cfg.split_k * cfg.block_k)) - peel  # BLOCK_K steps per program after the peeled ones
-    if steps <= 0:
-        return 0
+def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | None = None) -> int:
+    """Weight tiles each program pulls into L2 before its PDL wait: all of its K range where the whole weight fits
+    the budget (default `prefetch_budget()`), else as many as fit, and at least the first."""
+    steps = -(-k // (cfg.split_k * cfg.block_k))  # BLOCK_K steps per program
     tile_bytes = n * cfg.block_k * elem * cfg.split_k  # one step of every program
     return max(1, min(steps, (prefetch_budget(n, k) if budget is None else budget) // tile_bytes))
 
@@ -700,12 +654,11 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch; none where `whole`, the weights resident)."""
     pdl = use_pdl(x)
-    peel = 0 if whole else peel_tiles()  # (without PDL too: the same bits, which the interpreter tests check)
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
-                PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size(), peel=peel) if pdl else 1),
-                LINE=min(128 // x.element_size(), cfg.block_k), PEEL=peel, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_launch(pdl))
+                PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
+                LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_launch(pdl))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
