@@ -155,8 +155,10 @@ for step in "$@"; do
              $([ $dt = bf16 ] && echo --embed-std 4.0) --out "$out/hf_parity_all_${dt}_x$copies.json" 2>&1 \
              | grep -E "identical=False|PASS" | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_all.log"; done; done ;;
     variants) # every fused piece beside its plain version, in one run (the shipped GEMV table), interleaved
-         # (+overlap: steps driven as the engine drives them; custom+gemv beside it shows what overlap gives)
-         timeout 420 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --no-ladders \
+         # (+overlap: steps driven as the engine drives them; custom+gemv beside it shows what overlap gives); SHAPE as
+         # for overlap
+         timeout 420 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" --modes full \
+             --batches 1,8,32 --no-ladders \
              --allreduce custom+overlap,custom+gemv+overlap,nccl+gemv+overlap,custom+gemv --unfused --interleave \
              --steps 100 \
              --out "$out/decode_variants.json" \
