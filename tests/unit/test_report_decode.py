@@ -38,6 +38,18 @@ def test_every_fused_entry_must_beat_its_unfused_version(report):
     assert report.fused_checks({"tpot": [tpot("custom", 1, 3.0)]})[0][1] is None
 
 
+def test_pairs_that_run_the_same_kernels_at_tp1_are_left_out_and_said(report):
+    rows = [tpot("custom", 1, 3.0), tpot("custom+unfused", 1, 2.99), tpot("custom+gemv", 1, 2.4),
+            tpot("custom+gemv+unfused", 1, 2.5)]
+    (_, ok, detail), = report.fused_checks({"tpot": rows, "tp": 1})
+    assert ok is True and "1 pairs" in detail and "the same kernels at TP=1: custom" in detail
+    (_, ok, detail), = report.fused_checks({"tpot": rows, "tp": 2})  # at TP=2 the cuBLAS pair counts, and lost
+    assert ok is False and "custom bs 1" in detail
+    rows[3] = tpot("custom+gemv+unfused", 1, 2.3)  # the small-M pair still counts at TP=1
+    assert report.fused_checks({"tpot": rows, "tp": 1})[0][1] is False
+    assert report.fused_checks({"tpot": rows[:2], "tp": 1})[0][1] is None
+
+
 def test_projection_and_lm_head_bandwidth(report):
     def row(kernel, of_floor, batch=1):
         return {"kernel": kernel, "batch": batch, "us": 10.0, "of_floor": of_floor}
