@@ -107,6 +107,25 @@ def test_seeded_samples_repeat_and_n_gives_n():
     assert all(len(top) == 2 for top in c0.top_logprobs)
 
 
+def test_the_service_delivers_every_samples_last_update():
+    """The loop the server drives (EngineService): with n > 1 the samples finish in the same step, and each one's
+    final update reaches the request's sink, not only the first (the sink used to be forgotten after it)."""
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4, ignore_eos=True)
+    with engine() as e:
+        service = EngineService(e.core, ControlPlane(e.state))
+        got = []
+        service.enqueue("r", e.encode(PROMPTS[0]), params, got.append)
+        while e.core.has_work or service.pending:
+            service.turn()
+    finished = {u.sample_index: u.finish_reason for u in got if u.finish_reason is not None}
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert [sum(1 for u in got if u.sample_index == i and u.token_id is not None) for i in range(3)] == [4, 4, 4]
+    assert not service._sinks
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
     with engine() as e:
         with pytest.raises(RequestError, match="the prompt is empty"):

@@ -179,8 +179,10 @@ class EngineService:
     def _deliver(self, updates: list[StepUpdate]) -> None:
         for update in updates:
             sink = self._sinks.get(update.request_id)
-            if sink is None:
-                continue
-            sink(update)
-            if update.request_id not in self.core.requests:  # the request is over (all its samples finished)
-                self._sinks.pop(update.request_id, None)
+            if sink is not None:
+                sink(update)
+        # A request is over once all its samples finished; a step can finish several of them (n > 1), so its sink is
+        # forgotten only after every update of this step was delivered.
+        for request_id in {update.request_id for update in updates}:
+            if request_id not in self.core.requests:
+                self._sinks.pop(request_id, None)
