@@ -164,6 +164,29 @@ def test_stop_strings_and_max_tokens(server):
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
+def test_n_choices_each_finish_streamed_or_not(server):
+    """n = 2: two choices, each with its finish reason, on both endpoints (a request with n > 1 used to hang)."""
+    c = server.client().with_options(max_retries=0, timeout=60)
+    kw = dict(model=MODEL, n=2, max_tokens=3, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    whole = c.completions.create(prompt="Hi", **kw)
+    assert [(ch.index, ch.finish_reason) for ch in whole.choices] == [(0, "length"), (1, "length")]
+    assert whole.usage.completion_tokens == 6
+    chunks = [ch.choices[0] for ch in c.completions.create(prompt="Hi", stream=True, **kw) if ch.choices]
+    assert {ch.index: ch.finish_reason for ch in chunks if ch.finish_reason} == {0: "length", 1: "length"}
+    chat = c.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw)
+    assert [(ch.index, ch.finish_reason) for ch in chat.choices] == [(0, "length"), (1, "length")]
+
+
+def test_streamed_text_offsets_run_on_as_the_whole_replys(server):
+    body = {"model": MODEL, "prompt": "a" * 20, "max_tokens": 6, "logprobs": 1, "temperature": 0,
+            "ignore_eos": True}
+    whole = server.post("/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
+    r = http("POST", f"{server.url}/v1/completions", json.dumps({**body, "stream": True}).encode())
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    streamed = [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == whole and len(whole) == 6 and whole[-1] > 0
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine
@@ -201,6 +224,10 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 30}, 400, "logprobs must be between 0 and 20"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_tokens must be >= 1"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options is only allowed with stream: true"),
 ])
 def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body, status, needle):
     r = server.post(path, body)

@@ -25,6 +25,9 @@ from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 
+# how often a request waiting on the engine checks whether its client is still there
+DISCONNECT_CHECK_S = 0.5
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -78,12 +81,20 @@ class Api:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self.metrics.arrived(rid)
                 self.client.submit(rid, prompt, params, lambda u, i=i: queue.put_nowait((i, u)))
+            loop = asyncio.get_running_loop()
+            next_check = loop.time() + DISCONNECT_CHECK_S
             while any(open_samples.values()):
                 try:
-                    i, update = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    i, update = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
+                    update = None
+                # on a timer, not only when updates pause: a decoding request has one every few ms, and a
+                # non-streaming one has no other way to learn that its client left
+                if loop.time() >= next_check:
                     if await request.is_disconnected():
                         return
+                    next_check = loop.time() + DISCONNECT_CHECK_S
+                if update is None:
                     continue
                 if update.finish_reason == "error":
                     raise ApiError(500, f"the engine failed: {update.text or self.client.error}", "InternalError")
@@ -111,6 +122,19 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
 
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events; if the engine fails after the stream began (the 200 is sent), an error event and
+    [DONE] end it, as vLLM's server does, instead of a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except (ApiError, EngineUnavailable) as exc:
+        status, message, kind = (exc.status, exc.message, exc.kind) if isinstance(exc, ApiError) else (
+            503, str(exc), "ServiceUnavailableError")
+        yield _sse(error_body(status, message, kind))
+        yield _sse("[DONE]")
 
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
@@ -169,12 +193,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
 
-        def choice_logprobs(c: Choice) -> dict | None:
+        def choice_logprobs(c: Choice, at: int = 0) -> dict | None:
+            """c's log-probability entries; `at`: the text offset of the first (a streamed delta's: the length of
+            the tokens before it)."""
             if params.logprobs is None:
                 return None
             as_id = body.return_tokens_as_token_ids
             tokens = [prompts.token_text(t, as_id) for t, _, _ in c.logprobs]
-            offsets, at = [], 0
+            offsets = []
             for t in tokens:
                 offsets.append(at)
                 at += len(t)
@@ -195,20 +221,24 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "usage": _usage(token_ids, choices)})
 
         async def events() -> AsyncIterator[str]:
+            text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
             async for i, u in _chain(first, stream):
                 c = apply(i, u)
                 delta = Choice(c.index)
                 if u.token_id is not None and u.logprob is not None:
                     delta.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
+                logprobs = choice_logprobs(delta, text_at[c.index])
+                if logprobs is not None:
+                    text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [{"index": c.index, "text": u.text, "logprobs": choice_logprobs(delta),
+                            "choices": [{"index": c.index, "text": u.text, "logprobs": logprobs,
                                          "finish_reason": u.finish_reason}]})
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -216,7 +246,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         messages = body.checked_messages()
         text = prompts.render_chat(messages, body.add_generation_prompt)
         token_ids = [prompts.tokenizer.encode(text, add_special_tokens=False).ids]
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, body.logprobs_count(),
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
@@ -262,7 +293,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     return app
 

@@ -49,6 +49,8 @@ class SamplingFields(BaseModel):
         """defaults: the checkpoint's generation_config values, used where the request leaves a field unset."""
         if self.logit_bias:
             raise RequestError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true")
         d = defaults or {}
 
         def pick(name: str, fallback: float) -> float:

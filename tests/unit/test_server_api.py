@@ -1,0 +1,85 @@
+"""The server's request loop without HTTP: a client that leaves is noticed while its request still streams updates,
+and an engine failure after a stream began ends it with an error event and [DONE]."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from tpgraph.engine.core import StepUpdate  # noqa: E402
+from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
+from tpgraph.server import app as server_app  # noqa: E402
+from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+
+
+class EndlessClient:
+    """An engine that sends the request a token every 5 ms and never finishes it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self.tasks: list[asyncio.Task] = []
+        self.error = None
+
+    def check(self, prompt, params) -> None:
+        pass
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        async def tokens() -> None:
+            while request_id not in self.aborted:
+                sink(StepUpdate(request_id, 0, 7, "x"))
+                await asyncio.sleep(0.005)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(tokens()))
+
+    def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+    def release(self, request_id) -> None:
+        pass
+
+
+class LeavingRequest:
+    """An HTTP request whose client goes away `after` seconds in."""
+
+    def __init__(self, after: float) -> None:
+        self.after, self.start, self.asked = after, None, 0
+
+    async def is_disconnected(self) -> bool:
+        loop = asyncio.get_running_loop()
+        self.start = self.start if self.start is not None else loop.time()
+        self.asked += 1
+        return loop.time() - self.start >= self.after
+
+
+def test_a_client_that_leaves_mid_decode_is_noticed_and_its_request_aborted():
+    """A non-streaming request gets an update every few ms; it used to check its client only after a second
+    without one, so a decoding request ran on to its end after the client had gone."""
+    client, request = EndlessClient(), LeavingRequest(after=0.3)
+    api = server_app.Api(client, ServerMetrics(), "m")
+
+    async def main() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        t0, got = loop.time(), 0
+        async for _ in api.run(request, [[1, 2]], SamplingParams(max_tokens=10_000)):
+            got += 1
+        return got, loop.time() - t0
+
+    got, took = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert len(client.aborted) == 1 and request.asked >= 1
+    assert got > 10 and took < 0.3 + 2 * server_app.DISCONNECT_CHECK_S
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_an_error_event_and_done():
+    async def events():
+        yield server_app._sse({"choices": [{"text": "a"}]})
+        raise server_app.ApiError(500, "the engine failed: gone", "InternalError")
+
+    async def collect() -> list[str]:
+        return [e async for e in server_app._guarded(events())]
+
+    got = asyncio.run(collect())
+    assert len(got) == 3 and got[-1] == "data: [DONE]\n\n"
+    error = json.loads(got[1].removeprefix("data: "))["error"]
+    assert (error["code"], error["message"], error["type"]) == (500, "the engine failed: gone", "InternalError")
