@@ -187,6 +187,16 @@ def test_streamed_text_offsets_run_on_as_the_whole_replys(server):
     assert streamed == whole and len(whole) == 6 and whole[-1] > 0
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(server):
+    """The OpenAI completions API: `logprobs` top tokens and always the sampled one (up to logprobs + 1)."""
+    for logprobs in (0, 2):
+        body = {"model": MODEL, "prompt": "a" * 20, "max_tokens": 4, "logprobs": logprobs, "temperature": 1.0,
+                "seed": 3, "return_tokens_as_token_ids": True, "ignore_eos": True}
+        lp = server.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+        for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert top[token] == value and logprobs <= len(top) <= logprobs + 1
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine

@@ -204,8 +204,16 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             for t in tokens:
                 offsets.append(at)
                 at += len(t)
+            def top_with_sampled(token: str, lp: float, top: list[tuple[int, float]]) -> dict[str, float]:
+                # the OpenAI completions API: the top `logprobs` tokens and always the sampled one, so up to
+                # logprobs + 1 entries
+                entries = {prompts.token_text(t, as_id): v for t, v in top}
+                entries.setdefault(token, lp)
+                return entries
+
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs],
-                    "top_logprobs": [{prompts.token_text(t, as_id): lp for t, lp in top} for _, _, top in c.logprobs],
+                    "top_logprobs": [top_with_sampled(tok, lp, top) for tok, (_, lp, top) in zip(tokens, c.logprobs,
+                                                                                                  strict=True)],
                     "text_offset": offsets}
 
         def apply(i: int, u: StepUpdate) -> Choice:
