@@ -1,6 +1,8 @@
 """The engine on CPU with the built-in model: continuous batching, chunked prefill, preemption, stops and sampling
 through TPEngine.generate, checked against the plain greedy loop."""
 
+import dataclasses
+
 import pytest
 
 from tpgraph import ConfigError, RequestError, SamplingParams, TPEngine
@@ -90,6 +92,25 @@ def test_stop_token_ids_min_tokens_and_eos(reference):
         assert first not in later.token_ids[:3] and len(later.token_ids) >= 3
 
 
+def test_stop_strings_wait_for_min_tokens(reference):
+    """As in vLLM: a stop string ends a sequence only from its (min_tokens + 1)-th token on; the ones before stay in
+    the text. (PROMPTS[2] makes the built-in model say "aaaa...", a token a character.)"""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, stop=["a"])
+    with engine() as e:
+        at_once = e.generate(PROMPTS[2], greedy)[0].outputs[0]
+        later = e.generate(PROMPTS[2], dataclasses.replace(greedy, min_tokens=4))[0].outputs[0]
+    assert reference[2][:5] == [ord("a")] * 5
+    assert (at_once.token_ids, at_once.text, at_once.finish_reason) == (reference[2][:1], "", "stop")
+    assert (later.token_ids, later.text, later.finish_reason) == (reference[2][:5], "aaaa", "stop")
+
+
+def test_a_tiny_temperature_samples_greedily(reference):
+    """Logits over a temperature of 1e-40 overflow fp32; below 1e-5 the sampler takes the argmax (as vLLM does)."""
+    with engine() as e:
+        out = e.generate(PROMPTS, SamplingParams(temperature=1e-40, max_tokens=12))
+    assert tokens(out) == reference
+
+
 def test_seeded_samples_repeat_and_n_gives_n():
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, n=3, max_tokens=8, logprobs=2)
     unseeded = SamplingParams(temperature=1.0, max_tokens=8)
@@ -136,6 +157,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
             e.generate([[1, 10 ** 6]], GREEDY)
         with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
             e.generate(["a"], [GREEDY, GREEDY])
+        # (stop ids index the logits while min_tokens bans them: one past the vocabulary used to fail the step,
+        # and with it every request in flight)
+        with pytest.raises(RequestError, match="stop_token_ids must be below the vocabulary size"):
+            e.generate("a", SamplingParams(stop_token_ids=[10 ** 6], min_tokens=2, max_tokens=4))
         assert not e.core.has_work and e.runner.allocator.num_free == e.runner.allocator.num_blocks
         assert tokens(e.generate(PROMPTS, GREEDY)) == reference
 

@@ -265,12 +265,12 @@ class EngineCore:
         reason = None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         text = ""
+        produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
             reason = "stop"
-        elif detok is not None:
-            text, stopped = detok.add(token)
+        elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)
+            text, stopped = detok.add(token, may_stop=produced > p.min_tokens)
             reason = "stop" if stopped else None
-        produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if reason is None and seq.reached_length(self.scheduler.cfg.max_model_len, produced):
             reason = "length"
         if reason is not None:

@@ -27,14 +27,19 @@ class Detokenizer:
         self.text = ""  # the output text so far (cut at a stop string once one appears)
         self.emitted = 0  # characters of self.text already handed out
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Feed one generated token: (text to hand out now, whether a stop string ended the sequence)."""
+    def add(self, token_id: int, may_stop: bool = True) -> tuple[str, bool]:
+        """Feed one generated token: (text to hand out now, whether a stop string ended the sequence). may_stop
+        False (before min_tokens): no stop string ends it yet; the first token that may looks for stop strings that
+        end in its text (and may start up to len(stop) - 1 characters before it, as vLLM's check does)."""
         piece = self.stream.step(self.tokenizer, token_id) or ""
         if not piece:
             return "", False
-        search_from = max(0, len(self.text) - self.hold)
+        before = len(self.text)
         self.text += piece
-        hit = min(((i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0), default=None)
+        hit = None
+        if may_stop:
+            hit = min(((i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0),
+                      default=None)
         if hit is not None:
             at, stop = hit
             self.text = self.text[: at + len(stop) if self.include_stop else at]

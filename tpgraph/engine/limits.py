@@ -29,3 +29,6 @@ class RequestLimits:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {self.cache_tokens}")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
+            raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
+                               f"{[t for t in params.stop_token_ids if t >= vocab]}")

@@ -95,7 +95,7 @@ class Sampler:
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         greedy_ids = row_argmax(x)
         params = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=x.device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=x.device)
         x = x / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
             x = top_k_mask(x, [p.top_k for p in params])

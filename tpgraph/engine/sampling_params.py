@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tpgraph.errors import RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below GREEDY_BELOW: logits divided by a temperature that small overflow to inf in fp32,
+        and the softmax of those is NaN (vLLM draws the same line)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
