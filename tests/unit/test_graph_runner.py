@@ -195,6 +195,11 @@ def test_max_model_len_defaults_to_the_models_and_must_fit_the_cache(model):
     with pytest.raises(ConfigError, match="max_model_len 512 needs that many tokens of KV cache, but only 160 fit"):
         ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, max_model_len=512, num_kv_blocks=11,
                                         graphs=graphs))
+    # a measured cache (CUDA) is refused below one sequence only where max_model_len was asked for: the model's own
+    # is capped as above (it used to be refused before the cap could apply)
+    assert capped.min_cache_blocks() == 2
+    explicit = ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, max_model_len=100, graphs=graphs))
+    assert explicit.min_cache_blocks() == 1 + 7
 
 
 def test_running_out_of_memory_in_capture_names_the_remedies():

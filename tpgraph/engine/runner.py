@@ -187,6 +187,12 @@ class ModelRunner:
         return startup_summary(self)
 
     # ---- memory ----------------------------------------------------------------------------------------------
+    def min_cache_blocks(self) -> int:
+        """The fewest blocks a measured cache may have (with the null block): one sequence of an explicit
+        max_model_len; for the model's own (the default) one block, since _fit_max_model_len then caps it to what
+        the cache holds instead of refusing."""
+        return 1 + (self.max_blocks_per_seq if self.cfg.max_model_len is not None else 1)
+
     def _fit_max_model_len(self) -> None:
         """A sequence of max_model_len tokens must fit the cache: cap the default, refuse an explicit value."""
         capacity = self.allocator.num_blocks * self.block_size
@@ -257,7 +263,7 @@ class ModelRunner:
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)
-        self.budget.check(self.max_blocks_per_seq + 1)
+        self.budget.check(self.min_cache_blocks())
         if self.is_driver:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks
