@@ -235,7 +235,7 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
                               "top_logprobs": 30}, 400, "logprobs must be between 0 and 20"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_tokens must be >= 1"),
+                              "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_completion_tokens must be >= 1"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options is only allowed with stream: true"),
 ])

@@ -61,8 +61,13 @@ def test_kv_budget_arithmetic_and_refusal():
     assert agreed.num_blocks == 100
     assert MemoryBudget(**{**b.__dict__, "agreed_blocks": 10**9}).num_blocks == b.num_blocks
     tight = MemoryBudget(**{**b.__dict__, "in_use": 87 * GiB})
-    with pytest.raises(ConfigError, match="needs at least 10 for one sequence.*--gpu-memory-utilization"):
+    with pytest.raises(ConfigError, match="needs at least 10 for one sequence.*--gpu-memory-utilization, lower "
+                                          "--max-model-len"):
         tight.check(10)
+    # the model's own max_model_len is capped to the cache, not refused: only a cache without room for one block is
+    with pytest.raises(ConfigError, match=r"needs at least 10000 \(the null block and one more\).*lower "
+                                          "--max-num-seqs, capture"):
+        tight.check(10_000, max_model_len_asked=False)
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         MemoryBudget(**{**b.__dict__, "utilization": 1.5})
 
@@ -195,8 +200,8 @@ def test_max_model_len_defaults_to_the_models_and_must_fit_the_cache(model):
     with pytest.raises(ConfigError, match="max_model_len 512 needs that many tokens of KV cache, but only 160 fit"):
         ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, max_model_len=512, num_kv_blocks=11,
                                         graphs=graphs))
-    # a measured cache (CUDA) is refused below one sequence only where max_model_len was asked for: the model's own
-    # is capped as above (it used to be refused before the cap could apply)
+    # the floor a measured cache (CUDA) is checked against: one sequence only where max_model_len was asked for, the
+    # model's own being capped as above (only this rule runs here: the measured path needs CUDA)
     assert capped.min_cache_blocks() == 2
     explicit = ModelRunner(model, RunnerConfig(block_size=16, max_batch=1, max_model_len=100, graphs=graphs))
     assert explicit.min_cache_blocks() == 1 + 7

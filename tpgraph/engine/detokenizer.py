@@ -29,8 +29,9 @@ class Detokenizer:
 
     def add(self, token_id: int, may_stop: bool = True) -> tuple[str, bool]:
         """Feed one generated token: (text to hand out now, whether a stop string ended the sequence). may_stop
-        False (before min_tokens): no stop string ends it yet; the first token that may looks for stop strings that
-        end in its text (and may start up to len(stop) - 1 characters before it, as vLLM's check does)."""
+        False (before min_tokens): no stop string ends it yet. A token that may stop looks only for stop strings
+        ending in its own text (starting up to len(stop) - 1 characters before it, as vLLM's check does), so one
+        completed before min_tokens stays in the text."""
         piece = self.stream.step(self.tokenizer, token_id) or ""
         if not piece:
             return "", False

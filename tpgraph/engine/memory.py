@@ -47,10 +47,13 @@ class MemoryBudget:
                 f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
 
-    def check(self, min_blocks: int) -> None:
-        """Refuse a cache too small to hold min_blocks (one max-length sequence), with the ways out."""
+    def check(self, min_blocks: int, max_model_len_asked: bool = True) -> None:
+        """Refuse a cache too small to hold min_blocks, with the ways out: one sequence of an asked max_model_len,
+        else (the model's own, which is capped to the cache instead) the null block and one more."""
         if self.num_blocks < min_blocks:
+            need = "for one sequence of max_model_len" if max_model_len_asked else "(the null block and one more)"
+            lower = "lower --max-model-len or --max-num-seqs" if max_model_len_asked else "lower --max-num-seqs"
             raise ConfigError(
-                f"the KV cache would get {self.num_blocks} blocks but needs at least {min_blocks} for one sequence of "
-                f"max_model_len ({self.describe()}). Raise --gpu-memory-utilization, lower --max-model-len or "
-                "--max-num-seqs, capture fewer graphs, or use --enforce-eager")
+                f"the KV cache would get {self.num_blocks} blocks but needs at least {min_blocks} {need} "
+                f"({self.describe()}). Raise --gpu-memory-utilization, {lower}, capture fewer graphs, or use "
+                "--enforce-eager")

@@ -263,7 +263,7 @@ class ModelRunner:
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)
-        self.budget.check(self.min_cache_blocks())
+        self.budget.check(self.min_cache_blocks(), max_model_len_asked=self.cfg.max_model_len is not None)
         if self.is_driver:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks

@@ -13,10 +13,11 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.g
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 switch those filters off. Penalties follow
-    OpenAI (frequency, presence: subtracted per output occurrence / once) and HF (repetition: divides positive
-    logits and multiplies negative ones, for every prompt and output token). `logprobs` = how many top
-    alternatives to return beside the sampled token's log-probability (None: no log-probabilities)."""
+    """Temperatures below GREEDY_BELOW (1e-5; 0 among them) are greedy. top_k 0 (or -1) and top_p 1 and min_p 0
+    switch those filters off. Penalties follow OpenAI (frequency, presence: subtracted per output occurrence / once)
+    and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and output token).
+    `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
+    log-probabilities)."""
 
     n: int = 1
     temperature: float = 1.0

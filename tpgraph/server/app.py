@@ -204,16 +204,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             for t in tokens:
                 offsets.append(at)
                 at += len(t)
-            def top_with_sampled(token: str, lp: float, top: list[tuple[int, float]]) -> dict[str, float]:
-                # the OpenAI completions API: the top `logprobs` tokens and always the sampled one, so up to
-                # logprobs + 1 entries
-                entries = {prompts.token_text(t, as_id): v for t, v in top}
+            # the OpenAI completions API: the top `logprobs` tokens and always the sampled one (logprobs + 1 at most)
+            tops = [{prompts.token_text(t, as_id): v for t, v in top} for _, _, top in c.logprobs]
+            for entries, token, (_, lp, _) in zip(tops, tokens, c.logprobs, strict=True):
                 entries.setdefault(token, lp)
-                return entries
-
-            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs],
-                    "top_logprobs": [top_with_sampled(tok, lp, top) for tok, (_, lp, top) in zip(tokens, c.logprobs,
-                                                                                                  strict=True)],
+            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs], "top_logprobs": tops,
                     "text_offset": offsets}
 
         def apply(i: int, u: StepUpdate) -> Choice:
@@ -255,6 +250,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         text = prompts.render_chat(messages, body.add_generation_prompt)
         token_ids = [prompts.tokenizer.encode(text, add_special_tokens=False).ids]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+            raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
