@@ -353,24 +353,36 @@ void ar_destroy(uintptr_t handle) {
 }
 
 bool multicast_env_allowed() {
-  // Same list and the same reading as tpgraph/comm/multicast.py (trimmed, case-insensitive): any of these means
-  // multicast objects must never be created.
+  // Same list and the same reading as tpgraph/comm/multicast.py (trimmed, case-insensitive; unclear values err
+  // towards off): any of these means multicast objects must never be created. NCCL_NVLS_ENABLE is read as NCCL
+  // reads it (strtoll base 0: off unless it starts with a nonzero number); the others are off switches, set by any
+  // value but a clear no ("0", "false", "no", "n", "off", a number 0). Empty counts as unset.
   struct Var {
     const char* name;
-    const char* disabling;
+    bool enable_switch;
   };
-  const Var vars[] = {{"NCCL_NVLS_ENABLE", "0"},
-                      {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"},
-                      {"NVSHMEM_DISABLE_NVLS", "1"},
-                      {"TPGRAPH_DISABLE_MULTICAST", "1"}};
+  const Var vars[] = {{"NCCL_NVLS_ENABLE", true},
+                      {"TORCH_SYMM_MEM_DISABLE_MULTICAST", false},
+                      {"NVSHMEM_DISABLE_NVLS", false},
+                      {"TPGRAPH_DISABLE_MULTICAST", false}};
   for (const Var& v : vars) {
     const char* value = std::getenv(v.name);
     if (value == nullptr) continue;
     std::string s(value);
     const size_t first = s.find_first_not_of(" \t\r\n"), last = s.find_last_not_of(" \t\r\n");
     s = first == std::string::npos ? "" : s.substr(first, last - first + 1);
+    if (s.empty()) continue;
     for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-    if (s == v.disabling || (std::string(v.disabling) == "1" && (s == "true" || s == "yes"))) return false;
+    char* end = nullptr;
+    const long long number = std::strtoll(s.c_str(), &end, 0);
+    const bool has_number = end != s.c_str();
+    if (v.enable_switch) {
+      if (number == 0) return false;  // (no number reads as 0 too, as in NCCL)
+    } else {
+      const bool clear_no = s == "0" || s == "false" || s == "no" || s == "n" || s == "off" ||
+                            (has_number && number == 0);
+      if (!clear_no) return false;
+    }
   }
   return true;
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tpgraph.errors import ConfigError, TPGraphError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -86,6 +89,11 @@ def init_distributed(
 
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        from tpgraph.comm.multicast import multicast_disabled_reason, pass_gate_on  # (tpgraph.comm imports this)
+
+        reason = multicast_disabled_reason()
+        if changed := pass_gate_on():  # (before NCCL reads its variables)
+            logger.info("%s: set %s too", reason, ", ".join(changed))
         dist.init_process_group(
             backend=backend,
             init_method=init_method or "env://",

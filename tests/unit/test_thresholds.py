@@ -219,6 +219,38 @@ def test_multicast_other_values_do_not_disable():
     assert not multicast_allowed({"TPGRAPH_DISABLE_MULTICAST": "true"})
 
 
+@pytest.mark.parametrize("value", ["0", "00", "0x0", " 0 ", "false", "off", "no", "abc", "+"])
+def test_nccls_switch_is_off_wherever_nccl_reads_0(value):
+    """NCCL reads NCCL_NVLS_ENABLE with strtoll(value, NULL, 0): these all turn NVLS off there, so here too."""
+    assert not multicast_allowed({"NCCL_NVLS_ENABLE": value})
+
+
+@pytest.mark.parametrize("value", ["1", "2", "0x10", "-1", "1abc", ""])
+def test_nccls_switch_stays_on_at_a_nonzero_number_or_empty(value):
+    assert multicast_allowed({"NCCL_NVLS_ENABLE": value})
+
+
+@pytest.mark.parametrize(("value", "off"), [("1", True), ("2", True), ("on", True), ("y", True), ("abc", True),
+                                            ("0", False), ("00", False), ("false", False), ("No", False),
+                                            ("off", False), ("n", False), ("", False)])
+def test_off_switches_are_set_by_any_value_but_a_clear_no(value, off):
+    for name in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "TPGRAPH_DISABLE_MULTICAST"):
+        assert multicast_allowed({name: value}) is not off, name
+
+
+def test_the_gate_is_passed_on_to_every_librarys_variable():
+    """TPGRAPH_DISABLE_MULTICAST=1 alone would leave NCCL free to build NVLS communicators: init_distributed sets
+    the other variables too, before NCCL starts; an allowed environment is left alone."""
+    from tpgraph.comm.multicast import pass_gate_on
+
+    env = {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "yes"}
+    assert pass_gate_on(env) == ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"]
+    assert env == {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "yes",
+                   "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    allowed = {"NCCL_NVLS_ENABLE": "1"}
+    assert pass_gate_on(allowed) == [] and allowed == {"NCCL_NVLS_ENABLE": "1"}
+
+
 def test_launch_blocks_shrink_to_the_work():
     t = launch_table({"push_blocks": {"default": [[1 << 30, "num_sms"]]}, "pull1_blocks": {"default": [[1 << 30, 64]]},
                       "pull2_blocks": {"default": [[1 << 30, 64]]}})
@@ -246,7 +278,8 @@ def test_cpp_multicast_gate_reads_the_same_variables(name, value, monkeypatch):
     assert not ext.multicast_env_allowed()
 
 
-@pytest.mark.parametrize("spelling", ["{v}", " {v} ", "{v}\n", "TRUE", "Yes", "false", "2", ""])
+@pytest.mark.parametrize("spelling", ["{v}", " {v} ", "{v}\n", "TRUE", "Yes", "false", "2", "", "00", "0x0", "off",
+                                      "n", "abc", "1abc", "-1", "+"])
 def test_python_and_cpp_gates_read_spellings_alike(spelling, monkeypatch):
     from tpgraph._ext import extension_available, load_ext
 

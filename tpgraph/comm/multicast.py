@@ -1,11 +1,18 @@
 """NVLink multicast (NVLS) gate. Creating a multicast object can take a shared host's GPUs out of service,
 so any of these variables means "multicast unavailable". csrc/ar_context.cu (multicast_env_allowed) reads the same
-list the same way in C++."""
+list the same way in C++.
+
+Where a value is unclear the gate errs towards off. NCCL_NVLS_ENABLE is NCCL's switch, which NCCL reads with C's
+strtoll(value, NULL, 0): any value that does not start with a nonzero number ("0", "00", "0x0", "false", "off")
+turns NVLS off there, and so here. The others are "disable" switches: any value but a clear no ("0", "false", "no",
+"n", "off", or a number 0) turns multicast off. An empty value counts as unset.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, MutableMapping
 
 # (variable, value that disables multicast)
 DISABLING_VARIABLES = (
@@ -16,16 +23,53 @@ DISABLING_VARIABLES = (
 )
 
 
+FALSE_WORDS = ("0", "false", "no", "n", "off")
+_C_INTEGER = re.compile(r"[+-]?(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
+
+
+def c_integer_prefix(text: str) -> int | None:
+    """The number C's strtoll(text, NULL, 0) reads from the start of text (None: no digits there, where strtoll
+    gives 0)."""
+    m = _C_INTEGER.match(text.strip())
+    if m is None:
+        return None
+    digits = m.group(0).lstrip("+-")
+    value = int(digits, 16) if digits[:2].lower() == "0x" else int(digits, 8) if digits.startswith("0") else int(digits)
+    return -value if m.group(0).startswith("-") else value
+
+
+def _disables(disabling: str, value: str) -> bool:
+    s = value.strip().lower()
+    if not s:
+        return False
+    if disabling == "0":  # an enable switch, read as NCCL reads it
+        return not c_integer_prefix(s)
+    return s not in FALSE_WORDS and c_integer_prefix(s) != 0
+
+
 def multicast_disabled_reason(env: Mapping[str, str] | None = None) -> str | None:
     """Why multicast is off by environment, or None if the environment allows it."""
     env = os.environ if env is None else env
     for name, disabling in DISABLING_VARIABLES:
         value = env.get(name)
-        if value is None:
-            continue
-        if value.strip().lower() == disabling or (disabling == "1" and value.strip().lower() in ("true", "yes")):
+        if value is not None and _disables(disabling, value):
             return f"multicast disabled by {name}={value}"
     return None
+
+
+def pass_gate_on(env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Where multicast is off, say so in every library's own variable too (before NCCL or torch's symmetric memory
+    starts): NCCL would otherwise still build NVLS communicators from TPGRAPH_DISABLE_MULTICAST=1 alone. Returns
+    the variables it set."""
+    env = os.environ if env is None else env
+    if multicast_disabled_reason(env) is None:
+        return []
+    changed = []
+    for name, disabling in DISABLING_VARIABLES:
+        if not _disables(disabling, env.get(name, "")):
+            env[name] = disabling
+            changed.append(name)
+    return changed
 
 
 def multicast_allowed(env: Mapping[str, str] | None = None) -> bool:
