@@ -196,3 +196,33 @@ def test_timeout_zero_waits_forever_and_negative_is_refused(monkeypatch):
     assert CustomAllReduceConfig().timeout_s == 0.0
     with pytest.raises(ConfigError, match="0: wait forever"):
         CustomAllReduceConfig(timeout_s=-1)
+
+
+def test_a_view_that_starts_mid_vector_goes_to_nccl_not_to_an_error(monkeypatch):
+    """x[1:] of a bf16 buffer is contiguous and its size a multiple of 16 bytes, but it starts 2 bytes into a 16-byte
+    vector: try_all_reduce must decline it (the communicator then uses NCCL), not reach the kernel's alignment
+    check. An aligned tensor of the same size still runs."""
+    from tpgraph.comm.custom_ar import size_workspace
+    from tpgraph.comm.thresholds import load_table_for
+
+    ran = []
+
+    class AlignedOnly:
+        def ar_all_reduce(self, ctx, algo, dtype, inp, out, nbytes, blocks, stream, timeout, row):
+            if inp % 16 or out % 16:
+                raise RuntimeError("input and output must be 16-byte aligned")
+            ran.append(nbytes)
+
+    ar = object.__new__(CustomAllReduce)
+    ar.ext, ar.ctx, ar.cfg = AlignedOnly(), 1, CustomAllReduceConfig()
+    ar.state = ParallelState(0, 2, 0, torch.device("cpu"), None, None)
+    ar._capturing, ar._plans, ar._pending, ar._device_index = False, {}, [], -1
+    ar.num_sms, ar.zero_copy, ar.timeout_ns = 132, True, 0
+    _, _, ar.table = size_workspace(load_table_for((9, 0)), 2, ar.cfg, True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    buf = torch.zeros(4097 + 8, dtype=torch.bfloat16)
+    x = buf[1:4097]
+    assert x.is_contiguous() and x.data_ptr() % 16 == 2 and ar.pick(x) is not None
+    assert ar.try_all_reduce(x) is None and ran == []
+    aligned = buf[8:4104] if buf[8:].data_ptr() % 16 == 0 else buf[:4096]
+    assert ar.try_all_reduce(aligned) is aligned and ran == [8192]

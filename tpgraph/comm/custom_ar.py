@@ -308,7 +308,8 @@ class CustomAllReduce:
     def try_all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
         """The table's choice on the custom path, or None where NCCL should do it (the communicator's entry)."""
         self._check_tensor(x)
-        if not x.is_contiguous():
+        # (the kernels move 16-byte vectors: a view that starts mid-vector, e.g. x[1:], goes to NCCL, not to an error)
+        if not x.is_contiguous() or x.data_ptr() % kernel_limits().vector_bytes:
             return None
         plan = self.plan(x)
         return None if plan is None else self._run(x, plan)
