@@ -72,6 +72,27 @@ def test_command_line_mistakes_are_refused(monkeypatch, capsys):
     assert main(["--world-size", "2", "--runs", "5"]) == 2 and "at least 20" in capsys.readouterr().err
 
 
+def test_without_gpus_it_says_so_under_torchrun_or_not(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--world-size", "2"]) == 2 and "none is visible here" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun: refused before any rank looks for its GPU
+    assert main([]) == 2 and "none is visible here" in capsys.readouterr().err
+
+
+def test_the_table_is_replaced_whole_and_a_missing_one_is_named(tmp_path):
+    from tpgraph.errors import ConfigError
+
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    _write(args(tmp_path), 2, 132, synthetic(), table, "p")
+    assert load_table(table) and sorted(p.name for p in tmp_path.iterdir()) == ["sm90.json", "tune.json"]  # no temp
+    with pytest.raises(ConfigError, match="no such table to update"):
+        _write(args(tmp_path, dry_run=True, log=None), 2, 132, synthetic(), tmp_path / "absent.json", "p")
+
+
 def test_grids_stop_at_the_work_a_message_has():
     assert grids_for(Algo.PUSH_1SHOT, 4096, 2, 132) == [1, 2, 4, 8]  # 8 chunks of 512 bytes
     assert grids_for(Algo.PUSH_1SHOT, 64 << 20, 2, 132) == [1, 2, 4, 8, 16, 32, 64, 132, 264]

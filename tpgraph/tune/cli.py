@@ -22,6 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from tpgraph.errors import ConfigError
+
 logger = logging.getLogger("tpgraph.tune")
 
 
@@ -45,12 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 20:
         print("error: --runs must be at least 20 (the timing method's median)", file=sys.stderr)
         return 2
-    if "WORLD_SIZE" in os.environ:
-        return run_rank(args, None)
-    if args.world_size is None:
+    if "WORLD_SIZE" not in os.environ and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
         return 2
     import torch
+
+    if not torch.cuda.is_available():  # (under torchrun each rank would fail to find a GPU, with a traceback)
+        print("error: tpgraph-tune measures the all-reduce on CUDA GPUs; none is visible here", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" in os.environ:
+        return run_rank(args, None)
     import torch.multiprocessing as mp
 
     from tpgraph.engine.followers import free_tcp_init
@@ -150,6 +156,9 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
         best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
         if best:
             launch[algo] = launch_bands(best, num_sms)
+    if not table.is_file():
+        raise ConfigError(f"{table}: no such table to update (give --table an existing one, e.g. a copy of "
+                          f"configs/allreduce/sm90.json)")
     doc = json.loads(table.read_text())
     new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
     if args.log:
@@ -162,7 +171,16 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
     if args.dry_run:
         print(diff(table, new_text) or f"{table}: no change", flush=True)
         return
-    table.write_text(new_text)
+    # a new file moved into place: a tuner stopped halfway never leaves a truncated table behind
+    partial = table.with_name(f".{table.name}.{os.getpid()}.tmp")
+    try:
+        with open(partial, "w") as f:
+            f.write(new_text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, table)
+    finally:
+        partial.unlink(missing_ok=True)
     print(f"wrote {table}", flush=True)
 
 
