@@ -104,3 +104,30 @@ def test_provenance_keeps_file_arguments_by_name_only():
 
     argv = ["--world-size", "2", "--plot", "/some/dir/tune.png", "--log=/other/dir/tune.json", "--dry-run"]
     assert _without_paths(argv) == ["--world-size", "2", "--plot", "tune.png", "--log=tune.json", "--dry-run"]
+
+
+def test_a_table_of_another_architecture_is_refused(tmp_path):
+    from tpgraph.errors import ConfigError
+    from tpgraph.tune.cli import check_table_arch
+
+    check_table_arch(config_dir() / "allreduce" / "sm90.json", "sm90")
+    with pytest.raises(ConfigError, match="is the 'sm100' table; these GPUs are sm90"):
+        check_table_arch(config_dir() / "allreduce" / "sm100.json", "sm90")
+    with pytest.raises(ConfigError, match="no such table"):
+        check_table_arch(tmp_path / "none.json", "sm90")
+
+
+def test_tables_refuse_unknown_keys_and_another_architectures_file(tmp_path, monkeypatch):
+    from tpgraph.comm.thresholds import load_table_for
+    from tpgraph.errors import ConfigError
+
+    (tmp_path / "allreduce").mkdir()
+    doc = json.loads((config_dir() / "allreduce" / "sm90.json").read_text())
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "allreduce" / "sm90.json").write_text(json.dumps({**doc, "arch": "sm100"}))
+    with pytest.raises(ConfigError, match="says arch 'sm100', but it is the sm90.json table"):
+        load_table_for((9, 0))
+    doc["Launch"] = doc.pop("launch")  # misspelt: would fall back to the default grids
+    (tmp_path / "allreduce" / "sm90.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=r"unknown keys \['Launch'\]"):
+        load_table_for((9, 0))

@@ -188,9 +188,15 @@ def _check_launch(launch: Any, source: str) -> None:
                 last = band[0]
 
 
+TABLE_KEYS = ("arch", "rows", "launch", "launch_provenance", "rule", "units")
+
+
 def parse_table(doc: Any, source: str) -> AlgoTable:
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not isinstance(doc.get("arch"), str):
         raise ConfigError(f"{source}: a table is an object with 'arch' (string) and 'rows' (list)")
+    unknown = sorted(set(doc) - set(TABLE_KEYS))
+    if unknown:  # (a misspelt "launch" would silently fall back to the default grids)
+        raise ConfigError(f"{source}: unknown keys {unknown}; a table has {', '.join(TABLE_KEYS)}")
     rows: dict[tuple[int, str], Bands] = {}
     for i, raw in enumerate(doc["rows"]):
         key, bands = _parse_row(raw, f"{source} row {i}")
@@ -231,4 +237,9 @@ def load_table(path: str | Path) -> AlgoTable:
 
 
 def load_table_for(capability: tuple[int, int]) -> AlgoTable:
-    return load_table(config_dir() / "allreduce" / table_file_for(capability))
+    name = table_file_for(capability)
+    table = load_table(config_dir() / "allreduce" / name)
+    if table.arch != name.removesuffix(".json"):  # (a table copied over another architecture's)
+        raise ConfigError(f"{table.source} says arch {table.arch!r}, but it is the {name} table this GPU "
+                          f"(sm_{capability[0]}{capability[1]}) reads")
+    return table

@@ -93,6 +93,11 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
         ar = CustomAllReduce(state, CustomAllReduceConfig(
             push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes), staging_bytes=args.max_bytes))
         try:
+            props = ar.ext.device_properties(state.device.index)
+            name = table_file_for((props.major, props.minor))
+            table = args.table or config_dir() / "allreduce" / name
+            # every rank checks (the same file, the same GPUs), so a refusal never leaves the others in a collective
+            check_table_arch(table, name.removesuffix(".json"))
             sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
             driver = state.is_driver
             if driver:
@@ -101,15 +106,23 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
             results = measure(state, ar, sizes, args.runs, progress=lambda label: (bar.set_postfix_str(label),
                                                                                    bar.update()))
             bar.close()
-            props = ar.ext.device_properties(state.device.index)
             if driver:
-                table = args.table or config_dir() / "allreduce" / table_file_for((props.major, props.minor))
                 _write(args, state.world_size, ar.num_sms, results, table, _provenance(ar, props))
         finally:
             ar.close()
     finally:
         destroy_distributed(state)
     return 0
+
+
+def check_table_arch(table: Path, arch: str) -> None:
+    """Refuse to tune into a table another architecture reads (these GPUs' figures would steer that one)."""
+    if not table.is_file():
+        raise ConfigError(f"{table}: no such table to update (give --table an existing one, e.g. a copy of "
+                          f"configs/allreduce/{arch}.json)")
+    found = json.loads(table.read_text()).get("arch")
+    if found != arch:
+        raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
 
 
 def _provenance(ar, props) -> str:
