@@ -21,6 +21,7 @@ UNIMPLEMENTED_FIELDS = {
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
     "logits_scaling": (None, 1, 1.0),
+    "quantization_config": (None,),  # (fp8 / int weights with scales)
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -143,8 +144,8 @@ class ModelConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos = cfg.get("eos_token_id", 2)  # (absent fields take transformers' LlamaConfig defaults)
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return ModelConfig(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -153,16 +154,18 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id"),
+                bos_token_id=cfg.get("bos_token_id", 1),
                 eos_token_id=eos_ids,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config.json has a field of the wrong type or value: {exc}") from None
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -173,8 +176,10 @@ class ModelConfig:
             raise CheckpointError(f"no config.json in {str(model_dir)!r}: is this a Hugging Face checkpoint?")
         try:
             cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
         return ModelConfig.from_hf_dict(cfg)
 
 

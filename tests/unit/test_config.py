@@ -99,10 +99,38 @@ def test_parse_dtype():
 
 
 @pytest.mark.parametrize("field,value", [("sliding_window", 4096), ("use_sliding_window", True),
-                                         ("pretraining_tp", 2), ("attn_logit_softcapping", 50.0)])
+                                         ("pretraining_tp", 2), ("attn_logit_softcapping", 50.0),
+                                         ("quantization_config", {"quant_method": "fp8"})])
 def test_unimplemented_fields_are_refused_by_name(field, value):
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2}
     with pytest.raises(ConfigError, match=f"config.json sets {field}="):
         ModelConfig.from_hf_dict({**base, field: value})
     assert ModelConfig.from_hf_dict({**base, "sliding_window": None, "pretraining_tp": 1}).vocab_size == 10
+
+
+def test_absent_fields_take_transformers_llama_defaults():
+    """A hand-written config.json without these fields means what LlamaConfig says they default to."""
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    cfg = ModelConfig.from_hf_dict(base)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.bos_token_id, cfg.eos_token_id) == (1e-6, 2048, 1, (2,))
+    assert ModelConfig.from_hf_dict({**base, "eos_token_id": None}).eos_token_id == ()
+
+
+@pytest.mark.parametrize("bad", [{"num_attention_heads": None}, {"num_attention_heads": "4x"},
+                                 {"eos_token_id": ["two"]}])
+def test_a_field_of_the_wrong_type_is_a_config_error(bad):
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    with pytest.raises(ConfigError, match="wrong type or value"):
+        ModelConfig.from_hf_dict({**base, **bad})
+
+
+def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)

@@ -97,3 +97,25 @@ def test_garbage_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
         SafetensorsSource(tmp_path)
+
+
+def test_quantized_weights_are_refused_not_cast(tmp_path):
+    """An int8 / fp8 weight read as float without its scales gives wrong outputs silently: refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint("llama32_tied_llama3rope_gqa", tmp_path / "c")
+    files = sorted(path.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    model = LlamaForCausalLM(ModelConfig.from_dir(path), fake_rank(0, 1), torch.float32, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' .* is stored as I8; .*quantized checkpoints"):
+        load_weights(model, SafetensorsSource(path), show_progress=False)
+
+
+def test_eos_ids_outside_the_vocabulary_are_dropped():
+    from tpgraph.engine.tp_engine import checked_eos_ids
+
+    assert checked_eos_ids((2, 405, 7), 401) == (2, 7)
+    assert checked_eos_ids((), 401) == ()

@@ -79,6 +79,15 @@ def deferred_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    """The checkpoint's EOS ids that can be sampled. One past the vocabulary (a config's typo) could never end a
+    sequence, and with min_tokens it would index the logits and fail the step: dropped, with a warning."""
+    outside = [t for t in eos_ids if not 0 <= t < vocab_size]
+    if outside:
+        logger.warning("EOS ids %s are outside the vocabulary (%d tokens): ignored", outside, vocab_size)
+    return tuple(t for t in eos_ids if 0 <= t < vocab_size)
+
+
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, **kwargs: Any) -> None:
@@ -104,6 +113,7 @@ class TPEngine:
             self.chat_template = ChatTemplate.from_dir(cfg.model, BOS)
             self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
+            eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
             self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
                                        str(cfg.model or "the built-in model"))
             self.runner = ModelRunner(self.model, RunnerConfig(

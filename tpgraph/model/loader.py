@@ -28,6 +28,7 @@ from tpgraph.model.shards import ShardSpec
 logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # safetensors names of the dtypes a checkpoint may store weights in
 
 
 class TensorSource(Protocol):
@@ -119,6 +120,11 @@ class SafetensorsSource:
                 f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} has shape {shape}, expected "
                 f"{spec.hf_shape}: is config.json from the same checkpoint?"
             )
+        stored = self._open(self.file_of[spec.hf_name]).get_slice(spec.hf_name).get_dtype()
+        if stored not in FLOAT_DTYPES:  # (a quantized weight cast to float without its scales is silently wrong)
+            raise CheckpointError(f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} is stored as {stored}; "
+                                  f"tpgraph loads {', '.join(FLOAT_DTYPES)} weights (quantized checkpoints are "
+                                  f"not supported)")
         return self.read(spec.hf_name, spec.dim, spec.src_start, spec.length)
 
 
