@@ -35,10 +35,22 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}`, which marks the assistant's text for training masks: here it
+    renders its body, as apply_chat_template does."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[jinja2.ext.loopcontrols, _GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -66,16 +78,17 @@ class ChatTemplate:
         if model_dir is None:
             return ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": builtin_bos})
         path = Path(model_dir) / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from None
-        source = cfg.get("chat_template")
-        jinja_file = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it beside the config
-        if source is None and jinja_file.is_file():
-            source = jinja_file.read_text()
+        cfg: dict = {}
+        if path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"cannot read {path}: {exc}") from None
+            if not isinstance(cfg, dict):
+                raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+        # newer checkpoints keep the template in its own file, which transformers prefers to the config's
+        jinja_file = Path(model_dir) / "chat_template.jinja"
+        source = jinja_file.read_text() if jinja_file.is_file() else cfg.get("chat_template")
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")

@@ -61,6 +61,27 @@ def test_generation_defaults_and_bad_files(tmp_path):
         ChatTemplate("{% for %}")
 
 
+def test_the_generation_tag_renders_its_body_as_hf_does(ckpt, hf_tokenizer):
+    """HF's {% generation %} block (assistant masks for training) is part of some checkpoints' templates."""
+    source = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}"
+              "{% generation %}{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n"
+              "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    messages = CONVERSATIONS[1][1:]
+    ours = ChatTemplate(source, {"bos_token": "<s>"}).render(messages)
+    assert "assistant: Lima" in ours and ours.endswith("assistant: ")
+    theirs = hf_tokenizer.apply_chat_template(messages, chat_template=source.replace("{{ bos_token }}", "<s>"),
+                                              tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+
+
+def test_the_template_file_comes_before_the_configs_and_needs_no_config(tmp_path):
+    (tmp_path / "chat_template.jinja").write_text("FILE {{ messages[0]['content'] }}")
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ChatTemplate.from_dir(tmp_path, "").render(messages) == "FILE Hi"  # no tokenizer_config.json
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "CONFIG {{ messages[0][\'content\'] }}"}')
+    assert ChatTemplate.from_dir(tmp_path, "").render(messages) == "FILE Hi"  # as transformers reads them
+
+
 def test_builtin_model_has_a_template():
     with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
         text = engine.render_chat([{"role": "user", "content": "hi"}])
