@@ -44,6 +44,9 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
                 return Tokenizer.from_file(str(path))
             except Exception as exc:
                 raise CheckpointError(f"cannot read {path}: {exc}") from None
+        if (Path(model_dir) / "tokenizer.model").is_file():  # (the byte tokenizer would encode garbage for it)
+            raise CheckpointError(f"{model_dir} has a sentencepiece tokenizer.model but no tokenizer.json; write one "
+                                  f"with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         if vocab_size < 258:
             raise CheckpointError(f"{model_dir} has no tokenizer.json and its vocabulary ({vocab_size}) is too "
                                   "small for the built-in byte tokenizer")

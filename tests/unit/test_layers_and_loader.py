@@ -119,3 +119,28 @@ def test_eos_ids_outside_the_vocabulary_are_dropped():
 
     assert checked_eos_ids((2, 405, 7), 401) == (2, 7)
     assert checked_eos_ids((), 401) == ()
+
+
+def test_layers_the_config_leaves_out_are_named(tmp_path, caplog):
+    """A config that says fewer layers than the checkpoint holds runs, but not as trained: it is said."""
+    import json
+
+    from tpgraph.model.loader import layers_past_the_config
+
+    assert layers_past_the_config(["model.layers.0.mlp.up_proj.weight", "model.layers.3.self_attn.q_proj.weight",
+                                   "model.layers.12.input_layernorm.weight", "lm_head.weight"], 2) == [3, 12]
+    path = make_checkpoint("llama32_tied_llama3rope_gqa", tmp_path / "c")
+    doc = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**doc, "num_hidden_layers": 1}))
+    model = LlamaForCausalLM(ModelConfig.from_dir(path), fake_rank(0, 1), torch.float32, torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="tpgraph.model.loader"):
+        load_weights(model, SafetensorsSource(path), show_progress=False)
+    assert "holds layers [1], which config.json's num_hidden_layers (1) leaves out" in caplog.text
+
+
+def test_a_sentencepiece_only_checkpoint_is_refused(tmp_path):
+    from tpgraph.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.model").write_bytes(b"sp")
+    with pytest.raises(CheckpointError, match="sentencepiece tokenizer.model but no tokenizer.json"):
+        load_tokenizer(tmp_path, 32000)

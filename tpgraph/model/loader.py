@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -146,8 +148,19 @@ class RandomSource:
 
 
 def load_weights(model: LlamaForCausalLM, source: TensorSource, show_progress: bool) -> None:
-    for spec in tqdm(model.shard_specs(), desc="loading weights", disable=not show_progress, unit="tensor"):
+    specs = model.shard_specs()
+    for spec in tqdm(specs, desc="loading weights", disable=not show_progress, unit="tensor"):
         spec.param.data.narrow(spec.dim, spec.dst_start, spec.length).copy_(source.read_shard(spec))
+    extra = layers_past_the_config(getattr(source, "file_of", {}), model.cfg.num_hidden_layers)
+    if extra:  # (a config from another checkpoint of the family: the model runs, but not as trained)
+        logger.warning("the checkpoint holds layers %s, which config.json's num_hidden_layers (%d) leaves out",
+                       extra, model.cfg.num_hidden_layers)
+
+
+def layers_past_the_config(names: Iterable[str], num_layers: int) -> list[int]:
+    """Layer numbers of checkpoint tensors at or past num_layers."""
+    found = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    return sorted(i for i in found if i >= num_layers)
 
 
 def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
