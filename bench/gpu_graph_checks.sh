@@ -114,7 +114,8 @@ for step in "$@"; do
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
              'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
              'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
-             'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16'},
+             'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16',
+             'bos_token_id': 128000, 'eos_token_id': 128001},
              open(sys.argv[1], 'w'))" "$out/llama3_8b/config.json"
          timeout 400 torchrun --nproc-per-node $NPROC -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
              --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 > "$out/serve.log" 2>&1 &

@@ -367,11 +367,11 @@ bool multicast_env_allowed() {
                       {"TPGRAPH_DISABLE_MULTICAST", false}};
   for (const Var& v : vars) {
     const char* value = std::getenv(v.name);
-    if (value == nullptr) continue;
+    if (value == nullptr || value[0] == '\0') continue;  // set to nothing: as unset
     std::string s(value);
-    const size_t first = s.find_first_not_of(" \t\r\n"), last = s.find_last_not_of(" \t\r\n");
+    const char* space = " \t\n\v\f\r";  // C's isspace, as tpgraph/comm/multicast.py's C_WHITESPACE
+    const size_t first = s.find_first_not_of(space), last = s.find_last_not_of(space);
     s = first == std::string::npos ? "" : s.substr(first, last - first + 1);
-    if (s.empty()) continue;
     for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
     char* end = nullptr;
     const long long number = std::strtoll(s.c_str(), &end, 0);

@@ -1,9 +1,10 @@
 """Chat templates (rendered as HF's apply_chat_template renders them) and a checkpoint's generation_config.
 
-A checkpoint's template is tokenizer_config.json's `chat_template` (a string, or a list of named templates whose
-"default" is used), rendered in a sandboxed Jinja environment with HF's settings (trim_blocks, lstrip_blocks,
-loop controls, raise_exception, strftime_now, tojson) and the tokenizer's special tokens as variables. The rendered
-text already holds BOS where the template puts it, so it is encoded without adding special tokens.
+A checkpoint's template is chat_template.jinja where there is one (transformers prefers it), else
+tokenizer_config.json's `chat_template` (a string, or a list of named templates whose "default" is used). It is
+rendered in a sandboxed Jinja environment with HF's settings (trim_blocks, lstrip_blocks, loop controls,
+raise_exception, strftime_now, tojson, the `{% generation %}` tag) and the tokenizer's special tokens as variables.
+The rendered text already holds BOS where the template puts it, so it is encoded without adding special tokens.
 """
 
 from __future__ import annotations

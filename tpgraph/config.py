@@ -36,6 +36,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+
+def _token_id(value: Any) -> int:
+    """A token id from config.json: an integer (a bool or a string is a mistake, not 1 or a number)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"token ids must be integers, got {value!r}")
+    return value
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -75,6 +82,8 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    # (these defaults serve configs built in code, like BUILTIN_MODEL; from_hf_dict gives an absent config.json field
+    # transformers' LlamaConfig default instead)
     rms_norm_eps: float = 1e-5
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 4096
@@ -145,7 +154,9 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id", 2)  # (absent fields take transformers' LlamaConfig defaults)
-            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = tuple(_token_id(e) for e in eos) if isinstance(eos, list) else (
+                () if eos is None else (_token_id(eos),))
+            bos = cfg.get("bos_token_id", 1)
             return ModelConfig(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -158,13 +169,15 @@ class ModelConfig:
                 rope=RopeConfig.from_hf(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id", 1),
+                bos_token_id=None if bos is None else _token_id(bos),
                 eos_token_id=eos_ids,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
             raise ConfigError(f"config.json has a field of the wrong type or value: {exc}") from None
 
     @staticmethod

@@ -36,8 +36,8 @@ class PromptCodec:
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise RequestError(f"{self.model_label} has no chat template (tokenizer_config.json chat_template); "
-                               f"send a plain prompt")
+            raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
+                               f"tokenizer_config.json's chat_template); send a plain prompt")
         return self.chat_template.render(messages, add_generation_prompt)
 
     def default_params(self, **overrides: Any) -> SamplingParams:

@@ -119,7 +119,8 @@ def test_absent_fields_take_transformers_llama_defaults():
 
 
 @pytest.mark.parametrize("bad", [{"num_attention_heads": None}, {"num_attention_heads": "4x"},
-                                 {"eos_token_id": ["two"]}])
+                                 {"num_attention_heads": 0}, {"eos_token_id": ["two"]}, {"eos_token_id": True},
+                                 {"bos_token_id": "x"}])
 def test_a_field_of_the_wrong_type_is_a_config_error(bad):
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2}
@@ -134,3 +135,8 @@ def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_a_clear_config_error_keeps_its_own_words():
+    with pytest.raises(ConfigError, match="^config.json rope_scaling type 'yarn' is not supported"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

@@ -214,12 +214,12 @@ def test_multicast_unavailable_under_each_variable(name, value):
     assert not multicast_allowed({name: value})
 
 
-def test_multicast_other_values_do_not_disable():
+def test_clear_enabling_values_leave_multicast_on_and_true_switches_it_off():
     assert multicast_allowed({"NCCL_NVLS_ENABLE": "1", "TPGRAPH_DISABLE_MULTICAST": "0"})
     assert not multicast_allowed({"TPGRAPH_DISABLE_MULTICAST": "true"})
 
 
-@pytest.mark.parametrize("value", ["0", "00", "0x0", " 0 ", "false", "off", "no", "abc", "+"])
+@pytest.mark.parametrize("value", ["0", "00", "0x0", " 0 ", "false", "off", "no", "abc", "+", " ", "\xa01"])
 def test_nccls_switch_is_off_wherever_nccl_reads_0(value):
     """NCCL reads NCCL_NVLS_ENABLE with strtoll(value, NULL, 0): these all turn NVLS off there, so here too."""
     assert not multicast_allowed({"NCCL_NVLS_ENABLE": value})
@@ -279,7 +279,8 @@ def test_cpp_multicast_gate_reads_the_same_variables(name, value, monkeypatch):
 
 
 @pytest.mark.parametrize("spelling", ["{v}", " {v} ", "{v}\n", "TRUE", "Yes", "false", "2", "", "00", "0x0", "off",
-                                      "n", "abc", "1abc", "-1", "+"])
+                                      "n", "abc", "1abc", "-1", "+", " ", "\vfalse", "no\f", "off\xa0", "\xa01",
+                                      "\x1cno"])
 def test_python_and_cpp_gates_read_spellings_alike(spelling, monkeypatch):
     from tpgraph._ext import extension_available, load_ext
 

@@ -1,6 +1,7 @@
 """tpgraph-tune's command line and its writing step, on synthetic measurements (the measuring itself needs GPUs)."""
 
 import json
+import os
 import shutil
 from argparse import Namespace
 
@@ -72,6 +73,19 @@ def test_command_line_mistakes_are_refused(monkeypatch, capsys):
     assert main(["--world-size", "2", "--runs", "5"]) == 2 and "at least 20" in capsys.readouterr().err
 
 
+def test_a_bad_table_is_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--world-size", "2", "--table", str(config_dir() / "allreduce" / "sm100.json")]) == 2
+    assert "is the 'sm100' table; these GPUs are sm90" in capsys.readouterr().err
+    (tmp_path / "t.json").write_text("[1]")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: each rank refuses alike, before its first collective
+    assert main(["--table", str(tmp_path / "t.json")]) == 2 and "a table is an object" in capsys.readouterr().err
+
+
 def test_without_gpus_it_says_so_under_torchrun_or_not(monkeypatch, capsys):
     import torch
 
@@ -82,13 +96,24 @@ def test_without_gpus_it_says_so_under_torchrun_or_not(monkeypatch, capsys):
     assert main([]) == 2 and "none is visible here" in capsys.readouterr().err
 
 
-def test_the_table_is_replaced_whole_and_a_missing_one_is_named(tmp_path):
+def test_the_table_is_replaced_whole_and_a_missing_one_is_named(tmp_path, monkeypatch):
     from tpgraph.errors import ConfigError
 
     table = tmp_path / "sm90.json"
     shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    before = table.read_bytes()
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt  # stopped between writing the new file and moving it into place
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _write(args(tmp_path), 2, 132, synthetic(), table, "p")
+    assert table.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["sm90.json", "tune.json"]
+    monkeypatch.undo()
     _write(args(tmp_path), 2, 132, synthetic(), table, "p")
-    assert load_table(table) and sorted(p.name for p in tmp_path.iterdir()) == ["sm90.json", "tune.json"]  # no temp
+    assert table.read_bytes() != before and load_table(table)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sm90.json", "tune.json"]  # no temp file left
     with pytest.raises(ConfigError, match="no such table to update"):
         _write(args(tmp_path, dry_run=True, log=None), 2, 132, synthetic(), tmp_path / "absent.json", "p")
 

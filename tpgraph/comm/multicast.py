@@ -5,7 +5,8 @@ list the same way in C++.
 Where a value is unclear the gate errs towards off. NCCL_NVLS_ENABLE is NCCL's switch, which NCCL reads with C's
 strtoll(value, NULL, 0): any value that does not start with a nonzero number ("0", "00", "0x0", "false", "off")
 turns NVLS off there, and so here. The others are "disable" switches: any value but a clear no ("0", "false", "no",
-"n", "off", or a number 0) turns multicast off. An empty value counts as unset.
+"n", "off", or a number 0) turns multicast off. An empty value counts as unset; values are trimmed of C's
+whitespace only, so that Python and C++ read every byte alike.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping
 
-# (variable, value that disables multicast)
+# (variable, the value pass_gate_on writes to switch it off; "0" also marks NCCL's enable switch)
 DISABLING_VARIABLES = (
     ("NCCL_NVLS_ENABLE", "0"),
     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -24,13 +25,14 @@ DISABLING_VARIABLES = (
 
 
 FALSE_WORDS = ("0", "false", "no", "n", "off")
+C_WHITESPACE = " \t\n\v\f\r"  # what C's isspace (and so strtoll) skips; Python's strip() would take more
 _C_INTEGER = re.compile(r"[+-]?(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
 
 
 def c_integer_prefix(text: str) -> int | None:
     """The number C's strtoll(text, NULL, 0) reads from the start of text (None: no digits there, where strtoll
     gives 0)."""
-    m = _C_INTEGER.match(text.strip())
+    m = _C_INTEGER.match(text)
     if m is None:
         return None
     digits = m.group(0).lstrip("+-")
@@ -39,10 +41,10 @@ def c_integer_prefix(text: str) -> int | None:
 
 
 def _disables(disabling: str, value: str) -> bool:
-    s = value.strip().lower()
-    if not s:
+    if not value:  # set to nothing: as unset (NCCL too ignores an empty variable)
         return False
-    if disabling == "0":  # an enable switch, read as NCCL reads it
+    s = value.strip(C_WHITESPACE).lower()
+    if disabling == "0":  # an enable switch, read as NCCL reads it (whitespace alone reads 0 there)
         return not c_integer_prefix(s)
     return s not in FALSE_WORDS and c_integer_prefix(s) != 0
 

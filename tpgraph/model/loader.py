@@ -30,7 +30,7 @@ from tpgraph.model.shards import ShardSpec
 logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-FLOAT_DTYPES = ("BF16", "F16", "F32")  # safetensors names of the dtypes a checkpoint may store weights in
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
 
 
 class TensorSource(Protocol):

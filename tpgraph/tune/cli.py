@@ -55,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():  # (under torchrun each rank would fail to find a GPU, with a traceback)
         print("error: tpgraph-tune measures the all-reduce on CUDA GPUs; none is visible here", file=sys.stderr)
         return 2
+    from tpgraph.comm.thresholds import table_file_for
+
+    try:  # (under torchrun every rank checks the same file against the same GPUs: all refuse or none)
+        check_table_arch(table_for_this_gpu(args),
+                         table_file_for(torch.cuda.get_device_capability(0)).removesuffix(".json"))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if "WORLD_SIZE" in os.environ:
         return run_rank(args, None)
     import torch.multiprocessing as mp
@@ -94,10 +102,7 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
             push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes), staging_bytes=args.max_bytes))
         try:
             props = ar.ext.device_properties(state.device.index)
-            name = table_file_for((props.major, props.minor))
-            table = args.table or config_dir() / "allreduce" / name
-            # every rank checks (the same file, the same GPUs), so a refusal never leaves the others in a collective
-            check_table_arch(table, name.removesuffix(".json"))
+            table = args.table or config_dir() / "allreduce" / table_file_for((props.major, props.minor))
             sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
             driver = state.is_driver
             if driver:
@@ -116,13 +121,25 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
 
 
 def check_table_arch(table: Path, arch: str) -> None:
-    """Refuse to tune into a table another architecture reads (these GPUs' figures would steer that one)."""
+    """Refuse, before any measuring, a table that is missing, does not parse, or that another architecture reads
+    (these GPUs' figures would steer that one)."""
+    from tpgraph.comm.thresholds import load_table
+
     if not table.is_file():
         raise ConfigError(f"{table}: no such table to update (give --table an existing one, e.g. a copy of "
                           f"configs/allreduce/{arch}.json)")
-    found = json.loads(table.read_text()).get("arch")
+    found = load_table(table).arch
     if found != arch:
         raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
+
+
+def table_for_this_gpu(args: argparse.Namespace) -> Path:
+    """--table, or the table the loader reads for GPU 0's architecture (every rank's, on one host)."""
+    import torch
+
+    from tpgraph.comm.thresholds import config_dir, table_file_for
+
+    return args.table or config_dir() / "allreduce" / table_file_for(torch.cuda.get_device_capability(0))
 
 
 def _provenance(ar, props) -> str:
@@ -170,8 +187,7 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
         if best:
             launch[algo] = launch_bands(best, num_sms)
     if not table.is_file():
-        raise ConfigError(f"{table}: no such table to update (give --table an existing one, e.g. a copy of "
-                          f"configs/allreduce/sm90.json)")
+        raise ConfigError(f"{table}: no such table to update (give --table an existing one from configs/allreduce)")
     doc = json.loads(table.read_text())
     new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
     if args.log:
