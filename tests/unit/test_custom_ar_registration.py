@@ -226,3 +226,23 @@ def test_a_view_that_starts_mid_vector_goes_to_nccl_not_to_an_error(monkeypatch)
     assert ar.try_all_reduce(x) is None and ran == []
     aligned = buf[8:4104] if buf[8:].data_ptr() % 16 == 0 else buf[:4096]
     assert ar.try_all_reduce(aligned) is aligned and ran == [8192]
+
+
+def test_a_strided_tensor_reaches_nccl_contiguous(monkeypatch):
+    """NCCL refuses a strided tensor (gloo takes one, so the multi-rank CPU tests could not show it): the
+    communicator hands the collective a contiguous copy and returns it."""
+    from tpgraph.comm import communicator
+    from tpgraph.comm.communicator import TPCommunicator
+
+    seen = []
+
+    def fake_all_reduce(t, group=None):
+        seen.append(t.is_contiguous())
+        t.mul_(2)
+
+    monkeypatch.setattr(communicator.dist, "all_reduce", fake_all_reduce)
+    comm = object.__new__(TPCommunicator)
+    comm.state, comm.world_size, comm.custom = ParallelState(0, 2, 0, torch.device("cpu"), None, None), 2, None
+    x = torch.arange(6.0).view(2, 3).t()
+    out = comm.all_reduce(x)
+    assert seen == [True] and torch.equal(out, torch.arange(6.0).view(2, 3).t() * 2)

@@ -50,13 +50,15 @@ class TPCommunicator:
                 logger.info("all-reduce: NCCL/gloo only (%s)", self.custom_reason)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the TP group. Returns the result (x itself, or a new tensor from the custom path)."""
+        """Sum x over the TP group. Returns the result (x itself, or a new tensor: from the custom path, or a
+        contiguous copy of a strided x, which NCCL refuses)."""
         if self.world_size == 1:
             return x
         if self.custom is not None:
             out = self.custom.try_all_reduce(x)
             if out is not None:
                 return out
+        x = x.contiguous()
         dist.all_reduce(x, group=self.state.tp_group)
         return x
 
