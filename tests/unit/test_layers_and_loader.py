@@ -144,3 +144,11 @@ def test_a_sentencepiece_only_checkpoint_is_refused(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"sp")
     with pytest.raises(CheckpointError, match="sentencepiece tokenizer.model but no tokenizer.json"):
         load_tokenizer(tmp_path, 32000)
+
+
+def test_safetensors_without_a_checkpoint_is_refused():
+    from tpgraph.errors import ConfigError
+    from tpgraph.model.loader import load_model
+
+    with pytest.raises(ConfigError, match="'safetensors' needs a checkpoint directory"):
+        load_model(fake_rank(0, 1).state, fake_rank(0, 1), None, "safetensors")

@@ -187,6 +187,8 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "safetensors" and model_dir is None:  # (not the built-in model's random weights instead)
+        raise ConfigError("load_format 'safetensors' needs a checkpoint directory (--model DIR)")
 
     def build() -> LlamaForCausalLM:
         cfg = config or (ModelConfig.from_dir(model_dir) if model_dir is not None else BUILTIN_MODEL)
