@@ -36,12 +36,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-
 def _token_id(value: Any) -> int:
     """A token id from config.json: an integer (a bool or a string is a mistake, not 1 or a number)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"token ids must be integers, got {value!r}")
     return value
+
 
 @dataclass(frozen=True)
 class RopeConfig:

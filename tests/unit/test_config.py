@@ -20,6 +20,10 @@ LLAMA2_7B = {
     "rope_scaling": None, "max_position_embeddings": 4096, "eos_token_id": 2,
 }
 
+# the fields config.json must have; every other one takes its default
+MINIMAL = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2}
+
 
 def test_llama31_config_transformers4_layout():
     cfg = ModelConfig.from_hf_dict(LLAMA31_8B)
@@ -102,8 +106,7 @@ def test_parse_dtype():
                                          ("pretraining_tp", 2), ("attn_logit_softcapping", 50.0),
                                          ("quantization_config", {"quant_method": "fp8"})])
 def test_unimplemented_fields_are_refused_by_name(field, value):
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
+    base = MINIMAL
     with pytest.raises(ConfigError, match=f"config.json sets {field}="):
         ModelConfig.from_hf_dict({**base, field: value})
     assert ModelConfig.from_hf_dict({**base, "sliding_window": None, "pretraining_tp": 1}).vocab_size == 10
@@ -111,8 +114,7 @@ def test_unimplemented_fields_are_refused_by_name(field, value):
 
 def test_absent_fields_take_transformers_llama_defaults():
     """A hand-written config.json without these fields means what LlamaConfig says they default to."""
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
+    base = MINIMAL
     cfg = ModelConfig.from_hf_dict(base)
     assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.bos_token_id, cfg.eos_token_id) == (1e-6, 2048, 1, (2,))
     assert ModelConfig.from_hf_dict({**base, "eos_token_id": None}).eos_token_id == ()
@@ -122,8 +124,7 @@ def test_absent_fields_take_transformers_llama_defaults():
                                  {"num_attention_heads": 0}, {"eos_token_id": ["two"]}, {"eos_token_id": True},
                                  {"bos_token_id": "x"}])
 def test_a_field_of_the_wrong_type_is_a_config_error(bad):
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
+    base = MINIMAL
     with pytest.raises(ConfigError, match="wrong type or value"):
         ModelConfig.from_hf_dict({**base, **bad})
 

@@ -221,8 +221,13 @@ def config_dir() -> Path:
     return installed if installed.is_dir() else package.parent / "configs"
 
 
+def arch_for(capability: tuple[int, int]) -> str:
+    """The architecture a table is written for (its file's name and its "arch")."""
+    return {9: "sm90", 10: "sm100"}.get(capability[0], "other")
+
+
 def table_file_for(capability: tuple[int, int]) -> str:
-    return {9: "sm90.json", 10: "sm100.json"}.get(capability[0], "other.json")
+    return f"{arch_for(capability)}.json"
 
 
 def load_table(path: str | Path) -> AlgoTable:
@@ -239,7 +244,7 @@ def load_table(path: str | Path) -> AlgoTable:
 def load_table_for(capability: tuple[int, int]) -> AlgoTable:
     name = table_file_for(capability)
     table = load_table(config_dir() / "allreduce" / name)
-    if table.arch != name.removesuffix(".json"):  # (a table copied over another architecture's)
+    if table.arch != arch_for(capability):  # (a table copied over another architecture's)
         raise ConfigError(f"{table.source} says arch {table.arch!r}, but it is the {name} table this GPU "
                           f"(sm_{capability[0]}{capability[1]}) reads")
     return table

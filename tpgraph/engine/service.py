@@ -183,6 +183,6 @@ class EngineService:
                 sink(update)
         # A request is over once all its samples finished; a step can finish several of them (n > 1), so its sink is
         # forgotten only after every update of this step was delivered.
-        for request_id in {update.request_id for update in updates}:
+        for request_id in {update.request_id for update in updates if update.finish_reason is not None}:
             if request_id not in self.core.requests:
                 self._sinks.pop(request_id, None)

@@ -148,8 +148,7 @@ class RandomSource:
 
 
 def load_weights(model: LlamaForCausalLM, source: TensorSource, show_progress: bool) -> None:
-    specs = model.shard_specs()
-    for spec in tqdm(specs, desc="loading weights", disable=not show_progress, unit="tensor"):
+    for spec in tqdm(model.shard_specs(), desc="loading weights", disable=not show_progress, unit="tensor"):
         spec.param.data.narrow(spec.dim, spec.dst_start, spec.length).copy_(source.read_shard(spec))
     extra = layers_past_the_config(getattr(source, "file_of", {}), model.cfg.num_hidden_layers)
     if extra:  # (a config from another checkpoint of the family: the model runs, but not as trained)

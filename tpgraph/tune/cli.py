@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():  # (under torchrun each rank would fail to find a GPU, with a traceback)
         print("error: tpgraph-tune measures the all-reduce on CUDA GPUs; none is visible here", file=sys.stderr)
         return 2
-    from tpgraph.comm.thresholds import table_file_for
+    from tpgraph.comm.thresholds import arch_for
 
+    capability = torch.cuda.get_device_capability(0)
     try:  # (under torchrun every rank checks the same file against the same GPUs: all refuse or none)
-        check_table_arch(table_for_this_gpu(args),
-                         table_file_for(torch.cuda.get_device_capability(0)).removesuffix(".json"))
+        check_table_arch(table_for(args, capability), arch_for(capability))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -88,7 +88,6 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
     from tqdm import tqdm
 
     from tpgraph.comm.custom_ar import CustomAllReduce, CustomAllReduceConfig
-    from tpgraph.comm.thresholds import config_dir, table_file_for
     from tpgraph.distributed import destroy_distributed, init_distributed
     from tpgraph.tune.measure import DEFAULT_SIZES, count_steps, measure, skipped_multicast
 
@@ -102,7 +101,7 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
             push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes), staging_bytes=args.max_bytes))
         try:
             props = ar.ext.device_properties(state.device.index)
-            table = args.table or config_dir() / "allreduce" / table_file_for((props.major, props.minor))
+            table = table_for(args, (props.major, props.minor))
             sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
             driver = state.is_driver
             if driver:
@@ -125,21 +124,22 @@ def check_table_arch(table: Path, arch: str) -> None:
     (these GPUs' figures would steer that one)."""
     from tpgraph.comm.thresholds import load_table
 
-    if not table.is_file():
-        raise ConfigError(f"{table}: no such table to update (give --table an existing one, e.g. a copy of "
-                          f"configs/allreduce/{arch}.json)")
+    _require_table(table)
     found = load_table(table).arch
     if found != arch:
         raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
 
 
-def table_for_this_gpu(args: argparse.Namespace) -> Path:
-    """--table, or the table the loader reads for GPU 0's architecture (every rank's, on one host)."""
-    import torch
-
+def table_for(args: argparse.Namespace, capability: tuple[int, int]) -> Path:
+    """--table, or the table the loader reads for GPUs of this capability."""
     from tpgraph.comm.thresholds import config_dir, table_file_for
 
-    return args.table or config_dir() / "allreduce" / table_file_for(torch.cuda.get_device_capability(0))
+    return args.table or config_dir() / "allreduce" / table_file_for(capability)
+
+
+def _require_table(table: Path) -> None:
+    if not table.is_file():
+        raise ConfigError(f"{table}: no such table to update (give --table an existing one from configs/allreduce)")
 
 
 def _provenance(ar, props) -> str:
@@ -186,8 +186,7 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
         best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
         if best:
             launch[algo] = launch_bands(best, num_sms)
-    if not table.is_file():
-        raise ConfigError(f"{table}: no such table to update (give --table an existing one from configs/allreduce)")
+    _require_table(table)
     doc = json.loads(table.read_text())
     new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
     if args.log:
