@@ -5,6 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
+#        [read-ceiling]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -208,6 +209,10 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --variant two_stage=.:TPGRAPH_FUSED_ARGMAX=0 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
              --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
+    read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
+         # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
+         timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -12 \
+             | tee "$out/read_ceiling.log" ;;
     boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \

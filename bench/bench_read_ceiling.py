@@ -1,0 +1,261 @@
+"""What a kernel that only reads can reach at each projection's weight size, timed like the projections (issue 11).
+
+Issue 11 asks each projection kernel to run at >= 88% of the measured HBM bandwidth at M = 1. Timed alone
+(bench_kernels.py: a graph of 64 calls over weight copies that cannot sit in L2), qkv, o_proj and down stop at 54-80%,
+and cuBLAS stops at the same shares. This asks whether any kernel could do better measured that way: a kernel that
+does nothing but stream the same bytes and sum them (no dot, no epilogue, no split-K) is the ceiling of every
+projection of that size. Its launch shapes are swept (programs a SM, elements a step, warps, pipeline stages), and the
+best is the ceiling; the shipped small-M projection of that size is timed in the same process beside it.
+
+Three ways to sit in a chain of kernels:
+- `plain`: a normal launch, so each call starts when the one before has ended;
+- `pdl`: a programmatic dependent that waits (`gdc_wait`) for the kernel before to end before it reads, and then lets
+  the next one in: what a projection whose input comes from the kernel before must do (its weights do not depend on
+  that kernel, but its activation does);
+- `pdl_free`: let in, and never waits, so consecutive calls overlap: the bandwidth alone, with no boundary at all.
+
+The floor is the bytes over the HBM copy bandwidth measured as bench_decode.py does (a 2 GiB copy, read + write).
+A last size (1 GiB, plain only) gives the bandwidth of a pure read against that copy figure.
+
+    python bench/bench_read_ceiling.py --out read_ceiling.json   # one GPU; a .md table and a .png beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the bench needs Triton; the CPU tests skip without it
+    triton = None
+
+MODES = ("plain", "pdl", "pdl_free")
+# weight shapes [N, K] of a Llama-3-8B rank at TP=2 (bench_kernels.py's), bf16
+SHAPES = {"o_proj": (4096, 2048), "qkv": (3072, 4096), "down": (4096, 7168), "gate_up": (14336, 4096)}
+BIG_READ = 1 << 30  # bytes of the pure-read bandwidth figure
+L2_MULTIPLE = 4  # weight copies cycled through: at least this many times the L2 size
+
+
+@dataclass(frozen=True)
+class ReadConfig:
+    """A launch shape of the streaming read: programs per SM, elements a loop step, warps, pipeline stages."""
+
+    per_sm: int
+    block: int
+    warps: int
+    stages: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.per_sm}x{self.block}x{self.warps}x{self.stages}"
+
+
+GRID = [ReadConfig(p, b, w, s) for p, b, w, s in itertools.product((1, 2, 4), (4096, 16384), (4, 8), (1, 3))]
+
+if triton is not None:
+
+    @triton.jit
+    def _stream_sum(src, out, n, chunk, BLOCK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                    WAIT: tl.constexpr):
+        """out[p] = the fp32 sum of src[p * chunk : (p + 1) * chunk] (chunk a multiple of BLOCK; the tail masked)."""
+        if PDL:
+            if WAIT:
+                tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        p = tl.program_id(0)
+        start = p.to(tl.int64) * chunk
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for step in tl.range(0, chunk, BLOCK, num_stages=STAGES):
+            idx = start + step + offs
+            acc += tl.load(src + idx, mask=idx < n, other=0.0).to(tl.float32)
+        tl.store(out + p, tl.sum(acc, axis=0))
+
+
+def programs_for(n: int, config: ReadConfig, sms: int) -> tuple[int, int]:
+    """(programs, elements each) for n elements: about per_sm programs a SM, each a whole number of BLOCK steps."""
+    steps = -(-n // config.block)
+    per_program = -(-steps // (config.per_sm * sms))
+    chunk = per_program * config.block
+    return -(-n // chunk), chunk
+
+
+def stream_sum(src: torch.Tensor, out: torch.Tensor, config: ReadConfig, sms: int, mode: str = "plain") -> int:
+    """Launch the streaming read over src (flat) into out (>= its programs); returns the programs launched."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    n = src.numel()
+    grid, chunk = programs_for(n, config, sms)
+    if out.numel() < grid:
+        raise ValueError(f"out holds {out.numel()} sums, the launch has {grid} programs")
+    pdl = mode != "plain"
+    _stream_sum[(grid,)](src, out, n, chunk, BLOCK=config.block, STAGES=config.stages, PDL=pdl,
+                         WAIT=mode == "pdl", num_warps=config.warps, **({"launch_pdl": True} if pdl else {}))
+    return grid
+
+
+@dataclass
+class CeilingRow:
+    size: str
+    nbytes: int
+    candidate: str  # "read <mode> <config>" or "<projection> (shipped small-M)"
+    us: float
+    floor_us: float
+
+    @property
+    def of_floor(self) -> float:
+        return self.floor_us / self.us
+
+
+def _graph(fn: Callable[[int], object], copies: int) -> torch.cuda.CUDAGraph:
+    from tpgraph.tune.timing import K_OPS, capture
+
+    turn = itertools.cycle(range(copies))
+    return capture(lambda: fn(next(turn)), K_OPS)
+
+
+def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadConfig], hbm: float, l2: int,
+                 sms: int, runs: int, device: torch.device) -> list[CeilingRow]:
+    """Every read candidate (and, for a projection, the shipped small-M kernel at one row) of one size, timed
+    interleaved in one process."""
+    from tpgraph.tune.timing import K_OPS, graph_ops_us_interleaved
+
+    copies = max(1, -(-L2_MULTIPLE * l2 // nbytes))
+    shape = SHAPES.get(name)
+    flat = nbytes // 2
+    ws = [torch.randn(*(shape or (flat,)), dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
+    out = torch.empty(max(programs_for(flat, c, sms)[0] for c in configs), dtype=torch.float32, device=device)
+    graphs = {}
+    for mode, config in itertools.product(modes, configs):
+        # check one launch's sums before timing it: every element read once
+        stream_sum(ws[0].view(-1), out, config, sms, mode)
+        got, want = out[:programs_for(flat, config, sms)[0]].sum().item(), ws[0].float().sum().item()
+        if abs(got - want) > 1e-3 * max(1.0, ws[0].float().abs().sum().item()):
+            raise AssertionError(f"{name} {mode} {config.label}: sums {got} != {want}")
+        graphs[f"read {mode} {config.label}"] = _graph(
+            lambda i, mode=mode, config=config: stream_sum(ws[i].view(-1), out, config, sms, mode), copies)
+    if shape is not None:
+        from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
+
+        x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device)
+        if name == "gate_up":
+            graphs[f"{name}+silu (shipped small-M)"] = _graph(lambda i: gate_up_silu(x, ws[i]), copies)
+        else:
+            graphs[f"{name} (shipped small-M)"] = _graph(lambda i: linear_small_m(x, ws[i]), copies)
+    per_op = graph_ops_us_interleaved(None, graphs, K_OPS, runs)
+    graphs.clear()  # the graphs read these copies: both go once timed
+    ws.clear()
+    torch.cuda.empty_cache()
+    floor = nbytes / hbm * 1e6
+    return [CeilingRow(name, nbytes, cand, us, floor) for cand, us in per_op.items()]
+
+
+def best_reads(rows: list[CeilingRow]) -> dict[tuple[str, str], CeilingRow]:
+    """(size, mode) -> the fastest read candidate of that mode."""
+    best: dict[tuple[str, str], CeilingRow] = {}
+    for r in rows:
+        if r.candidate.startswith("read "):
+            key = (r.size, r.candidate.split()[1])
+            if key not in best or r.us < best[key].us:
+                best[key] = r
+    return best
+
+
+def table(rows: list[CeilingRow], modes: list[str], hbm: float) -> str:
+    best = best_reads(rows)
+    sizes = list(dict.fromkeys(r.size for r in rows))
+    lines = [f"HBM copy bandwidth {hbm / 1e12:.2f} TB/s; floor = bytes / that bandwidth; each cell: µs, floor ÷ time "
+             "(best launch shape)", "",
+             "| size | bytes | floor µs | shipped small-M | " + " | ".join(f"read, {m}" for m in modes) + " |",
+             "|---|---|---|---|" + "---|" * len(modes)]
+    for size in sizes:
+        sel = [r for r in rows if r.size == size]
+        shipped = next((r for r in sel if not r.candidate.startswith("read ")), None)
+        cells = [f"{shipped.us:.2f}, {shipped.of_floor:.0%}" if shipped else ""]
+        for m in modes:
+            b = best.get((size, m))
+            cells.append(f"{b.us:.2f}, {b.of_floor:.0%} ({b.candidate.split()[2]})" if b else "")
+        lines.append(f"| {size} | {sel[0].nbytes:,} | {sel[0].floor_us:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[CeilingRow], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_reads(rows)
+    sizes = [s for s in dict.fromkeys(r.size for r in rows) if s in SHAPES]
+    labels = ["shipped small-M"] + [f"read, {m}" for m in modes]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        vals = []
+        for s in sizes:
+            if j == 0:
+                r = next((r for r in rows if r.size == s and not r.candidate.startswith("read ")), None)
+            else:
+                r = best.get((s, modes[j - 1]))
+            vals.append(r.of_floor if r else 0.0)
+        ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=label)
+    ax.axhline(0.88, color="gray", ls="--", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))],
+                  [f"{s}\n{SHAPES[s][0] * SHAPES[s][1] * 2 / 1e6:.1f} MB" for s in sizes])
+    ax.set(ylabel="floor ÷ time", title="projections against a kernel that only reads (graph of 64, alone)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=",".join(SHAPES) + ",1GiB", help=f"of {', '.join(SHAPES)}, 1GiB")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="JSON of every figure; a .md table and a .png beside it")
+    args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := set(modes) - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(bad)}; known: {', '.join(MODES)}")
+    sizes = [s for s in args.sizes.split(",") if s]
+    if bad := set(sizes) - set(SHAPES) - {"1GiB"}:
+        raise SystemExit(f"--sizes: unknown {sorted(bad)}; known: {', '.join(SHAPES)}, 1GiB")
+    if not torch.cuda.is_available() or triton is None:
+        raise SystemExit("bench_read_ceiling needs a GPU and Triton")
+    from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
+
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    if "pdl" in modes or "pdl_free" in modes:
+        from tpgraph.kernels._pdl import triton_has_pdl
+
+        if props.major < 9 or not triton_has_pdl():
+            raise SystemExit("the pdl modes need sm_90+ and a Triton with programmatic dependent launch")
+    hbm = hbm_bandwidth(device)
+    rows: list[CeilingRow] = []
+    for size in sizes:
+        big = size == "1GiB"
+        nbytes = BIG_READ if big else SHAPES[size][0] * SHAPES[size][1] * 2
+        rows += measure_size(size, nbytes, ["plain"] if big else modes, GRID, hbm, props.L2_cache_size,
+                             props.multi_processor_count, args.runs, device)
+        print(f"{size}: done", flush=True)
+    text = table(rows, modes, hbm)
+    print(text)
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,
+                                        "rows": [asdict(r) | {"of_floor": r.of_floor} for r in rows]}, indent=1))
+        args.out.with_suffix(".md").write_text(text + "\n")
+        plot(rows, modes, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

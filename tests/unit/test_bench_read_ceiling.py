@@ -1,0 +1,79 @@
+"""bench/bench_read_ceiling.py off the GPU: the launch shapes cover every element once, the streaming read sums what
+it reads under Triton's interpreter (what the bench checks before it times), the table picks each mode's fastest
+shape, and the PDL forms wait (or not) before their first load."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tpgtest.bench_modules import load_bench_module
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("triton")
+    return load_bench_module("bench_read_ceiling")
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3072 * 4096, 4096 * 7168 + 3])
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+def test_the_programs_cover_every_element_once(bench, n, per_sm):
+    config = bench.ReadConfig(per_sm, 4096, 4, 1)
+    grid, chunk = bench.programs_for(n, config, sms=132)
+    assert chunk % config.block == 0
+    assert (grid - 1) * chunk < n <= grid * chunk  # no program starts past the end, none is missing
+    assert grid <= per_sm * 132
+
+
+@interpreted
+@pytest.mark.parametrize("n", [1, 300, 1024, 5000])
+@pytest.mark.parametrize("per_sm", [1, 4])
+def test_the_read_sums_what_it_reads(bench, n, per_sm):
+    src = torch.randint(-8, 8, (n,), dtype=torch.int32).to(torch.bfloat16)  # small integers: exact sums
+    config = bench.ReadConfig(per_sm, 256, 4, 1)
+    out = torch.full((64,), float("nan"))
+    grid = bench.stream_sum(src, out, config, sms=3)
+    assert grid == bench.programs_for(n, config, 3)[0]
+    chunk = bench.programs_for(n, config, 3)[1]
+    want = torch.stack([src[p * chunk:(p + 1) * chunk].float().sum() for p in range(grid)])
+    assert torch.equal(out[:grid], want)
+    assert out[grid:].isnan().all()  # nothing written past its programs
+
+
+def test_bad_mode_and_small_out_are_refused(bench):
+    config = bench.ReadConfig(1, 256, 4, 1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        bench.stream_sum(torch.zeros(10), torch.zeros(4), config, 3, mode="eager")
+    with pytest.raises(ValueError, match="out holds 1 sums"):
+        bench.stream_sum(torch.zeros(10_000, dtype=torch.bfloat16), torch.zeros(1), config, 3)
+
+
+def test_the_table_takes_each_modes_fastest_shape(bench):
+    row = bench.CeilingRow
+    rows = [row("qkv", 1000, "read plain 1x4096x4x1", 10.0, 6.0), row("qkv", 1000, "read plain 2x4096x4x1", 8.0, 6.0),
+            row("qkv", 1000, "read pdl 1x4096x4x1", 7.5, 6.0), row("qkv", 1000, "qkv (shipped small-M)", 9.0, 6.0)]
+    best = bench.best_reads(rows)
+    assert best[("qkv", "plain")].us == 8.0 and best[("qkv", "pdl")].us == 7.5
+    text = bench.table(rows, ["plain", "pdl"], 4e12)
+    assert "| qkv | 1,000 | 6.00 | 9.00, 67% | 8.00, 75% (2x4096x4x1) | 7.50, 80% (1x4096x4x1) |" in text
+
+
+@pytest.mark.parametrize(("wait", "stages"), [(True, 1), (False, 3)])
+def test_the_pdl_forms_wait_before_the_first_load_or_not_at_all(monkeypatch, wait, stages):
+    from tpgtest.ptx import sm90_ptx
+
+    pytest.importorskip("triton")
+    bench_dir = str(Path(__file__).resolve().parents[2] / "bench")  # the compile runs in a subprocess
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [bench_dir, os.environ.get("PYTHONPATH")])))
+    ptx = sm90_ptx("bench_read_ceiling", "_stream_sum", {"src": "*bf16", "out": "*fp32"}, ["n", "chunk"],
+                   {"BLOCK": 4096, "STAGES": stages, "PDL": True, "WAIT": wait}, divisible=("src", "n", "chunk"))
+    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
+    assert ptx.index("griddepcontrol.launch_dependents") < first_load
+    assert ("griddepcontrol.wait" in ptx) == wait
+    if wait:
+        assert ptx.index("griddepcontrol.wait") < first_load
+    assert ".v4" in ptx  # 16-byte loads: a streaming read, not element by element
