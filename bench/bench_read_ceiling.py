@@ -17,6 +17,12 @@ Three ways to sit in a chain of kernels:
 The floor is the bytes over the HBM copy bandwidth measured as bench_decode.py does (a 2 GiB copy, read + write).
 A last size (1 GiB, plain only) gives the bandwidth of a pure read against that copy figure.
 
+Then the projection's own access: `tiles` reads each shipped tile shape (and one and twice its splits) as the
+projection walks it, [BN, BK] tiles of the row-major weight, BN rows of BK elements, without arithmetic; `packed`
+reads the same tiles laid out one program's after another (BN * BK contiguous elements a step). The three together
+say where a projection loses against the ceiling: its launch shape (tiles vs read), its access pattern (tiles vs
+packed), or its own work (shipped vs tiles).
+
     python bench/bench_read_ceiling.py --out read_ceiling.json   # one GPU; a .md table and a .png beside it
 """
 
@@ -80,6 +86,77 @@ if triton is not None:
         tl.store(out + p, tl.sum(acc, axis=0))
 
 
+    @triton.jit
+    def _tile_sum(w, out, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                  PACKED: tl.constexpr, PDL: tl.constexpr):
+        """The small-M projection's reads without its arithmetic: program (column block b, split s) sums its
+        [BN, BK] tiles over its K range, as _gemv_kernel walks them, into out[b * splits + s]. PACKED: the same tiles
+        from a buffer where each program's tiles lie one after another (tile t of program (b, s) at
+        ((b * splits + s) * steps + t) * BN * BK), so each step reads BN * BK contiguous elements, not BN rows of BK.
+        PDL: waits for the kernel before first (as every projection must: its input comes from there)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        b = tl.program_id(0)
+        s = tl.program_id(1)
+        r = tl.arange(0, BN)
+        c = tl.arange(0, BK)
+        k_lo = s * k_per_split
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        base = (b * tl.num_programs(1) + s).to(tl.int64) * BN * k_per_split
+        for k0 in tl.range(k_lo, k_lo + k_per_split, BK, num_stages=STAGES):
+            if PACKED:
+                ptrs = w + base + (k0 - k_lo) * BN + r[:, None] * BK + c[None, :]
+            else:
+                ptrs = w + (b * BN + r)[:, None].to(tl.int64) * stride_wn + (k0 + c)[None, :]
+            acc += tl.load(ptrs).to(tl.float32)
+        tl.store(out + b * tl.num_programs(1) + s, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The projection's own launch shape: BN rows x BK columns a tile, warps, stages, splits of K."""
+
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    splits: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.bn}x{self.bk}x{self.warps}x{self.stages}x{self.splits}"
+
+
+def tile_sum(w: torch.Tensor, out: torch.Tensor, config: TileConfig, packed: bool, pdl: bool, n: int, k: int) -> None:
+    """Launch the projection-shaped read over w (an [n, k] weight, or its packed copy: the same elements)."""
+    if n % config.bn or k % (config.bk * config.splits):
+        raise ValueError(f"tiles {config.label} do not divide a {n}x{k} weight")
+    if out.numel() < n // config.bn * config.splits:
+        raise ValueError(f"out holds {out.numel()} sums, the launch has {n // config.bn * config.splits} programs")
+    _tile_sum[(n // config.bn, config.splits)](w, out, n, k, k, k // config.splits, BN=config.bn, BK=config.bk,
+                                               STAGES=config.stages, PACKED=packed, PDL=pdl,
+                                               num_warps=config.warps, **({"launch_pdl": True} if pdl else {}))
+
+
+def tile_configs(n: int, k: int) -> list[TileConfig]:
+    """The shipped tiles for an [n, k] weight at one row (resident ones as the streaming tiles of two rows), and
+    the same with one and twice the splits."""
+    from tpgraph.kernels.gemv import config_for
+
+    probe = torch.empty(2, k, dtype=torch.bfloat16, device="cuda")
+    cfg = config_for(probe[:1], n, k, 1)
+    if cfg.resident:
+        cfg = config_for(probe, n, k, 2)
+    shipped = TileConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k)
+    out = [shipped]
+    for splits in (1, 2 * shipped.splits):
+        c = TileConfig(shipped.bn, shipped.bk, shipped.warps, shipped.stages, splits)
+        if c not in out and k % (c.bk * c.splits) == 0:
+            out.append(c)
+    return out
+
+
 def programs_for(n: int, config: ReadConfig, sms: int) -> tuple[int, int]:
     """(programs, elements each) for n elements: about per_sm programs a SM, each a whole number of BLOCK steps."""
     steps = -(-n // config.block)
@@ -132,16 +209,27 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
     shape = SHAPES.get(name)
     flat = nbytes // 2
     ws = [torch.randn(*(shape or (flat,)), dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
-    out = torch.empty(max(programs_for(flat, c, sms)[0] for c in configs), dtype=torch.float32, device=device)
+    out = torch.empty(max(max(programs_for(flat, c, sms)[0] for c in configs), 1 << 16), dtype=torch.float32,
+                      device=device)
     graphs = {}
+    want = ws[0].float().sum().item()
     for mode, config in itertools.product(modes, configs):
         # check one launch's sums before timing it: every element read once
         stream_sum(ws[0].view(-1), out, config, sms, mode)
-        got, want = out[:programs_for(flat, config, sms)[0]].sum().item(), ws[0].float().sum().item()
+        got = out[:programs_for(flat, config, sms)[0]].sum().item()
         if abs(got - want) > 1e-3 * max(1.0, ws[0].float().abs().sum().item()):
             raise AssertionError(f"{name} {mode} {config.label}: sums {got} != {want}")
         graphs[f"read {mode} {config.label}"] = _graph(
             lambda i, mode=mode, config=config: stream_sum(ws[i].view(-1), out, config, sms, mode), copies)
+    if shape is not None and "pdl" in modes:
+        # the projection's own tiles, read without arithmetic: as stored (row-major) and packed per program
+        for config, packed in itertools.product(tile_configs(*shape), (False, True)):
+            tile_sum(ws[0], out, config, packed, True, *shape)
+            got = out[:shape[0] // config.bn * config.splits].sum().item()
+            if abs(got - want) > 1e-3 * max(1.0, ws[0].float().abs().sum().item()):
+                raise AssertionError(f"{name} tiles {config.label}: sums {got} != {want}")
+            graphs[f"tiles {'packed' if packed else 'rows'} {config.label}"] = _graph(
+                lambda i, config=config, packed=packed: tile_sum(ws[i], out, config, packed, True, *shape), copies)
     if shape is not None:
         from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
 
@@ -184,6 +272,21 @@ def table(rows: list[CeilingRow], modes: list[str], hbm: float) -> str:
             b = best.get((size, m))
             cells.append(f"{b.us:.2f}, {b.of_floor:.0%} ({b.candidate.split()[2]})" if b else "")
         lines.append(f"| {size} | {sel[0].nbytes:,} | {sel[0].floor_us:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tiles_table(rows: list[CeilingRow]) -> str:
+    """The projection-shaped reads (`_tile_sum`, PDL waiting) beside the shipped kernel: µs, floor ÷ time."""
+    lines = ["| size | tiles (BNxBKxwarpsxstagesxsplits) | row-major | packed | shipped small-M |",
+             "|---|---|---|---|---|"]
+    for size in dict.fromkeys(r.size for r in rows):
+        sel = {r.candidate: r for r in rows if r.size == size}
+        shipped = next((r for c, r in sel.items() if c.endswith("(shipped small-M)")), None)
+        for label in dict.fromkeys(c.split()[2] for c in sel if c.startswith("tiles ")):
+            cells = [sel.get(f"tiles {form} {label}") for form in ("rows", "packed")]
+            lines.append(f"| {size} | {label} | " + " | ".join(f"{r.us:.2f}, {r.of_floor:.0%}" if r else ""
+                                                               for r in cells)
+                         + (f" | {shipped.us:.2f}, {shipped.of_floor:.0%} |" if shipped else " | |"))
     return "\n".join(lines)
 
 
@@ -248,7 +351,8 @@ def main() -> None:
         rows += measure_size(size, nbytes, ["plain"] if big else modes, GRID, hbm, props.L2_cache_size,
                              props.multi_processor_count, args.runs, device)
         print(f"{size}: done", flush=True)
-    text = table(rows, modes, hbm)
+    text = (table(rows, modes, hbm) + "\n\nThe projections' own tiles read without arithmetic (PDL waiting):\n\n"
+            + tiles_table(rows))
     print(text)
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,

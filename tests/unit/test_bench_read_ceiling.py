@@ -77,3 +77,38 @@ def test_the_pdl_forms_wait_before_the_first_load_or_not_at_all(monkeypatch, wai
     if wait:
         assert ptx.index("griddepcontrol.wait") < first_load
     assert ".v4" in ptx  # 16-byte loads: a streaming read, not element by element
+
+
+@interpreted
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_tile_read_sums_each_programs_tiles(bench, packed, splits):
+    n, k = 32, 256
+    config = bench.TileConfig(16, 64, 4, 1, splits)
+    w = torch.randint(-8, 8, (n, k), dtype=torch.int32).to(torch.bfloat16)  # small integers: exact sums
+    out = torch.full((16,), float("nan"))
+    bench.tile_sum(w, out, config, packed, False, n, k)
+    per = k // splits
+    if packed:  # program (b, s)'s tiles are the next BN * per elements of the buffer
+        flat = w.view(-1).float()
+        want = torch.stack([flat[p * 16 * per:(p + 1) * 16 * per].sum() for p in range(2 * splits)])
+    else:
+        want = torch.stack([w[b * 16:(b + 1) * 16, s * per:(s + 1) * per].float().sum()
+                            for b in range(2) for s in range(splits)])
+    assert torch.equal(out[:2 * splits], want)
+    assert out[2 * splits:].isnan().all()
+
+
+def test_tiles_that_do_not_divide_the_weight_are_refused(bench):
+    with pytest.raises(ValueError, match="do not divide a 40x256 weight"):
+        bench.tile_sum(torch.zeros(40, 256), torch.zeros(8), bench.TileConfig(16, 64, 4, 1, 1), False, False, 40, 256)
+    with pytest.raises(ValueError, match="do not divide a 32x256 weight"):
+        bench.tile_sum(torch.zeros(32, 256), torch.zeros(8), bench.TileConfig(16, 64, 4, 1, 3), False, False, 32, 256)
+
+
+def test_the_tiles_table_sets_each_form_beside_the_shipped_kernel(bench):
+    row = bench.CeilingRow
+    rows = [row("qkv", 1000, "tiles rows 32x128x4x3x4", 8.0, 6.0),
+            row("qkv", 1000, "tiles packed 32x128x4x3x4", 7.5, 6.0),
+            row("qkv", 1000, "qkv (shipped small-M)", 9.0, 6.0)]
+    assert "| qkv | 32x128x4x3x4 | 8.00, 75% | 7.50, 80% | 9.00, 67% |" in bench.tiles_table(rows)
