@@ -87,13 +87,15 @@ if triton is not None:
 
 
     @triton.jit
-    def _tile_sum(w, out, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                  PACKED: tl.constexpr, PDL: tl.constexpr):
+    def _tile_sum(w, out, x, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                  PACKED: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr):
         """The small-M projection's reads without its arithmetic: program (column block b, split s) sums its
         [BN, BK] tiles over its K range, as _gemv_kernel walks them, into out[b * splits + s]. PACKED: the same tiles
         from a buffer where each program's tiles lie one after another (tile t of program (b, s) at
         ((b * splits + s) * steps + t) * BN * BK), so each step reads BN * BK contiguous elements, not BN rows of BK.
-        PDL: waits for the kernel before first (as every projection must: its input comes from there)."""
+        PDL: waits for the kernel before first (as every projection must: its input comes from there). DOT: the
+        projection's K loop without its epilogue: each step also loads a [16, BK] tile of x (one row, masked as
+        _gemv_kernel pads one row to 16) and adds x @ tile.T on the tensor cores; the sum of the products is stored."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -103,14 +105,25 @@ if triton is not None:
         c = tl.arange(0, BK)
         k_lo = s * k_per_split
         acc = tl.zeros([BN, BK], dtype=tl.float32)
+        prod = tl.zeros([16, BN], dtype=tl.float32)
+        m = tl.arange(0, 16)
         base = (b * tl.num_programs(1) + s).to(tl.int64) * BN * k_per_split
         for k0 in tl.range(k_lo, k_lo + k_per_split, BK, num_stages=STAGES):
             if PACKED:
                 ptrs = w + base + (k0 - k_lo) * BN + r[:, None] * BK + c[None, :]
             else:
                 ptrs = w + (b * BN + r)[:, None].to(tl.int64) * stride_wn + (k0 + c)[None, :]
-            acc += tl.load(ptrs).to(tl.float32)
-        tl.store(out + b * tl.num_programs(1) + s, tl.sum(tl.sum(acc, axis=1), axis=0))
+            tile = tl.load(ptrs)
+            if DOT:
+                xt = tl.load(x + m[:, None] * K + (k0 + c)[None, :], mask=(m < 1)[:, None], other=0.0)
+                prod += tl.dot(xt, tl.trans(tile), out_dtype=tl.float32)
+            else:
+                acc += tile.to(tl.float32)
+        if DOT:
+            total = tl.sum(tl.sum(prod, axis=1), axis=0)
+        else:
+            total = tl.sum(tl.sum(acc, axis=1), axis=0)
+        tl.store(out + b * tl.num_programs(1) + s, total)
 
 
 @dataclass(frozen=True)
@@ -128,15 +141,18 @@ class TileConfig:
         return f"{self.bn}x{self.bk}x{self.warps}x{self.stages}x{self.splits}"
 
 
-def tile_sum(w: torch.Tensor, out: torch.Tensor, config: TileConfig, packed: bool, pdl: bool, n: int, k: int) -> None:
-    """Launch the projection-shaped read over w (an [n, k] weight, or its packed copy: the same elements)."""
+def tile_sum(w: torch.Tensor, out: torch.Tensor, config: TileConfig, packed: bool, pdl: bool, n: int, k: int,
+             x: torch.Tensor | None = None) -> None:
+    """Launch the projection-shaped read over w (an [n, k] weight, or its packed copy: the same elements); with x
+    (one row of k), its K loop with the dot (DOT)."""
     if n % config.bn or k % (config.bk * config.splits):
         raise ValueError(f"tiles {config.label} do not divide a {n}x{k} weight")
     if out.numel() < n // config.bn * config.splits:
         raise ValueError(f"out holds {out.numel()} sums, the launch has {n // config.bn * config.splits} programs")
-    _tile_sum[(n // config.bn, config.splits)](w, out, n, k, k, k // config.splits, BN=config.bn, BK=config.bk,
-                                               STAGES=config.stages, PACKED=packed, PDL=pdl,
-                                               num_warps=config.warps, **({"launch_pdl": True} if pdl else {}))
+    _tile_sum[(n // config.bn, config.splits)](w, out, w if x is None else x, n, k, k, k // config.splits,
+                                               BN=config.bn, BK=config.bk, STAGES=config.stages, PACKED=packed,
+                                               PDL=pdl, DOT=x is not None, num_warps=config.warps,
+                                               **({"launch_pdl": True} if pdl else {}))
 
 
 def tile_configs(n: int, k: int) -> list[TileConfig]:
@@ -155,6 +171,35 @@ def tile_configs(n: int, k: int) -> list[TileConfig]:
         if c not in out and k % (c.bk * c.splits) == 0:
             out.append(c)
     return out
+
+
+def ablations(name: str, n: int, k: int) -> dict[str, dict]:
+    """The shipped small-M kernel with one piece of its work left out (gemv._launch's `ablate`): no L2 prefetch
+    before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; and
+    (o_proj, resident at one row) its streaming tiles instead."""
+    from tpgraph.kernels.gemv import config_for
+
+    cfg = config_for(torch.empty(1, k, dtype=torch.bfloat16, device="cuda"), n, k, 1)
+    out = {"gemv ablate: no L2 prefetch": {"PREFETCH_TILES": 0},
+           "gemv ablate: let in at exit": {"EARLY_TRIGGER": False}}
+    if cfg.split_k > 1:
+        out["gemv ablate: partials not added"] = {"LAST_REDUCES": False}
+        out["gemv ablate: neither prefetch nor adding"] = {"LAST_REDUCES": False, "PREFETCH_TILES": 0}
+    if cfg.resident:
+        out = {"gemv ablate: streaming tiles": {"RESIDENT": False}}
+    return out
+
+
+def ablated_gemv(x: torch.Tensor, w: torch.Tensor, name: str, ablate: dict) -> None:
+    """One launch of the shipped kernel's tiles with `ablate`'s constexprs (resident o_proj: the streaming tiles of
+    two rows, so that RESIDENT=False streams whole BLOCK_K steps)."""
+    from tpgraph.kernels import gemv
+
+    cfg = gemv.config_for(x, w.shape[0], x.shape[1], 1)
+    if cfg.resident:
+        cfg = gemv.config_for(torch.empty(2, x.shape[1], dtype=x.dtype, device=x.device), w.shape[0], x.shape[1], 2)
+        ablate = {}
+    gemv._launch(x, w, cfg, gate_up=name == "gate_up", ablate=ablate)
 
 
 def programs_for(n: int, config: ReadConfig, sms: int) -> tuple[int, int]:
@@ -238,6 +283,12 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
             graphs[f"{name}+silu (shipped small-M)"] = _graph(lambda i: gate_up_silu(x, ws[i]), copies)
         else:
             graphs[f"{name} (shipped small-M)"] = _graph(lambda i: linear_small_m(x, ws[i]), copies)
+        if "pdl" in modes:
+            config = tile_configs(*shape)[0]
+            graphs[f"tiles dot {config.label}"] = _graph(
+                lambda i: tile_sum(ws[i], out, config, False, True, *shape, x=x), copies)
+            for label, ablate in ablations(name, *shape).items():
+                graphs[label] = _graph(lambda i, ablate=ablate: ablated_gemv(x, ws[i], name, ablate), copies)
     per_op = graph_ops_us_interleaved(None, graphs, K_OPS, runs)
     graphs.clear()  # the graphs read these copies: both go once timed
     ws.clear()
@@ -266,7 +317,7 @@ def table(rows: list[CeilingRow], modes: list[str], hbm: float) -> str:
              "|---|---|---|---|" + "---|" * len(modes)]
     for size in sizes:
         sel = [r for r in rows if r.size == size]
-        shipped = next((r for r in sel if not r.candidate.startswith("read ")), None)
+        shipped = next((r for r in sel if r.candidate.endswith("(shipped small-M)")), None)
         cells = [f"{shipped.us:.2f}, {shipped.of_floor:.0%}" if shipped else ""]
         for m in modes:
             b = best.get((size, m))
@@ -290,6 +341,17 @@ def tiles_table(rows: list[CeilingRow]) -> str:
     return "\n".join(lines)
 
 
+def steps_table(rows: list[CeilingRow]) -> str:
+    """From the read to the shipped kernel, a step at a time: the shipped tiles read, with the dot, the shipped
+    kernel, and the shipped kernel with one piece left out (µs, floor ÷ time)."""
+    lines = ["| size | candidate | µs | floor ÷ time |", "|---|---|---|---|"]
+    for size in dict.fromkeys(r.size for r in rows):
+        sel = [r for r in rows if r.size == size and (r.candidate.startswith(("tiles rows", "tiles dot", "gemv "))
+                                                      or r.candidate.endswith("(shipped small-M)"))]
+        lines += [f"| {size} | {r.candidate} | {r.us:.2f} | {r.of_floor:.0%} |" for r in sel]
+    return "\n".join(lines)
+
+
 def plot(rows: list[CeilingRow], modes: list[str], path: Path) -> None:
     import matplotlib
 
@@ -305,7 +367,7 @@ def plot(rows: list[CeilingRow], modes: list[str], path: Path) -> None:
         vals = []
         for s in sizes:
             if j == 0:
-                r = next((r for r in rows if r.size == s and not r.candidate.startswith("read ")), None)
+                r = next((r for r in rows if r.size == s and r.candidate.endswith("(shipped small-M)")), None)
             else:
                 r = best.get((s, modes[j - 1]))
             vals.append(r.of_floor if r else 0.0)
@@ -352,7 +414,7 @@ def main() -> None:
                              props.multi_processor_count, args.runs, device)
         print(f"{size}: done", flush=True)
     text = (table(rows, modes, hbm) + "\n\nThe projections' own tiles read without arithmetic (PDL waiting):\n\n"
-            + tiles_table(rows))
+            + tiles_table(rows) + "\n\nFrom the read to the shipped kernel:\n\n" + steps_table(rows))
     print(text)
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,

@@ -112,3 +112,31 @@ def test_the_tiles_table_sets_each_form_beside_the_shipped_kernel(bench):
             row("qkv", 1000, "tiles packed 32x128x4x3x4", 7.5, 6.0),
             row("qkv", 1000, "qkv (shipped small-M)", 9.0, 6.0)]
     assert "| qkv | 32x128x4x3x4 | 8.00, 75% | 7.50, 80% | 9.00, 67% |" in bench.tiles_table(rows)
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_dot_form_sums_the_products_of_the_one_row(bench, splits):
+    n, k = 32, 256
+    config = bench.TileConfig(16, 64, 4, 1, splits)
+    # fp32 (the interpreter has no bf16 dot); small integers: exact products and sums
+    w = torch.randint(-8, 8, (n, k), dtype=torch.int32).float()
+    x = torch.randint(-4, 4, (1, k), dtype=torch.int32).float()
+    out = torch.full((16,), float("nan"))
+    bench.tile_sum(w, out, config, False, False, n, k, x=x)
+    per = k // splits
+    want = torch.stack([(w[b * 16:(b + 1) * 16, s * per:(s + 1) * per].float()
+                         @ x[0, s * per:(s + 1) * per].float()).sum() for b in range(2) for s in range(splits)])
+    assert torch.equal(out[:2 * splits], want)
+
+
+def test_the_steps_table_lists_the_path_from_the_read_to_the_kernel(bench):
+    row = bench.CeilingRow
+    rows = [row("qkv", 1000, "read pdl 4x4096x4x3", 7.0, 6.0), row("qkv", 1000, "tiles rows 32x128x4x3x4", 7.3, 6.0),
+            row("qkv", 1000, "tiles dot 32x128x4x3x4", 7.5, 6.0), row("qkv", 1000, "qkv (shipped small-M)", 9.6, 6.0),
+            row("qkv", 1000, "gemv ablate: partials not added", 8.0, 6.0)]
+    text = bench.steps_table(rows)
+    assert "read pdl" not in text
+    assert "| qkv | tiles dot 32x128x4x3x4 | 7.50 | 80% |" in text
+    assert "| qkv | gemv ablate: partials not added | 8.00 | 75% |" in text
+    assert text.index("tiles rows") < text.index("tiles dot") < text.index("shipped") < text.index("ablate")

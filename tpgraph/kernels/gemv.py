@@ -662,9 +662,12 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
-            all_reduce: tuple | None = None, residual_early: bool = False) -> torch.Tensor:
+            all_reduce: tuple | None = None, residual_early: bool = False,
+            ablate: dict | None = None) -> torch.Tensor:
     """recv: x is recv's staged input (scaled by its RMS). all_reduce (channel, residual, ReducedNorm to fill): the
-    output goes through lamport.all_reduce_tile instead of y (which is then left unwritten)."""
+    output goes through lamport.all_reduce_tile instead of y (which is then left unwritten). ablate: constexprs that
+    replace the launch's own, for bench/bench_read_ceiling.py's ablations only (e.g. PREFETCH_TILES=0, or
+    LAST_REDUCES=False, which leaves y unwritten): never for a result anyone reads."""
     m, k = x.shape
     n = w.shape[0]
     whole = resident(cfg, k, m)
@@ -679,11 +682,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     counters = split_counters(x.device, blocks) if last_reduces else y
     fused = {**_staged_args(x, recv), **_all_reduce_args(x, all_reduce)}  # (a pusher's squares are its output)
+    constexprs = dict(GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces, SPLITS=cfg.split_k,
+                      EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None, RESIDENT=whole,
+                      **fused, **tile)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
-        out.stride(0) if cfg.split_k > 1 else 0, GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces,
-        SPLITS=cfg.split_k, EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None,
-        RESIDENT=whole, **fused, **tile)
+        out.stride(0) if cfg.split_k > 1 else 0, **(constexprs | (ablate or {})))
     if cfg.split_k > 1 and not last_reduces:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, cfg.split_k, BLOCK=SUM_BLOCK, SOFT_BF16=soft, PDL=pdl, num_warps=4, **pdl_launch(pdl))
