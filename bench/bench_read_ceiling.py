@@ -175,9 +175,8 @@ def tile_configs(n: int, k: int) -> list[TileConfig]:
 
 def ablations(name: str, n: int, k: int) -> dict[str, dict]:
     """The shipped small-M kernel with one piece of its work left out (gemv._launch's `ablate`): no L2 prefetch
-    before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; the
-    row on the CUDA cores (FMA_ROW) instead of the tensor-core dot; and (o_proj, resident at one row) its streaming
-    tiles instead, with the dot and on the CUDA cores."""
+    before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; and
+    (o_proj, resident at one row) its streaming tiles instead."""
     from tpgraph.kernels.gemv import config_for
 
     cfg = config_for(torch.empty(1, k, dtype=torch.bfloat16, device="cuda"), n, k, 1)
@@ -186,22 +185,20 @@ def ablations(name: str, n: int, k: int) -> dict[str, dict]:
     if cfg.split_k > 1:
         out["gemv ablate: partials not added"] = {"LAST_REDUCES": False}
         out["gemv ablate: neither prefetch nor adding"] = {"LAST_REDUCES": False, "PREFETCH_TILES": 0}
-    if cfg.resident:  # streaming tiles of two rows instead (the second's stages: the same config_for at two rows)
-        stages = config_for(torch.empty(2, k, dtype=torch.bfloat16, device="cuda"), n, k, 2).num_stages
-        out = {"gemv ablate: streaming tiles": {}, "gemv ablate: streaming tiles, CUDA-core row": {"FMA_ROW": stages}}
-    else:
-        out["gemv ablate: CUDA-core row"] = {"FMA_ROW": cfg.num_stages}
+    if cfg.resident:
+        out = {"gemv ablate: streaming tiles": {"RESIDENT": False}}
     return out
 
 
 def ablated_gemv(x: torch.Tensor, w: torch.Tensor, name: str, ablate: dict) -> None:
     """One launch of the shipped kernel's tiles with `ablate`'s constexprs (resident o_proj: the streaming tiles of
-    two rows, run at one row)."""
+    two rows, so that RESIDENT=False streams whole BLOCK_K steps)."""
     from tpgraph.kernels import gemv
 
     cfg = gemv.config_for(x, w.shape[0], x.shape[1], 1)
     if cfg.resident:
         cfg = gemv.config_for(torch.empty(2, x.shape[1], dtype=x.dtype, device=x.device), w.shape[0], x.shape[1], 2)
+        ablate = {}
     gemv._launch(x, w, cfg, gate_up=name == "gate_up", ablate=ablate)
 
 
