@@ -425,8 +425,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:1], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, fma_row: int = 0,
-                  divisible: tuple[str, ...] = ()) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -437,7 +436,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, fma_
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "FMA_ROW": fma_row}, divisible=divisible)
+                     "ROPE_EARLY": rope_early})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -638,63 +637,3 @@ def test_a_fused_all_reduces_squares_must_match_the_row_tile(monkeypatch):
     with pytest.raises(ValueError, match="24 staged rows take a 32-row tile; .* written for 16"):
         gate_up_silu(reduced, torch.randn(32, hidden).to(torch.bfloat16), use_triton=True,
                      config=GemvConfig(16, 64, 4, 2))
-
-
-@interpreted
-@pytest.mark.parametrize(("n", "k"), [(64, 256), (37, 300), (257, 4100), (8200, 64)])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_one_row_on_the_cuda_cores_matches_matmul(monkeypatch, n, k, split_k):
-    """TPGRAPH_GEMV_FMA_ROW=1: one row through the CUDA-core K loop, at the loader's odd shapes, with and without
-    split-K: within fp32 rounding of the matmul; bf16 within its rounding; repeatable."""
-    monkeypatch.setenv("TPGRAPH_GEMV_FMA_ROW", "1")
-    g = torch.Generator().manual_seed(n + k + split_k)
-    x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
-    cfg = GemvConfig(32, 64, 4, 2, split_k)
-    torch.testing.assert_close(linear_small_m(x, w, use_triton=True, config=cfg), x @ w.T, rtol=1e-4, atol=1e-4)
-    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    y = linear_small_m(xb, wb, use_triton=True, config=cfg)
-    ref = xb.float() @ wb.float().T
-    assert ((y.float() - ref).abs() / ref.abs().clamp_min(1.0)).max() < 1e-2
-    assert torch.equal(y, linear_small_m(xb, wb, use_triton=True, config=cfg))
-
-
-def test_the_cuda_core_row_is_one_row_on_streaming_tiles_and_opt_in(monkeypatch):
-    from tpgraph.kernels.gemv import _tile_args
-
-    cfg = GemvConfig(32, 128, 4, 3)
-    for rows, setting, whole, want in [(1, "1", False, True), (1, "0", False, False), (1, "", False, False),
-                                       (2, "1", False, False), (1, "1", True, False)]:
-        monkeypatch.setenv("TPGRAPH_GEMV_FMA_ROW", setting)
-        assert _tile_args(torch.zeros(rows, 256), cfg, 64, 256, whole)["FMA_ROW"] == (3 if want else 0)
-    monkeypatch.setenv("TPGRAPH_GEMV_FMA_ROW", "yes")
-    with pytest.raises(Exception, match="TPGRAPH_GEMV_FMA_ROW must be 0 or 1"):
-        _tile_args(torch.zeros(1, 256), cfg, 64, 256)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_fused_kernels_keep_the_gemvs_bits_on_the_cuda_core_row(monkeypatch, dtype):
-    """qkv + rope and gate_up + SiLU·mul take the same K loop as the plain projection at one row, so they keep its
-    bits with the CUDA-core row too."""
-    from tpgraph.kernels.activation import silu_and_mul
-    from tpgraph.kernels.gemv import gate_up_silu
-
-    monkeypatch.setenv("TPGRAPH_GEMV_FMA_ROW", "1")
-    _check_qkv_rope_bits(1, dtype, GemvConfig(32, 32, 4, 2, 2), False, torch.Generator().manual_seed(3))
-    g = torch.Generator().manual_seed(5)
-    x = torch.randint(-4, 5, (1, 300), generator=g).to(dtype) / 4
-    w = torch.randint(-2, 3, (74, 300), generator=g).to(dtype) / 8
-    cfg = GemvConfig(16, 64, 4, 2)
-    fused = gate_up_silu(x, w, use_triton=True, config=cfg)
-    assert torch.equal(fused, silu_and_mul(linear_small_m(x, w, use_triton=True, config=cfg), use_triton=True))
-
-
-def test_the_cuda_core_row_compiles_for_sm90_without_tensor_cores():
-    """sm_90a, the qkv + rope kernel's one-row form: no mma or wgmma in it (the dot form has them), and the weight
-    tiles still go through the cp.async pipeline in 16-byte pieces (a loop without a dot is pipelined only where its
-    stages are named)."""
-    aligned = ("x_ptr", "w_ptr", "N", "K", "stride_xm", "stride_wn")  # as Triton specializes the model's shapes
-    ptx = _qkv_rope_ptx(4, fma_row=3, divisible=aligned)
-    assert "mma" not in ptx
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)  # pipelined, 16 B
-    assert "mma" in _qkv_rope_ptx(4, divisible=aligned)

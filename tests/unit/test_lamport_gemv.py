@@ -186,7 +186,7 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
 
 GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "EXACT": True,
               "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True,
-              "RES_EARLY": False, "RESIDENT": False, "FMA_ROW": 0}
+              "RES_EARLY": False, "RESIDENT": False}
 
 
 @pytest.mark.parametrize("block_m", [16, 32])

@@ -276,19 +276,14 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
-                 FMA_ROW: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
         pid * BLOCK_N / 2 + i, its odd columns the matching up rows inter + pid * BLOCK_N / 2 + i. RESIDENT: the whole
         K range is one tile, `w_resident`, already loaded (before the wait: see _gemv_kernel), and there is one row:
         fp32 products and a reduction over K (tl.sum), not a tensor-core dot, which over the whole K keeps every warp's
-        copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled).
-        FMA_ROW (one row, streaming tiles: `fma_row`; the pipeline's stages, 0 for the dot): no tensor-core dot and
-        no padding of the row to BLOCK_M. Each step multiplies the weight tile by the row's BLOCK_K slice in fp32 and
-        adds it into a [BLOCK_N, BLOCK_K] accumulator, one lane per (column, K offset within a step), and the lanes
-        are added over K once, after the loop: another fixed summation order, so other bits than the dot's."""
+        copy of the weight fragments in registers (sm_90a: 128 mma.sync a warp, 900+ bytes spilled)."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
@@ -296,16 +291,6 @@ if triton is not None:
         if RESIDENT:  # one row: fp32 products and a reduction over K
             xm = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             row = tl.sum(w_resident.to(tl.float32) * xm[None, :], axis=1)
-            acc = tl.where(offs_m[:, None] == 0, row[None, :], acc)
-        elif FMA_ROW:
-            lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=FMA_ROW):  # (a dot-less loop: stages named here)
-                k = k0 + offs_k
-                xr = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
-                lanes += w.to(tl.float32) * xr[None, :]
-            row = tl.sum(lanes, axis=1)
             acc = tl.where(offs_m[:, None] == 0, row[None, :], acc)
         else:
             k_lo, k_hi = _k_range(K, pid_k, BLOCK_K)
@@ -344,7 +329,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr, FMA_ROW: tl.constexpr):
+                     RESIDENT: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -391,7 +376,7 @@ if triton is not None:
             if not RES_EARLY:
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT, FMA_ROW)
+                       SOFT_BF16, IEEE, GATE_UP, PDL, EARLY_TRIGGER, RESIDENT)
         if STAGED:
             acc = acc * rstd_of(squares, mean_scale, eps)[:, None]
         if GATE_UP:
@@ -426,8 +411,7 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
-                         FMA_ROW: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -455,7 +439,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False, FMA_ROW)
+                       SOFT_BF16, IEEE, False, PDL, True, False)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
@@ -666,20 +650,12 @@ def resident(cfg: GemvConfig, k: int, m: int = 1) -> bool:
     return cfg.resident and cfg.block_k >= k and m == 1
 
 
-def fma_row() -> bool:
-    """TPGRAPH_GEMV_FMA_ROW=1: one row through streaming tiles takes the CUDA-core K loop (_partial's FMA_ROW), not
-    the tensor-core dot over a row padded to 16. Alone on one H200 (bench/bench_read_ceiling.py), the dot made the
-    projections' own tiles 0.7-0.9 µs slower than reading them."""
-    return env_flag("TPGRAPH_GEMV_FMA_ROW")
-
-
 def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = False) -> dict:
     """The launch arguments every projection kernel takes from its tiles, x's dtype and PDL (the L2 prefetch depth
     matters only to a PDL launch; none where `whole`, the weights resident)."""
     pdl = use_pdl(x)
     return dict(BLOCK_M=block_m(x.shape[0]), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SOFT_BF16=soft_bf16_rounding(x),
                 IEEE=x.dtype == torch.float32, PDL=pdl,
-                FMA_ROW=cfg.num_stages if x.shape[0] == 1 and not whole and fma_row() else 0,
                 PREFETCH_TILES=0 if whole else (prefetch_tiles(cfg, n, k, x.element_size()) if pdl else 1),
                 LINE=min(128 // x.element_size(), cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **pdl_launch(pdl))
