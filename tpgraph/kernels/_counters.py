@@ -22,13 +22,27 @@ import os
 
 import torch
 
+from tpgraph.kernels._settings import env_choice
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs without Triton never launch these kernels
     triton = None
 
-MAX_COUNTERS = 1 << 16
+COUNTER_WORDS = 1 << 16  # int32 words of the buffer (256 KB a device)
+
+
+def counter_stride() -> int:
+    """int32 words from one counter to the next: 1 packs 32 counters in a 128-byte L2 line, so the arrivals of a
+    kernel's column blocks (384 atomics on one line for the fused qkv + rope at one row) queue at one L2 slice's
+    atomic unit; 32 gives each counter its own line. TPGRAPH_COUNTER_STRIDE (1 or 32; read once, at import: the
+    kernels compile it in)."""
+    return env_choice("TPGRAPH_COUNTER_STRIDE", (1, 32), 1)
+
+
+STRIDE = counter_stride()
+MAX_COUNTERS = COUNTER_WORDS // STRIDE
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
 
 
@@ -47,11 +61,17 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     if device not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split counters are made on a device's first eager call; run one before capturing")
-        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
 if triton is not None:
+    COUNTER_STRIDE = tl.constexpr(STRIDE)
+
+    @triton.jit
+    def counter_at(counters_ptr, i):
+        """Counter i of the buffer."""
+        return counters_ptr + i * COUNTER_STRIDE
 
     @triton.jit
     def arrived_last(counter_ptr, arrivals):

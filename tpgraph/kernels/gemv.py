@@ -50,7 +50,7 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._counters import arrived_last, reset_counter
+    from tpgraph.kernels._counters import arrived_last, counter_at, reset_counter
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
@@ -391,7 +391,7 @@ if triton is not None:
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES:
-                if arrived_last(counter_ptr + pid, SPLITS):  # the last split: every partial is in memory
+                if arrived_last(counter_at(counter_ptr, pid), SPLITS):  # the last split: every partial is in memory
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
@@ -401,7 +401,7 @@ if triton is not None:
                                         n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
                     else:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
-                    reset_counter(counter_ptr + pid)
+                    reset_counter(counter_at(counter_ptr, pid))
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
@@ -444,11 +444,11 @@ if triton is not None:
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
         head = pid // (HEAD_DIM // BLOCK_N)
-        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
+        if arrived_last(counter_at(counter_ptr, head), (HEAD_DIM // BLOCK_N) * SPLITS):
             _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
                        stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
                        HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
-            reset_counter(counter_ptr + head)
+            reset_counter(counter_at(counter_ptr, head))
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
