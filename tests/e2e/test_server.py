@@ -225,6 +225,9 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p must be in"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -5}, 400, "top_k must be >= 0"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 200}, 400, "max_model_len is 128"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 500}, 400, "lower max_tokens to at most"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 500}, 400, "lower max_tokens to at most"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs must be between 0 and 20"),
@@ -301,7 +304,8 @@ def test_sigterm_stops_every_rank_within_10_s():
         assert len(ranks) == 2
         ranks += [p for r in ranks for p in children(r)]  # rank 0's HTTP front end (and its resource tracker)
         assert len(ranks) >= 3
-        body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+        # (max_tokens null: up to max_model_len, the longest stream this server takes)
+        body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": None, "stream": True, "ignore_eos": True,
                            "temperature": 0}).encode()
         req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
         stream = urllib.request.urlopen(req, timeout=60)

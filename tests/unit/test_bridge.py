@@ -85,3 +85,7 @@ def test_limits_refuse_what_the_engine_would():
         with pytest.raises(RequestError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             LIMITS.check(prompt, SamplingParams())
     LIMITS.check([1, 2, 3], SamplingParams())
+    LIMITS.check([1, 2, 3], SamplingParams(max_tokens=61))  # exactly fills max_model_len
+    with pytest.raises(RequestError, match="asks for 65: 3 in the prompt and 62 to generate; lower max_tokens to at "
+                                           "most 61 or leave it out"):
+        LIMITS.check([1, 2, 3], SamplingParams(max_tokens=62))
