@@ -88,4 +88,4 @@ def gemv_signature(dtype: str, out: str, counter: str = "i32") -> dict[str, str]
 
 # the constexprs of a gemv kernel without a fused all-reduce on either side
 NO_ALL_REDUCE = {"ALL_REDUCE": False, "STAGED": False, "WS": 1, "RANK": 0, "PIECES": 1, "EARLY_TRIGGER": True,
-                 "RES_EARLY": False, "RESIDENT": False}
+                 "RES_EARLY": False, "RESIDENT": False, "POLLED": False}

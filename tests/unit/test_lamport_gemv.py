@@ -113,6 +113,19 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2])
+def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size):
+    """As above with TPGRAPH_POLLED_PARTIALS=1: the split-K boundaries reduce by polling the sentinel buffer (the
+    same bits as the count), and every partial slot is back at the sentinel after each."""
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
+
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=11 + world_size), device, [3, 1, 5, 2],
+                     ["gate_up", "qkv", "norm", "qkv"])
+    assert (partials_buffer(torch.device(device), 1).view(torch.int32) == PARTIAL_SENTINEL).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_the_fused_all_reduce_takes_17_to_32_rows_with_the_wide_setting(monkeypatch, device, world_size):
     """TPGRAPH_GEMV_MAX_M=32: 24, 32 and 17 rows through the epilogue in 32-row tiles (squares [tiles, 32]), each
     consumer once, as above; a row over 32 is declined."""
@@ -186,7 +199,7 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
 
 GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "EXACT": True,
               "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True,
-              "RES_EARLY": False, "RESIDENT": False}
+              "RES_EARLY": False, "RESIDENT": False, "POLLED": False}
 
 
 @pytest.mark.parametrize("block_m", [16, 32])

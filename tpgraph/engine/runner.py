@@ -29,7 +29,7 @@ from tpgraph.graphs.ladder import capture_sizes
 from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
-from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
@@ -219,6 +219,8 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks - 1, first_block=NULL_BLOCK + 1)
         if self.device.type == "cuda" and last_split_reduces():  # made now, never first under a graph capture
             split_counters(self.device, 1)
+            if polled_partials():
+                partials_buffer(self.device, 1)
 
     def _size_kv_cache(self) -> int:
         """Blocks for the cache: given, or (CUDA) what free memory holds after weights, workspace, activations and an

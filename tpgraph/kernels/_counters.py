@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from tpgraph.kernels._settings import env_choice
+from tpgraph.kernels._settings import env_choice, env_flag
 
 try:
     import triton
@@ -65,8 +65,59 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     return _COUNTERS[device]
 
 
+# Polled partials (`polled_partials`): a split-K kernel's partials go into one sentinel-filled fp32 buffer per device,
+# and a fixed program of each reduction (the last split, dispatched after its partners) polls them until none holds the
+# sentinel, instead of the last-arriving program learning it from an acq_rel count: after the K loop that saves the
+# wait for the partial's store and the count's round trip (bench/results/2026-12-02_h200_read_ceiling: the count and
+# the reduction cost qkv 1.0 and down 1.6 µs alone). The reducer sets the slots back to the sentinel.
+PARTIAL_SENTINEL = 0x7FBADBAD  # a NaN whose payload GPU arithmetic never makes (its NaNs are 0x7FFFFFFF)
+PARTIAL_WORDS = 1 << 21  # fp32 words (8 MB a device); a launch needing more keeps the count
+POLL_LIMIT = 1 << 24  # polls before a reducer traps rather than hang the GPU (seconds; its partners never wait)
+_PARTIALS: dict[torch.device, torch.Tensor] = {}
+
+
+def polled_partials() -> bool:
+    """TPGRAPH_POLLED_PARTIALS=1: split-K projections reduce by polling sentinel slots (see above), where their
+    partials fit the buffer. Off until timed."""
+    return env_flag("TPGRAPH_POLLED_PARTIALS")
+
+
+def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
+    """This device's sentinel-filled fp32 partials buffer (at least numel words), or None where numel does not fit.
+    Made on the device's first call, which must not be under graph capture."""
+    if numel > PARTIAL_WORDS:
+        return None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _PARTIALS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the partials buffer is made on a device's first eager call; run one before capturing")
+        _PARTIALS[device] = torch.full((PARTIAL_WORDS,), PARTIAL_SENTINEL, dtype=torch.int32,
+                                       device=device).view(torch.float32)
+    return _PARTIALS[device]
+
+
 if triton is not None:
     COUNTER_STRIDE = tl.constexpr(STRIDE)
+    SENTINEL_BITS = tl.constexpr(PARTIAL_SENTINEL)
+    POLL_LIMIT_C = tl.constexpr(POLL_LIMIT)
+
+    @triton.jit
+    def unfilled(v, ok):
+        """How many of the tile's elements (where ok) still hold the sentinel."""
+        return tl.sum(tl.sum(tl.where(ok & (v.to(tl.int32, bitcast=True) == SENTINEL_BITS), 1, 0), axis=1), axis=0)
+
+    @triton.jit
+    def sentinel_like(v):
+        """The sentinel in v's shape, as fp32."""
+        return tl.full(v.shape, SENTINEL_BITS, tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def poll_exhausted(missing, tries):
+        """Trap (the CUDA context ends with an error) once a reducer has polled POLL_LIMIT times and a partner's
+        partial is still missing: its partners never wait, so that is a bug, and a hang would be worse."""
+        if (missing > 0) & (tries >= POLL_LIMIT_C):
+            tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [tries], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def counter_at(counters_ptr, i):

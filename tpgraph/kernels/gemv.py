@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
-from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
@@ -50,7 +50,15 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._counters import arrived_last, counter_at, reset_counter
+    from tpgraph.kernels._counters import (
+        POLL_LIMIT_C,
+        arrived_last,
+        counter_at,
+        poll_exhausted,
+        reset_counter,
+        sentinel_like,
+        unfilled,
+    )
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
@@ -329,7 +337,7 @@ if triton is not None:
                      PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LAST_REDUCES: tl.constexpr,
                      SPLITS: tl.constexpr, ALL_REDUCE: tl.constexpr, STAGED: tl.constexpr, WS: tl.constexpr,
                      RANK: tl.constexpr, PIECES: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RES_EARLY: tl.constexpr,
-                     RESIDENT: tl.constexpr):
+                     RESIDENT: tl.constexpr, POLLED: tl.constexpr):
         """Grid (column blocks, splits). One split: out is y, rounded to its dtype. More: out is the fp32
         workspace and split s writes its partial sum at out + s * stride_os. GATE_UP (one split): w is cat(gate, up)
         [2 * inter, K] and y [M, inter] gets silu(gate) * up, from the fp32 sums rounded as the projection would
@@ -353,7 +361,11 @@ if triton is not None:
         weight loads back by one memory round trip.
         RESIDENT (one split whose one tile spans K: `resident`): the program's whole weight slice is loaded into
         registers before the wait, not prefetched into L2, so it streams while the kernel before still runs (decode
-        attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded."""
+        attention before o_proj: a latency-bound kernel that leaves HBM idle), and after the wait only x is loaded.
+        POLLED (with LAST_REDUCES; `polled_partials`): out is the device's sentinel-filled partials buffer, and the
+        last split of each column block reduces: it polls the other splits' partials until none holds the sentinel,
+        adds them in split order and its own last (the same bits), and sets their slots back to the sentinel. No
+        count, and the reducer's own partial is never stored."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -388,9 +400,27 @@ if triton is not None:
             if ALL_REDUCE and SPLITS == 1:
                 all_reduce_tile(y, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok, N,
                                 slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+            elif POLLED:
+                if pid_k < SPLITS - 1:
+                    tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
+                else:  # the reducer: dispatched after its partners (a higher program id), which never wait
+                    total, missing = _polled_splits(out_ptr, stride_os, tile, tile_ok, SPLITS)
+                    tries = 0
+                    while (missing > 0) & (tries < POLL_LIMIT_C):
+                        total, missing = _polled_splits(out_ptr, stride_os, tile, tile_ok, SPLITS)
+                        tries += 1
+                    poll_exhausted(missing, tries)
+                    for s in tl.static_range(SPLITS - 1):  # the slots back to the sentinel, for the next call
+                        tl.store(out_ptr + s * stride_os + tile, sentinel_like(total), mask=tile_ok)
+                    total = to_dtype(total + y, y_ptr.dtype.element_ty, SOFT_BF16)  # its own partial last
+                    if ALL_REDUCE:
+                        all_reduce_tile(total, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok,
+                                        n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+                    else:
+                        tl.store(y_ptr + tile, total, mask=tile_ok)
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
-            if LAST_REDUCES:
+            if LAST_REDUCES and not POLLED:
                 if arrived_last(counter_at(counter_ptr, pid), SPLITS):  # the last split: every partial is in memory
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
@@ -404,6 +434,18 @@ if triton is not None:
                     reset_counter(counter_at(counter_ptr, pid))
 
     @triton.jit
+    def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
+        """The fp32 sum, in split order, of the partials of splits 0 .. SPLITS - 2 at `tile` (all loads in flight
+        together, past L1), and how many of their elements still hold the sentinel."""
+        total = tl.load(ptr + tile, mask=ok, other=0.0, volatile=True)
+        missing = unfilled(total, ok)
+        for s in tl.static_range(1, SPLITS - 1):
+            v = tl.load(ptr + s * stride_s + tile, mask=ok, other=0.0, volatile=True)
+            missing += unfilled(v, ok)
+            total += v
+        return total, missing
+
+    @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
                          v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
                          stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps, mean_scale,
@@ -411,7 +453,8 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
+                         POLLED: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -422,7 +465,9 @@ if triton is not None:
         is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
         the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
-        loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS)."""
+        loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS).
+        POLLED (`polled_partials`): ws is the device's sentinel-filled partials buffer, and each head's last program
+        (its last column block at the last split) polls the head's partials instead of being found by a count."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -444,11 +489,18 @@ if triton is not None:
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
         head = pid // (HEAD_DIM // BLOCK_N)
-        if arrived_last(counter_at(counter_ptr, head), (HEAD_DIM // BLOCK_N) * SPLITS):
-            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
-                       stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
-            reset_counter(counter_at(counter_ptr, head))
+        if POLLED:  # the head's last column block at the last split reduces: its partners come first (lower ids)
+            if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
+                tl.debug_barrier()  # its own partial's stores, seen by all of its threads
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+                           stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True)
+        else:
+            if arrived_last(counter_at(counter_ptr, head), (HEAD_DIM // BLOCK_N) * SPLITS):
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+                           stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False)
+                reset_counter(counter_at(counter_ptr, head))
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
@@ -464,15 +516,38 @@ if triton is not None:
         return c, sn, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
 
     @triton.jit
+    def _head_halves(ws_ptr, at, rows_ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr):
+        """A head's two halves summed over the splits in split order, and (POLLED) how many elements still hold the
+        sentinel (past L1: volatile; else 0, through L2 after the count)."""
+        if POLLED:
+            t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, volatile=True)
+            t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, volatile=True)
+            missing = unfilled(t1, rows_ok) + unfilled(t2, rows_ok)
+            for s in tl.static_range(1, SPLITS):
+                v1 = tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, volatile=True)
+                v2 = tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, volatile=True)
+                missing += unfilled(v1, rows_ok) + unfilled(v2, rows_ok)
+                t1 += v1
+                t2 += v2
+        else:
+            missing = 0
+            t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        return t1, t2, missing
+
+    @triton.jit
     def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os, stride_ch,
                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
-        they are in flight together), then q/k rotated with the rows' cos/sin (c, sn; every op rounded as
-        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
-        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
-        GEMV's bits."""
+        they are in flight together; POLLED: until none holds the sentinel, and then the slots are set back), then
+        q/k rotated with the rows' cos/sin (c, sn; every op rounded as _rope_store_kernel rounds it: rotate_pair) or v
+        copied, to where rope_store would write them (cache_row: the rows' cache offsets). EXACT_MUL: the kernel
+        keeps FMA contraction on for its projection, which must give the GEMV's bits."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -480,11 +555,16 @@ if triton is not None:
         offs_h = tl.arange(0, half)
         rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
         at = offs_m[:, None] * N + head * HEAD_DIM + offs_h[None, :]
-        t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLITS):
-            t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        t1, t2, missing = _head_halves(ws_ptr, at, rows_ok, stride_os, half, SPLITS, POLLED)
+        if POLLED:  # until every partial of the head is in, then the slots back to the sentinel
+            tries = 0
+            while (missing > 0) & (tries < POLL_LIMIT_C):
+                t1, t2, missing = _head_halves(ws_ptr, at, rows_ok, stride_os, half, SPLITS, POLLED)
+                tries += 1
+            poll_exhausted(missing, tries)
+            for s in tl.static_range(SPLITS):
+                tl.store(ws_ptr + s * stride_os + at, sentinel_like(t1), mask=rows_ok)
+                tl.store(ws_ptr + s * stride_os + at + half, sentinel_like(t2), mask=rows_ok)
         if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
@@ -676,15 +756,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     early = all_reduce is None or not late_trigger()
     # (an all-reducing projection stores no y: x stands in for it, for its dtype)
     y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
-    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
-    out = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
-    counters = split_counters(x.device, blocks) if last_reduces else y
+    # (an ablation may leave partials unadded: never in the sentinel buffer, whose reducers expect them taken)
+    partials = partials_buffer(x.device, cfg.split_k * m * n) if last_reduces and polled_partials() and not ablate \
+        else None
+    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
+    out = y if cfg.split_k == 1 else (partials[:cfg.split_k * m * n].view(cfg.split_k, m, n) if partials is not None
+                                      else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device))
+    counters = split_counters(x.device, blocks) if last_reduces and partials is None else y
     fused = {**_staged_args(x, recv), **_all_reduce_args(x, all_reduce)}  # (a pusher's squares are its output)
     constexprs = dict(GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces, SPLITS=cfg.split_k,
                       EARLY_TRIGGER=early, RES_EARLY=residual_early and all_reduce is not None, RESIDENT=whole,
-                      **fused, **tile)
+                      POLLED=partials is not None, **fused, **tile)
     _gemv_kernel[(blocks, cfg.split_k)](
         x, w, out, y, counters, m, n, k, x.stride(0), w.stride(0), out.stride(-2),
         out.stride(0) if cfg.split_k > 1 else 0, **(constexprs | (ablate or {})))
@@ -727,12 +811,14 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    partials = partials_buffer(x.device, config.split_k * m * n) if polled_partials() else None
+    ws = (partials[:config.split_k * m * n].view(config.split_k, m, n) if partials is not None
+          else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device))
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early,
+        ROPE_EARLY=inputs_early, POLLED=partials is not None,
         **_staged_args(x, recv), **tile)
     return q
