@@ -61,7 +61,7 @@ def count_overlapped(e: TPEngine, monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("params", [MIXED, NO_PENALTIES], ids=["penalties", "no-penalties"])
-@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 17}, {"max_model_len": 48, "max_num_batched_tokens": 48},
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 17}, {"max_num_batched_tokens": 32},
                                 {"max_num_seqs": 1}], ids=["plain", "preemption", "chunked", "one-at-a-time"])
 def test_overlap_changes_no_output(kw, params, monkeypatch):
     with engine(overlap_scheduling=False, **kw) as e:
