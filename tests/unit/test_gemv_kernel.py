@@ -687,7 +687,7 @@ def test_polled_partials_are_off_by_default_refused_when_malformed_and_bounded(m
     monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
     assert not polled_partials()
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "on")
-    with pytest.raises(Exception, match="TPGRAPH_POLLED_PARTIALS must be 0 or 1"):
+    with pytest.raises(Exception, match="TPGRAPH_POLLED_PARTIALS must be one of 0, 1, 2"):
         polled_partials()
     assert partials_buffer(torch.device("cpu"), PARTIAL_WORDS + 1) is None  # too many: the launch keeps the count
 

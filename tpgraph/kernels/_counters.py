@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from tpgraph.kernels._settings import env_choice, env_flag
+from tpgraph.kernels._settings import env_choice
 
 try:
     import triton
@@ -30,19 +30,7 @@ try:
 except ImportError:  # CPU-only installs without Triton never launch these kernels
     triton = None
 
-COUNTER_WORDS = 1 << 16  # int32 words of the buffer (256 KB a device)
-
-
-def counter_stride() -> int:
-    """int32 words from one counter to the next: 1 packs 32 counters in a 128-byte L2 line, so the arrivals of a
-    kernel's column blocks (384 atomics on one line for the fused qkv + rope at one row) queue at one L2 slice's
-    atomic unit; 32 gives each counter its own line. TPGRAPH_COUNTER_STRIDE (1 or 32; read once, at import: the
-    kernels compile it in)."""
-    return env_choice("TPGRAPH_COUNTER_STRIDE", (1, 32), 1)
-
-
-STRIDE = counter_stride()
-MAX_COUNTERS = COUNTER_WORDS // STRIDE
+MAX_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a library's workspace
 
 
@@ -61,7 +49,7 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     if device not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split counters are made on a device's first eager call; run one before capturing")
-        _COUNTERS[device] = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
@@ -76,10 +64,11 @@ POLL_LIMIT = 1 << 24  # polls before a reducer traps rather than hang the GPU (s
 _PARTIALS: dict[torch.device, torch.Tensor] = {}
 
 
-def polled_partials() -> bool:
-    """TPGRAPH_POLLED_PARTIALS=1: split-K projections reduce by polling sentinel slots (see above), where their
-    partials fit the buffer. Off until timed."""
-    return env_flag("TPGRAPH_POLLED_PARTIALS")
+def polled_partials() -> int:
+    """TPGRAPH_POLLED_PARTIALS: 1, split-K projections reduce by polling sentinel slots (see above), where their
+    partials fit the buffer; 2, only the plain projection kernel does (not qkv + rope, whose reducer waits for a
+    whole head); 0 (the default until timed), none."""
+    return env_choice("TPGRAPH_POLLED_PARTIALS", (0, 1, 2), 0)
 
 
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
@@ -98,7 +87,6 @@ def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
 
 
 if triton is not None:
-    COUNTER_STRIDE = tl.constexpr(STRIDE)
     SENTINEL_BITS = tl.constexpr(PARTIAL_SENTINEL)
     POLL_LIMIT_C = tl.constexpr(POLL_LIMIT)
 
@@ -118,11 +106,6 @@ if triton is not None:
         partial is still missing: its partners never wait, so that is a bug, and a hang would be worse."""
         if (missing > 0) & (tries >= POLL_LIMIT_C):
             tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [tries], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def counter_at(counters_ptr, i):
-        """Counter i of the buffer."""
-        return counters_ptr + i * COUNTER_STRIDE
 
     @triton.jit
     def arrived_last(counter_ptr, arrivals):

@@ -19,7 +19,7 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._counters import arrived_last, counter_at, reset_counter
+    from tpgraph.kernels._counters import arrived_last, reset_counter
 except ImportError:  # CPU-only installs without Triton use engine/argmax.py's torch path
     triton = None
 
@@ -79,7 +79,7 @@ if triton is not None:
         tl.store(part_best_ptr + at, best)
         tl.store(part_idx_ptr + at, idx)
         tl.store(part_nan_ptr + at, has_nan)
-        if arrived_last(counter_at(counter_ptr, row), chunks):
+        if arrived_last(counter_ptr + row, chunks):
             cs = tl.arange(0, CHUNKS_P2)
             ok = cs < chunks
             bests = tl.load(part_best_ptr + row * chunks + cs, mask=ok, other=float("-inf"), cache_modifier=".cg")
@@ -90,7 +90,7 @@ if triton is not None:
             first_top = tl.min(tl.where(ok & (bests == top), idxs, V), axis=0)
             winner = tl.where(tl.max(nans, axis=0) > 0, first_nan, first_top)
             tl.store(ids_ptr + row, winner.to(tl.int64))
-            reset_counter(counter_at(counter_ptr, row))
+            reset_counter(counter_ptr + row)
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

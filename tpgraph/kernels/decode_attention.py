@@ -49,7 +49,7 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._counters import arrived_last, counter_at, reset_counter
+    from tpgraph.kernels._counters import arrived_last, reset_counter
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import to_dtype
 except ImportError:  # CPU-only installs without Triton use paged_decode_reference
@@ -436,7 +436,7 @@ if triton is not None:
                 tl.store(part_l_ptr + part, l_i, mask=g_ok)
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
                 if LAST_COMBINES:
-                    counter = counter_at(counter_ptr, b * tl.num_programs(1) + kv_h)
+                    counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
                         _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
                                        stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2, HEAD_DIM, DIM_PAD,

@@ -53,7 +53,6 @@ try:
     from tpgraph.kernels._counters import (
         POLL_LIMIT_C,
         arrived_last,
-        counter_at,
         poll_exhausted,
         reset_counter,
         sentinel_like,
@@ -421,7 +420,7 @@ if triton is not None:
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES and not POLLED:
-                if arrived_last(counter_at(counter_ptr, pid), SPLITS):  # the last split: every partial is in memory
+                if arrived_last(counter_ptr + pid, SPLITS):  # the last split: every partial is in memory
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
@@ -431,7 +430,7 @@ if triton is not None:
                                         n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
                     else:
                         tl.store(y_ptr + tile, total, mask=tile_ok)
-                    reset_counter(counter_at(counter_ptr, pid))
+                    reset_counter(counter_ptr + pid)
 
     @triton.jit
     def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
@@ -496,11 +495,11 @@ if triton is not None:
                            stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
                            NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True)
         else:
-            if arrived_last(counter_at(counter_ptr, head), (HEAD_DIM // BLOCK_N) * SPLITS):
+            if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
                 _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
                            stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
                            NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False)
-                reset_counter(counter_at(counter_ptr, head))
+                reset_counter(counter_ptr + head)
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
@@ -811,7 +810,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    partials = partials_buffer(x.device, config.split_k * m * n) if polled_partials() else None
+    partials = partials_buffer(x.device, config.split_k * m * n) if polled_partials() == 1 else None
     ws = (partials[:config.split_k * m * n].view(config.split_k, m, n) if partials is not None
           else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device))
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
