@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from tpgraph.kernels._settings import env_choice
+from tpgraph.kernels._settings import env_flag
 
 try:
     import triton
@@ -64,11 +64,12 @@ POLL_LIMIT = 1 << 24  # polls before a reducer traps rather than hang the GPU (s
 _PARTIALS: dict[torch.device, torch.Tensor] = {}
 
 
-def polled_partials() -> int:
-    """TPGRAPH_POLLED_PARTIALS: 1, split-K projections reduce by polling sentinel slots (see above), where their
-    partials fit the buffer; 2, only the plain projection kernel does (not qkv + rope, whose reducer waits for a
-    whole head); 0 (the default until timed), none."""
-    return env_choice("TPGRAPH_POLLED_PARTIALS", (0, 1, 2), 0)
+def polled_partials() -> bool:
+    """TPGRAPH_POLLED_PARTIALS=1: the split-K projections of gemv._gemv_kernel reduce by polling sentinel slots (see
+    above), where their partials fit the buffer. Opt-in: whole TP=1 steps on one H200
+    (bench/results/2026-12-02_h200_read_ceiling, run6) took 2.392 against 2.380 ms at batch 1, 2.596 against 2.648
+    at batch 8 and 2.976 against 2.980 at batch 32; batches 2-7 and 9-31, HF parity and TP=2 are untimed."""
+    return env_flag("TPGRAPH_POLLED_PARTIALS")
 
 
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
