@@ -176,7 +176,9 @@ def tile_configs(n: int, k: int) -> list[TileConfig]:
 def ablations(name: str, n: int, k: int) -> dict[str, dict]:
     """The shipped small-M kernel with one piece of its work left out (gemv._launch's `ablate`): no L2 prefetch
     before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; and
-    (o_proj, resident at one row) its streaming tiles instead."""
+    (o_proj, resident at one row) its streaming tiles instead. An ablated launch always reduces by the count (it never
+    takes the polled partials' buffer), so under TPGRAPH_POLLED_PARTIALS=1 compare it with a run without that setting,
+    not with that run's shipped row."""
     from tpgraph.kernels.gemv import config_for
 
     cfg = config_for(torch.empty(1, k, dtype=torch.bfloat16, device="cuda"), n, k, 1)

@@ -663,11 +663,56 @@ def test_polled_partials_give_the_counted_bits_and_rearm_their_slots(monkeypatch
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     counted = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    used = _spy_partials(monkeypatch)
     for _ in range(2):
         polled = linear_small_m(x, w, use_triton=True, config=cfg)
         assert torch.equal(polled, counted) and torch.equal(polled, two_kernels)
         assert _all_sentinel(x.device)
         assert not split_counters(x.device, 3).any()
+    assert used == [split_k * m * 37] * 2  # both calls polled (the bits alone would not show it)
+
+
+def _spy_partials(monkeypatch) -> list[int]:
+    """The sizes of the partials buffers the projections took (polled launches), as they take them."""
+    from tpgraph.kernels import gemv
+
+    used, real = [], gemv.partials_buffer
+
+    def spy(device, numel):
+        buf = real(device, numel)
+        if buf is not None:
+            used.append(numel)
+        return buf
+
+    monkeypatch.setattr(gemv, "partials_buffer", spy)
+    return used
+
+
+@interpreted
+def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
+    """Polled calls one after another with other rows, columns, K and splits (fp16 too) each give the count's bits
+    and leave every slot at the sentinel for the next; a launch whose partials do not fit the buffer keeps the
+    count."""
+    from tpgraph.kernels import _counters
+
+    g = torch.Generator().manual_seed(2)
+    cases = [(1, 37, 300, 2, torch.bfloat16), (7, 50, 1000, 5, torch.float16), (3, 16, 64, 8, torch.float32),
+             (16, 45, 257, 3, torch.bfloat16)]
+    want = []
+    for m, n, k, splits, dtype in cases:
+        x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+        want.append((x, w, GemvConfig(16, 64, 4, 2, splits), linear_small_m(x, w, use_triton=True,
+                                                                          config=GemvConfig(16, 64, 4, 2, splits))))
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    used = _spy_partials(monkeypatch)
+    for x, w, cfg, counted in want:
+        assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), counted)
+        assert _all_sentinel(x.device)
+    assert len(used) == len(cases)
+    monkeypatch.setattr(_counters, "PARTIAL_WORDS", 10)  # too small for any of them: the count again
+    x, w, cfg, counted = want[0]
+    assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), counted)
+    assert len(used) == len(cases) and not _counters.split_counters(x.device, 8).any()
 
 
 def test_polled_partials_are_off_by_default_refused_when_malformed_and_bounded(monkeypatch):
@@ -690,4 +735,6 @@ def test_the_polled_reducer_compiles_for_sm90_without_a_count():
                     "LAST_REDUCES": True, "SPLITS": 4, **NO_ALL_REDUCE, "POLLED": True}, num_stages=4,
                    divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
     assert "atom.global.gpu.acq_rel" not in ptx and "trap;" in ptx
-    assert "ld.volatile.global" in ptx
+    # a poll's loads of the three partners go out together: no block barrier between them
+    poll = ptx[ptx.index("ld.volatile.global"):]
+    assert poll[:poll.index("bar.sync")].count("ld.volatile.global") >= 3

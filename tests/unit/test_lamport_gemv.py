@@ -116,11 +116,15 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device,
 def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size):
     """As above with TPGRAPH_POLLED_PARTIALS=1: the split-K boundaries reduce by polling the sentinel buffer (the
     same bits as the count), and every partial slot is back at the sentinel after each."""
+    from tpgraph.kernels import gemv
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
 
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    used, real = [], gemv.partials_buffer
+    monkeypatch.setattr(gemv, "partials_buffer", lambda dev, n: used.append(n) or real(dev, n))
     check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=11 + world_size), device, [3, 1, 5, 2],
                      ["gate_up", "qkv", "norm", "qkv"])
+    assert used  # the split-K boundaries polled (equal bits alone would not show it)
     assert (partials_buffer(torch.device(device), 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 

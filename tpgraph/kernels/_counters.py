@@ -57,10 +57,14 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
 # and a fixed program of each reduction (the last split, dispatched after its partners) polls them until none holds the
 # sentinel, instead of the last-arriving program learning it from an acq_rel count: after the K loop that saves the
 # wait for the partial's store and the count's round trip (bench/results/2026-12-02_h200_read_ceiling: the count and
-# the reduction cost qkv 1.0 and down 1.6 µs alone). The reducer sets the slots back to the sentinel.
-PARTIAL_SENTINEL = 0x7FBADBAD  # a NaN whose payload GPU arithmetic never makes (its NaNs are 0x7FFFFFFF)
+# the reduction cost qkv 1.0 and down 1.6 µs alone). The reducer sets the slots back to the sentinel. It cannot wait
+# forever on a partner that never started: a partner has a lower block index, and the GPU starts blocks in index order
+# (not a documented guarantee; CUB's decoupled look-back leans on the same), and partners never wait.
+PARTIAL_SENTINEL = 0x7FBADBAD  # a signalling NaN (quiet bit clear): IEEE arithmetic never makes one
 PARTIAL_WORDS = 1 << 21  # fp32 words (8 MB a device); a launch needing more keeps the count
-POLL_LIMIT = 1 << 24  # polls before a reducer traps rather than hang the GPU (seconds; its partners never wait)
+# polls before a reducer traps rather than hang the GPU (seconds; its partners never wait); under the interpreter,
+# where the programs run one after another, a partner has always finished, and a missing one is a bug to fail fast on
+POLL_LIMIT = 4 if os.environ.get("TRITON_INTERPRET") == "1" else 1 << 24
 _PARTIALS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -92,9 +96,14 @@ if triton is not None:
     POLL_LIMIT_C = tl.constexpr(POLL_LIMIT)
 
     @triton.jit
-    def unfilled(v, ok):
-        """How many of the tile's elements (where ok) still hold the sentinel."""
-        return tl.sum(tl.sum(tl.where(ok & (v.to(tl.int32, bitcast=True) == SENTINEL_BITS), 1, 0), axis=1), axis=0)
+    def is_sentinel(v):
+        """Which of v's fp32 elements hold the sentinel."""
+        return v.to(tl.int32, bitcast=True) == SENTINEL_BITS
+
+    @triton.jit
+    def unfilled(stale, ok):
+        """How many of the tile's elements (where ok) are marked stale (is_sentinel, or-ed over the partials)."""
+        return tl.sum(tl.sum(tl.where(ok & stale, 1, 0), axis=1), axis=0)
 
     @triton.jit
     def sentinel_like(v):
@@ -105,7 +114,7 @@ if triton is not None:
     def poll_exhausted(missing, tries):
         """Trap (the CUDA context ends with an error) once a reducer has polled POLL_LIMIT times and a partner's
         partial is still missing: its partners never wait, so that is a bug, and a hang would be worse."""
-        if (missing > 0) & (tries >= POLL_LIMIT_C):
+        if (missing > 0) & (tries >= POLL_LIMIT_C):  # (the interpreter cannot run the trap: it raises instead)
             tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [tries], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit

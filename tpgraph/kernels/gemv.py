@@ -53,6 +53,7 @@ try:
     from tpgraph.kernels._counters import (
         POLL_LIMIT_C,
         arrived_last,
+        is_sentinel,
         poll_exhausted,
         reset_counter,
         sentinel_like,
@@ -434,15 +435,17 @@ if triton is not None:
 
     @triton.jit
     def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
-        """The fp32 sum, in split order, of the partials of splits 0 .. SPLITS - 2 at `tile` (all loads in flight
-        together, past L1), and how many of their elements still hold the sentinel."""
+        """The fp32 sum, in split order, of the partials of splits 0 .. SPLITS - 2 at `tile`, past L1, and how many
+        of their elements still hold the sentinel. The sentinel tests are or-ed element by element and reduced once:
+        a block reduction between the loads (its barriers) would hold each volatile load back behind the one before,
+        one L2 round trip a split."""
         total = tl.load(ptr + tile, mask=ok, other=0.0, volatile=True)
-        missing = unfilled(total, ok)
+        stale = is_sentinel(total)
         for s in tl.static_range(1, SPLITS - 1):
             v = tl.load(ptr + s * stride_s + tile, mask=ok, other=0.0, volatile=True)
-            missing += unfilled(v, ok)
+            stale = stale | is_sentinel(v)
             total += v
-        return total, missing
+        return total, unfilled(stale, ok)
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
