@@ -176,9 +176,8 @@ def tile_configs(n: int, k: int) -> list[TileConfig]:
 def ablations(name: str, n: int, k: int) -> dict[str, dict]:
     """The shipped small-M kernel with one piece of its work left out (gemv._launch's `ablate`): no L2 prefetch
     before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; and
-    (o_proj, resident at one row) its streaming tiles instead. An ablated launch always reduces by the count (it never
-    takes the polled partials' buffer), so under TPGRAPH_POLLED_PARTIALS=1 compare it with a run without that setting,
-    not with that run's shipped row."""
+    (o_proj, resident at one row) its streaming tiles instead. Under TPGRAPH_POLLED_PARTIALS=1 the ablations reduce
+    by polling as the shipped row does, except "partials not added", which never writes the polled buffer."""
     from tpgraph.kernels.gemv import config_for
 
     cfg = config_for(torch.empty(1, k, dtype=torch.bfloat16, device="cuda"), n, k, 1)
@@ -188,7 +187,7 @@ def ablations(name: str, n: int, k: int) -> dict[str, dict]:
         out["gemv ablate: partials not added"] = {"LAST_REDUCES": False}
         out["gemv ablate: neither prefetch nor adding"] = {"LAST_REDUCES": False, "PREFETCH_TILES": 0}
     if cfg.resident:
-        out = {"gemv ablate: streaming tiles": {"RESIDENT": False}}
+        out = {"gemv ablate: streaming tiles": {}}
     return out
 
 
@@ -259,22 +258,22 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
     out = torch.empty(max(max(programs_for(flat, c, sms)[0] for c in configs), 1 << 16), dtype=torch.float32,
                       device=device)
     graphs = {}
-    want = ws[0].float().sum().item()
+    # checked before timing, on small integers (every program's fp32 sum exact): each program's sum, exactly
+    probe = torch.randint(-8, 8, shape or (flat,), dtype=torch.int32, device=device)
+    probe_w = probe.to(torch.bfloat16)
     for mode, config in itertools.product(modes, configs):
-        # check one launch's sums before timing it: every element read once
-        stream_sum(ws[0].view(-1), out, config, sms, mode)
-        got = out[:programs_for(flat, config, sms)[0]].sum().item()
-        if abs(got - want) > 1e-3 * max(1.0, ws[0].float().abs().sum().item()):
-            raise AssertionError(f"{name} {mode} {config.label}: sums {got} != {want}")
+        grid, chunk = programs_for(flat, config, sms)
+        out.fill_(float("nan"))
+        stream_sum(probe_w.view(-1), out, config, sms, mode)
+        check_sums(out, flat_sums(probe, grid, chunk), f"{name} read {mode} {config.label}")
         graphs[f"read {mode} {config.label}"] = _graph(
             lambda i, mode=mode, config=config: stream_sum(ws[i].view(-1), out, config, sms, mode), copies)
     if shape is not None and "pdl" in modes:
         # the projection's own tiles, read without arithmetic: as stored (row-major) and packed per program
         for config, packed in itertools.product(tile_configs(*shape), (False, True)):
-            tile_sum(ws[0], out, config, packed, True, *shape)
-            got = out[:shape[0] // config.bn * config.splits].sum().item()
-            if abs(got - want) > 1e-3 * max(1.0, ws[0].float().abs().sum().item()):
-                raise AssertionError(f"{name} tiles {config.label}: sums {got} != {want}")
+            out.fill_(float("nan"))
+            tile_sum(probe_w, out, config, packed, True, *shape)
+            check_sums(out, tile_sums(probe, config, packed), f"{name} tiles {config.label}")
             graphs[f"tiles {'packed' if packed else 'rows'} {config.label}"] = _graph(
                 lambda i, config=config, packed=packed: tile_sum(ws[i], out, config, packed, True, *shape), copies)
     if shape is not None:
@@ -297,6 +296,28 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
     torch.cuda.empty_cache()
     floor = nbytes / hbm * 1e6
     return [CeilingRow(name, nbytes, cand, us, floor) for cand, us in per_op.items()]
+
+
+def flat_sums(w: torch.Tensor, grid: int, chunk: int) -> torch.Tensor:
+    """What _stream_sum's programs must store for an integer tensor read flat, exactly (int64), in program order."""
+    flat = w.reshape(-1).long()
+    return torch.nn.functional.pad(flat, (0, grid * chunk - flat.numel())).view(grid, chunk).sum(1)
+
+
+def tile_sums(w: torch.Tensor, config: TileConfig, packed: bool) -> torch.Tensor:
+    """What _tile_sum's programs must store for an integer [n, k] weight, exactly (int64), in program order."""
+    n, k = w.shape
+    if packed:  # program p's tiles: the next BN x (k / splits) elements of the buffer
+        return w.reshape(-1).long().view(n // config.bn * config.splits, -1).sum(1)
+    return w.long().view(n // config.bn, config.bn, config.splits, k // config.splits).sum((1, 3)).reshape(-1)
+
+
+def check_sums(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The launch stored exactly `want` (integer sums, exact in fp32 below 2**24) in out's first programs."""
+    got = out[:want.numel()]
+    if not torch.equal(got, want.to(torch.float32)):
+        bad = int((got != want.to(torch.float32)).sum())
+        raise AssertionError(f"{what}: {bad} of {want.numel()} programs stored another sum")
 
 
 def best_reads(rows: list[CeilingRow]) -> dict[tuple[str, str], CeilingRow]:
@@ -343,13 +364,19 @@ def tiles_table(rows: list[CeilingRow]) -> str:
     return "\n".join(lines)
 
 
+STEPS = ("tiles rows", "tiles dot", "shipped", "gemv ")  # from the read to the kernel, then its ablations
+
+
+def _step(row: CeilingRow) -> int:
+    return next(i for i, key in enumerate(STEPS) if key in row.candidate)
+
+
 def steps_table(rows: list[CeilingRow]) -> str:
     """From the read to the shipped kernel, a step at a time: the shipped tiles read, with the dot, the shipped
     kernel, and the shipped kernel with one piece left out (µs, floor ÷ time)."""
     lines = ["| size | candidate | µs | floor ÷ time |", "|---|---|---|---|"]
     for size in dict.fromkeys(r.size for r in rows):
-        sel = [r for r in rows if r.size == size and (r.candidate.startswith(("tiles rows", "tiles dot", "gemv "))
-                                                      or r.candidate.endswith("(shipped small-M)"))]
+        sel = sorted((r for r in rows if r.size == size and any(key in r.candidate for key in STEPS)), key=_step)
         lines += [f"| {size} | {r.candidate} | {r.us:.2f} | {r.of_floor:.0%} |" for r in sel]
     return "\n".join(lines)
 

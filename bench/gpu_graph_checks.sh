@@ -211,7 +211,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
-         timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -12 \
+         timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \
              | tee "$out/read_ceiling.log" ;;
     boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)

@@ -24,7 +24,7 @@ if __name__ == "__main__":
         if sys.argv[1] == "hang":
             print("ready", flush=True)
             while True:
-                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+                engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=None))  # to max_model_len
         two = engine.generate(prompts, params)
         try:
             engine.generate([[]], params[0])
@@ -75,7 +75,8 @@ def test_ctrl_c_stops_the_spawned_ranks():
     time.sleep(2)  # inside generate
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
-    assert proc.returncode != 0  # KeyboardInterrupt
+    rest = proc.stdout.read()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in rest, rest[-2000:]  # stopped inside generate
     deadline = time.monotonic() + 30
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

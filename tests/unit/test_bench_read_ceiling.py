@@ -41,6 +41,7 @@ def test_the_read_sums_what_it_reads(bench, n, per_sm):
     chunk = bench.programs_for(n, config, 3)[1]
     want = torch.stack([src[p * chunk:(p + 1) * chunk].float().sum() for p in range(grid)])
     assert torch.equal(out[:grid], want)
+    bench.check_sums(out, bench.flat_sums(src.to(torch.int32), grid, chunk), "the bench's own check")
     assert out[grid:].isnan().all()  # nothing written past its programs
 
 
@@ -132,11 +133,33 @@ def test_the_dot_form_sums_the_products_of_the_one_row(bench, splits):
 
 def test_the_steps_table_lists_the_path_from_the_read_to_the_kernel(bench):
     row = bench.CeilingRow
+    # in the order measure_size makes them: the shipped kernel before the dot
     rows = [row("qkv", 1000, "read pdl 4x4096x4x3", 7.0, 6.0), row("qkv", 1000, "tiles rows 32x128x4x3x4", 7.3, 6.0),
-            row("qkv", 1000, "tiles dot 32x128x4x3x4", 7.5, 6.0), row("qkv", 1000, "qkv (shipped small-M)", 9.6, 6.0),
+            row("qkv", 1000, "qkv (shipped small-M)", 9.6, 6.0), row("qkv", 1000, "tiles dot 32x128x4x3x4", 7.5, 6.0),
             row("qkv", 1000, "gemv ablate: partials not added", 8.0, 6.0)]
     text = bench.steps_table(rows)
     assert "read pdl" not in text
     assert "| qkv | tiles dot 32x128x4x3x4 | 7.50 | 80% |" in text
     assert "| qkv | gemv ablate: partials not added | 8.00 | 75% |" in text
     assert text.index("tiles rows") < text.index("tiles dot") < text.index("shipped") < text.index("ablate")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_expected_tile_sums_follow_the_programs(bench, packed):
+    """tile_sums (what the bench checks each launch against) for a weight whose elements are their own index."""
+    w = torch.arange(8 * 12).view(8, 12)
+    config = bench.TileConfig(4, 2, 4, 1, 3)  # 2 column blocks x 3 splits of 4 columns
+    got = bench.tile_sums(w, config, packed)
+    if packed:
+        want = [w.reshape(-1)[p * 16:(p + 1) * 16].sum() for p in range(6)]
+    else:
+        want = [w[b * 4:(b + 1) * 4, s * 4:(s + 1) * 4].sum() for b in range(2) for s in range(3)]
+    assert got.tolist() == [int(v) for v in want]
+
+
+def test_a_launch_that_stored_another_sum_is_caught(bench):
+    out = torch.tensor([3.0, 5.0, float("nan")])
+    bench.check_sums(out, torch.tensor([3, 5]), "ok")
+    for bad in ([3.0, 4.0], [float("nan"), 5.0]):
+        with pytest.raises(AssertionError, match="1 of 2 programs stored another sum"):
+            bench.check_sums(torch.tensor(bad), torch.tensor([3, 5]), "bad")

@@ -86,6 +86,6 @@ def test_limits_refuse_what_the_engine_would():
             LIMITS.check(prompt, SamplingParams())
     LIMITS.check([1, 2, 3], SamplingParams())
     LIMITS.check([1, 2, 3], SamplingParams(max_tokens=61))  # exactly fills max_model_len
-    with pytest.raises(RequestError, match="asks for 65: 3 in the prompt and 62 to generate; lower max_tokens to at "
-                                           "most 61 or leave it out"):
+    with pytest.raises(RequestError, match=r"asks for 65: 3 in the prompt and 62 to generate; ask for at most 61 "
+                                           r"new tokens, or for none \(null\) to generate up to max_model_len"):
         LIMITS.check([1, 2, 3], SamplingParams(max_tokens=62))

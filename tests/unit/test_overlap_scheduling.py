@@ -36,7 +36,7 @@ def logprobs(out):
     return flat
 
 
-MIXED = [SamplingParams(temperature=0.0, max_tokens=12),
+MIXED = [SamplingParams(temperature=0.0, max_tokens=None),  # runs until max_model_len stops it
          SamplingParams(temperature=1.0, top_p=0.9, seed=5, n=2, max_tokens=10, logprobs=2),
          SamplingParams(temperature=0.0, max_tokens=12, stop=["aaa"]),
          SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=9, min_tokens=4, repetition_penalty=1.3,

@@ -33,8 +33,9 @@ class RequestLimits:
             # refused, not cut short: a client that asked for more than fits would otherwise get less without asking
             raise RequestError(f"max_model_len is {self.max_model_len} tokens, and this request asks for "
                                f"{len(prompt_ids) + params.max_tokens}: {len(prompt_ids)} in the prompt and "
-                               f"{params.max_tokens} to generate; lower max_tokens to at most "
-                               f"{self.max_model_len - len(prompt_ids)} or leave it out")
+                               f"{params.max_tokens} to generate; ask for at most "
+                               f"{self.max_model_len - len(prompt_ids)} new tokens, or for none (null) to generate "
+                               f"up to max_model_len")
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")

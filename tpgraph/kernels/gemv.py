@@ -724,8 +724,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
-    # (an ablation may leave partials unadded: never in the sentinel buffer, whose reducers expect them taken)
-    partials = partials_buffer(x.device, cfg.split_k * m * n) if last_reduces and polled_partials() and not ablate \
+    # (an ablation that leaves partials unadded never writes them into the sentinel buffer: nobody would re-arm it)
+    unadded = ablate is not None and ablate.get("LAST_REDUCES") is False
+    partials = partials_buffer(x.device, cfg.split_k * m * n) if last_reduces and polled_partials() and not unadded \
         else None
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     out = y if cfg.split_k == 1 else (partials[:cfg.split_k * m * n].view(cfg.split_k, m, n) if partials is not None
