@@ -517,8 +517,8 @@ if triton is not None:
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
         they are in flight together), then q/k rotated with the rows' cos/sin (c, sn; every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
-        rows' cache offsets). EXACT_MUL: the kernel
-        keeps FMA contraction on for its projection, which must give the GEMV's bits."""
+        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
+        GEMV's bits."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
