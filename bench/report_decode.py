@@ -1,7 +1,7 @@
 """Issue 11's performance lines, checked from the benchmarks' JSON:
 
     python bench/report_decode.py decode.json [--kernels kernels.json] [--profile profile.json]
-        [--entry custom+gemv+overlap]
+        [--ceiling read_ceiling.json] [--entry custom+gemv+overlap]
 
 decode.json: `bench/bench_decode.py` (full graphs; `--unfused` adds the unfused entries the fused ones are compared
 with). kernels.json: `bench/bench_kernels.py` (each kernel against its bandwidth floor). profile.json: a
@@ -83,18 +83,36 @@ def fused_checks(decode: dict) -> list[Check]:
     return [("every fused path faster than its unfused version", not slow, detail + left_out)]
 
 
-def kernel_checks(kernels: dict) -> list[Check]:
+def read_ceilings(ceiling: dict) -> dict[str, float]:
+    """Per projection, the best floor ÷ time of a kernel that only reads its weight bytes and waits for the kernel
+    before first (bench_read_ceiling.py's `read pdl` rows): what any kernel of that style could show alone."""
+    best: dict[str, float] = {}
+    for r in ceiling["rows"]:
+        if r["candidate"].startswith("read pdl ") and r["size"] in PROJECTIONS:
+            best[r["size"]] = max(best.get(r["size"], 0.0), r["of_floor"])
+    return best
+
+
+def kernel_checks(kernels: dict, ceiling: dict | None = None) -> list[Check]:
+    """The per-kernel lines; with `ceiling` (bench_read_ceiling.py's JSON), each projection's figure is followed by
+    what a read-only kernel waiting for its input reaches at that size (context for the line, not a change to it)."""
     rows = {r["kernel"]: r for r in kernels["rows"] if r["batch"] == 1}
+    reads = read_ceilings(ceiling) if ceiling is not None else {}
     out: list[Check] = []
     found = {p: rows.get(PRODUCT_KERNEL[p]) for p in PROJECTIONS}
     missing = [p for p, r in found.items() if r is None]
+
+    def shown(p: str, r: dict) -> str:
+        read = f"; a waiting read {reads[p]:.0%}" if p in reads else ""
+        return f"{p} {r['of_floor']:.0%} ({r['us']:.1f} us{read})"
+
     if missing:
         out.append((f"each projection at >= {MIN_PROJECTION:.0%} of the bandwidth at M = 1", None,
                     f"not measured: {', '.join(missing)}"))
     else:
         out.append((f"each projection at >= {MIN_PROJECTION:.0%} of the bandwidth at M = 1",
                     all(r["of_floor"] >= MIN_PROJECTION for r in found.values()),
-                    ", ".join(f"{p} {r['of_floor']:.0%} ({r['us']:.1f} us)" for p, r in found.items())))
+                    ", ".join(shown(p, r) for p, r in found.items())))
     head = rows.get(PRODUCT_KERNEL["lm_head"])
     out.append((f"lm_head at >= {MIN_LM_HEAD:.0%} of the bandwidth", None if head is None
                 else head["of_floor"] >= MIN_LM_HEAD, "not measured" if head is None
@@ -110,10 +128,11 @@ def profile_checks(profile: dict, entry: str) -> list[Check]:
     return [(name, row["kernels"] <= MAX_KERNELS, f"{row['kernels']} kernels")]
 
 
-def checks(decode: dict, kernels: dict | None, profile: dict | None, entry: str) -> list[Check]:
+def checks(decode: dict, kernels: dict | None, profile: dict | None, entry: str,
+           ceiling: dict | None = None) -> list[Check]:
     out = tpot_checks(decode, entry) + fused_checks(decode)
     if kernels is not None:
-        out += kernel_checks(kernels)
+        out += kernel_checks(kernels, ceiling)
     if profile is not None:
         out += profile_checks(profile, entry)
     return out
@@ -124,13 +143,15 @@ def main() -> None:
     p.add_argument("decode_json", type=Path)
     p.add_argument("--kernels", type=Path, default=None)
     p.add_argument("--profile", type=Path, default=None)
+    p.add_argument("--ceiling", type=Path, default=None, help="bench_read_ceiling.py's JSON (context per projection)")
     p.add_argument("--entry", default="custom+gemv+overlap")
     args = p.parse_args()
 
     def load(path: Path | None) -> dict | None:
         return None if path is None else json.loads(path.read_text())
 
-    for name, ok, detail in checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry):
+    for name, ok, detail in checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry,
+                                   load(args.ceiling)):
         print(f"- [{'?' if ok is None else 'x' if ok else ' '}] {name}: {detail}")
 
 

@@ -61,6 +61,13 @@ def test_projection_and_lm_head_bandwidth(report):
     assert [ok for _, ok, _ in report.kernel_checks({"rows": slow})] == [False, False]
     only_batch_8 = [row(r["kernel"], r["of_floor"], batch=8) for r in good]
     assert [ok for _, ok, _ in report.kernel_checks({"rows": only_batch_8})] == [None, None]
+    # with the read ceiling: each projection's best waiting read beside it, the verdict unchanged
+    ceiling = {"rows": [{"size": "qkv", "candidate": "read pdl 4x4096x4x3", "of_floor": 0.84},
+                        {"size": "qkv", "candidate": "read pdl 1x4096x4x1", "of_floor": 0.30},
+                        {"size": "qkv", "candidate": "read pdl_free 4x4096x4x3", "of_floor": 1.1},
+                        {"size": "o_proj", "candidate": "o_proj (shipped small-M)", "of_floor": 0.5}]}
+    (name, ok, detail), _ = report.kernel_checks({"rows": slow}, ceiling)
+    assert ok is False and "qkv 90% (10.0 us; a waiting read 84%)" in detail and "o_proj 87% (10.0 us)," in detail
 
 
 def test_kernels_per_step(report):
