@@ -738,3 +738,13 @@ def test_the_polled_reducer_compiles_for_sm90_without_a_count():
     # a poll's loads of the three partners go out together: no block barrier between them
     poll = ptx[ptx.index("ld.volatile.global"):]
     assert poll[:poll.index("bar.sync")].count("ld.volatile.global") >= 3
+
+
+def test_the_kernels_workspaces_are_counted_for_the_memory_log():
+    from tpgraph.kernels._counters import MAX_COUNTERS, PARTIAL_WORDS, partials_buffer, split_counters, workspace_bytes
+
+    cpu = torch.device("cpu")
+    split_counters(cpu, 1)
+    partials_buffer(cpu, 1)
+    assert workspace_bytes(cpu) == MAX_COUNTERS * 4 + PARTIAL_WORDS * 4  # int32 counters, fp32 partials
+    assert workspace_bytes(torch.device("meta")) == 0  # nothing made there

@@ -24,6 +24,7 @@ class MemoryBudget:
     graph_pool_estimate: int
     block_bytes: int
     agreed_blocks: int | None = None  # the smallest num_blocks over the ranks, once they have compared
+    kernel_workspace: int = 0  # the kernels' persistent buffers: split counters, polled partials (inside in_use)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.utilization <= 1.0:
@@ -43,7 +44,8 @@ class MemoryBudget:
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"
         return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}: in use "
-                f"{g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}), activations "
+                f"{g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
+                f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB), activations "
                 f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
 

@@ -30,6 +30,7 @@ from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
 from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
+from tpgraph.kernels._counters import workspace_bytes as kernel_workspace_bytes  # (named apart: comm has its own)
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
@@ -261,7 +262,8 @@ class ModelRunner:
         self.budget = MemoryBudget(total=total, utilization=self.cfg.gpu_memory_utilization,
                                    in_use=total - free - provisional, weights=weights,
                                    workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
-                                   graph_pool_estimate=estimate, block_bytes=self.block_bytes)
+                                   graph_pool_estimate=estimate, block_bytes=self.block_bytes,
+                                   kernel_workspace=kernel_workspace_bytes(self.device))
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)

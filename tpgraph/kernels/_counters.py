@@ -92,6 +92,13 @@ def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
     return _PARTIALS[device]
 
 
+def workspace_bytes(device: torch.device) -> int:
+    """Bytes this module holds on the device (the arrival counters, the polled partials' buffer), for the memory log."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return sum(t.numel() * t.element_size() for held in (_COUNTERS, _PARTIALS) if (t := held.get(device)) is not None)
+
+
 if triton is not None:
     SENTINEL_BITS = tl.constexpr(PARTIAL_SENTINEL)
     POLL_LIMIT_C = tl.constexpr(POLL_LIMIT)
