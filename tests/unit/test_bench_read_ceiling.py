@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tpgtest.bench_modules import load_bench_module
-
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
+from tpgtest.markers import interpreted
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,13 @@
 """The vocab-parallel embedding kernel (Triton's interpreter on CPU) against the torch sequence it replaces."""
 
-import os
 
 import pytest
 import torch
+from tpgtest.markers import interpreted
 
 from tpgraph.kernels.embedding import vocab_shard_embedding, vocab_shard_embedding_reference
 
 triton = pytest.importorskip("triton")
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 
 
 @interpreted

@@ -2,19 +2,17 @@
 produce (odd N and K included)."""
 
 import json
-import os
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tpgtest.markers import interpreted
 from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
 triton = pytest.importorskip("triton")
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 
 
 @interpreted

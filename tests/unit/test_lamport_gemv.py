@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tpgtest.lamport_emul import phases_view, slots_view
+from tpgtest.markers import interpreted
 from tpgtest.ptx import gemv_signature, sm90_ptx
 
 from tpgraph.errors import ConfigError
@@ -21,8 +22,6 @@ from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
 triton = pytest.importorskip("triton")
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
 EPS = 1e-5
 

@@ -1,10 +1,10 @@
 """The Triton RMSNorm kernels (run by Triton's interpreter on CPU) against the torch references, and the
 references against Hugging Face's LlamaRMSNorm."""
 
-import os
 
 import pytest
 import torch
+from tpgtest.markers import interpreted
 
 from tpgraph.kernels.norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
@@ -12,8 +12,6 @@ pytest.importorskip("triton")
 
 # These tests hand CPU tensors to the kernels, which only Triton's interpreter runs (conftest turns it on when
 # there is no GPU); on a GPU machine without TRITON_INTERPRET=1 they would fail to launch, so they skip.
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 
 EPS = 1e-5
 

@@ -1,10 +1,10 @@
 """The Triton rope-and-store kernel (run by Triton's interpreter on CPU) against the torch reference, and the
 reference against Hugging Face's rotary embedding."""
 
-import os
 
 import pytest
 import torch
+from tpgtest.markers import interpreted
 
 from tpgraph.kernels.rope_store import rope_and_store, rope_and_store_reference, rope_cos_sin_table
 
@@ -12,8 +12,6 @@ pytest.importorskip("triton")
 
 # These tests hand CPU tensors to the kernels, which only Triton's interpreter runs (conftest turns it on when
 # there is no GPU); on a GPU machine without TRITON_INTERPRET=1 they would fail to launch, so they skip.
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 
 MAX_POS = 4096
 
