@@ -28,6 +28,9 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 7168, 16, 4, 128, 64128 
 BLOCK_SIZE = 16
 L2_MULTIPLE = 4  # inputs cycled through at least this many times the L2 size
 BF16 = 2
+# each projection's weight [N, K] at those shapes
+PROJECTION_SHAPES = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+                     "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
 
 
 @dataclass
@@ -74,12 +77,18 @@ def copies_for(nbytes: int, l2: int) -> int:
     return max(1, -(-L2_MULTIPLE * l2 // max(1, nbytes)))
 
 
-def per_op_us(fn: Callable[[int], object], copies: int) -> float:
-    from tpgraph.tune.timing import K_OPS, capture, graph_op_us
+def cycling_graph(fn: Callable[[int], object], copies: int) -> torch.cuda.CUDAGraph:
+    """A graph of the timing method's K_OPS calls fn(i), i cycling through the input copies."""
+    from tpgraph.tune.timing import K_OPS, capture
 
     turn = itertools.cycle(range(copies))
-    graph = capture(lambda: fn(next(turn)), K_OPS)
-    return graph_op_us(None, graph, K_OPS)
+    return capture(lambda: fn(next(turn)), K_OPS)
+
+
+def per_op_us(fn: Callable[[int], object], copies: int) -> float:
+    from tpgraph.tune.timing import K_OPS, graph_op_us
+
+    return graph_op_us(None, cycling_graph(fn, copies), K_OPS)
 
 
 def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
@@ -128,8 +137,6 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
     kc = torch.zeros(most // BLOCK_SIZE + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     vc = torch.zeros_like(kc)
 
-    shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
-              "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
     def at(name: str, n: int, k: int) -> list[KernelRow]:  # one shape (the timed closures bind its inputs)
         rows = []
         copies = copies_for(n * k * BF16, l2)
@@ -148,7 +155,7 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
         torch.cuda.empty_cache()
         return rows
 
-    return [row for name, (n, k) in shapes.items() for row in at(name, n, k)]
+    return [row for name, (n, k) in PROJECTION_SHAPES.items() for row in at(name, n, k)]
 
 
 def attention_rows(batches: list[int], contexts: list[int], hbm: float, l2: int,

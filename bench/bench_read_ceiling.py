@@ -31,11 +31,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from bench_kernels import PROJECTION_SHAPES, copies_for, cycling_graph  # bench/ is on the path when this script runs
 
 try:
     import triton
@@ -44,10 +44,9 @@ except ImportError:  # the bench needs Triton; the CPU tests skip without it
     triton = None
 
 MODES = ("plain", "pdl", "pdl_free")
-# weight shapes [N, K] of a Llama-3-8B rank at TP=2 (bench_kernels.py's), bf16
-SHAPES = {"o_proj": (4096, 2048), "qkv": (3072, 4096), "down": (4096, 7168), "gate_up": (14336, 4096)}
+# weight shapes [N, K] of a Llama-3-8B rank at TP=2 (bench_kernels.py's), bf16, smallest first
+SHAPES = {name: PROJECTION_SHAPES[name] for name in ("o_proj", "qkv", "down", "gate_up")}
 BIG_READ = 1 << 30  # bytes of the pure-read bandwidth figure
-L2_MULTIPLE = 4  # weight copies cycled through: at least this many times the L2 size
 
 
 @dataclass(frozen=True)
@@ -238,20 +237,13 @@ class CeilingRow:
         return self.floor_us / self.us
 
 
-def _graph(fn: Callable[[int], object], copies: int) -> torch.cuda.CUDAGraph:
-    from tpgraph.tune.timing import K_OPS, capture
-
-    turn = itertools.cycle(range(copies))
-    return capture(lambda: fn(next(turn)), K_OPS)
-
-
 def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadConfig], hbm: float, l2: int,
                  sms: int, runs: int, device: torch.device) -> list[CeilingRow]:
     """Every read candidate (and, for a projection, the shipped small-M kernel at one row) of one size, timed
     interleaved in one process."""
     from tpgraph.tune.timing import K_OPS, graph_ops_us_interleaved
 
-    copies = max(1, -(-L2_MULTIPLE * l2 // nbytes))
+    copies = copies_for(nbytes, l2)
     shape = SHAPES.get(name)
     flat = nbytes // 2
     ws = [torch.randn(*(shape or (flat,)), dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
@@ -266,7 +258,7 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
         out.fill_(float("nan"))
         stream_sum(probe_w.view(-1), out, config, sms, mode)
         check_sums(out, flat_sums(probe, grid, chunk), f"{name} read {mode} {config.label}")
-        graphs[f"read {mode} {config.label}"] = _graph(
+        graphs[f"read {mode} {config.label}"] = cycling_graph(
             lambda i, mode=mode, config=config: stream_sum(ws[i].view(-1), out, config, sms, mode), copies)
     if shape is not None and "pdl" in modes:
         # the projection's own tiles, read without arithmetic: as stored (row-major) and packed per program
@@ -274,22 +266,22 @@ def measure_size(name: str, nbytes: int, modes: list[str], configs: list[ReadCon
             out.fill_(float("nan"))
             tile_sum(probe_w, out, config, packed, True, *shape)
             check_sums(out, tile_sums(probe, config, packed), f"{name} tiles {config.label}")
-            graphs[f"tiles {'packed' if packed else 'rows'} {config.label}"] = _graph(
+            graphs[f"tiles {'packed' if packed else 'rows'} {config.label}"] = cycling_graph(
                 lambda i, config=config, packed=packed: tile_sum(ws[i], out, config, packed, True, *shape), copies)
     if shape is not None:
         from tpgraph.kernels.gemv import gate_up_silu, linear_small_m
 
         x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device)
         if name == "gate_up":
-            graphs[f"{name}+silu (shipped small-M)"] = _graph(lambda i: gate_up_silu(x, ws[i]), copies)
+            graphs[f"{name}+silu (shipped small-M)"] = cycling_graph(lambda i: gate_up_silu(x, ws[i]), copies)
         else:
-            graphs[f"{name} (shipped small-M)"] = _graph(lambda i: linear_small_m(x, ws[i]), copies)
+            graphs[f"{name} (shipped small-M)"] = cycling_graph(lambda i: linear_small_m(x, ws[i]), copies)
         if "pdl" in modes:
             config = tile_configs(*shape)[0]
-            graphs[f"tiles dot {config.label}"] = _graph(
+            graphs[f"tiles dot {config.label}"] = cycling_graph(
                 lambda i: tile_sum(ws[i], out, config, False, True, *shape, x=x), copies)
             for label, ablate in ablations(name, *shape).items():
-                graphs[label] = _graph(lambda i, ablate=ablate: ablated_gemv(x, ws[i], name, ablate), copies)
+                graphs[label] = cycling_graph(lambda i, ablate=ablate: ablated_gemv(x, ws[i], name, ablate), copies)
     per_op = graph_ops_us_interleaved(None, graphs, K_OPS, runs)
     graphs.clear()  # the graphs read these copies: both go once timed
     ws.clear()

@@ -9,7 +9,11 @@ from types import ModuleType
 
 
 def load_bench_module(name: str) -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    """bench/<name>.py as a module, with bench/ on sys.path as when the script runs (they import one another)."""
+    bench_dir = Path(__file__).resolve().parents[2] / "bench"
+    if str(bench_dir) not in sys.path:
+        sys.path.append(str(bench_dir))
+    path = bench_dir / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there

@@ -1,6 +1,5 @@
 """bench/bench_gemv.py's pure part: the config grid its --sweep times."""
 
-from pathlib import Path
 
 import pytest
 from tpgtest.bench_modules import load_bench_module
@@ -11,9 +10,7 @@ SMS = 132  # H200
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("triton")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))  # it imports bench_decode
-        yield load_bench_module("bench_gemv")
+    return load_bench_module("bench_gemv")  # (it imports bench_decode: load_bench_module puts bench/ on the path)
 
 
 def test_split_k_only_where_column_blocks_leave_sms_idle(bench):
