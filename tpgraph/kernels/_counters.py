@@ -19,6 +19,7 @@ shape, TP=2, full graphs, PDL on, interleaved: bench/results/2026-11-30_h200x2_s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -39,18 +40,30 @@ def last_split_reduces() -> bool:
     return os.environ.get("TPGRAPH_LAST_SPLIT_REDUCES", "1") != "0"
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """The device with its index ("cuda" is the current one), as the buffers are keyed."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
+def _held(buffers: dict[torch.device, torch.Tensor], device: torch.device, what: str,
+          make: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+    """buffers[device], made on the device's first call, which must not be under graph capture, or the buffer would
+    live in the graph's pool."""
+    device = _indexed(device)
+    if device not in buffers:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what}: made on a device's first eager call; run one before capturing")
+        buffers[device] = make(device)
+    return buffers[device]
+
+
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """This device's counters (zero between calls), of which a kernel uses the first `count`. Made on the device's
-    first call, which must not be under graph capture, or the buffer would live in the graph's pool."""
+    """This device's counters (zero between calls), of which a kernel uses the first `count`."""
     if count > MAX_COUNTERS:
         raise ValueError(f"{count} counters needed: at most {MAX_COUNTERS}")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters are made on a device's first eager call; run one before capturing")
-        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    return _held(_COUNTERS, device, "the split counters",
+                 lambda d: torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=d))
 
 
 # Polled partials (`polled_partials`): a split-K kernel's partials go into one sentinel-filled fp32 buffer per device,
@@ -82,20 +95,13 @@ def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
     Made on the device's first call, which must not be under graph capture."""
     if numel > PARTIAL_WORDS:
         return None
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _PARTIALS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the partials buffer is made on a device's first eager call; run one before capturing")
-        _PARTIALS[device] = torch.full((PARTIAL_WORDS,), PARTIAL_SENTINEL, dtype=torch.int32,
-                                       device=device).view(torch.float32)
-    return _PARTIALS[device]
+    return _held(_PARTIALS, device, "the partials buffer", lambda d: torch.full(
+        (PARTIAL_WORDS,), PARTIAL_SENTINEL, dtype=torch.int32, device=d).view(torch.float32))
 
 
 def workspace_bytes(device: torch.device) -> int:
     """Bytes this module holds on the device (the arrival counters, the polled partials' buffer), for the memory log."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     return sum(t.numel() * t.element_size() for held in (_COUNTERS, _PARTIALS) if (t := held.get(device)) is not None)
 
 
