@@ -375,6 +375,8 @@ if triton is not None:
         if ALL_REDUCE:
             if RES_EARLY:  # settled before the kernel before us started (see above): no wait needed
                 res, nw = epilogue_inputs(res_ptr, nw_ptr, offs_m, offs_n, m_ok, n_ok, N)
+        else:
+            res, nw = 0, 0  # (no epilogue reads them)
         if RESIDENT:  # the weights do not depend on the kernel before: all of them now, before the wait
             w_resident = _weight_tile(w_ptr, N, K, stride_wn, pid, 0, BLOCK_N, BLOCK_K, GATE_UP)
         else:
@@ -412,12 +414,9 @@ if triton is not None:
                     poll_exhausted(missing, tries)
                     for s in tl.static_range(SPLITS - 1):  # the slots back to the sentinel, for the next call
                         tl.store(out_ptr + s * stride_os + tile, sentinel_like(total), mask=tile_ok)
-                    total = to_dtype(total + y, y_ptr.dtype.element_ty, SOFT_BF16)  # its own partial last
-                    if ALL_REDUCE:
-                        all_reduce_tile(total, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok,
-                                        n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
-                    else:
-                        tl.store(y_ptr + tile, total, mask=tile_ok)
+                    _finish_reduced(total + y, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid,
+                                    offs_m, offs_n, m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE, WS, RANK,
+                                    SOFT_BF16)  # its own partial last
             else:
                 tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
             if LAST_REDUCES and not POLLED:
@@ -425,13 +424,22 @@ if triton is not None:
                     total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
                     for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
                         total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                    total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
-                    if ALL_REDUCE:
-                        all_reduce_tile(total, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok,
-                                        n_ok, N, slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
-                    else:
-                        tl.store(y_ptr + tile, total, mask=tile_ok)
+                    _finish_reduced(total, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m,
+                                    offs_n, m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE, WS, RANK, SOFT_BF16)
                     reset_counter(counter_ptr + pid)
+
+    @triton.jit
+    def _finish_reduced(total, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n,
+                        m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE: tl.constexpr, WS: tl.constexpr,
+                        RANK: tl.constexpr, SOFT_BF16: tl.constexpr):
+        """A split-K tile's fp32 sum, by whichever program reduces it: rounded to y's dtype, then through the
+        all-reduce epilogue (ALL_REDUCE) or stored to y."""
+        total = to_dtype(total, y_ptr.dtype.element_ty, SOFT_BF16)
+        if ALL_REDUCE:
+            all_reduce_tile(total, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok, N,
+                            slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
+        else:
+            tl.store(y_ptr + tile, total, mask=tile_ok)
 
     @triton.jit
     def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
