@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
-#        [read-ceiling] [polled]
+#        [read-ceiling] [polled] [polled-ab]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -209,9 +209,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --variant two_stage=.:TPGRAPH_FUSED_ARGMAX=0 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
              --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
-    polled) # issue 11: polled split-K partials (TPGRAPH_POLLED_PARTIALS=1) before it can be a default: its GPU tests, HF
-         # parity with it on at 3 and at 24 rows a step, then whole steps at batches 1-32 against the count (SHAPE as for
-         # overlap; NPROC ranks; about 10 minutes: a device call of its own)
+    polled) # issue 11: polled split-K partials (TPGRAPH_POLLED_PARTIALS=1) before it can be a default: its GPU tests and HF
+         # parity with it on at 3 and at 24 rows a step; polled-ab then times whole steps at batches 1-32 against the
+         # count (SHAPE as for overlap; NPROC ranks; each about 5-9 minutes: a device call of its own)
          TPGRAPH_POLLED_PARTIALS=1 timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py \
              tests/unit/test_lamport_gemv.py tests/unit/test_gemv_kernel.py -q -rs \
              -k "small_m_split_k or last_split or polled or epilogue or across_phases" 2>&1 | tail -6 \
@@ -219,7 +219,8 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          for copies in 1 8; do for dt in bf16 fp32; do TPGRAPH_POLLED_PARTIALS=1 timeout 200 torchrun --nproc-per-node \
              $NPROC bench/hf_parity.py --dtype $dt --copies $copies $([ $dt = bf16 ] && echo --embed-std 4.0) \
              --out "$out/hf_parity_polled_${dt}_x$copies.json" 2>&1 | grep -E "identical=False|PASS" \
-             | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_polled.log"; done; done
+             | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_polled.log"; done; done ;;
+    polled-ab) # the second half of polled: whole steps at batches 1-32, the count against polled partials
          timeout 560 python3 bench/ab_decode.py --out "$out/ab_polled" --nproc $NPROC --rounds 2 --variant count=. \
              --variant polled=.:TPGRAPH_POLLED_PARTIALS=1 -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,2,4,8,16,24,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 \
