@@ -175,7 +175,7 @@ def tile_configs(n: int, k: int) -> list[TileConfig]:
 def ablations(name: str, n: int, k: int) -> dict[str, dict]:
     """The shipped small-M kernel with one piece of its work left out (gemv._launch's `ablate`): no L2 prefetch
     before its wait; split-K partials stored but never counted or added; the kernel after let in only at exit; and
-    (o_proj, resident at one row) its streaming tiles instead. Under TPGRAPH_POLLED_PARTIALS=1 the ablations reduce
+    (o_proj, resident at one row) its streaming tiles instead. With polled partials (the default) the ablations reduce
     by polling as the shipped row does, except "partials not added", which never writes the polled buffer."""
     from tpgraph.kernels.gemv import config_for
 

@@ -209,7 +209,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --variant two_stage=.:TPGRAPH_FUSED_ARGMAX=0 -- --shape "${SHAPE:-llama3-8b}" --modes full --batches 1,8,32 \
              --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 100 2>&1 \
              | grep -E "^\||left out|Error" | tee "$out/ab_argmax.log" ;;
-    polled) # issue 11: polled split-K partials (TPGRAPH_POLLED_PARTIALS=1) before it can be a default: its GPU tests and HF
+    polled) # issue 11: polled split-K partials (the default since session 24; =0 counts): its GPU tests and HF
          # parity with it on at 3 and at 24 rows a step; polled-ab then times whole steps at batches 1-32 against the
          # count (SHAPE as for overlap; NPROC ranks; each about 5-9 minutes: a device call of its own)
          TPGRAPH_POLLED_PARTIALS=1 timeout 300 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py \
@@ -221,7 +221,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --out "$out/hf_parity_polled_${dt}_x$copies.json" 2>&1 | grep -E "identical=False|PASS" \
              | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_polled.log"; done; done ;;
     polled-ab) # the second half of polled: whole steps at batches 1-32, the count against polled partials
-         timeout 560 python3 bench/ab_decode.py --out "$out/ab_polled" --nproc $NPROC --rounds 2 --variant count=. \
+         timeout 560 python3 bench/ab_decode.py --out "$out/ab_polled" --nproc $NPROC --rounds 2 --variant count=.:TPGRAPH_POLLED_PARTIALS=0 \
              --variant polled=.:TPGRAPH_POLLED_PARTIALS=1 -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,2,4,8,16,24,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 \
              --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab_polled.log" ;;

@@ -277,13 +277,17 @@ def test_resident_tiles_are_for_16_bit_weights_only(monkeypatch):
     assert config_for(x16.float(), 4096, 2048, 1) == tiles(4096, 2048, 1)
 
 
+@pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize(("n", "k"), [(3072, 4096), (257, 4100)])
-def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k):
-    """Split-K with the last-arriving split adding the partials (no second kernel): the sum kernel's bits, every
-    call and every graph replay (the counters go back to zero each time)."""
-    from tpgraph.kernels._counters import split_counters
+def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, split_k, polled):
+    """Split-K with the last split adding the partials (no second kernel), found by the count or by polling the
+    partials (the default): the sum kernel's bits, every call and every graph replay (the counters go back to zero
+    and the partials' slots to the sentinel each time)."""
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer, split_counters
     from tpgraph.kernels.gemv import GemvConfig, linear_small_m
+
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", polled)
 
     g = torch.Generator(device="cuda").manual_seed(n + k + split_k)
     x = torch.randn(8, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -302,6 +306,7 @@ def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, s
         torch.cuda.synchronize()
         assert torch.equal(captured, two_kernels)
     assert not split_counters(x.device, 1).any()
+    assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

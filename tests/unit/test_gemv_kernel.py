@@ -365,12 +365,15 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
     x = torch.randn(3, 300, generator=g).to(dtype)
     w = torch.randn(37, 300, generator=g).to(dtype)
     cfg = GemvConfig(16, 64, 4, 2, split_k)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")  # the count (polling is the default: tested below)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the sum kernel first
     two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    used = _spy_partials(monkeypatch)
     for _ in range(2):  # twice: the counters are back at zero after each call
         assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), two_kernels)
         assert not split_counters(x.device, 3).any()
+    assert not used  # counted: no partials buffer taken
 
 
 @interpreted
@@ -647,20 +650,21 @@ def _all_sentinel(device) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("m", "split_k"), [(1, 2), (3, 3), (5, 4)])
 def test_polled_partials_give_the_counted_bits_and_rearm_their_slots(monkeypatch, dtype, m, split_k):
-    """TPGRAPH_POLLED_PARTIALS=1: the last split polls its partners' partials in the sentinel buffer instead of being
-    found by a count: the same bits as the count and as the separate sum kernel, twice over (each call leaves every
-    slot at the sentinel again), and the counters untouched."""
+    """Polled partials (the default): the last split polls its partners' partials in the sentinel buffer instead of
+    being found by a count: the same bits as the count (TPGRAPH_POLLED_PARTIALS=0) and as the separate sum kernel,
+    twice over (each call leaves every slot at the sentinel again), and the counters untouched."""
     from tpgraph.kernels._counters import split_counters
 
     g = torch.Generator().manual_seed(m * 10 + split_k)
     x = torch.randn(m, 300, generator=g).to(dtype)
     w = torch.randn(37, 300, generator=g).to(dtype)
     cfg = GemvConfig(16, 64, 4, 2, split_k)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")
     two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     counted = linear_small_m(x, w, use_triton=True, config=cfg)
-    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS")  # the default
     used = _spy_partials(monkeypatch)
     for _ in range(2):
         polled = linear_small_m(x, w, use_triton=True, config=cfg)
@@ -693,6 +697,7 @@ def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
     count."""
     from tpgraph.kernels import _counters
 
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")  # the count's bits first
     g = torch.Generator().manual_seed(2)
     cases = [(1, 37, 300, 2, torch.bfloat16), (7, 50, 1000, 5, torch.float16), (3, 16, 64, 8, torch.float32),
              (16, 45, 257, 3, torch.bfloat16)]
@@ -713,10 +718,12 @@ def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
     assert len(used) == len(cases) and not _counters.split_counters(x.device, 8).any()
 
 
-def test_polled_partials_are_off_by_default_refused_when_malformed_and_bounded(monkeypatch):
+def test_polled_partials_are_on_by_default_refused_when_malformed_and_bounded(monkeypatch):
     from tpgraph.kernels._counters import PARTIAL_WORDS, partials_buffer, polled_partials
 
     monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
+    assert polled_partials()
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
     assert not polled_partials()
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "on")
     with pytest.raises(Exception, match="TPGRAPH_POLLED_PARTIALS must be 0 or 1"):

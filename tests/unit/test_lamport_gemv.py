@@ -100,12 +100,14 @@ def assert_armed_and_advanced(ranks: Ranks, boundaries: int) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device, world_size):
-    """Seven boundaries (more than the 3 phases; rows changing), split-K and not, each taken by one of the three
-    consumers: the gate_up projection, the qkv + rope projection, and the plain norm (materialize), every other one
-    with the residual read before the PDL wait (written before the inputs, as in the model). The new residual
-    is the unfused one bit for bit on every rank, the materialized norm is the unfused add + RMSNorm's bits, and the
-    projections are within bf16 rounding of the unfused sequence."""
+def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(monkeypatch, device, world_size):
+    """With the count (TPGRAPH_POLLED_PARTIALS=0; polling, the default, below): seven boundaries (more than the 3
+    phases; rows changing), split-K and not, each taken by one of the three consumers: the gate_up projection, the
+    qkv + rope projection, and the plain norm (materialize), every other one with the residual read before the PDL
+    wait (written before the inputs, as in the model). The new residual is the unfused one bit for bit on every rank,
+    the materialized norm is the unfused add + RMSNorm's bits, and the projections are within bf16 rounding of the
+    unfused sequence."""
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
     check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=world_size), device, [3, 1, 5, 2, 16, 4, 1],
                      ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv"])
 
@@ -113,12 +115,12 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(device,
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size):
-    """As above with TPGRAPH_POLLED_PARTIALS=1: the split-K boundaries reduce by polling the sentinel buffer (the
+    """As above with polled partials (the default): the split-K boundaries reduce by polling the sentinel buffer (the
     same bits as the count), and every partial slot is back at the sentinel after each."""
     from tpgraph.kernels import gemv
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
 
-    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
     used, real = [], gemv.partials_buffer
     monkeypatch.setattr(gemv, "partials_buffer", lambda dev, n: used.append(n) or real(dev, n))
     check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=11 + world_size), device, [3, 1, 5, 2],

@@ -82,12 +82,11 @@ _PARTIALS: dict[torch.device, torch.Tensor] = {}
 
 
 def polled_partials() -> bool:
-    """TPGRAPH_POLLED_PARTIALS=1: the split-K projections of gemv._gemv_kernel reduce by polling sentinel slots (see
-    above), where their partials fit the buffer. Opt-in: whole TP=1 steps on one H200
-    (bench/results/2026-12-02_h200_read_ceiling, run6) took 2.392 against 2.380 ms at batch 1, 2.596 against 2.648
-    at batch 8 and 2.976 against 2.980 at batch 32 (polling each partner's tile in turn; the loads now go out
-    together, untimed); batches 2-7 and 9-31, HF parity and TP=2 are untimed."""
-    return env_flag("TPGRAPH_POLLED_PARTIALS")
+    """Whether the split-K projections of gemv._gemv_kernel reduce by polling sentinel slots (see above), where their
+    partials fit the buffer; TPGRAPH_POLLED_PARTIALS=0 keeps the acq_rel count. On by default: whole TP=1 steps on one
+    H200 (bench/results/2026-12-02_h200_polled_default, run2) took 2.365 against 2.379 ms at batch 1, 2.598 against
+    2.647 at batch 8, and no more than the count at any of batches 1-32; HF parity held with it at 3 and 24 rows."""
+    return env_flag("TPGRAPH_POLLED_PARTIALS", default=True)
 
 
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
