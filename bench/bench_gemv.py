@@ -35,15 +35,15 @@ SHAPES = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096),
 L2_MULTIPLE = 4
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_warps": (4, 8), "num_stages": (3, 5),
         "split_k": (1, 2, 4)}
-MAX_TIMED = 120  # configs timed per shape x M (the grid gives at most 108)
+MAX_TIMED = 200  # configs timed per shape x M (the grid gives at most 108; 180 with --splits 1,2,4,8,16)
 MAX_REL_ERR = 1e-2  # bf16 output against F.linear: a config above it is wrong, not slow
 
 
-def sweep_configs(n: int, k: int, sms: int) -> list[GemvConfig]:
-    """The grid for an [N, K] weight: split-K only while the column blocks number fewer than two per SM (more
-    programs would only queue), and never into more splits than K has BLOCK_K steps."""
+def sweep_configs(n: int, k: int, sms: int, splits: tuple[int, ...] = GRID["split_k"]) -> list[GemvConfig]:
+    """The grid for an [N, K] weight, with split-K counts `splits`: split-K only while the column blocks number fewer
+    than two per SM (more programs would only queue), and never into more splits than K has BLOCK_K steps."""
     out = []
-    for bn, bk, warps, stages, split in itertools.product(*GRID.values()):
+    for bn, bk, warps, stages, split in itertools.product(*{**GRID, "split_k": splits}.values()):
         if split > 1 and (-(-n // bn) >= 2 * sms or split > -(-k // bk)):
             continue
         out.append(GemvConfig(bn, bk, warps, stages, split))
@@ -111,7 +111,8 @@ def sweep(args: argparse.Namespace, device: torch.device, hbm: float, l2: int) -
     ms = [int(v) for v in args.sweep_ms.split(",")]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     shapes = selected(args)
-    grids = {name: sweep_configs(n, k, sms) for name, (n, k) in shapes.items()}
+    splits = tuple(int(v) for v in args.splits.split(","))
+    grids = {name: sweep_configs(n, k, sms, splits) for name, (n, k) in shapes.items()}
     kernels = {(c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k > 1) for g in grids.values() for c in g}
     # Triton compiles per config and argument specialization (M == 1 is specialized; shapes and strides here are
     # all multiples of 16), not per shape.
@@ -186,6 +187,8 @@ def main() -> None:
     p.add_argument("--shapes", default="", help=f"comma-separated subset of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--sweep", action="store_true", help="time the config grid per shape x M instead")
     p.add_argument("--sweep-ms", default="1,8", help="M values for --sweep")
+    p.add_argument("--splits", default=",".join(map(str, GRID["split_k"])),
+                   help="split-K counts for --sweep (cheaper reductions, as polled partials, may favour more)")
     args = p.parse_args()
     # above the kernels' rows linear_small_m takes F.linear: it would time cuBLAS under the kernel's name
     most = max(int(m) for m in f"{args.ms},{args.sweep_ms}".split(",") if m)

@@ -21,6 +21,8 @@ def test_split_k_only_where_column_blocks_leave_sms_idle(bench):
         assert {c.split_k for c in grid if c.block_n == 64} == ({1} if -(-n // 64) >= 2 * SMS else {1, 2, 4})
     assert {c.split_k for c in bench.sweep_configs(64128, 4096, SMS)} == {1}  # lm_head: 1002 column blocks
     assert len(bench.sweep_configs(3072, 4096, SMS)) == 108  # 36 tiles x 3 splits
+    wide = bench.sweep_configs(3072, 4096, SMS, (1, 2, 4, 8, 16))  # 512-wide K tiles take at most 8 splits of 4096
+    assert len(wide) == 36 * 5 - 12 and len(wide) <= bench.MAX_TIMED and {c.split_k for c in wide} == {1, 2, 4, 8, 16}
 
 
 def test_no_split_has_an_empty_k_range(bench):
