@@ -411,6 +411,23 @@ def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: boo
     assert not split_counters(x.device, heads + 2 * kv_heads).any()
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "block_n", "split_k"), [(1, 16, 1), (3, 32, 2), (5, 64, 3)])
+def test_qkv_rope_store_with_polled_partials_gives_the_counted_bits(monkeypatch, dtype, m, block_n, split_k):
+    """TPGRAPH_POLLED_ROPE=1: each head's fixed reducer polls the head's partials in the sentinel buffer instead of
+    the last of them counting in: the two steps' bits (as the count's), twice over, every slot back at the
+    sentinel after each call, no counter touched, and the buffer really taken."""
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
+    used = _spy_partials(monkeypatch)
+    for seed in range(2):
+        _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), seed == 1,
+                             torch.Generator().manual_seed(m * 10 + split_k + seed))
+        assert _all_sentinel(torch.device("cpu"))
+    qkv_calls = [n for n in used if n == split_k * m * (4 + 2 * 2) * 64]
+    assert len(qkv_calls) >= 2  # both qkv_rope_store calls polled (their linear_small_m twins may too)
+
+
 def test_qkv_rope_store_declines_what_it_cannot_do():
     from tpgraph.kernels.gemv import qkv_rope_store
 
@@ -426,7 +443,7 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:1], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, polled: bool = False) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -437,7 +454,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16) -> s
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early})
+                     "ROPE_EARLY": rope_early, "POLLED": polled})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -457,6 +474,16 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     four = _loads_after_the_count(ptx)
     assert four and all(".cg" in ld for ld in four)
     assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
+
+
+def test_the_polled_qkv_rope_reducer_compiles_for_sm90_without_a_count():
+    """sm_90a, POLLED: no atomic; the head's partials are read volatile (past L1) after the wait, all of a poll's
+    loads issued before the one reduction that counts the stale elements, and a trap behind the poll's limit."""
+    ptx = _qkv_rope_ptx(4, polled=True)
+    assert "atom.global" not in ptx and "trap;" in ptx
+    volatile = [m.start() for m in re.finditer(r"ld\.volatile\.global", ptx)]
+    assert len(volatile) >= 2 * 2 * 4  # two halves x four splits, in the first poll and in the loop
+    assert ptx.index("griddepcontrol.wait") < volatile[0]
 
 
 @pytest.mark.parametrize("early", [False, True])

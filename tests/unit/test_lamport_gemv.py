@@ -114,13 +114,16 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(monkeyp
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size):
+@pytest.mark.parametrize("rope", ["0", "1"])
+def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size, rope):
     """As above with polled partials (the default): the split-K boundaries reduce by polling the sentinel buffer (the
-    same bits as the count), and every partial slot is back at the sentinel after each."""
+    same bits as the count), and every partial slot is back at the sentinel after each; rope: the qkv + rope
+    kernel's heads polled too (TPGRAPH_POLLED_ROPE)."""
     from tpgraph.kernels import gemv
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
 
     monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", rope)
     used, real = [], gemv.partials_buffer
     monkeypatch.setattr(gemv, "partials_buffer", lambda dev, n: used.append(n) or real(dev, n))
     check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=11 + world_size), device, [3, 1, 5, 2],

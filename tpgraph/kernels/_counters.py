@@ -89,6 +89,12 @@ def polled_partials() -> bool:
     return env_flag("TPGRAPH_POLLED_PARTIALS", default=True)
 
 
+def polled_rope() -> bool:
+    """TPGRAPH_POLLED_ROPE=1 (with polled partials): the qkv + rope kernel's head reducer polls its head's partials
+    too, instead of the last of them arriving by a count. Opt-in until whole steps are timed with it."""
+    return polled_partials() and env_flag("TPGRAPH_POLLED_ROPE")
+
+
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
     """This device's sentinel-filled fp32 partials buffer (at least numel words), or None where numel does not fit.
     Made on the device's first call, which must not be under graph capture."""

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
-from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
+from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, polled_rope, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
@@ -463,7 +463,8 @@ if triton is not None:
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr):
+                         PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
+                         POLLED: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -475,8 +476,10 @@ if triton is not None:
         the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
         loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS).
-        (Polled partials, as _gemv_kernel's POLLED, lost here: each head's reducer waits for 16 partials, and a step
-        took 0.05-0.12 ms longer at batches 1 and 32: bench/results/2026-12-02_h200_read_ceiling, run6.)"""
+        POLLED (ws is the sentinel-filled partials buffer, as _gemv_kernel's POLLED): no count; the head's last column
+        block at the last split (dispatched after every partner) stores its partial too, then polls the head's
+        partials until none holds the sentinel, and sets them back. (Its first form, which reduced after each partner's
+        load, lost 0.05-0.12 ms a step: bench/results/2026-12-02_h200_read_ceiling, run6.)"""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -498,10 +501,16 @@ if triton is not None:
         tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
         head = pid // (HEAD_DIM // BLOCK_N)
-        if arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
+        if POLLED:  # the head's last column block at the last split: its partners have lower program ids
+            if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
+                tl.debug_barrier()  # its own partial's stores, seen by all of its threads
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+                           stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True)
+        elif arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
             _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
                        stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS)
+                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False)
             reset_counter(counter_ptr + head)
 
     @triton.jit
@@ -521,9 +530,10 @@ if triton is not None:
     def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os, stride_ch,
                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
-        they are in flight together), then q/k rotated with the rows' cos/sin (c, sn; every op rounded as
+        they are in flight together; POLLED: until none holds the sentinel, then the slots go back to it), then q/k
+        rotated with the rows' cos/sin (c, sn; every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
         rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
         GEMV's bits."""
@@ -534,11 +544,22 @@ if triton is not None:
         offs_h = tl.arange(0, half)
         rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
         at = offs_m[:, None] * N + head * HEAD_DIM + offs_h[None, :]
-        t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLITS):
-            t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        if POLLED:
+            t1, t2, missing = _polled_halves(ws_ptr, at, rows_ok, stride_os, half, SPLITS)
+            tries = 0
+            while (missing > 0) & (tries < POLL_LIMIT_C):
+                t1, t2, missing = _polled_halves(ws_ptr, at, rows_ok, stride_os, half, SPLITS)
+                tries += 1
+            poll_exhausted(missing, tries)
+            for s in tl.static_range(SPLITS):  # the slots back to the sentinel, for the next call
+                tl.store(ws_ptr + s * stride_os + at, sentinel_like(t1), mask=rows_ok)
+                tl.store(ws_ptr + s * stride_os + at + half, sentinel_like(t2), mask=rows_ok)
+        else:
+            t1 = tl.load(ws_ptr + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            t2 = tl.load(ws_ptr + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
         if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
@@ -557,6 +578,21 @@ if triton is not None:
             dst = v_cache_ptr + cache_row[:, None] + (head - NUM_HEADS - NUM_KV_HEADS) * stride_ch + offs_h[None, :]
             tl.store(dst, to_dtype(t1, dtype, SOFT_BF16), mask=rows_ok)
             tl.store(dst + half, to_dtype(t2, dtype, SOFT_BF16), mask=rows_ok)
+
+    @triton.jit
+    def _polled_halves(ws_ptr, at, ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr):
+        """A head's two halves summed over all SPLITS partials in split order, past L1, and how many of their elements
+        still hold the sentinel (or-ed and reduced once, as _polled_splits: the loads go out together)."""
+        t1 = tl.load(ws_ptr + at, mask=ok, other=0.0, volatile=True)
+        t2 = tl.load(ws_ptr + at + half, mask=ok, other=0.0, volatile=True)
+        stale = is_sentinel(t1) | is_sentinel(t2)
+        for s in tl.static_range(1, SPLITS):
+            v1 = tl.load(ws_ptr + s * stride_os + at, mask=ok, other=0.0, volatile=True)
+            v2 = tl.load(ws_ptr + s * stride_os + at + half, mask=ok, other=0.0, volatile=True)
+            stale = stale | is_sentinel(v1) | is_sentinel(v2)
+            t1 += v1
+            t2 += v2
+        return t1, t2, unfilled(stale, ok)
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -786,12 +822,15 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    ws = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope() else None
+    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
+    ws = (partials[:config.split_k * m * n].view(config.split_k, m, n) if partials is not None
+          else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device))
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early,
+        ROPE_EARLY=inputs_early, POLLED=partials is not None,
         **_staged_args(x, recv), **tile)
     return q
