@@ -380,10 +380,12 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("m", "block_n", "split_k", "early"), [(1, 16, 1, False), (3, 32, 2, True),
                                                                 (5, 64, 3, False), (5, 64, 3, True)])
-def test_qkv_rope_store_gives_the_two_steps_bits(dtype, m, block_n, split_k, early):
-    """The projection and rope_store in one launch: q, the K and V caches, bit for bit the GEMV (same tiles) and
-    then rope_and_store; the counters back at zero. early: the rotation inputs read before the wait (inputs_early,
-    written before x as the model's metadata is)."""
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, dtype, m, block_n, split_k, early):
+    """The projection and rope_store in one launch, its heads found by the count (TPGRAPH_POLLED_ROPE=0; polled
+    below): q, the K and V caches, bit for bit the GEMV (same tiles) and then rope_and_store; the counters back at
+    zero. early: the rotation inputs read before the wait (inputs_early, written before x as the model's metadata
+    is)."""
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "0")
     _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early, torch.Generator().manual_seed(
         m * 10 + split_k))
 
@@ -426,6 +428,24 @@ def test_qkv_rope_store_with_polled_partials_gives_the_counted_bits(monkeypatch,
         assert _all_sentinel(torch.device("cpu"))
     qkv_calls = [n for n in used if n == split_k * m * (4 + 2 * 2) * 64]
     assert len(qkv_calls) >= 2  # both qkv_rope_store calls polled (their linear_small_m twins may too)
+
+
+def test_the_qkv_rope_heads_poll_at_2_to_16_rows_by_default(monkeypatch):
+    from tpgraph.kernels._counters import polled_rope
+
+    monkeypatch.delenv("TPGRAPH_POLLED_ROPE", raising=False)
+    monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
+    assert [rows for rows in range(1, 33) if polled_rope(rows)] == list(range(2, 17))
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
+    assert all(polled_rope(rows) for rows in (1, 8, 32))
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")  # no partials buffer: the count
+    assert not polled_rope(8)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "0")
+    assert not polled_rope(8)
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "yes")
+    with pytest.raises(Exception, match="TPGRAPH_POLLED_ROPE must be 0 or 1"):
+        polled_rope(8)
 
 
 def test_qkv_rope_store_declines_what_it_cannot_do():

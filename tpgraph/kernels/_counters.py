@@ -89,10 +89,18 @@ def polled_partials() -> bool:
     return env_flag("TPGRAPH_POLLED_PARTIALS", default=True)
 
 
-def polled_rope() -> bool:
-    """TPGRAPH_POLLED_ROPE=1 (with polled partials): the qkv + rope kernel's head reducer polls its head's partials
-    too, instead of the last of them arriving by a count. Opt-in until whole steps are timed with it."""
-    return polled_partials() and env_flag("TPGRAPH_POLLED_ROPE")
+POLLED_ROPE_ROWS = range(2, 17)  # where polling the qkv + rope kernel's heads paid (polled_rope)
+
+
+def polled_rope(rows: int) -> bool:
+    """Whether the qkv + rope kernel's head reducer polls its head's partials (with polled partials on) instead of
+    the last of them arriving by a count: by default at 2-16 rows, where whole TP=1 steps on one H200 took 0.010,
+    0.015 and 0.031 ms less at batches 2, 8 and 16, not at 1 row (+0.006) nor at 17-32 (+0.082 at batch 32: a
+    32-row head is 16 partials of 16 KB a poll) (bench/results/2026-12-02_h200_polled_default, run4).
+    TPGRAPH_POLLED_ROPE=1 polls at every row count, =0 at none."""
+    value = os.environ.get("TPGRAPH_POLLED_ROPE", "").strip()
+    forced = env_flag("TPGRAPH_POLLED_ROPE") if value else rows in POLLED_ROPE_ROWS
+    return polled_partials() and forced
 
 
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:

@@ -822,7 +822,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     tile = _tile_args(x, config, n, k)
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope() else None
+    partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope(m) else None
     # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
     ws = (partials[:config.split_k * m * n].view(config.split_k, m, n) if partials is not None
           else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device))
