@@ -35,7 +35,7 @@ SHAPES = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096),
 L2_MULTIPLE = 4
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_warps": (4, 8), "num_stages": (3, 5),
         "split_k": (1, 2, 4)}
-MAX_TIMED = 200  # configs timed per shape x M (the grid gives at most 108; 180 with --splits 1,2,4,8,16)
+MAX_TIMED = 200  # configs timed per shape x M (the grid gives at most 108; at most 180 with --splits 1,2,4,8,16)
 MAX_REL_ERR = 1e-2  # bf16 output against F.linear: a config above it is wrong, not slow
 
 

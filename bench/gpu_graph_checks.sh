@@ -220,9 +220,10 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              $NPROC bench/hf_parity.py --dtype $dt --copies $copies $([ $dt = bf16 ] && echo --embed-std 4.0) \
              --out "$out/hf_parity_polled_${dt}_x$copies.json" 2>&1 | grep -E "identical=False|PASS" \
              | sed "s/^/$dt x$copies /" | tee -a "$out/hf_parity_polled.log"; done; done ;;
-    polled-ab) # the second half of polled: whole steps at batches 1-32, the count against polled partials
+    polled-ab) # the second half of polled: whole steps at batches 1-32, the count against polled partials (the qkv +
+         # rope kernel's heads counted in both: TPGRAPH_POLLED_ROPE=0)
          timeout 560 python3 bench/ab_decode.py --out "$out/ab_polled" --nproc $NPROC --rounds 2 --variant count=.:TPGRAPH_POLLED_PARTIALS=0 \
-             --variant polled=.:TPGRAPH_POLLED_PARTIALS=1 -- --shape "${SHAPE:-llama3-8b}" --modes full \
+             --variant polled=.:TPGRAPH_POLLED_PARTIALS=1,TPGRAPH_POLLED_ROPE=0 -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,2,4,8,16,24,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 \
              --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab_polled.log" ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,

@@ -333,15 +333,20 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
     assert not split_counters(q.device, 16 * k.shape[2]).any()
 
 
+@pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
                          + [(24, torch.bfloat16), (24, torch.float16), (32, torch.bfloat16)])  # 16-bit only
-def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early):
-    """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32):
-    q and both caches bit for bit the two steps, eager and replayed in a graph. early: the rotation inputs read
-    before the PDL wait (inputs_early; positions and slots are written before x here, as the model's are)."""
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, polled):
+    """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32), its
+    heads found by the count or by polling (TPGRAPH_POLLED_ROPE): q and both caches bit for bit the two steps,
+    eager and replayed in a graph with new rows before each replay (a reducer that read a stale partial would show),
+    and every partial slot back at the sentinel. early: the rotation inputs read before the PDL wait (inputs_early;
+    positions and slots are written before x here, as the model's are)."""
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")  # 24 rows: the 32-row tiles
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -360,12 +365,16 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early):
     with torch.cuda.graph(graph):
         captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
                                   inputs_early=early)
-    caches[0].zero_()
-    caches[1].zero_()
     for _ in range(3):
+        x.copy_(torch.randn(m, hidden, device="cuda", generator=g).to(dtype))
+        for cache in caches:
+            cache.zero_()
         graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, rq) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        rq, _ = rope_and_store(linear_small_m(x, w), positions, tables, slots, caches[2], caches[3], heads, kv_heads,
+                               dim)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, rq) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

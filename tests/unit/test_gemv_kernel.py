@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tpgtest.markers import interpreted
+from tpgtest.polled import spy_polled_rope
 from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
@@ -416,18 +417,28 @@ def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: boo
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("m", "block_n", "split_k"), [(1, 16, 1), (3, 32, 2), (5, 64, 3)])
-def test_qkv_rope_store_with_polled_partials_gives_the_counted_bits(monkeypatch, dtype, m, block_n, split_k):
+def test_qkv_rope_store_with_polled_partials_gives_the_two_steps_bits(monkeypatch, dtype, m, block_n, split_k):
     """TPGRAPH_POLLED_ROPE=1: each head's fixed reducer polls the head's partials in the sentinel buffer instead of
-    the last of them counting in: the two steps' bits (as the count's), twice over, every slot back at the
-    sentinel after each call, no counter touched, and the buffer really taken."""
+    the last of them counting in: the two steps' bits, twice over, every slot back at the sentinel after each
+    call, no counter touched, and both qkv_rope_store calls really polled."""
     monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
-    used = _spy_partials(monkeypatch)
+    polled = spy_polled_rope(monkeypatch)
     for seed in range(2):
         _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), seed == 1,
                              torch.Generator().manual_seed(m * 10 + split_k + seed))
         assert _all_sentinel(torch.device("cpu"))
-    qkv_calls = [n for n in used if n == split_k * m * (4 + 2 * 2) * 64]
-    assert len(qkv_calls) >= 2  # both qkv_rope_store calls polled (their linear_small_m twins may too)
+    assert polled == [split_k * m * (4 + 2 * 2) * 64] * 2
+
+
+def test_qkv_rope_store_keeps_the_count_where_its_partials_do_not_fit(monkeypatch):
+    """A launch whose partials do not fit the sentinel buffer counts, as _gemv_kernel's launches do."""
+    from tpgraph.kernels import _counters
+
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
+    monkeypatch.setattr(_counters, "PARTIAL_WORDS", 10)
+    polled = spy_polled_rope(monkeypatch)
+    _check_qkv_rope_bits(3, torch.float32, GemvConfig(32, 32, 4, 2, 2), False, torch.Generator().manual_seed(4))
+    assert polled == []
 
 
 def test_the_qkv_rope_heads_poll_at_2_to_16_rows_by_default(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tpgtest.lamport_emul import phases_view, slots_view
 from tpgtest.markers import interpreted
+from tpgtest.polled import spy_polled_rope
 from tpgtest.ptx import gemv_signature, sm90_ptx
 
 from tpgraph.errors import ConfigError
@@ -124,11 +125,20 @@ def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(
 
     monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
     monkeypatch.setenv("TPGRAPH_POLLED_ROPE", rope)
-    used, real = [], gemv.partials_buffer
-    monkeypatch.setattr(gemv, "partials_buffer", lambda dev, n: used.append(n) or real(dev, n))
+    rope_polled = spy_polled_rope(monkeypatch)
+    taken, real = [], gemv.partials_buffer
+
+    def spy(dev, n):
+        buf = real(dev, n)
+        taken.extend([n] if buf is not None else [])
+        return buf
+
+    monkeypatch.setattr(gemv, "partials_buffer", spy)
     check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=11 + world_size), device, [3, 1, 5, 2],
                      ["gate_up", "qkv", "norm", "qkv"])
-    assert used  # the split-K boundaries polled (equal bits alone would not show it)
+    # equal bits alone would not show that anything polled: the split-K projections did, and (rope) both qkv + rope
+    # boundaries, at 1 and 2 rows
+    assert len(taken) > len(rope_polled) and len(rope_polled) == (2 * world_size if rope == "1" else 0)
     assert (partials_buffer(torch.device(device), 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 

@@ -84,8 +84,9 @@ _PARTIALS: dict[torch.device, torch.Tensor] = {}
 def polled_partials() -> bool:
     """Whether the split-K projections of gemv._gemv_kernel reduce by polling sentinel slots (see above), where their
     partials fit the buffer; TPGRAPH_POLLED_PARTIALS=0 keeps the acq_rel count. On by default: whole TP=1 steps on one
-    H200 (bench/results/2026-12-02_h200_polled_default, run2) took 2.365 against 2.379 ms at batch 1, 2.598 against
-    2.647 at batch 8, and no more than the count at any of batches 1-32; HF parity held with it at 3 and 24 rows."""
+    H200 at a TP=2 rank's Llama-3-8B shape (bench/results/2026-12-02_h200_polled_default, run2) took 2.365 against
+    2.379 ms at batch 1, 2.598 against 2.647 at batch 8, and no more than the count at any of the batches timed (1, 2,
+    4, 8, 16, 24, 32); HF parity held with it at 3 and 24 rows. TP=2 is untimed."""
     return env_flag("TPGRAPH_POLLED_PARTIALS", default=True)
 
 
@@ -94,9 +95,10 @@ POLLED_ROPE_ROWS = range(2, 17)  # where polling the qkv + rope kernel's heads p
 
 def polled_rope(rows: int) -> bool:
     """Whether the qkv + rope kernel's head reducer polls its head's partials (with polled partials on) instead of
-    the last of them arriving by a count: by default at 2-16 rows, where whole TP=1 steps on one H200 took 0.010,
-    0.015 and 0.031 ms less at batches 2, 8 and 16, not at 1 row (+0.006) nor at 17-32 (+0.082 at batch 32: a
-    32-row head is 16 partials of 16 KB a poll) (bench/results/2026-12-02_h200_polled_default, run4).
+    the last of them arriving by a count: by default at 2-16 rows. Whole TP=1 steps on one H200 at a TP=2 rank's
+    Llama-3-8B shape (qkv 3072 x 4096 in 32-column tiles, 4 splits: 16 partials a head) took 0.010, 0.015 and 0.031 ms
+    less at batches 2, 8 and 16, but 0.006 more at batch 1 and 0.082 more at batch 32, where a head's poll reads 64 KB
+    (bench/results/2026-12-02_h200_polled_default, run4). Untimed: the batches between, other shapes' tiles, TP=2.
     TPGRAPH_POLLED_ROPE=1 polls at every row count, =0 at none."""
     value = os.environ.get("TPGRAPH_POLLED_ROPE", "").strip()
     forced = env_flag("TPGRAPH_POLLED_ROPE") if value else rows in POLLED_ROPE_ROWS

@@ -466,7 +466,7 @@ if triton is not None:
                          PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
                          POLLED: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
-        every program stores its fp32 partial to the workspace [splits, M, N] and counts itself in at
+        every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED) counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
         in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
         _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
