@@ -189,6 +189,33 @@ def test_the_last_split_merges_more_splits_than_one_load_of_sums_takes(monkeypat
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
+@pytest.mark.parametrize(("seed", "num_splits", "split_tiles", "max_len"),
+                         [(0, 2, 1, 200), (6, 4, 2, 200), (17, 3, 1, 200), (23, 22, 1, 1500)])
+def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatch, seed, num_splits, split_tiles,
+                                                                      max_len):
+    """TPGRAPH_POLLED_ATTENTION=1: the last split in use merges its partners' partials from the sentinel buffer,
+    its own last: the count's bits (a padded row, one-split sequences and, at 1500 tokens, 12 splits in use, more
+    than a chunk), twice over, every slot back at the sentinel, no counter touched, and the buffer really taken."""
+    from tpgraph.kernels import _counters
+
+    q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=max_len)
+    lens[-1] = 0  # a padded row: its one split merges nothing
+    lens[0] = max_len
+    run = dict(max_seq_len=max_len, num_splits=num_splits, split_tiles=split_tiles)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    counted = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+    monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
+    taken, real = [], decode_attention.partials_buffer
+    monkeypatch.setattr(decode_attention, "partials_buffer", lambda dev, n: taken.append(n) or real(dev, n))
+    for _ in range(2):
+        assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), counted)
+        assert (_counters.partials_buffer(q.device, 1).view(torch.int32) == _counters.PARTIAL_SENTINEL).all()
+        assert not _counters.split_counters(q.device, q.shape[0] * k.shape[2]).any()
+    assert taken == [q.shape[0] * q.shape[1] * num_splits * (q.shape[2] + 2)] * 2
+    monkeypatch.setattr(_counters, "PARTIAL_WORDS", 10)  # too small: the count again, the same bits
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), counted)
+
+
 @pytest.mark.parametrize("combine_rows", [4, 8, 64])  # a query group of 4: 1, 2 and 16 splits a load (12 in use)
 def test_the_merge_chunk_does_not_change_the_bits(monkeypatch, combine_rows):
     """The last split's merge sums the splits in order however many it loads at once (combine_rows): the same bits
@@ -259,7 +286,7 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_
 
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
                      late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False,
-                     num_stages: int = 2) -> str:
+                     num_stages: int = 2, polled: bool = False) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -274,8 +301,16 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
                      "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead,
                      "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "MERGE": decode_attention.MERGE_SPLITS,
-                     "SPLITS_P2": 8},
+                     "SPLITS_P2": 8, "POLLED": polled},
                     num_stages=num_stages, divisible=_ALIGNED if aligned else ())
+
+
+def test_the_polled_merge_compiles_for_sm90_without_a_count():
+    """sm_90a, POLLED: no atomic; the partners' partials are read volatile (past L1) after the wait, and a trap stands
+    behind each poll's limit."""
+    ptx = _split_kernel_ptx(polled=True)
+    assert "atom.global" not in ptx and "trap;" in ptx
+    assert "ld.volatile.global" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.volatile.global")
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -105,6 +105,13 @@ def polled_rope(rows: int) -> bool:
     return polled_partials() and forced
 
 
+def polled_attention() -> bool:
+    """TPGRAPH_POLLED_ATTENTION=1 (with polled partials on): split-KV decode attention's last split in use merges its
+    partners' partials by polling the sentinel buffer instead of arriving last by a count
+    (decode_attention._polled_combine_group). Opt-in: whole steps with it are untimed."""
+    return polled_partials() and env_flag("TPGRAPH_POLLED_ATTENTION")
+
+
 def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
     """This device's sentinel-filled fp32 partials buffer (at least numel words), or None where numel does not fit.
     Made on the device's first call, which must not be under graph capture."""

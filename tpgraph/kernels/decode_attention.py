@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from tpgraph.kernels._counters import last_split_reduces, split_counters
+from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_attention, split_counters
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._settings import env_choice, env_flag
@@ -49,7 +49,15 @@ try:
     import triton
     import triton.language as tl
 
-    from tpgraph.kernels._counters import arrived_last, reset_counter
+    from tpgraph.kernels._counters import (
+        POLL_LIMIT_C,
+        arrived_last,
+        is_sentinel,
+        poll_exhausted,
+        reset_counter,
+        sentinel_like,
+        unfilled,
+    )
     from tpgraph.kernels._pdl import pdl_enter
     from tpgraph.kernels._rounding import to_dtype
 except ImportError:  # CPU-only installs without Triton use paged_decode_reference
@@ -306,12 +314,17 @@ if triton is not None:
         GROUP_P2: tl.constexpr, COMBINE_CHUNK: tl.constexpr, NEWEST_APART: tl.constexpr,
         PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
         KV_AHEAD: tl.constexpr, LONG_TILES: tl.constexpr, MERGE: tl.constexpr, SPLITS_P2: tl.constexpr,
+        POLLED: tl.constexpr,
     ):
         """LAST_COMBINES (more than one split): no combine kernel. Each split in use counts itself in at
         counter_ptr[b * KV heads + KV head] once its partial is stored, and the one that arrives last merges the
         partials of its whole query group in split order (_combine_group: GROUP_P2 rows; every split's maxima in one
         load of SPLITS_P2 rows, then the weighted sums COMBINE_CHUNK splits a load). LONG_TILES and MERGE: a long
         sequence's splits (_split_span).
+        POLLED (with LAST_COMBINES; `polled_attention`): the partials are views of the device's sentinel-filled
+        partials buffer, and the last split in use of each (sequence, KV head) merges without a count: it polls its
+        partners' partials until none holds the sentinel, merges them in split order with its own (kept in
+        registers) last, and sets their slots back to the sentinel (_polled_combine_group).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -430,12 +443,16 @@ if triton is not None:
                 out = acc / l_safe[:, None]
                 out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
                 tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
+            elif POLLED and split == used - 1:  # the reducer: its partners have lower program ids and never wait
+                _polled_combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
+                                      stride_ps, stride_ob, stride_oh, used, m_i, l_i, acc, GROUP, GROUP_PAD,
+                                      HEAD_DIM, DIM_PAD, COMBINE_CHUNK, SPLITS_P2, INTERPRETED)
             else:
                 part = b * stride_pb + heads * stride_ph + split * stride_ps
                 tl.store(part_m_ptr + part, m_i, mask=g_ok)
                 tl.store(part_l_ptr + part, l_i, mask=g_ok)
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
-                if LAST_COMBINES:
+                if LAST_COMBINES and not POLLED:
                     counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
                         _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
@@ -480,6 +497,73 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
                  to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED),
                  mask=g_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _polled_combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph, stride_ps,
+                              stride_ob, stride_oh, used, m_own, l_own, acc_own, GROUP: tl.constexpr,
+                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                              CHUNK: tl.constexpr, SPLITS_P2: tl.constexpr, INTERPRETED: tl.constexpr):
+        """_combine_group's merge by the last split in use, from its partners' partials in the sentinel buffer and its
+        own running sums (m_own, l_own, acc_own: GROUP_PAD rows) added last, as split order puts them: the count's
+        bits. It polls, past L1, the partners' maxima and sums until none holds the sentinel, then each chunk of
+        their weighted rows likewise (a partner's stores are not ordered among its threads), and sets every slot it
+        read back to the sentinel."""
+        offs_g = tl.arange(0, GROUP_PAD)
+        g_ok = offs_g < GROUP
+        part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        offs_s = tl.arange(0, SPLITS_P2)
+        partners = used - 1
+        ms_ok = (offs_s < partners)[:, None] & g_ok[None, :]
+        at = part0[None, :] + offs_s[:, None] * stride_ps
+        m_all = tl.load(part_m_ptr + at, mask=ms_ok, other=float("-inf"), volatile=True)
+        l_all = tl.load(part_l_ptr + at, mask=ms_ok, other=0.0, volatile=True)
+        missing = unfilled(is_sentinel(m_all) | is_sentinel(l_all), ms_ok)
+        tries = 0
+        while (missing > 0) & (tries < POLL_LIMIT_C):
+            m_all = tl.load(part_m_ptr + at, mask=ms_ok, other=float("-inf"), volatile=True)
+            l_all = tl.load(part_l_ptr + at, mask=ms_ok, other=0.0, volatile=True)
+            missing = unfilled(is_sentinel(m_all) | is_sentinel(l_all), ms_ok)
+            tries += 1
+        poll_exhausted(missing, tries)
+        m_max = tl.maximum(tl.max(m_all, axis=0), tl.where(g_ok, m_own, float("-inf")))
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
+        l_total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        rows_ok = g_ok[:, None] & d_ok[None, :]
+        for c0 in range(0, partners, CHUNK):
+            # this chunk's weighted rows, polled until every one is in (their maxima and sums already are)
+            missing = 1
+            tries = 0
+            while (missing > 0) & (tries <= POLL_LIMIT_C):
+                stale = tl.zeros([GROUP_PAD, DIM_PAD], tl.int32)
+                for j in tl.static_range(CHUNK):
+                    ok = tl.where(c0 + j < partners, rows_ok, False)
+                    row = tl.load(part_acc_ptr + (part0 + (c0 + j) * stride_ps)[:, None] * HEAD_DIM
+                                  + offs_d[None, :], mask=ok, other=0.0, volatile=True)
+                    stale = stale | is_sentinel(row).to(tl.int32)
+                missing = unfilled(stale != 0, rows_ok)
+                tries += 1
+            poll_exhausted(missing, tries - 1)
+            for j in tl.static_range(CHUNK):
+                part = part0 + (c0 + j) * stride_ps
+                ok = tl.where(c0 + j < partners, g_ok, False)
+                w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), volatile=True) - m_max)
+                l_total += tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True) * w
+                acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=ok[:, None] & d_ok[None, :], other=0.0, volatile=True) * w[:, None]
+        w = tl.exp2(tl.where(g_ok, m_own, float("-inf")) - m_max)  # its own split, last
+        l_total += tl.where(g_ok, l_own, 0.0) * w
+        acc += tl.where(rows_ok, acc_own, 0.0) * w[:, None]
+        l_total = tl.where(l_total == 0.0, 1.0, l_total)
+        tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                 to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED), mask=rows_ok)
+        tl.store(part_m_ptr + at, sentinel_like(m_all), mask=ms_ok)  # the slots back to the sentinel
+        tl.store(part_l_ptr + at, sentinel_like(l_all), mask=ms_ok)
+        for c0 in range(0, partners):
+            tl.store(part_acc_ptr + (part0 + c0 * stride_ps)[:, None] * HEAD_DIM + offs_d[None, :],
+                     sentinel_like(acc), mask=rows_ok)
 
     @triton.jit
     def _decode_combine_kernel(
@@ -644,7 +728,14 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return out
     interpreted = soft_bf16_rounding(q)
     dim_pad = triton.next_power_of_2(dim)
-    if num_splits > 1:
+    last_combines = num_splits > 1 and last_split_reduces()
+    rows = batch * num_heads * num_splits  # (split, query head) rows of partials
+    partials = partials_buffer(q.device, rows * (dim + 2)) if last_combines and polled_attention() else None
+    if partials is not None:  # views of the sentinel-filled buffer: acc rows, then the maxima, then the sums
+        part_acc = partials[:rows * dim].view(batch, num_heads, num_splits, dim)
+        part_m = partials[rows * dim:rows * (dim + 1)].view(batch, num_heads, num_splits)
+        part_l = partials[rows * (dim + 1):rows * (dim + 2)].view(batch, num_heads, num_splits)
+    elif num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
         part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -655,8 +746,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         l2_prefetch = l2_prefetch_tiles_for(q, kv_heads, num_splits, max_seq_len, block_n, long_split_tiles,
                                             merge_splits=merge_splits)
     line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
-    last_combines = num_splits > 1 and last_split_reduces()
-    counters = split_counters(q.device, batch * kv_heads) if last_combines else out
+    counters = split_counters(q.device, batch * kv_heads) if last_combines and partials is None else out
     pdl = use_pdl(q)
     merge_tiles = combine_tiles(group, num_splits, combine_rows)  # (SPLITS_P2 sizes the combine kernel's load as well)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -673,7 +763,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NEWEST_APART=newest_apart_for(batch) if newest_apart is None else bool(newest_apart),
         PREFETCH_TILES=0 if interpreted else l2_prefetch, LINE=line,  # (the interpreter has no inline asm)
         LINES=triton.next_power_of_2(-(-dim // line)), LATE_TRIGGER=attention_late_trigger(batch) and pdl,
-        KV_AHEAD=kv_ahead,
+        KV_AHEAD=kv_ahead, POLLED=partials is not None,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **pdl_launch(pdl),
     )
     if num_splits > 1 and not last_combines:
