@@ -193,9 +193,10 @@ def test_the_last_split_merges_more_splits_than_one_load_of_sums_takes(monkeypat
                          [(0, 2, 1, 200), (6, 4, 2, 200), (17, 3, 1, 200), (23, 22, 1, 1500)])
 def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatch, seed, num_splits, split_tiles,
                                                                       max_len):
-    """TPGRAPH_POLLED_ATTENTION=1: the last split in use merges its partners' partials from the sentinel buffer,
-    its own last: the count's bits (a padded row, one-split sequences and, at 1500 tokens, 12 splits in use, more
-    than a chunk), twice over, every slot back at the sentinel, no counter touched, and the buffer really taken."""
+    """TPGRAPH_POLLED_ATTENTION=1: the last split in use polls the splits' partials in the sentinel buffer instead of
+    arriving last by a count, and merges them as the count's merge does: its bits (a padded row, one-split sequences
+    and, at 1500 tokens, 12 splits in use, more than a chunk), twice over, every slot back at the sentinel, no
+    counter touched, and the buffer really taken."""
     from tpgraph.kernels import _counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=max_len)

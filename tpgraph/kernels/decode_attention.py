@@ -322,9 +322,9 @@ if triton is not None:
         load of SPLITS_P2 rows, then the weighted sums COMBINE_CHUNK splits a load). LONG_TILES and MERGE: a long
         sequence's splits (_split_span).
         POLLED (with LAST_COMBINES; `polled_attention`): the partials are views of the device's sentinel-filled
-        partials buffer, and the last split in use of each (sequence, KV head) merges without a count: it polls its
-        partners' partials until none holds the sentinel, merges them in split order with its own (kept in
-        registers) last, and sets their slots back to the sentinel (_polled_combine_group).
+        partials buffer, and the last split in use of each (sequence, KV head) merges without a count: it stores its
+        own partial too, then polls the splits' partials until none holds the sentinel, merges them in split order as
+        _combine_group does, and sets their slots back to the sentinel (_polled_combine_group).
 
         As a programmatic dependent (PDL), a program loads its first tile of K/V before it waits for the kernel
         before: only q and the newest token's K/V (position seq_len - 1) come from that kernel (qkv + rope + cache
@@ -443,16 +443,18 @@ if triton is not None:
                 out = acc / l_safe[:, None]
                 out_offs = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
                 tl.store(out_ptr + out_offs, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=q_mask)
-            elif POLLED and split == used - 1:  # the reducer: its partners have lower program ids and never wait
-                _polled_combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
-                                      stride_ps, stride_ob, stride_oh, used, m_i, l_i, acc, GROUP, GROUP_PAD,
-                                      HEAD_DIM, DIM_PAD, COMBINE_CHUNK, SPLITS_P2, INTERPRETED)
             else:
                 part = b * stride_pb + heads * stride_ph + split * stride_ps
                 tl.store(part_m_ptr + part, m_i, mask=g_ok)
                 tl.store(part_l_ptr + part, l_i, mask=g_ok)
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
-                if LAST_COMBINES and not POLLED:
+                if POLLED:
+                    if split == used - 1:  # the reducer: its partners have lower program ids and never wait
+                        tl.debug_barrier()  # its own partial's stores, seen by all of its threads
+                        _polled_combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb,
+                                              stride_ph, stride_ps, stride_ob, stride_oh, used, GROUP, GROUP_P2,
+                                              HEAD_DIM, DIM_PAD, COMBINE_CHUNK, SPLITS_P2, INTERPRETED)
+                elif LAST_COMBINES:
                     counter = counter_ptr + b * tl.num_programs(1) + kv_h
                     if arrived_last(counter, used):
                         _combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph,
@@ -500,22 +502,21 @@ if triton is not None:
 
     @triton.jit
     def _polled_combine_group(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kv_h, stride_pb, stride_ph, stride_ps,
-                              stride_ob, stride_oh, used, m_own, l_own, acc_own, GROUP: tl.constexpr,
-                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                              CHUNK: tl.constexpr, SPLITS_P2: tl.constexpr, INTERPRETED: tl.constexpr):
-        """_combine_group's merge by the last split in use, from its partners' partials in the sentinel buffer and its
-        own running sums (m_own, l_own, acc_own: GROUP_PAD rows) added last, as split order puts them: the count's
-        bits. It polls, past L1, the partners' maxima and sums until none holds the sentinel, then each chunk of
-        their weighted rows likewise (a partner's stores are not ordered among its threads), and sets every slot it
-        read back to the sentinel."""
-        offs_g = tl.arange(0, GROUP_PAD)
+                              stride_ob, stride_oh, used, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                              SPLITS_P2: tl.constexpr, INTERPRETED: tl.constexpr):
+        """_combine_group's merge, in the same order and form (its bits), from partials in the sentinel buffer: the
+        `used` splits' maxima and sums are polled, past L1, until none holds the sentinel, then each chunk's weighted
+        rows likewise (a partner's stores are not ordered among its threads); every slot read goes back to the
+        sentinel."""
+        offs_g = tl.arange(0, GROUP_P2)
         g_ok = offs_g < GROUP
         part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
         offs_d = tl.arange(0, DIM_PAD)
         d_ok = offs_d < HEAD_DIM
+        rows_ok = g_ok[:, None] & d_ok[None, :]
         offs_s = tl.arange(0, SPLITS_P2)
-        partners = used - 1
-        ms_ok = (offs_s < partners)[:, None] & g_ok[None, :]
+        ms_ok = (offs_s < used)[:, None] & g_ok[None, :]
         at = part0[None, :] + offs_s[:, None] * stride_ps
         m_all = tl.load(part_m_ptr + at, mask=ms_ok, other=float("-inf"), volatile=True)
         l_all = tl.load(part_l_ptr + at, mask=ms_ok, other=0.0, volatile=True)
@@ -527,19 +528,17 @@ if triton is not None:
             missing = unfilled(is_sentinel(m_all) | is_sentinel(l_all), ms_ok)
             tries += 1
         poll_exhausted(missing, tries)
-        m_max = tl.maximum(tl.max(m_all, axis=0), tl.where(g_ok, m_own, float("-inf")))
+        m_max = tl.max(m_all, axis=0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: weights 0, not NaN
-        l_total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        rows_ok = g_ok[:, None] & d_ok[None, :]
-        for c0 in range(0, partners, CHUNK):
-            # this chunk's weighted rows, polled until every one is in (their maxima and sums already are)
-            missing = 1
+        l_total = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+        for c0 in range(0, used, CHUNK):
+            missing = 1  # this chunk's weighted rows, polled until all are in (their maxima and sums already are)
             tries = 0
             while (missing > 0) & (tries <= POLL_LIMIT_C):
-                stale = tl.zeros([GROUP_PAD, DIM_PAD], tl.int32)
+                stale = tl.zeros([GROUP_P2, DIM_PAD], tl.int32)
                 for j in tl.static_range(CHUNK):
-                    ok = tl.where(c0 + j < partners, rows_ok, False)
+                    ok = tl.where(c0 + j < used, rows_ok, False)
                     row = tl.load(part_acc_ptr + (part0 + (c0 + j) * stride_ps)[:, None] * HEAD_DIM
                                   + offs_d[None, :], mask=ok, other=0.0, volatile=True)
                     stale = stale | is_sentinel(row).to(tl.int32)
@@ -548,21 +547,18 @@ if triton is not None:
             poll_exhausted(missing, tries - 1)
             for j in tl.static_range(CHUNK):
                 part = part0 + (c0 + j) * stride_ps
-                ok = tl.where(c0 + j < partners, g_ok, False)
+                ok = tl.where(c0 + j < used, g_ok, False)
                 w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), volatile=True) - m_max)
                 l_total += tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True) * w
                 acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
                                mask=ok[:, None] & d_ok[None, :], other=0.0, volatile=True) * w[:, None]
-        w = tl.exp2(tl.where(g_ok, m_own, float("-inf")) - m_max)  # its own split, last
-        l_total += tl.where(g_ok, l_own, 0.0) * w
-        acc += tl.where(rows_ok, acc_own, 0.0) * w[:, None]
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
         tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
                  to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED), mask=rows_ok)
         tl.store(part_m_ptr + at, sentinel_like(m_all), mask=ms_ok)  # the slots back to the sentinel
         tl.store(part_l_ptr + at, sentinel_like(l_all), mask=ms_ok)
-        for c0 in range(0, partners):
-            tl.store(part_acc_ptr + (part0 + c0 * stride_ps)[:, None] * HEAD_DIM + offs_d[None, :],
+        for s in range(0, used):
+            tl.store(part_acc_ptr + (part0 + s * stride_ps)[:, None] * HEAD_DIM + offs_d[None, :],
                      sentinel_like(acc), mask=rows_ok)
 
     @triton.jit
