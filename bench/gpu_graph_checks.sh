@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
-#        [read-ceiling] [polled] [polled-ab]
+#        [read-ceiling] [polled] [polled-ab] [polled-attn]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -226,6 +226,20 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --variant polled=.:TPGRAPH_POLLED_PARTIALS=1,TPGRAPH_POLLED_ROPE=0 -- --shape "${SHAPE:-llama3-8b}" --modes full \
              --batches 1,2,4,8,16,24,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 \
              --steps 100 2>&1 | grep -E "^==|^\||left out|Error" | tee "$out/ab_polled.log" ;;
+    polled-attn) # issue 11: decode attention's last split polling its partners' partials (TPGRAPH_POLLED_ATTENTION=1,
+         # opt-in): the GPU tests of every polled reducer (attention, qkv + rope, the projections), HF parity with it
+         # on at 3 and 24 rows, then whole steps against the count at 512 and 4K tokens (SHAPE, AB_ENTRY as for ab;
+         # about 6 minutes)
+         timeout 200 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs \
+             -k "split_kv_decode_with_the_last or qkv_rope_store_gives or last_split_reduces" 2>&1 | tail -3 \
+             | tee "$out/polled_attn_tests.log"
+         for copies in 1 8; do TPGRAPH_POLLED_ATTENTION=1 timeout 120 torchrun --nproc-per-node $NPROC bench/hf_parity.py \
+             --embed-std 4.0 --copies $copies --out "$out/hf_parity_polled_attn_x$copies.json" 2>&1 \
+             | grep -E "identical=False|PASS" | sed "s/^/x$copies /" | tee -a "$out/hf_parity_polled_attn.log"; done
+         for ctx in 512 4096; do timeout 200 python3 bench/ab_decode.py --out "$out/ab_polled_attn_$ctx" --nproc $NPROC \
+             --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \
+             --modes full --batches 1,4,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+             --context $ctx --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_polled_attn_$ctx.log"; done ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
          timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \

@@ -309,15 +309,20 @@ def test_small_m_last_split_reduces_to_the_sum_kernels_bits(monkeypatch, n, k, s
     assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 
+@pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
-def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype):
-    """TPGRAPH_LAST_SPLIT_REDUCES=1 (no combine kernel): the reference within tolerance, the same bits every call
-    and every graph replay, and the counters back at zero."""
-    from tpgraph.kernels._counters import split_counters
+def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype, polled):
+    """TPGRAPH_LAST_SPLIT_REDUCES=1 (no combine kernel), the last split found by the count or polling
+    (TPGRAPH_POLLED_ATTENTION): the reference within tolerance, the same bits every call and every graph replay
+    (with new queries before each, so a stale partial would show), and the counters back at zero and the partials'
+    slots at the sentinel."""
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer, split_counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=2000)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", polled)
+    partials_buffer(q.device, 1)  # (made before the capture, as the runner makes it)
     eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
@@ -326,11 +331,14 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
-    for _ in range(4):
+    for turn in range(4):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(turn)))
         graph.replay()
+        want = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, want)
     assert not split_counters(q.device, 16 * k.shape[2]).any()
+    assert (partials_buffer(q.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 
 @pytest.mark.parametrize("polled", ["0", "1"])
