@@ -317,12 +317,16 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     (TPGRAPH_POLLED_ATTENTION): the reference within tolerance, the same bits every call and every graph replay
     (with new queries before each, so a stale partial would show), and the counters back at zero and the partials'
     slots at the sentinel."""
+    from tpgraph.kernels import decode_attention
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer, split_counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=2000)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", polled)
     partials_buffer(q.device, 1)  # (made before the capture, as the runner makes it)
+    taken = []  # the launches that polled (equal bits alone would not show it)
+    monkeypatch.setattr(decode_attention, "partials_buffer",
+                        lambda dev, n: (buf := partials_buffer(dev, n)) is not None and taken.append(n) or buf)
     eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
@@ -339,6 +343,7 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
         assert torch.equal(out, want)
     assert not split_counters(q.device, 16 * k.shape[2]).any()
     assert (partials_buffer(q.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
+    assert bool(taken) == (polled == "1")
 
 
 @pytest.mark.parametrize("polled", ["0", "1"])

@@ -189,8 +189,8 @@ def test_the_last_split_merges_more_splits_than_one_load_of_sums_takes(monkeypat
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), first)
 
 
-@pytest.mark.parametrize(("seed", "num_splits", "split_tiles", "max_len"),
-                         [(0, 2, 1, 200), (6, 4, 2, 200), (17, 3, 1, 200), (23, 22, 1, 1500)])
+@pytest.mark.parametrize(("seed", "num_splits", "split_tiles", "max_len"),  # groups of 1, 4, 8 and 4; 3 rows each
+                         [(0, 2, 1, 200), (6, 4, 2, 200), (10, 3, 1, 200), (22, 22, 1, 1500)])
 def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatch, seed, num_splits, split_tiles,
                                                                       max_len):
     """TPGRAPH_POLLED_ATTENTION=1: the last split in use polls the splits' partials in the sentinel buffer instead of
@@ -200,6 +200,7 @@ def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatc
     from tpgraph.kernels import _counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cpu", torch.float32, max_batch=3, max_len=max_len)
+    assert q.shape[0] == 3
     lens[-1] = 0  # a padded row: its one split merges nothing
     lens[0] = max_len
     run = dict(max_seq_len=max_len, num_splits=num_splits, split_tiles=split_tiles)
@@ -287,7 +288,7 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_
 
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
                      late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False,
-                     num_stages: int = 2, polled: bool = False) -> str:
+                     num_stages: int = 2, polled: bool = False, group: int = 4) -> str:
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
     last one."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -296,9 +297,9 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
     return sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
                     ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
                      "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
-                    {"GROUP": 4, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
+                    {"GROUP": group, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
                      "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
-                     "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": 4, "COMBINE_CHUNK": 8,
+                     "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": group, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
                      "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead,
                      "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "MERGE": decode_attention.MERGE_SPLITS,
@@ -306,12 +307,17 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                     num_stages=num_stages, divisible=_ALIGNED if aligned else ())
 
 
-def test_the_polled_merge_compiles_for_sm90_without_a_count():
-    """sm_90a, POLLED: no atomic; the partners' partials are read volatile (past L1) after the wait, and a trap stands
-    behind each poll's limit."""
-    ptx = _split_kernel_ptx(polled=True)
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_polled_merge_compiles_for_sm90_without_a_count(group):
+    """sm_90a, POLLED: no atomic; the partners' partials are read volatile (past L1) after the wait, a trap stands
+    behind each poll's limit, and a barrier between the output's store (after the merge's last loads) and the
+    sentinel's stores, which other threads make (at a group of 1 no layout change puts one there by chance)."""
+    ptx = _split_kernel_ptx(polled=True, group=group)
     assert "atom.global" not in ptx and "trap;" in ptx
     assert "ld.volatile.global" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.volatile.global")
+    sentinel = re.search(r"mov\.b32\s+%r\d+, 2142952365;", ptx)  # 0x7FBADBAD into a register, for the stores
+    output = [m.end() for m in re.finditer(r"st\.global(\.v\d)?\.b16", ptx[:sentinel.start()])]  # bf16 out
+    assert output and "bar.sync" in ptx[output[-1]:sentinel.start()]
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -555,7 +555,10 @@ if triton is not None:
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
         tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
                  to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED), mask=rows_ok)
-        tl.store(part_m_ptr + at, sentinel_like(m_all), mask=ms_ok)  # the slots back to the sentinel
+        # the slots back to the sentinel, once every warp has loaded its maxima and sums: the merge loaded them in
+        # another layout (other threads) than these stores, and a store must not overtake another warp's load
+        tl.debug_barrier()
+        tl.store(part_m_ptr + at, sentinel_like(m_all), mask=ms_ok)
         tl.store(part_l_ptr + at, sentinel_like(l_all), mask=ms_ok)
         for s in range(0, used):
             tl.store(part_acc_ptr + (part0 + s * stride_ps)[:, None] * HEAD_DIM + offs_d[None, :],
