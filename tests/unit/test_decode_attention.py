@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
-from tpgtest.ptx import assert_semaphore_order, sm90_ptx
+from tpgtest.ptx import assert_semaphore_order, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
@@ -288,13 +288,14 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_
 
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
                      late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False,
-                     num_stages: int = 2, polled: bool = False, group: int = 4) -> str:
+                     num_stages: int = 2, polled: bool = False, group: int = 4, usage: bool = False):
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
-    last one."""
+    last one (usage: and ptxas's resource usage, sm90_ptx_and_usage)."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
              "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
-    return sm90_ptx("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
+    compile_ = sm90_ptx_and_usage if usage else sm90_ptx
+    return compile_("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
                     ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
                      "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
                     {"GROUP": group, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
@@ -305,6 +306,16 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
                      "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "MERGE": decode_attention.MERGE_SPLITS,
                      "SPLITS_P2": 8, "POLLED": polled},
                     num_stages=num_stages, divisible=_ALIGNED if aligned else ())
+
+
+def test_the_polled_merge_takes_the_counted_kernels_registers():
+    """The model's launch (reading ahead, 3 stages, the newest row apart, aligned): polling adds no more than a few
+    registers a thread and spills nothing, so as many programs share an SM as with the count (a retry loop around
+    the chunk's merge had taken 226 against 134)."""
+    shape = dict(newest_apart=True, kv_ahead=1, aligned=True, num_stages=3, usage=True)
+    _, counted = _split_kernel_ptx(**shape)
+    _, polled = _split_kernel_ptx(polled=True, **shape)
+    assert polled["REG"] <= counted["REG"] + 8 and polled["STACK"] == 0
 
 
 @pytest.mark.parametrize("group", [1, 4])

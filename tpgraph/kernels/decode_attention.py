@@ -506,9 +506,12 @@ if triton is not None:
                               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
                               SPLITS_P2: tl.constexpr, INTERPRETED: tl.constexpr):
         """_combine_group's merge, in the same order and form (its bits), from partials in the sentinel buffer: the
-        `used` splits' maxima and sums are polled, past L1, until none holds the sentinel, then each chunk's weighted
-        rows likewise (a partner's stores are not ordered among its threads); every slot read goes back to the
-        sentinel."""
+        `used` splits' maxima are polled, past L1, until none holds the sentinel; then each chunk is merged from one
+        batch of loads as _combine_group merges it, and kept only if none of what it loaded held the sentinel (a
+        partner's stores are not ordered among its threads); else the chunk is polled until none does and merged
+        again. So the merge costs the count's round trips less the count's own. (A retry loop around the merge itself
+        took 226 registers a thread against the count's 134, sm_90a: fewer programs an SM.) Every slot read goes back
+        to the sentinel."""
         offs_g = tl.arange(0, GROUP_P2)
         g_ok = offs_g < GROUP
         part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
@@ -519,13 +522,11 @@ if triton is not None:
         ms_ok = (offs_s < used)[:, None] & g_ok[None, :]
         at = part0[None, :] + offs_s[:, None] * stride_ps
         m_all = tl.load(part_m_ptr + at, mask=ms_ok, other=float("-inf"), volatile=True)
-        l_all = tl.load(part_l_ptr + at, mask=ms_ok, other=0.0, volatile=True)
-        missing = unfilled(is_sentinel(m_all) | is_sentinel(l_all), ms_ok)
+        missing = unfilled(is_sentinel(m_all), ms_ok)
         tries = 0
         while (missing > 0) & (tries < POLL_LIMIT_C):
             m_all = tl.load(part_m_ptr + at, mask=ms_ok, other=float("-inf"), volatile=True)
-            l_all = tl.load(part_l_ptr + at, mask=ms_ok, other=0.0, volatile=True)
-            missing = unfilled(is_sentinel(m_all) | is_sentinel(l_all), ms_ok)
+            missing = unfilled(is_sentinel(m_all), ms_ok)
             tries += 1
         poll_exhausted(missing, tries)
         m_max = tl.max(m_all, axis=0)
@@ -533,36 +534,53 @@ if triton is not None:
         l_total = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
         for c0 in range(0, used, CHUNK):
-            missing = 1  # this chunk's weighted rows, polled until all are in (their maxima and sums already are)
-            tries = 0
-            while (missing > 0) & (tries <= POLL_LIMIT_C):
-                stale = tl.zeros([GROUP_P2, DIM_PAD], tl.int32)
-                for j in tl.static_range(CHUNK):
-                    ok = tl.where(c0 + j < used, rows_ok, False)
-                    row = tl.load(part_acc_ptr + (part0 + (c0 + j) * stride_ps)[:, None] * HEAD_DIM
-                                  + offs_d[None, :], mask=ok, other=0.0, volatile=True)
-                    stale = stale | is_sentinel(row).to(tl.int32)
-                missing = unfilled(stale != 0, rows_ok)
-                tries += 1
-            poll_exhausted(missing, tries - 1)
-            for j in tl.static_range(CHUNK):
-                part = part0 + (c0 + j) * stride_ps
-                ok = tl.where(c0 + j < used, g_ok, False)
-                w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), volatile=True) - m_max)
-                l_total += tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True) * w
-                acc += tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=ok[:, None] & d_ok[None, :], other=0.0, volatile=True) * w[:, None]
+            l_new, acc_new, missing = _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used, stride_ps,
+                                                   m_max, l_total, acc, g_ok, offs_d, d_ok, HEAD_DIM, CHUNK)
+            if missing > 0:  # (rare) a row was still on its way: wait for the chunk's rows, then merge it again
+                tries = 0
+                while (missing > 0) & (tries < POLL_LIMIT_C):
+                    _, _, missing = _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used, stride_ps,
+                                                 m_max, l_total, acc, g_ok, offs_d, d_ok, HEAD_DIM, CHUNK)
+                    tries += 1
+                poll_exhausted(missing, tries)
+                l_new, acc_new, missing = _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used,
+                                                       stride_ps, m_max, l_total, acc, g_ok, offs_d, d_ok, HEAD_DIM,
+                                                       CHUNK)
+            l_total = l_new
+            acc = acc_new
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
         tl.store(out_ptr + b * stride_ob + (kv_h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
                  to_dtype(acc / l_total[:, None], out_ptr.dtype.element_ty, INTERPRETED), mask=rows_ok)
-        # the slots back to the sentinel, once every warp has loaded its maxima and sums: the merge loaded them in
-        # another layout (other threads) than these stores, and a store must not overtake another warp's load
+        # the slots back to the sentinel, once every warp has made its loads: the merge loaded the maxima and sums in
+        # other layouts (other threads) than these stores, and a store must not overtake another warp's load
         tl.debug_barrier()
         tl.store(part_m_ptr + at, sentinel_like(m_all), mask=ms_ok)
-        tl.store(part_l_ptr + at, sentinel_like(l_all), mask=ms_ok)
+        tl.store(part_l_ptr + at, sentinel_like(m_all), mask=ms_ok)
         for s in range(0, used):
             tl.store(part_acc_ptr + (part0 + s * stride_ps)[:, None] * HEAD_DIM + offs_d[None, :],
                      sentinel_like(acc), mask=rows_ok)
+
+    @triton.jit
+    def _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used, stride_ps, m_max, l_total, acc, g_ok,
+                     offs_d, d_ok, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+        """(l_total, acc) with splits c0 .. c0 + CHUNK - 1 (those below `used`) added in order as _combine_group adds
+        them, from volatile loads issued together, and how many of the loaded values held the sentinel (the result
+        is then not to be kept)."""
+        stale_rows = tl.zeros(acc.shape, tl.int32)
+        stale_sums = tl.zeros(l_total.shape, tl.int32)
+        for j in tl.static_range(CHUNK):
+            part = part0 + (c0 + j) * stride_ps
+            ok = tl.where(c0 + j < used, g_ok, False)
+            m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), volatile=True)
+            sums = tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True)
+            row = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                          other=0.0, volatile=True)
+            stale_sums = stale_sums | (is_sentinel(m) | is_sentinel(sums)).to(tl.int32)
+            stale_rows = stale_rows | is_sentinel(row).to(tl.int32)
+            w = tl.exp2(m - m_max)
+            l_total += sums * w
+            acc += row * w[:, None]
+        return l_total, acc, tl.sum(stale_sums, axis=0) + tl.sum(tl.sum(stale_rows, axis=1), axis=0)
 
     @triton.jit
     def _decode_combine_kernel(
