@@ -218,6 +218,56 @@ def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatc
     assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), counted)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the discarded merge's NaN products
+@pytest.mark.parametrize(("which", "split", "late"), [("acc", 1, 2), ("acc", 9, 1), ("l", 3, 3), ("acc", 11, 1),
+                                                      ("acc", 1, None)])
+def test_the_polled_merge_waits_for_a_late_partial(monkeypatch, which, split, late):
+    """A partner's value (an acc element, or a sum) still on its way when the reducer first loads it (the
+    interpreter runs programs in order, so this makes it so: the first `late` volatile loads of that slot see the
+    sentinel): the chunk is polled and merged again, and the result is the count's bits with every slot re-armed
+    (chunk 0, chunk 1, the reducer's own slot); a value that never arrives raises (on a GPU, the trap) rather than
+    giving NaN or hanging."""
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    from tpgraph.kernels import _counters
+
+    q, k, v, bt, lens, scale = random_paged_case(22, "cpu", torch.float32, max_batch=3, max_len=1500)
+    lens[-1], lens[0] = 0, 1500  # the first row: 12 splits in use, chunks of 8 (a query group of 4)
+    run = dict(max_seq_len=1500, num_splits=22, split_tiles=1)
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    counted = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+    monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
+    batch, heads, dim = q.shape
+    rows = batch * heads * 22
+    buf = _counters.partials_buffer(q.device, rows * (dim + 2))
+    row = 1 * 22 + split  # sequence 0, query head 1, the split's row
+    slot = buf.data_ptr() + 4 * (row * dim + 5 if which == "acc" else rows * (dim + 1) + row)
+    sentinel = np.array([_counters.PARTIAL_SENTINEL], dtype=np.int32).view(np.float32)[0]
+    real, seen = interpreter.InterpreterBuilder.create_masked_load, []
+
+    def late_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        out = real(self, ptrs, mask, other, cache_policy, is_volatile)
+        hit = (ptrs.data == slot) & mask.data
+        if is_volatile and hit.any():
+            seen.append(1)
+            if late is None or len(seen) <= late:
+                out.data[hit] = sentinel
+        return out
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", late_load)
+    if late is None:
+        from triton.runtime.errors import InterpreterError
+
+        with pytest.raises(InterpreterError, match="inline_asm"):  # the trap's asm, which the interpreter refuses
+            paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
+        buf.view(torch.int32).fill_(_counters.PARTIAL_SENTINEL)  # (the failed merge re-armed nothing)
+        return
+    assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), counted)
+    assert len(seen) > late  # the slot was loaded again after it arrived
+    assert (buf.view(torch.int32) == _counters.PARTIAL_SENTINEL).all()
+
+
 @pytest.mark.parametrize("combine_rows", [4, 8, 64])  # a query group of 4: 1, 2 and 16 splits a load (12 in use)
 def test_the_merge_chunk_does_not_change_the_bits(monkeypatch, combine_rows):
     """The last split's merge sums the splits in order however many it loads at once (combine_rows): the same bits

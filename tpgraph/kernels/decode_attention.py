@@ -546,6 +546,7 @@ if triton is not None:
                 l_new, acc_new, missing = _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used,
                                                        stride_ps, m_max, l_total, acc, g_ok, offs_d, d_ok, HEAD_DIM,
                                                        CHUNK)
+                poll_exhausted(missing, POLL_LIMIT_C)  # (a slot gone back to the sentinel: a bug, not a NaN)
             l_total = l_new
             acc = acc_new
         l_total = tl.where(l_total == 0.0, 1.0, l_total)
