@@ -22,3 +22,28 @@ def spy_polled_rope(monkeypatch) -> list[int]:
     monkeypatch.setattr(gemv, "polled_rope", decide)
     monkeypatch.setattr(gemv, "partials_buffer", buffer)
     return polled
+
+
+def arrive_late(monkeypatch, address: int, late: int | None) -> list[int]:
+    """Under the interpreter (which runs programs in order, so every partial is in before its reducer looks): the
+    first `late` volatile loads of the fp32 at `address` see the sentinel, as if its writer's store were still on
+    its way (None: it never arrives). Returns a list that grows by one at each volatile load of it."""
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL
+
+    sentinel = np.array([PARTIAL_SENTINEL], dtype=np.int32).view(np.float32)[0]
+    real, seen = interpreter.InterpreterBuilder.create_masked_load, []
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        out = real(self, ptrs, mask, other, cache_policy, is_volatile)
+        hit = (ptrs.data == address) & mask.data
+        if is_volatile and hit.any():
+            seen.append(1)
+            if late is None or len(seen) <= late:
+                out.data[hit] = sentinel
+        return out
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+    return seen

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
+from tpgtest.polled import arrive_late
 from tpgtest.ptx import assert_semaphore_order, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels import decode_attention
@@ -227,9 +228,6 @@ def test_the_polled_merge_waits_for_a_late_partial(monkeypatch, which, split, la
     sentinel): the chunk is polled and merged again, and the result is the count's bits with every slot re-armed
     (chunk 0, chunk 1, the reducer's own slot); a value that never arrives raises (on a GPU, the trap) rather than
     giving NaN or hanging."""
-    import numpy as np
-    import triton.runtime.interpreter as interpreter
-
     from tpgraph.kernels import _counters
 
     q, k, v, bt, lens, scale = random_paged_case(22, "cpu", torch.float32, max_batch=3, max_len=1500)
@@ -243,19 +241,7 @@ def test_the_polled_merge_waits_for_a_late_partial(monkeypatch, which, split, la
     buf = _counters.partials_buffer(q.device, rows * (dim + 2))
     row = 1 * 22 + split  # sequence 0, query head 1, the split's row
     slot = buf.data_ptr() + 4 * (row * dim + 5 if which == "acc" else rows * (dim + 1) + row)
-    sentinel = np.array([_counters.PARTIAL_SENTINEL], dtype=np.int32).view(np.float32)[0]
-    real, seen = interpreter.InterpreterBuilder.create_masked_load, []
-
-    def late_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        out = real(self, ptrs, mask, other, cache_policy, is_volatile)
-        hit = (ptrs.data == slot) & mask.data
-        if is_volatile and hit.any():
-            seen.append(1)
-            if late is None or len(seen) <= late:
-                out.data[hit] = sentinel
-        return out
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", late_load)
+    seen = arrive_late(monkeypatch, slot, late)
     if late is None:
         from triton.runtime.errors import InterpreterError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tpgtest.markers import interpreted
-from tpgtest.polled import spy_polled_rope
+from tpgtest.polled import arrive_late, spy_polled_rope
 from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
@@ -428,6 +428,46 @@ def test_qkv_rope_store_with_polled_partials_gives_the_two_steps_bits(monkeypatc
                              torch.Generator().manual_seed(m * 10 + split_k + seed))
         assert _all_sentinel(torch.device("cpu"))
     assert polled == [split_k * m * (4 + 2 * 2) * 64] * 2
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # sums of the sentinel, discarded
+@pytest.mark.parametrize("late", [1, 3, None])
+@pytest.mark.parametrize("kernel", ["projection", "qkv_rope"])
+def test_the_polled_reducers_wait_for_a_late_partial(monkeypatch, kernel, late):
+    """A partner's partial still on its way when the reducer first polls (the first `late` loads of one of its
+    elements see the sentinel): the plain projection's reducer, and the qkv + rope kernel's head reducer, poll again
+    and give the count's bits with every slot re-armed; a partial that never arrives raises (on a GPU, the trap)."""
+    from triton.runtime.errors import InterpreterError
+
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
+
+    rows, g = 3, torch.Generator().manual_seed(5)
+    if kernel == "projection":  # split 1 of 3, row 2, column 20 of a [3, 3, 37] partials view
+        x, w = torch.randn(rows, 300, generator=g), torch.randn(37, 300, generator=g)
+        cfg = GemvConfig(16, 64, 4, 2, 3)
+        monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
+        counted = linear_small_m(x, w, use_triton=True, config=cfg)
+        monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS")
+        element = 1 * rows * 37 + 2 * 37 + 20
+
+        def call():
+            assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), counted)
+    else:  # split 1 of 2, row 1, head 2's column 7, in a partner's column block (the head's reducer has 160-191)
+        monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
+        element = 1 * rows * 512 + 1 * 512 + 2 * 64 + 7
+
+        def call():  # (qkv_rope_store polls first, then its linear_small_m twin)
+            _check_qkv_rope_bits(rows, torch.float32, GemvConfig(32, 32, 4, 2, 2), False, g)
+    buf = partials_buffer(torch.device("cpu"), 1)
+    seen = arrive_late(monkeypatch, buf.data_ptr() + 4 * element, late)
+    if late is None:
+        with pytest.raises(InterpreterError, match="inline_asm"):  # the trap's asm, which the interpreter refuses
+            call()
+        buf.view(torch.int32).fill_(PARTIAL_SENTINEL)  # (the failed reduction re-armed nothing)
+    else:
+        call()
+        assert len(seen) > late and _all_sentinel(torch.device("cpu"))
 
 
 def test_qkv_rope_store_keeps_the_count_where_its_partials_do_not_fit(monkeypatch):
