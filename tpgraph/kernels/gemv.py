@@ -443,17 +443,24 @@ if triton is not None:
 
     @triton.jit
     def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
-        """The fp32 sum, in split order, of the partials of splits 0 .. SPLITS - 2 at `tile`, past L1, and how many
-        of their elements still hold the sentinel. The sentinel tests are or-ed element by element and reduced once:
-        a block reduction between the loads (its barriers) would hold each volatile load back behind the one before,
+        """The fp32 sum, in split order, of the partials of splits 0 .. SPLITS - 2 at `tile` (the reducer's own, the
+        last, is not stored), past L1, and how many of their elements still hold the sentinel."""
+        total, stale = _polled_sum(ptr, stride_s, tile, ok, SPLITS - 1)
+        return total, unfilled(stale, ok)
+
+    @triton.jit
+    def _polled_sum(ptr, stride_s, tile, ok, COUNT: tl.constexpr):
+        """The fp32 sum, in split order, of partials 0 .. COUNT - 1 at `tile`, loaded past L1, and which elements of
+        any of them still held the sentinel. The tests are or-ed element by element for the caller to reduce once: a
+        block reduction between the loads (its barriers) would hold each volatile load back behind the one before,
         one L2 round trip a split."""
         total = tl.load(ptr + tile, mask=ok, other=0.0, volatile=True)
         stale = is_sentinel(total)
-        for s in tl.static_range(1, SPLITS - 1):
+        for s in tl.static_range(1, COUNT):
             v = tl.load(ptr + s * stride_s + tile, mask=ok, other=0.0, volatile=True)
             stale = stale | is_sentinel(v)
             total += v
-        return total, unfilled(stale, ok)
+        return total, stale
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
@@ -582,17 +589,10 @@ if triton is not None:
     @triton.jit
     def _polled_halves(ws_ptr, at, ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr):
         """A head's two halves summed over all SPLITS partials in split order, past L1, and how many of their elements
-        still hold the sentinel (or-ed and reduced once, as _polled_splits: the loads go out together)."""
-        t1 = tl.load(ws_ptr + at, mask=ok, other=0.0, volatile=True)
-        t2 = tl.load(ws_ptr + at + half, mask=ok, other=0.0, volatile=True)
-        stale = is_sentinel(t1) | is_sentinel(t2)
-        for s in tl.static_range(1, SPLITS):
-            v1 = tl.load(ws_ptr + s * stride_os + at, mask=ok, other=0.0, volatile=True)
-            v2 = tl.load(ws_ptr + s * stride_os + at + half, mask=ok, other=0.0, volatile=True)
-            stale = stale | is_sentinel(v1) | is_sentinel(v2)
-            t1 += v1
-            t2 += v2
-        return t1, t2, unfilled(stale, ok)
+        still hold the sentinel (both halves' loads go out before the one reduction)."""
+        t1, stale1 = _polled_sum(ws_ptr, stride_os, at, ok, SPLITS)
+        t2, stale2 = _polled_sum(ws_ptr + half, stride_os, at, ok, SPLITS)
+        return t1, t2, unfilled(stale1 | stale2, ok)
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, numel, SPLITS, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
