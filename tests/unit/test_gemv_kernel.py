@@ -568,17 +568,24 @@ def test_the_rotation_inputs_come_before_the_wait_where_the_caller_vouches_for_t
     assert ("ld.global.b64" in ptx[wait:ptx.index("atom.global")]) != early
 
 
-def test_the_rope_inputs_are_read_early_unless_turned_off(monkeypatch):
-    from tpgraph.errors import ConfigError
-    from tpgraph.kernels.gemv import rope_inputs_early
+@pytest.mark.parametrize(("name", "switch"), [("TPGRAPH_QKV_ROPE_EARLY", "gemv.rope_inputs_early"),
+                                              ("TPGRAPH_POLLED_PARTIALS", "_counters.polled_partials")])
+def test_a_default_on_switch_turns_off_with_0_and_refuses_anything_else(monkeypatch, name, switch):
+    """The rope inputs read early, and polled partials: on unless the variable is 0; a malformed value is refused
+    with its name."""
+    import importlib
 
-    monkeypatch.delenv("TPGRAPH_QKV_ROPE_EARLY", raising=False)
-    assert rope_inputs_early()
-    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "0")
-    assert not rope_inputs_early()
-    monkeypatch.setenv("TPGRAPH_QKV_ROPE_EARLY", "yes")
-    with pytest.raises(ConfigError, match="TPGRAPH_QKV_ROPE_EARLY must be 0 or 1"):
-        rope_inputs_early()
+    from tpgraph.errors import ConfigError
+
+    module, function = switch.split(".")
+    on = getattr(importlib.import_module(f"tpgraph.kernels.{module}"), function)
+    monkeypatch.delenv(name, raising=False)
+    assert on()
+    monkeypatch.setenv(name, "0")
+    assert not on()
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ConfigError, match=f"{name} must be 0 or 1"):
+        on()
 
 
 def test_by_default_it_runs_only_where_the_gpu_can_take_it(monkeypatch):
@@ -816,19 +823,6 @@ def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
     assert len(used) == len(cases) and not _counters.split_counters(x.device, 8).any()
 
 
-def test_polled_partials_are_on_by_default_refused_when_malformed_and_bounded(monkeypatch):
-    from tpgraph.kernels._counters import PARTIAL_WORDS, partials_buffer, polled_partials
-
-    monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS", raising=False)
-    assert polled_partials()
-    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
-    assert not polled_partials()
-    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "on")
-    with pytest.raises(Exception, match="TPGRAPH_POLLED_PARTIALS must be 0 or 1"):
-        polled_partials()
-    assert partials_buffer(torch.device("cpu"), PARTIAL_WORDS + 1) is None  # too many: the launch keeps the count
-
-
 def test_the_polled_reducer_compiles_for_sm90_without_a_count():
     """sm_90a: with POLLED, no acq_rel count; the partners' partials are read volatile (past L1), and a trap stands
     behind the poll's limit."""
@@ -851,3 +845,4 @@ def test_the_kernels_workspaces_are_counted_for_the_memory_log():
     partials_buffer(cpu, 1)
     assert workspace_bytes(cpu) == MAX_COUNTERS * 4 + PARTIAL_WORDS * 4  # int32 counters, fp32 partials
     assert workspace_bytes(torch.device("meta")) == 0  # nothing made there
+    assert partials_buffer(cpu, PARTIAL_WORDS + 1) is None  # too many partials: the launch keeps the count
