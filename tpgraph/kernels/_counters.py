@@ -18,6 +18,7 @@ shape, TP=2, full graphs, PDL on, interleaved: bench/results/2026-11-30_h200x2_s
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -100,9 +101,7 @@ def polled_rope(rows: int) -> bool:
     less at batches 2, 8 and 16, but 0.006 more at batch 1 and 0.082 more at batch 32, where a head's poll reads 64 KB
     (bench/results/2026-12-02_h200_polled_default, run4). Untimed: the batches between, other shapes' tiles, TP=2.
     TPGRAPH_POLLED_ROPE=1 polls at every row count, =0 at none."""
-    value = os.environ.get("TPGRAPH_POLLED_ROPE", "").strip()
-    forced = env_flag("TPGRAPH_POLLED_ROPE") if value else rows in POLLED_ROPE_ROWS
-    return polled_partials() and forced
+    return polled_partials() and env_flag("TPGRAPH_POLLED_ROPE", default=rows in POLLED_ROPE_ROWS)
 
 
 def polled_attention() -> bool:
@@ -119,6 +118,15 @@ def partials_buffer(device: torch.device, numel: int) -> torch.Tensor | None:
         return None
     return _held(_PARTIALS, device, "the partials buffer", lambda d: torch.full(
         (PARTIAL_WORDS,), PARTIAL_SENTINEL, dtype=torch.int32, device=d).view(torch.float32))
+
+
+def split_workspace(partials: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A split kernel's fp32 partials of `shape`: a view of the sentinel-filled buffer where the caller took one
+    (`partials_buffer`, to poll), else fresh memory. torch.empty is capturable: under CUDA graph capture it comes
+    from the graph's pool."""
+    if partials is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return partials[:math.prod(shape)].view(shape)
 
 
 def workspace_bytes(device: torch.device) -> int:

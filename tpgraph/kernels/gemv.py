@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
-from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, polled_rope, split_counters
+from tpgraph.kernels._counters import (
+    last_split_reduces,
+    partials_buffer,
+    polled_partials,
+    polled_rope,
+    split_counters,
+    split_workspace,
+)
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
@@ -772,9 +779,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     unadded = ablate is not None and ablate.get("LAST_REDUCES") is False
     partials = partials_buffer(x.device, cfg.split_k * m * n) if last_reduces and polled_partials() and not unadded \
         else None
-    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
-    out = y if cfg.split_k == 1 else (partials[:cfg.split_k * m * n].view(cfg.split_k, m, n) if partials is not None
-                                      else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device))
+    out = y if cfg.split_k == 1 else split_workspace(partials, (cfg.split_k, m, n), x.device)
     counters = split_counters(x.device, blocks) if last_reduces and partials is None else y
     fused = {**_staged_args(x, recv), **_all_reduce_args(x, all_reduce)}  # (a pusher's squares are its output)
     constexprs = dict(GATE_UP=gate_up, EXACT=not soft, LAST_REDUCES=last_reduces, SPLITS=cfg.split_k,
@@ -823,9 +828,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     heads = num_heads + 2 * num_kv_heads
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope(m) else None
-    # torch.empty is capturable: under CUDA graph capture the workspace comes from the graph's pool.
-    ws = (partials[:config.split_k * m * n].view(config.split_k, m, n) if partials is not None
-          else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device))
+    ws = split_workspace(partials, (config.split_k, m, n), x.device)
     _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
         x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
