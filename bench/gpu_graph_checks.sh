@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
-#        [read-ceiling] [polled] [polled-ab] [polled-attn]
+#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -240,6 +240,21 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \
              --modes full --batches 1,4,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --context $ctx --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_polled_attn_$ctx.log"; done ;;
+    polled-attn-debug) # issue 11: where TPGRAPH_POLLED_ATTENTION=1 fails in whole steps (run1 of 2026-12-02_h200_polled_attention:
+         # "unspecified launch failure" in every full-graph step): the kernel alone at the model's grid between two
+         # polled projections in a graph, then one batch-1 step process each as shipped, without PDL, and eager, with
+         # the seconds each took to fail (a reducer that polls to its limit traps after seconds; a wrong merge at once)
+         timeout 240 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -x --durations=8 \
+             -k "polled_attention_between" 2>&1 | tail -25 | tee "$out/polled_debug_tests.log"
+         for run in "full:" "full:TPGRAPH_TRITON_PDL=0" "none:"; do mode=${run%%:*}; env_set=${run#*:}
+           t0=$(date +%s)
+           env TPGRAPH_POLLED_ATTENTION=1 $env_set timeout 150 torchrun --nproc-per-node 1 bench/bench_decode.py \
+               --shape "${SHAPE:-llama3-8b}" --modes $mode --batches 1 --no-ladders --allreduce custom+gemv+overlap \
+               --context 512 --steps 20 --out "$out/polled_debug_$mode${env_set:+_nopdl}.json" \
+               > "$out/polled_debug_$mode${env_set:+_nopdl}.log" 2>&1
+           rc=$?; echo "$mode $env_set: exit $rc after $(( $(date +%s) - t0 )) s"
+           grep -E "TPOT|Error|error" "$out/polled_debug_$mode${env_set:+_nopdl}.log" | grep -v "^frame\|Search for" | head -6
+         done ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
          timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \

@@ -475,3 +475,48 @@ def test_the_l2_prefetch_changes_no_bit(batch, max_len, num_splits):
             out = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run, l2_prefetch=8)
         graph.replay()
         assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize(("batch", "seq_len"), [(1, 513), (4, 513), (1, 4097), (8, 4097), (32, 4097)])
+def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, batch, seq_len):
+    """Decode attention as the model runs it (TPGRAPH_POLLED_ATTENTION=1): a TP=2 rank's Llama-3-8B heads (16 query
+    heads, 4 KV heads, 128 dims), the grid sized for 8192 tokens (64 splits at batch 1, several merge chunks), between
+    two split-K projections that poll the same sentinel buffer, each a programmatic dependent of the one before, in
+    one graph replayed with new inputs: the count's bits every replay, and every slot back at the sentinel."""
+    from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
+    from tpgraph.kernels.gemv import GemvConfig, linear_small_m
+
+    heads, kv_heads, dim, block_size, hidden = 16, 4, 128, 16, 4096
+    g = torch.Generator(device="cuda").manual_seed(batch + seq_len)
+    blocks = batch * -(-8192 // block_size)
+    k, v = (torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+            for _ in range(2))
+    tables = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).view(batch, -1)
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    x = torch.randn(batch, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w_q = (torch.randn(heads * dim, hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w_o = (torch.randn(hidden, heads * dim, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    split = GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=4)
+
+    def layer() -> torch.Tensor:
+        q = linear_small_m(x, w_q, config=split).view(batch, heads, dim)
+        out = paged_decode_attention_v2(q, k, v, tables, lens, dim ** -0.5, max_seq_len=8192)
+        return linear_small_m(out.view(batch, heads * dim), w_o, config=split)
+
+    monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    partials_buffer(x.device, 1)
+    counted = layer()
+    monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
+    assert torch.equal(layer(), counted)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer()
+    for turn in range(4):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(x.dtype))
+        graph.replay()
+        monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "0")
+        want = layer()
+        monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want), f"replay {turn}"
+    assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
