@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
-#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug]
+#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -255,6 +255,20 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
            rc=$?; echo "$mode $env_set: exit $rc after $(( $(date +%s) - t0 )) s"
            grep -E "TPOT|Error|error" "$out/polled_debug_$mode${env_set:+_nopdl}.log" | grep -v "^frame\|Search for" | head -6
          done ;;
+    polled-attn-32) # issue 11: TPGRAPH_POLLED_ATTENTION=1 after the merge's stale count was made the block's (it had
+         # hung batch-32 reducers: 4 of 6 whole-step processes ended in the poll limit's trap, 2026-12-02_h200_polled_attention
+         # run2-4): REPEATS (default 3) batch-32 processes of 20 steps, then whole steps against the count at 512 tokens
+         # (batches 1, 8, 32; alternating processes, 2 rounds; SHAPE, AB_ENTRY as for ab)
+         for i in $(seq ${REPEATS:-3}); do t0=$(date +%s)
+           TPGRAPH_POLLED_ATTENTION=1 timeout 100 torchrun --nproc-per-node 1 bench/bench_decode.py \
+               --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+               --context 512 --steps 20 --out "$out/polled_32_$i.json" > "$out/polled_32_$i.log" 2>&1
+           echo "batch 32, process $i: exit $? after $(( $(date +%s) - t0 )) s $(grep -oE 'TPOT +[0-9.]+ ms|Error.*' "$out/polled_32_$i.log" | head -1)"
+         done
+         timeout 200 python3 bench/ab_decode.py --out "$out/ab_polled_attn_512" --nproc $NPROC \
+             --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \
+             --modes full --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
+             --context 512 --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_polled_attn_512.log" ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
          timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \

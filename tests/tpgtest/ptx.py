@@ -89,3 +89,35 @@ def gemv_signature(dtype: str, out: str, counter: str = "i32") -> dict[str, str]
 # the constexprs of a gemv kernel without a fused all-reduce on either side
 NO_ALL_REDUCE = {"ALL_REDUCE": False, "STAGED": False, "WS": 1, "RANK": 0, "PIECES": 1, "EARLY_TRIGGER": True,
                  "RES_EARLY": False, "RESIDENT": False, "POLLED": False}
+
+
+_INSTRUCTION = re.compile(r"^\s*(@!?%\w+\s+)?([a-z][\w.]*)\s+([^;]*);")
+_REGISTER = re.compile(r"%\w+")
+
+
+def branch_sources(ptx: str) -> list[set[str]]:
+    """For each conditional branch, the opcodes of the instructions its predicate is computed from through registers
+    (not through memory): each register's last definition above its use, followed back to loads and constants. A
+    count that reached a branch only through shared memory shows `ld.shared` and none of the global loads it
+    counted."""
+    lines = [m for line in ptx.splitlines() if (m := _INSTRUCTION.match(line))]
+    found = []
+    for at, m in enumerate(lines):
+        if not (m.group(1) and m.group(2).startswith("bra")):
+            continue
+        opcodes, wanted, seen = set(), [(at, m.group(1).strip().lstrip("@!"))], set()
+        while wanted:
+            use, reg = wanted.pop()
+            for back in range(use - 1, -1, -1):
+                op, operands = lines[back].group(2), lines[back].group(3)
+                regs = _REGISTER.findall(operands)
+                defined = re.findall(r"\{\s*(%\w+)", operands) if op.startswith("ld.") and "{" in operands \
+                    else regs[:1]
+                if reg in defined and not op.startswith(("st.", "bar", "bra")):
+                    opcodes.add(op)
+                    if (back, reg) not in seen and not op.startswith("ld."):
+                        seen.add((back, reg))
+                        wanted.extend((back, r) for r in regs[1:])
+                    break
+        found.append(opcodes)
+    return found

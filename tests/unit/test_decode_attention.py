@@ -8,7 +8,7 @@ import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
 from tpgtest.polled import arrive_late
-from tpgtest.ptx import assert_semaphore_order, sm90_ptx, sm90_ptx_and_usage
+from tpgtest.ptx import assert_semaphore_order, branch_sources, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
@@ -718,3 +718,17 @@ def test_an_l2_prefetch_that_is_not_a_power_of_two_is_refused_and_one_changes_no
         paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, l2_prefetch=16)
     out = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=300, num_splits=2, l2_prefetch=4)
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_polled_merge_branches_on_counts_its_warps_share(group):
+    """sm_90a: every branch on a poll's count of stale partials taken by the whole block (the count went through
+    shared memory) depends on no register loaded from the partials. The maxima and sums of a chunk are loaded by
+    every warp (replicated), and a warp that read a sum a moment before a partner stored it counted it stale while the
+    others did not: a count with that warp's own term added took the retry's block barriers in some warps only, and
+    at batch 32 the reducers hung until the poll limit's trap (bench/results/2026-12-02_h200_polled_attention)."""
+    ptx = _split_kernel_ptx(polled=True, group=group, newest_apart=True, kv_ahead=1, aligned=True, num_stages=3)
+    block_counts = [sources for sources in branch_sources(ptx) if "ld.shared.b32" in sources]
+    assert len(block_counts) >= 3  # the chunk's merge, the retry's poll, the merge again
+    for sources in block_counts:
+        assert not any(op.startswith("ld.volatile") for op in sources), sorted(sources)

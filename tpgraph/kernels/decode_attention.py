@@ -567,8 +567,7 @@ if triton is not None:
         """(l_total, acc) with splits c0 .. c0 + CHUNK - 1 (those below `used`) added in order as _combine_group adds
         them, from volatile loads issued together, and how many of the loaded values held the sentinel (the result
         is then not to be kept)."""
-        stale_rows = tl.zeros(acc.shape, tl.int32)
-        stale_sums = tl.zeros(l_total.shape, tl.int32)
+        stale = tl.zeros(acc.shape, tl.int32)
         for j in tl.static_range(CHUNK):
             part = part0 + (c0 + j) * stride_ps
             ok = tl.where(c0 + j < used, g_ok, False)
@@ -576,12 +575,14 @@ if triton is not None:
             sums = tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True)
             row = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
                           other=0.0, volatile=True)
-            stale_sums = stale_sums | (is_sentinel(m) | is_sentinel(sums)).to(tl.int32)
-            stale_rows = stale_rows | is_sentinel(row).to(tl.int32)
+            # a row's maximum and sum flag its [DIM_PAD] elements: every warp loads its own copy of them (replicated
+            # across warps), so a count of their own would differ between warps that read them a moment apart, and a
+            # warp-divergent branch into the retry's block barriers pairs them with other barriers (hung reducers)
+            stale = stale | (is_sentinel(row) | (is_sentinel(m) | is_sentinel(sums))[:, None]).to(tl.int32)
             w = tl.exp2(m - m_max)
             l_total += sums * w
             acc += row * w[:, None]
-        return l_total, acc, tl.sum(stale_sums, axis=0) + tl.sum(tl.sum(stale_rows, axis=1), axis=0)
+        return l_total, acc, tl.sum(tl.sum(stale, axis=1), axis=0)  # one reduction across the block: its warps agree
 
     @triton.jit
     def _decode_combine_kernel(
