@@ -726,7 +726,8 @@ def test_the_polled_merge_branches_on_counts_its_warps_share(group):
     shared memory) depends on no register loaded from the partials. The maxima and sums of a chunk are loaded by
     every warp (replicated), and a warp that read a sum a moment before a partner stored it counted it stale while the
     others did not: a count with that warp's own term added took the retry's block barriers in some warps only, and
-    at batch 32 the reducers hung until the poll limit's trap (bench/results/2026-12-02_h200_polled_attention)."""
+    at batch 32 the reducers hung until the poll limit's trap (bench/results/2026-12-03_h200_polled_attention_fix).
+    (The first poll of the maxima is each warp's own by design: its loop holds no barrier.)"""
     ptx = _split_kernel_ptx(polled=True, group=group, newest_apart=True, kv_ahead=1, aligned=True, num_stages=3)
     block_counts = [sources for sources in branch_sources(ptx) if "ld.shared.b32" in sources]
     assert len(block_counts) >= 3  # the chunk's merge, the retry's poll, the merge again

@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from tpgtest.markers import interpreted
 from tpgtest.polled import arrive_late, spy_polled_rope
-from tpgtest.ptx import NO_ALL_REDUCE, assert_semaphore_order, gemv_signature, sm90_ptx, sm90_ptx_and_usage
+from tpgtest.ptx import (
+    NO_ALL_REDUCE,
+    assert_semaphore_order,
+    branch_sources,
+    gemv_signature,
+    sm90_ptx,
+    sm90_ptx_and_usage,
+)
 
 from tpgraph.kernels.gemv import GemvConfig, linear_small_m, tiles
 
@@ -823,14 +830,32 @@ def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
     assert len(used) == len(cases) and not _counters.split_counters(x.device, 8).any()
 
 
+def _polled_gemv_ptx(block_m: int = 16) -> str:
+    return sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
+                    {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
+                     "GATE_UP": False, "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64,
+                     "LAST_REDUCES": True, "SPLITS": 4, **NO_ALL_REDUCE, "POLLED": True}, num_stages=4,
+                    divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
+
+
+@pytest.mark.parametrize("kernel", ["projection", "qkv_rope"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_the_polled_reducers_branch_on_counts_their_warps_share(kernel, block_m):
+    """sm_90a: every branch of the polled projection's and qkv + rope head's reducers is taken on a stale count that
+    went through shared memory (the block's), never on a register loaded from the partials: warps that read a
+    partial a moment apart must not part ways, or one would poll a slot another has set back to the sentinel (as
+    decode attention's merge did: test_the_polled_merge_branches_on_counts_its_warps_share)."""
+    ptx = _polled_gemv_ptx(block_m) if kernel == "projection" else _qkv_rope_ptx(4, polled=True, block_m=block_m)
+    branches = branch_sources(ptx)
+    assert sum("ld.shared.b32" in sources for sources in branches) >= 3  # the first poll, the loop's, the trap's
+    for sources in branches:
+        assert not any(op.startswith("ld.volatile") for op in sources), sorted(sources)
+
+
 def test_the_polled_reducer_compiles_for_sm90_without_a_count():
     """sm_90a: with POLLED, no acq_rel count; the partners' partials are read volatile (past L1), and a trap stands
     behind the poll's limit."""
-    ptx = sm90_ptx("tpgraph.kernels.gemv", "_gemv_kernel", gemv_signature("bf16", "fp32"), [],
-                   {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
-                    "GATE_UP": False, "EXACT": True, "PDL": True, "PREFETCH_TILES": 1, "LINE": 64,
-                    "LAST_REDUCES": True, "SPLITS": 4, **NO_ALL_REDUCE, "POLLED": True}, num_stages=4,
-                   divisible=("x_ptr", "w_ptr", "out_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"))
+    ptx = _polled_gemv_ptx()
     assert "atom.global.gpu.acq_rel" not in ptx and "trap;" in ptx
     # a poll's loads of the three partners go out together: no block barrier between them
     poll = ptx[ptx.index("ld.volatile.global"):]

@@ -511,7 +511,9 @@ if triton is not None:
         partner's stores are not ordered among its threads); else the chunk is polled until none does and merged
         again. So the merge costs the count's round trips less the count's own. (A retry loop around the merge itself
         took 226 registers a thread against the count's 134, sm_90a: fewer programs an SM.) Every slot read goes back
-        to the sentinel."""
+        to the sentinel. Each warp polls the maxima for itself (they are few, and every warp loads them all), so the
+        warps leave that loop apart, which is safe because it has no barrier; every count after it is the block's
+        (_merge_chunk), so the warps take the retry's barriers together."""
         offs_g = tl.arange(0, GROUP_P2)
         g_ok = offs_g < GROUP
         part0 = b * stride_pb + (kv_h * GROUP + offs_g) * stride_ph
