@@ -240,30 +240,36 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \
              --modes full --batches 1,4,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --context $ctx --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_polled_attn_$ctx.log"; done ;;
-    polled-attn-debug) # issue 11: where TPGRAPH_POLLED_ATTENTION=1 fails in whole steps (run1 of 2026-12-02_h200_polled_attention:
-         # "unspecified launch failure" in every full-graph step): the kernel alone at the model's grid between two
-         # polled projections in a graph, then one batch-1 step process each as shipped, without PDL, and eager, with
-         # the seconds each took to fail (a reducer that polls to its limit traps after seconds; a wrong merge at once)
+    polled-attn-debug) # issue 11: where TPGRAPH_POLLED_ATTENTION=1 failed in whole steps ("unspecified launch
+         # failure" in every full-graph step of 2026-12-02_h200_polled_attention): the kernel at the model's grid
+         # between two polled projections in a graph, then one batch-1 step process each as shipped, without PDL, and
+         # eager, with the seconds each took to fail (a reducer that polls to its limit traps after seconds; a wrong
+         # merge at once)
          timeout 240 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -q -rs -x --durations=8 \
              -k "polled_attention_between" 2>&1 | tail -25 | tee "$out/polled_debug_tests.log"
          for run in "full:" "full:TPGRAPH_TRITON_PDL=0" "none:"; do mode=${run%%:*}; env_set=${run#*:}
            t0=$(date +%s)
            env TPGRAPH_POLLED_ATTENTION=1 $env_set timeout 150 torchrun --nproc-per-node 1 bench/bench_decode.py \
-               --shape "${SHAPE:-llama3-8b}" --modes $mode --batches 1 --no-ladders --allreduce custom+gemv+overlap \
-               --context 512 --steps 20 --out "$out/polled_debug_$mode${env_set:+_nopdl}.json" \
+               --shape "${SHAPE:-llama3-8b}" --modes $mode --batches 1 --no-ladders \
+               --allreduce custom+gemv+overlap --context 512 --steps 20 \
+               --out "$out/polled_debug_$mode${env_set:+_nopdl}.json" \
                > "$out/polled_debug_$mode${env_set:+_nopdl}.log" 2>&1
            rc=$?; echo "$mode $env_set: exit $rc after $(( $(date +%s) - t0 )) s"
-           grep -E "TPOT|Error|error" "$out/polled_debug_$mode${env_set:+_nopdl}.log" | grep -v "^frame\|Search for" | head -6
+           grep -E "TPOT|Error|error" "$out/polled_debug_$mode${env_set:+_nopdl}.log" \
+               | grep -v "^frame\|Search for" | head -6
          done ;;
-    polled-attn-32) # issue 11: TPGRAPH_POLLED_ATTENTION=1 after the merge's stale count was made the block's (it had
-         # hung batch-32 reducers: 4 of 6 whole-step processes ended in the poll limit's trap, 2026-12-02_h200_polled_attention
-         # run2-4): REPEATS (default 3) batch-32 processes of 20 steps, then whole steps against the count at 512 tokens
-         # (batches 1, 8, 32; alternating processes, 2 rounds; SHAPE, AB_ENTRY as for ab)
+    polled-attn-32) # issue 11: TPGRAPH_POLLED_ATTENTION=1 after the merge's stale count was made the block's (it
+         # had hung batch-32 reducers: 4 of 6 whole-step processes ended in the poll limit's trap, runs 2-4 of
+         # bench/results/2026-12-03_h200_polled_attention_fix): REPEATS (default 3) batch-32 processes of 20 steps,
+         # then whole steps against the count at 512 tokens (batches 1, 8, 32; alternating processes, 2 rounds;
+         # SHAPE, AB_ENTRY as for ab)
          for i in $(seq ${REPEATS:-3}); do t0=$(date +%s)
            TPGRAPH_POLLED_ATTENTION=1 timeout 100 torchrun --nproc-per-node 1 bench/bench_decode.py \
-               --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
-               --context 512 --steps 20 --out "$out/polled_32_$i.json" > "$out/polled_32_$i.log" 2>&1
-           echo "batch 32, process $i: exit $? after $(( $(date +%s) - t0 )) s $(grep -oE 'TPOT +[0-9.]+ ms|Error.*' "$out/polled_32_$i.log" | head -1)"
+               --shape "${SHAPE:-llama3-8b}" --modes full --batches 32 --no-ladders \
+               --allreduce "${AB_ENTRY:-custom+gemv+overlap}" --context 512 --steps 20 \
+               --out "$out/polled_32_$i.json" > "$out/polled_32_$i.log" 2>&1
+           echo "batch 32, process $i: exit $? after $(( $(date +%s) - t0 )) s" \
+               "$(grep -oE 'TPOT +[0-9.]+ ms|Error.*' "$out/polled_32_$i.log" | head -1)"
          done
          timeout 200 python3 bench/ab_decode.py --out "$out/ab_polled_attn_512" --nproc $NPROC \
              --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \

@@ -482,7 +482,10 @@ def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, bat
     """Decode attention as the model runs it (TPGRAPH_POLLED_ATTENTION=1): a TP=2 rank's Llama-3-8B heads (16 query
     heads, 4 KV heads, 128 dims), the grid sized for 8192 tokens (64 splits at batch 1, several merge chunks), between
     two split-K projections that poll the same sentinel buffer, each a programmatic dependent of the one before, in
-    one graph replayed with new inputs: the count's bits every replay, and every slot back at the sentinel."""
+    one graph replayed with new inputs: the count's bits every replay, and every slot back at the sentinel. (It did
+    not catch the batch-32 hang of 2026-12-03_h200_polled_attention_fix, which took whole steps of 32 layers: a
+    check of the kernel's logic at the model's grid, not a stress test.)"""
+    from tpgraph.kernels import decode_attention
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import GemvConfig, linear_small_m
 
@@ -504,10 +507,14 @@ def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, bat
         return linear_small_m(out.view(batch, heads * dim), w_o, config=split)
 
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
     partials_buffer(x.device, 1)
     counted = layer()
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
-    assert torch.equal(layer(), counted)
+    taken = []  # attention's launches that polled (equal bits alone would not show it)
+    monkeypatch.setattr(decode_attention, "partials_buffer",
+                        lambda dev, n: (buf := partials_buffer(dev, n)) is not None and taken.append(n) or buf)
+    assert torch.equal(layer(), counted) and taken
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = layer()

@@ -93,13 +93,25 @@ NO_ALL_REDUCE = {"ALL_REDUCE": False, "STAGED": False, "WS": 1, "RANK": 0, "PIEC
 
 _INSTRUCTION = re.compile(r"^\s*(@!?%\w+\s+)?([a-z][\w.]*)\s+([^;]*);")
 _REGISTER = re.compile(r"%\w+")
+_NO_DESTINATION = ("st.", "red.", "bar", "bra", "prefetch", "cp.async", "griddepcontrol", "trap", "ret", "fence",
+                   "membar")
+
+
+def _defined(op: str, operands: str) -> list[str]:
+    """The registers an instruction writes: a load's whole {...} list, else its first operand; none for a store,
+    reduction, barrier, branch or prefetch."""
+    if op.startswith(_NO_DESTINATION):
+        return []
+    braced = re.match(r"\s*\{([^}]*)\}", operands)
+    return _REGISTER.findall(braced.group(1)) if braced else _REGISTER.findall(operands)[:1]
 
 
 def branch_sources(ptx: str) -> list[set[str]]:
     """For each conditional branch, the opcodes of the instructions its predicate is computed from through registers
-    (not through memory): each register's last definition above its use, followed back to loads and constants. A
-    count that reached a branch only through shared memory shows `ld.shared` and none of the global loads it
-    counted."""
+    (not through memory): each register's last definition above its use and that definition's guard, followed back
+    to loads and constants. A count that reached a branch only through shared memory shows `ld.shared` and none of
+    the global loads it counted. (Straight-line and loop-entry flow: a value carried round a loop from below the
+    branch is not followed, nor is control flow.)"""
     lines = [m for line in ptx.splitlines() if (m := _INSTRUCTION.match(line))]
     found = []
     for at, m in enumerate(lines):
@@ -109,15 +121,16 @@ def branch_sources(ptx: str) -> list[set[str]]:
         while wanted:
             use, reg = wanted.pop()
             for back in range(use - 1, -1, -1):
-                op, operands = lines[back].group(2), lines[back].group(3)
-                regs = _REGISTER.findall(operands)
-                defined = re.findall(r"\{\s*(%\w+)", operands) if op.startswith("ld.") and "{" in operands \
-                    else regs[:1]
-                if reg in defined and not op.startswith(("st.", "bar", "bra")):
+                guard, op, operands = lines[back].groups()
+                defined = _defined(op, operands)
+                if reg in defined:
                     opcodes.add(op)
                     if (back, reg) not in seen and not op.startswith("ld."):
                         seen.add((back, reg))
-                        wanted.extend((back, r) for r in regs[1:])
+                        wanted.extend((back, r) for r in _REGISTER.findall(operands) if r not in defined)
+                    if guard and (back, guard) not in seen:
+                        seen.add((back, guard))
+                        wanted.append((back, guard.strip().lstrip("@!")))
                     break
         found.append(opcodes)
     return found

@@ -324,9 +324,10 @@ _ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "out_ptr", "part_acc_
 
 def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_tiles: int = 0,
                      late_trigger: bool = False, kv_ahead: int = 0, aligned: bool = False,
-                     num_stages: int = 2, polled: bool = False, group: int = 4, usage: bool = False):
+                     num_stages: int = 2, polled: bool = False, group: int = 4, usage: bool = False,
+                     splits: int = 8, dim: int = 128, num_warps: int = 4):
     """_decode_split_kernel's PTX for sm_90: bf16, a query group of 4, 128-dim heads, 8 one-tile splits merged by the
-    last one (usage: and ptxas's resource usage, sm90_ptx_and_usage)."""
+    last one, 4 warps (usage: and ptxas's resource usage, sm90_ptx_and_usage)."""
     typed = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
              "part_l_ptr": "*fp32", "counter_ptr": "*i32", "qk_scale": "fp32"}
@@ -334,14 +335,15 @@ def _split_kernel_ptx(pdl: bool = True, newest_apart: bool = False, prefetch_til
     return compile_("tpgraph.kernels.decode_attention", "_decode_split_kernel", typed,
                     ["stride_qb", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "stride_bt",
                      "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"],
-                    {"GROUP": group, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                     "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": 8, "SPLIT_TILES": 1, "DOT_PRECISION": "tf32",
+                    {"GROUP": group, "GROUP_PAD": 16, "BLOCK_SIZE": 16, "HEAD_DIM": dim, "DIM_PAD": dim,
+                     "BLOCK_N": decode_attention.BLOCK_N, "NUM_SPLITS": splits, "SPLIT_TILES": 1,
+                     "DOT_PRECISION": "tf32",
                      "INTERPRETED": False, "LAST_COMBINES": True, "PDL": pdl, "GROUP_P2": group, "COMBINE_CHUNK": 8,
                      "NEWEST_APART": newest_apart, "PREFETCH_TILES": prefetch_tiles, "LINE": 64, "LINES": 2,
                      "LATE_TRIGGER": late_trigger, "KV_AHEAD": kv_ahead,
                      "LONG_TILES": decode_attention.LONG_SPLIT_TILES, "MERGE": decode_attention.MERGE_SPLITS,
-                     "SPLITS_P2": 8, "POLLED": polled},
-                    num_stages=num_stages, divisible=_ALIGNED if aligned else ())
+                     "SPLITS_P2": splits, "POLLED": polled},
+                    num_warps=num_warps, num_stages=num_stages, divisible=_ALIGNED if aligned else ())
 
 
 def test_the_polled_merge_takes_the_counted_kernels_registers():
@@ -720,16 +722,21 @@ def test_an_l2_prefetch_that_is_not_a_power_of_two_is_refused_and_one_changes_no
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
-@pytest.mark.parametrize("group", [1, 4])
-def test_the_polled_merge_branches_on_counts_its_warps_share(group):
+@pytest.mark.parametrize(("group", "splits", "dim", "warps"), [(4, 8, 128, 4), (1, 8, 128, 4), (4, 64, 128, 4),
+                                                            (4, 8, 128, 8), (1, 8, 64, 4)])
+def test_the_polled_merge_branches_on_counts_its_warps_share(group, splits, dim, warps):
     """sm_90a: every branch on a poll's count of stale partials taken by the whole block (the count went through
     shared memory) depends on no register loaded from the partials. The maxima and sums of a chunk are loaded by
     every warp (replicated), and a warp that read a sum a moment before a partner stored it counted it stale while the
     others did not: a count with that warp's own term added took the retry's block barriers in some warps only, and
     at batch 32 the reducers hung until the poll limit's trap (bench/results/2026-12-03_h200_polled_attention_fix).
-    (The first poll of the maxima is each warp's own by design: its loop holds no barrier.)"""
-    ptx = _split_kernel_ptx(polled=True, group=group, newest_apart=True, kv_ahead=1, aligned=True, num_stages=3)
+    At 8 splits the first poll of the maxima is each warp's own (its loop holds no barrier), so the block's counts
+    are the merge's four: the chunk's, the retry loop's, its limit's and the merge's again; at 64 splits the first
+    poll's three are the block's too. Shapes: the model's (a group of 4, 128 dims), a group of 1, 64 splits, 8
+    warps, and 64-dim heads."""
+    ptx = _split_kernel_ptx(polled=True, group=group, newest_apart=True, kv_ahead=1, aligned=True, num_stages=3,
+                            splits=splits, dim=dim, num_warps=warps)
     block_counts = [sources for sources in branch_sources(ptx) if "ld.shared.b32" in sources]
-    assert len(block_counts) >= 3  # the chunk's merge, the retry's poll, the merge again
+    assert len(block_counts) == (4 if splits == 8 else 7)
     for sources in block_counts:
         assert not any(op.startswith("ld.volatile") for op in sources), sorted(sources)

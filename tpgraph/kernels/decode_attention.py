@@ -511,8 +511,9 @@ if triton is not None:
         partner's stores are not ordered among its threads); else the chunk is polled until none does and merged
         again. So the merge costs the count's round trips less the count's own. (A retry loop around the merge itself
         took 226 registers a thread against the count's 134, sm_90a: fewer programs an SM.) Every slot read goes back
-        to the sentinel. Each warp polls the maxima for itself (they are few, and every warp loads them all), so the
-        warps leave that loop apart, which is safe because it has no barrier; every count after it is the block's
+        to the sentinel. The first poll's count is each warp's own or the block's, by the maxima's layout (few splits:
+        every warp loads them all); either is safe, since that loop holds no barrier and a slot, written once, is not
+        set back before the final barrier (so every warp's m_max is the same). Every count after it is the block's
         (_merge_chunk), so the warps take the retry's barriers together."""
         offs_g = tl.arange(0, GROUP_P2)
         g_ok = offs_g < GROUP
@@ -567,8 +568,9 @@ if triton is not None:
     def _merge_chunk(part_acc_ptr, part_m_ptr, part_l_ptr, part0, c0, used, stride_ps, m_max, l_total, acc, g_ok,
                      offs_d, d_ok, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
         """(l_total, acc) with splits c0 .. c0 + CHUNK - 1 (those below `used`) added in order as _combine_group adds
-        them, from volatile loads issued together, and how many of the loaded values held the sentinel (the result
-        is then not to be kept)."""
+        them, from volatile loads issued together, and a count that is nonzero when any loaded value held the sentinel
+        (the result is then not to be kept): of the acc rows' elements, each flagged by its own value, its row's
+        maximum and its row's sum."""
         stale = tl.zeros(acc.shape, tl.int32)
         for j in tl.static_range(CHUNK):
             part = part0 + (c0 + j) * stride_ps
@@ -577,9 +579,10 @@ if triton is not None:
             sums = tl.load(part_l_ptr + part, mask=ok, other=0.0, volatile=True)
             row = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
                           other=0.0, volatile=True)
-            # a row's maximum and sum flag its [DIM_PAD] elements: every warp loads its own copy of them (replicated
-            # across warps), so a count of their own would differ between warps that read them a moment apart, and a
-            # warp-divergent branch into the retry's block barriers pairs them with other barriers (hung reducers)
+            # the maxima and sums are loaded by every warp (replicated): counted apart, a warp that read one a moment
+            # before its partner stored it disagreed with the others and went alone into the retry's block barriers
+            # (hung reducers). Flagged on the acc rows' elements, they join the rows' one block-wide count. (Triton
+            # may merge a second load of them, in l_total's layout, issued after the flagged one: unchecked itself.)
             stale = stale | (is_sentinel(row) | (is_sentinel(m) | is_sentinel(sums))[:, None]).to(tl.int32)
             w = tl.exp2(m - m_max)
             l_total += sums * w
