@@ -5,6 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
+from tpgtest.polled import spy_polled_attention
 
 from tpgraph.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tpgraph.kernels.decode_attention import paged_decode_attention_v2
@@ -317,16 +318,13 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     (TPGRAPH_POLLED_ATTENTION): the reference within tolerance, the same bits every call and every graph replay
     (with new queries before each, so a stale partial would show), and the counters back at zero and the partials'
     slots at the sentinel."""
-    from tpgraph.kernels import decode_attention
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer, split_counters
 
     q, k, v, bt, lens, scale = random_paged_case(seed, "cuda", dtype, max_batch=16, max_len=2000)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", polled)
     partials_buffer(q.device, 1)  # (made before the capture, as the runner makes it)
-    taken = []  # the launches that polled (equal bits alone would not show it)
-    monkeypatch.setattr(decode_attention, "partials_buffer",
-                        lambda dev, n: (buf := partials_buffer(dev, n)) is not None and taken.append(n) or buf)
+    taken = spy_polled_attention(monkeypatch)  # the launches that polled (equal bits alone would not show it)
     eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
@@ -485,7 +483,6 @@ def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, bat
     one graph replayed with new inputs: the count's bits every replay, and every slot back at the sentinel. (It did
     not catch the batch-32 hang of 2026-12-03_h200_polled_attention_fix, which took whole steps of 32 layers: a
     check of the kernel's logic at the model's grid, not a stress test.)"""
-    from tpgraph.kernels import decode_attention
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import GemvConfig, linear_small_m
 
@@ -511,9 +508,7 @@ def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, bat
     partials_buffer(x.device, 1)
     counted = layer()
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
-    taken = []  # attention's launches that polled (equal bits alone would not show it)
-    monkeypatch.setattr(decode_attention, "partials_buffer",
-                        lambda dev, n: (buf := partials_buffer(dev, n)) is not None and taken.append(n) or buf)
+    taken = spy_polled_attention(monkeypatch)  # attention's polled launches (equal bits alone would not show it)
     assert torch.equal(layer(), counted) and taken
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -24,6 +24,23 @@ def spy_polled_rope(monkeypatch) -> list[int]:
     return polled
 
 
+def spy_polled_attention(monkeypatch) -> list[int]:
+    """The sizes of the partials buffers decode attention took (its polled launches; a request that did not fit,
+    and so kept the count, is not counted)."""
+    from tpgraph.kernels import decode_attention
+
+    polled, real_buffer = [], decode_attention.partials_buffer
+
+    def buffer(device, numel):
+        buf = real_buffer(device, numel)
+        if buf is not None:
+            polled.append(numel)
+        return buf
+
+    monkeypatch.setattr(decode_attention, "partials_buffer", buffer)
+    return polled
+
+
 def arrive_late(monkeypatch, address: int, late: int | None) -> list[int]:
     """Under the interpreter (which runs programs in order, so every partial is in before its reducer looks): the
     first `late` volatile loads of the fp32 at `address` see the sentinel, as if its writer's store were still on

@@ -571,7 +571,7 @@ if triton is not None:
         them, from volatile loads issued together, and a count that is nonzero when any loaded value held the sentinel
         (the result is then not to be kept): of the acc rows' elements, each flagged by its own value, its row's
         maximum and its row's sum."""
-        stale = tl.zeros(acc.shape, tl.int32)
+        stale = tl.zeros(acc.shape, tl.int1)
         for j in tl.static_range(CHUNK):
             part = part0 + (c0 + j) * stride_ps
             ok = tl.where(c0 + j < used, g_ok, False)
@@ -583,11 +583,11 @@ if triton is not None:
             # before its partner stored it disagreed with the others and went alone into the retry's block barriers
             # (hung reducers). Flagged on the acc rows' elements, they join the rows' one block-wide count. (Triton
             # may merge a second load of them, in l_total's layout, issued after the flagged one: unchecked itself.)
-            stale = stale | (is_sentinel(row) | (is_sentinel(m) | is_sentinel(sums))[:, None]).to(tl.int32)
+            stale = stale | is_sentinel(row) | (is_sentinel(m) | is_sentinel(sums))[:, None]
             w = tl.exp2(m - m_max)
             l_total += sums * w
             acc += row * w[:, None]
-        return l_total, acc, tl.sum(tl.sum(stale, axis=1), axis=0)  # one reduction across the block: its warps agree
+        return l_total, acc, unfilled(stale, g_ok[:, None] & d_ok[None, :])  # one block-wide reduction: warps agree
 
     @triton.jit
     def _decode_combine_kernel(
