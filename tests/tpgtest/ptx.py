@@ -53,7 +53,10 @@ def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars:
                        num_warps: int = 4, num_stages: int = 3,
                        divisible: tuple[str, ...] = ()) -> tuple[str, dict[str, int]]:
     """sm90_ptx's PTX, and what ptxas gave that build, as the cuobjdump that Triton ships reads it from the cubin:
-    registers a thread ("REG") and the stack frame, where ptxas puts spilled registers ("STACK")."""
+    registers a thread ("REG") and the stack frame, where ptxas puts spilled registers ("STACK"). Mark in `divisible`
+    every argument the launch would pass as a multiple of 16: unmarked, loads stay scalar and the count can be far
+    above the real one (the qkv + rope kernel at 32 rows: 254 registers unmarked, 80 marked;
+    bench/results/2026-12-03_h200_wide_rows)."""
     triton = pytest.importorskip("triton")
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.isfile(tool):
