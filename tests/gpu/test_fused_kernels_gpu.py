@@ -5,7 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
-from tpgtest.polled import spy_polled_attention
+from tpgtest.polled import spy_partials
 
 from tpgraph.kernels.activation import silu_and_mul, silu_and_mul_reference
 from tpgraph.kernels.decode_attention import paged_decode_attention_v2
@@ -324,7 +324,7 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", polled)
     partials_buffer(q.device, 1)  # (made before the capture, as the runner makes it)
-    taken = spy_polled_attention(monkeypatch)  # the launches that polled (equal bits alone would not show it)
+    taken = spy_partials(monkeypatch, "decode_attention")  # its polled launches (equal bits alone would not show them)
     eager = paged_decode_attention_v2(q, k, v, bt, lens, scale, max_seq_len=2000, num_splits=8)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(eager.float(), paged_decode_reference(q, k, v, bt, lens, scale).float(), atol=tol,
@@ -508,7 +508,7 @@ def test_polled_attention_between_polled_projections_in_a_graph(monkeypatch, bat
     partials_buffer(x.device, 1)
     counted = layer()
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
-    taken = spy_polled_attention(monkeypatch)  # attention's polled launches (equal bits alone would not show it)
+    taken = spy_partials(monkeypatch, "decode_attention")  # attention's polled launches (bits alone do not show them)
     assert torch.equal(layer(), counted) and taken
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -24,21 +24,22 @@ def spy_polled_rope(monkeypatch) -> list[int]:
     return polled
 
 
-def spy_polled_attention(monkeypatch) -> list[int]:
-    """The sizes of the partials buffers decode attention took (its polled launches; a request that did not fit,
-    and so kept the count, is not counted)."""
-    from tpgraph.kernels import decode_attention
+def spy_partials(monkeypatch, kernels: str) -> list[int]:
+    """The sizes of the partials buffers that tpgraph.kernels.<kernels> took, as it takes them: its polled launches
+    (a request that did not fit, and so kept the count, is not counted)."""
+    import importlib
 
-    polled, real_buffer = [], decode_attention.partials_buffer
+    module = importlib.import_module(f"tpgraph.kernels.{kernels}")
+    taken, real_buffer = [], module.partials_buffer
 
     def buffer(device, numel):
         buf = real_buffer(device, numel)
         if buf is not None:
-            polled.append(numel)
+            taken.append(numel)
         return buf
 
-    monkeypatch.setattr(decode_attention, "partials_buffer", buffer)
-    return polled
+    monkeypatch.setattr(module, "partials_buffer", buffer)
+    return taken
 
 
 def arrive_late(monkeypatch, address: int, late: int | None) -> list[int]:

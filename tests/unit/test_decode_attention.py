@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from tpgtest.paged_cases import random_paged_case
-from tpgtest.polled import arrive_late, spy_polled_attention
+from tpgtest.polled import arrive_late, spy_partials
 from tpgtest.ptx import assert_semaphore_order, branch_sources, sm90_ptx, sm90_ptx_and_usage
 
 from tpgraph.kernels import decode_attention
@@ -208,7 +208,7 @@ def test_the_polled_merge_gives_the_counted_bits_and_rearms_its_slots(monkeypatc
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     counted = paged_decode_attention_v2(q, k, v, bt, lens, scale, **run)
     monkeypatch.setenv("TPGRAPH_POLLED_ATTENTION", "1")
-    taken = spy_polled_attention(monkeypatch)
+    taken = spy_partials(monkeypatch, "decode_attention")
     for _ in range(2):
         assert torch.equal(paged_decode_attention_v2(q, k, v, bt, lens, scale, **run), counted)
         assert (_counters.partials_buffer(q.device, 1).view(torch.int32) == _counters.PARTIAL_SENTINEL).all()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tpgtest.markers import interpreted
-from tpgtest.polled import arrive_late, spy_polled_rope
+from tpgtest.polled import arrive_late, spy_partials, spy_polled_rope
 from tpgtest.ptx import (
     NO_ALL_REDUCE,
     assert_semaphore_order,
@@ -377,7 +377,7 @@ def test_the_last_split_reduces_to_the_sum_kernels_bits_and_resets_its_counters(
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "0")  # the sum kernel first
     two_kernels = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
-    used = _spy_partials(monkeypatch)
+    used = spy_partials(monkeypatch, "gemv")
     for _ in range(2):  # twice: the counters are back at zero after each call
         assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), two_kernels)
         assert not split_counters(x.device, 3).any()
@@ -777,29 +777,13 @@ def test_polled_partials_give_the_counted_bits_and_rearm_their_slots(monkeypatch
     monkeypatch.setenv("TPGRAPH_LAST_SPLIT_REDUCES", "1")
     counted = linear_small_m(x, w, use_triton=True, config=cfg)
     monkeypatch.delenv("TPGRAPH_POLLED_PARTIALS")  # the default
-    used = _spy_partials(monkeypatch)
+    used = spy_partials(monkeypatch, "gemv")
     for _ in range(2):
         polled = linear_small_m(x, w, use_triton=True, config=cfg)
         assert torch.equal(polled, counted) and torch.equal(polled, two_kernels)
         assert _all_sentinel(x.device)
         assert not split_counters(x.device, 3).any()
     assert used == [split_k * m * 37] * 2  # both calls polled (the bits alone would not show it)
-
-
-def _spy_partials(monkeypatch) -> list[int]:
-    """The sizes of the partials buffers the projections took (polled launches), as they take them."""
-    from tpgraph.kernels import gemv
-
-    used, real = [], gemv.partials_buffer
-
-    def spy(device, numel):
-        buf = real(device, numel)
-        if buf is not None:
-            used.append(numel)
-        return buf
-
-    monkeypatch.setattr(gemv, "partials_buffer", spy)
-    return used
 
 
 @interpreted
@@ -819,7 +803,7 @@ def test_polled_partials_across_changing_shapes_and_the_fallback(monkeypatch):
         want.append((x, w, GemvConfig(16, 64, 4, 2, splits), linear_small_m(x, w, use_triton=True,
                                                                           config=GemvConfig(16, 64, 4, 2, splits))))
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "1")
-    used = _spy_partials(monkeypatch)
+    used = spy_partials(monkeypatch, "gemv")
     for x, w, cfg, counted in want:
         assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), counted)
         assert _all_sentinel(x.device)
