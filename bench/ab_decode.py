@@ -19,6 +19,8 @@ epilogue), e.g.
 
     --variant d2=. --tiles d2=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4
     --variant r=. --tiles r=4096,2048,1=32x2048x16x1x1x1
+`--args LABEL=ARGS` adds bench_decode.py arguments for variant LABEL only, after the common ones (so that a setting
+given in both takes the variant's), e.g. `--variant b32=. --args b32="--block-size 32"`.
 The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
 OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
 against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -45,6 +48,7 @@ class Variant:
     label: str
     tree: Path  # holds the tpgraph package
     env: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # bench_decode.py arguments for this variant only (--args)
 
 
 def parse_variant(text: str) -> Variant:
@@ -62,6 +66,20 @@ def parse_variant(text: str) -> Variant:
             raise argparse.ArgumentTypeError(f"variant {label!r}: a setting is NAME=VALUE, got {item!r}")
         env[name] = value
     return Variant(label, Path(tree), env)
+
+
+def parse_args_entry(text: str) -> tuple[str, tuple[str, ...]]:
+    """LABEL=ARGS -> (label, ARGS split as a shell would); a clear error for anything else."""
+    label, sep, rest = text.partition("=")
+    try:
+        args = tuple(shlex.split(rest))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--args {label}: {e}") from None
+    if not sep or not label or not args:
+        raise argparse.ArgumentTypeError(f"--args is LABEL=ARGS (bench_decode.py arguments), got {text!r}")
+    if "--out" in args:
+        raise argparse.ArgumentTypeError(f"--args {label}: --out is set per run here; leave it out")
+    return label, args
 
 
 FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "resident")
@@ -104,7 +122,8 @@ def write_tiles(variant: Variant, entries: list[tuple[str, str, dict[str, int]]]
     dest = out / "tables" / f"{variant.label}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(table, indent=1) + "\n")
-    return Variant(variant.label, variant.tree, {**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())})
+    return Variant(variant.label, variant.tree, {**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())},
+                   variant.args)
 
 
 def prepare(rev: str, dest: Path) -> None:
@@ -138,7 +157,7 @@ def run_command(variant: Variant, nproc: int, bench_args: list[str], out: Path) 
     env = {**os.environ, **variant.env, "PYTHONPATH": os.pathsep.join(
         [str(variant.tree.resolve()), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           str(BENCH), *bench_args, "--out", str(out)]
+           str(BENCH), *bench_args, *variant.args, "--out", str(out)]
     return cmd, env
 
 
@@ -176,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variant", action="append", type=parse_variant, default=[], help="LABEL=DIR[:NAME=VALUE,...]")
     p.add_argument("--tiles", action="append", type=parse_tiles, default=[],
                    help="LABEL=SPEC: variant LABEL's tile table (see above)")
+    p.add_argument("--args", action="append", type=parse_args_entry, default=[], dest="variant_args",
+                   help="LABEL=ARGS: bench_decode.py arguments for variant LABEL only (see above)")
     p.add_argument("--tiles-arch", default="sm90", help="which configs/gemv table --tiles starts from")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="ranks of every run (torchrun --nproc-per-node)")
@@ -200,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         if not (v.tree / "tpgraph" / "__init__.py").is_file():
             p.error(f"variant {v.label}: {v.tree} holds no tpgraph package (bench/ab_decode.py --prepare REV DIR)")
         with_extension(v.tree)
+    extra = dict(args.variant_args)
+    if len(extra) != len(args.variant_args) or set(extra) - {v.label for v in args.variant}:
+        p.error("--args: one per variant, and only for a variant given by --variant")
+    args.variant = [Variant(v.label, v.tree, v.env, extra.get(v.label, ())) for v in args.variant]
     args.out.mkdir(parents=True, exist_ok=True)
     args.variant = [write_tiles(v, tiles[v.label], args.tiles_arch, args.out) if v.label in tiles else v
                     for v in args.variant]
@@ -222,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     (args.out / "ab.md").write_text(text + "\n")
     (args.out / "ab.json").write_text(json.dumps({
-        "variants": [{"label": v.label, "tree": str(v.tree), "env": v.env} for v in args.variant],
+        "variants": [{"label": v.label, "tree": str(v.tree), "env": v.env, "args": list(v.args)}
+                     for v in args.variant],
         "bench_args": bench_args, "nproc": args.nproc, "tpot_ms": runs}, indent=1))
 
 

@@ -40,6 +40,22 @@ def test_each_run_imports_its_variants_tree_with_its_settings(ab, tmp_path, monk
     assert Path(cmd[cmd.index("--nproc-per-node") + 2]) == REPO / "bench" / "bench_decode.py"
 
 
+def test_a_variants_own_arguments_follow_the_common_ones(ab, tmp_path):
+    label, args = ab.parse_args_entry("b32=--block-size 32 --context '4096'")
+    assert (label, args) == ("b32", ("--block-size", "32", "--context", "4096"))
+    v = ab.Variant("b32", tmp_path, {}, args)
+    cmd, _ = ab.run_command(v, 1, ["--context", "512", "--batches", "1"], tmp_path / "b32_r1.json")
+    # after the common arguments, so that argparse keeps the variant's --context; --out last, as for every run
+    assert cmd[-8:] == ["--batches", "1", "--block-size", "32", "--context", "4096", "--out",
+                        str(tmp_path / "b32_r1.json")]
+
+
+@pytest.mark.parametrize("text", ["b32", "=--block-size 32", "b32=", "b32=--out x", "b32=--context '512"])
+def test_a_malformed_args_entry_is_refused_with_the_form(ab, text):
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL=ARGS|--out|quotation"):
+        ab.parse_args_entry(text)
+
+
 FAKE_BENCH = """
 import json, os, sys
 import marker  # from the variant's tree: which tree this run imported
@@ -96,6 +112,9 @@ def _main(*args: str) -> subprocess.CompletedProcess:
     (["--out", "x", "--variant", "a=.", "--variant", "a=."], "labels must differ"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out", "y"], "set per run"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=no/such/tree"], "holds no tpgraph package"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "c=--block-size 32"], "--args: one per variant"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "b=--context 1", "--args", "b=--context 2"],
+     "--args: one per variant"),
 ])
 def test_mistakes_are_refused_before_anything_runs(args, reason, tmp_path):
     done = _main(*[str(tmp_path / a) if a in ("x", "y") else a for a in args])
