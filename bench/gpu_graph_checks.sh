@@ -4,7 +4,8 @@
 #        [ar-gap] [host] [pdl] [serve] [fused] [gemv] [parity-gemv] [variants] [variants-pdl] [parity-all]
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
-#        [full-bench] [all-gpu-tests] [wide-m] [attn-prefetch] [attn-sweep] [boundary] [argmax] [l2-carry]
+#        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
+#        [argmax] [l2-carry]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
@@ -89,6 +90,16 @@ for step in "$@"; do
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/graph_tests.log" ;;
     all-gpu-tests) timeout 580 python3 -m pytest tests/gpu -q -rs 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -60 | tee "$out/gpu_tests.log" ;;
+    all-gpu-tests-parallel) # every GPU test, as all-gpu-tests (which a call's limit cuts), with the kernel tests
+         # (most of them, and the slow ones) spread over 8 pytest workers: all 346 took 5 min 20 s on one H200 that way
+         # (session 28); then the other files one test at a time (they start ranks of their own). pytest-xdist is not on the device, which reaches no index: before the
+         # call run `pip download pytest-xdist -d devwheels` here, and carry devwheels (ignored by git)
+         python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2
+         timeout -s INT 420 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 8 -v -rfEs --durations=10 \
+             -p no:cacheprovider > "$out/gpu_tests_kernels.log" 2>&1
+         grep -v "PASSED\|it/s\]\|Warning\|warner" "$out/gpu_tests_kernels.log" | tail -25
+         timeout -s INT 150 python3 -m pytest tests/gpu -q -rfEs --ignore tests/gpu/test_fused_kernels_gpu.py 2>&1 \
+             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests_other.log" ;;
     guards-memory) timeout 240 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs -k "guards or memory" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
     regress) timeout 200 python3 -m pytest tests/gpu -q -rs -k "not full_piecewise_breakable" 2>&1 \
