@@ -19,8 +19,10 @@ epilogue), e.g.
 
     --variant d2=. --tiles d2=4096,7168,1=32x128x4x5x2/epilogue:4096,7168,1=32x128x4x4x4
     --variant r=. --tiles r=4096,2048,1=32x2048x16x1x1x1
-`--args LABEL=ARGS` adds bench_decode.py arguments for variant LABEL only, after the common ones (so that a setting
-given in both takes the variant's), e.g. `--variant b32=. --args b32="--block-size 32"`.
+`--args LABEL=ARGS` adds bench_decode.py arguments for variant LABEL only, after the common ones, so that an option
+with a value given in both takes the variant's (a flag given after `--` applies to every variant), e.g.
+`--variant b32=. --args b32="--block-size 32"`; through gpu_graph_checks.sh's AB_VARIANTS, which the shell splits
+unquoted, write `--args b32=--block-size=32`.
 The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
 OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
 against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
@@ -36,7 +38,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +79,7 @@ def parse_args_entry(text: str) -> tuple[str, tuple[str, ...]]:
         raise argparse.ArgumentTypeError(f"--args {label}: {e}") from None
     if not sep or not label or not args:
         raise argparse.ArgumentTypeError(f"--args is LABEL=ARGS (bench_decode.py arguments), got {text!r}")
-    if "--out" in args:
+    if any(a == "--out" or a.startswith("--out=") for a in args):
         raise argparse.ArgumentTypeError(f"--args {label}: --out is set per run here; leave it out")
     return label, args
 
@@ -122,8 +124,7 @@ def write_tiles(variant: Variant, entries: list[tuple[str, str, dict[str, int]]]
     dest = out / "tables" / f"{variant.label}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(table, indent=1) + "\n")
-    return Variant(variant.label, variant.tree, {**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())},
-                   variant.args)
+    return replace(variant, env={**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())})
 
 
 def prepare(rev: str, dest: Path) -> None:
@@ -186,6 +187,19 @@ def table(runs: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def per_variant(p: argparse.ArgumentParser, flag: str, entries: list[tuple[str, object]],
+                variants: list[Variant]) -> dict[str, object]:
+    """A per-variant option's (label, value) entries as a dict; an argparse error (exit 2) for a label given twice or
+    not given by --variant."""
+    got = dict(entries)
+    twice = sorted({label for label, _ in entries if [e[0] for e in entries].count(label) > 1})
+    unknown = sorted(set(got) - {v.label for v in variants})
+    if twice or unknown:
+        p.error(f"{flag}: one per variant, and only for a variant given by --variant (given twice: {twice or 'none'}; "
+                f"no such variant: {unknown or 'none'})")
+    return got
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -214,17 +228,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--rounds must be at least 1")
     if "--out" in bench_args:
         p.error("--out after -- is set per run here; leave it out")
-    tiles = dict(args.tiles)
-    if len(tiles) != len(args.tiles) or set(tiles) - {v.label for v in args.variant}:
-        p.error("--tiles: one per variant, and only for a variant given by --variant")
+    tiles = per_variant(p, "--tiles", args.tiles, args.variant)
+    extra = per_variant(p, "--args", args.variant_args, args.variant)
     for v in args.variant:
         if not (v.tree / "tpgraph" / "__init__.py").is_file():
             p.error(f"variant {v.label}: {v.tree} holds no tpgraph package (bench/ab_decode.py --prepare REV DIR)")
         with_extension(v.tree)
-    extra = dict(args.variant_args)
-    if len(extra) != len(args.variant_args) or set(extra) - {v.label for v in args.variant}:
-        p.error("--args: one per variant, and only for a variant given by --variant")
-    args.variant = [Variant(v.label, v.tree, v.env, extra.get(v.label, ())) for v in args.variant]
+    args.variant = [replace(v, args=extra.get(v.label, ())) for v in args.variant]
     args.out.mkdir(parents=True, exist_ok=True)
     args.variant = [write_tiles(v, tiles[v.label], args.tiles_arch, args.out) if v.label in tiles else v
                     for v in args.variant]

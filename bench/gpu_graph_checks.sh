@@ -51,7 +51,8 @@ for step in "$@"; do
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
     ab) # whole steps of package trees / settings / tile tables, alternating processes (bench/ab_decode.py; prepare
          # the trees before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant (and
-         # --tiles) arguments, e.g. "--variant new=. --variant old=ab/head"; AB_ROUNDS (2), AB_ENTRY
+         # --tiles, --args) arguments, e.g. "--variant new=. --variant old=ab/head" (split unquoted: write --args
+         # b32=--block-size=32, with no spaces); AB_ROUNDS (2), AB_ENTRY
          # (custom+gemv+overlap), AB_CONTEXT (512), AB_BATCHES (1,8,32), SHAPE as for overlap
          timeout 560 python3 bench/ab_decode.py --out "$out/ab" --nproc $NPROC --rounds "${AB_ROUNDS:-2}" \
              ${AB_VARIANTS:?set AB_VARIANTS to the --variant arguments} -- --shape "${SHAPE:-llama3-8b}" --modes full \
@@ -90,16 +91,20 @@ for step in "$@"; do
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/graph_tests.log" ;;
     all-gpu-tests) timeout 580 python3 -m pytest tests/gpu -q -rs 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
              | tail -60 | tee "$out/gpu_tests.log" ;;
-    all-gpu-tests-parallel) # every GPU test, as all-gpu-tests (which a call's limit cuts), with the kernel tests
-         # (most of them, and the slow ones) spread over 8 pytest workers: all 346 took 5 min 20 s on one H200 that way
-         # (session 28); then the other files one test at a time (they start ranks of their own). pytest-xdist is not on the device, which reaches no index: before the
-         # call run `pip download pytest-xdist -d devwheels` here, and carry devwheels (ignored by git)
-         python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2
-         timeout -s INT 420 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 8 -v -rfEs --durations=10 \
+    all-gpu-tests-parallel) # every GPU test, as all-gpu-tests (which a call's limit cuts): the kernel tests (most of
+         # them, and the slow ones) over 8 pytest workers, then the other files one test at a time (they start ranks
+         # of their own). All 346 under -n 8 in one run took 5 min 20 s on one H200 (session 28); this split form has
+         # not run yet. pytest-xdist is not on the device, which reaches no index: before the call run
+         # `pip download --no-deps pytest-xdist execnet -d devwheels` here and carry devwheels (ignored by git). Its
+         # timeouts (500 s) leave a 600 s call room for the build only: run it as the call's one step.
+         ls devwheels/*.whl > /dev/null 2>&1 \
+           || echo "no devwheels/: pip download --no-deps pytest-xdist execnet -d devwheels here, and carry it"
+         python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2  # (without them pytest refuses -n)
+         timeout -s INT -k 10 380 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 8 -v -rfEs --durations=10 \
              -p no:cacheprovider > "$out/gpu_tests_kernels.log" 2>&1
          grep -v "PASSED\|it/s\]\|Warning\|warner" "$out/gpu_tests_kernels.log" | tail -25
-         timeout -s INT 150 python3 -m pytest tests/gpu -q -rfEs --ignore tests/gpu/test_fused_kernels_gpu.py 2>&1 \
-             | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests_other.log" ;;
+         timeout -s INT -k 10 120 python3 -m pytest tests/gpu -q -rfEs --ignore tests/gpu/test_fused_kernels_gpu.py \
+             2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests_other.log" ;;
     guards-memory) timeout 240 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs -k "guards or memory" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
     regress) timeout 200 python3 -m pytest tests/gpu -q -rs -k "not full_piecewise_breakable" 2>&1 \

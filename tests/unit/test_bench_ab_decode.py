@@ -1,6 +1,7 @@
 """bench/ab_decode.py's pure parts: variants, the run command, the table, --prepare, and its refusals."""
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +51,19 @@ def test_a_variants_own_arguments_follow_the_common_ones(ab, tmp_path):
                         str(tmp_path / "b32_r1.json")]
 
 
-@pytest.mark.parametrize("text", ["b32", "=--block-size 32", "b32=", "b32=--out x", "b32=--context '512"])
+@pytest.mark.parametrize("text", ["b32", "=--block-size 32", "b32=", "b32=--out x", "b32=--out=x",
+                                  "b32=--context '512"])
 def test_a_malformed_args_entry_is_refused_with_the_form(ab, text):
     with pytest.raises(argparse.ArgumentTypeError, match="LABEL=ARGS|--out|quotation"):
         ab.parse_args_entry(text)
+
+
+def test_a_tile_table_keeps_the_variants_own_arguments(ab, tmp_path):
+    (tmp_path / "configs" / "gemv").mkdir(parents=True)
+    (tmp_path / "configs" / "gemv" / "sm90.json").write_text("{}")
+    v = ab.write_tiles(ab.Variant("d", tmp_path, {"A": "1"}, ("--block-size", "32")),
+                       [("best", "4096,2048,1", {"block_n": 32})], "sm90", tmp_path / "out")
+    assert v.args == ("--block-size", "32") and v.env["A"] == "1" and "TPGRAPH_GEMV_TABLE" in v.env
 
 
 FAKE_BENCH = """
@@ -63,13 +73,15 @@ out = sys.argv[sys.argv.index("--out") + 1]
 fail = os.environ.get("FAKE_FAIL") == "1"
 if not fail:
     ms = marker.MS + float(os.environ.get("FAKE_EXTRA", "0"))
+    if "--extra" in sys.argv:  # a variant's own argument (--args)
+        ms += float(sys.argv[sys.argv.index("--extra") + 1])
     json.dump({"tpot": [{"allreduce": "custom", "mode": "full", "batch": 1, "tpot_ms": ms}]}, open(out, "w"))
 """
 
 
 def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypatch):
-    """End to end through torchrun with a stand-in benchmark: each variant imports its own tree with its settings,
-    a run that fails is left out (and said), and ab.md / ab.json hold the rest."""
+    """End to end through torchrun with a stand-in benchmark: each variant imports its own tree with its settings
+    and its own arguments, a run that fails is left out (and said), and ab.md / ab.json hold the rest."""
     trees = {}
     for label, ms in (("a", 2.0), ("b", 3.0)):
         trees[label] = tmp_path / label
@@ -82,9 +94,12 @@ def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypat
     out = tmp_path / "out"
     ab.main(["--out", str(out), "--rounds", "2", "--variant", f"a={trees['a']}",
              "--variant", f"b={trees['b']}:FAKE_EXTRA=0.5", "--variant", f"c={trees['a']}:FAKE_FAIL=1",
-             "--", "--batches", "1"])
+             "--args", "b=--extra 0.25", "--", "--batches", "1"])
     lines = (out / "ab.md").read_text().splitlines()
-    assert lines[2] == "| custom full bs 1 | 2.000 (2.000 / 2.000) | 3.500 (3.500 / 3.500) | - | +1.500 | - |"
+    assert lines[2] == "| custom full bs 1 | 2.000 (2.000 / 2.000) | 3.750 (3.750 / 3.750) | - | +1.750 | - |"
+    recorded = json.loads((out / "ab.json").read_text())["variants"]
+    assert [v["args"] for v in recorded] == [[], ["--extra", "0.25"], []]
+    assert recorded[1]["env"] == {"FAKE_EXTRA": "0.5"}
     assert sorted(p.name for p in out.glob("*_r*.json")) == ["a_r1.json", "a_r2.json", "b_r1.json", "b_r2.json"]
 
 
@@ -112,9 +127,9 @@ def _main(*args: str) -> subprocess.CompletedProcess:
     (["--out", "x", "--variant", "a=.", "--variant", "a=."], "labels must differ"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out", "y"], "set per run"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=no/such/tree"], "holds no tpgraph package"),
-    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "c=--block-size 32"], "--args: one per variant"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "c=--block-size 32"], "no such variant: ['c']"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "b=--context 1", "--args", "b=--context 2"],
-     "--args: one per variant"),
+     "given twice: ['b']"),
 ])
 def test_mistakes_are_refused_before_anything_runs(args, reason, tmp_path):
     done = _main(*[str(tmp_path / a) if a in ("x", "y") else a for a in args])
