@@ -38,6 +38,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def per_variant(p: argparse.ArgumentParser, flag: str, entries: list[tuple[str, 
     """A per-variant option's (label, value) entries as a dict; an argparse error (exit 2) for a label given twice or
     not given by --variant."""
     got = dict(entries)
-    twice = sorted({label for label, _ in entries if [e[0] for e in entries].count(label) > 1})
+    twice = sorted(label for label, n in Counter(label for label, _ in entries).items() if n > 1)
     unknown = sorted(set(got) - {v.label for v in variants})
     if twice or unknown:
         p.error(f"{flag}: one per variant, and only for a variant given by --variant (given twice: {twice or 'none'}; "
