@@ -312,15 +312,30 @@ def decode_runner(model, max_batch: int, max_len: int, mode: str = "full",
                                            num_kv_blocks=blocks, graphs=graphs))
 
 
+def unfused_twin(name: str) -> str:
+    """A fused custom entry's unfused version: the same entry with the all-reduce, the add+RMSNorm and SiLU·mul as
+    kernels of their own ("+unfused"). An all-reduce in the projection's epilogue ("+push", with "+late") is a fused
+    path too, so its twin runs the all-reduce as its own kernel ("+nopush")."""
+    base, *mods = name.split("+")
+    mods = ["nopush" if m == "push" else m for m in mods if m != "late"]
+    return "+".join([base, *mods, "unfused"])
+
+
+def unfused_twins(args) -> dict[str, str]:
+    """With --unfused, each fused custom entry -> its unfused twin (written into the results, where
+    report_decode.py pairs them); else none."""
+    if not args.unfused:
+        return {}
+    return {name: unfused_twin(name) for name in args.allreduce.split(",") if variant(name)[:2] == (True, True)}
+
+
 def entries(args) -> list[str]:
     """The --allreduce entries, and with --unfused each fused custom entry's unfused twin beside it."""
     names = args.allreduce.split(",")
     for name in names:
         variant(name)  # refuse a bad entry before any work
-    if args.unfused:
-        names = [n for name in names for n in ([name, f"{name}+unfused"] if variant(name)[:2] == (True, True)
-                                                else [name])]
-    return names
+    twins = unfused_twins(args)
+    return [n for name in names for n in ([name, twins[name]] if name in twins else [name])]
 
 
 def build(state, name: str, shape: str = "llama3-8b"):
@@ -375,6 +390,7 @@ def run(args, state) -> dict:
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
+    results["unfused_twins"] = unfused_twins(args)
     names = entries(args)
     for ar in names:
         with entry_env(ar):  # eager modes launch under it too
@@ -439,6 +455,7 @@ def run_interleaved(args, state) -> dict:
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
+    results["unfused_twins"] = unfused_twins(args)
     results["method"] = (f"interleaved: {rounds} rounds of {INTERLEAVE_CHUNK} steps per entry, order from a "
                          f"Williams design per "
                          f"round; median step; slowest rank")

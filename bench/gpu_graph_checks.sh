@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
-#        [argmax] [l2-carry]
+#        [argmax] [l2-carry] [acceptance]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
@@ -379,6 +379,26 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              | tee "$out/pdl_default.log"
          python3 bench/report_decode.py "$out/decode_pdl_default.json" --entry custom+gemv \
              | tee -a "$out/pdl_default.log" ;;
+    acceptance) # issue 11's performance lines in one call on NPROC GPUs (TP=NPROC; SHAPE as for overlap, context 512),
+         # judged by bench/report_decode.py: every decode kernel alone at batch 1 (each projection's bandwidth; attention
+         # against SDPA), one bench_decode.py run of full graphs at batches 1, 8 and 32, interleaved, with each fused
+         # entry beside its unfused twin (the plain chain, and +push: the all-reduce in the projections' epilogue,
+         # whose twin is +nopush...+unfused), and the profile of ACCEPT_ENTRY at batch 1 (kernels per step).
+         # ACCEPT_ENTRY (default custom+gemv+push+overlap) is the entry the TPOT and kernel lines judge. Not yet run.
+         timeout 150 python3 bench/bench_kernels.py --batches 1 --contexts 512,4096,32768 --out "$out/kernels.json" \
+             2>&1 | tail -40 | tee "$out/kernels.log"
+         timeout 300 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" --modes full \
+             --batches 1,8,32 --no-ladders --allreduce custom+gemv+overlap,custom+gemv+push+overlap --unfused \
+             --interleave --steps 100 --out "$out/decode_accept.json" 2>&1 | grep -E "TPOT|Error|error" \
+             | tee "$out/bench_accept.log"
+         timeout -k 5 120 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
+             --modes full --batches 1 --profile-batches 1 --no-ladders \
+             --allreduce "${ACCEPT_ENTRY:-custom+gemv+push+overlap}" \
+             --profile --steps 20 --out "$out/profile_accept.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" \
+             | tail -30 | tee "$out/profile_accept.log"
+         python3 bench/report_decode.py "$out/decode_accept.json" --kernels "$out/kernels.json" \
+             --profile "$out/profile_accept.json" --entry "${ACCEPT_ENTRY:-custom+gemv+push+overlap}" \
+             | tee "$out/acceptance.md" ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

@@ -59,11 +59,12 @@ def fused_checks(decode: dict) -> list[Check]:
     """Every entry faster than its +unfused version at every batch both ran (pairs that are the same code at TP=1
     left out, and said)."""
     rows = _full_rows(decode)
+    twins = decode.get("unfused_twins", {})  # (runs before 2026-12-03 name each twin NAME+unfused)
     pairs, same = [], set()
     for (name, batch), row in rows.items():
         if "unfused" in name.split("+"):
             continue
-        unfused = rows.get((name + "+unfused", batch))
+        unfused = rows.get((twins.get(name, name + "+unfused"), batch))
         if unfused is None:
             continue
         if same_code_at_tp1(name, decode.get("tp")):

@@ -75,6 +75,13 @@ def test_allreduce_entries_and_the_unfused_twins(bench):
         bench.variant("custom+fast")
     args = Namespace(allreduce="custom,custom+gemv,nccl", unfused=True)
     assert bench.entries(args) == ["custom", "custom+unfused", "custom+gemv", "custom+gemv+unfused", "nccl"]
+    # the all-reduce in the projection's epilogue is a fused path: its twin runs it as a kernel of its own
+    args = Namespace(allreduce="custom+gemv+push+late+overlap,custom+gemv+push", unfused=True)
+    assert bench.entries(args) == ["custom+gemv+push+late+overlap", "custom+gemv+nopush+overlap+unfused",
+                                   "custom+gemv+push", "custom+gemv+nopush+unfused"]
+    assert all(bench.variant(n) == (True, False, True) for n in bench.entries(args)[1::2])
+    assert bench.unfused_twins(args)["custom+gemv+push"] == "custom+gemv+nopush+unfused"
+    assert bench.unfused_twins(Namespace(allreduce="custom+gemv+push", unfused=False)) == {}
 
 
 def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkeypatch):

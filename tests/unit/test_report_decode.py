@@ -38,6 +38,17 @@ def test_every_fused_entry_must_beat_its_unfused_version(report):
     assert report.fused_checks({"tpot": [tpot("custom", 1, 3.0)]})[0][1] is None
 
 
+def test_an_epilogue_all_reduce_entry_is_paired_with_the_twin_the_run_names(report):
+    """bench_decode.py writes each entry's unfused twin into the results: a +push entry's is +nopush...+unfused, not
+    NAME+unfused."""
+    rows = [tpot("custom+gemv+push+overlap", 1, 2.5), tpot("custom+gemv+nopush+overlap+unfused", 1, 2.7)]
+    twins = {"custom+gemv+push+overlap": "custom+gemv+nopush+overlap+unfused"}
+    (_, ok, detail), = report.fused_checks({"tpot": rows, "tp": 2, "unfused_twins": twins})
+    assert ok is True and "1 pairs" in detail
+    rows[1] = tpot("custom+gemv+nopush+overlap+unfused", 1, 2.4)
+    assert report.fused_checks({"tpot": rows, "tp": 2, "unfused_twins": twins})[0][1] is False
+    assert report.fused_checks({"tpot": rows, "tp": 2})[0][1] is None  # without the names: no pair found
+
 def test_pairs_that_run_the_same_kernels_at_tp1_are_left_out_and_said(report):
     rows = [tpot("custom", 1, 3.0), tpot("custom+unfused", 1, 2.99), tpot("custom+gemv", 1, 2.4),
             tpot("custom+gemv+unfused", 1, 2.5)]
