@@ -98,10 +98,11 @@ for step in "$@"; do
              | tail -60 | tee "$out/gpu_tests.log" ;;
     all-gpu-tests-parallel) # every GPU test, as all-gpu-tests (which a call's limit cuts): the kernel tests (most of
          # them, and the slow ones) over 8 pytest workers, then at NPROC=1 the other files one test at a time (they
-         # start ranks of their own; on two GPUs their two-rank tests need a call of their own). All 346 under -n 8 in one run took 5 min 20 s on one H200 (session 28); this split form has
-         # not run yet. pytest-xdist is not on the device, which reaches no index: before the call run
-         # `pip download --no-deps pytest-xdist execnet -d devwheels` here and carry devwheels (ignored by git). Its
-         # timeouts (500 s) leave a 600 s call room for the build only: run it as the call's one step.
+         # start ranks of their own; on two GPUs their two-rank tests need a call of their own). All 346 under -n 8 in
+         # one run took 5 min 20 s on one H200 (session 28); this split form has not run yet. pytest-xdist is not on
+         # the device, which reaches no index: before the call run `pip download --no-deps pytest-xdist execnet -d
+         # devwheels` here and carry devwheels (ignored by git). Its timeouts (500 s) leave a 600 s call room for the
+         # build only: run it as the call's one step.
          ls devwheels/*.whl > /dev/null 2>&1 \
            || echo "no devwheels/: pip download --no-deps pytest-xdist execnet -d devwheels here, and carry it"
          python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2  # (without them pytest refuses -n)
