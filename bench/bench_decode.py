@@ -335,7 +335,8 @@ def entries(args) -> list[str]:
     for name in names:
         variant(name)  # refuse a bad entry before any work
     twins = unfused_twins(args)
-    return [n for name in names for n in ([name, twins[name]] if name in twins else [name])]
+    # (once each: a +push entry and its plain chain share one twin)
+    return list(dict.fromkeys(n for name in names for n in ([name, twins[name]] if name in twins else [name])))
 
 
 def build(state, name: str, shape: str = "llama3-8b"):

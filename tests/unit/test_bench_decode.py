@@ -82,6 +82,10 @@ def test_allreduce_entries_and_the_unfused_twins(bench):
     assert all(bench.variant(n) == (True, False, True) for n in bench.entries(args)[1::2])
     assert bench.unfused_twins(args)["custom+gemv+push"] == "custom+gemv+nopush+unfused"
     assert bench.unfused_twins(Namespace(allreduce="custom+gemv+push", unfused=False)) == {}
+    # the plain chain and its +push form share one twin, timed once
+    args = Namespace(allreduce="custom+gemv+nopush+overlap,custom+gemv+push+overlap", unfused=True)
+    assert bench.entries(args) == ["custom+gemv+nopush+overlap", "custom+gemv+nopush+overlap+unfused",
+                                   "custom+gemv+push+overlap"]
 
 
 def test_launch_modifiers_set_the_environment_only_for_their_entry(bench, monkeypatch):

@@ -49,6 +49,7 @@ def test_an_epilogue_all_reduce_entry_is_paired_with_the_twin_the_run_names(repo
     assert report.fused_checks({"tpot": rows, "tp": 2, "unfused_twins": twins})[0][1] is False
     assert report.fused_checks({"tpot": rows, "tp": 2})[0][1] is None  # without the names: no pair found
 
+
 def test_pairs_that_run_the_same_kernels_at_tp1_are_left_out_and_said(report):
     rows = [tpot("custom", 1, 3.0), tpot("custom+unfused", 1, 2.99), tpot("custom+gemv", 1, 2.4),
             tpot("custom+gemv+unfused", 1, 2.5)]
