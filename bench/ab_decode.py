@@ -71,6 +71,11 @@ def parse_variant(text: str) -> Variant:
     return Variant(label, Path(tree), env)
 
 
+def sets_out(args: list[str] | tuple[str, ...]) -> bool:
+    """Whether bench_decode.py arguments name --out, which each run's command sets itself."""
+    return any(a == "--out" or a.startswith("--out=") for a in args)
+
+
 def parse_args_entry(text: str) -> tuple[str, tuple[str, ...]]:
     """LABEL=ARGS -> (label, ARGS split as a shell would); a clear error for anything else."""
     label, sep, rest = text.partition("=")
@@ -80,7 +85,7 @@ def parse_args_entry(text: str) -> tuple[str, tuple[str, ...]]:
         raise argparse.ArgumentTypeError(f"--args {label}: {e}") from None
     if not sep or not label or not args:
         raise argparse.ArgumentTypeError(f"--args is LABEL=ARGS (bench_decode.py arguments), got {text!r}")
-    if any(a == "--out" or a.startswith("--out=") for a in args):
+    if sets_out(args):
         raise argparse.ArgumentTypeError(f"--args {label}: --out is set per run here; leave it out")
     return label, args
 
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("variant labels must differ")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if "--out" in bench_args:
+    if sets_out(bench_args):
         p.error("--out after -- is set per run here; leave it out")
     tiles = per_variant(p, "--tiles", args.tiles, args.variant)
     extra = per_variant(p, "--args", args.variant_args, args.variant)

@@ -126,6 +126,7 @@ def _main(*args: str) -> subprocess.CompletedProcess:
     (["--out", "x", "--variant", "a=."], "at least two"),
     (["--out", "x", "--variant", "a=.", "--variant", "a=."], "labels must differ"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out", "y"], "set per run"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out=y"], "set per run"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=no/such/tree"], "holds no tpgraph package"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "c=--block-size 32"], "no such variant: ['c']"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--args", "b=--context 1", "--args", "b=--context 2"],
