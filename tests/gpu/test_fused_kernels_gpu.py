@@ -344,20 +344,23 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     assert bool(taken) == (polled == "1")
 
 
+@pytest.mark.parametrize("paired", ["0", "1"])
 @pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
                          + [(24, torch.bfloat16), (24, torch.float16), (32, torch.bfloat16)])  # 16-bit only
-def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, polled):
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, polled, paired):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32), its
-    heads found by the count or by polling (TPGRAPH_POLLED_ROPE): q and both caches bit for bit the two steps,
-    eager and replayed in a graph with new rows before each replay (a reducer that read a stale partial would show),
-    and every partial slot back at the sentinel. early: the rotation inputs read before the PDL wait (inputs_early;
-    positions and slots are written before x here, as the model's are)."""
+    splits reduced by head or, paired (TPGRAPH_QKV_PAIRED), by column block, found by the count or by polling
+    (TPGRAPH_POLLED_ROPE): q and both caches bit for bit the two steps, eager and replayed in a graph with new rows
+    before each replay (a reducer that read a stale partial would show), and every partial slot back at the
+    sentinel. early: the rotation inputs read before the PDL wait (inputs_early; positions and slots are written
+    before x here, as the model's are)."""
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
     monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
+    monkeypatch.setenv("TPGRAPH_QKV_PAIRED", paired)
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")  # 24 rows: the 32-row tiles
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(m)

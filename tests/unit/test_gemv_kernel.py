@@ -418,7 +418,46 @@ def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: boo
     rq, _ = rope_and_store(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim, use_triton=True)
     assert q is not None and torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert not split_counters(x.device, heads + 2 * kv_heads).any()
+    assert not split_counters(x.device, w.shape[0] // cfg.block_n).any()  # (a count per head or per column block)
+
+
+@interpreted
+@pytest.mark.parametrize("polled", ["0", "1"])
+@pytest.mark.parametrize(("m", "block_n", "split_k", "early", "dtype"), [
+    (1, 16, 1, False, torch.bfloat16), (3, 16, 2, True, torch.float32), (5, 32, 3, False, torch.bfloat16),
+    (2, 64, 2, True, torch.float32), (16, 32, 4, False, torch.bfloat16)])
+def test_paired_tiles_rotate_their_own_rows_with_the_two_steps_bits(monkeypatch, polled, m, block_n, split_k, early,
+                                                                     dtype):
+    """TPGRAPH_QKV_PAIRED=1: each tile holds dims j and j + 32 of a 64-dim head (16-, 32- and 64-wide tiles: 4, 2
+    and 1 column blocks a head), and each column block reduces its own splits (by the count, or polled) and rotates
+    its own outputs: q and both caches bit for bit the GEMV (the same tiles, row-major) and then rope_and_store,
+    twice over (counters back at zero, polled slots re-armed)."""
+    monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
+    kernels = spy_paired(monkeypatch)
+    for seed in range(2):
+        _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early,
+                             torch.Generator().manual_seed(m * 10 + split_k + seed))
+        assert _all_sentinel(torch.device("cpu"))
+    assert kernels == [True, True]
+
+
+def spy_paired(monkeypatch) -> list[bool]:
+    """The PAIRED constexpr of each _qkv_rope_kernel launch from now on."""
+    from tpgraph.kernels import gemv
+
+    seen: list[bool] = []
+    real = gemv._qkv_rope_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["PAIRED"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gemv, "_qkv_rope_kernel", Spy())
+    return seen
 
 
 @interpreted
@@ -521,7 +560,8 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
     assert qkv_rope_store(x[:1], w, *args, use_triton=True, config=GemvConfig(32, 128, 4, 1, resident=True)) is None
 
 
-def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, polled: bool = False) -> str:
+def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, polled: bool = False,
+                  paired: bool = False) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
@@ -532,7 +572,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, poll
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "POLLED": polled})
+                     "ROPE_EARLY": rope_early, "POLLED": polled, "PAIRED": paired})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -562,6 +602,19 @@ def test_the_polled_qkv_rope_reducer_compiles_for_sm90_without_a_count():
     volatile = [m.start() for m in re.finditer(r"ld\.volatile\.global", ptx)]
     assert len(volatile) >= 2 * 2 * 4  # two halves x four splits, in the first poll and in the loop
     assert ptx.index("griddepcontrol.wait") < volatile[0]
+
+
+def test_paired_tiles_count_and_load_one_tile_a_split_after_the_count():
+    """sm_90a, PAIRED with the count: the column block's last split loads its block's partials only (one [16, 32]
+    tile a split, .cg), a quarter of what a head's reducer loads for the same tiles (its 128-dim head: four 32-wide
+    column blocks a split), and rotates (mul.rn.f32) after; polled, no atomic and a trap behind the poll."""
+    ptx = _qkv_rope_ptx(4, paired=True)
+    loads = _loads_after_the_count(ptx)
+    assert loads and all(".cg" in ld for ld in loads)
+    assert 4 * len(loads) == len(_loads_after_the_count(_qkv_rope_ptx(4)))
+    assert ptx.count("mul.rn.f32") >= 4 and ptx.index("atom.global") < ptx.rindex("mul.rn.f32")
+    polled = _qkv_rope_ptx(4, polled=True, paired=True)
+    assert "atom.global" not in polled and "trap;" in polled and "ld.volatile.global" in polled
 
 
 @pytest.mark.parametrize("early", [False, True])

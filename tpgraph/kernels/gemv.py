@@ -90,6 +90,16 @@ def rope_inputs_early() -> bool:
     return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
 
 
+def qkv_paired(rows: int) -> bool:
+    """TPGRAPH_QKV_PAIRED=1: the qkv + rope kernel pairs the rows rotary embedding rotates together in its tiles, so
+    each column block reduces its own splits and rotates its own outputs (_qkv_rope_kernel's PAIRED), instead of a
+    reducer per head adding the whole head's partials (at 32 rows 64 KB a head, after the K loop: alone the fused kernel
+    took 13.83 µs against the projection's 10.44, bench/results/2026-12-03_h200_wide_rows, run3). Opt-in until timed
+    in whole steps; =0 or unset keeps the head reducers."""
+    del rows  # (a rule by rows comes with the measurements)
+    return env_flag("TPGRAPH_QKV_PAIRED")
+
+
 def late_trigger() -> bool:
     """TPGRAPH_GEMV_AR_LATE_TRIGGER=1: a projection with the all-reduce (or at TP=1 the residual add) in its epilogue
     lets the kernel after it in only at its exit, not after its K loop. Measured at TP=1 against the plain chain
@@ -225,9 +235,17 @@ def tiles(n: int, k: int, m: int = 1, table: Path | None = None, epilogue: bool 
 if triton is not None:
 
     @triton.jit
-    def _weight_rows(pid, N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
-        """The weight rows of column block pid's tile, and which of them exist (see _partial for GATE_UP)."""
-        if GATE_UP:
+    def _weight_rows(pid, N, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, ROPE_HALF: tl.constexpr = 0):
+        """The weight rows of column block pid's tile, and which of them exist (see _partial for GATE_UP). ROPE_HALF
+        (> 0: qkv rows in heads of 2 * ROPE_HALF, _qkv_rope_kernel's PAIRED): the tile pairs rows within a head as
+        GATE_UP pairs gate and up rows, its even columns rows j of the head and its odd columns the rows j + ROPE_HALF
+        that rotary embedding rotates with them."""
+        if ROPE_HALF > 0:
+            r = tl.arange(0, BLOCK_N)
+            pair = pid * (BLOCK_N // 2) + r // 2  # the pair's index over every head: head * ROPE_HALF + j
+            rows = (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF + (r % 2) * ROPE_HALF
+            ok = rows < N
+        elif GATE_UP:
             r = tl.arange(0, BLOCK_N)
             j = pid * (BLOCK_N // 2) + r // 2  # the output column (gate/up pair) of tile column r
             rows = j + (r % 2) * (N // 2)
@@ -248,14 +266,15 @@ if triton is not None:
 
     @triton.jit
     def _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr):
+               GATE_UP: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
+               ROPE_HALF: tl.constexpr = 0):
         """With PDL: the weight prefetch, then the wait (see _gemv_kernel). After it, what the kernel before wrote
         may be read: the caller issues its epilogue's loads (squares; the residual, unless RES_EARLY has read it
         before the wait) before the K loop (_partial), so that they arrive while the weights stream instead of
         after."""
         if PDL:
             k_lo, _ = _k_range(K, pid_k, BLOCK_K)
-            offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP)
+            offs_n, _ = _weight_rows(pid, N, BLOCK_N, GATE_UP, ROPE_HALF)
             rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped, not masked: a prefetch has no mask
             for t in tl.static_range(PREFETCH_TILES):
                 cols = tl.minimum(k_lo + t * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
@@ -266,9 +285,9 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATE_UP: tl.constexpr):
+                     GATE_UP: tl.constexpr, ROPE_HALF: tl.constexpr = 0):
         """Column block pid's [BLOCK_N, BLOCK_K] weight tile at K offset k0 (zeros past N and K)."""
-        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP)
+        offs_n, n_ok = _weight_rows(pid, N, BLOCK_N, GATE_UP, ROPE_HALF)
         k = k0 + tl.arange(0, BLOCK_K)
         return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                        mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -291,7 +310,8 @@ if triton is not None:
     @triton.jit
     def _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, w_resident, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr):
+                 GATE_UP: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, RESIDENT: tl.constexpr,
+                 ROPE_HALF: tl.constexpr = 0):
         """This program's fp32 [BLOCK_M, BLOCK_N] sum over its split of K (column block pid, split pid_k), in a fixed
         order, after _enter; with PDL and EARLY_TRIGGER, the kernel after is let in once it is done. GATE_UP: the
         weight is cat(gate, up) with N = 2 * inter rows, and the tile's even columns are gate rows
@@ -313,7 +333,7 @@ if triton is not None:
                 k = k0 + offs_k
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
                             other=0.0)
-                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP)
+                w = _weight_tile(w_ptr, N, K, stride_wn, pid, k0, BLOCK_N, BLOCK_K, GATE_UP, ROPE_HALF)
                 acc = _tile_product(acc, x, w, SOFT_BF16, IEEE)
         if PDL and EARLY_TRIGGER:
             # Only now may the kernel after become resident (it waits for us before reading anything we write): its
@@ -478,7 +498,7 @@ if triton is not None:
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
                          PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
-                         POLLED: tl.constexpr):
+                         POLLED: tl.constexpr, PAIRED: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
         every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED) counts itself in at
         counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
@@ -493,28 +513,100 @@ if triton is not None:
         POLLED (ws is the sentinel-filled partials buffer, as _gemv_kernel's POLLED): no count; the head's last column
         block at the last split (dispatched after every partner) stores its partial too, then polls the head's
         partials until none holds the sentinel, and sets them back. (Its first form, which reduced after each partner's
-        load, lost 0.05-0.12 ms a step: bench/results/2026-12-02_h200_read_ceiling, run6.)"""
+        load, lost 0.05-0.12 ms a step: bench/results/2026-12-02_h200_read_ceiling, run6.)
+        PAIRED (qkv_paired): each tile holds BLOCK_N // 2 dims j of one head and the dims j + HEAD_DIM / 2 that rotary
+        embedding pairs with them (_weight_rows' ROPE_HALF), so each column block rotates its own outputs: its splits
+        reduce as _gemv_kernel's do (the last to arrive by a count at counter_ptr[column block], or POLLED: the last
+        split, polling the others), and no program waits for a whole head. The bits are the same: each column sums
+        over K in the same order whichever rows share its tile."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
+        half: tl.constexpr = HEAD_DIM // 2
+        if PAIRED:  # this program's dims j of its head (and j + half with them)
+            pairs: tl.constexpr = BLOCK_N // 2
+            head = pid // (half // pairs)
+            offs_h = (pid % (half // pairs)) * pairs + tl.arange(0, pairs)
+            rope_half: tl.constexpr = half
+        else:
+            head = pid // (HEAD_DIM // BLOCK_N)
+            offs_h = tl.arange(0, half)
+            rope_half: tl.constexpr = 0
         if ROPE_EARLY:  # settled before the kernel before us started (qkv_rope_store's inputs_early)
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
-                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
-        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE)
+                                            stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
+        _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE, rope_half)
         if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
         if not ROPE_EARLY:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
-                                            stride_ct, offs_m, m_ok, HEAD_DIM, BLOCK_SIZE)
+                                            stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
         acc = _partial(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid, pid_k, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SOFT_BF16, IEEE, False, PDL, True, False)
+                       SOFT_BF16, IEEE, False, PDL, True, False, rope_half)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(ws_ptr + pid_k * stride_os + offs_m[:, None] * N + offs_n[None, :], acc,
-                 mask=m_ok[:, None] & (offs_n < N)[None, :])
-        head = pid // (HEAD_DIM // BLOCK_N)
+        tile = offs_m[:, None] * N + offs_n[None, :]  # the workspace keeps the tile's (paired) column order
+        tile_ok = m_ok[:, None] & (offs_n < N)[None, :]
+        if PAIRED:
+            if SPLITS == 1:
+                reduces, total = True, acc
+            else:
+                reduces, total = _split_total(acc, ws_ptr, counter_ptr + pid, stride_os, tile, tile_ok, pid_k, SPLITS,
+                                              POLLED)
+            if reduces:
+                _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+                            stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
+                            HEAD_DIM, EXACT_MUL, STAGED)
+        else:
+            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, pid,
+                        pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
+                        BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, POLLED)
+
+    @triton.jit
+    def _split_total(acc, ws_ptr, counter_ptr, stride_os, tile, tile_ok, pid_k, SPLITS: tl.constexpr,
+                     POLLED: tl.constexpr):
+        """(whether this program reduces its column block's SPLITS partials, their fp32 sum in split order there),
+        as _gemv_kernel's split-K reduction: POLLED (ws the sentinel-filled partials buffer), the last split polls the
+        others' partials and adds its own last, and sets their slots back; else every split stores its partial and
+        the last to arrive at counter_ptr (set back to 0) loads them all."""
+        if POLLED:
+            reduces = pid_k == SPLITS - 1
+            total = acc
+            if reduces:  # dispatched after its partners (a higher program id), which never wait
+                part, missing = _polled_splits(ws_ptr, stride_os, tile, tile_ok, SPLITS)
+                tries = 0
+                while (missing > 0) & (tries < POLL_LIMIT_C):
+                    part, missing = _polled_splits(ws_ptr, stride_os, tile, tile_ok, SPLITS)
+                    tries += 1
+                poll_exhausted(missing, tries)
+                for s in tl.static_range(SPLITS - 1):  # the slots back to the sentinel, for the next call
+                    tl.store(ws_ptr + s * stride_os + tile, sentinel_like(part), mask=tile_ok)
+                total = part + acc  # its own partial last
+            else:
+                tl.store(ws_ptr + pid_k * stride_os + tile, acc, mask=tile_ok)
+        else:
+            tl.store(ws_ptr + pid_k * stride_os + tile, acc, mask=tile_ok)
+            reduces = arrived_last(counter_ptr, SPLITS)
+            total = acc
+            if reduces:  # the last split: every partial is in memory
+                total = tl.load(ws_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
+                    total += tl.load(ws_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+                reset_counter(counter_ptr)
+        return reduces, total
+
+    @triton.jit
+    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, pid, pid_k,
+                    tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
+                    SPLITS: tl.constexpr, POLLED: tl.constexpr):
+        """_qkv_rope_kernel's reduction by heads (not PAIRED): this program's partial stored, then the head's reducer
+        (its last column block at the last split, POLLED; else the last of the head's programs to arrive at
+        counter_ptr[head]) adds and rotates the whole head (_rope_head)."""
+        tl.store(ws_ptr + pid_k * stride_os + tile, acc, mask=tile_ok)
         if POLLED:  # the head's last column block at the last split: its partners have lower program ids
             if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
                 tl.debug_barrier()  # its own partial's stores, seen by all of its threads
@@ -529,11 +621,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """The rows' cos and sin halves at their positions (fp32), and their cache row offsets from the slot mapping."""
-        half: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, half)
-        rows_ok = m_ok[:, None] & (offs_h < half)[None, :]
+                     offs_h, BLOCK_SIZE: tl.constexpr):
+        """The rows' cos and sin at their positions and the first half's dims offs_h (fp32), and their cache row
+        offsets from the slot mapping."""
+        rows_ok = m_ok[:, None] & (offs_h >= 0)[None, :]
         pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
         c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
         sn = tl.load(sin_ptr + pos[:, None] * stride_sin + offs_h[None, :], mask=rows_ok, other=0.0).to(tl.float32)
@@ -546,13 +637,9 @@ if triton is not None:
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
-        they are in flight together; POLLED: until none holds the sentinel, then the slots go back to it), then q/k
-        rotated with the rows' cos/sin (c, sn; every op rounded as
-        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
-        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
-        GEMV's bits."""
+        they are in flight together; POLLED: until none holds the sentinel, then the slots go back to it), then
+        _rope_store."""
         half: tl.constexpr = HEAD_DIM // 2
-        dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         offs_h = tl.arange(0, half)
@@ -574,6 +661,36 @@ if triton is not None:
             for s in tl.static_range(1, SPLITS):
                 t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
                 t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+                    stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                    EXACT_MUL, STAGED)
+
+    @triton.jit
+    def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
+        """A PAIRED tile's fp32 sums [BLOCK_M, BLOCK_N] (dims offs_h and offs_h + HEAD_DIM / 2 of head `head`,
+        interleaved) through _rope_store."""
+        t1, t2 = tl.split(tl.reshape(total, (BLOCK_M, BLOCK_N // 2, 2)))
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+                    stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                    EXACT_MUL, STAGED)
+
+    @triton.jit
+    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
+        """Head `head`'s fp32 sums at dims offs_h (t1) and offs_h + HEAD_DIM / 2 (t2) of every row, scaled by the
+        rows' 1 / RMS (STAGED), then q/k rotated with the rows' cos/sin at offs_h (c, sn; every op rounded as
+        _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
+        rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
+        GEMV's bits."""
+        half: tl.constexpr = HEAD_DIM // 2
+        dtype = q_out_ptr.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        rows_ok = (offs_m < M)[:, None] & (offs_h >= 0)[None, :]
         if STAGED:  # the rows' RMS scale, from the fused all-reduce's squares (rows_squares)
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
@@ -825,15 +942,17 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
         return None
     tile = _tile_args(x, config, n, k)
-    heads = num_heads + 2 * num_kv_heads
+    paired = qkv_paired(m)
+    blocks = triton.cdiv(n, config.block_n)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope(m) else None
     ws = split_workspace(partials, (config.split_k, m, n), x.device)
-    _qkv_rope_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
-        x, w, ws, split_counters(x.device, heads), positions, cos, sin, slot_mapping, k_cache, v_cache, q,
+    counters = split_counters(x.device, blocks if paired else num_heads + 2 * num_kv_heads)
+    _qkv_rope_kernel[(blocks, config.split_k)](
+        x, w, ws, counters, positions, cos, sin, slot_mapping, k_cache, v_cache, q,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early, POLLED=partials is not None,
+        ROPE_EARLY=inputs_early, POLLED=partials is not None, PAIRED=paired,
         **_staged_args(x, recv), **tile)
     return q
