@@ -352,15 +352,16 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
 def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, polled, paired):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32), its
     splits reduced by head or, paired (TPGRAPH_QKV_PAIRED), by column block, found by the count or by polling
-    (TPGRAPH_POLLED_ROPE): q and both caches bit for bit the two steps, eager and replayed in a graph with new rows
-    before each replay (a reducer that read a stale partial would show), and every partial slot back at the
-    sentinel. early: the rotation inputs read before the PDL wait (inputs_early; positions and slots are written
-    before x here, as the model's are)."""
+    (TPGRAPH_POLLED_ROPE; paired, TPGRAPH_POLLED_PARTIALS): q and both caches bit for bit the two steps, eager and
+    replayed in a graph with new rows before each replay (a reducer that read a stale partial would show), and every
+    partial slot back at the sentinel. early: the rotation inputs read before the PDL wait (inputs_early; positions
+    and slots are written before x here, as the model's are)."""
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
     monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
     monkeypatch.setenv("TPGRAPH_QKV_PAIRED", paired)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", polled if paired == "1" else "1")
     monkeypatch.setenv("TPGRAPH_GEMV_MAX_M", "32" if m > 16 else "16")  # 24 rows: the 32-row tiles
     heads, kv_heads, dim, hidden, block_size = 16, 4, 128, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(m)

@@ -429,30 +429,31 @@ def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: boo
 def test_paired_tiles_rotate_their_own_rows_with_the_two_steps_bits(monkeypatch, polled, m, block_n, split_k, early,
                                                                      dtype):
     """TPGRAPH_QKV_PAIRED=1: each tile holds dims j and j + 32 of a 64-dim head (16-, 32- and 64-wide tiles: 4, 2
-    and 1 column blocks a head), and each column block reduces its own splits (by the count, or polled) and rotates
-    its own outputs: q and both caches bit for bit the GEMV (the same tiles, row-major) and then rope_and_store,
-    twice over (counters back at zero, polled slots re-armed)."""
+    and 1 column blocks a head), and each column block reduces its own splits (by the count, or polled where the
+    projections poll: TPGRAPH_POLLED_PARTIALS) and rotates its own outputs: q and both caches bit for bit the GEMV
+    (the same tiles, row-major) and then rope_and_store, twice over (counters back at zero, polled slots re-armed)."""
     monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
-    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", polled)
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "0" if polled == "1" else "1")  # (the heads' rule: not the paired one)
     kernels = spy_paired(monkeypatch)
     for seed in range(2):
         _check_qkv_rope_bits(m, dtype, GemvConfig(block_n, 32, 4, 2, split_k), early,
                              torch.Generator().manual_seed(m * 10 + split_k + seed))
         assert _all_sentinel(torch.device("cpu"))
-    assert kernels == [True, True]
+    assert kernels == [(True, polled == "1")] * 2
 
 
-def spy_paired(monkeypatch) -> list[bool]:
-    """The PAIRED constexpr of each _qkv_rope_kernel launch from now on."""
+def spy_paired(monkeypatch) -> list[tuple[bool, bool]]:
+    """(PAIRED, POLLED) of each _qkv_rope_kernel launch from now on."""
     from tpgraph.kernels import gemv
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, bool]] = []
     real = gemv._qkv_rope_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append(kwargs["PAIRED"])
+                seen.append((kwargs["PAIRED"], kwargs["POLLED"]))
                 return real[grid](*args, **kwargs)
             return launch
 
@@ -479,10 +480,11 @@ def test_qkv_rope_store_with_polled_partials_gives_the_two_steps_bits(monkeypatc
 @interpreted
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # sums of the sentinel, discarded
 @pytest.mark.parametrize("late", [1, 3, None])
-@pytest.mark.parametrize("kernel", ["projection", "qkv_rope"])
+@pytest.mark.parametrize("kernel", ["projection", "qkv_rope", "qkv_rope_paired"])
 def test_the_polled_reducers_wait_for_a_late_partial(monkeypatch, kernel, late):
     """A partner's partial still on its way when the reducer first polls (the first `late` loads of one of its
-    elements see the sentinel): the plain projection's reducer, and the qkv + rope kernel's head reducer, poll again
+    elements see the sentinel): the plain projection's reducer, and the qkv + rope kernel's head reducer and paired
+    column block's reducer (TPGRAPH_QKV_PAIRED), poll again
     and give the count's bits with every slot re-armed; a partial that never arrives raises (on a GPU, the trap)."""
     from triton.runtime.errors import InterpreterError
 
@@ -499,9 +501,14 @@ def test_the_polled_reducers_wait_for_a_late_partial(monkeypatch, kernel, late):
 
         def call():
             assert torch.equal(linear_small_m(x, w, use_triton=True, config=cfg), counted)
-    else:  # split 1 of 2, row 1, head 2's column 7, in a partner's column block (the head's reducer has 160-191)
+    elif kernel == "qkv_rope":  # split 1 of 2, row 1, head 2's column 7, in a partner's column block (the head's
+        # reducer has 160-191)
         monkeypatch.setenv("TPGRAPH_POLLED_ROPE", "1")
         element = 1 * rows * 512 + 1 * 512 + 2 * 64 + 7
+    else:  # paired: split 0 of 2 (split 1 reduces and never stores its own), row 1, column 135
+        monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
+        element = 0 * rows * 512 + 1 * 512 + 2 * 64 + 7
+    if kernel != "projection":
 
         def call():  # (qkv_rope_store polls first, then its linear_small_m twin)
             _check_qkv_rope_bits(rows, torch.float32, GemvConfig(32, 32, 4, 2, 2), False, g)
@@ -612,7 +619,7 @@ def test_paired_tiles_count_and_load_one_tile_a_split_after_the_count():
     loads = _loads_after_the_count(ptx)
     assert loads and all(".cg" in ld for ld in loads)
     assert 4 * len(loads) == len(_loads_after_the_count(_qkv_rope_ptx(4)))
-    assert ptx.count("mul.rn.f32") >= 4 and ptx.index("atom.global") < ptx.rindex("mul.rn.f32")
+    assert ptx[ptx.index("atom.global"):].count("mul.rn.f32") >= 4  # the rotation after the count
     polled = _qkv_rope_ptx(4, polled=True, paired=True)
     assert "atom.global" not in polled and "trap;" in polled and "ld.volatile.global" in polled
 

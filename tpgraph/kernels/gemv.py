@@ -90,13 +90,13 @@ def rope_inputs_early() -> bool:
     return env_flag("TPGRAPH_QKV_ROPE_EARLY", default=True)
 
 
-def qkv_paired(rows: int) -> bool:
+def qkv_paired() -> bool:
     """TPGRAPH_QKV_PAIRED=1: the qkv + rope kernel pairs the rows rotary embedding rotates together in its tiles, so
     each column block reduces its own splits and rotates its own outputs (_qkv_rope_kernel's PAIRED), instead of a
     reducer per head adding the whole head's partials (at 32 rows 64 KB a head, after the K loop: alone the fused kernel
-    took 13.83 µs against the projection's 10.44, bench/results/2026-12-03_h200_wide_rows, run3). Opt-in until timed
-    in whole steps; =0 or unset keeps the head reducers."""
-    del rows  # (a rule by rows comes with the measurements)
+    took 13.83 µs against the projection's 10.44, bench/results/2026-12-03_h200_wide_rows, run3). A column block
+    polls its partials where the projections' do (polled_partials), not by the heads' rule (polled_rope). Opt-in until
+    timed in whole steps; =0 or unset keeps the head reducers."""
     return env_flag("TPGRAPH_QKV_PAIRED")
 
 
@@ -942,10 +942,12 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
         return None
     tile = _tile_args(x, config, n, k)
-    paired = qkv_paired(m)
+    paired = qkv_paired()
     blocks = triton.cdiv(n, config.block_n)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    partials = partials_buffer(x.device, config.split_k * m * n) if polled_rope(m) else None
+    # (a paired column block reduces as _gemv_kernel's do, so it polls where they do; a head's reducer by its rule)
+    polled = polled_partials() if paired else polled_rope(m)
+    partials = partials_buffer(x.device, config.split_k * m * n) if polled else None
     ws = split_workspace(partials, (config.split_k, m, n), x.device)
     counters = split_counters(x.device, blocks if paired else num_heads + 2 * num_kv_heads)
     _qkv_rope_kernel[(blocks, config.split_k)](
