@@ -115,6 +115,19 @@ def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(monkeyp
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("polled", ["0", "1"])
+def test_paired_qkv_tiles_take_the_staged_input(monkeypatch, device, world_size, polled):
+    """TPGRAPH_QKV_PAIRED=1 (each column block rotates its own rows), counted or polled: the qkv + rope boundaries
+    scale the staged input's sums by the rows' 1 / RMS as the head reducers do, within bf16 rounding of the unfused
+    sequence, and the new residual and the materialized norm bit for bit."""
+    monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", polled)
+    check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=21 + world_size), device, [3, 1, 16, 2],
+                     ["qkv", "norm", "qkv", "qkv"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("rope", ["0", "1"])
 def test_the_fused_all_reduce_with_polled_partials_matches_the_unfused_sequence(monkeypatch, device, world_size, rope):
     """As above with polled partials (the default): the split-K boundaries reduce by polling the sentinel buffer (the
