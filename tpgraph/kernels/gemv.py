@@ -501,15 +501,15 @@ if triton is not None:
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
                          PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
                          POLLED: tl.constexpr, PAIRED: tl.constexpr):
-        """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel:
-        every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED) counts itself in at
-        counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the head's partials
-        in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
+        """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel.
+        Unless PAIRED (below), every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED)
+        counts itself in at counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the
+        head's partials in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
         _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
-        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel).
-        What the last program needs besides the partials (positions, slots, cos/sin rows: written before the step)
-        is loaded by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after
-        the head's last count the work is one round of loads and the stores, not a chain of dependent loads.
+        fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel). What
+        the last program needs besides the partials (positions, slots, cos/sin rows: written before the step) is loaded
+        by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after the head's
+        last count the work is one round of loads and the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
         loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS).
         POLLED (ws is the sentinel-filled partials buffer, as _gemv_kernel's POLLED): no count; the head's last column
@@ -539,7 +539,7 @@ if triton is not None:
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE, rope_half)
-        if STAGED:  # loaded before the K loop (see _gemv_kernel); only a head's last program uses them
+        if STAGED:  # loaded before the K loop (_gemv_kernel); only a reducer (a head's; PAIRED, a block's) reads them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
         else:
             squares = tl.zeros((BLOCK_M, PIECES), dtype=tl.float32)
