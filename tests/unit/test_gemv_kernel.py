@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from tpgtest.launches import spy_launches
 from tpgtest.markers import interpreted
 from tpgtest.polled import arrive_late, spy_partials, spy_polled_rope
 from tpgtest.ptx import (
@@ -443,22 +444,11 @@ def test_paired_tiles_rotate_their_own_rows_with_the_two_steps_bits(monkeypatch,
     assert kernels == [(True, polled == "1")] * 2
 
 
-def spy_paired(monkeypatch) -> list[tuple[bool, bool]]:
+def spy_paired(monkeypatch) -> list[tuple]:
     """(PAIRED, POLLED) of each _qkv_rope_kernel launch from now on."""
     from tpgraph.kernels import gemv
 
-    seen: list[tuple[bool, bool]] = []
-    real = gemv._qkv_rope_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((kwargs["PAIRED"], kwargs["POLLED"]))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(gemv, "_qkv_rope_kernel", Spy())
-    return seen
+    return spy_launches(monkeypatch, gemv, "_qkv_rope_kernel", ("PAIRED", "POLLED"))
 
 
 @interpreted

@@ -435,14 +435,7 @@ if triton is not None:
                 if pid_k < SPLITS - 1:
                     tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
                 else:  # the reducer: dispatched after its partners (a higher program id), which never wait
-                    total, missing = _polled_splits(out_ptr, stride_os, tile, tile_ok, SPLITS)
-                    tries = 0
-                    while (missing > 0) & (tries < POLL_LIMIT_C):
-                        total, missing = _polled_splits(out_ptr, stride_os, tile, tile_ok, SPLITS)
-                        tries += 1
-                    poll_exhausted(missing, tries)
-                    for s in tl.static_range(SPLITS - 1):  # the slots back to the sentinel, for the next call
-                        tl.store(out_ptr + s * stride_os + tile, sentinel_like(total), mask=tile_ok)
+                    total = _polled_partners(out_ptr, stride_os, tile, tile_ok, SPLITS)
                     _finish_reduced(total + y, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid,
                                     offs_m, offs_n, m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE, WS, RANK,
                                     SOFT_BF16)  # its own partial last
@@ -469,6 +462,21 @@ if triton is not None:
                             slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
         else:
             tl.store(y_ptr + tile, total, mask=tile_ok)
+
+    @triton.jit
+    def _polled_partners(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
+        """The polled reducer's (the last split's) view of splits 0 .. SPLITS - 2 at `tile`: polled until none holds
+        the sentinel (a trap after POLL_LIMIT polls), their fp32 sum in split order, and their slots set back to the
+        sentinel for the next call."""
+        total, missing = _polled_splits(ptr, stride_s, tile, ok, SPLITS)
+        tries = 0
+        while (missing > 0) & (tries < POLL_LIMIT_C):
+            total, missing = _polled_splits(ptr, stride_s, tile, ok, SPLITS)
+            tries += 1
+        poll_exhausted(missing, tries)
+        for s in tl.static_range(SPLITS - 1):
+            tl.store(ptr + s * stride_s + tile, sentinel_like(total), mask=ok)
+        return total
 
     @triton.jit
     def _polled_splits(ptr, stride_s, tile, ok, SPLITS: tl.constexpr):
@@ -577,15 +585,7 @@ if triton is not None:
             reduces = pid_k == SPLITS - 1
             total = acc
             if reduces:  # dispatched after its partners (a higher program id), which never wait
-                part, missing = _polled_splits(ws_ptr, stride_os, tile, tile_ok, SPLITS)
-                tries = 0
-                while (missing > 0) & (tries < POLL_LIMIT_C):
-                    part, missing = _polled_splits(ws_ptr, stride_os, tile, tile_ok, SPLITS)
-                    tries += 1
-                poll_exhausted(missing, tries)
-                for s in tl.static_range(SPLITS - 1):  # the slots back to the sentinel, for the next call
-                    tl.store(ws_ptr + s * stride_os + tile, sentinel_like(part), mask=tile_ok)
-                total = part + acc  # its own partial last
+                total = _polled_partners(ws_ptr, stride_os, tile, tile_ok, SPLITS) + acc  # its own partial last
             else:
                 tl.store(ws_ptr + pid_k * stride_os + tile, acc, mask=tile_ok)
         else:
