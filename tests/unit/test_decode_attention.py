@@ -10,6 +10,7 @@ from tpgtest.paged_cases import random_paged_case
 from tpgtest.polled import arrive_late, spy_partials
 from tpgtest.ptx import assert_semaphore_order, branch_sources, sm90_ptx, sm90_ptx_and_usage
 
+from tpgraph.errors import ConfigError
 from tpgraph.kernels import decode_attention
 from tpgraph.kernels.decode_attention import (
     BLOCK_N,
@@ -108,6 +109,19 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 4, 8192, 132) == 64  # a long max_model_len: the cap
     assert choose_num_splits(8, 4, 4096, 132) == 12  # 396 // 32: rounded down, the grid fits 3 programs an SM
     assert choose_num_splits(1, 4, 512, 132, min_split_tokens=128) == 4  # longer tiles: fewer splits fit
+
+
+def test_the_split_grid_follows_the_programs_an_sm_it_is_sized_for(monkeypatch):
+    """Batch 32 of a TP=2 Llama-3-8B rank (128 sequence x KV head pairs on 132 SMs): 3 splits at the default, 1 or 2
+    when the grid is sized for fewer programs a SM, by argument or by TPGRAPH_ATTN_PROGRAMS_PER_SM; a bad value is
+    refused by name."""
+    assert choose_num_splits(32, 4, 8192, 132) == 3
+    assert choose_num_splits(32, 4, 8192, 132, programs_per_sm=1) == 1
+    monkeypatch.setenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", "2")
+    assert choose_num_splits(32, 4, 8192, 132) == 2 and choose_num_splits(16, 4, 8192, 132) == 4
+    monkeypatch.setenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", "5")
+    with pytest.raises(ConfigError, match="TPGRAPH_ATTN_PROGRAMS_PER_SM"):
+        choose_num_splits(32, 4, 8192, 132)
 
 
 def test_splits_take_two_tiles_once_sequence_kv_head_pairs_are_many():

@@ -166,8 +166,9 @@ def num_sms_for(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
-                      min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
-    """KV splits per (sequence, KV head) in the grid: as many programs as PROGRAMS_PER_SM per SM holds, at most
+                      min_split_tokens: int = MIN_SPLIT_TOKENS, programs_per_sm: int | None = None) -> int:
+    """KV splits per (sequence, KV head) in the grid: as many programs as `programs_per_sm` per SM holds (default
+    `attention_programs_per_sm`), at most
     MAX_SPLITS, and no more than whole tiles of `min_split_tokens` (the tile length) in `max_seq_len`. Each program
     cuts its sequence's actual length into at most that many pieces of whole tiles (`_split_span`): the splits a
     shorter sequence leaves empty exit at once, and the ones in use stay a tile or more long (at least
@@ -176,7 +177,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
     # Rounded down, so the grid stays within PROGRAMS_PER_SM a SM: rounded up, batch 8 at 4K tokens (13 busy splits,
     # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
     # run3), presumably a second wave for the programs past them.
-    want = PROGRAMS_PER_SM * num_sms // programs
+    per_sm = attention_programs_per_sm() if programs_per_sm is None else programs_per_sm
+    want = per_sm * num_sms // programs
     return max(1, min(want, max_seq_len // min_split_tokens, MAX_SPLITS))
 
 
@@ -670,6 +672,13 @@ def merge_split_cap(batch: int, kv_heads: int, num_sms: int) -> int:
     forces it."""
     wide = batch * kv_heads * WIDE_MERGE_SPLITS <= num_sms
     return env_choice("TPGRAPH_ATTN_MERGE_SPLITS", (8, 16, 32, 64), WIDE_MERGE_SPLITS if wide else MERGE_SPLITS)
+
+
+def attention_programs_per_sm() -> int:
+    """Programs a SM the split grid is sized for (choose_num_splits): PROGRAMS_PER_SM; TPGRAPH_ATTN_PROGRAMS_PER_SM=
+    1/2/3/4 forces it, for timing fewer, longer splits where the batch's (sequence, KV head) pairs alone come near the
+    SM count."""
+    return env_choice("TPGRAPH_ATTN_PROGRAMS_PER_SM", (1, 2, 3, 4), PROGRAMS_PER_SM)
 
 
 def attention_warps() -> int:
