@@ -66,7 +66,12 @@ except ImportError:  # CPU-only installs without Triton use paged_decode_referen
 BLOCK_N = 64  # context tokens per tile
 # Split heuristic, tuned on an H200 (bf16, D 128, block 16): about three programs per SM, splits of at least
 # one tile, at most 64. Against the best split count found by sweeping, it is within ~10% from 1 to 256
-# sequences and 512 to 32K tokens.
+# sequences and 512 to 32K tokens. Three is also what fits: the default launch (4 warps, 3 stages, the read-ahead)
+# takes about 135 registers a thread and 72 KB of shared memory, so three programs share an SM; 8 warps or 4 stages
+# fit fewer, and the default grid then runs in more than one wave (19.5-20.3 against 14.5 µs alone at 32 x 512).
+# Sized for 1 or 2 a SM instead (TPGRAPH_ATTN_PROGRAMS_PER_SM), batches 16-32 took fewer, longer splits: in whole
+# TP=1 steps at 512 tokens -0.029 to +0.033 ms, and at 4K tokens +0.028 / +0.106 ms (2) and +0.56 / +0.87 ms (1) at
+# batches 16 / 32 (bench/results/2026-12-03_h200_attention_splits).
 PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = BLOCK_N
 MAX_SPLITS = 64
