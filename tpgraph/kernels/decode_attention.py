@@ -173,13 +173,13 @@ def num_sms_for(device: torch.device) -> int:
 def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
                       min_split_tokens: int = MIN_SPLIT_TOKENS, programs_per_sm: int | None = None) -> int:
     """KV splits per (sequence, KV head) in the grid: as many programs as `programs_per_sm` per SM holds (default
-    `attention_programs_per_sm`), at most
-    MAX_SPLITS, and no more than whole tiles of `min_split_tokens` (the tile length) in `max_seq_len`. Each program
-    cuts its sequence's actual length into at most that many pieces of whole tiles (`_split_span`): the splits a
-    shorter sequence leaves empty exit at once, and the ones in use stay a tile or more long (at least
-    `min_split_tiles`; a split's first tile is loaded before the programmatic wait, the rest after it)."""
+    `attention_programs_per_sm`), at most MAX_SPLITS, and no more than whole tiles of `min_split_tokens` (the tile
+    length) in `max_seq_len`. Each program cuts its sequence's actual length into at most that many pieces of whole
+    tiles (`_split_span`): the splits a shorter sequence leaves empty exit at once, and the ones in use stay a tile or
+    more long (at least `min_split_tiles`; a split's first tile is loaded before the programmatic wait, the rest
+    after it)."""
     programs = max(1, batch * kv_heads)
-    # Rounded down, so the grid stays within PROGRAMS_PER_SM a SM: rounded up, batch 8 at 4K tokens (13 busy splits,
+    # Rounded down, so the grid stays within per_sm programs a SM: rounded up, batch 8 at 4K tokens (13 busy splits,
     # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
     # run3), presumably a second wave for the programs past them.
     per_sm = attention_programs_per_sm() if programs_per_sm is None else programs_per_sm
