@@ -13,7 +13,7 @@ def sweep():
 @pytest.fixture(autouse=True)
 def model_rules(monkeypatch):
     """The model's own launch rules: none of the settings that force them, whatever the environment exports."""
-    for name in ("KV_AHEAD", "STAGES", "L2_PREFETCH", "MERGE_SPLITS", "WARPS"):
+    for name in ("KV_AHEAD", "STAGES", "L2_PREFETCH", "MERGE_SPLITS", "WARPS", "PROGRAMS_PER_SM"):
         monkeypatch.delenv(f"TPGRAPH_ATTN_{name}", raising=False)
 
 

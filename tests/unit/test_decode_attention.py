@@ -97,7 +97,8 @@ def test_heuristic_splits_long_contexts(seed):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
-def test_choose_num_splits():
+def test_choose_num_splits(monkeypatch):
+    monkeypatch.delenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", raising=False)  # (the model's rule, whatever the shell sets)
     assert choose_num_splits(64, 8, 4096, 132) == 1  # enough programs already
     assert choose_num_splits(1, 8, 100, 132) == 1  # too short to be worth splitting
     splits = choose_num_splits(1, 1, 32768, 132)
@@ -113,12 +114,16 @@ def test_choose_num_splits():
 
 def test_the_split_grid_follows_the_programs_an_sm_it_is_sized_for(monkeypatch):
     """Batch 32 of a TP=2 Llama-3-8B rank (128 sequence x KV head pairs on 132 SMs): 3 splits at the default, 1 or 2
-    when the grid is sized for fewer programs a SM, by argument or by TPGRAPH_ATTN_PROGRAMS_PER_SM; a bad value is
-    refused by name."""
+    when the grid is sized for fewer programs a SM, by argument (before the environment) or by
+    TPGRAPH_ATTN_PROGRAMS_PER_SM; bad values are refused by name."""
+    monkeypatch.delenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", raising=False)
     assert choose_num_splits(32, 4, 8192, 132) == 3
     assert choose_num_splits(32, 4, 8192, 132, programs_per_sm=1) == 1
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        choose_num_splits(32, 4, 8192, 132, programs_per_sm=0)
     monkeypatch.setenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", "2")
     assert choose_num_splits(32, 4, 8192, 132) == 2 and choose_num_splits(16, 4, 8192, 132) == 4
+    assert choose_num_splits(32, 4, 8192, 132, programs_per_sm=3) == 3
     monkeypatch.setenv("TPGRAPH_ATTN_PROGRAMS_PER_SM", "5")
     with pytest.raises(ConfigError, match="TPGRAPH_ATTN_PROGRAMS_PER_SM"):
         choose_num_splits(32, 4, 8192, 132)

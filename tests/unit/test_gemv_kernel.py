@@ -118,6 +118,21 @@ def test_split_k_within_bf16_rounding_and_repeatable(m, split_k, block_k):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_an_output_has_the_same_bits_wherever_its_row_sits_in_the_tile(dtype):
+    """Each output sums over K in an order fixed by K alone (one order per column, as on the GPU), so permuting the
+    weight's rows permutes the outputs bit for bit: what the gate/up and paired qkv tiles' equal-bits tests rely on.
+    (Under the interpreter a tl.dot is numpy's matmul, whose BLAS sums by a column's place on some CPUs.)"""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 256, generator=g).to(dtype)
+    w = torch.randn(64, 256, generator=g).to(dtype)
+    perm = torch.randperm(64, generator=g)
+    cfg = GemvConfig(64, 128, 4, 2, 1)
+    y = linear_small_m(x, w, use_triton=True, config=cfg)
+    assert torch.equal(linear_small_m(x, w[perm], use_triton=True, config=cfg), y[:, perm])
+
+
+@interpreted
 def test_split_k_sums_every_k_once_in_fp32():
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(3, 300, generator=g), torch.randn(37, 300, generator=g)

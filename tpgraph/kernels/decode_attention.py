@@ -68,7 +68,8 @@ BLOCK_N = 64  # context tokens per tile
 # one tile, at most 64. Against the best split count found by sweeping, it is within ~10% from 1 to 256
 # sequences and 512 to 32K tokens. Three is also what fits: the default launch (4 warps, 3 stages, the read-ahead)
 # takes about 135 registers a thread and 72 KB of shared memory, so three programs share an SM; 8 warps or 4 stages
-# fit fewer, and the default grid then runs in more than one wave (19.5-20.3 against 14.5 µs alone at 32 x 512).
+# fit fewer, and at 24-32 sequences the default grid then runs in more than one wave (alone at 32 x 512: 19.6 µs
+# with 8 warps, 19.5 with 4 stages, against 14.5).
 # Sized for 1 or 2 a SM instead (TPGRAPH_ATTN_PROGRAMS_PER_SM), batches 16-32 took fewer, longer splits: in whole
 # TP=1 steps at 512 tokens -0.029 to +0.033 ms, and at 4K tokens +0.028 / +0.106 ms (2) and +0.56 / +0.87 ms (1) at
 # batches 16 / 32 (bench/results/2026-12-03_h200_attention_splits).
@@ -183,6 +184,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
     # 416 programs for 396 places) was 0.095 ms a step slower on an H200 (bench/results/2026-12-01_h200_newest_apart,
     # run3), presumably a second wave for the programs past them.
     per_sm = attention_programs_per_sm() if programs_per_sm is None else programs_per_sm
+    if per_sm < 1:
+        raise ValueError(f"programs_per_sm must be >= 1, got {per_sm}")
     want = per_sm * num_sms // programs
     return max(1, min(want, max_seq_len // min_split_tokens, MAX_SPLITS))
 

@@ -298,9 +298,10 @@ if triton is not None:
     def _dot_f32(a, b, SOFT_BF16: tl.constexpr, IEEE: tl.constexpr):
         """a @ b in fp32."""
         if SOFT_BF16:  # the interpreter: fp32 products (exact for 16-bit inputs; it has no bf16 dot), summed over K
-            # in order. Its tl.dot is numpy's matmul, whose BLAS may sum an output differently by its place in the
-            # tile (OpenBLAS's Haswell/Zen kernels do), so a permuted tile (GATE_UP, qkv's PAIRED) would change bits
-            # that on the GPU (one K order per column) it does not.
+            # by numpy's own reduction, so each output's bits depend on K alone, not on its column's place in the tile
+            # or on N. Its tl.dot is numpy's matmul, whose BLAS may sum an output differently by its place (OpenBLAS's
+            # Haswell/Zen kernels do), so a permuted tile (GATE_UP, qkv's PAIRED) would change bits that on the GPU
+            # (one K order per column) it does not.
             return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         elif IEEE:  # fp32 inputs: full fp32 products, not TF32 (as torch's matmul by default)
             return tl.dot(a, b, input_precision="ieee")
