@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import pytest
 
 openai = pytest.importorskip("openai")
+# One pytest worker takes the whole file (--dist loadgroup): its module-scoped server starts once, not once a worker.
+pytestmark = pytest.mark.xdist_group("one_server")
 
 MODEL = "tpgraph-builtin"
 ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "16", "--block-size", "8"]
