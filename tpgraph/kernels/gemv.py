@@ -435,24 +435,14 @@ if triton is not None:
             if ALL_REDUCE and SPLITS == 1:
                 all_reduce_tile(y, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n, m_ok, n_ok, N,
                                 slot_elems, timeout_ns, WS, RANK, SOFT_BF16)
-            elif POLLED:
-                if pid_k < SPLITS - 1:
-                    tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
-                else:  # the reducer: dispatched after its partners (a higher program id), which never wait
-                    total = _polled_partners(out_ptr, stride_os, tile, tile_ok, SPLITS)
-                    _finish_reduced(total + y, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid,
-                                    offs_m, offs_n, m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE, WS, RANK,
-                                    SOFT_BF16)  # its own partial last
-            else:
-                tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
-            if LAST_REDUCES and not POLLED:
-                if arrived_last(counter_ptr + pid, SPLITS):  # the last split: every partial is in memory
-                    total = tl.load(out_ptr + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLITS):  # unrolled: the loads are in flight together
-                        total += tl.load(out_ptr + s * stride_os + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            elif LAST_REDUCES:  # the split-K reduction the paired qkv kernel's column blocks share
+                reduces, total = _split_total(y, out_ptr, counter_ptr + pid, stride_os, tile, tile_ok, pid_k, SPLITS,
+                                              POLLED)
+                if reduces:
                     _finish_reduced(total, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m,
                                     offs_n, m_ok, n_ok, N, slot_elems, timeout_ns, ALL_REDUCE, WS, RANK, SOFT_BF16)
-                    reset_counter(counter_ptr + pid)
+            else:
+                tl.store(out_ptr + pid_k * stride_os + tile, y, mask=tile_ok)
 
     @triton.jit
     def _finish_reduced(total, y_ptr, tile, tile_ok, res, nw, ch_ptr, rout_ptr, xs_ptr, sq_ptr, pid, offs_m, offs_n,
@@ -581,10 +571,10 @@ if triton is not None:
     @triton.jit
     def _split_total(acc, ws_ptr, counter_ptr, stride_os, tile, tile_ok, pid_k, SPLITS: tl.constexpr,
                      POLLED: tl.constexpr):
-        """(whether this program reduces its column block's SPLITS partials, their fp32 sum in split order there),
-        as _gemv_kernel's split-K reduction: POLLED (ws the sentinel-filled partials buffer), the last split polls the
-        others' partials and adds its own last, and sets their slots back; else every split stores its partial and
-        the last to arrive at counter_ptr (set back to 0) loads them all."""
+        """(whether this program reduces its column block's SPLITS partials, their fp32 sum in split order there): the
+        split-K reduction of _gemv_kernel and of the paired qkv kernel. POLLED (ws the sentinel-filled partials
+        buffer), the last split polls the others' partials and adds its own last, and sets their slots back; else
+        every split stores its partial and the last to arrive at counter_ptr (set back to 0) loads them all."""
         if POLLED:
             reduces = pid_k == SPLITS - 1
             total = acc
