@@ -6,7 +6,7 @@
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance]
-#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32]
+#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -54,6 +54,22 @@ for step in "$@"; do
              --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
              --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
+    shared-tp2) # TP=2 on ONE GPU (TPGRAPH_SHARED_GPU=1: both ranks on GPU 0, tpgraph.distributed.shared_gpu), for
+         # correctness only: the ranks' contexts take the GPU in turns, so nothing here is a timing. CUDA IPC between
+         # the ranks, the custom all-reduce tests (the zero-copy graph test left out: its NCCL references go over
+         # sockets, 64 MB each, and outlast a call), HF parity at TP=2 with the default chain and the all-reduce in
+         # the projections' epilogue (graphs on), and the graph-decode tests. About 8 min: the call's one step.
+         export TPGRAPH_SHARED_GPU=1
+         timeout 60 python3 -m pytest tests/gpu/test_extension_gpu.py -q -rs 2>&1 | tail -4 | tee "$out/shared_ext.log"
+         timeout 240 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs --durations=20 -k "not graphs_zero_copy" \
+             2>&1 | tail -30 | tee "$out/shared_ar.log"; pack
+         for v in "bf16 0" "fp32 0" "bf16 1"; do set -- $v
+           TPGRAPH_GEMV_ALLREDUCE=$2 timeout 110 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $1 \
+               $([ $1 = bf16 ] && echo --embed-std 4.0) --out "$out/shared_parity_$1_push$2.json" 2>&1 \
+               | grep -E "prompt|PASS|Error" | tee -a "$out/shared_parity.log"; pack; done
+         timeout 150 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -q -rs --durations=10 2>&1 | tail -8 \
+             | tee "$out/shared_graph_decode.log"
+         unset TPGRAPH_SHARED_GPU ;;
     ab) # whole steps of package trees / settings / tile tables, alternating processes (bench/ab_decode.py; prepare
          # the trees before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant (and
          # --tiles, --args) arguments, e.g. "--variant new=. --variant old=ab/head" (split unquoted: write --args
@@ -109,8 +125,8 @@ for step in "$@"; do
          ls devwheels/*.whl > /dev/null 2>&1 \
            || echo "no devwheels/: pip download --no-deps pytest-xdist execnet -d devwheels here, and carry it"
          python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2  # (without them pytest refuses -n)
-         timeout -s INT -k 10 380 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 12 --dist worksteal -v -rfEs --durations=10 \
-             -p no:cacheprovider > "$out/gpu_tests_kernels.log" 2>&1
+         timeout -s INT -k 10 380 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 12 --dist worksteal -v \
+             -rfEs --durations=10 -p no:cacheprovider > "$out/gpu_tests_kernels.log" 2>&1
          grep -v "PASSED\|it/s\]\|Warning\|warner" "$out/gpu_tests_kernels.log" | tail -25; pack
          if [ "$NPROC" -lt 2 ]; then
            timeout -s INT -k 10 120 python3 -m pytest tests/gpu -q -rfEs --ignore tests/gpu/test_fused_kernels_gpu.py \

@@ -108,6 +108,7 @@ def main() -> None:
     model = load_model(state, comm, ckpt, dtype=dtype)
     prompts = PROMPTS * args.copies
     runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
+    modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill}"  # (read before close() lets them go)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     result = greedy_generate(runner, prompts, args.steps, keep_logits=True)
@@ -153,7 +154,8 @@ def main() -> None:
                   f"ours {ours_vs_fp32:.2e}, HF {args.dtype} {hf_vs_fp32:.2e}")
         report["pass"] = ok
         report["our_generate_s"] = elapsed
-        print(f"PASS={ok}  (ours: {args.steps} steps x {len(prompts)} prompts in {elapsed:.2f}s, eager)")
+        report["graphs"] = modes
+        print(f"PASS={ok}  (ours: {args.steps} steps x {len(prompts)} prompts in {elapsed:.2f}s; graphs: {modes})")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     dist.barrier(group=state.cpu_group)  # rank 0 compared against HF meanwhile: start the teardown together

@@ -47,6 +47,27 @@ def _env_int(name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+SHARED_GPU_ENV = "TPGRAPH_SHARED_GPU"
+
+
+def shared_gpu(env: dict[str, str] | None = None) -> bool:
+    """TPGRAPH_SHARED_GPU=1: every rank of a multi-rank CUDA run on GPU 0, so that the TP code paths (CUDA IPC
+    between the ranks' processes, the custom all-reduce's kernels, graphs of them) run and can be checked for
+    correctness on a machine with one GPU. The ranks' contexts take the GPU in turns (time slices), so a kernel
+    that waits for a peer waits a slice: results, never timings."""
+    value = (os.environ if env is None else env).get(SHARED_GPU_ENV, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{SHARED_GPU_ENV}={value!r}: use 0 or 1")
+    return value == "1"
+
+
+def nccl_as_separate_hosts(rank: int) -> dict[str, str]:
+    """The NCCL settings (set where the environment has none) for ranks that share a GPU: NCCL refuses two ranks on
+    one device of one host ("Duplicate GPU detected"), so each rank gets its own host id and the ranks talk over
+    NCCL's socket transport on the loopback interface."""
+    return {"NCCL_HOSTID": f"tpgraph-shared-gpu-rank{rank}", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def init_distributed(
     device: str | None = None,
     rank: int | None = None,
@@ -69,16 +90,18 @@ def init_distributed(
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    shared = device == "cuda" and world_size > 1 and shared_gpu()
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA GPU is visible; use --device cpu")
-        if local_rank >= torch.cuda.device_count():
+        index = 0 if shared else local_rank
+        if index >= torch.cuda.device_count():
             raise ConfigError(
                 f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
-                "Launch at most one process per GPU."
+                f"Launch at most one process per GPU ({SHARED_GPU_ENV}=1 puts every rank on GPU 0, for tests)."
             )
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     elif device == "cpu":
         dev = torch.device("cpu")
     else:
@@ -94,6 +117,11 @@ def init_distributed(
         reason = multicast_disabled_reason()
         if changed := pass_gate_on():  # (before NCCL reads its variables)
             logger.info("%s: set %s too", reason, ", ".join(changed))
+        if shared:
+            logger.warning("%s=1: rank %d shares GPU 0 with every other rank (a functional stand-in, never timed)",
+                           SHARED_GPU_ENV, rank)
+            for name, value in nccl_as_separate_hosts(rank).items():
+                os.environ.setdefault(name, value)  # (before NCCL reads its variables)
         dist.init_process_group(
             backend=backend,
             init_method=init_method or "env://",

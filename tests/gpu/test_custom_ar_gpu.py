@@ -6,13 +6,14 @@ import os
 
 import pytest
 import torch
+from tpgtest.markers import needs_gpus
 from tpgtest.spawn import run_ranks, run_ranks_in_subprocess
 from tpgtest.workers import GRAPH_TEST_BYTES, custom_ar_exactness
 
 # the exactness tests run at this world size (bench/gpu_graph_checks.sh passes its NPROC), at least 2 (a custom
 # all-reduce needs two ranks: NPROC=1 on a machine with two GPUs still runs them at 2); the timeout tests at 2
 WORLD = max(2, int(os.environ.get("TPGRAPH_GPU_TEST_WORLD_SIZE", "2")))
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")]
+pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 
 def sizes(dtype):

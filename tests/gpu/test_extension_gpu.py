@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tpgtest.markers import needs_gpus
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import ipc_roundtrip
 
@@ -30,7 +31,7 @@ def test_device_properties_match_torch():
     assert props.uuid.startswith("GPU-")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_gpus(2)
 def test_ipc_handles_across_ranks():
     results = run_ranks(ipc_roundtrip, 2)
     assert results == [(True, 0), (True, 0)]

@@ -1,10 +1,12 @@
 """CUDA-graph decode on 2 GPUs: graph modes against eager, guards, memory honesty and the graph lifecycle."""
 
 import pytest
-import torch
+from tpgtest.markers import needs_gpus
 from tpgtest.spawn import run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+from tpgraph.distributed import shared_gpu
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 MiB = 1 << 20
 
 
@@ -64,4 +66,6 @@ def test_memory_estimate_budget_and_lifecycle(ckpt):
         assert abs(shrink) < 64 * MiB + abs(none["in_use"] - full["in_use"]) + abs(none["activation"] -
                                                                                   full["activation"]), shrink
         assert none["blocks"] > full["blocks"]
-        assert abs(full["estimate"] - full["actual"]) <= 0.25 * full["actual"], (full["estimate"], full["actual"])
+        if not shared_gpu():  # (a capture's bytes are the device's free memory before and after, which ranks
+            # sharing the GPU move for each other: rank 1's trial capture read 155 MB, its real one 75 MB)
+            assert abs(full["estimate"] - full["actual"]) <= 0.25 * full["actual"], (full["estimate"], full["actual"])

@@ -72,6 +72,12 @@ def test_kv_budget_arithmetic_and_refusal():
         tight.check(10_000, max_model_len_asked=False)
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         MemoryBudget(**{**b.__dict__, "utilization": 1.5})
+    # two ranks on one GPU (TPGRAPH_SHARED_GPU): in_use is both ranks'; each takes half of what is left, less its own
+    shared = MemoryBudget(**{**b.__dict__, "sharers": 2})
+    assert shared.kv_bytes == (int(90 * GiB) - 20 * GiB) // 2 - 3 * GiB and "shared by 2 ranks" in shared.describe()
+    assert "shared" not in b.describe()
+    with pytest.raises(ConfigError, match="at least one rank"):
+        MemoryBudget(**{**b.__dict__, "sharers": 0})
 
 
 def test_workspaces_never_move_under_a_graph():

@@ -25,16 +25,22 @@ class MemoryBudget:
     block_bytes: int
     agreed_blocks: int | None = None  # the smallest num_blocks over the ranks, once they have compared
     kernel_workspace: int = 0  # the kernels' persistent buffers: split counters, polled partials (inside in_use)
+    # ranks whose allocations share this GPU (TPGRAPH_SHARED_GPU): in_use is then all of theirs, and what is left
+    # after it is split between them before each takes its own activations and graph pool
+    sharers: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 < self.utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.utilization}")
         if self.block_bytes < 1:
             raise ConfigError(f"a KV block must take at least one byte, got {self.block_bytes}")
+        if self.sharers < 1:
+            raise ConfigError(f"a GPU is shared by at least one rank, got {self.sharers}")
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.total * self.utilization) - self.in_use - self.activation_peak - self.graph_pool_estimate
+        left = (int(self.total * self.utilization) - self.in_use) // self.sharers
+        return left - self.activation_peak - self.graph_pool_estimate
 
     @property
     def num_blocks(self) -> int:
@@ -43,8 +49,9 @@ class MemoryBudget:
 
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"
-        return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}: in use "
-                f"{g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
+        shared = f", shared by {self.sharers} ranks" if self.sharers > 1 else ""
+        return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}{shared}: "
+                f"in use {g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
                 f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB), activations "
                 f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")

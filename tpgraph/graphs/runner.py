@@ -149,6 +149,8 @@ class GraphRunner:
         return graph
 
     def _free_bytes(self) -> int:
+        """The device's free memory: a capture's cost counts what libraries allocate outside PyTorch's pool too.
+        (Ranks that share one GPU, TPGRAPH_SHARED_GPU, move it for each other: their capture figures are not theirs.)"""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
