@@ -6,7 +6,8 @@
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance]
-#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-tp2]
+#        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
+#        [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -54,21 +55,26 @@ for step in "$@"; do
              --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
              --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
-    shared-tp2) # TP=2 on ONE GPU (TPGRAPH_SHARED_GPU=1: both ranks on GPU 0, tpgraph.distributed.shared_gpu), for
-         # correctness only: the ranks' contexts take the GPU in turns, so nothing here is a timing. CUDA IPC between
-         # the ranks, the custom all-reduce tests (the zero-copy graph test left out: its NCCL references go over
-         # sockets, 64 MB each, and outlast a call), HF parity at TP=2 with the default chain and the all-reduce in
-         # the projections' epilogue (graphs on), and the graph-decode tests. About 8 min: the call's one step.
+    shared-ar|shared-tp2) # TP=2 on ONE GPU (TPGRAPH_SHARED_GPU=1: both ranks on GPU 0, tpgraph.distributed.shared_gpu),
+         # for correctness only: the ranks' contexts take the GPU in turns, so nothing here is a timing. Two steps, a
+         # call each (their limits add to 460 and 450 s). shared-ar: CUDA IPC between the ranks and the custom
+         # all-reduce tests, the zero-copy graph test left out (its NCCL references go over loopback sockets, 64 MB
+         # each, and outlast a call); 5 of them took 60 s and 9 others 88 s (session 31). shared-tp2: HF parity at
+         # TP=2 with the default chain and with the all-reduce in the projections' epilogue (graphs on; about 55 s
+         # each), then the graph-decode tests (115 s).
          export TPGRAPH_SHARED_GPU=1
-         timeout 60 python3 -m pytest tests/gpu/test_extension_gpu.py -q -rs 2>&1 | tail -4 | tee "$out/shared_ext.log"
-         timeout 240 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs --durations=20 -k "not graphs_zero_copy" \
-             2>&1 | tail -30 | tee "$out/shared_ar.log"; pack
-         for v in "bf16 0" "fp32 0" "bf16 1"; do set -- $v
-           TPGRAPH_GEMV_ALLREDUCE=$2 timeout 110 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $1 \
-               $([ $1 = bf16 ] && echo --embed-std 4.0) --out "$out/shared_parity_$1_push$2.json" 2>&1 \
-               | grep -E "prompt|PASS|Error" | tee -a "$out/shared_parity.log"; pack; done
-         timeout 150 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -q -rs --durations=10 2>&1 | tail -8 \
-             | tee "$out/shared_graph_decode.log"
+         if [ "$step" = shared-ar ]; then
+           timeout 60 python3 -m pytest tests/gpu/test_extension_gpu.py -q -rs 2>&1 | tail -4 | tee "$out/shared_ext.log"
+           timeout 400 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs --durations=20 \
+               -k "not graphs_zero_copy" 2>&1 | tail -30 | tee "$out/shared_ar.log"
+         else
+           for v in "bf16 0" "fp32 0" "bf16 1"; do set -- $v
+             TPGRAPH_GEMV_ALLREDUCE=$2 timeout 100 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $1 \
+                 $([ $1 = bf16 ] && echo --embed-std 4.0) --out "$out/shared_parity_$1_push$2.json" 2>&1 \
+                 | grep -E "prompt|PASS|Error" | tee -a "$out/shared_parity.log"; pack; done
+           timeout 150 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -q -rs --durations=10 2>&1 | tail -8 \
+               | tee "$out/shared_graph_decode.log"
+         fi
          unset TPGRAPH_SHARED_GPU ;;
     ab) # whole steps of package trees / settings / tile tables, alternating processes (bench/ab_decode.py; prepare
          # the trees before the call: python bench/ab_decode.py --prepare REV ab/rev). AB_VARIANTS: its --variant (and

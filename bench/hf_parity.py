@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -108,7 +109,7 @@ def main() -> None:
     model = load_model(state, comm, ckpt, dtype=dtype)
     prompts = PROMPTS * args.copies
     runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
-    modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill}"  # (read before close() lets them go)
+    modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill}"
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     result = greedy_generate(runner, prompts, args.steps, keep_logits=True)
@@ -155,6 +156,9 @@ def main() -> None:
         report["pass"] = ok
         report["our_generate_s"] = elapsed
         report["graphs"] = modes
+        # what chose the paths: the knobs set (e.g. TPGRAPH_GEMV_ALLREDUCE, TPGRAPH_SHARED_GPU) and NCCL's version
+        report["settings"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TPGRAPH_", "NCCL_"))}
+        report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         print(f"PASS={ok}  (ours: {args.steps} steps x {len(prompts)} prompts in {elapsed:.2f}s; graphs: {modes})")
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))

@@ -27,7 +27,7 @@ T = TypeVar("T")
 class ParallelState:
     rank: int
     world_size: int
-    local_rank: int
+    local_rank: int  # (not always the device index: TPGRAPH_SHARED_GPU puts every rank on device 0)
     device: torch.device
     tp_group: dist.ProcessGroup | None  # NCCL on GPU, gloo on CPU; None when world_size == 1
     cpu_group: dist.ProcessGroup | None  # always gloo: handles, error consensus, small metadata
@@ -91,6 +91,10 @@ def init_distributed(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shared = device == "cuda" and world_size > 1 and shared_gpu()
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    if shared and local_world is not None and local_world != world_size:
+        raise ConfigError(f"{SHARED_GPU_ENV}=1 puts every rank on one GPU of one host, but {world_size} ranks run "
+                          f"{local_world} to a host")
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA GPU is visible; use --device cpu")

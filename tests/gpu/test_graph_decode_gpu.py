@@ -1,4 +1,5 @@
-"""CUDA-graph decode on 2 GPUs: graph modes against eager, guards, memory honesty and the graph lifecycle."""
+"""CUDA-graph decode at TP=2 (two GPUs, or one shared: TPGRAPH_SHARED_GPU=1): graph modes against eager, guards,
+memory honesty and the graph lifecycle."""
 
 import pytest
 from tpgtest.markers import needs_gpus

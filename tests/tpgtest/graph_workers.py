@@ -188,11 +188,19 @@ def graph_memory(rank, world_size, init, ckpt, cycles):
             torch.cuda.empty_cache()
             return ok
 
+        def sample() -> tuple[int, int, int]:
+            # every rank settled before any reads the device's free memory, and none moves on until all have read
+            # it: ranks that share a GPU (TPGRAPH_SHARED_GPU) read each other's memory in it
+            torch.distributed.barrier(group=state.cpu_group)
+            taken = (ext.ipc_open_count(), ar.rows_in_use, torch.cuda.mem_get_info()[0])
+            torch.distributed.barrier(group=state.cpu_group)
+            return taken
+
         samples, ok = [], True
         for i in range(cycles):
             ok &= one_cycle(i)
             if i in (4, cycles - 1):
-                samples.append((ext.ipc_open_count(), ar.rows_in_use, torch.cuda.mem_get_info()[0]))
+                samples.append(sample())
         out["raw"] = {"ok": ok, "samples": samples}
 
         graphs = GraphConfig(decode_mode="full", ladder=(1, 2, 4, 8))
@@ -203,7 +211,7 @@ def graph_memory(rank, world_size, init, ckpt, cycles):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             if i in (1, 9):
-                samples.append((ext.ipc_open_count(), ar.rows_in_use, torch.cuda.mem_get_info()[0]))
+                samples.append(sample())
         out["engine"] = samples
         runner.close()
         return out

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -49,3 +51,35 @@ def test_shared_gpu_switch_is_0_or_1_and_gives_each_rank_its_own_nccl_host():
     hosts = [nccl_as_separate_hosts(r) for r in range(4)]
     assert len({h["NCCL_HOSTID"] for h in hosts}) == 4
     assert all(h["NCCL_NET"] == "Socket" and h["NCCL_SOCKET_IFNAME"] == "lo" for h in hosts)
+
+
+def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_settings(monkeypatch):
+    """init_distributed's shared branch, with CUDA and the process group stood in for (no GPU here)."""
+    import tpgraph.distributed as td
+    from tpgraph.errors import ConfigError
+
+    seen = {}
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what init_distributed sets goes with the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
+    monkeypatch.setattr(td.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(td.dist, "init_process_group", lambda **kw: seen.update(
+        nccl={k: os.environ.get(k) for k in ("NCCL_HOSTID", "NCCL_NET", "NCCL_SOCKET_IFNAME")}, **kw))
+    monkeypatch.setattr(td.dist, "new_group", lambda **kw: "cpu group")
+    for name in ("NCCL_HOSTID", "NCCL_NET", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    os.environ.update({"NCCL_SOCKET_IFNAME": "eth7", td.SHARED_GPU_ENV: "1"})  # the user's own NCCL setting stays
+    state = td.init_distributed("cuda", rank=1, world_size=2, init_method="file:///nowhere")
+    assert state.device == torch.device("cuda", 0) and seen["device"] == 0 and state.local_rank == 1
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0)
+    assert seen["nccl"] == {"NCCL_HOSTID": "tpgraph-shared-gpu-rank1", "NCCL_NET": "Socket",
+                            "NCCL_SOCKET_IFNAME": "eth7"}
+    # without the switch, rank 1 needs a second GPU
+    os.environ[td.SHARED_GPU_ENV] = "0"
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU: only 1 visible.*TPGRAPH_SHARED_GPU=1"):
+        td.init_distributed("cuda", rank=1, world_size=2, init_method="file:///nowhere")
+    # one host only: ranks spread over hosts cannot share one GPU
+    os.environ.update({td.SHARED_GPU_ENV: "1", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="one GPU of one host, but 4 ranks run 2 to a host"):
+        td.init_distributed("cuda", rank=1, world_size=4, init_method="file:///nowhere")

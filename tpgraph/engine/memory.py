@@ -25,8 +25,9 @@ class MemoryBudget:
     block_bytes: int
     agreed_blocks: int | None = None  # the smallest num_blocks over the ranks, once they have compared
     kernel_workspace: int = 0  # the kernels' persistent buffers: split counters, polled partials (inside in_use)
-    # ranks whose allocations share this GPU (TPGRAPH_SHARED_GPU): in_use is then all of theirs, and what is left
-    # after it is split between them before each takes its own activations and graph pool
+    # ranks whose allocations share this GPU (TPGRAPH_SHARED_GPU): in_use is then all of theirs (weights and the
+    # workspaces are this rank's), and what is left after it is split between them before each takes its own
+    # activations and graph pool
     sharers: int = 1
 
     def __post_init__(self) -> None:

@@ -257,16 +257,17 @@ class ModelRunner:
             estimate += estimate_pool_bytes(by_size[0][1], second, sizes, kind)
         self.graphs.release()
         torch.cuda.empty_cache()
-        # (also a barrier: ranks that share this GPU have all freed their trial captures before it is read)
-        devices = gather_objects(self.model.comm.state, str(torch.cuda.get_device_properties(self.device).uuid))
+        # the ranks on this GPU (TPGRAPH_SHARED_GPU puts them all on one); also a barrier: every rank sharing it has
+        # freed its trial captures before its free memory is read
+        mine = str(torch.cuda.get_device_properties(self.device).uuid)
+        sharers = gather_objects(self.model.comm.state, mine).count(mine)
         free, total = torch.cuda.mem_get_info(self.device)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.budget = MemoryBudget(total=total, utilization=self.cfg.gpu_memory_utilization,
-                                   in_use=total - free - provisional, weights=weights,
+                                   in_use=total - free - provisional * sharers, weights=weights,
                                    workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
                                    graph_pool_estimate=estimate, block_bytes=self.block_bytes,
-                                   kernel_workspace=kernel_workspace_bytes(self.device),
-                                   sharers=devices.count(devices[self.model.comm.state.rank]))
+                                   kernel_workspace=kernel_workspace_bytes(self.device), sharers=sharers)
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)

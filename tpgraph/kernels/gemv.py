@@ -381,8 +381,8 @@ if triton is not None:
         into L2 (one prefetch per LINE elements, a 128-byte line) before the wait, and only x, which the kernel
         before writes, is read after it. The kernel after is let in once the K loop is done (see _partial).
         LAST_REDUCES (split-K): no second kernel. Each split counts itself in at counter_ptr[column block] once its
-        partial is stored; the split that arrives last adds the partials in split order (the bits of
-        _split_sum_kernel), writes y, and sets the counter back to 0 for the next call or replay.
+        partial is stored; the split that arrives last sets the counter back to 0 for the next call or replay, adds
+        the partials in split order (the bits of _split_sum_kernel) and writes y (_split_total).
         ALL_REDUCE (a row-parallel weight, one split or LAST_REDUCES): y is not stored; each finished tile goes
         through lamport.all_reduce_tile (the all-reduce, the residual add and the norm's staging, for the projection
         after). STAGED: x is a fused all-reduce's staged input (lamport.py), and the sums are scaled by the rows'
