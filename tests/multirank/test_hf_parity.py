@@ -9,6 +9,8 @@ from tpgtest.hf_fixtures import CASES, PROMPTS, hf_greedy_reference, make_checkp
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import greedy_with_logits
 
+# one worker takes the module, so its checkpoints and HF references (about 2 min) are made once, not once a worker
+pytestmark = pytest.mark.xdist_group("hf_parity")
 STEPS = 32  # one prefill + 32 decode steps: 33 logit rows per prompt
 REL_TOL = 1e-4
 
