@@ -30,10 +30,12 @@ def state(rank, world=2):
 
 
 def watch(rank, store, deaths):
-    return PeerWatch(state(rank), interval_s=0.05, timeout_s=0.5, on_dead=deaths.append, store=store)
+    # (a 2 s timeout at 20 beats a second: under a loaded parallel test run a beat thread can wait its turn for
+    # a few hundred ms, which a 0.5 s timeout would call a death)
+    return PeerWatch(state(rank), interval_s=0.05, timeout_s=2.0, on_dead=deaths.append, store=store)
 
 
-def wait_for(deaths, seconds=5.0):
+def wait_for(deaths, seconds=10.0):
     end = time.monotonic() + seconds
     while not deaths and time.monotonic() < end:
         time.sleep(0.02)
