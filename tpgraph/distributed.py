@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.kernels._settings import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +51,12 @@ def _env_int(name: str) -> int | None:
 SHARED_GPU_ENV = "TPGRAPH_SHARED_GPU"
 
 
-def shared_gpu(env: dict[str, str] | None = None) -> bool:
+def shared_gpu() -> bool:
     """TPGRAPH_SHARED_GPU=1: every rank of a multi-rank CUDA run on GPU 0, so that the TP code paths (CUDA IPC
     between the ranks' processes, the custom all-reduce's kernels, graphs of them) run and can be checked for
     correctness on a machine with one GPU. The ranks' contexts take the GPU in turns (time slices), so a kernel
     that waits for a peer waits a slice: results, never timings."""
-    value = (os.environ if env is None else env).get(SHARED_GPU_ENV, "0")
-    if value not in ("0", "1"):
-        raise ConfigError(f"{SHARED_GPU_ENV}={value!r}: use 0 or 1")
-    return value == "1"
+    return env_flag(SHARED_GPU_ENV)
 
 
 def nccl_as_separate_hosts(rank: int) -> dict[str, str]:

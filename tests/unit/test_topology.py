@@ -39,14 +39,19 @@ def test_communicator_says_why_it_uses_nccl_on_cpu():
     assert TPCommunicator(state, use_custom_allreduce=False).custom_reason == "disabled by the caller"
 
 
-def test_shared_gpu_switch_is_0_or_1_and_gives_each_rank_its_own_nccl_host():
+def test_shared_gpu_switch_is_0_or_1_and_gives_each_rank_its_own_nccl_host(monkeypatch):
     from tpgraph.distributed import SHARED_GPU_ENV, nccl_as_separate_hosts, shared_gpu
     from tpgraph.errors import ConfigError
 
-    assert shared_gpu({}) is False and shared_gpu({SHARED_GPU_ENV: "0"}) is False
-    assert shared_gpu({SHARED_GPU_ENV: "1"}) is True
-    with pytest.raises(ConfigError, match="TPGRAPH_SHARED_GPU='yes': use 0 or 1"):
-        shared_gpu({SHARED_GPU_ENV: "yes"})
+    monkeypatch.delenv(SHARED_GPU_ENV, raising=False)
+    assert shared_gpu() is False
+    monkeypatch.setenv(SHARED_GPU_ENV, "0")
+    assert shared_gpu() is False
+    monkeypatch.setenv(SHARED_GPU_ENV, "1")
+    assert shared_gpu() is True
+    monkeypatch.setenv(SHARED_GPU_ENV, "yes")
+    with pytest.raises(ConfigError, match="TPGRAPH_SHARED_GPU must be 0 or 1, got 'yes'"):
+        shared_gpu()
     # NCCL refuses two ranks on one device of one host: distinct host ids, over sockets on loopback
     hosts = [nccl_as_separate_hosts(r) for r in range(4)]
     assert len({h["NCCL_HOSTID"] for h in hosts}) == 4
