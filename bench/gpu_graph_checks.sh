@@ -439,7 +439,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          [ -f "$out/kernels.json" ] || timeout -k 5 90 python3 bench/bench_kernels.py --batches 1 --contexts 512 \
              --out "$out/kernels.json" 2>&1 | tail -40 | tee "$out/kernels.log"; pack
          timeout -k 5 240 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
-             --modes full --batches 1,8,32 --no-ladders --allreduce "$ents" --unfused --interleave --steps 100 \
+             --modes full --batches 1,8,32 --no-ladders --allreduce "$ents" --unfused --interleave --steps ${ACCEPT_STEPS:-100} \
              --out "$out/decode_accept.json" 2>&1 | grep -E "TPOT|Error|error" | tee "$out/bench_accept.log"; pack
          timeout -k 5 100 torchrun --nproc-per-node $NPROC bench/bench_decode.py --shape "${SHAPE:-llama3-8b}" \
              --modes full --batches 1 --profile-batches 1 --no-ladders --allreduce "$acc" --profile --steps 20 \
