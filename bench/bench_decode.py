@@ -28,7 +28,6 @@ import torch.distributed as dist
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import ModelConfig, RopeConfig
 from tpgraph.distributed import destroy_distributed, gather_objects, init_distributed
-from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampler import PendingSample
 from tpgraph.engine.sequence import Sequence
@@ -93,9 +92,9 @@ def decode_steps(runner: ModelRunner, seqs: list[Sequence], steps: int, warmup: 
     host, wall = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        logits = runner.decode(seqs)
+        ids = runner.decode_greedy(seqs)  # as the engine's plain-greedy steps
         t1 = time.perf_counter()
-        tokens = row_argmax(logits).tolist()  # the one sync of the step
+        tokens = ids.tolist()  # the one sync of the step
         t2 = time.perf_counter()
         for seq, tok in zip(seqs, tokens, strict=True):
             seq.output_ids.append(tok)
@@ -118,9 +117,9 @@ def decode_steps_overlapped(runner: ModelRunner, seqs: list[Sequence], steps: in
         launched = None
         if i < warmup + steps:
             t0 = time.perf_counter()
-            logits = runner.decode(seqs, list(range(len(seqs))) if in_flight is not None else None)
+            # as the engine's plain-greedy steps: the ids in the rows the next step reads, no copy between
+            ids = runner.decode_greedy(seqs, list(range(len(seqs))) if in_flight is not None else None)
             t1 = time.perf_counter()
-            ids = row_argmax(logits, out=runner.sampled_rows(len(seqs)))  # as the engine: no copy between
             launched = (PendingSample(ids, ids, 0), [seq.add_pending() for seq in seqs])
             if i >= warmup:
                 host.append(t1 - t0)
@@ -147,11 +146,11 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
     # a throwaway profiled step first: CUPTI starts up on each rank at its own pace, and a rank still starting would
     # show up as the other rank's all-reduce waiting for it
     with profile(activities=[ProfilerActivity.CUDA]):
-        row_argmax(runner.decode(seqs)).tolist()
+        runner.decode_greedy(seqs).tolist()
     for _ in range(3):
-        row_argmax(runner.decode(seqs)).tolist()
+        runner.decode_greedy(seqs).tolist()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        row_argmax(runner.decode(seqs)).tolist()
+        runner.decode_greedy(seqs).tolist()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
     by_cat: dict[str, list[float]] = {}
     by_name: dict[str, list[float]] = {}

@@ -43,13 +43,15 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int, readbac
         t3 = time.perf_counter()
         logits = runner.graphs.replay("decode", desc.num_tokens)
         t4 = time.perf_counter()
+        # the step's own greedy ids where it makes them (greedy_in_step), else the argmax of its gathered logits
+        ids = runner.sampled_rows(batch) if runner.greedy_in_step else logits[:batch].argmax(-1)
         if readback == "pinned" and cuda:
-            pinned.copy_(logits[:batch].argmax(-1), non_blocking=True)
+            pinned.copy_(ids, non_blocking=True)
             done.record()
             done.synchronize()
             tokens = pinned.tolist()
         else:
-            tokens = logits[:batch].argmax(-1).tolist()
+            tokens = ids.tolist()
         t5 = time.perf_counter()
         if readback == "pause":  # is the host slow for a while after the sync? (wall then includes the pause)
             while time.perf_counter() - t5 < 3e-4:

@@ -46,3 +46,42 @@ def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch, setting):
         assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert len(ran) == (2 if setting is None else 0)
     assert not split_counters(x.device, 16).any()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_shard_pairs_combine_to_torch_argmax_on_cuda_inside_a_graph(world):
+    """TP > 1 greedy decode on CUDA: each shard's pair kernel (a padded row stride, as the runner's shard buffer) and
+    the combine, captured in a CUDA graph as a decode step captures them, give torch.argmax of the whole row; the
+    pairs equal torch's path bit for bit."""
+    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+    from tpgraph.kernels._counters import split_counters
+
+    vocab = 128256 + 7  # shards of unequal real width: the last one short
+    per_rank = -(-vocab // world)
+    g = torch.Generator(device="cuda").manual_seed(world)
+    buf = torch.randn(16, world * per_rank + 64, device="cuda", generator=g).to(torch.bfloat16)
+    x = buf[:, :vocab]
+    x[3, [300, per_rank, vocab - 1]] = 100.0  # a tie across shards: the first shard's
+    x[4, [per_rank + 5, per_rank + 6]] = 100.0
+    x[5, [vocab - 2, per_rank + 1]] = float("nan")
+    x[5, 0] = float("inf")
+    x[6] = float("-inf")
+    parts = [(x[:, r * per_rank:min((r + 1) * per_rank, vocab)], r * per_rank) for r in range(world)]
+    ids = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+
+    def step():
+        pairs = torch.stack([shard_argmax_pairs(part, base, fused=True) for part, base in parts])
+        combine_pairs(pairs, out=ids, fused=True)
+        return pairs
+
+    step()  # eager first: the counters are made outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pairs = step()
+    x.mul_(-1)  # new values in place, as a decode step's logits
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ids, x.argmax(dim=-1))
+    reference = torch.stack([shard_argmax_pairs(part, base, fused=False) for part, base in parts])
+    assert torch.equal(pairs, reference)
+    assert not split_counters(x.device, 16).any()

@@ -33,3 +33,17 @@ def test_four_ranks_agree_with_one():
         one = engine.generate(PROMPTS, PARAMS)
     single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]
     assert ranks[0]["completions"] == single
+
+
+def test_greedy_in_step_at_four_ranks_agrees_with_one(monkeypatch):
+    """TPGRAPH_GREEDY_IN_STEP=1 at TP=4: plain-greedy steps take the ids the step made from the ranks' gathered shard
+    pairs (258 tokens over 4 ranks: the last shard has 63 real columns and 2 of padding, cut), and steps that
+    sample gather the logits after the step; every rank's completions equal TP=1's, where the setting is off."""
+    greedy = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=6)]
+    with TPEngine(device="cpu", **ENGINE) as engine:
+        one = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+               for o in engine.generate(PROMPTS, greedy * 2) + engine.generate(PROMPTS, PARAMS)]
+    monkeypatch.setenv("TPGRAPH_GREEDY_IN_STEP", "1")
+    ranks = run_ranks(engine_generate, 4, PROMPTS, [greedy * 2, PARAMS], ENGINE, timeout_s=300)
+    assert all(r == ranks[0] for r in ranks[1:]) and ranks[0]["blocks_back"] and ranks[0]["greedy_in_step"]
+    assert ranks[0]["completions"] == one

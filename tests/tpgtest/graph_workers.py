@@ -8,6 +8,7 @@ import torch
 
 from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import destroy_distributed, init_distributed
+from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sequence import Sequence
 from tpgraph.errors import CaptureError
@@ -55,6 +56,9 @@ def greedy_collect(runner: ModelRunner, prompts: list[list[int]], steps: int):
                 seq.output_ids.append(tok)
             if step + 1 < steps:
                 logits = runner.decode(seqs)
+                if runner.greedy_in_step:  # the ids the step made itself (at TP > 1 from the ranks' shard maxima)
+                    made = runner.sampled_rows(len(seqs))
+                    assert torch.equal(made, row_argmax(logits)), f"step {step}: {made.tolist()}"
     finally:
         for seq in seqs:
             runner.free(seq)

@@ -423,14 +423,17 @@ def communicator_uses_custom(rank, world_size, init):
 
 
 def engine_generate(rank, world_size, init, prompts, params, engine_kw):
-    """TPEngine on every rank (SPMD), the same prompts everywhere; returns each rank's completions."""
+    """TPEngine on every rank (SPMD), the same prompts everywhere; returns each rank's completions. `params`: one
+    generate call's SamplingParams, or a list of calls' (their completions one after another)."""
     from tpgraph import TPEngine
 
+    calls = params if params and isinstance(params[0], list) else [params]
     with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
-        out = engine.generate(prompts, params)
+        out = [o for call in calls for o in engine.generate(prompts, call)]
         blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
+        in_step = engine.runner.greedy_in_step
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
-            "blocks_back": blocks_back}
+            "blocks_back": blocks_back, "greedy_in_step": in_step}
 
 
 def custom_ar_fused_norm(rank, world_size, init, cases, replays):

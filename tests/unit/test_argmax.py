@@ -133,3 +133,59 @@ def test_the_ids_go_into_the_rows_given_and_a_wrong_out_is_refused(fused):
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
         with pytest.raises(ValueError, match="out must be"):
             row_argmax(x, fused=fused, out=bad)
+
+
+def _shards(x: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
+    """x's columns cut as VocabShard cuts a vocabulary: equal padded ranges, the last ones short or empty."""
+    per_rank = -(-x.shape[1] // world)
+    return [(x[:, min(r * per_rank, x.shape[1]):min((r + 1) * per_rank, x.shape[1])], min(r * per_rank, x.shape[1]))
+            for r in range(world)]
+
+
+def _tricky_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, a tie across shards, a tie inside one, NaN (two: the first wins, even over +inf), +inf last, -inf
+    only: the cases where a cross-rank argmax could pick another index than torch.argmax of the gathered row."""
+    x = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x[1, [vocab - 1, 5, vocab // 2]] = 50.0
+    x[2, [3, 4]] = 50.0
+    x[3, [vocab - 2, vocab // 3]] = float("nan")
+    x[3, 0] = float("inf")
+    x[4, vocab - 1] = float("inf")
+    x[5] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=fused_on_cpu)], ids=["torch", "fused"])
+@pytest.mark.parametrize("vocab,world", [(4000, 2), (32003, 4), (2051, 3), (13, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ranks_shard_pairs_combine_to_torch_argmax_of_the_gathered_row(vocab, world, dtype, fused):
+    """At TP > 1 greedy decode gathers each rank's (maximum, index) pair, not the logits: combined in rank order
+    they give torch.argmax of the whole row, for shards as the vocabulary is cut (32003 over 4: a short last shard;
+    13 over 8: a last rank with no vocabulary at all). The kernel's pairs and torch's are the same bits."""
+    if fused:
+        pytest.importorskip("triton")
+    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+
+    x = _tricky_rows(vocab, dtype)
+    pairs = torch.stack([shard_argmax_pairs(part, base, fused=fused) for part, base in _shards(x, world)])
+    assert pairs.shape == (world, 7, 2) and pairs.dtype == torch.int32
+    if fused:
+        reference = torch.stack([shard_argmax_pairs(part, base, fused=False) for part, base in _shards(x, world)])
+        assert torch.equal(pairs, reference)
+    kept = torch.full((9,), -1, dtype=torch.int64)
+    got = combine_pairs(pairs, out=kept[:7], fused=fused)
+    assert got.data_ptr() == kept.data_ptr() and torch.equal(got, x.argmax(dim=-1)) and kept[7:].tolist() == [-1, -1]
+    assert got[1].item() == 5 and got[2].item() == 3 and got[3].item() == min(vocab - 2, vocab // 3)
+
+
+def test_shard_pairs_refuse_what_they_cannot_carry():
+    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+
+    with pytest.raises(ValueError, match="vocab shard"):
+        shard_argmax_pairs(torch.zeros(2, 3, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="int32 index"):
+        shard_argmax_pairs(torch.zeros(2, 3), (1 << 31) - 2)
+    with pytest.raises(ValueError, match="world, batch, 2"):
+        combine_pairs(torch.zeros(2, 3, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        combine_pairs(torch.zeros(2, 3, 2, dtype=torch.int32), out=torch.zeros(2, dtype=torch.int64))

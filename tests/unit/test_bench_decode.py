@@ -125,11 +125,11 @@ def test_decode_steps_times_each_step_after_the_warm_up(bench):
     class FakeRunner:
         calls = 0
 
-        def decode(self, seqs):
+        def decode_greedy(self, seqs):
             import torch
 
             FakeRunner.calls += 1
-            return torch.zeros(len(seqs), 5)
+            return torch.zeros(len(seqs), dtype=torch.int64)
 
     seqs = [type("S", (), {"output_ids": []})() for _ in range(2)]
     wall, host = bench.decode_steps(FakeRunner(), seqs, 4, warmup=2)

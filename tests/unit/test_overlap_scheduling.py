@@ -84,11 +84,18 @@ def test_overlap_changes_no_output(kw, params, monkeypatch):
     assert logprobs(got) == pytest.approx(logprobs(want), rel=1e-5, abs=1e-5)
 
 
+def record(obj, name: str, log: list[str], entry: str, monkeypatch) -> None:
+    """Append `entry` to log at each call of obj.name."""
+    method = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *a, **k: (log.append(entry), method(*a, **k))[1])
+
+
 def order_of_calls(e: TPEngine, monkeypatch) -> list[str]:
     """Record, in order, each decode launch and each read of sampled tokens."""
     log: list[str] = []
-    decode, result = e.runner.decode, sampler_module.PendingSample.result
-    monkeypatch.setattr(e.runner, "decode", lambda *a, **k: (log.append("launch"), decode(*a, **k))[1])
+    result = sampler_module.PendingSample.result
+    for name in ("decode", "decode_greedy"):  # (plain-greedy steps take decode_greedy)
+        record(e.runner, name, log, "launch", monkeypatch)
     monkeypatch.setattr(sampler_module.PendingSample, "result", lambda self: (log.append("read"), result(self))[1])
     return log
 
@@ -203,3 +210,25 @@ def test_the_resolve_kernel_equals_the_torch_sequence(n):
     with pytest.raises(ValueError, match="must be the same 1-D shape"):
         resolve_input_ids(ids, source[:0], sampled)
 
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_plain_greedy_steps_take_the_ids_the_step_made_and_give_the_same_outputs(monkeypatch, overlap):
+    """A plain-greedy decode step makes its ids in the step (ModelRunner.decode_greedy, into sampled_ids): no logits
+    reach the sampler. The outputs equal the engine's with the ids taken from the logits after the step
+    (TPGRAPH_GREEDY_IN_STEP=0), beside steps that sample (mixed batches), where the sampler overwrites those rows."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12), MIXED[1], SamplingParams(temperature=0.0, max_tokens=7)]
+    runs = {}
+    for in_step in ("1", "0"):
+        monkeypatch.setenv("TPGRAPH_GREEDY_IN_STEP", in_step)
+        with engine(overlap_scheduling=overlap) as e:
+            assert e.runner.greedy_in_step == (in_step == "1")
+            assert (e.runner.logits is None) == (in_step == "1")  # TP=1: the step's shard is the whole row
+            calls: list[str] = []
+            for name in ("decode", "decode_greedy"):
+                record(e.runner, name, calls, name, monkeypatch)
+            greedy_only = e.generate(PROMPTS[:3], params[0])
+            mixed = e.generate(PROMPTS[:3], params)
+        runs[in_step] = (outputs(greedy_only), outputs(mixed))
+        assert "decode_greedy" in calls and "decode" in calls  # the mixed batch's steps take the logits
+    assert runs["1"] == runs["0"]

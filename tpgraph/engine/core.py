@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
-from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow
+from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow, plain_greedy
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
@@ -210,18 +210,23 @@ class EngineCore:
             if done:
                 parts.append(logits if len(done) == len(seqs) else logits[done])
                 sampled += [seqs[i] for i in done]
+        pending, rows = None, [self._sample_row(s) for s in sampled]
         if sched.decode:
             sources = self._in_flight.sources(sched.decode) if self._in_flight is not None else None
-            parts.append(self.runner.decode(sched.decode, sources))
+            rows += [self._sample_row(s) for s in sched.decode]
+            if not parts and plain_greedy(rows):  # the step itself makes the ids: no logits, nothing to sample
+                pending = self.sampler.pending(self.runner.decode_greedy(sched.decode, sources))
+            else:
+                parts.append(self.runner.decode(sched.decode, sources))
             sampled += sched.decode
             timing.prepare, timing.submit = self.runner.last_decode.prepare_s, self.runner.last_decode.submit_s
             timer = self.runner.gpu_timer
             timing.gpu = timer.take() if timer is not None else None
         if not sampled:
             return None
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        pending = self.sampler.sample_async(logits, [self._sample_row(s) for s in sampled],
-                                            ids_out=self.runner.sampled_rows(len(sampled)))
+        if pending is None:
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+            pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
         return InFlight([(seq, seq.add_pending()) for seq in sampled], pending)
 
     def _resolve(self) -> list[StepUpdate]:

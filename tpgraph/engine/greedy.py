@@ -22,7 +22,8 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
                     eos_ids: tuple[int, ...] = (), keep_logits: bool = False) -> GreedyResult:
     """Prefill all prompts together, then decode until each hits max_new_tokens or an EOS id.
 
-    Every rank computes the same gathered logits, so argmax agrees everywhere without a broadcast.
+    Every rank makes the same ids (from the same gathered logits, or the same gathered shard maxima), so they agree
+    everywhere without a broadcast.
     """
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -38,20 +39,23 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
     result = GreedyResult(tokens=[[] for _ in prompts])
     try:
         active = seqs
-        logits = runner.prefill(active)
+        logits, ids = runner.prefill(active), None
         while True:
             if keep_logits:
                 full = torch.full((len(seqs), logits.shape[-1]), float("nan"))
                 full[[s.seq_id for s in active]] = logits.float().cpu()
                 result.step_logits.append(full)
-            next_ids = row_argmax(logits).tolist()
+            next_ids = (row_argmax(logits) if ids is None else ids).tolist()
             for seq, tok in zip(active, next_ids, strict=True):
                 seq.output_ids.append(tok)
                 seq.finished = tok in eos_ids or len(seq.output_ids) >= seq.max_new_tokens
             active = [s for s in active if not s.finished]
             if not active:
                 break
-            logits = runner.decode(active)
+            if keep_logits:
+                logits = runner.decode(active)
+            else:  # the step makes its greedy ids itself (at TP > 1 without gathering the logits)
+                ids = runner.decode_greedy(active)
     finally:
         for seq in seqs:
             runner.free(seq)

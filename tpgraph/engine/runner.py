@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tpgraph.distributed import gather_objects
+from tpgraph.engine.argmax import combine_pairs, row_argmax, shard_argmax_pairs
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.sequence import Sequence
@@ -31,6 +32,8 @@ from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
 from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
 from tpgraph.kernels._counters import workspace_bytes as kernel_workspace_bytes  # (named apart: comm has its own)
+from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels.argmax import MAX_PAIR_INDEX
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
@@ -159,7 +162,17 @@ class ModelRunner:
         self.prefill_in.add("input_ids", torch.int64, Pad.ZERO)
         self.prefill_in.add("positions", torch.int64, Pad.ZERO)
         self.prefill_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
-        self.logits = torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
+        # TPGRAPH_GREEDY_IN_STEP=1: a decode step makes its greedy ids itself (in its graph), where the next step reads
+        # pending tokens, so a plain-greedy step needs no logits (decode_greedy), and at TP > 1 no rank gathers them.
+        # Opt-in: at TP=1 it measured mixed (bench/results/2026-12-03_h200_greedy_in_step); TP=2 is untimed
+        self.greedy_in_step = self._agreed_greedy_in_step(env_flag("TPGRAPH_GREEDY_IN_STEP", default=False))
+        # the gathered logits of a decode step, where the step itself does not leave them whole (TP > 1, or with the
+        # greedy ids out of the step, which the step then gathers here)
+        self.logits = (torch.empty(self.seq_rows, model.padded_vocab_size, dtype=self.dtype, device=self.device)
+                       if model.comm.world_size > 1 or not self.greedy_in_step else None)
+        # this rank's logits shard of a decode step, where the step leaves it (its greedy ids made from it)
+        self.shard_logits = (torch.empty(self.seq_rows, model.lm_head.shard.per_rank, dtype=self.dtype,
+                                         device=self.device) if self.greedy_in_step else None)
         # the last step's sampled ids, one per sampled row (sampled_rows): the next decode takes pending tokens here
         self.sampled_ids = torch.zeros(self.seq_rows, dtype=torch.int64, device=self.device)
         # (seq_id, preemptions, blocks) of the table each row holds: a recomputed sequence has new blocks
@@ -336,19 +349,51 @@ class ModelRunner:
         else:
             self.decode_in.commit(0, size)
 
+    def _agreed_greedy_in_step(self, wanted: bool) -> bool:
+        """The setting, the same on every rank: it decides which collectives a step runs, so ranks that differ would
+        hang in them. A vocabulary whose indices int32 cannot carry is refused here, on every rank alike."""
+        state = self.model.comm.state
+        if state.world_size > 1 and len(set(gather_objects(state, wanted))) > 1:
+            raise ConfigError("TPGRAPH_GREEDY_IN_STEP differs between ranks; set it alike on every rank")
+        if wanted and self.model.cfg.vocab_size > MAX_PAIR_INDEX:
+            raise ConfigError(f"TPGRAPH_GREEDY_IN_STEP=1 carries token ids as int32: a vocabulary of "
+                              f"{self.model.cfg.vocab_size} is too large")
+        return wanted
+
     # ---- forwards over the persistent buffers (what graphs capture) ------------------------------------------
     def _decode_inputs(self, n: int) -> dict[str, torch.Tensor]:
         inputs = {name: self.decode_in.device(name, n) for name in self.decode_in.names}
-        inputs["logits"] = self.logits
+        inputs["sampled_ids"] = self.sampled_ids
+        for name in ("logits", "shard_logits"):
+            if getattr(self, name) is not None:
+                inputs[name] = getattr(self, name)
         return inputs
 
     def _decode_forward(self, n: int, boundary) -> torch.Tensor:
+        """The step: [n, padded vocab / world] logits shards with the greedy ids in sampled_ids[:n] (greedy_in_step),
+        else [n, vocab] gathered logits."""
         t = self._decode_inputs(n)
         resolve_input_ids(t["input_ids"], t["token_source"], self.sampled_ids, use_triton=self.use_triton)
         meta = AttentionMetadata(False, t["slot_mapping"], t["seq_lens"], t["block_tables"], self.backend,
                                  self.max_model_len, boundary=boundary)
         hidden = self.model(t["input_ids"], t["positions"], meta)
-        return self.model.compute_logits(hidden, out=self.logits)
+        if not self.greedy_in_step:
+            return self.model.compute_logits(hidden, out=self.logits)
+        shard = self.model.shard_logits(hidden, out=self.shard_logits)
+        # after this step's pending tokens were read above; a step that samples otherwise overwrites these rows
+        self._greedy_ids(shard, out=self.sampled_ids[:n])
+        return shard
+
+    def _greedy_ids(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits shard -> the argmax of each gathered row (the first NaN, else the first maximum) on
+        every rank, into `out`. Across ranks each shard's (maximum, index) pair is gathered, 8 bytes a row, not the
+        logits (engine/argmax.py)."""
+        vocab = self.model.lm_head.shard
+        real = shard[:, : vocab.real_rows]  # the last shard's padding columns are not vocabulary
+        if self.model.comm.world_size == 1:
+            return row_argmax(real, out=out)
+        pairs = shard_argmax_pairs(real, vocab.start)
+        return combine_pairs(self.model.comm.all_gather_stacked(pairs), out=out)
 
     def _prefill_inputs(self, n: int) -> dict[str, torch.Tensor]:
         return {name: self.prefill_in.device(name, n) for name in self.prefill_in.names}
@@ -502,7 +547,28 @@ class ModelRunner:
         persistent buffer, valid until the next step (copy out what must outlive it).
 
         A sequence whose last token is still pending (sampled by the previous step, not read back) names its row of
-        `sampled_ids` in token_sources (NO_SOURCE for the others): the step reads the id there, on the device."""
+        `sampled_ids` in token_sources (NO_SOURCE for the others): the step reads the id there, on the device.
+        With greedy_in_step the step then writes its greedy ids into sampled_ids[:padded batch], and at TP > 1 the
+        logits are gathered after the step (outside its graph, by every rank alike)."""
+        return self._logits(self._decode_step(seqs, token_sources), len(seqs))
+
+    @torch.inference_mode()
+    def decode_greedy(self, seqs: list[Sequence], token_sources: list[int] | None = None) -> torch.Tensor:
+        """As `decode`, for a step whose every row takes its argmax: returns the ids [B] int64 on the device, in
+        `sampled_rows(B)`, where the next step reads pending tokens. With greedy_in_step the step made them itself and
+        no rank gathers logits; else they are the gathered logits' argmax."""
+        n = len(seqs)
+        out = self._decode_step(seqs, token_sources)
+        return self.sampled_rows(n) if self.greedy_in_step else row_argmax(self._logits(out, n),
+                                                                            out=self.sampled_rows(n))
+
+    def _logits(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """A decode step's output -> its [n, vocab] gathered logits."""
+        if self.greedy_in_step and self.logits is not None:  # shards: gathered here, by every rank (stream order)
+            return self.model.gather_logits(out[:n], out=self.logits)
+        return out[:n, : self.model.cfg.vocab_size]
+
+    def _decode_step(self, seqs: list[Sequence], token_sources: list[int] | None) -> torch.Tensor:
         n = len(seqs)
         if n > self.seq_rows:
             raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
@@ -523,7 +589,7 @@ class ModelRunner:
         self.last_decode = DecodeTiming(prepare_s=t1 - t0, submit_s=time.perf_counter() - t1)
         for seq in seqs:
             seq.num_cached = len(seq)
-        return logits[:n, : self.model.cfg.vocab_size]
+        return logits
 
     def sampled_rows(self, rows: int) -> torch.Tensor:
         """Where a step's sampler writes its `rows` ids (sampled_ids[:rows]), so that the next decode reads the

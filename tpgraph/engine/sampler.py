@@ -51,6 +51,13 @@ def row_seed(seed: int, sample_index: int, position: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def plain_greedy(rows: list[SampleRow]) -> bool:
+    """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, penalties or
+    banned ids): such a step needs no logits on the host's side, only the argmax."""
+    return all(r.params.greedy and r.params.logprobs is None and not r.params.has_penalties and not r.banned_ids
+               for r in rows)
+
+
 class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -70,9 +77,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         check_ids_out(ids_out, len(rows), logits.device, "ids_out")
         want_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        plain_greedy = not want_logprobs and all(r.params.greedy and not r.params.has_penalties and not r.banned_ids
-                                                 for r in rows)
-        if plain_greedy and logits.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if plain_greedy(rows) and logits.dtype in (torch.float16, torch.bfloat16, torch.float32):
             # their argmax is that of their fp32 copy (an exact cast), so no fp32 copy is made
             return self._start_copy(row_argmax(logits, out=ids_out), None, None)
         x = logits.float()
@@ -114,6 +119,11 @@ class Sampler:
         sampled = row_argmax(probs / race)
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         return torch.where(greedy, greedy_ids, sampled)
+
+    def pending(self, ids: torch.Tensor) -> PendingSample:
+        """Ids already chosen on the device (a plain-greedy step's, made in the decode step itself: ModelRunner.
+        decode_greedy) as a sample under way: their copy to the host is started."""
+        return self._start_copy(ids, None, None)
 
     def _start_copy(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> PendingSample:
         if raw_logprobs is None:

@@ -25,6 +25,7 @@ except ImportError:  # CPU-only installs without Triton use engine/argmax.py's t
 
 CHUNK = 1024  # entries a program scans (a bf16 row of 128256 entries: 126 programs)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compared in fp32: exact for these, not for fp64
+MAX_PAIR_INDEX = (1 << 31) - 1  # a shard's pair carries its global index as int32
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -67,11 +68,22 @@ if triton is not None:
         return has_nan, best, tl.where(has_nan > 0, first_nan, first_best)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, ids_ptr, part_best_ptr, part_idx_ptr, part_nan_ptr, counter_ptr, V, stride_x, chunks,
-                       CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    def _first_of(bests, idxs, nans, ok, V):
+        """Across partials in index order (chunks of a row, or ranks' shards): the first partial's index among those
+        holding a NaN, else among those holding the maximum; and that maximum (NaN where there was one)."""
+        top = tl.max(bests, axis=0)
+        first_nan = tl.min(tl.where(ok & (nans > 0), idxs, V), axis=0)
+        first_top = tl.min(tl.where(ok & (bests == top), idxs, V), axis=0)
+        any_nan = tl.max(tl.where(ok, nans, 0), axis=0) > 0
+        return tl.where(any_nan, first_nan, first_top), tl.where(any_nan, float("nan"), top)
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, ids_ptr, pair_ptr, part_best_ptr, part_idx_ptr, part_nan_ptr, counter_ptr, V, stride_x,
+                       chunks, base, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, PAIR: tl.constexpr):
         """Grid (rows, chunks). Partials at [row, chunk] of the three part_ buffers; the row's last program reduces
         them: the first chunk holding a NaN, else the first chunk holding the maximum (its index is the chunk's
-        first), so the row's first NaN or first maximum."""
+        first), so the row's first NaN or first maximum. PAIR: store (that maximum's fp32 bits, base + its index)
+        as the row's int32 pair instead of the int64 id (a vocabulary shard's answer, for combine_pairs)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         has_nan, best, idx = _chunk_first_max(x_ptr, row, c, V, stride_x, CHUNK)
@@ -85,12 +97,26 @@ if triton is not None:
             bests = tl.load(part_best_ptr + row * chunks + cs, mask=ok, other=float("-inf"), cache_modifier=".cg")
             idxs = tl.load(part_idx_ptr + row * chunks + cs, mask=ok, other=V, cache_modifier=".cg")
             nans = tl.load(part_nan_ptr + row * chunks + cs, mask=ok, other=0, cache_modifier=".cg")
-            top = tl.max(bests, axis=0)
-            first_nan = tl.min(tl.where(nans > 0, idxs, V), axis=0)
-            first_top = tl.min(tl.where(ok & (bests == top), idxs, V), axis=0)
-            winner = tl.where(tl.max(nans, axis=0) > 0, first_nan, first_top)
-            tl.store(ids_ptr + row, winner.to(tl.int64))
+            winner, top = _first_of(bests, idxs, nans, ok, V)
+            if PAIR:
+                tl.store(pair_ptr + row * 2, top.to(tl.int32, bitcast=True))
+                tl.store(pair_ptr + row * 2 + 1, (winner + base).to(tl.int32))
+            else:
+                tl.store(ids_ptr + row, winner.to(tl.int64))
             reset_counter(counter_ptr + row)
+
+    @triton.jit
+    def _combine_pairs_kernel(pair_ptr, ids_ptr, rows, world, W_P2: tl.constexpr):
+        """One program a row: the ranks' pairs [world, rows, 2] in rank order (shards in index order), to the id."""
+        row = tl.program_id(0).to(tl.int64)
+        ws = tl.arange(0, W_P2)
+        ok = ws < world
+        at = (ws * rows + row) * 2
+        bests = tl.load(pair_ptr + at, mask=ok, other=0).to(tl.float32, bitcast=True)
+        bests = tl.where(ok, bests, float("-inf"))
+        idxs = tl.load(pair_ptr + at + 1, mask=ok, other=2147483647)
+        winner, _ = _first_of(bests, idxs, (bests != bests).to(tl.int32), ok, 2147483647)
+        tl.store(ids_ptr + row, winner.to(tl.int64))
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,11 +134,51 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         return ids
     if vocab == 0:
         raise ValueError("argmax of an empty row")
+    _launch(x, ids, ids, 0, pair=False)
+    return ids
+
+
+def _launch(x: torch.Tensor, ids: torch.Tensor, pairs: torch.Tensor, base: int, pair: bool) -> None:
+    batch, vocab = x.shape
     chunks = triton.cdiv(vocab, CHUNK)
     # the three partials in one allocation (a step calls this between its graphs): fp32 maxima, int32 indices, flags
     parts = torch.empty(3, batch, chunks, dtype=torch.float32, device=x.device)
     part_best, part_idx, part_nan = parts[0], parts[1].view(torch.int32), parts[2].view(torch.int32)
-    _argmax_kernel[(batch, chunks)](x, ids, part_best, part_idx, part_nan, split_counters(x.device, batch), vocab,
-                                    x.stride(0), chunks, CHUNK=CHUNK, CHUNKS_P2=triton.next_power_of_2(chunks),
-                                    num_warps=4)
+    _argmax_kernel[(batch, chunks)](x, ids, pairs, part_best, part_idx, part_nan, split_counters(x.device, batch),
+                                    vocab, x.stride(0), chunks, base, CHUNK=CHUNK,
+                                    CHUNKS_P2=triton.next_power_of_2(chunks), PAIR=pair, num_warps=4)
+
+
+def check_pair_inputs(x: torch.Tensor, base: int) -> None:
+    """Refuse a shard the pairs cannot describe exactly: a type compared in fp32, and global indices within int32."""
+    if x.dim() != 2 or x.dtype not in DTYPES:
+        raise ValueError(f"shard_argmax_pairs takes [batch, vocab shard] fp16/bf16/fp32 rows, got {tuple(x.shape)} "
+                         f"{x.dtype}")
+    if base < 0 or base + x.shape[1] > MAX_PAIR_INDEX:
+        raise ValueError(f"a vocabulary shard at [{base}, {base + x.shape[1]}) passes the pairs' int32 index "
+                         f"(at most {MAX_PAIR_INDEX})")
+
+
+def shard_argmax_pairs_triton(x: torch.Tensor, base: int) -> torch.Tensor:
+    """x [B, V] (a contiguous last dim, V >= 1, B within the counters) -> pairs [B, 2] int32: the fp32 bits of
+    each row's maximum (NaN where the row has one) and base + the index of its first NaN or first maximum."""
+    check_pair_inputs(x, base)
+    if x.stride(-1) != 1 or x.shape[0] > MAX_COUNTERS or x.shape[1] == 0:
+        raise ValueError(f"shard_argmax_pairs_triton takes [batch <= {MAX_COUNTERS}, vocab >= 1] rows with a "
+                         f"contiguous last dim, got {tuple(x.shape)} with strides {x.stride()}")
+    pairs = torch.empty(x.shape[0], 2, dtype=torch.int32, device=x.device)
+    if x.shape[0]:
+        _launch(x, pairs, pairs, base, pair=True)
+    return pairs
+
+
+def combine_pairs_triton(pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """pairs [world, B, 2] int32 (every rank's shard_argmax_pairs, in rank order) -> [B] int64: the index
+    torch.argmax gives over the concatenated shards (the first NaN, else the first maximum)."""
+    world, batch, _ = pairs.shape
+    check_ids_out(out, batch, pairs.device, "combine_pairs' out", unit_stride=True)
+    ids = torch.empty(batch, dtype=torch.int64, device=pairs.device) if out is None else out
+    if batch:
+        _combine_pairs_kernel[(batch,)](pairs.contiguous(), ids, batch, world,
+                                        W_P2=triton.next_power_of_2(world), num_warps=1)
     return ids

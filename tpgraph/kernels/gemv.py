@@ -752,12 +752,16 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor:
+                   config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M above `max_rows`,
-    CPU without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables)."""
+    CPU without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables). `out`
+    (contiguous [M, N] in x's dtype), where given, receives the product (a persistent buffer graphs write into)."""
+    if out is not None and (out.shape != (x.shape[0], w.shape[0]) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"linear_small_m's out must be contiguous [{x.shape[0]}, {w.shape[0]}] {x.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if not _applies(x, w, use_triton):
-        return F.linear(x, w)
-    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False)
+        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
 
 
 def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, residual: torch.Tensor,
@@ -873,11 +877,12 @@ def _tile_args(x: torch.Tensor, cfg: GemvConfig, n: int, k: int, whole: bool = F
 
 def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, recv: ReducedNorm | None = None,
             all_reduce: tuple | None = None, residual_early: bool = False,
-            ablate: dict | None = None) -> torch.Tensor:
+            ablate: dict | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
     """recv: x is recv's staged input (scaled by its RMS). all_reduce (channel, residual, ReducedNorm to fill): the
     output goes through lamport.all_reduce_tile instead of y (which is then left unwritten). ablate: constexprs that
     replace the launch's own, for bench/bench_read_ceiling.py's ablations only (e.g. PREFETCH_TILES=0, or
-    LAST_REDUCES=False, which leaves y unwritten): never for a result anyone reads."""
+    LAST_REDUCES=False, which leaves y unwritten): never for a result anyone reads. y: the output, where the caller
+    holds it (contiguous [M, N])."""
     m, k = x.shape
     n = w.shape[0]
     whole = resident(cfg, k, m)
@@ -885,7 +890,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig, gate_up: bool, re
     soft, pdl = tile["SOFT_BF16"], tile["PDL"]
     early = all_reduce is None or not late_trigger()
     # (an all-reducing projection stores no y: x stands in for it, for its dtype)
-    y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
+    if y is None:
+        y = x if all_reduce is not None else torch.empty(m, n // 2 if gate_up else n, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if gate_up else triton.cdiv(n, cfg.block_n)
     last_reduces = cfg.split_k > 1 and last_split_reduces()
     # (an ablation that leaves partials unadded never writes them into the sentinel buffer: nobody would re-arm it)

@@ -19,10 +19,12 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool) -> torch.Tensor:
-    """x @ weight.T: the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it off) and applies
-    (decode rows on an sm_80+ GPU), else cuBLAS."""
-    return gemv.linear_small_m(x, weight) if small_m else F.linear(x, weight)
+def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (into `out` where given): the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it
+    off) and applies (decode rows on an sm_80+ GPU), else cuBLAS."""
+    if small_m:
+        return gemv.linear_small_m(x, weight) if out is None else gemv.linear_small_m(x, weight, out=out)
+    return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -134,8 +136,8 @@ class ParallelLMHead(nn.Module):
             self.hf_name = hf_name
         self.small_m = gemv.enabled()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _project(hidden, self.weight, self.small_m)
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _project(hidden, self.weight, self.small_m, out)
 
     def shard_specs(self) -> list[ShardSpec]:
         if self.hf_name is None or self.shard.real_rows == 0:

@@ -159,7 +159,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] on every rank; the vocab padding is cut off. `out` ([>= N, padded vocab]),
         if given, receives the logits (a persistent buffer that CUDA graphs write into)."""
-        logits = self.comm.all_gather(self.lm_head(hidden), dim=-1, out=None if out is None else out[: len(hidden)])
+        return self.gather_logits(self.shard_logits(hidden), out)
+
+    def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, padded vocab / world]: this rank's vocabulary shard of the logits (no collective), into
+        `out` ([>= N, padded vocab / world], contiguous) where given."""
+        return self.lm_head(hidden, None if out is None else out[: len(hidden)])
+
+    def gather_logits(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's shard_logits -> [N, vocab_size] on every rank (into `out`, [>= N, padded vocab], if given)."""
+        logits = self.comm.all_gather(shard, dim=-1, out=None if out is None else out[: len(shard)])
         return logits[..., : self.cfg.vocab_size]
 
     @property
