@@ -211,7 +211,6 @@ def test_the_resolve_kernel_equals_the_torch_sequence(n):
         resolve_input_ids(ids, source[:0], sampled)
 
 
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_plain_greedy_steps_take_the_ids_the_step_made_and_give_the_same_outputs(monkeypatch, overlap):
     """A plain-greedy decode step makes its ids in the step (ModelRunner.decode_greedy, into sampled_ids): no logits
