@@ -56,6 +56,20 @@ fused_on_cpu = pytest.mark.skipif(
     reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
 
 
+def _tricky_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, a tie across chunks and shards (5), a tie inside one (3), NaN (two: the first wins, even over
+    +inf), +inf last, -inf only (index 0): where a chunked or cross-rank argmax could pick another index than
+    torch.argmax of the whole row."""
+    x = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x[1, [vocab - 1, 5, vocab // 2]] = 50.0
+    x[2, [3, 4]] = 50.0
+    x[3, [vocab - 2, vocab // 3]] = float("nan")
+    x[3, 0] = float("inf")
+    x[4, vocab - 1] = float("inf")
+    x[5] = float("-inf")
+    return x
+
+
 @fused_on_cpu
 @pytest.mark.parametrize("vocab", [128256, 32003, 1000, 1024, 1025])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,14 +77,7 @@ def test_the_fused_kernel_equals_torch_argmax(vocab, dtype):
     """TPGRAPH_FUSED_ARGMAX's one launch (kernels/argmax.py): random rows, ties within a chunk and across chunks
     (chunks of 1024), NaN (the first one wins, wherever the maximum is), +inf, and a row of -inf only."""
     pytest.importorskip("triton")
-    g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(7, vocab, generator=g).to(dtype)
-    x[1, [vocab - 1, 5, vocab // 2]] = 50.0  # ties across chunks: 5
-    x[2, [3, 4]] = 50.0  # ties in one chunk: 3
-    x[3, [vocab - 2, vocab // 3]] = float("nan")  # the first NaN, not the later one
-    x[3, 0] = float("inf")
-    x[4, vocab - 1] = float("inf")  # the very last entry
-    x[5] = float("-inf")  # nothing but -inf: index 0
+    x = _tricky_rows(vocab, dtype)
     got = row_argmax(x, fused=True)
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[1].item() == 5 and got[2].item() == 3 and got[3].item() == min(vocab - 2, vocab // 3)
@@ -140,19 +147,6 @@ def _shards(x: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
     per_rank = -(-x.shape[1] // world)
     return [(x[:, min(r * per_rank, x.shape[1]):min((r + 1) * per_rank, x.shape[1])], min(r * per_rank, x.shape[1]))
             for r in range(world)]
-
-
-def _tricky_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """Random rows, a tie across shards, a tie inside one, NaN (two: the first wins, even over +inf), +inf last, -inf
-    only: the cases where a cross-rank argmax could pick another index than torch.argmax of the gathered row."""
-    x = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
-    x[1, [vocab - 1, 5, vocab // 2]] = 50.0
-    x[2, [3, 4]] = 50.0
-    x[3, [vocab - 2, vocab // 3]] = float("nan")
-    x[3, 0] = float("inf")
-    x[4, vocab - 1] = float("inf")
-    x[5] = float("-inf")
-    return x
 
 
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=fused_on_cpu)], ids=["torch", "fused"])

@@ -319,7 +319,8 @@ def interpreted_o_proj(monkeypatch, ranks: Ranks):
     cfg = GemvConfig(16, 32, 4, 2, 1)
     monkeypatch.setattr(gemv, "config_for", lambda *a: cfg)
     monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
-    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w: linear_small_m(x, w, use_triton=True, config=cfg))
+    monkeypatch.setattr(gemv, "linear_small_m",
+                        lambda x, w, out=None: linear_small_m(x, w, use_triton=True, config=cfg, out=out))
     monkeypatch.setattr(gemv, "linear_all_reduce_norm",
                         lambda *a, **kw: linear_all_reduce_norm(*a, **kw, use_triton=True, config=cfg))
     return layer, cfg

@@ -8,12 +8,13 @@ The result is argmax's: the first index of the row's maximum, with NaN counted a
 each chunk's first maximal index, and the argmax over the chunk maxima the first chunk holding the row's maximum, so
 the first maximal index of the row (tests/unit/test_argmax.py checks ties and NaN on CPU; the GPU test on CUDA).
 
+The two stages are still five small kernels between steps; the fused launch does both in one, and what it cannot
+compare exactly (fp64 rows, more rows than its counters) comes here.
+
 With the vocabulary split over ranks, greedy decode needs no gathered logits: each rank takes its shard's pair (the
 maximum, NaN where there is one, and its global index), the ranks' pairs are gathered (8 bytes a row), and the first
 rank holding a NaN, else the first holding the maximum, has torch.argmax's answer for the whole row (shards are in
 index order).
-The two stages are still five small kernels between steps; the fused launch does both in one, and what it cannot
-compare exactly (fp64 rows, more rows than its counters) comes here.
 """
 
 from __future__ import annotations
