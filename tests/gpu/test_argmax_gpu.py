@@ -49,11 +49,11 @@ def test_the_fused_kernel_equals_torch_argmax_on_cuda(monkeypatch, setting):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_the_shard_pairs_combine_to_torch_argmax_on_cuda_inside_a_graph(world):
-    """TP > 1 greedy decode on CUDA: each shard's pair kernel (a padded row stride, as the runner's shard buffer) and
-    the combine, captured in a CUDA graph as a decode step captures them, give torch.argmax of the whole row; the
-    pairs equal torch's path bit for bit."""
-    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+def test_the_shard_slots_combine_to_torch_argmax_on_cuda_inside_a_graph(world):
+    """TP > 1 greedy decode on CUDA: each shard's slot kernel (a padded row stride, as the runner's shard buffer), the
+    ranks' slots summed (as the all-reduce sums them) and the combine, captured in a CUDA graph as a decode step
+    captures them, give torch.argmax of the whole row; the slots equal torch's path bit for bit."""
+    from tpgraph.engine.argmax import combine_slots, shard_argmax_slots
     from tpgraph.kernels._counters import split_counters
 
     vocab = 128256 + 7  # shards of unequal real width: the last one short
@@ -66,22 +66,39 @@ def test_the_shard_pairs_combine_to_torch_argmax_on_cuda_inside_a_graph(world):
     x[5, [vocab - 2, per_rank + 1]] = float("nan")
     x[5, 0] = float("inf")
     x[6] = float("-inf")
+    x[7] = -1.0  # negative maxima, a tie across every shard
+    x[8] = 0.0
+    x[8, : per_rank // 2] = -0.0  # -0.0 ties +0.0: index 0
     parts = [(x[:, r * per_rank:min((r + 1) * per_rank, vocab)], r * per_rank) for r in range(world)]
     ids = torch.full((16,), -1, dtype=torch.int64, device="cuda")
 
     def step():
-        pairs = torch.stack([shard_argmax_pairs(part, base, fused=True) for part, base in parts])
-        combine_pairs(pairs, out=ids, fused=True)
-        return pairs
+        slots = torch.stack([shard_argmax_slots(part, base, rank, world, fused=True)
+                             for rank, (part, base) in enumerate(parts)])
+        combine_slots(slots.sum(dim=0), out=ids, fused=True)
+        return slots
 
     step()  # eager first: the counters are made outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pairs = step()
+        slots = step()
     x.mul_(-1)  # new values in place, as a decode step's logits
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(ids, x.argmax(dim=-1))
-    reference = torch.stack([shard_argmax_pairs(part, base, fused=False) for part, base in parts])
-    assert torch.equal(pairs, reference)
+    reference = torch.stack([shard_argmax_slots(part, base, rank, world, fused=False)
+                             for rank, (part, base) in enumerate(parts)])
+    assert torch.equal(slots, reference)
     assert not split_counters(x.device, 16).any()
+
+
+def test_the_slot_keys_order_fp32_values_as_torch_argmax_on_cuda():
+    """The keys' hard cases on the GPU, where a flushed denormal or a -0.0 would change the winner: every ordered pair
+    of them across two ranks, one column each."""
+    from tpgraph.engine.argmax import combine_slots, shard_argmax_slots
+
+    values = [float("-inf"), -3.0e38, -1.0, -1.0e-40, -0.0, 0.0, 1.0e-45, 1.0e-40, 2.0, 3.0e38, float("inf"),
+              float("nan")]
+    x = torch.tensor([[a, b] for a in values for b in values], dtype=torch.float32, device="cuda")
+    slots = sum(shard_argmax_slots(x[:, r:r + 1], r, r, 2, fused=True) for r in range(2))
+    assert torch.equal(combine_slots(slots, fused=True), x.argmax(dim=-1))

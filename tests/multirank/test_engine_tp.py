@@ -36,8 +36,8 @@ def test_four_ranks_agree_with_one():
 
 
 def test_greedy_in_step_at_four_ranks_agrees_with_one(monkeypatch):
-    """TPGRAPH_GREEDY_IN_STEP=1 at TP=4: plain-greedy steps take the ids the step made from the ranks' gathered shard
-    pairs (258 tokens over 4 ranks: the last shard has 63 real columns and 2 of padding, cut), and steps that
+    """TPGRAPH_GREEDY_IN_STEP=1 at TP=4: plain-greedy steps take the ids the step made from the ranks' all-reduced
+    shard slots (258 tokens over 4 ranks: the last shard has 63 real columns and 2 of padding, cut), and steps that
     sample gather the logits after the step; every rank's completions equal TP=1's, where the setting is off."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=6)]
     with TPEngine(device="cpu", **ENGINE) as engine:

@@ -149,37 +149,86 @@ def _shards(x: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
             for r in range(world)]
 
 
+def _summed_slots(x: torch.Tensor, world: int, fused: bool) -> torch.Tensor:
+    """Every rank's slots for its shard of x, summed as the all-reduce sums them."""
+    from tpgraph.engine.argmax import shard_argmax_slots
+
+    slots = [shard_argmax_slots(part, base, rank, world, fused=fused) for rank, (part, base) in
+             enumerate(_shards(x, world))]
+    for rank, mine in enumerate(slots):  # each rank writes its own slot and zeros in every other
+        assert mine.shape == (world, x.shape[0], 4) and mine.dtype == torch.float32
+        assert not torch.cat([mine[:rank], mine[rank + 1:]]).any()
+        assert torch.equal(mine, mine.round()) and mine.min() >= 0 and mine.max() < 65536  # exact under any sum
+    return torch.stack(slots).sum(dim=0)
+
+
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=fused_on_cpu)], ids=["torch", "fused"])
 @pytest.mark.parametrize("vocab,world", [(4000, 2), (32003, 4), (2051, 3), (13, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_ranks_shard_pairs_combine_to_torch_argmax_of_the_gathered_row(vocab, world, dtype, fused):
-    """At TP > 1 greedy decode gathers each rank's (maximum, index) pair, not the logits: combined in rank order
-    they give torch.argmax of the whole row, for shards as the vocabulary is cut (32003 over 4: a short last shard;
-    13 over 8: a last rank with no vocabulary at all). The kernel's pairs and torch's are the same bits."""
+def test_the_ranks_slots_summed_combine_to_torch_argmax_of_the_gathered_row(vocab, world, dtype, fused):
+    """At TP > 1 greedy decode all-reduces each rank's slot (its shard's maximum as a sortable key, and its index),
+    not the logits: summed over the ranks and combined in rank order they give torch.argmax of the whole row, for
+    shards as the vocabulary is cut (32003 over 4: a short last shard; 13 over 8: a last rank with no vocabulary at
+    all). The kernel's slots and torch's are the same bits."""
     if fused:
         pytest.importorskip("triton")
-    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+    from tpgraph.engine.argmax import combine_slots
 
     x = _tricky_rows(vocab, dtype)
-    pairs = torch.stack([shard_argmax_pairs(part, base, fused=fused) for part, base in _shards(x, world)])
-    assert pairs.shape == (world, 7, 2) and pairs.dtype == torch.int32
+    summed = _summed_slots(x, world, fused)
     if fused:
-        reference = torch.stack([shard_argmax_pairs(part, base, fused=False) for part, base in _shards(x, world)])
-        assert torch.equal(pairs, reference)
+        assert torch.equal(summed, _summed_slots(x, world, False))
     kept = torch.full((9,), -1, dtype=torch.int64)
-    got = combine_pairs(pairs, out=kept[:7], fused=fused)
+    got = combine_slots(summed, out=kept[:7], fused=fused)
     assert got.data_ptr() == kept.data_ptr() and torch.equal(got, x.argmax(dim=-1)) and kept[7:].tolist() == [-1, -1]
     assert got[1].item() == 5 and got[2].item() == 3 and got[3].item() == min(vocab - 2, vocab // 3)
 
 
-def test_shard_pairs_refuse_what_they_cannot_carry():
-    from tpgraph.engine.argmax import combine_pairs, shard_argmax_pairs
+# fp32 values in increasing order (-0.0 and +0.0 equal), the keys' hard cases: signs, denormals, infinities, NaN
+ORDERED = [float("-inf"), -3.0e38, -1.0, -1.0e-40, -0.0, 0.0, 1.0e-45, 1.0e-40, 2.0, 3.0e38, float("inf"),
+           float("nan")]
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=fused_on_cpu)], ids=["torch", "fused"])
+def test_the_slot_keys_order_as_the_floats_and_tie_as_torch_argmax(fused):
+    """Each rank holds one value of a row (shards of one column): for every pair of the hard values, in both orders,
+    the combined slots pick what torch.argmax picks: the larger, NaN above all, the first of -0.0 and +0.0, the first
+    of a tie; denormals are not flushed."""
+    if fused:
+        pytest.importorskip("triton")
+    from tpgraph.engine.argmax import combine_slots
+
+    rows = [[a, b] for a in ORDERED for b in ORDERED] + [[v, v] for v in ORDERED]
+    x = torch.tensor(rows, dtype=torch.float32)
+    got = combine_slots(_summed_slots(x, 2, fused), fused=fused)
+    assert torch.equal(got, x.argmax(dim=-1))
+    wide = torch.tensor([ORDERED[:8], ORDERED[4:]], dtype=torch.float32).flip(1)  # 8 ranks, one column each
+    assert torch.equal(combine_slots(_summed_slots(wide, 8, fused), fused=fused), wide.argmax(dim=-1))
+
+
+def test_shard_slots_refuse_what_they_cannot_carry():
+    from tpgraph.engine.argmax import combine_slots, shard_argmax_slots
 
     with pytest.raises(ValueError, match="vocab shard"):
-        shard_argmax_pairs(torch.zeros(2, 3, dtype=torch.float64), 0)
+        shard_argmax_slots(torch.zeros(2, 3, dtype=torch.float64), 0, 0, 2)
     with pytest.raises(ValueError, match="int32 index"):
-        shard_argmax_pairs(torch.zeros(2, 3), (1 << 31) - 2)
-    with pytest.raises(ValueError, match="world, batch, 2"):
-        combine_pairs(torch.zeros(2, 3, 2))
+        shard_argmax_slots(torch.zeros(2, 3), (1 << 31) - 2, 0, 2)
+    with pytest.raises(ValueError, match="not in a world of 2"):
+        shard_argmax_slots(torch.zeros(2, 3), 0, 2, 2)
+    with pytest.raises(ValueError, match="world, batch, 4"):
+        combine_slots(torch.zeros(2, 3, 2))
     with pytest.raises(ValueError, match="out must be"):
-        combine_pairs(torch.zeros(2, 3, 2, dtype=torch.int32), out=torch.zeros(2, dtype=torch.int64))
+        combine_slots(torch.zeros(2, 3, 4), out=torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_the_slots_take_the_custom_all_reduces_fastest_path_at_every_decode_batch(capability):
+    """The slots' all-reduce is there because it is the cheapest exchange: the shipped tables send a slots buffer
+    ([world, batch, 4] fp32) to 1shot_push, in graphs and eagerly, at every world size and decode batch up to 256."""
+    from tpgraph.comm.thresholds import WORLD_SIZES, Algo, load_table_for, pick_algo
+
+    table = load_table_for(capability)
+    for world in WORLD_SIZES:
+        for batch in (1, 7, 32, 256):
+            for graph in (True, False):
+                assert pick_algo(world * batch * 16, graph, table, world, dtype=torch.float32) == Algo.PUSH_1SHOT

@@ -11,10 +11,14 @@ the first maximal index of the row (tests/unit/test_argmax.py checks ties and Na
 The two stages are still five small kernels between steps; the fused launch does both in one, and what it cannot
 compare exactly (fp64 rows, more rows than its counters) comes here.
 
-With the vocabulary split over ranks, greedy decode needs no gathered logits: each rank takes its shard's pair (the
-maximum, NaN where there is one, and its global index), the ranks' pairs are gathered (8 bytes a row), and the first
-rank holding a NaN, else the first holding the maximum, has torch.argmax's answer for the whole row (shards are in
-index order).
+With the vocabulary split over ranks, greedy decode needs no gathered logits: each rank takes its shard's maximum (NaN
+where there is one) and its global index, and the first rank holding a NaN, else the first holding the maximum, has
+torch.argmax's answer for the whole row (shards are in index order). Those are exchanged as slots: [world, B, 4] fp32,
+zeros but in the rank's own slot, which holds the maximum's sortable key (ordered as the floats, NaN above +inf, -0.0
+as +0.0) and the index, each as two 16-bit halves written as fp32 integers. Summed over the ranks by one all-reduce,
+every slot is then filled exactly (one rank's integer below 2^16 plus zeros, on any path: no rounding, no denormal
+flushed, never the custom all-reduce's sentinel), and the all-reduce is the decode step's cheapest collective: the
+custom one's latency, not NCCL's all-gather.
 """
 
 from __future__ import annotations
@@ -25,13 +29,12 @@ import torch
 
 from tpgraph.kernels.argmax import (
     MAX_COUNTERS,
-    MAX_PAIR_INDEX,
     argmax_rows,
     check_ids_out,
-    check_pair_inputs,
-    combine_pairs_triton,
+    check_slot_inputs,
+    combine_slots_triton,
     fused_argmax_enabled,
-    shard_argmax_pairs_triton,
+    shard_argmax_slots_triton,
     takes,
 )
 
@@ -80,30 +83,41 @@ def _use_triton(x: torch.Tensor, fused: bool | None) -> bool:
     return (x.is_cuda and fused_argmax_enabled()) if fused is None else fused
 
 
-def shard_argmax_pairs(x: torch.Tensor, base: int, fused: bool | None = None) -> torch.Tensor:
-    """x [B, V] (one rank's vocabulary shard, from global index `base`) -> [B, 2] int32: the fp32 bits of each row's
-    maximum (NaN where the row has one) and base + its argmax. One Triton launch on CUDA by default, else torch."""
-    check_pair_inputs(x, base)
+def slot_words(best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """best [B] fp32 (a row's maximum, NaN where it has one), index [B] -> [B, 4] fp32: the key's and the index's
+    16-bit halves (kernels/argmax.py's _slot_words)."""
+    best = best.masked_fill(best == 0, 0.0)  # -0.0 ties +0.0
+    bits = best.view(torch.int32).long() & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+    key = key.masked_fill(best.isnan(), 0xFFFFFFFF)
+    index = index.long()
+    return torch.stack([key >> 16, key & 0xFFFF, index >> 16, index & 0xFFFF], dim=1).float()
+
+
+def shard_argmax_slots(x: torch.Tensor, base: int, rank: int, world: int, fused: bool | None = None) -> torch.Tensor:
+    """x [B, V] (rank `rank`'s vocabulary shard, from global index `base`) -> [world, B, 4] fp32 slots: zeros but
+    slot `rank`, each row's maximum's key and base + its argmax (see the module docstring). Sum them over the ranks
+    and combine_slots gives the ids. One Triton launch on CUDA by default, else torch."""
+    check_slot_inputs(x, base, rank, world)
     if _use_triton(x, fused) and x.shape[1] and x.shape[0] <= MAX_COUNTERS:
-        return shard_argmax_pairs_triton(x if x.stride(-1) == 1 else x.contiguous(), base)
-    if x.shape[1] == 0:  # a rank holding no real vocabulary: a pair that never wins
-        best = torch.full((x.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)
-        return torch.stack([best.view(torch.int32), torch.full_like(best.view(torch.int32), MAX_PAIR_INDEX)], dim=1)
-    idx = x.argmax(dim=-1)
-    best = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()
-    best = best.masked_fill(best.isnan(), float("nan"))  # the NaN bits the kernel stores (the pairs compare equal)
-    return torch.stack([best.view(torch.int32), (idx + base).to(torch.int32)], dim=1)
+        return shard_argmax_slots_triton(x if x.stride(-1) == 1 else x.contiguous(), base, rank, world)
+    slots = torch.zeros(world, x.shape[0], 4, dtype=torch.float32, device=x.device)
+    if x.shape[1]:  # (a rank holding no real vocabulary leaves key 0, below every float's: it never wins)
+        idx = x.argmax(dim=-1)
+        slots[rank] = slot_words(x.gather(1, idx.unsqueeze(1)).squeeze(1).float(), idx + base)
+    return slots
 
 
-def combine_pairs(pairs: torch.Tensor, out: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
-    """pairs [world, B, 2] int32 (every rank's shard_argmax_pairs, in rank order) -> [B] int64: torch.argmax's
+def combine_slots(slots: torch.Tensor, out: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+    """slots [world, B, 4] fp32 (every rank's shard_argmax_slots, summed over the ranks) -> [B] int64: torch.argmax's
     answer over the concatenated shards (into `out` where given)."""
-    if pairs.dim() != 3 or pairs.shape[-1] != 2 or pairs.dtype != torch.int32:
-        raise ValueError(f"combine_pairs takes [world, batch, 2] int32 pairs, got {tuple(pairs.shape)} {pairs.dtype}")
-    check_ids_out(out, pairs.shape[1], pairs.device, "combine_pairs' out")
-    if _use_triton(pairs, fused) and (out is None or out.stride(0) == 1 or len(out) <= 1):
-        return combine_pairs_triton(pairs, out=out)
-    bests = pairs[..., 0].contiguous().view(torch.float32)  # [world, B]: the first rank with a NaN, else the maximum
-    winner = bests.argmax(dim=0, keepdim=True)
-    ids = pairs[..., 1].gather(0, winner).squeeze(0).long()
+    if slots.dim() != 3 or slots.shape[-1] != 4 or slots.dtype != torch.float32:
+        raise ValueError(f"combine_slots takes [world, batch, 4] fp32 slots, got {tuple(slots.shape)} {slots.dtype}")
+    check_ids_out(out, slots.shape[1], slots.device, "combine_slots' out")
+    if _use_triton(slots, fused) and (out is None or out.stride(0) == 1 or len(out) <= 1):
+        return combine_slots_triton(slots, out=out)
+    halves = slots.long()
+    keys = halves[..., 0] * 65536 + halves[..., 1]  # [world, B]: argmax over the ranks is the first largest key
+    winner = keys.argmax(dim=0, keepdim=True)
+    ids = (halves[..., 2] * 65536 + halves[..., 3]).gather(0, winner).squeeze(0)
     return ids if out is None else out.copy_(ids)

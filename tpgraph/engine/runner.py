@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tpgraph.distributed import gather_objects
-from tpgraph.engine.argmax import combine_pairs, row_argmax, shard_argmax_pairs
+from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.sequence import Sequence
@@ -33,7 +33,7 @@ from tpgraph.graphs.stats import GraphStats
 from tpgraph.kernels._counters import last_split_reduces, partials_buffer, polled_partials, split_counters
 from tpgraph.kernels._counters import workspace_bytes as kernel_workspace_bytes  # (named apart: comm has its own)
 from tpgraph.kernels._settings import env_flag
-from tpgraph.kernels.argmax import MAX_PAIR_INDEX
+from tpgraph.kernels.argmax import MAX_SLOT_INDEX
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
@@ -355,7 +355,7 @@ class ModelRunner:
         state = self.model.comm.state
         if state.world_size > 1 and len(set(gather_objects(state, wanted))) > 1:
             raise ConfigError("TPGRAPH_GREEDY_IN_STEP differs between ranks; set it alike on every rank")
-        if wanted and self.model.cfg.vocab_size > MAX_PAIR_INDEX:
+        if wanted and self.model.cfg.vocab_size > MAX_SLOT_INDEX:
             raise ConfigError(f"TPGRAPH_GREEDY_IN_STEP=1 carries token ids as int32: a vocabulary of "
                               f"{self.model.cfg.vocab_size} is too large")
         return wanted
@@ -386,14 +386,16 @@ class ModelRunner:
 
     def _greedy_ids(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every rank's logits shard -> the argmax of each gathered row (the first NaN, else the first maximum) on
-        every rank, into `out`. Across ranks each shard's (maximum, index) pair is gathered, 8 bytes a row, not the
-        logits (engine/argmax.py)."""
+        every rank, into `out`. Across ranks each shard's maximum and index go in its slot of a [world, rows, 4] fp32
+        buffer, zeros elsewhere, and one all-reduce fills every slot exactly (16 bytes a row a rank, not the logits;
+        engine/argmax.py)."""
         vocab = self.model.lm_head.shard
         real = shard[:, : vocab.real_rows]  # the last shard's padding columns are not vocabulary
-        if self.model.comm.world_size == 1:
+        comm = self.model.comm
+        if comm.world_size == 1:
             return row_argmax(real, out=out)
-        pairs = shard_argmax_pairs(real, vocab.start)
-        return combine_pairs(self.model.comm.all_gather_stacked(pairs), out=out)
+        slots = shard_argmax_slots(real, vocab.start, comm.rank, comm.world_size)
+        return combine_slots(comm.all_reduce(slots), out=out)
 
     def _prefill_inputs(self, n: int) -> dict[str, torch.Tensor]:
         return {name: self.prefill_in.device(name, n) for name in self.prefill_in.names}

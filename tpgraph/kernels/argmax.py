@@ -25,7 +25,7 @@ except ImportError:  # CPU-only installs without Triton use engine/argmax.py's t
 
 CHUNK = 1024  # entries a program scans (a bf16 row of 128256 entries: 126 programs)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compared in fp32: exact for these, not for fp64
-MAX_PAIR_INDEX = (1 << 31) - 1  # a shard's pair carries its global index as int32
+MAX_SLOT_INDEX = (1 << 31) - 1  # a shard's slot carries its global index as int32 (in 16-bit halves)
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -78,12 +78,26 @@ if triton is not None:
         return tl.where(any_nan, first_nan, first_top), tl.where(any_nan, float("nan"), top)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, ids_ptr, pair_ptr, part_best_ptr, part_idx_ptr, part_nan_ptr, counter_ptr, V, stride_x,
-                       chunks, base, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, PAIR: tl.constexpr):
+    def _slot_words(top, winner):
+        """(the sortable key's high and low 16 bits, the index's high and low 16 bits) as fp32 integers: the key of
+        fp32 `top` orders as the floats do (NaN above +inf, -0.0 as +0.0), and 0 is below every float's."""
+        top = tl.where(top == 0.0, 0.0, top)  # -0.0 ties +0.0, as torch.argmax compares them
+        bits = top.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+        key = tl.where(top != top, 0xFFFFFFFF, key)
+        index = winner.to(tl.int64)
+        return ((key >> 16).to(tl.float32), (key & 0xFFFF).to(tl.float32), (index >> 16).to(tl.float32),
+                (index & 0xFFFF).to(tl.float32))
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, ids_ptr, slot_ptr, part_best_ptr, part_idx_ptr, part_nan_ptr, counter_ptr, V, stride_x,
+                       chunks, base, rank, world, rows, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                       SLOTS: tl.constexpr):
         """Grid (rows, chunks). Partials at [row, chunk] of the three part_ buffers; the row's last program reduces
         them: the first chunk holding a NaN, else the first chunk holding the maximum (its index is the chunk's
-        first), so the row's first NaN or first maximum. PAIR: store (that maximum's fp32 bits, base + its index)
-        as the row's int32 pair instead of the int64 id (a vocabulary shard's answer, for combine_pairs)."""
+        first), so the row's first NaN or first maximum. SLOTS: instead of the int64 id, the row's slot words
+        [world, rows, 4] fp32: in slot `rank` that maximum's key and base + its index (_slot_words), zeros in the
+        others (a vocabulary shard's answer, for an all-reduce and then combine_slots)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         has_nan, best, idx = _chunk_first_max(x_ptr, row, c, V, stride_x, CHUNK)
@@ -98,25 +112,32 @@ if triton is not None:
             idxs = tl.load(part_idx_ptr + row * chunks + cs, mask=ok, other=V, cache_modifier=".cg")
             nans = tl.load(part_nan_ptr + row * chunks + cs, mask=ok, other=0, cache_modifier=".cg")
             winner, top = _first_of(bests, idxs, nans, ok, V)
-            if PAIR:
-                tl.store(pair_ptr + row * 2, top.to(tl.int32, bitcast=True))
-                tl.store(pair_ptr + row * 2 + 1, (winner + base).to(tl.int32))
+            if SLOTS:
+                key_hi, key_lo, idx_hi, idx_lo = _slot_words(top, winner + base)
+                w = tl.arange(0, 4)
+                words = tl.where(w == 0, key_hi, tl.where(w == 1, key_lo, tl.where(w == 2, idx_hi, idx_lo)))
+                for r in range(world):
+                    tl.store(slot_ptr + (r * rows + row) * 4 + w, tl.where(r == rank, words, 0.0))
             else:
                 tl.store(ids_ptr + row, winner.to(tl.int64))
             reset_counter(counter_ptr + row)
 
     @triton.jit
-    def _combine_pairs_kernel(pair_ptr, ids_ptr, rows, world, W_P2: tl.constexpr):
-        """One program a row: the ranks' pairs [world, rows, 2] in rank order (shards in index order), to the id."""
+    def _combine_slots_kernel(slot_ptr, ids_ptr, rows, world, W_P2: tl.constexpr):
+        """One program a row: the ranks' summed slots [world, rows, 4] in rank order (shards in index order), to the
+        id of the first rank holding the largest key."""
         row = tl.program_id(0).to(tl.int64)
         ws = tl.arange(0, W_P2)
         ok = ws < world
-        at = (ws * rows + row) * 2
-        bests = tl.load(pair_ptr + at, mask=ok, other=0).to(tl.float32, bitcast=True)
-        bests = tl.where(ok, bests, float("-inf"))
-        idxs = tl.load(pair_ptr + at + 1, mask=ok, other=2147483647)
-        winner, _ = _first_of(bests, idxs, (bests != bests).to(tl.int32), ok, 2147483647)
-        tl.store(ids_ptr + row, winner.to(tl.int64))
+        at = (ws * rows + row) * 4
+        key = (tl.load(slot_ptr + at, mask=ok, other=0.0).to(tl.int64) * 65536
+               + tl.load(slot_ptr + at + 1, mask=ok, other=0.0).to(tl.int64))
+        index = (tl.load(slot_ptr + at + 2, mask=ok, other=0.0).to(tl.int64) * 65536
+                 + tl.load(slot_ptr + at + 3, mask=ok, other=0.0).to(tl.int64))
+        key = tl.where(ok, key, -1)
+        top = tl.max(key, axis=0)
+        first = tl.min(tl.where(key == top, ws, W_P2), axis=0)
+        tl.store(ids_ptr + row, tl.sum(tl.where(ws == first, index, 0), axis=0))
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,51 +155,56 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         return ids
     if vocab == 0:
         raise ValueError("argmax of an empty row")
-    _launch(x, ids, ids, 0, pair=False)
+    _launch(x, ids, ids, 0, 0, 1, use_slots=False)
     return ids
 
 
-def _launch(x: torch.Tensor, ids: torch.Tensor, pairs: torch.Tensor, base: int, pair: bool) -> None:
+def _launch(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, base: int, rank: int, world: int,
+            use_slots: bool) -> None:
     batch, vocab = x.shape
     chunks = triton.cdiv(vocab, CHUNK)
     # the three partials in one allocation (a step calls this between its graphs): fp32 maxima, int32 indices, flags
     parts = torch.empty(3, batch, chunks, dtype=torch.float32, device=x.device)
     part_best, part_idx, part_nan = parts[0], parts[1].view(torch.int32), parts[2].view(torch.int32)
-    _argmax_kernel[(batch, chunks)](x, ids, pairs, part_best, part_idx, part_nan, split_counters(x.device, batch),
-                                    vocab, x.stride(0), chunks, base, CHUNK=CHUNK,
-                                    CHUNKS_P2=triton.next_power_of_2(chunks), PAIR=pair, num_warps=4)
+    _argmax_kernel[(batch, chunks)](x, ids, slots, part_best, part_idx, part_nan, split_counters(x.device, batch),
+                                    vocab, x.stride(0), chunks, base, rank, world, batch, CHUNK=CHUNK,
+                                    CHUNKS_P2=triton.next_power_of_2(chunks), SLOTS=use_slots, num_warps=4)
 
 
-def check_pair_inputs(x: torch.Tensor, base: int) -> None:
-    """Refuse a shard the pairs cannot describe exactly: a type compared in fp32, and global indices within int32."""
+def check_slot_inputs(x: torch.Tensor, base: int, rank: int, world: int) -> None:
+    """Refuse a shard the slots cannot describe exactly: a type compared in fp32, global indices within int32, and a
+    rank of the world."""
     if x.dim() != 2 or x.dtype not in DTYPES:
-        raise ValueError(f"shard_argmax_pairs takes [batch, vocab shard] fp16/bf16/fp32 rows, got {tuple(x.shape)} "
+        raise ValueError(f"shard_argmax_slots takes [batch, vocab shard] fp16/bf16/fp32 rows, got {tuple(x.shape)} "
                          f"{x.dtype}")
-    if base < 0 or base + x.shape[1] > MAX_PAIR_INDEX:
-        raise ValueError(f"a vocabulary shard at [{base}, {base + x.shape[1]}) passes the pairs' int32 index "
-                         f"(at most {MAX_PAIR_INDEX})")
+    if base < 0 or base + x.shape[1] > MAX_SLOT_INDEX:
+        raise ValueError(f"a vocabulary shard at [{base}, {base + x.shape[1]}) passes the slots' int32 index "
+                         f"(at most {MAX_SLOT_INDEX})")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
 
 
-def shard_argmax_pairs_triton(x: torch.Tensor, base: int) -> torch.Tensor:
-    """x [B, V] (a contiguous last dim, V >= 1, B within the counters) -> pairs [B, 2] int32: the fp32 bits of
-    each row's maximum (NaN where the row has one) and base + the index of its first NaN or first maximum."""
-    check_pair_inputs(x, base)
+def shard_argmax_slots_triton(x: torch.Tensor, base: int, rank: int, world: int) -> torch.Tensor:
+    """x [B, V] (a contiguous last dim, V >= 1, B within the counters) -> slots [world, B, 4] fp32: zeros but in
+    slot `rank`, which holds each row's key (of its maximum, NaN above all) and base + the index of its first NaN
+    or first maximum, as 16-bit halves (slot_words)."""
+    check_slot_inputs(x, base, rank, world)
     if x.stride(-1) != 1 or x.shape[0] > MAX_COUNTERS or x.shape[1] == 0:
-        raise ValueError(f"shard_argmax_pairs_triton takes [batch <= {MAX_COUNTERS}, vocab >= 1] rows with a "
+        raise ValueError(f"shard_argmax_slots_triton takes [batch <= {MAX_COUNTERS}, vocab >= 1] rows with a "
                          f"contiguous last dim, got {tuple(x.shape)} with strides {x.stride()}")
-    pairs = torch.empty(x.shape[0], 2, dtype=torch.int32, device=x.device)
+    slots = torch.empty(world, x.shape[0], 4, dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _launch(x, pairs, pairs, base, pair=True)
-    return pairs
+        _launch(x, slots, slots, base, rank, world, use_slots=True)
+    return slots
 
 
-def combine_pairs_triton(pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """pairs [world, B, 2] int32 (every rank's shard_argmax_pairs, in rank order) -> [B] int64: the index
+def combine_slots_triton(slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """slots [world, B, 4] fp32 (every rank's shard_argmax_slots, summed over the ranks) -> [B] int64: the index
     torch.argmax gives over the concatenated shards (the first NaN, else the first maximum)."""
-    world, batch, _ = pairs.shape
-    check_ids_out(out, batch, pairs.device, "combine_pairs' out", unit_stride=True)
-    ids = torch.empty(batch, dtype=torch.int64, device=pairs.device) if out is None else out
+    world, batch, _ = slots.shape
+    check_ids_out(out, batch, slots.device, "combine_slots' out", unit_stride=True)
+    ids = torch.empty(batch, dtype=torch.int64, device=slots.device) if out is None else out
     if batch:
-        _combine_pairs_kernel[(batch,)](pairs.contiguous(), ids, batch, world,
-                                        W_P2=triton.next_power_of_2(world), num_warps=1)
+        _combine_slots_kernel[(batch,)](slots.contiguous(), ids, batch, world, W_P2=triton.next_power_of_2(world),
+                                        num_warps=1)
     return ids
