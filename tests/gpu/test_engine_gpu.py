@@ -59,3 +59,23 @@ def test_overlapped_scheduling_changes_no_tokens_under_graphs(penalties):
 
     assert summary(got) == summary(want)
     assert got[1].outputs[0].logprobs == pytest.approx(want[1].outputs[0].logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_the_kv_budget_leaves_room_for_sampling_at_the_largest_batch():
+    """The activation peak the KV budget subtracts covers a step that samples at the largest batch with every option
+    on (the sampler's [rows, vocab] fp32 temporaries), measured here apart from the engine."""
+    from tpgraph.engine.sampler import Sampler, worst_case_rows
+
+    with make(max_num_seqs=64) as engine:
+        runner = engine.runner
+        rows, vocab = runner.seq_rows, runner.model.cfg.vocab_size
+        logits = torch.randn(rows, vocab, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        Sampler("cuda").sample(logits, worst_case_rows(rows, vocab))
+        torch.cuda.synchronize()
+        sampling = torch.cuda.max_memory_allocated() - base
+        assert runner.budget.activation_peak >= sampling, (runner.budget.activation_peak, sampling)
+        print(f"rows {rows}, vocab {vocab}: sampling took {sampling / 2**20:.1f} MiB, the budget's activation peak "
+              f"{runner.budget.activation_peak / 2**20:.1f} MiB")

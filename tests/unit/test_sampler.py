@@ -207,3 +207,29 @@ def test_an_ids_out_that_does_not_fit_is_refused():
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="ids_out must be"):
             Sampler("cpu").sample_async(logits, rows(3, temperature=0.7), ids_out=bad)
+
+
+def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
+    """worst_case_rows: what the runner samples while it measures its activation peak for the KV budget. Every stage
+    that makes [rows, vocab] temporaries must run for them (penalties, top-k, top-p, min-p, a banned id, the most
+    log-probabilities), or the budget would leave no room for a batch that asks for them."""
+    import tpgraph.engine.sampler as sampler_module
+    from tpgraph.engine.sampler import worst_case_rows
+    from tpgraph.engine.sampling_params import MAX_LOGPROBS
+
+    ran = []
+
+    def recorded(fn):
+        def wrapper(*args, **kwargs):
+            ran.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("apply_penalties", "top_k_mask", "top_p_mask"):
+        monkeypatch.setattr(sampler_module, name, recorded(getattr(sampler_module, name)))
+    rows = worst_case_rows(3, 100)
+    assert len(rows) == 3 and all(r.banned_ids and r.params.min_p > 0 and not r.params.greedy for r in rows)
+    out = Sampler("cpu").sample(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), rows)
+    assert ran == ["apply_penalties", "top_k_mask", "top_p_mask"]
+    assert len(out.token_ids) == 3 and all(len(t) == MAX_LOGPROBS for t in out.top_ids)
+    assert not set(out.token_ids) & set(rows[0].banned_ids)

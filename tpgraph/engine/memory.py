@@ -53,7 +53,7 @@ class MemoryBudget:
         shared = f", shared by {self.sharers} ranks" if self.sharers > 1 else ""
         return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}{shared}: "
                 f"in use {g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
-                f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB), activations "
+                f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB), activations and sampling "
                 f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
 

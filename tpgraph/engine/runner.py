@@ -19,6 +19,7 @@ from tpgraph.distributed import gather_objects
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
+from tpgraph.engine.sampler import Sampler, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
@@ -237,7 +238,8 @@ class ModelRunner:
                 partials_buffer(self.device, 1)
 
     def _size_kv_cache(self) -> int:
-        """Blocks for the cache: given, or (CUDA) what free memory holds after weights, workspace, activations and an
+        """Blocks for the cache: given, or (CUDA) what free memory holds after weights, workspace, activations (the
+        peak of a decode step at the largest batch, its sampling with every option on, and the largest prefill) and an
         estimate of the graph pool from capturing the two largest buckets of each captured phase."""
         if self.cfg.num_kv_blocks:
             return self.cfg.num_kv_blocks
@@ -251,7 +253,11 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             self._prepare_dummy(self.seq_rows)
-            self._decode_forward(self.seq_rows, call)
+            out = self._decode_forward(self.seq_rows, call)
+            # a step that samples at the largest batch: its gathered logits and the sampler's temporaries
+            logits = self._logits(out, self.seq_rows)
+            Sampler(self.device).sample(logits, worst_case_rows(self.seq_rows, logits.shape[1]))
+            del out, logits
             self._profile_prefill(self.max_prefill_tokens)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tpgraph.engine.argmax import row_argmax
-from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
 from tpgraph.kernels.argmax import check_ids_out
 
@@ -41,6 +41,17 @@ class SampleOutput:
     logprobs: list[float] | None = None  # the sampled token's, per row
     top_ids: list[list[int]] | None = None  # per row, the top `max logprobs` ids (a row asking fewer slices)
     top_logprobs: list[list[float]] | None = None
+
+
+def worst_case_rows(rows: int, vocab: int) -> list[SampleRow]:
+    """`rows` rows that take every stage of sampling at once (penalties, temperature, top-k, top-p, min-p, a banned
+    id, the most log-probabilities): the sampling step the runner's memory profile runs at its largest batch, so that
+    the KV budget leaves room for the sampler's [rows, vocab] temporaries. (Their few token ids stand in for a
+    request's: the penalties' id tensors, 8 bytes a token held, are not in the profile.)"""
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                            frequency_penalty=0.5, presence_penalty=0.5, logprobs=MAX_LOGPROBS)
+    ids = tuple(range(min(vocab, 8)))
+    return [SampleRow(params, ids, ids, banned_ids=ids[:1]) for _ in range(rows)]
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
