@@ -227,8 +227,12 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
 
     for name in ("apply_penalties", "top_k_mask", "top_p_mask"):
         monkeypatch.setattr(sampler_module, name, recorded(getattr(sampler_module, name)))
-    rows = worst_case_rows(3, 100)
+    rows = worst_case_rows(3, 100, 300)
     assert len(rows) == 3 and all(r.banned_ids and r.params.min_p > 0 and not r.params.greedy for r in rows)
+    # the penalties pad every row to the longest prompt and the longest output: max_model_len - 1 tokens each
+    assert max(len(r.prompt_ids) for r in rows) == max(len(r.output_ids) for r in rows) == 299
+    assert all(0 <= t < 100 for r in rows for t in (*r.prompt_ids, *r.output_ids))
+    assert worst_case_rows(1, 7, 16)[0].params.logprobs == 7  # no more alternatives than the vocabulary has
     out = Sampler("cpu").sample(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), rows)
     assert ran == ["apply_penalties", "top_k_mask", "top_p_mask"]
     assert len(out.token_ids) == 3 and all(len(t) == MAX_LOGPROBS for t in out.top_ids)

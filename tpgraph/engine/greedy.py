@@ -22,7 +22,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
                     eos_ids: tuple[int, ...] = (), keep_logits: bool = False) -> GreedyResult:
     """Prefill all prompts together, then decode until each hits max_new_tokens or an EOS id.
 
-    Every rank makes the same ids (from the same gathered logits, or the same gathered shard maxima), so they agree
+    Every rank makes the same ids (from the same gathered logits, or the same all-reduced shard maxima), so they agree
     everywhere without a broadcast.
     """
     if max_new_tokens < 1:

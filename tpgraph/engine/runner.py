@@ -255,8 +255,9 @@ class ModelRunner:
             self._prepare_dummy(self.seq_rows)
             out = self._decode_forward(self.seq_rows, call)
             # a step that samples at the largest batch: its gathered logits and the sampler's temporaries
-            logits = self._logits(out, self.seq_rows)
-            Sampler(self.device).sample(logits, worst_case_rows(self.seq_rows, logits.shape[1]))
+            logits = self._logits(out, self.cfg.max_batch)
+            Sampler(self.device).sample(logits, worst_case_rows(self.cfg.max_batch, logits.shape[1],
+                                                                self.max_model_len))
             del out, logits
             self._profile_prefill(self.max_prefill_tokens)
         torch.cuda.synchronize(self.device)

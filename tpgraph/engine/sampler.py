@@ -43,15 +43,19 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None = None
 
 
-def worst_case_rows(rows: int, vocab: int) -> list[SampleRow]:
+def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:
     """`rows` rows that take every stage of sampling at once (penalties, temperature, top-k, top-p, min-p, a banned
     id, the most log-probabilities): the sampling step the runner's memory profile runs at its largest batch, so that
-    the KV budget leaves room for the sampler's [rows, vocab] temporaries. (Their few token ids stand in for a
-    request's: the penalties' id tensors, 8 bytes a token held, are not in the profile.)"""
+    the KV budget leaves room for the sampler's [rows, vocab] temporaries. The penalties pad every row's ids to the
+    batch's longest prompt and longest output, so one row holds a prompt and another an output of max_model_len - 1
+    tokens: [rows, max_model_len] id tensors, as a batch with one long request makes. (top-k 50: its [rows, k]
+    values and indices stay far below top-p's sort of the whole row.)"""
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                            frequency_penalty=0.5, presence_penalty=0.5, logprobs=MAX_LOGPROBS)
-    ids = tuple(range(min(vocab, 8)))
-    return [SampleRow(params, ids, ids, banned_ids=ids[:1]) for _ in range(rows)]
+                            frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab))
+    long = tuple(i % vocab for i in range(max(max_model_len - 1, 1)))
+    short = long[:1]
+    return [SampleRow(params, long if i == 0 else short, long if i == 1 else short, banned_ids=short)
+            for i in range(rows)]
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:

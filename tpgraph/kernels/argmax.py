@@ -155,7 +155,7 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         return ids
     if vocab == 0:
         raise ValueError("argmax of an empty row")
-    _launch(x, ids, ids, 0, 0, 1, use_slots=False)
+    _launch(x, ids, ids, base=0, rank=0, world=1, use_slots=False)
     return ids
 
 
