@@ -9,7 +9,8 @@ the ids to the next), the time the GPU was busy in it, what each kernel adds to 
 and by place in the step, the median over the steps), and the idle gaps over `--min-gap-us`, grouped by the events on
 either side (the last one to end before the gap, the first to start after it), largest total first. Under the
 profiler every step is slower; compare variants (say `TPGRAPH_GREEDY_IN_STEP=0/1`) in runs of this script, not with
-bench_decode's TPOT.
+bench_decode's TPOT. Steps are cut at every device-to-host copy: right for the greedy loop, whose one read-back a step
+is the ids; a loop that read back more would need another cut.
 """
 
 from __future__ import annotations
