@@ -91,7 +91,9 @@ def test_the_kv_budget_leaves_room_for_sampling_at_the_largest_batch():
         peak = runner.budget.activation_peak
         print(f"rows {rows}, vocab {vocab}: sampling took {sampling / 2**20:.1f} MiB, the budget's activation peak "
               f"{peak / 2**20:.1f} MiB")
-        assert peak >= sampling, (peak, sampling)
+        # (5%: the caching allocator's rounding moved one process's figure by 3 MiB of 440; a profile without the
+        # sampling step measured 48 MiB against 443)
+        assert peak >= 0.95 * sampling, (peak, sampling)
         runner.close()
     finally:
         comm.close()
