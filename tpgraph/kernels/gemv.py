@@ -751,6 +751,11 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
     return max(1, min(steps, (prefetch_budget(n, k) if budget is None else budget) // tile_bytes))
 
 
+def dense_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T by cuBLAS (torch on CPU), into `out` where given: the path wherever the small-M kernel does not run."""
+    return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+
+
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
                    config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M above `max_rows`,
@@ -760,7 +765,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
         raise ValueError(f"linear_small_m's out must be contiguous [{x.shape[0]}, {w.shape[0]}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     if not _applies(x, w, use_triton):
-        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+        return dense_linear(x, w, out)
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
 
 

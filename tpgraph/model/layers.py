@@ -22,9 +22,7 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (into `out` where given): the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it
     off) and applies (decode rows on an sm_80+ GPU), else cuBLAS."""
-    if small_m:
-        return gemv.linear_small_m(x, weight, out=out)
-    return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+    return gemv.linear_small_m(x, weight, out=out) if small_m else gemv.dense_linear(x, weight, out)
 
 
 class ColumnParallelLinear(nn.Module):
