@@ -103,7 +103,9 @@ class TPCommunicator:
         x = x.contiguous()
         # one collective into one buffer [world, *x.shape], then one copy into place (a list of parts costs a copy
         # out per rank and then the concatenation)
-        flat = self.all_gather_stacked(x)
+        flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(flat, x, group=self.state.tp_group)
+        flat = flat.view(self.world_size, *x.shape)
         dim = dim % x.dim()
         shape = (*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
         if out is not None and tuple(out.shape) != shape:
@@ -112,15 +114,6 @@ class TPCommunicator:
         # target viewed as [..., world, x.shape[dim], ...] is flat with the world axis moved to dim
         target.view(*x.shape[:dim], self.world_size, *x.shape[dim:]).copy_(flat.movedim(0, dim))
         return target if out is None or target is out else out.copy_(target)
-
-    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
-        """[world, *x.shape]: every rank's x in rank order, one collective and no copy after it."""
-        if self.world_size == 1:
-            return x.unsqueeze(0)
-        x = x.contiguous()
-        flat = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(flat, x, group=self.state.tp_group)
-        return flat.view(self.world_size, *x.shape)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[CaptureRegistration]:
