@@ -85,7 +85,9 @@ def test_the_kv_budget_leaves_room_for_sampling_at_the_largest_batch():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        Sampler("cuda").sample(logits, worst_case_rows(rows, vocab, runner.max_model_len))
+        # (with the runner's penalty table, which in_use holds already: rows x vocab x 5 bytes)
+        assert runner.budget.penalty_table == runner.penalties.nbytes == rows * vocab * 5
+        Sampler("cuda", penalties=runner.penalties).sample(logits, worst_case_rows(rows, vocab, runner.max_model_len))
         torch.cuda.synchronize()
         sampling = torch.cuda.max_memory_allocated() - base
         peak = runner.budget.activation_peak

@@ -56,8 +56,9 @@ def test_kv_budget_arithmetic_and_refusal():
     without_graphs = MemoryBudget(**{**b.__dict__, "graph_pool_estimate": 0})
     assert without_graphs.num_blocks - b.num_blocks == GiB // (2 * MiB)  # the graph pool comes out of the cache
     assert "graph pool (estimated) 1.00 GiB" in b.describe() and "all-reduce workspace 0.44 GiB" in b.describe()
-    with_kernels = MemoryBudget(**{**b.__dict__, "kernel_workspace": 8 * MiB + 256 * 1024})
+    with_kernels = MemoryBudget(**{**b.__dict__, "kernel_workspace": 8 * MiB + 256 * 1024, "penalty_table": 5 * MiB})
     assert "kernel workspaces 8.25 MiB" in with_kernels.describe() and with_kernels.num_blocks == b.num_blocks
+    assert "penalty table 5.00 MiB" in with_kernels.describe()  # shown; in_use holds it already
     b.check(10)
     agreed = MemoryBudget(**{**b.__dict__, "agreed_blocks": 100})  # another rank had less room: every rank takes 100
     assert agreed.num_blocks == 100

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tpgraph.engine.sampler import Sampler, SampleRow, apply_penalties, row_seed, top_k_mask, top_p_mask
+from tpgraph.engine.sampler import Sampler, SampleRow, row_seed, top_k_mask, top_p_mask
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 
@@ -118,27 +118,6 @@ def test_two_ranks_with_one_engine_seed_agree():
         assert a.sample(logits, batch).token_ids == b.sample(logits, batch).token_ids
 
 
-def reference_penalties(x, row):
-    x = x.clone()
-    p = row.params
-    for t in set(row.prompt_ids) | set(row.output_ids):
-        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    for t, c in Counter(row.output_ids).items():
-        x[t] -= p.frequency_penalty * c + p.presence_penalty
-    return x
-
-
-def test_penalties_match_a_per_token_reference():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 30, generator=g)
-    batch = [SampleRow(SamplingParams(repetition_penalty=1.3), [1, 2, 2, 5], [7, 7, 8]),
-             SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=-0.25), [3], [4, 4, 4, 9]),
-             SampleRow(SamplingParams(), [1], [])]
-    got = apply_penalties(x, batch)
-    for i, row in enumerate(batch):
-        torch.testing.assert_close(got[i], reference_penalties(x[i], row))
-
-
 def test_penalties_change_a_greedy_choice():
     x = torch.tensor([[0.0, 2.0, 1.9]])
     row = SampleRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], [1])
@@ -192,16 +171,6 @@ def test_sampling_params_normalise():
     assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).has_penalties
 
 
-def test_penalties_refuse_a_pending_token_and_other_rows_ignore_theirs():
-    logits = torch.zeros(2, 4)
-    plain = SampleRow(SamplingParams(temperature=0.0), [1], [2, -1])  # its last token pending (overlap): unused
-    penalized = SampleRow(SamplingParams(temperature=0.0, presence_penalty=1.0), [1], [2, 3])
-    out = apply_penalties(logits, [plain, penalized])
-    assert torch.equal(out[0], logits[0]) and out[1].tolist() == [0.0, 0.0, -1.0, -1.0]
-    with pytest.raises(ValueError, match="one is still pending"):
-        apply_penalties(logits, [SampleRow(penalized.params, [1], [2, -1])])
-
-
 def test_an_ids_out_that_does_not_fit_is_refused():
     logits = torch.randn(3, 50)
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
@@ -214,6 +183,7 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
     that makes [rows, vocab] temporaries must run for them (penalties, top-k, top-p, min-p, a banned id, the most
     log-probabilities), or the budget would leave no room for a batch that asks for them."""
     import tpgraph.engine.sampler as sampler_module
+    from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
     from tpgraph.engine.sampler import worst_case_rows
     from tpgraph.engine.sampling_params import MAX_LOGPROBS
 
@@ -225,15 +195,18 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    for name in ("apply_penalties", "top_k_mask", "top_p_mask"):
+    for name in ("penalize", "top_k_mask", "top_p_mask"):
         monkeypatch.setattr(sampler_module, name, recorded(getattr(sampler_module, name)))
     rows = worst_case_rows(3, 100, 300)
     assert len(rows) == 3 and all(r.banned_ids and r.params.min_p > 0 and not r.params.greedy for r in rows)
-    # the penalties pad every row to the longest prompt and the longest output: max_model_len - 1 tokens each
-    assert max(len(r.prompt_ids) for r in rows) == max(len(r.output_ids) for r in rows) == 299
+    # each history as long as a sequence may be, and together within one upload to the penalty table
+    assert all(len(r.prompt_ids) + len(r.output_ids) == 300 for r in rows)
+    long = worst_case_rows(64, 100, 1 << 20)
+    assert FILL_TOKENS - 64 <= sum(len(r.prompt_ids) + len(r.output_ids) for r in long) <= FILL_TOKENS
     assert all(0 <= t < 100 for r in rows for t in (*r.prompt_ids, *r.output_ids))
     assert worst_case_rows(1, 7, 16)[0].params.logprobs == 7  # no more alternatives than the vocabulary has
-    out = Sampler("cpu").sample(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), rows)
-    assert ran == ["apply_penalties", "top_k_mask", "top_p_mask"]
+    table = PenaltyTable(3, 100, "cpu")
+    out = Sampler("cpu", penalties=table).sample(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), rows)
+    assert ran == ["penalize", "top_k_mask", "top_p_mask"] and table.fills == 3
     assert len(out.token_ids) == 3 and all(len(t) == MAX_LOGPROBS for t in out.top_ids)
     assert not set(out.token_ids) & set(rows[0].banned_ids)

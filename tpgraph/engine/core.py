@@ -106,7 +106,7 @@ class EngineCore:
                               f"runner's prefill buffers ({runner.max_prefill_tokens} tokens)")
         self.runner = runner
         self.scheduler = Scheduler(scheduler_cfg, runner.allocator)
-        self.sampler = Sampler(runner.device, seed)
+        self.sampler = Sampler(runner.device, seed, penalties=runner.penalties)
         self.eos_ids = tuple(eos_ids)
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
@@ -166,13 +166,10 @@ class EngineCore:
         Overlapped (the default): the step is launched before the previous step's tokens are read, which happens
         while this step runs; its own tokens are read, and their updates returned, by the next call. The host work
         of a step (scheduling, input writes, launches, reading tokens, detokenizing, stop checks) then hides behind
-        the GPU's. What needs a token on the host first (penalties over output tokens) reads the previous step
-        before scheduling: such steps run one after the other."""
+        the GPU's. Nothing in sampling needs the last token on the host: penalties count it on the device."""
         self.timing = StepTiming()
         hook = _Once(while_gpu_runs)
         updates: list[StepUpdate] = []
-        if self._in_flight is not None and not self._may_overlap():
-            updates += self._resolve()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.timing.schedule, self.timing.decode_batch = time.perf_counter() - t0, len(sched.decode)
@@ -190,11 +187,6 @@ class EngineCore:
             if state is not None and state.finished:
                 del self.requests[request_id]
         return updates
-
-    def _may_overlap(self) -> bool:
-        """Can the next step be scheduled before the step in flight is read? Not where sampling needs the host's
-        copy of every output token (repetition, frequency and presence penalties)."""
-        return self.overlap and not any(seq.params.has_penalties for seq, _ in self._in_flight.rows)
 
     def _launch(self, sched: ScheduledStep) -> InFlight | None:
         """Run the step's forwards and sample on the device; the sampled rows' tokens stay pending."""
@@ -260,7 +252,7 @@ class EngineCore:
         banned = ()
         if len(seq.output_ids) < p.min_tokens:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
-        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned)
+        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""

@@ -19,6 +19,7 @@ from tpgraph.distributed import gather_objects
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
+from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.sampler import Sampler, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
@@ -176,6 +177,9 @@ class ModelRunner:
                                          device=self.device) if self.greedy_in_step else None)
         # the last step's sampled ids, one per sampled row (sampled_rows): the next decode takes pending tokens here
         self.sampled_ids = torch.zeros(self.seq_rows, dtype=torch.int64, device=self.device)
+        # penalized sequences' token counts, a row each (at most max_batch sequences sample in a step), kept between
+        # steps and grown by the sampled ids on the device: made before the KV budget, which counts it
+        self.penalties = PenaltyTable(cfg.max_batch, mcfg.vocab_size, self.device)
         # (seq_id, preemptions, blocks) of the table each row holds: a recomputed sequence has new blocks
         self._bt_rows: list[tuple[int, int, int] | None] = [None] * self.seq_rows
         self._prefill_meta: dict[int, AttentionMetadata] = {}
@@ -256,8 +260,9 @@ class ModelRunner:
             out = self._decode_forward(self.seq_rows, call)
             # a step that samples at the largest batch: its gathered logits and the sampler's temporaries
             logits = self._logits(out, self.cfg.max_batch)
-            Sampler(self.device).sample(logits, worst_case_rows(self.cfg.max_batch, logits.shape[1],
-                                                                self.max_model_len))
+            Sampler(self.device, penalties=self.penalties).sample(
+                logits, worst_case_rows(self.cfg.max_batch, logits.shape[1], self.max_model_len))
+            self.penalties.clear()
             del out, logits
             self._profile_prefill(self.max_prefill_tokens)
         torch.cuda.synchronize(self.device)
@@ -287,7 +292,8 @@ class ModelRunner:
                                    in_use=total - free - provisional * sharers, weights=weights,
                                    workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
                                    graph_pool_estimate=estimate, block_bytes=self.block_bytes,
-                                   kernel_workspace=kernel_workspace_bytes(self.device), sharers=sharers)
+                                   kernel_workspace=kernel_workspace_bytes(self.device),
+                                   penalty_table=self.penalties.nbytes, sharers=sharers)
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)

@@ -5,6 +5,9 @@ samples the same tokens: nothing is broadcast. A seeded request draws from its o
 (seed, sample index, output position), so its tokens do not depend on what else is in the batch. Unseeded rows share
 one generator that every rank seeds alike at start-up.
 
+Penalties read each sequence's token counts from a table on the device (penalties.py), which the step's sampled ids
+update in stream order, so they need no output token on the host.
+
 Order: penalties on the raw logits (greedy rows too), then temperature, top-k, top-p, min-p, and a draw by the
 exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those of the
 model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
@@ -17,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from tpgraph.engine.argmax import row_argmax
+from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tpgraph.engine.sequence import PENDING_TOKEN
 from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -33,6 +36,9 @@ class SampleRow:
     output_ids: tuple[int, ...] | list[int]
     sample_index: int = 0  # which of the request's n samples
     banned_ids: tuple[int, ...] = ()  # ids this step may not produce (EOS before min_tokens)
+    # the sequence's id, under which a penalized row's counts stay in the penalty table between steps (None: counted
+    # from prompt_ids and output_ids for this call only)
+    seq_id: int | None = None
 
 
 @dataclass
@@ -46,16 +52,13 @@ class SampleOutput:
 def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:
     """`rows` rows that take every stage of sampling at once (penalties, temperature, top-k, top-p, min-p, a banned
     id, the most log-probabilities): the sampling step the runner's memory profile runs at its largest batch, so that
-    the KV budget leaves room for the sampler's [rows, vocab] temporaries. The penalties pad every row's ids to the
-    batch's longest prompt and longest output, so one row holds a prompt and another an output of max_model_len - 1
-    tokens: [rows, max_model_len] id tensors, as a batch with one long request makes. (top-k 50: its [rows, k]
-    values and indices stay far below top-p's sort of the whole row.)"""
+    the KV budget leaves room for the sampler's [rows, vocab] temporaries. Their histories (up to max_model_len tokens
+    each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table row in one step do.
+    (top-k 50: its [rows, k] values and indices stay far below top-p's sort of the whole row.)"""
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                             frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab))
-    long = tuple(i % vocab for i in range(max(max_model_len - 1, 1)))
-    short = long[:1]
-    return [SampleRow(params, long if i == 0 else short, long if i == 1 else short, banned_ids=short)
-            for i in range(rows)]
+    prompt = tuple(i % vocab for i in range(max(1, min(max_model_len - 1, FILL_TOKENS // rows - 1))))
+    return [SampleRow(params, prompt, prompt[:1], banned_ids=prompt[:1]) for _ in range(rows)]
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
@@ -74,9 +77,14 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
 
 
 class Sampler:
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0, penalties: PenaltyTable | None = None) -> None:
+        """`penalties`: the table that keeps penalized sequences' counts between steps (cleared here: this sampler's
+        sequences are numbered afresh); without one, a step's penalized rows are counted from their ids each time."""
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.penalties = penalties
+        if penalties is not None:
+            penalties.clear()
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [B, V] (one row per SampleRow) -> sampled ids, and log-probabilities where asked. One host sync."""
@@ -97,8 +105,9 @@ class Sampler:
             return self._start_copy(row_argmax(logits, out=ids_out), None, None)
         x = logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        counted = None
         if any(r.params.has_penalties for r in rows):
-            x = apply_penalties(x, rows)
+            x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):
             x = x.clone() if x is logits else x  # never write into the caller's logits
             for i, r in enumerate(rows):
@@ -110,6 +119,9 @@ class Sampler:
             ids = self._draw(x, rows)
         if ids_out is not None:
             ids = ids_out.copy_(ids)
+        if counted is not None and self.penalties is not None:  # the step's ids join their sequences' counts
+            positions, table_rows = counted
+            self.penalties.count(table_rows, ids if positions is None else ids[positions])
         return self._start_copy(ids, raw_logprobs, max(want_logprobs, default=None))
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -181,34 +193,27 @@ class PendingSample:
                             top_logprobs=[r[2 + k:] for r in rows])
 
 
+def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor]]:
+    """x [B, vocab] fp32 -> (x with the penalized rows' penalties applied, a new tensor; (their positions in x, None
+    for all of them, and their table rows), where the step's ids are counted). Without a table, the rows are counted
+    from their ids in one made for this call."""
+    positions = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    penalized = [rows[i] for i in positions]
+    if table is None:
+        table = PenaltyTable(len(penalized), x.shape[1], x.device)
+    table_rows = torch.tensor(table.rows_for(penalized), dtype=torch.int64, device=x.device)
+    params = [r.params for r in penalized]
+    if len(positions) == len(rows):
+        return table.apply(x, table_rows, params), (None, table_rows)
+    at = torch.tensor(positions, dtype=torch.int64, device=x.device)
+    return x.index_put((at,), table.apply(x[at], table_rows, params)), (at, table_rows)
+
+
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens) penalties."""
-    batch, vocab = x.shape
-    device = x.device
-    for r in rows:  # overlapped scheduling reads the last step first for these rows; a placeholder here is a bug
-        if r.params.has_penalties and PENDING_TOKEN in r.output_ids:
-            raise ValueError("penalties need every output token on the host, but one is still pending")
-
-    def padded(lists: list) -> torch.Tensor:
-        width = max((len(t) for t in lists), default=0)
-        out = torch.full((batch, max(width, 1)), vocab, dtype=torch.int64)  # id `vocab`: a spare column
-        for i, t in enumerate(lists):
-            out[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.int64)
-        return out.to(device)
-
-    # rows without penalties count nothing (their output ids may still be pending: overlapped scheduling)
-    out_ids = padded([r.output_ids if r.params.has_penalties else () for r in rows])
-    counts = torch.zeros(batch, vocab + 1, device=device)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-    counts = counts[:, :vocab]
-    in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
-    in_prompt.scatter_(1, padded([r.prompt_ids if r.params.has_penalties else () for r in rows]), True)
-    seen = in_prompt[:, :vocab] | (counts > 0)
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - freq * counts - pres * (counts > 0).float()
+    """Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens) penalties, counted
+    from the rows' ids (rows without penalties are left as they are)."""
+    return penalize(x, rows, None)[0]
 
 
 def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
