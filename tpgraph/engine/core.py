@@ -22,6 +22,7 @@ from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow, plain_gree
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.engine.uploads import to_device
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.kernels.tokens import NO_SOURCE
 
@@ -200,7 +201,7 @@ class EngineCore:
             timing.prefill = time.perf_counter() - t0
             done = [i for i, s in enumerate(seqs) if s.num_uncached == 0]  # prompt (or recompute) complete
             if done:
-                parts.append(logits if len(done) == len(seqs) else logits[done])
+                parts.append(logits if len(done) == len(seqs) else logits[to_device(done, torch.int64, logits.device)])
                 sampled += [seqs[i] for i in done]
         pending, rows = None, [self._sample_row(s) for s in sampled]
         if sched.decode:

@@ -22,6 +22,7 @@ import torch
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
+from tpgraph.engine.uploads import to_device
 
 # the most history tokens one upload fills rows from (16 bytes each on the device while it lasts: ids and rows); the
 # memory profile's sampling step fills this many (sampler.worst_case_rows)
@@ -104,7 +105,7 @@ class PenaltyTable:
             if PENDING_TOKEN in r.output_ids:
                 raise ValueError("penalties need every output token on the host to fill a sequence's row, but one "
                                  "is still pending")
-        index = torch.tensor([row for row, _ in rows], dtype=torch.int64, device=self.device)
+        index = to_device([row for row, _ in rows], torch.int64, self.device)
         self.counts.index_fill_(0, index, 0)
         self.in_prompt.index_fill_(0, index, False)
         chunk: list[tuple[int, PenalizedRow]] = []
@@ -122,9 +123,9 @@ class PenaltyTable:
     def _upload(self, rows: list[tuple[int, PenalizedRow]]) -> None:
         prompt_rows = [row for row, r in rows for _ in r.prompt_ids]
         out_rows = [row for row, r in rows for _ in r.output_ids]
-        ids = torch.tensor([t for _, r in rows for t in r.prompt_ids] + [t for _, r in rows for t in r.output_ids],
-                           dtype=torch.int64).to(self.device, non_blocking=True)
-        at = torch.tensor(prompt_rows + out_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = to_device([t for _, r in rows for t in r.prompt_ids] + [t for _, r in rows for t in r.output_ids],
+                        torch.int64, self.device)
+        at = to_device(prompt_rows + out_rows, torch.int64, self.device)
         n = len(prompt_rows)
         self.in_prompt.index_put_((at[:n], ids[:n]), torch.ones((), dtype=torch.bool, device=self.device))
         self.count(at[n:], ids[n:])
@@ -141,8 +142,8 @@ class PenaltyTable:
         counts = self.counts.index_select(0, rows).float()
         seen = self.in_prompt.index_select(0, rows) | (counts > 0)
         device = x.device
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        rep = to_device([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
+        freq = to_device([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
+        pres = to_device([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         return x - freq * counts - pres * (counts > 0).float()

@@ -23,6 +23,7 @@ from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.sampler import Sampler, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
+from tpgraph.engine.uploads import to_device
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.buffers import Pad, PersistentBuffers
 from tpgraph.graphs.captured import call
@@ -512,7 +513,7 @@ class ModelRunner:
         else:
             hidden = self._eager_prefill(total, counts, context, blocks)
         self.stats.record("prefill", total, padded, mode)
-        last = torch.tensor(counts, device=self.device).cumsum(0) - 1
+        last = to_device(counts, torch.int64, self.device).cumsum(0) - 1
         for seq, start, n in spans:
             seq.num_cached = start + n
         return self.model.compute_logits(hidden[last])

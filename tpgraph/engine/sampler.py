@@ -22,6 +22,7 @@ import torch
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpgraph.engine.uploads import to_device
 from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -112,7 +113,7 @@ class Sampler:
             x = x.clone() if x is logits else x  # never write into the caller's logits
             for i, r in enumerate(rows):
                 if r.banned_ids:
-                    x[i, list(r.banned_ids)] = float("-inf")
+                    x[i, to_device(r.banned_ids, torch.int64, x.device)] = float("-inf")
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
         else:
@@ -127,7 +128,7 @@ class Sampler:
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         greedy_ids = row_argmax(x)
         params = [r.params for r in rows]
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=x.device)
+        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, x.device)
         x = x / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
             x = top_k_mask(x, [p.top_k for p in params])
@@ -135,7 +136,7 @@ class Sampler:
             x = top_p_mask(x, [p.top_p for p in params])
         probs = torch.softmax(x, dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=x.device).unsqueeze(1)
+            min_p = to_device([p.min_p for p in params], torch.float32, x.device).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         race = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
@@ -144,7 +145,7 @@ class Sampler:
                     row_seed(r.params.seed, r.sample_index, len(r.output_ids)))
                 race[i].exponential_(generator=g)
         sampled = row_argmax(probs / race)
-        greedy = torch.tensor([p.greedy for p in params], device=x.device)
+        greedy = to_device([p.greedy for p in params], torch.bool, x.device)
         return torch.where(greedy, greedy_ids, sampled)
 
     def pending(self, ids: torch.Tensor) -> PendingSample:
@@ -202,11 +203,11 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
     penalized = [rows[i] for i in positions]
     if table is None:
         table = PenaltyTable(len(penalized), x.shape[1], x.device)
-    table_rows = torch.tensor(table.rows_for(penalized), dtype=torch.int64, device=x.device)
+    table_rows = to_device(table.rows_for(penalized), torch.int64, x.device)
     params = [r.params for r in penalized]
     if len(positions) == len(rows):
         return table.apply(x, table_rows, params), (None, table_rows)
-    at = torch.tensor(positions, dtype=torch.int64, device=x.device)
+    at = to_device(positions, torch.int64, x.device)
     return x.index_put((at,), table.apply(x[at], table_rows, params)), (at, table_rows)
 
 
@@ -221,9 +222,9 @@ def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = x.shape[1]
     k_max = min(max(ks), vocab)
     kth = x.topk(k_max, dim=-1).values  # descending
-    index = torch.tensor([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], device=x.device).unsqueeze(1)
+    index = to_device([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], torch.int64, x.device).unsqueeze(1)
     threshold = kth.gather(1, index)
-    off = torch.tensor([k <= 0 for k in ks], device=x.device).unsqueeze(1)
+    off = to_device([k <= 0 for k in ks], torch.bool, x.device).unsqueeze(1)
     return x.masked_fill(~off & (x < threshold), float("-inf"))
 
 
@@ -232,7 +233,7 @@ def top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
     sorted_x, order = x.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_x, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    p = torch.tensor(ps, device=x.device).unsqueeze(1)
+    p = to_device(ps, torch.float32, x.device).unsqueeze(1)
     drop_sorted = before >= p
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)

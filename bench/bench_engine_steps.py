@@ -1,0 +1,118 @@
+"""Whole engine steps by sampling mix: what a user's decode step costs once sampling options are on.
+
+    python bench/bench_engine_steps.py --shape llama3-8b-half --batches 8,32 --prompt-len 4096 \\
+        --mixes greedy,penalties,sampled,sampled+penalties --out steps.json
+
+`bench_decode.py` times the runner's forward; this drives `EngineCore.step` as `TPEngine.generate` does (overlapped
+scheduling, the sampler, the host's token handling) on random weights of a named shape at TP=1, from a config.json
+written to a temporary directory. Per point (batch, prompt length, mix) it queues `batch` requests of
+`--prompt-len` random token ids that each generate `--tokens` tokens (ignore_eos), steps until they finish, and
+reports over the steps that decoded the whole batch (after every prefill): the median wall time a step (one
+`core.step()` call; in the overlapped loop that is one step's period), the share that overlapped the last step's
+read-back, and the host's parts of a step (StepTiming). The first point pays one-time costs; `--warmup` runs a short
+point first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_decode import SHAPES
+
+from tpgraph import TPEngine
+from tpgraph.config import BUILTIN_MODEL, ModelConfig
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.graphs.config import GraphConfig
+
+MIXES = {
+    "greedy": dict(temperature=0.0),
+    "penalties": dict(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+    "sampled": dict(temperature=0.8, top_p=0.95),
+    "sampled+penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2),
+}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The config.json a checkpoint of this shape would have (ModelConfig.from_hf_dict reads it back)."""
+    rope = cfg.rope
+    scaling = None if rope.type == "default" else {
+        "rope_type": rope.type, "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_position_embeddings}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": rope.theta, "rope_scaling": scaling,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "bfloat16", "bos_token_id": 1,
+            "eos_token_id": 2}
+
+
+def run_point(engine: TPEngine, batch: int, prompt_len: int, tokens: int, mix: str, seed: int) -> dict:
+    core, vocab = engine.core, engine.model.cfg.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, **MIXES[mix])
+    for i in range(batch):
+        core.add_request(f"{mix}-{batch}-{seed}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
+    steps = []
+    while core.has_work:
+        t0 = time.perf_counter()
+        core.step()
+        wall = time.perf_counter() - t0
+        t = core.timing
+        if t.decode_batch == batch and not t.prefill:
+            steps.append({"wall": wall, "overlapped": t.overlapped, "schedule": t.schedule, "prepare": t.prepare,
+                          "submit": t.submit, "sample": t.sample, "postprocess": t.postprocess})
+    ms = lambda key: round(1e3 * statistics.median(s[key] for s in steps), 4)  # noqa: E731
+    return {"batch": batch, "prompt_len": prompt_len, "mix": mix, "steps": len(steps),
+            "step_ms": ms("wall"), "overlapped": sum(s["overlapped"] for s in steps) / max(len(steps), 1),
+            "host_ms": {k: ms(k) for k in ("schedule", "prepare", "submit", "sample", "postprocess")},
+            "fills": engine.runner.penalties.fills if hasattr(engine.runner, "penalties") else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=(*SHAPES, "builtin"), default="llama3-8b-half",
+                   help="builtin: the small default model (a run on CPU)")
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--mixes", default="greedy,penalties")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the prompt, the tokens and a block")
+    p.add_argument("--warmup", action="store_true", help="run a short point of each mix first, untimed")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    mixes = args.mixes.split(",")
+    unknown = [m for m in mixes if m not in MIXES]
+    if unknown:
+        raise SystemExit(f"unknown mixes {unknown}; choose from {', '.join(MIXES)}")
+    max_len = args.max_model_len or args.prompt_len + args.tokens + 16
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES.get(args.shape, BUILTIN_MODEL))))
+        with TPEngine(model_dir, load_format="dummy", max_num_seqs=max(batches), max_model_len=max_len,
+                      max_num_batched_tokens=max(max_len, 8192),
+                      graphs=GraphConfig(ladder=tuple(sorted(set(batches))))) as engine:
+            if args.warmup:
+                for mix in mixes:
+                    run_point(engine, min(batches), 64, 8, mix, seed=0)
+            results = []
+            for batch in batches:
+                for mix in mixes:
+                    r = run_point(engine, batch, args.prompt_len, args.tokens, mix, seed=1)
+                    results.append(r)
+                    print(f"batch {batch:3d} prompt {args.prompt_len} {mix:18s} step {r['step_ms']:.3f} ms "
+                          f"(overlapped {r['overlapped']:.0%}, {r['steps']} steps) host {r['host_ms']}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "tokens": args.tokens, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

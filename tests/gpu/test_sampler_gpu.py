@@ -1,0 +1,34 @@
+"""Sampling on CUDA queues its work without waiting for the GPU: the overlapped loop schedules the next step while
+the last one's forward and sampling run, and one synchronous copy (a tensor made from a list on the device) would
+make the host wait for both."""
+
+import pytest
+import torch
+
+from tpgraph.engine.penalties import PenaltyTable
+from tpgraph.engine.sampler import Sampler, SampleRow
+from tpgraph.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+EVERY_OPTION = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                              frequency_penalty=0.3, presence_penalty=0.2, logprobs=2, seed=4)
+
+
+def test_sampling_every_option_never_waits_for_the_gpu():
+    vocab = 32000
+    table = PenaltyTable(4, vocab, "cuda")
+    sampler = Sampler("cuda", penalties=table)
+    rows = [SampleRow(EVERY_OPTION, [1, 2, 3], [], sample_index=i, seq_id=i) for i in range(3)]
+    rows.append(SampleRow(SamplingParams(temperature=0.0), [5], [], banned_ids=(7,), seq_id=3))
+    logits = torch.randn(4, vocab, device="cuda")
+    sampler.sample(logits, rows)  # first use: rows filled from the host, allocator and kernels warm
+    torch.cuda.synchronize()
+    later = [SampleRow(r.params, r.prompt_ids, [-1], r.sample_index, r.banned_ids, r.seq_id) for r in rows]
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the sampling
+    pending = sampler.sample_async(logits, later)
+    still_busy = not torch.cuda.current_stream().query()
+    out = pending.result()
+    assert still_busy, "sample_async waited for the GPU"
+    assert len(out.token_ids) == 4 and table.fills == 3  # the second step used the rows it had (no host ids)
+    assert int(table.counts.sum()) == 6  # both steps' ids of the penalized rows, counted on the device

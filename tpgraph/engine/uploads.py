@@ -1,0 +1,17 @@
+"""Small host values (a row's temperature, a step's table rows) sent to the device without waiting for it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of `values` on `device`, in stream order. `torch.tensor(values, device="cuda")` copies
+    synchronously: the host waits for everything already queued on the stream, which in the overlapped loop is the
+    step's forward, so the next step cannot be scheduled while it runs. From pinned memory the copy is queued instead
+    (the caching host allocator keeps the source until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
