@@ -26,7 +26,11 @@ def test_sampling_every_option_never_waits_for_the_gpu():
     torch.cuda.synchronize()
     later = [SampleRow(r.params, r.prompt_ids, [-1], r.sample_index, r.banned_ids, r.seq_id) for r in rows]
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the sampling
-    pending = sampler.sample_async(logits, later)
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises, naming itself
+    try:
+        pending = sampler.sample_async(logits, later)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     still_busy = not torch.cuda.current_stream().query()
     out = pending.result()
     assert still_busy, "sample_async waited for the GPU"

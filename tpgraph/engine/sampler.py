@@ -109,11 +109,10 @@ class Sampler:
         counted = None
         if any(r.params.has_penalties for r in rows):
             x, counted = penalize(x, rows, self.penalties)
-        if any(r.banned_ids for r in rows):
-            x = x.clone() if x is logits else x  # never write into the caller's logits
-            for i, r in enumerate(rows):
-                if r.banned_ids:
-                    x[i, to_device(r.banned_ids, torch.int64, x.device)] = float("-inf")
+        if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
+            at = to_device([i for i, r in enumerate(rows) for _ in r.banned_ids], torch.int64, x.device)
+            banned = to_device([t for r in rows for t in r.banned_ids], torch.int64, x.device)
+            x = x.index_put((at, banned), torch.full((), float("-inf"), device=x.device))
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
         else:
