@@ -1,0 +1,35 @@
+"""bench/bench_engine_steps.py off the GPU: the config.json it writes reads back as the shape it names, and a point
+on the built-in model times the steps that decode the whole batch."""
+
+import json
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+from tpgraph.config import BUILTIN_MODEL, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return load_bench_module("bench_engine_steps")
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "llama3-8b-half", "llama31-8b-half"])
+def test_the_written_config_reads_back_as_the_shape(steps, shape):
+    cfg = steps.SHAPES[shape]
+    back = ModelConfig.from_hf_dict(json.loads(json.dumps(steps.hf_config(cfg))))
+    assert (back.vocab_size, back.intermediate_size, back.num_attention_heads, back.num_key_value_heads,
+            back.head_dim, back.rope, back.max_position_embeddings) == (
+        cfg.vocab_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        cfg.rope, cfg.max_position_embeddings)
+
+
+def test_a_point_times_the_whole_batch_decode_steps(steps, tmp_path):
+    from tpgraph import TPEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(steps.hf_config(BUILTIN_MODEL)))
+    with TPEngine(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=3, max_model_len=64,
+                  num_kv_blocks=32, block_size=8) as engine:
+        r = steps.run_point(engine, 3, 20, 6, "sampled+penalties", seed=1)
+    # 6 tokens: the prefill's, then 5 decode steps of all 3 rows; all but the first overlap a read-back
+    assert r["steps"] == 5 and r["overlapped"] >= 0.8 and r["fills"] == 3 and r["step_ms"] > 0
