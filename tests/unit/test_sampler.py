@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tpgraph.engine.sampler import Sampler, SampleRow, row_seed, top_k_mask, top_p_mask
+from tpgraph.engine.sampler import Sampler, SampleRow, row_cumsum, row_seed, top_k_mask, top_p_mask
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 
@@ -90,6 +90,25 @@ def test_masks_per_row():
     assert not torch.isinf(masked[1]).any()  # k 0: off
     kept = ~torch.isinf(top_p_mask(LOGITS.expand(2, -1).clone(), [0.6, 1.0]))
     assert kept.tolist() == [[True, True, False, False], [True] * 4]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p_in_exact_arithmetic():
+    """Against float64 sums over each sorted row: the kept prefix is exact except where the mass reaches p within
+    fp32's rounding of a softmax and a 3000-term sum (3e-5); ties at the last kept value stay."""
+    g = torch.Generator().manual_seed(1)
+    for width in (5, 1023, 1024, 1025, 3000):
+        x = torch.rand(3, width, generator=g)
+        torch.testing.assert_close(row_cumsum(x), x.cumsum(-1), rtol=1e-5, atol=1e-4)
+    ps = [0.1, 0.5, 0.9, 0.999]
+    for _ in range(50):
+        x = torch.randn(4, 3000, generator=g) * 3
+        kept = (~torch.isinf(top_p_mask(x, ps))).sum(-1).tolist()
+        mass = torch.softmax(x.double().sort(dim=-1, descending=True).values, dim=-1).cumsum(-1)
+        want = [int((mass[i] < p).sum()) + 1 for i, p in enumerate(ps)]
+        near = [abs(float(mass[i, k - 1]) - p) < 3e-5 for i, (k, p) in enumerate(zip(want, ps, strict=True))]
+        assert all(k == w or n for k, w, n in zip(kept, want, near, strict=True)), (kept, want)
+    tied = torch.tensor([[2.0, 1.0, 1.0, 0.0]])  # top-p 0.5 needs the 2.0 and one 1.0: both 1.0s stay
+    assert (~torch.isinf(top_p_mask(tied, [0.8]))).tolist() == [[True, True, True, False]]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch_or_the_shared_generator():

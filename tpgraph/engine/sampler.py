@@ -228,12 +228,21 @@ def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 
 def top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p (always at least the top one)."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
+    """Keep the smallest set of most likely tokens whose probability reaches p (always at least the top one); ties
+    at the last kept value are kept, as top_k_mask keeps them."""
+    sorted_x = x.sort(dim=-1, descending=True).values
     probs = torch.softmax(sorted_x, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
     p = to_device(ps, torch.float32, x.device).unsqueeze(1)
-    drop_sorted = before >= p
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
+    # the tokens whose running mass stays below p, and the one that reaches it (a prefix: the sums only grow)
+    kept = ((row_cumsum(probs) < p).sum(dim=-1, keepdim=True) + 1).clamp_(max=x.shape[1])
+    return x.masked_fill(x < sorted_x.gather(1, kept - 1), float("-inf"))
+
+
+def row_cumsum(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """x.cumsum(-1) of a [B, V] tensor, by chunks of the row and then their totals: torch's scan along a long last
+    dimension runs a block per row (81 µs for 8 x 64128 on an H200, against a few for this)."""
+    rows, width = x.shape
+    padded = torch.nn.functional.pad(x, (0, -width % chunk)).view(rows, -1, chunk)
+    within = padded.cumsum(dim=-1)
+    totals = within[:, :, -1]
+    return (within + (totals.cumsum(dim=-1) - totals).unsqueeze(-1)).view(rows, -1)[:, :width]
