@@ -57,6 +57,8 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 def run_point(engine: TPEngine, batch: int, prompt_len: int, tokens: int, mix: str, seed: int) -> dict:
     core, vocab = engine.core, engine.model.cfg.vocab_size
+    table = getattr(engine.runner, "penalties", None)  # (None in trees from before the count table)
+    fills = table.fills if table is not None else 0
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, **MIXES[mix])
     for i in range(batch):
@@ -70,11 +72,13 @@ def run_point(engine: TPEngine, batch: int, prompt_len: int, tokens: int, mix: s
         if t.decode_batch == batch and not t.prefill:
             steps.append({"wall": wall, "overlapped": t.overlapped, "schedule": t.schedule, "prepare": t.prepare,
                           "submit": t.submit, "sample": t.sample, "postprocess": t.postprocess})
+    if not steps:
+        raise SystemExit(f"no step decoded all {batch} rows at once: raise --tokens, or the KV cache's size")
     ms = lambda key: round(1e3 * statistics.median(s[key] for s in steps), 4)  # noqa: E731
     return {"batch": batch, "prompt_len": prompt_len, "mix": mix, "steps": len(steps),
             "step_ms": ms("wall"), "overlapped": sum(s["overlapped"] for s in steps) / max(len(steps), 1),
             "host_ms": {k: ms(k) for k in ("schedule", "prepare", "submit", "sample", "postprocess")},
-            "fills": engine.runner.penalties.fills if hasattr(engine.runner, "penalties") else None}
+            "fills": table.fills - fills if table is not None else None}  # this point's sequences filled
 
 
 def main() -> None:

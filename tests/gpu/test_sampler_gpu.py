@@ -24,15 +24,18 @@ def test_sampling_every_option_never_waits_for_the_gpu():
     logits = torch.randn(4, vocab, device="cuda")
     sampler.sample(logits, rows)  # first use: rows filled from the host, allocator and kernels warm
     torch.cuda.synchronize()
+    # the next step on the slots held (its last tokens pending), and a newcomer's slot filled from its ids
     later = [SampleRow(r.params, r.prompt_ids, [-1], r.sample_index, r.banned_ids, r.seq_id) for r in rows]
+    newcomer = [*later[1:], SampleRow(EVERY_OPTION, [4, 5, 6], [7, 7, 8], seq_id=10)]
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the sampling
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises, naming itself
     try:
-        pending = sampler.sample_async(logits, later)
+        pending = [sampler.sample_async(logits, later), sampler.sample_async(logits, newcomer)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     still_busy = not torch.cuda.current_stream().query()
-    out = pending.result()
+    out = [p.result() for p in pending]
     assert still_busy, "sample_async waited for the GPU"
-    assert len(out.token_ids) == 4 and table.fills == 3  # the second step used the rows it had (no host ids)
-    assert int(table.counts.sum()) == 6  # both steps' ids of the penalized rows, counted on the device
+    assert [len(o.token_ids) for o in out] == [4, 4] and table.fills == 4  # held slots took no host ids
+    # the penalized rows' ids of three steps, counted on the device, and the newcomer's three output ids
+    assert int(table.counts.sum()) == 3 + 3 + 3 + 3

@@ -121,6 +121,31 @@ def test_penalties_overlap_and_fill_each_sequence_once(monkeypatch):
     assert outputs(got) == outputs(want)
 
 
+PENALIZED = [SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.5, frequency_penalty=0.6),
+             SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=11, presence_penalty=0.8, min_tokens=3),
+             SamplingParams(temperature=0.0, max_tokens=9),
+             SamplingParams(temperature=0.7, top_k=30, seed=8, max_tokens=16, repetition_penalty=0.7,
+                            presence_penalty=-0.5)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 17, "max_num_seqs": 3}, {"max_num_batched_tokens": 32}],
+                         ids=["plain", "preemption", "chunked"])
+def test_the_count_table_equals_counting_the_hosts_ids_each_step(kw):
+    """The reference counts every penalized row from the host's ids at each step (no table, overlap off); the
+    engine keeps the counts on the device and overlaps. A preempted sequence keeps its slot, with every token it
+    had, through its recompute: each sequence is filled once. (Losing a slot and being filled again is
+    test_penalties.py's: here a preempted sequence returns before any newcomer is admitted.)"""
+    with engine(overlap_scheduling=False, **kw) as e:
+        e.core.sampler.penalties = None
+        want = e.generate(PROMPTS, PENALIZED)
+    with engine(**kw) as e:
+        got = e.generate(PROMPTS, PENALIZED)
+        fills, preempted = e.runner.penalties.fills, e.core.scheduler.num_preemptions
+    assert outputs(got) == outputs(want)
+    assert fills == 1 + 2 + 1  # the penalized sequences
+    assert preempted > 0 or not kw.get("num_kv_blocks")
+
+
 def test_the_pending_token_reaches_the_next_step_on_the_device():
     with engine() as e:
         core, runner = e.core, e.runner

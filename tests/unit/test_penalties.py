@@ -35,6 +35,7 @@ def test_penalties_match_a_per_token_reference():
 
 def test_penalties_refuse_a_pending_token_and_other_rows_ignore_theirs():
     logits = torch.zeros(2, 4)
+    assert apply_penalties(logits, [SampleRow(SamplingParams(), [1], [2, -1])]) is logits  # none penalized
     plain = SampleRow(SamplingParams(temperature=0.0), [1], [2, -1])  # its last token pending (overlap): unused
     penalized = SampleRow(SamplingParams(temperature=0.0, presence_penalty=1.0), [1], [2, 3])
     out = apply_penalties(logits, [plain, penalized])
@@ -48,8 +49,8 @@ PARAMS = [SamplingParams(repetition_penalty=1.4), SamplingParams(frequency_penal
 
 
 def test_counts_kept_between_steps_match_the_reference_as_sequences_come_and_go():
-    """Seven sequences, three table rows: each step samples up to three of them, in any order, the table counting the
-    step's ids on its side while the host appends them to its own lists. Sequences that sit out lose their rows to
+    """Seven sequences, three slots: each step samples up to three of them, in any order, the table counting the
+    step's ids on its side while the host appends them to its own lists. Sequences that sit out lose their slots to
     newcomers and are filled again on return; every step's penalized logits equal the reference's on the host's
     ids, and plain rows stay as they were."""
     vocab, table = 40, PenaltyTable(3, 40, "cpu")
@@ -63,34 +64,41 @@ def test_counts_kept_between_steps_match_the_reference_as_sequences_come_and_go(
             continue
         rows = [SampleRow(PARAMS[s % 4], prompts[s], list(outputs[s]), seq_id=s) for s in seqs]
         x = torch.randn(len(rows), vocab, generator=gen)
-        got, (positions, table_rows) = penalize(x, rows, table)
+        got, counted = penalize(x, rows, table)
         for i, row in enumerate(rows):
             torch.testing.assert_close(got[i], reference_penalties(x[i], row) if row.params.has_penalties else x[i])
         ids = torch.randint(vocab, (len(rows),), generator=gen)
-        table.count(table_rows, ids if positions is None else ids[positions])
+        table.count(counted.slots, ids if counted.positions is None else ids[counted.positions])
         for s, t in zip(seqs, ids.tolist(), strict=True):
             outputs[s].append(t)
-    assert table.fills > 7  # rows were lost and filled again, and the counts still held
+    assert table.fills > 7  # slots were lost and filled again, and the counts still held
 
 
-def test_a_step_never_takes_a_row_from_its_own_sequences():
+def test_a_step_never_takes_a_slot_from_its_own_sequences_and_a_finished_one_gives_its_slot_back():
     table = PenaltyTable(2, 10, "cpu")
     p = PARAMS[0]
-    first = table.rows_for([SampleRow(p, [1], [], seq_id=0), SampleRow(p, [2], [], seq_id=1)])
-    # sequence 0 was used least recently, but is in this step: sequence 1's row goes to the newcomer
-    again = table.rows_for([SampleRow(p, [3], [], seq_id=2), SampleRow(p, [1], [], seq_id=0)])
+    first = table.slots_for([SampleRow(p, [1], [], seq_id=0), SampleRow(p, [2], [], seq_id=1)])
+    # sequence 0 was used least recently, but is in this step: sequence 1's slot goes to the newcomer
+    again = table.slots_for([SampleRow(p, [3], [], seq_id=2), SampleRow(p, [1], [], seq_id=0)])
     assert again == [first[1], first[0]] and table.fills == 3
+    table.release(2)  # finished: its slot is free, so sequence 3 takes it and sequence 0 keeps its own
+    assert table.slots_for([SampleRow(p, [4], [], seq_id=3)]) == [first[1]]
+    assert table.slots_for([SampleRow(p, [1], [], seq_id=0)]) == [first[0]] and table.fills == 4
     with pytest.raises(ValueError, match="the penalty table holds 2"):
-        table.rows_for([SampleRow(p, [1], [], seq_id=s) for s in range(3)])
+        table.slots_for([SampleRow(p, [1], [], seq_id=s) for s in range(3)])
     with pytest.raises(ValueError, match="appears twice"):
-        table.rows_for([SampleRow(p, [1], [], seq_id=0), SampleRow(p, [1], [], seq_id=0)])
+        table.slots_for([SampleRow(p, [1], [], seq_id=0), SampleRow(p, [1], [], seq_id=0)])
+    # a new sequence whose history still has a pending token is refused before any slot changes hands
+    with pytest.raises(ValueError, match="still pending"):
+        table.slots_for([SampleRow(p, [1], [2, -1], seq_id=9)])
+    assert 9 not in table._slots and table.slots_for([SampleRow(p, [4], [], seq_id=3)]) == [first[1]]
 
 
 def test_rows_without_an_id_are_filled_for_their_call_only():
     table = PenaltyTable(3, 10, "cpu")
     p = SamplingParams(presence_penalty=1.0)
     rows = [SampleRow(p, [1], [2]), SampleRow(p, [1], [3])]
-    taken = table.rows_for(rows)
+    taken = table.slots_for(rows)
     assert len(set(taken)) == 2  # two in one call never share a row
     x = torch.zeros(2, 10)
     got = penalize(x, rows, table)[0]
@@ -111,5 +119,5 @@ def test_the_sampler_counts_its_ids_into_its_table():
     assert table.counts.sum().item() == 2 and table.fills == 1
     with pytest.raises(ValueError, match="logits of 5 tokens"):
         sampler.sample(logits[:1, :5], [SampleRow(p, [0], [1, 2], seq_id=4)])
-    Sampler("cpu", penalties=table)  # a new sampler numbers its sequences afresh: the table forgets them
+    table.clear()  # (an engine clears its table when it starts: its sequence ids start from 0)
     assert sampler.sample(logits[:1], [SampleRow(p, [0], [1, 2], seq_id=4)]).token_ids == [1]

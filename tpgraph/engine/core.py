@@ -107,6 +107,7 @@ class EngineCore:
                               f"runner's prefill buffers ({runner.max_prefill_tokens} tokens)")
         self.runner = runner
         self.scheduler = Scheduler(scheduler_cfg, runner.allocator)
+        runner.penalties.clear()  # this engine's sequence ids start from 0: no slot of an earlier one is theirs
         self.sampler = Sampler(runner.device, seed, penalties=runner.penalties)
         self.eos_ids = tuple(eos_ids)
         self.tokenizer = tokenizer
@@ -151,7 +152,7 @@ class EngineCore:
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
                 seq.drop_pending()  # the row of its step in flight is dropped when read
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, "abort")
                 updates.append(StepUpdate(request_id, seq.sample_index, None, "", "abort"))
         return updates
 
@@ -243,8 +244,13 @@ class EngineCore:
         self.timing.postprocess += time.perf_counter() - now
         return updates
 
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.penalties.release(seq.seq_id)
+
     def _ended(self, seq: Sequence) -> StepUpdate:
         """A sequence the scheduler finished (it outgrew the KV cache): hand out its held-back text."""
+        self.runner.penalties.release(seq.seq_id)
         detok = self.requests[seq.request_id].detokenizers[seq.sample_index]
         return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", seq.finish_reason)
 
@@ -275,5 +281,5 @@ class EngineCore:
             if detok is not None:
                 text += detok.flush()
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)

@@ -1,15 +1,16 @@
 """Repetition, frequency and presence penalties from token counts kept on the device.
 
-A penalized sequence holds one row of a [rows, vocab] table: how often each token appears in its output, and which
-tokens its prompt holds. The row is filled once from the host's ids when the sequence first needs it, and then grows
-by each step's sampled ids on the device, in stream order. A step therefore neither waits for the host's copy of the
-last token (penalties overlap like any other sampling) nor uploads a sequence's history again: per step the host
-does a lookup per row, whatever the prompt's and output's lengths.
+A penalized sequence holds one slot (a row) of a [slots, vocab] table: how often each token appears in its output,
+and which tokens its prompt holds. The slot is filled once from the host's ids when the sequence first needs it, and
+then grows by each step's sampled ids on the device, in stream order. A step therefore neither waits for the host's
+copy of the last token (penalties overlap like any other sampling) nor uploads a sequence's history again: per step
+the host does a lookup per row, whatever the prompt's and output's lengths.
 
-Rows are keyed by sequence id and reused least recently used first. A row is never taken from a sequence in the
-same call, and the table holds the largest batch's rows, so a running sequence (sampled every step) keeps its row;
-one that sits out (preempted) and loses it is filled again when it returns, by then with every token read back.
-Rows without a key (direct use of the sampler) are filled for the call only.
+Slots are keyed by sequence id. The engine releases a sequence's slot when it finishes; otherwise slots are reused
+least recently used first, never from a sequence in the same call. The table has a slot for each row of the largest
+batch, so a running sequence (sampled every step) keeps its slot; one that sits out (preempted) and loses it is filled
+again when it returns, by then with every token read back. Rows without a key (direct use of the sampler) are filled
+for the call only. One engine owns a table: it clears it when it starts, as its sequence ids start from 0.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
 from tpgraph.engine.uploads import to_device
 
-# the most history tokens one upload fills rows from (16 bytes each on the device while it lasts: ids and rows); the
-# memory profile's sampling step fills this many (sampler.worst_case_rows)
+# the most history tokens one upload fills slots from: on the device while it lasts, 16 bytes each (ids and slots)
+# and the output counts' sort in index_put_; the memory profile's sampling step fills this many
+# (sampler.worst_case_rows)
 FILL_TOKENS = 1 << 19
 
 
@@ -39,18 +41,18 @@ class PenalizedRow(Protocol):
 
 
 class PenaltyTable:
-    def __init__(self, rows: int, vocab: int, device: torch.device | str) -> None:
-        if rows < 1 or vocab < 1:
-            raise ValueError(f"a penalty table needs at least one row and one token, got {rows} x {vocab}")
+    def __init__(self, slots: int, vocab: int, device: torch.device | str) -> None:
+        if slots < 1 or vocab < 1:
+            raise ValueError(f"a penalty table needs at least one slot and one token, got {slots} x {vocab}")
         self.device = torch.device(device)
-        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=self.device)  # output tokens
-        self.in_prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=self.device)
-        self._rows: OrderedDict[int, int] = OrderedDict()  # seq id -> row, least recently used first
-        self._free = list(range(rows - 1, -1, -1))
-        self.fills = 0  # rows filled from the host's ids so far (a sequence's first step, or its return)
+        self.counts = torch.zeros(slots, vocab, dtype=torch.int32, device=self.device)  # output tokens
+        self.in_prompt = torch.zeros(slots, vocab, dtype=torch.bool, device=self.device)
+        self._slots: OrderedDict[int, int] = OrderedDict()  # seq id -> slot, least recently used first
+        self._free = list(range(slots - 1, -1, -1))
+        self.fills = 0  # slots filled from the host's ids so far (a sequence's first step, or its return)
 
     @property
-    def num_rows(self) -> int:
+    def num_slots(self) -> int:
         return self.counts.shape[0]
 
     @property
@@ -62,88 +64,93 @@ class PenaltyTable:
         return self.counts.nbytes + self.in_prompt.nbytes
 
     def clear(self) -> None:
-        """Forget every sequence (a new engine numbers its sequences from 0 again)."""
-        self._rows.clear()
-        self._free = list(range(self.num_rows - 1, -1, -1))
+        """Forget every sequence."""
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
-    def rows_for(self, rows: list[PenalizedRow]) -> list[int]:
-        """The table row of each row in `rows` (all penalized), filling those not held yet from the host's ids."""
-        if len(rows) > self.num_rows:
-            raise ValueError(f"{len(rows)} penalized rows in one step, but the penalty table holds {self.num_rows}")
+    def release(self, seq_id: int) -> None:
+        """A finished sequence's slot is free again (its last step's count may still be queued: the next fill's
+        zeroing comes after it in stream order)."""
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def slots_for(self, rows: list[PenalizedRow]) -> list[int]:
+        """The slot of each row in `rows` (all penalized), filling those not held yet from the host's ids."""
+        if len(rows) > self.num_slots:
+            raise ValueError(f"{len(rows)} penalized rows in one step, but the penalty table holds {self.num_slots}")
         keys = {r.seq_id for r in rows if r.seq_id is not None}
         if len(keys) < sum(r.seq_id is not None for r in rows):
             raise ValueError("a sequence appears twice in one sampling step")
+        new = [r for r in rows if r.seq_id not in self._slots]
+        if any(PENDING_TOKEN in r.output_ids for r in new):  # (checked before any slot changes hands)
+            raise ValueError("penalties need every output token on the host to fill a sequence's slot, but one is "
+                             "still pending")
         out, to_fill, this_call_only = [], [], []
         for r in rows:
-            row = self._rows.get(r.seq_id) if r.seq_id is not None else None
-            if row is None:
-                row = self._take(keys)
+            slot = self._slots.get(r.seq_id) if r.seq_id is not None else None
+            if slot is None:
+                slot = self._take(keys)
                 if r.seq_id is not None:
-                    self._rows[r.seq_id] = row
+                    self._slots[r.seq_id] = slot
                 else:
-                    this_call_only.append(row)
-                to_fill.append((row, r))
+                    this_call_only.append(slot)
+                to_fill.append((slot, r))
             else:
-                self._rows.move_to_end(r.seq_id)
-            out.append(row)
+                self._slots.move_to_end(r.seq_id)
+            out.append(slot)
         if to_fill:
             self._fill(to_fill)
-        self._free += this_call_only  # free once this call's rows are taken (their contents are read in stream order)
+        self._free += this_call_only  # free once this call's slots are taken (their contents are read in stream order)
         return out
 
     def _take(self, keep: set[int]) -> int:
         if self._free:
             return self._free.pop()
-        for key in self._rows:  # least recently used first
+        for key in self._slots:  # least recently used first
             if key not in keep:
-                return self._rows.pop(key)
-        raise AssertionError("unreachable: more rows asked than the table holds")
+                return self._slots.pop(key)
+        raise AssertionError("unreachable: more slots asked than the table holds")
 
     def _fill(self, rows: list[tuple[int, PenalizedRow]]) -> None:
         """Counts and prompt marks of whole histories, from the host: an upload per FILL_TOKENS of them."""
-        for _, r in rows:
-            if PENDING_TOKEN in r.output_ids:
-                raise ValueError("penalties need every output token on the host to fill a sequence's row, but one "
-                                 "is still pending")
-        index = to_device([row for row, _ in rows], torch.int64, self.device)
-        self.counts.index_fill_(0, index, 0)
-        self.in_prompt.index_fill_(0, index, False)
+        taken = to_device([slot for slot, _ in rows], torch.int64, self.device)
+        self.counts.index_fill_(0, taken, 0)
+        self.in_prompt.index_fill_(0, taken, False)
         chunk: list[tuple[int, PenalizedRow]] = []
         size = 0
-        for row, r in rows:
+        for slot, r in rows:
             n = len(r.prompt_ids) + len(r.output_ids)
             if chunk and size + n > FILL_TOKENS:
                 self._upload(chunk)
                 chunk, size = [], 0
-            chunk.append((row, r))
+            chunk.append((slot, r))
             size += n
         self._upload(chunk)
         self.fills += len(rows)
 
     def _upload(self, rows: list[tuple[int, PenalizedRow]]) -> None:
-        prompt_rows = [row for row, r in rows for _ in r.prompt_ids]
-        out_rows = [row for row, r in rows for _ in r.output_ids]
-        ids = to_device([t for _, r in rows for t in r.prompt_ids] + [t for _, r in rows for t in r.output_ids],
-                        torch.int64, self.device)
-        at = to_device(prompt_rows + out_rows, torch.int64, self.device)
-        n = len(prompt_rows)
-        self.in_prompt.index_put_((at[:n], ids[:n]), torch.ones((), dtype=torch.bool, device=self.device))
-        self.count(at[n:], ids[n:])
+        prompt_slots = [slot for slot, r in rows for _ in r.prompt_ids]
+        out_slots = [slot for slot, r in rows for _ in r.output_ids]
+        ids = [t for _, r in rows for t in r.prompt_ids] + [t for _, r in rows for t in r.output_ids]
+        both = to_device(prompt_slots + out_slots + ids, torch.int64, self.device)  # one copy: slots, then ids
+        slots, ids = both[:len(ids)], both[len(ids):]
+        n = len(prompt_slots)
+        self.in_prompt.index_put_((slots[:n], ids[:n]), torch.ones((), dtype=torch.bool, device=self.device))
+        self.count(slots[n:], ids[n:])
 
-    def count(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """Add one occurrence of ids[i] to table row rows[i] (a step's sampled ids, on the device)."""
-        self.counts.index_put_((rows, ids), torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)
+    def count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add one occurrence of ids[i] to slot slots[i] (a step's sampled ids, on the device)."""
+        self.counts.index_put_((slots, ids), torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)
 
-    def apply(self, x: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """x [B, vocab] fp32 logits of rows held at table rows `rows` [B] -> penalized logits (a new tensor).
-        Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens)."""
+    def apply(self, x: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """x [B, vocab] fp32 logits of rows held in `slots` [B] -> penalized logits (a new tensor). Repetition (HF:
+        prompt and output tokens), frequency and presence (OpenAI: output tokens)."""
         if x.shape[1] != self.vocab:
             raise ValueError(f"logits of {x.shape[1]} tokens, but the penalty table counts {self.vocab}")
-        counts = self.counts.index_select(0, rows).float()
-        seen = self.in_prompt.index_select(0, rows) | (counts > 0)
-        device = x.device
-        rep = to_device([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
-        freq = to_device([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
-        pres = to_device([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
+        counts = self.counts.index_select(0, slots).float()
+        seen = self.in_prompt.index_select(0, slots) | (counts > 0)
+        values = [v for p in params for v in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)]
+        rep, freq, pres = to_device(values, torch.float32, x.device).view(-1, 3, 1).unbind(1)  # one upload
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         return x - freq * counts - pres * (counts > 0).float()

@@ -16,6 +16,7 @@ model's own distribution (log_softmax of the raw logits), as OpenAI reports them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,12 +55,13 @@ def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow
     """`rows` rows that take every stage of sampling at once (penalties, temperature, top-k, top-p, min-p, a banned
     id, the most log-probabilities): the sampling step the runner's memory profile runs at its largest batch, so that
     the KV budget leaves room for the sampler's [rows, vocab] temporaries. Their histories (up to max_model_len tokens
-    each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table row in one step do.
+    each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table slot in one step do.
     (top-k 50: its [rows, k] values and indices stay far below top-p's sort of the whole row.)"""
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                             frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab))
-    prompt = tuple(i % vocab for i in range(max(1, min(max_model_len - 1, FILL_TOKENS // rows - 1))))
-    return [SampleRow(params, prompt, prompt[:1], banned_ids=prompt[:1]) for _ in range(rows)]
+    history = tuple(i % vocab for i in range(max(2, min(max_model_len, FILL_TOKENS // rows))))
+    half = len(history) // 2  # (the output half is counted by index_put_'s accumulate, which sorts)
+    return [SampleRow(params, history[:half], history[half:], banned_ids=history[:1]) for _ in range(rows)]
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
@@ -79,13 +81,11 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
 
 class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0, penalties: PenaltyTable | None = None) -> None:
-        """`penalties`: the table that keeps penalized sequences' counts between steps (cleared here: this sampler's
-        sequences are numbered afresh); without one, a step's penalized rows are counted from their ids each time."""
+        """`penalties`: the table that keeps penalized sequences' counts between steps (its owner clears it when its
+        sequence ids start again); without one, a step's penalized rows are counted from their ids each time."""
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.penalties = penalties
-        if penalties is not None:
-            penalties.clear()
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [B, V] (one row per SampleRow) -> sampled ids, and log-probabilities where asked. One host sync."""
@@ -106,9 +106,7 @@ class Sampler:
             return self._start_copy(row_argmax(logits, out=ids_out), None, None)
         x = logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
-        counted = None
-        if any(r.params.has_penalties for r in rows):
-            x, counted = penalize(x, rows, self.penalties)
+        x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at = to_device([i for i, r in enumerate(rows) for _ in r.banned_ids], torch.int64, x.device)
             banned = to_device([t for r in rows for t in r.banned_ids], torch.int64, x.device)
@@ -120,8 +118,7 @@ class Sampler:
         if ids_out is not None:
             ids = ids_out.copy_(ids)
         if counted is not None and self.penalties is not None:  # the step's ids join their sequences' counts
-            positions, table_rows = counted
-            self.penalties.count(table_rows, ids if positions is None else ids[positions])
+            self.penalties.count(counted.slots, ids if counted.positions is None else ids[counted.positions])
         return self._start_copy(ids, raw_logprobs, max(want_logprobs, default=None))
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -193,21 +190,30 @@ class PendingSample:
                             top_logprobs=[r[2 + k:] for r in rows])
 
 
+class Counted(NamedTuple):
+    """Where a step's penalized rows sit: their positions in the batch (None: every row) and their table slots."""
+
+    positions: torch.Tensor | None
+    slots: torch.Tensor
+
+
 def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
-             ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor]]:
-    """x [B, vocab] fp32 -> (x with the penalized rows' penalties applied, a new tensor; (their positions in x, None
-    for all of them, and their table rows), where the step's ids are counted). Without a table, the rows are counted
-    from their ids in one made for this call."""
+             ) -> tuple[torch.Tensor, Counted | None]:
+    """x [B, vocab] fp32 -> (x with the penalized rows' penalties applied, a new tensor where any is; where their ids
+    are counted, None if no row is penalized). Without a table, the rows are counted from their ids in one made for
+    this call."""
     positions = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not positions:
+        return x, None
     penalized = [rows[i] for i in positions]
     if table is None:
         table = PenaltyTable(len(penalized), x.shape[1], x.device)
-    table_rows = to_device(table.rows_for(penalized), torch.int64, x.device)
+    slots = to_device(table.slots_for(penalized), torch.int64, x.device)
     params = [r.params for r in penalized]
     if len(positions) == len(rows):
-        return table.apply(x, table_rows, params), (None, table_rows)
+        return table.apply(x, slots, params), Counted(None, slots)
     at = to_device(positions, torch.int64, x.device)
-    return x.index_put((at,), table.apply(x[at], table_rows, params)), (at, table_rows)
+    return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
