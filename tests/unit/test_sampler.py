@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tpgraph.engine.sampler import Sampler, SampleRow, row_cumsum, row_seed, top_k_mask, top_p_mask
+from tpgraph.engine.sampler import Sampler, SampleRow, row_cumsum, row_seed, top_k_mask, top_p_keep
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 
@@ -88,7 +88,7 @@ def test_masks_per_row():
     masked = top_k_mask(x, [2, 0])
     assert torch.isinf(masked[0, 2:]).all() and not torch.isinf(masked[0, :2]).any()
     assert not torch.isinf(masked[1]).any()  # k 0: off
-    kept = ~torch.isinf(top_p_mask(LOGITS.expand(2, -1).clone(), [0.6, 1.0]))
+    kept = top_p_keep(PROBS.expand(2, -1).clone() * torch.tensor([[1.0], [3.0]]), [0.6, 1.0]) > 0  # any scale
     assert kept.tolist() == [[True, True, False, False], [True] * 4]
 
 
@@ -102,13 +102,14 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p_in_exact_arithmetic():
     ps = [0.1, 0.5, 0.9, 0.999]
     for _ in range(50):
         x = torch.randn(4, 3000, generator=g) * 3
-        kept = (~torch.isinf(top_p_mask(x, ps))).sum(-1).tolist()
+        kept = (top_p_keep((x - x.amax(-1, keepdim=True)).exp(), ps) > 0).sum(-1).tolist()
         mass = torch.softmax(x.double().sort(dim=-1, descending=True).values, dim=-1).cumsum(-1)
         want = [int((mass[i] < p).sum()) + 1 for i, p in enumerate(ps)]
         near = [abs(float(mass[i, k - 1]) - p) < 3e-5 for i, (k, p) in enumerate(zip(want, ps, strict=True))]
         assert all(k == w or n for k, w, n in zip(kept, want, near, strict=True)), (kept, want)
-    tied = torch.tensor([[2.0, 1.0, 1.0, 0.0]])  # top-p 0.5 needs the 2.0 and one 1.0: both 1.0s stay
-    assert (~torch.isinf(top_p_mask(tied, [0.8]))).tolist() == [[True, True, True, False]]
+    tied = torch.tensor([[4.0, 2.0, 2.0, 1.0]])  # 0.6 of 9 needs the 4 and one 2: both 2s stay
+    assert (top_p_keep(tied, [0.6]) > 0).tolist() == [[True, True, True, False]]
+    assert (top_p_keep(tied, [0.4]) > 0).tolist() == [[True, False, False, False]]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch_or_the_shared_generator():
@@ -214,7 +215,7 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    for name in ("penalize", "top_k_mask", "top_p_mask"):
+    for name in ("penalize", "top_k_mask", "top_p_keep"):
         monkeypatch.setattr(sampler_module, name, recorded(getattr(sampler_module, name)))
     rows = worst_case_rows(3, 100, 300)
     assert len(rows) == 3 and all(r.banned_ids and r.params.min_p > 0 and not r.params.greedy for r in rows)
@@ -226,6 +227,6 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
     assert worst_case_rows(1, 7, 16)[0].params.logprobs == 7  # no more alternatives than the vocabulary has
     table = PenaltyTable(3, 100, "cpu")
     out = Sampler("cpu", penalties=table).sample(torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), rows)
-    assert ran == ["penalize", "top_k_mask", "top_p_mask"] and table.fills == 3
+    assert ran == ["penalize", "top_k_mask", "top_p_keep"] and table.fills == 3
     assert len(out.token_ids) == 3 and all(len(t) == MAX_LOGPROBS for t in out.top_ids)
     assert not set(out.token_ids) & set(rows[0].banned_ids)

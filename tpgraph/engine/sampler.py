@@ -128,19 +128,21 @@ class Sampler:
         x = x / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
             x = top_k_mask(x, [p.top_k for p in params])
+        # probabilities up to a factor per row (each row's largest is 1): top-p, min-p and the draw below are the same
+        # for any positive scale of a row, so no softmax normalizes them
+        weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
         if any(p.top_p < 1.0 for p in params):
-            x = top_p_mask(x, [p.top_p for p in params])
-        probs = torch.softmax(x, dim=-1)
-        if any(p.min_p > 0.0 for p in params):
+            weights = top_p_keep(weights, [p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):  # (below min_p times the largest, which is 1)
             min_p = to_device([p.min_p for p in params], torch.float32, x.device).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        race = torch.empty_like(probs).exponential_(generator=self.generator)
+            weights = weights.masked_fill(weights < min_p, 0.0)
+        race = torch.empty_like(weights).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = torch.Generator(device=x.device).manual_seed(
                     row_seed(r.params.seed, r.sample_index, len(r.output_ids)))
                 race[i].exponential_(generator=g)
-        sampled = row_argmax(probs / race)
+        sampled = row_argmax(weights / race)
         greedy = to_device([p.greedy for p in params], torch.bool, x.device)
         return torch.where(greedy, greedy_ids, sampled)
 
@@ -233,15 +235,16 @@ def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return x.masked_fill(~off & (x < threshold), float("-inf"))
 
 
-def top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p (always at least the top one); ties
-    at the last kept value are kept, as top_k_mask keeps them."""
-    sorted_x = x.sort(dim=-1, descending=True).values
-    probs = torch.softmax(sorted_x, dim=-1)
-    p = to_device(ps, torch.float32, x.device).unsqueeze(1)
-    # the tokens whose running mass stays below p, and the one that reaches it (a prefix: the sums only grow)
-    kept = ((row_cumsum(probs) < p).sum(dim=-1, keepdim=True) + 1).clamp_(max=x.shape[1])
-    return x.masked_fill(x < sorted_x.gather(1, kept - 1), float("-inf"))
+def top_p_keep(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """weights [B, V] >= 0, a row's probabilities up to a factor -> the same with only the smallest set of the largest
+    whose share of the row reaches p left (always at least the largest; ties at the last kept value stay, as
+    top_k_mask keeps them), the rest 0."""
+    ordered = weights.sort(dim=-1, descending=True).values
+    running = row_cumsum(ordered)
+    share = to_device(ps, torch.float32, weights.device).unsqueeze(1) * running[:, -1:]
+    # the weights whose running sum stays below p's share, and the one that reaches it (a prefix: the sums only grow)
+    kept = ((running < share).sum(dim=-1, keepdim=True) + 1).clamp_(max=weights.shape[1])
+    return weights.masked_fill(weights < ordered.gather(1, kept - 1), 0.0)
 
 
 def row_cumsum(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
