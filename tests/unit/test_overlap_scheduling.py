@@ -10,6 +10,7 @@ import torch
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.engine import sampler as sampler_module
+from tpgraph.engine.core import EngineCore
 from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
 from tpgraph.errors import ConfigError
 from tpgraph.kernels.tokens import resolve_input_ids, resolve_input_ids_reference
@@ -115,8 +116,17 @@ def test_penalties_overlap_and_fill_each_sequence_once(monkeypatch):
         log = order_of_calls(e, monkeypatch)
         got = e.generate(PROMPTS[0], params)
         # counted on the device from each step's ids: the host's copy of the last token is not waited for, and each
-        # sequence's history is uploaded once, when it is first sampled
-        assert e.runner.penalties.fills == 2
+        # sequence's history is uploaded once, when it is first sampled; finished, they give their slots back
+        assert e.runner.penalties.fills == 2 and e.runner.penalties.num_held == 0
+        e.core.add_request("r", e.encode(PROMPTS[1]), params)
+        e.core.step()
+        assert e.runner.penalties.num_held == 2
+        e.core.abort("r")  # aborted too
+        assert e.runner.penalties.num_held == 0
+        e.core.add_request("s", e.encode(PROMPTS[1]), params)
+        e.core.step()
+        # a new engine on the runner numbers its sequences from 0: it starts from an empty table
+        assert EngineCore(e.runner, e.core.scheduler.cfg).runner.penalties.num_held == 0
     assert log[:4] == ["launch", "read", "launch", "read"] and log.count("launch") == 5 and log[-1] == "read"
     assert outputs(got) == outputs(want)
 

@@ -92,6 +92,11 @@ def test_a_step_never_takes_a_slot_from_its_own_sequences_and_a_finished_one_giv
     with pytest.raises(ValueError, match="still pending"):
         table.slots_for([SampleRow(p, [1], [2, -1], seq_id=9)])
     assert 9 not in table._slots and table.slots_for([SampleRow(p, [4], [], seq_id=3)]) == [first[1]]
+    # a fill that fails (an id past the vocabulary) leaves no sequence holding a slot it was not filled into
+    table.release(0)
+    with pytest.raises(IndexError):
+        table.slots_for([SampleRow(p, [1], [10], seq_id=5)])
+    assert table.num_held == 1 and table.slots_for([SampleRow(p, [1], [], seq_id=6)]) == [first[0]]
 
 
 def test_rows_without_an_id_are_filled_for_their_call_only():

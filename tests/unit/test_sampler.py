@@ -96,9 +96,11 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p_in_exact_arithmetic():
     """Against float64 sums over each sorted row: the kept prefix is exact except where the mass reaches p within
     fp32's rounding of a softmax and a 3000-term sum (3e-5); ties at the last kept value stay."""
     g = torch.Generator().manual_seed(1)
-    for width in (5, 1023, 1024, 1025, 3000):
+    for width in (1, 5, 1023, 1024, 1025, 2049, 3000):
         x = torch.rand(3, width, generator=g)
-        torch.testing.assert_close(row_cumsum(x), x.cumsum(-1), rtol=1e-5, atol=1e-4)
+        running = row_cumsum(x)
+        torch.testing.assert_close(running, x.cumsum(-1), rtol=1e-5, atol=1e-4)
+        assert (running[:, 1:] >= running[:, :-1]).all()  # never a step back, at chunk edges too
     ps = [0.1, 0.5, 0.9, 0.999]
     for _ in range(50):
         x = torch.randn(4, 3000, generator=g) * 3
@@ -107,6 +109,9 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p_in_exact_arithmetic():
         want = [int((mass[i] < p).sum()) + 1 for i, p in enumerate(ps)]
         near = [abs(float(mass[i, k - 1]) - p) < 3e-5 for i, (k, p) in enumerate(zip(want, ps, strict=True))]
         assert all(k == w or n for k, w, n in zip(kept, want, near, strict=True)), (kept, want)
+    tail = torch.cat([torch.ones(1), torch.full((2047,), 3e-8)]).expand(2, -1).clone()
+    kept = top_p_keep(tail, [1.0, 0.5])  # a row with p = 1 beside one without keeps every token
+    assert torch.equal(kept[0], tail[0]) and int((kept[1] > 0).sum()) == 1
     tied = torch.tensor([[4.0, 2.0, 2.0, 1.0]])  # 0.6 of 9 needs the 4 and one 2: both 2s stay
     assert (top_p_keep(tied, [0.6]) > 0).tolist() == [[True, True, True, False]]
     assert (top_p_keep(tied, [0.4]) > 0).tolist() == [[True, False, False, False]]

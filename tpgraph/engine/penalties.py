@@ -60,6 +60,11 @@ class PenaltyTable:
         return self.counts.shape[1]
 
     @property
+    def num_held(self) -> int:
+        """Slots held by sequences."""
+        return len(self._slots)
+
+    @property
     def nbytes(self) -> int:
         return self.counts.nbytes + self.in_prompt.nbytes
 
@@ -100,7 +105,13 @@ class PenaltyTable:
                 self._slots.move_to_end(r.seq_id)
             out.append(slot)
         if to_fill:
-            self._fill(to_fill)
+            try:
+                self._fill(to_fill)
+            except BaseException:  # (bad ids): no sequence keeps a slot it was not filled into
+                for slot, r in to_fill:
+                    self._slots.pop(r.seq_id, None)
+                    self._free.append(slot)
+                raise
         self._free += this_call_only  # free once this call's slots are taken (their contents are read in stream order)
         return out
 

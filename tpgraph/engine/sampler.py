@@ -241,7 +241,9 @@ def top_p_keep(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:
     top_k_mask keeps them), the rest 0."""
     ordered = weights.sort(dim=-1, descending=True).values
     running = row_cumsum(ordered)
-    share = to_device(ps, torch.float32, weights.device).unsqueeze(1) * running[:, -1:]
+    p = to_device(ps, torch.float32, weights.device).unsqueeze(1)
+    # (a row with p = 1 keeps all: its share is not the total, which fp32 running sums may reach before the end)
+    share = torch.where(p < 1.0, p * running[:, -1:], float("inf"))
     # the weights whose running sum stays below p's share, and the one that reaches it (a prefix: the sums only grow)
     kept = ((running < share).sum(dim=-1, keepdim=True) + 1).clamp_(max=weights.shape[1])
     return weights.masked_fill(weights < ordered.gather(1, kept - 1), 0.0)
@@ -253,5 +255,7 @@ def row_cumsum(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     rows, width = x.shape
     padded = torch.nn.functional.pad(x, (0, -width % chunk)).view(rows, -1, chunk)
     within = padded.cumsum(dim=-1)
-    totals = within[:, :, -1]
-    return (within + (totals.cumsum(dim=-1) - totals).unsqueeze(-1)).view(rows, -1)[:, :width]
+    # each chunk starts from the running sum of the chunks before it, the very value the last one ended on (no
+    # subtraction), so the sums never step back at a chunk's edge
+    before = torch.nn.functional.pad(within[:, :-1, -1].cumsum(dim=-1), (1, 0))
+    return (within + before.unsqueeze(-1)).view(rows, -1)[:, :width]
