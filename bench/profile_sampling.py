@@ -4,7 +4,7 @@
 
 Per (batch, mix): the median of 20 CUDA-event timings around `Sampler.sample_async` (mostly the host launching its
 kernels: in the overlapped loop that hides behind the forward), the number of kernels and the sum of their device
-time in one step under torch.profiler, and the kernels taking the most of it. Mixes as bench_engine_steps.py's.
+time in one step under torch.profiler, and the kernels taking the most of it. The mixes are bench_engine_steps.py's.
 """
 
 from __future__ import annotations
@@ -13,17 +13,12 @@ import argparse
 import statistics
 
 import torch
+from bench_engine_steps import MIXES
 from torch.profiler import ProfilerActivity, profile
 
 from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.sampler import Sampler, SampleRow
 from tpgraph.engine.sampling_params import SamplingParams
-
-MIXES = {
-    "sampled": dict(temperature=0.8, top_p=0.95),
-    "penalties": dict(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2),
-    "top_k": dict(temperature=0.8, top_k=50),
-}
 
 
 def profile_point(batch: int, vocab: int, mix: str, top: int) -> None:
@@ -60,7 +55,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256,
                    help="default: Llama-3's (at any TP every rank samples the gathered logits)")
     p.add_argument("--batches", default="8,32")
-    p.add_argument("--mixes", default=",".join(MIXES))
+    p.add_argument("--mixes", default="sampled,penalties,sampled+penalties")
     p.add_argument("--top", type=int, default=8)
     args = p.parse_args()
     for batch in (int(b) for b in args.batches.split(",")):

@@ -23,7 +23,7 @@ import torch
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
-from tpgraph.engine.uploads import to_device
+from tpgraph.engine.uploads import to_device, to_device_parts
 
 # the most history tokens one upload fills slots from: on the device while it lasts, 16 bytes each (ids and slots)
 # and the output counts' sort in index_put_; the memory profile's sampling step fills this many
@@ -143,12 +143,12 @@ class PenaltyTable:
     def _upload(self, rows: list[tuple[int, PenalizedRow]]) -> None:
         prompt_slots = [slot for slot, r in rows for _ in r.prompt_ids]
         out_slots = [slot for slot, r in rows for _ in r.output_ids]
-        ids = [t for _, r in rows for t in r.prompt_ids] + [t for _, r in rows for t in r.output_ids]
-        both = to_device(prompt_slots + out_slots + ids, torch.int64, self.device)  # one copy: slots, then ids
-        slots, ids = both[:len(ids)], both[len(ids):]
-        n = len(prompt_slots)
-        self.in_prompt.index_put_((slots[:n], ids[:n]), torch.ones((), dtype=torch.bool, device=self.device))
-        self.count(slots[n:], ids[n:])
+        prompt_ids = [t for _, r in rows for t in r.prompt_ids]
+        out_ids = [t for _, r in rows for t in r.output_ids]
+        prompt_slots, prompt_ids, out_slots, out_ids = to_device_parts(
+            [prompt_slots, prompt_ids, out_slots, out_ids], torch.int64, self.device)
+        self.in_prompt.index_put_((prompt_slots, prompt_ids), torch.ones((), dtype=torch.bool, device=self.device))
+        self.count(out_slots, out_ids)
 
     def count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Add one occurrence of ids[i] to slot slots[i] (a step's sampled ids, on the device)."""

@@ -23,7 +23,7 @@ import torch
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tpgraph.engine.uploads import to_device
+from tpgraph.engine.uploads import to_device, to_device_parts
 from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -108,8 +108,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
         x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
-            at = to_device([i for i, r in enumerate(rows) for _ in r.banned_ids], torch.int64, x.device)
-            banned = to_device([t for r in rows for t in r.banned_ids], torch.int64, x.device)
+            at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
+                                          [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
             x = x.index_put((at, banned), torch.full((), float("-inf"), device=x.device))
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
@@ -210,11 +210,11 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
     penalized = [rows[i] for i in positions]
     if table is None:
         table = PenaltyTable(len(penalized), x.shape[1], x.device)
-    slots = to_device(table.slots_for(penalized), torch.int64, x.device)
     params = [r.params for r in penalized]
     if len(positions) == len(rows):
+        slots = to_device(table.slots_for(penalized), torch.int64, x.device)
         return table.apply(x, slots, params), Counted(None, slots)
-    at = to_device(positions, torch.int64, x.device)
+    at, slots = to_device_parts([positions, table.slots_for(penalized)], torch.int64, x.device)
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
 
 

@@ -15,3 +15,9 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def to_device_parts(parts: Sequence[Sequence], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Several lists as 1-D tensors on `device`, in one copy (to_device of them joined, then split)."""
+    joined = to_device([v for part in parts for v in part], dtype, device)
+    return list(joined.split([len(part) for part in parts]))
