@@ -34,6 +34,8 @@ MIXES = {
     "greedy": dict(temperature=0.0),
     "penalties": dict(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
     "sampled": dict(temperature=0.8, top_p=0.95),
+    "temperature": dict(temperature=0.8),
+    "top-k+min-p": dict(temperature=0.7, top_k=50, min_p=0.05),
     "sampled+penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2),
 }
 

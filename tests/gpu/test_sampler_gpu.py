@@ -39,3 +39,69 @@ def test_sampling_every_option_never_waits_for_the_gpu():
     assert [len(o.token_ids) for o in out] == [4, 4] and table.fills == 4  # held slots took no host ids
     # the penalized rows' ids of three steps, counted on the device, and the newcomer's three output ids
     assert int(table.counts.sum()) == 3 + 3 + 3 + 3
+
+
+def _kept_probabilities(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
+    """The kept distribution in float64: top-p's smallest set of the largest reaching p (ties kept), then min-p."""
+    w = ((row.double() - row.double().max()) / temperature).exp()
+    ordered, order = w.sort(descending=True)
+    above = torch.empty_like(w)
+    above[order] = ordered.cumsum(0) - ordered
+    keep = (above < top_p * w.sum()) & (w >= min_p) if top_p < 1.0 else w >= min_p
+    kept = torch.where(keep, w, 0.0)
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("case", [
+    dict(vocab=4, scale=None, temperature=1.0, top_p=0.81, min_p=0.0),
+    dict(vocab=128256, scale=3.0, temperature=0.8, top_p=0.9, min_p=0.0),
+    dict(vocab=128256, scale=3.0, temperature=1.0, top_p=1.0, min_p=0.02),
+    dict(vocab=32003, scale=0.05, temperature=1.0, top_p=0.05, min_p=0.0),  # flat: rejection rounds
+], ids=["probs4", "llama3_p0.9", "llama3_min_p", "flat_p0.05"])
+def test_the_fused_kernel_draws_the_kept_distribution(case):
+    """200000 draws of one row (a stride-0 batch) by kernels/sampling.py: nothing outside the kept set (float64
+    reference, fp32 rounding at its edge aside), and the kept tokens' frequencies against their probabilities (the
+    20 likeliest and the rest together) within 5 standard deviations."""
+    from tpgraph.kernels.sampling import sample_rows
+
+    n = 200_000
+    g = torch.Generator().manual_seed(7)
+    if case["scale"] is None:
+        row = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    else:
+        row = torch.randn(case["vocab"], generator=g) * case["scale"]
+    t, p, mp = case["temperature"], case["top_p"], case["min_p"]
+    full = lambda v: torch.full((n,), float(v), device="cuda")  # noqa: E731
+    seeds = torch.randint(0, 1 << 62, (n,), generator=g).cuda()
+    ids = sample_rows(row.cuda().expand(n, -1), full(t), full(p), full(mp), seeds).cpu()
+    want = _kept_probabilities(row, t, p, mp)
+    near_edge = _kept_probabilities(row, t, min(1.0, p * (1 + 1e-4)), mp) > 0
+    assert near_edge[ids].all(), "drawn outside the kept set"
+    counts = torch.bincount(ids, minlength=row.numel()).double()
+    top = want.topk(min(20, int((want > 0).sum()))).indices
+    rest = torch.ones_like(want, dtype=torch.bool)
+    rest[top] = False
+    for seen, prob in [*zip(counts[top].tolist(), want[top].tolist(), strict=True),
+                       (float(counts[rest].sum()), float(want[rest].sum()))]:
+        sd = (n * prob * (1 - prob)) ** 0.5
+        assert abs(seen - n * prob) <= 5 * sd + 2, (seen, n * prob)
+
+
+def test_the_sampler_takes_the_fused_kernel_on_cuda(monkeypatch):
+    """By default a sampled CUDA row goes through kernels/sampling.py; TPGRAPH_FUSED_SAMPLING=0 keeps the torch
+    chain; both leave the logits untouched and keep greedy rows at their argmax."""
+    import tpgraph.kernels.sampling as fused
+
+    calls = []
+    real = fused.sample_rows
+    monkeypatch.setattr(fused, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(3, 32000, device="cuda", dtype=torch.bfloat16)
+    before = logits.clone()
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1], []), SampleRow(EVERY_OPTION, [1], []),
+            SampleRow(SamplingParams(temperature=0.7, top_p=0.9), [1], [])]
+    for flag, taken in (("1", 1), ("0", 0)):
+        monkeypatch.setenv("TPGRAPH_FUSED_SAMPLING", flag)
+        calls.clear()
+        out = Sampler("cuda").sample(logits, rows)
+        assert len(calls) == taken and out.token_ids[0] == int(logits[0].float().argmax())
+        assert torch.equal(logits, before)

@@ -24,6 +24,7 @@ from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.uploads import to_device, to_device_parts
+from tpgraph.kernels import sampling as fused_sampling
 from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -80,12 +81,24 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
 
 
 class Sampler:
-    def __init__(self, device: torch.device | str, seed: int = 0, penalties: PenaltyTable | None = None) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0, penalties: PenaltyTable | None = None,
+                 fused: bool | None = None) -> None:
         """`penalties`: the table that keeps penalized sequences' counts between steps (its owner clears it when its
-        sequence ids start again); without one, a step's penalized rows are counted from their ids each time."""
+        sequence ids start again); without one, a step's penalized rows are counted from their ids each time.
+        `fused`: draw sampled rows with kernels/sampling.py's one launch (None: on CUDA unless
+        TPGRAPH_FUSED_SAMPLING=0; True on CPU runs it under TRITON_INTERPRET=1) rather than the torch chain below.
+        The two draw from the same distribution with different random numbers."""
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.penalties = penalties
+        self.fused = fused
+
+    def _takes_fused(self, logits: torch.Tensor) -> bool:
+        if fused_sampling.triton is None or logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        if self.fused is not None:
+            return self.fused
+        return logits.is_cuda and fused_sampling.fused_sampling_enabled()
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [B, V] (one row per SampleRow) -> sampled ids, and log-probabilities where asked. One host sync."""
@@ -104,8 +117,11 @@ class Sampler:
         if plain_greedy(rows) and logits.dtype in (torch.float16, torch.bfloat16, torch.float32):
             # their argmax is that of their fp32 copy (an exact cast), so no fp32 copy is made
             return self._start_copy(row_argmax(logits, out=ids_out), None, None)
-        x = logits.float()
-        raw_logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        fused = not all(r.params.greedy for r in rows) and self._takes_fused(logits)
+        # the kernel reads 16-bit logits as they are; penalties are applied in fp32
+        penalized = any(r.params.has_penalties for r in rows)
+        x = logits if fused and not penalized else logits.float()
+        raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
         x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
@@ -113,6 +129,8 @@ class Sampler:
             x = x.index_put((at, banned), torch.full((), float("-inf"), device=x.device))
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
+        elif fused:
+            ids = self._draw_fused(x, rows)
         else:
             ids = self._draw(x, rows)
         if ids_out is not None:
@@ -145,6 +163,33 @@ class Sampler:
         sampled = row_argmax(weights / race)
         greedy = to_device([p.greedy for p in params], torch.bool, x.device)
         return torch.where(greedy, greedy_ids, sampled)
+
+    def _draw_fused(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The rows' tokens from kernels/sampling.py: top-k masks first (as in _draw), then one launch for
+        temperature, top-p, min-p and the draw; greedy rows take their argmax."""
+        params = [r.params for r in rows]
+        if any(p.top_k > 0 for p in params):
+            x = top_k_mask(x, [p.top_k for p in params])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        temperature, top_p, min_p = to_device_parts(
+            [[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+             [p.min_p for p in params]], torch.float32, x.device)
+        ids = fused_sampling.sample_rows(x, temperature, top_p, min_p, self._row_seeds(rows, x.device))
+        if any(p.greedy for p in params):
+            ids = torch.where(temperature > 0, ids, row_argmax(x))
+        return ids
+
+    def _row_seeds(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """[B] int64: each seeded row's row_seed, the others' drawn from the shared generator."""
+        seeds = torch.randint(0, fused_sampling.SEED_HIGH, (len(rows),), generator=self.generator, device=device)
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        if seeded:
+            at, values = to_device_parts(
+                [seeded, [row_seed(rows[i].params.seed, rows[i].sample_index, len(rows[i].output_ids))
+                          for i in seeded]], torch.int64, device)
+            seeds = seeds.index_put((at,), values)
+        return seeds
 
     def pending(self, ids: torch.Tensor) -> PendingSample:
         """Ids already chosen on the device (a plain-greedy step's, made in the decode step itself: ModelRunner.

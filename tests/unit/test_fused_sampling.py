@@ -1,0 +1,141 @@
+"""kernels/sampling.py under TRITON_INTERPRET=1: the draw's distribution, its kept sets against the torch chain's
+top_p_keep and min-p, the rejection rounds, seeds, edge rows and refusals. (The interpreter runs a program in about
+20 ms, so the counts here are small; tests/gpu/test_sampler_gpu.py draws hundreds of thousands on a GPU.)"""
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from tpgraph.engine.sampler import Sampler, SampleRow, top_p_keep
+from tpgraph.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
+triton = pytest.importorskip("triton")
+
+from tpgraph.kernels.sampling import sample_rows  # noqa: E402
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def draw(x: torch.Tensor, temperature=1.0, top_p=1.0, min_p=0.0, seed0=0) -> list[int]:
+    """One draw per row of x, row i seeded with seed0 + i."""
+    n = x.shape[0]
+    full = lambda v: torch.full((n,), float(v))  # noqa: E731
+    seeds = torch.arange(seed0, seed0 + n, dtype=torch.int64) * 0x9E3779B9
+    return sample_rows(x, full(temperature), full(top_p), full(min_p), seeds).tolist()
+
+
+def kept_set(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> tuple[set[int], set[int]]:
+    """(the tokens the torch chain keeps, those within fp32 rounding of top-p's edge): top_p_keep of the row's
+    weights, then min-p."""
+    w = ((row / temperature) - (row / temperature).max()).exp().unsqueeze(0)
+    kept = top_p_keep(w, [top_p])[0]
+    kept = kept.masked_fill(kept < min_p, 0.0)
+    mass = w[0].double() / w[0].double().sum()
+    order = mass.argsort(descending=True)
+    above = torch.zeros_like(mass)
+    above[order] = mass[order].cumsum(0) - mass[order]  # the share strictly above each token (ties aside)
+    edge = ((above - top_p).abs() < 1e-4).nonzero().flatten().tolist()
+    return set((kept > 0).nonzero().flatten().tolist()), set(edge)
+
+
+@pytest.mark.parametrize("kw, kept", [({}, [0, 1, 2, 3]), ({"top_p": 0.81}, [0, 1, 2]), ({"min_p": 0.2}, [0, 1, 2]),
+                                      ({"top_p": 0.8}, [0, 1])], ids=["plain", "p0.81", "min_p0.2", "p0.8"])
+def test_the_draw_follows_the_kept_distribution(kw, kept):
+    """400 draws from [0.5, 0.3, 0.15, 0.05]: each kept token's frequency within 0.08 of its share of the kept set
+    (4 standard deviations), and nothing else drawn."""
+    counts = Counter(draw(PROBS.log().expand(400, -1), **kw))
+    assert set(counts) == set(kept), counts
+    total = float(PROBS[kept].sum())
+    for t in kept:
+        assert abs(counts[t] / 400 - float(PROBS[t]) / total) < 0.08, counts
+
+
+@pytest.mark.parametrize("case", [
+    dict(scale=3.0, temperature=1.0, top_p=0.9, min_p=0.0),
+    dict(scale=3.0, temperature=0.5, top_p=0.5, min_p=0.0),
+    dict(scale=3.0, temperature=1.3, top_p=1.0, min_p=0.05),
+    dict(scale=0.05, temperature=1.0, top_p=0.05, min_p=0.0),  # flat: a race lands in the set 1 time in 20
+    dict(scale=0.3, temperature=1.0, top_p=0.7, min_p=0.9),  # min-p rejects most races over the whole row
+], ids=["p0.9", "p0.5_t0.5", "min_p", "flat_p0.05", "flat_min_p"])
+def test_every_draw_is_in_the_torch_chains_kept_set(case):
+    """Rows of 3000 logits (two blocks, one partial) drawn 24 times each: every token is in top_p_keep's and min-p's
+    set (or within fp32 rounding of its edge). The flat rows need rejection rounds: a draw from the whole row would
+    fall outside the set 19 times in 20."""
+    row = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * case["scale"]
+    kept, edge = kept_set(row, case["temperature"], case["top_p"], case["min_p"])
+    ids = draw(row.expand(24, -1), case["temperature"], case["top_p"], case["min_p"])
+    assert set(ids) <= kept | edge, sorted(set(ids) - kept)
+    assert len(set(ids)) > 1 or len(kept) == 1
+
+
+def test_a_long_row_in_bf16():
+    """A Llama-3 row (128256 entries, 63 blocks) in bf16, as the decode logits come."""
+    row = (torch.randn(128256, generator=torch.Generator().manual_seed(4)) * 4).to(torch.bfloat16)
+    kept, edge = kept_set(row.float(), 0.8, 0.9, 0.0)
+    ids = draw(row.expand(3, -1), temperature=0.8, top_p=0.9)
+    assert set(ids) <= kept | edge and len(kept) < 128256
+
+
+def test_seeds_fix_the_draw_and_rows_are_independent():
+    x = (torch.randn(8, 500, generator=torch.Generator().manual_seed(5)) * 2).contiguous()
+    once = draw(x, top_p=0.9, seed0=11)
+    assert draw(x, top_p=0.9, seed0=11) == once  # the same seeds draw the same tokens
+    assert draw(x[3:5], top_p=0.9, seed0=14) == once[3:5]  # a row's token does not depend on the rest
+    assert draw(x, top_p=0.9, seed0=12) != once
+    # the random numbers follow the token's index, not the block it is read in (a row of 20: one block of 32)
+    short = x[:, :20].contiguous()
+    assert draw(short, seed0=1) == draw(torch.nn.functional.pad(short, (0, 3000), value=float("-inf")), seed0=1)
+
+
+def test_edge_rows():
+    x = torch.full((5, 300), float("-inf"))
+    x[0, 17] = 1.0  # one finite logit: always it
+    x[2, 5] = float("nan")
+    x[2, 40] = 0.0  # NaN never drawn
+    x[3, [8, 9]] = 2.0  # min-p 1: only the largest (either of a tie)
+    x[4] = torch.linspace(0, 1, 300)
+    ids = sample_rows(x, torch.tensor([1.0, 1.0, 1.0, 1.0, 1e-5]), torch.tensor([0.9, 1.0, 1.0, 1.0, 1.0]),
+                      torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]), torch.arange(5)).tolist()
+    assert ids[0] == 17 and ids[1] == 0 and ids[2] == 40 and ids[3] in (8, 9) and ids[4] == 299
+    # temperature 0: left to the caller's argmax (whatever `out` held)
+    out = torch.full((1,), -7, dtype=torch.int64)
+    sample_rows(x[:1], torch.zeros(1), torch.ones(1), torch.zeros(1), torch.zeros(1, dtype=torch.int64), out=out)
+    assert out.tolist() == [-7]
+
+
+def test_mistakes_are_refused():
+    x = torch.randn(2, 10)
+    good = (torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        sample_rows(x.t().contiguous().t(), *good)
+    with pytest.raises(ValueError, match="top_p must be"):
+        sample_rows(x, good[0], torch.ones(3), *good[2:])
+    with pytest.raises(ValueError, match="seeds must be"):
+        sample_rows(x, *good[:3], torch.zeros(2, dtype=torch.int32))
+
+
+def test_the_sampler_takes_the_kernel_for_sampled_rows():
+    """Sampler(fused=True): greedy rows keep the argmax, banned ids and top-k hold, a seeded row's token does not
+    depend on the batch, 16-bit logits are read as they are and left untouched."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(5, 700, generator=g) * 3).to(torch.bfloat16)
+    before = logits.clone()
+    top = logits.float().argmax(-1).tolist()
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    rows = [SampleRow(SamplingParams(temperature=0.0), [1], []),
+            SampleRow(SamplingParams(temperature=5.0, top_k=3), [1], []),
+            SampleRow(seeded, [1], [2, 3]),
+            SampleRow(SamplingParams(temperature=1e-4), [1], [], banned_ids=(top[3],)),
+            SampleRow(SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1), [1], [])]
+    out = Sampler("cpu", fused=True).sample(logits, rows)
+    assert torch.equal(logits, before)
+    assert out.token_ids[0] == top[0]
+    assert out.token_ids[1] in logits[1].float().topk(3).indices.tolist()
+    assert out.token_ids[3] == logits[3].float().topk(2).indices[1]
+    assert len(out.logprobs) == 5
+    alone = Sampler("cpu", seed=9, fused=True).sample(logits[2:3], [rows[2]]).token_ids
+    assert alone[0] == out.token_ids[2]
