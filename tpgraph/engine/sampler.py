@@ -175,7 +175,9 @@ class Sampler:
         temperature, top_p, min_p = to_device_parts(
             [[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
              [p.min_p for p in params]], torch.float32, x.device)
-        ids = fused_sampling.sample_rows(x, temperature, top_p, min_p, self._row_seeds(rows, x.device))
+        truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
+        ids = fused_sampling.sample_rows(x, temperature, top_p, min_p, self._row_seeds(rows, x.device),
+                                         truncated=truncated)
         if any(p.greedy for p in params):
             ids = torch.where(temperature > 0, ids, row_argmax(x))
         return ids

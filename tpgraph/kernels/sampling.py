@@ -1,99 +1,116 @@
-"""Temperature, top-p and min-p sampling without a sort: one Triton program a row (on CUDA by default;
+"""Temperature, top-p and min-p sampling without a sort, in up to four Triton launches (on CUDA by default;
 TPGRAPH_FUSED_SAMPLING=0 keeps engine/sampler.py's torch chain).
 
-The torch chain sorts every row to find top-p's cut, then runs a dozen [B, V] kernels around it: at batch 32 over a
-64128-token vocabulary that was 362 µs of kernels and 53 launches a step (bench/results/2026-12-03_h200_s34_engine_
-sampling). Here a row is drawn by rejection, as FlashInfer's sampling kernels do, in one launch:
+The torch chain sorts every row to find top-p's cut and runs dozens of [B, V] kernels around it: at batch 32 over
+Llama-3's 128256 tokens that was 596 µs of kernels and 57 launches a step (bench/results/2026-12-04_h200_fused_
+sampling). Here a row is drawn by rejection, as FlashInfer's sampling kernels draw, each row cut into chunks of CHUNK
+entries, one program a chunk, and the chunk that arrives last at a row's count (kernels/_counters.py) finishing it:
 
-1. One pass over the row finds its maximum m, the total weight S = sum(exp((x - m) / T)) (an online sum, rescaled as
-   the maximum grows), and the winner j of an exponential race over the whole row: argmax of x / T - log(E), E ~
-   Exp(1) from Philox keyed by the row's seed, which draws j with probability exp(x_j / T) / S exactly.
-2. Where the row asks for top-p or min-p, a second pass checks j against the kept set: j stays when its weight
-   w_j = exp((x_j - m) / T) is at least min_p and the weight of the tokens above it is below p * S (the smallest set
-   of the largest tokens whose share reaches p, ties at its last value kept: engine/sampler.top_p_keep's set).
-3. A rejected j only ever lies below the kept set, so the next race runs over the tokens above it (and at least
-   min_p), with fresh random numbers. A race over a superset of the kept set, accepted when it lands in the set, draws
-   from the set in proportion to the weights: the kept distribution, exactly. The same check pass also weighs the
-   midpoint between the last rejected logit and the lowest known kept one, which bisects the gap when the races land
-   low: few rounds even where p is small. A row accepts on the first race with probability at least p.
+1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), and the winner of an exponential race
+   over its entries (argmax of x / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed and the entry's index).
+   The last chunk takes the row's maximum m, total S and the race's winner j over the chunks' winners: a draw of
+   exp(x_j / T) / S exactly. A row without top-p or min-p ends here.
+2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is
+   at least min_p and the weight above it is below p * S: j is then in the kept set, the smallest set of the largest
+   tokens whose share reaches p, ties at its last value kept, and min-p's (engine/sampler.top_p_keep's set).
+3. A rejected j lies below the kept set, so the second race (and check) runs over the logits above it whose weight is
+   at least min_p, with fresh random numbers. A race over a superset of the kept set, kept when it lands in the set,
+   draws from the set in proportion to the weights: the kept distribution, exactly. A row keeps the first race's
+   winner with probability at least p, and the second's too.
+4. A row rejected twice (at most (1 - p)^2 of them) runs further rounds in its last chunk's program alone, over the
+   whole row, each also weighing the midpoint between the last rejected logit and the lowest known kept one, which
+   bisects the gap where races land low.
 
-Every rank runs the same program on the same logits with the same seeds, so every rank draws the same token. Each row
-draws from its own seed (a seeded request's seed for its position, or one taken from the sampler's generator), so a
-row's token does not depend on the rest of the batch.
+Every rank runs the same launches on the same logits with the same seeds, so every rank draws the same token. Each row
+draws from its own seed (a seeded request's seed for its position, or one taken from the sampler's generator), and
+its random numbers follow the entry's index and the round, so a row's token depends neither on the rest of the batch
+nor on the chunking.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tpgraph.kernels._counters import split_counters
 from tpgraph.kernels._settings import env_flag
 
 try:
     import triton
     import triton.language as tl
+
+    from tpgraph.kernels._counters import arrived_last, reset_counter
 except ImportError:  # CPU-only installs without Triton use the torch chain
     triton = None
 
-BLOCK = 2048  # entries a program reads at a time (a 128256-entry row: 63 blocks a pass)
+CHUNK = 2048  # entries a program takes (a 128256-entry row: 63 programs)
 MAX_ROUNDS = 48  # races before a row takes its largest logit (never seen: each round bisects the gap at least)
 SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
+# a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
+# logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), and whether the
+# row is drawn
+M, SHARE, XJ, LOW, HIGH, DONE, STATE_WORDS = range(7)
 
 
 def fused_sampling_enabled() -> bool:
-    """Whether the sampler draws non-greedy rows with this kernel on CUDA: yes unless TPGRAPH_FUSED_SAMPLING=0."""
+    """Whether the sampler draws non-greedy rows with these kernels on CUDA: yes unless TPGRAPH_FUSED_SAMPLING=0."""
     return env_flag("TPGRAPH_FUSED_SAMPLING", default=True)
 
 
 if triton is not None:
-    _LOG2E = 1.4426950408889634
+    _LOG2E = tl.constexpr(1.4426950408889634)
+    _M, _SHARE, _XJ, _LOW, _HIGH, _DONE, _WORDS = (tl.constexpr(i) for i in (M, SHARE, XJ, LOW, HIGH, DONE,
+                                                                             STATE_WORDS))
 
     @triton.jit
-    def _race(row_ptr, V, seed, counter_base, inv_t, m, low, min_p, FILTER: tl.constexpr, BLOCK: tl.constexpr):
-        """The winner's index of one exponential race over the row's logits (with FILTER only those above `low`
-        whose weight exp((x - m) / T) is at least min_p), and without FILTER the row's maximum and total weight."""
+    def _logits(row_ptr, offs, V):
+        """A block of the row's logits in fp32, NaN and entries past V as -inf (never drawn, no weight)."""
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        return tl.where(x == x, x, float("-inf"))
+
+    @triton.jit
+    def _race_keys(x, seed, start, counter_base, inv_t, N: tl.constexpr):
+        """x / T - log(E) for the N logits from entry `start` (a multiple of 4), E ~ Exp(1) from Philox at counter
+        counter_base + entry // 4 (four draws a counter): the same for any chunking."""
+        r0, r1, r2, r3 = tl.randint4x(seed, counter_base + start // 4 + tl.arange(0, N // 4), 10)
+        bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [N])
+        # 23 random bits and a half: u strictly inside (0, 1), so E = -log(u) is finite and positive
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        return x * inv_t - tl.log(-tl.log(u))
+
+    @triton.jit
+    def _kept_by_race(x, m, low, inv_t, min_p):
+        """x where a later race may draw it (above `low`, weight at least min_p), else -inf."""
+        w = tl.exp2((x - m) * (inv_t * _LOG2E))
+        return tl.where((x > low) & (w >= min_p), x, float("-inf"))
+
+    @triton.jit
+    def _weights_above(x, m, inv_t, a):
+        return tl.sum(tl.where(x > a, tl.exp2((x - m) * (inv_t * _LOG2E)), 0.0), axis=0)
+
+    @triton.jit
+    def _race_row(row_ptr, V, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
+        """One program's race over the whole row's logits above `low` with weight at least min_p: the winner."""
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int32)
-        total = tl.full((), 0.0, tl.float32)
-        Q: tl.constexpr = BLOCK // 4
-        quads = tl.arange(0, Q)
-        if not FILTER:
-            m = tl.full((), float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            ok = offs < V
-            x = tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32)
-            x = tl.where(x == x, x, float("-inf"))  # NaN never wins
-            r0, r1, r2, r3 = tl.randint4x(seed, counter_base + start // 4 + quads, 10)
-            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
-            u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            if FILTER:
-                w = tl.exp2((x - m) * (inv_t * _LOG2E))
-                x = tl.where((x > low) & (w >= min_p), x, float("-inf"))
-            else:  # the online maximum and total
-                m_new = tl.maximum(m, tl.max(x, axis=0))
-                if m_new > float("-inf"):
-                    total = total * tl.exp2((m - m_new) * (inv_t * _LOG2E)) \
-                        + tl.sum(tl.exp2((x - m_new) * (inv_t * _LOG2E)), axis=0)
-                m = m_new
-            key = x * inv_t - tl.log(-tl.log(u))
+            x = _kept_by_race(_logits(row_ptr, offs, V), m, low, inv_t, min_p)
+            key = _race_keys(x, seed, start, counter_base, inv_t, BLOCK)
             block_best = tl.max(key, axis=0)
             if block_best > best:
                 best = block_best
                 best_i = start + tl.argmax(key, axis=0)
-        return best_i, m, total
+        return best_i
 
     @triton.jit
-    def _weight_above(row_ptr, V, m, inv_t, a, b, BLOCK: tl.constexpr):
-        """The row's total weight exp((x - m) / T) over the logits above `a`, and over those above `b`."""
-        above_a = 0.0
-        above_b = 0.0
+    def _weight_above_row(row_ptr, V, m, inv_t, a, b, BLOCK: tl.constexpr):
+        """One program's sums over the whole row: the weight above `a`, and above `b`."""
+        above_a = tl.full((), 0.0, tl.float32)
+        above_b = tl.full((), 0.0, tl.float32)
         for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            x = tl.where(x == x, x, float("-inf"))
-            w = tl.exp2((x - m) * (inv_t * _LOG2E))
-            above_a += tl.sum(tl.where(x > a, w, 0.0), axis=0)
-            above_b += tl.sum(tl.where(x > b, w, 0.0), axis=0)
+            x = _logits(row_ptr, start + tl.arange(0, BLOCK), V)
+            above_a += _weights_above(x, m, inv_t, a)
+            above_b += _weights_above(x, m, inv_t, b)
         return above_a, above_b
 
     @triton.jit
@@ -102,36 +119,28 @@ if triton is not None:
         first = V
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            first = tl.minimum(first, tl.min(tl.where(x == m, offs, V), axis=0))
+            first = tl.minimum(first, tl.min(tl.where(_logits(row_ptr, offs, V) == m, offs, V), axis=0))
         return first
 
     @triton.jit
-    def _sample_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, ids_ptr, round_stride,
-                       MAX_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
-        """One program a row: the row's token (see the module docstring). Rows with temperature 0 are left alone
-        (greedy: the caller's argmax)."""
-        row = tl.program_id(0).to(tl.int64)
-        t = tl.load(temp_ptr + row)
-        if t > 0.0:
-            inv_t = 1.0 / t
-            p = tl.load(top_p_ptr + row)
-            min_p = tl.load(min_p_ptr + row)
-            seed = tl.load(seed_ptr + row)
-            row_ptr = x_ptr + row * stride_x
-            j, m, total = _race(row_ptr, V, seed, 0, inv_t, float("-inf"), 0.0, 0.0, False, BLOCK)
-            # a row of -inf (or NaN) only has no weights: its first index, as the torch chain's argmax gives
-            done = (((p >= 1.0) & (min_p <= 0.0)) | (m == float("-inf")) | (m == float("inf"))).to(tl.int32)
-            share = tl.where(p < 1.0, p * total, float("inf"))
-            low = tl.full((), float("-inf"), tl.float32)  # every logit at or below it is out of the kept set
-            high = m  # every logit above it is in, by weight
-            pivot = m
-            rounds = 1
-            while done == 0:
+    def _more_rounds(row_ptr, V, seed, round_stride, inv_t, m, share, min_p, low, high, MAX_ROUNDS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """Rounds 2 and on, in one program: a race above `low`, its check, and the pivot's weight, until a draw is
+        kept (after MAX_ROUNDS the row's first maximum, which always is)."""
+        pivot = tl.where(low > float("-inf"), low + (high - low) * 0.5, high)
+        j = tl.full((), 0, tl.int32)
+        rounds = 2
+        done = 0
+        while done == 0:
+            if rounds >= MAX_ROUNDS:
+                j = _first_max(row_ptr, V, m, BLOCK)
+                done = 1
+            else:
+                j = _race_row(row_ptr, V, seed, rounds * round_stride, inv_t, m, low, min_p, BLOCK)
+                rounds += 1
                 xj = tl.load(row_ptr + j).to(tl.float32)
-                above_j, above_pivot = _weight_above(row_ptr, V, m, inv_t, xj, pivot, BLOCK)
-                wj = tl.exp2((xj - m) * (inv_t * _LOG2E))
-                if (wj >= min_p) & (above_j < share):
+                above_j, above_pivot = _weight_above_row(row_ptr, V, m, inv_t, xj, pivot, BLOCK)
+                if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above_j < share):
                     done = 1
                 else:
                     low = tl.maximum(low, xj)
@@ -139,40 +148,151 @@ if triton is not None:
                         low = tl.maximum(low, pivot)
                     else:
                         high = tl.minimum(high, pivot)
-                    if rounds >= MAX_ROUNDS:  # (never seen) the largest logit, always kept
-                        j = _first_max(row_ptr, V, m, BLOCK)
-                        done = 1
-                    else:
-                        pivot = tl.where(low > float("-inf"), low + (high - low) * 0.5, m)
-                        j, _m, _t = _race(row_ptr, V, seed, rounds * round_stride, inv_t, m, low, min_p, True, BLOCK)
-                        rounds += 1
-            tl.store(ids_ptr + row, j.to(tl.int64))
+                    pivot = tl.where(low > float("-inf"), low + (high - low) * 0.5, high)
+        return j
+
+    @triton.jit
+    def _race_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr,
+                     counter_ptr, chunks, round_stride, SECOND: tl.constexpr, CHUNK: tl.constexpr,
+                     CHUNKS_P2: tl.constexpr):
+        """Grid (rows, chunks): a race over the chunk (SECOND: the second round's, above the state's low, for rows
+        not yet drawn), and in the row's last chunk the winner over the chunks (and without SECOND, the row's
+        maximum and total, and whether it is drawn already)."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        t = tl.load(temp_ptr + row)
+        state = state_ptr + row * _WORDS
+        if SECOND:
+            todo = (t > 0.0) & (tl.load(state + _DONE) == 0.0)
+        else:
+            todo = t > 0.0
+        if todo:  # (greedy rows and drawn ones: every chunk leaves, and their count stays at zero)
+            inv_t = 1.0 / t
+            seed = tl.load(seed_ptr + row)
+            row_ptr = x_ptr + row * stride_x
+            start = c * CHUNK
+            x = _logits(row_ptr, start + tl.arange(0, CHUNK), V)
+            part = part_ptr + (row * chunks + c) * 4
+            if SECOND:
+                m = tl.load(state + _M)
+                x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(min_p_ptr + row))
+            else:
+                chunk_max = tl.max(x, axis=0)
+                chunk_total = tl.where(chunk_max > float("-inf"),
+                                       tl.sum(tl.exp2((x - chunk_max) * (inv_t * _LOG2E)), axis=0), 0.0)
+                tl.store(part + 2, chunk_max)
+                tl.store(part + 3, chunk_total)
+            key = _race_keys(x, seed, start, SECOND * round_stride, inv_t, CHUNK)
+            tl.store(part, tl.max(key, axis=0))
+            tl.store(part + 1, (start + tl.argmax(key, axis=0)).to(tl.float32))  # (exact below 2^24)
+            if arrived_last(counter_ptr + row, chunks):
+                cs = tl.arange(0, CHUNKS_P2)
+                ok = cs < chunks
+                parts = part_ptr + (row * chunks + cs) * 4
+                keys = tl.load(parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                best = tl.max(keys, axis=0)
+                first = tl.min(tl.where(ok & (keys == best), cs, CHUNKS_P2), axis=0)
+                winners = tl.load(parts + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                j = tl.sum(tl.where(cs == first, winners, 0.0), axis=0).to(tl.int32)
+                if not SECOND:
+                    maxima = tl.load(parts + 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    totals = tl.load(parts + 3, mask=ok, other=0.0, cache_modifier=".cg")
+                    m = tl.max(maxima, axis=0)
+                    total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp2((maxima - m) * (inv_t * _LOG2E)),
+                                            0.0), axis=0)
+                    p = tl.load(top_p_ptr + row)
+                    min_p = tl.load(min_p_ptr + row)
+                    # a row of -inf (or NaN) only has no weights: its first index, as the torch chain's argmax gives
+                    j = tl.where(m == float("-inf"), 0, j)
+                    done = ((p >= 1.0) & (min_p <= 0.0)) | (m == float("-inf")) | (m == float("inf"))
+                    tl.store(state + _M, m)
+                    tl.store(state + _SHARE, tl.where(p < 1.0, p * total, float("inf")))
+                    tl.store(state + _LOW, float("-inf"))
+                    tl.store(state + _HIGH, m)
+                    tl.store(state + _DONE, done.to(tl.float32))
+                tl.store(state + _XJ, tl.load(row_ptr + j).to(tl.float32))
+                tl.store(ids_ptr + row, j.to(tl.int64))
+                reset_counter(counter_ptr + row)
+
+    @triton.jit
+    def _check_kernel(x_ptr, stride_x, V, temp_ptr, min_p_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr, counter_ptr,
+                      chunks, round_stride, LAST: tl.constexpr, MAX_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+                      CHUNKS_P2: tl.constexpr):
+        """Grid (rows, chunks): the chunk's weight above the drawn logit, and in the row's last chunk the verdict; a
+        rejected draw's logit becomes the row's low, and with LAST the row runs its further rounds there."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        t = tl.load(temp_ptr + row)
+        state = state_ptr + row * _WORDS
+        if (t > 0.0) & (tl.load(state + _DONE) == 0.0):
+            inv_t = 1.0 / t
+            row_ptr = x_ptr + row * stride_x
+            m = tl.load(state + _M)
+            xj = tl.load(state + _XJ)
+            x = _logits(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V)
+            tl.store(part_ptr + row * chunks + c, _weights_above(x, m, inv_t, xj))
+            if arrived_last(counter_ptr + row, chunks):
+                cs = tl.arange(0, CHUNKS_P2)
+                above = tl.sum(tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=0.0,
+                                       cache_modifier=".cg"), axis=0)
+                share = tl.load(state + _SHARE)
+                min_p = tl.load(min_p_ptr + row)
+                if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above < share):
+                    tl.store(state + _DONE, 1.0)
+                else:
+                    low = tl.maximum(tl.load(state + _LOW), xj)
+                    tl.store(state + _LOW, low)
+                    if LAST:
+                        j = _more_rounds(row_ptr, V, tl.load(seed_ptr + row), round_stride, inv_t, m, share, min_p,
+                                         low, tl.load(state + _HIGH), MAX_ROUNDS, CHUNK)
+                        tl.store(ids_ptr + row, j.to(tl.int64))
+                        tl.store(state + _DONE, 1.0)
+                reset_counter(counter_ptr + row)
 
 
-def block_for(vocab: int) -> int:
-    """BLOCK, or the smallest power of two holding a shorter row (at least 16: four Philox counters)."""
-    return max(16, min(BLOCK, triton.next_power_of_2(vocab)))
+def chunk_for(vocab: int) -> int:
+    """CHUNK, or the smallest power of two holding a shorter row (at least 16: four Philox counters)."""
+    return max(16, min(CHUNK, triton.next_power_of_2(vocab)))
 
 
 def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                seeds: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                seeds: torch.Tensor, out: torch.Tensor | None = None, truncated: bool = True) -> torch.Tensor:
     """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim; -inf for tokens a row may not take) and per row
     [B] fp32 temperature (0: greedy, left to the caller), top_p in (0, 1], min_p in [0, 1] and [B] int64 seeds ->
-    [B] int64 drawn ids (rows with temperature 0 hold whatever `out` held, or garbage)."""
+    [B] int64 drawn ids (rows with temperature 0 keep what `out` held, or garbage). `truncated`: whether any row may
+    have top-p below 1 or min-p above 0 (False: the race alone, the check launches skipped)."""
     if triton is None:
         raise RuntimeError("Triton is not installed; sample with the torch chain")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"sample_rows takes [batch, vocab] fp32/bf16/fp16 logits with a contiguous last dim, got "
                          f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")
     batch, vocab = x.shape
+    if vocab >= 1 << 24:
+        raise ValueError(f"sample_rows carries indices in fp32: a vocabulary below 2^24, got {vocab}")
     for name, t, dtype in (("temperature", temperature, torch.float32), ("top_p", top_p, torch.float32),
                            ("min_p", min_p, torch.float32), ("seeds", seeds, torch.int64)):
         if t.shape != (batch,) or t.dtype != dtype or t.device != x.device:
             raise ValueError(f"sample_rows' {name} must be [{batch}] {dtype} on {x.device}, got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
-    if batch and vocab:
-        _sample_kernel[(batch,)](x, x.stride(0), vocab, temperature.contiguous(), top_p.contiguous(),
-                                 min_p.contiguous(), seeds.contiguous(), ids, triton.cdiv(vocab, 4),
-                                 MAX_ROUNDS=MAX_ROUNDS, BLOCK=block_for(vocab), num_warps=8)
+    if batch == 0 or vocab == 0:
+        return ids
+    chunk = chunk_for(vocab)
+    chunks = triton.cdiv(vocab, chunk)
+    temperature, top_p, min_p, seeds = (t.contiguous() for t in (temperature, top_p, min_p, seeds))
+    # one allocation: the rows' states, then the chunks' partials (4 words each)
+    work = torch.empty(batch * (STATE_WORDS + 4 * chunks), dtype=torch.float32, device=x.device)
+    state, parts = work[:batch * STATE_WORDS], work[batch * STATE_WORDS:]
+    counters = split_counters(x.device, batch)
+    grid = (batch, chunks)
+    common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
+    race_args = (x, x.stride(0), vocab, temperature, top_p, min_p, seeds, ids, state, parts, counters, chunks,
+                 triton.cdiv(vocab, 4))
+    check_args = (x, x.stride(0), vocab, temperature, min_p, seeds, ids, state, parts, counters, chunks,
+                  triton.cdiv(vocab, 4))
+    _race_kernel[grid](*race_args, SECOND=False, **common)
+    if truncated:
+        _check_kernel[grid](*check_args, LAST=False, MAX_ROUNDS=MAX_ROUNDS, **common)
+        _race_kernel[grid](*race_args, SECOND=True, **common)
+        _check_kernel[grid](*check_args, LAST=True, MAX_ROUNDS=MAX_ROUNDS, **common)
     return ids
