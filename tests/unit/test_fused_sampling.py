@@ -91,6 +91,17 @@ def test_seeds_fix_the_draw_and_rows_are_independent():
     assert draw(short, seed0=1) == draw(torch.nn.functional.pad(short, (0, 3000), value=float("-inf")), seed0=1)
 
 
+def test_batches_past_the_counters_go_in_several_launches(monkeypatch):
+    """A launch takes at most ROWS_PER_LAUNCH rows (one arrival counter each; 65536): more go in slices, each row's
+    draw as it would be alone."""
+    import tpgraph.kernels.sampling as sampling
+
+    x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(8)) * 2).contiguous()
+    whole = draw(x, top_p=0.8, seed0=3)
+    monkeypatch.setattr(sampling, "ROWS_PER_LAUNCH", 3)
+    assert draw(x, top_p=0.8, seed0=3) == whole
+
+
 def test_edge_rows():
     x = torch.full((5, 300), float("-inf"))
     x[0, 17] = 1.0  # one finite logit: always it
@@ -116,6 +127,8 @@ def test_mistakes_are_refused():
         sample_rows(x, good[0], torch.ones(3), *good[2:])
     with pytest.raises(ValueError, match="seeds must be"):
         sample_rows(x, *good[:3], torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        sample_rows(x, *good, out=torch.zeros(4, dtype=torch.int64)[::2])
 
 
 def test_the_sampler_takes_the_kernel_for_sampled_rows():

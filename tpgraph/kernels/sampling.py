@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from tpgraph.kernels._counters import split_counters
+from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels._settings import env_flag
 
 try:
@@ -45,6 +45,7 @@ except ImportError:  # CPU-only installs without Triton use the torch chain
 CHUNK = 2048  # entries a program takes (a 128256-entry row: 63 programs)
 MAX_ROUNDS = 48  # races before a row takes its largest logit (never seen: each round bisects the gap at least)
 SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
+ROWS_PER_LAUNCH = MAX_COUNTERS  # a launch's rows: one arrival counter each
 # a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
 # logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), and whether the
 # row is drawn
@@ -275,11 +276,24 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
             raise ValueError(f"sample_rows' {name} must be [{batch}] {dtype} on {x.device}, got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
-    if batch == 0 or vocab == 0:
+    if out is not None and (out.shape != (batch,) or out.dtype != torch.int64 or out.device != x.device
+                            or out.stride(0) != 1):
+        raise ValueError(f"sample_rows' out must be [{batch}] int64 with a unit stride on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if vocab == 0:
         return ids
+    temperature, top_p, min_p, seeds = (t.contiguous() for t in (temperature, top_p, min_p, seeds))
+    for first in range(0, batch, ROWS_PER_LAUNCH):
+        rows = slice(first, first + ROWS_PER_LAUNCH)
+        _launch(x[rows], temperature[rows], top_p[rows], min_p[rows], seeds[rows], ids[rows], truncated)
+    return ids
+
+
+def _launch(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+            seeds: torch.Tensor, ids: torch.Tensor, truncated: bool) -> None:
+    batch, vocab = x.shape
     chunk = chunk_for(vocab)
     chunks = triton.cdiv(vocab, chunk)
-    temperature, top_p, min_p, seeds = (t.contiguous() for t in (temperature, top_p, min_p, seeds))
     # one allocation: the rows' states, then the chunks' partials (4 words each)
     work = torch.empty(batch * (STATE_WORDS + 4 * chunks), dtype=torch.float32, device=x.device)
     state, parts = work[:batch * STATE_WORDS], work[batch * STATE_WORDS:]
@@ -295,4 +309,3 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         _check_kernel[grid](*check_args, LAST=False, MAX_ROUNDS=MAX_ROUNDS, **common)
         _race_kernel[grid](*race_args, SECOND=True, **common)
         _check_kernel[grid](*check_args, LAST=True, MAX_ROUNDS=MAX_ROUNDS, **common)
-    return ids
