@@ -105,3 +105,26 @@ def test_the_sampler_takes_the_fused_kernel_on_cuda(monkeypatch):
         out = Sampler("cuda").sample(logits, rows)
         assert len(calls) == taken and out.token_ids[0] == int(logits[0].float().argmax())
         assert torch.equal(logits, before)
+
+
+def test_the_fused_penalties_equal_the_torch_ops():
+    """kernels/penalties.py against the torch ops on a Llama-3 row width: the same slots filled from the same ids,
+    then a step's rows (a slot twice, one not first) penalized alike and its ids counted alike."""
+    vocab = 128256
+    g = torch.Generator().manual_seed(11)
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25),
+              SamplingParams(repetition_penalty=0.9, frequency_penalty=-0.3),
+              SamplingParams(presence_penalty=1.5)]
+    rows = [SampleRow(p, torch.randint(vocab, (50,), generator=g).tolist(),
+                      torch.randint(vocab, (300,), generator=g).tolist(), seq_id=i) for i, p in enumerate(params)]
+    tables = [PenaltyTable(4, vocab, "cuda", fused=f) for f in (False, True)]
+    slot_ids = [torch.tensor(t.slots_for(rows), device="cuda") for t in tables]
+    assert torch.equal(tables[0].counts, tables[1].counts) and torch.equal(tables[0].in_prompt, tables[1].in_prompt)
+    x = torch.randn(4, vocab, generator=g).cuda() * 4
+    order = [2, 0, 1, 0]
+    got = [t.apply(x, s[order], [params[i] for i in order]) for t, s in zip(tables, slot_ids, strict=True)]
+    torch.testing.assert_close(got[1], got[0], rtol=1e-6, atol=1e-6)
+    ids = torch.randint(vocab, (4,), generator=g).cuda()
+    for t, s in zip(tables, slot_ids, strict=True):
+        t.count(s[order], ids)
+    assert torch.equal(tables[0].counts, tables[1].counts)

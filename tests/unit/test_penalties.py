@@ -1,6 +1,7 @@
 """Penalties from the device-side count table: equal to a per-token reference over the host's ids, step after step,
 as sequences come and go, lose their rows and get them back."""
 
+import os
 import random
 from collections import Counter
 
@@ -48,12 +49,20 @@ PARAMS = [SamplingParams(repetition_penalty=1.4), SamplingParams(frequency_penal
           SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4), SamplingParams(temperature=0.0)]
 
 
-def test_counts_kept_between_steps_match_the_reference_as_sequences_come_and_go():
+fused_on_cpu = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=fused_on_cpu)], ids=["torch", "triton"])
+def test_counts_kept_between_steps_match_the_reference_as_sequences_come_and_go(fused):
     """Seven sequences, three slots: each step samples up to three of them, in any order, the table counting the
     step's ids on its side while the host appends them to its own lists. Sequences that sit out lose their slots to
     newcomers and are filled again on return; every step's penalized logits equal the reference's on the host's
-    ids, and plain rows stay as they were."""
-    vocab, table = 40, PenaltyTable(3, 40, "cpu")
+    ids, and plain rows stay as they were. With the torch ops, and with kernels/penalties.py's launches."""
+    if fused:
+        pytest.importorskip("triton")
+    vocab, table = 40, PenaltyTable(3, 40, "cpu", fused=fused)
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     prompts = {s: [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))] for s in range(7)}
@@ -126,3 +135,14 @@ def test_the_sampler_counts_its_ids_into_its_table():
         sampler.sample(logits[:1, :5], [SampleRow(p, [0], [1, 2], seq_id=4)])
     table.clear()  # (an engine clears its table when it starts: its sequence ids start from 0)
     assert sampler.sample(logits[:1], [SampleRow(p, [0], [1, 2], seq_id=4)]).token_ids == [1]
+
+
+@fused_on_cpu
+def test_the_fused_count_adds_repeats_and_skips_ids_outside_the_vocabulary():
+    """kernels/penalties.count_rows: a slot's repeated id counted each time (atomic adds), and an id outside the
+    vocabulary left out where index_put_ would stop the device."""
+    pytest.importorskip("triton")
+    table = PenaltyTable(2, 50, "cpu", fused=True)
+    table.count(torch.tensor([1, 1, 0, 1, 0]), torch.tensor([7, 7, 3, 49, 50]))
+    assert table.counts[1].nonzero().flatten().tolist() == [7, 49] and table.counts[1, 7] == 2
+    assert table.counts[0].nonzero().flatten().tolist() == [3] and int(table.counts.sum()) == 4

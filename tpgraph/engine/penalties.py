@@ -24,6 +24,7 @@ import torch
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
 from tpgraph.engine.uploads import to_device, to_device_parts
+from tpgraph.kernels import penalties as fused
 
 # the most history tokens one upload fills slots from: on the device while it lasts, 16 bytes each (ids and slots)
 # and the output counts' sort in index_put_; the memory profile's sampling step fills this many
@@ -41,7 +42,9 @@ class PenalizedRow(Protocol):
 
 
 class PenaltyTable:
-    def __init__(self, slots: int, vocab: int, device: torch.device | str) -> None:
+    def __init__(self, slots: int, vocab: int, device: torch.device | str, fused: bool | None = None) -> None:
+        """`fused`: apply and count with kernels/penalties.py's launches (None: on CUDA unless
+        TPGRAPH_FUSED_PENALTIES=0; True on CPU runs them under TRITON_INTERPRET=1) rather than torch ops."""
         if slots < 1 or vocab < 1:
             raise ValueError(f"a penalty table needs at least one slot and one token, got {slots} x {vocab}")
         self.device = torch.device(device)
@@ -49,7 +52,15 @@ class PenaltyTable:
         self.in_prompt = torch.zeros(slots, vocab, dtype=torch.bool, device=self.device)
         self._slots: OrderedDict[int, int] = OrderedDict()  # seq id -> slot, least recently used first
         self._free = list(range(slots - 1, -1, -1))
+        self.fused = fused
         self.fills = 0  # slots filled from the host's ids so far (a sequence's first step, or its return)
+
+    def _takes_fused(self) -> bool:
+        if fused.triton is None:
+            return False
+        if self.fused is not None:
+            return self.fused
+        return self.device.type == "cuda" and fused.fused_penalties_enabled()
 
     @property
     def num_slots(self) -> int:
@@ -152,6 +163,9 @@ class PenaltyTable:
 
     def count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Add one occurrence of ids[i] to slot slots[i] (a step's sampled ids, on the device)."""
+        if self._takes_fused():
+            fused.count_rows(self.counts, slots, ids)
+            return
         self.counts.index_put_((slots, ids), torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)
 
     def apply(self, x: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -159,9 +173,12 @@ class PenaltyTable:
         prompt and output tokens), frequency and presence (OpenAI: output tokens)."""
         if x.shape[1] != self.vocab:
             raise ValueError(f"logits of {x.shape[1]} tokens, but the penalty table counts {self.vocab}")
+        values = [v for p in params for v in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)]
+        per_row = to_device(values, torch.float32, x.device).view(-1, 3)  # one upload
+        if self._takes_fused() and x.stride(-1) == 1:
+            return fused.apply_rows(x, self.counts, self.in_prompt, slots, per_row)
         counts = self.counts.index_select(0, slots).float()
         seen = self.in_prompt.index_select(0, slots) | (counts > 0)
-        values = [v for p in params for v in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)]
-        rep, freq, pres = to_device(values, torch.float32, x.device).view(-1, 3, 1).unbind(1)  # one upload
+        rep, freq, pres = per_row.unsqueeze(-1).unbind(1)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         return x - freq * counts - pres * (counts > 0).float()
