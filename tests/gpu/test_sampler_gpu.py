@@ -71,9 +71,9 @@ def test_the_fused_kernel_draws_the_kept_distribution(case):
     else:
         row = torch.randn(case["vocab"], generator=g) * case["scale"]
     t, p, mp = case["temperature"], case["top_p"], case["min_p"]
-    full = lambda v: torch.full((n,), float(v), device="cuda")  # noqa: E731
+    params = torch.tensor([[t, p, mp]], device="cuda").expand(n, -1).contiguous()
     seeds = torch.randint(0, 1 << 62, (n,), generator=g).cuda()
-    ids = sample_rows(row.cuda().expand(n, -1), full(t), full(p), full(mp), seeds).cpu()
+    ids = sample_rows(row.cuda().expand(n, -1), params, seeds).cpu()
     want = _kept_probabilities(row, t, p, mp)
     near_edge = _kept_probabilities(row, t, min(1.0, p * (1 + 1e-4)), mp) > 0
     assert near_edge[ids].all(), "drawn outside the kept set"

@@ -23,9 +23,12 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 def draw(x: torch.Tensor, temperature=1.0, top_p=1.0, min_p=0.0, seed0=0) -> list[int]:
     """One draw per row of x, row i seeded with seed0 + i."""
     n = x.shape[0]
-    full = lambda v: torch.full((n,), float(v))  # noqa: E731
     seeds = torch.arange(seed0, seed0 + n, dtype=torch.int64) * 0x9E3779B9
-    return sample_rows(x, full(temperature), full(top_p), full(min_p), seeds).tolist()
+    return sample_rows(x, per_row(n, temperature, top_p, min_p), seeds).tolist()
+
+
+def per_row(n: int, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
+    return torch.tensor([[temperature, top_p, min_p]]).expand(n, -1).contiguous()
 
 
 def kept_set(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> tuple[set[int], set[int]]:
@@ -109,26 +112,40 @@ def test_edge_rows():
     x[2, 40] = 0.0  # NaN never drawn
     x[3, [8, 9]] = 2.0  # min-p 1: only the largest (either of a tie)
     x[4] = torch.linspace(0, 1, 300)
-    ids = sample_rows(x, torch.tensor([1.0, 1.0, 1.0, 1.0, 1e-5]), torch.tensor([0.9, 1.0, 1.0, 1.0, 1.0]),
-                      torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]), torch.arange(5)).tolist()
+    params = torch.tensor([[1.0, 0.9, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1e-5, 1.0, 0.0]])
+    ids = sample_rows(x, params, torch.arange(5)).tolist()
     assert ids[0] == 17 and ids[1] == 0 and ids[2] == 40 and ids[3] in (8, 9) and ids[4] == 299
     # temperature 0: left to the caller's argmax (whatever `out` held)
     out = torch.full((1,), -7, dtype=torch.int64)
-    sample_rows(x[:1], torch.zeros(1), torch.ones(1), torch.zeros(1), torch.zeros(1, dtype=torch.int64), out=out)
+    sample_rows(x[:1], per_row(1, 0.0, 1.0, 0.0), torch.zeros(1, dtype=torch.int64), out=out)
     assert out.tolist() == [-7]
 
 
 def test_mistakes_are_refused():
     x = torch.randn(2, 10)
-    good = (torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(2, dtype=torch.int64))
+    good = (per_row(2, 1.0, 1.0, 0.0), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous last dim"):
         sample_rows(x.t().contiguous().t(), *good)
-    with pytest.raises(ValueError, match="top_p must be"):
-        sample_rows(x, good[0], torch.ones(3), *good[2:])
+    with pytest.raises(ValueError, match="params must be"):
+        sample_rows(x, per_row(3, 1.0, 1.0, 0.0), good[1])
     with pytest.raises(ValueError, match="seeds must be"):
-        sample_rows(x, *good[:3], torch.zeros(2, dtype=torch.int32))
+        sample_rows(x, good[0], torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="out must be"):
-        sample_rows(x, *good, out=torch.zeros(4, dtype=torch.int64)[::2])
+        sample_rows(x, *good, out=torch.zeros(3, dtype=torch.int64))
+
+
+def test_views_off_a_16_byte_boundary_are_taken():
+    """Parameters and seeds that start off a 16-byte boundary (views into one upload, as uploads.to_device_parts
+    makes) and a strided `out`: the kernel gets aligned copies (one compiled variant), and the ids land in `out`."""
+    x = (torch.randn(3, 100, generator=torch.Generator().manual_seed(9)) * 2).contiguous()
+    params, seeds = per_row(3, 1.0, 0.9, 0.0), torch.tensor([5, 6, 7])
+    want = sample_rows(x, params, seeds).tolist()
+    shifted = torch.cat([torch.zeros(1), params.flatten()])[1:].view(3, 3)
+    shifted_seeds = torch.cat([torch.zeros(1, dtype=torch.int64), seeds])[1:]
+    assert shifted.data_ptr() % 16 and shifted_seeds.data_ptr() % 16
+    out = torch.full((6,), -1, dtype=torch.int64)
+    sample_rows(x, shifted, shifted_seeds, out=out[::2])
+    assert out[::2].tolist() == want and out[1::2].tolist() == [-1] * 3
 
 
 def test_the_sampler_takes_the_kernel_for_sampled_rows():

@@ -172,14 +172,12 @@ class Sampler:
             x = top_k_mask(x, [p.top_k for p in params])
         if x.stride(-1) != 1:
             x = x.contiguous()
-        temperature, top_p, min_p = to_device_parts(
-            [[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
-             [p.min_p for p in params]], torch.float32, x.device)
+        per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p)],
+                            torch.float32, x.device).view(-1, 3)
         truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
-        ids = fused_sampling.sample_rows(x, temperature, top_p, min_p, self._row_seeds(rows, x.device),
-                                         truncated=truncated)
+        ids = fused_sampling.sample_rows(x, per_row, self._row_seeds(rows, x.device), truncated=truncated)
         if any(p.greedy for p in params):
-            ids = torch.where(temperature > 0, ids, row_argmax(x))
+            ids = torch.where(per_row[:, 0] > 0, ids, row_argmax(x))
         return ids
 
     def _row_seeds(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:

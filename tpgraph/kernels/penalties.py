@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._settings import env_flag
 
 try:
@@ -69,8 +70,8 @@ def apply_rows(x: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, s
     if batch and vocab:
         chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
         _apply_kernel[(batch, triton.cdiv(vocab, chunk))](x, x.stride(0), out, counts, in_prompt.view(torch.uint8),
-                                                          slots.contiguous(), params.contiguous(), vocab,
-                                                          CHUNK=chunk, num_warps=4)
+                                                          aligned(slots), aligned(params), vocab, CHUNK=chunk,
+                                                          num_warps=4)
     return out
 
 
@@ -79,4 +80,4 @@ def count_rows(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> 
     if slots.shape != ids.shape or slots.dim() != 1:
         raise ValueError(f"count_rows: slots {tuple(slots.shape)} and ids {tuple(ids.shape)} must be one [B] each")
     if slots.numel():
-        _count_kernel[(slots.numel(),)](counts, slots.contiguous(), ids.contiguous(), counts.shape[1], num_warps=1)
+        _count_kernel[(slots.numel(),)](counts, aligned(slots), aligned(ids), counts.shape[1], num_warps=1)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels._settings import env_flag
 
@@ -153,7 +154,7 @@ if triton is not None:
         return j
 
     @triton.jit
-    def _race_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr,
+    def _race_kernel(x_ptr, stride_x, V, param_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr,
                      counter_ptr, chunks, round_stride, SECOND: tl.constexpr, CHUNK: tl.constexpr,
                      CHUNKS_P2: tl.constexpr):
         """Grid (rows, chunks): a race over the chunk (SECOND: the second round's, above the state's low, for rows
@@ -161,7 +162,7 @@ if triton is not None:
         maximum and total, and whether it is drawn already)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        t = tl.load(temp_ptr + row)
+        t = tl.load(param_ptr + row * 3)
         state = state_ptr + row * _WORDS
         if SECOND:
             todo = (t > 0.0) & (tl.load(state + _DONE) == 0.0)
@@ -176,7 +177,7 @@ if triton is not None:
             part = part_ptr + (row * chunks + c) * 4
             if SECOND:
                 m = tl.load(state + _M)
-                x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(min_p_ptr + row))
+                x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(param_ptr + row * 3 + 2))
             else:
                 chunk_max = tl.max(x, axis=0)
                 chunk_total = tl.where(chunk_max > float("-inf"),
@@ -201,8 +202,8 @@ if triton is not None:
                     m = tl.max(maxima, axis=0)
                     total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp2((maxima - m) * (inv_t * _LOG2E)),
                                             0.0), axis=0)
-                    p = tl.load(top_p_ptr + row)
-                    min_p = tl.load(min_p_ptr + row)
+                    p = tl.load(param_ptr + row * 3 + 1)
+                    min_p = tl.load(param_ptr + row * 3 + 2)
                     # a row of -inf (or NaN) only has no weights: its first index, as the torch chain's argmax gives
                     j = tl.where(m == float("-inf"), 0, j)
                     done = ((p >= 1.0) & (min_p <= 0.0)) | (m == float("-inf")) | (m == float("inf"))
@@ -216,14 +217,14 @@ if triton is not None:
                 reset_counter(counter_ptr + row)
 
     @triton.jit
-    def _check_kernel(x_ptr, stride_x, V, temp_ptr, min_p_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr, counter_ptr,
-                      chunks, round_stride, LAST: tl.constexpr, MAX_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+    def _check_kernel(x_ptr, stride_x, V, param_ptr, seed_ptr, ids_ptr, state_ptr, part_ptr, counter_ptr, chunks,
+                      round_stride, LAST: tl.constexpr, MAX_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr):
         """Grid (rows, chunks): the chunk's weight above the drawn logit, and in the row's last chunk the verdict; a
         rejected draw's logit becomes the row's low, and with LAST the row runs its further rounds there."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        t = tl.load(temp_ptr + row)
+        t = tl.load(param_ptr + row * 3)
         state = state_ptr + row * _WORDS
         if (t > 0.0) & (tl.load(state + _DONE) == 0.0):
             inv_t = 1.0 / t
@@ -237,7 +238,7 @@ if triton is not None:
                 above = tl.sum(tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=0.0,
                                        cache_modifier=".cg"), axis=0)
                 share = tl.load(state + _SHARE)
-                min_p = tl.load(min_p_ptr + row)
+                min_p = tl.load(param_ptr + row * 3 + 2)
                 if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above < share):
                     tl.store(state + _DONE, 1.0)
                 else:
@@ -256,12 +257,12 @@ def chunk_for(vocab: int) -> int:
     return max(16, min(CHUNK, triton.next_power_of_2(vocab)))
 
 
-def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                seeds: torch.Tensor, out: torch.Tensor | None = None, truncated: bool = True) -> torch.Tensor:
-    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim; -inf for tokens a row may not take) and per row
-    [B] fp32 temperature (0: greedy, left to the caller), top_p in (0, 1], min_p in [0, 1] and [B] int64 seeds ->
-    [B] int64 drawn ids (rows with temperature 0 keep what `out` held, or garbage). `truncated`: whether any row may
-    have top-p below 1 or min-p above 0 (False: the race alone, the check launches skipped)."""
+def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor | None = None,
+                truncated: bool = True) -> torch.Tensor:
+    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim; -inf for tokens a row may not take), params [B, 3]
+    fp32 per row (temperature, 0 for greedy rows, which are left to the caller; top_p in (0, 1]; min_p in [0, 1])
+    and [B] int64 seeds -> [B] int64 drawn ids (greedy rows keep what `out` held, or garbage). `truncated`: whether
+    any row may have top-p below 1 or min-p above 0 (False: the race alone, the check launches skipped)."""
     if triton is None:
         raise RuntimeError("Triton is not installed; sample with the torch chain")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -270,27 +271,23 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     batch, vocab = x.shape
     if vocab >= 1 << 24:
         raise ValueError(f"sample_rows carries indices in fp32: a vocabulary below 2^24, got {vocab}")
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_p", top_p, torch.float32),
-                           ("min_p", min_p, torch.float32), ("seeds", seeds, torch.int64)):
-        if t.shape != (batch,) or t.dtype != dtype or t.device != x.device:
-            raise ValueError(f"sample_rows' {name} must be [{batch}] {dtype} on {x.device}, got {tuple(t.shape)} "
+    for name, t, shape, dtype in (("params", params, (batch, 3), torch.float32),
+                                  ("seeds", seeds, (batch,), torch.int64), ("out", out, (batch,), torch.int64)):
+        if t is not None and (t.shape != shape or t.dtype != dtype or t.device != x.device):
+            raise ValueError(f"sample_rows' {name} must be {list(shape)} {dtype} on {x.device}, got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
-    if out is not None and (out.shape != (batch,) or out.dtype != torch.int64 or out.device != x.device
-                            or out.stride(0) != 1):
-        raise ValueError(f"sample_rows' out must be [{batch}] int64 with a unit stride on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if vocab == 0:
         return ids
-    temperature, top_p, min_p, seeds = (t.contiguous() for t in (temperature, top_p, min_p, seeds))
+    params, seeds = aligned(params), aligned(seeds)
+    drawn = aligned(ids)  # (a copy where `out` is strided or off the boundary, its ids copied back)
     for first in range(0, batch, ROWS_PER_LAUNCH):
         rows = slice(first, first + ROWS_PER_LAUNCH)
-        _launch(x[rows], temperature[rows], top_p[rows], min_p[rows], seeds[rows], ids[rows], truncated)
-    return ids
+        _launch(x[rows], params[rows], seeds[rows], drawn[rows], truncated)
+    return ids if drawn is ids else ids.copy_(drawn)
 
 
-def _launch(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-            seeds: torch.Tensor, ids: torch.Tensor, truncated: bool) -> None:
+def _launch(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, ids: torch.Tensor, truncated: bool) -> None:
     batch, vocab = x.shape
     chunk = chunk_for(vocab)
     chunks = triton.cdiv(vocab, chunk)
@@ -298,14 +295,11 @@ def _launch(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min
     work = torch.empty(batch * (STATE_WORDS + 4 * chunks), dtype=torch.float32, device=x.device)
     state, parts = work[:batch * STATE_WORDS], work[batch * STATE_WORDS:]
     counters = split_counters(x.device, batch)
+    args = (x, x.stride(0), vocab, params, seeds, ids, state, parts, counters, chunks, triton.cdiv(vocab, 4))
     grid = (batch, chunks)
     common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
-    race_args = (x, x.stride(0), vocab, temperature, top_p, min_p, seeds, ids, state, parts, counters, chunks,
-                 triton.cdiv(vocab, 4))
-    check_args = (x, x.stride(0), vocab, temperature, min_p, seeds, ids, state, parts, counters, chunks,
-                  triton.cdiv(vocab, 4))
-    _race_kernel[grid](*race_args, SECOND=False, **common)
+    _race_kernel[grid](*args, SECOND=False, **common)
     if truncated:
-        _check_kernel[grid](*check_args, LAST=False, MAX_ROUNDS=MAX_ROUNDS, **common)
-        _race_kernel[grid](*race_args, SECOND=True, **common)
-        _check_kernel[grid](*check_args, LAST=True, MAX_ROUNDS=MAX_ROUNDS, **common)
+        _check_kernel[grid](*args, LAST=False, MAX_ROUNDS=MAX_ROUNDS, **common)
+        _race_kernel[grid](*args, SECOND=True, **common)
+        _check_kernel[grid](*args, LAST=True, MAX_ROUNDS=MAX_ROUNDS, **common)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from tpgraph.engine.uploads import to_device
 from tpgraph.graphs.captured import call
 from tpgraph.graphs.modes import CaptureSupport
 from tpgraph.kernels.decode_attention import paged_decode_attention_v2
@@ -77,7 +78,7 @@ def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCac
         ks, vs = k[start:start + n], v[start:start + n]
         mask = None
         if context:  # the cached prefix first (its K/V are in the cache), then this chunk; query j sees context + j
-            blocks = torch.as_tensor(meta.context_blocks[i], device=k.device)
+            blocks = to_device(meta.context_blocks[i], torch.int64, k.device)  # (queued: no wait for the GPU)
             ks = torch.cat([cache.k[blocks].flatten(0, 1)[:context], ks])
             vs = torch.cat([cache.v[blocks].flatten(0, 1)[:context], vs])
             mask = (torch.arange(context + n, device=q.device)[None, :]
