@@ -71,7 +71,7 @@ def test_the_fused_kernel_draws_the_kept_distribution(case):
     else:
         row = torch.randn(case["vocab"], generator=g) * case["scale"]
     t, p, mp = case["temperature"], case["top_p"], case["min_p"]
-    params = torch.tensor([[t, p, mp]], device="cuda").expand(n, -1).contiguous()
+    params = torch.tensor([[t, p, mp, float("-inf")]], device="cuda").expand(n, -1).contiguous()
     seeds = torch.randint(0, 1 << 62, (n,), generator=g).cuda()
     ids = sample_rows(row.cuda().expand(n, -1), params, seeds).cpu()
     want = _kept_probabilities(row, t, p, mp)

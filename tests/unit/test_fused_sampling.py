@@ -27,8 +27,8 @@ def draw(x: torch.Tensor, temperature=1.0, top_p=1.0, min_p=0.0, seed0=0) -> lis
     return sample_rows(x, per_row(n, temperature, top_p, min_p), seeds).tolist()
 
 
-def per_row(n: int, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
-    return torch.tensor([[temperature, top_p, min_p]]).expand(n, -1).contiguous()
+def per_row(n: int, temperature: float, top_p: float, min_p: float, floor: float = float("-inf")) -> torch.Tensor:
+    return torch.tensor([[temperature, top_p, min_p, floor]]).expand(n, -1).contiguous()
 
 
 def kept_set(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> tuple[set[int], set[int]]:
@@ -113,6 +113,7 @@ def test_edge_rows():
     x[3, [8, 9]] = 2.0  # min-p 1: only the largest (either of a tie)
     x[4] = torch.linspace(0, 1, 300)
     params = torch.tensor([[1.0, 0.9, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1e-5, 1.0, 0.0]])
+    params = torch.cat([params, torch.full((5, 1), float("-inf"))], dim=1)
     ids = sample_rows(x, params, torch.arange(5)).tolist()
     assert ids[0] == 17 and ids[1] == 0 and ids[2] == 40 and ids[3] in (8, 9) and ids[4] == 299
     # temperature 0: left to the caller's argmax (whatever `out` held)
@@ -140,7 +141,7 @@ def test_views_off_a_16_byte_boundary_are_taken():
     x = (torch.randn(3, 100, generator=torch.Generator().manual_seed(9)) * 2).contiguous()
     params, seeds = per_row(3, 1.0, 0.9, 0.0), torch.tensor([5, 6, 7])
     want = sample_rows(x, params, seeds).tolist()
-    shifted = torch.cat([torch.zeros(1), params.flatten()])[1:].view(3, 3)
+    shifted = torch.cat([torch.zeros(1), params.flatten()])[1:].view(3, 4)
     shifted_seeds = torch.cat([torch.zeros(1, dtype=torch.int64), seeds])[1:]
     assert shifted.data_ptr() % 16 and shifted_seeds.data_ptr() % 16
     out = torch.full((6,), -1, dtype=torch.int64)
@@ -169,3 +170,19 @@ def test_the_sampler_takes_the_kernel_for_sampled_rows():
     assert len(out.logprobs) == 5
     alone = Sampler("cpu", seed=9, fused=True).sample(logits[2:3], [rows[2]]).token_ids
     assert alone[0] == out.token_ids[2]
+
+
+@pytest.mark.parametrize("case", [dict(k=5, top_p=1.0, min_p=0.0), dict(k=40, top_p=0.5, min_p=0.0),
+                                  dict(k=300, top_p=0.9, min_p=0.1)], ids=["k5", "k40_p0.5", "k300_p0.9_min_p"])
+def test_top_k_floor_then_top_p_over_what_top_k_kept(case):
+    """A floor (top_k_floor's k-th largest) leaves the rest out everywhere, and top-p's share is of what top-k kept,
+    as top_k_mask then top_p_keep give it: every draw lies in that set."""
+    from tpgraph.engine.sampler import top_k_floor, top_k_mask
+
+    row = torch.randn(3000, generator=torch.Generator().manual_seed(10)) * 2
+    floor = float(top_k_floor(row.unsqueeze(0), [case["k"]])[0])
+    kept, edge = kept_set(top_k_mask(row.unsqueeze(0), [case["k"]])[0], 1.0, case["top_p"], case["min_p"])
+    assert len(kept) < case["k"] + 1
+    ids = sample_rows(row.expand(24, -1), per_row(24, 1.0, case["top_p"], case["min_p"], floor),
+                      torch.arange(24) * 977).tolist()
+    assert set(ids) <= kept | edge and (len(set(ids)) > 1 or len(kept) == 1)

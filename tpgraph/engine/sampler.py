@@ -165,15 +165,15 @@ class Sampler:
         return torch.where(greedy, greedy_ids, sampled)
 
     def _draw_fused(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """The rows' tokens from kernels/sampling.py: top-k masks first (as in _draw), then one launch for
-        temperature, top-p, min-p and the draw; greedy rows take their argmax."""
+        """The rows' tokens from kernels/sampling.py: top-k's floor from torch.topk, then the kernel's launches for
+        temperature, top-k, top-p, min-p and the draw; greedy rows take their argmax."""
         params = [r.params for r in rows]
-        if any(p.top_k > 0 for p in params):
-            x = top_k_mask(x, [p.top_k for p in params])
         if x.stride(-1) != 1:
             x = x.contiguous()
-        per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p)],
-                            torch.float32, x.device).view(-1, 3)
+        per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                                                        float("-inf"))], torch.float32, x.device).view(-1, 4)
+        if any(p.top_k > 0 for p in params):  # the kernel leaves out what is below top-k's floor
+            per_row = torch.cat([per_row[:, :3], top_k_floor(x, [p.top_k for p in params]).unsqueeze(1)], dim=1)
         truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         ids = fused_sampling.sample_rows(x, per_row, self._row_seeds(rows, x.device), truncated=truncated)
         if any(p.greedy for p in params):
@@ -271,13 +271,17 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Keep each row's k largest logits (k 0: all); ties at the k-th value are kept."""
+    return x.masked_fill(x < top_k_floor(x, ks).unsqueeze(1), float("-inf"))
+
+
+def top_k_floor(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """[B] fp32: each row's k-th largest logit (what top-k keeps is at or above it), -inf where k is 0 (all kept)."""
     vocab = x.shape[1]
     k_max = min(max(ks), vocab)
     kth = x.topk(k_max, dim=-1).values  # descending
     index = to_device([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], torch.int64, x.device).unsqueeze(1)
-    threshold = kth.gather(1, index)
-    off = to_device([k <= 0 for k in ks], torch.bool, x.device).unsqueeze(1)
-    return x.masked_fill(~off & (x < threshold), float("-inf"))
+    off = to_device([k <= 0 for k in ks], torch.bool, x.device)
+    return kth.gather(1, index).squeeze(1).float().masked_fill(off, float("-inf"))
 
 
 def top_p_keep(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:

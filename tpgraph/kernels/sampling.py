@@ -8,6 +8,7 @@ entries, one program a chunk, and the chunk that arrives last at a row's count (
 
 1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), and the winner of an exponential race
    over its entries (argmax of x / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed and the entry's index).
+   Logits below the row's floor (top-k's k-th largest, found by torch.topk) count as -inf throughout.
    The last chunk takes the row's maximum m, total S and the race's winner j over the chunks' winners: a draw of
    exp(x_j / T) / S exactly. A row without top-p or min-p ends here.
 2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is
@@ -64,10 +65,11 @@ if triton is not None:
                                                                              STATE_WORDS))
 
     @triton.jit
-    def _logits(row_ptr, offs, V):
-        """A block of the row's logits in fp32, NaN and entries past V as -inf (never drawn, no weight)."""
+    def _logits(row_ptr, offs, V, floor):
+        """A block of the row's logits in fp32; NaN, those below `floor` (top-k's) and entries past V as -inf (never
+        drawn, no weight)."""
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        return tl.where(x == x, x, float("-inf"))
+        return tl.where((x == x) & (x >= floor), x, float("-inf"))
 
     @triton.jit
     def _race_keys(x, seed, start, counter_base, inv_t, N: tl.constexpr):
@@ -90,13 +92,13 @@ if triton is not None:
         return tl.sum(tl.where(x > a, tl.exp2((x - m) * (inv_t * _LOG2E)), 0.0), axis=0)
 
     @triton.jit
-    def _race_row(row_ptr, V, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
+    def _race_row(row_ptr, V, floor, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
         """One program's race over the whole row's logits above `low` with weight at least min_p: the winner."""
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int32)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = _kept_by_race(_logits(row_ptr, offs, V), m, low, inv_t, min_p)
+            x = _kept_by_race(_logits(row_ptr, offs, V, floor), m, low, inv_t, min_p)
             key = _race_keys(x, seed, start, counter_base, inv_t, BLOCK)
             block_best = tl.max(key, axis=0)
             if block_best > best:
@@ -105,28 +107,28 @@ if triton is not None:
         return best_i
 
     @triton.jit
-    def _weight_above_row(row_ptr, V, m, inv_t, a, b, BLOCK: tl.constexpr):
+    def _weight_above_row(row_ptr, V, floor, m, inv_t, a, b, BLOCK: tl.constexpr):
         """One program's sums over the whole row: the weight above `a`, and above `b`."""
         above_a = tl.full((), 0.0, tl.float32)
         above_b = tl.full((), 0.0, tl.float32)
         for start in range(0, V, BLOCK):
-            x = _logits(row_ptr, start + tl.arange(0, BLOCK), V)
+            x = _logits(row_ptr, start + tl.arange(0, BLOCK), V, floor)
             above_a += _weights_above(x, m, inv_t, a)
             above_b += _weights_above(x, m, inv_t, b)
         return above_a, above_b
 
     @triton.jit
-    def _first_max(row_ptr, V, m, BLOCK: tl.constexpr):
+    def _first_max(row_ptr, V, floor, m, BLOCK: tl.constexpr):
         """The first index of the logit m in the row."""
         first = V
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            first = tl.minimum(first, tl.min(tl.where(_logits(row_ptr, offs, V) == m, offs, V), axis=0))
+            first = tl.minimum(first, tl.min(tl.where(_logits(row_ptr, offs, V, floor) == m, offs, V), axis=0))
         return first
 
     @triton.jit
-    def _more_rounds(row_ptr, V, seed, round_stride, inv_t, m, share, min_p, low, high, MAX_ROUNDS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def _more_rounds(row_ptr, V, floor, seed, round_stride, inv_t, m, share, min_p, low, high,
+                     MAX_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
         """Rounds 2 and on, in one program: a race above `low`, its check, and the pivot's weight, until a draw is
         kept (after MAX_ROUNDS the row's first maximum, which always is)."""
         pivot = tl.where(low > float("-inf"), low + (high - low) * 0.5, high)
@@ -135,13 +137,13 @@ if triton is not None:
         done = 0
         while done == 0:
             if rounds >= MAX_ROUNDS:
-                j = _first_max(row_ptr, V, m, BLOCK)
+                j = _first_max(row_ptr, V, floor, m, BLOCK)
                 done = 1
             else:
-                j = _race_row(row_ptr, V, seed, rounds * round_stride, inv_t, m, low, min_p, BLOCK)
+                j = _race_row(row_ptr, V, floor, seed, rounds * round_stride, inv_t, m, low, min_p, BLOCK)
                 rounds += 1
                 xj = tl.load(row_ptr + j).to(tl.float32)
-                above_j, above_pivot = _weight_above_row(row_ptr, V, m, inv_t, xj, pivot, BLOCK)
+                above_j, above_pivot = _weight_above_row(row_ptr, V, floor, m, inv_t, xj, pivot, BLOCK)
                 if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above_j < share):
                     done = 1
                 else:
@@ -162,7 +164,7 @@ if triton is not None:
         maximum and total, and whether it is drawn already)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        t = tl.load(param_ptr + row * 3)
+        t = tl.load(param_ptr + row * 4)
         state = state_ptr + row * _WORDS
         if SECOND:
             todo = (t > 0.0) & (tl.load(state + _DONE) == 0.0)
@@ -173,11 +175,11 @@ if triton is not None:
             seed = tl.load(seed_ptr + row)
             row_ptr = x_ptr + row * stride_x
             start = c * CHUNK
-            x = _logits(row_ptr, start + tl.arange(0, CHUNK), V)
+            x = _logits(row_ptr, start + tl.arange(0, CHUNK), V, tl.load(param_ptr + row * 4 + 3))
             part = part_ptr + (row * chunks + c) * 4
             if SECOND:
                 m = tl.load(state + _M)
-                x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(param_ptr + row * 3 + 2))
+                x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(param_ptr + row * 4 + 2))
             else:
                 chunk_max = tl.max(x, axis=0)
                 chunk_total = tl.where(chunk_max > float("-inf"),
@@ -202,8 +204,8 @@ if triton is not None:
                     m = tl.max(maxima, axis=0)
                     total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp2((maxima - m) * (inv_t * _LOG2E)),
                                             0.0), axis=0)
-                    p = tl.load(param_ptr + row * 3 + 1)
-                    min_p = tl.load(param_ptr + row * 3 + 2)
+                    p = tl.load(param_ptr + row * 4 + 1)
+                    min_p = tl.load(param_ptr + row * 4 + 2)
                     # a row of -inf (or NaN) only has no weights: its first index, as the torch chain's argmax gives
                     j = tl.where(m == float("-inf"), 0, j)
                     done = ((p >= 1.0) & (min_p <= 0.0)) | (m == float("-inf")) | (m == float("inf"))
@@ -224,29 +226,30 @@ if triton is not None:
         rejected draw's logit becomes the row's low, and with LAST the row runs its further rounds there."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        t = tl.load(param_ptr + row * 3)
+        t = tl.load(param_ptr + row * 4)
         state = state_ptr + row * _WORDS
         if (t > 0.0) & (tl.load(state + _DONE) == 0.0):
             inv_t = 1.0 / t
             row_ptr = x_ptr + row * stride_x
             m = tl.load(state + _M)
             xj = tl.load(state + _XJ)
-            x = _logits(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V)
+            floor = tl.load(param_ptr + row * 4 + 3)
+            x = _logits(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, floor)
             tl.store(part_ptr + row * chunks + c, _weights_above(x, m, inv_t, xj))
             if arrived_last(counter_ptr + row, chunks):
                 cs = tl.arange(0, CHUNKS_P2)
                 above = tl.sum(tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=0.0,
                                        cache_modifier=".cg"), axis=0)
                 share = tl.load(state + _SHARE)
-                min_p = tl.load(param_ptr + row * 3 + 2)
+                min_p = tl.load(param_ptr + row * 4 + 2)
                 if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above < share):
                     tl.store(state + _DONE, 1.0)
                 else:
                     low = tl.maximum(tl.load(state + _LOW), xj)
                     tl.store(state + _LOW, low)
                     if LAST:
-                        j = _more_rounds(row_ptr, V, tl.load(seed_ptr + row), round_stride, inv_t, m, share, min_p,
-                                         low, tl.load(state + _HIGH), MAX_ROUNDS, CHUNK)
+                        j = _more_rounds(row_ptr, V, floor, tl.load(seed_ptr + row), round_stride, inv_t, m, share,
+                                         min_p, low, tl.load(state + _HIGH), MAX_ROUNDS, CHUNK)
                         tl.store(ids_ptr + row, j.to(tl.int64))
                         tl.store(state + _DONE, 1.0)
                 reset_counter(counter_ptr + row)
@@ -259,10 +262,11 @@ def chunk_for(vocab: int) -> int:
 
 def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor | None = None,
                 truncated: bool = True) -> torch.Tensor:
-    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim; -inf for tokens a row may not take), params [B, 3]
-    fp32 per row (temperature, 0 for greedy rows, which are left to the caller; top_p in (0, 1]; min_p in [0, 1])
-    and [B] int64 seeds -> [B] int64 drawn ids (greedy rows keep what `out` held, or garbage). `truncated`: whether
-    any row may have top-p below 1 or min-p above 0 (False: the race alone, the check launches skipped)."""
+    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim; -inf for tokens a row may not take), params [B, 4]
+    fp32 per row (temperature, 0 for greedy rows, which are left to the caller; top_p in (0, 1]; min_p in [0, 1];
+    a floor below which logits are out, top-k's k-th largest, or -inf) and [B] int64 seeds -> [B] int64 drawn ids
+    (greedy rows keep what `out` held, or garbage). `truncated`: whether any row may have top-p below 1 or min-p
+    above 0 (False: the race alone, the check launches skipped; top-k's floor needs no check)."""
     if triton is None:
         raise RuntimeError("Triton is not installed; sample with the torch chain")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -271,7 +275,7 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     batch, vocab = x.shape
     if vocab >= 1 << 24:
         raise ValueError(f"sample_rows carries indices in fp32: a vocabulary below 2^24, got {vocab}")
-    for name, t, shape, dtype in (("params", params, (batch, 3), torch.float32),
+    for name, t, shape, dtype in (("params", params, (batch, 4), torch.float32),
                                   ("seeds", seeds, (batch,), torch.int64), ("out", out, (batch,), torch.int64)):
         if t is not None and (t.shape != shape or t.dtype != dtype or t.device != x.device):
             raise ValueError(f"sample_rows' {name} must be {list(shape)} {dtype} on {x.device}, got {tuple(t.shape)} "
