@@ -91,7 +91,9 @@ def test_seeds_fix_the_draw_and_rows_are_independent():
     assert draw(x, top_p=0.9, seed0=12) != once
     # the random numbers follow the token's index, not the block it is read in (a row of 20: one block of 32)
     short = x[:, :20].contiguous()
-    assert draw(short, seed0=1) == draw(torch.nn.functional.pad(short, (0, 3000), value=float("-inf")), seed0=1)
+    padded = torch.nn.functional.pad(short, (0, 3000), value=float("-inf"))
+    assert draw(short, seed0=1) == draw(padded, seed0=1)
+    assert draw(short, top_p=0.3, seed0=1) == draw(padded, top_p=0.3, seed0=1)  # the later rounds' numbers too
 
 
 def test_batches_past_the_counters_go_in_several_launches(monkeypatch):
@@ -105,6 +107,27 @@ def test_batches_past_the_counters_go_in_several_launches(monkeypatch):
     assert draw(x, top_p=0.8, seed0=3) == whole
 
 
+def test_rows_past_the_last_round_take_their_largest_logit(monkeypatch):
+    """MAX_ROUNDS bounds the rounds (each bisects, so it is never reached in practice): a row still rejected then
+    takes its first largest logit, which is always kept. With the bound at 2, flat rows whose two races land outside
+    top-p's few tokens end there; the others still draw inside the set."""
+    import tpgraph.kernels.sampling as sampling
+
+    row = torch.randn(600, generator=torch.Generator().manual_seed(12)) * 0.05
+    kept, edge = kept_set(row, 1.0, 0.05, 0.0)
+    monkeypatch.setattr(sampling, "MAX_ROUNDS", 2)
+    ids = draw(row.expand(16, -1), top_p=0.05)
+    assert set(ids) <= kept | edge and int(row.argmax()) in ids
+
+
+def test_a_race_alone_where_nothing_truncates():
+    """truncated=False (no row with top-p or min-p: the sampler knows) skips the checks and draws what the four
+    launches draw."""
+    x = (torch.randn(6, 700, generator=torch.Generator().manual_seed(13)) * 2).contiguous()
+    params, seeds = per_row(6, 0.8, 1.0, 0.0), torch.arange(6) * 31
+    assert sample_rows(x, params, seeds, truncated=False).tolist() == sample_rows(x, params, seeds).tolist()
+
+
 def test_edge_rows():
     x = torch.full((5, 300), float("-inf"))
     x[0, 17] = 1.0  # one finite logit: always it
@@ -116,6 +139,16 @@ def test_edge_rows():
     params = torch.cat([params, torch.full((5, 1), float("-inf"))], dim=1)
     ids = sample_rows(x, params, torch.arange(5)).tolist()
     assert ids[0] == 17 and ids[1] == 0 and ids[2] == 40 and ids[3] in (8, 9) and ids[4] == 299
+    # +inf: the first one, as the torch chain's argmax of NaN weights gives; a p that rounds to 0 in fp32 keeps the
+    # largest and its ties
+    x2 = torch.full((2, 3000), -1.0)
+    x2[0, [2500, 2900]] = float("inf")
+    x2[1, [40, 2999]] = 2.0
+    ids = sample_rows(x2, torch.tensor([[1.0, 0.9, 0.0, float("-inf")], [1.0, 1e-46, 0.0, float("-inf")]]),
+                      torch.tensor([1, 2])).tolist()
+    assert ids[0] == 2500 and ids[1] in (40, 2999)
+    ties = {sample_rows(x2[1:], per_row(1, 1.0, 1e-46, 0.0), torch.tensor([s])).item() for s in range(12)}
+    assert ties == {40, 2999}
     # temperature 0: left to the caller's argmax (whatever `out` held)
     out = torch.full((1,), -7, dtype=torch.int64)
     sample_rows(x[:1], per_row(1, 0.0, 1.0, 0.0), torch.zeros(1, dtype=torch.int64), out=out)
@@ -147,6 +180,24 @@ def test_views_off_a_16_byte_boundary_are_taken():
     out = torch.full((6,), -1, dtype=torch.int64)
     sample_rows(x, shifted, shifted_seeds, out=out[::2])
     assert out[::2].tolist() == want and out[1::2].tolist() == [-1] * 3
+
+
+def test_16_bit_logits_without_penalties_are_read_in_place_and_left_untouched():
+    """No penalized row: the kernel reads the caller's bf16 logits themselves; banned ids (min_tokens' EOS) and top-k
+    work on copies, and a seeded row draws as it would alone."""
+    logits = (torch.randn(4, 500, generator=torch.Generator().manual_seed(14)) * 3).to(torch.bfloat16)
+    before = logits.clone()
+    top = logits.float().argmax(-1).tolist()
+    rows = [SampleRow(SamplingParams(temperature=1e-4), [1], [], banned_ids=(top[0],)),
+            SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=3), [1], [4]),
+            SampleRow(SamplingParams(temperature=0.0), [1], [], banned_ids=(top[2],)),
+            SampleRow(SamplingParams(temperature=2.0, top_k=2, logprobs=1), [1], [])]
+    out = Sampler("cpu", fused=True).sample(logits, rows)
+    assert torch.equal(logits, before)
+    assert out.token_ids[0] == int(logits[0].float().topk(2).indices[1])
+    assert out.token_ids[2] == int(logits[2].float().topk(2).indices[1])
+    assert out.token_ids[3] in logits[3].float().topk(2).indices.tolist()
+    assert Sampler("cpu", seed=5, fused=True).sample(logits[1:2], rows[1:2]).token_ids == out.token_ids[1:2]
 
 
 def test_the_sampler_takes_the_kernel_for_sampled_rows():

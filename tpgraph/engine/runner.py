@@ -20,7 +20,7 @@ from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.penalties import PenaltyTable
-from tpgraph.engine.sampler import Sampler, worst_case_rows
+from tpgraph.engine.sampler import Sampler, warm_rows, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.engine.uploads import to_device
@@ -261,8 +261,11 @@ class ModelRunner:
             out = self._decode_forward(self.seq_rows, call)
             # a step that samples at the largest batch: its gathered logits and the sampler's temporaries
             logits = self._logits(out, self.cfg.max_batch)
-            Sampler(self.device, penalties=self.penalties).sample(
-                logits, worst_case_rows(self.cfg.max_batch, logits.shape[1], self.max_model_len))
+            sampler = Sampler(self.device, penalties=self.penalties)
+            sampler.sample(logits, worst_case_rows(self.cfg.max_batch, logits.shape[1], self.max_model_len))
+            # rows without penalties read the logits as they are (not an fp32 copy): their kernels compile here, not
+            # in the first step that samples them
+            sampler.sample(logits, warm_rows(self.cfg.max_batch))
             self.penalties.clear()
             del out, logits
             self._profile_prefill(self.max_prefill_tokens)

@@ -65,6 +65,13 @@ def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow
     return [SampleRow(params, history[:half], history[half:], banned_ids=history[:1]) for _ in range(rows)]
 
 
+def warm_rows(rows: int) -> list[SampleRow]:
+    """`rows` unpenalized rows that take every launch of the fused draw (top-k's floor, top-p and min-p checks) on the
+    logits as they come: run once at start-up so that those kernels compile before the first step needs them."""
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01)
+    return [SampleRow(params, [], []) for _ in range(rows)]
+
+
 def row_seed(seed: int, sample_index: int, position: int) -> int:
     """A 64-bit seed for one draw of a seeded request (splitmix64 of the three)."""
     x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK
@@ -85,7 +92,7 @@ class Sampler:
                  fused: bool | None = None) -> None:
         """`penalties`: the table that keeps penalized sequences' counts between steps (its owner clears it when its
         sequence ids start again); without one, a step's penalized rows are counted from their ids each time.
-        `fused`: draw sampled rows with kernels/sampling.py's one launch (None: on CUDA unless
+        `fused`: draw sampled rows with kernels/sampling.py's launches (None: on CUDA unless
         TPGRAPH_FUSED_SAMPLING=0; True on CPU runs it under TRITON_INTERPRET=1) rather than the torch chain below.
         The two draw from the same distribution with different random numbers."""
         self.device = torch.device(device)
@@ -126,7 +133,7 @@ class Sampler:
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
                                           [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
-            x = x.index_put((at, banned), torch.full((), float("-inf"), device=x.device))
+            x = x.index_put((at, banned), torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
         elif fused:

@@ -14,6 +14,7 @@ import torch
 
 from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels.sampling import chunk_for
 
 try:
     import triton
@@ -21,7 +22,6 @@ try:
 except ImportError:  # CPU-only installs without Triton use the torch ops
     triton = None
 
-CHUNK = 2048  # entries a program penalizes
 
 
 def fused_penalties_enabled() -> bool:
@@ -68,7 +68,7 @@ def apply_rows(x: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, s
                          f"slots {tuple(slots.shape)}, params {tuple(params.shape)} do not fit")
     out = torch.empty(batch, vocab, dtype=torch.float32, device=x.device)
     if batch and vocab:
-        chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
+        chunk = chunk_for(vocab)  # (sampling's chunks)
         _apply_kernel[(batch, triton.cdiv(vocab, chunk))](x, x.stride(0), out, counts, in_prompt.view(torch.uint8),
                                                           aligned(slots), aligned(params), vocab, CHUNK=chunk,
                                                           num_warps=4)

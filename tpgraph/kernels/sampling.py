@@ -7,25 +7,29 @@ sampling). Here a row is drawn by rejection, as FlashInfer's sampling kernels dr
 entries, one program a chunk, and the chunk that arrives last at a row's count (kernels/_counters.py) finishing it:
 
 1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), and the winner of an exponential race
-   over its entries (argmax of x / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed and the entry's index).
-   Logits below the row's floor (top-k's k-th largest, found by torch.topk) count as -inf throughout.
-   The last chunk takes the row's maximum m, total S and the race's winner j over the chunks' winners: a draw of
-   exp(x_j / T) / S exactly. A row without top-p or min-p ends here.
+   over its entries (argmax of (x - max) / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed, the round and
+   the entry's index; relative to the maximum so that small temperatures keep the keys' precision). Logits below the
+   row's floor (top-k's k-th largest, found by torch.topk) count as -inf throughout. The last chunk takes the row's
+   maximum m, total S and the race's winner j over the chunks' winners (their keys moved to the largest maximum): a
+   draw of exp(x_j / T) / S. A row without top-p or min-p ends here.
 2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is
    at least min_p and the weight above it is below p * S: j is then in the kept set, the smallest set of the largest
    tokens whose share reaches p, ties at its last value kept, and min-p's (engine/sampler.top_p_keep's set).
 3. A rejected j lies below the kept set, so the second race (and check) runs over the logits above it whose weight is
    at least min_p, with fresh random numbers. A race over a superset of the kept set, kept when it lands in the set,
-   draws from the set in proportion to the weights: the kept distribution, exactly. A row keeps the first race's
-   winner with probability at least p, and the second's too.
-4. A row rejected twice (at most (1 - p)^2 of them) runs further rounds in its last chunk's program alone, over the
+   draws from the set in proportion to the weights: the kept distribution, exactly. Without min-p a row keeps the
+   first race's winner with probability at least p; the second race, over the logits min-p keeps, too.
+4. A row rejected twice runs further rounds in its last chunk's program alone, over the
    whole row, each also weighing the midpoint between the last rejected logit and the lowest known kept one, which
    bisects the gap where races land low.
 
 Every rank runs the same launches on the same logits with the same seeds, so every rank draws the same token. Each row
 draws from its own seed (a seeded request's seed for its position, or one taken from the sampler's generator), and
 its random numbers follow the entry's index and the round, so a row's token depends neither on the rest of the batch
-nor on the chunking.
+nor on the chunking (but for the rounding of sums, which are taken by chunks).
+
+"Exactly" up to the uniforms' 23 bits: E lies in [6e-8, 16.6], so a token whose weight is below e^-19.4 (4e-9) of the
+largest's never wins a race; at Llama-3's vocabulary such tokens hold at most 5e-4 of a row, and in practice far less.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ CHUNK = 2048  # entries a program takes (a 128256-entry row: 63 programs)
 MAX_ROUNDS = 48  # races before a row takes its largest logit (never seen: each round bisects the gap at least)
 SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
 ROWS_PER_LAUNCH = MAX_COUNTERS  # a launch's rows: one arrival counter each
+ROUND_COUNTERS = 1 << 22  # Philox counters a round (entry // 4 of a vocabulary below 2^24), whatever the vocabulary
 # a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
 # logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), and whether the
 # row is drawn
@@ -72,14 +77,19 @@ if triton is not None:
         return tl.where((x == x) & (x >= floor), x, float("-inf"))
 
     @triton.jit
-    def _race_keys(x, seed, start, counter_base, inv_t, N: tl.constexpr):
-        """x / T - log(E) for the N logits from entry `start` (a multiple of 4), E ~ Exp(1) from Philox at counter
-        counter_base + entry // 4 (four draws a counter): the same for any chunking."""
+    def _race_keys(x, shift, seed, start, counter_base, inv_t, N: tl.constexpr):
+        """(x - shift) / T - log(E) for the N logits from entry `start` (a multiple of 4), E ~ Exp(1) from Philox at
+        counter counter_base + entry // 4 (four draws a counter): the same for any chunking. (Relative to `shift`, a
+        logit near the largest, so that a small T keeps the keys' precision.)"""
         r0, r1, r2, r3 = tl.randint4x(seed, counter_base + start // 4 + tl.arange(0, N // 4), 10)
         bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [N])
         # 23 random bits and a half: u strictly inside (0, 1), so E = -log(u) is finite and positive
         u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        return x * inv_t - tl.log(-tl.log(u))
+        return (x - shift) * inv_t - tl.log(-tl.log(u))
+
+    @triton.jit
+    def _finite_or_zero(v):
+        return tl.where((v > float("-inf")) & (v < float("inf")), v, 0.0)
 
     @triton.jit
     def _kept_by_race(x, m, low, inv_t, min_p):
@@ -99,7 +109,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = _kept_by_race(_logits(row_ptr, offs, V, floor), m, low, inv_t, min_p)
-            key = _race_keys(x, seed, start, counter_base, inv_t, BLOCK)
+            key = _race_keys(x, m, seed, start, counter_base, inv_t, BLOCK)
             block_best = tl.max(key, axis=0)
             if block_best > best:
                 best = block_best
@@ -180,13 +190,15 @@ if triton is not None:
             if SECOND:
                 m = tl.load(state + _M)
                 x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(param_ptr + row * 4 + 2))
+                shift = m
             else:
                 chunk_max = tl.max(x, axis=0)
                 chunk_total = tl.where(chunk_max > float("-inf"),
                                        tl.sum(tl.exp2((x - chunk_max) * (inv_t * _LOG2E)), axis=0), 0.0)
                 tl.store(part + 2, chunk_max)
                 tl.store(part + 3, chunk_total)
-            key = _race_keys(x, seed, start, SECOND * round_stride, inv_t, CHUNK)
+                shift = _finite_or_zero(chunk_max)  # (a chunk of -inf keeps -inf keys, one holding +inf wins)
+            key = _race_keys(x, shift, seed, start, SECOND * round_stride, inv_t, CHUNK)
             tl.store(part, tl.max(key, axis=0))
             tl.store(part + 1, (start + tl.argmax(key, axis=0)).to(tl.float32))  # (exact below 2^24)
             if arrived_last(counter_ptr + row, chunks):
@@ -194,6 +206,9 @@ if triton is not None:
                 ok = cs < chunks
                 parts = part_ptr + (row * chunks + cs) * 4
                 keys = tl.load(parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                if not SECOND:  # each chunk's keys were relative to its own maximum: to the largest of them
+                    shifts = _finite_or_zero(tl.load(parts + 2, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+                    keys = keys + (shifts - tl.max(tl.where(ok, shifts, float("-inf")), axis=0)) * inv_t
                 best = tl.max(keys, axis=0)
                 first = tl.min(tl.where(ok & (keys == best), cs, CHUNKS_P2), axis=0)
                 winners = tl.load(parts + 1, mask=ok, other=0.0, cache_modifier=".cg")
@@ -210,7 +225,8 @@ if triton is not None:
                     j = tl.where(m == float("-inf"), 0, j)
                     done = ((p >= 1.0) & (min_p <= 0.0)) | (m == float("-inf")) | (m == float("inf"))
                     tl.store(state + _M, m)
-                    tl.store(state + _SHARE, tl.where(p < 1.0, p * total, float("inf")))
+                    # (a p that rounded to 0 in fp32 keeps the largest, and its ties, as the smallest p would)
+                    tl.store(state + _SHARE, tl.where(p < 1.0, tl.maximum(p * total, 1e-30), float("inf")))
                     tl.store(state + _LOW, float("-inf"))
                     tl.store(state + _HIGH, m)
                     tl.store(state + _DONE, done.to(tl.float32))
@@ -299,7 +315,7 @@ def _launch(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, ids: tor
     work = torch.empty(batch * (STATE_WORDS + 4 * chunks), dtype=torch.float32, device=x.device)
     state, parts = work[:batch * STATE_WORDS], work[batch * STATE_WORDS:]
     counters = split_counters(x.device, batch)
-    args = (x, x.stride(0), vocab, params, seeds, ids, state, parts, counters, chunks, triton.cdiv(vocab, 4))
+    args = (x, x.stride(0), vocab, params, seeds, ids, state, parts, counters, chunks, ROUND_COUNTERS)
     grid = (batch, chunks)
     common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
     _race_kernel[grid](*args, SECOND=False, **common)
