@@ -117,7 +117,8 @@ def test_the_sampler_takes_the_fused_kernel_on_cuda(monkeypatch):
         assert len(calls) == taken and out.token_ids[0] == top[0]
         out = Sampler("cuda").sample(logits, plain)
         assert len(calls) == 2 * taken and out.token_ids[0] == int(logits[0].float().topk(2).indices[1])
-        assert out.token_ids[1] != top[1] and out.token_ids[2] == top[2]
+        # (at temperature 1e-4 the largest, or one tied with it in bf16)
+        assert out.token_ids[1] != top[1] and logits[2, out.token_ids[2]] == logits[2].max()
         assert torch.equal(logits, before)
 
 
