@@ -11,6 +11,11 @@ update in stream order, so they need no output token on the host.
 Order: penalties on the raw logits (greedy rows too), then temperature, top-k, top-p, min-p, and a draw by the
 exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those of the
 model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
+
+On CUDA, everything after the penalties and banned ids (top-k's floor aside, which torch.topk finds) runs in
+kernels/sampling.py's launches instead of the torch chain below, without a sort: the same distribution, with its own
+random numbers per row (Philox keyed by the row's seed, drawn from the shared generator or the request's). The penalty
+table applies and counts in kernels/penalties.py's launches there.
 """
 
 from __future__ import annotations

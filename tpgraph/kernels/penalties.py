@@ -23,7 +23,6 @@ except ImportError:  # CPU-only installs without Triton use the torch ops
     triton = None
 
 
-
 def fused_penalties_enabled() -> bool:
     """Whether the penalty table applies and counts with these kernels on CUDA: yes unless TPGRAPH_FUSED_PENALTIES=0."""
     return env_flag("TPGRAPH_FUSED_PENALTIES", default=True)
