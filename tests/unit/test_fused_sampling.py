@@ -75,6 +75,24 @@ def test_every_draw_is_in_the_torch_chains_kept_set(case):
     assert len(set(ids)) > 1 or len(kept) == 1
 
 
+def test_chunks_race_on_one_scale():
+    """Each chunk keys its race relative to its own maximum; the last program moves them to the row's: a token 5
+    above everything else, alone in the second chunk, wins about 99% of draws, not half."""
+    x = torch.full((40, 4096), -50.0)
+    x[:, 0] = 0.0
+    x[:, 3000] = 5.0
+    assert draw(x).count(3000) >= 34
+
+
+def test_the_top_k_floor_keeps_ties_at_the_kth_value():
+    """k = 3 over [5, 4, 3, 3, 3, 0, ...]: the floor is 3 and the three 3s stay (top_k_mask keeps ties), so a hot
+    temperature draws them."""
+    x = torch.zeros(60, 300)
+    x[:, :5] = torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0])
+    ids = sample_rows(x, per_row(60, 100.0, 1.0, 0.0, floor=3.0), torch.arange(60) * 7).tolist()
+    assert set(ids) <= {0, 1, 2, 3, 4} and {3, 4} & set(ids)
+
+
 def test_a_long_row_in_bf16():
     """A Llama-3 row (128256 entries, 63 blocks) in bf16, as the decode logits come."""
     row = (torch.randn(128256, generator=torch.Generator().manual_seed(4)) * 4).to(torch.bfloat16)
@@ -94,6 +112,14 @@ def test_seeds_fix_the_draw_and_rows_are_independent():
     padded = torch.nn.functional.pad(short, (0, 3000), value=float("-inf"))
     assert draw(short, seed0=1) == draw(padded, seed0=1)
     assert draw(short, top_p=0.3, seed0=1) == draw(padded, top_p=0.3, seed0=1)  # the later rounds' numbers too
+    # negative logits tied at the top in two chunks, at the smallest temperature: the chunks' keys meet relative to
+    # the largest finite chunk maximum (not to 0, where a chunk of -inf follows), so they keep their precision and
+    # the padding changes no draw
+    low = torch.randn(16, 3000, generator=torch.Generator().manual_seed(15)) - 10000.0
+    low[:, [3, 2500]] = low.max() + 1.0
+    want = draw(low, temperature=1e-5, seed0=2)
+    assert draw(torch.nn.functional.pad(low, (0, 3000), value=float("-inf")), temperature=1e-5, seed0=2) == want
+    assert set(want) == {3, 2500}
 
 
 def test_batches_past_the_counters_go_in_several_launches(monkeypatch):

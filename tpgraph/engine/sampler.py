@@ -185,7 +185,8 @@ class Sampler:
         per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
                                                         float("-inf"))], torch.float32, x.device).view(-1, 4)
         if any(p.top_k > 0 for p in params):  # the kernel leaves out what is below top-k's floor
-            per_row = torch.cat([per_row[:, :3], top_k_floor(x, [p.top_k for p in params]).unsqueeze(1)], dim=1)
+            floor = top_k_floor(x, [p.top_k for p in params]).float()  # (exact from 16- and 32-bit logits)
+            per_row = torch.cat([per_row[:, :3], floor.unsqueeze(1)], dim=1)
         truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         ids = fused_sampling.sample_rows(x, per_row, self._row_seeds(rows, x.device), truncated=truncated)
         if any(p.greedy for p in params):
@@ -287,13 +288,14 @@ def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 
 def top_k_floor(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """[B] fp32: each row's k-th largest logit (what top-k keeps is at or above it), -inf where k is 0 (all kept)."""
+    """[B] in x's dtype: each row's k-th largest logit (what top-k keeps is at or above it), -inf where k is 0 (all
+    kept)."""
     vocab = x.shape[1]
     k_max = min(max(ks), vocab)
     kth = x.topk(k_max, dim=-1).values  # descending
     index = to_device([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], torch.int64, x.device).unsqueeze(1)
     off = to_device([k <= 0 for k in ks], torch.bool, x.device)
-    return kth.gather(1, index).squeeze(1).float().masked_fill(off, float("-inf"))
+    return kth.gather(1, index).squeeze(1).masked_fill(off, float("-inf"))
 
 
 def top_p_keep(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:

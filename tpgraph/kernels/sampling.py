@@ -54,9 +54,10 @@ SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
 ROWS_PER_LAUNCH = MAX_COUNTERS  # a launch's rows: one arrival counter each
 ROUND_COUNTERS = 1 << 22  # Philox counters a round (entry // 4 of a vocabulary below 2^24), whatever the vocabulary
 # a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
-# logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), and whether the
-# row is drawn
-M, SHARE, XJ, LOW, HIGH, DONE, STATE_WORDS = range(7)
+# logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), whether the row
+# is drawn, and a spare word (8 a row keep the partials after them at a 16-byte boundary: _alignment.py)
+M, SHARE, XJ, LOW, HIGH, DONE = range(6)
+STATE_WORDS = 8
 
 
 def fused_sampling_enabled() -> bool:
@@ -206,9 +207,11 @@ if triton is not None:
                 ok = cs < chunks
                 parts = part_ptr + (row * chunks + cs) * 4
                 keys = tl.load(parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                if not SECOND:  # each chunk's keys were relative to its own maximum: to the largest of them
-                    shifts = _finite_or_zero(tl.load(parts + 2, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-                    keys = keys + (shifts - tl.max(tl.where(ok, shifts, float("-inf")), axis=0)) * inv_t
+                if not SECOND:  # each chunk's keys were relative to its own (finite) maximum: to the largest of them
+                    maxima = tl.load(parts + 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    finite = (maxima > float("-inf")) & (maxima < float("inf"))
+                    top = _finite_or_zero(tl.max(tl.where(finite, maxima, float("-inf")), axis=0))
+                    keys = keys + (_finite_or_zero(maxima) - top) * inv_t
                 best = tl.max(keys, axis=0)
                 first = tl.min(tl.where(ok & (keys == best), cs, CHUNKS_P2), axis=0)
                 winners = tl.load(parts + 1, mask=ok, other=0.0, cache_modifier=".cg")
