@@ -185,8 +185,7 @@ class Sampler:
         per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
                                                         float("-inf"))], torch.float32, x.device).view(-1, 4)
         if any(p.top_k > 0 for p in params):  # the kernel leaves out what is below top-k's floor
-            floor = top_k_floor(x, [p.top_k for p in params]).float()  # (exact from 16- and 32-bit logits)
-            per_row = torch.cat([per_row[:, :3], floor.unsqueeze(1)], dim=1)
+            per_row[:, 3] = top_k_floor(x, [p.top_k for p in params])  # (exact from 16- and 32-bit logits)
         truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         ids = fused_sampling.sample_rows(x, per_row, self._row_seeds(rows, x.device), truncated=truncated)
         if any(p.greedy for p in params):

@@ -39,6 +39,7 @@ import torch
 from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels.argmax import check_ids_out
 
 try:
     import triton
@@ -93,14 +94,18 @@ if triton is not None:
         return tl.where((v > float("-inf")) & (v < float("inf")), v, 0.0)
 
     @triton.jit
+    def _weight(x, m, inv_t):
+        """exp((x - m) / T): a logit's probability up to the row's factor (1 at the maximum m)."""
+        return tl.exp2((x - m) * (inv_t * _LOG2E))
+
+    @triton.jit
     def _kept_by_race(x, m, low, inv_t, min_p):
         """x where a later race may draw it (above `low`, weight at least min_p), else -inf."""
-        w = tl.exp2((x - m) * (inv_t * _LOG2E))
-        return tl.where((x > low) & (w >= min_p), x, float("-inf"))
+        return tl.where((x > low) & (_weight(x, m, inv_t) >= min_p), x, float("-inf"))
 
     @triton.jit
     def _weights_above(x, m, inv_t, a):
-        return tl.sum(tl.where(x > a, tl.exp2((x - m) * (inv_t * _LOG2E)), 0.0), axis=0)
+        return tl.sum(tl.where(x > a, _weight(x, m, inv_t), 0.0), axis=0)
 
     @triton.jit
     def _race_row(row_ptr, V, floor, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
@@ -155,7 +160,7 @@ if triton is not None:
                 rounds += 1
                 xj = tl.load(row_ptr + j).to(tl.float32)
                 above_j, above_pivot = _weight_above_row(row_ptr, V, floor, m, inv_t, xj, pivot, BLOCK)
-                if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above_j < share):
+                if (_weight(xj, m, inv_t) >= min_p) & (above_j < share):
                     done = 1
                 else:
                     low = tl.maximum(low, xj)
@@ -194,8 +199,7 @@ if triton is not None:
                 shift = m
             else:
                 chunk_max = tl.max(x, axis=0)
-                chunk_total = tl.where(chunk_max > float("-inf"),
-                                       tl.sum(tl.exp2((x - chunk_max) * (inv_t * _LOG2E)), axis=0), 0.0)
+                chunk_total = tl.where(chunk_max > float("-inf"), tl.sum(_weight(x, chunk_max, inv_t), axis=0), 0.0)
                 tl.store(part + 2, chunk_max)
                 tl.store(part + 3, chunk_total)
                 shift = _finite_or_zero(chunk_max)  # (a chunk of -inf keeps -inf keys, one holding +inf wins)
@@ -217,11 +221,9 @@ if triton is not None:
                 winners = tl.load(parts + 1, mask=ok, other=0.0, cache_modifier=".cg")
                 j = tl.sum(tl.where(cs == first, winners, 0.0), axis=0).to(tl.int32)
                 if not SECOND:
-                    maxima = tl.load(parts + 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
                     totals = tl.load(parts + 3, mask=ok, other=0.0, cache_modifier=".cg")
                     m = tl.max(maxima, axis=0)
-                    total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp2((maxima - m) * (inv_t * _LOG2E)),
-                                            0.0), axis=0)
+                    total = tl.sum(tl.where(maxima > float("-inf"), totals * _weight(maxima, m, inv_t), 0.0), axis=0)
                     p = tl.load(param_ptr + row * 4 + 1)
                     min_p = tl.load(param_ptr + row * 4 + 2)
                     # a row of -inf (or NaN) only has no weights: its first index, as the torch chain's argmax gives
@@ -261,7 +263,7 @@ if triton is not None:
                                        cache_modifier=".cg"), axis=0)
                 share = tl.load(state + _SHARE)
                 min_p = tl.load(param_ptr + row * 4 + 2)
-                if (tl.exp2((xj - m) * (inv_t * _LOG2E)) >= min_p) & (above < share):
+                if (_weight(xj, m, inv_t) >= min_p) & (above < share):
                     tl.store(state + _DONE, 1.0)
                 else:
                     low = tl.maximum(tl.load(state + _LOW), xj)
@@ -295,10 +297,11 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     if vocab >= 1 << 24:
         raise ValueError(f"sample_rows carries indices in fp32: a vocabulary below 2^24, got {vocab}")
     for name, t, shape, dtype in (("params", params, (batch, 4), torch.float32),
-                                  ("seeds", seeds, (batch,), torch.int64), ("out", out, (batch,), torch.int64)):
-        if t is not None and (t.shape != shape or t.dtype != dtype or t.device != x.device):
+                                  ("seeds", seeds, (batch,), torch.int64)):
+        if t.shape != shape or t.dtype != dtype or t.device != x.device:
             raise ValueError(f"sample_rows' {name} must be {list(shape)} {dtype} on {x.device}, got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
+    check_ids_out(out, batch, x.device, "sample_rows' out")
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
     if vocab == 0:
         return ids
