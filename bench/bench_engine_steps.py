@@ -35,7 +35,10 @@ MIXES = {
     "penalties": dict(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
     "sampled": dict(temperature=0.8, top_p=0.95),
     "temperature": dict(temperature=0.8),
+    "top-k": dict(temperature=0.8, top_k=50),
+    "top-k+top-p": dict(temperature=0.8, top_k=50, top_p=0.95),
     "top-k+min-p": dict(temperature=0.7, top_k=50, min_p=0.05),
+    "top-k+penalties": dict(temperature=0.8, top_k=50, repetition_penalty=1.1),
     "sampled+penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2),
 }
 

@@ -143,3 +143,45 @@ def test_the_fused_penalties_equal_the_torch_ops():
     for t, s in zip(tables, slot_ids, strict=True):
         t.count(s[order], ids)
     assert torch.equal(tables[0].counts, tables[1].counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_top_k_kernel_finds_topks_kth_value(dtype):
+    """kernels/top_k.py's floors against torch.topk's k-th values on Llama-3 rows: 64 random rows, k from 1 to the
+    vocabulary, a row of ties at the k-th value, a row clipped to a few values, and the same answers on a second
+    call (each last chunk clears its histogram and count)."""
+    from tpgraph.kernels.top_k import top_k_floors
+
+    vocab, batch = 128256, 64
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
+    x[1, 1000:3000] = 1.5
+    x[1, :10] = 4.0
+    x[2] = x[2].clamp(-1, 1).round()
+    ks = torch.randint(1, 200, (batch,), generator=g)
+    ks[:4] = torch.tensor([50, 11, 70000, vocab])
+    ks[4:8] = torch.tensor([1, vocab - 1, 0, 5000])
+    x, kf = x.cuda(), ks.float().cuda()
+    want = torch.stack([x[i].float().topk(int(k)).values[-1] if k > 0 else torch.tensor(float("-inf"), device="cuda")
+                        for i, k in enumerate(ks.tolist())])
+    for _ in range(2):
+        got = top_k_floors(x, kf, torch.empty(batch, device="cuda"))
+        assert torch.equal(got, want)
+    assert float(got[1]) == 1.5 and float(got[2]) == 0.0
+
+
+def test_the_sampler_draws_alike_with_the_top_k_kernel_or_torch_topk(monkeypatch):
+    """Same sampler seed, same tokens: the floor from kernels/top_k.py or from torch.topk (TPGRAPH_FUSED_TOP_K=0), for
+    bf16 logits read in place and fp32 ones after penalties."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(16, 128256, generator=g) * 3).to(torch.bfloat16).cuda()
+    mixes = [SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=1.0, top_k=1000),
+             SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.01), SamplingParams(temperature=0.0)]
+    plain = [SampleRow(mixes[i % 4], [1], []) for i in range(16)]
+    penalized = [SampleRow(SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.2), [1, 2], [3])] + plain[1:]
+    for rows in (plain, penalized):
+        drawn = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("TPGRAPH_FUSED_TOP_K", flag)
+            drawn[flag] = Sampler("cuda", seed=2).sample(logits, rows).token_ids
+        assert drawn["1"] == drawn["0"]

@@ -12,8 +12,8 @@ Order: penalties on the raw logits (greedy rows too), then temperature, top-k, t
 exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those of the
 model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
 
-On CUDA, everything after the penalties and banned ids (top-k's floor aside, which torch.topk finds) runs in
-kernels/sampling.py's launches instead of the torch chain below, without a sort: the same distribution, with its own
+On CUDA, everything after the penalties and banned ids runs in kernels/top_k.py's and kernels/sampling.py's
+launches instead of the torch chain below, without a sort: the same distribution, with its own
 random numbers per row (Philox keyed by the row's seed, drawn from the shared generator or the request's). The penalty
 table applies and counts in kernels/penalties.py's launches there.
 """
@@ -30,6 +30,7 @@ from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.uploads import to_device, to_device_parts
 from tpgraph.kernels import sampling as fused_sampling
+from tpgraph.kernels import top_k as fused_top_k
 from tpgraph.kernels.argmax import check_ids_out
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -177,15 +178,23 @@ class Sampler:
         return torch.where(greedy, greedy_ids, sampled)
 
     def _draw_fused(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """The rows' tokens from kernels/sampling.py: top-k's floor from torch.topk, then the kernel's launches for
-        temperature, top-k, top-p, min-p and the draw; greedy rows take their argmax."""
+        """The rows' tokens from kernels/sampling.py: top-k's floor from kernels/top_k.py (torch.topk with
+        TPGRAPH_FUSED_TOP_K=0), then the kernel's launches for temperature, top-k, top-p, min-p and the draw; greedy
+        rows take their argmax."""
         params = [r.params for r in rows]
         if x.stride(-1) != 1:
             x = x.contiguous()
-        per_row = to_device([v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
-                                                        float("-inf"))], torch.float32, x.device).view(-1, 4)
-        if any(p.top_k > 0 for p in params):  # the kernel leaves out what is below top-k's floor
-            per_row[:, 3] = top_k_floor(x, [p.top_k for p in params])  # (exact from 16- and 32-bit logits)
+        per_row = [v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, float("-inf"))]
+        ks = [0 if p.greedy else p.top_k for p in params]
+        if any(k > 0 for k in ks) and fused_top_k.fused_top_k_enabled():
+            # one upload: the rows' parameters, then their k, from which the kernel writes the floor column
+            uploaded = to_device(per_row + ks, torch.float32, x.device)
+            per_row = uploaded[:4 * len(rows)].view(-1, 4)
+            fused_top_k.top_k_floors(x, uploaded[4 * len(rows):], per_row[:, 3])
+        else:
+            per_row = to_device(per_row, torch.float32, x.device).view(-1, 4)
+            if any(k > 0 for k in ks):  # the kernel leaves out what is below top-k's floor
+                per_row[:, 3] = top_k_floor(x, ks)  # (exact from 16- and 32-bit logits)
         truncated = any(not p.greedy and (p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         ids = fused_sampling.sample_rows(x, per_row, self._row_seeds(rows, x.device), truncated=truncated)
         if any(p.greedy for p in params):

@@ -9,7 +9,7 @@ entries, one program a chunk, and the chunk that arrives last at a row's count (
 1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), and the winner of an exponential race
    over its entries (argmax of (x - max) / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed, the round and
    the entry's index; relative to the maximum so that small temperatures keep the keys' precision). Logits below the
-   row's floor (top-k's k-th largest, found by torch.topk) count as -inf throughout. The last chunk takes the row's
+   row's floor (top-k's k-th largest: kernels/top_k.py) count as -inf throughout. The last chunk takes the row's
    maximum m, total S and the race's winner j over the chunks' winners (their keys moved to the largest maximum): a
    draw of exp(x_j / T) / S. A row without top-p or min-p ends here.
 2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is

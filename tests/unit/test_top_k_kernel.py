@@ -1,0 +1,118 @@
+"""kernels/top_k.py under TRITON_INTERPRET=1: each row's k-th largest logit against torch.topk's, in every dtype, with
+ties, NaN, -inf, -0, rows shorter than k and k spread over several launches' bits; the sampler's draws the same with it
+as with torch.topk's floor; refusals."""
+
+import os
+
+import pytest
+import torch
+
+from tpgraph.engine.sampler import Sampler, SampleRow, top_k_floor
+from tpgraph.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
+triton = pytest.importorskip("triton")
+
+from tpgraph.kernels import top_k as top_k_kernel  # noqa: E402
+from tpgraph.kernels.top_k import top_k_floors  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def floors_of(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    out = torch.full((x.shape[0],), 7.0)  # (every row is written)
+    return top_k_floors(x, torch.tensor(ks, dtype=torch.float32), out)
+
+
+def reference(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """torch.topk's k-th value of each row, NaN counted below -inf; -inf where k is 0 or over the row's length."""
+    clean = x.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    return torch.tensor([float(clean[i].topk(k).values[-1]) if 0 < k <= x.shape[1] else float("-inf")
+                         for i, k in enumerate(ks)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_floor_is_topks_kth_value(dtype):
+    """Rows over two chunks (CHUNK 4096), k from 1 to the row's length and past it, negative k."""
+    torch.manual_seed(0)
+    vocab = 5003
+    ks = [1, 2, 50, 4097, vocab - 1, vocab, vocab + 3, 0, -1]
+    x = (torch.randn(len(ks), vocab) * 4).to(dtype)
+    assert torch.equal(floors_of(x, ks), reference(x, ks))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ties_nan_inf_and_signed_zeros(dtype):
+    """A row of ties at the k-th value (kept whole: the floor is that value), NaN (below -inf), -inf and +inf entries,
+    -0 beside +0, and a row of only -inf."""
+    vocab = 300
+    x = torch.randn(6, vocab).to(dtype)
+    x[0, 10:40] = 2.0
+    x[0, 5] = 3.0  # k = 10 lands inside the run of 2.0
+    x[1, :100] = float("nan")
+    x[2, 3] = float("inf")
+    x[2, 50:250] = float("-inf")
+    x[3] = 0.0
+    x[3, ::2] = -0.0
+    x[3, 7] = 1.0
+    x[4] = float("-inf")
+    x[5, :] = float("nan")
+    ks = [10, 200, 150, 5, 3, 1]
+    got = floors_of(x, ks)
+    assert float(got[0]) == 2.0 and float(got[3]) == 0.0
+    assert torch.equal(got, reference(x, ks)), (got, reference(x, ks))
+    assert float(got[1]) > float("-inf") and float(got[2]) == float("-inf")  # (100 finite: the 150th is -inf)
+
+
+def test_keys_close_together_settle_in_the_last_bits():
+    """fp32 values one ulp apart: only the last of the four launches tells them apart."""
+    base = torch.tensor(1.2345678, dtype=torch.float32)
+    steps = torch.arange(0, 64, dtype=torch.int32)
+    x = (base.view(torch.int32) + steps).view(torch.float32)[torch.randperm(64)].unsqueeze(0)
+    for k in (1, 17, 64):
+        assert torch.equal(floors_of(x, [k]), reference(x, [k]))
+
+
+def test_the_floor_goes_into_a_strided_column_and_calls_repeat():
+    """Written into column 3 of [B, 4] parameters (the other columns untouched), twice with the same answer: each
+    last chunk clears its histogram and count."""
+    x = torch.randn(3, 1000)
+    params = torch.arange(12, dtype=torch.float32).view(3, 4)
+    ks = torch.tensor([5.0, 0.0, 20.0])
+    for _ in range(2):
+        top_k_floors(x, ks, params[:, 3])
+        assert torch.equal(params[:, :3], torch.arange(12, dtype=torch.float32).view(3, 4)[:, :3])
+        assert torch.equal(params[:, 3], reference(x, [5, 0, 20]))
+
+
+def test_refusals_name_what_is_wrong():
+    x = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="ks"):
+        top_k_floors(x, torch.ones(3), torch.empty(2))
+    with pytest.raises(ValueError, match="floors"):
+        top_k_floors(x, torch.ones(2), torch.empty(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        top_k_floors(x.double(), torch.ones(2), torch.empty(2))
+    assert torch.equal(top_k_floors(torch.empty(2, 0), torch.ones(2), torch.zeros(2)), torch.full((2,), -float("inf")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_sampler_draws_alike_with_either_floor(monkeypatch, dtype):
+    """The same seeds draw the same tokens whether the floor comes from this kernel or torch.topk, with top-k alone and
+    with top-p and min-p, beside a greedy row; every token within its row's top k."""
+    torch.manual_seed(1)
+    logits = (torch.randn(4, 700) * 3).to(dtype)
+    rows = [SampleRow(SamplingParams(temperature=1.0, top_k=5, seed=3), [], []),
+            SampleRow(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, seed=4), [], []),
+            SampleRow(SamplingParams(temperature=0.0), [], []),
+            SampleRow(SamplingParams(temperature=2.0, top_k=2), [], [])]
+    drawn = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TPGRAPH_FUSED_TOP_K", flag)
+        drawn[flag] = Sampler("cpu", seed=9, fused=True).sample(logits, rows).token_ids
+    assert drawn["1"] == drawn["0"]
+    for row, (token, k) in enumerate(zip(drawn["1"], [5, 40, 1, 2], strict=True)):
+        assert token in logits[row].float().topk(k).indices.tolist()
+    assert top_k_kernel.fused_top_k_enabled() is False  # (the flag is read where it applies)
+    assert torch.equal(top_k_floor(logits, [5, 40, 0, 2]).float(), reference(logits, [5, 40, 0, 2]))
