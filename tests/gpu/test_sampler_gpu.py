@@ -155,8 +155,8 @@ def test_the_top_k_kernel_finds_topks_kth_value(dtype):
     vocab, batch = 128256, 64
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
-    x[1, 1000:3000] = 1.5
-    x[1, :10] = 4.0
+    x[1, 1000:3000] = 21.5  # (the 11th largest: above every random value)
+    x[1, :10] = 40.0
     x[2] = x[2].clamp(-1, 1).round()
     ks = torch.randint(1, 200, (batch,), generator=g)
     ks[:4] = torch.tensor([50, 11, 70000, vocab])
@@ -167,7 +167,7 @@ def test_the_top_k_kernel_finds_topks_kth_value(dtype):
     for _ in range(2):
         got = top_k_floors(x, kf, torch.empty(batch, device="cuda"))
         assert torch.equal(got, want)
-    assert float(got[1]) == 1.5 and float(got[2]) == 0.0
+    assert float(got[1]) == 21.5 and float(got[2]) == 0.0
 
 
 def test_the_sampler_draws_alike_with_the_top_k_kernel_or_torch_topk(monkeypatch):

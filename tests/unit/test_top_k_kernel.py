@@ -34,12 +34,28 @@ def reference(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_floor_is_topks_kth_value(dtype):
-    """Rows over two chunks (CHUNK 4096), k from 1 to the row's length and past it, negative k."""
+    """Rows over two chunks (CHUNK 4096), k from 1 to MAX_K, past the row's length, 0 and negative."""
     torch.manual_seed(0)
     vocab = 5003
-    ks = [1, 2, 50, 4097, vocab - 1, vocab, vocab + 3, 0, -1]
+    ks = [1, 2, 50, top_k_kernel.MAX_K, vocab + 3, 0, -1]
     x = (torch.randn(len(ks), vocab) * 4).to(dtype)
     assert torch.equal(floors_of(x, ks), reference(x, ks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_with_more_candidates_than_slots_select_over_the_whole_row(monkeypatch, dtype):
+    """Ties at the top (300 logits at the largest value) and large k overflow the candidates' slots (64 here): those
+    rows' last programs select over the row itself, with the same answers."""
+    monkeypatch.setattr(top_k_kernel, "CANDIDATES", 64)
+    torch.manual_seed(2)
+    vocab = 1000
+    x = torch.randn(4, vocab).to(dtype)
+    x[0, 100:400] = 5.0
+    x[2, :500] = float("-inf")
+    ks = [5, 900, 300, vocab]
+    got = floors_of(x, ks)
+    assert float(got[0]) == 5.0
+    assert torch.equal(got, reference(x, ks))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -178,15 +178,15 @@ class Sampler:
         return torch.where(greedy, greedy_ids, sampled)
 
     def _draw_fused(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """The rows' tokens from kernels/sampling.py: top-k's floor from kernels/top_k.py (torch.topk with
-        TPGRAPH_FUSED_TOP_K=0), then the kernel's launches for temperature, top-k, top-p, min-p and the draw; greedy
-        rows take their argmax."""
+        """The rows' tokens from kernels/sampling.py: top-k's floor from kernels/top_k.py (torch.topk above its MAX_K
+        or with TPGRAPH_FUSED_TOP_K=0), then the kernel's launches for temperature, top-k, top-p, min-p and the draw;
+        greedy rows take their argmax."""
         params = [r.params for r in rows]
         if x.stride(-1) != 1:
             x = x.contiguous()
         per_row = [v for p in params for v in (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, float("-inf"))]
         ks = [0 if p.greedy else p.top_k for p in params]
-        if any(k > 0 for k in ks) and fused_top_k.fused_top_k_enabled():
+        if 0 < max(ks) <= fused_top_k.MAX_K and fused_top_k.fused_top_k_enabled():
             # one upload: the rows' parameters, then their k, from which the kernel writes the floor column
             uploaded = to_device(per_row + ks, torch.float32, x.device)
             per_row = uploaded[:4 * len(rows)].view(-1, 4)

@@ -1,17 +1,24 @@
-"""Each row's top-k floor (its k-th largest logit) by radix select, in two Triton launches from 16-bit logits and four
-from fp32, instead of torch.topk (kernels/sampling.py leaves out what is below the floor).
+"""Each row's top-k floor (its k-th largest logit) in two Triton launches, instead of torch.topk
+(kernels/sampling.py leaves out what is below the floor).
 
 torch.topk over Llama-3's 128256 tokens took 40-60 µs of the fused draw's kernel time at batches 1-32, against 16-43
-µs for the rest of it (bench/results/2026-12-04_h200_fused_sampling). Here each logit maps to an unsigned key that
-orders as the values do, and each launch settles the next 8 bits of the k-th largest key: every chunk of a row (one
-program each) counts its keys that match the bits settled so far into 256 bins of their next 8 bits, adds its counts
-to the row's histogram, and the chunk that arrives last at the row's count (kernels/_counters.py) takes the bin where
-the k-th largest lies, subtracts what lies above it from k, and clears the histogram for the next launch. After the
-last launch the settled key is the k-th largest logit itself: the floor, with ties at it kept, as torch.topk's k-th
-value keeps them in engine/sampler.top_k_mask.
+µs for the rest of it (bench/results/2026-12-04_h200_fused_sampling). A radix select over the whole row in two
+launches of 256-bin histograms cost 14-44 µs (bench/results/2026-12-04_h200_top_k, run2): Triton's histogram takes
+some 60 instructions an entry. Here the histograms only see a few candidates:
 
-NaN counts below -inf, as the draw counts it (never taken). A row whose k is 0 or above its count of logits keeps
-everything: its floor is -inf.
+1. The bound launch: each chunk of a row (one program each) splits into GROUPS groups and keeps its TOP largest
+   group maxima; the row's last chunk (kernels/_counters.py) takes the k-th largest of those. Any k group maxima are
+   k distinct logits, so that bound is at most the k-th largest logit; and since the k largest group maxima of the
+   whole row lie among the chunks' TOP largest, it is usually close below it.
+2. The gather launch: each chunk appends its logits at or above the bound (keys that order as the values do) to the
+   row's candidates; the last chunk finds the k-th largest candidate by radix select over their keys, 8 bits at a
+   time, in its own program. Every logit at or above the k-th largest is a candidate, so that is the row's k-th
+   largest: the floor, with ties at it kept, as torch.topk's k-th value keeps them in engine/sampler.top_k_mask. (A
+   row with more than CANDIDATES candidates, from ties at the top, selects over the whole row instead: slower, never
+   wrong.)
+
+NaN and -inf are never candidates: a row with fewer than k other logits keeps everything, its floor -inf, as it
+does where k is 0. (torch.topk would count NaN above everything; the draw never takes NaN.)
 """
 
 from __future__ import annotations
@@ -30,105 +37,148 @@ try:
 except ImportError:  # CPU-only installs without Triton use engine/sampler.top_k_floor's torch.topk
     triton = None
 
-CHUNK = 4096  # entries a program counts (a 128256-entry row: 32 programs)
-DIGIT_BITS = 8  # a launch settles 8 bits of the key: 256 bins
-ROWS_PER_LAUNCH = MAX_COUNTERS  # one arrival counter a row
-STATE_WORDS = 2  # a row's settled bits, and the k-th largest's rank among the keys that share them (0: done)
+CHUNK = 4096  # entries a program reads (a 128256-entry row: 32 programs)
+GROUPS = 256  # group maxima a chunk takes (groups of 16 entries)
+MAX_K = 256  # the largest k taken here (larger: the caller's torch.topk)
+CANDIDATES = 4096  # a row's candidate slots
+SELECT_BLOCK = 512  # keys a histogram of the radix select takes at once
+ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals and its candidates' count
 
 
 def fused_top_k_enabled() -> bool:
-    """Whether the fused draw (engine/sampler.Sampler) finds top-k's floor here: yes unless TPGRAPH_FUSED_TOP_K=0,
-    which keeps torch.topk."""
+    """Whether the fused draw (engine/sampler.Sampler) finds top-k's floor here (k up to MAX_K): yes unless
+    TPGRAPH_FUSED_TOP_K=0, which keeps torch.topk."""
     return env_flag("TPGRAPH_FUSED_TOP_K", default=True)
 
 
 if triton is not None:
-    _BINS = tl.constexpr(1 << DIGIT_BITS)
-    _DIGIT_BITS = tl.constexpr(DIGIT_BITS)
-    _STATE_WORDS = tl.constexpr(STATE_WORDS)
+    _NEG_INF = tl.constexpr(float("-inf"))
 
     @triton.jit
     def _keys(x, KEY_BITS: tl.constexpr):
-        """Unsigned keys (int64) in x's bit width that order as x's values do (-0 just below +0); NaN as 0, below
-        -inf's key."""
+        """Unsigned keys (uint32) in x's bit width that order as x's values do (-0 just below +0)."""
         if KEY_BITS == 16:
-            bits = x.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            bits = x.to(tl.int16, bitcast=True).to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
-            bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        sign = 1 << (KEY_BITS - 1)
-        ones = (1 << KEY_BITS) - 1
-        key = tl.where((bits & sign) != 0, bits ^ ones, bits | sign)
-        v = x.to(tl.float32)  # (NaN tested in fp32: the interpreter compares 16-bit floats by their bits)
-        return tl.where(v == v, key, 0)
+            bits = x.to(tl.uint32, bitcast=True)
+        sign = tl.full((), 1 << (KEY_BITS - 1), tl.uint32)
+        ones = tl.full((), (1 << KEY_BITS) - 1, tl.uint32)
+        return tl.where((bits & sign) != 0, bits ^ ones, bits | sign)
 
     @triton.jit
     def _value(key, x_ptr, KEY_BITS: tl.constexpr):
-        """The logit whose key `key` is (as fp32; the NaN key 0 as -inf)."""
-        sign = 1 << (KEY_BITS - 1)
-        ones = (1 << KEY_BITS) - 1
+        """The logit whose key `key` is, as fp32."""
+        sign = tl.full((), 1 << (KEY_BITS - 1), tl.uint32)
+        ones = tl.full((), (1 << KEY_BITS) - 1, tl.uint32)
         bits = tl.where((key & sign) != 0, key ^ sign, key ^ ones)
         if KEY_BITS == 16:
-            v = bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-        else:
-            v = bits.to(tl.int32).to(tl.float32, bitcast=True)
-        return tl.where(v == v, v, float("-inf"))
+            return bits.to(tl.uint16).to(tl.int16, bitcast=True).to(x_ptr.dtype.element_ty, bitcast=True).to(
+                tl.float32)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _select_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, hist_ptr, state_ptr, counter_ptr, chunks,
-                       PASS: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
-        """Grid (rows, chunks): the chunk's count of the keys that match the row's settled bits, by their next 8 bits,
-        into the row's histogram; the row's last chunk settles those bits (and after the last pass writes the
-        floor)."""
+    def _chunk(row_ptr, offs, V):
+        """A block of the row as stored, and in fp32 with NaN and the entries past V as -inf."""
+        raw = tl.load(row_ptr + offs, mask=offs < V, other=_NEG_INF)
+        v = raw.to(tl.float32)  # (NaN tested in fp32: the interpreter compares 16-bit floats by their bits)
+        return raw, tl.where(v == v, v, _NEG_INF)
+
+    @triton.jit
+    def _kth(values, k, n):
+        """The k-th largest of `values` (1-D, k from 1), -inf where k is past the first n sorted or 0."""
+        s = tl.sort(values, descending=True)
+        at = tl.arange(0, values.shape[0])
+        return tl.where((k >= 1) & (k <= n), tl.sum(tl.where(at == k - 1, s, 0.0), axis=0), _NEG_INF)
+
+    @triton.jit
+    def _bound_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, part_ptr, counter_ptr, chunks,
+                      CHUNK: tl.constexpr, GROUPS: tl.constexpr, TOP: tl.constexpr, UNION: tl.constexpr):
+        """Grid (rows, chunks): the chunk's TOP largest group maxima; in the row's last chunk the k-th largest of all
+        the chunks' into the floor column (a lower bound of the floor, which the gather launch replaces)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        k = tl.load(k_ptr + row).to(tl.int64)
-        state = state_ptr + row * _STATE_WORDS
-        if PASS == 0:
-            todo = k > 0
-            if (k <= 0) & (c == 0):
-                tl.store(floor_ptr + row * stride_floor, float("-inf"))
+        k = tl.load(k_ptr + row).to(tl.int32)
+        if k <= 0:
+            if c == 0:
+                tl.store(floor_ptr + row * stride_floor, _NEG_INF)
         else:
-            todo = (k > 0) & (tl.load(state + 1) > 0)
-        if todo:
-            shift = KEY_BITS - _DIGIT_BITS * (PASS + 1)
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            ok = offs < V
-            key = _keys(tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0), KEY_BITS)
-            if PASS > 0:
-                ok = ok & ((key >> (shift + _DIGIT_BITS)) == tl.load(state))
-            counts = tl.histogram(((key >> shift) & (_BINS - 1)).to(tl.int32), _BINS, mask=ok).to(tl.int64)
-            bins = tl.arange(0, _BINS)
-            hist = hist_ptr + row * _BINS + bins
-            tl.atomic_add(hist, counts, sem="relaxed")
+            _, x = _chunk(x_ptr + row * stride_x, c * CHUNK + tl.arange(0, CHUNK), V)
+            maxima = tl.sort(tl.max(tl.reshape(x, [GROUPS, CHUNK // GROUPS]), axis=1), descending=True)
+            at = tl.arange(0, GROUPS)
+            tl.store(part_ptr + (row * chunks + c) * TOP + at, maxima, mask=at < TOP)
             if arrived_last(counter_ptr + row, chunks):
-                counts = tl.load(hist, cache_modifier=".cg")
-                tl.store(hist, tl.zeros_like(counts))  # (for the next pass, or the next call)
-                rank = k
-                settled = tl.zeros_like(k)
-                if PASS > 0:
-                    rank = tl.load(state + 1)
-                    settled = tl.load(state)
-                at_or_above = tl.cumsum(counts, axis=0, reverse=True)
-                digit = tl.sum((at_or_above >= rank).to(tl.int32), axis=0) - 1
-                if digit < 0:  # fewer keys than k: all kept
-                    tl.store(floor_ptr + row * stride_floor, float("-inf"))
-                    tl.store(state + 1, 0)
+                u = tl.arange(0, UNION)
+                union = tl.load(part_ptr + row * chunks * TOP + u, mask=u < chunks * TOP, other=_NEG_INF,
+                                cache_modifier=".cg")
+                tl.store(floor_ptr + row * stride_floor, _kth(union, k, chunks * TOP))
+                reset_counter(counter_ptr + row)
+
+    @triton.jit
+    def _kth_key(ptr, n, k, low, FROM_ROW: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """The k-th largest key among n candidates (FROM_ROW: among the keys of a row of n logits at or above `low`,
+        NaN and -inf left out), by radix select in one program: 8 bits a round, each a histogram of the keys that
+        match the bits settled so far."""
+        settled = tl.full((), 0, tl.uint32)
+        rank = k
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(KEY_BITS // 8):
+            shift = KEY_BITS - 8 * (p + 1)
+            counts = tl.zeros([256], tl.int32)
+            for start in range(0, n, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                if FROM_ROW:
+                    raw, x = _chunk(ptr, i, n)
+                    ok = (x >= low) & (x > _NEG_INF)
+                    key = _keys(raw, KEY_BITS)
                 else:
-                    settled = settled * _BINS + digit
-                    rank -= tl.sum(tl.where(bins > digit, counts, 0), axis=0)
-                    if shift == 0:
-                        tl.store(floor_ptr + row * stride_floor, _value(settled, x_ptr, KEY_BITS))
-                        tl.store(state + 1, 0)
-                    else:
-                        tl.store(state, settled)
-                        tl.store(state + 1, rank)
+                    ok = i < n
+                    key = tl.load(ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                if p > 0:
+                    ok = ok & ((key >> (shift + 8)) == settled)
+                counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
+            at_or_above = tl.cumsum(counts, axis=0, reverse=True)
+            digit = tl.sum((at_or_above >= rank).to(tl.int32), axis=0) - 1
+            rank -= tl.sum(tl.where(bins > digit, counts, 0), axis=0)
+            settled = settled * 256 + digit.to(tl.uint32)
+        return settled
+
+    @triton.jit
+    def _gather_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, cand_ptr, counter_ptr, rows, chunks,
+                       CHUNK: tl.constexpr, KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid (rows, chunks): the chunk's logits at or above the bound appended to the row's candidates (a count
+        after the arrival counters: `rows` on); in the row's last chunk the k-th largest of them into the floor
+        column."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        k = tl.load(k_ptr + row).to(tl.int32)
+        if k > 0:
+            low = tl.load(floor_ptr + row * stride_floor)
+            row_ptr = x_ptr + row * stride_x
+            raw, x = _chunk(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V)
+            taken = (x >= low) & (x > _NEG_INF)
+            count = tl.sum(taken.to(tl.int32), axis=0)
+            held = counter_ptr + rows + row
+            if count > 0:
+                at = tl.atomic_add(held, count, sem="relaxed") + tl.cumsum(taken.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + row * CANDIDATES + at, _keys(raw, KEY_BITS).to(tl.int32, bitcast=True),
+                         mask=taken & (at < CANDIDATES))
+            if arrived_last(counter_ptr + row, chunks):
+                n = tl.atomic_xchg(held, 0)  # (read and zeroed for the next call)
+                if n < k:  # fewer than k logits above -inf: all kept
+                    floor = tl.full((), _NEG_INF, tl.float32)
+                elif n <= CANDIDATES:
+                    floor = _value(_kth_key(cand_ptr + row * CANDIDATES, n, k, low, False, KEY_BITS, BLOCK), x_ptr,
+                                   KEY_BITS)
+                else:
+                    floor = _value(_kth_key(row_ptr, V, k, low, True, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
+                tl.store(floor_ptr + row * stride_floor, floor)
                 reset_counter(counter_ptr + row)
 
 
 def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
-    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim), ks [B] fp32 per row (k; 0 for none) -> `floors` [B]
-    fp32 (may be strided, e.g. a column of kernels/sampling.sample_rows' params), each row's k-th largest logit, -inf
-    where k is 0 or at least the row's count of logits. NaN counts below -inf."""
+    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim), ks [B] fp32 per row (k, at most MAX_K; 0 for none)
+    -> `floors` [B] fp32 (may be strided, e.g. a column of kernels/sampling.sample_rows' params): each row's k-th
+    largest logit, -inf where k is 0 or the row has fewer than k logits other than NaN and -inf."""
     if triton is None:
         raise RuntimeError("Triton is not installed; find top-k's floor with engine/sampler.top_k_floor")
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -144,17 +194,22 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
     if vocab == 0:
         return floors.fill_(float("-inf"))
     ks = aligned(ks)
-    key_bits = 8 * x.element_size()
     chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
+    groups = min(GROUPS, chunk)
+    # each chunk's share of 2 * MAX_K group maxima: the k largest of the row's lie among them
+    top = min(groups, triton.next_power_of_2(triton.cdiv(2 * MAX_K, chunks)))
+    union = triton.next_power_of_2(chunks * top)
     for first in range(0, batch, ROWS_PER_LAUNCH):
         rows = slice(first, first + ROWS_PER_LAUNCH)
         n = min(batch - first, ROWS_PER_LAUNCH)
-        # one zeroed allocation: the rows' histograms (each last chunk clears its row's), then their states
-        work = torch.zeros(n * ((1 << DIGIT_BITS) + STATE_WORDS), dtype=torch.int64, device=x.device)
-        hist, state = work[:n << DIGIT_BITS], work[n << DIGIT_BITS:]
-        counters = split_counters(x.device, n)
-        for p in range(key_bits // DIGIT_BITS):
-            _select_kernel[(n, chunks)](x[rows], x.stride(0), vocab, ks[rows], floors[rows], floors.stride(0), hist,
-                                        state, counters, chunks, PASS=p, KEY_BITS=key_bits, CHUNK=chunk, num_warps=4)
+        # one allocation: the rows' candidates (int32 keys), then the chunks' group maxima
+        work = torch.empty(n * (CANDIDATES + chunks * top), dtype=torch.int32, device=x.device)
+        candidates, parts = work[:n * CANDIDATES], work[n * CANDIDATES:].view(torch.float32)
+        counters = split_counters(x.device, 2 * n)
+        args = (x[rows], x.stride(0), vocab, ks[rows], floors[rows], floors.stride(0))
+        _bound_kernel[(n, chunks)](*args, parts, counters, chunks, CHUNK=chunk, GROUPS=groups, TOP=top, UNION=union,
+                                   num_warps=4)
+        _gather_kernel[(n, chunks)](*args, candidates, counters, n, chunks, CHUNK=chunk, KEY_BITS=8 * x.element_size(),
+                                    CANDIDATES=CANDIDATES, BLOCK=SELECT_BLOCK, num_warps=4)
     return floors
