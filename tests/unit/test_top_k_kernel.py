@@ -42,11 +42,14 @@ def test_the_floor_is_topks_kth_value(dtype):
     assert torch.equal(floors_of(x, ks), reference(x, ks))
 
 
+@pytest.mark.parametrize("slots, block", [(64, 1024), (4096, 64)], ids=["row", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rows_with_more_candidates_than_slots_select_over_the_whole_row(monkeypatch, dtype):
-    """Ties at the top (300 logits at the largest value) and large k overflow the candidates' slots (64 here): those
-    rows' last programs select over the row itself, with the same answers."""
-    monkeypatch.setattr(top_k_kernel, "CANDIDATES", 64)
+def test_many_candidates_select_by_blocks_or_over_the_whole_row(monkeypatch, dtype, slots, block):
+    """Ties at the top (300 logits at the largest value) and large k make many candidates: more than the row's slots
+    (64 here), and the last program selects over the row itself; more than a block (64 here), and it reads them a
+    block at a time. The same answers either way."""
+    monkeypatch.setattr(top_k_kernel, "CANDIDATES", slots)
+    monkeypatch.setattr(top_k_kernel, "SELECT_BLOCK", block)
     torch.manual_seed(2)
     vocab = 1000
     x = torch.randn(4, vocab).to(dtype)

@@ -4,12 +4,12 @@
 torch.topk over Llama-3's 128256 tokens took 40-60 µs of the fused draw's kernel time at batches 1-32, against 16-43
 µs for the rest of it (bench/results/2026-12-04_h200_fused_sampling). A radix select over the whole row in two
 launches of 256-bin histograms cost 14-44 µs (bench/results/2026-12-04_h200_top_k, run2): Triton's histogram takes
-some 60 instructions an entry. Here the histograms only see a few candidates:
+some 60 instructions an entry. Here the histograms only see a few candidates (the logits at or above a bound):
 
-1. The bound launch: each chunk of a row (one program each) splits into GROUPS groups and keeps its TOP largest
-   group maxima; the row's last chunk (kernels/_counters.py) takes the k-th largest of those. Any k group maxima are
-   k distinct logits, so that bound is at most the k-th largest logit; and since the k largest group maxima of the
-   whole row lie among the chunks' TOP largest, it is usually close below it.
+1. The bound launch: each chunk of a row (one program each) splits into PARTS parts and takes the m-th largest of
+   their maxima, m = ceil(k / chunks): m distinct logits of the chunk are at or above it. The row's last chunk
+   (kernels/_counters.py) takes the least of those: with m logits of every chunk at or above it, at least k are, so
+   it is at most the k-th largest logit; and usually not far below it.
 2. The gather launch: each chunk appends its logits at or above the bound (keys that order as the values do) to the
    row's candidates; the last chunk finds the k-th largest candidate by radix select over their keys, 8 bits at a
    time, in its own program. Every logit at or above the k-th largest is a candidate, so that is the row's k-th
@@ -38,10 +38,9 @@ except ImportError:  # CPU-only installs without Triton use engine/sampler.top_k
     triton = None
 
 CHUNK = 4096  # entries a program reads (a 128256-entry row: 32 programs)
-GROUPS = 256  # group maxima a chunk takes (groups of 16 entries)
 MAX_K = 256  # the largest k taken here (larger: the caller's torch.topk)
 CANDIDATES = 4096  # a row's candidate slots
-SELECT_BLOCK = 512  # keys a histogram of the radix select takes at once
+SELECT_BLOCK = 1024  # keys a histogram of the radix select takes at once
 ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals and its candidates' count
 
 
@@ -84,17 +83,11 @@ if triton is not None:
         return raw, tl.where(v == v, v, _NEG_INF)
 
     @triton.jit
-    def _kth(values, k, n):
-        """The k-th largest of `values` (1-D, k from 1), -inf where k is past the first n sorted or 0."""
-        s = tl.sort(values, descending=True)
-        at = tl.arange(0, values.shape[0])
-        return tl.where((k >= 1) & (k <= n), tl.sum(tl.where(at == k - 1, s, 0.0), axis=0), _NEG_INF)
-
-    @triton.jit
     def _bound_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, part_ptr, counter_ptr, chunks,
-                      CHUNK: tl.constexpr, GROUPS: tl.constexpr, TOP: tl.constexpr, UNION: tl.constexpr):
-        """Grid (rows, chunks): the chunk's TOP largest group maxima; in the row's last chunk the k-th largest of all
-        the chunks' into the floor column (a lower bound of the floor, which the gather launch replaces)."""
+                      CHUNK: tl.constexpr, PARTS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        """Grid (rows, chunks): the m-th largest of the chunk's PARTS part maxima, m = ceil(k / chunks) (-inf past
+        PARTS); in the row's last chunk the least of those into the floor column: a lower bound of the floor (m logits
+        of each chunk, at least k in all, are at or above it), which the gather launch replaces."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = tl.load(k_ptr + row).to(tl.int32)
@@ -103,49 +96,69 @@ if triton is not None:
                 tl.store(floor_ptr + row * stride_floor, _NEG_INF)
         else:
             _, x = _chunk(x_ptr + row * stride_x, c * CHUNK + tl.arange(0, CHUNK), V)
-            maxima = tl.sort(tl.max(tl.reshape(x, [GROUPS, CHUNK // GROUPS]), axis=1), descending=True)
-            at = tl.arange(0, GROUPS)
-            tl.store(part_ptr + (row * chunks + c) * TOP + at, maxima, mask=at < TOP)
+            maxima = tl.sort(tl.max(tl.reshape(x, [PARTS, CHUNK // PARTS]), axis=1), descending=True)
+            m = (k + chunks - 1) // chunks
+            at = tl.arange(0, PARTS)
+            bound = tl.where(m <= PARTS, tl.sum(tl.where(at == m - 1, maxima, 0.0), axis=0), _NEG_INF)
+            tl.store(part_ptr + row * chunks + c, bound)
             if arrived_last(counter_ptr + row, chunks):
-                u = tl.arange(0, UNION)
-                union = tl.load(part_ptr + row * chunks * TOP + u, mask=u < chunks * TOP, other=_NEG_INF,
-                                cache_modifier=".cg")
-                tl.store(floor_ptr + row * stride_floor, _kth(union, k, chunks * TOP))
+                cs = tl.arange(0, CHUNKS_P2)
+                bounds = tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=float("inf"),
+                                 cache_modifier=".cg")
+                tl.store(floor_ptr + row * stride_floor, tl.min(bounds, axis=0))
                 reset_counter(counter_ptr + row)
 
     @triton.jit
-    def _kth_key(ptr, n, k, low, FROM_ROW: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
-        """The k-th largest key among n candidates (FROM_ROW: among the keys of a row of n logits at or above `low`,
-        NaN and -inf left out), by radix select in one program: 8 bits a round, each a histogram of the keys that
-        match the bits settled so far."""
+    def _digit_counts(key, ok, settled, shift: tl.constexpr, KEY_BITS: tl.constexpr):
+        """The histogram of the keys' 8 bits above `shift`, of those (where ok) whose bits above match `settled`."""
+        if shift + 8 < KEY_BITS:  # (a shift by the whole width is undefined)
+            ok = ok & ((key >> (shift + 8)) == settled)
+        return tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
+
+    @triton.jit
+    def _settle(counts, settled, rank):
+        """The next 8 bits of the rank-th largest key, from its digit's histogram; and its rank among the keys that
+        share the bits settled so far."""
+        at_or_above = tl.cumsum(counts, axis=0, reverse=True)
+        digit = tl.sum((at_or_above >= rank).to(tl.int32), axis=0) - 1
+        rank -= tl.sum(tl.where(tl.arange(0, 256) > digit, counts, 0), axis=0)
+        return settled * 256 + digit.to(tl.uint32), rank
+
+    @triton.jit
+    def _kth_key(ptr, n, k, low, SOURCE: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """The k-th largest key among n candidates, by radix select in one program: 8 bits a round, each a histogram
+        of the keys that match the bits settled so far. SOURCE 0: n <= BLOCK keys at ptr, read once; 1: n keys at
+        ptr, read a block at a time; 2: the keys of a row of n logits at or above `low` (NaN and -inf left out)."""
         settled = tl.full((), 0, tl.uint32)
         rank = k
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(KEY_BITS // 8):
-            shift = KEY_BITS - 8 * (p + 1)
-            counts = tl.zeros([256], tl.int32)
-            for start in range(0, n, BLOCK):
-                i = start + tl.arange(0, BLOCK)
-                if FROM_ROW:
-                    raw, x = _chunk(ptr, i, n)
-                    ok = (x >= low) & (x > _NEG_INF)
-                    key = _keys(raw, KEY_BITS)
-                else:
-                    ok = i < n
-                    key = tl.load(ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-                if p > 0:
-                    ok = ok & ((key >> (shift + 8)) == settled)
-                counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok)
-            at_or_above = tl.cumsum(counts, axis=0, reverse=True)
-            digit = tl.sum((at_or_above >= rank).to(tl.int32), axis=0) - 1
-            rank -= tl.sum(tl.where(bins > digit, counts, 0), axis=0)
-            settled = settled * 256 + digit.to(tl.uint32)
+        i = tl.arange(0, BLOCK)
+        if SOURCE == 0:
+            ok = i < n
+            key = tl.load(ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            for p in tl.static_range(KEY_BITS // 8):
+                shift = KEY_BITS - 8 * (p + 1)
+                settled, rank = _settle(_digit_counts(key, ok, settled, shift, KEY_BITS), settled, rank)
+        else:
+            for p in tl.static_range(KEY_BITS // 8):
+                shift = KEY_BITS - 8 * (p + 1)
+                counts = tl.zeros([256], tl.int32)
+                for start in range(0, n, BLOCK):
+                    if SOURCE == 1:
+                        ok = start + i < n
+                        key = tl.load(ptr + start + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32,
+                                                                                                  bitcast=True)
+                    else:
+                        raw, x = _chunk(ptr, start + i, n)
+                        ok = (x >= low) & (x > _NEG_INF)
+                        key = _keys(raw, KEY_BITS)
+                    counts += _digit_counts(key, ok, settled, shift, KEY_BITS)
+                settled, rank = _settle(counts, settled, rank)
         return settled
 
     @triton.jit
     def _gather_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, cand_ptr, counter_ptr, rows, chunks,
                        CHUNK: tl.constexpr, KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
-        """Grid (rows, chunks): the chunk's logits at or above the bound appended to the row's candidates (a count
+        """Grid (rows, chunks): the chunk's logits at or above the bound appended to the row's candidates (their count
         after the arrival counters: `rows` on); in the row's last chunk the k-th largest of them into the floor
         column."""
         row = tl.program_id(0).to(tl.int64)
@@ -156,21 +169,22 @@ if triton is not None:
             row_ptr = x_ptr + row * stride_x
             raw, x = _chunk(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V)
             taken = (x >= low) & (x > _NEG_INF)
-            count = tl.sum(taken.to(tl.int32), axis=0)
             held = counter_ptr + rows + row
-            if count > 0:
-                at = tl.atomic_add(held, count, sem="relaxed") + tl.cumsum(taken.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + row * CANDIDATES + at, _keys(raw, KEY_BITS).to(tl.int32, bitcast=True),
-                         mask=taken & (at < CANDIDATES))
+            # a slot each (the candidates' order does not matter: few, so the count's atomics stay cheap)
+            at = tl.atomic_add(held + tl.zeros([CHUNK], tl.int32), 1, mask=taken, sem="relaxed")
+            tl.store(cand_ptr + row * CANDIDATES + at, _keys(raw, KEY_BITS).to(tl.int32, bitcast=True),
+                     mask=taken & (at < CANDIDATES))
             if arrived_last(counter_ptr + row, chunks):
-                n = tl.atomic_xchg(held, 0)  # (read and zeroed for the next call)
+                n = tl.atomic_xchg(held, 0)  # (read, and zeroed for the next call)
+                cand = cand_ptr + row * CANDIDATES
                 if n < k:  # fewer than k logits above -inf: all kept
                     floor = tl.full((), _NEG_INF, tl.float32)
-                elif n <= CANDIDATES:
-                    floor = _value(_kth_key(cand_ptr + row * CANDIDATES, n, k, low, False, KEY_BITS, BLOCK), x_ptr,
-                                   KEY_BITS)
+                elif n > CANDIDATES:  # (not all stored)
+                    floor = _value(_kth_key(row_ptr, V, k, low, 2, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
+                elif n <= BLOCK:
+                    floor = _value(_kth_key(cand, n, k, low, 0, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
                 else:
-                    floor = _value(_kth_key(row_ptr, V, k, low, True, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
+                    floor = _value(_kth_key(cand, n, k, low, 1, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
                 tl.store(floor_ptr + row * stride_floor, floor)
                 reset_counter(counter_ptr + row)
 
@@ -196,20 +210,18 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
     ks = aligned(ks)
     chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
-    groups = min(GROUPS, chunk)
-    # each chunk's share of 2 * MAX_K group maxima: the k largest of the row's lie among them
-    top = min(groups, triton.next_power_of_2(triton.cdiv(2 * MAX_K, chunks)))
-    union = triton.next_power_of_2(chunks * top)
+    # parts enough that a chunk's share of k (ceil(k / chunks), up to MAX_K's) is at most half of them
+    parts = min(chunk, max(16, 2 * triton.next_power_of_2(triton.cdiv(MAX_K, chunks))))
     for first in range(0, batch, ROWS_PER_LAUNCH):
         rows = slice(first, first + ROWS_PER_LAUNCH)
         n = min(batch - first, ROWS_PER_LAUNCH)
-        # one allocation: the rows' candidates (int32 keys), then the chunks' group maxima
-        work = torch.empty(n * (CANDIDATES + chunks * top), dtype=torch.int32, device=x.device)
-        candidates, parts = work[:n * CANDIDATES], work[n * CANDIDATES:].view(torch.float32)
+        # one allocation: the rows' candidates (int32 keys), then the chunks' bounds
+        work = torch.empty(n * (CANDIDATES + chunks), dtype=torch.int32, device=x.device)
+        candidates, bounds = work[:n * CANDIDATES], work[n * CANDIDATES:].view(torch.float32)
         counters = split_counters(x.device, 2 * n)
         args = (x[rows], x.stride(0), vocab, ks[rows], floors[rows], floors.stride(0))
-        _bound_kernel[(n, chunks)](*args, parts, counters, chunks, CHUNK=chunk, GROUPS=groups, TOP=top, UNION=union,
-                                   num_warps=4)
+        _bound_kernel[(n, chunks)](*args, bounds, counters, chunks, CHUNK=chunk, PARTS=parts,
+                                   CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
         _gather_kernel[(n, chunks)](*args, candidates, counters, n, chunks, CHUNK=chunk, KEY_BITS=8 * x.element_size(),
                                     CANDIDATES=CANDIDATES, BLOCK=SELECT_BLOCK, num_warps=4)
     return floors
