@@ -6,10 +6,10 @@ torch.topk over Llama-3's 128256 tokens took 40-60 µs of the fused draw's kerne
 launches of 256-bin histograms cost 14-44 µs (bench/results/2026-12-04_h200_top_k, run2): Triton's histogram takes
 some 60 instructions an entry. Here the histograms only see a few candidates (the logits at or above a bound):
 
-1. The bound launch: each chunk of a row (one program each) splits into PARTS parts and takes the m-th largest of
-   their maxima, m = ceil(k / chunks): m distinct logits of the chunk are at or above it. The row's last chunk
-   (kernels/_counters.py) takes the least of those: with m logits of every chunk at or above it, at least k are, so
-   it is at most the k-th largest logit; and usually not far below it.
+1. The bound launch: each full chunk of a row (one program each) splits into PARTS parts and takes the m-th largest
+   of their maxima, m = ceil(k / full chunks): m distinct logits of the chunk are at or above it. The row's last
+   chunk (kernels/_counters.py) takes the least of those: with m logits of every full chunk at or above it, at least
+   k are, so it is at most the k-th largest logit; and usually not far below it.
 2. The gather launch: each chunk appends its logits at or above the bound (keys that order as the values do) to the
    row's candidates; the last chunk finds the k-th largest candidate by radix select over their keys, 8 bits at a
    time, in its own program. Every logit at or above the k-th largest is a candidate, so that is the row's k-th
@@ -39,6 +39,7 @@ except ImportError:  # CPU-only installs without Triton use engine/sampler.top_k
 
 CHUNK = 4096  # entries a program reads (a 128256-entry row: 32 programs)
 MAX_K = 256  # the largest k taken here (larger: the caller's torch.topk)
+MAX_PARTS = 256  # parts a chunk's bound takes the maxima of, at most (a sort of them in each program)
 CANDIDATES = 4096  # a row's candidate slots
 SELECT_BLOCK = 1024  # keys a histogram of the radix select takes at once
 ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals and its candidates' count
@@ -85,9 +86,11 @@ if triton is not None:
     @triton.jit
     def _bound_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, part_ptr, counter_ptr, chunks,
                       CHUNK: tl.constexpr, PARTS: tl.constexpr, CHUNKS_P2: tl.constexpr):
-        """Grid (rows, chunks): the m-th largest of the chunk's PARTS part maxima, m = ceil(k / chunks) (-inf past
-        PARTS); in the row's last chunk the least of those into the floor column: a lower bound of the floor (m logits
-        of each chunk, at least k in all, are at or above it), which the gather launch replaces."""
+        """Grid (rows, chunks): the m-th largest of the chunk's PARTS part maxima, m = ceil(k / counted) (-inf past
+        PARTS), where the counted chunks are the full ones (or the only one); in the row's last chunk the least of
+        those into the floor column: a lower bound of the floor (m logits of each counted chunk, at least k in all,
+        are at or above it), which the gather launch replaces. (A partial last chunk's parts past V hold no logit, so
+        its m-th largest part maximum would often be -inf, and with it the bound.)"""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = tl.load(k_ptr + row).to(tl.int32)
@@ -97,9 +100,11 @@ if triton is not None:
         else:
             _, x = _chunk(x_ptr + row * stride_x, c * CHUNK + tl.arange(0, CHUNK), V)
             maxima = tl.sort(tl.max(tl.reshape(x, [PARTS, CHUNK // PARTS]), axis=1), descending=True)
-            m = (k + chunks - 1) // chunks
+            counted = tl.maximum(V // CHUNK, 1)
+            m = (k + counted - 1) // counted
             at = tl.arange(0, PARTS)
             bound = tl.where(m <= PARTS, tl.sum(tl.where(at == m - 1, maxima, 0.0), axis=0), _NEG_INF)
+            bound = tl.where(c < counted, bound, float("inf"))  # (a partial chunk is left out of the least)
             tl.store(part_ptr + row * chunks + c, bound)
             if arrived_last(counter_ptr + row, chunks):
                 cs = tl.arange(0, CHUNKS_P2)
@@ -210,8 +215,9 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
     ks = aligned(ks)
     chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
-    # parts enough that a chunk's share of k (ceil(k / chunks), up to MAX_K's) is at most half of them
-    parts = min(chunk, max(16, 2 * triton.next_power_of_2(triton.cdiv(MAX_K, chunks))))
+    # parts enough that a counted chunk's share of k (up to MAX_K's) is at most a quarter of them, and no more than
+    # MAX_PARTS (a vocabulary of a chunk or two: few candidates in all, however loose the bound)
+    parts = min(chunk, MAX_PARTS, max(32, 4 * triton.next_power_of_2(triton.cdiv(MAX_K, max(vocab // chunk, 1)))))
     for first in range(0, batch, ROWS_PER_LAUNCH):
         rows = slice(first, first + ROWS_PER_LAUNCH)
         n = min(batch - first, ROWS_PER_LAUNCH)
