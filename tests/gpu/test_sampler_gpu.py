@@ -101,7 +101,9 @@ def test_the_sampler_takes_the_fused_kernel_on_cuda(monkeypatch):
     calls = []
     real = fused.sample_rows
     monkeypatch.setattr(fused, "sample_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
-    logits = torch.randn(3, 32000, device="cuda", dtype=torch.bfloat16)
+    # seeded: the top three of each row differ in bf16 (a tie at the second would let topk and argmax disagree)
+    logits = torch.randn(3, 32000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+    assert all(logits[i].float().topk(3).values.unique().numel() == 3 for i in range(3))
     before = logits.clone()
     top = logits.float().argmax(-1).tolist()
     penalized = [SampleRow(SamplingParams(temperature=0.0), [1], []), SampleRow(EVERY_OPTION, [1], []),
