@@ -22,9 +22,9 @@ from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow, plain_gree
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
-from tpgraph.engine.uploads import to_device
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.kernels.tokens import NO_SOURCE
+from tpgraph.uploads import to_device
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.sequence import PENDING_TOKEN
-from tpgraph.engine.uploads import to_device, to_device_parts
 from tpgraph.kernels import penalties as fused
+from tpgraph.uploads import to_device, to_device_parts
 
 # the most history tokens one upload fills slots from: on the device while it lasts, 16 bytes each (ids and slots)
 # and the output counts' sort in index_put_; the memory profile's sampling step fills this many

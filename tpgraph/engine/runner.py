@@ -23,7 +23,6 @@ from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.sampler import Sampler, warm_rows, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
-from tpgraph.engine.uploads import to_device
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.buffers import Pad, PersistentBuffers
 from tpgraph.graphs.captured import call
@@ -40,6 +39,7 @@ from tpgraph.kernels.argmax import MAX_SLOT_INDEX
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend
 from tpgraph.model.llama import LlamaForCausalLM
+from tpgraph.uploads import to_device
 
 logger = logging.getLogger(__name__)
 NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read nothing

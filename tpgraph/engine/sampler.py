@@ -28,10 +28,10 @@ import torch
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tpgraph.engine.uploads import to_device, to_device_parts
 from tpgraph.kernels import sampling as fused_sampling
 from tpgraph.kernels import top_k as fused_top_k
 from tpgraph.kernels.argmax import check_ids_out
+from tpgraph.uploads import to_device, to_device_parts
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from tpgraph.engine.uploads import to_device
 from tpgraph.graphs.captured import call
 from tpgraph.graphs.modes import CaptureSupport
 from tpgraph.kernels.decode_attention import paged_decode_attention_v2
 from tpgraph.kernels.paged_decode import paged_decode_reference
+from tpgraph.uploads import to_device
 
 
 @dataclass
