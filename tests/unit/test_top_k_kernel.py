@@ -42,14 +42,17 @@ def test_the_floor_is_topks_kth_value(dtype):
     assert torch.equal(floors_of(x, ks), reference(x, ks))
 
 
-@pytest.mark.parametrize("slots, block", [(64, 1024), (4096, 64)], ids=["row", "blocks"])
+@pytest.mark.parametrize("slots, block, small", [(64, 1024, 256), (4096, 64, 16), (4096, 1024, 16)],
+                         ids=["row", "blocks", "one_block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_many_candidates_select_by_blocks_or_over_the_whole_row(monkeypatch, dtype, slots, block):
+def test_many_candidates_select_by_blocks_or_over_the_whole_row(monkeypatch, dtype, slots, block, small):
     """Ties at the top (300 logits at the largest value) and large k make many candidates: more than the row's slots
     (64 here), and the last program selects over the row itself; more than a block (64 here), and it reads them a
-    block at a time. The same answers either way."""
+    block at a time; more than the small block (16), and it takes them in one large block. The same answers every
+    way."""
     monkeypatch.setattr(top_k_kernel, "CANDIDATES", slots)
     monkeypatch.setattr(top_k_kernel, "SELECT_BLOCK", block)
+    monkeypatch.setattr(top_k_kernel, "SMALL_SELECT_BLOCK", small)
     torch.manual_seed(2)
     vocab = 1000
     x = torch.randn(4, vocab).to(dtype)

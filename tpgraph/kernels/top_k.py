@@ -42,6 +42,9 @@ MAX_K = 256  # the largest k taken here (larger: the caller's torch.topk)
 MAX_PARTS = 256  # parts a chunk's bound takes the maxima of, at most (a sort of them in each program)
 CANDIDATES = 4096  # a row's candidate slots
 SELECT_BLOCK = 1024  # keys a histogram of the radix select takes at once
+SMALL_SELECT_BLOCK = 256  # ... where that many hold a row's candidates
+BOUND_WARPS = 4  # warps a program (bench/results/2026-12-04_h200_top_k: 1 or 2 lost at batch 1, run8)
+GATHER_WARPS = 8  # (its last program's histograms: 8 took 1-3.5 µs off at batch 1, run9; 1 or 2 lost, run8)
 ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals and its candidates' count
 
 
@@ -162,7 +165,8 @@ if triton is not None:
 
     @triton.jit
     def _gather_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, cand_ptr, counter_ptr, rows, chunks,
-                       CHUNK: tl.constexpr, KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
+                       CHUNK: tl.constexpr, KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
+                       SMALL_BLOCK: tl.constexpr):
         """Grid (rows, chunks): the chunk's logits at or above the bound appended to the row's candidates (their count
         after the arrival counters: `rows` on); in the row's last chunk the k-th largest of them into the floor
         column."""
@@ -186,6 +190,8 @@ if triton is not None:
                     floor = tl.full((), _NEG_INF, tl.float32)
                 elif n > CANDIDATES:  # (not all stored)
                     floor = _value(_kth_key(row_ptr, V, k, low, 2, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
+                elif n <= SMALL_BLOCK:  # (the histograms' cost follows the block: most rows take few candidates)
+                    floor = _value(_kth_key(cand, n, k, low, 0, KEY_BITS, SMALL_BLOCK), x_ptr, KEY_BITS)
                 elif n <= BLOCK:
                     floor = _value(_kth_key(cand, n, k, low, 0, KEY_BITS, BLOCK), x_ptr, KEY_BITS)
                 else:
@@ -227,7 +233,8 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
         counters = split_counters(x.device, 2 * n)
         args = (x[rows], x.stride(0), vocab, ks[rows], floors[rows], floors.stride(0))
         _bound_kernel[(n, chunks)](*args, bounds, counters, chunks, CHUNK=chunk, PARTS=parts,
-                                   CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
+                                   CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=BOUND_WARPS)
         _gather_kernel[(n, chunks)](*args, candidates, counters, n, chunks, CHUNK=chunk, KEY_BITS=8 * x.element_size(),
-                                    CANDIDATES=CANDIDATES, BLOCK=SELECT_BLOCK, num_warps=4)
+                                    CANDIDATES=CANDIDATES, BLOCK=SELECT_BLOCK, SMALL_BLOCK=SMALL_SELECT_BLOCK,
+                                    num_warps=GATHER_WARPS)
     return floors
