@@ -150,40 +150,52 @@ def test_the_fused_penalties_equal_the_torch_ops():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_the_top_k_kernel_finds_topks_kth_value(dtype):
     """kernels/top_k.py's floors against torch.topk's k-th values on Llama-3 rows: 64 random rows, k from 1 to the
-    vocabulary, a row of ties at the k-th value, a row clipped to a few values, and the same answers on a second
-    call (each last chunk clears its histogram and count)."""
+    vocabulary (past MAX_K too, where the bound comes from the union or the whole row is selected over), a row of ties
+    at the k-th value, a row clipped to a few values, one with a chunk of masked (-inf) ids; then other rows, right
+    too, and the shared counters left at zero."""
+    from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
     from tpgraph.kernels.top_k import top_k_floors
 
     vocab, batch = 128256, 64
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
-    x[1, 1000:3000] = 21.5  # (the 11th largest: above every random value)
-    x[1, :10] = 40.0
-    x[2] = x[2].clamp(-1, 1).round()
-    ks = torch.randint(1, 200, (batch,), generator=g)
-    ks[:4] = torch.tensor([50, 11, 70000, vocab])
-    ks[4:8] = torch.tensor([1, vocab - 1, 0, 5000])
-    x, kf = x.cuda(), ks.float().cuda()
-    want = torch.stack([x[i].float().topk(int(k)).values[-1] if k > 0 else torch.tensor(float("-inf"), device="cuda")
-                        for i, k in enumerate(ks.tolist())])
-    for _ in range(2):
+    for call in range(2):
+        x = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
+        x[1, 1000:3000] = 21.5  # (the 11th largest: above every random value)
+        x[1, :10] = 40.0
+        x[2] = x[2].clamp(-1, 1).round()
+        x[8, 4096:8192] = float("-inf")
+        ks = torch.randint(1, 257, (batch,), generator=g)
+        ks[:4] = torch.tensor([50, 11, 70000, vocab])
+        ks[4:8] = torch.tensor([1, vocab - 1, 0, 5000])
+        x, kf = x.cuda(), ks.float().cuda()
+        want = torch.stack([x[i].float().topk(int(k)).values[-1] if k > 0 else
+                            torch.tensor(float("-inf"), device="cuda") for i, k in enumerate(ks.tolist())])
         got = top_k_floors(x, kf, torch.empty(batch, device="cuda"))
-        assert torch.equal(got, want)
-    assert float(got[1]) == 21.5 and float(got[2]) == 0.0
+        assert torch.equal(got, want), call
+        assert float(got[1]) == 21.5 and float(got[2]) == 0.0
+        assert not split_counters(x.device, MAX_COUNTERS).any()
 
 
 def test_the_sampler_draws_alike_with_the_top_k_kernel_or_torch_topk(monkeypatch):
     """Same sampler seed, same tokens: the floor from kernels/top_k.py or from torch.topk (TPGRAPH_FUSED_TOP_K=0), for
-    bf16 logits read in place and fp32 ones after penalties."""
+    bf16 logits read in place and fp32 ones after penalties; a batch with a k past MAX_K takes torch.topk either way."""
+    import tpgraph.kernels.top_k as fused_top_k
+
+    calls = []
+    real = fused_top_k.top_k_floors
+    monkeypatch.setattr(fused_top_k, "top_k_floors", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(6)
     logits = (torch.randn(16, 128256, generator=g) * 3).to(torch.bfloat16).cuda()
-    mixes = [SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=1.0, top_k=1000),
+    mixes = [SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=1.0, top_k=256),
              SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.01), SamplingParams(temperature=0.0)]
     plain = [SampleRow(mixes[i % 4], [1], []) for i in range(16)]
     penalized = [SampleRow(SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.2), [1, 2], [3])] + plain[1:]
-    for rows in (plain, penalized):
+    past_max = plain[:-1] + [SampleRow(SamplingParams(temperature=1.0, top_k=fused_top_k.MAX_K + 1), [1], [])]
+    for rows, kernel_calls in ((plain, 1), (penalized, 1), (past_max, 0)):
         drawn = {}
         for flag in ("1", "0"):
             monkeypatch.setenv("TPGRAPH_FUSED_TOP_K", flag)
+            calls.clear()
             drawn[flag] = Sampler("cuda", seed=2).sample(logits, rows).token_ids
+            assert len(calls) == (kernel_calls if flag == "1" else 0)
         assert drawn["1"] == drawn["0"]

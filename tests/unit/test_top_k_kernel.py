@@ -1,6 +1,6 @@
 """kernels/top_k.py under TRITON_INTERPRET=1: each row's k-th largest logit against torch.topk's, in every dtype, with
-ties, NaN, -inf, -0, rows shorter than k and k spread over several launches' bits; the sampler's draws the same with it
-as with torch.topk's floor; refusals."""
+ties, NaN, -inf, -0, rows shorter than k, several chunks, a masked chunk, and keys that differ in their last bits only;
+the sampler's draws the same with it as with torch.topk's floor; refusals."""
 
 import os
 
@@ -88,7 +88,7 @@ def test_ties_nan_inf_and_signed_zeros(dtype):
 
 
 def test_keys_close_together_settle_in_the_last_bits():
-    """fp32 values one ulp apart: only the last of the four launches tells them apart."""
+    """fp32 values one ulp apart: only the last of the select's four rounds tells them apart."""
     base = torch.tensor(1.2345678, dtype=torch.float32)
     steps = torch.arange(0, 64, dtype=torch.int32)
     x = (base.view(torch.int32) + steps).view(torch.float32)[torch.randperm(64)].unsqueeze(0)
@@ -96,16 +96,38 @@ def test_keys_close_together_settle_in_the_last_bits():
         assert torch.equal(floors_of(x, [k]), reference(x, [k]))
 
 
-def test_the_floor_goes_into_a_strided_column_and_calls_repeat():
-    """Written into column 3 of [B, 4] parameters (the other columns untouched), twice with the same answer: each
-    last chunk clears its histogram and count."""
-    x = torch.randn(3, 1000)
+def test_the_floor_goes_into_a_strided_column_and_calls_leave_the_counters_at_zero():
+    """Written into column 3 of [B, 4] parameters (the other columns untouched); a second call on other logits is
+    right too, and both leave the shared counters (arrivals and candidates' counts) at zero for the next kernel."""
+    from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
+
     params = torch.arange(12, dtype=torch.float32).view(3, 4)
     ks = torch.tensor([5.0, 0.0, 20.0])
-    for _ in range(2):
+    for seed in (0, 1):
+        x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(seed))
         top_k_floors(x, ks, params[:, 3])
         assert torch.equal(params[:, :3], torch.arange(12, dtype=torch.float32).view(3, 4)[:, :3])
         assert torch.equal(params[:, 3], reference(x, [5, 0, 20]))
+        assert not split_counters(x.device, MAX_COUNTERS).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_over_several_chunks_and_a_masked_chunk(dtype):
+    """Three full chunks and a partial one (12293 entries): the largest logits in different chunks (each chunk's
+    share of k is ceil(k / 3)), and a chunk wholly -inf, whose m-th part maximum is -inf (the bound then comes from
+    the union of the chunks' largest part maxima)."""
+    vocab = 12293
+    x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    x[0] -= 100.0
+    x[0, [5, 4100, 8200, 12290]] = torch.tensor([10.0, 5.0, 7.0, 9.0])  # (k 5: m is 2 in each full chunk, not 1)
+    x[2] = x[1]
+    x[2, 4096:8192] = float("-inf")
+    x[3, 4096:8192] = float("-inf")
+    x[3, 4100:4103] = 50.0
+    ks = [3, 50, 50, 4]
+    x = x.to(dtype)
+    assert torch.equal(floors_of(x, ks), reference(x, ks))
+    assert torch.equal(floors_of(x, [5, 200, 7, 2]), reference(x, [5, 200, 7, 2]))
 
 
 def test_refusals_name_what_is_wrong():
@@ -136,5 +158,4 @@ def test_the_sampler_draws_alike_with_either_floor(monkeypatch, dtype):
     assert drawn["1"] == drawn["0"]
     for row, (token, k) in enumerate(zip(drawn["1"], [5, 40, 1, 2], strict=True)):
         assert token in logits[row].float().topk(k).indices.tolist()
-    assert top_k_kernel.fused_top_k_enabled() is False  # (the flag is read where it applies)
     assert torch.equal(top_k_floor(logits, [5, 40, 0, 2]).float(), reference(logits, [5, 40, 0, 2]))

@@ -276,9 +276,10 @@ if triton is not None:
                 reset_counter(counter_ptr + row)
 
 
-def chunk_for(vocab: int) -> int:
-    """CHUNK, or the smallest power of two holding a shorter row (at least 16: four Philox counters)."""
-    return max(16, min(CHUNK, triton.next_power_of_2(vocab)))
+def chunk_for(vocab: int, chunk: int = CHUNK) -> int:
+    """`chunk` entries a program, or the smallest power of two holding a shorter row (at least 16: four Philox
+    counters)."""
+    return max(16, min(chunk, triton.next_power_of_2(vocab)))
 
 
 def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor | None = None,

@@ -6,16 +6,20 @@ torch.topk over Llama-3's 128256 tokens took 40-60 µs of the fused draw's kerne
 launches of 256-bin histograms cost 14-44 µs (bench/results/2026-12-04_h200_top_k, run2): Triton's histogram takes
 some 60 instructions an entry. Here the histograms only see a few candidates (the logits at or above a bound):
 
-1. The bound launch: each full chunk of a row (one program each) splits into PARTS parts and takes the m-th largest
-   of their maxima, m = ceil(k / full chunks): m distinct logits of the chunk are at or above it. The row's last
-   chunk (kernels/_counters.py) takes the least of those: with m logits of every full chunk at or above it, at least
-   k are, so it is at most the k-th largest logit; and usually not far below it.
+1. The bound launch: each chunk of a row (one program each) splits into PARTS parts and keeps its TOP largest part
+   maxima. The row's last chunk (kernels/_counters.py) takes, over the full chunks, the least of their m-th largest,
+   m = ceil(k / full chunks): with m logits of every full chunk at or above it, at least k are, so it is at most the
+   k-th largest logit, and usually not far below it. Where a full chunk has fewer than m parts holding a logit (masked
+   ids), that least is -inf, and the bound is the k-th largest of all the chunks' kept maxima instead (any k of them
+   are k distinct logits).
 2. The gather launch: each chunk appends its logits at or above the bound (keys that order as the values do) to the
    row's candidates; the last chunk finds the k-th largest candidate by radix select over their keys, 8 bits at a
    time, in its own program. Every logit at or above the k-th largest is a candidate, so that is the row's k-th
-   largest: the floor, with ties at it kept, as torch.topk's k-th value keeps them in engine/sampler.top_k_mask. (A
-   row with more than CANDIDATES candidates, from ties at the top, selects over the whole row instead: slower, never
-   wrong.)
+   largest: the floor, with ties at it kept, as torch.topk's k-th value keeps them in engine/sampler.top_k_mask.
+
+Any k is exact, but a row with more than CANDIDATES candidates selects over the whole row in one program, hundreds
+of µs: from ties at the top, from masks that leave fewer than k maxima among those kept, or from k well past MAX_K,
+where the bound loosens (the sampler takes torch.topk there).
 
 NaN and -inf are never candidates: a row with fewer than k other logits keeps everything, its floor -inf, as it
 does where k is 0. (torch.topk would count NaN above everything; the draw never takes NaN.)
@@ -28,6 +32,7 @@ import torch
 from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels.sampling import chunk_for
 
 try:
     import triton
@@ -45,7 +50,7 @@ SELECT_BLOCK = 1024  # keys a histogram of the radix select takes at once
 SMALL_SELECT_BLOCK = 256  # ... where that many hold a row's candidates
 BOUND_WARPS = 4  # warps a program (bench/results/2026-12-04_h200_top_k: 1 or 2 lost at batch 1, run8)
 GATHER_WARPS = 8  # (its last program's histograms: 8 took 1-3.5 µs off at batch 1, run9; 1 or 2 lost, run8)
-ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals and its candidates' count
+ROWS_PER_LAUNCH = MAX_COUNTERS // 2  # a row takes two counters: its arrivals, and its candidates' count that many on
 
 
 def fused_top_k_enabled() -> bool:
@@ -56,6 +61,7 @@ def fused_top_k_enabled() -> bool:
 
 if triton is not None:
     _NEG_INF = tl.constexpr(float("-inf"))
+    _ROWS = tl.constexpr(ROWS_PER_LAUNCH)
 
     @triton.jit
     def _keys(x, KEY_BITS: tl.constexpr):
@@ -88,12 +94,15 @@ if triton is not None:
 
     @triton.jit
     def _bound_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, part_ptr, counter_ptr, chunks,
-                      CHUNK: tl.constexpr, PARTS: tl.constexpr, CHUNKS_P2: tl.constexpr):
-        """Grid (rows, chunks): the m-th largest of the chunk's PARTS part maxima, m = ceil(k / counted) (-inf past
-        PARTS), where the counted chunks are the full ones (or the only one); in the row's last chunk the least of
-        those into the floor column: a lower bound of the floor (m logits of each counted chunk, at least k in all,
-        are at or above it), which the gather launch replaces. (A partial last chunk's parts past V hold no logit, so
-        its m-th largest part maximum would often be -inf, and with it the bound.)"""
+                      CHUNK: tl.constexpr, PARTS: tl.constexpr, TOP: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                      UNION: tl.constexpr):
+        """Grid (rows, chunks): the chunk's TOP largest part maxima (of PARTS), in order; in the row's last chunk a
+        lower bound of the floor into the floor column, which the gather launch replaces:
+        - the least over the counted chunks (the full ones, or the only one) of their m-th largest part maximum,
+          m = ceil(k / counted): m logits of each counted chunk, at least k in all, are at or above it. (A partial
+          last chunk's parts past V hold no logit, so its m-th would often be -inf, and with it the least.)
+        - where that is -inf (a counted chunk with fewer than m parts holding a logit: masked ids, or k past MAX_K),
+          the k-th largest of all the chunks' TOP largest part maxima, any k of which are k distinct logits."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = tl.load(k_ptr + row).to(tl.int32)
@@ -103,17 +112,23 @@ if triton is not None:
         else:
             _, x = _chunk(x_ptr + row * stride_x, c * CHUNK + tl.arange(0, CHUNK), V)
             maxima = tl.sort(tl.max(tl.reshape(x, [PARTS, CHUNK // PARTS]), axis=1), descending=True)
-            counted = tl.maximum(V // CHUNK, 1)
-            m = (k + counted - 1) // counted
             at = tl.arange(0, PARTS)
-            bound = tl.where(m <= PARTS, tl.sum(tl.where(at == m - 1, maxima, 0.0), axis=0), _NEG_INF)
-            bound = tl.where(c < counted, bound, float("inf"))  # (a partial chunk is left out of the least)
-            tl.store(part_ptr + row * chunks + c, bound)
+            parts = part_ptr + row * chunks * TOP
+            tl.store(parts + c * TOP + at, maxima, mask=at < TOP)
             if arrived_last(counter_ptr + row, chunks):
+                counted = tl.maximum(V // CHUNK, 1)
+                m = (k + counted - 1) // counted
                 cs = tl.arange(0, CHUNKS_P2)
-                bounds = tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=float("inf"),
-                                 cache_modifier=".cg")
-                tl.store(floor_ptr + row * stride_floor, tl.min(bounds, axis=0))
+                counts_in = (cs < counted) & (cs * 0 + m <= TOP)  # (m past TOP: -inf, the union below)
+                mths = tl.load(parts + cs * TOP + m - 1, mask=counts_in, other=_NEG_INF, cache_modifier=".cg")
+                bound = tl.min(tl.where(cs < counted, mths, float("inf")), axis=0)
+                if bound == _NEG_INF:
+                    u = tl.arange(0, UNION)
+                    union = tl.load(parts + u, mask=u < chunks * TOP, other=_NEG_INF, cache_modifier=".cg")
+                    ordered = tl.sort(union, descending=True)
+                    bound = tl.sum(tl.where(u == k - 1, ordered, 0.0), axis=0)  # (-inf past the union)
+                    bound = tl.where(k <= chunks * TOP, bound, _NEG_INF)
+                tl.store(floor_ptr + row * stride_floor, bound)
                 reset_counter(counter_ptr + row)
 
     @triton.jit
@@ -164,12 +179,12 @@ if triton is not None:
         return settled
 
     @triton.jit
-    def _gather_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, cand_ptr, counter_ptr, rows, chunks,
+    def _gather_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, cand_ptr, counter_ptr, chunks,
                        CHUNK: tl.constexpr, KEY_BITS: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
                        SMALL_BLOCK: tl.constexpr):
         """Grid (rows, chunks): the chunk's logits at or above the bound appended to the row's candidates (their count
-        after the arrival counters: `rows` on); in the row's last chunk the k-th largest of them into the floor
-        column."""
+        in the second half of the counters: ROWS_PER_LAUNCH on, a constant, so that the kernel does not compile again
+        per batch size); in the row's last chunk the k-th largest of them into the floor column."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = tl.load(k_ptr + row).to(tl.int32)
@@ -178,7 +193,7 @@ if triton is not None:
             row_ptr = x_ptr + row * stride_x
             raw, x = _chunk(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V)
             taken = (x >= low) & (x > _NEG_INF)
-            held = counter_ptr + rows + row
+            held = counter_ptr + _ROWS + row
             # a slot each (the candidates' order does not matter: few, so the count's atomics stay cheap)
             at = tl.atomic_add(held + tl.zeros([CHUNK], tl.int32), 1, mask=taken, sem="relaxed")
             tl.store(cand_ptr + row * CANDIDATES + at, _keys(raw, KEY_BITS).to(tl.int32, bitcast=True),
@@ -201,7 +216,7 @@ if triton is not None:
 
 
 def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
-    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim), ks [B] fp32 per row (k, at most MAX_K; 0 for none)
+    """x [B, V] logits (fp32/bf16/fp16, a contiguous last dim), ks [B] fp32 per row (k; 0 for none; fast up to MAX_K)
     -> `floors` [B] fp32 (may be strided, e.g. a column of kernels/sampling.sample_rows' params): each row's k-th
     largest logit, -inf where k is 0 or the row has fewer than k logits other than NaN and -inf."""
     if triton is None:
@@ -219,22 +234,25 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
     if vocab == 0:
         return floors.fill_(float("-inf"))
     ks = aligned(ks)
-    chunk = max(16, min(CHUNK, triton.next_power_of_2(vocab)))
+    chunk = chunk_for(vocab, CHUNK)
     chunks = triton.cdiv(vocab, chunk)
-    # parts enough that a counted chunk's share of k (up to MAX_K's) is at most a quarter of them, and no more than
-    # MAX_PARTS (a vocabulary of a chunk or two: few candidates in all, however loose the bound)
-    parts = min(chunk, MAX_PARTS, max(32, 4 * triton.next_power_of_2(triton.cdiv(MAX_K, max(vocab // chunk, 1)))))
+    # a counted chunk's share of MAX_K, and four times that many parts (at most MAX_PARTS: a vocabulary of a chunk or
+    # two has few candidates in all, however loose the bound)
+    top = triton.next_power_of_2(triton.cdiv(MAX_K, max(vocab // chunk, 1)))
+    parts = min(chunk, MAX_PARTS, max(32, 4 * top))
+    top = min(top, parts)
     for first in range(0, batch, ROWS_PER_LAUNCH):
         rows = slice(first, first + ROWS_PER_LAUNCH)
         n = min(batch - first, ROWS_PER_LAUNCH)
-        # one allocation: the rows' candidates (int32 keys), then the chunks' bounds
-        work = torch.empty(n * (CANDIDATES + chunks), dtype=torch.int32, device=x.device)
-        candidates, bounds = work[:n * CANDIDATES], work[n * CANDIDATES:].view(torch.float32)
-        counters = split_counters(x.device, 2 * n)
+        # one allocation: the rows' candidates (int32 keys), then the chunks' largest part maxima
+        work = torch.empty(n * (CANDIDATES + chunks * top), dtype=torch.int32, device=x.device)
+        candidates, maxima = work[:n * CANDIDATES], work[n * CANDIDATES:].view(torch.float32)
+        counters = split_counters(x.device, ROWS_PER_LAUNCH + n)  # (arrivals, then candidates' counts)
         args = (x[rows], x.stride(0), vocab, ks[rows], floors[rows], floors.stride(0))
-        _bound_kernel[(n, chunks)](*args, bounds, counters, chunks, CHUNK=chunk, PARTS=parts,
-                                   CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=BOUND_WARPS)
-        _gather_kernel[(n, chunks)](*args, candidates, counters, n, chunks, CHUNK=chunk, KEY_BITS=8 * x.element_size(),
+        _bound_kernel[(n, chunks)](*args, maxima, counters, chunks, CHUNK=chunk, PARTS=parts, TOP=top,
+                                   CHUNKS_P2=triton.next_power_of_2(chunks),
+                                   UNION=triton.next_power_of_2(chunks * top), num_warps=BOUND_WARPS)
+        _gather_kernel[(n, chunks)](*args, candidates, counters, chunks, CHUNK=chunk, KEY_BITS=8 * x.element_size(),
                                     CANDIDATES=CANDIDATES, BLOCK=SELECT_BLOCK, SMALL_BLOCK=SMALL_SELECT_BLOCK,
                                     num_warps=GATHER_WARPS)
     return floors
