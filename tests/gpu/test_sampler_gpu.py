@@ -150,9 +150,9 @@ def test_the_fused_penalties_equal_the_torch_ops():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_the_top_k_kernel_finds_topks_kth_value(dtype):
     """kernels/top_k.py's floors against torch.topk's k-th values on Llama-3 rows: 64 random rows, k from 1 to the
-    vocabulary (past MAX_K too, where the bound comes from the union or the whole row is selected over), a row of ties
-    at the k-th value, a row clipped to a few values, one with a chunk of masked (-inf) ids; then other rows, right
-    too, and the shared counters left at zero."""
+    vocabulary (k of 5000 and more: a bound of -inf, and a select over the whole row), a row of ties at the k-th
+    value, a row clipped to a few values, one with a chunk of masked (-inf) ids; then other rows, right too, and the
+    shared counters left at zero."""
     from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
     from tpgraph.kernels.top_k import top_k_floors
 

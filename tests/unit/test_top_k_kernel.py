@@ -130,6 +130,28 @@ def test_rows_over_several_chunks_and_a_masked_chunk(dtype):
     assert torch.equal(floors_of(x, [5, 200, 7, 2]), reference(x, [5, 200, 7, 2]))
 
 
+class _NoGather:
+    """Stands in for the gather launch, so that the floor column keeps the bound launch's bound."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("vocab, k_last", [(8192, 200), (12293, 385)])
+def test_the_bound_is_finite_and_at_most_the_floor(monkeypatch, vocab, k_last):
+    """The bound launch alone: at most the k-th largest logit, and above -inf, for a random row, a row with a masked
+    (-inf) chunk (the union's k-th largest kept maximum, not the least of the chunks' m-th), and a large k: on two
+    whole chunks (128 maxima kept each), and on three and a partial one, where k 385 is past MAX_K and past the
+    full chunks' 3 x 128 kept maxima, so that the union of all four chunks' (the partial one keeps 5) gives it."""
+    monkeypatch.setattr(top_k_kernel, "_gather_kernel", _NoGather())
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
+    x[1, 4096:8192] = float("-inf")
+    ks = [50, 50, k_last]
+    bounds = floors_of(x, ks)
+    assert (bounds > float("-inf")).all(), bounds
+    assert (bounds <= reference(x, ks)).all(), (bounds, reference(x, ks))
+
+
 def test_refusals_name_what_is_wrong():
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="ks"):

@@ -105,7 +105,7 @@ if triton is not None:
           the k-th largest of all the chunks' TOP largest part maxima, any k of which are k distinct logits."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        k = tl.load(k_ptr + row).to(tl.int32)
+        k = tl.minimum(tl.load(k_ptr + row), V + 1.0).to(tl.int32)  # (past V all are kept: no int32 overflow)
         if k <= 0:
             if c == 0:
                 tl.store(floor_ptr + row * stride_floor, _NEG_INF)
@@ -119,7 +119,7 @@ if triton is not None:
                 counted = tl.maximum(V // CHUNK, 1)
                 m = (k + counted - 1) // counted
                 cs = tl.arange(0, CHUNKS_P2)
-                counts_in = (cs < counted) & (cs * 0 + m <= TOP)  # (m past TOP: -inf, the union below)
+                counts_in = (cs < counted) & (cs * 0 + m <= TOP)  # (m past TOP: -inf, the union below; m >= 1)
                 mths = tl.load(parts + cs * TOP + m - 1, mask=counts_in, other=_NEG_INF, cache_modifier=".cg")
                 bound = tl.min(tl.where(cs < counted, mths, float("inf")), axis=0)
                 if bound == _NEG_INF:
@@ -187,7 +187,7 @@ if triton is not None:
         per batch size); in the row's last chunk the k-th largest of them into the floor column."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        k = tl.load(k_ptr + row).to(tl.int32)
+        k = tl.minimum(tl.load(k_ptr + row), V + 1.0).to(tl.int32)  # (past V all are kept: no int32 overflow)
         if k > 0:
             low = tl.load(floor_ptr + row * stride_floor)
             row_ptr = x_ptr + row * stride_x
