@@ -276,6 +276,23 @@ if triton is not None:
                 reset_counter(counter_ptr + row)
 
 
+def check_rows(caller: str, x: torch.Tensor, *per_row: tuple[str, torch.Tensor, tuple[int, ...], torch.dtype]
+               ) -> tuple[int, int]:
+    """Refuse, naming `caller`, logits that are not [batch, vocab] fp32/bf16/fp16 with a contiguous last dim, or a
+    per-row tensor (name, tensor, its dims after the batch's, dtype) of another shape, dtype or device -> (batch,
+    vocab)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{caller} takes [batch, vocab] fp32/bf16/fp16 logits with a contiguous last dim, got "
+                         f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")
+    batch, vocab = x.shape
+    for name, t, dims, dtype in per_row:
+        shape = (batch, *dims)
+        if t.shape != shape or t.dtype != dtype or t.device != x.device:
+            raise ValueError(f"{caller}'s {name} must be {list(shape)} {dtype} on {x.device}, got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    return batch, vocab
+
+
 def chunk_for(vocab: int, chunk: int = CHUNK) -> int:
     """`chunk` entries a program, or the smallest power of two holding a shorter row (at least 16: four Philox
     counters)."""
@@ -291,17 +308,10 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     above 0 (False: the race alone, the check launches skipped; top-k's floor needs no check)."""
     if triton is None:
         raise RuntimeError("Triton is not installed; sample with the torch chain")
-    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"sample_rows takes [batch, vocab] fp32/bf16/fp16 logits with a contiguous last dim, got "
-                         f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")
-    batch, vocab = x.shape
+    batch, vocab = check_rows("sample_rows", x, ("params", params, (4,), torch.float32),
+                              ("seeds", seeds, (), torch.int64))
     if vocab >= 1 << 24:
         raise ValueError(f"sample_rows carries indices in fp32: a vocabulary below 2^24, got {vocab}")
-    for name, t, shape, dtype in (("params", params, (batch, 4), torch.float32),
-                                  ("seeds", seeds, (batch,), torch.int64)):
-        if t.shape != shape or t.dtype != dtype or t.device != x.device:
-            raise ValueError(f"sample_rows' {name} must be {list(shape)} {dtype} on {x.device}, got {tuple(t.shape)} "
-                             f"{t.dtype} on {t.device}")
     check_ids_out(out, batch, x.device, "sample_rows' out")
     ids = torch.empty(batch, dtype=torch.int64, device=x.device) if out is None else out
     if vocab == 0:

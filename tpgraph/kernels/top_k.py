@@ -32,7 +32,7 @@ import torch
 from tpgraph.kernels._alignment import aligned
 from tpgraph.kernels._counters import MAX_COUNTERS, split_counters
 from tpgraph.kernels._settings import env_flag
-from tpgraph.kernels.sampling import chunk_for
+from tpgraph.kernels.sampling import check_rows, chunk_for
 
 try:
     import triton
@@ -221,14 +221,7 @@ def top_k_floors(x: torch.Tensor, ks: torch.Tensor, floors: torch.Tensor) -> tor
     largest logit, -inf where k is 0 or the row has fewer than k logits other than NaN and -inf."""
     if triton is None:
         raise RuntimeError("Triton is not installed; find top-k's floor with engine/sampler.top_k_floor")
-    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"top_k_floors takes [batch, vocab] fp32/bf16/fp16 logits with a contiguous last dim, got "
-                         f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}")
-    batch, vocab = x.shape
-    for name, t in (("ks", ks), ("floors", floors)):
-        if t.shape != (batch,) or t.dtype != torch.float32 or t.device != x.device:
-            raise ValueError(f"top_k_floors' {name} must be [{batch}] fp32 on {x.device}, got {tuple(t.shape)} "
-                             f"{t.dtype} on {t.device}")
+    batch, vocab = check_rows("top_k_floors", x, ("ks", ks, (), torch.float32), ("floors", floors, (), torch.float32))
     if batch == 0:
         return floors
     if vocab == 0:
