@@ -75,6 +75,26 @@ def test_every_draw_is_in_the_torch_chains_kept_set(case):
     assert len(set(ids)) > 1 or len(kept) == 1
 
 
+def test_chunks_draw_in_proportion_to_their_weight(monkeypatch):
+    """Chunks of 16 (monkeypatched), a row of 64 with one token of 0.3 in the first chunk, ten of 0.05 in the second
+    and one of 0.2 in the last, the third all -inf: each chunk draws within itself from its weights and the race
+    between chunks picks one by its total, so over 300 draws each chunk's share, and each token's, is within 4
+    standard deviations of its probability (a race by the chunks' maxima alone would give the second chunk 9%, not
+    half; an inverse off by one entry would draw -inf's)."""
+    import tpgraph.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CHUNK", 16)
+    probs = {3: 0.3, **{t: 0.05 for t in range(16, 26)}, 60: 0.2}
+    row = torch.full((64,), float("-inf"))
+    row[list(probs)] = torch.tensor(list(probs.values())).log() + 7.0
+    ids = draw(row.expand(300, -1), temperature=1.0)
+    assert set(ids) <= set(probs), sorted(set(ids) - set(probs))
+    counts = Counter(ids)
+    shares = [(p, counts[t]) for t, p in probs.items()] + [(0.5, sum(counts[t] for t in range(16, 26)))]
+    for p, seen in shares:
+        assert abs(seen / 300 - p) <= 4 * (p * (1 - p) / 300) ** 0.5, (p, seen, counts)
+
+
 def test_chunks_race_on_one_scale():
     """Each chunk keys its race relative to its own maximum; the last program moves them to the row's: a token 5
     above everything else, alone in the second chunk, wins about 99% of draws, not half."""

@@ -6,12 +6,14 @@ Llama-3's 128256 tokens that was 596 µs of kernels and 57 launches a step (benc
 sampling). Here a row is drawn by rejection, as FlashInfer's sampling kernels draw, each row cut into chunks of CHUNK
 entries, one program a chunk, and the chunk that arrives last at a row's count (kernels/_counters.py) finishing it:
 
-1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), and the winner of an exponential race
-   over its entries (argmax of (x - max) / T - log(E), E ~ Exp(1) from Philox keyed by the row's seed, the round and
-   the entry's index; relative to the maximum so that small temperatures keep the keys' precision). Logits below the
-   row's floor (top-k's k-th largest: kernels/top_k.py) count as -inf throughout. The last chunk takes the row's
-   maximum m, total S and the race's winner j over the chunks' winners (their keys moved to the largest maximum): a
-   draw of exp(x_j / T) / S. A row without top-p or min-p ends here.
+1. The race launch: each chunk's maximum, its total weight exp((x - max) / T), a draw from it (the inverse of the
+   weights' running sum at a uniform), and its key in a race between chunks (log(total) - log(E), E ~ Exp(1)): two
+   random numbers a chunk from Philox keyed by the row's seed, the round and the chunk's index; relative to the
+   chunk's maximum so that small temperatures keep their precision. Logits below the row's floor (top-k's k-th
+   largest: kernels/top_k.py) count as -inf throughout. The last chunk takes the row's maximum m, total S and the
+   race's winner over the chunks' keys (moved to the largest maximum), a chunk drawn in proportion to its weight,
+   whose draw j is then a draw of exp(x_j / T) / S. A row without top-p or min-p ends here. (Weighed per chunk
+   rather than keyed per entry, as a race over every entry would be, a launch needs no per-entry Philox and logs.)
 2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is
    at least min_p and the weight above it is below p * S: j is then in the kept set, the smallest set of the largest
    tokens whose share reaches p, ties at its last value kept, and min-p's (engine/sampler.top_p_keep's set).
@@ -25,11 +27,10 @@ entries, one program a chunk, and the chunk that arrives last at a row's count (
 
 Every rank runs the same launches on the same logits with the same seeds, so every rank draws the same token. Each row
 draws from its own seed (a seeded request's seed for its position, or one taken from the sampler's generator), and
-its random numbers follow the entry's index and the round, so a row's token depends neither on the rest of the batch
-nor on the chunking (but for the rounding of sums, which are taken by chunks).
+its random numbers follow the chunk's index and the round, so a row's token does not depend on the rest of the batch.
 
-"Exactly" up to the uniforms' 23 bits: E lies in [6e-8, 16.6], so a token whose weight is below e^-19.4 (4e-9) of the
-largest's never wins a race; at Llama-3's vocabulary such tokens hold at most 5e-4 of a row, and in practice far less.
+"Exactly" up to the uniforms' 23 bits and fp32 sums: E lies in [6e-8, 16.6], so a chunk whose weight is below e^-19.4
+(4e-9) of the largest chunk's never wins, and within a chunk the uniform resolves weights to 2^-23 of its total.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ except ImportError:  # CPU-only installs without Triton use the torch chain
     triton = None
 
 CHUNK = 2048  # entries a program takes (a 128256-entry row: 63 programs)
+WARPS = 4  # a program's warps
 MAX_ROUNDS = 48  # races before a row takes its largest logit (never seen: each round bisects the gap at least)
 SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
 ROWS_PER_LAUNCH = MAX_COUNTERS  # a launch's rows: one arrival counter each
-ROUND_COUNTERS = 1 << 22  # Philox counters a round (entry // 4 of a vocabulary below 2^24), whatever the vocabulary
+ROUND_COUNTERS = 1 << 22  # Philox counters a round (one a chunk: more than any vocabulary below 2^24 has)
 # a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
 # logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), whether the row
 # is drawn, and a spare word (8 a row keep the partials after them at a 16-byte boundary: _alignment.py)
@@ -79,17 +81,6 @@ if triton is not None:
         return tl.where((x == x) & (x >= floor), x, float("-inf"))
 
     @triton.jit
-    def _race_keys(x, shift, seed, start, counter_base, inv_t, N: tl.constexpr):
-        """(x - shift) / T - log(E) for the N logits from entry `start` (a multiple of 4), E ~ Exp(1) from Philox at
-        counter counter_base + entry // 4 (four draws a counter): the same for any chunking. (Relative to `shift`, a
-        logit near the largest, so that a small T keeps the keys' precision.)"""
-        r0, r1, r2, r3 = tl.randint4x(seed, counter_base + start // 4 + tl.arange(0, N // 4), 10)
-        bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [N])
-        # 23 random bits and a half: u strictly inside (0, 1), so E = -log(u) is finite and positive
-        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        return (x - shift) * inv_t - tl.log(-tl.log(u))
-
-    @triton.jit
     def _finite_or_zero(v):
         return tl.where((v > float("-inf")) & (v < float("inf")), v, 0.0)
 
@@ -108,6 +99,33 @@ if triton is not None:
         return tl.sum(tl.where(x > a, _weight(x, m, inv_t), 0.0), axis=0)
 
     @triton.jit
+    def _uniform(bits):
+        """23 random bits and a half: a uniform strictly inside (0, 1)."""
+        return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+    @triton.jit
+    def _chunk_draw(x, seed, counter, inv_t, N: tl.constexpr):
+        """A draw from the N logits x (-inf: out) in proportion to exp(x / T) -> (its index among them, the chunk's
+        race key, its total weight, its maximum cm). The index comes from the inverse of the weights' running sum
+        (relative to cm) at a uniform; the key is log(total) - log(E), E ~ Exp(1), relative to cm (-inf for a chunk
+        of -inf, +inf for one holding +inf, which draws its first +inf): the winner of a race over the chunks' keys,
+        moved to one scale, is a chunk drawn in proportion to its weight, so its draw is one from the whole row. Two
+        random numbers a chunk, from Philox at `counter`."""
+        cm = tl.max(x, axis=0)
+        finite = (cm > float("-inf")) & (cm < float("inf"))
+        at = tl.arange(0, N)
+        w = tl.where(finite, _weight(x, _finite_or_zero(cm), inv_t), 0.0)
+        running = tl.cumsum(w, axis=0)
+        total = tl.max(running, axis=0)  # (the sums only grow)
+        r0, r1, _, _ = tl.randint4x(seed, counter, 10)
+        pick = tl.min(tl.where(running > _uniform(r0) * total, at, N), axis=0)
+        # (a product that rounded up to the total: the last weighed entry)
+        pick = tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0))
+        pick = tl.where(cm == float("inf"), tl.min(tl.where(x == float("inf"), at, N), axis=0), pick)
+        key = tl.where(finite, tl.log(total) - tl.log(-tl.log(_uniform(r1))), cm)
+        return pick, key, total, cm
+
+    @triton.jit
     def _race_row(row_ptr, V, floor, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
         """One program's race over the whole row's logits above `low` with weight at least min_p: the winner."""
         best = tl.full((), float("-inf"), tl.float32)
@@ -115,11 +133,11 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = _kept_by_race(_logits(row_ptr, offs, V, floor), m, low, inv_t, min_p)
-            key = _race_keys(x, m, seed, start, counter_base, inv_t, BLOCK)
-            block_best = tl.max(key, axis=0)
-            if block_best > best:
-                best = block_best
-                best_i = start + tl.argmax(key, axis=0)
+            pick, key, _, cm = _chunk_draw(x, seed, counter_base + start // BLOCK, inv_t, BLOCK)
+            key = key + (_finite_or_zero(cm) - m) * inv_t
+            if key > best:
+                best = key
+                best_i = start + pick
         return best_i
 
     @triton.jit
@@ -196,16 +214,14 @@ if triton is not None:
             if SECOND:
                 m = tl.load(state + _M)
                 x = _kept_by_race(x, m, tl.load(state + _LOW), inv_t, tl.load(param_ptr + row * 4 + 2))
-                shift = m
-            else:
-                chunk_max = tl.max(x, axis=0)
-                chunk_total = tl.where(chunk_max > float("-inf"), tl.sum(_weight(x, chunk_max, inv_t), axis=0), 0.0)
-                tl.store(part + 2, chunk_max)
-                tl.store(part + 3, chunk_total)
-                shift = _finite_or_zero(chunk_max)  # (a chunk of -inf keeps -inf keys, one holding +inf wins)
-            key = _race_keys(x, shift, seed, start, SECOND * round_stride, inv_t, CHUNK)
-            tl.store(part, tl.max(key, axis=0))
-            tl.store(part + 1, (start + tl.argmax(key, axis=0)).to(tl.float32))  # (exact below 2^24)
+            pick, key, total, cm = _chunk_draw(x, seed, SECOND * round_stride + c, inv_t, CHUNK)
+            if SECOND:  # (m is finite: a row of -inf or holding +inf is drawn in the first round)
+                key = key + (_finite_or_zero(cm) - m) * inv_t
+            else:  # keys relative to the chunk's own maximum: the last program moves them to the largest
+                tl.store(part + 2, cm)
+                tl.store(part + 3, total)
+            tl.store(part, key)
+            tl.store(part + 1, (start + pick).to(tl.float32))  # (exact below 2^24)
             if arrived_last(counter_ptr + row, chunks):
                 cs = tl.arange(0, CHUNKS_P2)
                 ok = cs < chunks
@@ -294,8 +310,7 @@ def check_rows(caller: str, x: torch.Tensor, *per_row: tuple[str, torch.Tensor, 
 
 
 def chunk_for(vocab: int, chunk: int = CHUNK) -> int:
-    """`chunk` entries a program, or the smallest power of two holding a shorter row (at least 16: four Philox
-    counters)."""
+    """`chunk` entries a program, or the smallest power of two holding a shorter row (at least 16)."""
     return max(16, min(chunk, triton.next_power_of_2(vocab)))
 
 
@@ -326,7 +341,7 @@ def sample_rows(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
 
 def _launch(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, ids: torch.Tensor, truncated: bool) -> None:
     batch, vocab = x.shape
-    chunk = chunk_for(vocab)
+    chunk = chunk_for(vocab, CHUNK)
     chunks = triton.cdiv(vocab, chunk)
     # one allocation: the rows' states, then the chunks' partials (4 words each)
     work = torch.empty(batch * (STATE_WORDS + 4 * chunks), dtype=torch.float32, device=x.device)
@@ -334,7 +349,7 @@ def _launch(x: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, ids: tor
     counters = split_counters(x.device, batch)
     args = (x, x.stride(0), vocab, params, seeds, ids, state, parts, counters, chunks, ROUND_COUNTERS)
     grid = (batch, chunks)
-    common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=4)
+    common = dict(CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=WARPS)
     _race_kernel[grid](*args, SECOND=False, **common)
     if truncated:
         _check_kernel[grid](*args, LAST=False, MAX_ROUNDS=MAX_ROUNDS, **common)
