@@ -20,7 +20,8 @@ from tpgraph.kernels.top_k import top_k_floors
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def gpu_median_us(fn: Callable[[], object], calls: int = 200) -> float:
+def gpu_times_us(fn: Callable[[], object], calls: int = 200) -> list[float]:
+    """`calls` GPU times of fn, µs: CUDA events around each call, all queued behind a sleep."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -31,7 +32,11 @@ def gpu_median_us(fn: Callable[[], object], calls: int = 200) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+def gpu_median_us(fn: Callable[[], object], calls: int = 200) -> float:
+    return statistics.median(gpu_times_us(fn, calls))
 
 
 def point(vocab: int, batch: int, k: int, dtype: torch.dtype, scale: float) -> tuple[float, float]:

@@ -70,6 +70,9 @@ def fused_sampling_enabled() -> bool:
 
 if triton is not None:
     _LOG2E = tl.constexpr(1.4426950408889634)
+    # the whole-row loops of rounds 3 and on, in one program: their loads run this many blocks ahead (through shared
+    # memory), or each block's load waits for the one before
+    _ROUND_STAGES = tl.constexpr(3)
     _M, _SHARE, _XJ, _LOW, _HIGH, _DONE, _WORDS = (tl.constexpr(i) for i in (M, SHARE, XJ, LOW, HIGH, DONE,
                                                                              STATE_WORDS))
 
@@ -130,14 +133,13 @@ if triton is not None:
         """One program's race over the whole row's logits above `low` with weight at least min_p: the winner."""
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
             offs = start + tl.arange(0, BLOCK)
             x = _kept_by_race(_logits(row_ptr, offs, V, floor), m, low, inv_t, min_p)
             pick, key, _, cm = _chunk_draw(x, seed, counter_base + start // BLOCK, inv_t, BLOCK)
             key = key + (_finite_or_zero(cm) - m) * inv_t
-            if key > best:
-                best = key
-                best_i = start + pick
+            best_i = tl.where(key > best, start + pick, best_i)  # (no branch: the loop's loads stay pipelined)
+            best = tl.maximum(best, key)
         return best_i
 
     @triton.jit
@@ -145,7 +147,7 @@ if triton is not None:
         """One program's sums over the whole row: the weight above `a`, and above `b`."""
         above_a = tl.full((), 0.0, tl.float32)
         above_b = tl.full((), 0.0, tl.float32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
             x = _logits(row_ptr, start + tl.arange(0, BLOCK), V, floor)
             above_a += _weights_above(x, m, inv_t, a)
             above_b += _weights_above(x, m, inv_t, b)
@@ -155,7 +157,7 @@ if triton is not None:
     def _first_max(row_ptr, V, floor, m, BLOCK: tl.constexpr):
         """The first index of the logit m in the row."""
         first = V
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
             offs = start + tl.arange(0, BLOCK)
             first = tl.minimum(first, tl.min(tl.where(_logits(row_ptr, offs, V, floor) == m, offs, V), axis=0))
         return first
