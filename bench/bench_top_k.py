@@ -3,8 +3,8 @@
     python bench/bench_top_k.py --vocab 128256 --batches 1,8,32 --ks 1,50,256
 
 Each point checks that both give the same floors, then times 200 calls of each with CUDA events, queued behind a
-sleep so that the host is ahead and the events time the GPU alone (gaps between a call's kernels included), and prints
-the medians. Logits are random normal times --scale (a small scale makes many ties in bf16).
+sleep 40 at a time so that the host is ahead and the events time the GPU alone (gaps between a call's kernels
+included), and prints the medians. Logits are random normal times --scale (a small scale makes many ties in bf16).
 """
 
 from __future__ import annotations
@@ -20,19 +20,25 @@ from tpgraph.kernels.top_k import top_k_floors
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def gpu_times_us(fn: Callable[[], object], calls: int = 200) -> list[float]:
-    """`calls` GPU times of fn, µs: CUDA events around each call, all queued behind a sleep."""
+def gpu_times_us(fn: Callable[[], object], calls: int = 200, queued: int = 40) -> list[float]:
+    """`calls` GPU times of fn, µs: CUDA events around each call, `queued` calls at a time queued behind a sleep, so
+    that the GPU alone is timed. (A GPU holds about a thousand pending launches and the host waits past that: a
+    longer queue of calls of several launches would time the host's launching for the later ones.)"""
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # (about 0.1 s of GPU time: every call below is queued before the first runs)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
+    times = []
+    for first in range(0, calls, queued):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # (about 25 ms of GPU time: every call of the round is queued before it ends)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(min(queued, calls - first))]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times += [start.elapsed_time(end) * 1e3 for start, end in events]
+    return times
 
 
 def gpu_median_us(fn: Callable[[], object], calls: int = 200) -> float:
