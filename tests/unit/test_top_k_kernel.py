@@ -87,6 +87,20 @@ def test_ties_nan_inf_and_signed_zeros(dtype):
     assert float(got[1]) > float("-inf") and float(got[2]) == float("-inf")  # (100 finite: the 150th is -inf)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_samplers_torch_floor_ranks_nan_as_the_kernel_does(dtype):
+    """engine/sampler.top_k_floor (torch.topk: past MAX_K, or with the kernel off) on rows holding NaN gives the
+    kernel's floors: NaN below -inf, not first as torch.topk ranks it."""
+    from tpgraph.engine.sampler import top_k_floor
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[0, :40] = float("nan")
+    x[1, ::3] = float("nan")
+    x[2, 7] = float("nan")
+    ks = [10, 150, 1]
+    assert torch.equal(top_k_floor(x, ks).float(), floors_of(x, ks))
+
+
 def test_keys_close_together_settle_in_the_last_bits():
     """fp32 values one ulp apart: only the last of the select's four rounds tells them apart."""
     base = torch.tensor(1.2345678, dtype=torch.float32)

@@ -297,10 +297,11 @@ def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 def top_k_floor(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """[B] in x's dtype: each row's k-th largest logit (what top-k keeps is at or above it), -inf where k is 0 (all
-    kept)."""
+    kept). NaN counts below -inf, as kernels/top_k.py counts it (torch.topk would rank it first), and is never
+    drawn."""
     vocab = x.shape[1]
     k_max = min(max(ks), vocab)
-    kth = x.topk(k_max, dim=-1).values  # descending
+    kth = x.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).topk(k_max, dim=-1).values
     index = to_device([min(k, vocab) - 1 if k > 0 else k_max - 1 for k in ks], torch.int64, x.device).unsqueeze(1)
     off = to_device([k <= 0 for k in ks], torch.bool, x.device)
     return kth.gather(1, index).squeeze(1).masked_fill(off, float("-inf"))
