@@ -15,6 +15,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TR
                                 reason="CPU-tensor kernel tests need TRITON_INTERPRET=1")
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
+import tpgraph.kernels.sampling as sampling  # noqa: E402
 from tpgraph.kernels.sampling import sample_rows  # noqa: E402
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -93,6 +96,40 @@ def test_chunks_draw_in_proportion_to_their_weight(monkeypatch):
     shares = [(p, counts[t]) for t, p in probs.items()] + [(0.5, sum(counts[t] for t in range(16, 26)))]
     for p, seen in shares:
         assert abs(seen / 300 - p) <= 4 * (p * (1 - p) / 300) ** 0.5, (p, seen, counts)
+
+
+@triton.jit
+def _rounds_probe(x_ptr, seed_ptr, ids_ptr, above_ptr, V, counter_base, m, low, a, b, BLOCK: tl.constexpr):
+    """One row's draw by the further rounds' one-program race (sampling._race_row) per seed, and the whole-row
+    weights above a and b (sampling._weight_above_row)."""
+    i = tl.program_id(0)
+    j = sampling._race_row(x_ptr, V, float("-inf"), tl.load(seed_ptr + i), counter_base, 1.0, m, low, 0.0, BLOCK)
+    tl.store(ids_ptr + i, j)
+    above_a, above_b = sampling._weight_above_row(x_ptr, V, float("-inf"), m, 1.0, a, b, BLOCK)
+    tl.store(above_ptr, above_a)
+    tl.store(above_ptr + 1, above_b)
+
+
+def test_the_further_rounds_race_draws_in_proportion_to_the_weights_above_low():
+    """The one-program race of rounds 3 and on, over a row of 32 in blocks of 16: above `low` it keeps tokens 3 and 9
+    (weights 4:1, one block) and 20 and 30 (1:1, the other block; the blocks' totals 5:2). Over 600 seeds each
+    token's frequency is within 4 standard deviations of its probability (a pick that ignored the weights within a
+    block would give 3 and 9 the same; a race by anything but the blocks' totals, other shares). The whole-row sums
+    of the weights above two levels equal torch's."""
+    x = torch.full((32,), -3.0)
+    x[[3, 9, 20, 30]] = torch.tensor([4.0, 1.0, 1.0, 1.0]).log()
+    probs = {3: 4 / 7, 9: 1 / 7, 20: 1 / 7, 30: 1 / 7}
+    seeds = torch.arange(600, dtype=torch.int64) * 0x9E3779B9
+    ids = torch.empty(600, dtype=torch.int32)
+    above = torch.empty(2)
+    _rounds_probe[(600,)](x, seeds, ids, above, 32, 3 * sampling.ROUND_COUNTERS, float(x.max()), -1.0, -0.5, -3.5,
+                         BLOCK=16)
+    counts = Counter(ids.tolist())
+    assert set(counts) == set(probs), counts
+    for t, p in probs.items():
+        assert abs(counts[t] / 600 - p) <= 4 * (p * (1 - p) / 600) ** 0.5, (t, counts)
+    w = (x - x.max()).exp()
+    assert torch.allclose(above, torch.stack([w[x > -0.5].sum(), w.sum()]), rtol=1e-6)
 
 
 def test_chunks_race_on_one_scale():

@@ -107,6 +107,17 @@ if triton is not None:
         return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
     @triton.jit
+    def _pick(w, u, N: tl.constexpr):
+        """The entry at which the N weights' running sum first passes u (in (0, 1)) times their total: a draw in
+        proportion to w -> (the entry, the total)."""
+        at = tl.arange(0, N)
+        running = tl.cumsum(w, axis=0)
+        total = tl.max(running, axis=0)  # (the sums only grow)
+        pick = tl.min(tl.where(running > u * total, at, N), axis=0)
+        # (a product that rounded up to the total: the last weighed entry)
+        return tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0)), total
+
+    @triton.jit
     def _chunk_draw(x, seed, counter, inv_t, N: tl.constexpr):
         """A draw from the N logits x (-inf: out) in proportion to exp(x / T) -> (its index among them, the chunk's
         race key, its total weight, its maximum cm). The index comes from the inverse of the weights' running sum
@@ -116,51 +127,58 @@ if triton is not None:
         random numbers a chunk, from Philox at `counter`."""
         cm = tl.max(x, axis=0)
         finite = (cm > float("-inf")) & (cm < float("inf"))
-        at = tl.arange(0, N)
-        w = tl.where(finite, _weight(x, _finite_or_zero(cm), inv_t), 0.0)
-        running = tl.cumsum(w, axis=0)
-        total = tl.max(running, axis=0)  # (the sums only grow)
         r0, r1, _, _ = tl.randint4x(seed, counter, 10)
-        pick = tl.min(tl.where(running > _uniform(r0) * total, at, N), axis=0)
-        # (a product that rounded up to the total: the last weighed entry)
-        pick = tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0))
-        pick = tl.where(cm == float("inf"), tl.min(tl.where(x == float("inf"), at, N), axis=0), pick)
+        pick, total = _pick(tl.where(finite, _weight(x, _finite_or_zero(cm), inv_t), 0.0), _uniform(r0), N)
+        pick = tl.where(cm == float("inf"), tl.min(tl.where(x == float("inf"), tl.arange(0, N), N), axis=0), pick)
         key = tl.where(finite, tl.log(total) - tl.log(-tl.log(_uniform(r1))), cm)
         return pick, key, total, cm
 
     @triton.jit
+    def _kept_weights(row_ptr, start, V, floor, m, low, inv_t, min_p, BLOCK: tl.constexpr):
+        """The weights (relative to the row's maximum m) of the block's logits a later race may draw: above `low`,
+        weight at least min_p; 0 for the rest."""
+        x = _logits(row_ptr, start + tl.arange(0, BLOCK), V, floor)
+        w = _weight(x, m, inv_t)
+        return tl.where((x > low) & (w >= min_p), w, 0.0)
+
+    @triton.jit
     def _race_row(row_ptr, V, floor, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):
-        """One program's race over the whole row's logits above `low` with weight at least min_p: the winner."""
+        """One program's draw from the whole row's logits above `low` with weight at least min_p: a block by a race
+        between the blocks' total weights, then an entry of it by the inverse of its running sum, each with the
+        block's Philox numbers (one reduction a block in the pass over the row; the running sum for one block)."""
         best = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.full((), 0, tl.int32)
+        best_start = tl.full((), 0, tl.int32)
         for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
-            offs = start + tl.arange(0, BLOCK)
-            x = _kept_by_race(_logits(row_ptr, offs, V, floor), m, low, inv_t, min_p)
-            pick, key, _, cm = _chunk_draw(x, seed, counter_base + start // BLOCK, inv_t, BLOCK)
-            key = key + (_finite_or_zero(cm) - m) * inv_t
-            best_i = tl.where(key > best, start + pick, best_i)  # (no branch: the loop's loads stay pipelined)
+            total = tl.sum(_kept_weights(row_ptr, start, V, floor, m, low, inv_t, min_p, BLOCK), axis=0)
+            _, r1, _, _ = tl.randint4x(seed, counter_base + start // BLOCK, 10)
+            key = tl.log(total) - tl.log(-tl.log(_uniform(r1)))  # (-inf for a block with nothing to draw)
+            best_start = tl.where(key > best, start, best_start)  # (no branch: the loop's loads stay pipelined)
             best = tl.maximum(best, key)
-        return best_i
+        r0, _, _, _ = tl.randint4x(seed, counter_base + best_start // BLOCK, 10)
+        w = _kept_weights(row_ptr, best_start, V, floor, m, low, inv_t, min_p, BLOCK)
+        return best_start + _pick(w, _uniform(r0), BLOCK)[0]
 
     @triton.jit
     def _weight_above_row(row_ptr, V, floor, m, inv_t, a, b, BLOCK: tl.constexpr):
-        """One program's sums over the whole row: the weight above `a`, and above `b`."""
-        above_a = tl.full((), 0.0, tl.float32)
-        above_b = tl.full((), 0.0, tl.float32)
+        """One program's sums over the whole row: the weight above `a`, and above `b` (added lane by lane, then
+        across the lanes once)."""
+        above_a = tl.zeros((BLOCK,), tl.float32)
+        above_b = tl.zeros((BLOCK,), tl.float32)
         for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
             x = _logits(row_ptr, start + tl.arange(0, BLOCK), V, floor)
-            above_a += _weights_above(x, m, inv_t, a)
-            above_b += _weights_above(x, m, inv_t, b)
-        return above_a, above_b
+            w = _weight(x, m, inv_t)
+            above_a += tl.where(x > a, w, 0.0)
+            above_b += tl.where(x > b, w, 0.0)
+        return tl.sum(above_a, axis=0), tl.sum(above_b, axis=0)
 
     @triton.jit
     def _first_max(row_ptr, V, floor, m, BLOCK: tl.constexpr):
         """The first index of the logit m in the row."""
-        first = V
+        first = tl.full((BLOCK,), V, tl.int32)
         for start in tl.range(0, V, BLOCK, num_stages=_ROUND_STAGES):
             offs = start + tl.arange(0, BLOCK)
-            first = tl.minimum(first, tl.min(tl.where(_logits(row_ptr, offs, V, floor) == m, offs, V), axis=0))
-        return first
+            first = tl.minimum(first, tl.where(_logits(row_ptr, offs, V, floor) == m, offs, V))
+        return tl.min(first, axis=0)
 
     @triton.jit
     def _more_rounds(row_ptr, V, floor, seed, round_stride, inv_t, m, share, min_p, low, high,
