@@ -7,8 +7,8 @@ between a call's launches included), each call with fresh seeds, as every decode
 mean and the largest: a row that two races leave rejected runs further rounds in one program, a cost that only some
 calls pay. The logits are random normal times the mix's scale, in bf16, as the decode logits come; top-k's floor is
 torch.topk's, computed once outside the timing. The mixes: `temperature` (the race alone), `top-p` (0.95: race, check,
-second race, check), `min-p` (0.05), `top-k` (50, the race alone) and `flat-top-p` (logits within 0.05 of each other,
-top-p 0.05: a race lands in the kept set about 1 time in 20, so nearly every row runs the further rounds).
+second race, check), `min-p` (0.05), `top-k` (50, the race alone) and `flat-top-p` (logits of standard deviation
+0.05, top-p 0.05: a race lands in the kept set about 1 time in 20, so nearly every row runs the further rounds).
 """
 
 from __future__ import annotations

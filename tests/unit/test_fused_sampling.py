@@ -2,6 +2,7 @@
 top_p_keep and min-p, the rejection rounds, seeds, edge rows and refusals. (The interpreter runs a program in about
 20 ms, so the counts here are small; tests/gpu/test_sampler_gpu.py draws hundreds of thousands on a GPU.)"""
 
+import math
 import os
 from collections import Counter
 
@@ -82,8 +83,8 @@ def test_chunks_draw_in_proportion_to_their_weight(monkeypatch):
     """Chunks of 16 (monkeypatched), a row of 64 with one token of 0.3 in the first chunk, ten of 0.05 in the second
     and one of 0.2 in the last, the third all -inf: each chunk draws within itself from its weights and the race
     between chunks picks one by its total, so over 300 draws each chunk's share, and each token's, is within 4
-    standard deviations of its probability (a race by the chunks' maxima alone would give the second chunk 9%, not
-    half; an inverse off by one entry would draw -inf's)."""
+    standard deviations of its probability, and the second chunk's ten tokens come evenly (a race by the chunks'
+    maxima alone would give the second chunk 9%, not half; an inverse off by one entry would draw -inf's)."""
     import tpgraph.kernels.sampling as sampling
 
     monkeypatch.setattr(sampling, "CHUNK", 16)
@@ -96,6 +97,11 @@ def test_chunks_draw_in_proportion_to_their_weight(monkeypatch):
     shares = [(p, counts[t]) for t, p in probs.items()] + [(0.5, sum(counts[t] for t in range(16, 26)))]
     for p, seen in shares:
         assert abs(seen / 300 - p) <= 4 * (p * (1 - p) / 300) ** 0.5, (p, seen, counts)
+    # and within the second chunk, evenly: chi-square over its ten tokens (9 degrees of freedom; 33 is p = 1e-4), which
+    # a pick skewed within the chunk (its uniform reused from the race) fails
+    inside = [counts[t] for t in range(16, 26)]
+    expected = sum(inside) / 10
+    assert sum((c - expected) ** 2 / expected for c in inside) < 33, inside
 
 
 @triton.jit
@@ -115,21 +121,59 @@ def test_the_further_rounds_race_draws_in_proportion_to_the_weights_above_low():
     (weights 4:1, one block) and 20 and 30 (1:1, the other block; the blocks' totals 5:2). Over 600 seeds each
     token's frequency is within 4 standard deviations of its probability (a pick that ignored the weights within a
     block would give 3 and 9 the same; a race by anything but the blocks' totals, other shares). The whole-row sums
-    of the weights above two levels equal torch's."""
+    of the weights strictly above a logit (token 9's, tied with 20's and 30's) and above a level equal torch's."""
     x = torch.full((32,), -3.0)
     x[[3, 9, 20, 30]] = torch.tensor([4.0, 1.0, 1.0, 1.0]).log()
     probs = {3: 4 / 7, 9: 1 / 7, 20: 1 / 7, 30: 1 / 7}
     seeds = torch.arange(600, dtype=torch.int64) * 0x9E3779B9
     ids = torch.empty(600, dtype=torch.int32)
     above = torch.empty(2)
-    _rounds_probe[(600,)](x, seeds, ids, above, 32, 3 * sampling.ROUND_COUNTERS, float(x.max()), -1.0, -0.5, -3.5,
-                         BLOCK=16)
+    _rounds_probe[(600,)](x, seeds, ids, above, 32, 3 * sampling.ROUND_COUNTERS, float(x.max()), -1.0, float(x[9]),
+                         -3.5, BLOCK=16)
     counts = Counter(ids.tolist())
     assert set(counts) == set(probs), counts
     for t, p in probs.items():
         assert abs(counts[t] / 600 - p) <= 4 * (p * (1 - p) / 600) ** 0.5, (t, counts)
     w = (x - x.max()).exp()
-    assert torch.allclose(above, torch.stack([w[x > -0.5].sum(), w.sum()]), rtol=1e-6)
+    assert torch.allclose(above, torch.stack([w[x > x[9]].sum(), w.sum()]), rtol=1e-6)  # (strictly above: not 9's ties)
+
+
+def test_the_second_race_moves_its_chunks_keys_to_the_rows_maximum(monkeypatch):
+    """Chunks of 16 (monkeypatched), rows of 32 at min-p 0.3: it keeps A (the maximum, weight 1) in the first chunk
+    and C and D (0.41 each) in the second, beside 29 tokens of weight 0.14 that hold two thirds of the row, so the
+    first race is rejected about 2 times in 3 and the second race (over what min-p keeps, never rejected) draws most
+    rows. The second chunk's share is 0.45 of min-p's set; a second race that left each chunk's key relative to its
+    own maximum would give it 0.67 (2 / 3), and about 0.6 overall: over 300 draws, 5 standard deviations away."""
+    import tpgraph.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CHUNK", 16)
+    row = torch.full((32,), -2.0)
+    row[[4, 20, 27]] = torch.tensor([0.0, -0.9, -0.9])
+    ids = draw(row.expand(300, -1), min_p=0.3)
+    assert set(ids) == {4, 20, 27}, sorted(set(ids))
+    share = 2 * math.exp(-0.9) / (1.0 + 2 * math.exp(-0.9))
+    seen = sum(i != 4 for i in ids) / 300
+    assert abs(seen - share) <= 4 * (share * (1 - share) / 300) ** 0.5, (seen, share)
+
+
+@triton.jit
+def _pick_probe(w_ptr, u, out_ptr, N: tl.constexpr):
+    pick, total = sampling._pick(tl.load(w_ptr + tl.arange(0, N)), u, N)
+    tl.store(out_ptr, pick.to(tl.float32))
+    tl.store(out_ptr + 1, total)
+
+
+def test_a_target_that_rounds_up_to_the_total_picks_the_last_weighed_entry():
+    """Where u times the total rounds back to the total (here a total of two of the smallest fp32 denormals, and u =
+    1 - 2^-24, the largest uniform; on a GPU, a scan's sums stepping up an ulp on a trailing zero), no running sum
+    passes it: the pick is the last entry with weight (3), never a weight-0 one. u = 0.2 picks the first."""
+    tiny = 2.0 ** -149
+    w = torch.tensor([0.0, tiny, 0.0, tiny] + [0.0] * 12)
+    out = torch.empty(2)
+    _pick_probe[(1,)](w, 1.0 - 2.0 ** -24, out, N=16)
+    assert out.tolist() == [3.0, 2 * tiny]
+    _pick_probe[(1,)](w, 0.2, out, N=16)
+    assert out.tolist() == [1.0, 2 * tiny]
 
 
 def test_chunks_race_on_one_scale():
@@ -164,7 +208,8 @@ def test_seeds_fix_the_draw_and_rows_are_independent():
     assert draw(x, top_p=0.9, seed0=11) == once  # the same seeds draw the same tokens
     assert draw(x[3:5], top_p=0.9, seed0=14) == once[3:5]  # a row's token does not depend on the rest
     assert draw(x, top_p=0.9, seed0=12) != once
-    # the random numbers follow the token's index, not the block it is read in (a row of 20: one block of 32)
+    # a row of 20 (one chunk of 32) padded with -inf to two chunks of 2048: its chunk keeps its index, so its random
+    # numbers, and the chunk of -inf never wins
     short = x[:, :20].contiguous()
     padded = torch.nn.functional.pad(short, (0, 3000), value=float("-inf"))
     assert draw(short, seed0=1) == draw(padded, seed0=1)

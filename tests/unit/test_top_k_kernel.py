@@ -93,12 +93,15 @@ def test_the_samplers_torch_floor_ranks_nan_as_the_kernel_does(dtype):
     kernel's floors: NaN below -inf, not first as torch.topk ranks it."""
     from tpgraph.engine.sampler import top_k_floor
 
-    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
     x[0, :40] = float("nan")
     x[1, ::3] = float("nan")
     x[2, 7] = float("nan")
-    ks = [10, 150, 1]
-    assert torch.equal(top_k_floor(x, ks).float(), floors_of(x, ks))
+    x[3] = float("nan")  # all NaN: -inf
+    x[4, 50:] = float("nan")  # k past the 50 others: -inf
+    ks = [10, 150, 1, 5, 100]
+    got = top_k_floor(x, ks).float()
+    assert torch.equal(got, floors_of(x, ks)) and got[3:].tolist() == [float("-inf")] * 2, got
 
 
 def test_keys_close_together_settle_in_the_last_bits():

@@ -113,7 +113,8 @@ if triton is not None:
         at = tl.arange(0, N)
         running = tl.cumsum(w, axis=0)
         total = tl.max(running, axis=0)  # (the sums only grow)
-        pick = tl.min(tl.where(running > u * total, at, N), axis=0)
+        # (only a weighed entry: a parallel scan may step its sums up by an ulp on a zero)
+        pick = tl.min(tl.where((running > u * total) & (w > 0.0), at, N), axis=0)
         # (a product that rounded up to the total: the last weighed entry)
         return tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0)), total
 
