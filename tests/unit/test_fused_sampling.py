@@ -85,8 +85,6 @@ def test_chunks_draw_in_proportion_to_their_weight(monkeypatch):
     between chunks picks one by its total, so over 300 draws each chunk's share, and each token's, is within 4
     standard deviations of its probability, and the second chunk's ten tokens come evenly (a race by the chunks'
     maxima alone would give the second chunk 9%, not half; an inverse off by one entry would draw -inf's)."""
-    import tpgraph.kernels.sampling as sampling
-
     monkeypatch.setattr(sampling, "CHUNK", 16)
     probs = {3: 0.3, **{t: 0.05 for t in range(16, 26)}, 60: 0.2}
     row = torch.full((64,), float("-inf"))
@@ -144,8 +142,6 @@ def test_the_second_race_moves_its_chunks_keys_to_the_rows_maximum(monkeypatch):
     first race is rejected about 2 times in 3 and the second race (over what min-p keeps, never rejected) draws most
     rows. The second chunk's share is 0.45 of min-p's set; a second race that left each chunk's key relative to its
     own maximum would give it 0.67 (2 / 3), and about 0.6 overall: over 300 draws, 5 standard deviations away."""
-    import tpgraph.kernels.sampling as sampling
-
     monkeypatch.setattr(sampling, "CHUNK", 16)
     row = torch.full((32,), -2.0)
     row[[4, 20, 27]] = torch.tensor([0.0, -0.9, -0.9])
@@ -227,8 +223,6 @@ def test_seeds_fix_the_draw_and_rows_are_independent():
 def test_batches_past_the_counters_go_in_several_launches(monkeypatch):
     """A launch takes at most ROWS_PER_LAUNCH rows (one arrival counter each; 65536): more go in slices, each row's
     draw as it would be alone."""
-    import tpgraph.kernels.sampling as sampling
-
     x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(8)) * 2).contiguous()
     whole = draw(x, top_p=0.8, seed0=3)
     monkeypatch.setattr(sampling, "ROWS_PER_LAUNCH", 3)
@@ -239,8 +233,6 @@ def test_rows_past_the_last_round_take_their_largest_logit(monkeypatch):
     """MAX_ROUNDS bounds the rounds (each bisects, so it is never reached in practice): a row still rejected then
     takes its first largest logit, which is always kept. With the bound at 2, flat rows whose two races land outside
     top-p's few tokens end there; the others still draw inside the set."""
-    import tpgraph.kernels.sampling as sampling
-
     row = torch.randn(600, generator=torch.Generator().manual_seed(12)) * 0.05
     kept, edge = kept_set(row, 1.0, 0.05, 0.0)
     monkeypatch.setattr(sampling, "MAX_ROUNDS", 2)
