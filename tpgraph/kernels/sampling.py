@@ -107,16 +107,21 @@ if triton is not None:
         return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
     @triton.jit
+    def _first_past(running, w, target, N: tl.constexpr):
+        """The first weighed entry whose running sum passes target, or where none does (a target that rounded up to
+        the total) the last weighed one. (Only a weighed entry: a parallel scan may step its sums up an ulp on a
+        zero.)"""
+        at = tl.arange(0, N)
+        pick = tl.min(tl.where((running > target) & (w > 0.0), at, N), axis=0)
+        return tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0))
+
+    @triton.jit
     def _pick(w, u, N: tl.constexpr):
         """The entry at which the N weights' running sum first passes u (in (0, 1)) times their total: a draw in
         proportion to w -> (the entry, the total)."""
-        at = tl.arange(0, N)
         running = tl.cumsum(w, axis=0)
         total = tl.max(running, axis=0)  # (the sums only grow)
-        # (only a weighed entry: a parallel scan may step its sums up by an ulp on a zero)
-        pick = tl.min(tl.where((running > u * total) & (w > 0.0), at, N), axis=0)
-        # (a product that rounded up to the total: the last weighed entry)
-        return tl.where(pick < N, pick, tl.maximum(tl.max(tl.where(w > 0.0, at, -1), axis=0), 0)), total
+        return _first_past(running, w, u * total, N), total
 
     @triton.jit
     def _chunk_draw(x, seed, counter, inv_t, N: tl.constexpr):
