@@ -93,9 +93,15 @@ if triton is not None:
         return tl.exp2((x - m) * (inv_t * _LOG2E))
 
     @triton.jit
+    def _may_draw(x, w, low, min_p):
+        """Whether a later race may draw the logit x of weight w (relative to the row's maximum): above `low`, with
+        weight at least min_p."""
+        return (x > low) & (w >= min_p)
+
+    @triton.jit
     def _kept_by_race(x, m, low, inv_t, min_p):
-        """x where a later race may draw it (above `low`, weight at least min_p), else -inf."""
-        return tl.where((x > low) & (_weight(x, m, inv_t) >= min_p), x, float("-inf"))
+        """x where a later race may draw it, else -inf."""
+        return tl.where(_may_draw(x, _weight(x, m, inv_t), low, min_p), x, float("-inf"))
 
     @triton.jit
     def _weights_above(x, m, inv_t, a):
@@ -145,7 +151,7 @@ if triton is not None:
         weight at least min_p; 0 for the rest."""
         x = _logits(row_ptr, start + tl.arange(0, BLOCK), V, floor)
         w = _weight(x, m, inv_t)
-        return tl.where((x > low) & (w >= min_p), w, 0.0)
+        return tl.where(_may_draw(x, w, low, min_p), w, 0.0)
 
     @triton.jit
     def _race_row(row_ptr, V, floor, seed, counter_base, inv_t, m, low, min_p, BLOCK: tl.constexpr):

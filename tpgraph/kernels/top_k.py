@@ -93,6 +93,11 @@ if triton is not None:
         return raw, tl.where(v == v, v, _NEG_INF)
 
     @triton.jit
+    def _row_k(k_ptr, row, V):
+        """The row's k as int32, clamped to V + 1 (past V all are kept; a k of 2^31 or inf would overflow)."""
+        return tl.minimum(tl.load(k_ptr + row), V + 1.0).to(tl.int32)
+
+    @triton.jit
     def _bound_kernel(x_ptr, stride_x, V, k_ptr, floor_ptr, stride_floor, part_ptr, counter_ptr, chunks,
                       CHUNK: tl.constexpr, PARTS: tl.constexpr, TOP: tl.constexpr, CHUNKS_P2: tl.constexpr,
                       UNION: tl.constexpr):
@@ -105,7 +110,7 @@ if triton is not None:
           the k-th largest of all the chunks' TOP largest part maxima, any k of which are k distinct logits."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        k = tl.minimum(tl.load(k_ptr + row), V + 1.0).to(tl.int32)  # (past V all are kept: no int32 overflow)
+        k = _row_k(k_ptr, row, V)
         if k <= 0:
             if c == 0:
                 tl.store(floor_ptr + row * stride_floor, _NEG_INF)
@@ -187,7 +192,7 @@ if triton is not None:
         per batch size); in the row's last chunk the k-th largest of them into the floor column."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        k = tl.minimum(tl.load(k_ptr + row), V + 1.0).to(tl.int32)  # (past V all are kept: no int32 overflow)
+        k = _row_k(k_ptr, row, V)
         if k > 0:
             low = tl.load(floor_ptr + row * stride_floor)
             row_ptr = x_ptr + row * stride_x
