@@ -4,6 +4,7 @@ renders without touching the engine process."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,16 +24,36 @@ class PromptCodec:
     generation_defaults: GenerationDefaults
     model_label: str  # names the checkpoint in messages
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template."""
+    def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
+        """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template.
+        max_tokens: a text too long to fit in that many tokens however it tokenizes is refused without tokenizing."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
+            return self.encode_text(prompt, max_tokens=max_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=False).ids
+            return self.encode_text(self.render_chat(prompt), add_special_tokens=False, max_tokens=max_tokens)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise RequestError(f"a prompt is a string, a list of token ids or a list of chat messages, got "
                            f"{type(prompt).__name__}")
+
+    def encode_text(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Text -> ids. Through encode_batch, which lets go of the GIL while it works (encode holds it: a 9 MB prompt
+        froze the server's other requests for 11 s), so a caller on a thread leaves the event loop free."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # (the tokenizer only raises a TypeError)
+            raise RequestError(f"the prompt is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at "
+                               f"character {exc.start}") from None
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise RequestError(f"the prompt has {len(text)} characters, more than {max_tokens} tokens of "
+                               f"{self.model_label} can hold (at most {self.max_token_chars} characters a token)")
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can have: its string in the vocabulary has a character per byte
+        (byte-level BPE) or more (SentencePiece's <0x..> byte tokens), and a byte decodes to at most a character."""
+        return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1))
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -243,6 +243,18 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
                               "max_completion_tokens": 0, "max_tokens": 5}, 400, "max_completion_tokens must be >= 1"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options is only allowed with stream: true"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b"}, 400, "lone surrogate U+D800 at character 1"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400,
+     "lone surrogate"),
+    # refused by its length alone, before it is tokenized (the built-in tokenizer: at most 17 characters a token)
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 400, "5000 characters, more than 128 tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, 400, "token ids must be integers"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 2 ** 40}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/nothing", {"model": MODEL}, 404, "Not Found"),
 ])
 def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body, status, needle):
     r = server.post(path, body)
@@ -250,6 +262,59 @@ def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body
     assert needle in r.json()["error"]["message"], r.text
     ok = server.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_null_means_the_default_as_openai_clients_send_it(server):
+    """LangChain and others send explicit nulls; they mean the default (max_tokens null: up to max_model_len)."""
+    nulls = dict.fromkeys(["n", "stream", "echo", "min_tokens", "ignore_eos", "skip_special_tokens", "seed",
+                           "include_stop_str_in_output", "stream_options", "logprobs", "stop"])
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 3, **nulls})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a", "name": None}], "max_tokens": 3,
+            **nulls, "logprobs": None, "add_generation_prompt": None, "top_logprobs": None}
+    del chat["echo"]
+    r = server.post("/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "a", "n": None, "max_tokens": None,
+                                           "ignore_eos": True}).json()["usage"]["total_tokens"] == 128
+
+
+def test_text_holds_every_token_even_bytes_that_never_make_a_character(server):
+    """The built-in model's tokens are bytes, and its random weights often end on bytes that are not UTF-8: the text
+    must still be the decode of every generated id (U+FFFD for those bytes), streamed or not."""
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    for seed in range(6):
+        body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": seed,
+                "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}
+        choice = server.post("/v1/completions", body).json()["choices"][0]
+        ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        assert choice["text"] == tok.decode(ids), (seed, ids)
+        r = http("POST", f"{server.url}/v1/completions", json.dumps({**body, "stream": True}).encode())
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
+def test_stream_chunks_carry_null_usage_until_the_last(server):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    r = http("POST", f"{server.url}/v1/completions", json.dumps(body).encode())
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_a_huge_prompt_does_not_hold_up_other_requests(server):
+    """A 1.8 MB prompt is refused by its length alone (it took 11 s of tokenizing, during which nothing else was
+    answered); tests/unit/test_prompts.py checks that tokenizing leaves other threads running."""
+    big = json.dumps({"model": MODEL, "prompt": "ab " * 600_000, "max_tokens": 1}).encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(http, "POST", f"{server.url}/v1/completions", big)
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert http("GET", f"{server.url}/health").status_code == 200
+        took = time.monotonic() - start
+        assert slow.result().status_code == 400
+    assert took < 1.0, took
 
 
 def metric(server, name: str) -> float:

@@ -27,7 +27,7 @@ def test_pieces_add_up_and_never_split_a_character():
     text = " héllo 你好, wörld 🚀!"
     pieces, stopped = stream(text)
     assert "".join(pieces) == text and not stopped
-    assert all("\\ufffd" not in p for p in pieces)
+    assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # the first bytes of a multi-byte character wait for the rest
     assert pieces[0] == " "  # primed with the prompt: a leading space survives
 
@@ -52,3 +52,31 @@ def test_text_that_could_start_a_stop_string_is_held_back():
     assert "".join(out) == "ab"  # "EN" might become "END"
     assert detok.add(TOK.encode("X", add_special_tokens=False).ids[0]) == ("ENX", False)  # it did not
     assert detok.flush() == ""
+
+
+def _ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("tail", [[0xFD], [0xFD, 0xFD, 0xFD], [0xE4, 0xBD]])  # bytes that never complete a character
+def test_bytes_that_never_decode_are_flushed_at_the_end(tail):
+    ids = _ids(" ok ") + tail
+    detok = Detokenizer(TOK, PROMPT, SamplingParams())
+    pieces = [detok.add(t)[0] for t in ids]
+    assert "".join(pieces) == " ok "  # held back while they might still complete a character
+    pieces.append(detok.flush())
+    assert "".join(pieces) == TOK.decode(ids) and pieces[-1].count("\ufffd") == len(TOK.decode(tail))
+    assert detok.flush() == ""
+
+
+def test_bytes_held_back_then_a_character_completes_them_on_the_way():
+    ids = [0xFD] + _ids("x") + [0xE4, 0xBD, 0xA0]  # an invalid byte, then a valid 3-byte character
+    detok = Detokenizer(TOK, PROMPT, SamplingParams())
+    text = "".join(detok.add(t)[0] for t in ids) + detok.flush()
+    assert text == TOK.decode(ids) == "\ufffdx你"
+
+
+def test_a_stop_string_in_the_flushed_tail_still_cuts_it():
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["\ufffd"]))
+    assert [detok.add(t) for t in _ids("ab") + [0xFD]] == [("a", False), ("b", False), ("", False)]
+    assert detok.flush() == "" and detok.text == "ab"

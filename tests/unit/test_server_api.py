@@ -87,3 +87,33 @@ def test_a_guarded_stream_that_fails_ends_with_an_error_event_and_done(failure, 
     assert len(got) == 3 and got[-1] == "data: [DONE]\n\n"
     error = json.loads(got[1].removeprefix("data: "))["error"]
     assert (error["code"], error["message"], error["type"]) == expected
+
+
+class FailingClient(EndlessClient):
+    """An engine that answers the request with an error update; `gone`: as the bridge does when the engine process
+    shut down or died (its error set, every open request told)."""
+
+    def __init__(self, gone: bool) -> None:
+        super().__init__()
+        self.gone = gone
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        self.error = "the engine is shutting down" if self.gone else None
+        sink(StepUpdate(request_id, 0, None, self.error or "ValueError: a bad step", "error"))
+
+
+@pytest.mark.parametrize(("gone", "raised", "message"), [
+    (True, server_app.EngineUnavailable, "the engine is unavailable: the engine is shutting down"),
+    (False, server_app.ApiError, "the engine failed: ValueError: a bad step"),
+])
+def test_an_engine_that_is_gone_is_a_503_and_a_failed_step_a_500(gone, raised, message):
+    api = server_app.Api(FailingClient(gone), ServerMetrics(), "m")
+
+    async def main() -> None:
+        async for _ in api.run(LeavingRequest(after=60), [[1, 2]], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(raised) as info:
+        asyncio.run(main())
+    assert str(info.value) == message
+    assert raised is not server_app.ApiError or info.value.status == 500

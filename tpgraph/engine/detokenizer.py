@@ -1,9 +1,11 @@
 """Incremental detokenization with stop strings, for one sequence.
 
 Text comes from tokenizers' DecodeStream (primed with the prompt's last tokens, so a leading space or a word joined
-across the boundary decodes as in one pass), which never returns half a UTF-8 character. While a request has stop
-strings, a tail of the text that a stop string starts with is held back, so text handed out never has to be taken
-back: the streamed text always equals the final text.
+across the boundary decodes as in one pass), which never returns half a UTF-8 character: it holds back tokens whose
+bytes do not decode yet. When the sequence ends, those are decoded as they are (U+FFFD for bytes that never completed
+a character), so the text always holds every generated token, as decoding all of them at once would. While a request
+has stop strings, a tail of the text that a stop string starts with is held back, so text handed out never has to be
+taken back: the streamed text always equals the final text.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ PRIME_TOKENS = 6  # prompt tokens the stream starts from
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]),
-                                   skip_special_tokens=params.skip_special_tokens)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]), skip_special_tokens=self.skip_special_tokens)
+        self.decoded = list(prompt_ids[-PRIME_TOKENS:])  # the last tokens whose text is in self.text (or the prompt's)
+        self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -34,16 +38,11 @@ class Detokenizer:
         completed before min_tokens stays in the text."""
         piece = self.stream.step(self.tokenizer, token_id) or ""
         if not piece:
+            self.undecoded.append(token_id)
             return "", False
-        before = len(self.text)
-        self.text += piece
-        hit = None
-        if may_stop:
-            hit = min(((i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0),
-                      default=None)
-        if hit is not None:
-            at, stop = hit
-            self.text = self.text[: at + len(stop) if self.include_stop else at]
+        self.decoded = (self.decoded + self.undecoded + [token_id])[-PRIME_TOKENS:]
+        self.undecoded = []
+        if self._append(piece, may_stop):
             return self.flush(), True
         safe = len(self.text) - self._held()
         if safe <= self.emitted:
@@ -51,6 +50,21 @@ class Detokenizer:
         delta = self.text[self.emitted:safe]
         self.emitted = safe
         return delta, False
+
+    def _append(self, piece: str, may_stop: bool) -> bool:
+        """Add text; whether a stop string ending in it cut the text there."""
+        before = len(self.text)
+        self.text += piece
+        hit = None
+        if may_stop:
+            hit = min(((i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0),
+                      default=None)
+        if hit is None:
+            return False
+        at, stop = hit
+        self.text = self.text[: at + len(stop) if self.include_stop else at]
+        self.stops = ()  # (nothing is added after a stop; a flush after it must not cut again)
+        return True
 
     def _held(self) -> int:
         """Length of the longest tail of the text that a stop string starts with (it may yet become that stop)."""
@@ -61,7 +75,13 @@ class Detokenizer:
         return 0
 
     def flush(self) -> str:
-        """Everything not handed out yet (the held-back tail), when the sequence ends."""
+        """Everything not handed out yet, when the sequence ends: the held-back tail, and the text of the tokens whose
+        bytes never completed a character (with U+FFFD for those bytes), which stop strings may still cut."""
+        if self.undecoded:
+            before = self.tokenizer.decode(self.decoded, skip_special_tokens=self.skip_special_tokens)
+            after = self.tokenizer.decode(self.decoded + self.undecoded, skip_special_tokens=self.skip_special_tokens)
+            self.decoded, self.undecoded = (self.decoded + self.undecoded)[-PRIME_TOKENS:], []
+            self._append(after[len(before):], may_stop=True)  # (as the stream cuts its pieces)
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta

@@ -36,6 +36,9 @@ class RequestLimits:
                                f"{params.max_tokens} to generate; ask for at most "
                                f"{self.max_model_len - len(prompt_ids)} new tokens, or for none (null) to generate "
                                f"up to max_model_len")
+        if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
+            raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
+                               f"tokens that passes max_model_len {self.max_model_len}")
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")

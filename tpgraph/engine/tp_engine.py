@@ -139,7 +139,7 @@ class TPEngine:
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template."""
-        return self.prompts.encode(prompt)
+        return self.prompts.encode(prompt, self.runner.max_model_len)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.prompts.render_chat(messages, add_generation_prompt)

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
@@ -97,7 +98,9 @@ class Api:
                 if update is None:
                     continue
                 if update.finish_reason == "error":
-                    raise ApiError(500, f"the engine failed: {update.text or self.client.error}", "InternalError")
+                    if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
+                        raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")
+                    raise ApiError(500, f"the engine failed: {update.text}", "InternalError")
                 self.metrics.observe(update)
                 if update.finish_reason is not None:
                     open_samples[ids[i]] -= 1
@@ -154,6 +157,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             if err.get("type") == "json_invalid":
                 problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'unparsable')})")
                 continue
+            if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+                problems.append("the body must be a JSON object (sent as Content-Type: application/json)")
+                continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {err.get('msg')}")
         return JSONResponse(error_body(400, "; ".join(problems) or "invalid request", "BadRequestError"), 400)
@@ -166,6 +172,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
         return JSONResponse(error_body(503, str(exc), "ServiceUnavailableError"), 503)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (an unknown path, a wrong method, an unreadable body) in OpenAI's error shape."""
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(error_body(exc.status, exc.message, exc.kind, exc.param), exc.status)
@@ -174,9 +186,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def health() -> Response:
         return Response(status_code=200 if client.alive else 503)
 
+    started = int(time.time())
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "tpgraph", "max_model_len": max_model_len}]}
 
     @app.get("/metrics")
@@ -186,7 +200,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
-        token_ids = [prompts.encode(p) for p in body.prompts()]
+        texts = body.prompts()
+        # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request
+        token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len) for p in texts])
         params = body.sampling_params(body.max_tokens, body.logprobs, prompts.generation_defaults.sampling)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(len(token_ids) * params.n)]
@@ -223,6 +239,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": _usage(token_ids, choices)})
 
+        usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
             async for i, u in _chain(first, stream):
@@ -235,8 +253,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": u.text, "logprobs": logprobs,
-                                         "finish_reason": u.finish_reason}]})
-            if body.stream_options and body.stream_options.include_usage:
+                                         "finish_reason": u.finish_reason}], **usage})
+            if usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
@@ -248,7 +266,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         api.check_model(body.model)
         messages = body.checked_messages()
         text = prompts.render_chat(messages, body.add_generation_prompt)
-        token_ids = [prompts.tokenizer.encode(text, add_special_tokens=False).ids]
+        token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len)]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
@@ -282,8 +300,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             for c in choices],
                 "usage": _usage(token_ids, choices)})
 
+        usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+
         async def events() -> AsyncIterator[str]:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, **usage}
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
@@ -294,7 +314,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": u.finish_reason}]})
-            if body.stream_options and body.stream_options.include_usage:
+            if usage:
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 

@@ -2,12 +2,16 @@
 
 Field names and defaults follow OpenAI's API; vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
 stop_token_ids, ignore_eos, ...) are accepted too. Unknown fields are ignored, as vLLM does. A field of the wrong type
-is a 400 from pydantic; a value out of range is a 400 from SamplingParams.
+is a 400 from pydantic; a value out of range is a 400 from SamplingParams. An explicit null means the field's default
+(clients such as LangChain send `"n": null`), except where null has its own meaning (`max_tokens`: no limit).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import types
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
@@ -15,11 +19,29 @@ from tpgraph.errors import RequestError
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A null given for an optional field that cannot hold None is taken as the field left out."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or _takes_none(fields[k].annotation)}
+
+
+def _takes_none(annotation: Any) -> bool:
+    return annotation is None or (get_origin(annotation) in (Union, types.UnionType)
+                                  and type(None) in get_args(annotation))
+
+
+class StreamOptions(NullMeansDefault):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -76,6 +98,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _ids_are_integers(cls, prompt: Any) -> Any:
+        """pydantic would take true/false and 1.0 as the ids 1, 0 and 1."""
+        if isinstance(prompt, list):
+            items = [t for x in prompt for t in (x if isinstance(x, list) else [x])]
+            if any(isinstance(t, (bool, float)) for t in items):
+                raise ValueError("token ids must be integers (not true/false or floats)")
+        return prompt
+
     def prompts(self) -> list[str | list[int]]:
         if self.echo:
             raise RequestError("echo is not supported")
@@ -95,7 +127,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(NullMeansDefault):
     model_config = ConfigDict(extra="allow")
 
     role: str
@@ -119,8 +151,18 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
     def checked_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
+        if self.tools:
+            raise RequestError("tools (function calling) are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError(f"tool_choice {self.tool_choice!r} is not supported (no tools)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported (text only)")
         out = []
         for i, m in enumerate(self.messages):
             if m.role not in ROLES:

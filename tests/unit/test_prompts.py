@@ -1,0 +1,61 @@
+"""PromptCodec: prompts to ids, refusing text that is not valid Unicode or too long to fit, and tokenizing without
+holding the GIL (the server's event loop runs on while a long prompt is encoded on a thread)."""
+
+import threading
+import time
+
+import pytest
+
+from tpgraph.chat import GenerationDefaults
+from tpgraph.errors import RequestError
+from tpgraph.prompts import PromptCodec
+from tpgraph.tokenizer import builtin_tokenizer
+
+CODEC = PromptCodec(builtin_tokenizer(), None, GenerationDefaults(), "the built-in model")
+
+
+def test_text_ids_and_token_ids():
+    assert CODEC.encode("hé") == [256, ord("h"), 0xC3, 0xA9]  # BOS, then the bytes
+    assert CODEC.encode_text("hé", add_special_tokens=False) == [ord("h"), 0xC3, 0xA9]
+    assert CODEC.encode([5, 7]) == [5, 7]
+    with pytest.raises(RequestError, match="a prompt is a string"):
+        CODEC.encode([True, 2])
+
+
+@pytest.mark.parametrize("text,at", [("\ud800", 0), ("ab\udfffc", 2)])
+def test_a_lone_surrogate_is_refused_with_where_it_is(text, at):
+    with pytest.raises(RequestError, match=f"lone surrogate U\\+{ord(text[at]):04X} at character {at}"):
+        CODEC.encode(text)
+
+
+def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing():
+    assert CODEC.max_token_chars == len("<|begin_of_text|>")  # the longest token (an added one) of the byte vocab
+    fits = "x" * (100 * CODEC.max_token_chars)
+    with pytest.raises(RequestError, match=f"{len(fits) + 1} characters, more than 100 tokens"):
+        CODEC.encode(fits + "x", max_tokens=100)
+    assert len(CODEC.encode(fits, max_tokens=100)) == len(fits) + 1  # (the bound only refuses what cannot fit)
+
+
+def test_tokenizing_lets_other_threads_run():
+    """tokenizers' encode holds the GIL for the whole call (a 9 MB prompt: 11 s); encode_text must not: a thread
+    that wakes every 5 ms keeps waking while the main thread tokenizes."""
+    text = "ab " * 200_000
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.005)
+            gaps.append(time.perf_counter() - t)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    CODEC.encode_text(text)
+    took = time.perf_counter() - start
+    stop.set()
+    ticker.join()
+    assert took > 0.2, took  # long enough that a held GIL would show
+    assert max(gaps) < took / 2, (max(gaps), took)
