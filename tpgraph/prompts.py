@@ -5,6 +5,7 @@ renders without touching the engine process."""
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,9 @@ class PromptCodec:
             return self.encode_text(prompt, max_tokens=max_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self.encode_text(self.render_chat(prompt), add_special_tokens=False, max_tokens=max_tokens)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+        ids = token_ids(prompt)
+        if ids is not None:
+            return ids
         raise RequestError(f"a prompt is a string, a list of token ids or a list of chat messages, got "
                            f"{type(prompt).__name__}")
 
@@ -67,3 +69,21 @@ class PromptCodec:
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_ids(prompt: object) -> list[int] | None:
+    """A prompt given as token ids (a list or tuple of integers, numpy's among them, or a 1-D integer array or tensor)
+    as a list; None for anything that is not a sequence of ids. An id that is not an integer is refused, named."""
+    if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()  # (a float array's items are then floats, refused below)
+    if not isinstance(prompt, (list, tuple)) or any(isinstance(t, (dict, str, list, tuple)) for t in prompt):
+        return None
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            ids.append(operator.index(t) if not isinstance(t, bool) else None)
+        except TypeError:
+            ids.append(None)
+        if ids[-1] is None:
+            raise RequestError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}")
+    return ids

@@ -165,6 +165,79 @@ def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
         assert tokens(e.generate(PROMPTS, GREEDY)) == reference
 
 
+def test_mistyped_params_and_prompts_are_refused_with_a_reason(reference):
+    """A truthy non-bool flag used to pass SamplingParams and then fail while the request was being queued."""
+    import numpy as np
+    import torch
+
+    for kw, needle in [({"skip_special_tokens": 0}, "skip_special_tokens must be true or false"),
+                       ({"ignore_eos": "no"}, "ignore_eos must be true or false"),
+                       ({"stop": 123}, "stop must be a string or a list of strings"),
+                       ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids")]:
+        with pytest.raises(RequestError, match=needle):
+            SamplingParams(**kw)
+    with engine() as e:
+        for prompts, needle in [(None, "prompts must be a prompt"), (5, "prompts must be a prompt"),
+                                ([[256, 1.5]], r"token ids must be integers, got 1.5 \(float\) at position 1"),
+                                ([[256, True]], "token ids must be integers, got True")]:
+            with pytest.raises(RequestError, match=needle):
+                e.generate(prompts, GREEDY)
+        ids = e.encode(PROMPTS[0])
+        # token ids as a tuple, a numpy array or a tensor are the same prompt as the list
+        for prompt in (tuple(ids), np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids]):
+            assert tokens(e.generate(prompt, GREEDY)) == reference[:1]
+        assert tokens(e.generate([np.array(ids), tuple(ids)], GREEDY)) == reference[:1] * 2
+    with pytest.raises(RuntimeError, match="closed"):
+        e.generate(PROMPTS[0], GREEDY)
+
+
+def test_a_request_that_fails_while_queued_is_taken_back_whole(reference, monkeypatch):
+    """Whatever raises while a request is being added leaves none of its sequences queued: one left queued without
+    its state broke every later step (KeyError, then 'pending tokens but token source -1')."""
+    from tpgraph.engine import core as core_module
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    real = core_module.Detokenizer
+
+    def failing(tokenizer, prompt_ids, params):
+        if params.max_tokens == 7:
+            raise TypeError("a detokenizer that cannot be built")
+        return real(tokenizer, prompt_ids, params)
+
+    monkeypatch.setattr(core_module, "Detokenizer", failing)
+    bad = SamplingParams(temperature=0.0, max_tokens=7, n=2)
+    with engine() as e:
+        with pytest.raises(TypeError, match="cannot be built"):
+            e.generate(PROMPTS[0], bad)
+        assert not e.core.has_work and not e.core.requests
+        assert tokens(e.generate(PROMPTS, GREEDY)) == reference
+        # the loop the server (and every follower rank) drives answers it with an error and serves on
+        service = EngineService(e.core, ControlPlane(e.state))
+        got = []
+        service.enqueue("bad", e.encode(PROMPTS[0]), bad, got.append)
+        service.enqueue("good", e.encode(PROMPTS[0]), GREEDY, got.append)
+        while e.core.has_work or service.pending:
+            service.turn()
+        assert [(u.request_id, u.finish_reason) for u in got if u.finish_reason] == [("bad", "error"),
+                                                                                      ("good", "length")]
+        assert [u.token_id for u in got if u.request_id == "good"] == reference[0]
+
+
+def test_stop_token_text_is_kept_with_include_stop_str_in_output(reference):
+    first = reference[0][0]
+    with engine() as e:
+        for include, text in [(False, ""), (True, e.tokenizer.decode([first]))]:
+            out = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, stop_token_ids=[first],
+                                                        include_stop_str_in_output=include))[0].outputs[0]
+            assert (out.token_ids, out.text, out.finish_reason) == ([first], text, "stop")
+
+
+def test_warm_up_fits_a_tiny_context():
+    with engine(max_model_len=3, num_kv_blocks=8) as e:
+        assert e.warm_up() > 0
+
+
 def test_tp_size_must_match_torchruns_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun --nproc-per-node 1
     monkeypatch.setenv("RANK", "0")

@@ -18,8 +18,11 @@ def test_text_ids_and_token_ids():
     assert CODEC.encode("hé") == [256, ord("h"), 0xC3, 0xA9]  # BOS, then the bytes
     assert CODEC.encode_text("hé", add_special_tokens=False) == [ord("h"), 0xC3, 0xA9]
     assert CODEC.encode([5, 7]) == [5, 7]
-    with pytest.raises(RequestError, match="a prompt is a string"):
+    assert CODEC.encode((5, 7)) == [5, 7]
+    with pytest.raises(RequestError, match="token ids must be integers, got True"):
         CODEC.encode([True, 2])
+    with pytest.raises(RequestError, match="a prompt is a string, a list of token ids or a list of chat messages"):
+        CODEC.encode(b"ab")
 
 
 @pytest.mark.parametrize("text,at", [("\ud800", 0), ("ab\udfffc", 2)])

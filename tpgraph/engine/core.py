@@ -138,10 +138,12 @@ class EngineCore:
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params))
             self._next_seq_id += 1
-        for seq in seqs:
-            self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued
+        # everything that may raise comes before the first sequence is queued: a request is taken whole or not at all
+        # (one queued without its state broke every later step)
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in seqs]
+        for seq in seqs:
+            self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued (the same length)
         self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs, detoks)
 
     def abort(self, request_id: str) -> list[StepUpdate]:
@@ -272,6 +274,8 @@ class EngineCore:
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
             reason = "stop"
+            if detok is not None and p.include_stop_str_in_output:  # the stop token's own text too (as vLLM)
+                text = detok.add(token, may_stop=False)[0]
         elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)
             text, stopped = detok.add(token, may_stop=produced > p.min_tokens)
             reason = "stop" if stopped else None

@@ -40,8 +40,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
+                                                             "a list of token ids"))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check_int("n", self.n, 1, 128)
@@ -73,6 +77,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _as_tuple(name: str, value: object, what: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise RequestError(f"{name} must be {what}, got {value!r}")
+    return tuple(value)
 
 
 def _check_int(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:

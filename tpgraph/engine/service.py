@@ -150,7 +150,10 @@ class EngineService:
                 self.core.add_request(request_id, prompt_ids, params)
                 if request_id in sinks:
                     self._sinks[request_id] = sinks[request_id]
-            except RequestError as exc:  # checked at submit; a late refusal still answers the request
+            except Exception as exc:  # noqa: BLE001 - checked at submit; a late refusal (every rank alike) answers
+                # the request and leaves the engine serving, on followers too
+                if not isinstance(exc, RequestError):
+                    logger.exception("request %s could not be added", request_id)
                 sink = sinks.get(request_id)
                 if sink is not None:
                     sink(StepUpdate(request_id, 0, None, str(exc), "error"))

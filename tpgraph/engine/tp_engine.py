@@ -64,6 +64,15 @@ class GenerationOutput:
     latency_s: float = 0.0  # time to the last
 
 
+def _one_prompt_of_ids(prompts: object) -> bool:
+    """A single prompt of token ids (a list or tuple of ints, or a 1-D array), not a list of prompts."""
+    if getattr(prompts, "ndim", None) == 1:
+        return True
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return False
+    return not isinstance(prompts[0], (str, dict, list, tuple)) and getattr(prompts[0], "ndim", 0) == 0
+
+
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[threading.Event]:
     """While inside: Ctrl-C (SIGINT) sets the event instead of raising wherever the main thread happens to be."""
@@ -151,8 +160,14 @@ class TPEngine:
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+        if self._closed:
+            raise RuntimeError("this TPEngine is closed; start a new one")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)) \
+                or _one_prompt_of_ids(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
+                               f"{type(prompts).__name__}")
         params = params if params is not None else self.default_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -175,6 +190,8 @@ class TPEngine:
         try:
             with deferred_interrupt() as interrupted:
                 for update in self._run(adds, interrupted):
+                    if update.finish_reason == "error":  # refused late by the engine: the others are aborted
+                        raise RequestError(f"prompt {order.index(update.request_id)} was refused: {update.text}")
                     self._apply(results[update.request_id], update, start, bar)
         except BaseException:
             self._abort(order)  # nothing stays queued behind a failure or a Ctrl-C
@@ -191,13 +208,14 @@ class TPEngine:
         start = time.perf_counter()
         vocab, max_len = self.model.cfg.vocab_size, self.runner.max_model_len
         batch = self.core.scheduler.cfg.max_num_seqs
-        short = min(16, max_len - 3)
+        short = max(1, min(16, max_len - 3))
         long = max(1, min(self.core.scheduler.cfg.max_num_batched_tokens, max_len - 3,
                           self.core.limits.cache_tokens - 3))
+        new = max(1, min(2, max_len - max(short, long)))  # (a context of 3 tokens or fewer: shorter warm-up)
         prompts = [[(7 * i + j) % vocab for j in range(short)] for i in range(batch)]
         prompts.append([j % vocab for j in range(long)])
-        params = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True) if i % 2 else
-                  SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=2, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=new, ignore_eos=True)
                   for i in range(len(prompts))]
         self.generate(prompts, params)
         took = time.perf_counter() - start
