@@ -112,13 +112,17 @@ def init_distributed(
     if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
         return ParallelState(0, 1, local_rank, dev, None, None)
 
+    from tpgraph.comm.multicast import multicast_disabled_reason, pass_gate_on  # (tpgraph.comm imports this)
+
+    reason = multicast_disabled_reason()
+    changed = pass_gate_on()  # (before NCCL reads its variables: also where the caller made the process group, whose
+    if changed:  # NCCL communicator starts at its first collective unless it was made with a device_id)
+        logger.info("%s: set %s too", reason, ", ".join(changed))
+        if dist.is_initialized():
+            logger.warning("%s, but the process group existed before tpgraph set %s: an NCCL communicator it already "
+                           "made may use NVLink multicast", reason, ", ".join(changed))
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        from tpgraph.comm.multicast import multicast_disabled_reason, pass_gate_on  # (tpgraph.comm imports this)
-
-        reason = multicast_disabled_reason()
-        if changed := pass_gate_on():  # (before NCCL reads its variables)
-            logger.info("%s: set %s too", reason, ", ".join(changed))
         if shared:
             logger.warning("%s=1: rank %d shares GPU 0 with every other rank (a functional stand-in, never timed)",
                            SHARED_GPU_ENV, rank)

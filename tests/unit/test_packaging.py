@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +67,23 @@ def test_a_missing_table_stops_start_up(monkeypatch, tmp_path):
     state = types.SimpleNamespace(device=torch.device("cuda", 0), world_size=2, rank=0)
     with pytest.raises(ConfigError, match="sm90.json does not exist"):
         communicator._try_custom_allreduce(state)
+
+
+def test_an_sdist_carries_every_file_the_build_and_the_package_read(tmp_path):
+    """An sdist without the extension's headers (there was no MANIFEST.in) fails to build: api.h not found. Made
+    from a copy of the tree as git sees it, so no egg-info left by an earlier build lists files for it."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    tree = tmp_path / "tree"
+    for name in files:
+        if (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=tree, check=True,
+                   capture_output=True)
+    (sdist,) = (tmp_path / "dist").glob("tpgraph-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        carried = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = [p.relative_to(tree).as_posix() for d in ("csrc", "configs") for p in (tree / d).rglob("*")
+              if p.is_file() and p.suffix in (".h", ".cuh", ".cu", ".cpp", ".json")]
+    assert len(needed) > 15 and not [p for p in needed if p not in carried]

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -243,12 +244,43 @@ def test_the_gate_is_passed_on_to_every_librarys_variable():
     the other variables too, before NCCL starts; an allowed environment is left alone."""
     from tpgraph.comm.multicast import pass_gate_on
 
-    env = {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "yes"}
+    env = {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     assert pass_gate_on(env) == ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"]
-    assert env == {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "yes",
+    assert env == {"TPGRAPH_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     allowed = {"NCCL_NVLS_ENABLE": "1"}
     assert pass_gate_on(allowed) == [] and allowed == {"NCCL_NVLS_ENABLE": "1"}
+
+
+@pytest.mark.parametrize("name,value", [("TORCH_SYMM_MEM_DISABLE_MULTICAST", "true"), ("NVSHMEM_DISABLE_NVLS", "yes"),
+                                        ("TPGRAPH_DISABLE_MULTICAST", "on"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1 "),
+                                        ("NCCL_NVLS_ENABLE", "false"), ("NCCL_NVLS_ENABLE", "0x0")])
+def test_the_gate_rewrites_every_variable_to_the_value_its_library_reads_as_off(name, value):
+    """torch reads only "1" as on: a TORCH_SYMM_MEM_DISABLE_MULTICAST=true that this gate reads as off must not stay
+    as it is, or torch's symmetric memory would still make multicast objects."""
+    from tpgraph.comm.multicast import DISABLING_VARIABLES, pass_gate_on
+
+    env = {name: value}
+    assert name in pass_gate_on(env)
+    assert env == dict(DISABLING_VARIABLES)
+
+
+def test_the_gate_is_passed_on_where_the_process_group_already_exists(monkeypatch, caplog):
+    """A program that made its own process group before TPEngine still gets the libraries' variables set, and a
+    warning that a communicator made before may use multicast."""
+    import torch.distributed as dist
+
+    from tpgraph.distributed import init_distributed
+
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPGRAPH_DISABLE_MULTICAST", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: None)
+    with caplog.at_level("WARNING"):
+        init_distributed("cpu", 0, 2)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert "the process group existed before tpgraph" in caplog.text
 
 
 def test_launch_blocks_shrink_to_the_work():

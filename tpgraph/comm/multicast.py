@@ -60,15 +60,16 @@ def multicast_disabled_reason(env: Mapping[str, str] | None = None) -> str | Non
 
 
 def pass_gate_on(env: MutableMapping[str, str] | None = None) -> list[str]:
-    """Where multicast is off, say so in every library's own variable too (before NCCL or torch's symmetric memory
-    starts): NCCL would otherwise still build NVLS communicators from TPGRAPH_DISABLE_MULTICAST=1 alone. Returns
-    the variables it set."""
+    """Where multicast is off, say so in every library's own variable too, in the one value each library is sure to
+    read as off (before NCCL or torch's symmetric memory starts): NCCL would otherwise still build NVLS communicators
+    from TPGRAPH_DISABLE_MULTICAST=1 alone, and torch reads only "1" as on, so a TORCH_SYMM_MEM_DISABLE_MULTICAST=true
+    that this gate reads as off would leave torch's multicast on. Returns the variables it set."""
     env = os.environ if env is None else env
     if multicast_disabled_reason(env) is None:
         return []
     changed = []
     for name, disabling in DISABLING_VARIABLES:
-        if not _disables(disabling, env.get(name, "")):
+        if env.get(name) != disabling:
             env[name] = disabling
             changed.append(name)
     return changed
