@@ -16,11 +16,12 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
 from tpgraph.engine.cli import add_engine_args, engine_kwargs
-from tpgraph.errors import TPGraphError
+from tpgraph.errors import ConfigError, TPGraphError
 
 logger = logging.getLogger("tpgraph.serve")
 BUILTIN_NAME = "tpgraph-builtin"
@@ -30,10 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tpgraph.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
                                                              f"{BUILTIN_NAME})")
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="idle message interval from rank 0")
+    p.add_argument("--heartbeat-s", type=positive_float, default=1.0, help="idle message interval from rank 0")
     add_engine_args(p)
     return p.parse_args(argv)
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.tp_engine import TPEngine
 
     try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            _check_listen(args.host, args.port)  # before minutes of loading, not after
         engine = TPEngine(**engine_kwargs(args))
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -88,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if frontend_closed.is_set() or not frontend.is_alive():
                 frontend.join(1.0)
-                logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
-                failed = True
+                if frontend.exitcode == 0:  # it was stopped (Ctrl-C reaches it first, or SIGTERM): so are we
+                    logger.info("the HTTP front end stopped; stopping")
+                else:
+                    logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
+                    failed = True
                 break
     except KeyboardInterrupt:  # Ctrl-C reaches the front end too; it stops by itself
         pass
@@ -102,11 +108,37 @@ def main(argv: list[str] | None = None) -> int:
     if service.alive:  # still inside a step whose collectives will not complete: releasing would hang or trap
         logger.warning("the engine loop did not stop in time; exiting without releasing the GPU state")
         os._exit(1)
-    _close(engine, timeout_s=3.0)
+    _close(engine, timeout_s=3.0, followers_told=True)
     return 1 if failed else 0
 
 
 FOLLOWER_GRACE_S = 8.0
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse an address the HTTP server could not listen on (in use, or not this host's), as uvicorn would bind it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _exit_later(seconds: float) -> None:
@@ -115,13 +147,13 @@ def _exit_later(seconds: float) -> None:
     timer.start()
 
 
-def _close(engine, timeout_s: float = 15.0) -> None:
+def _close(engine, timeout_s: float = 15.0, followers_told: bool = False) -> None:
     """Release graphs, communicator and process group, but never hang on a peer that is gone."""
     done = threading.Event()
 
     def close() -> None:
         try:
-            engine.close()
+            engine.close(followers_told=followers_told)
         finally:
             done.set()
 

@@ -53,15 +53,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, port: int, ranks: int = 2) -> None:
+    def __init__(self, port: int, ranks: int = 2, torchrun: bool = True) -> None:
+        """torchrun False: `python -m tpgraph.serve -tp N`, which starts its other ranks itself."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # a file, not a pipe: it never fills up
+        launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "tpgraph.serve"] if torchrun \
+            else ["-m", "tpgraph.serve", "-tp", str(ranks)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "tpgraph.serve",
-             "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT, text=True,
-            env=env, start_new_session=True)
+            [sys.executable, *launch, "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT,
+            text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -386,6 +388,37 @@ def test_sigterm_stops_every_rank_within_10_s():
         assert elapsed < 10 and not any(alive(p) for p in ranks), (elapsed, s.output()[-2000:])
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_self_started_ranks_stop_cleanly(stop):
+    """`python -m tpgraph.serve -tp 2`: SIGTERM to it, or Ctrl-C to its process group, ends it with code 0 and no
+    error: its close used to tell the followers to stop a second time, over connections they had closed (a
+    traceback), and Ctrl-C, which stops the front end first, was reported as the front end failing (code 1)."""
+    s = Server(free_port(), torchrun=False)
+    try:
+        assert s.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+        if stop == "sigterm":
+            s.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(s.proc.pid, signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 0, s.output()[-3000:]
+        out = s.output()
+        assert "Traceback" not in out and "ERROR" not in out, out[-3000:]
+    finally:
+        s.stop()
+
+
+def test_an_address_in_use_is_refused_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "tpgraph.serve", "--port", str(port), *ENGINE_FLAGS],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
+    assert "loading weights" not in out.stderr and time.monotonic() - start < 60
 
 
 def test_a_dead_front_end_stops_the_server_with_an_error():

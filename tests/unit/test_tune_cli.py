@@ -73,6 +73,15 @@ def test_command_line_mistakes_are_refused(monkeypatch, capsys):
     assert main(["--world-size", "2", "--runs", "5"]) == 2 and "at least 20" in capsys.readouterr().err
 
 
+def test_plot_without_matplotlib_is_refused_before_measuring(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--world-size", "2", "--plot", "t.png"]) == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
 def test_a_bad_table_is_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path):
     import torch
 

@@ -30,15 +30,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
                    help="read each step's tokens before scheduling the next (default: the next step is launched "
                         "first, so the host's work hides behind the GPU's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
     add_graph_args(p)
+
+
+def _fraction(text: str) -> float:
+    """A value in (0, 1], refused at parse time rather than after the weights load."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return dict(model=args.model, tp_size=args.tensor_parallel_size or world, device=args.device, dtype=args.dtype,
+    tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
+    return dict(model=args.model, tp_size=tp_size, device=args.device, dtype=args.dtype,
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,

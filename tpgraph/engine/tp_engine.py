@@ -276,13 +276,14 @@ class TPEngine:
                 bar.update(1)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, followers_told: bool = False) -> None:
         """Graphs (holding all-reduce registrations and NCCL work) go first, then the communicator, then the
-        process group."""
+        process group. followers_told: another loop on rank 0 (the server's EngineService) already told the started
+        followers to return, so no shutdown goes to them again (it would meet closed connections)."""
         if self._closed:
             return
         self._closed = True
-        if self.service is not None:  # the followers return and close too
+        if self.service is not None and not followers_told:  # the followers return and close too
             self.service.enqueue_shutdown()
             while self.service.turn():
                 pass

@@ -117,6 +117,7 @@ class EngineClient:
     def __init__(self, conn: Connection, limits: RequestLimits, on_lost: Callable[[], None] | None = None) -> None:
         self.conn, self.limits, self.on_lost = conn, limits, on_lost
         self.error: str | None = None
+        self.closing = False  # the engine said it is stopping (its pipe then closes as planned)
         self._sinks: dict[str, Sink] = {}
         self._metrics: dict[int, asyncio.Future] = {}
         self._tickets = itertools.count()
@@ -205,6 +206,7 @@ class EngineClient:
                 if future is not None and not future.done():
                     future.set_result(item[2])
             elif item[0] == "closing" and self.error is None:
+                self.closing = True  # (a stop the engine announced, not a failure)
                 self._lost("the engine is shutting down")
 
     def _fail(self, reason: str) -> None:

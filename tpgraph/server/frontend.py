@@ -3,6 +3,7 @@ FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -51,7 +52,10 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     server: uvicorn.Server | None = None
 
     def engine_gone() -> None:
-        logger.error("the engine is gone; the HTTP server stops")
+        if client.closing:
+            logger.info("the engine is stopping; so does the HTTP server")
+        else:
+            logger.error("the engine is gone; the HTTP server stops")
         if server is not None:
             server.should_exit = True
         threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
@@ -59,4 +63,5 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len)
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
+        server.run()

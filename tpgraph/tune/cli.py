@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "WORLD_SIZE" not in os.environ and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
+        return 2
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:  # (not after minutes of measuring)
+        print("error: --plot needs matplotlib (pip install matplotlib, or tpgraph[bench])", file=sys.stderr)
         return 2
     import torch
 

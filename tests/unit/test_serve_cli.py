@@ -1,0 +1,41 @@
+"""The server's and the engine's flags: values that can only fail later (after minutes of loading, or as a spinning
+loop) are refused when parsed."""
+
+import argparse
+
+import pytest
+
+from tpgraph.engine.cli import engine_kwargs
+from tpgraph.serve import parse_args
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "0"], "a port is 1-65535"), (["--port", "70000"], "a port is 1-65535"),
+    (["--heartbeat-s", "0"], "must be a positive number"), (["--heartbeat-s", "-1"], "must be a positive number"),
+    (["--heartbeat-s", "inf"], "must be a positive number"),
+    (["--gpu-memory-utilization", "0"], "must be in (0, 1]"), (["--gpu-memory-utilization", "1.5"], "must be in"),
+    (["--gpu-memory-utilization", "nan"], "must be in"),
+])
+def test_bad_values_are_refused_when_parsed(flags, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_good_values_parse():
+    args = parse_args(["--port", "65535", "--heartbeat-s", "0.25", "--gpu-memory-utilization", "1"])
+    assert (args.port, args.heartbeat_s, args.gpu_memory_utilization) == (65535, 0.25, 1.0)
+
+
+def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert engine_kwargs(parse_args(["-tp", "0"]))["tp_size"] == 0
+    assert engine_kwargs(parse_args([]))["tp_size"] == 2
+    assert isinstance(parse_args([]), argparse.Namespace)
+
+
+def test_tp_zero_is_refused_by_the_engine():
+    from tpgraph import ConfigError, TPEngine
+
+    with pytest.raises(ConfigError, match="tp_size"):
+        TPEngine(tp_size=0, device="cpu")
