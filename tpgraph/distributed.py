@@ -114,9 +114,11 @@ def init_distributed(
 
     from tpgraph.comm.multicast import multicast_disabled_reason, pass_gate_on  # (tpgraph.comm imports this)
 
+    # before NCCL reads its variables: also where the caller made the process group, whose NCCL communicator starts
+    # at its first collective (unless the group was made with a device_id)
     reason = multicast_disabled_reason()
-    changed = pass_gate_on()  # (before NCCL reads its variables: also where the caller made the process group, whose
-    if changed:  # NCCL communicator starts at its first collective unless it was made with a device_id)
+    changed = pass_gate_on()
+    if changed:
         logger.info("%s: set %s too", reason, ", ".join(changed))
         if dist.is_initialized():
             logger.warning("%s, but the process group existed before tpgraph set %s: an NCCL communicator it already "

@@ -71,6 +71,20 @@ class PromptCodec:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def is_one_prompt(prompts: object) -> bool:
+    """One prompt rather than a list of them: text, chat messages, or token ids (a list or tuple of scalars, or a 1-D
+    integer array or tensor; a 1-D array of strings is a list of texts)."""
+    if isinstance(prompts, str):
+        return True
+    if getattr(prompts, "ndim", None) == 1:
+        return "int" in str(getattr(prompts, "dtype", ""))
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return False
+    first = prompts[0]  # (chat messages, or a scalar: an id, or a mistake that encode names)
+    return isinstance(first, dict) or (not isinstance(first, (str, bytes, list, tuple))
+                                       and getattr(first, "ndim", 0) == 0)
+
+
 def token_ids(prompt: object) -> list[int] | None:
     """A prompt given as token ids (a list or tuple of integers, numpy's among them, or a 1-D integer array or tensor)
     as a list; None for anything that is not a sequence of ids. An id that is not an integer is refused, named."""
@@ -81,9 +95,9 @@ def token_ids(prompt: object) -> list[int] | None:
     ids = []
     for i, t in enumerate(prompt):
         try:
-            ids.append(operator.index(t) if not isinstance(t, bool) else None)
+            if isinstance(t, bool):  # (an int to Python, but never meant as one)
+                raise TypeError
+            ids.append(operator.index(t))
         except TypeError:
-            ids.append(None)
-        if ids[-1] is None:
-            raise RequestError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}")
+            raise RequestError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}") from None
     return ids

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 
-from tpgraph.engine.cli import add_engine_args, engine_kwargs
+from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
 
 logger = logging.getLogger("tpgraph.serve")
@@ -31,10 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tpgraph.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
                                                              f"{BUILTIN_NAME})")
-    p.add_argument("--heartbeat-s", type=positive_float, default=1.0, help="idle message interval from rank 0")
+    p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     add_engine_args(p)
     return p.parse_args(argv)
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches the front end too; it stops by itself
         pass
     # Every step of the way is bounded, so SIGTERM ends the process within 10 s even with requests in flight.
-    service.shutdown(timeout_s=4.0)
+    followers_told = service.shutdown(timeout_s=4.0)
     bridge.close()
     frontend.join(2.0)
     if frontend.is_alive():
@@ -108,25 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     if service.alive:  # still inside a step whose collectives will not complete: releasing would hang or trap
         logger.warning("the engine loop did not stop in time; exiting without releasing the GPU state")
         os._exit(1)
-    _close(engine, timeout_s=3.0, followers_told=True)
+    _close(engine, timeout_s=3.0, followers_told=followers_told)
     return 1 if failed else 0
 
 
 FOLLOWER_GRACE_S = 8.0
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def _check_listen(host: str, port: int) -> None:

@@ -80,3 +80,18 @@ def test_a_stop_string_in_the_flushed_tail_still_cuts_it():
     detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["\ufffd"]))
     assert [detok.add(t) for t in _ids("ab") + [0xFD]] == [("a", False), ("b", False), ("", False)]
     assert detok.flush() == "" and detok.text == "ab"
+
+
+def test_a_byte_fallback_tokenizer_flushes_only_the_held_bytes():
+    """Llama 2 / Mistral decoders (ByteFallback) turn a whole invalid byte run into U+FFFD, a character already
+    handed out included: the tail is then the held tokens' own decode, one U+FFFD, not the difference of decodes."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁the": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    ids = [257, 1 + 0xE4, 1 + 0xBD, 1 + 0xA0, 1 + 0xE5]  # " the", 你 in three bytes, then a byte that never completes
+    detok = Detokenizer(tok, [257], SamplingParams())
+    text = "".join(detok.add(t)[0] for t in ids)
+    assert text == " the你"
+    assert detok.flush() == "\ufffd"

@@ -187,6 +187,8 @@ def test_mistyped_params_and_prompts_are_refused_with_a_reason(reference):
         for prompt in (tuple(ids), np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids]):
             assert tokens(e.generate(prompt, GREEDY)) == reference[:1]
         assert tokens(e.generate([np.array(ids), tuple(ids)], GREEDY)) == reference[:1] * 2
+        # ... and any other iterable of prompts is a list of them, a 1-D array of texts among them
+        assert len(e.generate(np.array(PROMPTS[:2]), GREEDY)) == 2 and len(e.generate({"a": 1}.keys(), GREEDY)) == 1
     with pytest.raises(RuntimeError, match="closed"):
         e.generate(PROMPTS[0], GREEDY)
 

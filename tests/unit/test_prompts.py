@@ -42,7 +42,7 @@ def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing():
 def test_tokenizing_lets_other_threads_run():
     """tokenizers' encode holds the GIL for the whole call (a 9 MB prompt: 11 s); encode_text must not: a thread
     that wakes every 5 ms keeps waking while the main thread tokenizes."""
-    text = "ab " * 200_000
+    text = "ab " * 600_000
     gaps: list[float] = []
     stop = threading.Event()
 

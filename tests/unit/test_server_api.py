@@ -117,3 +117,48 @@ def test_an_engine_that_is_gone_is_a_503_and_a_failed_step_a_500(gone, raised, m
         asyncio.run(main())
     assert str(info.value) == message
     assert raised is not server_app.ApiError or info.value.status == 500
+
+
+class OneTokenClient(FailingClient):
+    """An engine that answers every request with one token and its finish."""
+
+    def __init__(self) -> None:
+        super().__init__(gone=False)
+        self.alive = True
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        sink(StepUpdate(request_id, 0, 7, "x", "length"))
+
+
+def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
+    """A prompt that takes long to tokenize is encoded on a thread: /health answers meanwhile (a 9 MB prompt used
+    to freeze every endpoint for the 11 s it took)."""
+    try:
+        import httpx
+    except ImportError:  # (openai 3 brings it under this name)
+        httpx = pytest.importorskip("httpx2")
+    from tpgraph.chat import GenerationDefaults
+    from tpgraph.prompts import PromptCodec
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    codec = PromptCodec(builtin_tokenizer(), None, GenerationDefaults(), "m")
+    slow = codec.encode_text
+
+    def encode_text(*args, **kwargs):
+        time.sleep(1.0)  # (as a long prompt's tokenizing would, with the GIL let go)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode_text", encode_text)
+    app = server_app.create_app(OneTokenClient(), codec, ServerMetrics(), "m", 128)
+
+    async def main() -> tuple[int, int, float]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            completion = asyncio.create_task(http.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+            start = time.monotonic()
+            await asyncio.sleep(0.2)  # (the completion is being tokenized by then; on the loop it would hold it 1 s)
+            health = await http.get("/health")
+            took = time.monotonic() - start
+            return (await completion).status_code, health.status_code, took
+
+    completion, health, took = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert (completion, health) == (200, 200) and took < 0.7, took

@@ -273,7 +273,7 @@ def test_the_gate_is_passed_on_where_the_process_group_already_exists(monkeypatc
     from tpgraph.distributed import init_distributed
 
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # (empty reads as unset; monkeypatch then restores what was there)
     monkeypatch.setenv("TPGRAPH_DISABLE_MULTICAST", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "new_group", lambda **kw: None)

@@ -30,16 +30,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
                    help="read each step's tokens before scheduling the next (default: the next step is launched "
                         "first, so the host's work hides behind the GPU's)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
     add_graph_args(p)
 
 
-def _fraction(text: str) -> float:
+def fraction(text: str) -> float:
     """A value in (0, 1], refused at parse time rather than after the weights load."""
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 

@@ -3,7 +3,7 @@
 Text comes from tokenizers' DecodeStream (primed with the prompt's last tokens, so a leading space or a word joined
 across the boundary decodes as in one pass), which never returns half a UTF-8 character: it holds back tokens whose
 bytes do not decode yet. When the sequence ends, those are decoded as they are (U+FFFD for bytes that never completed
-a character), so the text always holds every generated token, as decoding all of them at once would. While a request
+a character), so the text holds every generated token, as decoding all of them at once would. While a request
 has stop strings, a tail of the text that a stop string starts with is held back, so text handed out never has to be
 taken back: the streamed text always equals the final text.
 """
@@ -66,6 +66,9 @@ class Detokenizer:
         self.stops = ()  # (nothing is added after a stop; a flush after it must not cut again)
         return True
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def _held(self) -> int:
         """Length of the longest tail of the text that a stop string starts with (it may yet become that stop)."""
         for k in range(min(self.hold, len(self.text)), 0, -1):
@@ -78,10 +81,12 @@ class Detokenizer:
         """Everything not handed out yet, when the sequence ends: the held-back tail, and the text of the tokens whose
         bytes never completed a character (with U+FFFD for those bytes), which stop strings may still cut."""
         if self.undecoded:
-            before = self.tokenizer.decode(self.decoded, skip_special_tokens=self.skip_special_tokens)
-            after = self.tokenizer.decode(self.decoded + self.undecoded, skip_special_tokens=self.skip_special_tokens)
+            before, after = self._decode(self.decoded), self._decode(self.decoded + self.undecoded)
+            # (as the stream cuts its pieces; a byte-fallback decoder may turn the whole invalid run, complete
+            # characters before it included, into U+FFFD, and then only the held tokens' own text is theirs)
+            tail = after[len(before):] if after.startswith(before) else self._decode(self.undecoded)
             self.decoded, self.undecoded = (self.decoded + self.undecoded)[-PRIME_TOKENS:], []
-            self._append(after[len(before):], may_stop=True)  # (as the stream cuts its pieces)
+            self._append(tail, may_stop=True)
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta

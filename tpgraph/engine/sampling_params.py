@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tpgraph.errors import RequestError
@@ -80,7 +81,8 @@ class SamplingParams:
 
 
 def _as_tuple(name: str, value: object, what: str) -> tuple:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+    """A list, tuple, set or other iterable as a tuple; a lone value (or a mapping) refused, not iterated."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise RequestError(f"{name} must be {what}, got {value!r}")
     return tuple(value)
 

@@ -61,12 +61,14 @@ class EngineService:
         self._thread = threading.Thread(target=self._run_driver, name="tpgraph-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop and tell every other rank to return."""
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """Stop the loop and tell every other rank to return. False where the loop had already ended (it failed):
+        then no rank was told."""
         if self._thread is None or not self._thread.is_alive():
-            return
+            return False
         self.enqueue_shutdown()
         self._thread.join(timeout_s)
+        return True
 
     @property
     def alive(self) -> bool:

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from tpgraph.engine.scheduler import SchedulerConfig
 from tpgraph.engine.service import EngineService
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.prompts import Prompt, PromptCodec
+from tpgraph.prompts import Prompt, PromptCodec, is_one_prompt
 from tpgraph.tokenizer import BOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,15 +62,6 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     ttft_s: float = 0.0  # time to the first token
     latency_s: float = 0.0  # time to the last
-
-
-def _one_prompt_of_ids(prompts: object) -> bool:
-    """A single prompt of token ids (a list or tuple of ints, or a 1-D array), not a list of prompts."""
-    if getattr(prompts, "ndim", None) == 1:
-        return True
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        return False
-    return not isinstance(prompts[0], (str, dict, list, tuple)) and getattr(prompts[0], "ndim", 0) == 0
 
 
 @contextlib.contextmanager
@@ -162,12 +153,12 @@ class TPEngine:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
         if self._closed:
             raise RuntimeError("this TPEngine is closed; start a new one")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)) \
-                or _one_prompt_of_ids(prompts):
+        if is_one_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
+        elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
             raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
                                f"{type(prompts).__name__}")
+        prompts = list(prompts)
         params = params if params is not None else self.default_params()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):

@@ -123,6 +123,11 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _null_usage(body: CompletionRequest | ChatRequest) -> dict:
+    """What a streamed chunk carries before the last one: OpenAI's "usage": null where the client asked for usage."""
+    return {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -239,7 +244,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": _usage(token_ids, choices)})
 
-        usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+        usage = _null_usage(body)
 
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
@@ -300,7 +305,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             for c in choices],
                 "usage": _usage(token_ids, choices)})
 
-        usage = {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+        usage = _null_usage(body)
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, **usage}

@@ -37,6 +37,15 @@ def _takes_none(annotation: Any) -> bool:
                                   and type(None) in get_args(annotation))
 
 
+def _ids_are_integers(cls: type, value: Any) -> Any:
+    """Token ids, or lists of them, as integers only: pydantic would take true/false and 1.0 as the ids 1, 0 and 1."""
+    if isinstance(value, list):
+        items = [t for x in value for t in (x if isinstance(x, list) else [x])]
+        if any(isinstance(t, (bool, float)) for t in items):
+            raise ValueError("token ids must be integers (not true/false or floats)")
+    return value
+
+
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
 
@@ -65,6 +74,8 @@ class SamplingFields(NullMeansDefault):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None) -> SamplingParams:
@@ -98,15 +109,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _ids_are_integers(cls, prompt: Any) -> Any:
-        """pydantic would take true/false and 1.0 as the ids 1, 0 and 1."""
-        if isinstance(prompt, list):
-            items = [t for x in prompt for t in (x if isinstance(x, list) else [x])]
-            if any(isinstance(t, (bool, float)) for t in items):
-                raise ValueError("token ids must be integers (not true/false or floats)")
-        return prompt
+    _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
 
     def prompts(self) -> list[str | list[int]]:
         if self.echo:
@@ -152,12 +155,13 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+    functions: list[dict] | None = None  # (the API's older name for tools)
     tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def checked_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
-        if self.tools:
+        if self.tools or self.functions:
             raise RequestError("tools (function calling) are not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice {self.tool_choice!r} is not supported (no tools)")

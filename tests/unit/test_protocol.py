@@ -1,0 +1,49 @@
+"""The request bodies: explicit nulls are the defaults, ids are integers, and what the server cannot honour is
+refused rather than ignored."""
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from pydantic import ValidationError  # noqa: E402
+
+from tpgraph.errors import RequestError  # noqa: E402
+from tpgraph.server.protocol import ChatRequest, CompletionRequest  # noqa: E402
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_null_is_the_default_where_the_field_cannot_hold_null():
+    nulls = dict.fromkeys(["n", "stream", "echo", "min_tokens", "ignore_eos", "skip_special_tokens",
+                           "include_stop_str_in_output", "return_tokens_as_token_ids"])
+    r = CompletionRequest.model_validate({"model": "m", "prompt": "x", **nulls, "max_tokens": None})
+    assert (r.n, r.stream, r.echo, r.min_tokens, r.skip_special_tokens) == (1, False, False, 0, True)
+    assert r.max_tokens is None  # (null has its own meaning here: up to max_model_len; the default is 16)
+    c = ChatRequest.model_validate({**CHAT, "logprobs": None, "add_generation_prompt": None, "n": None})
+    assert (c.logprobs, c.add_generation_prompt, c.n) == (False, True, 1)
+    with pytest.raises(ValidationError, match="model"):  # (a required field stays required)
+        CompletionRequest.model_validate({"model": None, "prompt": "x"})
+
+
+@pytest.mark.parametrize("body", [{"prompt": [True, False]}, {"prompt": [[1, 2.0]]},
+                                  {"prompt": "x", "stop_token_ids": [True]}, {"prompt": "x", "stop_token_ids": [2.0]}])
+def test_ids_must_be_integers(body):
+    with pytest.raises(ValidationError, match="token ids must be integers"):
+        CompletionRequest.model_validate({"model": "m", **body})
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_what_cannot_be_honoured_is_refused(extra, needle):
+    with pytest.raises(RequestError, match=needle):
+        ChatRequest.model_validate({**CHAT, **extra}).checked_messages()
+
+
+def test_what_changes_nothing_is_accepted():
+    for extra in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
+                  {"response_format": {"type": "text"}}, {"parallel_tool_calls": True}):
+        assert ChatRequest.model_validate({**CHAT, **extra}).checked_messages() == [{"role": "user", "content": "x"}]
