@@ -14,6 +14,9 @@
 # NPROC (default 2): the ranks of every torchrun and of the tuner, and the world size of the all-reduce exactness
 # tests, e.g. NPROC=4 bash bench/gpu_graph_checks.sh OUT ar-exact tune allreduce full-bench serve on four GPUs.
 set -uo pipefail
+# NVLink multicast stays off on shared machines whatever this shell inherited (session 38 found none of these set in
+# a device command's environment): a multicast object can take the host's GPUs out of service for a day
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TPGRAPH_DISABLE_MULTICAST=1
 NPROC=${NPROC:-2}
 export TPGRAPH_GPU_TEST_WORLD_SIZE=$NPROC
 dest=${1:?outdir}; shift

@@ -41,7 +41,8 @@ def nvlink_reason(local_devices: list[int]) -> str | None:
     try:
         import pynvml
     except ImportError:
-        return "NVML (nvidia-ml-py) is not installed, so NVLink connectivity cannot be checked"
+        return ("NVML (nvidia-ml-py) is not installed, so NVLink connectivity cannot be checked "
+                "(pip install nvidia-ml-py, or tpgraph[gpu])")
     ids = physical_device_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), max(local_devices) + 1)
     try:
         pynvml.nvmlInit()
