@@ -240,6 +240,15 @@ def test_warm_up_fits_a_tiny_context():
         assert e.warm_up() > 0
 
 
+def test_a_tp_size_the_model_cannot_split_over_is_refused_before_any_rank_starts(monkeypatch):
+    from tpgraph.engine import followers
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(followers, "start_followers", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(8\) is not divisible by the tensor-parallel size"):
+        TPEngine(tp_size=3, device="cpu")
+
+
 def test_tp_size_must_match_torchruns_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun --nproc-per-node 1
     monkeypatch.setenv("RANK", "0")

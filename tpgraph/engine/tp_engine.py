@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.comm import TPCommunicator
-from tpgraph.config import parse_dtype
+from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
 from tpgraph.engine.config import EngineConfig
 from tpgraph.engine.control import ControlPlane
@@ -94,6 +94,8 @@ class TPEngine:
         """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks)."""
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
+        # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
+        (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).check_tp(tp_size)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
             from tpgraph.engine.followers import free_tcp_init, start_followers
