@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +15,11 @@ from tokenizers import Tokenizer
 from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
+from tpgraph.tokenizer import unicode_to_byte
 
 Prompt = str | list[int] | list[dict[str, str]]
+_BYTE_OF = unicode_to_byte()  # (byte-level BPE vocabularies spell each byte as one of these characters)
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # (SentencePiece's byte-fallback tokens)
 
 
 @dataclass
@@ -69,6 +73,18 @@ class PromptCodec:
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The bytes a token stands for (OpenAI's log-probability `bytes`, from which clients join a character split
+        over tokens): a byte-level BPE token's own bytes, a byte-fallback token's byte, else its text in UTF-8. (Its
+        text alone would give U+FFFD's three bytes for each part of a split character.)"""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is not None:
+            if type(self.tokenizer.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in piece):
+                return [_BYTE_OF[c] for c in piece]
+            if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:
+                return [int(m.group(1), 16)]
+        return list(self.token_text(token_id).encode())
 
 
 def is_one_prompt(prompts: object) -> bool:

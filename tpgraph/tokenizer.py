@@ -24,9 +24,14 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
+def unicode_to_byte() -> dict[str, int]:
+    """The ByteLevel pre-tokenizer's characters back to the bytes they stand for."""
+    return {ch: b for b, ch in _byte_to_unicode().items()}
+
+
 def builtin_tokenizer() -> Tokenizer:
     """Token id == byte value for 0..255; 256 is BOS and 257 EOS (matches BUILTIN_MODEL)."""
-    vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+    vocab = unicode_to_byte()
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -201,6 +201,16 @@ def test_completion_top_logprobs_hold_the_sampled_token(server):
             assert top[token] == value and logprobs <= len(top) <= logprobs + 1
 
 
+def test_chat_logprob_bytes_are_the_tokens_bytes(server):
+    """The built-in model's tokens are bytes: each entry's `bytes` is its one byte, where its text may be U+FFFD."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 1.0,
+            "seed": 2, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    content = server.post("/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    entries = content + [top for c in content for top in c["top_logprobs"]]
+    assert len(content) == 12 and all(e["bytes"] == [int(e["token"].removeprefix("token_id:"))] for e in entries
+                                      if int(e["token"].removeprefix("token_id:")) < 256)
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine

@@ -62,3 +62,20 @@ def test_tokenizing_lets_other_threads_run():
     ticker.join()
     assert took > 0.2, took  # long enough that a held GIL would show
     assert max(gaps) < took / 2, (max(gaps), took)
+
+
+def test_token_bytes_are_the_bytes_a_token_stands_for():
+    """OpenAI's log-probability `bytes`: a character split over tokens is joined from them (its parts' text would be
+    U+FFFD each, three bytes of EF BF BD)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    assert [CODEC.token_bytes(t) for t in CODEC.encode_text("你", add_special_tokens=False)] == [[0xE4], [0xBD], [0xA0]]
+    assert CODEC.token_bytes(256) == list(b"<|begin_of_text|>")
+    byte_level = Tokenizer(models.BPE(vocab={"Ġhi": 0, "Ã¤": 1}, merges=[]))  # (GPT-2's spelling of " hi", C3 A4)
+    byte_level.decoder = decoders.ByteLevel()
+    codec = PromptCodec(byte_level, None, GenerationDefaults(), "m")
+    assert codec.token_bytes(0) == list(b" hi") and codec.token_bytes(1) == list("ä".encode())
+    fallback = Tokenizer(models.BPE(vocab={"<0xE4>": 0, "▁the": 1, "<unk>": 2}, merges=[], unk_token="<unk>"))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    codec = PromptCodec(fallback, None, GenerationDefaults(), "m")
+    assert codec.token_bytes(0) == [0xE4] and codec.token_bytes(1) == list(b" the")

@@ -284,7 +284,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         def entry(t: int, lp: float) -> dict:
             s = prompts.token_text(t, body.return_tokens_as_token_ids)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"token": s, "logprob": lp, "bytes": prompts.token_bytes(t)}
 
         def content_logprobs(items: list) -> dict | None:
             if params.logprobs is None:
