@@ -29,3 +29,20 @@ def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert engine_kwargs(parse_args(["-tp", "0"]))["tp_size"] == 0
     assert engine_kwargs(parse_args([]))["tp_size"] == 2
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
+    ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be in"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
+     "without chunked prefill, max_num_batched_tokens"),
+    ({"tp_size": 0}, "tp_size must be a positive integer"),
+])
+def test_engine_settings_are_refused_before_anything_loads(kw, needle):
+    """EngineConfig refuses them as it is made: TPEngine makes it first, before the weights and any rank."""
+    from tpgraph import ConfigError
+    from tpgraph.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=needle):
+        EngineConfig(**kw)
+    assert EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128)

@@ -42,3 +42,10 @@ class EngineConfig:
             raise ConfigError(f"overlap_scheduling must be True or False, got {self.overlap_scheduling!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
+        utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        tokens, context = self.max_num_batched_tokens, self.max_model_len
+        if not self.enable_chunked_prefill and tokens is not None and context is not None and tokens < context:
+            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt "
+                              f"of max_model_len ({context}) tokens")
