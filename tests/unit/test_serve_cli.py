@@ -23,6 +23,8 @@ def test_bad_values_are_refused_when_parsed(flags, needle, capsys):
 def test_good_values_parse():
     args = parse_args(["--port", "65535", "--heartbeat-s", "0.25", "--gpu-memory-utilization", "1"])
     assert (args.port, args.heartbeat_s, args.gpu_memory_utilization) == (65535, 0.25, 1.0)
+    assert engine_kwargs(parse_args(["--num-kv-blocks", "60"]))["num_kv_blocks"] == 60  # (preemption on a CPU server)
+    assert engine_kwargs(args)["num_kv_blocks"] is None
 
 
 def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypatch):

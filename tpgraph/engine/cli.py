@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "first, so the host's work hides behind the GPU's)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
     add_graph_args(p)
 
 
@@ -59,4 +61,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
-                gpu_memory_utilization=args.gpu_memory_utilization, graphs=graph_config_from_args(args))
+                gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+                graphs=graph_config_from_args(args))
