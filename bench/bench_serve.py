@@ -1,4 +1,4 @@
-"""Serving benchmark: N concurrent streaming requests against a running `tpgraph.serve`, then one request alone.
+"""Serving benchmark: a loaded run at each of a list of concurrencies (streaming requests) against `tpgraph.serve`.
 
     torchrun --nproc-per-node 2 -m tpgraph.serve --model DIR --load-format dummy --max-num-seqs 64 &
     python bench/bench_serve.py --url http://127.0.0.1:8000 --model DIR --concurrency 64 --out serve.json
@@ -110,26 +110,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the served model name")
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrency", default="64,1", help="comma-separated: a loaded run at each, in this order")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt characters (the byte tokenizer: ~tokens)")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
-    run(args.url, args.model, args.concurrency, 16, args.prompt_len)  # warm-up: the same batch shapes, short
-    loaded = run(args.url, args.model, args.concurrency, args.max_tokens, args.prompt_len)
-    single = run(args.url, args.model, 1, args.max_tokens, args.prompt_len)
-    result = {"loaded": loaded, "single": single}
-    args.out.write_text(json.dumps(result, indent=1))
-    for name, r in result.items():
+    result = {}
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        run(args.url, args.model, concurrency, 16, args.prompt_len)  # warm-up: the same batch shapes, short
+        r = result[f"x{concurrency}"] = run(args.url, args.model, concurrency, args.max_tokens, args.prompt_len)
         s = r["server_step"]
-        print(f"{name:6s} x{r['concurrency']}: {r['completed']}/{r['concurrency']} complete, "
+        print(f"x{r['concurrency']}: {r['completed']}/{r['concurrency']} complete, "
               f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} p99 {r['ttft_ms']['p99']:.1f} "
               f"ms, TPOT p50 {r['tpot_ms']['p50']:.2f} p99 {r['tpot_ms']['p99']:.2f} ms | per decode step: host "
               f"{s['host_total_ms']:.3f} ms (schedule {s['host_schedule_ms']:.3f}, control {s['host_control_ms']:.3f}, "
               f"prepare {s['host_prepare_ms']:.3f}, launch {s['host_submit_ms']:.3f}, post "
-              f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms | {s['steps']:.0f} steps of "
-              f"{s['step_wall_ms']:.2f} ms, {s['prefill_steps']:.0f} with prefill ({s['prefill_ms']:.1f} ms of it)",
-              flush=True)
+              f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms, sample wait {s['sample_ms']:.3f} ms"
+              f" | {s['steps']:.0f} steps of {s['step_wall_ms']:.2f} ms, {s['prefill_steps']:.0f} with prefill "
+              f"({s['prefill_ms']:.1f} ms of it)", flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

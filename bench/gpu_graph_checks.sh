@@ -163,21 +163,25 @@ for step in "$@"; do
          for pdl in 0 1 0 1; do TPGRAPH_TRITON_PDL=$pdl timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_pdl$pdl.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
-    serve) # issue 9 on the GPU: 64 concurrent streams through the server, then one alone (needs fastapi + uvicorn there)
-         python3 -c "import fastapi, uvicorn" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
-             --find-links wheelhouse fastapi uvicorn jinja2 pydantic; }
+    serve) # the server on the GPU: loaded streaming runs at each of SERVE_CONCURRENCY (default 64,1) through it
+         # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling
+         python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
+             --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
              'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
              'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
              'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16',
              'bos_token_id': 128000, 'eos_token_id': 128001},
              open(sys.argv[1], 'w'))" "$out/llama3_8b/config.json"
-         timeout 400 torchrun --nproc-per-node $NPROC -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
-             --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 > "$out/serve.log" 2>&1 &
+         tag=${SERVE_TAG:-serve}
+         timeout 500 torchrun --nproc-per-node $NPROC -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
+             --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 ${SERVE_FLAGS:-} \
+             > "$out/$tag.log" 2>&1 &
          for _ in $(seq 240); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
-         timeout 300 python3 bench/bench_serve.py --model llama3-8b --concurrency 64 --max-tokens 256 \
-             --prompt-len 256 --out "$out/serve.json" 2>&1 | tee "$out/bench_serve.log"
-         pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/serve.log" ;;
+         curl -sf localhost:8000/health >/dev/null || { echo "server not up"; tail -30 "$out/$tag.log"; }
+         timeout 400 python3 bench/bench_serve.py --model llama3-8b --concurrency "${SERVE_CONCURRENCY:-64,1}" \
+             --max-tokens ${SERVE_TOKENS:-256} --prompt-len 256 --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
+         pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/$tag.log" ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \

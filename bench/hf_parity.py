@@ -109,7 +109,7 @@ def main() -> None:
     model = load_model(state, comm, ckpt, dtype=dtype)
     prompts = PROMPTS * args.copies
     runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
-    modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill}"
+    modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill} ({runner.prefill_attention})"
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     result = greedy_generate(runner, prompts, args.steps, keep_logits=True)

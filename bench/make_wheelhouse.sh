@@ -8,6 +8,6 @@ py=${1:-3.12}
 rm -rf wheelhouse && mkdir -p wheelhouse
 python3 -m pip download -q -d wheelhouse --only-binary=:all: --python-version "$py" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  --implementation cp fastapi uvicorn jinja2 pydantic
+  --implementation cp fastapi uvicorn jinja2 pydantic prometheus-client
 ls wheelhouse | wc -l
 du -sh wheelhouse

@@ -37,8 +37,9 @@ from tpgraph.kernels._counters import workspace_bytes as kernel_workspace_bytes 
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.argmax import MAX_SLOT_INDEX
 from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
-from tpgraph.model.attention import AttentionMetadata, attention_backend
+from tpgraph.model.attention import AttentionMetadata, attention_backend, sdpa_prefill
 from tpgraph.model.llama import LlamaForCausalLM
+from tpgraph.model.varlen_prefill import prefill_attention
 from tpgraph.uploads import to_device
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,13 @@ class ModelRunner:
                               f"({mcfg.max_position_embeddings})")
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.use_triton = self.device.type == "cuda" if cfg.use_triton is None else cfg.use_triton
-        self.backend = attention_backend(self.use_triton)
+        self.prefill_attention = "SDPA per sequence"
+        prefill = sdpa_prefill
+        if self.use_triton:  # varlen FlashAttention where a probe on this GPU and torch agrees with SDPA
+            attn = model.layers[0].self_attn
+            prefill, self.prefill_attention = prefill_attention(sdpa_prefill, self.device, self.dtype, attn.num_heads,
+                                                                attn.num_kv_heads, attn.head_dim)
+        self.backend = attention_backend(self.use_triton, prefill)
 
         # which graph mode each phase runs: resolved once, every downgrade reported loudly
         self.stats = stats if stats is not None else GraphStats()

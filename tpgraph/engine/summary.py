@@ -26,6 +26,7 @@ def startup_summary(runner: ModelRunner) -> str:
         ("all-reduce (eager)", bands["eager"]),
         ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
         ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"),
+        ("prefill attention", runner.prefill_attention),
         ("downgrades", "; ".join(d.describe() for d in runner.modes.downgrades) or "none"),
         ("graph memory", f"{runner.capture_bytes / GiB:.2f} GiB taken, "
                          f"{(runner.budget.graph_pool_estimate if runner.budget else 0) / GiB:.2f} GiB estimated, "

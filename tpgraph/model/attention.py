@@ -67,6 +67,7 @@ class AttentionMetadata:
     context_lens: tuple[int, ...] = ()
     context_blocks: tuple[tuple[int, ...], ...] = ()
     boundary: Callable[..., Any] = field(default=call)  # piecewise capture ends a graph piece here
+    varlen_layout: Any = field(default=None, repr=False, compare=False)  # varlen_prefill's, built at the first layer
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
@@ -93,16 +94,18 @@ def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCac
 
 
 class TritonAttention:
-    """Paged decode through the split-KV Triton kernel (grid from shapes and max_seq_len only), SDPA prefill."""
+    """Paged decode through the split-KV Triton kernel (grid from shapes and max_seq_len only); prefill through
+    `prefill` (varlen FlashAttention where the runner's probe found it usable, else SDPA per sequence)."""
 
     name = "triton"
     capture_support = CaptureSupport(full_decode=True, piecewise=True)
 
+    def __init__(self, prefill: Callable[..., torch.Tensor] = sdpa_prefill) -> None:
+        self.prefill = prefill
+
     def decode(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_decode_attention_v2(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale,
                                          max_seq_len=meta.max_seq_len)
-
-    prefill = staticmethod(sdpa_prefill)
 
 
 class TorchAttention:
@@ -118,5 +121,5 @@ class TorchAttention:
     prefill = staticmethod(sdpa_prefill)
 
 
-def attention_backend(use_triton: bool) -> AttentionBackend:
-    return TritonAttention() if use_triton else TorchAttention()
+def attention_backend(use_triton: bool, prefill: Callable[..., torch.Tensor] = sdpa_prefill) -> AttentionBackend:
+    return TritonAttention(prefill) if use_triton else TorchAttention()

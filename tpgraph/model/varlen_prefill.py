@@ -1,0 +1,170 @@
+"""Prefill attention in one varlen FlashAttention call a layer (torch.nn.attention.varlen), for every sequence of the
+forward at once.
+
+The per-sequence SDPA loop (attention.sdpa_prefill) costs host time for each sequence in each layer, and on Hopper
+SDPA picks cuDNN, which plans each new (query, key) length the first time it sees it: tens of milliseconds that a
+request with a new prompt length pays in its time to first token. The varlen call has neither cost: the sequences'
+lengths travel as cumulative offsets, GQA is native, and causal masking is aligned to each sequence's end, so a
+chunk that continues a cached prefix attends to the prefix and to itself in the same call. Its keys and values are
+every sequence's whole span read back from the paged cache (the chunk's own K/V are already there: rope_store
+wrote them), or, when no sequence has a cached prefix, the chunk's K/V as they are.
+
+`varlen_attn` is new in torch and its keywords moved between releases (is_causal, then window_size; enable_gqa), so
+`probe` calls it once on a small case with a cached prefix and GQA and compares it with the SDPA loop; the engine
+uses it only where that agrees (`prefill_attention`), and says which one it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tpgraph.kernels._settings import env_flag
+from tpgraph.uploads import to_device, to_device_parts
+
+if TYPE_CHECKING:
+    from tpgraph.model.attention import AttentionMetadata, KVCache
+
+Prefill = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """One prefill forward's sequences as varlen offsets, built once and shared by every layer."""
+
+    query_lens: tuple[int, ...]  # the metadata it was built from (identity decides reuse)
+    context_lens: tuple[int, ...]
+    total: int
+    cu_q: torch.Tensor  # [N + 1] int32 query offsets
+    cu_k: torch.Tensor  # [N + 1] int32 key offsets
+    max_q: int
+    max_k: int
+    k_slots: torch.Tensor | None  # [sum of spans] int64 flat cache slots, each sequence's prefix then its chunk
+
+
+def build_layout(meta: AttentionMetadata, block_size: int, device: torch.device) -> VarlenLayout:
+    lens = meta.query_lens
+    contexts = meta.context_lens or (0,) * len(lens)
+    spans = [c + n for c, n in zip(contexts, lens, strict=True)]
+    cu_q, cu_k = np.cumsum((0, *lens)), np.cumsum((0, *spans))
+    slots = None
+    if meta.context_lens:  # keys and values from the cache: each sequence's positions [0, context + n)
+        parts = []
+        for blocks, span in zip(meta.context_blocks, spans, strict=True):
+            positions = np.arange(span)
+            parts.append(np.asarray(blocks, dtype=np.int64)[positions // block_size] * block_size
+                         + positions % block_size)
+        slots = to_device(np.concatenate(parts).tolist(), torch.int64, device)
+    cu_q_t, cu_k_t = to_device_parts([cu_q.tolist(), cu_k.tolist()], torch.int32, device)
+    return VarlenLayout(lens, meta.context_lens, int(cu_q[-1]), cu_q_t, cu_k_t, max(lens), max(spans), slots)
+
+
+def layout_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> VarlenLayout:
+    """The forward's layout: built at its first layer, reused by the rest (the runner gives each forward new tuples,
+    so identity tells a new forward from the same one)."""
+    layout = meta.varlen_layout
+    if layout is None or layout.query_lens is not meta.query_lens or layout.context_lens is not meta.context_lens:
+        layout = meta.varlen_layout = build_layout(meta, block_size, device)
+    return layout
+
+
+@functools.cache
+def _keywords(causal_gqa: bool, scale: float, head_dim: int) -> dict[str, Any] | None:
+    """varlen_attn's keywords for causal attention (with GQA when `causal_gqa`) in the installed torch; None when it
+    cannot express it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = causal_gqa
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - head_dim ** -0.5) > 1e-12:
+        return None
+    return kwargs
+
+
+def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                   scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (T may be padded past sum(query_lens)) -> [T, Hq, D], padding rows zero."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if not meta.query_lens:  # padding rows only (piecewise capture runs the pieces around attention this way)
+        return q.new_zeros(q.shape)
+    layout = layout_for(meta, cache.block_size, q.device)
+    total = layout.total
+    if layout.k_slots is not None:
+        keys = cache.k.view(-1, *cache.k.shape[2:])[layout.k_slots]
+        values = cache.v.view(-1, *cache.v.shape[2:])[layout.k_slots]
+    else:
+        keys, values = k[:total], v[:total]
+    kwargs = _keywords(q.shape[1] != k.shape[1], scale, q.shape[2])
+    out = varlen_attn(q[:total], keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, **kwargs)
+    if total == q.shape[0]:
+        return out
+    padded = q.new_zeros(q.shape)
+    padded[:total] = out
+    return padded
+
+
+def probe(reference: Prefill, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+          head_dim: int) -> str | None:
+    """Run varlen_prefill on a small case (two sequences, one continuing a cached prefix, this model's head counts)
+    and compare it with `reference`. Returns None where it agrees, else why it cannot be used."""
+    from tpgraph.model.attention import AttentionMetadata, KVCache
+
+    if device.type != "cuda":
+        return "FlashAttention runs on CUDA only"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention does not take {dtype}"
+    if _keywords(num_heads != num_kv_heads, head_dim ** -0.5, head_dim) is None:
+        return f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
+    block, lens, contexts = 16, (37, 20), (0, 45)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    cache = KVCache(rand(8, block, num_kv_heads, head_dim), rand(8, block, num_kv_heads, head_dim))
+    blocks = ((0, 1, 2), (3, 4, 5, 6, 7))
+    slots = [b[p // block] * block + p % block for b, c, n in zip(blocks, contexts, lens, strict=True)
+             for p in range(c, c + n)]
+    q, k, v = rand(64, num_heads, head_dim), rand(64, num_kv_heads, head_dim), rand(64, num_kv_heads, head_dim)
+    flat_k, flat_v = cache.k.view(-1, num_kv_heads, head_dim), cache.v.view(-1, num_kv_heads, head_dim)
+    flat_k[slots], flat_v[slots] = k[:57], v[:57]  # as rope_store leaves the cache
+    meta = AttentionMetadata(True, torch.tensor(slots, device=device), torch.zeros(1, device=device),
+                             torch.zeros(1, 1, device=device), None, 128,  # type: ignore[arg-type]
+                             query_lens=lens, context_lens=contexts, context_blocks=blocks)
+    try:
+        got = varlen_prefill(q, k, v, cache, meta, head_dim ** -0.5)
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"varlen_attn failed on a probe: {type(e).__name__}: {str(e)[:200]}"
+    want = reference(q, k, v, cache, meta, head_dim ** -0.5)
+    err = (got.float() - want.float()).abs().max().item()
+    if not err <= 2e-2:
+        return f"varlen_attn differs from SDPA on a probe (max abs error {err:.3g})"
+    return None
+
+
+def prefill_attention(reference: Prefill, device: torch.device, dtype: torch.dtype, num_heads: int,
+                      num_kv_heads: int, head_dim: int) -> tuple[Prefill, str]:
+    """The prefill attention to run here and its name: varlen FlashAttention where the probe agrees, else
+    `reference` (the per-sequence SDPA loop), with the reason. TPGRAPH_VARLEN_PREFILL=0 keeps the reference."""
+    if not env_flag("TPGRAPH_VARLEN_PREFILL", True):
+        return reference, "SDPA per sequence (TPGRAPH_VARLEN_PREFILL=0)"
+    why = probe(reference, device, dtype, num_heads, num_kv_heads, head_dim)
+    if why is None:
+        return varlen_prefill, "varlen FlashAttention"
+    return reference, f"SDPA per sequence ({why})"
