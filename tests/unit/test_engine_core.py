@@ -275,3 +275,23 @@ def test_a_recomputed_sequence_gets_its_new_block_table_row():
         assert runner.decode_in.host_np("block_tables")[0, :len(old)].tolist() == seq.block_table
         alloc.free(held)
         runner.free(seq)
+
+
+def test_warm_up_samples_each_kind_of_row_alone_at_each_triton_row_count(monkeypatch):
+    """Triton compiles an integer argument equal to 1, one divisible by 16 and any other apart: the warm-up samples
+    greedy-only and sampled-only batches of 1, 3 and 16 rows, so a first burst compiles none of them."""
+    from tpgraph.engine.sampler import Sampler
+
+    seen = set()
+    original = Sampler.sample_async
+
+    def spy(self, logits, rows, ids_out=None):
+        kinds = {r.params.greedy for r in rows}
+        if len(kinds) == 1:
+            seen.add((kinds.pop(), len(rows)))
+        return original(self, logits, rows, ids_out)
+
+    monkeypatch.setattr(Sampler, "sample_async", spy)
+    with engine(max_num_seqs=16, num_kv_blocks=128, max_num_batched_tokens=256) as e:  # 16 prompts in one step
+        e.warm_up()
+    assert {(greedy, n) for greedy in (True, False) for n in (1, 3, 16)} <= seen

@@ -194,10 +194,10 @@ class TPEngine:
         return [results[r] for r in order]
 
     def warm_up(self) -> float:
-        """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows) and the
-        largest prefill chunk, so first-use costs (kernel compilation for new shapes, allocator growth, library
-        initialisation) are paid at start-up, not by the first burst of requests. Every rank calls it (SPMD).
-        Returns the seconds it took."""
+        """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows), the
+        largest prefill chunk and small all-greedy and all-sampled batches, so first-use costs (kernel compilation
+        for new shapes, allocator growth, library initialisation) are paid at start-up, not by the first burst of
+        requests. Every rank calls it (SPMD). Returns the seconds it took."""
         start = time.perf_counter()
         vocab, max_len = self.model.cfg.vocab_size, self.runner.max_model_len
         batch = self.core.scheduler.cfg.max_num_seqs
@@ -211,6 +211,12 @@ class TPEngine:
                   SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=new, ignore_eos=True)
                   for i in range(len(prompts))]
         self.generate(prompts, params)
+        # then greedy rows alone and sampled rows alone, 1, 3 and 16 at a time: Triton compiles apart an integer
+        # argument equal to 1, one divisible by 16 and any other, and a fresh server's first bursts of greedy
+        # requests compiled three argmax variants in their time to first token (session 39)
+        for n in (n for n in (1, 3, 16) if n <= batch):
+            for kind in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=0)):
+                self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
         took = time.perf_counter() - start
         if self.state.is_driver:
             logger.info("warmed up in %.1f s (%d short prompts and one of %d tokens)", took, batch, long)
