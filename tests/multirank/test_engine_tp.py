@@ -14,10 +14,12 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(tempera
 
 
 def test_two_ranks_agree_with_one():
-    ranks = run_ranks(engine_generate, 2, PROMPTS, PARAMS, ENGINE, timeout_s=240)
-    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"]
+    """The prompts twice, so the second call finds their prefixes cached: every rank keeps the same prefix cache
+    (the same schedule, the same block names) and the same completions as TP=1."""
+    ranks = run_ranks(engine_generate, 2, PROMPTS, [PARAMS, PARAMS], ENGINE, timeout_s=240)
+    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"] and ranks[0]["prefix_hits"] > 0
     with TPEngine(device="cpu", **ENGINE) as engine:
-        one = engine.generate(PROMPTS, PARAMS)
+        one = engine.generate(PROMPTS, PARAMS) + engine.generate(PROMPTS, PARAMS)
     # greedy and seeded requests match TP=1 exactly (the unseeded one draws from the shared generator, whose
     # sequence of draws also matches, since both runs schedule identically)
     single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]

@@ -25,6 +25,8 @@ def test_good_values_parse():
     assert (args.port, args.heartbeat_s, args.gpu_memory_utilization) == (65535, 0.25, 1.0)
     assert engine_kwargs(parse_args(["--num-kv-blocks", "60"]))["num_kv_blocks"] == 60  # (preemption on a CPU server)
     assert engine_kwargs(args)["num_kv_blocks"] is None
+    assert engine_kwargs(args)["enable_prefix_caching"] is True
+    assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
 
 
 def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypatch):
@@ -39,6 +41,7 @@ def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypa
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
      "without chunked prefill, max_num_batched_tokens"),
     ({"tp_size": 0}, "tp_size must be a positive integer"),
+    ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False"),
 ])
 def test_engine_settings_are_refused_before_anything_loads(kw, needle):
     """EngineConfig refuses them as it is made: TPEngine makes it first, before the weights and any rank."""

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="run each prompt in one step")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt in full (default: K/V blocks of token prefixes computed before are "
+                        "shared: system prompts, earlier chat turns, repeated prompts)")
     p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
                    help="read each step's tokens before scheduling the next (default: the next step is launched "
                         "first, so the host's work hides behind the GPU's)")
@@ -61,5 +64,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
+                enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 graphs=graph_config_from_args(args))

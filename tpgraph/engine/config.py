@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 512)
     enable_chunked_prefill: bool = True
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
+    enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
     graphs: GraphConfig = field(default_factory=GraphConfig)
@@ -38,8 +39,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        if not isinstance(self.overlap_scheduling, bool):
-            raise ConfigError(f"overlap_scheduling must be True or False, got {self.overlap_scheduling!r}")
+        for name in ("overlap_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
         utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)

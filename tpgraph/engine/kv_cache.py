@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tpgraph.errors import ConfigError
 from tpgraph.model.attention import KVCache
+
+if TYPE_CHECKING:
+    from tpgraph.engine.sequence import Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -19,6 +24,7 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up in the prefix cache, and found there
         self._free = list(range(first_block + num_blocks - 1, first_block - 1, -1))  # pop() hands out low ids first
 
     @property
@@ -32,6 +38,14 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+
+    def match(self, seq: Sequence) -> int:
+        """Cached blocks for a new sequence's prefix: none without prefix caching (prefix_cache.py). Returns the
+        tokens matched."""
+        return 0
+
+    def register(self, seq: Sequence) -> None:
+        """Offer a sequence's computed blocks for sharing: nothing to do without prefix caching."""
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,

@@ -20,6 +20,7 @@ from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.penalties import PenaltyTable
+from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.sampler import Sampler, warm_rows, worst_case_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
@@ -101,6 +102,7 @@ class RunnerConfig:
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(min(max_model_len, 8192), 512)
+    enable_prefix_caching: bool = False  # the allocator names computed blocks for sharing (engine/prefix_cache.py)
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -243,7 +245,9 @@ class ModelRunner:
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
         self.num_kv_blocks = num_blocks
-        self.allocator = BlockAllocator(num_blocks - 1, first_block=NULL_BLOCK + 1)
+        blocks, first = num_blocks - 1, NULL_BLOCK + 1
+        self.allocator = (PrefixCachingAllocator(blocks, self.block_size, first) if self.cfg.enable_prefix_caching
+                          else BlockAllocator(blocks, first))
         if self.device.type == "cuda" and last_split_reduces():  # made now, never first under a graph capture
             split_counters(self.device, 1)
             if polled_partials():
@@ -457,7 +461,8 @@ class ModelRunner:
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_registered = 0
+        seq.registered_name = b""
         self._bt_rows = [None] * self.seq_rows  # rows must be rewritten: a block id may now mean another sequence
 
     # ---- steps -----------------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ class Scheduler:
         """The sequence is done (stop, length, abort): its blocks go back at once."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self.allocator.register(seq)  # what it computed stays cached for whoever comes next
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self._free(seq)
@@ -101,6 +102,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.cfg.max_num_batched_tokens
+        for seq in self.running:  # blocks the last steps filled can be shared from now on
+            self.allocator.register(seq)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -120,12 +123,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
+            self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
-            if n < seq.num_uncached and not self.cfg.enable_chunked_prefill:
-                break
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
-            if need > self.allocator.num_free:
-                break  # queue: waiting sequences never preempt running ones
+            if (n < seq.num_uncached and not self.cfg.enable_chunked_prefill) or need > self.allocator.num_free:
+                self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
+                break
             seq.block_table.extend(self.allocator.allocate(need))
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -165,6 +168,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.running.remove(seq)
+        self.allocator.register(seq)  # its recompute can find what it computed, unless the room is taken first
         self._free(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -179,4 +183,5 @@ class Scheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_registered = 0
+        seq.registered_name = b""

@@ -37,6 +37,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
     num_pending: int = 0  # trailing output_ids that are PENDING_TOKEN (sampled on the GPU, not read back yet)
+    # prefix caching: how many leading blocks of block_table are named, and the last one's name (prefix_cache.py)
+    num_registered: int = 0
+    registered_name: bytes = b""
 
     @property
     def num_uncached(self) -> int:

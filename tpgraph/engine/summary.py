@@ -27,6 +27,8 @@ def startup_summary(runner: ModelRunner) -> str:
         ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
         ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"),
         ("prefill attention", runner.prefill_attention),
+        ("prefix caching", "on (blocks named by sha256 of their token prefix)" if runner.cfg.enable_prefix_caching
+         else "off"),
         ("downgrades", "; ".join(d.describe() for d in runner.modes.downgrades) or "none"),
         ("graph memory", f"{runner.capture_bytes / GiB:.2f} GiB taken, "
                          f"{(runner.budget.graph_pool_estimate if runner.budget else 0) / GiB:.2f} GiB estimated, "

@@ -121,7 +121,8 @@ class TPEngine:
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, graphs=cfg.graphs))
+                max_num_batched_tokens=cfg.max_num_batched_tokens, graphs=cfg.graphs,
+                enable_prefix_caching=cfg.enable_prefix_caching))
             self.core = EngineCore(self.runner, SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,

@@ -35,6 +35,10 @@ class EngineMetrics:
         self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
         self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Gauge("tpgraph_preemptions", "Preemptions so far", registry=r)
+        self.prefix_queries = Gauge("tpgraph_prefix_cache_queries_tokens", "Tokens of admitted sequences looked up in "
+                                    "the prefix cache so far", registry=r)
+        self.prefix_hits = Gauge("tpgraph_prefix_cache_hits_tokens", "Of those, tokens found cached (not computed)",
+                                 registry=r)
 
     def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
         """One engine step's wall time, its timing parts and its control-path broadcasts."""
@@ -56,6 +60,8 @@ class EngineMetrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(sched.kv_usage)
         self.preemptions.set(sched.num_preemptions)
+        self.prefix_queries.set(sched.allocator.queried_tokens)
+        self.prefix_hits.set(sched.allocator.hit_tokens)
         return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
 
 

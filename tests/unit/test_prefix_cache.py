@@ -1,0 +1,155 @@
+"""Automatic prefix caching: the allocator's naming, sharing, reference counts and eviction, and the engine's tokens
+with it on equal to those with it off (repeated prompts, shared prefixes, chunks, preemption, sampling, n > 1, a
+chat's next turn)."""
+
+import pytest
+
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.engine.prefix_cache import PrefixCachingAllocator, block_name
+from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
+
+BS = 4
+
+
+def seq(tokens, seq_id=0, outputs=()):
+    return Sequence(seq_id, list(tokens), 16, output_ids=list(outputs))
+
+
+def computed(alloc, s):
+    """Admit s (its cached prefix, then blocks for the rest) as if its whole K/V had been computed."""
+    alloc.match(s)
+    s.block_table += alloc.allocate(s.blocks_needed(BS, len(s)))
+    s.num_cached = len(s)
+    alloc.register(s)
+    return s
+
+
+def release(alloc, s):
+    alloc.free(s.block_table)
+    s.block_table, s.num_cached, s.num_registered, s.registered_name = [], 0, 0, b""
+
+
+def test_a_repeated_prompt_shares_its_full_blocks_and_computes_its_last_token():
+    alloc = PrefixCachingAllocator(16, BS)
+    a = computed(alloc, seq(range(10)))  # blocks [0-3] [4-7] named, [8-9] partial
+    assert alloc.num_cached_blocks == 2
+    b = seq(range(10), seq_id=1)
+    assert alloc.match(b) == 8 and b.block_table == a.block_table[:2]
+    exact = seq(range(8), seq_id=2)  # two whole blocks: the second is left to compute (its logits are the output)
+    assert alloc.match(exact) == 4 and exact.block_table == a.block_table[:1]
+    assert (alloc.queried_tokens, alloc.hit_tokens) == (10 + 10 + 8, 8 + 4)
+
+
+def test_a_name_covers_the_whole_prefix():
+    alloc = PrefixCachingAllocator(16, BS)
+    computed(alloc, seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert alloc.match(seq([1, 2, 3, 4, 0, 6, 7, 8, 9])) == 4  # differs in block 2: block 1 only
+    assert alloc.match(seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == 0  # block 2's tokens alone are not enough
+    assert block_name(b"", [1, 2]) != block_name(block_name(b"", [0]), [1, 2])
+
+
+def test_shared_blocks_are_counted_and_idle_ones_are_reused_oldest_tail_first():
+    alloc = PrefixCachingAllocator(6, BS)
+    a = computed(alloc, seq(range(12)))  # 3 blocks, all named
+    b = seq(range(13), seq_id=1)
+    alloc.match(b)
+    assert b.block_table == a.block_table and alloc.num_free == 3
+    table = list(a.block_table)
+    release(alloc, a)
+    assert alloc.num_free == 3, "b still holds every block a named"
+    release(alloc, b)
+    assert alloc.num_free == 6 and alloc.num_cached_blocks == 3, "idle blocks stay named and count as free"
+    fresh = alloc.allocate(4)  # the 3 never-named blocks, then the oldest idle one: a's tail
+    assert table[2] in fresh and not set(table[:2]) & set(fresh)
+    assert alloc.num_cached_blocks == 2
+    assert alloc.match(seq(range(12), seq_id=2)) == 8, "the prefix survives its tail's eviction"
+
+
+def test_pending_and_uncomputed_tokens_are_never_named():
+    alloc = PrefixCachingAllocator(16, BS)
+    s = seq(range(6), outputs=[6, PENDING_TOKEN, PENDING_TOKEN])
+    s.num_pending = 2
+    s.block_table = alloc.allocate(3)
+    s.num_cached = 9  # (the device computed the pending tokens' K/V; their ids are not on the host yet)
+    alloc.register(s)
+    assert alloc.num_cached_blocks == 1 and s.num_registered == 1  # tokens 0-3; block 2 holds a pending id
+    s.num_cached = 3
+    t = seq(range(12), seq_id=1)
+    t.block_table = alloc.allocate(3)
+    t.num_cached = 7  # K/V computed for 7 tokens: one full block
+    alloc.register(t)
+    assert t.num_registered == 1
+
+
+def test_the_same_prefix_computed_twice_at_once_names_one_block():
+    alloc = PrefixCachingAllocator(8, BS)
+    a, b = seq(range(8)), seq(range(8), seq_id=1)
+    for s in (a, b):  # both admitted before either is computed: no match
+        s.block_table = alloc.allocate(2)
+        s.num_cached = 8
+    alloc.register(a)
+    alloc.register(b)
+    assert alloc.num_cached_blocks == 2
+    release(alloc, b)
+    assert alloc.num_free == 6 and len(alloc._free) == 6, "b's copies were never named: plain free blocks"
+    with pytest.raises(ValueError, match="already holds blocks"):
+        alloc.match(a)
+
+
+# ---- the engine, on CPU: tokens with prefix caching equal those without ------------------------------------------
+SHARED = "You are a helpful assistant. Answer briefly and well. "
+
+
+def engine(caching, **kw):
+    base = dict(device="cpu", max_num_seqs=4, max_model_len=96, num_kv_blocks=64, block_size=4,
+                enable_prefix_caching=caching)
+    return TPEngine(**{**base, **kw})
+
+
+def run(caching, batches, **kw):
+    """Each batch of (prompt, params) through one engine in turn; the tokens, and the tokens found cached."""
+    with engine(caching, **kw) as e:
+        out = [[[c.token_ids for c in o.outputs] for o in e.generate([p for p, _ in b], [q for _, q in b])]
+               for b in batches]
+        return out, e.runner.allocator.hit_tokens, e.core.scheduler.num_preemptions
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, n=2)
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
+def test_engine_tokens_equal_without_caching_and_prefixes_are_found(kw):
+    batches = [[(SHARED + "What is 2+2?", GREEDY), (SHARED + "Name a colour.", SAMPLED)],
+               [(SHARED + "What is 2+2?", GREEDY), (SHARED + "Name a fruit.", GREEDY)],
+               [(SHARED + "Name a colour.", SAMPLED)]]
+    off, none, _ = run(False, batches, **kw)
+    on, hits, _ = run(True, batches, **kw)
+    assert none == 0
+    assert on == off
+    assert hits >= 4 * (len(SHARED) // 4 * 4), "the later batches found the shared prefix cached"
+
+
+def test_preempted_sequences_come_back_through_the_cache_with_the_same_tokens():
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    batches = [[(SHARED + f"request {i}", long) for i in range(4)]]
+    kw = dict(num_kv_blocks=40)  # 4 x 94 tokens do not fit 160: the newest are preempted and recomputed
+    off, _, preempted_off = run(False, batches, **kw)
+    on, hits, preempted_on = run(True, batches, **kw)
+    assert preempted_off and preempted_on
+    assert on == off and hits > 0
+
+
+def test_a_chat_turn_reuses_the_last_turn_and_its_answer():
+    with engine(True) as e:
+        first = e.generate(SHARED + "Hi", GREEDY)[0].outputs[0]
+        turn = e.encode(SHARED + "Hi") + first.token_ids + e.encode(" And then?")
+        before = e.runner.allocator.hit_tokens
+        e.generate([turn], GREEDY)
+        found = e.runner.allocator.hit_tokens - before
+        assert found >= (len(e.encode(SHARED + "Hi")) + len(first.token_ids) - 1) // 4 * 4 - 4
+    with engine(False) as e:
+        want = e.generate([turn], GREEDY)[0].outputs[0].token_ids
+    with engine(True) as e:
+        e.generate(SHARED + "Hi", GREEDY)
+        assert e.generate([turn], GREEDY)[0].outputs[0].token_ids == want

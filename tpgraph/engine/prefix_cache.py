@@ -1,0 +1,116 @@
+"""Automatic prefix caching: full KV blocks are named by a hash of every token up to their end, so a sequence whose
+tokens begin with blocks already in the cache shares them instead of computing them again (a system prompt, the
+earlier turns of a chat, a resubmitted prompt, a preempted sequence coming back).
+
+A block's name is sha256(its parent's name + its token ids): equal names mean equal token prefixes, so equal K/V.
+A cryptographic hash because a collision would hand one request another's K/V, and a weak hash can be made to
+collide on purpose. Blocks are reference-counted: a block stays named while it is in a sequence's table; when the
+last one lets it go it becomes idle, still named and reusable, and it is handed out again (its name forgotten) only
+when no never-named block is left, oldest first, the tail of a sequence before the prefix it extends. Only full
+blocks whose K/V have been computed from known token ids are named, and a shared block is never written again:
+a sequence writes only past its cached tokens, and its matched blocks are full. Every rank keeps its own copy of
+this state and reaches the same one, since it follows the same schedule and hashes the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from tpgraph.engine.kv_cache import BlockAllocator, OutOfBlocks
+from tpgraph.engine.sequence import Sequence
+
+
+def block_name(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A BlockAllocator that names computed blocks and shares them (match) with sequences that begin the same way."""
+
+    def __init__(self, num_blocks: int, block_size: int, first_block: int = 0) -> None:
+        super().__init__(num_blocks, first_block)
+        self.block_size = block_size
+        self._refs: dict[int, int] = {}  # block -> sequences holding it (every handed-out block)
+        self._by_name: dict[bytes, int] = {}
+        self._name_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # named, held by none: reusable, oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_name)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:  # the oldest idle block: its name goes with its contents
+                block, _ = self._idle.popitem(last=False)
+                del self._by_name[self._name_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # a table's tail goes idle first, so it is evicted before its prefix
+            refs = self._refs[block] - 1
+            if refs:
+                self._refs[block] = refs
+                continue
+            del self._refs[block]
+            if block in self._name_of:
+                self._idle[block] = None
+            else:
+                self._free.append(block)
+
+    def match(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix, whole blocks of known
+        tokens, always leaving its last token to compute (its logits are the step's output). Returns the tokens
+        matched (seq.num_cached)."""
+        if seq.block_table or seq.num_cached:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        tokens = seq.token_ids
+        usable = (len(tokens) - max(seq.num_pending, 1)) // self.block_size
+        bs, name, blocks = self.block_size, b"", []
+        for i in range(usable):
+            next_name = block_name(name, tokens[i * bs:(i + 1) * bs])
+            block = self._by_name.get(next_name)
+            if block is None:
+                break
+            blocks.append(block)
+            name = next_name
+        for block in blocks:
+            if block in self._idle:
+                del self._idle[block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+        seq.block_table = blocks
+        seq.num_cached = len(blocks) * bs
+        seq.num_registered, seq.registered_name = len(blocks), name  # matched blocks are named already
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += seq.num_cached
+        return seq.num_cached
+
+    def register(self, seq: Sequence) -> None:
+        """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block
+        already has (the same prefix computed twice at once) stays unnamed and is freed as usual."""
+        bs = self.block_size
+        full = min(seq.num_cached, len(seq) - seq.num_pending) // bs
+        if full <= seq.num_registered:
+            return
+        tokens, name = seq.token_ids, seq.registered_name
+        for i in range(seq.num_registered, full):
+            name = block_name(name, tokens[i * bs:(i + 1) * bs])
+            block = seq.block_table[i]
+            if name not in self._by_name and block not in self._name_of:
+                self._by_name[name] = block
+                self._name_of[block] = name
+        seq.num_registered, seq.registered_name = full, name
