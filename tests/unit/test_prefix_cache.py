@@ -153,3 +153,26 @@ def test_a_chat_turn_reuses_the_last_turn_and_its_answer():
     with engine(True) as e:
         e.generate(SHARED + "Hi", GREEDY)
         assert e.generate([turn], GREEDY)[0].outputs[0].token_ids == want
+
+
+def prefill_tokens(e):
+    """Prompt tokens the engine's prefill forwards ran (unpadded)."""
+    return sum(unpadded * count for phase, _, unpadded, _, count in e.runner.stats.frequency_table()
+               if phase == "prefill")
+
+
+def test_later_samples_wait_for_the_first_to_compute_the_prompt_and_share_it():
+    """n = 4: the prompt is computed once; each later sample computes only what lies past the prompt's last full
+    block (its last partial block, or its last token)."""
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=6)
+    prompt = SHARED + "Tell me a story."  # 70 tokens: 17 full blocks, the 18th partial
+    with engine(False, max_num_batched_tokens=16) as e:
+        want = [c.token_ids for c in e.generate(prompt, params)[0].outputs]
+        plain = prefill_tokens(e)
+    with engine(True, max_num_batched_tokens=16) as e:
+        n = len(e.encode(prompt))
+        got = [c.token_ids for c in e.generate(prompt, params)[0].outputs]
+        shared = prefill_tokens(e)
+    assert got == want
+    assert plain == 4 * n
+    assert shared == n + 3 * (n - (n - 1) // 4 * 4)

@@ -30,6 +30,8 @@ def block_name(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCachingAllocator(BlockAllocator):
     """A BlockAllocator that names computed blocks and shares them (match) with sequences that begin the same way."""
 
+    caches_prefixes = True
+
     def __init__(self, num_blocks: int, block_size: int, first_block: int = 0) -> None:
         super().__init__(num_blocks, first_block)
         self.block_size = block_size
