@@ -31,6 +31,7 @@ from bench_decode import SHAPES
 from bench_engine_steps import hf_config
 
 from tpgraph import TPEngine
+from tpgraph.config import BUILTIN_MODEL
 from tpgraph.engine.sampling_params import SamplingParams
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "_gemv_")),
@@ -44,43 +45,54 @@ def category(kernel: str) -> str:
     return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
-def parse_point(text: str) -> tuple[int, int]:
-    n, _, length = text.partition("x")
-    return int(n), int(length)
+def parse_point(text: str) -> tuple[int, int, int]:
+    """NxL: N prompts of L tokens; NxL+P: each after the same P-token prefix (a system prompt)."""
+    n, _, rest = text.partition("x")
+    length, _, prefix = rest.partition("+")
+    return int(n), int(length), int(prefix or 0)
 
 
-def run_point(engine: TPEngine, n: int, length: int, seed: int) -> dict:
-    """Queue n prompts at once and step until each has its first token."""
+def run_point(engine: TPEngine, n: int, length: int, seed: int, prefix: int = 0) -> dict:
+    """Queue n prompts at once and step until each has its first token. Their own tokens are random per seed; a
+    prefix is the same in every run, so with prefix caching only the first run computes it."""
     core, vocab = engine.core, engine.model.cfg.vocab_size
-    rng = random.Random(seed)
+    cuda = engine.runner.device.type == "cuda"
+    rng, shared = random.Random(seed), random.Random(-1)
+    head = [shared.randrange(3, vocab) for _ in range(prefix)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    torch.cuda.synchronize()
+    hits = engine.runner.allocator.hit_tokens
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(n):
-        core.add_request(f"p{seed}-{i}", [rng.randrange(3, vocab) for _ in range(length)], params)
+        core.add_request(f"p{seed}-{i}", head + [rng.randrange(3, vocab) for _ in range(length)], params)
     steps = []
     while core.has_work:
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        if events:
+            events[0].record()
         t0 = time.perf_counter()
         core.step()
         wall = time.perf_counter() - t0
-        after.record()
-        steps.append((wall, core.timing.prefill, before, after))
-    torch.cuda.synchronize()
+        if events:
+            events[1].record()
+        steps.append((wall, core.timing.prefill, events))
+    if cuda:
+        torch.cuda.synchronize()
     total = time.perf_counter() - start
-    prefill = [(w, p, b.elapsed_time(a) / 1e3) for w, p, b, a in steps if p]
+    prefill = [(w, p, e[0].elapsed_time(e[1]) / 1e3 if e else float("nan")) for w, p, e in steps if p]
     med = lambda xs: round(1e3 * statistics.median(xs), 3) if xs else float("nan")  # noqa: E731
-    return {"prompts": n, "prompt_len": length, "wall_ms": round(total * 1e3, 2), "steps": len(steps),
+    return {"prompts": n, "prompt_len": length, "prefix": prefix, "wall_ms": round(total * 1e3, 2),
+            "cached_tokens": engine.runner.allocator.hit_tokens - hits, "steps": len(steps),
             "prefill_steps": len(prefill), "step_wall_ms": med([w for w, _, _ in prefill]),
             "prefill_host_ms": med([p for _, p, _ in prefill]), "step_gpu_ms": med([g for _, _, g in prefill]),
             "tokens_per_s": round(n * length / total)}
 
 
-def profile_point(engine: TPEngine, n: int, length: int) -> dict:
+def profile_point(engine: TPEngine, n: int, length: int, prefix: int = 0) -> dict:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_point(engine, n, length, seed=99)
+        run_point(engine, n, length, seed=99, prefix=prefix)
     by_cat: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     kernels = 0
@@ -99,14 +111,14 @@ def profile_point(engine: TPEngine, n: int, length: int) -> dict:
                               "count": a.count} for a in host]}
 
 
-def python_profile(engine: TPEngine, n: int, length: int) -> str:
+def python_profile(engine: TPEngine, n: int, length: int, prefix: int = 0) -> str:
     """cProfile of one run of the point: the Python functions the host's time goes to."""
     import cProfile
     import io
     import pstats
     prof = cProfile.Profile()
     prof.enable()
-    run_point(engine, n, length, seed=98)
+    run_point(engine, n, length, seed=98, prefix=prefix)
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
@@ -115,8 +127,12 @@ def python_profile(engine: TPEngine, n: int, length: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b")
-    p.add_argument("--points", default="1x256,4x256,32x256,1x1024,1x4096")
+    p.add_argument("--shape", choices=(*SHAPES, "builtin"), default="llama3-8b")
+    p.add_argument("--points", default="1x256,4x256,32x256,1x1024,1x4096",
+                   help="NxL (N prompts of L tokens) or NxL+P (each after one shared P-token prefix), comma-separated")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full, the shared prefix of NxL+P points too")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"))
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (the chunk)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median run is reported)")
@@ -126,17 +142,19 @@ def main() -> None:
     points = [parse_point(t) for t in args.points.split(",")]
     results, profiled = [], None
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES[args.shape])))
+        (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES.get(args.shape, BUILTIN_MODEL))))
         with TPEngine(model_dir, load_format="dummy", max_num_seqs=64, max_model_len=args.max_model_len,
-                      max_num_batched_tokens=args.max_num_batched_tokens) as engine:
-            for n, length in points:
-                cold = run_point(engine, n, length, seed=0)["wall_ms"]
-                runs = sorted((run_point(engine, n, length, seed=1 + r) for r in range(args.repeats)),
+                      max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                      enable_prefix_caching=args.prefix_caching) as engine:
+            for n, length, prefix in points:
+                cold = run_point(engine, n, length, seed=0, prefix=prefix)["wall_ms"]
+                runs = sorted((run_point(engine, n, length, seed=1 + r, prefix=prefix) for r in range(args.repeats)),
                               key=lambda r: r["wall_ms"])
                 r = runs[len(runs) // 2] | {"cold_ms": cold}
                 results.append(r)
-                print(f"{n:3d} x {length:5d}: {r['wall_ms']:8.1f} ms to the last first token (cold {cold:.1f}), "
-                      f"{r['prefill_steps']} prefill steps: wall {r['step_wall_ms']:.2f} ms, host to launch "
+                print(f"{n:3d} x {length:5d}{f' + {prefix}' if prefix else ''}: {r['wall_ms']:8.1f} ms to the last "
+                      f"first token (cold {cold:.1f}; {r['cached_tokens']} tokens cached), {r['prefill_steps']} "
+                      f"prefill steps: wall {r['step_wall_ms']:.2f} ms, host to launch "
                       f"{r['prefill_host_ms']:.2f} ms, device {r['step_gpu_ms']:.2f} ms; "
                       f"{r['tokens_per_s']} prompt tokens/s", flush=True)
             if args.profile:
@@ -149,8 +167,9 @@ def main() -> None:
                 for k in profiled["top_host_ops"]:
                     print(f"  {k['self_cpu_ms']:8.3f} ms  x{k['count']:<5d} {k['name']}")
                 print(python_profile(engine, *parse_point(args.profile)))
-    args.out.write_text(json.dumps({"shape": args.shape, "chunk": args.max_num_batched_tokens, "results": results,
-                                    "profile": profiled}, indent=1))
+    args.out.write_text(json.dumps({"shape": args.shape, "chunk": args.max_num_batched_tokens,
+                                    "prefix_caching": args.prefix_caching, "results": results, "profile": profiled},
+                                   indent=1))
 
 
 if __name__ == "__main__":

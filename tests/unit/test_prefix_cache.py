@@ -176,3 +176,38 @@ def test_later_samples_wait_for_the_first_to_compute_the_prompt_and_share_it():
     assert got == want
     assert plain == 4 * n
     assert shared == n + 3 * (n - (n - 1) // 4 * 4)
+
+
+def burst(e, prompts):
+    """Queue every prompt at once (one token each) and step until done: the prompt tokens computed."""
+    before = prefill_tokens(e)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        e.core.add_request(f"burst-{i}-{before}", e.encode(p), params)
+    while e.core.has_work:
+        e.core.step()
+    return prefill_tokens(e) - before
+
+
+def test_a_burst_computes_a_new_common_prefix_once_and_a_cached_one_not_at_all():
+    questions = [SHARED * 2 + q for q in ("Why?", "How so?", "What then?", "Who?")]
+    with engine(True, max_model_len=160, max_num_batched_tokens=64) as e:
+        n_shared = len(e.encode(SHARED * 2))
+        own = sum(len(e.encode(q)) - n_shared for q in questions)
+        first = burst(e, questions)
+        assert first <= n_shared + own + 3 * 4, "the first computes the common prefix, the others wait and share it"
+        again = burst(e, [SHARED * 2 + q for q in ("And?", "So?", "Then?", "Else?")])
+        assert again <= 4 * (4 + 8), "the common prefix is cached: each computes its own tail only"
+    with engine(False, max_model_len=160, max_num_batched_tokens=64) as e:
+        assert burst(e, questions) == sum(len(e.encode(q)) for q in questions)
+
+
+def test_requests_sharing_a_cached_prefix_prefill_together():
+    """Waiting is only for blocks in flight: with the common prefix cached, a burst's prefills run in one step."""
+    with engine(True, max_model_len=160, max_num_batched_tokens=256) as e:
+        e.generate(SHARED * 2 + "warm", SamplingParams(temperature=0.0, max_tokens=1))
+        for i, q in enumerate(("Why?", "How so?", "What then?", "Who?")):
+            e.core.add_request(f"q{i}", e.encode(SHARED * 2 + q), SamplingParams(temperature=0.0, max_tokens=1))
+        e.core.step()
+        admitted = e.core.scheduler.running
+        assert len(admitted) == 4 and all(s.num_cached >= len(e.encode(SHARED * 2)) // 4 * 4 for s in admitted)

@@ -20,7 +20,6 @@ class OutOfBlocks(RuntimeError):
 class BlockAllocator:
     """Hands out block ids first_block .. first_block + num_blocks - 1 (ids below first_block are reserved)."""
 
-    caches_prefixes = False
 
     def __init__(self, num_blocks: int, first_block: int = 0) -> None:
         if num_blocks < 1:
@@ -48,6 +47,11 @@ class BlockAllocator:
 
     def register(self, seq: Sequence) -> None:
         """Offer a sequence's computed blocks for sharing: nothing to do without prefix caching."""
+
+    def worth_waiting(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Would seq share more blocks by waiting for a running sequence to compute them? Never without prefix
+        caching."""
+        return False
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,

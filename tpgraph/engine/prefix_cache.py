@@ -30,7 +30,6 @@ def block_name(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCachingAllocator(BlockAllocator):
     """A BlockAllocator that names computed blocks and shares them (match) with sequences that begin the same way."""
 
-    caches_prefixes = True
 
     def __init__(self, num_blocks: int, block_size: int, first_block: int = 0) -> None:
         super().__init__(num_blocks, first_block)
@@ -100,6 +99,24 @@ class PrefixCachingAllocator(BlockAllocator):
         self.queried_tokens += len(tokens)
         self.hit_tokens += seq.num_cached
         return seq.num_cached
+
+    def worth_waiting(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Is the first block seq would have to compute (past what is cached now) one that a running sequence with
+        the same tokens up to it has yet to compute? Then seq waits for it and shares it (SGLang's in-batch prefix
+        sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
+        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
+        bs, tokens = self.block_size, seq.token_ids
+        usable = (len(tokens) - max(seq.num_pending, 1)) // bs
+        name, cached = b"", 0
+        while cached < usable:
+            name = block_name(name, tokens[cached * bs:(cached + 1) * bs])
+            if name not in self._by_name:
+                break
+            cached += 1
+        if cached == usable:
+            return False
+        end = (cached + 1) * bs  # the end of the first block seq would compute
+        return any(s.num_cached < end <= len(s.prompt_ids) and s.prompt_ids[:end] == tokens[:end] for s in running)
 
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block

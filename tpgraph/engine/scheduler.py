@@ -123,8 +123,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
-            if self.allocator.caches_prefixes and self._sibling_prefilling(seq):
-                break  # a later sample of a request waits for the first to compute the prompt, then shares it
+            if self.allocator.worth_waiting(seq, self.running):
+                break  # a running sequence is computing blocks this one begins with: it waits, then shares them
             self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
@@ -138,12 +138,6 @@ class Scheduler:
             step.prefill.append((seq, n))
             budget -= n
         return step
-
-    def _sibling_prefilling(self, seq: Sequence) -> bool:
-        """Is another sample of seq's request running with the prompt not yet computed? (n > 1 with prefix
-        caching: the later samples then find the prompt's blocks cached and compute only its last partial block.)"""
-        return seq.sample_index > 0 and any(
-            s.request_id == seq.request_id and s.num_cached < len(s.prompt_ids) - 1 for s in self.running)
 
     def _decided_by_pending(self, seq: Sequence) -> bool:
         """Would this sequence's fate be decided by its pending tokens? Its last one reaches max_tokens or
