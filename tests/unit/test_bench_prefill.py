@@ -25,9 +25,9 @@ def test_a_shared_prefix_is_computed_once(bench, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bench.hf_config(BUILTIN_MODEL)))
     with TPEngine(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=128,
                   num_kv_blocks=64, block_size=8) as engine:
-        first = bench.run_point(engine, 3, 20, seed=0, prefix=40)
-        again = bench.run_point(engine, 3, 20, seed=1, prefix=40)
+        first = bench.run_point(engine, 3, 20, seed=0, prefix=80)
+        again = bench.run_point(engine, 3, 20, seed=1, prefix=80)
         plain = bench.run_point(engine, 3, 20, seed=2)
-    assert first["cached_tokens"] == 2 * 40, "the first prompt computes the prefix; the other two wait and share it"
-    assert again["cached_tokens"] == 3 * 40
+    assert first["cached_tokens"] == 2 * 80, "the first prompt computes the prefix; the other two wait and share it"
+    assert again["cached_tokens"] == 3 * 80
     assert plain["cached_tokens"] == 0 and plain["prefill_steps"] == 1

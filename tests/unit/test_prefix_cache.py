@@ -166,10 +166,10 @@ def test_later_samples_wait_for_the_first_to_compute_the_prompt_and_share_it():
     block (its last partial block, or its last token)."""
     params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=6)
     prompt = SHARED + "Tell me a story."  # 70 tokens: 17 full blocks, the 18th partial
-    with engine(False, max_num_batched_tokens=16) as e:
+    with engine(False, max_num_batched_tokens=256) as e:  # (room for all four in one step: they would go together)
         want = [c.token_ids for c in e.generate(prompt, params)[0].outputs]
         plain = prefill_tokens(e)
-    with engine(True, max_num_batched_tokens=16) as e:
+    with engine(True, max_num_batched_tokens=256) as e:
         n = len(e.encode(prompt))
         got = [c.token_ids for c in e.generate(prompt, params)[0].outputs]
         shared = prefill_tokens(e)
@@ -211,3 +211,23 @@ def test_requests_sharing_a_cached_prefix_prefill_together():
         e.core.step()
         admitted = e.core.scheduler.running
         assert len(admitted) == 4 and all(s.num_cached >= len(e.encode(SHARED * 2)) // 4 * 4 for s in admitted)
+
+
+def test_waiting_starts_for_enough_shared_tokens_and_lasts_until_they_are_computed():
+    alloc = PrefixCachingAllocator(32, BS)
+    s = seq(range(40))  # running, computing its prompt
+    s.block_table = alloc.allocate(10)
+    few = seq([*range(12), 99, 98, 97], seq_id=1)  # 3 blocks in common with s: 12 < 32 tokens, not worth a step
+    many = seq([*range(36), 99], seq_id=2)  # 9 blocks in common
+    assert not alloc.worth_waiting(few, [s]) and not few.awaits_prefix
+    assert alloc.worth_waiting(many, [s]) and many.awaits_prefix
+    s.num_cached = 28
+    alloc.register(s)  # 7 blocks computed and named: 2 left in common, which many still waits for
+    assert alloc.worth_waiting(many, [s])
+    fresh = seq([*range(36), 99], seq_id=3)  # ... while a newcomer would not start waiting for 2 blocks
+    assert not alloc.worth_waiting(fresh, [s])
+    s.num_cached = 40
+    alloc.register(s)
+    assert not alloc.worth_waiting(many, [s]) and not many.awaits_prefix
+    assert alloc.match(many) == 36
+    assert not alloc.worth_waiting(seq(range(40), seq_id=4), [])

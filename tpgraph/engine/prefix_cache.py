@@ -22,6 +22,10 @@ import numpy as np
 from tpgraph.engine.kv_cache import BlockAllocator, OutOfBlocks
 from tpgraph.engine.sequence import Sequence
 
+# waiting costs a step: it is worth it for at least this many tokens that would otherwise be computed twice (SGLang's
+# in-batch prefix check starts at 32 as well)
+WAIT_MIN_TOKENS = 32
+
 
 def block_name(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
@@ -101,8 +105,8 @@ class PrefixCachingAllocator(BlockAllocator):
         return seq.num_cached
 
     def worth_waiting(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """Is the first block seq would have to compute (past what is cached now) one that a running sequence with
-        the same tokens up to it has yet to compute? Then seq waits for it and shares it (SGLang's in-batch prefix
+        """Is a running sequence about to compute, from the same tokens, WAIT_MIN_TOKENS or more that seq would
+        otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
         common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
         bs, tokens = self.block_size, seq.token_ids
@@ -113,10 +117,20 @@ class PrefixCachingAllocator(BlockAllocator):
             if name not in self._by_name:
                 break
             cached += 1
-        if cached == usable:
-            return False
-        end = (cached + 1) * bs  # the end of the first block seq would compute
-        return any(s.num_cached < end <= len(s.prompt_ids) and s.prompt_ids[:end] == tokens[:end] for s in running)
+        # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
+        least = 1 if seq.awaits_prefix else -(-WAIT_MIN_TOKENS // bs)
+        for s in running:
+            if s.num_cached >= (cached + 1) * bs or s.prompt_ids[:cached * bs] != tokens[:cached * bs]:
+                continue  # it computed that block already (so it is named, or never will be), or it begins otherwise
+            shared = cached  # the whole blocks seq has in common with s's prompt
+            while shared < usable and (shared + 1) * bs <= len(s.prompt_ids) and (
+                    s.prompt_ids[shared * bs:(shared + 1) * bs] == tokens[shared * bs:(shared + 1) * bs]):
+                shared += 1
+            if shared - cached >= least:
+                seq.awaits_prefix = True
+                return True
+        seq.awaits_prefix = False
+        return False
 
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block

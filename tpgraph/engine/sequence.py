@@ -40,6 +40,7 @@ class Sequence:
     # prefix caching: how many leading blocks of block_table are named, and the last one's name (prefix_cache.py)
     num_registered: int = 0
     registered_name: bytes = b""
+    awaits_prefix: bool = False  # waiting (not admitted) for a running sequence to compute blocks it will share
 
     @property
     def num_uncached(self) -> int:
