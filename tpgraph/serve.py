@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
@@ -77,11 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
-    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=frontend_closed.set)
+    listening = threading.Event()
+    url = f"http://{args.host}:{args.port}"
+
+    def serving() -> None:  # the front end's HTTP server accepts connections: only now is "serving" true
+        logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)
+        listening.set()
+
+    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=frontend_closed.set, on_ready=serving)
     signal.signal(signal.SIGTERM, lambda *_: requested.set())
     service.start()
     bridge.start()
-    logger.info("serving %s on http://%s:%d (tp=%d)", name, args.host, args.port, engine.state.world_size)
+    start_deadline = time.monotonic() + FRONTEND_START_S
     failed = False
     try:
         while not requested.wait(0.5):
@@ -93,9 +101,18 @@ def main(argv: list[str] | None = None) -> int:
                 frontend.join(1.0)
                 if frontend.exitcode == 0:  # it was stopped (Ctrl-C reaches it first, or SIGTERM): so are we
                     logger.info("the HTTP front end stopped; stopping")
+                elif not listening.is_set():  # (a port taken since the check, an import that failed): say so, stop
+                    logger.error("the HTTP front end failed to start (exit code %s); nothing serves %s; stopping",
+                                 frontend.exitcode, url)
+                    failed = True
                 else:
                     logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
                     failed = True
+                break
+            if not listening.is_set() and time.monotonic() > start_deadline:
+                logger.error("the HTTP front end was not listening on %s after %.0f s; stopping", url,
+                             FRONTEND_START_S)
+                failed = True
                 break
     except KeyboardInterrupt:  # Ctrl-C reaches the front end too; it stops by itself
         pass
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FOLLOWER_GRACE_S = 8.0
+FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn
 
 
 def port_number(text: str) -> int:

@@ -53,17 +53,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, port: int, ranks: int = 2, torchrun: bool = True) -> None:
-        """torchrun False: `python -m tpgraph.serve -tp N`, which starts its other ranks itself."""
+    def __init__(self, port: int, ranks: int = 2, torchrun: bool = True, env: dict | None = None,
+                 wait: bool = True) -> None:
+        """torchrun False: `python -m tpgraph.serve -tp N`, which starts its other ranks itself. wait False: return
+        as soon as it is started, not once /health answers."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # a file, not a pipe: it never fills up
         launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "tpgraph.serve"] if torchrun \
             else ["-m", "tpgraph.serve", "-tp", str(ranks)]
         self.proc = subprocess.Popen(
             [sys.executable, *launch, "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT,
             text=True, env=env, start_new_session=True)
+        if not wait:
+            return
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -87,6 +91,18 @@ class Server:
     def output(self) -> str:
         self.log.flush()
         return open(self.log.name).read()
+
+    def wait_for(self, text: str, seconds: float = 180) -> str:
+        """The output up to the moment `text` is in it (checked every 5 ms)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            out = self.output()
+            if text in out:
+                return out
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited before saying {text!r}:\n{out[-3000:]}")
+            time.sleep(0.005)
+        raise TimeoutError(f"the server did not say {text!r} in {seconds} s:\n{self.output()[-3000:]}")
 
     def ranks(self) -> list[int]:
         """The worker processes (torchrun starts each in its own session)."""
@@ -429,6 +445,61 @@ def test_an_address_in_use_is_refused_before_the_model_loads():
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
     assert "warmed up" not in out.stderr and time.monotonic() - start < 60
+
+
+# Every interpreter started with this on its PYTHONPATH (the server's ranks and its spawned front end) imports it, so
+# the front end's uvicorn waits SLOW_LISTEN_S before it binds: a server that said "serving" before listening is caught.
+SLOW_LISTEN = """
+import os
+if os.environ.get("TPGRAPH_TEST_SLOW_LISTEN_S"):
+    import asyncio
+    import uvicorn
+    _startup = uvicorn.Server.startup
+
+    async def startup(self, sockets=None):
+        await asyncio.sleep(float(os.environ["TPGRAPH_TEST_SLOW_LISTEN_S"]))
+        await _startup(self, sockets)
+
+    uvicorn.Server.startup = startup
+"""
+
+
+@pytest.fixture
+def slow_listen(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(SLOW_LISTEN)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "TPGRAPH_TEST_SLOW_LISTEN_S": "2"}
+
+
+def test_serving_is_said_once_the_port_accepts_connections(slow_listen):
+    """A script that waits for the "serving" line and connects at once gets in: the line used to come before the
+    front-end process had bound its port (connection refused, even without the slow listen)."""
+    s = Server(free_port(), ranks=1, torchrun=False, env=slow_listen, wait=False)
+    try:
+        s.wait_for(f"serving {MODEL} on {s.url} (tp=1)")
+        assert http("GET", f"{s.url}/health", timeout=5).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_front_end_that_cannot_listen_stops_every_rank_with_an_error(slow_listen):
+    """The port is free when checked before loading but taken by the time the front end binds: rank 0 says so, never
+    says "serving", and every rank stops."""
+    s = Server(free_port(), torchrun=False, env=slow_listen, wait=False)  # (torchrun would stop rank 1 itself)
+    with socket.socket() as thief:
+        try:
+            s.wait_for("warmed up in")  # the front end starts after the warm-up, then listens 2 s later
+            processes = [*s.ranks(), *(p for r in s.ranks() for p in children(r))]
+            thief.bind(("127.0.0.1", s.port))
+            thief.listen()
+            code = s.proc.wait(timeout=60)
+            out = s.output()
+            assert code == 1 and "the HTTP front end failed to start (exit code 3)" in out, out[-3000:]  # (uvicorn's 3)
+            assert f"nothing serves {s.url}" in out and "address already in use" in out, out[-3000:]
+            assert "serving" not in out and "Traceback" not in out, out[-3000:]
+            assert wait_gone(processes, 30) < 30
+        finally:
+            s.stop()
 
 
 def test_a_dead_front_end_stops_the_server_with_an_error():

@@ -76,6 +76,16 @@ def test_the_engine_side_hears_the_front_end_go():
     assert closed.wait(10)
 
 
+def test_the_front_end_says_when_it_listens():
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    ready = threading.Event()
+    bridge = EngineBridge(FakeService(), engine_end, lambda: b"", on_closed=lambda: None, on_ready=ready.set)
+    bridge.start()
+    EngineClient(frontend_end, LIMITS).listening()
+    assert ready.wait(10)
+    bridge.close()
+
+
 def test_limits_refuse_what_the_engine_would():
     import pytest
 

@@ -4,7 +4,8 @@ The front end (FastAPI, SSE formatting, tokenization) and the engine's step loop
 in one process they share one GIL, and at batch 64 the step loop waited milliseconds for it every step. So rank 0
 starts the front end as its own process, and the two talk through one duplex pipe:
 
-    front end -> engine: ("add", request id, prompt ids, params), ("abort", request id), ("metrics", ticket)
+    front end -> engine: ("ready",) once, when its HTTP server accepts connections; ("add", request id, prompt ids,
+                         params), ("abort", request id), ("metrics", ticket)
     engine -> front end: a list per send, of StepUpdates, ("metrics", ticket, exposition bytes) replies and a last
                          ("closing",)
 
@@ -42,8 +43,10 @@ class EngineBridge:
     """Engine side (rank 0's process): requests from the pipe go to the service's inbox; its updates go back."""
 
     def __init__(self, service: EngineService, conn: Connection, exposition: Callable[[], bytes],
-                 on_closed: Callable[[], None]) -> None:
+                 on_closed: Callable[[], None], on_ready: Callable[[], None] | None = None) -> None:
+        """on_ready: called (on the reader thread) when the front end says its HTTP server accepts connections."""
         self.service, self.conn, self.exposition, self.on_closed = service, conn, exposition, on_closed
+        self.on_ready = on_ready
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._read, name="tpgraph-bridge-in", daemon=True),
                          threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True)]
@@ -78,6 +81,8 @@ class EngineBridge:
                     self.service.enqueue_abort(message[1])
                 elif kind == "metrics":
                     self._out.put(("metrics", message[1], self.exposition()))
+                elif kind == "ready" and self.on_ready is not None:
+                    self.on_ready()
         except (EOFError, OSError):
             logger.info("the HTTP front end closed its pipe")
         except Exception:  # noqa: BLE001 - a message the engine cannot take: stop serving rather than hang
@@ -131,6 +136,10 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self._loop is not None and self.error is None
+
+    def listening(self) -> None:
+        """Tell the engine side the HTTP server accepts connections now (call on the event loop, once)."""
+        self.conn.send(("ready",))
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_ids, params)

@@ -1,5 +1,6 @@
 """The HTTP front end as its own process (see bridge.py for why): rank 0 starts it with `start_frontend` and it runs
-FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told to stop (SIGTERM, Ctrl-C)."""
+FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told to stop (SIGTERM, Ctrl-C). It says
+("ready",) over the pipe once uvicorn listens; if it cannot (the address is taken), it exits with code 1."""
 
 from __future__ import annotations
 
@@ -44,12 +45,18 @@ def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
 def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)  # binds and listens (or exits with code 1: the address is taken)
+            if self.started:  # rank 0 says "serving" only now: a client that reads it and connects gets in
+                client.listening()
+
     from tpgraph.server.app import create_app
     from tpgraph.server.bridge import EngineClient
     from tpgraph.server.metrics import ServerMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    server: uvicorn.Server | None = None
+    server: Server | None = None
 
     def engine_gone() -> None:
         if client.closing:
@@ -62,6 +69,6 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
+    server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()
