@@ -1,6 +1,6 @@
 """The HTTP front end as its own process (see bridge.py for why): rank 0 starts it with `start_frontend` and it runs
 FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told to stop (SIGTERM, Ctrl-C). It says
-("ready",) over the pipe once uvicorn listens; if it cannot (the address is taken), it exits with code 1."""
+("ready",) over the pipe once uvicorn listens; if it cannot (the address is taken), it exits non-zero."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)  # binds and listens (or exits with code 1: the address is taken)
+            await super().startup(sockets)  # binds and listens (or exits non-zero: the address is taken)
             if self.started:  # rank 0 says "serving" only now: a client that reads it and connects gets in
                 client.listening()
 
