@@ -79,8 +79,9 @@ def step_means(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
-def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int) -> dict:
-    prompts = [(f"request {i}: " + "lorem ipsum " * prompt_len)[:prompt_len] for i in range(concurrency)]
+def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int, shared: str = "") -> dict:
+    """`shared`: a common beginning of every prompt (a system prompt), before each request's own prompt_len chars."""
+    prompts = [shared + (f"request {i}: " + "lorem ipsum " * prompt_len)[:prompt_len] for i in range(concurrency)]
     results: list[dict] = [None] * concurrency  # type: ignore[list-item]
     before = scrape(url)
     start = time.perf_counter()
@@ -98,7 +99,10 @@ def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int
     tokens = sum(r["chunks"] for r in results)
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
+    cached = {k: after.get(f"tpgraph_prefix_cache_{k}_tokens", 0) - before.get(f"tpgraph_prefix_cache_{k}_tokens", 0)
+              for k in ("queries", "hits")}
     return {"concurrency": concurrency, "max_tokens": max_tokens, "prompt_chars": prompt_len,
+            "shared_prefix_chars": len(shared), "prefix_cache_tokens": cached,
             "completed": sum(r["chunks"] == max_tokens for r in results), "wall_s": wall,
             "output_tokens_per_s": tokens / wall,
             "ttft_ms": {"p50": percentile(ttft, 0.5) * 1e3, "p99": percentile(ttft, 0.99) * 1e3},
@@ -113,12 +117,18 @@ def main() -> None:
     p.add_argument("--concurrency", default="64,1", help="comma-separated: a loaded run at each, in this order")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt characters (the byte tokenizer: ~tokens)")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="characters of a system prompt every request begins with, new for each loaded run (so the "
+                        "warm-up does not cache it); the server's prefix caching computes it once")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
     result = {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        run(args.url, args.model, concurrency, 16, args.prompt_len)  # warm-up: the same batch shapes, short
-        r = result[f"x{concurrency}"] = run(args.url, args.model, concurrency, args.max_tokens, args.prompt_len)
+        shared = lambda tag: (f"system prompt {tag}: " + "be brief. " * args.shared_prefix_len)[  # noqa: E731
+            :args.shared_prefix_len]
+        run(args.url, args.model, concurrency, 16, args.prompt_len, shared("warm-up"))  # the same shapes, short
+        r = result[f"x{concurrency}"] = run(args.url, args.model, concurrency, args.max_tokens, args.prompt_len,
+                                            shared(f"x{concurrency}"))
         s = r["server_step"]
         print(f"x{r['concurrency']}: {r['completed']}/{r['concurrency']} complete, "
               f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} p99 {r['ttft_ms']['p99']:.1f} "
@@ -127,7 +137,8 @@ def main() -> None:
               f"prepare {s['host_prepare_ms']:.3f}, launch {s['host_submit_ms']:.3f}, post "
               f"{s['host_postprocess_ms']:.3f}), GPU {s['gpu_decode_ms']:.3f} ms, sample wait {s['sample_ms']:.3f} ms"
               f" | {s['steps']:.0f} steps of {s['step_wall_ms']:.2f} ms, {s['prefill_steps']:.0f} with prefill "
-              f"({s['prefill_ms']:.1f} ms of it)", flush=True)
+              f"({s['prefill_ms']:.1f} ms of it) | prompt tokens cached {r['prefix_cache_tokens']['hits']:.0f} of "
+              f"{r['prefix_cache_tokens']['queries']:.0f}", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
-#        [argmax] [l2-carry] [acceptance]
+#        [argmax] [l2-carry] [acceptance] [prefill]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
 #        [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -164,7 +164,8 @@ for step in "$@"; do
              --modes full --batches 1,8,32 --no-ladders --out "$out/decode_pdl$pdl.json" 2>&1 | grep -E "TPOT" \
              | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
     serve) # the server on the GPU: loaded streaming runs at each of SERVE_CONCURRENCY (default 64,1) through it
-         # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling
+         # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling; SERVE_SHARED
+         # gives every request a common system prompt of that many characters (prefix caching computes it once)
          python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
              --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
@@ -180,8 +181,20 @@ for step in "$@"; do
          for _ in $(seq 240); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
          curl -sf localhost:8000/health >/dev/null || { echo "server not up"; tail -30 "$out/$tag.log"; }
          timeout 400 python3 bench/bench_serve.py --model llama3-8b --concurrency "${SERVE_CONCURRENCY:-64,1}" \
-             --max-tokens ${SERVE_TOKENS:-256} --prompt-len 256 --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
+             --max-tokens ${SERVE_TOKENS:-256} --prompt-len 256 --shared-prefix-len ${SERVE_SHARED:-0} \
+             --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
          pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/$tag.log" ;;
+    prefill) # time to first token through the engine (bench_prefill.py, TP=1, SHAPE as for ab): the SDPA loop and
+         # varlen FlashAttention, each point's first sight beside its warm runs; then shared-prefix points with prefix
+         # caching on and off
+         for v in 0 1; do TPGRAPH_VARLEN_PREFILL=$v timeout 200 python3 bench/bench_prefill.py --shape "${SHAPE:-llama3-8b}" \
+             --no-prefix-caching --points 1x256,4x256,32x256,1x1024,1x4096,1x300,1x301,1x517 \
+             --out "$out/prefill_varlen$v.json" 2>&1 | tr '\r' '\n' | grep -E " x +[0-9]+|Error" \
+             | sed "s/^/varlen=$v /" | tee -a "$out/prefill.log"; pack; done
+         for caching in on off; do timeout 200 python3 bench/bench_prefill.py --shape "${SHAPE:-llama3-8b}" \
+             $([ $caching = off ] && echo --no-prefix-caching) --points 32x256+2048,8x64+4096,1x256+4096 \
+             --out "$out/prefill_shared_caching_$caching.json" 2>&1 | tr '\r' '\n' | grep -E " x +[0-9]+|Error" \
+             | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
