@@ -437,6 +437,73 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
             "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits}
 
 
+def service_with_rank0_failure(rank, world_size, init, failure, prompts, engine_kw, wait_s):
+    """The server's loop on every rank (rank 0 drives an EngineService in its thread, the others follow it), with a
+    failure injected in rank 0 alone: "detokenizer" (the request with max_tokens=7 cannot be prepared), "sink" (its
+    front end's sink raises on its first token) or "on_step" (the step hook raises once). Rank 0 sends that request
+    ("bad") and a good one ("good", prompts[0]) in one message, then each prompt ("after-i"); all greedy. Returns,
+    on rank 0, each request's [(token id, finish reason)] and, on every rank, the requests still held."""
+    import os
+    import sys
+    import threading
+
+    from tpgraph import SamplingParams, TPEngine
+    from tpgraph.engine import core as core_module
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        if rank != 0:
+            EngineService(engine.core, ControlPlane(engine.state)).run_worker()
+            return {"requests": list(engine.core.requests), "has_work": engine.core.has_work}
+        if failure == "detokenizer":  # (module state of this process: rank 0's alone)
+            real = core_module.Detokenizer
+
+            def detokenizer(tokenizer, prompt_ids, params):
+                if params.max_tokens == 7:
+                    raise TypeError("rank 0 alone cannot build this detokenizer")
+                return real(tokenizer, prompt_ids, params)
+
+            core_module.Detokenizer = detokenizer
+        hook_calls = []
+
+        def on_step(updates, step_s):
+            hook_calls.append(step_s)
+            if failure == "on_step" and len(hook_calls) == 1:
+                raise RuntimeError("rank 0's step hook failed")
+
+        service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=0.05, on_step=on_step)
+        got, done = {}, {}
+
+        def submit(request_id, prompt, params):
+            got[request_id], done[request_id] = [], threading.Event()
+
+            def sink(update):
+                if failure == "sink" and request_id == "bad" and update.token_id is not None:
+                    raise RuntimeError("rank 0's front end failed")
+                got[request_id].append((update.token_id, update.finish_reason))
+                if update.finish_reason is not None:
+                    done[request_id].set()
+
+            service.enqueue(request_id, engine.encode(prompt), params, sink)
+
+        def wait(request_ids):
+            if not all(done[r].wait(wait_s) for r in request_ids):  # a desynced loop hangs: say so, end at once
+                print(f"rank 0: {request_ids} not finished within {wait_s} s", file=sys.stderr, flush=True)
+                os._exit(3)
+
+        submit("bad", prompts[0], SamplingParams(temperature=0.0, max_tokens=7))
+        submit("good", prompts[0], SamplingParams(temperature=0.0, max_tokens=8))
+        service.start()  # (both in its first message)
+        wait(["good"] if failure == "sink" else ["bad", "good"])
+        for i, prompt in enumerate(prompts):
+            submit(f"after-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        wait([f"after-{i}" for i in range(len(prompts))])
+        told = service.shutdown()
+        return {"updates": got, "told": told, "error": repr(service.error), "requests": list(engine.core.requests),
+                "has_work": engine.core.has_work}
+
+
 def custom_ar_fused_norm(rank, world_size, init, cases, replays):
     """1shot_push + residual add + RMSNorm against 1shot_push then the add+RMSNorm kernel, on random-normal inputs:
     the new residual bit-equal, the normed output within bf16 rounding, both equal across ranks; eager, then the

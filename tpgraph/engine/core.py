@@ -84,6 +84,18 @@ class InFlight:
 
 
 @dataclass
+class PreparedRequest:
+    """A request with everything built that may fail for reasons of this process alone (its checks, detokenizers):
+    adding it can then be refused only for reasons every rank shares (RequestError), so rank 0 prepares a request
+    before it tells the other ranks about it (service.py)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizers: list[Detokenizer | None]
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt_ids: list[int]
@@ -129,22 +141,32 @@ class EngineCore:
         self.limits.check(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt_ids, params))
+
+    def prepare_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """Check a request and build its detokenizers; touches no engine state (safe in the middle of a step)."""
+        self.check_request(prompt_ids, params)
+        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
+                  for _ in range(params.n)]
+        return PreparedRequest(request_id, list(prompt_ids), params, detoks)
+
+    def add_prepared(self, request: PreparedRequest) -> None:
+        """Queue a prepared request whole, or refuse it (RequestError) with nothing queued."""
+        request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
-        self.check_request(prompt_ids, params)
         max_len = self.scheduler.cfg.max_model_len
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params))
             self._next_seq_id += 1
-        # everything that may raise comes before the first sequence is queued: a request is taken whole or not at all
-        # (one queued without its state broke every later step)
-        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
-                  for _ in seqs]
+        # what may raise for one rank alone was built in prepare_request, before the first sequence is queued: a
+        # request is taken whole or not at all (one queued without its state broke every later step)
         for seq in seqs:
             self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued (the same length)
-        self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs, detoks)
+        self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs,
+                                                 list(request.detokenizers))
 
     def abort(self, request_id: str) -> list[StepUpdate]:
         state = self.requests.pop(request_id, None)

@@ -4,6 +4,11 @@ Front ends (the HTTP server) call `submit` / `abort` from any thread and get eac
 callback they passed. Each loop turn: collect what arrived, send it to every rank (control.py), apply it on every
 rank in the same order, and step if there is work. Idle, rank 0 waits for requests up to `heartbeat_s` at a time and
 then sends an empty message, so the other ranks hear from it regularly.
+
+Every rank must apply the same adds, aborts and steps, so what can fail on rank 0 alone never fails between a message
+and what the other ranks do with it: a request is prepared (checked, detokenizers built) before it is sent, and one
+that fails is answered and left out; a front end's sink that raises loses its request through an abort in the next
+message; the step hook is switched off. A turn that raises anyway fails the service for good (see `turn`).
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpgraph.engine.control import ControlPlane, StepMessage
-from tpgraph.engine.core import EngineCore, StepUpdate
+from tpgraph.engine.core import EngineCore, PreparedRequest, StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[StepUpdate], None]
+Local = list[tuple[PreparedRequest, Sink]]  # rank 0's side of a message's adds, one per add, in order
 
 
 @dataclass
@@ -42,7 +48,7 @@ class EngineService:
         self.times = LoopTimes()
         self.error: BaseException | None = None
         self._inbox: queue.Queue[tuple] = queue.Queue()
-        self._next: tuple[StepMessage, dict[str, Sink]] | None = None  # exchanged, applied next turn
+        self._next: tuple[StepMessage, Local | None] | None = None  # exchanged, applied next turn
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
 
@@ -107,6 +113,21 @@ class EngineService:
         return not self._inbox.empty() or (self._next is not None and not self._next[0].empty)
 
     def turn(self) -> bool:
+        """One loop turn, the same on every rank (see _turn). False: shut down.
+
+        A turn that raises may have stopped between messages and collectives the other ranks go through (rank 0's
+        step failing, say): the ranks may then disagree on what runs next, and another turn could wait forever in
+        a collective nobody else joins. So the service is failed for good (`error`), and takes no more turns."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop failed earlier ({type(self.error).__name__}: {self.error}); its "
+                               f"ranks may disagree, so it takes no more turns")
+        try:
+            return self._turn()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _turn(self) -> bool:
         """One loop turn, the same on every rank. False: shut down.
 
         In steady decode the next turn's message travels during this turn's step, while the GPU runs (the step's
@@ -117,8 +138,8 @@ class EngineService:
         t0 = time.perf_counter()
         if self._next is None:
             self._next = self._exchange(block=not self.core.has_work)
-        (message, sinks), self._next = self._next, None
-        self._apply(message, sinks)
+        (message, local), self._next = self._next, None
+        self._apply(message, local)
         if message.shutdown:
             return False
         if not self.core.has_work:
@@ -137,41 +158,59 @@ class EngineService:
         self.times = LoopTimes(control_s=top + mid, step_s=time.perf_counter() - t1 - mid)
         self._deliver(updates)
         if self.on_step is not None:
-            self.on_step(updates, self.times.step_s)
+            try:
+                self.on_step(updates, self.times.step_s)
+            except Exception:  # noqa: BLE001 - rank 0's alone, after the step: raising would strand the other ranks
+                logger.exception("the step hook failed; it is switched off and the engine serves on")
+                self.on_step = None
         return True
 
-    def _exchange(self, block: bool) -> tuple[StepMessage, dict[str, Sink]]:
+    def _exchange(self, block: bool) -> tuple[StepMessage, Local | None]:
         if self.control.state.rank == 0:
-            message, sinks = self._collect(block)
-            return self.control.exchange(message), sinks
-        return self.control.exchange(None), {}
+            message, local = self._collect(block)
+            return self.control.exchange(message), local
+        return self.control.exchange(None), None
 
-    def _apply(self, message: StepMessage, sinks: dict[str, Sink]) -> None:
-        for request_id, prompt_ids, params in message.adds:
+    def _apply(self, message: StepMessage, local: Local | None) -> None:
+        """Every rank applies the same adds and aborts in the same order. `local`: rank 0's prepared adds and sinks
+        (None on the other ranks, which build the same requests from the message)."""
+        for i, (request_id, prompt_ids, params) in enumerate(message.adds):
             try:
-                self.core.add_request(request_id, prompt_ids, params)
-                if request_id in sinks:
-                    self._sinks[request_id] = sinks[request_id]
-            except Exception as exc:  # noqa: BLE001 - checked at submit; a late refusal (every rank alike) answers
-                # the request and leaves the engine serving, on followers too
-                if not isinstance(exc, RequestError):
-                    logger.exception("request %s could not be added", request_id)
-                sink = sinks.get(request_id)
-                if sink is not None:
-                    sink(StepUpdate(request_id, 0, None, str(exc), "error"))
+                if local is None:
+                    self.core.add_request(request_id, prompt_ids, params)
+                else:
+                    self.core.add_prepared(local[i][0])
+            except RequestError as exc:  # a refusal from what every rank shares (an id already running, a length):
+                # every rank refuses it alike; it is answered and the engine serves on. Anything else may have hit
+                # one rank alone (rank 0 prepared this request without failing), so it is not swallowed: a rank
+                # that carried on without the request would desync from the others.
+                if local is not None:
+                    self._answer(local[i][1], StepUpdate(request_id, 0, None, str(exc), "error"))
+                continue
+            if local is not None:
+                self._sinks[request_id] = local[i][1]
         for request_id in message.aborts:
             self._deliver(self.core.abort(request_id))
 
-    def _collect(self, block: bool) -> tuple[StepMessage, dict[str, Sink]]:
-        message, sinks = StepMessage(), {}
+    def _collect(self, block: bool) -> tuple[StepMessage, Local]:
+        """Rank 0: what arrived since the last message. A request that fails to prepare (its checks, detokenizers:
+        a failure that may be rank 0's alone) is answered here, before any rank hears of it."""
+        message, local = StepMessage(), []
         try:
             item = self._inbox.get(timeout=self.heartbeat_s) if block else self._inbox.get_nowait()
             while True:
                 kind = item[0]
                 if kind == "add":
                     _, request_id, prompt_ids, params, sink = item
-                    message.adds.append((request_id, prompt_ids, params))
-                    sinks[request_id] = sink
+                    try:
+                        prepared = self.core.prepare_request(request_id, prompt_ids, params)
+                    except Exception as exc:  # noqa: BLE001 - checked at submit; a late failure answers the request
+                        if not isinstance(exc, RequestError):
+                            logger.exception("request %s could not be added", request_id)
+                        self._answer(sink, StepUpdate(request_id, 0, None, str(exc), "error"))
+                    else:
+                        message.adds.append((request_id, prepared.prompt_ids, params))
+                        local.append((prepared, sink))
                 elif kind == "abort":
                     message.aborts.append(item[1])
                 else:
@@ -179,13 +218,25 @@ class EngineService:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        return message, sinks
+        return message, local
+
+    def _answer(self, sink: Sink, update: StepUpdate) -> None:
+        """Rank 0: hand an update to a front end's sink. A sink that raises must not end rank 0's loop alone (the
+        other ranks would wait in the next collective for good): it is dropped and its request aborted, on every
+        rank, by the next message."""
+        try:
+            sink(update)
+        except Exception:  # noqa: BLE001 - the front end's failure is its request's, not the engine's
+            logger.exception("delivering an update of request %s failed; aborting the request", update.request_id)
+            self._sinks.pop(update.request_id, None)
+            if update.finish_reason != "error" and update.request_id in self.core.requests:  # (an error: not added)
+                self.enqueue_abort(update.request_id)
 
     def _deliver(self, updates: list[StepUpdate]) -> None:
         for update in updates:
             sink = self._sinks.get(update.request_id)
             if sink is not None:
-                sink(update)
+                self._answer(sink, update)
         # A request is over once all its samples finished; a step can finish several of them (n > 1), so its sink is
         # forgotten only after every update of this step was delivered.
         for request_id in {update.request_id for update in updates if update.finish_reason is not None}:

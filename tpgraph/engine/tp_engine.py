@@ -249,6 +249,8 @@ class TPEngine:
             for request_id in request_ids:
                 self.core.abort(request_id)
             return
+        if self.service.error is not None:  # a turn failed midway: no more turns (they could hang); close ends it
+            return
         for request_id in request_ids:
             self.service.enqueue_abort(request_id)
         while self.service.pending:
@@ -283,11 +285,15 @@ class TPEngine:
         if self._closed:
             return
         self._closed = True
-        if self.service is not None and not followers_told:  # the followers return and close too
+        failed = self.service is not None and self.service.error is not None
+        if self.service is not None and not followers_told and not failed:  # the followers return and close too
             self.service.enqueue_shutdown()
             while self.service.turn():
                 pass
         self.peer_watch.stop()
+        if failed:  # the followers may wait in a collective this rank left: no message reaches them, so end them
+            logger.error("the engine loop failed (%s); stopping the other ranks", self.service.error)
+            self._stop_followers(timeout_s=0.0)
         self.runner.close()
         self.comm.close()
         destroy_distributed(self.state)
@@ -298,6 +304,7 @@ class TPEngine:
             p.join(timeout_s)
             if p.is_alive():
                 p.terminate()
+                p.join(5.0)
 
     def __enter__(self) -> TPEngine:
         return self
