@@ -57,10 +57,12 @@ def run_point(engine: TPEngine, n: int, length: int, seed: int, prefix: int = 0)
     prefix is the same in every run, so with prefix caching only the first run computes it."""
     core, vocab = engine.core, engine.model.cfg.vocab_size
     cuda = engine.runner.device.type == "cuda"
-    rng, shared = random.Random(seed), random.Random(-1)
+    # each point's own tokens from its own generator (points with the same seed share no prompt, so no cached
+    # blocks), a prefix from one generator for all
+    rng, shared = random.Random(hash((seed, n, length, prefix))), random.Random(-1)
     head = [shared.randrange(3, vocab) for _ in range(prefix)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    hits = engine.runner.allocator.hit_tokens
+    hits = core.scheduler.prefix_hit_tokens
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -83,7 +85,7 @@ def run_point(engine: TPEngine, n: int, length: int, seed: int, prefix: int = 0)
     prefill = [(w, p, e[0].elapsed_time(e[1]) / 1e3 if e else float("nan")) for w, p, e in steps if p]
     med = lambda xs: round(1e3 * statistics.median(xs), 3) if xs else float("nan")  # noqa: E731
     return {"prompts": n, "prompt_len": length, "prefix": prefix, "wall_ms": round(total * 1e3, 2),
-            "cached_tokens": engine.runner.allocator.hit_tokens - hits, "steps": len(steps),
+            "cached_tokens": core.scheduler.prefix_hit_tokens - hits, "steps": len(steps),
             "prefill_steps": len(prefill), "step_wall_ms": med([w for w, _, _ in prefill]),
             "prefill_host_ms": med([p for _, p, _ in prefill]), "step_gpu_ms": med([g for _, _, g in prefill]),
             "tokens_per_s": round(n * length / total)}

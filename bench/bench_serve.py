@@ -99,7 +99,7 @@ def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int
     tokens = sum(r["chunks"] for r in results)
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
-    cached = {k: after.get(f"tpgraph_prefix_cache_{k}_tokens", 0) - before.get(f"tpgraph_prefix_cache_{k}_tokens", 0)
+    cached = {k: after.get(f"tpgraph_prefix_cache_{k}_total", 0) - before.get(f"tpgraph_prefix_cache_{k}_total", 0)
               for k in ("queries", "hits")}
     return {"concurrency": concurrency, "max_tokens": max_tokens, "prompt_chars": prompt_len,
             "shared_prefix_chars": len(shared), "prefix_cache_tokens": cached,

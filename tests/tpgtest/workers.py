@@ -432,7 +432,7 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
         out = [o for call in calls for o in engine.generate(prompts, call)]
         blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
         in_step = engine.runner.greedy_in_step
-        hits = engine.runner.allocator.hit_tokens
+        hits = engine.core.scheduler.prefix_hit_tokens
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
             "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits}
 

@@ -63,16 +63,33 @@ def test_padding_only_forward_gives_zeros(standin):
 def test_layout_offsets_slots_and_reuse():
     _, _, _, cache, meta = prefill_case((3, 2), (0, 5))
     layout = vp.layout_for(meta, BLOCK, torch.device("cpu"))
-    assert layout.cu_q.tolist() == [0, 3, 5] and layout.cu_k.tolist() == [0, 3, 10]
-    assert (layout.total, layout.max_q, layout.max_k) == (5, 3, 7)
+    (call,) = layout.calls
+    assert call.cu_q.tolist() == [0, 3, 5] and call.cu_k.tolist() == [0, 3, 10]
+    assert (layout.total, call.start, call.end, call.max_q, call.max_k) == (5, 0, 5, 3, 7)
     tables = meta.context_blocks
     want = [tables[0][p // BLOCK] * BLOCK + p % BLOCK for p in range(3)]
     want += [tables[1][p // BLOCK] * BLOCK + p % BLOCK for p in range(7)]
-    assert layout.k_slots.tolist() == want
+    assert call.k_slots.tolist() == want
     assert vp.layout_for(meta, BLOCK, torch.device("cpu")) is layout, "the next layer of the same forward reuses it"
     meta.query_lens, meta.context_lens = (3, 1), (0, 6)  # the next forward through the same (piecewise) metadata
     again = vp.layout_for(meta, BLOCK, torch.device("cpu"))
-    assert again is not layout and again.cu_k.tolist() == [0, 3, 10]
+    assert again is not layout and again.calls[0].cu_k.tolist() == [0, 3, 10]
+
+
+def test_gathers_are_split_into_calls_of_bounded_keys(standin, monkeypatch):
+    """Keys gathered from the cache are a transient copy: at most GATHER_MAX_TOKENS a call (a longer sequence alone),
+    and the answer is the same."""
+    monkeypatch.setattr(vp, "GATHER_MAX_TOKENS", 60)
+    lens, contexts = (37, 20, 5, 9), (0, 45, 3, 70)  # spans 37, 65, 8, 79
+    q, k, v, cache, meta = prefill_case(lens, contexts, padded=3)
+    calls = vp.layout_for(meta, BLOCK, torch.device("cpu")).calls
+    assert [(c.start, c.end) for c in calls] == [(0, 37), (37, 57), (57, 62), (62, 71)]  # 37 | 65 | 8 | 79
+    torch.testing.assert_close(vp.varlen_prefill(q, k, v, cache, meta, 0.3), sdpa_prefill(q, k, v, cache, meta, 0.3),
+                               atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(vp, "GATHER_MAX_TOKENS", 120)
+    meta.query_lens = tuple(meta.query_lens)  # (a new forward: the layout is built again)
+    meta.varlen_layout = None
+    assert [(c.start, c.end) for c in vp.layout_for(meta, BLOCK, torch.device("cpu")).calls] == [(0, 62), (62, 71)]
 
 
 @pytest.mark.parametrize("signature, gqa, scale, want", [

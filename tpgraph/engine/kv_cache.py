@@ -25,7 +25,6 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up in the prefix cache, and found there
         self._free = list(range(first_block + num_blocks - 1, first_block - 1, -1))  # pop() hands out low ids first
 
     @property

@@ -6,10 +6,11 @@ A block's name is sha256(its parent's name + its token ids): equal names mean eq
 A cryptographic hash because a collision would hand one request another's K/V, and a weak hash can be made to
 collide on purpose. Blocks are reference-counted: a block stays named while it is in a sequence's table; when the
 last one lets it go it becomes idle, still named and reusable, and it is handed out again (its name forgotten) only
-when no never-named block is left, oldest first, the tail of a sequence before the prefix it extends. Only full
-blocks whose K/V have been computed from known token ids are named, and a shared block is never written again:
-a sequence writes only past its cached tokens, and its matched blocks are full. Every rank keeps its own copy of
-this state and reaches the same one, since it follows the same schedule and hashes the same ids.
+when no unnamed free block is left, oldest first, the tail of a sequence before the prefix it extends. Only full
+blocks whose K/V are computed from known token ids are named (num_cached counts tokens whose K/V are written or
+queued to be written, and any later reader runs after that on the same stream), and a shared block is never written
+again: a sequence writes only past its cached tokens, and its matched blocks are full. Every rank keeps its own copy
+of this state and reaches the same one, since it follows the same schedule and hashes the same ids.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ def block_name(parent: bytes, tokens: list[int]) -> bytes:
 
 class PrefixCachingAllocator(BlockAllocator):
     """A BlockAllocator that names computed blocks and shares them (match) with sequences that begin the same way."""
-
 
     def __init__(self, num_blocks: int, block_size: int, first_block: int = 0) -> None:
         super().__init__(num_blocks, first_block)
@@ -77,46 +77,46 @@ class PrefixCachingAllocator(BlockAllocator):
             else:
                 self._free.append(block)
 
+    def _usable(self, seq: Sequence) -> int:
+        """Whole blocks of seq that may come from the cache: known ids, and never its last token (its logits are the
+        step's output)."""
+        return (len(seq) - max(seq.num_pending, 1)) // self.block_size
+
+    def _cached_names(self, tokens: list[int], usable: int) -> list[bytes]:
+        """The names of the leading whole blocks of `tokens` that are cached (at most `usable`)."""
+        bs, names = self.block_size, []
+        while len(names) < usable:
+            i = len(names)
+            name = block_name(names[-1] if names else b"", tokens[i * bs:(i + 1) * bs])
+            if name not in self._by_name:
+                break
+            names.append(name)
+        return names
+
     def match(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the cached blocks of its longest cached prefix, whole blocks of known
-        tokens, always leaving its last token to compute (its logits are the step's output). Returns the tokens
-        matched (seq.num_cached)."""
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix. Returns the tokens matched
+        (seq.num_cached)."""
         if seq.block_table or seq.num_cached:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        tokens = seq.token_ids
-        usable = (len(tokens) - max(seq.num_pending, 1)) // self.block_size
-        bs, name, blocks = self.block_size, b"", []
-        for i in range(usable):
-            next_name = block_name(name, tokens[i * bs:(i + 1) * bs])
-            block = self._by_name.get(next_name)
-            if block is None:
-                break
-            blocks.append(block)
-            name = next_name
+        names = self._cached_names(seq.token_ids, self._usable(seq))
+        blocks = [self._by_name[name] for name in names]
         for block in blocks:
             if block in self._idle:
                 del self._idle[block]
             self._refs[block] = self._refs.get(block, 0) + 1
         seq.block_table = blocks
-        seq.num_cached = len(blocks) * bs
-        seq.num_registered, seq.registered_name = len(blocks), name  # matched blocks are named already
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += seq.num_cached
+        seq.num_cached = len(blocks) * self.block_size
+        seq.num_registered, seq.registered_name = len(names), names[-1] if names else b""  # (named already)
         return seq.num_cached
 
     def worth_waiting(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Is a running sequence about to compute, from the same tokens, WAIT_MIN_TOKENS or more that seq would
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
-        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
-        bs, tokens = self.block_size, seq.token_ids
-        usable = (len(tokens) - max(seq.num_pending, 1)) // bs
-        name, cached = b"", 0
-        while cached < usable:
-            name = block_name(name, tokens[cached * bs:(cached + 1) * bs])
-            if name not in self._by_name:
-                break
-            cached += 1
+        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once.
+        Waiting holds the queue behind seq too, as a lack of blocks does."""
+        bs, tokens, usable = self.block_size, seq.token_ids, self._usable(seq)
+        cached = len(self._cached_names(tokens, usable))
         # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
         least = 1 if seq.awaits_prefix else -(-WAIT_MIN_TOKENS // bs)
         for s in running:

@@ -102,7 +102,9 @@ class RunnerConfig:
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(min(max_model_len, 8192), 512)
-    enable_prefix_caching: bool = False  # the allocator names computed blocks for sharing (engine/prefix_cache.py)
+    # the allocator names computed blocks for sharing (engine/prefix_cache.py); the engine turns it on, while a runner
+    # driven by hand (the greedy loop, hf_parity) has no scheduler to match prompts
+    enable_prefix_caching: bool = False
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -460,9 +462,7 @@ class ModelRunner:
 
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_cached = seq.num_registered = 0
-        seq.registered_name = b""
+        seq.forget_blocks()
         self._bt_rows = [None] * self.seq_rows  # rows must be rewritten: a block id may now mean another sequence
 
     # ---- steps -----------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
 
 1. running sequences first, oldest first: one token for a decoding sequence, the next chunk for one still
    prefilling (chunked prefill);
-2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last.
+2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last. With
+   prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and the head of the queue
+   waits a step while a running sequence computes 32 or more tokens it begins with too, then shares them.
 
 The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
 none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the
@@ -68,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
+        # tokens of the sequences admitted so far (recomputed ones again), and of those, the ones found cached
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
 
     # ---- requests in and out ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -132,6 +136,8 @@ class Scheduler:
                 self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
                 break
             seq.block_table.extend(self.allocator.allocate(need))
+            self.prefix_queried_tokens += len(seq)
+            self.prefix_hit_tokens += seq.num_cached
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -184,6 +190,4 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         if seq.block_table:
             self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_cached = seq.num_registered = 0
-        seq.registered_name = b""
+        seq.forget_blocks()

@@ -85,6 +85,12 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def forget_blocks(self) -> None:
+        """Its blocks were given back: no table, nothing cached, nothing named (prefix caching starts over too)."""
+        self.block_table = []
+        self.num_cached = self.num_registered = 0
+        self.registered_name = b""
+
     def blocks_needed(self, block_size: int, num_tokens: int) -> int:
         """Extra blocks to hold num_tokens in total."""
         return max(0, -(-num_tokens // block_size) - len(self.block_table))

@@ -35,10 +35,12 @@ class EngineMetrics:
         self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
         self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Gauge("tpgraph_preemptions", "Preemptions so far", registry=r)
-        self.prefix_queries = Gauge("tpgraph_prefix_cache_queries_tokens", "Tokens of admitted sequences looked up in "
-                                    "the prefix cache so far", registry=r)
-        self.prefix_hits = Gauge("tpgraph_prefix_cache_hits_tokens", "Of those, tokens found cached (not computed)",
-                                 registry=r)
+        self.prefix_queries = Counter("tpgraph_prefix_cache_queries", "Tokens of the sequences admitted (a recomputed "
+                                      "one again), looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("tpgraph_prefix_cache_hits", "Of those, tokens found cached (not computed)",
+                                   registry=r)
+        # the scheduler's totals when serving began (the warm-up's are not counted), then as last exported
+        self._prefix_counted = (core.scheduler.prefix_queried_tokens, core.scheduler.prefix_hit_tokens)
 
     def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
         """One engine step's wall time, its timing parts and its control-path broadcasts."""
@@ -60,8 +62,11 @@ class EngineMetrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(sched.kv_usage)
         self.preemptions.set(sched.num_preemptions)
-        self.prefix_queries.set(sched.allocator.queried_tokens)
-        self.prefix_hits.set(sched.allocator.hit_tokens)
+        totals = (sched.prefix_queried_tokens, sched.prefix_hit_tokens)
+        for counter, total, counted in zip((self.prefix_queries, self.prefix_hits), totals, self._prefix_counted,
+                                           strict=True):
+            counter.inc(total - counted)
+        self._prefix_counted = totals
         return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
 
 

@@ -1,0 +1,150 @@
+"""Prefix caching under stress and at its edges (from session 39's review): metrics count each admitted sequence
+once, bench_prefill's plain points share nothing, short prompts do not wait, every block comes back after an engine
+error, and random bursts (aborts, preemption, n > 1, stop ids, shared prefixes, chunking and overlap on and off) give
+the tokens and log-probabilities of the engine without caching, with every block back at the end."""
+
+import json
+import random
+
+import pytest
+from tpgtest.bench_modules import load_bench_module
+
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.config import BUILTIN_MODEL
+from tpgraph.engine.prefix_cache import PrefixCachingAllocator
+from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+from tpgraph.engine.sequence import Sequence
+
+BS = 4
+
+
+def engine(caching, **kw):
+    base = dict(device="cpu", max_num_seqs=4, max_model_len=96, num_kv_blocks=64, block_size=BS,
+                enable_prefix_caching=caching)
+    return TPEngine(**{**base, **kw})
+
+
+def prefill_tokens(e):
+    return sum(unpadded * count for phase, _, unpadded, _, count in e.runner.stats.frequency_table()
+               if phase == "prefill")
+
+
+def test_a_queued_sequence_is_counted_once_in_the_prefix_metrics():
+    alloc = PrefixCachingAllocator(8, BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS),
+                      alloc)
+    done = Sequence(0, list(range(12)), 4)  # computed and finished: 3 named idle blocks
+    sched.add(done)
+    sched.schedule()
+    done.num_cached, done.output_ids = 12, [5]
+    sched.finish(done, "stop")
+    running = Sequence(1, list(range(100, 119)), 4)  # takes the 5 never-named blocks
+    sched.add(running)
+    sched.schedule()
+    running.num_cached = 18
+    queued = Sequence(2, [*range(12), 50, 51, 52, 53, 54], 4)  # 12 tokens cached, but no block for the rest
+    sched.add(queued)
+    before = (sched.prefix_queried_tokens, sched.prefix_hit_tokens)
+    for _ in range(3):
+        sched.schedule()
+    assert sched.waiting[0] is queued and queued.status.value == "waiting", "never admitted"
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == before, "nothing counted before admission"
+    running.num_cached = 0
+    sched.finish(running, "abort")  # room: now it is admitted, and counted once
+    sched.schedule()
+    assert (sched.prefix_queried_tokens - before[0], sched.prefix_hit_tokens - before[1]) == (17, 12)
+
+
+def test_bench_plain_points_share_no_prompt_with_earlier_points(tmp_path):
+    bench = load_bench_module("bench_prefill")
+    (tmp_path / "config.json").write_text(json.dumps(bench.hf_config(BUILTIN_MODEL)))
+    with TPEngine(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=128,
+                  num_kv_blocks=64, block_size=8) as e:
+        bench.run_point(e, 1, 40, seed=1)  # main(): every point runs seeds 0 .. repeats
+        later = bench.run_point(e, 2, 40, seed=1)  # the next point, e.g. 1x256 then 4x256
+    assert later["cached_tokens"] == 0, f"a plain point found {later['cached_tokens']} tokens cached"
+
+
+def test_later_samples_of_a_short_prompt_do_not_wait():
+    """Under WAIT_MIN_TOKENS (32) in common, one step's wait is not worth it: every sample computes the prompt."""
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=2)
+    prompt = list(range(1, 23))  # 22 tokens: 5 full blocks (20 tokens) shareable
+    with engine(True, max_num_batched_tokens=256) as e:
+        e.generate([prompt], params)
+        assert prefill_tokens(e) == 4 * 22
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_blocks_come_back_after_an_engine_error_and_the_next_call_matches(where):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(1, 41)) + [50 + i] * 5 for i in range(3)]
+    with engine(False, max_num_batched_tokens=16) as e:
+        want = [o.outputs[0].token_ids for o in e.generate(prompts, params)]
+    with engine(True, max_num_batched_tokens=16) as e:
+        original, calls = getattr(e.runner, where), [0]
+
+        def failing(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected")
+            return original(*a, **k)
+
+        setattr(e.runner, where, failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            e.generate(prompts, params)
+        setattr(e.runner, where, original)
+        alloc = e.runner.allocator
+        assert alloc.num_free == alloc.num_blocks
+        assert [o.outputs[0].token_ids for o in e.generate(prompts, params)] == want
+        assert alloc.num_free == alloc.num_blocks
+
+
+def _drive(e, reqs):
+    """Requests (id, prompt, params, arrival step, abort step or None) through the core; tokens and logprobs."""
+    core, out, pending, aborted, step = e.core, {}, list(reqs), set(), 0
+    while pending or core.has_work:
+        for r in [r for r in pending if r[3] <= step]:
+            core.add_request(r[0], r[1], r[2])
+            pending.remove(r)
+        for r in reqs:
+            if r[4] == step and r[0] in core.requests:
+                core.abort(r[0])
+                aborted.add(r[0])
+        for u in core.step():
+            if u.token_id is not None:
+                out.setdefault((u.request_id, u.sample_index), []).append((u.token_id, u.logprob))
+        step += 1
+        assert step < 2000, "no progress"
+    return out, aborted
+
+
+@pytest.mark.parametrize("seed", [203, 217, 227])  # preemptions, aborts, n > 1, stop ids, shared prefixes
+def test_random_bursts_with_aborts_and_preemption_match_no_caching(seed):
+    rng = random.Random(seed)
+    base = [rng.randrange(256) for _ in range(40)]
+    reqs = []
+    for i in range(rng.randrange(3, 8)):
+        prompt = base[:rng.choice([0, 8, 20, 33, 40])] + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
+        if rng.random() < 0.2 and reqs:
+            prompt = list(reqs[-1][1])
+        p = SamplingParams(temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randrange(1, 25),
+                           n=rng.choice([1, 1, 2, 3]), logprobs=0, ignore_eos=True,
+                           stop_token_ids=tuple(rng.sample(range(256), rng.choice([0, 0, 10]))))
+        arrive = rng.randrange(12)
+        reqs.append((f"r{i}", prompt, p, arrive, arrive + rng.randrange(15) if rng.random() < 0.25 else None))
+    bs = rng.choice([4, 4, 8])
+    chunked = rng.random() < 0.8
+    kw = dict(max_num_seqs=rng.choice([2, 4]), num_kv_blocks=rng.choice([26, 40, 64]) * 4 // bs, block_size=bs,
+              enable_chunked_prefill=chunked, overlap_scheduling=rng.random() < 0.7)
+    if chunked and (budget := rng.choice([None, 16, 32])):
+        kw["max_num_batched_tokens"] = budget
+    with engine(False, **kw) as e:
+        off, a_off = _drive(e, reqs)
+    with engine(True, **kw) as e:
+        on, a_on = _drive(e, reqs)
+        assert e.runner.allocator.num_free == e.runner.allocator.num_blocks
+    for key in off:
+        if key[0] in a_off | a_on:
+            continue
+        assert [t for t, _ in on[key]] == [t for t, _ in off[key]], key
+        assert max(abs(x - y) for (_, x), (_, y) in zip(on[key], off[key], strict=True)) < 1e-3, key
