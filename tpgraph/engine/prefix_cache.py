@@ -113,8 +113,7 @@ class PrefixCachingAllocator(BlockAllocator):
         """Is a running sequence about to compute, from the same tokens, WAIT_MIN_TOKENS or more that seq would
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
-        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once.
-        Waiting holds the queue behind seq too, as a lack of blocks does."""
+        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
         bs, tokens, usable = self.block_size, seq.token_ids, self._usable(seq)
         cached = len(self._cached_names(tokens, usable))
         # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
