@@ -26,7 +26,7 @@ def computed(alloc, s):
 
 def release(alloc, s):
     alloc.free(s.block_table)
-    s.block_table, s.num_cached, s.num_registered, s.registered_name = [], 0, 0, b""
+    s.forget_blocks()
 
 
 def test_a_repeated_prompt_shares_its_full_blocks_and_computes_its_last_token():

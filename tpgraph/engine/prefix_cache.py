@@ -82,31 +82,38 @@ class PrefixCachingAllocator(BlockAllocator):
         step's output)."""
         return (len(seq) - max(seq.num_pending, 1)) // self.block_size
 
-    def _cached_names(self, tokens: list[int], usable: int) -> list[bytes]:
-        """The names of the leading whole blocks of `tokens` that are cached (at most `usable`)."""
-        bs, names = self.block_size, []
-        while len(names) < usable:
-            i = len(names)
-            name = block_name(names[-1] if names else b"", tokens[i * bs:(i + 1) * bs])
-            if name not in self._by_name:
-                break
-            names.append(name)
+    def _names(self, seq: Sequence, count: int) -> list[bytes]:
+        """The names of seq's first `count` whole blocks (count within its known ids), hashed once per sequence: its
+        ids only grow (outputs dropped after a stop end it), so the list is cut to its length and extended."""
+        bs, names = self.block_size, seq.block_names
+        del names[len(seq) // bs:]
+        if len(names) < count:
+            tokens = seq.token_ids
+            for i in range(len(names), count):
+                names.append(block_name(names[-1] if names else b"", tokens[i * bs:(i + 1) * bs]))
         return names
+
+    def _cached_blocks(self, names: list[bytes], usable: int) -> int:
+        cached = 0
+        while cached < usable and names[cached] in self._by_name:
+            cached += 1
+        return cached
 
     def match(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix. Returns the tokens matched
         (seq.num_cached)."""
         if seq.block_table or seq.num_cached:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        names = self._cached_names(seq.token_ids, self._usable(seq))
-        blocks = [self._by_name[name] for name in names]
+        usable = self._usable(seq)
+        names = self._names(seq, usable)
+        blocks = [self._by_name[name] for name in names[:self._cached_blocks(names, usable)]]
         for block in blocks:
             if block in self._idle:
                 del self._idle[block]
             self._refs[block] = self._refs.get(block, 0) + 1
         seq.block_table = blocks
         seq.num_cached = len(blocks) * self.block_size
-        seq.num_registered, seq.registered_name = len(names), names[-1] if names else b""  # (named already)
+        seq.num_registered = len(blocks)  # (named already)
         return seq.num_cached
 
     def worth_waiting(self, seq: Sequence, running: list[Sequence]) -> bool:
@@ -114,16 +121,19 @@ class PrefixCachingAllocator(BlockAllocator):
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
         common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
-        bs, tokens, usable = self.block_size, seq.token_ids, self._usable(seq)
-        cached = len(self._cached_names(tokens, usable))
+        bs, usable = self.block_size, self._usable(seq)
+        names = self._names(seq, usable)
+        cached = self._cached_blocks(names, usable)
         # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
         least = 1 if seq.awaits_prefix else -(-WAIT_MIN_TOKENS // bs)
         for s in running:
-            if s.num_cached >= (cached + 1) * bs or s.prompt_ids[:cached * bs] != tokens[:cached * bs]:
-                continue  # it computed that block already (so it is named, or never will be), or it begins otherwise
-            shared = cached  # the whole blocks seq has in common with s's prompt
-            while shared < usable and (shared + 1) * bs <= len(s.prompt_ids) and (
-                    s.prompt_ids[shared * bs:(shared + 1) * bs] == tokens[shared * bs:(shared + 1) * bs]):
+            if s.num_cached >= (cached + 1) * bs:
+                continue  # it computed that block already: named (so cached), or never to be
+            theirs = self._names(s, len(s.prompt_ids) // bs)  # the blocks of its prompt
+            if cached and (len(theirs) < cached or theirs[cached - 1] != names[cached - 1]):
+                continue  # it begins otherwise (a name covers every token before it)
+            shared = cached
+            while shared < min(usable, len(theirs)) and theirs[shared] == names[shared]:
                 shared += 1
             if shared - cached >= least:
                 seq.awaits_prefix = True
@@ -134,15 +144,13 @@ class PrefixCachingAllocator(BlockAllocator):
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block
         already has (the same prefix computed twice at once) stays unnamed and is freed as usual."""
-        bs = self.block_size
-        full = min(seq.num_cached, len(seq) - seq.num_pending) // bs
+        full = min(seq.num_cached, len(seq) - seq.num_pending) // self.block_size
         if full <= seq.num_registered:
             return
-        tokens, name = seq.token_ids, seq.registered_name
+        names = self._names(seq, full)
         for i in range(seq.num_registered, full):
-            name = block_name(name, tokens[i * bs:(i + 1) * bs])
-            block = seq.block_table[i]
+            name, block = names[i], seq.block_table[i]
             if name not in self._by_name and block not in self._name_of:
                 self._by_name[name] = block
                 self._name_of[block] = name
-        seq.num_registered, seq.registered_name = full, name
+        seq.num_registered = full

@@ -37,9 +37,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
     num_pending: int = 0  # trailing output_ids that are PENDING_TOKEN (sampled on the GPU, not read back yet)
-    # prefix caching: how many leading blocks of block_table are named, and the last one's name (prefix_cache.py)
+    # prefix caching (prefix_cache.py): the names of its whole blocks of known ids so far (hashed once), and how many
+    # leading blocks of block_table carry theirs
+    block_names: list[bytes] = field(default_factory=list)
     num_registered: int = 0
-    registered_name: bytes = b""
     awaits_prefix: bool = False  # waiting (not admitted) for a running sequence to compute blocks it will share
 
     @property
@@ -86,10 +87,9 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def forget_blocks(self) -> None:
-        """Its blocks were given back: no table, nothing cached, nothing named (prefix caching starts over too)."""
+        """Its blocks were given back: no table, nothing cached, none of them named (its block names still hold)."""
         self.block_table = []
         self.num_cached = self.num_registered = 0
-        self.registered_name = b""
 
     def blocks_needed(self, block_size: int, num_tokens: int) -> int:
         """Extra blocks to hold num_tokens in total."""
