@@ -230,21 +230,3 @@ def test_waiting_starts_for_enough_shared_tokens_and_lasts_until_they_are_comput
     assert not alloc.worth_waiting(many, [s]) and not many.awaits_prefix
     assert alloc.match(many) == 36
     assert not alloc.worth_waiting(seq(range(40), seq_id=4), [])
-
-
-def test_a_waiting_sequence_does_not_hold_up_the_queue_behind_it():
-    """A burst of three prompts with one new common beginning and an unrelated one behind them: the first and the
-    unrelated one prefill together in the first step; the other two wait for the common blocks, then share them."""
-    with engine(True, max_model_len=160, max_num_batched_tokens=512) as e:
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        for i, text in enumerate([SHARED * 2 + "Why?", SHARED * 2 + "How?", SHARED * 2 + "Who?", "Unrelated."]):
-            e.core.add_request(f"b{i}", e.encode(text), params)
-        e.core.step()
-        assert sorted(s.request_id for s in e.core.scheduler.running) == ["b0", "b3"]
-        assert [s.request_id for s in e.core.scheduler.waiting] == ["b1", "b2"]
-        e.core.step()
-        later = {s.request_id: s.num_cached for s in e.core.scheduler.running}
-        assert {"b1", "b2"} <= set(later)
-        while e.core.has_work:
-            e.core.step()
-        assert e.core.scheduler.prefix_hit_tokens >= 2 * (len(e.encode(SHARED * 2)) // 4 * 4)

@@ -120,7 +120,9 @@ class PrefixCachingAllocator(BlockAllocator):
         """Is a running sequence about to compute, from the same tokens, WAIT_MIN_TOKENS or more that seq would
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
-        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once."""
+        common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once.
+        Waiting holds the queue behind seq too, as a lack of blocks does: requests behind it would take the slots and
+        blocks it waits to use."""
         bs, usable = self.block_size, self._usable(seq)
         names = self._names(seq, usable)
         cached = self._cached_blocks(names, usable)

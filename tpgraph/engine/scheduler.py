@@ -5,9 +5,8 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
 1. running sequences first, oldest first: one token for a decoding sequence, the next chunk for one still
    prefilling (chunked prefill);
 2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last. With
-   prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and one that begins with 32
-   or more tokens a running sequence is computing stays at the front of the queue until they are computed, then
-   shares them, while the sequences behind it go on.
+   prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and the head of the queue
+   waits a step while a running sequence computes 32 or more tokens it begins with too, then shares them.
 
 The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
 none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the
@@ -124,14 +123,12 @@ class Scheduler:
                 step.decode.append(seq)
             else:
                 step.prefill.append((seq, n))
-        deferred = 0  # at the front of the queue: sequences waiting for blocks a running one is computing
-        while len(self.waiting) > deferred and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[deferred]
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
             if self.allocator.worth_waiting(seq, self.running):
-                deferred += 1  # it waits, then shares them; the queue behind it goes on (the wait is one prefill)
-                continue
+                break  # a running sequence is computing blocks this one begins with: it waits, then shares them
             self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
@@ -141,7 +138,7 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
             self.prefix_queried_tokens += len(seq)
             self.prefix_hit_tokens += seq.num_cached
-            del self.waiting[deferred]
+            self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             step.prefill.append((seq, n))
