@@ -13,7 +13,7 @@ from tpgraph import SamplingParams, TPEngine
 from tpgraph.config import BUILTIN_MODEL
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
-from tpgraph.engine.sequence import Sequence
+from tpgraph.engine.sequence import Sequence, Status
 
 BS = 4
 
@@ -148,3 +148,40 @@ def test_random_bursts_with_aborts_and_preemption_match_no_caching(seed):
             continue
         assert [t for t, _ in on[key]] == [t for t, _ in off[key]], key
         assert max(abs(x - y) for (_, x), (_, y) in zip(on[key], off[key], strict=True)) < 1e-3, key
+
+
+PREFIX = list(range(100, 140))  # 40 tokens: 10 blocks, past WAIT_MIN_TOKENS
+
+
+def run_step(step):
+    """As the runner and sampler would: cache the scheduled tokens, add a token where a prompt completed."""
+    for s, n in step.prefill:
+        s.num_cached += n
+        if s.num_uncached == 0:
+            s.output_ids.append(7)
+    for s in step.decode:
+        s.num_cached += 1
+        s.output_ids.append(7)
+
+
+@pytest.mark.parametrize("limit", ["slots", "blocks"])
+def test_a_deferred_sequence_is_not_overtaken_by_the_queue_behind_it(limit):
+    """A sequence waiting for a prefix in flight holds the queue: had later arrivals gone past it, they would take
+    the slots or blocks it waits to use, and it would wait for their whole generations."""
+    # slots: max_num_seqs 2, plenty of blocks; blocks: slots for all, but the unrelated one takes the free blocks
+    seqs, blocks = (2, 64) if limit == "slots" else (4, 17)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=128, max_model_len=128,
+                                      block_size=BS), PrefixCachingAllocator(blocks, BS))
+    first = Sequence(0, PREFIX + [1], 1000)  # computes the common prefix
+    sample = Sequence(1, PREFIX + [2], 1000)  # waits for it (worth_waiting), to share it
+    unrelated = Sequence(2, list(range(200, 200 + (5 if limit == "slots" else 20))), 1000)  # arrives last
+    for s in (first, sample, unrelated):
+        sched.add(s)
+    step = sched.schedule()
+    assert first in [s for s, _ in step.prefill] and sample.status is Status.WAITING
+    run_step(step)
+    for _ in range(5):  # the prefix is computed and cached: the earlier arrival should go in now
+        run_step(sched.schedule())
+    assert sample.status is Status.RUNNING, (
+        f"the sequence that waited for a computed prefix is still queued ({limit} taken by a later arrival); "
+        f"running: {[s.seq_id for s in sched.running]}")

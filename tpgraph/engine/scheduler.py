@@ -6,7 +6,8 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
    prefilling (chunked prefill);
 2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last. With
    prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and the head of the queue
-   waits a step while a running sequence computes 32 or more tokens it begins with too, then shares them.
+   waits (holding the queue, as a lack of blocks does) while a running sequence computes 32 or more tokens it
+   begins with too, then shares them.
 
 The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
 none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the

@@ -1,5 +1,5 @@
-"""Prefill attention in one varlen FlashAttention call a layer (torch.nn.attention.varlen), for every sequence of the
-forward at once.
+"""Prefill attention in one varlen FlashAttention call a layer (torch.nn.attention.varlen) for every sequence of the
+forward at once (a few calls when the cached prefixes to read back are long, see GATHER_MAX_TOKENS).
 
 The per-sequence SDPA loop (attention.sdpa_prefill) costs host time for each sequence in each layer, and on Hopper
 SDPA picks cuDNN, which plans each new (query, key) length the first time it sees it: tens of milliseconds that a
@@ -143,21 +143,20 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     layout = layout_for(meta, cache.block_size, q.device)
     total = layout.total
     kwargs = _keywords(q.shape[1] != k.shape[1], scale, q.shape[2])
-    outs = []
+    # one call over every row: its output is the answer; else each call's goes into place (one piece alive at a time)
+    out = None if len(layout.calls) == 1 and total == q.shape[0] else q.new_zeros(q.shape)
     for call in layout.calls:
         if call.k_slots is not None:
             keys = cache.k.view(-1, *cache.k.shape[2:])[call.k_slots]
             values = cache.v.view(-1, *cache.v.shape[2:])[call.k_slots]
         else:
             keys, values = k[call.start:call.end], v[call.start:call.end]
-        outs.append(varlen_attn(q[call.start:call.end], keys, values, call.cu_q, call.cu_k, call.max_q, call.max_k,
-                                **kwargs))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if total == q.shape[0]:
-        return out
-    padded = q.new_zeros(q.shape)
-    padded[:total] = out
-    return padded
+        piece = varlen_attn(q[call.start:call.end], keys, values, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                            **kwargs)
+        if out is None:
+            return piece
+        out[call.start:call.end] = piece
+    return out
 
 
 def probe(reference: Prefill, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
