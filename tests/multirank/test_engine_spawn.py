@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tpgtest.processes import followers_of, gone
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys, time
@@ -41,17 +43,6 @@ def run(mode: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
-
-
-def followers_of(line: str) -> list[int]:
-    return [int(p) for p in line.split("[", 1)[1].rstrip("]\n").split(",") if p.strip()]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_spawned_ranks_match_one_rank_and_go_away():

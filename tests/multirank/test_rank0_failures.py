@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tpgtest.processes import followers_of, gone
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import service_with_rank0_failure
 
@@ -45,8 +46,8 @@ def test_the_service_serves_on_after_a_rank0_only_failure(failure):
 
 SCRIPT = """
 import sys
+from tpgtest.workers import fail_detokenizers
 from tpgraph import RequestError, SamplingParams, TPEngine
-from tpgraph.engine import core as core_module
 
 if __name__ == "__main__":
     kw = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=32, block_size=4)
@@ -54,12 +55,7 @@ if __name__ == "__main__":
     with TPEngine(tp_size=2, **kw) as engine:
         print("followers", [p.pid for p in engine._followers], flush=True)
         if sys.argv[1] == "detokenizer":  # this process is rank 0; its follower imported the module afresh
-            real = core_module.Detokenizer
-            def detokenizer(tokenizer, ids, params):
-                if params.max_tokens == 7:
-                    raise TypeError("rank 0 alone")
-                return real(tokenizer, ids, params)
-            core_module.Detokenizer = detokenizer
+            fail_detokenizers(max_tokens=7)
             try:
                 engine.generate("tpgraph", SamplingParams(temperature=0.0, max_tokens=7))
             except RequestError as exc:
@@ -84,7 +80,7 @@ if __name__ == "__main__":
 
 def run_script(mode: str, timeout_s: float = 120.0) -> tuple[str, list[int]]:
     """The script's output and its followers' pids; a hang (the ranks desynced) fails with what it printed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -94,8 +90,7 @@ def run_script(mode: str, timeout_s: float = 120.0) -> tuple[str, list[int]]:
         out, hung = exc.output or "", True
         if isinstance(out, bytes):
             out = out.decode(errors="replace")
-    pids = [int(p) for line in out.splitlines() if line.startswith("followers")
-            for p in line.split("[", 1)[1].rstrip("]").split(",") if p.strip()]
+    pids = [p for line in out.splitlines() if line.startswith("followers") for p in followers_of(line)]
     if hung:
         for pid in [proc.pid, *pids]:
             try:
@@ -106,13 +101,6 @@ def run_script(mode: str, timeout_s: float = 120.0) -> tuple[str, list[int]]:
         pytest.fail(f"no end within {timeout_s:.0f} s (a hang):\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
     return out, pids
-
-
-def gone(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_generate_at_tp2_answers_a_request_rank0_alone_cannot_prepare():

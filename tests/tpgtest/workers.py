@@ -437,6 +437,21 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
             "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits}
 
 
+def fail_detokenizers(max_tokens: int) -> None:
+    """In this process only (a failure of this rank alone), a request asking for `max_tokens` tokens cannot have its
+    detokenizer built."""
+    from tpgraph.engine import core as core_module
+
+    real = core_module.Detokenizer
+
+    def detokenizer(tokenizer, prompt_ids, params):
+        if params.max_tokens == max_tokens:
+            raise TypeError("rank 0 alone cannot build this detokenizer")
+        return real(tokenizer, prompt_ids, params)
+
+    core_module.Detokenizer = detokenizer
+
+
 def service_with_rank0_failure(rank, world_size, init, failure, prompts, engine_kw, wait_s):
     """The server's loop on every rank (rank 0 drives an EngineService in its thread, the others follow it), with a
     failure injected in rank 0 alone: "detokenizer" (the request with max_tokens=7 cannot be prepared), "sink" (its
@@ -448,7 +463,6 @@ def service_with_rank0_failure(rank, world_size, init, failure, prompts, engine_
     import threading
 
     from tpgraph import SamplingParams, TPEngine
-    from tpgraph.engine import core as core_module
     from tpgraph.engine.control import ControlPlane
     from tpgraph.engine.service import EngineService
 
@@ -457,14 +471,7 @@ def service_with_rank0_failure(rank, world_size, init, failure, prompts, engine_
             EngineService(engine.core, ControlPlane(engine.state)).run_worker()
             return {"requests": list(engine.core.requests), "has_work": engine.core.has_work}
         if failure == "detokenizer":  # (module state of this process: rank 0's alone)
-            real = core_module.Detokenizer
-
-            def detokenizer(tokenizer, prompt_ids, params):
-                if params.max_tokens == 7:
-                    raise TypeError("rank 0 alone cannot build this detokenizer")
-                return real(tokenizer, prompt_ids, params)
-
-            core_module.Detokenizer = detokenizer
+            fail_detokenizers(max_tokens=7)
         hook_calls = []
 
         def on_step(updates, step_s):

@@ -8,6 +8,7 @@ import random
 
 import pytest
 from tpgtest.bench_modules import load_bench_module
+from tpgtest.scheduling import run_step
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.config import BUILTIN_MODEL
@@ -151,17 +152,6 @@ def test_random_bursts_with_aborts_and_preemption_match_no_caching(seed):
 
 
 PREFIX = list(range(100, 140))  # 40 tokens: 10 blocks, past WAIT_MIN_TOKENS
-
-
-def run_step(step):
-    """As the runner and sampler would: cache the scheduled tokens, add a token where a prompt completed."""
-    for s, n in step.prefill:
-        s.num_cached += n
-        if s.num_uncached == 0:
-            s.output_ids.append(7)
-    for s in step.decode:
-        s.num_cached += 1
-        s.output_ids.append(7)
 
 
 @pytest.mark.parametrize("limit", ["slots", "blocks"])

@@ -1,6 +1,7 @@
 """The scheduler's decisions on plain sequences: budgets, order, chunked prefill, preemption, queueing."""
 
 import pytest
+from tpgtest.scheduling import run_step as run
 
 from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
@@ -16,17 +17,6 @@ def make(blocks=100, seqs=4, tokens=16, chunked=True, max_len=64, block=4):
 
 def seq(i, n):
     return Sequence(i, list(range(1, n + 1)), 100)
-
-
-def run(step):
-    """What the runner and sampler would do: cache the scheduled tokens, add a token where a prompt completed."""
-    for s, n in step.prefill:
-        s.num_cached += n
-        if s.num_uncached == 0:
-            s.output_ids.append(7)
-    for s in step.decode:
-        s.num_cached += 1
-        s.output_ids.append(7)
 
 
 def test_budget_chunks_and_fifo():
