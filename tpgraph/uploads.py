@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 1-D tensor of `values` on `device`, in stream order. `torch.tensor(values, device="cuda")` copies
     synchronously: the host waits for everything already queued on the stream, which in the overlapped loop is the
     step's forward, so the next step cannot be scheduled while it runs. From pinned memory the copy is queued instead
     (the caching host allocator keeps the source until the copy is done)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if isinstance(values, np.ndarray):  # torch.tensor(ndarray, pin_memory=True) refuses: pin a copy of it instead
+        return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
