@@ -40,9 +40,10 @@ def test_silu_and_mul_on_gpu(dtype):
                                else 1e-6)
 
 
+@pytest.mark.parametrize("tokens", [29, 1001], ids=["a token a program", "token blocks"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_store_equal_reference_bit_for_bit(dtype):
-    heads, kv_heads, dim, tokens, block_size = 16, 4, 128, 29, 16
+def test_rope_and_store_equal_reference_bit_for_bit(dtype, tokens):
+    heads, kv_heads, dim, block_size = 16, 4, 128, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda").to(dtype)
     positions = torch.randint(0, 4000, (tokens,), device="cuda")
     tables = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 4096, dtype, "cuda")

@@ -9,9 +9,10 @@ from tpgtest.ptx import sm90_ptx
 ROPE = ("tpgraph.kernels.rope_store", "_rope_store_kernel",
         {"qkv_ptr": "*bf16", "pos_ptr": "*i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i32",
          "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16"},
-        ["stride_qkv", "stride_cos", "stride_sin", "stride_cb", "stride_ct", "stride_ch", "stride_qo", "stride_ko"],
+        ["num_tokens", "stride_qkv", "stride_cos", "stride_sin", "stride_cb", "stride_ct", "stride_ch", "stride_qo",
+         "stride_ko"],
         {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HALF_PAD": 64, "DIM_PAD": 128,
-         "SOFT_BF16": False})
+         "BLOCK_T": 1, "SOFT_BF16": False})
 SPLIT_SUM = ("tpgraph.kernels.gemv", "_split_sum_kernel", {"ws_ptr": "*fp32", "y_ptr": "*bf16"},
              ["numel", "SPLITS"], {"BLOCK": 512, "SOFT_BF16": False})
 NORM = ("tpgraph.kernels.norm", "_rms_norm_kernel",

@@ -58,6 +58,23 @@ def test_triton_matches_reference_bit_for_bit(dtype, heads, kv_heads, head_dim, 
 
 
 @interpreted
+@pytest.mark.parametrize("tokens", [255, 256, 300], ids=["a token a program", "16 a program", "a ragged last block"])
+def test_prefill_sized_launches_match_reference_bit_for_bit(tokens):
+    """At PREFILL_TOKENS tokens and more, a program takes 16 tokens: the last block's tail is masked."""
+    heads, kv_heads, head_dim = 2, 1, 64
+    qkv, positions, slots, k_cache, v_cache = _case(tokens, tokens, heads, kv_heads, head_dim, 16, torch.bfloat16,
+                                                    torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, torch.bfloat16, "cpu")
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
+                          use_triton=True)
+    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
+                                            kv_heads, head_dim)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+
+
+@interpreted
 def test_zero_tokens():
     qkv, positions, slots, k_cache, v_cache = _case(0, 0, 4, 2, 64, 4, torch.bfloat16, torch.int64)
     before = k_cache.clone()

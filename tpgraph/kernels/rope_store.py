@@ -92,50 +92,61 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr,
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, num_tokens,
         stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr,
+        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SOFT_BF16: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        """One head (program_id 1) of BLOCK_T tokens (program_id 0). Decode-sized launches take a token a program;
+        prefill takes 16, so that each program moves more than a 256-byte row (at one token a program, 8192 tokens
+        were 327k programs of a warp each, at about a tenth of HBM bandwidth)."""
         pdl_enter(PDL)
-        t = tl.program_id(0).to(tl.int64)
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < num_tokens
         h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a kv head (k rotated, v copied)
         half = HEAD_DIM // 2
         dtype = qkv_ptr.dtype.element_ty
         offs = tl.arange(0, HALF_PAD)
-        ok = offs < half
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        c = tl.load(cos_ptr + pos * stride_cos + offs, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_sin + offs, mask=ok, other=0.0).to(tl.float32)
+        ok = t_ok[:, None] & (offs < half)[None, :]
+        pos = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * stride_sin + offs[None, :], mask=ok, other=0.0).to(tl.float32)
         # q heads then k heads are adjacent in the row, so head h (either kind) starts at h * HEAD_DIM.
-        src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
-        x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half + offs, mask=ok, other=0.0).to(tl.float32)
+        row = qkv_ptr + offs_t[:, None] * stride_qkv
+        src = row + h * HEAD_DIM + offs[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half, mask=ok, other=0.0).to(tl.float32)
         o1, o2 = rotate_pair(x1, x2, c, s, dtype, SOFT_BF16, False)  # the launch turns FMA contraction off
         if h < NUM_HEADS:
-            dst = q_out_ptr + t * stride_qo + h * HEAD_DIM
-            tl.store(dst + offs, o1, mask=ok)
-            tl.store(dst + half + offs, o2, mask=ok)
+            dst = q_out_ptr + offs_t[:, None] * stride_qo + h * HEAD_DIM + offs[None, :]
+            tl.store(dst, o1, mask=ok)
+            tl.store(dst + half, o2, mask=ok)
         else:
             kv_h = h - NUM_HEADS
-            dst = k_out_ptr + t * stride_ko + kv_h * HEAD_DIM
-            tl.store(dst + offs, o1, mask=ok)
-            tl.store(dst + half + offs, o2, mask=ok)
-            slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: block * stride_cb overflows int32 on big caches
+            dst = k_out_ptr + offs_t[:, None] * stride_ko + kv_h * HEAD_DIM + offs[None, :]
+            tl.store(dst, o1, mask=ok)
+            tl.store(dst + half, o2, mask=ok)
+            slot = tl.load(slot_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)  # int64: block * stride_cb overflows
             cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_h * stride_ch
-            tl.store(k_cache_ptr + cache_off + offs, o1, mask=ok)
-            tl.store(k_cache_ptr + cache_off + half + offs, o2, mask=ok)
+            k_dst = k_cache_ptr + cache_off[:, None] + offs[None, :]
+            tl.store(k_dst, o1, mask=ok)
+            tl.store(k_dst + half, o2, mask=ok)
             offs_d = tl.arange(0, DIM_PAD)
-            dim_ok = offs_d < HEAD_DIM
-            v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offs_d, mask=dim_ok, other=0.0)
-            tl.store(v_cache_ptr + cache_off + offs_d, v, mask=dim_ok)
+            dim_ok = t_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+            v = tl.load(row + (h + NUM_KV_HEADS) * HEAD_DIM + offs_d[None, :], mask=dim_ok, other=0.0)
+            tl.store(v_cache_ptr + cache_off[:, None] + offs_d[None, :], v, mask=dim_ok)
+
+
+# tokens a program at or above PREFILL_TOKENS tokens a launch (below: one, as decode always launched it)
+PREFILL_TOKENS, PREFILL_BLOCK_T = 256, 16
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
                    use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same arguments and result as `rope_and_store_reference`, in one Triton launch (grid: tokens x heads).
+    """Same arguments and result as `rope_and_store_reference`, in one Triton launch (grid: token blocks x heads).
 
     q and k come back as new contiguous tensors; qkv rows may be a strided view (last dim contiguous).
     `use_triton` defaults to `qkv.is_cuda`.
@@ -161,14 +172,15 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     if tokens == 0:
         return q, k
     pdl = use_pdl(qkv)
-    _rope_store_kernel[(tokens, num_heads + num_kv_heads)](
-        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k,
+    block_t = PREFILL_BLOCK_T if tokens >= PREFILL_TOKENS else 1
+    _rope_store_kernel[(triton.cdiv(tokens, block_t), num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k, tokens,
         qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         q.stride(0), k.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        HALF_PAD=triton.next_power_of_2(head_dim // 2), DIM_PAD=triton.next_power_of_2(head_dim),
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
         SOFT_BF16=soft_bf16_rounding(qkv), PDL=pdl,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=(1 if head_dim <= 128 else 2) * (4 if block_t > 1 else 1),
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
         **pdl_launch(pdl),
     )
