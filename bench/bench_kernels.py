@@ -94,7 +94,6 @@ def per_op_us(fn: Callable[[int], object], copies: int) -> float:
 def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
     from tpgraph.kernels.activation import silu_and_mul
     from tpgraph.kernels.norm import add_rms_norm, rms_norm
-    from tpgraph.kernels.rope_store import rope_and_store
 
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
 
@@ -109,21 +108,35 @@ def elementwise_rows(batches: list[int], hbm: float, l2: int, device: torch.devi
         n = copies_for(moved_bytes("silu_and_mul", m), l2)
         gu = [torch.randn(m, 2 * INTER, dtype=torch.bfloat16, device=device) for _ in range(n)]
         rows.append(_row("silu_and_mul", m, None, hbm, per_op_us(lambda i: silu_and_mul(gu[i]), n)))
-        n = copies_for(moved_bytes("rope_and_store", m), l2)
-        width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-        qkv = [torch.randn(m, width, dtype=torch.bfloat16, device=device) for _ in range(n)]
-        blocks = m * 4 + 1
-        kc = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
-        vc = torch.zeros_like(kc)
-        cos = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)  # tables in the model dtype
-        sin = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)
-        pos = torch.arange(m, device=device) + 100
-        slots = torch.arange(m, device=device) * BLOCK_SIZE
-        rows.append(_row("rope_and_store", m, None, hbm, per_op_us(
-            lambda i: rope_and_store(qkv[i], pos, (cos, sin), slots, kc, vc, HEADS, KV_HEADS, HEAD_DIM), n)))
+        rows += rope_rows(m, hbm, l2, device)
         return rows
 
     return [row for m in batches for row in at(m)]
+
+
+def rope_rows(m: int, hbm: float, l2: int, device: torch.device,
+              per_program: tuple[int | None, ...] = (None,)) -> list[KernelRow]:
+    """rope_and_store at m tokens, one row per tokens-a-program setting (None: the shipped choice). Prefill sizes
+    (--prefill-tokens) compare one token a program, decode's launch, with the token blocks prefill takes."""
+    from tpgraph.kernels.rope_store import rope_and_store
+
+    n = copies_for(moved_bytes("rope_and_store", m), l2)
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = [torch.randn(m, width, dtype=torch.bfloat16, device=device) for _ in range(n)]
+    blocks = m * 4 + 1
+    kc = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    vc = torch.zeros_like(kc)
+    cos = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)  # tables in the model dtype
+    sin = torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16)
+    pos = (torch.arange(m, device=device) + 100) % 4096
+    slots = torch.arange(m, device=device) * BLOCK_SIZE
+    rows = []
+    for tpp in per_program:
+        name = "rope_and_store" if tpp is None else f"rope_and_store ({tpp} token{'s' * (tpp > 1)} a program)"
+        rows.append(_row(name, m, None, hbm, per_op_us(
+            lambda i, tpp=tpp: rope_and_store(qkv[i], pos, (cos, sin), slots, kc, vc, HEADS, KV_HEADS, HEAD_DIM,
+                                              tokens_per_program=tpp), n)))
+    return rows
 
 
 def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
@@ -241,6 +254,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("kernels.json"))
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default="512,4096,32768")
+    p.add_argument("--prefill-tokens", default="256,1024,8192",
+                   help="token counts at which rope_and_store runs one token a program and 16 (empty: none)")
     args = p.parse_args()
     from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
@@ -251,6 +266,8 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = elementwise_rows(batches, hbm, l2, device) + projection_rows(batches, hbm, l2, device)
     rows += attention_rows(batches, contexts, hbm, l2, device)
+    for m in (int(t) for t in args.prefill_tokens.split(",") if t):
+        rows += rope_rows(m, hbm, l2, device, per_program=(1, 16))
     text = table(rows, hbm)
     print(text, flush=True)
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,

@@ -186,7 +186,7 @@ for step in "$@"; do
          pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/$tag.log" ;;
     prefill) # time to first token through the engine (bench_prefill.py, TP=1, SHAPE as for ab): the SDPA loop and
          # varlen FlashAttention, each point's first sight beside its warm runs; then shared-prefix points with prefix
-         # caching on and off
+         # caching on and off; then rope_and_store at prefill sizes, one token a program against 16
          for v in 0 1; do TPGRAPH_VARLEN_PREFILL=$v timeout 200 python3 bench/bench_prefill.py --shape "${SHAPE:-llama3-8b}" \
              --no-prefix-caching --points 1x256,4x256,32x256,1x1024,1x4096,1x300,1x301,1x517 \
              --out "$out/prefill_varlen$v.json" 2>&1 | tr '\r' '\n' | grep -E " x +[0-9]+|Error" \
@@ -194,7 +194,9 @@ for step in "$@"; do
          for caching in on off; do timeout 200 python3 bench/bench_prefill.py --shape "${SHAPE:-llama3-8b}" \
              $([ $caching = off ] && echo --no-prefix-caching) --points 32x256+2048,8x64+4096,1x256+4096 \
              --out "$out/prefill_shared_caching_$caching.json" 2>&1 | tr '\r' '\n' | grep -E " x +[0-9]+|Error" \
-             | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done ;;
+             | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done
+         timeout 200 python3 bench/bench_kernels.py --batches 1 --contexts 512 --prefill-tokens 256,1024,8192 \
+             --out "$out/kernels_rope.json" 2>&1 | grep -E "rope|HBM" | tee -a "$out/prefill.log" ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
@@ -492,7 +494,8 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
              | tail -25 | tee "$out/ar_exact.log" ;;
-    engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py -q -rs 2>&1 \
+    engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
+             tests/gpu/test_uploads_gpu.py -q -rfEs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node $NPROC bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;

@@ -75,6 +75,28 @@ def test_prefill_sized_launches_match_reference_bit_for_bit(tokens):
 
 
 @interpreted
+@pytest.mark.parametrize("tokens_per_program", [1, 4, 16])
+def test_every_tokens_per_program_setting_gives_the_same_bits(tokens_per_program):
+    """bench_kernels.py times a launch shape the size rule would not pick; it must compute the same thing."""
+    qkv, positions, slots, k_cache, v_cache = _case(7, 37, 2, 1, 64, 16, torch.bfloat16, torch.int32)
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 2, 1, 64, use_triton=True,
+                          tokens_per_program=tokens_per_program)
+    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, 2, 1, 64)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+
+
+def test_tokens_per_program_must_be_a_power_of_two():
+    qkv, positions, slots, k_cache, v_cache = _case(0, 4, 2, 1, 64, 16, torch.bfloat16, torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 2, 1, 64, use_triton=True,
+                       tokens_per_program=3)
+
+
+@interpreted
 def test_zero_tokens():
     qkv, positions, slots, k_cache, v_cache = _case(0, 0, 4, 2, 64, 4, torch.bfloat16, torch.int64)
     before = k_cache.clone()

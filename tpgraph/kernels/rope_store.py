@@ -145,11 +145,13 @@ PREFILL_TOKENS, PREFILL_BLOCK_T = 256, 16
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
-                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_triton: bool | None = None,
+                   tokens_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same arguments and result as `rope_and_store_reference`, in one Triton launch (grid: token blocks x heads).
 
     q and k come back as new contiguous tensors; qkv rows may be a strided view (last dim contiguous).
-    `use_triton` defaults to `qkv.is_cuda`.
+    `use_triton` defaults to `qkv.is_cuda`; `tokens_per_program` (a power of two) to PREFILL_BLOCK_T at
+    PREFILL_TOKENS tokens and more, else 1 (bench_kernels.py times both).
     """
     if not (qkv.is_cuda if use_triton is None else use_triton):
         return rope_and_store_reference(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache,
@@ -172,7 +174,9 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     if tokens == 0:
         return q, k
     pdl = use_pdl(qkv)
-    block_t = PREFILL_BLOCK_T if tokens >= PREFILL_TOKENS else 1
+    block_t = tokens_per_program or (PREFILL_BLOCK_T if tokens >= PREFILL_TOKENS else 1)
+    if block_t & (block_t - 1):
+        raise ValueError(f"tokens_per_program must be a power of two, got {block_t}")
     _rope_store_kernel[(triton.cdiv(tokens, block_t), num_heads + num_kv_heads)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k, tokens,
         qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

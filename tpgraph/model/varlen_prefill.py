@@ -184,6 +184,7 @@ def probe(reference: Prefill, device: torch.device, dtype: torch.dtype, num_head
     meta = AttentionMetadata(True, torch.tensor(slots, device=device), torch.zeros(1, device=device),
                              torch.zeros(1, 1, device=device), None, 128,  # type: ignore[arg-type]
                              query_lens=lens, context_lens=contexts, context_blocks=blocks)
+    layout_for(meta, block, device)  # ours, outside the try: a bug in it raises rather than reading as "no varlen"
     try:
         got = varlen_prefill(q, k, v, cache, meta, head_dim ** -0.5)
     except (RuntimeError, TypeError, ValueError) as e:
