@@ -48,3 +48,20 @@ def test_the_engine_runs_varlen_prefill_and_chunking_keeps_its_tokens():
         chunked = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert all(len(t) == 12 for t in whole)
     assert chunked == whole
+
+
+def test_prefix_caching_keeps_tokens_on_the_gpu():
+    """Prompts after one long system prompt: the second round reads it from the cache (varlen over gathered keys)
+    and must give the tokens that computing everything gives."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    system = "You are a helpful assistant who answers in one short sentence. " * 6
+    prompts = [system + tail for tail in ("What is 2 + 2?", "Name a colour.", "tpgraph " * 9)]
+    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=1024, gpu_memory_utilization=0.3)
+    with TPEngine(**base, enable_prefix_caching=False) as engine:
+        plain = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    with TPEngine(**base) as engine:
+        first = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        hits = engine.core.scheduler.prefix_hit_tokens
+        again = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        assert engine.core.scheduler.prefix_hit_tokens - hits >= 3 * len(system) // 2  # a byte-level tokenizer
+    assert first == plain and again == plain
