@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels._settings import env_flag, triton_interpreting
 
 try:
     import triton
@@ -78,7 +78,7 @@ PARTIAL_SENTINEL = 0x7FBADBAD  # a signalling NaN (quiet bit clear): IEEE arithm
 PARTIAL_WORDS = 1 << 21  # fp32 words (8 MB a device); a launch needing more keeps the count
 # polls before a reducer traps rather than hang the GPU (seconds; its partners never wait); under the interpreter,
 # where the programs run one after another, a partner has always finished, and a missing one is a bug to fail fast on
-POLL_LIMIT = 4 if os.environ.get("TRITON_INTERPRET") == "1" else 1 << 24
+POLL_LIMIT = 4 if triton_interpreting() else 1 << 24
 _PARTIALS: dict[torch.device, torch.Tensor] = {}
 
 

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from tpgraph.kernels._settings import triton_interpreting
+
 try:
     import triton
     import triton.language as tl
@@ -52,7 +54,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     """Launch the kernel reading `t` as a programmatic dependent of the kernel before it?"""
     if os.environ.get("TPGRAPH_TRITON_PDL", "1") == "0" or not t.is_cuda:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpreting():
         return False
     return _device_has_pdl(t.device.index) and triton_has_pdl()
 

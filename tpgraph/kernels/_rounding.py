@@ -10,9 +10,9 @@ On a GPU the native conversion (cvt.rn) is already round-to-nearest-even and is 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tpgraph.kernels._settings import triton_interpreting
 
 try:
     import triton
@@ -23,7 +23,7 @@ except ImportError:  # CPU-only installs without Triton use the torch references
 
 def soft_bf16_rounding(t: torch.Tensor) -> bool:
     """Whether a launch on `t` runs under the interpreter (CPU tensors, or TRITON_INTERPRET set)."""
-    return not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return not t.is_cuda or triton_interpreting()
 
 
 if triton is not None:

@@ -25,3 +25,13 @@ def env_choice(name: str, choices: tuple[int, ...], default: int) -> int:
     if value not in {str(c) for c in choices}:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
     return int(value)
+
+
+# what Triton reads as true in TRITON_INTERPRET (its knobs' env_bool: these, in any case, nothing else)
+INTERPRET_VALUES = ("1", "true", "on", "yes", "y")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs the kernels in its interpreter: TRITON_INTERPRET read as Triton reads it, so that every
+    decision that follows it (PDL, soft bf16 rounding, the polls' limit) agrees with what Triton does."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in INTERPRET_VALUES
