@@ -15,8 +15,12 @@ def to_device(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.d
     (the caching host allocator keeps the source until the copy is done)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    if isinstance(values, np.ndarray):  # torch.tensor(ndarray, pin_memory=True) refuses: pin a copy of it instead
-        return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
+    if isinstance(values, np.ndarray):  # torch.tensor(ndarray, pin_memory=True) refuses it. Copy it into new pinned
+        # memory (pin_memory() would hand back an already pinned array's own memory, which its owner may rewrite
+        # before the queued copy reads it)
+        host = torch.empty(values.shape, dtype=dtype, pin_memory=True)
+        host.copy_(torch.from_numpy(values))
+        return host.to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

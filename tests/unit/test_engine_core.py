@@ -295,3 +295,22 @@ def test_warm_up_samples_each_kind_of_row_alone_at_each_triton_row_count(monkeyp
     with engine(max_num_seqs=16, num_kv_blocks=128, max_num_batched_tokens=256) as e:  # 16 prompts in one step
         e.warm_up()
     assert {(greedy, n) for greedy in (True, False) for n in (1, 3, 16)} <= seen
+
+
+def test_the_engine_thread_runs_on_the_engines_device(monkeypatch):
+    """A new thread starts on CUDA device 0; the loop's thread must switch to the device the model is on (Triton
+    launches on the current device), here a pretend cuda:1."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tpgraph.engine.service import EngineService
+
+    switched = []
+    monkeypatch.setattr(torch.cuda, "set_device", switched.append)
+    core = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda", 1)))
+    service = EngineService(core, control=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(service, "turn", lambda: False)
+    service.start()
+    service._thread.join(5)
+    assert switched == [torch.device("cuda", 1)] and service.error is None

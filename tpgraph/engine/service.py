@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from tpgraph.engine.control import ControlPlane, StepMessage
 from tpgraph.engine.core import EngineCore, PreparedRequest, StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
@@ -82,6 +84,9 @@ class EngineService:
 
     # ---- the loops ---------------------------------------------------------------------------------------------
     def _run_driver(self) -> None:
+        device = self.core.runner.device
+        if device.type == "cuda":  # a new thread starts on device 0, and Triton launches on the current device
+            torch.cuda.set_device(device)
         try:
             while self.turn():
                 pass
