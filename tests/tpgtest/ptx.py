@@ -68,6 +68,38 @@ def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars:
     return ptx, {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
+_SPECIALIZE = """
+import importlib, json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import create_function_from_signature
+module, kernel, typed, constexprs, calls = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+binder = create_function_from_signature(fn.signature, fn.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+pointers = {name: torch.empty(64, dtype=dtypes[kind.lstrip("*")]) for name, kind in typed.items()}
+print(json.dumps([repr(binder(**pointers, **scalars, **constexprs)[1]) for scalars in calls]))
+"""
+
+
+def launch_specializations(module: str, kernel: str, typed: dict[str, str], constexprs: dict,
+                           calls: list[dict[str, int]]) -> list[str]:
+    """For each dict of integer arguments in `calls`, what Triton keys a launch of `module.kernel` on sm_90 by (its
+    arguments' types and specialisations; pointers as 16-byte aligned tensors of `typed`'s dtypes): launches with
+    different keys compile apart. Without a GPU, in a subprocess (the tests' interpreter mode has no launcher); skips
+    where this Triton binds arguments another way."""
+    pytest.importorskip("triton.backends.nvidia")
+    args = json.dumps([module, kernel, typed, constexprs, calls])
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", _SPECIALIZE, args], env=env, capture_output=True, text=True)
+    if run.returncode and ("ImportError" in run.stderr or "AttributeError" in run.stderr):
+        pytest.skip(f"this Triton binds launch arguments another way: {run.stderr.strip().splitlines()[-1]}")
+    if run.returncode:
+        raise RuntimeError(run.stderr)
+    return json.loads(run.stdout)
+
+
 def assert_semaphore_order(ptx: str) -> None:
     """The last-arriving pattern as it must reach the GPU: the block's stores, a barrier, the acq_rel arrival count
     by one thread, its result through shared memory behind a barrier, and only then the loads of the other

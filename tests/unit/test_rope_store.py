@@ -134,3 +134,20 @@ def test_reference_is_hf_apply_rotary_pos_emb(rope_parameters):
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(7, kv_heads, head_dim)
     assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], k)
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
+
+
+def test_a_new_prompt_length_compiles_no_new_kernel():
+    """Eager prefill (above the piecewise graphs' sizes) launches at any token count; the count must not key the
+    compiled kernel, or a first prompt of an unseen length class (300 after 512) compiles in its time to first token.
+    """
+    from tpgtest.ptx import launch_specializations
+
+    typed = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
+             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16"}
+    strides = dict(stride_qkv=6144, stride_cos=64, stride_sin=64, stride_cb=16384, stride_ct=1024, stride_ch=128,
+                   stride_qo=4096, stride_ko=1024)
+    constexprs = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HALF_PAD": 64,
+                  "DIM_PAD": 128, "BLOCK_T": 16, "SOFT_BF16": False, "PDL": False}
+    keys = launch_specializations("tpgraph.kernels.rope_store", "_rope_store_kernel", typed, constexprs,
+                                  [{"num_tokens": n, **strides} for n in (512, 300, 301, 8192)])
+    assert len(set(keys)) == 1, keys

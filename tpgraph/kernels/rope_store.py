@@ -90,7 +90,9 @@ if triton is not None:
         o2 = to_dtype(round_to(x2c, DTYPE, SOFT_BF16) + round_to(x1s, DTYPE, SOFT_BF16), DTYPE, SOFT_BF16)
         return o1, o2
 
-    @triton.jit
+    # num_tokens only bounds the last token block: unspecialised, so that a new prompt length (eager prefill above
+    # the piecewise sizes) compiles no variant (Triton keys an int equal to 1 or divisible by 16 apart)
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _rope_store_kernel(
         qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, num_tokens,
         stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
