@@ -13,6 +13,7 @@ ROPE = ("tpgraph.kernels.rope_store", "_rope_store_kernel",
          "stride_ko"],
         {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HALF_PAD": 64, "DIM_PAD": 128,
          "BLOCK_T": 1, "SOFT_BF16": False})
+ROPE_BLOCKS = (*ROPE[:4], {**ROPE[4], "BLOCK_T": 16})  # prefill sizes (and decode from 256 rows): 16 tokens a program
 SPLIT_SUM = ("tpgraph.kernels.gemv", "_split_sum_kernel", {"ws_ptr": "*fp32", "y_ptr": "*bf16"},
              ["numel", "SPLITS"], {"BLOCK": 512, "SOFT_BF16": False})
 NORM = ("tpgraph.kernels.norm", "_rms_norm_kernel",
@@ -28,7 +29,8 @@ COMBINE = ("tpgraph.kernels.decode_attention", "_decode_combine_kernel",
             "INTERPRETED": False, "LONG_TILES": 8, "MERGE": 16})
 
 
-@pytest.mark.parametrize("kernel", [ROPE, SPLIT_SUM, COMBINE, NORM], ids=["rope_store", "split_sum", "combine", "norm"])
+@pytest.mark.parametrize("kernel", [ROPE, ROPE_BLOCKS, SPLIT_SUM, COMBINE, NORM],
+                         ids=["rope_store", "rope_store_blocks", "split_sum", "combine", "norm"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_wait_comes_first_and_the_next_kernel_is_let_in_after_it(kernel, pdl):
     module, name, typed, scalars, constexprs = kernel

@@ -88,6 +88,25 @@ def test_every_tokens_per_program_setting_gives_the_same_bits(tokens_per_program
     assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
 
 
+@pytest.mark.parametrize("tokens, block_t, warps", [(1, 1, 1), (255, 1, 1), (256, 16, 4), (300, 16, 4)])
+def test_the_launch_takes_a_token_a_program_below_256_and_16_from_there(monkeypatch, tokens, block_t, warps):
+    """The shapes the bit-for-bit tests above are named after: decode sizes launch as before (a token and one warp
+    a program), prefill sizes 16 tokens a program over 4 warps."""
+    from tpgraph.kernels import rope_store
+
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw["BLOCK_T"], kw["num_warps"]))
+
+    monkeypatch.setattr(rope_store, "_rope_store_kernel", Spy())
+    qkv, positions, slots, k_cache, v_cache = _case(0, tokens, 2, 1, 64, 16, torch.bfloat16, torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
+    rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 2, 1, 64, use_triton=True)
+    assert launches == [((-(-tokens // block_t), 3), block_t, warps)]
+
+
 def test_tokens_per_program_must_be_a_power_of_two():
     qkv, positions, slots, k_cache, v_cache = _case(0, 4, 2, 1, 64, 16, torch.bfloat16, torch.int64)
     cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
