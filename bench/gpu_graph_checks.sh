@@ -196,7 +196,7 @@ for step in "$@"; do
              --out "$out/prefill_shared_caching_$caching.json" 2>&1 | tr '\r' '\n' | grep -E " x +[0-9]+|Error" \
              | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done
          timeout 200 python3 bench/bench_kernels.py --batches 1 --contexts 512 --prefill-tokens 256,1024,8192 \
-             --out "$out/kernels_rope.json" 2>&1 | grep -E "rope|HBM" | tee -a "$out/prefill.log" ;;
+             --out "$out/kernels_rope.json" 2>&1 | grep -E "rope|HBM|Error" | tee -a "$out/prefill.log" ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \

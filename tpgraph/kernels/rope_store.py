@@ -140,7 +140,8 @@ if triton is not None:
             tl.store(v_cache_ptr + cache_off[:, None] + offs_d[None, :], v, mask=dim_ok)
 
 
-# tokens a program at or above PREFILL_TOKENS tokens a launch (below: one, as decode always launched it)
+# tokens a program at or above PREFILL_TOKENS tokens a launch: prefill, and decode batches of that many rows
+# (below: one, as every launch took before)
 PREFILL_TOKENS, PREFILL_BLOCK_T = 256, 16
 
 
