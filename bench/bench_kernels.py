@@ -236,7 +236,7 @@ def plot(rows: list[KernelRow], path: Path) -> None:
     bars.barh(range(len(flat)), [r.of_floor for r in flat], color="tab:blue")
     bars.set_yticks(range(len(flat)), labels, fontsize=7)
     bars.axvline(0.88, color="gray", ls="--", lw=0.8)
-    bars.set(xlabel="bandwidth floor ÷ measured time", title="decode kernels against their floor")
+    bars.set(xlabel="bandwidth floor ÷ measured time", title="kernels against their floor (M: rows or tokens)")
     bars.invert_yaxis()
     for kernel in sorted({r.kernel for r in rows if r.context is not None}):
         for m in sorted({r.batch for r in rows if r.kernel == kernel}):

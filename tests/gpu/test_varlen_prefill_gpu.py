@@ -60,6 +60,7 @@ def test_prefix_caching_keeps_tokens_on_the_gpu():
     with TPEngine(**base, enable_prefix_caching=False) as engine:
         plain = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     with TPEngine(**base) as engine:
+        assert engine.runner.prefill_attention == "varlen FlashAttention"
         first = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.core.scheduler.prefix_hit_tokens
         again = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
