@@ -100,3 +100,34 @@ def test_the_kv_budget_leaves_room_for_sampling_at_the_largest_batch():
     finally:
         comm.close()
         destroy_distributed(state)
+
+
+def test_after_the_warm_up_serving_compiles_no_triton_kernel():
+    """What a served burst meets after `warm_up` (new prompt lengths, eager prefill past the largest piecewise graph,
+    chunked prompts, every kind of sampled row, alone and mixed, at row counts of each Triton class) compiles nothing:
+    a compile there lands in a request's time to first token (session 39: three argmax variants; session 40: the
+    rope kernel keyed on the token count)."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook")
+    kinds = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_p=0.8, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.9, top_k=5, min_p=0.1, seed=4, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.6, top_k=40, repetition_penalty=1.2, frequency_penalty=0.3, logprobs=3,
+                            max_tokens=3, ignore_eos=True)]
+    vocab = 250
+    with TPEngine(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
+                  gpu_memory_utilization=0.3) as engine:
+        engine.warm_up()
+        compiled: list[str] = []
+        knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(str(kw.get("repr", kw)).split("[")[0])
+        try:
+            for lengths in ((1,), (7, 300), (301, 517, 5), (1000,), (1500, 3, 64, 33, 2), (2000,) + (9,) * 12):
+                for i, params in enumerate(kinds):
+                    prompts = [[(11 * n + 3 * j + i) % vocab + 3 for j in range(n)] for n in lengths]
+                    engine.generate(prompts, params)
+                engine.generate(prompts, [kinds[r % len(kinds)] for r in range(len(prompts))])  # mixed rows
+        finally:
+            knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []

@@ -88,6 +88,17 @@ def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...
     return tuple(t for t in eos_ids if 0 <= t < vocab_size)
 
 
+# the kinds of sampled rows the warm-up runs alone (see warm_up)
+WARM_UP_KINDS: tuple[dict, ...] = (
+    dict(temperature=0.0),
+    dict(temperature=1.0, top_p=0.9, seed=0),
+    dict(temperature=0.0, repetition_penalty=1.1),
+    dict(temperature=1.0, top_k=20, min_p=0.05, seed=0),
+    dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2,
+         logprobs=2, seed=0),
+)
+
+
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, **kwargs: Any) -> None:
@@ -212,11 +223,12 @@ class TPEngine:
                   SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=new, ignore_eos=True)
                   for i in range(len(prompts))]
         self.generate(prompts, params)
-        # then greedy rows alone and sampled rows alone, 1, 3 and 16 at a time: Triton compiles apart an integer
-        # argument equal to 1, one divisible by 16 and any other, and a fresh server's first bursts of greedy
-        # requests compiled three argmax variants in their time to first token (session 39)
+        # then each kind of row alone, 1, 3 and 16 at a time: Triton compiles apart an integer argument equal to 1,
+        # one divisible by 16 and any other, and a fresh server's first bursts of greedy requests compiled three argmax
+        # variants in their time to first token (session 39). Penalties (fp32 logits into the argmax and the draw)
+        # and top-k (its own kernels) are kinds of their own.
         for n in (n for n in (1, 3, 16) if n <= batch):
-            for kind in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=0)):
+            for kind in WARM_UP_KINDS:
                 self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
         took = time.perf_counter() - start
         if self.state.is_driver:
