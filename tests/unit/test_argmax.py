@@ -232,3 +232,29 @@ def test_the_slots_take_the_custom_all_reduces_fastest_path_at_every_decode_batc
         for batch in (1, 7, 32, 256):
             for graph in (True, False):
                 assert pick_algo(world * batch * 16, graph, table, world, dtype=torch.float32) == Algo.PUSH_1SHOT
+
+
+@fused_on_cpu
+@pytest.mark.parametrize("vocab", [258, 128256])
+def test_every_batch_launches_the_fused_kernel_with_aligned_partials(monkeypatch, vocab):
+    """The partials (maxima, indices, flags) each start at a 16-byte boundary whatever the batch: Triton keys a
+    pointer's alignment, and packed end to end they moved with the batch size mod 4 (a served batch of 2 greedy rows
+    compiled a variant the warm-up's 1, 3 and 16 had not)."""
+    pytest.importorskip("triton")
+    import tpgraph.kernels.argmax as fused
+
+    offsets = []
+    real = fused._argmax_kernel
+
+    class Aligned:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                offsets.append([a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(fused, "_argmax_kernel", Aligned())
+    for batch in range(1, 9):
+        x = torch.randn(batch, vocab)
+        assert torch.equal(row_argmax(x, fused=True), x.argmax(dim=-1))
+    assert len(offsets) == 8 and all(o == [0] * 7 for o in offsets), offsets

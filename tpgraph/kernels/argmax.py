@@ -163,9 +163,13 @@ def _launch(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, base: int, 
             use_slots: bool) -> None:
     batch, vocab = x.shape
     chunks = triton.cdiv(vocab, CHUNK)
-    # the three partials in one allocation (a step calls this between its graphs): fp32 maxima, int32 indices, flags
-    parts = torch.empty(3, batch, chunks, dtype=torch.float32, device=x.device)
-    part_best, part_idx, part_nan = parts[0], parts[1].view(torch.int32), parts[2].view(torch.int32)
+    # the three partials in one allocation (a step calls this between its graphs): fp32 maxima, int32 indices, flags,
+    # each from a 16-byte boundary: Triton keys a pointer's alignment, so partials packed end to end would compile a
+    # variant for each batch size mod 4 (a served batch of 2 greedy rows compiled one in its time to first token)
+    cells = batch * chunks
+    parts = torch.empty(3, -(-cells // 4) * 4, dtype=torch.float32, device=x.device)
+    part_best, part_idx, part_nan = parts[0, :cells], parts[1, :cells].view(torch.int32), parts[2, :cells].view(
+        torch.int32)
     _argmax_kernel[(batch, chunks)](x, ids, slots, part_best, part_idx, part_nan, split_counters(x.device, batch),
                                     vocab, x.stride(0), chunks, base, rank, world, batch, CHUNK=CHUNK,
                                     CHUNKS_P2=triton.next_power_of_2(chunks), SLOTS=use_slots, num_warps=4)
