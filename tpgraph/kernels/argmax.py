@@ -168,8 +168,8 @@ def _launch(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, base: int, 
     # variant for each batch size mod 4 (a served batch of 2 greedy rows compiled one in its time to first token)
     cells = batch * chunks
     parts = torch.empty(3, -(-cells // 4) * 4, dtype=torch.float32, device=x.device)
-    part_best, part_idx, part_nan = parts[0, :cells], parts[1, :cells].view(torch.int32), parts[2, :cells].view(
-        torch.int32)
+    part_best = parts[0, :cells]
+    part_idx, part_nan = parts[1, :cells].view(torch.int32), parts[2, :cells].view(torch.int32)
     _argmax_kernel[(batch, chunks)](x, ids, slots, part_best, part_idx, part_nan, split_counters(x.device, batch),
                                     vocab, x.stride(0), chunks, base, rank, world, batch, CHUNK=CHUNK,
                                     CHUNKS_P2=triton.next_power_of_2(chunks), SLOTS=use_slots, num_warps=4)
