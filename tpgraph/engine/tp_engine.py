@@ -207,9 +207,9 @@ class TPEngine:
 
     def warm_up(self) -> float:
         """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows), the
-        largest prefill chunk and small all-greedy and all-sampled batches, so first-use costs (kernel compilation
-        for new shapes, allocator growth, library initialisation) are paid at start-up, not by the first burst of
-        requests. Every rank calls it (SPMD). Returns the seconds it took."""
+        largest prefill chunk and small batches of each kind of row in WARM_UP_KINDS, so first-use costs (kernel
+        compilation for new shapes, allocator growth, library initialisation) are paid at start-up, not by the first
+        burst of requests. Every rank calls it (SPMD). Returns the seconds it took."""
         start = time.perf_counter()
         vocab, max_len = self.model.cfg.vocab_size, self.runner.max_model_len
         batch = self.core.scheduler.cfg.max_num_seqs
