@@ -3,12 +3,11 @@ with it on equal to those with it off (repeated prompts, shared prefixes, chunks
 chat's next turn)."""
 
 import pytest
+from tpgtest.prefix_engines import BS, engine, prefill_tokens
 
-from tpgraph import SamplingParams, TPEngine
+from tpgraph import SamplingParams
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator, block_name
 from tpgraph.engine.sequence import PENDING_TOKEN, Sequence
-
-BS = 4
 
 
 def seq(tokens, seq_id=0, outputs=()):
@@ -99,12 +98,6 @@ def test_the_same_prefix_computed_twice_at_once_names_one_block():
 SHARED = "You are a helpful assistant. Answer briefly and well. "
 
 
-def engine(caching, **kw):
-    base = dict(device="cpu", max_num_seqs=4, max_model_len=96, num_kv_blocks=64, block_size=4,
-                enable_prefix_caching=caching)
-    return TPEngine(**{**base, **kw})
-
-
 def run(caching, batches, **kw):
     """Each batch of (prompt, params) through one engine in turn; the tokens, and the tokens found cached."""
     with engine(caching, **kw) as e:
@@ -152,12 +145,6 @@ def test_a_chat_turn_reuses_the_last_turn_and_its_answer():
     with engine(True) as e:
         e.generate(SHARED + "Hi", GREEDY)
         assert e.generate([turn], GREEDY)[0].outputs[0].token_ids == want
-
-
-def prefill_tokens(e):
-    """Prompt tokens the engine's prefill forwards ran (unpadded)."""
-    return sum(unpadded * count for phase, _, unpadded, _, count in e.runner.stats.frequency_table()
-               if phase == "prefill")
 
 
 def test_later_samples_wait_for_the_first_to_compute_the_prompt_and_share_it():

@@ -8,6 +8,7 @@ import random
 
 import pytest
 from tpgtest.bench_modules import load_bench_module
+from tpgtest.prefix_engines import BS, engine, prefill_tokens
 from tpgtest.scheduling import run_step
 
 from tpgraph import SamplingParams, TPEngine
@@ -15,19 +16,6 @@ from tpgraph.config import BUILTIN_MODEL
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
-
-BS = 4
-
-
-def engine(caching, **kw):
-    base = dict(device="cpu", max_num_seqs=4, max_model_len=96, num_kv_blocks=64, block_size=BS,
-                enable_prefix_caching=caching)
-    return TPEngine(**{**base, **kw})
-
-
-def prefill_tokens(e):
-    return sum(unpadded * count for phase, _, unpadded, _, count in e.runner.stats.frequency_table()
-               if phase == "prefill")
 
 
 def test_a_queued_sequence_is_counted_once_in_the_prefix_metrics():
