@@ -35,6 +35,23 @@ def _case(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, bloc
     return qkv, positions, slots, k_cache, v_cache
 
 
+def _matches_reference(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                       dtype: torch.dtype, index_dtype: torch.dtype, **launch):
+    """The Triton launch on `_case`'s problem (with `launch`'s keywords) equals the reference bit for bit: q, k and
+    both caches (other slots untouched too). Returns the launch's q and k."""
+    qkv, positions, slots, k_cache, v_cache = _case(seed, tokens, heads, kv_heads, head_dim, block_size, dtype,
+                                                    index_dtype)
+    cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, dtype, "cpu")
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
+                          use_triton=True, **launch)
+    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
+                                            kv_heads, head_dim)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+    return q, k
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,index_dtype", [
@@ -43,49 +60,23 @@ def _case(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, bloc
     (2, 2, 80, 8, torch.int32),  # head_dim 80: a padded half (40 of 64 lanes)
 ])
 def test_triton_matches_reference_bit_for_bit(dtype, heads, kv_heads, head_dim, block_size, index_dtype):
-    qkv, positions, slots, k_cache, v_cache = _case(head_dim + heads, 6, heads, kv_heads, head_dim, block_size,
-                                                    dtype, index_dtype)
-    cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, dtype, "cpu")
-    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
-    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
-                          use_triton=True)
-    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
-                                            kv_heads, head_dim)
+    q, k = _matches_reference(head_dim + heads, 6, heads, kv_heads, head_dim, block_size, dtype, index_dtype)
     assert q.shape == (6, heads, head_dim) and k.shape == (6, kv_heads, head_dim)
     assert q.is_contiguous() and k.is_contiguous()
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)  # other slots untouched too
 
 
 @interpreted
 @pytest.mark.parametrize("tokens", [255, 256, 300], ids=["a token a program", "16 a program", "a ragged last block"])
 def test_prefill_sized_launches_match_reference_bit_for_bit(tokens):
     """At PREFILL_TOKENS tokens and more, a program takes 16 tokens: the last block's tail is masked."""
-    heads, kv_heads, head_dim = 2, 1, 64
-    qkv, positions, slots, k_cache, v_cache = _case(tokens, tokens, heads, kv_heads, head_dim, 16, torch.bfloat16,
-                                                    torch.int64)
-    cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, torch.bfloat16, "cpu")
-    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
-    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
-                          use_triton=True)
-    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
-                                            kv_heads, head_dim)
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+    _matches_reference(tokens, tokens, 2, 1, 64, 16, torch.bfloat16, torch.int64)
 
 
 @interpreted
 @pytest.mark.parametrize("tokens_per_program", [1, 4, 16])
 def test_every_tokens_per_program_setting_gives_the_same_bits(tokens_per_program):
     """bench_kernels.py times a launch shape the size rule would not pick; it must compute the same thing."""
-    qkv, positions, slots, k_cache, v_cache = _case(7, 37, 2, 1, 64, 16, torch.bfloat16, torch.int32)
-    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
-    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
-    q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 2, 1, 64, use_triton=True,
-                          tokens_per_program=tokens_per_program)
-    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, 2, 1, 64)
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+    _matches_reference(7, 37, 2, 1, 64, 16, torch.bfloat16, torch.int32, tokens_per_program=tokens_per_program)
 
 
 @pytest.mark.parametrize("tokens, block_t, warps", [(1, 1, 1), (255, 1, 1), (256, 16, 4), (300, 16, 4)])
