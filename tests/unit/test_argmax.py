@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from tpgtest.launches import spy_launches
 
 from tpgraph.engine.argmax import chunks_for, row_argmax
 
@@ -243,17 +244,8 @@ def test_every_batch_launches_the_fused_kernel_with_aligned_partials(monkeypatch
     pytest.importorskip("triton")
     import tpgraph.kernels.argmax as fused
 
-    offsets = []
-    real = fused._argmax_kernel
-
-    class Aligned:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                offsets.append([a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(fused, "_argmax_kernel", Aligned())
+    pointers = lambda grid, args, kw: [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)]
+    offsets = spy_launches(monkeypatch, fused, "_argmax_kernel", record=pointers)
     for batch in range(1, 9):
         x = torch.randn(batch, vocab)
         assert torch.equal(row_argmax(x, fused=True), x.argmax(dim=-1))

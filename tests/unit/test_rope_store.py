@@ -4,6 +4,7 @@ reference against Hugging Face's rotary embedding."""
 
 import pytest
 import torch
+from tpgtest.launches import spy_launches
 from tpgtest.markers import interpreted
 
 from tpgraph.kernels.rope_store import rope_and_store, rope_and_store_reference, rope_cos_sin_table
@@ -85,13 +86,8 @@ def test_the_launch_takes_a_token_a_program_below_256_and_16_from_there(monkeypa
     a program), prefill sizes 16 tokens a program over 4 warps."""
     from tpgraph.kernels import rope_store
 
-    launches = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((grid, kw["BLOCK_T"], kw["num_warps"]))
-
-    monkeypatch.setattr(rope_store, "_rope_store_kernel", Spy())
+    launches = spy_launches(monkeypatch, rope_store, "_rope_store_kernel", run=False,
+                            record=lambda grid, args, kw: (grid, kw["BLOCK_T"], kw["num_warps"]))
     qkv, positions, slots, k_cache, v_cache = _case(0, tokens, 2, 1, 64, 16, torch.bfloat16, torch.int64)
     cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.bfloat16, "cpu")
     rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 2, 1, 64, use_triton=True)
