@@ -122,10 +122,12 @@ def main() -> None:
                         "warm-up does not cache it); the server's prefix caching computes it once")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
+
+    def shared(tag: str) -> str:
+        return (f"system prompt {tag}: " + "be brief. " * args.shared_prefix_len)[:args.shared_prefix_len]
+
     result = {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        shared = lambda tag: (f"system prompt {tag}: " + "be brief. " * args.shared_prefix_len)[  # noqa: E731
-            :args.shared_prefix_len]
         run(args.url, args.model, concurrency, 16, args.prompt_len, shared("warm-up"))  # the same shapes, short
         r = result[f"x{concurrency}"] = run(args.url, args.model, concurrency, args.max_tokens, args.prompt_len,
                                             shared(f"x{concurrency}"))
