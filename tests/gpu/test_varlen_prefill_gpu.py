@@ -12,6 +12,7 @@ from tpgraph.model.attention import sdpa_prefill
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 pytest.importorskip("torch.nn.attention.varlen", reason="this torch has no varlen_attn")
 CUDA = torch.device("cuda")
+ENGINE = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=1024, gpu_memory_utilization=0.3)
 
 
 @pytest.mark.parametrize("heads, dim", [((32, 8), 128), ((16, 4), 128), ((8, 8), 64), ((9, 3), 64)])
@@ -40,11 +41,10 @@ def test_varlen_prefill_matches_sdpa(lens, contexts, padded, dtype):
 def test_the_engine_runs_varlen_prefill_and_chunking_keeps_its_tokens():
     params = SamplingParams(temperature=0.0, max_tokens=12)
     prompts = ["The quick brown fox", "tpgraph " * 60, "Hello, world! How are you today, my friend?"]
-    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=1024, gpu_memory_utilization=0.3)
-    with TPEngine(**base) as engine:
+    with TPEngine(**ENGINE) as engine:
         assert engine.runner.prefill_attention == "varlen FlashAttention"
         whole = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
-    with TPEngine(**base, max_num_batched_tokens=64) as engine:  # the long prompt continues cached prefixes
+    with TPEngine(**ENGINE, max_num_batched_tokens=64) as engine:  # the long prompt continues cached prefixes
         chunked = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert all(len(t) == 12 for t in whole)
     assert chunked == whole
@@ -56,10 +56,9 @@ def test_prefix_caching_keeps_tokens_on_the_gpu():
     params = SamplingParams(temperature=0.0, max_tokens=8)
     system = "You are a helpful assistant who answers in one short sentence. " * 6
     prompts = [system + tail for tail in ("What is 2 + 2?", "Name a colour.", "tpgraph " * 9)]
-    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=1024, gpu_memory_utilization=0.3)
-    with TPEngine(**base, enable_prefix_caching=False) as engine:
+    with TPEngine(**ENGINE, enable_prefix_caching=False) as engine:
         plain = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
-    with TPEngine(**base) as engine:
+    with TPEngine(**ENGINE) as engine:
         assert engine.runner.prefill_attention == "varlen FlashAttention"
         first = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.core.scheduler.prefix_hit_tokens
