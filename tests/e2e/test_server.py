@@ -227,6 +227,21 @@ def test_chat_logprob_bytes_are_the_tokens_bytes(server):
                                       if int(e["token"].removeprefix("token_id:")) < 256)
 
 
+def test_logit_bias_steers_every_rank_on_both_endpoints(server):
+    """Bias 100 on the byte "A" makes greedy decoding all but forced to it, streamed or not, while -100 on what an
+    unbiased greedy request produces first moves it off that token (TP=2: every rank samples with the bias)."""
+    c = server.client()
+    forced = c.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logit_bias={"65": 100}, **greedy())
+    assert forced.choices[0].text == "AAAAA"
+    chunks = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       stream=True, logit_bias={"65": 100}, **greedy())
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "AAAA"
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=1, logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    first = ids_of(c.completions.create(**kw, **greedy()).choices[0])[0]
+    banned = c.completions.create(**kw, logit_bias={str(first): -100}, **greedy()).choices[0]
+    assert ids_of(banned)[0] != first
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine
@@ -283,6 +298,10 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/nothing", {"model": MODEL}, 404, "Not Found"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400,
+     "logit_bias token ids must be below the vocabulary size"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"a": 1}}, 400, "logit_bias keys must be token ids"),
 ])
 def test_bad_input_gets_a_reason_and_the_server_keeps_serving(server, path, body, status, needle):
     r = server.post(path, body)

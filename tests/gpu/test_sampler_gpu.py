@@ -12,7 +12,8 @@ from tpgraph.engine.sampling_params import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 EVERY_OPTION = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                              frequency_penalty=0.3, presence_penalty=0.2, logprobs=2, seed=4)
+                              frequency_penalty=0.3, presence_penalty=0.2, logprobs=2, seed=4,
+                              logit_bias={11: 2.0, 3: -1.0})
 
 
 def test_sampling_every_option_never_waits_for_the_gpu():
@@ -122,6 +123,18 @@ def test_the_sampler_takes_the_fused_kernel_on_cuda(monkeypatch):
         # (at temperature 1e-4 the largest, or one tied with it in bf16)
         assert out.token_ids[1] != top[1] and logits[2, out.token_ids[2]] == logits[2].max()
         assert torch.equal(logits, before)
+
+
+def test_logit_bias_forces_and_bans_on_the_fused_draw_and_greedy_rows():
+    """bf16 logits on CUDA (the fused draw, which reads the fp32 copy a bias makes): bias 100 all but forces a token
+    on sampled and greedy rows, and -100 keeps the largest logit from ever being drawn."""
+    logits = torch.randn(64, 32000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+    top = logits.float().argmax(-1).tolist()
+    forced = [SampleRow(SamplingParams(temperature=t, top_p=0.95, logit_bias={123: 100.0}), [1], []) for t in (0, 1)]
+    banned = [SampleRow(SamplingParams(temperature=0.05, logit_bias={top[i]: -100.0}), [1], []) for i in range(2, 64)]
+    out = Sampler("cuda").sample(logits, forced + banned)
+    assert out.token_ids[:2] == [123, 123]
+    assert all(t != top[i] for i, t in enumerate(out.token_ids) if i >= 2)
 
 
 def test_the_fused_penalties_equal_the_torch_ops():

@@ -47,3 +47,17 @@ def test_what_changes_nothing_is_accepted():
     for extra in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
                   {"response_format": {"type": "text"}}, {"parallel_tool_calls": True}):
         assert ChatRequest.model_validate({**CHAT, **extra}).checked_messages() == [{"role": "user", "content": "x"}]
+
+
+def test_logit_bias_keys_are_token_ids_on_both_endpoints():
+    """JSON object keys are strings: they must name token ids; the values reach SamplingParams unconverted, so true
+    is refused there rather than taken as 1.0."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        r = kind.model_validate({**body, "logit_bias": {"50": -100, "7": 2.5, "9": 0}})
+        assert r.sampling_params(4, None).logit_bias == ((7, 2.5), (50, -100.0))
+    for bias, needle in (({"x": 1}, "keys must be token ids"), ({"-3": 1}, "keys must be token ids"),
+                         ({"٣": 1}, "keys must be token ids"), ({"7": True}, "must be a finite number"),
+                         ({"7": 1, "07": 2}, "names token 7 twice"), ({"7": 101}, r"must be in \[-100.0, 100.0\]")):
+        with pytest.raises(RequestError, match=needle):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": bias}).sampling_params(4, None)

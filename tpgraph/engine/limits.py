@@ -42,3 +42,6 @@ class RequestLimits:
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be below the vocabulary size {vocab}, got "
+                               f"{[t for t, _ in params.logit_bias if t >= vocab]}")

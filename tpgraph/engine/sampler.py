@@ -8,9 +8,9 @@ one generator that every rank seeds alike at start-up.
 Penalties read each sequence's token counts from a table on the device (penalties.py), which the step's sampled ids
 update in stream order, so they need no output token on the host.
 
-Order: penalties on the raw logits (greedy rows too), then temperature, top-k, top-p, min-p, and a draw by the
-exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those of the
-model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
+Order: logit bias, then penalties on the logits (greedy rows too), then temperature, top-k, top-p, min-p, and a
+draw by the exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those
+of the model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
 
 On CUDA, everything after the penalties and banned ids runs in kernels/top_k.py's and kernels/sampling.py's
 launches instead of the torch chain below, without a sort: the same distribution, with its own
@@ -59,13 +59,15 @@ class SampleOutput:
 
 
 def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:
-    """`rows` rows that take every stage of sampling at once (penalties, temperature, top-k, top-p, min-p, a banned
-    id, the most log-probabilities): the sampling step the runner's memory profile runs at its largest batch, so that
-    the KV budget leaves room for the sampler's [rows, vocab] temporaries. Their histories (up to max_model_len tokens
-    each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table slot in one step do.
+    """`rows` rows that take every stage of sampling at once (logit bias, penalties, temperature, top-k, top-p,
+    min-p, a banned id, the most log-probabilities): the sampling step the runner's memory profile runs at its
+    largest batch, so that the KV budget leaves room for the sampler's [rows, vocab] temporaries. Their histories (up
+    to max_model_len tokens each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table
+    slot in one step do.
     (top-k 50: its [rows, k] values and indices stay far below top-p's sort of the whole row.)"""
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                            frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab))
+                            frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab),
+                            logit_bias={0: 1.0})
     history = tuple(i % vocab for i in range(max(2, min(max_model_len, FILL_TOKENS // rows))))
     half = len(history) // 2  # (the output half is counted by index_put_'s accumulate, which sorts)
     return [SampleRow(params, history[:half], history[half:], banned_ids=history[:1]) for _ in range(rows)]
@@ -87,10 +89,10 @@ def row_seed(seed: int, sample_index: int, position: int) -> int:
 
 
 def plain_greedy(rows: list[SampleRow]) -> bool:
-    """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, penalties or
-    banned ids): such a step needs no logits on the host's side, only the argmax."""
-    return all(r.params.greedy and r.params.logprobs is None and not r.params.has_penalties and not r.banned_ids
-               for r in rows)
+    """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, bias,
+    penalties or banned ids): such a step needs no logits on the host's side, only the argmax."""
+    return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and not r.params.has_penalties
+               and not r.banned_ids for r in rows)
 
 
 class Sampler:
@@ -131,10 +133,12 @@ class Sampler:
             # their argmax is that of their fp32 copy (an exact cast), so no fp32 copy is made
             return self._start_copy(row_argmax(logits, out=ids_out), None, None)
         fused = not all(r.params.greedy for r in rows) and self._takes_fused(logits)
-        # the kernel reads 16-bit logits as they are; penalties are applied in fp32
-        penalized = any(r.params.has_penalties for r in rows)
-        x = logits if fused and not penalized else logits.float()
+        # the kernel reads 16-bit logits as they are; bias and penalties are applied in fp32
+        biased = any(r.params.logit_bias for r in rows)
+        x = logits if fused and not biased and not any(r.params.has_penalties for r in rows) else logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
+        if biased:  # before penalties, as vLLM orders them
+            x = add_logit_bias(x, rows)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
@@ -282,6 +286,15 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
         return table.apply(x, slots, params), Counted(None, slots)
     at, slots = to_device_parts([positions, table.slots_for(penalized)], torch.int64, x.device)
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
+
+
+def add_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """x [B, vocab] fp32 -> a new tensor with each row's logit_bias added (a row's ids are distinct, so one gather and
+    one scatter add them exactly)."""
+    at, ids = to_device_parts([[i for i, r in enumerate(rows) for _ in r.params.logit_bias],
+                               [t for r in rows for t, _ in r.params.logit_bias]], torch.int64, x.device)
+    bias = to_device([b for r in rows for _, b in r.params.logit_bias], torch.float32, x.device)
+    return x.index_put((at, ids), x[at, ids] + bias)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

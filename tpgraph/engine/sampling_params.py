@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tpgraph.errors import RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -17,8 +18,10 @@ class SamplingParams:
     """Temperatures below GREEDY_BELOW (1e-5; 0 among them) are greedy. top_k 0 (or -1) and top_p 1 and min_p 0
     switch those filters off. Penalties follow OpenAI (frequency, presence: subtracted per output occurrence / once)
     and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and output token).
+    `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
+    field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
-    log-probabilities)."""
+    log-probabilities); they are the model's own, before bias and penalties."""
 
     n: int = 1
     temperature: float = 1.0
@@ -37,6 +40,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,7 @@ class SamplingParams:
             _check_int("stop_token_ids entry", t, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +83,24 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, value) pairs in id order, each checked, zeros left out (they change nothing, and a
+    row without bias may take the plain greedy path); one id twice is refused."""
+    pairs = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value,
+                                                                       "a mapping of token ids to values")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise RequestError(f"logit_bias must map token ids to values, got the entry {pair!r}")
+        token, bias = pair
+        _check_int("logit_bias token id", token, 0, None)
+        _check_real(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if token in out:
+            raise RequestError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted((token, bias) for token, bias in out.items() if bias != 0.0))
 
 
 def _as_tuple(name: str, value: object, what: str) -> tuple:

@@ -72,7 +72,7 @@ class SamplingFields(NullMeansDefault):
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probability entries name tokens as "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # (values checked by SamplingParams: pydantic would take true as 1.0)
     user: str | None = None
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
@@ -80,8 +80,6 @@ class SamplingFields(NullMeansDefault):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None) -> SamplingParams:
         """defaults: the checkpoint's generation_config values, used where the request leaves a field unset."""
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
         d = defaults or {}
@@ -98,7 +96,17 @@ class SamplingFields(NullMeansDefault):
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias())
+
+    def token_bias(self) -> list[tuple[int, Any]]:
+        """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
+        ("7" and "07") are refused by SamplingParams, not merged."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.strip().isdigit():
+                raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            pairs.append((int(key), value))
+        return pairs
 
 
 class CompletionRequest(SamplingFields):

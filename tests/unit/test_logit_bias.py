@@ -1,0 +1,111 @@
+"""logit_bias (OpenAI's field): checked in SamplingParams, the request limits and the protocol, added to the logits
+before penalties on every sampling path (greedy, the torch chain, the fused draw under TRITON_INTERPRET=1), and left
+out of the reported log-probabilities."""
+
+import math
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from tpgraph.engine.limits import RequestLimits
+from tpgraph.engine.sampler import Sampler, SampleRow, plain_greedy
+from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.errors import RequestError
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def row(**kw) -> SampleRow:
+    return SampleRow(SamplingParams(**kw), [1, 2], [])
+
+
+def test_a_mapping_or_pairs_become_pairs_in_id_order():
+    assert SamplingParams(logit_bias={9: -1, 2: 0.5}).logit_bias == ((2, 0.5), (9, -1.0))
+    assert SamplingParams(logit_bias=[[3, 100], (1, -100)]).logit_bias == ((1, -100.0), (3, 100.0))
+    assert SamplingParams().logit_bias == () == SamplingParams(logit_bias={}).logit_bias == SamplingParams(
+        logit_bias={4: 0.0, 5: -0.0}).logit_bias
+    assert hash(SamplingParams(logit_bias={1: 2.0})) == hash(SamplingParams(logit_bias=[(1, 2)]))
+
+
+@pytest.mark.parametrize(("bias", "needle"), [
+    ({1: 100.5}, r"logit_bias\[1\] must be in \[-100.0, 100.0\]"),
+    ({1: float("nan")}, "must be a finite number"),
+    ({1: True}, "must be a finite number"),
+    ({-1: 1.0}, "logit_bias token id must be >= 0"),
+    ({True: 1.0}, "logit_bias token id must be an integer"),
+    ({"7": 1.0}, "logit_bias token id must be an integer"),
+    ([(1, 1.0), (1, 2.0)], "names token 1 twice"),
+    ([(1, 2, 3)], "must map token ids to values"),
+    ("7", "must be a mapping of token ids to values"),
+])
+def test_bad_bias_is_refused_with_the_reason(bias, needle):
+    with pytest.raises(RequestError, match=needle):
+        SamplingParams(logit_bias=bias)
+
+
+def test_ids_past_the_vocabulary_are_refused_before_the_engine_takes_the_request():
+    limits = RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=1000)
+    limits.check([1, 2], SamplingParams(logit_bias={99: 1.0}))
+    with pytest.raises(RequestError, match=r"below the vocabulary size 100, got \[100, 500\]"):
+        limits.check([1, 2], SamplingParams(logit_bias={5: 1.0, 100: 1.0, 500: -1.0}))
+
+
+def test_greedy_rows_take_the_argmax_of_the_biased_logits_and_the_callers_logits_are_untouched():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    top = logits.argmax(-1).tolist()
+    rows = [row(temperature=0.0, logit_bias={top[0]: -100.0}),  # banned in effect: the runner-up
+            row(temperature=0.0, logit_bias={7: 100.0}),  # all but forced
+            row(temperature=0.0),  # unbiased, in the same batch
+            row(temperature=0.0, logit_bias={top[3]: -0.0})]
+    assert not plain_greedy(rows[:2]) and plain_greedy(rows[2:])
+    out = Sampler("cpu").sample(logits, rows)
+    assert out.token_ids == [logits[0].topk(2).indices[1].item(), 7, top[2], top[3]]
+    assert torch.equal(logits, before)
+
+
+def test_bias_comes_before_the_repetition_penalty_as_in_vllm():
+    """Token 0 (in the prompt) at 4.0 with repetition 2, against token 1's 0.5. Bias -2: (4 - 2) / 2 = 1 beats 0.5,
+    where the other order, 4 / 2 - 2 = 0, would not. Bias -3.5: (4 - 3.5) / 2 = 0.25 loses, where no penalty at all
+    would tie at 0.5 (the first wins a tie)."""
+    logits = torch.tensor([[4.0, 0.5, -3.0]])
+
+    def chosen(bias: float) -> int:
+        params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: bias})
+        return Sampler("cpu").sample(logits, [SampleRow(params, [0], [])]).token_ids[0]
+
+    assert (chosen(-2.0), chosen(-3.5)) == (0, 1)
+
+
+def test_log_probabilities_are_the_models_own_not_the_biased_ones():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(3))
+    out = Sampler("cpu").sample(logits, [row(temperature=0.0, logprobs=2, logit_bias={5: 100.0})])
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.token_ids == [5] and out.logprobs[0] == pytest.approx(raw[5].item(), abs=1e-6)
+    assert out.top_ids[0] == raw.topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch_chain", "fused_draw"])
+def test_a_sampled_row_draws_from_the_biased_distribution(fused):
+    """p ∝ p0 · exp(bias): bias ln 3 on token 3 (0.05 -> 0.15 / 1.1) and -100 on token 0 (never drawn), beside an
+    unbiased seeded row whose draws the bias in the batch leaves as they were. The fused draw runs kernels/sampling.py
+    (under TRITON_INTERPRET=1 on CPU; it reads the fp32 logits a bias makes)."""
+    if fused:
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU-tensor kernel tests need TRITON_INTERPRET=1")
+        pytest.importorskip("triton")
+    n = 300 if fused else 4000  # (the interpreter runs a program in about 20 ms)
+    logits = PROBS.log().to(torch.bfloat16 if fused else torch.float32).expand(n, -1).clone()
+    biased = [row(temperature=1.0, logit_bias={3: math.log(3.0), 0: -100.0}) for _ in range(n - 1)]
+    seeded = row(temperature=1.0, seed=11)
+    out = Sampler("cpu", seed=0, fused=fused).sample(logits, [*biased, seeded])
+    alone = Sampler("cpu", seed=0, fused=fused).sample(logits[:1], [seeded])
+    assert out.token_ids[-1] == alone.token_ids[0]
+    counts = Counter(out.token_ids[:-1])
+    assert counts[0] == 0
+    expected = {1: 0.3 / 0.6, 2: 0.15 / 0.6, 3: 0.15 / 0.6}
+    for token, p in expected.items():
+        sd = math.sqrt(p * (1 - p) / (n - 1))
+        assert abs(counts[token] / (n - 1) - p) < 5 * sd, (token, counts)
