@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
                                                              f"{BUILTIN_NAME})")
+    p.add_argument("--api-key", default=os.environ.get("TPGRAPH_API_KEY") or None,
+                   help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
+                        "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     add_engine_args(p)
     return p.parse_args(argv)
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                             on_step=lambda _, step_s: metrics.step_done(engine.core.timing, step_s,
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
-    spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts)
+    spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
+                        args.api_key)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

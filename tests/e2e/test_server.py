@@ -149,9 +149,12 @@ def test_the_server_warms_up_before_serving(server):
     assert "warmed up in" in server.output()
 
 
-def test_models_and_health(server):
+def test_models_health_version_and_tokenize(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert http("GET", f"{server.url}/health").status_code == 200
+    assert http("GET", f"{server.url}/version").json()["version"]
+    ids = server.post("/tokenize", {"prompt": "Hi"}).json()["tokens"]  # (BOS, then the built-in model's bytes)
+    assert ids[1:] == [72, 105] and server.post("/detokenize", {"tokens": ids[1:]}).json() == {"prompt": "Hi"}
 
 
 def test_completion_stream_equals_non_stream(server):
@@ -240,6 +243,20 @@ def test_logit_bias_steers_every_rank_on_both_endpoints(server):
     first = ids_of(c.completions.create(**kw, **greedy()).choices[0])[0]
     banned = c.completions.create(**kw, logit_bias={str(first): -100}, **greedy()).choices[0]
     assert ids_of(banned)[0] != first
+
+
+def test_an_api_key_from_the_environment_is_asked_of_clients():
+    """TPGRAPH_API_KEY reaches the spawned front end: OpenAI's client with the key is served, a request without it
+    gets a 401, and /health stays open to probes."""
+    keyed = Server(free_port(), ranks=1, torchrun=False, env={"TPGRAPH_API_KEY": "k3y"})
+    try:
+        refused = http("GET", f"{keyed.url}/v1/models")
+        assert refused.status_code == 401 and "needs an API key" in refused.json()["error"]["message"]
+        c = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert http("GET", f"{keyed.url}/health").status_code == 200
+    finally:
+        keyed.stop()
 
 
 def test_sixteen_concurrent_requests_equal_tp_engine(server):

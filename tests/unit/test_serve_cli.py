@@ -51,3 +51,12 @@ def test_engine_settings_are_refused_before_anything_loads(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         EngineConfig(**kw)
     assert EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=128, max_model_len=128)
+
+
+def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
+    monkeypatch.delenv("TPGRAPH_API_KEY", raising=False)
+    assert parse_args([]).api_key is None
+    monkeypatch.setenv("TPGRAPH_API_KEY", "from-env")
+    assert parse_args([]).api_key == "from-env" and parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.setenv("TPGRAPH_API_KEY", "")
+    assert parse_args([]).api_key is None  # (set but empty: no key, not a key of "")

@@ -20,7 +20,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 8
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 512)
+    max_num_batched_tokens: int | None = None  # default: max(min(max_model_len, 8192), 512) (ModelRunner)
     enable_chunked_prefill: bool = True
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
     enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed

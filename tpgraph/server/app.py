@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-/health, /metrics. Every mistake in a request is a 400 (404 for an unknown model) with an OpenAI error body, and the
+/health, /metrics, /version, and vLLM's /tokenize and /detokenize (token_routes.py), behind an API key where one is
+set (auth.py). Every mistake in a request is a 400 (404 for an unknown model) with an OpenAI error body, and the
 server keeps serving; a client that disconnects aborts its request."""
 
 from __future__ import annotations
@@ -18,26 +19,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from tpgraph import __version__
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
+from tpgraph.server.auth import require_api_key
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
+from tpgraph.server.errors import ApiError, error_body
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
+from tpgraph.server.token_routes import token_routes
 
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass
@@ -146,7 +141,8 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
-               max_model_len: int) -> FastAPI:
+               max_model_len: int, api_key: str | None = None) -> FastAPI:
+    """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
@@ -154,6 +150,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None, lifespan=lifespan)
     api = Api(client, metrics, model_name)
+    if api_key:
+        require_api_key(app, api_key)
+    app.include_router(token_routes(prompts, api.check_model, max_model_len))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -197,6 +196,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "tpgraph", "max_model_len": max_model_len}]}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -30,6 +30,7 @@ class FrontendSpec:
     max_model_len: int
     limits: RequestLimits
     prompts: PromptCodec
+    api_key: str | None = None  # (the spec travels through a pipe to the spawned front end, never in its argv)
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -68,7 +69,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
         threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
-    app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len)
+    app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()

@@ -175,15 +175,44 @@ class ChatRequest(SamplingFields):
             raise RequestError(f"tool_choice {self.tool_choice!r} is not supported (no tools)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported (text only)")
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role not in ROLES:
-                raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
-            out.append({"role": m.role, "content": m.text()})
-        return out
+        return plain_messages(self.messages)
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the template takes them (role and text), each role checked."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": m.role, "content": m.text()})
+    return out
+
+
+class TokenizeRequest(NullMeansDefault):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(NullMeansDefault):
+    model: str | None = None
+    tokens: list[int]
+
+    _tokens_are_integers = field_validator("tokens", mode="before")(_ids_are_integers)

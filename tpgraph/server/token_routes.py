@@ -1,0 +1,41 @@
+"""vLLM's /tokenize and /detokenize: a client counts a prompt's tokens (chat messages through the template, as
+/v1/chat/completions renders them) or turns ids back into text with the server's own tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi import APIRouter
+
+from tpgraph.errors import RequestError
+from tpgraph.prompts import PromptCodec
+from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, plain_messages
+
+
+def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_model_len: int) -> APIRouter:
+    router = APIRouter()
+    vocab = prompts.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            check_model(body.model)
+        if body.messages is not None:
+            text = prompts.render_chat(plain_messages(body.messages), body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = await asyncio.to_thread(prompts.encode_text, text, special)  # (off the event loop, as completions do)
+        strs = [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            check_model(body.model)
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise RequestError(f"tokens must be ids in [0, {vocab}) (the tokenizer's vocabulary), got {bad[:8]}")
+        return {"prompt": prompts.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return router
