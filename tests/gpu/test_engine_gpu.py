@@ -31,6 +31,24 @@ def test_graphs_chunks_and_piecewise_prefill_agree_with_eager():
         assert any(row[0] == "prefill" for row in engine.runner.stats.frequency_table())
 
 
+def test_prompt_logprobs_agree_across_piecewise_chunked_and_eager_prefill():
+    """fp32: the same entries (1e-4) from eager prefill, piecewise graphs, and 64-token chunks with the varlen or SDPA
+    path the start-up probe picked; each prompt token has one."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+
+    def entries(engine):
+        return [(o.prompt_logprobs, o.prompt_top_logprobs) for o in engine.generate(PROMPTS, params)]
+
+    with make(graphs=GraphConfig(decode_mode="none", prefill_mode="none")) as engine:
+        eager = entries(engine)
+        assert [len(lps) for lps, _ in eager] == [len(engine.encode(p)) for p in PROMPTS]
+    for kw in ({}, {"max_num_batched_tokens": 64}):
+        with make(**kw) as engine:
+            for (lps, tops), (want, want_tops) in zip(entries(engine), eager, strict=True):
+                assert lps[0] is None and lps[1:] == pytest.approx(want[1:], abs=1e-4)
+                assert [[t for t, _ in a] for a in tops] == [[t for t, _ in a] for a in want_tops]
+
+
 def test_seeded_sampling_repeats_on_the_gpu():
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=3, n=2, max_tokens=16, logprobs=2)
     with make() as engine:

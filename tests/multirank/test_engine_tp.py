@@ -1,6 +1,7 @@
 """TPEngine under two gloo ranks (SPMD): both ranks produce the same completions, equal to one rank's, with
 sampling, preemption and chunked prefill in play."""
 
+import pytest
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import engine_generate
 
@@ -49,3 +50,19 @@ def test_greedy_in_step_at_four_ranks_agrees_with_one(monkeypatch):
     ranks = run_ranks(engine_generate, 4, PROMPTS, [greedy * 2, PARAMS], ENGINE, timeout_s=300)
     assert all(r == ranks[0] for r in ranks[1:]) and ranks[0]["blocks_back"] and ranks[0]["greedy_in_step"]
     assert ranks[0]["completions"] == one
+
+
+def test_two_ranks_give_every_rank_the_prompt_logprobs_of_one():
+    """Prompt log-probabilities gather the vocabulary across ranks a pass at a time, in chunks (max 16 tokens a step)
+    and under preemption: both ranks hold the same entries, within fp32 rounding of TP=1's, and the same tokens."""
+    params = [SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2 if i % 2 else 0) for i in range(4)]
+    engine = {**ENGINE, "max_num_batched_tokens": 16}
+    ranks = run_ranks(engine_generate, 2, PROMPTS, params, engine, timeout_s=240)
+    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"]
+    with TPEngine(device="cpu", **engine) as one:
+        single = one.generate(PROMPTS, params)
+    assert ranks[0]["completions"] == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in single]
+    for (lps, tops), o in zip(ranks[0]["prompt_logprobs"], single, strict=True):
+        assert lps[0] is None and lps[1:] == pytest.approx(o.prompt_logprobs[1:], abs=1e-4)
+        assert [[t for t, _ in alts] for alts in tops] == [[t for t, _ in alts] for alts in o.prompt_top_logprobs]
+        assert len(lps) == len(o.prompt_token_ids)

@@ -434,7 +434,8 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
         in_step = engine.runner.greedy_in_step
         hits = engine.core.scheduler.prefix_hit_tokens
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
-            "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits}
+            "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits,
+            "prompt_logprobs": [(o.prompt_logprobs, o.prompt_top_logprobs) for o in out]}
 
 
 def fail_detokenizers(max_tokens: int) -> None:

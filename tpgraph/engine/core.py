@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
-from tpgraph.engine.sampler import PendingSample, Sampler, SampleRow, plain_greedy
+from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleRow, plain_greedy
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
@@ -38,6 +38,9 @@ class StepUpdate:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # with a sequence's first token, where its params ask: (id, log-probability, top alternatives) of each prompt
+    # token after the first
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class _Once:
@@ -71,10 +74,11 @@ class StepTiming:
 
 @dataclass
 class InFlight:
-    """A launched step whose sampled tokens are on their way to the host."""
+    """A launched step whose sampled tokens (and prompt log-probabilities) are on their way to the host."""
 
     rows: list[tuple[Sequence, int]]  # per sampled row: its sequence and the index of its placeholder in output_ids
-    sample: PendingSample
+    sample: PendingSample | None  # (None: the step sampled nothing, and ran prefill chunks for prompt_chunks alone)
+    prompt_chunks: list[tuple[Sequence, int, PendingSample]] = field(default_factory=list)  # ModelRunner's
 
     def sources(self, seqs: list[Sequence]) -> list[int] | None:
         """Each sequence's row of this step's sampled ids if its last token is pending there, else NO_SOURCE."""
@@ -218,11 +222,13 @@ class EngineCore:
         """Run the step's forwards and sample on the device; the sampled rows' tokens stay pending."""
         parts: list[torch.Tensor] = []
         sampled: list[Sequence] = []
+        prompt_chunks: list[tuple[Sequence, int, PendingSample]] = []
         timing = self.timing
         if sched.prefill:
             t0 = time.perf_counter()
             seqs = [s for s, _ in sched.prefill]
             logits = self.runner.prefill(seqs, [n for _, n in sched.prefill])
+            prompt_chunks = self.runner.last_prompt_logprobs
             timing.prefill = time.perf_counter() - t0
             done = [i for i, s in enumerate(seqs) if s.num_uncached == 0]  # prompt (or recompute) complete
             if done:
@@ -241,17 +247,21 @@ class EngineCore:
             timer = self.runner.gpu_timer
             timing.gpu = timer.take() if timer is not None else None
         if not sampled:
-            return None
+            return InFlight([], None, prompt_chunks) if prompt_chunks else None
         if pending is None:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
-        return InFlight([(seq, seq.add_pending()) for seq in sampled], pending)
+        return InFlight([(seq, seq.add_pending()) for seq in sampled], pending, prompt_chunks)
 
     def _resolve(self) -> list[StepUpdate]:
         """Read the step in flight back and hand its tokens out. A row whose sequence finished after the step was
         launched (aborted, or stopped by an earlier token) is dropped."""
         flight, self._in_flight = self._in_flight, None
         t0 = time.perf_counter()
+        for seq, first, chunk in flight.prompt_chunks:  # (before the rows: a first token carries them)
+            self._read_prompt_logprobs(seq, first, chunk.result())
+        if flight.sample is None:
+            return []
         out = flight.sample.result()
         now = time.perf_counter()
         self.timing.sample += now - t0
@@ -264,9 +274,21 @@ class EngineCore:
                 update.logprob = out.logprobs[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
+            if index == 0 and seq.params.prompt_logprobs is not None:
+                update.prompt_logprobs = list(seq.prompt_logprobs)
             updates.append(update)
         self.timing.postprocess += time.perf_counter() - now
         return updates
+
+    @staticmethod
+    def _read_prompt_logprobs(seq: Sequence, first: int, out: SampleOutput) -> None:
+        """Keep a chunk's prompt log-probabilities (entries from prompt token `first` on) that seq has not yet: a
+        prompt recomputed after a preemption gives them again."""
+        k = seq.params.prompt_logprobs
+        for i, token in enumerate(out.token_ids):
+            if first + i == len(seq.prompt_logprobs) + 1:
+                seq.prompt_logprobs.append((token, out.logprobs[i], list(zip(out.top_ids[i][:k],
+                                                                             out.top_logprobs[i][:k], strict=True))))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -21,7 +21,9 @@ from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block
 from tpgraph.engine.memory import GiB, MemoryBudget
 from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
-from tpgraph.engine.sampler import Sampler, warm_rows, worst_case_rows
+from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
+from tpgraph.engine.sampler import PendingSample, Sampler, warm_rows, worst_case_rows
+from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
@@ -41,7 +43,7 @@ from tpgraph.kernels.tokens import NO_SOURCE, resolve_input_ids
 from tpgraph.model.attention import AttentionMetadata, attention_backend, sdpa_prefill
 from tpgraph.model.llama import LlamaForCausalLM
 from tpgraph.model.varlen_prefill import prefill_attention
-from tpgraph.uploads import to_device
+from tpgraph.uploads import to_device, to_device_parts
 
 logger = logging.getLogger(__name__)
 NULL_BLOCK = 0  # never handed out: padded rows write their K/V here and read nothing
@@ -204,6 +206,9 @@ class ModelRunner:
                                   show_progress=self.is_driver)
         self.budget: MemoryBudget | None = None
         self.last_decode = DecodeTiming()
+        # the last prefill's prompt log-probabilities: (sequence, its first prompt token there, the entries on their
+        # way to the host), for the sequences whose params ask for them
+        self.last_prompt_logprobs: list[tuple[Sequence, int, PendingSample]] = []
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
@@ -329,6 +334,10 @@ class ModelRunner:
         self.prefill_in.commit(tokens, tokens)
         hidden = self._eager_prefill(tokens, lens)
         self.model.compute_logits(hidden[-len(lens):])
+        # a request's prompt log-probabilities: a pass of their largest (prompt_logprobs.py)
+        rows = min(tokens, PASS_ROWS)
+        packed_logprobs(self.model.compute_logits, hidden[:rows], self.prefill_in.device("input_ids", rows),
+                        MAX_LOGPROBS)
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _phases(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -473,13 +482,16 @@ class ModelRunner:
         sequence's last run token [B, vocab]."""
         if num_tokens is None:  # whole prompts; a prompt over the per-forward budget runs in chunks
             last: dict[int, torch.Tensor] = {}
-            pending = list(seqs)
+            pending, prompt_logprobs = list(seqs), []
             while pending:
                 logits = self.prefill(pending, [min(s.num_uncached, self.max_prefill_tokens) for s in pending])
+                prompt_logprobs += self.last_prompt_logprobs
                 for seq, row in zip(pending, logits, strict=True):
                     last[id(seq)] = row
                 pending = [s for s in pending if s.num_uncached > 0]
+            self.last_prompt_logprobs = prompt_logprobs
             return torch.stack([last[id(seq)] for seq in seqs])
+        self.last_prompt_logprobs = []
         counts = list(num_tokens)
         if len(counts) != len(seqs):
             raise ConfigError(f"{len(counts)} token counts for {len(seqs)} sequences")
@@ -528,10 +540,24 @@ class ModelRunner:
         else:
             hidden = self._eager_prefill(total, counts, context, blocks)
         self.stats.record("prefill", total, padded, mode)
+        self._prompt_logprobs(spans, hidden)
         last = to_device(counts, torch.int64, self.device).cumsum(0) - 1
         for seq, start, n in spans:
             seq.num_cached = start + n
         return self.model.compute_logits(hidden[last])
+
+    def _prompt_logprobs(self, spans: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
+        """The prompt log-probabilities this group's hidden states give (prompt_logprobs.py), their copies started."""
+        offset = 0
+        for seq, start, n in spans:
+            k = seq.params.prompt_logprobs if seq.params is not None else None
+            targets = prompt_targets(seq, start, n) if k is not None else range(0)
+            if targets:
+                rows, ids = to_device_parts([[offset + t - 1 - start for t in targets],
+                                             seq.prompt_ids[targets.start:targets.stop]], torch.int64, self.device)
+                packed = packed_logprobs(self.model.compute_logits, hidden[rows], ids, k)
+                self.last_prompt_logprobs.append((seq, targets.start, PendingSample(ids, packed, k)))
+            offset += n
 
     def _eager_prefill(self, total: int, lens: list[int], context: tuple[int, ...] = (),
                        blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:

@@ -21,7 +21,9 @@ class SamplingParams:
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
-    log-probabilities); they are the model's own, before bias and penalties."""
+    log-probabilities); they are the model's own, before bias and penalties. `prompt_logprobs` = the same for each
+    prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
+    full, never read from the prefix cache."""
 
     n: int = 1
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +75,8 @@ class SamplingParams:
             _check_int("stop_token_ids entry", t, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property

@@ -7,7 +7,8 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
 2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last. With
    prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and the head of the queue
    waits (holding the queue, as a lack of blocks does) while a running sequence computes 32 or more tokens it
-   begins with too, then shares them.
+   begins with too, then shares them. A sequence that asks for prompt log-probabilities takes none: its prompt runs
+   in full.
 
 The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
 none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the
@@ -128,9 +129,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
-            if self.allocator.worth_waiting(seq, self.running):
-                break  # a running sequence is computing blocks this one begins with: it waits, then shares them
-            self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
+            if not seq.needs_prompt_logprobs:  # (else its prompt runs in full: cached tokens would have no logits)
+                if self.allocator.worth_waiting(seq, self.running):
+                    break  # a running sequence is computing blocks this one begins with: it waits, then shares them
+                self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
             if (n < seq.num_uncached and not self.cfg.enable_chunked_prefill) or need > self.allocator.num_free:

@@ -42,10 +42,19 @@ class Sequence:
     block_names: list[bytes] = field(default_factory=list)
     num_registered: int = 0
     awaits_prefix: bool = False  # waiting (not admitted) for a running sequence to compute blocks it will share
+    # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def num_uncached(self) -> int:
         return len(self) - self.num_cached
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Does it ask for prompt log-probabilities that are not all read back yet? (Its prompt must then run in
+        full: tokens taken from the prefix cache run no forward, so they have no logits.)"""
+        return (self.params is not None and self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
 
     @property
     def token_ids(self) -> list[int]:

@@ -62,6 +62,9 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     ttft_s: float = 0.0  # time to the first token
     latency_s: float = 0.0  # time to the last
+    # SamplingParams.prompt_logprobs: each prompt token's log-probability (None for the first) and top alternatives
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @contextlib.contextmanager
@@ -283,6 +286,9 @@ class TPEngine:
         if update.logprob is not None:
             completion.logprobs.append(update.logprob)
             completion.top_logprobs.append(update.top_logprobs or [])
+        if update.prompt_logprobs is not None and out.prompt_logprobs is None:  # (each sample brings the same)
+            out.prompt_logprobs = [None, *(lp for _, lp, _ in update.prompt_logprobs)]
+            out.prompt_top_logprobs = [[], *(top for _, _, top in update.prompt_logprobs)]
         if update.finish_reason is not None:
             completion.finish_reason = update.finish_reason
             out.latency_s = now

@@ -1,0 +1,127 @@
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs) against Hugging Face's LlamaForCausalLM on the same
+checkpoint: over chunked prefill, beside requests that do not ask, with the prompt's blocks already cached (it runs in
+full all the same), with n > 1, and the bookkeeping that keeps a recomputed prompt's entries from doubling."""
+
+import pytest
+import torch
+from tpgtest.hf_fixtures import make_checkpoint
+
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.engine.core import EngineCore
+from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
+from tpgraph.engine.sampler import SampleOutput
+from tpgraph.engine.sequence import Sequence
+from tpgraph.errors import RequestError
+
+CASE = "llama32_tied_llama3rope_gqa"  # vocab 1001
+PROMPT = [(37 * j + 11) % 1001 for j in range(45)]
+OTHER = PROMPT[:20] + [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(CASE, tmp_path_factory.mktemp("ckpt"))
+
+
+def hf_reference(path, ids: list[int], k: int) -> tuple[list[float], list[list[int]]]:
+    """Each prompt token's log-probability after the ones before it (from the second on), and the top-k ids."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    return [lp[j - 1, ids[j]].item() for j in range(1, len(ids))], lp[:-1].topk(k).indices.tolist()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in_turn"])
+def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, overlap):
+    """Overlapped, a chunk that samples nothing still sends its entries on their way with the step in flight."""
+    want, top = hf_reference(checkpoint, PROMPT, 3)
+    asks = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, overlap_scheduling=overlap,
+                  max_num_batched_tokens=16, num_kv_blocks=64) as engine:  # 45 tokens: three chunks and a bit
+        first = engine.generate([PROMPT, OTHER], [asks, SamplingParams(temperature=0.0, max_tokens=2)])
+        # the prompt's blocks are cached now; asked again (twice, n = 2), it still runs in full
+        hits = engine.core.scheduler.prefix_hit_tokens
+        again = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2, n=2, prompt_logprobs=0))[0]
+        assert engine.core.scheduler.prefix_hit_tokens == hits
+        plain = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2))[0]
+        assert engine.core.scheduler.prefix_hit_tokens > hits  # (one that does not ask reads them from the cache)
+    out = first[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert [[t for t, _ in alts] for alts in out.prompt_top_logprobs[1:]] == top
+    assert first[1].prompt_logprobs is None  # it did not ask
+    assert again.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4) and all(t == [] for t in
+                                                                              again.prompt_top_logprobs)
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids == again.outputs[1].token_ids
+
+
+def test_a_one_token_prompt_has_one_entry_none(checkpoint):
+    with TPEngine(checkpoint, device="cpu", max_model_len=32, max_num_seqs=2, block_size=4) as engine:
+        out = engine.generate([[42]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None] and out.prompt_top_logprobs == [[]]
+
+
+def test_prompt_logprobs_are_checked():
+    with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_a_chunk_names_only_the_prompt_tokens_after_its_positions_not_yet_read():
+    seq = Sequence(0, list(range(10)), 4, params=SamplingParams(prompt_logprobs=0))
+    assert prompt_targets(seq, 0, 4) == range(1, 5)  # positions 0-3 predict tokens 1-4
+    assert prompt_targets(seq, 4, 6) == range(5, 10)  # the last position predicts the first output, not a prompt token
+    seq.prompt_logprobs = [(1, -1.0, [])] * 6  # tokens 1-6 read back: a recompute gives only 7 on
+    assert prompt_targets(seq, 0, 10) == range(7, 10) and seq.needs_prompt_logprobs
+    seq.prompt_logprobs = [(1, -1.0, [])] * 9
+    assert not prompt_targets(seq, 0, 10) and not seq.needs_prompt_logprobs
+
+
+def test_entries_given_twice_are_kept_once_in_order():
+    """A prompt recomputed after a preemption gives entries it has already: only the next in line are kept."""
+    seq = Sequence(0, list(range(8)), 4, params=SamplingParams(prompt_logprobs=1))
+
+    def chunk(first, n):
+        ids = list(range(first, first + n))
+        return SampleOutput(ids, [-float(t) for t in ids], [[t + 100] for t in ids], [[-0.5] for _ in ids])
+
+    EngineCore._read_prompt_logprobs(seq, 1, chunk(1, 3))
+    EngineCore._read_prompt_logprobs(seq, 1, chunk(1, 5))  # (again from the start: 4 and 5 are new)
+    EngineCore._read_prompt_logprobs(seq, 7, chunk(7, 1))
+    assert [t for t, _, _ in seq.prompt_logprobs] == [1, 2, 3, 4, 5]  # (7 came before 6: not kept)
+    assert seq.prompt_logprobs[3] == (4, -4.0, [(104, -0.5)])
+
+
+def test_long_chunks_are_gathered_a_pass_at_a_time():
+    calls = []
+    weight = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+
+    def compute_logits(hidden):
+        calls.append(len(hidden))
+        return hidden @ weight
+
+    hidden = torch.randn(PASS_ROWS + 3, 8, generator=torch.Generator().manual_seed(1))
+    targets = torch.arange(PASS_ROWS + 3) % 50
+    packed = packed_logprobs(compute_logits, hidden, targets, 2)
+    lp = (hidden @ weight).log_softmax(-1)
+    assert calls == [PASS_ROWS, 3] and packed.shape == (PASS_ROWS + 3, 6)
+    assert torch.equal(packed[:, 0].long(), targets)
+    assert torch.allclose(packed[:, 1], lp.gather(1, targets[:, None])[:, 0].double(), atol=1e-6)
+    assert torch.equal(packed[:, 2:4].long(), lp.topk(2).indices)
+
+
+def test_preempted_and_recomputed_prompts_give_each_entry_once_as_without_preemption():
+    prompts = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2 if i % 2 else 0) for i in range(4)]
+    outs = []
+    for blocks in (17, 200):  # 17 blocks of 4: preemption; 200: none
+        with TPEngine(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=blocks, block_size=4,
+                      max_num_batched_tokens=16) as engine:
+            outs.append(engine.generate(prompts, params))
+            assert (engine.core.scheduler.num_preemptions > 0) == (blocks == 17)
+    for tight, roomy in zip(*outs, strict=True):
+        assert len(tight.prompt_logprobs) == len(tight.prompt_token_ids)
+        assert tight.prompt_logprobs[1:] == pytest.approx(roomy.prompt_logprobs[1:], abs=1e-5)
+        assert [[t for t, _ in alts] for alts in tight.prompt_top_logprobs] == [[t for t, _ in alts] for alts in
+                                                                              roomy.prompt_top_logprobs]

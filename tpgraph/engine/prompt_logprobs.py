@@ -1,0 +1,39 @@
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs; the server's `echo` with `logprobs`): the
+log-probability the model gives each prompt token after the ones before it, and its top alternatives. The first
+prompt token has none.
+
+A prefill chunk's hidden state at position p predicts token p + 1, so a chunk yields the entries of the prompt tokens
+just after its positions. Their logits are gathered PASS_ROWS positions at a time (a whole 8192-token chunk's fp32
+log-probabilities at Llama-3's vocabulary would take 4 GB), and what is kept is small, [m, 2 + 2k] a chunk, in the
+sampler's packed layout, copied to the host while the GPU runs on and read with the step's tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from tpgraph.engine.sequence import Sequence
+
+PASS_ROWS = 256  # positions whose [rows, vocab] logits exist at once (the memory profile runs a pass of this many)
+
+
+def prompt_targets(seq: Sequence, start: int, n: int) -> range:
+    """The prompt tokens whose entries a chunk of positions [start, start + n) gives and that seq has not read back
+    yet (a recomputed prompt gives them again)."""
+    first = max(start + 1, len(seq.prompt_logprobs) + 1)
+    return range(first, min(start + n + 1, len(seq.prompt_ids)))
+
+
+def packed_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """hidden [m, H] at the positions before targets [m] -> [m, 2 + 2k] float64 on the device: each target's id and
+    log-probability, then the k most likely ids and theirs (PendingSample's layout). compute_logits gathers the
+    vocabulary across ranks: every rank makes the same calls, as every rank runs the same chunks."""
+    out = []
+    for s in range(0, len(hidden), PASS_ROWS):
+        logprobs = torch.log_softmax(compute_logits(hidden[s:s + PASS_ROWS]), dim=-1, dtype=torch.float32)
+        t = targets[s:s + PASS_ROWS].unsqueeze(1)
+        parts = [t.double(), logprobs.gather(1, t).double()]
+        if k:
+            top_lp, top_ids = logprobs.topk(k, dim=-1)
+            parts += [top_ids.double(), top_lp.double()]
+        out.append(torch.cat(parts, dim=1))
+    return out[0] if len(out) == 1 else torch.cat(out)
