@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
                                                              f"{BUILTIN_NAME})")
-    p.add_argument("--api-key", default=os.environ.get("TPGRAPH_API_KEY") or None,
+    p.add_argument("--api-key", type=api_key, default=os.environ.get("TPGRAPH_API_KEY") or None,
                    help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
                         "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
 
 FOLLOWER_GRACE_S = 8.0
 FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn
+
+
+def api_key(text: str) -> str:
+    """A key that guards something: an empty one (`--api-key "$UNSET"`) would silently leave the server open."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the API key is empty: give one, or leave --api-key out to serve without one")
+    return text
 
 
 def port_number(text: str) -> int:

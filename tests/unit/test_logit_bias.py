@@ -39,6 +39,8 @@ def test_a_mapping_or_pairs_become_pairs_in_id_order():
     ([(1, 1.0), (1, 2.0)], "names token 1 twice"),
     ([(1, 2, 3)], "must map token ids to values"),
     ("7", "must be a mapping of token ids to values"),
+    ({5: 10 ** 400}, r"logit_bias\[5\] must be in"),  # (math.isfinite overflowed on it: a 500 at the server)
+    ({i: 1.0 for i in range(301)}, "logit_bias has 301 entries; at most 300 are allowed"),
 ])
 def test_bad_bias_is_refused_with_the_reason(bias, needle):
     with pytest.raises(RequestError, match=needle):

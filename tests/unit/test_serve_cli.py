@@ -13,6 +13,7 @@ from tpgraph.serve import parse_args
     (["--heartbeat-s", "inf"], "must be a positive number"),
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"), (["--gpu-memory-utilization", "1.5"], "must be in"),
     (["--gpu-memory-utilization", "nan"], "must be in"),
+    (["--api-key", ""], "the API key is empty"), (["--api-key", "  "], "the API key is empty"),
 ])
 def test_bad_values_are_refused_when_parsed(flags, needle, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -2,6 +2,7 @@
 /version, and --api-key's guard."""
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -91,6 +92,7 @@ def test_detokenize_is_the_inverse_and_version_answers():
     ("/detokenize", {"tokens": [1, 10 ** 9, -2]}, 400, "tokens must be ids in [0, "),
     ("/detokenize", {"tokens": [True]}, 400, "token ids must be integers"),
     ("/detokenize", {}, 400, "tokens: Field required"),
+    ("/tokenize", {"prompt": "x" * 100_000}, 400, "100000 characters, more than 128 tokens"),
 ])
 def test_bad_token_requests_get_the_reason(path, body, status, needle):
     r = call([("POST", path, body, None)])[0]
@@ -112,3 +114,63 @@ def test_an_api_key_guards_every_route_but_the_operators():
         assert r.json()["error"]["type"] == "AuthenticationError" and r.headers["www-authenticate"] == "Bearer"
     assert right.status_code == health.status_code == version.status_code == 200
     assert call([("GET", "/v1/models", None, None)])[0].status_code == 200  # without a key set, nothing is asked
+
+
+class SilentClient(IdleClient):
+    """An engine that takes a request and never answers it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def check(self, *_) -> None:
+        pass
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        pass
+
+    def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+
+@pytest.mark.parametrize("api_key", [None, "k3y", "clé"])
+def test_with_a_key_a_client_that_leaves_is_still_noticed(api_key):
+    """The key's check must not hide the client's going away from the endpoint (Starlette's BaseHTTPMiddleware,
+    behind FastAPI's @app.middleware, did: a request whose client left ran on to max_tokens). The ASGI exchange as
+    uvicorn makes it: the body, then nothing until the client leaves. A key that is not ASCII matches as UTF-8."""
+    client = SilentClient()
+    app = server_app.create_app(client, codec(), ServerMetrics(), MODEL, 128, api_key=api_key)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4}).encode()
+    headers = [(b"content-type", b"application/json")]
+    if api_key:
+        headers.append((b"authorization", b"Bearer " + api_key.encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    sent: list[dict] = []
+
+    async def main() -> float:
+        left = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        task = asyncio.create_task(app(scope, receive, send))
+        await asyncio.sleep(0.3)
+        left.set()
+        start = asyncio.get_running_loop().time()
+        while not client.aborted and asyncio.get_running_loop().time() - start < 3:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return asyncio.get_running_loop().time() - start
+
+    took = asyncio.run(main())
+    assert client.aborted and took < server_app.DISCONNECT_CHECK_S + 0.5, (took, sent[:1])

@@ -137,8 +137,8 @@ class Sampler:
         biased = any(r.params.logit_bias for r in rows)
         x = logits if fused and not biased and not any(r.params.has_penalties for r in rows) else logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
-        if biased:  # before penalties, as vLLM orders them
-            x = add_logit_bias(x, rows)
+        if biased:  # before penalties, as vLLM orders them; in place where x is a copy already
+            x = add_logit_bias(x, rows, in_place=x is not logits)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
@@ -288,13 +288,13 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
 
 
-def add_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """x [B, vocab] fp32 -> a new tensor with each row's logit_bias added (a row's ids are distinct, so one gather and
-    one scatter add them exactly)."""
+def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False) -> torch.Tensor:
+    """x [B, vocab] fp32 with each row's logit_bias added (a row's ids are distinct, so one gather and one scatter
+    add them exactly): x itself if in_place, else a new tensor."""
     at, ids = to_device_parts([[i for i, r in enumerate(rows) for _ in r.params.logit_bias],
                                [t for r in rows for t, _ in r.params.logit_bias]], torch.int64, x.device)
     bias = to_device([b for r in rows for _, b in r.params.logit_bias], torch.float32, x.device)
-    return x.index_put((at, ids), x[at, ids] + bias)
+    return (x.index_put_ if in_place else x.index_put)((at, ids), x[at, ids] + bias)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from tpgraph.errors import RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and the sampler uploads them each step)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -95,6 +96,8 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     row without bias may take the plain greedy path); one id twice is refused."""
     pairs = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value,
                                                                        "a mapping of token ids to values")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
     out = {}
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -124,7 +127,9 @@ def _check_int(name: str, value: object, low: int, high: int | None, hint: str =
 
 
 def _check_real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # (an int is finite however large: math.isfinite would overflow on 10**400, and comparing it below is exact)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (isinstance(value, int)
+                                                                               or math.isfinite(value)):
         raise RequestError(f"{name} must be a finite number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         left = "(" if low_open else "["

@@ -24,7 +24,7 @@ from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.auth import require_api_key
+from tpgraph.server.auth import ApiKeyMiddleware
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body
 from tpgraph.server.metrics import ServerMetrics
@@ -150,8 +150,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None, lifespan=lifespan)
     api = Api(client, metrics, model_name)
-    if api_key:
-        require_api_key(app, api_key)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=api_key)
     app.include_router(token_routes(prompts, api.check_model, max_model_len))
 
     @app.exception_handler(RequestValidationError)

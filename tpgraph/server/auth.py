@@ -1,31 +1,36 @@
 """--api-key: every route but the operators' (/health, /metrics, /version) asks for `Authorization: Bearer KEY`, the
 header OpenAI's clients send, as vLLM's --api-key does (which guards /v1 only: here /tokenize and /detokenize too). A
-request without the key gets a 401 in OpenAI's error shape and reaches no endpoint."""
+request without the key gets a 401 in OpenAI's error shape and reaches no endpoint.
+
+Plain ASGI middleware, not FastAPI's @app.middleware("http"): that wraps each request in Starlette's
+BaseHTTPMiddleware, behind which an endpoint never hears that its client went away (`request.is_disconnected()` stays
+false), so a request whose client left would run on to its end."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tpgraph.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
-def require_api_key(app: FastAPI, key: str) -> None:
-    expected = f"Bearer {key}".encode()
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + key.encode()  # (compared as bytes: a key need not be ASCII)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path in OPEN_PATHS:
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):  # (in constant time: no key guessed a byte at a time)
-            message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
-                       else "the API key is wrong (send the header `Authorization: Bearer <key>`)")
-            return JSONResponse(error_body(401, message, "AuthenticationError"), 401,
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        if secrets.compare_digest(given, self.expected):  # (in constant time: no key guessed a byte at a time)
+            return await self.app(scope, receive, send)
+        message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
+                   else "the API key is wrong (send the header `Authorization: Bearer <key>`)")
+        response = JSONResponse(error_body(401, message, "AuthenticationError"), 401,
                                 headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+        await response(scope, receive, send)

@@ -26,7 +26,8 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
-        ids = await asyncio.to_thread(prompts.encode_text, text, special)  # (off the event loop, as completions do)
+        # off the event loop, as completions do; a text longer than max_model_len tokens could be is refused untokenized
+        ids = await asyncio.to_thread(prompts.encode_text, text, special, max_model_len)
         strs = [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
