@@ -71,6 +71,10 @@ class PromptCodec:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
         return SamplingParams(**{**self.generation_defaults.sampling, **overrides})
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Ids -> text, special tokens spelled out (an echoed prompt given as ids, /detokenize)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
 

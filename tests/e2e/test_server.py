@@ -259,6 +259,52 @@ def test_an_api_key_from_the_environment_is_asked_of_clients():
         keyed.stop()
 
 
+def test_echo_scores_a_prompt_as_lm_eval_asks(server):
+    """lm-eval's local-completions loglikelihood: token ids, echo, logprobs 1, max_tokens 1 (or 0, nothing generated):
+    the prompt's text and its tokens' log-probabilities, the first null, equal to TPEngine's prompt_logprobs (TP=2
+    against TP=1), then the generated token's."""
+    ids = [72, 101, 108, 108, 111, 44, 32, 116, 112]  # "Hello, tp"
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    one = server.post("/v1/completions", body).json()["choices"][0]
+    zero = server.post("/v1/completions", {**body, "max_tokens": 0}).json()
+    from tpgraph import SamplingParams, TPEngine
+
+    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
+        local = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    lp = one["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in [*ids, *local.outputs[0].token_ids]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(local.prompt_logprobs[1:], abs=1e-4)
+    # each entry: the most likely token and always the prompt's own (one entry when they are the same)
+    for top, alts, token in zip(lp["top_logprobs"][1:len(ids)], local.prompt_top_logprobs[1:], ids[1:], strict=True):
+        assert set(top) == {f"token_id:{alts[0][0]}", f"token_id:{token}"}
+    assert one["text"] == "Hello, tp" + local.outputs[0].text
+    echoed = zero["choices"][0]
+    assert (echoed["text"], echoed["finish_reason"], zero["usage"]["completion_tokens"]) == ("Hello, tp", "length", 0)
+    assert echoed["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
+    assert echoed["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:len(ids)], abs=1e-5)
+
+
+def test_a_streamed_echo_equals_the_whole_reply(server):
+    """The prompt comes first, with the first token's chunk; joined, the chunks' text and log-probability tokens are
+    the non-streamed reply's (a text prompt: echoed as given, without the BOS the tokenizer adds)."""
+    body = {"model": MODEL, "prompt": "Hi there", "echo": True, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    for logprobs in (None, 2):
+        whole = server.post("/v1/completions", {**body, "logprobs": logprobs}).json()["choices"][0]
+        r = http("POST", f"{server.url}/v1/completions",
+                 json.dumps({**body, "logprobs": logprobs, "stream": True}).encode())
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c["text"] for c in chunks) == whole["text"] and whole["text"].startswith("Hi there")
+        assert chunks[0]["text"].startswith("Hi there") and len(whole["text"]) > len("Hi there")
+        if logprobs:
+            assert [t for c in chunks for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+            assert len(whole["logprobs"]["tokens"]) == 1 + len("Hi there") + 4  # BOS, the bytes, the four
+        else:
+            assert whole["logprobs"] is None
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams, TPEngine

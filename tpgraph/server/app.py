@@ -211,39 +211,60 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         texts = body.prompts()
         # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request
         token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len) for p in texts])
-        params = body.sampling_params(body.max_tokens, body.logprobs, prompts.generation_defaults.sampling)
+        # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
+        echo_only = body.echo and body.max_tokens == 0
+        params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
+                                      prompts.generation_defaults.sampling,
+                                      prompt_logprobs=body.logprobs if body.echo else None)
+        echoed = [p if isinstance(p, str) else prompts.decode(ids) for p, ids in zip(texts, token_ids, strict=True)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
 
-        def choice_logprobs(c: Choice, at: int = 0) -> dict | None:
-            """c's log-probability entries; `at`: the text offset of the first (a streamed delta's: the length of
-            the tokens before it)."""
+        def choice_logprobs(entries: list, at: int = 0) -> dict | None:
+            """Log-probability entries (a choice's, or a streamed delta's); `at`: the text offset of the first (a
+            delta's: the length of the tokens before it). An echoed prompt's first token has none (null)."""
             if params.logprobs is None:
                 return None
             as_id = body.return_tokens_as_token_ids
-            tokens = [prompts.token_text(t, as_id) for t, _, _ in c.logprobs]
+            tokens = [prompts.token_text(t, as_id) for t, _, _ in entries]
             offsets = []
             for t in tokens:
                 offsets.append(at)
                 at += len(t)
             # the OpenAI completions API: the top `logprobs` tokens and always the sampled one (logprobs + 1 at most)
-            tops = [{prompts.token_text(t, as_id): v for t, v in top} for _, _, top in c.logprobs]
-            for entries, token, (_, lp, _) in zip(tops, tokens, c.logprobs, strict=True):
-                entries.setdefault(token, lp)
-            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in c.logprobs], "top_logprobs": tops,
+            tops = [None if lp is None else {prompts.token_text(t, as_id): v for t, v in top}
+                    for _, lp, top in entries]
+            for top, token, (_, lp, _) in zip(tops, tokens, entries, strict=True):
+                if top is not None:
+                    top.setdefault(token, lp)
+            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
                     "text_offset": offsets}
 
-        def apply(i: int, u: StepUpdate) -> Choice:
-            return choices[i * params.n + u.sample_index].add(u)
+        def apply(i: int, u: StepUpdate) -> tuple[Choice, str, list, str | None]:
+            """Fold an update into its choice; returns the choice and what the update added to it: text, log-probability
+            entries and the finish reason. With echo, a choice's first update brings the prompt first: its text, and
+            with logprobs its entries (the first token's empty), which come with the first token."""
+            c = choices[i * params.n + u.sample_index]
+            text_at, entries_at = len(c.text), len(c.logprobs)
+            if body.echo and c.index not in started:
+                c.text += echoed[i]
+            started.add(c.index)
+            if u.prompt_logprobs is not None:
+                c.logprobs += [(token_ids[i][0], None, []), *u.prompt_logprobs]
+            if echo_only:  # (the one token run is not the reply's)
+                u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length")
+            c.add(u)
+            return c, c.text[text_at:], c.logprobs[entries_at:], u.finish_reason
 
+        started: set[int] = set()
         if not body.stream:
             async for i, u in _chain(first, stream):
                 apply(i, u)
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c),
+                "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": _usage(token_ids, choices)})
 
@@ -252,16 +273,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
             async for i, u in _chain(first, stream):
-                c = apply(i, u)
-                delta = Choice(c.index)
-                if u.token_id is not None and u.logprob is not None:
-                    delta.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
-                logprobs = choice_logprobs(delta, text_at[c.index])
+                c, text, entries, finish_reason = apply(i, u)
+                logprobs = choice_logprobs(entries, text_at[c.index])
                 if logprobs is not None:
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [{"index": c.index, "text": u.text, "logprobs": logprobs,
-                                         "finish_reason": u.finish_reason}], **usage})
+                            "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}], **usage})
             if usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices)})

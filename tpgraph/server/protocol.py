@@ -78,7 +78,8 @@ class SamplingFields(NullMeansDefault):
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, float] | None = None) -> SamplingParams:
+                        defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """defaults: the checkpoint's generation_config values, used where the request leaves a field unset."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
@@ -96,7 +97,8 @@ class SamplingFields(NullMeansDefault):
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias())
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias(),
+            prompt_logprobs=prompt_logprobs)
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
@@ -120,8 +122,6 @@ class CompletionRequest(SamplingFields):
     _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise RequestError("echo is not supported")
         if self.suffix:
             raise RequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

@@ -37,6 +37,6 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
             check_model(body.model)
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise RequestError(f"tokens must be ids in [0, {vocab}) (the tokenizer's vocabulary), got {bad[:8]}")
-        return {"prompt": prompts.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": prompts.decode(body.tokens)}
 
     return router
