@@ -355,6 +355,8 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     # refused by its length alone, before it is tokenized (the built-in tokenizer: at most 17 characters a token)
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 400, "5000 characters, more than 128 tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, 400, "token ids must be integers"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, -3], "echo": True}, 400, "prompt token ids must be integers in"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 2 ** 40]}, 400, "prompt token ids must be integers in"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 2 ** 40}, 400, "min_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

@@ -125,3 +125,24 @@ def test_preempted_and_recomputed_prompts_give_each_entry_once_as_without_preemp
         assert tight.prompt_logprobs[1:] == pytest.approx(roomy.prompt_logprobs[1:], abs=1e-5)
         assert [[t for t, _ in alts] for alts in tight.prompt_top_logprobs] == [[t for t, _ in alts] for alts in
                                                                               roomy.prompt_top_logprobs]
+
+
+def test_short_prompts_asking_share_one_pass_and_each_keeps_its_own_k(checkpoint):
+    """An evaluation sends many short prompts: their entries come from one gathered pass (each pass is an all-gather
+    at TP > 1), each sequence reading its own k of the widest k asked, the same entries as each prompt alone."""
+    prompts = [PROMPT[i:i + 6 + i] for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=i % 3) for i in range(5)]
+    with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=8, block_size=4,
+                  enable_prefix_caching=False) as engine:
+        alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+        calls = []
+        real = engine.model.compute_logits
+        engine.model.compute_logits = lambda hidden, *a, **k: calls.append(len(hidden)) or real(hidden, *a, **k)
+        together = engine.generate(prompts, params)
+    want_rows = sum(len(p) - 1 for p in prompts)
+    assert calls == [want_rows, len(prompts)]  # one pass for every prompt's entries, then the last tokens' logits
+    for got, one, q in zip(together, alone, params, strict=True):
+        assert got.prompt_logprobs[1:] == pytest.approx(one.prompt_logprobs[1:], abs=1e-5)
+        tops = [[t for t, _ in alts] for alts in got.prompt_top_logprobs]
+        assert tops == [[t for t, _ in alts] for alts in one.prompt_top_logprobs]
+        assert {len(top) for top in tops[1:]} == {q.prompt_logprobs}

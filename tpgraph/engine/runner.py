@@ -547,17 +547,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _prompt_logprobs(self, spans: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
-        """The prompt log-probabilities this group's hidden states give (prompt_logprobs.py), their copies started."""
-        offset = 0
+        """The prompt log-probabilities this group's hidden states give (prompt_logprobs.py), their copies started:
+        every asking sequence's rows in the same passes (many short prompts, as an evaluation sends, take one)."""
+        asking, rows, ids, offset = [], [], [], 0
         for seq, start, n in spans:
-            k = seq.params.prompt_logprobs if seq.params is not None else None
-            targets = prompt_targets(seq, start, n) if k is not None else range(0)
-            if targets:
-                rows, ids = to_device_parts([[offset + t - 1 - start for t in targets],
-                                             seq.prompt_ids[targets.start:targets.stop]], torch.int64, self.device)
-                packed = packed_logprobs(self.model.compute_logits, hidden[rows], ids, k)
-                self.last_prompt_logprobs.append((seq, targets.start, PendingSample(ids, packed, k)))
+            if seq.params is not None and seq.params.prompt_logprobs is not None:
+                targets = prompt_targets(seq, start, n)
+                if targets:
+                    asking.append((seq, targets, len(rows)))
+                    rows += range(offset + targets.start - 1 - start, offset + targets.stop - 1 - start)
+                    ids += seq.prompt_ids[targets.start:targets.stop]
             offset += n
+        if not asking:
+            return
+        k = max(seq.params.prompt_logprobs for seq, _, _ in asking)  # (each reads its own first k of them)
+        at, targets_dev = to_device_parts([rows, ids], torch.int64, self.device)
+        packed = packed_logprobs(self.model.compute_logits, hidden[at], targets_dev, k)
+        for seq, targets, a in asking:
+            b = a + len(targets)
+            self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k)))
 
     def _eager_prefill(self, total: int, lens: list[int], context: tuple[int, ...] = (),
                        blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:

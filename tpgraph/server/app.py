@@ -216,11 +216,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
-        echoed = [p if isinstance(p, str) else prompts.decode(ids) for p, ids in zip(texts, token_ids, strict=True)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
+        echoed: list[str] = []
+        if body.echo:  # (ids decoded once checked: the tokenizer overflows on a negative one), off the event loop
+            echoed = await asyncio.to_thread(lambda: [p if isinstance(p, str) else prompts.decode(ids)
+                                                      for p, ids in zip(texts, token_ids, strict=True)])
 
         def choice_logprobs(entries: list, at: int = 0) -> dict | None:
             """Log-probability entries (a choice's, or a streamed delta's); `at`: the text offset of the first (a
