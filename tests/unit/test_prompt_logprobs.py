@@ -93,7 +93,7 @@ def test_entries_given_twice_are_kept_once_in_order():
     assert seq.prompt_logprobs[3] == (4, -4.0, [(104, -0.5)])
 
 
-def test_long_chunks_are_gathered_a_pass_at_a_time():
+def test_long_chunks_are_gathered_a_pass_at_a_time_from_the_rows_named():
     calls = []
     weight = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
 
@@ -101,10 +101,11 @@ def test_long_chunks_are_gathered_a_pass_at_a_time():
         calls.append(len(hidden))
         return hidden @ weight
 
-    hidden = torch.randn(PASS_ROWS + 3, 8, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(PASS_ROWS + 10, 8, generator=torch.Generator().manual_seed(1))
+    rows = torch.randperm(PASS_ROWS + 10, generator=torch.Generator().manual_seed(2))[:PASS_ROWS + 3]
     targets = torch.arange(PASS_ROWS + 3) % 50
-    packed = packed_logprobs(compute_logits, hidden, targets, 2)
-    lp = (hidden @ weight).log_softmax(-1)
+    packed = packed_logprobs(compute_logits, hidden, rows, targets, 2)
+    lp = (hidden[rows] @ weight).log_softmax(-1)
     assert calls == [PASS_ROWS, 3] and packed.shape == (PASS_ROWS + 3, 6)
     assert torch.equal(packed[:, 0].long(), targets)
     assert torch.allclose(packed[:, 1], lp.gather(1, targets[:, None])[:, 0].double(), atol=1e-6)

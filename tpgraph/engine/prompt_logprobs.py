@@ -23,13 +23,16 @@ def prompt_targets(seq: Sequence, start: int, n: int) -> range:
     return range(first, min(start + n + 1, len(seq.prompt_ids)))
 
 
-def packed_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
-    """hidden [m, H] at the positions before targets [m] -> [m, 2 + 2k] float64 on the device: each target's id and
-    log-probability, then the k most likely ids and theirs (PendingSample's layout). compute_logits gathers the
-    vocabulary across ranks: every rank makes the same calls, as every rank runs the same chunks."""
+def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
+                    ) -> torch.Tensor:
+    """hidden[rows] [m, H], the positions before targets [m] -> [m, 2 + 2k] float64 on the device: each target's id
+    and log-probability, then the k most likely ids and theirs (PendingSample's layout). Rows are taken a pass at a
+    time, so no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every
+    rank makes the same calls, as every rank runs the same chunks."""
     out = []
-    for s in range(0, len(hidden), PASS_ROWS):
-        logprobs = torch.log_softmax(compute_logits(hidden[s:s + PASS_ROWS]), dim=-1, dtype=torch.float32)
+    for s in range(0, len(rows), PASS_ROWS):
+        logits = compute_logits(hidden[rows[s:s + PASS_ROWS]])
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         t = targets[s:s + PASS_ROWS].unsqueeze(1)
         parts = [t.double(), logprobs.gather(1, t).double()]
         if k:

@@ -336,8 +336,8 @@ class ModelRunner:
         self.model.compute_logits(hidden[-len(lens):])
         # a request's prompt log-probabilities: a pass of their largest (prompt_logprobs.py)
         rows = min(tokens, PASS_ROWS)
-        packed_logprobs(self.model.compute_logits, hidden[:rows], self.prefill_in.device("input_ids", rows),
-                        MAX_LOGPROBS)
+        packed_logprobs(self.model.compute_logits, hidden, torch.arange(rows, device=self.device),
+                        self.prefill_in.device("input_ids", rows), MAX_LOGPROBS)
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _phases(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -562,7 +562,7 @@ class ModelRunner:
             return
         k = max(seq.params.prompt_logprobs for seq, _, _ in asking)  # (each reads its own first k of them)
         at, targets_dev = to_device_parts([rows, ids], torch.int64, self.device)
-        packed = packed_logprobs(self.model.compute_logits, hidden[at], targets_dev, k)
+        packed = packed_logprobs(self.model.compute_logits, hidden, at, targets_dev, k)
         for seq, targets, a in asking:
             b = a + len(targets)
             self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k)))
