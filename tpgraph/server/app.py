@@ -245,6 +245,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
                     "text_offset": offsets}
 
+        started: set[int] = set()  # the choices that have had an update (with echo, the prompt)
+
         def apply(i: int, u: StepUpdate) -> tuple[Choice, str, list, str | None]:
             """Fold an update into its choice; returns the choice and what the update added to it: text, log-probability
             entries and the finish reason. With echo, a choice's first update brings the prompt first: its text, and
@@ -261,7 +263,6 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             c.add(u)
             return c, c.text[text_at:], c.logprobs[entries_at:], u.finish_reason
 
-        started: set[int] = set()
         if not body.stream:
             async for i, u in _chain(first, stream):
                 apply(i, u)

@@ -183,7 +183,6 @@ class ChatRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Chat messages as the template takes them (role and text), each role checked."""
     out = []
