@@ -28,6 +28,7 @@ class PromptCodec:
     chat_template: ChatTemplate | None
     generation_defaults: GenerationDefaults
     model_label: str  # names the checkpoint in messages
+    eos_ids: tuple[int, ...] = ()  # the ids that end a generation (the model's config and generation_config)
 
     def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template.
@@ -70,6 +71,15 @@ class PromptCodec:
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
         return SamplingParams(**{**self.generation_defaults.sampling, **overrides})
+
+    def tokenizer_info(self, max_model_len: int) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's remote tokenizer
+        reads the special tokens and the chat template here, then tokenizes through /tokenize)."""
+        bos = self.tokenizer.encode_batch([""], add_special_tokens=True)[0].ids  # (what the tokenizer adds first)
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_model_len,
+                "bos_token": self.tokenizer.id_to_token(bos[0]) if bos else None,
+                "eos_token": self.tokenizer.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
+                "pad_token": None, "chat_template": self.chat_template.source if self.chat_template else None}
 
     def decode(self, token_ids: list[int]) -> str:
         """Ids -> text, special tokens spelled out (an echoed prompt given as ids, /detokenize)."""

@@ -155,6 +155,8 @@ def test_models_health_version_and_tokenize(server):
     assert http("GET", f"{server.url}/version").json()["version"]
     ids = server.post("/tokenize", {"prompt": "Hi"}).json()["tokens"]  # (BOS, then the built-in model's bytes)
     assert ids[1:] == [72, 105] and server.post("/detokenize", {"tokens": ids[1:]}).json() == {"prompt": "Hi"}
+    info = http("GET", f"{server.url}/tokenizer_info").json()  # (the engine's EOS reaches the front end)
+    assert (info["bos_token"], info["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
 
 
 def test_completion_stream_equals_non_stream(server):

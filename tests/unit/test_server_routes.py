@@ -14,7 +14,7 @@ from tpgraph.chat import ChatTemplate, GenerationDefaults  # noqa: E402
 from tpgraph.prompts import PromptCodec  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
-from tpgraph.tokenizer import BOS, builtin_tokenizer  # noqa: E402
+from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer  # noqa: E402
 
 MODEL = "m"
 
@@ -37,7 +37,9 @@ class IdleClient:
 
 
 def codec() -> PromptCodec:
-    return PromptCodec(builtin_tokenizer(), ChatTemplate.from_dir(None, BOS), GenerationDefaults(), MODEL)
+    tokenizer = builtin_tokenizer()
+    return PromptCodec(tokenizer, ChatTemplate.from_dir(None, BOS), GenerationDefaults(), MODEL,
+                       (tokenizer.token_to_id(EOS),))
 
 
 def call(requests: list[tuple[str, str, dict | None, dict | None]], api_key: str | None = None) -> list:
@@ -73,6 +75,21 @@ def test_tokenize_a_prompt_and_chat_messages_as_the_completions_would():
     # chat: the template's text, its special tokens not doubled, as /v1/chat/completions encodes it
     assert chat.json()["tokens"] == c.encode_text(c.render_chat(messages), add_special_tokens=False)
     assert strs.json()["token_strs"] == [BOS, "H", "i"]
+
+
+def test_tokenizer_info_names_the_special_tokens_and_the_template():
+    """vLLM's /tokenizer_info, which lm-eval's remote tokenizer reads: the BOS the tokenizer adds, the first EOS id's
+    token, the chat template's source (each encodes back to its id through /tokenize, as lm-eval's does)."""
+    c = codec()
+    info, bos, eos = call([("GET", "/tokenizer_info", None, None),
+                           ("POST", "/tokenize", {"prompt": BOS, "add_special_tokens": False}, None),
+                           ("POST", "/tokenize", {"prompt": EOS, "add_special_tokens": False}, None)])
+    info = info.json()
+    assert (info["bos_token"], info["eos_token"], info["model_max_length"]) == (BOS, EOS, 128)
+    assert info["chat_template"] == c.chat_template.source
+    assert bos.json()["tokens"] == [c.tokenizer.token_to_id(BOS)] and eos.json()["tokens"] == list(c.eos_ids)
+    bare = PromptCodec(builtin_tokenizer(), None, GenerationDefaults(), MODEL).tokenizer_info(64)
+    assert (bare["eos_token"], bare["chat_template"], bare["bos_token"]) == (None, None, BOS)
 
 
 def test_detokenize_is_the_inverse_and_version_answers():

@@ -131,7 +131,7 @@ class TPEngine:
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
             self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
-                                       str(cfg.model or "the built-in model"))
+                                       str(cfg.model or "the built-in model"), eos_ids)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -1,5 +1,7 @@
-"""vLLM's /tokenize and /detokenize: a client counts a prompt's tokens (chat messages through the template, as
-/v1/chat/completions renders them) or turns ids back into text with the server's own tokenizer."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: a client counts a prompt's tokens (chat messages through the
+template, as /v1/chat/completions renders them), turns ids back into text, or learns the special tokens and the chat
+template, with the server's own tokenizer. lm-eval's `local-completions` finds these and then needs no tokenizer of
+its own."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
         ids = await asyncio.to_thread(prompts.encode_text, text, special, max_model_len)
         strs = [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return prompts.tokenizer_info(max_model_len)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
