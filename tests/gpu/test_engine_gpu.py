@@ -133,7 +133,9 @@ def test_after_the_warm_up_serving_compiles_no_triton_kernel():
              SamplingParams(temperature=0.9, top_k=5, min_p=0.1, seed=4, max_tokens=3, ignore_eos=True),
              SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=3, ignore_eos=True),
              SamplingParams(temperature=0.6, top_k=40, repetition_penalty=1.2, frequency_penalty=0.3, logprobs=3,
-                            max_tokens=3, ignore_eos=True)]
+                            max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.8, logit_bias={5: 1.5, 9: -100}, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.0, logit_bias={7: 2.0}, prompt_logprobs=2, max_tokens=3, ignore_eos=True)]
     vocab = 250
     with TPEngine(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
                   gpu_memory_utilization=0.3) as engine:

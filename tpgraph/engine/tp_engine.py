@@ -99,6 +99,7 @@ WARM_UP_KINDS: tuple[dict, ...] = (
     dict(temperature=1.0, top_k=20, min_p=0.05, seed=0),
     dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2,
          logprobs=2, seed=0),
+    dict(temperature=1.0, logit_bias={0: 0.5}, seed=0),  # (fp32 logits into the draw, nothing truncated)
 )
 
 
