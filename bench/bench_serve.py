@@ -7,6 +7,10 @@ Client side (stdlib only, one thread per request): TTFT (request sent -> first t
 / (tokens - 1)) per request, p50 and p99, and output tokens/s over the run. Server side, from /metrics, the mean host
 time per decode step by part (schedule, control path, input preparation, launch, postprocess), the mean decode GPU
 time, and the mean decode batch. `ignore_eos` makes every request generate exactly --max-tokens tokens.
+
+--score-batch B adds a scoring run at each concurrency: each client sends one request of B prompts as lm-eval's
+loglikelihood requests are sent (echo, logprobs 1, max_tokens 0: every prompt token's log-probability, nothing
+generated), and the run reports prompt tokens scored per second and the request latency.
 """
 
 from __future__ import annotations
@@ -36,6 +40,18 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     ttft = stamps[0] - sent if stamps else float("nan")
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
     return {"ttft_s": ttft, "tpot_s": tpot, "chunks": len(stamps), "done_s": stamps[-1] - sent if stamps else 0.0}
+
+
+def score_one(url: str, model: str, prompts: list[str]) -> dict:
+    body = json.dumps({"model": model, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0,
+                       "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        reply = json.loads(r.read())
+    entries = sum(len(c["logprobs"]["token_logprobs"]) for c in reply["choices"])
+    return {"latency_s": time.perf_counter() - sent, "prompt_tokens": reply["usage"]["prompt_tokens"],
+            "complete": entries == reply["usage"]["prompt_tokens"]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -110,6 +126,29 @@ def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int
             "server_step": step_means(before, after)}
 
 
+def run_score(url: str, model: str, concurrency: int, batch: int, prompt_len: int, tag: str) -> dict:
+    """`concurrency` clients at once, each scoring `batch` prompts of prompt_len characters in one request (each
+    prompt its own, `tag` making them new to the prefix cache, which scoring does not read anyway)."""
+    results: list[dict] = [None] * concurrency  # type: ignore[list-item]
+
+    def worker(i: int) -> None:
+        prompts = [(f"{tag} {i}.{j}: " + "lorem ipsum " * prompt_len)[:prompt_len] for j in range(batch)]
+        results[i] = score_one(url, model, prompts)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latency = [r["latency_s"] for r in results]
+    return {"concurrency": concurrency, "batch": batch, "prompt_chars": prompt_len, "wall_s": wall,
+            "complete": sum(r["complete"] for r in results),
+            "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in results) / wall,
+            "latency_ms": {"p50": percentile(latency, 0.5) * 1e3, "p99": percentile(latency, 0.99) * 1e3}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -120,6 +159,8 @@ def main() -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="characters of a system prompt every request begins with, new for each loaded run (so the "
                         "warm-up does not cache it); the server's prefix caching computes it once")
+    p.add_argument("--score-batch", type=int, default=0,
+                   help="prompts per scoring request (lm-eval's loglikelihood shape); 0: no scoring runs")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
 
@@ -141,6 +182,13 @@ def main() -> None:
               f" | {s['steps']:.0f} steps of {s['step_wall_ms']:.2f} ms, {s['prefill_steps']:.0f} with prefill "
               f"({s['prefill_ms']:.1f} ms of it) | prompt tokens cached {r['prefix_cache_tokens']['hits']:.0f} of "
               f"{r['prefix_cache_tokens']['queries']:.0f}", flush=True)
+        if args.score_batch:
+            run_score(args.url, args.model, concurrency, args.score_batch, args.prompt_len, "warm-up")
+            r = result[f"score_x{concurrency}"] = run_score(args.url, args.model, concurrency, args.score_batch,
+                                                            args.prompt_len, f"x{concurrency}")
+            print(f"score x{concurrency} of {args.score_batch} prompts: {r['complete']}/{concurrency} complete, "
+                  f"{r['prompt_tokens_per_s']:.0f} prompt tok/s scored, latency p50 {r['latency_ms']['p50']:.1f} "
+                  f"p99 {r['latency_ms']['p99']:.1f} ms", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 

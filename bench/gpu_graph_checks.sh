@@ -165,7 +165,8 @@ for step in "$@"; do
              | sed "s/^/pdl=$pdl /" | tee -a "$out/bench_pdl.log"; done ;;
     serve) # the server on the GPU: loaded streaming runs at each of SERVE_CONCURRENCY (default 64,1) through it
          # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling; SERVE_SHARED
-         # gives every request a common system prompt of that many characters (prefix caching computes it once)
+         # gives every request a common system prompt of that many characters (prefix caching computes it once);
+         # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (lm-eval's loglikelihood shape)
          python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
              --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
@@ -182,7 +183,7 @@ for step in "$@"; do
          curl -sf localhost:8000/health >/dev/null || { echo "server not up"; tail -30 "$out/$tag.log"; }
          timeout 400 python3 bench/bench_serve.py --model llama3-8b --concurrency "${SERVE_CONCURRENCY:-64,1}" \
              --max-tokens ${SERVE_TOKENS:-256} --prompt-len 256 --shared-prefix-len ${SERVE_SHARED:-0} \
-             --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
+             --score-batch ${SERVE_SCORE_BATCH:-0} --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
          pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/$tag.log" ;;
     prefill) # time to first token through the engine (bench_prefill.py, TP=1, SHAPE as for ab): the SDPA loop and
          # varlen FlashAttention, each point's first sight beside its warm runs; then shared-prefix points with prefix
