@@ -8,9 +8,10 @@ Client side (stdlib only, one thread per request): TTFT (request sent -> first t
 time per decode step by part (schedule, control path, input preparation, launch, postprocess), the mean decode GPU
 time, and the mean decode batch. `ignore_eos` makes every request generate exactly --max-tokens tokens.
 
---score-batch B adds a scoring run at each concurrency: each client sends one request of B prompts as lm-eval's
-loglikelihood requests are sent (echo, logprobs 1, max_tokens 0: every prompt token's log-probability, nothing
-generated), and the run reports prompt tokens scored per second and the request latency.
+--score-batch B adds a scoring run at each concurrency: each client sends one request of B prompts to be scored
+(echo, logprobs 1, max_tokens 0: every prompt token's log-probability, nothing generated; lm-eval's loglikelihood
+requests send max_tokens 1 and drop that token), and the run reports prompt tokens scored per second and the
+request latency.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def main() -> None:
                    help="characters of a system prompt every request begins with, new for each loaded run (so the "
                         "warm-up does not cache it); the server's prefix caching computes it once")
     p.add_argument("--score-batch", type=int, default=0,
-                   help="prompts per scoring request (lm-eval's loglikelihood shape); 0: no scoring runs")
+                   help="prompts per scoring request (echo, logprobs 1, max_tokens 0); 0: no scoring runs")
     p.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     args = p.parse_args()
 

@@ -166,7 +166,7 @@ for step in "$@"; do
     serve) # the server on the GPU: loaded streaming runs at each of SERVE_CONCURRENCY (default 64,1) through it
          # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling; SERVE_SHARED
          # gives every request a common system prompt of that many characters (prefix caching computes it once);
-         # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (lm-eval's loglikelihood shape)
+         # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (echo + logprobs, nothing generated)
          python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
              --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],

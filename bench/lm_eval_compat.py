@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+# (the fifth: the built-in model's own greedy continuation; the last: an empty context, which lm-eval replaces by the
+# BOS the server's /tokenizer_info names)
 CASES = [("The quick brown fox", " jumps over"), ("Hello, ", "world"), ("a" * 40, "aaaa"), ("tpgraph ", "is"),
-         ("Once upon a time", "eeee")]  # (the last: the greedy continuation of the built-in model)
+         ("Once upon a time", "eeee"), ("", "Hello")]
 GENERATE = [("Once upon a time", {"until": ["\n"], "max_gen_toks": 12}), ("1, 2, 3,", {"until": ["9"],
                                                                                      "max_gen_toks": 8})]
 
@@ -50,10 +52,16 @@ def main() -> int:
         print("| context | continuation | lm-eval log p | TPEngine log p | greedy (lm-eval / TPEngine) |")
         print("|---|---|---|---|---|")
         for (context, continuation), (logp, greedy) in zip(CASES, scored, strict=True):
-            spaces = len(context) - len(context.rstrip())  # (lm-eval moves a context's trailing spaces on)
+            # as lm-eval's _encode_pair: a context's trailing spaces move on, the whole is encoded and then split;
+            # an empty context is the BOS alone
+            spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
-            ctx, whole = ids(context), ids(context) + ids(continuation)
+            if context:
+                ctx, whole = ids(context), ids(context + continuation)
+            else:
+                ctx = [engine.tokenizer.token_to_id(engine.prompts.tokenizer_info(args.max_model_len)["bos_token"])]
+                whole = ctx + ids(continuation)
             out = engine.generate([whole], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
             tail = range(len(ctx), len(whole))
             want = sum(out.prompt_logprobs[j] for j in tail)

@@ -78,15 +78,7 @@ class ChatTemplate:
         """The checkpoint's template; the built-in one for the built-in model; None if a checkpoint has none."""
         if model_dir is None:
             return ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": builtin_bos})
-        path = Path(model_dir) / "tokenizer_config.json"
-        cfg: dict = {}
-        if path.is_file():
-            try:
-                cfg = json.loads(path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"cannot read {path}: {exc}") from None
-            if not isinstance(cfg, dict):
-                raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+        cfg = tokenizer_config(model_dir)
         # newer checkpoints keep the template in its own file, which transformers prefers to the config's
         jinja_file = Path(model_dir) / "chat_template.jinja"
         source = jinja_file.read_text() if jinja_file.is_file() else cfg.get("chat_template")
@@ -95,14 +87,34 @@ class ChatTemplate:
             source = named.get("default")
         if not isinstance(source, str):
             return None
-        special = {}
-        for key in SPECIAL_TOKEN_KEYS:
-            value = cfg.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
-                special[key] = value
-        return ChatTemplate(source, special)
+        return ChatTemplate(source, special_tokens(cfg))
+
+
+def tokenizer_config(model_dir: str | Path) -> dict:
+    """A checkpoint's tokenizer_config.json ({} without one)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+    return cfg
+
+
+def special_tokens(cfg: dict) -> dict[str, str]:
+    """The special tokens a tokenizer config names (bos_token, eos_token, ...: a string, or an added token's
+    content)."""
+    special = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            special[key] = value
+    return special
 
 
 @dataclass(frozen=True)

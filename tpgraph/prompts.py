@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -29,6 +29,7 @@ class PromptCodec:
     generation_defaults: GenerationDefaults
     model_label: str  # names the checkpoint in messages
     eos_ids: tuple[int, ...] = ()  # the ids that end a generation (the model's config and generation_config)
+    special_tokens: dict[str, str] = field(default_factory=dict)  # tokenizer_config.json's bos_token, eos_token, ...
 
     def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template.
@@ -74,12 +75,18 @@ class PromptCodec:
 
     def tokenizer_info(self, max_model_len: int) -> dict[str, Any]:
         """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's remote tokenizer
-        reads the special tokens and the chat template here, then tokenizes through /tokenize)."""
-        bos = self.tokenizer.encode_batch([""], add_special_tokens=True)[0].ids  # (what the tokenizer adds first)
+        reads the special tokens and the chat template here, then tokenizes through /tokenize). The special tokens
+        are the tokenizer config's, as vLLM gives them; without one, the BOS the tokenizer adds and the text of the
+        first EOS id."""
+        special = self.special_tokens
+        bos, eos = special.get("bos_token"), special.get("eos_token")
+        if bos is None and (added := self.tokenizer.encode_batch([""], add_special_tokens=True)[0].ids):
+            bos = self.tokenizer.id_to_token(added[0])
+        if eos is None and self.eos_ids:
+            eos = self.decode([self.eos_ids[0]])
         return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_model_len,
-                "bos_token": self.tokenizer.id_to_token(bos[0]) if bos else None,
-                "eos_token": self.tokenizer.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
-                "pad_token": None, "chat_template": self.chat_template.source if self.chat_template else None}
+                "bos_token": bos, "eos_token": eos, "pad_token": special.get("pad_token"),
+                "chat_template": self.chat_template.source if self.chat_template else None}
 
     def decode(self, token_ids: list[int]) -> str:
         """Ids -> text, special tokens spelled out (an echoed prompt given as ids, /detokenize)."""

@@ -88,8 +88,24 @@ def test_tokenizer_info_names_the_special_tokens_and_the_template():
     assert (info["bos_token"], info["eos_token"], info["model_max_length"]) == (BOS, EOS, 128)
     assert info["chat_template"] == c.chat_template.source
     assert bos.json()["tokens"] == [c.tokenizer.token_to_id(BOS)] and eos.json()["tokens"] == list(c.eos_ids)
-    bare = PromptCodec(builtin_tokenizer(), None, GenerationDefaults(), MODEL).tokenizer_info(64)
-    assert (bare["eos_token"], bare["chat_template"], bare["bos_token"]) == (None, None, BOS)
+
+
+
+def test_tokenizer_info_takes_the_configs_special_tokens_else_the_tokenizers(tmp_path):
+    """As vLLM: tokenizer_config.json's tokens (a checkpoint whose tokenizer adds no BOS still names one, and an
+    instruct model's EOS is its end-of-turn token); without a config, the BOS the tokenizer adds and the first EOS id
+    decoded as text (an ordinary token's text, not its byte-level spelling)."""
+    from tpgraph.chat import special_tokens, tokenizer_config
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": None}))
+    special = special_tokens(tokenizer_config(tmp_path))
+    assert special == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    tokenizer = builtin_tokenizer()
+    info = PromptCodec(tokenizer, None, GenerationDefaults(), MODEL, (10,), special).tokenizer_info(64)
+    assert (info["bos_token"], info["eos_token"], info["pad_token"]) == ("<|im_start|>", "<|im_end|>", None)
+    bare = PromptCodec(tokenizer, None, GenerationDefaults(), MODEL, (10,)).tokenizer_info(64)
+    assert (bare["bos_token"], bare["eos_token"], bare["chat_template"]) == (BOS, "\n", None)
 
 
 def test_detokenize_is_the_inverse_and_version_answers():
@@ -109,7 +125,7 @@ def test_detokenize_is_the_inverse_and_version_answers():
     ("/detokenize", {"tokens": [1, 10 ** 9, -2]}, 400, "tokens must be ids in [0, "),
     ("/detokenize", {"tokens": [True]}, 400, "token ids must be integers"),
     ("/detokenize", {}, 400, "tokens: Field required"),
-    ("/tokenize", {"prompt": "x" * 100_000}, 400, "100000 characters, more than 128 tokens"),
+    ("/tokenize", {"prompt": "x" * 4_000_001}, 400, "4000001 characters; /tokenize takes at most 4000000"),
 ])
 def test_bad_token_requests_get_the_reason(path, body, status, needle):
     r = call([("POST", path, body, None)])[0]

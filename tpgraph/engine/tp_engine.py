@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
@@ -38,7 +38,7 @@ from tpgraph.engine.service import EngineService
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
 from tpgraph.prompts import Prompt, PromptCodec, is_one_prompt
-from tpgraph.tokenizer import BOS, load_tokenizer
+from tpgraph.tokenizer import BOS, EOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,6 @@ WARM_UP_KINDS: tuple[dict, ...] = (
     dict(temperature=1.0, top_k=20, min_p=0.05, seed=0),
     dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2,
          logprobs=2, seed=0),
-    dict(temperature=1.0, logit_bias={0: 0.5}, seed=0),  # (fp32 logits into the draw, nothing truncated)
 )
 
 
@@ -131,8 +130,10 @@ class TPEngine:
             self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
+            special = {"bos_token": BOS, "eos_token": EOS} if cfg.model is None else special_tokens(
+                tokenizer_config(cfg.model))
             self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
-                                       str(cfg.model or "the built-in model"), eos_ids)
+                                       str(cfg.model or "the built-in model"), eos_ids, special)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -14,6 +14,8 @@ from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, plain_messages
 
+TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
+
 
 def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_model_len: int) -> APIRouter:
     router = APIRouter()
@@ -28,8 +30,10 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
-        # off the event loop, as completions do; a text longer than max_model_len tokens could be is refused untokenized
-        ids = await asyncio.to_thread(prompts.encode_text, text, special, max_model_len)
+        # (not capped at max_model_len tokens: an evaluation tokenizes whole documents here and windows them itself)
+        if len(text) > TOKENIZE_MAX_CHARS:
+            raise RequestError(f"the text has {len(text)} characters; /tokenize takes at most {TOKENIZE_MAX_CHARS}")
+        ids = await asyncio.to_thread(prompts.encode_text, text, special)  # (off the event loop, as completions do)
         strs = [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
