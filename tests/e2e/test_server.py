@@ -124,6 +124,15 @@ def server():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def local_engine():
+    """TPEngine in this process, set up as the server's engine (ENGINE_FLAGS), to hold the server's replies to."""
+    from tpgraph import TPEngine
+
+    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
+        yield engine
+
+
 def greedy(**kw):
     return {"temperature": 0.0, **kw}
 
@@ -149,7 +158,7 @@ def test_the_server_warms_up_before_serving(server):
     assert "warmed up in" in server.output()
 
 
-def test_models_health_version_and_tokenize(server):
+def test_models_health_version_and_the_tokenizer_routes(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert http("GET", f"{server.url}/health").status_code == 200
     assert http("GET", f"{server.url}/version").json()["version"]
@@ -261,7 +270,7 @@ def test_an_api_key_from_the_environment_is_asked_of_clients():
         keyed.stop()
 
 
-def test_echo_scores_a_prompt_as_lm_eval_asks(server):
+def test_echo_scores_a_prompt_as_lm_eval_asks(server, local_engine):
     """lm-eval's local-completions loglikelihood: token ids, echo, logprobs 1, max_tokens 1 (or 0, nothing generated):
     the prompt's text and its tokens' log-probabilities, the first null, equal to TPEngine's prompt_logprobs (TP=2
     against TP=1), then the generated token's."""
@@ -270,10 +279,9 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(server):
             "return_tokens_as_token_ids": True}
     one = server.post("/v1/completions", body).json()["choices"][0]
     zero = server.post("/v1/completions", {**body, "max_tokens": 0}).json()
-    from tpgraph import SamplingParams, TPEngine
+    from tpgraph import SamplingParams
 
-    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
-        local = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    local = local_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
     lp = one["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in [*ids, *local.outputs[0].token_ids]]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -307,12 +315,11 @@ def test_a_streamed_echo_equals_the_whole_reply(server):
             assert whole["logprobs"] is None
 
 
-def test_sixteen_concurrent_requests_equal_tp_engine(server):
+def test_sixteen_concurrent_requests_equal_tp_engine(server, local_engine):
     served = served_greedy(server, PROMPTS, 12)
-    from tpgraph import SamplingParams, TPEngine
+    from tpgraph import SamplingParams
 
-    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8) as engine:
-        local = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    local = local_engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
     assert served == [o.outputs[0].token_ids for o in local]
 
 

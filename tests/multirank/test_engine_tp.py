@@ -58,7 +58,7 @@ def test_two_ranks_give_every_rank_the_prompt_logprobs_of_one():
     params = [SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2 if i % 2 else 0) for i in range(4)]
     engine = {**ENGINE, "max_num_batched_tokens": 16}
     ranks = run_ranks(engine_generate, 2, PROMPTS, params, engine, timeout_s=240)
-    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"]
+    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"] and ranks[0]["preemptions"] > 0
     with TPEngine(device="cpu", **engine) as one:
         single = one.generate(PROMPTS, params)
     assert ranks[0]["completions"] == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in single]

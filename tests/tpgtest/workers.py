@@ -433,8 +433,9 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
         blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
         in_step = engine.runner.greedy_in_step
         hits = engine.core.scheduler.prefix_hit_tokens
+        preemptions = engine.core.scheduler.num_preemptions
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
-            "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits,
+            "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits, "preemptions": preemptions,
             "prompt_logprobs": [(o.prompt_logprobs, o.prompt_top_logprobs) for o in out]}
 
 

@@ -91,8 +91,9 @@ def test_log_probabilities_are_the_models_own_not_the_biased_ones():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch_chain", "fused_draw"])
 def test_a_sampled_row_draws_from_the_biased_distribution(fused):
-    """p ∝ p0 · exp(bias): bias ln 3 on token 3 (0.05 -> 0.15 / 1.1) and -100 on token 0 (never drawn), beside an
-    unbiased seeded row whose draws the bias in the batch leaves as they were. The fused draw runs kernels/sampling.py
+    """p ∝ exp((logit + bias) / T): at T = 0.5, bias ln 9 on token 3 and -100 on token 0 (never drawn) give token 3
+    0.05² · 81 of 0.3150 (a bias added after the temperature would give it 0.05² · 9 of 0.135: a sixth, not two
+    thirds). Beside them, seeded unbiased rows draw what they draw alone. The fused draw runs kernels/sampling.py
     (under TRITON_INTERPRET=1 on CPU; it reads the fp32 logits a bias makes)."""
     if fused:
         if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -100,14 +101,15 @@ def test_a_sampled_row_draws_from_the_biased_distribution(fused):
         pytest.importorskip("triton")
     n = 300 if fused else 4000  # (the interpreter runs a program in about 20 ms)
     logits = PROBS.log().to(torch.bfloat16 if fused else torch.float32).expand(n, -1).clone()
-    biased = [row(temperature=1.0, logit_bias={3: math.log(3.0), 0: -100.0}) for _ in range(n - 1)]
-    seeded = row(temperature=1.0, seed=11)
-    out = Sampler("cpu", seed=0, fused=fused).sample(logits, [*biased, seeded])
-    alone = Sampler("cpu", seed=0, fused=fused).sample(logits[:1], [seeded])
-    assert out.token_ids[-1] == alone.token_ids[0]
-    counts = Counter(out.token_ids[:-1])
+    biased = [row(temperature=0.5, logit_bias={3: math.log(9.0), 0: -100.0}) for _ in range(n - 10)]
+    seeded = [row(temperature=1.0, seed=seed) for seed in range(10)]
+    out = Sampler("cpu", seed=0, fused=fused).sample(logits, [*biased, *seeded])
+    alone = Sampler("cpu", seed=0, fused=fused).sample(logits[:10], seeded)
+    assert out.token_ids[-10:] == alone.token_ids and len(set(alone.token_ids)) > 1
+    counts = Counter(out.token_ids[:-10])
     assert counts[0] == 0
-    expected = {1: 0.3 / 0.6, 2: 0.15 / 0.6, 3: 0.15 / 0.6}
-    for token, p in expected.items():
-        sd = math.sqrt(p * (1 - p) / (n - 1))
-        assert abs(counts[token] / (n - 1) - p) < 5 * sd, (token, counts)
+    weights = {1: 0.3 ** 2, 2: 0.15 ** 2, 3: 0.05 ** 2 * 81}
+    for token, w in weights.items():
+        p = w / sum(weights.values())
+        sd = math.sqrt(p * (1 - p) / (n - 10))
+        assert abs(counts[token] / (n - 10) - p) < 5 * sd, (token, counts)

@@ -23,20 +23,21 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(CASE, tmp_path_factory.mktemp("ckpt"))
 
 
-def hf_reference(path, ids: list[int], k: int) -> tuple[list[float], list[list[int]]]:
-    """Each prompt token's log-probability after the ones before it (from the second on), and the top-k ids."""
+@pytest.fixture(scope="module")
+def hf_reference(checkpoint) -> tuple[list[float], list[list[int]]]:
+    """HF's log-probability of each PROMPT token after the ones before it (from the second on), and the top-3 ids."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        lp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
-    return [lp[j - 1, ids[j]].item() for j in range(1, len(ids))], lp[:-1].topk(k).indices.tolist()
+        lp = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
+    return [lp[j - 1, PROMPT[j]].item() for j in range(1, len(PROMPT))], lp[:-1].topk(3).indices.tolist()
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in_turn"])
-def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, overlap):
+def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf_reference, overlap):
     """Overlapped, a chunk that samples nothing still sends its entries on their way with the step in flight."""
-    want, top = hf_reference(checkpoint, PROMPT, 3)
+    want, top = hf_reference
     asks = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, overlap_scheduling=overlap,
                   max_num_batched_tokens=16, num_kv_blocks=64) as engine:  # 45 tokens: three chunks and a bit
