@@ -9,36 +9,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgraph.engine.core import StepUpdate  # noqa: E402
+from tpgtest.server_stubs import EndlessClient, FailingClient, OneTokenClient, builtin_codec, httpx_module  # noqa: E402
+
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
-
-
-class EndlessClient:
-    """An engine that sends the request a token every 5 ms and never finishes it."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-        self.tasks: list[asyncio.Task] = []
-        self.error = None
-
-    def check(self, prompt, params) -> None:
-        pass
-
-    def submit(self, request_id, prompt, params, sink) -> None:
-        async def tokens() -> None:
-            while request_id not in self.aborted:
-                sink(StepUpdate(request_id, 0, 7, "x"))
-                await asyncio.sleep(0.005)
-
-        self.tasks.append(asyncio.get_running_loop().create_task(tokens()))
-
-    def abort(self, request_id) -> None:
-        self.aborted.append(request_id)
-
-    def release(self, request_id) -> None:
-        pass
 
 
 class LeavingRequest:
@@ -89,19 +64,6 @@ def test_a_guarded_stream_that_fails_ends_with_an_error_event_and_done(failure, 
     assert (error["code"], error["message"], error["type"]) == expected
 
 
-class FailingClient(EndlessClient):
-    """An engine that answers the request with an error update; `gone`: as the bridge does when the engine process
-    shut down or died (its error set, every open request told)."""
-
-    def __init__(self, gone: bool) -> None:
-        super().__init__()
-        self.gone = gone
-
-    def submit(self, request_id, prompt, params, sink) -> None:
-        self.error = "the engine is shutting down" if self.gone else None
-        sink(StepUpdate(request_id, 0, None, self.error or "ValueError: a bad step", "error"))
-
-
 @pytest.mark.parametrize(("gone", "raised", "message"), [
     (True, server_app.EngineUnavailable, "the engine is unavailable: the engine is shutting down"),
     (False, server_app.ApiError, "the engine failed: ValueError: a bad step"),
@@ -119,29 +81,11 @@ def test_an_engine_that_is_gone_is_a_503_and_a_failed_step_a_500(gone, raised, m
     assert raised is not server_app.ApiError or info.value.status == 500
 
 
-class OneTokenClient(FailingClient):
-    """An engine that answers every request with one token and its finish."""
-
-    def __init__(self) -> None:
-        super().__init__(gone=False)
-        self.alive = True
-
-    def submit(self, request_id, prompt, params, sink) -> None:
-        sink(StepUpdate(request_id, 0, 7, "x", "length"))
-
-
 def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
     """A prompt that takes long to tokenize is encoded on a thread: /health answers meanwhile (a 9 MB prompt used
     to freeze every endpoint for the 11 s it took)."""
-    try:
-        import httpx
-    except ImportError:  # (openai 3 brings it under this name)
-        httpx = pytest.importorskip("httpx2")
-    from tpgraph.chat import GenerationDefaults
-    from tpgraph.prompts import PromptCodec
-    from tpgraph.tokenizer import builtin_tokenizer
-
-    codec = PromptCodec(builtin_tokenizer(), None, GenerationDefaults(), "m")
+    httpx = httpx_module()
+    codec = builtin_codec(chat=False)
     slow = codec.encode_text
 
     def encode_text(*args, **kwargs):

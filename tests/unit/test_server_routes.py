@@ -9,8 +9,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from tpgtest.server_stubs import IdleClient, SilentClient, builtin_codec, httpx_module  # noqa: E402
+
 from tpgraph import __version__  # noqa: E402
-from tpgraph.chat import ChatTemplate, GenerationDefaults  # noqa: E402
+from tpgraph.chat import GenerationDefaults  # noqa: E402
 from tpgraph.prompts import PromptCodec  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -19,35 +21,13 @@ from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer  # noqa: E402
 MODEL = "m"
 
 
-class IdleClient:
-    """An engine that must not be reached: these routes never submit anything."""
-
-    alive, error = True, None
-
-    def attach(self, loop) -> None:
-        pass
-
-    def check(self, *_) -> None:
-        raise AssertionError("the engine was asked")
-
-    submit = check
-
-    async def engine_metrics(self) -> str:
-        return ""
-
-
 def codec() -> PromptCodec:
-    tokenizer = builtin_tokenizer()
-    return PromptCodec(tokenizer, ChatTemplate.from_dir(None, BOS), GenerationDefaults(), MODEL,
-                       (tokenizer.token_to_id(EOS),))
+    return builtin_codec(MODEL)
 
 
 def call(requests: list[tuple[str, str, dict | None, dict | None]], api_key: str | None = None) -> list:
     """[(method, path, json body, headers)] -> the responses, in order, from one app."""
-    try:
-        import httpx
-    except ImportError:  # (openai 3 brings it under this name)
-        httpx = pytest.importorskip("httpx2")
+    httpx = httpx_module()
     app = server_app.create_app(IdleClient(), codec(), ServerMetrics(), MODEL, 128, api_key=api_key)
 
     async def main() -> list:
@@ -147,22 +127,6 @@ def test_an_api_key_guards_every_route_but_the_operators():
         assert r.json()["error"]["type"] == "AuthenticationError" and r.headers["www-authenticate"] == "Bearer"
     assert right.status_code == health.status_code == version.status_code == 200
     assert call([("GET", "/v1/models", None, None)])[0].status_code == 200  # without a key set, nothing is asked
-
-
-class SilentClient(IdleClient):
-    """An engine that takes a request and never answers it."""
-
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def check(self, *_) -> None:
-        pass
-
-    def submit(self, request_id, prompt, params, sink) -> None:
-        pass
-
-    def abort(self, request_id) -> None:
-        self.aborted.append(request_id)
 
 
 @pytest.mark.parametrize("api_key", [None, "k3y", "clé"])

@@ -1,0 +1,111 @@
+"""Stand-ins for the server's tests that run the app in process (no engine, no HTTP server): engine clients that
+answer in set ways, the built-in model's prompt codec, and httpx (which openai 3 brings as httpx2)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.engine.core import StepUpdate
+from tpgraph.prompts import PromptCodec
+from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer
+
+
+def httpx_module():
+    try:
+        import httpx
+    except ImportError:  # (openai 3 brings it under this name)
+        httpx = pytest.importorskip("httpx2")
+    return httpx
+
+
+def builtin_codec(name: str = "m", chat: bool = True) -> PromptCodec:
+    """The built-in model's codec as TPEngine builds it (its chat template, special tokens and EOS id)."""
+    tokenizer = builtin_tokenizer()
+    return PromptCodec(tokenizer, ChatTemplate.from_dir(None, BOS) if chat else None, GenerationDefaults(), name,
+                       (tokenizer.token_to_id(EOS),), {"bos_token": BOS, "eos_token": EOS})
+
+
+class EndlessClient:
+    """An engine that sends the request a token every 5 ms and never finishes it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self.tasks: list[asyncio.Task] = []
+        self.error = None
+
+    def check(self, prompt, params) -> None:
+        pass
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        async def tokens() -> None:
+            while request_id not in self.aborted:
+                sink(StepUpdate(request_id, 0, 7, "x"))
+                await asyncio.sleep(0.005)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(tokens()))
+
+    def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+    def release(self, request_id) -> None:
+        pass
+
+
+class FailingClient(EndlessClient):
+    """An engine that answers the request with an error update; `gone`: as the bridge does when the engine process
+    shut down or died (its error set, every open request told)."""
+
+    def __init__(self, gone: bool) -> None:
+        super().__init__()
+        self.gone = gone
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        self.error = "the engine is shutting down" if self.gone else None
+        sink(StepUpdate(request_id, 0, None, self.error or "ValueError: a bad step", "error"))
+
+
+class OneTokenClient(FailingClient):
+    """An engine that answers every request with one token and its finish."""
+
+    def __init__(self) -> None:
+        super().__init__(gone=False)
+        self.alive = True
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        sink(StepUpdate(request_id, 0, 7, "x", "length"))
+
+
+class IdleClient:
+    """An engine that must not be reached: these routes never submit anything."""
+
+    alive, error = True, None
+
+    def attach(self, loop) -> None:
+        pass
+
+    def check(self, *_) -> None:
+        raise AssertionError("the engine was asked")
+
+    submit = check
+
+    async def engine_metrics(self) -> str:
+        return ""
+
+
+class SilentClient(IdleClient):
+    """An engine that takes a request and never answers it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def check(self, *_) -> None:
+        pass
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        pass
+
+    def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
