@@ -466,8 +466,12 @@ def test_metrics(server):
     text = http("GET", f"{server.url}/metrics").text
     for name in ("tpgraph_time_to_first_token_seconds_count", "tpgraph_time_per_output_token_seconds_count",
                  "tpgraph_requests_running", "tpgraph_requests_waiting", "tpgraph_kv_cache_usage",
-                 "tpgraph_preemptions", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count"):
+                 "tpgraph_preemptions", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count",
+                 "tpgraph_e2e_request_latency_seconds_count"):
         assert name in text, name
+    before = metric(server, "tpgraph_prompt_tokens_total")
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "n": 2, "max_tokens": 2}).json()
+    assert metric(server, "tpgraph_prompt_tokens_total") - before == 6 == 2 * r["usage"]["prompt_tokens"]
 
 
 def alive(pid: int) -> bool:

@@ -75,7 +75,7 @@ class Api:
         open_samples = {rid: params.n for rid in ids}
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-                self.metrics.arrived(rid)
+                self.metrics.arrived(rid, len(prompt) * params.n)
                 self.client.submit(rid, prompt, params, lambda u, i=i: queue.put_nowait((i, u)))
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S

@@ -1,6 +1,7 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, queue lengths, KV usage, beside the runner's graph stats); the HTTP front-end process keeps the
-request-level ones (ServerMetrics: TTFT, TPOT, finished requests). /metrics serves both."""
+request-level ones (ServerMetrics: TTFT, TPOT, end-to-end latency, finished requests, prompt and generated
+tokens). /metrics serves both."""
 
 from __future__ import annotations
 
@@ -80,12 +81,19 @@ class ServerMetrics:
         self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
                                 registry=r)
         self.tokens = Counter("tpgraph_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("tpgraph_prompt_tokens", "Prompt tokens of the requests taken (each sample's)",
+                                     registry=r)
+        self.e2e = Histogram("tpgraph_e2e_request_latency_seconds", "Arrival to the request's end",
+                             buckets=LATENCY_BUCKETS + (40.96, 81.92, 163.84), registry=r)
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
         self._count: dict[str, int] = {}
 
-    def arrived(self, request_id: str) -> None:
+    def arrived(self, request_id: str, prompt_tokens: int = 0) -> None:
+        """A request taken: its prompt's tokens, counted once for each of its n samples (each computes them, unless
+        the prefix cache holds them)."""
         self._arrival[request_id] = time.perf_counter()
+        self.prompt_tokens.inc(prompt_tokens)
 
     def observe(self, update: StepUpdate) -> None:
         now = time.perf_counter()
@@ -101,9 +109,12 @@ class ServerMetrics:
         """The whole request is over."""
         self.requests.labels(reason).inc()
         first, count = self._first.pop(request_id, None), self._count.pop(request_id, 0)
+        now = time.perf_counter()
         if first is not None and count > 1:
-            self.tpot.observe((time.perf_counter() - first) / (count - 1))
-        self._arrival.pop(request_id, None)
+            self.tpot.observe((now - first) / (count - 1))
+        arrival = self._arrival.pop(request_id, None)
+        if arrival is not None:
+            self.e2e.observe(now - arrival)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
