@@ -169,6 +169,8 @@ for step in "$@"; do
          # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (echo + logprobs, nothing generated)
          python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
              --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
+         python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
+             --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; }
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
              'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
              'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
@@ -495,7 +497,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
              | tail -25 | tee "$out/ar_exact.log" ;;
-    engine-tests) timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
+    engine-tests) python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q \
+             --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; }  # (structured outputs' tests)
+         timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
              tests/gpu/test_uploads_gpu.py tests/gpu/test_sampler_gpu.py -q -rfEs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;
     full-bench) timeout 580 torchrun --nproc-per-node $NPROC bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -315,6 +316,27 @@ def test_a_streamed_echo_equals_the_whole_reply(server):
             assert whole["logprobs"] is None
 
 
+def test_structured_outputs_through_both_endpoints(server):
+    """OpenAI's response_format (a JSON schema, through the openai client) on chat, and vLLM's guided_choice and
+    guided_regex on completions, streamed and not: each reply matches (TP=2: both ranks hold the grammar)."""
+    pytest.importorskip("xgrammar")
+    c = server.client()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say ok"}], max_tokens=20, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert isinstance(json.loads(chat.choices[0].message.content)["ok"], bool)
+    assert chat.choices[0].finish_reason == "stop"
+    choice = c.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0, seed=2,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=10, stream=True, temperature=0.0,
+        extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}) if ch.choices)
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", streamed), streamed
+
+
 def test_sixteen_concurrent_requests_equal_tp_engine(server, local_engine):
     served = served_greedy(server, PROMPTS, 12)
     from tpgraph import SamplingParams
@@ -370,7 +392,11 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "needs json_schema.schema"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "[0-9"}, 400, "the regex cannot be used"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, 400,
+     "give one of response_format"),
     ("/v1/nothing", {"model": MODEL}, 404, "Not Found"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400,
      "logit_bias token ids must be below the vocabulary size"),

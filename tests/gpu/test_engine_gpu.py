@@ -49,6 +49,28 @@ def test_prompt_logprobs_agree_across_piecewise_chunked_and_eager_prefill():
                 assert [[t for t, _ in a] for a in tops] == [[t for t, _ in a] for a in want_tops]
 
 
+def test_structured_outputs_on_the_gpu_match_and_leave_other_rows_alone():
+    """xgrammar's mask on CUDA logits (its kernel), under graphs: constrained samples match and stop, and a free row
+    in the same steps keeps the tokens it has alone."""
+    pytest.importorskip("xgrammar")
+    import json
+    import re
+
+    from tpgraph.engine.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=30, structured=StructuredOutput.json_schema(schema)),
+              SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput("regex", "[0-9]{4}")),
+              GREEDY]
+    with make() as engine:
+        alone = tokens(engine, PROMPTS[2:3])
+        out = engine.generate(PROMPTS[:3], params)
+    assert isinstance(json.loads(out[0].outputs[0].text)["ok"], bool)
+    assert re.fullmatch("[0-9]{4}", out[1].outputs[0].text) and out[1].outputs[0].finish_reason == "stop"
+    assert [[c.token_ids for c in out[2].outputs]] == alone
+
+
 def test_seeded_sampling_repeats_on_the_gpu():
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=3, n=2, max_tokens=16, logprobs=2)
     with make() as engine:

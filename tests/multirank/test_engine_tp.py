@@ -66,3 +66,23 @@ def test_two_ranks_give_every_rank_the_prompt_logprobs_of_one():
         assert lps[0] is None and lps[1:] == pytest.approx(o.prompt_logprobs[1:], abs=1e-4)
         assert [[t for t, _ in alts] for alts in tops] == [[t for t, _ in alts] for alts in o.prompt_top_logprobs]
         assert len(lps) == len(o.prompt_token_ids)
+
+
+def test_two_ranks_keep_their_grammars_in_step():
+    """Structured outputs at TP=2: each rank keeps its own matchers and masks its own gathered logits; both reach
+    the tokens TP=1 reaches, under preemption, each sample a match."""
+    pytest.importorskip("xgrammar")
+    from tpgraph.engine.structured import StructuredOutput
+
+    specs = [StructuredOutput.choice(["alpha", "beta"]), StructuredOutput("regex", "[0-9]{2}[a-f]{3}"),
+             StructuredOutput.json_schema({"type": "object", "properties": {"b": {"type": "boolean"}},
+                                           "required": ["b"], "additionalProperties": False}),
+             StructuredOutput("regex", "(ab|cd)+!")]
+    params = [SamplingParams(temperature=0.9, seed=i, n=2, max_tokens=20, structured=spec)
+              for i, spec in enumerate(specs)]
+    ranks = run_ranks(engine_generate, 2, PROMPTS, params, ENGINE, timeout_s=240)
+    assert ranks[0] == ranks[1] and ranks[0]["blocks_back"] and ranks[0]["preemptions"] > 0
+    with TPEngine(device="cpu", **ENGINE) as one:
+        single = one.generate(PROMPTS, params)
+    assert ranks[0]["completions"] == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in single]
+    assert all(reason == "stop" for samples in ranks[0]["completions"] for _, _, reason in samples)

@@ -36,7 +36,6 @@ def test_ids_must_be_integers(body):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_what_cannot_be_honoured_is_refused(extra, needle):
     with pytest.raises(RequestError, match=needle):
@@ -61,3 +60,28 @@ def test_logit_bias_keys_are_token_ids_on_both_endpoints():
                          ({"7": 1, "07": 2}, "names token 7 twice"), ({"7": 101}, r"must be in \[-100.0, 100.0\]")):
         with pytest.raises(RequestError, match=needle):
             CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": bias}).sampling_params(4, None)
+
+
+def test_response_format_and_guided_fields_become_one_structured_output():
+    from tpgraph.engine.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    cases = [({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+              StructuredOutput.json_schema(schema)),
+             ({"guided_json": schema}, StructuredOutput.json_schema(schema)),
+             ({"guided_regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
+             ({"guided_choice": ["x", "y"]}, StructuredOutput.choice(["x", "y"])),
+             ({"guided_grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"')),
+             ({"response_format": {"type": "text"}}, None), ({}, None)]
+    for extra, want in cases:
+        assert ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None).structured == want, extra
+        body = {"model": "m", "prompt": "x", **extra}
+        assert CompletionRequest.model_validate(body).sampling_params(4, None).structured == want, extra
+    for extra, needle in (({"response_format": {"type": "xml"}}, "response_format type 'xml' is not one of"),
+                          ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+                          ({"guided_choice": []}, "a non-empty list of non-empty strings"),
+                          ({"guided_json": "{not json"}, "the JSON schema is not valid JSON"),
+                          ({"guided_regex": "a", "guided_choice": ["a"]}, "give one of")):
+        with pytest.raises(RequestError, match=needle):
+            ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None)

@@ -8,6 +8,7 @@ read `StepUpdate`s out. By default steps overlap: each is launched before the la
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +23,17 @@ from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleR
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
+from tpgraph.engine.structured import GrammarCompiler
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.kernels.tokens import NO_SOURCE
 from tpgraph.uploads import to_device
+
+logger = logging.getLogger(__name__)
+
+
+# the finish reason of a request the engine refused when it came to add it (a RequestError: a 400 at the server),
+# as against "error", a failure
+REFUSED = "refused"
 
 
 @dataclass
@@ -127,6 +136,7 @@ class EngineCore:
         self.sampler = Sampler(runner.device, seed, penalties=runner.penalties)
         self.eos_ids = tuple(eos_ids)
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, runner.model.cfg.vocab_size, self.eos_ids) if tokenizer else None
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self.timing = StepTiming()
@@ -150,6 +160,10 @@ class EngineCore:
     def prepare_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PreparedRequest:
         """Check a request and build its detokenizers; touches no engine state (safe in the middle of a step)."""
         self.check_request(prompt_ids, params)
+        if params.structured is not None:  # compiled once here, where a bad schema or grammar is refused
+            if self.grammars is None:
+                raise RequestError("structured outputs need the engine's tokenizer")
+            self.grammars.compile(params.structured)
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in range(params.n)]
         return PreparedRequest(request_id, list(prompt_ids), params, detoks)
@@ -163,7 +177,8 @@ class EngineCore:
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
-                                 request_id=request_id, sample_index=i, params=params))
+                                 request_id=request_id, sample_index=i, params=params,
+                                 matcher=self.grammars.matcher(params.structured) if params.structured else None))
             self._next_seq_id += 1
         # what may raise for one rank alone was built in prepare_request, before the first sequence is queued: a
         # request is taken whole or not at all (one queued without its state broke every later step)
@@ -200,6 +215,10 @@ class EngineCore:
         self.timing = StepTiming()
         hook = _Once(while_gpu_runs)
         updates: list[StepUpdate] = []
+        # a running structured output's next mask needs its last token: such steps are read before the next launch
+        in_turn = not self.overlap or any(seq.matcher is not None for seq in self.scheduler.running)
+        if in_turn and self._in_flight is not None:
+            updates += self._resolve()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.timing.schedule, self.timing.decode_batch = time.perf_counter() - t0, len(sched.decode)
@@ -210,7 +229,7 @@ class EngineCore:
             self.timing.overlapped = launched is not None
             updates += self._resolve()
         self._in_flight = launched
-        if launched is not None and not self.overlap:
+        if launched is not None and (in_turn or any(seq.matcher is not None for seq, _ in launched.rows)):
             updates += self._resolve()
         for request_id in {u.request_id for u in updates if u.finish_reason}:
             state = self.requests.get(request_id)
@@ -305,12 +324,19 @@ class EngineCore:
         banned = ()
         if len(seq.output_ids) < p.min_tokens:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
-        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id)
+        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
+                         matcher=seq.matcher)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
         seq.resolve_pending(index, token)
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            # (its mask allowed nothing else; only a row whose every token was masked, or NaN logits, comes here)
+            logger.error("request %s: its grammar refused token %d; the sample ends", seq.request_id, token)
+            seq.drop_pending(keep=index)
+            self._finish(seq, "abort")
+            return StepUpdate(seq.request_id, seq.sample_index, None, "", "abort")
         detok = state.detokenizers[seq.sample_index]
         reason = None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -24,7 +25,7 @@ class SamplingParams:
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
     log-probabilities); they are the model's own, before bias and penalties. `prompt_logprobs` = the same for each
     prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
-    full, never read from the prefix cache."""
+    full, never read from the prefix cache. `structured`: what the output must match (structured.py)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -45,6 +46,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+            if self.ignore_eos or self.min_tokens:  # (the grammar may allow nothing but the EOS they hold back)
+                raise RequestError("a structured output cannot be combined with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tpgraph.engine.sampling_params import SamplingParams
@@ -44,6 +44,7 @@ class Sequence:
     awaits_prefix: bool = False  # waiting (not admitted) for a running sequence to compute blocks it will share
     # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    matcher: Any = None  # params.structured: the grammar's state after the tokens read back (structured.py)
 
     @property
     def num_uncached(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tpgraph.engine.control import ControlPlane, StepMessage
-from tpgraph.engine.core import EngineCore, PreparedRequest, StepUpdate
+from tpgraph.engine.core import REFUSED, EngineCore, PreparedRequest, StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 
@@ -190,7 +190,7 @@ class EngineService:
                 # one rank alone (rank 0 prepared this request without failing), so it is not swallowed: a rank
                 # that carried on without the request would desync from the others.
                 if local is not None:
-                    self._answer(local[i][1], StepUpdate(request_id, 0, None, str(exc), "error"))
+                    self._answer(local[i][1], StepUpdate(request_id, 0, None, str(exc), REFUSED))
                 continue
             if local is not None:
                 self._sinks[request_id] = local[i][1]
@@ -210,9 +210,10 @@ class EngineService:
                     try:
                         prepared = self.core.prepare_request(request_id, prompt_ids, params)
                     except Exception as exc:  # noqa: BLE001 - checked at submit; a late failure answers the request
-                        if not isinstance(exc, RequestError):
+                        refused = isinstance(exc, RequestError)
+                        if not refused:
                             logger.exception("request %s could not be added", request_id)
-                        self._answer(sink, StepUpdate(request_id, 0, None, str(exc), "error"))
+                        self._answer(sink, StepUpdate(request_id, 0, None, str(exc), REFUSED if refused else "error"))
                     else:
                         message.adds.append((request_id, prepared.prompt_ids, params))
                         local.append((prepared, sink))
@@ -234,7 +235,7 @@ class EngineService:
         except Exception:  # noqa: BLE001 - the front end's failure is its request's, not the engine's
             logger.exception("delivering an update of request %s failed; aborting the request", update.request_id)
             self._sinks.pop(update.request_id, None)
-            if update.finish_reason != "error" and update.request_id in self.core.requests:  # (an error: not added)
+            if update.finish_reason not in ("error", REFUSED) and update.request_id in self.core.requests:
                 self.enqueue_abort(update.request_id)
 
     def _deliver(self, updates: list[StepUpdate]) -> None:

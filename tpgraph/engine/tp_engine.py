@@ -11,6 +11,7 @@ the same decisions, so they stay in lockstep with no control messages.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -29,12 +30,13 @@ from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
 from tpgraph.engine.config import EngineConfig
 from tpgraph.engine.control import ControlPlane
-from tpgraph.engine.core import EngineCore, StepUpdate
+from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
 from tpgraph.engine.service import EngineService
+from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
 from tpgraph.prompts import Prompt, PromptCodec, is_one_prompt
@@ -200,7 +202,7 @@ class TPEngine:
         try:
             with deferred_interrupt() as interrupted:
                 for update in self._run(adds, interrupted):
-                    if update.finish_reason == "error":  # refused late by the engine: the others are aborted
+                    if update.finish_reason in (REFUSED, "error"):  # refused late by the engine: the others abort
                         raise RequestError(f"prompt {order.index(update.request_id)} was refused: {update.text}")
                     self._apply(results[update.request_id], update, start, bar)
         except BaseException:
@@ -235,6 +237,8 @@ class TPEngine:
         for n in (n for n in (1, 3, 16) if n <= batch):
             for kind in WARM_UP_KINDS:
                 self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
+        if importlib.util.find_spec("xgrammar") is not None:  # its vocabulary tables, and its mask kernel's first use
+            self.generate(prompts[:1], SamplingParams(max_tokens=new, structured=StructuredOutput("regex", "[0-9]+")))
         took = time.perf_counter() - start
         if self.state.is_driver:
             logger.info("warmed up in %.1f s (%d short prompts and one of %d tokens)", took, batch, long)

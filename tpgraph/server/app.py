@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from tpgraph import __version__
-from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
@@ -92,6 +92,8 @@ class Api:
                     next_check = loop.time() + DISCONNECT_CHECK_S
                 if update is None:
                     continue
+                if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
+                    raise RequestError(update.text)
                 if update.finish_reason == "error":
                     if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
                         raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")

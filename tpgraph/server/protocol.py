@@ -14,6 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -74,6 +75,12 @@ class SamplingFields(NullMeansDefault):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # (values checked by SamplingParams: pydantic would take true as 1.0)
     user: str | None = None
+    # structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
@@ -98,7 +105,36 @@ class SamplingFields(NullMeansDefault):
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias(),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured=self.structured_output())
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What response_format or a guided_* field asks the output to match (at most one of them)."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                asked.append(StructuredOutput("json_object"))
+            elif kind == "json_schema":
+                schema = fmt.get("json_schema")
+                schema = schema.get("schema") if isinstance(schema, dict) else None
+                if not isinstance(schema, dict):
+                    raise RequestError("response_format json_schema needs json_schema.schema, a JSON schema object")
+                asked.append(StructuredOutput.json_schema(schema))
+            elif kind != "text":
+                raise RequestError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        if self.guided_json is not None:
+            asked.append(StructuredOutput.json_schema(self.guided_json))
+        if self.guided_regex is not None:
+            asked.append(StructuredOutput("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            asked.append(StructuredOutput.choice(self.guided_choice))
+        if self.guided_grammar is not None:
+            asked.append(StructuredOutput("grammar", self.guided_grammar))
+        if len(asked) > 1:
+            raise RequestError("give one of response_format (json), guided_json, guided_regex, guided_choice and "
+                               "guided_grammar")
+        return asked[0] if asked else None
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
@@ -165,7 +201,6 @@ class ChatRequest(SamplingFields):
     tools: list[dict] | None = None
     functions: list[dict] | None = None  # (the API's older name for tools)
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def checked_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
@@ -173,8 +208,6 @@ class ChatRequest(SamplingFields):
             raise RequestError("tools (function calling) are not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice {self.tool_choice!r} is not supported (no tools)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported (text only)")
         return plain_messages(self.messages)
 
     def logprobs_count(self) -> int | None:

@@ -1,0 +1,96 @@
+"""Structured outputs (SamplingParams.structured, through xgrammar) on the built-in model: every constrained
+sample matches its choice, regular expression or JSON schema and stops there, overlapped or not, beside rows that
+are not constrained and keep their own tokens; bad specs are refused when the request is taken."""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from tpgraph import SamplingParams, TPEngine  # noqa: E402
+from tpgraph.engine.structured import StructuredOutput  # noqa: E402
+from tpgraph.errors import RequestError  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+CONSTRAINED = [
+    (StructuredOutput.choice(["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+    (StructuredOutput("regex", "[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    (StructuredOutput.json_schema(SCHEMA), lambda t: set(json.loads(t)) == {"ok", "color"}
+     and isinstance(json.loads(t)["ok"], bool) and json.loads(t)["color"] in ("red", "green")),
+    (StructuredOutput("grammar", 'root ::= "<" [a-c]+ ">"'), lambda t: re.fullmatch("<[a-c]+>", t)),
+]
+PROMPTS = ["Answer:", "Code:", "JSON:", "Tag:"]
+
+
+def engine(**kw):
+    return TPEngine(device="cpu", max_model_len=128, max_num_seqs=8, block_size=8, **kw)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in_turn"])
+def test_every_constrained_sample_matches_and_stops_beside_free_rows(overlap):
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, n=2, structured=spec)
+              for t, (spec, _) in zip((0.0, 0.9, 0.0, 1.0), CONSTRAINED, strict=True)]
+    with engine(overlap_scheduling=overlap) as e:
+        alone = e.generate(["free"], free)[0].outputs[0].token_ids
+        outs = e.generate([*PROMPTS, "free"], [*params, free])
+    for out, (_, matches) in zip(outs, CONSTRAINED, strict=False):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop" and matches(sample.text), (sample.text, sample.finish_reason)
+    assert outs[-1].outputs[0].token_ids == alone  # (the masks touch only their own rows)
+
+
+def test_overlapped_and_in_turn_engines_sample_the_same_constrained_tokens():
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=spec)
+              for s, (spec, _) in enumerate(CONSTRAINED)]
+    texts = []
+    for overlap in (True, False):
+        with engine(overlap_scheduling=overlap) as e:
+            texts.append([o.outputs[0].text for o in e.generate(PROMPTS, params)])
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    (StructuredOutput("regex", "[0-9"), "the regex cannot be used"),
+    (StructuredOutput("grammar", "root ::= nothing_defined"), "the grammar cannot be used"),
+    (StructuredOutput.json_schema({"type": "no such type"}), "the json schema cannot be used"),
+])
+def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec, needle):
+    with engine() as e:
+        with pytest.raises(RequestError, match=needle):
+            e.generate(["x"], SamplingParams(max_tokens=4, structured=spec))
+        assert e.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # (and it keeps serving)
+
+
+@pytest.mark.parametrize(("make", "needle"), [
+    (lambda: StructuredOutput("yaml"), "kind must be one of"),
+    (lambda: StructuredOutput("choice", '["a", ""]'), "non-empty list of non-empty strings"),
+    (lambda: StructuredOutput("json_schema", "[1]"), "a JSON schema is an object"),
+    (lambda: StructuredOutput("regex", ""), "the regex is empty"),
+    (lambda: SamplingParams(structured=StructuredOutput("regex", "a"), ignore_eos=True),
+     "cannot be combined with ignore_eos"),
+    (lambda: SamplingParams(structured=StructuredOutput("regex", "a"), min_tokens=2, max_tokens=4), "or min_tokens"),
+    (lambda: SamplingParams(structured="json"), "structured must be a StructuredOutput"),
+])
+def test_bad_structured_params_are_refused(make, needle):
+    with pytest.raises(RequestError, match=needle):
+        make()
+
+
+def test_without_xgrammar_a_constrained_request_is_refused_with_the_install_hint(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ImportError("no xgrammar")
+        return real_import(name, *args, **kwargs)
+
+    with engine() as e:
+        monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+        with pytest.raises(RequestError, match=r"pip install 'tpgraph\[structured\]'"):
+            e.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput("json_object")))
