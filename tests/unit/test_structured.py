@@ -94,3 +94,32 @@ def test_without_xgrammar_a_constrained_request_is_refused_with_the_install_hint
         monkeypatch.setattr(builtins, "__import__", no_xgrammar)
         with pytest.raises(RequestError, match=r"pip install 'tpgraph\[structured\]'"):
             e.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput("json_object")))
+
+
+def test_choices_outside_the_bmp_and_json_objects_come_out_as_asked():
+    """A choice with an emoji (json.dumps would escape it to a surrogate pair, read as two lone surrogates) and
+    json_object (an object, compact: xgrammar's builtin JSON grammar takes arrays and whitespace anywhere)."""
+    params = [SamplingParams(temperature=1.0, seed=s, n=4, max_tokens=60, structured=spec) for s, spec in
+              enumerate([StructuredOutput.choice(["😀", "ok"]), StructuredOutput("json_object")])]
+    with engine() as e:
+        emoji, obj = e.generate(["Pick:", "JSON:"], params)
+    assert {c.text for c in emoji.outputs} <= {"😀", "ok"} and "😀" in {c.text for c in emoji.outputs}
+    for sample in obj.outputs:
+        if sample.finish_reason == "stop":
+            assert isinstance(json.loads(sample.text), dict)
+        assert sample.text.startswith("{") and not re.search(r"[\t\r\n]", sample.text), sample.text
+
+
+def test_the_compiler_is_bounded_says_why_it_refuses_and_needs_an_eos():
+    from tpgraph.engine.structured import GrammarCompiler
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    grammars = GrammarCompiler(builtin_tokenizer(), 258, (257,))
+    for i in range(GrammarCompiler.CACHED + 5):
+        grammars.compile(StructuredOutput("regex", f"a{{{i + 1}}}"))
+    assert len(grammars._cache) == GrammarCompiler.CACHED
+    with pytest.raises(RequestError) as refused:
+        grammars.compile(StructuredOutput("regex", "[0-9"))
+    assert "/project" not in str(refused.value) and "Unclosed" in str(refused.value)
+    with pytest.raises(RequestError, match="need an EOS token id"):
+        GrammarCompiler(builtin_tokenizer(), 258, ()).compile(StructuredOutput("json_object"))

@@ -14,6 +14,8 @@ whole budget on it, which is why vLLM offers to turn it off too.
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from tpgraph.errors import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
+_XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,10 @@ class StructuredOutput:
             if not isinstance(schema, dict):
                 raise RequestError(f"a JSON schema is an object, got {type(schema).__name__}")
         if self.kind == "choice":
-            choices = json.loads(self.spec) if self.spec.startswith("[") else None
+            try:
+                choices = json.loads(self.spec)
+            except json.JSONDecodeError:
+                choices = None
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
                 raise RequestError("a choice is a non-empty list of non-empty strings")
         if self.kind in ("regex", "grammar") and not self.spec:
@@ -63,12 +69,15 @@ class StructuredOutput:
 
 class GrammarCompiler:
     """xgrammar's compiler for one engine's tokenizer and vocabulary, made on first use (a server that never sees
-    a constrained request never imports xgrammar); compiled grammars are cached by their spec."""
+    a constrained request never imports xgrammar); the last CACHED compiled grammars are kept by their spec (each
+    holds tables the size of the vocabulary)."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._compiler: Any = None
-        self._cache: dict[StructuredOutput, Any] = {}
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh matcher (xgrammar.GrammarMatcher) for one sequence; a spec that does not compile is refused."""
@@ -77,24 +86,32 @@ class GrammarCompiler:
         return xgr.GrammarMatcher(self.compile(spec))
 
     def compile(self, spec: StructuredOutput) -> Any:
-        if spec not in self._cache:
-            compiler = self._xgrammar_compiler()
-            try:
-                self._cache[spec] = self._compile(compiler, spec)
-            except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's refusals of a schema or grammar)
-                raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {exc}") from None
-        return self._cache[spec]
+        if spec in self._cache:
+            self._cache.move_to_end(spec)
+            return self._cache[spec]
+        compiler = self._xgrammar_compiler()
+        try:
+            compiled = self._compile(compiler, spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's refusals of a schema or grammar)
+            reason = _XGRAMMAR_SOURCE.sub("", str(exc)).strip()  # (without its log stamp and source path)
+            raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}") from None
+        self._cache[spec] = compiled
+        if len(self._cache) > self.CACHED:
+            self._cache.popitem(last=False)
+        return compiled
 
     @staticmethod
     def _compile(compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_schema":
             return compiler.compile_json_schema(spec.spec, any_whitespace=False)
-        if spec.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "json_object":  # (an object, as OpenAI's json_object means; xgrammar's builtin takes any JSON)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":  # one EBNF rule of the choices as string literals (JSON's escapes)
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+            # (ensure_ascii off: an escaped surrogate pair would be read as two lone surrogates)
+            literals = (json.dumps(c, ensure_ascii=False) for c in json.loads(spec.spec))
+            return compiler.compile_grammar("root ::= " + " | ".join(literals))
         return compiler.compile_grammar(spec.spec)
 
     def _xgrammar_compiler(self) -> Any:
@@ -104,9 +121,11 @@ class GrammarCompiler:
                 from transformers import PreTrainedTokenizerFast
             except ImportError:
                 raise RequestError(INSTALL_HINT) from None
+            if not self.eos_ids:  # (a grammar ends on an EOS token: with none, no constrained sample could end)
+                raise RequestError("structured outputs need an EOS token id, and this model's config names none")
             info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=self.tokenizer),
                                                       vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # (ours is bounded)
         return self._compiler
 
 
@@ -117,6 +136,7 @@ def apply_masks(x: Any, matchers: list[tuple[int, Any]]) -> None:
 
     bitmask = xgr.allocate_token_bitmask(x.shape[0], x.shape[1])
     for row, matcher in matchers:
-        matcher.fill_next_token_bitmask(bitmask, row)
+        if not matcher.is_terminated():  # (one that took its EOS has finished; xgrammar raises if asked again)
+            matcher.fill_next_token_bitmask(bitmask, row)
     rows = [row for row, _ in matchers]
     xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1], indices=rows)

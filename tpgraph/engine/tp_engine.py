@@ -237,7 +237,8 @@ class TPEngine:
         for n in (n for n in (1, 3, 16) if n <= batch):
             for kind in WARM_UP_KINDS:
                 self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
-        if importlib.util.find_spec("xgrammar") is not None:  # its vocabulary tables, and its mask kernel's first use
+        if self.core.eos_ids and importlib.util.find_spec("xgrammar") is not None:  # (its vocabulary tables, and its
+            # mask kernel's first use; a model without an EOS id refuses constrained requests)
             self.generate(prompts[:1], SamplingParams(max_tokens=new, structured=StructuredOutput("regex", "[0-9]+")))
         took = time.perf_counter() - start
         if self.state.is_driver:
