@@ -95,3 +95,11 @@ def test_a_byte_fallback_tokenizer_flushes_only_the_held_bytes():
     text = "".join(detok.add(t)[0] for t in ids)
     assert text == " the你"
     assert detok.flush() == "\ufffd"
+
+
+def test_a_prompt_that_ends_inside_a_character_adds_none_of_its_text():
+    """Prompt bytes "A", 0xC3 (the first of a two-byte character) and output bytes 0x80 ...: the stream, primed with
+    the whole prompt tail, handed out "AÀ..." (the prompt's "A" again). The output's text is its own bytes'."""
+    d = Detokenizer(TOK, [256, 65, 0xC3], SamplingParams())
+    text = "".join(d.add(t)[0] for t in [0x80, 0x80, 104, 105]) + d.flush()
+    assert "A" not in text and text.endswith("hi") and text == TOK.decode([0x80, 0x80, 104, 105])

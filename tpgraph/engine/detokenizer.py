@@ -22,8 +22,13 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]), skip_special_tokens=self.skip_special_tokens)
-        self.decoded = list(prompt_ids[-PRIME_TOKENS:])  # the last tokens whose text is in self.text (or the prompt's)
+        prime = list(prompt_ids[-PRIME_TOKENS:])
+        # a prompt that ends inside a character (its last bytes not a whole one) would make the stream's first piece
+        # repeat the prompt's text: it is primed with the tokens before that character
+        while prime and self._decode(prime).endswith("\ufffd"):
+            prime.pop()
+        self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
+        self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
