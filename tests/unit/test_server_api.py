@@ -106,3 +106,25 @@ def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
 
     completion, health, took = asyncio.run(asyncio.wait_for(main(), timeout=20))
     assert (completion, health) == (200, 200) and took < 0.7, took
+
+
+def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborted():
+    """The engine refuses a request as it comes to add it (a grammar that does not compile): the front end raises
+    the reason as a RequestError (a 400), counts it as refused, and sends no abort for what was never added."""
+    from tpgraph.engine.core import REFUSED, StepUpdate
+    from tpgraph.errors import RequestError
+
+    class RefusingClient(EndlessClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            sink(StepUpdate(request_id, 0, None, "the regex cannot be used: Unclosed '['", REFUSED))
+
+    client, metrics = RefusingClient(), ServerMetrics()
+    api = server_app.Api(client, metrics, "m")
+
+    async def main() -> None:
+        async for _ in api.run(LeavingRequest(after=60), [[1, 2]], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(RequestError, match="the regex cannot be used"):
+        asyncio.run(main())
+    assert client.aborted == [] and metrics.requests.labels(REFUSED)._value.get() == 1

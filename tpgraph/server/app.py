@@ -93,6 +93,8 @@ class Api:
                 if update is None:
                     continue
                 if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
+                    open_samples[ids[i]] = 0  # (never added: nothing to abort)
+                    self.metrics.finished(ids[i], REFUSED)
                     raise RequestError(update.text)
                 if update.finish_reason == "error":
                     if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
