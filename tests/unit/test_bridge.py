@@ -18,6 +18,10 @@ class FakeService:
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.precompiled: list = []
+
+    def precompile(self, params) -> None:
+        self.precompiled.append(params)
 
     def enqueue(self, request_id, prompt_ids, params, sink) -> None:
         for i, token in enumerate(prompt_ids[:3]):

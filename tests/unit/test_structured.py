@@ -123,3 +123,22 @@ def test_the_compiler_is_bounded_says_why_it_refuses_and_needs_an_eos():
     assert "/project" not in str(refused.value) and "Unclosed" in str(refused.value)
     with pytest.raises(RequestError, match="need an EOS token id"):
         GrammarCompiler(builtin_tokenizer(), 258, ()).compile(StructuredOutput("json_object"))
+
+
+def test_the_server_compiles_a_grammar_before_the_engine_thread_adds_its_request(monkeypatch):
+    """EngineService.precompile, which the server's reader thread calls before it queues a request: the engine's add
+    then finds the grammar compiled (no compile inside a step); a spec that does not compile is left for the add to
+    refuse."""
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    spec = StructuredOutput("regex", "[a-f]{4}")
+    with engine() as e:
+        service = EngineService(e.core, ControlPlane(e.state))
+        service.precompile(SamplingParams(max_tokens=8, structured=spec))
+        service.precompile(SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "[0-9")))  # (no raise)
+        compiled = []
+        real = e.core.grammars._compile
+        monkeypatch.setattr(e.core.grammars, "_compile", lambda *a: compiled.append(a) or real(*a))
+        out = e.generate(["x"], SamplingParams(max_tokens=8, structured=spec))[0].outputs[0]
+    assert re.fullmatch("[a-f]{4}", out.text) and compiled == []

@@ -62,6 +62,16 @@ class EngineService:
         self.core.check_request(prompt_ids, params)  # reads fixed configuration only: safe from any thread
         self.enqueue(request_id, prompt_ids, params, sink)
 
+    def precompile(self, params: SamplingParams) -> None:
+        """Compile a request's grammar on the caller's thread (the server's reader), so that the engine thread, which
+        adds the request, finds it compiled rather than stalling a step on it. A refusal is left for the add to
+        report."""
+        if params.structured is not None and self.core.grammars is not None:
+            try:
+                self.core.grammars.compile(params.structured)
+            except RequestError:
+                pass
+
     def abort(self, request_id: str) -> None:
         self.enqueue_abort(request_id)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,9 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._compiler: Any = None
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        # the server's reader thread compiles a request's grammar ahead (EngineService.precompile), the engine
+        # thread reads it back: the cache is shared, and a compile runs outside the lock
+        self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh matcher (xgrammar.GrammarMatcher) for one sequence; a spec that does not compile is refused."""
@@ -86,18 +90,20 @@ class GrammarCompiler:
         return xgr.GrammarMatcher(self.compile(spec))
 
     def compile(self, spec: StructuredOutput) -> Any:
-        if spec in self._cache:
-            self._cache.move_to_end(spec)
-            return self._cache[spec]
-        compiler = self._xgrammar_compiler()
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+            compiler = self._xgrammar_compiler()
         try:
             compiled = self._compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's refusals of a schema or grammar)
             reason = _XGRAMMAR_SOURCE.sub("", str(exc)).strip()  # (without its log stamp and source path)
             raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}") from None
-        self._cache[spec] = compiled
-        if len(self._cache) > self.CACHED:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[spec] = compiled
+            if len(self._cache) > self.CACHED:
+                self._cache.popitem(last=False)
         return compiled
 
     @staticmethod

@@ -76,6 +76,7 @@ class EngineBridge:
                 kind = message[0]
                 if kind == "add":
                     _, request_id, prompt_ids, params = message
+                    self.service.precompile(params)  # (here, not in a step: a new grammar takes a while)
                     self.service.enqueue(request_id, prompt_ids, params, self._out.put)
                 elif kind == "abort":
                     self.service.enqueue_abort(message[1])
