@@ -7,6 +7,10 @@ seen a row's last token before its next mask is made, so while a constrained seq
 step's tokens before it launches the next (no overlap for those steps; engine/core.py). Every rank keeps its own
 matchers and reaches the same states, since it samples the same tokens.
 
+Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on its reader
+thread before queueing it (EngineService.precompile), and keeps the last 64; a follower rank at TP > 1 compiles a new
+one when the request reaches it, inside that step.
+
 JSON is kept compact (no free whitespace between tokens): a model that may emit whitespace anywhere can spend its
 whole budget on it, which is why vLLM offers to turn it off too.
 """
