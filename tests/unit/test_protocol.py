@@ -73,6 +73,11 @@ def test_response_format_and_guided_fields_become_one_structured_output():
              ({"guided_regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
              ({"guided_choice": ["x", "y"]}, StructuredOutput.choice(["x", "y"])),
              ({"guided_grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"')),
+             ({"structured_outputs": {"json": schema}}, StructuredOutput.json_schema(schema)),
+             ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput("regex", "[a-z]+")),
+             ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutput.choice(["x", "y"])),
+             ({"structured_outputs": {"grammar": 'root ::= "a"', "json": None}},
+              StructuredOutput("grammar", 'root ::= "a"')),
              ({"response_format": {"type": "text"}}, None), ({}, None)]
     for extra, want in cases:
         assert ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None).structured == want, extra
@@ -82,6 +87,8 @@ def test_response_format_and_guided_fields_become_one_structured_output():
                           ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
                           ({"guided_choice": []}, "a non-empty list of non-empty strings"),
                           ({"guided_json": "{not json"}, "the JSON schema is not valid JSON"),
-                          ({"guided_regex": "a", "guided_choice": ["a"]}, "give one of")):
+                          ({"guided_regex": "a", "guided_choice": ["a"]}, "give one of"),
+                          ({"structured_outputs": {"yaml": "a"}}, "structured_outputs.yaml is not one of"),
+                          ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "give one of")):
         with pytest.raises(RequestError, match=needle):
             ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None)

@@ -81,6 +81,7 @@ class SamplingFields(NullMeansDefault):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
@@ -131,9 +132,23 @@ class SamplingFields(NullMeansDefault):
             asked.append(StructuredOutput.choice(self.guided_choice))
         if self.guided_grammar is not None:
             asked.append(StructuredOutput("grammar", self.guided_grammar))
+        for key, value in (self.structured_outputs or {}).items():
+            if value is None:
+                continue
+            if key == "json":
+                asked.append(StructuredOutput.json_schema(value))
+            elif key == "json_object" and value:
+                asked.append(StructuredOutput("json_object"))
+            elif key in ("regex", "grammar") and isinstance(value, str):
+                asked.append(StructuredOutput(key, value))
+            elif key == "choice" and isinstance(value, list):
+                asked.append(StructuredOutput.choice(value))
+            else:
+                raise RequestError(f"structured_outputs.{key} is not one of json (a schema), json_object, regex, "
+                                   "choice (a list of strings) and grammar")
         if len(asked) > 1:
-            raise RequestError("give one of response_format (json), guided_json, guided_regex, guided_choice and "
-                               "guided_grammar")
+            raise RequestError("give one of response_format (json), guided_json, guided_regex, guided_choice, "
+                               "guided_grammar and structured_outputs")
         return asked[0] if asked else None
 
     def token_bias(self) -> list[tuple[int, Any]]:
