@@ -56,6 +56,7 @@ def test_requests_updates_metrics_and_a_lost_engine():
         client.submit("b", [9, 10, 11], SamplingParams(), sink_for("b"))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in done.values())), 10)
         assert [u.token_id for u in got["a"]] == [5, 6, 7] and [u.token_id for u in got["b"]] == [9, 10, 11]
+        assert len(service.precompiled) == 2  # (each add's grammar, if any, compiled on the reader, not in a step)
         assert await client.engine_metrics() == b"engine_metric 1\n"
         client.abort("a")
         await asyncio.sleep(0.2)

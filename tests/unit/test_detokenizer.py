@@ -103,3 +103,20 @@ def test_a_prompt_that_ends_inside_a_character_adds_none_of_its_text():
     d = Detokenizer(TOK, [256, 65, 0xC3], SamplingParams())
     text = "".join(d.add(t)[0] for t in [0x80, 0x80, 104, 105]) + d.flush()
     assert "A" not in text and text.endswith("hi") and text == TOK.decode([0x80, 0x80, 104, 105])
+
+
+def test_a_byte_fallback_window_that_begins_inside_a_character_keeps_the_leading_space():
+    """A SentencePiece-style tokenizer (byte-fallback <0x..> tokens, "▁" for spaces, a Strip decoder): a prompt
+    window that starts in the middle of an emoji's bytes decoded to U+FFFD, complete characters after it included,
+    and priming popped every token; the first output token then lost its leading space."""
+    from tokenizers import Tokenizer, decoders, models
+
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {t: i for i, t in enumerate(["<unk>", *bytes_, "▁Sure", "▁the", "Hi"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    rocket = [vocab[f"<0x{b:02X}>"] for b in "🚀".encode()]
+    d = Detokenizer(tok, [vocab["Hi"], *rocket, *rocket], SamplingParams())
+    text = "".join(d.add(t)[0] for t in [vocab["▁Sure"], vocab["▁the"]]) + d.flush()
+    assert text == " Sure the"

@@ -78,6 +78,8 @@ def test_response_format_and_guided_fields_become_one_structured_output():
              ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutput.choice(["x", "y"])),
              ({"structured_outputs": {"grammar": 'root ::= "a"', "json": None}},
               StructuredOutput("grammar", 'root ::= "a"')),
+             ({"structured_outputs": {"regex": "a", "json_object": False, "disable_any_whitespace": True}},
+              StructuredOutput("regex", "a")),
              ({"response_format": {"type": "text"}}, None), ({}, None)]
     for extra, want in cases:
         assert ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None).structured == want, extra

@@ -23,10 +23,14 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         prime = list(prompt_ids[-PRIME_TOKENS:])
-        # a prompt that ends inside a character (its last bytes not a whole one) would make the stream's first piece
-        # repeat the prompt's text: it is primed with the tokens before that character
-        while prime and self._decode(prime).endswith("\ufffd"):
-            prime.pop()
+        # a window that begins inside a character starts from the next one (a byte-fallback decoder turns a whole
+        # invalid run into U+FFFD, complete characters after it included); a prompt that ends inside one (at most 3
+        # bytes of it) would make the stream's first piece repeat the prompt's text: primed with the tokens before it
+        while len(prime) > 1 and self._decode(prime).startswith("\ufffd"):
+            prime.pop(0)
+        for _ in range(3):
+            if len(prime) > 1 and self._decode(prime).endswith("\ufffd"):
+                prime.pop()
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)

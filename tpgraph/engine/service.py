@@ -64,12 +64,12 @@ class EngineService:
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile a request's grammar on the caller's thread (the server's reader), so that the engine thread, which
-        adds the request, finds it compiled rather than stalling a step on it. A refusal is left for the add to
-        report."""
+        adds the request, finds it compiled rather than stalling a step on it. A refusal, or any failure, is left for
+        the add to report."""
         if params.structured is not None and self.core.grammars is not None:
             try:
                 self.core.grammars.compile(params.structured)
-            except RequestError:
+            except Exception:  # noqa: BLE001 - the add reports it (this thread is the server's reader: it must live)
                 pass
 
     def abort(self, request_id: str) -> None:

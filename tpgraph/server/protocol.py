@@ -18,6 +18,9 @@ from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's structured_outputs options, taken and left as this server has them (compact JSON, no fallback backend)
+STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern")
 
 
 class NullMeansDefault(BaseModel):
@@ -133,7 +136,7 @@ class SamplingFields(NullMeansDefault):
         if self.guided_grammar is not None:
             asked.append(StructuredOutput("grammar", self.guided_grammar))
         for key, value in (self.structured_outputs or {}).items():
-            if value is None:
+            if value is None or value is False or key in STRUCTURED_OPTIONS:  # (not asked; options this keeps fixed)
                 continue
             if key == "json":
                 asked.append(StructuredOutput.json_schema(value))
