@@ -128,3 +128,12 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
     with pytest.raises(RequestError, match="the regex cannot be used"):
         asyncio.run(main())
     assert client.aborted == [] and metrics.requests.labels(REFUSED)._value.get() == 1
+
+    async def three() -> None:  # (three prompts, the same params: the others are aborted, and counted refused too)
+        async for _ in api.run(LeavingRequest(after=60), [[1], [2], [3]], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(RequestError):
+        asyncio.run(three())
+    assert len(client.aborted) == 2 and metrics.requests.labels(REFUSED)._value.get() == 4
+    assert metrics.requests.labels("abort")._value.get() == 0

@@ -73,6 +73,7 @@ class Api:
             self.client.check(prompt, params)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: params.n for rid in ids}
+        ended = "abort"  # how the requests still open at the end are counted
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self.metrics.arrived(rid, len(prompt) * params.n)
@@ -95,6 +96,7 @@ class Api:
                 if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
                     open_samples[ids[i]] = 0  # (never added: nothing to abort)
                     self.metrics.finished(ids[i], REFUSED)
+                    ended = REFUSED  # (the others share its params; any the engine took is aborted all the same)
                     raise RequestError(update.text)
                 if update.finish_reason == "error":
                     if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
@@ -108,9 +110,9 @@ class Api:
                 yield i, update
         finally:
             for rid, left in open_samples.items():
-                if left:  # the client went away (or the caller stopped): the engine drops the rest
+                if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
                     self.client.abort(rid)
-                    self.metrics.finished(rid, "abort")
+                    self.metrics.finished(rid, ended)
                 else:
                     self.client.release(rid)
 
