@@ -8,7 +8,7 @@ from tpgtest.hf_fixtures import make_checkpoint
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.engine.core import EngineCore
-from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
+from tpgraph.engine.prompt_logprobs import PASS_MIN_ROWS, PASS_ROWS, packed_logprobs, prompt_targets
 from tpgraph.engine.sampler import SampleOutput
 from tpgraph.engine.sequence import Sequence
 from tpgraph.errors import RequestError
@@ -107,7 +107,7 @@ def test_long_chunks_are_gathered_a_pass_at_a_time_from_the_rows_named():
     targets = torch.arange(PASS_ROWS + 3) % 50
     packed = packed_logprobs(compute_logits, hidden, rows, targets, 2)
     lp = (hidden[rows] @ weight).log_softmax(-1)
-    assert calls == [PASS_ROWS, 3] and packed.shape == (PASS_ROWS + 3, 6)
+    assert calls == [PASS_ROWS, PASS_MIN_ROWS] and packed.shape == (PASS_ROWS + 3, 6)  # (3 rows padded: cuBLAS)
     assert torch.equal(packed[:, 0].long(), targets)
     assert torch.allclose(packed[:, 1], lp.gather(1, targets[:, None])[:, 0].double(), atol=1e-6)
     assert torch.equal(packed[:, 2:4].long(), lp.topk(2).indices)

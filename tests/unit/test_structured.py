@@ -142,3 +142,33 @@ def test_the_server_compiles_a_grammar_before_the_engine_thread_adds_its_request
         monkeypatch.setattr(e.core.grammars, "_compile", lambda *a: compiled.append(a) or real(*a))
         out = e.generate(["x"], SamplingParams(max_tokens=8, structured=spec))[0].outputs[0]
     assert re.fullmatch("[a-f]{4}", out.text) and compiled == []
+
+
+def test_the_warm_up_masks_1_3_and_16_rows_and_skips_a_broken_xgrammar(monkeypatch):
+    """xgrammar's mask kernel takes the constrained rows' count, which Triton compiles apart at 1, 3 and 16: the
+    warm-up masks each. An xgrammar that is found but does not import (a wheel without its FFI) leaves the server
+    starting, and constrained requests refused with the install hint."""
+    import builtins
+
+    from tpgraph.engine import sampler as sampler_module
+
+    masked = set()
+    real = sampler_module.apply_masks
+    monkeypatch.setattr(sampler_module, "apply_masks", lambda x, m: masked.add(len(m)) or real(x, m))
+    with TPEngine(device="cpu", max_model_len=128, max_num_seqs=16, block_size=8, num_kv_blocks=128,
+                  max_num_batched_tokens=256) as e:
+        e.warm_up()
+    assert {1, 3, 16} <= masked
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise OSError("libtvm_ffi.so: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with engine() as e:
+        assert e.warm_up() > 0
+        with pytest.raises(RequestError, match=r"tpgraph\[structured\].*OSError: libtvm_ffi"):
+            e.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a")))

@@ -12,8 +12,12 @@ from __future__ import annotations
 import torch
 
 from tpgraph.engine.sequence import Sequence
+from tpgraph.kernels._rows import WIDE_M
 
 PASS_ROWS = 256  # positions whose [rows, vocab] logits exist at once (the memory profile runs a pass of this many)
+# fewer rows would run the lm_head through the small-M kernels, whose row counts Triton compiles apart (a first
+# request's pass of 19 rows would compile one in its step); a pass is padded to this many, which cuBLAS takes
+PASS_MIN_ROWS = WIDE_M + 1
 
 
 def prompt_targets(seq: Sequence, start: int, n: int) -> range:
@@ -31,7 +35,11 @@ def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, ta
     rank makes the same calls, as every rank runs the same chunks."""
     out = []
     for s in range(0, len(rows), PASS_ROWS):
-        logits = compute_logits(hidden[rows[s:s + PASS_ROWS]])
+        at = rows[s:s + PASS_ROWS]
+        n = len(at)
+        if n < PASS_MIN_ROWS:  # (the last row again; its copies are cut off below)
+            at = torch.cat([at, at[-1:].expand(PASS_MIN_ROWS - n)])
+        logits = compute_logits(hidden[at])[:n]
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         t = targets[s:s + PASS_ROWS].unsqueeze(1)
         parts = [t.double(), logprobs.gather(1, t).double()]

@@ -18,6 +18,7 @@ whole budget on it, which is why vLLM offers to turn it off too.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from tokenizers import Tokenizer
 
 from tpgraph.errors import RequestError
 
+logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
 _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
@@ -129,14 +131,26 @@ class GrammarCompiler:
             try:
                 import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
-            except ImportError:
-                raise RequestError(INSTALL_HINT) from None
+            except Exception as exc:  # noqa: BLE001 - missing, or installed without what it needs: the same answer
+                raise RequestError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from None
             if not self.eos_ids:  # (a grammar ends on an EOS token: with none, no constrained sample could end)
                 raise RequestError("structured outputs need an EOS token id, and this model's config names none")
             info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=self.tokenizer),
                                                       vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # (ours is bounded)
         return self._compiler
+
+
+def structured_outputs_available() -> bool:
+    """Whether xgrammar (and the transformers tokenizer wrapper it reads the vocabulary through) imports here: a
+    wheel installed without its dependencies can be found but not imported."""
+    try:
+        import transformers  # noqa: F401
+        import xgrammar  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means the same: requests will be refused
+        logger.info("structured outputs are off (%s: %s); %s", type(exc).__name__, exc, INSTALL_HINT)
+        return False
+    return True
 
 
 def apply_masks(x: Any, matchers: list[tuple[int, Any]]) -> None:

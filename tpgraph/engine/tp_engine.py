@@ -11,7 +11,6 @@ the same decisions, so they stay in lockstep with no control messages.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -36,7 +35,7 @@ from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
 from tpgraph.engine.service import EngineService
-from tpgraph.engine.structured import StructuredOutput
+from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
 from tpgraph.prompts import Prompt, PromptCodec, is_one_prompt
@@ -237,9 +236,12 @@ class TPEngine:
         for n in (n for n in (1, 3, 16) if n <= batch):
             for kind in WARM_UP_KINDS:
                 self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
-        if self.core.eos_ids and importlib.util.find_spec("xgrammar") is not None:  # (its vocabulary tables, and its
-            # mask kernel's first use; a model without an EOS id refuses constrained requests)
-            self.generate(prompts[:1], SamplingParams(max_tokens=new, structured=StructuredOutput("regex", "[0-9]+")))
+        if self.core.eos_ids and structured_outputs_available():
+            # xgrammar's vocabulary tables, and its mask kernel (Triton: the constrained rows' count compiles apart
+            # at 1, 3 and 16, as above); a model without an EOS id refuses constrained requests
+            digits = SamplingParams(max_tokens=new, structured=StructuredOutput("regex", "[0-9]+"))
+            for n in (n for n in (1, 3, 16) if n <= batch):
+                self.generate(prompts[:n], digits)
         took = time.perf_counter() - start
         if self.state.is_driver:
             logger.info("warmed up in %.1f s (%d short prompts and one of %d tokens)", took, batch, long)
