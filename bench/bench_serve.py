@@ -21,6 +21,7 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -96,22 +97,32 @@ def step_means(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
-def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int, shared: str = "") -> dict:
-    """`shared`: a common beginning of every prompt (a system prompt), before each request's own prompt_len chars."""
-    prompts = [shared + (f"request {i}: " + "lorem ipsum " * prompt_len)[:prompt_len] for i in range(concurrency)]
-    results: list[dict] = [None] * concurrency  # type: ignore[list-item]
-    before = scrape(url)
-    start = time.perf_counter()
+def filler(tag: str, chars: int) -> str:
+    """A prompt of `chars` characters that begins with its own tag (so no two are alike)."""
+    return (f"{tag}: " + "lorem ipsum " * chars)[:chars]
+
+
+def concurrently(clients: int, request: Callable[[int], dict]) -> tuple[list[dict], float]:
+    """`request(i)` for each of `clients` at once, a thread each: their results and the wall time of them all."""
+    results: list[dict] = [None] * clients  # type: ignore[list-item]
 
     def worker(i: int) -> None:
-        results[i] = stream_one(url, model, prompts[i], max_tokens)
+        results[i] = request(i)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int, shared: str = "") -> dict:
+    """`shared`: a common beginning of every prompt (a system prompt), before each request's own prompt_len chars."""
+    prompts = [shared + filler(f"request {i}", prompt_len) for i in range(concurrency)]
+    before = scrape(url)
+    results, wall = concurrently(concurrency, lambda i: stream_one(url, model, prompts[i], max_tokens))
     after = scrape(url)
     tokens = sum(r["chunks"] for r in results)
     ttft = [r["ttft_s"] for r in results]
@@ -130,19 +141,8 @@ def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int
 def run_score(url: str, model: str, concurrency: int, batch: int, prompt_len: int, tag: str) -> dict:
     """`concurrency` clients at once, each scoring `batch` prompts of prompt_len characters in one request (each
     prompt its own, `tag` making them new to the prefix cache, which scoring does not read anyway)."""
-    results: list[dict] = [None] * concurrency  # type: ignore[list-item]
-
-    def worker(i: int) -> None:
-        prompts = [(f"{tag} {i}.{j}: " + "lorem ipsum " * prompt_len)[:prompt_len] for j in range(batch)]
-        results[i] = score_one(url, model, prompts)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    results, wall = concurrently(concurrency, lambda i: score_one(
+        url, model, [filler(f"{tag} {i}.{j}", prompt_len) for j in range(batch)]))
     latency = [r["latency_s"] for r in results]
     return {"concurrency": concurrency, "batch": batch, "prompt_chars": prompt_len, "wall_s": wall,
             "complete": sum(r["complete"] for r in results),
