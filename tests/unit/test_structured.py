@@ -37,6 +37,10 @@ def test_every_constrained_sample_matches_and_stops_beside_free_rows(overlap):
     with engine(overlap_scheduling=overlap) as e:
         alone = e.generate(["free"], free)[0].outputs[0].token_ids
         outs = e.generate([*PROMPTS, "free"], [*params, free])
+        e.core.add_request("gone", [1, 2, 3], params[0])  # (counted, then aborted: steps scan for none again)
+        assert e.core._constrained == 1
+        e.core.abort("gone")
+        assert e.core._constrained == 0
     for out, (_, matches) in zip(outs, CONSTRAINED, strict=False):
         for sample in out.outputs:
             assert sample.finish_reason == "stop" and matches(sample.text), (sample.text, sample.finish_reason)

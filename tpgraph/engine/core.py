@@ -138,6 +138,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, runner.model.cfg.vocab_size, self.eos_ids) if tokenizer else None
         self.requests: dict[str, RequestState] = {}
+        self._constrained = 0  # requests in self.requests with a structured output (none: no step scans for them)
         self._next_seq_id = 0
         self.timing = StepTiming()
         self.overlap = overlap  # schedule a step before reading the last one's tokens (see step)
@@ -186,11 +187,13 @@ class EngineCore:
             self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued (the same length)
         self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs,
                                                  list(request.detokenizers))
+        self._constrained += params.structured is not None
 
     def abort(self, request_id: str) -> list[StepUpdate]:
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
+        self._constrained -= state.params.structured is not None
         updates = []
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
@@ -216,7 +219,8 @@ class EngineCore:
         hook = _Once(while_gpu_runs)
         updates: list[StepUpdate] = []
         # a running structured output's next mask needs its last token: such steps are read before the next launch
-        in_turn = not self.overlap or any(seq.matcher is not None for seq in self.scheduler.running)
+        constrained = self._constrained > 0
+        in_turn = not self.overlap or (constrained and any(seq.matcher is not None for seq in self.scheduler.running))
         if in_turn and self._in_flight is not None:
             updates += self._resolve()
         t0 = time.perf_counter()
@@ -229,12 +233,14 @@ class EngineCore:
             self.timing.overlapped = launched is not None
             updates += self._resolve()
         self._in_flight = launched
-        if launched is not None and (in_turn or any(seq.matcher is not None for seq, _ in launched.rows)):
+        if launched is not None and (in_turn or constrained and any(seq.matcher is not None
+                                                                    for seq, _ in launched.rows)):
             updates += self._resolve()
         for request_id in {u.request_id for u in updates if u.finish_reason}:
             state = self.requests.get(request_id)
             if state is not None and state.finished:
                 del self.requests[request_id]
+                self._constrained -= state.params.structured is not None
         return updates
 
     def _launch(self, sched: ScheduledStep) -> InFlight | None:
