@@ -37,6 +37,7 @@ def test_every_constrained_sample_matches_and_stops_beside_free_rows(overlap):
     with engine(overlap_scheduling=overlap) as e:
         alone = e.generate(["free"], free)[0].outputs[0].token_ids
         outs = e.generate([*PROMPTS, "free"], [*params, free])
+        assert e.core._constrained == 0  # (every constrained request finished)
         e.core.add_request("gone", [1, 2, 3], params[0])  # (counted, then aborted: steps scan for none again)
         assert e.core._constrained == 1
         e.core.abort("gone")
