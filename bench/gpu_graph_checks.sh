@@ -23,6 +23,9 @@ dest=${1:?outdir}; shift
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
+# xgrammar (structured outputs) from the carried wheelhouse where it is missing; its own dependencies are there already
+need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q \
+    --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; } || true; }
 exec > >(tee -a "$dest/summary.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -169,8 +172,7 @@ for step in "$@"; do
          # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (echo + logprobs, nothing generated)
          python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
              --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
-         python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
-             --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; }
+         need_xgrammar
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
              'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
              'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
@@ -497,8 +499,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
              | tail -25 | tee "$out/ar_exact.log" ;;
-    engine-tests) python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q \
-             --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; }  # (structured outputs' tests)
+    engine-tests) need_xgrammar  # (structured outputs' tests)
          timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
              tests/gpu/test_uploads_gpu.py tests/gpu/test_sampler_gpu.py -q -rfEs 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -20 | tee "$out/engine_tests.log" ;;

@@ -20,34 +20,33 @@ def make(**kw):
     return TPEngine(**{**base, **kw})
 
 
+PROMPT_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+
+
+def entries(engine):
+    """Each prompt's log-probabilities and top alternatives (a prompt that asks runs in full, cached or not)."""
+    return [(o.prompt_logprobs, o.prompt_top_logprobs) for o in engine.generate(PROMPTS, PROMPT_LOGPROBS)]
+
+
 def test_graphs_chunks_and_piecewise_prefill_agree_with_eager():
+    """The tokens, and fp32 prompt log-probabilities (1e-4; each prompt token has one), from eager prefill,
+    piecewise graphs, and 64-token chunks with the varlen or SDPA path the start-up probe picked."""
     with make(graphs=GraphConfig(decode_mode="none", prefill_mode="none")) as engine:
-        eager = tokens(engine)
+        eager, eager_entries = tokens(engine), entries(engine)
+        assert [len(lps) for lps, _ in eager_entries] == [len(engine.encode(p)) for p in PROMPTS]
     with make() as engine:  # full decode graphs, piecewise prefill
         assert engine.runner.modes.decode == "full" and engine.runner.modes.prefill == "piecewise"
         assert tokens(engine) == eager
+        piecewise_entries = entries(engine)
     with make(max_num_batched_tokens=64) as engine:  # the 300-token prompt runs in chunks
         assert tokens(engine) == eager
         assert any(row[0] == "prefill" for row in engine.runner.stats.frequency_table())
-
-
-def test_prompt_logprobs_agree_across_piecewise_chunked_and_eager_prefill():
-    """fp32: the same entries (1e-4) from eager prefill, piecewise graphs, and 64-token chunks with the varlen or SDPA
-    path the start-up probe picked; each prompt token has one."""
-    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
-
-    def entries(engine):
-        return [(o.prompt_logprobs, o.prompt_top_logprobs) for o in engine.generate(PROMPTS, params)]
-
-    with make(graphs=GraphConfig(decode_mode="none", prefill_mode="none")) as engine:
-        eager = entries(engine)
-        assert [len(lps) for lps, _ in eager] == [len(engine.encode(p)) for p in PROMPTS]
-    for kw in ({}, {"max_num_batched_tokens": 64}):
-        with make(**kw) as engine:
-            for (lps, tops), (want, want_tops) in zip(entries(engine), eager, strict=True):
-                assert lps[0] is None and lps[1:] == pytest.approx(want[1:], abs=1e-4)
-                # (the top values, not their ids: two within fp32 noise of each other may trade places)
-                assert [v for a in tops for _, v in a] == pytest.approx([v for a in want_tops for _, v in a], abs=1e-4)
+        chunked_entries = entries(engine)
+    for got in (piecewise_entries, chunked_entries):
+        for (lps, tops), (want, want_tops) in zip(got, eager_entries, strict=True):
+            assert lps[0] is None and lps[1:] == pytest.approx(want[1:], abs=1e-4)
+            # (the top values, not their ids: two within fp32 noise of each other may trade places)
+            assert [v for a in tops for _, v in a] == pytest.approx([v for a in want_tops for _, v in a], abs=1e-4)
 
 
 def test_structured_outputs_on_the_gpu_match_and_leave_other_rows_alone():

@@ -82,14 +82,23 @@ def test_a_stop_string_in_the_flushed_tail_still_cuts_it():
     assert detok.flush() == "" and detok.text == "ab"
 
 
+def byte_fallback_tokenizer(words: list[str], strip: bool = False):
+    """A Llama 2 / Mistral-style tokenizer: <unk>, the 256 <0xNN> byte tokens (ids 1-256), then `words`; its decoder
+    turns "▁" into spaces and fuses bytes (ByteFallback), and with `strip` drops one leading space as theirs do.
+    Returns it and its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {t: i for i, t in enumerate(["<unk>", *(f"<0x{b:02X}>" for b in range(256)), *words])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if strip else []))
+    return tok, vocab
+
+
 def test_a_byte_fallback_tokenizer_flushes_only_the_held_bytes():
     """Llama 2 / Mistral decoders (ByteFallback) turn a whole invalid byte run into U+FFFD, a character already
     handed out included: the tail is then the held tokens' own decode, one U+FFFD, not the difference of decodes."""
-    from tokenizers import Tokenizer, decoders, models
-
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁the": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok, _ = byte_fallback_tokenizer(["▁the"])
     ids = [257, 1 + 0xE4, 1 + 0xBD, 1 + 0xA0, 1 + 0xE5]  # " the", 你 in three bytes, then a byte that never completes
     detok = Detokenizer(tok, [257], SamplingParams())
     text = "".join(detok.add(t)[0] for t in ids)
@@ -109,13 +118,7 @@ def test_a_byte_fallback_window_that_begins_inside_a_character_keeps_the_leading
     """A SentencePiece-style tokenizer (byte-fallback <0x..> tokens, "▁" for spaces, a Strip decoder): a prompt
     window that starts in the middle of an emoji's bytes decoded to U+FFFD, complete characters after it included,
     and priming popped every token; the first output token then lost its leading space."""
-    from tokenizers import Tokenizer, decoders, models
-
-    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
-    vocab = {t: i for i, t in enumerate(["<unk>", *bytes_, "▁Sure", "▁the", "Hi"])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok, vocab = byte_fallback_tokenizer(["▁Sure", "▁the", "Hi"], strip=True)
     rocket = [vocab[f"<0x{b:02X}>"] for b in "🚀".encode()]
     d = Detokenizer(tok, [vocab["Hi"], *rocket, *rocket], SamplingParams())
     text = "".join(d.add(t)[0] for t in [vocab["▁Sure"], vocab["▁the"]]) + d.flush()

@@ -28,7 +28,7 @@ def hf_reference(checkpoint) -> tuple[list[float], list[list[int]]]:
     """HF's log-probability of each PROMPT token after the ones before it (from the second on), and the top-3 ids."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
     return [lp[j - 1, PROMPT[j]].item() for j in range(1, len(PROMPT))], lp[:-1].topk(3).indices.tolist()

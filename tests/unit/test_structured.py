@@ -85,18 +85,23 @@ def test_bad_structured_params_are_refused(make, needle):
         make()
 
 
-def test_without_xgrammar_a_constrained_request_is_refused_with_the_install_hint(monkeypatch):
+def fail_import(monkeypatch, module: str, error: Exception) -> None:
+    """From now on (in this test), importing `module` raises `error`."""
     import builtins
 
     real_import = builtins.__import__
 
-    def no_xgrammar(name, *args, **kwargs):
-        if name == "xgrammar":
-            raise ImportError("no xgrammar")
+    def failing(name, *args, **kwargs):
+        if name == module:
+            raise error
         return real_import(name, *args, **kwargs)
 
+    monkeypatch.setattr(builtins, "__import__", failing)
+
+
+def test_without_xgrammar_a_constrained_request_is_refused_with_the_install_hint(monkeypatch):
     with engine() as e:
-        monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+        fail_import(monkeypatch, "xgrammar", ImportError("no xgrammar"))
         with pytest.raises(RequestError, match=r"pip install 'tpgraph\[structured\]'"):
             e.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput("json_object")))
 
@@ -153,8 +158,6 @@ def test_the_warm_up_masks_1_3_and_16_rows_and_skips_a_broken_xgrammar(monkeypat
     """xgrammar's mask kernel takes the constrained rows' count, which Triton compiles apart at 1, 3 and 16: the
     warm-up masks each. An xgrammar that is found but does not import (a wheel without its FFI) leaves the server
     starting, and constrained requests refused with the install hint."""
-    import builtins
-
     from tpgraph.engine import sampler as sampler_module
 
     masked = set()
@@ -165,14 +168,7 @@ def test_the_warm_up_masks_1_3_and_16_rows_and_skips_a_broken_xgrammar(monkeypat
         e.warm_up()
     assert {1, 3, 16} <= masked
 
-    real_import = builtins.__import__
-
-    def broken(name, *args, **kwargs):
-        if name == "xgrammar":
-            raise OSError("libtvm_ffi.so: cannot open shared object file")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", broken)
+    fail_import(monkeypatch, "xgrammar", OSError("libtvm_ffi.so: cannot open shared object file"))
     with engine() as e:
         assert e.warm_up() > 0
         with pytest.raises(RequestError, match=r"tpgraph\[structured\].*OSError: libtvm_ffi"):
