@@ -205,8 +205,8 @@ def test_waiting_starts_for_enough_shared_tokens_and_lasts_until_they_are_comput
     s.block_table = alloc.allocate(10)
     few = seq([*range(12), 99, 98, 97], seq_id=1)  # 3 blocks in common with s: 12 < 32 tokens, not worth a step
     many = seq([*range(36), 99], seq_id=2)  # 9 blocks in common
-    assert not alloc.worth_waiting(few, [s]) and not few.awaits_prefix
-    assert alloc.worth_waiting(many, [s]) and many.awaits_prefix
+    assert not alloc.worth_waiting(few, [s]) and not few.awaited_blocks
+    assert alloc.worth_waiting(many, [s]) and many.awaited_blocks == 9
     s.num_cached = 28
     alloc.register(s)  # 7 blocks computed and named: 2 left in common, which many still waits for
     assert alloc.worth_waiting(many, [s])
@@ -214,6 +214,6 @@ def test_waiting_starts_for_enough_shared_tokens_and_lasts_until_they_are_comput
     assert not alloc.worth_waiting(fresh, [s])
     s.num_cached = 40
     alloc.register(s)
-    assert not alloc.worth_waiting(many, [s]) and not many.awaits_prefix
+    assert not alloc.worth_waiting(many, [s]) and not many.awaited_blocks
     assert alloc.match(many) == 36
     assert not alloc.worth_waiting(seq(range(40), seq_id=4), [])

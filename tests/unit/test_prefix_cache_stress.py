@@ -150,3 +150,22 @@ def test_a_deferred_sequence_is_not_overtaken_by_the_queue_behind_it(limit):
     assert sample.status is Status.RUNNING, (
         f"the sequence that waited for a computed prefix is still queued ({limit} taken by a later arrival); "
         f"running: {[s.seq_id for s in sched.running]}")
+
+
+def test_arrivals_with_room_go_past_a_sequence_waiting_for_a_prefix():
+    """A sequence waiting for a prefix in flight does not hold up unrelated arrivals while slots and blocks are
+    plentiful, and it goes in, sharing the prefix, in the step after the prefix is computed."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128,
+                                      block_size=BS), PrefixCachingAllocator(64, BS))
+    first = Sequence(0, PREFIX + [1], 1000)  # 41 tokens, computing the common prefix
+    sample = Sequence(1, PREFIX + [2], 1000)  # waits for it
+    unrelated = Sequence(2, list(range(200, 220)), 1000)  # arrives last
+    for s in (first, sample, unrelated):
+        sched.add(s)
+    step = sched.schedule()  # the unrelated one takes the 7 tokens of budget left, a chunk of its prompt
+    assert [(s.seq_id, n) for s, n in step.prefill] == [(0, 41), (2, 7)]
+    assert list(sched.waiting) == [sample] and sample.awaited_blocks == 10
+    run_step(step)
+    step = sched.schedule()
+    assert sample.status is Status.RUNNING and sample.num_cached == len(PREFIX)  # the shared prefix: 10 blocks
+    assert (sample, 1) in step.prefill

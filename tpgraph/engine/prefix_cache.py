@@ -121,13 +121,13 @@ class PrefixCachingAllocator(BlockAllocator):
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
         common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once.
-        Waiting holds the queue behind seq too, as a lack of blocks does: requests behind it would take the slots and
-        blocks it waits to use."""
+        Sets seq.awaited_blocks: the blocks it waits for (0 if it does not wait)."""
         bs, usable = self.block_size, self._usable(seq)
         names = self._names(seq, usable)
         cached = self._cached_blocks(names, usable)
         # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
-        least = 1 if seq.awaits_prefix else -(-WAIT_MIN_TOKENS // bs)
+        least = 1 if seq.awaited_blocks else -(-WAIT_MIN_TOKENS // bs)
+        awaited = 0
         for s in running:
             if s.num_cached >= (cached + 1) * bs:
                 continue  # it computed that block already: named (so cached), or never to be
@@ -137,11 +137,9 @@ class PrefixCachingAllocator(BlockAllocator):
             shared = cached
             while shared < min(usable, len(theirs)) and theirs[shared] == names[shared]:
                 shared += 1
-            if shared - cached >= least:
-                seq.awaits_prefix = True
-                return True
-        seq.awaits_prefix = False
-        return False
+            awaited = max(awaited, shared - cached)
+        seq.awaited_blocks = awaited if awaited >= least else 0
+        return seq.awaited_blocks > 0
 
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block

@@ -125,23 +125,35 @@ class Scheduler:
                 step.decode.append(seq)
             else:
                 step.prefill.append((seq, n))
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        # sequences passed over while they wait for a prefix in flight keep the slots and blocks they will take:
+        # arrivals behind them go in only with room to spare, a block of growth for each running and passed-over
+        # sequence on top (were running sequences to outgrow the rest, the newest, an arrival that went past, would
+        # be preempted and come back ahead of them)
+        deferred_slots = deferred_blocks = 0
+        i = 0
+        while (i < len(self.waiting) and budget > 0
+               and len(self.running) + deferred_slots < self.cfg.max_num_seqs):
+            seq = self.waiting[i]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
             if not seq.needs_prompt_logprobs:  # (else its prompt runs in full: cached tokens would have no logits)
                 if self.allocator.worth_waiting(seq, self.running):
-                    break  # a running sequence is computing blocks this one begins with: it waits, then shares them
+                    # a running sequence is computing blocks this one begins with: it waits, then shares them
+                    deferred_slots += 1
+                    deferred_blocks += seq.blocks_needed(self.cfg.block_size, len(seq)) - seq.awaited_blocks + 1
+                    i += 1
+                    continue
                 self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
-            if (n < seq.num_uncached and not self.cfg.enable_chunked_prefill) or need > self.allocator.num_free:
+            kept = deferred_blocks + len(self.running) if deferred_slots else 0
+            if (n < seq.num_uncached and not self.cfg.enable_chunked_prefill) or need + kept > self.allocator.num_free:
                 self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
                 break
             seq.block_table.extend(self.allocator.allocate(need))
             self.prefix_queried_tokens += len(seq)
             self.prefix_hit_tokens += seq.num_cached
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = Status.RUNNING
             self.running.append(seq)
             step.prefill.append((seq, n))

@@ -41,7 +41,8 @@ class Sequence:
     # leading blocks of block_table carry theirs
     block_names: list[bytes] = field(default_factory=list)
     num_registered: int = 0
-    awaits_prefix: bool = False  # waiting (not admitted) for a running sequence to compute blocks it will share
+    # waiting (not admitted) for a running sequence to compute this many blocks of its prompt, to share them
+    awaited_blocks: int = 0
     # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     matcher: Any = None  # params.structured: the grammar's state after the tokens read back (structured.py)
