@@ -21,8 +21,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tpgraph.errors import CheckpointError, RequestError
 
-# The built-in model's template: role headers as plain text around each message.
-BUILTIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+# The built-in model's template: role headers as plain text around each message; tools, and an assistant's tool
+# calls, as JSON.
+BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+                    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                    "{{ m['tool_calls'] | tojson if m['tool_calls'] else '' }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -66,9 +69,11 @@ class ChatTemplate:
         # the compiled template does not pickle; the server's front-end process rebuilds it from the source
         return ChatTemplate, (self.source, self.special_tokens)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """tools: function tools ({"type": "function", "function": {...}}), for templates that describe them."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         documents=None, **self.special_tokens)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None

@@ -63,11 +63,12 @@ class PromptCodec:
         (byte-level BPE) or more (SentencePiece's <0x..> byte tokens), and a byte decodes to at most a character."""
         return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
                                f"tokenizer_config.json's chat_template); send a plain prompt")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""

@@ -23,6 +23,8 @@ import time
 
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.server.tool_parsers import PARSERS
+from tpgraph.server.tools import ToolOptions
 
 logger = logging.getLogger("tpgraph.serve")
 BUILTIN_NAME = "tpgraph-builtin"
@@ -39,8 +41,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
                         "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
+    tools = p.add_argument_group("function calling (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default when a request gives tools), reading the model\'s '
+                            "calls with --tool-call-parser")
+    tools.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                       help="the model's tool-call format: llama3_json (Llama 3.1-3.3) or hermes (<tool_call> tags)")
+    tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='leave the tools out of the chat template when tool_choice is "none"')
     add_engine_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
+                '"auto", or neither ("required" and named tool choices need neither)')
+    return args
+
+
+def tool_options(args: argparse.Namespace) -> ToolOptions:
+    return ToolOptions(args.tool_call_parser if args.enable_auto_tool_choice else None,
+                       args.exclude_tools_when_tool_choice_none)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key)
+                        args.api_key, tool_options(args))
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -55,9 +55,9 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, port: int, ranks: int = 2, torchrun: bool = True, env: dict | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, flags: tuple[str, ...] = ()) -> None:
         """torchrun False: `python -m tpgraph.serve -tp N`, which starts its other ranks itself. wait False: return
-        as soon as it is started, not once /health answers."""
+        as soon as it is started, not once /health answers. flags: server flags after ENGINE_FLAGS."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -65,8 +65,8 @@ class Server:
         launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "tpgraph.serve"] if torchrun \
             else ["-m", "tpgraph.serve", "-tp", str(ranks)]
         self.proc = subprocess.Popen(
-            [sys.executable, *launch, "--port", str(port), *ENGINE_FLAGS], stdout=self.log, stderr=subprocess.STDOUT,
-            text=True, env=env, start_new_session=True)
+            [sys.executable, *launch, "--port", str(port), *ENGINE_FLAGS, *flags], stdout=self.log,
+            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         if not wait:
             return
         deadline = time.monotonic() + 180
@@ -271,6 +271,51 @@ def test_an_api_key_from_the_environment_is_asked_of_clients():
         keyed.stop()
 
 
+def test_tool_calls_named_required_and_auto():
+    """Function calling through the OpenAI client on a server with a tool-call parser (hermes): a named function and
+    "required" are held to the tools' schemas by the grammar, so even the built-in model's random weights make valid
+    calls; "auto" reads the calls the model writes (here made to write one by a regex)."""
+    pytest.importorskip("xgrammar")
+    served = Server(free_port(), ranks=1, torchrun=False,
+                    flags=("--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    try:
+        c = served.client()
+        named = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=60, seed=1,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        (call,) = named.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content is None
+        required = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=100, seed=2,
+                                             tool_choice="required", parallel_tool_calls=False, stream=True)
+        streamed = {}
+        finish = None
+        for chunk in required:
+            for d in chunk.choices[0].delta.tool_calls or []:
+                streamed.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+        ((name, args),) = streamed.values()
+        assert name in ("get_weather", "get_time") and isinstance(json.loads(args), dict) and finish == "tool_calls"
+        forced = '<tool_call>\\{"name": "get_time", "arguments": \\{\\}\\}</tool_call>'
+        auto = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=120, seed=3,
+                                         extra_body={"guided_regex": forced})
+        assert [(t.function.name, t.function.arguments) for t in auto.choices[0].message.tool_calls] == [
+            ("get_time", "{}")]
+        assert auto.choices[0].finish_reason == "tool_calls"
+        # the history of a call goes back to the model, and a plain reply comes back as text
+        history = [*messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "-3 C"}]
+        plain = c.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4, seed=4,
+                                          tool_choice="none")
+        assert plain.choices[0].message.tool_calls is None and plain.usage.completion_tokens == 4
+    finally:
+        served.stop()
+
+
 def test_echo_scores_a_prompt_as_lm_eval_asks(server, local_engine):
     """lm-eval's local-completions loglikelihood: token ids, echo, logprobs 1, max_tokens 1 (or 0, nothing generated):
     the prompt's text and its tokens' log-probabilities, the first null, equal to TPEngine's prompt_logprobs (TP=2
@@ -390,7 +435,12 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/completions", {"model": MODEL, "prompt": [5, 2 ** 40]}, 400, "prompt token ids must be integers in"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 2 ** 40}, 400, "min_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     '"auto" tool choice (the default when tools are given) needs a server started with --enable-auto-tool-choice'),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice names 'g', which is not among the tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "needs json_schema.schema"),

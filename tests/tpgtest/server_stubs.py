@@ -109,3 +109,18 @@ class SilentClient(IdleClient):
 
     def abort(self, request_id) -> None:
         self.aborted.append(request_id)
+
+
+class ScriptedClient(OneTokenClient):
+    """An engine that answers each sample of a request with the text pieces given (a token each), then "stop"; it
+    keeps the params it was sent."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        super().__init__()
+        self.pieces, self.params = pieces, []
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        self.params.append(params)
+        for sample in range(params.n):
+            for i, piece in enumerate(self.pieces):
+                sink(StepUpdate(request_id, sample, 7, piece, "stop" if i == len(self.pieces) - 1 else None))

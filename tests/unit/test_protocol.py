@@ -9,6 +9,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server.protocol import ChatRequest, CompletionRequest  # noqa: E402
+from tpgraph.server.tools import ToolOptions
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
@@ -33,19 +34,23 @@ def test_ids_must_be_integers(body):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"functions": [{"name": "f"}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),  # ("auto")
+    ({"functions": [{"name": "f"}]}, "send tools"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
 ])
 def test_what_cannot_be_honoured_is_refused(extra, needle):
+    body = ChatRequest.model_validate({**CHAT, **extra})
     with pytest.raises(RequestError, match=needle):
-        ChatRequest.model_validate({**CHAT, **extra}).checked_messages()
+        body.checked_messages()
+        body.tool_plan(ToolOptions())
 
 
 def test_what_changes_nothing_is_accepted():
-    for extra in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
-                  {"response_format": {"type": "text"}}, {"parallel_tool_calls": True}):
-        assert ChatRequest.model_validate({**CHAT, **extra}).checked_messages() == [{"role": "user", "content": "x"}]
+    for extra in ({"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"parallel_tool_calls": True}):
+        body = ChatRequest.model_validate({**CHAT, **extra})
+        assert body.checked_messages() == [{"role": "user", "content": "x"}]
+        assert body.tool_plan(ToolOptions()).mode == "none"
 
 
 def test_logit_bias_keys_are_token_ids_on_both_endpoints():

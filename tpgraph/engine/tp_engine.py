@@ -161,8 +161,9 @@ class TPEngine:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template."""
         return self.prompts.encode(prompt, self.runner.max_model_len)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.prompts.render_chat(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        return self.prompts.render_chat(messages, add_generation_prompt, tools)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""

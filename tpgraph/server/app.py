@@ -30,6 +30,7 @@ from tpgraph.server.errors import ApiError, error_body
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 from tpgraph.server.token_routes import token_routes
+from tpgraph.server.tools import Delta, ToolOptions
 
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
@@ -147,8 +148,10 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
-               max_model_len: int, api_key: str | None = None) -> FastAPI:
-    """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py)."""
+               max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None) -> FastAPI:
+    """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
+    function calling's settings (tools.py)."""
+    tool_options = tool_options or ToolOptions()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
@@ -301,15 +304,17 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check_model(body.model)
         messages = body.checked_messages()
-        text = prompts.render_chat(messages, body.add_generation_prompt)
+        tools = body.tool_plan(tool_options)
+        text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools)
         token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len)]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         params = body.sampling_params(max_tokens, body.logprobs_count(),
-                                      prompts.generation_defaults.sampling)
+                                      prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
+        replies = [tools.reader() for _ in choices]  # each choice's text read as content and tool calls
         stream = api.run(request, token_ids, params)
         first = await _first(stream)
 
@@ -323,17 +328,32 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                                 for t, lp, top in items]}
 
-        def apply(u: StepUpdate) -> Choice:
-            return choices[u.sample_index].add(u)
+        def apply(u: StepUpdate) -> tuple[Choice, dict, str | None]:
+            """Fold an update into its choice; returns the choice, the delta it adds (content, tool calls) and the
+            finish reason the reply reports."""
+            c, reply = choices[u.sample_index].add(u), replies[u.sample_index]
+            added = reply.feed(u.text)
+            finish_reason = None
+            if u.finish_reason is not None:
+                rest, finish_reason = reply.finish(u.finish_reason)
+                added = Delta(added.content + rest.content, added.calls + rest.calls)
+            delta: dict = {}
+            # (a plain reply's token updates carry content, "" too, as they always have; with tools, what is held
+            # back sends nothing)
+            if added.content or (tools.mode == "none" and u.finish_reason is None):
+                delta["content"] = added.content
+            if added.calls:
+                delta["tool_calls"] = added.calls
+            return c, delta, finish_reason
 
         if not body.stream:
             async for _, u in _chain(first, stream):
                 apply(u)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": content_logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                            for c in choices],
+                "choices": [{"index": c.index, "message": reply.message(),
+                             "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason}
+                            for c, reply in zip(choices, replies, strict=True)],
                 "usage": _usage(token_ids, choices)})
 
         usage = _null_usage(body)
@@ -344,12 +364,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
             async for _, u in _chain(first, stream):
-                c = apply(u)
+                c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
-                delta = {"content": u.text} if u.text or u.finish_reason is None else {}
+                if not delta and not items and finish_reason is None:
+                    continue  # (held back by the tool-call reader, with no log-probabilities to carry)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
-                                                 "finish_reason": u.finish_reason}]})
+                                                 "finish_reason": finish_reason}]})
             if usage:
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")

@@ -9,12 +9,13 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.prompts import PromptCodec
+from tpgraph.server.tools import ToolOptions
 
 logger = logging.getLogger("tpgraph.serve")
 EXIT_GRACE_S = 3.0  # after the engine is gone, streams still open get this long to hear it before the process ends
@@ -31,6 +32,7 @@ class FrontendSpec:
     limits: RequestLimits
     prompts: PromptCodec
     api_key: str | None = None  # (the spec travels through a pipe to the spawned front end, never in its argv)
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -69,7 +71,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
         threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
-    app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key)
+    app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
+                     spec.tool_options)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()

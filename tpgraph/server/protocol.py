@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
+from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's structured_outputs options, taken and left as this server has them (compact JSON, no fallback backend)
@@ -89,11 +90,21 @@ class SamplingFields(NullMeansDefault):
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """defaults: the checkpoint's generation_config values, used where the request leaves a field unset."""
+                        defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None,
+                        tools: ToolPlan | None = None) -> SamplingParams:
+        """defaults: the checkpoint's generation_config values, used where the request leaves a field unset. tools:
+        a chat request's function calling, which may hold the reply to a schema and keep special tokens."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
+        structured = self.structured_output()
+        skip_special_tokens = self.skip_special_tokens
+        if tools is not None and tools.structured is not None:
+            if structured is not None:
+                raise RequestError(f"tool_choice {tools.mode!r} holds the reply to the tools' schema: it cannot also "
+                                   "take response_format or a guided_* field")
+            structured = tools.structured
+        if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
+            skip_special_tokens = False  # (the parser's markers are special tokens)
         d = defaults or {}
 
         def pick(name: str, fallback: float) -> float:
@@ -108,8 +119,8 @@ class SamplingFields(NullMeansDefault):
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias(),
-            prompt_logprobs=prompt_logprobs, structured=self.structured_output())
+            logprobs=logprobs, skip_special_tokens=skip_special_tokens, logit_bias=self.token_bias(),
+            prompt_logprobs=prompt_logprobs, structured=structured)
 
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them)."""
@@ -216,17 +227,20 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict] | None = None
-    functions: list[dict] | None = None  # (the API's older name for tools)
+    tools: list[Any] | None = None  # (each checked by tools.check_tools, with a message that names it)
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # (the API's deprecated form of tools)
 
-    def checked_messages(self) -> list[dict[str, str]]:
+    def checked_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
-        if self.tools or self.functions:
-            raise RequestError("tools (function calling) are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError(f"tool_choice {self.tool_choice!r} is not supported (no tools)")
-        return plain_messages(self.messages)
+        if self.functions:
+            raise RequestError("functions (the API's deprecated form of tools) is not supported; send tools")
+        return template_messages(self.messages)
+
+    def tool_plan(self, options: ToolOptions) -> ToolPlan:
+        """What tools and tool_choice ask for (tools.py), under the server's settings."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, options)
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -234,13 +248,23 @@ class ChatRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the template takes them (role and text), each role checked."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as a chat template takes them, each role checked: role and text, an assistant's earlier
+    tool_calls (arguments as objects) and a tool message's tool_call_id and name."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
-        out.append({"role": m.role, "content": m.text()})
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        extra = m.model_extra or {}
+        calls = extra.get("tool_calls")
+        if m.role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise RequestError(f"messages[{i}].tool_calls must be a list")
+            msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        if m.role == "tool":
+            msg.update({k: extra[k] for k in ("tool_call_id", "name") if isinstance(extra.get(k), str)})
+        out.append(msg)
     return out
 
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, plain_messages
+from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
 
@@ -26,7 +26,7 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
         if body.model is not None:
             check_model(body.model)
         if body.messages is not None:
-            text = prompts.render_chat(plain_messages(body.messages), body.add_generation_prompt)
+            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False

@@ -1,0 +1,106 @@
+"""Function calling through the chat endpoint (in process, an engine that answers with set text): tool calls in the
+reply, streamed and whole, each with OpenAI's shape, and the request's constraint sent to the engine."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module  # noqa: E402
+
+from tpgraph.server import app as server_app  # noqa: E402
+from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.server.tools import ToolOptions  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+PLAIN = ToolOptions()
+
+
+def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN) -> tuple[dict, list[dict], ScriptedClient]:
+    """The reply as a whole and as its streamed chunks' JSON, and the client that answered."""
+    httpx, client = httpx_module(), ScriptedClient(pieces)
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128, tool_options=options)
+    request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER], **body}
+
+    async def main() -> tuple[dict, list[dict]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            whole = await http.post("/v1/chat/completions", json=request)
+            assert whole.status_code == 200, whole.text
+            streamed = await http.post("/v1/chat/completions", json={**request, "stream": True})
+            chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+                      if line.startswith("data: {")]
+            return whole.json(), chunks
+
+    whole, chunks = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    return whole, chunks, client
+
+
+def folded(chunks: list[dict], index: int = 0) -> tuple[str, list[dict], str]:
+    """A stream's chunks folded as a client does: content, tool calls (arguments joined), the last finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice["index"] != index:
+                continue
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for d in delta.get("tool_calls", []):
+                if d["index"] not in calls:  # (a call's first delta names it)
+                    calls[d["index"]] = {"id": d["id"], "type": d["type"],
+                                         "function": {"name": d["function"]["name"], "arguments": ""}}
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def without_ids(calls: list[dict]) -> list[dict]:
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in calls)
+    return [{k: v for k, v in c.items() if k != "id"} for c in calls]
+
+
+def test_a_named_function_is_called_streamed_or_not():
+    whole, chunks, client = chat(['{"city":', '"Oslo"}'], {"tool_choice": {"type": "function",
+                                                                            "function": {"name": "get_weather"}}})
+    message = whole["choices"][0]["message"]
+    assert message["content"] is None and whole["choices"][0]["finish_reason"] == "stop"
+    expected = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]
+    assert without_ids(message["tool_calls"]) == expected
+    content, calls, finish = folded(chunks)
+    assert content == "" and without_ids(calls) == expected and finish == "stop"
+    assert [json.loads(p.structured.spec) for p in client.params] == [WEATHER["function"]["parameters"]] * 2
+
+
+def test_required_calls_with_n_choices():
+    reply = '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"get_weather","parameters":{"city":"Rome"}}]'
+    whole, chunks, client = chat([reply[i:i + 5] for i in range(0, len(reply), 5)],
+                                 {"tool_choice": "required", "n": 2})
+    expected = [{"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+                for c in ("Oslo", "Rome")]
+    for index in (0, 1):
+        choice = whole["choices"][index]
+        assert without_ids(choice["message"]["tool_calls"]) == expected and choice["finish_reason"] == "tool_calls"
+        content, calls, finish = folded(chunks, index)
+        assert content == "" and without_ids(calls) == expected and finish == "tool_calls"
+    assert json.loads(client.params[0].structured.spec)["type"] == "array"
+
+
+def test_auto_with_a_parser_finds_the_calls_after_text():
+    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+              "</tool_call>"]
+    whole, chunks, client = chat(pieces, {}, ToolOptions(parser="hermes"))
+    message = whole["choices"][0]["message"]
+    expected = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    assert message["content"] == "Let me check. " and without_ids(message["tool_calls"]) == expected
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    content, calls, finish = folded(chunks)
+    assert (content, without_ids(calls), finish) == ("Let me check. ", expected, "tool_calls")
+    assert client.params[0].structured is None and client.params[0].skip_special_tokens is False
+    # tool_choice "none": the same reply is plain content
+    whole, chunks, _ = chat(pieces, {"tool_choice": "none"}, ToolOptions(parser="hermes"))
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert folded(chunks) == ("".join(pieces), [], "stop")

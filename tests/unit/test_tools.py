@@ -1,0 +1,245 @@
+"""Function calling: tools and tool_choice checked and planned, the model's reply read as tool calls (streamed and
+whole), the parsers, and earlier calls passed to the chat template."""
+
+import json
+
+import pytest
+
+from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
+from tpgraph.errors import RequestError
+from tpgraph.server.protocol import ChatRequest
+from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser
+from tpgraph.server.tools import ToolOptions, ToolPlan, merge_calls, required_schema
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # (no parameters)
+AUTO = ToolOptions(parser="hermes")
+PLAIN = ToolOptions()
+
+
+def plan(tool_choice=None, tools=(WEATHER, TIME), parallel=None, options=PLAIN) -> ToolPlan:
+    return ToolPlan.of(list(tools), tool_choice, parallel, options)
+
+
+def read(p: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list, dict, str]:
+    """Feed the pieces as a stream; returns the deltas sent, the whole message and the finish reason."""
+    reader, deltas = p.reader(), []
+    for piece in pieces:
+        deltas.append(reader.feed(piece))
+    rest, reason = reader.finish(finish)
+    deltas.append(rest)
+    return deltas, reader.message(), reason
+
+
+@pytest.mark.parametrize(("tools", "choice", "options", "needle"), [
+    ([WEATHER], None, ToolOptions(), "--enable-auto-tool-choice and --tool-call-parser"),  # the default is "auto"
+    ([WEATHER], "auto", ToolOptions(), "--enable-auto-tool-choice"),
+    (None, "required", ToolOptions(), "tool_choice needs tools"),
+    ([WEATHER], "sometimes", ToolOptions(), "is not one of"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, ToolOptions(), "not among the tools"),
+    ([WEATHER], {"type": "function", "name": "get_weather"}, ToolOptions(), "is not understood"),
+    ([{"type": "code_interpreter"}], "required", ToolOptions(), "function tools only"),
+    ([{"type": "function", "function": {"description": "x"}}], "required", ToolOptions(), "needs a name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "required", ToolOptions(),
+     "JSON schema object"),
+    ([WEATHER, WEATHER], "required", ToolOptions(), "two tools are named 'get_weather'"),
+])
+def test_tool_mistakes_get_a_reason(tools, choice, options, needle):
+    with pytest.raises(RequestError, match=needle):
+        ToolPlan.of(tools, choice, None, options)
+
+
+def test_plans_and_what_the_template_sees():
+    none = plan("none")
+    assert none.mode == "none" and none.template_tools == [WEATHER, TIME] and none.structured is None
+    assert plan("none", options=ToolOptions(exclude_tools_when_none=True)).template_tools is None
+    assert ToolPlan.of(None, None, None, ToolOptions()) == ToolPlan() == ToolPlan.of([], "none", None, ToolOptions())
+    named = plan({"type": "function", "function": {"name": "get_weather"}})
+    assert named.function == "get_weather" and json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
+    assert json.loads(plan({"type": "function", "function": {"name": "get_time"}}).structured.spec) == {
+        "type": "object"}
+    auto = plan(options=AUTO)
+    assert auto.mode == "auto" and isinstance(auto.parser, HermesParser) and auto.structured is None
+
+
+def test_required_schema_is_an_array_of_named_calls_with_defs_lifted():
+    ref = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": {"type": "array"}}}}}
+    schema = required_schema([WEATHER["function"], TIME["function"], ref["function"]], one_call=False)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"], ["locate"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert schema["$defs"] == {"Point": {"type": "array"}}
+    assert "$defs" not in schema["items"]["anyOf"][2]["properties"]["parameters"]
+    assert "$defs" in ref["function"]["parameters"]  # (the request's own tool is left as it was)
+    assert required_schema([TIME["function"]], one_call=True)["maxItems"] == 1
+    clash = {"name": "other", "parameters": {"$defs": {"Point": {"type": "object"}}}}
+    with pytest.raises(RequestError, match="define \\$defs.Point differently"):
+        required_schema([ref["function"], clash], one_call=False)
+
+
+def test_a_named_call_streams_its_arguments_as_generated():
+    deltas, message, reason = read(plan({"type": "function", "function": {"name": "get_weather"}}),
+                                   ['{"ci', 'ty":"Pa', 'ris"}'])
+    first = deltas[0].calls[0]
+    assert first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert [d.calls[0] for d in deltas[1:3]] == [{"index": 0, "function": {"arguments": p}} for p in ('ty":"Pa',
+                                                                                                       'ris"}')]
+    assert all(not d.content for d in deltas)
+    assert message == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": first["id"], "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+    assert reason == "stop"  # (OpenAI's for a named call)
+
+
+def test_required_calls_are_sent_as_each_completes():
+    text = ('[{"name":"get_weather","parameters":{"city":"a}\\"{["}},'
+            '{"name":"get_time","parameters":{}}]')
+    deltas, message, reason = read(plan("required"), list(text))  # a character at a time
+    sent = [(i, c) for i, d in enumerate(deltas) for c in d.calls]
+    close_first = text.index("}},") + 1  # the first call's object closes here
+    assert [i for i, _ in sent] == [close_first, len(text) - 2]
+    assert [json.loads(c["function"]["arguments"]) for _, c in sent] == [{"city": 'a}"{['}, {}]
+    assert [c["index"] for _, c in sent] == [0, 1] and reason == "tool_calls" and message["content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+
+
+def test_a_cut_reply_comes_back_as_text():
+    cut = '[{"name":"get_time","parameters":{}},{"name":"get_wea'
+    _, message, reason = read(plan("required"), [cut], finish="length")
+    assert reason == "length" and message["content"] == '{"name":"get_wea'
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    _, message, reason = read(plan("required"), ['[{"name":"get_ti'], finish="length")
+    assert message == {"role": "assistant", "content": '[{"name":"get_ti'} and reason == "length"
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    two = '[{"name":"get_time","parameters":{}},{"name":"get_time","parameters":{}}]'
+    _, message, _ = read(plan("required", parallel=False), [two])
+    assert len(message["tool_calls"]) == 1
+    hermes = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2
+    _, message, _ = read(plan(parallel=False, options=AUTO), [hermes])
+    assert len(message["tool_calls"]) == 1
+    _, message, _ = read(plan(options=AUTO), [hermes])
+    assert len(message["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
+    ('<|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", "parameters": {"x": 1}}', None,
+     [("f", {}), ("g", {"x": 1})]),
+    (' \n{"name": "f", "parameters": {"é": "ü"}}', None, [("f", {"é": "ü"})]),
+    ("It is sunny.", "It is sunny.", []),
+    ('{"name": "f"}', '{"name": "f"}', []),  # (no arguments: not a call)
+    ('{"name": "f", "parameters": {"x": ', '{"name": "f", "parameters": {"x": ', []),
+    ('{"a": 1} and more', '{"a": 1} and more', []),
+])
+def test_llama3_json_parser(text, content, calls):
+    got_content, got = Llama3JsonParser().parse(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    if calls:
+        assert "\\u" not in "".join(c.arguments for c in got)  # (kept as written: ensure_ascii off)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Let me look.<tool_call>\n{"name": "f", "arguments": {"q": 1}}\n</tool_call>', "Let me look.", [("f", {"q": 1})]),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}', None,
+     [("f", {}), ("g", {})]),  # (a last block left open is read too)
+    ("No tools needed.", "No tools needed.", []),
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+])
+def test_hermes_parser(text, content, calls):
+    got_content, got = HermesParser().parse(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_content_streams_until_a_call_may_begin():
+    hermes, llama = HermesParser(), Llama3JsonParser()
+    assert hermes.content_until("Hello <tool") == len("Hello ")  # (the tag's beginning is held back)
+    assert hermes.content_until("Hello <b>") == len("Hello <b>")
+    assert hermes.content_until("Hi<tool_call>{") == 2
+    assert llama.content_until("Sure, ") == len("Sure, ")
+    assert llama.content_until("  {") == 0 and llama.content_until("<|pyth") == 0 and llama.content_until(" ") == 0
+
+
+def test_auto_streams_content_then_sends_the_calls():
+    text = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    deltas, message, reason = read(plan(options=AUTO), [text[i:i + 3] for i in range(0, len(text), 3)])
+    assert "".join(d.content for d in deltas) == "Checking."
+    assert [c for d in deltas[:-1] for c in d.calls] == []  # (the calls come once the reply is whole)
+    assert message["content"] == "Checking." and reason == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    # a reply without calls is all content, with the engine's finish reason
+    deltas, message, reason = read(plan(options=AUTO), ["Plain ", "<tool", " talk"], finish="length")
+    assert "".join(d.content for d in deltas) == "Plain <tool talk" == message["content"] and reason == "length"
+    assert "tool_calls" not in message
+
+
+def test_merge_calls_folds_streamed_deltas():
+    deltas = [{"index": 1, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{"}},
+              {"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+              {"index": 1, "function": {"arguments": "}"}}]
+    assert merge_calls(deltas) == [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                                   {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "-3 C"},
+]
+
+
+def test_earlier_calls_reach_the_template_with_arguments_as_objects():
+    messages = ChatRequest.model_validate({"model": "m", "messages": HISTORY}).checked_messages()
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+    assert messages[2] == {"role": "tool", "content": "-3 C", "tool_call_id": "call_1", "name": "get_weather"}
+    template = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                            "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+                            "{% endfor %}{% endfor %}")
+    assert template.render(messages, tools=[WEATHER, TIME]) == "[get_weather][get_time]get_weather(Oslo)"
+    builtin = ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": "<s>"}).render(messages, tools=[TIME])
+    assert '<|tools|>\n[{"type": "function", "function": {"name": "get_time"}}]' in builtin
+    assert '"arguments": {"city": "Oslo"}' in builtin and "<|tool|>\n-3 C" in builtin
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}, "not valid JSON"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}, "must be a JSON object"),
+    ({"id": "c", "function": {"arguments": "{}"}}, "must be"),
+])
+def test_a_bad_earlier_call_gets_a_reason(call, needle):
+    body = {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    with pytest.raises(RequestError, match=needle):
+        ChatRequest.model_validate(body).checked_messages()
+
+
+def test_tools_and_response_format_do_not_mix_and_hermes_keeps_special_tokens():
+    body = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                       "tools": [WEATHER], "tool_choice": "required",
+                                       "response_format": {"type": "json_object"}})
+    with pytest.raises(RequestError, match="cannot also take response_format"):
+        body.sampling_params(8, None, tools=body.tool_plan(ToolOptions()))
+    body = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                       "tools": [WEATHER]})
+    assert body.sampling_params(8, None, tools=body.tool_plan(AUTO)).skip_special_tokens is False
+    assert body.sampling_params(8, None, tools=body.tool_plan(ToolOptions("llama3_json"))).skip_special_tokens
+    required = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                           "tools": [WEATHER], "tool_choice": "required"})
+    assert required.sampling_params(8, None, tools=required.tool_plan(ToolOptions())).structured.kind == "json_schema"
+
+
+def test_raw_control_characters_in_strings_come_back_escaped():
+    """xgrammar 0.2.9 lets a string with maxLength take raw control characters (its issue 800), which JSON forbids:
+    a named call's arguments escape them, streamed or whole, and "required" re-encodes its calls."""
+    raw = '{"city":"a\x01\tb","n":[1]}'
+    deltas, message, _ = read(plan({"type": "function", "function": {"name": "get_weather"}}), list(raw))
+    arguments = message["tool_calls"][0]["function"]["arguments"]
+    assert arguments == '{"city":"a\\u0001\\u0009b","n":[1]}' and json.loads(arguments) == {"city": "a\x01\tb", "n": [1]}
+    _, message, _ = read(plan("required"), ['[{"name":"get_weather","parameters":{"city":"\x00"}}]'])
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "\x00"}

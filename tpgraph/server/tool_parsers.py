@@ -1,0 +1,113 @@
+"""Tool-call parsers for tool_choice "auto": they find the calls a model wrote in its own format in the text it
+generated (vLLM's --tool-call-parser names):
+
+- llama3_json: Llama 3.1-3.3's JSON calls. The reply is one or more `{"name": ..., "parameters": {...}}` objects
+  (`"arguments"` is taken too), `;`-separated, maybe after `<|python_tag|>`; a reply that begins otherwise is text.
+- hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text (a last
+  block left open is read too).
+
+A reply that does not parse as calls is returned whole as content: nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolParser:
+    name = ""
+    keeps_special_tokens = False  # must the text keep special tokens (the parser's markers may be ones)?
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls): the text around the calls (None where there is none) and the calls, in order."""
+        raise NotImplementedError
+
+    def content_until(self, text: str) -> int:
+        """While streaming: how much of the text so far is content for certain (no call can begin inside it)."""
+        raise NotImplementedError
+
+
+def _call(obj: object, args_key: tuple[str, ...]) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_key if k in obj), None)
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.PYTHON_TAG).lstrip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(strict=False), [], 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":  # (calls are `; `-separated)
+                at += 1
+        return None, calls
+
+    def content_until(self, text: str) -> int:
+        body = text.lstrip()
+        if not body:
+            return 0
+        # a reply that begins with `{` (or the tag, or a start of it) may be calls: it is held until it is whole
+        if body.startswith("{") or self.PYTHON_TAG.startswith(body[:len(self.PYTHON_TAG)]):
+            return 0
+        return len(text)
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    keeps_special_tokens = True  # (Hermes checkpoints make <tool_call> a special token)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return text, []
+        calls = []
+        for block in self._BLOCK.findall(text, start):
+            try:
+                call = _call(json.loads(block, strict=False), ("arguments", "parameters"))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start] or None, calls
+
+    def content_until(self, text: str) -> int:
+        start = text.find(self.OPEN)
+        if start >= 0:
+            return start
+        # hold back a tail that may be the tag's beginning
+        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+            if self.OPEN.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Llama3JsonParser, HermesParser)}
