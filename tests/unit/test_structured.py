@@ -173,3 +173,24 @@ def test_the_warm_up_masks_1_3_and_16_rows_and_skips_a_broken_xgrammar(monkeypat
         assert e.warm_up() > 0
         with pytest.raises(RequestError, match=r"tpgraph\[structured\].*OSError: libtvm_ffi"):
             e.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a")))
+
+
+def test_length_bounded_json_strings_take_escapes_and_refuse_raw_control_characters():
+    """xgrammar 0.2.9 writes a string with maxLength as a run of [^"\\\r\n]: raw control characters (invalid JSON)
+    in, escapes out (its issue 800). json_schema_grammar mends it; a schema without such strings is left as it was."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from tpgraph.engine.structured import json_schema_grammar
+
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3},
+                                                          "t": {"type": "array", "items": {"type": "string",
+                                                                                           "minLength": 1}}},
+                         "required": ["s", "t"], "additionalProperties": False})
+    grammar = json_schema_grammar(schema)
+    for text, ok in [('{"s": "a\\"b", "t": ["\\n"]}', True), ('{"s": "\\u00e9", "t": []}', True),
+                     ('{"s": "a\x01", "t": []}', False), ('{"s": "x", "t": ["\t"]}', False),
+                     ('{"s": "abcd", "t": []}', False), ('{"s": "", "t": [""]}', False)]:
+        assert _is_grammar_accept_string(grammar, text) is ok, text
+    plain = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}})
+    assert str(json_schema_grammar(plain)) == str(__import__("xgrammar").Grammar.from_json_schema(
+        plain, any_whitespace=False))

@@ -11,8 +11,9 @@ Compiling a grammar for a vocabulary takes a while the first time: the server co
 thread before queueing it (EngineService.precompile), and keeps the last 64; a follower rank at TP > 1 compiles a new
 one when the request reaches it, inside that step.
 
-JSON is kept compact (no free whitespace between tokens): a model that may emit whitespace anywhere can spend its
-whole budget on it, which is why vLLM offers to turn it off too.
+JSON has no free whitespace (xgrammar writes ", " and ": " between items): a model that may emit whitespace
+anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. Strings with minLength or
+maxLength are mended where xgrammar writes them wrong (json_schema_grammar).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class GrammarCompiler:
     @staticmethod
     def _compile(compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(spec.spec))
         if spec.kind == "json_object":  # (an object, as OpenAI's json_object means; xgrammar's builtin takes any JSON)
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -164,3 +165,27 @@ def apply_masks(x: Any, matchers: list[tuple[int, Any]]) -> None:
             matcher.fill_next_token_bitmask(bitmask, row)
     rows = [row for row, _ in matchers]
     xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1], indices=rows)
+
+
+# xgrammar (0.2.9, its issue 800) writes a string with minLength or maxLength as a run of this class: it admits raw
+# control characters, which JSON forbids (the reply does not parse), and no escapes (a quote or a newline cannot be
+# written). Each such character becomes a JSON string's character: unescaped and not a control, or an escape.
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """A JSON schema's xgrammar Grammar (no free whitespace), its length-bounded strings mended (see above); a
+    grammar whose mended text does not read back is used as xgrammar wrote it."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text or "basic_escape ::=" not in text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("a JSON schema's length-bounded strings could not be mended (%s); used as xgrammar wrote it",
+                       exc)
+        return grammar

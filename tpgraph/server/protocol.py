@@ -19,7 +19,8 @@ from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# vLLM's structured_outputs options, taken and left as this server has them (compact JSON, no fallback backend)
+# vLLM's structured_outputs options, taken and left as this server has them (JSON without free whitespace, no
+# fallback backend)
 STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                       "whitespace_pattern")
 

@@ -6,7 +6,8 @@ generated (vLLM's --tool-call-parser names):
 - hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text (a last
   block left open is read too).
 
-A reply that does not parse as calls is returned whole as content: nothing the model wrote is lost.
+A reply that does not parse as calls is returned whole as content: nothing the model wrote is lost. Raw control
+characters in strings (a tab, as models write) are taken, and the arguments re-encoded as JSON.
 """
 
 from __future__ import annotations

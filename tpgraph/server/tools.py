@@ -148,7 +148,7 @@ class ToolCallReader:
     call_deltas: list[dict] = field(default_factory=list)
     sent_content: int = 0  # characters of text sent as content
     sent_calls: int = 0
-    json: JsonScanner = field(default_factory=lambda: JsonScanner())  # (named, "required") where the JSON stands
+    json: JsonScanner = field(default_factory=lambda: JsonScanner())  # ("required") where the array stands
     element_at: int = -1  # ("required") where the array's element being generated begins
     finish_reason: str | None = None
 
@@ -181,12 +181,11 @@ class ToolCallReader:
             self.sent_content = len(self.text)
             return Delta(text)
         if mode == "named":
-            arguments = "".join(map(self.json.step, text))
             if self.sent_calls == 0:
                 self.sent_calls = 1
                 return Delta(calls=[{"index": 0, "id": tool_call_id(), "type": "function",
-                                     "function": {"name": self.plan.function, "arguments": arguments}}])
-            return Delta(calls=[{"index": 0, "function": {"arguments": arguments}}]) if text else Delta()
+                                     "function": {"name": self.plan.function, "arguments": text}}])
+            return Delta(calls=[{"index": 0, "function": {"arguments": text}}]) if text else Delta()
         if mode == "required":
             return Delta(calls=self._complete_elements())
         until = self.plan.parser.content_until(self.text)
@@ -246,14 +245,12 @@ class ToolCallReader:
 
 
 class JsonScanner:
-    """Follows JSON text a character at a time: its depth, and whether it is inside a string. step() returns the
-    character as JSON must have it: xgrammar (0.2.9) lets a string with minLength or maxLength take raw control
-    characters, which JSON forbids (its issue 800), so those are escaped."""
+    """Follows JSON text a character at a time: its depth, and whether it is inside a string."""
 
     def __init__(self) -> None:
         self.depth, self.in_string, self.escaped, self.seen = 0, False, False, 0
 
-    def step(self, ch: str) -> str:
+    def step(self, ch: str) -> None:
         self.seen += 1
         if self.in_string:
             if self.escaped:
@@ -262,20 +259,17 @@ class JsonScanner:
                 self.escaped = True
             elif ch == '"':
                 self.in_string = False
-            elif ch < " ":
-                return f"\\u{ord(ch):04x}"
         elif ch == '"':
             self.in_string = True
         elif ch in "[{":
             self.depth += 1
         elif ch in "]}":
             self.depth -= 1
-        return ch
 
 
 def _array_call(element: str) -> ParsedCall | None:
     try:
-        obj = json.loads(element, strict=False)  # (raw control characters in strings: see JsonScanner)
+        obj = json.loads(element, strict=False)  # (a raw tab in a string, as models write: taken, re-escaped)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("parameters"), dict):
