@@ -138,7 +138,6 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, runner.model.cfg.vocab_size, self.eos_ids) if tokenizer else None
         self.requests: dict[str, RequestState] = {}
-        self._constrained = 0  # requests in self.requests with a structured output (none: no step scans for them)
         self._next_seq_id = 0
         self.timing = StepTiming()
         self.overlap = overlap  # schedule a step before reading the last one's tokens (see step)
@@ -187,13 +186,11 @@ class EngineCore:
             self.scheduler.add(seq)  # may refuse: then none of this request's sequences is queued (the same length)
         self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, seqs,
                                                  list(request.detokenizers))
-        self._constrained += params.structured is not None
 
     def abort(self, request_id: str) -> list[StepUpdate]:
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
-        self._constrained -= state.params.structured is not None
         updates = []
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
@@ -214,37 +211,36 @@ class EngineCore:
         Overlapped (the default): the step is launched before the previous step's tokens are read, which happens
         while this step runs; its own tokens are read, and their updates returned, by the next call. The host work
         of a step (scheduling, input writes, launches, reading tokens, detokenizing, stop checks) then hides behind
-        the GPU's. Nothing in sampling needs the last token on the host: penalties count it on the device."""
+        the GPU's. Nothing in sampling needs the last token on the host (penalties count it on the device) but a
+        structured output's grammar, for which the last step is read between this step's forwards and its draw."""
         self.timing = StepTiming()
         hook = _Once(while_gpu_runs)
         updates: list[StepUpdate] = []
-        # a running structured output's next mask needs its last token: such steps are read before the next launch
-        constrained = self._constrained > 0
-        in_turn = not self.overlap or (constrained and any(seq.matcher is not None for seq in self.scheduler.running))
-        if in_turn and self._in_flight is not None:
+        if not self.overlap and self._in_flight is not None:
             updates += self._resolve()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.timing.schedule, self.timing.decode_batch = time.perf_counter() - t0, len(sched.decode)
         updates += [self._ended(seq) for seq in sched.out_of_cache]
-        launched = self._launch(sched) if not sched.empty else None
+        launched = self._launch(sched, updates, hook) if not sched.empty else None
         hook()
         if self._in_flight is not None:
             self.timing.overlapped = launched is not None
             updates += self._resolve()
         self._in_flight = launched
-        if launched is not None and (in_turn or constrained and any(seq.matcher is not None
-                                                                    for seq, _ in launched.rows)):
+        if launched is not None and not self.overlap:
             updates += self._resolve()
         for request_id in {u.request_id for u in updates if u.finish_reason}:
             state = self.requests.get(request_id)
             if state is not None and state.finished:
                 del self.requests[request_id]
-                self._constrained -= state.params.structured is not None
         return updates
 
-    def _launch(self, sched: ScheduledStep) -> InFlight | None:
-        """Run the step's forwards and sample on the device; the sampled rows' tokens stay pending."""
+    def _launch(self, sched: ScheduledStep, updates: list[StepUpdate], hook: _Once) -> InFlight | None:
+        """Run the step's forwards and sample on the device; the sampled rows' tokens stay pending. A structured
+        output's mask needs its sequence's last token: where a row is constrained, the step in flight is read (its
+        updates go to `updates`; `hook` runs first) after this step's forwards are launched and before its draw, so
+        the grammar's work runs while the forwards do."""
         parts: list[torch.Tensor] = []
         sampled: list[Sequence] = []
         prompt_chunks: list[tuple[Sequence, int, PendingSample]] = []
@@ -273,6 +269,10 @@ class EngineCore:
             timing.gpu = timer.take() if timer is not None else None
         if not sampled:
             return InFlight([], None, prompt_chunks) if prompt_chunks else None
+        if self._in_flight is not None and any(r.matcher is not None for r in rows):
+            hook()
+            self.timing.overlapped = True
+            updates += self._resolve()  # (the rows hold the sequences' matchers and token lists: they see it)
         if pending is None:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
