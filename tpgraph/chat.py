@@ -70,13 +70,44 @@ class ChatTemplate:
         return ChatTemplate, (self.source, self.special_tokens)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
-        """tools: function tools ({"type": "function", "function": {...}}), for templates that describe them."""
+               tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
+        """tools: function tools ({"type": "function", "function": {...}}), for templates that describe them.
+        variables: more of the template's own variables (vLLM's chat_template_kwargs, e.g. a system prompt switch).
+        continue_final_message: the text ends inside the last message (an assistant's reply begun), as HF's
+        apply_chat_template cuts it, so the model continues it."""
+        variables = dict(variables or {})
+        taken = sorted(set(variables) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if taken:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message continues the last message: it needs add_generation_prompt "
+                               "false")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        documents=None, **self.special_tokens)
+            text = self.template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt, documents=None)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None
+        except TypeError as exc:  # (a variable of a type the template cannot use)
+            raise RequestError(f"the chat template cannot render these messages: {exc}") from None
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    @staticmethod
+    def from_option(value: str, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
+        """--chat-template: a file holding a template, or the template itself (as vLLM reads the flag)."""
+        path = Path(value)
+        try:
+            is_file = path.is_file()
+        except OSError:  # (a template too long to be a path)
+            is_file = False
+        if is_file:
+            try:
+                value = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"cannot read the chat template {path}: {exc}") from None
+        elif not any(c in value for c in "{}\n"):
+            raise CheckpointError(f"the chat template {value!r} is neither a file nor a template")
+        return ChatTemplate(value, special_tokens)
 
     @staticmethod
     def from_dir(model_dir: str | Path | None, builtin_bos: str) -> ChatTemplate | None:
@@ -93,6 +124,18 @@ class ChatTemplate:
         if not isinstance(source, str):
             return None
         return ChatTemplate(source, special_tokens(cfg))
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered text up to the end of the last message's content (what the template writes after it, an
+    end-of-turn token, is cut), as apply_chat_template does for continue_final_message."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise RequestError("continue_final_message needs a last message with text to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not write the last message as it is")
+    return text[:at + len(final.strip())]
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:

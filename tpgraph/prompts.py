@@ -64,11 +64,13 @@ class PromptCodec:
         return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> str:
+        """Chat messages as text, through the chat template (ChatTemplate.render says what each argument does)."""
         if self.chat_template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
-                               f"tokenizer_config.json's chat_template); send a plain prompt")
-        return self.chat_template.render(messages, add_generation_prompt, tools)
+                               f"tokenizer_config.json's chat_template, or --chat-template); send a plain prompt")
+        return self.chat_template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""

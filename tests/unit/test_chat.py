@@ -87,3 +87,29 @@ def test_builtin_model_has_a_template():
         text = engine.render_chat([{"role": "user", "content": "hi"}])
         assert text == "<|begin_of_text|><|user|>\nhi\n<|assistant|>\n"
         assert engine.encode([{"role": "user", "content": "hi"}])[0] == 256  # BOS once, from the template
+
+
+def test_template_variables_and_continuing_the_final_message():
+    """vLLM's chat_template_kwargs reach the template as its variables (not over the request's own); with
+    continue_final_message the text ends where the last message's text does, as apply_chat_template cuts it."""
+    template = ChatTemplate("{% if greet %}hello {% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                            "</{{ m['role'] }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is "}]
+    assert template.render(messages[:1], variables={"greet": True}) == "hello <user>hi</user><assistant>"
+    assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == (
+        "<user>hi</user><assistant>The answer is")
+    with pytest.raises(RequestError, match="may not set messages"):
+        template.render(messages, variables={"messages": []})
+    with pytest.raises(RequestError, match="needs add_generation_prompt false"):
+        template.render(messages, continue_final_message=True)
+
+
+def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatTemplate.from_option(str(tmp_path / "t.jinja")).render(messages) == "[x]"
+    assert ChatTemplate.from_option("{{ messages[0]['content'] }}!").render(messages) == "x!"
+    with pytest.raises(CheckpointError, match="neither a file nor a template"):
+        ChatTemplate.from_option(str(tmp_path / "missing.jinja"))
+    with TPEngine(device="cpu", max_model_len=64, chat_template="<{{ messages[0]['content'] }}>") as engine:
+        assert engine.render_chat(messages) == "<x>"

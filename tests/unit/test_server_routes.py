@@ -57,6 +57,20 @@ def test_tokenize_a_prompt_and_chat_messages_as_the_completions_would():
     assert strs.json()["token_strs"] == [BOS, "H", "i"]
 
 
+def test_tokenize_chat_with_tools_template_variables_and_a_continued_message():
+    """/tokenize renders what /v1/chat/completions would: the tools, chat_template_kwargs, continue_final_message."""
+    c = codec()
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]
+    ok, bad = call([("POST", "/tokenize", {"messages": messages, "tools": tools, "add_generation_prompt": False,
+                                           "continue_final_message": True}, None),
+                    ("POST", "/tokenize", {"messages": messages, "tools": [{"type": "x"}]}, None)])
+    text = c.render_chat(messages, False, tools, continue_final_message=True)
+    assert text.endswith("<|assistant|>\nSure") and '"name": "f"' in text
+    assert ok.json()["tokens"] == c.encode_text(text, add_special_tokens=False)
+    assert bad.status_code == 400 and "function tools only" in bad.json()["error"]["message"]
+
+
 def test_tokenizer_info_names_the_special_tokens_and_the_template():
     """vLLM's /tokenizer_info, which lm-eval's remote tokenizer reads: the BOS the tokenizer adds, the first EOS id's
     token, the chat template's source (each encodes back to its id through /tokenize, as lm-eval's does)."""

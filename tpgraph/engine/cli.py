@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (the checkpoint's; fp32 on CPU) | bfloat16 | float16 | float32 (and bf16 / fp16 / fp32)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
     p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
@@ -66,4 +68,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                graphs=graph_config_from_args(args))
+                chat_template=args.chat_template, graphs=graph_config_from_args(args))

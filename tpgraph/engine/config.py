@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:

@@ -127,12 +127,13 @@ class TPEngine:
             dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
             self.tokenizer = load_tokenizer(cfg.model, self.model.cfg.vocab_size)
-            self.chat_template = ChatTemplate.from_dir(cfg.model, BOS)
             self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
             special = {"bos_token": BOS, "eos_token": EOS} if cfg.model is None else special_tokens(
                 tokenizer_config(cfg.model))
+            self.chat_template = ChatTemplate.from_dir(cfg.model, BOS) if cfg.chat_template is None else \
+                ChatTemplate.from_option(cfg.chat_template, special)
             self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
                                        str(cfg.model or "the built-in model"), eos_ids, special)
             self.runner = ModelRunner(self.model, RunnerConfig(
@@ -162,8 +163,9 @@ class TPEngine:
         return self.prompts.encode(prompt, self.runner.max_model_len)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        return self.prompts.render_chat(messages, add_generation_prompt, tools)
+                    tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> str:
+        return self.prompts.render_chat(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""

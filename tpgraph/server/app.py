@@ -305,7 +305,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         api.check_model(body.model)
         messages = body.checked_messages()
         tools = body.tool_plan(tool_options)
-        text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools)
+        text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
+                                   body.chat_template_kwargs, body.continue_final_message)
         token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len)]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:

@@ -228,6 +228,8 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None  # (each checked by tools.check_tools, with a message that names it)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -277,6 +279,9 @@ class TokenizeRequest(NullMeansDefault):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # (rendered as a chat request's are, so the counts agree)
     return_token_strs: bool = False
 
     @model_validator(mode="after")

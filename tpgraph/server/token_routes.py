@@ -13,6 +13,7 @@ from fastapi import APIRouter
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
+from tpgraph.server.tools import check_tools
 
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
 
@@ -26,7 +27,10 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
         if body.model is not None:
             check_model(body.model)
         if body.messages is not None:
-            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt)
+            if body.tools:
+                check_tools(body.tools)
+            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, body.tools or None,
+                                       body.chat_template_kwargs, body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
