@@ -131,8 +131,8 @@ PREFIX = list(range(100, 140))  # 40 tokens: 10 blocks, past WAIT_MIN_TOKENS
 
 @pytest.mark.parametrize("limit", ["slots", "blocks"])
 def test_a_deferred_sequence_is_not_overtaken_by_the_queue_behind_it(limit):
-    """A sequence waiting for a prefix in flight holds the queue: had later arrivals gone past it, they would take
-    the slots or blocks it waits to use, and it would wait for their whole generations."""
+    """Later arrivals do not take the slots or blocks a sequence waiting for a prefix in flight will use: had they,
+    it would wait for their whole generations."""
     # slots: max_num_seqs 2, plenty of blocks; blocks: slots for all, but the unrelated one takes the free blocks
     seqs, blocks = (2, 64) if limit == "slots" else (4, 17)
     sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=128, max_model_len=128,
@@ -152,6 +152,36 @@ def test_a_deferred_sequence_is_not_overtaken_by_the_queue_behind_it(limit):
         f"running: {[s.seq_id for s in sched.running]}")
 
 
+@pytest.mark.parametrize(("blocks", "arrival"), [(18, 60), (26, 100), (34, 100), (28, 60)])
+def test_a_long_arrival_does_not_go_past_a_sequence_waiting_for_a_prefix(blocks, arrival):
+    """An arrival goes past a sequence waiting for a prefix only whole (its prompt in one step) and with room for
+    the running prompts to finish: let in for a chunk, it ran short of blocks, was preempted, and came back ahead
+    of the waiting one, which then waited for whole generations (helper-81's cases; it went in at step 46)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256, block_size=BS),
+                      PrefixCachingAllocator(blocks, BS))
+    first, sample = Sequence(0, PREFIX + [1], 1000), Sequence(1, PREFIX + [2], 1000)
+    unrelated = Sequence(2, list(range(200, 200 + arrival)), 1000)
+    for s in (first, sample, unrelated):
+        sched.add(s)
+    run_step(sched.schedule())
+    step = sched.schedule()
+    assert sample.status is Status.RUNNING and sample.num_cached == len(PREFIX), [s.seq_id for s in sched.waiting]
+    assert (sample, 1) in step.prefill
+
+
+def test_a_preempted_sequence_queues_behind_those_waiting_for_a_prefix():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=BS),
+                      PrefixCachingAllocator(64, BS))
+    first, sample = Sequence(0, PREFIX + [1], 1000), Sequence(1, PREFIX + [2], 1000)
+    other = Sequence(2, [7, 8, 9], 1000)
+    for s in (first, sample, other):
+        sched.add(s)
+    step = sched.schedule()
+    assert list(sched.waiting) == [sample] and other.status is Status.RUNNING
+    sched._preempt(other, step)
+    assert list(sched.waiting) == [sample, other]
+
+
 def test_arrivals_with_room_go_past_a_sequence_waiting_for_a_prefix():
     """A sequence waiting for a prefix in flight does not hold up unrelated arrivals while slots and blocks are
     plentiful, and it goes in, sharing the prefix, in the step after the prefix is computed."""
@@ -159,10 +189,10 @@ def test_arrivals_with_room_go_past_a_sequence_waiting_for_a_prefix():
                                       block_size=BS), PrefixCachingAllocator(64, BS))
     first = Sequence(0, PREFIX + [1], 1000)  # 41 tokens, computing the common prefix
     sample = Sequence(1, PREFIX + [2], 1000)  # waits for it
-    unrelated = Sequence(2, list(range(200, 220)), 1000)  # arrives last
+    unrelated = Sequence(2, list(range(200, 207)), 1000)  # arrives last
     for s in (first, sample, unrelated):
         sched.add(s)
-    step = sched.schedule()  # the unrelated one takes the 7 tokens of budget left, a chunk of its prompt
+    step = sched.schedule()  # the unrelated one takes the 7 tokens of budget left: its whole prompt
     assert [(s.seq_id, n) for s, n in step.prefill] == [(0, 41), (2, 7)]
     assert list(sched.waiting) == [sample] and sample.awaited_blocks == 10
     run_step(step)

@@ -126,9 +126,9 @@ class Scheduler:
             else:
                 step.prefill.append((seq, n))
         # sequences passed over while they wait for a prefix in flight keep the slots and blocks they will take:
-        # arrivals behind them go in only with room to spare, a block of growth for each running and passed-over
-        # sequence on top (were running sequences to outgrow the rest, the newest, an arrival that went past, would
-        # be preempted and come back ahead of them)
+        # arrivals behind them go in only whole (their prompt in this step) and with room to spare: the blocks every
+        # running sequence's prompt still needs, and a block of growth for each sequence. (Should the running ones
+        # outgrow that, the newest, an arrival that went past, is preempted; it queues behind the passed-over ones.)
         deferred_slots = deferred_blocks = 0
         i = 0
         while (i < len(self.waiting) and budget > 0
@@ -146,8 +146,9 @@ class Scheduler:
                 self.allocator.match(seq)  # a cached prefix: its blocks are shared, and only the rest is computed
             n = min(seq.num_uncached, budget)
             need = seq.blocks_needed(self.cfg.block_size, seq.num_cached + n)
-            kept = deferred_blocks + len(self.running) if deferred_slots else 0
-            if (n < seq.num_uncached and not self.cfg.enable_chunked_prefill) or need + kept > self.allocator.num_free:
+            kept = deferred_blocks + self._room_to_grow() + 1 if deferred_slots else 0
+            if ((n < seq.num_uncached and (deferred_slots or not self.cfg.enable_chunked_prefill))
+                    or need + kept > self.allocator.num_free):
                 self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
                 break
             seq.block_table.extend(self.allocator.allocate(need))
@@ -159,6 +160,10 @@ class Scheduler:
             step.prefill.append((seq, n))
             budget -= n
         return step
+
+    def _room_to_grow(self) -> int:
+        """Blocks the running sequences need to finish their prompts, and one each to grow."""
+        return sum(s.blocks_needed(self.cfg.block_size, len(s)) + 1 for s in self.running)
 
     def _decided_by_pending(self, seq: Sequence) -> bool:
         """Would this sequence's fate be decided by its pending tokens? Its last one reaches max_tokens or
@@ -196,7 +201,11 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them)
+        at = 0
+        while at < len(self.waiting) and self.waiting[at].awaited_blocks:
+            at += 1
+        self.waiting.insert(at, seq)
         step.preempted.append(seq)
         # a victim scheduled earlier in this step must not run
         step.prefill = [(s, n) for s, n in step.prefill if s is not seq]
