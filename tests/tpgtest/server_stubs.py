@@ -112,15 +112,18 @@ class SilentClient(IdleClient):
 
 
 class ScriptedClient(OneTokenClient):
-    """An engine that answers each sample of a request with the text pieces given (a token each), then "stop"; it
-    keeps the params it was sent."""
+    """An engine that answers each sample of a request with the text pieces given (a token each, id 7, with a
+    log-probability of -0.5 where asked), then `finish`; it keeps the params it was sent."""
 
-    def __init__(self, pieces: list[str]) -> None:
+    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
         super().__init__()
-        self.pieces, self.params = pieces, []
+        self.pieces, self.finish, self.params = pieces, finish, []
 
     def submit(self, request_id, prompt, params, sink) -> None:
         self.params.append(params)
         for sample in range(params.n):
             for i, piece in enumerate(self.pieces):
-                sink(StepUpdate(request_id, sample, 7, piece, "stop" if i == len(self.pieces) - 1 else None))
+                update = StepUpdate(request_id, sample, 7, piece, self.finish if i == len(self.pieces) - 1 else None)
+                if params.logprobs is not None:
+                    update.logprob, update.top_logprobs = -0.5, [(7, -0.5)][:params.logprobs]
+                sink(update)

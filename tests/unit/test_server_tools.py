@@ -21,9 +21,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 PLAIN = ToolOptions()
 
 
-def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN) -> tuple[dict, list[dict], ScriptedClient]:
+def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: str = "stop"
+         ) -> tuple[dict, list[dict], ScriptedClient]:
     """The reply as a whole and as its streamed chunks' JSON, and the client that answered."""
-    httpx, client = httpx_module(), ScriptedClient(pieces)
+    httpx, client = httpx_module(), ScriptedClient(pieces, finish)
     app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128, tool_options=options)
     request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER], **body}
 
@@ -104,3 +105,29 @@ def test_auto_with_a_parser_finds_the_calls_after_text():
     whole, chunks, _ = chat(pieces, {"tool_choice": "none"}, ToolOptions(parser="hermes"))
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
     assert folded(chunks) == ("".join(pieces), [], "stop")
+
+
+def test_a_cut_reply_with_logprobs_comes_back_as_text_with_every_tokens_logprob():
+    pieces = ['[{"name":', '"get_wea']
+    whole, chunks, _ = chat(pieces, {"tool_choice": "required", "logprobs": True}, finish="length")
+    choice = whole["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert choice["finish_reason"] == "length"
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-0.5, -0.5]
+    streamed = [e for c in chunks for ch in c["choices"] for e in (ch["logprobs"] or {}).get("content", [])]
+    assert len(streamed) == 2  # (held-back text still sends its tokens' log-probabilities)
+    assert folded(chunks) == ("".join(pieces), [], "length")
+
+
+def test_earlier_calls_that_do_not_parse_are_a_400():
+    httpx = httpx_module()
+    app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128)
+    history = [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}}]}]
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return await http.post("/v1/chat/completions", json={"model": "m", "messages": history})
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 400 and "arguments is not valid JSON" in reply.json()["error"]["message"]

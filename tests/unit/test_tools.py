@@ -17,6 +17,7 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # (no parameters)
 AUTO = ToolOptions(parser="hermes")
 PLAIN = ToolOptions()
+NAMES = frozenset({"f", "g", "get_weather"})  # (the functions a request offers, for the parsers)
 
 
 def plan(tool_choice=None, tools=(WEATHER, TIME), parallel=None, options=PLAIN) -> ToolPlan:
@@ -136,9 +137,15 @@ def test_parallel_tool_calls_false_keeps_one_call():
     ('{"name": "f"}', '{"name": "f"}', []),  # (no arguments: not a call)
     ('{"name": "f", "parameters": {"x": ', '{"name": "f", "parameters": {"x": ', []),
     ('{"a": 1} and more', '{"a": 1} and more', []),
+    ('{"name": "Alice", "parameters": {}}', '{"name": "Alice", "parameters": {}}', []),  # (no such function)
+    ('{"name": "f", "parameters": {"n": NaN}}', '{"name": "f", "parameters": {"n": NaN}}', []),  # (not JSON's)
+    ('{"name": "f", "parameters": {"n": 1e999}}', '{"name": "f", "parameters": {"n": 1e999}}', []),
+    ('{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}", '{"name": "f", "parameters": {"n": ' + "9" * 5000 + "}}",
+     []),  # (past Python's 4300 digits)
+    ('{"name": "f", "parameters": ' + "[" * 100_000, '{"name": "f", "parameters": ' + "[" * 100_000, []),
 ])
 def test_llama3_json_parser(text, content, calls):
-    got_content, got = Llama3JsonParser().parse(text)
+    got_content, got = Llama3JsonParser().parse(text, NAMES)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
     if calls:
         assert "\\u" not in "".join(c.arguments for c in got)  # (kept as written: ensure_ascii off)
@@ -150,9 +157,14 @@ def test_llama3_json_parser(text, content, calls):
      [("f", {}), ("g", {})]),  # (a last block left open is read too)
     ("No tools needed.", "No tools needed.", []),
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call> and then', " and then", [("f", {})]),  # (kept)
+    ('<tool_call>{"name": "f", "arguments": "{\\"q\\": 2}"}</tool_call>', None, [("f", {"q": 2})]),  # (a string)
+    ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}'
+     "</tool_call>", []),
+    ("<tool_call>" + "[" * 100_000, "<tool_call>" + "[" * 100_000, []),
 ])
 def test_hermes_parser(text, content, calls):
-    got_content, got = HermesParser().parse(text)
+    got_content, got = HermesParser().parse(text, NAMES)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
@@ -210,6 +222,9 @@ def test_earlier_calls_reach_the_template_with_arguments_as_objects():
 
 @pytest.mark.parametrize(("call", "needle"), [
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}, "not valid JSON"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}},
+     "not valid JSON"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}, "not valid JSON"),
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}, "must be a JSON object"),
     ({"id": "c", "function": {"arguments": "{}"}}, "must be"),
 ])
@@ -234,10 +249,17 @@ def test_tools_and_response_format_do_not_mix_and_hermes_keeps_special_tokens():
     assert required.sampling_params(8, None, tools=required.tool_plan(ToolOptions())).structured.kind == "json_schema"
 
 
+def test_required_calls_that_json_cannot_hold_come_back_as_text():
+    for bad in ("1e999", "9" * 5000):
+        text = '[{"name":"get_weather","parameters":{"n":' + bad + "}}]"
+        _, message, reason = read(plan("required"), [text])
+        assert message == {"role": "assistant", "content": text} and reason == "stop"
+
+
 def test_raw_control_characters_in_strings_are_re_encoded():
     """A model may write a raw tab inside a JSON string, which strict JSON forbids: the call is taken, and its
     arguments re-encoded as valid JSON."""
     _, message, _ = read(plan("required"), ['[{"name":"get_weather","parameters":{"city":"a\tb\x00"}}]'])
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "a\tb\x00"}
-    _, calls = Llama3JsonParser().parse('{"name": "f", "parameters": {"q": "x\ty"}}')
+    _, calls = Llama3JsonParser().parse('{"name": "f", "parameters": {"q": "x\ty"}}', NAMES)
     assert json.loads(calls[0].arguments) == {"q": "x\ty"}

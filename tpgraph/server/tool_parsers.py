@@ -3,11 +3,12 @@ generated (vLLM's --tool-call-parser names):
 
 - llama3_json: Llama 3.1-3.3's JSON calls. The reply is one or more `{"name": ..., "parameters": {...}}` objects
   (`"arguments"` is taken too), `;`-separated, maybe after `<|python_tag|>`; a reply that begins otherwise is text.
-- hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text (a last
-  block left open is read too).
+- hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text (a last block
+  left open is read too); the text around them is content.
 
-A reply that does not parse as calls is returned whole as content: nothing the model wrote is lost. Raw control
-characters in strings (a tab, as models write) are taken, and the arguments re-encoded as JSON.
+A reply that does not parse as calls, or calls a function the request did not offer, is returned whole as content:
+nothing the model wrote is lost. Raw control characters in strings (a tab, as models write) are taken, and the
+arguments re-encoded as JSON (arguments written as a JSON string are taken too).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class ToolParser:
     name = ""
     keeps_special_tokens = False  # must the text keep special tokens (the parser's markers may be ones)?
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls): the text around the calls (None where there is none) and the calls, in order."""
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls): the text around the calls (None where there is none) and the calls, in order. A call
+        to a function not among `names` (the request's tools) is no call: the reply is then content."""
         raise NotImplementedError
 
     def content_until(self, text: str) -> int:
@@ -36,20 +38,38 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _call(obj: object, args_key: tuple[str, ...]) -> ParsedCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+# what json raises on text it will not take: bad JSON, an integer past Python's 4300 digits, nesting past the stack
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def loads(text: str) -> object:
+    """JSON as models write it: a raw tab in a string is taken (strict JSON forbids it)."""
+    return json.loads(text, strict=False)
+
+
+def arguments_text(args: object) -> str | None:
+    """A call's arguments as JSON text: an object (or JSON text of one), re-encoded; None if it is no object or
+    holds what JSON cannot (NaN, Infinity)."""
+    try:
+        if isinstance(args, str):  # (some models write the arguments as a JSON string)
+            args = loads(args)
+        return json.dumps(args, ensure_ascii=False, allow_nan=False) if isinstance(args, dict) else None
+    except JSON_ERRORS:
         return None
-    args = next((obj[k] for k in args_key if k in obj), None)
-    if not isinstance(args, dict):
+
+
+def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    arguments = arguments_text(next((obj[k] for k in args_key if k in obj), None))
+    return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         body = body.removeprefix(self.PYTHON_TAG).lstrip()
         if not body.startswith("{"):
@@ -58,9 +78,9 @@ class Llama3JsonParser(ToolParser):
         while at < len(body):
             try:
                 obj, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except JSON_ERRORS:
                 return text, []
-            call = _call(obj, ("parameters", "arguments"))
+            call = _call(obj, ("parameters", "arguments"), names)
             if call is None:
                 return text, []
             calls.append(call)
@@ -85,20 +105,21 @@ class HermesParser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
-        calls = []
-        for block in self._BLOCK.findall(text, start):
+        calls, end = [], start
+        for block in self._BLOCK.finditer(text, start):
             try:
-                call = _call(json.loads(block, strict=False), ("arguments", "parameters"))
-            except json.JSONDecodeError:
+                call = _call(loads(block.group(1)), ("arguments", "parameters"), names)
+            except JSON_ERRORS:
                 call = None
             if call is None:
                 return text, []
             calls.append(call)
-        return text[:start] or None, calls
+            end = block.end()
+        return (text[:start] + text[end:]) or None, calls  # (the text around the blocks)
 
     def content_until(self, text: str) -> int:
         start = text.find(self.OPEN)

@@ -24,7 +24,7 @@ from typing import Any
 
 from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
-from tpgraph.server.tool_parsers import PARSERS, ParsedCall, ToolParser
+from tpgraph.server.tool_parsers import JSON_ERRORS, PARSERS, ParsedCall, ToolParser, arguments_text, loads
 
 NAMED_USAGE = 'a named tool_choice is {"type": "function", "function": {"name": "my_function"}}'
 
@@ -90,6 +90,7 @@ class ToolPlan:
     structured: StructuredOutput | None = None  # the constraint that makes the reply calls
     parser: ToolParser | None = None  # ("auto")
     one_call: bool = False
+    names: frozenset[str] = frozenset()  # the tools' names ("auto" takes calls to these alone)
 
     @staticmethod
     def of(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, options: ToolOptions
@@ -108,7 +109,8 @@ class ToolPlan:
                 raise RequestError('"auto" tool choice (the default when tools are given) needs a server started with '
                                    "--enable-auto-tool-choice and --tool-call-parser; or ask for tool_choice "
                                    '"required", or a named function, which need neither')
-            return ToolPlan("auto", list(tools), parser=PARSERS[options.parser](), one_call=one_call)
+            return ToolPlan("auto", list(tools), parser=PARSERS[options.parser](), one_call=one_call,
+                            names=frozenset(by_name))
         if choice == "required":
             return ToolPlan("required", list(tools), one_call=one_call, structured=StructuredOutput.json_schema(
                 required_schema(list(by_name.values()), one_call)))
@@ -204,7 +206,7 @@ class ToolCallReader:
             # an array cut after some calls: the part call that was cut comes back as text
             rest = self.text[self.element_at:] if self.element_at >= 0 else ""
             return Delta(rest, calls), "tool_calls" if finish_reason == "stop" else finish_reason
-        content, parsed = self.plan.parser.parse(self.text)
+        content, parsed = self.plan.parser.parse(self.text, self.plan.names)
         if not parsed:
             return Delta(self._content_to(len(self.text))), finish_reason
         if self.plan.one_call:
@@ -269,12 +271,13 @@ class JsonScanner:
 
 def _array_call(element: str) -> ParsedCall | None:
     try:
-        obj = json.loads(element, strict=False)  # (a raw tab in a string, as models write: taken, re-escaped)
-    except json.JSONDecodeError:
+        obj = loads(element)
+    except JSON_ERRORS:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("parameters"), dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
+    arguments = arguments_text(obj["parameters"])
+    return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
 def merge_calls(deltas: list[dict]) -> list[dict]:
@@ -299,7 +302,7 @@ def history_call(call: Any, where: str) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
+        except JSON_ERRORS as exc:
             raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON object")
