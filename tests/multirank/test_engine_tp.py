@@ -86,3 +86,18 @@ def test_two_ranks_keep_their_grammars_in_step():
         single = one.generate(PROMPTS, params)
     assert ranks[0]["completions"] == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in single]
     assert all(reason == "stop" for samples in ranks[0]["completions"] for _, _, reason in samples)
+
+
+def test_every_rank_compiles_a_new_grammar_off_its_step_loop():
+    """At TP=2 rank 0 tells the other rank of a grammar it compiles ahead of the request: that rank compiles it on
+    its background thread, not inside the step that adds the request."""
+    pytest.importorskip("xgrammar")
+    from tpgtest.workers import service_precompile
+
+    from tpgraph.engine.structured import StructuredOutput
+
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=20, structured=StructuredOutput("regex", "[a-f]{5}"))
+    ranks = run_ranks(service_precompile, 2, "Code:", params, ENGINE, 60, timeout_s=180)
+    assert ranks[0]["finished"] and len(ranks[0]["text"]) == 5 and set(ranks[0]["text"]) <= set("abcdef")
+    assert ranks[0]["threads"] == ["MainThread"]  # (rank 0: the caller of precompile)
+    assert len(ranks[1]["threads"]) == 1 and ranks[1]["threads"][0].startswith("tpgraph-grammar")

@@ -859,3 +859,41 @@ def gemv_all_reduce(rank, world_size, init, cases, replays):
                 del graph
         torch.cuda.synchronize()
         return failures, checked, worst
+
+
+def service_precompile(rank, world_size, init, prompt, params, engine_kw, wait_s):
+    """The server's path for a structured request at TP=world_size: rank 0's reader compiles the grammar ahead
+    (EngineService.precompile, which tells the other ranks to compile it too), then queues the request. Every rank
+    records the threads its grammars were compiled on. Returns rank 0's text and every rank's compile threads."""
+    import threading
+
+    from tpgraph import TPEngine
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        threads = []
+        real = engine.core.grammars._compile
+
+        def compile_(compiler, spec):
+            threads.append(threading.current_thread().name)
+            return real(compiler, spec)
+
+        engine.core.grammars._compile = compile_
+        if rank != 0:
+            EngineService(engine.core, ControlPlane(engine.state)).run_worker()
+            return {"threads": threads}
+        service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=0.05)
+        service.start()
+        text, done = [], threading.Event()
+
+        def sink(update):
+            text.append(update.text)
+            if update.finish_reason is not None:
+                done.set()
+
+        service.precompile(params)  # (the reader thread's call: here the test's own thread)
+        service.enqueue("r", engine.encode(prompt), params, sink)
+        finished = done.wait(wait_s)
+        service.shutdown()
+        return {"threads": threads, "text": "".join(text), "finished": finished}

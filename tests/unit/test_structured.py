@@ -205,3 +205,37 @@ def test_length_bounded_json_strings_take_escapes_and_refuse_raw_control_charact
     plain = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}})
     assert str(json_schema_grammar(plain)) == str(__import__("xgrammar").Grammar.from_json_schema(
         plain, any_whitespace=False))
+
+
+def test_a_grammar_compiled_on_two_threads_at_once_is_compiled_once():
+    """A follower's background compile (compile_soon) and its step's add ask for the same grammar: the second
+    waits for the first; a refusal reaches both."""
+    import threading
+    import time
+
+    with engine() as e:
+        grammars, calls = e.core.grammars, []
+        real = grammars._compile
+
+        def slow(compiler, spec):
+            calls.append(spec)
+            time.sleep(0.2)
+            return real(compiler, spec)
+
+        grammars._compile = slow
+        spec = StructuredOutput("regex", "[a-c]{3}")
+        grammars.compile_soon(spec)
+        time.sleep(0.05)  # (the background thread is compiling)
+        got = [None, None]
+        readers = [threading.Thread(target=lambda i=i: got.__setitem__(i, grammars.compile(spec))) for i in (0, 1)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        assert calls == [spec] and got[0] is got[1] is grammars.compile(spec)
+        bad = StructuredOutput("regex", "[0-9")
+        grammars.compile_soon(bad)
+        time.sleep(0.05)
+        with pytest.raises(RequestError, match="the regex cannot be used"):
+            grammars.compile(bad)
+        assert calls.count(bad) == 1 and not grammars._compiling

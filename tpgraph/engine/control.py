@@ -13,17 +13,19 @@ import torch.distributed as dist
 
 from tpgraph.distributed import ParallelState
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.structured import StructuredOutput
 
 
 @dataclass
 class StepMessage:
     adds: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    compiles: list[StructuredOutput] = field(default_factory=list)  # grammars rank 0 compiles ahead of their adds
     shutdown: bool = False
 
     @property
     def empty(self) -> bool:
-        return not self.adds and not self.aborts and not self.shutdown
+        return not self.adds and not self.aborts and not self.compiles and not self.shutdown
 
 
 class ControlPlane:

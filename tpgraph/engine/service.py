@@ -64,9 +64,11 @@ class EngineService:
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile a request's grammar on the caller's thread (the server's reader), so that the engine thread, which
-        adds the request, finds it compiled rather than stalling a step on it. A refusal, or any failure, is left for
-        the add to report."""
+        adds the request, finds it compiled rather than stalling a step on it; the other ranks are told to compile it
+        too, on a thread of theirs. A refusal, or any failure, is left for the add to report."""
         if params.structured is not None and self.core.grammars is not None:
+            if self.control.needed:  # the other ranks compile it beside this one (the next message tells them)
+                self._inbox.put(("compile", params.structured))
             try:
                 self.core.grammars.compile(params.structured)
             except Exception:  # noqa: BLE001 - the add reports it (this thread is the server's reader: it must live)
@@ -184,7 +186,11 @@ class EngineService:
         if self.control.state.rank == 0:
             message, local = self._collect(block)
             return self.control.exchange(message), local
-        return self.control.exchange(None), None
+        message = self.control.exchange(None)
+        if self.core.grammars is not None:  # begun now, while this rank's step runs (rank 0 compiles them itself)
+            for spec in message.compiles:
+                self.core.grammars.compile_soon(spec)
+        return message, None
 
     def _apply(self, message: StepMessage, local: Local | None) -> None:
         """Every rank applies the same adds and aborts in the same order. `local`: rank 0's prepared adds and sinks
@@ -229,6 +235,8 @@ class EngineService:
                         local.append((prepared, sink))
                 elif kind == "abort":
                     message.aborts.append(item[1])
+                elif kind == "compile":
+                    message.compiles.append(item[1])
                 else:
                     message.shutdown = True
                 item = self._inbox.get_nowait()

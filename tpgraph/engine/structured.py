@@ -8,8 +8,9 @@ step's tokens before it launches the next (no overlap for those steps; engine/co
 matchers and reaches the same states, since it samples the same tokens.
 
 Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on its reader
-thread before queueing it (EngineService.precompile), and keeps the last 64; a follower rank at TP > 1 compiles a new
-one when the request reaches it, inside that step.
+thread before queueing it (EngineService.precompile), and keeps the last 64. At TP > 1 rank 0 tells the other ranks
+of the grammar first, and they compile it on a thread of their own while it does (compile_soon), so that none
+stalls a step on it when the request arrives.
 
 JSON has no free whitespace (xgrammar writes ", " and ": " between items): a model that may emit whitespace
 anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. Strings with minLength or
@@ -23,6 +24,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,8 @@ class GrammarCompiler:
         # the server's reader thread compiles a request's grammar ahead (EngineService.precompile), the engine
         # thread reads it back: the cache is shared, and a compile runs outside the lock
         self._lock = threading.Lock()
+        self._compiling: dict[StructuredOutput, Future] = {}  # specs a thread is compiling now
+        self._background: ThreadPoolExecutor | None = None  # (compile_soon's)
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh matcher (xgrammar.GrammarMatcher) for one sequence; a spec that does not compile is refused."""
@@ -97,21 +101,50 @@ class GrammarCompiler:
         return xgr.GrammarMatcher(self.compile(spec))
 
     def compile(self, spec: StructuredOutput) -> Any:
+        """The spec's compiled grammar; a thread that asks while another compiles it waits for that compile."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-            compiler = self._xgrammar_compiler()
+            running = self._compiling.get(spec)
+            if running is None:
+                compiler = self._xgrammar_compiler()
+                running = self._compiling[spec] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return running.result()  # (its refusal, a RequestError, is raised here too)
         try:
             compiled = self._compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's refusals of a schema or grammar)
             reason = _XGRAMMAR_SOURCE.sub("", str(exc)).strip()  # (without its log stamp and source path)
-            raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}") from None
+            refusal = RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}")
+            with self._lock:
+                del self._compiling[spec]
+            running.set_exception(refusal)
+            raise refusal from None
         with self._lock:
+            del self._compiling[spec]
             self._cache[spec] = compiled
             if len(self._cache) > self.CACHED:
                 self._cache.popitem(last=False)
+        running.set_result(compiled)
         return compiled
+
+    def compile_soon(self, spec: StructuredOutput) -> None:
+        """Start compiling on a background thread (a follower rank, told of a grammar rank 0 is compiling ahead of
+        its request): the add that follows finds it compiled, or waits only for the rest. Failures are left for the
+        add to report."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="tpgraph-grammar")
+        self._background.submit(self._compile_quietly, spec)
+
+    def _compile_quietly(self, spec: StructuredOutput) -> None:
+        try:
+            self.compile(spec)
+        except Exception:  # noqa: BLE001 - the add compiles it again and reports the failure where it belongs
+            pass
 
     @staticmethod
     def _compile(compiler: Any, spec: StructuredOutput) -> Any:
