@@ -23,6 +23,7 @@ import time
 
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
 
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="the model's tool-call format: llama3_json (Llama 3.1-3.3) or hermes (<tool_call> tags)")
     tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='leave the tools out of the chat template when tool_choice is "none"')
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key, tool_options(args))
+                        args.api_key, tool_options(args), args.reasoning_parser)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -1,5 +1,6 @@
-"""Function calling through the chat endpoint (in process, an engine that answers with set text): tool calls in the
-reply, streamed and whole, each with OpenAI's shape, and the request's constraint sent to the engine."""
+"""Function calling and reasoning through the chat endpoint (in process, an engine that answers with set text): tool
+calls and thoughts in the reply, streamed and whole, each with OpenAI's shape, and the request's constraint sent to
+the engine."""
 
 import asyncio
 import json
@@ -12,6 +13,7 @@ from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module  # 
 
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
 from tpgraph.server.tools import ToolOptions  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -21,12 +23,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 PLAIN = ToolOptions()
 
 
-def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: str = "stop"
-         ) -> tuple[dict, list[dict], ScriptedClient]:
+def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: str = "stop",
+         reasoning: str | None = None, tools: bool = True) -> tuple[dict, list[dict], ScriptedClient]:
     """The reply as a whole and as its streamed chunks' JSON, and the client that answered."""
     httpx, client = httpx_module(), ScriptedClient(pieces, finish)
-    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128, tool_options=options)
-    request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER], **body}
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128, tool_options=options,
+                                reasoning=REASONING_PARSERS.get(reasoning))
+    request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+               **({"tools": [WEATHER]} if tools else {}), **body}
 
     async def main() -> tuple[dict, list[dict]]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
@@ -50,6 +54,7 @@ def folded(chunks: list[dict], index: int = 0) -> tuple[str, list[dict], str]:
                 continue
             delta = choice["delta"]
             content += delta.get("content") or ""
+            assert delta.get("reasoning") == delta.get("reasoning_content")
             for d in delta.get("tool_calls", []):
                 if d["index"] not in calls:  # (a call's first delta names it)
                     calls[d["index"]] = {"id": d["id"], "type": d["type"],
@@ -131,3 +136,31 @@ def test_earlier_calls_that_do_not_parse_are_a_400():
 
     reply = asyncio.run(main())
     assert reply.status_code == 400 and "arguments is not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_a_reasoning_parser_splits_the_thoughts_out_streamed_or_not():
+    pieces = ["<think>", "Two and ", "two.</thi", "nk>\n\nFour."]
+    whole, chunks, _ = chat(pieces, {}, reasoning="deepseek_r1", tools=False)
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (
+        "Two and two.", "Two and two.", "\n\nFour.")
+    streamed = "".join(ch["delta"].get("reasoning", "") for c in chunks for ch in c["choices"])
+    assert streamed == "Two and two." and folded(chunks) == ("\n\nFour.", [], "stop")
+    # without the parser the tags are the reply's text
+    whole, _, _ = chat(pieces, {}, tools=False)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+
+
+def test_a_reasoning_server_refuses_a_grammar_with_the_reason():
+    httpx = httpx_module()
+    app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128,
+                                reasoning=REASONING_PARSERS["deepseek_r1"])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return await http.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"}})
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 400 and "would hold the thoughts too" in reply.json()["error"]["message"]

@@ -8,8 +8,9 @@ import pytest
 from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
+from tpgraph.server.reply import ReplyReader, merge_calls
 from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser
-from tpgraph.server.tools import ToolOptions, ToolPlan, merge_calls, required_schema
+from tpgraph.server.tools import ToolOptions, ToolPlan, required_schema
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -26,7 +27,7 @@ def plan(tool_choice=None, tools=(WEATHER, TIME), parallel=None, options=PLAIN) 
 
 def read(p: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list, dict, str]:
     """Feed the pieces as a stream; returns the deltas sent, the whole message and the finish reason."""
-    reader, deltas = p.reader(), []
+    reader, deltas = ReplyReader(p), []
     for piece in pieces:
         deltas.append(reader.feed(piece))
     rest, reason = reader.finish(finish)

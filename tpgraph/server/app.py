@@ -29,8 +29,10 @@ from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
+from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
+from tpgraph.server.reply import ReplyReader
 from tpgraph.server.token_routes import token_routes
-from tpgraph.server.tools import Delta, ToolOptions
+from tpgraph.server.tools import ToolOptions
 
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
@@ -148,9 +150,10 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
-               max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None) -> FastAPI:
+               max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
+               reasoning: ReasoningParser | None = None) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
-    function calling's settings (tools.py)."""
+    function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py)."""
     tool_options = tool_options or ToolOptions()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -315,7 +318,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
-        replies = [tools.reader() for _ in choices]  # each choice's text read as content and tool calls
+        # each choice's text read as reasoning (where the server splits it out), content and tool calls
+        if reasoning is not None and params.structured is not None:
+            raise RequestError(f"this server splits the reasoning out ({reasoning.name}): a grammar (response_format, "
+                               "guided_*, or tool_choice required or named) would hold the thoughts too, so it is "
+                               "not taken here")
+        replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning)) for _ in choices]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)
 
@@ -337,15 +345,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             finish_reason = None
             if u.finish_reason is not None:
                 rest, finish_reason = reply.finish(u.finish_reason)
-                added = Delta(added.content + rest.content, added.calls + rest.calls)
-            delta: dict = {}
-            # (a plain reply's token updates carry content, "" too, as they always have; with tools, what is held
-            # back sends nothing)
-            if added.content or (tools.mode == "none" and u.finish_reason is None):
-                delta["content"] = added.content
-            if added.calls:
-                delta["tool_calls"] = added.calls
-            return c, delta, finish_reason
+                added = added + rest
+            return c, added.fields(plain=tools.mode == "none" and u.finish_reason is None), finish_reason
 
         if not body.stream:
             async for _, u in _chain(first, stream):

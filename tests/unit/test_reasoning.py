@@ -1,0 +1,60 @@
+"""Reasoning models' thoughts split from their answer (--reasoning-parser deepseek_r1): streamed in any chunking or
+whole, with tool calls after the thoughts, through the chat endpoint."""
+
+import json
+import random
+
+import pytest
+
+from tpgraph.server.reasoning import PARSERS, ReasoningReader
+from tpgraph.server.reply import ReplyReader
+from tpgraph.server.tools import ToolOptions, ToolPlan
+
+R1 = PARSERS["deepseek_r1"]
+
+
+def split(text: str, chunks: list[str] | None = None) -> tuple[str, str]:
+    reader, reasoning, content = ReasoningReader(R1), "", ""
+    for chunk in chunks or [text]:
+        r, c = reader.feed(chunk)
+        reasoning, content = reasoning + r, content + c
+    r, c = reader.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), [
+    ("Let me think.</think>\n\nThe answer is 4.", "Let me think.", "\n\nThe answer is 4."),  # (template opened it)
+    ("<think>\nHmm.</think>Four.", "\nHmm.", "Four."),  # (the model opened it: the tag is dropped)
+    ("Still thinking when cut", "Still thinking when cut", ""),  # (never closed: all reasoning)
+    ("</think>Straight to it.", "", "Straight to it."),
+    ("a</think>b</think>c", "a", "b</think>c"),  # (only the first end tag ends the thoughts)
+    ("<thin", "<thin", ""),  # (a reply that only looked like an opening tag)
+])
+def test_deepseek_r1_split(text, reasoning, content):
+    assert split(text) == (reasoning, content)
+    rng = random.Random(0)
+    for _ in range(50):  # any chunking streams the same split, a tag cut anywhere
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert split(text, chunks) == (reasoning, content), chunks
+
+
+def test_a_partial_end_tag_is_held_until_it_is_whole():
+    reader = ReasoningReader(R1)
+    assert reader.feed("Thinking</th") == ("Thinking", "")
+    assert reader.feed("ink>Done") == ("", "Done")
+
+
+def test_thoughts_then_tool_calls_and_the_whole_message():
+    plan = ToolPlan.of([{"type": "function", "function": {"name": "f"}}], None, None, ToolOptions(parser="hermes"))
+    text = 'I should call f.</think><tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    reply, streamed = ReplyReader(plan, ReasoningReader(R1)), []
+    for i in range(0, len(text), 4):
+        streamed.append(reply.feed(text[i:i + 4]))
+    rest, reason = reply.finish("stop")
+    streamed.append(rest)
+    assert "".join(d.reasoning for d in streamed) == "I should call f." and reason == "tool_calls"
+    message = reply.message()
+    assert message["reasoning"] == message["reasoning_content"] == "I should call f." and message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+    assert streamed[0].fields(plain=False) == {"reasoning": "I sh", "reasoning_content": "I sh"}

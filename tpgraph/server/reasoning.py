@@ -1,0 +1,67 @@
+"""Reasoning models' thoughts apart from their answer (vLLM's --reasoning-parser): a chat reply's text before the end
+of its thinking goes to `message.reasoning` (and `reasoning_content`, the field's older name, which DeepSeek's API
+uses), the rest to `content`, streamed or whole.
+
+deepseek_r1 (DeepSeek-R1 and its Llama distillations): thoughts end at `</think>`. Their chat template opens the
+`<think>` in the prompt, so a reply begins inside the thoughts; a `<think>` the model writes itself is dropped. A
+reply that never closes its thoughts (cut by max_tokens) is all reasoning, as vLLM reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    start: str  # the tag a reply may open its thoughts with (dropped)
+    end: str  # the tag that ends them
+
+
+PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>")}
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at text's end could begin `tag` (held back while streaming)."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+@dataclass
+class ReasoningReader:
+    """One choice's reply split as it streams: feed() returns (reasoning, content) to send now."""
+
+    parser: ReasoningParser
+    text: str = ""
+    sent: int = 0  # characters of text handled (sent, or dropped as tags)
+    thinking: bool = True
+    started: bool = False  # past any opening tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.text += text
+        return self._split(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._split(final=True)
+
+    def _split(self, final: bool) -> tuple[str, str]:
+        reasoning = ""
+        if not self.started:
+            head = self.text[self.sent:].lstrip()
+            if self.parser.start.startswith(head) and head != self.parser.start and not final:
+                return "", ""  # (maybe the opening tag, not whole yet)
+            self.started = True
+            if head.startswith(self.parser.start):
+                self.sent = self.text.index(self.parser.start, self.sent) + len(self.parser.start)
+        if self.thinking:
+            end = self.text.find(self.parser.end, self.sent)
+            if end < 0:
+                until = len(self.text) if final else len(self.text) - _held(self.text, self.parser.end)
+                reasoning, self.sent = self.text[self.sent:until], max(self.sent, until)
+                return reasoning, ""
+            reasoning, self.sent, self.thinking = self.text[self.sent:end], end + len(self.parser.end), False
+        content, self.sent = self.text[self.sent:], len(self.text)
+        return reasoning, content

@@ -1,0 +1,204 @@
+"""A chat reply read as it streams: the model's thoughts (reasoning.py), its answer's text, and its tool calls
+(tools.py), sent as OpenAI's streamed deltas and folded into the whole message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpgraph.server.reasoning import ReasoningReader
+from tpgraph.server.tool_parsers import JSON_ERRORS, ParsedCall, arguments_text, loads
+from tpgraph.server.tools import ToolPlan, tool_call_id
+
+
+@dataclass
+class Delta:
+    """What a stretch of generated text adds to a reply: reasoning, content, and tool-call deltas (OpenAI's
+    streaming form: the first delta of a call carries its index, id, type and name; later ones more of its
+    arguments)."""
+
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+    reasoning: str = ""
+
+    def __add__(self, other: Delta) -> Delta:
+        return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning)
+
+    def fields(self, plain: bool) -> dict:
+        """The delta as a streamed chunk's `delta` object. plain: a reply without tools sends content with every
+        token ("" too), as it always has; otherwise what is held back sends nothing."""
+        out: dict = {}
+        if self.reasoning:
+            out["reasoning"] = out["reasoning_content"] = self.reasoning
+        if self.content or (plain and not self.reasoning):
+            out["content"] = self.content
+        if self.calls:
+            out["tool_calls"] = self.calls
+        return out
+
+
+@dataclass
+class ReplyReader:
+    """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
+    and tool calls (tools.py says how each tool_choice reads them)."""
+
+    plan: ToolPlan
+    thoughts: ReasoningReader | None = None
+    reasoning: str = ""  # all the reasoning sent
+    text: str = ""
+    content: str = ""  # what has been sent, all told: content, and tool-call deltas
+    call_deltas: list[dict] = field(default_factory=list)
+    sent_content: int = 0  # characters of text sent as content
+    sent_calls: int = 0
+    json: JsonScanner = field(default_factory=lambda: JsonScanner())  # ("required") where the array stands
+    element_at: int = -1  # ("required") where the array's element being generated begins
+    finish_reason: str | None = None
+
+    def feed(self, text: str) -> Delta:
+        """The reply's next text: what it adds to send now."""
+        reasoning = ""
+        if self.thoughts is not None:
+            reasoning, text = self.thoughts.feed(text)
+        return self._sent(Delta(reasoning=reasoning) + self._feed(text))
+
+    def finish(self, finish_reason: str | None) -> tuple[Delta, str | None]:
+        """What is left to send when generation ends, and the finish reason the reply reports."""
+        delta = Delta()
+        if self.thoughts is not None:
+            reasoning, text = self.thoughts.finish()
+            delta = Delta(reasoning=reasoning) + self._feed(text)
+        rest, self.finish_reason = self._finish(finish_reason)
+        return self._sent(delta + rest), self.finish_reason
+
+    def message(self) -> dict:
+        """The whole reply as a non-streamed message: content is null beside tool calls where there is none."""
+        calls = merge_calls(self.call_deltas)
+        # (null beside tool calls or thoughts, as vLLM answers; "" for a plain empty reply)
+        empty = None if calls or self.reasoning else ""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or empty}
+        if self.thoughts is not None:
+            message["reasoning"] = message["reasoning_content"] = self.reasoning or None
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def _sent(self, delta: Delta) -> Delta:
+        self.reasoning += delta.reasoning
+        self.content += delta.content
+        self.call_deltas += delta.calls
+        return delta
+
+    def _feed(self, text: str) -> Delta:
+        self.text += text
+        mode = self.plan.mode
+        if mode == "none":
+            self.sent_content = len(self.text)
+            return Delta(text)
+        if mode == "named":
+            if self.sent_calls == 0:
+                self.sent_calls = 1
+                return Delta(calls=[{"index": 0, "id": tool_call_id(), "type": "function",
+                                     "function": {"name": self.plan.function, "arguments": text}}])
+            return Delta(calls=[{"index": 0, "function": {"arguments": text}}]) if text else Delta()
+        if mode == "required":
+            return Delta(calls=self._complete_elements())
+        until = self.plan.parser.content_until(self.text)
+        return Delta(self._content_to(until))
+
+    def _finish(self, finish_reason: str | None) -> tuple[Delta, str | None]:
+        mode = self.plan.mode
+        if mode == "none":
+            return Delta(), finish_reason
+        if mode == "named":  # (a reply of no text still makes its call, with empty arguments)
+            return self._feed("") if self.sent_calls == 0 else Delta(), finish_reason
+        if mode == "required":
+            calls = self._complete_elements()
+            if self.sent_calls == 0:  # no whole call (cut by max_tokens): the text comes back as it is
+                return Delta(self._content_to(len(self.text))), finish_reason
+            # an array cut after some calls: the part call that was cut comes back as text
+            rest = self.text[self.element_at:] if self.element_at >= 0 else ""
+            return Delta(rest, calls), "tool_calls" if finish_reason == "stop" else finish_reason
+        content, parsed = self.plan.parser.parse(self.text, self.plan.names)
+        if not parsed:
+            return Delta(self._content_to(len(self.text))), finish_reason
+        if self.plan.one_call:
+            parsed = parsed[:1]
+        # (what was streamed as content is content's beginning: a parser sends nothing that could begin a call)
+        tail = (content or "")[self.sent_content:]
+        return Delta(tail, [self._call(c) for c in parsed]), "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def _content_to(self, until: int) -> str:
+        out = self.text[self.sent_content:until]
+        self.sent_content = max(self.sent_content, until)
+        return out
+
+    def _call(self, call: ParsedCall) -> dict:
+        index, self.sent_calls = self.sent_calls, self.sent_calls + 1
+        return {"index": index, "id": tool_call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def _complete_elements(self) -> list[dict]:
+        """("required") The calls whose objects closed since the last look (each object at depth 1 of the array)."""
+        calls = []
+        scan = self.json
+        for i in range(scan.seen, len(self.text)):
+            ch = self.text[i]
+            scan.step(ch)
+            if scan.in_string:
+                continue
+            if ch == "{" and scan.depth == 2:
+                self.element_at = i
+            elif ch == "}" and scan.depth == 1 and self.element_at >= 0:
+                # (the grammar makes each element {"name", "parameters"}; anything else is left as text)
+                call = _array_call(self.text[self.element_at:i + 1])
+                if call is not None:
+                    self.element_at = -1
+                    if not (self.plan.one_call and self.sent_calls):
+                        calls.append(self._call(call))
+        return calls
+
+
+class JsonScanner:
+    """Follows JSON text a character at a time: its depth, and whether it is inside a string."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped, self.seen = 0, False, False, 0
+
+    def step(self, ch: str) -> None:
+        self.seen += 1
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "[{":
+            self.depth += 1
+        elif ch in "]}":
+            self.depth -= 1
+
+
+def _array_call(element: str) -> ParsedCall | None:
+    try:
+        obj = loads(element)
+    except JSON_ERRORS:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("parameters"), dict):
+        return None
+    arguments = arguments_text(obj["parameters"])
+    return None if arguments is None else ParsedCall(obj["name"], arguments)
+
+
+def merge_calls(deltas: list[dict]) -> list[dict]:
+    """Streaming tool-call deltas folded into whole calls (a non-streamed reply's message.tool_calls)."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                             "function": {"name": None, "arguments": ""}})
+        fn = d.get("function", {})
+        call["function"]["name"] = fn.get("name") or call["function"]["name"]
+        call["function"]["arguments"] += fn.get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
