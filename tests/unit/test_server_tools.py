@@ -151,16 +151,12 @@ def test_a_reasoning_parser_splits_the_thoughts_out_streamed_or_not():
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
 
 
-def test_a_reasoning_server_refuses_a_grammar_with_the_reason():
-    httpx = httpx_module()
-    app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128,
-                                reasoning=REASONING_PARSERS["deepseek_r1"])
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            return await http.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"}})
-
-    reply = asyncio.run(main())
-    assert reply.status_code == 400 and "would hold the thoughts too" in reply.json()["error"]["message"]
+def test_a_reasoning_server_holds_only_the_answer_to_a_grammar():
+    """With a reasoning parser, a grammar (here tool_choice required) holds the output after the thoughts only."""
+    reply = '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'
+    whole, chunks, client = chat(["Oslo, then.", "</think>", reply], {"tool_choice": "required"},
+                                 reasoning="deepseek_r1")
+    assert client.params[0].structured_after == "</think>" and client.params[0].structured.kind == "json_schema"
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] == "Oslo, then." and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"

@@ -239,3 +239,41 @@ def test_a_grammar_compiled_on_two_threads_at_once_is_compiled_once():
         with pytest.raises(RequestError, match="the regex cannot be used"):
             grammars.compile(bad)
         assert calls.count(bad) == 1 and not grammars._compiling
+
+
+def test_a_grammar_held_off_until_the_end_of_thoughts():
+    """structured_after (a reasoning model's "</think>"): the output is free until it has that text, and held to the
+    grammar after it. The marker here is one token the bias makes certain; the grammar then forbids it."""
+    with engine() as e:
+        marker = e.tokenizer.encode("Z", add_special_tokens=False).ids
+        assert len(marker) == 1
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=12, logit_bias={marker[0]: 100},
+                                structured=StructuredOutput("regex", "[a-c]{3}"), structured_after="Z")
+        out = e.generate(["x"], params)[0].outputs[0]
+        assert out.text.startswith("Z") and re.fullmatch("[a-c]{3}", out.text[1:]), out.text
+        assert out.finish_reason == "stop"
+        held = e.generate(["x"], SamplingParams(**{**params.__dict__, "structured_after": None}))[0].outputs[0]
+        assert re.fullmatch("[a-c]{3}", held.text), held.text  # (from the first token: the bias is masked away)
+
+
+def test_grammar_state_waits_for_its_marker_tokens():
+    from tpgraph.engine.structured import GrammarState
+
+    class Matcher:
+        def __init__(self) -> None:
+            self.taken: list[int] = []
+
+        def accept_token(self, token: int) -> bool:
+            self.taken.append(token)
+            return token != 99
+
+        def is_terminated(self) -> bool:
+            return False
+
+    state = GrammarState(Matcher(), after=(5, 6))
+    for token in (5, 7, 6, 5):
+        assert state.accept(token) and not state.masks
+    assert state.accept(6) and state.masks and state.matcher.taken == []  # (the marker is not the grammar's)
+    assert state.accept(1) and not state.accept(99) and state.matcher.taken == [1, 99]
+    with pytest.raises(RequestError, match="structured_after"):
+        SamplingParams(structured_after="</think>")

@@ -23,7 +23,7 @@ from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleR
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
-from tpgraph.engine.structured import GrammarCompiler
+from tpgraph.engine.structured import GrammarCompiler, GrammarState
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.kernels.tokens import NO_SOURCE
 from tpgraph.uploads import to_device
@@ -106,6 +106,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     detokenizers: list[Detokenizer | None]
+    grammar_after: tuple[int, ...] = ()  # params.structured_after's token ids
 
 
 @dataclass
@@ -160,13 +161,16 @@ class EngineCore:
     def prepare_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PreparedRequest:
         """Check a request and build its detokenizers; touches no engine state (safe in the middle of a step)."""
         self.check_request(prompt_ids, params)
+        after: tuple[int, ...] = ()
         if params.structured is not None:  # compiled once here, where a bad schema or grammar is refused
             if self.grammars is None:
                 raise RequestError("structured outputs need the engine's tokenizer")
             self.grammars.compile(params.structured)
+            if params.structured_after is not None:
+                after = tuple(self.tokenizer.encode(params.structured_after, add_special_tokens=False).ids)
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in range(params.n)]
-        return PreparedRequest(request_id, list(prompt_ids), params, detoks)
+        return PreparedRequest(request_id, list(prompt_ids), params, detoks, after)
 
     def add_prepared(self, request: PreparedRequest) -> None:
         """Queue a prepared request whole, or refuse it (RequestError) with nothing queued."""
@@ -178,7 +182,8 @@ class EngineCore:
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params,
-                                 matcher=self.grammars.matcher(params.structured) if params.structured else None))
+                                 grammar=GrammarState(self.grammars.matcher(params.structured), request.grammar_after)
+                                 if params.structured else None))
             self._next_seq_id += 1
         # what may raise for one rank alone was built in prepare_request, before the first sequence is queued: a
         # request is taken whole or not at all (one queued without its state broke every later step)
@@ -269,10 +274,10 @@ class EngineCore:
             timing.gpu = timer.take() if timer is not None else None
         if not sampled:
             return InFlight([], None, prompt_chunks) if prompt_chunks else None
-        if self._in_flight is not None and any(r.matcher is not None for r in rows):
+        if self._in_flight is not None and any(r.grammar is not None for r in rows):
             hook()
             self.timing.overlapped = True
-            updates += self._resolve()  # (the rows hold the sequences' matchers and token lists: they see it)
+            updates += self._resolve()  # (the rows hold the sequences' grammars and token lists: they see it)
         if pending is None:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
@@ -331,13 +336,13 @@ class EngineCore:
         if len(seq.output_ids) < p.min_tokens:
             banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
         return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
-                         matcher=seq.matcher)
+                         grammar=seq.grammar)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
         seq.resolve_pending(index, token)
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
+        if seq.grammar is not None and not seq.grammar.accept(token):
             # (its mask allowed nothing else; only a row whose every token was masked, or NaN logits, comes here)
             logger.error("request %s: its grammar refused token %d; the sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)

@@ -21,14 +21,14 @@ table applies and counts in kernels/penalties.py's launches there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from tpgraph.engine.argmax import row_argmax
 from tpgraph.engine.penalties import FILL_TOKENS, PenaltyTable
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tpgraph.engine.structured import apply_masks
+from tpgraph.engine.structured import GrammarState, apply_masks
 from tpgraph.kernels import sampling as fused_sampling
 from tpgraph.kernels import top_k as fused_top_k
 from tpgraph.kernels.argmax import check_ids_out
@@ -49,7 +49,7 @@ class SampleRow:
     # the sequence's id, under which a penalized row's counts stay in the penalty table between steps (None: counted
     # from prompt_ids and output_ids for this call only)
     seq_id: int | None = None
-    matcher: Any = None  # a structured output's grammar state (structured.py): only the tokens it can take next
+    grammar: GrammarState | None = None  # a structured output (structured.py): only the tokens it can take next
 
 
 @dataclass
@@ -94,7 +94,7 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
     """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, bias,
     penalties or banned ids): such a step needs no logits on the host's side, only the argmax."""
     return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and not r.params.has_penalties
-               and not r.banned_ids and r.matcher is None for r in rows)
+               and not r.banned_ids and r.grammar is None for r in rows)
 
 
 class Sampler:
@@ -137,7 +137,7 @@ class Sampler:
         fused = not all(r.params.greedy for r in rows) and self._takes_fused(logits)
         # the kernel reads 16-bit logits as they are; grammars, bias and penalties are applied in fp32
         biased = any(r.params.logit_bias for r in rows)
-        constrained = [(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None]
+        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None and r.grammar.masks]
         x = logits if fused and not biased and not constrained and not any(
             r.params.has_penalties for r in rows) else logits.float()
         raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None

@@ -25,7 +25,8 @@ class SamplingParams:
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
     log-probabilities); they are the model's own, before bias and penalties. `prompt_logprobs` = the same for each
     prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
-    full, never read from the prefix cache. `structured`: what the output must match (structured.py)."""
+    full, never read from the prefix cache. `structured`: what the output must match (structured.py); with
+    `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after those tokens."""
 
     n: int = 1
     temperature: float = 1.0
@@ -47,6 +48,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    structured_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +88,9 @@ class SamplingParams:
                 raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
             if self.ignore_eos or self.min_tokens:  # (the grammar may allow nothing but the EOS they hold back)
                 raise RequestError("a structured output cannot be combined with ignore_eos or min_tokens")
+        if self.structured_after is not None and (self.structured is None or not isinstance(self.structured_after, str)
+                                                  or not self.structured_after):
+            raise RequestError("structured_after is the text (non-empty) after which `structured` holds the output")
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,9 @@
 strings or an EBNF grammar (OpenAI's response_format, vLLM's guided_* fields), through xgrammar.
 
 Each step, a constrained row's logits lose every token its grammar cannot take next (xgrammar fills the row's bitmask
-from the sequence's matcher and applies it), and the token read back advances the matcher. The matcher must have
+from the sequence's matcher and applies it), and the token read back advances the matcher. A grammar may be held off
+until the output has some text (SamplingParams.structured_after: a reasoning model's end of thoughts, after which
+the answer is held to it). The matcher must have
 seen a row's last token before its next mask is made, so while a constrained sequence runs, the engine reads each
 step's tokens before it launches the next (no overlap for those steps; engine/core.py). Every rank keeps its own
 matchers and reaches the same states, since it samples the same tokens.
@@ -187,16 +189,38 @@ def structured_outputs_available() -> bool:
     return True
 
 
-def apply_masks(x: Any, matchers: list[tuple[int, Any]]) -> None:
-    """Leave each constrained row of x [B, vocab] (fp32, the caller's to change) only the tokens its matcher can take
-    next: (row, matcher) pairs."""
+class GrammarState:
+    """A sequence's structured output as its tokens are read: xgrammar's matcher, held off until the output has the
+    token ids `after` (a reasoning model's end of thoughts), from when every token is the grammar's."""
+
+    def __init__(self, matcher: Any, after: tuple[int, ...] = ()) -> None:
+        self.matcher, self.after = matcher, after
+        self.active = not after
+        self._recent: tuple[int, ...] = ()  # (while held off) the last len(after) tokens
+
+    @property
+    def masks(self) -> bool:
+        """Does the next token take a mask? (Not before `after`; not once the grammar took its EOS: it is done.)"""
+        return self.active and not self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """The token read back; False if the grammar refuses it."""
+        if self.active:
+            return self.matcher.accept_token(token)
+        self._recent = (*self._recent, token)[-len(self.after):]
+        self.active = self._recent == self.after
+        return True
+
+
+def apply_masks(x: Any, grammars: list[tuple[int, GrammarState]]) -> None:
+    """Leave each constrained row of x [B, vocab] (fp32, the caller's to change) only the tokens its grammar can take
+    next: (row, grammar) pairs, each masking now (GrammarState.masks)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(x.shape[0], x.shape[1])
-    for row, matcher in matchers:
-        if not matcher.is_terminated():  # (one that took its EOS has finished; xgrammar raises if asked again)
-            matcher.fill_next_token_bitmask(bitmask, row)
-    rows = [row for row, _ in matchers]
+    for row, grammar in grammars:
+        grammar.matcher.fill_next_token_bitmask(bitmask, row)
+    rows = [row for row, _ in grammars]
     xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1], indices=rows)
 
 

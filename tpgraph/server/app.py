@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -318,11 +319,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
+        if reasoning is not None and params.structured is not None:  # (the grammar holds the answer, not thoughts)
+            params = dataclasses.replace(params, structured_after=reasoning.end)
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
-        if reasoning is not None and params.structured is not None:
-            raise RequestError(f"this server splits the reasoning out ({reasoning.name}): a grammar (response_format, "
-                               "guided_*, or tool_choice required or named) would hold the thoughts too, so it is "
-                               "not taken here")
         replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning)) for _ in choices]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)

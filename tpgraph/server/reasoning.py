@@ -4,7 +4,8 @@ uses), the rest to `content`, streamed or whole.
 
 deepseek_r1 (DeepSeek-R1 and its Llama distillations): thoughts end at `</think>`. Their chat template opens the
 `<think>` in the prompt, so a reply begins inside the thoughts; a `<think>` the model writes itself is dropped. A
-reply that never closes its thoughts (cut by max_tokens) is all reasoning, as vLLM reads it.
+reply that never closes its thoughts (cut by max_tokens) is all reasoning, as vLLM reads it. A grammar the request
+asks for holds only the answer after the thoughts (the server sets SamplingParams.structured_after to the end tag).
 """
 
 from __future__ import annotations
