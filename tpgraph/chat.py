@@ -83,6 +83,8 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message continues the last message: it needs add_generation_prompt "
                                "false")
+        if continue_final_message:
+            messages = _with_end_mark(messages)
         try:
             text = self.template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt, documents=None)
@@ -90,7 +92,7 @@ class ChatTemplate:
             raise RequestError(f"the chat template refused these messages: {exc}") from None
         except TypeError as exc:  # (a variable of a type the template cannot use)
             raise RequestError(f"the chat template cannot render these messages: {exc}") from None
-        return _cut_after_final_message(text, messages) if continue_final_message else text
+        return _cut_at_end_mark(text) if continue_final_message else text
 
     @staticmethod
     def from_option(value: str, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
@@ -126,16 +128,23 @@ class ChatTemplate:
         return ChatTemplate(source, special_tokens(cfg))
 
 
-def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """The rendered text up to the end of the last message's content (what the template writes after it, an
-    end-of-turn token, is cut), as apply_chat_template does for continue_final_message."""
-    final = messages[-1].get("content") if messages else None
-    if not isinstance(final, str) or not final.strip():
+# marks where the last message's text ends, for continue_final_message (a private-use character: no chat has it)
+_CONTINUE_MARK = "\U000f0000tpgraph-continue\U000f0000"
+
+
+def _with_end_mark(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not messages or not isinstance(messages[-1].get("content"), str):
         raise RequestError("continue_final_message needs a last message with text to continue")
-    at = text.rfind(final.strip())
+    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
+
+
+def _cut_at_end_mark(text: str) -> str:
+    """The rendered text up to where the last message's text ends (what the template writes after it, an
+    end-of-turn token, is cut), as apply_chat_template does for continue_final_message."""
+    at = text.find(_CONTINUE_MARK)
     if at < 0:
-        raise RequestError("continue_final_message: the chat template does not write the last message as it is")
-    return text[:at + len(final.strip())]
+        raise RequestError("continue_final_message: the chat template does not write the last message's text")
+    return text[:at]
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:

@@ -97,7 +97,17 @@ def test_template_variables_and_continuing_the_final_message():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is "}]
     assert template.render(messages[:1], variables={"greet": True}) == "hello <user>hi</user><assistant>"
     assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == (
-        "<user>hi</user><assistant>The answer is")
+        "<user>hi</user><assistant>The answer is ")
+    # the text is cut where the last message's ends, even when the template's closing text repeats it
+    tail = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "t"}]
+    assert template.render(tail, add_generation_prompt=False, continue_final_message=True) == (
+        "<user>hi</user><assistant>t")
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    assert template.render(empty, add_generation_prompt=False, continue_final_message=True) == (
+        "<user>hi</user><assistant>")
+    dropped = ChatTemplate("{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    with pytest.raises(RequestError, match="does not write the last message's text"):
+        dropped.render(tail, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(RequestError, match="may not set messages"):
         template.render(messages, variables={"messages": []})
     with pytest.raises(RequestError, match="needs add_generation_prompt false"):

@@ -202,6 +202,10 @@ def test_length_bounded_json_strings_take_escapes_and_refuse_raw_control_charact
                      ('{"s": "a\x01", "t": []}', False), ('{"s": "x", "t": ["\t"]}', False),
                      ('{"s": "abcd", "t": []}', False), ('{"s": "", "t": [""]}', False)]:
         assert _is_grammar_accept_string(grammar, text) is ok, text
+    for bounds in ({"maxLength": 1}, {"minLength": 1, "maxLength": 1}):  # (xgrammar writes these inline)
+        one = json_schema_grammar(json.dumps({"type": "object", "properties": {"s": {"type": "string", **bounds}},
+                                              "required": ["s"]}))
+        assert _is_grammar_accept_string(one, '{"s": "\\n"}') and not _is_grammar_accept_string(one, '{"s": "\x01"}')
     plain = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}})
     assert str(json_schema_grammar(plain)) == str(__import__("xgrammar").Grammar.from_json_schema(
         plain, any_whitespace=False))
@@ -277,3 +281,38 @@ def test_grammar_state_waits_for_its_marker_tokens():
     assert state.accept(1) and not state.accept(99) and state.matcher.taken == [1, 99]
     with pytest.raises(RequestError, match="structured_after"):
         SamplingParams(structured_after="</think>")
+
+
+def test_a_compile_that_fails_otherwise_still_releases_its_waiters():
+    """A failure other than xgrammar's refusals (MemoryError, say) is raised to the compiling thread and to every
+    thread waiting for that compile; the next ask compiles again instead of waiting for good."""
+    with engine() as e:
+        grammars, spec = e.core.grammars, StructuredOutput("regex", "[a-c]{2}")
+        real, failures = grammars._compile, [MemoryError("std::bad_alloc")]
+
+        def failing(compiler, spec_):
+            if failures:
+                raise failures.pop()
+            return real(compiler, spec_)
+
+        grammars._compile = failing
+        with pytest.raises(MemoryError):
+            grammars.compile(spec)
+        assert not grammars._compiling and grammars.compile(spec) is not None
+
+
+def test_a_sequence_that_finishes_while_its_next_row_is_launched_leaves_nothing_behind():
+    """The step in flight is read inside the next launch (a constrained row): a sequence it finishes is in that
+    launch too. Its row is drawn and dropped, with no placeholder left in its tokens and no penalty slot held
+    (helper-82's case: a penalized choice beside a free request)."""
+    with engine() as e:
+        core = e.core
+        params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, frequency_penalty=0.5,
+                                structured=StructuredOutput.choice(["yes", "no", "maybe"]))
+        core.add_request("c", e.encode("Answer:"), params)
+        core.add_request("free", e.encode("free"), SamplingParams(temperature=0.0, max_tokens=30))
+        seq = core.requests["c"].seqs[0]
+        while core.has_work:
+            core.step()
+        assert seq.num_pending == 0 and -1 not in seq.output_ids
+        assert core.runner.penalties.num_held == 0

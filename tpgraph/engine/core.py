@@ -8,6 +8,7 @@ read `StepUpdate`s out. By default steps overlap: each is launched before the la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -278,10 +279,15 @@ class EngineCore:
             hook()
             self.timing.overlapped = True
             updates += self._resolve()  # (the rows hold the sequences' grammars and token lists: they see it)
+            # a sequence that has just finished keeps its row (the batch is launched), drawn without a penalty slot
+            # (its own went back) and dropped when read
+            rows = [dataclasses.replace(r, seq_id=None) if seq.finished else r
+                    for seq, r in zip(sampled, rows, strict=True)]
         if pending is None:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
-        return InFlight([(seq, seq.add_pending()) for seq in sampled], pending, prompt_chunks)
+        return InFlight([(seq, -1 if seq.finished else seq.add_pending()) for seq in sampled], pending,
+                        prompt_chunks)
 
     def _resolve(self) -> list[StepUpdate]:
         """Read the step in flight back and hand its tokens out. A row whose sequence finished after the step was

@@ -4,10 +4,10 @@ strings or an EBNF grammar (OpenAI's response_format, vLLM's guided_* fields), t
 Each step, a constrained row's logits lose every token its grammar cannot take next (xgrammar fills the row's bitmask
 from the sequence's matcher and applies it), and the token read back advances the matcher. A grammar may be held off
 until the output has some text (SamplingParams.structured_after: a reasoning model's end of thoughts, after which
-the answer is held to it). The matcher must have
-seen a row's last token before its next mask is made, so while a constrained sequence runs, the engine reads each
-step's tokens before it launches the next (no overlap for those steps; engine/core.py). Every rank keeps its own
-matchers and reaches the same states, since it samples the same tokens.
+the answer is held to it). The matcher must have seen a row's last token before its next mask is made, so a step
+with a constrained row reads the step in flight between its own forwards and its draw: the grammar's work runs
+while the forwards do, and steps stay overlapped (engine/core.py). Every rank keeps its own matchers and reaches the
+same states, since it samples the same tokens.
 
 Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on its reader
 thread before queueing it (EngineService.precompile), and keeps the last 64. At TP > 1 rank 0 tells the other ranks
@@ -119,13 +119,15 @@ class GrammarCompiler:
             return running.result()  # (its refusal, a RequestError, is raised here too)
         try:
             compiled = self._compile(compiler, spec)
-        except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's refusals of a schema or grammar)
-            reason = _XGRAMMAR_SOURCE.sub("", str(exc)).strip()  # (without its log stamp and source path)
-            refusal = RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}")
+        except BaseException as exc:  # (whatever it is, the threads waiting for this compile hear it)
+            failure: BaseException = exc
+            if isinstance(exc, (RuntimeError, ValueError, TypeError)):  # (xgrammar's refusals of a schema or grammar)
+                reason = _XGRAMMAR_SOURCE.sub("", str(exc)).strip()  # (without its log stamp and source path)
+                failure = RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}")
             with self._lock:
                 del self._compiling[spec]
-            running.set_exception(refusal)
-            raise refusal from None
+            running.set_exception(failure)
+            raise failure from None
         with self._lock:
             del self._compiling[spec]
             self._cache[spec] = compiled
@@ -138,15 +140,23 @@ class GrammarCompiler:
         """Start compiling on a background thread (a follower rank, told of a grammar rank 0 is compiling ahead of
         its request): the add that follows finds it compiled, or waits only for the rest. Failures are left for the
         add to report."""
+        with self._lock:
+            if spec in self._cache or spec in self._compiling:
+                return
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="tpgraph-grammar")
         self._background.submit(self._compile_quietly, spec)
 
+    def close(self) -> None:
+        """Drop the compiles not begun (the engine is closing)."""
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
+
     def _compile_quietly(self, spec: StructuredOutput) -> None:
         try:
             self.compile(spec)
-        except Exception:  # noqa: BLE001 - the add compiles it again and reports the failure where it belongs
-            pass
+        except Exception as exc:  # noqa: BLE001 - the add compiles it again and reports the failure where it belongs
+            logger.debug("the background compile of a %s failed: %s", spec.kind, exc)
 
     @staticmethod
     def _compile(compiler: Any, spec: StructuredOutput) -> Any:
@@ -227,7 +237,7 @@ def apply_masks(x: Any, grammars: list[tuple[int, GrammarState]]) -> None:
 # xgrammar (0.2.9, its issue 800) writes a string with minLength or maxLength as a run of this class: it admits raw
 # control characters, which JSON forbids (the reply does not parse), and no escapes (a quote or a newline cannot be
 # written). Each such character becomes a JSON string's character: unescaped and not a control, or an escape.
-_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # (the unbounded strings' class is [^\0-\x1f\"\\\r\n])
 _JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
 
 

@@ -109,6 +109,8 @@ class TPEngine:
         """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks)."""
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
+        if cfg.chat_template is not None:  # (a bad one is said now, not after the weights load on every rank)
+            ChatTemplate.from_option(cfg.chat_template)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
         (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).check_tp(tp_size)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
@@ -324,6 +326,8 @@ class TPEngine:
         if failed:  # the followers may wait in a collective this rank left: no message reaches them, so end them
             logger.error("the engine loop failed (%s); stopping the other ranks", self.service.error)
             self._stop_followers(timeout_s=0.0)
+        if self.core.grammars is not None:
+            self.core.grammars.close()
         self.runner.close()
         self.comm.close()
         destroy_distributed(self.state)
