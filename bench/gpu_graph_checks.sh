@@ -25,7 +25,8 @@ out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
 # xgrammar (structured outputs) from the carried wheelhouse where it is missing; its own dependencies are there already
 need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q \
-    --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi; } || true; }
+    --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
+    typing-inspection typing-extensions; } || true; }
 exec > >(tee -a "$dest/summary.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
