@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
         engine = TPEngine(**engine_kwargs(args))
+        reasoning = None if args.reasoning_parser is None else \
+            REASONING_PARSERS[args.reasoning_parser].for_tokenizer(engine.tokenizer)
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key, tool_options(args), args.reasoning_parser)
+                        args.api_key, tool_options(args), reasoning)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -58,3 +58,36 @@ def test_thoughts_then_tool_calls_and_the_whole_message():
     assert message["reasoning"] == message["reasoning_content"] == "I should call f." and message["content"] is None
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
     assert streamed[0].fields(plain=False) == {"reasoning": "I sh", "reasoning_content": "I sh"}
+
+
+def test_a_named_call_begins_with_the_answer_and_a_reply_cut_while_thinking_makes_none():
+    plan = ToolPlan.of([{"type": "function", "function": {"name": "f"}}],
+                       {"type": "function", "function": {"name": "f"}}, None, ToolOptions())
+    reply = ReplyReader(plan, ReasoningReader(R1))
+    assert reply.feed("Let me see").calls == []
+    rest, reason = reply.finish("length")
+    assert rest.calls == [] and reason == "length"
+    assert reply.message() == {"role": "assistant", "content": None, "reasoning": "Let me see",
+                               "reasoning_content": "Let me see"}
+    reply = ReplyReader(plan, ReasoningReader(R1))
+    assert reply.feed("Hmm</think>").calls == []
+    (call,) = reply.feed('{"x": 1}').calls
+    assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+def test_the_end_tag_must_be_one_token_and_a_special_one_keeps_special_tokens():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tpgraph.errors import ConfigError
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    with pytest.raises(ConfigError, match="has </think> as one token; this one splits it into"):
+        R1.for_tokenizer(builtin_tokenizer())
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens(["</think>"])
+    assert not R1.for_tokenizer(tok).keeps_special_tokens  # (an added token, not special: its text stays)
+    tok.add_special_tokens(["<other>"])
+    special = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    special.add_special_tokens(["</think>"])
+    assert R1.for_tokenizer(special).keeps_special_tokens

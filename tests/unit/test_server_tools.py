@@ -3,6 +3,7 @@ calls and thoughts in the reply, streamed and whole, each with OpenAI's shape, a
 the engine."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -27,8 +28,11 @@ def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: st
          reasoning: str | None = None, tools: bool = True) -> tuple[dict, list[dict], ScriptedClient]:
     """The reply as a whole and as its streamed chunks' JSON, and the client that answered."""
     httpx, client = httpx_module(), ScriptedClient(pieces, finish)
+    parser = REASONING_PARSERS.get(reasoning.removesuffix("+special")) if reasoning else None
+    if parser is not None and reasoning.endswith("+special"):  # (as for_tokenizer makes it for such a tokenizer)
+        parser = dataclasses.replace(parser, keeps_special_tokens=True)
     app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128, tool_options=options,
-                                reasoning=REASONING_PARSERS.get(reasoning))
+                                reasoning=parser)
     request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
                **({"tools": [WEATHER]} if tools else {}), **body}
 
@@ -157,6 +161,12 @@ def test_a_reasoning_server_holds_only_the_answer_to_a_grammar():
     whole, chunks, client = chat(["Oslo, then.", "</think>", reply], {"tool_choice": "required"},
                                  reasoning="deepseek_r1")
     assert client.params[0].structured_after == "</think>" and client.params[0].structured.kind == "json_schema"
+    assert client.params[0].skip_special_tokens  # (this parser's end tag is no special token)
     message = whole["choices"][0]["message"]
     assert message["reasoning"] == "Oslo, then." and message["tool_calls"][0]["function"]["name"] == "get_weather"
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_special_end_tag_keeps_special_tokens_in_the_text():
+    _, _, client = chat(["a</think>b"], {}, reasoning="deepseek_r1+special", tools=False)
+    assert client.params[0].skip_special_tokens is False

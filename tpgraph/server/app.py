@@ -321,6 +321,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         choices = [Choice(i) for i in range(params.n)]
         if reasoning is not None and params.structured is not None:  # (the grammar holds the answer, not thoughts)
             params = dataclasses.replace(params, structured_after=reasoning.end)
+        if reasoning is not None and reasoning.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
         replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning)) for _ in choices]
         stream = api.run(request, token_ids, params)
@@ -345,7 +347,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             if u.finish_reason is not None:
                 rest, finish_reason = reply.finish(u.finish_reason)
                 added = added + rest
-            return c, added.fields(plain=tools.mode == "none" and u.finish_reason is None), finish_reason
+            plain = tools.mode == "none" and reasoning is None and u.finish_reason is None
+            return c, added.fields(plain), finish_reason
 
         if not body.stream:
             async for _, u in _chain(first, stream):

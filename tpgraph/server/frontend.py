@@ -15,7 +15,7 @@ from multiprocessing.process import BaseProcess
 
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
+from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
 
 logger = logging.getLogger("tpgraph.serve")
@@ -34,7 +34,7 @@ class FrontendSpec:
     prompts: PromptCodec
     api_key: str | None = None  # (the spec travels through a pipe to the spawned front end, never in its argv)
     tool_options: ToolOptions = field(default_factory=ToolOptions)
-    reasoning_parser: str | None = None  # (reasoning.PARSERS)
+    reasoning: ReasoningParser | None = None  # (checked against the tokenizer: ReasoningParser.for_tokenizer)
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -74,7 +74,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
-                     spec.tool_options, REASONING_PARSERS.get(spec.reasoning_parser))
+                     spec.tool_options, spec.reasoning)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()

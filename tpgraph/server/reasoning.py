@@ -10,7 +10,12 @@ asks for holds only the answer after the thoughts (the server sets SamplingParam
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from tpgraph.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,18 @@ class ReasoningParser:
     name: str
     start: str  # the tag a reply may open its thoughts with (dropped)
     end: str  # the tag that ends them
+    keeps_special_tokens: bool = False  # (the model's end tag is a special token: its text must not be skipped)
+
+    def for_tokenizer(self, tokenizer: Tokenizer) -> ReasoningParser:
+        """This parser checked against a model's tokenizer: the end tag must be one token (a grammar held off until
+        the thoughts end waits for that token; engine/structured.py), and where it is a special token, replies keep
+        special tokens' text (else the tag would be skipped, and the whole reply read as thoughts)."""
+        ids = tokenizer.encode(self.end, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise ConfigError(f"--reasoning-parser {self.name} needs a model whose tokenizer has {self.end} as one "
+                              f"token; this one splits it into {len(ids)}")
+        added = tokenizer.get_added_tokens_decoder().get(ids[0])
+        return dataclasses.replace(self, keeps_special_tokens=bool(added is not None and added.special))
 
 
 PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>")}

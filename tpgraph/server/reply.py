@@ -95,11 +95,13 @@ class ReplyReader:
             self.sent_content = len(self.text)
             return Delta(text)
         if mode == "named":
+            if not text:  # (the call begins with its arguments' first text: none while a reasoning model thinks)
+                return Delta()
             if self.sent_calls == 0:
                 self.sent_calls = 1
                 return Delta(calls=[{"index": 0, "id": tool_call_id(), "type": "function",
                                      "function": {"name": self.plan.function, "arguments": text}}])
-            return Delta(calls=[{"index": 0, "function": {"arguments": text}}]) if text else Delta()
+            return Delta(calls=[{"index": 0, "function": {"arguments": text}}])
         if mode == "required":
             return Delta(calls=self._complete_elements())
         until = self.plan.parser.content_until(self.text)
@@ -109,8 +111,8 @@ class ReplyReader:
         mode = self.plan.mode
         if mode == "none":
             return Delta(), finish_reason
-        if mode == "named":  # (a reply of no text still makes its call, with empty arguments)
-            return self._feed("") if self.sent_calls == 0 else Delta(), finish_reason
+        if mode == "named":  # (a reply with no answer text, cut while thinking say, makes no call)
+            return Delta(), finish_reason
         if mode == "required":
             calls = self._complete_elements()
             if self.sent_calls == 0:  # no whole call (cut by max_tokens): the text comes back as it is
