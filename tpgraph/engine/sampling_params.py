@@ -26,7 +26,8 @@ class SamplingParams:
     log-probabilities); they are the model's own, before bias and penalties. `prompt_logprobs` = the same for each
     prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
     full, never read from the prefix cache. `structured`: what the output must match (structured.py); with
-    `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after those tokens."""
+    `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after that text's tokens
+    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures)."""
 
     n: int = 1
     temperature: float = 1.0
