@@ -109,9 +109,7 @@ class ReplyReader:
 
     def _finish(self, finish_reason: str | None) -> tuple[Delta, str | None]:
         mode = self.plan.mode
-        if mode == "none":
-            return Delta(), finish_reason
-        if mode == "named":  # (a reply with no answer text, cut while thinking say, makes no call)
+        if mode in ("none", "named"):  # (all sent as it came; a named reply with no answer text makes no call)
             return Delta(), finish_reason
         if mode == "required":
             calls = self._complete_elements()
