@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from tpgraph.errors import ConfigError
+from tpgraph.server.tool_parsers import tag_begun
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,6 @@ class ReasoningParser:
 
 
 PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>")}
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at text's end could begin `tag` (held back while streaming)."""
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return keep
-    return 0
 
 
 @dataclass
@@ -77,7 +70,7 @@ class ReasoningReader:
         if self.thinking:
             end = self.text.find(self.parser.end, self.sent)
             if end < 0:
-                until = len(self.text) if final else len(self.text) - _held(self.text, self.parser.end)
+                until = len(self.text) if final else len(self.text) - tag_begun(self.text, self.parser.end)
                 reasoning, self.sent = self.text[self.sent:until], max(self.sent, until)
                 return reasoning, ""
             reasoning, self.sent, self.thinking = self.text[self.sent:end], end + len(self.parser.end), False

@@ -58,6 +58,14 @@ def arguments_text(args: object) -> str | None:
         return None
 
 
+def tag_begun(text: str, tag: str) -> int:
+    """How many characters at text's end could begin `tag` (held back while streaming, until it is told)."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
 def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -123,13 +131,7 @@ class HermesParser(ToolParser):
 
     def content_until(self, text: str) -> int:
         start = text.find(self.OPEN)
-        if start >= 0:
-            return start
-        # hold back a tail that may be the tag's beginning
-        for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
-            if self.OPEN.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return start if start >= 0 else len(text) - tag_begun(text, self.OPEN)
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Llama3JsonParser, HermesParser)}

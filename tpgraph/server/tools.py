@@ -128,7 +128,6 @@ class ToolPlan:
                            f"({NAMED_USAGE})")
 
 
-
 def history_call(call: Any, where: str) -> dict:
     """An assistant message's earlier tool call as a chat template takes it: arguments as an object (Transformers'
     convention: templates write them out with tojson)."""
