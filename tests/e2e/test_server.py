@@ -316,6 +316,39 @@ def test_tool_calls_named_required_and_auto():
         served.stop()
 
 
+def test_a_reasoning_server_splits_the_thoughts_and_holds_only_the_answer_to_a_grammar(tmp_path):
+    """--reasoning-parser deepseek_r1 on a checkpoint whose tokenizer has </think> as an added token (as R1's
+    distillations do): the reply's thoughts go to message.reasoning, and a JSON schema holds only the answer after
+    </think> (the bias makes the model close its thoughts at once; the grammar then masks that token). The built-in
+    model's tokenizer splits </think>, and such a server refuses to start, saying why."""
+    pytest.importorskip("xgrammar")
+    from tpgtest.chat_fixtures import END_THINK_ID, make_chat_checkpoint
+
+    ckpt = make_chat_checkpoint(tmp_path / "r1", think_tokens=True)
+    served = Server(free_port(), ranks=1, torchrun=False, flags=(
+        "--model", str(ckpt), "--load-format", "dummy", "--served-model-name", MODEL, "--reasoning-parser",
+        "deepseek_r1"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "ok?"}], "max_tokens": 40, "temperature": 0,
+               "logit_bias": {str(END_THINK_ID): 100},
+               "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    try:
+        whole = served.post("/v1/chat/completions", request).json()["choices"][0]
+        assert whole["message"]["reasoning"] is None and isinstance(json.loads(whole["message"]["content"])["ok"], bool)
+        assert whole["finish_reason"] == "stop"
+        chunks = [json.loads(line[6:]) for line in served.post("/v1/chat/completions", {**request, "stream": True})
+                  .text.splitlines() if line.startswith("data: {")]
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert streamed == whole["message"]["content"]
+        free = served.post("/v1/chat/completions", {**request, "response_format": None, "max_tokens": 3}).json()
+        assert free["choices"][0]["message"]["content"] == "</think></think>"  # (the first one ended the thoughts)
+    finally:
+        served.stop()
+    with pytest.raises(RuntimeError, match="has </think> as one token; this one splits it into"):
+        Server(free_port(), ranks=1, torchrun=False, flags=("--reasoning-parser", "deepseek_r1"))
+
+
 def test_echo_scores_a_prompt_as_lm_eval_asks(server, local_engine):
     """lm-eval's local-completions loglikelihood: token ids, echo, logprobs 1, max_tokens 1 (or 0, nothing generated):
     the prompt's text and its tokens' log-probabilities, the first null, equal to TPEngine's prompt_logprobs (TP=2

@@ -10,6 +10,7 @@ from tpgraph.tokenizer import _byte_to_unicode
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 BOS_ID, EOS_ID, EOT_ID = 256, 257, 260
+THINK_ID, END_THINK_ID = 261, 262  # (think_tokens)
 TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' %}\n"
@@ -32,7 +33,9 @@ TEMPLATE = (
 )
 
 
-def make_chat_checkpoint(path: Path) -> Path:
+def make_chat_checkpoint(path: Path, think_tokens: bool = False) -> Path:
+    """think_tokens: <think> and </think> as added (not special) tokens, as DeepSeek-R1's Llama distillations have
+    them (ids THINK_ID and END_THINK_ID)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -46,6 +49,8 @@ def make_chat_checkpoint(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
+    if think_tokens:
+        tok.add_tokens(["<think>", "</think>"])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": TEMPLATE,
