@@ -137,3 +137,28 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
         asyncio.run(three())
     assert len(client.aborted) == 2 and metrics.requests.labels(REFUSED)._value.get() == 4
     assert metrics.requests.labels("abort")._value.get() == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (plain include_usage: null
+    until the last chunk)."""
+    from tpgtest.server_stubs import ScriptedClient
+
+    httpx = httpx_module()
+    app = server_app.create_app(ScriptedClient(["a", "b", "c"]), builtin_codec(), ServerMetrics(), "m", 128)
+    body = {"model": "m", "stream": True, "max_tokens": 3,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+
+    async def main(options: dict) -> list[dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            reply = await http.post(path, json={**body, "stream_options": options})
+            return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+
+    chunks = asyncio.run(main({"include_usage": True, "continuous_usage_stats": True}))
+    tokens = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]  # (a token each)
+    assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
+    plain = asyncio.run(main({"include_usage": True}))
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3

@@ -128,9 +128,13 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _null_usage(body: CompletionRequest | ChatRequest) -> dict:
-    """What a streamed chunk carries before the last one: OpenAI's "usage": null where the client asked for usage."""
-    return {"usage": None} if body.stream_options and body.stream_options.include_usage else {}
+def _chunk_usage(body: CompletionRequest | ChatRequest, prompts: list[list[int]], choices: list[Choice]) -> dict:
+    """What a streamed chunk carries before the last one: OpenAI's "usage": null where the client asked for usage,
+    the usage so far with vLLM's continuous_usage_stats, else nothing."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return {}
+    return {"usage": _usage(prompts, choices) if options.continuous_usage_stats else None}
 
 
 def _sse(payload: dict | str) -> str:
@@ -285,8 +289,6 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": _usage(token_ids, choices)})
 
-        usage = _null_usage(body)
-
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
             async for i, u in _chain(first, stream):
@@ -296,8 +298,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}], **usage})
-            if usage:
+                                         "finish_reason": finish_reason}],
+                            **_chunk_usage(body, token_ids, choices)})
+            if _chunk_usage(body, token_ids, choices):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
@@ -360,13 +363,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             for c, reply in zip(choices, replies, strict=True)],
                 "usage": _usage(token_ids, choices)})
 
-        usage = _null_usage(body)
-
         async def events() -> AsyncIterator[str]:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, **usage}
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}],
+                            **_chunk_usage(body, token_ids, choices)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
@@ -374,8 +376,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     continue  # (held back by the tool-call reader, with no log-probabilities to carry)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
-                                                 "finish_reason": finish_reason}]})
-            if usage:
+                                                 "finish_reason": finish_reason}],
+                            **_chunk_usage(body, token_ids, choices)})
+            if _chunk_usage(body, token_ids, choices):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 

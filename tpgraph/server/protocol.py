@@ -54,6 +54,7 @@ def _ids_are_integers(cls: type, value: Any) -> Any:
 
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: every chunk carries the usage so far, with include_usage)
 
 
 class SamplingFields(NullMeansDefault):
