@@ -113,14 +113,15 @@ class SilentClient(IdleClient):
 
 class ScriptedClient(OneTokenClient):
     """An engine that answers each sample of a request with the text pieces given (a token each, id 7, with a
-    log-probability of -0.5 where asked), then `finish`; it keeps the params it was sent."""
+    log-probability of -0.5 where asked), then `finish`; it keeps the params and prompts it was sent."""
 
     def __init__(self, pieces: list[str], finish: str = "stop") -> None:
         super().__init__()
-        self.pieces, self.finish, self.params = pieces, finish, []
+        self.pieces, self.finish, self.params, self.prompts = pieces, finish, [], []
 
     def submit(self, request_id, prompt, params, sink) -> None:
         self.params.append(params)
+        self.prompts.append(prompt)
         for sample in range(params.n):
             for i, piece in enumerate(self.pieces):
                 update = StepUpdate(request_id, sample, 7, piece, self.finish if i == len(self.pieces) - 1 else None)

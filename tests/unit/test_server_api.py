@@ -162,3 +162,32 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
     plain = asyncio.run(main({"include_usage": True}))
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
+    """vLLM's truncate_prompt_tokens: the last k tokens run (a prompt longer than the context too), echo returns
+    them, and a bad k is a 400."""
+    from tpgtest.server_stubs import ScriptedClient
+
+    httpx, codec = httpx_module(), builtin_codec()
+    client = ScriptedClient(["x"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    long_prompt = "word " * 500  # (past what 128 tokens can hold: refused untruncated before it is tokenized)
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.post(path, json=body) for path, body in [
+                ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 5,
+                                     "echo": True, "max_tokens": 1}),
+                ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long_prompt}],
+                                          "truncate_prompt_tokens": -1}),
+                ("/v1/completions", {"model": "m", "prompt": long_prompt}),
+                ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 0})]]
+
+    completion, chat, refused, bad = asyncio.run(main())
+    kept = codec.encode_text(long_prompt)[-5:]
+    assert client.prompts[0] == kept and completion.json()["usage"]["prompt_tokens"] == 5
+    assert completion.json()["choices"][0]["text"] == codec.decode(kept) + "x"
+    assert len(client.prompts[1]) == 128 and chat.json()["usage"]["prompt_tokens"] == 128
+    assert refused.status_code == 400 and bad.status_code == 400
+    assert "truncate_prompt_tokens must be" in bad.json()["error"]["message"]

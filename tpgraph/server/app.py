@@ -226,8 +226,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
         texts = body.prompts()
-        # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request
-        token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len) for p in texts])
+        keep = body.truncation(max_model_len)
+        # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request;
+        # one too long for the context is refused before it is tokenized, unless it is to be truncated
+        token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len if keep is None else None)
+                                                     for p in texts])
+        if keep is not None:
+            token_ids = [ids[-keep:] for ids in token_ids]
+            texts = list(token_ids)  # (echo returns the prompt as it ran)
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
         params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
@@ -314,7 +320,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         tools = body.tool_plan(tool_options)
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    body.chat_template_kwargs, body.continue_final_message)
-        token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len)]
+        keep = body.truncation(max_model_len)
+        token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len if keep is None else None)]
+        if keep is not None:
+            token_ids = [token_ids[0][-keep:]]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")

@@ -88,6 +88,7 @@ class SamplingFields(NullMeansDefault):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
+    truncate_prompt_tokens: int | None = None  # (vLLM's: keep the prompt's last k tokens; -1: max_model_len)
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
@@ -166,6 +167,16 @@ class SamplingFields(NullMeansDefault):
             raise RequestError("give one of response_format (json), guided_json, guided_regex, guided_choice, "
                                "guided_grammar and structured_outputs")
         return asked[0] if asked else None
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens to keep (None: all, and a prompt too long is refused)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if isinstance(k, bool) or (k < 1 and k != -1):
+            raise RequestError(f"truncate_prompt_tokens must be a positive number of tokens or -1 (max_model_len), "
+                               f"got {k}")
+        return max_model_len if k == -1 else k
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
