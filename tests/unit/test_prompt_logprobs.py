@@ -24,20 +24,22 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(checkpoint) -> tuple[list[float], list[list[int]]]:
-    """HF's log-probability of each PROMPT token after the ones before it (from the second on), and the top-3 ids."""
+def hf_reference(checkpoint) -> tuple[list[float], list[list[int]], list[int]]:
+    """HF's log-probability of each PROMPT token after the ones before it (from the second on), the top-3 ids, and
+    each token's rank (1 + the ids HF finds more likely)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
-    return [lp[j - 1, PROMPT[j]].item() for j in range(1, len(PROMPT))], lp[:-1].topk(3).indices.tolist()
+    ranks = [int((lp[j - 1] > lp[j - 1, PROMPT[j]]).sum()) + 1 for j in range(1, len(PROMPT))]
+    return [lp[j - 1, PROMPT[j]].item() for j in range(1, len(PROMPT))], lp[:-1].topk(3).indices.tolist(), ranks
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in_turn"])
 def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf_reference, overlap):
     """Overlapped, a chunk that samples nothing still sends its entries on their way with the step in flight."""
-    want, top = hf_reference
+    want, top, ranks = hf_reference
     asks = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, overlap_scheduling=overlap,
                   max_num_batched_tokens=16, num_kv_blocks=64) as engine:  # 45 tokens: three chunks and a bit
@@ -52,6 +54,7 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
     assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert [[t for t, _ in alts] for alts in out.prompt_top_logprobs[1:]] == top
+    assert out.prompt_ranks == [None, *ranks] == again.prompt_ranks and max(ranks) > 1
     assert first[1].prompt_logprobs is None  # it did not ask
     assert again.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4) and all(t == [] for t in
                                                                               again.prompt_top_logprobs)
@@ -85,13 +88,14 @@ def test_entries_given_twice_are_kept_once_in_order():
 
     def chunk(first, n):
         ids = list(range(first, first + n))
-        return SampleOutput(ids, [-float(t) for t in ids], [[t + 100] for t in ids], [[-0.5] for _ in ids])
+        return SampleOutput(ids, [-float(t) for t in ids], [[t + 100] for t in ids], [[-0.5] for _ in ids],
+                            ranks=[t + 1 for t in ids])
 
     EngineCore._read_prompt_logprobs(seq, 1, chunk(1, 3))
     EngineCore._read_prompt_logprobs(seq, 1, chunk(1, 5))  # (again from the start: 4 and 5 are new)
     EngineCore._read_prompt_logprobs(seq, 7, chunk(7, 1))
     assert [t for t, _, _ in seq.prompt_logprobs] == [1, 2, 3, 4, 5]  # (7 came before 6: not kept)
-    assert seq.prompt_logprobs[3] == (4, -4.0, [(104, -0.5)])
+    assert seq.prompt_logprobs[3] == (4, -4.0, [(104, -0.5)]) and seq.prompt_ranks == [2, 3, 4, 5, 6]
 
 
 def test_long_chunks_are_gathered_a_pass_at_a_time_from_the_rows_named():
@@ -107,10 +111,12 @@ def test_long_chunks_are_gathered_a_pass_at_a_time_from_the_rows_named():
     targets = torch.arange(PASS_ROWS + 3) % 50
     packed = packed_logprobs(compute_logits, hidden, rows, targets, 2)
     lp = (hidden[rows] @ weight).log_softmax(-1)
-    assert calls == [PASS_ROWS, PASS_MIN_ROWS] and packed.shape == (PASS_ROWS + 3, 6)  # (3 rows padded: cuBLAS)
+    assert calls == [PASS_ROWS, PASS_MIN_ROWS] and packed.shape == (PASS_ROWS + 3, 7)  # (3 rows padded: cuBLAS)
     assert torch.equal(packed[:, 0].long(), targets)
-    assert torch.allclose(packed[:, 1], lp.gather(1, targets[:, None])[:, 0].double(), atol=1e-6)
+    chosen = lp.gather(1, targets[:, None])
+    assert torch.allclose(packed[:, 1], chosen[:, 0].double(), atol=1e-6)
     assert torch.equal(packed[:, 2:4].long(), lp.topk(2).indices)
+    assert torch.equal(packed[:, 6].long(), (lp > chosen).sum(1) + 1)  # (each target's rank, last)
 
 
 def test_preempted_and_recomputed_prompts_give_each_entry_once_as_without_preemption():

@@ -51,6 +51,7 @@ class StepUpdate:
     # with a sequence's first token, where its params ask: (id, log-probability, top alternatives) of each prompt
     # token after the first
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_ranks: list[int] | None = None  # (with prompt_logprobs) each prompt token's rank, 1 the most likely
 
 
 class _Once:
@@ -311,7 +312,7 @@ class EngineCore:
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             if index == 0 and seq.params.prompt_logprobs is not None:
-                update.prompt_logprobs = list(seq.prompt_logprobs)
+                update.prompt_logprobs, update.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
             updates.append(update)
         self.timing.postprocess += time.perf_counter() - now
         return updates
@@ -325,6 +326,7 @@ class EngineCore:
             if first + i == len(seq.prompt_logprobs) + 1:
                 seq.prompt_logprobs.append((token, out.logprobs[i], list(zip(out.top_ids[i][:k],
                                                                              out.top_logprobs[i][:k], strict=True))))
+                seq.prompt_ranks.append(out.ranks[i])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

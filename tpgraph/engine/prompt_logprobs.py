@@ -29,8 +29,9 @@ def prompt_targets(seq: Sequence, start: int, n: int) -> range:
 
 def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
                     ) -> torch.Tensor:
-    """hidden[rows] [m, H], the positions before targets [m] -> [m, 2 + 2k] float64 on the device: each target's id
-    and log-probability, then the k most likely ids and theirs (PendingSample's layout). Rows are taken a pass at a
+    """hidden[rows] [m, H], the positions before targets [m] -> [m, 3 + 2k] float64 on the device: each target's id
+    and log-probability, the k most likely ids and theirs, then the target's rank (1: the most likely; PendingSample's
+    layout with `ranked`). Rows are taken a pass at a
     time, so no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every
     rank makes the same calls, as every rank runs the same chunks."""
     out = []
@@ -42,9 +43,11 @@ def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, ta
         logits = compute_logits(hidden[at])[:n]
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         t = targets[s:s + PASS_ROWS].unsqueeze(1)
-        parts = [t.double(), logprobs.gather(1, t).double()]
+        chosen = logprobs.gather(1, t)
+        parts = [t.double(), chosen.double()]
         if k:
             top_lp, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_ids.double(), top_lp.double()]
+        parts.append(((logprobs > chosen).sum(dim=1, keepdim=True) + 1).double())  # (vLLM's rank)
         out.append(torch.cat(parts, dim=1))
     return out[0] if len(out) == 1 else torch.cat(out)

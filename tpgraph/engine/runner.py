@@ -565,7 +565,8 @@ class ModelRunner:
         packed = packed_logprobs(self.model.compute_logits, hidden, at, targets_dev, k)
         for seq, targets, a in asking:
             b = a + len(targets)
-            self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k)))
+            self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k,
+                                                                                   ranked=True)))
 
     def _eager_prefill(self, total: int, lens: list[int], context: tuple[int, ...] = (),
                        blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:

@@ -45,6 +45,7 @@ class Sequence:
     awaited_blocks: int = 0
     # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # (beside prompt_logprobs) each token's rank
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
 
     @property

@@ -66,6 +66,7 @@ class GenerationOutput:
     # SamplingParams.prompt_logprobs: each prompt token's log-probability (None for the first) and top alternatives
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (1: the most likely; None for the first)
 
 
 @contextlib.contextmanager
@@ -303,6 +304,7 @@ class TPEngine:
         if update.prompt_logprobs is not None and out.prompt_logprobs is None:  # (each sample brings the same)
             out.prompt_logprobs = [None, *(lp for _, lp, _ in update.prompt_logprobs)]
             out.prompt_top_logprobs = [[], *(top for _, _, top in update.prompt_logprobs)]
+            out.prompt_ranks = [None, *update.prompt_ranks]
         if update.finish_reason is not None:
             completion.finish_reason = update.finish_reason
             out.latency_s = now
