@@ -766,3 +766,27 @@ def test_a_frozen_rank_is_named_and_every_other_process_exits_within_60_s():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pids[1], signal.SIGKILL)
         s.stop()
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server, local_engine):
+    """vLLM's prompt_logprobs field on both endpoints: per prompt token (None first), the token's log-probability
+    and rank and the top k, equal to TPEngine's; refused with stream."""
+    from tpgraph import SamplingParams
+
+    ids = local_engine.encode("The quick brown fox")
+    want = local_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    got = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                          "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for j in range(1, len(ids)):
+        entry = got[j][str(ids[j])]
+        assert entry["logprob"] == pytest.approx(want.prompt_logprobs[j], abs=1e-4)
+        assert entry["rank"] == want.prompt_ranks[j] >= 1
+        tops = sorted((e["rank"], int(t)) for t, e in got[j].items() if e["rank"] <= 2)
+        assert [t for _, t in tops][:2] == [t for t, _ in want.prompt_top_logprobs[j]]
+    chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # (k = 0: the token alone)
+    streamed = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]

@@ -128,6 +128,20 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: int) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs response field: per prompt token (None for the first), {token id: {"logprob", "rank",
+    "decoded_token"}} for the token itself and the k most likely (ranked 1 to k)."""
+    if update is None or update.prompt_logprobs is None:
+        return None
+    out: list[dict | None] = [None]
+    for (token, lp, top), rank in zip(update.prompt_logprobs, update.prompt_ranks, strict=True):
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": prompts.token_text(token)}}
+        for r, (t, v) in enumerate(top[:k], 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": prompts.token_text(t)})
+        out.append(entry)
+    return out
+
+
 def _chunk_usage(body: CompletionRequest | ChatRequest, prompts: list[list[int]], choices: list[Choice]) -> dict:
     """What a streamed chunk carries before the last one: OpenAI's "usage": null where the client asked for usage,
     the usage so far with vLLM's continuous_usage_stats, else nothing."""
@@ -269,6 +283,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     "text_offset": offsets}
 
         started: set[int] = set()  # the choices that have had an update (with echo, the prompt)
+        firsts: dict[int, StepUpdate] = {}  # each prompt's first update, which carries its prompt log-probabilities
 
         def apply(i: int, u: StepUpdate) -> tuple[Choice, str, list, str | None]:
             """Fold an update into its choice; returns the choice and what the update added to it: text, log-probability
@@ -280,7 +295,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 c.text += echoed[i]
             started.add(c.index)
             if u.prompt_logprobs is not None:
-                c.logprobs += [(token_ids[i][0], None, []), *u.prompt_logprobs]
+                firsts.setdefault(i, u)
+                if body.echo:  # (each with the echo's own top count)
+                    c.logprobs += [(token_ids[i][0], None, []),
+                                   *((t, lp, top[:body.logprobs]) for t, lp, top in u.prompt_logprobs)]
             if echo_only:  # (the one token run is not the reply's)
                 u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length")
             c.add(u)
@@ -292,7 +310,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
-                             "finish_reason": c.finish_reason} for c in choices],
+                             "finish_reason": c.finish_reason,
+                             **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
+                                 prompts, firsts.get(c.index // params.n), body.prompt_logprobs)})} for c in choices],
                 "usage": _usage(token_ids, choices)})
 
         async def events() -> AsyncIterator[str]:
@@ -350,9 +370,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                                 for t, lp, top in items]}
 
+        firsts: list[StepUpdate] = []  # the first update with the prompt's log-probabilities (prompt_logprobs)
+
         def apply(u: StepUpdate) -> tuple[Choice, dict, str | None]:
             """Fold an update into its choice; returns the choice, the delta it adds (content, tool calls) and the
             finish reason the reply reports."""
+            if u.prompt_logprobs is not None and not firsts:
+                firsts.append(u)
             c, reply = choices[u.sample_index].add(u), replies[u.sample_index]
             added = reply.feed(u.text)
             finish_reason = None
@@ -370,6 +394,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "choices": [{"index": c.index, "message": reply.message(),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason}
                             for c, reply in zip(choices, replies, strict=True)],
+                **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
+                    prompts, firsts[0] if firsts else None, body.prompt_logprobs)}),
                 "usage": _usage(token_ids, choices)})
 
         async def events() -> AsyncIterator[str]:

@@ -89,6 +89,7 @@ class SamplingFields(NullMeansDefault):
     guided_grammar: str | None = None
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
     truncate_prompt_tokens: int | None = None  # (vLLM's: keep the prompt's last k tokens; -1: max_model_len)
+    prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
 
@@ -99,6 +100,10 @@ class SamplingFields(NullMeansDefault):
         a chat request's function calling, which may hold the reply to a schema and keep special tokens."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:  # (as vLLM: they come with the whole reply)
+            raise RequestError("prompt_logprobs are not available with stream: true")
+        if self.prompt_logprobs is not None:  # (the engine's field, and the echo's, are one)
+            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         structured = self.structured_output()
         skip_special_tokens = self.skip_special_tokens
         if tools is not None and tools.structured is not None:
