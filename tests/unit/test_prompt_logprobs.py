@@ -26,13 +26,13 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_reference(checkpoint) -> tuple[list[float], list[list[int]], list[int]]:
     """HF's log-probability of each PROMPT token after the ones before it (from the second on), the top-3 ids, and
-    each token's rank (1 + the ids HF finds more likely)."""
+    each token's rank (the ids HF finds at least as likely, itself among them)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
-    ranks = [int((lp[j - 1] > lp[j - 1, PROMPT[j]]).sum()) + 1 for j in range(1, len(PROMPT))]
+    ranks = [int((lp[j - 1] >= lp[j - 1, PROMPT[j]]).sum()) for j in range(1, len(PROMPT))]
     return [lp[j - 1, PROMPT[j]].item() for j in range(1, len(PROMPT))], lp[:-1].topk(3).indices.tolist(), ranks
 
 
@@ -116,7 +116,7 @@ def test_long_chunks_are_gathered_a_pass_at_a_time_from_the_rows_named():
     chosen = lp.gather(1, targets[:, None])
     assert torch.allclose(packed[:, 1], chosen[:, 0].double(), atol=1e-6)
     assert torch.equal(packed[:, 2:4].long(), lp.topk(2).indices)
-    assert torch.equal(packed[:, 6].long(), (lp > chosen).sum(1) + 1)  # (each target's rank, last)
+    assert torch.equal(packed[:, 6].long(), (lp >= chosen).sum(1))  # (each target's rank, last: ties count)
 
 
 def test_preempted_and_recomputed_prompts_give_each_entry_once_as_without_preemption():

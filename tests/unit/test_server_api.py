@@ -150,15 +150,21 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     body = {"model": "m", "stream": True, "max_tokens": 3,
             **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
 
-    async def main(options: dict) -> list[dict]:
+    async def main(options: dict, n: int = 1) -> list[dict]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            reply = await http.post(path, json={**body, "stream_options": options})
+            reply = await http.post(path, json={**body, "stream_options": options, "n": n})
             return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
 
     chunks = asyncio.run(main({"include_usage": True, "continuous_usage_stats": True}))
     tokens = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]  # (a token each)
     assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3]
     assert chunks[-1]["usage"]["completion_tokens"] == 3
+    # with n = 2, each chunk counts its own choice's tokens (as vLLM's do); the last, all of them
+    two = asyncio.run(main({"continuous_usage_stats": True}, n=2))  # (continuous alone asks for usage, as vLLM's)
+    per_choice = [(c["choices"][0]["index"], c["usage"]["completion_tokens"]) for c in two
+                  if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
+    assert sorted(per_choice) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert two[-1]["usage"]["completion_tokens"] == 6
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
     plain = asyncio.run(main({"include_usage": True}))
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
@@ -180,14 +186,34 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
                 ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 5,
                                      "echo": True, "max_tokens": 1}),
                 ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long_prompt}],
-                                          "truncate_prompt_tokens": -1}),
+                                          "truncate_prompt_tokens": -1, "max_tokens": 8}),
                 ("/v1/completions", {"model": "m", "prompt": long_prompt}),
-                ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 0})]]
+                ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 0}),
+                ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 129}),
+                ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": True}),
+                ("/v1/completions", {"model": "m", "prompt": "café", "truncate_prompt_tokens": 100, "echo": True,
+                                     "max_tokens": 1})]]
 
-    completion, chat, refused, bad = asyncio.run(main())
+    completion, chat, refused, bad, over, boolean, uncut = asyncio.run(main())
     kept = codec.encode_text(long_prompt)[-5:]
     assert client.prompts[0] == kept and completion.json()["usage"]["prompt_tokens"] == 5
     assert completion.json()["choices"][0]["text"] == codec.decode(kept) + "x"
-    assert len(client.prompts[1]) == 128 and chat.json()["usage"]["prompt_tokens"] == 128
-    assert refused.status_code == 400 and bad.status_code == 400
-    assert "truncate_prompt_tokens must be" in bad.json()["error"]["message"]
+    assert len(client.prompts[1]) == 120 and chat.json()["usage"]["prompt_tokens"] == 120  # (-1: room for 8)
+    assert refused.status_code == bad.status_code == over.status_code == boolean.status_code == 400
+    assert "truncate_prompt_tokens must be between 1 and max_model_len (128)" in over.json()["error"]["message"]
+    assert "must be an integer" in boolean.json()["error"]["message"]
+    assert uncut.json()["choices"][0]["text"] == "caféx"  # (nothing cut: the prompt's own text is echoed)
+
+
+def test_the_prompt_logprobs_field_gives_tied_tokens_their_top_k_places():
+    """Two ids tied for the top: the prompt token's own rank counts the tie (2), and each top-k entry keeps its
+    place (1 and 2), as vLLM's do; a negative count is a 400, not a slice."""
+    from tpgraph.engine.core import StepUpdate
+    from tpgraph.errors import RequestError
+    from tpgraph.server.protocol import CompletionRequest
+
+    update = StepUpdate("r", 0, 7, "", prompt_logprobs=[(2, -1.0, [(1, -1.0), (2, -1.0)])], prompt_ranks=[2])
+    field = server_app._prompt_logprobs_field(builtin_codec(), update, 2)
+    assert field[0] is None and {t: e["rank"] for t, e in field[1].items()} == {"1": 1, "2": 2}
+    with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "prompt_logprobs": -1}).sampling_params(4, None)

@@ -30,7 +30,8 @@ def prompt_targets(seq: Sequence, start: int, n: int) -> range:
 def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
                     ) -> torch.Tensor:
     """hidden[rows] [m, H], the positions before targets [m] -> [m, 3 + 2k] float64 on the device: each target's id
-    and log-probability, the k most likely ids and theirs, then the target's rank (1: the most likely; PendingSample's
+    and log-probability, the k most likely ids and theirs, then the target's rank (the ids at least as likely, itself
+    among them: 1 for the most likely, as vLLM counts; PendingSample's
     layout with `ranked`). Rows are taken a pass at a
     time, so no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every
     rank makes the same calls, as every rank runs the same chunks."""
@@ -48,6 +49,6 @@ def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, ta
         if k:
             top_lp, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_ids.double(), top_lp.double()]
-        parts.append(((logprobs > chosen).sum(dim=1, keepdim=True) + 1).double())  # (vLLM's rank)
+        parts.append((logprobs >= chosen).sum(dim=1, keepdim=True).double())  # (vLLM's rank: ties count)
         out.append(torch.cat(parts, dim=1))
     return out[0] if len(out) == 1 else torch.cat(out)

@@ -58,7 +58,7 @@ class SampleOutput:
     logprobs: list[float] | None = None  # the sampled token's, per row
     top_ids: list[list[int]] | None = None  # per row, the top `max logprobs` ids (a row asking fewer slices)
     top_logprobs: list[list[float]] | None = None
-    ranks: list[int] | None = None  # (a ranked PendingSample's) each row's token's rank: 1 + the ids more likely
+    ranks: list[int] | None = None  # (a ranked PendingSample's) each row's token's rank: the ids at least as likely
 
 
 def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:

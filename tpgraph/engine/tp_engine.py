@@ -66,7 +66,8 @@ class GenerationOutput:
     # SamplingParams.prompt_logprobs: each prompt token's log-probability (None for the first) and top alternatives
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (1: the most likely; None for the first)
+    # each prompt token's rank, the ids at least as likely (1: the most likely, as vLLM counts; None for the first)
+    prompt_ranks: list[int | None] | None = None
 
 
 @contextlib.contextmanager

@@ -136,19 +136,19 @@ def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: i
     out: list[dict | None] = [None]
     for (token, lp, top), rank in zip(update.prompt_logprobs, update.prompt_ranks, strict=True):
         entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": prompts.token_text(token)}}
-        for r, (t, v) in enumerate(top[:k], 1):
-            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": prompts.token_text(t)})
+        for r, (t, v) in enumerate(top[:k], 1):  # (a top-k position's rank wins, as vLLM's: ties have one each)
+            entry[str(t)] = {"logprob": v, "rank": r, "decoded_token": prompts.token_text(t)}
         out.append(entry)
     return out
 
 
-def _chunk_usage(body: CompletionRequest | ChatRequest, prompts: list[list[int]], choices: list[Choice]) -> dict:
-    """What a streamed chunk carries before the last one: OpenAI's "usage": null where the client asked for usage,
-    the usage so far with vLLM's continuous_usage_stats, else nothing."""
+def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice) -> dict:
+    """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where the
+    client asked for usage; with vLLM's continuous_usage_stats (which asks for usage too), that choice's so far."""
     options = body.stream_options
-    if options is None or not options.include_usage:
+    if options is None or not (options.include_usage or options.continuous_usage_stats):
         return {}
-    return {"usage": _usage(prompts, choices) if options.continuous_usage_stats else None}
+    return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
 
 
 def _sse(payload: dict | str) -> str:
@@ -240,14 +240,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
         texts = body.prompts()
-        keep = body.truncation(max_model_len)
+        keep = body.truncation(max_model_len, body.max_tokens)
         # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request;
         # one too long for the context is refused before it is tokenized, unless it is to be truncated
         token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len if keep is None else None)
                                                      for p in texts])
-        if keep is not None:
+        if keep is not None:  # (echo returns a prompt that was cut as it ran)
+            texts = [p if len(ids) <= keep else ids[-keep:] for p, ids in zip(texts, token_ids, strict=True)]
             token_ids = [ids[-keep:] for ids in token_ids]
-            texts = list(token_ids)  # (echo returns the prompt as it ran)
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
         params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
@@ -325,8 +325,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason}],
-                            **_chunk_usage(body, token_ids, choices)})
-            if _chunk_usage(body, token_ids, choices):
+                            **_chunk_usage(body, token_ids[i], c)})
+            if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
@@ -340,7 +340,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         tools = body.tool_plan(tool_options)
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    body.chat_template_kwargs, body.continue_final_message)
-        keep = body.truncation(max_model_len)
+        keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None
+                               else body.max_completion_tokens)
         token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len if keep is None else None)]
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
@@ -403,7 +404,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}],
-                            **_chunk_usage(body, token_ids, choices)})
+                            **_chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
@@ -412,8 +413,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": finish_reason}],
-                            **_chunk_usage(body, token_ids, choices)})
-            if _chunk_usage(body, token_ids, choices):
+                            **_chunk_usage(body, token_ids[0], c)})
+            if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
             yield _sse("[DONE]")
 

@@ -13,7 +13,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
@@ -49,6 +49,13 @@ def _ids_are_integers(cls: type, value: Any) -> Any:
         items = [t for x in value for t in (x if isinstance(x, list) else [x])]
         if any(isinstance(t, (bool, float)) for t in items):
             raise ValueError("token ids must be integers (not true/false or floats)")
+    return value
+
+
+def _an_integer(cls: type, value: Any) -> Any:
+    """An integer field as an integer only: pydantic would take true, 2.0 and "3" as 1, 2 and 3."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"must be an integer, got {value!r}")
     return value
 
 
@@ -92,6 +99,7 @@ class SamplingFields(NullMeansDefault):
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
 
     _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
+    _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", mode="before")(_an_integer)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None,
@@ -103,6 +111,9 @@ class SamplingFields(NullMeansDefault):
         if self.prompt_logprobs is not None and self.stream:  # (as vLLM: they come with the whole reply)
             raise RequestError("prompt_logprobs are not available with stream: true")
         if self.prompt_logprobs is not None:  # (the engine's field, and the echo's, are one)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise RequestError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (-1, the whole vocabulary, "
+                                   f"is not served), got {self.prompt_logprobs}")
             prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         structured = self.structured_output()
         skip_special_tokens = self.skip_special_tokens
@@ -173,15 +184,18 @@ class SamplingFields(NullMeansDefault):
                                "guided_grammar and structured_outputs")
         return asked[0] if asked else None
 
-    def truncation(self, max_model_len: int) -> int | None:
-        """How many of the prompt's last tokens to keep (None: all, and a prompt too long is refused)."""
+    def truncation(self, max_model_len: int, max_tokens: int | None) -> int | None:
+        """How many of the prompt's last tokens to keep (None: all, and a prompt too long is refused). -1: as many
+        as leave room for max_tokens (for one token where there is no limit)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return None
-        if isinstance(k, bool) or (k < 1 and k != -1):
-            raise RequestError(f"truncate_prompt_tokens must be a positive number of tokens or -1 (max_model_len), "
-                               f"got {k}")
-        return max_model_len if k == -1 else k
+        if k == -1:
+            return max(1, max_model_len - (max_tokens or 1))
+        if not 1 <= k <= max_model_len:
+            raise RequestError(f"truncate_prompt_tokens must be between 1 and max_model_len ({max_model_len}), or -1 "
+                               f"(what leaves room for max_tokens), got {k}")
+        return k
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
