@@ -128,3 +128,24 @@ class ScriptedClient(OneTokenClient):
                 if params.logprobs is not None:
                     update.logprob, update.top_logprobs = -0.5, [(7, -0.5)][:params.logprobs]
                 sink(update)
+
+
+def post_all(app, requests: list[tuple[str, dict]]) -> list:
+    """POST each (path, JSON body) to the app in process (httpx over ASGI), in order; the responses."""
+    import json
+
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.post(path, headers={"Content-Type": "application/json"}, content=json.dumps(body))
+                    for path, body in requests]
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def sse_events(text: str) -> list[dict]:
+    """A streamed reply's JSON events (its data lines but [DONE])."""
+    import json
+
+    return [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: {")]

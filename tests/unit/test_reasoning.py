@@ -88,6 +88,7 @@ def test_the_end_tag_must_be_one_token_and_a_special_one_keeps_special_tokens():
     tok.add_tokens(["</think>"])
     assert not R1.for_tokenizer(tok).keeps_special_tokens  # (an added token, not special: its text stays)
     tok.add_special_tokens(["<other>"])
+    assert not R1.for_tokenizer(tok).keeps_special_tokens  # (another special token changes nothing)
     special = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     special.add_special_tokens(["</think>"])
     assert R1.for_tokenizer(special).keeps_special_tokens

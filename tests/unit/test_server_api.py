@@ -9,7 +9,16 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import EndlessClient, FailingClient, OneTokenClient, builtin_codec, httpx_module  # noqa: E402
+from tpgtest.server_stubs import (  # noqa: E402
+    EndlessClient,
+    FailingClient,
+    OneTokenClient,
+    ScriptedClient,
+    builtin_codec,
+    httpx_module,
+    post_all,
+    sse_events,
+)
 
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
@@ -143,46 +152,35 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
 def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (plain include_usage: null
     until the last chunk)."""
-    from tpgtest.server_stubs import ScriptedClient
-
-    httpx = httpx_module()
     app = server_app.create_app(ScriptedClient(["a", "b", "c"]), builtin_codec(), ServerMetrics(), "m", 128)
     body = {"model": "m", "stream": True, "max_tokens": 3,
             **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
 
-    async def main(options: dict, n: int = 1) -> list[dict]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            reply = await http.post(path, json={**body, "stream_options": options, "n": n})
-            return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    def main(options: dict, n: int = 1) -> list[dict]:
+        return sse_events(post_all(app, [(path, {**body, "stream_options": options, "n": n})])[0].text)
 
-    chunks = asyncio.run(main({"include_usage": True, "continuous_usage_stats": True}))
+    chunks = main({"include_usage": True, "continuous_usage_stats": True})
     tokens = [c for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]  # (a token each)
     assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3]
     assert chunks[-1]["usage"]["completion_tokens"] == 3
     # with n = 2, each chunk counts its own choice's tokens (as vLLM's do); the last, all of them
-    two = asyncio.run(main({"continuous_usage_stats": True}, n=2))  # (continuous alone asks for usage, as vLLM's)
+    two = main({"continuous_usage_stats": True}, n=2)  # (continuous alone asks for usage, as vLLM's)
     per_choice = [(c["choices"][0]["index"], c["usage"]["completion_tokens"]) for c in two
                   if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
     assert sorted(per_choice) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
     assert two[-1]["usage"]["completion_tokens"] == 6
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
-    plain = asyncio.run(main({"include_usage": True}))
+    plain = main({"include_usage": True})
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     """vLLM's truncate_prompt_tokens: the last k tokens run (a prompt longer than the context too), echo returns
     them, and a bad k is a 400."""
-    from tpgtest.server_stubs import ScriptedClient
-
-    httpx, codec = httpx_module(), builtin_codec()
-    client = ScriptedClient(["x"])
+    codec, client = builtin_codec(), ScriptedClient(["x"])
     app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
     long_prompt = "word " * 500  # (past what 128 tokens can hold: refused untruncated before it is tokenized)
-
-    async def main() -> list:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            return [await http.post(path, json=body) for path, body in [
+    completion, chat, refused, bad, over, boolean, uncut = post_all(app, [
                 ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 5,
                                      "echo": True, "max_tokens": 1}),
                 ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long_prompt}],
@@ -192,14 +190,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
                 ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 129}),
                 ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": True}),
                 ("/v1/completions", {"model": "m", "prompt": "café", "truncate_prompt_tokens": 100, "echo": True,
-                                     "max_tokens": 1})]]
-
-    completion, chat, refused, bad, over, boolean, uncut = asyncio.run(main())
+                                     "max_tokens": 1})])
     kept = codec.encode_text(long_prompt)[-5:]
     assert client.prompts[0] == kept and completion.json()["usage"]["prompt_tokens"] == 5
     assert completion.json()["choices"][0]["text"] == codec.decode(kept) + "x"
     assert len(client.prompts[1]) == 120 and chat.json()["usage"]["prompt_tokens"] == 120  # (-1: room for 8)
     assert refused.status_code == bad.status_code == over.status_code == boolean.status_code == 400
+    assert "2500 characters, more than 128 tokens" in refused.json()["error"]["message"]
+    assert "truncate_prompt_tokens must be between 1" in bad.json()["error"]["message"]
     assert "truncate_prompt_tokens must be between 1 and max_model_len (128)" in over.json()["error"]["message"]
     assert "must be an integer" in boolean.json()["error"]["message"]
     assert uncut.json()["choices"][0]["text"] == "caféx"  # (nothing cut: the prompt's own text is echoed)

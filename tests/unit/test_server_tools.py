@@ -2,7 +2,6 @@
 calls and thoughts in the reply, streamed and whole, each with OpenAI's shape, and the request's constraint sent to
 the engine."""
 
-import asyncio
 import dataclasses
 import json
 
@@ -10,7 +9,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module  # noqa: E402
+from tpgtest.server_stubs import ScriptedClient, builtin_codec, post_all, sse_events  # noqa: E402
 
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -27,7 +26,7 @@ PLAIN = ToolOptions()
 def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: str = "stop",
          reasoning: str | None = None, tools: bool = True) -> tuple[dict, list[dict], ScriptedClient]:
     """The reply as a whole and as its streamed chunks' JSON, and the client that answered."""
-    httpx, client = httpx_module(), ScriptedClient(pieces, finish)
+    client = ScriptedClient(pieces, finish)
     parser = REASONING_PARSERS.get(reasoning.removesuffix("+special")) if reasoning else None
     if parser is not None and reasoning.endswith("+special"):  # (as for_tokenizer makes it for such a tokenizer)
         parser = dataclasses.replace(parser, keeps_special_tokens=True)
@@ -36,17 +35,10 @@ def chat(pieces: list[str], body: dict, options: ToolOptions = PLAIN, finish: st
     request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
                **({"tools": [WEATHER]} if tools else {}), **body}
 
-    async def main() -> tuple[dict, list[dict]]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            whole = await http.post("/v1/chat/completions", json=request)
-            assert whole.status_code == 200, whole.text
-            streamed = await http.post("/v1/chat/completions", json={**request, "stream": True})
-            chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
-                      if line.startswith("data: {")]
-            return whole.json(), chunks
-
-    whole, chunks = asyncio.run(asyncio.wait_for(main(), timeout=20))
-    return whole, chunks, client
+    whole, streamed = post_all(app, [("/v1/chat/completions", request),
+                                     ("/v1/chat/completions", {**request, "stream": True})])
+    assert whole.status_code == 200, whole.text
+    return whole.json(), sse_events(streamed.text), client
 
 
 def folded(chunks: list[dict], index: int = 0) -> tuple[str, list[dict], str]:
@@ -129,16 +121,10 @@ def test_a_cut_reply_with_logprobs_comes_back_as_text_with_every_tokens_logprob(
 
 
 def test_earlier_calls_that_do_not_parse_are_a_400():
-    httpx = httpx_module()
     app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128)
     history = [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}}]}]
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            return await http.post("/v1/chat/completions", json={"model": "m", "messages": history})
-
-    reply = asyncio.run(main())
+    (reply,) = post_all(app, [("/v1/chat/completions", {"model": "m", "messages": history})])
     assert reply.status_code == 400 and "arguments is not valid JSON" in reply.json()["error"]["message"]
 
 

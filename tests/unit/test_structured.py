@@ -221,15 +221,18 @@ def test_a_grammar_compiled_on_two_threads_at_once_is_compiled_once():
         grammars, calls = e.core.grammars, []
         real = grammars._compile
 
+        started = threading.Event()
+
         def slow(compiler, spec):
             calls.append(spec)
+            started.set()
             time.sleep(0.2)
             return real(compiler, spec)
 
         grammars._compile = slow
         spec = StructuredOutput("regex", "[a-c]{3}")
         grammars.compile_soon(spec)
-        time.sleep(0.05)  # (the background thread is compiling)
+        assert started.wait(5) and spec in grammars._compiling  # (the background thread is compiling)
         got = [None, None]
         readers = [threading.Thread(target=lambda i=i: got.__setitem__(i, grammars.compile(spec))) for i in (0, 1)]
         for t in readers:
@@ -238,8 +241,9 @@ def test_a_grammar_compiled_on_two_threads_at_once_is_compiled_once():
             t.join()
         assert calls == [spec] and got[0] is got[1] is grammars.compile(spec)
         bad = StructuredOutput("regex", "[0-9")
+        started.clear()
         grammars.compile_soon(bad)
-        time.sleep(0.05)
+        assert started.wait(5) and bad in grammars._compiling
         with pytest.raises(RequestError, match="the regex cannot be used"):
             grammars.compile(bad)
         assert calls.count(bad) == 1 and not grammars._compiling
