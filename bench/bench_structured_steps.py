@@ -1,8 +1,11 @@
 """Structured outputs' decode step time: constrained steps overlapped (the step in flight read between the next
-step's forwards and its draw) against every step read in turn (what constrained steps did before session 42), beside
-unconstrained rows, at batch 1 and 8; one engine, the modes interleaved in each trial; the figure is the median wall
-time per decode step (the interval between step() returns, steady decode: 10 steps cut at each end), median of the
-trials. Dummy weights of the checkpoint's shape (config.json) and its tokenizer (the byte tokenizer without one).
+step's forwards and its draw) against every step read in turn (what constrained steps did before session 42), and
+unconstrained batches beside them, at batch 1 and 8 (each batch all constrained or all free). One engine (dummy
+weights of the checkpoint's shape, its tokenizer or the byte tokenizer; max_num_seqs 16, max_model_len 1024, warmed
+up), the mode switched on it (engine.core.overlap) and interleaved in each trial; requests "Write: ", temperature 1,
+seed = the trial, 200 tokens of a schema whose 300-400 character string they never finish (every step is
+constrained). The figure is the median wall time per decode step (the interval between step() returns, 10 steps cut
+at each end), then the median of the trials.
 
     python bench/bench_structured_steps.py MODEL_DIR --out OUT.json
 """
@@ -22,8 +25,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "minLength": 
 
 
 def step_ms(engine: TPEngine, tag: str, batch: int, spec: StructuredOutput | None, overlap: bool, seed: int,
-            tokens: int) -> float:
-    """The median wall time of a steady decode step, `batch` requests of `tokens` tokens each."""
+            tokens: int) -> tuple[float, int]:
+    """The median wall time of a steady decode step, `batch` requests of `tokens` tokens each; and the steps."""
     engine.core.overlap = overlap
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=tokens, structured=spec)
     for i in range(batch):
@@ -32,7 +35,7 @@ def step_ms(engine: TPEngine, tag: str, batch: int, spec: StructuredOutput | Non
     while engine.core.has_work:
         engine.core.step()
         stamps.append(time.perf_counter())
-    return 1e3 * statistics.median(b - a for a, b in zip(stamps[10:-10], stamps[11:-9], strict=True))
+    return 1e3 * statistics.median(b - a for a, b in zip(stamps[10:-10], stamps[11:-9], strict=True)), len(stamps)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> dict:
             for batch in map(int, args.batches.split(",")):
                 for kind, spec in kinds.items():
                     for overlap in (True, False):
-                        ms = step_ms(engine, f"{trial}-{batch}-{kind}-{overlap}", batch, spec, overlap, trial,
-                                     args.tokens)
+                        ms, steps = step_ms(engine, f"{trial}-{batch}-{kind}-{overlap}", batch, spec, overlap,
+                                            trial, args.tokens)
                         rows.append({"trial": trial, "batch": batch, "kind": kind, "overlap": overlap,
-                                     "median_step_ms": ms})
+                                     "median_step_ms": ms, "steps": steps})
                         print(json.dumps(rows[-1]), flush=True)
     by_mode: dict[tuple, list[float]] = {}
     for r in rows:

@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
-#        [argmax] [l2-carry] [acceptance] [prefill]
+#        [argmax] [l2-carry] [acceptance] [prefill] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
 #        [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -500,6 +500,14 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
              "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
              | tail -25 | tee "$out/ar_exact.log" ;;
+    structured) need_xgrammar  # structured outputs' decode steps, overlapped or in turn (bench_structured_steps.py)
+         mkdir -p "$out/llama3_8b_cfg" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
+             'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,
+             'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-5,
+             'rope_theta': 500000.0, 'max_position_embeddings': 8192, 'torch_dtype': 'bfloat16',
+             'bos_token_id': 128000, 'eos_token_id': 128001}, open(sys.argv[1], 'w'))" "$out/llama3_8b_cfg/config.json"
+         timeout 300 python3 bench/bench_structured_steps.py "$out/llama3_8b_cfg" --out "$out/structured_steps.json" 2>&1 \
+             | grep -E "^\{|Error" | tee "$out/structured_steps.log" ;;
     engine-tests) need_xgrammar  # (structured outputs' tests)
          timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
              tests/gpu/test_uploads_gpu.py tests/gpu/test_sampler_gpu.py -q -rfEs 2>&1 \
