@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help='serve tool_choice "auto" (the default when a request gives tools), reading the model\'s '
                             "calls with --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                       help="the model's tool-call format: llama3_json (Llama 3.1-3.3) or hermes (<tool_call> tags)")
+                       help="the model's tool-call format: llama3_json (Llama 3.1-3.3's JSON), pythonic (Llama 3.2 and "
+                            "4's [f(a=1)] lists) or hermes (<tool_call> tags)")
     tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='leave the tools out of the chat template when tool_choice is "none"')
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,

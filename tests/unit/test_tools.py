@@ -9,7 +9,7 @@ from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.reply import ReplyReader, merge_calls
-from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser
+from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser, PythonicParser
 from tpgraph.server.tools import ToolOptions, ToolPlan, required_schema
 
 WEATHER = {"type": "function", "function": {
@@ -264,3 +264,29 @@ def test_raw_control_characters_in_strings_are_re_encoded():
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "a\tb\x00"}
     _, calls = Llama3JsonParser().parse('{"name": "f", "parameters": {"q": "x\ty"}}', NAMES)
     assert json.loads(calls[0].arguments) == {"q": "x\ty"}
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[get_weather(city="Oslo"), f()]', None, [("get_weather", {"city": "Oslo"}), ("f", {})]),
+    ('<|python_start|>[g(x=[1, 2], y={"a": None}, z=True)]<|python_end|>', None,
+     [("g", {"x": [1, 2], "y": {"a": None}, "z": True})]),
+    ("Just text.", "Just text.", []),
+    ("[f(1)]", "[f(1)]", []),  # (positional arguments: not a call)
+    ("[f(x=open('p'))]", "[f(x=open('p'))]", []),  # (only literals: nothing is run)
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),  # (a set: no JSON form)
+    ("[nope(x=1)]", "[nope(x=1)]", []),  # (not offered)
+    ("[f(x=1", "[f(x=1", []),  # (cut)
+    ("[" * 100_000, "[" * 100_000, []),
+])
+def test_pythonic_parser(text, content, calls):
+    got_content, got = PythonicParser().parse(text, NAMES)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_pythonic_replies_are_held_only_where_a_call_may_begin():
+    parser = PythonicParser()
+    assert parser.content_until(" [f(") == 0 and parser.content_until("<|python") == 0
+    assert parser.content_until("Sure: [1]") == len("Sure: [1]")
+    _, message, reason = read(plan(options=ToolOptions(parser="pythonic")), ['[get_weather(', 'city="Rome")]'])
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    assert reason == "tool_calls" and message["content"] is None

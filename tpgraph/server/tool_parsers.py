@@ -5,6 +5,8 @@ generated (vLLM's --tool-call-parser names):
   (`"arguments"` is taken too), `;`-separated, maybe after `<|python_tag|>`; a reply that begins otherwise is text.
 - hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text (a last block
   left open is read too); the text around them is content.
+- pythonic: Llama 3.2's and 4's calls as a Python list, `[get_weather(city="Oslo"), get_time()]` (Llama 4's between
+  `<|python_start|>` and `<|python_end|>`): keyword arguments of literal values, parsed with `ast`, never run.
 
 A reply that does not parse as calls, or calls a function the request did not offer, is returned whole as content:
 nothing the model wrote is lost. Raw control characters in strings (a tab, as models write) are taken, and the
@@ -13,6 +15,7 @@ arguments re-encoded as JSON (arguments written as a JSON string are taken too).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -54,7 +57,7 @@ def arguments_text(args: object) -> str | None:
         if isinstance(args, str):  # (some models write the arguments as a JSON string)
             args = loads(args)
         return json.dumps(args, ensure_ascii=False, allow_nan=False) if isinstance(args, dict) else None
-    except JSON_ERRORS:
+    except (*JSON_ERRORS, TypeError):  # (TypeError: a value JSON has no form for, a set say)
         return None
 
 
@@ -134,4 +137,42 @@ class HermesParser(ToolParser):
         return start if start >= 0 else len(text) - tag_begun(text, self.OPEN)
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Llama3JsonParser, HermesParser)}
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:  # (parsed, never run: each argument must be a literal)
+            tree = ast.parse(body, mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, []
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return text, []
+        calls = []
+        for node in tree.body.elts:
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id not in names
+                    or node.args or any(k.arg is None for k in node.keywords)):
+                return text, []
+            try:
+                arguments = arguments_text({k.arg: ast.literal_eval(k.value) for k in node.keywords})
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                arguments = None
+            if arguments is None:
+                return text, []
+            calls.append(ParsedCall(node.func.id, arguments))
+        return None, calls
+
+    def content_until(self, text: str) -> int:
+        body = text.lstrip()
+        if not body:
+            return 0
+        # a reply that begins with `[` (or Llama 4's tag, or a start of it) may be calls: held until it is whole
+        if body.startswith("[") or self.START.startswith(body[:len(self.START)]):
+            return 0
+        return len(text)
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Llama3JsonParser, HermesParser, PythonicParser)}
