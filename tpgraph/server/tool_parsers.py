@@ -76,13 +76,27 @@ def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> Pars
     return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
-class Llama3JsonParser(ToolParser):
+class WholeReplyParser(ToolParser):
+    """A format whose calls are the whole reply: one that begins with OPENER (maybe after TAG) may be calls, and is
+    held until it is whole; any other is content as it streams."""
+
+    OPENER = TAG = ""
+
+    def content_until(self, text: str) -> int:
+        body = text.lstrip()
+        # (an empty reply, or one beginning with the opener, the tag or a start of the tag, is held)
+        if not body or body.startswith(self.OPENER) or self.TAG.startswith(body[:len(self.TAG)]):
+            return 0
+        return len(text)
+
+
+class Llama3JsonParser(WholeReplyParser):
     name = "llama3_json"
-    PYTHON_TAG = "<|python_tag|>"
+    OPENER, TAG = "{", "<|python_tag|>"
 
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
-        body = body.removeprefix(self.PYTHON_TAG).lstrip()
+        body = body.removeprefix(self.TAG).lstrip()
         if not body.startswith("{"):
             return text, []
         decoder, calls, at = json.JSONDecoder(strict=False), [], 0
@@ -99,15 +113,6 @@ class Llama3JsonParser(ToolParser):
             while at < len(body) and body[at] in " \t\r\n;":  # (calls are `; `-separated)
                 at += 1
         return None, calls
-
-    def content_until(self, text: str) -> int:
-        body = text.lstrip()
-        if not body:
-            return 0
-        # a reply that begins with `{` (or the tag, or a start of it) may be calls: it is held until it is whole
-        if body.startswith("{") or self.PYTHON_TAG.startswith(body[:len(self.PYTHON_TAG)]):
-            return 0
-        return len(text)
 
 
 class HermesParser(ToolParser):
@@ -137,12 +142,12 @@ class HermesParser(ToolParser):
         return start if start >= 0 else len(text) - tag_begun(text, self.OPEN)
 
 
-class PythonicParser(ToolParser):
+class PythonicParser(WholeReplyParser):
     name = "pythonic"
-    START, END = "<|python_start|>", "<|python_end|>"
+    OPENER, TAG, END = "[", "<|python_start|>", "<|python_end|>"  # (the tags are Llama 4's)
 
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
-        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        body = text.strip().removeprefix(self.TAG).removesuffix(self.END).strip()
         if not (body.startswith("[") and body.endswith("]")):
             return text, []
         try:  # (parsed, never run: each argument must be a literal)
@@ -164,15 +169,6 @@ class PythonicParser(ToolParser):
                 return text, []
             calls.append(ParsedCall(node.func.id, arguments))
         return None, calls
-
-    def content_until(self, text: str) -> int:
-        body = text.lstrip()
-        if not body:
-            return 0
-        # a reply that begins with `[` (or Llama 4's tag, or a start of it) may be calls: held until it is whole
-        if body.startswith("[") or self.START.startswith(body[:len(self.START)]):
-            return 0
-        return len(text)
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Llama3JsonParser, HermesParser, PythonicParser)}
