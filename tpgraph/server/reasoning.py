@@ -43,36 +43,38 @@ PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>")}
 
 @dataclass
 class ReasoningReader:
-    """One choice's reply split as it streams: feed() returns (reasoning, content) to send now."""
+    """One choice's reply split as it streams: feed() returns (reasoning, content) to send now. Only what is not
+    sent yet is kept (a tag's beginning, held back), so a long reply costs no copies of itself."""
 
     parser: ReasoningParser
-    text: str = ""
-    sent: int = 0  # characters of text handled (sent, or dropped as tags)
+    unsent: str = ""
     thinking: bool = True
     started: bool = False  # past any opening tag
 
     def feed(self, text: str) -> tuple[str, str]:
-        self.text += text
+        self.unsent += text
         return self._split(final=False)
 
     def finish(self) -> tuple[str, str]:
         return self._split(final=True)
 
     def _split(self, final: bool) -> tuple[str, str]:
-        reasoning = ""
+        if not self.thinking:
+            content, self.unsent = self.unsent, ""
+            return "", content
+        start, end_tag = self.parser.start, self.parser.end
         if not self.started:
-            head = self.text[self.sent:].lstrip()
-            if self.parser.start.startswith(head) and head != self.parser.start and not final:
+            head = self.unsent.lstrip()
+            if start.startswith(head) and head != start and not final:
                 return "", ""  # (maybe the opening tag, not whole yet)
             self.started = True
-            if head.startswith(self.parser.start):
-                self.sent = self.text.index(self.parser.start, self.sent) + len(self.parser.start)
-        if self.thinking:
-            end = self.text.find(self.parser.end, self.sent)
-            if end < 0:
-                until = len(self.text) if final else len(self.text) - tag_begun(self.text, self.parser.end)
-                reasoning, self.sent = self.text[self.sent:until], max(self.sent, until)
-                return reasoning, ""
-            reasoning, self.sent, self.thinking = self.text[self.sent:end], end + len(self.parser.end), False
-        content, self.sent = self.text[self.sent:], len(self.text)
+            if head.startswith(start):
+                self.unsent = head[len(start):]
+        end = self.unsent.find(end_tag)
+        if end < 0:
+            until = len(self.unsent) - (0 if final else tag_begun(self.unsent, end_tag))
+            reasoning, self.unsent = self.unsent[:until], self.unsent[until:]
+            return reasoning, ""
+        reasoning, content = self.unsent[:end], self.unsent[end + len(end_tag):]
+        self.unsent, self.thinking = "", False
         return reasoning, content

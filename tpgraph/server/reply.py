@@ -45,7 +45,7 @@ class ReplyReader:
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
     reasoning: str = ""  # all the reasoning sent
-    text: str = ""
+    text: str = ""  # ("required", "auto") the answer so far
     content: str = ""  # what has been sent, all told: content, and tool-call deltas
     call_deltas: list[dict] = field(default_factory=list)
     sent_content: int = 0  # characters of text sent as content
@@ -89,10 +89,8 @@ class ReplyReader:
         return delta
 
     def _feed(self, text: str) -> Delta:
-        self.text += text
         mode = self.plan.mode
-        if mode == "none":
-            self.sent_content = len(self.text)
+        if mode == "none":  # (nothing reads a plain reply back: it is not kept)
             return Delta(text)
         if mode == "named":
             if not text:  # (the call begins with its arguments' first text: none while a reasoning model thinks)
@@ -102,6 +100,7 @@ class ReplyReader:
                 return Delta(calls=[{"index": 0, "id": tool_call_id(), "type": "function",
                                      "function": {"name": self.plan.function, "arguments": text}}])
             return Delta(calls=[{"index": 0, "function": {"arguments": text}}])
+        self.text += text  # ("required" and "auto" read the whole reply)
         if mode == "required":
             return Delta(calls=self._complete_elements())
         until = self.plan.parser.content_until(self.text)
