@@ -62,8 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:
-    return ToolOptions(args.tool_call_parser if args.enable_auto_tool_choice else None,
-                       args.exclude_tools_when_tool_choice_none)
+    return ToolOptions(args.tool_call_parser, args.exclude_tools_when_tool_choice_none)  # (given with the flag)
 
 
 def main(argv: list[str] | None = None) -> int:
