@@ -306,6 +306,14 @@ def test_tool_calls_named_required_and_auto():
         assert [(t.function.name, t.function.arguments) for t in auto.choices[0].message.tool_calls] == [
             ("get_time", "{}")]
         assert auto.choices[0].finish_reason == "tool_calls"
+        # streamed, a call is sent once its arguments begin, and they come as they are generated
+        forced = '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}</tool_call>'
+        chunks = list(c.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=120, seed=3,
+                                                stream=True, extra_body={"guided_regex": forced}))
+        pieces = [d for chunk in chunks for d in chunk.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in pieces if d.id] == ["get_weather"] and len(pieces) > 3
+        assert "".join(d.function.arguments or "" for d in pieces) == '{"city": "Oslo"}'
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
         # the history of a call goes back to the model, and a plain reply comes back as text
         history = [*messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
                    {"role": "tool", "tool_call_id": call.id, "content": "-3 C"}]

@@ -92,7 +92,7 @@ def test_required_calls_with_n_choices():
 
 
 def test_auto_with_a_parser_finds_the_calls_after_text():
-    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": ', '"Oslo"}}',
               "</tool_call>"]
     whole, chunks, client = chat(pieces, {}, ToolOptions(parser="hermes"))
     message = whole["choices"][0]["message"]
@@ -101,6 +101,8 @@ def test_auto_with_a_parser_finds_the_calls_after_text():
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
     content, calls, finish = folded(chunks)
     assert (content, without_ids(calls), finish) == ("Let me check. ", expected, "tool_calls")
+    sent = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls", [])]
+    assert [d["function"]["arguments"] for d in sent] == ['{"city": ', '"Oslo"}']  # (streamed as they came)
     assert client.params[0].structured is None and client.params[0].skip_special_tokens is False
     # tool_choice "none": the same reply is plain content
     whole, chunks, _ = chat(pieces, {"tool_choice": "none"}, ToolOptions(parser="hermes"))

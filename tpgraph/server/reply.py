@@ -8,6 +8,7 @@ from typing import Any
 
 from tpgraph.server.reasoning import ReasoningReader
 from tpgraph.server.tool_parsers import JSON_ERRORS, ParsedCall, arguments_text, loads
+from tpgraph.server.tool_streams import STREAMS, CallStream, Event, RequiredStream
 from tpgraph.server.tools import ToolPlan, tool_call_id
 
 
@@ -40,10 +41,13 @@ class Delta:
 @dataclass
 class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
-    and tool calls (tools.py says how each tool_choice reads them)."""
+    and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
+    "auto" calls are sent as they are written (tool_streams.py; the pythonic format excepted); a whole reply reads
+    its calls once it is whole, and one that does not parse as calls is content."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
+    stream: bool = False
     reasoning: str = ""  # all the reasoning sent
     text: str = ""  # ("required", "auto") the answer so far
     content: str = ""  # what has been sent, all told: content, and tool-call deltas
@@ -53,6 +57,13 @@ class ReplyReader:
     json: JsonScanner = field(default_factory=lambda: JsonScanner())  # ("required") where the array stands
     element_at: int = -1  # ("required") where the array's element being generated begins
     finish_reason: str | None = None
+    calls: CallStream | None = None  # (streamed "required" and "auto") the calls as they are written
+
+    def __post_init__(self) -> None:
+        plan = self.plan
+        kind = RequiredStream if plan.mode == "required" else STREAMS.get(plan.parser.name) if plan.parser else None
+        if self.stream and kind is not None:
+            self.calls = kind(plan.names, plan.one_call)
 
     def feed(self, text: str) -> Delta:
         """The reply's next text: what it adds to send now."""
@@ -100,6 +111,8 @@ class ReplyReader:
                 return Delta(calls=[{"index": 0, "id": tool_call_id(), "type": "function",
                                      "function": {"name": self.plan.function, "arguments": text}}])
             return Delta(calls=[{"index": 0, "function": {"arguments": text}}])
+        if self.calls is not None:
+            return self._events(self.calls.feed(text))
         self.text += text  # ("required" and "auto" read the whole reply)
         if mode == "required":
             return Delta(calls=self._complete_elements())
@@ -110,6 +123,9 @@ class ReplyReader:
         mode = self.plan.mode
         if mode in ("none", "named"):  # (all sent as it came; a named reply with no answer text makes no call)
             return Delta(), finish_reason
+        if self.calls is not None:
+            rest = self._events(self.calls.finish())
+            return rest, "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
         if mode == "required":
             calls = self._complete_elements()
             if self.sent_calls == 0:  # no whole call (cut by max_tokens): the text comes back as it is
@@ -125,6 +141,22 @@ class ReplyReader:
         # (what was streamed as content is content's beginning: a parser sends nothing that could begin a call)
         tail = (content or "")[self.sent_content:]
         return Delta(tail, [self._call(c) for c in parsed]), "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def _events(self, events: list[Event]) -> Delta:
+        """A call stream's events as a delta: a call's first delta carries its index, id and name."""
+        delta = Delta()
+        for kind, text in events:
+            if kind == "content":
+                delta.content += text
+            elif kind == "call":
+                delta.calls.append({"index": self.sent_calls, "id": tool_call_id(), "type": "function",
+                                    "function": {"name": text, "arguments": ""}})
+                self.sent_calls += 1
+            elif delta.calls and delta.calls[-1]["index"] == self.sent_calls - 1:
+                delta.calls[-1]["function"]["arguments"] += text
+            else:
+                delta.calls.append({"index": self.sent_calls - 1, "function": {"arguments": text}})
+        return delta
 
     def _content_to(self, until: int) -> str:
         out = self.text[self.sent_content:until]

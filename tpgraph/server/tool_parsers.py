@@ -4,13 +4,14 @@ generated (vLLM's --tool-call-parser names):
 - llama3_json: Llama 3.1-3.3's JSON calls. The reply is one or more `{"name": ..., "parameters": {...}}` objects
   (`"arguments"` is taken too), `;`-separated, maybe after `<|python_tag|>`; a reply that begins otherwise is text.
 - hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text (a last block
-  left open is read too); the text around them is content.
+  left open is read too); the text around them is content, but for whitespace between and after them.
 - pythonic: Llama 3.2's and 4's calls as a Python list, `[get_weather(city="Oslo"), get_time()]` (Llama 4's between
   `<|python_start|>` and `<|python_end|>`): keyword arguments of literal values, parsed with `ast`, never run.
 
 A reply that does not parse as calls, or calls a function the request did not offer, is returned whole as content:
 nothing the model wrote is lost. Raw control characters in strings (a tab, as models write) are taken, and the
-arguments re-encoded as JSON (arguments written as a JSON string are taken too).
+arguments re-encoded as JSON (arguments written as a JSON string are taken too). These parsers read a whole
+reply; a streamed reply's llama3_json and hermes calls are read as they are written (tool_streams.py).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class HermesParser(ToolParser):
         start = text.find(self.OPEN)
         if start < 0:
             return text, []
-        calls, end = [], start
+        calls, content, end = [], [text[:start]], start
         for block in self._BLOCK.finditer(text, start):
             try:
                 call = _call(loads(block.group(1)), ("arguments", "parameters"), names)
@@ -134,8 +135,11 @@ class HermesParser(ToolParser):
             if call is None:
                 return text, []
             calls.append(call)
+            content.append(text[end:block.start()])
             end = block.end()
-        return (text[:start] + text[end:]) or None, calls  # (the text around the blocks)
+        content.append(text[end:])
+        # (the text around the blocks; whitespace between and after them is none)
+        return content[0] + "".join(c for c in content[1:] if c.strip()) or None, calls
 
     def content_until(self, text: str) -> int:
         start = text.find(self.OPEN)

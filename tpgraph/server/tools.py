@@ -90,7 +90,7 @@ class ToolPlan:
     structured: StructuredOutput | None = None  # the constraint that makes the reply calls
     parser: ToolParser | None = None  # ("auto")
     one_call: bool = False
-    names: frozenset[str] = frozenset()  # the tools' names ("auto" takes calls to these alone)
+    names: frozenset[str] = frozenset()  # the tools' names (calls to these alone are taken)
 
     @staticmethod
     def of(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, options: ToolOptions
@@ -112,8 +112,8 @@ class ToolPlan:
             return ToolPlan("auto", list(tools), parser=PARSERS[options.parser](), one_call=one_call,
                             names=frozenset(by_name))
         if choice == "required":
-            return ToolPlan("required", list(tools), one_call=one_call, structured=StructuredOutput.json_schema(
-                required_schema(list(by_name.values()), one_call)))
+            return ToolPlan("required", list(tools), one_call=one_call, names=frozenset(by_name),
+                            structured=StructuredOutput.json_schema(required_schema(list(by_name.values()), one_call)))
         if isinstance(choice, dict):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None

@@ -1,0 +1,225 @@
+"""Streamed tool calls: JSON re-encoded a character at a time as json.dumps writes the whole, call objects read as
+they come, and each format's stream ("required", llama3_json, hermes) against the same reply read whole."""
+
+import json
+import random
+
+import pytest
+
+from tpgraph.server.json_stream import CallReader, Reencoder
+from tpgraph.server.reply import ReplyReader
+from tpgraph.server.tools import ToolOptions, ToolPlan
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def reencode(text: str, pieces: list[int] | None = None) -> tuple[str, Reencoder]:
+    """Feed text a character at a time, taking the output after each piece (lengths in `pieces`)."""
+    r, out, at = Reencoder(), [], 0
+    for size in pieces or [1] * len(text):
+        for ch in text[at:at + size]:
+            if not r.feed(ch):
+                break
+        out.append(r.take())
+        at += size
+    r.end()
+    out.append(r.take())
+    return "".join(out), r
+
+
+def random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.choice(["int", "float", "str", "bool", "null"] + (["list", "dict"] * 2 if depth < 3 else []))
+    if kind == "int":
+        return rng.choice([0, -1, 7, 10 ** 30, -(2 ** 63)])
+    if kind == "float":
+        return rng.choice([0.5, -0.0, 1e-7, 2.5e300, 3.14159, 100.0])
+    if kind == "str":
+        return "".join(rng.choice(['a', 'é', '"', '\\', '\n', '\t', '\x01', '/', '😀', ' ', '}', '{', ']'])
+                       for _ in range(rng.randrange(6)))
+    if kind in ("bool", "null"):
+        return rng.choice([True, False]) if kind == "bool" else None
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}{random_value(rng, 9) if rng.random() < 0.2 else ''}": random_value(rng, depth + 1)
+            for i in range(rng.randrange(4))}
+
+
+def written(rng: random.Random, value: object) -> str:
+    """JSON as a model might write it: spacing of its own, escapes where json.dumps would not write them."""
+    text = json.dumps(value, ensure_ascii=rng.random() < 0.5, separators=rng.choice([(",", ":"), (", ", ": ")]))
+    if rng.random() < 0.3:
+        text = text.replace(",", " ,\n ").replace(":", " : ")  # (inside strings too: harmless)
+    return text.replace("/", "\\/") if rng.random() < 0.3 else text
+
+
+def test_reencoding_gives_what_json_dumps_gives_the_whole_in_any_chunking():
+    rng = random.Random(0)
+    for _ in range(400):
+        value = {"v": random_value(rng)}
+        text = written(rng, value)
+        expected = json.dumps(json.loads(text), ensure_ascii=False)
+        cuts = [rng.randrange(1, 6) for _ in range(len(text))]
+        for pieces in (None, cuts):
+            got, r = reencode(text, pieces)
+            assert (got, r.done, r.failed) == (expected, True, False), text
+
+
+@pytest.mark.parametrize("text", [
+    '"\\ud83d\\ude00"',  # (a surrogate pair written as escapes is one character)
+    '1E5', '-0.0', '1.50', '123456789012345678901234567890', '[ ]', '{ }', 'true', '[null, false]',
+    '"\\u00e9\\/\\b\\f"', '"raw\ttab"',
+])
+def test_reencoding_single_values(text):
+    assert reencode(text)[0] == json.dumps(json.loads(text, strict=False), ensure_ascii=False)
+
+
+def test_a_lone_surrogate_stays_escaped_so_the_text_encodes():
+    got, r = reencode('"\\ud83d x"')
+    assert got == '"\\ud83d x"' and r.done
+    got.encode()
+
+
+@pytest.mark.parametrize("bad", ['{"a":NaN}', '{"a":1e999}', '{"a" 1}', '{"a":tru}', "[1,]", '{"a":1]', '{"a":01}',
+                                 '"\\x"', '"\\u1_a4"', "{,}", '{"a":1,}', "[1 2]", "-Infinity", "{1: 2}"])
+def test_text_that_is_no_json_fails(bad):
+    r = reencode(bad)[1]
+    assert r.failed and not r.done
+
+
+def feed_call(text: str) -> CallReader:
+    reader = CallReader(NAMES)
+    for ch in text:
+        if not reader.feed(ch):
+            break
+    return reader
+
+
+def test_a_call_object_is_ready_once_named_and_its_arguments_begin():
+    reader = CallReader(NAMES)
+    for ch in '{"name": "get_weather", ':
+        reader.feed(ch)
+    assert not reader.ready and reader.take_arguments() == ""
+    for ch in '"parameters": {"city": "Os':
+        reader.feed(ch)
+    assert reader.ready and reader.take_arguments() == '{"city": "Os'
+    for ch in 'lo"}}':
+        reader.feed(ch)
+    assert reader.done and not reader.failed and reader.take_arguments() == 'lo"}'
+    # arguments written before the name wait for it; other keys are skipped
+    reader = feed_call('{"parameters": {"a": [1, 2]}, "id": {"x": "}"}, "name": "get_time"}')
+    assert reader.done and reader.take_arguments() == '{"a": [1, 2]}'
+    # arguments written as a JSON string of an object are sent whole
+    assert feed_call('{"name": "get_time", "arguments": "{\\"a\\": 1}"}').take_arguments() == '{"a": 1}'
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "nope", "parameters": {}}',  # (not offered)
+    '{"name": "get_time"}',  # (no arguments)
+    '{"name": ["get_time"], "parameters": {}}',
+    '{"name": "get_time", "parameters": [1]}',
+    '{"name": "get_time", "arguments": "[1]"}',
+    '{"name": "get_time", "name": "get_time", "parameters": {}}',
+    '["get_time"]',
+])
+def test_what_is_no_call_fails(text):
+    assert feed_call(text).failed
+
+
+def plan(choice=None, parser="hermes", parallel=None) -> ToolPlan:
+    return ToolPlan.of([WEATHER, TIME], choice, parallel, ToolOptions(parser=parser))
+
+
+def read(p: ToolPlan, text: str, sizes: list[int], stream: bool, finish: str = "stop") -> tuple[list, dict, str]:
+    reader, deltas, at = ReplyReader(p, stream=stream), [], 0
+    for size in sizes:
+        deltas.append(reader.feed(text[at:at + size]))
+        at += size
+    rest, reason = reader.finish(finish)
+    return deltas + [rest], reader.message(), reason
+
+
+def calls_of(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+
+
+REPLIES = [  # (tool_choice, parser, reply)
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": "Os\\"lo}"}}, '
+                       '{"name": "get_time", "parameters": {}}]'),
+    ("required", None, '[{"name":"get_weather","parameters":{"n":[1.50,{"x":null}],"s":"\\u00e9"}}]'),
+    (None, "llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo\\t"}}; '
+                          '{"parameters": {}, "name": "get_time"}'),
+    (None, "llama3_json", ' {"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'),
+    (None, "llama3_json", "It is sunny; no tools needed."),
+    (None, "llama3_json", '{"name": "Alice", "parameters": {}}'),
+    (None, "hermes", 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'),
+    (None, "hermes", 'a < b <tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call> then done.'),
+    (None, "hermes", "<tool_call>not json</tool_call>"),
+    (None, "hermes", "No tools <tool"),
+]
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), REPLIES)
+def test_a_streamed_reply_gives_what_the_whole_reply_gives(choice, parser, reply):
+    rng = random.Random(1)
+    _, whole, whole_reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    for sizes in ([1] * len(reply), [rng.randrange(1, 8) for _ in reply], [len(reply)]):
+        deltas, message, reason = read(plan(choice, parser), reply, sizes, stream=True)
+        assert (message["content"], calls_of(message), reason) == (whole["content"], calls_of(whole), whole_reason)
+
+
+def sent_calls(deltas: list) -> list[tuple[int, dict]]:
+    return [(i, c) for i, d in enumerate(deltas) for c in d.calls]
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), [REPLIES[i] for i in (0, 1, 2, 6)])  # (object arguments)
+def test_calls_are_sent_as_they_are_written(choice, parser, reply):
+    deltas, message, _ = read(plan(choice, parser), reply, [1] * len(reply), stream=True)
+    sent = sent_calls(deltas)
+    first = sent[0][1]
+    assert first["id"].startswith("chatcmpl-tool-") and first["type"] == "function" and first["function"]["name"]
+    name_at = reply.index(first["function"]["name"])
+    assert sent[0][0] < reply.index("}") and sent[0][0] > name_at  # (sent before the first call's object closes)
+    assert len([c for _, c in sent if c["index"] == 0]) > 3  # (its arguments in many deltas)
+    assert all("id" not in c for _, c in sent if c is not first and c["index"] == 0)
+    # each call's first delta follows its name and the start of its arguments, never before
+    starts = [i for i, c in sent if "id" in c]
+    assert len(starts) == len(message["tool_calls"])
+
+
+def test_a_stream_keeps_a_call_cut_by_max_tokens():
+    cut = '{"name": "get_weather", "parameters": {"city": "Os'
+    deltas, message, reason = read(plan(parser="llama3_json"), cut, [4] * 20, stream=True, finish="length")
+    assert calls_of(message) == [("get_weather", '{"city": "Os')] and reason == "length"
+    assert message["content"] is None
+    # read whole, the same reply is text (it does not parse as a call)
+    _, message, reason = read(plan(parser="llama3_json"), cut, [len(cut)], stream=False, finish="length")
+    assert message["content"] == cut and "tool_calls" not in message and reason == "length"
+
+
+def test_text_after_the_calls_that_is_no_call_is_content():
+    reply = '{"name": "get_time", "parameters": {}}; and that is all'
+    deltas, message, reason = read(plan(parser="llama3_json"), reply, [1] * len(reply), stream=True)
+    assert calls_of(message) == [("get_time", "{}")] and message["content"] == "; and that is all"
+    assert reason == "tool_calls"
+    # a call that breaks off after it was sent keeps what it sent; the rest is content
+    reply = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo" oops}}</tool_call>'
+    _, message, _ = read(plan(), reply, [3] * 40, stream=True)
+    assert calls_of(message) == [("get_weather", '{"city": "Oslo"')] and message["content"] == "oops}}</tool_call>"
+
+
+def test_one_call_when_parallel_tool_calls_is_false():
+    reply = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2
+    _, message, _ = read(plan(parallel=False), reply, [5] * 30, stream=True)
+    assert calls_of(message) == [("get_time", "{}")] and message["content"] is None
+    _, message, _ = read(plan(), reply, [5] * 30, stream=True)
+    assert calls_of(message) == [("get_time", "{}")] * 2
+
+
+def test_pythonic_replies_are_read_whole_when_streamed():
+    reply = '[get_weather(city="Oslo")]'
+    deltas, message, reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
+    assert [i for i, _ in sent_calls(deltas)] == [len(deltas) - 1]
+    assert calls_of(message) == [("get_weather", '{"city": "Oslo"}')] and reason == "tool_calls"

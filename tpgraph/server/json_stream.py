@@ -1,0 +1,288 @@
+"""JSON read a character at a time, for tool calls that stream: a value re-encoded as it arrives, in the form
+`json.dumps(json.loads(text), ensure_ascii=False)` gives the whole (so a call's streamed arguments are the text a
+whole reply carries), and a call object `{"name": ..., "parameters": {...}}` whose arguments are sent as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from tpgraph.server.tool_parsers import arguments_text
+
+WHITESPACE = " \t\n\r"
+SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+LITERALS = ("true", "false", "null")
+NUMBER_CHARS = frozenset("-+.eE0123456789")
+HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def encode_char(ch: str) -> str:
+    """One decoded string character as json.dumps(ensure_ascii=False) writes it (a lone surrogate escaped, so the
+    text stays encodable as UTF-8)."""
+    code = ord(ch)
+    if 0xD800 <= code <= 0xDFFF:
+        return f"\\u{code:04x}"
+    return json.dumps(ch)[1:-1] if ch in '"\\' or code < 0x20 else ch
+
+
+class Reencoder:
+    """One JSON value, fed a character at a time; `take()` returns the re-encoded text so far (what is certain:
+    a number is written when it ends). feed() returns False for a character that is not the value's (the one
+    after a number or a literal ends it); `done` once the value is whole; `failed` where the text is no JSON."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.stack: list[str] = []  # the open containers, "{" or "["
+        self.expect = "value"  # value, key, colon, next (a comma or the close), or first_value/first_key
+        self.in_string = False
+        self.escape = ""  # an escape begun in a string ("\\", "\\u12", ...)
+        self.high = ""  # a high surrogate waiting for its low half
+        self.token = ""  # a number or a literal being read
+        self._key = False  # is the string being read an object's key?
+        self.done = self.failed = False
+
+    def take(self) -> str:
+        text, self.out = "".join(self.out), []
+        return text
+
+    def feed(self, ch: str) -> bool:
+        if self.done or self.failed:
+            return False
+        if self.in_string:
+            self._string(ch)
+            return True
+        if self.token:
+            if ch in NUMBER_CHARS or ch.isalpha():
+                self.token += ch
+                return True
+            self._end_token()
+            if self.done or self.failed:
+                return False
+        if ch in WHITESPACE:
+            return True
+        expect = self.expect
+        if expect in ("value", "first_value") or (expect in ("key", "first_key") and ch == '"'):
+            if expect == "first_value" and ch == "]":
+                return self._close(ch)
+            self._value(ch, key=expect in ("key", "first_key"))
+        elif expect == "first_key" and ch == "}":
+            return self._close(ch)
+        elif expect == "colon" and ch == ":":
+            self.out.append(": ")
+            self.expect = "value"
+        elif expect == "next" and ch == ",":
+            self.out.append(", ")
+            self.expect = "key" if self.stack[-1] == "{" else "value"
+        elif expect == "next" and ch in "]}":
+            return self._close(ch)
+        else:
+            self.failed = True
+        return not self.failed
+
+    def _value(self, ch: str, key: bool) -> None:
+        if ch == '"':
+            self.in_string, self._key = True, key
+            self.out.append('"')
+        elif key:
+            self.failed = True
+        elif ch in "{[":
+            self.stack.append(ch)
+            self.out.append(ch)
+            self.expect = "first_key" if ch == "{" else "first_value"
+        elif ch in NUMBER_CHARS or ch.isalpha():
+            self.token = ch
+        else:
+            self.failed = True
+
+    def _close(self, ch: str) -> bool:
+        if not self.stack or "{[".index(self.stack[-1]) != "}]".index(ch):
+            self.failed = True
+            return False
+        self.stack.pop()
+        self.out.append(ch)
+        self._value_ended()
+        return True
+
+    def _value_ended(self, key: bool = False) -> None:
+        if key:
+            self.expect = "colon"
+        elif self.stack:
+            self.expect = "next"
+        else:
+            self.done = True
+
+    def _end_token(self) -> None:
+        token, self.token = self.token, ""
+        if token in LITERALS:
+            self.out.append(token)
+        else:
+            try:
+                value = json.loads(token)
+            except ValueError:  # (not a number; NaN and Infinity, which JSON has not, too)
+                self.failed = True
+                return
+            if not isinstance(value, int | float) or isinstance(value, float) and not math.isfinite(value):
+                self.failed = True
+                return
+            self.out.append(json.dumps(value))
+        self._value_ended()
+
+    def end(self) -> None:
+        """The text has ended: a number or literal standing alone is whole."""
+        if self.token:
+            self._end_token()
+
+    def _string(self, ch: str) -> None:
+        if self.escape:
+            self.escape += ch
+            if self.escape.startswith("\\u"):
+                if len(self.escape) < 6:
+                    return
+                digits, self.escape = self.escape[2:], ""
+                if not all(c in HEX_DIGITS for c in digits):
+                    self.failed = True
+                    return
+                self._char(chr(int(digits, 16)))
+            elif ch in SIMPLE_ESCAPES:
+                self.escape = ""
+                self._char(SIMPLE_ESCAPES[ch])
+            else:
+                self.failed = True
+            return
+        if ch == "\\":
+            self.escape = "\\"
+        elif ch == '"':
+            self._flush_high()
+            self.in_string = False
+            self.out.append('"')
+            self._value_ended(self._key)
+        else:
+            self._char(ch)
+
+    def _char(self, ch: str) -> None:
+        """A decoded character: surrogate halves written as \\u escapes join into one character, as json.loads
+        joins them."""
+        if self.high:
+            if 0xDC00 <= ord(ch) <= 0xDFFF:
+                ch, self.high = chr(0x10000 + ((ord(self.high) - 0xD800) << 10) + (ord(ch) - 0xDC00)), ""
+            else:
+                self._flush_high()
+        if 0xD800 <= ord(ch) <= 0xDBFF:
+            self.high = ch
+            return
+        self.out.append(encode_char(ch))
+
+    def _flush_high(self) -> None:
+        if self.high:
+            self.out.append(encode_char(self.high))
+            self.high = ""
+
+
+@dataclass
+class CallReader:
+    """One call object, `{"name": "f", "parameters": {...}}` (ARGS_KEYS' first key present is the arguments),
+    fed a character at a time. Once it is `ready`, `take_arguments()` gives the arguments' re-encoded text as it
+    comes; arguments written before the name wait for it. `failed`: no call (bad JSON, a name not offered, no
+    arguments, or arguments that are no object)."""
+
+    names: frozenset[str]
+    args_keys: tuple[str, ...] = ("parameters", "arguments")
+    name: str | None = None
+    done: bool = False
+    failed: bool = False
+    started: bool = False  # past the object's "{"
+    value: Reencoder | None = None  # the key or value being read
+    role: str = ""  # what `value` is: "key", "name", "args", "args_text" (a JSON string of them), "skip"
+    key: str = ""
+    expect: str = "first_key"  # first_key, key, colon, value, next
+    args: list[str] = field(default_factory=list)  # arguments' text not yet taken
+    has_args: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Is this a call for certain (its name read and offered, its arguments begun)? (A call object without
+        arguments is none, as a whole reply reads it.)"""
+        return self.name is not None and self.has_args
+
+    def take_arguments(self) -> str:
+        if not self.ready:
+            return ""
+        text, self.args = "".join(self.args), []
+        return text
+
+    def feed(self, ch: str) -> bool:
+        """False where the character is past the object (it has ended) or where the call failed."""
+        if self.done or self.failed:
+            return False
+        if not self.started:
+            if ch in WHITESPACE:
+                return True
+            self.started = True
+            self.failed = ch != "{"
+            return not self.failed
+        if self.value is not None:
+            consumed = self.value.feed(ch)
+            self._collect()
+            if self.value.failed:
+                self.failed = True
+                return False
+            if self.value.done:
+                self._value_done()
+            if consumed:
+                return True
+        if ch in WHITESPACE:
+            return True
+        if self.expect in ("first_key", "key") and ch == '"':
+            self._begin("key", ch)
+        elif self.expect == "first_key" and ch == "}" or self.expect == "next" and ch == "}":
+            self._close()
+        elif self.expect == "colon" and ch == ":":
+            self.expect = "value"
+        elif self.expect == "next" and ch == ",":
+            self.expect = "key"
+        elif self.expect == "value":
+            if self.key in self.args_keys and not self.has_args:
+                self.has_args = True
+                role = "args" if ch == "{" else "args_text" if ch == '"' else ""
+                if not role:  # (arguments must be an object, or a JSON string of one)
+                    self.failed = True
+                    return False
+            else:
+                role = "name" if self.key == "name" else "skip"
+            self._begin(role, ch)
+        else:
+            self.failed = True
+        return not self.failed
+
+    def _begin(self, role: str, ch: str) -> None:
+        self.role, self.value = role, Reencoder()
+        self.value.feed(ch)
+        self._collect()
+
+    def _collect(self) -> None:
+        if self.role == "args":
+            self.args.append(self.value.take())
+
+    def _value_done(self) -> None:
+        value, role, self.value = self.value, self.role, None
+        self.expect = "next"
+        if role == "key":
+            self.key, self.expect = json.loads("".join(value.out)), "colon"
+        elif role == "name":
+            name = json.loads("".join(value.out))
+            if self.name is not None or not isinstance(name, str) or name not in self.names:
+                self.failed = True
+            else:
+                self.name = name
+        elif role == "args_text":  # (arguments written as a JSON string: sent whole, once read)
+            text = arguments_text(json.loads("".join(value.out)))
+            if text is None:
+                self.failed = True
+            else:
+                self.args.append(text)
+
+    def _close(self) -> None:
+        self.done = True
+        self.failed = not self.ready
