@@ -26,7 +26,8 @@ def plan(tool_choice=None, tools=(WEATHER, TIME), parallel=None, options=PLAIN) 
 
 
 def read(p: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list, dict, str]:
-    """Feed the pieces as a stream; returns the deltas sent, the whole message and the finish reason."""
+    """Feed the pieces to a reader of a whole (non-streamed) reply; returns the deltas it folds, the message and the
+    finish reason. (test_tool_streams.py reads streamed replies.)"""
     reader, deltas = ReplyReader(p), []
     for piece in pieces:
         deltas.append(reader.feed(piece))
