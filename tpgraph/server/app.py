@@ -44,13 +44,18 @@ class Choice:
     """One choice being built: text, token ids, log-probabilities, finish reason."""
 
     index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text's pieces (joined once read: += copies it all per token)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
     def add(self, u: StepUpdate) -> Choice:
-        self.text += u.text
+        if u.text:
+            self.parts.append(u.text)
         if u.token_id is not None:
             self.token_ids.append(u.token_id)
             if u.logprob is not None:
@@ -290,9 +295,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             entries and the finish reason. With echo, a choice's first update brings the prompt first: its text, and
             with logprobs its entries (the first token's empty), which come with the first token."""
             c = choices[i * params.n + u.sample_index]
-            text_at, entries_at = len(c.text), len(c.logprobs)
+            head, entries_at = "", len(c.logprobs)
             if body.echo and c.index not in started:
-                c.text += echoed[i]
+                head = echoed[i]
+                c.parts.append(head)
             started.add(c.index)
             if u.prompt_logprobs is not None:
                 firsts.setdefault(i, u)
@@ -302,7 +308,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             if echo_only:  # (the one token run is not the reply's)
                 u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length")
             c.add(u)
-            return c, c.text[text_at:], c.logprobs[entries_at:], u.finish_reason
+            return c, head + u.text, c.logprobs[entries_at:], u.finish_reason
 
         if not body.stream:
             async for i, u in _chain(first, stream):
