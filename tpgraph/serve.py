@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "4's [f(a=1)] lists) or hermes (<tool_call> tags)")
     tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='leave the tools out of the chat template when tool_choice is "none"')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens read from the prefix "
+                        "cache")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
     add_engine_args(p)
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key, tool_options(args), reasoning)
+                        args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -120,7 +120,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(free_port())
+    s = Server(free_port(), flags=("--enable-prompt-tokens-details",))
     yield s
     s.stop()
 
@@ -539,6 +539,15 @@ def test_stream_chunks_carry_null_usage_until_the_last(server):
     r = http("POST", f"{server.url}/v1/completions", json.dumps(body).encode())
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server):
+    """--enable-prompt-tokens-details: a prompt sent again finds its whole blocks cached (block size 8)."""
+    body = {"model": MODEL, "prompt": "Cached tokens are counted: " * 3, "max_tokens": 2, "temperature": 0}
+    first, again = (http("POST", server.url + "/v1/completions", json.dumps(body).encode()).json() for _ in range(2))
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < n
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 8 * 8}
 
 
 def test_a_huge_prompt_does_not_hold_up_other_requests(server):

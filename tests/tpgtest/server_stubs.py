@@ -113,18 +113,20 @@ class SilentClient(IdleClient):
 
 class ScriptedClient(OneTokenClient):
     """An engine that answers each sample of a request with the text pieces given (a token each, id 7, with a
-    log-probability of -0.5 where asked), then `finish`; it keeps the params and prompts it was sent."""
+    log-probability of -0.5 where asked), then `finish`; it keeps the params and prompts it was sent. cached: the
+    prompt tokens a sample's first update says it found cached, plus the sample's index."""
 
-    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
+    def __init__(self, pieces: list[str], finish: str = "stop", cached: int = 0) -> None:
         super().__init__()
-        self.pieces, self.finish, self.params, self.prompts = pieces, finish, [], []
+        self.pieces, self.finish, self.params, self.prompts, self.cached = pieces, finish, [], [], cached
 
     def submit(self, request_id, prompt, params, sink) -> None:
         self.params.append(params)
         self.prompts.append(prompt)
         for sample in range(params.n):
             for i, piece in enumerate(self.pieces):
-                update = StepUpdate(request_id, sample, 7, piece, self.finish if i == len(self.pieces) - 1 else None)
+                update = StepUpdate(request_id, sample, 7, piece, self.finish if i == len(self.pieces) - 1 else None,
+                                    cached_tokens=None if i else self.cached + sample)
                 if params.logprobs is not None:
                     update.logprob, update.top_logprobs = -0.5, [(7, -0.5)][:params.logprobs]
                 sink(update)

@@ -217,3 +217,19 @@ def test_waiting_starts_for_enough_shared_tokens_and_lasts_until_they_are_comput
     assert not alloc.worth_waiting(many, [s]) and not many.awaited_blocks
     assert alloc.match(many) == 36
     assert not alloc.worth_waiting(seq(range(40), seq_id=4), [])
+
+
+def test_each_request_reports_its_prompt_tokens_found_cached():
+    """GenerationOutput.num_cached_tokens (the server's usage.prompt_tokens_details.cached_tokens): the prompt
+    tokens its first sample found in the prefix cache when first admitted; none without caching."""
+    prompt = SHARED + "What is 2+2?"
+    with engine(True) as e:
+        first = e.generate(prompt, GREEDY)[0]
+        again = e.generate(prompt, GREEDY)[0]
+        other = e.generate(SHARED + "Name a colour.", GREEDY)[0]
+        n = len(e.encode(prompt))
+        assert first.num_cached_tokens == 0
+        assert again.num_cached_tokens == (n - 1) // BS * BS  # (its whole blocks; the last token is computed)
+        assert 0 < other.num_cached_tokens <= len(e.encode(SHARED)) // BS * BS + BS
+    with engine(False) as e:
+        assert e.generate(prompt, GREEDY)[0].num_cached_tokens == 0

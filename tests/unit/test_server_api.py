@@ -215,3 +215,20 @@ def test_the_prompt_logprobs_field_gives_tied_tokens_their_top_k_places():
     assert field[0] is None and {t: e["rank"] for t, e in field[1].items()} == {"1": 1, "2": 2}
     with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "prompt_logprobs": -1}).sampling_params(4, None)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_usage_says_how_many_prompt_tokens_were_cached_where_the_server_is_asked_to(path):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, summed over the prompts (each
+    prompt's first sample's count), in the whole reply and in a stream's usage chunk; without it, no such field."""
+    body = {"model": "m", "max_tokens": 2, "n": 2,
+            **({"prompt": ["hi", "ho"]} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    prompts = 1 if "chat" in path else 2
+    for details in (True, False):
+        app = server_app.create_app(ScriptedClient(["a", "b"], cached=32), builtin_codec(), ServerMetrics(), "m", 128,
+                                    prompt_tokens_details=details)
+        whole, streamed = post_all(app, [(path, body), (path, {**body, "stream": True,
+                                                               "stream_options": {"include_usage": True}})])
+        usages = [whole.json()["usage"], sse_events(streamed.text)[-1]["usage"]]
+        for usage in usages:
+            assert usage.get("prompt_tokens_details") == ({"cached_tokens": 32 * prompts} if details else None)

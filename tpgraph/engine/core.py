@@ -52,6 +52,7 @@ class StepUpdate:
     # token after the first
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     prompt_ranks: list[int] | None = None  # (with prompt_logprobs) each prompt token's rank, 1 the most likely
+    cached_tokens: int | None = None  # with a sequence's first token: its prompt tokens read from the prefix cache
 
 
 class _Once:
@@ -311,8 +312,10 @@ class EngineCore:
                 update.logprob = out.logprobs[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
-            if index == 0 and seq.params.prompt_logprobs is not None:
-                update.prompt_logprobs, update.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
+            if index == 0:
+                update.cached_tokens = seq.prompt_cached or 0
+                if seq.params.prompt_logprobs is not None:
+                    update.prompt_logprobs, update.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
             updates.append(update)
         self.timing.postprocess += time.perf_counter() - now
         return updates

@@ -154,6 +154,8 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
             self.prefix_queried_tokens += len(seq)
             self.prefix_hit_tokens += seq.num_cached
+            if seq.prompt_cached is None:  # (what a request's usage reports: its first admission's, as vLLM's)
+                seq.prompt_cached = min(seq.num_cached, len(seq.prompt_ids))
             del self.waiting[i]
             seq.status = Status.RUNNING
             self.running.append(seq)

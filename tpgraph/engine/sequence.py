@@ -46,6 +46,7 @@ class Sequence:
     # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)  # (beside prompt_logprobs) each token's rank
+    prompt_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted (then fixed)
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
 
     @property

@@ -68,6 +68,7 @@ class GenerationOutput:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # each prompt token's rank, the ids at least as likely (1: the most likely, as vLLM counts; None for the first)
     prompt_ranks: list[int | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (its first sample's, as vLLM's)
 
 
 @contextlib.contextmanager
@@ -302,6 +303,8 @@ class TPEngine:
         if update.logprob is not None:
             completion.logprobs.append(update.logprob)
             completion.top_logprobs.append(update.top_logprobs or [])
+        if update.cached_tokens is not None and out.num_cached_tokens is None:
+            out.num_cached_tokens = update.cached_tokens
         if update.prompt_logprobs is not None and out.prompt_logprobs is None:  # (each sample brings the same)
             out.prompt_logprobs = [None, *(lp for _, lp, _ in update.prompt_logprobs)]
             out.prompt_top_logprobs = [[], *(top for _, _, top in update.prompt_logprobs)]

@@ -48,6 +48,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # its prompt tokens read from the prefix cache (with its first token)
 
     @property
     def text(self) -> str:
@@ -56,6 +57,8 @@ class Choice:
     def add(self, u: StepUpdate) -> Choice:
         if u.text:
             self.parts.append(u.text)
+        if u.cached_tokens is not None:
+            self.cached_tokens = u.cached_tokens
         if u.token_id is not None:
             self.token_ids.append(u.token_id)
             if u.logprob is not None:
@@ -126,11 +129,17 @@ class Api:
                     self.client.release(rid)
 
 
-def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+def _usage(prompts: list[list[int]], choices: list[Choice], details: bool = False) -> dict:
+    """OpenAI's usage; details: with prompt_tokens_details.cached_tokens, each prompt's first choice's (the choices
+    are each prompt's n in turn)."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    usage: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                   "total_tokens": prompt_tokens + completion_tokens}
+    if details:
+        n = len(choices) // len(prompts)
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(c.cached_tokens or 0 for c in choices[::n])}
+    return usage
 
 
 def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: int) -> list[dict | None] | None:
@@ -175,9 +184,11 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
-               reasoning: ReasoningParser | None = None) -> FastAPI:
+               reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
-    function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py)."""
+    function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py).
+    prompt_tokens_details: usage says how many prompt tokens came from the prefix cache (vLLM's
+    --enable-prompt-tokens-details)."""
     tool_options = tool_options or ToolOptions()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -306,7 +317,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     c.logprobs += [(token_ids[i][0], None, []),
                                    *((t, lp, top[:body.logprobs]) for t, lp, top in u.prompt_logprobs)]
             if echo_only:  # (the one token run is not the reply's)
-                u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length")
+                u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length",
+                               cached_tokens=u.cached_tokens)
             c.add(u)
             return c, head + u.text, c.logprobs[entries_at:], u.finish_reason
 
@@ -319,7 +331,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "finish_reason": c.finish_reason,
                              **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                                  prompts, firsts.get(c.index // params.n), body.prompt_logprobs)})} for c in choices],
-                "usage": _usage(token_ids, choices)})
+                "usage": _usage(token_ids, choices, prompt_tokens_details)})
 
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
@@ -334,7 +346,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             **_chunk_usage(body, token_ids[i], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [], "usage": _usage(token_ids, choices)})
+                            "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
@@ -404,7 +416,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             for c, reply in zip(choices, replies, strict=True)],
                 **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                     prompts, firsts[0] if firsts else None, body.prompt_logprobs)}),
-                "usage": _usage(token_ids, choices)})
+                "usage": _usage(token_ids, choices, prompt_tokens_details)})
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
@@ -422,7 +434,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                                  "finish_reason": finish_reason}],
                             **_chunk_usage(body, token_ids[0], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
-                yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices)})
+                yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
