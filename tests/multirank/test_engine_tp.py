@@ -8,32 +8,38 @@ from tpgtest.workers import engine_generate
 from tpgraph import SamplingParams, TPEngine
 
 PROMPTS = ["The quick brown fox", "tpgraph", "a" * 30, "Hello, world! How are you today, my friend?"]
+MIXED = [*PROMPTS, "ab"]  # (with PARAMS, one each)
 ENGINE = dict(max_num_seqs=4, max_model_len=64, num_kv_blocks=17, block_size=4)  # tight: preemption happens
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.9, top_k=50, max_tokens=10),
           SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=10,
-                                                                                   repetition_penalty=1.3)]
+                                                                                   repetition_penalty=1.3),
+          # lower-case letters only, "a" and "b" most likely, and never "aa" (a ban that reads the last token)
+          SamplingParams(temperature=0.7, seed=9, max_tokens=10, logit_bias={97: 6, 98: 5}, bad_words=("aa",),
+                         allowed_token_ids=tuple(range(97, 123)))]
 
 
 def test_two_ranks_agree_with_one():
     """The prompts twice, so the second call finds their prefixes cached: every rank keeps the same prefix cache
     (the same schedule, the same block names) and the same completions as TP=1."""
-    ranks = run_ranks(engine_generate, 2, PROMPTS, [PARAMS, PARAMS], ENGINE, timeout_s=240)
+    ranks = run_ranks(engine_generate, 2, MIXED, [PARAMS, PARAMS], ENGINE, timeout_s=240)
     assert ranks[0] == ranks[1] and ranks[0]["blocks_back"] and ranks[0]["prefix_hits"] > 0
     with TPEngine(device="cpu", **ENGINE) as engine:
-        one = engine.generate(PROMPTS, PARAMS) + engine.generate(PROMPTS, PARAMS)
+        one = engine.generate(MIXED, PARAMS) + engine.generate(MIXED, PARAMS)
     # greedy and seeded requests match TP=1 exactly (the unseeded one draws from the shared generator, whose
     # sequence of draws also matches, since both runs schedule identically)
     single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]
     assert ranks[0]["completions"] == single
+    constrained = single[4][0][1]  # (the last request's: lower-case letters, "aa" never)
+    assert len(constrained) == 10 and constrained.isalpha() and constrained.islower() and "aa" not in constrained
 
 
 def test_four_ranks_agree_with_one():
     """TP=4 on CPU (issue 12's path where no four GPUs are lent): every rank the same completions, equal to TP=1's
     for the greedy and seeded requests."""
-    ranks = run_ranks(engine_generate, 4, PROMPTS, PARAMS, ENGINE, timeout_s=300)
+    ranks = run_ranks(engine_generate, 4, MIXED, PARAMS, ENGINE, timeout_s=300)
     assert all(r == ranks[0] for r in ranks[1:]) and ranks[0]["blocks_back"]
     with TPEngine(device="cpu", **ENGINE) as engine:
-        one = engine.generate(PROMPTS, PARAMS)
+        one = engine.generate(MIXED, PARAMS)
     single = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in one]
     assert ranks[0]["completions"] == single
 
@@ -42,12 +48,12 @@ def test_greedy_in_step_at_four_ranks_agrees_with_one(monkeypatch):
     """TPGRAPH_GREEDY_IN_STEP=1 at TP=4: plain-greedy steps take the ids the step made from the ranks' all-reduced
     shard slots (258 tokens over 4 ranks: the last shard has 63 real columns and 2 of padding, cut), and steps that
     sample gather the logits after the step; every rank's completions equal TP=1's, where the setting is off."""
-    greedy = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=6)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.0, max_tokens=6)] * 3
     with TPEngine(device="cpu", **ENGINE) as engine:
         one = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
-               for o in engine.generate(PROMPTS, greedy * 2) + engine.generate(PROMPTS, PARAMS)]
+               for o in engine.generate(MIXED, greedy[:5]) + engine.generate(MIXED, PARAMS)]
     monkeypatch.setenv("TPGRAPH_GREEDY_IN_STEP", "1")
-    ranks = run_ranks(engine_generate, 4, PROMPTS, [greedy * 2, PARAMS], ENGINE, timeout_s=300)
+    ranks = run_ranks(engine_generate, 4, MIXED, [greedy[:5], PARAMS], ENGINE, timeout_s=300)
     assert all(r == ranks[0] for r in ranks[1:]) and ranks[0]["blocks_back"] and ranks[0]["greedy_in_step"]
     assert ranks[0]["completions"] == one
 

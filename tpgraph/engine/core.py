@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
+from tpgraph.engine.bad_words import bad_word_bans, encode_bad_words
 from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
@@ -110,6 +111,7 @@ class PreparedRequest:
     params: SamplingParams
     detokenizers: list[Detokenizer | None]
     grammar_after: tuple[int, ...] = ()  # params.structured_after's token ids
+    bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
 
 
 @dataclass
@@ -171,9 +173,10 @@ class EngineCore:
             self.grammars.compile(params.structured)
             if params.structured_after is not None:
                 after = tuple(self.tokenizer.encode(params.structured_after, add_special_tokens=False).ids)
+        bad_words = encode_bad_words(self.tokenizer, params.bad_words, self.runner.model.cfg.vocab_size)
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in range(params.n)]
-        return PreparedRequest(request_id, list(prompt_ids), params, detoks, after)
+        return PreparedRequest(request_id, list(prompt_ids), params, detoks, after, bad_words)
 
     def add_prepared(self, request: PreparedRequest) -> None:
         """Queue a prepared request whole, or refuse it (RequestError) with nothing queued."""
@@ -184,7 +187,7 @@ class EngineCore:
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
-                                 request_id=request_id, sample_index=i, params=params,
+                                 request_id=request_id, sample_index=i, params=params, bad_words=request.bad_words,
                                  grammar=GrammarState(self.grammars.matcher(params.structured), request.grammar_after)
                                  if params.structured else None))
             self._next_seq_id += 1
@@ -277,14 +280,15 @@ class EngineCore:
             timing.gpu = timer.take() if timer is not None else None
         if not sampled:
             return InFlight([], None, prompt_chunks) if prompt_chunks else None
-        if self._in_flight is not None and any(r.grammar is not None for r in rows):
+        if self._in_flight is not None and any(r.grammar is not None or s.reads_output
+                                               for s, r in zip(sampled, rows, strict=True)):
             hook()
             self.timing.overlapped = True
             updates += self._resolve()  # (the rows hold the sequences' grammars and token lists: they see it)
             # a sequence that has just finished keeps its row (the batch is launched), drawn without a penalty slot
-            # (its own went back) and dropped when read
-            rows = [dataclasses.replace(r, seq_id=None) if seq.finished else r
-                    for seq, r in zip(sampled, rows, strict=True)]
+            # (its own went back) and dropped when read; one whose bans read its last tokens has them now
+            rows = [dataclasses.replace(r, seq_id=None) if seq.finished else self._sample_row(seq)
+                    if seq.reads_output else r for seq, r in zip(sampled, rows, strict=True)]
         if pending is None:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             pending = self.sampler.sample_async(logits, rows, ids_out=self.runner.sampled_rows(len(sampled)))
@@ -343,10 +347,11 @@ class EngineCore:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.params
-        banned = ()
+        banned = bad_word_bans(seq.bad_words, seq.output_ids) if seq.bad_words else set()
         if len(seq.output_ids) < p.min_tokens:
-            banned = tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)))
-        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, tuple(sorted(banned)),
+                         seq_id=seq.seq_id,
                          grammar=seq.grammar)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:

@@ -42,6 +42,9 @@ class RequestLimits:
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
+        if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= vocab:
+            raise RequestError(f"allowed_token_ids must be below the vocabulary size {vocab}, got "
+                               f"{[t for t in params.allowed_token_ids if t >= vocab]}")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t, _ in params.logit_bias if t >= vocab]}")

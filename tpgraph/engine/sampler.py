@@ -95,7 +95,8 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
     """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, bias,
     penalties or banned ids): such a step needs no logits on the host's side, only the argmax."""
     return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and not r.params.has_penalties
-               and not r.banned_ids and r.grammar is None for r in rows)
+               and not r.banned_ids and r.grammar is None and r.params.allowed_token_ids is None
+               and not r.params.bad_words for r in rows)
 
 
 class Sampler:
@@ -148,6 +149,8 @@ class Sampler:
         if biased:  # before penalties, as vLLM orders them; in place where x is a copy already
             x = add_logit_bias(x, rows, in_place=x is not logits)
         x, counted = penalize(x, rows, self.penalties)
+        if any(r.params.allowed_token_ids is not None for r in rows):  # (out of place, as below)
+            x = keep_allowed(x, rows)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
                                           [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
@@ -295,6 +298,17 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
         return table.apply(x, slots, params), Counted(None, slots)
     at, slots = to_device_parts([positions, table.slots_for(penalized)], torch.int64, x.device)
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
+
+
+def keep_allowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """x with every logit masked (-inf) but each row's allowed_token_ids (rows without any keep all)."""
+    asking = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    at, ids, masked = to_device_parts([[i for i, a in asking for _ in a], [t for _, a in asking for t in a],
+                                       [i for i, _ in asking]], torch.int64, x.device)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[masked] = False
+    keep[at, ids] = True
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False) -> torch.Tensor:

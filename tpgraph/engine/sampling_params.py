@@ -12,6 +12,7 @@ from tpgraph.errors import RequestError
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and the sampler uploads them each step)
+MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -27,7 +28,10 @@ class SamplingParams:
     prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
     full, never read from the prefix cache. `structured`: what the output must match (structured.py); with
     `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after that text's tokens
-    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures)."""
+    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures).
+    vLLM's `allowed_token_ids`: the only ids the output may hold (every other logit masked; log-probabilities are the
+    model's own). `bad_words`: words the output may not complete (bad_words.py reads them as vLLM does: a word's last
+    token is banned where the output ends with the tokens before it)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -50,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
     structured_after: str | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +90,20 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
+            if not allowed:
+                raise RequestError("allowed_token_ids is empty: it must allow at least one token (or be left out)")
+            for t in allowed:
+                _check_int("allowed_token_ids entry", t, 0, None)
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", _as_tuple("bad_words", self.bad_words, "a list of strings"))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise RequestError(f"bad_words must hold words (non-blank strings), got {list(self.bad_words)!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise RequestError(f"bad_words has {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

@@ -47,7 +47,14 @@ class Sequence:
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)  # (beside prompt_logprobs) each token's rank
     prompt_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted (then fixed)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
+
+    @property
+    def reads_output(self) -> bool:
+        """Do its sampling bans read its last output tokens (a bad word of more than one token)? Its row must then see
+        the step in flight read back."""
+        return any(len(w) > 1 for w in self.bad_words)
 
     @property
     def num_uncached(self) -> int:

@@ -97,8 +97,10 @@ class SamplingFields(NullMeansDefault):
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
     truncate_prompt_tokens: int | None = None  # (vLLM's: keep the prompt's last k tokens; -1: max_model_len)
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
+    allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
+    bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
 
-    _stop_ids_are_integers = field_validator("stop_token_ids", mode="before")(_ids_are_integers)
+    _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", mode="before")(_an_integer)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -139,7 +141,9 @@ class SamplingFields(NullMeansDefault):
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=skip_special_tokens, logit_bias=self.token_bias(),
-            prompt_logprobs=prompt_logprobs, structured=structured)
+            prompt_logprobs=prompt_logprobs, structured=structured,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()))
 
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them)."""
