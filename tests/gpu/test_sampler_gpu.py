@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 EVERY_OPTION = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                               frequency_penalty=0.3, presence_penalty=0.2, logprobs=2, seed=4,
-                              logit_bias={11: 2.0, 3: -1.0})
+                              logit_bias={11: 2.0, 3: -1.0}, allowed_token_ids=tuple(range(0, 32000, 3)))
 
 
 def test_sampling_every_option_never_waits_for_the_gpu():
@@ -212,3 +212,27 @@ def test_the_sampler_draws_alike_with_the_top_k_kernel_or_torch_topk(monkeypatch
             drawn[flag] = Sampler("cuda", seed=2).sample(logits, rows).token_ids
             assert len(calls) == (kernel_calls if flag == "1" else 0)
         assert drawn["1"] == drawn["0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_allowed_and_banned_ids_hold_on_the_fused_draw_and_greedy_rows(dtype):
+    """allowed_token_ids and bans (bad words, min_tokens) on CUDA logits as the model gives them: sampled rows
+    (the fused draw) and greedy rows take allowed ids alone, never a banned one; the caller's logits stay as they
+    were."""
+    vocab = 128256
+    logits = torch.randn(64, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).to(dtype)
+    before = logits.clone()
+    allowed = tuple(range(1000, 1064))
+    rows = [SampleRow(SamplingParams(temperature=t, top_p=0.95, allowed_token_ids=allowed), [1], [])
+            for t in (0.0, 1.0) for _ in range(16)]
+    top = logits.float().argmax(-1).tolist()
+    rows += [SampleRow(SamplingParams(temperature=t), [1], [], banned_ids=(top[32 + i],)) for t in (0.0, 0.05)
+             for i in range(16)]
+    sampler = Sampler("cuda", seed=1)
+    for _ in range(3):
+        ids = sampler.sample(logits, rows).token_ids
+        assert all(1000 <= i < 1064 for i in ids[:32])
+        assert all(i != top[32 + k] for k, i in enumerate(ids[32:]))
+    best = logits[:16, 1000:1064].float().argmax(-1) + 1000
+    assert ids[:16] == best.tolist()
+    assert torch.equal(logits, before)
