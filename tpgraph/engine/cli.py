@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any
 
+from tpgraph.engine.config import SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.model.loader import LOAD_FORMATS
 
@@ -29,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="run each prompt in one step")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs: first come first served; priority: a request's `priority` (lower first, arrival breaks "
+                        "ties) orders the queue, and the lowest is preempted first")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt in full (default: K/V blocks of token prefixes computed before are "
                         "shared: system prompts, earlier chat turns, repeated prompts)")
@@ -66,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
+                scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 chat_template=args.chat_template, graphs=graph_config_from_args(args))

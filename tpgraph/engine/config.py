@@ -8,6 +8,8 @@ from pathlib import Path
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # (vLLM's --scheduling-policy)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # default: max(min(max_model_len, 8192), 512) (ModelRunner)
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
     enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed
     gpu_memory_utilization: float = 0.9
@@ -43,6 +46,9 @@ class EngineConfig:
         for name in ("overlap_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                              f"{self.scheduling_policy!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
         utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)

@@ -154,7 +154,7 @@ class EngineCore:
     def limits(self) -> RequestLimits:
         cfg = self.scheduler.cfg
         return RequestLimits(self.runner.model.cfg.vocab_size, cfg.max_model_len,
-                             self.scheduler.allocator.num_blocks * cfg.block_size)
+                             self.scheduler.allocator.num_blocks * cfg.block_size, cfg.policy == "priority")
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if add_request would refuse this prompt (front ends check before accepting it)."""

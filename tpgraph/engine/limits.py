@@ -14,6 +14,7 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     cache_tokens: int  # what the whole KV cache holds
+    priority_scheduling: bool = False  # (else a request's priority must be 0, as vLLM's server refuses others)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the engine would refuse this prompt."""
@@ -42,6 +43,9 @@ class RequestLimits:
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
+        if params.priority and not self.priority_scheduling:
+            raise RequestError(f"priority {params.priority} needs a server started with --scheduling-policy priority "
+                               f"(this one serves first come first served)")
         if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= vocab:
             raise RequestError(f"allowed_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.allowed_token_ids if t >= vocab]}")

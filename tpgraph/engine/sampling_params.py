@@ -31,7 +31,9 @@ class SamplingParams:
     (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures).
     vLLM's `allowed_token_ids`: the only ids the output may hold (every other logit masked; log-probabilities are the
     model's own). `bad_words`: words the output may not complete (bad_words.py reads them as vLLM does: a word's last
-    token is banned where the output ends with the tokens before it)."""
+    token is banned where the output ends with the tokens before it). `priority` (vLLM's request priority): under the
+    priority scheduling policy, lower values are served first (arrival breaks ties) and preempted last; the default
+    policy, first come first served, takes only 0."""
 
     n: int = 1
     temperature: float = 1.0
@@ -56,6 +58,7 @@ class SamplingParams:
     structured_after: str | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,7 @@ class SamplingParams:
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None:
             _check_int("seed", self.seed, -(2 ** 63), 2 ** 63 - 1)
+        _check_int("priority", self.priority, -(2 ** 63), 2 ** 63 - 1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)

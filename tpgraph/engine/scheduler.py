@@ -10,6 +10,9 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
    begins with too, then shares them. A sequence that asks for prompt log-probabilities takes none: its prompt runs
    in full.
 
+Under the priority policy (vLLM's --scheduling-policy priority) the queue is kept in (priority, arrival) order
+instead, lower priorities first, and the running sequence that comes last in that order is the one preempted.
+
 The scheduler reserves every KV block a step needs before the step runs. When a running sequence needs a block and
 none is free, the most recently admitted running sequence is preempted: its blocks go back and it returns to the
 front of the queue, to be recomputed (its prompt and the tokens it generated are prefilled again). Waiting sequences
@@ -23,6 +26,7 @@ whose pending token ends it is not scheduled, and a preempted one is not recompu
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,15 +42,23 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority": the queue in (priority, arrival) order, the last of it preempted first
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                               f"must hold a whole prompt of max_model_len ({self.max_model_len}) tokens")
+
+
+def queue_order(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order: a request's priority (lower first), then arrival (sequence ids count up)."""
+    return (seq.params.priority if seq.params is not None else 0, seq.seq_id)
 
 
 @dataclass
@@ -84,7 +96,10 @@ class Scheduler:
                                f"{self.cfg.max_model_len}, KV cache {self.allocator.num_blocks} blocks of "
                                f"{self.cfg.block_size})")
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if self.cfg.policy == "priority":
+            bisect.insort(self.waiting, seq, key=queue_order)
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """The sequence is done (stop, length, abort): its blocks go back at once."""
@@ -189,7 +204,7 @@ class Scheduler:
             step.out_of_cache.append(seq)
             return False
         while need > self.allocator.num_free:
-            victim = self.running[-1]
+            victim = max(self.running, key=queue_order) if self.cfg.policy == "priority" else self.running[-1]
             self._preempt(victim, step)
             if victim is seq:
                 return False
@@ -203,11 +218,13 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them)
-        at = 0
-        while at < len(self.waiting) and self.waiting[at].awaited_blocks:
-            at += 1
-        self.waiting.insert(at, seq)
+        if self.cfg.policy == "priority":  # (in its place: ahead of later arrivals of its priority)
+            bisect.insort(self.waiting, seq, key=queue_order)
+        else:  # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them)
+            at = 0
+            while at < len(self.waiting) and self.waiting[at].awaited_blocks:
+                at += 1
+            self.waiting.insert(at, seq)
         step.preempted.append(seq)
         # a victim scheduled earlier in this step must not run
         step.prefill = [(s, n) for s, n in step.prefill if s is not seq]

@@ -149,7 +149,7 @@ class TPEngine:
             self.core = EngineCore(self.runner, SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
-                enable_chunked_prefill=cfg.enable_chunked_prefill),
+                enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy),
                 eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling)
         except BaseException:
             destroy_distributed(self.state)

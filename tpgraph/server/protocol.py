@@ -99,9 +99,11 @@ class SamplingFields(NullMeansDefault):
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
     bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
+    priority: int = 0  # (vLLM's: lower first, where the server schedules by priority)
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
-    _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", mode="before")(_an_integer)
+    _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
+                                           mode="before")(_an_integer)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None,
@@ -143,7 +145,7 @@ class SamplingFields(NullMeansDefault):
             logprobs=logprobs, skip_special_tokens=skip_special_tokens, logit_bias=self.token_bias(),
             prompt_logprobs=prompt_logprobs, structured=structured,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            bad_words=tuple(self.bad_words or ()))
+            bad_words=tuple(self.bad_words or ()), priority=self.priority)
 
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them)."""
