@@ -82,7 +82,8 @@ def test_a_lone_surrogate_stays_escaped_so_the_text_encodes():
 
 
 @pytest.mark.parametrize("bad", ['{"a":NaN}', '{"a":1e999}', '{"a" 1}', '{"a":tru}', "[1,]", '{"a":1]', '{"a":01}',
-                                 '"\\x"', '"\\u1_a4"', "{,}", '{"a":1,}', "[1 2]", "-Infinity", "{1: 2}"])
+                                 '"\\x"', '"\\u1_a4"', "{,}", '{"a":1,}', "[1 2]", "-Infinity", "{1: 2}",
+                                 "[" * 513 + "]" * 513])  # (past MAX_DEPTH: Python's json.loads stops near 1000)
 def test_text_that_is_no_json_fails(bad):
     r = reencode(bad)[1]
     assert r.failed and not r.done
@@ -223,3 +224,51 @@ def test_pythonic_replies_are_read_whole_when_streamed():
     deltas, message, reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
     assert [i for i, _ in sent_calls(deltas)] == [len(deltas) - 1]
     assert calls_of(message) == [("get_weather", '{"city": "Oslo"}')] and reason == "tool_calls"
+
+
+# what review found (helper-86): each case failed before its mend
+
+DEEP = "[" * 3000 + "]" * 3000
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), [
+    (None, "llama3_json", '{"name": ' + DEEP + ', "parameters": {}}'),
+    (None, "hermes", '<tool_call>{"name": ' + DEEP + ', "arguments": {}}</tool_call>'),
+    ("required", None, '[{"name": ' + DEEP + ', "parameters": {}}]'),
+    (None, "llama3_json", '{"name": ["get_time"], "parameters": {}}'),  # (a name no string: json.loads raised)
+    (None, "hermes", '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>'),  # (unhashable: a 500 whole)
+])
+def test_a_name_that_is_no_string_is_content_streamed_or_whole(choice, parser, reply):
+    for stream in (True, False):
+        _, message, _ = read(plan(choice, parser), reply, [3] * (len(reply) // 3 + 1), stream=stream)
+        assert message["content"] == reply and "tool_calls" not in message
+
+
+@pytest.mark.parametrize("reply", [
+    '{"name": "get_weather", "arguments": "Oslo"}',  # (a JSON string that is no object)
+    '{"name": "get_weather", "arguments": 5}',
+    '{"name": "get_weather", "parameters": [1]}',
+])
+def test_a_call_whose_arguments_are_no_object_is_never_sent(reply):
+    deltas, message, _ = read(plan(parser="llama3_json"), reply, [3] * (len(reply) // 3 + 1), stream=True)
+    assert not sent_calls(deltas) and message["content"] == reply
+
+
+def test_a_lone_surrogate_escape_stays_an_escape_so_the_reply_encodes():
+    reply = '<tool_call>{"name": "get_time", "arguments": {"a": "\\ud800"}}</tool_call>'
+    for stream in (True, False):
+        _, message, _ = read(plan(), reply, [len(reply)], stream=stream)
+        assert calls_of(message) == [("get_time", '{"a": "\\ud800"}')]
+
+
+@pytest.mark.parametrize(("parser", "reply", "parallel"), [
+    ("llama3_json", '{"name": "get_time", "parameters": {}};', None),  # (a trailing separator is no content)
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone. \n', None),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone.', False),  # (text after one)
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"a": "</tool_call>"}}</tool_call>', None),
+])
+def test_more_replies_read_alike_streamed_or_whole(parser, reply, parallel):
+    _, whole, reason = read(plan(parser=parser, parallel=parallel), reply, [len(reply)], stream=False)
+    _, streamed, streamed_reason = read(plan(parser=parser, parallel=parallel), reply, [2] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    assert calls_of(whole)

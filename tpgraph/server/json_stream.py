@@ -1,6 +1,8 @@
 """JSON read a character at a time, for tool calls that stream: a value re-encoded as it arrives, in the form
 `json.dumps(json.loads(text), ensure_ascii=False)` gives the whole (so a call's streamed arguments are the text a
 whole reply carries), and a call object `{"name": ..., "parameters": {...}}` whose arguments are sent as they come.
+Where they differ: a key given twice is written twice (json.loads keeps the last), and a lone surrogate written as
+an escape stays one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n
 LITERALS = ("true", "false", "null")
 NUMBER_CHARS = frozenset("-+.eE0123456789")
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+MAX_DEPTH = 512  # (deeper nesting is refused: Python's json.loads, a client's too, stops near 1000)
 
 
 def encode_char(ch: str) -> str:
@@ -88,6 +91,9 @@ class Reencoder:
         elif key:
             self.failed = True
         elif ch in "{[":
+            if len(self.stack) == MAX_DEPTH:
+                self.failed = True
+                return
             self.stack.append(ch)
             self.out.append(ch)
             self.expect = "first_key" if ch == "{" else "first_value"
@@ -198,7 +204,8 @@ class CallReader:
     key: str = ""
     expect: str = "first_key"  # first_key, key, colon, value, next
     args: list[str] = field(default_factory=list)  # arguments' text not yet taken
-    has_args: bool = False
+    args_seen: bool = False  # an arguments key was read (a second is skipped)
+    has_args: bool = False  # arguments that are a call's: an object begun, or a JSON string of one read
 
     @property
     def ready(self) -> bool:
@@ -243,14 +250,15 @@ class CallReader:
         elif self.expect == "next" and ch == ",":
             self.expect = "key"
         elif self.expect == "value":
-            if self.key in self.args_keys and not self.has_args:
-                self.has_args = True
+            if self.key in self.args_keys and not self.args_seen:
+                self.args_seen = True
                 role = "args" if ch == "{" else "args_text" if ch == '"' else ""
-                if not role:  # (arguments must be an object, or a JSON string of one)
-                    self.failed = True
-                    return False
+                self.has_args = role == "args"
             else:
-                role = "name" if self.key == "name" else "skip"
+                role = "skip" if self.key != "name" else "name" if ch == '"' else ""
+            if not role:  # (arguments must be an object or a JSON string of one; a name, a string)
+                self.failed = True
+                return False
             self._begin(role, ch)
         else:
             self.failed = True
@@ -272,7 +280,7 @@ class CallReader:
             self.key, self.expect = json.loads("".join(value.out)), "colon"
         elif role == "name":
             name = json.loads("".join(value.out))
-            if self.name is not None or not isinstance(name, str) or name not in self.names:
+            if self.name is not None or name not in self.names:
                 self.failed = True
             else:
                 self.name = name
@@ -282,6 +290,7 @@ class CallReader:
                 self.failed = True
             else:
                 self.args.append(text)
+                self.has_args = True
 
     def _close(self) -> None:
         self.done = True

@@ -42,6 +42,7 @@ class ToolParser:
         raise NotImplementedError
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # what json raises on text it will not take: bad JSON, an integer past Python's 4300 digits, nesting past the stack
 JSON_ERRORS = (ValueError, RecursionError)
 
@@ -57,7 +58,11 @@ def arguments_text(args: object) -> str | None:
     try:
         if isinstance(args, str):  # (some models write the arguments as a JSON string)
             args = loads(args)
-        return json.dumps(args, ensure_ascii=False, allow_nan=False) if isinstance(args, dict) else None
+        if not isinstance(args, dict):
+            return None
+        # (a lone surrogate, written as an escape, stays one: UTF-8 cannot encode it raw)
+        return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}",
+                                  json.dumps(args, ensure_ascii=False, allow_nan=False))
     except (*JSON_ERRORS, TypeError):  # (TypeError: a value JSON has no form for, a set say)
         return None
 
@@ -70,8 +75,14 @@ def tag_begun(text: str, tag: str) -> int:
     return 0
 
 
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
 def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     arguments = arguments_text(next((obj[k] for k in args_key if k in obj), None))
     return None if arguments is None else ParsedCall(obj["name"], arguments)
@@ -120,24 +131,27 @@ class HermesParser(ToolParser):
     name = "hermes"
     keeps_special_tokens = True  # (Hermes checkpoints make <tool_call> a special token)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
-        start = text.find(self.OPEN)
-        if start < 0:
+        at = text.find(self.OPEN)
+        if at < 0:
             return text, []
-        calls, content, end = [], [text[:start]], start
-        for block in self._BLOCK.finditer(text, start):
+        decoder, calls, content = json.JSONDecoder(strict=False), [], [text[:at]]
+        while at >= 0:
+            # a block: its object read whole (a closing tag inside a string is the string's), then the tag
+            begin = _skip_space(text, at + len(self.OPEN))
             try:
-                call = _call(loads(block.group(1)), ("arguments", "parameters"), names)
+                obj, end = decoder.raw_decode(text, begin)
             except JSON_ERRORS:
-                call = None
-            if call is None:
+                return text, []
+            call = _call(obj, ("arguments", "parameters"), names)
+            end = _skip_space(text, end)
+            if call is None or not (text.startswith(self.CLOSE, end) or end == len(text)):
                 return text, []
             calls.append(call)
-            content.append(text[end:block.start()])
-            end = block.end()
-        content.append(text[end:])
+            end += len(self.CLOSE) if end < len(text) else 0
+            at = text.find(self.OPEN, end)
+            content.append(text[end:at if at >= 0 else len(text)])
         # (the text around the blocks; whitespace between and after them is none)
         return content[0] + "".join(c for c in content[1:] if c.strip()) or None, calls
 
