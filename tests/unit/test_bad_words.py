@@ -9,13 +9,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tokenizers import normalizers
 
+import tpgraph.engine.sampler as sampler_module
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.engine.bad_words import bad_word_bans, encode_bad_words
 from tpgraph.engine.limits import RequestLimits
-from tpgraph.engine.sampler import Sampler, SampleRow, plain_greedy
+from tpgraph.engine.penalties import PenaltyTable
+from tpgraph.engine.sampler import Sampler, SampleRow, plain_greedy, worst_case_rows
+from tpgraph.engine.sequence import Sequence
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import CompletionRequest
+from tpgraph.tokenizer import builtin_tokenizer
 
 
 class WordTokenizer:
@@ -130,3 +135,84 @@ def test_the_engine_samples_only_allowed_ids_on_every_rank_alike(engine):
                                                       allowed_token_ids=allowed, logprobs=1))
     for out in outs:
         assert set(out.outputs[0].token_ids) <= set(allowed)
+
+
+# what review found (helper-87): each case failed before its mend
+
+def _dropping_tokenizer():
+    """A tokenizer.json whose normalizer drops some characters (BERT's clean_text: control and zero-width ones), as
+    Python's str.strip() does not: a non-blank word that encodes to no tokens at all."""
+    tok = builtin_tokenizer()
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=False, strip_accents=False,
+                                                lowercase=False)
+    return tok
+
+
+def test_a_bad_word_that_encodes_to_no_tokens_is_refused():
+    """encode_bad_words keeps () for such a word; bad_word_bans then raises IndexError (ids[-1]) inside the step."""
+    with pytest.raises(RequestError):
+        encode_bad_words(_dropping_tokenizer(), ("\u200b",), 258)
+
+
+def test_a_bad_word_that_encodes_to_no_tokens_does_not_kill_the_engine():
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=2, block_size=8) as engine:
+        engine.tokenizer.normalizer = _dropping_tokenizer().normalizer  # (the core reads the same tokenizer)
+        with pytest.raises(RequestError):  # today: IndexError from the step (a server's engine loop fails for good)
+            engine.generate("x", SamplingParams(max_tokens=3, bad_words=["\x00"]))
+        assert len(engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def test_a_huge_bad_word_is_refused_before_the_engine_thread_tokenizes_it():
+    """Prompts too long for the context are refused by their length before tokenizing (PromptCodec.encode_text: a
+    9 MB prompt froze the server for 11 s). A bad word is tokenized twice on the engine thread (rank 0's _collect,
+    each follower's _apply), holding the GIL, with no bound: every request waits. A word longer than any output can
+    be (max_model_len tokens) can never be completed; the front end's check (check_request) should refuse it."""
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=2, block_size=8) as engine:
+        word = "ab" * 2_000_000  # (encode_bad_words takes ~6 s over it here, on the engine thread: every request waits)
+        with pytest.raises(RequestError):
+            engine.core.check_request([1, 2], SamplingParams(max_tokens=4, bad_words=[word]))
+
+
+def test_the_memory_profiles_rows_take_the_allowed_ids_mask(monkeypatch):
+    """worst_case_rows must take every stage that makes [rows, vocab] temporaries (test_sampler.py says so):
+    keep_allowed makes three (a bool mask, its inverse and the masked copy)."""
+    ran = []
+    keep_allowed = sampler_module.keep_allowed
+    monkeypatch.setattr(sampler_module, "keep_allowed", lambda *a: ran.append(1) or keep_allowed(*a))
+    rows = worst_case_rows(3, 100, 300)
+    Sampler("cpu", penalties=PenaltyTable(3, 100, "cpu")).sample(torch.randn(3, 100), rows)
+    assert ran
+
+
+def test_rows_without_bad_words_pay_nothing_for_them_each_step(monkeypatch):
+    """Every step builds every row and asks each sequence whether its bans read its output: a plain request's row
+    looks for no bad word, and the answer is a field set once (a property that scanned the words cost ~60 us a step at
+    256 rows)."""
+    import tpgraph.engine.core as core_module
+
+    looked = []
+    bans = core_module.bad_word_bans
+    monkeypatch.setattr(core_module, "bad_word_bans", lambda *a: looked.append(1) or bans(*a))
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=4, block_size=8) as engine:
+        engine.generate(["a", "b"], SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True))
+        assert looked == []
+        engine.generate("a", SamplingParams(temperature=0.8, seed=1, max_tokens=8, bad_words=["zz"]))
+        assert looked
+    assert not Sequence(0, [1], 4).reads_output and Sequence(0, [1], 4, bad_words=((1, 2),)).reads_output
+
+
+def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
+    """keep_allowed builds Python lists of every allowed id of every row and uploads them each step: 8 rows allowing
+    60k ids cost ~12 ms of host time a step in list building alone (more than a whole 8B decode step on an H200),
+    for the whole batch. vLLM builds a request's mask once, when it joins the batch. A request's allowed ids should
+    reach the device once, not every step."""
+    uploaded = []
+    upload = sampler_module.to_device_parts
+    monkeypatch.setattr(sampler_module, "to_device_parts",
+                        lambda parts, *a, **k: uploaded.append(sum(len(p) for p in parts)) or upload(parts, *a, **k))
+    allowed = tuple(range(20, 220))
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=4, block_size=8) as engine:
+        out = engine.generate("a", SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,
+                                                  allowed_token_ids=allowed))
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    assert sum(uploaded) < 3 * len(allowed), f"{len(uploaded)} uploads of {sum(uploaded)} ids for 20 tokens"

@@ -21,6 +21,8 @@ def encode_bad_words(tokenizer: Tokenizer | None, words: tuple[str, ...], vocab_
     out: list[tuple[int, ...]] = []
     for word in words:
         alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False).ids)
+        if not alone:  # (a normalizer may drop what str.strip keeps: a zero-width space, a NUL)
+            raise RequestError(f"bad_words entry {word!r} encodes to no tokens")
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids)
         for ids in (alone, spaced) if spaced[:1] != alone[:1] and len(spaced) == len(alone) else (alone,):
             if any(t >= vocab_size for t in ids):  # (a tokenizer larger than the model's logits)

@@ -347,11 +347,13 @@ class EngineCore:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.params
-        banned = bad_word_bans(seq.bad_words, seq.output_ids) if seq.bad_words else set()
-        if len(seq.output_ids) < p.min_tokens:
-            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
-        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, tuple(sorted(banned)),
-                         seq_id=seq.seq_id,
+        banned: tuple[int, ...] = ()
+        if seq.bad_words or len(seq.output_ids) < p.min_tokens:
+            ids = bad_word_bans(seq.bad_words, seq.output_ids) if seq.bad_words else set()
+            if len(seq.output_ids) < p.min_tokens:
+                ids |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+            banned = tuple(sorted(ids))
+        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
                          grammar=seq.grammar)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:

@@ -62,15 +62,15 @@ class SampleOutput:
 
 
 def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:
-    """`rows` rows that take every stage of sampling at once (logit bias, penalties, temperature, top-k, top-p,
-    min-p, a banned id, the most log-probabilities): the sampling step the runner's memory profile runs at its
+    """`rows` rows that take every stage of sampling at once (logit bias, allowed ids, penalties, temperature, top-k,
+    top-p, min-p, a banned id, the most log-probabilities): the sampling step the runner's memory profile runs at its
     largest batch, so that the KV budget leaves room for the sampler's [rows, vocab] temporaries. Their histories (up
     to max_model_len tokens each) fill the penalty table's largest upload (FILL_TOKENS), as rows that all take a table
     slot in one step do.
     (top-k 50: its [rows, k] values and indices stay far below top-p's sort of the whole row.)"""
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                             frequency_penalty=0.5, presence_penalty=0.5, logprobs=min(MAX_LOGPROBS, vocab),
-                            logit_bias={0: 1.0})
+                            logit_bias={0: 1.0}, allowed_token_ids=tuple(range(0, vocab, 2)))
     history = tuple(i % vocab for i in range(max(2, min(max_model_len, FILL_TOKENS // rows))))
     half = len(history) // 2  # (the output half is counted by index_put_'s accumulate, which sorts)
     return [SampleRow(params, history[:half], history[half:], banned_ids=history[:1]) for _ in range(rows)]
@@ -111,6 +111,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.penalties = penalties
         self.fused = fused
+        self.allowed = AllowedIds(self.device)
 
     def _takes_fused(self, logits: torch.Tensor) -> bool:
         if fused_sampling.triton is None or logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -150,7 +151,7 @@ class Sampler:
             x = add_logit_bias(x, rows, in_place=x is not logits)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.params.allowed_token_ids is not None for r in rows):  # (out of place, as below)
-            x = keep_allowed(x, rows)
+            x = keep_allowed(x, rows, self.allowed)
         if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
             at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
                                           [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
@@ -300,14 +301,37 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
 
 
-def keep_allowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+class AllowedIds:
+    """Each request's allowed_token_ids on the device, uploaded once: a request's tuple is the same object every step
+    (it is kept beside its upload, so its id is not reused while cached)."""
+
+    MAX_IDS = 1 << 22  # (cached ids of every request together; past this, the cache starts again)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._count = 0
+
+    def get(self, ids: tuple[int, ...]) -> torch.Tensor:
+        hit = self._cache.get(id(ids))
+        if hit is None or hit[0] is not ids:
+            if self._count + len(ids) > self.MAX_IDS:
+                self._cache.clear()
+                self._count = 0
+            hit = self._cache[id(ids)] = (ids, to_device(ids, torch.int64, self.device))
+            self._count += len(ids)
+        return hit[1]
+
+
+def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: AllowedIds) -> torch.Tensor:
     """x with every logit masked (-inf) but each row's allowed_token_ids (rows without any keep all)."""
-    asking = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
-    at, ids, masked = to_device_parts([[i for i, a in asking for _ in a], [t for _, a in asking for t in a],
-                                       [i for i, _ in asking]], torch.int64, x.device)
+    asking = [(i, allowed.get(r.params.allowed_token_ids)) for i, r in enumerate(rows)
+              if r.params.allowed_token_ids is not None]
+    ids = torch.cat([t for _, t in asking])
+    masked, counts = to_device_parts([[i for i, _ in asking], [len(t) for _, t in asking]], torch.int64, x.device)
     keep = torch.ones_like(x, dtype=torch.bool)
     keep[masked] = False
-    keep[at, ids] = True
+    keep[masked.repeat_interleave(counts, output_size=len(ids)), ids] = True
     return x.masked_fill(~keep, float("-inf"))
 
 

@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and the sampler uploads them each step)
 MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
+MAX_BAD_WORD_CHARS = 1000  # (each is tokenized on every rank's step thread, where a long one would hold every request)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -108,6 +109,8 @@ class SamplingParams:
             raise RequestError(f"bad_words must hold words (non-blank strings), got {list(self.bad_words)!r}")
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise RequestError(f"bad_words has {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise RequestError(f"bad_words entries may be at most {MAX_BAD_WORD_CHARS} characters long")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

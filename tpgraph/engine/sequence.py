@@ -48,13 +48,13 @@ class Sequence:
     prompt_ranks: list[int] = field(default_factory=list)  # (beside prompt_logprobs) each token's rank
     prompt_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted (then fixed)
     bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
+    # do its sampling bans read its last output tokens (a bad word of more than one token)? its row must then see the
+    # step in flight read back (set once: the step loop asks of every row)
+    reads_output: bool = field(init=False, default=False)
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
 
-    @property
-    def reads_output(self) -> bool:
-        """Do its sampling bans read its last output tokens (a bad word of more than one token)? Its row must then see
-        the step in flight read back."""
-        return any(len(w) > 1 for w in self.bad_words)
+    def __post_init__(self) -> None:
+        self.reads_output = any(len(w) > 1 for w in self.bad_words)
 
     @property
     def num_uncached(self) -> int:
