@@ -8,3 +8,4 @@ for sizes in - 640,768,896,1024 576,640,704,768,832,896,960,1024; do
     --points 1x512,1x517,1x600,1x700,1x900,1x1024,2x300,4x256 --out $dest/prefill_sizes_$sizes.json 2>&1 | tr '\r' '\n' \
     | grep -E " x +[0-9]+|Error|Graph capture|KV budget" | sed "s/^/[$sizes] /" | tee -a $dest/prefill_sizes.log
 done
+python3 bench/bench_prefill_gemm.py --out $dest/gemm_m.json 2>&1 | tail -22 | tee $dest/gemm_m.log
