@@ -15,7 +15,7 @@ def parse(*argv):
 def test_defaults():
     cfg = GraphConfig()
     assert (cfg.decode_mode, cfg.prefill_mode, cfg.ladder, cfg.warmups) == ("full", "piecewise", "sglang", 1)
-    assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512)
+    assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512, *range(576, 1025, 64))
     assert not cfg.enforce_eager and not cfg.check_addresses
     assert parse() == cfg  # the CLI defaults are the dataclass defaults
 
@@ -83,3 +83,15 @@ def test_cli_bad_values():
         parse("--cuda-graph-ladder", "1,x")
     with pytest.raises(ConfigError, match="warmups"):
         parse("--graph-warmups", "-2")
+
+
+def test_prefill_sizes_past_a_forwards_budget_are_not_captured():
+    """A forward holds at most max_num_batched_tokens rows: the sizes below it, and the first that holds it."""
+    from tpgraph.graphs.ladder import within_budget
+
+    sizes = GraphConfig().prefill_sizes
+    assert within_budget(sizes, 8192) == sizes
+    assert within_budget(sizes, 512) == (16, 32, 64, 128, 256, 512)
+    assert within_budget(sizes, 300) == (16, 32, 64, 128, 256, 512)
+    assert within_budget(sizes, 600) == (16, 32, 64, 128, 256, 512, 576, 640)
+    assert within_budget((16, 32), 100) == (16, 32)

@@ -31,7 +31,7 @@ from tpgraph.graphs.buffers import Pad, PersistentBuffers
 from tpgraph.graphs.captured import call
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
-from tpgraph.graphs.ladder import capture_sizes
+from tpgraph.graphs.ladder import capture_sizes, within_budget
 from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
@@ -150,7 +150,11 @@ class ModelRunner:
         if self.is_driver:
             log_downgrades(self.modes, logger)
         decode_sizes = capture_sizes(g.ladder, cfg.max_batch) if self.modes.decode != "none" else ()
-        prefill_sizes = tuple(g.prefill_sizes) if self.modes.prefill == "piecewise" else ()
+        # longer prompts run in chunks of this many tokens (chunked prefill)
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512)
+        # (a forward never holds more: sizes past the first that holds the budget would never run)
+        prefill_sizes = within_budget(g.prefill_sizes, self.max_prefill_tokens) if self.modes.prefill == "piecewise" \
+            else ()
         keyed_full = self.modes.decode in ("full", "breakable")
         self.decode_dispatcher = Dispatcher(decode_sizes if keyed_full else (), () if keyed_full else decode_sizes)
         self.prefill_dispatcher = Dispatcher((), prefill_sizes)
@@ -158,9 +162,6 @@ class ModelRunner:
 
         # persistent inputs, sized once for the largest bucket
         self.seq_rows = max(cfg.max_batch, *decode_sizes) if decode_sizes else cfg.max_batch
-        # longer prompts run in chunks of this many tokens (chunked prefill)
-        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512,
-                                                                      *prefill_sizes)
         # every prefill forward fits the token buffers (a few bytes per row)
         # decode inputs: one row per sequence, one arena, so a step's inputs reach the device in one copy; block tables
         # (wide, padded rows never read) last, so the copy spans only their first n rows

@@ -15,7 +15,10 @@ class GraphConfig:
     decode_mode: str = "full"
     prefill_mode: str = "piecewise"
     ladder: str | tuple[int, ...] = "sglang"  # a LADDERS name, or explicit decode batch sizes
-    prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # token counts captured for piecewise prefill
+    # token counts captured for piecewise prefill (those up to the first that holds a whole forward's budget): past 512,
+    # every 64 to 1024, where an eager forward waits on the host's launches (session 43: 1 x 517 tokens 21.4 ms eager,
+    # 16.4 ms padded to 576; beyond 1024 the GPU's work hides them)
+    prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
     warmups: int = 1  # eager runs per size before its capture
     enforce_eager: bool = False
     check_addresses: bool = False  # debug: verify replay input addresses equal the captured ones

@@ -95,3 +95,9 @@ def capture_sizes(spec: str | Sequence[int], max_batch: int) -> tuple[int, ...]:
 def _check_max_size(max_size: int) -> None:
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
         raise ConfigError(f"ladder max_size must be a positive integer, got {max_size!r}")
+
+
+def within_budget(sizes: Sequence[int], budget: int) -> tuple[int, ...]:
+    """The ascending sizes a forward of at most `budget` rows can use: those below it and the first that holds it."""
+    above = [s for s in sizes if s >= budget]
+    return tuple(s for s in sizes if s < budget) + tuple(above[:1])
