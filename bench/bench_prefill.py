@@ -33,6 +33,7 @@ from bench_engine_steps import hf_config
 from tpgraph import TPEngine
 from tpgraph.config import BUILTIN_MODEL
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.graphs.config import GraphConfig
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "_gemv_")),
               ("attention", ("flash", "fmha", "attention", "softmax", "_efficient_")),
@@ -139,15 +140,20 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median run is reported)")
     p.add_argument("--profile", default=None, help="a point NxL to profile")
+    p.add_argument("--prefill-sizes", default=None,
+                   help="token counts captured for piecewise prefill, e.g. 16,32,64,128,256,512 (default: "
+                        "GraphConfig's)")
     p.add_argument("--out", type=Path, default=Path("bench_prefill.json"))
     args = p.parse_args()
     points = [parse_point(t) for t in args.points.split(",")]
+    graphs = GraphConfig() if args.prefill_sizes is None else GraphConfig(
+        prefill_sizes=tuple(int(s) for s in args.prefill_sizes.split(",")))
     results, profiled = [], None
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES.get(args.shape, BUILTIN_MODEL))))
         with TPEngine(model_dir, load_format="dummy", max_num_seqs=64, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                      enable_prefix_caching=args.prefix_caching) as engine:
+                      enable_prefix_caching=args.prefix_caching, graphs=graphs) as engine:
             for n, length, prefix in points:
                 cold = run_point(engine, n, length, seed=0, prefix=prefix)["wall_ms"]
                 runs = sorted((run_point(engine, n, length, seed=1 + r, prefix=prefix) for r in range(args.repeats)),
