@@ -79,7 +79,18 @@ def test_bytes_held_back_then_a_character_completes_them_on_the_way():
 def test_a_stop_string_in_the_flushed_tail_still_cuts_it():
     detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["\ufffd"]))
     assert [detok.add(t) for t in _ids("ab") + [0xFD]] == [("a", False), ("b", False), ("", False)]
-    assert detok.flush() == "" and detok.text == "ab"
+    assert detok.flush() == ""
+
+
+def test_the_text_kept_is_what_is_not_handed_out_and_what_a_stop_string_may_begin_in():
+    """A long output's text is not kept whole (appending to it copied all of it with every token): only what a stop
+    string may still begin in stays; a stop string across pieces is still found."""
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["xyz"]))
+    out = "".join(detok.add(t)[0] for t in _ids("ab" * 500 + "xy"))
+    assert out == "ab" * 500 and len(detok.text) <= 4
+    assert detok.add(_ids("z")[0]) == ("", True) and detok.flush() == ""
+    plain = Detokenizer(TOK, PROMPT, SamplingParams())
+    assert "".join(plain.add(t)[0] for t in _ids("cd" * 500)) == "cd" * 500 and plain.text == ""
 
 
 def byte_fallback_tokenizer(words: list[str], strip: bool = False):

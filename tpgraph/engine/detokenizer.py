@@ -37,7 +37,9 @@ class Detokenizer:
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # the output text so far (cut at a stop string once one appears)
+        # the output's text not handed out yet, after the `hold` characters before it that a stop string may begin in
+        # (what was handed out before those is let go: keeping the whole text copied it all with every token)
+        self.text = ""
         self.emitted = 0  # characters of self.text already handed out
 
     def add(self, token_id: int, may_stop: bool = True) -> tuple[str, bool]:
@@ -58,6 +60,9 @@ class Detokenizer:
             return "", False
         delta = self.text[self.emitted:safe]
         self.emitted = safe
+        let_go = min(safe, len(self.text) - self.hold)
+        if let_go > 0:
+            self.text, self.emitted = self.text[let_go:], safe - let_go
         return delta, False
 
     def _append(self, piece: str, may_stop: bool) -> bool:
