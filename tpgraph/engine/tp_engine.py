@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,11 +207,16 @@ class TPEngine:
                                   top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         start = time.perf_counter()
         bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
+        texts: dict[tuple[str, int], list[str]] = defaultdict(list)  # each completion's text in pieces, joined once
         try:
             with deferred_interrupt() as interrupted:
                 for update in self._run(adds, interrupted):
                     if update.finish_reason in (REFUSED, "error"):  # refused late by the engine: the others abort
                         raise RequestError(f"prompt {order.index(update.request_id)} was refused: {update.text}")
+                    pieces = texts[update.request_id, update.sample_index]
+                    pieces.append(update.text)
+                    if update.finish_reason is not None:
+                        results[update.request_id].outputs[update.sample_index].text = "".join(pieces)
                     self._apply(results[update.request_id], update, start, bar)
         except BaseException:
             self._abort(order)  # nothing stays queued behind a failure or a Ctrl-C
@@ -299,7 +305,6 @@ class TPEngine:
         if update.token_id is not None:
             out.ttft_s = out.ttft_s or now
             completion.token_ids.append(update.token_id)
-        completion.text += update.text
         if update.logprob is not None:
             completion.logprobs.append(update.logprob)
             completion.top_logprobs.append(update.top_logprobs or [])
