@@ -219,11 +219,40 @@ def test_one_call_when_parallel_tool_calls_is_false():
     assert calls_of(message) == [("get_time", "{}")] * 2
 
 
-def test_pythonic_replies_are_read_whole_when_streamed():
-    reply = '[get_weather(city="Oslo")]'
+PYTHONIC = [  # (reply, finish reason): each read alike streamed or whole
+    '[get_weather(city="Oslo", days=3), get_time()]',
+    '<|python_start|>[get_weather(city=\'O,s)l"o\', n=[1, (2, 3)], x={"a": None}, t=True)]<|python_end|>',
+    '[get_weather(city="""a"b""c""", q=\'\', r=r"\\\'"), get_time(), ]',  # (triple quotes, raw, trailing comma)
+    '  [get_weather(s="\\u00e9\\n", a=1,)]  \n',
+    "Sure: [get_time()]", "[nope()]", "[]", "[get_time(1)]", '[get_weather(city=float("nan"))]',
+    '[get_weather(city="Os',  # (cut before any argument was whole: all text)
+]
+
+
+@pytest.mark.parametrize("reply", PYTHONIC)
+def test_pythonic_replies_read_alike_streamed_or_whole(reply):
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    for sizes in ([1] * len(reply), [3] * len(reply)):
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+def test_pythonic_calls_are_sent_with_their_first_argument_and_each_argument_as_it_is_read():
+    reply = '[get_weather(city="Oslo", days=3), get_time()]'
     deltas, message, reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-    assert [i for i, _ in sent_calls(deltas)] == [len(deltas) - 1]
-    assert calls_of(message) == [("get_weather", '{"city": "Oslo"}')] and reason == "tool_calls"
+    sent = sent_calls(deltas)
+    assert [i for i, _ in sent] == [reply.index(","), reply.index(")"), reply.rindex(")")]
+    assert [c["function"] for _, c in sent] == [{"name": "get_weather", "arguments": '{"city": "Oslo"'},
+                                               {"arguments": ', "days": 3}'}, {"name": "get_time", "arguments": "{}"}]
+    assert [c["index"] for _, c in sent] == [0, 0, 1] and "id" in sent[2][1] and "id" not in sent[1][1]
+    assert calls_of(message) == [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")]
+    # a call cut after an argument was sent keeps it; the argument not read whole is content
+    _, message, reason = read(plan(parser="pythonic"), '[get_weather(a=1, b="Os', [2] * 20, stream=True,
+                              finish="length")
+    assert calls_of(message) == [("get_weather", '{"a": 1')] and message["content"] == ' b="Os' and reason == "length"
+    # parallel_tool_calls false: later calls are read and left out
+    _, message, _ = read(plan(parser="pythonic", parallel=False), reply, [4] * 20, stream=True)
+    assert calls_of(message) == [("get_weather", '{"city": "Oslo", "days": 3}')] and message["content"] is None
 
 
 # what review found (helper-86): each case failed before its mend

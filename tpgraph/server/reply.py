@@ -42,7 +42,7 @@ class Delta:
 class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
     and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
-    "auto" calls are sent as they are written (tool_streams.py; the pythonic format excepted); a whole reply reads
+    "auto" calls are sent as they are written (tool_streams.py); a whole reply reads
     its calls once it is whole, and one that does not parse as calls is content."""
 
     plan: ToolPlan

@@ -2,9 +2,10 @@
 known and its arguments as they are generated, as vLLM's streaming tool parsers send them. A reading turns text
 into events: ("content", text); ("call", name) where a call begins; ("args", text), more of its arguments.
 
-- The arguments are re-encoded as they come (json_stream.py), so their text is what the whole reply's parse gives.
+- JSON arguments are re-encoded as they come (json_stream.py), so their text is what the whole reply's parse gives;
+  pythonic ones are written as JSON a keyword argument at a time.
 - A call is sent once its name is read and is one of the request's tools, and its arguments have begun (an object;
-  arguments written as a JSON string of one, once that is read).
+  arguments written as a JSON string of one, once that is read; a pythonic call's first keyword argument, read).
 - What turns out to be no call is sent as content, so nothing the model wrote is lost. Where no call was sent yet,
   that is the whole reply, as a whole reply is read. Otherwise it is the text from where the calls stopped parsing.
 - A call begun and then broken off (cut by max_tokens, or bad JSON) keeps what was sent of it. (A whole reply's
@@ -15,8 +16,10 @@ Each character is looked at once, whatever was held before it: long runs of whit
 
 from __future__ import annotations
 
+import ast
+
 from tpgraph.server.json_stream import WHITESPACE, CallReader
-from tpgraph.server.tool_parsers import tag_begun
+from tpgraph.server.tool_parsers import arguments_text, tag_begun
 
 Event = tuple[str, str]
 
@@ -86,6 +89,8 @@ class CallStream:
             self.state = "after_call"
 
     def _arguments(self) -> None:
+        if self.reader is None:  # (pythonic calls send their arguments as each is read)
+            return
         text = self.reader.take_arguments()
         if text:
             self._events.append(("args", text))
@@ -204,4 +209,171 @@ class RequiredStream(CallStream):
             self._give_up("".join(self.held))
 
 
-STREAMS: dict[str, type[CallStream]] = {"llama3_json": Llama3JsonStream, "hermes": HermesStream}
+class PythonScanner:
+    """Where a Python expression's text stands, a character at a time: inside a string literal (single or triple
+    quoted, escapes honoured) or not, and how deep in brackets."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.quote = ""  # the open string's quote ("'", '"', or three of either)
+        self.escaped = False
+        self.run = 0  # quotes in a row: at an opening, two may be an empty string or the start of a triple
+        self.run_char = ""
+        self.closing = 0  # (in a triple-quoted string) its quote character seen in a row
+
+    def step(self, ch: str) -> None:
+        if self.run:  # an opening quote run: what follows decides it
+            if ch == self.run_char and self.run < 3:
+                self.run += 1
+                if self.run == 3:
+                    self.quote, self.run, self.closing = ch * 3, 0, 0
+                return
+            if self.run == 1:  # a one-quote string, this its first character
+                self.quote, self.run = self.run_char, 0
+                self._in_string(ch)
+                return
+            self.run = 0  # two quotes: an empty string, closed; this character stands outside it
+        if self.quote:
+            self._in_string(ch)
+        elif ch in "'\"":
+            self.run, self.run_char = 1, ch
+        elif ch in "([{":
+            self.depth += 1
+        elif ch in ")]}":
+            self.depth -= 1
+
+    def _in_string(self, ch: str) -> None:
+        if self.escaped:
+            self.escaped = False
+            self.closing = 0
+        elif ch == "\\":
+            self.escaped = True
+            self.closing = 0
+        elif len(self.quote) == 1:
+            if ch == self.quote:
+                self.quote = ""
+        elif ch == self.quote[0]:
+            self.closing += 1
+            if self.closing == 3:
+                self.quote = ""
+        else:
+            self.closing = 0
+
+    @property
+    def outside(self) -> bool:
+        """Outside any string (a quote run still open counts as inside)."""
+        return not self.quote and not self.run
+
+
+class PythonicStream(CallStream):
+    """pythonic: `[get_weather(city="Oslo"), get_time()]`, maybe between `<|python_start|>` and `<|python_end|>`.
+    Each keyword argument is read once it is whole: parsed with `ast`, never run, its literal value written as JSON.
+    A call is sent with its first argument (or at its ")" where it has none), its name one of the tools; its other
+    arguments follow as each is read. A keyword given twice ends the calls (a whole reply keeps the last)."""
+
+    TAG, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self, names: frozenset[str], one_call: bool) -> None:
+        super().__init__(names, one_call)
+        self.head = ""  # (lead) the reply's beginning past whitespace, while it may be the tag
+        self.name = ""  # the call's name being read
+        self.arg: list[str] = []  # the keyword argument being read
+        self.keys: set[str] = set()  # the call's keywords so far
+        self.scan = PythonScanner()
+        self.end_at = 0  # characters of the closing tag read
+
+    def finish(self) -> list[Event]:
+        if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content
+            self._content("".join(self.arg))
+        return super().finish()
+
+    def _frame(self, ch: str) -> None:
+        state = self.state
+        if state == "lead":
+            if ch in WHITESPACE and self.head in ("", self.TAG):
+                return
+            if ch == "[" and self.head in ("", self.TAG):
+                self.state = "list"
+                return
+            self.head += ch
+            if not self.TAG.startswith(self.head):
+                self._give_up("".join(self.held))
+        elif state in ("list", "next"):
+            if ch in WHITESPACE and not self.name:
+                return
+            if ch == "(" and self.name.isidentifier() and self.name in self.names:
+                self.state, self.arg, self.keys, self.scan = "args", [], set(), PythonScanner()
+            elif (ch.isalnum() or ch == "_") and ch.isascii():
+                self.name += ch
+            elif ch == "]" and state == "next" and not self.name:  # (a trailing comma)
+                self.state, self.held = "closed", []
+            else:  # (an empty list, a name not offered, or no call)
+                self._give_up("".join(self.held))
+        elif state == "args":
+            if self.announced:
+                self.held.clear()  # (a call sent: its text is settled)
+            self.scan.step(ch)
+            if not self.scan.outside or self.scan.depth > 0 or ch not in ",)":
+                self.arg.append(ch)
+                if self.scan.depth < 0:
+                    self._fail("")
+                return
+            if not self._argument(last=ch == ")"):
+                self._fail(ch)
+        elif state == "after_call":
+            if ch == ",":
+                self.state, self.name = "next", ""
+            elif ch == "]":
+                self.state, self.held = "closed", []
+            elif ch not in WHITESPACE:
+                self._give_up("".join(self.held))
+        elif ch in WHITESPACE and self.end_at in (0, len(self.END)):  # closed: whitespace, maybe Llama 4's end tag
+            return
+        elif self.end_at < len(self.END) and ch == self.END[self.end_at]:
+            self.end_at += 1
+            if self.end_at == len(self.END):
+                self.held = []
+        else:
+            self._give_up("".join(self.held))
+
+    def _fail(self, ch: str) -> None:
+        """No call after all (at ch, not in arg yet): where one was sent, what is left of it is content; else all that
+        was held."""
+        self._give_up("".join(self.arg) + ch if self.announced else "".join(self.held))
+
+    def _argument(self, last: bool) -> bool:
+        """The keyword argument just ended (at "," or, last, at ")"): sent; False where it is none."""
+        text = "".join(self.arg).strip()
+        if text:
+            try:  # (parsed, never run)
+                call = ast.parse(f"f({text})", mode="eval").body
+                (keyword,) = call.keywords
+                entry = arguments_text({keyword.arg: ast.literal_eval(keyword.value)})
+            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+                return False
+            if call.args or keyword.arg is None or keyword.arg in self.keys or entry is None:
+                return False
+            self._send(("{" if not self.keys else ", ") + entry[1:-1])  # ("key": value, as a whole reply writes it)
+            self.keys.add(keyword.arg)
+        elif not last:  # (an empty argument; one after a trailing comma, or in "f()", is none)
+            return False
+        self.arg = []
+        if last:
+            self._send("}" if self.keys else "{}")
+            self.state, self.announced, self.held = "after_call", False, []
+        return True
+
+    def _send(self, text: str) -> None:
+        """Arguments' text; a call's first is sent with its name (a later call, with parallel_tool_calls false, is
+        read and left out)."""
+        if self.one_call and self.calls and not self.announced:
+            return
+        if not self.announced:
+            self.announced, self.held = True, []
+            self.calls += 1
+            self._events.append(("call", self.name))
+        self._events.append(("args", text))
+
+
+STREAMS: dict[str, type[CallStream]] = {"llama3_json": Llama3JsonStream, "hermes": HermesStream,
+                                        "pythonic": PythonicStream}

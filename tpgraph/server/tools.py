@@ -9,8 +9,8 @@
 - "auto" (the default when tools are given): the model chooses; the server's --tool-call-parser finds the calls in
   its own format (tool_parsers.py). A server started without one refuses "auto", as vLLM does.
 
-Streamed, "required" and "auto" calls are sent as they are written (tool_streams.py; pythonic calls once the reply
-is whole); a whole reply is read as calls once it is whole.
+Streamed, "required" and "auto" calls are sent as they are written (tool_streams.py); a whole reply is read as calls
+once it is whole.
 
 Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text). finish_reason is
 "tool_calls" where calls were made by "required" or "auto" and generation stopped by itself; a named call finishes
