@@ -226,6 +226,7 @@ PYTHONIC = [  # (reply, finish reason): each read alike streamed or whole
     '  [get_weather(s="\\u00e9\\n", a=1,)]  \n',
     "Sure: [get_time()]", "[nope()]", "[]", "[get_time(1)]", '[get_weather(city=float("nan"))]',
     '[get_weather(city="Os',  # (cut before any argument was whole: all text)
+    "[get_time(a0=([False, -3],), a1=('\"a',),), get_time(a0='', b=\"\")]",  # (tuples' closing, empty strings)
 ]
 
 

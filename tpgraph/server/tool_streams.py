@@ -259,10 +259,12 @@ class PythonScanner:
         else:
             self.closing = 0
 
-    @property
-    def outside(self) -> bool:
-        """Outside any string (a quote run still open counts as inside)."""
-        return not self.quote and not self.run
+    def top_level(self, ch: str) -> bool:
+        """Would ch stand outside every string and bracket? (Two quotes followed by another character were an empty
+        string.)"""
+        if self.run == 2 and ch != self.run_char:
+            self.run = 0
+        return not self.quote and not self.run and self.depth == 0
 
 
 class PythonicStream(CallStream):
@@ -312,8 +314,8 @@ class PythonicStream(CallStream):
         elif state == "args":
             if self.announced:
                 self.held.clear()  # (a call sent: its text is settled)
-            self.scan.step(ch)
-            if not self.scan.outside or self.scan.depth > 0 or ch not in ",)":
+            if ch not in ",)" or not self.scan.top_level(ch):
+                self.scan.step(ch)
                 self.arg.append(ch)
                 if self.scan.depth < 0:
                     self._fail("")
