@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from tpgraph.engine.config import SCHEDULING_POLICIES
+from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.model.loader import LOAD_FORMATS
 

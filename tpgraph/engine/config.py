@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
-
-SCHEDULING_POLICIES = ("fcfs", "priority")  # (vLLM's --scheduling-policy)
 
 
 @dataclass(frozen=True)

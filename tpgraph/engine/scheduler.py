@@ -34,6 +34,8 @@ from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # (vLLM's --scheduling-policy)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -49,8 +51,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                               f"must hold a whole prompt of max_model_len ({self.max_model_len}) tokens")
