@@ -15,7 +15,7 @@ def parse(*argv):
 def test_defaults():
     cfg = GraphConfig()
     assert (cfg.decode_mode, cfg.prefill_mode, cfg.ladder, cfg.warmups) == ("full", "piecewise", "sglang", 1)
-    assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512, *range(576, 1025, 64))
+    assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024)
     assert not cfg.enforce_eager and not cfg.check_addresses
     assert parse() == cfg  # the CLI defaults are the dataclass defaults
 
@@ -72,6 +72,8 @@ def test_cli_mapping():
                               enforce_eager=True, check_addresses=True)
     assert parse("--cuda-graph-ladder", "vllm").ladder == "vllm"
     assert parse("--cuda-graph-mode", "piecewise").decode_mode == "piecewise"
+    assert parse("--prefill-capture-sizes", "16,64,512").prefill_sizes == (16, 64, 512)
+    assert parse().prefill_sizes == GraphConfig().prefill_sizes
 
 
 def test_cli_bad_values():
@@ -83,6 +85,10 @@ def test_cli_bad_values():
         parse("--cuda-graph-ladder", "1,x")
     with pytest.raises(ConfigError, match="warmups"):
         parse("--graph-warmups", "-2")
+    with pytest.raises(ConfigError, match="comma-separated integers, got '16,x'"):
+        parse("--prefill-capture-sizes", "16,x")
+    with pytest.raises(ConfigError, match="prefill_sizes must be ascending"):
+        parse("--prefill-capture-sizes", "64,16")
 
 
 def test_prefill_sizes_past_a_forwards_budget_are_not_captured():
@@ -93,5 +99,6 @@ def test_prefill_sizes_past_a_forwards_budget_are_not_captured():
     assert within_budget(sizes, 8192) == sizes
     assert within_budget(sizes, 512) == (16, 32, 64, 128, 256, 512)
     assert within_budget(sizes, 300) == (16, 32, 64, 128, 256, 512)
-    assert within_budget(sizes, 600) == (16, 32, 64, 128, 256, 512, 576, 640)
+    assert within_budget(sizes, 600) == (16, 32, 64, 128, 256, 512, 640)
+    assert within_budget(sizes, 700) == (16, 32, 64, 128, 256, 512, 640, 768)
     assert within_budget((16, 32), 100) == (16, 32)

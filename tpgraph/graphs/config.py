@@ -16,9 +16,10 @@ class GraphConfig:
     prefill_mode: str = "piecewise"
     ladder: str | tuple[int, ...] = "sglang"  # a LADDERS name, or explicit decode batch sizes
     # token counts captured for piecewise prefill (those up to the first that holds a whole forward's budget): past 512,
-    # every 64 to 1024, where an eager forward waits on the host's launches (session 43: 1 x 517 tokens 21.4 ms eager,
-    # 16.4 ms padded to 576; beyond 1024 the GPU's work hides them)
-    prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
+    # every 128 to 1024, where an eager forward waits on the host's launches (session 43: 1 x 517 tokens 21.4 ms eager,
+    # 16.7 ms padded to 640; beyond 1024 the GPU's work hides them). Each size keeps its attention inputs (q, k, v of
+    # every layer, about 0.4 MB a token for Llama-3-8B), which the graph pool's estimate counts against the KV cache
+    prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024)
     warmups: int = 1  # eager runs per size before its capture
     enforce_eager: bool = False
     check_addresses: bool = False  # debug: verify replay input addresses equal the captured ones
@@ -62,6 +63,9 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                        help="prefill graph mode")
     group.add_argument("--cuda-graph-ladder", default=_DEFAULTS["ladder"], metavar="{" + ",".join(LADDERS) + ",N,...}",
                        help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8")
+    group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
+                       metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
+                                             "to the first that holds it, or runs eagerly past the last)")
     group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
                        help="eager runs per size before capturing it")
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
@@ -74,7 +78,16 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
         decode_mode=args.cuda_graph_mode,
         prefill_mode=args.prefill_graph_mode,
         ladder=args.cuda_graph_ladder,
+        prefill_sizes=parse_sizes(args.prefill_capture_sizes),
         warmups=args.graph_warmups,
         enforce_eager=args.enforce_eager,
         check_addresses=args.check_graph_addresses,
     )
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of sizes ("16,32,64"), each an integer (GraphConfig checks the rest)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"capture sizes must be comma-separated integers, got {text!r}") from None
