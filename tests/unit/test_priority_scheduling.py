@@ -83,3 +83,25 @@ def test_the_engine_serves_a_later_urgent_request_first():
         assert order == ["a", "urgent", "b"]
     with pytest.raises(ConfigError, match="scheduling_policy must be one of fcfs, priority"):
         TPEngine(device="cpu", scheduling_policy="sjf")
+
+
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
+    """Under priority the victim is the lowest running sequence wherever it stands, so it may already be in this
+    step (FCFS's victim, the newest, never is). Its tokens must go back to the budget, as vLLM's scheduler does
+    (`token_budget += num_scheduled_tokens[preempted_req.request_id]`): else the step runs short of what it may."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, block_size=4,
+                                      policy="priority"), BlockAllocator(4, first_block=1))
+    low = seq(0, 9, 9)
+    sched.add(low)
+    run(sched.schedule())  # low: 8 of its 9 prompt tokens (2 blocks)
+    high = seq(1, 4, 0)
+    sched.add(high)
+    run(sched.schedule())  # low's last prompt token (3 blocks), high's prompt (1 block): the cache is full
+    later = seq(2, 7, 0)
+    sched.add(later)
+    step = sched.schedule()  # low decodes (1 token), then high needs a block: low, the lowest, is preempted
+    assert step.preempted == [low] and low.status is Status.WAITING and step.decode == [high]
+    # 8 tokens: high's 1 and later's whole prompt of 7 (2 of the 3 blocks low gave back); low's decode token, no
+    # longer in the step, still held the budget: later got a chunk of 6
+    assert [(s.seq_id, n) for s, n in step.prefill] == [(2, 7)], [(s.seq_id, n) for s, n in step.prefill]
+    assert step.num_tokens == 8

@@ -135,7 +135,11 @@ class Scheduler:
             if seq.num_pending and self._decided_by_pending(seq):
                 continue  # its pending token ends it, or it outgrows the cache: decided once the token is read
             n = 1 if seq.num_uncached == 1 else min(seq.num_uncached, budget)
-            if not self._reserve_running(seq, n, step):
+            preempted = len(step.preempted)
+            reserved = self._reserve_running(seq, n, step)
+            if len(step.preempted) != preempted:  # (a victim scheduled earlier in this step gives its tokens back:
+                budget = self.cfg.max_num_batched_tokens - step.num_tokens  # the priority policy's may be anywhere)
+            if not reserved:
                 continue  # seq itself was preempted
             budget -= n
             if seq.num_uncached == 1 and seq.num_cached >= len(seq.prompt_ids):

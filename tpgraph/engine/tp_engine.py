@@ -213,10 +213,10 @@ class TPEngine:
                 for update in self._run(adds, interrupted):
                     if update.finish_reason in (REFUSED, "error"):  # refused late by the engine: the others abort
                         raise RequestError(f"prompt {order.index(update.request_id)} was refused: {update.text}")
-                    pieces = texts[update.request_id, update.sample_index]
-                    pieces.append(update.text)
+                    key = update.request_id, update.sample_index
+                    texts[key].append(update.text)
                     if update.finish_reason is not None:
-                        results[update.request_id].outputs[update.sample_index].text = "".join(pieces)
+                        results[update.request_id].outputs[update.sample_index].text = "".join(texts.pop(key))
                     self._apply(results[update.request_id], update, start, bar)
         except BaseException:
             self._abort(order)  # nothing stays queued behind a failure or a Ctrl-C
