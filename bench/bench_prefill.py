@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import statistics
 import tempfile
@@ -145,6 +146,8 @@ def main() -> None:
                         "GraphConfig's)")
     p.add_argument("--out", type=Path, default=Path("bench_prefill.json"))
     args = p.parse_args()
+    # (the engine's start-up lines: the KV budget, and what the graphs took against their estimate)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     points = [parse_point(t) for t in args.points.split(",")]
     graphs = GraphConfig() if args.prefill_sizes is None else GraphConfig(
         prefill_sizes=tuple(int(s) for s in args.prefill_sizes.split(",")))

@@ -5,7 +5,7 @@
 #        [kernel-bench] [kernel-bench-nopdl] [profile] [flags] [pdl-late] [pdl-default] [pdl-quick] [lamport]
 #        [lamport-tp2] [solo] [ab] [overlap] [tune] [allreduce] [ar-pieces] [ar-tests] [ar-exact] [engine-tests]
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
-#        [argmax] [l2-carry] [acceptance] [prefill] [structured]
+#        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
 #        [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -203,6 +203,15 @@ for step in "$@"; do
              | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done
          timeout 200 python3 bench/bench_kernels.py --batches 1 --contexts 512 --prefill-tokens 256,1024,8192 \
              --out "$out/kernels_rope.json" 2>&1 | grep -E "rope|HBM|Error" | tee -a "$out/prefill.log" ;;
+    prefill-sizes) # piecewise prefill capture sizes past 512 (session 43's default) against sizes to 512 only, in one
+         # call: time to first token at points around and past 512 tokens, and what each engine's graphs took (the
+         # capture line: measured against the pool estimate, which the KV budget subtracts)
+         for sizes in default 16,32,64,128,256,512; do timeout 150 python3 bench/bench_prefill.py \
+             --shape "${SHAPE:-llama3-8b}" --no-prefix-caching --points 1x512,1x517,1x600,1x700,1x900,1x1024,2x300,4x256 \
+             $([ $sizes = default ] || echo --prefill-sizes $sizes) --out "$out/prefill_sizes_${sizes//,/_}.json" 2>&1 \
+             | tr '\r' '\n' | grep -E " x +[0-9]+|Error|Graph capture|KV budget" | sed "s/^/[$sizes] /" \
+             | tee -a "$out/prefill_sizes.log"
+             pack; done ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"
          for f in 0 1 0 1; do TPGRAPH_FUSED_AR_NORM=$f timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py \
