@@ -98,13 +98,12 @@ def test_a_named_call_streams_its_arguments_as_generated():
     assert reason == "stop"  # (OpenAI's for a named call)
 
 
-def test_required_calls_are_sent_as_each_completes():
+def test_a_whole_required_reply_is_read_as_calls_once_whole():
     text = ('[{"name":"get_weather","parameters":{"city":"a}\\"{["}},'
             '{"name":"get_time","parameters":{}}]')
     deltas, message, reason = read(plan("required"), list(text))  # a character at a time
     sent = [(i, c) for i, d in enumerate(deltas) for c in d.calls]
-    close_first = text.index("}},") + 1  # the first call's object closes here
-    assert [i for i, _ in sent] == [close_first, len(text) - 2]
+    assert [i for i, _ in sent] == [len(text)] * 2  # (with the finish: test_tool_streams.py reads streamed replies)
     assert [json.loads(c["function"]["arguments"]) for _, c in sent] == [{"city": 'a}"{['}, {}]
     assert [c["index"] for _, c in sent] == [0, 1] and reason == "tool_calls" and message["content"] is None
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
@@ -168,15 +167,6 @@ def test_llama3_json_parser(text, content, calls):
 def test_hermes_parser(text, content, calls):
     got_content, got = HermesParser().parse(text, NAMES)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
-
-
-def test_content_streams_until_a_call_may_begin():
-    hermes, llama = HermesParser(), Llama3JsonParser()
-    assert hermes.content_until("Hello <tool") == len("Hello ")  # (the tag's beginning is held back)
-    assert hermes.content_until("Hello <b>") == len("Hello <b>")
-    assert hermes.content_until("Hi<tool_call>{") == 2
-    assert llama.content_until("Sure, ") == len("Sure, ")
-    assert llama.content_until("  {") == 0 and llama.content_until("<|pyth") == 0 and llama.content_until(" ") == 0
 
 
 def test_auto_streams_content_then_sends_the_calls():
@@ -284,10 +274,7 @@ def test_pythonic_parser(text, content, calls):
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
-def test_pythonic_replies_are_held_only_where_a_call_may_begin():
-    parser = PythonicParser()
-    assert parser.content_until(" [f(") == 0 and parser.content_until("<|python") == 0
-    assert parser.content_until("Sure: [1]") == len("Sure: [1]")
+def test_pythonic_replies_are_read_as_calls_once_whole():
     _, message, reason = read(plan(options=ToolOptions(parser="pythonic")), ['[get_weather(', 'city="Rome")]'])
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
     assert reason == "tool_calls" and message["content"] is None

@@ -49,10 +49,10 @@ class ReplyReader:
     thoughts: ReasoningReader | None = None
     stream: bool = False
     reasoning: str = ""  # all the reasoning sent
-    text: str = ""  # ("required", "auto") the answer so far
-    content: str = ""  # what has been sent, all told: content, and tool-call deltas
+    text: str = ""  # (a whole reply, "required" or "auto") its answer, once whole
+    pieces: list[str] = field(default_factory=list)  # (a whole reply, "required" or "auto") the answer as it came
+    contents: list[str] = field(default_factory=list)  # the content sent, in pieces (+= copied it all every token)
     call_deltas: list[dict] = field(default_factory=list)
-    sent_content: int = 0  # characters of text sent as content
     sent_calls: int = 0
     json: JsonScanner = field(default_factory=lambda: JsonScanner())  # ("required") where the array stands
     element_at: int = -1  # ("required") where the array's element being generated begins
@@ -86,7 +86,7 @@ class ReplyReader:
         calls = merge_calls(self.call_deltas)
         # (null beside tool calls or thoughts, as vLLM answers; "" for a plain empty reply)
         empty = None if calls or self.reasoning else ""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content or empty}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.contents) or empty}
         if self.thoughts is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning or None
         if calls:
@@ -95,7 +95,8 @@ class ReplyReader:
 
     def _sent(self, delta: Delta) -> Delta:
         self.reasoning += delta.reasoning
-        self.content += delta.content
+        if delta.content:
+            self.contents.append(delta.content)
         self.call_deltas += delta.calls
         return delta
 
@@ -113,11 +114,8 @@ class ReplyReader:
             return Delta(calls=[{"index": 0, "function": {"arguments": text}}])
         if self.calls is not None:
             return self._events(self.calls.feed(text))
-        self.text += text  # ("required" and "auto" read the whole reply)
-        if mode == "required":
-            return Delta(calls=self._complete_elements())
-        until = self.plan.parser.content_until(self.text)
-        return Delta(self._content_to(until))
+        self.pieces.append(text)  # (a whole reply is read once it is whole)
+        return Delta()
 
     def _finish(self, finish_reason: str | None) -> tuple[Delta, str | None]:
         mode = self.plan.mode
@@ -126,21 +124,21 @@ class ReplyReader:
         if self.calls is not None:
             rest = self._events(self.calls.finish())
             return rest, "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
+        self.text = "".join(self.pieces)
         if mode == "required":
             calls = self._complete_elements()
             if self.sent_calls == 0:  # no whole call (cut by max_tokens): the text comes back as it is
-                return Delta(self._content_to(len(self.text))), finish_reason
+                return Delta(self.text), finish_reason
             # an array cut after some calls: the part call that was cut comes back as text
             rest = self.text[self.element_at:] if self.element_at >= 0 else ""
             return Delta(rest, calls), "tool_calls" if finish_reason == "stop" else finish_reason
         content, parsed = self.plan.parser.parse(self.text, self.plan.names)
         if not parsed:
-            return Delta(self._content_to(len(self.text))), finish_reason
+            return Delta(self.text), finish_reason
         if self.plan.one_call:
             parsed = parsed[:1]
-        # (what was streamed as content is content's beginning: a parser sends nothing that could begin a call)
-        tail = (content or "")[self.sent_content:]
-        return Delta(tail, [self._call(c) for c in parsed]), "tool_calls" if finish_reason == "stop" else finish_reason
+        return Delta(content or "", [self._call(c) for c in parsed]), \
+            "tool_calls" if finish_reason == "stop" else finish_reason
 
     def _events(self, events: list[Event]) -> Delta:
         """A call stream's events as a delta: a call's first delta carries its index, id and name."""
@@ -157,11 +155,6 @@ class ReplyReader:
             else:
                 delta.calls.append({"index": self.sent_calls - 1, "function": {"arguments": text}})
         return delta
-
-    def _content_to(self, until: int) -> str:
-        out = self.text[self.sent_content:until]
-        self.sent_content = max(self.sent_content, until)
-        return out
 
     def _call(self, call: ParsedCall) -> dict:
         index, self.sent_calls = self.sent_calls, self.sent_calls + 1

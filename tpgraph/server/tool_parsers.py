@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from dataclasses import dataclass
 
 
@@ -35,10 +36,6 @@ class ToolParser:
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls): the text around the calls (None where there is none) and the calls, in order. A call
         to a function not among `names` (the request's tools) is no call: the reply is then content."""
-        raise NotImplementedError
-
-    def content_until(self, text: str) -> int:
-        """While streaming: how much of the text so far is content for certain (no call can begin inside it)."""
         raise NotImplementedError
 
 
@@ -88,23 +85,9 @@ def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> Pars
     return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
-class WholeReplyParser(ToolParser):
-    """A format whose calls are the whole reply: one that begins with OPENER (maybe after TAG) may be calls, and is
-    held until it is whole; any other is content as it streams."""
-
-    OPENER = TAG = ""
-
-    def content_until(self, text: str) -> int:
-        body = text.lstrip()
-        # (an empty reply, or one beginning with the opener, the tag or a start of the tag, is held)
-        if not body or body.startswith(self.OPENER) or self.TAG.startswith(body[:len(self.TAG)]):
-            return 0
-        return len(text)
-
-
-class Llama3JsonParser(WholeReplyParser):
+class Llama3JsonParser(ToolParser):
     name = "llama3_json"
-    OPENER, TAG = "{", "<|python_tag|>"
+    TAG = "<|python_tag|>"
 
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
@@ -155,21 +138,19 @@ class HermesParser(ToolParser):
         # (the text around the blocks; whitespace between and after them is none)
         return content[0] + "".join(c for c in content[1:] if c.strip()) or None, calls
 
-    def content_until(self, text: str) -> int:
-        start = text.find(self.OPEN)
-        return start if start >= 0 else len(text) - tag_begun(text, self.OPEN)
 
-
-class PythonicParser(WholeReplyParser):
+class PythonicParser(ToolParser):
     name = "pythonic"
-    OPENER, TAG, END = "[", "<|python_start|>", "<|python_end|>"  # (the tags are Llama 4's)
+    TAG, END = "<|python_start|>", "<|python_end|>"  # (Llama 4's)
 
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip().removeprefix(self.TAG).removesuffix(self.END).strip()
         if not (body.startswith("[") and body.endswith("]")):
             return text, []
         try:  # (parsed, never run: each argument must be a literal)
-            tree = ast.parse(body, mode="eval")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(body, mode="eval")
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return text, []
         if not isinstance(tree.body, ast.List) or not tree.body.elts:
@@ -181,7 +162,7 @@ class PythonicParser(WholeReplyParser):
                 return text, []
             try:
                 arguments = arguments_text({k.arg: ast.literal_eval(k.value) for k in node.keywords})
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, ArithmeticError):
                 arguments = None
             if arguments is None:
                 return text, []

@@ -17,11 +17,13 @@ Each character is looked at once, whatever was held before it: long runs of whit
 from __future__ import annotations
 
 import ast
+import warnings
 
 from tpgraph.server.json_stream import WHITESPACE, CallReader
 from tpgraph.server.tool_parsers import arguments_text, tag_begun
 
 Event = tuple[str, str]
+PY_SPACE = " \t\n\r\x0c"  # Python's whitespace between tokens (around a whole reply, str.strip takes any)
 
 
 class CallStream:
@@ -30,7 +32,7 @@ class CallStream:
     (all is content from here) and "end" (the calls have ended: nothing more is read)."""
 
     ARGS_KEYS = ("parameters", "arguments")
-    SEPARATORS = WHITESPACE  # (what may stand after the calls without being content)
+    SEPARATORS: str | None = WHITESPACE  # (what may stand after the calls without being content; None: whitespace)
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         self.names, self.one_call = names, one_call
@@ -220,6 +222,7 @@ class PythonScanner:
         self.run = 0  # quotes in a row: at an opening, two may be an empty string or the start of a triple
         self.run_char = ""
         self.closing = 0  # (in a triple-quoted string) its quote character seen in a row
+        self.comment = False  # inside a "#" comment, to the line's end
 
     def step(self, ch: str) -> None:
         if self.run:  # an opening quote run: what follows decides it
@@ -233,8 +236,12 @@ class PythonScanner:
                 self._in_string(ch)
                 return
             self.run = 0  # two quotes: an empty string, closed; this character stands outside it
-        if self.quote:
+        if self.comment:
+            self.comment = ch != "\n"
+        elif self.quote:
             self._in_string(ch)
+        elif ch == "#":
+            self.comment = True
         elif ch in "'\"":
             self.run, self.run_char = 1, ch
         elif ch in "([{":
@@ -264,21 +271,25 @@ class PythonScanner:
         string.)"""
         if self.run == 2 and ch != self.run_char:
             self.run = 0
-        return not self.quote and not self.run and self.depth == 0
+        return not self.quote and not self.run and not self.comment and self.depth == 0
 
 
 class PythonicStream(CallStream):
     """pythonic: `[get_weather(city="Oslo"), get_time()]`, maybe between `<|python_start|>` and `<|python_end|>`.
     Each keyword argument is read once it is whole: parsed with `ast`, never run, its literal value written as JSON.
     A call is sent with its first argument (or at its ")" where it has none), its name one of the tools; its other
-    arguments follow as each is read. A keyword given twice ends the calls (a whole reply keeps the last)."""
+    arguments follow as each is read. A keyword given twice ends the calls (a whole reply keeps the last). A call that
+    breaks off after an argument was sent is closed, so its arguments stay a JSON object (one cut by max_tokens is
+    not)."""
 
     TAG, END = "<|python_start|>", "<|python_end|>"
+    SEPARATORS = None  # (any whitespace, as str.strip takes it around a whole reply)
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         super().__init__(names, one_call)
         self.head = ""  # (lead) the reply's beginning past whitespace, while it may be the tag
         self.name = ""  # the call's name being read
+        self.name_done = False  # whitespace came after the name: only "(" may follow
         self.arg: list[str] = []  # the keyword argument being read
         self.keys: set[str] = set()  # the call's keywords so far
         self.scan = PythonScanner()
@@ -292,7 +303,7 @@ class PythonicStream(CallStream):
     def _frame(self, ch: str) -> None:
         state = self.state
         if state == "lead":
-            if ch in WHITESPACE and self.head in ("", self.TAG):
+            if ch.isspace() and self.head in ("", self.TAG):
                 return
             if ch == "[" and self.head in ("", self.TAG):
                 self.state = "list"
@@ -301,11 +312,16 @@ class PythonicStream(CallStream):
             if not self.TAG.startswith(self.head):
                 self._give_up("".join(self.held))
         elif state in ("list", "next"):
-            if ch in WHITESPACE and not self.name:
+            if ch in PY_SPACE and not self.name:
+                return
+            if ch in PY_SPACE:
+                self.name_done = True
                 return
             if ch == "(" and self.name.isidentifier() and self.name in self.names:
                 self.state, self.arg, self.keys, self.scan = "args", [], set(), PythonScanner()
-            elif (ch.isalnum() or ch == "_") and ch.isascii():
+                self.name_done = False
+            elif (ch.isalnum() or ch == "_") and ch.isascii() and not self.name_done and any(
+                    n.startswith(self.name + ch) for n in self.names):
                 self.name += ch
             elif ch == "]" and state == "next" and not self.name:  # (a trailing comma)
                 self.state, self.held = "closed", []
@@ -327,9 +343,9 @@ class PythonicStream(CallStream):
                 self.state, self.name = "next", ""
             elif ch == "]":
                 self.state, self.held = "closed", []
-            elif ch not in WHITESPACE:
+            elif ch not in PY_SPACE:
                 self._give_up("".join(self.held))
-        elif ch in WHITESPACE and self.end_at in (0, len(self.END)):  # closed: whitespace, maybe Llama 4's end tag
+        elif ch.isspace() and self.end_at in (0, len(self.END)):  # closed: whitespace, maybe Llama 4's end tag
             return
         elif self.end_at < len(self.END) and ch == self.END[self.end_at]:
             self.end_at += 1
@@ -341,6 +357,8 @@ class PythonicStream(CallStream):
     def _fail(self, ch: str) -> None:
         """No call after all (at ch, not in arg yet): where one was sent, what is left of it is content; else all that
         was held."""
+        if self.announced:  # (its arguments closed: what was sent of them stays a JSON object)
+            self._events.append(("args", "}"))
         self._give_up("".join(self.arg) + ch if self.announced else "".join(self.held))
 
     def _argument(self, last: bool) -> bool:
@@ -348,10 +366,12 @@ class PythonicStream(CallStream):
         text = "".join(self.arg).strip()
         if text:
             try:  # (parsed, never run)
-                call = ast.parse(f"f({text})", mode="eval").body
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    call = ast.parse(f"f({text}\n)", mode="eval").body
                 (keyword,) = call.keywords
                 entry = arguments_text({keyword.arg: ast.literal_eval(keyword.value)})
-            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, ArithmeticError):
                 return False
             if call.args or keyword.arg is None or keyword.arg in self.keys or entry is None:
                 return False
