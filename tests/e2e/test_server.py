@@ -546,7 +546,7 @@ def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server):
     body = {"model": MODEL, "prompt": "Cached tokens are counted: " * 3, "max_tokens": 2, "temperature": 0}
     first, again = (http("POST", server.url + "/v1/completions", json.dumps(body).encode()).json() for _ in range(2))
     n = first["usage"]["prompt_tokens"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < n
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # (no other test sends this prompt)
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 8 * 8}
 
 

@@ -4,12 +4,12 @@ under TRITON_INTERPRET=1); and in the engine, where a word's bans read the outpu
 included."""
 
 import dataclasses
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 from tokenizers import normalizers
+from tpgtest.markers import interpreted
 
 import tpgraph.engine.sampler as sampler_module
 from tpgraph import SamplingParams, TPEngine
@@ -89,12 +89,8 @@ def test_fields_are_normalized_and_ids_past_the_vocabulary_refused():
         CompletionRequest(model="m", prompt="p", allowed_token_ids=[True])
 
 
-@pytest.mark.parametrize("path", ["greedy", "torch", "fused"])
-def test_only_allowed_ids_are_drawn_and_banned_ones_never(path, monkeypatch):
-    if path == "fused":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the fused draw runs on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("path", ["greedy", "torch", pytest.param("fused", marks=interpreted)])
+def test_only_allowed_ids_are_drawn_and_banned_ones_never(path):
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
     t = 0.0 if path == "greedy" else 1.0
@@ -129,10 +125,11 @@ def test_the_engine_never_completes_a_bad_word(engine):
     assert engine.generate("x", one_token)[0].outputs[0].token_ids == [b] * 9
 
 
-def test_the_engine_samples_only_allowed_ids_on_every_rank_alike(engine):
+def test_the_engine_samples_only_allowed_ids(engine):
+    """(TP=2 with allowed ids: multirank/test_engine_tp.py)"""
     allowed = (65, 66, 67)
     outs = engine.generate(["a", "b"], SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True,
-                                                      allowed_token_ids=allowed, logprobs=1))
+                                                      allowed_token_ids=allowed))
     for out in outs:
         assert set(out.outputs[0].token_ids) <= set(allowed)
 
@@ -163,14 +160,12 @@ def test_a_bad_word_that_encodes_to_no_tokens_does_not_kill_the_engine():
 
 
 def test_a_huge_bad_word_is_refused_before_the_engine_thread_tokenizes_it():
-    """Prompts too long for the context are refused by their length before tokenizing (PromptCodec.encode_text: a
-    9 MB prompt froze the server for 11 s). A bad word is tokenized twice on the engine thread (rank 0's _collect,
-    each follower's _apply), holding the GIL, with no bound: every request waits. A word longer than any output can
-    be (max_model_len tokens) can never be completed; the front end's check (check_request) should refuse it."""
-    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=2, block_size=8) as engine:
-        word = "ab" * 2_000_000  # (encode_bad_words takes ~6 s over it here, on the engine thread: every request waits)
-        with pytest.raises(RequestError):
-            engine.core.check_request([1, 2], SamplingParams(max_tokens=4, bad_words=[word]))
+    """A bad word is tokenized on every rank's step thread (rank 0's _collect, each follower's _apply), holding the
+    GIL: a 4M-character word took ~6 s there, while every request waited. Its length is refused where the request is
+    built, before any engine sees it."""
+    SamplingParams(bad_words=["ab" * 500])
+    with pytest.raises(RequestError, match="at most 1000 characters"):
+        SamplingParams(max_tokens=4, bad_words=["ab" * 2_000_000])
 
 
 def test_the_memory_profiles_rows_take_the_allowed_ids_mask(monkeypatch):
@@ -207,9 +202,11 @@ def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
     for the whole batch. vLLM builds a request's mask once, when it joins the batch. A request's allowed ids should
     reach the device once, not every step."""
     uploaded = []
-    upload = sampler_module.to_device_parts
-    monkeypatch.setattr(sampler_module, "to_device_parts",
-                        lambda parts, *a, **k: uploaded.append(sum(len(p) for p in parts)) or upload(parts, *a, **k))
+    upload_parts, upload = sampler_module.to_device_parts, sampler_module.to_device
+    monkeypatch.setattr(sampler_module, "to_device_parts", lambda parts, *a, **k: uploaded.append(
+        sum(len(p) for p in parts)) or upload_parts(parts, *a, **k))
+    monkeypatch.setattr(sampler_module, "to_device",
+                        lambda values, *a, **k: uploaded.append(len(values)) or upload(values, *a, **k))
     allowed = tuple(range(20, 220))
     with TPEngine(device="cpu", max_model_len=64, max_num_seqs=4, block_size=8) as engine:
         out = engine.generate("a", SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,

@@ -137,6 +137,7 @@ def read(p: ToolPlan, text: str, sizes: list[int], stream: bool, finish: str = "
     for size in sizes:
         deltas.append(reader.feed(text[at:at + size]))
         at += size
+    assert at >= len(text), "the sizes must cover the whole reply"
     rest, reason = reader.finish(finish)
     return deltas + [rest], reader.message(), reason
 
@@ -185,9 +186,13 @@ def test_calls_are_sent_as_they_are_written(choice, parser, reply):
     assert sent[0][0] < reply.index("}") and sent[0][0] > name_at  # (sent before the first call's object closes)
     assert len([c for _, c in sent if c["index"] == 0]) > 3  # (its arguments in many deltas)
     assert all("id" not in c for _, c in sent if c is not first and c["index"] == 0)
-    # each call's first delta follows its name and the start of its arguments, never before
-    starts = [i for i, c in sent if "id" in c]
-    assert len(starts) == len(message["tool_calls"])
+    # each call's first delta comes once its name is read (and its arguments have begun: they are a beginning of
+    # the call's whole arguments)
+    whole = {c["function"]["name"]: c["function"]["arguments"] for c in message["tool_calls"]}
+    for i, c in sent:
+        if "id" in c:
+            assert f'"{c["function"]["name"]}"' in reply[:i + 1]
+            assert whole[c["function"]["name"]].startswith(c["function"]["arguments"]) and c["function"]["arguments"]
 
 
 def test_a_stream_keeps_a_call_cut_by_max_tokens():
@@ -219,7 +224,7 @@ def test_one_call_when_parallel_tool_calls_is_false():
     assert calls_of(message) == [("get_time", "{}")] * 2
 
 
-PYTHONIC = [  # (reply, finish reason): each read alike streamed or whole
+PYTHONIC = [  # replies each read alike streamed or whole
     '[get_weather(city="Oslo", days=3), get_time()]',
     '<|python_start|>[get_weather(city=\'O,s)l"o\', n=[1, (2, 3)], x={"a": None}, t=True)]<|python_end|>',
     '[get_weather(city="""a"b""c""", q=\'\', r=r"\\\'"), get_time(), ]',  # (triple quotes, raw, trailing comma)
