@@ -138,6 +138,12 @@ def test_a_reasoning_parser_splits_the_thoughts_out_streamed_or_not():
         "Two and two.", "Two and two.", "\n\nFour.")
     streamed = "".join(ch["delta"].get("reasoning", "") for c in chunks for ch in c["choices"])
     assert streamed == "Two and two." and folded(chunks) == ("\n\nFour.", [], "stop")
+    # include_reasoning false (vLLM's): the thoughts are split out and left out
+    whole, chunks, _ = chat(pieces, {"include_reasoning": False}, reasoning="deepseek_r1", tools=False)
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (None, None, "\n\nFour.")
+    assert not any("reasoning" in ch["delta"] for c in chunks for ch in c["choices"])
+    assert folded(chunks) == ("\n\nFour.", [], "stop")
     # without the parser the tags are the reply's text
     whole, _, _ = chat(pieces, {}, tools=False)
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}

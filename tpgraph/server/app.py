@@ -375,8 +375,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         if reasoning is not None and reasoning.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
-        replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning), body.stream)
-                   for _ in choices]
+        replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning), body.stream,
+                               body.include_reasoning) for _ in choices]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)
 

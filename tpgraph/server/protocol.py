@@ -271,6 +271,7 @@ class ChatRequest(SamplingFields):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # (the API's deprecated form of tools)
+    include_reasoning: bool = True  # (vLLM's: false leaves a reasoning model's thoughts out of the reply)
 
     def checked_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""

@@ -48,6 +48,7 @@ class ReplyReader:
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
     stream: bool = False
+    include_reasoning: bool = True  # (false: the thoughts are split out and left out of the reply)
     reasoning: str = ""  # all the reasoning sent
     text: str = ""  # (a whole reply, "required" or "auto") its answer, once whole
     pieces: list[str] = field(default_factory=list)  # (a whole reply, "required" or "auto") the answer as it came
@@ -94,6 +95,8 @@ class ReplyReader:
         return message
 
     def _sent(self, delta: Delta) -> Delta:
+        if not self.include_reasoning:
+            delta.reasoning = ""
         self.reasoning += delta.reasoning
         if delta.content:
             self.contents.append(delta.content)
