@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens read from the prefix "
                         "cache")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the client's, or one made for it (the reply's id names "
+                        "it too)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
     add_engine_args(p)
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                         service.times.control_s))
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details)
+                        args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
+                        args.enable_request_id_headers)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

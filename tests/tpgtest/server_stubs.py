@@ -132,16 +132,17 @@ class ScriptedClient(OneTokenClient):
                 sink(update)
 
 
-def post_all(app, requests: list[tuple[str, dict]]) -> list:
-    """POST each (path, JSON body) to the app in process (httpx over ASGI), in order; the responses."""
+def post_all(app, requests: list[tuple[str, dict]], headers: dict[str, str] | None = None) -> list:
+    """POST each (path, JSON body) to the app in process (httpx over ASGI), in order, with `headers` too; the
+    responses."""
     import json
 
     httpx = httpx_module()
 
     async def main() -> list:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            return [await http.post(path, headers={"Content-Type": "application/json"}, content=json.dumps(body))
-                    for path, body in requests]
+            return [await http.post(path, headers={"Content-Type": "application/json", **(headers or {})},
+                                    content=json.dumps(body)) for path, body in requests]
 
     return asyncio.run(asyncio.wait_for(main(), timeout=30))
 

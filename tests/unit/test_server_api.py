@@ -232,3 +232,22 @@ def test_usage_says_how_many_prompt_tokens_were_cached_where_the_server_is_asked
         usages = [whole.json()["usage"], sse_events(streamed.text)[-1]["usage"]]
         for usage in usages:
             assert usage.get("prompt_tokens_details") == ({"cached_tokens": 32 * prompts} if details else None)
+
+
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+def test_a_clients_request_id_names_the_reply_and_comes_back_in_a_header_where_asked(path, prefix):
+    """vLLM's X-Request-Id: the reply's id is the prefix and the client's id; with --enable-request-id-headers every
+    response carries the header, the client's or one made for it, the same id the body names."""
+    body = {"model": "m", "max_tokens": 2,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    for headers_on in (False, True):
+        app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128,
+                                    request_id_headers=headers_on)
+        whole, streamed = post_all(app, [(path, body), (path, {**body, "stream": True})], {"X-Request-Id": "trace-7"})
+        assert whole.json()["id"] == prefix + "trace-7"
+        assert {e["id"] for e in sse_events(streamed.text)} == {prefix + "trace-7"}
+        assert [r.headers.get("x-request-id") for r in (whole, streamed)] == (["trace-7"] * 2 if headers_on
+                                                                              else [None, None])
+        (made,) = post_all(app, [(path, body)])
+        assert made.json()["id"].startswith(prefix) and len(made.json()["id"]) == len(prefix) + 32
+        assert made.headers.get("x-request-id") == (made.json()["id"].removeprefix(prefix) if headers_on else None)

@@ -32,6 +32,7 @@ from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
 from tpgraph.server.reply import ReplyReader
+from tpgraph.server.request_ids import RequestIdMiddleware, request_id
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
 
@@ -184,11 +185,12 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
-               reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False) -> FastAPI:
+               reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False,
+               request_id_headers: bool = False) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
     function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py).
     prompt_tokens_details: usage says how many prompt tokens came from the prefix cache (vLLM's
-    --enable-prompt-tokens-details)."""
+    --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py)."""
     tool_options = tool_options or ToolOptions()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -199,6 +201,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     api = Api(client, metrics, model_name)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
+    if request_id_headers:  # (added last: outermost, so a refused request's 401 carries it too)
+        app.add_middleware(RequestIdMiddleware)
     app.include_router(token_routes(prompts, api.check_model, max_model_len))
 
     @app.exception_handler(RequestValidationError)
@@ -269,7 +273,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{request_id(request)}", int(time.time())
         choices = [Choice(i) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
@@ -368,7 +372,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling, tools=tools)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
         if reasoning is not None and params.structured is not None:  # (the grammar holds the answer, not thoughts)
             params = dataclasses.replace(params, structured_after=reasoning.end)

@@ -36,6 +36,7 @@ class FrontendSpec:
     tool_options: ToolOptions = field(default_factory=ToolOptions)
     reasoning: ReasoningParser | None = None  # (checked against the tokenizer: ReasoningParser.for_tokenizer)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
+    request_id_headers: bool = False  # every response carries X-Request-Id (--enable-request-id-headers)
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -75,7 +76,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
-                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details)
+                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()

@@ -1,0 +1,43 @@
+"""Request ids as vLLM's server gives them: a client's `X-Request-Id` header names its request, and the reply's id is
+`cmpl-<it>` or `chatcmpl-<it>` (a new hex id where the client sent none). With --enable-request-id-headers every
+response carries the header too, the client's or the one made for it, the same id the reply's body names.
+
+Plain ASGI middleware (auth.py says why not BaseHTTPMiddleware)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = b"x-request-id"
+
+
+def request_id(request: Request) -> str:
+    """The client's X-Request-Id, or a new id."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Every response carries X-Request-Id: the request's, or one made for it (and handed to the endpoint, as if the
+    client had sent it, so the reply's body names the same id)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((value for name, value in scope["headers"] if name == HEADER), b"")
+        if not given:
+            given = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*scope["headers"], (HEADER, given)]}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(n, v) for n, v in message.get("headers", []) if n.lower() != HEADER]
+                message = {**message, "headers": [*headers, (HEADER, given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
