@@ -16,7 +16,12 @@ HEADER = b"x-request-id"
 
 def request_id(request: Request) -> str:
     """The client's X-Request-Id, or a new id."""
-    return request.headers.get("x-request-id") or uuid.uuid4().hex
+    raw = next((value for name, value in request.scope["headers"] if name == HEADER), b"")
+    try:  # (as the client wrote it: the header goes back as these bytes)
+        given = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        given = raw.decode("latin-1")
+    return given or uuid.uuid4().hex
 
 
 class RequestIdMiddleware:
@@ -32,7 +37,8 @@ class RequestIdMiddleware:
         given = next((value for name, value in scope["headers"] if name == HEADER), b"")
         if not given:
             given = uuid.uuid4().hex.encode()
-            scope = {**scope, "headers": [*scope["headers"], (HEADER, given)]}
+            # (any empty ones dropped: the endpoint must read the id the response header carries)
+            scope = {**scope, "headers": [*((n, v) for n, v in scope["headers"] if n != HEADER), (HEADER, given)]}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
