@@ -4,6 +4,7 @@ answer in set ways, the built-in model's prompt codec, and httpx (which openai 3
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -152,3 +153,48 @@ def sse_events(text: str) -> list[dict]:
     import json
 
     return [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """An HTTP POST's ASGI scope as uvicorn makes it, with these exact header bytes (JSON content type first)."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+            "server": ("t", 80)}
+
+
+def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+                      ) -> tuple[float, list[dict]]:
+    """The ASGI exchange of a client that sends its request, waits 0.3 s, then goes away: the seconds until the
+    engine client was told to abort (3 at most), and the messages the app sent."""
+    sent: list[dict] = []
+
+    async def main() -> float:
+        left = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        task = asyncio.create_task(app(asgi_scope(path, headers), receive, send))
+        await asyncio.sleep(0.3)
+        left.set()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not client.aborted and loop.time() - start < 3:
+            await asyncio.sleep(0.02)
+        took = loop.time() - start
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for t in getattr(client, "tasks", ()):  # (an endless client's token tasks)
+            t.cancel()
+        return took
+
+    return asyncio.run(main()), sent

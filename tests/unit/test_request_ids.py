@@ -3,14 +3,21 @@ their mend): raw ASGI requests with exact header bytes, disconnects through the 
 thoughts without reasoning."""
 
 import asyncio
-import contextlib
 import json
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import EndlessClient, ScriptedClient, builtin_codec, post_all, sse_events  # noqa: E402
+from tpgtest.server_stubs import (  # noqa: E402
+    EndlessClient,
+    ScriptedClient,
+    asgi_scope,
+    builtin_codec,
+    leave_mid_request,
+    post_all,
+    sse_events,
+)
 
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -18,13 +25,6 @@ from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
 from tpgraph.server.tools import ToolOptions  # noqa: E402
 
 CHAT = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-
-
-def scope_for(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
-            "server": ("t", 80)}
 
 
 def call(app, path: str, body: dict, headers: list[tuple[bytes, bytes]]) -> tuple[dict, bytes]:
@@ -40,7 +40,7 @@ def call(app, path: str, body: dict, headers: list[tuple[bytes, bytes]]) -> tupl
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(asyncio.wait_for(app(scope_for(path, headers), receive, send), 10))
+    asyncio.run(asyncio.wait_for(app(asgi_scope(path, headers), receive, send), 10))
     return sent[0], b"".join(m.get("body", b"") for m in sent[1:])
 
 
@@ -90,36 +90,7 @@ def test_with_request_id_headers_a_client_that_leaves_mid_decode_is_noticed(stre
                                 request_id_headers=True)
     body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 100_000, "stream": stream}).encode()
     headers = [(b"x-request-id", b"leaver")] + ([(b"authorization", b"Bearer k")] if api_key else [])
-    sent: list[dict] = []
-
-    async def main() -> float:
-        left = asyncio.Event()
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop(0)
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        task = asyncio.create_task(app(scope_for("/v1/completions", headers), receive, send))
-        await asyncio.sleep(0.3)
-        left.set()
-        start = asyncio.get_running_loop().time()
-        while not client.aborted and asyncio.get_running_loop().time() - start < 3:
-            await asyncio.sleep(0.02)
-        took = asyncio.get_running_loop().time() - start
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        for t in client.tasks:
-            t.cancel()
-        return took
-
-    took = asyncio.run(main())
+    took, sent = leave_mid_request(app, client, "/v1/completions", body, headers)
     assert client.aborted and took < server_app.DISCONNECT_CHECK_S + 0.5, took
     if stream:
         assert response_ids(sent[0]) == [b"leaver"]

@@ -2,14 +2,13 @@
 /version, and --api-key's guard."""
 
 import asyncio
-import contextlib
 import json
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import IdleClient, SilentClient, builtin_codec, httpx_module  # noqa: E402
+from tpgtest.server_stubs import IdleClient, SilentClient, builtin_codec, httpx_module, leave_mid_request  # noqa: E402
 
 from tpgraph import __version__  # noqa: E402
 from tpgraph.chat import GenerationDefaults  # noqa: E402
@@ -151,37 +150,6 @@ def test_with_a_key_a_client_that_leaves_is_still_noticed(api_key):
     client = SilentClient()
     app = server_app.create_app(client, codec(), ServerMetrics(), MODEL, 128, api_key=api_key)
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4}).encode()
-    headers = [(b"content-type", b"application/json")]
-    if api_key:
-        headers.append((b"authorization", b"Bearer " + api_key.encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
-             "headers": headers, "client": ("127.0.0.1", 1), "server": ("t", 80)}
-    sent: list[dict] = []
-
-    async def main() -> float:
-        left = asyncio.Event()
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop(0)
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        task = asyncio.create_task(app(scope, receive, send))
-        await asyncio.sleep(0.3)
-        left.set()
-        start = asyncio.get_running_loop().time()
-        while not client.aborted and asyncio.get_running_loop().time() - start < 3:
-            await asyncio.sleep(0.02)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return asyncio.get_running_loop().time() - start
-
-    took = asyncio.run(main())
+    headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else []
+    took, sent = leave_mid_request(app, client, "/v1/completions", body, headers)
     assert client.aborted and took < server_app.DISCONNECT_CHECK_S + 0.5, (took, sent[:1])
