@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpgraph.server.reasoning import ReasoningReader
-from tpgraph.server.tool_parsers import JSON_ERRORS, ParsedCall, arguments_text, loads
+from tpgraph.server.tool_parsers import ParsedCall, required_calls
 from tpgraph.server.tool_streams import STREAMS, CallStream, Event, RequiredStream
 from tpgraph.server.tools import ToolPlan, tool_call_id
 
@@ -55,8 +55,6 @@ class ReplyReader:
     contents: list[str] = field(default_factory=list)  # the content sent, in pieces (+= copied it all every token)
     call_deltas: list[dict] = field(default_factory=list)
     sent_calls: int = 0
-    json: JsonScanner = field(default_factory=lambda: JsonScanner())  # ("required") where the array stands
-    element_at: int = -1  # ("required") where the array's element being generated begins
     finish_reason: str | None = None
     calls: CallStream | None = None  # (streamed "required" and "auto") the calls as they are written
 
@@ -129,12 +127,14 @@ class ReplyReader:
             return rest, "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
         self.text = "".join(self.pieces)
         if mode == "required":
-            calls = self._complete_elements()
-            if self.sent_calls == 0:  # no whole call (cut by max_tokens): the text comes back as it is
+            parsed, at = required_calls(self.text, self.plan.names)
+            if not parsed:  # no whole call (cut by max_tokens): the text comes back as it is
                 return Delta(self.text), finish_reason
+            if self.plan.one_call:
+                parsed = parsed[:1]
             # an array cut after some calls: the part call that was cut comes back as text
-            rest = self.text[self.element_at:] if self.element_at >= 0 else ""
-            return Delta(rest, calls), "tool_calls" if finish_reason == "stop" else finish_reason
+            return Delta(self.text[at:], [self._call(c) for c in parsed]), \
+                "tool_calls" if finish_reason == "stop" else finish_reason
         content, parsed = self.plan.parser.parse(self.text, self.plan.names)
         if not parsed:
             return Delta(self.text), finish_reason
@@ -163,60 +163,6 @@ class ReplyReader:
         index, self.sent_calls = self.sent_calls, self.sent_calls + 1
         return {"index": index, "id": tool_call_id(), "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
-
-    def _complete_elements(self) -> list[dict]:
-        """("required") The calls whose objects closed since the last look (each object at depth 1 of the array)."""
-        calls = []
-        scan = self.json
-        for i in range(scan.seen, len(self.text)):
-            ch = self.text[i]
-            scan.step(ch)
-            if scan.in_string:
-                continue
-            if ch == "{" and scan.depth == 2:
-                self.element_at = i
-            elif ch == "}" and scan.depth == 1 and self.element_at >= 0:
-                # (the grammar makes each element {"name", "parameters"}; anything else is left as text)
-                call = _array_call(self.text[self.element_at:i + 1])
-                if call is not None:
-                    self.element_at = -1
-                    if not (self.plan.one_call and self.sent_calls):
-                        calls.append(self._call(call))
-        return calls
-
-
-class JsonScanner:
-    """Follows JSON text a character at a time: its depth, and whether it is inside a string."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped, self.seen = 0, False, False, 0
-
-    def step(self, ch: str) -> None:
-        self.seen += 1
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-        elif ch == '"':
-            self.in_string = True
-        elif ch in "[{":
-            self.depth += 1
-        elif ch in "]}":
-            self.depth -= 1
-
-
-def _array_call(element: str) -> ParsedCall | None:
-    try:
-        obj = loads(element)
-    except JSON_ERRORS:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("parameters"), dict):
-        return None
-    arguments = arguments_text(obj["parameters"])
-    return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
 def merge_calls(deltas: list[dict]) -> list[dict]:

@@ -85,6 +85,33 @@ def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> Pars
     return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
+def required_calls(text: str, names: frozenset[str]) -> tuple[list[ParsedCall], int]:
+    """tool_choice "required", read whole: the calls of the grammar's array `[{"name": ..., "parameters": {...}},
+    ...]`, in order, and where the text stops being calls (at a part call cut by max_tokens; len(text) when the
+    array closed)."""
+    decoder, calls = json.JSONDecoder(strict=False), []
+    at = _skip_space(text, 0)
+    if not text.startswith("[", at):
+        return [], 0
+    at = _skip_space(text, at + 1)
+    while text.startswith("{", at):
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except JSON_ERRORS:
+            break
+        call = _call(obj, ("parameters",), names)
+        if call is None:
+            break
+        calls.append(call)
+        at = _skip_space(text, end)
+        if text.startswith("]", at):
+            return calls, len(text)
+        if not text.startswith(",", at):
+            break
+        at = _skip_space(text, at + 1)
+    return calls, at
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
