@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from bench_engine_steps import hf_config
 from tpgraph import TPEngine
 from tpgraph.config import BUILTIN_MODEL
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.graphs.calibration import describe_counts
 from tpgraph.graphs.config import GraphConfig
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "_gemv_")),
@@ -144,13 +146,17 @@ def main() -> None:
     p.add_argument("--prefill-sizes", default=None,
                    help="token counts captured for piecewise prefill, e.g. 16,32,64,128,256,512 (default: "
                         "GraphConfig's)")
+    p.add_argument("--no-prefill-calibration", dest="calibrate", action="store_false",
+                   help="pad every prefill the capture sizes hold, without the start-up timing that picks eager "
+                        "forwards where padding costs more")
     p.add_argument("--out", type=Path, default=Path("bench_prefill.json"))
     args = p.parse_args()
     # (the engine's start-up lines: the KV budget, and what the graphs took against their estimate)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     points = [parse_point(t) for t in args.points.split(",")]
-    graphs = GraphConfig() if args.prefill_sizes is None else GraphConfig(
-        prefill_sizes=tuple(int(s) for s in args.prefill_sizes.split(",")))
+    graphs = GraphConfig(calibrate_prefill=args.calibrate)
+    if args.prefill_sizes is not None:
+        graphs = replace(graphs, prefill_sizes=tuple(int(s) for s in args.prefill_sizes.split(",")))
     results, profiled = [], None
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES.get(args.shape, BUILTIN_MODEL))))
@@ -178,9 +184,13 @@ def main() -> None:
                 for k in profiled["top_host_ops"]:
                     print(f"  {k['self_cpu_ms']:8.3f} ms  x{k['count']:<5d} {k['name']}")
                 print(python_profile(engine, *parse_point(args.profile)))
+            runner = engine.runner
+            calibration = {"prefill_timings_ms": [(t.size, t.eager_s * 1e3, t.graph_s * 1e3)
+                                                  for t in runner.prefill_timings],
+                           "eager_counts": describe_counts(runner.prefill_dispatcher.eager_counts)}
     args.out.write_text(json.dumps({"shape": args.shape, "chunk": args.max_num_batched_tokens,
-                                    "prefix_caching": args.prefix_caching, "results": results, "profile": profiled},
-                                   indent=1))
+                                    "prefix_caching": args.prefix_caching, **calibration, "results": results,
+                                    "profile": profiled}, indent=1))
 
 
 if __name__ == "__main__":

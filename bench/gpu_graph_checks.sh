@@ -203,14 +203,16 @@ for step in "$@"; do
              | sed "s/^/prefix caching $caching: /" | tee -a "$out/prefill.log"; pack; done
          timeout 200 python3 bench/bench_kernels.py --batches 1 --contexts 512 --prefill-tokens 256,1024,8192 \
              --out "$out/kernels_rope.json" 2>&1 | grep -E "rope|HBM|Error" | tee -a "$out/prefill.log" ;;
-    prefill-sizes) # piecewise prefill capture sizes past 512 (session 43's default) against sizes to 512 only, in one
+    prefill-sizes) # piecewise prefill capture sizes past 512 (session 43's default), with the start-up timing that
+         # runs eagerly where padding costs more (the default) and without it, against sizes to 512 only, in one
          # call: time to first token at points around and past 512 tokens, and what each engine's graphs took (the
          # capture line: measured against the pool estimate, which the KV budget subtracts)
-         for sizes in default 16,32,64,128,256,512; do timeout 150 python3 bench/bench_prefill.py \
+         for sizes in default uncalibrated 16,32,64,128,256,512; do timeout 150 python3 bench/bench_prefill.py \
              --shape "${SHAPE:-llama3-8b}" --no-prefix-caching --points 1x512,1x517,1x600,1x700,1x900,1x1024,2x300,4x256 \
-             $([ $sizes = default ] || echo --prefill-sizes $sizes) --out "$out/prefill_sizes_${sizes//,/_}.json" 2>&1 \
-             | tr '\r' '\n' | grep -E " x +[0-9]+|Error|Graph capture|KV budget" | sed "s/^/[$sizes] /" \
-             | tee -a "$out/prefill_sizes.log"
+             $(case $sizes in default) ;; uncalibrated) echo --no-prefill-calibration ;; *) echo --prefill-sizes $sizes ;; esac) \
+             --out "$out/prefill_sizes_${sizes//,/_}.json" 2>&1 \
+             | tr '\r' '\n' | grep -E " x +[0-9]+|Error|Graph capture|KV budget|prefill graphs timed" \
+             | sed "s/^/[$sizes] /" | tee -a "$out/prefill_sizes.log"
              pack; done ;;
     fused) # 1shot_push + add + RMSNorm: kernel tests, then TPOT with it off and on (twice each), custom and NCCL
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k fused 2>&1 | tail -5 | tee "$out/fused_kernels.log"

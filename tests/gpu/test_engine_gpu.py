@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from tpgraph import SamplingParams, TPEngine
+from tpgraph.graphs.calibration import eager_counts
 from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 PROMPTS = ["The quick brown fox", "tpgraph " * 20, "a" * 300, "Hello, world! How are you today, my friend?"]
@@ -34,9 +36,12 @@ def test_graphs_chunks_and_piecewise_prefill_agree_with_eager():
     with make(graphs=GraphConfig(decode_mode="none", prefill_mode="none")) as engine:
         eager, eager_entries = tokens(engine), entries(engine)
         assert [len(lps) for lps, _ in eager_entries] == [len(engine.encode(p)) for p in PROMPTS]
-    with make() as engine:  # full decode graphs, piecewise prefill
+    # full decode graphs, piecewise prefill: every prompt padded to its graph, whatever timing would pick
+    with make(graphs=GraphConfig(calibrate_prefill=False)) as engine:
         assert engine.runner.modes.decode == "full" and engine.runner.modes.prefill == "piecewise"
         assert tokens(engine) == eager
+        assert not engine.runner.prefill_timings
+        assert {row[1] for row in engine.runner.stats.frequency_table() if row[0] == "prefill"} == {"piecewise"}
         piecewise_entries = entries(engine)
     with make(max_num_batched_tokens=64) as engine:  # the 300-token prompt runs in chunks
         assert tokens(engine) == eager
@@ -47,6 +52,25 @@ def test_graphs_chunks_and_piecewise_prefill_agree_with_eager():
             assert lps[0] is None and lps[1:] == pytest.approx(want[1:], abs=1e-4)
             # (the top values, not their ids: two within fp32 noise of each other may trade places)
             assert [v for a in tops for _, v in a] == pytest.approx([v for a in want_tops for _, v in a], abs=1e-4)
+
+
+def test_prefill_timing_at_start_up_decides_which_counts_run_eagerly():
+    # (no prefix cache: each run prefills the prompts whole)
+    with make(graphs=GraphConfig(prefill_sizes=(16, 64, 256)), enable_prefix_caching=False) as engine:
+        runner = engine.runner
+        assert [t.size for t in runner.prefill_timings] == [16, 64, 256]
+        assert all(0 < t.eager_s < 1 and 0 < t.graph_s < 1 for t in runner.prefill_timings)
+        eager = set(eager_counts(runner.prefill_timings))
+        assert set(runner.prefill_dispatcher.eager_counts) == eager
+        for n in range(1, 257):
+            assert (runner.prefill_dispatcher.dispatch(n, 1, False)[0] is GraphMode.NONE) == (n in eager), n
+        assert "(timed)" in runner.summary()
+        # every count eager, then none: the same tokens
+        want = tokens(engine)
+        runner.prefill_dispatcher = Dispatcher((), (16, 64, 256), range(1, 257))
+        assert tokens(engine) == want
+        runner.prefill_dispatcher = Dispatcher((), (16, 64, 256))
+        assert tokens(engine) == want
 
 
 def test_structured_outputs_on_the_gpu_match_and_leave_other_rows_alone():

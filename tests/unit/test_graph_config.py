@@ -16,7 +16,7 @@ def test_defaults():
     cfg = GraphConfig()
     assert (cfg.decode_mode, cfg.prefill_mode, cfg.ladder, cfg.warmups) == ("full", "piecewise", "sglang", 1)
     assert cfg.prefill_sizes == (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024)
-    assert not cfg.enforce_eager and not cfg.check_addresses
+    assert cfg.calibrate_prefill and not cfg.enforce_eager and not cfg.check_addresses
     assert parse() == cfg  # the CLI defaults are the dataclass defaults
 
 
@@ -53,6 +53,7 @@ def test_decode_sizes():
         (dict(warmups=1.5), "warmups must be an integer >= 0"),
         (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
         (dict(check_addresses=1), "check_addresses must be True or False"),
+        (dict(calibrate_prefill="no"), "calibrate_prefill must be True or False"),
     ],
 )
 def test_validation_names_the_field(kwargs, message):
@@ -67,9 +68,9 @@ def test_frozen():
 
 def test_cli_mapping():
     cfg = parse("--cuda-graph-mode", "breakable", "--prefill-graph-mode", "none", "--cuda-graph-ladder", "1,2,8",
-                "--graph-warmups", "3", "--enforce-eager", "--check-graph-addresses")
+                "--graph-warmups", "3", "--enforce-eager", "--check-graph-addresses", "--no-prefill-calibration")
     assert cfg == GraphConfig(decode_mode="breakable", prefill_mode="none", ladder=(1, 2, 8), warmups=3,
-                              enforce_eager=True, check_addresses=True)
+                              enforce_eager=True, check_addresses=True, calibrate_prefill=False)
     assert parse("--cuda-graph-ladder", "vllm").ladder == "vllm"
     assert parse("--cuda-graph-mode", "piecewise").decode_mode == "piecewise"
     assert parse("--prefill-capture-sizes", "16,64,512").prefill_sizes == (16, 64, 512)

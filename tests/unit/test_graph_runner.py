@@ -13,7 +13,9 @@ from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.memory import MemoryBudget
 from tpgraph.engine.runner import NULL_SLOT, ModelRunner, RunnerConfig
 from tpgraph.errors import CaptureError, ConfigError
+from tpgraph.graphs.calibration import eager_counts
 from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.dispatcher import Dispatcher
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.workspace import Workspaces
 from tpgraph.model.loader import load_model
@@ -224,3 +226,33 @@ def test_running_out_of_memory_in_capture_names_the_remedies():
 
     with pytest.raises(CaptureError, match="capturing the decode graph for 8 tokens.*--enforce-eager"):
         make_graph_runner(comm).capture("decode", "breakable", (8,), None, lambda n: {}, prepare)
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, monkeypatch, calibrate):
+    """The runner's side of calibration.py on the CPU: a stand-in for the prefill graphs (the CPU captures none) sees
+    each size replayed with the null prompts' lengths, and the dispatcher then runs the counts that timing picks
+    eagerly."""
+    runner = runner_for(model, "none", calibrate_prefill=calibrate)
+    runner.prefill_dispatcher = Dispatcher((), (8, 16))
+    replayed = []
+
+    def replay(phase, size, inputs):
+        meta = runner._meta_for_prefill(size)
+        replayed.append((phase, size, meta.query_lens, meta.context_lens))
+        return runner._eager_prefill(size, list(meta.query_lens))
+
+    monkeypatch.setitem(runner.graphs.sets, "prefill", None)
+    monkeypatch.setattr(runner.graphs, "replay", replay)
+    free = runner.allocator.num_free
+    runner._calibrate_prefill()
+    if not calibrate:
+        assert runner.prefill_timings == [] and replayed == []
+        return
+    assert [t.size for t in runner.prefill_timings] == [8, 16]
+    assert all(t.eager_s > 0 and t.graph_s > 0 for t in runner.prefill_timings)
+    assert replayed == [("prefill", 8, (8,), ())] * 4 + [("prefill", 16, (16,), ())] * 4  # a warm-up and three timed
+    assert runner.prefill_dispatcher.eager_counts == eager_counts(runner.prefill_timings)
+    assert runner.prefill_dispatcher.piecewise_sizes == (8, 16)
+    assert runner.allocator.num_free == free  # the null prompts stored nothing
+    runner.close()

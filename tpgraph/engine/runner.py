@@ -11,9 +11,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tpgraph.distributed import gather_objects
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
@@ -28,6 +30,7 @@ from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.buffers import Pad, PersistentBuffers
+from tpgraph.graphs.calibration import SizeTiming, describe_counts, eager_counts, slowest, time_forward
 from tpgraph.graphs.captured import call
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
@@ -216,6 +219,7 @@ class ModelRunner:
         self._bind_kv_cache(num_blocks)
         self._fit_max_model_len()
         self.capture_s = self.capture_bytes = 0.0
+        self.prefill_timings: list[SizeTiming] = []  # each prefill size's forwards, eager and from its graph
         self.capture_all()
         if self.is_driver:
             logger.info("start-up summary\n%s", self.summary())
@@ -325,14 +329,20 @@ class ModelRunner:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks
 
-    def _profile_prefill(self, tokens: int) -> None:
-        """The largest prefill a step can run, eagerly: prompts of max_model_len, every token writing the null slot."""
+    def _null_prefill(self, tokens: int) -> list[int]:
+        """Write a prefill of `tokens` tokens that stores nothing: prompts of at most max_model_len, every token writing
+        the null slot. Returns the prompts' lengths."""
         lens = [self.max_model_len] * (tokens // self.max_model_len)
         lens += [tokens % self.max_model_len] if tokens % self.max_model_len else []
         self.prefill_in.host_np("input_ids")[:tokens] = 0
         self.prefill_in.host_np("positions")[:tokens] = np.concatenate([np.arange(n) for n in lens])
         self.prefill_in.host_np("slot_mapping")[:tokens] = NULL_SLOT
         self.prefill_in.commit(tokens, tokens)
+        return lens
+
+    def _profile_prefill(self, tokens: int) -> None:
+        """The largest prefill a step can run, eagerly, storing nothing."""
+        lens = self._null_prefill(tokens)
         hidden = self._eager_prefill(tokens, lens)
         self.model.compute_logits(hidden[-len(lens):])
         # a request's prompt log-probabilities: a pass of their largest (prompt_logprobs.py)
@@ -379,6 +389,31 @@ class ModelRunner:
             counts = ", ".join(f"{s.phase} {s.kind} x{len(s.graphs)}" for s in self.graphs.sets.values())
             logger.info("Graph capture finished in %.1f s, took %.2f GiB (estimated %.2f GiB) [%s]", self.capture_s,
                         self.capture_bytes / GiB, estimate / GiB, counts)
+        self._calibrate_prefill()
+
+    @torch.inference_mode()
+    def _calibrate_prefill(self) -> None:
+        """Time every captured prefill size eagerly and from its graph (the slowest rank's figures, on every rank), and
+        dispatch eagerly the token counts that padding would make slower (graphs/calibration.py)."""
+        sizes = self.prefill_dispatcher.piecewise_sizes
+        if not self.cfg.graphs.calibrate_prefill or "prefill" not in self.graphs.sets:
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        timings = []
+        for size in tqdm(sizes, desc="timing prefill graphs", unit="size", disable=not self.is_driver, leave=False):
+            lens = self._null_prefill(size)
+            eager = time_forward(partial(self._eager_prefill, size, lens), sync)
+            meta = self._meta_for_prefill(size)
+            meta.query_lens, meta.context_lens, meta.context_blocks = tuple(lens), (), ()
+            graph = time_forward(partial(self.graphs.replay, "prefill", size, self._prefill_inputs), sync)
+            timings.append(SizeTiming(size, eager, graph))
+        self.prefill_timings = slowest(gather_objects(self.model.comm.state, timings))
+        self.prefill_dispatcher = Dispatcher((), sizes, eager_counts(self.prefill_timings))
+        if self.is_driver:
+            logger.info("prefill graphs timed (ms, eager / graph): %s; eager for %s tokens",
+                        ", ".join(f"{t.size}: {t.eager_s * 1e3:.1f} / {t.graph_s * 1e3:.1f}"
+                                  for t in self.prefill_timings),
+                        describe_counts(self.prefill_dispatcher.eager_counts))
 
     def _prepare_dummy(self, size: int, prefill: bool = False) -> None:
         """Padding everywhere: ids 0, slots to the null block, seq_lens 0 (reads nothing)."""

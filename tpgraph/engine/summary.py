@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tpgraph.engine.memory import GiB
+from tpgraph.graphs.calibration import describe_counts
 
 if TYPE_CHECKING:
     from tpgraph.engine.runner import ModelRunner
@@ -25,7 +26,9 @@ def startup_summary(runner: ModelRunner) -> str:
         ("all-reduce (graph)", bands["graph"]),
         ("all-reduce (eager)", bands["eager"]),
         ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
-        ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"),
+        ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"
+                           + (f"; eager for {describe_counts(runner.prefill_dispatcher.eager_counts)} tokens (timed)"
+                              if runner.prefill_timings else "")),
         ("prefill attention", runner.prefill_attention),
         ("prefix caching", "on (blocks named by sha256 of their token prefix)" if runner.cfg.enable_prefix_caching
          else "off"),

@@ -20,6 +20,9 @@ class GraphConfig:
     # 16.7 ms padded to 640; beyond 1024 the GPU's work hides them). Each size keeps its attention inputs (q, k, v of
     # every layer, about 0.4 MB a token for Llama-3-8B), which the graph pool's estimate counts against the KV cache
     prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024)
+    # time each prefill size eagerly and from its graph after capture, and run eagerly the token counts that padding
+    # makes slower (calibration.py)
+    calibrate_prefill: bool = True
     warmups: int = 1  # eager runs per size before its capture
     enforce_eager: bool = False
     check_addresses: bool = False  # debug: verify replay input addresses equal the captured ones
@@ -42,7 +45,7 @@ class GraphConfig:
         object.__setattr__(self, "prefill_sizes", checked)
         if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 0:
             raise ConfigError(f"warmups must be an integer >= 0, got {self.warmups!r}")
-        for name in ("enforce_eager", "check_addresses"):
+        for name in ("calibrate_prefill", "enforce_eager", "check_addresses"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -66,6 +69,9 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
+    group.add_argument("--no-prefill-calibration", dest="calibrate_prefill", action="store_false",
+                       help="pad every prefill the capture sizes hold to its graph, without timing at start-up where "
+                            "an eager forward is faster")
     group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
                        help="eager runs per size before capturing it")
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
@@ -79,6 +85,7 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
         prefill_mode=args.prefill_graph_mode,
         ladder=args.cuda_graph_ladder,
         prefill_sizes=parse_sizes(args.prefill_capture_sizes),
+        calibrate_prefill=args.calibrate_prefill,
         warmups=args.graph_warmups,
         enforce_eager=args.enforce_eager,
         check_addresses=args.check_graph_addresses,

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tpgraph.errors import ConfigError
+from tpgraph.graphs.calibration import describe_counts
 from tpgraph.graphs.ladder import check_sizes
 
 
@@ -51,15 +52,22 @@ class Dispatcher:
     """Maps a batch to the smallest captured size that holds it: FULL for uniform decode batches up to the largest
     full size, else PIECEWISE up to the largest piecewise size, else NONE (eager, unpadded).
 
-    Either size list may be empty (that mode is off).
+    Either size list may be empty (that mode is off). `eager_counts`: token counts within the piecewise sizes that run
+    eagerly all the same, where padding them was measured to cost more than it saves (calibration.py).
     """
 
-    def __init__(self, full_sizes: Iterable[int], piecewise_sizes: Iterable[int]) -> None:
+    def __init__(self, full_sizes: Iterable[int], piecewise_sizes: Iterable[int],
+                 eager_counts: Iterable[int] = ()) -> None:
         self._full_sizes = _sizes(full_sizes, "full_sizes")
         self._piecewise_sizes = _sizes(piecewise_sizes, "piecewise_sizes")
         # table[n] = smallest captured size >= n, for n in 1..max; index 0 is unused so n indexes directly.
         self._full_table = _padding_table(self._full_sizes)
         self._piecewise_table = _padding_table(self._piecewise_sizes)
+        self._eager_counts = frozenset(eager_counts)
+        outside = sorted(n for n in self._eager_counts if not 1 <= n < len(self._piecewise_table))
+        if outside:
+            raise ConfigError(f"eager counts {outside[:8]} are outside the piecewise sizes "
+                              f"(1..{len(self._piecewise_table) - 1})")
         self._max_full = len(self._full_table) - 1
         self._max_piecewise = len(self._piecewise_table) - 1
 
@@ -71,13 +79,17 @@ class Dispatcher:
     def piecewise_sizes(self) -> tuple[int, ...]:
         return self._piecewise_sizes
 
+    @property
+    def eager_counts(self) -> tuple[int, ...]:
+        return tuple(sorted(self._eager_counts))
+
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> tuple[GraphMode, BatchDescriptor]:
         # Checked before indexing: a negative index would silently read the table from the end.
         if num_tokens < 1:
             raise ConfigError(f"cannot dispatch a batch of {num_tokens} tokens; a step needs at least one token")
         if uniform_decode and num_tokens <= self._max_full:
             return GraphMode.FULL, BatchDescriptor(self._full_table[num_tokens], num_reqs, num_tokens, True)
-        if num_tokens <= self._max_piecewise:
+        if num_tokens <= self._max_piecewise and num_tokens not in self._eager_counts:
             padded = self._piecewise_table[num_tokens]
             return GraphMode.PIECEWISE, BatchDescriptor(padded, num_reqs, num_tokens, uniform_decode)
         return GraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, num_tokens, uniform_decode)
@@ -95,7 +107,8 @@ class Dispatcher:
         return table[n]
 
     def __repr__(self) -> str:
-        return f"Dispatcher(full_sizes={list(self._full_sizes)}, piecewise_sizes={list(self._piecewise_sizes)})"
+        eager = f", eager_counts={describe_counts(self._eager_counts)}" if self._eager_counts else ""
+        return f"Dispatcher(full_sizes={list(self._full_sizes)}, piecewise_sizes={list(self._piecewise_sizes)}{eager})"
 
 
 def _sizes(values: Iterable[int], what: str) -> tuple[int, ...]:
