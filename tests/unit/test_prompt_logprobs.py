@@ -44,10 +44,11 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, overlap_scheduling=overlap,
                   max_num_batched_tokens=16, num_kv_blocks=64) as engine:  # 45 tokens: three chunks and a bit
         first = engine.generate([PROMPT, OTHER], [asks, SamplingParams(temperature=0.0, max_tokens=2)])
-        # the prompt's blocks are cached now; asked again (twice, n = 2), it still runs in full
+        # the prompt's blocks are cached now; asked again (n = 3), it still runs in full for the first sample, whose
+        # entries every sample reports, and the later two wait for them and read the prompt from the cache
         hits = engine.core.scheduler.prefix_hit_tokens
-        again = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2, n=2, prompt_logprobs=0))[0]
-        assert engine.core.scheduler.prefix_hit_tokens == hits
+        again = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=0))[0]
+        assert engine.core.scheduler.prefix_hit_tokens == hits + 2 * 44  # (11 whole blocks each, the last token run)
         plain = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2))[0]
         assert engine.core.scheduler.prefix_hit_tokens > hits  # (one that does not ask reads them from the cache)
     out = first[0]
@@ -58,7 +59,8 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
     assert first[1].prompt_logprobs is None  # it did not ask
     assert again.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4) and all(t == [] for t in
                                                                               again.prompt_top_logprobs)
-    assert plain.outputs[0].token_ids == out.outputs[0].token_ids == again.outputs[1].token_ids
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids == again.outputs[1].token_ids \
+        == again.outputs[2].token_ids
 
 
 def test_a_one_token_prompt_has_one_entry_none(checkpoint):
@@ -154,3 +156,30 @@ def test_short_prompts_asking_share_one_pass_and_each_keeps_its_own_k(checkpoint
         tops = [[t for t, _ in alts] for alts in got.prompt_top_logprobs]
         assert tops == [[t for t, _ in alts] for alts in one.prompt_top_logprobs]
         assert {len(top) for top in tops[1:]} == {q.prompt_logprobs}
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix_cache", "no_cache"])
+def test_n_samples_compute_the_prompt_entries_once_and_each_reports_them(checkpoint, caching):
+    """n = 3: the first sample's prefill computes the request's prompt entries; the other two wait until they are
+    read back (then, with the prefix cache, read the prompt from it), and every sample's first update brings them."""
+    with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4,
+                  enable_prefix_caching=caching, num_kv_blocks=64) as engine:
+        core = engine.core
+        computed = []
+        original = core.runner._prompt_logprobs
+
+        def spy(spans, hidden):
+            computed.extend(seq.sample_index for seq, _, _ in spans if seq.computes_prompt_logprobs)
+            return original(spans, hidden)
+
+        core.runner._prompt_logprobs = spy
+        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        firsts = {}
+        while core.has_work:
+            for u in core.step():
+                if u.token_id is not None:
+                    firsts.setdefault(u.sample_index, u)
+    assert computed == [0] and sorted(firsts) == [0, 1, 2]
+    assert len(firsts[0].prompt_logprobs) == len(PROMPT) - 1
+    assert all(firsts[i].prompt_logprobs == firsts[0].prompt_logprobs for i in (1, 2))
+    assert all(firsts[i].prompt_ranks == firsts[0].prompt_ranks for i in (1, 2))

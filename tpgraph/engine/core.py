@@ -189,7 +189,8 @@ class EngineCore:
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params, bad_words=request.bad_words,
                                  grammar=GrammarState(self.grammars.matcher(params.structured), request.grammar_after)
-                                 if params.structured else None))
+                                 if params.structured else None,
+                                 prompt_logprobs_from=seqs[0] if seqs and params.prompt_logprobs is not None else None))
             self._next_seq_id += 1
         # what may raise for one rank alone was built in prepare_request, before the first sequence is queued: a
         # request is taken whole or not at all (one queued without its state broke every later step)
@@ -318,8 +319,9 @@ class EngineCore:
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             if index == 0:
                 update.cached_tokens = seq.prompt_cached or 0
-                if seq.params.prompt_logprobs is not None:
-                    update.prompt_logprobs, update.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
+                if seq.params.prompt_logprobs is not None:  # (every sample's first update brings its request's)
+                    src = seq.reported_prompt_logprobs
+                    update.prompt_logprobs, update.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
             updates.append(update)
         self.timing.postprocess += time.perf_counter() - now
         return updates

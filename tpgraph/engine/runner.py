@@ -587,7 +587,7 @@ class ModelRunner:
         every asking sequence's rows in the same passes (many short prompts, as an evaluation sends, take one)."""
         asking, rows, ids, offset = [], [], [], 0
         for seq, start, n in spans:
-            if seq.params is not None and seq.params.prompt_logprobs is not None:
+            if seq.computes_prompt_logprobs:
                 targets = prompt_targets(seq, start, n)
                 if targets:
                     asking.append((seq, targets, len(rows)))

@@ -46,6 +46,9 @@ class Sequence:
     # params.prompt_logprobs: (id, log-probability, top alternatives) of prompt tokens 1, 2, ... read back so far
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)  # (beside prompt_logprobs) each token's rank
+    # (a request's later samples) the sample that computes the prompt log-probabilities this one reports: one prompt's
+    # are the same for all, so they are computed once, and the others wait for them and share its cached prompt
+    prompt_logprobs_from: Sequence | None = field(default=None, repr=False)
     prompt_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted (then fixed)
     bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
     # do its sampling bans read its last output tokens (a bad word of more than one token)? its row must then see the
@@ -61,11 +64,26 @@ class Sequence:
         return len(self) - self.num_cached
 
     @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Does its prefill compute prompt log-probabilities (its request's, for every sample)?"""
+        return self.params is not None and self.params.prompt_logprobs is not None and self.prompt_logprobs_from is None
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
-        """Does it ask for prompt log-probabilities that are not all read back yet? (Its prompt must then run in
+        """Does it compute prompt log-probabilities that are not all read back yet? (Its prompt must then run in
         full: tokens taken from the prefix cache run no forward, so they have no logits.)"""
-        return (self.params is not None and self.params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+        return self.computes_prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """Is it a later sample whose request's prompt log-probabilities are not all read back yet? (It waits for
+        them, and then begins from the prompt the first sample left in the prefix cache.)"""
+        return self.prompt_logprobs_from is not None and self.prompt_logprobs_from.needs_prompt_logprobs
+
+    @property
+    def reported_prompt_logprobs(self) -> Sequence:
+        """The sample whose prompt log-probabilities this one reports: its own, or its request's first sample's."""
+        return self.prompt_logprobs_from or self
 
     @property
     def token_ids(self) -> list[int]:
