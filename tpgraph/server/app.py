@@ -45,6 +45,7 @@ class Choice:
     """One choice being built: text, token ids, log-probabilities, finish reason."""
 
     index: int
+    keeps_text: bool = True  # (a streamed or chat choice sends its text as it comes: none is kept here)
     parts: list[str] = field(default_factory=list)  # the text's pieces (joined once read: += copies it all per token)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -56,7 +57,7 @@ class Choice:
         return "".join(self.parts)
 
     def add(self, u: StepUpdate) -> Choice:
-        if u.text:
+        if u.text and self.keeps_text:
             self.parts.append(u.text)
         if u.cached_tokens is not None:
             self.cached_tokens = u.cached_tokens
@@ -274,7 +275,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
         rid, created = f"cmpl-{request_id(request)}", int(time.time())
-        choices = [Choice(i) for i in range(len(token_ids) * params.n)]
+        choices = [Choice(i, keeps_text=not body.stream) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
@@ -313,7 +314,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             head, entries_at = "", len(c.logprobs)
             if body.echo and c.index not in started:
                 head = echoed[i]
-                c.parts.append(head)
+                if c.keeps_text:
+                    c.parts.append(head)
             started.add(c.index)
             if u.prompt_logprobs is not None:
                 firsts.setdefault(i, u)
@@ -373,7 +375,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
-        choices = [Choice(i) for i in range(params.n)]
+        choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
         if reasoning is not None and params.structured is not None:  # (the grammar holds the answer, not thoughts)
             params = dataclasses.replace(params, structured_after=reasoning.end)
         if reasoning is not None and reasoning.keeps_special_tokens:
