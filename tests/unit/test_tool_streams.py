@@ -3,15 +3,15 @@ they come, and each format's stream ("required", llama3_json, hermes) against th
 
 import json
 import random
+from itertools import accumulate
 
 import pytest
+from tpgtest.tool_replies import TIME, WEATHER, read_reply
 
 from tpgraph.server.json_stream import CallReader, Reencoder
 from tpgraph.server.reply import ReplyReader
 from tpgraph.server.tools import ToolOptions, ToolPlan
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-TIME = {"type": "function", "function": {"name": "get_time"}}
 NAMES = frozenset({"get_weather", "get_time"})
 
 
@@ -133,13 +133,10 @@ def plan(choice=None, parser="hermes", parallel=None) -> ToolPlan:
 
 
 def read(p: ToolPlan, text: str, sizes: list[int], stream: bool, finish: str = "stop") -> tuple[list, dict, str]:
-    reader, deltas, at = ReplyReader(p, stream=stream), [], 0
-    for size in sizes:
-        deltas.append(reader.feed(text[at:at + size]))
-        at += size
-    assert at >= len(text), "the sizes must cover the whole reply"
-    rest, reason = reader.finish(finish)
-    return deltas + [rest], reader.message(), reason
+    """The reply fed in pieces of these sizes."""
+    assert sum(sizes) >= len(text), "the sizes must cover the whole reply"
+    starts = accumulate(sizes, initial=0)
+    return read_reply(p, [text[a:a + n] for a, n in zip(starts, sizes, strict=False)], finish, stream)
 
 
 def calls_of(message: dict) -> list[tuple[str, str]]:

@@ -4,18 +4,15 @@ whole), the parsers, and earlier calls passed to the chat template."""
 import json
 
 import pytest
+from tpgtest.tool_replies import TIME, WEATHER, read_reply
 
 from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
-from tpgraph.server.reply import ReplyReader, merge_calls
+from tpgraph.server.reply import merge_calls
 from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser, PythonicParser
 from tpgraph.server.tools import ToolOptions, ToolPlan, required_schema
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time"}}  # (no parameters)
 AUTO = ToolOptions(parser="hermes")
 PLAIN = ToolOptions()
 NAMES = frozenset({"f", "g", "get_weather"})  # (the functions a request offers, for the parsers)
@@ -26,14 +23,8 @@ def plan(tool_choice=None, tools=(WEATHER, TIME), parallel=None, options=PLAIN) 
 
 
 def read(p: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list, dict, str]:
-    """Feed the pieces to a reader of a whole (non-streamed) reply; returns the deltas it folds, the message and the
-    finish reason. (test_tool_streams.py reads streamed replies.)"""
-    reader, deltas = ReplyReader(p), []
-    for piece in pieces:
-        deltas.append(reader.feed(piece))
-    rest, reason = reader.finish(finish)
-    deltas.append(rest)
-    return deltas, reader.message(), reason
+    """A whole (non-streamed) reply's pieces read. (test_tool_streams.py reads streamed replies.)"""
+    return read_reply(p, pieces, finish)
 
 
 @pytest.mark.parametrize(("tools", "choice", "options", "needle"), [
