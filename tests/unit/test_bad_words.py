@@ -213,3 +213,26 @@ def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
                                                   allowed_token_ids=allowed))
     assert set(out[0].outputs[0].token_ids) <= set(allowed)
     assert sum(uploaded) < 3 * len(allowed), f"{len(uploaded)} uploads of {sum(uploaded)} ids for 20 tokens"
+
+
+def test_allowed_ids_that_the_request_bans_until_min_tokens_or_for_good_are_refused(engine):
+    """Allowed ids that are all stop ids held back by min_tokens (or all one-token bad words) leave a row with every
+    logit masked: its argmax is id 0, which is not allowed (the engine wrote [0, 0, EOS] for allowed [EOS] with
+    min_tokens 2). Such a request is refused, with the reason."""
+    eos = engine.core.eos_ids[0]
+    with pytest.raises(RequestError, match="min_tokens"):
+        engine.generate("a", SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4, seed=3))
+    with pytest.raises(RequestError, match="min_tokens"):
+        engine.generate("a", SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1, max_tokens=4))
+    (a,) = engine.tokenizer.encode("a", add_special_tokens=False).ids
+    with pytest.raises(RequestError, match="bad_words"):
+        engine.generate("a", SamplingParams(allowed_token_ids=[a], bad_words=["a"], max_tokens=4))
+    # an allowed id left free keeps the request, and only allowed ids come out
+    out = engine.generate("a", SamplingParams(allowed_token_ids=[eos, a], min_tokens=2, max_tokens=4, seed=3))
+    assert set(out[0].outputs[0].token_ids) <= {eos, a} and out[0].outputs[0].token_ids[:2] == [a, a]
+    ignored = engine.generate("a", SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=2,
+                                                  ignore_eos=True))
+    assert ignored[0].outputs[0].token_ids == [eos, eos]
+    with pytest.raises(RequestError, match="min_tokens"):  # (the front end's check, from the limits alone)
+        RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=1000, eos_ids=(9,)).check(
+            [1, 2], SamplingParams(allowed_token_ids=[9], min_tokens=1))

@@ -154,7 +154,8 @@ class EngineCore:
     def limits(self) -> RequestLimits:
         cfg = self.scheduler.cfg
         return RequestLimits(self.runner.model.cfg.vocab_size, cfg.max_model_len,
-                             self.scheduler.allocator.num_blocks * cfg.block_size, cfg.policy == "priority")
+                             self.scheduler.allocator.num_blocks * cfg.block_size, cfg.policy == "priority",
+                             self.eos_ids)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if add_request would refuse this prompt (front ends check before accepting it)."""
@@ -174,6 +175,11 @@ class EngineCore:
             if params.structured_after is not None:
                 after = tuple(self.tokenizer.encode(params.structured_after, add_special_tokens=False).ids)
         bad_words = encode_bad_words(self.tokenizer, params.bad_words, self.runner.model.cfg.vocab_size)
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {w[0] for w in bad_words
+                                                                                   if len(w) == 1}:
+            # (every logit of every row would be masked, and their argmax, id 0, is not allowed)
+            raise RequestError(f"bad_words ban every one of allowed_token_ids {list(params.allowed_token_ids)}: no "
+                               f"token is left to generate")
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in range(params.n)]
         return PreparedRequest(request_id, list(prompt_ids), params, detoks, after, bad_words)

@@ -15,6 +15,7 @@ class RequestLimits:
     max_model_len: int
     cache_tokens: int  # what the whole KV cache holds
     priority_scheduling: bool = False  # (else a request's priority must be 0, as vLLM's server refuses others)
+    eos_ids: tuple[int, ...] = ()  # (min_tokens holds them back, with stop_token_ids, unless ignore_eos)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the engine would refuse this prompt."""
@@ -49,6 +50,11 @@ class RequestLimits:
         if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= vocab:
             raise RequestError(f"allowed_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.allowed_token_ids if t >= vocab]}")
+        if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= (
+                set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))):
+            # (every logit of its first rows would be masked, and their argmax, id 0, is not allowed)
+            raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens, which "
+                               f"min_tokens {params.min_tokens} holds back: no token is left to generate before it")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t, _ in params.logit_bias if t >= vocab]}")
