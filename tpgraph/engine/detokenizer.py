@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.stop_strings import StopScanner
 
 PRIME_TOKENS = 6  # prompt tokens the stream starts from
 
@@ -34,9 +35,9 @@ class Detokenizer:
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
-        self.stops = params.stop
+        self.stops = StopScanner(params.stop) if params.stop else None
         self.include_stop = params.include_stop_str_in_output
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
         # the output's text not handed out yet, after the `hold` characters before it that a stop string may begin in
         # (what was handed out before those is let go: keeping the whole text copied it all with every token)
         self.text = ""
@@ -55,7 +56,7 @@ class Detokenizer:
         self.undecoded = []
         if self._append(piece, may_stop):
             return self.flush(), True
-        safe = len(self.text) - self._held()
+        safe = len(self.text) - (self.stops.held if self.stops is not None else 0)
         if safe <= self.emitted:
             return "", False
         delta = self.text[self.emitted:safe]
@@ -67,29 +68,18 @@ class Detokenizer:
 
     def _append(self, piece: str, may_stop: bool) -> bool:
         """Add text; whether a stop string ending in it cut the text there."""
-        before = len(self.text)
         self.text += piece
-        hit = None
-        if may_stop:
-            hit = min(((i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0),
-                      default=None)
+        hit = self.stops.feed(piece, may_stop) if self.stops is not None else None
         if hit is None:
             return False
-        at, stop = hit
+        back, stop = hit
+        at = len(self.text) - back
         self.text = self.text[: at + len(stop) if self.include_stop else at]
-        self.stops = ()  # (nothing is added after a stop; a flush after it must not cut again)
+        self.stops = None  # (nothing is added after a stop; a flush after it must not cut again)
         return True
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _held(self) -> int:
-        """Length of the longest tail of the text that a stop string starts with (it may yet become that stop)."""
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return k
-        return 0
 
     def flush(self) -> str:
         """Everything not handed out yet, when the sequence ends: the held-back tail, and the text of the tokens whose
