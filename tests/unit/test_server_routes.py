@@ -115,6 +115,9 @@ def test_detokenize_is_the_inverse_and_version_answers():
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role 'wizard' is not one of"),
     ("/tokenize", {"prompt": "a\ud800"}, 400, "lone surrogate"),
     ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    # (the refusal quotes the name: a lone surrogate in it made the body unencodable, a 500)
+    ("/tokenize", {"model": "m\ud800", "prompt": "x"}, 404, "The model `m\\ud800` does not exist"),
+    ("/v1/completions", {"model": "m\udfff", "prompt": "x"}, 404, "The model `m\\udfff` does not exist"),
     ("/detokenize", {"tokens": [1, 10 ** 9, -2]}, 400, "tokens must be ids in [0, "),
     ("/detokenize", {"tokens": [True]}, 400, "token ids must be integers"),
     ("/detokenize", {}, 400, "tokens: Field required"),

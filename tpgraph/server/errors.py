@@ -10,4 +10,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    # (a message may quote the request, whose JSON may hold a lone surrogate: escaped, else the body cannot be encoded
+    # as UTF-8 and the refusal becomes a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
