@@ -73,6 +73,9 @@ def test_required_schema_is_an_array_of_named_calls_with_defs_lifted():
     clash = {"name": "other", "parameters": {"$defs": {"Point": {"type": "object"}}}}
     with pytest.raises(RequestError, match="define \\$defs.Point differently"):
         required_schema([ref["function"], clash], one_call=False)
+    for defs in (5, [], "Point"):  # (no mapping: a 500 once)
+        with pytest.raises(RequestError, match="parameters.\\$defs must be an object"):
+            required_schema([{"name": "f", "parameters": {"$defs": defs}}], one_call=False)
 
 
 def test_a_named_call_streams_its_arguments_as_generated():

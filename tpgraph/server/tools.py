@@ -62,7 +62,10 @@ def required_schema(functions: list[dict], one_call: bool) -> dict:
     options = []
     for fn in functions:
         params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
-        for name, schema in params.pop("$defs", {}).items():
+        defs_here = params.pop("$defs", {})
+        if not isinstance(defs_here, dict):  # (a request's mistake: read as a mapping below, it was a 500)
+            raise RequestError(f"tool {fn['name']!r}: parameters.$defs must be an object of named schemas")
+        for name, schema in defs_here.items():
             if defs.setdefault(name, schema) != schema:
                 raise RequestError(f"two tools define $defs.{name} differently; give the definitions one name each")
         options.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
