@@ -306,6 +306,21 @@ def test_more_replies_read_alike_streamed_or_whole(parser, reply, parallel):
     assert calls_of(whole)
 
 
+@pytest.mark.parametrize("reply", [
+    '[{"name": "get_time", "parameters": {}}, ',  # (cut after the comma: no content)
+    '[{"name": "get_time", "parameters": {}},\n {"na',  # (cut before the next call's name: the part call is text)
+    '[{"name": "get_time", "parameters": {}} , {"name": "nope", "parameters": {}}]',  # (a tool not offered)
+])
+def test_a_required_reply_cut_between_calls_reads_alike_streamed_or_whole(reply):
+    """max_tokens cuts a "required" array after a call: the whole reply's text begins at the part call, past the
+    comma; a stream sent the comma and the whitespace around it as content too."""
+    _, whole, reason = read(plan("required"), reply, [len(reply)], stream=False, finish="length")
+    assert calls_of(whole) == [("get_time", "{}")]
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan("required"), reply, sizes, stream=True, finish="length")
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
 # what review found (helper-89, pythonic streams): each case failed before its mend
 
 def test_a_literal_that_overflows_is_no_call_streamed_or_whole():

@@ -198,6 +198,21 @@ class RequiredStream(CallStream):
 
     ARGS_KEYS = ("parameters",)
 
+    def finish(self) -> list[Event]:
+        self.held = list(self._past_separator("".join(self.held)))
+        return super().finish()
+
+    def _give_up(self, rest: str) -> None:
+        super()._give_up(rest if self.announced else self._past_separator(rest))
+
+    def _past_separator(self, held: str) -> str:
+        """Text held after a call, from where a whole reply's text begins (required_calls): past the whitespace and
+        comma between calls, which are no content."""
+        if not self.calls or self.announced:
+            return held
+        rest = held.lstrip(WHITESPACE)
+        return rest[1:].lstrip(WHITESPACE) if rest.startswith(",") else rest
+
     def _frame(self, ch: str) -> None:
         if ch in WHITESPACE:
             return
