@@ -45,6 +45,15 @@ def test_what_cannot_be_honoured_is_refused(extra, needle):
         body.tool_plan(ToolOptions())
 
 
+@pytest.mark.parametrize("text", [None, 5, {"a": 1}, ["x"]])
+def test_a_text_part_whose_text_is_no_string_is_refused(text):
+    """A content part's text went through str(): a null text became the word "None" in the prompt, silently."""
+    body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": text}]}]})
+    with pytest.raises(RequestError, match=r"messages\[0\].content\[1\].text must be a string"):
+        body.checked_messages()
+
+
 def test_what_changes_nothing_is_accepted():
     for extra in ({"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
                   {"parallel_tool_calls": True}):

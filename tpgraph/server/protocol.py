@@ -247,13 +247,16 @@ class ChatMessage(NullMeansDefault):
     role: str
     content: str | list[dict] | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "message") -> str:
         if isinstance(self.content, list):  # content parts: only text is understood
             parts = []
-            for part in self.content:
+            for j, part in enumerate(self.content):
                 if part.get("type") != "text":
                     raise RequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
-                parts.append(str(part.get("text", "")))
+                text = part.get("text")
+                if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
+                    raise RequestError(f"{where}.content[{j}].text must be a string, got {text!r}")
+                parts.append(text)
             return "".join(parts)
         return self.content or ""
 
@@ -296,7 +299,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
         if m.role == "assistant" and calls:
