@@ -251,3 +251,23 @@ def test_a_clients_request_id_names_the_reply_and_comes_back_in_a_header_where_a
         (made,) = post_all(app, [(path, body)])
         assert made.json()["id"].startswith(prefix) and len(made.json()["id"]) == len(prefix) + 32
         assert made.headers.get("x-request-id") == (made.json()["id"].removeprefix(prefix) if headers_on else None)
+
+
+def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monkeypatch):
+    """n = 2 samples each get a token every 10 ms: TPOT is 10 ms. The tokens of all samples were counted as one
+    sequence's, which made it 10 ms / n (4.4 ms here)."""
+    from tpgraph.engine.core import StepUpdate
+    from tpgraph.server import metrics as server_metrics
+
+    now = [0.0]
+    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: now[0])
+    metrics = ServerMetrics()
+    metrics.arrived("r", 4)
+    for step in range(1, 6):
+        now[0] = step * 0.01
+        for sample in range(2):
+            metrics.observe(StepUpdate("r", sample, 7, "x", "length" if step == 5 else None))
+    metrics.finished("r", "length")
+    registry = metrics.registry
+    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_count") == 1
+    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)

@@ -87,7 +87,7 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS + (40.96, 81.92, 163.84), registry=r)
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
-        self._count: dict[str, int] = {}
+        self._count: dict[str, dict[int, int]] = {}  # each request's tokens so far, by sample
 
     def arrived(self, request_id: str, prompt_tokens: int = 0) -> None:
         """A request taken: its prompt's tokens, counted once for each of its n samples (each computes them, unless
@@ -100,7 +100,8 @@ class ServerMetrics:
         rid = update.request_id
         if update.token_id is not None:
             self.tokens.inc()
-            self._count[rid] = self._count.get(rid, 0) + 1
+            counts = self._count.setdefault(rid, {})
+            counts[update.sample_index] = counts.get(update.sample_index, 0) + 1
             if rid not in self._first and rid in self._arrival:
                 self._first[rid] = now
                 self.ttft.observe(now - self._arrival[rid])
@@ -108,7 +109,8 @@ class ServerMetrics:
     def finished(self, request_id: str, reason: str) -> None:
         """The whole request is over."""
         self.requests.labels(reason).inc()
-        first, count = self._first.pop(request_id, None), self._count.pop(request_id, 0)
+        # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step)
+        first, count = self._first.pop(request_id, None), max(self._count.pop(request_id, {}).values(), default=0)
         now = time.perf_counter()
         if first is not None and count > 1:
             self.tpot.observe((now - first) / (count - 1))
