@@ -443,7 +443,7 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
 
 @pytest.mark.parametrize("path,body,status,needle", [
     ("/v1/completions", "{not json", 400, "not valid JSON"),
-    ("/v1/completions", {"prompt": "x"}, 400, "model: Field required"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt: Field required"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be >= 1"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature must be in"),

@@ -271,3 +271,15 @@ def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monke
     registry = metrics.registry
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_count") == 1
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_that_names_no_model_gets_the_one_served(path):
+    """As vLLM's server: `model` may be left out (or null); another model's name is still a 404."""
+    body = {"max_tokens": 2, **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user",
+                                                                                          "content": "hi"}]})}
+    app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128)
+    left_out, null, other = post_all(app, [(path, body), (path, {**body, "model": None}),
+                                           (path, {**body, "model": "gpt-4"})])
+    assert left_out.status_code == null.status_code == 200 and left_out.json()["model"] == null.json()["model"] == "m"
+    assert other.status_code == 404 and "`gpt-4` does not exist" in other.json()["error"]["message"]

@@ -73,8 +73,9 @@ class Api:
     def __init__(self, client: EngineClient, metrics: ServerMetrics, model_name: str) -> None:
         self.client, self.metrics, self.model_name = client, metrics, model_name
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """A request's model must be the one served; one that names none gets it."""
+        if name is not None and name != self.model_name:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 

@@ -67,7 +67,7 @@ class StreamOptions(NullMeansDefault):
 class SamplingFields(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # (as vLLM's: left out, the model served)
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None

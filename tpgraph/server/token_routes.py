@@ -18,14 +18,13 @@ from tpgraph.server.tools import check_tools
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
 
 
-def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_model_len: int) -> APIRouter:
+def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None], max_model_len: int) -> APIRouter:
     router = APIRouter()
     vocab = prompts.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        if body.model is not None:
-            check_model(body.model)
+        check_model(body.model)
         if body.messages is not None:
             if body.tools:
                 check_tools(body.tools)
@@ -47,8 +46,7 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str], None], max_m
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        if body.model is not None:
-            check_model(body.model)
+        check_model(body.model)
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise RequestError(f"tokens must be ids in [0, {vocab}) (the tokenizer's vocabulary), got {bad[:8]}")
         return {"prompt": prompts.decode(body.tokens)}
