@@ -320,3 +320,23 @@ def test_a_sequence_that_finishes_while_its_next_row_is_launched_leaves_nothing_
             core.step()
         assert seq.num_pending == 0 and -1 not in seq.output_ids
         assert core.runner.penalties.num_held == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in_turn"])
+def test_a_token_the_grammar_refuses_brings_no_logprob(monkeypatch, overlap):
+    """A refused token ends its sample and is dropped: its log-probabilities go with it, so the sample keeps one
+    entry per token (the refusal's update came with the dropped token's, one entry too many)."""
+    from tpgraph.engine.structured import GrammarState
+
+    accept, seen = GrammarState.accept, []
+
+    def refuse_the_third(self, token):
+        seen.append(token)
+        return accept(self, token) if len(seen) < 3 else False
+
+    monkeypatch.setattr(GrammarState, "accept", refuse_the_third)
+    with engine(overlap_scheduling=overlap) as e:
+        out = e.generate(["JSON:"], SamplingParams(temperature=0.0, max_tokens=20, logprobs=1,
+                                                   structured=StructuredOutput("regex", "[a-z]{10}")))[0].outputs[0]
+    assert out.finish_reason == "abort" and len(out.token_ids) == 2
+    assert len(out.logprobs) == len(out.top_logprobs) == 2

@@ -319,7 +319,8 @@ class EngineCore:
             if seq.status is Status.FINISHED:
                 continue
             update = self._accept(seq, self.requests[seq.request_id], index, out.token_ids[i])
-            if out.logprobs is not None and seq.params.logprobs is not None:
+            # (a token the grammar refused is dropped, and its log-probabilities with it)
+            if out.logprobs is not None and seq.params.logprobs is not None and update.token_id is not None:
                 update.logprob = out.logprobs[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
