@@ -64,7 +64,7 @@ def test_prefill_timing_at_start_up_decides_which_counts_run_eagerly():
         assert set(runner.prefill_dispatcher.eager_counts) == eager
         for n in range(1, 257):
             assert (runner.prefill_dispatcher.dispatch(n, 1, False)[0] is GraphMode.NONE) == (n in eager), n
-        assert "(timed)" in runner.summary()
+        assert "; timed: " in runner.summary()
         # every count eager, then none: the same tokens
         want = tokens(engine)
         runner.prefill_dispatcher = Dispatcher((), (16, 64, 256), range(1, 257))

@@ -27,8 +27,7 @@ def startup_summary(runner: ModelRunner) -> str:
         ("all-reduce (eager)", bands["eager"]),
         ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
         ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"
-                           + (f"; eager for {describe_counts(runner.prefill_dispatcher.eager_counts)} tokens (timed)"
-                              if runner.prefill_timings else "")),
+                           + (_timed(runner.prefill_dispatcher.eager_counts) if runner.prefill_timings else "")),
         ("prefill attention", runner.prefill_attention),
         ("prefix caching", "on (blocks named by sha256 of their token prefix)" if runner.cfg.enable_prefix_caching
          else "off"),
@@ -42,3 +41,10 @@ def startup_summary(runner: ModelRunner) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _timed(eager_counts: tuple[int, ...]) -> str:
+    """What the start-up timing of the prefill graphs chose (graphs/calibration.py)."""
+    if not eager_counts:
+        return "; timed: every count padded to its graph"
+    return f"; timed: eager for {describe_counts(eager_counts)} tokens"
