@@ -2,6 +2,7 @@
 padding, dispatcher, address checks, registrations) without capturing, so all of it runs here."""
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -242,7 +243,7 @@ def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, m
         replayed.append((phase, size, meta.query_lens, meta.context_lens))
         return runner._eager_prefill(size, list(meta.query_lens))
 
-    monkeypatch.setitem(runner.graphs.sets, "prefill", None)
+    monkeypatch.setitem(runner.graphs.sets, "prefill", SimpleNamespace(sizes=(8, 16)))
     monkeypatch.setattr(runner.graphs, "replay", replay)
     free = runner.allocator.num_free
     runner._calibrate_prefill()
@@ -255,4 +256,6 @@ def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, m
     assert runner.prefill_dispatcher.eager_counts == eager_counts(runner.prefill_timings)
     assert runner.prefill_dispatcher.piecewise_sizes == (8, 16)
     assert runner.allocator.num_free == free  # the null prompts stored nothing
+    assert "; timed: " in runner.summary()
+    del runner.graphs.sets["prefill"]  # (the stand-in holds nothing to release)
     runner.close()
