@@ -191,6 +191,11 @@ def test_launch_block_bands_pick_the_first_that_holds_the_message():
     ({"push_blocks": {"default": [[1024, 4], [512, 8]]}}, "growing max_bytes"),
     ({"push_blocks": {"default": [[1024, [[2048, 4]]]]}}, "a grid is 1..1024"),
     ({"pull2_blocks": {"9": [[1024, 4]]}}, "world sizes 2..8"),
+    # spellings that would pass as a world size, a length or k but that blocks() never reads (or int() refuses)
+    ({"pull2_blocks": {"02": [[1024, 4]]}}, "world sizes 2..8"),
+    ({"pull2_blocks": {"\u00b2": [[1024, 4]]}}, "world sizes 2..8"),
+    ({"push_blocks": {"default": [[1024, "num_sms*\u00b2"]]}}, "a grid is 1..1024"),
+    ({"push_blocks": {"default": [[True, 4]]}}, "growing max_bytes"),
     ([], "'launch' must be an object"),
 ])
 def test_loader_rejects_malformed_launch(launch, message):

@@ -49,7 +49,8 @@ def _sms_multiple(spec: Any) -> int:
     rest = spec[len("num_sms"):]
     if rest == "":
         return 1
-    return int(rest[1:]) if rest[0] == "*" and rest[1:].isdigit() and 1 <= int(rest[1:]) <= 8 else 0
+    k = rest[1:]  # (ASCII digits only: int() refuses some of what isdigit() takes, such as "²")
+    return int(k) if rest[0] == "*" and k.isascii() and k.isdigit() and 1 <= int(k) <= 8 else 0
 
 
 @dataclass(frozen=True)
@@ -175,13 +176,15 @@ def _check_launch(launch: Any, source: str) -> None:
             raise ConfigError(f"{where}: must be an object of world size (or 'default') -> [[max_bytes, grid], ...] "
                               f"bands, e.g. {{\"default\": [[67108864, \"num_sms\"]]}}; got {per_ws!r}")
         for ws, bands in per_ws.items():
-            if ws != "default" and not (ws.isdigit() and int(ws) in WORLD_SIZES):
+            # spelt as blocks() looks them up: "02" would pass as 2 here and never be read there
+            if ws != "default" and ws not in {str(w) for w in WORLD_SIZES}:
                 raise ConfigError(f"{where}: keys are world sizes 2..8 or 'default', got {ws!r}")
             if not isinstance(bands, list) or not bands:
                 raise ConfigError(f"{where}.{ws}: a non-empty list of [max_bytes, grid] bands, got {bands!r}")
             last = 0
             for band in bands:
-                if not (isinstance(band, list) and len(band) == 2 and isinstance(band[0], int) and band[0] > last):
+                if not (isinstance(band, list) and len(band) == 2 and isinstance(band[0], int)
+                        and not isinstance(band[0], bool) and band[0] > last):
                     raise ConfigError(f"{where}.{ws}: bands must be [max_bytes, grid] pairs with growing max_bytes, "
                                       f"got {band!r}")
                 _check_grid(band[1], f"{where}.{ws}")
