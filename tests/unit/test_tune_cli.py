@@ -95,6 +95,26 @@ def test_a_bad_table_is_refused_before_any_rank_starts(monkeypatch, capsys, tmp_
     assert main(["--table", str(tmp_path / "t.json")]) == 2 and "a table is an object" in capsys.readouterr().err
 
 
+def test_max_bytes_is_checked_before_any_rank_starts_and_a_short_range_writes_no_table(monkeypatch, capsys, tmp_path):
+    """--max-bytes 1 MiB measured up to 1 MiB only, and the row written from it sent every larger message to NCCL
+    (the rule's last band) over the shipped table's bands, with nothing measured there: such a run only shows its
+    diff. A size the kernels cannot take (or below the smallest measured) is refused before the ranks start."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--max-bytes", str(1 << 20)]) == 2 and "--dry-run" in capsys.readouterr().err
+    assert main(["--max-bytes", "100000008"]) == 2 and "multiple of 16" in capsys.readouterr().err
+    assert main(["--max-bytes", "1024", "--dry-run"]) == 2 and "at least 4096" in capsys.readouterr().err
+    assert not started
+    assert main(["--max-bytes", str(1 << 20), "--dry-run"]) == 0 and main([]) == 0 and len(started) == 2
+
+
 def test_without_gpus_it_says_so_under_torchrun_or_not(monkeypatch, capsys):
     import torch
 

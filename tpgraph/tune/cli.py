@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=20, help="timed runs per candidate (median; at least 20)")
     p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts as fast")
     p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least")
-    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size measured")
+    p.add_argument("--max-bytes", type=int, default=64 << 20,
+                   help="largest size measured (below 64 MiB only with --dry-run: rows need the whole range)")
     p.add_argument("--table", type=Path, default=None, help="table to update (default: the one the loader reads)")
     p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing to the table")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the curves with the chosen bands shaded")
@@ -47,6 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.runs < 20:
         print("error: --runs must be at least 20 (the timing method's median)", file=sys.stderr)
+        return 2
+    from tpgraph.comm.limits import kernel_limits
+    from tpgraph.tune.measure import DEFAULT_SIZES
+
+    vector, smallest, largest = kernel_limits().vector_bytes, DEFAULT_SIZES[0], DEFAULT_SIZES[-1]
+    if args.max_bytes % vector or args.max_bytes < smallest:
+        print(f"error: --max-bytes must be a multiple of {vector} bytes, at least {smallest} (the smallest size "
+              f"measured), got {args.max_bytes}", file=sys.stderr)
+        return 2
+    if args.max_bytes < largest and not args.dry_run:  # (the rule sends what lies above the last band to NCCL)
+        print(f"error: --max-bytes {args.max_bytes} measures less than {largest} bytes: rows written from it would "
+              "send every larger message to NCCL unmeasured; add --dry-run to see them without writing",
+              file=sys.stderr)
         return 2
     if "WORLD_SIZE" not in os.environ and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
