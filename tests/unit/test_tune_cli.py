@@ -115,6 +115,29 @@ def test_max_bytes_is_checked_before_any_rank_starts_and_a_short_range_writes_no
     assert main(["--max-bytes", str(1 << 20), "--dry-run"]) == 0 and main([]) == 0 and len(started) == 2
 
 
+def test_world_sizes_the_table_has_no_rows_for_are_refused_before_any_rank_starts(monkeypatch, capsys):
+    """torchrun with one rank (or nine), or --world-size 9 on a host of 16 GPUs: every rank used to start NCCL, then
+    fail in CustomAllReduce with a traceback."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **kw: started.append(kw))
+    for world in ("1", "9"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert main([]) == 2 and f"torchrun started {world}" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["--world-size", "9"]) == 2 and "rows for 2..8 ranks" in capsys.readouterr().err
+    assert not started
+    assert main(["--world-size", "8"]) == 0 and len(started) == 1
+
+
 def test_without_gpus_it_says_so_under_torchrun_or_not(monkeypatch, capsys):
     import torch
 

@@ -81,14 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from tpgraph.comm.thresholds import WORLD_SIZES
+
+    lo, hi = WORLD_SIZES.start, WORLD_SIZES.stop - 1  # (the custom all-reduce's, and the table's rows)
     if "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) not in WORLD_SIZES:  # (each rank would fail alike, after NCCL started)
+            print(f"error: the table has rows for {lo}..{hi} ranks; torchrun started {os.environ['WORLD_SIZE']}",
+                  file=sys.stderr)
+            return 2
         return run_rank(args, None)
     import torch.multiprocessing as mp
 
     from tpgraph.engine.followers import free_tcp_init
 
-    if args.world_size < 2 or args.world_size > torch.cuda.device_count():
-        print(f"error: --world-size {args.world_size} needs 2..{torch.cuda.device_count()} GPUs here",
+    if args.world_size not in WORLD_SIZES or args.world_size > torch.cuda.device_count():
+        print(f"error: --world-size {args.world_size} needs {lo}..{min(hi, torch.cuda.device_count())} GPUs here "
+              f"(the table has rows for {lo}..{hi} ranks; {torch.cuda.device_count()} GPUs are visible)",
               file=sys.stderr)
         return 2
     init = free_tcp_init()
