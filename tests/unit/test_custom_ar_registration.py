@@ -196,6 +196,13 @@ def test_timeout_zero_waits_forever_and_negative_is_refused(monkeypatch):
     assert CustomAllReduceConfig().timeout_s == 0.0
     with pytest.raises(ConfigError, match="0: wait forever"):
         CustomAllReduceConfig(timeout_s=-1)
+    # "inf" meaning forever (or nan, or a wait past what the kernels' 64-bit nanoseconds hold) passed here, then
+    # failed as int(inf * 1e9) (OverflowError) while the workspace was being set up, or at every call
+    for value in ("inf", "nan", "1e11"):
+        monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", value)
+        with pytest.raises(ConfigError, match="0: wait forever"):
+            CustomAllReduceConfig()
+    assert CustomAllReduceConfig(timeout_s=1e9).timeout_s == 1e9
 
 
 def test_a_view_that_starts_mid_vector_goes_to_nccl_not_to_an_error(monkeypatch):

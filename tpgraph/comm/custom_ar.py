@@ -39,6 +39,7 @@ from tpgraph.kernels.lamport import (
 logger = logging.getLogger(__name__)
 ZERO_COPY_IN_GRAPHS = (Algo.PULL_1SHOT, Algo.PULL_2SHOT)
 MB = 1 << 20
+MAX_TIMEOUT_S = 2**63 / 1e9  # a kernel wait's limit travels as int64 nanoseconds
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class CustomAllReduceConfig:
                 raise ConfigError(f"{name} must be a non-negative multiple of {vector}, got {value}")
         if self.channel_slot_elems < 0 or self.channel_slot_elems % 8:
             raise ConfigError(f"channel_slot_elems must be a non-negative multiple of 8, got {self.channel_slot_elems}")
-        if self.timeout_s < 0:
-            raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers), got {self.timeout_s}")
+        if not 0 <= self.timeout_s < MAX_TIMEOUT_S:  # (nan too: the kernels take int64 nanoseconds)
+            raise ConfigError(f"timeout_s must be >= 0 (0: wait forever, for debuggers) and below {MAX_TIMEOUT_S:.0f}, "
+                              f"got {self.timeout_s}")
 
 
 MIN_STAGING_BYTES = 4096  # room for the P2P probe words, one per rank
