@@ -45,6 +45,14 @@ def test_write_updates_this_world_size_only_and_logs(tmp_path):
     assert [r for r in after["rows"] if r["world_size"] != 2] == [r for r in before["rows"] if r["world_size"] != 2]
     # push is measured to 64 MB (above the 16 MiB slot, in pieces, as the product runs it): its grids reach there
     assert after["launch"]["push_blocks"]["2"] == [[65536, 2], [64 << 20, "num_sms"]]
+    # the grids' provenance says so: the shipped note (ws=2 grids from bench_allreduce --sweep, 2026-11-29) stayed
+    # as it was over the tuner's grids; a note for another world size stays
+    assert after["launch_provenance"] == "world size 2 grids: synthetic provenance"
+    doc = {**after, "launch_provenance": "world size 4 grids: by hand; world size 2 grids: old"}
+    table.write_text(json.dumps(doc))
+    _write(args(tmp_path), 2, 132, synthetic(), table, "again")
+    note = json.loads(table.read_text())["launch_provenance"]
+    assert note == "world size 4 grids: by hand; world size 2 grids: again"
     log = json.loads((tmp_path / "tune.json").read_text())
     assert len(log["measurements"]) == 2 * 4 * len(SIZES) and log["rows"]["graph"]["push_max"] == SIZES[4]
 

@@ -34,8 +34,18 @@ def updated_table(doc: dict[str, Any], world_size: int, rows: dict[str, dict[str
         for algo, bands in launch.items():
             key = LAUNCH_KEYS[algo]
             out.setdefault("launch", {}).setdefault(key, {})[str(world_size)] = bands
+        out["launch_provenance"] = launch_provenance(out.get("launch_provenance"), world_size, provenance)
     parse_table(out, source)  # still a table the loader accepts
     return out
+
+
+def launch_provenance(old: Any, world_size: int, provenance: str) -> str:
+    """The table's note on where its grids came from, with this world size's clause ("world size N grids: ...")
+    replaced by this run's and the other world sizes' clauses kept ("; " between clauses)."""
+    ours = f"world size {world_size} grids"
+    kept = [c for c in (old.split("; ") if isinstance(old, str) and old else [])
+            if not c.lower().startswith(ours)]
+    return "; ".join([*kept, f"{ours}: {provenance}"])
 
 
 def render(doc: dict[str, Any]) -> str:
