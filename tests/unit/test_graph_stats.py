@@ -94,3 +94,24 @@ def test_summary_table():
 def test_record_refuses_impossible_steps(unpadded, padded):
     with pytest.raises(ConfigError, match="unpadded <= padded"):
         GraphStats().record("decode", unpadded, padded, GraphMode.FULL)
+
+
+def test_metrics_count_graph_steps_from_the_end_of_the_warm_up():
+    """serve.py warms up (TPEngine.warm_up: dozens of steps at 1, 3, 16 and max_num_seqs rows), then makes its
+    EngineMetrics: /metrics reported those steps and their padding as served ones before any request came (the prefix
+    cache counters start there already). The downgrades, start-up facts, stay."""
+    from types import SimpleNamespace
+
+    from tpgraph.server.metrics import EngineMetrics
+
+    stats = recorded()
+    stats.record_downgrade("decode", "full", "none", "r")
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=stats)))
+    text = metrics.exposition().decode()
+    assert "tpgraph_graph_steps_total{" not in text and "tpgraph_graph_mode_downgrade{" in text
+    stats.record("decode", 3, 4, GraphMode.FULL)
+    assert sample(stats, "tpgraph_graph_steps_total", phase="decode", mode="full") == 1
+    assert sample(stats, "tpgraph_graph_padded_tokens_total", phase="decode", mode="full") == 4
+    assert stats.frequency_table() == [("decode", "full", 3, 4, 1)]

@@ -42,6 +42,11 @@ class GraphStats:
         totals[2] += unpadded
         self._table[(phase, mode.value, unpadded, padded)] += 1
 
+    def restart_steps(self) -> None:
+        """Forget the steps recorded so far (not the downgrades): a server counts from the end of its warm-up."""
+        self._table = Tally()
+        self._by_mode = {}
+
     def record_downgrade(self, phase: str, requested: str, resolved: str, reason: str) -> None:
         self._downgrades.append(Downgrade(phase, requested, resolved, reason))
 

@@ -42,6 +42,7 @@ class EngineMetrics:
                                    registry=r)
         # the scheduler's totals when serving began (the warm-up's are not counted), then as last exported
         self._prefix_counted = (core.scheduler.prefix_queried_tokens, core.scheduler.prefix_hit_tokens)
+        core.runner.stats.restart_steps()  # the graph steps too: the warm-up's are not served ones
 
     def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
         """One engine step's wall time, its timing parts and its control-path broadcasts."""
