@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tpgraph.comm import TPCommunicator
-from tpgraph.comm.topology import expandable_segments, p2p_env_reason, physical_device_ids
+from tpgraph.comm.topology import p2p_env_reason, physical_device_ids, unexportable_allocator
 from tpgraph.distributed import ParallelState
 
 
@@ -14,15 +14,18 @@ def test_nccl_p2p_disable_gates_the_custom_path():
     assert "NCCL_P2P_DISABLE=1" in p2p_env_reason({"NCCL_P2P_DISABLE": "1"})
 
 
-@pytest.mark.parametrize(("conf", "expected"), [
-    ({}, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+@pytest.mark.parametrize(("conf", "reason"), [
+    ({}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF sets expandable_segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, "sets expandable_segments"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_ALLOC_CONF sets expandable_segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "sets backend:cudaMallocAsync"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, None),
 ])
-def test_expandable_segments_detection(conf, expected):
-    assert expandable_segments(conf) is expected
+def test_allocators_whose_memory_cuda_ipc_cannot_export_are_named(conf, reason):
+    got = unexportable_allocator(conf)
+    assert got is None if reason is None else reason in got
 
 
 def test_physical_ids_follow_cuda_visible_devices():

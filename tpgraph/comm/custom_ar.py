@@ -23,7 +23,7 @@ from tpgraph._ext import load_ext
 from tpgraph.comm.limits import algo_codes, dtype_codes, kernel_limits
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
-from tpgraph.comm.topology import expandable_segments, nvlink_reason, p2p_env_reason
+from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
 from tpgraph.kernels.lamport import (
@@ -168,11 +168,12 @@ class CustomAllReduce:
         for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
             if reason:
                 raise CommError(f"custom all-reduce disabled: {reason}")
-        # VMM-backed (expandable_segments) memory cannot be exported over CUDA IPC: graphs then stage their inputs
-        self.zero_copy = not expandable_segments()
+        # memory CUDA IPC cannot export (VMM-backed, stream-ordered): graphs then stage their inputs
+        unexportable = unexportable_allocator()
+        self.zero_copy = unexportable is None
         if not self.zero_copy and state.is_driver:
-            logger.warning("expandable_segments is on: graph-captured all-reduces copy their input into the "
-                           "workspace (slower) instead of zero-copy registration")
+            logger.warning("%s: graph-captured all-reduces copy their input into the workspace (slower) instead of "
+                           "zero-copy registration", unexportable)
         props = self.ext.device_properties(state.device.index)
         self.num_sms = agree_on_devices(gather_objects(state, (props.sm_count, (props.major, props.minor))))
         ws = state.world_size

@@ -14,15 +14,19 @@ def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def expandable_segments(env: Mapping[str, str] | None = None) -> bool:
-    """True if PyTorch's allocator hands out VMM-backed memory, which cudaIpcGetMemHandle cannot export."""
+def unexportable_allocator(env: Mapping[str, str] | None = None) -> str | None:
+    """Why PyTorch's allocator hands out memory that cudaIpcGetMemHandle cannot export, or None: VMM-backed
+    (expandable_segments) or stream-ordered (the cudaMallocAsync backend, whose pools are not made for IPC)."""
     env = os.environ if env is None else env
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         for item in env.get(var, "").split(","):
             key, _, value = item.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
-                return True
-    return False
+            key, value = key.strip(), value.strip()
+            if key == "expandable_segments" and value.lower() in ("true", "1"):
+                return f"{var} sets expandable_segments"
+            if key == "backend" and value == "cudaMallocAsync":
+                return f"{var} sets backend:cudaMallocAsync"
+    return None
 
 
 def physical_device_ids(visible: str | None, count: int) -> list[str]:
