@@ -185,6 +185,22 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield _sse("[DONE]")
 
 
+class _EventStream(StreamingResponse):
+    """A stream's events (through _guarded), whose engine requests end with the response however it ends: a client
+    that goes away while a send waits (a slow reader) cancels the response with its generators suspended, and
+    nothing else closes them (their requests ran on, KV blocks held, until the garbage collector found them)."""
+
+    def __init__(self, events: AsyncIterator[str], requests: AsyncIterator) -> None:
+        super().__init__(_guarded(events), media_type="text/event-stream")
+        self.requests = requests  # (Api.run's stream: closing it aborts whatever is unfinished)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.requests.aclose()
+
+
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
                reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False,
@@ -356,7 +372,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 
-        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+        return _EventStream(events(), stream)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -444,7 +460,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 
-        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+        return _EventStream(events(), stream)
 
     return app
 
