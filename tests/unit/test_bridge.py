@@ -104,3 +104,30 @@ def test_limits_refuse_what_the_engine_would():
     with pytest.raises(RequestError, match=r"asks for 65: 3 in the prompt and 62 to generate; ask for at most 61 "
                                            r"new tokens, or for none \(null\) to generate up to max_model_len"):
         LIMITS.check([1, 2, 3], SamplingParams(max_tokens=62))
+
+
+def test_the_front_end_stops_at_once_and_cleanly_when_the_engine_closes():
+    """The engine says ("closing",): the front end's HTTP server stops and its process exits 0, within the 2 s rank 0
+    waits before it kills it. Its exit timer, a backstop for a stop that hangs, was not a daemon: every stop waited
+    it out (3 s) and ended with exit code 1, after rank 0 had already killed the process."""
+    import time
+
+    import pytest
+
+    pytest.importorskip("uvicorn")
+    from tpgtest.server_stubs import builtin_codec
+
+    from tpgraph.server.frontend import FrontendSpec, start_frontend
+
+    proc, conn = start_frontend(FrontendSpec("127.0.0.1", 0, "m", 64, LIMITS, builtin_codec()))
+    try:
+        assert conn.poll(120) and conn.recv() == ("ready",)
+        conn.send([("closing",)])
+        start = time.monotonic()
+        proc.join(10)
+        took = time.monotonic() - start
+        assert proc.exitcode == 0 and took < 2.0, (proc.exitcode, took)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        conn.close()

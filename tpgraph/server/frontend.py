@@ -8,6 +8,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -72,7 +73,11 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
             logger.error("the engine is gone; the HTTP server stops")
         if server is not None:
             server.should_exit = True
-        threading.Timer(EXIT_GRACE_S, os._exit, (1,)).start()
+        # a backstop, should uvicorn's stop hang; a daemon, so that it does not hold up (and fail) the exit that
+        # follows a stop in time (it ended every stop 3 s late with exit code 1, and rank 0 killed it before that)
+        timer = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
@@ -80,3 +85,5 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
         server.run()
+    if client.error is not None and not client.closing:  # the engine went away unannounced: not a clean stop
+        sys.exit(1)
