@@ -72,3 +72,17 @@ def test_a_failing_or_frozen_store_names_rank_0():
 
 def test_single_rank_or_no_store_watches_nothing():
     assert not PeerWatch(state(0, 1), store=DictStore()).start()
+
+
+def test_a_peer_that_never_beat_is_named_not_a_healthy_one():
+    """Three ranks; rank 2 dies before its first beat. Rank 1 beats all along, yet it was the one named: the store
+    was read only once every peer's key was there, so no peer's beats were seen, and the first peer timed out."""
+    store, deaths = DictStore(), []
+    w0 = PeerWatch(state(0, 3), interval_s=0.05, timeout_s=1.0, on_dead=deaths.append, store=store)
+    w1 = PeerWatch(state(1, 3), interval_s=0.05, timeout_s=60.0, on_dead=lambda _: None, store=store)
+    assert w0.start() and w1.start()
+    try:
+        assert "rank 2 stopped answering" in wait_for(deaths)[0], deaths
+    finally:
+        w0.stop()
+        w1.stop()

@@ -81,8 +81,9 @@ class PeerWatch:
             try:
                 beat += 1
                 self.store.set(self._key(me), str(beat))
-                present = self.store.check([self._key(r) for r in peers]) if peers else True
-                values = {r: self.store.get(self._key(r)) for r in peers} if present else {}
+                # each peer's key on its own (a get of one not set yet would wait): one that never beat is named,
+                # not whichever peer comes first while the others beat on unread
+                values = {r: self.store.get(self._key(r)) for r in peers if self.store.check([self._key(r)])}
             except Exception as exc:  # the store is hosted by rank 0: it is gone or frozen
                 if self._stop.is_set():
                     return
