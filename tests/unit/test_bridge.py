@@ -5,6 +5,8 @@ import asyncio
 import multiprocessing as mp
 import threading
 
+import pytest
+
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.sampling_params import SamplingParams
@@ -92,8 +94,6 @@ def test_the_front_end_says_when_it_listens():
 
 
 def test_limits_refuse_what_the_engine_would():
-    import pytest
-
     from tpgraph.errors import RequestError
 
     for prompt, needle in (([], "empty"), ([100], "integers in [0, 100)"), (list(range(64)), "max_model_len")):
@@ -106,13 +106,16 @@ def test_limits_refuse_what_the_engine_would():
         LIMITS.check([1, 2, 3], SamplingParams(max_tokens=62))
 
 
-def test_the_front_end_stops_at_once_and_cleanly_when_the_engine_closes():
-    """The engine says ("closing",): the front end's HTTP server stops and its process exits 0, within the 2 s rank 0
-    waits before it kills it. Its exit timer, a backstop for a stop that hangs, was not a daemon: every stop waited
-    it out (3 s) and ended with exit code 1, after rank 0 had already killed the process."""
+@pytest.mark.parametrize("stop", ["closing", "SIGTERM", "SIGINT"])
+def test_the_front_end_stops_at_once_and_cleanly(stop):
+    """The engine says ("closing",), or the front end gets SIGTERM or Ctrl-C: its HTTP server stops and its process
+    exits 0 (rank 0 reads that as a stop it was asked for, not a failure), within the 2 s rank 0 waits before it
+    kills it. Its exit timer, a backstop for a stop that hangs, was not a daemon: every stop the engine announced
+    waited it out (3 s) and ended with exit code 1, after rank 0 had already killed the process. uvicorn raises
+    SIGTERM again once it has stopped, which killed the process (exit code -15, a failure to rank 0)."""
+    import os
+    import signal
     import time
-
-    import pytest
 
     pytest.importorskip("uvicorn")
     from tpgtest.server_stubs import builtin_codec
@@ -122,7 +125,10 @@ def test_the_front_end_stops_at_once_and_cleanly_when_the_engine_closes():
     proc, conn = start_frontend(FrontendSpec("127.0.0.1", 0, "m", 64, LIMITS, builtin_codec()))
     try:
         assert conn.poll(120) and conn.recv() == ("ready",)
-        conn.send([("closing",)])
+        if stop == "closing":
+            conn.send([("closing",)])
+        else:
+            os.kill(proc.pid, getattr(signal, stop))
         start = time.monotonic()
         proc.join(10)
         took = time.monotonic() - start

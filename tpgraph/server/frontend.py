@@ -8,6 +8,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -83,7 +84,10 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl-C again once it has stopped: a clean stop
+    # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
+    # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if client.error is not None and not client.closing:  # the engine went away unannounced: not a clean stop
         sys.exit(1)
