@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if service.alive:  # still inside a step whose collectives will not complete: releasing would hang or trap
         logger.warning("the engine loop did not stop in time; exiting without releasing the GPU state")
         os._exit(1)
-    _close(engine, timeout_s=3.0, followers_told=followers_told)
+    _close(engine, timeout_s=3.0, followers_told=followers_told, exit_code=1 if failed else 0)
     return 1 if failed else 0
 
 
@@ -200,8 +200,9 @@ def _exit_later(seconds: float) -> None:
     timer.start()
 
 
-def _close(engine, timeout_s: float = 15.0, followers_told: bool = False) -> None:
-    """Release graphs, communicator and process group, but never hang on a peer that is gone."""
+def _close(engine, timeout_s: float = 15.0, followers_told: bool = False, exit_code: int = 0) -> None:
+    """Release graphs, communicator and process group, but never hang on a peer that is gone: past timeout_s the
+    process ends with exit_code (what it would have returned: a failed server's 1 stays a failure)."""
     done = threading.Event()
 
     def close() -> None:
@@ -213,7 +214,7 @@ def _close(engine, timeout_s: float = 15.0, followers_told: bool = False) -> Non
     threading.Thread(target=close, daemon=True).start()
     if not done.wait(timeout_s):
         logger.warning("closing the engine took over %.0f s (a peer is gone?); exiting anyway", timeout_s)
-        os._exit(0)
+        os._exit(exit_code)
 
 
 if __name__ == "__main__":

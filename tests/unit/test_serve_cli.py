@@ -61,3 +61,70 @@ def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     assert parse_args([]).api_key == "from-env" and parse_args(["--api-key", "flag"]).api_key == "flag"
     monkeypatch.setenv("TPGRAPH_API_KEY", "")
     assert parse_args([]).api_key is None  # (set but empty: no key, not a key of "")
+
+
+def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):
+    """Rank 0's engine loop failed: the server stops with exit code 1. Closing the engine after a failed step may
+    hang (a peer waits in the step's collectives); the close's time limit then ended the process with os._exit(0),
+    so a failed server exited as if stopped cleanly (to a supervisor: nothing to restart)."""
+    import os
+    import signal
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from tpgraph import serve
+    from tpgraph.engine import service, tp_engine
+    from tpgraph.server import bridge, frontend, metrics
+
+    stuck = threading.Event()
+
+    class Engine:
+        def __init__(self, **_) -> None:
+            self.tokenizer, self.prompts = None, None
+            self.state = SimpleNamespace(rank=0, world_size=1)
+            self.core, self.runner = SimpleNamespace(limits=None), SimpleNamespace(max_model_len=128)
+
+        def warm_up(self) -> None:
+            pass
+
+        def close(self, followers_told: bool = False) -> None:
+            stuck.wait(30)
+
+    class FailedService:
+        alive, error = False, RuntimeError("a step failed")
+
+        def __init__(self, *_, **__) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def shutdown(self, timeout_s: float) -> bool:
+            return False  # (its loop had ended: no rank was told)
+
+    class Bridge:
+        def __init__(self, *_, **__) -> None:
+            self.start = self.close = lambda: None
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    front = SimpleNamespace(is_alive=lambda: True, join=lambda *_: None, exitcode=None, terminate=lambda: None)
+    monkeypatch.setattr(tp_engine, "TPEngine", Engine)
+    monkeypatch.setattr(service, "EngineService", FailedService)
+    monkeypatch.setattr(metrics, "EngineMetrics", lambda core: SimpleNamespace(exposition=lambda: b""))
+    monkeypatch.setattr(frontend, "start_frontend", lambda spec: (front, None))
+    monkeypatch.setattr(bridge, "EngineBridge", Bridge)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.delenv("RANK", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            serve.main(["--device", "cpu", "--port", str(port)])
+    finally:
+        stuck.set()
+    assert exit_.value.code == 1
