@@ -339,3 +339,30 @@ def test_a_streaming_client_that_leaves_while_a_send_waits_has_its_request_abort
     finally:
         gc.enable()
     assert sent == stuck_send and len(aborted) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_whole_reply_that_fails_while_it_is_folded_aborts_its_request(path, monkeypatch):
+    """A bug that raises while a non-streamed reply folds its updates ends its engine request at once, not left running (holding its KV blocks) until the garbage collector finds the suspended stream."""
+    import gc
+
+    calls = []
+
+    def failing_add(self, u):
+        calls.append(u)
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        return self
+
+    monkeypatch.setattr(server_app.Choice, "add", failing_add)
+    client = EndlessClient()
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    body = {"model": "m", "max_tokens": 1000,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):  # (the in-process transport raises what the app raised)
+            post_all(app, [(path, body)])
+    finally:
+        gc.enable()
+    assert len(client.aborted) == 1

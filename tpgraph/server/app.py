@@ -346,8 +346,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return c, head + u.text, c.logprobs[entries_at:], u.finish_reason
 
         if not body.stream:
-            async for i, u in _chain(first, stream):
-                apply(i, u)
+            try:
+                async for i, u in _chain(first, stream):
+                    apply(i, u)
+            finally:  # (its requests end with the reply, also where folding an update raised)
+                await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
@@ -430,8 +433,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return c, added.fields(plain), finish_reason
 
         if not body.stream:
-            async for _, u in _chain(first, stream):
-                apply(u)
+            try:
+                async for _, u in _chain(first, stream):
+                    apply(u)
+            finally:  # (its requests end with the reply, also where folding an update raised)
+                await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "message": reply.message(),
