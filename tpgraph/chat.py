@@ -148,8 +148,18 @@ def _cut_at_end_mark(text: str) -> str:
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:
-    """A checkpoint's tokenizer_config.json ({} without one)."""
-    path = Path(model_dir) / "tokenizer_config.json"
+    """A checkpoint's tokenizer_config.json ({} without one), with the special tokens of its special_tokens_map.json
+    where transformers reads them: a config without added_tokens_decoder (older checkpoints keep bos_token and
+    eos_token there only, and a template's {{ bos_token }} would otherwise render as nothing)."""
+    cfg = _json_object(Path(model_dir) / "tokenizer_config.json")
+    if "added_tokens_decoder" not in cfg:
+        token_map = _json_object(Path(model_dir) / "special_tokens_map.json")
+        cfg = {**cfg, **{key: token_map[key] for key in SPECIAL_TOKEN_KEYS if token_map.get(key)}}
+    return cfg
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON object from a checkpoint's file ({} without the file)."""
     if not path.is_file():
         return {}
     try:

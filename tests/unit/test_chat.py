@@ -1,10 +1,12 @@
 """Chat templates render exactly as HF's apply_chat_template; generation_config supplies stop ids and defaults."""
 
+import json
+
 import pytest
 from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
 
 from tpgraph import RequestError, TPEngine
-from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
 from tpgraph.errors import CheckpointError
 
 CONVERSATIONS = [
@@ -123,3 +125,23 @@ def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
         ChatTemplate.from_option(str(tmp_path / "missing.jinja"))
     with TPEngine(device="cpu", max_model_len=64, chat_template="<{{ messages[0]['content'] }}>") as engine:
         assert engine.render_chat(messages) == "<x>"
+
+
+def test_special_tokens_kept_in_special_tokens_map_json_reach_the_template(tmp_path):
+    """Older checkpoints keep bos_token and eos_token in special_tokens_map.json, not in tokenizer_config.json:
+    transformers reads them from there (a config without added_tokens_decoder), so {{ bos_token }} is BOS."""
+    transformers = pytest.importorskip("transformers")
+    ckpt = make_chat_checkpoint(tmp_path / "c")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    for key in ("bos_token", "eos_token"):
+        config.pop(key)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    (ckpt / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False}, "eos_token": "<|eot_id|>"}))
+    messages = CONVERSATIONS[0]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(ckpt)).apply_chat_template(messages, tokenize=False,
+                                                                                      add_generation_prompt=True)
+    assert theirs.startswith("<|begin_of_text|>")
+    assert ChatTemplate.from_dir(ckpt, "").render(messages) == theirs
+    assert special_tokens(tokenizer_config(ckpt)) == {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
