@@ -99,6 +99,16 @@ def test_garbage_file(tmp_path):
         SafetensorsSource(tmp_path)
 
 
+@pytest.mark.parametrize("index", [b"[1, 2]", b'{"weight_map": ["model-00001.safetensors"]}',
+                                   b'{"weight_map": {"lm_head.weight": 3}}', b"\xff\xfe{"])
+def test_a_malformed_index_is_named(tmp_path, index):
+    """An index that is JSON of another shape, or not text, is a CheckpointError naming it (not a TypeError,
+    AttributeError or UnicodeDecodeError from inside the loader)."""
+    (tmp_path / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is malformed"):
+        SafetensorsSource(tmp_path)
+
+
 def test_quantized_weights_are_refused_not_cast(tmp_path):
     """An int8 / fp8 weight read as float without its scales gives wrong outputs silently: refused by name."""
     from safetensors.torch import load_file, save_file

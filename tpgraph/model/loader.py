@@ -67,8 +67,10 @@ class SafetensorsSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index} is malformed ({exc})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index} is malformed ({type(exc).__name__}: {exc})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index} is malformed: its weight_map must map tensor names to file names")
             for name, fname in weight_map.items():
                 self.file_of[name] = model_dir / fname
             files = sorted(set(self.file_of.values()))
