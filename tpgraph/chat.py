@@ -196,14 +196,11 @@ class GenerationDefaults:
         if model_dir is None:
             return GenerationDefaults()
         path = Path(model_dir) / "generation_config.json"
-        if not path.is_file():
-            return GenerationDefaults()
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        cfg = _json_object(path)
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in eos_ids):  # (a string id would never match)
+            raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
         # as vLLM: these become the request defaults (do_sample is not consulted)
         sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}

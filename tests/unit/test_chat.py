@@ -145,3 +145,15 @@ def test_special_tokens_kept_in_special_tokens_map_json_reach_the_template(tmp_p
     assert theirs.startswith("<|begin_of_text|>")
     assert ChatTemplate.from_dir(ckpt, "").render(messages) == theirs
     assert special_tokens(tokenizer_config(ckpt)) == {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+
+
+@pytest.mark.parametrize(("text", "match"), [(b"[1]", "holds a JSON list"), (b"\xff{", "cannot read"),
+                                             (b'{"eos_token_id": ["</s>"]}', "eos_token_id must be"),
+                                             (b'{"eos_token_id": [2, null]}', "eos_token_id must be"),
+                                             (b'{"eos_token_id": "2"}', "eos_token_id must be")])
+def test_a_generation_config_of_the_wrong_shape_is_named(tmp_path, text, match):
+    """(a list, bytes that are no text, or EOS ids that are no integers: the last failed the engine's start with a
+    TypeError comparing them, or a string id was silently never matched)"""
+    (tmp_path / "generation_config.json").write_bytes(text)
+    with pytest.raises(CheckpointError, match=f"generation_config.json.*{match}|{match}.*generation_config.json"):
+        GenerationDefaults.from_dir(tmp_path)
