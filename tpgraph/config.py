@@ -69,7 +69,11 @@ class RopeConfig:
             factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            # (as transformers reads it: a field beside the rope dict wins over the dict's, and without either it is
+            # the model's context, not a fixed 8192)
+            original_max_position_embeddings=int(cfg.get("original_max_position_embeddings")
+                                                 or params.get("original_max_position_embeddings")
+                                                 or cfg.get("max_position_embeddings", 2048)),
         )
 
 

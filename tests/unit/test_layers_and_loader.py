@@ -45,6 +45,27 @@ def test_rope_llama3_matches_transformers():
     torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("in_rope", "top_level"), [({}, {}), ({"original_max_position_embeddings": 64}, {}),
+                                                   ({}, {"original_max_position_embeddings": 32}),
+                                                   ({"original_max_position_embeddings": 64},
+                                                    {"original_max_position_embeddings": 32})])
+def test_rope_llama3_original_context_is_read_as_transformers_reads_it(in_rope, top_level):
+    """llama3 rope's pre-training context: a config.json field beside the rope dict wins, then the dict's, and
+    without either it is max_position_embeddings (it was 8192, silently another rope than transformers')."""
+    import copy
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+               num_hidden_layers=1, vocab_size=10, max_position_embeddings=256, rope_theta=10000.0,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **in_rope),
+               **top_level)
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig.from_dict(copy.deepcopy(cfg)), "cpu")  # (it edits cfg)
+    ours = inv_frequencies(64, ModelConfig.from_hf_dict(copy.deepcopy(cfg)).rope)
+    torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)
+
+
 class RecordingSource(SafetensorsSource):
     def __init__(self, path):
         super().__init__(path)
