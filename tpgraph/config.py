@@ -55,7 +55,8 @@ class RopeConfig:
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> RopeConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
-        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        # Where a config has both, transformers reads rope_scaling (an edit of it must not be ignored).
+        params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:

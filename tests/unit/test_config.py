@@ -40,6 +40,21 @@ def test_transformers5_rope_parameters_layout():
     assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA31_8B)
 
 
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    """A config.json with both (a transformers 5 config whose rope_scaling was edited, say, to extend the context):
+    transformers reads rope_scaling (with the top-level rope_theta), so the model must too."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    d = {**MINIMAL, "rope_theta": 20000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    hf = LlamaConfig.from_dict(copy.deepcopy(d)).rope_parameters
+    assert (hf["rope_type"], hf["factor"], hf["rope_theta"]) == ("linear", 4.0, 20000.0)
+    assert ModelConfig.from_hf_dict(d).rope == RopeConfig(theta=20000.0, type="linear", factor=4.0,
+                                                          original_max_position_embeddings=2048)
+
+
 def test_llama2_defaults():
     cfg = ModelConfig.from_hf_dict(LLAMA2_7B)
     assert cfg.num_key_value_heads == 32 and cfg.rope.type == "default" and cfg.rope.theta == 10000.0
