@@ -43,6 +43,12 @@ def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypa
      "without chunked prefill, max_num_batched_tokens"),
     ({"tp_size": 0}, "tp_size must be a positive integer"),
     ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False"),
+    # (these were a truthy string run as True, or a TypeError from pathlib or torch.manual_seed after ranks started)
+    ({"enable_chunked_prefill": "no"}, "enable_chunked_prefill must be True or False"),
+    ({"seed": "1"}, "seed must be an integer"), ({"seed": 1.5}, "seed must be an integer"),
+    ({"seed": 2 ** 64}, "seed must be an integer of 64 bits"),
+    ({"model": 5}, "model must be a checkpoint directory"), ({"chat_template": 5}, "chat_template must be"),
+    ({"dtype": "float64"}, "unknown dtype 'float64'"), ({"load_format": "pt"}, "load_format must be one of"),
 ])
 def test_engine_settings_are_refused_before_anything_loads(kw, needle):
     """EngineConfig refuses them as it is made: TPEngine makes it first, before the weights and any rank."""

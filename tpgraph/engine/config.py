@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tpgraph.config import parse_dtype
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
+from tpgraph.model.loader import LOAD_FORMATS
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,17 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        for name in ("overlap_scheduling", "enable_prefix_caching"):
+        if self.model is not None and not isinstance(self.model, (str, Path)):
+            raise ConfigError(f"model must be a checkpoint directory (a str or Path) or None, got {self.model!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ConfigError(f"chat_template must be a template or a file's path (a str), got {self.chat_template!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2 ** 63) <= self.seed < 2 ** 64:
+            raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}")
+        if self.dtype not in (None, "auto"):
+            parse_dtype(self.dtype)  # (an unknown name is said here, before any rank starts)
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("overlap_scheduling", "enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
