@@ -109,6 +109,14 @@ def test_random_weights_are_tp_invariant():
     assert torch.equal(half.norm.weight, whole.norm.weight)
 
 
+@pytest.mark.parametrize("seed", [2 ** 45, 2 ** 64 - 1, -(2 ** 63)])
+def test_random_weights_take_any_64_bit_seed(seed):
+    """(seed * 1_000_003 + crc overflowed torch's 64-bit seed past about 2 ** 43: a ValueError at load)"""
+    model = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(0, 1), torch.float32, torch.device("cpu"))
+    load_weights(model, RandomSource(BUILTIN_MODEL, seed, torch.device("cpu")), show_progress=False)
+    assert model.norm.weight.std() > 0
+
+
 def test_no_safetensors(tmp_path):
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         SafetensorsSource(tmp_path)

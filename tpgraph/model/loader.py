@@ -140,7 +140,8 @@ class RandomSource:
         self.cfg, self.seed, self.device, self.std = cfg, seed, device, std
 
     def read_shard(self, spec: ShardSpec) -> torch.Tensor:
-        seed = self.seed * 1_000_003 + zlib.crc32(spec.hf_name.encode())
+        # (in 64 bits, as torch takes seeds: a negative one is its two's complement, so every seed keeps its weights)
+        seed = (self.seed * 1_000_003 + zlib.crc32(spec.hf_name.encode())) % 2 ** 64
         if spec.hf_name.endswith("norm.weight"):
             full = 1.0 + 0.1 * torch.randn(spec.hf_shape, generator=torch.Generator().manual_seed(seed))
         else:
