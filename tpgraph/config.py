@@ -14,10 +14,10 @@ from tpgraph.errors import CheckpointError, ConfigError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
+# (not pretraining_tp: transformers' slices of each matmul, joined again, are the same model at any value)
 UNIMPLEMENTED_FIELDS = {
     "sliding_window": (None,),
     "use_sliding_window": (None, False),
-    "pretraining_tp": (None, 1),
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
     "logits_scaling": (None, 1, 1.0),

@@ -118,13 +118,30 @@ def test_parse_dtype():
 
 
 @pytest.mark.parametrize("field,value", [("sliding_window", 4096), ("use_sliding_window", True),
-                                         ("pretraining_tp", 2), ("attn_logit_softcapping", 50.0),
+                                         ("attn_logit_softcapping", 50.0),
                                          ("quantization_config", {"quant_method": "fp8"})])
 def test_unimplemented_fields_are_refused_by_name(field, value):
     base = MINIMAL
     with pytest.raises(ConfigError, match=f"config.json sets {field}="):
         ModelConfig.from_hf_dict({**base, field: value})
     assert ModelConfig.from_hf_dict({**base, "sliding_window": None, "pretraining_tp": 1}).vocab_size == 10
+
+
+def test_pretraining_tp_is_read_as_transformers_reads_it():
+    """pretraining_tp (a Llama 2 field) only split transformers' matmuls into slices whose results it joined: the same
+    model at any value (transformers 5 does not read it). It was refused as if it changed the results."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    logits = []
+    for tp in (1, 2):
+        torch.manual_seed(0)
+        hf_cfg = transformers.LlamaConfig(**{**MINIMAL, "vocab_size": 32, "hidden_size": 16, "num_attention_heads": 4,
+                                             "intermediate_size": 32, "pretraining_tp": tp})
+        with torch.no_grad():
+            logits.append(transformers.LlamaForCausalLM(hf_cfg).eval()(torch.tensor([[1, 5, 7]])).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    assert ModelConfig.from_hf_dict({**MINIMAL, "pretraining_tp": 2}) == ModelConfig.from_hf_dict(MINIMAL)
 
 
 def test_absent_fields_take_transformers_llama_defaults():
