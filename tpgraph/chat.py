@@ -190,6 +190,7 @@ class GenerationDefaults:
 
     eos_token_ids: tuple[int, ...] = ()
     sampling: dict[str, float] = field(default_factory=dict)  # temperature, top_p, top_k, repetition_penalty
+    max_tokens: int | None = None  # (its max_new_tokens) a request's limit where it sets none, as vLLM's server
 
     @staticmethod
     def from_dir(model_dir: str | Path | None) -> GenerationDefaults:
@@ -204,4 +205,6 @@ class GenerationDefaults:
         # as vLLM: these become the request defaults (do_sample is not consulted)
         sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
-        return GenerationDefaults(eos_ids, sampling)
+        limit = cfg.get("max_new_tokens")
+        max_tokens = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+        return GenerationDefaults(eos_ids, sampling, max_tokens)

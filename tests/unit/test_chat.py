@@ -55,6 +55,11 @@ def test_generation_defaults_and_bad_files(tmp_path):
     assert GenerationDefaults.from_dir(None) == GenerationDefaults()
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7, "top_k": 20, "do_sample": false}')
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults((7,), {"top_k": 20})
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 64}')
+    assert GenerationDefaults.from_dir(tmp_path).max_tokens == 64
+    for limit in ("0", "true", "\"64\"", "null"):  # (not a limit: none is taken)
+        (tmp_path / "generation_config.json").write_text(f'{{"max_new_tokens": {limit}}}')
+        assert GenerationDefaults.from_dir(tmp_path).max_tokens is None
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="generation_config.json"):
         GenerationDefaults.from_dir(tmp_path)

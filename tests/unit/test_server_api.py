@@ -377,3 +377,19 @@ def test_a_whole_reply_that_fails_while_it_is_folded_aborts_its_request(path, mo
     finally:
         gc.enable()
     assert len(aborted) == 1
+
+
+def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
+    """As vLLM's server: a chat request without max_tokens (or a completion whose max_tokens is null) is limited to
+    generation_config.json's max_new_tokens; one that sets its own keeps it."""
+    from dataclasses import replace
+
+    client = ScriptedClient(["a"])
+    codec = builtin_codec()
+    codec = replace(codec, generation_defaults=replace(codec.generation_defaults, max_tokens=64))
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    post_all(app, [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "max_tokens": 5}),
+                   ("/v1/chat/completions", {**chat, "max_completion_tokens": 6}),
+                   ("/v1/completions", {"prompt": "hi", "max_tokens": None}), ("/v1/completions", {"prompt": "hi"})])
+    assert [p.max_tokens for p in client.params] == [64, 5, 6, 64, 16]

@@ -288,7 +288,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             token_ids = [ids[-keep:] for ids in token_ids]
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
-        params = body.sampling_params(1 if echo_only else body.max_tokens, body.logprobs,
+        max_tokens = body.max_tokens if body.max_tokens is not None else prompts.generation_defaults.max_tokens
+        params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
         rid, created = f"cmpl-{request_id(request)}", int(time.time())
@@ -392,6 +393,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
+        if max_tokens is None:  # (none asked: generation_config's max_new_tokens, where it has one)
+            max_tokens = prompts.generation_defaults.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
