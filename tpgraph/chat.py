@@ -119,7 +119,10 @@ class ChatTemplate:
         cfg = tokenizer_config(model_dir)
         # newer checkpoints keep the template in its own file, which transformers prefers to the config's
         jinja_file = Path(model_dir) / "chat_template.jinja"
-        source = jinja_file.read_text() if jinja_file.is_file() else cfg.get("chat_template")
+        try:
+            source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else cfg.get("chat_template")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"cannot read {jinja_file}: {exc}") from None
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")

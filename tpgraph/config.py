@@ -24,7 +24,7 @@ UNIMPLEMENTED_FIELDS = {
     "quantization_config": (None,),  # (fp8 / int weights with scales)
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}  # (vLLM's)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -41,6 +41,9 @@ def _token_id(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"token ids must be integers, got {value!r}")
     return value
+
+
+_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class RopeConfig:
                 f"config.json rope_scaling type {rope_type!r} is not supported; tpgraph supports "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
+        if missing:  # (transformers refuses such a config too; a default would silently be another rope)
+            raise ConfigError(f"config.json rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
         return RopeConfig(
             theta=theta,
             type=rope_type,

@@ -60,6 +60,10 @@ def test_generation_defaults_and_bad_files(tmp_path):
     for limit in ("0", "true", "\"64\"", "null"):  # (not a limit: none is taken)
         (tmp_path / "generation_config.json").write_text(f'{{"max_new_tokens": {limit}}}')
         assert GenerationDefaults.from_dir(tmp_path).max_tokens is None
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(CheckpointError, match="cannot read .*chat_template.jinja"):
+        ChatTemplate.from_dir(tmp_path, "")
+    (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="generation_config.json"):
         GenerationDefaults.from_dir(tmp_path)

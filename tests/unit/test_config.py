@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, RopeConfig, parse_dtype
 from tpgraph.errors import CheckpointError, ConfigError
@@ -88,6 +89,15 @@ def test_unsupported_rope_type():
         ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
+@pytest.mark.parametrize("rope,missing", [({"rope_type": "linear"}, "factor"),
+                                          ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0},
+                                           "low_freq_factor")])
+def test_a_scaled_rope_without_its_factors_is_refused_by_name(rope, missing):
+    """transformers refuses these too; the defaults would silently make another rope."""
+    with pytest.raises(ConfigError, match=f"rope_scaling of type {rope['rope_type']!r} needs {missing}"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": rope})
+
+
 def test_missing_field():
     d = dict(LLAMA2_7B)
     del d["hidden_size"]
@@ -115,6 +125,7 @@ def test_builtin_model_splits_over_common_tp_sizes():
 def test_parse_dtype():
     with pytest.raises(ConfigError, match="unknown dtype"):
         parse_dtype("int4")
+    assert parse_dtype("float") is parse_dtype("float32") and parse_dtype("half") is torch.float16  # (vLLM's names)
 
 
 @pytest.mark.parametrize("field,value", [("sliding_window", 4096), ("use_sliding_window", True),

@@ -157,6 +157,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
             e.generate([[1, 10 ** 6]], GREEDY)
         with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
             e.generate(["a"], [GREEDY, GREEDY])
+        assert len(e.generate(["a", "b"], (GREEDY, GREEDY))) == 2  # (a tuple of them, as a list)
         # (stop ids index the logits while min_tokens bans them: one past the vocabulary used to fail the step,
         # and with it every request in flight)
         with pytest.raises(RequestError, match="stop_token_ids must be below the vocabulary size"):

@@ -177,7 +177,8 @@ class TPEngine:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
         return self.prompts.default_params(**overrides)
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
         if self._closed:
@@ -189,7 +190,7 @@ class TPEngine:
                                f"{type(prompts).__name__}")
         prompts = list(prompts)
         params = params if params is not None else self.default_params()
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         results: dict[str, GenerationOutput] = {}
