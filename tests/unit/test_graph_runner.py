@@ -236,11 +236,12 @@ def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, m
     eagerly."""
     runner = runner_for(model, "none", calibrate_prefill=calibrate)
     runner.prefill_dispatcher = Dispatcher((), (8, 16))
-    replayed = []
+    replayed, lens_seen = [], []
 
     def replay(phase, size, inputs):
         meta = runner._meta_for_prefill(size)
         replayed.append((phase, size, meta.query_lens, meta.context_lens))
+        lens_seen.append(meta.query_lens)
         return runner._eager_prefill(size, list(meta.query_lens))
 
     monkeypatch.setitem(runner.graphs.sets, "prefill", SimpleNamespace(sizes=(8, 16)))
@@ -253,6 +254,8 @@ def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, m
     assert [t.size for t in runner.prefill_timings] == [8, 16]
     assert all(t.eager_s > 0 and t.graph_s > 0 for t in runner.prefill_timings)
     assert replayed == [("prefill", 8, (8,), ())] * 4 + [("prefill", 16, (16,), ())] * 4  # a warm-up and three timed
+    # each replay's metadata set afresh, as a step's (varlen attention rebuilds its layout only for new tuples)
+    assert len({id(t) for t in lens_seen}) == len(lens_seen)
     assert runner.prefill_dispatcher.eager_counts == eager_counts(runner.prefill_timings)
     assert runner.prefill_dispatcher.piecewise_sizes == (8, 16)
     assert runner.allocator.num_free == free  # the null prompts stored nothing

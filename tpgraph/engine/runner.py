@@ -403,9 +403,9 @@ class ModelRunner:
         for size in tqdm(sizes, desc="timing prefill graphs", unit="size", disable=not self.is_driver, leave=False):
             lens = self._null_prefill(size)
             eager = time_forward(partial(self._eager_prefill, size, lens), sync)
-            meta = self._meta_for_prefill(size)
-            meta.query_lens, meta.context_lens, meta.context_blocks = tuple(lens), (), ()
-            graph = time_forward(partial(self.graphs.replay, "prefill", size, self._prefill_inputs), sync)
+            # (as a step's replay: the metadata set afresh each time, so varlen attention builds its layout each time,
+            # as the eager forward does)
+            graph = time_forward(partial(self._replay_prefill, size, lens), sync)
             timings.append(SizeTiming(size, eager, graph))
         self.prefill_timings = slowest(gather_objects(self.model.comm.state, timings))
         self.prefill_dispatcher = Dispatcher((), sizes, eager_counts(self.prefill_timings))
@@ -570,9 +570,7 @@ class ModelRunner:
         context = tuple(starts) if any(starts) else ()
         blocks = tuple(tuple(seq.block_table) for seq in seqs) if context else ()
         if mode is GraphMode.PIECEWISE:
-            meta = self._meta_for_prefill(padded)
-            meta.query_lens, meta.context_lens, meta.context_blocks = tuple(counts), context, blocks
-            hidden = self.graphs.replay("prefill", padded, self._prefill_inputs)
+            hidden = self._replay_prefill(padded, counts, context, blocks)
         else:
             hidden = self._eager_prefill(total, counts, context, blocks)
         self.stats.record("prefill", total, padded, mode)
@@ -603,6 +601,14 @@ class ModelRunner:
             b = a + len(targets)
             self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k,
                                                                                    ranked=True)))
+
+    def _replay_prefill(self, padded: int, lens: list[int], context: tuple[int, ...] = (),
+                        blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+        """The prefill graph of `padded` tokens over the committed inputs. Its metadata gets new tuples each call:
+        varlen attention rebuilds its layout only for new ones (varlen_prefill.layout_for)."""
+        meta = self._meta_for_prefill(padded)
+        meta.query_lens, meta.context_lens, meta.context_blocks = tuple(lens), context, blocks
+        return self.graphs.replay("prefill", padded, self._prefill_inputs)
 
     def _eager_prefill(self, total: int, lens: list[int], context: tuple[int, ...] = (),
                        blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
