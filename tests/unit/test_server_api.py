@@ -393,3 +393,21 @@ def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
                    ("/v1/chat/completions", {**chat, "max_completion_tokens": 6}),
                    ("/v1/completions", {"prompt": "hi", "max_tokens": None}), ("/v1/completions", {"prompt": "hi"})])
     assert [p.max_tokens for p in client.params] == [64, 5, 6, 64, 16]
+
+
+def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves():
+    """As vLLM's server: the default limit is at most what the context leaves beside the (longest) prompt, so a
+    request that set none is not refused for a limit it never asked for; a limit the client sets is its own."""
+    from dataclasses import replace
+
+    client = ScriptedClient(["a"])
+    codec = builtin_codec()
+    codec = replace(codec, generation_defaults=replace(codec.generation_defaults, max_tokens=64))
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "x" * 90}]}
+    post_all(app, [("/v1/chat/completions", chat),
+                   ("/v1/completions", {"prompt": ["y" * 100, "z" * 30], "max_tokens": None}),
+                   ("/v1/completions", {"prompt": "y" * 100, "max_tokens": 100})])
+    lens = [len(p) for p in client.prompts]
+    assert lens[0] > 64 and lens[1:] == [101, 31, 101]  # (the builtin tokenizer: BOS, then a token a byte)
+    assert [p.max_tokens for p in client.params] == [128 - lens[0], 128 - 101, 128 - 101, 100]

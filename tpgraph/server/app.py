@@ -159,6 +159,16 @@ def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: i
     return out
 
 
+def _max_tokens(asked: int | None, default: int | None, prompts: list[list[int]], max_model_len: int) -> int | None:
+    """A request's token limit: its own, else (none asked) generation_config's max_new_tokens, cut to what the context
+    leaves beside its longest prompt, as vLLM's server does: a limit the client never set is not refused for its size.
+    (None where no default applies, or the prompt leaves no room: the engine then refuses the prompt.)"""
+    if asked is not None or default is None:
+        return asked
+    room = max_model_len - max((len(p) for p in prompts), default=0)
+    return min(default, room) if room > 0 else None
+
+
 def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice) -> dict:
     """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where the
     client asked for usage; with vLLM's continuous_usage_stats (which asks for usage too), that choice's so far."""
@@ -288,7 +298,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             token_ids = [ids[-keep:] for ids in token_ids]
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
-        max_tokens = body.max_tokens if body.max_tokens is not None else prompts.generation_defaults.max_tokens
+        max_tokens = _max_tokens(body.max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
@@ -393,8 +403,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
-        if max_tokens is None:  # (none asked: generation_config's max_new_tokens, where it has one)
-            max_tokens = prompts.generation_defaults.max_tokens
+        max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
