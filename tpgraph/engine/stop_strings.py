@@ -28,8 +28,9 @@ class StopScanner:
 
     def feed(self, piece: str, may_stop: bool = True) -> tuple[int, str] | None:
         """Feed the text's next characters. Returns the stop string that ends in them and starts first (the earliest
-        of each string's first match, ties to the smaller string), as (its start, counted back from the piece's end,
-        the string), or None. may_stop False: a match stops nothing (the states go on past it)."""
+        of each string's first match; at one start, the lexicographically smaller string), as (its start, counted
+        back from the piece's end, the string), or None. may_stop False: a match stops nothing (the states go on past
+        it)."""
         best: tuple[int, str] | None = None
         n = len(piece)
         for j, (s, fail) in enumerate(zip(self.stops, self._fails, strict=True)):

@@ -54,6 +54,8 @@ class Choice:
 
     @property
     def text(self) -> str:
+        if not self.keeps_text:  # (a streamed or chat choice: its text went out as it came)
+            raise RuntimeError(f"choice {self.index} keeps no text")
         return "".join(self.parts)
 
     def add(self, u: StepUpdate) -> Choice:
