@@ -408,7 +408,9 @@ class ModelRunner:
             graph = time_forward(partial(self._replay_prefill, size, lens), sync)
             timings.append(SizeTiming(size, eager, graph))
         self.prefill_timings = slowest(gather_objects(self.model.comm.state, timings))
-        self.prefill_dispatcher = Dispatcher((), sizes, eager_counts(self.prefill_timings))
+        # (a forward never holds more than its budget: the largest size may lie past it, its counts there never run)
+        eager = [n for n in eager_counts(self.prefill_timings) if n <= self.max_prefill_tokens]
+        self.prefill_dispatcher = Dispatcher((), sizes, eager)
         if self.is_driver:
             logger.info("prefill graphs timed (ms, eager / graph): %s; eager for %s tokens",
                         ", ".join(f"{t.size}: {t.eager_s * 1e3:.1f} / {t.graph_s * 1e3:.1f}"
