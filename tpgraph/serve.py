@@ -93,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         # collectives, so it keeps following until rank 0's shutdown message, and leaves by itself if that is late.
         signal.signal(signal.SIGTERM, lambda *_: _exit_later(FOLLOWER_GRACE_S))
         service = EngineService(engine.core, ControlPlane(engine.state))
+        failed = True
         try:
             service.run_worker()
-        finally:
-            _close(engine)
+            failed = False
+        finally:  # (a follower whose loop failed stays a failure where the close then hangs, as rank 0 does)
+            _close(engine, exit_code=1 if failed else 0)
         return 0
 
     from tpgraph.server.bridge import EngineBridge

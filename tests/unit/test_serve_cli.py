@@ -134,3 +134,53 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
     finally:
         stuck.set()
     assert exit_.value.code == 1
+
+
+def test_a_follower_whose_loop_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):
+    """A follower (rank > 0) whose engine loop raised: closing the engine may then hang (a peer is gone), and the
+    close's time limit ended the process with os._exit(0), a failed rank exiting as if stopped cleanly."""
+    import os
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from tpgraph import serve
+    from tpgraph.engine import service, tp_engine
+
+    stuck = threading.Event()
+
+    class Engine:
+        def __init__(self, **_) -> None:
+            self.tokenizer, self.prompts = None, None
+            self.state = SimpleNamespace(rank=1, world_size=2)
+            self.core = None
+
+        def warm_up(self) -> None:
+            pass
+
+        def close(self, followers_told: bool = False) -> None:
+            stuck.wait(30)
+
+    class FailedService:
+        def __init__(self, *_, **__) -> None:
+            pass
+
+        def run_worker(self) -> None:
+            raise RuntimeError("a step failed")
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(tp_engine, "TPEngine", Engine)
+    monkeypatch.setattr(service, "EngineService", FailedService)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setenv("RANK", "1")
+    close = serve._close
+    monkeypatch.setattr(serve, "_close", lambda engine, **kw: close(engine, **{**kw, "timeout_s": 0.2}))
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            serve.main(["--device", "cpu"])
+    finally:
+        stuck.set()
+    assert exit_.value.code == 1
