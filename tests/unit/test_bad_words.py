@@ -227,6 +227,8 @@ def test_allowed_ids_that_the_request_bans_until_min_tokens_or_for_good_are_refu
     (a,) = engine.tokenizer.encode("a", add_special_tokens=False).ids
     with pytest.raises(RequestError, match="bad_words"):
         engine.generate("a", SamplingParams(allowed_token_ids=[a], bad_words=["a"], max_tokens=4))
+    with pytest.raises(RequestError, match="bad_words or stop tokens"):  # (each id banned one way or the other)
+        engine.generate("a", SamplingParams(allowed_token_ids=[eos, a], bad_words=["a"], min_tokens=2, max_tokens=4))
     # an allowed id left free keeps the request, and only allowed ids come out
     out = engine.generate("a", SamplingParams(allowed_token_ids=[eos, a], min_tokens=2, max_tokens=4, seed=3))
     assert set(out[0].outputs[0].token_ids) <= {eos, a} and out[0].outputs[0].token_ids[:2] == [a, a]

@@ -175,11 +175,16 @@ class EngineCore:
             if params.structured_after is not None:
                 after = tuple(self.tokenizer.encode(params.structured_after, add_special_tokens=False).ids)
         bad_words = encode_bad_words(self.tokenizer, params.bad_words, self.runner.model.cfg.vocab_size)
-        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {w[0] for w in bad_words
-                                                                                   if len(w) == 1}:
-            # (every logit of every row would be masked, and their argmax, id 0, is not allowed)
-            raise RequestError(f"bad_words ban every one of allowed_token_ids {list(params.allowed_token_ids)}: no "
-                               f"token is left to generate")
+        if params.allowed_token_ids is not None:  # (a row with every logit masked takes id 0, which is not allowed)
+            allowed, banned = set(params.allowed_token_ids), {w[0] for w in bad_words if len(w) == 1}
+            if allowed <= banned:
+                raise RequestError(f"bad_words ban every one of allowed_token_ids {list(params.allowed_token_ids)}: "
+                                   f"no token is left to generate")
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if params.min_tokens and allowed <= banned | held:  # (the stop ids alone: RequestLimits.check)
+                raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all bad_words or stop "
+                                   f"tokens, which min_tokens {params.min_tokens} holds back: no token is left to "
+                                   f"generate before it")
         detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
                   for _ in range(params.n)]
         return PreparedRequest(request_id, list(prompt_ids), params, detoks, after, bad_words)
