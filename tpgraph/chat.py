@@ -95,7 +95,7 @@ class ChatTemplate:
         return _cut_at_end_mark(text) if continue_final_message else text
 
     @staticmethod
-    def from_option(value: str, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
+    def from_option(value: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
         """--chat-template: a file holding a template, or the template itself (as vLLM reads the flag)."""
         path = Path(value)
         try:
@@ -107,8 +107,8 @@ class ChatTemplate:
                 value = path.read_text()
             except (OSError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"cannot read the chat template {path}: {exc}") from None
-        elif not any(c in value for c in "{}\n"):
-            raise CheckpointError(f"the chat template {value!r} is neither a file nor a template")
+        elif isinstance(value, Path) or not any(c in value for c in "{}\n"):  # (a Path is never the template)
+            raise CheckpointError(f"the chat template {str(value)!r} is neither a file nor a template")
         return ChatTemplate(value, special_tokens)
 
     @staticmethod

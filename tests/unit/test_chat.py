@@ -7,6 +7,7 @@ from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
 
 from tpgraph import RequestError, TPEngine
 from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
+from tpgraph.engine.config import EngineConfig
 from tpgraph.errors import CheckpointError
 
 CONVERSATIONS = [
@@ -130,8 +131,11 @@ def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
     messages = [{"role": "user", "content": "x"}]
     assert ChatTemplate.from_option(str(tmp_path / "t.jinja")).render(messages) == "[x]"
     assert ChatTemplate.from_option("{{ messages[0]['content'] }}!").render(messages) == "x!"
-    with pytest.raises(CheckpointError, match="neither a file nor a template"):
-        ChatTemplate.from_option(str(tmp_path / "missing.jinja"))
+    assert ChatTemplate.from_option(tmp_path / "t.jinja").render(messages) == "[x]"  # (a Path, as model takes one)
+    for missing in (str(tmp_path / "missing.jinja"), tmp_path / "missing.jinja"):
+        with pytest.raises(CheckpointError, match="neither a file nor a template"):
+            ChatTemplate.from_option(missing)
+    assert EngineConfig(chat_template=tmp_path / "t.jinja").chat_template == tmp_path / "t.jinja"
     with TPEngine(device="cpu", max_model_len=64, chat_template="<{{ messages[0]['content'] }}>") as engine:
         assert engine.render_chat(messages) == "<x>"
 

@@ -30,7 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
-    chat_template: str | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
+    chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -46,8 +46,9 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.model is not None and not isinstance(self.model, (str, Path)):
             raise ConfigError(f"model must be a checkpoint directory (a str or Path) or None, got {self.model!r}")
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise ConfigError(f"chat_template must be a template or a file's path (a str), got {self.chat_template!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, (str, Path)):
+            raise ConfigError(f"chat_template must be a template (a str) or a file's path (a str or Path), got "
+                              f"{self.chat_template!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2 ** 63) <= self.seed < 2 ** 64:
             raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}")
         if self.dtype not in (None, "auto"):
