@@ -104,7 +104,7 @@ class ChatTemplate:
             is_file = False
         if is_file:
             try:
-                value = path.read_text()
+                value = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"cannot read the chat template {path}: {exc}") from None
         elif isinstance(value, Path) or not any(c in value for c in "{}\n"):  # (a Path is never the template)
@@ -166,7 +166,7 @@ def _json_object(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
     if not isinstance(cfg, dict):

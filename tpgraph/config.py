@@ -199,7 +199,7 @@ class ModelConfig:
         if not path.is_file():
             raise CheckpointError(f"no config.json in {str(model_dir)!r}: is this a Hugging Face checkpoint?")
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(cfg, dict):

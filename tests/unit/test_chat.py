@@ -170,3 +170,24 @@ def test_a_generation_config_of_the_wrong_shape_is_named(tmp_path, text, match):
     (tmp_path / "generation_config.json").write_bytes(text)
     with pytest.raises(CheckpointError, match=f"generation_config.json.*{match}|{match}.*generation_config.json"):
         GenerationDefaults.from_dir(tmp_path)
+
+
+def test_checkpoint_json_is_read_as_utf_8_whatever_the_locale(tmp_path):
+    """JSON is UTF-8 (transformers reads it so); read in the locale's encoding, a non-ASCII special token (DeepSeek's
+    <｜begin▁of▁sentence｜>) failed to load under an ASCII locale, or became mojibake under a Latin-1 one."""
+    import os
+    import subprocess
+    import sys
+
+    bos = "<｜begin▁of▁sentence｜>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos}, ensure_ascii=False),
+                                                    encoding="utf-8")
+    import tpgraph
+
+    root = os.path.dirname(os.path.dirname(tpgraph.__file__))
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    code = ("import sys; from tpgraph.chat import tokenizer_config; "
+            "sys.stdout.buffer.write(tokenizer_config(sys.argv[1])['bos_token'].encode('utf-8'))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.decode("utf-8") == bos, out.stderr.decode(errors="replace")[-500:]

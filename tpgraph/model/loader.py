@@ -66,7 +66,7 @@ class SafetensorsSource:
         index = model_dir / INDEX_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index} is malformed ({type(exc).__name__}: {exc})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
