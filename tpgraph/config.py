@@ -22,6 +22,7 @@ UNIMPLEMENTED_FIELDS = {
     "final_logit_softcapping": (None,),
     "logits_scaling": (None, 1, 1.0),
     "quantization_config": (None,),  # (fp8 / int weights with scales)
+    "partial_rotary_factor": (None, 1, 1.0),  # (rope over part of each head; also refused inside the rope dict)
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}  # (vLLM's)
@@ -67,6 +68,9 @@ class RopeConfig:
                 f"config.json rope_scaling type {rope_type!r} is not supported; tpgraph supports "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if params.get("partial_rotary_factor") not in (None, 1, 1.0):  # (transformers rotates part of each head)
+            raise ConfigError(f"config.json rope partial_rotary_factor {params['partial_rotary_factor']!r} is not "
+                              f"supported; tpgraph rotates whole heads")
         missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
         if missing:  # (transformers refuses such a config too; a default would silently be another rope)
             raise ConfigError(f"config.json rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
@@ -76,8 +80,8 @@ class RopeConfig:
             factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            # (as transformers reads it: a field beside the rope dict wins over the dict's, and without either it is
-            # the model's context, not a fixed 8192)
+            # (as transformers 5 computes llama3's frequencies: a field beside the rope dict wins over the dict's, and
+            # without either it is the model's context, not a fixed 8192; transformers 4 requires the dict's)
             original_max_position_embeddings=int(cfg.get("original_max_position_embeddings")
                                                  or params.get("original_max_position_embeddings")
                                                  or cfg.get("max_position_embeddings", 2048)),

@@ -98,6 +98,14 @@ def test_a_scaled_rope_without_its_factors_is_refused_by_name(rope, missing):
         ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": rope})
 
 
+def test_a_rope_over_part_of_each_head_is_refused():
+    for cfg in ({**LLAMA2_7B, "partial_rotary_factor": 0.5},
+                {**LLAMA2_7B, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}):
+        with pytest.raises(ConfigError, match="partial_rotary_factor"):
+            ModelConfig.from_hf_dict(cfg)
+    ModelConfig.from_hf_dict({**LLAMA2_7B, "partial_rotary_factor": 1.0})
+
+
 def test_missing_field():
     d = dict(LLAMA2_7B)
     del d["hidden_size"]

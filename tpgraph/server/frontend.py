@@ -14,11 +14,15 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
+
+if TYPE_CHECKING:  # (the front end's process imports the server's modules itself, once it runs)
+    from tpgraph.server.bridge import EngineClient
 
 logger = logging.getLogger("tpgraph.serve")
 EXIT_GRACE_S = 3.0  # after the engine is gone, streams still open get this long to hear it before the process ends
@@ -85,9 +89,14 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
-    # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
+    # unless the engine went away unannounced
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code(client)))
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    if client.error is not None and not client.closing:  # the engine went away unannounced: not a clean stop
-        sys.exit(1)
+    sys.exit(exit_code(client))
+
+
+def exit_code(client: EngineClient) -> int:
+    """1 where the engine went away unannounced, else 0 (a clean stop)."""
+    return 1 if client.error is not None and not client.closing else 0

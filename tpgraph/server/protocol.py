@@ -247,7 +247,7 @@ class ChatMessage(NullMeansDefault):
     role: str
     content: str | list[dict] | None = None
 
-    def text(self, where: str = "message") -> str:
+    def text(self, where: str) -> str:
         if isinstance(self.content, list):  # content parts: only text is understood
             parts = []
             for j, part in enumerate(self.content):
