@@ -73,12 +73,42 @@ def test_constrained_steps_stay_overlapped():
     (StructuredOutput("regex", "[0-9"), "the regex cannot be used"),
     (StructuredOutput("grammar", "root ::= nothing_defined"), "the grammar cannot be used"),
     (StructuredOutput.json_schema({"type": "no such type"}), "the json schema cannot be used"),
+    # what xgrammar compiles without, leaving replies that break their schema (["a", "a"], "karynii", {"a": 0})
+    (StructuredOutput.json_schema({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "uniqueItems": True}),
+     "uniqueItems at # is not supported"),
+    (StructuredOutput.json_schema({"properties": {"s": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}}),
+     "pattern with minLength or maxLength at #/properties/s"),
+    (StructuredOutput.json_schema({"properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}),
+     "dependentRequired at #"),
+    (StructuredOutput.json_schema({"anyOf": [{"allOf": [{"type": "string"}, {"maxLength": 3}]}]}),
+     "allOf with more than one schema at #/anyOf/0"),
+    (StructuredOutput.json_schema({"$ref": "#/$defs/n", "$defs": {"n": {"type": "integer"}}, "maximum": 5}),
+     r"\$ref beside maximum at #"),
+    (StructuredOutput.json_schema({"type": "array", "items": {"type": "integer", "not": {"const": 0}}}),
+     "not at #/items"),
 ])
 def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec, needle):
     with engine() as e:
         with pytest.raises(RequestError, match=needle):
             e.generate(["x"], SamplingParams(max_tokens=4, structured=spec))
         assert e.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # (and it keeps serving)
+
+
+def test_schemas_that_xgrammar_enforces_are_not_refused_for_look_alikes():
+    """A property named as a keyword, annotations beside a $ref, one allOf, multipleOf on integers and a false
+    uniqueItems are enforced (or change nothing): they compile, and replies match."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"not": {"type": "integer", "multipleOf": 3}, "uniqueItems": {
+        "$ref": "#/$defs/b", "description": "a flag"}, "c": {"allOf": [{"enum": ["x", "y"]}]},
+        "d": {"type": "array", "items": {"const": 1}, "uniqueItems": False, "maxItems": 2}},
+        "required": ["not", "uniqueItems", "c", "d"], "additionalProperties": False,
+        "$defs": {"b": {"type": "boolean"}}}
+    with engine() as e:
+        outs = e.generate(["JSON:"], SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=60,
+                                                    structured=StructuredOutput.json_schema(schema)))[0].outputs
+    for sample in outs:
+        if sample.finish_reason == "stop":
+            jsonschema.validate(json.loads(sample.text), schema)
 
 
 @pytest.mark.parametrize(("make", "needle"), [

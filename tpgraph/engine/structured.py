@@ -16,7 +16,8 @@ stalls a step on it when the request arrives.
 
 JSON has no free whitespace (xgrammar writes ", " and ": " between items): a model that may emit whitespace
 anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. Strings with minLength or
-maxLength are mended where xgrammar writes them wrong (json_schema_grammar).
+maxLength are mended where xgrammar writes them wrong (json_schema_grammar); a schema with a keyword xgrammar
+would compile without (uniqueItems, not, if, ...: unenforced_keyword) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def json_schema_grammar(schema: str) -> Any:
     grammar whose mended text does not read back is used as xgrammar wrote it."""
     import xgrammar as xgr
 
+    ignored = unenforced_keyword(json.loads(schema))
+    if ignored is not None:  # (xgrammar compiles it without the keyword: replies would not match their schema)
+        raise ValueError(f"{ignored} is not supported (xgrammar would leave it unenforced)")
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     text = str(grammar)
     if _BOUNDED_STRING_CHAR not in text or "basic_escape ::=" not in text:
@@ -256,3 +260,50 @@ def json_schema_grammar(schema: str) -> Any:
         logger.warning("a JSON schema's length-bounded strings could not be mended (%s); used as xgrammar wrote it",
                        exc)
         return grammar
+
+
+# What xgrammar (0.2.9) compiles a JSON schema without, leaving the reply free of it: the keywords it reads past, and
+# the ones it drops beside others (a $ref's siblings, the second schema of allOf on, a pattern's or format's length
+# bounds, multipleOf but on integers). vLLM refuses such a schema for xgrammar too (it has a fallback; this has none).
+_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+               "dependentSchemas", "dependencies")
+_ANNOTATIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title", "description",
+                "default", "examples", "deprecated", "readOnly", "writeOnly"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "unevaluatedProperties",
+            "propertyNames")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
+    """The first keyword of a JSON schema (its subschemas too) that xgrammar would not hold a reply to, named with
+    where it is ("uniqueItems at #/properties/tags"); None if there is none."""
+    if not isinstance(schema, dict):
+        return None
+    found = [k for k in _UNENFORCED if k in schema]
+    if schema.get("uniqueItems") is True:
+        found.append("uniqueItems")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        found.append("multipleOf on a non-integer")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append("allOf with more than one schema")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        found.append(f"{'pattern' if 'pattern' in schema else 'format'} with minLength or maxLength")
+    if "$ref" in schema and set(schema) - _ANNOTATIONS:
+        found.append(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS))}")
+    if found:
+        return f"{found[0]} at {at}"
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (hit := unenforced_keyword(sub, f"{at}/{key}/{name}")) is not None:
+                    return hit
+    for key in _SCHEMAS:
+        if (hit := unenforced_keyword(schema.get(key), f"{at}/{key}")) is not None:
+            return hit
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (hit := unenforced_keyword(sub, f"{at}/{key}/{i}")) is not None:
+                    return hit
+    return None
