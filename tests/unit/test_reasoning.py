@@ -92,3 +92,17 @@ def test_the_end_tag_must_be_one_token_and_a_special_one_keeps_special_tokens():
     special = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     special.add_special_tokens(["</think>"])
     assert R1.for_tokenizer(special).keeps_special_tokens
+
+
+@pytest.mark.parametrize("include_reasoning", [True, False])
+def test_a_reply_with_no_answer_has_null_content_whether_or_not_its_thoughts_are_sent(include_reasoning):
+    """Cut while thinking (or thoughts closed with nothing after): content is null, as vLLM answers, also where
+    include_reasoning false leaves the thoughts out (it was "" there, null beside them)."""
+    plan = ToolPlan.of(None, None, None, ToolOptions())
+    for text in ("Still thinking", "Done.</think>"):
+        reply = ReplyReader(plan, ReasoningReader(R1), include_reasoning=include_reasoning)
+        reply.feed(text)
+        reply.finish("length")
+        message = reply.message()
+        assert message["content"] is None, (text, message)
+        assert message["reasoning"] == (text.removesuffix("</think>") if include_reasoning else None)
