@@ -86,6 +86,7 @@ def test_constrained_steps_stay_overlapped():
      r"\$ref beside maximum at #"),
     (StructuredOutput.json_schema({"type": "array", "items": {"type": "integer", "not": {"const": 0}}}),
      "not at #/items"),
+    (StructuredOutput.json_schema({"oneOf": []}), "an empty oneOf at #"),  # (its reply was "", no JSON)
 ])
 def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec, needle):
     with engine() as e:

@@ -291,6 +291,7 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
         found.append(f"{'pattern' if 'pattern' in schema else 'format'} with minLength or maxLength")
     if "$ref" in schema and set(schema) - _ANNOTATIONS:
         found.append(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS))}")
+    found += [f"an empty {k}" for k in ("anyOf", "oneOf", "allOf") if schema.get(k) == []]  # (the reply was "")
     if found:
         return f"{found[0]} at {at}"
     for key in _SCHEMA_MAPS:
