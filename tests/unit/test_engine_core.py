@@ -60,6 +60,18 @@ def test_a_cache_smaller_than_max_model_len_is_refused():
         engine(num_kv_blocks=13)
 
 
+def test_num_kv_blocks_too_few_or_too_many_names_the_flag():
+    # the cache was sized by hand: memory flags change nothing, the fix is the flag itself
+    with pytest.raises(ConfigError, match=r"only 48 fit \(12 blocks of 4\).*raise --num-kv-blocks to 17"):
+        engine(num_kv_blocks=13)
+    # block 0 is the null block: one block leaves none to use (was 'needs at least one block, got 0')
+    with pytest.raises(ConfigError, match=r"num_kv_blocks 1 leaves no block to use.*--num-kv-blocks 2 or more"):
+        engine(num_kv_blocks=1, max_model_len=None)
+    # more than the device holds: refused by name, not a raw allocator error
+    with pytest.raises(ConfigError, match=r"--num-kv-blocks 1000000000000 .* lower --num-kv-blocks"):
+        engine(num_kv_blocks=10 ** 12)
+
+
 def test_chunked_prefill_and_one_sequence_at_a_time(reference):
     with engine(max_num_seqs=1) as e:
         assert tokens(e.generate(PROMPTS, GREEDY)) == reference

@@ -216,7 +216,16 @@ class ModelRunner:
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
-        self._bind_kv_cache(num_blocks)
+        try:
+            self._bind_kv_cache(num_blocks)
+        except RuntimeError as exc:  # (torch.OutOfMemoryError on CUDA; the CPU allocator's is a plain RuntimeError)
+            oom = isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+            if not (oom and self.cfg.num_kv_blocks):
+                raise
+            raise ConfigError(f"--num-kv-blocks {num_blocks} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
+                              f"of KV cache ({self.block_bytes / (1 << 20):.2f} MiB a block), more than the "
+                              f"{self.device.type} has free: lower --num-kv-blocks, or leave it out to size the cache "
+                              "from free memory") from exc
         self._fit_max_model_len()
         self.capture_s = self.capture_bytes = 0.0
         self.prefill_timings: list[SizeTiming] = []  # each prefill size's forwards, eager and from its graph
@@ -240,9 +249,13 @@ class ModelRunner:
         if capacity >= self.max_model_len:
             return
         if self.cfg.max_model_len is not None:
+            if self.cfg.num_kv_blocks:  # sized by hand: memory flags change nothing
+                fix = f"raise --num-kv-blocks to {self.max_blocks_per_seq + 1} (the null block and one sequence's)"
+            else:
+                fix = "raise --gpu-memory-utilization, or use more GPUs"
             raise ConfigError(f"max_model_len {self.max_model_len} needs that many tokens of KV cache, but only "
                               f"{capacity} fit ({self.allocator.num_blocks} blocks of {self.block_size}); lower "
-                              f"--max-model-len, raise --gpu-memory-utilization, or use more GPUs")
+                              f"--max-model-len, {fix}")
         if self.is_driver:
             logger.warning("max_model_len: the model's %d tokens do not fit the KV cache; capped at %d",
                            self.max_model_len, capacity)
@@ -270,6 +283,9 @@ class ModelRunner:
         peak of a decode step at the largest batch, its sampling with every option on, and the largest prefill) and an
         estimate of the graph pool from capturing the two largest buckets of each captured phase."""
         if self.cfg.num_kv_blocks:
+            if self.cfg.num_kv_blocks < 2:
+                raise ConfigError(f"num_kv_blocks {self.cfg.num_kv_blocks} leaves no block to use (block 0 is the null "
+                                  "block padded slots write): pass --num-kv-blocks 2 or more")
             return self.cfg.num_kv_blocks
         if self.device.type != "cuda":
             return self.max_blocks_per_seq * self.cfg.max_batch + 1
