@@ -72,11 +72,14 @@ def init_distributed(
     world_size: int | None = None,
     init_method: str | None = None,
     timeout_s: float = 600.0,
+    control_timeout_s: float | None = None,
 ) -> ParallelState:
     """Join (or create) the process group.
 
     Under torchrun, rank/world size come from RANK/WORLD_SIZE/LOCAL_RANK. Spawned workers pass rank,
     world_size and an init_method (e.g. 'file:///tmp/x' or 'tcp://127.0.0.1:port') explicitly.
+    control_timeout_s: the CPU group (control messages) gets a gloo group of its own with this timeout, for ranks that
+    wait in it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's).
     """
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
@@ -139,7 +142,10 @@ def init_distributed(
             device_id=dev if dev.type == "cuda" else None,
         )
     tp_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
+    if control_timeout_s is not None:
+        cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
+    else:
+        cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
     return ParallelState(rank, world_size, local_rank, dev, tp_group, cpu_group)
 
 

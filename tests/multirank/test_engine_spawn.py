@@ -72,3 +72,35 @@ def test_ctrl_c_stops_the_spawned_ranks():
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pids and all(gone(p) for p in pids)
+
+
+IDLE_SCRIPT = """
+import inspect, sys, time
+import tpgraph.distributed as d
+
+# the process group's timeout cut to 3 s (600 s by default), in every rank: the spawned ones import this file too
+names = list(inspect.signature(d.init_distributed).parameters)
+defaults = list(d.init_distributed.__defaults__)
+defaults[names.index("timeout_s") - (len(names) - len(defaults))] = 3.0
+d.init_distributed.__defaults__ = tuple(defaults)
+from tpgraph import SamplingParams, TPEngine
+
+if __name__ == "__main__":
+    with TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17, block_size=4) as engine:
+        first = engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
+        time.sleep(float(sys.argv[1]))
+        again = engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
+    print("after idling:", first == again, flush=True)
+"""
+
+
+def test_an_idle_engine_outlives_the_process_groups_timeout(tmp_path):
+    # a user idling between generate calls (a notebook) longer than the process group's timeout: the started rank
+    # waited for rank 0's next message in a collective that timed out, died, and rank 0's peer watch then ended the
+    # user's whole process
+    script = tmp_path / "idle.py"  # (a file, not -c: the spawned rank re-imports it, and the shorter timeout with it)
+    script.write_text(IDLE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), "8"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=240)
+    assert proc.returncode == 0 and "after idling: True" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]

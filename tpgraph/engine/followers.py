@@ -26,7 +26,7 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any])
     from tpgraph.errors import TPGraphError
 
     try:
-        engine = TPEngine(dist_init=(rank, world_size, init), **kwargs)
+        engine = TPEngine(dist_init=(rank, world_size, init), follower=True, **kwargs)
     except TPGraphError as exc:  # rank 0 raises the same error (run_on_all_ranks); say it once, quietly
         print(f"error: rank {rank}: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -96,6 +96,8 @@ def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...
     return tuple(t for t in eos_ids if 0 <= t < vocab_size)
 
 
+IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # started followers' wait for rank 0's next message (see __init__)
+
 # the kinds of sampled rows the warm-up runs alone (see warm_up)
 WARM_UP_KINDS: tuple[dict, ...] = (
     dict(temperature=0.0),
@@ -109,9 +111,9 @@ WARM_UP_KINDS: tuple[dict, ...] = (
 
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
-                 dist_init: tuple[int, int, str] | None = None, **kwargs: Any) -> None:
+                 dist_init: tuple[int, int, str] | None = None, follower: bool = False, **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
-        torchrun (tests, spawned ranks)."""
+        torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py)."""
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         if cfg.chat_template is not None:  # (a bad one is said now, not after the weights load on every rank)
             ChatTemplate.from_option(cfg.chat_template)
@@ -125,7 +127,10 @@ class TPEngine:
             self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs})
             dist_init = (0, tp_size, init)
         rank, world, init = dist_init or (None, None, None)
-        self.state: ParallelState = init_distributed(cfg.device, rank, world, init)
+        # started followers wait for rank 0's next message as long as the user leaves it idle between generate calls
+        # (a notebook): the process group's timeout would end them, and rank 0's peer watch then the user's process
+        idle = IDLE_TIMEOUT_S if self._followers or follower else None
+        self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle)
         try:
             if self.state.world_size != tp_size:
                 raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
