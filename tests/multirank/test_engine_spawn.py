@@ -104,3 +104,30 @@ def test_an_idle_engine_outlives_the_process_groups_timeout(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "8"], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=240)
     assert proc.returncode == 0 and "after idling: True" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+
+
+DROPPED_SCRIPT = """
+import gc
+from tpgraph import SamplingParams, TPEngine
+
+def use():
+    engine = TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17, block_size=4)
+    print("followers", [p.pid for p in engine._followers], flush=True)
+    return engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
+
+if __name__ == "__main__":
+    first = use()  # never closed: dropped when use() returns
+    gc.collect()
+    print("again:", use() == first, flush=True)
+"""
+
+
+def test_an_engine_dropped_unclosed_takes_its_ranks_and_lets_the_next_start():
+    # its started rank and the process group outlived it, and the next TPEngine(tp_size=2) joined that stale group
+    # and hung
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", DROPPED_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0 and "again: True" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    pids = [p for line in proc.stdout.splitlines() if line.startswith("followers") for p in followers_of(line)]
+    assert len(pids) == 2 and all(gone(p) for p in pids)

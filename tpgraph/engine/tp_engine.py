@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -109,6 +110,17 @@ WARM_UP_KINDS: tuple[dict, ...] = (
 )
 
 
+def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: list) -> None:
+    """What close() leaves behind it, for an engine collected unclosed: its started ranks (ended, not told: rank 0's
+    loop is gone with the engine) and the process group."""
+    peer_watch.stop()
+    for p in followers:
+        p.terminate()
+    for p in followers:
+        p.join(5.0)
+    destroy_distributed(state)
+
+
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, follower: bool = False, **kwargs: Any) -> None:
@@ -167,6 +179,10 @@ class TPEngine:
         self.service = EngineService(self.core, ControlPlane(self.state)) if self._followers else None
         self._closed = False
         self._next_id = 0
+        # an engine dropped unclosed: its started ranks and process group go with it (else they outlive it, and the
+        # next TPEngine(tp_size=N) joins the stale group and hangs)
+        self._dropped = weakref.finalize(self, _release_dropped, self.peer_watch, self.state, self._followers) \
+            if self._followers else None
 
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -334,6 +350,8 @@ class TPEngine:
         if self._closed:
             return
         self._closed = True
+        if self._dropped is not None:
+            self._dropped.detach()
         failed = self.service is not None and self.service.error is not None
         if self.service is not None and not followers_told and not failed:  # the followers return and close too
             self.service.enqueue_shutdown()
