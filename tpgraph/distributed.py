@@ -32,6 +32,14 @@ class ParallelState:
     device: torch.device
     tp_group: dist.ProcessGroup | None  # NCCL on GPU, gloo on CPU; None when world_size == 1
     cpu_group: dist.ProcessGroup | None  # always gloo: handles, error consensus, small metadata
+    # (ranks TPEngine started itself) a gloo group of its own for rank 0's step messages, which they wait for as long
+    # as the user leaves rank 0 idle: its timeout is long, the rest keep the process group's
+    control_group: dist.ProcessGroup | None = None
+
+    @property
+    def control(self) -> dist.ProcessGroup | None:
+        """The group rank 0's step messages travel in (control.py)."""
+        return self.control_group if self.control_group is not None else self.cpu_group
 
     @property
     def is_driver(self) -> bool:
@@ -78,8 +86,9 @@ def init_distributed(
 
     Under torchrun, rank/world size come from RANK/WORLD_SIZE/LOCAL_RANK. Spawned workers pass rank,
     world_size and an init_method (e.g. 'file:///tmp/x' or 'tcp://127.0.0.1:port') explicitly.
-    control_timeout_s: the CPU group (control messages) gets a gloo group of its own with this timeout, for ranks that
-    wait in it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's).
+    control_timeout_s: rank 0's step messages get a gloo group of their own with this timeout, for ranks that wait in
+    it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's); every other
+    collective keeps `timeout_s`.
     """
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
@@ -142,11 +151,10 @@ def init_distributed(
             device_id=dev if dev.type == "cuda" else None,
         )
     tp_group = dist.group.WORLD
-    if control_timeout_s is not None:
-        cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
-    else:
-        cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
-    return ParallelState(rank, world_size, local_rank, dev, tp_group, cpu_group)
+    cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
+    control = None if control_timeout_s is None else dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
+    return ParallelState(rank, world_size, local_rank, dev, tp_group, cpu_group, control)
 
 
 def destroy_distributed(state: ParallelState) -> None:

@@ -41,5 +41,5 @@ class ControlPlane:
         if not self.needed:
             return message or StepMessage()
         box = [message if self.state.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.state.cpu_group)
+        dist.broadcast_object_list(box, src=0, group=self.state.control)
         return box[0]
