@@ -86,6 +86,9 @@ def test_constrained_steps_stay_overlapped():
      r"\$ref beside maximum at #"),
     (StructuredOutput.json_schema({"type": "array", "items": {"type": "integer", "not": {"const": 0}}}),
      "not at #/items"),
+    (StructuredOutput.json_schema({"type": "integer", "multipleOf": 2.5}), "multipleOf on a non-integer at #"),
+    (StructuredOutput.json_schema({"type": "string", "format": "uri", "maxLength": 9}),
+     "format with minLength or maxLength at #"),
     (StructuredOutput.json_schema({"oneOf": []}), "an empty oneOf at #"),  # (its reply was "", no JSON)
 ])
 def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec, needle):
@@ -95,14 +98,39 @@ def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec,
         assert e.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # (and it keeps serving)
 
 
+def test_what_xgrammar_leaves_unenforced_is_what_is_refused():
+    """unenforced_keyword against xgrammar itself: what it names, xgrammar's grammar lets a breaking reply through;
+    what it passes, xgrammar holds (a format xgrammar has no grammar for keeps its string's length bounds)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from tpgraph.engine.structured import unenforced_keyword
+
+    for schema, breaking, refused in [
+        ({"type": "string", "format": "binary", "maxLength": 3}, '"abcdef"', False),
+        ({"type": "string", "format": "password", "minLength": 3}, '"ab"', False),
+        ({"type": "string", "format": "date", "maxLength": 3}, '"2024-01-01"', True),
+        ({"type": ["integer", "null"], "multipleOf": 5}, "7", False),
+        ({"type": "integer", "multipleOf": 5.0}, "7", False),
+        ({"type": "integer", "multipleOf": 2.5}, "3", True),
+        ({"type": ["number", "null"], "multipleOf": 5}, "7", True),
+    ]:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        assert _is_grammar_accept_string(grammar, breaking) is refused, schema
+        assert (unenforced_keyword(schema) is not None) is refused, schema
+
+
 def test_schemas_that_xgrammar_enforces_are_not_refused_for_look_alikes():
-    """A property named as a keyword, annotations beside a $ref, one allOf, multipleOf on integers and a false
-    uniqueItems are enforced (or change nothing): they compile, and replies match."""
+    """A property named as a keyword, annotations beside a $ref, one allOf, multipleOf on integers (Optional[int]'s
+    ["integer", "null"] too), a false uniqueItems and a format xgrammar reads past beside maxLength (pydantic's
+    conbytes) are enforced (or change nothing): they compile, and replies match."""
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {"not": {"type": "integer", "multipleOf": 3}, "uniqueItems": {
         "$ref": "#/$defs/b", "description": "a flag"}, "c": {"allOf": [{"enum": ["x", "y"]}]},
-        "d": {"type": "array", "items": {"const": 1}, "uniqueItems": False, "maxItems": 2}},
-        "required": ["not", "uniqueItems", "c", "d"], "additionalProperties": False,
+        "d": {"type": "array", "items": {"const": 1}, "uniqueItems": False, "maxItems": 2},
+        "e": {"type": "string", "format": "binary", "maxLength": 2}, "f": {"type": ["integer", "null"],
+                                                                         "multipleOf": 5}},
+        "required": ["not", "uniqueItems", "c", "d", "e", "f"], "additionalProperties": False,
         "$defs": {"b": {"type": "boolean"}}}
     with engine() as e:
         outs = e.generate(["JSON:"], SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=60,

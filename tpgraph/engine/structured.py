@@ -264,7 +264,8 @@ def json_schema_grammar(schema: str) -> Any:
 
 # What xgrammar (0.2.9) compiles a JSON schema without, leaving the reply free of it: the keywords it reads past, and
 # the ones it drops beside others (a $ref's siblings, the second schema of allOf on, a pattern's or format's length
-# bounds, multipleOf but on integers). vLLM refuses such a schema for xgrammar too (it has a fallback; this has none).
+# bounds, multipleOf but an integral one on integers). vLLM refuses such a schema for xgrammar too (it has a
+# fallback; this has none).
 _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                "dependentSchemas", "dependencies")
 _ANNOTATIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title", "description",
@@ -273,6 +274,20 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "unevaluatedProperties",
             "propertyNames")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# the formats xgrammar writes its own grammar for, dropping minLength/maxLength beside them; any other format
+# (pydantic's "binary" for bytes, "password", ...) is read past and the string keeps its length bounds
+_FORMATS = {"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
+            "uuid", "uri-template", "json-pointer", "relative-json-pointer"}
+
+
+def _integers_only(schema: dict) -> bool:
+    """Whether xgrammar holds this schema's multipleOf: an integral one on integers (a type list with "integer" and
+    no "number", such as Optional[int]'s ["integer", "null"], too)."""
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    step = schema["multipleOf"]
+    return ("integer" in types and "number" not in types and not isinstance(step, bool)
+            and isinstance(step, (int, float)) and float(step).is_integer())
 
 
 def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
@@ -283,11 +298,11 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
     found = [k for k in _UNENFORCED if k in schema]
     if schema.get("uniqueItems") is True:
         found.append("uniqueItems")
-    if "multipleOf" in schema and schema.get("type") != "integer":
+    if "multipleOf" in schema and not _integers_only(schema):
         found.append("multipleOf on a non-integer")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         found.append("allOf with more than one schema")
-    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+    if ("pattern" in schema or schema.get("format") in _FORMATS) and ("minLength" in schema or "maxLength" in schema):
         found.append(f"{'pattern' if 'pattern' in schema else 'format'} with minLength or maxLength")
     if "$ref" in schema and set(schema) - _ANNOTATIONS:
         found.append(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS))}")
