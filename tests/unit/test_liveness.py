@@ -86,3 +86,14 @@ def test_a_peer_that_never_beat_is_named_not_a_healthy_one():
     finally:
         w0.stop()
         w1.stop()
+
+
+def test_a_watch_stopped_from_its_own_thread_returns():
+    """An engine dropped unclosed can be freed on the watch's thread, whose finalizer then stops the watch there: a
+    join of the current thread raised, before the started ranks were ended. (Here the stop comes from on_dead, which
+    the watch's thread calls for a peer that never beats.)"""
+    deaths = []
+    w = watch(0, DictStore(), deaths)
+    w.on_dead = lambda message: (w.stop(), deaths.append(message))
+    w.start()
+    assert wait_for(deaths), "stop() from the watch's own thread raised before on_dead finished"

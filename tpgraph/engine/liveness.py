@@ -65,7 +65,8 @@ class PeerWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        # (not from the watch itself: an engine freed on its thread stops it from there)
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
 
     def _key(self, rank: int) -> str:

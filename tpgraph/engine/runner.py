@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tpgraph.distributed import gather_objects
+from tpgraph.distributed import gather_objects, run_on_all_ranks
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget
@@ -216,16 +216,8 @@ class ModelRunner:
         self.gpu_timer = GpuTimer() if self.device.type == "cuda" else None
         self.trial_capture_bytes: dict[str, dict[int, int]] = {}  # phase -> {size: bytes} of the estimate's captures
         num_blocks = self._size_kv_cache()
-        try:
-            self._bind_kv_cache(num_blocks)
-        except RuntimeError as exc:  # (torch.OutOfMemoryError on CUDA; the CPU allocator's is a plain RuntimeError)
-            oom = isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
-            if not (oom and self.cfg.num_kv_blocks):
-                raise
-            raise ConfigError(f"--num-kv-blocks {num_blocks} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
-                              f"of KV cache ({self.block_bytes / (1 << 20):.2f} MiB a block), more than the "
-                              f"{self.device.type} has free: lower --num-kv-blocks, or leave it out to size the cache "
-                              "from free memory") from exc
+        # (on every rank alike: one that runs out of memory alone must not leave the others in the next collective)
+        run_on_all_ranks(self.model.comm.state, lambda: self._allocate_kv_cache(num_blocks), "allocating the KV cache")
         self._fit_max_model_len()
         self.capture_s = self.capture_bytes = 0.0
         self.prefill_timings: list[SizeTiming] = []  # each prefill size's forwards, eager and from its graph
@@ -260,6 +252,19 @@ class ModelRunner:
             logger.warning("max_model_len: the model's %d tokens do not fit the KV cache; capped at %d",
                            self.max_model_len, capacity)
         self.max_model_len = capacity
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """The cache of num_blocks blocks, bound to the layers; a size given by hand that does not fit is named."""
+        try:
+            self._bind_kv_cache(num_blocks)
+        except RuntimeError as exc:  # (torch.OutOfMemoryError on CUDA; the CPU allocator's is a plain RuntimeError)
+            oom = isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+            if not (oom and self.cfg.num_kv_blocks):
+                raise
+            raise ConfigError(f"--num-kv-blocks {num_blocks} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
+                              f"of KV cache ({self.block_bytes / (1 << 20):.2f} MiB a block), more than the "
+                              f"{self.device.type} has free: lower --num-kv-blocks, or leave it out to size the cache "
+                              "from free memory") from exc
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         layers, heads, dim = self._kv_shape
