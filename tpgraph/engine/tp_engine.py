@@ -11,6 +11,7 @@ the same decisions, so they stay in lockstep with no control messages.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
@@ -135,6 +137,11 @@ class TPEngine:
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
             from tpgraph.engine.followers import free_tcp_init, start_followers
 
+            if dist.is_initialized():  # (an engine dropped unclosed in a reference cycle: collected now, it goes)
+                gc.collect()
+            if dist.is_initialized():
+                raise ConfigError("this process already holds a process group (an earlier TPEngine not closed?): "
+                                  "close() it, or use it as a context manager, before starting another")
             init = free_tcp_init()
             self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs})
             dist_init = (0, tp_size, init)
