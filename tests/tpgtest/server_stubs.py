@@ -163,10 +163,11 @@ def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
             "server": ("t", 80)}
 
 
-def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
-                      ) -> tuple[float, list[dict]]:
+def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
+                      stuck_send: int | None = None) -> tuple[float, list[dict]]:
     """The ASGI exchange of a client that sends its request, waits 0.3 s, then goes away: the seconds until the
-    engine client was told to abort (3 at most), and the messages the app sent."""
+    engine client was told to abort (3 at most), and the messages the app sent. stuck_send: a slow reader, whose
+    socket takes that many messages and then never drains (that send waits for good)."""
     sent: list[dict] = []
 
     async def main() -> float:
@@ -181,6 +182,8 @@ def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[b
 
         async def send(message: dict) -> None:
             sent.append(message)
+            if stuck_send is not None and len(sent) >= stuck_send:
+                await asyncio.Event().wait()
 
         task = asyncio.create_task(app(asgi_scope(path, headers), receive, send))
         await asyncio.sleep(0.3)

@@ -292,53 +292,21 @@ def test_a_streaming_client_that_leaves_while_a_send_waits_has_its_request_abort
     cancelled with the stream's generators suspended. Nothing closed them: their request ran on, holding its KV
     blocks, until the garbage collector got to them (never, here: it is off, as a collection of old objects may be
     minutes away)."""
-    import contextlib
     import gc
 
-    from tpgtest.server_stubs import asgi_scope
+    from tpgtest.server_stubs import leave_mid_request
 
     client = EndlessClient()
     app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
     body = json.dumps({"model": "m", "max_tokens": 1000, "stream": True,
                        **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user",
                                                                                      "content": "hi"}]})}).encode()
-
-    async def main() -> tuple[list[str], int]:
-        left, sent = asyncio.Event(), []
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop(0)
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-            if len(sent) >= stuck_send:
-                await asyncio.Event().wait()  # (never drained)
-
-        task = asyncio.create_task(app(asgi_scope(path, []), receive, send))
-        await asyncio.sleep(0.3)
-        left.set()
-        await asyncio.wait_for(task, 5)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        while not client.aborted and loop.time() - start < 2:
-            await asyncio.sleep(0.02)
-        aborted = list(client.aborted)
-        for t in client.tasks:
-            t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*client.tasks)
-        return aborted, len(sent)
-
     gc.disable()
     try:
-        aborted, sent = asyncio.run(asyncio.wait_for(main(), 20))
+        took, sent = leave_mid_request(app, client, path, body, [], stuck_send=stuck_send)
     finally:
         gc.enable()
-    assert sent == stuck_send and len(aborted) == 1
+    assert len(sent) == stuck_send and len(client.aborted) == 1 and took < 3
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
