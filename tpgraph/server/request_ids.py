@@ -14,9 +14,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 HEADER = b"x-request-id"
 
 
+def _given(scope: Scope) -> bytes:
+    """The request's X-Request-Id as sent (b"" without one)."""
+    return next((value for name, value in scope["headers"] if name == HEADER), b"")
+
+
 def request_id(request: Request) -> str:
     """The client's X-Request-Id, or a new id."""
-    raw = next((value for name, value in request.scope["headers"] if name == HEADER), b"")
+    raw = _given(request.scope)
     try:  # (as the client wrote it: the header goes back as these bytes)
         given = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -34,7 +39,7 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = next((value for name, value in scope["headers"] if name == HEADER), b"")
+        given = _given(scope)
         if not given:
             given = uuid.uuid4().hex.encode()
             # (any empty ones dropped: the endpoint must read the id the response header carries)

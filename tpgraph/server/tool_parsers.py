@@ -166,6 +166,14 @@ class HermesParser(ToolParser):
         return content[0] + "".join(c for c in content[1:] if c.strip()) or None, calls
 
 
+def parse_expression(text: str) -> ast.expr:
+    """A Python expression's tree, parsed and never run, without the warnings some literals raise (a model's odd
+    escapes would print them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(text, mode="eval").body
+
+
 class PythonicParser(ToolParser):
     name = "pythonic"
     TAG, END = "<|python_start|>", "<|python_end|>"  # (Llama 4's)
@@ -175,15 +183,13 @@ class PythonicParser(ToolParser):
         if not (body.startswith("[") and body.endswith("]")):
             return text, []
         try:  # (parsed, never run: each argument must be a literal)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(body, mode="eval")
+            tree = parse_expression(body)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return text, []
-        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        if not isinstance(tree, ast.List) or not tree.elts:
             return text, []
         calls = []
-        for node in tree.body.elts:
+        for node in tree.elts:
             if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id not in names
                     or node.args or any(k.arg is None for k in node.keywords)):
                 return text, []

@@ -17,10 +17,9 @@ Each character is looked at once, whatever was held before it: long runs of whit
 from __future__ import annotations
 
 import ast
-import warnings
 
 from tpgraph.server.json_stream import WHITESPACE, CallReader
-from tpgraph.server.tool_parsers import arguments_text, tag_begun
+from tpgraph.server.tool_parsers import PythonicParser, arguments_text, parse_expression, tag_begun
 
 Event = tuple[str, str]
 PY_SPACE = " \t\n\r\x0c"  # Python's whitespace between tokens (around a whole reply, str.strip takes any)
@@ -297,7 +296,7 @@ class PythonicStream(CallStream):
     breaks off after an argument was sent is closed, so its arguments stay a JSON object (one cut by max_tokens is
     not)."""
 
-    TAG, END = "<|python_start|>", "<|python_end|>"
+    TAG, END = PythonicParser.TAG, PythonicParser.END
     SEPARATORS = None  # (any whitespace, as str.strip takes it around a whole reply)
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
@@ -381,9 +380,7 @@ class PythonicStream(CallStream):
         text = "".join(self.arg).strip()
         if text:
             try:  # (parsed, never run)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    call = ast.parse(f"f({text}\n)", mode="eval").body
+                call = parse_expression(f"f({text}\n)")
                 (keyword,) = call.keywords
                 entry = arguments_text({keyword.arg: ast.literal_eval(keyword.value)})
             except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, ArithmeticError):
