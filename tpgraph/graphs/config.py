@@ -17,8 +17,9 @@ class GraphConfig:
     ladder: str | tuple[int, ...] = "sglang"  # a LADDERS name, or explicit decode batch sizes
     # token counts captured for piecewise prefill (those up to the first that holds a whole forward's budget): past 512,
     # every 128 to 1024, where an eager forward waits on the host's launches (session 43: 1 x 517 tokens 21.4 ms eager,
-    # 16.7 ms padded to 640; beyond 1024 the GPU's work hides them). Each size keeps its attention inputs (q, k, v of
-    # every layer, about 0.4 MB a token for Llama-3-8B), which the graph pool's estimate counts against the KV cache
+    # 16.7 ms padded to 640; near 1024 the GPU's work hides them, and calibration then picks eager). Each size keeps
+    # its attention inputs (q, k, v of every layer, about 0.4 MB a token for Llama-3-8B), which the graph pool's
+    # estimate counts against the KV cache
     prefill_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024)
     # time each prefill size eagerly and from its graph after capture, and run eagerly the token counts that padding
     # makes slower (calibration.py)
