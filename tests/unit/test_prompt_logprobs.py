@@ -160,8 +160,9 @@ def test_short_prompts_asking_share_one_pass_and_each_keeps_its_own_k(checkpoint
 
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix_cache", "no_cache"])
 def test_n_samples_compute_the_prompt_entries_once_and_each_reports_them(checkpoint, caching):
-    """n = 3: the first sample's prefill computes the request's prompt entries; the other two wait until they are
-    read back (then, with the prefix cache, read the prompt from it), and every sample's first update brings them."""
+    """n = 3: with the prefix cache, the first sample's prefill computes the request's prompt entries and the other
+    two wait until they are read back, then read the prompt from the cache. Without it they would wait for nothing
+    to share: each computes its own. Either way every sample's first update brings the same entries."""
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4,
                   enable_prefix_caching=caching, num_kv_blocks=64) as engine:
         core = engine.core
@@ -179,7 +180,21 @@ def test_n_samples_compute_the_prompt_entries_once_and_each_reports_them(checkpo
             for u in core.step():
                 if u.token_id is not None:
                     firsts.setdefault(u.sample_index, u)
-    assert computed == [0] and sorted(firsts) == [0, 1, 2]
+    assert computed == ([0] if caching else [0, 1, 2]) and sorted(firsts) == [0, 1, 2]
     assert len(firsts[0].prompt_logprobs) == len(PROMPT) - 1
     assert all(firsts[i].prompt_logprobs == firsts[0].prompt_logprobs for i in (1, 2))
     assert all(firsts[i].prompt_ranks == firsts[0].prompt_ranks for i in (1, 2))
+
+
+def test_later_samples_waiting_for_the_prompt_entries_count_the_blocks_they_will_share(checkpoint):
+    """The samples that wait for the first's prompt entries will read its prompt's whole blocks from the cache: the
+    room the scheduler keeps for them leaves those blocks out (it reserved their whole prompts before)."""
+    with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4,
+                  num_kv_blocks=64) as engine:
+        core = engine.core
+        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        core.scheduler.schedule()
+        waiting = list(core.scheduler.waiting)
+    assert [s.sample_index for s in waiting] == [1, 2]
+    assert all(s.awaits_prompt_logprobs for s in waiting)
+    assert [s.awaited_blocks for s in waiting] == [(len(PROMPT) - 1) // 4] * 2

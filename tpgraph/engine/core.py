@@ -195,13 +195,16 @@ class EngineCore:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         max_len = self.scheduler.cfg.max_model_len
+        # later samples report the first's prompt log-probabilities and then read its prompt from the prefix cache;
+        # without one they would wait for nothing to share, so each computes its own
+        shared_prompt = params.prompt_logprobs is not None and self.scheduler.allocator.shares_prefixes
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params, bad_words=request.bad_words,
                                  grammar=GrammarState(self.grammars.matcher(params.structured), request.grammar_after)
                                  if params.structured else None,
-                                 prompt_logprobs_from=seqs[0] if seqs and params.prompt_logprobs is not None else None))
+                                 prompt_logprobs_from=seqs[0] if seqs and shared_prompt else None))
             self._next_seq_id += 1
         # what may raise for one rank alone was built in prepare_request, before the first sequence is queued: a
         # request is taken whole or not at all (one queued without its state broke every later step)

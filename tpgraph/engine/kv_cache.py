@@ -20,6 +20,8 @@ class OutOfBlocks(RuntimeError):
 class BlockAllocator:
     """Hands out block ids first_block .. first_block + num_blocks - 1 (ids below first_block are reserved)."""
 
+    shares_prefixes = False  # (prefix_cache.py's does: a sequence may begin from blocks another computed)
+
     def __init__(self, num_blocks: int, first_block: int = 0) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")

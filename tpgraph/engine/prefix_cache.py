@@ -35,6 +35,8 @@ def block_name(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCachingAllocator(BlockAllocator):
     """A BlockAllocator that names computed blocks and shares them (match) with sequences that begin the same way."""
 
+    shares_prefixes = True
+
     def __init__(self, num_blocks: int, block_size: int, first_block: int = 0) -> None:
         super().__init__(num_blocks, first_block)
         self.block_size = block_size
@@ -121,12 +123,14 @@ class PrefixCachingAllocator(BlockAllocator):
         otherwise compute too (past what is cached now)? Then seq waits and shares them (SGLang's in-batch prefix
         sharing): a burst of requests with one new system prompt, or the n samples of one request, compute the
         common prefix once, while requests whose prefix is cached already, or shared with nobody, go in at once.
+        A later sample of a request that asks prompt log-probabilities waits for its first sample's whatever it saves.
         Sets seq.awaited_blocks: the blocks it waits for (0 if it does not wait)."""
         bs, usable = self.block_size, self._usable(seq)
         names = self._names(seq, usable)
         cached = self._cached_blocks(names, usable)
-        # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step
-        least = 1 if seq.awaited_blocks else -(-WAIT_MIN_TOKENS // bs)
+        # once waiting, seq waits until the blocks are computed; to start, the saving must be worth a step (a later
+        # sample waits for its request's prompt log-probabilities whatever it saves)
+        least = 1 if seq.awaited_blocks else 0 if seq.awaits_prompt_logprobs else -(-WAIT_MIN_TOKENS // bs)
         awaited = 0
         for s in running:
             if s.num_cached >= (cached + 1) * bs:
@@ -139,7 +143,7 @@ class PrefixCachingAllocator(BlockAllocator):
                 shared += 1
             awaited = max(awaited, shared - cached)
         seq.awaited_blocks = awaited if awaited >= least else 0
-        return seq.awaited_blocks > 0
+        return seq.awaited_blocks > 0 or seq.awaits_prompt_logprobs
 
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block

@@ -158,7 +158,7 @@ class Scheduler:
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
             if not seq.needs_prompt_logprobs:  # (else its prompt runs in full: cached tokens would have no logits)
-                if seq.awaits_prompt_logprobs or self.allocator.worth_waiting(seq, self.running):
+                if self.allocator.worth_waiting(seq, self.running):
                     # a running sequence is computing blocks this one begins with (or its request's first sample the
                     # prompt log-probabilities this one reports): it waits, then shares them
                     deferred_slots += 1
