@@ -125,6 +125,26 @@ def test_overlapped_scheduling_changes_no_tokens_under_graphs(penalties):
     assert got[1].outputs[0].logprobs == pytest.approx(want[1].outputs[0].logprobs, rel=1e-4, abs=1e-4)
 
 
+def test_the_activation_peak_covers_an_eager_forward_at_the_largest_prefill_graph():
+    """A 64-token budget keeps the first prefill size that holds it, 2048: its capture's warm-ups and the start-up
+    timing run 2048 tokens eagerly, so the activation peak the KV budget subtracts must cover them (it profiled a
+    64-token forward before)."""
+    with make(max_num_batched_tokens=64, graphs=GraphConfig(prefill_sizes=(16, 2048), warmups=0)) as engine:
+        runner = engine.runner
+        assert runner.prefill_dispatcher.piecewise_sizes == (16, 2048)
+        with torch.inference_mode():
+            lens = runner._null_prefill(2048)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            runner._eager_prefill(2048, lens)
+            torch.cuda.synchronize()
+            forward = torch.cuda.max_memory_allocated() - base
+        print(f"eager 2048-token forward {forward / 2**20:.1f} MiB, activation peak "
+              f"{runner.budget.activation_peak / 2**20:.1f} MiB")
+        assert runner.budget.activation_peak >= 0.95 * forward, (runner.budget.activation_peak, forward)
+
+
 def test_the_kv_budget_leaves_room_for_sampling_at_the_largest_batch():
     """The activation peak the KV budget subtracts covers a step that samples at the largest batch with every option
     on, measured here apart from the runner: at a Llama-3 vocabulary (128256) the sampler's [rows, vocab] fp32

@@ -312,7 +312,8 @@ class ModelRunner:
             sampler.sample(logits, warm_rows(self.cfg.max_batch))
             self.penalties.clear()
             del out, logits
-            self._profile_prefill(self.max_prefill_tokens)
+            # (the largest graph's size may lie past the budget: its warm-ups and its start-up timing run it eagerly)
+            self._profile_prefill(self.token_rows)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
         estimate = 0
@@ -362,7 +363,7 @@ class ModelRunner:
         return lens
 
     def _profile_prefill(self, tokens: int) -> None:
-        """The largest prefill a step can run, eagerly, storing nothing."""
+        """The largest prefill that runs eagerly (a step's, or a graph's warm-up or timing), storing nothing."""
         lens = self._null_prefill(tokens)
         hidden = self._eager_prefill(tokens, lens)
         self.model.compute_logits(hidden[-len(lens):])
