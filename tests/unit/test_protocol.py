@@ -54,6 +54,14 @@ def test_a_text_part_whose_text_is_no_string_is_refused(text):
         body.checked_messages()
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    """A message's text parts were joined with nothing between them ("Describe:" and "the sky" became
+    "Describe:the sky"); vLLM joins them with a newline, so the prompt (and /tokenize's count) is vLLM's."""
+    body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe:"}, {"type": "text", "text": "the sky"}]}]})
+    assert body.checked_messages() == [{"role": "user", "content": "Describe:\nthe sky"}]
+
+
 def test_what_changes_nothing_is_accepted():
     for extra in ({"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
                   {"parallel_tool_calls": True}):

@@ -257,7 +257,7 @@ class ChatMessage(NullMeansDefault):
                 if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
                     raise RequestError(f"{where}.content[{j}].text must be a string, got {text!r}")
                 parts.append(text)
-            return "".join(parts)
+            return "\n".join(parts)  # (as vLLM joins a message's text parts)
         return self.content or ""
 
 
