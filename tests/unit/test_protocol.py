@@ -33,6 +33,21 @@ def test_ids_must_be_integers(body):
         CompletionRequest.model_validate({"model": "m", **body})
 
 
+@pytest.mark.parametrize(("kind", "field"), [
+    *((CompletionRequest, f) for f in ("logprobs", "max_tokens", "n", "best_of", "seed", "top_k", "min_tokens",
+                                       "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                       "repetition_penalty")),
+    *((ChatRequest, f) for f in ("top_logprobs", "max_tokens", "max_completion_tokens", "n"))])
+def test_a_number_must_not_be_true_or_false(kind, field):
+    """pydantic takes true and false as the numbers 1 and 0: a completion's `"logprobs": true` (the chat API's
+    form) silently asked for one alternative, `"max_tokens": true` for one token. A field of the wrong type is a 400,
+    as logit_bias's values, the ids and the counts already are."""
+    body = {"model": "m", "prompt": "x"} if kind is CompletionRequest else CHAT
+    with pytest.raises(ValidationError, match="must be a number, not true or false"):
+        kind.model_validate({**body, field: True})
+    kind.model_validate({**body, field: 1})  # (a number is taken)
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),  # ("auto")
     ({"functions": [{"name": "f"}]}, "send tools"),

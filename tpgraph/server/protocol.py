@@ -52,6 +52,14 @@ def _ids_are_integers(cls: type, value: Any) -> Any:
     return value
 
 
+def _not_a_bool(cls: type, value: Any) -> Any:
+    """A number as a number only: pydantic would take true and false as 1 and 0 (a completion's `"logprobs": true`,
+    the chat API's form, asked for one alternative without a word)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not true or false (got {value!r})")
+    return value
+
+
 def _an_integer(cls: type, value: Any) -> Any:
     """An integer field as an integer only: pydantic would take true, 2.0 and "3" as 1, 2 and 3."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -104,6 +112,9 @@ class SamplingFields(NullMeansDefault):
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
                                            mode="before")(_an_integer)
+    _numbers_are_no_bools = field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty", "seed", "min_tokens",
+                                            mode="before")(_not_a_bool)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None,
@@ -223,6 +234,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
+    _counts_are_no_bools = field_validator("max_tokens", "logprobs", "best_of", mode="before")(_not_a_bool)
 
     def prompts(self) -> list[str | list[int]]:
         if self.suffix:
@@ -275,6 +287,9 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # (the API's deprecated form of tools)
     include_reasoning: bool = True  # (vLLM's: false leaves a reasoning model's thoughts out of the reply)
+
+    _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
+                                           mode="before")(_not_a_bool)
 
     def checked_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
