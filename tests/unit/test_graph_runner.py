@@ -263,3 +263,20 @@ def test_prefill_calibration_times_each_size_eagerly_and_from_its_graph(model, m
     assert "; timed: " in runner.summary()
     del runner.graphs.sets["prefill"]  # (the stand-in holds nothing to release)
     runner.close()
+
+
+def test_boundary_scratch_holds_a_decode_batch_past_the_prefill_budget(model):
+    """Piecewise decode splits at attention into the one boundary scratch, reserved before any capture. With more
+    decode rows (--max-num-seqs) than a prefill forward's tokens (--max-num-batched-tokens), a reserve at the token
+    budget was too small: the KV estimate's first capture (the smallest size) hands the scratch out, so the largest
+    size's capture could not grow it and start-up failed (the CUDA path; the same workspace calls here)."""
+    graphs = GraphConfig(decode_mode="breakable", prefill_mode="none", ladder=(1, 2, 4, 8))
+    runner = ModelRunner(model, RunnerConfig(block_size=4, max_batch=5, max_model_len=64, max_num_batched_tokens=4,
+                                             graphs=graphs))
+    assert runner.seq_rows == 8 and runner.token_rows == 4
+    row = runner.model.attention_layers()[0].num_heads * model.cfg.head_dim
+    workspaces = runner.graphs.workspaces
+    runner.graphs.reopen_capture_phase()
+    workspaces.get("piecewise_boundary", row, runner.dtype, runner.device)  # the estimate's first, smallest capture
+    workspaces.get("piecewise_boundary", runner.seq_rows * row, runner.dtype, runner.device)  # the largest: fits
+    runner.close()

@@ -383,10 +383,13 @@ class ModelRunner:
         return phases
 
     def _capture_phase(self, phase: str, kind: str, sizes: tuple[int, ...]):
-        # one boundary scratch serves every layer and size: reserved at the largest token count, before any capture
+        # one boundary scratch serves every layer and size: reserved at the largest row count, before any capture (a
+        # decode batch may have more rows than a prefill forward's token budget, and the estimate's first capture
+        # hands the scratch out at the smallest size, so it could not grow for the largest later)
         heads = self.model.attention_layers()[0].num_heads
-        self.graphs.workspaces.reserve("piecewise_boundary", self.token_rows * heads * self.model.cfg.head_dim,
-                                       self.dtype, self.device)
+        rows = max(self.token_rows, self.seq_rows)
+        self.graphs.workspaces.reserve("piecewise_boundary", rows * heads * self.model.cfg.head_dim, self.dtype,
+                                       self.device)
         prefill = phase == "prefill"
         forward = self._prefill_forward if prefill else self._decode_forward
         inputs = self._prefill_inputs if prefill else self._decode_inputs
