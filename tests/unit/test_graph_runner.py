@@ -280,3 +280,20 @@ def test_boundary_scratch_holds_a_decode_batch_past_the_prefill_budget(model):
     workspaces.get("piecewise_boundary", row, runner.dtype, runner.device)  # the estimate's first, smallest capture
     workspaces.get("piecewise_boundary", runner.seq_rows * row, runner.dtype, runner.device)  # the largest: fits
     runner.close()
+
+
+def test_a_decode_batch_past_max_batch_is_refused_in_every_mode(model):
+    """The buffers hold the largest bucket's rows (8 for max_batch 5 on the ladder 1, 2, 4, 8): a batch of 6 was
+    refused eagerly but ran from the graphs, past the penalty table's max_batch rows."""
+    from tpgraph.engine.sequence import Sequence
+
+    for mode in ("none", "breakable"):
+        runner = runner_for(model, mode)
+        seqs = [Sequence(i, [256, i + 1], 4) for i in range(6)]
+        runner.prefill(seqs)
+        for seq in seqs:
+            seq.output_ids.append(7)
+        with pytest.raises(ConfigError, match="a decode batch of 6 exceeds max_batch 5"):
+            runner.decode(seqs)
+        runner.decode(seqs[:5])
+        runner.close()

@@ -705,7 +705,8 @@ class ModelRunner:
 
     def _decode_step(self, seqs: list[Sequence], token_sources: list[int] | None) -> torch.Tensor:
         n = len(seqs)
-        if n > self.seq_rows:
+        # (max_batch, not the buffers' rows: those reach the largest bucket, and the penalty table has max_batch rows)
+        if n > self.cfg.max_batch:
             raise ConfigError(f"a decode batch of {n} exceeds max_batch {self.cfg.max_batch}")
         t0 = time.perf_counter()
         mode, desc = self.decode_dispatcher.dispatch(n, n, True)
