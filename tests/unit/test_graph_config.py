@@ -26,6 +26,8 @@ def test_ladder_normalized():
     assert GraphConfig(ladder=[4, 1]).ladder == (1, 4)
     assert GraphConfig(ladder="1,2,4") == GraphConfig(ladder=(1, 2, 4))
     assert GraphConfig(prefill_sizes=[8, 16]).prefill_sizes == (8, 16)
+    # any ascending sequence (a range was refused as "not ascending", offering the very same sizes)
+    assert GraphConfig(prefill_sizes=range(128, 1025, 128)).prefill_sizes == (128, 256, 384, 512, 640, 768, 896, 1024)
 
 
 def test_decode_sizes():

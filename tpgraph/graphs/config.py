@@ -39,9 +39,9 @@ class GraphConfig:
             raise ConfigError(f"ladder: {e}") from None
         # Normalized in place (e.g. "1,2,4" -> (1, 2, 4)) so equal settings compare equal; frozen, hence setattr.
         object.__setattr__(self, "ladder", ladder)
-        sizes = tuple(self.prefill_sizes) if isinstance(self.prefill_sizes, list) else self.prefill_sizes
+        sizes = self.prefill_sizes
         checked = check_sizes(sizes, "prefill_sizes")
-        if checked != sizes:
+        if checked != tuple(sizes):  # (any sequence, a range too: compared as a tuple, only its order can differ)
             raise ConfigError(f"prefill_sizes must be ascending, got {list(sizes)}; did you mean {list(checked)}?")
         object.__setattr__(self, "prefill_sizes", checked)
         if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 0:
