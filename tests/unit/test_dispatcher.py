@@ -76,6 +76,16 @@ def test_empty_size_lists_turn_a_mode_off():
         eager.padded_size(1, GraphMode.FULL)
 
 
+def test_breakable_pads_like_full():
+    """Breakable decode is keyed like FULL (the runner builds its dispatcher with full sizes only): a batch pads to
+    the full bucket, not to a piecewise size (none were captured)."""
+    d = Dispatcher((1, 2, 4, 8), ())
+    assert d.padded_size(3, GraphMode.BREAKABLE) == 4
+    with pytest.raises(ConfigError, match="no breakable graph holds 9 tokens: the largest is 8"):
+        d.padded_size(9, GraphMode.BREAKABLE)
+    assert Dispatcher((1, 4), (16,)).padded_size(3, GraphMode.BREAKABLE) == 4
+
+
 def test_sizes_are_sorted_and_exposed():
     d = Dispatcher(iter([8, 1, 4]), [32, 16])
     assert d.full_sizes == (1, 4, 8)

@@ -100,7 +100,8 @@ class Dispatcher:
             raise ConfigError(f"padded_size needs n >= 1, got {n}")
         if mode is GraphMode.NONE:
             return n
-        table = self._full_table if mode is GraphMode.FULL else self._piecewise_table
+        # (BREAKABLE is keyed like FULL: its buckets are the full sizes)
+        table = self._full_table if mode in (GraphMode.FULL, GraphMode.BREAKABLE) else self._piecewise_table
         if n >= len(table):
             largest = f"the largest is {len(table) - 1}" if len(table) > 1 else "none were captured"
             raise ConfigError(f"no {mode.value} graph holds {n} tokens: {largest}")
