@@ -297,3 +297,13 @@ def test_a_decode_batch_past_max_batch_is_refused_in_every_mode(model):
             runner.decode(seqs)
         runner.decode(seqs[:5])
         runner.close()
+
+
+@pytest.mark.parametrize("name", ["max_model_len", "num_kv_blocks", "max_num_batched_tokens"])
+@pytest.mark.parametrize("value", [0, -8, True, 2.5])
+def test_runner_config_refuses_sizes_that_are_not_positive_integers(name, value):
+    """Read through `or` (None: the default), a 0 silently became the default (the KV cache sized from memory
+    despite num_kv_blocks=0), and a negative budget refused every prefill later, far from its cause."""
+    with pytest.raises(ConfigError, match=f"{name} must be a positive integer or None"):
+        RunnerConfig(**{name: value})
+    assert getattr(RunnerConfig(**{name: 64}), name) == 64

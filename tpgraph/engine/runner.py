@@ -119,6 +119,11 @@ class RunnerConfig:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        # (the runner reads these through `or`: a 0 would silently mean the default, a negative nonsense sizes)
+        for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None (the default), got {value!r}")
 
 
 class ModelRunner:
