@@ -307,3 +307,17 @@ def test_runner_config_refuses_sizes_that_are_not_positive_integers(name, value)
     with pytest.raises(ConfigError, match=f"{name} must be a positive integer or None"):
         RunnerConfig(**{name: value})
     assert getattr(RunnerConfig(**{name: 64}), name) == 64
+
+
+def test_persistent_buffers_are_laid_out_before_the_kv_cache_is_sized(model, monkeypatch):
+    """The KV sizing (CUDA) measures its profile's activation peak from a baseline, then what stays in use: buffers
+    first laid out by the profile's own steps were counted in both, taking their bytes twice from the cache."""
+    from tpgraph.graphs.buffers import PersistentBuffers
+
+    events = []
+    lay_out, size_kv = PersistentBuffers._lay_out, ModelRunner._size_kv_cache
+    monkeypatch.setattr(PersistentBuffers, "_lay_out", lambda self, total: (events.append("buffers"),
+                                                                            lay_out(self, total))[1])
+    monkeypatch.setattr(ModelRunner, "_size_kv_cache", lambda self: (events.append("kv sizing"), size_kv(self))[1])
+    runner_for(model, "breakable").close()
+    assert events[:3] == ["buffers", "buffers", "kv sizing"]

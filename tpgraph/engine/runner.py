@@ -187,6 +187,10 @@ class ModelRunner:
         self.prefill_in.add("input_ids", torch.int64, Pad.ZERO)
         self.prefill_in.add("positions", torch.int64, Pad.ZERO)
         self.prefill_in.add("slot_mapping", torch.int64, Pad.fill(NULL_SLOT))
+        # laid out now, not at their first use in the KV sizing's profile: that would count them in its activation peak
+        # as well as in what stays in use
+        self.decode_in.allocate()
+        self.prefill_in.allocate()
         # TPGRAPH_GREEDY_IN_STEP=1: a decode step makes its greedy ids itself (in its graph), where the next step reads
         # pending tokens, so a plain-greedy step needs no logits (decode_greedy), and at TP > 1 no rank gathers them.
         # Opt-in: at TP=1 it measured mixed (bench/results/2026-12-03_h200_greedy_in_step); TP=2 is untimed

@@ -138,6 +138,10 @@ class PersistentBuffers:
             raise ConfigError(f"buffer {name!r}: row_shape must hold positive integers, got {row_shape!r}")
         self._buffers[name] = _Buffer(pad, dtype, row_shape)
 
+    def allocate(self) -> None:
+        """Lay the declared buffers out now, rather than at their first use (memory profiling needs them in place)."""
+        self._allocate()
+
     def _allocate(self) -> None:
         """Lay every declared buffer out in the two arenas (once), each filled with its policy's initial value."""
         if self._device_arena is not None or not self._buffers:
