@@ -113,10 +113,12 @@ class RunnerConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        # (an int first: True passed as 1, and a float failed in the power-of-two test with a TypeError)
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a power of two, got {bs!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ConfigError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         # (the runner reads these through `or`: a 0 would silently mean the default, a negative nonsense sizes)
