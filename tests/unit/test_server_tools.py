@@ -161,6 +161,25 @@ def test_a_reasoning_server_holds_only_the_answer_to_a_grammar():
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_prompt_that_closes_the_thoughts_gets_an_answer_held_from_its_start():
+    """A final assistant message continued past its thoughts (its last tag </think>): the reply is all answer, so a
+    grammar holds it from its first token (waiting for a second </think> left it unheld) and nothing is reasoning."""
+    reply = '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'
+    closed = {"tool_choice": "required", "continue_final_message": True, "add_generation_prompt": False,
+              "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                           {"role": "assistant", "content": "<think>Oslo, then.</think>"}]}
+    whole, chunks, client = chat([reply], closed, reasoning="deepseek_r1")
+    assert client.params[0].structured_after is None and client.params[0].structured.kind == "json_schema"
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert not any("reasoning" in ch["delta"] for c in chunks for ch in c["choices"])
+    # thoughts the final message opens and leaves open: the reply goes on thinking
+    opened = {**closed, "messages": [closed["messages"][0], {"role": "assistant", "content": "<think>Oslo"}]}
+    whole, _, client = chat([", then.</think>", reply], opened, reasoning="deepseek_r1")
+    assert client.params[0].structured_after == "</think>"
+    assert whole["choices"][0]["message"]["reasoning"] == ", then."
+
+
 def test_a_special_end_tag_keeps_special_tokens_in_the_text():
     _, _, client = chat(["a</think>b"], {}, reasoning="deepseek_r1+special", tools=False)
     assert client.params[0].skip_special_tokens is False

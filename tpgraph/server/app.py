@@ -410,13 +410,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                       prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
-        if reasoning is not None and params.structured is not None:  # (the grammar holds the answer, not thoughts)
+        thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
+        if thinking and params.structured is not None:  # (the grammar holds the answer, not thoughts)
             params = dataclasses.replace(params, structured_after=reasoning.end)
         if reasoning is not None and reasoning.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
-        replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning), body.stream,
-                               body.include_reasoning) for _ in choices]
+        replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning, thinking=thinking),
+                               body.stream, body.include_reasoning) for _ in choices]
         stream = api.run(request, token_ids, params)
         first = await _first(stream)
 

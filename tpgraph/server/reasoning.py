@@ -6,6 +6,7 @@ deepseek_r1 (DeepSeek-R1 and its Llama distillations): thoughts end at `</think>
 `<think>` in the prompt, so a reply begins inside the thoughts; a `<think>` the model writes itself is dropped. A
 reply that never closes its thoughts (cut by max_tokens) is all reasoning, as vLLM reads it. A grammar the request
 asks for holds only the answer after the thoughts (the server sets SamplingParams.structured_after to the end tag).
+A prompt whose last tag is the end tag has closed the thoughts itself: its reply is all answer, held from the start.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class ReasoningParser:
                               f"token; this one splits it into {len(ids)}")
         added = tokenizer.get_added_tokens_decoder().get(ids[0])
         return dataclasses.replace(self, keeps_special_tokens=bool(added is not None and added.special))
+
+    def closed_in(self, prompt: str) -> bool:
+        """Does the prompt close the thoughts already, its last tag the end tag (a final assistant message continued
+        past them)? Then the reply is all answer, as vLLM reads such a prompt."""
+        return prompt.rfind(self.end) > prompt.rfind(self.start)
 
 
 PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", "<think>", "</think>")}
