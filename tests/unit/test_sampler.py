@@ -182,6 +182,7 @@ def test_logprobs_are_the_models_log_softmax():
     ("logprobs", 21, "logprobs must be between 0 and 20"),
     ("seed", "x", "seed must be an integer"),
     ("stop", ("",), "stop must hold non-empty strings"),
+    ("stop", tuple(f"s{i}" for i in range(101)), "stop holds 101 strings; at most 100"),
     ("stop_token_ids", (-1,), "stop_token_ids entry must be >= 0"),
     ("min_tokens", 20, "min_tokens must be between 0 and 16"),
 ])

@@ -14,6 +14,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a tok
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and the sampler uploads them each step)
 MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
 MAX_BAD_WORD_CHARS = 1000  # (each is tokenized on every rank's step thread, where a long one would hold every request)
+MAX_STOP_STRINGS = 100  # (each is scanned on the step thread for every character every request writes)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -88,6 +89,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are taken")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, 0, None)
         if self.logprobs is not None:
