@@ -236,3 +236,16 @@ def test_the_memory_profiles_sampling_rows_take_every_stage(monkeypatch):
     assert ran == ["penalize", "top_k_mask", "top_p_keep"] and table.fills == 3
     assert len(out.token_ids) == 3 and all(len(t) == MAX_LOGPROBS for t in out.top_ids)
     assert not set(out.token_ids) & set(rows[0].banned_ids)
+
+
+def test_a_nan_logit_is_never_drawn_and_leaves_the_rest_of_the_distribution():
+    """As the fused draw (kernels/sampling.py's edge rows) and top_k_floor read it: a NaN logit is out, and the row
+    draws from its other logits. The torch chain's weights were all NaN with one (its maximum is NaN), so every draw
+    of such a row took id 0, whatever the row held; top-k, top-p and min-p alike."""
+    x = torch.cat([torch.tensor([float("nan")]), LOGITS]).expand(2000, -1).clone()  # the NaN at id 0
+    for kw in ({}, {"top_k": 3}, {"top_p": 0.9}, {"min_p": 0.05}):
+        counts = Counter(Sampler("cpu", 3).sample(x, rows(2000, **kw)).token_ids)
+        assert 0 not in counts and set(counts) >= {1, 2}, (kw, counts)
+    counts = Counter(Sampler("cpu", 3).sample(x, rows(2000)).token_ids)
+    for token, p in enumerate(PROBS.tolist(), start=1):
+        assert abs(counts[token] / 2000 - p) < 0.04, counts

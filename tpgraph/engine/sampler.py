@@ -170,6 +170,8 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         greedy_ids = row_argmax(x)
+        # NaN is never drawn, as the fused draw reads it: left in, it made the row's maximum and so all its weights NaN
+        x = x.masked_fill(x.isnan(), float("-inf"))
         params = [r.params for r in rows]
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, x.device)
         x = x / temperature.unsqueeze(1)
