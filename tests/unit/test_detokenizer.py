@@ -134,3 +134,15 @@ def test_a_byte_fallback_window_that_begins_inside_a_character_keeps_the_leading
     d = Detokenizer(tok, [vocab["Hi"], *rocket, *rocket], SamplingParams())
     text = "".join(d.add(t)[0] for t in [vocab["▁Sure"], vocab["▁the"]]) + d.flush()
     assert text == " Sure the"
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_a_byte_fallback_run_broken_after_a_character_was_handed_out_does_not_fail(strip):
+    """你 in three byte tokens, then a stray byte, then a word: ByteFallback decodes the four bytes together, all
+    U+FFFD, so the text no longer starts with the 你 already handed out and DecodeStream.step raised "Invalid prefix"
+    (the engine's step failed). The stray byte is U+FFFD, the text after it goes on."""
+    tok, vocab = byte_fallback_tokenizer(["▁the"], strip=strip)
+    ids = [vocab["▁the"], 1 + 0xE4, 1 + 0xBD, 1 + 0xA0, 1 + 0xE5, vocab["▁the"], vocab["▁the"]]
+    detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams())
+    text = "".join(detok.add(t)[0] for t in ids) + detok.flush()
+    assert text == " the你\ufffd the the"

@@ -17,6 +17,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.stop_strings import StopScanner
 
 PRIME_TOKENS = 6  # prompt tokens the stream starts from
+_INVALID_PREFIX = "Invalid prefix encountered"  # (DecodeStream.step's error when earlier text changed)
 
 
 class Detokenizer:
@@ -48,7 +49,16 @@ class Detokenizer:
         False (before min_tokens): no stop string ends it yet. A token that may stop looks only for stop strings
         ending in its own text (starting up to len(stop) - 1 characters before it, as vLLM's check does), so one
         completed before min_tokens stays in the text."""
-        piece = self.stream.step(self.tokenizer, token_id) or ""
+        try:
+            piece = self.stream.step(self.tokenizer, token_id) or ""
+        except Exception as exc:
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            # a byte-fallback decoder turned a whole invalid byte run into U+FFFD, a character the stream already
+            # handed out included, so its text no longer starts with what it gave: the held tokens and this one
+            # are cut as flush() cuts them, and a new stream starts after them (as vLLM recovers)
+            piece = self._tail(self.undecoded + [token_id])
+            self.stream = DecodeStream(ids=[token_id], skip_special_tokens=self.skip_special_tokens)
         if not piece:
             self.undecoded.append(token_id)
             return "", False
@@ -81,14 +91,18 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _tail(self, held: list[int]) -> str:
+        """The text of `held`, the tokens after self.decoded: as the stream cuts its pieces; a byte-fallback decoder
+        may turn the whole invalid run, complete characters before it included, into U+FFFD, and then only the held
+        tokens' own text is theirs."""
+        before, after = self._decode(self.decoded), self._decode(self.decoded + held)
+        return after[len(before):] if after.startswith(before) else self._decode(held)
+
     def flush(self) -> str:
         """Everything not handed out yet, when the sequence ends: the held-back tail, and the text of the tokens whose
         bytes never completed a character (with U+FFFD for those bytes), which stop strings may still cut."""
         if self.undecoded:
-            before, after = self._decode(self.decoded), self._decode(self.decoded + self.undecoded)
-            # (as the stream cuts its pieces; a byte-fallback decoder may turn the whole invalid run, complete
-            # characters before it included, into U+FFFD, and then only the held tokens' own text is theirs)
-            tail = after[len(before):] if after.startswith(before) else self._decode(self.undecoded)
+            tail = self._tail(self.undecoded)
             self.decoded, self.undecoded = (self.decoded + self.undecoded)[-PRIME_TOKENS:], []
             self._append(tail, may_stop=True)
         delta = self.text[self.emitted:]
