@@ -125,6 +125,16 @@ def test_a_prompt_that_ends_inside_a_character_adds_none_of_its_text():
     assert "A" not in text and text.endswith("hi") and text == TOK.decode([0x80, 0x80, 104, 105])
 
 
+@pytest.mark.parametrize("prompt", [[256, 0xE4, 0xBD], [0xE4, 0xBD], [0xE4]])
+@pytest.mark.parametrize("output", [[104, 105], [0x80, 0x80, 104, 105]])
+def test_a_prompt_that_is_only_a_partial_character_adds_none_of_its_bytes(prompt, output):
+    """A prompt window that is a partial character alone (after a BOS that skip_special_tokens decodes to nothing):
+    the first loop left its last token and the second would not pop it, so its bytes reached the output's text
+    ("\ufffdhi" for "hi", or a character made of the prompt's byte and the output's)."""
+    d = Detokenizer(TOK, prompt, SamplingParams())
+    assert "".join(d.add(t)[0] for t in output) + d.flush() == TOK.decode(output)
+
+
 def test_a_byte_fallback_window_that_begins_inside_a_character_keeps_the_leading_space():
     """A SentencePiece-style tokenizer (byte-fallback <0x..> tokens, "▁" for spaces, a Strip decoder): a prompt
     window that starts in the middle of an emoji's bytes decoded to U+FFFD, complete characters after it included,

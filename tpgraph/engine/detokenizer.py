@@ -27,11 +27,13 @@ class Detokenizer:
         prime = list(prompt_ids[-PRIME_TOKENS:])
         # a window that begins inside a character starts from the next one (a byte-fallback decoder turns a whole
         # invalid run into U+FFFD, complete characters after it included); a prompt that ends inside one (at most 3
-        # bytes of it) would make the stream's first piece repeat the prompt's text: primed with the tokens before it
+        # bytes of it) would make the stream's first piece repeat the prompt's text: primed with the tokens before it,
+        # or with none where the window left is that character alone (the first loop stops at one token, and a
+        # skipped BOS before a prompt's partial character decodes to nothing)
         while len(prime) > 1 and self._decode(prime).startswith("\ufffd"):
             prime.pop(0)
         for _ in range(3):
-            if len(prime) > 1 and self._decode(prime).endswith("\ufffd"):
+            if prime and self._decode(prime).endswith("\ufffd"):
                 prime.pop()
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
