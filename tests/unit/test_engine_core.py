@@ -206,6 +206,31 @@ def test_mistyped_params_and_prompts_are_refused_with_a_reason(reference):
         e.generate(PROMPTS[0], GREEDY)
 
 
+def test_generate_from_two_threads_at_once_gives_each_its_own_outputs():
+    """Two threads' generate loops both stepped the core and read each other's updates: one failed with a KeyError,
+    the other lost the tokens the first had taken. Calls now run one after the other."""
+    import threading
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with engine() as e:
+        alone = tokens(e.generate(PROMPTS[:2], params))
+        results, start = {}, threading.Barrier(2)
+
+        def call(k: int) -> None:
+            start.wait()
+            try:
+                results[k] = tokens(e.generate(PROMPTS[:2], params))
+            except Exception as exc:  # (reported in the assertion below)
+                results[k] = exc
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == {0: alone, 1: alone}
+
+
 def test_a_request_that_fails_while_queued_is_taken_back_whole(reference, monkeypatch):
     """Whatever raises while a request is being added leaves none of its sequences queued: one left queued without
     its state broke every later step (KeyError, then 'pending tokens but token source -1')."""

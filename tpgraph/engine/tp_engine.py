@@ -185,6 +185,7 @@ class TPEngine:
         # rank 0 of started followers tells them each step what changed; under torchrun (SPMD) nobody needs telling
         self.service = EngineService(self.core, ControlPlane(self.state)) if self._followers else None
         self._closed = False
+        self._lock = threading.Lock()  # held by generate and close
         self._next_id = 0
         # an engine dropped unclosed: its started ranks and process group go with it (else they outlive it, and the
         # next TPEngine(tp_size=N) joins the stale group and hangs)
@@ -208,7 +209,16 @@ class TPEngine:
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt."""
+        """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt. Calls from
+        several threads run one after another."""
+        # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
+        # token lost from the other's outputs)
+        with self._lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: Prompt | list[Prompt],
+                  params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
+                  use_tqdm: bool) -> list[GenerationOutput]:
         if self._closed:
             raise RuntimeError("this TPEngine is closed; start a new one")
         if is_one_prompt(prompts):
@@ -354,6 +364,10 @@ class TPEngine:
         """Graphs (holding all-reduce registrations and NCCL work) go first, then the communicator, then the
         process group. followers_told: another loop on rank 0 (the server's EngineService) already told the started
         followers to return, so no shutdown goes to them again (it would meet closed connections)."""
+        with self._lock:  # (after a generate running on another thread, not under it)
+            self._close(followers_told)
+
+    def _close(self, followers_told: bool) -> None:
         if self._closed:
             return
         self._closed = True
