@@ -197,6 +197,13 @@ def test_sampling_params_normalise():
     assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).has_penalties
 
 
+def test_none_is_vllms_default_for_the_list_fields():
+    """vLLM's SamplingParams defaults stop, stop_token_ids, logit_bias and bad_words to None; passing None (as code
+    written for vLLM does) was refused as not a list."""
+    p = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, bad_words=None)
+    assert p.stop == p.stop_token_ids == p.logit_bias == p.bad_words == ()
+
+
 def test_an_ids_out_that_does_not_fit_is_refused():
     logits = torch.randn(3, 50)
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):

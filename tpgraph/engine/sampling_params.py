@@ -63,6 +63,9 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):  # (vLLM's default for these: None)
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
