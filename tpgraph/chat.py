@@ -131,8 +131,9 @@ class ChatTemplate:
         return ChatTemplate(source, special_tokens(cfg))
 
 
-# marks where the last message's text ends, for continue_final_message (a private-use character: no chat has it)
-_CONTINUE_MARK = "\U000f0000tpgraph-continue\U000f0000"
+# marks where the last message's text ends, for continue_final_message (a private-use character: no chat has it);
+# its trailing space, as HF's tag's, tells whether the template trimmed the end of the message (Llama 3's `| trim`)
+_CONTINUE_MARK = "\U000f0000tpgraph-continue\U000f0000 "
 
 
 def _with_end_mark(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,11 +144,12 @@ def _with_end_mark(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _cut_at_end_mark(text: str) -> str:
     """The rendered text up to where the last message's text ends (what the template writes after it, an
-    end-of-turn token, is cut), as apply_chat_template does for continue_final_message."""
-    at = text.find(_CONTINUE_MARK)
+    end-of-turn token, is cut), as apply_chat_template does for continue_final_message: where the template trimmed the
+    message's end (the mark's trailing space is gone), the whitespace before it goes too, as the template wrote none."""
+    at = text.find(_CONTINUE_MARK.rstrip())
     if at < 0:
         raise RequestError("continue_final_message: the chat template does not write the last message's text")
-    return text[:at]
+    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:

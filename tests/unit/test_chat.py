@@ -126,6 +126,17 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+@pytest.mark.parametrize("content", ["Lima ", "Lima\n", " Lima", "Lima", "The answer is  "])
+def test_continuing_a_message_the_template_trims_cuts_as_hf(ckpt, hf_tokenizer, content):
+    """Llama 3's template trims each message: apply_chat_template then leaves out the whitespace at the end of the
+    message to continue (the template wrote none); the text kept it ("...Lima " for "...Lima")."""
+    messages = [{"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": content}]
+    ours = ChatTemplate.from_dir(ckpt, "").render(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+    assert ours == theirs and ours.endswith(content.strip())
+
+
 def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     messages = [{"role": "user", "content": "x"}]
