@@ -135,6 +135,14 @@ def test_a_prompt_that_is_only_a_partial_character_adds_none_of_its_bytes(prompt
     assert "".join(d.add(t)[0] for t in output) + d.flush() == TOK.decode(output)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_prompt_ending_in_more_invalid_bytes_than_a_partial_character_adds_none_of_its_text(skip):
+    """Stray bytes, then a partial character: the window still ended in U+FFFD after 3 tokens were dropped, and a
+    stream primed so takes no prefix from it: its first piece held the prompt's text ("a\ufffd\ufffdhi")."""
+    d = Detokenizer(TOK, [256, 97, 0x80, 0x80, 0x80, 0xE4, 0xBD], SamplingParams(skip_special_tokens=skip))
+    assert "".join(d.add(t)[0] for t in _ids(" hi")) + d.flush() == " hi"
+
+
 def test_a_byte_fallback_window_that_begins_inside_a_character_keeps_the_leading_space():
     """A SentencePiece-style tokenizer (byte-fallback <0x..> tokens, "▁" for spaces, a Strip decoder): a prompt
     window that starts in the middle of an emoji's bytes decoded to U+FFFD, complete characters after it included,

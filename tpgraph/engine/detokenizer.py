@@ -32,9 +32,10 @@ class Detokenizer:
         # skipped BOS before a prompt's partial character decodes to nothing)
         while len(prime) > 1 and self._decode(prime).startswith("\ufffd"):
             prime.pop(0)
-        for _ in range(3):
-            if prime and self._decode(prime).endswith("\ufffd"):
-                prime.pop()
+        # (every token of an invalid tail goes, not only a partial character's 3: a stream whose prime still ends in
+        # U+FFFD takes no prefix from it, and its first piece is then the whole prime's text)
+        while prime and self._decode(prime).endswith("\ufffd"):
+            prime.pop()
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
