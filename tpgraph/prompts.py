@@ -70,6 +70,11 @@ class PromptCodec:
         if self.chat_template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
                                f"tokenizer_config.json's chat_template, or --chat-template); send a plain prompt")
+        for i, m in enumerate(messages):  # (a template renders a missing role as nothing: a prompt of garbage)
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"chat message {i} has no role: messages are {{'role': ..., 'content': ...}}, got "
+                                   f"{m!r} (vLLM's {{'prompt': ...}} and {{'prompt_token_ids': ...}} prompts are given "
+                                   f"here as the text or the token ids themselves)")
         return self.chat_template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:

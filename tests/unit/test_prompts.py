@@ -25,6 +25,22 @@ def test_text_ids_and_token_ids():
         CODEC.encode(b"ab")
 
 
+@pytest.mark.parametrize("prompt", [[{"prompt": "hi"}], [{"prompt_token_ids": [256, 104]}],
+                                    [{"role": "user", "content": "a"}, {"content": "b"}]])
+def test_dicts_that_are_not_chat_messages_are_refused(prompt):
+    """vLLM's prompt dicts ({"prompt": ...}, {"prompt_token_ids": ...}), a list of dicts like chat messages, were
+    rendered through the template with no role and no content: a prompt of template text alone."""
+    from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = PromptCodec(builtin_tokenizer(), ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": BOS}), GenerationDefaults(),
+                        "the built-in model")
+    assert codec.encode([{"role": "user", "content": "a"}]) == codec.encode_text(
+        f"{BOS}<|user|>\na\n<|assistant|>\n", add_special_tokens=False)
+    with pytest.raises(RequestError, match="has no role"):
+        codec.encode(prompt)
+
+
 @pytest.mark.parametrize("text,at", [("\ud800", 0), ("ab\udfffc", 2)])
 def test_a_lone_surrogate_is_refused_with_where_it_is(text, at):
     with pytest.raises(RequestError, match=f"lone surrogate U\\+{ord(text[at]):04X} at character {at}"):
