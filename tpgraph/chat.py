@@ -52,7 +52,10 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None,
+                 tool_use_source: str | None = None) -> None:
+        """tool_use_source: a checkpoint's template named "tool_use", which apply_chat_template renders in place of
+        the default one where tools are given."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols, _GenerationTag])
         env.filters["tojson"] = _tojson
@@ -60,14 +63,16 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
+            self.tool_use_template = env.from_string(tool_use_source) if tool_use_source is not None else None
         except jinja2.TemplateError as exc:
             raise CheckpointError(f"the chat template does not parse: {exc}") from None
         self.source = source
+        self.tool_use_source = tool_use_source
         self.special_tokens = dict(special_tokens or {})
 
     def __reduce__(self) -> tuple:
         # the compiled template does not pickle; the server's front-end process rebuilds it from the source
-        return ChatTemplate, (self.source, self.special_tokens)
+        return ChatTemplate, (self.source, self.special_tokens, self.tool_use_source)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
@@ -85,9 +90,11 @@ class ChatTemplate:
                                "false")
         if continue_final_message:
             messages = _with_end_mark(messages)
+        template = self.tool_use_template if tools is not None and self.tool_use_template is not None else \
+            self.template
         try:
-            text = self.template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt, documents=None)
+            text = template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt, documents=None)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None
         except TypeError as exc:  # (a variable of a type the template cannot use)
@@ -123,12 +130,13 @@ class ChatTemplate:
             source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else cfg.get("chat_template")
         except (OSError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"cannot read {jinja_file}: {exc}") from None
+        tool_use = None
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
+            source, tool_use = named.get("default"), named.get("tool_use")
         if not isinstance(source, str):
             return None
-        return ChatTemplate(source, special_tokens(cfg))
+        return ChatTemplate(source, special_tokens(cfg), tool_use if isinstance(tool_use, str) else None)
 
 
 # marks where the last message's text ends, for continue_final_message (a private-use character: no chat has it);

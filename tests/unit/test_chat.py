@@ -137,6 +137,28 @@ def test_continuing_a_message_the_template_trims_cuts_as_hf(ckpt, hf_tokenizer, 
     assert ours == theirs and ours.endswith(content.strip())
 
 
+def test_a_checkpoints_tool_use_template_renders_where_tools_are_given(tmp_path):
+    """A checkpoint with named templates (Hermes 2 Pro, Command R: "default" and "tool_use"): apply_chat_template
+    renders "tool_use" where tools are given; the default one was rendered, without the tools."""
+    transformers = pytest.importorskip("transformers")
+    ckpt = make_chat_checkpoint(tmp_path)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}]
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    template = ChatTemplate.from_dir(ckpt, "")
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    for kw in ({}, {"tools": tools}):
+        assert template.render(messages, **kw) == hf.apply_chat_template(messages, tokenize=False, **kw)
+    assert template.render(messages, tools=tools).startswith('[{"type": "function"')
+    import pickle  # (the server's front end gets it pickled)
+
+    assert pickle.loads(pickle.dumps(template)).render(messages, tools=tools) == template.render(messages, tools=tools)
+
+
 def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     messages = [{"role": "user", "content": "x"}]
