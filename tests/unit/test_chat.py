@@ -5,7 +5,7 @@ import json
 import pytest
 from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
 
-from tpgraph import RequestError, TPEngine
+from tpgraph import RequestError, SamplingParams, TPEngine
 from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
 from tpgraph.engine.config import EngineConfig
 from tpgraph.errors import CheckpointError
@@ -99,6 +99,24 @@ def test_builtin_model_has_a_template():
         text = engine.render_chat([{"role": "user", "content": "hi"}])
         assert text == "<|begin_of_text|><|user|>\nhi\n<|assistant|>\n"
         assert engine.encode([{"role": "user", "content": "hi"}])[0] == 256  # BOS once, from the template
+
+
+def test_chat_renders_each_conversation_with_its_options_and_completes_it():
+    """vLLM's LLM.chat: one conversation or a list of them, rendered with the chat options (continue_final_message,
+    add_generation_prompt) and completed as the rendered text's ids would be, BOS once; the prompt is that text."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    hi = [{"role": "user", "content": "hi"}]
+    go_on = [*hi, {"role": "assistant", "content": "The answer is"}]
+    with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
+        (one,) = engine.chat(hi, greedy)
+        assert one.prompt == engine.render_chat(hi) and one.prompt_token_ids == engine.encode(hi)
+        assert one.outputs[0].token_ids == engine.generate(hi, greedy)[0].outputs[0].token_ids
+        both = engine.chat([hi, go_on], greedy, continue_final_message=True, add_generation_prompt=False)
+        assert both[1].prompt == engine.render_chat(go_on, False, continue_final_message=True)
+        assert both[1].prompt.endswith("The answer is")
+        assert both[1].prompt_token_ids.count(256) == 1  # (BOS from the template alone)
+        with pytest.raises(RequestError, match="a conversation"):
+            engine.chat("hi", greedy)
 
 
 def test_template_variables_and_continuing_the_final_message():

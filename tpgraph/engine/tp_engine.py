@@ -213,35 +213,62 @@ class TPEngine:
         several threads run one after another."""
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
-        with self._lock:
-            return self._generate(prompts, params, use_tqdm)
-
-    def _generate(self, prompts: Prompt | list[Prompt],
-                  params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
-                  use_tqdm: bool) -> list[GenerationOutput]:
-        if self._closed:
-            raise RuntimeError("this TPEngine is closed; start a new one")
         if is_one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
             raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
                                f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        with self._lock:
+            self._check_open()
+            prompts = list(prompts)
+            encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
+            return self._generate(encoded, params, use_tqdm)
+
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None, *,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[GenerationOutput]:
+        """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
+        template with these options (ChatTemplate.render) and completed. Each output's prompt is the rendered text."""
+        if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+                isinstance(c, (list, tuple)) for c in conversations):
+            raise RequestError("chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a "
+                               f"non-empty list of them, got {type(conversations).__name__}")
+        with self._lock:
+            self._check_open()
+            encoded = []
+            for messages in conversations:
+                text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
+                                        continue_final_message)
+                # (the template writes the special tokens, BOS too)
+                ids = self.prompts.encode_text(text, add_special_tokens=False, max_tokens=self.runner.max_model_len)
+                encoded.append((text, ids))
+            return self._generate(encoded, params, use_tqdm)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this TPEngine is closed; start a new one")
+
+    def _generate(self, encoded: list[tuple[str | None, list[int]]],
+                  params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
+                  use_tqdm: bool) -> list[GenerationOutput]:
+        """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids)."""
         params = params if params is not None else self.default_params()
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        if len(per_prompt) != len(encoded):
+            raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
         results: dict[str, GenerationOutput] = {}
         order, adds = [], []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
-            ids = self.encode(prompt)
+        for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
             self.core.check_request(ids, p)  # every prompt is checked before any is queued
             request_id = f"gen-{self._next_id}"
             self._next_id += 1
             order.append(request_id)
             adds.append((request_id, ids, p))
             results[request_id] = GenerationOutput(
-                request_id, prompt if isinstance(prompt, str) else None, ids,
+                request_id, prompt, ids,
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
                                   top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         start = time.perf_counter()
