@@ -126,6 +126,8 @@ def profile_checks(profile: dict, entry: str) -> list[Check]:
     name = f"{entry}: kernels per step at batch 1 <= {MAX_KERNELS}"
     if row is None:
         return [(name, None, "not profiled")]
+    if not row.get("kernels"):  # profile_step's {"kernels": 0}: the profiler saw no kernel, which is no count
+        return [(name, None, "no kernels recorded (the profiler saw none)")]
     return [(name, row["kernels"] <= MAX_KERNELS, f"{row['kernels']} kernels")]
 
 

@@ -89,3 +89,11 @@ def test_kernels_per_step(report):
     profile["profile"][0]["kernels"] = 201
     assert report.profile_checks(profile, "custom+gemv")[0][1] is False
     assert report.profile_checks(profile, "custom")[0][1] is None
+
+
+def test_a_profile_that_recorded_no_kernels_does_not_pass_the_kernel_count(report):
+    """bench_decode.profile_step writes {"kernels": 0} when the profiler saw no kernel (CUPTI off, graph kernels not
+    traced): that is no count, not a step of 0 kernels under the limit."""
+    profile = {"profile": [{"allreduce": "custom+gemv", "batch": 1, "kernels": 0, "floor_ms": 1.8}]}
+    (_, ok, detail), = report.profile_checks(profile, "custom+gemv")
+    assert ok is None and "no kernels" in detail
