@@ -97,3 +97,13 @@ def test_a_profile_that_recorded_no_kernels_does_not_pass_the_kernel_count(repor
     profile = {"profile": [{"allreduce": "custom+gemv", "batch": 1, "kernels": 0, "floor_ms": 1.8}]}
     (_, ok, detail), = report.profile_checks(profile, "custom+gemv")
     assert ok is None and "no kernels" in detail
+
+
+def test_every_line_is_listed_when_the_kernel_or_profile_json_is_missing(report):
+    """The acceptance step passes --kernels / --profile only where the file exists (a kernel bench past its time
+    limit writes none): the verdict must still list those lines, as not measured, not leave them out."""
+    decode = {"tpot": [tpot("custom+gemv", b, 1.0) for b in (1, 8, 32)], "tp": 2}
+    got = report.checks(decode, None, None, "custom+gemv")
+    assert len(got) == 3 + 1 + 2 + 1
+    assert [ok for _, ok, _ in got[4:]] == [None, None, None]
+    assert "kernels per step" in got[-1][0] and "bandwidth at M = 1" in got[4][0]
