@@ -484,9 +484,9 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --modes full --batches 1 --profile-batches 1 --no-ladders --allreduce "$acc" --profile --steps 20 \
              --out "$out/profile_accept.json" 2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 \
              | tee "$out/profile_accept.log"
-         [ -f "$out/decode_accept.json" ] && python3 bench/report_decode.py "$out/decode_accept.json" --entry "$acc" \
-             $([ -f "$out/kernels.json" ] && echo --kernels "$out/kernels.json") \
-             $([ -f "$out/profile_accept.json" ] && echo --profile "$out/profile_accept.json") | tee "$out/acceptance.md" ;;
+         # (always: a JSON a crashed or timed-out run left unwritten is a failed line of the verdict, not no verdict)
+         python3 bench/report_decode.py "$out/decode_accept.json" --entry "$acc" --kernels "$out/kernels.json" \
+             --profile "$out/profile_accept.json" | tee "$out/acceptance.md" ;;
     kernel-bench) # issue 11: every decode kernel against its bandwidth floor; attention against SDPA at 512 / 4K / 32K
          timeout 400 python3 bench/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -60 \
              | tee "$out/kernels.log" ;;

@@ -131,8 +131,9 @@ def profile_checks(profile: dict, entry: str) -> list[Check]:
     return [(name, row["kernels"] <= MAX_KERNELS, f"{row['kernels']} kernels")]
 
 
-def checks(decode: dict, kernels: dict | None, profile: dict | None, entry: str,
+def checks(decode: dict | None, kernels: dict | None, profile: dict | None, entry: str,
            ceiling: dict | None = None) -> list[Check]:
+    decode = decode if decode is not None else {"tpot": []}  # (no decode JSON: every TPOT line not measured)
     out = tpot_checks(decode, entry) + fused_checks(decode)
     # every line, whatever was measured: a missing kernels or profile JSON (a bench past its time limit) shows its
     # lines as not measured instead of leaving them out of the verdict
@@ -150,9 +151,16 @@ def main() -> None:
     p.add_argument("--entry", default="custom+gemv+overlap")
     args = p.parse_args()
 
-    def load(path: Path | None) -> dict | None:
-        return None if path is None else json.loads(path.read_text())
+    missing = [str(path) for path in (args.decode_json, args.kernels, args.profile, args.ceiling)
+               if path is not None and not path.exists()]
 
+    def load(path: Path | None) -> dict | None:
+        return None if path is None or not path.exists() else json.loads(path.read_text())
+
+    # a benchmark that crashed or ran past its limit writes no JSON (bench_decode.py writes it at the end): a failed
+    # line for it, then every line (not measured where its input is missing), rather than no verdict at all
+    if missing:
+        print(f"- [ ] every benchmark wrote its results: missing {', '.join(missing)}")
     for name, ok, detail in checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry,
                                    load(args.ceiling)):
         print(f"- [{'?' if ok is None else 'x' if ok else ' '}] {name}: {detail}")

@@ -107,3 +107,16 @@ def test_every_line_is_listed_when_the_kernel_or_profile_json_is_missing(report)
     assert len(got) == 3 + 1 + 2 + 1
     assert [ok for _, ok, _ in got[4:]] == [None, None, None]
     assert "kernels per step" in got[-1][0] and "bandwidth at M = 1" in got[4][0]
+
+
+def test_a_missing_results_file_gives_a_failing_verdict_not_none(report, tmp_path, monkeypatch, capsys):
+    """bench_decode.py writes its JSON only at the end: a crashed or timed-out candidate leaves none. The acceptance
+    step then still runs the report, which must say so (and list every line as not measured), not stop."""
+    missing = tmp_path / "decode_accept.json"
+    monkeypatch.setattr("sys.argv", ["report_decode.py", str(missing), "--entry", "custom+gemv",
+                                     "--kernels", str(tmp_path / "kernels.json")])
+    report.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("- [ ] ") and str(missing) in lines[0] and "kernels.json" in lines[0]
+    assert "custom+gemv, batch 1: TPOT <= 1.4x the floor: not measured" in lines[1]
+    assert len(lines) == 1 + 3 + 1 + 2 + 1 and not any(line.startswith("- [x]") for line in lines)
