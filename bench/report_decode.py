@@ -159,11 +159,21 @@ def main() -> None:
 
     # a benchmark that crashed or ran past its limit writes no JSON (bench_decode.py writes it at the end): a failed
     # line for it, then every line (not measured where its input is missing), rather than no verdict at all
+    lines = checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry, load(args.ceiling))
     if missing:
-        print(f"- [ ] every benchmark wrote its results: missing {', '.join(missing)}")
-    for name, ok, detail in checks(load(args.decode_json), load(args.kernels), load(args.profile), args.entry,
-                                   load(args.ceiling)):
+        lines.insert(0, ("every benchmark wrote its results", False, f"missing {', '.join(missing)}"))
+    for name, ok, detail in lines:
         print(f"- [{'?' if ok is None else 'x' if ok else ' '}] {name}: {detail}")
+    print(verdict(lines))
+    raise SystemExit(0 if all(ok for _, ok, _ in lines) else 1)
+
+
+def verdict(lines: list[Check]) -> str:
+    """One line for the whole: passed only where every line holds (a line not measured is not a pass)."""
+    failed, unmeasured = sum(ok is False for _, ok, _ in lines), sum(ok is None for _, ok, _ in lines)
+    if not failed and not unmeasured:
+        return f"verdict: PASS, all {len(lines)} lines hold"
+    return f"verdict: NOT PASSED, {failed} of {len(lines)} lines fail and {unmeasured} are not measured"
 
 
 if __name__ == "__main__":

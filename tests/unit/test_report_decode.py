@@ -115,8 +115,16 @@ def test_a_missing_results_file_gives_a_failing_verdict_not_none(report, tmp_pat
     missing = tmp_path / "decode_accept.json"
     monkeypatch.setattr("sys.argv", ["report_decode.py", str(missing), "--entry", "custom+gemv",
                                      "--kernels", str(tmp_path / "kernels.json")])
-    report.main()
+    with pytest.raises(SystemExit, match="1"):
+        report.main()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("- [ ] ") and str(missing) in lines[0] and "kernels.json" in lines[0]
     assert "custom+gemv, batch 1: TPOT <= 1.4x the floor: not measured" in lines[1]
-    assert len(lines) == 1 + 3 + 1 + 2 + 1 and not any(line.startswith("- [x]") for line in lines)
+    assert len(lines) == 1 + 3 + 1 + 2 + 1 + 1 and not any(line.startswith("- [x]") for line in lines)
+    assert lines[-1] == "verdict: NOT PASSED, 1 of 8 lines fail and 7 are not measured"
+
+
+def test_the_verdict_passes_only_where_every_line_holds(report):
+    assert report.verdict([("a", True, ""), ("b", True, "")]) == "verdict: PASS, all 2 lines hold"
+    assert report.verdict([("a", True, ""), ("b", None, "")]).startswith("verdict: NOT PASSED, 0 of 2 lines fail")
+    assert report.verdict([("a", False, ""), ("b", True, "")]).startswith("verdict: NOT PASSED, 1 of 2 lines fail")
