@@ -90,6 +90,32 @@ def test_an_engine_that_is_gone_is_a_503_and_a_failed_step_a_500(gone, raised, m
     assert raised is not server_app.ApiError or info.value.status == 500
 
 
+class UnreachableClient(EndlessClient):
+    """An engine found gone as a request is submitted (the bridge's submit raises)."""
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        raise server_app.EngineUnavailable("the engine stopped: gone")
+
+
+@pytest.mark.parametrize("client", [FailingClient(True), FailingClient(False), UnreachableClient()],
+                         ids=["gone", "failed-step", "gone-at-submit"])
+def test_a_request_the_engine_failed_is_counted_as_an_error_not_an_abort(client):
+    """An engine failure (a step that raised, or the engine gone) ends the request with a 500 or 503; it was counted
+    under finish_reason "abort", as if its client had left, and no request was ever counted as an error."""
+    metrics = ServerMetrics()
+    api = server_app.Api(client, metrics, "m")
+
+    async def main() -> None:
+        async for _ in api.run(LeavingRequest(after=60), [[1, 2], [3]], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises((server_app.EngineUnavailable, server_app.ApiError)):
+        asyncio.run(main())
+    registry = metrics.registry
+    assert registry.get_sample_value("tpgraph_requests_total", {"finish_reason": "error"}) == 2
+    assert registry.get_sample_value("tpgraph_requests_total", {"finish_reason": "abort"}) is None
+
+
 def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
     """A prompt that takes long to tokenize is encoded on a thread: /health answers meanwhile (a 9 MB prompt used
     to freeze every endpoint for the 11 s it took)."""

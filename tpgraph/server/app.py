@@ -125,6 +125,9 @@ class Api:
                     if not open_samples[ids[i]]:
                         self.metrics.finished(ids[i], update.finish_reason)
                 yield i, update
+        except (ApiError, EngineUnavailable):  # the engine failed (a step, or it is gone): no client aborted these
+            ended = "error"
+            raise
         finally:
             for rid, left in open_samples.items():
                 if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
