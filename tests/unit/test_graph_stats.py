@@ -115,3 +115,21 @@ def test_metrics_count_graph_steps_from_the_end_of_the_warm_up():
     assert sample(stats, "tpgraph_graph_steps_total", phase="decode", mode="full") == 1
     assert sample(stats, "tpgraph_graph_padded_tokens_total", phase="decode", mode="full") == 4
     assert stats.frequency_table() == [("decode", "full", 3, 4, 1)]
+
+
+def test_metrics_count_preemptions_from_the_end_of_the_warm_up():
+    """TPEngine.warm_up runs max_num_seqs prompts and one of max_num_batched_tokens at once, which preempts where the
+    KV cache is small; the scheduler's total, warm-up's included, was exported as served preemptions (the prefix
+    cache counters and graph steps start after the warm-up already)."""
+    from types import SimpleNamespace
+
+    from tpgraph.server.metrics import EngineMetrics
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=2)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    metrics.exposition()
+    assert metrics.registry.get_sample_value("tpgraph_preemptions") == 0
+    scheduler.num_preemptions = 5
+    metrics.exposition()
+    assert metrics.registry.get_sample_value("tpgraph_preemptions") == 3

@@ -42,6 +42,7 @@ class EngineMetrics:
                                    registry=r)
         # the scheduler's totals when serving began (the warm-up's are not counted), then as last exported
         self._prefix_counted = (core.scheduler.prefix_queried_tokens, core.scheduler.prefix_hit_tokens)
+        self._warm_up_preemptions = core.scheduler.num_preemptions  # (a small cache preempts in the warm-up's batch)
         core.runner.stats.restart_steps()  # the graph steps too: the warm-up's are not served ones
 
     def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
@@ -63,7 +64,7 @@ class EngineMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(sched.kv_usage)
-        self.preemptions.set(sched.num_preemptions)
+        self.preemptions.set(sched.num_preemptions - self._warm_up_preemptions)
         totals = (sched.prefix_queried_tokens, sched.prefix_hit_tokens)
         for counter, total, counted in zip((self.prefix_queries, self.prefix_hits), totals, self._prefix_counted,
                                            strict=True):
