@@ -2,6 +2,7 @@
 and an engine failure after a stream began ends it with an error event and [DONE]."""
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -14,6 +15,7 @@ from tpgtest.server_stubs import (  # noqa: E402
     FailingClient,
     OneTokenClient,
     ScriptedClient,
+    SilentClient,
     builtin_codec,
     httpx_module,
     post_all,
@@ -172,6 +174,33 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
         asyncio.run(three())
     assert len(client.aborted) == 2 and metrics.requests.labels(REFUSED)._value.get() == 4
     assert metrics.requests.labels("abort")._value.get() == 0
+
+
+def test_prompt_tokens_are_counted_as_a_samples_prompt_is_computed_not_as_a_request_arrives():
+    """tpgraph_prompt_tokens, as vLLM's prompt_tokens_total: each sample's prompt once it is computed (with its first
+    token). They were counted as the request arrived, so a request the engine refused (never run) or one aborted
+    while it waited in the queue counted prompt tokens no step computed."""
+    from tpgraph.engine.core import REFUSED, StepUpdate
+
+    class RefusingClient(EndlessClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            sink(StepUpdate(request_id, 0, None, "the regex cannot be used", REFUSED))
+
+    def prompt_tokens(client, leave_after: float, n: int = 1) -> float | None:
+        metrics = ServerMetrics()
+
+        async def main() -> None:
+            async for _ in server_app.Api(client, metrics, "m").run(LeavingRequest(after=leave_after), [[1, 2, 3]],
+                                                                    SamplingParams(max_tokens=4, n=n)):
+                pass
+
+        with contextlib.suppress(Exception):
+            asyncio.run(asyncio.wait_for(main(), timeout=10))
+        return metrics.registry.get_sample_value("tpgraph_prompt_tokens_total")
+
+    assert prompt_tokens(RefusingClient(), leave_after=60) == 0
+    assert prompt_tokens(SilentClient(), leave_after=0.1) == 0  # (queued, then its client left)
+    assert prompt_tokens(ScriptedClient(["a", "b"]), leave_after=60, n=2) == 6  # (each sample's, as vLLM's)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -93,7 +93,7 @@ class Api:
         ended = "abort"  # how the requests still open at the end are counted
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-                self.metrics.arrived(rid, len(prompt) * params.n)
+                self.metrics.arrived(rid, len(prompt))
                 self.client.submit(rid, prompt, params, lambda u, i=i: queue.put_nowait((i, u)))
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S

@@ -83,19 +83,21 @@ class ServerMetrics:
         self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
                                 registry=r)
         self.tokens = Counter("tpgraph_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("tpgraph_prompt_tokens", "Prompt tokens of the requests taken (each sample's)",
-                                     registry=r)
+        self.prompt_tokens = Counter("tpgraph_prompt_tokens", "Prompt tokens computed (each sample's, with its first "
+                                     "token)", registry=r)
         self.e2e = Histogram("tpgraph_e2e_request_latency_seconds", "Arrival to the request's end",
                              buckets=LATENCY_BUCKETS + (40.96, 81.92, 163.84), registry=r)
         self._arrival: dict[str, float] = {}
+        self._prompt_len: dict[str, int] = {}
         self._first: dict[str, float] = {}
         self._count: dict[str, dict[int, int]] = {}  # each request's tokens so far, by sample
 
     def arrived(self, request_id: str, prompt_tokens: int = 0) -> None:
-        """A request taken: its prompt's tokens, counted once for each of its n samples (each computes them, unless
-        the prefix cache holds them)."""
+        """A request taken, its prompt `prompt_tokens` long: counted with each of its n samples' first token (each
+        computes them, unless the prefix cache holds them), as vLLM's are once prefilled, so that a request refused
+        or aborted before any step computed its prompt counts none."""
         self._arrival[request_id] = time.perf_counter()
-        self.prompt_tokens.inc(prompt_tokens)
+        self._prompt_len[request_id] = prompt_tokens
 
     def observe(self, update: StepUpdate) -> None:
         now = time.perf_counter()
@@ -104,6 +106,8 @@ class ServerMetrics:
             self.tokens.inc()
             counts = self._count.setdefault(rid, {})
             counts[update.sample_index] = counts.get(update.sample_index, 0) + 1
+            if counts[update.sample_index] == 1:  # (this sample's prompt is computed)
+                self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
             if rid not in self._first and rid in self._arrival:
                 self._first[rid] = now
                 self.ttft.observe(now - self._arrival[rid])
@@ -116,6 +120,7 @@ class ServerMetrics:
         now = time.perf_counter()
         if first is not None and count > 1:
             self.tpot.observe((now - first) / (count - 1))
+        self._prompt_len.pop(request_id, None)
         arrival = self._arrival.pop(request_id, None)
         if arrival is not None:
             self.e2e.observe(now - arrival)
