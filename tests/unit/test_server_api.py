@@ -328,6 +328,27 @@ def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monke
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
 
 
+def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(monkeypatch):
+    """A sample gets a token every 10 ms, then sits (preempted, or its client gone and not yet noticed) until it is
+    aborted a second later: TPOT is 10 ms, as vLLM's (first to last token). It ran to the request's end, which put
+    the wait into every token (250 ms here)."""
+    from tpgraph.engine.core import StepUpdate
+    from tpgraph.server import metrics as server_metrics
+
+    now = [0.0]
+    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: now[0])
+    metrics = ServerMetrics()
+    metrics.arrived("r", 4)
+    for step in range(1, 6):
+        now[0] = step * 0.01
+        metrics.observe(StepUpdate("r", 0, 7, "x"))
+    now[0] = 1.05
+    metrics.finished("r", "abort")
+    registry = metrics.registry
+    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
+    assert registry.get_sample_value("tpgraph_e2e_request_latency_seconds_sum") == pytest.approx(1.05)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_request_that_names_no_model_gets_the_one_served(path):
     """As vLLM's server: `model` may be left out (or null); another model's name is still a 404."""

@@ -89,8 +89,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS + (40.96, 81.92, 163.84), registry=r)
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
-        self._first: dict[str, float] = {}
-        self._count: dict[str, dict[int, int]] = {}  # each request's tokens so far, by sample
+        # each request's samples so far, by index: (tokens, the first's time, the last's time)
+        self._samples: dict[str, dict[int, tuple[int, float, float]]] = {}
 
     def arrived(self, request_id: str, prompt_tokens: int = 0) -> None:
         """A request taken, its prompt `prompt_tokens` long: counted with each of its n samples' first token (each
@@ -104,22 +104,23 @@ class ServerMetrics:
         rid = update.request_id
         if update.token_id is not None:
             self.tokens.inc()
-            counts = self._count.setdefault(rid, {})
-            counts[update.sample_index] = counts.get(update.sample_index, 0) + 1
-            if counts[update.sample_index] == 1:  # (this sample's prompt is computed)
-                self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
-            if rid not in self._first and rid in self._arrival:
-                self._first[rid] = now
+            samples = self._samples.setdefault(rid, {})
+            if not samples and rid in self._arrival:  # the request's first token
                 self.ttft.observe(now - self._arrival[rid])
+            count, first, _ = samples.get(update.sample_index, (0, now, now))
+            samples[update.sample_index] = (count + 1, first, now)
+            if not count:  # (this sample's prompt is computed)
+                self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
 
     def finished(self, request_id: str, reason: str) -> None:
         """The whole request is over."""
         self.requests.labels(reason).inc()
-        # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step)
-        first, count = self._first.pop(request_id, None), max(self._count.pop(request_id, {}).values(), default=0)
+        # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step;
+        # from its first token to its last, as vLLM's: not to the request's end, which may come much later (an abort))
+        count, first, last = max(self._samples.pop(request_id, {}).values(), default=(0, 0.0, 0.0))
         now = time.perf_counter()
-        if first is not None and count > 1:
-            self.tpot.observe((now - first) / (count - 1))
+        if count > 1:
+            self.tpot.observe((last - first) / (count - 1))
         self._prompt_len.pop(request_id, None)
         arrival = self._arrival.pop(request_id, None)
         if arrival is not None:
