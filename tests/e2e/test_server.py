@@ -592,7 +592,7 @@ def test_metrics(server):
     text = http("GET", f"{server.url}/metrics").text
     for name in ("tpgraph_time_to_first_token_seconds_count", "tpgraph_time_per_output_token_seconds_count",
                  "tpgraph_requests_running", "tpgraph_requests_waiting", "tpgraph_kv_cache_usage",
-                 "tpgraph_preemptions", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count",
+                 "tpgraph_preemptions_total", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count",
                  "tpgraph_e2e_request_latency_seconds_count"):
         assert name in text, name
     before = metric(server, "tpgraph_prompt_tokens_total")

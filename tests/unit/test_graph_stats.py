@@ -129,7 +129,7 @@ def test_metrics_count_preemptions_from_the_end_of_the_warm_up():
                                 num_preemptions=2)
     metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
     metrics.exposition()
-    assert metrics.registry.get_sample_value("tpgraph_preemptions") == 0
+    assert metrics.registry.get_sample_value("tpgraph_preemptions_total") == 0
     scheduler.num_preemptions = 5
     metrics.exposition()
-    assert metrics.registry.get_sample_value("tpgraph_preemptions") == 3
+    assert metrics.registry.get_sample_value("tpgraph_preemptions_total") == 3

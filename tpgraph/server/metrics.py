@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tpgraph.engine.core import EngineCore, StepTiming, StepUpdate
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+# a request's waits: a queue under load, or a long generation, runs to minutes (vLLM's reach 2560 s)
+REQUEST_BUCKETS = LATENCY_BUCKETS + (40.96, 81.92, 163.84, 327.68, 655.36, 1310.72, 2621.44)
 HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
 
 
@@ -35,14 +37,15 @@ class EngineMetrics:
         self.running = Gauge("tpgraph_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
         self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
-        self.preemptions = Gauge("tpgraph_preemptions", "Preemptions so far", registry=r)
+        self.preemptions = Counter("tpgraph_preemptions", "Sequences preempted (their blocks freed, to be recomputed)",
+                                   registry=r)
         self.prefix_queries = Counter("tpgraph_prefix_cache_queries", "Tokens of the sequences admitted (a recomputed "
                                       "one again), looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("tpgraph_prefix_cache_hits", "Of those, tokens found cached (not computed)",
                                    registry=r)
-        # the scheduler's totals when serving began (the warm-up's are not counted), then as last exported
-        self._prefix_counted = (core.scheduler.prefix_queried_tokens, core.scheduler.prefix_hit_tokens)
-        self._warm_up_preemptions = core.scheduler.num_preemptions  # (a small cache preempts in the warm-up's batch)
+        # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
+        # batch), then as last exported
+        self._counted = self._totals()
         core.runner.stats.restart_steps()  # the graph steps too: the warm-up's are not served ones
 
     def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
@@ -59,24 +62,27 @@ class EngineMetrics:
             if timing.gpu is not None:
                 self.gpu.observe(timing.gpu)
 
+    def _totals(self) -> tuple[int, int, int]:
+        sched = self.core.scheduler
+        return sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_preemptions
+
     def exposition(self) -> bytes:
         sched = self.core.scheduler  # read from another thread: a scrape may see a step half applied, no more
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(sched.kv_usage)
-        self.preemptions.set(sched.num_preemptions - self._warm_up_preemptions)
-        totals = (sched.prefix_queried_tokens, sched.prefix_hit_tokens)
-        for counter, total, counted in zip((self.prefix_queries, self.prefix_hits), totals, self._prefix_counted,
-                                           strict=True):
+        totals = self._totals()
+        for counter, total, counted in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
+                                           self._counted, strict=True):
             counter.inc(total - counted)
-        self._prefix_counted = totals
+        self._counted = totals
         return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
 
 
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
+        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=REQUEST_BUCKETS,
                               registry=r)
         self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -86,7 +92,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tpgraph_prompt_tokens", "Prompt tokens computed (each sample's, with its first "
                                      "token)", registry=r)
         self.e2e = Histogram("tpgraph_e2e_request_latency_seconds", "Arrival to the request's end",
-                             buckets=LATENCY_BUCKETS + (40.96, 81.92, 163.84), registry=r)
+                             buckets=REQUEST_BUCKETS, registry=r)
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
         # each request's samples so far, by index: (tokens, the first's time, the last's time)
@@ -125,6 +131,10 @@ class ServerMetrics:
         arrival = self._arrival.pop(request_id, None)
         if arrival is not None:
             self.e2e.observe(now - arrival)
+
+    def _totals(self) -> tuple[int, int, int]:
+        sched = self.core.scheduler
+        return sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_preemptions
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
