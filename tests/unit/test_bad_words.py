@@ -134,6 +134,20 @@ def test_the_engine_samples_only_allowed_ids(engine):
         assert set(out.outputs[0].token_ids) <= set(allowed)
 
 
+def test_a_step_whose_every_allowed_id_is_banned_ends_the_sample_rather_than_draw_a_banned_one(engine):
+    """allowed {a, b} with bad words "aa" and "ab": after an "a" every allowed id is banned, so the row's every
+    logit is masked and the draw takes id 0, which the request does not allow (helper-107). The sample ends there
+    ("abort", as a grammar's refusal ends one) with only allowed tokens in it."""
+    (a,), (b,) = (engine.tokenizer.encode(c, add_special_tokens=False).ids for c in "ab")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={a: 100},
+                            allowed_token_ids=(a, b), bad_words=("aa", "ab"))
+    for out in engine.generate(["x", "y"], params):
+        assert out.outputs[0].token_ids == [a] and out.outputs[0].finish_reason == "abort"
+    # with one left unbanned the sample goes on
+    out = engine.generate("x", dataclasses.replace(params, bad_words=("aa",)))[0].outputs[0]
+    assert out.token_ids == [a, b] * 3 and out.finish_reason == "length"
+
+
 # what review found (helper-87): each case failed before its mend
 
 def _dropping_tokenizer():

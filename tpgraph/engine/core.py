@@ -8,6 +8,7 @@ read `StepUpdate`s out. By default steps overlap: each is launched before the la
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -377,9 +378,11 @@ class EngineCore:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
         seq.resolve_pending(index, token)
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            # (its mask allowed nothing else; only a row whose every token was masked, or NaN logits, comes here)
-            logger.error("request %s: its grammar refused token %d; the sample ends", seq.request_id, token)
+        # a token the row's masks banned: only a row whose every token was masked (or NaN logits) draws one, e.g.
+        # allowed_token_ids that multi-token bad words all ban after some output, or a grammar that needs only those
+        if _banned(seq, index, token) or (seq.grammar is not None and not seq.grammar.accept(token)):
+            logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
+                         "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
             self._finish(seq, "abort")
             return StepUpdate(seq.request_id, seq.sample_index, None, "", "abort")
@@ -403,3 +406,15 @@ class EngineCore:
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self._finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)
+
+
+def _banned(seq: Sequence, index: int, token: int) -> bool:
+    """Is `token`, at output position `index`, one that allowed_token_ids or bad_words ban?"""
+    allowed = seq.params.allowed_token_ids  # (sorted)
+    if allowed is not None:
+        at = bisect.bisect_left(allowed, token)
+        if at == len(allowed) or allowed[at] != token:
+            return True
+    if not any(w[-1] == token for w in seq.bad_words):  # (the cheap test first: the output is sliced only past it)
+        return False
+    return token in bad_word_bans(seq.bad_words, seq.output_ids[:index])
