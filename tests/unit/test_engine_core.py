@@ -360,3 +360,19 @@ def test_the_engine_thread_runs_on_the_engines_device(monkeypatch):
     service.start()
     service._thread.join(5)
     assert switched == [torch.device("cuda", 1)] and service.error is None
+
+
+def test_a_samples_first_update_says_how_long_it_queued():
+    """One sequence at a time: the second request waits in the queue while the first generates, and its first update
+    says so (queue_s, vLLM's queue time: from the engine's taking it to its first admission); later updates say
+    nothing."""
+    with engine(max_num_seqs=1) as e:
+        core = e.core
+        core.add_request("a", e.encode("first"), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        core.add_request("b", e.encode("second"), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        updates = []
+        while core.has_work:
+            updates += [u for u in core.step() if u.token_id is not None]
+    first = {u.request_id: u for u in reversed(updates)}
+    assert 0 <= first["a"].queue_s < first["b"].queue_s
+    assert all(u.queue_s is None for u in updates if u is not first[u.request_id])

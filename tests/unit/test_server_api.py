@@ -455,3 +455,16 @@ def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves(
     lens = [len(p) for p in client.prompts]
     assert lens[0] > 64 and lens[1:] == [101, 31, 101]  # (the builtin tokenizer: BOS, then a token a byte)
     assert [p.max_tokens for p in client.params] == [128 - lens[0], 128 - 101, 128 - 101, 100]
+
+
+def test_queue_time_is_observed_once_per_sample_from_its_first_update():
+    from tpgraph.engine.core import StepUpdate
+
+    metrics = ServerMetrics()
+    metrics.arrived("r", 3)
+    for sample, queued in ((0, 0.25), (1, 0.5)):
+        metrics.observe(StepUpdate("r", sample, 7, "x", queue_s=queued))
+        metrics.observe(StepUpdate("r", sample, 8, "y"))
+    get = metrics.registry.get_sample_value
+    assert get("tpgraph_request_queue_time_seconds_count") == 2
+    assert get("tpgraph_request_queue_time_seconds_sum") == 0.75

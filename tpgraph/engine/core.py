@@ -55,6 +55,7 @@ class StepUpdate:
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     prompt_ranks: list[int] | None = None  # (with prompt_logprobs) each prompt token's rank, 1 the most likely
     cached_tokens: int | None = None  # with a sequence's first token: its prompt tokens read from the prefix cache
+    queue_s: float | None = None  # with a sequence's first token: seconds from the engine's taking it to its admission
 
 
 class _Once:
@@ -334,7 +335,7 @@ class EngineCore:
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             if index == 0:
-                update.cached_tokens = seq.prompt_cached or 0
+                update.cached_tokens, update.queue_s = seq.prompt_cached or 0, seq.queue_s
                 if seq.params.prompt_logprobs is not None:  # (every sample's first update brings its request's)
                     src = seq.reported_prompt_logprobs
                     update.prompt_logprobs, update.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)

@@ -27,6 +27,7 @@ whose pending token ends it is not scheduled, and a preempted one is not recompu
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -178,6 +179,7 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_cached
             if seq.prompt_cached is None:  # (what a request's usage reports: its first admission's, as vLLM's)
                 seq.prompt_cached = min(seq.num_cached, len(seq.prompt_ids))
+                seq.queue_s = time.perf_counter() - seq.queued_at
             del self.waiting[i]
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,8 @@ class Sequence:
     # are the same for all, so they are computed once, and the others wait for them and share its cached prompt
     prompt_logprobs_from: Sequence | None = field(default=None, repr=False)
     prompt_cached: int | None = None  # prompt tokens found in the prefix cache when first admitted (then fixed)
+    queued_at: float = field(default_factory=time.perf_counter)  # (perf_counter) when the engine took it
+    queue_s: float | None = None  # from then to its first admission (vLLM's queue time)
     bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
     # do its sampling bans read its last output tokens (a bad word of more than one token)? its row must then see the
     # step in flight read back (set once: the step loop asks of every row)

@@ -84,6 +84,8 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=REQUEST_BUCKETS,
                               registry=r)
+        self.queue = Histogram("tpgraph_request_queue_time_seconds", "A sample's wait in the engine's queue, from its "
+                               "arrival there to its first admission", buckets=REQUEST_BUCKETS, registry=r)
         self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
@@ -113,6 +115,8 @@ class ServerMetrics:
             samples = self._samples.setdefault(rid, {})
             if not samples and rid in self._arrival:  # the request's first token
                 self.ttft.observe(now - self._arrival[rid])
+            if update.queue_s is not None:  # (with a sample's first token)
+                self.queue.observe(update.queue_s)
             count, first, _ = samples.get(update.sample_index, (0, now, now))
             samples[update.sample_index] = (count + 1, first, now)
             if not count:  # (this sample's prompt is computed)
