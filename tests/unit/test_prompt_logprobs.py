@@ -198,3 +198,30 @@ def test_later_samples_waiting_for_the_prompt_entries_count_the_blocks_they_will
     assert [s.sample_index for s in waiting] == [1, 2]
     assert all(s.awaits_prompt_logprobs for s in waiting)
     assert [s.awaited_blocks for s in waiting] == [(len(PROMPT) - 1) // 4] * 2
+
+
+def test_a_first_sample_preempted_mid_prompt_queues_ahead_of_the_samples_that_wait_for_it(checkpoint):
+    """The later samples wait for the first's prompt entries (awaited_blocks > 0 while it computes them). A preempted
+    sequence queued behind every such waiter, so the first sample went behind its own waiters, where it may only go
+    in whole (a deferred slot ahead of it), which a prompt longer than the token budget never can (helper-105; the
+    read-back in flight ends the wait a step later, so it did not hang, but nothing but that timing kept it so)."""
+    from tpgraph.engine.scheduler import ScheduledStep
+
+    with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, num_kv_blocks=64,
+                  max_num_batched_tokens=8) as engine:
+        core, sched = engine.core, engine.core.scheduler
+        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        # the first sample's last chunk leaves budget for the scheduler to reach its waiters (earlier chunks take it
+        # all): then, its entries still in flight (overlapped), it is preempted
+        while not (sched.waiting and all(s.awaited_blocks for s in sched.waiting)):
+            core.step()
+        (first,) = sched.running
+        assert first.sample_index == 0 and first.needs_prompt_logprobs
+        sched._preempt(first, ScheduledStep())
+        assert sched.waiting[0] is first
+        finished, steps = set(), 0
+        while core.has_work:
+            steps += 1
+            assert steps < 200, "the request never finished"
+            finished |= {u.sample_index for u in core.step() if u.finish_reason is not None}
+    assert finished == {0, 1, 2}

@@ -229,9 +229,11 @@ class Scheduler:
         self.num_preemptions += 1
         if self.cfg.policy == "priority":  # (in its place: ahead of later arrivals of its priority)
             bisect.insort(self.waiting, seq, key=queue_order)
-        else:  # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them)
+        else:  # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them),
+            # never behind its own request's samples that wait for it (it would have to go in whole past them)
             at = 0
-            while at < len(self.waiting) and self.waiting[at].awaited_blocks:
+            while (at < len(self.waiting) and self.waiting[at].awaited_blocks
+                   and self.waiting[at].prompt_logprobs_from is not seq):
                 at += 1
             self.waiting.insert(at, seq)
         step.preempted.append(seq)
