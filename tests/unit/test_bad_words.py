@@ -148,6 +148,18 @@ def test_a_step_whose_every_allowed_id_is_banned_ends_the_sample_rather_than_dra
     assert out.token_ids == [a, b] * 3 and out.finish_reason == "length"
 
 
+def test_a_sample_ended_for_a_banned_token_keeps_the_text_of_the_tokens_it_keeps(engine):
+    """The sample ends 'abort' at the banned token but keeps the tokens before it: their text must be there too.
+    Text the detokenizer held back (here "a", which the stop string "az" may begin) was dropped, not flushed as
+    every other end of a sample flushes it: token_ids [a] with text ''."""
+    (a,), (b,) = (engine.tokenizer.encode(c, add_special_tokens=False).ids for c in "ab")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={a: 100},
+                            allowed_token_ids=(a, b), bad_words=("aa", "ab"), stop=["az"])
+    for out in engine.generate(["x", "y"], params):
+        assert out.outputs[0].token_ids == [a] and out.outputs[0].finish_reason == "abort"
+        assert out.outputs[0].text == "a"
+
+
 # what review found (helper-87): each case failed before its mend
 
 def _dropping_tokenizer():

@@ -386,7 +386,9 @@ class EngineCore:
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
             self._finish(seq, "abort")
-            return StepUpdate(seq.request_id, seq.sample_index, None, "", "abort")
+            # the tokens before it stay the sample's: so does their text held back (a stop string's start, UTF-8)
+            detok = state.detokenizers[seq.sample_index]
+            return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
         detok = state.detokenizers[seq.sample_index]
         reason = None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
