@@ -160,6 +160,18 @@ def test_a_sample_ended_for_a_banned_token_keeps_the_text_of_the_tokens_it_keeps
         assert out.outputs[0].text == "a"
 
 
+def test_a_stop_id_drawn_where_min_tokens_and_bad_words_ban_every_allowed_id_does_not_end_the_sample_early(engine):
+    """allowed {0, a, b}, 0 a stop id that min_tokens 4 holds back, bad words "aa" and "ab": after an "a" the row
+    bans every allowed id and the draw takes id 0, a stop id its row banned. The ban check read allowed ids and bad
+    words but not min_tokens' held stop ids, so the sample ended "stop" after 2 tokens, under min_tokens; it ends
+    'abort' there, as for any other banned token."""
+    (a,), (b,) = (engine.tokenizer.encode(c, add_special_tokens=False).ids for c in "ab")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={a: 100},
+                            allowed_token_ids=(0, a, b), stop_token_ids=(0,), min_tokens=4, bad_words=("aa", "ab"))
+    for out in engine.generate(["x", "y"], params):
+        assert out.outputs[0].token_ids == [a] and out.outputs[0].finish_reason == "abort"
+
+
 # what review found (helper-87): each case failed before its mend
 
 def _dropping_tokenizer():

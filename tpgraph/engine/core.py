@@ -379,9 +379,12 @@ class EngineCore:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
         seq.resolve_pending(index, token)
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         # a token the row's masks banned: only a row whose every token was masked (or NaN logits) draws one, e.g.
-        # allowed_token_ids that multi-token bad words all ban after some output, or a grammar that needs only those
-        if _banned(seq, index, token) or (seq.grammar is not None and not seq.grammar.accept(token)):
+        # allowed_token_ids that multi-token bad words all ban after some output, or a grammar that needs only those;
+        # a stop id before min_tokens is one too (_sample_row bans it at index < min_tokens)
+        if (_banned(seq, index, token) or (stop_token and index < p.min_tokens)
+                or (seq.grammar is not None and not seq.grammar.accept(token))):
             logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
@@ -391,7 +394,6 @@ class EngineCore:
             return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
         detok = state.detokenizers[seq.sample_index]
         reason = None
-        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         text = ""
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
