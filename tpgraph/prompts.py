@@ -37,12 +37,16 @@ class PromptCodec:
         if isinstance(prompt, str):
             return self.encode_text(prompt, max_tokens=max_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode_text(self.render_chat(prompt), add_special_tokens=False, max_tokens=max_tokens)
+            return self.encode_chat(self.render_chat(prompt), max_tokens)
         ids = token_ids(prompt)
         if ids is not None:
             return ids
         raise RequestError(f"a prompt is a string, a list of token ids or a list of chat messages, got "
                            f"{type(prompt).__name__}")
+
+    def encode_chat(self, rendered: str, max_tokens: int | None = None) -> list[int]:
+        """A chat rendered through its template -> ids: the template writes the special tokens (BOS too)."""
+        return self.encode_text(rendered, add_special_tokens=False, max_tokens=max_tokens)
 
     def encode_text(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Text -> ids. Through encode_batch, which lets go of the GIL while it works (encode holds it: a 9 MB prompt

@@ -365,26 +365,37 @@ class EngineCore:
         return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", seq.finish_reason)
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        p = seq.params
-        banned: tuple[int, ...] = ()
-        if seq.bad_words or len(seq.output_ids) < p.min_tokens:
-            ids = bad_word_bans(seq.bad_words, seq.output_ids) if seq.bad_words else set()
-            if len(seq.output_ids) < p.min_tokens:
-                ids |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
-            banned = tuple(sorted(ids))
-        return SampleRow(p, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
+        banned = tuple(sorted(self._bans(seq, len(seq.output_ids))))
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
                          grammar=seq.grammar)
+
+    def _bans(self, seq: Sequence, produced: int) -> set[int]:
+        """The ids seq's row bans after its first `produced` output tokens (allowed_token_ids aside): its bad words'
+        next tokens, and below min_tokens the ids that would stop it."""
+        p, ids = seq.params, set()
+        if seq.bad_words:  # (only the output's tail can begin a word)
+            longest = max(map(len, seq.bad_words))
+            ids = bad_word_bans(seq.bad_words, seq.output_ids[max(0, produced - longest + 1):produced])
+        if produced < p.min_tokens:
+            ids |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return ids
+
+    def _refuses(self, seq: Sequence, index: int, token: int) -> bool:
+        """Is `token`, drawn at output position `index`, one its row bans? Only a row whose every token was masked (or
+        NaN logits) draws one: allowed_token_ids that multi-token bad words or min_tokens all ban at that step."""
+        allowed = seq.params.allowed_token_ids  # (sorted)
+        if allowed is not None:
+            at = bisect.bisect_left(allowed, token)
+            if at == len(allowed) or allowed[at] != token:
+                return True
+        return bool(seq.bad_words or index < seq.params.min_tokens) and token in self._bans(seq, index)
 
     def _accept(self, seq: Sequence, state: RequestState, index: int, token: int) -> StepUpdate:
         """The token read back for output position `index` (its placeholder): text, stop checks, finish."""
         p = seq.params
         seq.resolve_pending(index, token)
-        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-        # a token the row's masks banned: only a row whose every token was masked (or NaN logits) draws one, e.g.
-        # allowed_token_ids that multi-token bad words all ban after some output, or a grammar that needs only those;
-        # a stop id before min_tokens is one too (_sample_row bans it at index < min_tokens)
-        if (_banned(seq, index, token) or (stop_token and index < p.min_tokens)
-                or (seq.grammar is not None and not seq.grammar.accept(token))):
+        # a token the row's masks banned (or its grammar refuses, where it needed only banned ones) ends the sample
+        if self._refuses(seq, index, token) or (seq.grammar is not None and not seq.grammar.accept(token)):
             logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
@@ -394,6 +405,7 @@ class EngineCore:
             return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
         detok = state.detokenizers[seq.sample_index]
         reason = None
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         text = ""
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
@@ -411,15 +423,3 @@ class EngineCore:
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self._finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)
-
-
-def _banned(seq: Sequence, index: int, token: int) -> bool:
-    """Is `token`, at output position `index`, one that allowed_token_ids or bad_words ban?"""
-    allowed = seq.params.allowed_token_ids  # (sorted)
-    if allowed is not None:
-        at = bisect.bisect_left(allowed, token)
-        if at == len(allowed) or allowed[at] != token:
-            return True
-    if not any(w[-1] == token for w in seq.bad_words):  # (the cheap test first: the output is sliced only past it)
-        return False
-    return token in bad_word_bans(seq.bad_words, seq.output_ids[:index])

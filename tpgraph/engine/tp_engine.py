@@ -242,9 +242,7 @@ class TPEngine:
             for messages in conversations:
                 text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message)
-                # (the template writes the special tokens, BOS too)
-                ids = self.prompts.encode_text(text, add_special_tokens=False, max_tokens=self.runner.max_model_len)
-                encoded.append((text, ids))
+                encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
             return self._generate(encoded, params, use_tqdm)
 
     def _check_open(self) -> None:

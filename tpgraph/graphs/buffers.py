@@ -121,7 +121,7 @@ class PersistentBuffers:
     @property
     def nbytes(self) -> int:
         """Device bytes held by the buffers, alignment included (for graph memory accounting)."""
-        self._allocate()
+        self.allocate()
         return 0 if self._device_arena is None else self._device_arena.nbytes
 
     def add(self, name: str, dtype: torch.dtype, pad: Pad, row_shape: tuple[int, ...] = ()) -> None:
@@ -139,11 +139,8 @@ class PersistentBuffers:
         self._buffers[name] = _Buffer(pad, dtype, row_shape)
 
     def allocate(self) -> None:
-        """Lay the declared buffers out now, rather than at their first use (memory profiling needs them in place)."""
-        self._allocate()
-
-    def _allocate(self) -> None:
-        """Lay every declared buffer out in the two arenas (once), each filled with its policy's initial value."""
+        """Lay every declared buffer out in the two arenas (once), each filled with its policy's initial value: at
+        the first use, or now (memory profiling needs them in place before it measures)."""
         if self._device_arena is not None or not self._buffers:
             return
         total = 0
@@ -193,7 +190,7 @@ class PersistentBuffers:
 
     def data_ptrs(self) -> dict[str, int]:
         """Device address of every buffer, for the debug check that replays read the captured addresses."""
-        self._allocate()
+        self.allocate()
         return {name: b.device.data_ptr() for name, b in self._buffers.items()}
 
     def commit(self, n: int, padded: int, non_blocking: bool = True) -> int:
@@ -208,7 +205,7 @@ class PersistentBuffers:
                 f"commit of {padded} rows exceeds the buffers' {self._max_rows} rows; buffers are sized for the "
                 f"largest capture size"
             )
-        self._allocate()
+        self.allocate()
         self._await_copy()  # the padding below writes host rows
         end = 0
         for buf in self._buffers.values():
@@ -247,7 +244,7 @@ class PersistentBuffers:
         return padded
 
     def _get(self, name: str) -> _Buffer:
-        self._allocate()
+        self.allocate()
         try:
             return self._buffers[name]
         except KeyError:

@@ -402,7 +402,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                    body.chat_template_kwargs, body.continue_final_message)
         keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None
                                else body.max_completion_tokens)
-        token_ids = [await asyncio.to_thread(prompts.encode_text, text, False, max_model_len if keep is None else None)]
+        token_ids = [await asyncio.to_thread(prompts.encode_chat, text, max_model_len if keep is None else None)]
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

@@ -110,13 +110,13 @@ class ServerMetrics:
     def observe(self, update: StepUpdate) -> None:
         now = time.perf_counter()
         rid = update.request_id
+        if update.queue_s is not None:  # (a sample's first update, with a token or ending it without one)
+            self.queue.observe(update.queue_s)
         if update.token_id is not None:
             self.tokens.inc()
             samples = self._samples.setdefault(rid, {})
             if not samples and rid in self._arrival:  # the request's first token
                 self.ttft.observe(now - self._arrival[rid])
-            if update.queue_s is not None:  # (with a sample's first token)
-                self.queue.observe(update.queue_s)
             count, first, _ = samples.get(update.sample_index, (0, now, now))
             samples[update.sample_index] = (count + 1, first, now)
             if not count:  # (this sample's prompt is computed)
@@ -135,10 +135,6 @@ class ServerMetrics:
         arrival = self._arrival.pop(request_id, None)
         if arrival is not None:
             self.e2e.observe(now - arrival)
-
-    def _totals(self) -> tuple[int, int, int]:
-        sched = self.core.scheduler
-        return sched.prefix_queried_tokens, sched.prefix_hit_tokens, sched.num_preemptions
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
