@@ -468,3 +468,21 @@ def test_queue_time_is_observed_once_per_sample_from_its_first_update():
     get = metrics.registry.get_sample_value
     assert get("tpgraph_request_queue_time_seconds_count") == 2
     assert get("tpgraph_request_queue_time_seconds_sum") == 0.75
+
+
+def test_a_slow_reader_does_not_stretch_the_latencies_the_engine_delivered():
+    """The engine delivers every token at once; the reader (a slow streaming client) takes one each 50 ms. The
+    latencies are those of the delivery, as vLLM's engine-side timestamps give them: they were taken as the reader
+    took each update, so TPOT read 50 ms and e2e 150 ms."""
+    metrics = ServerMetrics()
+
+    async def main() -> None:
+        async for _ in server_app.Api(ScriptedClient(["a", "b", "c", "d"]), metrics, "m").run(
+                LeavingRequest(after=60), [[1, 2]], SamplingParams(max_tokens=4)):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    get = metrics.registry.get_sample_value
+    assert get("tpgraph_time_per_output_token_seconds_count") == 1
+    assert get("tpgraph_time_per_output_token_seconds_sum") < 0.01
+    assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.04

@@ -85,7 +85,8 @@ class Api:
                   ) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
         Aborts whatever is unfinished if the client goes away or the caller stops early."""
-        queue: asyncio.Queue[tuple[int, StepUpdate]] = asyncio.Queue()
+        # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
+        queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
             self.client.check(prompt, params)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
@@ -94,12 +95,13 @@ class Api:
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self.metrics.arrived(rid, len(prompt))
-                self.client.submit(rid, prompt, params, lambda u, i=i: queue.put_nowait((i, u)))
+                self.client.submit(rid, prompt, params,
+                                   lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
             while any(open_samples.values()):
                 try:
-                    i, update = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
+                    i, update, received = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
                     update = None
                 # on a timer, not only when updates pause: a decoding request has one every few ms, and a
@@ -119,11 +121,11 @@ class Api:
                     if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
                         raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")
                     raise ApiError(500, f"the engine failed: {update.text}", "InternalError")
-                self.metrics.observe(update)
+                self.metrics.observe(update, received)
                 if update.finish_reason is not None:
                     open_samples[ids[i]] -= 1
                     if not open_samples[ids[i]]:
-                        self.metrics.finished(ids[i], update.finish_reason)
+                        self.metrics.finished(ids[i], update.finish_reason, received)
                 yield i, update
         except (ApiError, EngineUnavailable):  # the engine failed (a step, or it is gone): no client aborted these
             ended = "error"

@@ -107,8 +107,9 @@ class ServerMetrics:
         self._arrival[request_id] = time.perf_counter()
         self._prompt_len[request_id] = prompt_tokens
 
-    def observe(self, update: StepUpdate) -> None:
-        now = time.perf_counter()
+    def observe(self, update: StepUpdate, now: float | None = None) -> None:
+        """An update, delivered at `now` (perf_counter; default: now)."""
+        now = time.perf_counter() if now is None else now
         rid = update.request_id
         if update.queue_s is not None:  # (a sample's first update, with a token or ending it without one)
             self.queue.observe(update.queue_s)
@@ -122,13 +123,13 @@ class ServerMetrics:
             if not count:  # (this sample's prompt is computed)
                 self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
 
-    def finished(self, request_id: str, reason: str) -> None:
-        """The whole request is over."""
+    def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
+        """The whole request is over (at `now`, perf_counter; default: now)."""
         self.requests.labels(reason).inc()
         # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step;
         # from its first token to its last, as vLLM's: not to the request's end, which may come much later (an abort))
         count, first, last = max(self._samples.pop(request_id, {}).values(), default=(0, 0.0, 0.0))
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         if count > 1:
             self.tpot.observe((last - first) / (count - 1))
         self._prompt_len.pop(request_id, None)
