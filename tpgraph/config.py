@@ -172,14 +172,16 @@ class ModelConfig:
             eos_ids = tuple(_token_id(e) for e in eos) if isinstance(eos, list) else (
                 () if eos is None else (_token_id(eos),))
             bos = cfg.get("bos_token_id", 1)
+            # (only an absent or null field takes the default: a 0 is refused below, not read as absent)
+            kv, head_dim = cfg.get("num_key_value_heads"), cfg.get("head_dim")
             return ModelConfig(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                num_key_value_heads=heads if kv is None else int(kv),
+                head_dim=hidden // heads if head_dim is None else int(head_dim),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),

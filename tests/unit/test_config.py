@@ -180,6 +180,14 @@ def test_a_field_of_the_wrong_type_is_a_config_error(bad):
         ModelConfig.from_hf_dict({**base, **bad})
 
 
+@pytest.mark.parametrize("field", ["num_key_value_heads", "head_dim"])
+def test_a_zero_head_count_or_width_is_refused_by_name(field):
+    """0 (transformers fails on it) was read through `or` as absent: the model ran as MHA / hidden // heads."""
+    with pytest.raises(ConfigError, match=f"config field {field} must be >= 1, got 0"):
+        ModelConfig.from_hf_dict({**MINIMAL, field: 0})
+    assert ModelConfig.from_hf_dict({**MINIMAL, field: None}) == ModelConfig.from_hf_dict(MINIMAL)
+
+
 def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
