@@ -44,6 +44,15 @@ def _token_id(value: Any) -> int:
     return value
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A true/false field of config.json: a JSON bool, or null for false (bool("false") would be True)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 _ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
@@ -185,7 +194,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=_flag("tie_word_embeddings", cfg.get("tie_word_embeddings")),
                 bos_token_id=None if bos is None else _token_id(bos),
                 eos_token_id=eos_ids,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),

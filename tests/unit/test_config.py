@@ -188,6 +188,14 @@ def test_a_zero_head_count_or_width_is_refused_by_name(field):
     assert ModelConfig.from_hf_dict({**MINIMAL, field: None}) == ModelConfig.from_hf_dict(MINIMAL)
 
 
+@pytest.mark.parametrize("value", ["false", 0, "true"])
+def test_tie_word_embeddings_must_be_a_json_bool(value):
+    """bool("false") is True: a tied model ran for a config that says untied (transformers refuses a string)."""
+    with pytest.raises(ConfigError, match="tie_word_embeddings must be true or false"):
+        ModelConfig.from_hf_dict({**MINIMAL, "tie_word_embeddings": value})
+    assert ModelConfig.from_hf_dict({**MINIMAL, "tie_word_embeddings": None}).tie_word_embeddings is False
+
+
 def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
