@@ -44,6 +44,13 @@ def _token_id(value: Any) -> int:
     return value
 
 
+def _integer(name: str, value: Any) -> int:
+    """A count or size from config.json: an integer (int() would cut 100.7 to 100 and read true as 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
 def _flag(name: str, value: Any) -> bool:
     """A true/false field of config.json: a JSON bool, or null for false (bool("false") would be True)."""
     if value is None:
@@ -175,8 +182,8 @@ class ModelConfig:
                 raise ConfigError(f"config.json sets {name}={cfg.get(name)!r}, which tpgraph does not implement "
                                   f"(it would run as if unset and give wrong results)")
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            heads = _integer("num_attention_heads", cfg["num_attention_heads"])
+            hidden = _integer("hidden_size", cfg["hidden_size"])
             eos = cfg.get("eos_token_id", 2)  # (absent fields take transformers' LlamaConfig defaults)
             eos_ids = tuple(_token_id(e) for e in eos) if isinstance(eos, list) else (
                 () if eos is None else (_token_id(eos),))
@@ -184,16 +191,16 @@ class ModelConfig:
             # (only an absent or null field takes the default: a 0 is refused below, not read as absent)
             kv, head_dim = cfg.get("num_key_value_heads"), cfg.get("head_dim")
             return ModelConfig(
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=_integer("vocab_size", cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=_integer("intermediate_size", cfg["intermediate_size"]),
+                num_hidden_layers=_integer("num_hidden_layers", cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=heads if kv is None else int(kv),
-                head_dim=hidden // heads if head_dim is None else int(head_dim),
+                num_key_value_heads=heads if kv is None else _integer("num_key_value_heads", kv),
+                head_dim=hidden // heads if head_dim is None else _integer("head_dim", head_dim),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=RopeConfig.from_hf(cfg),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_integer("max_position_embeddings", cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=_flag("tie_word_embeddings", cfg.get("tie_word_embeddings")),
                 bos_token_id=None if bos is None else _token_id(bos),
                 eos_token_id=eos_ids,

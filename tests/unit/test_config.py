@@ -196,6 +196,14 @@ def test_tie_word_embeddings_must_be_a_json_bool(value):
     assert ModelConfig.from_hf_dict({**MINIMAL, "tie_word_embeddings": None}).tie_word_embeddings is False
 
 
+@pytest.mark.parametrize("bad", [{"vocab_size": 100.7}, {"hidden_size": 8.5}, {"num_attention_heads": True},
+                                 {"intermediate_size": "16"}, {"num_key_value_heads": 1.9}])
+def test_a_count_that_is_not_an_integer_is_refused(bad):
+    """int() cut 100.7 to 100 and read true as 1 head: another model than config.json says (transformers refuses)."""
+    with pytest.raises(ConfigError, match=f"{next(iter(bad))} must be an integer"):
+        ModelConfig.from_hf_dict({**MINIMAL, **bad})
+
+
 def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
