@@ -153,6 +153,26 @@ def test_quantized_weights_are_refused_not_cast(tmp_path):
         load_weights(model, SafetensorsSource(path), show_progress=False)
 
 
+def test_a_tied_config_with_its_own_lm_head_in_the_checkpoint_projects_with_it(tmp_path):
+    """transformers 5 ties the output projection to the embedding only where the checkpoint holds no lm_head.weight
+    of other values; one it holds is the projection. It was dropped for the embedding: other logits, silently."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from tpgraph.model.loader import load_model
+
+    path = make_checkpoint("llama32_tied_llama3rope_gqa", tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    hf = HFLlama.from_pretrained(path, dtype=torch.float32)
+    assert torch.equal(hf.lm_head.weight, tensors["lm_head.weight"])  # (the reference: transformers projects with it)
+    comm = fake_rank(0, 1)
+    model = load_model(comm.state, comm, path, dtype=torch.float32)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+
 def test_eos_ids_outside_the_vocabulary_are_dropped():
     from tpgraph.engine.tp_engine import checked_eos_ids
 

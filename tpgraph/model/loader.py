@@ -7,6 +7,7 @@ one-line error on every rank, never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -194,11 +195,15 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         cfg = config or (ModelConfig.from_dir(model_dir) if model_dir is not None else BUILTIN_MODEL)
-        model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         if model_dir is None or load_format == "dummy":
             source: TensorSource = RandomSource(cfg, seed, state.device)
         else:
             source = SafetensorsSource(Path(model_dir))
+            if cfg.tie_word_embeddings and "lm_head.weight" in source.file_of:
+                # transformers ties only a checkpoint without an lm_head.weight of its own values: one it holds is the
+                # output projection (untied with equal values: the same logits as tied)
+                cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         load_weights(model, source, show_progress=state.is_driver)
         return model.eval()
 
