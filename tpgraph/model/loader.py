@@ -203,6 +203,10 @@ def load_model(
                 # transformers ties only a checkpoint without an lm_head.weight of its own values: one it holds is the
                 # output projection (untied with equal values: the same logits as tied)
                 cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+                if state.is_driver:
+                    logger.warning("config.json ties lm_head to the embedding, but the checkpoint holds its own "
+                                   "lm_head.weight: it is loaded untied, as transformers loads it (vLLM drops it; "
+                                   "with equal values this costs one copy more of the embedding's memory)")
         model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         load_weights(model, source, show_progress=state.is_driver)
         return model.eval()
