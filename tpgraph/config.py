@@ -174,8 +174,9 @@ class ModelConfig:
             )
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ConfigError("Llama checkpoints with attention_bias or mlp_bias are not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu')")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
+            raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
+                              f"the same function)")
         # fields that change the computation and that this model does not implement: refused, never ignored
         for name, harmless in UNIMPLEMENTED_FIELDS.items():
             if cfg.get(name) not in harmless:

@@ -216,3 +216,10 @@ def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
 def test_a_clear_config_error_keeps_its_own_words():
     with pytest.raises(ConfigError, match="^config.json rope_scaling type 'yarn' is not supported"):
         ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_swish_is_silu_and_other_activations_are_refused():
+    """transformers' ACT2FN maps "swish" to SiLU, as "silu": both run; any other activation is refused by name."""
+    assert ModelConfig.from_hf_dict({**MINIMAL, "hidden_act": "swish"}) == ModelConfig.from_hf_dict(MINIMAL)
+    with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_hf_dict({**MINIMAL, "hidden_act": "gelu"})
