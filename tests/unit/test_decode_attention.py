@@ -148,6 +148,18 @@ def test_padded_rows_give_zeros_not_nan(num_splits, split_tiles):
     _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_strided_seq_lens_and_block_tables_match_the_reference(num_splits):
+    """Views with non-unit steps (every other element of wider tensors): read as the reference reads them, not as if
+    their elements were adjacent."""
+    q, k, v, bt, lens, scale = random_paged_case(17, "cpu", torch.float32, max_batch=3, max_len=200)
+    strided_lens = torch.stack([lens, torch.zeros_like(lens)], dim=1)[:, 0]
+    strided_bt = torch.stack([bt, torch.zeros_like(bt)], dim=2)[:, :, 0]
+    assert strided_lens.stride(0) != 1 and strided_bt.stride(1) != 1
+    out = paged_decode_attention_v2(q, k, v, strided_bt, strided_lens, scale, max_seq_len=200, num_splits=num_splits)
+    _check(out, paged_decode_reference(q, k, v, bt, lens, scale))
+
+
 def test_context_longer_than_max_seq_len_is_still_whole():
     """max_seq_len only sizes the grid: splits follow seq_len, so they just get longer."""
     q, k, v, bt, lens, scale = random_paged_case(17, "cpu", torch.float32, max_batch=3, max_len=200)

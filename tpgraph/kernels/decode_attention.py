@@ -767,6 +767,10 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    # the kernel indexes seq_lens and a block-table row by unit steps (a no-op for the engine's contiguous buffers)
+    seq_lens = seq_lens.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
     interpreted = soft_bf16_rounding(q)
     dim_pad = triton.next_power_of_2(dim)
     last_combines = num_splits > 1 and last_split_reduces()
