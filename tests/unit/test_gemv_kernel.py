@@ -414,6 +414,29 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, dtype, m, block_n,
         m * 10 + split_k))
 
 
+@interpreted
+def test_qkv_rope_store_reads_strided_positions_and_slots_as_given():
+    """positions and slot_mapping as views with non-unit steps (every other element of a wider tensor): the same q
+    and caches as from their contiguous copies."""
+    from tpgraph.kernels.gemv import qkv_rope_store
+    from tpgraph.kernels.rope_store import rope_cos_sin_table
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, hidden, block_size, m = 2, 1, 32, 64, 4, 3
+    x, w = torch.randn(m, hidden, generator=g), torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1
+    tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 64, torch.float32, "cpu")
+    positions, slots = torch.tensor([3, 40, 7]), torch.tensor([1, 13, 6])
+    caches = [torch.zeros(4, block_size, kv_heads, dim) for _ in range(4)]
+    cfg = GemvConfig(16, 64, 4, 1)
+    q = qkv_rope_store(x, w, torch.stack([positions, positions * 0], dim=1)[:, 0], tables,
+                       torch.stack([slots, slots * 0], dim=1)[:, 0], caches[0], caches[1], heads, kv_heads, dim,
+                       use_triton=True, config=cfg)
+    rq = qkv_rope_store(x, w, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim, use_triton=True,
+                        config=cfg)
+    assert q is not None and torch.equal(q, rq)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: bool, g: torch.Generator) -> None:
     """qkv_rope_store on m random rows (4 + 2 * 2 heads of 64) against linear_small_m (the same tiles) and then
     rope_and_store: q and both caches bit for bit, and the counters back at zero."""

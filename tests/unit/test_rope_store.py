@@ -103,6 +103,21 @@ def test_tokens_per_program_must_be_a_power_of_two():
 
 
 @interpreted
+def test_strided_positions_and_slots_match_reference_bit_for_bit():
+    """positions and slot_mapping as views with non-unit steps (every other element of a wider tensor): read as the
+    reference reads them, so no k/v lands in a slot not given."""
+    qkv, positions, slots, k_cache, v_cache = _case(3, 5, 2, 1, 64, 4, torch.float32, torch.int64)
+    strided_pos = torch.stack([positions, torch.zeros_like(positions)], dim=1)[:, 0]
+    strided_slots = torch.stack([slots, torch.zeros_like(slots)], dim=1)[:, 0]
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.float32, "cpu")
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q, k = rope_and_store(qkv, strided_pos, cos_sin, strided_slots, k_cache, v_cache, 2, 1, 64, use_triton=True)
+    q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, 2, 1, 64)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+
+
+@interpreted
 def test_zero_tokens():
     qkv, positions, slots, k_cache, v_cache = _case(0, 0, 4, 2, 64, 4, torch.bfloat16, torch.int64)
     before = k_cache.clone()

@@ -949,6 +949,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
         return None
     tile = _tile_args(x, config, n, k)
+    # the kernel reads positions and slots at unit steps (a no-op for the engine's contiguous buffers)
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     paired = qkv_paired()
     blocks = triton.cdiv(n, config.block_n)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)

@@ -176,6 +176,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q, k
+    # the kernel reads positions and slots at unit steps (a no-op for the engine's contiguous buffers)
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     pdl = use_pdl(qkv)
     block_t = tokens_per_program or (PREFILL_BLOCK_T if tokens >= PREFILL_TOKENS else 1)
     if block_t & (block_t - 1):
