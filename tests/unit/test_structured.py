@@ -399,3 +399,16 @@ def test_a_token_the_grammar_refuses_brings_no_logprob(monkeypatch, overlap):
                                                    structured=StructuredOutput("regex", "[a-z]{10}")))[0].outputs[0]
     assert out.finish_reason == "abort" and len(out.token_ids) == 2
     assert len(out.logprobs) == len(out.top_logprobs) == 2
+
+
+def test_allowed_ids_that_the_grammar_cannot_begin_with_are_refused_when_the_request_is_taken():
+    """A choice of digits with allowed_token_ids of letters: no first token is left. It was taken, and every sample
+    ended "abort" with nothing in it; it is refused with the reason. Allowed ids it can begin with are taken."""
+    digits = StructuredOutput("regex", "[0-9]+")
+    with engine() as e:
+        letters = tuple(e.tokenizer.encode("ab", add_special_tokens=False).ids)
+        with pytest.raises(RequestError, match="can begin with none of allowed_token_ids"):
+            e.generate(["x"], SamplingParams(max_tokens=4, structured=digits, allowed_token_ids=letters))
+        nine = tuple(e.tokenizer.encode("9", add_special_tokens=False).ids)
+        out = e.generate(["x"], SamplingParams(max_tokens=3, structured=digits, allowed_token_ids=letters + nine))
+        assert out[0].outputs[0].text == "999"

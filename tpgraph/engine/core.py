@@ -182,6 +182,11 @@ class EngineCore:
             if allowed <= banned:
                 raise RequestError(f"bad_words ban every one of allowed_token_ids {list(params.allowed_token_ids)}: "
                                    f"no token is left to generate")
+            # a grammar held from the first token that can begin with none of them (later conflicts end a sample)
+            if (params.structured is not None and params.structured_after is None
+                    and not self.grammars.can_begin_with(params.structured, allowed - banned)):
+                raise RequestError(f"the structured output can begin with none of allowed_token_ids "
+                                   f"{list(params.allowed_token_ids)} (bad_words aside): no token is left to generate")
             held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             if params.min_tokens and allowed <= banned | held:  # (the stop ids alone: RequestLimits.check)
                 raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all bad_words or stop "

@@ -103,6 +103,15 @@ class GrammarCompiler:
 
         return xgr.GrammarMatcher(self.compile(spec))
 
+    def can_begin_with(self, spec: StructuredOutput, ids: set[int]) -> bool:
+        """Can the spec's grammar take one of `ids` first (its mask before any output)?"""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher(spec).fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0].tolist()
+        return any((words[i >> 5] >> (i & 31)) & 1 for i in ids if i < self.vocab_size)
+
     def compile(self, spec: StructuredOutput) -> Any:
         """The spec's compiled grammar; a thread that asks while another compiles it waits for that compile."""
         with self._lock:
