@@ -22,7 +22,9 @@ from tpgtest.server_stubs import (  # noqa: E402
     sse_events,
 )
 
+from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
+from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
 
@@ -486,3 +488,35 @@ def test_a_slow_reader_does_not_stretch_the_latencies_the_engine_delivered():
     assert get("tpgraph_time_per_output_token_seconds_count") == 1
     assert get("tpgraph_time_per_output_token_seconds_sum") < 0.01
     assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.04
+
+
+
+class RefusingSecondClient(ScriptedClient):
+    """The first prompt's tokens (unfinished), then the engine's refusal of the second prompt."""
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        if self.prompts:
+            sink(StepUpdate(request_id, 0, None, "a bad request", REFUSED))
+        else:
+            super().submit(request_id, prompt, params, sink)
+
+
+@pytest.mark.parametrize("client,prompts,finish", [
+    (ScriptedClient(["a", "b", "c", ""], finish="error"), [[1, 2]], "error"),
+    (RefusingSecondClient(["a", "b", "c"], finish=None), [[1, 2], [3]], REFUSED)], ids=["error", "refused"])
+def test_requests_an_update_ended_are_timed_at_its_delivery_not_as_a_slow_reader_took_it(client, prompts, finish):
+    """The engine delivers three tokens, then fails the request (or refuses the next prompt); the reader takes one
+    each 50 ms. The requests' end was timed as the reader took that update: e2e read 150 ms, not the delivery's."""
+    metrics = ServerMetrics()
+
+    async def main() -> None:
+        async for _ in server_app.Api(client, metrics, "m").run(LeavingRequest(after=60), prompts,
+                                                                 SamplingParams(max_tokens=4)):
+            await asyncio.sleep(0.05)
+
+    with pytest.raises((server_app.ApiError, RequestError)):
+        asyncio.run(main())
+    get = metrics.registry.get_sample_value
+    assert get("tpgraph_requests_total", {"finish_reason": finish}) == len(prompts)
+    assert get("tpgraph_e2e_request_latency_seconds_count") == len(prompts)
+    assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.02 * len(prompts)

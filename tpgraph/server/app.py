@@ -92,6 +92,7 @@ class Api:
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: params.n for rid in ids}
         ended = "abort"  # how the requests still open at the end are counted
+        ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self.metrics.arrived(rid, len(prompt))
@@ -112,9 +113,11 @@ class Api:
                     next_check = loop.time() + DISCONNECT_CHECK_S
                 if update is None:
                     continue
+                if update.finish_reason in (REFUSED, "error"):  # (timed at delivery too, not as a slow reader took it)
+                    ended_at = received
                 if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
                     open_samples[ids[i]] = 0  # (never added: nothing to abort)
-                    self.metrics.finished(ids[i], REFUSED)
+                    self.metrics.finished(ids[i], REFUSED, received)
                     ended = REFUSED  # (the others share its params; any the engine took is aborted all the same)
                     raise RequestError(update.text)
                 if update.finish_reason == "error":
@@ -134,7 +137,7 @@ class Api:
             for rid, left in open_samples.items():
                 if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
                     self.client.abort(rid)
-                    self.metrics.finished(rid, ended)
+                    self.metrics.finished(rid, ended, ended_at)
                 else:
                     self.client.release(rid)
 
