@@ -767,7 +767,9 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    # the kernel indexes seq_lens and a block-table row by unit steps (a no-op for the engine's contiguous buffers)
+    # the kernel indexes seq_lens and a block-table row by unit steps (a no-op for the engine's contiguous buffers);
+    # a copy made here is a kernel the early reads below must not run ahead of: no PDL then
+    copied = not seq_lens.is_contiguous() or block_tables.stride(-1) != 1
     seq_lens = seq_lens.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
@@ -792,7 +794,7 @@ def paged_decode_attention_v2(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                             merge_splits=merge_splits)
     line = max(1, 128 // q.element_size())  # elements in a 128-byte L2 line
     counters = split_counters(q.device, batch * kv_heads) if last_combines and partials is None else out
-    pdl = use_pdl(q)
+    pdl = use_pdl(q) and not copied
     merge_tiles = combine_tiles(group, num_splits, combine_rows)  # (SPLITS_P2 sizes the combine kernel's load as well)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, counters,

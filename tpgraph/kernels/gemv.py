@@ -949,7 +949,9 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
         return None
     tile = _tile_args(x, config, n, k)
-    # the kernel reads positions and slots at unit steps (a no-op for the engine's contiguous buffers)
+    # the kernel reads positions and slots at unit steps (a no-op for the engine's contiguous buffers); a copy made
+    # here is a kernel that reading them early (before the PDL wait) would run ahead of
+    inputs_early = inputs_early and positions.is_contiguous() and slot_mapping.is_contiguous()
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     paired = qkv_paired()
     blocks = triton.cdiv(n, config.block_n)
