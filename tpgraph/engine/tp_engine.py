@@ -211,13 +211,13 @@ class TPEngine:
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt. Calls from
         several threads run one after another."""
-        # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
-        # token lost from the other's outputs)
         if is_one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
             raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
                                f"{type(prompts).__name__}")
+        # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
+        # token lost from the other's outputs)
         with self._lock:
             self._check_open()
             prompts = list(prompts)
