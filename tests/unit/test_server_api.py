@@ -310,22 +310,26 @@ def test_a_clients_request_id_names_the_reply_and_comes_back_in_a_header_where_a
         assert made.headers.get("x-request-id") == (made.json()["id"].removeprefix(prefix) if headers_on else None)
 
 
-def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monkeypatch):
-    """n = 2 samples each get a token every 10 ms: TPOT is 10 ms. The tokens of all samples were counted as one
-    sequence's, which made it 10 ms / n (4.4 ms here)."""
+def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
+    """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
+    metrics' registry."""
     from tpgraph.engine.core import StepUpdate
     from tpgraph.server import metrics as server_metrics
 
-    now = [0.0]
-    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)  # (the arrival)
     metrics = ServerMetrics()
     metrics.arrived("r", 4)
     for step in range(1, 6):
-        now[0] = step * 0.01
-        for sample in range(2):
-            metrics.observe(StepUpdate("r", sample, 7, "x", "length" if step == 5 else None))
-    metrics.finished("r", "length")
-    registry = metrics.registry
+        for sample in range(samples):
+            metrics.observe(StepUpdate("r", sample, 7, "x", last if step == 5 else None), step * 0.01)
+    metrics.finished("r", reason, end_s)
+    return metrics.registry
+
+
+def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monkeypatch):
+    """n = 2 samples each get a token every 10 ms: TPOT is 10 ms. The tokens of all samples were counted as one
+    sequence's, which made it 10 ms / n (4.4 ms here)."""
+    registry = _tokens_every_10_ms(monkeypatch, 2, "length", 0.05, "length")
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_count") == 1
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
 
@@ -334,19 +338,7 @@ def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(mo
     """A sample gets a token every 10 ms, then sits (preempted, or its client gone and not yet noticed) until it is
     aborted a second later: TPOT is 10 ms, as vLLM's (first to last token). It ran to the request's end, which put
     the wait into every token (250 ms here)."""
-    from tpgraph.engine.core import StepUpdate
-    from tpgraph.server import metrics as server_metrics
-
-    now = [0.0]
-    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: now[0])
-    metrics = ServerMetrics()
-    metrics.arrived("r", 4)
-    for step in range(1, 6):
-        now[0] = step * 0.01
-        metrics.observe(StepUpdate("r", 0, 7, "x"))
-    now[0] = 1.05
-    metrics.finished("r", "abort")
-    registry = metrics.registry
+    registry = _tokens_every_10_ms(monkeypatch, 1, None, 1.05, "abort")
     assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
     assert registry.get_sample_value("tpgraph_e2e_request_latency_seconds_sum") == pytest.approx(1.05)
 
