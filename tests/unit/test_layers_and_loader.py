@@ -173,6 +173,37 @@ def test_a_tied_config_with_its_own_lm_head_in_the_checkpoint_projects_with_it(t
     assert torch.equal(model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
 
 
+def test_a_tied_checkpoint_holding_an_equal_lm_head_stays_tied(tmp_path):
+    """Checkpoints saved tied often hold the embedding a second time as lm_head.weight: it stays one tensor (it took
+    one embedding's memory more, a vocabulary of rows taken from the KV cache)."""
+    from safetensors.torch import load_file, save_file
+
+    from tpgraph.model.loader import load_model
+
+    path = make_checkpoint("llama32_tied_llama3rope_gqa", tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    comm = fake_rank(0, 1)
+    model = load_model(comm.state, comm, path, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+
+
+def test_same_values_compares_block_by_block(tmp_path):
+    from safetensors.torch import save_file
+
+    a = torch.randn(10, 3)
+    b = a.clone()
+    b[9, 2] += 1  # (differs only in the last block)
+    save_file({"a": a, "a2": a.clone(), "b": b, "c": a[:, :2].contiguous()}, tmp_path / "model.safetensors")
+    source = SafetensorsSource(tmp_path)
+    assert source.same_values("a", "a2", rows=4)
+    assert not source.same_values("a", "b", rows=4)
+    assert not source.same_values("a", "c", rows=4)
+    assert not source.same_values("a", "absent", rows=4)
+
+
 def test_eos_ids_outside_the_vocabulary_are_dropped():
     from tpgraph.engine.tp_engine import checked_eos_ids
 

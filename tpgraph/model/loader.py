@@ -116,6 +116,14 @@ class SafetensorsSource:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.file_of[name]}: {exc}") from None
 
+    def same_values(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors a and b hold equal values, read a block of rows at a time (never two whole tensors)."""
+        shape = self.shape(a)
+        if shape is None or shape != self.shape(b):
+            return False
+        return all(torch.equal(self.read(a, 0, start, rows), self.read(b, 0, start, rows))
+                   for start in range(0, shape[0], rows))
+
     def read_shard(self, spec: ShardSpec) -> torch.Tensor:
         shape = self.shape(spec.hf_name)
         if shape is None:
@@ -199,14 +207,15 @@ def load_model(
             source: TensorSource = RandomSource(cfg, seed, state.device)
         else:
             source = SafetensorsSource(Path(model_dir))
-            if cfg.tie_word_embeddings and "lm_head.weight" in source.file_of:
-                # transformers ties only a checkpoint without an lm_head.weight of its own values: one it holds is the
-                # output projection (untied with equal values: the same logits as tied)
+            if (cfg.tie_word_embeddings and "lm_head.weight" in source.file_of
+                    and not source.same_values("lm_head.weight", "model.embed_tokens.weight")):
+                # transformers ties only a checkpoint without an lm_head.weight of other values: one it holds is the
+                # output projection. (An equal copy stays tied: the same logits, one embedding's memory less.)
                 cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
                 if state.is_driver:
-                    logger.warning("config.json ties lm_head to the embedding, but the checkpoint holds its own "
-                                   "lm_head.weight: it is loaded untied, as transformers loads it (vLLM drops it; "
-                                   "with equal values this costs one copy more of the embedding's memory)")
+                    logger.warning("config.json ties lm_head to the embedding, but the checkpoint holds an "
+                                   "lm_head.weight of other values: it is loaded untied, as transformers loads it "
+                                   "(vLLM drops it for the embedding)")
         model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
         load_weights(model, source, show_progress=state.is_driver)
         return model.eval()
