@@ -124,8 +124,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        # (max_position_embeddings too: the rope tables and the context limit are sized by it, and 0 or less failed
+        # as an unrelated buffer's shape or a torch.arange traceback while the engine was built)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -223,3 +223,11 @@ def test_swish_is_silu_and_other_activations_are_refused():
     assert ModelConfig.from_hf_dict({**MINIMAL, "hidden_act": "swish"}) == ModelConfig.from_hf_dict(MINIMAL)
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_hf_dict({**MINIMAL, "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("value", [0, -4])
+def test_a_context_of_no_positions_is_refused_by_name(value):
+    """max_position_embeddings sizes the rope tables and the default context: 0 failed while the engine was built as
+    "buffer 'block_tables': row_shape must hold positive integers", and -4 as a torch.arange traceback."""
+    with pytest.raises(ConfigError, match=f"config field max_position_embeddings must be >= 1, got {value}"):
+        ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": value})
