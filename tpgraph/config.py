@@ -130,6 +130,8 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim % 2:  # (rotary pairs each channel with another; transformers refuses an odd head too)
+            raise ConfigError(f"head_dim must be even (rotary embeddings rotate channel pairs), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

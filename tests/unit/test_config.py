@@ -231,3 +231,11 @@ def test_a_context_of_no_positions_is_refused_by_name(value):
     "buffer 'block_tables': row_shape must hold positive integers", and -4 as a torch.arange traceback."""
     with pytest.raises(ConfigError, match=f"config field max_position_embeddings must be >= 1, got {value}"):
         ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": value})
+
+
+@pytest.mark.parametrize("shape", [{"head_dim": 33}, {"hidden_size": 66, "num_attention_heads": 2}])
+def test_an_odd_head_dim_is_refused_by_name(shape):
+    """Rotary embeddings rotate channel pairs (transformers refuses an odd head_dim): one of 33 was accepted, and the
+    engine failed on its first forward with "The size of tensor a (33) must match the size of tensor b (34)"."""
+    with pytest.raises(ConfigError, match="head_dim must be even"):
+        ModelConfig.from_hf_dict({**MINIMAL, **shape})
