@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,14 @@ def _flag(name: str, value: Any) -> bool:
 _ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
+def _positive(name: str, value: Any) -> float:
+    """A rope scale from config.json: a finite number > 0 (0 or less made the frequencies inf or NaN, and the model
+    ran on them, giving garbage; a string or a bool is a mistake, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"config.json rope {name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -77,7 +86,7 @@ class RopeConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
         # Where a config has both, transformers reads rope_scaling (an edit of it must not be ignored).
         params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = _positive("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
@@ -90,10 +99,13 @@ class RopeConfig:
         missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
         if missing:  # (transformers refuses such a config too; a default would silently be another rope)
             raise ConfigError(f"config.json rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
+        # (a "default" rope ignores factor, as transformers does)
+        factor = _positive("factor", params["factor"]) if rope_type in _ROPE_FIELDS else \
+            float(params.get("factor", 1.0))
         return RopeConfig(
             theta=theta,
             type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=factor,
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             # (as transformers 5 computes llama3's frequencies: a field beside the rope dict wins over the dict's, and

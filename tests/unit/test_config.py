@@ -239,3 +239,18 @@ def test_an_odd_head_dim_is_refused_by_name(shape):
     engine failed on its first forward with "The size of tensor a (33) must match the size of tensor b (34)"."""
     with pytest.raises(ConfigError, match="head_dim must be even"):
         ModelConfig.from_hf_dict({**MINIMAL, **shape})
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 0}, {"rope_theta": -1.0}, {"rope_theta": True},
+                                  {"rope_scaling": {"rope_type": "linear", "factor": 0}},
+                                  {"rope_scaling": {"rope_type": "linear", "factor": "2"}},
+                                  {"rope_scaling": {"rope_type": "llama3", "factor": -8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0}}])
+def test_a_rope_scale_of_zero_or_less_is_refused_by_name(rope):
+    """A linear factor of 0 made every frequency inf (a theta of 0 or less, NaN), and the model ran on them and gave
+    garbage; true read as a theta of 1 and "2" as a factor of 2 (transformers fails on a string)."""
+    name = "rope_theta" if "rope_theta" in rope else "factor"
+    with pytest.raises(ConfigError, match=f"config.json rope {name} must be a number > 0"):
+        ModelConfig.from_hf_dict({**MINIMAL, **rope})
+    # a default rope ignores its factor, as transformers does
+    assert ModelConfig.from_hf_dict({**MINIMAL, "rope_scaling": {"rope_type": "default", "factor": 0}})
