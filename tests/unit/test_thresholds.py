@@ -146,6 +146,17 @@ def test_loader_file_errors(tmp_path):
         load_table(tmp_path / "bad.json")
 
 
+def test_a_table_that_is_not_text_or_not_a_file_is_named(tmp_path):
+    """A corrupt copy (bytes that are not UTF-8) or a folder in the table's place came out of the engine's start as a
+    UnicodeDecodeError or IsADirectoryError traceback, not the ConfigError the launchers print in one line."""
+    (tmp_path / "sm90.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match="sm90.json is not valid JSON"):
+        load_table(tmp_path / "sm90.json")
+    (tmp_path / "sm100.json").mkdir()
+    with pytest.raises(ConfigError, match="cannot read the all-reduce table .*sm100.json"):
+        load_table(tmp_path / "sm100.json")
+
+
 LAUNCH = {"push_blocks": {"default": [[1 << 20, 4], [4 << 20, 32], [16 << 20, "num_sms"], [1 << 30, "num_sms*2"]]},
           "pull1_blocks": {"default": [[1 << 30, 64]]},
           "pull2_blocks": {"2": [[1 << 30, "num_sms"]], "default": [[1 << 30, 96]]},

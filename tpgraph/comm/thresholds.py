@@ -236,11 +236,13 @@ def table_file_for(capability: tuple[int, int]) -> str:
 def load_table(path: str | Path) -> AlgoTable:
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"all-reduce table {path} does not exist (run tpgraph-tune or restore it)") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # (bytes that are not text: a corrupt copy)
         raise ConfigError(f"all-reduce table {path} is not valid JSON: {exc}") from None
+    except OSError as exc:  # (a folder in its place, no permission to read it)
+        raise ConfigError(f"cannot read the all-reduce table {path}: {exc.strerror or exc}") from None
     return parse_table(doc, str(path))
 
 
