@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 from argparse import Namespace
 
@@ -216,3 +217,19 @@ def test_tables_refuse_unknown_keys_and_another_architectures_file(tmp_path, mon
     (tmp_path / "allreduce" / "sm90.json").write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match=r"unknown keys \['Launch'\]"):
         load_table_for((9, 0))
+
+
+def test_a_config_dir_without_the_table_names_the_variable_and_a_fix_that_works(tmp_path, monkeypatch):
+    """TPGRAPH_CONFIG_DIR pointing at the wrong folder said "does not exist (run tpgraph-tune or restore it)", but
+    tpgraph-tune refuses a table that does not exist: the message named neither the variable nor a fix that works."""
+    from tpgraph.comm.thresholds import load_table_for
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
+    named = re.escape(f"TPGRAPH_CONFIG_DIR={tmp_path} has no allreduce/sm90.json")
+    with pytest.raises(ConfigError, match=named) as err:
+        load_table_for((9, 0))
+    assert "unset TPGRAPH_CONFIG_DIR" in str(err.value) and "run tpgraph-tune" not in str(err.value)
+    with pytest.raises(ConfigError, match="restore it from tpgraph's configs/allreduce") as err:
+        load_table(tmp_path / "sm90.json")
+    assert "run tpgraph-tune" not in str(err.value)

@@ -238,7 +238,9 @@ def load_table(path: str | Path) -> AlgoTable:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"all-reduce table {path} does not exist (run tpgraph-tune or restore it)") from None
+        # (tpgraph-tune only updates a table that exists: the fix is a copy of the shipped one)
+        raise ConfigError(f"all-reduce table {path} does not exist: restore it from tpgraph's configs/allreduce "
+                          f"(tpgraph-tune then retunes it)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # (bytes that are not text: a corrupt copy)
         raise ConfigError(f"all-reduce table {path} is not valid JSON: {exc}") from None
     except OSError as exc:  # (a folder in its place, no permission to read it)
@@ -248,7 +250,11 @@ def load_table(path: str | Path) -> AlgoTable:
 
 def load_table_for(capability: tuple[int, int]) -> AlgoTable:
     name = table_file_for(capability)
-    table = load_table(config_dir() / "allreduce" / name)
+    path = config_dir() / "allreduce" / name
+    if os.environ.get("TPGRAPH_CONFIG_DIR") and not path.exists():  # (the variable, not the package, is the mistake)
+        raise ConfigError(f"TPGRAPH_CONFIG_DIR={os.environ['TPGRAPH_CONFIG_DIR']} has no allreduce/{name}: copy "
+                          f"tpgraph's configs/allreduce there, or unset TPGRAPH_CONFIG_DIR to use the shipped tables")
+    table = load_table(path)
     if table.arch != arch_for(capability):  # (a table copied over another architecture's)
         raise ConfigError(f"{table.source} says arch {table.arch!r}, but it is the {name} table this GPU "
                           f"(sm_{capability[0]}{capability[1]}) reads")
