@@ -233,3 +233,24 @@ def test_a_config_dir_without_the_table_names_the_variable_and_a_fix_that_works(
     with pytest.raises(ConfigError, match="restore it from tpgraph's configs/allreduce") as err:
         load_table(tmp_path / "sm90.json")
     assert "run tpgraph-tune" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["--log", "--plot"])
+def test_a_log_or_plot_that_cannot_be_written_is_refused_before_measuring(flag, monkeypatch, capsys, tmp_path):
+    """They are written after minutes of measuring, and before the table: a --log in a folder that does not exist
+    ended the run there with a FileNotFoundError traceback, its measurements and the table's update lost."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([flag, str(tmp_path / "absent" / "tune.out")]) == 2
+    assert f"there is no folder {tmp_path / 'absent'} to write it in" in capsys.readouterr().err
+    assert main([flag, str(tmp_path)]) == 2 and "a folder, not a file" in capsys.readouterr().err
+    assert not started
+    if flag == "--log":
+        assert main([flag, str(tmp_path / "tune.json")]) == 0 and len(started) == 1

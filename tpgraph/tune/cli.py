@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" not in os.environ and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
         return 2
+    for flag, path in (("--log", args.log), ("--plot", args.plot)):  # (written after minutes of measuring: a
+        # failed write there lost the run, the table's update included)
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            print(f"error: {flag} {path}: " + ("a folder, not a file" if path.is_dir() else
+                                              f"there is no folder {path.parent} to write it in"), file=sys.stderr)
+            return 2
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:  # (not after minutes of measuring)
         print("error: --plot needs matplotlib (pip install matplotlib, or tpgraph[bench])", file=sys.stderr)
         return 2
