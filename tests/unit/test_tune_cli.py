@@ -254,3 +254,22 @@ def test_a_log_or_plot_that_cannot_be_written_is_refused_before_measuring(flag, 
     assert not started
     if flag == "--log":
         assert main([flag, str(tmp_path / "tune.json")]) == 0 and len(started) == 1
+
+
+@pytest.mark.parametrize("tolerance", ["3", "1", "nan", "-0.1"])
+def test_a_tolerance_that_is_not_a_fraction_is_refused_before_measuring(tolerance, monkeypatch, capsys):
+    """--tolerance 3 (meant as 3%) counted anything within 4x of the fastest as fast, and nan everything: the fewest
+    bands then won, and on synthetic()'s curves the row written sent every size to 1shot_push, twice as slow as the
+    winner at 10 of the 15 sizes."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--tolerance", tolerance]) == 2 and "--tolerance is a fraction" in capsys.readouterr().err
+    assert not started
+    assert main(["--tolerance", "0"]) == 0 and len(started) == 1

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 20:
         print("error: --runs must be at least 20 (the timing method's median)", file=sys.stderr)
         return 2
+    if not 0.0 <= args.tolerance < 1.0:  # (3 for 3% counted 4x as fast, and nan everything: one band took all)
+        print(f"error: --tolerance is a fraction of the fastest time, in [0, 1) (0.03: within 3%), got "
+              f"{args.tolerance}", file=sys.stderr)
+        return 2
     from tpgraph.comm.limits import kernel_limits
     from tpgraph.tune.measure import DEFAULT_SIZES
 
