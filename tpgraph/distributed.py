@@ -46,7 +46,7 @@ class ParallelState:
         return self.rank == 0
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None:
         return None
@@ -90,18 +90,18 @@ def init_distributed(
     it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's); every other
     collective keeps `timeout_s`.
     """
-    rank = _env_int("RANK") if rank is None else rank
-    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    rank = env_int("RANK") if rank is None else rank
+    world_size = env_int("WORLD_SIZE") if world_size is None else world_size
     rank, world_size = rank or 0, world_size or 1
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside world size {world_size}")
-    local_rank = _env_int("LOCAL_RANK")
+    local_rank = env_int("LOCAL_RANK")
     local_rank = rank if local_rank is None else local_rank
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shared = device == "cuda" and world_size > 1 and shared_gpu()
-    local_world = _env_int("LOCAL_WORLD_SIZE")
+    local_world = env_int("LOCAL_WORLD_SIZE")
     if shared and local_world is not None and local_world != world_size:
         raise ConfigError(f"{SHARED_GPU_ENV}=1 puts every rank on one GPU of one host, but {world_size} ranks run "
                           f"{local_world} to a host")

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.tp_engine import TPEngine
 
     try:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
         engine = TPEngine(**engine_kwargs(args))
         reasoning = None if args.reasoning_parser is None else \

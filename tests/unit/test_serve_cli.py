@@ -184,3 +184,17 @@ def test_a_follower_whose_loop_failed_exits_1_also_where_closing_the_engine_hang
     finally:
         stuck.set()
     assert exit_.value.code == 1
+
+
+def test_torchruns_variables_that_are_not_integers_are_named_not_a_traceback(monkeypatch, capsys):
+    """WORLD_SIZE (read for the default TP size) and RANK (whether this rank checks the port) went through int(): a
+    ValueError traceback from `tpgraph.serve` / `tpgraph.generate`, which print a TPGraphError as one line."""
+    from tpgraph import ConfigError
+    from tpgraph.serve import main
+
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        engine_kwargs(parse_args([]))
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "zero")
+    assert main([]) == 2 and "RANK='zero' is not an integer" in capsys.readouterr().err

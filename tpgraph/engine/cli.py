@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
+from tpgraph.distributed import env_int
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.model.loader import LOAD_FORMATS
@@ -64,7 +64,8 @@ def positive_number(text: str) -> float:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
+    world = 1 if world is None else world
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
     return dict(model=args.model, tp_size=tp_size, device=args.device, dtype=args.dtype,
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
