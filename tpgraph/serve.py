@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
                                                              f"{BUILTIN_NAME})")
-    p.add_argument("--api-key", type=api_key, default=os.environ.get("TPGRAPH_API_KEY") or None,
+    p.add_argument("--api-key", type=api_key, default=None,
                    help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
                         "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
     add_engine_args(p)
     args = p.parse_args(argv)
+    if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
+        args.api_key = os.environ.get("TPGRAPH_API_KEY") or None
+        if args.api_key is not None and not args.api_key.strip():
+            p.error("TPGRAPH_API_KEY is blank: set it to the key, or unset it to serve without one")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
                 '"auto", or neither ("required" and named tool choices need neither)')

@@ -69,6 +69,17 @@ def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     assert parse_args([]).api_key is None  # (set but empty: no key, not a key of "")
 
 
+def test_a_blank_key_in_the_environment_is_blamed_on_the_variable(monkeypatch, capsys):
+    """TPGRAPH_API_KEY=" " went through --api-key's check as its default: "argument --api-key: ... leave --api-key
+    out", to a user who had left it out; the variable is what to fix."""
+    monkeypatch.setenv("TPGRAPH_API_KEY", "  ")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "TPGRAPH_API_KEY is blank" in err and "--api-key" not in err.splitlines()[-1]
+    assert parse_args(["--api-key", "flag"]).api_key == "flag"  # (the flag wins over the variable, as before)
+
+
 def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):
     """Rank 0's engine loop failed: the server stops with exit code 1. Closing the engine after a failed step may
     hang (a peer waits in the step's collectives); the close's time limit then ended the process with os._exit(0),
