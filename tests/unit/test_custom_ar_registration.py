@@ -205,6 +205,18 @@ def test_timeout_zero_waits_forever_and_negative_is_refused(monkeypatch):
     assert CustomAllReduceConfig(timeout_s=1e9).timeout_s == 1e9
 
 
+def test_a_timeout_variable_that_is_not_a_number_is_refused_by_name(monkeypatch):
+    """TPGRAPH_AR_TIMEOUT_S=30s went through float() as the config's default: a ValueError traceback from the
+    engine's start, which the launchers print in one line only for a TPGraphError."""
+    import pytest
+
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", "30s")
+    with pytest.raises(ConfigError, match="TPGRAPH_AR_TIMEOUT_S must be a number of seconds .* got '30s'"):
+        CustomAllReduceConfig()
+
+
 def test_a_view_that_starts_mid_vector_goes_to_nccl_not_to_an_error(monkeypatch):
     """x[1:] of a bf16 buffer is contiguous and its size a multiple of 16 bytes, but it starts 2 bytes into a 16-byte
     vector: try_all_reduce must decline it (the communicator then uses NCCL), not reach the kernel's alignment

@@ -55,6 +55,16 @@ class CallPlan:
     zero_copy: bool  # graph mode: pull inputs are read through a pointer-table row, no staging copy
 
 
+def timeout_default() -> float:
+    """TPGRAPH_AR_TIMEOUT_S, seconds (30 where unset); one that is no number is refused with its name (float() raised
+    a ValueError traceback from the engine's start)."""
+    text = os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"TPGRAPH_AR_TIMEOUT_S must be a number of seconds (0: wait forever), got {text!r}") from None
+
+
 def fused_norm_default() -> bool:
     """Whether the all-reduce is fused with the residual add + RMSNorm after it, unless the caller says (on;
     TPGRAPH_FUSED_AR_NORM=0: the unfused pair, for comparisons)."""
@@ -72,7 +82,7 @@ class CustomAllReduceConfig:
     # read when a config is made (not at import), so the environment of the moment counts
     # A kernel waiting longer than this for a peer traps, which ends this process's CUDA context (every later CUDA
     # call fails; the process must exit) but names rank, algorithm and peer instead of hanging. 0: wait forever.
-    timeout_s: float = field(default_factory=lambda: float(os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")))
+    timeout_s: float = field(default_factory=timeout_default)
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
     pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
