@@ -42,6 +42,7 @@ def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypa
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
      "without chunked prefill, max_num_batched_tokens"),
     ({"tp_size": 0}, "tp_size must be a positive integer"),
+    ({"block_size": 24}, "block_size must be a power of two"),  # (refused by the runner, once the weights had loaded)
     ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False"),
     # (these were a truthy string run as True, or a TypeError from pathlib or torch.manual_seed after ranks started)
     ({"enable_chunked_prefill": "no"}, "enable_chunked_prefill must be True or False"),

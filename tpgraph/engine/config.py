@@ -38,6 +38,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):  # (RunnerConfig refuses it too, but only after the weights load)
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
