@@ -26,6 +26,7 @@ from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_ta
 from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
 from tpgraph.distributed import ParallelState, gather_objects
 from tpgraph.errors import CommError, ConfigError
+from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import (
     MAX_HIDDEN,
     MAX_ROWS,
@@ -68,7 +69,7 @@ def timeout_default() -> float:
 def fused_norm_default() -> bool:
     """Whether the all-reduce is fused with the residual add + RMSNorm after it, unless the caller says (on;
     TPGRAPH_FUSED_AR_NORM=0: the unfused pair, for comparisons)."""
-    return os.environ.get("TPGRAPH_FUSED_AR_NORM", "1") != "0"
+    return env_flag("TPGRAPH_FUSED_AR_NORM", default=True)  # ("false" is refused, not read as on)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class CustomAllReduceConfig:
     # call fails; the process must exit) but names rank, algorithm and peer instead of hanging. 0: wait forever.
     timeout_s: float = field(default_factory=timeout_default)
     # programmatic dependent launch: the next kernel is scheduled while the previous one drains (sm_90+)
-    pdl: bool = field(default_factory=lambda: os.environ.get("TPGRAPH_AR_PDL", "1") != "0")
+    pdl: bool = field(default_factory=lambda: env_flag("TPGRAPH_AR_PDL", default=True))
     # 1shot_push fused with the residual add + RMSNorm after it (off: the unfused pair, for comparisons)
     fused_norm: bool = field(default_factory=fused_norm_default)
     # elements (rows x hidden, 16-bit) one all-reduce fused into a small-M projection's epilogue can carry

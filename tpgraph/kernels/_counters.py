@@ -19,7 +19,6 @@ shape, TP=2, full graphs, PDL on, interleaved: bench/results/2026-11-30_h200x2_s
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -38,7 +37,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a libra
 
 def last_split_reduces() -> bool:
     """Whether split kernels reduce in their last-arriving program instead of a second kernel."""
-    return os.environ.get("TPGRAPH_LAST_SPLIT_REDUCES", "1") != "0"
+    return env_flag("TPGRAPH_LAST_SPLIT_REDUCES", default=True)  # ("false" is refused, not read as on)
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -18,11 +18,10 @@ bench/results/2026-11-30_h200x2_session7/run1_pdl_default), a step took, at batc
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from tpgraph.kernels._settings import triton_interpreting
+from tpgraph.kernels._settings import env_flag, triton_interpreting
 
 try:
     import triton
@@ -52,7 +51,7 @@ def _device_has_pdl(index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Launch the kernel reading `t` as a programmatic dependent of the kernel before it?"""
-    if os.environ.get("TPGRAPH_TRITON_PDL", "1") == "0" or not t.is_cuda:
+    if not env_flag("TPGRAPH_TRITON_PDL", default=True) or not t.is_cuda:  # ("false" is refused, not read as on)
         return False
     if triton_interpreting():
         return False
