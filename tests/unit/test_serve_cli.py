@@ -30,6 +30,16 @@ def test_good_values_parse():
     assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
 
 
+@pytest.mark.parametrize("name", ["enable_prefix_caching", "enable_chunked_prefill"])
+def test_vllms_on_and_off_spellings_both_parse(name):
+    """vLLM takes --enable-prefix-caching / --no-enable-prefix-caching (and the same for chunked prefill): a vLLM
+    command line that spells out the default was refused here as an unrecognized argument."""
+    flag = "--" + name.replace("_", "-")
+    assert engine_kwargs(parse_args([flag]))[name] is True
+    assert engine_kwargs(parse_args(["--no-" + flag[2:]]))[name] is False
+    assert engine_kwargs(parse_args([]))[name] is True
+
+
 def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert engine_kwargs(parse_args(["-tp", "0"]))["tp_size"] == 0

@@ -29,14 +29,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context limit (default: the model's, capped by what the KV cache holds)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="run each prompt in one step")
+    # (vLLM's pairs: --enable-X and --no-enable-X, so a vLLM command line that spells out the default runs too)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="longer prompts run in chunks of --max-num-batched-tokens (--no-enable-chunked-prefill: each "
+                        "prompt in one step)")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: first come first served; priority: a request's `priority` (lower first, arrival breaks "
                         "ties) orders the queue, and the lowest is preempted first")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="compute every prompt in full (default: K/V blocks of token prefixes computed before are "
-                        "shared: system prompts, earlier chat turns, repeated prompts)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="K/V blocks of token prefixes computed before are shared: system prompts, earlier chat turns, "
+                        "repeated prompts (--no-enable-prefix-caching: every prompt computed in full)")
     p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
                    help="read each step's tokens before scheduling the next (default: the next step is launched "
                         "first, so the host's work hides behind the GPU's)")
