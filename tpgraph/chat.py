@@ -19,6 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import CheckpointError, RequestError
 
 # The built-in model's template: role headers as plain text around each message; tools, and an assistant's tool
@@ -218,6 +219,11 @@ class GenerationDefaults:
         # as vLLM: these become the request defaults (do_sample is not consulted)
         sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
+        try:  # checked now, as a request takes them (top_k as an int): out of range, every request that leaves the
+            # field unset was refused with a 400 naming a field the client never sent
+            SamplingParams(**{**sampling, "top_k": int(sampling.get("top_k", 0))})
+        except RequestError as exc:
+            raise CheckpointError(f"{path}: {exc} (fix or remove it: requests take it as their default)") from None
         limit = cfg.get("max_new_tokens")
         max_tokens = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
         return GenerationDefaults(eos_ids, sampling, max_tokens)

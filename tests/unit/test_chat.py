@@ -223,6 +223,16 @@ def test_a_generation_config_of_the_wrong_shape_is_named(tmp_path, text, match):
         GenerationDefaults.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("field", ['"top_p": 0', '"temperature": -1', '"repetition_penalty": 0', '"min_p": 2'])
+def test_a_generation_config_default_out_of_range_is_named_at_start(tmp_path, field):
+    """Requests take these as their defaults: one out of range was accepted at start, and then every request that left
+    the field unset was refused with a 400 ("top_p must be in (0, 1]") naming a field its client never sent."""
+    (tmp_path / "generation_config.json").write_text(f"{{{field}}}")
+    name = field.split('"')[1]
+    with pytest.raises(CheckpointError, match=f"generation_config.json: {name} must be in"):
+        GenerationDefaults.from_dir(tmp_path)
+
+
 def test_checkpoint_json_is_read_as_utf_8_whatever_the_locale(tmp_path):
     """JSON is UTF-8 (transformers reads it so); read in the locale's encoding, a non-ASCII special token (DeepSeek's
     <｜begin▁of▁sentence｜>) failed to load under an ASCII locale, or became mojibake under a Latin-1 one."""
