@@ -69,7 +69,7 @@ def timeout_default() -> float:
 def fused_norm_default() -> bool:
     """Whether the all-reduce is fused with the residual add + RMSNorm after it, unless the caller says (on;
     TPGRAPH_FUSED_AR_NORM=0: the unfused pair, for comparisons)."""
-    return env_flag("TPGRAPH_FUSED_AR_NORM", default=True)  # ("false" is refused, not read as on)
+    return env_flag("TPGRAPH_FUSED_AR_NORM", default=True)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one per device, like a libra
 
 def last_split_reduces() -> bool:
     """Whether split kernels reduce in their last-arriving program instead of a second kernel."""
-    return env_flag("TPGRAPH_LAST_SPLIT_REDUCES", default=True)  # ("false" is refused, not read as on)
+    return env_flag("TPGRAPH_LAST_SPLIT_REDUCES", default=True)
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -51,7 +51,7 @@ def _device_has_pdl(index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Launch the kernel reading `t` as a programmatic dependent of the kernel before it?"""
-    if not env_flag("TPGRAPH_TRITON_PDL", default=True) or not t.is_cuda:  # ("false" is refused, not read as on)
+    if not env_flag("TPGRAPH_TRITON_PDL", default=True) or not t.is_cuda:
         return False
     if triton_interpreting():
         return False

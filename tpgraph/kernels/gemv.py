@@ -169,7 +169,7 @@ class GemvConfig:
 def enabled() -> bool:
     """Whether the model's projections use this kernel for M <= max_rows (read when a layer is built; on unless
     TPGRAPH_GEMV=0). Where it cannot run (CPU tensors, GPUs before sm_80) the layers still get cuBLAS."""
-    return env_flag("TPGRAPH_GEMV", default=True)  # ("false" is refused, not read as on)
+    return env_flag("TPGRAPH_GEMV", default=True)
 
 
 # fp32 tiles stage 4-byte weights: the widest shipped or default config pipelines up to 192 KiB of shared memory per
