@@ -7,7 +7,7 @@ from tpgtest.hf_fixtures import make_checkpoint
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.distributed import ParallelState
-from tpgraph.errors import CheckpointError
+from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.model.layers import VocabShard
 from tpgraph.model.llama import LlamaForCausalLM, kv_head_split
 from tpgraph.model.loader import RandomSource, SafetensorsSource, load_weights
@@ -242,3 +242,18 @@ def test_safetensors_without_a_checkpoint_is_refused():
 
     with pytest.raises(ConfigError, match="'safetensors' needs a checkpoint directory"):
         load_model(fake_rank(0, 1).state, fake_rank(0, 1), None, "safetensors")
+
+
+def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refused():
+    """An unknown torch_dtype ("float8", "float64") was run as bf16 with no word; vLLM's spellings ("half") map."""
+    import dataclasses
+
+    from tpgraph.model.loader import default_dtype
+
+    cuda = torch.device("cuda")
+    for name, dtype in (("half", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                        ("float32", torch.float32)):
+        assert default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype=name), cuda) is dtype
+    with pytest.raises(ConfigError, match="torch_dtype 'float8' is not a dtype tpgraph runs in .* pass --dtype"):
+        default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float8"), cuda)
+    assert default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float8"), torch.device("cpu")) is torch.float32

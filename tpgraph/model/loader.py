@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tpgraph.comm import TPCommunicator
-from tpgraph.config import BUILTIN_MODEL, ModelConfig
+from tpgraph.config import BUILTIN_MODEL, DTYPES, ModelConfig
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.model.llama import LlamaForCausalLM
@@ -178,7 +178,10 @@ def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """The checkpoint's dtype on GPU; fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
     if device.type == "cpu":
         return torch.float32
-    return {"float16": torch.float16, "float32": torch.float32}.get(cfg.torch_dtype, torch.bfloat16)
+    if cfg.torch_dtype not in DTYPES:  # (one read as bf16 ran a float8 or float64 checkpoint's config with no word)
+        raise ConfigError(f"config.json's torch_dtype {cfg.torch_dtype!r} is not a dtype tpgraph runs in (one of "
+                          f"{sorted(DTYPES)}): pass --dtype to choose one")
+    return DTYPES[cfg.torch_dtype]
 
 
 def load_model(
