@@ -72,6 +72,15 @@ def test_num_kv_blocks_too_few_or_too_many_names_the_flag():
         engine(num_kv_blocks=10 ** 12)
 
 
+def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypatch):
+    """On CPU the cache is sized for every sequence at max_model_len, not from free memory: one past the host's memory
+    was an allocator traceback, or (its pages taken lazily) the OOM killer once serving wrote them."""
+    monkeypatch.setattr("tpgraph.engine.runner.host_memory_bytes", lambda: 4096)
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 4 sequences of --max-model-len 64 tokens, .* GiB, more "
+                                          r"than this host's 0.0 GiB: lower either, or pass --num-kv-blocks"):
+        engine(num_kv_blocks=None)
+
+
 def test_chunked_prefill_and_one_sequence_at_a_time(reference):
     with engine(max_num_seqs=1) as e:
         assert tokens(e.generate(PROMPTS, GREEDY)) == reference

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tpgraph.errors import ConfigError
 
 GiB = 1 << 30
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from tpgraph.distributed import gather_objects, run_on_all_ranks
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
-from tpgraph.engine.memory import GiB, MemoryBudget
+from tpgraph.engine.memory import GiB, MemoryBudget, host_memory_bytes
 from tpgraph.engine.penalties import PenaltyTable
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
@@ -304,7 +304,15 @@ class ModelRunner:
                                   "block padded slots write): pass --num-kv-blocks 2 or more")
             return self.cfg.num_kv_blocks
         if self.device.type != "cuda":
-            return self.max_blocks_per_seq * self.cfg.max_batch + 1
+            blocks = self.max_blocks_per_seq * self.cfg.max_batch + 1
+            # (sized for the worst case, not from free memory: CPU pages are taken as they are first written, so a
+            # cache past the host's memory failed as an allocator traceback, or mid-serving as the OOM killer)
+            if blocks * self.block_bytes > host_memory_bytes():
+                raise ConfigError(f"on CPU the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of "
+                                  f"--max-model-len {self.max_model_len} tokens, {blocks * self.block_bytes / GiB:.1f} "
+                                  f"GiB, more than this host's {host_memory_bytes() / GiB:.1f} GiB: lower either, or "
+                                  "pass --num-kv-blocks")
+            return blocks
         self._bind_kv_cache(2)  # the null block and one more: enough for profiling and trial captures
         provisional = 2 * self.block_bytes
         torch.cuda.synchronize(self.device)
