@@ -21,8 +21,11 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.g
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperatures below GREEDY_BELOW (1e-5; 0 among them) are greedy. top_k 0 (or -1) and top_p 1 and min_p 0
-    switch those filters off. Penalties follow OpenAI (frequency, presence: subtracted per output occurrence / once)
-    and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and output token).
+    switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is below min_p times the
+    largest probability, both on the temperature-scaled distribution (SGLang's order; vLLM's V1 applies min-p first and
+    renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence: subtracted per output
+    occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and
+    output token).
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
