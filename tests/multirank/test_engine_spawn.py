@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tpgtest.processes import followers_of, gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,3 +132,50 @@ def test_an_engine_dropped_unclosed_takes_its_ranks_and_lets_the_next_start():
     assert proc.returncode == 0 and "again: True" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
     pids = [p for line in proc.stdout.splitlines() if line.startswith("followers") for p in followers_of(line)]
     assert len(pids) == 2 and all(gone(p) for p in pids)
+
+
+INIT_FAILS_SCRIPT = """
+import multiprocessing, sys, time
+import tpgraph.engine.tp_engine as tp_engine
+from tpgraph import SamplingParams, TPEngine
+
+if __name__ == "__main__":  # (rank 0's alone: the started rank imports the module afresh)
+    real = tp_engine.init_distributed
+
+    def interrupted(*args, **kwargs):
+        print("followers", [p.pid for p in multiprocessing.active_children()], flush=True)
+        if sys.argv[1] == "after":  # the process group is made, and then the Ctrl-C lands
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    tp_engine.init_distributed = interrupted
+    kw = dict(device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17, block_size=4)
+    try:
+        TPEngine(tp_size=2, **kw)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("left running:", [p.pid for p in multiprocessing.active_children()], flush=True)
+    tp_engine.init_distributed = real
+    with TPEngine(tp_size=2, **kw) as engine:
+        print("again:", engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids,
+              flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_failure_while_joining_the_process_group_takes_the_started_ranks(when):
+    """A Ctrl-C (or any failure) on rank 0 while its started ranks join the process group, before or after the group
+    is made. Before: the started rank was left waiting for a rank 0 that never came (the process group's 600 s), and
+    where the group had been made it stayed, so the next TPEngine(tp_size=2) refused to start ("this process already
+    holds a process group")."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", INIT_FAILS_SCRIPT, when], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    out = proc.stdout + proc.stderr
+    pids = [p for line in proc.stdout.splitlines() if line.startswith("followers") for p in followers_of(line)]
+    assert "interrupted" in out and "left running: []" in out, out[-3000:]
+    assert proc.returncode == 0 and "again:" in out, out[-3000:]
+    assert len(pids) == 1 and all(gone(p) for p in pids)

@@ -149,7 +149,15 @@ class TPEngine:
         # started followers wait for rank 0's next message as long as the user leaves it idle between generate calls
         # (a notebook): the process group's timeout would end them, and rank 0's peer watch then the user's process
         idle = IDLE_TIMEOUT_S if self._followers or follower else None
-        self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle)
+        try:
+            self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle)
+        except BaseException:  # (a Ctrl-C while the started ranks join, say)
+            # the started ranks wait in a rendezvous or a collective this rank never joins: they go now, and so does a
+            # process group made before the failure (else the next TPEngine finds it and refuses to start)
+            if self._followers and dist.is_initialized():
+                dist.destroy_process_group()
+            self._stop_followers(timeout_s=0.0)
+            raise
         try:
             if self.state.world_size != tp_size:
                 raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
