@@ -158,7 +158,8 @@ def init_distributed(
 
 
 def destroy_distributed(state: ParallelState) -> None:
-    if state.world_size > 1 and dist.is_initialized():
+    # (a world of one has a process group too where it was joined through one: an init method, or MASTER_ADDR)
+    if state.tp_group is not None and dist.is_initialized():
         gc.collect()  # drop unreachable holders of the groups now, not during interpreter shutdown
         dist.destroy_process_group()
 

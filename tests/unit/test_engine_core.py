@@ -303,6 +303,22 @@ def test_tp_size_must_match_torchruns_world_size(monkeypatch):
         TPEngine(tp_size=2, device="cpu")
 
 
+def test_closing_a_one_rank_engine_releases_the_process_group_it_made(tmp_path):
+    """A world of one joined through a process group (an init method given, or MASTER_ADDR set, as under torchrun
+    --nproc-per-node 1). Before: close() released process groups only of two ranks or more, so this one outlived the
+    engine, and the next TPEngine(tp_size=2) in the process refused to start ("already holds a process group")."""
+    import torch.distributed as dist
+
+    try:
+        with engine(dist_init=(0, 1, f"file://{tmp_path}/init")) as e:
+            assert dist.is_initialized()
+            assert tokens(e.generate(PROMPTS[:1], GREEDY))[0]
+        assert not dist.is_initialized()
+    finally:  # (what a failure left must not reach the next test)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_recomputed_sequence_gets_its_new_block_table_row():
     """Preemption gives a sequence's blocks back without the runner (the scheduler frees them): when it is recomputed
     into as many new blocks, its decode row must carry the new block ids, not the ones cached for that row."""
