@@ -179,3 +179,36 @@ def test_a_failure_while_joining_the_process_group_takes_the_started_ranks(when)
     assert "interrupted" in out and "left running: []" in out, out[-3000:]
     assert proc.returncode == 0 and "again:" in out, out[-3000:]
     assert len(pids) == 1 and all(gone(p) for p in pids)
+
+
+LOAD_INTERRUPTED_SCRIPT = """
+import multiprocessing, time
+import tpgraph.engine.tp_engine as tp_engine
+from tpgraph import TPEngine
+
+if __name__ == "__main__":  # (rank 0's alone: the started rank imports the module afresh, and loads)
+    def interrupted(*args, **kwargs):
+        print("followers", [p.pid for p in multiprocessing.active_children()], flush=True)
+        raise KeyboardInterrupt
+
+    tp_engine.load_model = interrupted
+    start = time.monotonic()
+    try:
+        TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17, block_size=4)
+    except KeyboardInterrupt:
+        print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_started_rank_at_once():
+    """Ctrl-C reaches rank 0 alone (its started ranks ignore SIGINT), so the started rank waits in a collective of the
+    load that rank 0 left, and never ends by itself. Before: rank 0 waited 30 s for it to end (the grace given a rank
+    failing alike), and a second Ctrl-C in that wait left it running."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", LOAD_INTERRUPTED_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    out = proc.stdout + proc.stderr
+    pids = [p for line in proc.stdout.splitlines() if line.startswith("followers") for p in followers_of(line)]
+    took = [float(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("interrupted after")]
+    assert took and took[0] < 10.0, out[-3000:]
+    assert len(pids) == 1 and all(gone(p) for p in pids)

@@ -184,9 +184,11 @@ class TPEngine:
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy),
                 eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling)
-        except BaseException:
+        except BaseException as exc:
             destroy_distributed(self.state)
-            self._stop_followers()
+            # a failure every rank meets (a bad checkpoint) ends the started ranks by themselves: they get time to; a
+            # Ctrl-C is this rank's alone (they ignore SIGINT), and they would wait in a collective it left for good
+            self._stop_followers(timeout_s=30.0 if isinstance(exc, Exception) else 0.0)
             raise
         self.peer_watch = PeerWatch(self.state)  # a dead or frozen rank ends every rank, named
         self.peer_watch.start()
