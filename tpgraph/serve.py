@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine.warm_up()  # every rank, before anyone is served: the first burst of requests should not pay first-use costs
     if engine.state.rank != 0:
-        # torchrun sends SIGTERM to every rank at once. A follower leaving at once would strand rank 0 inside a step's
-        # collectives, so it keeps following until rank 0's shutdown message, and leaves by itself if that is late.
-        signal.signal(signal.SIGTERM, lambda *_: _exit_later(FOLLOWER_GRACE_S))
+        # torchrun sends SIGTERM to every rank at once, and passes a Ctrl-C on to every rank as SIGINT. A follower
+        # leaving at once would strand rank 0 inside a step's collectives, so it keeps following until rank 0's
+        # shutdown message, and leaves by itself if that is late.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: _exit_later(FOLLOWER_GRACE_S))
         service = EngineService(engine.core, ControlPlane(engine.state))
         failed = True
         try:

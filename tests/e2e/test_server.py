@@ -639,6 +639,29 @@ def test_sigterm_stops_every_rank_within_10_s():
         s.stop()
 
 
+def test_ctrl_c_stops_every_torchrun_rank_cleanly():
+    """Ctrl-C to torchrun, which passes SIGINT on to every rank (each in its own session). Before: the follower raised
+    KeyboardInterrupt at once, in the middle of a message (or a step's collectives), and rank 0's engine loop then
+    failed on the closed connection ("the engine loop failed", a traceback on each rank) instead of stopping every
+    rank as SIGTERM does. (torchrun itself still reports the signal, with its own traceback and exit code.)"""
+    s = Server(free_port())
+    try:
+        ranks = s.ranks()
+        assert len(ranks) == 2
+        assert s.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+        start = time.monotonic()
+        os.killpg(s.proc.pid, signal.SIGINT)  # (a terminal's Ctrl-C reaches torchrun's process group)
+        s.proc.wait(timeout=60)
+        while any(alive(p) for p in ranks) and time.monotonic() - start < 30:
+            time.sleep(0.1)
+        out = s.output()
+        assert not any(alive(p) for p in ranks) and time.monotonic() - start < 10, out[-3000:]
+        assert "KeyboardInterrupt" not in out and "the engine loop failed" not in out, out[-3000:]
+        assert "tpgraph.engine.service" not in out and "Connection closed by peer" not in out, out[-3000:]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
 def test_self_started_ranks_stop_cleanly(stop):
     """`python -m tpgraph.serve -tp 2`: SIGTERM to it, or Ctrl-C to its process group, ends it with code 0 and no
