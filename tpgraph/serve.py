@@ -113,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.server.metrics import EngineMetrics
 
     metrics = EngineMetrics(engine.core)
-    service = EngineService(engine.core, ControlPlane(engine.state), heartbeat_s=args.heartbeat_s,
-                            on_step=lambda _, step_s: metrics.step_done(engine.core.timing, step_s,
-                                                                        service.times.control_s))
+    # ranks the engine started itself (no torchrun) follow its own loop: the server drives that one, so that closing
+    # the engine knows whether it failed (then the ranks are ended, not told, and the failed engine never steps again)
+    service = engine.service or EngineService(engine.core, ControlPlane(engine.state))
+    service.heartbeat_s = args.heartbeat_s
+    service.on_step = lambda _, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s)
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,

@@ -762,6 +762,45 @@ def test_a_dead_front_end_stops_the_server_with_an_error():
         s.stop()
 
 
+# rank 0's step fails where a request asks for 7 tokens (rank 0's alone: it takes the variable out of the environment
+# its started ranks and its front end inherit)
+FAIL_STEP = """
+import os
+if os.environ.pop("TPGRAPH_TEST_FAIL_STEP", None):
+    from tpgraph.engine import core
+
+    _resolve = core.EngineCore._resolve
+
+    def resolve(self):
+        if self._in_flight is not None and any(seq.params.max_tokens == 7 for seq, _ in self._in_flight.rows):
+            raise RuntimeError("rank 0's step failed")
+        return _resolve(self)
+
+    core.EngineCore._resolve = resolve
+"""
+
+
+def test_a_failed_step_stops_the_self_started_ranks_without_stepping_again(tmp_path):
+    """`python -m tpgraph.serve -tp 2`, rank 0's step fails. Before: the server's loop failed, but closing the engine
+    told the started ranks to stop through the engine's own loop (a second one, which had not failed), and that ran
+    another step on the failed engine: a misleading traceback ("2 pending tokens but token source 0") from the
+    close, which gave up before ending the started ranks."""
+    (tmp_path / "sitecustomize.py").write_text(FAIL_STEP)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    s = Server(free_port(), torchrun=False, env={"PYTHONPATH": path, "TPGRAPH_TEST_FAIL_STEP": "1"})
+    try:
+        processes = [*s.ranks(), *(p for r in s.ranks() for p in children(r))]
+        failed = s.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 7})
+        assert failed.status_code == 500 and "rank 0's step failed" in failed.text, failed
+        code = s.proc.wait(timeout=60)
+        out = s.output()
+        assert code == 1 and "stopping the other ranks" in out, out[-3000:]
+        assert "Exception in thread" not in out and "pending tokens" not in out, out[-3000:]
+        assert wait_gone(processes, 30) < 30
+    finally:
+        s.stop()
+
+
 def rank_pids(server: Server) -> dict[int, int]:
     pids = {}
     for pid in server.ranks():

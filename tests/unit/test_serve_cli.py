@@ -112,6 +112,7 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
             self.tokenizer, self.prompts = None, None
             self.state = SimpleNamespace(rank=0, world_size=1)
             self.core, self.runner = SimpleNamespace(limits=None), SimpleNamespace(max_model_len=128)
+            self.service = None  # (torchrun's ranks: the server makes its own loop)
 
         def warm_up(self) -> None:
             pass
