@@ -3,7 +3,7 @@ sampling, preemption and chunked prefill in play."""
 
 import pytest
 from tpgtest.spawn import run_ranks
-from tpgtest.workers import engine_generate
+from tpgtest.workers import engine_generate, engine_generate_per_rank
 
 from tpgraph import SamplingParams, TPEngine
 
@@ -31,6 +31,17 @@ def test_two_ranks_agree_with_one():
     assert ranks[0]["completions"] == single
     constrained = single[4][0][1]  # (the last request's: lower-case letters, "aa" never)
     assert len(constrained) == 10 and constrained.isalpha() and constrained.islower() and "aa" not in constrained
+
+
+def test_ranks_called_with_other_prompts_are_refused_on_every_rank():
+    """Under torchrun every rank must make the same generate calls: one given other prompts (the same lengths) had
+    every rank produce the same tokens, wrong for one of them, with no word. Every rank refuses the call, naming the
+    rank that differs, and the engine serves the next matching call."""
+    prompts = [["The quick brown fox"], ["The quick brown cat"]]
+    ranks = run_ranks(engine_generate_per_rank, 2, prompts, ENGINE, timeout_s=240)
+    for error, _ in ranks:
+        assert error is not None and error.startswith("rank(s) [1] called generate with other prompts")
+    assert ranks[0][1] == ranks[1][1] and len(ranks[0][1]) == 4
 
 
 def test_four_ranks_agree_with_one():

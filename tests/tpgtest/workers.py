@@ -439,6 +439,23 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
             "prompt_logprobs": [(o.prompt_logprobs, o.prompt_top_logprobs) for o in out]}
 
 
+def engine_generate_per_rank(rank, world_size, init, prompts_by_rank, engine_kw):
+    """TPEngine on every rank (SPMD), each rank calling generate with its own prompts; returns each rank's error (or
+    None), then whether a second, matching call still runs."""
+    from tpgraph import SamplingParams, TPEngine
+    from tpgraph.errors import RequestError
+
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        try:
+            engine.generate(prompts_by_rank[rank], params)
+            error = None
+        except RequestError as exc:
+            error = str(exc)
+        after = engine.generate(prompts_by_rank[0], params)[0].outputs[0].token_ids
+    return error, after
+
+
 def fail_detokenizers(max_tokens: int) -> None:
     """In this process only (a failure of this rank alone), a request asking for `max_tokens` tokens cannot have its
     detokenizer built."""

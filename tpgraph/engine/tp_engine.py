@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
-from tpgraph.distributed import ParallelState, destroy_distributed, init_distributed
+from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
 from tpgraph.engine.config import EngineConfig
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
@@ -267,6 +268,7 @@ class TPEngine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
+        self._check_spmd_call(encoded, per_prompt)
         results: dict[str, GenerationOutput] = {}
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
@@ -298,6 +300,19 @@ class TPEngine:
         finally:
             bar.close()
         return [results[r] for r in order]
+
+    def _check_spmd_call(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> None:
+        """Under torchrun every rank calls generate alike (SPMD), each stepping its own copy of the schedule: other
+        prompts on one rank gave every rank the same wrong tokens with no word, other lengths left one stepping
+        alone until a collective timed out. One small gather a call compares them."""
+        if self.service is not None or self.state.world_size == 1:  # (rank 0 alone tells started ranks what to do)
+            return
+        digest = hashlib.sha256(repr([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]).encode())
+        digests = gather_objects(self.state, digest.hexdigest())  # (explicit: every rank's call meets here)
+        differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise RequestError(f"rank(s) {differ} called generate with other prompts or sampling parameters than rank "
+                               "0: under torchrun every rank makes the same calls with the same arguments")
 
     def warm_up(self) -> float:
         """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows), the
