@@ -3,6 +3,7 @@ with it on equal to those with it off (repeated prompts, shared prefixes, chunks
 chat's next turn)."""
 
 import pytest
+import torch
 from tpgtest.prefix_engines import BS, engine, prefill_tokens
 
 from tpgraph import SamplingParams
@@ -233,3 +234,38 @@ def test_each_request_reports_its_prompt_tokens_found_cached():
         assert 0 < other.num_cached_tokens <= len(e.encode(SHARED)) // BS * BS + BS
     with engine(False) as e:
         assert e.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
+
+def _decode_as_new_owner(runner, owner, prompt, params, template):
+    """The log-probabilities (the engine) or logits (greedy_generate) of prompt's decode steps, by a new owner of the
+    runner whose sequence ids start from 0."""
+    from tpgraph.engine.core import EngineCore
+    from tpgraph.engine.greedy import greedy_generate
+
+    if owner == "greedy":
+        return greedy_generate(runner, [prompt], params.max_tokens, keep_logits=True).step_logits
+    core = EngineCore(runner, template.scheduler.cfg, eos_ids=template.eos_ids, tokenizer=template.tokenizer)
+    core.add_request("r", prompt, params)
+    got = []
+    while core.has_work:
+        got += [torch.tensor(u.logprob) for u in core.step() if u.token_id is not None]
+    return got
+
+
+@pytest.mark.parametrize("owner", ["engine", "greedy"])
+def test_a_new_owner_of_the_runner_decodes_over_its_own_blocks(owner):
+    """An EngineCore (or greedy_generate) made on a runner that served another numbers its sequences from 0 again,
+    as the penalty table expects. The runner kept each decode row's block table keyed by (sequence id, preemptions,
+    table length), so the new owner's sequence 0 found the old one's row 'unchanged' and attended over the old
+    sequence's blocks: with prefix caching (its idle named blocks are not handed out first) its log-probabilities
+    were not a fresh engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    first, second = list(range(1, 11)), list(range(50, 60))  # (the same length: the same decode rows' keys)
+    with engine(True) as e:
+        want = _decode_as_new_owner(e.runner, owner, second, params, e.core)
+    with engine(True) as e:
+        # sequence 0 decodes once: row 0 keeps its table, under the key the next owner's sequence 0 will have
+        e.generate([first], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        got = _decode_as_new_owner(e.runner, owner, second, params, e.core)
+    assert len(got) == len(want) and all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))

@@ -141,6 +141,7 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(scheduler_cfg, runner.allocator)
         runner.penalties.clear()  # this engine's sequence ids start from 0: no slot of an earlier one is theirs
+        runner.forget_rows()  # (nor a decode row's block table)
         self.sampler = Sampler(runner.device, seed, penalties=runner.penalties)
         self.eos_ids = tuple(eos_ids)
         self.tokenizer = tokenizer

@@ -36,6 +36,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
             raise ConfigError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                               f"max_model_len {runner.max_model_len}")
     seqs = [Sequence(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+    runner.forget_rows()  # (its sequence ids start from 0: a decode row an earlier owner left is not theirs)
     result = GreedyResult(tokens=[[] for _ in prompts])
     try:
         active = seqs

@@ -554,7 +554,12 @@ class ModelRunner:
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.forget_blocks()
-        self._bt_rows = [None] * self.seq_rows  # rows must be rewritten: a block id may now mean another sequence
+        self.forget_rows()  # rows must be rewritten: a block id may now mean another sequence
+
+    def forget_rows(self) -> None:
+        """Rewrite every decode row's block table at its next use. Its key names a sequence by id, so a new owner of
+        the runner, whose ids start from 0 again (an EngineCore, greedy_generate), must call this first."""
+        self._bt_rows = [None] * self.seq_rows
 
     # ---- steps -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
