@@ -228,6 +228,21 @@ def test_the_fused_all_reduce_declines_what_the_channel_cannot_carry(monkeypatch
     assert not phases_view(ch).any()  # nothing launched
 
 
+def test_a_residual_that_must_be_copied_is_not_read_before_the_wait(monkeypatch):
+    """residual_early reads the residual before the PDL wait; a strided one is first copied by a kernel launched just
+    before ours, which those reads would run ahead of: early only where no copy was made."""
+    from tpgraph.kernels import gemv
+
+    ranks = Ranks(1, "cpu", torch.bfloat16)
+    x, res = ranks.rnd(2, KIN), ranks.rnd(2, 2 * HIDDEN)
+    seen = []
+    monkeypatch.setattr(gemv, "_launch", lambda *a, residual_early=False, **kw: seen.append(residual_early))
+    for residual in (res[:, :HIDDEN].contiguous(), res[:, ::2]):
+        linear_all_reduce_norm(x, ranks.w_row[0], ranks.channels[0], residual, ranks.norm_w, EPS, residual_early=True,
+                               use_triton=True)
+    assert seen == [True, False]
+
+
 GEMV_FLAGS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False, "EXACT": True,
               "PDL": True, "PREFETCH_TILES": 2, "LINE": 64, "WS": 2, "RANK": 1, "PIECES": 8, "EARLY_TRIGGER": True,
               "RES_EARLY": False, "RESIDENT": False, "POLLED": False}

@@ -792,6 +792,9 @@ def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, r
     cfg = config or config_for(x, n, k, m, epilogue=True)
     if cfg.split_k > 1 and not last_split_reduces():
         return None
+    # a copy made here is a kernel just before ours, whose output the early reads would run ahead of (as in
+    # qkv_rope_store): read after the PDL wait then
+    residual_early = residual_early and residual.is_contiguous() and norm_weight.is_contiguous()
     residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
     n_tiles = triton.cdiv(n, cfg.block_n)
     # torch.empty is capturable: under CUDA graph capture these come from the graph's pool
