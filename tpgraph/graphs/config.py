@@ -44,8 +44,11 @@ class GraphConfig:
         if checked != tuple(sizes):  # (any sequence, a range too: compared as a tuple, only its order can differ)
             raise ConfigError(f"prefill_sizes must be ascending, got {list(sizes)}; did you mean {list(checked)}?")
         object.__setattr__(self, "prefill_sizes", checked)
-        if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 0:
-            raise ConfigError(f"warmups must be an integer >= 0, got {self.warmups!r}")
+        # (at least one: Triton loads a kernel variant's module at its first launch, which CUDA refuses inside a
+        # capture, and a size's first run may launch variants no other size has)
+        if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 1:
+            raise ConfigError(f"warmups must be an integer >= 1 (a size's kernels load in an eager run before its "
+                              f"capture), got {self.warmups!r}")
         for name in ("calibrate_prefill", "enforce_eager", "check_addresses"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -74,7 +77,7 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                        help="pad every prefill the capture sizes hold to its graph, without timing at start-up where "
                             "an eager forward is faster")
     group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
-                       help="eager runs per size before capturing it")
+                       help="eager runs per size before capturing it (at least 1)")
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--check-graph-addresses", action="store_true",
                        help="debug: check each replay reads the input addresses its graph captured")
