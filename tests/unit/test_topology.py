@@ -28,6 +28,12 @@ def test_allocators_whose_memory_cuda_ipc_cannot_export_are_named(conf, reason):
     assert got is None if reason is None else reason in got
 
 
+def test_the_live_allocator_backend_counts_beside_the_environment():
+    """A program can choose cudaMallocAsync in code, with no variable set: the live backend is read too."""
+    assert "backend is cudaMallocAsync" in unexportable_allocator({}, backend="cudaMallocAsync")
+    assert unexportable_allocator({}, backend="native") is None
+
+
 def test_physical_ids_follow_cuda_visible_devices():
     assert physical_device_ids(None, 2) == ["0", "1"]
     assert physical_device_ids("3,1", 2) == ["3", "1"]

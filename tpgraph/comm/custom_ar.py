@@ -180,7 +180,7 @@ class CustomAllReduce:
             if reason:
                 raise CommError(f"custom all-reduce disabled: {reason}")
         # memory CUDA IPC cannot export (VMM-backed, stream-ordered): graphs then stage their inputs
-        unexportable = unexportable_allocator()
+        unexportable = unexportable_allocator(backend=torch.cuda.get_allocator_backend())
         self.zero_copy = unexportable is None
         if not self.zero_copy and state.is_driver:
             logger.warning("%s: graph-captured all-reduces copy their input into the workspace (slower) instead of "

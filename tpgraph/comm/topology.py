@@ -14,9 +14,12 @@ def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def unexportable_allocator(env: Mapping[str, str] | None = None) -> str | None:
+def unexportable_allocator(env: Mapping[str, str] | None = None, backend: str | None = None) -> str | None:
     """Why PyTorch's allocator hands out memory that cudaIpcGetMemHandle cannot export, or None: VMM-backed
-    (expandable_segments) or stream-ordered (the cudaMallocAsync backend, whose pools are not made for IPC)."""
+    (expandable_segments) or stream-ordered (the cudaMallocAsync backend, whose pools are not made for IPC).
+    `backend`: the live allocator's (torch.cuda.get_allocator_backend()), which a program may have chosen in code."""
+    if backend == "cudaMallocAsync":
+        return "PyTorch's CUDA allocator backend is cudaMallocAsync"
     env = os.environ if env is None else env
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         for item in env.get(var, "").split(","):
