@@ -265,3 +265,47 @@ def test_a_strided_tensor_reaches_nccl_contiguous(monkeypatch):
     x = torch.arange(6.0).view(2, 3).t()
     out = comm.all_reduce(x)
     assert seen == [True] and torch.equal(out, torch.arange(6.0).view(2, 3).t() * 2)
+
+
+def test_a_peer_workspace_that_cannot_be_mapped_fails_with_its_own_error_and_frees_the_workspace(monkeypatch):
+    """cudaIpcOpenMemHandle of a peer's workspace can fail (two PCIe GPUs without P2P take no NVLink check). Set-up
+    then releases what it made: it must close only the mappings it opened, so that the CUDA error is what the caller
+    sees and the workspace is freed (closing the unopened handle raised ValueError and skipped ar_destroy)."""
+    from types import SimpleNamespace
+
+    class SetupExt(FakeExt):
+        def __init__(self):
+            super().__init__()
+            self.destroyed = []
+
+        def device_properties(self, index):
+            return SimpleNamespace(sm_count=132, major=9, minor=0)
+
+        def ar_create(self, rank, ws, push, staging, pdl, channel_bytes):
+            return 7
+
+        def ar_workspace(self, ctx):
+            return 5 * SEGMENT
+
+        def ipc_open_handle(self, handle):
+            raise RuntimeError("CUDA error cudaErrorPeerAccessUnsupported in `cudaIpcOpenMemHandle`")
+
+        def ipc_close_handle(self, handle):  # as ipc.cu: a handle that is not open is refused
+            if handle not in self.refs:
+                raise ValueError("ipc_close_handle: handle is not open on device 0")
+            super().ipc_close_handle(handle)
+
+        def ar_destroy(self, ctx):
+            self.destroyed.append(ctx)
+
+    ext = SetupExt()
+    for var in ("NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(custom_ar, "load_ext", lambda: ext)
+    # rank 1 has the same GPU and exports its workspace
+    monkeypatch.setattr(custom_ar, "gather_objects",
+                        lambda state, obj: [obj, b"handle-0x9900000" if isinstance(obj, bytes) else obj])
+    state = ParallelState(0, 2, 0, torch.device("cuda", 0), None, None)
+    with pytest.raises(RuntimeError, match="cudaErrorPeerAccessUnsupported"):
+        CustomAllReduce(state, CustomAllReduceConfig())
+    assert ext.destroyed == [7]

@@ -202,9 +202,11 @@ class CustomAllReduce:
             handles = gather_objects(state, self.ext.ipc_get_handle(base))
             peers = []
             for r, h in enumerate(handles):
-                if r != state.rank:
-                    self._opened.append(h)
-                peers.append(base if r == state.rank else self.ext.ipc_open_handle(h))
+                if r == state.rank:
+                    peers.append(base)
+                    continue
+                peers.append(self.ext.ipc_open_handle(h))
+                self._opened.append(h)  # only once open: _release closes exactly these
             self.ext.ar_set_peers(self.ctx, peers)
             if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
                 offset = self.ext.ar_channel_offset(self.ctx)
