@@ -58,3 +58,21 @@ def test_explicit_sizes_win():
     t = table_with(2, (64 * MB,) * 3, (64 * MB,) * 3)
     cfg = CustomAllReduceConfig(push_slot_bytes=64 * MB, staging_bytes=64 * MB)
     assert size_workspace(t, 2, cfg, graph_in_place=True)[:2] == (64 * MB, 64 * MB)
+
+
+def test_without_a_push_slot_the_push_band_goes_to_the_next_algorithm():
+    """max_push_bytes=0 (or push_slot_bytes=0) leaves no slot, and the kernel refuses 1shot_push there ('this workspace
+    has no push slot'): the table must not send anything to push, or every small all-reduce raised instead of running
+    as pull (or NCCL)."""
+    t = table_with(2, (1 * MB, 8 * MB, 32 * MB), (1 * MB, 8 * MB, 32 * MB))
+    for cfg in (CustomAllReduceConfig(max_push_bytes=0), CustomAllReduceConfig(push_slot_bytes=0)):
+        push, staging, cut = size_workspace(t, 2, cfg, graph_in_place=True)
+        assert push == 0 and staging == 32 * MB
+        for graph in (True, False):
+            assert pick_algo(16, graph, cut, 2) == Algo.PULL_1SHOT
+            assert pick_algo(1 * MB, graph, cut, 2) == Algo.PULL_1SHOT
+            assert pick_algo(16 * MB, graph, cut, 2) == Algo.PULL_2SHOT
+    # what push cannot hold goes to pull, as above its slot in a table with equal thresholds
+    only_push = table_with(2, (64 * MB,) * 3, (64 * MB,) * 3)
+    _, _, cut = size_workspace(only_push, 2, CustomAllReduceConfig(max_push_bytes=0), graph_in_place=True)
+    assert pick_algo(16, False, cut, 2) == Algo.PULL_1SHOT

@@ -132,6 +132,9 @@ def size_workspace(table: AlgoTable, world_size: int, cfg: CustomAllReduceConfig
     rows = {mode: table.bands(world_size, mode == "graph") for mode in ("graph", "eager")}
     push = cfg.push_slot_bytes if cfg.push_slot_bytes is not None else min(max(b.push_max for b in rows.values()),
                                                                             cfg.max_push_bytes)
+    if push == 0:  # no slot (max_push_bytes=0 or push_slot_bytes=0): the kernel refuses push, so no band may pick it
+        table = replace(table, rows={k: replace(b, push_max=0) for k, b in table.rows.items()})
+        rows = {mode: table.bands(world_size, mode == "graph") for mode in ("graph", "eager")}
     staged = [b for mode, b in rows.items() if mode == "eager" or not graph_in_place]
     reach = max((b.pull2_max for b in staged if b.pull2_max > b.push_max), default=0)
     staging = cfg.staging_bytes if cfg.staging_bytes is not None else min(reach, cfg.max_staging_bytes)
