@@ -183,7 +183,8 @@ class CustomAllReduce:
             if reason:
                 raise CommError(f"custom all-reduce disabled: {reason}")
         # memory CUDA IPC cannot export (VMM-backed, stream-ordered): graphs then stage their inputs
-        unexportable = unexportable_allocator(backend=torch.cuda.get_allocator_backend())
+        backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else None
+        unexportable = unexportable_allocator(backend=backend)
         self.zero_copy = unexportable is None
         if not self.zero_copy and state.is_driver:
             logger.warning("%s: graph-captured all-reduces copy their input into the workspace (slower) instead of "
