@@ -13,3 +13,13 @@ def test_all_reduce_and_all_gather_on_gloo():
         assert torch.equal(buffer[:2, :-1], torch.cat(parts, dim=-1))
         assert (buffer[2:] == -1).all() and (buffer[:, -1] == -1).all()  # the rest: untouched
         assert torch.equal(stacked, torch.cat(parts, dim=0))
+
+
+def test_a_custom_all_reduce_set_up_failing_on_one_rank_sends_every_rank_to_nccl():
+    """A CUDA error in one rank's set-up (its peer's workspace refused to map) was raised as it was on that rank,
+    which ended, while the others went on with NCCL: every rank now falls back alike, the reason named."""
+    from tpgtest.workers import custom_setup_failing_on
+
+    ranks = run_ranks(custom_setup_failing_on, 2, 1, timeout_s=120)
+    for got_one, reason in ranks:
+        assert not got_one and "cudaErrorPeerAccessUnsupported" in reason

@@ -456,6 +456,35 @@ def engine_generate_per_rank(rank, world_size, init, prompts_by_rank, engine_kw)
     return error, after
 
 
+def custom_setup_failing_on(rank, world_size, init, failing_rank):
+    """_try_custom_allreduce on a CUDA-shaped state over gloo, whose CustomAllReduce fails with a CUDA error on
+    `failing_rank` alone; returns (whether this rank got one, its reason)."""
+    import dataclasses
+
+    import torch
+
+    import tpgraph._ext
+    from tpgraph.comm import communicator, custom_ar, thresholds
+    from tpgraph.distributed import destroy_distributed, init_distributed
+
+    state = init_distributed("cpu", rank, world_size, init)
+
+    class Fake:
+        def __init__(self, state, config):
+            if state.rank == failing_rank:
+                raise RuntimeError("CUDA error cudaErrorPeerAccessUnsupported in `cudaIpcOpenMemHandle`")
+
+    tpgraph._ext.extension_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    thresholds.load_table_for = lambda capability: None
+    custom_ar.CustomAllReduce = Fake
+    try:
+        ar, reason = communicator._try_custom_allreduce(dataclasses.replace(state, device=torch.device("cuda", 0)))
+    finally:
+        destroy_distributed(state)
+    return ar is not None, reason
+
+
 def fail_detokenizers(max_tokens: int) -> None:
     """In this process only (a failure of this rank alone), a request asking for `max_tokens` tokens cannot have its
     detokenizer built."""

@@ -18,7 +18,7 @@ from tpgraph.comm.custom_ar import fused_norm_default
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
 from tpgraph.distributed import ParallelState, run_on_all_ranks
-from tpgraph.errors import CaptureError, TPGraphError
+from tpgraph.errors import CaptureError, CommError, TPGraphError
 from tpgraph.kernels import gemv
 from tpgraph.kernels.lamport import Channel, PendingProjection, ReducedNorm, epilogue_enabled, solo_channel
 from tpgraph.kernels.norm import add_rms_norm
@@ -162,8 +162,17 @@ def _try_custom_allreduce(state: ParallelState, config=None):
     # A missing or broken table is a setup error to fix, not a reason to fall back to NCCL unnoticed.
     capability = torch.cuda.get_device_capability(state.device)
     run_on_all_ranks(state, lambda: load_table_for(capability), "reading the all-reduce table")
+    def set_up() -> CustomAllReduce:
+        try:
+            return CustomAllReduce(state, config)
+        except TPGraphError:
+            raise
+        except RuntimeError as exc:  # (a CUDA error: a peer's workspace refused to map, no memory for ours)
+            # a reason to use NCCL on this rank too, as on the others: raised as it was, it ended this rank alone
+            raise CommError(f"{type(exc).__name__}: {exc}") from exc
+
     try:
-        return run_on_all_ranks(state, lambda: CustomAllReduce(state, config), "setting up the custom all-reduce"), None
+        return run_on_all_ranks(state, set_up, "setting up the custom all-reduce"), None
     except TPGraphError as exc:
         logger.warning("custom all-reduce unavailable, using NCCL: %s", exc)
         return None, str(exc)
