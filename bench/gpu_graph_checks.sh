@@ -23,8 +23,9 @@ dest=${1:?outdir}; shift
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
-# xgrammar (structured outputs) from the carried wheelhouse where it is missing; its own dependencies are there already
-need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q \
+# xgrammar (structured outputs) from the carried wheelhouse where it is missing; -U: pydantic there needs a newer
+# typing-extensions than the image may hold, which a plain install leaves as it is
+need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q -U \
     --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
     typing-inspection typing-extensions; } || true; }
 exec > >(tee -a "$dest/summary.log") 2>&1
