@@ -21,8 +21,9 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 MIN_PROJECTION = 0.88  # of the measured HBM bandwidth, at M = 1
 MIN_LM_HEAD = 0.90
 MAX_KERNELS = 200  # per step, batch 1
-# the kernel the product runs for each projection, as bench_kernels.py names it (the gate_up one makes SiLU·mul too)
-PRODUCT_KERNEL = {"qkv": "qkv (Triton)", "o_proj": "o_proj (Triton)", "gate_up": "gate_up+silu (Triton)",
+# the kernel the product's decode runs for each projection, as bench_kernels.py names it (the qkv one rotates and
+# stores K and V too, the gate_up one makes SiLU·mul)
+PRODUCT_KERNEL = {"qkv": "qkv+rope_store (Triton)", "o_proj": "o_proj (Triton)", "gate_up": "gate_up+silu (Triton)",
                   "down": "down (Triton)", "lm_head": "lm_head (Triton)"}
 
 Check = tuple[str, bool | None, str]
