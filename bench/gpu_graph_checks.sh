@@ -508,9 +508,11 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          timeout 300 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k "pieces" 2>&1 | tail -8 \
              | tee "$out/ar_pieces.log" ;;
     ar-exact) # issues 10, 12: every exactness test of the custom all-reduce at world size NPROC (every algorithm
-         # forced, eager and graph, against NCCL; random-normal rank-order sums; fused norm; PDL on/off)
+         # forced, eager and graph, against NCCL; random-normal rank-order sums; fused norm; PDL on/off; ar-tests'
+         # extra push slot, so that the two need not run together)
          timeout 580 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs -k \
-             "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off" 2>&1 \
+             "equals_nccl or zero_copy or fused_all_reduce or random_normal or many_graphs or pdl_on_and_off or extra_push" \
+             2>&1 \
              | tail -25 | tee "$out/ar_exact.log" ;;
     structured) need_xgrammar  # structured outputs' decode steps, overlapped or in turn (bench_structured_steps.py)
          mkdir -p "$out/llama3_8b_cfg" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
