@@ -401,3 +401,12 @@ def test_a_samples_first_update_says_how_long_it_queued():
     first = {u.request_id: u for u in reversed(updates)}
     assert 0 <= first["a"].queue_s < first["b"].queue_s
     assert all(u.queue_s is None for u in updates if u is not first[u.request_id])
+
+
+def test_generate_and_chat_take_sampling_params_by_vllms_keyword(reference):
+    """vLLM's LLM.generate(prompts, sampling_params=...) and LLM.chat(messages, sampling_params=...): the keyword a
+    vLLM user writes was a TypeError here (the parameter was named `params`)."""
+    with engine() as e:
+        assert tokens(e.generate(PROMPTS, sampling_params=GREEDY)) == reference
+        hi = [{"role": "user", "content": "hi"}]
+        assert tokens(e.chat(hi, sampling_params=GREEDY)) == tokens(e.generate(hi, GREEDY))

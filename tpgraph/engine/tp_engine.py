@@ -218,10 +218,10 @@ class TPEngine:
         return self.prompts.default_params(**overrides)
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt. Calls from
-        several threads run one after another."""
+        """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
+        vLLM's LLM.generate name). Calls from several threads run one after another."""
         if is_one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
@@ -233,10 +233,10 @@ class TPEngine:
             self._check_open()
             prompts = list(prompts)
             encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
-            return self._generate(encoded, params, use_tqdm)
+            return self._generate(encoded, sampling_params, use_tqdm)
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None, *,
+             sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None, *,
              tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[GenerationOutput]:
         """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
@@ -254,7 +254,7 @@ class TPEngine:
                 text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message)
                 encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
-            return self._generate(encoded, params, use_tqdm)
+            return self._generate(encoded, sampling_params, use_tqdm)
 
     def _check_open(self) -> None:
         if self._closed:
