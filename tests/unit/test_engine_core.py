@@ -410,3 +410,16 @@ def test_generate_and_chat_take_sampling_params_by_vllms_keyword(reference):
         assert tokens(e.generate(PROMPTS, sampling_params=GREEDY)) == reference
         hi = [{"role": "user", "content": "hi"}]
         assert tokens(e.chat(hi, sampling_params=GREEDY)) == tokens(e.generate(hi, GREEDY))
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_sample(reference):
+    """vLLM's CompletionOutput.stop_reason: the stop string or stop_token_ids entry that ended the sample; None for an
+    EOS, a length or no stop. The output had no such field: which of several stops ended it was lost."""
+    first = reference[0][0]
+    with engine() as e:
+        by_string = e.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=["zz", "aaa"]))
+        by_token = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, stop_token_ids=[first]))
+        by_eos = e.generate(PROMPTS[0], SamplingParams(allowed_token_ids=e.core.eos_ids[:1]))
+        by_length = e.generate(PROMPTS[0], GREEDY)
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in by_string + by_token + by_eos + by_length] \
+        == [("stop", "aaa"), ("stop", first), ("stop", None), ("length", None)]

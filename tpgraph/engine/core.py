@@ -48,6 +48,8 @@ class StepUpdate:
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    # with finish_reason "stop": the stop string or stop_token_ids entry that ended it (None for an EOS), as vLLM's
+    stop_reason: int | str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     # with a sequence's first token, where its params ask: (id, log-probability, top alternatives) of each prompt
@@ -410,17 +412,17 @@ class EngineCore:
             detok = state.detokenizers[seq.sample_index]
             return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
         detok = state.detokenizers[seq.sample_index]
-        reason = None
+        reason, stop_reason = None, None
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         text = ""
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
-            reason = "stop"
+            reason, stop_reason = "stop", token if token in p.stop_token_ids else None
             if detok is not None and p.include_stop_str_in_output:  # the stop token's own text too (as vLLM)
                 text = detok.add(token, may_stop=False)[0]
         elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)
             text, stopped = detok.add(token, may_stop=produced > p.min_tokens)
-            reason = "stop" if stopped else None
+            reason, stop_reason = ("stop", detok.stop_string) if stopped else (None, None)
         if reason is None and seq.reached_length(self.scheduler.cfg.max_model_len, produced):
             reason = "length"
         if reason is not None:
@@ -428,4 +430,4 @@ class EngineCore:
                 text += detok.flush()
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self._finish(seq, reason)
-        return StepUpdate(seq.request_id, seq.sample_index, token, text, reason)
+        return StepUpdate(seq.request_id, seq.sample_index, token, text, reason, stop_reason)

@@ -40,6 +40,7 @@ class Detokenizer:
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
         self.stops = StopScanner(params.stop) if params.stop else None
+        self.stop_string: str | None = None  # the stop string that ended the sequence, once one has
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         # the output's text not handed out yet, after the `hold` characters before it that a stop string may begin in
@@ -86,6 +87,7 @@ class Detokenizer:
         if hit is None:
             return False
         back, stop = hit
+        self.stop_string = stop
         at = len(self.text) - back
         self.text = self.text[: at + len(stop) if self.include_stop else at]
         self.stops = None  # (nothing is added after a stop; a flush after it must not cut again)

@@ -56,6 +56,8 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop_token_ids entry that ended it; None for an EOS, a length or an abort
+    stop_reason: int | str | None = None
     logprobs: list[float] | None = None  # the sampled tokens', when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -404,7 +406,7 @@ class TPEngine:
             out.prompt_top_logprobs = [[], *(top for _, _, top in update.prompt_logprobs)]
             out.prompt_ranks = [None, *update.prompt_ranks]
         if update.finish_reason is not None:
-            completion.finish_reason = update.finish_reason
+            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
             out.latency_s = now
             if all(c.finish_reason is not None for c in out.outputs):
                 bar.update(1)
