@@ -423,3 +423,15 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_sample(referenc
         by_length = e.generate(PROMPTS[0], GREEDY)
     assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in by_string + by_token + by_eos + by_length] \
         == [("stop", "aaa"), ("stop", first), ("stop", None), ("length", None)]
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs():
+    """vLLM's CompletionOutput.cumulative_logprob (what a user ranks n samples by): the sum of the sampled tokens'
+    log-probabilities where logprobs are asked, None where not. The output had no such field."""
+    with engine() as e:
+        (asked,) = e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6, logprobs=0))
+        (plain,) = e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=6))
+    for c in asked.outputs:
+        assert len(c.logprobs) == 6 and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
+        assert c.cumulative_logprob < 0
+    assert plain.outputs[0].cumulative_logprob is None

@@ -59,6 +59,7 @@ class CompletionOutput:
     # vLLM's: the stop string or stop_token_ids entry that ended it; None for an EOS, a length or an abort
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None  # the sampled tokens', when asked
+    cumulative_logprob: float | None = None  # their sum (vLLM's: None unless logprobs are asked)
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
@@ -282,6 +283,7 @@ class TPEngine:
             results[request_id] = GenerationOutput(
                 request_id, prompt, ids,
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
+                                  cumulative_logprob=0.0 if p.logprobs is not None else None,
                                   top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         start = time.perf_counter()
         bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
@@ -398,6 +400,7 @@ class TPEngine:
             completion.token_ids.append(update.token_id)
         if update.logprob is not None:
             completion.logprobs.append(update.logprob)
+            completion.cumulative_logprob += update.logprob
             completion.top_logprobs.append(update.top_logprobs or [])
         if update.cached_tokens is not None and out.num_cached_tokens is None:
             out.num_cached_tokens = update.cached_tokens
