@@ -228,8 +228,11 @@ class TPEngine:
         if is_one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
+            # (a dict is vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or one chat message out of its list)
+            hint = (" (vLLM's {'prompt': ...} and {'prompt_token_ids': ...} prompts are given here as the text or the "
+                    "token ids themselves; chat messages as a list of them)") if isinstance(prompts, dict) else ""
             raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
-                               f"{type(prompts).__name__}")
+                               f"{type(prompts).__name__}{hint}")
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
