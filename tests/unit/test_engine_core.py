@@ -445,3 +445,12 @@ def test_a_vllm_prompt_dict_alone_is_refused_saying_how_to_give_it(prompt):
         with pytest.raises(RequestError, match=r"got dict \(vLLM's \{'prompt': ...\} and \{'prompt_token_ids': ...\} "
                                                r"prompts are given here as the text or the token ids themselves"):
             e.generate(prompt, GREEDY)
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm():
+    """vLLM's SamplingParams reads seed=-1 as no seed (its LLM and its server alike); here it was the fixed seed -1,
+    so a vLLM user's "random" requests repeated the same draws call after call."""
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)
+    assert params.seed is None
+    with engine() as e:
+        assert tokens(e.generate(PROMPTS[:2], params)) != tokens(e.generate(PROMPTS[:2], params))

@@ -26,6 +26,7 @@ class SamplingParams:
     renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence: subtracted per output
     occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and
     output token).
+    `seed` -1 is no seed, as in vLLM.
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
@@ -79,6 +80,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed" (its LLM and server alike)
+            object.__setattr__(self, "seed", None)
         _check_int("n", self.n, 1, 128)
         _check_real("temperature", self.temperature, 0.0, 100.0)
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
