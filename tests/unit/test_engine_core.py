@@ -454,3 +454,15 @@ def test_seed_minus_one_is_no_seed_as_in_vllm():
     assert params.seed is None
     with engine() as e:
         assert tokens(e.generate(PROMPTS[:2], params)) != tokens(e.generate(PROMPTS[:2], params))
+
+
+def test_detokenize_false_gives_the_token_ids_alone(reference):
+    """vLLM's SamplingParams(detokenize=False) (token ids wanted, the text's cost not): it was a TypeError here. The
+    same tokens come, the text is "", and stop strings (found in the text) are refused with it, as vLLM does."""
+    with engine() as e:
+        out = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False))
+        assert tokens(out) == reference and all(o.outputs[0].text == "" for o in out)
+    with pytest.raises(RequestError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["a"], detokenize=False)
+    with pytest.raises(RequestError, match="detokenize must be true or false"):
+        SamplingParams(detokenize="no")

@@ -195,8 +195,8 @@ class EngineCore:
                 raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all bad_words or stop "
                                    f"tokens, which min_tokens {params.min_tokens} holds back: no token is left to "
                                    f"generate before it")
-        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None else None
-                  for _ in range(params.n)]
+        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None and params.detokenize
+                  else None for _ in range(params.n)]
         return PreparedRequest(request_id, list(prompt_ids), params, detoks, after, bad_words)
 
     def add_prepared(self, request: PreparedRequest) -> None:

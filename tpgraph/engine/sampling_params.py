@@ -26,7 +26,8 @@ class SamplingParams:
     renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence: subtracted per output
     occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and
     output token).
-    `seed` -1 is no seed, as in vLLM.
+    `seed` -1 is no seed, as in vLLM. `detokenize` False (vLLM's): the output's token ids alone, its text "" (no stop
+    strings then).
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
@@ -58,6 +59,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
@@ -75,7 +77,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
                                                              "a list of token ids"))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:
@@ -100,6 +102,8 @@ class SamplingParams:
             raise RequestError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are taken")
+        if self.stop and not self.detokenize:  # (they are matched in the text, which detokenize=False never makes)
+            raise RequestError("stop strings need detokenize=True (they are found in the output's text)")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, 0, None)
         if self.logprobs is not None:
