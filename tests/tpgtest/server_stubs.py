@@ -117,9 +117,11 @@ class ScriptedClient(OneTokenClient):
     log-probability of -0.5 where asked), then `finish`; it keeps the params and prompts it was sent. cached: the
     prompt tokens a sample's first update says it found cached, plus the sample's index."""
 
-    def __init__(self, pieces: list[str], finish: str = "stop", cached: int = 0) -> None:
+    def __init__(self, pieces: list[str], finish: str = "stop", cached: int = 0,
+                 stop_reason: int | str | None = None) -> None:
         super().__init__()
         self.pieces, self.finish, self.params, self.prompts, self.cached = pieces, finish, [], [], cached
+        self.stop_reason = stop_reason  # (the last update's)
 
     def submit(self, request_id, prompt, params, sink) -> None:
         self.params.append(params)
@@ -130,6 +132,8 @@ class ScriptedClient(OneTokenClient):
                                     cached_tokens=None if i else self.cached + sample)
                 if params.logprobs is not None:
                     update.logprob, update.top_logprobs = -0.5, [(7, -0.5)][:params.logprobs]
+                if update.finish_reason is not None:
+                    update.stop_reason = self.stop_reason
                 sink(update)
 
 

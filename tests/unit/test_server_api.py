@@ -231,6 +231,23 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stop_reason", ["END", 13, None])
+def test_a_choice_says_which_stop_ended_it(path, stop_reason):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice (None for an EOS), beside its
+    finish_reason, in a reply and in a stream's last chunk (null before it); clients tell their stops apart by it."""
+    app = server_app.create_app(ScriptedClient(["a", "b"], stop_reason=stop_reason), builtin_codec(), ServerMetrics(),
+                                "m", 128)
+    body = {"model": "m", "max_tokens": 3,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    reply, streamed = post_all(app, [(path, body), (path, {**body, "stream": True})])
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_reason
+    chunks = [c["choices"][0] for c in sse_events(streamed.text) if c["choices"]]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop_reason
+    assert all(c["stop_reason"] is None for c in chunks[:-1])
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     """vLLM's truncate_prompt_tokens: the last k tokens run (a prompt longer than the context too), echo returns
     them, and a bad k is a 400."""

@@ -50,6 +50,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, ...)
     cached_tokens: int | None = None  # its prompt tokens read from the prefix cache (with its first token)
 
     @property
@@ -67,7 +68,8 @@ class Choice:
             self.token_ids.append(u.token_id)
             if u.logprob is not None:
                 self.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
-        self.finish_reason = u.finish_reason or self.finish_reason
+        if u.finish_reason is not None:
+            self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
         return self
 
 
@@ -375,7 +377,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
-                             "finish_reason": c.finish_reason,
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                              **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                                  prompts, firsts.get(c.index // params.n), body.prompt_logprobs)})} for c in choices],
                 "usage": _usage(token_ids, choices, prompt_tokens_details)})
@@ -389,7 +391,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}],
+                                         "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                             **_chunk_usage(body, token_ids[i], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -464,7 +466,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "message": reply.message(),
-                             "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason}
+                             "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
+                             "stop_reason": c.stop_reason}
                             for c, reply in zip(choices, replies, strict=True)],
                 **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                     prompts, firsts[0] if firsts else None, body.prompt_logprobs)}),
@@ -474,7 +477,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}],
+                                                 "logprobs": None, "finish_reason": None, "stop_reason": None}],
                             **_chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
@@ -483,7 +486,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                     continue  # (held back by the tool-call reader, with no log-probabilities to carry)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
-                                                 "finish_reason": finish_reason}],
+                                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                             **_chunk_usage(body, token_ids[0], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
