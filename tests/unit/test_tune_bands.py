@@ -158,3 +158,22 @@ def test_the_writer_leaves_sm100_alone(tmp_path):
 def test_the_writer_refuses_world_sizes_outside_2_to_8(ws):
     with pytest.raises(ConfigError, match="outside 2..8"):
         updated_table(_doc(), ws, {"graph": {"push_max": 16, "pull1_max": 16, "pull2_max": 16}}, "x")
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_figure_that_is_not_a_time_counts_as_not_measured(bad):
+    # a zero best divided every other figure by zero (the run's bands lost to a ZeroDivisionError); a negative one
+    # made every other algorithm look as fast as it; each must be what NaN already was: that size not measured
+    push, pull1, pull2, nccl = (list(c) for c in clean())
+    unmeasured = derive_bands(curves([None, *push[1:]], pull1, pull2, nccl), tolerance=0.0)
+    assert derive_bands(curves([bad, *push[1:]], pull1, pull2, nccl), tolerance=0.0) == unmeasured
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), 0.0])
+def test_a_size_no_algorithm_has_a_time_at_is_refused(bad):
+    # every assignment then cost inf, so the fewest bands won: 1shot_push for every size, whatever the others showed
+    push, pull1, pull2, nccl = (list(c) for c in clean())
+    for c in (push, pull1, pull2, nccl):
+        c[7] = bad
+    with pytest.raises(ValueError, match=f"no algorithm has a time at {SIZES[7]} bytes"):
+        curves(push, pull1, pull2, nccl)

@@ -12,6 +12,7 @@ within the tolerance of each other the faster gets the band), then the one that 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ DEFAULT_MIN_POINTS = 2
 @dataclass(frozen=True)
 class Curves:
     """Per-op time (µs) of each algorithm at each measured size (bytes, ascending). An algorithm not measured (or
-    refused at a size) has no entry there: it cannot get that size."""
+    refused at a size) has no entry there: it cannot get that size. A figure that is not a time (NaN, inf, zero or
+    below) counts as not measured. Every size needs at least one time."""
 
     sizes: tuple[int, ...]
     times: Mapping[str, Sequence[float | None]]
@@ -40,11 +42,16 @@ class Curves:
         for algo, ts in self.times.items():
             if len(ts) != len(self.sizes):
                 raise ValueError(f"{algo}: {len(ts)} times for {len(self.sizes)} sizes")
+        for i, nbytes in enumerate(self.sizes):  # (else every assignment costs inf there and the fewest bands win)
+            if all(self.time(a, i) is None for a in self.times):
+                raise ValueError(f"no algorithm has a time at {nbytes} bytes (not measured, NaN, inf or not above 0): "
+                                 "no band can be chosen there")
 
     def time(self, algo: str, i: int) -> float | None:
         ts = self.times.get(algo)
         t = None if ts is None else ts[i]
-        return None if t is None or t != t else float(t)  # NaN: not measured
+        # NaN, inf, zero or below: not measured (a zero best divided the others by zero; inf over inf was NaN)
+        return float(t) if t is not None and math.isfinite(t) and t > 0 else None
 
     def best(self, i: int) -> float:
         return min(t for a in ORDER if (t := self.time(a, i)) is not None)
