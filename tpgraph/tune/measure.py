@@ -40,9 +40,12 @@ class Measurement:
 
 
 def grids_for(algo: Algo, nbytes: int, world_size: int, num_sms: int) -> list[int]:
-    """Grid sizes worth trying: up to the blocks the message has work for (as the table's resolver caps them)."""
+    """Grid sizes worth trying: up to the blocks the message has work for (as the table's resolver caps them), and
+    only grids the table can launch: a block count resolves to at most the SM count, so a base grid above it (64 on
+    a GPU of 58 SMs) would be timed but never run; one and two blocks per SM it names as such."""
     useful = useful_blocks(algo, nbytes, world_size)
-    return sorted({g for g in (*BASE_GRIDS, num_sms, 2 * num_sms) if g <= useful})
+    grids = {g for g in BASE_GRIDS if g <= num_sms} | {num_sms, 2 * num_sms}
+    return sorted(g for g in grids if g <= useful)
 
 
 def skipped_multicast() -> str:
