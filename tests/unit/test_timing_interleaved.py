@@ -69,6 +69,17 @@ def test_slowest_rank_per_candidate():
         slowest_per_candidate([{"a": 2.0, "b": 5.0}, {"b": 4.0, "a": 3.0}])
 
 
+def test_a_rank_without_a_figure_is_the_slowest_whichever_rank_it_is(monkeypatch):
+    """max() over the ranks kept the first rank's figure when a later one was NaN, and NaN when rank 0's was: the
+    table depended on which rank failed, and a failed rank's candidate could be timed by the others alone."""
+    nan, inf = float("nan"), float("inf")
+    assert slowest_per_candidate([{"a": 5.0, "b": 1.0}, {"a": nan, "b": 2.0}]) == {"a": inf, "b": 2.0}
+    assert slowest_per_candidate([{"a": nan, "b": 1.0}, {"a": 5.0, "b": 2.0}]) == {"a": inf, "b": 2.0}
+    for others in ([nan, 5.0], [5.0, nan]):
+        monkeypatch.setattr(timing, "gather_objects", lambda state, obj, others=others: others)
+        assert timing.slowest_median(SimpleNamespace(world_size=2), [1.0] * MIN_RUNS) == inf
+
+
 class FakeGraph:
     def __init__(self, name, log):
         self.name, self.log = name, log

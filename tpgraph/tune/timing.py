@@ -23,8 +23,9 @@ candidate (one gather for all), exactly as for one. The pure part, the order and
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,13 +137,19 @@ def slowest_per_candidate(per_rank: Sequence[Mapping[str, float]]) -> dict[str, 
     for rank, figures in enumerate(per_rank):
         if list(figures) != names:
             raise ValueError(f"rank {rank} timed {list(figures)}, rank 0 {names}")
-    return {name: max(figures[name] for figures in per_rank) for name in names}
+    return {name: _slowest(figures[name] for figures in per_rank) for name in names}
+
+
+def _slowest(figures: Iterable[float]) -> float:
+    """The largest figure, a NaN (a rank with no figure) counting as inf: max() kept whichever came first of a NaN
+    and a number, so the result depended on which rank it was. (inf downstream: not measured.)"""
+    return max(math.inf if f != f else f for f in figures)
 
 
 def slowest_median(state: ParallelState | None, samples: list[float], per: int = 1) -> float:
     """The slowest rank's median, divided by `per` ops (state None: this process's)."""
     mine = statistics.median(samples) / per
-    return mine if state is None else max(gather_objects(state, mine))
+    return mine if state is None else _slowest(gather_objects(state, mine))
 
 
 def graph_op_us(state: ParallelState | None, graph: torch.cuda.CUDAGraph, k: int = K_OPS,
