@@ -5,7 +5,8 @@
         print(out[0].outputs[0].text)
 
 Under torchrun every rank builds a TPEngine and calls generate with the same prompts (SPMD): every rank's core takes
-the same decisions, so they stay in lockstep with no control messages.
+the same decisions, so they stay in lockstep with no control messages. In a plain process, TPEngine(tp_size=N) starts
+ranks 1..N-1 itself (followers.py), and rank 0 tells them each step what changed.
 """
 
 from __future__ import annotations
