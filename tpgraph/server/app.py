@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-/health, /metrics, /version, and vLLM's /tokenize and /detokenize (token_routes.py), behind an API key where one is
-set (auth.py). Every mistake in a request is a 400 (404 for an unknown model) with an OpenAI error body, and the
-server keeps serving; a client that disconnects aborts its request."""
+/health, /metrics, /version, and vLLM's /tokenize, /detokenize and /tokenizer_info (token_routes.py), behind an API
+key where one is set (auth.py: a 401 without it). Every mistake in a request is a 400 (404 for an unknown model) with
+an OpenAI error body, and the server keeps serving; a client that disconnects aborts its request."""
 
 from __future__ import annotations
 

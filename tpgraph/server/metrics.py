@@ -1,7 +1,7 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
-step and host times, queue lengths, KV usage, beside the runner's graph stats); the HTTP front-end process keeps the
-request-level ones (ServerMetrics: TTFT, TPOT, end-to-end latency, finished requests, prompt and generated
-tokens). /metrics serves both."""
+step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
+hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
+TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens). /metrics serves both."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ generated (vLLM's --tool-call-parser names):
 A reply that does not parse as calls, or calls a function the request did not offer, is returned whole as content:
 nothing the model wrote is lost. Raw control characters in strings (a tab, as models write) are taken, and the
 arguments re-encoded as JSON (arguments written as a JSON string are taken too). These parsers read a whole
-reply; a streamed reply's llama3_json and hermes calls are read as they are written (tool_streams.py).
+reply; a streamed reply's calls (llama3_json, hermes and pythonic) are read as they are written (tool_streams.py).
 """
 
 from __future__ import annotations
