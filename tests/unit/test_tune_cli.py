@@ -58,6 +58,19 @@ def test_write_updates_this_world_size_only_and_logs(tmp_path):
     assert len(log["measurements"]) == 2 * 4 * len(SIZES) and log["rows"]["graph"]["push_max"] == SIZES[4]
 
 
+def test_the_measurements_are_logged_where_the_bands_cannot_be_derived(tmp_path):
+    """The log was written after the bands: a run whose figures give none (no algorithm timed at a size) lost
+    minutes of measurements with the error."""
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    untimed = [m if m.nbytes != SIZES[3] else Measurement(m.mode, m.algo, m.nbytes, float("nan"), m.blocks)
+               for m in synthetic()]
+    with pytest.raises(ValueError):
+        _write(args(tmp_path), 2, 132, untimed, table, "p")
+    log = json.loads((tmp_path / "tune.json").read_text())
+    assert len(log["measurements"]) == len(untimed) and "rows" not in log
+
+
 def test_dry_run_prints_the_diff_and_writes_nothing(tmp_path, capsys):
     table = tmp_path / "sm90.json"
     shutil.copy(config_dir() / "allreduce" / "sm90.json", table)

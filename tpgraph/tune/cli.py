@@ -207,6 +207,12 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
     from tpgraph.tune.launch import launch_bands
     from tpgraph.tune.writer import diff, render, updated_table
 
+    def log(**derived: dict) -> None:
+        if args.log:
+            args.log.write_text(json.dumps({"provenance": provenance, **derived,
+                                            "measurements": [vars(m) for m in results]}, indent=1))
+
+    log()  # (first the measurements alone: minutes of them are kept where deriving the bands fails)
     sizes = sorted({m.nbytes for m in results})
     rows, choices = {}, {}
     for mode in ("graph", "eager"):
@@ -225,9 +231,7 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
     _require_table(table)
     doc = json.loads(table.read_text())
     new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
-    if args.log:
-        args.log.write_text(json.dumps({"provenance": provenance, "rows": rows, "launch": {a.value: b for a, b in
-                                        launch.items()}, "measurements": [vars(m) for m in results]}, indent=1))
+    log(rows=rows, launch={a.value: b for a, b in launch.items()})
     if args.plot:
         from tpgraph.tune.plot import plot_curves
 
