@@ -400,3 +400,23 @@ def test_streamed_content_is_held_only_where_a_call_may_begin():
         got = [reader.feed(piece).content for piece in pieces]
         got[-1] += reader.finish("stop")[0].content
         assert got == sent, (parser, got)
+
+
+# what review found (helper, differential streams): each case failed before its mend
+
+@pytest.mark.parametrize("reply", [
+    '\x0c{"name": "get_time", "parameters": {}}',
+    '\xa0<|python_tag|>\u3000{"name": "get_time", "parameters": {}}',
+    '{"name": "get_time", "parameters": {}};\u3000\n',
+    '{"name": "get_time", "parameters": {}}\xa0 \x85',
+])
+def test_llama3_json_whitespace_python_strips_reads_alike_streamed_or_whole(reply):
+    """The whole reply is str.strip()ped (then the tag str.lstrip()ped): form feed, NBSP, U+3000... around the calls
+    are no content, but the stream took only JSON's whitespace there, so it sent the reply as text (leading) or the
+    trailing space as content."""
+    p = plan(parser="llama3_json")
+    _, whole, reason = read(p, reply, [len(reply)], stream=False)
+    assert calls_of(whole) == [("get_time", "{}")] and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(p, reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

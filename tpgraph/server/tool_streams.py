@@ -58,7 +58,8 @@ class CallStream:
     def finish(self) -> list[Event]:
         """What is left when the reply ends: text held back that is no call (separators after calls are none)."""
         held = "".join(self.held)
-        if not self.announced and (self.calls == 0 or held.strip(self.SEPARATORS)):
+        # (a whole reply is str.strip()ped: any whitespace may end it, past the separators)
+        if not self.announced and (self.calls == 0 or held.rstrip().strip(self.SEPARATORS)):
             self._content(held)
         return self._take()
 
@@ -124,10 +125,12 @@ class Llama3JsonStream(CallStream):
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         super().__init__(names, one_call)
         self.head = ""  # the reply's beginning past its leading whitespace, while it may be the tag
+        self.spaced = False  # (after a call) whitespace no separator was read: only the reply's end may follow
 
     def _frame(self, ch: str) -> None:
+        # a whole reply is str.strip()ped and the tag str.lstrip()ped: any whitespace, not only JSON's, at either end
         if self.state == "lead":
-            if ch in WHITESPACE and not self.head:
+            if ch.isspace() and not self.head:
                 return
             if ch == "{" and not self.head:
                 self._begin_call()
@@ -137,10 +140,17 @@ class Llama3JsonStream(CallStream):
                 self.state = "after_tag"
             elif not self.TAG.startswith(self.head):
                 self._give_up("".join(self.held))
-        elif ch == "{":
+        elif self.state == "after_tag":
+            if ch == "{":
+                self._begin_call()
+            elif not ch.isspace():
+                self._give_up("".join(self.held))
+        elif ch == "{" and not self.spaced:
             self._begin_call()
-        elif ch not in (WHITESPACE if self.state == "after_tag" else self.SEPARATORS):  # (calls are `;`-separated)
+        elif not ch.isspace() and (self.spaced or ch not in self.SEPARATORS):  # (calls are `;`-separated)
             self._give_up("".join(self.held))
+        elif ch not in self.SEPARATORS:
+            self.spaced = True  # (between calls it is no separator: a call or `;` after it is text)
 
 
 class HermesStream(CallStream):
