@@ -420,3 +420,16 @@ def test_llama3_json_whitespace_python_strips_reads_alike_streamed_or_whole(repl
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(p, reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("gaps", [("\xa0", ""), ("\u3000", "\x0c"), ("\n\x85 ", " \xa0\n")])
+def test_hermes_blank_gaps_of_any_whitespace_are_no_content_streamed_or_whole(gaps):
+    """A whole reply drops a stretch between or after blocks that str.strip() empties (NBSP, U+3000, form feed...);
+    the stream held only JSON's whitespace as blank, so it sent such a gap as content."""
+    block = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    reply = block + gaps[0] + block + gaps[1]
+    _, whole, reason = read(plan(), reply, [len(reply)], stream=False)
+    assert calls_of(whole) == [("get_time", "{}")] * 2 and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

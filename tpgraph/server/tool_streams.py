@@ -183,7 +183,7 @@ class HermesStream(CallStream):
                 self._give_up("".join(self.held))
             return
         if self.calls and not self.gap_text:  # after a block: held while blank, or while it may begin the next tag
-            if ch in WHITESPACE and self.blank == len(self.held) - 1:
+            if ch.isspace() and self.blank == len(self.held) - 1:  # (blank as str.strip() finds it, a whole reply)
                 self.blank += 1
                 return
             body = "".join(self.held[self.blank:])
