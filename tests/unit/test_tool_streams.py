@@ -433,3 +433,19 @@ def test_hermes_blank_gaps_of_any_whitespace_are_no_content_streamed_or_whole(ga
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", [
+    "[ # the weather first\n get_weather(city='Oslo'),  # then the time\n get_time()  # done\n]",
+    "[get_time # (no arguments)\n()]",
+    '[get_time(), # ]) "\r get_time()]',  # (a lone \r ends a comment too)
+    "[get_time()  # first\n, get_weather(city='Oslo')]",
+])
+def test_pythonic_comments_between_calls_read_alike_streamed_or_whole(reply):
+    """ast skips a "#" comment between the list's calls (or after a name); the stream took it only inside a call's
+    arguments, so it sent the reply, or what followed the first call, as text."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

@@ -318,6 +318,7 @@ class PythonicStream(CallStream):
         self.keys: set[str] = set()  # the call's keywords so far
         self.scan = PythonScanner()
         self.end_at = 0  # characters of the closing tag read
+        self.comment = False  # inside a "#" comment between calls, to its line's end
 
     def finish(self) -> list[Event]:
         if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content
@@ -326,6 +327,13 @@ class PythonicStream(CallStream):
 
     def _frame(self, ch: str) -> None:
         state = self.state
+        if self.comment:  # (ast skips it, as whitespace)
+            self.comment = ch not in "\n\r"
+            return
+        if ch == "#" and state in ("list", "next", "after_call"):
+            self.comment = True
+            self.name_done = state != "after_call" and bool(self.name)  # (after a name, only "(" may follow)
+            return
         if state == "lead":
             if ch.isspace() and self.head in ("", self.TAG):
                 return
