@@ -449,3 +449,13 @@ def test_pythonic_comments_between_calls_read_alike_streamed_or_whole(reply):
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", ['[get_weather(city="Oslo" # c\r)]', '[get_weather(city="Oslo", # c\r days=1)]'])
+def test_pythonic_a_comment_in_the_arguments_ends_at_a_lone_carriage_return(reply):
+    """Python ends a comment at "\\r" as at "\\n" (ast reads these as calls); the stream's scanner read on to a "\\n",
+    taking the rest of the call as comment: the reply was text, or the call broke off after its first argument."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

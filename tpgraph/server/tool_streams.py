@@ -261,7 +261,7 @@ class PythonScanner:
                 return
             self.run = 0  # two quotes: an empty string, closed; this character stands outside it
         if self.comment:
-            self.comment = ch != "\n"
+            self.comment = ch not in "\n\r"  # (a lone \r ends a line too, as Python reads it)
         elif self.quote:
             self._in_string(ch)
         elif ch == "#":
