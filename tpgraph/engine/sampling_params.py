@@ -168,9 +168,12 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
 
 
 def _as_tuple(name: str, value: object, what: str) -> tuple:
-    """A list, tuple, set or other iterable as a tuple; a lone value (or a mapping) refused, not iterated."""
+    """A list, tuple, set or other iterable as a tuple; a lone value (or a mapping) refused, not iterated. A set's
+    order is its process's (str hashes are seeded per process): sorted, so that every rank reads the same tuple."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise RequestError(f"{name} must be {what}, got {value!r}")
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(value, key=repr))  # (repr: a mixed set is refused by the checks after, not a TypeError)
     return tuple(value)
 
 
