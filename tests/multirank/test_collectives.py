@@ -23,3 +23,15 @@ def test_a_custom_all_reduce_set_up_failing_on_one_rank_sends_every_rank_to_nccl
     ranks = run_ranks(custom_setup_failing_on, 2, 1, timeout_s=120)
     for got_one, reason in ranks:
         assert not got_one and "cudaErrorPeerAccessUnsupported" in reason
+
+
+def test_a_peer_workspace_failing_to_map_on_one_rank_sends_every_rank_to_nccl():
+    """The failure named above happens after the ranks exchanged their workspace handles: the rank whose
+    cudaIpcOpenMemHandle failed went to the fallback's exchange while the others went on to set-up's next ones,
+    which then paired with its exchanges (the others kept a custom all-reduce, or failed on a closed peer). Every
+    rank now learns of the failure in set-up's exchange after mapping, and every rank falls back to NCCL."""
+    from tpgtest.workers import custom_setup_failing_to_map_on
+
+    ranks = run_ranks(custom_setup_failing_to_map_on, 2, 1, timeout_s=120)
+    for got_one, reason in ranks:
+        assert not got_one and "cudaErrorPeerAccessUnsupported" in reason

@@ -204,24 +204,35 @@ class CustomAllReduce:
         try:
             base = self.ext.ar_workspace(self.ctx)
             handles = gather_objects(state, self.ext.ipc_get_handle(base))
-            peers = []
-            for r, h in enumerate(handles):
-                if r == state.rank:
-                    peers.append(base)
-                    continue
-                peers.append(self.ext.ipc_open_handle(h))
-                self._opened.append(h)  # only once open: _release closes exactly these
-            self.ext.ar_set_peers(self.ctx, peers)
-            if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
-                offset = self.ext.ar_channel_offset(self.ctx)
-                self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD, (channel_bytes - PHASES_BYTES) // 4,
-                                  torch.cuda.current_stream(state.device).cuda_stream)
-                # the regions, then this context's timeout record: the epilogue's timeouts are named as ours are
-                addrs = [p + offset for p in peers] + [self.ext.ar_timeout_record(self.ctx)]
-                self.channel = Channel(torch.tensor(addrs, dtype=torch.int64, device=state.device), state.rank, ws,
-                                       slot_elems, int(cfg.timeout_s * 1e9))
-            torch.cuda.synchronize()
-            gather_objects(state, None)  # every rank has mapped every workspace before the first kernel
+            peers, failure = [], None
+            try:
+                for r, h in enumerate(handles):
+                    if r == state.rank:
+                        peers.append(base)
+                        continue
+                    peers.append(self.ext.ipc_open_handle(h))
+                    self._opened.append(h)  # only once open: _release closes exactly these
+                self.ext.ar_set_peers(self.ctx, peers)
+                if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
+                    offset = self.ext.ar_channel_offset(self.ctx)
+                    self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD,
+                                      (channel_bytes - PHASES_BYTES) // 4,
+                                      torch.cuda.current_stream(state.device).cuda_stream)
+                    # the regions, then this context's timeout record: the epilogue's timeouts are named as ours are
+                    addrs = [p + offset for p in peers] + [self.ext.ar_timeout_record(self.ctx)]
+                    self.channel = Channel(torch.tensor(addrs, dtype=torch.int64, device=state.device), state.rank,
+                                           ws, slot_elems, int(cfg.timeout_s * 1e9))
+                torch.cuda.synchronize()
+            except Exception as exc:  # (a peer's workspace refused to map): this rank's alone, said in the exchange
+                failure = exc  # below, which the others wait in (left, theirs paired with the fallback's exchanges)
+            # every rank has mapped every workspace before the first kernel, or every rank knows which could not
+            failed = [(r, f) for r, f in enumerate(gather_objects(
+                state, None if failure is None else f"{type(failure).__name__}: {failure}")) if f is not None]
+            if failure is not None:
+                raise failure
+            if failed:
+                raise CommError(f"custom all-reduce disabled: rank {failed[0][0]} could not map its peers' "
+                                f"workspaces: {failed[0][1]}")
             self._check_p2p_writes(peers)
         except BaseException:
             self._release()  # the workspace is hundreds of MiB: never leak it when setup fails
