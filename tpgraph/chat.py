@@ -10,6 +10,7 @@ The rendered text already holds BOS where the template puts it, so it is encoded
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -219,9 +220,11 @@ class GenerationDefaults:
         # as vLLM: these become the request defaults (do_sample is not consulted)
         sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
-        try:  # checked now, as a request takes them (top_k as an int): out of range, every request that leaves the
-            # field unset was refused with a 400 naming a field the client never sent
-            SamplingParams(**{**sampling, "top_k": int(sampling.get("top_k", 0))})
+        if isinstance(sampling.get("top_k"), float) and math.isfinite(sampling["top_k"]):
+            sampling["top_k"] = int(sampling["top_k"])  # (as a request takes it; NaN and inf are left to be refused)
+        try:  # checked now, as a request takes them: out of range, every request that leaves the field unset was
+            # refused with a 400 naming a field the client never sent
+            SamplingParams(**sampling)
         except RequestError as exc:
             raise CheckpointError(f"{path}: {exc} (fix or remove it: requests take it as their default)") from None
         limit = cfg.get("max_new_tokens")

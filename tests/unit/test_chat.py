@@ -233,6 +233,25 @@ def test_a_generation_config_default_out_of_range_is_named_at_start(tmp_path, fi
         GenerationDefaults.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("top_k", ["NaN", "Infinity", "1e999"])
+def test_a_generation_config_top_k_that_is_no_number_of_tokens_is_named_at_start(tmp_path, top_k):
+    """The start-up check took top_k through int(), which raises on NaN and infinity (json reads both): a ValueError or
+    OverflowError traceback from the engine's start, where the check was to name the field."""
+    (tmp_path / "generation_config.json").write_text(f'{{"top_k": {top_k}}}')
+    with pytest.raises(CheckpointError, match="generation_config.json: top_k must be an integer"):
+        GenerationDefaults.from_dir(tmp_path)
+
+
+def test_a_generation_config_top_k_written_as_a_float_is_a_default_the_engine_takes(tmp_path):
+    """top_k 50.0 passed the start-up check (taken through int(), as the server takes it) but was kept a float, so
+    TPEngine.default_params() and generate/chat without parameters refused it: "top_k must be an integer, got 50.0"."""
+    from tpgraph.engine.sampling_params import SamplingParams
+
+    (tmp_path / "generation_config.json").write_text('{"top_k": 50.0, "temperature": 0.7}')
+    sampling = GenerationDefaults.from_dir(tmp_path).sampling
+    assert sampling == {"top_k": 50, "temperature": 0.7} and SamplingParams(**sampling).top_k == 50
+
+
 def test_checkpoint_json_is_read_as_utf_8_whatever_the_locale(tmp_path):
     """JSON is UTF-8 (transformers reads it so); read in the locale's encoding, a non-ASCII special token (DeepSeek's
     <｜begin▁of▁sentence｜>) failed to load under an ASCII locale, or became mojibake under a Latin-1 one."""
