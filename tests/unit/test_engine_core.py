@@ -420,9 +420,13 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_sample(referenc
         by_string = e.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=["zz", "aaa"]))
         by_token = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, stop_token_ids=[first]))
         by_eos = e.generate(PROMPTS[0], SamplingParams(allowed_token_ids=e.core.eos_ids[:1]))
+        # an EOS listed in stop_token_ids too is an EOS (vLLM checks it first)
+        listed_eos = e.generate(PROMPTS[0], SamplingParams(allowed_token_ids=e.core.eos_ids[:1],
+                                                           stop_token_ids=e.core.eos_ids[:1]))
         by_length = e.generate(PROMPTS[0], GREEDY)
-    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in by_string + by_token + by_eos + by_length] \
-        == [("stop", "aaa"), ("stop", first), ("stop", None), ("length", None)]
+    outs = by_string + by_token + by_eos + listed_eos + by_length
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs] \
+        == [("stop", "aaa"), ("stop", first), ("stop", None), ("stop", None), ("length", None)]
 
 
 def test_cumulative_logprob_sums_the_sampled_tokens_logprobs():

@@ -413,11 +413,12 @@ class EngineCore:
             return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
         detok = state.detokenizers[seq.sample_index]
         reason, stop_reason = None, None
-        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+        eos = token in self.eos_ids and not p.ignore_eos
+        stop_token = eos or token in p.stop_token_ids
         text = ""
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
-            reason, stop_reason = "stop", token if token in p.stop_token_ids else None
+            reason, stop_reason = "stop", None if eos else token  # (an EOS is none, also where listed: vLLM's)
             if detok is not None and p.include_stop_str_in_output:  # the stop token's own text too (as vLLM)
                 text = detok.add(token, may_stop=False)[0]
         elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)
