@@ -160,7 +160,9 @@ def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.devic
                      f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}
             if name == "gate_up" and gate_up_silu(x, ws[0]) is not None:  # None: these tiles split K, no epilogue
                 timed["gate_up+silu (Triton)"] = lambda i, x=x: gate_up_silu(x, ws[i])
-            if name == "qkv":
+            # (None: where it does not apply, decode runs the two steps; a row then would time a no-op)
+            if name == "qkv" and qkv_rope_store(x, ws[0], rope_rows[:m], rope, rope_rows[:m], kc, vc, HEADS, KV_HEADS,
+                                                HEAD_DIM) is not None:
                 timed["qkv+rope_store (Triton)"] = lambda i, x=x, rows=rope_rows[:m]: qkv_rope_store(
                     x, ws[i], rows, rope, rows, kc, vc, HEADS, KV_HEADS, HEAD_DIM)
             rows += [_row(label, m, None, hbm, per_op_us(fn, copies)) for label, fn in timed.items()]

@@ -146,7 +146,7 @@ for step in "$@"; do
            timeout -s INT -k 10 120 python3 -m pytest tests/gpu -q -rfEs --ignore tests/gpu/test_fused_kernels_gpu.py \
                2>&1 | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -30 | tee "$out/gpu_tests_other.log"
          else  # their two-rank tests take longer than the call has left
-           echo "the other GPU test files: run ar-exact, ar-tests, graph-tests and engine-tests in a call of their own"
+           echo "the other GPU test files: run ar-exact, graph-tests and engine-tests in a call of their own"
          fi ;;
     guards-memory) timeout 240 python3 -m pytest tests/gpu/test_graph_decode_gpu.py -x -q -s -rs -k "guards or memory" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -40 | tee "$out/guards_memory.log" ;;
