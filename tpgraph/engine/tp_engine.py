@@ -239,6 +239,7 @@ class TPEngine:
         with self._lock:
             self._check_open()
             prompts = list(prompts)
+            self._check_spmd_call(("generate", prompts, sampling_params))
             encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm)
 
@@ -256,6 +257,8 @@ class TPEngine:
                                f"non-empty list of them, got {type(conversations).__name__}")
         with self._lock:
             self._check_open()
+            self._check_spmd_call(("chat", conversations, sampling_params, tools, add_generation_prompt,
+                                   continue_final_message, chat_template_kwargs))
             encoded = []
             for messages in conversations:
                 text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
@@ -275,7 +278,6 @@ class TPEngine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
-        self._check_spmd_call(encoded, per_prompt)
         results: dict[str, GenerationOutput] = {}
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
@@ -309,13 +311,14 @@ class TPEngine:
             bar.close()
         return [results[r] for r in order]
 
-    def _check_spmd_call(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> None:
+    def _check_spmd_call(self, call: tuple) -> None:
         """Under torchrun every rank calls generate alike (SPMD), each stepping its own copy of the schedule: other
         prompts on one rank gave every rank the same wrong tokens with no word, other lengths left one stepping
-        alone until a collective timed out. One small gather a call compares them."""
+        alone until a collective timed out. One small gather a call compares its arguments, before anything a rank
+        might refuse alone (encoding, a chat template) could leave the others waiting in it."""
         if self.service is not None or self.state.world_size == 1:  # (rank 0 alone tells started ranks what to do)
             return
-        digest = hashlib.sha256(repr([(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]).encode())
+        digest = hashlib.sha256(repr(call).encode())
         digests = gather_objects(self.state, digest.hexdigest())  # (explicit: every rank's call meets here)
         differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
         if differ:
