@@ -226,8 +226,9 @@ def test_allowed_and_banned_ids_hold_on_the_fused_draw_and_greedy_rows(dtype):
     rows = [SampleRow(SamplingParams(temperature=t, top_p=0.95, allowed_token_ids=allowed), [1], [])
             for t in (0.0, 1.0) for _ in range(16)]
     top = logits.float().argmax(-1).tolist()
-    rows += [SampleRow(SamplingParams(temperature=t), [1], [], banned_ids=(top[32 + i],)) for t in (0.0, 0.05)
-             for i in range(16)]
+    # (row 32 + i bans its own likeliest id: greedy rows, then near-greedy sampled ones)
+    rows += [SampleRow(SamplingParams(temperature=0.0 if i < 16 else 0.05), [1], [], banned_ids=(top[32 + i],))
+             for i in range(32)]
     sampler = Sampler("cuda", seed=1)
     for _ in range(3):
         ids = sampler.sample(logits, rows).token_ids
