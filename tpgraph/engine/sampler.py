@@ -331,9 +331,10 @@ def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: AllowedIds) ->
               if r.params.allowed_token_ids is not None]
     ids = torch.cat([t for _, t in asking])
     masked, counts = to_device_parts([[i for i, _ in asking], [len(t) for _, t in asking]], torch.int64, x.device)
-    keep = torch.ones_like(x, dtype=torch.bool)
-    keep[masked] = False
-    keep[masked.repeat_interleave(counts, output_size=len(ids)), ids] = True
+    # (index_fill_ and a device scalar: `keep[i] = False` copied the Python scalar from the host, waiting for the GPU)
+    keep = torch.ones_like(x, dtype=torch.bool).index_fill_(0, masked, False)
+    keep.index_put_((masked.repeat_interleave(counts, output_size=len(ids)), ids),
+                    torch.ones((), dtype=torch.bool, device=x.device))
     return x.masked_fill(~keep, float("-inf"))
 
 
