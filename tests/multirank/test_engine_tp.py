@@ -33,16 +33,19 @@ def test_two_ranks_agree_with_one():
     assert len(constrained) == 10 and constrained.isalpha() and constrained.islower() and "aa" not in constrained
 
 
-@pytest.mark.parametrize("other", ["The quick brown cat", "a lone \ud800"], ids=["other", "refused_alone"])
+@pytest.mark.parametrize("other", [["The quick brown cat"], ["a lone \ud800"], {"prompt": "The quick brown fox"}],
+                         ids=["other", "refused_alone", "form_refused_alone"])
 def test_ranks_called_with_other_prompts_are_refused_on_every_rank(other):
     """Under torchrun every rank must make the same generate calls: one given other prompts (the same lengths) had
     every rank produce the same tokens, wrong for one of them, with no word. Every rank refuses the call, naming the
     rank that differs, and the engine serves the next matching call. A prompt only one rank's encoding refuses (not
-    valid Unicode) is found so too, not left to strand the other in the comparison."""
-    prompts = [["The quick brown fox"], [other]]
+    valid Unicode), or whose form only one rank's generate refuses (vLLM's {"prompt": ...}), is found so too, not left
+    to strand the other in the comparison."""
+    prompts = [["The quick brown fox"], other]
     ranks = run_ranks(engine_generate_per_rank, 2, prompts, ENGINE, timeout_s=240)
     for error, _ in ranks:
         assert error is not None and error.startswith("rank(s) [1] called generate with other prompts")
+    assert ("this rank's call was refused" in ranks[1][0]) == isinstance(other, dict)
     assert ranks[0][1] == ranks[1][1] and len(ranks[0][1]) == 4
 
 

@@ -485,7 +485,7 @@ def test_the_spmd_check_reads_a_set_of_stop_strings_alike_in_every_process():
             "tp_engine.gather_objects = lambda state, digest: seen.append(digest) or [digest]; "
             "rank = types.SimpleNamespace(service=None, state=types.SimpleNamespace(world_size=2)); "
             "params = SamplingParams(stop={'END', 'STOP', '###', 'Q:'}, bad_words={'foo', 'bar', 'baz'}); "
-            "tp_engine.TPEngine._check_spmd_call(rank, ('generate', [[256, 104]], params)); print(seen[0])")
+            "tp_engine.TPEngine._agreed_call(rank, 'generate', lambda: [[256, 104]], params); print(seen[0])")
     repo = str(Path(__file__).resolve().parents[2])
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
                               env={**os.environ, "PYTHONHASHSEED": str(seed),

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,20 +226,11 @@ class TPEngine:
                  use_tqdm: bool = False) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
         vLLM's LLM.generate name). Calls from several threads run one after another."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
-        elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
-            # (a dict is vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or one chat message out of its list)
-            hint = (" (vLLM's {'prompt': ...} and {'prompt_token_ids': ...} prompts are given here as the text or the "
-                    "token ids themselves; chat messages as a list of them)") if isinstance(prompts, dict) else ""
-            raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
-                               f"{type(prompts).__name__}{hint}")
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
             self._check_open()
-            prompts = list(prompts)
-            self._check_spmd_call(("generate", prompts, sampling_params))
+            prompts = self._agreed_call("generate", lambda: _prompt_list(prompts), sampling_params)
             encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm)
 
@@ -249,16 +240,11 @@ class TPEngine:
              chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[GenerationOutput]:
         """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
         template with these options (ChatTemplate.render) and completed. Each output's prompt is the rendered text."""
-        if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
-                isinstance(c, (list, tuple)) for c in conversations):
-            raise RequestError("chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a "
-                               f"non-empty list of them, got {type(conversations).__name__}")
         with self._lock:
             self._check_open()
-            self._check_spmd_call(("chat", conversations, sampling_params, tools, add_generation_prompt,
-                                   continue_final_message, chat_template_kwargs))
+            conversations = self._agreed_call("chat", lambda: _conversation_list(conversations), sampling_params,
+                                              tools, add_generation_prompt, continue_final_message,
+                                              chat_template_kwargs)
             encoded = []
             for messages in conversations:
                 text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
@@ -311,19 +297,30 @@ class TPEngine:
             bar.close()
         return [results[r] for r in order]
 
-    def _check_spmd_call(self, call: tuple) -> None:
+    def _agreed_call(self, name: str, normalize: Callable[[], list], *arguments: Any) -> list:
         """Under torchrun every rank calls generate alike (SPMD), each stepping its own copy of the schedule: other
         prompts on one rank gave every rank the same wrong tokens with no word, other lengths left one stepping
-        alone until a collective timed out. One small gather a call compares its arguments, before anything a rank
-        might refuse alone (encoding, a chat template) could leave the others waiting in it."""
-        if self.service is not None or self.state.world_size == 1:  # (rank 0 alone tells started ranks what to do)
-            return
-        digest = hashlib.sha256(repr(call).encode())
-        digests = gather_objects(self.state, digest.hexdigest())  # (explicit: every rank's call meets here)
-        differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
-        if differ:
-            raise RequestError(f"rank(s) {differ} called generate with other prompts or sampling parameters than rank "
-                               "0: under torchrun every rank makes the same calls with the same arguments")
+        alone until a collective timed out. One small gather a call compares the normalized prompts and the other
+        arguments, before anything a rank might refuse alone (encoding, a chat template) could leave the others
+        waiting in it; a rank that refuses the prompts' form meets the others there with its refusal. Returns the
+        prompts as `normalize` gives them."""
+        try:
+            prompts, refused = normalize(), None
+            call = repr((name, prompts, *arguments))
+        except RequestError as error:
+            prompts, refused = [], error
+            call = f"refused: {error}"
+        if self.service is None and self.state.world_size > 1:  # (rank 0 alone tells started ranks what to do)
+            digests = gather_objects(self.state, hashlib.sha256(call.encode()).hexdigest())  # (every rank meets here)
+            differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
+            if differ:
+                here = f" (this rank's call was refused: {refused})" if refused is not None else ""
+                raise RequestError(f"rank(s) {differ} called {name} with other prompts or sampling parameters than "
+                                   f"rank 0: under torchrun every rank makes the same calls with the same "
+                                   f"arguments{here}")
+        if refused is not None:
+            raise refused
+        return prompts
 
     def warm_up(self) -> float:
         """Run what serving will run before anyone waits on it: a full decode batch (greedy and sampled rows), the
@@ -463,3 +460,27 @@ class TPEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """generate's prompts as a list: one prompt (text, token ids, chat messages) or an iterable of them."""
+    if is_one_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
+        # (a dict is vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or one chat message out of its list)
+        hint = (" (vLLM's {'prompt': ...} and {'prompt_token_ids': ...} prompts are given here as the text or the "
+                "token ids themselves; chat messages as a list of them)") if isinstance(prompts, dict) else ""
+        raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
+                           f"{type(prompts).__name__}{hint}")
+    return list(prompts)
+
+
+def _conversation_list(conversations: Any) -> list:
+    """chat's conversations as a list: one conversation (a list of messages) or a list of them."""
+    if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
+        return [conversations]
+    if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+            isinstance(c, (list, tuple)) for c in conversations):
+        raise RequestError("chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a "
+                           f"non-empty list of them, got {type(conversations).__name__}")
+    return list(conversations)
