@@ -77,8 +77,26 @@ def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypat
     was an allocator traceback, or (its pages taken lazily) the OOM killer once serving wrote them."""
     monkeypatch.setattr("tpgraph.engine.runner.host_memory_bytes", lambda: 4096)
     with pytest.raises(ConfigError, match=r"--max-num-seqs 4 sequences of --max-model-len 64 tokens, .* GiB, more "
-                                          r"than this host's 0.0 GiB: lower either, or pass --num-kv-blocks"):
+                                          r"than this host's 0.0 GiB \(or its container's limit\): lower either, or "
+                                          r"pass --num-kv-blocks"):
         engine(num_kv_blocks=None)
+
+
+def test_host_memory_is_a_containers_cgroup_limit_where_one_is_set(tmp_path):
+    """In a container the OOM killer acts at the cgroup's limit, not at the host's memory: the CPU cache's check read
+    the host's alone. cgroup v2 writes "max" for no limit; a missing file is no limit."""
+    from tpgraph.engine.memory import host_memory_bytes
+
+    physical = host_memory_bytes(limit_files=())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    v1.write_text(f"{2 << 30}\n")
+    assert host_memory_bytes((v2, v1)) == min(physical, 2 << 30)  # (v2 unlimited: v1's limit read next)
+    v2.write_text(f"{1 << 30}\n")
+    assert host_memory_bytes((v2, v1)) == min(physical, 1 << 30)
+    assert host_memory_bytes((tmp_path / "absent",)) == physical
+    v1.write_text(f"{physical * 4}\n")  # (v1's "no limit" is a number past the host's memory)
+    assert host_memory_bytes((v1,)) == physical
 
 
 def test_chunked_prefill_and_one_sequence_at_a_time(reference):

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from tpgraph.errors import ConfigError
 
 GiB = 1 << 30
 
 
-def host_memory_bytes() -> int:
-    """This host's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+# a container's memory limit, cgroup v2 then v1 (v1 writes a huge number for "no limit")
+CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory_bytes(limit_files: tuple[Path, ...] = CGROUP_LIMIT_FILES) -> int:
+    """The memory this process may take: the host's physical memory, or less where a container's cgroup limits it
+    (past that limit the OOM killer ends the process, however much the host has)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limit_files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # ("max": no limit)
+            return min(physical, int(text))
+    return physical
 
 
 @dataclass(frozen=True)

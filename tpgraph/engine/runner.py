@@ -307,11 +307,11 @@ class ModelRunner:
             blocks = self.max_blocks_per_seq * self.cfg.max_batch + 1
             # (sized for the worst case, not from free memory: CPU pages are taken as they are first written, so a
             # cache past the host's memory failed as an allocator traceback, or mid-serving as the OOM killer)
-            if blocks * self.block_bytes > host_memory_bytes():
+            if blocks * self.block_bytes > (memory := host_memory_bytes()):
                 raise ConfigError(f"on CPU the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of "
                                   f"--max-model-len {self.max_model_len} tokens, {blocks * self.block_bytes / GiB:.1f} "
-                                  f"GiB, more than this host's {host_memory_bytes() / GiB:.1f} GiB: lower either, or "
-                                  "pass --num-kv-blocks")
+                                  f"GiB, more than this host's {memory / GiB:.1f} GiB (or its container's limit): "
+                                  "lower either, or pass --num-kv-blocks")
             return blocks
         self._bind_kv_cache(2)  # the null block and one more: enough for profiling and trial captures
         provisional = 2 * self.block_bytes
