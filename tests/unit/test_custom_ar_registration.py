@@ -303,8 +303,11 @@ def test_a_peer_workspace_that_cannot_be_mapped_fails_with_its_own_error_and_fre
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(custom_ar, "load_ext", lambda: ext)
     # rank 1 has the same GPU and exports its workspace
-    monkeypatch.setattr(custom_ar, "gather_objects",
-                        lambda state, obj: [obj, b"handle-0x9900000" if isinstance(obj, bytes) else obj])
+    def gather(state, obj):
+        return [obj, b"handle-0x9900000" if isinstance(obj, bytes) else obj]
+
+    monkeypatch.setattr(custom_ar, "gather_objects", gather)
+    monkeypatch.setattr("tpgraph.distributed.gather_objects", gather)  # (run_on_all_ranks's exchange)
     state = ParallelState(0, 2, 0, torch.device("cuda", 0), None, None)
     with pytest.raises(RuntimeError, match="cudaErrorPeerAccessUnsupported"):
         CustomAllReduce(state, CustomAllReduceConfig())

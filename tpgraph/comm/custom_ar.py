@@ -24,7 +24,7 @@ from tpgraph.comm.limits import algo_codes, dtype_codes, kernel_limits
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
-from tpgraph.distributed import ParallelState, gather_objects
+from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks
 from tpgraph.errors import CommError, ConfigError
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import (
@@ -204,35 +204,11 @@ class CustomAllReduce:
         try:
             base = self.ext.ar_workspace(self.ctx)
             handles = gather_objects(state, self.ext.ipc_get_handle(base))
-            peers, failure = [], None
-            try:
-                for r, h in enumerate(handles):
-                    if r == state.rank:
-                        peers.append(base)
-                        continue
-                    peers.append(self.ext.ipc_open_handle(h))
-                    self._opened.append(h)  # only once open: _release closes exactly these
-                self.ext.ar_set_peers(self.ctx, peers)
-                if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
-                    offset = self.ext.ar_channel_offset(self.ctx)
-                    self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD,
-                                      (channel_bytes - PHASES_BYTES) // 4,
-                                      torch.cuda.current_stream(state.device).cuda_stream)
-                    # the regions, then this context's timeout record: the epilogue's timeouts are named as ours are
-                    addrs = [p + offset for p in peers] + [self.ext.ar_timeout_record(self.ctx)]
-                    self.channel = Channel(torch.tensor(addrs, dtype=torch.int64, device=state.device), state.rank,
-                                           ws, slot_elems, int(cfg.timeout_s * 1e9))
-                torch.cuda.synchronize()
-            except Exception as exc:  # (a peer's workspace refused to map): this rank's alone, said in the exchange
-                failure = exc  # below, which the others wait in (left, theirs paired with the fallback's exchanges)
-            # every rank has mapped every workspace before the first kernel, or every rank knows which could not
-            failed = [(r, f) for r, f in enumerate(gather_objects(
-                state, None if failure is None else f"{type(failure).__name__}: {failure}")) if f is not None]
-            if failure is not None:
-                raise failure
-            if failed:
-                raise CommError(f"custom all-reduce disabled: rank {failed[0][0]} could not map its peers' "
-                                f"workspaces: {failed[0][1]}")
+            # every rank has mapped every workspace before the first kernel, or every rank knows which could not (a
+            # peer's workspace refused to map on one rank alone, raised there alone, paired the others' next exchanges
+            # with its fallback's)
+            peers = run_on_all_ranks(state, lambda: self._map_peers(base, handles, channel_bytes, slot_elems),
+                                     "custom all-reduce set-up (mapping the peers' workspaces)")
             self._check_p2p_writes(peers)
         except BaseException:
             self._release()  # the workspace is hundreds of MiB: never leak it when setup fails
@@ -257,6 +233,28 @@ class CustomAllReduce:
         if self.channel is None or not self.cfg.fused_norm or not epilogue_enabled(self.state.world_size):
             return None
         return self.channel if self.channel.takes(residual) else None
+
+    def _map_peers(self, base: int, handles: list[bytes], channel_bytes: int, slot_elems: int) -> list[int]:
+        """Open every peer's workspace (this rank's own at its place), hand the pointers to the context, and arm the
+        push channel; returns the pointers in rank order."""
+        peers = []
+        for r, handle in enumerate(handles):
+            if r == self.state.rank:
+                peers.append(base)
+                continue
+            peers.append(self.ext.ipc_open_handle(handle))
+            self._opened.append(handle)  # only once open: _release closes exactly these
+        self.ext.ar_set_peers(self.ctx, peers)
+        if channel_bytes:  # arm the channel's slots (its phases are zero), before any peer can push
+            offset = self.ext.ar_channel_offset(self.ctx)
+            self.ext.fill_u32(base + offset + PHASES_BYTES, SENTINEL_WORD, (channel_bytes - PHASES_BYTES) // 4,
+                              torch.cuda.current_stream(self.state.device).cuda_stream)
+            # the regions, then this context's timeout record: the epilogue's timeouts are named as ours are
+            addrs = [p + offset for p in peers] + [self.ext.ar_timeout_record(self.ctx)]
+            self.channel = Channel(torch.tensor(addrs, dtype=torch.int64, device=self.state.device), self.state.rank,
+                                   self.state.world_size, slot_elems, int(self.cfg.timeout_s * 1e9))
+        torch.cuda.synchronize()
+        return peers
 
     def _check_p2p_writes(self, peers: list[int]) -> None:
         """A real P2P check: write a word into each peer's workspace through the IPC mapping, then let the peer
