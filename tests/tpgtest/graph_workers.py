@@ -75,7 +75,9 @@ def graph_modes_match_eager(rank, world_size, init, ckpt, batch_sizes, steps):
         ref: dict[int, tuple] = {}
         report = []
         for mode in ("none", "full", "piecewise", "breakable"):
-            graphs = GraphConfig(decode_mode=mode, ladder="sglang", enforce_eager=mode == "none")
+            # (no prefill calibration: its timings may send a prefill count eagerly, and this checks each mode's path)
+            graphs = GraphConfig(decode_mode=mode, ladder="sglang", enforce_eager=mode == "none",
+                                 calibrate_prefill=False)
             runner = ModelRunner(model, RunnerConfig(max_batch=max(batch_sizes), max_model_len=max_len,
                                                      num_kv_blocks=blocks, graphs=graphs))
             for bs in batch_sizes:
