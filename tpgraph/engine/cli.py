@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from tpgraph.distributed import env_int
@@ -22,6 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a directory whose tokenizer.json, tokenizer_config.json (special tokens, chat template) and "
+                        "chat_template.jinja replace --model's")
+    p.add_argument("--tokenizer-mode", default="auto", type=accepted("auto", "hf", why="tpgraph runs the fast "
+                                                                     "tokenizer (tokenizer.json), which both name"),
+                   help="auto | hf: the fast tokenizer, tokenizer.json (vLLM's slow, mistral and custom are refused)")
     p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
@@ -47,6 +54,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
     add_graph_args(p)
+
+
+def accepted(*values: str, why: str) -> Callable[[str], str]:
+    """An argparse type for a vLLM flag whose other values this engine cannot honour: they are refused when parsed,
+    saying what is supported and why, rather than taken and ignored."""
+    def check(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not supported: {why}; use {' or '.join(map(repr, values))}")
+        return text
+
+    return check
 
 
 def fraction(text: str) -> float:
@@ -77,4 +95,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                chat_template=args.chat_template, graphs=graph_config_from_args(args))
+                chat_template=args.chat_template, tokenizer=args.tokenizer, graphs=graph_config_from_args(args))

@@ -31,6 +31,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
     chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
+    # a directory whose tokenizer.json, tokenizer_config.json and chat template replace the model's (vLLM's --tokenizer)
+    tokenizer: str | Path | None = None
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -51,6 +53,8 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, (str, Path)):
             raise ConfigError(f"chat_template must be a template (a str) or a file's path (a str or Path), got "
                               f"{self.chat_template!r}")
+        if self.tokenizer is not None:
+            check_tokenizer_dir(self.tokenizer)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2 ** 63) <= self.seed < 2 ** 64:
             raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}")
         if self.dtype not in (None, "auto"):
@@ -72,3 +76,16 @@ class EngineConfig:
         if not self.enable_chunked_prefill and tokens is not None and context is not None and tokens < context:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt "
                               f"of max_model_len ({context}) tokens")
+
+
+def check_tokenizer_dir(tokenizer: object) -> None:
+    """A tokenizer given apart from the model: a directory with tokenizer.json (the fast tokenizer's one file, which
+    is what tpgraph reads), refused now rather than found missing after the weights load on every rank."""
+    if not isinstance(tokenizer, (str, Path)):
+        raise ConfigError(f"tokenizer must be a directory (a str or Path), got {tokenizer!r}")
+    if not Path(tokenizer).is_dir():
+        raise ConfigError(f"tokenizer {str(tokenizer)!r} is not a directory (tpgraph reads a tokenizer from disk and "
+                          f"downloads nothing)")
+    if not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer directory {str(tokenizer)!r} has no tokenizer.json; write one with transformers: "
+                          f"AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")

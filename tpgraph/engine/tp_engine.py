@@ -169,13 +169,18 @@ class TPEngine:
             self.comm = TPCommunicator(self.state)
             dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
-            self.tokenizer = load_tokenizer(cfg.model, self.model.cfg.vocab_size)
+            # (vLLM's --tokenizer: the tokenizer, its special tokens and its chat template come from that directory)
+            tokenizer_dir = cfg.model if cfg.tokenizer is None else cfg.tokenizer
+            self.tokenizer = load_tokenizer(tokenizer_dir, self.model.cfg.vocab_size)
+            if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > self.model.cfg.vocab_size:
+                logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's "
+                               "are refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), self.model.cfg.vocab_size)
             self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
-            special = {"bos_token": BOS, "eos_token": EOS} if cfg.model is None else special_tokens(
-                tokenizer_config(cfg.model))
-            self.chat_template = ChatTemplate.from_dir(cfg.model, BOS) if cfg.chat_template is None else \
+            special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
+                tokenizer_config(tokenizer_dir))
+            self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
                 ChatTemplate.from_option(cfg.chat_template, special)
             self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
                                        str(cfg.model or "the built-in model"), eos_ids, special)
