@@ -59,3 +59,30 @@ def test_tokenizer_modes_this_engine_cannot_run_are_refused_naming_the_flag(mode
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--tokenizer-mode" in err and f"'{mode}' is not supported" in err
     assert "'auto' or 'hf'" in err
+
+
+def test_max_logprobs_refuses_requests_asking_more_and_takes_those_within():
+    """vLLM's --max-logprobs (20 by default): a request asking more alternatives a token, for its output or its
+    prompt, is refused (a 400 from the server, whose front end checks the same limits); the engine still warms up."""
+    from tpgraph.engine.sampling_params import SamplingParams
+    from tpgraph.errors import RequestError
+
+    assert engine_kwargs(parse_args([]))["max_logprobs"] == 20
+    kwargs = engine_kwargs(parse_args(["--max-logprobs", "1"]))
+    with TPEngine(**{**SMALL, "max_logprobs": kwargs["max_logprobs"]}) as engine:
+        engine.warm_up()
+        (out,) = engine.generate("ab", SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1))
+        assert [len(top) for top in out.outputs[0].top_logprobs] == [1, 1]
+        for asked in (dict(logprobs=2), dict(prompt_logprobs=5)):
+            with pytest.raises(RequestError, match=r"more than the 1 this server returns \(its max_logprobs\)"):
+                engine.generate("ab", SamplingParams(max_tokens=2, **asked))
+        assert engine.core.limits.max_logprobs == 1  # (the front end's copy of the checks)
+
+
+@pytest.mark.parametrize("value", ["-1", "21"])
+def test_a_max_logprobs_the_sampler_cannot_return_is_refused_when_parsed(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--max-logprobs", value])
+    assert "argument --max-logprobs: must be 0 to 20" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="max_logprobs must be an integer from 0 to 20"):
+        TPEngine(**SMALL, max_logprobs=int(value))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpgraph.distributed import env_int
+from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.model.loader import LOAD_FORMATS
@@ -29,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-mode", default="auto", type=accepted("auto", "hf", why="tpgraph runs the fast "
                                                                      "tokenizer (tokenizer.json), which both name"),
                    help="auto | hf: the fast tokenizer, tokenizer.json (vLLM's slow, mistral and custom are refused)")
+    p.add_argument("--max-logprobs", type=logprobs_cap, default=MAX_LOGPROBS, metavar="N",
+                   help=f"the most log-probabilities a token a request may ask (logprobs, top_logprobs, "
+                        f"prompt_logprobs); more is a 400. At most {MAX_LOGPROBS} (vLLM's -1, no cap, is refused)")
     p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
@@ -67,6 +71,14 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
     return check
 
 
+def logprobs_cap(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_LOGPROBS}, the alternatives a token the sampler computes "
+                                         f"(vLLM's -1, the whole vocabulary, is not served), got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A value in (0, 1], refused at parse time rather than after the weights load."""
     value = float(text)
@@ -95,4 +107,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                chat_template=args.chat_template, tokenizer=args.tokenizer, graphs=graph_config_from_args(args))
+                chat_template=args.chat_template, tokenizer=args.tokenizer,
+                max_logprobs=args.max_logprobs, graphs=graph_config_from_args(args))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpgraph.config import parse_dtype
+from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
@@ -33,6 +34,9 @@ class EngineConfig:
     chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
     # a directory whose tokenizer.json, tokenizer_config.json and chat template replace the model's (vLLM's --tokenizer)
     tokenizer: str | Path | None = None
+    # the most log-probability alternatives a request may ask a token (vLLM's --max-logprobs; more is a 400). Up to
+    # MAX_LOGPROBS, what the sampler computes: vLLM's -1 (the whole vocabulary) is not served
+    max_logprobs: int = MAX_LOGPROBS
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
@@ -53,6 +57,10 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, (str, Path)):
             raise ConfigError(f"chat_template must be a template (a str) or a file's path (a str or Path), got "
                               f"{self.chat_template!r}")
+        logprobs = self.max_logprobs
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"max_logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives a token the "
+                              f"sampler computes; -1, the whole vocabulary, is not served), got {logprobs!r}")
         if self.tokenizer is not None:
             check_tokenizer_dir(self.tokenizer)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2 ** 63) <= self.seed < 2 ** 64:

@@ -23,7 +23,7 @@ from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleRow, plain_greedy
-from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.engine.structured import GrammarCompiler, GrammarState
@@ -133,7 +133,8 @@ class RequestState:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, eos_ids: tuple[int, ...] = (),
-                 tokenizer: Tokenizer | None = None, seed: int = 0, overlap: bool = True) -> None:
+                 tokenizer: Tokenizer | None = None, seed: int = 0, overlap: bool = True,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         if scheduler_cfg.max_num_seqs > runner.cfg.max_batch:
             raise ConfigError(f"max_num_seqs ({scheduler_cfg.max_num_seqs}) exceeds the runner's max_batch "
                               f"({runner.cfg.max_batch}): decode batches must fit the captured graphs")
@@ -152,6 +153,7 @@ class EngineCore:
         self._next_seq_id = 0
         self.timing = StepTiming()
         self.overlap = overlap  # schedule a step before reading the last one's tokens (see step)
+        self.max_logprobs = max_logprobs  # the most log-probability alternatives a request may ask (RequestLimits)
         self._in_flight: InFlight | None = None
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ class EngineCore:
         cfg = self.scheduler.cfg
         return RequestLimits(self.runner.model.cfg.vocab_size, cfg.max_model_len,
                              self.scheduler.allocator.num_blocks * cfg.block_size, cfg.policy == "priority",
-                             self.eos_ids)
+                             self.eos_ids, self.max_logprobs)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if add_request would refuse this prompt (front ends check before accepting it)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.errors import RequestError
 
 
@@ -16,6 +16,7 @@ class RequestLimits:
     cache_tokens: int  # what the whole KV cache holds
     priority_scheduling: bool = False  # (else a request's priority must be 0, as vLLM's server refuses others)
     eos_ids: tuple[int, ...] = ()  # (min_tokens holds them back, with stop_token_ids, unless ignore_eos)
+    max_logprobs: int = MAX_LOGPROBS  # (vLLM's --max-logprobs: a request asking more alternatives a token is refused)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the engine would refuse this prompt."""
@@ -41,6 +42,10 @@ class RequestLimits:
         if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
             raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
                                f"tokens that passes max_model_len {self.max_model_len}")
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and asked > self.max_logprobs:
+                raise RequestError(f"{name} asks for {asked} log-probabilities a token, more than the "
+                                   f"{self.max_logprobs} this server returns (its max_logprobs)")
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")

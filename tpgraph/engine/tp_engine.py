@@ -193,7 +193,8 @@ class TPEngine:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy),
-                eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling)
+                eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling,
+                max_logprobs=cfg.max_logprobs)
         except BaseException as exc:
             destroy_distributed(self.state)
             # a failure every rank meets (a bad checkpoint) ends the started ranks by themselves: they get time to; a
@@ -351,6 +352,8 @@ class TPEngine:
         # and top-k (its own kernels) are kinds of their own.
         for n in (n for n in (1, 3, 16) if n <= batch):
             for kind in WARM_UP_KINDS:
+                if "logprobs" in kind:  # (checked against max_logprobs, as a request's are)
+                    kind = {**kind, "logprobs": min(kind["logprobs"], self.config.max_logprobs)}
                 self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
         if self.core.eos_ids and structured_outputs_available():
             # xgrammar's vocabulary tables, and its mask kernel (Triton: the constrained rows' count compiles apart
