@@ -21,7 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.errors import CheckpointError, RequestError
+from tpgraph.errors import CheckpointError, ConfigError, RequestError
 
 # The built-in model's template: role headers as plain text around each message; tools, and an assistant's tool
 # calls, as JSON.
@@ -199,6 +199,11 @@ def special_tokens(cfg: dict) -> dict[str, str]:
     return special
 
 
+# generation_config.json's values that become request defaults, as vLLM reads them (do_sample is not consulted)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # (or a directory holding a generation_config.json)
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """generation_config.json: the ids that end a generation, and default sampling values."""
@@ -217,8 +222,8 @@ class GenerationDefaults:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if any(isinstance(t, bool) or not isinstance(t, int) for t in eos_ids):  # (a string id would never match)
             raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-        # as vLLM: these become the request defaults (do_sample is not consulted)
-        sampling = {key: cfg[key] for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+        # as vLLM: these become the request defaults
+        sampling = {key: cfg[key] for key in SAMPLING_DEFAULTS
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
         if isinstance(sampling.get("top_k"), float) and math.isfinite(sampling["top_k"]):
             sampling["top_k"] = int(sampling["top_k"])  # (as a request takes it; NaN and inf are left to be refused)
@@ -230,3 +235,60 @@ class GenerationDefaults:
         limit = cfg.get("max_new_tokens")
         max_tokens = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
         return GenerationDefaults(eos_ids, sampling, max_tokens)
+
+    @staticmethod
+    def from_option(source: str | Path, model_dir: str | Path | None,
+                    overrides: dict[str, Any] | None = None) -> GenerationDefaults:
+        """vLLM's --generation-config and --override-generation-config. source "auto": the checkpoint's
+        generation_config.json; "vllm": none of its defaults (its EOS ids still end a generation, as vLLM's); else a
+        directory whose generation_config.json is read instead. overrides then set or, where null, unset values."""
+        if source == "vllm":
+            base = GenerationDefaults(GenerationDefaults.from_dir(model_dir).eos_token_ids)
+        elif source == "auto":
+            base = GenerationDefaults.from_dir(model_dir)
+        else:
+            check_generation_config_dir(source)
+            base = GenerationDefaults.from_dir(source)
+        return base.overridden(overrides or {})
+
+    def overridden(self, overrides: dict[str, Any]) -> GenerationDefaults:
+        """These defaults with --override-generation-config's values: the sampling ones, and max_new_tokens."""
+        check_overrides(overrides)
+        sampling = {**self.sampling, **{k: v for k, v in overrides.items() if k in SAMPLING_DEFAULTS}}
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        max_tokens = overrides["max_new_tokens"] if "max_new_tokens" in overrides else self.max_tokens
+        try:
+            SamplingParams(**sampling)
+        except RequestError as exc:
+            raise ConfigError(f"--override-generation-config: {exc}") from None
+        return GenerationDefaults(self.eos_token_ids, sampling, max_tokens)
+
+
+def check_generation_config_dir(source: object) -> None:
+    """--generation-config's directory: one that holds a generation_config.json (vLLM quietly takes none from a
+    directory without one; a typo would then serve without the defaults asked for)."""
+    if not isinstance(source, (str, Path)):
+        raise ConfigError(f"generation_config must be 'auto', 'vllm' or a directory, got {source!r}")
+    if not (Path(source) / "generation_config.json").is_file():
+        raise ConfigError(f"generation_config {str(source)!r} is neither 'auto' (the checkpoint's), 'vllm' (none) nor "
+                          f"a directory holding a generation_config.json")
+
+
+def check_overrides(overrides: object) -> None:
+    """--override-generation-config: the values vLLM takes from it, each a number (null unsets it). Any other key is
+    refused: vLLM drops it unread, and a client would be served without the default its operator set."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--override-generation-config must be a JSON object, got {overrides!r}")
+    known = (*SAMPLING_DEFAULTS, "max_new_tokens")
+    for key, value in overrides.items():
+        if key not in known:
+            raise ConfigError(f"--override-generation-config sets {key!r}, which is not served as a default; give "
+                              f"{', '.join(known)}")
+        if value is None:
+            continue
+        if key == "max_new_tokens" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"--override-generation-config: max_new_tokens must be a positive integer, got {value!r}")
+        if key == "top_k" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"--override-generation-config: top_k must be an integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"--override-generation-config: {key} must be a number, got {value!r}")

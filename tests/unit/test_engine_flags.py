@@ -86,3 +86,61 @@ def test_a_max_logprobs_the_sampler_cannot_return_is_refused_when_parsed(value, 
     assert "argument --max-logprobs: must be 0 to 20" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="max_logprobs must be an integer from 0 to 20"):
         TPEngine(**SMALL, max_logprobs=int(value))
+
+
+def generation_config(path, **values):
+    path.mkdir(exist_ok=True)
+    (path / "generation_config.json").write_text(json.dumps(values))
+    return path
+
+
+def test_generation_config_auto_vllm_or_a_directory_and_overrides(tmp_path):
+    """vLLM's --generation-config: auto reads the checkpoint's generation_config.json for request defaults, vllm
+    takes none of them (its EOS ids still end a generation), a directory's file is read instead; then
+    --override-generation-config sets values over them, or unsets one with null."""
+    from tpgraph.chat import GenerationDefaults
+
+    ckpt = generation_config(tmp_path / "ckpt", eos_token_id=7, temperature=0.6, top_k=20, max_new_tokens=64)
+    other = generation_config(tmp_path / "other", top_p=0.5)
+    assert GenerationDefaults.from_option("auto", ckpt) == GenerationDefaults((7,), {"temperature": 0.6, "top_k": 20},
+                                                                              64)
+    assert GenerationDefaults.from_option("vllm", ckpt) == GenerationDefaults((7,))
+    assert GenerationDefaults.from_option(str(other), ckpt) == GenerationDefaults((), {"top_p": 0.5})
+    overridden = GenerationDefaults.from_option("auto", ckpt, {"temperature": 0.5, "top_k": None, "max_new_tokens": 8})
+    assert overridden == GenerationDefaults((7,), {"temperature": 0.5}, 8)
+    assert GenerationDefaults.from_option("vllm", ckpt, {"min_p": 0.1}) == GenerationDefaults((7,), {"min_p": 0.1})
+    assert GenerationDefaults.from_option("auto", None) == GenerationDefaults()  # (the built-in model has none)
+
+
+def test_the_flags_reach_the_engines_defaults(tmp_path):
+    other = generation_config(tmp_path / "other", temperature=0.25, max_new_tokens=5)
+    args = parse_args(["--generation-config", str(other), "--override-generation-config", '{"top_p": 0.75}'])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["generation_config"], kwargs["override_generation_config"]) == (str(other), {"top_p": 0.75})
+    with TPEngine(**SMALL, generation_config=kwargs["generation_config"],
+                  override_generation_config=kwargs["override_generation_config"]) as engine:
+        params = engine.default_params()
+        assert (params.temperature, params.top_p) == (0.25, 0.75)
+        assert engine.prompts.generation_defaults.max_tokens == 5  # (the server's limit where a request sets none)
+    assert engine_kwargs(parse_args([]))["generation_config"] == "auto"
+    assert engine_kwargs(parse_args([]))["override_generation_config"] == {}
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"presence_penalty": 0.5}, "sets 'presence_penalty', which is not served as a default"),
+    ({"do_sample": True}, "sets 'do_sample'"),
+    ({"temperature": "hot"}, "temperature must be a number"), ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+    ({"temperature": -1}, "--override-generation-config: temperature must be in"),
+])
+def test_overrides_that_would_not_be_served_are_refused_before_loading(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TPEngine(**SMALL, override_generation_config=overrides)
+
+
+def test_a_generation_config_directory_without_the_file_is_refused(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="neither 'auto'.*nor a directory holding a generation_config.json"):
+        TPEngine(**SMALL, generation_config=str(tmp_path))
+    with pytest.raises(SystemExit):
+        parse_args(["--override-generation-config", "[1]"])
+    assert "argument --override-generation-config: must be a JSON object" in capsys.readouterr().err

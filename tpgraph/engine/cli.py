@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-mode", default="auto", type=accepted("auto", "hf", why="tpgraph runs the fast "
                                                                      "tokenizer (tokenizer.json), which both name"),
                    help="auto | hf: the fast tokenizer, tokenizer.json (vLLM's slow, mistral and custom are refused)")
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): auto "
+                        "takes the checkpoint's generation_config.json, vllm none (its EOS ids still stop), DIR the "
+                        "generation_config.json there")
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help="defaults set over --generation-config's, e.g. '{\"temperature\": 0.5}' (null unsets one)")
     p.add_argument("--max-logprobs", type=logprobs_cap, default=MAX_LOGPROBS, metavar="N",
                    help=f"the most log-probabilities a token a request may ask (logprobs, top_logprobs, "
                         f"prompt_logprobs); more is a 400. At most {MAX_LOGPROBS} (vLLM's -1, no cap, is refused)")
@@ -71,6 +78,16 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
     return check
 
 
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+    return value
+
+
 def logprobs_cap(text: str) -> int:
     value = int(text)
     if not 0 <= value <= MAX_LOGPROBS:
@@ -108,4 +125,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 chat_template=args.chat_template, tokenizer=args.tokenizer,
-                max_logprobs=args.max_logprobs, graphs=graph_config_from_args(args))
+                max_logprobs=args.max_logprobs, generation_config=args.generation_config,
+                override_generation_config=args.override_generation_config or {}, graphs=graph_config_from_args(args))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from tpgraph.chat import GENERATION_CONFIG_SOURCES, check_generation_config_dir, check_overrides
 from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
@@ -34,6 +36,12 @@ class EngineConfig:
     chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
     # a directory whose tokenizer.json, tokenizer_config.json and chat template replace the model's (vLLM's --tokenizer)
     tokenizer: str | Path | None = None
+    # vLLM's --generation-config: "auto" (the checkpoint's generation_config.json gives request defaults), "vllm"
+    # (none; its EOS ids still end a generation) or a directory whose generation_config.json is read instead
+    generation_config: str | Path = "auto"
+    # vLLM's --override-generation-config: temperature, top_p, top_k, min_p, repetition_penalty or max_new_tokens
+    # set over the defaults above (null unsets one)
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     # the most log-probability alternatives a request may ask a token (vLLM's --max-logprobs; more is a 400). Up to
     # MAX_LOGPROBS, what the sampler computes: vLLM's -1 (the whole vocabulary) is not served
     max_logprobs: int = MAX_LOGPROBS
@@ -57,6 +65,9 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, (str, Path)):
             raise ConfigError(f"chat_template must be a template (a str) or a file's path (a str or Path), got "
                               f"{self.chat_template!r}")
+        if self.generation_config not in GENERATION_CONFIG_SOURCES:
+            check_generation_config_dir(self.generation_config)
+        check_overrides(self.override_generation_config)
         logprobs = self.max_logprobs
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"max_logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives a token the "

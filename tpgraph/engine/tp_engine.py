@@ -175,7 +175,8 @@ class TPEngine:
             if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > self.model.cfg.vocab_size:
                 logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's "
                                "are refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), self.model.cfg.vocab_size)
-            self.generation_defaults = GenerationDefaults.from_dir(cfg.model)
+            self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, cfg.model,
+                                                                     cfg.override_generation_config)
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
             special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
