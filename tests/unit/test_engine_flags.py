@@ -144,3 +144,27 @@ def test_a_generation_config_directory_without_the_file_is_refused(tmp_path, cap
     with pytest.raises(SystemExit):
         parse_args(["--override-generation-config", "[1]"])
     assert "argument --override-generation-config: must be a JSON object" in capsys.readouterr().err
+
+
+def test_vllm_flags_at_the_value_this_engine_runs_are_taken():
+    """A vLLM command line that spells out what this engine does anyway runs unchanged."""
+    args = parse_args(["--kv-cache-dtype", "auto", "--trust-remote-code", "--swap-space", "16",
+                       "--max-num-partial-prefills", "1", "--disable-log-stats"])
+    assert (args.kv_cache_dtype, args.trust_remote_code, args.max_num_partial_prefills) == ("auto", True, "1")
+    assert engine_kwargs(args) == engine_kwargs(parse_args([]))  # (nothing the engine is built with differs)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: 'fp8' is not supported: the KV cache is kept in the "
+                                  "model's dtype (no fp8 cache); use 'auto'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "'fp8_e5m2' is not supported"),
+    (["--quantization", "fp8"], "argument --quantization/-q: 'fp8' is not supported: tpgraph runs unquantized"),
+    (["-q", "awq"], "'awq' is not supported"),
+    (["--max-num-partial-prefills", "4"], "argument --max-num-partial-prefills: '4' is not supported: prompts are "
+                                          "chunked"),
+    (["--swap-space", "-1"], "argument --swap-space: must be a number >= 0"),
+])
+def test_values_this_engine_cannot_honour_are_refused_naming_the_flag(flags, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err

@@ -65,6 +65,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
     add_graph_args(p)
+    add_fixed_args(p)
+
+
+def add_fixed_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for settings this engine has one way of doing: the value that is that way is taken (so a vLLM
+    command line that spells it out runs), any other is refused when parsed, never taken and ignored."""
+    fixed = p.add_argument_group("vLLM flags taken at the value this engine runs")
+    fixed.add_argument("--kv-cache-dtype", default="auto", type=accepted("auto", why="the KV cache is kept in the "
+                                                                         "model's dtype (no fp8 cache)"),
+                       help="auto: the KV cache in the model's dtype (fp8 caches are refused)")
+    fixed.add_argument("--quantization", "-q", default=None, type=no_quantization, metavar="METHOD",
+                       help="refused: tpgraph runs unquantized weights (a checkpoint with a quantization_config is "
+                            "refused too)")
+    # (checkpoints load as LlamaForCausalLM, model_type llama, read by tpgraph's own code: no checkpoint's code runs,
+    # so trusting it changes nothing)
+    fixed.add_argument("--trust-remote-code", action="store_true",
+                       help="taken: the Llama checkpoints tpgraph loads need no code of their own, and none is run")
+    # (vLLM's V1 engine preempts by recomputation and never swaps, as this one: the CPU swap space goes unused there)
+    fixed.add_argument("--swap-space", type=non_negative, default=4.0, metavar="GIB",
+                       help="taken, unused: a preempted sequence is recomputed, as in vLLM's V1 engine, never swapped")
+    # (a step's token budget goes to the running sequences first, and a prompt is cut only where it runs out, as in
+    # vLLM's V1 engine, which takes this flag at 1 alone)
+    fixed.add_argument("--max-num-partial-prefills", type=accepted("1", why="prompts are chunked as vLLM's V1 engine "
+                                                                   "chunks them, with no concurrent partial prefills"),
+                       default="1", metavar="1", help="1: prompts are chunked as in vLLM's V1 engine (more concurrent "
+                                                      "partial prefills are refused)")
+    # (statistics are served at /metrics and never logged periodically: there is nothing to turn off)
+    fixed.add_argument("--disable-log-stats", action="store_true",
+                       help="taken: no statistics are logged periodically (/metrics serves them)")
 
 
 def accepted(*values: str, why: str) -> Callable[[str], str]:
@@ -85,6 +114,18 @@ def json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+    return value
+
+
+def no_quantization(text: str) -> str:
+    raise argparse.ArgumentTypeError(f"{text!r} is not supported: tpgraph runs unquantized bf16, fp16 or fp32 weights; "
+                                     "leave --quantization out and serve an unquantized checkpoint")
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 
