@@ -13,6 +13,7 @@ SIGTERM or Ctrl-C stops the server and every rank.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ import time
 from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.server.options import HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
@@ -60,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it too)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
+    http = p.add_argument_group("HTTP (vLLM's flags)")
+    http.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
+                      help='CORS: the origins whose pages may call the API, a JSON list (default ["*"], any)')
+    http.add_argument("--allowed-methods", type=json_strings, default=["*"], metavar="JSON",
+                      help='CORS: the methods they may use, a JSON list (default ["*"])')
+    http.add_argument("--allowed-headers", type=json_strings, default=["*"], metavar="JSON",
+                      help='CORS: the headers they may send, a JSON list (default ["*"])')
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: pages may send cookies and credentials")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
@@ -74,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:
     return ToolOptions(args.tool_call_parser, args.exclude_tools_when_tool_choice_none)  # (given with the flag)
+
+
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                       args.allow_credentials)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
-                        args.enable_request_id_headers)
+                        args.enable_request_id_headers, http_options(args))
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()
@@ -184,6 +199,18 @@ def api_key(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the API key is empty: give one, or leave --api-key out to serve without one")
     return text
+
+
+def json_strings(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM reads its CORS flags: '["https://example.com"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings, such as \'["https://example.com"]\', got '
+                                         f"{text!r}")
+    return value
 
 
 def port_number(text: str) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -29,6 +30,7 @@ from tpgraph.server.auth import ApiKeyMiddleware
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body
 from tpgraph.server.metrics import ServerMetrics
+from tpgraph.server.options import HttpOptions
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
 from tpgraph.server.reply import ReplyReader
@@ -226,12 +228,14 @@ class _EventStream(StreamingResponse):
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
                reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False,
-               request_id_headers: bool = False) -> FastAPI:
+               request_id_headers: bool = False, http: HttpOptions | None = None) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
     function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py).
     prompt_tokens_details: usage says how many prompt tokens came from the prefix cache (vLLM's
-    --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py)."""
+    --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py). http:
+    how the server answers beside that (CORS, ...; options.py)."""
     tool_options = tool_options or ToolOptions()
+    http = http or HttpOptions()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
@@ -241,8 +245,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     api = Api(client, metrics, model_name)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
-    if request_id_headers:  # (added last: outermost, so a refused request's 401 carries it too)
+    if request_id_headers:  # (outside the key's check, so a refused request's 401 carries it too)
         app.add_middleware(RequestIdMiddleware)
+    # added last: outermost, so a browser's preflight (OPTIONS, without the key) is answered before the key is asked
+    # for, and a 401 carries the CORS headers that let the page read it
+    app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
+                       allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
+                       allow_credentials=http.allow_credentials)
     app.include_router(token_routes(prompts, api.check_model, max_model_len))
 
     @app.exception_handler(RequestValidationError)

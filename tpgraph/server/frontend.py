@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.prompts import PromptCodec
+from tpgraph.server.options import HttpOptions
 from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
 
@@ -43,6 +44,7 @@ class FrontendSpec:
     reasoning: ReasoningParser | None = None  # (checked against the tokenizer: ReasoningParser.for_tokenizer)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id_headers: bool = False  # every response carries X-Request-Id (--enable-request-id-headers)
+    http: HttpOptions = field(default_factory=HttpOptions)  # CORS, ... (options.py)
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -86,7 +88,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
-                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers)
+                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http)
     server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
     # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
