@@ -25,7 +25,7 @@ import time
 from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
-from tpgraph.server.options import HttpOptions
+from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--allowed-headers", type=json_strings, default=["*"], metavar="JSON",
                       help='CORS: the headers they may send, a JSON list (default ["*"])')
     http.add_argument("--allow-credentials", action="store_true", help="CORS: pages may send cookies and credentials")
+    http.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                      help="uvicorn's log level (info: a line for each request answered)")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true",
+                      help="no line for each request answered, whatever the log level")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
@@ -88,7 +92,7 @@ def tool_options(args: argparse.Namespace) -> ToolOptions:
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
     return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                       args.allow_credentials)
+                       args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
 
 
 def main(argv: list[str] | None = None) -> int:

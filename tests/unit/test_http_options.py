@@ -1,8 +1,12 @@
-"""vLLM's HTTP flags (server/options.py), in process (httpx over ASGI, no engine): CORS."""
+"""vLLM's HTTP flags (server/options.py): in process (httpx over ASGI, no engine), CORS; in a front-end process of
+its own (uvicorn, no engine), uvicorn's logs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import urllib.request
 
 import pytest
 
@@ -10,6 +14,7 @@ pytest.importorskip("fastapi")
 
 from tpgtest.server_stubs import IdleClient, builtin_codec, httpx_module  # noqa: E402
 
+from tpgraph.engine.limits import RequestLimits  # noqa: E402
 from tpgraph.serve import http_options, parse_args  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -70,3 +75,39 @@ def test_cors_lists_are_json_lists_of_strings(value, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--allowed-origins", value])
     assert "argument --allowed-origins: must be a JSON list of strings" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def frontend(http: HttpOptions):
+    """The HTTP front end's own process (uvicorn, as the server starts it), with no engine behind it: its URL."""
+    from tpgraph.server.frontend import FrontendSpec, start_frontend
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
+    proc, conn = start_frontend(spec)
+    try:
+        assert conn.poll(120) and conn.recv() == ("ready",)
+        yield f"127.0.0.1:{port}"
+        conn.send([("closing",)])
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        conn.close()
+
+
+@pytest.mark.parametrize("flags,started,access", [
+    ([], True, True),  # (vLLM's default, info: uvicorn says it runs, and logs each request)
+    (["--uvicorn-log-level", "warning"], False, False),
+    (["--disable-uvicorn-access-log"], True, False),
+])
+def test_uvicorns_log_level_and_access_log(flags, started, access, capfd):
+    with frontend(http_options(parse_args(flags))) as address:
+        with urllib.request.urlopen(f"http://{address}/version", timeout=30) as reply:
+            assert reply.status == 200
+    out = "".join(capfd.readouterr())
+    assert ("Uvicorn running on" in out) == started, out
+    assert ('"GET /version HTTP/1.1" 200' in out) == access, out

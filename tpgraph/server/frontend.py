@@ -23,6 +23,8 @@ from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
 
 if TYPE_CHECKING:  # (the front end's process imports the server's modules itself, once it runs)
+    import uvicorn
+
     from tpgraph.server.bridge import EngineClient
 
 logger = logging.getLogger("tpgraph.serve")
@@ -89,7 +91,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http)
-    server = Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"))
+    server = Server(uvicorn_config(app, spec))
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
     # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
     # unless the engine went away unannounced
@@ -97,6 +99,15 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     sys.exit(exit_code(client))
+
+
+def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
+    """uvicorn's settings: where to listen, and what to log (HttpOptions)."""
+    import uvicorn
+
+    http = spec.http
+    return uvicorn.Config(app, host=spec.host, port=spec.port, log_level=http.uvicorn_log_level,
+                          access_log=http.access_log)
 
 
 def exit_code(client: EngineClient) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from tpgraph.errors import ConfigError
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @dataclass(frozen=True)
 class HttpOptions:
@@ -16,8 +18,15 @@ class HttpOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    uvicorn_log_level: str = "info"  # (vLLM's --uvicorn-log-level; at info, uvicorn logs each request it answers)
+    access_log: bool = True  # uvicorn's line a request (vLLM's --disable-uvicorn-access-log turns it off)
 
     def __post_init__(self) -> None:
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ConfigError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
+                              f"{self.uvicorn_log_level!r}")
+        if not isinstance(self.access_log, bool):
+            raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
