@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -74,12 +75,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="uvicorn's log level (info: a line for each request answered)")
     http.add_argument("--disable-uvicorn-access-log", action="store_true",
                       help="no line for each request answered, whatever the log level")
+    http.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the certificate's private key")
+    http.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                      help="HTTPS: serve over TLS with this certificate (chain), PEM")
+    http.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="HTTPS: CAs to check client certificates")
+    http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
+                      help="HTTPS: client certificates: 0 none, 1 checked if sent, 2 required (the ssl module's)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
         args.api_key = os.environ.get("TPGRAPH_API_KEY") or None
         if args.api_key is not None and not args.api_key.strip():
             p.error("TPGRAPH_API_KEY is blank: set it to the key, or unset it to serve without one")
+    try:
+        http_options(args)  # (flags that only make sense together, said now)
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
                 '"auto", or neither ("required" and named tool choices need neither)')
@@ -92,7 +103,8 @@ def tool_options(args: argparse.Namespace) -> ToolOptions:
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
     return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                       args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+                       args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
+                       args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.tp_engine import TPEngine
 
     try:
+        http = http_options(args)
         if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
+            http.check_tls()
         engine = TPEngine(**engine_kwargs(args))
         reasoning = None if args.reasoning_parser is None else \
             REASONING_PARSERS[args.reasoning_parser].for_tokenizer(engine.tokenizer)
@@ -140,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or (args.model or BUILTIN_NAME)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
-                        args.enable_request_id_headers, http_options(args))
+                        args.enable_request_id_headers, http)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()
-    url = f"http://{args.host}:{args.port}"
+    url = f"{http.scheme}://{args.host}:{args.port}"
 
     def serving() -> None:  # the front end's HTTP server accepts connections: only now is "serving" true
         logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)

@@ -111,3 +111,70 @@ def test_uvicorns_log_level_and_access_log(flags, started, access, capfd):
     out = "".join(capfd.readouterr())
     assert ("Uvicorn running on" in out) == started, out
     assert ('"GET /version HTTP/1.1" 200' in out) == access, out
+
+
+def self_signed(tmp_path, name: str = "server"):
+    """A certificate for 127.0.0.1 and its key, made with the openssl command (skipped without it)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+def test_https_with_a_certificate_and_its_key(tmp_path):
+    """--ssl-certfile and --ssl-keyfile: the server speaks TLS, with that certificate, and not plain HTTP."""
+    import ssl
+    import urllib.error
+
+    key, cert = self_signed(tmp_path)
+    http = http_options(parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]))
+    assert http.scheme == "https"
+    http.check_tls()
+    with frontend(http) as address:
+        trusting = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://{address}/version", timeout=30, context=trusting) as reply:
+            assert reply.status == 200
+        with pytest.raises(urllib.error.URLError):  # (the certificate is not one the default CAs vouch for)
+            urllib.request.urlopen(f"https://{address}/version", timeout=30)
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://{address}/version", timeout=30)
+
+
+def test_tls_files_that_cannot_serve_are_refused_at_start_up(tmp_path, capsys, monkeypatch):
+    """A missing file, or a key that is not the certificate's, is said before the model loads (serve.main checks
+    them on rank 0 beside the port), as are flags that do not go together."""
+    from tpgraph.errors import ConfigError
+
+    key, cert = self_signed(tmp_path)
+    other_key, _ = self_signed(tmp_path, "other")
+    with pytest.raises(ConfigError, match="cannot serve HTTPS with --ssl-certfile .*server.pem, --ssl-keyfile "
+                                          ".*other.key: .*KEY_VALUES_MISMATCH"):
+        HttpOptions(ssl_keyfile=str(other_key), ssl_certfile=str(cert)).check_tls()
+    with pytest.raises(ConfigError, match="No such file"):
+        HttpOptions(ssl_certfile=str(tmp_path / "missing.pem")).check_tls()
+    from tpgraph.engine import tp_engine
+    from tpgraph.serve import main
+
+    def no_loading(**_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(tp_engine, "TPEngine", no_loading)
+    monkeypatch.delenv("RANK", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["--ssl-certfile", str(tmp_path / "missing.pem"), "--port", str(port)]) == 2
+    assert "error: cannot serve HTTPS with --ssl-certfile" in capsys.readouterr().err
+    for flags, needle in [(["--ssl-keyfile", str(key)], "--ssl-keyfile needs --ssl-certfile"),
+                          (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "2"], "checks client certificates against"),
+                          (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "5"], "--ssl-cert-reqs must be 0"),
+                          (["--ssl-ca-certs", str(cert)], "are for HTTPS: give --ssl-certfile")]:
+        with pytest.raises(SystemExit):
+            parse_args(flags)
+        assert needle in capsys.readouterr().err

@@ -3,6 +3,7 @@ maps the flags to it; the front end's process gets it in its FrontendSpec."""
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 from tpgraph.errors import ConfigError
@@ -20,6 +21,13 @@ class HttpOptions:
     allow_credentials: bool = False
     uvicorn_log_level: str = "info"  # (vLLM's --uvicorn-log-level; at info, uvicorn logs each request it answers)
     access_log: bool = True  # uvicorn's line a request (vLLM's --disable-uvicorn-access-log turns it off)
+    # HTTPS (vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs), through uvicorn's SSL settings:
+    # a certificate chain (and its key, where the file does not hold it), the CAs that client certificates are
+    # checked against, and whether clients must send one (the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -27,6 +35,37 @@ class HttpOptions:
                               f"{self.uvicorn_log_level!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ConfigError("--ssl-keyfile needs --ssl-certfile: the certificate that goes with the key")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ConfigError(f"--ssl-cert-reqs must be {int(ssl.CERT_NONE)} (no client certificate), "
+                              f"{int(ssl.CERT_OPTIONAL)} (checked if sent) or {int(ssl.CERT_REQUIRED)} (required), got "
+                              f"{self.ssl_cert_reqs!r}")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
+            raise ConfigError("--ssl-cert-reqs checks client certificates against --ssl-ca-certs: give that file")
+        if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE):
+            raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
+                              "--ssl-keyfile) too")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
+
+    def check_tls(self) -> None:
+        """Load the certificate, its key and the CAs as uvicorn will, so that a missing file, a key that is not the
+        certificate's or a passphrase-protected key is said at start-up, not after minutes of loading the model."""
+        if self.ssl_certfile is None:
+            return
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, password=lambda: "")
+            if self.ssl_ca_certs is not None:
+                context.load_verify_locations(self.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            files = ", ".join(f"{flag} {path}" for flag, path in (("--ssl-certfile", self.ssl_certfile),
+                                                                  ("--ssl-keyfile", self.ssl_keyfile),
+                                                                  ("--ssl-ca-certs", self.ssl_ca_certs)) if path)
+            raise ConfigError(f"cannot serve HTTPS with {files}: {exc}") from None
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
