@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="HTTPS: CAs to check client certificates")
     http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                       help="HTTPS: client certificates: 0 none, 1 checked if sent, 2 required (the ssl module's)")
+    http.add_argument("--root-path", default="", metavar="PATH",
+                      help="the prefix a path-routing proxy serves the API under (/llm: /llm/v1/models)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
@@ -104,7 +106,7 @@ def tool_options(args: argparse.Namespace) -> ToolOptions:
 def http_options(args: argparse.Namespace) -> HttpOptions:
     return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                        args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
-                       args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+                       args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,3 +178,24 @@ def test_tls_files_that_cannot_serve_are_refused_at_start_up(tmp_path, capsys, m
         with pytest.raises(SystemExit):
             parse_args(flags)
         assert needle in capsys.readouterr().err
+
+
+def test_a_root_path_serves_the_api_under_a_proxys_prefix():
+    """--root-path /llm: a proxy that passes the prefix on (/llm/v1/models) and one that strips it (/v1/models) both
+    reach the routes; the key still leaves /health open under the prefix."""
+    http = http_options(parse_args(["--root-path", "/llm"]))
+    prefixed, stripped, health, guarded = call([("GET", "/llm/v1/models", None), ("GET", "/v1/models", None),
+                                                ("GET", "/llm/health", None), ("GET", "/llm/v1/models", None)], http)
+    assert prefixed.status_code == 200 and prefixed.json()["data"][0]["id"] == MODEL
+    assert stripped.status_code == 200
+    keyed = call([("GET", "/llm/health", None), ("GET", "/llm/v1/models", None)], http, api_key="k")
+    assert [r.status_code for r in keyed] == [200, 401]
+    assert call([("GET", "/llm/v1/models", None)])[0].status_code == 404  # (no root path: no such route)
+    assert health.status_code == guarded.status_code == 200
+
+
+@pytest.mark.parametrize("value", ["llm", "/llm/"])
+def test_a_root_path_is_a_path_prefix(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--root-path", value])
+    assert "--root-path must begin with / and not end with one" in capsys.readouterr().err

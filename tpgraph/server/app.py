@@ -242,6 +242,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         yield
 
     app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # (set as vLLM sets it: FastAPI then names the prefix in each request's scope, and the routes match a path with
+    # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
+    app.root_path = http.root_path
     api = Api(client, metrics, model_name)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)

@@ -18,13 +18,20 @@ from tpgraph.server.errors import error_body
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: behind --root-path ("/llm"), a request comes with the prefix (a proxy that passes it
+    on: /llm/health) or without it (one that strips it: /health)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.expected = b"Bearer " + key.encode()  # (compared as bytes: a key need not be ASCII)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         if secrets.compare_digest(given, self.expected):  # (in constant time: no key guessed a byte at a time)

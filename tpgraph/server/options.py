@@ -28,6 +28,9 @@ class HttpOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = int(ssl.CERT_NONE)
+    # vLLM's --root-path: the prefix a path-routing proxy serves the API under ("/llm": /llm/v1/models), whether the
+    # proxy passes it on or strips it
+    root_path: str = ""
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -46,6 +49,10 @@ class HttpOptions:
         if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE):
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
                               "--ssl-keyfile) too")
+
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(f"--root-path must begin with / and not end with one (such as /llm), got "
+                              f"{self.root_path!r}")
 
     @property
     def scheme(self) -> str:
