@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import IdleClient, builtin_codec, httpx_module  # noqa: E402
+from tpgtest.server_stubs import IdleClient, ScriptedClient, builtin_codec, httpx_module, post_all, sse_events  # noqa: E402,E501
 
 from tpgraph.engine.limits import RequestLimits  # noqa: E402
 from tpgraph.serve import http_options, parse_args  # noqa: E402
@@ -199,3 +199,21 @@ def test_a_root_path_is_a_path_prefix(value, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--root-path", value])
     assert "--root-path must begin with / and not end with one" in capsys.readouterr().err
+
+
+def test_the_response_role_names_a_chat_replys_role():
+    """vLLM's --response-role: the role of a reply to a new turn (streamed: its first delta's); a reply that
+    continues the last message (add_generation_prompt false) takes that message's role, as vLLM's does."""
+    http = http_options(parse_args(["--response-role", "model"]))
+    app = server_app.create_app(ScriptedClient(["hi"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128, http=http)
+    ask = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    go_on = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The"}],
+             "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2}
+    one, streamed, continued = post_all(app, [("/v1/chat/completions", ask),
+                                              ("/v1/chat/completions", {**ask, "stream": True}),
+                                              ("/v1/chat/completions", go_on)])
+    assert one.json()["choices"][0]["message"] == {"role": "model", "content": "hi"}
+    assert sse_events(streamed.text)[0]["choices"][0]["delta"]["role"] == "model"
+    assert continued.json()["choices"][0]["message"]["role"] == "assistant"
+    default = server_app.create_app(ScriptedClient(["hi"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128)
+    assert post_all(default, [("/v1/chat/completions", ask)])[0].json()["choices"][0]["message"]["role"] == "assistant"

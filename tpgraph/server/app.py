@@ -416,6 +416,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check_model(body.model)
         messages = body.checked_messages()
+        # (as vLLM's: the reply's role where the generation prompt opens a new turn, else the turn it continues)
+        role = http.response_role if body.add_generation_prompt else messages[-1]["role"]
         tools = body.tool_plan(tool_options)
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    body.chat_template_kwargs, body.continue_final_message)
@@ -477,7 +479,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "message": reply.message(),
+                "choices": [{"index": c.index, "message": reply.message(role),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason}
                             for c, reply in zip(choices, replies, strict=True)],
@@ -488,7 +490,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
             for c in choices:
-                yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
                             **_chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):

@@ -31,6 +31,9 @@ class HttpOptions:
     # vLLM's --root-path: the prefix a path-routing proxy serves the API under ("/llm": /llm/v1/models), whether the
     # proxy passes it on or strips it
     root_path: str = ""
+    # vLLM's --response-role: a chat reply's role where the request adds the generation prompt (else the role of the
+    # last message, which the reply continues)
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -50,6 +53,8 @@ class HttpOptions:
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
                               "--ssl-keyfile) too")
 
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ConfigError(f"--response-role must be a role's name, got {self.response_role!r}")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ConfigError(f"--root-path must begin with / and not end with one (such as /llm), got "
                               f"{self.root_path!r}")

@@ -80,13 +80,13 @@ class ReplyReader:
         rest, self.finish_reason = self._finish(finish_reason)
         return self._sent(delta + rest), self.finish_reason
 
-    def message(self) -> dict:
+    def message(self, role: str = "assistant") -> dict:
         """The whole reply as a non-streamed message: content is null beside tool calls where there is none."""
         calls = merge_calls(self.call_deltas)
         # (null beside tool calls, or where the server splits thoughts out, sent or not, as vLLM answers; "" for a
         # plain empty reply)
         empty = None if calls or self.thoughts is not None else ""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.contents) or empty}
+        message: dict[str, Any] = {"role": role, "content": "".join(self.contents) or empty}
         if self.thoughts is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning or None
         if calls:
