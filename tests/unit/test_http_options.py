@@ -217,3 +217,23 @@ def test_the_response_role_names_a_chat_replys_role():
     assert continued.json()["choices"][0]["message"]["role"] == "assistant"
     default = server_app.create_app(ScriptedClient(["hi"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128)
     assert post_all(default, [("/v1/chat/completions", ask)])[0].json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_tokens_as_token_ids_by_default_where_a_request_does_not_say():
+    """vLLM's --return-tokens-as-token-ids: log-probability entries name tokens "token_id:N", unless the request's
+    return_tokens_as_token_ids says otherwise (false, or true on a server without the flag)."""
+    def tokens(http: HttpOptions, asked: dict) -> tuple[str, str]:
+        app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128,
+                                    http=http)
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True, **asked}
+        completion = {"prompt": "x", "max_tokens": 1, "logprobs": 0, **asked}
+        got_chat, got_completion = post_all(app, [("/v1/chat/completions", chat), ("/v1/completions", completion)])
+        return (got_chat.json()["choices"][0]["logprobs"]["content"][0]["token"],
+                got_completion.json()["choices"][0]["logprobs"]["tokens"][0])
+
+    on = http_options(parse_args(["--return-tokens-as-token-ids"]))
+    assert tokens(on, {}) == ("token_id:7", "token_id:7")
+    assert tokens(on, {"return_tokens_as_token_ids": None}) == ("token_id:7", "token_id:7")
+    assert tokens(on, {"return_tokens_as_token_ids": False}) == ("\x07", "\x07")
+    assert tokens(HttpOptions(), {}) == ("\x07", "\x07")
+    assert tokens(HttpOptions(), {"return_tokens_as_token_ids": True}) == ("token_id:7", "token_id:7")

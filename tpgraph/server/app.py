@@ -340,7 +340,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             delta's: the length of the tokens before it). An echoed prompt's first token has none (null)."""
             if params.logprobs is None:
                 return None
-            as_id = body.return_tokens_as_token_ids
+            as_id = body.tokens_as_ids(http.return_tokens_as_token_ids)
             tokens = [prompts.token_text(t, as_id) for t, _, _ in entries]
             offsets = []
             for t in tokens:
@@ -446,7 +446,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         first = await _first(stream)
 
         def entry(t: int, lp: float) -> dict:
-            s = prompts.token_text(t, body.return_tokens_as_token_ids)
+            s = prompts.token_text(t, body.tokens_as_ids(http.return_tokens_as_token_ids))
             return {"token": s, "logprob": lp, "bytes": prompts.token_bytes(t)}
 
         def content_logprobs(items: list) -> dict | None:

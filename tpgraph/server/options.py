@@ -34,6 +34,9 @@ class HttpOptions:
     # vLLM's --response-role: a chat reply's role where the request adds the generation prompt (else the role of the
     # last message, which the reply continues)
     response_role: str = "assistant"
+    # vLLM's --return-tokens-as-token-ids: log-probability entries name tokens "token_id:N" (tokens that are no text
+    # of their own, such as part of a character, are then told apart) where a request does not say
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -53,6 +56,9 @@ class HttpOptions:
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
                               "--ssl-keyfile) too")
 
+        if not isinstance(self.return_tokens_as_token_ids, bool):
+            raise ConfigError(f"return_tokens_as_token_ids must be True or False, got "
+                              f"{self.return_tokens_as_token_ids!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ConfigError(f"--response-role must be a role's name, got {self.response_role!r}")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):

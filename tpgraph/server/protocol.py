@@ -91,7 +91,8 @@ class SamplingFields(NullMeansDefault):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False  # vLLM's: log-probability entries name tokens as "token_id:N"
+    # vLLM's: log-probability entries name tokens as "token_id:N"; null or left out: the server's setting
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # (values checked by SamplingParams: pydantic would take true as 1.0)
@@ -157,6 +158,12 @@ class SamplingFields(NullMeansDefault):
             prompt_logprobs=prompt_logprobs, structured=structured,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()), priority=self.priority)
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether log-probability entries name tokens "token_id:N": the request's choice, else the server's
+        (--return-tokens-as-token-ids)."""
+        asked = self.return_tokens_as_token_ids
+        return server_default if asked is None else asked
 
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them)."""
