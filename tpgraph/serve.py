@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a chat reply's role where the request adds the generation prompt (else the last message's)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='log-probability entries name tokens "token_id:N" where a request does not say')
+    http.add_argument("--disable-fastapi-docs", action="store_true",
+                      help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
@@ -111,7 +113,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
     return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                        args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
-                       args.response_role, args.return_tokens_as_token_ids)
+                       args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs)
 
 
 def main(argv: list[str] | None = None) -> int:

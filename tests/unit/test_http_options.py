@@ -237,3 +237,15 @@ def test_tokens_as_token_ids_by_default_where_a_request_does_not_say():
     assert tokens(on, {"return_tokens_as_token_ids": False}) == ("\x07", "\x07")
     assert tokens(HttpOptions(), {}) == ("\x07", "\x07")
     assert tokens(HttpOptions(), {"return_tokens_as_token_ids": True}) == ("token_id:7", "token_id:7")
+
+
+def test_the_api_docs_are_served_unless_disabled():
+    """As vLLM's server: the OpenAPI schema, Swagger UI and ReDoc; --disable-fastapi-docs serves none of them. Behind
+    --root-path, the schema names the prefix (its servers), so the pages call the API through the proxy."""
+    pages = [("GET", path, None) for path in ("/openapi.json", "/docs", "/redoc")]
+    schema, swagger, redoc = call(pages, http_options(parse_args(["--root-path", "/llm"])))
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+    assert schema.json()["servers"] == [{"url": "/llm"}]
+    assert swagger.status_code == redoc.status_code == 200 and "openapi.json" in swagger.text
+    off = call(pages, http_options(parse_args(["--disable-fastapi-docs"])))
+    assert [r.status_code for r in off] == [404, 404, 404]

@@ -241,7 +241,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         client.attach(asyncio.get_running_loop())
         yield
 
-    app = FastAPI(title="tpgraph", docs_url=None, redoc_url=None, lifespan=lifespan)
+    docs = http.docs
+    app = FastAPI(title="tpgraph", version=__version__, lifespan=lifespan,
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
     # (set as vLLM sets it: FastAPI then names the prefix in each request's scope, and the routes match a path with
     # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
     app.root_path = http.root_path

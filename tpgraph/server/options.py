@@ -37,6 +37,9 @@ class HttpOptions:
     # vLLM's --return-tokens-as-token-ids: log-probability entries name tokens "token_id:N" (tokens that are no text
     # of their own, such as part of a character, are then told apart) where a request does not say
     return_tokens_as_token_ids: bool = False
+    # FastAPI's OpenAPI schema (/openapi.json) and its Swagger UI (/docs) and ReDoc (/redoc) pages, served as vLLM
+    # serves them (--disable-fastapi-docs: none of the three)
+    docs: bool = True
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -56,6 +59,8 @@ class HttpOptions:
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
                               "--ssl-keyfile) too")
 
+        if not isinstance(self.docs, bool):
+            raise ConfigError(f"docs must be True or False, got {self.docs!r}")
         if not isinstance(self.return_tokens_as_token_ids, bool):
             raise ConfigError(f"return_tokens_as_token_ids must be True or False, got "
                               f"{self.return_tokens_as_token_ids!r}")
