@@ -89,6 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='log-probability entries name tokens "token_id:N" where a request does not say')
     http.add_argument("--disable-fastapi-docs", action="store_true",
                       help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
+    logs = p.add_argument_group("request logs (vLLM's flags)")
+    logs.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                      help="log each request: its prompt and parameters (off by default, as vLLM's)")
+    logs.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                      help="log no requests (the default; vLLM's older spelling)")
+    logs.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                      help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
@@ -113,7 +120,8 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
     return HttpOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                        args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
-                       args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs)
+                       args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
+                       args.enable_log_requests, args.max_log_len)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -249,3 +249,29 @@ def test_the_api_docs_are_served_unless_disabled():
     assert swagger.status_code == redoc.status_code == 200 and "openapi.json" in swagger.text
     off = call(pages, http_options(parse_args(["--disable-fastapi-docs"])))
     assert [r.status_code for r in off] == [404, 404, 404]
+
+
+def test_requests_are_logged_with_their_prompt_and_parameters_where_asked(caplog):
+    """vLLM's --enable-log-requests (off by default, and --disable-log-requests keeps it off): a line for each
+    request, its prompt cut to --max-log-len characters or ids, and its parameters."""
+    import logging
+
+    assert not http_options(parse_args([])).log_requests
+    assert not http_options(parse_args(["--enable-log-requests", "--disable-log-requests"])).log_requests
+    body = {"prompt": "hello", "max_tokens": 1, "temperature": 0.5}
+    for flags, logged in [([], None), (["--enable-log-requests"], "prompt: 'hello', "),
+                          (["--enable-log-requests", "--max-log-len", "3"], "prompt: 'hel', ")]:
+        app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128,
+                                    http=http_options(parse_args(flags)))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tpgraph.server.app"):
+            (reply,) = post_all(app, [("/v1/completions", body)])
+        assert reply.status_code == 200
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
+        if logged is None:
+            assert lines == []
+            continue
+        (line,) = lines
+        assert logged in line and "temperature=0.5" in line and "max_tokens=1" in line
+        ids = builtin_codec(MODEL).encode_text("hello")
+        assert line.endswith(f"prompt_token_ids: {ids if '3' not in flags else ids[:3]}")

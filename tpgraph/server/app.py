@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from tpgraph.server.request_ids import RequestIdMiddleware, request_id
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
 
+logger = logging.getLogger(__name__)
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
 
@@ -76,8 +78,10 @@ class Choice:
 
 
 class Api:
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, model_name: str,
+                 http: HttpOptions | None = None) -> None:
         self.client, self.metrics, self.model_name = client, metrics, model_name
+        self.http = http or HttpOptions()
 
     def check_model(self, name: str | None) -> None:
         """A request's model must be the one served; one that names none gets it."""
@@ -85,10 +89,11 @@ class Api:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 
-    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams
-                  ) -> AsyncIterator[tuple[int, StepUpdate]]:
+    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+                  texts: list[str | list[int]] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
-        Aborts whatever is unfinished if the client goes away or the caller stops early."""
+        Aborts whatever is unfinished if the client goes away or the caller stops early. texts: the prompts as the
+        client gave them, for the request log."""
         # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
         queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
@@ -99,6 +104,8 @@ class Api:
         ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+                if self.http.log_requests:
+                    self.log_request(rid, None if texts is None else texts[i], prompt, params)
                 self.metrics.arrived(rid, len(prompt))
                 self.client.submit(rid, prompt, params,
                                    lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
@@ -144,6 +151,15 @@ class Api:
                     self.metrics.finished(rid, ended, ended_at)
                 else:
                     self.client.release(rid)
+
+
+    def log_request(self, rid: str, text: str | list[int] | None, prompt: list[int], params: SamplingParams) -> None:
+        """vLLM's --enable-log-requests line: the request's prompt (its first --max-log-len characters or ids) and
+        parameters, as the engine gets it."""
+        cut = self.http.max_log_len
+        if cut is not None:
+            text, prompt = text if text is None else text[:cut], prompt[:cut]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid, text, params, prompt)
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice], details: bool = False) -> dict:
@@ -248,7 +264,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     # (set as vLLM sets it: FastAPI then names the prefix in each request's scope, and the routes match a path with
     # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
     app.root_path = http.root_path
-    api = Api(client, metrics, model_name)
+    api = Api(client, metrics, model_name, http)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
     if request_id_headers:  # (outside the key's check, so a refused request's 401 carries it too)
@@ -331,7 +347,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                       prompt_logprobs=body.logprobs if body.echo else None)
         rid, created = f"cmpl-{request_id(request)}", int(time.time())
         choices = [Choice(i, keeps_text=not body.stream) for i in range(len(token_ids) * params.n)]
-        stream = api.run(request, token_ids, params)
+        stream = api.run(request, token_ids, params, texts)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
         if body.echo:  # (ids decoded once checked: the tokenizer overflows on a negative one), off the event loop
@@ -445,7 +461,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
         replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning, thinking=thinking),
                                body.stream, body.include_reasoning) for _ in choices]
-        stream = api.run(request, token_ids, params)
+        stream = api.run(request, token_ids, params, [text])
         first = await _first(stream)
 
         def entry(t: int, lp: float) -> dict:

@@ -40,6 +40,10 @@ class HttpOptions:
     # FastAPI's OpenAPI schema (/openapi.json) and its Swagger UI (/docs) and ReDoc (/redoc) pages, served as vLLM
     # serves them (--disable-fastapi-docs: none of the three)
     docs: bool = True
+    # vLLM's --enable-log-requests: a line for each engine request, its prompt and parameters (of the prompt, its
+    # first max_log_len characters or ids: vLLM's --max-log-len; None, all)
+    log_requests: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -59,6 +63,11 @@ class HttpOptions:
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs are for HTTPS: give --ssl-certfile (and "
                               "--ssl-keyfile) too")
 
+        if not isinstance(self.log_requests, bool):
+            raise ConfigError(f"log_requests must be True or False, got {self.log_requests!r}")
+        if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
+                                             or self.max_log_len < 0):
+            raise ConfigError(f"--max-log-len must be an integer >= 0, got {self.max_log_len!r}")
         if not isinstance(self.docs, bool):
             raise ConfigError(f"docs must be True or False, got {self.docs!r}")
         if not isinstance(self.return_tokens_as_token_ids, bool):
