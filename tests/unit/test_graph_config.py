@@ -107,3 +107,17 @@ def test_prefill_sizes_past_a_forwards_budget_are_not_captured():
     assert within_budget(sizes, 600) == (16, 32, 64, 128, 256, 512, 640)
     assert within_budget(sizes, 700) == (16, 32, 64, 128, 256, 512, 640, 768)
     assert within_budget((16, 32), 100) == (16, 32)
+
+
+def test_vllms_cuda_graph_sizes_set_the_decode_capture_sizes():
+    """vLLM's --cuda-graph-sizes: one value N is 1, 2, 4 and every 8 up to N; several are the sizes themselves."""
+    assert parse("--cuda-graph-sizes", "32").ladder == (1, 2, 4, 8, 16, 24, 32)
+    assert parse("--cuda-graph-sizes", "2").ladder == (1, 2)
+    assert parse("--cuda-graph-sizes", "1", "2", "128").ladder == (1, 2, 128)
+    assert parse("--cuda-graph-sizes", "16").decode_sizes(10) == (1, 2, 4, 8, 16)
+    with pytest.raises(ConfigError, match="--cuda-graph-sizes entry 0 is not positive"):
+        parse("--cuda-graph-sizes", "0")
+    with pytest.raises(ConfigError, match="give --cuda-graph-ladder or --cuda-graph-sizes, not both"):
+        parse("--cuda-graph-sizes", "8", "--cuda-graph-ladder", "vllm")
+    with pytest.raises(ConfigError, match=r"tops out at 8 but max_batch is 16; add a size >= 16"):
+        parse("--cuda-graph-sizes", "8").decode_sizes(16)  # (vLLM would run those batches eagerly: said instead)

@@ -70,6 +70,9 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                        help="prefill graph mode")
     group.add_argument("--cuda-graph-ladder", default=_DEFAULTS["ladder"], metavar="{" + ",".join(LADDERS) + ",N,...}",
                        help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8")
+    group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                       help="vLLM's form of the decode capture sizes: one N is 1, 2, 4 and every 8 up to N; several "
+                            "are the sizes themselves (in place of --cuda-graph-ladder)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -87,13 +90,27 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
     return GraphConfig(
         decode_mode=args.cuda_graph_mode,
         prefill_mode=args.prefill_graph_mode,
-        ladder=args.cuda_graph_ladder,
+        ladder=ladder_from_args(args),
         prefill_sizes=parse_sizes(args.prefill_capture_sizes),
         calibrate_prefill=args.calibrate_prefill,
         warmups=args.graph_warmups,
         enforce_eager=args.enforce_eager,
         check_addresses=args.check_graph_addresses,
     )
+
+
+def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
+    """--cuda-graph-ladder, or vLLM's --cuda-graph-sizes: one value N is vLLM's pattern (1, 2, 4, then every 8 up to
+    N), several are the sizes to capture. (Each batch pads to the first size that holds it: the largest must hold
+    --max-num-seqs, where vLLM would run larger batches eagerly.)"""
+    sizes = args.cuda_graph_sizes
+    if sizes is None:
+        return args.cuda_graph_ladder
+    if args.cuda_graph_ladder != _DEFAULTS["ladder"]:
+        raise ConfigError("give --cuda-graph-ladder or --cuda-graph-sizes, not both: both set the decode capture sizes")
+    if len(sizes) == 1:
+        sizes = [s for s in (1, 2, 4, *range(8, sizes[0] + 1, 8)) if s <= sizes[0]] or sizes
+    return check_sizes(sizes, "--cuda-graph-sizes")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
