@@ -168,3 +168,60 @@ def test_values_this_engine_cannot_honour_are_refused_naming_the_flag(flags, nee
     with pytest.raises(SystemExit) as exit_:
         parse_args(flags)
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+MAIN, V1 = "a" * 40, "b" * 40
+
+
+def hub_cache(root, repo: str = "org/tiny"):
+    """A hub cache as huggingface_hub lays it out: two snapshots of `repo`, main and the tag v1."""
+    cached = root / f"models--{repo.replace('/', '--')}"
+    for ref, commit in (("main", MAIN), ("v1", V1)):
+        (cached / "snapshots" / commit).mkdir(parents=True)
+        (cached / "refs").mkdir(exist_ok=True)
+        (cached / "refs" / ref).write_text(commit)
+    return cached
+
+
+def test_a_hub_id_is_its_cached_snapshot_at_the_revision_asked(tmp_path, monkeypatch):
+    """vLLM's `--model org/name` (with --revision, --download-dir): the snapshot in the hub's cache, a ref's or a
+    commit's; nothing is downloaded."""
+    cached = hub_cache(tmp_path / "hub")
+
+    def dirs(*flags: str) -> tuple[str | None, str | None]:
+        kwargs = engine_kwargs(parse_args(list(flags)))
+        return kwargs["model"], kwargs["tokenizer"]
+
+    def at(commit: str) -> str:
+        return str(cached / "snapshots" / commit)
+
+    assert dirs("--model", "org/tiny", "--download-dir", str(tmp_path / "hub")) == (at(MAIN), None)
+    assert dirs("--model", "org/tiny", "--download-dir", str(tmp_path / "hub"), "--revision", "v1")[0] == at(V1)
+    assert dirs("--model", "org/tiny", "--download-dir", str(tmp_path / "hub"), "--revision", V1)[0] == at(V1)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # (the cache huggingface_hub uses, without the flag)
+    assert dirs("--model", "org/tiny") == (at(MAIN), None)
+    assert dirs("--model", "org/tiny", "--tokenizer-revision", "v1") == (at(MAIN), at(V1))
+    assert dirs("--model", "org/tiny", "--tokenizer", "org/tiny", "--tokenizer-revision", V1) == (at(MAIN), at(V1))
+    # a snapshot's directory given with the revision it is
+    assert dirs("--model", at(V1), "--revision", "v1")[0] == at(V1)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--model", "org/tiny", "--revision", "v2"], "holds no snapshot of it at revision 'v2'; tpgraph downloads "
+                                                  "nothing: fetch it with `huggingface-cli download org/tiny "
+                                                  "--revision v2`"),
+    (["--model", "org/absent"], "holds no snapshot of it at revision 'main'"),
+    (["--model", "not a/hub id"], "is not a directory (nor a hub id"),
+    (["--model", "SNAPSHOT_MAIN", "--revision", "v1"], "not of revision 'v1'"),
+    (["--model", "PLAIN", "--revision", "main"], "is a directory, not a hub snapshot"),
+    (["--revision", "main"], "the built-in model has none"),
+])
+def test_a_checkpoint_or_revision_not_on_disk_is_refused_naming_the_flag(flags, needle, tmp_path, monkeypatch):
+    cached = hub_cache(tmp_path / "hub")
+    (tmp_path / "plain").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    swap = {"SNAPSHOT_MAIN": str(cached / "snapshots" / MAIN), "PLAIN": str(tmp_path / "plain")}
+    with pytest.raises(ConfigError) as refused:
+        engine_kwargs(parse_args([swap.get(f, f) for f in flags]))
+    assert needle in str(refused.value)
+    assert str(refused.value).startswith(("--model", "--revision"))

@@ -10,12 +10,16 @@ from typing import Any
 from tpgraph.distributed import env_int
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
+from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
+from tpgraph.hub import resolve
 from tpgraph.model.loader import LOAD_FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory, or a hub id whose snapshot is in the hub cache (default: the "
+                        "built-in model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to shard over (default and required value: torchrun's world size)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
@@ -26,8 +30,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="a directory whose tokenizer.json, tokenizer_config.json (special tokens, chat template) and "
-                        "chat_template.jinja replace --model's")
+                   help="a directory (or a cached hub id) whose tokenizer.json, tokenizer_config.json (special tokens, "
+                        "chat template) and chat_template.jinja replace --model's")
+    hub = p.add_argument_group("the hub's cache (vLLM's flags; nothing is downloaded)")
+    hub.add_argument("--revision", default=None,
+                     help="the branch, tag or commit of --model's cached snapshot (a plain directory has none)")
+    hub.add_argument("--tokenizer-revision", default=None, help="the same for the tokenizer (--tokenizer or --model)")
+    hub.add_argument("--download-dir", default=None, metavar="DIR",
+                     help="the hub cache holding hub ids' snapshots (default: $HF_HUB_CACHE, $HF_HOME/hub or "
+                          "~/.cache/huggingface/hub)")
     p.add_argument("--tokenizer-mode", default="auto", type=accepted("auto", "hf", why="tpgraph runs the fast "
                                                                      "tokenizer (tokenizer.json), which both name"),
                    help="auto | hf: the fast tokenizer, tokenizer.json (vLLM's slow, mistral and custom are refused)")
@@ -152,12 +163,29 @@ def positive_number(text: str) -> float:
     return value
 
 
+def checkpoint_dirs(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--model's and --tokenizer's directories: as given, or a hub id's cached snapshot at its revision (hub.py). The
+    tokenizer is the model's unless --tokenizer names another, or --tokenizer-revision another snapshot of it."""
+    if args.model is None and (args.revision is not None or (args.tokenizer_revision is not None and
+                                                             args.tokenizer is None)):
+        raise ConfigError("--revision and --tokenizer-revision choose a snapshot of --model (or --tokenizer): the "
+                          "built-in model has none")
+    model = None if args.model is None else resolve(args.model, args.revision, args.download_dir, "--model")
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.tokenizer_revision is not None:
+        tokenizer = args.model
+    if tokenizer is not None:
+        tokenizer = resolve(tokenizer, args.tokenizer_revision, args.download_dir, "--tokenizer")
+    return model, tokenizer
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
     world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
     world = 1 if world is None else world
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
-    return dict(model=args.model, tp_size=tp_size, device=args.device, dtype=args.dtype,
+    model, tokenizer = checkpoint_dirs(args)
+    return dict(model=model, tp_size=tp_size, device=args.device, dtype=args.dtype,
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -165,6 +193,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 scheduling_policy=args.scheduling_policy,
                 enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                chat_template=args.chat_template, tokenizer=args.tokenizer,
+                chat_template=args.chat_template, tokenizer=tokenizer,
                 max_logprobs=args.max_logprobs, generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config or {}, graphs=graph_config_from_args(args))

@@ -1,0 +1,76 @@
+"""Checkpoints named as vLLM's users name them, found on disk: a directory, or a Hugging Face hub id ("org/name")
+whose snapshot is in the hub's cache (vLLM's --download-dir, else $HF_HUB_CACHE, $HF_HOME/hub or
+~/.cache/huggingface/hub), at a revision (--revision, --tokenizer-revision: a branch, a tag or a commit; default
+main). tpgraph downloads nothing: a checkpoint or revision that is not on disk is refused, with the command that
+fetches it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from tpgraph.errors import ConfigError
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_cache(download_dir: str | None = None) -> Path:
+    """Where the hub's snapshots are: --download-dir, else where huggingface_hub keeps them."""
+    if download_dir is not None:
+        return Path(download_dir).expanduser()
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def resolve(name: str, revision: str | None, download_dir: str | None, flag: str) -> str:
+    """The directory `name` (the value of `flag`) stands for: itself where it is one (a revision must then be the
+    snapshot's own), else the cached snapshot of the hub id at `revision`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if revision is not None:
+            _check_revision_of(path, revision, flag)
+        return name
+    if not _HUB_ID.fullmatch(name):
+        raise ConfigError(f"{flag} {name!r} is not a directory (nor a hub id such as meta-llama/Llama-3.1-8B)")
+    cache = hub_cache(download_dir)
+    repo = cache / f"models--{name.replace('/', '--')}"
+    wanted = revision or "main"
+    snapshot = _snapshot(repo, wanted)
+    if snapshot is None:
+        fetch = f"huggingface-cli download {name}" + ("" if revision is None else f" --revision {revision}") + (
+            "" if download_dir is None else f" --cache-dir {download_dir}")
+        raise ConfigError(f"{flag} {name!r} is not a directory, and the hub cache {cache} holds no snapshot of it at "
+                          f"revision {wanted!r}; tpgraph downloads nothing: fetch it with `{fetch}`, or give the "
+                          f"checkpoint's directory")
+    return str(snapshot)
+
+
+def _snapshot(repo: Path, revision: str) -> Path | None:
+    """A cached repo's snapshot at a revision: a ref (branch or tag) naming a commit, or the commit itself."""
+    commit = revision
+    ref = repo / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8").strip()
+    if not _COMMIT.fullmatch(commit):
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def _check_revision_of(path: Path, revision: str, flag: str) -> None:
+    """A directory given with a revision: it must be a hub snapshot at that revision (the one thing on disk)."""
+    resolved = path.resolve()
+    repo = resolved.parent.parent
+    if resolved.parent.name != "snapshots" or not repo.name.startswith("models--"):
+        raise ConfigError(f"{flag} {str(path)!r} is a directory, not a hub snapshot, so it has no revision to check "
+                          f"against {revision!r}; tpgraph serves what is on disk and downloads nothing: leave the "
+                          f"revision out")
+    at = _snapshot(repo, revision)
+    if at is None or at.resolve() != resolved:
+        raise ConfigError(f"{flag} {str(path)!r} is the snapshot of commit {resolved.name}, not of revision "
+                          f"{revision!r}; tpgraph downloads nothing: give that revision's snapshot, or leave the "
+                          f"revision out")
