@@ -42,9 +42,10 @@ class RequestLimits:
         if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
             raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
                                f"tokens that passes max_model_len {self.max_model_len}")
-        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        for what, asked in (("logprobs (a chat's top_logprobs)", params.logprobs),
+                            ("prompt_logprobs (a completion's logprobs with echo)", params.prompt_logprobs)):
             if asked is not None and asked > self.max_logprobs:
-                raise RequestError(f"{name} asks for {asked} log-probabilities a token, more than the "
+                raise RequestError(f"{what} asks for {asked} log-probabilities a token, more than the "
                                    f"{self.max_logprobs} this server returns (its max_logprobs)")
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
