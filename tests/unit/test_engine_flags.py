@@ -1,5 +1,7 @@
-"""vLLM's engine flags beyond the core ones, each doing what vLLM's does (or refused where it cannot): --tokenizer,
---tokenizer-mode."""
+"""vLLM's engine flags beyond the core ones, each doing what vLLM's does, or refused where this engine cannot:
+--tokenizer and --tokenizer-mode, --max-logprobs, --generation-config and --override-generation-config, the flags
+taken at the one value this engine runs (--kv-cache-dtype, --quantization, ...), and hub ids in the hub cache at a
+--revision / --tokenizer-revision (--download-dir)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""vLLM's HTTP flags (server/options.py): in process (httpx over ASGI, no engine), CORS; in a front-end process of
-its own (uvicorn, no engine), uvicorn's logs."""
+"""vLLM's HTTP flags (server/options.py). In process (httpx over ASGI, no engine): CORS, --root-path, the API docs,
+--response-role, --return-tokens-as-token-ids and the request log. In a front-end process of its own (uvicorn, no
+engine): uvicorn's log level and access log, and HTTPS."""
 
 from __future__ import annotations
 
