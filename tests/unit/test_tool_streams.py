@@ -459,3 +459,33 @@ def test_pythonic_a_comment_in_the_arguments_ends_at_a_lone_carriage_return(repl
     assert calls_of(whole) and whole["content"] is None
     _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
     assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+# what review found (helper, truncated and duplicated calls): each case failed before its mend
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), [
+    (None, "llama3_json", '{"name": "get_weather", "parameters": {"city": "Os'),  # (an EOS mid-call)
+    (None, "hermes", 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Os'),
+    (None, "hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo" oops}}</tool_call>'),  # (bad)
+    ("required", None, '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"c'),
+    (None, "pythonic", '[get_weather(city="Oslo", days=3'),
+])
+def test_a_streamed_call_that_broke_off_never_finishes_as_tool_calls(choice, parser, reply):
+    """A call sent whose arguments never ended (the model stopped mid-call, or wrote bad JSON) was reported with
+    finish_reason "tool_calls", which tells a client its calls are whole and may be run: `{"city": "Os` broke its
+    json.loads. The sent deltas stay (they cannot be taken back); the finish reason is the engine's."""
+    for finish in ("stop", "length"):
+        _, message, reason = read(plan(choice, parser), reply, [1] * len(reply), stream=True, finish=finish)
+        assert reason == finish and message["tool_calls"]
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(message["tool_calls"][-1]["function"]["arguments"])  # (left as written: nothing made up)
+
+
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}'),  # (cut after the arguments)
+    ("llama3_json", '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}" oops'),
+    ("pythonic", '[get_weather(city="Oslo", 3)]'),  # (closed where it broke off: a JSON object)
+])
+def test_a_streamed_call_whose_arguments_are_whole_still_finishes_as_tool_calls(parser, reply):
+    _, message, reason = read(plan(parser=parser), reply, [1] * len(reply), stream=True)
+    assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] == "Oslo"

@@ -206,6 +206,7 @@ class CallReader:
     args: list[str] = field(default_factory=list)  # arguments' text not yet taken
     args_seen: bool = False  # an arguments key was read (a second is skipped)
     has_args: bool = False  # arguments that are a call's: an object begun, or a JSON string of one read
+    args_done: bool = False  # the arguments are whole (the object closed, or the JSON string of one read)
 
     @property
     def ready(self) -> bool:
@@ -284,13 +285,15 @@ class CallReader:
                 self.failed = True
             else:
                 self.name = name
+        elif role == "args":
+            self.args_done = True
         elif role == "args_text":  # (arguments written as a JSON string: sent whole, once read)
             text = arguments_text(json.loads("".join(value.out)))
             if text is None:
                 self.failed = True
             else:
                 self.args.append(text)
-                self.has_args = True
+                self.has_args = self.args_done = True
 
     def _close(self) -> None:
         self.done = True

@@ -125,7 +125,9 @@ class ReplyReader:
             return Delta(), finish_reason
         if self.calls is not None:
             rest = self._events(self.calls.finish())
-            return rest, "tool_calls" if self.sent_calls and finish_reason == "stop" else finish_reason
+            # (a call that broke off is no call a client may run: the reply keeps the engine's reason)
+            whole = self.sent_calls and not self.calls.broken
+            return rest, "tool_calls" if whole and finish_reason == "stop" else finish_reason
         self.text = "".join(self.pieces)
         if mode == "required":
             parsed, at = required_calls(self.text, self.plan.names)

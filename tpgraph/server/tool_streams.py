@@ -8,8 +8,11 @@ into events: ("content", text); ("call", name) where a call begins; ("args", tex
   arguments written as a JSON string of one, once that is read; a pythonic call's first keyword argument, read).
 - What turns out to be no call is sent as content, so nothing the model wrote is lost. Where no call was sent yet,
   that is the whole reply, as a whole reply is read. Otherwise it is the text from where the calls stopped parsing.
-- A call begun and then broken off (cut by max_tokens, or bad JSON) keeps what was sent of it. (A whole reply's
-  part call comes back as text instead.)
+- A call begun and then broken off (cut by max_tokens or an EOS, or bad JSON) keeps what was sent of it: deltas
+  cannot be taken back. Its arguments are left as the model wrote them (no JSON is made up to close them), and the
+  reply's finish_reason is then never "tool_calls", which tells a client its calls are whole: "length" where
+  max_tokens cut it, as OpenAI reports a cut call, "stop" where the model stopped. (A whole reply's part call comes
+  back as text instead.)
 - With parallel_tool_calls false, later calls are read and left out, as a whole reply leaves them out.
 Each character is looked at once, whatever was held before it: long runs of whitespace cost no rescans.
 """
@@ -40,6 +43,7 @@ class CallStream:
         self.reader: CallReader | None = None
         self.announced = False  # is the call being read sent?
         self.calls = 0
+        self.broken = False  # a call sent broke off: its arguments are not whole
         self._events: list[Event] = []
 
     def feed(self, text: str) -> list[Event]:
@@ -57,6 +61,7 @@ class CallStream:
 
     def finish(self) -> list[Event]:
         """What is left when the reply ends: text held back that is no call (separators after calls are none)."""
+        self._broken_off()  # (a call sent and not ended: cut)
         held = "".join(self.held)
         # (a whole reply is str.strip()ped: any whitespace may end it, past the separators)
         if not self.announced and (self.calls == 0 or held.rstrip().strip(self.SEPARATORS)):
@@ -78,6 +83,7 @@ class CallStream:
             self.held.append(ch)
         if reader.failed:
             # a call not yet sent is content with what was held before it; one sent keeps what it sent
+            self._broken_off()
             self._give_up(ch if self.announced else "".join(self.held))
             return
         if reader.ready and not self.announced and not (self.one_call and self.calls):
@@ -89,6 +95,10 @@ class CallStream:
                 self._arguments()
             self.reader, self.announced, self.held = None, False, []  # (a call left out is dropped whole)
             self.state = "after_call"
+
+    def _broken_off(self) -> None:
+        """The call being read ends here: is a call sent without its whole arguments?"""
+        self.broken |= self.announced and not (self.reader is not None and self.reader.args_done)
 
     def _arguments(self) -> None:
         if self.reader is None:  # (pythonic calls send their arguments as each is read)
