@@ -45,12 +45,22 @@ class CallStream:
         self.calls = 0
         self.broken = False  # a call sent broke off: its arguments are not whole
         self._events: list[Event] = []
+        self._text: list[str] = []  # content after the last event, in pieces (joined once, as it is taken)
 
     def feed(self, text: str) -> list[Event]:
-        for ch in text:
-            if self.state == "content":
-                self._content(ch)
-            elif self.state == "call":
+        at = 0
+        while at < len(text):
+            if self.state == "content":  # (all is content from here: the rest at once)
+                self._content(text[at:])
+                break
+            plain = self._plain(text, at)
+            if plain:
+                self._content(text[at:at + plain])
+                at += plain
+                continue
+            ch = text[at]
+            at += 1
+            if self.state == "call":
                 self._call_char(ch)
             elif self.state != "end":
                 self.held.append(ch)
@@ -71,6 +81,11 @@ class CallStream:
     def _frame(self, ch: str) -> None:
         raise NotImplementedError
 
+    def _plain(self, text: str, at: int) -> int:
+        """How many characters from `at` are content whatever they are, to be sent at once (a whole reply is fed in
+        one piece)."""
+        return 0
+
     def _begin_call(self) -> None:
         """The "{" just read (held) opens a call object."""
         self.state, self.reader, self.announced = "call", CallReader(self.names, self.ARGS_KEYS), False
@@ -89,7 +104,7 @@ class CallStream:
         if reader.ready and not self.announced and not (self.one_call and self.calls):
             self.announced, self.held = True, []  # (a call for certain: it is sent, its text settled)
             self.calls += 1
-            self._events.append(("call", reader.name))
+            self._event("call", reader.name)
         if reader.done:
             if self.announced:
                 self._arguments()
@@ -105,7 +120,7 @@ class CallStream:
             return
         text = self.reader.take_arguments()
         if text:
-            self._events.append(("args", text))
+            self._event("args", text)
 
     def _give_up(self, rest: str) -> None:
         if self.announced:
@@ -114,14 +129,20 @@ class CallStream:
         self._content(rest)
 
     def _content(self, text: str) -> None:
-        if not text:
-            return
-        if self._events and self._events[-1][0] == "content":
-            self._events[-1] = ("content", self._events[-1][1] + text)
-        else:
-            self._events.append(("content", text))
+        if text:
+            self._text.append(text)
+
+    def _event(self, kind: str, text: str) -> None:
+        self._flush_content()
+        self._events.append((kind, text))
+
+    def _flush_content(self) -> None:
+        if self._text:
+            self._events.append(("content", "".join(self._text)))
+            self._text = []
 
     def _take(self) -> list[Event]:
+        self._flush_content()
         events, self._events = self._events, []
         return events
 
@@ -174,6 +195,13 @@ class HermesStream(CallStream):
         self.blank = 0  # (after a block, while the stretch is blank) leading whitespace held
         self.gap_text = False  # the stretch after the last block has text: it is content, whitespace and all
         self.closed = 0  # characters of the closing tag read
+
+    def _plain(self, text: str, at: int) -> int:
+        # (in text, nothing held: up to a "<", which may begin the tag)
+        if self.state not in ("lead", "text") or self.held or self.calls and not self.gap_text:
+            return 0
+        end = text.find("<", at)
+        return (len(text) if end < 0 else end) - at
 
     def _frame(self, ch: str) -> None:
         if self.state == "after_call":  # its closing tag, maybe after whitespace
@@ -400,7 +428,7 @@ class PythonicStream(CallStream):
         """No call after all (at ch, not in arg yet): where one was sent, what is left of it is content; else all that
         was held."""
         if self.announced:  # (its arguments closed: what was sent of them stays a JSON object)
-            self._events.append(("args", "}"))
+            self._event("args", "}")
         self._give_up("".join(self.arg) + ch if self.announced else "".join(self.held))
 
     def _argument(self, last: bool) -> bool:
@@ -433,8 +461,8 @@ class PythonicStream(CallStream):
         if not self.announced:
             self.announced, self.held = True, []
             self.calls += 1
-            self._events.append(("call", self.name))
-        self._events.append(("args", text))
+            self._event("call", self.name)
+        self._event("args", text)
 
 
 STREAMS: dict[str, type[CallStream]] = {"llama3_json": Llama3JsonStream, "hermes": HermesStream,
