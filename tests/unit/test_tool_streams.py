@@ -489,3 +489,24 @@ def test_a_streamed_call_that_broke_off_never_finishes_as_tool_calls(choice, par
 def test_a_streamed_call_whose_arguments_are_whole_still_finishes_as_tool_calls(parser, reply):
     _, message, reason = read(plan(parser=parser), reply, [1] * len(reply), stream=True)
     assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] == "Oslo"
+
+
+@pytest.mark.parametrize(("choice", "reply", "finish", "arguments", "content"), [
+    ("required", '[{"name": "get_weather", "parameters": {"n": 1e999}}]', "stop", '{"n": ', "1e999}}]"),
+    (None, '{"name": "get_weather", "parameters": {"n": tru}}', "stop", '{"n": ', "tru}}"),
+    (None, '{"name": "get_weather", "parameters": {"n": 1, "m": 01}}', "stop", '{"n": 1, "m": ', "01}}"),
+    (None, '{"name": "get_weather", "parameters": {"s": "ab\\x"}}', "stop", '{"s": "ab', '\\x"}}'),
+    (None, '{"name": "get_weather", "parameters": {"s": "ab\\u12G4"}}', "stop", '{"s": "ab', '\\u12G4"}}'),
+    (None, '{"name": "get_weather", "parameters": {"s": "\\uD83D\\x"}}', "stop", '{"s": "', '\\uD83D\\x"}}'),
+    (None, '{"name": "get_weather", "parameters": {"n": 12', "length", '{"n": ', "12"),  # (cut)
+    (None, '{"name": "get_weather", "parameters": {"s": "ab\\u00', "length", '{"s": "ab', "\\u00"),
+    (None, '{"name": "get_weather", "parameters": {"s": "\\uD83D', "length", '{"s": "', "\\uD83D"),
+    (None, '{"name": "get_weather", "parameters": {"s": "\\ud83d\\u', "length", '{"s": "', "\\ud83d\\u"),
+])
+def test_a_streamed_call_that_breaks_off_loses_none_of_the_text(choice, reply, finish, arguments, content):
+    """Where a call sent breaks off, the text from there is content; what the reader held back of its arguments (a
+    number or literal until it ends, an escape, a high surrogate until its low half) was dropped: "1e999}}]" came
+    back as "}}]", a call cut at `"n": 12` lost the 12."""
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, message, reason = read(plan(choice, "llama3_json"), reply, sizes, stream=True, finish=finish)
+        assert (calls_of(message), message["content"], reason) == ([("get_weather", arguments)], content, finish)

@@ -42,9 +42,17 @@ class Reencoder:
         self.in_string = False
         self.escape = ""  # an escape begun in a string ("\\", "\\u12", ...)
         self.high = ""  # a high surrogate waiting for its low half
+        self.high_raw = ""  # ... as it was written ("\\ud83d")
         self.token = ""  # a number or a literal being read
         self._key = False  # is the string being read an object's key?
         self.done = self.failed = False
+        self.rest = ""  # (failed) the text from where it stopped being JSON, as written: none of it was output
+
+    @property
+    def pending(self) -> str:
+        """The text read and not yet output, as written (a number, an escape, a high surrogate's): where the text
+        breaks off here, it is no part of the output."""
+        return self.high_raw + self.escape + self.token
 
     def take(self) -> str:
         text, self.out = "".join(self.out), []
@@ -61,6 +69,8 @@ class Reencoder:
                 self.token += ch
                 return True
             self._end_token()
+            if self.failed:
+                self.rest += ch  # (the token, then the character that ended it)
             if self.done or self.failed:
                 return False
         if ch in WHITESPACE:
@@ -81,18 +91,21 @@ class Reencoder:
         elif expect == "next" and ch in "]}":
             return self._close(ch)
         else:
-            self.failed = True
+            self._fail(ch)
         return not self.failed
+
+    def _fail(self, rest: str) -> None:
+        self.failed, self.rest = True, rest
 
     def _value(self, ch: str, key: bool) -> None:
         if ch == '"':
             self.in_string, self._key = True, key
             self.out.append('"')
         elif key:
-            self.failed = True
+            self._fail(ch)
         elif ch in "{[":
             if len(self.stack) == MAX_DEPTH:
-                self.failed = True
+                self._fail(ch)
                 return
             self.stack.append(ch)
             self.out.append(ch)
@@ -100,11 +113,11 @@ class Reencoder:
         elif ch in NUMBER_CHARS or ch.isalpha():
             self.token = ch
         else:
-            self.failed = True
+            self._fail(ch)
 
     def _close(self, ch: str) -> bool:
         if not self.stack or "{[".index(self.stack[-1]) != "}]".index(ch):
-            self.failed = True
+            self._fail(ch)
             return False
         self.stack.pop()
         self.out.append(ch)
@@ -127,10 +140,10 @@ class Reencoder:
             try:
                 value = json.loads(token)
             except ValueError:  # (not a number; NaN and Infinity, which JSON has not, too)
-                self.failed = True
+                self._fail(token)
                 return
             if not isinstance(value, int | float) or isinstance(value, float) and not math.isfinite(value):
-                self.failed = True
+                self._fail(token)
                 return
             self.out.append(json.dumps(value))
         self._value_ended()
@@ -146,16 +159,16 @@ class Reencoder:
             if self.escape.startswith("\\u"):
                 if len(self.escape) < 6:
                     return
-                digits, self.escape = self.escape[2:], ""
-                if not all(c in HEX_DIGITS for c in digits):
-                    self.failed = True
+                raw, self.escape = self.escape, ""
+                if not all(c in HEX_DIGITS for c in raw[2:]):
+                    self._fail(self.high_raw + raw)
                     return
-                self._char(chr(int(digits, 16)))
+                self._char(chr(int(raw[2:], 16)), raw)
             elif ch in SIMPLE_ESCAPES:
                 self.escape = ""
-                self._char(SIMPLE_ESCAPES[ch])
+                self._char(SIMPLE_ESCAPES[ch], "\\" + ch)
             else:
-                self.failed = True
+                self._fail(self.high_raw + self.escape)
             return
         if ch == "\\":
             self.escape = "\\"
@@ -165,25 +178,26 @@ class Reencoder:
             self.out.append('"')
             self._value_ended(self._key)
         else:
-            self._char(ch)
+            self._char(ch, ch)
 
-    def _char(self, ch: str) -> None:
-        """A decoded character: surrogate halves written as \\u escapes join into one character, as json.loads
-        joins them."""
+    def _char(self, ch: str, raw: str) -> None:
+        """A decoded character (raw: as written): surrogate halves written as \\u escapes join into one character,
+        as json.loads joins them."""
         if self.high:
             if 0xDC00 <= ord(ch) <= 0xDFFF:
-                ch, self.high = chr(0x10000 + ((ord(self.high) - 0xD800) << 10) + (ord(ch) - 0xDC00)), ""
+                ch = chr(0x10000 + ((ord(self.high) - 0xD800) << 10) + (ord(ch) - 0xDC00))
+                self.high = self.high_raw = ""
             else:
                 self._flush_high()
         if 0xD800 <= ord(ch) <= 0xDBFF:
-            self.high = ch
+            self.high, self.high_raw = ch, raw
             return
         self.out.append(encode_char(ch))
 
     def _flush_high(self) -> None:
         if self.high:
             self.out.append(encode_char(self.high))
-            self.high = ""
+            self.high = self.high_raw = ""
 
 
 @dataclass
@@ -207,6 +221,13 @@ class CallReader:
     args_seen: bool = False  # an arguments key was read (a second is skipped)
     has_args: bool = False  # arguments that are a call's: an object begun, or a JSON string of one read
     args_done: bool = False  # the arguments are whole (the object closed, or the JSON string of one read)
+    rest: str = ""  # (failed) the text from where it stopped being a call, as written, that no argument took
+
+    @property
+    def pending(self) -> str:
+        """The arguments' text read and not yet given (a number, an escape), as written: where the call is cut here,
+        it is no part of them."""
+        return self.value.pending if self.value is not None and self.role == "args" else ""
 
     @property
     def ready(self) -> bool:
@@ -234,7 +255,7 @@ class CallReader:
             consumed = self.value.feed(ch)
             self._collect()
             if self.value.failed:
-                self.failed = True
+                self.failed, self.rest = True, self.value.rest
                 return False
             if self.value.done:
                 self._value_done()
@@ -258,11 +279,11 @@ class CallReader:
             else:
                 role = "skip" if self.key != "name" else "name" if ch == '"' else ""
             if not role:  # (arguments must be an object or a JSON string of one; a name, a string)
-                self.failed = True
+                self.failed, self.rest = True, ch
                 return False
             self._begin(role, ch)
         else:
-            self.failed = True
+            self.failed, self.rest = True, ch
         return not self.failed
 
     def _begin(self, role: str, ch: str) -> None:

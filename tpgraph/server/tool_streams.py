@@ -72,6 +72,8 @@ class CallStream:
     def finish(self) -> list[Event]:
         """What is left when the reply ends: text held back that is no call (separators after calls are none)."""
         self._broken_off()  # (a call sent and not ended: cut)
+        if self.announced and self.reader is not None:  # (what its arguments held back is content)
+            self._content(self.reader.pending)
         held = "".join(self.held)
         # (a whole reply is str.strip()ped: any whitespace may end it, past the separators)
         if not self.announced and (self.calls == 0 or held.rstrip().strip(self.SEPARATORS)):
@@ -99,7 +101,7 @@ class CallStream:
         if reader.failed:
             # a call not yet sent is content with what was held before it; one sent keeps what it sent
             self._broken_off()
-            self._give_up(ch if self.announced else "".join(self.held))
+            self._give_up(reader.rest if self.announced else "".join(self.held))
             return
         if reader.ready and not self.announced and not (self.one_call and self.calls):
             self.announced, self.held = True, []  # (a call for certain: it is sent, its text settled)
