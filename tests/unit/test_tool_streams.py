@@ -197,9 +197,10 @@ def test_a_stream_keeps_a_call_cut_by_max_tokens():
     deltas, message, reason = read(plan(parser="llama3_json"), cut, [4] * 20, stream=True, finish="length")
     assert calls_of(message) == [("get_weather", '{"city": "Os')] and reason == "length"
     assert message["content"] is None
-    # read whole, the same reply is text (it does not parse as a call)
+    # read whole, the same reply is the same (a stream cannot take back the call it sent)
     _, message, reason = read(plan(parser="llama3_json"), cut, [len(cut)], stream=False, finish="length")
-    assert message["content"] == cut and "tool_calls" not in message and reason == "length"
+    assert calls_of(message) == [("get_weather", '{"city": "Os')] and reason == "length"
+    assert message["content"] is None
 
 
 def test_text_after_the_calls_that_is_no_call_is_content():
@@ -327,11 +328,13 @@ def test_a_literal_that_overflows_is_no_call_streamed_or_whole():
     """ast.literal_eval adds an int and a complex (`<int> + 1j`): an int past a float's range raises OverflowError,
     which neither the whole parser nor the stream catches (a 500, or a stream that breaks off)."""
     huge = "9" * 400 + "+1j"
-    for reply in (f"[get_weather(a={huge})]", f"[get_weather(city='Oslo', a={huge})]"):
+    for reply, calls in ((f"[get_weather(a={huge})]", []),
+                         (f"[get_weather(city='Oslo', a={huge})]", [("get_weather", '{"city": "Oslo"}')])):
         _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
-        assert whole["content"] == reply and "tool_calls" not in whole and reason == "stop"
-        _, streamed, _ = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-        assert streamed["content"] is not None
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+        # (the call breaks off at the argument, closed after those sent; the rest is content)
+        assert calls_of(whole) == calls and whole["content"] == (reply if not calls else f" a={huge})]")
 
 
 @pytest.mark.parametrize("reply", [
@@ -510,3 +513,31 @@ def test_a_streamed_call_that_breaks_off_loses_none_of_the_text(choice, reply, f
     for sizes in ([1] * len(reply), [len(reply)]):
         _, message, reason = read(plan(choice, "llama3_json"), reply, sizes, stream=True, finish=finish)
         assert (calls_of(message), message["content"], reason) == ([("get_weather", arguments)], content, finish)
+
+
+CUT_REPLIES = [  # (tool_choice, parser, reply): cut at every character, each reads alike streamed or whole
+    ("required", None, '[{"name": "get_weather", "parameters": {"s": "\\u00e9\\ud83d\\ude00", "n": [1e5, -0, 1.0, '
+                       '{"a": {}}]}}, {"name": "get_time", "parameters": {}}]'),
+    (None, "llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Os\\"lo", "n": 1E5}}; '
+                          '{"arguments": {}, "name": "get_time"}'),
+    (None, "hermes", 'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"s": "\\uD83D\\uDE00", '
+                     '"x": [[], {}]}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call> '
+                     "Done."),
+    (None, "pythonic", '[get_weather(city="Oslo", n=[1e5, -0.0, {"a": None}]), get_time()]'),
+]
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), CUT_REPLIES)
+def test_a_reply_cut_anywhere_reads_alike_streamed_or_whole(choice, parser, reply):
+    """max_tokens (or an EOS) may cut a reply at any character. Where a call was cut after a stream sent it, the
+    stream keeps it (deltas cannot be taken back) and the rest as content, but the whole reply came back as text
+    only: `{"name": "get_weather", "parameters": {"city": "Os` was a call streamed and text whole."""
+    rng = random.Random(2)
+    for cut in range(1, len(reply) + 1):
+        text = reply[:cut]
+        for finish in ("length", "stop"):
+            _, whole, reason = read(plan(choice, parser), text, [cut], stream=False, finish=finish)
+            for sizes in ([1] * cut, [rng.randrange(1, 6) for _ in range(cut)]):
+                _, streamed, streamed_reason = read(plan(choice, parser), text, sizes, stream=True, finish=finish)
+                assert (streamed["content"], calls_of(streamed), streamed_reason) == \
+                    (whole["content"], calls_of(whole), reason), (text, finish)

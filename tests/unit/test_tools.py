@@ -235,11 +235,14 @@ def test_tools_and_response_format_do_not_mix_and_hermes_keeps_special_tokens():
     assert required.sampling_params(8, None, tools=required.tool_plan(ToolOptions())).structured.kind == "json_schema"
 
 
-def test_required_calls_that_json_cannot_hold_come_back_as_text():
+def test_required_calls_break_off_where_json_cannot_hold_them():
+    """A value JSON cannot hold ends the call there, as a stream, which sent the call, ends it: its arguments as far
+    as they went, the rest content, and no "tool_calls" finish (test_tool_streams.py reads streamed replies)."""
     for bad in ("1e999", "9" * 5000):
         text = '[{"name":"get_weather","parameters":{"n":' + bad + "}}]"
         _, message, reason = read(plan("required"), [text])
-        assert message == {"role": "assistant", "content": text} and reason == "stop"
+        assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"n": ']
+        assert message["content"] == bad + "}}]" and reason == "stop"
 
 
 def test_raw_control_characters_in_strings_are_re_encoded():

@@ -42,8 +42,10 @@ class Delta:
 class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
     and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
-    "auto" calls are sent as they are written (tool_streams.py); a whole reply reads
-    its calls once it is whole, and one that does not parse as calls is content."""
+    "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, and
+    one that does not parse as calls is content, unless a call in it broke off (cut by max_tokens or an EOS, or bad
+    JSON): such a reply is read as a stream reads it, which cannot take back the part call it sent, so that a
+    reply is the same streamed or whole."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
@@ -59,10 +61,14 @@ class ReplyReader:
     calls: CallStream | None = None  # (streamed "required" and "auto") the calls as they are written
 
     def __post_init__(self) -> None:
+        if self.stream:
+            self.calls = self._call_stream()
+
+    def _call_stream(self) -> CallStream | None:
+        """("required" and "auto") a reader of the calls as they are written."""
         plan = self.plan
         kind = RequiredStream if plan.mode == "required" else STREAMS.get(plan.parser.name) if plan.parser else None
-        if self.stream and kind is not None:
-            self.calls = kind(plan.names, plan.one_call)
+        return None if kind is None else kind(plan.names, plan.one_call)
 
     def feed(self, text: str) -> Delta:
         """The reply's next text: what it adds to send now."""
@@ -124,27 +130,37 @@ class ReplyReader:
         if mode in ("none", "named"):  # (all sent as it came; a named reply with no answer text makes no call)
             return Delta(), finish_reason
         if self.calls is not None:
-            rest = self._events(self.calls.finish())
-            # (a call that broke off is no call a client may run: the reply keeps the engine's reason)
-            whole = self.sent_calls and not self.calls.broken
-            return rest, "tool_calls" if whole and finish_reason == "stop" else finish_reason
+            return self._streamed(self.calls, self.calls.finish(), finish_reason)
         self.text = "".join(self.pieces)
         if mode == "required":
             parsed, at = required_calls(self.text, self.plan.names)
-            if not parsed:  # no whole call (cut by max_tokens): the text comes back as it is
-                return Delta(self.text), finish_reason
+            if not parsed or at < len(self.text):  # (no calls, or calls that broke off: read as a stream reads them)
+                return self._read_as_stream(finish_reason)
             if self.plan.one_call:
                 parsed = parsed[:1]
-            # an array cut after some calls: the part call that was cut comes back as text
-            return Delta(self.text[at:], [self._call(c) for c in parsed]), \
+            return Delta("", [self._call(c) for c in parsed]), \
                 "tool_calls" if finish_reason == "stop" else finish_reason
         content, parsed = self.plan.parser.parse(self.text, self.plan.names)
-        if not parsed:
-            return Delta(self.text), finish_reason
+        if not parsed:  # (no calls, or calls that broke off)
+            return self._read_as_stream(finish_reason)
         if self.plan.one_call:
             parsed = parsed[:1]
         return Delta(content or "", [self._call(c) for c in parsed]), \
             "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def _read_as_stream(self, finish_reason: str | None) -> tuple[Delta, str | None]:
+        """A whole reply read as a stream reads it: where a call it began broke off, the stream sent the call as far
+        as it went and the rest as content; where none did, the reply is content."""
+        calls = self._call_stream()
+        return self._streamed(calls, calls.feed(self.text) + calls.finish(), finish_reason)
+
+    def _streamed(self, calls: CallStream, events: list[Event], finish_reason: str | None
+                  ) -> tuple[Delta, str | None]:
+        """A call stream's last events, and the reply's finish reason."""
+        rest = self._events(events)
+        # (a call that broke off is no call a client may run: the reply keeps the engine's reason)
+        whole = self.sent_calls and not calls.broken
+        return rest, "tool_calls" if whole and finish_reason == "stop" else finish_reason
 
     def _events(self, events: list[Event]) -> Delta:
         """A call stream's events as a delta: a call's first delta carries its index, id and name."""

@@ -9,9 +9,11 @@ generated (vLLM's --tool-call-parser names):
   `<|python_start|>` and `<|python_end|>`): keyword arguments of literal values, parsed with `ast`, never run.
 
 A reply that does not parse as calls, or calls a function the request did not offer, is returned whole as content:
-nothing the model wrote is lost. Raw control characters in strings (a tab, as models write) are taken, and the
-arguments re-encoded as JSON (arguments written as a JSON string are taken too). These parsers read a whole
-reply; a streamed reply's calls (llama3_json, hermes and pythonic) are read as they are written (tool_streams.py).
+nothing the model wrote is lost. (Where a call in it broke off after it began, reply.py reads the reply as a stream
+does instead: the stream sent that call as far as it went.) Raw control characters in strings (a tab, as models
+write) are taken, and the arguments re-encoded as JSON (arguments written as a JSON string are taken too). These
+parsers read a whole reply; a streamed reply's calls (llama3_json, hermes and pythonic) are read as they are written
+(tool_streams.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ into events: ("content", text); ("call", name) where a call begins; ("args", tex
 - A call begun and then broken off (cut by max_tokens or an EOS, or bad JSON) keeps what was sent of it: deltas
   cannot be taken back. Its arguments are left as the model wrote them (no JSON is made up to close them), and the
   reply's finish_reason is then never "tool_calls", which tells a client its calls are whole: "length" where
-  max_tokens cut it, as OpenAI reports a cut call, "stop" where the model stopped. (A whole reply's part call comes
-  back as text instead.)
+  max_tokens cut it, as OpenAI reports a cut call, "stop" where the model stopped. A whole reply with such a call is
+  read as a stream reads it (reply.py), so that it is the same streamed or whole.
 - With parallel_tool_calls false, later calls are read and left out, as a whole reply leaves them out.
 Each character is looked at once, whatever was held before it: long runs of whitespace cost no rescans.
 """

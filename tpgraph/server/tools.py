@@ -13,10 +13,11 @@ Streamed, "required" and "auto" calls are sent as they are written (tool_streams
 once it is whole.
 
 Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text). finish_reason is
-"tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a streamed
-call cut off keeps the engine's "length" or "stop"); a named call finishes "stop", as OpenAI's does. A reply that
-does not parse as calls (cut by max_tokens, say) comes back as content, so nothing is lost. parallel_tool_calls
-false keeps one call ("required" asks the grammar for exactly one).
+"tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a call cut
+off keeps the engine's "length" or "stop"); a named call finishes "stop", as OpenAI's does. A reply with no call comes
+back as content, so nothing is lost; one whose call broke off after it began (cut by max_tokens, say) keeps that
+call as far as it went, its arguments as written, and the rest as content, streamed or whole, as a stream cannot
+take back a call it sent. parallel_tool_calls false keeps one call ("required" asks the grammar for exactly one).
 """
 
 from __future__ import annotations
