@@ -541,3 +541,24 @@ def test_a_reply_cut_anywhere_reads_alike_streamed_or_whole(choice, parser, repl
                 _, streamed, streamed_reason = read(plan(choice, parser), text, sizes, stream=True, finish=finish)
                 assert (streamed["content"], calls_of(streamed), streamed_reason) == \
                     (whole["content"], calls_of(whole), reason), (text, finish)
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply", "arguments"), [
+    (None, "llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo", "city": "Rome"}}',
+     '{"city": "Oslo", "city": "Rome"}'),
+    (None, "hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": [{"a": 1, "a": {"b": 2, "b": 3}}], '
+                     '"x": null}}</tool_call>', '{"x": [{"a": 1, "a": {"b": 2, "b": 3}}], "x": null}'),
+    (None, "llama3_json", '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\", \\"city\\": 1}"}',
+     '{"city": "Oslo", "city": 1}'),
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": "Oslo", "city": "Rome"}}]',
+     '{"city": "Oslo", "city": "Rome"}'),
+])
+def test_a_key_given_twice_in_the_arguments_reads_alike_streamed_or_whole(choice, parser, reply, arguments):
+    """A stream sends `"city": "Oslo"` before it reads `"city": "Rome"`, so it writes the key twice; a whole reply
+    wrote what json.loads keeps, the last alone. Both now write what the model wrote, which a client's json.loads reads
+    as Python's does (the last)."""
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    assert calls_of(whole) == [("get_weather", arguments)] and reason == "tool_calls"
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

@@ -1,8 +1,8 @@
 """JSON read a character at a time, for tool calls that stream: a value re-encoded as it arrives, in the form
 `json.dumps(json.loads(text), ensure_ascii=False)` gives the whole (so a call's streamed arguments are the text a
 whole reply carries), and a call object `{"name": ..., "parameters": {...}}` whose arguments are sent as they come.
-Where they differ: a key given twice is written twice (json.loads keeps the last), and a lone surrogate written as
-an escape stays one.
+Where they differ: a key given twice is written twice (json.loads keeps the last; a whole reply's arguments write it
+twice too, tool_parsers.JsonObject), and a lone surrogate written as an escape stays one.
 """
 
 from __future__ import annotations

@@ -46,9 +46,27 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 JSON_ERRORS = (ValueError, RecursionError)
 
 
+class JsonObject(dict):
+    """A JSON object as it was written: json.dumps writes its pairs in order, a key given twice twice, as a stream
+    writes it (it sends the first before it reads the second); the dict holds the last, as json.loads reads it, and
+    a client's JSON parser reads the text (Python's and JavaScript's keep the last)."""
+
+    def __init__(self, pairs: list[tuple[str, object]]) -> None:
+        super().__init__(pairs)
+        self.pairs = pairs
+
+    def items(self) -> list[tuple[str, object]]:  # (what json.dumps writes a dict subclass from)
+        return self.pairs
+
+
 def loads(text: str) -> object:
-    """JSON as models write it: a raw tab in a string is taken (strict JSON forbids it)."""
-    return json.loads(text, strict=False)
+    """JSON as models write it: a raw tab in a string is taken (strict JSON forbids it); objects are JsonObjects."""
+    return json.loads(text, strict=False, object_pairs_hook=JsonObject)
+
+
+def json_decoder() -> json.JSONDecoder:
+    """loads' decoder, for raw_decode."""
+    return json.JSONDecoder(strict=False, object_pairs_hook=JsonObject)
 
 
 def arguments_text(args: object) -> str | None:
@@ -91,7 +109,7 @@ def required_calls(text: str, names: frozenset[str]) -> tuple[list[ParsedCall], 
     """tool_choice "required", read whole: the calls of the grammar's array `[{"name": ..., "parameters": {...}},
     ...]`, in order, and where the text stops being calls (at a part call cut by max_tokens; len(text) when the
     array closed)."""
-    decoder, calls = json.JSONDecoder(strict=False), []
+    decoder, calls = json_decoder(), []
     at = _skip_space(text, 0)
     if not text.startswith("[", at):
         return [], 0
@@ -123,7 +141,7 @@ class Llama3JsonParser(ToolParser):
         body = body.removeprefix(self.TAG).lstrip()
         if not body.startswith("{"):
             return text, []
-        decoder, calls, at = json.JSONDecoder(strict=False), [], 0
+        decoder, calls, at = json_decoder(), [], 0
         while at < len(body):
             try:
                 obj, end = decoder.raw_decode(body, at)
@@ -148,7 +166,7 @@ class HermesParser(ToolParser):
         at = text.find(self.OPEN)
         if at < 0:
             return text, []
-        decoder, calls, content = json.JSONDecoder(strict=False), [], [text[:at]]
+        decoder, calls, content = json_decoder(), [], [text[:at]]
         while at >= 0:
             # a block: its object read whole (a closing tag inside a string is the string's), then the tag
             begin = _skip_space(text, at + len(self.OPEN))
