@@ -121,7 +121,6 @@ def test_a_call_object_is_ready_once_named_and_its_arguments_begin():
     '{"name": ["get_time"], "parameters": {}}',
     '{"name": "get_time", "parameters": [1]}',
     '{"name": "get_time", "arguments": "[1]"}',
-    '{"name": "get_time", "name": "get_time", "parameters": {}}',
     '["get_time"]',
 ])
 def test_what_is_no_call_fails(text):
@@ -559,6 +558,30 @@ def test_a_key_given_twice_in_the_arguments_reads_alike_streamed_or_whole(choice
     as Python's does (the last)."""
     _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
     assert calls_of(whole) == [("get_weather", arguments)] and reason == "tool_calls"
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply", "call"), [
+    (None, "llama3_json", '{"name": "get_weather", "parameters": {"a": 1}, "parameters": {"b": 2}}',
+     ("get_weather", '{"a": 1}')),
+    (None, "llama3_json", '{"name": "get_weather", "arguments": {"a": 1}, "parameters": {"b": 2}}',
+     ("get_weather", '{"a": 1}')),
+    (None, "hermes", '<tool_call>{"name": "get_weather", "parameters": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+     ("get_weather", '{"a": 1}')),
+    ("required", None, '[{"name": "get_weather", "parameters": {"a": 1}, "parameters": {}}]',
+     ("get_weather", '{"a": 1}')),
+    (None, "llama3_json", '{"name": "get_time", "name": "get_weather", "parameters": {}}', ("get_time", "{}")),
+    (None, "hermes", '<tool_call>{"name": "get_time", "arguments": {}, "name": ["x"]}</tool_call>',
+     ("get_time", "{}")),
+])
+def test_a_name_or_arguments_given_twice_in_a_call_read_alike_streamed_or_whole(choice, parser, reply, call):
+    """A stream sends a call once its name is read and its arguments begin, and cannot take it back for a later
+    name or arguments; a whole reply took the last (json.loads), or "parameters" over "arguments" wherever written,
+    and a stream refused a second name (the call as text, or one broken off). Both take the first written."""
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    assert calls_of(whole) == [call] and whole["content"] is None and reason == "tool_calls"
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

@@ -202,10 +202,10 @@ class Reencoder:
 
 @dataclass
 class CallReader:
-    """One call object, `{"name": "f", "parameters": {...}}` (ARGS_KEYS' first key present is the arguments),
-    fed a character at a time. Once it is `ready`, `take_arguments()` gives the arguments' re-encoded text as it
-    comes; arguments written before the name wait for it. `failed`: no call (bad JSON, a name not offered, no
-    arguments, or arguments that are no object)."""
+    """One call object, `{"name": "f", "parameters": {...}}` (the first of args_keys written is the arguments; a
+    name or arguments given again are skipped, as a whole reply reads them), fed a character at a time. Once it is
+    `ready`, `take_arguments()` gives the arguments' re-encoded text as it comes; arguments written before the name
+    wait for it. `failed`: no call (bad JSON, a name not offered, no arguments, or arguments that are no object)."""
 
     names: frozenset[str]
     args_keys: tuple[str, ...] = ("parameters", "arguments")
@@ -219,6 +219,7 @@ class CallReader:
     expect: str = "first_key"  # first_key, key, colon, value, next
     args: list[str] = field(default_factory=list)  # arguments' text not yet taken
     args_seen: bool = False  # an arguments key was read (a second is skipped)
+    name_seen: bool = False  # a name key was read (a second is skipped)
     has_args: bool = False  # arguments that are a call's: an object begun, or a JSON string of one read
     args_done: bool = False  # the arguments are whole (the object closed, or the JSON string of one read)
     rest: str = ""  # (failed) the text from where it stopped being a call, as written, that no argument took
@@ -276,8 +277,11 @@ class CallReader:
                 self.args_seen = True
                 role = "args" if ch == "{" else "args_text" if ch == '"' else ""
                 self.has_args = role == "args"
+            elif self.key == "name" and not self.name_seen:
+                self.name_seen = True
+                role = "name" if ch == '"' else ""
             else:
-                role = "skip" if self.key != "name" else "name" if ch == '"' else ""
+                role = "skip"
             if not role:  # (arguments must be an object or a JSON string of one; a name, a string)
                 self.failed, self.rest = True, ch
                 return False
@@ -302,7 +306,7 @@ class CallReader:
             self.key, self.expect = json.loads("".join(value.out)), "colon"
         elif role == "name":
             name = json.loads("".join(value.out))
-            if self.name is not None or name not in self.names:
+            if name not in self.names:
                 self.failed = True
             else:
                 self.name = name

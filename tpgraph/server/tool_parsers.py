@@ -98,11 +98,21 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
-def _call(obj: object, args_key: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+def first(obj: dict, keys: tuple[str, ...]) -> object:
+    """The value of obj's first key among `keys`, in the order written (None if none)."""
+    return next((v for k, v in obj.items() if k in keys), None)
+
+
+def _call(obj: object, args_keys: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
+    # (a name or arguments given twice, or arguments under both keys: the first written is taken, as a stream, which
+    # sends a call before it could read a later one, takes it)
+    if not isinstance(obj, dict):
         return None
-    arguments = arguments_text(next((obj[k] for k in args_key if k in obj), None))
-    return None if arguments is None else ParsedCall(obj["name"], arguments)
+    name = first(obj, ("name",))
+    if not isinstance(name, str) or name not in names:
+        return None
+    arguments = arguments_text(first(obj, args_keys))
+    return None if arguments is None else ParsedCall(name, arguments)
 
 
 def required_calls(text: str, names: frozenset[str]) -> tuple[list[ParsedCall], int]:
