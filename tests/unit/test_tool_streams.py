@@ -585,3 +585,17 @@ def test_a_name_or_arguments_given_twice_in_a_call_read_alike_streamed_or_whole(
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize(("reply", "calls", "content"), [
+    ('[get_weather(city="Oslo", city="Rome")]', [("get_weather", '{"city": "Oslo"}')], ' city="Rome")]'),
+    ("[get_time(), get_weather(a=1, b=[2], a=3)]", [("get_time", "{}"), ("get_weather", '{"a": 1, "b": [2]}')],
+     " a=3)]"),
+])
+def test_a_pythonic_keyword_given_twice_reads_alike_streamed_or_whole(reply, calls, content):
+    """ast parses `f(a=1, a=2)` (Python's compiler refuses it): a whole reply kept the last, while a stream, which
+    sent the first, ended the calls there. The whole reply is read as the stream reads it."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert (calls_of(whole), whole["content"]) == (calls, content)
+    _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

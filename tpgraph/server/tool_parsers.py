@@ -221,7 +221,8 @@ class PythonicParser(ToolParser):
         calls = []
         for node in tree.elts:
             if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.func.id not in names
-                    or node.args or any(k.arg is None for k in node.keywords)):
+                    or node.args or any(k.arg is None for k in node.keywords)
+                    or len({k.arg for k in node.keywords}) < len(node.keywords)):  # (repeated: Python refuses it)
                 return text, []
             try:
                 arguments = arguments_text({k.arg: ast.literal_eval(k.value) for k in node.keywords})

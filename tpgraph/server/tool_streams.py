@@ -342,7 +342,7 @@ class PythonicStream(CallStream):
     """pythonic: `[get_weather(city="Oslo"), get_time()]`, maybe between `<|python_start|>` and `<|python_end|>`.
     Each keyword argument is read once it is whole: parsed with `ast`, never run, its literal value written as JSON.
     A call is sent with its first argument (or at its ")" where it has none), its name one of the tools; its other
-    arguments follow as each is read. A keyword given twice ends the calls (a whole reply keeps the last). A call that
+    arguments follow as each is read. A keyword given twice ends the calls, as Python refuses it. A call that
     breaks off after an argument was sent is closed, so its arguments stay a JSON object (one cut by max_tokens is
     not)."""
 
