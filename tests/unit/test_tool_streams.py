@@ -599,3 +599,19 @@ def test_a_pythonic_keyword_given_twice_reads_alike_streamed_or_whole(reply, cal
     assert (calls_of(whole), whole["content"]) == (calls, content)
     _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
     assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("depth", [510, 511, 512, 700])
+@pytest.mark.parametrize(("choice", "parser", "frame"), [
+    (None, "llama3_json", '{"name": "get_time", "parameters": {"a": %s}}'),
+    (None, "hermes", '<tool_call>{"name": "get_time", "arguments": {}, "id": %s}</tool_call>'),  # (a key skipped)
+    ("required", None, '[{"parameters": {"a": %s}, "name": "get_time"}]'),
+])
+def test_values_nested_past_the_streams_depth_read_alike_streamed_or_whole(choice, parser, frame, depth):
+    """A stream refuses JSON nested past MAX_DEPTH (512) in a call's values, so such a call breaks off there; a whole
+    reply, read by json.loads, took it whole up to Python's recursion limit (near 1000)."""
+    reply = frame % ("[" * depth + "]" * depth)
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    assert (whole["content"] is None) == (depth < (513 if "id" in frame else 512))  # (the arguments' object is one)
+    _, streamed, streamed_reason = read(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

@@ -11,14 +11,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from tpgraph.server.tool_parsers import arguments_text
+from tpgraph.server.tool_parsers import MAX_DEPTH, arguments_text
 
 WHITESPACE = " \t\n\r"
 SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 LITERALS = ("true", "false", "null")
 NUMBER_CHARS = frozenset("-+.eE0123456789")
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-MAX_DEPTH = 512  # (deeper nesting is refused: Python's json.loads, a client's too, stops near 1000)
 
 
 def encode_char(ch: str) -> str:

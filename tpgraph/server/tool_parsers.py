@@ -42,6 +42,8 @@ class ToolParser:
 
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_DEPTH = 512  # (a call's values nested deeper are refused, streamed or whole: Python's json.loads, a client's too,
+# stops near 1000)
 # what json raises on text it will not take: bad JSON, an integer past Python's 4300 digits, nesting past the stack
 JSON_ERRORS = (ValueError, RecursionError)
 
@@ -98,6 +100,17 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
+def nesting(value: object) -> int:
+    """How deep containers nest in a value (a scalar 0, `[]` 1, `{"a": [1]}` 2), keys given twice counted."""
+    depth, level = 0, [value]
+    while True:
+        level = [v for v in level if isinstance(v, dict | list | tuple)]
+        if not level:
+            return depth
+        depth += 1
+        level = [x for v in level for x in ((x for _, x in v.items()) if isinstance(v, dict) else v)]
+
+
 def first(obj: dict, keys: tuple[str, ...]) -> object:
     """The value of obj's first key among `keys`, in the order written (None if none)."""
     return next((v for k, v in obj.items() if k in keys), None)
@@ -106,7 +119,7 @@ def first(obj: dict, keys: tuple[str, ...]) -> object:
 def _call(obj: object, args_keys: tuple[str, ...], names: frozenset[str]) -> ParsedCall | None:
     # (a name or arguments given twice, or arguments under both keys: the first written is taken, as a stream, which
     # sends a call before it could read a later one, takes it)
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or nesting(obj) > MAX_DEPTH + 1:  # (each value read as a stream reads it)
         return None
     name = first(obj, ("name",))
     if not isinstance(name, str) or name not in names:
