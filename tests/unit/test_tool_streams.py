@@ -615,3 +615,19 @@ def test_values_nested_past_the_streams_depth_read_alike_streamed_or_whole(choic
     assert (whole["content"] is None) == (depth < (513 if "id" in frame else 512))  # (the arguments' object is one)
     _, streamed, streamed_reason = read(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1), stream=True)
     assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize(("choice", "parser", "reply"), [
+    (None, "llama3_json", '{"name": "get_time", "parameters": {}, "id": NaN}; {"name": "get_time", "parameters": {}}'),
+    (None, "hermes", '<tool_call>{"name": "get_time", "arguments": {}, "id": [1e400]}</tool_call>'),
+    (None, "hermes", '<tool_call>{"id": {"a": -Infinity}, "name": "get_time", "arguments": {}}</tool_call>'),
+    ("required", None, '[{"name": "get_time", "parameters": {}, "id": 2e308}]'),
+])
+def test_a_value_json_cannot_hold_outside_the_arguments_reads_alike_streamed_or_whole(choice, parser, reply):
+    """json.loads takes NaN, Infinity and 1e400 (inf), so a whole reply took a call with one under a key it skips;
+    a stream refuses them where it reads them, so the call broke off there (or was text)."""
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    assert whole["content"] is not None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -61,14 +62,27 @@ class JsonObject(dict):
         return self.pairs
 
 
-def loads(text: str) -> object:
-    """JSON as models write it: a raw tab in a string is taken (strict JSON forbids it); objects are JsonObjects."""
-    return json.loads(text, strict=False, object_pairs_hook=JsonObject)
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a float's range")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text} is no JSON")
 
 
 def json_decoder() -> json.JSONDecoder:
-    """loads' decoder, for raw_decode."""
-    return json.JSONDecoder(strict=False, object_pairs_hook=JsonObject)
+    """JSON as models write it, as a stream reads it: a raw tab in a string is taken (strict JSON forbids it);
+    objects are JsonObjects; NaN, Infinity and a number past a float's range are refused anywhere (json.loads takes
+    them, but they have no JSON form, and a stream refuses them where it reads them)."""
+    return json.JSONDecoder(strict=False, object_pairs_hook=JsonObject, parse_float=_finite,
+                            parse_constant=_no_constant)
+
+
+def loads(text: str) -> object:
+    return json_decoder().decode(text)
 
 
 def arguments_text(args: object) -> str | None:
