@@ -631,3 +631,20 @@ def test_a_value_json_cannot_hold_outside_the_arguments_reads_alike_streamed_or_
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", [
+    "[get_weather(a=1, # then the city\n)]",  # (a comment after the trailing comma)
+    "[get_weather(a=1,\\\n)]",  # (a line continuation)
+    "[get_time(\\\n)]",
+    "[get_time(# none\n), get_weather(a=1,  # c\n  )]",
+])
+def test_pythonic_comments_or_line_continuations_alone_are_no_argument_streamed_or_whole(reply):
+    """What stands between a call's last comma (or its parenthesis) and its ")" may be only a comment or a line
+    continuation, which ast skips; the stream parsed it as an argument and failed, breaking the call off there (or
+    sending the reply as text)."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

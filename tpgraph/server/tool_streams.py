@@ -436,12 +436,15 @@ class PythonicStream(CallStream):
     def _argument(self, last: bool) -> bool:
         """The keyword argument just ended (at "," or, last, at ")"): sent; False where it is none."""
         text = "".join(self.arg).strip()
-        if text:
-            try:  # (parsed, never run)
-                call = parse_expression(f"f({text}\n)")
+        try:  # (parsed, never run)
+            call = parse_expression(f"f({text}\n)") if text else None
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return False
+        if call is not None and (call.args or call.keywords):  # (comments and line continuations alone are none)
+            try:
                 (keyword,) = call.keywords
                 entry = arguments_text({keyword.arg: ast.literal_eval(keyword.value)})
-            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError, ArithmeticError):
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, ArithmeticError):
                 return False
             if call.args or keyword.arg is None or keyword.arg in self.keys or entry is None:
                 return False
