@@ -648,3 +648,19 @@ def test_pythonic_comments_or_line_continuations_alone_are_no_argument_streamed_
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", [
+    "[météo(ville='Oslo')]",
+    "[me\u0301te\u0301o()]",  # (decomposed: Python reads identifiers NFKC)
+    "[ｇet_time()]",  # (fullwidth: NFKC "get_time")
+])
+def test_pythonic_names_python_reads_read_alike_streamed_or_whole(reply):
+    """ast reads a call to a tool with a non-ASCII name, and any identifier in its NFKC form; the stream took only
+    ASCII names, so it sent such a reply as text."""
+    meteo = {"type": "function", "function": {"name": "météo"}}
+    p = ToolPlan.of([meteo, TIME], None, None, ToolOptions(parser="pythonic"))
+    _, whole, reason = read(p, reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    _, streamed, streamed_reason = read(p, reply, [1] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

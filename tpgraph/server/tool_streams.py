@@ -20,6 +20,7 @@ Each character is looked at once, whatever was held before it: long runs of whit
 from __future__ import annotations
 
 import ast
+import unicodedata
 
 from tpgraph.server.json_stream import WHITESPACE, CallReader
 from tpgraph.server.tool_parsers import PythonicParser, arguments_text, parse_expression, tag_begun
@@ -352,7 +353,8 @@ class PythonicStream(CallStream):
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         super().__init__(names, one_call)
         self.head = ""  # (lead) the reply's beginning past whitespace, while it may be the tag
-        self.name = ""  # the call's name being read
+        self.name = ""  # the call's name being read (as written; once read, as Python reads it, NFKC)
+        self.decomposed = tuple(unicodedata.normalize("NFKD", n) for n in names)  # (what a name read may begin)
         self.name_done = False  # whitespace came after the name: only "(" may follow
         self.arg: list[str] = []  # the keyword argument being read
         self.keys: set[str] = set()  # the call's keywords so far
@@ -389,11 +391,12 @@ class PythonicStream(CallStream):
             if ch in PY_SPACE:
                 self.name_done = True
                 return
-            if ch == "(" and self.name.isidentifier() and self.name in self.names:
+            name = unicodedata.normalize("NFKC", self.name)  # (as Python reads an identifier: "ｇet" is "get")
+            if ch == "(" and self.name.isidentifier() and name in self.names:
                 self.state, self.arg, self.keys, self.scan = "args", [], set(), PythonScanner()
-                self.name_done = False
-            elif (ch.isalnum() or ch == "_") and ch.isascii() and not self.name_done and any(
-                    n.startswith(self.name + ch) for n in self.names):
+                self.name, self.name_done = name, False
+            elif ("_" + ch).isidentifier() and not self.name_done and any(
+                    n.startswith(unicodedata.normalize("NFKD", self.name + ch)) for n in self.decomposed):
                 self.name += ch
             elif ch == "]" and state == "next" and not self.name:  # (a trailing comma)
                 self.state, self.held = "closed", []
