@@ -664,3 +664,19 @@ def test_pythonic_names_python_reads_read_alike_streamed_or_whole(reply):
     assert calls_of(whole) and whole["content"] is None
     _, streamed, streamed_reason = read(p, reply, [1] * len(reply), stream=True)
     assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", [
+    "[get_time(),\\\n get_time()]",  # (a backslash and a line's end: a line continuation, whitespace to ast)
+    "[\\\nget_time()]",
+    "[get_time\\\n()]",
+    "[get_time()\\\r\n]",
+])
+def test_pythonic_line_continuations_between_calls_read_alike_streamed_or_whole(reply):
+    """ast reads a line continuation between the list's calls (or after a name) as whitespace; the stream took the
+    backslash for text, so it sent the reply, or what followed the first call, as content."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

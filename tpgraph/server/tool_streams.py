@@ -361,6 +361,7 @@ class PythonicStream(CallStream):
         self.scan = PythonScanner()
         self.end_at = 0  # characters of the closing tag read
         self.comment = False  # inside a "#" comment between calls, to its line's end
+        self.continued = False  # a backslash between calls: a line continuation, if a line's end follows
 
     def finish(self) -> list[Event]:
         if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content
@@ -372,8 +373,15 @@ class PythonicStream(CallStream):
         if self.comment:  # (ast skips it, as whitespace)
             self.comment = ch not in "\n\r"
             return
-        if ch == "#" and state in ("list", "next", "after_call"):
-            self.comment = True
+        if self.continued:  # (ast reads a backslash and a line's end as whitespace)
+            self.continued = False
+            if ch in "\n\r":
+                self.name_done = state != "after_call" and bool(self.name)
+            else:
+                self._give_up("".join(self.held))
+            return
+        if ch in "#\\" and state in ("list", "next", "after_call"):
+            self.comment, self.continued = ch == "#", ch == "\\"
             self.name_done = state != "after_call" and bool(self.name)  # (after a name, only "(" may follow)
             return
         if state == "lead":
