@@ -122,6 +122,20 @@ def test_a_cut_reply_with_logprobs_comes_back_as_text_with_every_tokens_logprob(
     assert folded(chunks) == ("".join(pieces), [], "length")
 
 
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_a_call_cut_off_is_the_same_streamed_or_whole(finish):
+    """max_tokens (or an EOS) cuts a call after a stream sent it: both replies keep it, its arguments as written
+    (not JSON a client may run), with the engine's finish reason, never "tool_calls"."""
+    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": ', '"Os']
+    whole, chunks, _ = chat(pieces, {}, ToolOptions(parser="hermes"), finish=finish)
+    choice = whole["choices"][0]
+    expected = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Os'}}]
+    assert choice["message"]["content"] == "Let me check. " and choice["finish_reason"] == finish
+    assert without_ids(choice["message"]["tool_calls"]) == expected
+    content, calls, streamed_finish = folded(chunks)
+    assert (content, without_ids(calls), streamed_finish) == ("Let me check. ", expected, finish)
+
+
 def test_earlier_calls_that_do_not_parse_are_a_400():
     app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128)
     history = [{"role": "assistant", "tool_calls": [
