@@ -680,3 +680,19 @@ def test_pythonic_line_continuations_between_calls_read_alike_streamed_or_whole(
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+@pytest.mark.parametrize("reply", [
+    "[(get_time())]",  # (ast drops parentheses around an expression)
+    "[get_time(), (get_weather(city='Oslo'))]",
+    "[(get_weather)(city='Oslo')]",
+    "[( # the time\n (get_time) ( ) )]",
+])
+def test_pythonic_calls_in_parentheses_read_alike_streamed_or_whole(reply):
+    """ast reads a call in parentheses (or one whose name is) as the call; the stream took the parenthesis for text,
+    so it sent the reply, or what followed the first call, as content."""
+    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    assert calls_of(whole) and whole["content"] is None
+    for sizes in ([1] * len(reply), [len(reply)]):
+        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)

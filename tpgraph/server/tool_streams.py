@@ -362,6 +362,7 @@ class PythonicStream(CallStream):
         self.end_at = 0  # characters of the closing tag read
         self.comment = False  # inside a "#" comment between calls, to its line's end
         self.continued = False  # a backslash between calls: a line continuation, if a line's end follows
+        self.parens = [0, 0]  # parentheses around the call being read (ast drops them): opened, closed
 
     def finish(self) -> list[Event]:
         if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content
@@ -399,6 +400,10 @@ class PythonicStream(CallStream):
             if ch in PY_SPACE:
                 self.name_done = True
                 return
+            if ch == "(" and not self.name or ch == ")" and self.name and self.parens[1] < self.parens[0]:
+                self.parens["()".index(ch)] += 1  # (around the call, or its name: "(get_time)()")
+                self.name_done = bool(self.name)
+                return
             name = unicodedata.normalize("NFKC", self.name)  # (as Python reads an identifier: "ｇet" is "get")
             if ch == "(" and self.name.isidentifier() and name in self.names:
                 self.state, self.arg, self.keys, self.scan = "args", [], set(), PythonScanner()
@@ -406,7 +411,7 @@ class PythonicStream(CallStream):
             elif ("_" + ch).isidentifier() and not self.name_done and any(
                     n.startswith(unicodedata.normalize("NFKD", self.name + ch)) for n in self.decomposed):
                 self.name += ch
-            elif ch == "]" and state == "next" and not self.name:  # (a trailing comma)
+            elif ch == "]" and state == "next" and not self.name and not self.parens[0]:  # (a trailing comma)
                 self.state, self.held = "closed", []
             else:  # (an empty list, a name not offered, or no call)
                 self._give_up("".join(self.held))
@@ -422,8 +427,12 @@ class PythonicStream(CallStream):
             if not self._argument(last=ch == ")"):
                 self._fail(ch)
         elif state == "after_call":
-            if ch == ",":
-                self.state, self.name = "next", ""
+            if ch == ")" and self.parens[1] < self.parens[0]:
+                self.parens[1] += 1
+            elif ch in ",]" and self.parens[1] < self.parens[0]:  # (a tuple, or a bracket not closed: no call)
+                self._give_up("".join(self.held))
+            elif ch == ",":
+                self.state, self.name, self.parens = "next", "", [0, 0]
             elif ch == "]":
                 self.state, self.held = "closed", []
             elif ch not in PY_SPACE:
