@@ -43,8 +43,8 @@ class ToolParser:
 
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-MAX_DEPTH = 512  # (a call's values nested deeper are refused, streamed or whole: Python's json.loads, a client's too,
-# stops near 1000)
+# a call's values nested deeper are refused, streamed or whole (Python's json.loads, a client's too, stops near 1000)
+MAX_DEPTH = 512
 # what json raises on text it will not take: bad JSON, an integer past Python's 4300 digits, nesting past the stack
 JSON_ERRORS = (ValueError, RecursionError)
 
@@ -82,6 +82,7 @@ def json_decoder() -> json.JSONDecoder:
 
 
 def loads(text: str) -> object:
+    """JSON text read whole by json_decoder()."""
     return json_decoder().decode(text)
 
 
