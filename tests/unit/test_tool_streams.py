@@ -696,3 +696,64 @@ def test_pythonic_calls_in_parentheses_read_alike_streamed_or_whole(reply):
     for sizes in ([1] * len(reply), [len(reply)]):
         _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
         assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+
+
+# a differential check: random replies in each format, whole against streamed in random pieces, whole and cut
+
+JSON_VALUES = ["1e5", "1E+05", "-0", "-0.0", "1.0", "1.50", "123456789012345678901234567890", "2e308", "NaN", "tru",
+               '"\\ud83d\\ude00"', '"\\uD83D"', '"\\ude00\\ud83d"', '"\\u00e9\\/\\b\\n"', '"raw\ttab"', '"é😀"', '""',
+               '"</tool_call>"', '"}]\\""', "true", "null", "[]", "{}"]
+PY_VALUES = ["1e5", "-0.0", "1_000", "0x10", "'\\x41'", '"\\u00e9"', "'\\ud83d'", "'''a\"b'''", "r'\\d'", "b'x'",
+             "None", "True", "{'a': (1, [2])}", "{1}", "1+2j", "'#),]'", "[1, # c\n 2]", "(\n'a'\n 'b')"]
+
+
+def random_json(rng: random.Random, depth: int = 0) -> str:
+    kind = rng.random()
+    space = rng.choice(["", " ", "\n  ", "\t"])
+    if kind < 0.6 or depth > 2:
+        return rng.choice(JSON_VALUES)
+    if kind < 0.8:
+        return "[" + space + ("," + space).join(random_json(rng, depth + 1) for _ in range(rng.randrange(3))) + "]"
+    keys = [rng.choice(['"a"', '"b"', '"\\u0061"', '""', '"é"']) for _ in range(rng.randrange(4))]
+    return "{" + ("," + space).join(f"{k}{space}:{space}{random_json(rng, depth + 1)}" for k in keys) + space + "}"
+
+
+def random_call(rng: random.Random, parser: str | None) -> str:
+    name = rng.choice(["get_weather", "get_time"] + ["nope"] * (rng.random() < 0.1))
+    if parser == "pythonic":
+        args = ", ".join(f"{rng.choice(['a', 'b', 'city'])}={rng.choice(PY_VALUES)}" for _ in range(rng.randrange(3)))
+        call = f"{name}({args}{rng.choice(['', ','])})"
+        return f"({call})" if rng.random() < 0.1 else call
+    key = rng.choice(["parameters"] if parser is None else ["parameters", "arguments"])
+    pairs = [f'"name": "{name}"', f'"{key}": {random_json(rng, 1) if rng.random() < 0.2 else "{"}'
+             + ", ".join(f'"k{i}": {random_json(rng, 1)}' for i in range(rng.randrange(3))) + "}"]
+    return "{" + ", ".join(pairs[::rng.choice([1, -1])]) + "}"
+
+
+def random_reply(rng: random.Random, parser: str | None) -> str:
+    calls = [random_call(rng, parser) for _ in range(rng.choice([1, 1, 2, 3]))]
+    text = rng.choice(["", "", " ", "Sure. ", "\n"])
+    if parser == "hermes":
+        return text + "".join(f"<tool_call>{rng.choice(['', chr(10)])}{c}</tool_call>{rng.choice(['', chr(10), ' x'])}"
+                              for c in calls)
+    if parser == "llama3_json":
+        return text.strip() + rng.choice(["", "<|python_tag|>"]) + rng.choice(["; ", ";"]).join(calls) \
+            + rng.choice(["", ";", " then"])
+    return text.strip() + "[" + rng.choice([", ", ",\\\n", " # c\n,"]).join(calls) + rng.choice(["", ","]) + "]" \
+        + rng.choice(["", "\n", " more"])
+
+
+@pytest.mark.parametrize(("choice", "parser"), [("required", None), (None, "llama3_json"), (None, "hermes"),
+                                                 (None, "pythonic")])
+def test_random_replies_read_alike_streamed_or_whole(choice, parser):
+    rng = random.Random(7)
+    for _ in range(120):
+        reply = random_reply(rng, parser)
+        cut = reply[:rng.randrange(1, len(reply) + 1)]
+        for text, finish in ((reply, "stop"), (cut, rng.choice(["stop", "length"]))):
+            parallel = rng.choice([None, False])
+            _, whole, reason = read(plan(choice, parser, parallel), text, [len(text)], stream=False, finish=finish)
+            sizes = [rng.randrange(1, 6) for _ in text]
+            _, streamed, streamed_reason = read(plan(choice, parser, parallel), text, sizes, stream=True, finish=finish)
+            assert (streamed["content"], calls_of(streamed), streamed_reason) == \
+                (whole["content"], calls_of(whole), reason), (text, finish)
