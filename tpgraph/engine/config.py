@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,10 @@ class EngineConfig:
         if self.tokenizer is not None:
             check_tokenizer_dir(self.tokenizer)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2 ** 63) <= self.seed < 2 ** 64:
-            raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}")
+            none = (" (vLLM's None, no fixed seed, is not taken: every rank draws alike from this one, and it makes "
+                    "the built-in model's weights; a request's own is SamplingParams(seed=...))")
+            raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}"
+                              + (none if self.seed is None else ""))
         if self.dtype not in (None, "auto"):
             parse_dtype(self.dtype)  # (an unknown name is said here, before any rank starts)
         if self.load_format not in LOAD_FORMATS:
@@ -108,3 +111,72 @@ def check_tokenizer_dir(tokenizer: object) -> None:
     if not (Path(tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"tokenizer directory {str(tokenizer)!r} has no tokenizer.json; write one with transformers: "
                           f"AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+
+
+_DOWNLOADS = "model is a local checkpoint directory here (nothing is downloaded): leave it out"
+_GRAPHS = ("graphs=GraphConfig(...) sets the CUDA graphs (ladder: the decode batch sizes captured); "
+           "enforce_eager=True runs none")
+# vLLM's LLM(...) keywords with no setting here, and what to do instead: TPEngine refuses them by name (a keyword
+# taken and then ignored would run another engine than the script's author meant)
+VLLM_KEYWORDS_NOT_TAKEN = {
+    "quantization": "weights run as bfloat16, float16 or float32 (dtype=...): give an unquantized checkpoint",
+    "pipeline_parallel_size": "tpgraph shards by tensor parallelism alone (tensor_parallel_size, or tp_size)",
+    "data_parallel_size": "tpgraph shards by tensor parallelism alone (tensor_parallel_size, or tp_size)",
+    "distributed_executor_backend": "TPEngine(tensor_parallel_size=N) starts its own ranks in a plain process, and "
+                                    "under torchrun every rank builds one: leave it out",
+    "cpu_offload_gb": "the weights stay on the device: leave it out",
+    "revision": _DOWNLOADS,
+    "tokenizer_revision": _DOWNLOADS,
+    "download_dir": _DOWNLOADS,
+    "hf_token": _DOWNLOADS,
+    "max_seq_len_to_capture": _GRAPHS,
+    "cuda_graph_sizes": _GRAPHS,
+    "compilation_config": _GRAPHS,
+}
+# vLLM's keywords taken at the values that mean what tpgraph does anyway, as the server's flags take them
+# (engine/cli.py): no checkpoint code runs, so trusting it changes nothing; preemption recomputes, as vLLM's V1 engine
+# does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype
+VLLM_KEYWORDS_TAKEN = {
+    "trust_remote_code": (lambda v: isinstance(v, bool), "True or False (no checkpoint code runs here)"),
+    "swap_space": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0,
+                   "GiB >= 0 (unused: a preempted sequence is recomputed)"),
+    "disable_log_stats": (lambda v: isinstance(v, bool), "True or False (no statistics are logged periodically)"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (tokenizer.json, the fast tokenizer)"),
+    "kv_cache_dtype": (lambda v: v == "auto", "'auto' alone (the KV cache holds the model's dtype; no fp8 cache)"),
+}
+
+
+def vllm_keywords(tp_size: int, kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """TPEngine's tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
+    tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, and enforce_eager is the graphs'
+    GraphConfig.enforce_eager. Both names given, differing, is refused; so is a vLLM keyword with no setting here
+    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do)."""
+    kwargs = dict(kwargs)
+    for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
+        if name in kwargs:
+            raise ConfigError(f"{name} (vLLM's) is not taken: {hint}")
+    for name, (takes, meaning) in VLLM_KEYWORDS_TAKEN.items():
+        if name in kwargs and not takes(value := kwargs.pop(name)):
+            raise ConfigError(f"{name}={value!r} (vLLM's) is not taken: {name} takes {meaning}")
+    if "tensor_parallel_size" in kwargs:
+        size = kwargs.pop("tensor_parallel_size")
+        if tp_size != 1 and size != tp_size:  # (tp_size=1 is also its default, so it cannot be told apart)
+            raise ConfigError(f"tp_size={tp_size!r} and tensor_parallel_size={size!r} differ: give one of them")
+        tp_size = size
+    if "num_gpu_blocks_override" in kwargs:
+        blocks = kwargs.pop("num_gpu_blocks_override")
+        if kwargs.get("num_kv_blocks", blocks) != blocks:
+            raise ConfigError(f"num_kv_blocks={kwargs['num_kv_blocks']!r} and num_gpu_blocks_override={blocks!r} "
+                              f"differ: give one of them")
+        kwargs["num_kv_blocks"] = blocks
+    if "enforce_eager" in kwargs:
+        eager = kwargs.pop("enforce_eager")
+        if not isinstance(eager, bool):
+            raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
+        graphs = kwargs.get("graphs", GraphConfig())
+        if isinstance(graphs, GraphConfig):  # (anything else is refused by EngineConfig)
+            if "graphs" in kwargs and graphs.enforce_eager != eager:
+                raise ConfigError(f"enforce_eager={eager} and graphs' enforce_eager={graphs.enforce_eager} differ: "
+                                  f"give one of them")
+            kwargs["graphs"] = replace(graphs, enforce_eager=eager)
+    return tp_size, kwargs

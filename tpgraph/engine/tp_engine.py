@@ -33,7 +33,7 @@ from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, token
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
-from tpgraph.engine.config import EngineConfig
+from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
 from tpgraph.engine.liveness import PeerWatch
@@ -131,8 +131,10 @@ def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: lis
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, follower: bool = False, **kwargs: Any) -> None:
-        """`kwargs` are EngineConfig fields. `dist_init` = (rank, world_size, init_method) for launchers other than
+        """`kwargs` are EngineConfig fields, or vLLM's LLM(...) names for them (tensor_parallel_size, enforce_eager,
+        num_gpu_blocks_override: vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py)."""
+        tp_size, kwargs = vllm_keywords(tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         if cfg.chat_template is not None:  # (a bad one is said now, not after the weights load on every rank)
             ChatTemplate.from_option(cfg.chat_template)

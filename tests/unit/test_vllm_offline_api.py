@@ -1,0 +1,66 @@
+"""A vLLM user's offline script, ported with its import line changed (`from tpgraph import TPEngine as LLM,
+SamplingParams`): vLLM's LLM keywords, methods and output fields on TPEngine, on CPU with the built-in model. Where
+tpgraph differs on purpose, the refusal says what to use instead."""
+
+import pytest
+
+from tpgraph import ConfigError, SamplingParams, TPEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def engine(**kw):
+    base = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
+    return TPEngine(**{**base, **kw})
+
+
+def test_vllms_engine_keywords_are_read_as_tpgraphs():
+    """LLM(model, tensor_parallel_size=..., enforce_eager=..., num_gpu_blocks_override=...) were TypeErrors here
+    (EngineConfig has no such fields): they are tp_size, GraphConfig.enforce_eager and num_kv_blocks."""
+    with TPEngine(device="cpu", max_num_seqs=4, max_model_len=64, block_size=4, tensor_parallel_size=1,
+                  enforce_eager=True, num_gpu_blocks_override=32) as e:
+        assert e.config.tp_size == 1 and e.config.graphs.enforce_eager and e.config.num_kv_blocks == 32
+        assert (e.runner.modes.decode, e.runner.modes.prefill, e.runner.modes.downgrades) == ("none", "none", ())
+        assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_tensor_parallel_size_is_the_tp_size_checked_before_any_rank_starts(monkeypatch):
+    from tpgraph.engine import followers
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(followers, "start_followers", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(8\) is not divisible by the tensor-parallel size"):
+        TPEngine(tensor_parallel_size=3, device="cpu")
+    with pytest.raises(ConfigError, match=r"tp_size=2 and tensor_parallel_size=4 differ"):
+        TPEngine(tp_size=2, tensor_parallel_size=4, device="cpu")
+
+
+@pytest.mark.parametrize("name, value, hint", [
+    ("quantization", "fp8", "give an unquantized checkpoint"),
+    ("pipeline_parallel_size", 2, "tensor parallelism alone"),
+    ("revision", "main", "nothing is downloaded"),
+])
+def test_a_vllm_keyword_with_no_setting_here_is_refused_saying_what_to_do(name, value, hint):
+    """Such a keyword was a bare TypeError ("unexpected keyword argument"); taking it and changing nothing would run
+    another engine than the script meant."""
+    with pytest.raises(ConfigError, match=rf"{name} \(vLLM's\) is not taken: .*{hint}"):
+        TPEngine(device="cpu", **{name: value})
+
+
+def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone():
+    """As the server's flags take them: trust_remote_code (no checkpoint code runs), swap_space (preemption
+    recomputes), disable_log_stats (nothing is logged periodically), kv_cache_dtype "auto" and tokenizer_mode
+    "auto"/"hf"; a value that would mean something else is refused by name."""
+    with engine(trust_remote_code=True, swap_space=4, disable_log_stats=True, kv_cache_dtype="auto",
+                tokenizer_mode="hf") as e:
+        assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    for name, value, meaning in [("kv_cache_dtype", "fp8", "'auto' alone"),
+                                 ("tokenizer_mode", "mistral", "'auto' or 'hf'"),
+                                 ("trust_remote_code", "yes", "True or False"), ("swap_space", -1, "GiB >= 0")]:
+        with pytest.raises(ConfigError, match=rf"{name}={value!r} \(vLLM's\) is not taken: {name} takes {meaning}"):
+            TPEngine(device="cpu", **{name: value})
+
+
+def test_vllms_seed_none_is_refused_saying_why():
+    with pytest.raises(ConfigError, match=r"got None \(vLLM's None, no fixed seed, is not taken: every rank draws"):
+        TPEngine(device="cpu", seed=None)
