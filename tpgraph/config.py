@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,10 @@ class ModelConfig:
     def from_dir(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
-            raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+            hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_dir)) is not None  # (a Hugging Face id: org/name)
+            hint = (f" (a Hugging Face hub id? tpgraph loads a local checkpoint and downloads nothing: `hf download "
+                    f"{model_dir} --local-dir DIR`, then give DIR)") if hub else ""
+            raise CheckpointError(f"model directory {str(model_dir)!r} does not exist{hint}")
         if not path.is_file():
             raise CheckpointError(f"no config.json in {str(model_dir)!r}: is this a Hugging Face checkpoint?")
         try:

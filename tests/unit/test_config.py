@@ -114,7 +114,7 @@ def test_missing_field():
 
 
 def test_from_dir_errors(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="does not exist$"):
         ModelConfig.from_dir(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="no config.json"):
         ModelConfig.from_dir(tmp_path)
@@ -123,6 +123,15 @@ def test_from_dir_errors(tmp_path):
         ModelConfig.from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     assert ModelConfig.from_dir(tmp_path).vocab_size == 32000
+
+
+def test_a_hugging_face_id_for_a_model_says_nothing_is_downloaded():
+    """vLLM's LLM(model="meta-llama/Llama-3.2-1B-Instruct") downloads the checkpoint; here it said only that no such
+    directory exists."""
+    with pytest.raises(CheckpointError, match=r"'meta-llama/Llama-3.2-1B-Instruct' does not exist \(a Hugging Face "
+                                              r"hub id\? tpgraph loads a local checkpoint and downloads nothing: `hf "
+                                              r"download meta-llama/Llama-3.2-1B-Instruct --local-dir DIR`"):
+        ModelConfig.from_dir("meta-llama/Llama-3.2-1B-Instruct")
 
 
 def test_builtin_model_splits_over_common_tp_sizes():
