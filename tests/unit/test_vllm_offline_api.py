@@ -64,3 +64,13 @@ def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone(
 def test_vllms_seed_none_is_refused_saying_why():
     with pytest.raises(ConfigError, match=r"got None \(vLLM's None, no fixed seed, is not taken: every rank draws"):
         TPEngine(device="cpu", seed=None)
+
+
+def test_outputs_say_they_are_finished_as_vllms_do():
+    """vLLM's RequestOutput.finished and CompletionOutput.finished(), which scripts check before reading a result:
+    AttributeErrors here."""
+    with engine() as e:
+        (out,) = e.generate("Hi", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4))
+    assert out.finished is True and [c.finished() for c in out.outputs] == [True, True]
+    out.outputs[1].finish_reason = None  # (a sample still running, as vLLM's streamed outputs have)
+    assert out.finished is False and [c.finished() for c in out.outputs] == [True, False]

@@ -63,6 +63,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # their sum (vLLM's: None unless logprobs are asked)
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
+    def finished(self) -> bool:
+        """vLLM's CompletionOutput.finished(): the sample has ended (it has a finish_reason)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class GenerationOutput:
@@ -78,6 +82,11 @@ class GenerationOutput:
     # each prompt token's rank, the ids at least as likely (1: the most likely, as vLLM counts; None for the first)
     prompt_ranks: list[int | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (its first sample's, as vLLM's)
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's RequestOutput.finished: every sample has ended (always so in what generate and chat return)."""
+        return all(c.finished() for c in self.outputs)
 
 
 @contextlib.contextmanager
