@@ -20,6 +20,9 @@ from tpgraph.tokenizer import unicode_to_byte
 Prompt = str | list[int] | list[dict[str, str]]
 _BYTE_OF = unicode_to_byte()  # (byte-level BPE vocabularies spell each byte as one of these characters)
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # (SentencePiece's byte-fallback tokens)
+# transformers' apply_chat_template options EngineTokenizer does not take (else they would reach the template unused)
+NOT_TEMPLATE_VARIABLES = frozenset({"chat_template", "documents", "padding", "truncation", "max_length",
+                                    "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 @dataclass
@@ -118,6 +121,87 @@ class PromptCodec:
             if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:
                 return [int(m.group(1), 16)]
         return list(self.token_text(token_id).encode())
+
+
+class EngineTokenizer:
+    """What TPEngine.get_tokenizer() returns (vLLM's LLM.get_tokenizer() gives a transformers tokenizer): the engine's
+    tokenizer, chat template and special tokens behind the names of transformers' tokenizer methods and attributes
+    that scripts call on it, with their defaults (encode adds the special tokens, decode and apply_chat_template's
+    add_generation_prompt leave them out). `backend_tokenizer` is the `tokenizers.Tokenizer` itself."""
+
+    def __init__(self, codec: PromptCodec) -> None:
+        self.codec = codec
+        self.backend_tokenizer: Tokenizer = codec.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.codec.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, return_dict: bool = False, **kwargs: Any) -> Any:
+        """The conversation through the engine's chat template (as TPEngine.chat renders it): the text, or with
+        tokenize its token ids (the template writes the special tokens; transformers 4's list, or with return_dict
+        5's {"input_ids", "attention_mask"}). Other keywords are template variables, as in transformers, but for its
+        own options that are not taken here (NOT_TEMPLATE_VARIABLES), refused rather than handed to the template."""
+        refused = sorted(NOT_TEMPLATE_VARIABLES & set(kwargs))
+        if refused:
+            raise RequestError(f"apply_chat_template here takes no {', '.join(refused)} (transformers' options): "
+                               f"tokenize=False gives the text to tokenize or pad as you need")
+        text = self.codec.render_chat(list(conversation), add_generation_prompt, tools, kwargs, continue_final_message)
+        if not tokenize:
+            return text
+        ids = self.codec.encode_chat(text)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.backend_tokenizer.token_to_id(tokens)
+        return [self.backend_tokenizer.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:  # (the whole vocabulary, added tokens too, as transformers counts it)
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:  # (without the added tokens, as transformers counts it)
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The tokenizer config's eos_token (as transformers reads it); without one, the first id that ends a
+        generation's (the model's config and generation_config.json)."""
+        eos = self.codec.special_tokens.get("eos_token")
+        return eos if eos is not None or not self.codec.eos_ids else self.backend_tokenizer.id_to_token(
+            self.codec.eos_ids[0])
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend_tokenizer.token_to_id(self.eos_token)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.codec.special_tokens.get("bos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend_tokenizer.token_to_id(self.bos_token)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.codec.chat_template.source if self.codec.chat_template is not None else None
 
 
 def is_one_prompt(prompts: object) -> bool:

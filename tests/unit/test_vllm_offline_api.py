@@ -4,7 +4,7 @@ tpgraph differs on purpose, the refusal says what to use instead."""
 
 import pytest
 
-from tpgraph import ConfigError, SamplingParams, TPEngine
+from tpgraph import ConfigError, RequestError, SamplingParams, TPEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -74,3 +74,35 @@ def test_outputs_say_they_are_finished_as_vllms_do():
     assert out.finished is True and [c.finished() for c in out.outputs] == [True, True]
     out.outputs[1].finish_reason = None  # (a sample still running, as vLLM's streamed outputs have)
     assert out.finished is False and [c.finished() for c in out.outputs] == [True, False]
+
+
+def test_get_tokenizer_answers_as_the_checkpoints_transformers_tokenizer_does(tmp_path):
+    """vLLM's LLM.get_tokenizer() (the checkpoint's transformers tokenizer: scripts render prompts with its
+    apply_chat_template and read its eos_token_id) was an AttributeError here. The view answers as AutoTokenizer does
+    for the same checkpoint (transformers 4's list for a tokenized chat, 5's dict with return_dict)."""
+    transformers = pytest.importorskip("transformers")
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
+                  num_kv_blocks=40) as e:
+        tok = e.get_tokenizer()
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) \
+            == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) \
+            == e.chat(chat, GREEDY)[0].prompt
+        assert tok.apply_chat_template(chat) == hf.apply_chat_template(chat, return_dict=False)
+        assert tok.apply_chat_template(chat, return_dict=True) == dict(hf.apply_chat_template(chat, return_dict=True))
+        assert tok.encode("héllo") == hf.encode("héllo") == e.generate("héllo", GREEDY)[0].prompt_token_ids
+        assert tok.encode("hi", add_special_tokens=False) == hf.encode("hi", add_special_tokens=False)
+        ids = tok.encode("a b") + [tok.eos_token_id]
+        assert tok.decode(ids) == hf.decode(ids) and tok.batch_decode([ids], True) == hf.batch_decode([ids], True)
+        assert (tok.eos_token_id, tok.bos_token_id, tok.eos_token, tok.bos_token, len(tok), tok.vocab_size) \
+            == (hf.eos_token_id, hf.bos_token_id, hf.eos_token, hf.bos_token, len(hf), hf.vocab_size)
+        assert tok.convert_tokens_to_ids([hf.bos_token, "a"]) == hf.convert_tokens_to_ids([hf.bos_token, "a"])
+        assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids) and tok.get_vocab() == hf.get_vocab()
+        assert tok.chat_template == hf.chat_template and tok.backend_tokenizer is e.tokenizer
+        with pytest.raises(RequestError, match="apply_chat_template here takes no max_length, padding"):
+            tok.apply_chat_template(chat, padding=True, max_length=8)
+

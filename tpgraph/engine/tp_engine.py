@@ -44,7 +44,7 @@ from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.prompts import Prompt, PromptCodec, is_one_prompt
+from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt
 from tpgraph.tokenizer import BOS, EOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -238,6 +238,11 @@ class TPEngine:
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
         return self.prompts.default_params(**overrides)
+
+    def get_tokenizer(self) -> EngineTokenizer:
+        """vLLM's LLM.get_tokenizer: the engine's tokenizer and chat template, with transformers' method names
+        (encode, decode, apply_chat_template, eos_token_id...: EngineTokenizer)."""
+        return EngineTokenizer(self.prompts)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
