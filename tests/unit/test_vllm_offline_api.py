@@ -106,3 +106,13 @@ def test_get_tokenizer_answers_as_the_checkpoints_transformers_tokenizer_does(tm
         with pytest.raises(RequestError, match="apply_chat_template here takes no max_length, padding"):
             tok.apply_chat_template(chat, padding=True, max_length=8)
 
+
+def test_get_default_sampling_params_is_default_params(tmp_path):
+    """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
+    none): an AttributeError here, where the method is default_params()."""
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")  # (its generation_config.json: temperature 0.6, top_p 0.9)
+    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
+                  num_kv_blocks=40) as e:
+        assert e.get_default_sampling_params() == e.default_params() == SamplingParams(temperature=0.6, top_p=0.9)

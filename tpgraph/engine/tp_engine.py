@@ -239,6 +239,10 @@ class TPEngine:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
         return self.prompts.default_params(**overrides)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's LLM.get_default_sampling_params: default_params() (what generate and chat use where given none)."""
+        return self.default_params()
+
     def get_tokenizer(self) -> EngineTokenizer:
         """vLLM's LLM.get_tokenizer: the engine's tokenizer and chat template, with transformers' method names
         (encode, decode, apply_chat_template, eos_token_id...: EngineTokenizer)."""
