@@ -116,3 +116,19 @@ def test_get_default_sampling_params_is_default_params(tmp_path):
     with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
                   num_kv_blocks=40) as e:
         assert e.get_default_sampling_params() == e.default_params() == SamplingParams(temperature=0.6, top_p=0.9)
+
+
+def test_setting_a_field_of_sampling_params_says_how_to_make_one_that_differs():
+    """vLLM's generate example sets fields on the defaults (sampling_params.max_tokens = 8). These are frozen once
+    checked: the refusal was dataclasses' "cannot assign to field 'max_tokens'", naming no way to get one."""
+    import dataclasses
+    import pickle
+
+    params = SamplingParams(temperature=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError,
+                       match=r"make one that differs with dataclasses.replace\(params, max_tokens=8\)"):
+        params.max_tokens = 8
+    assert params.max_tokens == 16
+    changed = dataclasses.replace(params, max_tokens=8)
+    assert (changed.temperature, changed.max_tokens) == (0.5, 8)
+    assert pickle.loads(pickle.dumps(changed)) == changed  # (rank 0 sends them to the ranks it started)

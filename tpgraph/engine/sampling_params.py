@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 
 from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
@@ -145,6 +146,18 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _refuse_assignment(self: SamplingParams, name: str, value: object) -> None:
+    """vLLM's SamplingParams may be changed once made (its generate example sets max_tokens on the defaults); these
+    are checked when made and stay as checked (a request holds them while it runs): the refusal says how to make one
+    that differs, not only dataclasses' "cannot assign to field"."""
+    raise FrozenInstanceError(f"SamplingParams are checked when made and cannot change: make one that differs with "
+                              f"dataclasses.replace(params, {name}={reprlib.repr(value)}) (or engine.default_params("
+                              f"{name}=...)) rather than setting params.{name}")
+
+
+SamplingParams.__setattr__ = _refuse_assignment  # (in place of the frozen dataclass's, which says only that)
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
