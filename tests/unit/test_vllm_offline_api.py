@@ -5,6 +5,7 @@ tpgraph differs on purpose, the refusal says what to use instead."""
 import pytest
 
 from tpgraph import ConfigError, RequestError, SamplingParams, TPEngine
+from tpgraph.engine.structured import StructuredOutput, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -132,3 +133,60 @@ def test_setting_a_field_of_sampling_params_says_how_to_make_one_that_differs():
     changed = dataclasses.replace(params, max_tokens=8)
     assert (changed.temperature, changed.max_tokens) == (0.5, 8)
     assert pickle.loads(pickle.dumps(changed)) == changed  # (rank 0 sends them to the ranks it started)
+
+
+def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():
+    """vLLM's structured outputs example: SamplingParams(structured_outputs=StructuredOutputsParams(choice=...)), its
+    older guided_decoding=GuidedDecodingParams(regex=...), a JSON schema from a pydantic model. Each keyword was a
+    TypeError here (the field is `structured`, a StructuredOutput), and the Params names did not exist."""
+    pytest.importorskip("xgrammar")
+    import json
+    import re
+    from typing import Literal
+
+    import pydantic
+
+    from tpgraph.engine.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    class Car(pydantic.BaseModel):  # (values the random model cannot run on with past max_tokens)
+        brand: Literal["vw", "bmw"]
+        doors: Literal[2, 4]
+
+    choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"]), max_tokens=12)
+    regex = SamplingParams(guided_decoding=GuidedDecodingParams(regex=r"[a-z]{3}@x\.com"), max_tokens=12)
+    schema = SamplingParams(structured_outputs=StructuredOutputsParams(json=Car), temperature=0.0, max_tokens=40)
+    assert choice.structured == StructuredOutput.choice(["Positive", "Negative"])
+    assert schema.structured == StructuredOutput.json_schema(Car.model_json_schema())
+    with engine() as e:
+        outs = e.generate(["Classify: great!", "Mail:", "A car:"], [choice, regex, schema])
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] in ("Positive", "Negative") and re.fullmatch(r"[a-z]{3}@x\.com", texts[1])
+    assert Car.model_validate(json.loads(texts[2]))
+
+
+@pytest.mark.parametrize("kwargs, refusal", [
+    (dict(structured_outputs=StructuredOutputsParams(regex="a"), guided_decoding=StructuredOutputsParams(regex="b")),
+     "give one of structured_outputs, guided_decoding"),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "give one of json, regex, choice, grammar and "
+                                                               "json_object=True, got regex, choice"),
+    (dict(structured_outputs={"json": {}, "whitespace_pattern": " "}), "whitespace_pattern is not taken"),
+    (dict(guided_decoding={"json": {}, "backend": "outlines"}), "backend='outlines' is not taken"),
+    (dict(structured_outputs="json"), "structured_outputs must be a StructuredOutput"),
+])
+def test_vllms_structured_outputs_options_are_refused_saying_why(kwargs, refusal):
+    with pytest.raises(RequestError, match=refusal):
+        SamplingParams(**kwargs)
+
+
+def test_vllms_names_leave_sampling_params_as_the_field_would():
+    """They are read when made (not fields): equal to `structured` given alike, in repr (the SPMD check's digest),
+    equality, pickling and dataclasses.replace."""
+    import dataclasses
+    import pickle
+
+    spec = StructuredOutput("regex", "[0-9]+")
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"}, n=2)
+    assert params == SamplingParams(structured=spec, n=2) and repr(params) == repr(SamplingParams(structured=spec, n=2))
+    assert pickle.loads(pickle.dumps(params)) == params
+    assert dataclasses.replace(params, n=3).structured == spec and dataclasses.replace(params, structured=None) \
+        == SamplingParams(n=2)

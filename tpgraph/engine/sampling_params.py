@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Iterable, Mapping
-from dataclasses import FrozenInstanceError, dataclass
+from dataclasses import FrozenInstanceError, InitVar, dataclass
 
-from tpgraph.engine.structured import StructuredOutput
+# (vLLM's StructuredOutputsParams and GuidedDecodingParams too, as its scripts import them from vllm.sampling_params)
+from tpgraph.engine.structured import GuidedDecodingParams as GuidedDecodingParams
+from tpgraph.engine.structured import StructuredOutput, structured_outputs_params
+from tpgraph.engine.structured import StructuredOutputsParams as StructuredOutputsParams
 from tpgraph.errors import RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -36,7 +39,9 @@ class SamplingParams:
     prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
     full, never read from the prefix cache. `structured`: what the output must match (structured.py); with
     `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after that text's tokens
-    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures).
+    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures). vLLM's
+    `structured_outputs=StructuredOutputsParams(...)` and `guided_decoding=GuidedDecodingParams(...)` are read as
+    `structured`.
     vLLM's `allowed_token_ids`: the only ids the output may hold (every other logit masked; log-probabilities are the
     model's own). `bad_words`: words the output may not complete (bad_words.py reads them as vLLM does: a word's last
     token is banned where the output ends with the tokens before it). `priority` (vLLM's request priority): under the
@@ -68,8 +73,13 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     priority: int = 0
+    # vLLM's names, read when made into the fields above (not kept: read back, each is None)
+    structured_outputs: InitVar[StructuredOutput | Mapping | None] = None
+    guided_decoding: InitVar[StructuredOutput | Mapping | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, structured_outputs: StructuredOutput | Mapping | None,
+                      guided_decoding: StructuredOutput | Mapping | None) -> None:
+        self._read_vllm_names(structured_outputs, guided_decoding)
         for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):  # (vLLM's default for these: None)
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ())
@@ -136,6 +146,27 @@ class SamplingParams:
         if self.structured_after is not None and (self.structured is None or not isinstance(self.structured_after, str)
                                                   or not self.structured_after):
             raise RequestError("structured_after is the text (non-empty) after which `structured` holds the output")
+
+    def _read_vllm_names(self, structured_outputs: StructuredOutput | Mapping | None,
+                         guided_decoding: StructuredOutput | Mapping | None) -> None:
+        """vLLM's structured_outputs (StructuredOutputsParams(...), here a StructuredOutput; or a mapping of its
+        fields) and guided_decoding (GuidedDecodingParams, its older name) are `structured`."""
+        given = {name: value for name, value in (("structured", self.structured),
+                                                 ("structured_outputs", structured_outputs),
+                                                 ("guided_decoding", guided_decoding)) if value is not None}
+        for name, value in given.items():
+            if isinstance(value, Mapping):
+                try:
+                    value = given[name] = structured_outputs_params(**value)
+                except TypeError as exc:  # (a key that is none of its fields)
+                    raise RequestError(f"{name}: {exc}") from None
+            if not isinstance(value, StructuredOutput):
+                raise RequestError(f"{name} must be a StructuredOutput (StructuredOutputsParams(...) makes one), got "
+                                   f"{type(value).__name__}")
+        if len(set(given.values())) > 1:
+            raise RequestError(f"give one of {', '.join(given)}: each says what the output must match")
+        if given:
+            object.__setattr__(self, "structured", next(iter(given.values())))
 
     @property
     def greedy(self) -> bool:

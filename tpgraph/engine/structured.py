@@ -80,6 +80,43 @@ class StructuredOutput:
         return StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
+def structured_outputs_params(json: dict | str | Any = None, regex: str | None = None, choice: list[str] | None = None,
+                              grammar: str | None = None, json_object: bool | None = None, *,
+                              disable_fallback: bool | None = None, disable_any_whitespace: bool | None = None,
+                              disable_additional_properties: bool | None = None, whitespace_pattern: str | None = None,
+                              structural_tag: str | None = None, backend: str | None = None) -> StructuredOutput:
+    """vLLM's StructuredOutputsParams (and GuidedDecodingParams before it), made as the StructuredOutput it asks for:
+    one of `json` (a JSON schema: a dict, its text, or a pydantic model class), `regex`, `choice`, `grammar` (EBNF)
+    and `json_object=True`. Its options are taken where they ask what happens here: no other backend to fall back to
+    (disable_fallback, backend "xgrammar" or "auto"), JSON without free whitespace (disable_any_whitespace=True); the
+    others (whitespace_pattern, disable_additional_properties=True, structural_tag) are refused."""
+    if hasattr(json, "model_json_schema"):  # (a pydantic model class, as vLLM's examples define one)
+        json = json.model_json_schema()
+    asked = [kind for kind, value in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar),
+                                      ("json_object", json_object or None)) if value is not None]
+    if len(asked) != 1:
+        raise RequestError(f"give one of json, regex, choice, grammar and json_object=True, got "
+                           f"{', '.join(asked) or 'none'}")
+    refused = {"disable_any_whitespace=False": disable_any_whitespace is False,
+               "disable_additional_properties=True": bool(disable_additional_properties),
+               "whitespace_pattern": whitespace_pattern is not None, "structural_tag": structural_tag is not None,
+               f"backend={backend!r}": backend not in (None, "auto", "xgrammar")}
+    if any(refused.values()):
+        raise RequestError(f"structured outputs here are xgrammar's, JSON written without free whitespace, a schema "
+                           f"as given: {', '.join(k for k, v in refused.items() if v)} is not taken")
+    if json is not None:
+        return StructuredOutput.json_schema(json)
+    if choice is not None:
+        return StructuredOutput.choice(choice)
+    if json_object:
+        return StructuredOutput("json_object")
+    return StructuredOutput("regex", regex) if regex is not None else StructuredOutput("grammar", grammar)
+
+
+# vLLM's names, as its scripts import them (vllm.sampling_params; SamplingParams(structured_outputs=...) takes them)
+StructuredOutputsParams = GuidedDecodingParams = structured_outputs_params
+
+
 class GrammarCompiler:
     """xgrammar's compiler for one engine's tokenizer and vocabulary, made on first use (a server that never sees
     a constrained request never imports xgrammar); the last CACHED compiled grammars are kept by their spec (each
