@@ -172,20 +172,22 @@ def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():
     (dict(structured_outputs={"json": {}, "whitespace_pattern": " "}), "whitespace_pattern is not taken"),
     (dict(guided_decoding={"json": {}, "backend": "outlines"}), "backend='outlines' is not taken"),
     (dict(structured_outputs="json"), "structured_outputs must be a StructuredOutput"),
+    (dict(n=2, best_of=4), r"best_of=4 is not taken \(vLLM's V1 engine dropped it too\): ask n=4 samples with "
+                           r"logprobs=0 and keep the 2 with the highest cumulative_logprob"),
 ])
-def test_vllms_structured_outputs_options_are_refused_saying_why(kwargs, refusal):
+def test_vllms_structured_outputs_options_and_best_of_are_refused_saying_why(kwargs, refusal):
     with pytest.raises(RequestError, match=refusal):
         SamplingParams(**kwargs)
 
 
 def test_vllms_names_leave_sampling_params_as_the_field_would():
     """They are read when made (not fields): equal to `structured` given alike, in repr (the SPMD check's digest),
-    equality, pickling and dataclasses.replace."""
+    equality, pickling and dataclasses.replace; best_of equal to n is n's meaning in vLLM."""
     import dataclasses
     import pickle
 
     spec = StructuredOutput("regex", "[0-9]+")
-    params = SamplingParams(structured_outputs={"regex": "[0-9]+"}, n=2)
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"}, n=2, best_of=2)
     assert params == SamplingParams(structured=spec, n=2) and repr(params) == repr(SamplingParams(structured=spec, n=2))
     assert pickle.loads(pickle.dumps(params)) == params
     assert dataclasses.replace(params, n=3).structured == spec and dataclasses.replace(params, structured=None) \

@@ -41,7 +41,7 @@ class SamplingParams:
     `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after that text's tokens
     (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures). vLLM's
     `structured_outputs=StructuredOutputsParams(...)` and `guided_decoding=GuidedDecodingParams(...)` are read as
-    `structured`.
+    `structured`; its `best_of` is taken only equal to n.
     vLLM's `allowed_token_ids`: the only ids the output may hold (every other logit masked; log-probabilities are the
     model's own). `bad_words`: words the output may not complete (bad_words.py reads them as vLLM does: a word's last
     token is banned where the output ends with the tokens before it). `priority` (vLLM's request priority): under the
@@ -76,10 +76,11 @@ class SamplingParams:
     # vLLM's names, read when made into the fields above (not kept: read back, each is None)
     structured_outputs: InitVar[StructuredOutput | Mapping | None] = None
     guided_decoding: InitVar[StructuredOutput | Mapping | None] = None
+    best_of: InitVar[int | None] = None
 
     def __post_init__(self, structured_outputs: StructuredOutput | Mapping | None,
-                      guided_decoding: StructuredOutput | Mapping | None) -> None:
-        self._read_vllm_names(structured_outputs, guided_decoding)
+                      guided_decoding: StructuredOutput | Mapping | None, best_of: int | None) -> None:
+        self._read_vllm_names(structured_outputs, guided_decoding, best_of)
         for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):  # (vLLM's default for these: None)
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ())
@@ -148,9 +149,9 @@ class SamplingParams:
             raise RequestError("structured_after is the text (non-empty) after which `structured` holds the output")
 
     def _read_vllm_names(self, structured_outputs: StructuredOutput | Mapping | None,
-                         guided_decoding: StructuredOutput | Mapping | None) -> None:
+                         guided_decoding: StructuredOutput | Mapping | None, best_of: int | None) -> None:
         """vLLM's structured_outputs (StructuredOutputsParams(...), here a StructuredOutput; or a mapping of its
-        fields) and guided_decoding (GuidedDecodingParams, its older name) are `structured`."""
+        fields) and guided_decoding (GuidedDecodingParams, its older name) are `structured`; best_of may only be n."""
         given = {name: value for name, value in (("structured", self.structured),
                                                  ("structured_outputs", structured_outputs),
                                                  ("guided_decoding", guided_decoding)) if value is not None}
@@ -167,6 +168,9 @@ class SamplingParams:
             raise RequestError(f"give one of {', '.join(given)}: each says what the output must match")
         if given:
             object.__setattr__(self, "structured", next(iter(given.values())))
+        if best_of is not None and best_of != self.n:
+            raise RequestError(f"best_of={best_of!r} is not taken (vLLM's V1 engine dropped it too): ask n={best_of!r} "
+                               f"samples with logprobs=0 and keep the {self.n} with the highest cumulative_logprob")
 
     @property
     def greedy(self) -> bool:
