@@ -72,9 +72,11 @@ class PromptCodec:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
-                    continue_final_message: bool = False) -> str:
-        """Chat messages as text, through the chat template (ChatTemplate.render says what each argument does)."""
-        if self.chat_template is None:
+                    continue_final_message: bool = False, template: ChatTemplate | None = None) -> str:
+        """Chat messages as text, through the chat template, or `template` in its place (ChatTemplate.render says
+        what each argument does)."""
+        template = template or self.chat_template
+        if template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
                                f"tokenizer_config.json's chat_template, or --chat-template); send a plain prompt")
         for i, m in enumerate(messages):  # (a template renders a missing role as nothing: a prompt of garbage)
@@ -82,7 +84,7 @@ class PromptCodec:
                 raise RequestError(f"chat message {i} has no role: messages are {{'role': ..., 'content': ...}}, got "
                                    f"{m!r} (vLLM's {{'prompt': ...}} and {{'prompt_token_ids': ...}} prompts are given "
                                    f"here as the text or the token ids themselves)")
-        return self.chat_template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
+        return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""

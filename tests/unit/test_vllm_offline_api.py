@@ -192,3 +192,16 @@ def test_vllms_names_leave_sampling_params_as_the_field_would():
     assert pickle.loads(pickle.dumps(params)) == params
     assert dataclasses.replace(params, n=3).structured == spec and dataclasses.replace(params, structured=None) \
         == SamplingParams(n=2)
+
+
+def test_chat_takes_a_template_for_the_call_as_vllms_does():
+    """vLLM's chat example passes chat_template=<the template's text> to LLM.chat: a TypeError here."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    chat = [{"role": "user", "content": "hi"}]
+    with engine() as e:
+        (out,) = e.chat(chat, GREEDY, chat_template=template)
+        assert out.prompt == "<|begin_of_text|>[user] hi\n"
+        assert out.prompt_token_ids == e.encode([256, *e.get_tokenizer().encode("[user] hi\n", False)])
+        assert e.chat(chat, GREEDY)[0].prompt != out.prompt  # (the engine's own template is left as it was)
+        with pytest.raises(RequestError, match="chat_template is a Jinja template's text, got int"):
+            e.chat(chat, GREEDY, chat_template=3)

@@ -232,8 +232,9 @@ class TPEngine:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
-                    continue_final_message: bool = False) -> str:
-        return self.prompts.render_chat(messages, add_generation_prompt, tools, variables, continue_final_message)
+                    continue_final_message: bool = False, template: ChatTemplate | None = None) -> str:
+        return self.prompts.render_chat(messages, add_generation_prompt, tools, variables, continue_final_message,
+                                        template)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
@@ -264,18 +265,25 @@ class TPEngine:
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None, *,
              tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[GenerationOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+             use_tqdm: bool = False) -> list[GenerationOutput]:
         """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
-        template with these options (ChatTemplate.render) and completed. Each output's prompt is the rendered text."""
+        template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
+        and completed. Each output's prompt is the rendered text."""
         with self._lock:
             self._check_open()
             conversations = self._agreed_call("chat", lambda: _conversation_list(conversations), sampling_params,
                                               tools, add_generation_prompt, continue_final_message,
-                                              chat_template_kwargs)
+                                              chat_template_kwargs, chat_template)
+            template = None
+            if chat_template is not None:
+                if not isinstance(chat_template, str):
+                    raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
+                template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded = []
             for messages in conversations:
                 text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
-                                        continue_final_message)
+                                        continue_final_message, template)
                 encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
             return self._generate(encoded, sampling_params, use_tqdm)
 
