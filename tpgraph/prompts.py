@@ -83,7 +83,7 @@ class PromptCodec:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"chat message {i} has no role: messages are {{'role': ..., 'content': ...}}, got "
                                    f"{m!r} (vLLM's {{'prompt': ...}} and {{'prompt_token_ids': ...}} prompts are given "
-                                   f"here as the text or the token ids themselves)")
+                                   f"to generate alone or in a list of prompts, not among chat messages)")
         return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
@@ -218,6 +218,26 @@ def is_one_prompt(prompts: object) -> bool:
     first = prompts[0]  # (chat messages, or a scalar: an id, or a mistake that encode names)
     return isinstance(first, dict) or (not isinstance(first, (str, bytes, list, tuple))
                                        and getattr(first, "ndim", 0) == 0)
+
+
+def is_vllm_prompt(prompt: object) -> bool:
+    """vLLM's TextPrompt or TokensPrompt: a dict with "prompt" or "prompt_token_ids" (a chat message has a role)."""
+    return isinstance(prompt, dict) and "role" not in prompt and ("prompt" in prompt or "prompt_token_ids" in prompt)
+
+
+def vllm_prompt(prompt: dict) -> str | list[int]:
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them).
+    Its other keys (multi_modal_data, cache_salt, ...) ask for what tpgraph does not do: refused, named."""
+    keys = sorted(prompt, key=str)
+    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"] and (ids := token_ids(prompt["prompt_token_ids"])) is not None:
+        return ids
+    if keys not in (["prompt"], ["prompt_token_ids"]):
+        raise RequestError(f"a vLLM prompt here holds 'prompt' (text) or 'prompt_token_ids' alone, got the keys "
+                           f"{keys} (tpgraph runs text-only models: no multi-modal data, no cache salt)")
+    what = "text" if keys == ["prompt"] else "a list of token ids"
+    raise RequestError(f"{keys[0]} must be {what}, got {type(prompt[keys[0]]).__name__}")
 
 
 def token_ids(prompt: object) -> list[int] | None:

@@ -33,14 +33,15 @@ def test_two_ranks_agree_with_one():
     assert len(constrained) == 10 and constrained.isalpha() and constrained.islower() and "aa" not in constrained
 
 
-@pytest.mark.parametrize("other", [["The quick brown cat"], ["a lone \ud800"], {"prompt": "The quick brown fox"}],
+@pytest.mark.parametrize("other", [["The quick brown cat"], ["a lone \ud800"],
+                                   {"prompt": "The quick brown fox", "multi_modal_data": {}}],
                          ids=["other", "refused_alone", "form_refused_alone"])
 def test_ranks_called_with_other_prompts_are_refused_on_every_rank(other):
     """Under torchrun every rank must make the same generate calls: one given other prompts (the same lengths) had
     every rank produce the same tokens, wrong for one of them, with no word. Every rank refuses the call, naming the
     rank that differs, and the engine serves the next matching call. A prompt only one rank's encoding refuses (not
-    valid Unicode), or whose form only one rank's generate refuses (vLLM's {"prompt": ...}), is found so too, not left
-    to strand the other in the comparison."""
+    valid Unicode), or whose form only one rank's generate refuses (vLLM's {"prompt": ...} with multi-modal data), is
+    found so too, not left to strand the other in the comparison."""
     prompts = [["The quick brown fox"], other]
     ranks = run_ranks(engine_generate_per_rank, 2, prompts, ENGINE, timeout_s=240)
     for error, _ in ranks:

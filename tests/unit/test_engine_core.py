@@ -459,16 +459,6 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs():
     assert plain.outputs[0].cumulative_logprob is None
 
 
-@pytest.mark.parametrize("prompt", [{"prompt": "hi"}, {"prompt_token_ids": [256, 104]}])
-def test_a_vllm_prompt_dict_alone_is_refused_saying_how_to_give_it(prompt):
-    """vLLM's {"prompt": ...} / {"prompt_token_ids": ...} are given here as the text or the ids themselves. In a list
-    the refusal said so (PromptCodec.render_chat); alone it said only "got dict"."""
-    with engine() as e:
-        with pytest.raises(RequestError, match=r"got dict \(vLLM's \{'prompt': ...\} and \{'prompt_token_ids': ...\} "
-                                               r"prompts are given here as the text or the token ids themselves"):
-            e.generate(prompt, GREEDY)
-
-
 def test_seed_minus_one_is_no_seed_as_in_vllm():
     """vLLM's SamplingParams reads seed=-1 as no seed (its LLM and its server alike); here it was the fixed seed -1,
     so a vLLM user's "random" requests repeated the same draws call after call."""

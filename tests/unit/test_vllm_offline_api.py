@@ -205,3 +205,27 @@ def test_chat_takes_a_template_for_the_call_as_vllms_does():
         assert e.chat(chat, GREEDY)[0].prompt != out.prompt  # (the engine's own template is left as it was)
         with pytest.raises(RequestError, match="chat_template is a Jinja template's text, got int"):
             e.chat(chat, GREEDY, chat_template=3)
+
+
+def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold():
+    """vLLM's TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids}, alone or in a list (mixed with
+    texts too), were refused here ("given here as the text or the token ids themselves"). Each output's prompt is the
+    text, or None for ids, as vLLM's. A list of chat messages is still one conversation."""
+    chat = [{"role": "user", "content": "hi"}]
+    with engine() as e:
+        ids = e.encode("hi")
+        plain = e.generate(["hi", ids, chat], GREEDY)
+        for prompts in ({"prompt": "hi"}, [{"prompt": "hi"}, {"prompt_token_ids": ids}, chat],
+                        ("hi", {"prompt_token_ids": tuple(ids)}, chat)):
+            out = e.generate(prompts, GREEDY)
+            n = len(out)
+            assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in out] \
+                == [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in plain[:n]]
+        for prompt, refusal in [({"prompt": "hi", "multi_modal_data": {}}, r"holds 'prompt' \(text\) or "
+                                 r"'prompt_token_ids' alone, got the keys \['multi_modal_data', 'prompt'\]"),
+                                ([{"prompt_token_ids": "hi"}], "prompt_token_ids must be a list of token ids, got str"),
+                                ({"role": "user", "content": "hi"}, r"got dict \(chat messages are given as a list"),
+                                ([{"role": "user", "content": "a"}, {"prompt": "b"}], "given to generate alone or in a "
+                                 "list of prompts, not among chat messages")]:
+            with pytest.raises(RequestError, match=refusal):
+                e.generate(prompt, GREEDY)

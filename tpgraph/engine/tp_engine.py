@@ -44,7 +44,7 @@ from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt
+from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt, is_vllm_prompt, vllm_prompt
 from tpgraph.tokenizer import BOS, EOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -500,16 +500,18 @@ class TPEngine:
 
 
 def _prompt_list(prompts: Any) -> list[Prompt]:
-    """generate's prompts as a list: one prompt (text, token ids, chat messages) or an iterable of them."""
-    if is_one_prompt(prompts):
+    """generate's prompts as a list: one prompt (text, token ids, chat messages, or vLLM's {"prompt": text} or
+    {"prompt_token_ids": ids}) or an iterable of them, vLLM's dicts read as the text or ids they hold."""
+    if is_vllm_prompt(prompts):
+        return [vllm_prompt(prompts)]
+    listed = isinstance(prompts, (list, tuple)) and bool(prompts) and is_vllm_prompt(prompts[0])
+    if is_one_prompt(prompts) and not listed:  # (a list of dicts is chat messages, unless vLLM's prompts)
         return [prompts]
     if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
-        # (a dict is vLLM's {"prompt": ...} / {"prompt_token_ids": ...}, or one chat message out of its list)
-        hint = (" (vLLM's {'prompt': ...} and {'prompt_token_ids': ...} prompts are given here as the text or the "
-                "token ids themselves; chat messages as a list of them)") if isinstance(prompts, dict) else ""
-        raise RequestError(f"prompts must be a prompt (text, token ids or chat messages) or a list of them, got "
-                           f"{type(prompts).__name__}{hint}")
-    return list(prompts)
+        hint = (" (chat messages are given as a list of them)") if isinstance(prompts, dict) else ""
+        raise RequestError(f"prompts must be a prompt (text, token ids, chat messages, or vLLM's {{'prompt': ...}} "
+                           f"or {{'prompt_token_ids': ...}}) or a list of them, got {type(prompts).__name__}{hint}")
+    return [vllm_prompt(p) if is_vllm_prompt(p) else p for p in prompts]
 
 
 def _conversation_list(conversations: Any) -> list:
