@@ -229,3 +229,11 @@ def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold():
                                  "list of prompts, not among chat messages")]:
             with pytest.raises(RequestError, match=refusal):
                 e.generate(prompt, GREEDY)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_vllms_logprobs_of_every_token_are_refused_saying_the_limit(name):
+    """vLLM's logprobs=-1 (every token's log-probability) was refused as any number out of range."""
+    with pytest.raises(RequestError, match=rf"{name} must be between 0 and 20, got -1 \(vLLM's -1, every token's, is "
+                                           r"not taken: at most 20 alternatives"):
+        SamplingParams(**{name: -1})

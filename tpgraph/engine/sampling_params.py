@@ -118,10 +118,10 @@ class SamplingParams:
             raise RequestError("stop strings need detokenize=True (they are found in the output's text)")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, 0, None)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None:  # (vLLM's -1 asks for every token's: said why not)
+                every = f"vLLM's -1, every token's, is not taken: at most {MAX_LOGPROBS} alternatives, OpenAI's limit"
+                _check_int(name, value, 0, MAX_LOGPROBS, hint=every if value == -1 else "")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
