@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from tpgraph.errors import ConfigError
@@ -24,6 +25,23 @@ def hub_cache(download_dir: str | None = None) -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
     return Path(home).expanduser() / "hub"
+
+
+def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revision: str | None,
+                    tokenizer_revision: str | None, download_dir: str | None,
+                    named: Callable[[str], str]) -> tuple[str | None, str | None]:
+    """The model's and the tokenizer's directories: as given, or a hub id's cached snapshot at its revision. The
+    tokenizer is the model's unless `tokenizer` names another, or `tokenizer_revision` another snapshot of it.
+    `named(field)` is how the caller's user spells a setting (a CLI flag, a keyword), for the messages."""
+    if model is None and (revision is not None or (tokenizer_revision is not None and tokenizer is None)):
+        raise ConfigError(f"{named('revision')} and {named('tokenizer_revision')} choose a snapshot of "
+                          f"{named('model')} (or {named('tokenizer')}): the built-in model has none")
+    resolved = None if model is None else resolve(str(model), revision, download_dir, named("model"))
+    if tokenizer is None and tokenizer_revision is not None:
+        tokenizer = model
+    if tokenizer is not None:
+        tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, named("tokenizer"))
+    return resolved, tokenizer
 
 
 def resolve(name: str, revision: str | None, download_dir: str | None, flag: str) -> str:

@@ -39,7 +39,7 @@ def test_tensor_parallel_size_is_the_tp_size_checked_before_any_rank_starts(monk
 @pytest.mark.parametrize("name, value, hint", [
     ("quantization", "fp8", "give an unquantized checkpoint"),
     ("pipeline_parallel_size", 2, "tensor parallelism alone"),
-    ("revision", "main", "nothing is downloaded"),
+    ("hf_token", "hf_x", "nothing is downloaded"),
 ])
 def test_a_vllm_keyword_with_no_setting_here_is_refused_saying_what_to_do(name, value, hint):
     """Such a keyword was a bare TypeError ("unexpected keyword argument"); taking it and changing nothing would run
@@ -237,3 +237,26 @@ def test_vllms_logprobs_of_every_token_are_refused_saying_the_limit(name):
     with pytest.raises(RequestError, match=rf"{name} must be between 0 and 20, got -1 \(vLLM's -1, every token's, is "
                                            r"not taken: at most 20 alternatives"):
         SamplingParams(**{name: -1})
+
+
+def test_a_hub_id_is_its_cached_snapshot_as_the_servers_model_flag_reads_it(tmp_path, monkeypatch):
+    """LLM("org/name", revision=..., download_dir=...): the snapshot in the hub's cache, as `--model` reads it
+    (hub.py); one that is not on disk is refused naming the keyword and the command that fetches it."""
+    from tpgraph.engine.config import vllm_keywords
+
+    commits = {"main": "a" * 40, "v1": "b" * 40}
+    cached = tmp_path / "hub" / "models--org--tiny"
+    for ref, commit in commits.items():
+        (cached / "snapshots" / commit).mkdir(parents=True)
+        (cached / "refs").mkdir(exist_ok=True)
+        (cached / "refs" / ref).write_text(commit)
+    at = {ref: str(cached / "snapshots" / commit) for ref, commit in commits.items()}
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert vllm_keywords("org/tiny", 1, {}) == (at["main"], 1, {})
+    assert vllm_keywords("org/tiny", 1, {"revision": "v1", "tokenizer_revision": "v1"}) == (
+        at["v1"], 1, {"tokenizer": at["v1"]})
+    monkeypatch.delenv("HF_HUB_CACHE")
+    assert vllm_keywords("org/tiny", 1, {"download_dir": str(tmp_path / "hub")})[0] == at["main"]
+    with pytest.raises(ConfigError, match=r"^model 'org/tiny' is not a directory, and the hub cache .* holds no "
+                                          r"snapshot of it at revision 'v2'; tpgraph downloads nothing"):
+        TPEngine("org/tiny", device="cpu", revision="v2", download_dir=str(tmp_path / "hub"))

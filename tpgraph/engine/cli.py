@@ -10,9 +10,8 @@ from typing import Any
 from tpgraph.distributed import env_int
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
-from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
-from tpgraph.hub import resolve
+from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
 
@@ -163,28 +162,13 @@ def positive_number(text: str) -> float:
     return value
 
 
-def checkpoint_dirs(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """--model's and --tokenizer's directories: as given, or a hub id's cached snapshot at its revision (hub.py). The
-    tokenizer is the model's unless --tokenizer names another, or --tokenizer-revision another snapshot of it."""
-    if args.model is None and (args.revision is not None or (args.tokenizer_revision is not None and
-                                                             args.tokenizer is None)):
-        raise ConfigError("--revision and --tokenizer-revision choose a snapshot of --model (or --tokenizer): the "
-                          "built-in model has none")
-    model = None if args.model is None else resolve(args.model, args.revision, args.download_dir, "--model")
-    tokenizer = args.tokenizer
-    if tokenizer is None and args.tokenizer_revision is not None:
-        tokenizer = args.model
-    if tokenizer is not None:
-        tokenizer = resolve(tokenizer, args.tokenizer_revision, args.download_dir, "--tokenizer")
-    return model, tokenizer
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
     world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
     world = 1 if world is None else world
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
-    model, tokenizer = checkpoint_dirs(args)
+    model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
+                                       args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
     return dict(model=model, tp_size=tp_size, device=args.device, dtype=args.dtype,
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -12,6 +12,7 @@ from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
+from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
 
@@ -125,9 +126,6 @@ VLLM_KEYWORDS_NOT_TAKEN = {
     "distributed_executor_backend": "TPEngine(tensor_parallel_size=N) starts its own ranks in a plain process, and "
                                     "under torchrun every rank builds one: leave it out",
     "cpu_offload_gb": "the weights stay on the device: leave it out",
-    "revision": _DOWNLOADS,
-    "tokenizer_revision": _DOWNLOADS,
-    "download_dir": _DOWNLOADS,
     "hf_token": _DOWNLOADS,
     "max_seq_len_to_capture": _GRAPHS,
     "cuda_graph_sizes": _GRAPHS,
@@ -146,11 +144,13 @@ VLLM_KEYWORDS_TAKEN = {
 }
 
 
-def vllm_keywords(tp_size: int, kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """TPEngine's tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
+def vllm_keywords(model: str | Path | None, tp_size: int,
+                  kwargs: dict[str, Any]) -> tuple[str | None, int, dict[str, Any]]:
+    """TPEngine's model, tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
     tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, and enforce_eager is the graphs'
     GraphConfig.enforce_eager. Both names given, differing, is refused; so is a vLLM keyword with no setting here
-    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do)."""
+    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do). A model or tokenizer given as a hub id is its cached snapshot at
+    `revision` / `tokenizer_revision` in `download_dir` or the hub's cache (hub.py; nothing is downloaded)."""
     kwargs = dict(kwargs)
     for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
         if name in kwargs:
@@ -179,4 +179,10 @@ def vllm_keywords(tp_size: int, kwargs: dict[str, Any]) -> tuple[int, dict[str, 
                 raise ConfigError(f"enforce_eager={eager} and graphs' enforce_eager={graphs.enforce_eager} differ: "
                                   f"give one of them")
             kwargs["graphs"] = replace(graphs, enforce_eager=eager)
-    return tp_size, kwargs
+    hub = {name: kwargs.pop(name, None) for name in ("revision", "tokenizer_revision", "download_dir")}
+    if model is not None or any(hub.values()) or kwargs.get("tokenizer") is not None:
+        model, tokenizer = checkpoint_dirs(model, kwargs.get("tokenizer"), hub["revision"], hub["tokenizer_revision"],
+                                           hub["download_dir"], named=str)
+        if tokenizer is not None:
+            kwargs["tokenizer"] = tokenizer
+    return model, tp_size, kwargs

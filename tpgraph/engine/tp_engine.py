@@ -141,9 +141,10 @@ class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, follower: bool = False, **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields, or vLLM's LLM(...) names for them (tensor_parallel_size, enforce_eager,
-        num_gpu_blocks_override: vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
+        num_gpu_blocks_override; a model given as a hub id, with revision, tokenizer_revision and download_dir:
+        vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py)."""
-        tp_size, kwargs = vllm_keywords(tp_size, kwargs)
+        model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         if cfg.chat_template is not None:  # (a bad one is said now, not after the weights load on every rank)
             ChatTemplate.from_option(cfg.chat_template)
