@@ -5,6 +5,7 @@ renders without touching the engine process."""
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 import re
 from dataclasses import dataclass, field
@@ -138,8 +139,10 @@ class EngineTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.codec.encode_text(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        """Ids -> text; one id (an int, numpy's too) is its token's text, as transformers takes it."""
+        ids = [int(token_ids)] if isinstance(token_ids, numbers.Integral) else list(token_ids)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]

@@ -108,6 +108,22 @@ def test_get_tokenizer_answers_as_the_checkpoints_transformers_tokenizer_does(tm
             tok.apply_chat_template(chat, padding=True, max_length=8)
 
 
+def test_get_tokenizer_decodes_one_token_id_as_transformers_does(tmp_path):
+    """A script reading a generation token by token calls tokenizer.decode(token_id) with one id, as transformers
+    takes it: the view raised a TypeError ('int' object is not iterable)."""
+    transformers = pytest.importorskip("transformers")
+    from tpgtest.chat_fixtures import EOT_ID, make_chat_checkpoint
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
+                  num_kv_blocks=40) as e:
+        tok = e.get_tokenizer()
+    for token_id in (104, 233, EOT_ID):  # ("h", a byte of a character, a special token)
+        assert tok.decode(token_id) == hf.decode(token_id)
+        assert tok.decode(token_id, skip_special_tokens=True) == hf.decode(token_id, skip_special_tokens=True)
+
+
 def test_get_default_sampling_params_is_default_params(tmp_path):
     """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
     none): an AttributeError here, where the method is default_params()."""
