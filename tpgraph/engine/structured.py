@@ -73,7 +73,10 @@ class StructuredOutput:
 
     @staticmethod
     def choice(options: list[str]) -> StructuredOutput:
-        return StructuredOutput("choice", json.dumps(list(options)))
+        # (a set's order is its process's, str hashes being seeded per process: sorted, so that every rank under
+        # torchrun makes the same spec; repr, so that a mixed set is refused by the check, not a TypeError)
+        listed = sorted(options, key=repr) if isinstance(options, (set, frozenset)) else list(options)
+        return StructuredOutput("choice", json.dumps(listed))
 
     @staticmethod
     def json_schema(schema: dict | str) -> StructuredOutput:
