@@ -140,6 +140,19 @@ def test_overrides_that_would_not_be_served_are_refused_before_loading(overrides
         TPEngine(**SMALL, override_generation_config=overrides)
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_an_override_out_of_range_is_refused_before_any_rank_starts_or_the_weights_load(tp_size, monkeypatch):
+    """--override-generation-config's values were checked against SamplingParams only once the weights had loaded
+    (and with -tp N, after the ranks it starts had joined and loaded them too): minutes late on a real checkpoint."""
+    from tpgraph.engine import followers, tp_engine
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tp_engine, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    monkeypatch.setattr(followers, "start_followers", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(ConfigError, match=r"--override-generation-config: top_p must be in \(0.0, 1.0\], got 0"):
+        TPEngine(**SMALL, tp_size=tp_size, override_generation_config={"top_p": 0})
+
+
 def test_a_generation_config_directory_without_the_file_is_refused(tmp_path, capsys):
     with pytest.raises(ConfigError, match="neither 'auto'.*nor a directory holding a generation_config.json"):
         TPEngine(**SMALL, generation_config=str(tmp_path))

@@ -150,6 +150,9 @@ class TPEngine:
             ChatTemplate.from_option(cfg.chat_template)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
         (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).check_tp(tp_size)
+        # the request defaults (--generation-config, its overrides) are files and values: read and checked now too
+        generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
+                                                             cfg.override_generation_config)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
             from tpgraph.engine.followers import free_tcp_init, start_followers
@@ -187,8 +190,7 @@ class TPEngine:
             if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > self.model.cfg.vocab_size:
                 logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's "
                                "are refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), self.model.cfg.vocab_size)
-            self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, cfg.model,
-                                                                     cfg.override_generation_config)
+            self.generation_defaults = generation_defaults
             eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
             eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
             special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
