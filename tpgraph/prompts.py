@@ -88,8 +88,11 @@ class PromptCodec:
         return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
-        """SamplingParams with the checkpoint's generation_config defaults, then `overrides`."""
-        return SamplingParams(**{**self.generation_defaults.sampling, **overrides})
+        """SamplingParams with the checkpoint's generation_config defaults (its max_new_tokens as max_tokens, as
+        vLLM's get_default_sampling_params), then `overrides`."""
+        limit = self.generation_defaults.max_tokens
+        limits = {} if limit is None else {"max_tokens": limit}
+        return SamplingParams(**{**self.generation_defaults.sampling, **limits, **overrides})
 
     def tokenizer_info(self, max_model_len: int) -> dict[str, Any]:
         """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's remote tokenizer

@@ -135,6 +135,19 @@ def test_get_default_sampling_params_is_default_params(tmp_path):
         assert e.get_default_sampling_params() == e.default_params() == SamplingParams(temperature=0.6, top_p=0.9)
 
 
+def test_default_sampling_params_take_the_generation_configs_max_new_tokens_as_vllms_do():
+    """vLLM's get_default_sampling_params() (what its generate and chat use where given none) take generation_config's
+    max_new_tokens (or --override-generation-config's) as max_tokens: here they dropped it, 16 tokens. A prompt that
+    leaves less room is given what is left (as the server cuts that default), not refused for a limit never asked."""
+    with engine(override_generation_config={"max_new_tokens": 20, "temperature": 0.0}) as e:
+        assert e.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=20)
+        assert e.default_params(max_tokens=3).max_tokens == 3
+        short, long = e.generate(["Hi", [256, *range(97, 97 + 54)]])  # (55 tokens: 9 left of max_model_len 64)
+        assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in (short, long)] \
+            == [(20, "length"), (9, "length")]
+        assert len(e.chat([{"role": "user", "content": "Hi"}])[0].outputs[0].token_ids) == 20
+
+
 def test_setting_a_field_of_sampling_params_says_how_to_make_one_that_differs():
     """vLLM's generate example sets fields on the defaults (sampling_params.max_tokens = 8). These are frozen once
     checked: the refusal was dataclasses' "cannot assign to field 'max_tokens'", naming no way to get one."""
