@@ -480,6 +480,36 @@ def test_detokenize_false_gives_the_token_ids_alone(reference):
         SamplingParams(detokenize="no")
 
 
+def test_the_spmd_check_tells_apart_long_token_id_arrays_that_differ(monkeypatch):
+    """generate takes token ids as a numpy array or a torch tensor, alone, in a list or in vLLM's TokensPrompt. The
+    check digested their repr, which elides all but the ends of an array past 1000 items: ranks calling with prompts
+    that differ in the middle agreed, and stepped apart with no word (the wrong tokens the check is there to stop)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from tpgraph.engine import tp_engine
+
+    seen = []
+    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, digest: seen.append(digest) or [digest])
+    rank = types.SimpleNamespace(service=None, state=types.SimpleNamespace(world_size=2))
+
+    def digest(prompts) -> str:
+        seen.clear()
+        tp_engine.TPEngine._agreed_call(rank, "generate", lambda: tp_engine._prompt_list(prompts), None)
+        return seen[0]
+
+    ids = np.arange(2000) % 250
+    other = ids.copy()
+    other[1000] = 7
+    for form in (np.asarray, torch.tensor):
+        assert digest(form(ids)) != digest(form(other))
+        assert digest([form(ids), form(ids)]) != digest([form(ids), form(other)])
+        assert digest({"prompt_token_ids": form(ids)}) != digest({"prompt_token_ids": form(other)})
+        assert digest(form(ids)) == digest(ids.tolist())  # (the ids they hold, as they encode)
+
+
 def test_the_spmd_check_reads_a_set_of_stop_strings_alike_in_every_process():
     """Under torchrun each rank is a process of its own, whose str hashes are seeded apart. SamplingParams takes stop
     strings and bad_words as any iterable, and a set became a tuple in its process's own order: the generate check's

@@ -44,7 +44,7 @@ from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt, is_vllm_prompt, vllm_prompt
+from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt, is_vllm_prompt, token_ids, vllm_prompt
 from tpgraph.tokenizer import BOS, EOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -507,17 +507,24 @@ class TPEngine:
 
 def _prompt_list(prompts: Any) -> list[Prompt]:
     """generate's prompts as a list: one prompt (text, token ids, chat messages, or vLLM's {"prompt": text} or
-    {"prompt_token_ids": ids}) or an iterable of them, vLLM's dicts read as the text or ids they hold."""
+    {"prompt_token_ids": ids}) or an iterable of them, vLLM's dicts read as the text or ids they hold, and ids given
+    as an array or a tensor as a list (the SPMD check digests their repr, which elides the middle of a long array)."""
     if is_vllm_prompt(prompts):
         return [vllm_prompt(prompts)]
     listed = isinstance(prompts, (list, tuple)) and bool(prompts) and is_vllm_prompt(prompts[0])
     if is_one_prompt(prompts) and not listed:  # (a list of dicts is chat messages, unless vLLM's prompts)
-        return [prompts]
+        return [_as_ids(prompts)]
     if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
         hint = (" (chat messages are given as a list of them)") if isinstance(prompts, dict) else ""
         raise RequestError(f"prompts must be a prompt (text, token ids, chat messages, or vLLM's {{'prompt': ...}} "
                            f"or {{'prompt_token_ids': ...}}) or a list of them, got {type(prompts).__name__}{hint}")
-    return [vllm_prompt(p) if is_vllm_prompt(p) else p for p in prompts]
+    return [vllm_prompt(p) if is_vllm_prompt(p) else _as_ids(p) for p in prompts]
+
+
+def _as_ids(prompt: Any) -> Any:
+    """A prompt given as token ids (a list, an array, a tensor) as a list of them; any other prompt as it is."""
+    ids = None if isinstance(prompt, str) else token_ids(prompt)
+    return prompt if ids is None else ids
 
 
 def _conversation_list(conversations: Any) -> list:
