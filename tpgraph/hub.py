@@ -51,7 +51,7 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
     if path.is_dir():
         if revision is not None:
             _check_revision_of(path, revision, flag)
-        return name
+        return str(path)  # (as found: "~/ckpt" expanded, which the loader reads as it is)
     if not _HUB_ID.fullmatch(name):
         raise ConfigError(f"{flag} {name!r} is not a directory (nor a hub id such as meta-llama/Llama-3.1-8B)")
     cache = hub_cache(download_dir)

@@ -221,6 +221,20 @@ def test_a_hub_id_is_its_cached_snapshot_at_the_revision_asked(tmp_path, monkeyp
     assert dirs("--model", at(V1), "--revision", "v1")[0] == at(V1)
 
 
+def test_a_directory_written_from_home_is_the_directory_the_engine_loads(tmp_path, monkeypatch):
+    """`--model=~/ckpt` reaches the program with its ~ (the shell expands none after "="): the hub lookup expanded
+    it to find the directory, then passed on "~/ckpt" itself, which the loader refused as a directory that does not
+    exist (the tokenizer likewise)."""
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    make_chat_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    kwargs = engine_kwargs(parse_args(["--model=~/ckpt", "--tokenizer=~/ckpt", "--load-format", "dummy"]))
+    assert (kwargs["model"], kwargs["tokenizer"]) == (str(tmp_path / "ckpt"), str(tmp_path / "ckpt"))
+    with TPEngine(**{**kwargs, **SMALL}) as engine:
+        assert engine.render_chat([{"role": "user", "content": "x"}]).startswith("<|begin_of_text|>")
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--model", "org/tiny", "--revision", "v2"], "holds no snapshot of it at revision 'v2'; tpgraph downloads "
                                                   "nothing: fetch it with `huggingface-cli download org/tiny "
