@@ -12,7 +12,7 @@ from tokenizers import processors
 
 from tpgraph.engine.cli import engine_kwargs
 from tpgraph.engine.tp_engine import TPEngine
-from tpgraph.errors import ConfigError
+from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.serve import parse_args
 from tpgraph.tokenizer import builtin_tokenizer
 
@@ -47,6 +47,25 @@ def test_a_tokenizer_directory_without_tokenizer_json_is_refused_before_loading(
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         TPEngine(**SMALL, tokenizer=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("broken,needle", [
+    ("tokenizer.json", "cannot read"), ("tokenizer_config.json", "the chat template does not parse")])
+def test_a_tokenizer_directory_that_cannot_be_read_is_refused_before_any_rank_starts_or_the_weights_load(
+        broken, needle, tmp_path, monkeypatch):
+    """--tokenizer's directory was checked for a tokenizer.json alone before loading; one that does not parse (or a
+    chat template there that does not) was found only once the weights had loaded, on every rank (-tp N: after the
+    ranks it starts had loaded them too)."""
+    from tpgraph.engine import followers, tp_engine
+
+    tok = tokenizer_dir(tmp_path / "tok")
+    (tok / broken).write_text({"tokenizer.json": "{", "tokenizer_config.json": '{"chat_template": "{% if %}"}'}[broken])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tp_engine, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    monkeypatch.setattr(followers, "start_followers", lambda *a, **k: pytest.fail("a rank was started"))
+    for tp_size in (1, 2):
+        with pytest.raises(CheckpointError, match=needle):
+            TPEngine(**SMALL, tp_size=tp_size, tokenizer=str(tok))
 
 
 @pytest.mark.parametrize("mode", ["auto", "hf"])

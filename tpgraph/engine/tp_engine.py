@@ -146,13 +146,27 @@ class TPEngine:
         torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py)."""
         model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
-        if cfg.chat_template is not None:  # (a bad one is said now, not after the weights load on every rank)
-            ChatTemplate.from_option(cfg.chat_template)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
-        (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).check_tp(tp_size)
-        # the request defaults (--generation-config, its overrides) are files and values: read and checked now too
-        generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
-                                                             cfg.override_generation_config)
+        model_cfg = ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL
+        model_cfg.check_tp(tp_size)
+        # the tokenizer, the chat template and the request defaults (--generation-config, its overrides) are files
+        # and values: read and checked now too, not found broken after the weights load on every rank
+        self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
+                                                                  cfg.override_generation_config)
+        # (vLLM's --tokenizer: the tokenizer, its special tokens and its chat template come from that directory)
+        tokenizer_dir = cfg.model if cfg.tokenizer is None else cfg.tokenizer
+        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.vocab_size)
+        if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > model_cfg.vocab_size:
+            logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's are "
+                           "refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), model_cfg.vocab_size)
+        eos_ids = tuple(dict.fromkeys(model_cfg.eos_token_id + self.generation_defaults.eos_token_ids))
+        eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
+        special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
+            tokenizer_config(tokenizer_dir))
+        self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
+            ChatTemplate.from_option(cfg.chat_template, special)
+        self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
+                                   str(cfg.model or "the built-in model"), eos_ids, special)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
             from tpgraph.engine.followers import free_tcp_init, start_followers
@@ -184,21 +198,6 @@ class TPEngine:
             self.comm = TPCommunicator(self.state)
             dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
-            # (vLLM's --tokenizer: the tokenizer, its special tokens and its chat template come from that directory)
-            tokenizer_dir = cfg.model if cfg.tokenizer is None else cfg.tokenizer
-            self.tokenizer = load_tokenizer(tokenizer_dir, self.model.cfg.vocab_size)
-            if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > self.model.cfg.vocab_size:
-                logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's "
-                               "are refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), self.model.cfg.vocab_size)
-            self.generation_defaults = generation_defaults
-            eos_ids = tuple(dict.fromkeys(self.model.cfg.eos_token_id + self.generation_defaults.eos_token_ids))
-            eos_ids = checked_eos_ids(eos_ids, self.model.cfg.vocab_size)
-            special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
-                tokenizer_config(tokenizer_dir))
-            self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
-                ChatTemplate.from_option(cfg.chat_template, special)
-            self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
-                                       str(cfg.model or "the built-in model"), eos_ids, special)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
