@@ -757,3 +757,26 @@ def test_random_replies_read_alike_streamed_or_whole(choice, parser):
             _, streamed, streamed_reason = read(plan(choice, parser, parallel), text, sizes, stream=True, finish=finish)
             assert (streamed["content"], calls_of(streamed), streamed_reason) == \
                 (whole["content"], calls_of(whole), reason), (text, finish)
+
+
+# what review found (helper, whole replies read as streams): each case failed before its mend
+
+@pytest.mark.parametrize(("choice", "parser", "head"), [
+    (None, "llama3_json", '{"name": "get_weather", "parameters": {"city": '),
+    (None, "hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": '),
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": '),
+])
+def test_a_word_that_no_json_value_begins_streams_as_content_as_it_comes(choice, parser, head):
+    """A bare word where a call's value goes (`"city": Oslo`) is no JSON once no literal (true, false, null) or
+    number begins so, but the reader held it until a character that is no letter ended it: nothing of it was sent,
+    and the word grew a character at a time (`self.token += ch`, quadratic: a whole reply with 320k such characters
+    took 2 s to read, where it had taken 0.2 s before whole replies were read as streams)."""
+    reader = ReplyReader(plan(choice, parser), stream=True)
+    reader.feed(head)
+    sent = "".join(reader.feed(ch).content for ch in "Oslo" + "o" * 200)
+    assert sent == "Oslo" + "o" * 200
+    reply = head + "Oslo" + "o" * 200 + "}}"
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    _, streamed, streamed_reason = read(plan(choice, parser), reply, [1] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    assert calls_of(whole) == [("get_weather", '{"city": ')] and whole["content"] == reply[len(head):]

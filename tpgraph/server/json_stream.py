@@ -42,7 +42,7 @@ class Reencoder:
         self.escape = ""  # an escape begun in a string ("\\", "\\u12", ...)
         self.high = ""  # a high surrogate waiting for its low half
         self.high_raw = ""  # ... as it was written ("\\ud83d")
-        self.token = ""  # a number or a literal being read
+        self.token: list[str] = []  # a number or a literal being read, a character a piece (joined once, as it ends)
         self._key = False  # is the string being read an object's key?
         self.done = self.failed = False
         self.rest = ""  # (failed) the text from where it stopped being JSON, as written: none of it was output
@@ -51,7 +51,7 @@ class Reencoder:
     def pending(self) -> str:
         """The text read and not yet output, as written (a number, an escape, a high surrogate's): where the text
         breaks off here, it is no part of the output."""
-        return self.high_raw + self.escape + self.token
+        return self.high_raw + self.escape + "".join(self.token)
 
     def take(self) -> str:
         text, self.out = "".join(self.out), []
@@ -65,8 +65,7 @@ class Reencoder:
             return True
         if self.token:
             if ch in NUMBER_CHARS or ch.isalpha():
-                self.token += ch
-                return True
+                return self._token_char(ch)
             self._end_token()
             if self.failed:
                 self.rest += ch  # (the token, then the character that ended it)
@@ -110,9 +109,22 @@ class Reencoder:
             self.out.append(ch)
             self.expect = "first_key" if ch == "{" else "first_value"
         elif ch in NUMBER_CHARS or ch.isalpha():
-            self.token = ch
+            self._token_char(ch)
         else:
             self._fail(ch)
+
+    def _token_char(self, ch: str) -> bool:
+        """ch is the number's or literal's next character: False where no JSON value begins so any more (a word that
+        begins no literal, a letter in a number), which fails at once, as no character after it can mend it."""
+        self.token.append(ch)
+        if self.token[0].isalpha():  # (true, false or null: a word longer than these fails here)
+            word = "".join(self.token)
+            may_be = any(literal.startswith(word) for literal in LITERALS)
+        else:
+            may_be = ch in NUMBER_CHARS
+        if not may_be:
+            self._fail("".join(self.token))
+        return may_be
 
     def _close(self, ch: str) -> bool:
         if not self.stack or "{[".index(self.stack[-1]) != "}]".index(ch):
@@ -132,7 +144,7 @@ class Reencoder:
             self.done = True
 
     def _end_token(self) -> None:
-        token, self.token = self.token, ""
+        token, self.token = "".join(self.token), []
         if token in LITERALS:
             self.out.append(token)
         else:
