@@ -276,3 +276,14 @@ def test_requests_are_logged_with_their_prompt_and_parameters_where_asked(caplog
         assert logged in line and "temperature=0.5" in line and "max_tokens=1" in line
         ids = builtin_codec(MODEL).encode_text("hello")
         assert line.endswith(f"prompt_token_ids: {ids if '3' not in flags else ids[:3]}")
+
+
+@pytest.mark.parametrize("field, value", [("allowed_origins", ["*"]), ("allowed_methods", ("GET", 1)),
+                                          ("allow_credentials", "yes")])
+def test_cors_settings_of_the_wrong_type_are_refused_without_https_too(field, value):
+    """HttpOptions made in code (not through the flags): the CORS fields' checks sat after check_tls's no-HTTPS return,
+    so over plain HTTP a list or a truthy string went to the middleware unchecked."""
+    from tpgraph.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^{field} must be"):
+        HttpOptions(**{field: value})

@@ -51,6 +51,12 @@ class HttpOptions:
                               f"{self.uvicorn_log_level!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{name} must be a tuple of strings, got {value!r}")
+        if not isinstance(self.allow_credentials, bool):
+            raise ConfigError(f"allow_credentials must be True or False, got {self.allow_credentials!r}")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ConfigError("--ssl-keyfile needs --ssl-certfile: the certificate that goes with the key")
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
@@ -98,9 +104,3 @@ class HttpOptions:
                                                                   ("--ssl-keyfile", self.ssl_keyfile),
                                                                   ("--ssl-ca-certs", self.ssl_ca_certs)) if path)
             raise ConfigError(f"cannot serve HTTPS with {files}: {exc}") from None
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{name} must be a tuple of strings, got {value!r}")
-        if not isinstance(self.allow_credentials, bool):
-            raise ConfigError(f"allow_credentials must be True or False, got {self.allow_credentials!r}")
