@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from tpgraph.errors import CheckpointError, ConfigError
+from tpgraph.hub import HUB_ID
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -235,7 +235,7 @@ class ModelConfig:
     def from_dir(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
-            hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_dir)) is not None  # (a Hugging Face id: org/name)
+            hub = HUB_ID.fullmatch(str(model_dir)) is not None
             hint = (f" (a Hugging Face hub id? tpgraph loads a local checkpoint and downloads nothing: `hf download "
                     f"{model_dir} --local-dir DIR`, then give DIR)") if hub else ""
             raise CheckpointError(f"model directory {str(model_dir)!r} does not exist{hint}")

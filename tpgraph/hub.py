@@ -14,7 +14,7 @@ from pathlib import Path
 from tpgraph.errors import ConfigError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # (org/name)
 
 
 def hub_cache(download_dir: str | None = None) -> Path:
@@ -52,14 +52,14 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
         if revision is not None:
             _check_revision_of(path, revision, flag)
         return str(path)  # (as found: "~/ckpt" expanded, which the loader reads as it is)
-    if not _HUB_ID.fullmatch(name):
+    if not HUB_ID.fullmatch(name):
         raise ConfigError(f"{flag} {name!r} is not a directory (nor a hub id such as meta-llama/Llama-3.1-8B)")
     cache = hub_cache(download_dir)
     repo = cache / f"models--{name.replace('/', '--')}"
     wanted = revision or "main"
     snapshot = _snapshot(repo, wanted)
     if snapshot is None:
-        fetch = f"huggingface-cli download {name}" + ("" if revision is None else f" --revision {revision}") + (
+        fetch = f"hf download {name}" + ("" if revision is None else f" --revision {revision}") + (
             "" if download_dir is None else f" --cache-dir {download_dir}")
         raise ConfigError(f"{flag} {name!r} is not a directory, and the hub cache {cache} holds no snapshot of it at "
                           f"revision {wanted!r}; tpgraph downloads nothing: fetch it with `{fetch}`, or give the "

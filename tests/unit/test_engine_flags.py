@@ -256,7 +256,7 @@ def test_a_directory_written_from_home_is_the_directory_the_engine_loads(tmp_pat
 
 @pytest.mark.parametrize("flags,needle", [
     (["--model", "org/tiny", "--revision", "v2"], "holds no snapshot of it at revision 'v2'; tpgraph downloads "
-                                                  "nothing: fetch it with `huggingface-cli download org/tiny "
+                                                  "nothing: fetch it with `hf download org/tiny "
                                                   "--revision v2`"),
     (["--model", "org/absent"], "holds no snapshot of it at revision 'main'"),
     (["--model", "not a/hub id"], "is not a directory (nor a hub id"),
