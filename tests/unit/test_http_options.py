@@ -250,6 +250,9 @@ def test_the_api_docs_are_served_unless_disabled():
     assert swagger.status_code == redoc.status_code == 200 and "openapi.json" in swagger.text
     off = call(pages, http_options(parse_args(["--disable-fastapi-docs"])))
     assert [r.status_code for r in off] == [404, 404, 404]
+    # with --api-key they stay open, as vLLM leaves them (Swagger UI's page cannot send the key); the API does not
+    keyed = call([*pages, ("GET", "/v1/models", None)], http_options(parse_args([])), api_key="k")
+    assert [r.status_code for r in keyed] == [200, 200, 200, 401]
 
 
 def test_requests_are_logged_with_their_prompt_and_parameters_where_asked(caplog):

@@ -1,6 +1,7 @@
-"""--api-key: every route but the operators' (/health, /metrics, /version) asks for `Authorization: Bearer KEY`, the
-header OpenAI's clients send, as vLLM's --api-key does (which guards /v1 only: here /tokenize and /detokenize too). A
-request without the key gets a 401 in OpenAI's error shape and reaches no endpoint.
+"""--api-key: every route but the operators' (/health, /metrics, /version) and the API docs asks for
+`Authorization: Bearer KEY`, the header OpenAI's clients send, as vLLM's --api-key does (which guards /v1 only: here
+/tokenize and /detokenize too). A request without the key gets a 401 in OpenAI's error shape and reaches no endpoint.
+The docs stay open as vLLM leaves them: Swagger UI's page cannot send the key, and the schema is no secret.
 
 Plain ASGI middleware, not FastAPI's @app.middleware("http"): that wraps each request in Starlette's
 BaseHTTPMiddleware, behind which an endpoint never hears that its client went away (`request.is_disconnected()` stays
@@ -15,7 +16,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tpgraph.server.errors import error_body
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/openapi.json"})
 
 
 def route_path(scope: Scope) -> str:
