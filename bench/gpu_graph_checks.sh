@@ -132,13 +132,11 @@ for step in "$@"; do
          # one run took 5 min 20 s on one H200 (session 28); in this form at -n 8 (session 30) the limit stopped the
          # kernel file with 357 of 363 passed and 1 skipped: 3 last-split attention cases still running and 2 never
          # started, queued behind busy workers. Hence 12 workers on the device's 16 cores, and work stealing so
-         # that no case waits behind another worker's queue. pytest-xdist is not on
-         # the device, which reaches no index: before the call run `pip download --no-deps pytest-xdist execnet -d
-         # devwheels` here and carry devwheels (ignored by git). Its timeouts (500 s) leave a 600 s call room for the
-         # build only: run it as the call's one step.
-         ls devwheels/*.whl > /dev/null 2>&1 \
-           || echo "no devwheels/: pip download --no-deps pytest-xdist execnet -d devwheels here, and carry it"
-         python3 -m pip install -q --no-deps devwheels/*.whl 2>&1 | tail -2  # (without them pytest refuses -n)
+         # that no case waits behind another worker's queue. pytest-xdist, where the device lacks it (it reaches no
+         # index), comes from the carried wheelhouse (bench/make_wheelhouse.sh). Its timeouts (500 s) leave a 600 s
+         # call room for the build only: run it as the call's one step.
+         python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --find-links wheelhouse \
+           pytest-xdist execnet 2>&1 | tail -2  # (without them pytest refuses -n)
          timeout -s INT -k 10 380 python3 -m pytest tests/gpu/test_fused_kernels_gpu.py -n 12 --dist worksteal -v \
              -rfEs --durations=10 -p no:cacheprovider > "$out/gpu_tests_kernels.log" 2>&1
          grep -v "PASSED\|it/s\]\|Warning\|warner" "$out/gpu_tests_kernels.log" | tail -25; pack

@@ -13,5 +13,7 @@ python3 -m pip download -q -d wheelhouse --only-binary=:all: --python-version "$
 python3 -m pip download -q -d wheelhouse --only-binary=:all: --python-version "$py" --no-deps \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   --implementation cp xgrammar apache-tvm-ffi
+# the GPU test steps' pytest workers (all-gpu-tests-parallel: -n 12), pure Python
+python3 -m pip download -q -d wheelhouse --only-binary=:all: --no-deps pytest-xdist execnet
 ls wheelhouse | wc -l
 du -sh wheelhouse
