@@ -129,6 +129,17 @@ class PromptCodec:
         return list(self.token_text(token_id).encode())
 
 
+class Encoded(dict):
+    """What EngineTokenizer(text) gives: a dict of "input_ids" and "attention_mask", also read as attributes
+    (tokenizer(text).input_ids), as transformers' BatchEncoding is."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class EngineTokenizer:
     """What TPEngine.get_tokenizer() returns (vLLM's LLM.get_tokenizer() gives a transformers tokenizer): the engine's
     tokenizer, chat template and special tokens behind the names of transformers' tokenizer methods and attributes
@@ -141,6 +152,26 @@ class EngineTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.codec.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options: Any) -> Encoded:
+        """tokenizer(text) or tokenizer([texts]): {"input_ids", "attention_mask"} (also as attributes), each a list
+        for one text or a list of lists for several, as transformers' BatchEncoding holds them unpadded. Its options
+        (padding, truncation, max_length, return_tensors, text_pair...) are refused, not taken and ignored."""
+        if options:
+            raise RequestError(f"tokenizer(...) here takes text and add_special_tokens alone, not "
+                               f"{', '.join(sorted(options))} (transformers' options): pad, truncate or make tensors "
+                               f"of the input_ids it gives")
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return Encoded(input_ids=ids, attention_mask=[1] * len(ids))
+        if not isinstance(text, (list, tuple)) or not all(isinstance(t, str) for t in text):
+            raise RequestError(f"tokenizer(...) takes a text or a list of texts, got {type(text).__name__}")
+        ids = [self.encode(t, add_special_tokens) for t in text]
+        return Encoded(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The text's tokens as the vocabulary spells them (transformers' tokenize: no special tokens unless asked)."""
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].tokens
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
         """Ids -> text; one id (an int, numpy's too) is its token's text, as transformers takes it."""

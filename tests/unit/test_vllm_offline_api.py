@@ -124,6 +124,39 @@ def test_get_tokenizer_decodes_one_token_id_as_transformers_does(tmp_path):
         assert tok.decode(token_id, skip_special_tokens=True) == hf.decode(token_id, skip_special_tokens=True)
 
 
+def hf_tokenizers(tmp_path):
+    """(engine keywords, transformers' tokenizer for the same files): the chat checkpoint's AutoTokenizer, and the
+    built-in model's byte tokenizer with its BOS and EOS, saved and read back as transformers reads a checkpoint's."""
+    transformers = pytest.importorskip("transformers")
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    builtin = transformers.PreTrainedTokenizerFast(tokenizer_object=builtin_tokenizer(), bos_token=BOS, eos_token=EOS)
+    builtin.save_pretrained(str(tmp_path / "builtin"))
+    return [(dict(model=str(ckpt), load_format="dummy"), transformers.AutoTokenizer.from_pretrained(str(ckpt))),
+            ({}, transformers.AutoTokenizer.from_pretrained(str(tmp_path / "builtin")))]
+
+
+def test_get_tokenizer_called_on_text_and_tokenize_answer_as_transformers_do(tmp_path):
+    """tokenizer(text).input_ids, tokenizer([texts]) and tokenizer.tokenize(text), which scripts use to count and
+    inspect prompt tokens: a TypeError ('EngineTokenizer' object is not callable) and an AttributeError here."""
+    for kw, hf in hf_tokenizers(tmp_path):
+        with TPEngine(device="cpu", max_num_seqs=2, max_model_len=128, num_kv_blocks=40, **kw) as e:
+            tok = e.get_tokenizer()
+        for text in ("héllo world", ["a", "b c", ""]):
+            for special in (True, False):
+                got, want = tok(text, add_special_tokens=special), hf(text, add_special_tokens=special)
+                assert got == dict(want) and got.input_ids == want.input_ids
+                assert got.attention_mask == want.attention_mask
+        assert tok("hi").input_ids == tok.encode("hi") == e.encode("hi")
+        assert tok.tokenize("héllo world") == hf.tokenize("héllo world")
+        assert tok.tokenize("a", add_special_tokens=True) == hf.tokenize("a", add_special_tokens=True)
+        with pytest.raises(RequestError, match="takes text and add_special_tokens alone, not padding, return_tensors"):
+            tok(["a", "bc"], padding=True, return_tensors="pt")
+
+
 def test_get_default_sampling_params_is_default_params(tmp_path):
     """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
     none): an AttributeError here, where the method is default_params()."""
