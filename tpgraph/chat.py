@@ -29,7 +29,8 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
                     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
                     "{{ m['tool_calls'] | tojson if m['tool_calls'] else '' }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' named special tokens, in its order (its special_tokens_map; template variables, as there)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _raise(message: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.chat import SPECIAL_TOKEN_KEYS, ChatTemplate, GenerationDefaults
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.tokenizer import unicode_to_byte
@@ -237,6 +237,38 @@ class EngineTokenizer:
     @property
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.backend_tokenizer.token_to_id(self.bos_token)
+
+    @property
+    def pad_token(self) -> str | None:  # (Llama checkpoints mostly name none: None, as transformers gives)
+        return self.codec.special_tokens.get("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self.backend_tokenizer.token_to_id(self.pad_token)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.codec.special_tokens.get("unk_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return None if self.unk_token is None else self.backend_tokenizer.token_to_id(self.unk_token)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens the tokenizer config sets (bos_token, eos_token, unk_token, sep_token,
+        pad_token, cls_token, mask_token), in transformers' order."""
+        return {key: self.codec.special_tokens[key] for key in SPECIAL_TOKEN_KEYS if key in self.codec.special_tokens}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """special_tokens_map's tokens, each once. (transformers adds the config's additional_special_tokens, which
+        are not read here: tokens the config lists only there are missing.)"""
+        return list(dict.fromkeys(self.special_tokens_map.values()))
+
+    @property
+    def all_special_ids(self) -> list[int | None]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
 
     @property
     def chat_template(self) -> str | None:

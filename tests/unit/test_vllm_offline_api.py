@@ -157,6 +157,29 @@ def test_get_tokenizer_called_on_text_and_tokenize_answer_as_transformers_do(tmp
             tok(["a", "bc"], padding=True, return_tensors="pt")
 
 
+def test_get_tokenizer_names_its_special_tokens_as_transformers_does(tmp_path):
+    """pad_token(_id), unk_token(_id), special_tokens_map and all_special_ids/tokens (scripts set a padding id, or
+    strip special ids from outputs, with them) were AttributeErrors here. A fine-tune's config naming a pad token
+    (Llama 3's <|end_of_text|>, as many set it) gives it, as transformers does."""
+    import json
+    import shutil
+
+    pairs = hf_tokenizers(tmp_path)
+    padded = shutil.copytree(tmp_path / "chat", tmp_path / "padded")
+    config = padded / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": "<|end_of_text|>"}))
+    pairs.append(({**pairs[0][0], "model": str(padded)}, type(pairs[0][1]).from_pretrained(str(padded))))
+
+    def names(t):
+        return (t.pad_token, t.pad_token_id, t.unk_token, t.unk_token_id, t.special_tokens_map,
+                t.all_special_tokens, t.all_special_ids)
+
+    for kw, hf in pairs:
+        with TPEngine(device="cpu", max_num_seqs=2, max_model_len=128, num_kv_blocks=40, **kw) as e:
+            assert names(e.get_tokenizer()) == names(hf)
+    assert pairs[-1][1].pad_token_id == 257 and pairs[0][1].pad_token is None  # (both cases were compared)
+
+
 def test_get_default_sampling_params_is_default_params(tmp_path):
     """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
     none): an AttributeError here, where the method is default_params()."""
