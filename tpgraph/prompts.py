@@ -220,11 +220,9 @@ class EngineTokenizer:
 
     @property
     def eos_token(self) -> str | None:
-        """The tokenizer config's eos_token (as transformers reads it); without one, the first id that ends a
-        generation's (the model's config and generation_config.json)."""
-        eos = self.codec.special_tokens.get("eos_token")
-        return eos if eos is not None or not self.codec.eos_ids else self.backend_tokenizer.id_to_token(
-            self.codec.eos_ids[0])
+        """The tokenizer config's eos_token, as transformers reads it: None without one (the ids that end a
+        generation, from the model's config and generation_config.json, are the engine's, not the tokenizer's)."""
+        return self.codec.special_tokens.get("eos_token")
 
     @property
     def eos_token_id(self) -> int | None:

@@ -180,6 +180,27 @@ def test_get_tokenizer_names_its_special_tokens_as_transformers_does(tmp_path):
     assert pairs[-1][1].pad_token_id == 257 and pairs[0][1].pad_token is None  # (both cases were compared)
 
 
+def test_get_tokenizer_has_no_eos_token_where_the_tokenizer_config_names_none(tmp_path):
+    """transformers reads eos_token from the tokenizer config alone: without one it is None (the ids that end a
+    generation are the model's and generation_config's, which it does not read). The view gave the text of the first
+    such id, a token the checkpoint's tokenizer does not call its EOS."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    config = ckpt / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "eos_token"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
+                  num_kv_blocks=40) as e:
+        tok = e.get_tokenizer()
+        assert (tok.eos_token, tok.eos_token_id, tok.all_special_ids) == (hf.eos_token, hf.eos_token_id,
+                                                                          hf.all_special_ids) == (None, None, [256])
+        assert e.prompts.eos_ids == (257, 260)  # (generations still end at the model's and generation_config's)
+
+
 def test_get_default_sampling_params_is_default_params(tmp_path):
     """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
     none): an AttributeError here, where the method is default_params()."""
