@@ -181,22 +181,31 @@ class EngineTokenizer:
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = False, continue_final_message: bool = False,
-                            tokenize: bool = True, return_dict: bool = False, **kwargs: Any) -> Any:
+    def apply_chat_template(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
+                            tools: list[dict] | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True, return_dict: bool = False,
+                            **kwargs: Any) -> Any:
         """The conversation through the engine's chat template (as TPEngine.chat renders it): the text, or with
         tokenize its token ids (the template writes the special tokens; transformers 4's list, or with return_dict
-        5's {"input_ids", "attention_mask"}). Other keywords are template variables, as in transformers, but for its
+        5's {"input_ids", "attention_mask"}); a list of conversations gives a list of each (a dict of lists), as
+        transformers batches them. Other keywords are template variables, as in transformers, but for its
         own options that are not taken here (NOT_TEMPLATE_VARIABLES), refused rather than handed to the template."""
         refused = sorted(NOT_TEMPLATE_VARIABLES & set(kwargs))
         if refused:
             raise RequestError(f"apply_chat_template here takes no {', '.join(refused)} (transformers' options): "
                                f"tokenize=False gives the text to tokenize or pad as you need")
-        text = self.codec.render_chat(list(conversation), add_generation_prompt, tools, kwargs, continue_final_message)
+        batch = isinstance(conversation, (list, tuple)) and bool(conversation) \
+            and isinstance(conversation[0], (list, tuple))  # (a list of conversations: a list for each answer)
+        texts = [self.codec.render_chat(list(c), add_generation_prompt, tools, kwargs, continue_final_message)
+                 for c in (conversation if batch else [conversation])]
         if not tokenize:
-            return text
-        ids = self.codec.encode_chat(text)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+            return texts if batch else texts[0]
+        ids = [self.codec.encode_chat(text) for text in texts]
+        if not return_dict:
+            return ids if batch else ids[0]
+        masks = [[1] * len(i) for i in ids]
+        return Encoded(input_ids=ids, attention_mask=masks) if batch else Encoded(input_ids=ids[0],
+                                                                                  attention_mask=masks[0])
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
         if isinstance(ids, int):

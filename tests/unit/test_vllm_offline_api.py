@@ -201,6 +201,28 @@ def test_get_tokenizer_has_no_eos_token_where_the_tokenizer_config_names_none(tm
         assert e.prompts.eos_ids == (257, 260)  # (generations still end at the model's and generation_config's)
 
 
+def test_get_tokenizer_renders_a_batch_of_conversations_as_transformers_does(tmp_path):
+    """apply_chat_template over a list of conversations (scripts render a data set's chats in one call) refused the
+    first conversation as a chat message with no role: a list of texts, of id lists, or a dict of lists, as
+    transformers gives them. The built-in model's template is compared through its transformers tokenizer too."""
+    from tpgraph.chat import BUILTIN_TEMPLATE
+
+    chats = [[{"role": "user", "content": "héllo"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+              {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]]
+    for kw, hf in hf_tokenizers(tmp_path):
+        hf.chat_template = hf.chat_template or BUILTIN_TEMPLATE
+        with TPEngine(device="cpu", max_num_seqs=2, max_model_len=128, num_kv_blocks=40, **kw) as e:
+            tok = e.get_tokenizer()
+            texts = tok.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
+            assert texts == hf.apply_chat_template(chats, tokenize=False, add_generation_prompt=True) \
+                == [e.render_chat(c) for c in chats]
+        assert tok.apply_chat_template(chats) == hf.apply_chat_template(chats, return_dict=False)
+        got, want = tok.apply_chat_template(chats, return_dict=True), hf.apply_chat_template(chats, return_dict=True)
+        assert got == dict(want) and got.input_ids == want.input_ids and len(got.input_ids) == 2
+        assert tok.apply_chat_template(chats[:1], tokenize=False) == [tok.apply_chat_template(chats[0], tokenize=False)]
+
+
 def test_get_default_sampling_params_is_default_params(tmp_path):
     """vLLM's LLM.get_default_sampling_params() (the generation_config defaults, what generate uses where given
     none): an AttributeError here, where the method is default_params()."""
