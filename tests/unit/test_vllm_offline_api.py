@@ -50,13 +50,15 @@ def test_a_vllm_keyword_with_no_setting_here_is_refused_saying_what_to_do(name, 
 
 def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone():
     """As the server's flags take them: trust_remote_code (no checkpoint code runs), swap_space (preemption
-    recomputes), disable_log_stats (nothing is logged periodically), kv_cache_dtype "auto" and tokenizer_mode
-    "auto"/"hf"; a value that would mean something else is refused by name."""
+    recomputes), disable_log_stats (nothing is logged periodically), kv_cache_dtype "auto", tokenizer_mode
+    "auto"/"hf" and max_num_partial_prefills 1 (a flag here, but a TypeError as a keyword); a value that would mean
+    something else is refused by name."""
     with engine(trust_remote_code=True, swap_space=4, disable_log_stats=True, kv_cache_dtype="auto",
-                tokenizer_mode="hf") as e:
+                tokenizer_mode="hf", max_num_partial_prefills=1) as e:
         assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
     for name, value, meaning in [("kv_cache_dtype", "fp8", "'auto' alone"),
                                  ("tokenizer_mode", "mistral", "'auto' or 'hf'"),
+                                 ("max_num_partial_prefills", 4, "1 alone"),
                                  ("trust_remote_code", "yes", "True or False"), ("swap_space", -1, "GiB >= 0")]:
         with pytest.raises(ConfigError, match=rf"{name}={value!r} \(vLLM's\) is not taken: {name} takes {meaning}"):
             TPEngine(device="cpu", **{name: value})

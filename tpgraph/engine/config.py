@@ -133,7 +133,8 @@ VLLM_KEYWORDS_NOT_TAKEN = {
 }
 # vLLM's keywords taken at the values that mean what tpgraph does anyway, as the server's flags take them
 # (engine/cli.py): no checkpoint code runs, so trusting it changes nothing; preemption recomputes, as vLLM's V1 engine
-# does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype
+# does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype;
+# prompts are chunked with no concurrent partial prefills
 VLLM_KEYWORDS_TAKEN = {
     "trust_remote_code": (lambda v: isinstance(v, bool), "True or False (no checkpoint code runs here)"),
     "swap_space": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0,
@@ -141,6 +142,9 @@ VLLM_KEYWORDS_TAKEN = {
     "disable_log_stats": (lambda v: isinstance(v, bool), "True or False (no statistics are logged periodically)"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (tokenizer.json, the fast tokenizer)"),
     "kv_cache_dtype": (lambda v: v == "auto", "'auto' alone (the KV cache holds the model's dtype; no fp8 cache)"),
+    "max_num_partial_prefills": (lambda v: not isinstance(v, bool) and v == 1,
+                                 "1 alone (prompts are chunked as vLLM's V1 engine chunks them, one partial prefill at "
+                                 "a time)"),
 }
 
 
