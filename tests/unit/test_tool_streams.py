@@ -10,6 +10,8 @@ from tpgtest.tool_replies import TIME, WEATHER, read_reply
 
 from tpgraph.server.json_stream import CallReader, Reencoder
 from tpgraph.server.reply import ReplyReader
+from tpgraph.server.tool_parsers import PARSERS
+from tpgraph.server.tool_streams import RequiredStream
 from tpgraph.server.tools import ToolOptions, ToolPlan
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -780,3 +782,52 @@ def test_a_word_that_no_json_value_begins_streams_as_content_as_it_comes(choice,
     _, streamed, streamed_reason = read(plan(choice, parser), reply, [1] * len(reply), stream=True)
     assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
     assert calls_of(whole) == [("get_weather", '{"city": ')] and whole["content"] == reply[len(head):]
+
+
+@pytest.mark.parametrize(("choice", "parser", "frame"), [
+    (None, "llama3_json", '{"name": "get_time", "parameters": "{\\"a\\": %s}"}'),
+    (None, "hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"a\\": %s}"}</tool_call>'),
+])
+@pytest.mark.parametrize("depth", [511, 512, 700])
+def test_arguments_written_as_a_json_string_are_held_to_the_same_depth(choice, parser, frame, depth):
+    """Arguments written as a JSON string of an object are read by the reader that reads them written as an object,
+    to the same depth (MAX_DEPTH, 512, the object one); json.loads took them up to Python's recursion limit."""
+    reply = frame % ("[" * depth + "]" * depth)
+    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    assert (calls_of(whole) != []) == (depth < 512) and (whole["content"] is None) == (depth < 512)
+    assert reason == ("tool_calls" if depth < 512 else "stop")
+
+
+def merged(events: list) -> list:
+    """Events with pieces of content, or of one call's arguments, in a row joined."""
+    out: list = []
+    for kind, text in events:
+        if out and kind == out[-1][0] != "call":
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+    return out
+
+
+@pytest.mark.parametrize(("choice", "parser"), [("required", None), (None, "llama3_json"), (None, "hermes"),
+                                                 (None, "pythonic")])
+def test_a_whole_reply_that_cannot_hold_a_call_is_content_at_once_as_a_stream_reads_it(choice, parser):
+    """A whole reply in which no offered name can be written (read_whole's early exit: a 120k-character JSON answer
+    is not read a character at a time) gives the events of reading it a character at a time: over the differential
+    corpus, whole and cut, with the tools offered and with names it holds none of."""
+    rng = random.Random(9)
+    kind = RequiredStream if choice == "required" else PARSERS[parser].stream
+    replies = [r for c, p, r in REPLIES + CUT_REPLIES if (c, p) == (choice, parser)]
+    replies += [random_reply(rng, parser) for _ in range(150)]
+    replies += ['{"results": [{"id": 1, "title": "get_time\\n"}], "name": "x"}', "", " ",
+                '{"name": "get_\\u0074ime", "parameters": {}}', '{"name": "a\\/b", "parameters": {}}']
+    early = 0
+    for reply in replies:
+        for text in {reply, reply[:rng.randrange(1, len(reply) + 1)] if reply else reply}:
+            for names in (NAMES, frozenset({"get_time"}), frozenset({"nope", "get_weather_now"}), frozenset({"a/b"})):
+                stream = kind(names, one_call=False)
+                early += not stream.may_call(text)
+                streamed = kind(names, one_call=False)
+                expected = merged([e for ch in text for e in streamed.feed(ch)] + streamed.finish())
+                assert merged(stream.read_whole(text)) == expected, (text, names)
+    assert early > 100 if parser != "pythonic" else early == 0  # (the exit was taken; a Python name has other forms)

@@ -1,8 +1,9 @@
-"""JSON read a character at a time, for tool calls that stream: a value re-encoded as it arrives, in the form
-`json.dumps(json.loads(text), ensure_ascii=False)` gives the whole (so a call's streamed arguments are the text a
-whole reply carries), and a call object `{"name": ..., "parameters": {...}}` whose arguments are sent as they come.
-Where they differ: a key given twice is written twice (json.loads keeps the last; a whole reply's arguments write it
-twice too, tool_parsers.JsonObject), and a lone surrogate written as an escape stays one.
+"""JSON read a character at a time, for tool calls: a value re-encoded as it arrives, in the form
+`json.dumps(json.loads(text), ensure_ascii=False)` gives the whole, and a call object `{"name": ..., "parameters":
+{...}}` whose arguments are sent as they come. Where they differ: a key given twice is written twice (json.loads
+keeps the last; a stream sends the first before it reads the second), and a lone surrogate written as an escape stays
+one. Raw control characters in strings (a tab, as models write) are taken; NaN, Infinity and a number past a float's
+range are refused (JSON has no form for them).
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from tpgraph.server.tool_parsers import MAX_DEPTH, arguments_text
-
 WHITESPACE = " \t\n\r"
 SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 LITERALS = ("true", "false", "null")
 NUMBER_CHARS = frozenset("-+.eE0123456789")
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+# a call's values nested deeper are refused (Python's json.loads, a client's too, stops near 1000)
+MAX_DEPTH = 512
 
 
 def encode_char(ch: str) -> str:
@@ -211,12 +212,23 @@ class Reencoder:
             self.high = self.high_raw = ""
 
 
+def object_text(text: str) -> str | None:
+    """JSON text of an object (arguments written as a JSON string of one), re-encoded as a stream re-encodes it; None
+    where it is no object."""
+    reader = Reencoder()
+    body = text.strip(WHITESPACE)
+    if not body.startswith("{") or not all(reader.feed(ch) for ch in body) or not reader.done:
+        return None
+    return reader.take()
+
+
 @dataclass
 class CallReader:
     """One call object, `{"name": "f", "parameters": {...}}` (the first of args_keys written is the arguments; a
-    name or arguments given again are skipped, as a whole reply reads them), fed a character at a time. Once it is
-    `ready`, `take_arguments()` gives the arguments' re-encoded text as it comes; arguments written before the name
-    wait for it. `failed`: no call (bad JSON, a name not offered, no arguments, or arguments that are no object)."""
+    name or arguments given again are skipped: the first was sent before the second was read), fed a character at a
+    time. Once it is `ready`, `take_arguments()` gives the arguments' re-encoded text as it comes; arguments written
+    before the name wait for it. `failed`: no call (bad JSON, a name not offered, no arguments, or arguments that are
+    no object)."""
 
     names: frozenset[str]
     args_keys: tuple[str, ...] = ("parameters", "arguments")
@@ -244,7 +256,7 @@ class CallReader:
     @property
     def ready(self) -> bool:
         """Is this a call for certain (its name read and offered, its arguments begun)? (A call object without
-        arguments is none, as a whole reply reads it.)"""
+        arguments is none.)"""
         return self.name is not None and self.has_args
 
     def take_arguments(self) -> str:
@@ -324,7 +336,7 @@ class CallReader:
         elif role == "args":
             self.args_done = True
         elif role == "args_text":  # (arguments written as a JSON string: sent whole, once read)
-            text = arguments_text(json.loads("".join(value.out)))
+            text = object_text(json.loads("".join(value.out)))
             if text is None:
                 self.failed = True
             else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from tpgraph.errors import ConfigError
-from tpgraph.server.tool_parsers import tag_begun
+from tpgraph.server.tool_streams import tag_begun
 
 
 @dataclass(frozen=True)

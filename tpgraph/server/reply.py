@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpgraph.server.reasoning import ReasoningReader
-from tpgraph.server.tool_parsers import ParsedCall, required_calls
-from tpgraph.server.tool_streams import STREAMS, CallStream, Event, RequiredStream
+from tpgraph.server.tool_streams import CallStream, Event, RequiredStream
 from tpgraph.server.tools import ToolPlan, tool_call_id
 
 
@@ -42,17 +41,15 @@ class Delta:
 class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
     and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
-    "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, and
-    one that does not parse as calls is content, unless a call in it broke off (cut by max_tokens or an EOS, or bad
-    JSON): such a reply is read as a stream reads it, which cannot take back the part call it sent, so that a
-    reply is the same streamed or whole."""
+    "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, as a
+    stream reads them, so that a reply is the same streamed or whole (a call in it that broke off, cut by max_tokens
+    or an EOS, or bad JSON, is kept as far as it went, as a stream cannot take back the part call it sent)."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
     stream: bool = False
     include_reasoning: bool = True  # (false: the thoughts are split out and left out of the reply)
     reasoning: str = ""  # all the reasoning sent
-    text: str = ""  # (a whole reply, "required" or "auto") its answer, once whole
     pieces: list[str] = field(default_factory=list)  # (a whole reply, "required" or "auto") the answer as it came
     contents: list[str] = field(default_factory=list)  # the content sent, in pieces (+= copied it all every token)
     call_deltas: list[dict] = field(default_factory=list)
@@ -67,7 +64,7 @@ class ReplyReader:
     def _call_stream(self) -> CallStream | None:
         """("required" and "auto") a reader of the calls as they are written."""
         plan = self.plan
-        kind = RequiredStream if plan.mode == "required" else STREAMS.get(plan.parser.name) if plan.parser else None
+        kind = RequiredStream if plan.mode == "required" else plan.parser.stream if plan.parser else None
         return None if kind is None else kind(plan.names, plan.one_call)
 
     def feed(self, text: str) -> Delta:
@@ -131,28 +128,8 @@ class ReplyReader:
             return Delta(), finish_reason
         if self.calls is not None:
             return self._streamed(self.calls, self.calls.finish(), finish_reason)
-        self.text = "".join(self.pieces)
-        if mode == "required":
-            parsed, at = required_calls(self.text, self.plan.names)
-            if not parsed or at < len(self.text):  # (no calls, or calls that broke off: read as a stream reads them)
-                return self._read_as_stream(finish_reason)
-            if self.plan.one_call:
-                parsed = parsed[:1]
-            return Delta("", [self._call(c) for c in parsed]), \
-                "tool_calls" if finish_reason == "stop" else finish_reason
-        content, parsed = self.plan.parser.parse(self.text, self.plan.names)
-        if not parsed:  # (no calls, or calls that broke off)
-            return self._read_as_stream(finish_reason)
-        if self.plan.one_call:
-            parsed = parsed[:1]
-        return Delta(content or "", [self._call(c) for c in parsed]), \
-            "tool_calls" if finish_reason == "stop" else finish_reason
-
-    def _read_as_stream(self, finish_reason: str | None) -> tuple[Delta, str | None]:
-        """A whole reply read as a stream reads it: where a call it began broke off, the stream sent the call as far
-        as it went and the rest as content; where none did, the reply is content."""
-        calls = self._call_stream()
-        return self._streamed(calls, calls.feed(self.text) + calls.finish(), finish_reason)
+        calls = self._call_stream()  # (a whole reply is read once it is whole)
+        return self._streamed(calls, calls.read_whole("".join(self.pieces)), finish_reason)
 
     def _streamed(self, calls: CallStream, events: list[Event], finish_reason: str | None
                   ) -> tuple[Delta, str | None]:
@@ -177,11 +154,6 @@ class ReplyReader:
             else:
                 delta.calls.append({"index": self.sent_calls - 1, "function": {"arguments": text}})
         return delta
-
-    def _call(self, call: ParsedCall) -> dict:
-        index, self.sent_calls = self.sent_calls, self.sent_calls + 1
-        return {"index": index, "id": tool_call_id(), "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def merge_calls(deltas: list[dict]) -> list[dict]:

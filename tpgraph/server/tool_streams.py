@@ -1,32 +1,51 @@
-"""Tool calls read from a streamed reply as they are written, so that a client sees each call's name once it is
-known and its arguments as they are generated, as vLLM's streaming tool parsers send them. A reading turns text
+"""Tool calls read from a reply as they are written, so that a client sees each call's name once it is known and its
+arguments as they are generated, as vLLM's streaming tool parsers send them. A whole (non-streamed) reply is read by
+the same reader, fed in one piece (read_whole), so that a reply is the same streamed or whole. A reading turns text
 into events: ("content", text); ("call", name) where a call begins; ("args", text), more of its arguments.
 
-- JSON arguments are re-encoded as they come (json_stream.py), so their text is what the whole reply's parse gives;
-  pythonic ones are written as JSON a keyword argument at a time.
+- JSON arguments are re-encoded as they come (json_stream.py), in the form json.dumps gives; pythonic ones are
+  written as JSON a keyword argument at a time.
 - A call is sent once its name is read and is one of the request's tools, and its arguments have begun (an object;
   arguments written as a JSON string of one, once that is read; a pythonic call's first keyword argument, read).
 - What turns out to be no call is sent as content, so nothing the model wrote is lost. Where no call was sent yet,
-  that is the whole reply, as a whole reply is read. Otherwise it is the text from where the calls stopped parsing.
+  that is the whole reply. Otherwise it is the text from where the calls stopped parsing.
 - A call begun and then broken off (cut by max_tokens or an EOS, or bad JSON) keeps what was sent of it: deltas
   cannot be taken back. Its arguments are left as the model wrote them (no JSON is made up to close them), and the
   reply's finish_reason is then never "tool_calls", which tells a client its calls are whole: "length" where
-  max_tokens cut it, as OpenAI reports a cut call, "stop" where the model stopped. A whole reply with such a call is
-  read as a stream reads it (reply.py), so that it is the same streamed or whole.
-- With parallel_tool_calls false, later calls are read and left out, as a whole reply leaves them out.
+  max_tokens cut it, as OpenAI reports a cut call, "stop" where the model stopped.
+- With parallel_tool_calls false, later calls are read and left out.
 Each character is looked at once, whatever was held before it: long runs of whitespace cost no rescans.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import re
 import unicodedata
+import warnings
 
 from tpgraph.server.json_stream import WHITESPACE, CallReader
-from tpgraph.server.tool_parsers import PythonicParser, arguments_text, parse_expression, tag_begun
 
 Event = tuple[str, str]
 PY_SPACE = " \t\n\r\x0c"  # Python's whitespace between tokens (around a whole reply, str.strip takes any)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def tag_begun(text: str, tag: str) -> int:
+    """How many characters at text's end could begin `tag` (held back while streaming, until it is told)."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+def parse_expression(text: str) -> ast.expr:
+    """A Python expression's tree, parsed and never run, without the warnings some literals raise (a model's odd
+    escapes would print them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(text, mode="eval").body
 
 
 class CallStream:
@@ -80,6 +99,19 @@ class CallStream:
         if not self.announced and (self.calls == 0 or held.rstrip().strip(self.SEPARATORS)):
             self._content(held)
         return self._take()
+
+    def read_whole(self, text: str) -> list[Event]:
+        """A whole reply's events: those of its text fed in one piece, then finished. (A reply that cannot hold a
+        call is content at once: no need to read a long JSON answer a character at a time.)"""
+        if not self.may_call(text):
+            return [("content", text)] if text else []
+        return self.feed(text) + self.finish()
+
+    def may_call(self, text: str) -> bool:
+        """Could the whole text hold a call? Its name is a JSON string: where no escape is written that could spell
+        one of the tools' names otherwise (\\u, \\/), a name that needs none stands in the text as written, quoted."""
+        return "\\u" in text or "\\/" in text or any(
+            not n.isprintable() or '"' in n or "\\" in n or f'"{n}"' in text for n in self.names)
 
     def _frame(self, ch: str) -> None:
         raise NotImplementedError
@@ -256,8 +288,8 @@ class RequiredStream(CallStream):
         super()._give_up(rest if self.announced else self._past_separator(rest))
 
     def _past_separator(self, held: str) -> str:
-        """Text held after a call, from where a whole reply's text begins (required_calls): past the whitespace and
-        comma between calls, which are no content."""
+        """Text held after a call, from where the content begins: past the whitespace and comma between calls, which
+        are no content."""
         if not self.calls or self.announced:
             return held
         rest = held.lstrip(WHITESPACE)
@@ -347,7 +379,7 @@ class PythonicStream(CallStream):
     breaks off after an argument was sent is closed, so its arguments stay a JSON object (one cut by max_tokens is
     not)."""
 
-    TAG, END = PythonicParser.TAG, PythonicParser.END
+    TAG, END = "<|python_start|>", "<|python_end|>"  # (Llama 4's)
     SEPARATORS = None  # (any whitespace, as str.strip takes it around a whole reply)
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
@@ -363,6 +395,9 @@ class PythonicStream(CallStream):
         self.comment = False  # inside a "#" comment between calls, to its line's end
         self.continued = False  # a backslash between calls: a line continuation, if a line's end follows
         self.parens = [0, 0]  # parentheses around the call being read (ast drops them): opened, closed
+
+    def may_call(self, text: str) -> bool:
+        return True  # (a name may be written in other forms Python reads as the same, NFKC: "ｇet" is "get")
 
     def finish(self) -> list[Event]:
         if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content
@@ -463,12 +498,15 @@ class PythonicStream(CallStream):
         if call is not None and (call.args or call.keywords):  # (comments and line continuations alone are none)
             try:
                 (keyword,) = call.keywords
-                entry = arguments_text({keyword.arg: ast.literal_eval(keyword.value)})
+                # (TypeError, ValueError: a value JSON has no form for, a set or NaN; a lone surrogate, which UTF-8
+                # cannot encode raw, is written as an escape)
+                entry = LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(
+                    {keyword.arg: ast.literal_eval(keyword.value)}, ensure_ascii=False, allow_nan=False))
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, ArithmeticError):
                 return False
-            if call.args or keyword.arg is None or keyword.arg in self.keys or entry is None:
+            if call.args or keyword.arg is None or keyword.arg in self.keys:
                 return False
-            self._send(("{" if not self.keys else ", ") + entry[1:-1])  # ("key": value, as a whole reply writes it)
+            self._send(("{" if not self.keys else ", ") + entry[1:-1])  # ("key": value, as json.dumps writes it)
             self.keys.add(keyword.arg)
         elif not last:  # (an empty argument; one after a trailing comma, or in "f()", is none)
             return False
@@ -489,6 +527,3 @@ class PythonicStream(CallStream):
             self._event("call", self.name)
         self._event("args", text)
 
-
-STREAMS: dict[str, type[CallStream]] = {"llama3_json": Llama3JsonStream, "hermes": HermesStream,
-                                        "pythonic": PythonicStream}

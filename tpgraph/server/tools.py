@@ -10,7 +10,7 @@
   its own format (tool_parsers.py). A server started without one refuses "auto", as vLLM does.
 
 Streamed, "required" and "auto" calls are sent as they are written (tool_streams.py); a whole reply is read as calls
-once it is whole.
+once it is whole, by the same reader.
 
 Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text). finish_reason is
 "tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a call cut
@@ -29,7 +29,7 @@ from typing import Any
 
 from tpgraph.engine.structured import StructuredOutput
 from tpgraph.errors import RequestError
-from tpgraph.server.tool_parsers import JSON_ERRORS, PARSERS, ToolParser
+from tpgraph.server.tool_parsers import PARSERS, ToolParser
 
 NAMED_USAGE = 'a named tool_choice is {"type": "function", "function": {"name": "my_function"}}'
 
@@ -146,7 +146,7 @@ def history_call(call: Any, where: str) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except JSON_ERRORS as exc:
+        except (ValueError, RecursionError) as exc:  # (RecursionError: nesting past the stack)
             raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON object")
