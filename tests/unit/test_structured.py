@@ -90,6 +90,8 @@ def test_constrained_steps_stay_overlapped():
     (StructuredOutput.json_schema({"type": "string", "format": "uri", "maxLength": 9}),
      "format with minLength or maxLength at #"),
     (StructuredOutput.json_schema({"oneOf": []}), "an empty oneOf at #"),  # (its reply was "", no JSON)
+    (StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}),
+     "required 'b' without a properties entry beside it at #"),  # (its reply was {"a": 1}, or {})
 ])
 def test_a_spec_that_does_not_compile_is_refused_when_the_request_is_taken(spec, needle):
     with engine() as e:
@@ -114,6 +116,13 @@ def test_what_xgrammar_leaves_unenforced_is_what_is_refused():
         ({"type": "integer", "multipleOf": 5.0}, "7", False),
         ({"type": "integer", "multipleOf": 2.5}, "3", True),
         ({"type": ["number", "null"], "multipleOf": 5}, "7", True),
+        # a required name is held only where the same schema's properties list it
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "{}", False),
+        ({"type": "object", "required": ["b"], "additionalProperties": True}, "{}", True),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1}', True),
+        ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+          "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "{}", True),
+        ({"$defs": {"o": {"type": "object", "required": ["z"]}}, "$ref": "#/$defs/o"}, "{}", True),
     ]:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         assert _is_grammar_accept_string(grammar, breaking) is refused, schema

@@ -313,8 +313,9 @@ def json_schema_grammar(schema: str) -> Any:
 
 # What xgrammar (0.2.9) compiles a JSON schema without, leaving the reply free of it: the keywords it reads past, and
 # the ones it drops beside others (a $ref's siblings, the second schema of allOf on, a pattern's or format's length
-# bounds, multipleOf but an integral one on integers). vLLM refuses such a schema for xgrammar too (it has a
-# fallback; this has none).
+# bounds, multipleOf but an integral one on integers, a required name the same schema's properties do not list:
+# {"required": ["b"]} alone, or an anyOf branch {"required": ["a"]} under its parent's properties, lets "{}" through).
+# vLLM refuses most such schemas for xgrammar too (it has a fallback; this has none).
 _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                "dependentSchemas", "dependencies")
 _ANNOTATIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title", "description",
@@ -353,6 +354,11 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
         found.append("allOf with more than one schema")
     if ("pattern" in schema or schema.get("format") in _FORMATS) and ("minLength" in schema or "maxLength" in schema):
         found.append(f"{'pattern' if 'pattern' in schema else 'format'} with minLength or maxLength")
+    required, props = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):  # (xgrammar writes only the listed properties it is told to: others it drops)
+        unlisted = [n for n in required if isinstance(n, str) and not (isinstance(props, dict) and n in props)]
+        if unlisted:
+            found.append(f"required {unlisted[0]!r} without a properties entry beside it")
     if "$ref" in schema and set(schema) - _ANNOTATIONS:
         found.append(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS))}")
     found += [f"an empty {k}" for k in ("anyOf", "oneOf", "allOf") if schema.get(k) == []]  # (the reply was "")
