@@ -152,6 +152,7 @@ def test_schemas_that_xgrammar_enforces_are_not_refused_for_look_alikes():
 @pytest.mark.parametrize(("make", "needle"), [
     (lambda: StructuredOutput("yaml"), "kind must be one of"),
     (lambda: StructuredOutput("choice", '["a", ""]'), "non-empty list of non-empty strings"),
+    (lambda: StructuredOutput.choice("yes"), "a choice is a list of strings, got 'yes'"),
     (lambda: StructuredOutput("json_schema", "[1]"), "a JSON schema is an object"),
     (lambda: StructuredOutput("regex", ""), "the regex is empty"),
     (lambda: SamplingParams(structured=StructuredOutput("regex", "a"), ignore_eos=True),

@@ -302,6 +302,9 @@ def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():
     (dict(structured_outputs={"json": {}, "whitespace_pattern": " "}), "whitespace_pattern is not taken"),
     (dict(guided_decoding={"json": {}, "backend": "outlines"}), "backend='outlines' is not taken"),
     (dict(structured_outputs="json"), "structured_outputs must be a StructuredOutput"),
+    # a lone string (or a mapping) as the choice: it was iterated, a choice of "y", "e" and "s"
+    (dict(structured_outputs={"choice": "yes"}), "a choice is a list of strings, got 'yes'"),
+    (dict(guided_decoding={"choice": {"yes": 1}}), "a choice is a list of strings, got {'yes': 1}"),
     (dict(n=2, best_of=4), r"best_of=4 is not taken \(vLLM's V1 engine dropped it too\): ask n=4 samples with "
                            r"logprobs=0 and keep the 2 with the highest cumulative_logprob"),
 ])

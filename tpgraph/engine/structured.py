@@ -25,8 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import reprlib
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +77,9 @@ class StructuredOutput:
     def choice(options: list[str]) -> StructuredOutput:
         # (a set's order is its process's, str hashes being seeded per process: sorted, so that every rank under
         # torchrun makes the same spec; repr, so that a mixed set is refused by the check, not a TypeError)
+        # (a lone string or a mapping is refused, not iterated: choice="yes" was the choice of "y", "e" and "s")
+        if isinstance(options, (str, bytes, Mapping)) or not isinstance(options, Iterable):
+            raise RequestError(f"a choice is a list of strings, got {reprlib.repr(options)}")
         listed = sorted(options, key=repr) if isinstance(options, (set, frozenset)) else list(options)
         return StructuredOutput("choice", json.dumps(listed))
 
