@@ -1,6 +1,8 @@
 """The request bodies: explicit nulls are the defaults, ids are integers, and what the server cannot honour is
 refused rather than ignored."""
 
+import json
+
 import pytest
 
 pytest.importorskip("pydantic")
@@ -97,6 +99,61 @@ def test_logit_bias_keys_are_token_ids_on_both_endpoints():
                          ({"7": 1, "07": 2}, "names token 7 twice"), ({"7": 101}, r"must be in \[-100.0, 100.0\]")):
         with pytest.raises(RequestError, match=needle):
             CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": bias}).sampling_params(4, None)
+
+
+@pytest.mark.parametrize("options, refusal", [
+    ({"whitespace_pattern": " "}, "whitespace_pattern is not taken"),
+    ({"disable_additional_properties": True}, "disable_additional_properties=True is not taken"),
+    ({"backend": "outlines"}, "backend='outlines' is not taken"),
+    ({"disable_any_whitespace": "no"}, "disable_any_whitespace is true or false, got 'no'"),
+])
+def test_structured_outputs_options_the_server_cannot_honour_are_refused_as_offline(options, refusal):
+    """whitespace_pattern, disable_additional_properties and a backend other than xgrammar were taken unchanged
+    here (and backend was "not one of json, ..."), while StructuredOutputsParams refused them: one policy for both."""
+    from tpgraph.engine.structured import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    for form in ({"structured_outputs": {"json": schema, **options}},
+                 {"guided_json": schema, "structured_outputs": options}):
+        with pytest.raises(RequestError, match=refusal):
+            ChatRequest.model_validate({**CHAT, **form}).sampling_params(4, None)
+    with pytest.raises(RequestError, match=refusal):
+        StructuredOutputsParams(json=schema, **options)
+
+
+def test_disable_any_whitespace_false_is_honoured_on_json_as_offline():
+    """disable_any_whitespace: false asks for JSON with free whitespace (vLLM's xgrammar default); it was dropped
+    here, the request compiled without. True, null or absent is this server's default; backend xgrammar or auto is
+    taken; on a regex, grammar or choice the option has nothing to change."""
+    from tpgraph.engine.structured import StructuredOutput, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    spaced = StructuredOutput("json_schema", StructuredOutput.json_schema(schema).spec, any_whitespace=True)
+    cases = [({"structured_outputs": {"json": schema, "disable_any_whitespace": False}}, spaced),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+               "structured_outputs": {"disable_any_whitespace": False, "backend": "auto"}}, spaced),
+             ({"structured_outputs": {"json_object": True, "disable_any_whitespace": False}},
+              StructuredOutput("json_object", any_whitespace=True)),
+             ({"structured_outputs": {"json": schema, "disable_any_whitespace": True, "backend": "xgrammar"}},
+              StructuredOutput.json_schema(schema)),
+             ({"structured_outputs": {"json": schema, "disable_any_whitespace": None}},
+              StructuredOutput.json_schema(schema)),
+             ({"structured_outputs": {"regex": "a", "disable_any_whitespace": False}}, StructuredOutput("regex", "a"))]
+    for extra, want in cases:
+        assert ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None).structured == want, extra
+        body = {"model": "m", "prompt": "x", **extra}
+        assert CompletionRequest.model_validate(body).sampling_params(4, None).structured == want, extra
+    assert StructuredOutputsParams(json=schema, disable_any_whitespace=False) == spaced
+    assert StructuredOutputsParams(json_object=True, disable_any_whitespace=False).any_whitespace
+    assert StructuredOutputsParams(json=schema, disable_any_whitespace=True, backend="auto") == cases[3][1]
+    assert StructuredOutputsParams(regex="a", disable_any_whitespace=False) == StructuredOutput("regex", "a")
+    # (the SPMD check digests repr(SamplingParams): equal calls, by either form, digest alike; the option shows)
+    from tpgraph import SamplingParams
+
+    as_dict = SamplingParams(structured_outputs={"json": schema, "disable_any_whitespace": False})
+    spaced_too = SamplingParams(guided_decoding=StructuredOutputsParams(json=json.dumps(schema),
+                                                                        disable_any_whitespace=False))
+    assert repr(as_dict) == repr(spaced_too) != repr(SamplingParams(structured_outputs={"json": schema}))
 
 
 def test_response_format_and_guided_fields_become_one_structured_output():

@@ -200,6 +200,25 @@ def test_choices_outside_the_bmp_and_json_objects_come_out_as_asked():
         assert sample.text.startswith("{") and not re.search(r"[\t\r\n]", sample.text), sample.text
 
 
+def test_json_with_any_whitespace_takes_whitespace_between_tokens_and_the_default_does_not():
+    """disable_any_whitespace=False (StructuredOutput.any_whitespace) compiles JSON as vLLM's xgrammar backend does,
+    with free whitespace between tokens; by default ", " and ": " are the only spaces."""
+    from tpgraph.engine.structured import GrammarCompiler, StructuredOutputsParams
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    grammars = GrammarCompiler(builtin_tokenizer(), 258, (257,))
+    spaced, compact = '{ "ok" :true,\n  "color" : "red" }', '{"ok": true, "color": "red"}'
+    for asked in (dict(json=SCHEMA), dict(json_object=True)):
+        free = StructuredOutputsParams(**asked, disable_any_whitespace=False)
+        for spec, text, ok in [(free, spaced, True), (free, compact, True),
+                               (StructuredOutputsParams(**asked), spaced, False),
+                               (StructuredOutputsParams(**asked), compact, True)]:
+            matcher = grammars.matcher(spec)
+            assert (matcher.accept_string(text) and matcher.accept_token(257)) is ok, (asked, spec, text)
+    with pytest.raises(RequestError, match="any_whitespace holds JSON only"):
+        StructuredOutput("regex", "a", any_whitespace=True)
+
+
 def test_the_compiler_is_bounded_says_why_it_refuses_and_needs_an_eos():
     from tpgraph.engine.structured import GrammarCompiler
     from tpgraph.tokenizer import builtin_tokenizer

@@ -301,6 +301,9 @@ def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():
                                                                "json_object=True, got regex, choice"),
     (dict(structured_outputs={"json": {}, "whitespace_pattern": " "}), "whitespace_pattern is not taken"),
     (dict(guided_decoding={"json": {}, "backend": "outlines"}), "backend='outlines' is not taken"),
+    (dict(structured_outputs={"json": {}, "disable_additional_properties": True}),
+     "disable_additional_properties=True is not taken"),
+    (dict(guided_decoding={"regex": "a", "backend": "guidance"}), "backend='guidance' is not taken"),
     (dict(structured_outputs="json"), "structured_outputs must be a StructuredOutput"),
     # a lone string (or a mapping) as the choice: it was iterated, a choice of "y", "e" and "s"
     (dict(structured_outputs={"choice": "yes"}), "a choice is a list of strings, got 'yes'"),

@@ -14,14 +14,18 @@ thread before queueing it (EngineService.precompile), and keeps the last 64. At 
 of the grammar first, and they compile it on a thread of their own while it does (compile_soon), so that none
 stalls a step on it when the request arrives.
 
-JSON has no free whitespace (xgrammar writes ", " and ": " between items): a model that may emit whitespace
-anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. Strings with minLength or
+JSON has no free whitespace by default (xgrammar writes ", " and ": " between items): a model that may emit
+whitespace anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. A request that
+asks for it (vLLM's disable_any_whitespace=False, StructuredOutput.any_whitespace) gets JSON as vLLM's xgrammar
+backend compiles it, whitespace free between tokens. vLLM's per-request options are read in one place for the
+server and the offline API alike (with_structured_options). Strings with minLength or
 maxLength are mended where xgrammar writes them wrong (json_schema_grammar); a schema with a keyword xgrammar
 would compile without (uniqueItems, not, if, ...: unenforced_keyword) is refused, naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -39,6 +43,8 @@ from tpgraph.errors import RequestError
 
 logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+JSON_KINDS = ("json_schema", "json_object")  # (the kinds whose whitespace any_whitespace frees)
+BACKENDS = ("xgrammar", "auto")  # (vLLM's backend names that mean what runs here)
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
 _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
 
@@ -46,10 +52,12 @@ _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must match. `spec`: the JSON schema (as JSON text), the regular expression, the EBNF
-    grammar, or for `choice` a JSON list of the strings allowed; empty for `json_object`."""
+    grammar, or for `choice` a JSON list of the strings allowed; empty for `json_object`. `any_whitespace`: JSON
+    with free whitespace between tokens (vLLM's disable_any_whitespace=False); off, none but ", " and ": "."""
 
     kind: str
     spec: str = ""
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,6 +80,10 @@ class StructuredOutput:
                 raise RequestError("a choice is a non-empty list of non-empty strings")
         if self.kind in ("regex", "grammar") and not self.spec:
             raise RequestError(f"the {self.kind} is empty")
+        if not isinstance(self.any_whitespace, bool):
+            raise RequestError(f"any_whitespace is True or False, got {self.any_whitespace!r}")
+        if self.any_whitespace and self.kind not in JSON_KINDS:
+            raise RequestError(f"any_whitespace holds JSON only (json_schema, json_object), not a {self.kind}")
 
     @staticmethod
     def choice(options: list[str]) -> StructuredOutput:
@@ -95,9 +107,8 @@ def structured_outputs_params(json: dict | str | Any = None, regex: str | None =
                               structural_tag: str | None = None, backend: str | None = None) -> StructuredOutput:
     """vLLM's StructuredOutputsParams (and GuidedDecodingParams before it), made as the StructuredOutput it asks for:
     one of `json` (a JSON schema: a dict, its text, or a pydantic model class), `regex`, `choice`, `grammar` (EBNF)
-    and `json_object=True`. Its options are taken where they ask what happens here: no other backend to fall back to
-    (disable_fallback, backend "xgrammar" or "auto"), JSON without free whitespace (disable_any_whitespace=True); the
-    others (whitespace_pattern, disable_additional_properties=True, structural_tag) are refused."""
+    and `json_object=True`. Its options are read as the server reads them (with_structured_options); structural_tag
+    is refused."""
     if hasattr(json, "model_json_schema"):  # (a pydantic model class, as vLLM's examples define one)
         json = json.model_json_schema()
     asked = [kind for kind, value in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar),
@@ -105,20 +116,56 @@ def structured_outputs_params(json: dict | str | Any = None, regex: str | None =
     if len(asked) != 1:
         raise RequestError(f"give one of json, regex, choice, grammar and json_object=True, got "
                            f"{', '.join(asked) or 'none'}")
-    refused = {"disable_any_whitespace=False": disable_any_whitespace is False,
-               "disable_additional_properties=True": bool(disable_additional_properties),
-               "whitespace_pattern": whitespace_pattern is not None, "structural_tag": structural_tag is not None,
-               f"backend={backend!r}": backend not in (None, "auto", "xgrammar")}
-    if any(refused.values()):
-        raise RequestError(f"structured outputs here are xgrammar's, JSON written without free whitespace, a schema "
-                           f"as given: {', '.join(k for k, v in refused.items() if v)} is not taken")
+    if structural_tag is not None:
+        raise RequestError("structural_tag is not taken: give one of json, regex, choice, grammar and json_object")
     if json is not None:
-        return StructuredOutput.json_schema(json)
-    if choice is not None:
-        return StructuredOutput.choice(choice)
-    if json_object:
-        return StructuredOutput("json_object")
-    return StructuredOutput("regex", regex) if regex is not None else StructuredOutput("grammar", grammar)
+        asked = StructuredOutput.json_schema(json)
+    elif choice is not None:
+        asked = StructuredOutput.choice(choice)
+    elif json_object:
+        asked = StructuredOutput("json_object")
+    else:
+        asked = StructuredOutput("regex", regex) if regex is not None else StructuredOutput("grammar", grammar)
+    return with_structured_options(asked, disable_fallback=disable_fallback,
+                                   disable_any_whitespace=disable_any_whitespace,
+                                   disable_additional_properties=disable_additional_properties,
+                                   whitespace_pattern=whitespace_pattern, backend=backend)
+
+
+# vLLM's per-request options (StructuredOutputsParams' fields beside what to match, the server's structured_outputs
+# keys): with_structured_options reads each
+STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern", "backend")
+
+
+def with_structured_options(asked: StructuredOutput | None, *, disable_fallback: Any = None,
+                            disable_any_whitespace: Any = None, disable_additional_properties: Any = None,
+                            whitespace_pattern: Any = None, backend: Any = None) -> StructuredOutput | None:
+    """What a request asks to match (None: nothing) with vLLM's per-request options applied, for the server and
+    the offline API alike; an option that cannot be honoured here is refused by name, whether or not a kind is asked.
+    - disable_any_whitespace: None or True, JSON without free whitespace (the default); False, JSON with whitespace
+      free between tokens as vLLM's xgrammar backend compiles it (nothing to change on a regex, choice or grammar).
+    - disable_fallback: taken (there is no other backend to fall back to).
+    - backend: None, "xgrammar" or "auto"; any other is refused.
+    - whitespace_pattern and disable_additional_properties=True: refused (xgrammar has no such options)."""
+    for name, value in (("disable_fallback", disable_fallback), ("disable_any_whitespace", disable_any_whitespace),
+                        ("disable_additional_properties", disable_additional_properties)):
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"{name} is true or false, got {reprlib.repr(value)}")
+    if whitespace_pattern is not None:
+        raise RequestError("whitespace_pattern is not taken: structured outputs here are xgrammar's, which cannot "
+                           "hold JSON's whitespace to a pattern; leave it out (JSON is written without free "
+                           "whitespace), or give disable_any_whitespace=False for whitespace free between tokens")
+    if disable_additional_properties:
+        raise RequestError("disable_additional_properties=True is not taken (vLLM's option for its guidance "
+                           "backend): structured outputs here are xgrammar's, which holds an object to the "
+                           "properties its schema lists unless its additionalProperties allows more; leave it out")
+    if backend is not None and backend not in BACKENDS:
+        raise RequestError(f"backend={reprlib.repr(backend)} is not taken: structured outputs here are xgrammar's; "
+                           f"leave backend out or give 'xgrammar' or 'auto'")
+    if asked is None or disable_any_whitespace is not False or asked.kind not in JSON_KINDS:
+        return asked
+    return dataclasses.replace(asked, any_whitespace=True)
 
 
 # vLLM's names, as its scripts import them (vllm.sampling_params; SamplingParams(structured_outputs=...) takes them)
@@ -216,9 +263,9 @@ class GrammarCompiler:
     @staticmethod
     def _compile(compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_schema":
-            return compiler.compile_grammar(json_schema_grammar(spec.spec))
+            return compiler.compile_grammar(json_schema_grammar(spec.spec, spec.any_whitespace))
         if spec.kind == "json_object":  # (an object, as OpenAI's json_object means; xgrammar's builtin takes any JSON)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":  # one EBNF rule of the choices as string literals (JSON's escapes)
@@ -296,15 +343,16 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # (the unbounded strings' class is [^\0-\
 _JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
 
 
-def json_schema_grammar(schema: str) -> Any:
-    """A JSON schema's xgrammar Grammar (no free whitespace), its length-bounded strings mended (see above); a
-    grammar whose mended text does not read back is used as xgrammar wrote it."""
+def json_schema_grammar(schema: str, any_whitespace: bool = False) -> Any:
+    """A JSON schema's xgrammar Grammar (free whitespace between tokens only with `any_whitespace`), its
+    length-bounded strings mended (see above); a grammar whose mended text does not read back is used as xgrammar
+    wrote it."""
     import xgrammar as xgr
 
     ignored = unenforced_keyword(json.loads(schema))
     if ignored is not None:  # (xgrammar compiles it without the keyword: replies would not match their schema)
         raise ValueError(f"{ignored} is not supported (xgrammar would leave it unenforced)")
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
     text = str(grammar)
     if _BOUNDED_STRING_CHAR not in text or "basic_escape ::=" not in text:
         return grammar

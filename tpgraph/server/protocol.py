@@ -14,15 +14,11 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from tpgraph.engine.structured import StructuredOutput
+from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# vLLM's structured_outputs options, taken and left as this server has them (JSON without free whitespace, no
-# fallback backend)
-STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                      "whitespace_pattern")
 
 
 class NullMeansDefault(BaseModel):
@@ -166,7 +162,8 @@ class SamplingFields(NullMeansDefault):
         return server_default if asked is None else asked
 
     def structured_output(self) -> StructuredOutput | None:
-        """What response_format or a guided_* field asks the output to match (at most one of them)."""
+        """What response_format or a guided_* field asks the output to match (at most one of them), with
+        structured_outputs' options (disable_any_whitespace, backend, ...) read as the offline API reads them."""
         asked = []
         fmt = self.response_format
         if fmt is not None:
@@ -190,7 +187,7 @@ class SamplingFields(NullMeansDefault):
         if self.guided_grammar is not None:
             asked.append(StructuredOutput("grammar", self.guided_grammar))
         for key, value in (self.structured_outputs or {}).items():
-            if value is None or value is False or key in STRUCTURED_OPTIONS:  # (not asked; options this keeps fixed)
+            if value is None or value is False or key in STRUCTURED_OPTIONS:  # (not asked; options, read below)
                 continue
             if key == "json":
                 asked.append(StructuredOutput.json_schema(value))
@@ -206,7 +203,8 @@ class SamplingFields(NullMeansDefault):
         if len(asked) > 1:
             raise RequestError("give one of response_format (json), guided_json, guided_regex, guided_choice, "
                                "guided_grammar and structured_outputs")
-        return asked[0] if asked else None
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k in STRUCTURED_OPTIONS}
+        return with_structured_options(asked[0] if asked else None, **options)
 
     def truncation(self, max_model_len: int, max_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens to keep (None: all, and a prompt too long is refused). -1: as many
