@@ -7,10 +7,13 @@ daemon processes of the user's process: they go when it exits, and their peer wa
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import signal
 import socket
 import sys
 from typing import Any
+
+from tpgraph.errors import ConfigError
 
 
 def free_tcp_init() -> str:
@@ -19,7 +22,10 @@ def free_tcp_init() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any]) -> None:
+def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
+                  started: multiprocessing.connection.Connection) -> None:
+    started.send(rank)  # (reached once the spawned interpreter has imported the user's main module: start_followers)
+    started.close()
     # Ctrl-C in a terminal reaches the whole process group: rank 0 handles it and tells the followers to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tpgraph.engine.tp_engine import TPEngine
@@ -35,9 +41,41 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any])
 
 
 def start_followers(world_size: int, init: str, kwargs: dict[str, Any]) -> list[multiprocessing.Process]:
+    """Ranks 1..world_size-1, each once it has started (reached follower_main). A rank that dies first (a script
+    that makes its TPEngine with no `if __name__ == "__main__":` guard: the spawned rank runs the script again and
+    multiprocessing refuses the nested start) is a ConfigError naming it, the other ranks ended; rank 0 would
+    otherwise wait for it in the process group's rendezvous until that times out."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs), daemon=True,
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (rank i's is pipes[i - 1])
+    procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs, pipes[rank - 1][1]), daemon=True,
                          name=f"tpgraph-rank-{rank}") for rank in range(1, world_size)]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        for _, send in pipes:
+            send.close()  # (the children hold their ends: a child that dies closes its pipe)
+        waiting = {pipes[rank - 1][0]: (rank, procs[rank - 1]) for rank in range(1, world_size)}
+        while waiting:
+            for recv in multiprocessing.connection.wait(list(waiting)):
+                rank, p = waiting.pop(recv)
+                try:
+                    recv.recv()
+                except EOFError:
+                    p.join(5.0)
+                    raise ConfigError(
+                        f"rank {rank}, started by TPEngine(tp_size={world_size}), exited (code {p.exitcode}) before it "
+                        f"started (its error is above): a script that makes a TPEngine with tp_size > 1 outside "
+                        f"torchrun must do so under `if __name__ == \"__main__\":`, since each started rank imports "
+                        f"the script again (multiprocessing's spawn)") from None
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5.0)
+        raise
+    finally:
+        for recv, _ in pipes:
+            recv.close()
     return procs
