@@ -24,3 +24,32 @@ def test_a_started_rank_that_dies_before_it_starts_is_named_at_once(tmp_path):
                           timeout=180)  # (the hang this guards against was the rendezvous's 600 s)
     assert proc.returncode != 0 and "generated" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "rank 1" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+
+
+GUARDED = """
+import torch
+from tpgraph import SamplingParams, TPEngine
+
+if __name__ == "__main__":
+    with TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=17, block_size=4) as e:
+        e.generate(["Hi"], SamplingParams(max_tokens=2))
+        print("threads", torch.get_num_threads(), flush=True)
+"""
+
+
+def test_cpu_ranks_started_in_a_plain_process_share_the_cores(tmp_path, monkeypatch):
+    """torchrun gives each rank OMP_NUM_THREADS=1; ranks TPEngine(tp_size=N) started for itself each took every core,
+    and TP=2 on two cores ran 10x slower than under torchrun. Each rank takes its share now (the user's own
+    OMP_NUM_THREADS, where set, is left to rule)."""
+    from tpgraph.engine.followers import cpu_threads_per_rank
+
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=180,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    assert f"threads {max(1, cores // 2)}" in proc.stdout, proc.stdout
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_per_rank(2) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
@@ -22,10 +23,24 @@ def free_tcp_init() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def cpu_threads_per_rank(world_size: int) -> int | None:
+    """Threads for each of `world_size` CPU ranks on this host: its cores shared out, as torchrun shares them (it sets
+    OMP_NUM_THREADS=1); None where the user set OMP_NUM_THREADS. Every rank at torch's default took every core, and
+    TP=2 on two cores ran 10x slower than under torchrun."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world_size)
+
+
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
-                  started: multiprocessing.connection.Connection) -> None:
+                  started: multiprocessing.connection.Connection, threads: int | None = None) -> None:
     started.send(rank)  # (reached once the spawned interpreter has imported the user's main module: start_followers)
     started.close()
+    if threads is not None:  # (a CPU rank's share of the cores: cpu_threads_per_rank)
+        import torch
+
+        torch.set_num_threads(threads)
     # Ctrl-C in a terminal reaches the whole process group: rank 0 handles it and tells the followers to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tpgraph.engine.tp_engine import TPEngine
@@ -40,14 +55,17 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
         engine.follow()
 
 
-def start_followers(world_size: int, init: str, kwargs: dict[str, Any]) -> list[multiprocessing.Process]:
+def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
+                    threads: int | None = None) -> list[multiprocessing.Process]:
     """Ranks 1..world_size-1, each once it has started (reached follower_main). A rank that dies first (a script
     that makes its TPEngine with no `if __name__ == "__main__":` guard: the spawned rank runs the script again and
     multiprocessing refuses the nested start) is a ConfigError naming it, the other ranks ended; rank 0 would
-    otherwise wait for it in the process group's rendezvous until that times out."""
+    otherwise wait for it in the process group's rendezvous until that times out. `threads`: each rank's torch
+    threads (CPU ranks: cpu_threads_per_rank)."""
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (rank i's is pipes[i - 1])
-    procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs, pipes[rank - 1][1]), daemon=True,
+    procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads),
+                         daemon=True,
                          name=f"tpgraph-rank-{rank}") for rank in range(1, world_size)]
     try:
         for p in procs:

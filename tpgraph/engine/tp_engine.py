@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -169,7 +170,7 @@ class TPEngine:
                                    str(cfg.model or "the built-in model"), eos_ids, special)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
-            from tpgraph.engine.followers import free_tcp_init, start_followers
+            from tpgraph.engine.followers import cpu_threads_per_rank, free_tcp_init, start_followers
 
             if dist.is_initialized():  # (an engine dropped unclosed in a reference cycle: collected now, it goes)
                 gc.collect()
@@ -177,7 +178,12 @@ class TPEngine:
                 raise ConfigError("this process already holds a process group (an earlier TPEngine not closed?): "
                                   "close() it, or use it as a context manager, before starting another")
             init = free_tcp_init()
-            self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs})
+            # CPU ranks share this host's cores, this process's too (as torchrun's OMP_NUM_THREADS=1 shares them)
+            threads = cpu_threads_per_rank(tp_size) if cfg.device == "cpu" or (
+                cfg.device is None and not torch.cuda.is_available()) else None
+            if threads is not None:
+                torch.set_num_threads(threads)
+            self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs}, threads)
             dist_init = (0, tp_size, init)
         rank, world, init = dist_init or (None, None, None)
         # started followers wait for rank 0's next message as long as the user leaves it idle between generate calls
