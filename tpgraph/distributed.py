@@ -81,6 +81,7 @@ def init_distributed(
     init_method: str | None = None,
     timeout_s: float = 600.0,
     control_timeout_s: float | None = None,
+    before_join: Callable[[], None] | None = None,
 ) -> ParallelState:
     """Join (or create) the process group.
 
@@ -88,7 +89,8 @@ def init_distributed(
     world_size and an init_method (e.g. 'file:///tmp/x' or 'tcp://127.0.0.1:port') explicitly.
     control_timeout_s: rank 0's step messages get a gloo group of their own with this timeout, for ranks that wait in
     it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's); every other
-    collective keeps `timeout_s`.
+    collective keeps `timeout_s`. before_join: called once this rank's own checks pass, as it joins the rendezvous
+    (a started rank tells rank 0: followers.announce_joining).
     """
     rank = env_int("RANK") if rank is None else rank
     world_size = env_int("WORLD_SIZE") if world_size is None else world_size
@@ -135,6 +137,8 @@ def init_distributed(
         if dist.is_initialized():
             logger.warning("%s, but the process group existed before tpgraph set %s: an NCCL communicator it already "
                            "made may use NVLink multicast", reason, ", ".join(changed))
+    if before_join is not None:
+        before_join()
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if shared:

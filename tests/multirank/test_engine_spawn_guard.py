@@ -53,3 +53,33 @@ def test_cpu_ranks_started_in_a_plain_process_share_the_cores(tmp_path, monkeypa
     assert f"threads {max(1, cores // 2)}" in proc.stdout, proc.stdout
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads_per_rank(2) is None
+
+
+DIES_BEFORE_JOINING = """
+import tpgraph.engine.tp_engine as tp_engine
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.errors import ConfigError
+
+if __name__ == "__mp_main__":  # (the started rank: it fails where a rank with no GPU of its own fails, past its start)
+    def no_gpu(*args, **kwargs):
+        raise ConfigError("local rank 1 has no GPU: only 1 visible (injected)")
+
+    tp_engine.init_distributed = no_gpu
+
+if __name__ == "__main__":
+    with TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=17, block_size=4) as e:
+        print("generated", e.generate(["Hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids, flush=True)
+"""
+
+
+def test_a_started_rank_that_dies_after_it_starts_and_before_it_joins_is_named_at_once(tmp_path):
+    """A started rank that fails past its start and before the process group's rendezvous (TPEngine(tp_size=2) on a
+    host with one GPU: rank 1 finds no GPU of its own) left rank 0 silent in the rendezvous for 600 s: its readiness
+    was sent as it started. Rank 0 now waits for each rank to reach the rendezvous, and names one that dies first."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_BEFORE_JOINING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)  # (the hang this guards against was the rendezvous's 600 s)
+    assert proc.returncode != 0 and "generated" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "rank 1" in proc.stderr and "before it joined" in proc.stderr, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 from tpgraph.errors import ConfigError
@@ -33,10 +34,26 @@ def cpu_threads_per_rank(world_size: int) -> int | None:
     return max(1, cores // world_size)
 
 
+# (a started rank) its end of the pipe rank 0 waits on, until the rank tells that it joins the process group
+_joining: multiprocessing.connection.Connection | None = None
+JOIN_WAIT_S = 600.0  # (as long as the process group's rendezvous waited for a rank that never came)
+
+
+def announce_joining() -> None:
+    """(A started rank, its own checks passed: its GPU, ...) tell rank 0 that it joins the process group's rendezvous
+    now. Rank 0 waits for it before it joins too, so that a rank that fails before it joins is named at once."""
+    global _joining
+    if _joining is not None:
+        _joining.send("joining")
+        _joining.close()
+        _joining = None
+
+
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
                   started: multiprocessing.connection.Connection, threads: int | None = None) -> None:
-    started.send(rank)  # (reached once the spawned interpreter has imported the user's main module: start_followers)
-    started.close()
+    global _joining
+    started.send("started")  # (reached once the spawned interpreter has imported the user's main module)
+    _joining = started  # (told again as the rank joins the rendezvous: announce_joining)
     if threads is not None:  # (a CPU rank's share of the cores: cpu_threads_per_rank)
         import torch
 
@@ -57,11 +74,12 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
 
 def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
                     threads: int | None = None) -> list[multiprocessing.Process]:
-    """Ranks 1..world_size-1, each once it has started (reached follower_main). A rank that dies first (a script
-    that makes its TPEngine with no `if __name__ == "__main__":` guard: the spawned rank runs the script again and
-    multiprocessing refuses the nested start) is a ConfigError naming it, the other ranks ended; rank 0 would
-    otherwise wait for it in the process group's rendezvous until that times out. `threads`: each rank's torch
-    threads (CPU ranks: cpu_threads_per_rank)."""
+    """Ranks 1..world_size-1, each once it has started (reached follower_main) and passed its own checks, about to join
+    the process group (announce_joining). A rank that dies first is a ConfigError naming it, the other ranks ended:
+    before it started, a script that makes its TPEngine with no `if __name__ == "__main__":` guard (the spawned rank
+    runs the script again and multiprocessing refuses the nested start); after, a check of its own (no GPU for it).
+    Rank 0 would otherwise wait for it in the process group's rendezvous until that times out. `threads`: each
+    rank's torch threads (CPU ranks: cpu_threads_per_rank)."""
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (rank i's is pipes[i - 1])
     procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads),
@@ -73,18 +91,33 @@ def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
         for _, send in pipes:
             send.close()  # (the children hold their ends: a child that dies closes its pipe)
         waiting = {pipes[rank - 1][0]: (rank, procs[rank - 1]) for rank in range(1, world_size)}
+        begun: set[int] = set()  # ranks that told they started (past the import of the user's main module)
+        deadline = time.monotonic() + JOIN_WAIT_S
         while waiting:
-            for recv in multiprocessing.connection.wait(list(waiting)):
-                rank, p = waiting.pop(recv)
+            ready = multiprocessing.connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(rank for rank, _ in waiting.values())
+                raise ConfigError(f"rank(s) {late}, started by TPEngine(tp_size={world_size}), did not reach the "
+                                  f"process group in {JOIN_WAIT_S:.0f} s")
+            for recv in ready:
+                rank, p = waiting[recv]
                 try:
-                    recv.recv()
+                    said = recv.recv()
                 except EOFError:
                     p.join(5.0)
+                    if rank in begun:  # (its own checks failed: a GPU of its own, ...)
+                        raise ConfigError(
+                            f"rank {rank}, started by TPEngine(tp_size={world_size}), exited (code {p.exitcode}) "
+                            f"before it joined the process group (its error is above)") from None
                     raise ConfigError(
                         f"rank {rank}, started by TPEngine(tp_size={world_size}), exited (code {p.exitcode}) before it "
                         f"started (its error is above): a script that makes a TPEngine with tp_size > 1 outside "
                         f"torchrun must do so under `if __name__ == \"__main__\":`, since each started rank imports "
                         f"the script again (multiprocessing's spawn)") from None
+                if said == "started":
+                    begun.add(rank)
+                else:  # ("joining": rank 0 joins it in the rendezvous)
+                    del waiting[recv]
     except BaseException:
         for p in procs:
             if p.is_alive():

@@ -190,7 +190,10 @@ class TPEngine:
         # (a notebook): the process group's timeout would end them, and rank 0's peer watch then the user's process
         idle = IDLE_TIMEOUT_S if self._followers or follower else None
         try:
-            self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle)
+            from tpgraph.engine.followers import announce_joining
+
+            self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle,
+                                                         before_join=announce_joining if follower else None)
         except BaseException:  # (a Ctrl-C while the started ranks join, say)
             # the started ranks wait in a rendezvous or a collective this rank never joins: they go now, and so does a
             # process group made before the failure (else the next TPEngine finds it and refuses to start)
