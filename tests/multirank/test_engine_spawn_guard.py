@@ -31,9 +31,11 @@ import torch
 from tpgraph import SamplingParams, TPEngine
 
 if __name__ == "__main__":
+    before = torch.get_num_threads()
     with TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=17, block_size=4) as e:
         e.generate(["Hi"], SamplingParams(max_tokens=2))
         print("threads", torch.get_num_threads(), flush=True)
+    print("after close, as before:", torch.get_num_threads() == before, flush=True)
 """
 
 
@@ -51,6 +53,7 @@ def test_cpu_ranks_started_in_a_plain_process_share_the_cores(tmp_path, monkeypa
     assert proc.returncode == 0, proc.stderr[-3000:]
     cores = len(os.sched_getaffinity(0))
     assert f"threads {max(1, cores // 2)}" in proc.stdout, proc.stdout
+    assert "after close, as before: True" in proc.stdout, proc.stdout  # (the user's process gets its cores back)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads_per_rank(2) is None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tokenizers import processors
 
 from tpgraph.engine.cli import engine_kwargs
@@ -273,3 +274,25 @@ def test_a_checkpoint_or_revision_not_on_disk_is_refused_naming_the_flag(flags, 
         engine_kwargs(parse_args([swap.get(f, f) for f in flags]))
     assert needle in str(refused.value)
     assert str(refused.value).startswith(("--model", "--revision"))
+
+
+def test_cpu_ranks_started_and_gone_leave_the_users_torch_threads_as_they_were(monkeypatch):
+    """TPEngine(tp_size=N) on CPU sets this process's torch threads to its rank's share of the cores; a start that
+    failed (a started rank that died, a Ctrl-C while they join) left the user's process on that share for good."""
+    from tpgraph.engine import followers
+
+    def dies(*args, **kwargs):
+        raise ConfigError("rank 1 exited before it started (injected)")
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(followers, "cpu_threads_per_rank", lambda world_size: 1)  # (whatever this host's cores)
+    monkeypatch.setattr(followers, "start_followers", dies)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ConfigError, match="injected"):
+            TPEngine(**SMALL, tp_size=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

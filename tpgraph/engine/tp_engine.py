@@ -127,15 +127,18 @@ WARM_UP_KINDS: tuple[dict, ...] = (
 )
 
 
-def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: list) -> None:
+def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: list,
+                     user_threads: int | None = None) -> None:
     """What close() leaves behind it, for an engine collected unclosed: its started ranks (ended, not told: rank 0's
-    loop is gone with the engine) and the process group."""
+    loop is gone with the engine), the process group, and this process's torch threads as they were."""
     peer_watch.stop()
     for p in followers:
         p.terminate()
     for p in followers:
         p.join(5.0)
     destroy_distributed(state)
+    if user_threads is not None:
+        torch.set_num_threads(user_threads)
 
 
 class TPEngine:
@@ -169,6 +172,7 @@ class TPEngine:
         self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
                                    str(cfg.model or "the built-in model"), eos_ids, special)
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
+        self._user_threads: int | None = None  # (CPU ranks started) this process's torch threads before they were
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
             from tpgraph.engine.followers import cpu_threads_per_rank, free_tcp_init, start_followers
 
@@ -181,9 +185,15 @@ class TPEngine:
             # CPU ranks share this host's cores, this process's too (as torchrun's OMP_NUM_THREADS=1 shares them)
             threads = cpu_threads_per_rank(tp_size) if cfg.device == "cpu" or (
                 cfg.device is None and not torch.cuda.is_available()) else None
-            if threads is not None:
+            if threads is not None:  # (the user's count comes back once the engine has gone: _restore_threads)
+                self._user_threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
-            self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs}, threads)
+            try:
+                self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs},
+                                                  threads)
+            except BaseException:
+                self._restore_threads()
+                raise
             dist_init = (0, tp_size, init)
         rank, world, init = dist_init or (None, None, None)
         # started followers wait for rank 0's next message as long as the user leaves it idle between generate calls
@@ -200,6 +210,7 @@ class TPEngine:
             if self._followers and dist.is_initialized():
                 dist.destroy_process_group()
             self._stop_followers(timeout_s=0.0)
+            self._restore_threads()
             raise
         try:
             if self.state.world_size != tp_size:
@@ -223,6 +234,7 @@ class TPEngine:
             # a failure every rank meets (a bad checkpoint) ends the started ranks by themselves: they get time to; a
             # Ctrl-C is this rank's alone (they ignore SIGINT), and they would wait in a collective it left for good
             self._stop_followers(timeout_s=30.0 if isinstance(exc, Exception) else 0.0)
+            self._restore_threads()
             raise
         self.peer_watch = PeerWatch(self.state)  # a dead or frozen rank ends every rank, named
         self.peer_watch.start()
@@ -233,8 +245,8 @@ class TPEngine:
         self._next_id = 0
         # an engine dropped unclosed: its started ranks and process group go with it (else they outlive it, and the
         # next TPEngine(tp_size=N) joins the stale group and hangs)
-        self._dropped = weakref.finalize(self, _release_dropped, self.peer_watch, self.state, self._followers) \
-            if self._followers else None
+        self._dropped = weakref.finalize(self, _release_dropped, self.peer_watch, self.state, self._followers,
+                                         self._user_threads) if self._followers else None
 
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -498,6 +510,13 @@ class TPEngine:
         self.comm.close()
         destroy_distributed(self.state)
         self._stop_followers()
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        """This process's torch threads as they were before its CPU ranks shared the cores out."""
+        if self._user_threads is not None:
+            torch.set_num_threads(self._user_threads)
+            self._user_threads = None
 
     def _stop_followers(self, timeout_s: float = 30.0) -> None:
         for p in self._followers:
