@@ -153,10 +153,13 @@ class EngineTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.codec.encode_text(text, add_special_tokens=add_special_tokens)
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options: Any) -> Encoded:
+    def __call__(self, text: str | list[str], *pair: Any, add_special_tokens: bool = True, **options: Any) -> Encoded:
         """tokenizer(text) or tokenizer([texts]): {"input_ids", "attention_mask"} (also as attributes), each a list
         for one text or a list of lists for several, as transformers' BatchEncoding holds them unpadded. Its options
-        (padding, truncation, max_length, return_tensors, text_pair...) are refused, not taken and ignored."""
+        (padding, truncation, max_length, return_tensors, text_pair, by name or as transformers' second positional
+        argument...) are refused, not taken and ignored."""
+        if pair:
+            options = {"text_pair": pair[0], **options}
         if options:
             raise RequestError(f"tokenizer(...) here takes text and add_special_tokens alone, not "
                                f"{', '.join(sorted(options))} (transformers' options): pad, truncate or make tensors "

@@ -420,3 +420,16 @@ def test_a_hub_id_is_its_cached_snapshot_as_the_servers_model_flag_reads_it(tmp_
     with pytest.raises(ConfigError, match=r"^model 'org/tiny' is not a directory, and the hub cache .* holds no "
                                           r"snapshot of it at revision 'v2'; tpgraph downloads nothing"):
         TPEngine("org/tiny", device="cpu", revision="v2", download_dir=str(tmp_path / "hub"))
+
+
+def test_get_tokenizer_called_on_a_text_pair_refuses_it_as_it_refuses_text_pair_by_name():
+    """transformers' tokenizer(text, text_pair) encodes the pair: the second text given by position here was taken as
+    add_special_tokens, a TypeError from the tokenizers binding ("'str' object is not an instance of 'bool'") where
+    text_pair=... is refused by name."""
+    with engine() as e:
+        tok = e.get_tokenizer()
+    with pytest.raises(RequestError, match="text_pair"):
+        tok("question", "answer")
+    with pytest.raises(RequestError, match="text_pair"):
+        tok("question", text_pair="answer")
+    assert tok("question", add_special_tokens=False).input_ids == e.encode("question")[1:]
