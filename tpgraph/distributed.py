@@ -90,7 +90,7 @@ def init_distributed(
     control_timeout_s: rank 0's step messages get a gloo group of their own with this timeout, for ranks that wait in
     it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's); every other
     collective keeps `timeout_s`. before_join: called once this rank's own checks pass, as it joins the rendezvous
-    (a started rank tells rank 0: followers.announce_joining).
+    (a started rank tells rank 0: followers.follower_main).
     """
     rank = env_int("RANK") if rank is None else rank
     world_size = env_int("WORLD_SIZE") if world_size is None else world_size

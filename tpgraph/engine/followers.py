@@ -34,26 +34,17 @@ def cpu_threads_per_rank(world_size: int) -> int | None:
     return max(1, cores // world_size)
 
 
-# (a started rank) its end of the pipe rank 0 waits on, until the rank tells that it joins the process group
-_joining: multiprocessing.connection.Connection | None = None
 JOIN_WAIT_S = 600.0  # (as long as the process group's rendezvous waited for a rank that never came)
-
-
-def announce_joining() -> None:
-    """(A started rank, its own checks passed: its GPU, ...) tell rank 0 that it joins the process group's rendezvous
-    now. Rank 0 waits for it before it joins too, so that a rank that fails before it joins is named at once."""
-    global _joining
-    if _joining is not None:
-        _joining.send("joining")
-        _joining.close()
-        _joining = None
 
 
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
                   started: multiprocessing.connection.Connection, threads: int | None = None) -> None:
-    global _joining
     started.send("started")  # (reached once the spawned interpreter has imported the user's main module)
-    _joining = started  # (told again as the rank joins the rendezvous: announce_joining)
+
+    def joining() -> None:  # (its own checks passed: it joins the rendezvous now, and so can rank 0)
+        started.send("joining")
+        started.close()
+
     if threads is not None:  # (a CPU rank's share of the cores: cpu_threads_per_rank)
         import torch
 
@@ -64,7 +55,7 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
     from tpgraph.errors import TPGraphError
 
     try:
-        engine = TPEngine(dist_init=(rank, world_size, init), follower=True, **kwargs)
+        engine = TPEngine(dist_init=(rank, world_size, init), follower=joining, **kwargs)
     except TPGraphError as exc:  # rank 0 raises the same error (run_on_all_ranks); say it once, quietly
         print(f"error: rank {rank}: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -75,7 +66,7 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
 def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
                     threads: int | None = None) -> list[multiprocessing.Process]:
     """Ranks 1..world_size-1, each once it has started (reached follower_main) and passed its own checks, about to join
-    the process group (announce_joining). A rank that dies first is a ConfigError naming it, the other ranks ended:
+    the process group (follower_main's joining). A rank that dies first is a ConfigError naming it, the others ended:
     before it started, a script that makes its TPEngine with no `if __name__ == "__main__":` guard (the spawned rank
     runs the script again and multiprocessing refuses the nested start); after, a check of its own (no GPU for it).
     Rank 0 would otherwise wait for it in the process group's rendezvous until that times out. `threads`: each

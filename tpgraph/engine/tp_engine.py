@@ -143,11 +143,13 @@ def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: lis
 
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
-                 dist_init: tuple[int, int, str] | None = None, follower: bool = False, **kwargs: Any) -> None:
+                 dist_init: tuple[int, int, str] | None = None, follower: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields, or vLLM's LLM(...) names for them (tensor_parallel_size, enforce_eager,
         num_gpu_blocks_override; a model given as a hub id, with revision, tokenizer_revision and download_dir:
         vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
-        torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py)."""
+        torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py), told as it joins the
+        process group (it tells rank 0, which waits for that)."""
         model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
@@ -198,12 +200,10 @@ class TPEngine:
         rank, world, init = dist_init or (None, None, None)
         # started followers wait for rank 0's next message as long as the user leaves it idle between generate calls
         # (a notebook): the process group's timeout would end them, and rank 0's peer watch then the user's process
-        idle = IDLE_TIMEOUT_S if self._followers or follower else None
+        idle = IDLE_TIMEOUT_S if self._followers or follower is not None else None
         try:
-            from tpgraph.engine.followers import announce_joining
-
             self.state: ParallelState = init_distributed(cfg.device, rank, world, init, control_timeout_s=idle,
-                                                         before_join=announce_joining if follower else None)
+                                                         before_join=follower)
         except BaseException:  # (a Ctrl-C while the started ranks join, say)
             # the started ranks wait in a rendezvous or a collective this rank never joins: they go now, and so does a
             # process group made before the failure (else the next TPEngine finds it and refuses to start)
