@@ -76,9 +76,27 @@ def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypat
     """On CPU the cache is sized for every sequence at max_model_len, not from free memory: one past the host's memory
     was an allocator traceback, or (its pages taken lazily) the OOM killer once serving wrote them."""
     monkeypatch.setattr("tpgraph.engine.runner.host_memory_bytes", lambda: 4096)
-    with pytest.raises(ConfigError, match=r"--max-num-seqs 4 sequences of --max-model-len 64 tokens, .* GiB, more "
-                                          r"than this host's 0.0 GiB \(or its container's limit\): lower either, or "
-                                          r"pass --num-kv-blocks"):
+    with pytest.raises(ConfigError, match=r"--max-num-seqs 4 sequences of --max-model-len 64 tokens: the KV cache, "
+                                          r".* GiB, more than this host's 0.0 GiB \(or its container's limit\): lower "
+                                          r"either, or pass --num-kv-blocks"):
+        engine(num_kv_blocks=None)
+
+
+def test_the_cpu_caches_of_every_rank_on_the_host_must_fit_its_memory(monkeypatch):
+    """Ranks on one host (torchrun's, or those TPEngine(tp_size=N) starts) each take their shard of the cache from
+    the same memory: the check compared one rank's shard with the whole host. Here two ranks' caches outgrow a host
+    that holds one (the gather stands in for a second rank on this host)."""
+    from tpgraph.engine import runner
+
+    with engine(num_kv_blocks=None) as e:
+        one = (e.runner.max_blocks_per_seq * e.runner.cfg.max_batch + 1) * e.runner.block_bytes
+    monkeypatch.setattr(runner, "host_memory_bytes", lambda: int(1.5 * one))
+    with engine(num_kv_blocks=None):  # (one rank: it fits)
+        pass
+    real = runner.gather_objects
+    monkeypatch.setattr(runner, "gather_objects", lambda state, obj: [obj, obj] if isinstance(obj, str) else
+                        real(state, obj))
+    with pytest.raises(ConfigError, match=r"tokens: this host's 2 ranks' caches, .* GiB, more than this host's"):
         engine(num_kv_blocks=None)
 
 

@@ -8,6 +8,7 @@ The only host synchronization in a decode step is the caller reading its sampled
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -306,12 +307,21 @@ class ModelRunner:
         if self.device.type != "cuda":
             blocks = self.max_blocks_per_seq * self.cfg.max_batch + 1
             # (sized for the worst case, not from free memory: CPU pages are taken as they are first written, so a
-            # cache past the host's memory failed as an allocator traceback, or mid-serving as the OOM killer)
-            if blocks * self.block_bytes > (memory := host_memory_bytes()):
-                raise ConfigError(f"on CPU the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of "
-                                  f"--max-model-len {self.max_model_len} tokens, {blocks * self.block_bytes / GiB:.1f} "
-                                  f"GiB, more than this host's {memory / GiB:.1f} GiB (or its container's limit): "
-                                  "lower either, or pass --num-kv-blocks")
+            # cache past the host's memory failed as an allocator traceback, or mid-serving as the OOM killer). Every
+            # rank on this host takes its shard of the cache from the same memory (also a check every rank meets).
+            host = socket.gethostname()
+            ranks = gather_objects(self.model.comm.state, host).count(host)
+            need, memory = blocks * self.block_bytes * ranks, host_memory_bytes()
+            on = f"this host's {ranks} ranks' caches" if ranks > 1 else "the KV cache"
+
+            def fits() -> None:
+                if need > memory:
+                    raise ConfigError(f"on CPU the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of "
+                                      f"--max-model-len {self.max_model_len} tokens: {on}, {need / GiB:.1f} GiB, "
+                                      f"more than this host's {memory / GiB:.1f} GiB (or its container's limit): "
+                                      "lower either, or pass --num-kv-blocks")
+
+            run_on_all_ranks(self.model.comm.state, fits, "sizing the CPU KV cache")  # (hosts may differ)
             return blocks
         self._bind_kv_cache(2)  # the null block and one more: enough for profiling and trial captures
         provisional = 2 * self.block_bytes
