@@ -140,6 +140,14 @@ class Encoded(dict):
             raise AttributeError(name) from None
 
 
+def _special_token(name: str) -> tuple[property, property]:
+    """EngineTokenizer's `name` (the tokenizer config's token, or None) and `name`_id (its id, or None)."""
+    token = property(lambda self: self.codec.special_tokens.get(name))
+    token_id = property(lambda self: None if (t := self.codec.special_tokens.get(name)) is None
+                        else self.backend_tokenizer.token_to_id(t))
+    return token, token_id
+
+
 class EngineTokenizer:
     """What TPEngine.get_tokenizer() returns (vLLM's LLM.get_tokenizer() gives a transformers tokenizer): the engine's
     tokenizer, chat template and special tokens behind the names of transformers' tokenizer methods and attributes
@@ -230,39 +238,13 @@ class EngineTokenizer:
     def vocab_size(self) -> int:  # (without the added tokens, as transformers counts it)
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
 
-    @property
-    def eos_token(self) -> str | None:
-        """The tokenizer config's eos_token, as transformers reads it: None without one (the ids that end a
-        generation, from the model's config and generation_config.json, are the engine's, not the tokenizer's)."""
-        return self.codec.special_tokens.get("eos_token")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return None if self.eos_token is None else self.backend_tokenizer.token_to_id(self.eos_token)
-
-    @property
-    def bos_token(self) -> str | None:
-        return self.codec.special_tokens.get("bos_token")
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self.backend_tokenizer.token_to_id(self.bos_token)
-
-    @property
-    def pad_token(self) -> str | None:  # (Llama checkpoints mostly name none: None, as transformers gives)
-        return self.codec.special_tokens.get("pad_token")
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return None if self.pad_token is None else self.backend_tokenizer.token_to_id(self.pad_token)
-
-    @property
-    def unk_token(self) -> str | None:
-        return self.codec.special_tokens.get("unk_token")
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return None if self.unk_token is None else self.backend_tokenizer.token_to_id(self.unk_token)
+    # the named special tokens and their ids, as transformers reads them from the tokenizer config: None where it
+    # names none (Llama checkpoints mostly name no pad token; and the ids that end a generation, from the model's config
+    # and generation_config.json, are the engine's, not the tokenizer's eos_token_id)
+    eos_token, eos_token_id = _special_token("eos_token")
+    bos_token, bos_token_id = _special_token("bos_token")
+    pad_token, pad_token_id = _special_token("pad_token")
+    unk_token, unk_token_id = _special_token("unk_token")
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
