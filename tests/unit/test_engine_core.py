@@ -532,19 +532,8 @@ def test_the_spmd_check_reads_a_set_of_stop_strings_alike_in_every_process():
     """Under torchrun each rank is a process of its own, whose str hashes are seeded apart. SamplingParams takes stop
     strings and bad_words as any iterable, and a set became a tuple in its process's own order: the generate check's
     digest of the parameters then differed between ranks, refusing a call every rank made alike."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tpgtest.spmd import digests_across_hash_seeds
 
-    code = ("import types; from tpgraph import SamplingParams; from tpgraph.engine import tp_engine; seen = []; "
-            "tp_engine.gather_objects = lambda state, digest: seen.append(digest) or [digest]; "
-            "rank = types.SimpleNamespace(service=None, state=types.SimpleNamespace(world_size=2)); "
-            "params = SamplingParams(stop={'END', 'STOP', '###', 'Q:'}, bad_words={'foo', 'bar', 'baz'}); "
-            "tp_engine.TPEngine._agreed_call(rank, 'generate', lambda: [[256, 104]], params); print(seen[0])")
-    repo = str(Path(__file__).resolve().parents[2])
-    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
-                              env={**os.environ, "PYTHONHASHSEED": str(seed),
-                                   "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}).stdout
-               for seed in (1, 3, 4)}  # (seeds whose set orders differ)
+    params = "SamplingParams(stop={'END', 'STOP', '###', 'Q:'}, bad_words={'foo', 'bar', 'baz'})"
+    digests = digests_across_hash_seeds(params, seeds=(1, 3, 4))  # (seeds whose set orders differ)
     assert len(digests) == 1

@@ -320,23 +320,11 @@ def test_a_choice_given_as_a_set_is_read_alike_in_every_process():
     """Under torchrun each rank is a process of its own, whose str hashes are seeded apart. StructuredOutputsParams'
     choice was made a list in its process's own set order, so the generate check's digest of the parameters differed
     between ranks, refusing a call every rank made alike (as stop strings given as a set once did)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tpgtest.spmd import digests_across_hash_seeds
 
-    code = ("import types; from tpgraph import SamplingParams; from tpgraph.engine import tp_engine; "
-            "from tpgraph.engine.sampling_params import StructuredOutputsParams; seen = []; "
-            "tp_engine.gather_objects = lambda state, digest: seen.append(digest) or [digest]; "
-            "rank = types.SimpleNamespace(service=None, state=types.SimpleNamespace(world_size=2)); "
-            "params = [SamplingParams(structured_outputs=StructuredOutputsParams(choice={'Positive', 'Negative', "
-            "'Neutral'})), SamplingParams(guided_decoding={'choice': frozenset({'yes', 'no', 'maybe'})})]; "
-            "tp_engine.TPEngine._agreed_call(rank, 'generate', lambda: [[256, 104]], params); print(seen[0])")
-    repo = str(Path(__file__).resolve().parents[2])
-    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
-                              env={**os.environ, "PYTHONHASHSEED": str(seed),
-                                   "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}).stdout
-               for seed in (1, 2, 3, 4)}  # (seeds whose set orders differ)
+    params = ("[SamplingParams(structured_outputs=StructuredOutputsParams(choice={'Positive', 'Negative', "
+              "'Neutral'})), SamplingParams(guided_decoding={'choice': frozenset({'yes', 'no', 'maybe'})})]")
+    digests = digests_across_hash_seeds(params, seeds=(1, 2, 3, 4))  # (seeds whose set orders differ)
     assert len(digests) == 1
 
 
