@@ -16,12 +16,19 @@ with TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=64, num_kv_
 """
 
 
+def run_script(tmp_path: Path, text: str, timeout_s: float, threads: str | None = "1") -> subprocess.CompletedProcess:
+    """`text` run as a script file (spawn re-runs a script's module, not a `python -c` string), OMP_NUM_THREADS set
+    to `threads` (None: unset)."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {**env, "PYTHONPATH": str(ROOT), **({} if threads is None else {"OMP_NUM_THREADS": threads})}
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=timeout_s)
+
+
 def test_a_started_rank_that_dies_before_it_starts_is_named_at_once(tmp_path):
-    script = tmp_path / "unguarded.py"  # (a file: spawn re-runs a script's module, not a `python -c` string)
-    script.write_text(UNGUARDED)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=180)  # (the hang this guards against was the rendezvous's 600 s)
+    proc = run_script(tmp_path, UNGUARDED, timeout_s=180)  # (the hang this guards against was the rendezvous's 600 s)
     assert proc.returncode != 0 and "generated" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "rank 1" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
 
@@ -45,11 +52,7 @@ def test_cpu_ranks_started_in_a_plain_process_share_the_cores(tmp_path, monkeypa
     OMP_NUM_THREADS, where set, is left to rule)."""
     from tpgraph.engine.followers import cpu_threads_per_rank
 
-    script = tmp_path / "guarded.py"
-    script.write_text(GUARDED)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=180,
-                          env={**env, "PYTHONPATH": str(ROOT)})
+    proc = run_script(tmp_path, GUARDED, timeout_s=180, threads=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cores = len(os.sched_getaffinity(0))
     assert f"threads {max(1, cores // 2)}" in proc.stdout, proc.stdout
@@ -79,10 +82,6 @@ def test_a_started_rank_that_dies_after_it_starts_and_before_it_joins_is_named_a
     """A started rank that fails past its start and before the process group's rendezvous (TPEngine(tp_size=2) on a
     host with one GPU: rank 1 finds no GPU of its own) left rank 0 silent in the rendezvous for 600 s: its readiness
     was sent as it started. Rank 0 now waits for each rank to reach the rendezvous, and names one that dies first."""
-    script = tmp_path / "dies.py"
-    script.write_text(DIES_BEFORE_JOINING)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=120)  # (the hang this guards against was the rendezvous's 600 s)
+    proc = run_script(tmp_path, DIES_BEFORE_JOINING, timeout_s=120)  # (the hang: the rendezvous's 600 s)
     assert proc.returncode != 0 and "generated" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "rank 1" in proc.stderr and "before it joined" in proc.stderr, proc.stderr[-3000:]
