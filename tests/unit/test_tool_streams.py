@@ -140,6 +140,16 @@ def read(p: ToolPlan, text: str, sizes: list[int], stream: bool, finish: str = "
     return read_reply(p, [text[a:a + n] for a, n in zip(starts, sizes, strict=False)], finish, stream)
 
 
+def read_alike(p: ToolPlan, text: str, *piecings: list[int], finish: str = "stop") -> tuple[dict, str]:
+    """The reply read whole (its message and finish reason), once each piecing of it (a list of piece sizes) streamed
+    is checked to read the same content, calls and finish reason."""
+    _, whole, reason = read(p, text, [len(text)], stream=False, finish=finish)
+    for sizes in piecings:
+        _, streamed, streamed_reason = read(p, text, sizes, stream=True, finish=finish)
+        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    return whole, reason
+
+
 def calls_of(message: dict) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
 
@@ -236,10 +246,7 @@ PYTHONIC = [  # replies each read alike streamed or whole
 
 @pytest.mark.parametrize("reply", PYTHONIC)
 def test_pythonic_replies_read_alike_streamed_or_whole(reply):
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
-    for sizes in ([1] * len(reply), [3] * len(reply)):
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [3] * len(reply))
 
 
 def test_pythonic_calls_are_sent_with_their_first_argument_and_each_argument_as_it_is_read():
@@ -302,9 +309,7 @@ def test_a_lone_surrogate_escape_stays_an_escape_so_the_reply_encodes():
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {"a": "</tool_call>"}}</tool_call>', None),
 ])
 def test_more_replies_read_alike_streamed_or_whole(parser, reply, parallel):
-    _, whole, reason = read(plan(parser=parser, parallel=parallel), reply, [len(reply)], stream=False)
-    _, streamed, streamed_reason = read(plan(parser=parser, parallel=parallel), reply, [2] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    whole, reason = read_alike(plan(parser=parser, parallel=parallel), reply, [2] * len(reply))
     assert calls_of(whole)
 
 
@@ -316,11 +321,8 @@ def test_more_replies_read_alike_streamed_or_whole(parser, reply, parallel):
 def test_a_required_reply_cut_between_calls_reads_alike_streamed_or_whole(reply):
     """max_tokens cuts a "required" array after a call: the whole reply's text begins at the part call, past the
     comma; a stream sent the comma and the whitespace around it as content too."""
-    _, whole, reason = read(plan("required"), reply, [len(reply)], stream=False, finish="length")
+    whole, reason = read_alike(plan("required"), reply, [1] * len(reply), [len(reply)], finish="length")
     assert calls_of(whole) == [("get_time", "{}")]
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan("required"), reply, sizes, stream=True, finish="length")
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 # what review found (helper-89, pythonic streams): each case failed before its mend
@@ -331,9 +333,7 @@ def test_a_literal_that_overflows_is_no_call_streamed_or_whole():
     huge = "9" * 400 + "+1j"
     for reply, calls in ((f"[get_weather(a={huge})]", []),
                          (f"[get_weather(city='Oslo', a={huge})]", [("get_weather", '{"city": "Oslo"}')])):
-        _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+        whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
         # (the call breaks off at the argument, closed after those sent; the rest is content)
         assert calls_of(whole) == calls and whole["content"] == (reply if not calls else f" a={huge})]")
 
@@ -349,10 +349,8 @@ def test_a_literal_that_overflows_is_no_call_streamed_or_whole():
     "[get_weather(city='Oslo', # it's cold\n days=1)]",
 ])
 def test_pythonic_replies_python_reads_as_calls_read_alike_streamed_or_whole(reply):
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
     assert calls_of(whole)
-    _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -419,11 +417,8 @@ def test_llama3_json_whitespace_python_strips_reads_alike_streamed_or_whole(repl
     are no content, but the stream took only JSON's whitespace there, so it sent the reply as text (leading) or the
     trailing space as content."""
     p = plan(parser="llama3_json")
-    _, whole, reason = read(p, reply, [len(reply)], stream=False)
+    whole, reason = read_alike(p, reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) == [("get_time", "{}")] and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(p, reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("gaps", [("\xa0", ""), ("\u3000", "\x0c"), ("\n\x85 ", " \xa0\n")])
@@ -432,11 +427,8 @@ def test_hermes_blank_gaps_of_any_whitespace_are_no_content_streamed_or_whole(ga
     the stream held only JSON's whitespace as blank, so it sent such a gap as content."""
     block = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     reply = block + gaps[0] + block + gaps[1]
-    _, whole, reason = read(plan(), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) == [("get_time", "{}")] * 2 and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -448,21 +440,16 @@ def test_hermes_blank_gaps_of_any_whitespace_are_no_content_streamed_or_whole(ga
 def test_pythonic_comments_between_calls_read_alike_streamed_or_whole(reply):
     """ast skips a "#" comment between the list's calls (or after a name); the stream took it only inside a call's
     arguments, so it sent the reply, or what followed the first call, as text."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", ['[get_weather(city="Oslo" # c\r)]', '[get_weather(city="Oslo", # c\r days=1)]'])
 def test_pythonic_a_comment_in_the_arguments_ends_at_a_lone_carriage_return(reply):
     """Python ends a comment at "\\r" as at "\\n" (ast reads these as calls); the stream's scanner read on to a "\\n",
     taking the rest of the call as comment: the reply was text, or the call broke off after its first argument."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
     assert calls_of(whole) and whole["content"] is None
-    _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 # what review found (helper, truncated and duplicated calls): each case failed before its mend
@@ -558,11 +545,8 @@ def test_a_key_given_twice_in_the_arguments_reads_alike_streamed_or_whole(choice
     """A stream sends `"city": "Oslo"` before it reads `"city": "Rome"`, so it writes the key twice; a whole reply
     wrote what json.loads keeps, the last alone. Both now write what the model wrote, which a client's json.loads reads
     as Python's does (the last)."""
-    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(choice, parser), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) == [("get_weather", arguments)] and reason == "tool_calls"
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize(("choice", "parser", "reply", "call"), [
@@ -582,11 +566,8 @@ def test_a_name_or_arguments_given_twice_in_a_call_read_alike_streamed_or_whole(
     """A stream sends a call once its name is read and its arguments begin, and cannot take it back for a later
     name or arguments; a whole reply took the last (json.loads), or "parameters" over "arguments" wherever written,
     and a stream refused a second name (the call as text, or one broken off). Both take the first written."""
-    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(choice, parser), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) == [call] and whole["content"] is None and reason == "tool_calls"
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize(("reply", "calls", "content"), [
@@ -597,10 +578,8 @@ def test_a_name_or_arguments_given_twice_in_a_call_read_alike_streamed_or_whole(
 def test_a_pythonic_keyword_given_twice_reads_alike_streamed_or_whole(reply, calls, content):
     """ast parses `f(a=1, a=2)` (Python's compiler refuses it): a whole reply kept the last, while a stream, which
     sent the first, ended the calls there. The whole reply is read as the stream reads it."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
     assert (calls_of(whole), whole["content"]) == (calls, content)
-    _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("depth", [510, 511, 512, 700])
@@ -613,10 +592,8 @@ def test_values_nested_past_the_streams_depth_read_alike_streamed_or_whole(choic
     """A stream refuses JSON nested past MAX_DEPTH (512) in a call's values, so such a call breaks off there; a whole
     reply, read by json.loads, took it whole up to Python's recursion limit (near 1000)."""
     reply = frame % ("[" * depth + "]" * depth)
-    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1))
     assert (whole["content"] is None) == (depth < (513 if "id" in frame else 512))  # (the arguments' object is one)
-    _, streamed, streamed_reason = read(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize(("choice", "parser", "reply"), [
@@ -628,11 +605,8 @@ def test_values_nested_past_the_streams_depth_read_alike_streamed_or_whole(choic
 def test_a_value_json_cannot_hold_outside_the_arguments_reads_alike_streamed_or_whole(choice, parser, reply):
     """json.loads takes NaN, Infinity and 1e400 (inf), so a whole reply took a call with one under a key it skips;
     a stream refuses them where it reads them, so the call broke off there (or was text)."""
-    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(choice, parser), reply, [1] * len(reply), [len(reply)])
     assert whole["content"] is not None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(choice, parser), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -645,11 +619,8 @@ def test_pythonic_comments_or_line_continuations_alone_are_no_argument_streamed_
     """What stands between a call's last comma (or its parenthesis) and its ")" may be only a comment or a line
     continuation, which ast skips; the stream parsed it as an argument and failed, breaking the call off there (or
     sending the reply as text)."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -662,10 +633,8 @@ def test_pythonic_names_python_reads_read_alike_streamed_or_whole(reply):
     ASCII names, so it sent such a reply as text."""
     meteo = {"type": "function", "function": {"name": "météo"}}
     p = ToolPlan.of([meteo, TIME], None, None, ToolOptions(parser="pythonic"))
-    _, whole, reason = read(p, reply, [len(reply)], stream=False)
+    whole, reason = read_alike(p, reply, [1] * len(reply))
     assert calls_of(whole) and whole["content"] is None
-    _, streamed, streamed_reason = read(p, reply, [1] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -677,11 +646,8 @@ def test_pythonic_names_python_reads_read_alike_streamed_or_whole(reply):
 def test_pythonic_line_continuations_between_calls_read_alike_streamed_or_whole(reply):
     """ast reads a line continuation between the list's calls (or after a name) as whitespace; the stream took the
     backslash for text, so it sent the reply, or what followed the first call, as content."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 @pytest.mark.parametrize("reply", [
@@ -693,11 +659,8 @@ def test_pythonic_line_continuations_between_calls_read_alike_streamed_or_whole(
 def test_pythonic_calls_in_parentheses_read_alike_streamed_or_whole(reply):
     """ast reads a call in parentheses (or one whose name is) as the call; the stream took the parenthesis for text,
     so it sent the reply, or what followed the first call, as content."""
-    _, whole, reason = read(plan(parser="pythonic"), reply, [len(reply)], stream=False)
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [len(reply)])
     assert calls_of(whole) and whole["content"] is None
-    for sizes in ([1] * len(reply), [len(reply)]):
-        _, streamed, streamed_reason = read(plan(parser="pythonic"), reply, sizes, stream=True)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
 
 
 # a differential check: random replies in each format, whole against streamed in random pieces, whole and cut
@@ -778,9 +741,7 @@ def test_a_word_that_no_json_value_begins_streams_as_content_as_it_comes(choice,
     sent = "".join(reader.feed(ch).content for ch in "Oslo" + "o" * 200)
     assert sent == "Oslo" + "o" * 200
     reply = head + "Oslo" + "o" * 200 + "}}"
-    _, whole, reason = read(plan(choice, parser), reply, [len(reply)], stream=False)
-    _, streamed, streamed_reason = read(plan(choice, parser), reply, [1] * len(reply), stream=True)
-    assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+    whole, reason = read_alike(plan(choice, parser), reply, [1] * len(reply))
     assert calls_of(whole) == [("get_weather", '{"city": ')] and whole["content"] == reply[len(head):]
 
 
