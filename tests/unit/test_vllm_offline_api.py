@@ -10,6 +10,11 @@ from tpgraph.engine.structured import StructuredOutput, StructuredOutputsParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
+def chat_engine(ckpt) -> TPEngine:
+    """The chat test checkpoint's engine (random weights: its tokenizer, template and configs are what count)."""
+    return TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128, num_kv_blocks=40)
+
+
 def engine(**kw):
     base = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, block_size=4)
     return TPEngine(**{**base, **kw})
@@ -88,8 +93,7 @@ def test_get_tokenizer_answers_as_the_checkpoints_transformers_tokenizer_does(tm
 
     ckpt = make_chat_checkpoint(tmp_path / "chat")
     hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
-    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
-                  num_kv_blocks=40) as e:
+    with chat_engine(ckpt) as e:
         tok = e.get_tokenizer()
         chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) \
@@ -118,8 +122,7 @@ def test_get_tokenizer_decodes_one_token_id_as_transformers_does(tmp_path):
 
     ckpt = make_chat_checkpoint(tmp_path / "chat")
     hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
-    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
-                  num_kv_blocks=40) as e:
+    with chat_engine(ckpt) as e:
         tok = e.get_tokenizer()
     for token_id in (104, 233, EOT_ID):  # ("h", a byte of a character, a special token)
         assert tok.decode(token_id) == hf.decode(token_id)
@@ -195,8 +198,7 @@ def test_get_tokenizer_has_no_eos_token_where_the_tokenizer_config_names_none(tm
     config = ckpt / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "eos_token"}))
     hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
-    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
-                  num_kv_blocks=40) as e:
+    with chat_engine(ckpt) as e:
         tok = e.get_tokenizer()
         assert (tok.eos_token, tok.eos_token_id, tok.all_special_ids) == (hf.eos_token, hf.eos_token_id,
                                                                           hf.all_special_ids) == (None, None, [256])
@@ -231,8 +233,7 @@ def test_get_default_sampling_params_is_default_params(tmp_path):
     from tpgtest.chat_fixtures import make_chat_checkpoint
 
     ckpt = make_chat_checkpoint(tmp_path / "chat")  # (its generation_config.json: temperature 0.6, top_p 0.9)
-    with TPEngine(str(ckpt), device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=128,
-                  num_kv_blocks=40) as e:
+    with chat_engine(ckpt) as e:
         assert e.get_default_sampling_params() == e.default_params() == SamplingParams(temperature=0.6, top_p=0.9)
 
 
