@@ -1,0 +1,85 @@
+"""A one-row bf16 projection whose weights stream through a shared-memory ring of bulk copies (csrc/gemv_ring.cu),
+issued before the PDL wait: an experiment against the ~2 µs of ramp and drain that keep o_proj and qkv under 88% of
+the HBM bandwidth when timed alone (issue 11; bench/bench_ring_gemv.py times it beside the shipped Triton kernel).
+Not on the decode path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpgraph._ext import load_ext
+
+VECTOR_ELEMS = 8  # bf16 elements a 16-byte bulk copy moves: k must be a multiple
+THREADS = (128, 256, 512)
+MAX_VECTORS_PER_THREAD = 8  # csrc/gemv_ring.cu: x's 16-byte vectors a thread keeps in registers
+MAX_STAGES = 16
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """A launch: threads a CTA, bytes a bulk copy brings (whole rows, at least one), the ring's bytes (chunks in
+    flight), CTAs a SM, and whether it launches as a programmatic dependent."""
+
+    threads: int = 256
+    chunk_bytes: int = 16 << 10
+    ring_bytes: int = 96 << 10
+    per_sm: int = 1
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads not in THREADS:
+            raise ValueError(f"RingConfig: threads must be one of {THREADS}, got {self.threads}")
+        if self.chunk_bytes <= 0 or self.ring_bytes < self.chunk_bytes or self.per_sm < 1:
+            raise ValueError(f"RingConfig: needs 0 < chunk_bytes <= ring_bytes and per_sm >= 1, got {self}")
+
+    @property
+    def label(self) -> str:
+        return (f"ring t{self.threads} c{self.chunk_bytes >> 10}k r{self.ring_bytes >> 10}k x{self.per_sm}"
+                + ("" if self.pdl else " nopdl"))
+
+
+@dataclass(frozen=True)
+class RingLaunch:
+    grid: int
+    rows_per_chunk: int
+    stages: int
+
+
+def ring_launch(n: int, k: int, config: RingConfig, sms: int) -> RingLaunch:
+    """The grid and ring of a [n, k] bf16 weight: per_sm CTAs a SM (no more than n), chunks of whole rows near
+    chunk_bytes, as many stages as fit ring_bytes (at least two, at most MAX_STAGES)."""
+    if k <= 0 or k % VECTOR_ELEMS:
+        raise ValueError(f"gemv_ring: k must be a positive multiple of {VECTOR_ELEMS} (16-byte bulk copies), got {k}")
+    if -(-k // VECTOR_ELEMS) > MAX_VECTORS_PER_THREAD * config.threads:
+        raise ValueError(f"gemv_ring: k={k} exceeds what {config.threads} threads keep of x "
+                         f"({MAX_VECTORS_PER_THREAD * VECTOR_ELEMS * config.threads}); take more threads")
+    row_bytes = k * 2
+    rows_per_chunk = max(1, config.chunk_bytes // row_bytes)
+    stages = min(MAX_STAGES, max(2, config.ring_bytes // (rows_per_chunk * row_bytes)))
+    return RingLaunch(min(n, sms * config.per_sm), rows_per_chunk, stages)
+
+
+def gemv_ring(x: torch.Tensor, w: torch.Tensor, config: RingConfig = RingConfig(),
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ w [N, K].T -> [1, N], bf16, on a CUDA device of sm_90 or later."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_ring takes bf16 x and w, got {x.dtype} and {w.dtype}")
+    if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv_ring takes x [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError("gemv_ring takes contiguous x and w")
+    if not x.is_cuda or x.device != w.device or torch.cuda.get_device_capability(x.device)[0] < 9:
+        raise ValueError("gemv_ring runs on one CUDA device of sm_90 or later (bulk copies)")
+    n, k = w.shape
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"gemv_ring's out must be contiguous [1, {n}] bf16 on {x.device}, got {tuple(out.shape)}")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    launch = ring_launch(n, k, config, sms)
+    load_ext().gemv_ring(x.data_ptr(), w.data_ptr(), out.data_ptr(), n, k, launch.grid, config.threads,
+                               launch.rows_per_chunk, launch.stages, config.pdl,
+                               torch.cuda.current_stream(x.device).cuda_stream)
+    return out
