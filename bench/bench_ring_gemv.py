@@ -24,10 +24,12 @@ from bench_kernels import PROJECTION_SHAPES, copies_for, cycling_graph  # bench/
 from tpgraph.kernels.gemv_ring import RingConfig, gemv_ring
 
 SIZES = ("o_proj", "qkv", "down", "gate_up")
-SWEEP = [RingConfig(256, 16 << 10, 96 << 10), RingConfig(256, 16 << 10, 48 << 10), RingConfig(256, 32 << 10, 96 << 10),
-         RingConfig(256, 8 << 10, 64 << 10), RingConfig(256, 16 << 10, 192 << 10),
-         RingConfig(256, 16 << 10, 48 << 10, per_sm=2), RingConfig(512, 16 << 10, 96 << 10),
-         RingConfig(128, 16 << 10, 96 << 10), RingConfig(256, 16 << 10, 96 << 10, pdl=False)]
+BULK = [RingConfig(256, 16 << 10, 48 << 10, per_sm=2), RingConfig(256, 32 << 10, 64 << 10, per_sm=2),
+        RingConfig(256, 32 << 10, 96 << 10)]
+PER_THREAD = [RingConfig(t, c << 10, r << 10, per_sm=p, per_thread_copies=True)
+              for t, c, r, p in ((256, 16, 96, 1), (512, 16, 96, 1), (256, 8, 64, 1), (256, 32, 96, 1),
+                                 (256, 16, 48, 2), (256, 8, 32, 2), (128, 8, 32, 3), (256, 16, 192, 1))]
+SWEEP = BULK + PER_THREAD
 
 
 @dataclass

@@ -97,6 +97,7 @@ struct GemvRingArgs {
   int stages = 4;          // chunks in flight
   bool pdl = true;
   uintptr_t stream = 0;
+  bool per_thread_copies = false;  // cp.async pieces instead of one bulk copy a chunk
 };
 void gemv_ring(const GemvRingArgs& args);
 size_t gemv_ring_smem_bytes(int n, int k, int grid, int threads, int rows_per_chunk, int stages);

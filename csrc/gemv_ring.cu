@@ -68,6 +68,11 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return acc;
 }
 
+__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
+}
+
+// Bulk-copy form: one thread issues each chunk as one bulk copy counted down on the stage's barrier.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     gemv_ring_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
@@ -139,6 +144,83 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Per-thread form: every thread copies 16-byte pieces of each chunk (cp.async) and has the stage's barrier (one
+// arrival a thread) count its arrival once they have landed. At chunk c all threads meet once (so every thread is done
+// with chunk c-1), refill chunk c-1's stage with chunk c+stages-1, wait for chunk c's barrier, and dot it.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    gemv_ring_async_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                           __nv_bfloat16* __restrict__ out, int n, int k, int rows_per_chunk, int stages,
+                           int max_rows) {
+  constexpr int kWarps = kThreads / 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto* full = reinterpret_cast<uint64_t*>(smem);
+  auto* row_sums = reinterpret_cast<float*>(smem + kBarrierBytes);  // [max_rows][kWarps]
+  unsigned char* ring = smem + kBarrierBytes + ((max_rows * kWarps * 4 + 127) / 128) * 128;
+
+  const int row0 = static_cast<int>(static_cast<long long>(blockIdx.x) * n / gridDim.x);
+  const int rows = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * n / gridDim.x) - row0;
+  const int chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  const size_t row_bytes = static_cast<size_t>(k) * sizeof(__nv_bfloat16);
+  const size_t stage_bytes = rows_per_chunk * row_bytes;
+  const char* slice = reinterpret_cast<const char*>(w) + row0 * row_bytes;
+  auto issue = [&](int c) {
+    if (c >= chunks) return;
+    const int s = c % stages;
+    const int pieces = static_cast<int>(min(rows_per_chunk, rows - c * rows_per_chunk) * row_bytes / 16);
+    unsigned char* dst = ring + s * stage_bytes;
+    const char* src = slice + c * stage_bytes;
+    for (int i = threadIdx.x; i < pieces; i += kThreads) async_copy16(dst + i * 16, src + i * 16);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(shared_addr(&full[s])) : "memory");
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(&full[s])), "r"(kThreads) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  for (int c = 0; c < stages - 1; ++c) issue(c);
+  // Only x comes from the kernel before: the weights are in flight before the wait, and the next call may start now
+  pdl_launch_dependents();
+  pdl_wait();
+
+  const int vectors = k / kVectorElems;
+  const auto* xv = reinterpret_cast<const uint4*>(x);
+  uint4 xr[kMaxVectorsPerThread];
+#pragma unroll
+  for (int j = 0; j < kMaxVectorsPerThread; ++j) {
+    const int v = threadIdx.x + j * kThreads;
+    xr[j] = v < vectors ? xv[v] : make_uint4(0, 0, 0, 0);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int c = 0; c < chunks; ++c) {
+    __syncthreads();  // every thread is done with chunk c-1: its stage takes chunk c+stages-1
+    issue(c + stages - 1);
+    barrier_wait(&full[c % stages], (c / stages) & 1);
+    const auto* tile = reinterpret_cast<const uint4*>(ring + (c % stages) * stage_bytes);
+    const int in_chunk = min(rows_per_chunk, rows - c * rows_per_chunk);
+    for (int r = 0; r < in_chunk; ++r) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < kMaxVectorsPerThread; ++j) {
+        const int v = threadIdx.x + j * kThreads;
+        if (v < vectors) acc += dot8(tile[r * vectors + v], xr[j]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) row_sums[(c * rows_per_chunk + r) * kWarps + warp] = acc;
+    }
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) sum += row_sums[r * kWarps + i];
+    out[row0 + r] = __float2bfloat16(sum);
+  }
+}
+
 template <int kThreads>
 void launch(const GemvRingArgs& a) {
   const int vectors = a.k / kVectorElems;
@@ -149,7 +231,7 @@ void launch(const GemvRingArgs& a) {
   const size_t row_bytes = static_cast<size_t>(a.k) * 2;
   const size_t smem = kBarrierBytes + ((max_rows * (kThreads / 32) * 4 + 127) / 128) * 128 +
                       static_cast<size_t>(a.stages) * a.rows_per_chunk * row_bytes;
-  auto* kernel = gemv_ring_kernel<kThreads>;
+  auto* kernel = a.per_thread_copies ? gemv_ring_async_kernel<kThreads> : gemv_ring_kernel<kThreads>;
   TPG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(a.grid);

@@ -12,7 +12,9 @@ pytestmark = pytest.mark.gpu
 
 CONFIGS = [RingConfig(), RingConfig(threads=128, chunk_bytes=8 << 10, ring_bytes=16 << 10),
            RingConfig(threads=512, chunk_bytes=32 << 10, ring_bytes=192 << 10), RingConfig(per_sm=2),
-           RingConfig(pdl=False)]
+           RingConfig(pdl=False), RingConfig(per_thread_copies=True),
+           RingConfig(threads=512, chunk_bytes=8 << 10, ring_bytes=16 << 10, per_thread_copies=True),
+           RingConfig(per_sm=2, ring_bytes=48 << 10, per_thread_copies=True)]
 SHAPES = [(4096, 2048), (3072, 4096), (4096, 7168), (14336, 4096), (4100, 4096), (32003, 4096), (13, 2056)]
 
 
@@ -80,7 +82,8 @@ def test_a_graph_chain_reads_each_x_after_the_kernel_that_wrote_it():
             assert torch.equal(outs[i], (src[i].float() @ ws[i].float().T).to(torch.bfloat16)), i
 
 
-@pytest.mark.parametrize("config", [RingConfig(), RingConfig(per_sm=2)], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [RingConfig(), RingConfig(per_sm=2), RingConfig(per_thread_copies=True)],
+                         ids=lambda c: c.label)
 def test_one_ring_feeds_the_next_in_a_graph(config):
     """y = ring(ring(x, w1), w2): the second call's CTAs sit beside the first's and read its output only after the
     wait. 0/1 entries keep every sum an integer below 2**24, so fp32 gives it exactly in any order."""

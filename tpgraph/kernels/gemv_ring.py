@@ -19,14 +19,16 @@ MAX_STAGES = 16
 
 @dataclass(frozen=True)
 class RingConfig:
-    """A launch: threads a CTA, bytes a bulk copy brings (whole rows, at least one), the ring's bytes (chunks in
-    flight), CTAs a SM, and whether it launches as a programmatic dependent."""
+    """A launch: threads a CTA, bytes a chunk brings (whole rows, at least one), the ring's bytes (chunks in flight),
+    CTAs a SM, whether it launches as a programmatic dependent, and how a chunk is copied: one bulk copy (TMA) or
+    16-byte cp.async pieces from every thread (`per_thread_copies`)."""
 
     threads: int = 256
     chunk_bytes: int = 16 << 10
     ring_bytes: int = 96 << 10
     per_sm: int = 1
     pdl: bool = True
+    per_thread_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.threads not in THREADS:
@@ -37,7 +39,7 @@ class RingConfig:
     @property
     def label(self) -> str:
         return (f"ring t{self.threads} c{self.chunk_bytes >> 10}k r{self.ring_bytes >> 10}k x{self.per_sm}"
-                + ("" if self.pdl else " nopdl"))
+                + ("" if self.pdl else " nopdl") + (" cp.async" if self.per_thread_copies else ""))
 
 
 @dataclass(frozen=True)
@@ -81,5 +83,5 @@ def gemv_ring(x: torch.Tensor, w: torch.Tensor, config: RingConfig = RingConfig(
     launch = ring_launch(n, k, config, sms)
     load_ext().gemv_ring(x.data_ptr(), w.data_ptr(), out.data_ptr(), n, k, launch.grid, config.threads,
                                launch.rows_per_chunk, launch.stages, config.pdl,
-                               torch.cuda.current_stream(x.device).cuda_stream)
+                               torch.cuda.current_stream(x.device).cuda_stream, config.per_thread_copies)
     return out
