@@ -24,11 +24,11 @@ from bench_kernels import PROJECTION_SHAPES, copies_for, cycling_graph  # bench/
 from tpgraph.kernels.gemv_ring import RingConfig, gemv_ring
 
 SIZES = ("o_proj", "qkv", "down", "gate_up")
-BULK = [RingConfig(256, 16 << 10, 48 << 10, per_sm=2), RingConfig(256, 32 << 10, 64 << 10, per_sm=2),
-        RingConfig(256, 32 << 10, 96 << 10)]
+BULK = [RingConfig(256, 16 << 10, 48 << 10, per_sm=2)]
 PER_THREAD = [RingConfig(t, c << 10, r << 10, per_sm=p, per_thread_copies=True)
-              for t, c, r, p in ((256, 16, 96, 1), (512, 16, 96, 1), (256, 8, 64, 1), (256, 32, 96, 1),
-                                 (256, 16, 48, 2), (256, 8, 32, 2), (128, 8, 32, 3), (256, 16, 192, 1))]
+              for t, c, r, p in ((256, 16, 48, 2), (128, 8, 32, 3), (128, 8, 24, 4), (128, 4, 16, 4),
+                                 (128, 8, 16, 6), (128, 4, 16, 6), (128, 4, 12, 8), (128, 8, 32, 4),
+                                 (256, 8, 24, 3), (256, 8, 16, 4))]
 SWEEP = BULK + PER_THREAD
 
 
