@@ -114,3 +114,21 @@ def test_one_ring_feeds_the_next_in_a_graph(config):
         torch.cuda.synchronize()
         want_mid = (x.float() @ w1.float().T).to(torch.bfloat16)
         assert torch.equal(y, (want_mid.float() @ w2.float().T).to(torch.bfloat16))
+
+
+def test_linear_small_m_takes_the_ring_for_one_row_when_asked(monkeypatch):
+    from tpgraph.kernels import gemv
+    from tpgraph.kernels import gemv_ring as ring
+
+    calls = []
+    real = ring.gemv_ring
+    monkeypatch.setattr(gemv, "gemv_ring", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = _ints(4096, 2048)
+    monkeypatch.setenv("TPGRAPH_RING_GEMV", "1")
+    for m in (1, 2):
+        x = _ints(m, 2048)
+        assert torch.equal(gemv.linear_small_m(x, w), (x.float() @ w.float().T).to(torch.bfloat16))
+    assert calls == [1]  # one row only
+    monkeypatch.setenv("TPGRAPH_RING_GEMV", "0")
+    gemv.linear_small_m(_ints(1, 2048), w)
+    assert calls == [1]

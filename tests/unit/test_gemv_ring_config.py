@@ -53,3 +53,13 @@ def test_bad_inputs_are_refused_before_any_launch():
         gemv_ring(torch.zeros(1, 32, dtype=torch.bfloat16)[:, ::2], w)
     with pytest.raises(ValueError, match="sm_90"):
         gemv_ring(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+
+
+def test_the_decode_path_takes_the_ring_only_when_asked_and_only_on_a_gpu(monkeypatch):
+    from tpgraph.kernels.gemv_ring import ring_applies
+
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv("TPGRAPH_RING_GEMV", raising=False)
+    assert not ring_applies(x, w)
+    monkeypatch.setenv("TPGRAPH_RING_GEMV", "1")
+    assert not ring_applies(x, w)  # a CPU tensor

@@ -1,7 +1,8 @@
 """A one-row bf16 projection whose weights stream through a shared-memory ring of bulk copies (csrc/gemv_ring.cu),
 issued before the PDL wait: an experiment against the ~2 µs of ramp and drain that keep o_proj and qkv under 88% of
 the HBM bandwidth when timed alone (issue 11; bench/bench_ring_gemv.py times it beside the shipped Triton kernel).
-Not on the decode path."""
+Opt-in on the decode path (`TPGRAPH_RING_GEMV=1`): linear_small_m then takes it for one bf16 row, with DECODE's
+launch, until whole steps have been timed with it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tpgraph._ext import load_ext
+from tpgraph._ext import extension_available, load_ext
+from tpgraph.kernels._settings import env_flag
 
 VECTOR_ELEMS = 8  # bf16 elements a 16-byte bulk copy moves: k must be a multiple
 THREADS = (128, 256, 512)
@@ -40,6 +42,23 @@ class RingConfig:
     def label(self) -> str:
         return (f"ring t{self.threads} c{self.chunk_bytes >> 10}k r{self.ring_bytes >> 10}k x{self.per_sm}"
                 + ("" if self.pdl else " nopdl") + (" cp.async" if self.per_thread_copies else ""))
+
+
+# the best launch of the H100 sweeps (bench/results/2026-12-05_h100_s48_ring): 4 CTAs of 128 threads a SM, two 16 KB
+# chunks in flight each, per-thread copies
+DECODE = RingConfig(threads=128, chunk_bytes=16 << 10, ring_bytes=32 << 10, per_sm=4, per_thread_copies=True)
+
+
+def ring_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the decode path's projection x @ w.T runs as the ring GEMV: TPGRAPH_RING_GEMV=1, one contiguous bf16
+    row on an sm_90+ GPU, K a multiple of 8 within DECODE's reach, x and w 16-byte aligned."""
+    if not env_flag("TPGRAPH_RING_GEMV", default=False) or not x.is_cuda or x.dim() != 2 or w.dim() != 2:
+        return False
+    k = w.shape[1]
+    return (x.shape == (1, k) and x.dtype == w.dtype == torch.bfloat16 and x.is_contiguous() and w.is_contiguous()
+            and k % VECTOR_ELEMS == 0 and k <= MAX_VECTORS_PER_THREAD * VECTOR_ELEMS * DECODE.threads
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and extension_available())
 
 
 @dataclass(frozen=True)
