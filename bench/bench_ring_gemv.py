@@ -25,9 +25,9 @@ from tpgraph.kernels.gemv_ring import RingConfig, gemv_ring
 
 SIZES = ("o_proj", "qkv", "down", "gate_up")
 BULK = [RingConfig(256, 16 << 10, 48 << 10, per_sm=2)]
-PER_THREAD = [RingConfig(t, c << 10, r << 10, per_sm=p, per_thread_copies=True)
-              for t, c, r, p in ((128, 8, 32, 3), (128, 8, 24, 4), (128, 8, 24, 5), (128, 8, 40, 4), (128, 16, 48, 4),
-                                 (128, 4, 12, 4), (128, 8, 24, 3), (128, 16, 32, 4), (128, 12, 36, 4))]
+PER_THREAD = [RingConfig(t, c << 10, r << 10, per_sm=p, per_thread_copies=True, late_let_in=late)
+              for t, c, r, p, late in ((128, 16, 32, 4, False), (128, 16, 32, 4, True), (128, 8, 24, 4, False),
+                                       (128, 8, 24, 4, True), (128, 16, 48, 4, False), (128, 16, 48, 4, True))]
 SWEEP = BULK + PER_THREAD
 
 

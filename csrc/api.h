@@ -98,6 +98,7 @@ struct GemvRingArgs {
   bool pdl = true;
   uintptr_t stream = 0;
   bool per_thread_copies = false;  // cp.async pieces instead of one bulk copy a chunk
+  bool late_let_in = false;        // the next kernel let in after the weights have landed, not at the start
 };
 void gemv_ring(const GemvRingArgs& args);
 size_t gemv_ring_smem_bytes(int n, int k, int grid, int threads, int rows_per_chunk, int stages);

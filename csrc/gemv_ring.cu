@@ -76,7 +76,8 @@ __device__ __forceinline__ void async_copy16(void* dst, const void* src) {
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     gemv_ring_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                     __nv_bfloat16* __restrict__ out, int n, int k, int rows_per_chunk, int stages, int max_rows) {
+                     __nv_bfloat16* __restrict__ out, int n, int k, int rows_per_chunk, int stages, int max_rows,
+                     int late_let_in) {
   constexpr int kWarps = kThreads / 32;
   extern __shared__ __align__(128) unsigned char smem[];
   auto* full = reinterpret_cast<uint64_t*>(smem);
@@ -100,8 +101,9 @@ __global__ void __launch_bounds__(kThreads)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int c = 0; c < min(stages, chunks); ++c) issue(c);
   }
-  // Only x comes from the kernel before: the weights are in flight before the wait, and the next call may start now
-  pdl_launch_dependents();
+  // Only x comes from the kernel before: the weights are in flight before the wait. The next kernel may start now, or
+  // (late_let_in) once the weights have all landed, so that it takes no SM slots from this stream
+  if (!late_let_in) pdl_launch_dependents();
   pdl_wait();
   __syncthreads();  // the barriers' initialisation is seen by every thread
 
@@ -136,6 +138,7 @@ __global__ void __launch_bounds__(kThreads)
       issue(c + stages);
     }
   }
+  if (late_let_in) pdl_launch_dependents();
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     float sum = 0.f;
 #pragma unroll
@@ -151,7 +154,7 @@ template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     gemv_ring_async_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                            __nv_bfloat16* __restrict__ out, int n, int k, int rows_per_chunk, int stages,
-                           int max_rows) {
+                           int max_rows, int late_let_in) {
   constexpr int kWarps = kThreads / 32;
   extern __shared__ __align__(128) unsigned char smem[];
   auto* full = reinterpret_cast<uint64_t*>(smem);
@@ -181,8 +184,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   for (int c = 0; c < stages - 1; ++c) issue(c);
-  // Only x comes from the kernel before: the weights are in flight before the wait, and the next call may start now
-  pdl_launch_dependents();
+  // Only x comes from the kernel before: the weights are in flight before the wait. The next kernel may start now, or
+  // (late_let_in) once the weights have all landed, so that it takes no SM slots from this stream
+  if (!late_let_in) pdl_launch_dependents();
   pdl_wait();
 
   const int vectors = k / kVectorElems;
@@ -212,6 +216,7 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) row_sums[(c * rows_per_chunk + r) * kWarps + warp] = acc;
     }
   }
+  if (late_let_in) pdl_launch_dependents();
   __syncthreads();
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     float sum = 0.f;
@@ -245,7 +250,8 @@ void launch(const GemvRingArgs& a) {
   cfg.numAttrs = 1;
   TPG_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, reinterpret_cast<const __nv_bfloat16*>(a.x),
                                     reinterpret_cast<const __nv_bfloat16*>(a.w), reinterpret_cast<__nv_bfloat16*>(a.out),
-                                    a.n, a.k, a.rows_per_chunk, a.stages, max_rows));
+                                    a.n, a.k, a.rows_per_chunk, a.stages, max_rows,
+                                    a.late_let_in ? 1 : 0));
 }
 
 }  // namespace

@@ -14,7 +14,8 @@ CONFIGS = [RingConfig(), RingConfig(threads=128, chunk_bytes=8 << 10, ring_bytes
            RingConfig(threads=512, chunk_bytes=32 << 10, ring_bytes=192 << 10), RingConfig(per_sm=2),
            RingConfig(pdl=False), RingConfig(per_thread_copies=True),
            RingConfig(threads=512, chunk_bytes=8 << 10, ring_bytes=16 << 10, per_thread_copies=True),
-           RingConfig(per_sm=2, ring_bytes=48 << 10, per_thread_copies=True)]
+           RingConfig(per_sm=2, ring_bytes=48 << 10, per_thread_copies=True),
+           RingConfig(per_sm=4, ring_bytes=32 << 10, threads=128, per_thread_copies=True, late_let_in=True)]
 SHAPES = [(4096, 2048), (3072, 4096), (4096, 7168), (14336, 4096), (4100, 4096), (32003, 4096), (13, 2056)]
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tpgraph._ext import extension_available, load_ext
-from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels._settings import env_choice
 
 VECTOR_ELEMS = 8  # bf16 elements a 16-byte bulk copy moves: k must be a multiple
 THREADS = (128, 256, 512)
@@ -31,6 +31,7 @@ class RingConfig:
     per_sm: int = 1
     pdl: bool = True
     per_thread_copies: bool = False
+    late_let_in: bool = False  # the next kernel let in once the weights have landed, not at the start
 
     def __post_init__(self) -> None:
         if self.threads not in THREADS:
@@ -41,18 +42,26 @@ class RingConfig:
     @property
     def label(self) -> str:
         return (f"ring t{self.threads} c{self.chunk_bytes >> 10}k r{self.ring_bytes >> 10}k x{self.per_sm}"
-                + ("" if self.pdl else " nopdl") + (" cp.async" if self.per_thread_copies else ""))
+                + ("" if self.pdl else " nopdl") + (" cp.async" if self.per_thread_copies else "")
+                + (" late" if self.late_let_in else ""))
 
 
 # the best launch of the H100 sweeps (bench/results/2026-12-05_h100_s48_ring): 4 CTAs of 128 threads a SM, two 16 KB
 # chunks in flight each, per-thread copies
 DECODE = RingConfig(threads=128, chunk_bytes=16 << 10, ring_bytes=32 << 10, per_sm=4, per_thread_copies=True)
+DECODE_LATE = RingConfig(threads=128, chunk_bytes=16 << 10, ring_bytes=32 << 10, per_sm=4, per_thread_copies=True,
+                         late_let_in=True)
+
+
+def decode_config() -> RingConfig | None:
+    """TPGRAPH_RING_GEMV: 0 (default) off, 1 DECODE, 2 DECODE_LATE."""
+    return {0: None, 1: DECODE, 2: DECODE_LATE}[env_choice("TPGRAPH_RING_GEMV", (0, 1, 2), 0)]
 
 
 def ring_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the decode path's projection x @ w.T runs as the ring GEMV: TPGRAPH_RING_GEMV=1, one contiguous bf16
+    """Whether the decode path's projection x @ w.T runs as the ring GEMV: TPGRAPH_RING_GEMV=1 or 2, one contiguous bf16
     row on an sm_90+ GPU, K a multiple of 8 within DECODE's reach, x and w 16-byte aligned."""
-    if not env_flag("TPGRAPH_RING_GEMV", default=False) or not x.is_cuda or x.dim() != 2 or w.dim() != 2:
+    if decode_config() is None or not x.is_cuda or x.dim() != 2 or w.dim() != 2:
         return False
     k = w.shape[1]
     return (x.shape == (1, k) and x.dtype == w.dtype == torch.bfloat16 and x.is_contiguous() and w.is_contiguous()
@@ -102,5 +111,6 @@ def gemv_ring(x: torch.Tensor, w: torch.Tensor, config: RingConfig = RingConfig(
     launch = ring_launch(n, k, config, sms)
     load_ext().gemv_ring(x.data_ptr(), w.data_ptr(), out.data_ptr(), n, k, launch.grid, config.threads,
                                launch.rows_per_chunk, launch.stages, config.pdl,
-                               torch.cuda.current_stream(x.device).cuda_stream, config.per_thread_copies)
+                               torch.cuda.current_stream(x.device).cuda_stream, config.per_thread_copies,
+                               config.late_let_in)
     return out
