@@ -139,8 +139,36 @@ def slowest(state, value: float) -> float:
     return max(gather_objects(state, value))
 
 
+PROJECTION_ORDER = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order a step runs them
+
+
+def is_projection(name: str) -> bool:
+    """A projection's kernel: a GEMM-class one, or the qkv projection that also rotates and stores K and V."""
+    return kernel_category(name) == "gemm" or "qkv_rope" in name.lower()
+
+
+def projections_added(added: list[tuple[str, float]], layers: int) -> dict[str, float] | None:
+    """Per projection, the median over layers of the time its kernel adds to the step (time_added), and the lm_head's:
+    the projection kernels in step order are each layer's qkv, o_proj, gate_up and down, then the lm_head. None where
+    the step has another count of them (split-K sums as kernels of their own, cuBLAS's reduction kernels)."""
+    times = [us for name, us in added if is_projection(name)]
+    if len(times) != len(PROJECTION_ORDER) * layers + 1:
+        return None
+    out = {p: statistics.median(times[i:-1:len(PROJECTION_ORDER)]) for i, p in enumerate(PROJECTION_ORDER)}
+    return out | {"lm_head": times[-1]}
+
+
+def projection_bytes(model) -> dict[str, int]:
+    """The weight bytes each projection kernel reads at one row (a layer's, and the lm_head's)."""
+    layer = model.layers[0]
+    weights = {"qkv": layer.self_attn.qkv_proj.weight, "o_proj": layer.self_attn.o_proj.weight,
+               "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
+               "lm_head": model.lm_head.weight}
+    return {p: w.numel() * w.element_size() for p, w in weights.items()}
+
+
 def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
-    """One decode step under torch.profiler: kernels by category, gaps, total."""
+    """One decode step under torch.profiler: kernels by category, gaps, total, and the time each projection adds."""
     from torch.profiler import ProfilerActivity, profile
 
     # a throwaway profiled step first: CUPTI starts up on each rank at its own pace, and a rank still starting would
@@ -178,7 +206,9 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence]) -> dict:
             "by_category": {c: {"count": len(v), "us": sum(v), "added_us": added_by_cat[c]}
                             for c, v in sorted(by_cat.items())},
             "top_kernels": [{"name": n, "count": len(v), "us": sum(v), "added_us": added_by_name[n]} for n, v in top],
-            "one_layer": [{"name": n, "added_us": us} for n, us in added[mid:mid + LAYER_WINDOW]]}
+            "one_layer": [{"name": n, "added_us": us} for n, us in added[mid:mid + LAYER_WINDOW]],
+            "projections_added_us": projections_added(added, len(runner.model.layers)),
+            "projection_bytes": projection_bytes(runner.model)}
 
 
 def time_added(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
@@ -225,6 +255,9 @@ def profile_table(prof: dict) -> str:
     for k in prof.get("top_kernels", []):
         lines.append(f"  {'':12s} {k['count']:5d} {k['us'] / 1e3:8.3f} {k.get('added_us', float('nan')) / 1e3:9.3f}  "
                      f"{k['name'][:90]}")
+    if prof.get("projections_added_us"):
+        lines.append("  each projection inside the step (the time it adds, median over layers): " + ", ".join(
+            f"{p} {us:.1f} us" for p, us in prof["projections_added_us"].items()))
     if prof.get("one_layer"):
         lines.append("  mid-step kernels in order, µs each adds to the step: " + ", ".join(
             f"{short_name(k['name'])} {k['added_us']:.1f}" for k in prof["one_layer"]))

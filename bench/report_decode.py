@@ -132,6 +132,22 @@ def profile_checks(profile: dict, entry: str) -> list[Check]:
     return [(name, row["kernels"] <= MAX_KERNELS, f"{row['kernels']} kernels")]
 
 
+def in_step_checks(profile: dict, entry: str) -> list[Check]:
+    """Each projection inside the step at batch 1: its weight bytes over the measured bandwidth, against the time its
+    kernel adds to the profiled step (bench_decode.time_added, the median over layers). What a user's step pays for
+    it, where the line above times each kernel alone in a chain of its own calls; a kernel that reads its weights while
+    the one before it runs (o_proj during attention) adds less than it takes alone, so a share may pass 100%."""
+    name = f"{entry}: each projection inside the step at >= {MIN_PROJECTION:.0%} of the bandwidth at batch 1"
+    row = next((p for p in profile.get("profile", []) if p["allreduce"] == entry and p["batch"] == 1), None)
+    hbm = profile.get("hbm_bytes_per_s")
+    if row is None or not hbm or not row.get("projections_added_us"):
+        return [(name, None, "not profiled" if row is None else "the profile has no projection times")]
+    added, nbytes = row["projections_added_us"], row["projection_bytes"]
+    shares = {p: nbytes[p] / hbm * 1e6 / added[p] for p in PROJECTIONS}
+    return [(name, all(v >= MIN_PROJECTION for v in shares.values()),
+             ", ".join(f"{p} {shares[p]:.0%} ({added[p]:.1f} us)" for p in PROJECTIONS))]
+
+
 def checks(decode: dict | None, kernels: dict | None, profile: dict | None, entry: str,
            ceiling: dict | None = None) -> list[Check]:
     decode = decode if decode is not None else {"tpot": []}  # (no decode JSON: every TPOT line not measured)
@@ -140,6 +156,7 @@ def checks(decode: dict | None, kernels: dict | None, profile: dict | None, entr
     # lines as not measured instead of leaving them out of the verdict
     out += kernel_checks(kernels if kernels is not None else {"rows": []}, ceiling)
     out += profile_checks(profile if profile is not None else {}, entry)
+    out += in_step_checks(profile if profile is not None else {}, entry)
     return out
 
 

@@ -179,3 +179,16 @@ def test_the_long_context_shapes_differ_only_in_positions(bench):
     for short, long in (("llama3-8b", "llama31-8b"), ("llama3-8b-half", "llama31-8b-half")):
         assert bench.SHAPES[long].max_position_embeddings == 131072
         assert replace(bench.SHAPES[long], max_position_embeddings=8192) == bench.SHAPES[short]
+
+
+def test_projections_are_told_apart_by_their_place_in_the_step(bench):
+    layer = [("_qkv_rope_kernel", 9.0), ("_decode_split_kernel", 7.0), ("_gemv_kernel", 4.0),
+             ("_gemv_kernel", 40.0), ("_silu_and_mul_kernel", 1.0), ("_gemv_kernel", 22.0), ("_rms_norm_kernel", 2.0)]
+    second = [(n, us + 1.0) for n, us in layer]
+    third = [(n, us + 3.0) for n, us in layer]
+    added = layer + second + third + [("_gemv_kernel", 170.0), ("_argmax_kernel", 4.0)]
+    got = bench.projections_added(added, layers=3)
+    assert got == {"qkv": 10.0, "o_proj": 5.0, "gate_up": 41.0, "down": 23.0, "lm_head": 170.0}  # medians
+    assert bench.projections_added(added, layers=2) is None  # another count: not guessed
+    split_k = added[:3] + [("_split_sum_kernel", 1.0)] + added[3:]
+    assert bench.projections_added(split_k, layers=3) is None

@@ -107,9 +107,9 @@ def test_every_line_is_listed_when_the_kernel_or_profile_json_is_missing(report)
     limit writes none): the verdict must still list those lines, as not measured, not leave them out."""
     decode = {"tpot": [tpot("custom+gemv", b, 1.0) for b in (1, 8, 32)], "tp": 2}
     got = report.checks(decode, None, None, "custom+gemv")
-    assert len(got) == 3 + 1 + 2 + 1
-    assert [ok for _, ok, _ in got[4:]] == [None, None, None]
-    assert "kernels per step" in got[-1][0] and "bandwidth at M = 1" in got[4][0]
+    assert len(got) == 3 + 1 + 2 + 1 + 1
+    assert [ok for _, ok, _ in got[4:]] == [None, None, None, None]
+    assert "kernels per step" in got[-2][0] and "bandwidth at M = 1" in got[4][0] and "inside the step" in got[-1][0]
 
 
 def test_a_missing_results_file_gives_a_failing_verdict_not_none(report, tmp_path, monkeypatch, capsys):
@@ -123,8 +123,24 @@ def test_a_missing_results_file_gives_a_failing_verdict_not_none(report, tmp_pat
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("- [ ] ") and str(missing) in lines[0] and "kernels.json" in lines[0]
     assert "custom+gemv, batch 1: TPOT <= 1.4x the floor: not measured" in lines[1]
-    assert len(lines) == 1 + 3 + 1 + 2 + 1 + 1 and not any(line.startswith("- [x]") for line in lines)
-    assert lines[-1] == "verdict: NOT PASSED, 1 of 8 lines fail and 7 are not measured"
+    assert len(lines) == 1 + 3 + 1 + 2 + 1 + 1 + 1 and not any(line.startswith("- [x]") for line in lines)
+    assert lines[-1] == "verdict: NOT PASSED, 1 of 9 lines fail and 8 are not measured"
+
+
+def test_each_projection_inside_the_step_against_its_bytes(report):
+    mb = 1_000_000
+    row = {"allreduce": "e", "batch": 1, "projection_bytes": {"qkv": 88 * mb, "o_proj": 50 * mb, "gate_up": 88 * mb,
+                                                              "down": 88 * mb, "lm_head": 500 * mb},
+           "projections_added_us": {"qkv": 100.0, "o_proj": 40.0, "gate_up": 90.0, "down": 95.0, "lm_head": 1.0}}
+    profile = {"hbm_bytes_per_s": 1e12, "profile": [row]}  # 1 MB a microsecond
+    (name, ok, detail), = report.in_step_checks(profile, "e")
+    assert ok is True and "inside the step" in name and "o_proj 125% (40.0 us)" in detail
+    row["projections_added_us"]["qkv"] = 100.1  # 87.9%
+    assert report.in_step_checks(profile, "e")[0][1] is False
+    assert report.in_step_checks(profile, "other")[0][1] is None
+    row["projections_added_us"] = None  # the profile could not tell the projections apart
+    (_, ok, detail), = report.in_step_checks(profile, "e")
+    assert ok is None and "no projection times" in detail
 
 
 def test_the_verdict_passes_only_where_every_line_holds(report):
