@@ -98,7 +98,7 @@ setup(
         Extension(
             "tpgraph._C",
             sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/push_norm.cu",
-                     "csrc/pull.cu", "csrc/gemv_ring.cu",
+                     "csrc/pull.cu",
                      "csrc/multicast.cu", "csrc/bindings.cpp"],
         )
     ],

@@ -7,7 +7,7 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2] [ring-gemv]
+#        [shared-tp2]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -365,12 +365,6 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              --rounds 2 --variant count=. --variant polled=.:TPGRAPH_POLLED_ATTENTION=1 -- --shape "${SHAPE:-llama3-8b}" \
              --modes full --batches 1,8,32 --no-ladders --allreduce "${AB_ENTRY:-custom+gemv+overlap}" \
              --context 512 --steps 100 2>&1 | grep -E "^\||left out|Error" | tee "$out/ab_polled_attn_512.log" ;;
-    ring-gemv) # issue 11 (experiment): the one-row GEMV whose weights stream through a shared-memory ring of bulk
-         # copies issued before the PDL wait (csrc/gemv_ring.cu): its GPU tests, then timed alone beside the shipped
-         # small-M kernel and cuBLAS at each projection's size
-         timeout 200 python3 -m pytest tests/gpu/test_gemv_ring_gpu.py -q -rs -x 2>&1 | tail -6 \
-             | tee "$out/ring_tests.log"; pack
-         timeout 300 python3 bench/bench_ring_gemv.py --out "$out/ring.json" 2>&1 | tail -60 | tee "$out/ring.log" ;;
     read-ceiling) # issue 11: each projection's weight size read by a kernel that only reads (launch shapes swept; plain,
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
          timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \

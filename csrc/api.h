@@ -86,21 +86,4 @@ uintptr_t ar_timeout_record(uintptr_t ctx);
 void ar_destroy(uintptr_t ctx);
 bool multicast_env_allowed();
 
-// gemv_ring.cu: one-row bf16 GEMV out[n] = w[n, k] @ x[k], the weights streamed through a shared-memory ring of
-// bulk copies issued before the PDL wait (issue 11, experiment; sm_90+).
-struct GemvRingArgs {
-  uintptr_t x = 0, w = 0, out = 0;
-  int n = 0, k = 0;
-  int grid = 0;  // CTAs: each owns a contiguous range of rows
-  int threads = 256;
-  int rows_per_chunk = 1;  // rows one bulk copy brings
-  int stages = 4;          // chunks in flight
-  bool pdl = true;
-  uintptr_t stream = 0;
-  bool per_thread_copies = false;  // cp.async pieces instead of one bulk copy a chunk
-  bool late_let_in = false;        // the next kernel let in after the weights have landed, not at the start
-};
-void gemv_ring(const GemvRingArgs& args);
-size_t gemv_ring_smem_bytes(int n, int k, int grid, int threads, int rows_per_chunk, int stages);
-
 }  // namespace tpgraph

@@ -55,19 +55,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("memcpy_async", &memcpy_async, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
   m.def("stream_synchronize", &stream_synchronize, py::arg("stream"));
   m.def("fill_u32", &fill_u32, py::arg("ptr"), py::arg("value"), py::arg("count"), py::arg("stream"));
-  m.def(
-      "gemv_ring",
-      [](uintptr_t x, uintptr_t w, uintptr_t out, int n, int k, int grid, int threads, int rows_per_chunk, int stages,
-         bool pdl, uintptr_t stream, bool per_thread_copies, bool late_let_in) {
-        gemv_ring(GemvRingArgs{x, w, out, n, k, grid, threads, rows_per_chunk, stages, pdl, stream,
-                               per_thread_copies, late_let_in});
-      },
-      py::arg("x"), py::arg("w"), py::arg("out"), py::arg("n"), py::arg("k"), py::arg("grid"), py::arg("threads"),
-      py::arg("rows_per_chunk"), py::arg("stages"), py::arg("pdl"), py::arg("stream"),
-      py::arg("per_thread_copies") = false, py::arg("late_let_in") = false,
-      "one-row bf16 GEMV through a shared-memory ring of bulk copies issued before the PDL wait (sm_90+)");
-  m.def("gemv_ring_smem_bytes", &gemv_ring_smem_bytes, py::arg("n"), py::arg("k"), py::arg("grid"), py::arg("threads"),
-        py::arg("rows_per_chunk"), py::arg("stages"));
 
   m.def(
       "allocation_range",

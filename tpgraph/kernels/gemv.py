@@ -51,7 +51,6 @@ from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
 from tpgraph.kernels._settings import env_flag
-from tpgraph.kernels.gemv_ring import decode_config, gemv_ring, ring_applies
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
 
 try:
@@ -765,8 +764,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
     if out is not None and (out.shape != (x.shape[0], w.shape[0]) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"linear_small_m's out must be contiguous [{x.shape[0]}, {w.shape[0]}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    if config is None and use_triton is None and ring_applies(x, w):  # (opt-in experiment: kernels/gemv_ring.py)
-        return gemv_ring(x, w, decode_config(), out)
     if not _applies(x, w, use_triton):
         return dense_linear(x, w, out)
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
