@@ -529,3 +529,25 @@ def test_requests_an_update_ended_are_timed_at_its_delivery_not_as_a_slow_reader
     assert get("tpgraph_requests_total", {"finish_reason": finish}) == len(prompts)
     assert get("tpgraph_e2e_request_latency_seconds_count") == len(prompts)
     assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.02 * len(prompts)
+
+
+def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():
+    """vLLM's chat `echo`: where the reply is in the last message's role (continuing it, add_generation_prompt
+    false), that message's text comes first, in the whole message and as a stream's first content; a reply in
+    another role has nothing echoed. It was taken and ignored."""
+    app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128)
+    body = {"model": "m", "max_tokens": 2, "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True, "messages": [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "Sure, "}]}
+    other = {**body, "add_generation_prompt": True, "continue_final_message": False,
+             "messages": [{"role": "user", "content": "hi"}]}
+    whole, streamed, elsewhere = post_all(app, [("/v1/chat/completions", body),
+                                                ("/v1/chat/completions", {**body, "stream": True, "n": 2}),
+                                                ("/v1/chat/completions", other)])
+    assert whole.json()["choices"][0]["message"]["content"] == "Sure, ab"
+    chunks = [c["choices"][0] for c in sse_events(streamed.text)]
+    for index in (0, 1):
+        deltas = [c["delta"] for c in chunks if c["index"] == index]
+        assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Sure, "}
+        assert "".join(d.get("content", "") for d in deltas) == "Sure, ab"
+    assert elsewhere.json()["choices"][0]["message"]["content"] == "ab"

@@ -208,6 +208,13 @@ def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choic
     return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
 
 
+def _echoed(echoed: str, message: dict) -> dict:
+    """A whole chat reply's message with the echoed text before its content (none echoed: as it is)."""
+    if echoed:
+        message["content"] = echoed + (message["content"] or "")
+    return message
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -437,6 +444,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         messages = body.checked_messages()
         # (as vLLM's: the reply's role where the generation prompt opens a new turn, else the turn it continues)
         role = http.response_role if body.add_generation_prompt else messages[-1]["role"]
+        # (vLLM's echo: the last message's text before the reply, where the reply is in its role)
+        echoed = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
         tools = body.tool_plan(tool_options)
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    body.chat_template_kwargs, body.continue_final_message)
@@ -498,7 +507,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "message": reply.message(role),
+                "choices": [{"index": c.index, "message": _echoed(echoed, reply.message(role)),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason}
                             for c, reply in zip(choices, replies, strict=True)],
@@ -511,6 +520,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             for c in choices:
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
+                            **_chunk_usage(body, token_ids[0], c)})
+            for c in choices if echoed else ():  # (vLLM's echo: its own chunk, after the role's)
+                yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
+                                                 "finish_reason": None, "stop_reason": None}],
                             **_chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)

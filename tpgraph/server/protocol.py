@@ -292,6 +292,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # (the API's deprecated form of tools)
     include_reasoning: bool = True  # (vLLM's: false leaves a reasoning model's thoughts out of the reply)
+    echo: bool = False  # (vLLM's: a reply in the last message's role begins with that message's text)
 
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
