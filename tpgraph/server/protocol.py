@@ -19,6 +19,9 @@ from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
+# refusal): each part's type and the key that holds its text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 class NullMeansDefault(BaseModel):
@@ -262,17 +265,21 @@ class ChatMessage(NullMeansDefault):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[dict | str] | None = None
 
     def text(self, where: str) -> str:
         if isinstance(self.content, list):  # content parts: only text is understood
             parts = []
             for j, part in enumerate(self.content):
-                if part.get("type") != "text":
+                if isinstance(part, str):  # (a plain string part, as vLLM takes it)
+                    parts.append(part)
+                    continue
+                key = TEXT_PARTS.get(part.get("type"))
+                if key is None:
                     raise RequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
-                text = part.get("text")
+                text = part.get(key)
                 if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
-                    raise RequestError(f"{where}.content[{j}].text must be a string, got {text!r}")
+                    raise RequestError(f"{where}.content[{j}].{key} must be a string, got {text!r}")
                 parts.append(text)
             return "\n".join(parts)  # (as vLLM joins a message's text parts)
         return self.content or ""
