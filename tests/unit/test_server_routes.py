@@ -122,6 +122,10 @@ def test_detokenize_is_the_inverse_and_version_answers():
     ("/detokenize", {"tokens": [True]}, 400, "token ids must be integers"),
     ("/detokenize", {}, 400, "tokens: Field required"),
     ("/tokenize", {"prompt": "x" * 4_000_001}, 400, "4000001 characters; /tokenize takes at most 4000000"),
+    # (as vLLM refuses a request's own template, unless trusted: taken and ignored, the server's rendered the prompt)
+    *((path, {"messages": [{"role": "user", "content": "x"}], **extra}, 400, "a chat template sent with the request")
+      for path in ("/tokenize", "/v1/chat/completions")
+      for extra in ({"chat_template": "{{ messages }}"}, {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}})),
 ])
 def test_bad_token_requests_get_the_reason(path, body, status, needle):
     r = call([("POST", path, body, None)])[0]

@@ -294,6 +294,7 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (vLLM's; refused, as vLLM refuses it unless trusted: no_request_template)
     tools: list[Any] | None = None  # (each checked by tools.check_tools, with a message that names it)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -308,6 +309,7 @@ class ChatRequest(SamplingFields):
         """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
         if self.functions:
             raise RequestError("functions (the API's deprecated form of tools) is not supported; send tools")
+        no_request_template(self.chat_template, self.chat_template_kwargs)
         return template_messages(self.messages)
 
     def tool_plan(self, options: ToolOptions) -> ToolPlan:
@@ -318,6 +320,14 @@ class ChatRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def no_request_template(template: str | None, variables: dict[str, Any] | None) -> None:
+    """A chat template sent with a request is refused, as vLLM refuses it (unless started with
+    --trust-request-chat-template): taken and ignored, the server's own template rendered the prompt unsaid."""
+    if template is not None or (variables or {}).get("chat_template") is not None:
+        raise RequestError("a chat template sent with the request (chat_template, or chat_template_kwargs."
+                           "chat_template) is not taken: the server renders chats with its own (--chat-template)")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -350,6 +360,7 @@ class TokenizeRequest(NullMeansDefault):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (refused, as a chat request's)
     tools: list[Any] | None = None  # (rendered as a chat request's are, so the counts agree)
     return_token_strs: bool = False
 

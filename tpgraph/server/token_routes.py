@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
+from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, no_request_template, template_messages
 from tpgraph.server.tools import check_tools
 
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
@@ -26,6 +26,7 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if body.messages is not None:
+            no_request_template(body.chat_template, body.chat_template_kwargs)
             if body.tools:
                 check_tools(body.tools)
             text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, body.tools or None,
