@@ -551,3 +551,18 @@ def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():
         assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Sure, "}
         assert "".join(d.get("content", "") for d in deltas) == "Sure, ab"
     assert elsewhere.json()["choices"][0]["message"]["content"] == "ab"
+
+
+def test_add_special_tokens_says_whether_the_prompt_gets_a_bos():
+    """vLLM's add_special_tokens: a completion's prompt text gets the tokenizer's special tokens (BOS) unless it is
+    false; a chat's gets none beside the template's unless it is true. It was ignored on both."""
+    codec, client = builtin_codec(), ScriptedClient(["a"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    post_all(app, [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                   ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "add_special_tokens": False}),
+                   ("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "add_special_tokens": True})])
+    text, chat_text = codec.encode_text("hi"), codec.render_chat(chat["messages"])
+    assert client.prompts[:2] == [text, codec.encode_text("hi", add_special_tokens=False)] and text != client.prompts[1]
+    assert client.prompts[2:] == [codec.encode_chat(chat_text), codec.encode_text(chat_text)]
+    assert client.prompts[2] != client.prompts[3]

@@ -341,8 +341,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         keep = body.truncation(max_model_len, body.max_tokens)
         # off the event loop (the tokenizer lets go of the GIL): a long prompt must not hold up every other request;
         # one too long for the context is refused before it is tokenized, unless it is to be truncated
-        token_ids = await asyncio.to_thread(lambda: [prompts.encode(p, max_model_len if keep is None else None)
-                                                     for p in texts])
+        limit = max_model_len if keep is None else None
+        # (text gets the special tokens, BOS, unless add_special_tokens is false, as vLLM's; ids are as given)
+        token_ids = await asyncio.to_thread(lambda: [
+            prompts.encode_text(p, body.add_special_tokens, limit) if isinstance(p, str) else prompts.encode(p, limit)
+            for p in texts])
         if keep is not None:  # (echo returns a prompt that was cut as it ran)
             texts = [p if len(ids) <= keep else ids[-keep:] for p, ids in zip(texts, token_ids, strict=True)]
             token_ids = [ids[-keep:] for ids in token_ids]
@@ -451,7 +454,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                    body.chat_template_kwargs, body.continue_final_message)
         keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None
                                else body.max_completion_tokens)
-        token_ids = [await asyncio.to_thread(prompts.encode_chat, text, max_model_len if keep is None else None)]
+        # (the template writes the special tokens: more only where add_special_tokens asks, as vLLM's)
+        token_ids = [await asyncio.to_thread(prompts.encode_text, text, body.add_special_tokens,
+                                             max_model_len if keep is None else None)]
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

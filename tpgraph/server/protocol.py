@@ -239,6 +239,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # (vLLM's: false, a text prompt gets no BOS from the tokenizer)
     best_of: int | None = None
 
     _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
@@ -301,6 +302,7 @@ class ChatRequest(SamplingFields):
     functions: list[Any] | None = None  # (the API's deprecated form of tools)
     include_reasoning: bool = True  # (vLLM's: false leaves a reasoning model's thoughts out of the reply)
     echo: bool = False  # (vLLM's: a reply in the last message's role begins with that message's text)
+    add_special_tokens: bool = False  # (vLLM's: true adds the tokenizer's special tokens to the template's)
 
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
