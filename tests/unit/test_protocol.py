@@ -200,3 +200,12 @@ def test_content_parts_vllm_reads_as_text_are_text():
     with pytest.raises(RequestError, match=r"messages\[0\].content\[0\].refusal must be a string"):
         ChatRequest.model_validate({**CHAT, "messages": [{"role": "assistant", "content": [
             {"type": "refusal", "text": "d"}]}]}).checked_messages()
+
+
+def test_beam_search_is_refused_not_replaced_by_sampling():
+    """vLLM's use_beam_search was taken and ignored: the client got sampled text for the beams it asked for."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        with pytest.raises(RequestError, match="use_beam_search is not supported"):
+            kind.model_validate({**body, "use_beam_search": True}).sampling_params(4, None)
+        kind.model_validate({**body, "use_beam_search": False}).sampling_params(4, None)

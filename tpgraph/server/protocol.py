@@ -108,6 +108,7 @@ class SamplingFields(NullMeansDefault):
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
     bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
     priority: int = 0  # (vLLM's: lower first, where the server schedules by priority)
+    use_beam_search: bool = False  # (vLLM's: refused, as this server samples; length_penalty is beam search's alone)
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
@@ -121,6 +122,9 @@ class SamplingFields(NullMeansDefault):
                         tools: ToolPlan | None = None) -> SamplingParams:
         """defaults: the checkpoint's generation_config values, used where the request leaves a field unset. tools:
         a chat request's function calling, which may hold the reply to a schema and keep special tokens."""
+        if self.use_beam_search:  # (taken and ignored, the client got sampled text for the beams it asked for)
+            raise RequestError("use_beam_search is not supported: this server samples (ask for n samples with logprobs "
+                               "and rank them by their summed log-probabilities)")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
         if self.prompt_logprobs is not None and self.stream:  # (as vLLM: they come with the whole reply)
