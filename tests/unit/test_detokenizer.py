@@ -164,3 +164,26 @@ def test_a_byte_fallback_run_broken_after_a_character_was_handed_out_does_not_fa
     detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams())
     text = "".join(detok.add(t)[0] for t in ids) + detok.flush()
     assert text == " the你\ufffd the the"
+
+
+def wordpiece_tokenizer():
+    """A decoder that puts a space before every token but "##" pieces (WordPiece's): special tokens too."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.WordPiece(vocab={"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["[A]", "[B]"])
+    return tok
+
+
+@pytest.mark.parametrize("spaces, expected", [(True, "hi [A] [B] there"), (False, "hi [A][B] there")])
+def test_spaces_between_special_tokens(spaces, expected):
+    """vLLM's spaces_between_special_tokens (a TypeError here): False puts no space between two special tokens kept
+    in the text, as vLLM's detokenizer gives an added token right after another as its own text alone."""
+    tok = wordpiece_tokenizer()
+    ids = [1, tok.token_to_id("[A]"), tok.token_to_id("[B]"), 2]
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    detok = Detokenizer(tok, [2], params)
+    assert "".join(detok.add(t)[0] for t in ids) + detok.flush() == " " + expected
+    skipped = Detokenizer(tok, [2], SamplingParams(spaces_between_special_tokens=spaces))  # (nothing between then)
+    assert "".join(skipped.add(t)[0] for t in ids) + skipped.flush() == " hi there"

@@ -209,3 +209,12 @@ def test_beam_search_is_refused_not_replaced_by_sampling():
         with pytest.raises(RequestError, match="use_beam_search is not supported"):
             kind.model_validate({**body, "use_beam_search": True}).sampling_params(4, None)
         kind.model_validate({**body, "use_beam_search": False}).sampling_params(4, None)
+
+
+def test_spaces_between_special_tokens_reaches_the_sampling_params():
+    """vLLM's request field: it was dropped unread (unknown fields are ignored), so False changed nothing."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        request = (CompletionRequest if "prompt" in body else ChatRequest).model_validate(
+            {**body, "skip_special_tokens": False, "spaces_between_special_tokens": False})
+        assert request.sampling_params(4, None).spaces_between_special_tokens is False
+        assert type(request).model_validate(body).sampling_params(4, None).spaces_between_special_tokens is True

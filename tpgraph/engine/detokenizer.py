@@ -39,6 +39,11 @@ class Detokenizer:
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
+        # spaces_between_special_tokens False: an added token right after another is its own text alone, without the
+        # space some decoders (WordPiece's) put before it (as vLLM's detokenizer gives it)
+        self.added = {} if params.skip_special_tokens or params.spaces_between_special_tokens else {
+            i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self.last_added = False
         self.stops = StopScanner(params.stop) if params.stop else None
         self.stop_string: str | None = None  # the stop string that ended the sequence, once one has
         self.include_stop = params.include_stop_str_in_output
@@ -63,6 +68,10 @@ class Detokenizer:
             # are cut as flush() cuts them, and a new stream starts after them (as vLLM recovers)
             piece = self._tail(self.undecoded + [token_id])
             self.stream = DecodeStream(ids=[token_id], skip_special_tokens=self.skip_special_tokens)
+        if self.added:
+            added = self.added.get(token_id)
+            piece = added if added is not None and self.last_added else piece
+            self.last_added = added is not None
         if not piece:
             self.undecoded.append(token_id)
             return "", False

@@ -31,7 +31,8 @@ class SamplingParams:
     occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and
     output token).
     `seed` -1 is no seed, as in vLLM. `detokenize` False (vLLM's): the output's token ids alone, its text "" (no stop
-    strings then).
+    strings then). `spaces_between_special_tokens` False (vLLM's; with skip_special_tokens False): no space a decoder
+    would put between two special (added) tokens in a row.
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
@@ -65,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
@@ -89,7 +91,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
                                                              "a list of token ids"))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:

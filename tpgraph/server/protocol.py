@@ -90,6 +90,7 @@ class SamplingFields(NullMeansDefault):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # (vLLM's: False, none between special tokens kept in the text)
     # vLLM's: log-probability entries name tokens as "token_id:N"; null or left out: the server's setting
     return_tokens_as_token_ids: bool | None = None
     stream: bool = False
@@ -157,7 +158,8 @@ class SamplingFields(NullMeansDefault):
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=skip_special_tokens, logit_bias=self.token_bias(),
+            logprobs=logprobs, skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=self.token_bias(),
             prompt_logprobs=prompt_logprobs, structured=structured,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()), priority=self.priority)
