@@ -184,7 +184,9 @@ def test_logprobs_are_the_models_log_softmax():
     ("stop", ("",), "stop must hold non-empty strings"),
     ("stop", tuple(f"s{i}" for i in range(101)), "stop holds 101 strings; at most 100"),
     ("stop_token_ids", (-1,), "stop_token_ids entry must be >= 0"),
-    ("min_tokens", 20, "min_tokens must be between 0 and 16"),
+    # (the bound named: 16 is the default max_tokens, which a request setting min_tokens alone never wrote)
+    ("min_tokens", 20, r"min_tokens must be at most max_tokens \(16\), got 20"),
+    ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
 ])
 def test_bad_sampling_params_name_the_field(field, value, message):
     with pytest.raises(RequestError, match=message):

@@ -112,7 +112,9 @@ class SamplingParams:
         _check_int("priority", self.priority, -(2 ** 63), 2 ** 63 - 1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:  # (named: max_tokens may be its default)
+            raise RequestError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
