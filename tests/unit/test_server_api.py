@@ -221,7 +221,7 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3]
     assert chunks[-1]["usage"]["completion_tokens"] == 3
     # with n = 2, each chunk counts its own choice's tokens (as vLLM's do); the last, all of them
-    two = main({"continuous_usage_stats": True}, n=2)  # (continuous alone asks for usage, as vLLM's)
+    two = main({"include_usage": True, "continuous_usage_stats": True}, n=2)
     per_choice = [(c["choices"][0]["index"], c["usage"]["completion_tokens"]) for c in two
                   if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
     assert sorted(per_choice) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
@@ -229,6 +229,10 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(path):
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
     plain = main({"include_usage": True})
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
+    # continuous_usage_stats alone asks for nothing (vLLM's: only with include_usage); a usage chunk with no choices
+    # at the end broke clients that read chunk.choices[0] and never asked for usage
+    alone = main({"continuous_usage_stats": True})
+    assert all("usage" not in c and c["choices"] for c in alone)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -201,9 +201,10 @@ def _max_tokens(asked: int | None, default: int | None, prompts: list[list[int]]
 
 def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice) -> dict:
     """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where the
-    client asked for usage; with vLLM's continuous_usage_stats (which asks for usage too), that choice's so far."""
+    client asked for usage; with vLLM's continuous_usage_stats as well, that choice's so far (alone, it asks for
+    nothing, as vLLM's: a client that never asked for usage reads no last chunk without choices)."""
     options = body.stream_options
-    if options is None or not (options.include_usage or options.continuous_usage_stats):
+    if options is None or not options.include_usage:
         return {}
     return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
 

@@ -68,7 +68,7 @@ def _an_integer(cls: type, value: Any) -> Any:
 
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # (vLLM's: every chunk carries the usage so far, with include_usage)
+    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
 
 
 class SamplingFields(NullMeansDefault):
