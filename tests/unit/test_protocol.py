@@ -218,3 +218,20 @@ def test_spaces_between_special_tokens_reaches_the_sampling_params():
             {**body, "skip_special_tokens": False, "spaces_between_special_tokens": False})
         assert request.sampling_params(4, None).spaces_between_special_tokens is False
         assert type(request).model_validate(body).sampling_params(4, None).spaces_between_special_tokens is True
+
+
+def test_names_and_an_assistants_reasoning_reach_the_template():
+    """vLLM gives the chat template a message's name whatever its role (a multi-party chat's speakers), and an earlier
+    assistant turn's reasoning (interleaved thinking) as reasoning and reasoning_content; only a tool message's name
+    reached it."""
+    body = ChatRequest.model_validate({**CHAT, "messages": [
+        {"role": "user", "content": "hi", "name": "ana"},
+        {"role": "assistant", "content": "yes", "name": "bot", "reasoning_content": "she greets"},
+        {"role": "assistant", "content": "ok", "reasoning": "again"},
+        {"role": "user", "content": "x", "name": 3}]})  # (a name that is no string is left out, as vLLM's)
+    assert body.checked_messages() == [
+        {"role": "user", "content": "hi", "name": "ana"},
+        {"role": "assistant", "content": "yes", "name": "bot", "reasoning": "she greets",
+         "reasoning_content": "she greets"},
+        {"role": "assistant", "content": "ok", "reasoning": "again", "reasoning_content": "again"},
+        {"role": "user", "content": "x"}]

@@ -339,8 +339,9 @@ def no_request_template(template: str | None, variables: dict[str, Any] | None) 
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as a chat template takes them, each role checked: role and text, an assistant's earlier
-    tool_calls (arguments as objects) and a tool message's tool_call_id and name."""
+    """Chat messages as a chat template takes them, each role checked: role and text, a name (any role's, as vLLM
+    gives it), an assistant's earlier tool_calls (arguments as objects) and reasoning (vLLM's interleaved thinking:
+    `reasoning` or `reasoning_content`, given as both), and a tool message's tool_call_id."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
@@ -352,8 +353,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if not isinstance(calls, list):
                 raise RequestError(f"messages[{i}].tool_calls must be a list")
             msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-        if m.role == "tool":
-            msg.update({k: extra[k] for k in ("tool_call_id", "name") if isinstance(extra.get(k), str)})
+        reasoning = extra.get("reasoning", extra.get("reasoning_content"))
+        if m.role == "assistant" and isinstance(reasoning, str):
+            msg.update(reasoning=reasoning, reasoning_content=reasoning)
+        if m.role == "tool" and isinstance(extra.get("tool_call_id"), str):
+            msg["tool_call_id"] = extra["tool_call_id"]
+        if isinstance(extra.get("name"), str):
+            msg["name"] = extra["name"]
         out.append(msg)
     return out
 
