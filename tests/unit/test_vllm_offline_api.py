@@ -250,6 +250,16 @@ def test_default_sampling_params_take_the_generation_configs_max_new_tokens_as_v
         assert len(e.chat([{"role": "user", "content": "Hi"}])[0].outputs[0].token_ids) == 20
 
 
+def test_the_default_16_tokens_are_cut_to_what_a_long_prompt_leaves():
+    """Without generation_config's max_new_tokens, generate's default is SamplingParams' 16 tokens: a prompt leaving
+    fewer was refused ("asks for 16 to generate") for a limit the caller never set. vLLM's generate runs it to
+    max_model_len; here it is cut as the max_new_tokens default is."""
+    with engine() as e:
+        out = e.generate([[256, *range(97, 97 + 59)]])  # (60 tokens: 4 left of max_model_len 64)
+        assert (len(out[0].outputs[0].token_ids), out[0].outputs[0].finish_reason) == (4, "length")
+        assert len(e.generate(["Hi"])[0].outputs[0].token_ids) == 16  # (room left: the default as it is)
+
+
 def test_setting_a_field_of_sampling_params_says_how_to_make_one_that_differs():
     """vLLM's generate example sets fields on the defaults (sampling_params.max_tokens = 8). These are frozen once
     checked: the refusal was dataclasses' "cannot assign to field 'max_tokens'", naming no way to get one."""

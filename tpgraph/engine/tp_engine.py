@@ -318,8 +318,9 @@ class TPEngine:
                   params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
                   use_tqdm: bool) -> list[GenerationOutput]:
         """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids)."""
-        if params is None:  # (generation_config's max_new_tokens cut to what each prompt leaves, as the server cuts it)
-            limit, context = self.prompts.generation_defaults.max_tokens, self.runner.max_model_len
+        if params is None:  # (the default limit, generation_config's max_new_tokens or SamplingParams' 16, cut to
+            # what each prompt leaves, as the server cuts it: a limit the caller never set must not refuse a prompt)
+            limit, context = self.default_params().max_tokens, self.runner.max_model_len
             params = [self.default_params() if limit is None else
                       self.default_params(max_tokens=max(1, min(limit, context - len(ids)))) for _, ids in encoded]
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
