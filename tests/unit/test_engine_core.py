@@ -127,6 +127,23 @@ def test_chunked_prefill_and_one_sequence_at_a_time(reference):
     assert len(chunks) >= 2
 
 
+def test_without_chunked_prefill_the_default_budget_holds_a_whole_prompt_past_8192(tmp_path):
+    """The default max_num_batched_tokens (at most 8192) could not hold a prompt of a longer max_model_len, so an
+    engine with chunked prefill off and no budget given was refused after loading. vLLM's default is then
+    max(max_model_len, 2048): here the budget holds one whole prompt of max_model_len."""
+    import json
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 9000, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with TPEngine(str(tmp_path), device="cpu", load_format="dummy", max_num_seqs=1, enable_chunked_prefill=False,
+                  num_kv_blocks=600) as e:
+        assert e.core.scheduler.cfg.max_num_batched_tokens == e.runner.max_model_len == 9000
+        out = e.generate([[7] * 8999], SamplingParams(temperature=0.0, max_tokens=1))
+        assert out[0].outputs[0].finish_reason == "length"
+
+
 def test_stop_strings_cut_the_text(reference):
     assert reference[2][:12] == [97] * 12  # the built-in model answers "a" * 30 with more "a"s
     with engine() as e:

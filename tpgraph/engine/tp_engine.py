@@ -218,10 +218,14 @@ class TPEngine:
             self.comm = TPCommunicator(self.state)
             dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
+            budget = cfg.max_num_batched_tokens
+            if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
+                # holds one of max_model_len (vLLM's default too), not the runner's 8192 at most, which was refused
+                budget = max(cfg.max_model_len or model_cfg.max_position_embeddings, 512)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, graphs=cfg.graphs,
+                max_num_batched_tokens=budget, graphs=cfg.graphs,
                 enable_prefix_caching=cfg.enable_prefix_caching))
             self.core = EngineCore(self.runner, SchedulerConfig(
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=self.runner.max_prefill_tokens,
