@@ -152,3 +152,24 @@ def test_a_preempted_sequence_with_a_pending_token_waits_to_be_recomputed():
     assert sched.schedule().empty  # but b's token is still pending: it is not recomputed yet
     b.resolve_pending(len(b.output_ids) - 1, 7)
     assert [(s.seq_id, n) for s, n in sched.schedule().prefill] == [(1, 6)]
+
+
+def test_a_budget_smaller_than_max_num_seqs_is_refused():
+    """A step decodes a token per running sequence: with fewer tokens a step than max_num_seqs, the sequences past
+    the budget were never admitted, so max_num_seqs 4 with a budget of 2 ran 2 at a time without a word. vLLM refuses
+    it (max_num_batched_tokens must be >= max_num_seqs); so does the engine's config, before the weights load."""
+    from tpgraph.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(2\) must be at least max_num_seqs \(4\)"):
+        make(seqs=4, tokens=2)
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(2\) must be at least max_num_seqs \(4\)"):
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=2)
+    make(seqs=4, tokens=4)
+
+
+def test_the_default_budget_holds_a_decode_token_for_each_of_max_num_seqs():
+    """The runner's default budget (at least 512 tokens) is raised to max_num_seqs where that is more."""
+    from tpgraph import TPEngine
+
+    with TPEngine(device="cpu", max_num_seqs=600, max_model_len=16, num_kv_blocks=5, block_size=4) as e:
+        assert e.core.scheduler.cfg.max_num_batched_tokens == 600

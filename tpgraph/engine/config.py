@@ -27,7 +27,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 8
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None  # default: max(min(max_model_len, 8192), 512) (ModelRunner)
+    max_num_batched_tokens: int | None = None  # default: max(min(max_model_len, 8192), 512, max_num_seqs) (ModelRunner)
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
@@ -96,6 +96,10 @@ class EngineConfig:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         tokens, context = self.max_num_batched_tokens, self.max_model_len
+        if tokens is not None and tokens < self.max_num_seqs:  # (SchedulerConfig refuses it too, after the weights)
+            raise ConfigError(f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs ({self.max_num_seqs}): "
+                              f"a step decodes a token for each running sequence, so fewer tokens would run fewer "
+                              f"sequences at a time than max_num_seqs")
         if not self.enable_chunked_prefill and tokens is not None and context is not None and tokens < context:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt "
                               f"of max_model_len ({context}) tokens")

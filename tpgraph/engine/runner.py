@@ -107,7 +107,8 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int | None = None  # tokens per prefill forward; default max(min(max_model_len, 8192), 512)
+    # tokens per prefill forward; default max(min(max_model_len, 8192), 512, max_batch)
+    max_num_batched_tokens: int | None = None
     # the allocator names computed blocks for sharing (engine/prefix_cache.py); the engine turns it on, while a runner
     # driven by hand (the greedy loop, hf_parity) has no scheduler to match prompts
     enable_prefix_caching: bool = False
@@ -162,7 +163,8 @@ class ModelRunner:
             log_downgrades(self.modes, logger)
         decode_sizes = capture_sizes(g.ladder, cfg.max_batch) if self.modes.decode != "none" else ()
         # longer prompts run in chunks of this many tokens (chunked prefill)
-        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512)
+        # (and at least a decode token for each of max_batch sequences: the scheduler's budget is this)
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512, cfg.max_batch)
         # (a forward never holds more: sizes past the first that holds the budget would never run)
         prefill_sizes = within_budget(g.prefill_sizes, self.max_prefill_tokens) if self.modes.prefill == "piecewise" \
             else ()

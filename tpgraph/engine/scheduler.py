@@ -52,6 +52,10 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # (vLLM refuses it too)
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                              f"({self.max_num_seqs}): a step decodes a token for each running sequence, so fewer "
+                              f"tokens would run fewer sequences at a time than max_num_seqs")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -221,7 +221,7 @@ class TPEngine:
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
                 # holds one of max_model_len (vLLM's default too), not the runner's 8192 at most, which was refused
-                budget = max(cfg.max_model_len or model_cfg.max_position_embeddings, 512)
+                budget = max(cfg.max_model_len or model_cfg.max_position_embeddings, 512, cfg.max_num_seqs)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
