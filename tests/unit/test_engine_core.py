@@ -349,6 +349,20 @@ def test_a_tp_size_the_model_cannot_split_over_is_refused_before_any_rank_starts
         TPEngine(tp_size=3, device="cpu")
 
 
+def test_a_max_model_len_past_the_models_positions_is_refused_before_any_rank_starts(monkeypatch):
+    """It was refused by the runner, after every rank had started and loaded the weights (minutes, for a large
+    checkpoint); vLLM refuses it with the model's config, before loading anything."""
+    from tpgraph.engine import followers, tp_engine
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(followers, "start_followers", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(tp_engine, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    for tp in (1, 2):
+        with pytest.raises(ConfigError, match=r"max_model_len 5000 exceeds the model's max_position_embeddings "
+                                              r"\(4096\)"):
+            TPEngine(tp_size=tp, device="cpu", max_model_len=5000)
+
+
 def test_tp_size_must_match_torchruns_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun --nproc-per-node 1
     monkeypatch.setenv("RANK", "0")
