@@ -40,8 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
-                                                             f"{BUILTIN_NAME})")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may ask for, replies naming the first (default: --model, or "
+                        f"{BUILTIN_NAME})")
     p.add_argument("--api-key", type=api_key, default=None,
                    help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
                         "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
@@ -168,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     service = engine.service or EngineService(engine.core, ControlPlane(engine.state))
     service.heartbeat_s = args.heartbeat_s
     service.on_step = lambda _, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s)
-    name = args.served_model_name or (args.model or BUILTIN_NAME)
+    names = tuple(args.served_model_name or [args.model or BUILTIN_NAME])
+    name = names[0]
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
-                        args.enable_request_id_headers, http)
+                        args.enable_request_id_headers, http, names)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -160,3 +160,23 @@ def test_with_a_key_a_client_that_leaves_is_still_noticed(api_key):
     headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else []
     took, sent = leave_mid_request(app, client, "/v1/completions", body, headers)
     assert client.aborted and took < server_app.DISCONNECT_CHECK_S + 0.5, (took, sent[:1])
+
+
+def test_several_served_model_names_are_each_answered_and_listed():
+    """vLLM's --served-model-name takes several names: a request may name any of them, a reply names the first, and
+    /v1/models lists each. The flag took one name (a vLLM command line with two was refused)."""
+    from tpgraph.serve import parse_args
+
+    assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    httpx = httpx_module()
+    app = server_app.create_app(IdleClient(), codec(), ServerMetrics(), "a", 128, served_names=("a", "b"))
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.get("/v1/models"),
+                    *[await http.post("/tokenize", json={"model": name, "prompt": "x"}) for name in ("a", "b", "c")]]
+
+    models, first, second, unknown = asyncio.run(main())
+    assert [card["id"] for card in models.json()["data"]] == ["a", "b"]
+    assert first.status_code == second.status_code == 200, second.text
+    assert unknown.status_code == 404 and "this server serves `a`, `b`" in unknown.json()["error"]["message"]

@@ -79,15 +79,18 @@ class Choice:
 
 class Api:
     def __init__(self, client: EngineClient, metrics: ServerMetrics, model_name: str,
-                 http: HttpOptions | None = None) -> None:
+                 http: HttpOptions | None = None, served_names: tuple[str, ...] = ()) -> None:
+        """served_names: every name a request may give, model_name (the one replies give) first; () for it alone."""
         self.client, self.metrics, self.model_name = client, metrics, model_name
         self.http = http or HttpOptions()
+        self.served_names = served_names or (model_name,)
 
     def check_model(self, name: str | None) -> None:
-        """A request's model must be the one served; one that names none gets it."""
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           "NotFoundError", "model")
+        """A request's model must be one served; one that names none gets the first."""
+        if name is not None and name not in self.served_names:
+            served = ", ".join(f"`{n}`" for n in self.served_names)
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", "NotFoundError",
+                           "model")
 
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams,
                   texts: list[str | list[int]] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
@@ -252,12 +255,14 @@ class _EventStream(StreamingResponse):
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
                reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False,
-               request_id_headers: bool = False, http: HttpOptions | None = None) -> FastAPI:
+               request_id_headers: bool = False, http: HttpOptions | None = None,
+               served_names: tuple[str, ...] = ()) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
     function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py).
     prompt_tokens_details: usage says how many prompt tokens came from the prefix cache (vLLM's
     --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py). http:
-    how the server answers beside that (CORS, ...; options.py)."""
+    how the server answers beside that (CORS, ...; options.py). served_names: every name a request may give, model_name
+    (the one replies give) first, as vLLM's several --served-model-name; () for model_name alone."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     @contextlib.asynccontextmanager
@@ -272,7 +277,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     # (set as vLLM sets it: FastAPI then names the prefix in each request's scope, and the routes match a path with
     # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
     app.root_path = http.root_path
-    api = Api(client, metrics, model_name, http)
+    api = Api(client, metrics, model_name, http, served_names)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
     if request_id_headers:  # (outside the key's check, so a refused request's 401 carries it too)
@@ -324,8 +329,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "tpgraph", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "tpgraph",
+                                            "max_model_len": max_model_len} for name in api.served_names]}
 
     @app.get("/version")
     async def version() -> dict:

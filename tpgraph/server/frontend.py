@@ -47,6 +47,8 @@ class FrontendSpec:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id_headers: bool = False  # every response carries X-Request-Id (--enable-request-id-headers)
     http: HttpOptions = field(default_factory=HttpOptions)  # CORS, ... (options.py)
+    # every name a request may give, model_name first (vLLM's several --served-model-name); () for model_name alone
+    served_names: tuple[str, ...] = ()
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -90,7 +92,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
-                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http)
+                     spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
+                     spec.served_names)
     server = Server(uvicorn_config(app, spec))
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
     # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
