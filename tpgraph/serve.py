@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     name = names[0]
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
-                        args.enable_request_id_headers, http, names)
+                        args.enable_request_id_headers, http, names, args.model or BUILTIN_NAME)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

@@ -180,3 +180,20 @@ def test_several_served_model_names_are_each_answered_and_listed():
     assert [card["id"] for card in models.json()["data"]] == ["a", "b"]
     assert first.status_code == second.status_code == 200, second.text
     assert unknown.status_code == 404 and "this server serves `a`, `b`" in unknown.json()["error"]["message"]
+
+
+def test_models_names_the_checkpoint_served_as_root():
+    """vLLM's /v1/models cards carry `root`, the --model the names stand for (clients that load a tokenizer read it),
+    and `parent` (null but for adapters); both were missing."""
+    httpx = httpx_module()
+    app = server_app.create_app(IdleClient(), codec(), ServerMetrics(), "a", 128, served_names=("a", "b"),
+                                model_root="meta-llama/Llama-3.1-8B-Instruct")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return await http.get("/v1/models")
+
+    cards = asyncio.run(main()).json()["data"]
+    assert [(c["id"], c["root"], c["parent"]) for c in cards] == [("a", "meta-llama/Llama-3.1-8B-Instruct", None),
+                                                                  ("b", "meta-llama/Llama-3.1-8B-Instruct", None)]
+    assert call([("GET", "/v1/models", None, None)])[0].json()["data"][0]["root"] == MODEL  # (no --model: its name)

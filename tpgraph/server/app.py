@@ -256,13 +256,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                max_model_len: int, api_key: str | None = None, tool_options: ToolOptions | None = None,
                reasoning: ReasoningParser | None = None, prompt_tokens_details: bool = False,
                request_id_headers: bool = False, http: HttpOptions | None = None,
-               served_names: tuple[str, ...] = ()) -> FastAPI:
+               served_names: tuple[str, ...] = (), model_root: str | None = None) -> FastAPI:
     """api_key: where given, every route but /health, /metrics and /version asks for it (auth.py). tool_options:
     function calling's settings (tools.py). reasoning: splits a chat reply's thoughts out (reasoning.py).
     prompt_tokens_details: usage says how many prompt tokens came from the prefix cache (vLLM's
     --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py). http:
     how the server answers beside that (CORS, ...; options.py). served_names: every name a request may give, model_name
-    (the one replies give) first, as vLLM's several --served-model-name; () for model_name alone."""
+    (the one replies give) first, as vLLM's several --served-model-name; () for model_name alone. model_root: the
+    checkpoint (--model) they stand for, each /v1/models card's root (None: model_name)."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     @contextlib.asynccontextmanager
@@ -329,7 +330,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     @app.get("/v1/models")
     async def models() -> dict:
+        # (vLLM's card: root names the checkpoint, which clients load a tokenizer from; parent is an adapter's base)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "tpgraph",
+                                            "root": model_root or model_name, "parent": None,
                                             "max_model_len": max_model_len} for name in api.served_names]}
 
     @app.get("/version")

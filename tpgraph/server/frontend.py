@@ -49,6 +49,7 @@ class FrontendSpec:
     http: HttpOptions = field(default_factory=HttpOptions)  # CORS, ... (options.py)
     # every name a request may give, model_name first (vLLM's several --served-model-name); () for model_name alone
     served_names: tuple[str, ...] = ()
+    model_root: str | None = None  # the --model the names stand for (/v1/models' root, as vLLM's); None: model_name
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
@@ -93,7 +94,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
     app = create_app(client, spec.prompts, ServerMetrics(), spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
-                     spec.served_names)
+                     spec.served_names, spec.model_root)
     server = Server(uvicorn_config(app, spec))
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
     # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
