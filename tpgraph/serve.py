@@ -43,9 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for, replies naming the first (default: --model, or "
                         f"{BUILTIN_NAME})")
-    p.add_argument("--api-key", type=api_key, default=None,
-                   help="clients must send `Authorization: Bearer KEY` (every route but /health, /metrics and "
-                        "/version); default: $TPGRAPH_API_KEY, which keeps the key out of the process list")
+    p.add_argument("--api-key", type=api_key, nargs="+", default=None, metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY`, one of the keys given (every route but "
+                        "/health, /metrics and /version); default: $TPGRAPH_API_KEY, which keeps the key out of the "
+                        "process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     tools = p.add_argument_group("function calling (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -100,9 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
-        args.api_key = os.environ.get("TPGRAPH_API_KEY") or None
-        if args.api_key is not None and not args.api_key.strip():
+        key = os.environ.get("TPGRAPH_API_KEY") or None
+        if key is not None and not key.strip():
             p.error("TPGRAPH_API_KEY is blank: set it to the key, or unset it to serve without one")
+        args.api_key = None if key is None else [key]
     try:
         http_options(args)  # (flags that only make sense together, said now)
     except ConfigError as exc:
@@ -171,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     service.on_step = lambda _, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s)
     names = tuple(args.served_model_name or [args.model or BUILTIN_NAME])
     name = names[0]
+    keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
-                        args.api_key, tool_options(args), reasoning, args.enable_prompt_tokens_details,
+                        keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,
                         args.enable_request_id_headers, http, names, args.model or BUILTIN_NAME)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone

@@ -75,7 +75,7 @@ def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     monkeypatch.delenv("TPGRAPH_API_KEY", raising=False)
     assert parse_args([]).api_key is None
     monkeypatch.setenv("TPGRAPH_API_KEY", "from-env")
-    assert parse_args([]).api_key == "from-env" and parse_args(["--api-key", "flag"]).api_key == "flag"
+    assert parse_args([]).api_key == ["from-env"] and parse_args(["--api-key", "flag"]).api_key == ["flag"]
     monkeypatch.setenv("TPGRAPH_API_KEY", "")
     assert parse_args([]).api_key is None  # (set but empty: no key, not a key of "")
 
@@ -88,7 +88,7 @@ def test_a_blank_key_in_the_environment_is_blamed_on_the_variable(monkeypatch, c
         parse_args([])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "TPGRAPH_API_KEY is blank" in err and "--api-key" not in err.splitlines()[-1]
-    assert parse_args(["--api-key", "flag"]).api_key == "flag"  # (the flag wins over the variable, as before)
+    assert parse_args(["--api-key", "flag"]).api_key == ["flag"]  # (the flag wins over the variable, as before)
 
 
 def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):

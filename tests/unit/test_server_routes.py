@@ -197,3 +197,20 @@ def test_models_names_the_checkpoint_served_as_root():
     assert [(c["id"], c["root"], c["parent"]) for c in cards] == [("a", "meta-llama/Llama-3.1-8B-Instruct", None),
                                                                   ("b", "meta-llama/Llama-3.1-8B-Instruct", None)]
     assert call([("GET", "/v1/models", None, None)])[0].json()["data"][0]["root"] == MODEL  # (no --model: its name)
+
+
+def test_several_api_keys_are_each_taken():
+    """vLLM's --api-key takes several keys (a client may send any of them, as when one is being rotated out); a
+    second key was refused as an unrecognized argument."""
+    from tpgraph.serve import parse_args
+
+    assert parse_args(["--api-key", "old", "new"]).api_key == ["old", "new"]
+    httpx = httpx_module()
+    app = server_app.create_app(IdleClient(), codec(), ServerMetrics(), MODEL, 128, api_key=("old", "new"))
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+                    for key in ("old", "new", "oldnew", "")]
+
+    assert [r.status_code for r in asyncio.run(main())] == [200, 200, 401, 401]

@@ -28,15 +28,18 @@ def route_path(scope: Scope) -> str:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, key: str | tuple[str, ...]) -> None:
+        """key: the key, or several (vLLM's --api-key KEY...), any of which a client may send."""
         self.app = app
-        self.expected = b"Bearer " + key.encode()  # (compared as bytes: a key need not be ASCII)
+        # (compared as bytes: a key need not be ASCII)
+        self.expected = [b"Bearer " + k.encode() for k in ((key,) if isinstance(key, str) else key)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        if secrets.compare_digest(given, self.expected):  # (in constant time: no key guessed a byte at a time)
+        # (each in constant time, and all of them: no key guessed a byte at a time, nor which one matched)
+        if sum(secrets.compare_digest(given, expected) for expected in self.expected):
             return await self.app(scope, receive, send)
         message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
                    else "the API key is wrong (send the header `Authorization: Bearer <key>`)")

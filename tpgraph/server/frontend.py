@@ -41,7 +41,8 @@ class FrontendSpec:
     max_model_len: int
     limits: RequestLimits
     prompts: PromptCodec
-    api_key: str | None = None  # (the spec travels through a pipe to the spawned front end, never in its argv)
+    # (one key or several; the spec travels through a pipe to the spawned front end, never in its argv)
+    api_key: str | tuple[str, ...] | None = None
     tool_options: ToolOptions = field(default_factory=ToolOptions)
     reasoning: ReasoningParser | None = None  # (checked against the tokenizer: ReasoningParser.for_tokenizer)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
