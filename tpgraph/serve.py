@@ -45,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{BUILTIN_NAME})")
     p.add_argument("--api-key", type=api_key, nargs="+", default=None, metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY`, one of the keys given (every route but "
-                        "/health, /metrics and /version); default: $TPGRAPH_API_KEY, which keeps the key out of the "
-                        "process list")
+                        "/health, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's $VLLM_API_KEY), which "
+                        "keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     tools = p.add_argument_group("function calling (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -101,9 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
-        key = os.environ.get("TPGRAPH_API_KEY") or None
+        # (vLLM's VLLM_API_KEY too: a key kept there, ignored, would leave the server open)
+        variable = next((v for v in ("TPGRAPH_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None)
+        key = None if variable is None else os.environ[variable]
         if key is not None and not key.strip():
-            p.error("TPGRAPH_API_KEY is blank: set it to the key, or unset it to serve without one")
+            p.error(f"{variable} is blank: set it to the key, or unset it to serve without one")
         args.api_key = None if key is None else [key]
     try:
         http_options(args)  # (flags that only make sense together, said now)

@@ -73,11 +73,29 @@ def test_engine_settings_are_refused_before_anything_loads(kw, needle):
 
 def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     monkeypatch.delenv("TPGRAPH_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert parse_args([]).api_key is None
     monkeypatch.setenv("TPGRAPH_API_KEY", "from-env")
     assert parse_args([]).api_key == ["from-env"] and parse_args(["--api-key", "flag"]).api_key == ["flag"]
     monkeypatch.setenv("TPGRAPH_API_KEY", "")
     assert parse_args([]).api_key is None  # (set but empty: no key, not a key of "")
+
+
+def test_vllms_api_key_variable_is_not_silently_ignored(monkeypatch, capsys):
+    """vLLM's server asks for VLLM_API_KEY where --api-key is not given: a deployment that keeps its key there (a
+    secret mounted as that variable) served every route here with no key at all."""
+    monkeypatch.delenv("TPGRAPH_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    assert parse_args([]).api_key == ["vk"] and parse_args(["--api-key", "flag"]).api_key == ["flag"]
+    monkeypatch.setenv("TPGRAPH_API_KEY", "tk")
+    assert parse_args([]).api_key == ["tk"]  # (tpgraph's own variable first)
+    monkeypatch.delenv("TPGRAPH_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert parse_args([]).api_key is None  # (set but empty: no key, as vLLM's)
+    monkeypatch.setenv("VLLM_API_KEY", " ")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "VLLM_API_KEY is blank" in capsys.readouterr().err
 
 
 def test_a_blank_key_in_the_environment_is_blamed_on_the_variable(monkeypatch, capsys):
