@@ -72,6 +72,11 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def summed(scraped: dict[str, float], name: str) -> float:
+    """A metric's value summed over its label sets (vLLM's carry model_name and engine)."""
+    return sum(v for k, v in scraped.items() if k == name or k.startswith(name + "{"))
+
+
 def step_means(before: dict, after: dict) -> dict[str, float]:
     """Mean per decode step of each host part, the GPU time and the sampling wait; the mean wall time of every step
     and of the prefill forwards of the steps that had one; between two scrapes (ms)."""
@@ -127,7 +132,7 @@ def run(url: str, model: str, concurrency: int, max_tokens: int, prompt_len: int
     tokens = sum(r["chunks"] for r in results)
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results]
-    cached = {k: after.get(f"tpgraph_prefix_cache_{k}_total", 0) - before.get(f"tpgraph_prefix_cache_{k}_total", 0)
+    cached = {k: summed(after, f"vllm:prefix_cache_{k}_total") - summed(before, f"vllm:prefix_cache_{k}_total")
               for k in ("queries", "hits")}
     return {"concurrency": concurrency, "max_tokens": max_tokens, "prompt_chars": prompt_len,
             "shared_prefix_chars": len(shared), "prefix_cache_tokens": cached,

@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.server.frontend import FrontendSpec, start_frontend
     from tpgraph.server.metrics import EngineMetrics
 
-    metrics = EngineMetrics(engine.core)
+    names = tuple(args.served_model_name or [args.model or BUILTIN_NAME])
+    name = names[0]
+    metrics = EngineMetrics(engine.core, name)  # (labelled with the served name, as vLLM's are)
     # ranks the engine started itself (no torchrun) follow its own loop: the server drives that one, so that closing
     # the engine knows whether it failed (then the ranks are ended, not told, and the failed engine never steps again)
     service = engine.service or EngineService(engine.core, ControlPlane(engine.state))
     service.heartbeat_s = args.heartbeat_s
     service.on_step = lambda _, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s)
-    names = tuple(args.served_model_name or [args.model or BUILTIN_NAME])
-    name = names[0]
     keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,

@@ -564,15 +564,17 @@ def test_a_huge_prompt_does_not_hold_up_other_requests(server):
     assert took < 1.0, took
 
 
-def metric(server, name: str) -> float:
+def metric(server, name: str, **labels: str) -> float:
+    """The first sample of `name` whose labels include `labels` (0 where none is served yet)."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
     for line in http("GET", f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and all(w in line for w in wanted):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
 def test_a_client_disconnect_aborts_its_request(server):
-    before = metric(server, 'tpgraph_requests_total{finish_reason="abort"}')
+    before = metric(server, "vllm:request_success_total", finished_reason="abort")
     body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 120, "stream": True, "ignore_eos": True,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
@@ -580,24 +582,27 @@ def test_a_client_disconnect_aborts_its_request(server):
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.readline().startswith(b"data: ")  # streaming has begun
     deadline = time.monotonic() + 20
-    while metric(server, 'tpgraph_requests_total{finish_reason="abort"}') <= before:
+    while metric(server, "vllm:request_success_total", finished_reason="abort") <= before:
         assert time.monotonic() < deadline, "the disconnected request was not aborted"
         time.sleep(0.2)
-    while metric(server, "tpgraph_requests_running") != 0:  # the engine drops it at its next turn
+    while metric(server, "vllm:num_requests_running") != 0:  # the engine drops it at its next turn
         assert time.monotonic() < deadline, "the aborted request is still running"
         time.sleep(0.2)
 
 
 def test_metrics(server):
     text = http("GET", f"{server.url}/metrics").text
-    for name in ("tpgraph_time_to_first_token_seconds_count", "tpgraph_time_per_output_token_seconds_count",
-                 "tpgraph_requests_running", "tpgraph_requests_waiting", "tpgraph_kv_cache_usage",
-                 "tpgraph_preemptions_total", "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count",
-                 "tpgraph_e2e_request_latency_seconds_count"):
+    # vLLM's names, labelled with the served name as vLLM's are (a dashboard built on vLLM's reads them), beside
+    # what only this engine measures
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_hits_total",
+                 "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count"):
         assert name in text, name
-    before = metric(server, "tpgraph_prompt_tokens_total")
+    assert f'vllm:num_requests_running{{model_name="{MODEL}",engine="0"}}' in text
+    before = metric(server, "vllm:prompt_tokens_total", model_name=MODEL)
     r = server.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "n": 2, "max_tokens": 2}).json()
-    assert metric(server, "tpgraph_prompt_tokens_total") - before == 6 == 2 * r["usage"]["prompt_tokens"]
+    assert metric(server, "vllm:prompt_tokens_total", model_name=MODEL) - before == 6 == 2 * r["usage"]["prompt_tokens"]
 
 
 def alive(pid: int) -> bool:

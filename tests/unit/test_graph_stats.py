@@ -128,8 +128,9 @@ def test_metrics_count_preemptions_from_the_end_of_the_warm_up():
     scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
                                 num_preemptions=2)
     metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    labels = {"model_name": "tpgraph", "engine": "0"}  # (vLLM's name and labels; EngineMetrics' default model_name)
     metrics.exposition()
-    assert metrics.registry.get_sample_value("tpgraph_preemptions_total") == 0
+    assert metrics.registry.get_sample_value("vllm:num_preemptions_total", labels) == 0
     scheduler.num_preemptions = 5
     metrics.exposition()
-    assert metrics.registry.get_sample_value("tpgraph_preemptions_total") == 3
+    assert metrics.registry.get_sample_value("vllm:num_preemptions_total", labels) == 3

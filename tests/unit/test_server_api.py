@@ -22,6 +22,8 @@ from tpgtest.server_stubs import (  # noqa: E402
     sse_events,
 )
 
+LABELS = {"model_name": "tpgraph", "engine": "0"}  # (ServerMetrics' default model_name)
+
 from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
 from tpgraph.errors import RequestError  # noqa: E402
@@ -116,8 +118,8 @@ def test_a_request_the_engine_failed_is_counted_as_an_error_not_an_abort(client)
     with pytest.raises((server_app.EngineUnavailable, server_app.ApiError)):
         asyncio.run(main())
     registry = metrics.registry
-    assert registry.get_sample_value("tpgraph_requests_total", {"finish_reason": "error"}) == 2
-    assert registry.get_sample_value("tpgraph_requests_total", {"finish_reason": "abort"}) is None
+    assert registry.get_sample_value("vllm:request_success_total", {**LABELS, "finished_reason": "error"}) == 2
+    assert registry.get_sample_value("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) is None
 
 
 def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
@@ -166,7 +168,10 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
 
     with pytest.raises(RequestError, match="the regex cannot be used"):
         asyncio.run(main())
-    assert client.aborted == [] and metrics.requests.labels(REFUSED)._value.get() == 1
+    get = metrics.registry.get_sample_value
+    # (counted as refused alone: vLLM answers such a request before its engine, so it is no finished request)
+    assert client.aborted == [] and get("tpgraph_requests_refused_total") == 1
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": REFUSED}) is None
 
     async def three() -> None:  # (three prompts, the same params: the others are aborted, and counted refused too)
         async for _ in api.run(LeavingRequest(after=60), [[1], [2], [3]], SamplingParams(max_tokens=4)):
@@ -174,12 +179,13 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
 
     with pytest.raises(RequestError):
         asyncio.run(three())
-    assert len(client.aborted) == 2 and metrics.requests.labels(REFUSED)._value.get() == 4
-    assert metrics.requests.labels("abort")._value.get() == 0
+    assert len(client.aborted) == 2 and get("tpgraph_requests_refused_total") == 4
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) is None
+    assert get("vllm:e2e_request_latency_seconds_count", LABELS) == 0
 
 
 def test_prompt_tokens_are_counted_as_a_samples_prompt_is_computed_not_as_a_request_arrives():
-    """tpgraph_prompt_tokens, as vLLM's prompt_tokens_total: each sample's prompt once it is computed (with its first
+    """vllm:prompt_tokens, as vLLM's: each sample's prompt once it is computed (with its first
     token). They were counted as the request arrived, so a request the engine refused (never run) or one aborted
     while it waited in the queue counted prompt tokens no step computed."""
     from tpgraph.engine.core import REFUSED, StepUpdate
@@ -198,7 +204,7 @@ def test_prompt_tokens_are_counted_as_a_samples_prompt_is_computed_not_as_a_requ
 
         with contextlib.suppress(Exception):
             asyncio.run(asyncio.wait_for(main(), timeout=10))
-        return metrics.registry.get_sample_value("tpgraph_prompt_tokens_total")
+        return metrics.registry.get_sample_value("vllm:prompt_tokens_total", LABELS)
 
     assert prompt_tokens(RefusingClient(), leave_after=60) == 0
     assert prompt_tokens(SilentClient(), leave_after=0.1) == 0  # (queued, then its client left)
@@ -351,8 +357,8 @@ def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monke
     """n = 2 samples each get a token every 10 ms: TPOT is 10 ms. The tokens of all samples were counted as one
     sequence's, which made it 10 ms / n (4.4 ms here)."""
     registry = _tokens_every_10_ms(monkeypatch, 2, "length", 0.05, "length")
-    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_count") == 1
-    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
+    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_count", LABELS) == 1
+    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", LABELS) == pytest.approx(0.01)
 
 
 def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(monkeypatch):
@@ -360,8 +366,8 @@ def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(mo
     aborted a second later: TPOT is 10 ms, as vLLM's (first to last token). It ran to the request's end, which put
     the wait into every token (250 ms here)."""
     registry = _tokens_every_10_ms(monkeypatch, 1, None, 1.05, "abort")
-    assert registry.get_sample_value("tpgraph_time_per_output_token_seconds_sum") == pytest.approx(0.01)
-    assert registry.get_sample_value("tpgraph_e2e_request_latency_seconds_sum") == pytest.approx(1.05)
+    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", LABELS) == pytest.approx(0.01)
+    assert registry.get_sample_value("vllm:e2e_request_latency_seconds_sum", LABELS) == pytest.approx(1.05)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -481,8 +487,8 @@ def test_queue_time_is_observed_once_per_sample_from_its_first_update():
         metrics.observe(StepUpdate("r", sample, 7, "x", queue_s=queued))
         metrics.observe(StepUpdate("r", sample, 8, "y"))
     get = metrics.registry.get_sample_value
-    assert get("tpgraph_request_queue_time_seconds_count") == 2
-    assert get("tpgraph_request_queue_time_seconds_sum") == 0.75
+    assert get("vllm:request_queue_time_seconds_count", LABELS) == 2
+    assert get("vllm:request_queue_time_seconds_sum", LABELS) == 0.75
 
 
 def test_a_slow_reader_does_not_stretch_the_latencies_the_engine_delivered():
@@ -498,9 +504,9 @@ def test_a_slow_reader_does_not_stretch_the_latencies_the_engine_delivered():
 
     asyncio.run(main())
     get = metrics.registry.get_sample_value
-    assert get("tpgraph_time_per_output_token_seconds_count") == 1
-    assert get("tpgraph_time_per_output_token_seconds_sum") < 0.01
-    assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.04
+    assert get("vllm:request_time_per_output_token_seconds_count", LABELS) == 1
+    assert get("vllm:request_time_per_output_token_seconds_sum", LABELS) < 0.01
+    assert get("vllm:e2e_request_latency_seconds_sum", LABELS) < 0.04
 
 
 
@@ -530,9 +536,13 @@ def test_requests_an_update_ended_are_timed_at_its_delivery_not_as_a_slow_reader
     with pytest.raises((server_app.ApiError, RequestError)):
         asyncio.run(main())
     get = metrics.registry.get_sample_value
-    assert get("tpgraph_requests_total", {"finish_reason": finish}) == len(prompts)
-    assert get("tpgraph_e2e_request_latency_seconds_count") == len(prompts)
-    assert get("tpgraph_e2e_request_latency_seconds_sum") < 0.02 * len(prompts)
+    if finish == REFUSED:  # (refused requests are counted as such alone, never timed: vLLM's engine never sees one)
+        assert get("tpgraph_requests_refused_total") == len(prompts)
+        assert get("vllm:e2e_request_latency_seconds_count", LABELS) == 0
+        return
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": finish}) == len(prompts)
+    assert get("vllm:e2e_request_latency_seconds_count", LABELS) == len(prompts)
+    assert get("vllm:e2e_request_latency_seconds_sum", LABELS) < 0.02 * len(prompts)
 
 
 def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():

@@ -1,7 +1,11 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens). /metrics serves both."""
+TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens). /metrics serves both.
+
+What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
+so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
+parts, the control path, graph stats) is `tpgraph_*`."""
 
 from __future__ import annotations
 
@@ -9,16 +13,32 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tpgraph.engine.core import EngineCore, StepTiming, StepUpdate
+from tpgraph.engine.core import REFUSED, EngineCore, StepTiming, StepUpdate
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 # a request's waits: a queue under load, or a long generation, runs to minutes (vLLM's reach 2560 s)
 REQUEST_BUCKETS = LATENCY_BUCKETS + (40.96, 81.92, 163.84, 327.68, 655.36, 1310.72, 2621.44)
 HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
+VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
+ENGINE_INDEX = "0"
+DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
+
+
+def vllm_gauge(name: str, doc: str, model_name: str, registry: CollectorRegistry) -> Gauge:
+    return Gauge(name, doc, VLLM_LABELS, registry=registry).labels(model_name, ENGINE_INDEX)
+
+
+def vllm_counter(name: str, doc: str, model_name: str, registry: CollectorRegistry) -> Counter:
+    return Counter(name, doc, VLLM_LABELS, registry=registry).labels(model_name, ENGINE_INDEX)
+
+
+def vllm_histogram(name: str, doc: str, model_name: str, buckets: tuple[float, ...],
+                   registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=registry).labels(model_name, ENGINE_INDEX)
 
 
 class EngineMetrics:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.core = core
         self.registry = r = CollectorRegistry()
         self.step = Histogram("tpgraph_engine_step_seconds", "Host wall time of an engine step",
@@ -34,15 +54,15 @@ class EngineMetrics:
                                  "the logits' launch)", buckets=LATENCY_BUCKETS, registry=r)
         self.gpu = Histogram("tpgraph_decode_gpu_seconds", "Device time of a decode forward (CUDA events)",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("tpgraph_requests_running", "Sequences running", registry=r)
-        self.waiting = Gauge("tpgraph_requests_waiting", "Sequences waiting (queued or preempted)", registry=r)
-        self.kv_usage = Gauge("tpgraph_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
-        self.preemptions = Counter("tpgraph_preemptions", "Sequences preempted (their blocks freed, to be recomputed)",
-                                   registry=r)
-        self.prefix_queries = Counter("tpgraph_prefix_cache_queries", "Tokens of the sequences admitted (a recomputed "
-                                      "one again), looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("tpgraph_prefix_cache_hits", "Of those, tokens found cached (not computed)",
-                                   registry=r)
+        self.running = vllm_gauge("vllm:num_requests_running", "Sequences running", model_name, r)
+        self.waiting = vllm_gauge("vllm:num_requests_waiting", "Sequences waiting (queued or preempted)", model_name, r)
+        self.kv_usage = vllm_gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 is all)", model_name, r)
+        self.preemptions = vllm_counter("vllm:num_preemptions", "Sequences preempted (their blocks freed, to be "
+                                        "recomputed)", model_name, r)
+        self.prefix_queries = vllm_counter("vllm:prefix_cache_queries", "Tokens of the sequences admitted (a "
+                                           "recomputed one again), looked up in the prefix cache", model_name, r)
+        self.prefix_hits = vllm_counter("vllm:prefix_cache_hits", "Of those, tokens found cached (not computed)",
+                                        model_name, r)
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
         self._counted = self._totals()
@@ -80,21 +100,24 @@ class EngineMetrics:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("tpgraph_time_to_first_token_seconds", "Arrival to first token", buckets=REQUEST_BUCKETS,
-                              registry=r)
-        self.queue = Histogram("tpgraph_request_queue_time_seconds", "A sample's wait in the engine's queue, from its "
-                               "arrival there to its first admission", buckets=REQUEST_BUCKETS, registry=r)
-        self.tpot = Histogram("tpgraph_time_per_output_token_seconds", "Mean time between a request's tokens",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("tpgraph_requests", "Requests finished, by finish reason", ("finish_reason",),
-                                registry=r)
-        self.tokens = Counter("tpgraph_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("tpgraph_prompt_tokens", "Prompt tokens computed (each sample's, with its first "
-                                     "token)", registry=r)
-        self.e2e = Histogram("tpgraph_e2e_request_latency_seconds", "Arrival to the request's end",
-                             buckets=REQUEST_BUCKETS, registry=r)
+        self.ttft = vllm_histogram("vllm:time_to_first_token_seconds", "Arrival to first token", model_name,
+                                   REQUEST_BUCKETS, r)
+        self.queue = vllm_histogram("vllm:request_queue_time_seconds", "A sample's wait in the engine's queue, from "
+                                    "its arrival there to its first admission", model_name, REQUEST_BUCKETS, r)
+        self.tpot = vllm_histogram("vllm:request_time_per_output_token_seconds", "Mean time between a request's "
+                                   "tokens", model_name, LATENCY_BUCKETS, r)
+        self.requests = Counter("vllm:request_success", "Requests finished, by finish reason",
+                                (*VLLM_LABELS, "finished_reason"), registry=r)
+        self.refused = Counter("tpgraph_requests_refused", "Requests the engine refused as it came to add them (a "
+                               "bad schema, ...): answered 400, not counted as finished", registry=r)
+        self.tokens = vllm_counter("vllm:generation_tokens", "Tokens generated", model_name, r)
+        self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens computed (each sample's, with its "
+                                          "first token)", model_name, r)
+        self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Arrival to the request's end", model_name,
+                                  REQUEST_BUCKETS, r)
+        self.model_name = model_name
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
         # each request's samples so far, by index: (tokens, the first's time, the last's time)
@@ -124,8 +147,16 @@ class ServerMetrics:
                 self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
 
     def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
-        """The whole request is over (at `now`, perf_counter; default: now)."""
-        self.requests.labels(reason).inc()
+        """The whole request is over (at `now`, perf_counter; default: now). One the engine refused is counted as
+        refused alone: vLLM refuses such a request before its engine, so its finished requests and latencies never
+        hold one."""
+        if reason == REFUSED:
+            self.refused.inc()
+            self._samples.pop(request_id, None)
+            self._prompt_len.pop(request_id, None)
+            self._arrival.pop(request_id, None)
+            return
+        self.requests.labels(self.model_name, ENGINE_INDEX, reason).inc()
         # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step;
         # from its first token to its last, as vLLM's: not to the request's end, which may come much later (an abort))
         count, first, last = max(self._samples.pop(request_id, {}).values(), default=(0, 0.0, 0.0))
