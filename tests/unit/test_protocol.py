@@ -235,3 +235,15 @@ def test_names_and_an_assistants_reasoning_reach_the_template():
          "reasoning_content": "she greets"},
         {"role": "assistant", "content": "ok", "reasoning": "again", "reasoning_content": "again"},
         {"role": "user", "content": "x"}]
+
+
+def test_a_schema_given_as_text_nested_past_the_stack_is_a_400():
+    """A JSON schema sent as text (guided_json, structured_outputs.json) nested deeper than json.loads can follow
+    raised RecursionError, a 500; it is a request's mistake, as an earlier call's arguments nested so deep are."""
+    for extra in ({"guided_json": "[" * 100_000}, {"structured_outputs": {"json": '{"a":' * 100_000}}):
+        with pytest.raises(RequestError, match="the JSON schema is not valid JSON"):
+            ChatRequest.model_validate({**CHAT, **extra}).sampling_params(4, None)
+    from tpgraph.engine.structured import StructuredOutput
+
+    with pytest.raises(RequestError, match="a choice is a non-empty list"):  # (the offline API's spec text)
+        StructuredOutput("choice", "[" * 100_000)

@@ -67,14 +67,14 @@ class StructuredOutput:
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:  # (RecursionError: nesting past the stack)
                 raise RequestError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise RequestError(f"a JSON schema is an object, got {type(schema).__name__}")
         if self.kind == "choice":
             try:
                 choices = json.loads(self.spec)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 choices = None
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
                 raise RequestError("a choice is a non-empty list of non-empty strings")
