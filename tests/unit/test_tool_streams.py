@@ -267,6 +267,21 @@ def test_pythonic_calls_are_sent_with_their_first_argument_and_each_argument_as_
     assert calls_of(message) == [("get_weather", '{"city": "Oslo", "days": 3}')] and message["content"] is None
 
 
+
+@pytest.mark.parametrize(("reply", "calls", "content"), [
+    ('[get_weather(city="Oslo", days=open())]', [("get_weather", '{"city": "Oslo"}')], " days=open())]"),
+    ('[get_weather(city="Oslo", city="Rome")]', [("get_weather", '{"city": "Oslo"}')], ' city="Rome")]'),
+    ("[get_time(), get_weather(city='Oslo', n={1})]", [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')],
+     " n={1})]"),
+])
+def test_a_pythonic_call_that_breaks_off_after_an_argument_is_no_tool_calls_finish(reply, calls, content):
+    """An argument that is no literal (or a keyword given twice) after one was sent ends the call there: what was sent
+    stays, closed, and the rest is content; the reply did not finish "tool_calls", which tells a client its calls are
+    whole (this one lost an argument the model wrote), as a JSON call that breaks off does not."""
+    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [4] * len(reply))
+    assert (calls_of(whole), whole["content"], reason) == (calls, content, "stop")
+
+
 # what review found (helper-86): each case failed before its mend
 
 DEEP = "[" * 3000 + "]" * 3000
@@ -360,11 +375,11 @@ def test_pythonic_replies_python_reads_as_calls_read_alike_streamed_or_whole(rep
     '[get_weather(city="Oslo", 3)]',
 ])
 def test_a_pythonic_call_that_breaks_off_after_an_argument_still_sends_a_json_object(reply):
-    """A reply that stopped by itself ("tool_calls") with a call whose arguments are `{"city": "Oslo"` breaks every
-    client's json.loads. Pythonic arguments go out a whole keyword at a time, so the object can always be closed
-    where the call breaks off (the rest stays content)."""
+    """A call whose arguments are `{"city": "Oslo"` breaks every client's json.loads. Pythonic arguments go out a whole
+    keyword at a time, so the object can always be closed where the call breaks off (the rest stays content); the
+    reply keeps the engine's finish reason, not "tool_calls": the call lost what the model wrote after that."""
     _, message, reason = read(plan(parser="pythonic"), reply, [1] * len(reply), stream=True)
-    assert reason == "tool_calls"
+    assert reason == "stop"
     for _, arguments in calls_of(message):
         assert isinstance(json.loads(arguments), dict), arguments
 
@@ -475,7 +490,6 @@ def test_a_streamed_call_that_broke_off_never_finishes_as_tool_calls(choice, par
 @pytest.mark.parametrize(("parser", "reply"), [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}'),  # (cut after the arguments)
     ("llama3_json", '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}" oops'),
-    ("pythonic", '[get_weather(city="Oslo", 3)]'),  # (closed where it broke off: a JSON object)
 ])
 def test_a_streamed_call_whose_arguments_are_whole_still_finishes_as_tool_calls(parser, reply):
     _, message, reason = read(plan(parser=parser), reply, [1] * len(reply), stream=True)

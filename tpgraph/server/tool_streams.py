@@ -377,7 +377,7 @@ class PythonicStream(CallStream):
     A call is sent with its first argument (or at its ")" where it has none), its name one of the tools; its other
     arguments follow as each is read. A keyword given twice ends the calls, as Python refuses it. A call that
     breaks off after an argument was sent is closed, so its arguments stay a JSON object (one cut by max_tokens is
-    not)."""
+    not), yet it is no whole call: the reply does not finish "tool_calls"."""
 
     TAG, END = "<|python_start|>", "<|python_end|>"  # (Llama 4's)
     SEPARATORS = None  # (any whitespace, as str.strip takes it around a whole reply)
@@ -486,6 +486,7 @@ class PythonicStream(CallStream):
         was held."""
         if self.announced:  # (its arguments closed: what was sent of them stays a JSON object)
             self._event("args", "}")
+            self.broken = True  # (yet not the call the model wrote: no "tool_calls" finish, as a JSON call's)
         self._give_up("".join(self.arg) + ch if self.announced else "".join(self.held))
 
     def _argument(self, last: bool) -> bool:
