@@ -31,6 +31,40 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # transformers' named special tokens, in its order (its special_tokens_map; template variables, as there)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
+# refusal): each part's type and the key that holds its text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def content_text(content: Any, where: str) -> Any:
+    """A message's content as a template that renders it as a string takes it, as vLLM gives it: a list of OpenAI
+    content parts as their texts joined by newlines (a part of any other kind refused), null as no text; anything
+    else as it is. where: the message, as refusals name it."""
+    if content is None:
+        return ""
+    if not isinstance(content, (list, tuple)):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):  # (a plain string part, as vLLM takes it)
+            parts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        key = TEXT_PARTS.get(kind) if isinstance(part, dict) else None
+        if key is None:
+            raise RequestError(f"message content of type {kind!r} is not supported (text only)")
+        text = part.get(key)
+        if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
+            raise RequestError(f"{where}.content[{j}].{key} must be a string, got {text!r}")
+        parts.append(text)
+    return "\n".join(parts)  # (as vLLM joins a message's text parts)
+
+
+def text_messages(messages: list[Any]) -> list[Any]:
+    """Chat messages with their content as content_text gives it (copies: the caller's are left as they are); what
+    is no message is left for the template's checks to name."""
+    return [{**m, "content": content_text(m.get("content"), f"messages[{i}]")}
+            if isinstance(m, dict) and "role" in m else m for i, m in enumerate(messages)]
 
 
 def _raise(message: str) -> None:

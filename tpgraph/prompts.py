@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from tpgraph.chat import SPECIAL_TOKEN_KEYS, ChatTemplate, GenerationDefaults
+from tpgraph.chat import SPECIAL_TOKEN_KEYS, ChatTemplate, GenerationDefaults, text_messages
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.tokenizer import unicode_to_byte
@@ -36,12 +36,13 @@ class PromptCodec:
     special_tokens: dict[str, str] = field(default_factory=dict)  # tokenizer_config.json's bos_token, eos_token, ...
 
     def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
-        """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template.
-        max_tokens: a text too long to fit in that many tokens however it tokenizes is refused without tokenizing."""
+        """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template (their
+        content parts as text, as TPEngine.chat reads them). max_tokens: a text too long to fit in that many tokens
+        however it tokenizes is refused without tokenizing."""
         if isinstance(prompt, str):
             return self.encode_text(prompt, max_tokens=max_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode_chat(self.render_chat(prompt), max_tokens)
+            return self.encode_chat(self.render_chat(text_messages(prompt)), max_tokens)
         ids = token_ids(prompt)
         if ids is not None:
             return ids

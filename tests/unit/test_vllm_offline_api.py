@@ -432,3 +432,21 @@ def test_get_tokenizer_called_on_a_text_pair_refuses_it_as_it_refuses_text_pair_
     with pytest.raises(RequestError, match="text_pair"):
         tok("question", text_pair="answer")
     assert tok("question", add_special_tokens=False).input_ids == e.encode("question")[1:]
+
+
+def test_chat_content_given_as_parts_or_none_is_its_text_as_vllms():
+    """vLLM's LLM.chat reads a message's OpenAI content parts as their text, joined by newlines, and a null content
+    as none (for a template that renders content as a string, as the server here reads them too). Offline, the parts'
+    Python repr ("[{'type': 'text', ...}]") and the word "None" were rendered into the prompt, unsaid."""
+    parts = [{"role": "system", "content": None},
+             {"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"type": "input_text", "text": "c"}]}]
+    plain = [{"role": "system", "content": ""}, {"role": "user", "content": "a\nb\nc"}]
+    with engine(max_model_len=128) as e:
+        want = e.chat(plain, GREEDY)[0]
+        for got in (e.chat(parts, GREEDY)[0], e.chat([parts], GREEDY)[0]):
+            assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)
+        assert e.generate(parts, GREEDY)[0].prompt_token_ids == want.prompt_token_ids
+        assert parts[1]["content"][0] == {"type": "text", "text": "a"} and parts[0]["content"] is None  # (untouched)
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        with pytest.raises(RequestError, match=r"message content of type 'image_url' is not supported \(text only\)"):
+            e.chat(image, GREEDY)

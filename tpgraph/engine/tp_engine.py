@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, tokenizer_config
+from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, text_messages, tokenizer_config
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
@@ -300,7 +300,9 @@ class TPEngine:
              use_tqdm: bool = False) -> list[GenerationOutput]:
         """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
-        and completed. Each output's prompt is the rendered text."""
+        and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
+        as vLLM renders them for a template that writes content as a string. Each output's prompt is the rendered
+        text."""
         with self._lock:
             self._check_open()
             conversations = self._agreed_call("chat", lambda: _conversation_list(conversations), sampling_params,
@@ -313,7 +315,7 @@ class TPEngine:
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded = []
             for messages in conversations:
-                text = self.render_chat(list(messages), add_generation_prompt, tools, chat_template_kwargs,
+                text = self.render_chat(text_messages(messages), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message, template)
                 encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
             return self._generate(encoded, sampling_params, use_tqdm)

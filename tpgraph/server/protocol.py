@@ -13,15 +13,13 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tpgraph.chat import content_text
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
-# refusal): each part's type and the key that holds its text
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 class NullMeansDefault(BaseModel):
@@ -275,21 +273,7 @@ class ChatMessage(NullMeansDefault):
     content: str | list[dict | str] | None = None
 
     def text(self, where: str) -> str:
-        if isinstance(self.content, list):  # content parts: only text is understood
-            parts = []
-            for j, part in enumerate(self.content):
-                if isinstance(part, str):  # (a plain string part, as vLLM takes it)
-                    parts.append(part)
-                    continue
-                key = TEXT_PARTS.get(part.get("type"))
-                if key is None:
-                    raise RequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
-                text = part.get(key)
-                if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
-                    raise RequestError(f"{where}.content[{j}].{key} must be a string, got {text!r}")
-                parts.append(text)
-            return "\n".join(parts)  # (as vLLM joins a message's text parts)
-        return self.content or ""
+        return content_text(self.content, where)  # content parts: only text is understood
 
 
 class ChatRequest(SamplingFields):
