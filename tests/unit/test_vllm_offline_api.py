@@ -450,3 +450,13 @@ def test_chat_content_given_as_parts_or_none_is_its_text_as_vllms():
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         with pytest.raises(RequestError, match=r"message content of type 'image_url' is not supported \(text only\)"):
             e.chat(image, GREEDY)
+
+
+def test_chat_takes_its_conversations_by_vllms_name_and_use_tqdm_third():
+    """vLLM's LLM.chat(messages, sampling_params, use_tqdm, ...): chat(messages=...) and chat(conv, params, False)
+    were TypeErrors here (the argument was named conversations, use_tqdm given by name alone)."""
+    chat = [{"role": "user", "content": "hi"}]
+    with engine() as e:
+        want = e.chat(chat, GREEDY)[0].outputs[0].token_ids
+        assert e.chat(messages=chat, sampling_params=GREEDY)[0].outputs[0].token_ids == want
+        assert e.chat(chat, GREEDY, False)[0].outputs[0].token_ids == want

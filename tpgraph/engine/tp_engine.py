@@ -293,19 +293,20 @@ class TPEngine:
             encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm)
 
-    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None, *,
-             tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
-             use_tqdm: bool = False) -> list[GenerationOutput]:
-        """vLLM's LLM.chat: a conversation (a list of messages), or a list of them, each rendered through the chat
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
+             use_tqdm: bool = False, *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None) -> list[GenerationOutput]:
+        """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
+        by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
         and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
         as vLLM renders them for a template that writes content as a string. Each output's prompt is the rendered
         text."""
         with self._lock:
             self._check_open()
-            conversations = self._agreed_call("chat", lambda: _conversation_list(conversations), sampling_params,
+            conversations = self._agreed_call("chat", lambda: _conversation_list(messages), sampling_params,
                                               tools, add_generation_prompt, continue_final_message,
                                               chat_template_kwargs, chat_template)
             template = None
@@ -314,8 +315,8 @@ class TPEngine:
                     raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded = []
-            for messages in conversations:
-                text = self.render_chat(text_messages(messages), add_generation_prompt, tools, chat_template_kwargs,
+            for conversation in conversations:
+                text = self.render_chat(text_messages(conversation), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message, template)
                 encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
             return self._generate(encoded, sampling_params, use_tqdm)
