@@ -105,3 +105,21 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
     # longer in the step, still held the budget: later got a chunk of 6
     assert [(s.seq_id, n) for s, n in step.prefill] == [(2, 7)], [(s.seq_id, n) for s, n in step.prefill]
     assert step.num_tokens == 8
+
+
+def test_generate_takes_vllms_priority_list_one_for_each_prompt():
+    """vLLM's LLM.generate(prompts, params, priority=[...]) (a TypeError here, where priority was a SamplingParams
+    field alone): each prompt's priority, its list as long as the prompts; outputs stay in the prompts' order."""
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=1, block_size=4, scheduling_policy="priority") as e:
+        outs = e.generate(["a", "b", "c"], params, priority=[5, 0, 1])
+        assert [o.prompt for o in outs] == ["a", "b", "c"]
+        assert outs[1].latency_s < outs[2].latency_s < outs[0].latency_s  # (one at a time: b, then c, then a)
+        with pytest.raises(RequestError, match=r"priority holds 1 value for 2 prompts"):
+            e.generate(["a", "b"], params, priority=[1])
+        with pytest.raises(RequestError, match=r"priority must be a list of integers, one for each prompt"):
+            e.generate(["a"], params, priority=3)
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=1, block_size=4) as e:
+        assert len(e.generate(["a", "b"], params, priority=[0, 0])) == 2
+        with pytest.raises(RequestError, match=r"priority 2 needs .* scheduling_policy='priority'"):
+            e.generate(["a", "b"], params, priority=[0, 2])

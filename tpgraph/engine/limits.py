@@ -52,7 +52,8 @@ class RequestLimits:
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
         if params.priority and not self.priority_scheduling:
             raise RequestError(f"priority {params.priority} needs a server started with --scheduling-policy priority "
-                               f"(this one serves first come first served)")
+                               f"(an engine with scheduling_policy='priority'; this one serves first come first "
+                               f"served)")
         if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= vocab:
             raise RequestError(f"allowed_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.allowed_token_ids if t >= vocab]}")

@@ -12,6 +12,7 @@ ranks 1..N-1 itself (followers.py), and rank 0 tells them each step what changed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -282,16 +283,17 @@ class TPEngine:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationOutput]:
+                 use_tqdm: bool = False, *, priority: list[int] | None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
-        vLLM's LLM.generate name). Calls from several threads run one after another."""
+        vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
+        scheduling_policy "priority" serves lower values first). Calls from several threads run one after another."""
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
             self._check_open()
-            prompts = self._agreed_call("generate", lambda: _prompt_list(prompts), sampling_params)
+            prompts = self._agreed_call("generate", lambda: _prompt_list(prompts), sampling_params, priority)
             encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
-            return self._generate(encoded, sampling_params, use_tqdm)
+            return self._generate(encoded, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
@@ -327,8 +329,9 @@ class TPEngine:
 
     def _generate(self, encoded: list[tuple[str | None, list[int]]],
                   params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
-                  use_tqdm: bool) -> list[GenerationOutput]:
-        """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids)."""
+                  use_tqdm: bool, priority: list[int] | tuple[int, ...] | None = None) -> list[GenerationOutput]:
+        """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids); priority:
+        each prompt's, in place of its SamplingParams' (vLLM's generate keyword)."""
         if params is None:  # (the default limit, generation_config's max_new_tokens or SamplingParams' 16, cut to
             # what each prompt leaves, as the server cuts it: a limit the caller never set must not refuse a prompt)
             limit, context = self.default_params().max_tokens, self.runner.max_model_len
@@ -337,6 +340,14 @@ class TPEngine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)):
+                raise RequestError(f"priority must be a list of integers, one for each prompt, got "
+                                   f"{type(priority).__name__}")
+            if len(priority) != len(encoded):
+                raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
+                                   f"{len(encoded)} prompts")
+            per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
         results: dict[str, GenerationOutput] = {}
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
