@@ -9,7 +9,7 @@ import numbers
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -287,19 +287,32 @@ def is_vllm_prompt(prompt: object) -> bool:
     return isinstance(prompt, dict) and "role" not in prompt and ("prompt" in prompt or "prompt_token_ids" in prompt)
 
 
-def vllm_prompt(prompt: dict) -> str | list[int]:
-    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them).
-    Its other keys (multi_modal_data, cache_salt, ...) ask for what tpgraph does not do: refused, named."""
+class TextedIds(NamedTuple):
+    """vLLM's TokensPrompt holding the text its ids stand for: the ids are run, the text is the output's prompt."""
+
+    text: str
+    ids: list[int]
+
+
+def vllm_prompt(prompt: dict) -> str | list[int] | TextedIds:
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them);
+    {"prompt_token_ids": ids, "prompt": text} as both (TextedIds). Its other keys (multi_modal_data, cache_salt, ...)
+    ask for what tpgraph does not do: refused, named."""
     keys = sorted(prompt, key=str)
-    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if keys == ["prompt_token_ids"] and (ids := token_ids(prompt["prompt_token_ids"])) is not None:
-        return ids
-    if keys not in (["prompt"], ["prompt_token_ids"]):
-        raise RequestError(f"a vLLM prompt here holds 'prompt' (text) or 'prompt_token_ids' alone, got the keys "
-                           f"{keys} (tpgraph runs text-only models: no multi-modal data, no cache salt)")
-    what = "text" if keys == ["prompt"] else "a list of token ids"
-    raise RequestError(f"{keys[0]} must be {what}, got {type(prompt[keys[0]]).__name__}")
+    if keys not in (["prompt"], ["prompt_token_ids"], ["prompt", "prompt_token_ids"]):
+        raise RequestError(f"a vLLM prompt here holds 'prompt' (text), 'prompt_token_ids' or both (ids and the text "
+                           f"they stand for), got the keys {keys} (tpgraph runs text-only models: no multi-modal "
+                           f"data, no cache salt)")
+    text = prompt.get("prompt")
+    if "prompt" in prompt and not isinstance(text, str):
+        raise RequestError(f"prompt must be text, got {type(text).__name__}")
+    if "prompt_token_ids" not in prompt:
+        return text
+    ids = token_ids(prompt["prompt_token_ids"])
+    if ids is None:
+        raise RequestError(f"prompt_token_ids must be a list of token ids, got "
+                           f"{type(prompt['prompt_token_ids']).__name__}")
+    return ids if text is None else TextedIds(text, ids)
 
 
 def token_ids(prompt: object) -> list[int] | None:

@@ -380,8 +380,8 @@ def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold():
             n = len(out)
             assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in out] \
                 == [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in plain[:n]]
-        for prompt, refusal in [({"prompt": "hi", "multi_modal_data": {}}, r"holds 'prompt' \(text\) or "
-                                 r"'prompt_token_ids' alone, got the keys \['multi_modal_data', 'prompt'\]"),
+        for prompt, refusal in [({"prompt": "hi", "multi_modal_data": {}}, r"holds 'prompt' \(text\), "
+                                 r"'prompt_token_ids' or both .*, got the keys \['multi_modal_data', 'prompt'\]"),
                                 ([{"prompt_token_ids": "hi"}], "prompt_token_ids must be a list of token ids, got str"),
                                 ({"role": "user", "content": "hi"}, r"got dict \(chat messages are given as a list"),
                                 ([{"role": "user", "content": "a"}, {"prompt": "b"}], "given to generate alone or in a "
@@ -460,3 +460,19 @@ def test_chat_takes_its_conversations_by_vllms_name_and_use_tqdm_third():
         want = e.chat(chat, GREEDY)[0].outputs[0].token_ids
         assert e.chat(messages=chat, sampling_params=GREEDY)[0].outputs[0].token_ids == want
         assert e.chat(chat, GREEDY, False)[0].outputs[0].token_ids == want
+
+
+def test_a_tokens_prompt_with_its_text_runs_the_ids_and_gives_the_text_as_vllms():
+    """vLLM's TokensPrompt may hold the text its ids stand for ({"prompt_token_ids": ids, "prompt": text}): the ids
+    are run and the output's prompt is that text. It was refused here as a dict of unknown keys."""
+    with engine() as e:
+        ids = e.encode("hi")
+        want = e.generate({"prompt_token_ids": ids}, GREEDY)[0]
+        for prompts in ({"prompt_token_ids": ids, "prompt": "hi"}, [{"prompt": "hi", "prompt_token_ids": ids}]):
+            (out,) = e.generate(prompts, GREEDY)
+            assert (out.prompt, out.prompt_token_ids, out.outputs[0].token_ids) \
+                == ("hi", ids, want.outputs[0].token_ids)
+        (other,) = e.generate({"prompt_token_ids": ids, "prompt": "not what the ids say"}, GREEDY)  # (as vLLM:
+        assert (other.prompt, other.prompt_token_ids) == ("not what the ids say", ids)  # the ids are run)
+        with pytest.raises(RequestError, match="prompt must be text, got int"):
+            e.generate({"prompt_token_ids": ids, "prompt": 3}, GREEDY)

@@ -46,7 +46,16 @@ from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.model.loader import load_model
-from tpgraph.prompts import EngineTokenizer, Prompt, PromptCodec, is_one_prompt, is_vllm_prompt, token_ids, vllm_prompt
+from tpgraph.prompts import (
+    EngineTokenizer,
+    Prompt,
+    PromptCodec,
+    TextedIds,
+    is_one_prompt,
+    is_vllm_prompt,
+    token_ids,
+    vllm_prompt,
+)
 from tpgraph.tokenizer import BOS, EOS, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -292,7 +301,8 @@ class TPEngine:
         with self._lock:
             self._check_open()
             prompts = self._agreed_call("generate", lambda: _prompt_list(prompts), sampling_params, priority)
-            encoded = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]
+            encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else (p if isinstance(p, str) else None,
+                                                                        self.encode(p)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -555,9 +565,10 @@ class TPEngine:
         self.close()
 
 
-def _prompt_list(prompts: Any) -> list[Prompt]:
+def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
     """generate's prompts as a list: one prompt (text, token ids, chat messages, or vLLM's {"prompt": text} or
-    {"prompt_token_ids": ids}) or an iterable of them, vLLM's dicts read as the text or ids they hold, and ids given
+    {"prompt_token_ids": ids}, with its text or without) or an iterable of them, vLLM's dicts read as the text or ids
+    they hold (TextedIds where both), and ids given
     as an array or a tensor as a list (the SPMD check digests their repr, which elides the middle of a long array)."""
     if is_vllm_prompt(prompts):
         return [vllm_prompt(prompts)]
