@@ -476,3 +476,20 @@ def test_a_tokens_prompt_with_its_text_runs_the_ids_and_gives_the_text_as_vllms(
         assert (other.prompt, other.prompt_token_ids) == ("not what the ids say", ids)  # the ids are run)
         with pytest.raises(RequestError, match="prompt must be text, got int"):
             e.generate({"prompt_token_ids": ids, "prompt": 3}, GREEDY)
+
+
+def test_use_tqdm_given_a_callable_makes_the_progress_bar_with_it_as_vllms():
+    """vLLM's use_tqdm takes a callable (functools.partial(tqdm, leave=False), a notebook's tqdm) that makes the bar:
+    here it was taken as True and the default bar drawn, the caller's ignored."""
+    from tqdm import tqdm
+
+    made = []
+
+    def bar(*args, **kwargs):
+        made.append(kwargs)
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    with engine() as e:
+        e.generate(["a", "b"], GREEDY, use_tqdm=bar)
+        e.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=bar)
+    assert [m["total"] for m in made] == [2, 1]

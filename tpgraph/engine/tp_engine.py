@@ -292,7 +292,8 @@ class TPEngine:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-                 use_tqdm: bool = False, *, priority: list[int] | None = None) -> list[GenerationOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = False, *,
+                 priority: list[int] | None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
         vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
         scheduling_policy "priority" serves lower values first). Calls from several threads run one after another."""
@@ -307,7 +308,8 @@ class TPEngine:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-             use_tqdm: bool = False, *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., tqdm] = False, *, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              chat_template: str | None = None) -> list[GenerationOutput]:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
@@ -339,7 +341,8 @@ class TPEngine:
 
     def _generate(self, encoded: list[tuple[str | None, list[int]]],
                   params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
-                  use_tqdm: bool, priority: list[int] | tuple[int, ...] | None = None) -> list[GenerationOutput]:
+                  use_tqdm: bool | Callable[..., tqdm],
+                  priority: list[int] | tuple[int, ...] | None = None) -> list[GenerationOutput]:
         """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids); priority:
         each prompt's, in place of its SamplingParams' (vLLM's generate keyword)."""
         if params is None:  # (the default limit, generation_config's max_new_tokens or SamplingParams' 16, cut to
@@ -372,7 +375,10 @@ class TPEngine:
                                   cumulative_logprob=0.0 if p.logprobs is not None else None,
                                   top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         start = time.perf_counter()
-        bar = tqdm(total=len(order), desc="generating", disable=not (use_tqdm and self.state.is_driver))
+        # (vLLM's use_tqdm may be a callable that makes the bar, a partial of tqdm say; other ranks draw none)
+        shown = bool(use_tqdm) and self.state.is_driver
+        make_bar = use_tqdm if shown and callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(order), desc="generating") if shown else tqdm(total=len(order), disable=True)
         texts: dict[tuple[str, int], list[str]] = defaultdict(list)  # each completion's text in pieces, joined once
         try:
             with deferred_interrupt() as interrupted:
