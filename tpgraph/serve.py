@@ -24,7 +24,7 @@ import threading
 import time
 
 from tpgraph.distributed import env_int
-from tpgraph.engine.cli import add_engine_args, engine_kwargs, positive_number
+from tpgraph.engine.cli import add_engine_args, engine_kwargs, json_object, positive_number
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it too)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help='the chat template\'s variables every chat request starts from, a JSON object (a request\'s '
+                        'own chat_template_kwargs override them), e.g. \'{"enable_thinking": false}\'')
     http = p.add_argument_group("HTTP (vLLM's flags)")
     http.add_argument("--allowed-origins", type=json_strings, default=["*"], metavar="JSON",
                       help='CORS: the origins whose pages may call the API, a JSON list (default ["*"], any)')
@@ -126,7 +129,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
-                       args.enable_log_requests, args.max_log_len)
+                       args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

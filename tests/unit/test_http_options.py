@@ -290,3 +290,13 @@ def test_cors_settings_of_the_wrong_type_are_refused_without_https_too(field, va
 
     with pytest.raises(ConfigError, match=rf"^{field} must be"):
         HttpOptions(**{field: value})
+
+
+def test_default_chat_template_kwargs_flag_reaches_the_options(capsys):
+    http = http_options(parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false}']))
+    assert http.default_chat_template_kwargs == {"enable_thinking": False}
+    assert http.template_variables({"x": 1}) == {"enable_thinking": False, "x": 1}
+    assert http_options(parse_args([])).template_variables(None) is None
+    with pytest.raises(SystemExit):
+        parse_args(["--default-chat-template-kwargs", "[1]"])
+    assert "must be a JSON object" in capsys.readouterr().err

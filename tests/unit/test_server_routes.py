@@ -12,6 +12,7 @@ from tpgtest.server_stubs import IdleClient, SilentClient, builtin_codec, httpx_
 
 from tpgraph import __version__  # noqa: E402
 from tpgraph.chat import GenerationDefaults  # noqa: E402
+from tpgraph.errors import ConfigError  # noqa: E402
 from tpgraph.prompts import PromptCodec  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -214,3 +215,38 @@ def test_several_api_keys_are_each_taken():
                     for key in ("old", "new", "oldnew", "")]
 
     assert [r.status_code for r in asyncio.run(main())] == [200, 200, 401, 401]
+
+
+def test_default_chat_template_kwargs_are_each_overridden_by_the_requests():
+    """vLLM's --default-chat-template-kwargs: the template variables every chat starts from; a request's own
+    chat_template_kwargs override them one by one. /tokenize renders as the chat route does."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.server.options import HttpOptions
+
+    httpx = httpx_module()
+    template = ChatTemplate("{{ greeting | default('none') }}|{{ tone | default('none') }}|"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS})
+    c = dataclasses.replace(codec(), chat_template=template)
+    http = HttpOptions(default_chat_template_kwargs={"greeting": "hi", "tone": "dry"})
+    app = server_app.create_app(IdleClient(), c, ServerMetrics(), MODEL, 128, http=http)
+    messages = [{"role": "user", "content": "x"}]
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return [await client.post("/tokenize", json={"messages": messages, **extra})
+                    for extra in ({}, {"chat_template_kwargs": {"tone": "warm"}})]
+
+    plain, overridden = asyncio.run(main())
+    assert plain.json()["tokens"] == c.encode_text("hi|dry|x", add_special_tokens=False)
+    assert overridden.json()["tokens"] == c.encode_text("hi|warm|x", add_special_tokens=False)
+    for bad in ({"messages": []}, {"chat_template": "{{ 1 }}"}, "text"):
+        with pytest.raises(ConfigError, match="--default-chat-template-kwargs"):
+            HttpOptions(default_chat_template_kwargs=bad)
+
+
+def test_ping_answers_as_health_with_or_without_a_key():
+    """vLLM's /ping (SageMaker's health check), GET or POST, open under --api-key as /health is."""
+    got = call([("GET", "/ping", None, None), ("POST", "/ping", None, None)], api_key="s3cret")
+    assert [r.status_code for r in got] == [200, 200]

@@ -288,7 +288,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
                        allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
                        allow_credentials=http.allow_credentials)
-    app.include_router(token_routes(prompts, api.check_model, max_model_len))
+    app.include_router(token_routes(prompts, api.check_model, max_model_len, http.template_variables))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -325,6 +325,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if client.alive else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for SageMaker's health checks: /health's answer)
+    async def ping() -> Response:
+        return await health()
 
     started = int(time.time())
 
@@ -460,7 +464,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         echoed = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
         tools = body.tool_plan(tool_options)
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
-                                   body.chat_template_kwargs, body.continue_final_message)
+                                   http.template_variables(body.chat_template_kwargs), body.continue_final_message)
         keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None
                                else body.max_completion_tokens)
         # (the template writes the special tokens: more only where add_special_tokens asks, as vLLM's)

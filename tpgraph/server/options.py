@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 from tpgraph.errors import ConfigError
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,15 @@ class HttpOptions:
     # first max_log_len characters or ids: vLLM's --max-log-len; None, all)
     log_requests: bool = False
     max_log_len: int | None = None
+    # vLLM's --default-chat-template-kwargs: the chat template's variables every chat request starts from (a request's
+    # own chat_template_kwargs override them one by one), e.g. {"enable_thinking": false}
+    default_chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat request's template variables: the server's defaults, each overridden by the request's own."""
+        if not self.default_chat_template_kwargs:
+            return request
+        return {**self.default_chat_template_kwargs, **(request or {})}
 
     def __post_init__(self) -> None:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -74,6 +85,13 @@ class HttpOptions:
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or not isinstance(self.max_log_len, int)
                                              or self.max_log_len < 0):
             raise ConfigError(f"--max-log-len must be an integer >= 0, got {self.max_log_len!r}")
+        defaults = self.default_chat_template_kwargs
+        if defaults is not None and not isinstance(defaults, dict):
+            raise ConfigError(f"--default-chat-template-kwargs must be a JSON object, got {defaults!r}")
+        # (what a request's fields set, or the template itself, refused now: else every chat request would be a 400)
+        if taken := sorted(set(defaults or {}) & RESERVED_TEMPLATE_VARIABLES):
+            raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: a request's own fields "
+                              f"do (the template: --chat-template)")
         if not isinstance(self.docs, bool):
             raise ConfigError(f"docs must be True or False, got {self.docs!r}")
         if not isinstance(self.return_tokens_as_token_ids, bool):

@@ -18,7 +18,10 @@ from tpgraph.server.tools import check_tools
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
 
 
-def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None], max_model_len: int) -> APIRouter:
+def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None], max_model_len: int,
+                 template_variables: Callable[[dict | None], dict | None] = lambda given: given) -> APIRouter:
+    """template_variables: a chat's template variables as the chat route renders them (the server's defaults under
+    the request's), so that a count here is the chat's."""
     router = APIRouter()
     vocab = prompts.tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -30,7 +33,7 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
             if body.tools:
                 check_tools(body.tools)
             text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, body.tools or None,
-                                       body.chat_template_kwargs, body.continue_final_message)
+                                       template_variables(body.chat_template_kwargs), body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
