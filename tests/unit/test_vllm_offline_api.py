@@ -493,3 +493,15 @@ def test_use_tqdm_given_a_callable_makes_the_progress_bar_with_it_as_vllms():
         e.generate(["a", "b"], GREEDY, use_tqdm=bar)
         e.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=bar)
     assert [m["total"] for m in made] == [2, 1]
+
+
+def test_lora_request_none_is_taken_and_an_adapter_refused_saying_what_to_do():
+    """vLLM scripts pass lora_request=None to generate and chat: a TypeError here; an adapter is refused, named."""
+    with engine() as e:
+        (out,) = e.generate("Hi", GREEDY, lora_request=None)
+        assert out.outputs[0].token_ids
+        e.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=None)
+        for call in (lambda: e.generate("Hi", GREEDY, lora_request=object()),
+                     lambda: e.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object())):
+            with pytest.raises(RequestError, match="merge_and_unload"):
+                call()

@@ -293,10 +293,12 @@ class TPEngine:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = False, *,
-                 priority: list[int] | None = None) -> list[GenerationOutput]:
+                 priority: list[int] | None = None, lora_request: None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
         vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
-        scheduling_policy "priority" serves lower values first). Calls from several threads run one after another."""
+        scheduling_policy "priority" serves lower values first). lora_request: vLLM's, taken as None alone (no
+        adapters here). Calls from several threads run one after another."""
+        no_lora(lora_request)
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
@@ -311,13 +313,14 @@ class TPEngine:
              use_tqdm: bool | Callable[..., tqdm] = False, *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None) -> list[GenerationOutput]:
+             chat_template: str | None = None, lora_request: None = None) -> list[GenerationOutput]:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
         by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
         and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
         as vLLM renders them for a template that writes content as a string. Each output's prompt is the rendered
         text."""
+        no_lora(lora_request)
         with self._lock:
             self._check_open()
             conversations = self._agreed_call("chat", lambda: _conversation_list(messages), sampling_params,
@@ -569,6 +572,14 @@ class TPEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def no_lora(lora_request: object) -> None:
+    """vLLM's lora_request, which scripts pass as None: anything else asks for an adapter, which tpgraph does not
+    serve (a TypeError for the keyword itself broke scripts that name it)."""
+    if lora_request is not None:
+        raise RequestError("lora_request: tpgraph serves no LoRA adapters; merge the adapter into the weights (peft's "
+                           "merge_and_unload) and serve the merged checkpoint")
 
 
 def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
