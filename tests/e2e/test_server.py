@@ -599,7 +599,7 @@ def test_metrics(server):
                  "vllm:num_preemptions_total", "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_hits_total",
                  "tpgraph_graph_steps_total", "tpgraph_control_path_seconds_count"):
         assert name in text, name
-    assert f'vllm:num_requests_running{{model_name="{MODEL}",engine="0"}}' in text
+    assert f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}' in text  # (the exposition sorts labels)
     before = metric(server, "vllm:prompt_tokens_total", model_name=MODEL)
     r = server.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "n": 2, "max_tokens": 2}).json()
     assert metric(server, "vllm:prompt_tokens_total", model_name=MODEL) - before == 6 == 2 * r["usage"]["prompt_tokens"]
