@@ -50,7 +50,8 @@ def content_text(content: Any, where: str) -> Any:
             parts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        key = TEXT_PARTS.get(kind) if isinstance(part, dict) else None
+        # (a type that is no string is no text part: a list or an object, unhashable, was a TypeError, a 500)
+        key = TEXT_PARTS.get(kind) if isinstance(part, dict) and isinstance(kind, str) else None
         if key is None:
             raise RequestError(f"message content of type {kind!r} is not supported (text only)")
         text = part.get(key)

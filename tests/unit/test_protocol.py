@@ -247,3 +247,13 @@ def test_a_schema_given_as_text_nested_past_the_stack_is_a_400():
 
     with pytest.raises(RequestError, match="a choice is a non-empty list"):  # (the offline API's spec text)
         StructuredOutput("choice", "[" * 100_000)
+
+
+@pytest.mark.parametrize("kind", [["text"], {"a": 1}])
+def test_a_content_part_whose_type_is_no_string_is_a_400(kind):
+    """A part's type was looked up in TEXT_PARTS as it came: a list or an object raised TypeError (unhashable), a
+    500, where any other unknown type is a 400 that names it."""
+    part = {"type": kind, "text": "a"}
+    body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [part]}]})
+    with pytest.raises(RequestError, match="message content of type .* is not supported"):
+        body.checked_messages()
