@@ -505,3 +505,25 @@ def test_lora_request_none_is_taken_and_an_adapter_refused_saying_what_to_do():
                      lambda: e.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object())):
             with pytest.raises(RequestError, match="merge_and_unload"):
                 call()
+
+
+def test_a_lora_request_is_refused_where_every_rank_meets(monkeypatch):
+    """Under torchrun a refusal must come at the call's one gather (TPEngine._agreed_call), where every rank meets:
+    lora_request was refused before it, so a rank given one alone left the others waiting there until a timeout."""
+    import types
+
+    from tpgraph.engine import tp_engine
+
+    seen = []
+    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, digest: seen.append(digest) or [digest, digest])
+    with engine() as e:
+        state, e.state = e.state, types.SimpleNamespace(world_size=2, is_driver=True)  # (as rank 0 of two)
+        try:
+            for call in (lambda: e.generate("Hi", GREEDY, lora_request=object()),
+                         lambda: e.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=object())):
+                seen.clear()
+                with pytest.raises(RequestError, match="merge_and_unload"):
+                    call()
+                assert len(seen) == 1  # (the ranks met, then refused alike)
+        finally:
+            e.state = state

@@ -298,12 +298,14 @@ class TPEngine:
         vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
         scheduling_policy "priority" serves lower values first). lora_request: vLLM's, taken as None alone (no
         adapters here). Calls from several threads run one after another."""
-        no_lora(lora_request)
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
             self._check_open()
-            prompts = self._agreed_call("generate", lambda: _prompt_list(prompts), sampling_params, priority)
+            # (lora_request refused inside the check, where every rank meets: one rank refusing it alone before it
+            # left the others waiting in the gather)
+            prompts = self._agreed_call("generate", lambda: no_lora(lora_request) or _prompt_list(prompts),
+                                        sampling_params, priority)
             encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else (p if isinstance(p, str) else None,
                                                                         self.encode(p)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm, priority)
@@ -320,11 +322,10 @@ class TPEngine:
         and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
         as vLLM renders them for a template that writes content as a string. Each output's prompt is the rendered
         text."""
-        no_lora(lora_request)
         with self._lock:
             self._check_open()
-            conversations = self._agreed_call("chat", lambda: _conversation_list(messages), sampling_params,
-                                              tools, add_generation_prompt, continue_final_message,
+            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or _conversation_list(messages),
+                                              sampling_params, tools, add_generation_prompt, continue_final_message,
                                               chat_template_kwargs, chat_template)
             template = None
             if chat_template is not None:
