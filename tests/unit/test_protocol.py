@@ -257,3 +257,12 @@ def test_a_content_part_whose_type_is_no_string_is_a_400(kind):
     body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [part]}]})
     with pytest.raises(RequestError, match="message content of type .* is not supported"):
         body.checked_messages()
+
+
+def test_an_assistants_reasoning_content_is_read_beside_a_null_reasoning():
+    """A client that sends back both keys of a reply whose thoughts came as reasoning_content alone (an SDK's model
+    dump: "reasoning": null) lost them: the null reasoning was taken, reasoning_content never read."""
+    body = ChatRequest.model_validate({**CHAT, "messages": [
+        {"role": "assistant", "content": "ok", "reasoning": None, "reasoning_content": "she greets"}]})
+    assert body.checked_messages() == [{"role": "assistant", "content": "ok", "reasoning": "she greets",
+                                        "reasoning_content": "she greets"}]

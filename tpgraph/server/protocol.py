@@ -337,7 +337,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if not isinstance(calls, list):
                 raise RequestError(f"messages[{i}].tool_calls must be a list")
             msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-        reasoning = extra.get("reasoning", extra.get("reasoning_content"))
+        # (the first that is text: a null reasoning beside reasoning_content is none given)
+        reasoning = next((extra[k] for k in ("reasoning", "reasoning_content") if isinstance(extra.get(k), str)), None)
         if m.role == "assistant" and isinstance(reasoning, str):
             msg.update(reasoning=reasoning, reasoning_content=reasoning)
         if m.role == "tool" and isinstance(extra.get("tool_call_id"), str):
