@@ -150,21 +150,19 @@ class ServerMetrics:
         """The whole request is over (at `now`, perf_counter; default: now). One the engine refused is counted as
         refused alone: vLLM refuses such a request before its engine, so its finished requests and latencies never
         hold one."""
+        samples = self._samples.pop(request_id, {})
+        self._prompt_len.pop(request_id, None)
+        arrival = self._arrival.pop(request_id, None)
         if reason == REFUSED:
             self.refused.inc()
-            self._samples.pop(request_id, None)
-            self._prompt_len.pop(request_id, None)
-            self._arrival.pop(request_id, None)
             return
         self.requests.labels(self.model_name, ENGINE_INDEX, reason).inc()
         # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step;
         # from its first token to its last, as vLLM's: not to the request's end, which may come much later (an abort))
-        count, first, last = max(self._samples.pop(request_id, {}).values(), default=(0, 0.0, 0.0))
+        count, first, last = max(samples.values(), default=(0, 0.0, 0.0))
         now = time.perf_counter() if now is None else now
         if count > 1:
             self.tpot.observe((last - first) / (count - 1))
-        self._prompt_len.pop(request_id, None)
-        arrival = self._arrival.pop(request_id, None)
         if arrival is not None:
             self.e2e.observe(now - arrival)
 
