@@ -9,7 +9,7 @@ from typing import Any
 from tpgraph.chat import GENERATION_CONFIG_SOURCES, check_generation_config_dir, check_overrides
 from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
-from tpgraph.engine.scheduler import SCHEDULING_POLICIES
+from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.hub import checkpoint_dirs
@@ -95,14 +95,9 @@ class EngineConfig:
         utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        tokens, context = self.max_num_batched_tokens, self.max_model_len
-        if tokens is not None and tokens < self.max_num_seqs:  # (SchedulerConfig refuses it too, after the weights)
-            raise ConfigError(f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs ({self.max_num_seqs}): "
-                              f"a step decodes a token for each running sequence, so fewer tokens would run fewer "
-                              f"sequences at a time than max_num_seqs")
-        if not self.enable_chunked_prefill and tokens is not None and context is not None and tokens < context:
-            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt "
-                              f"of max_model_len ({context}) tokens")
+        if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
+            check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                               self.enable_chunked_prefill)
 
 
 def check_tokenizer_dir(tokenizer: object) -> None:

@@ -52,15 +52,22 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:  # (vLLM refuses it too)
-            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                              f"({self.max_num_seqs}): a step decodes a token for each running sequence, so fewer "
-                              f"tokens would run fewer sequences at a time than max_num_seqs")
+        check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                           self.enable_chunked_prefill)
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                              f"must hold a whole prompt of max_model_len ({self.max_model_len}) tokens")
+
+
+def check_token_budget(tokens: int, max_num_seqs: int, max_model_len: int | None, chunked_prefill: bool) -> None:
+    """max_num_batched_tokens against the other limits, as vLLM checks it (EngineConfig says it before the weights
+    load, SchedulerConfig after; max_model_len None: not known yet)."""
+    if tokens < max_num_seqs:
+        raise ConfigError(f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs ({max_num_seqs}): a step "
+                          f"decodes a token for each running sequence, so fewer tokens would run fewer sequences at a "
+                          f"time than max_num_seqs")
+    if not chunked_prefill and max_model_len is not None and tokens < max_model_len:
+        raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt of "
+                          f"max_model_len ({max_model_len}) tokens")
 
 
 def queue_order(seq: Sequence) -> tuple[int, int]:
