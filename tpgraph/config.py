@@ -159,6 +159,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Raise ConfigError where max_model_len is past the positions the model was trained on."""
+        if max_model_len > self.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                              f"({self.max_position_embeddings})")
+
     def check_tp(self, tp_size: int) -> None:
         """Raise ConfigError unless this model can be split over tp_size ranks."""
         if tp_size < 1:

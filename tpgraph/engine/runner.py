@@ -140,9 +140,7 @@ class ModelRunner:
         self.is_driver = model.comm.rank == 0
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                              f"({mcfg.max_position_embeddings})")
+        mcfg.check_max_model_len(self.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.use_triton = self.device.type == "cuda" if cfg.use_triton is None else cfg.use_triton
         self.prefill_attention = "SDPA per sequence"

@@ -165,10 +165,8 @@ class TPEngine:
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
         model_cfg = ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL
         model_cfg.check_tp(tp_size)
-        if cfg.max_model_len is not None and cfg.max_model_len > model_cfg.max_position_embeddings:  # (the runner
-            # refuses it too, but only once every rank has loaded the weights)
-            raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
-                              f"({model_cfg.max_position_embeddings})")
+        if cfg.max_model_len is not None:  # (the runner refuses it too, but once every rank has loaded the weights)
+            model_cfg.check_max_model_len(cfg.max_model_len)
         # the tokenizer, the chat template and the request defaults (--generation-config, its overrides) are files
         # and values: read and checked now too, not found broken after the weights load on every rank
         self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
