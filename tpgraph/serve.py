@@ -45,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{BUILTIN_NAME})")
     p.add_argument("--api-key", type=api_key, nargs="+", default=None, metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY`, one of the keys given (every route but "
-                        "/health, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's $VLLM_API_KEY), which "
-                        "keeps the key out of the process list")
+                        "/health, /ping, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's "
+                        "$VLLM_API_KEY), which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     tools = p.add_argument_group("function calling (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-/health, /metrics, /version, and vLLM's /tokenize, /detokenize and /tokenizer_info (token_routes.py), behind an API
-key where one is set (auth.py: a 401 without it). Every mistake in a request is a 400 (404 for an unknown model) with
-an OpenAI error body, and the server keeps serving; a client that disconnects aborts its request."""
+/health (and vLLM's /ping), /metrics, /version, and vLLM's /tokenize, /detokenize and /tokenizer_info
+(token_routes.py), behind an API key where one is set (auth.py: a 401 without it). Every mistake in a request is a 400
+(404 for an unknown model) with an OpenAI error body, and the server keeps serving; a client that disconnects aborts
+its request."""
 
 from __future__ import annotations
 
@@ -257,13 +258,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                tool_options: ToolOptions | None = None, reasoning: ReasoningParser | None = None,
                prompt_tokens_details: bool = False, request_id_headers: bool = False, http: HttpOptions | None = None,
                served_names: tuple[str, ...] = (), model_root: str | None = None) -> FastAPI:
-    """api_key: where given (a key, or several that are each taken), every route but /health, /metrics and /version
-    asks for it (auth.py). tool_options: function calling's settings (tools.py). reasoning: splits a chat reply's
-    thoughts out (reasoning.py). prompt_tokens_details: usage says how many prompt tokens came from the prefix cache
-    (vLLM's --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id (request_ids.py).
-    http: how the server answers beside that (CORS, ...; options.py). served_names: every name a request may give,
-    model_name (the one replies give) first, as vLLM's several --served-model-name; () for model_name alone.
-    model_root: the checkpoint (--model) they stand for, each /v1/models card's root (None: model_name)."""
+    """api_key: where given (a key, or several that are each taken), every route but /health, /ping, /metrics and
+    /version asks for it (auth.py). tool_options: function calling's settings (tools.py). reasoning: splits a chat
+    reply's thoughts out (reasoning.py). prompt_tokens_details: usage says how many prompt tokens came from the
+    prefix cache (vLLM's --enable-prompt-tokens-details). request_id_headers: every response carries X-Request-Id
+    (request_ids.py). http: how the server answers beside that (CORS, ...; options.py). served_names: every name a
+    request may give, model_name (the one replies give) first, as vLLM's several --served-model-name; () for
+    model_name alone. model_root: the checkpoint (--model) they stand for, each /v1/models card's root (None:
+    model_name)."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     @contextlib.asynccontextmanager

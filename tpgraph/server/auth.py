@@ -1,4 +1,4 @@
-"""--api-key: every route but the operators' (/health, /metrics, /version) and the API docs asks for
+"""--api-key: every route but the operators' (/health, /ping, /metrics, /version) and the API docs asks for
 `Authorization: Bearer KEY`, the header OpenAI's clients send, as vLLM's --api-key does (which guards /v1 only: here
 /tokenize and /detokenize too). A request without the key gets a 401 in OpenAI's error shape and reaches no endpoint.
 The docs stay open as vLLM leaves them: Swagger UI's page cannot send the key, and the schema is no secret.
