@@ -10,6 +10,7 @@ parts, the control path, graph stats) is `tpgraph_*`."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,17 +25,13 @@ ENGINE_INDEX = "0"
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 
 
-def vllm_gauge(name: str, doc: str, model_name: str, registry: CollectorRegistry) -> Gauge:
-    return Gauge(name, doc, VLLM_LABELS, registry=registry).labels(model_name, ENGINE_INDEX)
+def vllm_metrics(model_name: str, registry: CollectorRegistry) -> Callable[..., Gauge | Counter | Histogram]:
+    """A maker of vLLM's metrics in `registry`: kind (Gauge, Counter, Histogram), name, doc and options, its labels
+    set to this server's (the served name, engine 0)."""
+    def make(kind: type, name: str, doc: str, **options: object) -> Gauge | Counter | Histogram:
+        return kind(name, doc, VLLM_LABELS, registry=registry, **options).labels(model_name, ENGINE_INDEX)
 
-
-def vllm_counter(name: str, doc: str, model_name: str, registry: CollectorRegistry) -> Counter:
-    return Counter(name, doc, VLLM_LABELS, registry=registry).labels(model_name, ENGINE_INDEX)
-
-
-def vllm_histogram(name: str, doc: str, model_name: str, buckets: tuple[float, ...],
-                   registry: CollectorRegistry) -> Histogram:
-    return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=registry).labels(model_name, ENGINE_INDEX)
+    return make
 
 
 class EngineMetrics:
@@ -54,15 +51,15 @@ class EngineMetrics:
                                  "the logits' launch)", buckets=LATENCY_BUCKETS, registry=r)
         self.gpu = Histogram("tpgraph_decode_gpu_seconds", "Device time of a decode forward (CUDA events)",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.running = vllm_gauge("vllm:num_requests_running", "Sequences running", model_name, r)
-        self.waiting = vllm_gauge("vllm:num_requests_waiting", "Sequences waiting (queued or preempted)", model_name, r)
-        self.kv_usage = vllm_gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 is all)", model_name, r)
-        self.preemptions = vllm_counter("vllm:num_preemptions", "Sequences preempted (their blocks freed, to be "
-                                        "recomputed)", model_name, r)
-        self.prefix_queries = vllm_counter("vllm:prefix_cache_queries", "Tokens of the sequences admitted (a "
-                                           "recomputed one again), looked up in the prefix cache", model_name, r)
-        self.prefix_hits = vllm_counter("vllm:prefix_cache_hits", "Of those, tokens found cached (not computed)",
-                                        model_name, r)
+        vllm = vllm_metrics(model_name, r)
+        self.running = vllm(Gauge, "vllm:num_requests_running", "Sequences running")
+        self.waiting = vllm(Gauge, "vllm:num_requests_waiting", "Sequences waiting (queued or preempted)")
+        self.kv_usage = vllm(Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 is all)")
+        self.preemptions = vllm(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be "
+                                "recomputed)")
+        self.prefix_queries = vllm(Counter, "vllm:prefix_cache_queries", "Tokens of the sequences admitted (a "
+                                   "recomputed one again), looked up in the prefix cache")
+        self.prefix_hits = vllm(Counter, "vllm:prefix_cache_hits", "Of those, tokens found cached (not computed)")
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
         self._counted = self._totals()
@@ -102,21 +99,22 @@ class EngineMetrics:
 class ServerMetrics:
     def __init__(self, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = vllm_histogram("vllm:time_to_first_token_seconds", "Arrival to first token", model_name,
-                                   REQUEST_BUCKETS, r)
-        self.queue = vllm_histogram("vllm:request_queue_time_seconds", "A sample's wait in the engine's queue, from "
-                                    "its arrival there to its first admission", model_name, REQUEST_BUCKETS, r)
-        self.tpot = vllm_histogram("vllm:request_time_per_output_token_seconds", "Mean time between a request's "
-                                   "tokens", model_name, LATENCY_BUCKETS, r)
+        vllm = vllm_metrics(model_name, r)
+        self.ttft = vllm(Histogram, "vllm:time_to_first_token_seconds", "Arrival to first token",
+                         buckets=REQUEST_BUCKETS)
+        self.queue = vllm(Histogram, "vllm:request_queue_time_seconds", "A sample's wait in the engine's queue, from "
+                          "its arrival there to its first admission", buckets=REQUEST_BUCKETS)
+        self.tpot = vllm(Histogram, "vllm:request_time_per_output_token_seconds", "Mean time between a request's "
+                         "tokens", buckets=LATENCY_BUCKETS)
         self.requests = Counter("vllm:request_success", "Requests finished, by finish reason",
                                 (*VLLM_LABELS, "finished_reason"), registry=r)
         self.refused = Counter("tpgraph_requests_refused", "Requests the engine refused as it came to add them (a "
                                "bad schema, ...): answered 400, not counted as finished", registry=r)
-        self.tokens = vllm_counter("vllm:generation_tokens", "Tokens generated", model_name, r)
-        self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens computed (each sample's, with its "
-                                          "first token)", model_name, r)
-        self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Arrival to the request's end", model_name,
-                                  REQUEST_BUCKETS, r)
+        self.tokens = vllm(Counter, "vllm:generation_tokens", "Tokens generated")
+        self.prompt_tokens = vllm(Counter, "vllm:prompt_tokens", "Prompt tokens computed (each sample's, with its "
+                                  "first token)")
+        self.e2e = vllm(Histogram, "vllm:e2e_request_latency_seconds", "Arrival to the request's end",
+                        buckets=REQUEST_BUCKETS)
         self.model_name = model_name
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
