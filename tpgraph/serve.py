@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.server.frontend import FrontendSpec, start_frontend
     from tpgraph.server.metrics import EngineMetrics
 
-    names = tuple(args.served_model_name or [args.model or BUILTIN_NAME])
+    root = args.model or BUILTIN_NAME  # (the checkpoint served: /v1/models' root, and the name where none is given)
+    names = tuple(args.served_model_name or [root])
     name = names[0]
     metrics = EngineMetrics(engine.core, name)  # (labelled with the served name, as vLLM's are)
     # ranks the engine started itself (no torchrun) follow its own loop: the server drives that one, so that closing
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,
-                        args.enable_request_id_headers, http, names, args.model or BUILTIN_NAME)
+                        args.enable_request_id_headers, http, names, root)
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()

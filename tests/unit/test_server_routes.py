@@ -250,3 +250,18 @@ def test_ping_answers_as_health_with_or_without_a_key():
     """vLLM's /ping (SageMaker's health check), GET or POST, open under --api-key as /health is."""
     got = call([("GET", "/ping", None, None), ("POST", "/ping", None, None)], api_key="s3cret")
     assert [r.status_code for r in got] == [200, 200]
+    httpx = httpx_module()
+    gone = IdleClient()
+    gone.alive = False  # (the engine is gone: /health's 503, and so /ping's)
+    app = server_app.create_app(gone, codec(), ServerMetrics(), MODEL, 128)
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return [(await client.request(m, p)).status_code for m, p in (("GET", "/health"), ("GET", "/ping"))]
+
+    assert asyncio.run(main()) == [503, 503]
+
+
+def test_served_names_begin_with_the_name_replies_give():
+    with pytest.raises(ValueError, match="must begin with model_name"):
+        server_app.create_app(IdleClient(), codec(), ServerMetrics(), MODEL, 128, served_names=("other", MODEL))

@@ -84,6 +84,8 @@ class Api:
         """served_names: every name a request may give, model_name (the one replies give) first; () for it alone."""
         self.client, self.metrics, self.model_name = client, metrics, model_name
         self.http = http or HttpOptions()
+        if served_names and served_names[0] != model_name:  # (replies name the first; requests may give any)
+            raise ValueError(f"served_names must begin with model_name {model_name!r}, got {served_names!r}")
         self.served_names = served_names or (model_name,)
 
     def check_model(self, name: str | None) -> None:
