@@ -527,3 +527,15 @@ def test_a_lora_request_is_refused_where_every_rank_meets(monkeypatch):
                 assert len(seen) == 1  # (the ranks met, then refused alike)
         finally:
             e.state = state
+
+
+def test_a_max_tokens_past_max_model_len_runs_to_it_and_finishes_length_as_vllms_generate():
+    """vLLM's generate runs a request whose max_tokens passes what its prompt leaves of max_model_len up to
+    max_model_len (finish_reason "length"); it was refused, and with it the whole batch's results."""
+    with engine() as e:  # (max_model_len 64)
+        long_ask = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        short, cut = e.generate([[5, 6, 7], [5, 6, 7, 8, 9]], [GREEDY, long_ask])
+        assert len(short.outputs[0].token_ids) == GREEDY.max_tokens
+        assert len(cut.outputs[0].token_ids) == 64 - 5 and cut.outputs[0].finish_reason == "length"
+        with pytest.raises(RequestError, match="min_tokens"):  # (a minimum that cannot be met is still refused)
+            e.generate([[5, 6, 7]], SamplingParams(max_tokens=100, min_tokens=70))

@@ -32,6 +32,9 @@ class RequestLimits:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {self.cache_tokens}")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
+            raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
+                               f"tokens that passes max_model_len {self.max_model_len}")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             # refused, not cut short: a client that asked for more than fits would otherwise get less without asking
             raise RequestError(f"max_model_len is {self.max_model_len} tokens, and this request asks for "
@@ -39,9 +42,6 @@ class RequestLimits:
                                f"{params.max_tokens} to generate; ask for at most "
                                f"{self.max_model_len - len(prompt_ids)} new tokens, or for none (null) to generate "
                                f"up to max_model_len")
-        if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
-            raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
-                               f"tokens that passes max_model_len {self.max_model_len}")
         for what, asked in (("logprobs (a chat's top_logprobs)", params.logprobs),
                             ("prompt_logprobs (a completion's logprobs with echo)", params.prompt_logprobs)):
             if asked is not None and asked > self.max_logprobs:

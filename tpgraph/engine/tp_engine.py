@@ -363,6 +363,15 @@ class TPEngine:
                 raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
+        # a max_tokens past what the prompt leaves of max_model_len runs to max_model_len and finishes "length", as
+        # vLLM's generate runs it (the server refuses it instead: its client asked for more than fits); refused, one
+        # long prompt lost the whole batch's results
+        context = self.runner.max_model_len
+        # (a min_tokens past it stays refused, by RequestLimits: that minimum cannot be met)
+        per_prompt = [p if p.max_tokens is None or len(ids) + p.max_tokens <= context
+                      or len(ids) + p.min_tokens > context else
+                      dataclasses.replace(p, max_tokens=max(context - len(ids), 1))
+                      for (_, ids), p in zip(encoded, per_prompt, strict=True)]
         results: dict[str, GenerationOutput] = {}
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
