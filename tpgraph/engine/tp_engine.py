@@ -347,11 +347,8 @@ class TPEngine:
                   priority: list[int] | tuple[int, ...] | None = None) -> list[GenerationOutput]:
         """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids); priority:
         each prompt's, in place of its SamplingParams' (vLLM's generate keyword)."""
-        if params is None:  # (the default limit, generation_config's max_new_tokens or SamplingParams' 16, cut to
-            # what each prompt leaves, as the server cuts it: a limit the caller never set must not refuse a prompt)
-            limit, context = self.default_params().max_tokens, self.runner.max_model_len
-            params = [self.default_params() if limit is None else
-                      self.default_params(max_tokens=max(1, min(limit, context - len(ids)))) for _, ids in encoded]
+        if params is None:  # (its limit, generation_config's max_new_tokens or SamplingParams' 16, is cut below)
+            params = self.default_params()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
@@ -363,9 +360,9 @@ class TPEngine:
                 raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
-        # a max_tokens past what the prompt leaves of max_model_len runs to max_model_len and finishes "length", as
-        # vLLM's generate runs it (the server refuses it instead: its client asked for more than fits); refused, one
-        # long prompt lost the whole batch's results
+        # a max_tokens past what the prompt leaves of max_model_len, given or the default, runs to max_model_len and
+        # finishes "length", as vLLM's generate runs it (the server refuses a client's instead: it asked for more than
+        # fits); refused, one long prompt lost the whole batch's results
         context = self.runner.max_model_len
         # (a min_tokens past it stays refused, by RequestLimits: that minimum cannot be met)
         per_prompt = [p if p.max_tokens is None or len(ids) + p.max_tokens <= context
