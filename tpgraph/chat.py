@@ -31,6 +31,8 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # transformers' named special tokens, in its order (its special_tokens_map; template variables, as there)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# the template's variables that a request's own fields set: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
 # refusal): each part's type and the key that holds its text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -120,7 +122,7 @@ class ChatTemplate:
         continue_final_message: the text ends inside the last message (an assistant's reply begun), as HF's
         apply_chat_template cuts it, so the model continues it."""
         variables = dict(variables or {})
-        taken = sorted(set(variables) & {"messages", "tools", "documents", "add_generation_prompt"})
+        taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
         if taken:
             raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
         if continue_final_message and add_generation_prompt:

@@ -7,10 +7,10 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
+from tpgraph.chat import RESERVED_TEMPLATE_VARIABLES
 from tpgraph.errors import ConfigError
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template"})
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class HttpOptions:
         if defaults is not None and not isinstance(defaults, dict):
             raise ConfigError(f"--default-chat-template-kwargs must be a JSON object, got {defaults!r}")
         # (what a request's fields set, or the template itself, refused now: else every chat request would be a 400)
-        if taken := sorted(set(defaults or {}) & RESERVED_TEMPLATE_VARIABLES):
+        if taken := sorted(set(defaults or {}) & (RESERVED_TEMPLATE_VARIABLES | {"chat_template"})):
             raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: a request's own fields "
                               f"do (the template: --chat-template)")
         if not isinstance(self.docs, bool):
