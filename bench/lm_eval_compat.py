@@ -64,8 +64,8 @@ def main() -> int:
                 whole = ctx + ids(continuation)
             out = engine.generate([whole], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
             tail = range(len(ctx), len(whole))
-            want = sum(out.prompt_logprobs[j] for j in tail)
-            want_greedy = all(out.prompt_top_logprobs[j][0][0] == whole[j] for j in tail)
+            want = sum(out.prompt_logprobs[j][whole[j]].logprob for j in tail)
+            want_greedy = all(out.prompt_logprobs[j][whole[j]].rank == 1 for j in tail)  # (the top one's rank is 1)
             ok = abs(logp - want) < 1e-3 and greedy == want_greedy
             failures += not ok
             print(f"| {context[:20]!r} | {continuation!r} | {logp:.4f} | {want:.4f} | {greedy} / {want_greedy}"

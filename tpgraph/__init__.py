@@ -11,11 +11,11 @@ from tpgraph.errors import (
 )
 
 __all__ = ["TPGraphError", "ConfigError", "CheckpointError", "CommError", "CaptureError", "ExtensionError",
-           "RequestError", "TPEngine", "SamplingParams", "GenerationOutput"]
+           "RequestError", "TPEngine", "SamplingParams", "GenerationOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _LAZY = {"TPEngine": "tpgraph.engine.tp_engine", "GenerationOutput": "tpgraph.engine.tp_engine",
-         "SamplingParams": "tpgraph.engine.sampling_params"}
+         "SamplingParams": "tpgraph.engine.sampling_params", "Logprob": "tpgraph.engine.logprob"}
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
+from tpgtest.logprobs import own_logprobs, top_ids
 
 openai = pytest.importorskip("openai")
 # One pytest worker takes the whole file (--dist loadgroup): its module-scoped server starts once, not once a worker.
@@ -372,10 +373,11 @@ def test_echo_scores_a_prompt_as_lm_eval_asks(server, local_engine):
     lp = one["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in [*ids, *local.outputs[0].token_ids]]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(local.prompt_logprobs[1:], abs=1e-4)
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(own_logprobs(local.prompt_logprobs, ids)[1:], abs=1e-4)
     # each entry: the most likely token and always the prompt's own (one entry when they are the same)
-    for top, alts, token in zip(lp["top_logprobs"][1:len(ids)], local.prompt_top_logprobs[1:], ids[1:], strict=True):
-        assert set(top) == {f"token_id:{alts[0][0]}", f"token_id:{token}"}
+    for top, alts, token in zip(lp["top_logprobs"][1:len(ids)], top_ids(local.prompt_logprobs, 1)[1:], ids[1:],
+                                strict=True):
+        assert set(top) == {f"token_id:{alts[0]}", f"token_id:{token}"}
     assert one["text"] == "Hello, tp" + local.outputs[0].text
     echoed = zero["choices"][0]
     assert (echoed["text"], echoed["finish_reason"], zero["usage"]["completion_tokens"]) == ("Hello, tp", "length", 0)
@@ -862,12 +864,12 @@ def test_prompt_logprobs_as_vllm_returns_them(server, local_engine):
     got = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0,
                                           "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
-    for j in range(1, len(ids)):
-        entry = got[j][str(ids[j])]
-        assert entry["logprob"] == pytest.approx(want.prompt_logprobs[j], abs=1e-4)
-        assert entry["rank"] == want.prompt_ranks[j] >= 1
-        tops = sorted((e["rank"], int(t)) for t, e in got[j].items() if e["rank"] <= 2)
-        assert [t for _, t in tops][:2] == [t for t, _ in want.prompt_top_logprobs[j]]
+    for j in range(1, len(ids)):  # (the same Logprobs, as JSON: the token's own first, its text too)
+        assert list(got[j]) == [str(t) for t in want.prompt_logprobs[j]] and len(got[j]) in (2, 3)
+        for t, entry in want.prompt_logprobs[j].items():
+            assert got[j][str(t)]["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+            assert (got[j][str(t)]["rank"], got[j][str(t)]["decoded_token"]) == (entry.rank, entry.decoded_token)
+        assert got[j][str(ids[j])]["rank"] >= 1 and want.prompt_logprobs[j][ids[j]].decoded_token is not None
     chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                 "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tpgtest.logprobs import own_logprobs, ranked
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.graphs.calibration import eager_counts
@@ -27,7 +28,9 @@ PROMPT_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=
 
 def entries(engine):
     """Each prompt's log-probabilities and top alternatives (a prompt that asks runs in full, cached or not)."""
-    return [(o.prompt_logprobs, o.prompt_top_logprobs) for o in engine.generate(PROMPTS, PROMPT_LOGPROBS)]
+    k = PROMPT_LOGPROBS.prompt_logprobs
+    return [(own_logprobs(o.prompt_logprobs, o.prompt_token_ids), ranked(o.prompt_logprobs, k))
+            for o in engine.generate(PROMPTS, PROMPT_LOGPROBS)]
 
 
 def test_graphs_chunks_and_piecewise_prefill_agree_with_eager():
@@ -101,7 +104,8 @@ def test_seeded_sampling_repeats_on_the_gpu():
         a, b = tokens(engine, PROMPTS[:2], params), tokens(engine, PROMPTS[:2], params)
         out = engine.generate(PROMPTS[0], params)[0].outputs[0]
     assert a == b and len({tuple(x) for x in a[0]}) == 2
-    assert len(out.logprobs) == 16 and all(len(t) == 2 for t in out.top_logprobs)
+    assert len(out.logprobs) == 16 and all(len(e) in (2, 3) and t in e for e, t in
+                                           zip(out.logprobs, out.token_ids, strict=True))
 
 
 @pytest.mark.parametrize("penalties", [True, False])
@@ -122,7 +126,9 @@ def test_overlapped_scheduling_changes_no_tokens_under_graphs(penalties):
         return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
     assert summary(got) == summary(want)
-    assert got[1].outputs[0].logprobs == pytest.approx(want[1].outputs[0].logprobs, rel=1e-4, abs=1e-4)
+    for g, w in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs, strict=True):
+        assert list(g) == list(w) and [v.logprob for v in g.values()] == pytest.approx(
+            [v.logprob for v in w.values()], rel=1e-4, abs=1e-4)
 
 
 def test_the_activation_peak_covers_an_eager_forward_at_the_largest_prefill_graph():

@@ -2,6 +2,7 @@
 sampling, preemption and chunked prefill in play."""
 
 import pytest
+from tpgtest.logprobs import own_logprobs, top_ids
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import engine_generate, engine_generate_per_rank
 
@@ -85,10 +86,11 @@ def test_two_ranks_give_every_rank_the_prompt_logprobs_of_one():
     with TPEngine(device="cpu", **engine) as one:
         single = one.generate(PROMPTS, params)
     assert ranks[0]["completions"] == [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in single]
-    for (lps, tops), o in zip(ranks[0]["prompt_logprobs"], single, strict=True):
-        assert lps[0] is None and lps[1:] == pytest.approx(o.prompt_logprobs[1:], abs=1e-4)
-        assert [[t for t, _ in alts] for alts in tops] == [[t for t, _ in alts] for alts in o.prompt_top_logprobs]
-        assert len(lps) == len(o.prompt_token_ids)
+    for entries, o, q in zip(ranks[0]["prompt_logprobs"], single, params, strict=True):
+        ids = o.prompt_token_ids
+        assert entries[0] is None and len(entries) == len(ids)
+        assert own_logprobs(entries, ids)[1:] == pytest.approx(own_logprobs(o.prompt_logprobs, ids)[1:], abs=1e-4)
+        assert top_ids(entries, q.prompt_logprobs) == top_ids(o.prompt_logprobs, q.prompt_logprobs)
 
 
 def test_two_ranks_keep_their_grammars_in_step():

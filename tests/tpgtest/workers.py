@@ -436,7 +436,7 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
         preemptions = engine.core.scheduler.num_preemptions
     return {"completions": [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in out],
             "blocks_back": blocks_back, "greedy_in_step": in_step, "prefix_hits": hits, "preemptions": preemptions,
-            "prompt_logprobs": [(o.prompt_logprobs, o.prompt_top_logprobs) for o in out]}
+            "prompt_logprobs": [o.prompt_logprobs for o in out]}
 
 
 def engine_generate_per_rank(rank, world_size, init, prompts_by_rank, engine_kw):

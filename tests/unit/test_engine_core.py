@@ -198,8 +198,9 @@ def test_seeded_samples_repeat_and_n_gives_n():
     assert tokens(c) != tokens(d)  # unseeded draws move on
     assert len(a[0].outputs) == 3 and len({tuple(x.token_ids) for x in a[0].outputs}) > 1
     c0 = a[0].outputs[0]
-    assert len(c0.logprobs) == len(c0.token_ids) == len(c0.top_logprobs) and all(lp <= 0 for lp in c0.logprobs)
-    assert all(len(top) == 2 for top in c0.top_logprobs)
+    assert len(c0.logprobs) == len(c0.token_ids)
+    assert all(len(entry) in (2, 3) and entry[t].logprob <= 0
+               for entry, t in zip(c0.logprobs, c0.token_ids, strict=True))
 
 
 def test_the_service_delivers_every_samples_last_update():
@@ -503,9 +504,47 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs():
         (asked,) = e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6, logprobs=0))
         (plain,) = e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=6))
     for c in asked.outputs:
-        assert len(c.logprobs) == 6 and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
+        assert len(c.logprobs) == 6
+        sampled = [e[t].logprob for e, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert c.cumulative_logprob == pytest.approx(sum(sampled))
         assert c.cumulative_logprob < 0
     assert plain.outputs[0].cumulative_logprob is None
+
+
+def test_offline_logprobs_are_vllms_logprob_dicts_with_ranks_and_texts():
+    """vLLM's CompletionOutput.logprobs: per token {id: Logprob(logprob, rank, decoded_token)}, the sampled token first
+    (its rank the ids at least as likely), then the k most likely ranked 1..k. A sampled token's entry equals the one
+    the same tokens give read back as a prompt (prompt_logprobs); detokenize=False leaves the texts None. They were
+    bare floats, and the alternatives a list of pairs beside them."""
+    from tpgraph import Logprob
+
+    hot = SamplingParams(temperature=3.0, seed=1, max_tokens=8, logprobs=2)
+    with engine() as e:
+        (sampled,) = e.generate(PROMPTS[0], hot)
+        (greedy,) = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))
+        (bare,) = e.generate(PROMPTS[0], dataclasses.replace(hot, detokenize=False))
+        ids = sampled.prompt_token_ids + sampled.outputs[0].token_ids
+        (read,) = e.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        text = e.prompts.token_text
+    c = sampled.outputs[0]
+    assert all(isinstance(v, Logprob) for entry in c.logprobs for v in entry.values())
+    for j, (entry, t) in enumerate(zip(c.logprobs, c.token_ids, strict=True)):
+        assert next(iter(entry)) == t and len(entry) in (2, 3)
+        top = sorted((v.rank, i) for i, v in entry.items() if i != t or v.rank <= 2)
+        assert [r for r, _ in top] == [1, 2] and all(v.decoded_token == text(i) for i, v in entry.items())
+        again = read.prompt_logprobs[len(sampled.prompt_token_ids) + j][t]
+        assert entry[t].logprob == pytest.approx(again.logprob, abs=1e-4)
+        assert entry[t].rank == again.rank or t in [i for _, i in top]  # (a top token takes its place's rank)
+    assert max(entry[t].rank for entry, t in zip(c.logprobs, c.token_ids, strict=True)) > 2  # (3.0 strays)
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids,
+                                                                                  strict=True)))
+    for entry, t in zip(greedy.outputs[0].logprobs, greedy.outputs[0].token_ids, strict=True):
+        assert entry[t].rank == 1 and sorted(v.rank for v in entry.values()) == [1, 2, 3]
+        assert entry[t].logprob == max(v.logprob for v in entry.values())
+    assert bare.outputs[0].token_ids == c.token_ids and bare.outputs[0].text == ""
+    assert all(v.decoded_token is None for entry in bare.outputs[0].logprobs for v in entry.values())
+    assert [{i: v.logprob for i, v in entry.items()} for entry in bare.outputs[0].logprobs] == \
+        [{i: v.logprob for i, v in entry.items()} for entry in c.logprobs]
 
 
 def test_seed_minus_one_is_no_seed_as_in_vllm():

@@ -33,7 +33,7 @@ def logprobs(out):
     flat = []
     for o in out:
         for c in o.outputs:
-            flat += (c.logprobs or []) + [lp for top in c.top_logprobs or [] for _, lp in top]
+            flat += [v.logprob for entry in c.logprobs or [] for v in entry.values()]
     return flat
 
 

@@ -5,6 +5,7 @@ full all the same), with n > 1, and the bookkeeping that keeps a recomputed prom
 import pytest
 import torch
 from tpgtest.hf_fixtures import make_checkpoint
+from tpgtest.logprobs import own_logprobs, top_ids
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.engine.core import EngineCore
@@ -53,12 +54,15 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
         assert engine.core.scheduler.prefix_hit_tokens > hits  # (one that does not ask reads them from the cache)
     out = first[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
-    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
-    assert [[t for t, _ in alts] for alts in out.prompt_top_logprobs[1:]] == top
-    assert out.prompt_ranks == [None, *ranks] == again.prompt_ranks and max(ranks) > 1
+    assert own_logprobs(out.prompt_logprobs, PROMPT)[1:] == pytest.approx(want, abs=1e-4)
+    assert top_ids(out.prompt_logprobs, 3)[1:] == top
+    # prompt_logprobs=0: the token's own entry alone, with its rank (asked 3, a token among the top 3 ranks there)
+    assert [list(e) for e in again.prompt_logprobs[1:]] == [[t] for t in PROMPT[1:]]
+    assert [e[t].rank for e, t in zip(again.prompt_logprobs[1:], PROMPT[1:], strict=True)] == ranks and max(ranks) > 1
+    assert [e[t].rank for e, t in zip(out.prompt_logprobs[1:], PROMPT[1:], strict=True)] == \
+        [top[j].index(t) + 1 if t in top[j] else r for j, (t, r) in enumerate(zip(PROMPT[1:], ranks, strict=True))]
     assert first[1].prompt_logprobs is None  # it did not ask
-    assert again.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4) and all(t == [] for t in
-                                                                              again.prompt_top_logprobs)
+    assert own_logprobs(again.prompt_logprobs, PROMPT)[1:] == pytest.approx(want, abs=1e-4)
     assert plain.outputs[0].token_ids == out.outputs[0].token_ids == again.outputs[1].token_ids \
         == again.outputs[2].token_ids
 
@@ -66,7 +70,7 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
 def test_a_one_token_prompt_has_one_entry_none(checkpoint):
     with TPEngine(checkpoint, device="cpu", max_model_len=32, max_num_seqs=2, block_size=4) as engine:
         out = engine.generate([[42]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    assert out.prompt_logprobs == [None] and out.prompt_top_logprobs == [[]]
+    assert out.prompt_logprobs == [None]
 
 
 def test_prompt_logprobs_are_checked():
@@ -132,9 +136,10 @@ def test_preempted_and_recomputed_prompts_give_each_entry_once_as_without_preemp
             assert (engine.core.scheduler.num_preemptions > 0) == (blocks == 17)
     for tight, roomy in zip(*outs, strict=True):
         assert len(tight.prompt_logprobs) == len(tight.prompt_token_ids)
-        assert tight.prompt_logprobs[1:] == pytest.approx(roomy.prompt_logprobs[1:], abs=1e-5)
-        assert [[t for t, _ in alts] for alts in tight.prompt_top_logprobs] == [[t for t, _ in alts] for alts in
-                                                                              roomy.prompt_top_logprobs]
+        ids = tight.prompt_token_ids
+        assert own_logprobs(tight.prompt_logprobs, ids)[1:] == pytest.approx(own_logprobs(roomy.prompt_logprobs,
+                                                                                          ids)[1:], abs=1e-5)
+        assert top_ids(tight.prompt_logprobs, 2) == top_ids(roomy.prompt_logprobs, 2)
 
 
 def test_short_prompts_asking_share_one_pass_and_each_keeps_its_own_k(checkpoint):
@@ -152,9 +157,11 @@ def test_short_prompts_asking_share_one_pass_and_each_keeps_its_own_k(checkpoint
     want_rows = sum(len(p) - 1 for p in prompts)
     assert calls == [want_rows, len(prompts)]  # one pass for every prompt's entries, then the last tokens' logits
     for got, one, q in zip(together, alone, params, strict=True):
-        assert got.prompt_logprobs[1:] == pytest.approx(one.prompt_logprobs[1:], abs=1e-5)
-        tops = [[t for t, _ in alts] for alts in got.prompt_top_logprobs]
-        assert tops == [[t for t, _ in alts] for alts in one.prompt_top_logprobs]
+        ids = got.prompt_token_ids
+        assert own_logprobs(got.prompt_logprobs, ids)[1:] == pytest.approx(own_logprobs(one.prompt_logprobs,
+                                                                                        ids)[1:], abs=1e-5)
+        tops = top_ids(got.prompt_logprobs, q.prompt_logprobs)
+        assert tops == top_ids(one.prompt_logprobs, q.prompt_logprobs)
         assert {len(top) for top in tops[1:]} == {q.prompt_logprobs}
 
 

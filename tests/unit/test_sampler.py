@@ -163,6 +163,8 @@ def test_logprobs_are_the_models_log_softmax():
     assert out.top_ids[0] == top.indices[0].tolist()
     assert out.top_logprobs[0] == pytest.approx(top.values[0].tolist(), abs=1e-6)
     assert out.token_ids[0] == out.top_ids[0][0]  # greedy picks the top one
+    # each token's rank (vLLM's: the ids at least as likely, itself among them), from the logprobs before sampling
+    assert out.ranks == [int((ref[i] >= ref[i, t]).sum()) for i, t in enumerate(out.token_ids)] and out.ranks[0] == 1
 
 
 @pytest.mark.parametrize("field,value,message", [

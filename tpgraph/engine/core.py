@@ -51,6 +51,7 @@ class StepUpdate:
     # with finish_reason "stop": the stop string or stop_token_ids entry that ended it (None for an EOS), as vLLM's
     stop_reason: int | str | None = None
     logprob: float | None = None
+    rank: int | None = None  # (with logprob) the token's rank, 1 the most likely
     top_logprobs: list[tuple[int, float]] | None = None
     # with a sequence's first token, where its params ask: (id, log-probability, top alternatives) of each prompt
     # token after the first
@@ -341,7 +342,7 @@ class EngineCore:
             update = self._accept(seq, self.requests[seq.request_id], index, out.token_ids[i])
             # (a token the grammar refused is dropped, and its log-probabilities with it)
             if out.logprobs is not None and seq.params.logprobs is not None and update.token_id is not None:
-                update.logprob = out.logprobs[i]
+                update.logprob, update.rank = out.logprobs[i], out.ranks[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             if index == 0:

@@ -31,10 +31,9 @@ def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, ta
                     ) -> torch.Tensor:
     """hidden[rows] [m, H], the positions before targets [m] -> [m, 3 + 2k] float64 on the device: each target's id
     and log-probability, the k most likely ids and theirs, then the target's rank (the ids at least as likely, itself
-    among them: 1 for the most likely, as vLLM counts; PendingSample's
-    layout with `ranked`). Rows are taken a pass at a
-    time, so no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every
-    rank makes the same calls, as every rank runs the same chunks."""
+    among them: 1 for the most likely, as vLLM counts; PendingSample's layout). Rows are taken a pass at a time, so
+    no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every rank makes
+    the same calls, as every rank runs the same chunks."""
     out = []
     for s in range(0, len(rows), PASS_ROWS):
         at = rows[s:s + PASS_ROWS]

@@ -660,8 +660,7 @@ class ModelRunner:
         packed = packed_logprobs(self.model.compute_logits, hidden, at, targets_dev, k)
         for seq, targets, a in asking:
             b = a + len(targets)
-            self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k,
-                                                                                   ranked=True)))
+            self.last_prompt_logprobs.append((seq, targets.start, PendingSample(targets_dev[a:b], packed[a:b], k)))
 
     def _replay_prefill(self, padded: int, lens: list[int], context: tuple[int, ...] = (),
                         blocks: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:

@@ -58,7 +58,7 @@ class SampleOutput:
     logprobs: list[float] | None = None  # the sampled token's, per row
     top_ids: list[list[int]] | None = None  # per row, the top `max logprobs` ids (a row asking fewer slices)
     top_logprobs: list[list[float]] | None = None
-    ranks: list[int] | None = None  # (a ranked PendingSample's) each row's token's rank: the ids at least as likely
+    ranks: list[int] | None = None  # each row's token's rank: the ids at least as likely (1: the most likely)
 
 
 def worst_case_rows(rows: int, vocab: int, max_model_len: int) -> list[SampleRow]:
@@ -243,19 +243,22 @@ class Sampler:
         if k:
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
             parts += [top_ids.double(), top_lp.double()]
-        return PendingSample(ids, torch.cat(parts, dim=1), k or 0)  # one transfer (ids are exact in float64)
+        parts.append((raw_logprobs >= chosen).sum(dim=1, keepdim=True).double())  # the token's rank, as vLLM's
+        # one transfer (ids and ranks are exact in float64)
+        return PendingSample(ids, torch.cat(parts, dim=1), k or 0)
 
 
 class PendingSample:
     """Sampled ids on the device and their copy to the host, under way (pinned memory, an event after it): the
     host reads them with `result()`, which waits for that copy only."""
 
-    def __init__(self, ids: torch.Tensor, packed: torch.Tensor, top_k: int, ranked: bool = False) -> None:
+    def __init__(self, ids: torch.Tensor, packed: torch.Tensor, top_k: int) -> None:
         # [B] int64 on the logits' device: with the sampler's ids_out, the runner's sampled_ids rows, which the next
         # step's sampler overwrites (the host copy below is taken first, in stream order)
         self.ids = ids
-        self._top_k, self._ranked = top_k, ranked  # ranked: the packed rows end with the token's rank
-        self._with_logprobs = packed is not ids  # packed: [B, 2 + 2k] float64 (id, logprob, top ids, top logprobs)
+        self._top_k = top_k
+        # packed: [B, 3 + 2k] float64 (id, logprob, top ids, top logprobs, the id's rank)
+        self._with_logprobs = packed is not ids
         if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
@@ -274,7 +277,7 @@ class PendingSample:
         return SampleOutput(token_ids=[int(r[0]) for r in rows], logprobs=[r[1] for r in rows],
                             top_ids=[[int(v) for v in r[2:2 + k]] for r in rows],
                             top_logprobs=[r[2 + k:2 + 2 * k] for r in rows],
-                            ranks=[int(r[-1]) for r in rows] if self._ranked else None)
+                            ranks=[int(r[-1]) for r in rows])
 
 
 class Counted(NamedTuple):

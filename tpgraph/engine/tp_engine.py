@@ -39,6 +39,7 @@ from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
 from tpgraph.engine.liveness import PeerWatch
+from tpgraph.engine.logprob import Logprob, logprob_entry
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig
@@ -70,9 +71,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     # vLLM's: the stop string or stop_token_ids entry that ended it; None for an EOS, a length or an abort
     stop_reason: int | str | None = None
-    logprobs: list[float] | None = None  # the sampled tokens', when asked
-    cumulative_logprob: float | None = None  # their sum (vLLM's: None unless logprobs are asked)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # when asked (SamplingParams.logprobs = k), vLLM's: per token {its id: Logprob, then the k most likely's}
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # the sampled tokens' sum (vLLM's: None unless logprobs are asked)
 
     def finished(self) -> bool:
         """vLLM's CompletionOutput.finished(): the sample has ended (it has a finish_reason)."""
@@ -87,11 +88,9 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     ttft_s: float = 0.0  # time to the first token
     latency_s: float = 0.0  # time to the last
-    # SamplingParams.prompt_logprobs: each prompt token's log-probability (None for the first) and top alternatives
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # each prompt token's rank, the ids at least as likely (1: the most likely, as vLLM counts; None for the first)
-    prompt_ranks: list[int | None] | None = None
+    # SamplingParams.prompt_logprobs = k, vLLM's: per prompt token {its id: Logprob, then the k most likely's}, None
+    # for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (its first sample's, as vLLM's)
 
     @property
@@ -370,6 +369,7 @@ class TPEngine:
                       dataclasses.replace(p, max_tokens=max(context - len(ids), 1))
                       for (_, ids), p in zip(encoded, per_prompt, strict=True)]
         results: dict[str, GenerationOutput] = {}
+        decoders: dict[str, Callable[[int], str] | None] = {}  # a token's text in its Logprobs (vLLM's decoded_token)
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
             self.core.check_request(ids, p)  # every prompt is checked before any is queued
@@ -380,8 +380,8 @@ class TPEngine:
             results[request_id] = GenerationOutput(
                 request_id, prompt, ids,
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None,
-                                  cumulative_logprob=0.0 if p.logprobs is not None else None,
-                                  top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
+                                  cumulative_logprob=0.0 if p.logprobs is not None else None) for i in range(p.n)])
+            decoders[request_id] = self.prompts.token_text if p.detokenize else None
         start = time.perf_counter()
         # (vLLM's use_tqdm may be a callable that makes the bar, a partial of tqdm say; other ranks draw none)
         shown = bool(use_tqdm) and self.state.is_driver
@@ -397,7 +397,7 @@ class TPEngine:
                     texts[key].append(update.text)
                     if update.finish_reason is not None:
                         results[update.request_id].outputs[update.sample_index].text = "".join(texts.pop(key))
-                    self._apply(results[update.request_id], update, start, bar)
+                    self._apply(results[update.request_id], update, start, bar, decoders[update.request_id])
         except BaseException:
             self._abort(order)  # nothing stays queued behind a failure or a Ctrl-C
             raise
@@ -506,22 +506,22 @@ class TPEngine:
         EngineService(self.core, ControlPlane(self.state)).run_worker()
 
     @staticmethod
-    def _apply(out: GenerationOutput, update: StepUpdate, start: float, bar: tqdm) -> None:
+    def _apply(out: GenerationOutput, update: StepUpdate, start: float, bar: tqdm,
+               decode: Callable[[int], str] | None) -> None:
         completion = out.outputs[update.sample_index]
         now = time.perf_counter() - start
         if update.token_id is not None:
             out.ttft_s = out.ttft_s or now
             completion.token_ids.append(update.token_id)
         if update.logprob is not None:
-            completion.logprobs.append(update.logprob)
+            completion.logprobs.append(logprob_entry(update.token_id, update.logprob, update.rank,
+                                                     update.top_logprobs or [], decode))
             completion.cumulative_logprob += update.logprob
-            completion.top_logprobs.append(update.top_logprobs or [])
         if update.cached_tokens is not None and out.num_cached_tokens is None:
             out.num_cached_tokens = update.cached_tokens
         if update.prompt_logprobs is not None and out.prompt_logprobs is None:  # (each sample brings the same)
-            out.prompt_logprobs = [None, *(lp for _, lp, _ in update.prompt_logprobs)]
-            out.prompt_top_logprobs = [[], *(top for _, _, top in update.prompt_logprobs)]
-            out.prompt_ranks = [None, *update.prompt_ranks]
+            out.prompt_logprobs = [None, *(logprob_entry(t, lp, rank, top, decode) for (t, lp, top), rank in
+                                           zip(update.prompt_logprobs, update.prompt_ranks, strict=True))]
         if update.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
             out.latency_s = now

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from tpgraph import __version__
 from tpgraph.engine.core import REFUSED, StepUpdate
+from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
@@ -188,10 +189,8 @@ def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: i
         return None
     out: list[dict | None] = [None]
     for (token, lp, top), rank in zip(update.prompt_logprobs, update.prompt_ranks, strict=True):
-        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": prompts.token_text(token)}}
-        for r, (t, v) in enumerate(top[:k], 1):  # (a top-k position's rank wins, as vLLM's: ties have one each)
-            entry[str(t)] = {"logprob": v, "rank": r, "decoded_token": prompts.token_text(t)}
-        out.append(entry)
+        entry = logprob_entry(token, lp, rank, top[:k], prompts.token_text)
+        out.append({str(t): dataclasses.asdict(v) for t, v in entry.items()})
     return out
 
 
