@@ -260,20 +260,38 @@ def test_the_default_16_tokens_are_cut_to_what_a_long_prompt_leaves():
         assert len(e.generate(["Hi"])[0].outputs[0].token_ids) == 16  # (room left: the default as it is)
 
 
-def test_setting_a_field_of_sampling_params_says_how_to_make_one_that_differs():
-    """vLLM's generate example sets fields on the defaults (sampling_params.max_tokens = 8). These are frozen once
-    checked: the refusal was dataclasses' "cannot assign to field 'max_tokens'", naming no way to get one."""
-    import dataclasses
+def test_a_field_set_on_sampling_params_is_checked_and_changes_later_requests_alone():
+    """vLLM's generate example sets fields on the defaults (sampling_params.max_tokens = 8): taken, checked with the
+    others as a new one's would be (a refused value leaves them as they were) and read as made. A request runs on
+    its own copy (vLLM's clone), so a field set while it runs, from another thread, cannot change it midway. Setting
+    one was refused (the params were frozen)."""
     import pickle
 
-    params = SamplingParams(temperature=0.5)
-    with pytest.raises(dataclasses.FrozenInstanceError,
-                       match=r"make one that differs with dataclasses.replace\(params, max_tokens=8\)"):
-        params.max_tokens = 8
-    assert params.max_tokens == 16
-    changed = dataclasses.replace(params, max_tokens=8)
-    assert (changed.temperature, changed.max_tokens) == (0.5, 8)
-    assert pickle.loads(pickle.dumps(changed)) == changed  # (rank 0 sends them to the ranks it started)
+    with engine() as e:
+        params = e.get_default_sampling_params()
+        params.max_tokens, params.temperature = 3, 0.0
+        params.stop = "zzz"  # (a lone string, read as one stop string)
+        taken = []
+        check = e.core.check_request
+        e.core.check_request = lambda ids, p: taken.append(p) or check(ids, p)
+        (first,) = e.generate(["Hi"], params)
+        assert taken[0] == params and taken[0] is not params
+        params.max_tokens = 5
+        (second,) = e.generate(["Hi"], params)
+    assert params.stop == ("zzz",) and len(first.outputs[0].token_ids) == 3 and len(second.outputs[0].token_ids) == 5
+    assert second.outputs[0].token_ids[:3] == first.outputs[0].token_ids
+    with pytest.raises(RequestError, match=r"min_tokens must be at most max_tokens \(5\), got 6"):
+        params.min_tokens = 6
+    with pytest.raises(RequestError, match=r"top_p must be in \(0.0, 1.0\], got 2"):
+        params.top_p = 2
+    with pytest.raises(AttributeError, match="SamplingParams has no field 'max_new_tokens'"):
+        params.max_new_tokens = 8  # (a typo would have been kept and read by nothing)
+    assert (params.min_tokens, params.top_p, params.max_tokens) == (0, 1.0, 5)
+    params.top_k = -1
+    assert params.top_k == 0  # (vLLM's "off", read as made)
+    assert pickle.loads(pickle.dumps(params)) == params  # (rank 0 sends them to the ranks it started)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(params)  # (as vLLM's: a hash would change with its fields)
 
 
 def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import reprlib
 from collections.abc import Iterable, Mapping
-from dataclasses import FrozenInstanceError, InitVar, dataclass
+from dataclasses import InitVar, dataclass
 
 # (vLLM's StructuredOutputsParams and GuidedDecodingParams too, as its scripts import them from vllm.sampling_params)
 from tpgraph.engine.structured import GuidedDecodingParams as GuidedDecodingParams
@@ -188,16 +188,23 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-def _refuse_assignment(self: SamplingParams, name: str, value: object) -> None:
-    """vLLM's SamplingParams may be changed once made (its generate example sets max_tokens on the defaults); these
-    are checked when made and stay as checked (a request holds them while it runs): the refusal says how to make one
-    that differs, not only dataclasses' "cannot assign to field"."""
-    raise FrozenInstanceError(f"SamplingParams are checked when made and cannot change: make one that differs with "
-                              f"dataclasses.replace(params, {name}={reprlib.repr(value)}) (or engine.default_params("
-                              f"{name}=...)) rather than setting params.{name}")
+def _checked_assignment(self: SamplingParams, name: str, value: object) -> None:
+    """vLLM's SamplingParams may be changed once made (its generate example sets max_tokens on the defaults): a field
+    set here is checked with all the others, as a new one would be (a value they refuse leaves the params as they
+    were), and read as made (stop="x" is ("x",), top_k -1 is 0). The engine takes its own copy of a request's params,
+    so a change reaches only the requests made after it."""
+    if name not in _FIELDS:
+        raise AttributeError(f"SamplingParams has no field {name!r}")
+    changed = dataclasses.replace(self, **{name: value})
+    for field_name in _FIELDS:
+        object.__setattr__(self, field_name, getattr(changed, field_name))
 
 
-SamplingParams.__setattr__ = _refuse_assignment  # (in place of the frozen dataclass's, which says only that)
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# (in place of the frozen dataclass's refusal; __init__ and __post_init__ set fields past it. Unhashable as vLLM's
+# are: a hash would change with the fields)
+SamplingParams.__setattr__ = _checked_assignment
+SamplingParams.__hash__ = None
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:

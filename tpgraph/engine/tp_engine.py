@@ -12,6 +12,7 @@ ranks 1..N-1 itself (followers.py), and rank 0 tells them each step what changed
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import hashlib
@@ -348,7 +349,9 @@ class TPEngine:
         each prompt's, in place of its SamplingParams' (vLLM's generate keyword)."""
         if params is None:  # (its limit, generation_config's max_new_tokens or SamplingParams' 16, is cut below)
             params = self.default_params()
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        # each request's own copy, as vLLM clones them: a field the caller sets later changes later requests alone
+        per_prompt = [copy.copy(p) for p in params] if isinstance(params, (list, tuple)) else \
+            [copy.copy(params)] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
         if priority is not None:
