@@ -2,6 +2,7 @@
 sample matches its choice, regular expression or JSON schema and stops there, overlapped or not, beside rows that
 are not constrained and keep their own tokens; bad specs are refused when the request is taken."""
 
+import dataclasses
 import json
 import re
 
@@ -67,6 +68,27 @@ def test_constrained_steps_stay_overlapped():
             text += "".join(u.text for u in updates if u.request_id == "c")
     assert CONSTRAINED[2][1](text), text
     assert sum(overlapped) >= len(overlapped) - 3, overlapped  # (all but the first step and the drain)
+
+
+def test_a_lark_grammar_holds_the_output_as_its_ebnf_twin_does():
+    """vLLM's grammar field takes Lark's syntax too (a grammar where no rule is written with ::=; clients send Lark,
+    the syntax of OpenAI's and llguidance's grammars): it was compiled as EBNF and refused. Seeded, the Lark grammar
+    and its EBNF twin give the same tokens; a broken one is refused naming Lark's error."""
+    from tpgraph.engine.structured import is_lark
+
+    lark = """// a tag of a, b and c
+start: "<" LETTERS ">"
+LETTERS: /[a-c]+/
+"""
+    assert is_lark(lark) and is_lark('start: "x"  # not EBNF: root ::= x') and not is_lark('root ::= "x"\n')
+    assert not is_lark('# a rule\nroot ::= "<" [a-c]+ ">"')
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40)
+    with engine() as e:
+        got, want = (e.generate(["Tag:"], dataclasses.replace(params, structured=StructuredOutput("grammar", g)))[0]
+                     .outputs[0] for g in (lark, CONSTRAINED[3][0].spec))
+        with pytest.raises(RequestError, match="the grammar cannot be used: Lark error at line 1.*no start rule"):
+            e.generate(["x"], dataclasses.replace(params, structured=StructuredOutput("grammar", 'tag: "<" ">"')))
+    assert re.fullmatch("<[a-c]+>", got.text) and got.token_ids == want.token_ids and got.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(("spec", "needle"), [

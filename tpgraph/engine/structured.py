@@ -47,13 +47,15 @@ JSON_KINDS = ("json_schema", "json_object")  # (the kinds whose whitespace any_w
 BACKENDS = ("xgrammar", "auto")  # (vLLM's backend names that mean what runs here)
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
 _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
+_COMMENT = re.compile(r"(#|//).*$")  # (EBNF's and Lark's)
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a request's output must match. `spec`: the JSON schema (as JSON text), the regular expression, the EBNF
-    grammar, or for `choice` a JSON list of the strings allowed; empty for `json_object`. `any_whitespace`: JSON
-    with free whitespace between tokens (vLLM's disable_any_whitespace=False); off, none but ", " and ": "."""
+    """What a request's output must match. `spec`: the JSON schema (as JSON text), the regular expression, the
+    grammar (EBNF; or Lark's syntax, read as vLLM reads it: one where no rule is written with EBNF's ::=), or for
+    `choice` a JSON list of the strings allowed; empty for `json_object`. `any_whitespace`: JSON with free
+    whitespace between tokens (vLLM's disable_any_whitespace=False); off, none but ", " and ": "."""
 
     kind: str
     spec: str = ""
@@ -272,7 +274,7 @@ class GrammarCompiler:
             # (ensure_ascii off: an escaped surrogate pair would be read as two lone surrogates)
             literals = (json.dumps(c, ensure_ascii=False) for c in json.loads(spec.spec))
             return compiler.compile_grammar("root ::= " + " | ".join(literals))
-        return compiler.compile_grammar(spec.spec)
+        return compiler.compile_grammar(lark_grammar(spec.spec) if is_lark(spec.spec) else spec.spec)
 
     def _xgrammar_compiler(self) -> Any:
         if self._compiler is None:
@@ -287,6 +289,23 @@ class GrammarCompiler:
                                                       vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # (ours is bounded)
         return self._compiler
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is in Lark's syntax, by vLLM's test: none of its lines, comments left out, holds EBNF's ::=
+    (vLLM's grammar field takes either: clients send Lark, the syntax of OpenAI's and llguidance's grammars)."""
+    return not any("::=" in _COMMENT.sub("", line) for line in grammar.splitlines())
+
+
+def lark_grammar(text: str) -> Any:
+    """A Lark grammar (its `start` rule the root) as xgrammar's Grammar, which xgrammar's own converter makes."""
+    import xgrammar as xgr
+
+    from_lark = getattr(xgr.Grammar, "from_lark", None)
+    if from_lark is None:  # (an older xgrammar)
+        raise RequestError("this grammar is in Lark's syntax (no rule is written with ::=), which the installed "
+                           "xgrammar cannot read: write it in EBNF (root ::= ...), or upgrade xgrammar")
+    return from_lark(text)
 
 
 def structured_outputs_available() -> bool:
