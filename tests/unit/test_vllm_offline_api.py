@@ -557,3 +557,12 @@ def test_a_max_tokens_past_max_model_len_runs_to_it_and_finishes_length_as_vllms
         assert len(cut.outputs[0].token_ids) == 64 - 5 and cut.outputs[0].finish_reason == "length"
         with pytest.raises(RequestError, match="min_tokens"):  # (a minimum that cannot be met is still refused)
             e.generate([[5, 6, 7]], SamplingParams(max_tokens=100, min_tokens=70))
+
+
+def test_request_ids_count_from_0_across_calls_as_vllms():
+    """vLLM's LLM.generate names its requests "0", "1", ... across calls (RequestOutput.request_id); they were
+    "gen-0", ..."""
+    with engine() as e:
+        first = e.generate(["a", "b"], SamplingParams(max_tokens=1))
+        (then,) = e.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
+    assert [o.request_id for o in [*first, then]] == ["0", "1", "2"]

@@ -376,7 +376,7 @@ class TPEngine:
         order, adds = [], []
         for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
             self.core.check_request(ids, p)  # every prompt is checked before any is queued
-            request_id = f"gen-{self._next_id}"
+            request_id = str(self._next_id)  # (vLLM's LLM numbers them so, from "0", across its calls)
             self._next_id += 1
             order.append(request_id)
             adds.append((request_id, ids, p))
