@@ -566,3 +566,29 @@ def test_request_ids_count_from_0_across_calls_as_vllms():
         first = e.generate(["a", "b"], SamplingParams(max_tokens=1))
         (then,) = e.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))
     assert [o.request_id for o in [*first, then]] == ["0", "1", "2"]
+
+
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_offline_as_the_server_does():
+    """vLLM's SamplingParams.truncate_prompt_tokens offline: the prompt's last k tokens run (-1: as many as leave room
+    for max_tokens), its text stays the output's prompt; a prompt too long for the context runs cut instead of being
+    refused. It was refused here ("no truncate_prompt_tokens"), though the server took it."""
+    long_text = "ab " * 60  # (well past max_model_len 64 in tokens)
+    with engine() as e:
+        ids = e.encode(long_text)
+        assert len(ids) > 64
+        with pytest.raises(RequestError, match="max_model_len"):
+            e.generate([long_text], SamplingParams(max_tokens=2))
+        (cut,) = e.generate([long_text], SamplingParams(max_tokens=2, temperature=0.0, truncate_prompt_tokens=10))
+        (same,) = e.generate([ids[-10:]], SamplingParams(max_tokens=2, temperature=0.0))
+        (fit,) = e.generate([ids], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
+        (chat,) = e.chat([{"role": "user", "content": long_text}],
+                         SamplingParams(max_tokens=1, truncate_prompt_tokens=5))
+        with pytest.raises(RequestError, match=r"truncate_prompt_tokens must be between 1 and max_model_len \(64\)"):
+            e.generate(["hi"], SamplingParams(truncate_prompt_tokens=65))
+    assert cut.prompt == long_text and cut.prompt_token_ids == ids[-10:]
+    assert cut.outputs[0].token_ids == same.outputs[0].token_ids
+    assert fit.prompt_token_ids == ids[-60:] and len(fit.outputs[0].token_ids) == 4
+    assert len(chat.prompt_token_ids) == 5
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(RequestError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -9,6 +9,20 @@ from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.errors import RequestError
 
 
+def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_model_len: int, max_tokens: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of the prompt's last tokens to keep (None: all, and a prompt too long is
+    refused). -1: as many as leave room for max_tokens (for one token where there is no limit)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max(1, max_model_len - (max_tokens or 1))
+    if not 1 <= k <= max_model_len:
+        raise RequestError(f"truncate_prompt_tokens must be between 1 and max_model_len ({max_model_len}), or -1 "
+                           f"(what leaves room for max_tokens), got {k}")
+    return k
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     vocab_size: int

@@ -47,7 +47,8 @@ class SamplingParams:
     model's own). `bad_words`: words the output may not complete (bad_words.py reads them as vLLM does: a word's last
     token is banned where the output ends with the tokens before it). `priority` (vLLM's request priority): under the
     priority scheduling policy, lower values are served first (arrival breaks ties) and preempted last; the default
-    policy, first come first served, takes only 0."""
+    policy, first come first served, takes only 0. `truncate_prompt_tokens` (vLLM's): keep the prompt's last k tokens
+    (-1: as many as leave room for max_tokens), where a longer prompt was refused."""
 
     n: int = 1
     temperature: float = 1.0
@@ -75,6 +76,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
     # vLLM's names, read when made into the fields above (not kept: read back, each is None)
     structured_outputs: InitVar[StructuredOutput | Mapping | None] = None
     guided_decoding: InitVar[StructuredOutput | Mapping | None] = None
@@ -110,6 +112,9 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, -(2 ** 63), 2 ** 63 - 1)
         _check_int("priority", self.priority, -(2 ** 63), 2 ** 63 - 1)
+        if self.truncate_prompt_tokens is not None and not (type(self.truncate_prompt_tokens) is int
+                                                            and self.truncate_prompt_tokens == -1):  # (-1: to fit)
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None, hint="or -1, to fit")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("min_tokens", self.min_tokens, 0, None)

@@ -39,6 +39,7 @@ from tpgraph.distributed import ParallelState, destroy_distributed, gather_objec
 from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
+from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.logprob import Logprob, logprob_entry
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
@@ -304,8 +305,10 @@ class TPEngine:
             # left the others waiting in the gather)
             prompts = self._agreed_call("generate", lambda: no_lora(lora_request) or _prompt_list(prompts),
                                         sampling_params, priority)
+            # (a prompt too long is refused as it is encoded, unless the params cut prompts: then as it is cut)
+            limit = None if _truncates(sampling_params) else self.runner.max_model_len
             encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else (p if isinstance(p, str) else None,
-                                                                        self.encode(p)) for p in prompts]
+                                                                        self.prompts.encode(p, limit)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -334,7 +337,8 @@ class TPEngine:
             for conversation in conversations:
                 text = self.render_chat(text_messages(conversation), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message, template)
-                encoded.append((text, self.prompts.encode_chat(text, self.runner.max_model_len)))
+                limit = None if _truncates(sampling_params) else self.runner.max_model_len
+                encoded.append((text, self.prompts.encode_chat(text, limit)))
             return self._generate(encoded, sampling_params, use_tqdm)
 
     def _check_open(self) -> None:
@@ -362,10 +366,14 @@ class TPEngine:
                 raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
+        context = self.runner.max_model_len
+        # truncate_prompt_tokens: the prompt's last tokens (its text stays the prompt as given, as vLLM's output's)
+        kept = [kept_prompt_tokens(p.truncate_prompt_tokens, context, p.max_tokens) for p in per_prompt]
+        encoded = [(text, ids if keep is None else ids[-keep:])
+                   for (text, ids), keep in zip(encoded, kept, strict=True)]
         # a max_tokens past what the prompt leaves of max_model_len, given or the default, runs to max_model_len and
         # finishes "length", as vLLM's generate runs it (the server refuses a client's instead: it asked for more than
         # fits); refused, one long prompt lost the whole batch's results
-        context = self.runner.max_model_len
         # (a min_tokens past it stays refused, by RequestLimits: that minimum cannot be met)
         per_prompt = [p if p.max_tokens is None or len(ids) + p.max_tokens <= context
                       or len(ids) + p.min_tokens > context else
@@ -588,6 +596,12 @@ def no_lora(lora_request: object) -> None:
     if lora_request is not None:
         raise RequestError("lora_request: tpgraph serves no LoRA adapters; merge the adapter into the weights (peft's "
                            "merge_and_unload) and serve the merged checkpoint")
+
+
+def _truncates(params: Any) -> bool:
+    """Whether a call's sampling params (one, a list, or None) cut any prompt (truncate_prompt_tokens)."""
+    listed = params if isinstance(params, (list, tuple)) else [params]
+    return any(getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
 
 
 def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:

@@ -14,6 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpgraph.chat import content_text
+from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
@@ -214,17 +215,8 @@ class SamplingFields(NullMeansDefault):
         return with_structured_options(asked[0] if asked else None, **options)
 
     def truncation(self, max_model_len: int, max_tokens: int | None) -> int | None:
-        """How many of the prompt's last tokens to keep (None: all, and a prompt too long is refused). -1: as many
-        as leave room for max_tokens (for one token where there is no limit)."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return None
-        if k == -1:
-            return max(1, max_model_len - (max_tokens or 1))
-        if not 1 <= k <= max_model_len:
-            raise RequestError(f"truncate_prompt_tokens must be between 1 and max_model_len ({max_model_len}), or -1 "
-                               f"(what leaves room for max_tokens), got {k}")
-        return k
+        """How many of the prompt's last tokens to keep (limits.kept_prompt_tokens)."""
+        return kept_prompt_tokens(self.truncate_prompt_tokens, max_model_len, max_tokens)
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
