@@ -2,6 +2,7 @@
 request, and takes the rank down on exit and on Ctrl-C."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,11 @@ if __name__ == "__main__":
         except RequestError as exc:
             print("refused:", exc, flush=True)
         again = engine.generate(prompts, params)
+        # the started rank forgets its cached prefixes with rank 0 (else the next schedules differ, and hang)
+        hot = engine.generate(prompts[3:] * 2, params[0])[1]  # (the second reads the first's blocks)
+        print("reset:", engine.reset_prefix_cache(), flush=True)
+        cold = engine.generate(prompts[3:], params[0])[0]
+        print("cached:", hot.num_cached_tokens, cold.num_cached_tokens, ids([hot]) == ids([cold]), flush=True)
     with TPEngine(**kw) as engine:
         one = engine.generate(prompts, params)
     print("tp2 == tp1:", ids(two) == ids(one), "after a refusal:", ids(again) == ids(one), flush=True)
@@ -52,6 +58,7 @@ def test_spawned_ranks_match_one_rank_and_go_away():
     assert proc.returncode == 0, out
     assert "refused: the prompt is empty" in out
     assert "tp2 == tp1: True after a refusal: True" in out, out
+    assert "reset: True" in out and re.search(r"cached: [1-9]\d* 0 True", out), out
     pids = followers_of(next(line for line in out.splitlines() if line.startswith("followers")))
     assert len(pids) == 1 and all(gone(p) for p in pids)
 

@@ -237,6 +237,29 @@ def test_each_request_reports_its_prompt_tokens_found_cached():
 
 
 
+def test_reset_prefix_cache_forgets_every_prefix_only_where_no_block_is_held():
+    """vLLM's reset_prefix_cache (LLM.reset_prefix_cache: a benchmark's cold runs): idle named blocks become plain free
+    ones; while a sequence holds blocks, False and nothing changes. It did not exist."""
+    alloc = PrefixCachingAllocator(6, BS)
+    a = computed(alloc, seq(range(12)))
+    assert not alloc.reset_prefix_cache() and alloc.num_cached_blocks == 3  # (a holds them)
+    release(alloc, a)
+    assert alloc.reset_prefix_cache() and alloc.num_cached_blocks == 0 and alloc.num_free == 6
+    assert alloc.match(seq(range(12), seq_id=1)) == 0
+    assert sorted(alloc.allocate(6)) == list(range(6))  # (every block handed out once)
+    with engine(True) as e:
+        prompt = SHARED + "What is 2+2?"
+        first = e.generate(prompt, GREEDY)[0]
+        again = e.generate(prompt, GREEDY)[0]
+        assert e.reset_prefix_cache()
+        cold = e.generate(prompt, GREEDY)[0]
+        e.core.add_request("running", e.encode(prompt), GREEDY)
+        e.core.step()
+        assert not e.reset_prefix_cache()  # (a request runs: refused, with a warning)
+    assert again.num_cached_tokens > 0 and cold.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def _decode_as_new_owner(runner, owner, prompt, params, template):
     """The log-probabilities (the engine) or logits (greedy_generate) of prompt's decode steps, by a new owner of the
     runner whose sequence ids start from 0."""

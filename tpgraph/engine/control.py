@@ -21,11 +21,13 @@ class StepMessage:
     adds: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     compiles: list[StructuredOutput] = field(default_factory=list)  # grammars rank 0 compiles ahead of their adds
+    reset_prefix_cache: bool = False  # (after the adds and aborts)
     shutdown: bool = False
 
     @property
     def empty(self) -> bool:
-        return not self.adds and not self.aborts and not self.compiles and not self.shutdown
+        return not self.adds and not self.aborts and not self.compiles and not self.reset_prefix_cache \
+            and not self.shutdown
 
 
 class ControlPlane:

@@ -242,6 +242,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, while no request runs (else False, nothing changed)."""
+        return not self.has_work and self.scheduler.allocator.reset_prefix_cache()
+
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[StepUpdate]:
         """One step. `while_gpu_runs` is called once, after the step's forwards are launched and before the host

@@ -53,6 +53,11 @@ class BlockAllocator:
         caching."""
         return False
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, where no block is held (False, nothing changed, where one is): nothing is
+        cached without prefix caching."""
+        return self.num_free == self.num_blocks
+
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[KVCache]:

@@ -145,6 +145,17 @@ class PrefixCachingAllocator(BlockAllocator):
         seq.awaited_blocks = awaited if awaited >= least else 0
         return seq.awaited_blocks > 0 or seq.awaits_prompt_logprobs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: a benchmark's next run computes its prompts again),
+        where no sequence holds a block; where one does, False and nothing changed (its blocks stay named)."""
+        if self._refs:
+            return False
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._by_name.clear()
+        self._name_of.clear()
+        return True
+
     def register(self, seq: Sequence) -> None:
         """Name the sequence's full blocks whose K/V are computed from known ids. A block whose name another block
         already has (the same prefix computed twice at once) stays unnamed and is freed as usual."""

@@ -49,6 +49,7 @@ class EngineService:
         self.on_step = on_step  # metrics hook: (updates, step seconds)
         self.times = LoopTimes()
         self.error: BaseException | None = None
+        self.prefix_cache_reset: bool | None = None  # what the last reset_prefix_cache message did (every rank alike)
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._next: tuple[StepMessage, Local | None] | None = None  # exchanged, applied next turn
         self._sinks: dict[str, Sink] = {}
@@ -120,6 +121,9 @@ class EngineService:
 
     def enqueue_abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def enqueue_reset_prefix_cache(self) -> None:
+        self._inbox.put(("reset_prefix_cache",))
 
     def enqueue_shutdown(self) -> None:
         self._inbox.put(("shutdown",))
@@ -212,6 +216,8 @@ class EngineService:
                 self._sinks[request_id] = local[i][1]
         for request_id in message.aborts:
             self._deliver(self.core.abort(request_id))
+        if message.reset_prefix_cache:
+            self.prefix_cache_reset = self.core.reset_prefix_cache()
 
     def _collect(self, block: bool) -> tuple[StepMessage, Local]:
         """Rank 0: what arrived since the last message. A request that fails to prepare (its checks, detokenizers:
@@ -237,6 +243,8 @@ class EngineService:
                     message.aborts.append(item[1])
                 elif kind == "compile":
                     message.compiles.append(item[1])
+                elif kind == "reset_prefix_cache":
+                    message.reset_prefix_cache = True
                 else:
                     message.shutdown = True
                 item = self._inbox.get_nowait()

@@ -341,6 +341,23 @@ class TPEngine:
                 encoded.append((text, self.prompts.encode_chat(text, limit)))
             return self._generate(encoded, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLM.reset_prefix_cache: forget every cached prompt prefix, so that the next requests compute theirs
+        again (a benchmark's cold runs). False, with nothing changed, while requests run (never between generate
+        calls here). Under torchrun every rank calls it, as it calls generate."""
+        with self._lock:
+            self._check_open()
+            if self.service is None:
+                done = self.core.reset_prefix_cache()
+            else:  # (the started ranks forget theirs in the same turn)
+                self.service.enqueue_reset_prefix_cache()
+                while self.service.pending:
+                    self.service.turn()
+                done = bool(self.service.prefix_cache_reset)
+        if not done:
+            logger.warning("the prefix cache was not reset: requests are running")
+        return done
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TPEngine is closed; start a new one")
