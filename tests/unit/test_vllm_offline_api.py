@@ -371,6 +371,29 @@ def test_vllms_names_leave_sampling_params_as_the_field_would():
         == SamplingParams(n=2)
 
 
+def test_vllms_structured_outputs_is_read_and_set_on_made_params_as_vllms():
+    """Scripts written for vLLM set the output's form on params made earlier (`params.structured_outputs =
+    StructuredOutputsParams(json=schema)`) and read it back (`if params.structured_outputs is None`): setting it was an
+    AttributeError ("no field"), and reading it gave None whatever the params held. Both are `structured`, checked
+    with the others as any field set is."""
+    spec = StructuredOutputsParams(regex="[0-9]+")
+    params = SamplingParams(max_tokens=4)
+    assert params.structured_outputs is None and params.guided_decoding is None
+    params.structured_outputs = spec
+    assert params.structured == params.structured_outputs == params.guided_decoding == spec
+    assert SamplingParams(structured_outputs=spec).structured_outputs == spec
+    params.guided_decoding = {"choice": ["yes", "no"]}  # (vLLM's older name; a mapping of its fields, as when made)
+    assert params.structured == StructuredOutput.choice(["yes", "no"])
+    with pytest.raises(RequestError, match="structured_outputs must be a StructuredOutput"):
+        params.structured_outputs = "json"
+    params.min_tokens = 0
+    with pytest.raises(RequestError, match="cannot be combined with ignore_eos or min_tokens"):
+        SamplingParams(min_tokens=2).structured_outputs = spec
+    assert params.structured == StructuredOutput.choice(["yes", "no"])  # (a refused value leaves it as it was)
+    params.structured_outputs = None
+    assert params.structured is None and params == SamplingParams(max_tokens=4)
+
+
 def test_chat_takes_a_template_for_the_call_as_vllms_does():
     """vLLM's chat example passes chat_template=<the template's text> to LLM.chat: a TypeError here."""
     template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"

@@ -77,7 +77,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     priority: int = 0
     truncate_prompt_tokens: int | None = None
-    # vLLM's names, read when made into the fields above (not kept: read back, each is None)
+    # vLLM's names, read when made into the fields above (structured_outputs and guided_decoding read back and
+    # set as `structured`: VLLM_STRUCTURED_NAMES; best_of read back is None)
     structured_outputs: InitVar[StructuredOutput | Mapping | None] = None
     guided_decoding: InitVar[StructuredOutput | Mapping | None] = None
     best_of: InitVar[int | None] = None
@@ -198,9 +199,13 @@ def _checked_assignment(self: SamplingParams, name: str, value: object) -> None:
     set here is checked with all the others, as a new one would be (a value they refuse leaves the params as they
     were), and read as made (stop="x" is ("x",), top_k -1 is 0). The engine takes its own copy of a request's params,
     so a change reaches only the requests made after it."""
-    if name not in _FIELDS:
+    if name in VLLM_STRUCTURED_NAMES:  # (read as when made, a mapping of its fields too; None takes it away)
+        changes = {"structured": None, name: value}
+    elif name in _FIELDS:
+        changes = {name: value}
+    else:
         raise AttributeError(f"SamplingParams has no field {name!r}")
-    changed = dataclasses.replace(self, **{name: value})
+    changed = dataclasses.replace(self, **changes)
     for field_name in _FIELDS:
         object.__setattr__(self, field_name, getattr(changed, field_name))
 
@@ -210,6 +215,19 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 # are: a hash would change with the fields)
 SamplingParams.__setattr__ = _checked_assignment
 SamplingParams.__hash__ = None
+
+
+def _structured_alias(name: str) -> property:
+    return property(lambda self: self.structured, doc=f"vLLM's {name}: `structured`, what the output must match")
+
+
+# vLLM's names for `structured`, read back and set as vLLM's fields are (scripts set them on params made earlier)
+VLLM_STRUCTURED_NAMES = ("structured_outputs", "guided_decoding")
+for _name in VLLM_STRUCTURED_NAMES:
+    setattr(SamplingParams, _name, _structured_alias(_name))
+    # (no longer a pseudo-field that dataclasses.replace reads back: it would hand the old output back beside a
+    # replaced `structured`, and take it again)
+    del SamplingParams.__dataclass_fields__[_name]
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
