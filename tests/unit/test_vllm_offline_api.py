@@ -294,6 +294,16 @@ def test_a_field_set_on_sampling_params_is_checked_and_changes_later_requests_al
         hash(params)  # (as vLLM's: a hash would change with its fields)
 
 
+def test_sampling_params_clone_is_a_copy_of_its_own_as_vllms():
+    """vLLM's SamplingParams.clone(), which scripts call to vary params made once per request (a seed each): an
+    AttributeError here."""
+    params = SamplingParams(temperature=0.7, max_tokens=5, stop=["x"])
+    copied = params.clone()
+    copied.seed = 3
+    assert copied is not params and copied == SamplingParams(temperature=0.7, max_tokens=5, stop=["x"], seed=3)
+    assert params.seed is None
+
+
 def test_vllms_structured_outputs_and_guided_decoding_params_hold_the_output():
     """vLLM's structured outputs example: SamplingParams(structured_outputs=StructuredOutputsParams(choice=...)), its
     older guided_decoding=GuidedDecodingParams(regex=...), a JSON schema from a pydantic model. Each keyword was a

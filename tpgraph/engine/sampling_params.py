@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
@@ -182,6 +183,10 @@ class SamplingParams:
         if best_of is not None and best_of != self.n:
             raise RequestError(f"best_of={best_of!r} is not taken (vLLM's V1 engine dropped it too): ask n={best_of!r} "
                                f"samples with logprobs=0 and keep the {self.n} with the highest cumulative_logprob")
+
+    def clone(self) -> SamplingParams:
+        """vLLM's clone: a copy to change apart (the fields are immutable values: a shallow copy is a deep one)."""
+        return copy.copy(self)
 
     @property
     def greedy(self) -> bool:
