@@ -449,6 +449,14 @@ def test_vllms_logprobs_of_every_token_are_refused_saying_the_limit(name):
         SamplingParams(**{name: -1})
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_vllms_logprobs_true_asks_for_one_alternative_as_vllms(name):
+    """vLLM's SamplingParams reads logprobs=True (and prompt_logprobs=True) as 1: refused here as no integer."""
+    assert getattr(SamplingParams(**{name: True}), name) == 1
+    with pytest.raises(RequestError, match=rf"{name} must be an integer, got False"):
+        SamplingParams(**{name: False})  # (no count: None asks for none)
+
+
 def test_a_hub_id_is_its_cached_snapshot_as_the_servers_model_flag_reads_it(tmp_path, monkeypatch):
     """LLM("org/name", revision=..., download_dir=...): the snapshot in the hub's cache, as `--model` reads it
     (hub.py); one that is not on disk is refused naming the keyword and the command that fetches it."""

@@ -131,6 +131,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, 0, None)
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # (vLLM's: one alternative)
+                object.__setattr__(self, name, 1)
             if (value := getattr(self, name)) is not None:  # (vLLM's -1 asks for every token's: said why not)
                 every = f"vLLM's -1, every token's, is not taken: at most {MAX_LOGPROBS} alternatives, OpenAI's limit"
                 _check_int(name, value, 0, MAX_LOGPROBS, hint=every if value == -1 else "")
