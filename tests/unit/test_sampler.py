@@ -201,6 +201,23 @@ def test_sampling_params_normalise():
     assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).has_penalties
 
 
+def test_numpy_numbers_are_the_numbers_they_are():
+    """A seed or a limit drawn with numpy (rng.integers gives np.int64) was refused as "must be an integer, got
+    np.int64(7)", which it is; vLLM's SamplingParams takes them. Kept as Python's int and float, so the params read
+    (and repr, the SPMD check's digest) as if given so."""
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(n=np.int32(2), seed=np.int64(7), max_tokens=np.int64(8), min_tokens=np.int16(1),
+                       top_k=np.int64(5), temperature=np.float32(0.5), top_p=np.float64(0.9), logprobs=np.int8(2),
+                       stop_token_ids=[np.int64(3)], allowed_token_ids=[np.int64(4)],
+                       logit_bias={np.int64(6): np.float32(2)})
+    plain = SamplingParams(n=2, seed=7, max_tokens=8, min_tokens=1, top_k=5, temperature=0.5, top_p=0.9, logprobs=2,
+                           stop_token_ids=[3], allowed_token_ids=[4], logit_bias={6: 2.0})
+    assert p == plain and repr(p) == repr(plain)
+    assert type(p.seed) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
+    with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
+        SamplingParams(max_tokens=np.int64(0))  # (checked as the int it is)
+
+
 def test_none_is_vllms_default_for_the_list_fields():
     """vLLM's SamplingParams defaults stop, stop_token_ids, logit_bias and bad_words to None; passing None (as code
     written for vLLM does) was refused as not a list."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
 
@@ -90,11 +91,13 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):  # (vLLM's default for these: None)
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ())
+        for name in _NUMBER_FIELDS:  # (numpy's among them: read as Python's, then checked)
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
-        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
-                                                             "a list of token ids"))
+        object.__setattr__(self, "stop_token_ids", tuple(map(_plain, _as_tuple("stop_token_ids", self.stop_token_ids,
+                                                                               "a list of token ids"))))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
@@ -138,7 +141,7 @@ class SamplingParams:
                 _check_int(name, value, 0, MAX_LOGPROBS, hint=every if value == -1 else "")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
+            allowed = tuple(map(_plain, _as_tuple("allowed_token_ids", self.allowed_token_ids, "a list of token ids")))
             if not allowed:
                 raise RequestError("allowed_token_ids is empty: it must allow at least one token (or be left out)")
             for t in allowed:
@@ -248,13 +251,30 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise RequestError(f"logit_bias must map token ids to values, got the entry {pair!r}")
-        token, bias = pair
+        token, bias = map(_plain, pair)
         _check_int("logit_bias token id", token, 0, None)
         _check_real(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if token in out:
             raise RequestError(f"logit_bias names token {token} twice")
         out[token] = float(bias)
     return tuple(sorted((token, bias) for token, bias in out.items() if bias != 0.0))
+
+
+# the number fields: given as numpy's (a seed drawn with rng.integers), read as Python's int and float
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "priority")
+
+
+def _plain(value: object) -> object:
+    """An integer of another type (numpy's) as int, another real as float; anything else (a bool, a string, None)
+    as it is, for the checks to take or name."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _as_tuple(name: str, value: object, what: str) -> tuple:
