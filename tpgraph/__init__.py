@@ -11,11 +11,15 @@ from tpgraph.errors import (
 )
 
 __all__ = ["TPGraphError", "ConfigError", "CheckpointError", "CommError", "CaptureError", "ExtensionError",
-           "RequestError", "TPEngine", "SamplingParams", "GenerationOutput", "Logprob"]
+           "RequestError", "TPEngine", "SamplingParams", "GenerationOutput", "Logprob",
+           # (vLLM's top-level names, so that its scripts port by their import line)
+           "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 _LAZY = {"TPEngine": "tpgraph.engine.tp_engine", "GenerationOutput": "tpgraph.engine.tp_engine",
-         "SamplingParams": "tpgraph.engine.sampling_params", "Logprob": "tpgraph.engine.logprob"}
+         "SamplingParams": "tpgraph.engine.sampling_params", "Logprob": "tpgraph.engine.logprob",
+         "RequestOutput": "tpgraph.engine.tp_engine", "CompletionOutput": "tpgraph.engine.tp_engine",
+         "TextPrompt": "tpgraph.prompts", "TokensPrompt": "tpgraph.prompts"}
 
 
 def __getattr__(name: str):

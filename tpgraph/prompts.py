@@ -9,7 +9,7 @@ import numbers
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 from tokenizers import Tokenizer
 
@@ -285,6 +285,22 @@ def is_one_prompt(prompts: object) -> bool:
 def is_vllm_prompt(prompt: object) -> bool:
     """vLLM's TextPrompt or TokensPrompt: a dict with "prompt" or "prompt_token_ids" (a chat message has a role)."""
     return isinstance(prompt, dict) and "role" not in prompt and ("prompt" in prompt or "prompt_token_ids" in prompt)
+
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt (its scripts make prompts with it): {"prompt": text}."""
+
+    prompt: str
+
+
+class _IdsPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_IdsPrompt, total=False):
+    """vLLM's TokensPrompt: {"prompt_token_ids": ids}, with "prompt", the text they stand for, where known."""
+
+    prompt: str
 
 
 class TextedIds(NamedTuple):

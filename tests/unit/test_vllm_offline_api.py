@@ -633,3 +633,18 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_offline_as_the_serve
     for bad in (0, -2, 1.5, True):
         with pytest.raises(RequestError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_vllms_top_level_names_are_importable_from_tpgraph():
+    """A script importing vLLM's other top-level names (`from vllm import LLM, SamplingParams, TokensPrompt,
+    RequestOutput`) ports by its import line alone: an ImportError here. TextPrompt and TokensPrompt make vLLM's prompt
+    dicts; RequestOutput and CompletionOutput are the outputs' classes."""
+    import tpgraph
+    from tpgraph import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt
+
+    assert {"CompletionOutput", "RequestOutput", "TextPrompt", "TokensPrompt"} <= set(tpgraph.__all__)
+    assert TokensPrompt(prompt_token_ids=[256, 104]) == {"prompt_token_ids": [256, 104]}
+    with engine() as e:
+        outs = e.generate([TextPrompt(prompt="hi"), TokensPrompt(prompt_token_ids=e.encode("hi"))], GREEDY)
+    assert all(isinstance(o, RequestOutput) and isinstance(o.outputs[0], CompletionOutput) for o in outs)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids and [o.prompt for o in outs] == ["hi", None]

@@ -101,6 +101,9 @@ class GenerationOutput:
         return all(c.finished() for c in self.outputs)
 
 
+RequestOutput = GenerationOutput  # (vLLM's name for it)
+
+
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[threading.Event]:
     """While inside: Ctrl-C (SIGINT) sets the event instead of raising wherever the main thread happens to be."""
