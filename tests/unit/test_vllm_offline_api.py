@@ -43,7 +43,7 @@ def test_tensor_parallel_size_is_the_tp_size_checked_before_any_rank_starts(monk
 
 @pytest.mark.parametrize("name, value, hint", [
     ("quantization", "fp8", "give an unquantized checkpoint"),
-    ("pipeline_parallel_size", 2, "tensor parallelism alone"),
+    ("cpu_offload_gb", 4, "the weights stay on the device"),
     ("hf_token", "hf_x", "nothing is downloaded"),
 ])
 def test_a_vllm_keyword_with_no_setting_here_is_refused_saying_what_to_do(name, value, hint):
@@ -648,3 +648,30 @@ def test_vllms_top_level_names_are_importable_from_tpgraph():
         outs = e.generate([TextPrompt(prompt="hi"), TokensPrompt(prompt_token_ids=e.encode("hi"))], GREEDY)
     assert all(isinstance(o, RequestOutput) and isinstance(o.outputs[0], CompletionOutput) for o in outs)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids and [o.prompt for o in outs] == ["hi", None]
+
+
+def test_vllms_torchrun_example_keywords_are_taken_where_they_mean_what_tpgraph_does(monkeypatch):
+    """vLLM's torchrun example builds LLM(..., tensor_parallel_size=2, distributed_executor_backend=
+    "external_launcher") on every rank (pipeline_parallel_size=1 beside it in later versions): tpgraph's own SPMD
+    mode under torchrun, yet both were refused ("not taken: leave it out"). A backend or a size meaning something
+    else (ray, a second pipeline stage, ranks launched outside a plain process) is still refused, saying what fits."""
+    from tpgraph.engine.config import vllm_keywords
+
+    spmd = {"tensor_parallel_size": 2, "distributed_executor_backend": "external_launcher", "pipeline_parallel_size": 1,
+            "data_parallel_size": 1}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert vllm_keywords(None, 1, dict(spmd)) == (None, 2, {})
+    with pytest.raises(ConfigError, match=r"distributed_executor_backend='mp' \(vLLM's\) is not taken: .*under "
+                                          r"torchrun .*'external_launcher'"):
+        vllm_keywords(None, 2, {"distributed_executor_backend": "mp"})
+    monkeypatch.delenv("WORLD_SIZE")
+    assert vllm_keywords(None, 2, {"distributed_executor_backend": "mp"}) == (None, 2, {})
+    assert vllm_keywords(None, 1, {"distributed_executor_backend": "uni"}) == (None, 1, {})
+    for value in ("external_launcher", "ray"):
+        with pytest.raises(ConfigError, match=rf"distributed_executor_backend={value!r} \(vLLM's\) is not taken: .*"
+                                              r"'mp'"):
+            vllm_keywords(None, 2, {"distributed_executor_backend": value})
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(ConfigError, match=rf"{name}=2 \(vLLM's\) is not taken: {name} takes 1 alone \(tpgraph "
+                                              r"shards by tensor parallelism alone"):
+            vllm_keywords(None, 1, {name: 2})

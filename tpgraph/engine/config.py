@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,6 @@ _GRAPHS = ("graphs=GraphConfig(...) sets the CUDA graphs (ladder: the decode bat
 # taken and then ignored would run another engine than the script's author meant)
 VLLM_KEYWORDS_NOT_TAKEN = {
     "quantization": "weights run as bfloat16, float16 or float32 (dtype=...): give an unquantized checkpoint",
-    "pipeline_parallel_size": "tpgraph shards by tensor parallelism alone (tensor_parallel_size, or tp_size)",
-    "data_parallel_size": "tpgraph shards by tensor parallelism alone (tensor_parallel_size, or tp_size)",
-    "distributed_executor_backend": "TPEngine(tensor_parallel_size=N) starts its own ranks in a plain process, and "
-                                    "under torchrun every rank builds one: leave it out",
     "cpu_offload_gb": "the weights stay on the device: leave it out",
     "hf_token": _DOWNLOADS,
     "max_seq_len_to_capture": _GRAPHS,
@@ -133,7 +130,8 @@ VLLM_KEYWORDS_NOT_TAKEN = {
 # vLLM's keywords taken at the values that mean what tpgraph does anyway, as the server's flags take them
 # (engine/cli.py): no checkpoint code runs, so trusting it changes nothing; preemption recomputes, as vLLM's V1 engine
 # does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype;
-# prompts are chunked with no concurrent partial prefills
+# prompts are chunked with no concurrent partial prefills; one pipeline stage and one data-parallel replica
+_TENSOR_PARALLEL_ALONE = "1 alone (tpgraph shards by tensor parallelism alone: tensor_parallel_size, or tp_size)"
 VLLM_KEYWORDS_TAKEN = {
     "trust_remote_code": (lambda v: isinstance(v, bool), "True or False (no checkpoint code runs here)"),
     "swap_space": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0,
@@ -144,7 +142,23 @@ VLLM_KEYWORDS_TAKEN = {
     "max_num_partial_prefills": (lambda v: not isinstance(v, bool) and v == 1,
                                  "1 alone (prompts are chunked as vLLM's V1 engine chunks them, one partial prefill at "
                                  "a time)"),
+    "pipeline_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),
+    "data_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),
 }
+
+
+def check_executor_backend(backend: object, tp_size: int) -> None:
+    """vLLM's distributed_executor_backend, taken where it names how tpgraph runs its ranks: "external_launcher"
+    under torchrun (every rank builds an engine, as vLLM's torchrun example does), "mp" in a plain process (the engine
+    starts its ranks), "uni" at one rank. Any other is refused, naming the one that fits here."""
+    launched = "WORLD_SIZE" in os.environ  # (torchrun's; TPEngine reads it alike)
+    fits = "external_launcher" if launched else "mp"
+    if backend is None or backend == fits or (backend == "uni" and tp_size == 1):
+        return
+    how = "under torchrun every rank builds a TPEngine" if launched else \
+        "in a plain process TPEngine(tensor_parallel_size=N) starts its own ranks"
+    raise ConfigError(f"distributed_executor_backend={backend!r} (vLLM's) is not taken: {how}, as vLLM's {fits!r} "
+                      f"does; give {fits!r} or leave it out")
 
 
 def vllm_keywords(model: str | Path | None, tp_size: int,
@@ -152,7 +166,8 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
     """TPEngine's model, tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
     tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, and enforce_eager is the graphs'
     GraphConfig.enforce_eager. Both names given, differing, is refused; so is a vLLM keyword with no setting here
-    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do). A model or tokenizer given as a hub id is its cached snapshot at
+    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do), or one at a value meaning other than what tpgraph does
+    (VLLM_KEYWORDS_TAKEN, check_executor_backend). A model or tokenizer given as a hub id is its cached snapshot at
     `revision` / `tokenizer_revision` in `download_dir` or the hub's cache (hub.py; nothing is downloaded)."""
     kwargs = dict(kwargs)
     for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
@@ -166,6 +181,7 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
         if tp_size != 1 and size != tp_size:  # (tp_size=1 is also its default, so it cannot be told apart)
             raise ConfigError(f"tp_size={tp_size!r} and tensor_parallel_size={size!r} differ: give one of them")
         tp_size = size
+    check_executor_backend(kwargs.pop("distributed_executor_backend", None), tp_size)
     if "num_gpu_blocks_override" in kwargs:
         blocks = kwargs.pop("num_gpu_blocks_override")
         if kwargs.get("num_kv_blocks", blocks) != blocks:
