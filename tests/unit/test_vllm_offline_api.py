@@ -69,6 +69,23 @@ def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone(
             TPEngine(device="cpu", **{name: value})
 
 
+def test_vllm_keywords_rl_frameworks_pass_at_their_defaults_are_taken_there_alone():
+    """RL frameworks build vLLM's LLM with skip_tokenizer_init=False, enable_lora=False, disable_custom_all_reduce=
+    False and enable_sleep_mode=False (their defaults, from config): each was a bare TypeError ("unexpected keyword
+    argument"). Taken at those values; the others ask for what tpgraph does not do, refused saying so."""
+    from tpgraph.engine.config import vllm_keywords
+
+    defaults = {"skip_tokenizer_init": False, "enable_lora": False, "disable_custom_all_reduce": False,
+                "enable_sleep_mode": False}
+    assert vllm_keywords(None, 1, defaults) == (None, 1, {})
+    for name, meaning in [("skip_tokenizer_init", "False alone .*detokenizes"),
+                          ("enable_lora", "False alone .*merge_and_unload"),
+                          ("disable_custom_all_reduce", "False alone .*picks its all-reduce"),
+                          ("enable_sleep_mode", "False alone .*no sleep mode")]:
+        with pytest.raises(ConfigError, match=rf"{name}=True \(vLLM's\) is not taken: {name} takes {meaning}"):
+            vllm_keywords(None, 1, {name: True})
+
+
 def test_vllms_seed_none_is_refused_saying_why():
     with pytest.raises(ConfigError, match=r"got None \(vLLM's None, no fixed seed, is not taken: every rank draws"):
         TPEngine(device="cpu", seed=None)

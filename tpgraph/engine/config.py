@@ -142,6 +142,14 @@ VLLM_KEYWORDS_TAKEN = {
     "max_num_partial_prefills": (lambda v: not isinstance(v, bool) and v == 1,
                                  "1 alone (prompts are chunked as vLLM's V1 engine chunks them, one partial prefill at "
                                  "a time)"),
+    # (RL frameworks pass these at their defaults, from config)
+    "skip_tokenizer_init": (lambda v: v is False, "False alone (generate detokenizes with the checkpoint's tokenizer; "
+                                                  "prompts may be token ids all the same)"),
+    "enable_lora": (lambda v: v is False, "False alone (no LoRA adapters are served: merge one into the weights, "
+                                          "peft's merge_and_unload, and load the merged checkpoint)"),
+    "disable_custom_all_reduce": (lambda v: v is False, "False alone (tpgraph picks its all-reduce itself: its own "
+                                                        "kernel where the GPUs allow, else NCCL)"),
+    "enable_sleep_mode": (lambda v: v is False, "False alone (there is no sleep mode here: no LLM.sleep or wake_up)"),
     "pipeline_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),
     "data_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),
 }
