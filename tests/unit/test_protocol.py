@@ -266,3 +266,17 @@ def test_an_assistants_reasoning_content_is_read_beside_a_null_reasoning():
         {"role": "assistant", "content": "ok", "reasoning": None, "reasoning_content": "she greets"}]})
     assert body.checked_messages() == [{"role": "assistant", "content": "ok", "reasoning": "she greets",
                                         "reasoning_content": "she greets"}]
+
+
+def test_top_logprobs_zero_needs_no_logprobs_as_vllm_reads_it():
+    """vLLM's check_logprobs refuses top_logprobs without logprobs only where it asks for alternatives (> 0): a client
+    that sends top_logprobs 0 beside logprobs false (its SDK's default) is served without log-probabilities. It was a
+    400 here."""
+    plain = ChatRequest.model_validate({**CHAT, "top_logprobs": 0})
+    assert plain.logprobs_count() is None
+    assert ChatRequest.model_validate({**CHAT, "top_logprobs": 0, "logprobs": False}).logprobs_count() is None
+    assert ChatRequest.model_validate({**CHAT, "top_logprobs": 0, "logprobs": True}).logprobs_count() == 0
+    with pytest.raises(RequestError, match="top_logprobs needs logprobs: true"):
+        ChatRequest.model_validate({**CHAT, "top_logprobs": 2}).logprobs_count()
+    with pytest.raises(RequestError, match="top_logprobs must be between 0 and 20, got -1"):
+        ChatRequest.model_validate({**CHAT, "top_logprobs": -1}).logprobs_count()

@@ -301,7 +301,10 @@ class ChatRequest(SamplingFields):
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, options)
 
     def logprobs_count(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        top = self.top_logprobs
+        if top is not None and top < 0:
+            raise RequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}")
+        if top and not self.logprobs:  # (0 asks for no alternatives: taken without logprobs, as vLLM's check)
             raise RequestError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
