@@ -337,6 +337,25 @@ def test_a_clients_request_id_names_the_reply_and_comes_back_in_a_header_where_a
         assert made.headers.get("x-request-id") == (made.json()["id"].removeprefix(prefix) if headers_on else None)
 
 
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+def test_the_bodys_request_id_names_the_reply_where_no_header_does(path, prefix):
+    """vLLM's request_id body field (_base_request_id's default): the reply is `prefix + request_id` where no
+    X-Request-Id header names it (the header wins), streamed or whole; with --enable-request-id-headers the response
+    header carries the same id. It was ignored, and the reply named a new id."""
+    body = {"model": "m", "max_tokens": 2, "request_id": "mine-3",
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    for headers_on in (False, True):
+        app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128,
+                                    request_id_headers=headers_on)
+        whole, streamed = post_all(app, [(path, body), (path, {**body, "stream": True})])
+        assert whole.json()["id"] == prefix + "mine-3"
+        assert {e["id"] for e in sse_events(streamed.text)} == {prefix + "mine-3"}
+        assert [r.headers.get("x-request-id") for r in (whole, streamed)] == (["mine-3"] * 2 if headers_on
+                                                                              else [None, None])
+        (header,) = post_all(app, [(path, body)], {"X-Request-Id": "trace-7"})
+        assert header.json()["id"] == prefix + "trace-7"
+
+
 def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
     """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
     metrics' registry."""

@@ -371,7 +371,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
                                       prompts.generation_defaults.sampling,
                                       prompt_logprobs=body.logprobs if body.echo else None)
-        rid, created = f"cmpl-{request_id(request)}", int(time.time())
+        rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=not body.stream) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params, texts)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
@@ -481,7 +481,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         params = body.sampling_params(max_tokens, body.logprobs_count(),
                                       prompts.generation_defaults.sampling, tools=tools)
-        rid, created = f"chatcmpl-{request_id(request)}", int(time.time())
+        rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
         thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
         if thinking and params.structured is not None:  # (the grammar holds the answer, not thoughts)

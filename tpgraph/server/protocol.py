@@ -96,6 +96,7 @@ class SamplingFields(NullMeansDefault):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # (values checked by SamplingParams: pydantic would take true as 1.0)
     user: str | None = None
+    request_id: str | None = None  # (vLLM's: names the reply, cmpl-<it>, where no X-Request-Id header does)
     # structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: dict | None = None
     guided_json: dict | str | None = None

@@ -1,6 +1,6 @@
 """Request ids as vLLM's server gives them: a client's `X-Request-Id` header names its request, and the reply's id is
-`cmpl-<it>` or `chatcmpl-<it>` (a new hex id where the client sent none). With --enable-request-id-headers every
-response carries the header too, the client's or the one made for it, the same id the reply's body names.
+`cmpl-<it>` or `chatcmpl-<it>`; without the header, the body's `request_id` (vLLM's field), else a new hex id. With
+--enable-request-id-headers every response carries the header too, the id the reply's body names.
 
 Plain ASGI middleware (auth.py says why not BaseHTTPMiddleware)."""
 
@@ -12,6 +12,8 @@ from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = b"x-request-id"
+# where the middleware keeps the id its response header will carry (the endpoint may name it from the body)
+SCOPE_KEY = "tpgraph.request_id"
 
 
 def _given(scope: Scope) -> bytes:
@@ -19,19 +21,27 @@ def _given(scope: Scope) -> bytes:
     return next((value for name, value in scope["headers"] if name == HEADER), b"")
 
 
-def request_id(request: Request) -> str:
-    """The client's X-Request-Id, or a new id."""
+def request_id(request: Request, from_body: str | None = None) -> str:
+    """The client's X-Request-Id, else the body's request_id (from_body), else a new id (the middleware's, where it
+    runs); the middleware's response header is told which."""
     raw = _given(request.scope)
     try:  # (as the client wrote it: the header goes back as these bytes)
         given = raw.decode("utf-8")
     except UnicodeDecodeError:
         given = raw.decode("latin-1")
-    return given or uuid.uuid4().hex
+    holder: dict | None = request.scope.get(SCOPE_KEY)
+    if not given and from_body:
+        given = from_body
+        if holder is not None and from_body.isprintable():  # (a control character cannot go in a header)
+            holder["id"] = from_body.encode()
+    if given:
+        return given
+    return holder["id"].decode() if holder is not None else uuid.uuid4().hex
 
 
 class RequestIdMiddleware:
-    """Every response carries X-Request-Id: the request's, or one made for it (and handed to the endpoint, as if the
-    client had sent it, so the reply's body names the same id)."""
+    """Every response carries X-Request-Id: the request's, or the one the endpoint named it by (request_id), or one
+    made for it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -39,16 +49,13 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = _given(scope)
-        if not given:
-            given = uuid.uuid4().hex.encode()
-            # (any empty ones dropped: the endpoint must read the id the response header carries)
-            scope = {**scope, "headers": [*((n, v) for n, v in scope["headers"] if n != HEADER), (HEADER, given)]}
+        holder = {"id": _given(scope) or uuid.uuid4().hex.encode()}
+        scope = {**scope, SCOPE_KEY: holder}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(n, v) for n, v in message.get("headers", []) if n.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, given)]}
+                message = {**message, "headers": [*headers, (HEADER, holder["id"])]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
