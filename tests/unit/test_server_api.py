@@ -599,3 +599,42 @@ def test_add_special_tokens_says_whether_the_prompt_gets_a_bos():
     assert client.prompts[:2] == [text, codec.encode_text("hi", add_special_tokens=False)] and text != client.prompts[1]
     assert client.prompts[2:] == [codec.encode_chat(chat_text), codec.encode_text(chat_text)]
     assert client.prompts[2] != client.prompts[3]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(path):
+    """vLLM's return_token_ids: a whole reply gives each choice's token_ids and the prompt's ids (a completion choice's
+    prompt_token_ids; a chat reply's, beside its choices); a stream gives each chunk its new ids and the prompt's ids
+    with a choice's first chunk (a chat stream, with its role chunk). It was taken and ignored."""
+    codec, client = builtin_codec(), ScriptedClient(["a", "b"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = "chat" in path
+    body = {"model": "m", "max_tokens": 2, "n": 2, "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    whole, streamed, plain = post_all(app, [(path, body), (path, {**body, "stream": True}),
+                                            (path, {**body, "return_token_ids": False})])
+    prompt = client.prompts[0]
+    reply = whole.json()
+    assert [c["token_ids"] for c in reply["choices"]] == [[7, 7], [7, 7]]
+    if chat:
+        assert reply["prompt_token_ids"] == prompt
+    else:
+        assert [c["prompt_token_ids"] for c in reply["choices"]] == [prompt, prompt]
+    chunks = sse_events(streamed.text)
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == index]
+        where = [c if chat else c["choices"][0] for c in mine]
+        assert where[0]["prompt_token_ids"] == prompt and all(w.get("prompt_token_ids") is None for w in where[1:])
+        assert [t for c in mine for t in c["choices"][0].get("token_ids") or []] == [7, 7]
+    assert all(c.get("token_ids") is None for c in plain.json()["choices"])
+    assert all(c.get("prompt_token_ids") is None for c in [plain.json(), *plain.json()["choices"]])
+    # a reasoning server that leaves the thoughts out leaves their ids out too (vLLM's hide_stream_metadata)
+    from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
+
+    if chat:
+        app = server_app.create_app(ScriptedClient(["think", "</think>", "ok"]), codec, ServerMetrics(), "m", 128,
+                                    reasoning=REASONING_PARSERS["deepseek_r1"])
+        hidden, hidden_stream = post_all(app, [(path, {**body, "include_reasoning": False}),
+                                               (path, {**body, "include_reasoning": False, "stream": True})])
+        assert all("token_ids" in c and c["token_ids"] is None for c in hidden.json()["choices"])
+        assert not [c for c in sse_events(hidden_stream.text) if c["choices"] and c["choices"][0].get("token_ids")]

@@ -403,13 +403,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         started: set[int] = set()  # the choices that have had an update (with echo, the prompt)
         firsts: dict[int, StepUpdate] = {}  # each prompt's first update, which carries its prompt log-probabilities
 
-        def apply(i: int, u: StepUpdate) -> tuple[Choice, str, list, str | None]:
+        def apply(i: int, u: StepUpdate) -> tuple[Choice, str, list, str | None, bool]:
             """Fold an update into its choice; returns the choice and what the update added to it: text, log-probability
-            entries and the finish reason. With echo, a choice's first update brings the prompt first: its text, and
-            with logprobs its entries (the first token's empty), which come with the first token."""
+            entries and the finish reason, and whether it was the choice's first. With echo, a choice's first update
+            brings the prompt first: its text, and with logprobs its entries (the first token's empty), which come with
+            the first token."""
             c = choices[i * params.n + u.sample_index]
-            head, entries_at = "", len(c.logprobs)
-            if body.echo and c.index not in started:
+            head, entries_at, first_update = "", len(c.logprobs), c.index not in started
+            if body.echo and first_update:
                 head = echoed[i]
                 if c.keeps_text:
                     c.parts.append(head)
@@ -423,7 +424,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 u = StepUpdate(u.request_id, u.sample_index, None, "", u.finish_reason and "length",
                                cached_tokens=u.cached_tokens)
             c.add(u)
-            return c, head + u.text, c.logprobs[entries_at:], u.finish_reason
+            return c, head + u.text, c.logprobs[entries_at:], u.finish_reason, first_update
+
+        def ids_fields(prompt: list[int] | None, new_ids: list[int]) -> dict:
+            """vLLM's return_token_ids fields of a choice (null where not asked): the prompt's ids (a stream's first
+            chunk of the choice, else None) and its token ids (a stream chunk's new ones)."""
+            asked = body.return_token_ids
+            return {"prompt_token_ids": prompt if asked else None, "token_ids": list(new_ids) if asked else None}
 
         if not body.stream:
             try:
@@ -435,6 +442,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                             **ids_fields(token_ids[c.index // params.n], c.token_ids),
                              **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                                  prompts, firsts.get(c.index // params.n), body.prompt_logprobs)})} for c in choices],
                 "usage": _usage(token_ids, choices, prompt_tokens_details)})
@@ -442,13 +450,16 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
             async for i, u in _chain(first, stream):
-                c, text, entries, finish_reason = apply(i, u)
+                ids_at = len(choices[i * params.n + u.sample_index].token_ids)
+                c, text, entries, finish_reason, first_update = apply(i, u)
                 logprobs = choice_logprobs(entries, text_at[c.index])
                 if logprobs is not None:
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
+                                         "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                                         **ids_fields(token_ids[i] if first_update else None,
+                                                      c.token_ids[ids_at:])}],
                             **_chunk_usage(body, token_ids[i], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -506,6 +517,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         firsts: list[StepUpdate] = []  # the first update with the prompt's log-probabilities (prompt_logprobs)
 
+        # vLLM's return_token_ids, left out where the thoughts are (they would show the hidden reasoning's tokens)
+        hidden = reasoning is not None and not body.include_reasoning
+        give_ids = body.return_token_ids and not hidden
+
         def apply(u: StepUpdate) -> tuple[Choice, dict, str | None]:
             """Fold an update into its choice; returns the choice, the delta it adds (content, tool calls) and the
             finish reason the reply reports."""
@@ -530,17 +545,19 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "message": _echoed(echoed, reply.message(role)),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
-                             "stop_reason": c.stop_reason}
+                             "stop_reason": c.stop_reason, "token_ids": c.token_ids if give_ids else None}
                             for c, reply in zip(choices, replies, strict=True)],
                 **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
                     prompts, firsts[0] if firsts else None, body.prompt_logprobs)}),
+                "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
                 "usage": _usage(token_ids, choices, prompt_tokens_details)})
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
-            for c in choices:
+            for c in choices:  # (each with the prompt's ids where asked, as vLLM's role chunks)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
+                            "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
                             **_chunk_usage(body, token_ids[0], c)})
             for c in choices if echoed else ():  # (vLLM's echo: its own chunk, after the role's)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
@@ -549,11 +566,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
-                if not delta and not items and finish_reason is None:
-                    continue  # (held back by the tool-call reader, with no log-probabilities to carry)
+                new_ids = [u.token_id] if give_ids and u.token_id is not None else []
+                if not delta and not items and not new_ids and finish_reason is None:
+                    continue  # (held back by the tool-call reader, with no log-probabilities or ids to carry)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
-                                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
+                                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                                                 "token_ids": new_ids if give_ids else None}],
                             **_chunk_usage(body, token_ids[0], c)})
             if _chunk_usage(body, token_ids[0], choices[0]):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})

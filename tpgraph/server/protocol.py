@@ -92,6 +92,8 @@ class SamplingFields(NullMeansDefault):
     spaces_between_special_tokens: bool = True  # (vLLM's: False, none between special tokens kept in the text)
     # vLLM's: log-probability entries name tokens as "token_id:N"; null or left out: the server's setting
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: each choice's token ids (a stream's, each chunk's new ones) and the prompt's, beside the text
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # (values checked by SamplingParams: pydantic would take true as 1.0)
