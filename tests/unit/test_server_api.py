@@ -638,3 +638,24 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids(path):
                                                (path, {**body, "include_reasoning": False, "stream": True})])
         assert all("token_ids" in c and c["token_ids"] is None for c in hidden.json()["choices"])
         assert not [c for c in sse_events(hidden_stream.text) if c["choices"] and c["choices"][0].get("token_ids")]
+
+
+def test_hidden_thoughts_send_no_log_probabilities():
+    """include_reasoning false on a reasoning server leaves the thoughts out; their tokens' log-probabilities (each
+    entry names its token) still showed them, in the whole reply and in the stream. vLLM suppresses a choice's
+    logprobs there (suppress_metadata / hide_stream_metadata); now the same."""
+    from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
+
+    app = server_app.create_app(ScriptedClient(["Secret", "</think>", "ok"]), builtin_codec(), ServerMetrics(), "m",
+                                128, reasoning=REASONING_PARSERS["deepseek_r1"])
+    body = {"model": "m", "max_tokens": 3, "logprobs": True, "top_logprobs": 1, "include_reasoning": False,
+            "messages": [{"role": "user", "content": "hi"}]}
+    whole, streamed, shown = post_all(app, [("/v1/chat/completions", body),
+                                            ("/v1/chat/completions", {**body, "stream": True}),
+                                            ("/v1/chat/completions", {**body, "include_reasoning": True})])
+    assert whole.json()["choices"][0]["logprobs"] is None
+    assert whole.json()["choices"][0]["message"]["content"] == "ok"
+    chunks = sse_events(streamed.text)
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "ok"
+    assert len(shown.json()["choices"][0]["logprobs"]["content"]) == 3  # (shown thoughts keep theirs)

@@ -505,20 +505,22 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         stream = api.run(request, token_ids, params, [text])
         first = await _first(stream)
 
+        # thoughts left out: so are the choices' log-probabilities and token ids, which would name their tokens (as
+        # vLLM's suppress_metadata)
+        hidden = reasoning is not None and not body.include_reasoning
+
         def entry(t: int, lp: float) -> dict:
             s = prompts.token_text(t, body.tokens_as_ids(http.return_tokens_as_token_ids))
             return {"token": s, "logprob": lp, "bytes": prompts.token_bytes(t)}
 
         def content_logprobs(items: list) -> dict | None:
-            if params.logprobs is None:
+            if params.logprobs is None or hidden:
                 return None
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                                 for t, lp, top in items]}
 
         firsts: list[StepUpdate] = []  # the first update with the prompt's log-probabilities (prompt_logprobs)
 
-        # vLLM's return_token_ids, left out where the thoughts are (they would show the hidden reasoning's tokens)
-        hidden = reasoning is not None and not body.include_reasoning
         give_ids = body.return_token_ids and not hidden
 
         def apply(u: StepUpdate) -> tuple[Choice, dict, str | None]:
@@ -565,7 +567,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             **_chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
-                items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None else []
+                items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None and not hidden else []
                 new_ids = [u.token_id] if give_ids and u.token_id is not None else []
                 if not delta and not items and not new_ids and finish_reason is None:
                     continue  # (held back by the tool-call reader, with no log-probabilities or ids to carry)
