@@ -213,7 +213,7 @@ def test_the_response_role_names_a_chat_replys_role():
     one, streamed, continued = post_all(app, [("/v1/chat/completions", ask),
                                               ("/v1/chat/completions", {**ask, "stream": True}),
                                               ("/v1/chat/completions", go_on)])
-    assert one.json()["choices"][0]["message"] == {"role": "model", "content": "hi"}
+    assert one.json()["choices"][0]["message"] == {"role": "model", "content": "hi", **server_app.MESSAGE_NULLS}
     assert sse_events(streamed.text)[0]["choices"][0]["delta"]["role"] == "model"
     assert continued.json()["choices"][0]["message"]["role"] == "assistant"
     default = server_app.create_app(ScriptedClient(["hi"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128)

@@ -133,6 +133,7 @@ def test_include_reasoning_false_with_tool_calls(choice):
 def test_include_reasoning_false_thoughts_cut_by_length():
     off, chunks = chat_reasoning(["<think>", "Secret"], {"include_reasoning": False}, tools=False)
     # (no answer: content null, as with the thoughts sent, and as vLLM answers)
-    assert off["choices"][0]["message"] == {"role": "assistant", "content": None, "reasoning": None,
+    assert off["choices"][0]["message"] == {"role": "assistant", "content": None, **server_app.MESSAGE_NULLS,
+                                            "reasoning": None,
                                             "reasoning_content": None}
     assert "Secret" not in json.dumps([c["choices"] for c in chunks])

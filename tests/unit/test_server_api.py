@@ -659,3 +659,47 @@ def test_hidden_thoughts_send_no_log_probabilities():
     assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "ok"
     assert len(shown.json()["choices"][0]["logprobs"]["content"]) == 3  # (shown thoughts keep theirs)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_whole_reply_carries_vllms_fields_null_where_unset(path):
+    """vLLM's whole replies are its response models dumped with every field: system_fingerprint, service_tier and
+    kv_transfer_params null, a completion choice's prompt_logprobs and a chat reply's null where not asked, a chat
+    message's refusal, annotations, audio, function_call and reasoning null. A client that reads one as a key (a
+    dict's ["system_fingerprint"]) got a KeyError here; OpenAI's SDK reads a vLLM extra such as prompt_logprobs
+    as an attribute only where the key is there."""
+    app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128)
+    chat = "chat" in path
+    body = {"model": "m", "max_tokens": 2,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    (reply,) = post_all(app, [(path, body)])
+    reply = reply.json()
+    for key in ("system_fingerprint", "service_tier", "kv_transfer_params"):
+        assert key in reply and reply[key] is None, key
+    if chat:
+        assert "prompt_logprobs" in reply and reply["prompt_logprobs"] is None
+        message = reply["choices"][0]["message"]
+        assert message["content"] == "ab" and "tool_calls" not in message  # (vLLM drops an empty list)
+        for key in ("refusal", "annotations", "audio", "function_call", "reasoning"):
+            assert key in message and message[key] is None, key
+    else:
+        assert "prompt_logprobs" in reply["choices"][0] and reply["choices"][0]["prompt_logprobs"] is None
+
+
+def test_an_echo_with_logprobs_fills_each_choices_prompt_logprobs():
+    """vLLM runs an echo with logprobs k as prompt_logprobs k, and its choices' prompt_logprobs field gives them."""
+
+    class PromptScoringClient(ScriptedClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            first = StepUpdate(request_id, 0, 7, "a", "length", logprob=-0.5, top_logprobs=[(7, -0.5)],
+                               prompt_logprobs=[(t, -1.0, [(t, -1.0)]) for t in prompt[1:]],
+                               prompt_ranks=[1] * (len(prompt) - 1))
+            sink(first)
+
+    app = server_app.create_app(PromptScoringClient(["a"]), builtin_codec(), ServerMetrics(), "m", 128)
+    (reply,) = post_all(app, [("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1, "echo": True,
+                                                   "logprobs": 1})])
+    choice = reply.json()["choices"][0]
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == reply.json()["usage"][
+        "prompt_tokens"]
+    assert all(entry[next(iter(entry))]["logprob"] == -1.0 for entry in choice["prompt_logprobs"][1:])

@@ -106,7 +106,8 @@ def test_auto_with_a_parser_finds_the_calls_after_text():
     assert client.params[0].structured is None and client.params[0].skip_special_tokens is False
     # tool_choice "none": the same reply is plain content
     whole, chunks, _ = chat(pieces, {"tool_choice": "none"}, ToolOptions(parser="hermes"))
-    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces),
+                                                   **server_app.MESSAGE_NULLS}
     assert folded(chunks) == ("".join(pieces), [], "stop")
 
 
@@ -114,7 +115,8 @@ def test_a_cut_reply_with_logprobs_comes_back_as_text_with_every_tokens_logprob(
     pieces = ['[{"name":', '"get_wea']
     whole, chunks, _ = chat(pieces, {"tool_choice": "required", "logprobs": True}, finish="length")
     choice = whole["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert choice["message"] == {"role": "assistant", "content": "".join(pieces),
+                                                   **server_app.MESSAGE_NULLS}
     assert choice["finish_reason"] == "length"
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-0.5, -0.5]
     streamed = [e for c in chunks for ch in c["choices"] for e in (ch["logprobs"] or {}).get("content", [])]
@@ -160,7 +162,8 @@ def test_a_reasoning_parser_splits_the_thoughts_out_streamed_or_not():
     assert folded(chunks) == ("\n\nFour.", [], "stop")
     # without the parser the tags are the reply's text
     whole, _, _ = chat(pieces, {}, tools=False)
-    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces),
+                                                   **server_app.MESSAGE_NULLS}
 
 
 def test_a_reasoning_server_holds_only_the_answer_to_a_grammar():

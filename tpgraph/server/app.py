@@ -214,11 +214,18 @@ def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choic
     return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
 
 
+# the fields vLLM's whole replies carry null where this server has nothing to say (its response models are dumped with
+# every field): a client may read them as keys
+REPLY_NULLS = {"system_fingerprint": None, "service_tier": None, "kv_transfer_params": None}
+MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+
+
 def _echoed(echoed: str, message: dict) -> dict:
-    """A whole chat reply's message with the echoed text before its content (none echoed: as it is)."""
+    """A whole chat reply's message (with vLLM's null fields) with the echoed text before its content (none echoed:
+    as it is)."""
     if echoed:
         message["content"] = echoed + (message["content"] or "")
-    return message
+    return {"role": message.pop("role"), "content": message.pop("content"), **MESSAGE_NULLS, **message}
 
 
 def _sse(payload: dict | str) -> str:
@@ -432,6 +439,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             asked = body.return_token_ids
             return {"prompt_token_ids": prompt if asked else None, "token_ids": list(new_ids) if asked else None}
 
+        # each choice's prompt_logprobs field: its own count, else (as vLLM's) an echo's logprobs
+        prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
         if not body.stream:
             try:
                 async for i, u in _chain(first, stream):
@@ -443,9 +452,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                              **ids_fields(token_ids[c.index // params.n], c.token_ids),
-                             **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
-                                 prompts, firsts.get(c.index // params.n), body.prompt_logprobs)})} for c in choices],
-                "usage": _usage(token_ids, choices, prompt_tokens_details)})
+                             "prompt_logprobs": None if prompt_top is None else _prompt_logprobs_field(
+                                 prompts, firsts.get(c.index // params.n), prompt_top)} for c in choices],
+                "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
@@ -549,10 +558,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason, "token_ids": c.token_ids if give_ids else None}
                             for c, reply in zip(choices, replies, strict=True)],
-                **({} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs_field(
-                    prompts, firsts[0] if firsts else None, body.prompt_logprobs)}),
+                "prompt_logprobs": None if body.prompt_logprobs is None else _prompt_logprobs_field(
+                    prompts, firsts[0] if firsts else None, body.prompt_logprobs),
                 "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
-                "usage": _usage(token_ids, choices, prompt_tokens_details)})
+                "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
