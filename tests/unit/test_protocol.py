@@ -280,3 +280,15 @@ def test_top_logprobs_zero_needs_no_logprobs_as_vllm_reads_it():
         ChatRequest.model_validate({**CHAT, "top_logprobs": 2}).logprobs_count()
     with pytest.raises(RequestError, match="top_logprobs must be between 0 and 20, got -1"):
         ChatRequest.model_validate({**CHAT, "top_logprobs": -1}).logprobs_count()
+
+
+def test_prompt_logprobs_zero_is_taken_with_stream_as_vllm_takes_it():
+    """vLLM's check_logprobs refuses prompt_logprobs with stream: true only where it asks for alternatives (> 0); a
+    stream sends none, so 0 asks nothing of it (and runs no prompt scoring here). It was a 400."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        params = kind.model_validate({**body, "stream": True, "prompt_logprobs": 0}).sampling_params(4, None)
+        assert params.prompt_logprobs is None
+        with pytest.raises(RequestError, match="prompt_logprobs are not available with stream: true"):
+            kind.model_validate({**body, "stream": True, "prompt_logprobs": 1}).sampling_params(4, None)
+        assert kind.model_validate({**body, "prompt_logprobs": 0}).sampling_params(4, None).prompt_logprobs == 0

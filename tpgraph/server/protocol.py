@@ -130,13 +130,16 @@ class SamplingFields(NullMeansDefault):
                                "and rank them by their summed log-probabilities)")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
-        if self.prompt_logprobs is not None and self.stream:  # (as vLLM: they come with the whole reply)
-            raise RequestError("prompt_logprobs are not available with stream: true")
-        if self.prompt_logprobs is not None:  # (the engine's field, and the echo's, are one)
-            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise RequestError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (-1, the whole vocabulary, "
-                                   f"is not served), got {self.prompt_logprobs}")
-            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
+        own = self.prompt_logprobs
+        if own is not None and not 0 <= own <= MAX_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (-1, the whole vocabulary, "
+                               f"is not served), got {own}")
+        if own is not None and self.stream:  # (as vLLM: they come with the whole reply; 0 asks for no alternatives)
+            if own > 0:
+                raise RequestError("prompt_logprobs are not available with stream: true")
+            own = None  # (nothing of them is streamed: not computed)
+        if own is not None:  # (the engine's field, and the echo's, are one)
+            prompt_logprobs = max(prompt_logprobs or 0, own)
         structured = self.structured_output()
         skip_special_tokens = self.skip_special_tokens
         if tools is not None and tools.structured is not None:
