@@ -292,3 +292,13 @@ def test_prompt_logprobs_zero_is_taken_with_stream_as_vllm_takes_it():
         with pytest.raises(RequestError, match="prompt_logprobs are not available with stream: true"):
             kind.model_validate({**body, "stream": True, "prompt_logprobs": 1}).sampling_params(4, None)
         assert kind.model_validate({**body, "prompt_logprobs": 0}).sampling_params(4, None).prompt_logprobs == 0
+
+
+def test_empty_stream_options_are_taken_without_stream_as_vllm_takes_them():
+    """vLLM's validate_stream_options refuses stream_options without stream: true only where they ask for something
+    (a non-empty object); {} beside stream false was a 400 here."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        kind.model_validate({**body, "stream_options": {}}).sampling_params(4, None)
+        with pytest.raises(RequestError, match="stream_options is only allowed with stream: true"):
+            kind.model_validate({**body, "stream_options": {"include_usage": False}}).sampling_params(4, None)

@@ -128,7 +128,8 @@ class SamplingFields(NullMeansDefault):
         if self.use_beam_search:  # (taken and ignored, the client got sampled text for the beams it asked for)
             raise RequestError("use_beam_search is not supported: this server samples (ask for n samples with logprobs "
                                "and rank them by their summed log-probabilities)")
-        if self.stream_options is not None and not self.stream:
+        # (as vLLM's: an empty object asks for nothing, and is taken)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
         own = self.prompt_logprobs
         if own is not None and not 0 <= own <= MAX_LOGPROBS:
