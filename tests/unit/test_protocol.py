@@ -21,7 +21,7 @@ def test_null_is_the_default_where_the_field_cannot_hold_null():
                            "include_stop_str_in_output", "return_tokens_as_token_ids"])
     r = CompletionRequest.model_validate({"model": "m", "prompt": "x", **nulls, "max_tokens": None})
     assert (r.n, r.stream, r.echo, r.min_tokens, r.skip_special_tokens) == (1, False, False, 0, True)
-    assert r.max_tokens is None  # (null has its own meaning here: up to max_model_len; the default is 16)
+    assert r.max_tokens == 16  # (the default, as vLLM's normalize_null_max_tokens)
     c = ChatRequest.model_validate({**CHAT, "logprobs": None, "add_generation_prompt": None, "n": None})
     assert (c.logprobs, c.add_generation_prompt, c.n) == (False, True, 1)
     with pytest.raises(ValidationError, match="prompt"):  # (a required field stays required)

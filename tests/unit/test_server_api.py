@@ -464,8 +464,8 @@ def test_a_whole_reply_that_fails_while_it_is_folded_aborts_its_request(path, mo
 
 
 def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
-    """As vLLM's server: a chat request without max_tokens (or a completion whose max_tokens is null) is limited to
-    generation_config.json's max_new_tokens; one that sets its own keeps it."""
+    """As vLLM's server: a chat request without max_tokens is limited to generation_config.json's max_new_tokens; one
+    that sets its own keeps it (a completion's null max_tokens is its default, 16, as vLLM's)."""
     from dataclasses import replace
 
     client = ScriptedClient(["a"])
@@ -476,7 +476,7 @@ def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
     post_all(app, [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "max_tokens": 5}),
                    ("/v1/chat/completions", {**chat, "max_completion_tokens": 6}),
                    ("/v1/completions", {"prompt": "hi", "max_tokens": None}), ("/v1/completions", {"prompt": "hi"})])
-    assert [p.max_tokens for p in client.params] == [64, 5, 6, 64, 16]
+    assert [p.max_tokens for p in client.params] == [64, 5, 6, 16, 16]
 
 
 def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves():
@@ -489,12 +489,10 @@ def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves(
     codec = replace(codec, generation_defaults=replace(codec.generation_defaults, max_tokens=64))
     app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
     chat = {"messages": [{"role": "user", "content": "x" * 90}]}
-    post_all(app, [("/v1/chat/completions", chat),
-                   ("/v1/completions", {"prompt": ["y" * 100, "z" * 30], "max_tokens": None}),
-                   ("/v1/completions", {"prompt": "y" * 100, "max_tokens": 100})])
+    post_all(app, [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "max_tokens": 100})])
     lens = [len(p) for p in client.prompts]
-    assert lens[0] > 64 and lens[1:] == [101, 31, 101]  # (the builtin tokenizer: BOS, then a token a byte)
-    assert [p.max_tokens for p in client.params] == [128 - lens[0], 128 - 101, 128 - 101, 100]
+    assert lens[0] > 64 and lens[0] == lens[1]
+    assert [p.max_tokens for p in client.params] == [128 - lens[0], 100]
 
 
 def test_queue_time_is_observed_once_per_sample_from_its_first_update():
@@ -703,3 +701,14 @@ def test_an_echo_with_logprobs_fills_each_choices_prompt_logprobs():
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == reply.json()["usage"][
         "prompt_tokens"]
     assert all(entry[next(iter(entry))]["logprob"] == -1.0 for entry in choice["prompt_logprobs"][1:])
+
+
+def test_a_completions_null_max_tokens_is_its_default_16():
+    """vLLM's CompletionRequest.normalize_null_max_tokens (vllm#45491): "max_tokens": null on /v1/completions is the
+    field's default, 16 (OpenAI's SDK sends null for a value left unset), not a limit left to the context; it ran up
+    to max_model_len here. Chat's null stays no limit of its own, as vLLM's."""
+    client = ScriptedClient(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    post_all(app, [("/v1/completions", {"prompt": "hi", "max_tokens": None}),
+                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None})])
+    assert [p.max_tokens for p in client.params] == [16, None]

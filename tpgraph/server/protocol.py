@@ -3,7 +3,8 @@
 Field names and defaults follow OpenAI's API; vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
 stop_token_ids, ignore_eos, ...) are accepted too. Unknown fields are ignored, as vLLM does. A field of the wrong type
 is a 400 from pydantic; a value out of range is a 400 from SamplingParams. An explicit null means the field's default
-(clients such as LangChain send `"n": null`), except where null has its own meaning (`max_tokens`: no limit).
+(clients such as LangChain send `"n": null`), except where null has its own meaning (a chat's `max_tokens`: no limit
+of its own; a completion's null `max_tokens` is its default, 16, as vLLM's normalize_null_max_tokens reads it).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class SamplingFields(NullMeansDefault):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int = 16  # (null: this default, as vLLM's; OpenAI's SDK sends null for a value left unset)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
