@@ -265,3 +265,15 @@ def test_ping_answers_as_health_with_or_without_a_key():
 def test_served_names_begin_with_the_name_replies_give():
     with pytest.raises(ValueError, match="must begin with model_name"):
         server_app.create_app(IdleClient(), codec(), ServerMetrics(), MODEL, 128, served_names=("other", MODEL))
+
+
+def test_each_model_card_carries_vllms_permission_entry():
+    """vLLM's /v1/models cards each carry `permission`, one model_permission object (sampling, logprobs and view
+    allowed; engines, search indices and fine-tuning not); a client that reads card["permission"] got a KeyError."""
+    (models,) = call([("GET", "/v1/models", None, None)])
+    (perm,) = models.json()["data"][0]["permission"]
+    assert perm["id"].startswith("modelperm-") and perm["object"] == "model_permission"
+    assert isinstance(perm["created"], int) and (perm["organization"], perm["group"]) == ("*", None)
+    assert [perm[k] for k in ("allow_create_engine", "allow_sampling", "allow_logprobs", "allow_search_indices",
+                              "allow_view", "allow_fine_tuning", "is_blocking")] == [False, True, True, False, True,
+                                                                                     False, False]

@@ -220,6 +220,14 @@ REPLY_NULLS = {"system_fingerprint": None, "service_tier": None, "kv_transfer_pa
 MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
 
 
+def _model_permission(created: int) -> dict:
+    """vLLM's one model_permission entry of a /v1/models card: what a client may do with the model."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+
+
 def _echoed(echoed: str, message: dict) -> dict:
     """A whole chat reply's message (with vLLM's null fields) with the echoed text before its content (none echoed:
     as it is)."""
@@ -347,7 +355,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # (vLLM's card: root names the checkpoint, which clients load a tokenizer from; parent is an adapter's base)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "tpgraph",
                                             "root": model_root or model_name, "parent": None,
-                                            "max_model_len": max_model_len} for name in api.served_names]}
+                                            "max_model_len": max_model_len, "permission": [_model_permission(started)]}
+                                           for name in api.served_names]}
 
     @app.get("/version")
     async def version() -> dict:
