@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a chat reply's role where the request adds the generation prompt (else the last message's)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='log-probability entries name tokens "token_id:N" where a request does not say')
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream reports its usage (each chunk its usage so far, then a usage chunk), "
+                        "asked or not")
     http.add_argument("--disable-fastapi-docs", action="store_true",
                       help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     logs = p.add_argument_group("request logs (vLLM's flags)")
@@ -129,7 +132,8 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.allow_credentials, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
-                       args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs)
+                       args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
+                       args.enable_force_include_usage)
 
 
 def main(argv: list[str] | None = None) -> int:

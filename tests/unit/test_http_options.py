@@ -300,3 +300,20 @@ def test_default_chat_template_kwargs_flag_reaches_the_options(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--default-chat-template-kwargs", "[1]"])
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_force_include_usage_gives_every_stream_its_usage(path):
+    """vLLM's --enable-force-include-usage: every stream reports usage as if it asked for include_usage and
+    continuous_usage_stats (each chunk its usage so far, then a usage chunk with no choices). The flag was refused
+    as unknown, so a vLLM launch command that gives it did not start."""
+    forced = http_options(parse_args(["--enable-force-include-usage"]))
+    assert not http_options(parse_args([])).force_include_usage
+    app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128,
+                                http=forced)
+    body = {"max_tokens": 2, "stream": True,
+            **({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})}
+    (streamed,) = post_all(app, [(path, body)])
+    chunks = sse_events(streamed.text)
+    assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2

@@ -204,11 +204,14 @@ def _max_tokens(asked: int | None, default: int | None, prompts: list[list[int]]
     return min(default, room) if room > 0 else None
 
 
-def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice) -> dict:
+def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice, forced: bool) -> dict:
     """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where the
     client asked for usage; with vLLM's continuous_usage_stats as well, that choice's so far (alone, it asks for
-    nothing, as vLLM's: a client that never asked for usage reads no last chunk without choices)."""
+    nothing, as vLLM's: a client that never asked for usage reads no last chunk without choices). forced: the
+    server's --enable-force-include-usage, which asks for both."""
     options = body.stream_options
+    if forced:
+        return {"usage": _usage([prompt], [choice])}
     if options is None or not options.include_usage:
         return {}
     return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
@@ -478,8 +481,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                          "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                                          **ids_fields(token_ids[i] if first_update else None,
                                                       c.token_ids[ids_at:])}],
-                            **_chunk_usage(body, token_ids[i], c)})
-            if _chunk_usage(body, token_ids[0], choices[0]):
+                            **_chunk_usage(body, token_ids[i], c, http.force_include_usage)})
+            if _chunk_usage(body, token_ids[0], choices[0], http.force_include_usage):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
@@ -578,11 +581,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
                             "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
-                            **_chunk_usage(body, token_ids[0], c)})
+                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
             for c in choices if echoed else ():  # (vLLM's echo: its own chunk, after the role's)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
                                                  "finish_reason": None, "stop_reason": None}],
-                            **_chunk_usage(body, token_ids[0], c)})
+                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None and not hidden else []
@@ -593,8 +596,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                                                  "token_ids": new_ids if give_ids else None}],
-                            **_chunk_usage(body, token_ids[0], c)})
-            if _chunk_usage(body, token_ids[0], choices[0]):
+                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
+            if _chunk_usage(body, token_ids[0], choices[0], http.force_include_usage):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 

@@ -49,6 +49,9 @@ class HttpOptions:
     # vLLM's --default-chat-template-kwargs: the chat template's variables every chat request starts from (a request's
     # own chat_template_kwargs override them one by one), e.g. {"enable_thinking": false}
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --enable-force-include-usage: every stream reports usage as if it asked for include_usage and
+    # continuous_usage_stats
+    force_include_usage: bool = False
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -92,6 +95,8 @@ class HttpOptions:
         if taken := sorted(set(defaults or {}) & (RESERVED_TEMPLATE_VARIABLES | {"chat_template"})):
             raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: a request's own fields "
                               f"do (the template: --chat-template)")
+        if not isinstance(self.force_include_usage, bool):
+            raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
         if not isinstance(self.docs, bool):
             raise ConfigError(f"docs must be True or False, got {self.docs!r}")
         if not isinstance(self.return_tokens_as_token_ids, bool):
