@@ -166,6 +166,26 @@ def test_stop_token_ids_min_tokens_and_eos(reference):
         assert first not in later.token_ids[:3] and len(later.token_ids) >= 3
 
 
+def test_the_tokenizers_eos_ends_a_sample_with_no_stop_reason_and_the_others_with_their_id(tmp_path):
+    """vLLM's model EOS is the tokenizer's (<|eot_id|> here): a sample ending on it has stop_reason None, and it ends
+    a generation though config.json names another. generation_config's other EOS ids are read as stop token ids: a
+    sample ending on one (Llama-3.1's <|eom_id|> beside <|eot_id|>) has that id as stop_reason. Every EOS id gave None,
+    and the tokenizer's EOS ended nothing unless the configs listed it."""
+    import json
+
+    from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
+
+    path = make_chat_checkpoint(tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, 97]}))  # (not <|eot_id|>)
+    forced = {token: SamplingParams(temperature=0.0, max_tokens=4, logit_bias={token: 100})
+              for token in (EOT_ID, EOS_ID, 97)}
+    with TPEngine(path, device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=64, block_size=4) as e:
+        assert e.core.main_eos == EOT_ID and set(e.core.eos_ids) == {EOT_ID, EOS_ID, 97}
+        outs = {token: e.generate(["hi"], p)[0].outputs[0] for token, p in forced.items()}
+    assert {t: (o.token_ids, o.finish_reason, o.stop_reason) for t, o in outs.items()} == {
+        EOT_ID: ([EOT_ID], "stop", None), EOS_ID: ([EOS_ID], "stop", EOS_ID), 97: ([97], "stop", 97)}
+
+
 def test_stop_strings_wait_for_min_tokens(reference):
     """As in vLLM: a stop string ends a sequence only from its (min_tokens + 1)-th token on; the ones before stay in
     the text. (PROMPTS[2] makes the built-in model say "aaaa...", a token a character.)"""

@@ -135,7 +135,10 @@ class RequestState:
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, eos_ids: tuple[int, ...] = (),
                  tokenizer: Tokenizer | None = None, seed: int = 0, overlap: bool = True,
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, main_eos: int | None = None) -> None:
+        """`main_eos`: the tokenizer's EOS id (vLLM's model EOS), one of eos_ids: a sample ending on it has no
+        stop_reason, and on another EOS id (generation_config's), as on a stop token, that id, as vLLM reads the
+        others as stop_token_ids. None: every EOS id is the tokenizer's."""
         if scheduler_cfg.max_num_seqs > runner.cfg.max_batch:
             raise ConfigError(f"max_num_seqs ({scheduler_cfg.max_num_seqs}) exceeds the runner's max_batch "
                               f"({runner.cfg.max_batch}): decode batches must fit the captured graphs")
@@ -148,6 +151,7 @@ class EngineCore:
         runner.forget_rows()  # (nor a decode row's block table)
         self.sampler = Sampler(runner.device, seed, penalties=runner.penalties)
         self.eos_ids = tuple(eos_ids)
+        self.main_eos = main_eos
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, runner.model.cfg.vocab_size, self.eos_ids) if tokenizer else None
         self.requests: dict[str, RequestState] = {}
@@ -425,7 +429,8 @@ class EngineCore:
         text = ""
         produced = index + 1  # output tokens up to this one (later placeholders may follow it)
         if stop_token:  # (before min_tokens these ids were banned from sampling)
-            reason, stop_reason = "stop", None if eos else token  # (an EOS is none, also where listed: vLLM's)
+            # (the tokenizer's EOS has none, also where listed in stop_token_ids: vLLM's)
+            reason, stop_reason = "stop", None if eos and self.main_eos in (None, token) else token
             if detok is not None and p.include_stop_str_in_output:  # the stop token's own text too (as vLLM)
                 text = detok.add(token, may_stop=False)[0]
         elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)

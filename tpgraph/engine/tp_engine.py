@@ -181,10 +181,14 @@ class TPEngine:
         if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > model_cfg.vocab_size:
             logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's are "
                            "refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), model_cfg.vocab_size)
-        eos_ids = tuple(dict.fromkeys(model_cfg.eos_token_id + self.generation_defaults.eos_token_ids))
-        eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
         special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
             tokenizer_config(tokenizer_dir))
+        # the tokenizer's EOS ends a generation too, as vLLM's (its model EOS), beside config.json's and
+        # generation_config's, which it reads as stop tokens
+        main_eos = self.tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        eos_ids = tuple(dict.fromkeys(((main_eos,) if main_eos is not None else ()) + model_cfg.eos_token_id
+                                      + self.generation_defaults.eos_token_ids))
+        eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
         self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
             ChatTemplate.from_option(cfg.chat_template, special)
         self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
@@ -248,7 +252,7 @@ class TPEngine:
                 max_model_len=self.runner.max_model_len, block_size=cfg.block_size,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy),
                 eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling,
-                max_logprobs=cfg.max_logprobs)
+                max_logprobs=cfg.max_logprobs, main_eos=main_eos if main_eos in eos_ids else None)
         except BaseException as exc:
             destroy_distributed(self.state)
             # a failure every rank meets (a bad checkpoint) ends the started ranks by themselves: they get time to; a
