@@ -692,3 +692,20 @@ def test_vllms_torchrun_example_keywords_are_taken_where_they_mean_what_tpgraph_
         with pytest.raises(ConfigError, match=rf"{name}=2 \(vLLM's\) is not taken: {name} takes 1 alone \(tpgraph "
                                               r"shards by tensor parallelism alone"):
             vllm_keywords(None, 1, {name: 2})
+
+
+def test_vllms_other_output_fields_and_chat_content_format_are_read_as_vllms_defaults():
+    """A script reading vLLM's RequestOutput.metrics, lora_request, encoder_prompt(_token_ids) or kv_transfer_params,
+    or CompletionOutput.lora_request, got an AttributeError: each is None, as vLLM's offline outputs hold them by
+    default. chat's chat_template_content_format was a TypeError: "auto" and "string" are what chat does, "openai" is
+    refused, saying why."""
+    with engine() as e:
+        (out,) = e.generate(["hi"], GREEDY)
+        (chat,) = e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="string")
+        (auto,) = e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="auto")
+        with pytest.raises(RequestError, match="chat_template_content_format='openai' is not taken.*'auto' or "
+                                               "'string'"):
+            e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="openai")
+    assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params, out.outputs[0].lora_request) == (None,) * 6
+    assert chat.outputs[0].token_ids == auto.outputs[0].token_ids and chat.prompt == auto.prompt

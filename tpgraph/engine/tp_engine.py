@@ -76,6 +76,7 @@ class CompletionOutput:
     # when asked (SamplingParams.logprobs = k), vLLM's: per token {its id: Logprob, then the k most likely's}
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # the sampled tokens' sum (vLLM's: None unless logprobs are asked)
+    lora_request: None = None  # (vLLM's; no adapters here)
 
     def finished(self) -> bool:
         """vLLM's CompletionOutput.finished(): the sample has ended (it has a finish_reason)."""
@@ -94,6 +95,13 @@ class GenerationOutput:
     # for the first
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (its first sample's, as vLLM's)
+    # vLLM's fields with nothing to hold here (no stats object, adapters, encoder, multi-modal inputs or KV transfer):
+    # None, as vLLM's offline outputs have them by default, so that a script reading one ports
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
     @property
     def finished(self) -> bool:
@@ -323,16 +331,19 @@ class TPEngine:
              use_tqdm: bool | Callable[..., tqdm] = False, *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None, lora_request: None = None) -> list[GenerationOutput]:
+             chat_template: str | None = None, lora_request: None = None,
+             chat_template_content_format: str = "auto") -> list[GenerationOutput]:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
         by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
         and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
-        as vLLM renders them for a template that writes content as a string. Each output's prompt is the rendered
+        as vLLM renders them for a template that writes content as a string (chat_template_content_format "auto" or
+        "string"; "openai", parts handed to the template as a list, is refused). Each output's prompt is the rendered
         text."""
         with self._lock:
             self._check_open()
-            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or _conversation_list(messages),
+            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or string_content(
+                chat_template_content_format) or _conversation_list(messages),
                                               sampling_params, tools, add_generation_prompt, continue_final_message,
                                               chat_template_kwargs, chat_template)
             template = None
@@ -620,6 +631,15 @@ def no_lora(lora_request: object) -> None:
     if lora_request is not None:
         raise RequestError("lora_request: tpgraph serves no LoRA adapters; merge the adapter into the weights (peft's "
                            "merge_and_unload) and serve the merged checkpoint")
+
+
+def string_content(content_format: object) -> None:
+    """vLLM's chat_template_content_format: "auto" and "string" are what chat does (content parts joined as text, a
+    Llama template's form); "openai" (the parts handed to the template as a list) is refused, saying so."""
+    if content_format not in ("auto", "string"):
+        raise RequestError(f"chat_template_content_format={content_format!r} is not taken: a message's content parts "
+                           f"reach the template joined as text here ('string', what 'auto' picks for a template that "
+                           f"writes content as a string); give 'auto' or 'string'")
 
 
 def _truncates(params: Any) -> bool:
