@@ -364,7 +364,7 @@ def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: floa
 
     monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)  # (the arrival)
     metrics = ServerMetrics()
-    metrics.arrived("r", 4)
+    metrics.arrived("r", 4, samples)
     for step in range(1, 6):
         for sample in range(samples):
             metrics.observe(StepUpdate("r", sample, 7, "x", last if step == 5 else None), step * 0.01)
@@ -376,8 +376,33 @@ def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monke
     """n = 2 samples each get a token every 10 ms: TPOT is 10 ms. The tokens of all samples were counted as one
     sequence's, which made it 10 ms / n (4.4 ms here)."""
     registry = _tokens_every_10_ms(monkeypatch, 2, "length", 0.05, "length")
-    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_count", LABELS) == 1
-    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", LABELS) == pytest.approx(0.01)
+    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_count", LABELS) == 2
+    assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", LABELS) == pytest.approx(0.02)
+
+
+def test_each_of_n_samples_is_counted_as_vllm_counts_its_requests(monkeypatch):
+    """vLLM's engine runs each of n samples as a request of its own: TTFT, TPOT, end-to-end latency and the finished
+    count are each sample's, a sample that ended on its own under its own reason, the ones the request's end cut
+    off under that end's (an abort). They were the request's, once."""
+    from tpgraph.engine.core import StepUpdate
+    from tpgraph.server import metrics as server_metrics
+
+    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)
+    metrics = ServerMetrics()
+    metrics.arrived("r", 4, 3)
+    metrics.observe(StepUpdate("r", 0, 7, "x"), 0.01)  # (sample 0: tokens at 10 and 30 ms, then a stop)
+    metrics.observe(StepUpdate("r", 1, 7, "x"), 0.02)  # (sample 1: one token at 20 ms, then cut off)
+    metrics.observe(StepUpdate("r", 0, 7, "x", "stop"), 0.03)
+    metrics.finished("r", "abort", 0.5)  # (sample 2 never had a token)
+    get = metrics.registry.get_sample_value
+    assert get("vllm:time_to_first_token_seconds_count", LABELS) == 2
+    assert get("vllm:time_to_first_token_seconds_sum", LABELS) == pytest.approx(0.03)
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": "stop"}) == 1
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) == 2
+    assert get("vllm:e2e_request_latency_seconds_count", LABELS) == 3
+    assert get("vllm:e2e_request_latency_seconds_sum", LABELS) == pytest.approx(0.03 + 0.5 + 0.5)
+    assert get("vllm:request_time_per_output_token_seconds_count", LABELS) == 1  # (sample 0's 20 ms)
+    assert get("vllm:prompt_tokens_total", LABELS) == 8  # (two samples computed the prompt)
 
 
 def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(monkeypatch):

@@ -1,7 +1,8 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens). /metrics serves both.
+TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens: each of a request's n samples
+counted as a request, as vLLM's engine runs them). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -116,17 +117,22 @@ class ServerMetrics:
         self.e2e = vllm(Histogram, "vllm:e2e_request_latency_seconds", "Arrival to the request's end",
                         buckets=REQUEST_BUCKETS)
         self.model_name = model_name
+        # each request's arrival, prompt length and samples asked (n), and its samples by index: (tokens, the first's
+        # time, the last's time), and which have ended
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
-        # each request's samples so far, by index: (tokens, the first's time, the last's time)
+        self._asked: dict[str, int] = {}
         self._samples: dict[str, dict[int, tuple[int, float, float]]] = {}
+        self._ended: dict[str, set[int]] = {}
 
-    def arrived(self, request_id: str, prompt_tokens: int = 0) -> None:
-        """A request taken, its prompt `prompt_tokens` long: counted with each of its n samples' first token (each
-        computes them, unless the prefix cache holds them), as vLLM's are once prefilled, so that a request refused
-        or aborted before any step computed its prompt counts none."""
+    def arrived(self, request_id: str, prompt_tokens: int = 0, n: int = 1) -> None:
+        """A request of n samples taken, its prompt `prompt_tokens` long. As vLLM's, whose engine runs each of n
+        samples as a request of its own, the latencies and finished counts are each sample's; the prompt is counted
+        with each sample's first token (each computes it, unless the prefix cache holds it), so that a request
+        refused or aborted before any step computed its prompt counts none."""
         self._arrival[request_id] = time.perf_counter()
         self._prompt_len[request_id] = prompt_tokens
+        self._asked[request_id] = n
 
     def observe(self, update: StepUpdate, now: float | None = None) -> None:
         """An update, delivered at `now` (perf_counter; default: now)."""
@@ -137,32 +143,40 @@ class ServerMetrics:
         if update.token_id is not None:
             self.tokens.inc()
             samples = self._samples.setdefault(rid, {})
-            if not samples and rid in self._arrival:  # the request's first token
-                self.ttft.observe(now - self._arrival[rid])
             count, first, _ = samples.get(update.sample_index, (0, now, now))
             samples[update.sample_index] = (count + 1, first, now)
-            if not count:  # (this sample's prompt is computed)
+            if not count:  # this sample's first token: its prompt is computed
                 self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
+                if rid in self._arrival:
+                    self.ttft.observe(now - self._arrival[rid])
+        if update.finish_reason is not None:
+            self._sample_ended(rid, update.sample_index, update.finish_reason, now)
 
-    def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
-        """The whole request is over (at `now`, perf_counter; default: now). One the engine refused is counted as
-        refused alone: vLLM refuses such a request before its engine, so its finished requests and latencies never
-        hold one."""
-        samples = self._samples.pop(request_id, {})
-        self._prompt_len.pop(request_id, None)
-        arrival = self._arrival.pop(request_id, None)
-        if reason == REFUSED:
-            self.refused.inc()
+    def _sample_ended(self, request_id: str, index: int, reason: str, now: float) -> None:
+        ended = self._ended.setdefault(request_id, set())
+        if index in ended:
             return
+        ended.add(index)
         self.requests.labels(self.model_name, ENGINE_INDEX, reason).inc()
-        # (a sample's tokens, the longest's: n samples decode side by side, so all n's together came n to a step;
-        # from its first token to its last, as vLLM's: not to the request's end, which may come much later (an abort))
-        count, first, last = max(samples.values(), default=(0, 0.0, 0.0))
-        now = time.perf_counter() if now is None else now
+        # (from its first token to its last, as vLLM's: not to its end, which may come much later (an abort))
+        count, first, last = self._samples.get(request_id, {}).get(index, (0, 0.0, 0.0))
         if count > 1:
             self.tpot.observe((last - first) / (count - 1))
-        if arrival is not None:
-            self.e2e.observe(now - arrival)
+        if request_id in self._arrival:
+            self.e2e.observe(now - self._arrival[request_id])
+
+    def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
+        """The whole request is over (at `now`, perf_counter; default: now): its samples still open end with
+        `reason` (an abort, an error). One the engine refused is counted as refused alone: vLLM refuses such a
+        request before its engine, so its finished requests and latencies never hold one."""
+        if reason == REFUSED:
+            self.refused.inc()
+        else:
+            now = time.perf_counter() if now is None else now
+            for index in range(self._asked.get(request_id, 1)):
+                self._sample_ended(request_id, index, reason, now)
+        for kept in (self._arrival, self._prompt_len, self._asked, self._samples, self._ended):
+            kept.pop(request_id, None)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
