@@ -25,6 +25,7 @@ import time
 
 from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, json_object, positive_number
+from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         http = http_options(args)
+        max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
         if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
             http.check_tls()

@@ -180,7 +180,7 @@ def test_logprobs_are_the_models_log_softmax():
     ("presence_penalty", -2.5, "presence_penalty must be in"),
     ("max_tokens", -1, "max_tokens must be >= 1"),
     ("max_tokens", 0, "max_tokens must be >= 1"),
-    ("n", 0, "n must be between 1 and 128"),
+    ("n", 0, r"n must be between 1 and 16384, got 0$"),
     ("logprobs", 21, "logprobs must be between 0 and 20"),
     ("seed", "x", "seed must be an integer"),
     ("stop", ("",), "stop must hold non-empty strings"),

@@ -239,3 +239,13 @@ def test_torchruns_variables_that_are_not_integers_are_named_not_a_traceback(mon
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.setenv("RANK", "zero")
     assert main([]) == 2 and "RANK='zero' is not an integer" in capsys.readouterr().err
+
+
+def test_a_bad_vllm_max_n_sequences_stops_the_server_before_it_loads(monkeypatch, capsys):
+    """VLLM_MAX_N_SEQUENCES caps every request's n: a value that is no positive integer is said at start-up, as one
+    line, not as each request's failure."""
+    from tpgraph.serve import main
+
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "0")
+    assert main(["--device", "cpu"]) == 2
+    assert "VLLM_MAX_N_SEQUENCES must be a positive integer" in capsys.readouterr().err

@@ -709,3 +709,20 @@ def test_vllms_other_output_fields_and_chat_content_format_are_read_as_vllms_def
     assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
             out.kv_transfer_params, out.outputs[0].lora_request) == (None,) * 6
     assert chat.outputs[0].token_ids == auto.outputs[0].token_ids and chat.prompt == auto.prompt
+
+
+def test_a_pass_at_k_request_of_200_samples_runs_and_vllms_variable_caps_n(monkeypatch):
+    """pass@k evaluations ask n = 200 samples of one prompt: refused past 128 here. vLLM takes up to its
+    VLLM_MAX_N_SEQUENCES (16384 by default, which a public server lowers): read the same way here."""
+    from tpgraph.errors import ConfigError
+
+    with engine() as e:
+        (out,) = e.generate(["def f():"], SamplingParams(n=200, temperature=1.0, seed=7, max_tokens=2))
+    assert len(out.outputs) == 200 and [c.index for c in out.outputs] == list(range(200))
+    assert all(len(c.token_ids) == 2 for c in out.outputs) and len({tuple(c.token_ids) for c in out.outputs}) > 20
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "8")
+    with pytest.raises(RequestError, match=r"n must be between 1 and 8, got 9 \(VLLM_MAX_N_SEQUENCES sets the most\)"):
+        SamplingParams(n=9)
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "many")
+    with pytest.raises(ConfigError, match="VLLM_MAX_N_SEQUENCES must be a positive integer"):
+        SamplingParams(n=2)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
 
@@ -13,9 +14,12 @@ from dataclasses import InitVar, dataclass
 from tpgraph.engine.structured import GuidedDecodingParams as GuidedDecodingParams
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_params
 from tpgraph.engine.structured import StructuredOutputsParams as StructuredOutputsParams
-from tpgraph.errors import RequestError
+from tpgraph.errors import ConfigError, RequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# the most samples a request may ask (n): vLLM's VLLM_MAX_N_SEQUENCES, read as vLLM reads it (a public server lowers
+# it); pass@k evaluations ask n = 200 and more
+MAX_N_VARIABLE, MAX_N_DEFAULT = "VLLM_MAX_N_SEQUENCES", 16384
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and the sampler uploads them each step)
 MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
@@ -106,7 +110,9 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed" (its LLM and server alike)
             object.__setattr__(self, "seed", None)
-        _check_int("n", self.n, 1, 128)
+        most = max_n()
+        _check_int("n", self.n, 1, most, hint=f"{MAX_N_VARIABLE} sets the most" if type(self.n) is int
+                   and self.n > most else "")
         _check_real("temperature", self.temperature, 0.0, 100.0)
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, None, hint="0 or -1 turns it off")
@@ -238,6 +244,17 @@ for _name in VLLM_STRUCTURED_NAMES:
     # (no longer a pseudo-field that dataclasses.replace reads back: it would hand the old output back beside a
     # replaced `structured`, and take it again)
     del SamplingParams.__dataclass_fields__[_name]
+
+
+def max_n() -> int:
+    """The most samples a request may ask (MAX_N_VARIABLE, else MAX_N_DEFAULT)."""
+    given = os.environ.get(MAX_N_VARIABLE, "").strip()
+    if not given:
+        return MAX_N_DEFAULT
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"{MAX_N_VARIABLE} must be a positive integer (the most samples a request may ask), got "
+                          f"{given!r}")
+    return int(given)
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
