@@ -69,7 +69,7 @@ def test_a_named_function_is_called_streamed_or_not():
     whole, chunks, client = chat(['{"city":', '"Oslo"}'], {"tool_choice": {"type": "function",
                                                                             "function": {"name": "get_weather"}}})
     message = whole["choices"][0]["message"]
-    assert message["content"] is None and whole["choices"][0]["finish_reason"] == "stop"
+    assert message["content"] == "" and whole["choices"][0]["finish_reason"] == "stop"
     expected = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]
     assert without_ids(message["tool_calls"]) == expected
     content, calls, finish = folded(chunks)
@@ -200,3 +200,21 @@ def test_a_prompt_that_closes_the_thoughts_gets_an_answer_held_from_its_start():
 def test_a_special_end_tag_keeps_special_tokens_in_the_text():
     _, _, client = chat(["a</think>b"], {}, reasoning="deepseek_r1+special", tools=False)
     assert client.params[0].skip_special_tokens is False
+
+
+@pytest.mark.parametrize(("choice", "reply"), [
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+])
+@pytest.mark.parametrize("reasoning", [None, "deepseek_r1"])
+def test_a_forced_call_comes_with_empty_content_as_vllm_gives_it(choice, reply, reasoning):
+    """vLLM answers a named or "required" tool choice with content "" beside the calls (not null), thoughts split
+    out or not; its stream sends no content beyond the role chunk's "". An "auto" call alone keeps null."""
+    pieces = ["Oslo, then.</think>", reply] if reasoning else [reply]
+    whole, chunks, _ = chat(pieces, {"tool_choice": choice}, reasoning=reasoning)
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "" and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert folded(chunks)[0] == ""
+    auto = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    whole, _, _ = chat([auto], {}, ToolOptions(parser="llama3_json"))
+    assert whole["choices"][0]["message"]["content"] is None and whole["choices"][0]["message"]["tool_calls"]

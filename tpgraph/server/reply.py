@@ -86,15 +86,20 @@ class ReplyReader:
     def message(self, role: str = "assistant") -> dict:
         """The whole reply as a non-streamed message: content is null beside tool calls where there is none."""
         calls = merge_calls(self.call_deltas)
-        # (null beside tool calls, or where the server splits thoughts out, sent or not, as vLLM answers; "" for a
-        # plain empty reply)
-        empty = None if calls or self.thoughts is not None else ""
-        message: dict[str, Any] = {"role": role, "content": "".join(self.contents) or empty}
+        message: dict[str, Any] = {"role": role, "content": "".join(self.contents) or self._no_content(calls)}
         if self.thoughts is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning or None
         if calls:
             message["tool_calls"] = calls
         return message
+
+    def _no_content(self, calls: list[dict]) -> str | None:
+        """The content of a reply without any, as vLLM answers: "" beside the calls a named or "required" tool
+        choice made (vLLM builds that message with content ""); null beside "auto" calls, or where the server splits
+        thoughts out, sent or not; "" for a plain empty reply."""
+        if calls and self.plan.mode in ("named", "required"):
+            return ""
+        return None if calls or self.thoughts is not None else ""
 
     def _sent(self, delta: Delta) -> Delta:
         if not self.include_reasoning:

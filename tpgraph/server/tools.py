@@ -12,7 +12,8 @@
 Streamed, "required" and "auto" calls are sent as they are written (tool_streams.py); a whole reply is read as calls
 once it is whole, by the same reader.
 
-Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text). finish_reason is
+Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text), beside content ""
+for a named or "required" choice's calls and null for "auto" ones where there is no text, as vLLM's. finish_reason is
 "tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a call cut
 off keeps the engine's "length" or "stop"); a named call finishes "stop", as OpenAI's does. A reply with no call comes
 back as content, so nothing is lost; one whose call broke off after it began (cut by max_tokens, say) keeps that
