@@ -11,7 +11,7 @@ from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.reply import merge_calls
 from tpgraph.server.tool_parsers import HermesParser, Llama3JsonParser, PythonicParser
-from tpgraph.server.tools import ToolOptions, ToolPlan, required_schema
+from tpgraph.server.tools import ToolOptions, ToolPlan, required_schema, template_tools
 
 AUTO = ToolOptions(parser="hermes")
 PLAIN = ToolOptions()
@@ -47,7 +47,7 @@ def test_tool_mistakes_get_a_reason(tools, choice, options, needle):
 
 def test_plans_and_what_the_template_sees():
     none = plan("none")
-    assert none.mode == "none" and none.template_tools == [WEATHER, TIME] and none.structured is None
+    assert none.mode == "none" and none.template_tools == template_tools([WEATHER, TIME]) and none.structured is None
     assert plan("none", options=ToolOptions(exclude_tools_when_none=True)).template_tools is None
     assert ToolPlan.of(None, None, None, ToolOptions()) == ToolPlan() == ToolPlan.of([], "none", None, ToolOptions())
     named = plan({"type": "function", "function": {"name": "get_weather"}})
@@ -56,6 +56,24 @@ def test_plans_and_what_the_template_sees():
         "type": "object"}
     auto = plan(options=AUTO)
     assert auto.mode == "auto" and isinstance(auto.parser, HermesParser) and auto.structured is None
+
+
+def test_the_template_sees_each_tool_as_vllm_dumps_it():
+    """vLLM hands the chat template each tool as its pydantic model dumps it: "type" first, then the function's name,
+    description and parameters (null where the request leaves them out), then other keys as written. A tool written
+    in another order, or without a description, rendered another prompt than vLLM's."""
+    tool = {"function": {"strict": True, "parameters": {"type": "object"}, "name": "f"}, "x": 1}
+    seen = plan("none", tools=[tool, TIME]).template_tools
+    f = {"name": "f", "description": None, "parameters": {"type": "object"}, "strict": True}
+    assert seen == [{"type": "function", "function": f, "x": 1},
+                    {"type": "function", "function": {"name": "get_time", "description": None, "parameters": None}}]
+    assert [list(t) for t in seen] == [["type", "function", "x"], ["type", "function"]]
+    assert list(seen[0]["function"]) == ["name", "description", "parameters", "strict"]
+    assert plan(options=AUTO, tools=[tool]).template_tools == seen[:1]  # (every choice's)
+    assert tool == {"function": {"strict": True, "parameters": {"type": "object"}, "name": "f"}, "x": 1}  # (untouched)
+    rendered = ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": "<s>"}).render([], tools=seen[1:])
+    dumped = '[{"type": "function", "function": {"name": "get_time", "description": null, "parameters": null}}]'
+    assert dumped in rendered
 
 
 def test_required_schema_is_an_array_of_named_calls_with_defs_lifted():

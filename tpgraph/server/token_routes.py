@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, no_request_template, template_messages
-from tpgraph.server.tools import check_tools
+from tpgraph.server.tools import check_tools, template_tools
 
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
 
@@ -32,7 +32,8 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
             no_request_template(body.chat_template, body.chat_template_kwargs)
             if body.tools:
                 check_tools(body.tools)
-            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, body.tools or None,
+            tools = template_tools(body.tools) if body.tools else None  # (as the chat route's, so the counts agree)
+            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, tools,
                                        template_variables(body.chat_template_kwargs), body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:

@@ -58,6 +58,20 @@ def check_tools(tools: list[Any]) -> dict[str, dict]:
     return by_name
 
 
+def template_tools(tools: list[dict]) -> list[dict]:
+    """Checked tools as vLLM hands them to the chat template (its pydantic models dumped): "type" first, then the
+    function's name, description and parameters (null where left out), then any other keys as written. A template
+    that writes the tools out (tojson) so renders vLLM's prompt."""
+    fixed = ("name", "description", "parameters")
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        function = {**{k: fn.get(k) for k in fixed}, **{k: v for k, v in fn.items() if k not in fixed}}
+        out.append({"type": "function", "function": function,
+                    **{k: v for k, v in tool.items() if k not in ("type", "function")}})
+    return out
+
+
 def required_schema(functions: list[dict], one_call: bool) -> dict:
     """vLLM's "required" schema: an array of calls, each {"name": one tool's name, "parameters": its arguments}. Each
     tool's $defs are lifted to the top, where the array's references find them."""
@@ -111,17 +125,18 @@ class ToolPlan:
         by_name = check_tools(tools)
         choice = "auto" if tool_choice is None else tool_choice
         one_call = parallel_tool_calls is False
+        shown = template_tools(tools)
         if choice == "none":
-            return ToolPlan(template_tools=None if options.exclude_tools_when_none else list(tools))
+            return ToolPlan(template_tools=None if options.exclude_tools_when_none else shown)
         if choice == "auto":
             if options.parser is None:
                 raise RequestError('"auto" tool choice (the default when tools are given) needs a server started with '
                                    "--enable-auto-tool-choice and --tool-call-parser; or ask for tool_choice "
                                    '"required", or a named function, which need neither')
-            return ToolPlan("auto", list(tools), parser=PARSERS[options.parser](), one_call=one_call,
+            return ToolPlan("auto", shown, parser=PARSERS[options.parser](), one_call=one_call,
                             names=frozenset(by_name))
         if choice == "required":
-            return ToolPlan("required", list(tools), one_call=one_call, names=frozenset(by_name),
+            return ToolPlan("required", shown, one_call=one_call, names=frozenset(by_name),
                             structured=StructuredOutput.json_schema(required_schema(list(by_name.values()), one_call)))
         if isinstance(choice, dict):
             fn = choice.get("function")
@@ -132,7 +147,7 @@ class ToolPlan:
                 raise RequestError(f"tool_choice names {name!r}, which is not among the tools "
                                    f"({', '.join(map(repr, by_name))})")
             params = by_name[name].get("parameters") or {"type": "object"}
-            return ToolPlan("named", list(tools), function=name, structured=StructuredOutput.json_schema(params))
+            return ToolPlan("named", shown, function=name, structured=StructuredOutput.json_schema(params))
         raise RequestError(f'tool_choice {choice!r} is not one of "none", "auto", "required" or a named function '
                            f"({NAMED_USAGE})")
 
