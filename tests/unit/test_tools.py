@@ -49,7 +49,7 @@ def test_plans_and_what_the_template_sees():
     none = plan("none")
     assert none.mode == "none" and none.template_tools == template_tools([WEATHER, TIME]) and none.structured is None
     assert plan("none", options=ToolOptions(exclude_tools_when_none=True)).template_tools is None
-    assert ToolPlan.of(None, None, None, ToolOptions()) == ToolPlan() == ToolPlan.of([], "none", None, ToolOptions())
+    assert ToolPlan.of(None, None, None, ToolOptions()) == ToolPlan() == ToolPlan.of(None, "none", None, ToolOptions())
     named = plan({"type": "function", "function": {"name": "get_weather"}})
     assert named.function == "get_weather" and json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
     assert json.loads(plan({"type": "function", "function": {"name": "get_time"}}).structured.spec) == {
@@ -74,6 +74,20 @@ def test_the_template_sees_each_tool_as_vllm_dumps_it():
     rendered = ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": "<s>"}).render([], tools=seen[1:])
     dumped = '[{"type": "function", "function": {"name": "get_time", "description": null, "parameters": null}}]'
     assert dumped in rendered
+
+
+def test_an_empty_tools_list_is_read_as_vllm_reads_it():
+    """vLLM (as OpenAI) answers "required" with tools [] as "none", the tools dropped: it was a 400. Without a
+    tool_choice, or with "none" or "auto" (where the server serves "auto"), tools [] is a plain reply whose chat
+    template still gets tools [] (Llama 3.1's then writes its tool preamble), where it got none."""
+    assert ToolPlan.of([], "required", None, PLAIN) == ToolPlan()
+    for choice, options in ((None, PLAIN), ("none", PLAIN), ("auto", AUTO)):
+        assert ToolPlan.of([], choice, None, options) == ToolPlan(template_tools=[]), choice
+    assert ToolPlan.of([], "none", None, ToolOptions(exclude_tools_when_none=True)) == ToolPlan()
+    with pytest.raises(RequestError, match="--enable-auto-tool-choice"):  # (vLLM's "auto" needs its parser still)
+        ToolPlan.of([], "auto", None, PLAIN)
+    with pytest.raises(RequestError, match="not among the tools"):
+        ToolPlan.of([], {"type": "function", "function": {"name": "f"}}, None, PLAIN)
 
 
 def test_required_schema_is_an_array_of_named_calls_with_defs_lifted():

@@ -30,9 +30,10 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
         check_model(body.model)
         if body.messages is not None:
             no_request_template(body.chat_template, body.chat_template_kwargs)
-            if body.tools:
+            if body.tools is not None:
                 check_tools(body.tools)
-            tools = template_tools(body.tools) if body.tools else None  # (as the chat route's, so the counts agree)
+            # (as the chat route's, so the counts agree: [] too, as vLLM's)
+            tools = None if body.tools is None else template_tools(body.tools)
             text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, tools,
                                        template_variables(body.chat_template_kwargs), body.continue_final_message)
             special = bool(body.add_special_tokens)

@@ -5,7 +5,7 @@
 - a named function ({"type": "function", "function": {"name": ...}}): the reply is held to that function's
   parameters schema (structured outputs) and returned as one call; its arguments stream as they are generated.
 - "required": the reply is held to a JSON array of one or more {"name", "parameters"} objects, one of the tools each
-  (vLLM's schema).
+  (vLLM's schema). With tools [] it is "none", the tools dropped, as vLLM (and OpenAI) read it.
 - "auto" (the default when tools are given): the model chooses; the server's --tool-call-parser finds the calls in
   its own format (tool_parsers.py). A server started without one refuses "auto", as vLLM does.
 
@@ -118,14 +118,18 @@ class ToolPlan:
     @staticmethod
     def of(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, options: ToolOptions
            ) -> ToolPlan:
-        if not tools:
+        if tools is None:
             if tool_choice not in (None, "none"):
                 raise RequestError("tool_choice needs tools")
             return ToolPlan()
         by_name = check_tools(tools)
-        choice = "auto" if tool_choice is None else tool_choice
         one_call = parallel_tool_calls is False
         shown = template_tools(tools)
+        if not tools and tool_choice in (None, "required"):
+            # (vLLM's reading of tools []: "required" is "none", the tools dropped, as OpenAI's; no tool_choice is no
+            # "auto", and the template still gets the empty list)
+            return ToolPlan(template_tools=None if tool_choice else shown)
+        choice = "auto" if tool_choice is None else tool_choice
         if choice == "none":
             return ToolPlan(template_tools=None if options.exclude_tools_when_none else shown)
         if choice == "auto":
@@ -133,6 +137,8 @@ class ToolPlan:
                 raise RequestError('"auto" tool choice (the default when tools are given) needs a server started with '
                                    "--enable-auto-tool-choice and --tool-call-parser; or ask for tool_choice "
                                    '"required", or a named function, which need neither')
+            if not tools:  # (no tool to call: vLLM runs no parser, the reply is plain)
+                return ToolPlan(template_tools=shown)
             return ToolPlan("auto", shown, parser=PARSERS[options.parser](), one_call=one_call,
                             names=frozenset(by_name))
         if choice == "required":
