@@ -238,12 +238,26 @@ def test_earlier_calls_reach_the_template_with_arguments_as_objects():
     assert '"arguments": {"city": "Oslo"}' in builtin and "<|tool|>\n-3 C" in builtin
 
 
+@pytest.mark.parametrize(("arguments", "seen"), [
+    (None, {}), ("", {}), ({}, {}), ([], {}), ('{"a": 1}', {"a": 1}), ({"a": 1}, {"a": 1}), ("[1, 2]", [1, 2]),
+    ([1], [1]), ("5", 5), ("null", None),
+])
+def test_earlier_call_arguments_reach_the_template_as_vllm_reads_them(arguments, seen):
+    """vLLM parses an earlier call's arguments from JSON text into whatever value it holds (a list, a number), keeps
+    an object or list given as one, and reads none (null, "", or an empty value) as {}: arguments null was a 400
+    here, and so was any JSON text of no object (a named tool whose schema is an array answers such calls)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    body = {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    (message,) = ChatRequest.model_validate(body).checked_messages()
+    assert message["tool_calls"][0]["function"]["arguments"] == seen
+
+
 @pytest.mark.parametrize(("call", "needle"), [
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}, "not valid JSON"),
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}},
      "not valid JSON"),
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}, "not valid JSON"),
-    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}, "must be a JSON object"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": 5}}, "must be JSON text"),
     ({"id": "c", "function": {"arguments": "{}"}}, "must be"),
 ])
 def test_a_bad_earlier_call_gets_a_reason(call, needle):
