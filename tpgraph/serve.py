@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node N -m tpgraph.serve`: an OpenAI-compatible server (FastAPI + uvicorn on rank 0).
 
     python -m tpgraph.serve                                              # the built-in model, one process, CPU ok
-    torchrun --nproc-per-node 2 -m tpgraph.serve --model DIR --port 8000
+    torchrun --nproc-per-node 2 -m tpgraph.serve DIR --port 8000         # (or --model DIR)
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tpgraph-builtin", "prompt": "Hello", "max_tokens": 16}'
 
@@ -39,6 +39,8 @@ BUILTIN_NAME = "tpgraph-builtin"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tpgraph.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` names it: the same as --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -107,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
     args = p.parse_args(argv)
+    take_model_tag(p, args)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
         # (vLLM's VLLM_API_KEY too: a key kept there, ignored, would leave the server open)
         variable = next((v for v in ("TPGRAPH_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None)
@@ -122,6 +125,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
                 '"auto", or neither ("required" and named tool choices need neither)')
     return args
+
+
+def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model given positionally (vLLM's model_tag) is --model; both given must agree, as vLLM refuses two."""
+    tag = args.__dict__.pop("model_tag")
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        p.error(f"the model is given twice, {tag!r} and --model {args.model!r}: give it once")
+    args.model = tag
 
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:

@@ -249,3 +249,16 @@ def test_a_bad_vllm_max_n_sequences_stops_the_server_before_it_loads(monkeypatch
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "0")
     assert main(["--device", "cpu"]) == 2
     assert "VLLM_MAX_N_SEQUENCES must be a positive integer" in capsys.readouterr().err
+
+
+def test_the_model_may_be_given_positionally_as_vllm_serve_takes_it(capsys):
+    """`vllm serve meta-llama/Llama-3.1-8B-Instruct ...` names the model positionally (vLLM's model_tag; --model is
+    its deprecated spelling): the same command line here was refused as an unrecognized argument."""
+    assert parse_args(["org/model", "--port", "8001"]).model == "org/model"
+    assert parse_args(["--max-model-len", "64", "org/model"]).model == "org/model"
+    assert parse_args(["--model", "org/model"]).model == "org/model"
+    assert parse_args(["org/model", "--model", "org/model"]).model == "org/model"  # (the same model twice)
+    assert parse_args([]).model is None  # (the built-in model)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["org/a", "--model", "org/b"])
+    assert exit_.value.code == 2 and "org/a" in capsys.readouterr().err
