@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     logs.add_argument("--max-log-len", type=int, default=None, metavar="N",
                       help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
-    args = p.parse_args(argv)
+    args = p.parse_args(dashed_names(sys.argv[1:] if argv is None else argv))
     take_model_tag(p, args)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
         # (vLLM's VLLM_API_KEY too: a key kept there, ignored, would leave the server open)
@@ -125,6 +125,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
                 '"auto", or neither ("required" and named tool choices need neither)')
     return args
+
+
+def dashed_names(argv: list[str]) -> list[str]:
+    """--max_num_seqs=8 as --max-num-seqs=8: vLLM's parser takes either spelling of a flag's name (not of a value)."""
+    def dashed(arg: str) -> str:
+        if not arg.startswith("--"):
+            return arg
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-") + eq + value
+
+    return [dashed(arg) for arg in argv]
 
 
 def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

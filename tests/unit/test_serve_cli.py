@@ -262,3 +262,14 @@ def test_the_model_may_be_given_positionally_as_vllm_serve_takes_it(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["org/a", "--model", "org/b"])
     assert exit_.value.code == 2 and "org/a" in capsys.readouterr().err
+
+
+def test_flag_names_with_underscores_are_vllms_dashed_ones():
+    """vLLM's parser reads --max_num_seqs as --max-num-seqs (FlexibleArgumentParser; docker-compose files and scripts
+    write them so): they were refused here as unrecognized. Only the names change, never a value."""
+    args = parse_args(["--max_num_seqs=4", "--tensor_parallel_size", "2", "--served_model_name", "my_model",
+                       "--enable_prefix_caching", "--no_enable_chunked_prefill", "--chat_template", "a_b"])
+    assert (args.max_num_seqs, args.tensor_parallel_size, args.served_model_name) == (4, 2, ["my_model"])
+    assert (args.enable_prefix_caching, args.enable_chunked_prefill, args.chat_template) == (True, False, "a_b")
+    assert parse_args(["--override_generation_config={\"max_new_tokens\": 5}"]).override_generation_config == \
+        {"max_new_tokens": 5}
