@@ -273,3 +273,9 @@ def test_flag_names_with_underscores_are_vllms_dashed_ones():
     assert (args.enable_prefix_caching, args.enable_chunked_prefill, args.chat_template) == (True, False, "a_b")
     assert parse_args(["--override_generation_config={\"max_new_tokens\": 5}"]).override_generation_config == \
         {"max_new_tokens": 5}
+
+
+def test_vllms_num_gpu_blocks_override_sets_the_kv_blocks():
+    """--num-kv-blocks' help named vLLM's --num-gpu-blocks-override, which was refused as unrecognized."""
+    assert engine_kwargs(parse_args(["--num-gpu-blocks-override", "60"]))["num_kv_blocks"] == 60
+    assert engine_kwargs(parse_args(["--num-gpu-blocks-override=70"]))["num_kv_blocks"] == 70

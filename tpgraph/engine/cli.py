@@ -72,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "first, so the host's work hides behind the GPU's)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
     add_graph_args(p)
     add_fixed_args(p)
