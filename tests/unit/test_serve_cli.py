@@ -4,6 +4,7 @@ loop) are refused when parsed."""
 import pytest
 
 from tpgraph.engine.cli import engine_kwargs
+from tpgraph.errors import ConfigError
 from tpgraph.serve import parse_args
 
 
@@ -279,3 +280,32 @@ def test_vllms_num_gpu_blocks_override_sets_the_kv_blocks():
     """--num-kv-blocks' help named vLLM's --num-gpu-blocks-override, which was refused as unrecognized."""
     assert engine_kwargs(parse_args(["--num-gpu-blocks-override", "60"]))["num_kv_blocks"] == 60
     assert engine_kwargs(parse_args(["--num-gpu-blocks-override=70"]))["num_kv_blocks"] == 70
+
+
+@pytest.mark.parametrize("flags", [["-pp", "1"], ["--pipeline-parallel-size", "1"], ["-dp", "1"],
+                                   ["--data-parallel-size=1"], ["--distributed-executor-backend", "mp"]])
+def test_vllms_parallel_flags_are_taken_where_they_mean_what_runs_here(flags, monkeypatch):
+    """vLLM's -pp / -dp at 1 and --distributed-executor-backend mp (its own worker processes, as `python -m
+    tpgraph.serve -tp N` starts its ranks) were refused as unrecognized, though TPEngine takes the same keywords."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert engine_kwargs(parse_args(flags))["tp_size"] == 1
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["-pp", "2"], "--pipeline-parallel-size"), (["--data-parallel-size", "2"], "--data-parallel-size"),
+])
+def test_other_parallel_layouts_are_refused_naming_the_flag(flags, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and needle in err and "tensor parallelism" in err
+
+
+def test_an_executor_backend_other_than_how_ranks_run_here_is_refused(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="--distributed-executor-backend 'ray'.*give 'mp'"):
+        engine_kwargs(parse_args(["--distributed-executor-backend", "ray"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (under torchrun every rank builds an engine: vLLM's external_launcher)
+    assert engine_kwargs(parse_args(["--distributed-executor-backend", "external_launcher"]))["tp_size"] == 2
+    with pytest.raises(ConfigError, match="give 'external_launcher'"):
+        engine_kwargs(parse_args(["--distributed-executor-backend", "mp"]))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpgraph.distributed import env_int
+from tpgraph.engine.config import check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
@@ -101,6 +102,15 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                                                                    "chunks them, with no concurrent partial prefills"),
                        default="1", metavar="1", help="1: prompts are chunked as in vLLM's V1 engine (more concurrent "
                                                       "partial prefills are refused)")
+    # (one pipeline stage and one replica: vLLM's defaults, which a launch command may spell out)
+    one = accepted("1", why="tpgraph shards by tensor parallelism alone (--tensor-parallel-size)")
+    fixed.add_argument("--pipeline-parallel-size", "-pp", type=one, default="1", metavar="1",
+                       help="1: no pipeline stages (tensor parallelism alone; more are refused)")
+    fixed.add_argument("--data-parallel-size", "-dp", type=one, default="1", metavar="1",
+                       help="1: one replica (run a server per replica; more are refused)")
+    fixed.add_argument("--distributed-executor-backend", default=None, metavar="{mp,uni,external_launcher}",
+                       help="how the ranks run: mp where `python -m tpgraph.serve -tp N` starts them itself (uni at "
+                            "one rank), external_launcher under torchrun; ray is refused")
     # (statistics are served at /metrics and never logged periodically: there is nothing to turn off)
     fixed.add_argument("--disable-log-stats", action="store_true",
                        help="taken: no statistics are logged periodically (/metrics serves them)")
@@ -167,6 +177,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
     world = 1 if world is None else world
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
+    check_executor_backend(args.distributed_executor_backend, tp_size, named="--distributed-executor-backend ")
     model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
                                        args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
     return dict(model=model, tp_size=tp_size, device=args.device, dtype=args.dtype,

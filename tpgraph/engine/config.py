@@ -155,7 +155,7 @@ VLLM_KEYWORDS_TAKEN = {
 }
 
 
-def check_executor_backend(backend: object, tp_size: int) -> None:
+def check_executor_backend(backend: object, tp_size: int, named: str = "distributed_executor_backend=") -> None:
     """vLLM's distributed_executor_backend, taken where it names how tpgraph runs its ranks: "external_launcher"
     under torchrun (every rank builds an engine, as vLLM's torchrun example does), "mp" in a plain process (the engine
     starts its ranks), "uni" at one rank. Any other is refused, naming the one that fits here."""
@@ -165,7 +165,7 @@ def check_executor_backend(backend: object, tp_size: int) -> None:
         return
     how = "under torchrun every rank builds a TPEngine" if launched else \
         "in a plain process TPEngine(tensor_parallel_size=N) starts its own ranks"
-    raise ConfigError(f"distributed_executor_backend={backend!r} (vLLM's) is not taken: {how}, as vLLM's {fits!r} "
+    raise ConfigError(f"{named}{backend!r} (vLLM's) is not taken: {how}, as vLLM's {fits!r} "
                       f"does; give {fits!r} or leave it out")
 
 
