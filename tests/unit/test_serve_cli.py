@@ -309,3 +309,29 @@ def test_an_executor_backend_other_than_how_ranks_run_here_is_refused(monkeypatc
     assert engine_kwargs(parse_args(["--distributed-executor-backend", "external_launcher"]))["tp_size"] == 2
     with pytest.raises(ConfigError, match="give 'external_launcher'"):
         engine_kwargs(parse_args(["--distributed-executor-backend", "mp"]))
+
+
+@pytest.mark.parametrize("text,tokens", [("8192", 8192), ("8k", 8000), ("8K", 8192), ("25.6k", 25600), ("1M", 2 ** 20),
+                                         (" 32K", 32768)])
+def test_token_counts_take_vllms_human_readable_suffixes(text, tokens):
+    """vLLM reads --max-model-len and --max-num-batched-tokens with k/m/g (x1000) and K/M/G (x1024) suffixes
+    (human_readable_int): `--max-model-len 32k` was refused here as an invalid int."""
+    kwargs = engine_kwargs(parse_args(["--max-model-len", text, f"--max-num-batched-tokens={text}"]))
+    assert (kwargs["max_model_len"], kwargs["max_num_batched_tokens"]) == (tokens, tokens)
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
+def test_max_model_len_auto_is_the_longest_the_cache_holds(text):
+    """vLLM's --max-model-len -1 / auto: the model's context where the KV cache holds it, else the longest it holds;
+    that is this engine's default (None). -1 went on to be refused after parsing as no positive integer."""
+    assert engine_kwargs(parse_args(["--max-model-len", text]))["max_model_len"] is None
+
+
+@pytest.mark.parametrize("flags,needle", [(["--max-model-len", "1.5K"], "1.5k"), (["--max-model-len", "8q"], "8q"),
+                                          (["--max-num-batched-tokens", "auto"], "auto"),
+                                          (["--max-model-len", "-2"], "-2"), (["--max-model-len", "infk"], "infk")])
+def test_bad_token_counts_are_refused_naming_the_flag(flags, needle, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert flags[0] in err and needle in err

@@ -54,10 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (default: the model's, capped by what the KV cache holds)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step; longer prompts run in chunks (default: min(max_model_len, 8192))")
+    p.add_argument("--max-model-len", type=model_len, default=None, metavar="N",
+                   help="context limit, e.g. 8192, 8k (8000) or 8K (8192); default, or -1 / auto: the model's, capped "
+                        "by what the KV cache holds")
+    p.add_argument("--max-num-batched-tokens", type=token_count, default=None, metavar="N",
+                   help="tokens per step, e.g. 8192 or 8K; longer prompts run in chunks (default: min(max_model_len, "
+                        "8192))")
     # (vLLM's pairs: --enable-X and --no-enable-X, so a vLLM command line that spells out the default runs too)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="longer prompts run in chunks of --max-num-batched-tokens (--no-enable-chunked-prefill: each "
@@ -125,6 +127,36 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
         return text
 
     return check
+
+
+_DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+_BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def token_count(text: str) -> int:
+    """A count as vLLM reads one: 8192, 8k (x1000, 25.6k too) or 8K (x1024, whole numbers only)."""
+    text = text.strip()
+    unit = text[-1:]
+    try:
+        if unit in _DECIMAL:
+            return int(float(text[:-1]) * _DECIMAL[unit])
+        if unit in _BINARY:
+            return int(text[:-1]) * _BINARY[unit]
+        return int(text)
+    except (ValueError, OverflowError):  # (infk: a float too large for an int)
+        hint = f" ({unit} multiplies whole numbers: {text[:-1]}{unit.lower()} is x1000)" if unit in _BINARY else ""
+        raise argparse.ArgumentTypeError(f"must be a whole number, with k/m/g (x1000) or K/M/G (x1024) if you like, "
+                                         f"got {text!r}{hint}") from None
+
+
+def model_len(text: str) -> int | None:
+    """--max-model-len: a token count, or vLLM's -1 / auto (the longest the KV cache holds: the default, None)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    value = token_count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive token count, or -1 / auto, got {text!r}")
+    return value
 
 
 def json_object(text: str) -> dict[str, Any]:
