@@ -52,18 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "$VLLM_API_KEY), which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
     tools = p.add_argument_group("function calling (vLLM's flags)")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+    tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help='serve tool_choice "auto" (the default when a request gives tools), reading the model\'s '
                             "calls with --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                        help="the model's tool-call format: llama3_json (Llama 3.1-3.3's JSON), pythonic (Llama 3.2 and "
                             "4's [f(a=1)] lists) or hermes (<tool_call> tags)")
-    tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+    tools.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
                        help='leave the tools out of the chat template when tool_choice is "none"')
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+    p.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens read from the prefix "
                         "cache")
-    p.add_argument("--enable-request-id-headers", action="store_true",
+    p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="every response carries X-Request-Id: the client's, or one made for it (the reply's id names "
                         "it too)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
@@ -78,10 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help='CORS: the methods they may use, a JSON list (default ["*"])')
     http.add_argument("--allowed-headers", type=json_strings, default=["*"], metavar="JSON",
                       help='CORS: the headers they may send, a JSON list (default ["*"])')
-    http.add_argument("--allow-credentials", action="store_true", help="CORS: pages may send cookies and credentials")
+    http.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                      help="CORS: pages may send cookies and credentials")
     http.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                       help="uvicorn's log level (info: a line for each request answered)")
-    http.add_argument("--disable-uvicorn-access-log", action="store_true",
+    http.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                       help="no line for each request answered, whatever the log level")
     http.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the certificate's private key")
     http.add_argument("--ssl-certfile", default=None, metavar="FILE",
@@ -93,12 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="the prefix a path-routing proxy serves the API under (/llm: /llm/v1/models)")
     p.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="a chat reply's role where the request adds the generation prompt (else the last message's)")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+    p.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help='log-probability entries name tokens "token_id:N" where a request does not say')
-    p.add_argument("--enable-force-include-usage", action="store_true",
+    p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
                    help="every stream reports its usage (each chunk its usage so far, then a usage chunk), "
                         "asked or not")
-    http.add_argument("--disable-fastapi-docs", action="store_true",
+    http.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                       help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     logs = p.add_argument_group("request logs (vLLM's flags)")
     logs.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,

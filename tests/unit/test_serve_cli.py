@@ -335,3 +335,17 @@ def test_bad_token_counts_are_refused_naming_the_flag(flags, needle, capsys):
         parse_args(flags)
     err = capsys.readouterr().err
     assert flags[0] in err and needle in err
+
+
+@pytest.mark.parametrize("name", ["enable_auto_tool_choice", "exclude_tools_when_tool_choice_none",
+                                  "enable_prompt_tokens_details", "enable_request_id_headers", "allow_credentials",
+                                  "disable_uvicorn_access_log", "disable_fastapi_docs", "return_tokens_as_token_ids",
+                                  "enable_force_include_usage", "trust_remote_code", "enforce_eager"])
+def test_vllms_boolean_flags_take_their_no_forms(name):
+    """vLLM makes every boolean setting a pair, --X and --no-X (BooleanOptionalAction): a vLLM command line giving
+    --no-enforce-eager or --no-trust-remote-code (a template that spells out the default) was refused here."""
+    flag = name.replace("_", "-")
+    extra = ["--tool-call-parser", "llama3_json"] if name == "enable_auto_tool_choice" else []
+    assert getattr(parse_args([f"--{flag}", *extra]), name) is True
+    assert getattr(parse_args([f"--{flag}", f"--no-{flag}"]), name) is False  # (the last one given wins)
+    assert getattr(parse_args([]), name) is False

@@ -93,7 +93,7 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                             "refused too)")
     # (checkpoints load as LlamaForCausalLM, model_type llama, read by tpgraph's own code: no checkpoint's code runs,
     # so trusting it changes nothing)
-    fixed.add_argument("--trust-remote-code", action="store_true",
+    fixed.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                        help="taken: the Llama checkpoints tpgraph loads need no code of their own, and none is run")
     # (vLLM's V1 engine preempts by recomputation and never swaps, as this one: the CPU swap space goes unused there)
     fixed.add_argument("--swap-space", type=non_negative, default=4.0, metavar="GIB",

@@ -81,7 +81,8 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                             "an eager forward is faster")
     group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
                        help="eager runs per size before capturing it (at least 1)")
-    group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                       help="never capture or replay CUDA graphs")
     group.add_argument("--check-graph-addresses", action="store_true",
                        help="debug: check each replay reads the input addresses its graph captured")
 
