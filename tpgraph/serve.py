@@ -27,6 +27,7 @@ from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, engine_kwargs, json_object, positive_number
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.tool_parsers import PARSERS
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` names it: the same as --model")
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="flags from a YAML file (port: 8000, enforce-eager: true, ...), as vLLM's; the command line's "
+                        "own override them")
+    p.add_argument(CONFIG_MODEL_FLAG, dest="config_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -109,7 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     logs.add_argument("--max-log-len", type=int, default=None, metavar="N",
                       help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
-    args = p.parse_args(dashed_names(sys.argv[1:] if argv is None else argv))
+    argv = dashed_names(sys.argv[1:] if argv is None else argv)
+    try:  # (argparse's own table of flags: a false boolean in the file is --no-X only where that exists)
+        argv = expand_config(argv, lambda flag: flag in p._option_string_actions)
+    except ConfigError as exc:
+        p.error(str(exc))
+    args = p.parse_args(argv)
     take_model_tag(p, args)
     if args.api_key is None:  # (read here, not as the flag's default: a blank one would be blamed on the flag)
         # (vLLM's VLLM_API_KEY too: a key kept there, ignored, would leave the server open)
@@ -140,9 +150,11 @@ def dashed_names(argv: list[str]) -> list[str]:
 
 
 def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The model given positionally (vLLM's model_tag) is --model; both given must agree, as vLLM refuses two."""
-    tag = args.__dict__.pop("model_tag")
+    """The model given positionally (vLLM's model_tag) is --model; both given must agree, as vLLM refuses two. A
+    --config file's model is taken where the command line gives none."""
+    tag, from_file = args.__dict__.pop("model_tag"), args.__dict__.pop("config_model")
     if tag is None:
+        args.model = args.model if args.model is not None else from_file
         return
     if args.model is not None and args.model != tag:
         p.error(f"the model is given twice, {tag!r} and --model {args.model!r}: give it once")

@@ -349,3 +349,32 @@ def test_vllms_boolean_flags_take_their_no_forms(name):
     assert getattr(parse_args([f"--{flag}", *extra]), name) is True
     assert getattr(parse_args([f"--{flag}", f"--no-{flag}"]), name) is False  # (the last one given wins)
     assert getattr(parse_args([]), name) is False
+
+
+def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
+    """vLLM's --config FILE.yaml: each key a flag (true: --X, false: --no-X where there is one, a list its values, a
+    mapping its JSON), the command line winning over the file. It was refused as an unrecognized argument."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: org/model\nport: 9000\nmax_num_seqs: 4\nmax-model-len: 8K\nenable-prefix-caching: false\n"
+                      "enforce-eager: true\ndisable-log-stats: false\nserved-model-name: [a, b]\n"
+                      "override-generation-config: {temperature: 0.5}\n")
+    args = parse_args(["--config", str(config), "--port", "9001"])
+    assert (args.model, args.port, args.max_num_seqs, args.max_model_len) == ("org/model", 9001, 4, 8192)
+    assert (args.enable_prefix_caching, args.enforce_eager, args.disable_log_stats) == (False, True, False)
+    assert args.served_model_name == ["a", "b"] and args.override_generation_config == {"temperature": 0.5}
+    assert parse_args(["other/model", f"--config={config}"]).model == "other/model"  # (the command line's model)
+    assert parse_args(["--model", "other/model", "--config", str(config)]).model == "other/model"
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("serve.json", "{}", "YAML"), ("serve.yaml", "- a\n", "a mapping"), ("serve.yaml", "nonsense-flag: 1\n",
+                                                                        "--nonsense-flag"),
+])
+def test_a_config_file_that_cannot_be_read_is_refused_naming_it(tmp_path, name, text, needle, capsys):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(tmp_path / name)])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+    assert "missing.yaml" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""vLLM's `--config FILE.yaml`: a YAML mapping of flag names to values, read as flags placed before the command
+line's own (so that the command line overrides the file)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tpgraph.errors import ConfigError
+
+# the file's model goes here, not to --model: a model on the command line (positionally too) overrides it, as in vLLM
+CONFIG_MODEL_FLAG = "--config-model"
+
+
+def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]:
+    """argv with `--config FILE` (or --config=FILE) replaced by the file's flags, put first. has_flag says whether a
+    flag exists: a false boolean becomes --no-X where there is one, and is left out (the default) where there is
+    none."""
+    where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not where:
+        return argv
+    if len(where) > 1:
+        raise ConfigError("--config is given more than once: give one file")
+    i = where[0]
+    if argv[i] == "--config":
+        if i + 1 == len(argv):
+            raise ConfigError("--config needs a file: --config FILE.yaml")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    return config_flags(load_config(path), has_flag) + rest
+
+
+def load_config(path: str) -> dict[str, Any]:
+    if Path(path).suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"--config {path}: the file must be YAML (.yaml or .yml), as vLLM's")
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("--config needs PyYAML to read the file: pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: cannot be read: {exc}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config {path}: must be a mapping of flag names to values (port: 8000), got "
+                          f"{type(config).__name__}")
+    return config
+
+
+def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool]) -> list[str]:
+    flags: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--model":
+            flag = CONFIG_MODEL_FLAG
+        flags += flag_words(flag, value, has_flag)
+    return flags
+
+
+def flag_words(flag: str, value: Any, has_flag: Callable[[str], bool]) -> list[str]:
+    """One key's command-line words, as vLLM writes them."""
+    if isinstance(value, bool):
+        negated = "--no-" + flag[2:]
+        return [flag] if value else [negated] if has_flag(negated) else []
+    if isinstance(value, list):
+        return [flag, *map(str, value)] if value else []
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
