@@ -378,3 +378,12 @@ def test_a_config_file_that_cannot_be_read_is_refused_naming_it(tmp_path, name, 
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_vllms_async_scheduling_is_the_overlapped_scheduling():
+    """vLLM's --async-scheduling (on by default in its newer releases) schedules the next step before the last one's
+    tokens are read: this engine's overlap scheduling. --async-scheduling / --no-async-scheduling were refused."""
+    assert engine_kwargs(parse_args(["--async-scheduling"]))["overlap_scheduling"] is True
+    assert engine_kwargs(parse_args(["--no-async-scheduling"]))["overlap_scheduling"] is False
+    assert engine_kwargs(parse_args([]))["overlap_scheduling"] is True
+    assert engine_kwargs(parse_args(["--no-overlap-scheduling"]))["overlap_scheduling"] is False

@@ -73,6 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
                    help="read each step's tokens before scheduling the next (default: the next step is launched "
                         "first, so the host's work hides behind the GPU's)")
+    p.add_argument("--async-scheduling", dest="overlap_scheduling", action=argparse.BooleanOptionalAction,
+                   default=True, help="vLLM's name for the same: on by default (--no-async-scheduling turns it off)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
