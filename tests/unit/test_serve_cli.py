@@ -387,3 +387,18 @@ def test_vllms_async_scheduling_is_the_overlapped_scheduling():
     assert engine_kwargs(parse_args(["--no-async-scheduling"]))["overlap_scheduling"] is False
     assert engine_kwargs(parse_args([]))["overlap_scheduling"] is True
     assert engine_kwargs(parse_args(["--no-overlap-scheduling"]))["overlap_scheduling"] is False
+
+
+@pytest.mark.parametrize("value", ["auto", "string"])
+def test_vllms_chat_template_content_format_is_taken_where_it_means_text(value):
+    """vLLM's --chat-template-content-format string (and auto, its default, which picks string for a template that
+    renders content as text, as Llama 3's do) hands the template each message's text parts joined: what this server
+    does. The flag was refused as unrecognized."""
+    assert parse_args(["--chat-template-content-format", value]).chat_template_content_format == value
+
+
+def test_the_openai_content_format_is_refused_naming_what_is_served(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--chat-template-content-format", "openai"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--chat-template-content-format" in err and "'string'" in err
