@@ -121,3 +121,18 @@ def test_vllms_cuda_graph_sizes_set_the_decode_capture_sizes():
         parse("--cuda-graph-sizes", "8", "--cuda-graph-ladder", "vllm")
     with pytest.raises(ConfigError, match=r"tops out at 8 but max_batch is 16; add a size >= 16"):
         parse("--cuda-graph-sizes", "8").decode_sizes(16)  # (vLLM would run those batches eagerly: said instead)
+
+
+def test_vllms_newer_capture_size_flags_set_the_decode_capture_sizes():
+    """vLLM's --cudagraph-capture-sizes (the sizes themselves, one value too) and --max-cudagraph-capture-size N (its
+    default sizes, 1, 2, 4, every 8 below 256 and every 16 from 256, up to N) were refused as unrecognized."""
+    assert parse("--cudagraph-capture-sizes", "1", "2", "128").ladder == (1, 2, 128)
+    assert parse("--cudagraph-capture-sizes", "8").ladder == (8,)
+    assert parse("--max-cudagraph-capture-size", "32").ladder == (1, 2, 4, 8, 16, 24, 32)
+    ladder = parse("--max-cudagraph-capture-size", "300").ladder
+    assert ladder[:4] == (1, 2, 4, 8) and ladder[-4:] == (248, 256, 272, 288) and 264 not in ladder
+    assert parse("--max-cudagraph-capture-size", "3").ladder == (1, 2)
+    for flags in (("--cudagraph-capture-sizes", "8", "--cuda-graph-sizes", "8"),
+                  ("--max-cudagraph-capture-size", "8", "--cuda-graph-ladder", "vllm")):
+        with pytest.raises(ConfigError, match="not both"):
+            parse(*flags)

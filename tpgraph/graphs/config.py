@@ -73,6 +73,11 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                        help="vLLM's form of the decode capture sizes: one N is 1, 2, 4 and every 8 up to N; several "
                             "are the sizes themselves (in place of --cuda-graph-ladder)")
+    group.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
+                       help="vLLM's newer form: the decode capture sizes themselves")
+    group.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                       help="vLLM's default decode capture sizes up to N: 1, 2, 4, every 8 below 256, every 16 "
+                            "from 256")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -101,17 +106,28 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
 
 
 def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
-    """--cuda-graph-ladder, or vLLM's --cuda-graph-sizes: one value N is vLLM's pattern (1, 2, 4, then every 8 up to
-    N), several are the sizes to capture. (Each batch pads to the first size that holds it: the largest must hold
-    --max-num-seqs, where vLLM would run larger batches eagerly.)"""
-    sizes = args.cuda_graph_sizes
-    if sizes is None:
-        return args.cuda_graph_ladder
-    if args.cuda_graph_ladder != _DEFAULTS["ladder"]:
-        raise ConfigError("give --cuda-graph-ladder or --cuda-graph-sizes, not both: both set the decode capture sizes")
-    if len(sizes) == 1:
-        sizes = [s for s in (1, 2, 4, *range(8, sizes[0] + 1, 8)) if s <= sizes[0]] or sizes
-    return check_sizes(sizes, "--cuda-graph-sizes")
+    """--cuda-graph-ladder, or one of vLLM's flags for the decode capture sizes: --cuda-graph-sizes (one value N is its
+    older pattern, 1, 2, 4, then every 8 up to N; several are the sizes), --cudagraph-capture-sizes (the sizes) or
+    --max-cudagraph-capture-size N (its newer default sizes up to N). (Each batch pads to the first size that holds
+    it: the largest must hold --max-num-seqs, where vLLM would run larger batches eagerly.)"""
+    ladder = args.cuda_graph_ladder if args.cuda_graph_ladder != _DEFAULTS["ladder"] else None
+    given = {flag: value for flag, value in (("--cuda-graph-ladder", ladder),
+                                             ("--cuda-graph-sizes", args.cuda_graph_sizes),
+                                             ("--cudagraph-capture-sizes", args.cudagraph_capture_sizes),
+                                             ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size))
+             if value is not None} or {"--cuda-graph-ladder": args.cuda_graph_ladder}
+    if len(given) > 1:
+        raise ConfigError(f"give {' or '.join(given)}, not both: each sets the decode capture sizes")
+    (flag, value), = given.items()
+    if flag == "--cuda-graph-ladder":
+        return value
+    if flag == "--max-cudagraph-capture-size":
+        sizes = [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, value + 1, 16)) if s <= value] or [value]
+    elif flag == "--cuda-graph-sizes" and len(value) == 1:
+        sizes = [s for s in (1, 2, 4, *range(8, value[0] + 1, 8)) if s <= value[0]] or value
+    else:
+        sizes = value
+    return check_sizes(sizes, flag)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
