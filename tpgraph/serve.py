@@ -22,6 +22,7 @@ import ssl
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from tpgraph.distributed import env_int
 from tpgraph.engine.cli import accepted, add_engine_args, engine_kwargs, json_object, positive_number
@@ -37,8 +38,18 @@ logger = logging.getLogger("tpgraph.serve")
 BUILTIN_NAME = "tpgraph-builtin"
 
 
+class ServeParser(argparse.ArgumentParser):
+    """Says what to do about a flag it does not take (a vLLM flag with no setting here), beside argparse's naming it."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            message += ("; this server has no such setting (it takes vLLM's flags where it can do what they ask; "
+                        "--help lists them): leave it out")
+        super().error(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tpgraph.serve", description=__doc__,
+    p = ServeParser(prog="python -m tpgraph.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` names it: the same as --model")

@@ -402,3 +402,14 @@ def test_the_openai_content_format_is_refused_naming_what_is_served(capsys):
         parse_args(["--chat-template-content-format", "openai"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--chat-template-content-format" in err and "'string'" in err
+
+
+@pytest.mark.parametrize("flags", [["--compilation-config", "{}"], ["-O3"], ["--hf-token", "x"],
+                                   ["--max-seq-len-to-capture", "8192"]])
+def test_a_flag_not_taken_is_refused_saying_what_to_do(flags, capsys):
+    """A vLLM flag this server has no setting for was refused as "unrecognized arguments" alone: the message now
+    says to leave it out, and where the flags taken are listed."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["org/model", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flags[0] in err and "leave it out" in err and "--help" in err
