@@ -209,13 +209,14 @@ def test_numpy_numbers_are_the_numbers_they_are():
     p = SamplingParams(n=np.int32(2), seed=np.int64(7), max_tokens=np.int64(8), min_tokens=np.int16(1),
                        top_k=np.int64(5), temperature=np.float32(0.5), top_p=np.float64(0.9), logprobs=np.int8(2),
                        stop_token_ids=[np.int64(3)], allowed_token_ids=[np.int64(4)],
-                       logit_bias={np.int64(6): np.float32(2)})
+                       logit_bias={np.int64(6): np.float32(2)}, truncate_prompt_tokens=np.int64(10))
     plain = SamplingParams(n=2, seed=7, max_tokens=8, min_tokens=1, top_k=5, temperature=0.5, top_p=0.9, logprobs=2,
-                           stop_token_ids=[3], allowed_token_ids=[4], logit_bias={6: 2.0})
+                           stop_token_ids=[3], allowed_token_ids=[4], logit_bias={6: 2.0}, truncate_prompt_tokens=10)
     assert p == plain and repr(p) == repr(plain)
     assert type(p.seed) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
     with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
         SamplingParams(max_tokens=np.int64(0))  # (checked as the int it is)
+    assert SamplingParams(truncate_prompt_tokens=np.int64(-1)).truncate_prompt_tokens == -1  # (vLLM's "to fit")
 
 
 def test_none_is_vllms_default_for_the_list_fields():

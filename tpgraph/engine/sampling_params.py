@@ -279,7 +279,8 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
 
 # the number fields: given as numpy's (a seed drawn with rng.integers), read as Python's int and float
 _NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                  "presence_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "priority")
+                  "presence_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "priority",
+                  "truncate_prompt_tokens")
 
 
 def _plain(value: object) -> object:
