@@ -4,13 +4,14 @@ prompt token has none.
 
 A prefill chunk's hidden state at position p predicts token p + 1, so a chunk yields the entries of the prompt tokens
 just after its positions. Their logits are gathered PASS_ROWS positions at a time (a whole 8192-token chunk's fp32
-log-probabilities at Llama-3's vocabulary would take 4 GB), and what is kept is small, [m, 2 + 2k] a chunk, in the
+log-probabilities at Llama-3's vocabulary would take 4 GB), and what is kept is small, [m, 3 + 2k] a chunk, in the
 sampler's packed layout, copied to the host while the GPU runs on and read with the step's tokens."""
 
 from __future__ import annotations
 
 import torch
 
+from tpgraph.engine.sampler import packed_rows
 from tpgraph.engine.sequence import Sequence
 from tpgraph.kernels._rows import WIDE_M
 
@@ -29,11 +30,10 @@ def prompt_targets(seq: Sequence, start: int, n: int) -> range:
 
 def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
                     ) -> torch.Tensor:
-    """hidden[rows] [m, H], the positions before targets [m] -> [m, 3 + 2k] float64 on the device: each target's id
-    and log-probability, the k most likely ids and theirs, then the target's rank (the ids at least as likely, itself
-    among them: 1 for the most likely, as vLLM counts; PendingSample's layout). Rows are taken a pass at a time, so
-    no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every rank makes
-    the same calls, as every rank runs the same chunks."""
+    """hidden[rows] [m, H], the positions before targets [m] -> [m, 3 + 2k] float64 on the device, the sampler's
+    packed_rows of each target: its id, log-probability and rank, and the k most likely. Rows are taken a pass at a
+    time, so no pass holds more than PASS_ROWS of anything. compute_logits gathers the vocabulary across ranks: every
+    rank makes the same calls, as every rank runs the same chunks."""
     out = []
     for s in range(0, len(rows), PASS_ROWS):
         at = rows[s:s + PASS_ROWS]
@@ -42,12 +42,5 @@ def packed_logprobs(compute_logits, hidden: torch.Tensor, rows: torch.Tensor, ta
             at = torch.cat([at, at[-1:].expand(PASS_MIN_ROWS - n)])
         logits = compute_logits(hidden[at])[:n]
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        t = targets[s:s + PASS_ROWS].unsqueeze(1)
-        chosen = logprobs.gather(1, t)
-        parts = [t.double(), chosen.double()]
-        if k:
-            top_lp, top_ids = logprobs.topk(k, dim=-1)
-            parts += [top_ids.double(), top_lp.double()]
-        parts.append((logprobs >= chosen).sum(dim=1, keepdim=True).double())  # (vLLM's rank: ties count)
-        out.append(torch.cat(parts, dim=1))
+        out.append(packed_rows(logprobs, targets[s:s + PASS_ROWS], k))
     return out[0] if len(out) == 1 else torch.cat(out)

@@ -238,14 +238,21 @@ class Sampler:
     def _start_copy(self, ids: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int | None) -> PendingSample:
         if raw_logprobs is None:
             return PendingSample(ids, ids, 0)
-        chosen = raw_logprobs.gather(1, ids.unsqueeze(1))
-        parts = [ids.double().unsqueeze(1), chosen.double()]
-        if k:
-            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
-            parts += [top_ids.double(), top_lp.double()]
-        parts.append((raw_logprobs >= chosen).sum(dim=1, keepdim=True).double())  # the token's rank, as vLLM's
-        # one transfer (ids and ranks are exact in float64)
-        return PendingSample(ids, torch.cat(parts, dim=1), k or 0)
+        return PendingSample(ids, packed_rows(raw_logprobs, ids, k or 0), k or 0)
+
+
+def packed_rows(logprobs: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, V] log-probabilities and the [B] ids taken from them -> [B, 3 + 2k] float64, PendingSample's layout: each
+    id and its log-probability, the k most likely ids and theirs, then the id's rank (the ids at least as likely,
+    itself among them: 1 for the most likely, ties counted, as vLLM's). One tensor, so one transfer to the host (ids
+    and ranks are exact in float64)."""
+    chosen = logprobs.gather(1, ids.unsqueeze(1))
+    parts = [ids.double().unsqueeze(1), chosen.double()]
+    if k:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        parts += [top_ids.double(), top_lp.double()]
+    parts.append((logprobs >= chosen).sum(dim=1, keepdim=True).double())
+    return torch.cat(parts, dim=1)
 
 
 class PendingSample:
