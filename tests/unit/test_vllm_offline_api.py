@@ -605,6 +605,32 @@ def test_a_lora_request_is_refused_where_every_rank_meets(monkeypatch):
             e.state = state
 
 
+def test_reset_prefix_cache_is_checked_where_every_rank_meets(monkeypatch):
+    """Under torchrun every rank forgets its own cached prefixes: a rank that reset alone (a script's `if rank == 0`)
+    would then compute a prompt the others read from their caches, and the ranks step apart (other chunks, other
+    collectives) with no word. The call meets the others at the one gather generate's check uses; where another rank
+    made another call there, it is refused and nothing is forgotten."""
+    import types
+
+    from tpgraph.engine import tp_engine
+
+    seen = []
+    with engine() as e:
+        e.generate("Hi, a prompt of a few blocks", GREEDY)
+        cached = e.core.scheduler.allocator.num_cached_blocks
+        state, e.state = e.state, types.SimpleNamespace(world_size=2, is_driver=True)  # (as rank 0 of two)
+        try:
+            monkeypatch.setattr(tp_engine, "gather_objects",
+                                lambda state, digest: seen.append(digest) or [digest, "another call"])
+            with pytest.raises(RequestError, match=r"rank\(s\) \[1\] called reset_prefix_cache"):
+                e.reset_prefix_cache()
+            assert len(seen) == 1 and e.core.scheduler.allocator.num_cached_blocks == cached > 0
+            monkeypatch.setattr(tp_engine, "gather_objects", lambda state, digest: [digest, digest])
+            assert e.reset_prefix_cache() and e.core.scheduler.allocator.num_cached_blocks == 0
+        finally:
+            e.state = state
+
+
 def test_a_max_tokens_past_max_model_len_runs_to_it_and_finishes_length_as_vllms_generate():
     """vLLM's generate runs a request whose max_tokens passes what its prompt leaves of max_model_len up to
     max_model_len (finish_reason "length"); it was refused, and with it the whole batch's results."""

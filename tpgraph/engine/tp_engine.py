@@ -362,9 +362,11 @@ class TPEngine:
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prompt prefix, so that the next requests compute theirs
         again (a benchmark's cold runs). False, with nothing changed, while requests run (never between generate
-        calls here). Under torchrun every rank calls it, as it calls generate."""
+        calls here). Under torchrun every rank calls it, as it calls generate, and the ranks check so at generate's
+        gather: a rank that reset alone would compute prompts the others read cached, and step apart from them."""
         with self._lock:
             self._check_open()
+            self._agreed_call("reset_prefix_cache", list)
             if self.service is None:
                 done = self.core.reset_prefix_cache()
             else:  # (the started ranks forget theirs in the same turn)
