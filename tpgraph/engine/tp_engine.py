@@ -320,8 +320,7 @@ class TPEngine:
             # left the others waiting in the gather)
             prompts = self._agreed_call("generate", lambda: no_lora(lora_request) or _prompt_list(prompts),
                                         sampling_params, priority)
-            # (a prompt too long is refused as it is encoded, unless the params cut prompts: then as it is cut)
-            limit = None if _truncates(sampling_params) else self.runner.max_model_len
+            limit = self._encode_limit(sampling_params)
             encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else (p if isinstance(p, str) else None,
                                                                         self.prompts.encode(p, limit)) for p in prompts]
             return self._generate(encoded, sampling_params, use_tqdm, priority)
@@ -351,11 +350,10 @@ class TPEngine:
                 if not isinstance(chat_template, str):
                     raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
-            encoded = []
+            encoded, limit = [], self._encode_limit(sampling_params)
             for conversation in conversations:
                 text = self.render_chat(text_messages(conversation), add_generation_prompt, tools, chat_template_kwargs,
                                         continue_final_message, template)
-                limit = None if _truncates(sampling_params) else self.runner.max_model_len
                 encoded.append((text, self.prompts.encode_chat(text, limit)))
             return self._generate(encoded, sampling_params, use_tqdm)
 
@@ -377,6 +375,14 @@ class TPEngine:
         if not done:
             logger.warning("the prefix cache was not reset: requests are running")
         return done
+
+    def _encode_limit(self, params: Any) -> int | None:
+        """The most tokens a call's prompts may encode to before they are refused, unread: max_model_len, or none
+        where its sampling params (one, a list, or None) cut any prompt (truncate_prompt_tokens), which is then
+        refused or cut once encoded (_generate)."""
+        listed = params if isinstance(params, (list, tuple)) else [params]
+        cuts = any(getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
+        return None if cuts else self.runner.max_model_len
 
     def _check_open(self) -> None:
         if self._closed:
@@ -642,12 +648,6 @@ def string_content(content_format: object) -> None:
         raise RequestError(f"chat_template_content_format={content_format!r} is not taken: a message's content parts "
                            f"reach the template joined as text here ('string', what 'auto' picks for a template that "
                            f"writes content as a string); give 'auto' or 'string'")
-
-
-def _truncates(params: Any) -> bool:
-    """Whether a call's sampling params (one, a list, or None) cut any prompt (truncate_prompt_tokens)."""
-    listed = params if isinstance(params, (list, tuple)) else [params]
-    return any(getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
 
 
 def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
