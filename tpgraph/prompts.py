@@ -32,7 +32,7 @@ class PromptCodec:
     chat_template: ChatTemplate | None
     generation_defaults: GenerationDefaults
     model_label: str  # names the checkpoint in messages
-    eos_ids: tuple[int, ...] = ()  # the ids that end a generation (the model's config and generation_config)
+    eos_ids: tuple[int, ...] = ()  # the ids that end a generation (the tokenizer's EOS first, then the configs')
     special_tokens: dict[str, str] = field(default_factory=dict)  # tokenizer_config.json's bos_token, eos_token, ...
 
     def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:

@@ -1,5 +1,5 @@
 """Structured outputs: a request's tokens held to a JSON schema, any JSON object, a regular expression, a choice of
-strings or an EBNF grammar (OpenAI's response_format, vLLM's guided_* fields), through xgrammar.
+strings or a grammar, EBNF or Lark's (OpenAI's response_format, vLLM's guided_* fields), through xgrammar.
 
 Each step, a constrained row's logits lose every token its grammar cannot take next (xgrammar fills the row's bitmask
 from the sequence's matcher and applies it), and the token read back advances the matcher. A grammar may be held off
@@ -108,9 +108,9 @@ def structured_outputs_params(json: dict | str | Any = None, regex: str | None =
                               disable_additional_properties: bool | None = None, whitespace_pattern: str | None = None,
                               structural_tag: str | None = None, backend: str | None = None) -> StructuredOutput:
     """vLLM's StructuredOutputsParams (and GuidedDecodingParams before it), made as the StructuredOutput it asks for:
-    one of `json` (a JSON schema: a dict, its text, or a pydantic model class), `regex`, `choice`, `grammar` (EBNF)
-    and `json_object=True`. Its options are read as the server reads them (with_structured_options); structural_tag
-    is refused."""
+    one of `json` (a JSON schema: a dict, its text, or a pydantic model class), `regex`, `choice`, `grammar` (EBNF or
+    Lark's, StructuredOutput says how they are told apart) and `json_object=True`. Its options are read as the server
+    reads them (with_structured_options); structural_tag is refused."""
     if hasattr(json, "model_json_schema"):  # (a pydantic model class, as vLLM's examples define one)
         json = json.model_json_schema()
     asked = [kind for kind, value in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar),
