@@ -366,6 +366,17 @@ def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path
     assert parse_args(["--model", "other/model", "--config", str(config)]).model == "other/model"
 
 
+def test_a_positional_model_is_not_taken_as_a_config_files_list_value(tmp_path):
+    """The file's flags go before the command line's: where the file's last key was a list (served-model-name: [a])
+    the model given positionally first was read as one more of its values, and the server had no model. vLLM keeps
+    the positional model before the file's flags."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("served-model-name: [a, b]\n")
+    for argv in (["org/model", "--config", str(config)], ["--config", str(config), "org/model", "--port", "9001"]):
+        args = parse_args(argv)
+        assert (args.model, args.served_model_name) == ("org/model", ["a", "b"])
+
+
 @pytest.mark.parametrize("name,text,needle", [
     ("serve.json", "{}", "YAML"), ("serve.yaml", "- a\n", "a mapping"), ("serve.yaml", "nonsense-flag: 1\n",
                                                                         "--nonsense-flag"),

@@ -15,9 +15,9 @@ CONFIG_MODEL_FLAG = "--config-model"
 
 
 def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]:
-    """argv with `--config FILE` (or --config=FILE) replaced by the file's flags, put first. has_flag says whether a
-    flag exists: a false boolean becomes --no-X where there is one, and is left out (the default) where there is
-    none."""
+    """argv with `--config FILE` (or --config=FILE) replaced by the file's flags, put first (after the positional
+    model, where the rest begins with it). has_flag says whether a flag exists: a false boolean becomes --no-X where
+    there is one, and is left out (the default) where there is none."""
     where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
     if not where:
         return argv
@@ -30,7 +30,9 @@ def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]
         path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
     else:
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
-    return config_flags(load_config(path), has_flag) + rest
+    # (the model first, as vLLM puts it: after the file's flags, a list's last value would take it for its own)
+    model = rest[:1] if rest and not rest[0].startswith("-") else []
+    return model + config_flags(load_config(path), has_flag) + rest[len(model):]
 
 
 def load_config(path: str) -> dict[str, Any]:
