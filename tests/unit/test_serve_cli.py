@@ -377,6 +377,15 @@ def test_a_positional_model_is_not_taken_as_a_config_files_list_value(tmp_path):
         assert (args.model, args.served_model_name) == ("org/model", ["a", "b"])
 
 
+def test_a_config_files_value_that_begins_with_a_dash_is_the_flags_value(tmp_path):
+    """A value written as its own word after the flag's name was read by argparse as another flag where it began with
+    a dash (an API key "-k3y", a model name "-base"): the file was refused with "expected at least one argument"."""
+    config = tmp_path / "serve.yaml"
+    config.write_text('api-key: "-k3y"\nserved-model-name: "-base"\nmax-model-len: -1\n')
+    args = parse_args(["--config", str(config)])
+    assert (args.api_key, args.served_model_name, args.max_model_len) == (["-k3y"], ["-base"], None)
+
+
 @pytest.mark.parametrize("name,text,needle", [
     ("serve.json", "{}", "YAML"), ("serve.yaml", "- a\n", "a mapping"), ("serve.yaml", "nonsense-flag: 1\n",
                                                                         "--nonsense-flag"),

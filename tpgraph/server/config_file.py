@@ -66,12 +66,11 @@ def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool]) -> lis
 
 
 def flag_words(flag: str, value: Any, has_flag: Callable[[str], bool]) -> list[str]:
-    """One key's command-line words, as vLLM writes them."""
+    """One key's command-line words, as vLLM writes them; one value goes as --X=VALUE, which argparse never reads as
+    another flag where it begins with a dash (a key "-k3y")."""
     if isinstance(value, bool):
         negated = "--no-" + flag[2:]
         return [flag] if value else [negated] if has_flag(negated) else []
     if isinstance(value, list):
         return [flag, *map(str, value)] if value else []
-    if isinstance(value, dict):
-        return [flag, json.dumps(value)]
-    return [flag, str(value)]
+    return [f"{flag}={json.dumps(value) if isinstance(value, dict) else value}"]
