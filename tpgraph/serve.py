@@ -39,12 +39,16 @@ BUILTIN_NAME = "tpgraph-builtin"
 
 
 class ServeParser(argparse.ArgumentParser):
-    """Says what to do about a flag it does not take (a vLLM flag with no setting here), beside argparse's naming it."""
+    """Says what to do about a flag it does not take (a vLLM flag with no setting here), or a word that is no flag (a
+    second model), beside argparse's naming it."""
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments"):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = any(word.startswith("-") for word in message[len(prefix):].split())
             message += ("; this server has no such setting (it takes vLLM's flags where it can do what they ask; "
-                        "--help lists them): leave it out")
+                        "--help lists them): leave it out" if flags else
+                        "; the command line takes one MODEL, and every other setting as a flag")
         super().error(message)
 
 

@@ -433,3 +433,13 @@ def test_a_flag_not_taken_is_refused_saying_what_to_do(flags, capsys):
         parse_args(["org/model", *flags])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and flags[0] in err and "leave it out" in err and "--help" in err
+
+
+def test_a_second_positional_word_is_not_called_a_setting_the_server_lacks(capsys):
+    """A word that is no flag (a second model, a value whose flag was mistyped away) was refused with the unknown
+    flag's advice, that this server has no such setting: there is no setting named there. It is named alone, with
+    what a positional word is (the model, once)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["org/a", "org/b"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # (the usage above it names MODEL anyway)
+    assert exit_.value.code == 2 and "org/b" in line and "no such setting" not in line and "one MODEL" in line
