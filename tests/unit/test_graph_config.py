@@ -136,3 +136,14 @@ def test_vllms_newer_capture_size_flags_set_the_decode_capture_sizes():
                   ("--max-cudagraph-capture-size", "8", "--cuda-graph-ladder", "vllm")):
         with pytest.raises(ConfigError, match="not both"):
             parse(*flags)
+
+
+def test_vllms_capture_sizes_and_their_max_are_taken_together_where_they_agree():
+    """vLLM takes --cudagraph-capture-sizes beside --max-cudagraph-capture-size where the max is the list's largest
+    (its CompilationConfig checks them for consistency): a launch command giving both was refused here as two flags
+    setting the same sizes. A max that is not the largest is refused, saying what it must be."""
+    assert parse("--cudagraph-capture-sizes", "1", "4", "16", "--max-cudagraph-capture-size", "16").ladder == (1, 4, 16)
+    with pytest.raises(ConfigError, match=r"size 32 .*largest of --cudagraph-capture-sizes \(16\)"):
+        parse("--cudagraph-capture-sizes", "1", "4", "16", "--max-cudagraph-capture-size", "32")
+    with pytest.raises(ConfigError, match="--max-cudagraph-capture-size must be a positive"):
+        parse("--max-cudagraph-capture-size", "0")

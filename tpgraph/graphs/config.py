@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.ladder import LADDERS, capture_sizes, check_sizes, parse_ladder
+from tpgraph.graphs.ladder import LADDERS, capture_sizes, check_sizes, parse_ladder, vllm_ladder
 from tpgraph.graphs.modes import DECODE_MODES, PREFILL_MODES
 
 
@@ -77,7 +77,7 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                        help="vLLM's newer form: the decode capture sizes themselves")
     group.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                        help="vLLM's default decode capture sizes up to N: 1, 2, 4, every 8 below 256, every 16 "
-                            "from 256")
+                            "from 256 (beside --cudagraph-capture-sizes: their largest)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -108,26 +108,41 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
 def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
     """--cuda-graph-ladder, or one of vLLM's flags for the decode capture sizes: --cuda-graph-sizes (one value N is its
     older pattern, 1, 2, 4, then every 8 up to N; several are the sizes), --cudagraph-capture-sizes (the sizes) or
-    --max-cudagraph-capture-size N (its newer default sizes up to N). (Each batch pads to the first size that holds
-    it: the largest must hold --max-num-seqs, where vLLM would run larger batches eagerly.)"""
-    ladder = args.cuda_graph_ladder if args.cuda_graph_ladder != _DEFAULTS["ladder"] else None
-    given = {flag: value for flag, value in (("--cuda-graph-ladder", ladder),
-                                             ("--cuda-graph-sizes", args.cuda_graph_sizes),
-                                             ("--cudagraph-capture-sizes", args.cudagraph_capture_sizes),
-                                             ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size))
-             if value is not None} or {"--cuda-graph-ladder": args.cuda_graph_ladder}
+    --max-cudagraph-capture-size N (its newer default sizes up to N; beside the sizes, their largest, as vLLM checks
+    it). (Each batch pads to the first size that holds it: the largest must hold --max-num-seqs, where vLLM would run
+    larger batches eagerly.)"""
+    given = _ladder_flags(args)
     if len(given) > 1:
         raise ConfigError(f"give {' or '.join(given)}, not both: each sets the decode capture sizes")
     (flag, value), = given.items()
     if flag == "--cuda-graph-ladder":
         return value
     if flag == "--max-cudagraph-capture-size":
-        sizes = [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, value + 1, 16)) if s <= value] or [value]
-    elif flag == "--cuda-graph-sizes" and len(value) == 1:
-        sizes = [s for s in (1, 2, 4, *range(8, value[0] + 1, 8)) if s <= value[0]] or value
-    else:
-        sizes = value
-    return check_sizes(sizes, flag)
+        if value < 1:
+            raise ConfigError(f"--max-cudagraph-capture-size must be a positive integer, got {value}")
+        return vllm_ladder(value)
+    if flag == "--cuda-graph-sizes" and len(value) == 1:
+        value = [s for s in (1, 2, 4, *range(8, value[0] + 1, 8)) if s <= value[0]] or value
+    return check_sizes(value, flag)
+
+
+def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The flags given that set the decode capture sizes, by name (none: --cuda-graph-ladder's default). vLLM's max
+    beside its sizes is no second setting where it is their largest (its CompilationConfig takes the pair so)."""
+    top = args.max_cudagraph_capture_size
+    if args.cudagraph_capture_sizes is not None and top is not None:
+        largest = max(args.cudagraph_capture_sizes)
+        if top != largest:
+            raise ConfigError(f"--max-cudagraph-capture-size {top} must be the largest of --cudagraph-capture-sizes "
+                              f"({largest}) where both are given, as vLLM checks them")
+        top = None
+    ladder = args.cuda_graph_ladder if args.cuda_graph_ladder != _DEFAULTS["ladder"] else None
+    given = {flag: value for flag, value in (("--cuda-graph-ladder", ladder),
+                                             ("--cuda-graph-sizes", args.cuda_graph_sizes),
+                                             ("--cudagraph-capture-sizes", args.cudagraph_capture_sizes),
+                                             ("--max-cudagraph-capture-size", top))
+             if value is not None}
+    return given or {"--cuda-graph-ladder": args.cuda_graph_ladder}
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
