@@ -302,3 +302,15 @@ def test_empty_stream_options_are_taken_without_stream_as_vllm_takes_them():
         kind.model_validate({**body, "stream_options": {}}).sampling_params(4, None)
         with pytest.raises(RequestError, match="stream_options is only allowed with stream: true"):
             kind.model_validate({**body, "stream_options": {"include_usage": False}}).sampling_params(4, None)
+
+
+def test_stream_options_that_name_a_field_need_a_stream_whatever_its_value():
+    """vLLM refuses any stream_options object with a key in it beside stream false: {"include_usage": null} (a field
+    given, its null read as the default) and a key this server does not know were taken here, as if {} was sent."""
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        for options in ({"include_usage": None}, {"continuous_usage_stats": None}, {"other": 1}):
+            with pytest.raises(RequestError, match="stream_options is only allowed with stream: true"):
+                kind.model_validate({**body, "stream_options": options}).sampling_params(4, None)
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": None}}
+        kind.model_validate(streamed).sampling_params(4, None)

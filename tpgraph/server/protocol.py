@@ -12,7 +12,7 @@ from __future__ import annotations
 import types
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tpgraph.chat import content_text
 from tpgraph.engine.limits import kept_prompt_tokens
@@ -69,6 +69,20 @@ def _an_integer(cls: type, value: Any) -> Any:
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
+    # whether the object named any key (a null or one not known here too): vLLM's test of whether it asks for
+    # something, which needs a stream
+    _named_keys: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_keys(cls, data: Any, handler: Any) -> StreamOptions:
+        options = handler(data)
+        options._named_keys = bool(data) if isinstance(data, dict) else bool(options.model_fields_set)
+        return options
+
+    def asks(self) -> bool:
+        """Whether the object asks for something (vLLM's: it is not empty)."""
+        return self._named_keys
 
 
 class SamplingFields(NullMeansDefault):
@@ -130,7 +144,7 @@ class SamplingFields(NullMeansDefault):
             raise RequestError("use_beam_search is not supported: this server samples (ask for n samples with logprobs "
                                "and rank them by their summed log-probabilities)")
         # (as vLLM's: an empty object asks for nothing, and is taken)
-        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+        if self.stream_options is not None and self.stream_options.asks() and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
         own = self.prompt_logprobs
         if own is not None and not 0 <= own <= MAX_LOGPROBS:
