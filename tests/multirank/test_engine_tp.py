@@ -46,7 +46,7 @@ def test_ranks_called_with_other_prompts_are_refused_on_every_rank(other):
     prompts = [["The quick brown fox"], other]
     ranks = run_ranks(engine_generate_per_rank, 2, prompts, ENGINE, timeout_s=240)
     for error, _ in ranks:
-        assert error is not None and error.startswith("rank(s) [1] called generate with other prompts")
+        assert error is not None and error.startswith("rank(s) [1] made another call than rank 0's generate")
     assert ("this rank's call was refused" in ranks[1][0]) == isinstance(other, dict)
     assert ranks[0][1] == ranks[1][1] and len(ranks[0][1]) == 4
 

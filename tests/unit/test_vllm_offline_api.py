@@ -622,7 +622,8 @@ def test_reset_prefix_cache_is_checked_where_every_rank_meets(monkeypatch):
         try:
             monkeypatch.setattr(tp_engine, "gather_objects",
                                 lambda state, digest: seen.append(digest) or [digest, "another call"])
-            with pytest.raises(RequestError, match=r"rank\(s\) \[1\] called reset_prefix_cache"):
+            with pytest.raises(RequestError,
+                               match=r"rank\(s\) \[1\] made another call than rank 0's reset_prefix_cache"):
                 e.reset_prefix_cache()
             assert len(seen) == 1 and e.core.scheduler.allocator.num_cached_blocks == cached > 0
             monkeypatch.setattr(tp_engine, "gather_objects", lambda state, digest: [digest, digest])

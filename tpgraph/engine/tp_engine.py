@@ -477,9 +477,9 @@ class TPEngine:
             differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
             if differ:
                 here = f" (this rank's call was refused: {refused})" if refused is not None else ""
-                raise RequestError(f"rank(s) {differ} called {name} with other prompts or sampling parameters than "
-                                   f"rank 0: under torchrun every rank makes the same calls with the same "
-                                   f"arguments{here}")
+                raise RequestError(f"rank(s) {differ} made another call than rank 0's {name} (another call, or "
+                                   f"other prompts or sampling parameters): under torchrun every rank makes the same "
+                                   f"calls with the same arguments{here}")
         if refused is not None:
             raise refused
         return prompts
