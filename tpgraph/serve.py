@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import ssl
@@ -177,10 +178,28 @@ def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     tag, from_file = args.__dict__.pop("model_tag"), args.__dict__.pop("config_model")
     if tag is None:
         args.model = args.model if args.model is not None else from_file
+        if args.model is None:
+            refuse_swallowed_model(p, args)
         return
     if args.model is not None and args.model != tag:
         p.error(f"the model is given twice, {tag!r} and --model {args.model!r}: give it once")
     args.model = tag
+
+
+# flags of several values, which take every word after them: a model named after one is read as one more value
+LIST_FLAGS = (("served_model_name", "--served-model-name"), ("api_key", "--api-key"))
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def refuse_swallowed_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """No model given, and a word that names one (a directory, or a hub id org/name) among a list flag's later values:
+    `serve --api-key KEY org/model` read the model as a second key and served the built-in model, its name an API key.
+    Refused, saying where the model goes."""
+    for dest, flag in LIST_FLAGS:
+        for word in (getattr(args, dest) or [])[1:]:
+            if HUB_ID.fullmatch(word) or os.path.isdir(word):
+                p.error(f"{word!r} after {flag} was read as one more of its values, and no model is given: put the "
+                        f"model first (serve {word} {flag} ...), or give it with --model")
 
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:

@@ -443,3 +443,20 @@ def test_a_second_positional_word_is_not_called_a_setting_the_server_lacks(capsy
         parse_args(["org/a", "org/b"])
     line = capsys.readouterr().err.strip().splitlines()[-1]  # (the usage above it names MODEL anyway)
     assert exit_.value.code == 2 and "org/b" in line and "no such setting" not in line and "one MODEL" in line
+
+
+@pytest.mark.parametrize("argv", [["--api-key", "k3y", "org/model"], ["--served-model-name", "mine", "org/model"],
+                                  ["--port", "8001", "--api-key", "a", "b", "DIR"]])
+def test_a_model_read_as_a_list_flags_value_is_refused_saying_where_it_goes(argv, tmp_path, capsys):
+    """`serve --api-key KEY org/model`: --api-key takes every word after it, so the model became a second key and the
+    built-in model was served, guarded by a key named after the model. A word that names a model (a directory, or a
+    hub id) among a list flag's later values, with no model given, is refused; the model first, it parses."""
+    argv = [str(tmp_path) if a == "DIR" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and "was read as one more of its values, and no model is given: put the model " \
+        "first" in capsys.readouterr().err
+    model = argv[-1]
+    args = parse_args([model, *argv[:-1]])
+    assert args.model == model
+    assert parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]  # (keys that name no model: as they are)
