@@ -277,8 +277,9 @@ def test_tool_calls_named_required_and_auto():
     "required" are held to the tools' schemas by the grammar, so even the built-in model's random weights make valid
     calls; "auto" reads the calls the model writes (here made to write one by a regex)."""
     pytest.importorskip("xgrammar")
+    # (1024: the last turn's history, its tools written out as vLLM dumps them, is ~560 byte-level tokens)
     served = Server(free_port(), ranks=1, torchrun=False,
-                    flags=("--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+                    flags=("--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
     city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
             "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
