@@ -1,6 +1,7 @@
 """Chat templates render exactly as HF's apply_chat_template; generation_config supplies stop ids and defaults."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
@@ -271,3 +272,149 @@ def test_checkpoint_json_is_read_as_utf_8_whatever_the_locale(tmp_path):
             "sys.stdout.buffer.write(tokenizer_config(sys.argv[1])['bos_token'].encode('utf-8'))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, timeout=120)
     assert out.returncode == 0 and out.stdout.decode("utf-8") == bos, out.stderr.decode(errors="replace")[-500:]
+
+
+# --- the chat templates Llama checkpoints are served with, rendered as vLLM renders them (through transformers) ---
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+# vLLM's chat_template_content_format "auto" for each (its detection: a template that loops over a message's content
+# gets each message's content as a list of {"type": "text", "text": ...} parts; any other gets one string)
+OPENAI_FORMAT = {"vllm_tool_chat_template_llama3.1_json", "vllm_tool_chat_template_llama3.2_json"}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"], "properties": {
+                                                "city": {"type": "string", "description": "the city"}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+ASKED = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+# what clients send, each with the request's other fields (tools, add_generation_prompt, ...)
+CHATS = {
+    "user": {"messages": [{"role": "user", "content": "Hi there"}]},
+    "turns": {"messages": [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": " Peru? "},
+                           {"role": "assistant", "content": "Lima"}, {"role": "user", "content": "Chile — ¿ñ? 你好"}]},
+    "no_prompt": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+                  "add_generation_prompt": False},
+    "tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, NOW]},
+    "tools_system": {"messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Paris?"}],
+                     "tools": [WEATHER]},
+    "tools_empty": {"messages": [{"role": "user", "content": "Hi"}], "tools": []},
+    "tool_result": {"messages": [*ASKED, {"role": "tool", "tool_call_id": "call_1", "content": "22C, sunny"}],
+                    "tools": [WEATHER]},
+    "tool_result_json": {"messages": [{"role": "user", "content": "Weather?"},
+                                      {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                      {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 22}'},
+                                      {"role": "user", "content": "Thanks"}], "tools": [WEATHER]},
+    "tool_result_parts": {"messages": [*ASKED, {"role": "tool", "tool_call_id": "call_1", "content": [
+        {"type": "text", "text": "22C"}, {"type": "text", "text": "sunny"}]}], "tools": [WEATHER]},
+    "tool_result_null": {"messages": [*ASKED, {"role": "tool", "tool_call_id": "call_1", "content": None}],
+                         "tools": [WEATHER]},
+    "continued": {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2, "}],
+                  "add_generation_prompt": False, "continue_final_message": True},
+    "tools_in_system": {"messages": [{"role": "user", "content": "Paris?"}], "tools": [WEATHER],
+                        "chat_template_kwargs": {"tools_in_user_message": False}},
+    "tools_in_user": {"messages": [{"role": "user", "content": "Paris?"}], "tools": [WEATHER],
+                      "chat_template_kwargs": {"tools_in_user_message": True}},
+    "builtin_tools": {"messages": [{"role": "user", "content": "Search"}],
+                      "chat_template_kwargs": {"builtin_tools": ["brave_search", "wolfram_alpha"]}},
+    "named": {"messages": [{"role": "user", "content": "Hi", "name": "bob"}]},
+    "null_calls": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello",
+                                                                    "tool_calls": None},
+                                {"role": "user", "content": "Bye"}]},
+    "reasoning": {"messages": [{"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "<think>x</think>Hello", "reasoning": "x"},
+                               {"role": "user", "content": "Bye"}]},
+    "null_reply": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                                {"role": "user", "content": "Bye"}]},
+    "empty": {"messages": [{"role": "user", "content": ""}]},
+}
+
+
+def vllm_conversation(messages: list[dict], openai_format: bool) -> list[dict]:
+    """The messages as vLLM hands them to apply_chat_template (chat_utils' _parse_chat_message_content and
+    _postprocess_messages): content as a list of text parts ("openai") or their texts joined by newlines; an
+    assistant's tool calls (where not null) with their arguments parsed; a tool message's parts joined; a name."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else [
+            {"type": "text", "text": p["text"]} for p in content]
+        msg = {"role": m["role"], "content": parts if openai_format else "\n".join(p["text"] for p in parts)}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                c["function"]["arguments"] or "{}")}} for c in m["tool_calls"]]
+        if m["role"] == "assistant" and m.get("reasoning") is not None:
+            msg.update(reasoning=m["reasoning"], reasoning_content=m["reasoning"])
+        if m["role"] == "tool":
+            msg["tool_call_id"] = m["tool_call_id"]
+            if isinstance(msg["content"], list):
+                msg["content"] = "\n".join(p["text"] for p in msg["content"])
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def vllm_tools(tools: list[dict] | None) -> list[dict] | None:
+    """The tools as vLLM dumps its pydantic models for the template: type, then name, description, parameters."""
+    return None if tools is None else [{"type": "function", "function": {
+        "name": t["function"]["name"], "description": t["function"].get("description"),
+        "parameters": t["function"].get("parameters")}} for t in tools]
+
+
+def vllm_render(hf_tokenizer, name: str, body: dict) -> str:
+    """What vLLM's chat route renders for a request with the template `name` (dated, so the day does not matter)."""
+    kwargs = {"date_string": "26 Jul 2024", **body.get("chat_template_kwargs", {})}
+    return hf_tokenizer.apply_chat_template(
+        vllm_conversation(body["messages"], name in OPENAI_FORMAT), tools=vllm_tools(body.get("tools")),
+        chat_template=(TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8"), tokenize=False,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False), **kwargs)
+
+
+def served_tokens(ckpt, name: str, bodies: list[dict]) -> list:
+    """/tokenize's answers (the chat route's rendering, encoded) for each request, from a server with `name` as its
+    chat template (--chat-template)."""
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    from tpgtest.server_stubs import IdleClient, httpx_module
+
+    from tpgraph.prompts import PromptCodec
+    from tpgraph.server import app as server_app
+    from tpgraph.server.metrics import ServerMetrics
+    from tpgraph.tokenizer import load_tokenizer
+
+    template = ChatTemplate.from_option(TEMPLATES / f"{name}.jinja", special_tokens(tokenizer_config(ckpt)))
+    codec = PromptCodec(load_tokenizer(str(ckpt), 320), template, GenerationDefaults(), "m", (EOT_ID,))
+    app = server_app.create_app(IdleClient(), codec, ServerMetrics(), "m", 4096)
+
+    async def send() -> list:
+        httpx = httpx_module()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.post("/tokenize", json={
+                **body, "chat_template_kwargs": {"date_string": "26 Jul 2024", **body.get("chat_template_kwargs", {})}})
+                for body in bodies]
+
+    return asyncio.run(send())
+
+
+def parity(ckpt, hf_tokenizer, name: str, chats: dict[str, dict]) -> dict[str, tuple]:
+    """The chats whose served prompt is not vLLM's: name -> (served, vLLM's), each the text or the error."""
+    differ = {}
+    for (chat, body), reply in zip(chats.items(), served_tokens(ckpt, name, list(chats.values())), strict=True):
+        try:
+            theirs = vllm_render(hf_tokenizer, name, body)
+        except Exception as exc:  # (vLLM answers 400: the template refuses the chat)
+            theirs = f"refused: {type(exc).__name__}"
+        ours = hf_tokenizer.decode(reply.json()["tokens"]) if reply.status_code == 200 else "refused"
+        if ours != theirs and not (ours == "refused" and theirs.startswith("refused")):
+            differ[chat] = (ours, theirs)
+    return differ
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+def test_real_llama_templates_render_each_chat_as_vllm_does(ckpt, hf_tokenizer, name):
+    """Llama 3.1/3.2/3.3 Instruct's templates, vLLM's Llama tool templates (JSON and pythonic), DeepSeek-R1's Llama
+    distillation's and Hermes 3's tool_use one: what a client sends renders, through the server (/tokenize, which
+    renders as the chat route does), to vLLM's prompt (its message handling, then transformers' apply_chat_template),
+    or is refused where vLLM refuses it."""
+    assert parity(ckpt, hf_tokenizer, name, CHATS) == {}
