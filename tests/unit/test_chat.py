@@ -418,3 +418,15 @@ def test_real_llama_templates_render_each_chat_as_vllm_does(ckpt, hf_tokenizer, 
     renders as the chat route does), to vLLM's prompt (its message handling, then transformers' apply_chat_template),
     or is refused where vLLM refuses it."""
     assert parity(ckpt, hf_tokenizer, name, CHATS) == {}
+
+
+@pytest.mark.parametrize("name", ["llama3.1_instruct", "vllm_tool_chat_template_llama3.1_json",
+                                  "vllm_tool_chat_template_llama3.2_pythonic", "hermes3_llama3.1_tool_use"])
+def test_an_assistant_message_with_an_empty_tool_calls_list_reaches_the_template_with_it(ckpt, hf_tokenizer, name):
+    """tool_calls [] (a client that always sends the field): vLLM keeps it (only a null one is dropped), so a template
+    that asks `'tool_calls' in message` takes the turn as one of calls (Llama 3.1's refuses it, vLLM's JSON one writes
+    "No tool calls found.", the pythonic one "[]"); it was dropped here, and the turn rendered as plain text."""
+    chat = {"messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello", "tool_calls": []},
+                         {"role": "user", "content": "Bye"}], "tools": [WEATHER]}
+    assert parity(ckpt, hf_tokenizer, name, {"empty_calls": chat}) == {}

@@ -351,7 +351,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
-        if m.role == "assistant" and calls:
+        # (an empty list is kept, as vLLM keeps it: a template asking `'tool_calls' in message` reads the turn so)
+        if m.role == "assistant" and calls is not None:
             if not isinstance(calls, list):
                 raise RequestError(f"messages[{i}].tool_calls must be a list")
             msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
