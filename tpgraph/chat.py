@@ -9,6 +9,7 @@ The rendered text already holds BOS where the template puts it, so it is encoded
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -46,9 +47,26 @@ def content_text(content: Any, where: str) -> Any:
         return ""
     if not isinstance(content, (list, tuple)):
         return content
+    return "\n".join(_part_texts(content, where))  # (as vLLM joins a message's text parts)
+
+
+def content_parts(content: Any, where: str) -> Any:
+    """A message's content as vLLM's "openai" content format gives it to a template that loops over the parts: each
+    text part as {"type": "text", "text": ...}, a string as one such part, null as none; anything else as it is."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, (list, tuple)):
+        return content
+    return [{"type": "text", "text": text} for text in _part_texts(content, where)]
+
+
+def _part_texts(content: list | tuple, where: str) -> list[str]:
+    """The texts of a message's content parts (a plain string part is its own text, as vLLM takes it)."""
     parts = []
     for j, part in enumerate(content):
-        if isinstance(part, str):  # (a plain string part, as vLLM takes it)
+        if isinstance(part, str):
             parts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -60,13 +78,19 @@ def content_text(content: Any, where: str) -> Any:
         if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
             raise RequestError(f"{where}.content[{j}].{key} must be a string, got {text!r}")
         parts.append(text)
-    return "\n".join(parts)  # (as vLLM joins a message's text parts)
+    return parts
 
 
-def text_messages(messages: list[Any]) -> list[Any]:
-    """Chat messages with their content as content_text gives it (copies: the caller's are left as they are); what
-    is no message is left for the template's checks to name."""
-    return [{**m, "content": content_text(m.get("content"), f"messages[{i}]")}
+def template_content(content: Any, where: str, content_format: str = "string") -> Any:
+    """A message's content in the content format ("string" or "openai") its template is given."""
+    return content_parts(content, where) if content_format == "openai" else content_text(content, where)
+
+
+def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:
+    """Chat messages with their content as template_content gives it (a tool message's as a string, as vLLM joins
+    it; copies: the caller's are left as they are); what is no message is left for the template's checks to name."""
+    return [{**m, "content": template_content(m.get("content"), f"messages[{i}]",
+                                              "string" if m.get("role") == "tool" else content_format)}
             if isinstance(m, dict) and "role" in m else m for i, m in enumerate(messages)]
 
 
@@ -89,6 +113,53 @@ class _GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+# vLLM's chat_template_content_format: "auto" detects one of the other two from the template
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(source: str) -> str:
+    """vLLM's detection for content format "auto": "openai" (each message's content a list of text parts) where the
+    template loops over a message's content (`for c in message['content']`, `for item in content`), else "string"."""
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    root = env.parse(source)
+    loops = list(root.find_all(jinja2.nodes.For))
+    messages = _names_bound_to(root, "messages")
+    message = {loop.target.name for loop in loops if isinstance(loop.target, jinja2.nodes.Name)
+               and any(_reads(loop.iter, name) for name in messages)}
+    for loop in loops:
+        if any(_reads(loop.iter, name, "content") for name in message) or (
+                isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content"):
+            return "openai"
+    return "string"
+
+
+def _names_bound_to(root: jinja2.nodes.Template, name: str) -> set[str]:
+    """`name` and every variable set from it (`{% set rest = messages[1:] %}`), and from those, as vLLM follows them."""
+    names, todo = {name}, [name]
+    while todo:
+        source = todo.pop()
+        for assign in root.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if isinstance(target, jinja2.nodes.Name) and _reads(assign.node, source) and target.name not in names:
+                names.add(target.name)
+                todo.append(target.name)
+    return names
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether node is `name` (or, with key, `name[key]` / `name.key`), through filters, tests and slices."""
+    if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _reads(node.node, name)
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _reads(node.node, name)
 
 
 class ChatTemplate:
@@ -141,6 +212,11 @@ class ChatTemplate:
             raise RequestError(f"the chat template cannot render these messages: {exc}") from None
         return _cut_at_end_mark(text) if continue_final_message else text
 
+    def content_format(self, tools: list[dict] | None = None) -> str:
+        """The content format ("string" or "openai") vLLM's "auto" gives the template rendered with these tools."""
+        use_tool_template = tools is not None and self.tool_use_source is not None
+        return detect_content_format(self.tool_use_source if use_tool_template else self.source)
+
     @staticmethod
     def from_option(value: str | Path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
         """--chat-template: a file holding a template, or the template itself (as vLLM reads the flag)."""
@@ -185,9 +261,18 @@ _CONTINUE_MARK = "\U000f0000tpgraph-continue\U000f0000 "
 
 
 def _with_end_mark(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if not messages or not isinstance(messages[-1].get("content"), str):
+    """The last message's text marked at its end: its last text part's, where its content is a list of parts (as
+    apply_chat_template marks it)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, str):
+        return [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
+    texts = [j for j, part in enumerate(content) if isinstance(part, dict) and isinstance(part.get("text"), str)] \
+        if isinstance(content, list) else []
+    if not texts:
         raise RequestError("continue_final_message needs a last message with text to continue")
-    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
+    j = texts[-1]
+    marked = [*content[:j], {**content[j], "text": content[j]["text"] + _CONTINUE_MARK}, *content[j + 1:]]
+    return [*messages[:-1], {**messages[-1], "content": marked}]
 
 
 def _cut_at_end_mark(text: str) -> str:

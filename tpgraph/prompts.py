@@ -42,7 +42,7 @@ class PromptCodec:
         if isinstance(prompt, str):
             return self.encode_text(prompt, max_tokens=max_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode_chat(self.render_chat(text_messages(prompt)), max_tokens)
+            return self.encode_chat(self.render_chat(text_messages(prompt, self.content_format())), max_tokens)
         ids = token_ids(prompt)
         if ids is not None:
             return ids
@@ -71,6 +71,13 @@ class PromptCodec:
         """The most characters one token's text can have: its string in the vocabulary has a character per byte
         (byte-level BPE) or more (SentencePiece's <0x..> byte tokens), and a byte decodes to at most a character."""
         return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1))
+
+    def content_format(self, tools: list[dict] | None = None, given: str = "auto") -> str:
+        """The content format ("string" or "openai") a chat's messages reach the template in: `given` (vLLM's
+        chat_template_content_format) unless "auto", else what vLLM detects for the template these tools pick."""
+        if given != "auto" or self.chat_template is None:
+            return "string" if given == "auto" else given
+        return self.chat_template.content_format(tools)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, variables: dict[str, Any] | None = None,

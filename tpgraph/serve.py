@@ -90,12 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
     # (a message's content parts reach the template as one string, their texts joined, as vLLM's "string" format
-    # gives them; "auto" picks that for templates that render content as text, as Llama 3's do)
+    # gives them; "auto" detects the format as vLLM does: a list of text parts for a template that loops over them)
     p.add_argument("--chat-template-content-format", default="auto", metavar="{auto,string}",
                    type=accepted("auto", "string", why="the chat template gets each message's content as a string "
                                  "(its text parts joined), not as a list of OpenAI parts"),
-                   help="auto | string: a message's text parts reach the chat template as one string ('openai', a "
-                        "list of parts, is refused)")
+                   help="auto | string: auto gives the chat template each message's text parts as vLLM detects "
+                        "it wants them (a list where it loops over them, else one string); string: always one "
+                        "string ('openai' is refused)")
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='the chat template\'s variables every chat request starts from, a JSON object (a request\'s '
                         'own chat_template_kwargs override them), e.g. \'{"enable_thinking": false}\'')
@@ -212,7 +213,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
-                       args.enable_force_include_usage)
+                       args.enable_force_include_usage, args.chat_template_content_format)
 
 
 def main(argv: list[str] | None = None) -> int:

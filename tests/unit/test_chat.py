@@ -336,7 +336,7 @@ def vllm_conversation(messages: list[dict], openai_format: bool) -> list[dict]:
     for m in messages:
         content = m.get("content")
         parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else [
-            {"type": "text", "text": p["text"]} for p in content]
+            {"type": "text", "text": p if isinstance(p, str) else p["text"]} for p in content]
         msg = {"role": m["role"], "content": parts if openai_format else "\n".join(p["text"] for p in parts)}
         if m["role"] == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
@@ -430,3 +430,26 @@ def test_an_assistant_message_with_an_empty_tool_calls_list_reaches_the_template
                          {"role": "assistant", "content": "Hello", "tool_calls": []},
                          {"role": "user", "content": "Bye"}], "tools": [WEATHER]}
     assert parity(ckpt, hf_tokenizer, name, {"empty_calls": chat}) == {}
+
+
+PARTS = [{"type": "text", "text": "Describe "}, {"type": "text", "text": " this"}]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+def test_content_parts_reach_a_template_that_loops_over_them_as_a_list(ckpt, hf_tokenizer, name):
+    """vLLM's content format "auto": a template that loops over a message's content (its llama3.1_json and
+    llama3.2_json tool templates) gets each message's content as a list of {"type": "text"} parts, a string content
+    as one part; they each trim a part, and take the system message's first part only. The parts were joined into one
+    string for every template, so "Describe " and " this" rendered "Describe \\n this" where vLLM renders
+    "Describethis", and a system message of parts A, B rendered "A\\nB" where vLLM renders "A"."""
+    chats = {"parts": {"messages": [{"role": "user", "content": PARTS}]},
+             "system_parts": {"messages": [{"role": "system", "content": [{"type": "text", "text": "A"}, "B"]},
+                                           {"role": "user", "content": "hi"}]},
+             "tools_parts": {"messages": [{"role": "user", "content": PARTS}], "tools": [WEATHER],
+                             "chat_template_kwargs": {"tools_in_user_message": True}},
+             "continued_parts": {"messages": [{"role": "user", "content": PARTS}, {"role": "assistant", "content": [
+                 {"type": "text", "text": "It is"}, {"type": "text", "text": " a cat "}]}],
+                                 "add_generation_prompt": False, "continue_final_message": True}}
+    assert parity(ckpt, hf_tokenizer, name, chats) == {}
+    expected = "openai" if name in OPENAI_FORMAT else "string"
+    assert ChatTemplate.from_option(TEMPLATES / f"{name}.jinja").content_format() == expected

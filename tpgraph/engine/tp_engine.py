@@ -335,10 +335,10 @@ class TPEngine:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
         by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
-        and completed; a message's content parts (OpenAI's) are their text joined by newlines, and a null content none,
-        as vLLM renders them for a template that writes content as a string (chat_template_content_format "auto" or
-        "string"; "openai", parts handed to the template as a list, is refused). Each output's prompt is the rendered
-        text."""
+        and completed; a message's content parts (OpenAI's) reach the template as vLLM gives them: for
+        chat_template_content_format "auto", a list of text parts where the template loops over them, else (and for
+        "string") their texts joined by newlines, a null content none ("openai" is refused). Each output's prompt is
+        the rendered text."""
         with self._lock:
             self._check_open()
             conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or string_content(
@@ -351,9 +351,12 @@ class TPEngine:
                     raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded, limit = [], self._encode_limit(sampling_params)
+            # ("auto": the parts as a list where the template loops over them, as vLLM detects it)
+            content_format = "string" if chat_template_content_format == "string" else (
+                template.content_format(tools) if template is not None else self.prompts.content_format(tools))
             for conversation in conversations:
-                text = self.render_chat(text_messages(conversation), add_generation_prompt, tools, chat_template_kwargs,
-                                        continue_final_message, template)
+                text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt, tools,
+                                        chat_template_kwargs, continue_final_message, template)
                 encoded.append((text, self.prompts.encode_chat(text, limit)))
             return self._generate(encoded, sampling_params, use_tqdm)
 

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from tpgraph import __version__
+from tpgraph.chat import content_text
 from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
@@ -309,7 +310,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
                        allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
                        allow_credentials=http.allow_credentials)
-    app.include_router(token_routes(prompts, api.check_model, max_model_len, http.template_variables))
+    app.include_router(token_routes(prompts, api.check_model, max_model_len, http.template_variables,
+                                    http.chat_template_content_format))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -492,12 +494,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check_model(body.model)
-        messages = body.checked_messages()
+        tools = body.tool_plan(tool_options)
+        # (content as vLLM gives this template: a string, or a list of text parts where it loops over them)
+        messages = body.checked_messages(prompts.content_format(tools.template_tools,
+                                                                http.chat_template_content_format))
         # (as vLLM's: the reply's role where the generation prompt opens a new turn, else the turn it continues)
         role = http.response_role if body.add_generation_prompt else messages[-1]["role"]
         # (vLLM's echo: the last message's text before the reply, where the reply is in its role)
-        echoed = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
-        tools = body.tool_plan(tool_options)
+        echoed = content_text(messages[-1]["content"], "messages[-1]") if body.echo and messages[-1]["role"] == role \
+            else ""
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    http.template_variables(body.chat_template_kwargs), body.continue_final_message)
         keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None

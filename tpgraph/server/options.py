@@ -7,7 +7,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from tpgraph.chat import RESERVED_TEMPLATE_VARIABLES
+from tpgraph.chat import CONTENT_FORMATS, RESERVED_TEMPLATE_VARIABLES
 from tpgraph.errors import ConfigError
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -52,6 +52,9 @@ class HttpOptions:
     # vLLM's --enable-force-include-usage: every stream reports usage as if it asked for include_usage and
     # continuous_usage_stats
     force_include_usage: bool = False
+    # vLLM's --chat-template-content-format: how a message's content reaches the chat template ("auto": as vLLM
+    # detects it for the template, a list of text parts where it loops over them, else one string; or "string")
+    chat_template_content_format: str = "auto"
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -95,6 +98,9 @@ class HttpOptions:
         if taken := sorted(set(defaults or {}) & (RESERVED_TEMPLATE_VARIABLES | {"chat_template"})):
             raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: a request's own fields "
                               f"do (the template: --chat-template)")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                              f"{self.chat_template_content_format!r}")
         if not isinstance(self.force_include_usage, bool):
             raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
         if not isinstance(self.docs, bool):

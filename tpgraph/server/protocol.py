@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from tpgraph.chat import content_text
+from tpgraph.chat import content_text, template_content
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
@@ -312,12 +312,13 @@ class ChatRequest(SamplingFields):
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
 
-    def checked_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them; what this server cannot honour is refused, not ignored."""
+    def checked_messages(self, content_format: str = "string") -> list[dict[str, Any]]:
+        """The messages as the chat template takes them, their content in content_format ("string" or "openai"); what
+        this server cannot honour is refused, not ignored."""
         if self.functions:
             raise RequestError("functions (the API's deprecated form of tools) is not supported; send tools")
         no_request_template(self.chat_template, self.chat_template_kwargs)
-        return template_messages(self.messages)
+        return template_messages(self.messages, content_format)
 
     def tool_plan(self, options: ToolOptions) -> ToolPlan:
         """What tools and tool_choice ask for (tools.py), under the server's settings."""
@@ -340,15 +341,18 @@ def no_request_template(template: str | None, variables: dict[str, Any] | None) 
                            "chat_template) is not taken: the server renders chats with its own (--chat-template)")
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages as a chat template takes them, each role checked: role and text, a name (any role's, as vLLM
-    gives it), an assistant's earlier tool_calls (arguments as objects) and reasoning (vLLM's interleaved thinking:
-    `reasoning` or `reasoning_content`, given as both), and a tool message's tool_call_id."""
+def template_messages(messages: list[ChatMessage], content_format: str = "string") -> list[dict[str, Any]]:
+    """Chat messages as a chat template takes them, each role checked: role and text (content_format: a string, or
+    vLLM's "openai" list of text parts), a name (any role's, as vLLM gives it), an assistant's earlier tool_calls
+    (arguments as objects) and reasoning (vLLM's interleaved thinking: `reasoning` or `reasoning_content`, given as
+    both), and a tool message's tool_call_id."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
-        msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
+        # (a tool message's text parts are joined whatever the format, as vLLM joins them: templates read a string)
+        fmt = "string" if m.role == "tool" else content_format
+        msg: dict[str, Any] = {"role": m.role, "content": template_content(m.content, f"messages[{i}]", fmt)}
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
         # (an empty list is kept, as vLLM keeps it: a template asking `'tool_calls' in message` reads the turn so)

@@ -19,9 +19,10 @@ TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a 
 
 
 def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None], max_model_len: int,
-                 template_variables: Callable[[dict | None], dict | None] = lambda given: given) -> APIRouter:
+                 template_variables: Callable[[dict | None], dict | None] = lambda given: given,
+                 content_format: str = "auto") -> APIRouter:
     """template_variables: a chat's template variables as the chat route renders them (the server's defaults under
-    the request's), so that a count here is the chat's."""
+    the request's), so that a count here is the chat's; content_format: the server's chat_template_content_format."""
     router = APIRouter()
     vocab = prompts.tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -34,7 +35,8 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
                 check_tools(body.tools)
             # (as the chat route's, so the counts agree: [] too, as vLLM's)
             tools = None if body.tools is None else template_tools(body.tools)
-            text = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt, tools,
+            messages = template_messages(body.messages, prompts.content_format(tools, content_format))
+            text = prompts.render_chat(messages, body.add_generation_prompt, tools,
                                        template_variables(body.chat_template_kwargs), body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:
