@@ -106,6 +106,15 @@ def byte_fallback_tokenizer(words: list[str], strip: bool = False):
     return tok, vocab
 
 
+@pytest.mark.parametrize("stop, expected", [(["bc", "abcd"], " thea"), (["cd", "abcd"], " theab")])
+def test_one_token_completing_two_stop_strings_stops_at_the_one_ending_first(stop, expected):
+    """vLLM's check_stop_strings: the stop string that completes first in the token's text, then the first listed."""
+    tok, vocab = byte_fallback_tokenizer(["▁the", "abcd"])
+    detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams(stop=stop))
+    pieces = [detok.add(t) for t in (vocab["▁the"], vocab["abcd"])]
+    assert "".join(p for p, _ in pieces) == expected and pieces[-1][1] and detok.stop_string == stop[0]
+
+
 def test_a_byte_fallback_tokenizer_flushes_only_the_held_bytes():
     """Llama 2 / Mistral decoders (ByteFallback) turn a whole invalid byte run into U+FFFD, a character already
     handed out included: the tail is then the held tokens' own decode, one U+FFFD, not the difference of decodes."""

@@ -2,18 +2,33 @@
 
 import random
 
+import pytest
+
 from tpgraph.engine.stop_strings import StopScanner
 
 
 def found_afresh(before: str, piece: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The stop string ending in `piece` that starts first (ties to the smaller string), as (its start counted back
-    from the text's end, the string)."""
+    """vLLM's check_stop_strings: the stop string ending in `piece` that completes first (ties to the first in the
+    list), as (its start counted back from the text's end, the string)."""
     text = before + piece
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, len(before) - len(s) + 1))) >= 0]
+    hits = [(i + len(s), j, i, s) for j, s in enumerate(stops)
+            if (i := text.find(s, max(0, len(before) - len(s) + 1))) >= 0]
     if not hits:
         return None
-    i, s = min(hits)
+    _, _, i, s = min(hits)
     return len(text) - i, s
+
+
+@pytest.mark.parametrize("stops, expected", [
+    (("bc", "abcd"), (3, "bc")),  # ends first, though "abcd" starts first
+    (("abcd", "bc"), (3, "bc")),
+    (("cd", "abcd"), (2, "cd")),  # both end at "d": the first in the list
+    (("abcd", "cd"), (4, "abcd")),
+])
+def test_the_stop_string_completing_first_wins_then_the_first_listed(stops, expected):
+    """One piece completing two stop strings: vLLM's check_stop_strings takes the one that ends first, at one end the
+    first in the stop list (the starting-first one, ties to the smaller string, was taken here)."""
+    assert StopScanner(stops).feed("abcd") == expected
 
 
 def held_afresh(text: str, stops: tuple[str, ...]) -> int:

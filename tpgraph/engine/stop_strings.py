@@ -27,12 +27,12 @@ class StopScanner:
         self._states = [0] * len(stops)  # each string's prefix the text ends with
 
     def feed(self, piece: str, may_stop: bool = True) -> tuple[int, str] | None:
-        """Feed the text's next characters. Returns the stop string that ends in them and starts first (the earliest
-        of each string's first match; at one start, the lexicographically smaller string), as (its start, counted
-        back from the piece's end, the string), or None. may_stop False: a match stops nothing (the states go on past
-        it)."""
+        """Feed the text's next characters. Returns the stop string that ends in them and completes first (at one
+        end, the first in the stop list: vLLM's check_stop_strings' pick, the one that text fed a character at a time
+        meets first), as (its start, counted back from the piece's end, the string), or None. may_stop False: a match
+        stops nothing (the states go on past it)."""
         best: tuple[int, str] | None = None
-        n = len(piece)
+        best_end = len(piece)
         for j, (s, fail) in enumerate(zip(self.stops, self._fails, strict=True)):
             k, last = self._states[j], len(s)
             for i, ch in enumerate(piece):
@@ -42,9 +42,9 @@ class StopScanner:
                     k += 1
                 if k == last:
                     if may_stop:
-                        hit = (n - (i + 1 - last), s)  # (characters from the match's start to the piece's end)
-                        if best is None or (-hit[0], hit[1]) < (-best[0], best[1]):
-                            best = hit
+                        if best is None or i < best_end:  # (a later-listed string ending at the same place loses)
+                            # (characters from the match's start to the piece's end)
+                            best, best_end = (len(piece) - (i + 1 - last), s), i
                         break
                     k = fail[k - 1]
             self._states[j] = k
