@@ -54,6 +54,14 @@ def test_text_that_could_start_a_stop_string_is_held_back():
     assert detok.flush() == ""
 
 
+def test_with_the_stop_string_in_the_output_nothing_is_held_back():
+    """include_stop_str_in_output: text a stop string may begin in is never taken back (the string stays), so vLLM
+    holds none back (its stop_buffer_length is 0) and hands out "EN" at once; the stop cuts after the string."""
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["END"], include_stop_str_in_output=True))
+    assert [detok.add(t)[0] for t in TOK.encode("abEN", add_special_tokens=False).ids] == ["a", "b", "E", "N"]
+    assert detok.add(TOK.encode("D", add_special_tokens=False).ids[0]) == ("D", True) and detok.flush() == ""
+
+
 def _ids(text: str) -> list[int]:
     return TOK.encode(text, add_special_tokens=False).ids
 

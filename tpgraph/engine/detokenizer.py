@@ -4,8 +4,8 @@ Text comes from tokenizers' DecodeStream (primed with the prompt's last tokens, 
 across the boundary decodes as in one pass), which never returns half a UTF-8 character: it holds back tokens whose
 bytes do not decode yet. When the sequence ends, those are decoded as they are (U+FFFD for bytes that never completed
 a character), so the text holds every generated token, as decoding all of them at once would. While a request
-has stop strings, a tail of the text that a stop string starts with is held back, so text handed out never has to be
-taken back: the streamed text always equals the final text.
+has stop strings (and does not keep them in its output), a tail of the text that a stop string starts with is held
+back, so text handed out never has to be taken back: the streamed text always equals the final text.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class Detokenizer:
         self.undecoded = []
         if self._append(piece, may_stop):
             return self.flush(), True
-        safe = len(self.text) - (self.stops.held if self.stops is not None else 0)
+        # (with the stop string kept in the output, a tail it may begin in is never taken back: vLLM holds none)
+        held = self.stops.held if self.stops is not None and not self.include_stop else 0
+        safe = len(self.text) - held
         if safe <= self.emitted:
             return "", False
         delta = self.text[self.emitted:safe]
