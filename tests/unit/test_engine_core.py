@@ -356,6 +356,23 @@ def test_stop_token_text_is_kept_with_include_stop_str_in_output(reference):
             assert (out.token_ids, out.text, out.finish_reason) == ([first], text, "stop")
 
 
+def test_a_stop_string_in_a_kept_stop_tokens_text_names_the_stop_and_cuts_it(reference):
+    """vLLM checks stop strings in the text a stop token adds where include_stop_str_in_output keeps it: a stop string
+    found there is the stop_reason (and the text ends with it). The stop token's id was the stop_reason, and an EOS's
+    text was kept whole past the stop string."""
+    assert reference[2][0] == 97
+    with engine() as e:
+        eos = e.core.eos_ids[0]
+        by_token = e.generate(PROMPTS[2], SamplingParams(temperature=0.0, stop_token_ids=[97], stop=["a"],
+                                                         include_stop_str_in_output=True))[0].outputs[0]
+        by_eos = e.generate(PROMPTS[0], SamplingParams(allowed_token_ids=[eos], stop=["<|end"],
+                                                       skip_special_tokens=False,
+                                                       include_stop_str_in_output=True))[0].outputs[0]
+    assert (by_token.token_ids, by_token.text, by_token.finish_reason, by_token.stop_reason) == ([97], "a", "stop", "a")
+    assert e.tokenizer.decode([eos], skip_special_tokens=False) == "<|end_of_text|>"
+    assert (by_eos.token_ids, by_eos.text, by_eos.stop_reason) == ([eos], "<|end", "<|end")
+
+
 def test_warm_up_fits_a_tiny_context():
     with engine(max_model_len=3, num_kv_blocks=8) as e:
         assert e.warm_up() > 0

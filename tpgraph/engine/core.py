@@ -432,7 +432,9 @@ class EngineCore:
             # (the tokenizer's EOS has none, also where listed in stop_token_ids: vLLM's)
             reason, stop_reason = "stop", None if eos and self.main_eos in (None, token) else token
             if detok is not None and p.include_stop_str_in_output:  # the stop token's own text too (as vLLM)
-                text = detok.add(token, may_stop=False)[0]
+                # (where a stop string ends in it, vLLM cuts there and names the string: it checks that text too)
+                text, stopped = detok.add(token, may_stop=produced > p.min_tokens)
+                stop_reason = detok.stop_string if stopped else stop_reason
         elif detok is not None:  # stop strings, too, end a sequence only after min_tokens (as vLLM's do)
             text, stopped = detok.add(token, may_stop=produced > p.min_tokens)
             reason, stop_reason = ("stop", detok.stop_string) if stopped else (None, None)
