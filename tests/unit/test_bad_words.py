@@ -270,9 +270,8 @@ def test_allowed_ids_that_the_request_bans_until_min_tokens_or_for_good_are_refu
     # an allowed id left free keeps the request, and only allowed ids come out
     out = engine.generate("a", SamplingParams(allowed_token_ids=[eos, a], min_tokens=2, max_tokens=4, seed=3))
     assert set(out[0].outputs[0].token_ids) <= {eos, a} and out[0].outputs[0].token_ids[:2] == [a, a]
-    ignored = engine.generate("a", SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=2,
-                                                  ignore_eos=True))
-    assert ignored[0].outputs[0].token_ids == [eos, eos]
+    with pytest.raises(RequestError, match="min_tokens"):  # (min_tokens holds the EOS back under ignore_eos too)
+        engine.generate("a", SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=2, ignore_eos=True))
     with pytest.raises(RequestError, match="min_tokens"):  # (the front end's check, from the limits alone)
         RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=1000, eos_ids=(9,)).check(
             [1, 2], SamplingParams(allowed_token_ids=[9], min_tokens=1))

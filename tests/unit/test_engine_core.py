@@ -166,6 +166,17 @@ def test_stop_token_ids_min_tokens_and_eos(reference):
         assert first not in later.token_ids[:3] and len(later.token_ids) >= 3
 
 
+def test_min_tokens_holds_the_eos_back_under_ignore_eos_too():
+    """vLLM's min_tokens bans all_stop_token_ids, which hold every EOS id whether or not ignore_eos is set: the first
+    min_tokens tokens are never an EOS. With ignore_eos they were not banned here, and an EOS the logits favoured came
+    first (ignored, but sampled where vLLM samples another token)."""
+    with engine() as e:
+        eos = e.core.eos_ids[0]
+        params = SamplingParams(temperature=0.0, ignore_eos=True, min_tokens=3, max_tokens=5, logit_bias={eos: 100})
+        out = e.generate(PROMPTS[0], params)[0].outputs[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos, eos] and out.finish_reason == "length"
+
+
 def test_the_tokenizers_eos_ends_a_sample_with_no_stop_reason_and_the_others_with_their_id(tmp_path):
     """vLLM's model EOS is the tokenizer's (<|eot_id|> here): a sample ending on it has stop_reason None, and it ends
     a generation though config.json names another. generation_config's other EOS ids are read as stop token ids: a

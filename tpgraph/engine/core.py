@@ -23,7 +23,7 @@ from tpgraph.engine.detokenizer import Detokenizer
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleRow, plain_greedy
-from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams, held_before_min_tokens
 from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.engine.structured import GrammarCompiler, GrammarState
@@ -197,7 +197,7 @@ class EngineCore:
                     and not self.grammars.can_begin_with(params.structured, allowed - banned)):
                 raise RequestError(f"the structured output can begin with none of allowed_token_ids "
                                    f"{list(params.allowed_token_ids)} (bad_words aside): no token is left to generate")
-            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            held = held_before_min_tokens(params, self.eos_ids)
             if params.min_tokens and allowed <= banned | held:  # (the stop ids alone: RequestLimits.check)
                 raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all bad_words or stop "
                                    f"tokens, which min_tokens {params.min_tokens} holds back: no token is left to "
@@ -396,7 +396,7 @@ class EngineCore:
             longest = max(map(len, seq.bad_words))
             ids = bad_word_bans(seq.bad_words, seq.output_ids[max(0, produced - longest + 1):produced])
         if produced < p.min_tokens:
-            ids |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+            ids |= held_before_min_tokens(p, self.eos_ids)
         return ids
 
     def _refuses(self, seq: Sequence, index: int, token: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams, held_before_min_tokens
 from tpgraph.errors import RequestError
 
 
@@ -29,7 +29,7 @@ class RequestLimits:
     max_model_len: int
     cache_tokens: int  # what the whole KV cache holds
     priority_scheduling: bool = False  # (else a request's priority must be 0, as vLLM's server refuses others)
-    eos_ids: tuple[int, ...] = ()  # (min_tokens holds them back, with stop_token_ids, unless ignore_eos)
+    eos_ids: tuple[int, ...] = ()  # (min_tokens holds them back, with stop_token_ids)
     max_logprobs: int = MAX_LOGPROBS  # (vLLM's --max-logprobs: a request asking more alternatives a token is refused)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -72,7 +72,7 @@ class RequestLimits:
             raise RequestError(f"allowed_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.allowed_token_ids if t >= vocab]}")
         if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= (
-                set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))):
+                held_before_min_tokens(params, self.eos_ids)):
             # (every logit of its first rows would be masked, and their argmax, id 0, is not allowed)
             raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens, which "
                                f"min_tokens {params.min_tokens} holds back: no token is left to generate before it")

@@ -210,6 +210,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
+def held_before_min_tokens(params: SamplingParams, eos_ids: tuple[int, ...]) -> set[int]:
+    """The ids min_tokens bans from a sample's first tokens: its stop_token_ids and every EOS id, ignore_eos or not
+    (vLLM's all_stop_token_ids, which its min_tokens processor bans, hold the EOS ids whatever ignore_eos says)."""
+    return set(params.stop_token_ids) | set(eos_ids)
+
+
 def _checked_assignment(self: SamplingParams, name: str, value: object) -> None:
     """vLLM's SamplingParams may be changed once made (its generate example sets max_tokens on the defaults): a field
     set here is checked with all the others, as a new one would be (a value they refuse leaves the params as they
