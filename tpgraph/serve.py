@@ -25,8 +25,9 @@ import threading
 import time
 from typing import NoReturn
 
+from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.distributed import env_int
-from tpgraph.engine.cli import accepted, add_engine_args, engine_kwargs, json_object, positive_number
+from tpgraph.engine.cli import add_engine_args, engine_kwargs, json_object, positive_number
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
@@ -89,14 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it too)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split a chat reply's thoughts out into message.reasoning: deepseek_r1 (<think>...</think>)")
-    # (a message's content parts reach the template as one string, their texts joined, as vLLM's "string" format
-    # gives them; "auto" detects the format as vLLM does: a list of text parts for a template that loops over them)
-    p.add_argument("--chat-template-content-format", default="auto", metavar="{auto,string}",
-                   type=accepted("auto", "string", why="the chat template gets each message's content as a string "
-                                 "(its text parts joined), not as a list of OpenAI parts"),
-                   help="auto | string: auto gives the chat template each message's text parts as vLLM detects "
-                        "it wants them (a list where it loops over them, else one string); string: always one "
-                        "string ('openai' is refused)")
+    p.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="how a message's content reaches the chat template, as vLLM's flag says: string (its text "
+                        "parts joined), openai (a list of text parts), auto (the one vLLM detects for the template: "
+                        "the list where the template loops over a message's content)")
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='the chat template\'s variables every chat request starts from, a JSON object (a request\'s '
                         'own chat_template_kwargs override them), e.g. \'{"enable_thinking": false}\'')

@@ -417,11 +417,14 @@ def test_vllms_chat_template_content_format_is_taken_where_it_means_text(value):
     assert parse_args(["--chat-template-content-format", value]).chat_template_content_format == value
 
 
-def test_the_openai_content_format_is_refused_naming_what_is_served(capsys):
+def test_the_openai_content_format_is_taken_and_others_refused(capsys):
+    """vLLM's openai format (each message's content a list of text parts) is served now that the template can be
+    handed it; a value vLLM has not is refused, naming the flag."""
+    assert parse_args(["--chat-template-content-format", "openai"]).chat_template_content_format == "openai"
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--chat-template-content-format", "openai"])
+        parse_args(["--chat-template-content-format", "parts"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--chat-template-content-format" in err and "'string'" in err
+    assert exit_.value.code == 2 and "--chat-template-content-format" in err and "'openai'" in err
 
 
 @pytest.mark.parametrize("flags", [["--compilation-config", "{}"], ["-O3"], ["--hf-token", "x"],

@@ -724,18 +724,20 @@ def test_vllms_torchrun_example_keywords_are_taken_where_they_mean_what_tpgraph_
 def test_vllms_other_output_fields_and_chat_content_format_are_read_as_vllms_defaults():
     """A script reading vLLM's RequestOutput.metrics, lora_request, encoder_prompt(_token_ids) or kv_transfer_params,
     or CompletionOutput.lora_request, got an AttributeError: each is None, as vLLM's offline outputs hold them by
-    default. chat's chat_template_content_format was a TypeError: "auto" and "string" are what chat does, "openai" is
-    refused, saying why."""
+    default. chat's chat_template_content_format was a TypeError: "string" joins a message's text parts, "openai"
+    lists them, "auto" lists them for a template that loops over them, as vLLM detects it."""
+    template = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+                "{% for part in m.content %}P:{{ part.text }}{% endfor %}{% endif %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     with engine() as e:
         (out,) = e.generate(["hi"], GREEDY)
-        (chat,) = e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="string")
-        (auto,) = e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="auto")
-        with pytest.raises(RequestError, match="chat_template_content_format='openai' is not taken.*'auto' or "
-                                               "'string'"):
-            e.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="openai")
+        prompts = {form: e.chat(parts, GREEDY, chat_template=template, chat_template_content_format=form)[0].prompt
+                   for form in ("string", "openai", "auto")}
+        with pytest.raises(RequestError, match="chat_template_content_format must be one of auto, string, openai"):
+            e.chat(parts, GREEDY, chat_template_content_format="parts")
     assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
             out.kv_transfer_params, out.outputs[0].lora_request) == (None,) * 6
-    assert chat.outputs[0].token_ids == auto.outputs[0].token_ids and chat.prompt == auto.prompt
+    assert prompts == {"string": "S:a\nb", "openai": "P:aP:b", "auto": "P:aP:b"}
 
 
 def test_a_pass_at_k_request_of_200_samples_runs_and_vllms_variable_caps_n(monkeypatch):

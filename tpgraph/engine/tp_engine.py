@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tpgraph.chat import ChatTemplate, GenerationDefaults, special_tokens, text_messages, tokenizer_config
+from tpgraph.chat import (
+    CONTENT_FORMATS,
+    ChatTemplate,
+    GenerationDefaults,
+    special_tokens,
+    text_messages,
+    tokenizer_config,
+)
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
@@ -336,12 +343,12 @@ class TPEngine:
         by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
         and completed; a message's content parts (OpenAI's) reach the template as vLLM gives them: for
-        chat_template_content_format "auto", a list of text parts where the template loops over them, else (and for
-        "string") their texts joined by newlines, a null content none ("openai" is refused). Each output's prompt is
-        the rendered text."""
+        chat_template_content_format "auto", a list of text parts where the template loops over them, else their texts
+        joined by newlines, a null content none ("string" always joins them, "openai" always lists them). Each
+        output's prompt is the rendered text."""
         with self._lock:
             self._check_open()
-            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or string_content(
+            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or known_content_format(
                 chat_template_content_format) or _conversation_list(messages),
                                               sampling_params, tools, add_generation_prompt, continue_final_message,
                                               chat_template_kwargs, chat_template)
@@ -352,7 +359,7 @@ class TPEngine:
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded, limit = [], self._encode_limit(sampling_params)
             # ("auto": the parts as a list where the template loops over them, as vLLM detects it)
-            content_format = "string" if chat_template_content_format == "string" else (
+            content_format = chat_template_content_format if chat_template_content_format != "auto" else (
                 template.content_format(tools) if template is not None else self.prompts.content_format(tools))
             for conversation in conversations:
                 text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt, tools,
@@ -644,13 +651,11 @@ def no_lora(lora_request: object) -> None:
                            "merge_and_unload) and serve the merged checkpoint")
 
 
-def string_content(content_format: object) -> None:
-    """vLLM's chat_template_content_format: "auto" and "string" are what chat does (content parts joined as text, a
-    Llama template's form); "openai" (the parts handed to the template as a list) is refused, saying so."""
-    if content_format not in ("auto", "string"):
-        raise RequestError(f"chat_template_content_format={content_format!r} is not taken: a message's content parts "
-                           f"reach the template joined as text here ('string', what 'auto' picks for a template that "
-                           f"writes content as a string); give 'auto' or 'string'")
+def known_content_format(content_format: object) -> None:
+    """vLLM's chat_template_content_format: one of CONTENT_FORMATS."""
+    if content_format not in CONTENT_FORMATS:
+        raise RequestError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)} (vLLM's), got "
+                           f"{content_format!r}")
 
 
 def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
