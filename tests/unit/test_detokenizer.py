@@ -114,9 +114,10 @@ def byte_fallback_tokenizer(words: list[str], strip: bool = False):
     return tok, vocab
 
 
-@pytest.mark.parametrize("stop, expected", [(["bc", "abcd"], " thea"), (["cd", "abcd"], " theab")])
-def test_one_token_completing_two_stop_strings_stops_at_the_one_ending_first(stop, expected):
-    """vLLM's check_stop_strings: the stop string that completes first in the token's text, then the first listed."""
+@pytest.mark.parametrize("stop, expected", [(["bc", "abcd"], " thea"), (["cd", "abcd"], " theab"),
+                                            (["abcd", "bc"], " the")])
+def test_one_token_completing_two_stop_strings_stops_at_the_first_listed(stop, expected):
+    """vLLM's check_stop_strings: the first string in the stop list found in the token's text, wherever others end."""
     tok, vocab = byte_fallback_tokenizer(["▁the", "abcd"])
     detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams(stop=stop))
     pieces = [detok.add(t) for t in (vocab["▁the"], vocab["abcd"])]

@@ -27,12 +27,10 @@ class StopScanner:
         self._states = [0] * len(stops)  # each string's prefix the text ends with
 
     def feed(self, piece: str, may_stop: bool = True) -> tuple[int, str] | None:
-        """Feed the text's next characters. Returns the stop string that ends in them and completes first (at one
-        end, the first in the stop list: vLLM's check_stop_strings' pick, the one that text fed a character at a time
-        meets first), as (its start, counted back from the piece's end, the string), or None. may_stop False: a match
-        stops nothing (the states go on past it)."""
+        """Feed the text's next characters. Returns the first stop string in the list that ends in them (vLLM's
+        check_stop_strings' pick, wherever the others end), as (its start, counted back from the piece's end, the
+        string), or None. may_stop False: a match stops nothing (the states go on past it)."""
         best: tuple[int, str] | None = None
-        best_end = len(piece)
         for j, (s, fail) in enumerate(zip(self.stops, self._fails, strict=True)):
             k, last = self._states[j], len(s)
             for i, ch in enumerate(piece):
@@ -42,9 +40,8 @@ class StopScanner:
                     k += 1
                 if k == last:
                     if may_stop:
-                        if best is None or i < best_end:  # (a later-listed string ending at the same place loses)
-                            # (characters from the match's start to the piece's end)
-                            best, best_end = (len(piece) - (i + 1 - last), s), i
+                        # (characters from the match's start to the piece's end; a later-listed string never wins)
+                        best = best or (len(piece) - (i + 1 - last), s)
                         break
                     k = fail[k - 1]
             self._states[j] = k
