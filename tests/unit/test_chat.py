@@ -331,14 +331,15 @@ CHATS = {
 def vllm_conversation(messages: list[dict], openai_format: bool) -> list[dict]:
     """The messages as vLLM hands them to apply_chat_template (chat_utils' _parse_chat_message_content and
     _postprocess_messages): content as a list of text parts ("openai") or their texts joined by newlines; an
-    assistant's tool calls (where not null) with their arguments parsed; a tool message's parts joined; a name."""
+    assistant's tool calls (where not null or empty) with their arguments parsed; a tool message's parts joined; a
+    name."""
     out = []
     for m in messages:
         content = m.get("content")
         parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else [
             {"type": "text", "text": p if isinstance(p, str) else p["text"]} for p in content]
         msg = {"role": m["role"], "content": parts if openai_format else "\n".join(p["text"] for p in parts)}
-        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        if m["role"] == "assistant" and m.get("tool_calls"):  # (null dropped, and [] by _postprocess_messages)
             msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
                 c["function"]["arguments"] or "{}")}} for c in m["tool_calls"]]
         if m["role"] == "assistant" and m.get("reasoning") is not None:
@@ -422,14 +423,18 @@ def test_real_llama_templates_render_each_chat_as_vllm_does(ckpt, hf_tokenizer, 
 
 @pytest.mark.parametrize("name", ["llama3.1_instruct", "vllm_tool_chat_template_llama3.1_json",
                                   "vllm_tool_chat_template_llama3.2_pythonic", "hermes3_llama3.1_tool_use"])
-def test_an_assistant_message_with_an_empty_tool_calls_list_reaches_the_template_with_it(ckpt, hf_tokenizer, name):
-    """tool_calls [] (a client that always sends the field): vLLM keeps it (only a null one is dropped), so a template
-    that asks `'tool_calls' in message` takes the turn as one of calls (Llama 3.1's refuses it, vLLM's JSON one writes
-    "No tool calls found.", the pythonic one "[]"); it was dropped here, and the turn rendered as plain text."""
+def test_an_assistant_message_with_an_empty_tool_calls_list_renders_as_plain_text(ckpt, hf_tokenizer, name):
+    """tool_calls [] (a client that always sends the field): vLLM's _postprocess_messages drops it ("to keep templates
+    on the normal assistant path", vLLM PR #30648), so the turn renders as the assistant's text. 756dfe0 handed the
+    template the empty list: Llama 3.1's refused the chat, vLLM's JSON one wrote "No tool calls found.", the pythonic
+    one "[]"."""
     chat = {"messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "Hello", "tool_calls": []},
                          {"role": "user", "content": "Bye"}], "tools": [WEATHER]}
     assert parity(ckpt, hf_tokenizer, name, {"empty_calls": chat}) == {}
+    plain = {**chat, "messages": [{k: v for k, v in m.items() if k != "tool_calls"} for m in chat["messages"]]}
+    ours = [r.json()["tokens"] for r in served_tokens(ckpt, name, [chat, plain])]
+    assert ours[0] == ours[1]
 
 
 PARTS = [{"type": "text", "text": "Describe "}, {"type": "text", "text": " this"}]

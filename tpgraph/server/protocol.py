@@ -355,10 +355,11 @@ def template_messages(messages: list[ChatMessage], content_format: str = "string
         msg: dict[str, Any] = {"role": m.role, "content": template_content(m.content, f"messages[{i}]", fmt)}
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
-        # (an empty list is kept, as vLLM keeps it: a template asking `'tool_calls' in message` reads the turn so)
-        if m.role == "assistant" and calls is not None:
-            if not isinstance(calls, list):
-                raise RequestError(f"messages[{i}].tool_calls must be a list")
+        if m.role == "assistant" and calls is not None and not isinstance(calls, list):
+            raise RequestError(f"messages[{i}].tool_calls must be a list")
+        # (an empty list is dropped, as vLLM's _postprocess_messages drops it: a template asking `'tool_calls' in
+        # message` would take a plain reply for a turn of calls)
+        if m.role == "assistant" and calls:
             msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
         # (the first that is text: a null reasoning beside reasoning_content is none given)
         reasoning = next((extra[k] for k in ("reasoning", "reasoning_content") if isinstance(extra.get(k), str)), None)
