@@ -755,3 +755,25 @@ def test_a_pass_at_k_request_of_200_samples_runs_and_vllms_variable_caps_n(monke
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "many")
     with pytest.raises(ConfigError, match="VLLM_MAX_N_SEQUENCES must be a positive integer"):
         SamplingParams(n=2)
+
+
+def test_the_spmd_check_of_chat_tells_apart_the_content_formats(monkeypatch):
+    """Under torchrun every rank renders its own chat prompt: chat_template_content_format picks whether a message's
+    parts reach the template as a list or joined, so ranks calling with other formats render other prompts (other
+    tokens, other lengths), and stepped apart with no word. The call's check compared every argument but it."""
+    import types
+
+    from tpgraph.engine import tp_engine
+
+    seen = []
+    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, digest: seen.append(digest) or [digest, digest])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    with engine() as e:
+        state, e.state = e.state, types.SimpleNamespace(world_size=2, is_driver=True)  # (as rank 0 of two)
+        try:
+            for form in ("string", "openai"):
+                e.chat(parts, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+                       chat_template_content_format=form)
+        finally:
+            e.state = state
+    assert len(seen) == 2 and seen[0] != seen[1]

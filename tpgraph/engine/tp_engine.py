@@ -351,7 +351,7 @@ class TPEngine:
             conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or known_content_format(
                 chat_template_content_format) or _conversation_list(messages),
                                               sampling_params, tools, add_generation_prompt, continue_final_message,
-                                              chat_template_kwargs, chat_template)
+                                              chat_template_kwargs, chat_template, chat_template_content_format)
             template = None
             if chat_template is not None:
                 if not isinstance(chat_template, str):
