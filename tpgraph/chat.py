@@ -81,16 +81,18 @@ def _part_texts(content: list | tuple, where: str) -> list[str]:
     return parts
 
 
-def template_content(content: Any, where: str, content_format: str = "string") -> Any:
-    """A message's content in the content format ("string" or "openai") its template is given."""
-    return content_parts(content, where) if content_format == "openai" else content_text(content, where)
+def template_content(content: Any, where: str, content_format: str = "string", role: Any = None) -> Any:
+    """A message's content in the content format ("string" or "openai") its template is given; a tool message's
+    always as a string (vLLM joins its text parts whatever the format: templates read a tool result as text)."""
+    if content_format == "openai" and role != "tool":
+        return content_parts(content, where)
+    return content_text(content, where)
 
 
 def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:
-    """Chat messages with their content as template_content gives it (a tool message's as a string, as vLLM joins
-    it; copies: the caller's are left as they are); what is no message is left for the template's checks to name."""
-    return [{**m, "content": template_content(m.get("content"), f"messages[{i}]",
-                                              "string" if m.get("role") == "tool" else content_format)}
+    """Chat messages with their content as template_content gives it (copies: the caller's are left as they are);
+    what is no message is left for the template's checks to name."""
+    return [{**m, "content": template_content(m.get("content"), f"messages[{i}]", content_format, m["role"])}
             if isinstance(m, dict) and "role" in m else m for i, m in enumerate(messages)]
 
 

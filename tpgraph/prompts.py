@@ -72,19 +72,22 @@ class PromptCodec:
         (byte-level BPE) or more (SentencePiece's <0x..> byte tokens), and a byte decodes to at most a character."""
         return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1))
 
-    def content_format(self, tools: list[dict] | None = None, given: str = "auto") -> str:
+    def content_format(self, tools: list[dict] | None = None, given: str = "auto",
+                       template: ChatTemplate | None = None) -> str:
         """The content format ("string" or "openai") a chat's messages reach the template in: `given` (vLLM's
-        chat_template_content_format) unless "auto", else what vLLM detects for the template these tools pick."""
-        if given != "auto" or self.chat_template is None:
+        chat_template_content_format) unless "auto", else what vLLM detects for the template (`template`, a call's
+        own, or the served one) these tools pick."""
+        template = self.chat_template if template is None else template
+        if given != "auto" or template is None:
             return "string" if given == "auto" else given
-        return self.chat_template.content_format(tools)
+        return template.content_format(tools)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
                     continue_final_message: bool = False, template: ChatTemplate | None = None) -> str:
         """Chat messages as text, through the chat template, or `template` in its place (ChatTemplate.render says
         what each argument does)."""
-        template = template or self.chat_template
+        template = self.chat_template if template is None else template
         if template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
                                f"tokenizer_config.json's chat_template, or --chat-template); send a plain prompt")

@@ -358,9 +358,7 @@ class TPEngine:
                     raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded, limit = [], self._encode_limit(sampling_params)
-            # ("auto": the parts as a list where the template loops over them, as vLLM detects it)
-            content_format = chat_template_content_format if chat_template_content_format != "auto" else (
-                template.content_format(tools) if template is not None else self.prompts.content_format(tools))
+            content_format = self.prompts.content_format(tools, chat_template_content_format, template)
             for conversation in conversations:
                 text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt, tools,
                                         chat_template_kwargs, continue_final_message, template)

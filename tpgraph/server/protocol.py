@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from tpgraph.chat import content_text, template_content
+from tpgraph.chat import template_content
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
@@ -287,9 +287,6 @@ class ChatMessage(NullMeansDefault):
     role: str
     content: str | list[dict | str] | None = None
 
-    def text(self, where: str) -> str:
-        return content_text(self.content, where)  # content parts: only text is understood
-
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -350,9 +347,8 @@ def template_messages(messages: list[ChatMessage], content_format: str = "string
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
-        # (a tool message's text parts are joined whatever the format, as vLLM joins them: templates read a string)
-        fmt = "string" if m.role == "tool" else content_format
-        msg: dict[str, Any] = {"role": m.role, "content": template_content(m.content, f"messages[{i}]", fmt)}
+        msg: dict[str, Any] = {"role": m.role, "content": template_content(m.content, f"messages[{i}]", content_format,
+                                                                           m.role)}
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
         if m.role == "assistant" and calls is not None and not isinstance(calls, list):
