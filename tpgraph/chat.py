@@ -90,10 +90,52 @@ def template_content(content: Any, where: str, content_format: str = "string", r
 
 
 def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:
-    """Chat messages with their content as template_content gives it (copies: the caller's are left as they are);
-    what is no message is left for the template's checks to name."""
-    return [{**m, "content": template_content(m.get("content"), f"messages[{i}]", content_format, m["role"])}
-            if isinstance(m, dict) and "role" in m else m for i, m in enumerate(messages)]
+    """Chat messages as TPEngine.chat hands them to the template, as vLLM's LLM.chat does: their content as
+    template_content gives it, an assistant's earlier tool calls as history_call gives them (an empty list dropped,
+    as vLLM drops it). Copies: the caller's are left as they are; what is no message is left for the template's
+    checks to name."""
+    return [_template_message(m, i, content_format) if isinstance(m, dict) and "role" in m else m
+            for i, m in enumerate(messages)]
+
+
+def _template_message(m: dict[str, Any], i: int, content_format: str) -> dict[str, Any]:
+    out = {**m, "content": template_content(m.get("content"), f"messages[{i}]", content_format, m["role"])}
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and isinstance(calls, list):
+        if calls:
+            out["tool_calls"] = [history_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
+        else:
+            del out["tool_calls"]
+    return out
+
+
+def history_call(call: Any, where: str) -> dict:
+    """An assistant message's earlier tool call as a chat template takes it: arguments as the value their JSON text
+    holds (Transformers' convention: templates write them out with tojson), as vLLM reads them."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": history_arguments(fn.get("arguments"),
+                                                                                               where)}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def history_arguments(args: Any, where: str) -> Any:
+    """An earlier call's arguments as vLLM hands them to the template: none (null, "", an empty value) is {}; an
+    object or a list is kept; JSON text is parsed into whatever value it holds (a list, a number: a named tool whose
+    schema is no object answers so)."""
+    if not args or isinstance(args, str) and not args.strip():
+        return {}
+    if isinstance(args, (dict, list)):
+        return args
+    if not isinstance(args, str):  # (vLLM's json.loads refuses it too)
+        raise RequestError(f"{where}.function.arguments must be JSON text or an object, got {args!r}")
+    try:
+        return json.loads(args)
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nesting past the stack)
+        raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}") from None
 
 
 def _raise(message: str) -> None:

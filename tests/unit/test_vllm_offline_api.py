@@ -777,3 +777,24 @@ def test_the_spmd_check_of_chat_tells_apart_the_content_formats(monkeypatch):
         finally:
             e.state = state
     assert len(seen) == 2 and seen[0] != seen[1]
+
+
+def test_offline_chat_hands_earlier_tool_calls_to_the_template_as_the_server_and_vllm_do():
+    """vLLM's LLM.chat prepares messages as its server does: an earlier call's arguments parsed from their JSON text
+    (templates write them with tojson), an empty tool_calls list dropped. TPEngine.chat passed them as given: a
+    template wrote the arguments as a quoted string, and took `tool_calls: []` for a turn of calls."""
+    template = ("{% for m in messages %}{{ m.role }}:{% if 'tool_calls' in m %}CALLS{% for c in m.tool_calls %}"
+                "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}"
+                "{% endif %}|{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+    def chat(calls):
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": calls}]
+
+    with engine() as e:
+        prompts = [e.chat(chat(calls), GREEDY, chat_template=template)[0].prompt
+                   for calls in ([call], [{**call, "function": {"name": "f", "arguments": {"x": 1}}}], [])]
+        with pytest.raises(RequestError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
+            e.chat(chat([{**call, "function": {"name": "f", "arguments": "{x"}}]), GREEDY, chat_template=template)
+    assert prompts == ['user:hi|assistant:CALLSf{"x": 1}|', 'user:hi|assistant:CALLSf{"x": 1}|',
+                       "user:hi|assistant:ok|"]

@@ -14,12 +14,12 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from tpgraph.chat import template_content
+from tpgraph.chat import history_call, template_content
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
-from tpgraph.server.tools import ToolOptions, ToolPlan, history_call
+from tpgraph.server.tools import ToolOptions, ToolPlan
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

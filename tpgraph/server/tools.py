@@ -156,32 +156,3 @@ class ToolPlan:
             return ToolPlan("named", shown, function=name, structured=StructuredOutput.json_schema(params))
         raise RequestError(f'tool_choice {choice!r} is not one of "none", "auto", "required" or a named function '
                            f"({NAMED_USAGE})")
-
-
-def history_call(call: Any, where: str) -> dict:
-    """An assistant message's earlier tool call as a chat template takes it: arguments as the value their JSON text
-    holds (Transformers' convention: templates write them out with tojson), as vLLM reads them."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
-    out = {"type": "function", "function": {"name": fn["name"], "arguments": history_arguments(fn.get("arguments"),
-                                                                                               where)}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
-
-
-def history_arguments(args: Any, where: str) -> Any:
-    """An earlier call's arguments as vLLM hands them to the template: none (null, "", an empty value) is {}; an
-    object or a list is kept; JSON text is parsed into whatever value it holds (a list, a number: a named tool whose
-    schema is no object answers so)."""
-    if not args or isinstance(args, str) and not args.strip():
-        return {}
-    if isinstance(args, (dict, list)):
-        return args
-    if not isinstance(args, str):  # (vLLM's json.loads refuses it too)
-        raise RequestError(f"{where}.function.arguments must be JSON text or an object, got {args!r}")
-    try:
-        return json.loads(args)
-    except (ValueError, RecursionError) as exc:  # (RecursionError: nesting past the stack)
-        raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}") from None
