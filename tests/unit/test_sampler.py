@@ -217,6 +217,13 @@ def test_numpy_numbers_are_the_numbers_they_are():
     with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
         SamplingParams(max_tokens=np.int64(0))  # (checked as the int it is)
     assert SamplingParams(truncate_prompt_tokens=np.int64(-1)).truncate_prompt_tokens == -1  # (vLLM's "to fit")
+    # numpy's booleans too (a flag taken from an array of settings), read as Python's; other truthy values refused
+    flags = SamplingParams(ignore_eos=np.True_, detokenize=np.bool_(True), skip_special_tokens=np.False_)
+    assert (flags.ignore_eos, flags.detokenize, flags.skip_special_tokens) == (True, True, False)
+    assert type(flags.ignore_eos) is bool and repr(flags) == repr(SamplingParams(ignore_eos=True,
+                                                                                 skip_special_tokens=False))
+    with pytest.raises(RequestError, match=r"ignore_eos must be true or false, got np.int64\(1\)"):
+        SamplingParams(ignore_eos=np.int64(1))
 
 
 def test_none_is_vllms_default_for_the_list_fields():

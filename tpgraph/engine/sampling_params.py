@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
 
+import numpy
+
 # (vLLM's StructuredOutputsParams and GuidedDecodingParams too, as its scripts import them from vllm.sampling_params)
 from tpgraph.engine.structured import GuidedDecodingParams as GuidedDecodingParams
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_params
@@ -104,6 +106,8 @@ class SamplingParams:
                                                                                "a list of token ids"))))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
+            if isinstance(getattr(self, name), numpy.bool_):  # (numpy's, as its numbers are read: Python's)
+                object.__setattr__(self, name, bool(getattr(self, name)))
             if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:
