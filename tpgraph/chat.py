@@ -36,7 +36,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
 # refusal): each part's type and the key that holds its text
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+# the content parts vLLM reads as text, and the key holding each one's text ("thinking": an assistant's earlier
+# thoughts, as clients of reasoning models send them back)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 
 
 def content_text(content: Any, where: str) -> Any:

@@ -191,12 +191,15 @@ def test_response_format_and_guided_fields_become_one_structured_output():
 
 
 def test_content_parts_vllm_reads_as_text_are_text():
-    """vLLM reads a plain string part, and input_text, output_text (the Responses API's) and refusal parts (an
-    assistant's earlier refusal, sent back as OpenAI's SDK gives it) as text; they were a 400."""
+    """vLLM reads a plain string part, and input_text, output_text (the Responses API's), refusal parts (an
+    assistant's earlier refusal, sent back as OpenAI's SDK gives it) and thinking parts (its "thinking" key) as text;
+    they were a 400."""
     body = ChatRequest.model_validate({**CHAT, "messages": [
         {"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "c"}, {"type": "refusal", "refusal": "d"}]}]})
-    assert body.checked_messages() == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c\nd"}]
+        {"role": "assistant", "content": [{"type": "output_text", "text": "c"}, {"type": "refusal", "refusal": "d"},
+                                          {"type": "thinking", "thinking": "e"}]}]})
+    assert body.checked_messages() == [{"role": "user", "content": "a\nb"},
+                                       {"role": "assistant", "content": "c\nd\ne"}]
     with pytest.raises(RequestError, match=r"messages\[0\].content\[0\].refusal must be a string"):
         ChatRequest.model_validate({**CHAT, "messages": [{"role": "assistant", "content": [
             {"type": "refusal", "text": "d"}]}]}).checked_messages()
