@@ -34,10 +34,8 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # the template's variables that a request's own fields set: chat_template_kwargs may not set them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-# the content parts read as text, as vLLM reads them (the Responses API's input_text and output_text, an assistant's
-# refusal): each part's type and the key that holds its text
-# the content parts vLLM reads as text, and the key holding each one's text ("thinking": an assistant's earlier
-# thoughts, as clients of reasoning models send them back)
+# the content parts vLLM reads as text (the Responses API's input_text and output_text, an assistant's refusal and
+# earlier thoughts, as clients of reasoning models send them back), and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 
 
