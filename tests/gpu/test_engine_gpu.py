@@ -106,6 +106,11 @@ def test_seeded_sampling_repeats_on_the_gpu():
     assert a == b and len({tuple(x) for x in a[0]}) == 2
     assert len(out.logprobs) == 16 and all(len(e) in (2, 3) and t in e for e, t in
                                            zip(out.logprobs, out.token_ids, strict=True))
+    for entry, t in zip(out.logprobs, out.token_ids, strict=True):  # the own rank counted on the device agrees
+        top = sorted((v for i, v in entry.items() if v.rank <= 2), key=lambda v: v.rank)
+        assert [v.rank for v in top] == [1, 2] and top[0].logprob >= top[1].logprob
+        own = entry[t]
+        assert own.rank >= 1 and (own.rank > 2) == (own.logprob < top[1].logprob)
 
 
 @pytest.mark.parametrize("penalties", [True, False])

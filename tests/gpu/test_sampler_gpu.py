@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpgraph.engine.penalties import PenaltyTable
-from tpgraph.engine.sampler import Sampler, SampleRow
+from tpgraph.engine.sampler import Sampler, SampleRow, packed_rows
 from tpgraph.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -40,6 +40,22 @@ def test_sampling_every_option_never_waits_for_the_gpu():
     assert [len(o.token_ids) for o in out] == [4, 4] and table.fills == 4  # held slots took no host ids
     # the penalized rows' ids of three steps, counted on the device, and the newcomer's three output ids
     assert int(table.counts.sum()) == 3 + 3 + 3 + 3
+
+
+def test_packed_rows_count_ranks_on_the_device_as_on_the_host():
+    """Each sampled id's rank (the ids at least as likely, itself among them; vLLM's) and the top k, counted on the
+    GPU, as a float64 reference counts them on the CPU: ties included (a row of equal values ranks every id last)."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.randn(6, 32003, generator=gen).log_softmax(-1)
+    logprobs[5] = -10.0  # every id tied
+    ids = torch.tensor([int(logprobs[0].argmax()), 7, 31999, int(logprobs[3].argmin()), 123, 4])
+    got = packed_rows(logprobs.cuda(), ids.cuda(), 3).cpu()
+    want = [int((row >= row[t]).sum()) for row, t in zip(logprobs.double(), ids.tolist(), strict=True)]
+    assert got[:, -1].long().tolist() == want and want[0] == 1 and want[3] == 32003 and want[5] == 32003
+    assert got[:, 0].long().tolist() == ids.tolist()
+    # the top ids of the untied rows (the tied row's may come in any order on either device)
+    assert torch.equal(got[:5, 2:5].long(), logprobs[:5].topk(3, dim=-1).indices)
+    assert torch.allclose(got[:, 1], logprobs.gather(1, ids.unsqueeze(1)).double().squeeze(1))
 
 
 def _kept_probabilities(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
