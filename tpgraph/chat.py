@@ -102,11 +102,18 @@ def _template_message(m: dict[str, Any], i: int, content_format: str) -> dict[st
     out = {**m, "content": template_content(m.get("content"), f"messages[{i}]", content_format, m["role"])}
     calls = m.get("tool_calls")
     if m["role"] == "assistant" and isinstance(calls, list):
-        if calls:
-            out["tool_calls"] = [history_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
-        else:
-            del out["tool_calls"]
+        set_history_calls(out, calls, i)
     return out
+
+
+def set_history_calls(message: dict[str, Any], calls: list, i: int) -> None:
+    """message (messages[i], an assistant's, as the template gets it) with its earlier tool calls as history_call
+    gives them; an empty list is dropped, as vLLM's _postprocess_messages drops it: a template asking `'tool_calls' in
+    message` would take a plain reply for a turn of calls."""
+    if calls:
+        message["tool_calls"] = [history_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
+    else:
+        message.pop("tool_calls", None)
 
 
 def history_call(call: Any, where: str) -> dict:

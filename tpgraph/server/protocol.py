@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from tpgraph.chat import history_call, template_content
+from tpgraph.chat import set_history_calls, template_content
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
@@ -353,10 +353,8 @@ def template_messages(messages: list[ChatMessage], content_format: str = "string
         calls = extra.get("tool_calls")
         if m.role == "assistant" and calls is not None and not isinstance(calls, list):
             raise RequestError(f"messages[{i}].tool_calls must be a list")
-        # (an empty list is dropped, as vLLM's _postprocess_messages drops it: a template asking `'tool_calls' in
-        # message` would take a plain reply for a turn of calls)
-        if m.role == "assistant" and calls:
-            msg["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        if m.role == "assistant" and calls is not None:
+            set_history_calls(msg, calls, i)
         # (the first that is text: a null reasoning beside reasoning_content is none given)
         reasoning = next((extra[k] for k in ("reasoning", "reasoning_content") if isinstance(extra.get(k), str)), None)
         if m.role == "assistant" and isinstance(reasoning, str):
