@@ -149,8 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if key is not None and not key.strip():
             p.error(f"{variable} is blank: set it to the key, or unset it to serve without one")
         args.api_key = None if key is None else [key]
-    try:
-        http_options(args)  # (flags that only make sense together, said now)
+    try:  # (built once, here: flags that only make sense together are said now, and main serves with it)
+        args.http = http_options(args)
     except ConfigError as exc:
         p.error(str(exc))
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.service import EngineService
     from tpgraph.engine.tp_engine import TPEngine
 
+    http: HttpOptions = args.http
     try:
-        http = http_options(args)
         max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
         if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
