@@ -173,3 +173,13 @@ def test_the_default_budget_holds_a_decode_token_for_each_of_max_num_seqs():
 
     with TPEngine(device="cpu", max_num_seqs=600, max_model_len=16, num_kv_blocks=5, block_size=4) as e:
         assert e.core.scheduler.cfg.max_num_batched_tokens == 600
+
+
+def test_the_default_budget_is_one_function_for_both_prefill_modes():
+    """default_token_budget, which the runner (chunked prefill) and TPEngine (without it) both read: max_model_len,
+    at most 8192 with chunked prefill; at least 512 and max_num_seqs either way."""
+    from tpgraph.engine.scheduler import default_token_budget
+
+    assert [default_token_budget(n, 8) for n in (64, 4096, 9000)] == [512, 4096, 8192]
+    assert [default_token_budget(n, 8, chunked_prefill=False) for n in (64, 4096, 9000)] == [512, 4096, 9000]
+    assert default_token_budget(16, 600) == default_token_budget(16, 600, chunked_prefill=False) == 600

@@ -10,7 +10,7 @@ from typing import Any
 from tpgraph.distributed import env_int
 from tpgraph.engine.config import check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
-from tpgraph.engine.scheduler import SCHEDULING_POLICIES
+from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "by what the KV cache holds")
     p.add_argument("--max-num-batched-tokens", type=token_count, default=None, metavar="N",
                    help="tokens per step, e.g. 8192 or 8K; longer prompts run in chunks (default: min(max_model_len, "
-                        "8192))")
+                        f"{DEFAULT_CHUNK_TOKENS}); max_model_len with --no-enable-chunked-prefill)")
     # (vLLM's pairs: --enable-X and --no-enable-X, so a vLLM command line that spells out the default runs too)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="longer prompts run in chunks of --max-num-batched-tokens (--no-enable-chunked-prefill: each "

@@ -28,7 +28,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 8
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None  # default: max(min(max_model_len, 8192), 512, max_num_seqs) (ModelRunner)
+    max_num_batched_tokens: int | None = None  # default: scheduler.default_token_budget's
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens

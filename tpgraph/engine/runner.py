@@ -27,6 +27,7 @@ from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
 from tpgraph.engine.sampler import PendingSample, Sampler, warm_rows, worst_case_rows
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
+from tpgraph.engine.scheduler import default_token_budget
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
@@ -107,7 +108,7 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
-    # tokens per prefill forward; default max(min(max_model_len, 8192), 512, max_batch)
+    # tokens per prefill forward; default scheduler.default_token_budget's (chunked prefill)
     max_num_batched_tokens: int | None = None
     # the allocator names computed blocks for sharing (engine/prefix_cache.py); the engine turns it on, while a runner
     # driven by hand (the greedy loop, hf_parity) has no scheduler to match prompts
@@ -162,7 +163,7 @@ class ModelRunner:
         decode_sizes = capture_sizes(g.ladder, cfg.max_batch) if self.modes.decode != "none" else ()
         # longer prompts run in chunks of this many tokens (chunked prefill)
         # (and at least a decode token for each of max_batch sequences: the scheduler's budget is this)
-        self.max_prefill_tokens = cfg.max_num_batched_tokens or max(min(self.max_model_len, 8192), 512, cfg.max_batch)
+        self.max_prefill_tokens = cfg.max_num_batched_tokens or default_token_budget(self.max_model_len, cfg.max_batch)
         # (a forward never holds more: sizes past the first that holds the budget would never run)
         prefill_sizes = within_budget(g.prefill_sizes, self.max_prefill_tokens) if self.modes.prefill == "piecewise" \
             else ()

@@ -58,6 +58,18 @@ class SchedulerConfig:
             raise ConfigError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
+DEFAULT_CHUNK_TOKENS = 8192  # (chunked prefill) the default budget's cap: longer prompts run in chunks of it
+MIN_DEFAULT_BUDGET = 512
+
+
+def default_token_budget(max_model_len: int, max_num_seqs: int, chunked_prefill: bool = True) -> int:
+    """max_num_batched_tokens where none is given: max_model_len, capped at DEFAULT_CHUNK_TOKENS with chunked prefill
+    (without it a step must hold a whole prompt of max_model_len, as vLLM's default then holds); at least
+    MIN_DEFAULT_BUDGET, and a decode token for each of max_num_seqs sequences."""
+    tokens = min(max_model_len, DEFAULT_CHUNK_TOKENS) if chunked_prefill else max_model_len
+    return max(tokens, MIN_DEFAULT_BUDGET, max_num_seqs)
+
+
 def check_token_budget(tokens: int, max_num_seqs: int, max_model_len: int | None, chunked_prefill: bool) -> None:
     """max_num_batched_tokens against the other limits, as vLLM checks it (EngineConfig says it before the weights
     load, SchedulerConfig after; max_model_len None: not known yet)."""

@@ -51,7 +51,7 @@ from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.logprob import Logprob, logprob_entry
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.engine.scheduler import SchedulerConfig
+from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError
@@ -255,8 +255,9 @@ class TPEngine:
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
-                # holds one of max_model_len (vLLM's default too), not the runner's 8192 at most, which was refused
-                budget = max(cfg.max_model_len or model_cfg.max_position_embeddings, 512, cfg.max_num_seqs)
+                # holds one of max_model_len (vLLM's default too), not the chunked one's 8192 at most, which was refused
+                budget = default_token_budget(cfg.max_model_len or model_cfg.max_position_embeddings, cfg.max_num_seqs,
+                                              chunked_prefill=False)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                 num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
