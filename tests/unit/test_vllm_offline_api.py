@@ -757,6 +757,23 @@ def test_a_pass_at_k_request_of_200_samples_runs_and_vllms_variable_caps_n(monke
         SamplingParams(n=2)
 
 
+def test_max_n_follows_the_variable_as_it_changes_and_refuses_a_bad_value_every_time(monkeypatch):
+    """max_n parses each value of VLLM_MAX_N_SEQUENCES once (cached by the value): a new value is read as it is set,
+    and a bad one, which nothing keeps, is refused on every call."""
+    from tpgraph.engine.sampling_params import MAX_N_DEFAULT, max_n
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.delenv("VLLM_MAX_N_SEQUENCES", raising=False)
+    assert max_n() == MAX_N_DEFAULT
+    for value, most in (("8", 8), (" 3 ", 3), ("8", 8), ("", MAX_N_DEFAULT)):
+        monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", value)
+        assert max_n() == most
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "-1")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="VLLM_MAX_N_SEQUENCES must be a positive integer"):
+            max_n()
+
+
 def test_the_spmd_check_of_chat_tells_apart_the_content_formats(monkeypatch):
     """Under torchrun every rank renders its own chat prompt: chat_template_content_format picks whether a message's
     parts reach the template as a list or joined, so ranks calling with other formats render other prompts (other

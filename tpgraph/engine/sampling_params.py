@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -257,8 +258,15 @@ for _name in VLLM_STRUCTURED_NAMES:
 
 
 def max_n() -> int:
-    """The most samples a request may ask (MAX_N_VARIABLE, else MAX_N_DEFAULT)."""
-    given = os.environ.get(MAX_N_VARIABLE, "").strip()
+    """The most samples a request may ask (MAX_N_VARIABLE, else MAX_N_DEFAULT). Looked up on each call, so that a
+    script may set it after the import (the lookup alone: each value is parsed once, by _max_n)."""
+    return _max_n(os.environ.get(MAX_N_VARIABLE, ""))
+
+
+@functools.cache
+def _max_n(value: str) -> int:
+    """max_n's reading of the variable's value (cached by the value: a bad one raises each time, as nothing is kept)."""
+    given = value.strip()
     if not given:
         return MAX_N_DEFAULT
     if not given.isdigit() or int(given) < 1:
