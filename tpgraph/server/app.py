@@ -161,6 +161,22 @@ class Api:
                     self.client.release(rid)
 
 
+    def streams_usage(self, body: CompletionRequest | ChatRequest) -> bool:
+        """Whether a stream ends with a usage chunk: the client asked (stream_options.include_usage), or the server's
+        --enable-force-include-usage asks it for every stream."""
+        options = body.stream_options
+        return self.http.force_include_usage or (options is not None and options.include_usage)
+
+    def chunk_usage(self, body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice) -> dict:
+        """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where
+        the stream reports usage; with vLLM's continuous_usage_stats as well, that choice's so far (alone, it asks for
+        nothing, as vLLM's: a client that never asked for usage reads no last chunk without choices). The server's
+        --enable-force-include-usage asks for both."""
+        if not self.streams_usage(body):
+            return {}
+        continuous = self.http.force_include_usage or body.stream_options.continuous_usage_stats
+        return {"usage": _usage([prompt], [choice]) if continuous else None}
+
     def log_request(self, rid: str, text: str | list[int] | None, prompt: list[int], params: SamplingParams) -> None:
         """vLLM's --enable-log-requests line: the request's prompt (its first --max-log-len characters or ids) and
         parameters, as the engine gets it."""
@@ -205,17 +221,11 @@ def _max_tokens(asked: int | None, default: int | None, prompts: list[list[int]]
     return min(default, room) if room > 0 else None
 
 
-def _chunk_usage(body: CompletionRequest | ChatRequest, prompt: list[int], choice: Choice, forced: bool) -> dict:
-    """What a streamed chunk of `choice` (of `prompt`) carries before the last one: OpenAI's "usage": null where the
-    client asked for usage; with vLLM's continuous_usage_stats as well, that choice's so far (alone, it asks for
-    nothing, as vLLM's: a client that never asked for usage reads no last chunk without choices). forced: the
-    server's --enable-force-include-usage, which asks for both."""
-    options = body.stream_options
-    if forced:
-        return {"usage": _usage([prompt], [choice])}
-    if options is None or not options.include_usage:
-        return {}
-    return {"usage": _usage([prompt], [choice]) if options.continuous_usage_stats else None}
+def _token_ids(asked: bool, **fields: list[int] | None) -> dict:
+    """vLLM's return_token_ids fields of a reply, a choice or a chunk (prompt_token_ids, token_ids): each field's ids
+    where the request asked for them, else null (null too where a field has none: a stream's later chunks carry no
+    prompt ids)."""
+    return {name: ids if asked else None for name, ids in fields.items()}
 
 
 # the fields vLLM's whole replies carry null where this server has nothing to say (its response models are dumped with
@@ -447,12 +457,6 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             c.add(u)
             return c, head + u.text, c.logprobs[entries_at:], u.finish_reason, first_update
 
-        def ids_fields(prompt: list[int] | None, new_ids: list[int]) -> dict:
-            """vLLM's return_token_ids fields of a choice (null where not asked): the prompt's ids (a stream's first
-            chunk of the choice, else None) and its token ids (a stream chunk's new ones)."""
-            asked = body.return_token_ids
-            return {"prompt_token_ids": prompt if asked else None, "token_ids": list(new_ids) if asked else None}
-
         # each choice's prompt_logprobs field: its own count, else (as vLLM's) an echo's logprobs
         prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
         if not body.stream:
@@ -465,7 +469,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                             **ids_fields(token_ids[c.index // params.n], c.token_ids),
+                             **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[c.index // params.n],
+                                          token_ids=c.token_ids),
                              "prompt_logprobs": None if prompt_top is None else _prompt_logprobs_field(
                                  prompts, firsts.get(c.index // params.n), prompt_top)} for c in choices],
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
@@ -481,10 +486,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-                                         **ids_fields(token_ids[i] if first_update else None,
-                                                      c.token_ids[ids_at:])}],
-                            **_chunk_usage(body, token_ids[i], c, http.force_include_usage)})
-            if _chunk_usage(body, token_ids[0], choices[0], http.force_include_usage):
+                                         **_token_ids(body.return_token_ids,
+                                                      prompt_token_ids=token_ids[i] if first_update else None,
+                                                      token_ids=c.token_ids[ids_at:])}],
+                            **api.chunk_usage(body, token_ids[i], c)})
+            if api.streams_usage(body):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
@@ -573,11 +579,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "message": _echoed(echoed, reply.message(role)),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
-                             "stop_reason": c.stop_reason, "token_ids": c.token_ids if give_ids else None}
+                             "stop_reason": c.stop_reason, **_token_ids(give_ids, token_ids=c.token_ids)}
                             for c, reply in zip(choices, replies, strict=True)],
                 "prompt_logprobs": None if body.prompt_logprobs is None else _prompt_logprobs_field(
                     prompts, firsts[0] if firsts else None, body.prompt_logprobs),
-                "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
+                **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 
         async def events() -> AsyncIterator[str]:
@@ -585,12 +591,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             for c in choices:  # (each with the prompt's ids where asked, as vLLM's role chunks)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
-                            "prompt_token_ids": token_ids[0] if body.return_token_ids else None,
-                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
+                            **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
+                            **api.chunk_usage(body, token_ids[0], c)})
             for c in choices if echoed else ():  # (vLLM's echo: its own chunk, after the role's)
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
                                                  "finish_reason": None, "stop_reason": None}],
-                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
+                            **api.chunk_usage(body, token_ids[0], c)})
             async for _, u in _chain(first, stream):
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None and not hidden else []
@@ -600,9 +606,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-                                                 "token_ids": new_ids if give_ids else None}],
-                            **_chunk_usage(body, token_ids[0], c, http.force_include_usage)})
-            if _chunk_usage(body, token_ids[0], choices[0], http.force_include_usage):
+                                                 **_token_ids(give_ids, token_ids=new_ids)}],
+                            **api.chunk_usage(body, token_ids[0], c)})
+            if api.streams_usage(body):
                 yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
             yield _sse("[DONE]")
 
