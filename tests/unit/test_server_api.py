@@ -282,9 +282,37 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     assert refused.status_code == bad.status_code == over.status_code == boolean.status_code == 400
     assert "2500 characters, more than 128 tokens" in refused.json()["error"]["message"]
     assert "truncate_prompt_tokens must be between 1" in bad.json()["error"]["message"]
-    assert "truncate_prompt_tokens must be between 1 and max_model_len (128)" in over.json()["error"]["message"]
+    assert "truncate_prompt_tokens must be between 1 and 112 (max_model_len 128 less max_tokens 16)" in \
+        over.json()["error"]["message"]
     assert "must be an integer" in boolean.json()["error"]["message"]
     assert uncut.json()["choices"][0]["text"] == "caféx"  # (nothing cut: the prompt's own text is echoed)
+
+
+def test_truncate_prompt_tokens_is_held_to_what_max_tokens_leaves_of_max_model_len_as_vllms():
+    """vLLM's TokenizeParams (renderers/params.py): truncate_prompt_tokens keeps at most max_model_len less the
+    request's max_tokens (-1: all of that), and a k past it is a 400 whatever the prompt's length. -1 without
+    max_tokens is max_model_len, which leaves no room to generate: refused, as vLLM's get_max_tokens gives 0 and its
+    SamplingParams refuses that. (-1 kept 127 tokens and generated one; k 100 ran beside max_tokens 50.)"""
+    from tpgraph.engine.limits import RequestLimits
+
+    class Checked(ScriptedClient):  # (refuses what the engine refuses, as the bridge checks it)
+        def check(self, prompt, params) -> None:
+            RequestLimits(vocab_size=1 << 20, max_model_len=128, cache_tokens=1 << 20).check(prompt, params)
+
+    codec, client = builtin_codec(), Checked(["x"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    long_prompt = "word " * 500
+    no_room, past, fits, completion = post_all(app, [
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long_prompt}],
+                                  "truncate_prompt_tokens": -1}),
+        ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 100, "max_tokens": 50}),
+        ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 78, "max_tokens": 50}),
+        ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": -1})])
+    assert no_room.status_code == past.status_code == 400
+    assert "leaves no room to generate" in no_room.json()["error"]["message"]
+    assert "truncate_prompt_tokens must be between 1 and 78" in past.json()["error"]["message"]
+    assert fits.status_code == completion.status_code == 200
+    assert [len(p) for p in client.prompts] == [78, 128 - 16]  # (a completion's max_tokens defaults to 16)
 
 
 def test_the_prompt_logprobs_field_gives_tied_tokens_their_top_k_places():

@@ -654,9 +654,9 @@ def test_request_ids_count_from_0_across_calls_as_vllms():
 
 
 def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_offline_as_the_server_does():
-    """vLLM's SamplingParams.truncate_prompt_tokens offline: the prompt's last k tokens run (-1: as many as leave room
-    for max_tokens), its text stays the output's prompt; a prompt too long for the context runs cut instead of being
-    refused. It was refused here ("no truncate_prompt_tokens"), though the server took it."""
+    """vLLM's SamplingParams.truncate_prompt_tokens offline: the prompt's last k tokens run, its text stays the output's
+    prompt; a prompt too long for the context runs cut instead of being refused. It was refused here ("no
+    truncate_prompt_tokens"), though the server took it."""
     long_text = "ab " * 60  # (well past max_model_len 64 in tokens)
     with engine() as e:
         ids = e.encode(long_text)
@@ -665,18 +665,32 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_offline_as_the_serve
             e.generate([long_text], SamplingParams(max_tokens=2))
         (cut,) = e.generate([long_text], SamplingParams(max_tokens=2, temperature=0.0, truncate_prompt_tokens=10))
         (same,) = e.generate([ids[-10:]], SamplingParams(max_tokens=2, temperature=0.0))
-        (fit,) = e.generate([ids], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
         (chat,) = e.chat([{"role": "user", "content": long_text}],
                          SamplingParams(max_tokens=1, truncate_prompt_tokens=5))
-        with pytest.raises(RequestError, match=r"truncate_prompt_tokens must be between 1 and max_model_len \(64\)"):
+        with pytest.raises(RequestError, match=r"truncate_prompt_tokens must be between 1 and 64 \(max_model_len\)"):
             e.generate(["hi"], SamplingParams(truncate_prompt_tokens=65))
     assert cut.prompt == long_text and cut.prompt_token_ids == ids[-10:]
     assert cut.outputs[0].token_ids == same.outputs[0].token_ids
-    assert fit.prompt_token_ids == ids[-60:] and len(fit.outputs[0].token_ids) == 4
     assert len(chat.prompt_token_ids) == 5
     for bad in (0, -2, 1.5, True):
         with pytest.raises(RequestError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_truncate_prompt_tokens_minus_one_offline_is_max_model_len_as_vllms_llm_reads_it():
+    """vLLM's LLM (entrypoints/llm.py, _get_cmpl_tok_params) asks TokenizeParams for no room for output: -1 keeps
+    max_model_len tokens whatever max_tokens, and a prompt cut to that is refused (v1 input_processor's
+    _validate_prompt_len: no room for one token). It kept what left room for max_tokens; a prompt shorter than
+    max_model_len runs as it is, cut to what it leaves."""
+    with engine() as e:
+        ids = e.encode("ab " * 60)
+        assert len(ids) > 64
+        with pytest.raises(RequestError, match="leaves no room to generate"):
+            e.generate([ids], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
+        (short,) = e.generate([ids[:60]], SamplingParams(max_tokens=10, truncate_prompt_tokens=-1))
+        (room,) = e.generate([ids], SamplingParams(max_tokens=4, truncate_prompt_tokens=60))
+    assert short.prompt_token_ids == ids[:60] and len(short.outputs[0].token_ids) == 4
+    assert room.prompt_token_ids == ids[-60:]
 
 
 def test_vllms_top_level_names_are_importable_from_tpgraph():

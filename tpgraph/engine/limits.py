@@ -11,15 +11,23 @@ from tpgraph.errors import RequestError
 
 def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_model_len: int, max_tokens: int | None) -> int | None:
     """vLLM's truncate_prompt_tokens: how many of the prompt's last tokens to keep (None: all, and a prompt too long is
-    refused). -1: as many as leave room for max_tokens (for one token where there is no limit)."""
+    refused), within what max_tokens leaves of max_model_len, as vLLM's TokenizeParams reads it (the server passes the
+    request's max_tokens; LLM.generate none, so offline it is max_model_len). -1: all that leaves, max_model_len where
+    max_tokens is None (a prompt cut to that leaves no room to generate, and is refused, as vLLM refuses it); a k past
+    it is refused whatever the prompt's length, as vLLM's is."""
     k = truncate_prompt_tokens
     if k is None:
         return None
+    room = max_model_len - max(max_tokens or 0, 0)
+    if room < 1:
+        raise RequestError(f"max_tokens {max_tokens} leaves no room in max_model_len {max_model_len} for a prompt, "
+                           f"however truncate_prompt_tokens cuts it")
     if k == -1:
-        return max(1, max_model_len - (max_tokens or 1))
-    if not 1 <= k <= max_model_len:
-        raise RequestError(f"truncate_prompt_tokens must be between 1 and max_model_len ({max_model_len}), or -1 "
-                           f"(what leaves room for max_tokens), got {k}")
+        return room
+    if not 1 <= k <= room:
+        of = f"max_model_len {max_model_len} less max_tokens {max_tokens}" if max_tokens else "max_model_len"
+        raise RequestError(f"truncate_prompt_tokens must be between 1 and {room} ({of}), or -1 (all of that), "
+                           f"got {k}")
     return k
 
 

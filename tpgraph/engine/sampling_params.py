@@ -57,7 +57,8 @@ class SamplingParams:
     token is banned where the output ends with the tokens before it). `priority` (vLLM's request priority): under the
     priority scheduling policy, lower values are served first (arrival breaks ties) and preempted last; the default
     policy, first come first served, takes only 0. `truncate_prompt_tokens` (vLLM's): keep the prompt's last k tokens
-    (-1: as many as leave room for max_tokens), where a longer prompt was refused."""
+    (-1: max_model_len, as vLLM's LLM reads it: a prompt cut to that is refused, as it leaves no room to generate),
+    where a longer prompt was refused."""
 
     n: int = 1
     temperature: float = 1.0

@@ -419,8 +419,9 @@ class TPEngine:
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
         context = self.runner.max_model_len
-        # truncate_prompt_tokens: the prompt's last tokens (its text stays the prompt as given, as vLLM's output's)
-        kept = [kept_prompt_tokens(p.truncate_prompt_tokens, context, p.max_tokens) for p in per_prompt]
+        # truncate_prompt_tokens: the prompt's last tokens (its text stays the prompt as given, as vLLM's output's);
+        # -1 is max_model_len whatever max_tokens, as vLLM's LLM reads it (_get_cmpl_tok_params asks no room for output)
+        kept = [kept_prompt_tokens(p.truncate_prompt_tokens, context, None) for p in per_prompt]
         encoded = [(text, ids if keep is None else ids[-keep:])
                    for (text, ids), keep in zip(encoded, kept, strict=True)]
         # a max_tokens past what the prompt leaves of max_model_len, given or the default, runs to max_model_len and

@@ -121,7 +121,8 @@ class SamplingFields(NullMeansDefault):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
-    # (vLLM's: keep the prompt's last k tokens; -1: as many as leave room for max_tokens, limits.kept_prompt_tokens)
+    # (vLLM's: keep the prompt's last k tokens, at most what max_tokens leaves of max_model_len; -1: all that,
+    # limits.kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
