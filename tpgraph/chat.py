@@ -37,6 +37,9 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 # the content parts vLLM reads as text (the Responses API's input_text and output_text, an assistant's refusal and
 # earlier thoughts, as clients of reasoning models send them back), and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+# the parts vLLM's parser skips where their text is null or missing (its PART_TYPES_TO_SKIP_NONE_CONTENT); in the
+# string content format it drops every text part that comes to nothing
+NULL_SKIPPED_PARTS = frozenset({"text", "refusal"})
 
 
 def content_text(content: Any, where: str) -> Any:
@@ -47,7 +50,7 @@ def content_text(content: Any, where: str) -> Any:
         return ""
     if not isinstance(content, (list, tuple)):
         return content
-    return "\n".join(_part_texts(content, where))  # (as vLLM joins a message's text parts)
+    return "\n".join(_part_texts(content, where, TEXT_PARTS))  # (as vLLM joins a message's text parts)
 
 
 def content_parts(content: Any, where: str) -> Any:
@@ -59,11 +62,12 @@ def content_parts(content: Any, where: str) -> Any:
         return [{"type": "text", "text": content}]
     if not isinstance(content, (list, tuple)):
         return content
-    return [{"type": "text", "text": text} for text in _part_texts(content, where)]
+    return [{"type": "text", "text": text} for text in _part_texts(content, where, NULL_SKIPPED_PARTS)]
 
 
-def _part_texts(content: list | tuple, where: str) -> list[str]:
-    """The texts of a message's content parts (a plain string part is its own text, as vLLM takes it)."""
+def _part_texts(content: list | tuple, where: str, skip_null: Any) -> list[str]:
+    """The texts of a message's content parts (a plain string part is its own text, as vLLM takes it); a part of a kind
+    in skip_null whose text is null or missing is left out, as vLLM's parser leaves it out (with a warning)."""
     parts = []
     for j, part in enumerate(content):
         if isinstance(part, str):
@@ -75,6 +79,8 @@ def _part_texts(content: list | tuple, where: str) -> list[str]:
         if key is None:
             raise RequestError(f"message content of type {kind!r} is not supported (text only)")
         text = part.get(key)
+        if text is None and kind in skip_null:
+            continue
         if not isinstance(text, str):  # (str() made a null the word "None" in the prompt)
             raise RequestError(f"{where}.content[{j}].{key} must be a string, got {text!r}")
         parts.append(text)

@@ -62,13 +62,37 @@ def test_what_cannot_be_honoured_is_refused(extra, needle):
         body.tool_plan(ToolOptions())
 
 
-@pytest.mark.parametrize("text", [None, 5, {"a": 1}, ["x"]])
+@pytest.mark.parametrize("text", [5, {"a": 1}, ["x"]])
 def test_a_text_part_whose_text_is_no_string_is_refused(text):
     """A content part's text went through str(): a null text became the word "None" in the prompt, silently."""
     body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": text}]}]})
     with pytest.raises(RequestError, match=r"messages\[0\].content\[1\].text must be a string"):
         body.checked_messages()
+
+
+def test_a_text_or_refusal_part_whose_text_is_null_is_dropped_as_vllms_parser_drops_it():
+    """vLLM's _parse_chat_message_content_part (renderers/chat_utils/parse_chat_message_content.py) skips a "text" or
+    "refusal" part whose text is null or missing (PART_TYPES_TO_SKIP_NONE_CONTENT), with a warning; it was a 400 here.
+    Its string content format drops any text part that comes to nothing (`if parse_res:`), so input_text too; the
+    openai format hands such a part's None to the template, which is refused here rather than written as "None"."""
+    from tpgraph.chat import text_messages
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None},
+                                             {"type": "text"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": None}, {"type": "text", "text": "c"},
+                                                  {"type": "refusal", "text": "d"}]}]
+    body = ChatRequest.model_validate({**CHAT, "messages": messages})
+    assert body.checked_messages() == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+    assert body.checked_messages("openai") == [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "c"}]}]
+    assert [m["content"] for m in text_messages(messages)] == ["a\nb", "c"]  # (TPEngine.chat's, as LLM.chat's)
+    other = [{"role": "user", "content": [{"type": "input_text", "text": None}, {"type": "text", "text": "e"}]}]
+    assert ChatRequest.model_validate({**CHAT, "messages": other}).checked_messages() == [
+        {"role": "user", "content": "e"}]
+    with pytest.raises(RequestError, match=r"messages\[0\].content\[0\].text must be a string"):
+        ChatRequest.model_validate({**CHAT, "messages": other}).checked_messages("openai")
 
 
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
@@ -202,7 +226,7 @@ def test_content_parts_vllm_reads_as_text_are_text():
                                        {"role": "assistant", "content": "c\nd\ne"}]
     with pytest.raises(RequestError, match=r"messages\[0\].content\[0\].refusal must be a string"):
         ChatRequest.model_validate({**CHAT, "messages": [{"role": "assistant", "content": [
-            {"type": "refusal", "text": "d"}]}]}).checked_messages()
+            {"type": "refusal", "refusal": 5}]}]}).checked_messages()
 
 
 def test_beam_search_is_refused_not_replaced_by_sampling():
