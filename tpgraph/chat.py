@@ -98,14 +98,16 @@ def template_content(content: Any, where: str, content_format: str = "string", r
 def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:
     """Chat messages as TPEngine.chat hands them to the template, as vLLM's LLM.chat does: their content as
     template_content gives it, an assistant's earlier tool calls as history_call gives them (an empty list dropped,
-    as vLLM drops it). Copies: the caller's are left as they are; what is no message is left for the template's
-    checks to name."""
+    as vLLM drops it), a developer message's tools as developer_tools gives them. Copies: the caller's are left as
+    they are; what is no message is left for the template's checks to name."""
     return [_template_message(m, i, content_format) if isinstance(m, dict) and "role" in m else m
             for i, m in enumerate(messages)]
 
 
 def _template_message(m: dict[str, Any], i: int, content_format: str) -> dict[str, Any]:
     out = {**m, "content": template_content(m.get("content"), f"messages[{i}]", content_format, m["role"])}
+    if m["role"] == "developer":
+        out["tools"] = developer_tools(m.get("tools"), f"messages[{i}]")
     calls = m.get("tool_calls")
     if m["role"] == "assistant" and isinstance(calls, list):
         set_history_calls(out, calls, i)
@@ -120,6 +122,15 @@ def set_history_calls(message: dict[str, Any], calls: list, i: int) -> None:
         message["tool_calls"] = [history_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
     else:
         message.pop("tool_calls", None)
+
+
+def developer_tools(tools: Any, where: str) -> list | None:
+    """A developer message's own tools as vLLM's parser gives them to the template (_parse_chat_message_content sets
+    `tools` on every developer message: None where it has none); the role itself is given as it is, not mapped to
+    "system"."""
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(f"{where}.tools must be a list of tools, got {tools!r}")
+    return tools
 
 
 def history_call(call: Any, where: str) -> dict:

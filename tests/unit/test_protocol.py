@@ -95,6 +95,25 @@ def test_a_text_or_refusal_part_whose_text_is_null_is_dropped_as_vllms_parser_dr
         ChatRequest.model_validate({**CHAT, "messages": other}).checked_messages("openai")
 
 
+def test_a_developer_message_reaches_the_template_in_its_own_role_with_its_tools_as_vllms():
+    """vLLM maps no role before templating: a developer message keeps "developer", and its parser
+    (_parse_chat_message_content) gives it its own `tools` (None where it has none), the key a template reads a
+    developer message's tools from. The server dropped them; neither gave the key."""
+    from tpgraph.chat import text_messages
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [{"role": "developer", "content": "be brief", "tools": [tool]}, {"role": "developer", "content": "ok"},
+                {"role": "user", "content": "x"}]
+    body = ChatRequest.model_validate({**CHAT, "messages": messages})
+    expected = [{"role": "developer", "content": "be brief", "tools": [tool]},
+                {"role": "developer", "content": "ok", "tools": None}, {"role": "user", "content": "x"}]
+    assert body.checked_messages() == expected
+    assert text_messages(messages) == expected  # (TPEngine.chat's, as LLM.chat's)
+    with pytest.raises(RequestError, match=r"messages\[0\].tools must be a list"):
+        ChatRequest.model_validate({**CHAT, "messages": [
+            {"role": "developer", "content": "a", "tools": "f"}]}).checked_messages()
+
+
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
     """A message's text parts were joined with nothing between them ("Describe:" and "the sky" became
     "Describe:the sky"); vLLM joins them with a newline, so the prompt (and /tokenize's count) is vLLM's."""

@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from tpgraph.chat import set_history_calls, template_content
+from tpgraph.chat import developer_tools, set_history_calls, template_content
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
@@ -343,7 +343,8 @@ def template_messages(messages: list[ChatMessage], content_format: str = "string
     """Chat messages as a chat template takes them, each role checked: role and text (content_format: a string, or
     vLLM's "openai" list of text parts), a name (any role's, as vLLM gives it), an assistant's earlier tool_calls
     (arguments as objects) and reasoning (vLLM's interleaved thinking: `reasoning` or `reasoning_content`, given as
-    both), and a tool message's tool_call_id."""
+    both), a tool message's tool_call_id, and a developer message's tools (no role is renamed: "developer" reaches the
+    template as it is, as vLLM's does)."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
@@ -364,6 +365,8 @@ def template_messages(messages: list[ChatMessage], content_format: str = "string
             msg["tool_call_id"] = extra["tool_call_id"]
         if isinstance(extra.get("name"), str):
             msg["name"] = extra["name"]
+        if m.role == "developer":  # (its own tools, None where it has none, as vLLM's parser gives them)
+            msg["tools"] = developer_tools(extra.get("tools"), f"messages[{i}]")
         out.append(msg)
     return out
 
