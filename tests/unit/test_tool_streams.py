@@ -150,6 +150,20 @@ def read_alike(p: ToolPlan, text: str, *piecings: list[int], finish: str = "stop
     return whole, reason
 
 
+def whole_as_streamed(p: ToolPlan, text: str, streamed: dict, reason: str, finish: str) -> tuple:
+    """(content, calls, finish reason) a whole reply gives where a stream of the same text gave `streamed`: the same,
+    but for an "auto" reply as vLLM reads it whole: one that ended inside a call is its text, no call, and calls read
+    whole finish "tool_calls" whatever ended generation."""
+    if p.mode != "auto":
+        return streamed["content"], calls_of(streamed), reason
+    probe = p.parser.stream(p.names, p.one_call)
+    probe.read_whole(text)
+    if probe.ended_in_call():
+        return text, [], finish
+    whole = calls_of(streamed) and not probe.broken
+    return streamed["content"], calls_of(streamed), "tool_calls" if whole else reason
+
+
 def calls_of(message: dict) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
 
@@ -208,10 +222,46 @@ def test_a_stream_keeps_a_call_cut_by_max_tokens():
     deltas, message, reason = read(plan(parser="llama3_json"), cut, [4] * 20, stream=True, finish="length")
     assert calls_of(message) == [("get_weather", '{"city": "Os')] and reason == "length"
     assert message["content"] is None
-    # read whole, the same reply is the same (a stream cannot take back the call it sent)
+    # read whole, as vLLM's tool parser reads it, the cut call is no call: the reply is its text
     _, message, reason = read(plan(parser="llama3_json"), cut, [len(cut)], stream=False, finish="length")
-    assert calls_of(message) == [("get_weather", '{"city": "Os')] and reason == "length"
-    assert message["content"] is None
+    assert calls_of(message) == [] and message["content"] == cut and reason == "length"
+
+
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Os'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}'),  # (its object not closed)
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"c'),
+    ("hermes", 'Let me see. <tool_call>{"name": "get_weather", "arguments": {"city": "Os'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_'),
+    ("pythonic", '[get_weather(city="Oslo", days=3'),
+    ("pythonic", '[get_time(), get_weather(city="Oslo")'),  # (the list not closed)
+])
+def test_a_whole_auto_reply_cut_in_a_call_is_its_text_with_no_call_as_vllms(parser, reply):
+    """vLLM reads a whole "auto" reply with its tool parser's extract_tool_calls (hermes: json.loads of each
+    <tool_call> block, the last one left open too; llama3_json: raw_decode from each "{"; pythonic: the whole list),
+    which fails on a call max_tokens (or an EOS) cut, and then returns the model's text as content and no call, the
+    engine's finish reason kept (serving.py's chat_completion_full_generator). Here the whole reply kept the call as
+    far as it went, as a stream does: a stream still sends it as it comes (deltas cannot be taken back)."""
+    for finish in ("length", "stop"):
+        _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False, finish=finish)
+        assert (whole["content"], calls_of(whole), reason) == (reply, [], finish)
+        _, streamed, streamed_reason = read(plan(parser=parser), reply, [3] * len(reply), stream=True, finish=finish)
+        assert calls_of(streamed) and (streamed_reason == finish or finish == "stop")  # (vLLM's stream: "length")
+
+
+@pytest.mark.parametrize(("parser", "reply", "calls"), [
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}', [("get_time", "{}")]),  # (its end tag cut)
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', [("get_weather", '{"city": "Oslo"}')]),
+])
+def test_a_whole_auto_reply_whose_calls_are_whole_finishes_tool_calls_whatever_cut_it_as_vllms(parser, reply, calls):
+    """vLLM's whole reply finishes "tool_calls" wherever its "auto" parser found calls (auto_tools_called), even where
+    max_tokens ended the reply; a stream finishes so only where generation stopped by itself (finish_reason "stop").
+    Here a whole reply kept "length"."""
+    _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False, finish="length")
+    assert (calls_of(whole), reason) == (calls, "tool_calls")
+    _, streamed, streamed_reason = read(plan(parser=parser), reply, [3] * len(reply), stream=True, finish="length")
+    assert (calls_of(streamed), streamed_reason) == (calls, "length")
 
 
 def test_text_after_the_calls_that_is_no_call_is_content():
@@ -532,16 +582,18 @@ CUT_REPLIES = [  # (tool_choice, parser, reply): cut at every character, each re
 @pytest.mark.parametrize(("choice", "parser", "reply"), CUT_REPLIES)
 def test_a_reply_cut_anywhere_reads_alike_streamed_or_whole(choice, parser, reply):
     """max_tokens (or an EOS) may cut a reply at any character. Where a call was cut after a stream sent it, the
-    stream keeps it (deltas cannot be taken back) and the rest as content, but the whole reply came back as text
-    only: `{"name": "get_weather", "parameters": {"city": "Os` was a call streamed and text whole."""
+    stream keeps it (deltas cannot be taken back) and the rest as content; the whole reply reads as the stream does
+    but where vLLM's reads it otherwise ("auto": a reply cut in a call is its text, whole calls finish "tool_calls";
+    whole_as_streamed). A stream read a cut reply otherwise than these, a character at a time or in pieces."""
     rng = random.Random(2)
+    p = plan(choice, parser)
     for cut in range(1, len(reply) + 1):
         text = reply[:cut]
         for finish in ("length", "stop"):
-            _, whole, reason = read(plan(choice, parser), text, [cut], stream=False, finish=finish)
+            _, whole, reason = read(p, text, [cut], stream=False, finish=finish)
             for sizes in ([1] * cut, [rng.randrange(1, 6) for _ in range(cut)]):
-                _, streamed, streamed_reason = read(plan(choice, parser), text, sizes, stream=True, finish=finish)
-                assert (streamed["content"], calls_of(streamed), streamed_reason) == \
+                _, streamed, streamed_reason = read(p, text, sizes, stream=True, finish=finish)
+                assert whole_as_streamed(p, text, streamed, streamed_reason, finish) == \
                     (whole["content"], calls_of(whole), reason), (text, finish)
 
 
@@ -731,11 +783,11 @@ def test_random_replies_read_alike_streamed_or_whole(choice, parser):
         reply = random_reply(rng, parser)
         cut = reply[:rng.randrange(1, len(reply) + 1)]
         for text, finish in ((reply, "stop"), (cut, rng.choice(["stop", "length"]))):
-            parallel = rng.choice([None, False])
-            _, whole, reason = read(plan(choice, parser, parallel), text, [len(text)], stream=False, finish=finish)
+            p = plan(choice, parser, rng.choice([None, False]))
+            _, whole, reason = read(p, text, [len(text)], stream=False, finish=finish)
             sizes = [rng.randrange(1, 6) for _ in text]
-            _, streamed, streamed_reason = read(plan(choice, parser, parallel), text, sizes, stream=True, finish=finish)
-            assert (streamed["content"], calls_of(streamed), streamed_reason) == \
+            _, streamed, streamed_reason = read(p, text, sizes, stream=True, finish=finish)
+            assert whole_as_streamed(p, text, streamed, streamed_reason, finish) == \
                 (whole["content"], calls_of(whole), reason), (text, finish)
 
 

@@ -42,8 +42,10 @@ class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
     and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
     "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, as a
-    stream reads them, so that a reply is the same streamed or whole (a call in it that broke off, cut by max_tokens
-    or an EOS, or bad JSON, is kept as far as it went, as a stream cannot take back the part call it sent)."""
+    stream reads them, so that a reply is the same streamed or whole (a call in it that broke off on bad JSON is kept
+    as far as it went, as a stream cannot take back the part call it sent). But as vLLM's: a whole "auto" reply that
+    ended inside a call (cut by max_tokens or an EOS) is its text, no call; one whose calls are whole finishes
+    "tool_calls" even where max_tokens ended it."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
@@ -134,7 +136,21 @@ class ReplyReader:
         if self.calls is not None:
             return self._streamed(self.calls, self.calls.finish(), finish_reason)
         calls = self._call_stream()  # (a whole reply is read once it is whole)
-        return self._streamed(calls, calls.read_whole("".join(self.pieces)), finish_reason)
+        text = "".join(self.pieces)
+        events = calls.read_whole(text)
+        if mode == "auto":
+            return self._whole_auto(calls, events, text, finish_reason)
+        return self._streamed(calls, events, finish_reason)
+
+    def _whole_auto(self, calls: CallStream, events: list[Event], text: str, finish_reason: str | None
+                    ) -> tuple[Delta, str | None]:
+        """A whole "auto" reply as vLLM's chat_completion_full_generator reads it with its tool parser: one that ended
+        inside a call (cut by max_tokens, or an EOS) parses as no call, so it is its text, with the engine's finish
+        reason; calls read whole finish "tool_calls" whatever ended generation (auto_tools_called)."""
+        if calls.ended_in_call():
+            return Delta(text), finish_reason
+        rest = self._events(events)
+        return rest, "tool_calls" if self.sent_calls and not calls.broken else finish_reason
 
     def _streamed(self, calls: CallStream, events: list[Event], finish_reason: str | None
                   ) -> tuple[Delta, str | None]:

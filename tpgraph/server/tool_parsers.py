@@ -33,7 +33,7 @@ class ToolParser:
         """(content, calls): a whole reply's calls as its stream reads them, in order, and the text around them (None
         where there is none). A reply with no call (one to a function not among `names`, the request's tools, is
         none), or with a call that broke off (cut, or bad JSON), is content whole. (The server reads a reply in
-        reply.py, which keeps a call that broke off as far as it went.)"""
+        reply.py, which keeps a call that broke off on bad JSON as far as it went.)"""
         calls = self.stream(names, one_call=False)
         events = calls.read_whole(text)
         if calls.broken or not calls.calls:

@@ -1,7 +1,8 @@
 """Tool calls read from a reply as they are written, so that a client sees each call's name once it is known and its
 arguments as they are generated, as vLLM's streaming tool parsers send them. A whole (non-streamed) reply is read by
-the same reader, fed in one piece (read_whole), so that a reply is the same streamed or whole. A reading turns text
-into events: ("content", text); ("call", name) where a call begins; ("args", text), more of its arguments.
+the same reader, fed in one piece (read_whole), so that a reply is the same streamed or whole (but where vLLM's whole
+"auto" reply differs: reply.py, ended_in_call). A reading turns text into events: ("content", text); ("call", name)
+where a call begins; ("args", text), more of its arguments.
 
 - JSON arguments are re-encoded as they come (json_stream.py), in the form json.dumps gives; pythonic ones are
   written as JSON a keyword argument at a time.
@@ -106,6 +107,11 @@ class CallStream:
         if not self.may_call(text):
             return [("content", text)] if text else []
         return self.feed(text) + self.finish()
+
+    def ended_in_call(self) -> bool:
+        """(once the reply is read) Did it end inside a call, cut by max_tokens or an EOS? vLLM's whole-reply parsers
+        then parse no call (json.loads, raw_decode or the pythonic list fail on it), and return the text."""
+        return self.state == "call"
 
     def may_call(self, text: str) -> bool:
         """Could the whole text hold a call? Its name is a JSON string: where no escape is written that could spell
@@ -230,6 +236,11 @@ class HermesStream(CallStream):
         self.blank = 0  # (after a block, while the stretch is blank) leading whitespace held
         self.gap_text = False  # the stretch after the last block has text: it is content, whitespace and all
         self.closed = 0  # characters of the closing tag read
+
+    def ended_in_call(self) -> bool:
+        # (a block opened and not closed: vLLM's json.loads of what follows its <tool_call>, to the end, fails, on a
+        # cut end tag too)
+        return self.state in ("call", "open") or self.state == "after_call" and self.closed > 0
 
     def _plain(self, text: str, at: int) -> int:
         # (in text, nothing held: up to a "<", which may begin the tag)
@@ -398,6 +409,9 @@ class PythonicStream(CallStream):
 
     def may_call(self, text: str) -> bool:
         return True  # (a name may be written in other forms Python reads as the same, NFKC: "ｇet" is "get")
+
+    def ended_in_call(self) -> bool:
+        return self.state in ("list", "next", "args", "after_call")  # (the list not closed: vLLM's parse fails)
 
     def finish(self) -> list[Event]:
         if self.state == "args" and self.announced:  # a call cut off: its argument not read whole is content

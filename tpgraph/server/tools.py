@@ -15,10 +15,12 @@ once it is whole, by the same reader.
 Replies carry OpenAI's `message.tool_calls` (ids "chatcmpl-tool-<hex>", arguments as JSON text), beside content ""
 for a named or "required" choice's calls and null for "auto" ones where there is no text, as vLLM's. finish_reason is
 "tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a call cut
-off keeps the engine's "length" or "stop"); a named call finishes "stop", as OpenAI's does. A reply with no call comes
-back as content, so nothing is lost; one whose call broke off after it began (cut by max_tokens, say) keeps that
-call as far as it went, its arguments as written, and the rest as content, streamed or whole, as a stream cannot
-take back a call it sent. parallel_tool_calls false keeps one call ("required" asks the grammar for exactly one).
+off keeps the engine's "length" or "stop"), or, a whole "auto" reply, whatever ended it (vLLM's auto_tools_called); a
+named call finishes "stop", as OpenAI's does. A reply with no call comes back as content, so nothing is lost. A
+stream whose call broke off after it began (cut by max_tokens, say) keeps that call as far as it went, its arguments
+as written, and the rest as content, as a stream cannot take back a call it sent; a whole reply does so for bad JSON,
+but a whole "auto" reply that ended inside a call is its text, no call, as vLLM's tool parsers read it.
+parallel_tool_calls false keeps one call ("required" asks the grammar for exactly one).
 """
 
 from __future__ import annotations
