@@ -12,12 +12,15 @@ from tpgraph.errors import (
 
 __all__ = ["TPGraphError", "ConfigError", "CheckpointError", "CommError", "CaptureError", "ExtensionError",
            "RequestError", "TPEngine", "SamplingParams", "GenerationOutput", "Logprob",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
            # (vLLM's top-level names, so that its scripts port by their import line)
            "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 _LAZY = {"TPEngine": "tpgraph.engine.tp_engine", "GenerationOutput": "tpgraph.engine.tp_engine",
          "SamplingParams": "tpgraph.engine.sampling_params", "Logprob": "tpgraph.engine.logprob",
+         "BeamSearchParams": "tpgraph.engine.beam_search", "BeamSearchOutput": "tpgraph.engine.beam_search",
+         "BeamSearchSequence": "tpgraph.engine.beam_search",
          "RequestOutput": "tpgraph.engine.tp_engine", "CompletionOutput": "tpgraph.engine.tp_engine",
          "TextPrompt": "tpgraph.prompts", "TokensPrompt": "tpgraph.prompts"}
 

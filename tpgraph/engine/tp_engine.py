@@ -43,6 +43,7 @@ from tpgraph.chat import (
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
+from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
@@ -365,6 +366,41 @@ class TPEngine:
                                         chat_template_kwargs, continue_final_message, template)
                 encoded.append((text, self.prompts.encode_chat(text, limit)))
             return self._generate(encoded, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's params.beam_width best sequences (BeamSearchOutput, best first),
+        searched through generate one token a step (beam_search.py). Prompts as generate takes them (vLLM's
+        {"prompt": ...} and {"prompt_token_ids": ...} among them). concurrency_limit (vLLM's): at most that many
+        prompts searched together. Under torchrun every rank calls it with the same arguments, as it calls generate."""
+        with self._lock:
+            self._check_open()
+
+            def normalized() -> list:
+                no_lora(lora_request)
+                self._check_beam_search(params, concurrency_limit)
+                return _prompt_list(prompts)
+
+            listed = self._agreed_call("beam_search", normalized, params, concurrency_limit)
+            limit = self.runner.max_model_len
+            ids = [p.ids if isinstance(p, TextedIds) else self.prompts.encode(p, limit) for p in listed]
+        tokenizer = self.get_tokenizer()
+        return run_beam_search(lambda batch, step: self.generate(batch, step), ids, params,
+                               eos_token_id=tokenizer.eos_token_id, max_model_len=limit, decode=tokenizer.decode,
+                               concurrency_limit=concurrency_limit, progress=bool(use_tqdm) and self.state.is_driver)
+
+    def _check_beam_search(self, params: Any, concurrency_limit: Any) -> None:
+        """beam_search's arguments, or a RequestError naming what cannot run (before any step)."""
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
+        params.check()  # (again: a field may have been set since it was made)
+        if 2 * params.beam_width > self.config.max_logprobs:  # (each step asks 2 * beam_width candidates)
+            raise RequestError(f"beam_width {params.beam_width} needs {2 * params.beam_width} log-probabilities a "
+                               f"step (2 * beam_width), more than this engine's max_logprobs "
+                               f"{self.config.max_logprobs}: at most beam_width {self.config.max_logprobs // 2}")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
+                concurrency_limit, int) or concurrency_limit < 1):
+            raise RequestError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}")
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prompt prefix, so that the next requests compute theirs

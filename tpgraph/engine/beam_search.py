@@ -1,0 +1,166 @@
+"""vLLM's offline beam search (LLM.beam_search), built as vLLM builds it: on the engine's own generate.
+
+Each step, every live beam of every prompt is one request for a single token with logprobs = 2 * beam_width; its
+candidates (the sampled token and the 2 * beam_width most likely) extend the beam, a candidate that is the EOS ends
+as a finished sequence, and the beam_width best of the rest by length-penalized score live on. The prefix cache
+reads each beam's prompt back (its blocks were computed the step before), so a step computes little more than
+each beam's newest tokens. Only generate drives the engine, so this runs wherever generate does: under torchrun
+every rank makes the same calls in step, and rank 0 of started ranks drives them through its own generate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from tpgraph.engine.logprob import Logprob
+from tpgraph.engine.sampling_params import SamplingParams, _check_int, _check_real, max_n
+from tpgraph.errors import RequestError
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: `beam_width` sequences kept and returned per prompt, each of at most `max_tokens`
+    new tokens. `temperature` is the step's (0: each step's candidates are the most likely tokens; above 0 the sampled
+    token joins them where it is not among them). `length_penalty`: a sequence's score is its cumulative log-probability
+    over its length (the prompt's tokens counted, an EOS that ends it not) to this power, as vLLM's. A finished
+    sequence's text holds its EOS's only with `include_stop_str_in_output`. `structured_outputs` (vLLM's) is taken only
+    as None. Checked when made, and again by beam_search (a field set afterwards is checked there)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise RequestError (a ValueError) naming the first field that cannot run."""
+        most = max_n()  # (vLLM checks beam_width against VLLM_MAX_N_SEQUENCES, as it checks n)
+        _check_int("beam_width", self.beam_width, 1, most)
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_real("temperature", self.temperature, 0.0, 100.0)  # (SamplingParams' range: each step takes it)
+        _check_real("length_penalty", self.length_penalty, -math.inf, math.inf)
+        if self.structured_outputs is not None:
+            raise RequestError("structured_outputs is not supported with beam search here: leave it None (generate's "
+                               "SamplingParams(structured_outputs=...) holds sampled outputs to a grammar)")
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's BeamSearchSequence: `tokens` are the prompt's then the generated ones (an EOS that ended it kept),
+    `logprobs` one {token id: Logprob} entry per generated token (the step's candidates, the chosen one among them),
+    `cum_logprob` the generated tokens' sum, `text` all of `tokens` decoded (the prompt's too, as vLLM's; the EOS's
+    only with include_stop_str_in_output). `finish_reason` "stop" with `stop_reason` the EOS id, or "length" (at
+    max_tokens or max_model_len)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: None = None  # (vLLM's; no adapters here)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's BeamSearchOutput: a prompt's best sequences (at most beam_width), best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
+    """vLLM's (after transformers') length-penalized score: cum_logprob / length ** length_penalty, the length counting
+    the prompt's tokens but not a final EOS."""
+    length = len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
+    return cum_logprob / length ** length_penalty
+
+
+@dataclass
+class _Search:
+    """One prompt's search: its live beams, and the sequences finished so far (every one kept to the final ranking)."""
+
+    prompt_len: int
+    beams: list[BeamSearchSequence]
+    finished: list[BeamSearchSequence] = field(default_factory=list)
+
+
+# generate as beam search calls it: token-id prompts and one SamplingParams -> vLLM-shaped outputs
+Generate = Callable[[list[list[int]], SamplingParams], list[Any]]
+
+
+def run_beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams, *,
+                    eos_token_id: int | None, max_model_len: int, decode: Callable[[list[int]], str],
+                    concurrency_limit: int | None = None, progress: bool = False) -> list[BeamSearchOutput]:
+    """Beam search over `prompts` (token ids) by `generate`, one token a step. `concurrency_limit`: at most that many
+    prompts searched together (vLLM's; None: all). `progress`: a bar over the steps (vLLM's use_tqdm)."""
+    step = SamplingParams(n=1, temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width)
+    searches = [_Search(len(ids), [BeamSearchSequence(list(ids))]) for ids in prompts]
+    limit = concurrency_limit or max(len(searches), 1)
+    for start in range(0, len(searches), limit):
+        batch = searches[start:start + limit]
+        for _ in tqdm(range(params.max_tokens), desc="beam search", unit="token", disable=not progress):
+            live = _live_beams(batch, max_model_len)
+            if not live:
+                break
+            outputs = generate([beam.tokens for _, beam in live], step)
+            candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in batch}
+            for (search, beam), out in zip(live, outputs, strict=True):
+                entry = out.outputs[0].logprobs[0]  # (one entry a generated token: the only one)
+                for token, lp in entry.items():
+                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
+                                               cum_logprob=beam.cum_logprob + lp.logprob)
+                    if token == eos_token_id and not params.ignore_eos:
+                        child.finish_reason, child.stop_reason = "stop", eos_token_id
+                        search.finished.append(child)
+                    else:
+                        candidates[id(search)].append(child)
+            for search in batch:
+                search.beams = _best(candidates[id(search)], params.beam_width, eos_token_id, params.length_penalty)
+    return [_output(s, params, eos_token_id, decode) for s in searches]
+
+
+def _live_beams(batch: list[_Search], max_model_len: int) -> list[tuple[_Search, BeamSearchSequence]]:
+    """The beams that take another step, each with its search. A beam that fills max_model_len takes no more tokens:
+    it finishes "length", as generate ends a sample there (vLLM's drops it). (A prompt that fills it is generate's
+    to refuse.)"""
+    live = []
+    for search in batch:
+        for beam in search.beams:
+            if len(beam.tokens) >= max_model_len and len(beam.tokens) > search.prompt_len:
+                beam.finish_reason = "length"
+                search.finished.append(beam)
+        search.beams = [beam for beam in search.beams if beam.finish_reason is None]
+        live.extend((search, beam) for beam in search.beams)
+    return live
+
+
+def _best(sequences: list[BeamSearchSequence], k: int, eos_token_id: int | None,
+          length_penalty: float) -> list[BeamSearchSequence]:
+    """The k best by score, best first (sorted is stable: equal scores keep the candidates' order, as vLLM's)."""
+    return sorted(sequences, key=lambda s: beam_score(s.tokens, s.cum_logprob, eos_token_id, length_penalty),
+                  reverse=True)[:k]
+
+
+def _output(search: _Search, params: BeamSearchParams, eos_token_id: int | None,
+            decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+    """The finished sequences and the beams still live at the end (finished "length"), ranked together."""
+    for beam in search.beams:
+        beam.finish_reason = "length"
+    best = _best(search.finished + search.beams, params.beam_width, eos_token_id, params.length_penalty)
+    for seq in best:
+        ends_on_eos = seq.finish_reason == "stop" and not params.include_stop_str_in_output
+        seq.text = decode(seq.tokens[:-1] if ends_on_eos else seq.tokens)
+    return BeamSearchOutput(best)
