@@ -439,6 +439,34 @@ def engine_generate(rank, world_size, init, prompts, params, engine_kw):
             "prompt_logprobs": [o.prompt_logprobs for o in out]}
 
 
+def engine_beam_search(rank, world_size, init, prompts, fields, engine_kw):
+    """TPEngine on every rank (SPMD), beam_search with the same prompts and BeamSearchParams(**fields) everywhere;
+    returns each rank's sequences (tokens, cum_logprob, finish_reason, text) and whether every block came back."""
+    from tpgraph import BeamSearchParams, TPEngine
+
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        out = engine.beam_search(prompts, BeamSearchParams(**fields))
+        blocks_back = engine.runner.allocator.num_free == engine.runner.allocator.num_blocks
+    return {"sequences": [[(s.tokens, s.cum_logprob, s.finish_reason, s.text) for s in o.sequences] for o in out],
+            "blocks_back": blocks_back}
+
+
+def engine_beam_search_per_rank(rank, world_size, init, prompts, fields_by_rank, engine_kw):
+    """TPEngine on every rank (SPMD), each rank calling beam_search with its own BeamSearchParams fields; returns each
+    rank's error (or None), then the best sequence's tokens of a second, matching call."""
+    from tpgraph import BeamSearchParams, TPEngine
+    from tpgraph.errors import RequestError
+
+    with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", **engine_kw) as engine:
+        try:
+            engine.beam_search(prompts, BeamSearchParams(**fields_by_rank[rank]))
+            error = None
+        except RequestError as exc:
+            error = str(exc)
+        after = engine.beam_search(prompts, BeamSearchParams(**fields_by_rank[0]))[0].sequences[0].tokens
+    return error, after
+
+
 def engine_generate_per_rank(rank, world_size, init, prompts_by_rank, engine_kw):
     """TPEngine on every rank (SPMD), each rank calling generate with its own prompts; returns each rank's error (or
     None), then whether a second, matching call still runs."""
