@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import CheckpointError, ConfigError, RequestError
+
+logger = logging.getLogger(__name__)
 
 # The built-in model's template: role headers as plain text around each message; tools, and an assistant's tool
 # calls, as JSON.
@@ -140,26 +143,39 @@ def history_call(call: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
     out = {"type": "function", "function": {"name": fn["name"], "arguments": history_arguments(fn.get("arguments"),
-                                                                                               where)}}
+                                                                                               where, fn["name"])}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
     return out
 
 
-def history_arguments(args: Any, where: str) -> Any:
-    """An earlier call's arguments as vLLM hands them to the template: none (null, "", an empty value) is {}; an
-    object or a list is kept; JSON text is parsed into whatever value it holds (a list, a number: a named tool whose
-    schema is no object answers so)."""
-    if not args or isinstance(args, str) and not args.strip():
+def history_arguments(args: Any, where: str, name: Any = None) -> dict:
+    """An earlier call's arguments as newest vLLM hands them to the template (_postprocess_messages in its
+    renderers/chat_utils/parse_chat_message.py): none (null, "", an empty value, JSON null) is {}; an object is kept;
+    JSON text is parsed. Arguments that do not parse, or that hold no object (a list, a number, a string), are {}
+    with a warning, as vLLM coerces them: the bad text lives in the conversation's history, and a 400 would fail
+    every later turn of it too. (JSON that Python's parser cannot hold, an integer past its digit limit or nesting
+    past its stack, is refused: vLLM's json.loads raises there, and its coercion catches only malformed JSON.)"""
+    if not args:
         return {}
-    if isinstance(args, (dict, list)):
+    if isinstance(args, dict):
         return args
-    if not isinstance(args, str):  # (vLLM's json.loads refuses it too)
-        raise RequestError(f"{where}.function.arguments must be JSON text or an object, got {args!r}")
-    try:
-        return json.loads(args)
-    except (ValueError, RecursionError) as exc:  # (RecursionError: nesting past the stack)
-        raise RequestError(f"{where}.function.arguments is not valid JSON: {exc}") from None
+    parsed = args
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            logger.warning("%s: tool call %r has arguments that are not valid JSON (%d chars); coercing them to an "
+                           "empty object so the conversation can continue", where, name, len(args))
+            return {}
+        except (ValueError, RecursionError) as exc:  # (an integer past Python's digit limit; nesting past the stack)
+            raise RequestError(f"{where}.function.arguments is JSON this server cannot parse: {exc}") from None
+    if not isinstance(parsed, dict):
+        if parsed is not None:
+            logger.warning("%s: tool call %r arguments are %s, not a JSON object; coercing them to an empty object",
+                           where, name, type(parsed).__name__)
+        return {}
+    return parsed
 
 
 def _raise(message: str) -> None:

@@ -140,12 +140,14 @@ def test_a_call_cut_off_streams_as_far_as_it_went_and_is_text_whole_as_vllms(fin
     assert (content, without_ids(calls), streamed_finish) == ("Let me check. ", expected, finish)
 
 
-def test_earlier_calls_that_do_not_parse_are_a_400():
+def test_earlier_calls_that_do_not_parse_reach_the_template_as_empty_objects():
+    """As newest vLLM's _postprocess_messages: an earlier call's arguments that do not parse are {} (with a warning),
+    not a 400 that every later turn of the conversation would get too."""
     app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128)
     history = [{"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}}]}]
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo'}}]}]
     (reply,) = post_all(app, [("/v1/chat/completions", {"model": "m", "messages": history})])
-    assert reply.status_code == 400 and "arguments is not valid JSON" in reply.json()["error"]["message"]
+    assert reply.status_code == 200, reply.text
 
 
 def test_a_reasoning_parser_splits_the_thoughts_out_streamed_or_not():

@@ -239,28 +239,48 @@ def test_earlier_calls_reach_the_template_with_arguments_as_objects():
 
 
 @pytest.mark.parametrize(("arguments", "seen"), [
-    (None, {}), ("", {}), ({}, {}), ([], {}), ('{"a": 1}', {"a": 1}), ({"a": 1}, {"a": 1}), ("[1, 2]", [1, 2]),
-    ([1], [1]), ("5", 5), ("null", None),
+    (None, {}), ("", {}), ({}, {}), ([], {}), (0, {}), ('{"a": 1}', {"a": 1}), ({"a": 1}, {"a": 1}), ("null", {}),
 ])
-def test_earlier_call_arguments_reach_the_template_as_vllm_reads_them(arguments, seen):
-    """vLLM parses an earlier call's arguments from JSON text into whatever value it holds (a list, a number), keeps
-    an object or list given as one, and reads none (null, "", or an empty value) as {}: arguments null was a 400
-    here, and so was any JSON text of no object (a named tool whose schema is an array answers such calls)."""
+def test_earlier_call_arguments_reach_the_template_as_vllm_reads_them(arguments, seen, caplog):
+    """vLLM (renderers/chat_utils/parse_chat_message.py, _postprocess_messages) parses an earlier call's arguments
+    from JSON text, keeps an object given as one, and reads none (null, "", an empty value, JSON null) as {},
+    quietly."""
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
     body = {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
-    (message,) = ChatRequest.model_validate(body).checked_messages()
+    with caplog.at_level("WARNING", logger="tpgraph.chat"):
+        (message,) = ChatRequest.model_validate(body).checked_messages()
     assert message["tool_calls"][0]["function"]["arguments"] == seen
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("arguments", ["{oops", '{"a": 1', "[1, 2]", "5", '"text"', "true",
+                                       [1], 5, True, 1.5])
+def test_earlier_call_arguments_that_are_no_object_are_an_empty_one(arguments, caplog):
+    """Newest vLLM (_postprocess_messages, "historical tool argument recovery") coerces an earlier call's arguments
+    that do not parse, or that hold no object (a list, a number, a string), to {}, with a warning naming the call:
+    the bad text lives in the conversation's history, so refusing it would fail every later turn. It was a 400 here,
+    and JSON text of a list or a number reached the template as that value."""
+    call = {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+    body = {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    with caplog.at_level("WARNING", logger="tpgraph.chat"):
+        (message,) = ChatRequest.model_validate(body).checked_messages()
+    assert message["tool_calls"][0]["function"]["arguments"] == {}
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "'lookup'" in record.getMessage()
+    assert "messages[0].tool_calls[0]" in record.getMessage()
 
 
 @pytest.mark.parametrize(("call", "needle"), [
-    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}, "not valid JSON"),
+    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}, "cannot parse"),
     ({"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": ' + "1" * 5000 + "}"}},
-     "not valid JSON"),
-    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}, "not valid JSON"),
-    ({"id": "c", "type": "function", "function": {"name": "f", "arguments": 5}}, "must be JSON text"),
+     "cannot parse"),
     ({"id": "c", "function": {"arguments": "{}"}}, "must be"),
+    ("call", "must be"),
 ])
 def test_a_bad_earlier_call_gets_a_reason(call, needle):
+    """A call that is no {"function": {...}} object is refused (as vLLM refuses it); so is JSON text Python's parser
+    cannot hold, nested past its stack or an integer past its digit limit (vLLM's json.loads raises RecursionError
+    or ValueError there, which its coercion, of JSONDecodeError alone, does not catch)."""
     body = {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
     with pytest.raises(RequestError, match=needle):
         ChatRequest.model_validate(body).checked_messages()

@@ -824,8 +824,8 @@ def test_offline_chat_hands_earlier_tool_calls_to_the_template_as_the_server_and
 
     with engine() as e:
         prompts = [e.chat(chat(calls), GREEDY, chat_template=template)[0].prompt
-                   for calls in ([call], [{**call, "function": {"name": "f", "arguments": {"x": 1}}}], [])]
-        with pytest.raises(RequestError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
-            e.chat(chat([{**call, "function": {"name": "f", "arguments": "{x"}}]), GREEDY, chat_template=template)
+                   for calls in ([call], [{**call, "function": {"name": "f", "arguments": {"x": 1}}}], [],
+                                 [{**call, "function": {"name": "f", "arguments": "{x"}}])]
+    # (arguments that do not parse are {}, with a warning, as newest vLLM's _postprocess_messages coerces them)
     assert prompts == ['user:hi|assistant:CALLSf{"x": 1}|', 'user:hi|assistant:CALLSf{"x": 1}|',
-                       "user:hi|assistant:ok|"]
+                       "user:hi|assistant:ok|", "user:hi|assistant:CALLSf{}|"]
