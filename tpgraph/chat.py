@@ -41,19 +41,23 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 # earlier thoughts, as clients of reasoning models send them back), and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 # the parts vLLM's parser skips where their text is null or missing (its PART_TYPES_TO_SKIP_NONE_CONTENT); in the
-# string content format it drops every text part that comes to nothing
+# string content format it drops every text part that comes to nothing (null, or empty)
 NULL_SKIPPED_PARTS = frozenset({"text", "refusal"})
 
 
-def content_text(content: Any, where: str) -> Any:
+def content_text(content: Any, where: str, keep_empty: bool = False) -> Any:
     """A message's content as a template that renders it as a string takes it, as vLLM gives it: a list of OpenAI
     content parts as their texts joined by newlines (a part of any other kind refused), null as no text; anything
-    else as it is. where: the message, as refusals name it."""
+    else as it is. An empty text is left out before the join, as vLLM's _parse_chat_message_content_parts keeps only
+    a part that parses to something (["a", "", "b"] is "a\nb"); keep_empty: joined too, as vLLM joins a tool
+    message's parts in the "openai" format, each kept there as a {"type": "text"} object. where: the message, as
+    refusals name it."""
     if content is None:
         return ""
     if not isinstance(content, (list, tuple)):
         return content
-    return "\n".join(_part_texts(content, where, TEXT_PARTS))  # (as vLLM joins a message's text parts)
+    texts = _part_texts(content, where, TEXT_PARTS)
+    return "\n".join(texts if keep_empty else [t for t in texts if t])  # (as vLLM joins a message's text parts)
 
 
 def content_parts(content: Any, where: str) -> Any:
@@ -92,10 +96,11 @@ def _part_texts(content: list | tuple, where: str, skip_null: Any) -> list[str]:
 
 def template_content(content: Any, where: str, content_format: str = "string", role: Any = None) -> Any:
     """A message's content in the content format ("string" or "openai") its template is given; a tool message's
-    always as a string (vLLM joins its text parts whatever the format: templates read a tool result as text)."""
+    always as a string (vLLM joins its text parts whatever the format: templates read a tool result as text; in
+    "openai" with its empty texts, as it keeps every part there)."""
     if content_format == "openai" and role != "tool":
         return content_parts(content, where)
-    return content_text(content, where)
+    return content_text(content, where, keep_empty=content_format == "openai")
 
 
 def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:

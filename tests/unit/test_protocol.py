@@ -248,6 +248,23 @@ def test_content_parts_vllm_reads_as_text_are_text():
             {"type": "refusal", "refusal": 5}]}]}).checked_messages()
 
 
+def test_empty_text_parts_are_dropped_where_the_parts_are_joined_as_vllm_drops_them():
+    """vLLM's _parse_chat_message_content_parts keeps a part only where its parse is truthy: in the "string" content
+    format an empty text is dropped before the texts are joined ("a", "", "b" is "a\nb", not "a\n\nb"); in "openai"
+    each part is a {"type": "text"} object, kept however empty, and a tool message's parts are then joined with
+    their empty texts."""
+    parts = ["a", {"type": "text", "text": ""}, "", {"type": "input_text", "text": "b"}]
+    body = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": parts},
+                                                            {"role": "tool", "content": parts, "tool_call_id": "c"}]})
+    user, tool = body.checked_messages("string")
+    assert user["content"] == "a\nb" and tool["content"] == "a\nb"
+    user, tool = body.checked_messages("openai")
+    assert user["content"] == [{"type": "text", "text": t} for t in ("a", "", "", "b")]
+    assert tool["content"] == "a\n\n\nb"
+    only_empty = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": ["", ""]}]})
+    assert only_empty.checked_messages("string")[0]["content"] == ""
+
+
 def test_beam_search_is_refused_not_replaced_by_sampling():
     """vLLM's use_beam_search was taken and ignored: the client got sampled text for the beams it asked for."""
     for body in ({"model": "m", "prompt": "x"}, CHAT):
