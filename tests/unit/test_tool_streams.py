@@ -142,23 +142,32 @@ def read(p: ToolPlan, text: str, sizes: list[int], stream: bool, finish: str = "
 
 def read_alike(p: ToolPlan, text: str, *piecings: list[int], finish: str = "stop") -> tuple[dict, str]:
     """The reply read whole (its message and finish reason), once each piecing of it (a list of piece sizes) streamed
-    is checked to read the same content, calls and finish reason."""
+    is checked to read the same content, calls and finish reason (but where vLLM reads an "auto" reply whole
+    otherwise than a stream can: whole_as_streamed)."""
     _, whole, reason = read(p, text, [len(text)], stream=False, finish=finish)
     for sizes in piecings:
         _, streamed, streamed_reason = read(p, text, sizes, stream=True, finish=finish)
-        assert (streamed["content"], calls_of(streamed), streamed_reason) == (whole["content"], calls_of(whole), reason)
+        assert whole_as_streamed(p, text, streamed, streamed_reason, finish) == \
+            (whole["content"], calls_of(whole), reason)
     return whole, reason
+
+
+def streamed_alike(p: ToolPlan, text: str, *piecings: list[int], finish: str = "stop") -> tuple[dict, str]:
+    """As read_alike, but the message and finish reason of the reply streamed (in the last piecing)."""
+    read_alike(p, text, *piecings, finish=finish)
+    _, streamed, reason = read(p, text, piecings[-1], stream=True, finish=finish)
+    return streamed, reason
 
 
 def whole_as_streamed(p: ToolPlan, text: str, streamed: dict, reason: str, finish: str) -> tuple:
     """(content, calls, finish reason) a whole reply gives where a stream of the same text gave `streamed`: the same,
-    but for an "auto" reply as vLLM reads it whole: one that ended inside a call is its text, no call, and calls read
-    whole finish "tool_calls" whatever ended generation."""
+    but for an "auto" reply as vLLM reads it whole: one that ended inside a call, or whose call broke off on bad
+    JSON, is its text, no call, and calls read whole finish "tool_calls" whatever ended generation."""
     if p.mode != "auto":
         return streamed["content"], calls_of(streamed), reason
     probe = p.parser.stream(p.names, p.one_call)
     probe.read_whole(text)
-    if probe.ended_in_call():
+    if probe.ended_in_call() or probe.broken:
         return text, [], finish
     whole = calls_of(streamed) and not probe.broken
     return streamed["content"], calls_of(streamed), "tool_calls" if whole else reason
@@ -250,6 +259,28 @@ def test_a_whole_auto_reply_cut_in_a_call_is_its_text_with_no_call_as_vllms(pars
         assert calls_of(streamed) and (streamed_reason == finish or finish == "stop")  # (vLLM's stream: "length")
 
 
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo" oops}}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"n": tru}}'),
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"n": 01}}'),
+    ("hermes", 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo" oops}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+               '<tool_call>{"name": "get_weather", "arguments": {"city": [1 2]}}</tool_call>'),
+    ("pythonic", '[get_weather(city="Oslo", days=3 4)]'),
+    ("pythonic", '[get_time(), get_weather(city="Oslo", days=x)]'),
+])
+def test_a_whole_auto_reply_whose_call_breaks_on_bad_json_is_its_text_with_no_call_as_vllms(parser, reply):
+    """vLLM's whole-reply parsers (extract_tool_calls: hermes json.loads of each block, llama3_json raw_decode from
+    each "{", pythonic ast.parse of the list) fail on a call whose JSON (or Python) goes bad, though nothing cut it,
+    and return the model's text as content and no call, the engine's finish reason kept. Here the whole reply kept
+    the bad call as far as it went, with the rest as content, as a stream must (it sent the call before the JSON
+    went bad)."""
+    _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False)
+    assert (whole["content"], calls_of(whole), reason) == (reply, [], "stop")
+    _, streamed, streamed_reason = read(plan(parser=parser), reply, [3] * len(reply), stream=True)
+    assert calls_of(streamed) and streamed_reason == "stop"  # (deltas cannot be taken back)
+
+
 @pytest.mark.parametrize(("parser", "reply", "calls"), [
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}', [("get_time", "{}")]),  # (its end tag cut)
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', [("get_weather", '{"city": "Oslo"}')]),
@@ -327,9 +358,10 @@ def test_pythonic_calls_are_sent_with_their_first_argument_and_each_argument_as_
 def test_a_pythonic_call_that_breaks_off_after_an_argument_is_no_tool_calls_finish(reply, calls, content):
     """An argument that is no literal (or a keyword given twice) after one was sent ends the call there: what was sent
     stays, closed, and the rest is content; the reply did not finish "tool_calls", which tells a client its calls are
-    whole (this one lost an argument the model wrote), as a JSON call that breaks off does not."""
-    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply), [4] * len(reply))
-    assert (calls_of(whole), whole["content"], reason) == (calls, content, "stop")
+    whole (this one lost an argument the model wrote), as a JSON call that breaks off does not. (Whole, the reply is
+    its text, no call, as vLLM's ast.parse of the list fails on it.)"""
+    streamed, reason = streamed_alike(plan(parser="pythonic"), reply, [1] * len(reply), [4] * len(reply))
+    assert (calls_of(streamed), streamed["content"], reason) == (calls, content, "stop")
 
 
 # what review found (helper-86): each case failed before its mend
@@ -398,9 +430,10 @@ def test_a_literal_that_overflows_is_no_call_streamed_or_whole():
     huge = "9" * 400 + "+1j"
     for reply, calls in ((f"[get_weather(a={huge})]", []),
                          (f"[get_weather(city='Oslo', a={huge})]", [("get_weather", '{"city": "Oslo"}')])):
-        whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
-        # (the call breaks off at the argument, closed after those sent; the rest is content)
-        assert calls_of(whole) == calls and whole["content"] == (reply if not calls else f" a={huge})]")
+        streamed, reason = streamed_alike(plan(parser="pythonic"), reply, [1] * len(reply))
+        # (streamed, the call breaks off at the argument, closed after those sent; the rest is content; whole, the
+        # reply is its text)
+        assert calls_of(streamed) == calls and streamed["content"] == (reply if not calls else f" a={huge})]")
 
 
 @pytest.mark.parametrize("reply", [
@@ -643,9 +676,10 @@ def test_a_name_or_arguments_given_twice_in_a_call_read_alike_streamed_or_whole(
 ])
 def test_a_pythonic_keyword_given_twice_reads_alike_streamed_or_whole(reply, calls, content):
     """ast parses `f(a=1, a=2)` (Python's compiler refuses it): a whole reply kept the last, while a stream, which
-    sent the first, ended the calls there. The whole reply is read as the stream reads it."""
-    whole, reason = read_alike(plan(parser="pythonic"), reply, [1] * len(reply))
-    assert (calls_of(whole), whole["content"]) == (calls, content)
+    sent the first, ended the calls there. The stream's call breaks off there, and the whole reply, as one whose
+    call broke off, is its text."""
+    streamed, reason = streamed_alike(plan(parser="pythonic"), reply, [1] * len(reply))
+    assert (calls_of(streamed), streamed["content"]) == (calls, content)
 
 
 @pytest.mark.parametrize("depth", [510, 511, 512, 700])
@@ -658,9 +692,9 @@ def test_values_nested_past_the_streams_depth_read_alike_streamed_or_whole(choic
     """A stream refuses JSON nested past MAX_DEPTH (512) in a call's values, so such a call breaks off there; a whole
     reply, read by json.loads, took it whole up to Python's recursion limit (near 1000)."""
     reply = frame % ("[" * depth + "]" * depth)
-    whole, reason = read_alike(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1))
+    streamed, reason = streamed_alike(plan(choice, parser), reply, [7] * (len(reply) // 7 + 1))
     empty = "" if choice else None  # (vLLM's content beside "required" calls; null beside "auto" ones)
-    assert (whole["content"] == empty) == (depth < (513 if "id" in frame else 512))  # (the arguments' object is one)
+    assert (streamed["content"] == empty) == (depth < (513 if "id" in frame else 512))  # (the arguments' object is one)
 
 
 @pytest.mark.parametrize(("choice", "parser", "reply"), [
@@ -808,8 +842,8 @@ def test_a_word_that_no_json_value_begins_streams_as_content_as_it_comes(choice,
     sent = "".join(reader.feed(ch).content for ch in "Oslo" + "o" * 200)
     assert sent == "Oslo" + "o" * 200
     reply = head + "Oslo" + "o" * 200 + "}}"
-    whole, reason = read_alike(plan(choice, parser), reply, [1] * len(reply))
-    assert calls_of(whole) == [("get_weather", '{"city": ')] and whole["content"] == reply[len(head):]
+    streamed, reason = streamed_alike(plan(choice, parser), reply, [1] * len(reply))
+    assert calls_of(streamed) == [("get_weather", '{"city": ')] and streamed["content"] == reply[len(head):]
 
 
 @pytest.mark.parametrize(("choice", "parser", "frame"), [

@@ -44,8 +44,8 @@ class ReplyReader:
     "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, as a
     stream reads them, so that a reply is the same streamed or whole (a call in it that broke off on bad JSON is kept
     as far as it went, as a stream cannot take back the part call it sent). But as vLLM's: a whole "auto" reply that
-    ended inside a call (cut by max_tokens or an EOS) is its text, no call; one whose calls are whole finishes
-    "tool_calls" even where max_tokens ended it."""
+    ended inside a call (cut by max_tokens or an EOS), or whose call broke off on bad JSON, is its text, no call; one
+    whose calls are whole finishes "tool_calls" even where max_tokens ended it."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None
@@ -145,12 +145,12 @@ class ReplyReader:
     def _whole_auto(self, calls: CallStream, events: list[Event], text: str, finish_reason: str | None
                     ) -> tuple[Delta, str | None]:
         """A whole "auto" reply as vLLM's chat_completion_full_generator reads it with its tool parser: one that ended
-        inside a call (cut by max_tokens, or an EOS) parses as no call, so it is its text, with the engine's finish
-        reason; calls read whole finish "tool_calls" whatever ended generation (auto_tools_called)."""
-        if calls.ended_in_call():
+        inside a call (cut by max_tokens, or an EOS), or whose call broke off on bad JSON (or Python), parses as no
+        call, so it is its text, with the engine's finish reason; calls read whole finish "tool_calls" whatever ended
+        generation (auto_tools_called)."""
+        if calls.ended_in_call() or calls.broken:
             return Delta(text), finish_reason
-        rest = self._events(events)
-        return rest, "tool_calls" if self.sent_calls and not calls.broken else finish_reason
+        return self._events(events), "tool_calls" if self.sent_calls else finish_reason
 
     def _streamed(self, calls: CallStream, events: list[Event], finish_reason: str | None
                   ) -> tuple[Delta, str | None]:

@@ -17,9 +17,10 @@ for a named or "required" choice's calls and null for "auto" ones where there is
 "tool_calls" where calls were made by "required" or "auto", each whole, and generation stopped by itself (a call cut
 off keeps the engine's "length" or "stop"), or, a whole "auto" reply, whatever ended it (vLLM's auto_tools_called); a
 named call finishes "stop", as OpenAI's does. A reply with no call comes back as content, so nothing is lost. A
-stream whose call broke off after it began (cut by max_tokens, say) keeps that call as far as it went, its arguments
-as written, and the rest as content, as a stream cannot take back a call it sent; a whole reply does so for bad JSON,
-but a whole "auto" reply that ended inside a call is its text, no call, as vLLM's tool parsers read it.
+stream whose call broke off after it began (cut by max_tokens, say, or on bad JSON) keeps that call as far as it
+went, its arguments as written, and the rest as content, as a stream cannot take back a call it sent; a whole
+"required" reply does so too, but a whole "auto" reply that ended inside a call, or whose call broke off on bad JSON,
+is its text, no call, as vLLM's tool parsers read it.
 parallel_tool_calls false keeps one call ("required" asks the grammar for exactly one).
 """
 
