@@ -295,12 +295,32 @@ def test_a_whole_auto_reply_whose_calls_are_whole_finishes_tool_calls_whatever_c
     assert (calls_of(streamed), streamed_reason) == (calls, "length")
 
 
-def test_text_after_the_calls_that_is_no_call_is_content():
-    reply = '{"name": "get_time", "parameters": {}}; and that is all'
-    deltas, message, reason = read(plan(parser="llama3_json"), reply, [1] * len(reply), stream=True)
-    assert calls_of(message) == [("get_time", "{}")] and message["content"] == "; and that is all"
-    assert reason == "tool_calls"
-    # a call that breaks off after it was sent keeps what it sent; the rest is content
+@pytest.mark.parametrize(("parser", "reply", "content", "calls"), [
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; and that is all', None, [("get_time", "{}")]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}\n\nThe time is coming.', None,
+     [("get_time", "{}")]),
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+                    " Done.", None, [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+    ("hermes", 'Let me see. <tool_call>{"name": "get_time", "arguments": {}}</tool_call> Then the weather: '
+               '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> Done.', "Let me see. ",
+     [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nI will wait for it.', None,
+     [("get_time", "{}")]),
+])
+def test_text_after_the_calls_is_no_content_as_vllms(parser, reply, content, calls):
+    """vLLM's llama3_json parser returns no content beside its calls (extract_tool_calls: content None; its stream
+    parses `;`-separated objects and sends nothing past them), and its hermes parser only the text before the first
+    <tool_call> (extract_tool_calls: model_output up to the first tag; its stream, _extract_content, likewise). Here
+    the text after the calls came back as content, streamed and whole (a later block still is a call)."""
+    for sizes in ([1] * len(reply), [5] * len(reply)):
+        _, streamed, reason = read(plan(parser=parser), reply, sizes, stream=True)
+        assert (streamed["content"], calls_of(streamed), reason) == (content, calls, "tool_calls")
+    _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False)
+    assert (whole["content"], calls_of(whole), reason) == (content, calls, "tool_calls")
+
+
+def test_a_call_that_breaks_off_keeps_the_rest_as_content_in_a_stream():
+    """A call sent that then breaks off keeps what it sent, and the rest is content (the whole reply is its text)."""
     reply = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo" oops}}</tool_call>'
     _, message, _ = read(plan(), reply, [3] * 40, stream=True)
     assert calls_of(message) == [("get_weather", '{"city": "Oslo"')] and message["content"] == "oops}}</tool_call>"

@@ -3,8 +3,10 @@ generated (vLLM's --tool-call-parser names):
 
 - llama3_json: Llama 3.1-3.3's JSON calls. The reply is one or more `{"name": ..., "parameters": {...}}` objects
   (`"arguments"` is taken too), `;`-separated, maybe after `<|python_tag|>`; a reply that begins otherwise is text.
-- hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text (a last block
-  left open is read too); the text around them is content, but for whitespace between and after them.
+  What follows the calls is dropped: vLLM's parser returns no content beside them.
+- hermes: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after text (a last block
+  left open is read too); the text before the first is content, and text between and after them is dropped, as
+  vLLM's parser keeps only the text before the first <tool_call>.
 - pythonic: Llama 3.2's and 4's calls as a Python list, `[get_weather(city="Oslo"), get_time()]` (Llama 4's between
   `<|python_start|>` and `<|python_end|>`): keyword arguments of literal values, parsed with `ast`, never run.
 

@@ -9,7 +9,8 @@ where a call begins; ("args", text), more of its arguments.
 - A call is sent once its name is read and is one of the request's tools, and its arguments have begun (an object;
   arguments written as a JSON string of one, once that is read; a pythonic call's first keyword argument, read).
 - What turns out to be no call is sent as content, so nothing the model wrote is lost. Where no call was sent yet,
-  that is the whole reply. Otherwise it is the text from where the calls stopped parsing.
+  that is the whole reply. Otherwise it is the text from where the calls stopped parsing; but llama3_json and hermes
+  drop what follows whole calls, as vLLM's parsers return no content after them (CONTENT_AFTER_CALLS).
 - A call begun and then broken off (cut by max_tokens or an EOS, or bad JSON) keeps what was sent of it: deltas
   cannot be taken back. Its arguments are left as the model wrote them (no JSON is made up to close them), and the
   reply's finish_reason is then never "tool_calls", which tells a client its calls are whole: "length" where
@@ -56,6 +57,7 @@ class CallStream:
 
     ARGS_KEYS = ("parameters", "arguments")
     SEPARATORS: str | None = WHITESPACE  # (what may stand after the calls without being content; None: whitespace)
+    CONTENT_AFTER_CALLS = True  # is what follows whole calls, and is no call, content? (else it is dropped)
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         self.names, self.one_call = names, one_call
@@ -166,6 +168,9 @@ class CallStream:
     def _give_up(self, rest: str) -> None:
         if self.announced:
             self._arguments()
+        elif self.calls and not self.CONTENT_AFTER_CALLS:  # (after whole calls: the calls have ended, nothing is kept)
+            self.reader, self.held, self.state = None, [], "end"
+            return
         self.reader, self.announced, self.held, self.state = None, False, [], "content"
         self._content(rest)
 
@@ -189,10 +194,13 @@ class CallStream:
 
 
 class Llama3JsonStream(CallStream):
-    """llama3_json: `{...}; {...}`, maybe after `<|python_tag|>`; a reply that begins otherwise is content."""
+    """llama3_json: `{...}; {...}`, maybe after `<|python_tag|>`; a reply that begins otherwise is content. What
+    follows whole calls and is no call is dropped, as vLLM's parser returns no content beside its calls (its stream
+    sends nothing past the `;`-separated objects)."""
 
     TAG = "<|python_tag|>"
     SEPARATORS = WHITESPACE + ";"
+    CONTENT_AFTER_CALLS = False
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         super().__init__(names, one_call)
@@ -226,10 +234,12 @@ class Llama3JsonStream(CallStream):
 
 
 class HermesStream(CallStream):
-    """hermes: `<tool_call>{...}</tool_call>` blocks among content. As a whole reply is read, a stretch of text between
-    or after blocks that is only whitespace is no content."""
+    """hermes: `<tool_call>{...}</tool_call>` blocks after content. Text between or after the blocks, once a call was
+    read whole, is no content (later blocks are still calls), as vLLM's parser keeps only the text before the first
+    <tool_call>; a block that is no call ends the calls there."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    CONTENT_AFTER_CALLS = False
 
     def __init__(self, names: frozenset[str], one_call: bool) -> None:
         super().__init__(names, one_call)
@@ -241,6 +251,10 @@ class HermesStream(CallStream):
         # (a block opened and not closed: vLLM's json.loads of what follows its <tool_call>, to the end, fails, on a
         # cut end tag too)
         return self.state in ("call", "open") or self.state == "after_call" and self.closed > 0
+
+    def _content(self, text: str) -> None:
+        if not (self.calls and self.state == "text"):  # (text between or after the blocks: dropped)
+            super()._content(text)
 
     def _plain(self, text: str, at: int) -> int:
         # (in text, nothing held: up to a "<", which may begin the tag)
