@@ -167,7 +167,7 @@ def whole_as_streamed(p: ToolPlan, text: str, streamed: dict, reason: str, finis
         return streamed["content"], calls_of(streamed), reason
     probe = p.parser.stream(p.names, p.one_call)
     probe.read_whole(text)
-    if probe.ended_in_call() or probe.broken:
+    if probe.whole_is_text():
         return text, [], finish
     whole = calls_of(streamed) and not probe.broken
     return streamed["content"], calls_of(streamed), "tool_calls" if whole else reason
@@ -317,6 +317,37 @@ def test_text_after_the_calls_is_no_content_as_vllms(parser, reply, content, cal
         assert (streamed["content"], calls_of(streamed), reason) == (content, calls, "tool_calls")
     _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False)
     assert (whole["content"], calls_of(whole), reason) == (content, calls, "tool_calls")
+
+
+TIME_CALL = '{"name": "get_time", "parameters": {}}'
+TIME_BLOCK = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("llama3_json", TIME_CALL + '; {"answer": 42}'),  # (no name: vLLM's obj["name"] raises KeyError)
+    ("llama3_json", TIME_CALL + '; {"name": "get_weather"}'),  # (no arguments)
+    ("llama3_json", TIME_CALL + '; {"name": "get_weather", "parameters": oops}'),
+    ("hermes", TIME_BLOCK + "<tool_call>not json</tool_call>"),
+    ("hermes", TIME_BLOCK + '\n<tool_call>{"arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}} oops</tool_call>'),
+])
+def test_a_whole_auto_reply_with_a_bad_call_after_its_calls_is_its_text_as_vllms(parser, reply):
+    """vLLM's whole-reply parsers read every call object (llama3_json: raw_decode from each "{" and obj["name"];
+    hermes: json.loads of each block), and one after good calls that is no JSON, or no call, fails the reply: it is
+    the model's text, no call. Here the calls before it were kept (and, since the text after calls is dropped, the
+    bad one was lost). A stream, which sent the calls before it read the bad one, keeps them."""
+    _, whole, reason = read(plan(parser=parser), reply, [len(reply)], stream=False)
+    assert (whole["content"], calls_of(whole), reason) == (reply, [], "stop")
+    _, streamed, reason = read(plan(parser=parser), reply, [2] * len(reply), stream=True)
+    assert (streamed["content"], calls_of(streamed), reason) == (None, [("get_time", "{}")], "tool_calls")
+
+
+def test_a_call_after_the_calls_to_a_tool_not_offered_is_dropped_streamed_or_whole():
+    """(A call to a function the request did not offer is no call here; after calls it is dropped, not the reply.)"""
+    for parser, reply in (("llama3_json", TIME_CALL + '; {"name": "nope", "parameters": {}}'),
+                          ("hermes", TIME_BLOCK + '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')):
+        whole, reason = read_alike(plan(parser=parser), reply, [1] * len(reply))
+        assert (whole["content"], calls_of(whole), reason) == (None, [("get_time", "{}")], "tool_calls")
 
 
 def test_a_call_that_breaks_off_keeps_the_rest_as_content_in_a_stream():

@@ -235,6 +235,7 @@ class CallReader:
     name: str | None = None
     done: bool = False
     failed: bool = False
+    unoffered: bool = False  # (failed) for a name the request's tools do not have, and only so
     started: bool = False  # past the object's "{"
     value: Reencoder | None = None  # the key or value being read
     role: str = ""  # what `value` is: "key", "name", "args", "args_text" (a JSON string of them), "skip"
@@ -330,7 +331,7 @@ class CallReader:
         elif role == "name":
             name = json.loads("".join(value.out))
             if name not in self.names:
-                self.failed = True
+                self.failed = self.unoffered = True
             else:
                 self.name = name
         elif role == "args":

@@ -145,10 +145,10 @@ class ReplyReader:
     def _whole_auto(self, calls: CallStream, events: list[Event], text: str, finish_reason: str | None
                     ) -> tuple[Delta, str | None]:
         """A whole "auto" reply as vLLM's chat_completion_full_generator reads it with its tool parser: one that ended
-        inside a call (cut by max_tokens, or an EOS), or whose call broke off on bad JSON (or Python), parses as no
-        call, so it is its text, with the engine's finish reason; calls read whole finish "tool_calls" whatever ended
-        generation (auto_tools_called)."""
-        if calls.ended_in_call() or calls.broken:
+        inside a call (cut by max_tokens, or an EOS), or whose call broke off on bad JSON (or Python), or that holds
+        a bad call object after its calls, parses as no call (CallStream.whole_is_text), so it is its text, with the
+        engine's finish reason; calls read whole finish "tool_calls" whatever ended generation (auto_tools_called)."""
+        if calls.whole_is_text():
             return Delta(text), finish_reason
         return self._events(events), "tool_calls" if self.sent_calls else finish_reason
 

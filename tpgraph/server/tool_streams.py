@@ -67,6 +67,7 @@ class CallStream:
         self.announced = False  # is the call being read sent?
         self.calls = 0
         self.broken = False  # a call sent broke off: its arguments are not whole
+        self.spoiled = False  # a call object (or block) after whole calls was no JSON, or no call (but for its name)
         self._events: list[Event] = []
         self._text: list[str] = []  # content after the last event, in pieces (joined once, as it is taken)
 
@@ -115,6 +116,12 @@ class CallStream:
         then parse no call (json.loads, raw_decode or the pythonic list fail on it), and return the text."""
         return self.state == "call"
 
+    def whole_is_text(self) -> bool:
+        """(once the reply is read whole) Do vLLM's whole-reply parsers read it as no call, the model's text? Where
+        it ended inside a call, where a call broke off on bad JSON, or where a call object after calls was no JSON,
+        or no call (json.loads, raw_decode or obj["name"] fail on it; a name not offered they would take)."""
+        return self.ended_in_call() or self.broken or self.calls > 0 and self.spoiled
+
     def may_call(self, text: str) -> bool:
         """Could the whole text hold a call? Its name is a JSON string: where no escape is written that could spell
         one of the tools' names otherwise (\\u, \\/), a name that needs none stands in the text as written, quoted."""
@@ -142,6 +149,7 @@ class CallStream:
         if reader.failed:
             # a call not yet sent is content with what was held before it; one sent keeps what it sent
             self._broken_off()
+            self.spoiled |= not reader.unoffered
             self._give_up(reader.rest if self.announced else "".join(self.held))
             return
         if reader.ready and not self.announced and not (self.one_call and self.calls):
@@ -268,6 +276,7 @@ class HermesStream(CallStream):
             if ch in WHITESPACE and not self.closed:
                 return
             if ch != self.CLOSE[self.closed]:
+                self.spoiled = True  # (the block holds more than its object: vLLM's json.loads of it fails)
                 self._give_up("".join(self.held))
                 return
             self.closed += 1
@@ -278,6 +287,7 @@ class HermesStream(CallStream):
             if ch == "{":
                 self._begin_call()
             elif ch not in WHITESPACE:
+                self.spoiled = True  # (a block of no JSON object)
                 self._give_up("".join(self.held))
             return
         if self.calls and not self.gap_text:  # after a block: held while blank, or while it may begin the next tag

@@ -20,7 +20,8 @@ named call finishes "stop", as OpenAI's does. A reply with no call comes back as
 stream whose call broke off after it began (cut by max_tokens, say, or on bad JSON) keeps that call as far as it
 went, its arguments as written, and the rest as content, as a stream cannot take back a call it sent; a whole
 "required" reply does so too, but a whole "auto" reply that ended inside a call, or whose call broke off on bad JSON,
-is its text, no call, as vLLM's tool parsers read it.
+or with a call object after its calls that is no JSON or no call, is its text, no call, as vLLM's tool parsers read
+it.
 parallel_tool_calls false keeps one call ("required" asks the grammar for exactly one).
 """
 
