@@ -2,6 +2,7 @@
 the model's full next-token log-probabilities, greedy generate at beam_width 1, EOS-finished sequences kept and
 ranked by length-penalized score, and bad parameters refused by name."""
 
+import asyncio
 import math
 import types
 
@@ -11,7 +12,7 @@ import torch
 from tpgraph import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestError, SamplingParams, TPEngine
 from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import init_distributed
-from tpgraph.engine.beam_search import beam_score, run_beam_search
+from tpgraph.engine.beam_search import beam_score, run_beam_search, run_beam_search_async
 from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.logprob import Logprob
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
@@ -245,6 +246,26 @@ def test_a_beam_that_fills_max_model_len_finishes_for_length():
     seqs = search(BeamSearchParams(beam_width=1, max_tokens=6, length_penalty=1.0), max_model_len=3, calls=calls)
     assert [(s.tokens, s.finish_reason) for s in seqs] == [([1, 2, 3], "length")]
     assert [p for p, _ in calls] == [[[1]], [[1, 2]]]
+
+
+def test_an_async_step_drives_the_same_search():
+    """run_beam_search_async (the server's driver): its step gets each step's prompts and the step's SamplingParams
+    and returns each one's candidates; the search, its requests and its outputs are run_beam_search's."""
+    calls, generate = [], scripted([], SCRIPT)
+
+    async def step(prompts, params):
+        calls.append((prompts, params))
+        await asyncio.sleep(0)
+        return [out.outputs[0].logprobs[0] for out in generate(prompts, params)]
+
+    for fields in (dict(beam_width=2, max_tokens=3, length_penalty=0.0), dict(beam_width=4, max_tokens=5)):
+        params, want = BeamSearchParams(**fields), []
+        (got,) = asyncio.run(run_beam_search_async(step, [[1]], params, eos_token_id=9, max_model_len=64,
+                                                   decode=lambda ids: " ".join(map(str, ids))))
+        assert [(s.tokens, s.cum_logprob, s.text, s.finish_reason) for s in got.sequences] == [
+            (s.tokens, s.cum_logprob, s.text, s.finish_reason) for s in search(params, calls=want)]
+        assert [(p, q) for p, q in calls] == want
+        calls.clear()
 
 
 def test_include_stop_str_in_output_keeps_the_eos_text():

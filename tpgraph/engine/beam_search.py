@@ -6,12 +6,16 @@ as a finished sequence, and the beam_width best of the rest by length-penalized 
 reads each beam's prompt back (its blocks were computed the step before), so a step computes little more than
 each beam's newest tokens. Only generate drives the engine, so this runs wherever generate does: under torchrun
 every rank makes the same calls in step, and rank 0 of started ranks drives them through its own generate.
+
+The search itself (beam_search_steps) does not run its steps: run_beam_search drives it through generate, and the
+server (vLLM's `use_beam_search`) through its own async requests (run_beam_search_async), each step's beams ordinary
+one-token requests that reach every rank as any other request does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,16 +101,30 @@ class _Search:
     finished: list[BeamSearchSequence] = field(default_factory=list)
 
 
-# generate as beam search calls it: token-id prompts and one SamplingParams -> vLLM-shaped outputs
+# generate as run_beam_search calls it: token-id prompts and one SamplingParams -> vLLM-shaped outputs
 Generate = Callable[[list[list[int]], SamplingParams], list[Any]]
+# a step's candidates for one live beam: the logprobs entry of its one generated token ({token id: Logprob}: the
+# token generated and the 2 * beam_width most likely)
+Candidates = dict[int, Logprob]
+# the search as its drivers run it (beam_search_steps): it yields each step's live beams' token ids, is sent back each
+# one's Candidates, and returns the outputs
+Steps = Generator[list[list[int]], list[Candidates], list[BeamSearchOutput]]
 
 
-def run_beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams, *,
-                    eos_token_id: int | None, max_model_len: int, decode: Callable[[list[int]], str],
-                    concurrency_limit: int | None = None, progress: bool = False) -> list[BeamSearchOutput]:
-    """Beam search over `prompts` (token ids) by `generate`, one token a step. `concurrency_limit`: at most that many
-    prompts searched together (vLLM's; None: all). `progress`: a bar over the steps (vLLM's use_tqdm)."""
-    step = SamplingParams(n=1, temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width)
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """The request each live beam makes a step, as vLLM's: one token, at the search's temperature, with logprobs =
+    2 * beam_width."""
+    return SamplingParams(n=1, temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width)
+
+
+def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, *, eos_token_id: int | None,
+                      max_model_len: int, decode: Callable[[list[int]], str], concurrency_limit: int | None = None,
+                      progress: bool = False) -> Steps:
+    """Beam search over `prompts` (token ids), one token a step, apart from how a step runs: each step it yields the
+    live beams' token ids, each to run as one request of step_params(params), and takes back (send) each one's
+    Candidates in that order; it returns each prompt's BeamSearchOutput. run_beam_search drives it through generate,
+    the server through its own requests (the same search either way). `concurrency_limit`: at most that many prompts
+    searched together (vLLM's; None: all). `progress`: a bar over the steps (vLLM's use_tqdm)."""
     searches = [_Search(len(ids), [BeamSearchSequence(list(ids))]) for ids in prompts]
     limit = concurrency_limit or max(len(searches), 1)
     for start in range(0, len(searches), limit):
@@ -115,21 +133,54 @@ def run_beam_search(generate: Generate, prompts: list[list[int]], params: BeamSe
             live = _live_beams(batch, max_model_len)
             if not live:
                 break
-            outputs = generate([beam.tokens for _, beam in live], step)
-            candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in batch}
-            for (search, beam), out in zip(live, outputs, strict=True):
-                entry = out.outputs[0].logprobs[0]  # (one entry a generated token: the only one)
-                for token, lp in entry.items():
-                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
-                                               cum_logprob=beam.cum_logprob + lp.logprob)
-                    if token == eos_token_id and not params.ignore_eos:
-                        child.finish_reason, child.stop_reason = "stop", eos_token_id
-                        search.finished.append(child)
-                    else:
-                        candidates[id(search)].append(child)
-            for search in batch:
-                search.beams = _best(candidates[id(search)], params.beam_width, eos_token_id, params.length_penalty)
+            entries = yield [beam.tokens for _, beam in live]
+            _extend(batch, live, entries, params, eos_token_id)
     return [_output(s, params, eos_token_id, decode) for s in searches]
+
+
+def run_beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
+                    **options: Any) -> list[BeamSearchOutput]:
+    """beam_search_steps (its keyword options) driven by `generate`, one call a step for every live beam."""
+    step, steps = step_params(params), beam_search_steps(prompts, params, **options)
+    try:
+        batch = next(steps)
+        while True:
+            outputs = generate(batch, step)
+            batch = steps.send([out.outputs[0].logprobs[0] for out in outputs])  # (one entry: the one token's)
+    except StopIteration as done:
+        return done.value
+
+
+async def run_beam_search_async(step: Callable[[list[list[int]], SamplingParams], Awaitable[list[Candidates]]],
+                                prompts: list[list[int]], params: BeamSearchParams,
+                                **options: Any) -> list[BeamSearchOutput]:
+    """beam_search_steps (its keyword options) driven by an async `step`, which runs each of a step's prompts as a
+    request of the SamplingParams it is given and returns each one's Candidates (the server's requests)."""
+    sampling, steps = step_params(params), beam_search_steps(prompts, params, **options)
+    try:
+        batch = next(steps)
+        while True:
+            batch = steps.send(await step(batch, sampling))
+    except StopIteration as done:
+        return done.value
+
+
+def _extend(batch: list[_Search], live: list[tuple[_Search, BeamSearchSequence]], entries: list[Candidates],
+            params: BeamSearchParams, eos_token_id: int | None) -> None:
+    """A step's candidates extend their beams: one that is the EOS finishes its sequence, and the beam_width best of
+    the rest of each search live on."""
+    candidates: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in batch}
+    for (search, beam), entry in zip(live, entries, strict=True):
+        for token, lp in entry.items():
+            child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
+                                       cum_logprob=beam.cum_logprob + lp.logprob)
+            if token == eos_token_id and not params.ignore_eos:
+                child.finish_reason, child.stop_reason = "stop", eos_token_id
+                search.finished.append(child)
+            else:
+                candidates[id(search)].append(child)
+    for search in batch:
+        search.beams = _best(candidates[id(search)], params.beam_width, eos_token_id, params.length_penalty)
 
 
 def _live_beams(batch: list[_Search], max_model_len: int) -> list[tuple[_Search, BeamSearchSequence]]:
