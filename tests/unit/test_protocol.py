@@ -265,13 +265,76 @@ def test_empty_text_parts_are_dropped_where_the_parts_are_joined_as_vllm_drops_t
     assert only_empty.checked_messages("string")[0]["content"] == ""
 
 
-def test_beam_search_is_refused_not_replaced_by_sampling():
-    """vLLM's use_beam_search was taken and ignored: the client got sampled text for the beams it asked for."""
+def test_beam_search_params_are_vllms_to_beam_search_params():
+    """n is the beam width; max_tokens, temperature (the request's, else generation_config's, else 1.0),
+    length_penalty, ignore_eos and include_stop_str_in_output reach the search; sampling_params is never its
+    params (it was taken and ignored once: the client got sampled text for the beams it asked for)."""
+    from tpgraph.engine.beam_search import BeamSearchParams
+
     for body in ({"model": "m", "prompt": "x"}, CHAT):
         kind = CompletionRequest if "prompt" in body else ChatRequest
-        with pytest.raises(RequestError, match="use_beam_search is not supported"):
-            kind.model_validate({**body, "use_beam_search": True}).sampling_params(4, None)
-        kind.model_validate({**body, "use_beam_search": False}).sampling_params(4, None)
+        r = kind.model_validate({**body, "use_beam_search": True, "n": 3, "length_penalty": 0.5, "ignore_eos": True,
+                                 "include_stop_str_in_output": True, "top_p": 1, "stop": [], "seed": 4})
+        assert r.beam_search_params(7, None) == BeamSearchParams(
+            beam_width=3, max_tokens=7, ignore_eos=True, temperature=1.0, length_penalty=0.5,
+            include_stop_str_in_output=True)
+        assert r.beam_search_params(7, 6, {"temperature": 0.6}).temperature == 0.6
+        assert kind.model_validate({**body, "use_beam_search": True, "temperature": 0}).beam_search_params(
+            2, None, {"temperature": 0.6}).temperature == 0.0
+        with pytest.raises(RequestError, match="takes beam_search_params, not sampling_params"):
+            r.sampling_params(4, None)
+        kind.model_validate({**body, "length_penalty": 2.0}).sampling_params(4, None)  # (unused without a search)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_p": 0.9}, "top_p is not used by a beam search, which takes n, max_tokens, temperature, length_penalty"),
+    ({"top_k": 5}, "top_k is not used by a beam search"),
+    ({"presence_penalty": 0.5}, "presence_penalty is not used by a beam search"),
+    ({"stop": ["a"]}, "stop is not used by a beam search"),
+    ({"stop_token_ids": [3]}, "stop_token_ids is not used by a beam search"),
+    ({"min_tokens": 2}, "min_tokens is not used by a beam search"),
+    ({"logit_bias": {"5": 1}}, "logit_bias is not used by a beam search"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids is not used by a beam search"),
+    ({"bad_words": ["x"]}, "bad_words is not used by a beam search"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs is not used by a beam search"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens is not used by a beam search"),
+    ({"guided_regex": "[0-9]+"}, "structured outputs .* are not supported with use_beam_search"),
+    ({"response_format": {"type": "json_object"}}, "structured outputs"),
+    ({"n": 0}, r"n must be between 1 and \d+, got 0 \(the beam width, with use_beam_search\)"),
+    ({"length_penalty": True}, None),
+    ({"temperature": -1}, r"temperature must be in \[0.0, 100.0\], got -1"),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
+])
+def test_what_a_beam_search_would_not_honour_is_refused(fields, message):
+    for body in ({"model": "m", "prompt": "x"}, CHAT):
+        kind = CompletionRequest if "prompt" in body else ChatRequest
+        if message is None:  # (as the other numbers: true is no 1.0)
+            with pytest.raises(ValidationError, match="length_penalty"):
+                kind.model_validate({**body, "use_beam_search": True, **fields})
+            continue
+        with pytest.raises(RequestError, match=message):
+            kind.model_validate({**body, "use_beam_search": True, **fields}).beam_search_params(4, None)
+
+
+def test_a_beam_searchs_logprobs_stream_and_echo():
+    """Each token's alternatives are its step's 2 * n candidates; a completion's search neither streams (as vLLM's
+    server refuses it) nor returns an echo's log-probabilities; a chat's streams."""
+    search = {"model": "m", "prompt": "x", "use_beam_search": True, "n": 2}
+    assert CompletionRequest.model_validate(search).beam_search_params(4, 4).beam_width == 2
+    with pytest.raises(RequestError, match=r"logprobs 5 is more than use_beam_search returns: .* 2 \* n = 4"):
+        CompletionRequest.model_validate(search).beam_search_params(4, 5)
+    with pytest.raises(RequestError, match=r"top_logprobs 5 is more than use_beam_search returns"):
+        ChatRequest.model_validate({**CHAT, "use_beam_search": True, "n": 2}).beam_search_params(
+            4, 5, logprobs_name="top_logprobs")
+    with pytest.raises(RequestError, match=r"stream is not supported with use_beam_search \(as vLLM's server"):
+        CompletionRequest.model_validate({**search, "stream": True}).beam_search_params(4, None)
+    with pytest.raises(RequestError, match="echo with logprobs is not supported with use_beam_search"):
+        CompletionRequest.model_validate({**search, "echo": True}).beam_search_params(4, 0)
+    CompletionRequest.model_validate({**search, "echo": True}).beam_search_params(4, None)
+    with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
+        CompletionRequest.model_validate({**search, "echo": True}).beam_search_params(0, None)
+    ChatRequest.model_validate({**CHAT, "use_beam_search": True, "stream": True,
+                                "stream_options": {"include_usage": True}}).beam_search_params(4, None)
 
 
 def test_spaces_between_special_tokens_reaches_the_sampling_params():

@@ -15,8 +15,9 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tpgraph.chat import developer_tools, set_history_calls, template_content
+from tpgraph.engine.beam_search import BeamSearchParams
 from tpgraph.engine.limits import kept_prompt_tokens
-from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams, _check_int, max_n
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan
@@ -85,6 +86,15 @@ class StreamOptions(NullMeansDefault):
         return self._named_keys
 
 
+# the fields a beam search leaves unused, each with the values that ask nothing of it (null too): vLLM's beam search
+# takes n, max_tokens, temperature, length_penalty, ignore_eos and include_stop_str_in_output alone, and ignores these;
+# here they are refused, as the server refuses what it would not honour
+BEAM_SEARCH_UNUSED: dict[str, tuple] = {
+    "top_p": (1.0,), "top_k": (0,), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,), "stop": ("", []), "stop_token_ids": ([],), "min_tokens": (0,), "logit_bias": ({},),
+    "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "spaces_between_special_tokens": (True,)}
+
+
 class SamplingFields(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
@@ -128,23 +138,24 @@ class SamplingFields(NullMeansDefault):
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
     bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
     priority: int = 0  # (vLLM's: lower first, where the server schedules by priority)
-    use_beam_search: bool = False  # (vLLM's: refused, as this server samples; length_penalty is beam search's alone)
+    # vLLM's beam search (beam_search_params): n beams ranked by length_penalty (taken and unused without it, as vLLM's)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
                                            mode="before")(_an_integer)
     _numbers_are_no_bools = field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                             "frequency_penalty", "repetition_penalty", "seed", "min_tokens",
-                                            mode="before")(_not_a_bool)
+                                            "length_penalty", mode="before")(_not_a_bool)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, float] | None = None, prompt_logprobs: int | None = None,
                         tools: ToolPlan | None = None) -> SamplingParams:
         """defaults: the checkpoint's generation_config values, used where the request leaves a field unset. tools:
         a chat request's function calling, which may hold the reply to a schema and keep special tokens."""
-        if self.use_beam_search:  # (taken and ignored, the client got sampled text for the beams it asked for)
-            raise RequestError("use_beam_search is not supported: this server samples (ask for n samples with logprobs "
-                               "and rank them by their summed log-probabilities)")
+        if self.use_beam_search:  # (the server's handlers ask beam_search_params instead)
+            raise RequestError("a beam search's request takes beam_search_params, not sampling_params")
         # (as vLLM's: an empty object asks for nothing, and is taken)
         if self.stream_options is not None and self.stream_options.asks() and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
@@ -186,6 +197,35 @@ class SamplingFields(NullMeansDefault):
             prompt_logprobs=prompt_logprobs, structured=structured,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()), priority=self.priority)
+
+    def beam_search_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None,
+                           tools: ToolPlan | None = None, logprobs_name: str = "logprobs") -> BeamSearchParams:
+        """use_beam_search's search, as vLLM's to_beam_search_params reads the request: n beams (the beam width), each
+        of at most max_tokens, at the request's temperature (else generation_config's, else 1.0), ranked by
+        length_penalty, with ignore_eos and include_stop_str_in_output. Each step's candidates are a beam's 2 * n
+        most likely tokens, so a reply's tokens have at most that many alternatives (logprobs, named logprobs_name).
+        What a search would leave unused, which vLLM's takes and ignores, is refused (see BEAM_SEARCH_UNUSED);
+        seed and priority reach each step's requests."""
+        for name, neutral in BEAM_SEARCH_UNUSED.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                raise RequestError(f"{name} is not used by a beam search, which takes n, max_tokens, temperature, "
+                                   f"length_penalty, ignore_eos and include_stop_str_in_output: leave it out with "
+                                   f"use_beam_search")
+        if self.structured_output() is not None or (tools is not None and tools.structured is not None):
+            raise RequestError("structured outputs (response_format, guided_*, structured_outputs, or a named or "
+                               "required tool_choice) are not supported with use_beam_search: a beam search keeps "
+                               "the likeliest sequences, which no grammar holds")
+        if self.stream_options is not None and self.stream_options.asks() and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true")
+        _check_int("n", self.n, 1, max_n(), "the beam width, with use_beam_search")
+        if logprobs is not None and logprobs > 2 * self.n:
+            raise RequestError(f"{logprobs_name} {logprobs} is more than use_beam_search returns: each token's "
+                               f"alternatives are its step's candidates, 2 * n = {2 * self.n}")
+        temperature = self.temperature if self.temperature is not None else (defaults or {}).get("temperature", 1.0)
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=temperature, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log-probability entries name tokens "token_id:N": the request's choice, else the server's
@@ -264,6 +304,19 @@ class CompletionRequest(SamplingFields):
 
     _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
     _counts_are_no_bools = field_validator("max_tokens", "logprobs", "best_of", mode="before")(_not_a_bool)
+
+    def beam_search_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None,
+                           tools: ToolPlan | None = None, logprobs_name: str = "logprobs") -> BeamSearchParams:
+        """SamplingFields.beam_search_params, with what a completion's search cannot give refused: a stream (as vLLM's
+        server refuses it: the beams are ranked only once the search ends), and an echo's log-probabilities (a search
+        computes none of the prompt's)."""
+        if self.stream:
+            raise RequestError("stream is not supported with use_beam_search (as vLLM's server: a search ranks its "
+                               "beams only once it ends); send stream: false")
+        if self.echo and logprobs is not None:
+            raise RequestError("echo with logprobs is not supported with use_beam_search (a beam search computes no "
+                               "log-probabilities of the prompt's tokens)")
+        return super().beam_search_params(max_tokens, logprobs, defaults, tools, logprobs_name)
 
     def prompts(self) -> list[str | list[int]]:
         if self.suffix:
