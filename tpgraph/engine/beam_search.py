@@ -118,11 +118,12 @@ def step_params(params: BeamSearchParams) -> SamplingParams:
 
 
 def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, *, eos_token_id: int | None,
-                      max_model_len: int, decode: Callable[[list[int]], str], concurrency_limit: int | None = None,
-                      progress: bool = False) -> Steps:
+                      max_model_len: int, decode: Callable[[list[int]], str] | None,
+                      concurrency_limit: int | None = None, progress: bool = False) -> Steps:
     """Beam search over `prompts` (token ids), one token a step, apart from how a step runs: each step it yields the
     live beams' token ids, each to run as one request of step_params(params), and takes back (send) each one's
-    Candidates in that order; it returns each prompt's BeamSearchOutput. run_beam_search drives it through generate,
+    Candidates in that order; it returns each prompt's BeamSearchOutput (each sequence's text by `decode`; None: no
+    text). run_beam_search drives it through generate,
     the server through its own requests (the same search either way). `concurrency_limit`: at most that many prompts
     searched together (vLLM's; None: all). `progress`: a bar over the steps (vLLM's use_tqdm)."""
     searches = [_Search(len(ids), [BeamSearchSequence(list(ids))]) for ids in prompts]
@@ -206,12 +207,12 @@ def _best(sequences: list[BeamSearchSequence], k: int, eos_token_id: int | None,
 
 
 def _output(search: _Search, params: BeamSearchParams, eos_token_id: int | None,
-            decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+            decode: Callable[[list[int]], str] | None) -> BeamSearchOutput:
     """The finished sequences and the beams still live at the end (finished "length"), ranked together."""
     for beam in search.beams:
         beam.finish_reason = "length"
     best = _best(search.finished + search.beams, params.beam_width, eos_token_id, params.length_penalty)
-    for seq in best:
+    for seq in best if decode is not None else ():
         ends_on_eos = seq.finish_reason == "stop" and not params.include_stop_str_in_output
         seq.text = decode(seq.tokens[:-1] if ends_on_eos else seq.tokens)
     return BeamSearchOutput(best)

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -25,11 +25,12 @@ from starlette.exceptions import HTTPException
 
 from tpgraph import __version__
 from tpgraph.chat import content_text
+from tpgraph.engine.beam_search import BeamSearchParams, BeamSearchSequence, Candidates, run_beam_search_async
 from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
-from tpgraph.prompts import PromptCodec
+from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body
@@ -98,10 +99,12 @@ class Api:
                            "model")
 
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                  texts: list[str | list[int]] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
+                  texts: list[str | list[int]] | None = None,
+                  log: bool = True) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
         Aborts whatever is unfinished if the client goes away or the caller stops early. texts: the prompts as the
-        client gave them, for the request log."""
+        client gave them, for the request log; log: False where the caller logged the request (a beam search's
+        steps)."""
         # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
         queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
@@ -112,7 +115,7 @@ class Api:
         ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-                if self.http.log_requests:
+                if self.http.log_requests and log:
                     self.log_request(rid, None if texts is None else texts[i], prompt, params)
                 self.metrics.arrived(rid, len(prompt), params.n)
                 self.client.submit(rid, prompt, params,
@@ -160,6 +163,50 @@ class Api:
                 else:
                     self.client.release(rid)
 
+    async def beam_search(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
+                          params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
+                          texts: list[str | list[int]] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
+        """vLLM's use_beam_search: the offline API's search (beam_search.py) run through this server's own requests,
+        each step's live beams one ordinary request each for one token (Api.run: checked, sent to the engine, and so
+        to every rank, as any other request, aborted where the client goes away). Yields, as run does, each prompt's
+        updates once its search ends: its sequences, best first, as samples 0, 1, ... (_beam_updates). params: the
+        reply's (n the beam width, logprobs, skip_special_tokens), its seed and priority each step's too. decode:
+        a sequence's text from its token ids. A client that goes away ends it with nothing yielded."""
+        most = self.client.limits.max_logprobs
+        if 2 * beam.beam_width > most:  # (each step asks 2 * beam_width candidates)
+            raise RequestError(f"n {beam.beam_width} needs {2 * beam.beam_width} log-probabilities a step with "
+                               f"use_beam_search (2 * n), more than this server's max_logprobs {most}: at most n "
+                               f"{most // 2}")
+        # the whole search's limits, before any step: the prompt, max_tokens beside it, the steps' log-probabilities
+        whole = SamplingParams(temperature=beam.temperature, max_tokens=beam.max_tokens,
+                               logprobs=2 * beam.beam_width, seed=params.seed, priority=params.priority)
+        for prompt in prompts:
+            self.client.check(prompt, whole)
+        if self.http.log_requests:
+            rid = f"beam-{uuid.uuid4().hex}"
+            for i, prompt in enumerate(prompts):
+                self.log_request(f"{rid}-{i}", None if texts is None else texts[i], prompt, beam)
+
+        async def step(batch: list[list[int]], sampling: SamplingParams) -> list[Candidates]:
+            sampling = dataclasses.replace(sampling, seed=params.seed, priority=params.priority)
+            got: dict[int, StepUpdate] = {}
+            async for i, u in self.run(request, batch, sampling, log=False):
+                if u.token_id is not None:
+                    got[i] = u
+            if len(got) < len(batch):  # (run stopped early: the client went away, and its requests were aborted)
+                raise _ClientGone
+            return [logprob_entry(u.token_id, u.logprob, u.rank, u.top_logprobs or [], None)
+                    for u in (got[i] for i in range(len(batch)))]
+
+        try:
+            outputs = await run_beam_search_async(step, prompts, beam, eos_token_id=eos_token_id,
+                                                  max_model_len=self.client.limits.max_model_len, decode=None)
+        except _ClientGone:
+            return
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            for j, seq in enumerate(out.sequences):
+                for u in _beam_updates(j, seq, len(prompt), beam, params, decode):
+                    yield i, u
 
     def streams_usage(self, body: CompletionRequest | ChatRequest) -> bool:
         """Whether a stream ends with a usage chunk: the client asked (stream_options.include_usage), or the server's
@@ -184,6 +231,52 @@ class Api:
         if cut is not None:
             text, prompt = text if text is None else text[:cut], prompt[:cut]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid, text, params, prompt)
+
+
+def _beam_reply_params(beam: BeamSearchParams, body: CompletionRequest | ChatRequest, logprobs: int | None,
+                       skip_special_tokens: bool) -> SamplingParams:
+    """What a beam search's reply is read with, as a sampled reply's params: n (the beam width) samples, with logprobs
+    alternatives a token, text read with skip_special_tokens; its seed and priority reach each step's requests."""
+    return SamplingParams(n=beam.beam_width, temperature=beam.temperature, max_tokens=beam.max_tokens,
+                          logprobs=logprobs, ignore_eos=beam.ignore_eos, seed=body.seed, priority=body.priority,
+                          include_stop_str_in_output=beam.include_stop_str_in_output,
+                          skip_special_tokens=skip_special_tokens)
+
+
+def _returned(choices: list[Choice], beam: BeamSearchParams | None) -> list[Choice]:
+    """The choices a whole reply returns: every one; a beam search's, those of the sequences it found (fewer than n
+    where fewer than n candidates were left)."""
+    return choices if beam is None else [c for c in choices if c.finish_reason is not None]
+
+
+class _ClientGone(Exception):
+    """A beam search's step ended early: its client went away."""
+
+
+def _beam_updates(index: int, seq: BeamSearchSequence, prompt_len: int, beam: BeamSearchParams,
+                  params: SamplingParams, decode: Callable[[list[int]], str]) -> list[StepUpdate]:
+    """A searched sequence as sample `index`'s updates, as vLLM's server returns it: its tokens one update each (the
+    EOS that ended it only with include_stop_str_in_output), with their log-probabilities where params asks (each
+    token's alternatives are its step's candidates, the params.logprobs most likely); its text (the EOS's never) and
+    finish reason (stop_reason the EOS id, where it ended it) with the last."""
+    generated = seq.tokens[prompt_len:]
+    shown = generated[:-1] if seq.finish_reason == "stop" else generated
+    tokens = generated if seq.finish_reason == "stop" and beam.include_stop_str_in_output else shown
+    updates = []
+    for token, entry in zip(tokens, seq.logprobs, strict=False):  # (the EOS's entry is left where its token is)
+        update = StepUpdate("beam-search", index, token, "")
+        if params.logprobs is not None:
+            chosen = entry[token]
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
+                            if lp.rank is not None and lp.rank <= params.logprobs)
+            update.logprob, update.rank = chosen.logprob, chosen.rank
+            update.top_logprobs = [(t, v) for _, t, v in ranked]
+        updates.append(update)
+    if not updates:  # (an EOS at the first step, left out: a sample of no tokens)
+        updates.append(StepUpdate("beam-search", index, None, ""))
+    updates[-1].text, updates[-1].finish_reason, updates[-1].stop_reason = (decode(shown), seq.finish_reason,
+                                                                            seq.stop_reason)
+    return updates
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice], details: bool = False) -> dict:
@@ -298,6 +391,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     model_name)."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
+    eos_token_id = EngineTokenizer(prompts).eos_token_id  # (a beam search's EOS, as TPEngine.beam_search's)
+
+    def beam_text(params: SamplingParams) -> Callable[[list[int]], str]:
+        """A searched sequence's text, read with the reply's skip_special_tokens."""
+        return lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
@@ -399,12 +497,18 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
         max_tokens = _max_tokens(body.max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
-        params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
-                                      prompts.generation_defaults.sampling,
-                                      prompt_logprobs=body.logprobs if body.echo else None)
+        beam = None
+        if body.use_beam_search:
+            beam = body.beam_search_params(max_tokens, body.logprobs, prompts.generation_defaults.sampling)
+            params = _beam_reply_params(beam, body, body.logprobs, body.skip_special_tokens)
+        else:
+            params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
+                                          prompts.generation_defaults.sampling,
+                                          prompt_logprobs=body.logprobs if body.echo else None)
         rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=not body.stream) for i in range(len(token_ids) * params.n)]
-        stream = api.run(request, token_ids, params, texts)
+        stream = api.run(request, token_ids, params, texts) if beam is None else \
+            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
         if body.echo:  # (ids decoded once checked: the tokenizer overflows on a negative one), off the event loop
@@ -467,12 +571,14 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
+                # (numbered as returned: a search may find fewer than n sequences, as vLLM's)
+                "choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                              **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[c.index // params.n],
                                           token_ids=c.token_ids),
                              "prompt_logprobs": None if prompt_top is None else _prompt_logprobs_field(
-                                 prompts, firsts.get(c.index // params.n), prompt_top)} for c in choices],
+                                 prompts, firsts.get(c.index // params.n), prompt_top)}
+                            for k, c in enumerate(_returned(choices, beam))],
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 
         async def events() -> AsyncIterator[str]:
@@ -522,8 +628,17 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
-        params = body.sampling_params(max_tokens, body.logprobs_count(),
-                                      prompts.generation_defaults.sampling, tools=tools)
+        beam = None
+        if body.use_beam_search:  # (no limit: what the context leaves beside the prompt, as vLLM's)
+            room = max(max_model_len - len(token_ids[0]), 1)  # (a prompt that leaves none is refused for it)
+            beam = body.beam_search_params(room if max_tokens is None else max_tokens, body.logprobs_count(),
+                                           prompts.generation_defaults.sampling, tools, "top_logprobs")
+            keep_special = tools.parser is not None and tools.parser.keeps_special_tokens  # (as sampling_params)
+            params = _beam_reply_params(beam, body, body.logprobs_count(),
+                                        body.skip_special_tokens and not keep_special)
+        else:
+            params = body.sampling_params(max_tokens, body.logprobs_count(),
+                                          prompts.generation_defaults.sampling, tools=tools)
         rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
         thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
@@ -534,7 +649,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
         replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning, thinking=thinking),
                                body.stream, body.include_reasoning) for _ in choices]
-        stream = api.run(request, token_ids, params, [text])
+        stream = api.run(request, token_ids, params, [text]) if beam is None else \
+            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), [text])
         first = await _first(stream)
 
         # thoughts left out: so are the choices' log-probabilities and token ids, which would name their tokens (as
@@ -577,10 +693,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 await stream.aclose()
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "message": _echoed(echoed, reply.message(role)),
+                # (numbered as returned: a search may find fewer than n sequences, as vLLM's)
+                "choices": [{"index": k, "message": _echoed(echoed, reply.message(role)),
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason, **_token_ids(give_ids, token_ids=c.token_ids)}
-                            for c, reply in zip(choices, replies, strict=True)],
+                            for k, (c, reply) in enumerate((c, replies[c.index]) for c in _returned(choices, beam))],
                 "prompt_logprobs": None if body.prompt_logprobs is None else _prompt_logprobs_field(
                     prompts, firsts[0] if firsts else None, body.prompt_logprobs),
                 **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
