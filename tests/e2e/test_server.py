@@ -435,6 +435,38 @@ def test_sixteen_concurrent_requests_equal_tp_engine(server, local_engine):
     assert served == [o.outputs[0].token_ids for o in local]
 
 
+def test_beam_search_at_tp2_finds_tp_engines_beams(server, local_engine):
+    """use_beam_search on a TP=2 server: each step's beams are ordinary one-token requests, which rank 0 sends its
+    follower as any other, so both endpoints return TPEngine.beam_search's sequences (best first, as vLLM's: the
+    generated tokens, the EOS only with include_stop_str_in_output); a stream of completions is refused, as vLLM's
+    server refuses it, and the server serves on."""
+    from tpgraph import BeamSearchParams, SamplingParams
+
+    def generated(seq, prompt_len):
+        return seq.tokens[prompt_len:-1] if seq.finish_reason == "stop" else seq.tokens[prompt_len:]
+
+    search = {"model": MODEL, "use_beam_search": True, "n": 3, "max_tokens": 6, "temperature": 0.0,
+              "return_token_ids": True}
+    r = server.post("/v1/completions", {**search, "prompt": PROMPTS[:2]})
+    assert r.status_code == 200, r.text
+    outputs = local_engine.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=6))
+    want = [generated(s, len(local_engine.encode(p))) for p, o in zip(PROMPTS[:2], outputs, strict=True)
+            for s in o.sequences]
+    assert [c["token_ids"] for c in r.json()["choices"]] == want
+    assert r.json()["usage"]["completion_tokens"] == sum(len(ids) for ids in want)
+
+    chat = server.post("/v1/chat/completions", {**search, "messages": [{"role": "user", "content": "a" * 10}]})
+    assert chat.status_code == 200, chat.text
+    ids = chat.json()["prompt_token_ids"]
+    (out,) = local_engine.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert [c["token_ids"] for c in chat.json()["choices"]] == [generated(s, len(ids)) for s in out.sequences]
+
+    refused = server.post("/v1/completions", {**search, "prompt": "a", "stream": True})
+    assert refused.status_code == 400 and "stream is not supported with use_beam_search" in refused.text
+    greedy_ids = local_engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+    assert served_greedy(server, PROMPTS[:1], 4) == [greedy_ids.token_ids]
+
+
 def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     """`torchrun --nproc-per-node 4 -m tpgraph.serve` (gloo, CPU): TP=4 streams the same greedy tokens as TP=2."""
     four = Server(free_port(), ranks=4)
