@@ -250,3 +250,33 @@ def test_beams_the_eos_ended_come_back_as_vllms(eos_served, include_stop):
         assert choice["text"] == tokenizer.decode(reply_tokens(seq, len(ids)), skip_special_tokens=True)
         assert (choice["finish_reason"], choice["stop_reason"]) == (seq.finish_reason, seq.stop_reason)
     assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+
+
+def test_a_client_that_leaves_mid_search_ends_it_and_its_requests(served, monkeypatch):
+    """A step's requests see the client gone (Api.run aborts them): the search stops there, yielding nothing, and no
+    request of it is left in the engine."""
+    import time
+    from types import SimpleNamespace
+
+    from tpgraph.server import app as server_app
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    monkeypatch.setattr(server_app, "DISCONNECT_CHECK_S", 0.0)  # (checked at once: gone before a step ends)
+    api = server_app.Api(served.client, ServerMetrics(), "m")
+    prompt = served.engine.encode(PROMPTS[0])
+    beam = BeamSearchParams(beam_width=2, max_tokens=8)
+    params = server_app._beam_reply_params(beam, SimpleNamespace(seed=None, priority=0), None, True)
+
+    async def search() -> list:
+        return [u async for u in api.beam_search(Gone(), [prompt], beam, params, EOS, str)]
+
+    assert served.call(search()) == []
+    deadline = time.monotonic() + 10
+    while served.engine.core.requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not served.engine.core.requests
+    monkeypatch.undo()  # (a check every 0 s never waits for an update long enough to take it)
+    assert completion(served, prompt="a", n=2, max_tokens=2).status_code == 200
