@@ -396,6 +396,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     def beam_text(params: SamplingParams) -> Callable[[list[int]], str]:
         """A searched sequence's text, read with the reply's skip_special_tokens."""
         return lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
