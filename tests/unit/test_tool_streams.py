@@ -342,6 +342,24 @@ def test_a_whole_auto_reply_with_a_bad_call_after_its_calls_is_its_text_as_vllms
     assert (streamed["content"], calls_of(streamed), reason) == (None, [("get_time", "{}")], "tool_calls")
 
 
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("llama3_json", TIME_CALL + '; {"name": "get_wea'),
+    ("llama3_json", TIME_CALL + "; {"),
+    ("hermes", TIME_BLOCK + '<tool_call>{"name": "get_w'),
+    ("hermes", TIME_BLOCK + "\n<tool_call>"),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_'),
+])
+def test_a_stream_cut_in_a_call_not_yet_sent_after_its_calls_sends_none_of_it_as_content(parser, reply):
+    """llama3_json and hermes drop what follows whole calls (CONTENT_AFTER_CALLS), as vLLM's streams send nothing
+    past them. A stream cut (by max_tokens or an EOS) inside a later call object or block, before the call was sent,
+    sent what it held of it as content at the end: `; {"name": "get_wea`, `<tool_call>`, `</tool_` beside the calls.
+    (The whole reply is its text, as vLLM's parser fails on it.)"""
+    for finish in ("stop", "length"):
+        for sizes in ([1] * len(reply), [4] * len(reply)):
+            _, streamed, _ = read(plan(parser=parser), reply, sizes, stream=True, finish=finish)
+            assert (streamed["content"], calls_of(streamed)) == (None, [("get_time", "{}")]), (finish, sizes)
+
+
 def test_a_call_after_the_calls_to_a_tool_not_offered_is_dropped_streamed_or_whole():
     """(A call to a function the request did not offer is no call here; after calls it is dropped, not the reply.)"""
     for parser, reply in (("llama3_json", TIME_CALL + '; {"name": "nope", "parameters": {}}'),

@@ -99,8 +99,10 @@ class CallStream:
         if self.announced and self.reader is not None:  # (what its arguments held back is content)
             self._content(self.reader.pending)
         held = "".join(self.held)
-        # (a whole reply is str.strip()ped: any whitespace may end it, past the separators)
-        if not self.announced and (self.calls == 0 or held.rstrip().strip(self.SEPARATORS)):
+        # (a whole reply is str.strip()ped: any whitespace may end it, past the separators; after whole calls, what
+        # was held, a call object or block cut before it was sent among it, is content only where such text is)
+        if not self.announced and (self.calls == 0 or self.CONTENT_AFTER_CALLS
+                                   and held.rstrip().strip(self.SEPARATORS)):
             self._content(held)
         return self._take()
 
