@@ -165,6 +165,9 @@ def test_parallel_tool_calls_false_keeps_one_call():
     ('{"name": "f", "parameters": {"x": ', '{"name": "f", "parameters": {"x": ', []),
     ('{"a": 1} and more', '{"a": 1} and more', []),
     ('{"name": "f", "parameters": {}}; and more', None, [("f", {})]),  # (vLLM's: no content beside the calls)
+    # (a later call cut, or no call: vLLM's parser fails on the reply, as the server reads it whole, reply.py)
+    ('{"name": "f", "parameters": {}}; {"name": "g", "par', '{"name": "f", "parameters": {}}; {"name": "g", "par', []),
+    ('{"name": "f", "parameters": {}}; {"answer": 42}', '{"name": "f", "parameters": {}}; {"answer": 42}', []),
     ('{"name": "Alice", "parameters": {}}', '{"name": "Alice", "parameters": {}}', []),  # (no such function)
     ('{"name": "f", "parameters": {"n": NaN}}', '{"name": "f", "parameters": {"n": NaN}}', []),  # (not JSON's)
     ('{"name": "f", "parameters": {"n": 1e999}}', '{"name": "f", "parameters": {"n": 1e999}}', []),
@@ -186,6 +189,10 @@ def test_llama3_json_parser(text, content, calls):
     ("No tools needed.", "No tools needed.", []),
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     ('<tool_call>{"name": "f", "arguments": {}}</tool_call> and then', None, [("f", {})]),  # (vLLM's: dropped)
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"',
+     '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"', []),  # (cut: as the server's)
+    ('<tool_call>{"name": "f", "arguments": {}} oops</tool_call>', '<tool_call>{"name": "f", "arguments": {}} oops'
+     "</tool_call>", []),
     ('<tool_call>{"name": "f", "arguments": "{\\"q\\": 2}"}</tool_call>', None, [("f", {"q": 2})]),  # (a string)
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}'
      "</tool_call>", []),

@@ -34,11 +34,12 @@ class ToolParser:
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls): a whole reply's calls as its stream reads them, in order, and the text around them (None
         where there is none). A reply with no call (one to a function not among `names`, the request's tools, is
-        none), or with a call that broke off (cut, or bad JSON), is content whole. (The server reads a reply in
-        reply.py, which keeps a call that broke off on bad JSON as far as it went.)"""
+        none), or that vLLM's parser reads as no call (CallStream.whole_is_text: cut in a call, a call broken off on
+        bad JSON, a bad call object after the calls), is content whole, as the server reads a whole "auto" reply
+        (reply.py; a stream keeps the calls it sent)."""
         calls = self.stream(names, one_call=False)
         events = calls.read_whole(text)
-        if calls.broken or not calls.calls:
+        if calls.whole_is_text() or not calls.calls:
             return text, []
         named: list[tuple[str, list[str]]] = []
         content = []
