@@ -77,6 +77,8 @@ class CallStream:
             if self.state == "content":  # (all is content from here: the rest at once)
                 self._content(text[at:])
                 break
+            if self.state == "end":  # (nothing more is read: the rest is not looked at a character at a time)
+                break
             plain = self._plain(text, at)
             if plain:
                 self._content(text[at:at + plain])
@@ -86,7 +88,7 @@ class CallStream:
             at += 1
             if self.state == "call":
                 self._call_char(ch)
-            elif self.state != "end":
+            else:
                 self.held.append(ch)
                 self._frame(ch)
         if self.announced:
