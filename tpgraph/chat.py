@@ -142,8 +142,8 @@ def developer_tools(tools: Any, where: str) -> list | None:
 
 
 def history_call(call: Any, where: str) -> dict:
-    """An assistant message's earlier tool call as a chat template takes it: arguments as the value their JSON text
-    holds (Transformers' convention: templates write them out with tojson), as vLLM reads them."""
+    """An assistant message's earlier tool call as a chat template takes it: arguments as the object their JSON text
+    holds (Transformers' convention: templates write them out with tojson), as vLLM reads them (history_arguments)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')

@@ -42,10 +42,11 @@ class ReplyReader:
     """One choice's reply, read as it streams: reasoning (where the server has a reasoning parser), then content
     and tool calls (tools.py says how each tool_choice reads them). stream: the reply is streamed, so "required" and
     "auto" calls are sent as they are written (tool_streams.py); a whole reply reads its calls once it is whole, as a
-    stream reads them, so that a reply is the same streamed or whole (a call in it that broke off on bad JSON is kept
-    as far as it went, as a stream cannot take back the part call it sent). But as vLLM's: a whole "auto" reply that
-    ended inside a call (cut by max_tokens or an EOS), or whose call broke off on bad JSON, is its text, no call; one
-    whose calls are whole finishes "tool_calls" even where max_tokens ended it."""
+    stream reads them, so that a reply is the same streamed or whole (a "required" call that broke off is kept as far
+    as it went, as a stream cannot take back the part call it sent). But as vLLM's: a whole "auto" reply that vLLM's
+    tool parser reads as no call (CallStream.whole_is_text: it ended inside a call, a call broke off on bad JSON, or a
+    call object after the calls is bad) is its text, no call; one whose calls are whole finishes "tool_calls" even
+    where max_tokens ended it."""
 
     plan: ToolPlan
     thoughts: ReasoningReader | None = None

@@ -1,7 +1,7 @@
 """Tool calls read from a reply as they are written, so that a client sees each call's name once it is known and its
 arguments as they are generated, as vLLM's streaming tool parsers send them. A whole (non-streamed) reply is read by
 the same reader, fed in one piece (read_whole), so that a reply is the same streamed or whole (but where vLLM's whole
-"auto" reply differs: reply.py, ended_in_call). A reading turns text into events: ("content", text); ("call", name)
+"auto" reply differs: reply.py, whole_is_text). A reading turns text into events: ("content", text); ("call", name)
 where a call begins; ("args", text), more of its arguments.
 
 - JSON arguments are re-encoded as they come (json_stream.py), in the form json.dumps gives; pythonic ones are
