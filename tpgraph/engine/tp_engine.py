@@ -256,7 +256,8 @@ class TPEngine:
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
-                # holds one of max_model_len (vLLM's default too), not the chunked one's 8192 at most, which was refused
+                # holds one of max_model_len (vLLM's default too), not the chunked one's (at most DEFAULT_CHUNK_TOKENS),
+                # which was refused
                 budget = default_token_budget(cfg.max_model_len or model_cfg.max_position_embeddings, cfg.max_num_seqs,
                                               chunked_prefill=False)
             self.runner = ModelRunner(self.model, RunnerConfig(
