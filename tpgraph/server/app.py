@@ -618,16 +618,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             else ""
         text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
                                    http.template_variables(body.chat_template_kwargs), body.continue_final_message)
-        keep = body.truncation(max_model_len, body.max_tokens if body.max_completion_tokens is None
-                               else body.max_completion_tokens)
+        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+            raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        keep = body.truncation(max_model_len, max_tokens)
         # (the template writes the special tokens: more only where add_special_tokens asks, as vLLM's)
         token_ids = [await asyncio.to_thread(prompts.encode_text, text, body.add_special_tokens,
                                              max_model_len if keep is None else None)]
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
-        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
-            raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         beam = None
         if body.use_beam_search:  # (no limit: what the context leaves beside the prompt, as vLLM's)
