@@ -5,6 +5,7 @@ ranked by length-penalized score, and bad parameters refused by name."""
 import asyncio
 import math
 import types
+from decimal import Decimal
 
 import pytest
 import torch
@@ -62,9 +63,10 @@ def make_eos_likely(model, token: int) -> None:
 def reference_beam_search(next_logprobs, prompt: list[int], width: int, steps: int, length_penalty: float = 1.0,
                           ignore_eos: bool = False) -> list[tuple[list[int], float]]:
     """vLLM's beam search from the full distributions: each live beam's 2 * width most likely tokens extend it, an EOS
-    among them finishes, the width best of the rest live on; finished and live ranked together at the end."""
+    among them finishes, the width best of the rest live on; finished and live ranked together at the end (by
+    exact_score, so a length_penalty whose power leaves the float range ranks as the math says)."""
     def score(seq):
-        return beam_score(seq[0], seq[1], EOS, length_penalty)
+        return exact_score(seq[0], seq[1], EOS, length_penalty)
 
     beams, finished = [(prompt, 0.0)], []
     for _ in range(steps):
@@ -76,6 +78,13 @@ def reference_beam_search(next_logprobs, prompt: list[int], width: int, steps: i
                 (finished if token == EOS and not ignore_eos else children).append(child)
         beams = sorted(children, key=score, reverse=True)[:width]
     return sorted(finished + beams, key=score, reverse=True)[:width]
+
+
+def exact_score(tokens: list[int], cum_logprob: float, eos: int, length_penalty: float) -> Decimal:
+    """The length-penalized score, cum_logprob / length ** length_penalty (the length without a final EOS), in
+    decimal: no power of a length over-or underflows there, where a float's would (8 ** 400 > 1e308)."""
+    length = len(tokens) - (1 if tokens[-1] == eos else 0)
+    return Decimal(cum_logprob) / Decimal(length) ** Decimal(length_penalty)
 
 
 def found(output: BeamSearchOutput) -> list[tuple[list[int], float]]:
@@ -110,6 +119,20 @@ def test_length_penalty_ranks_as_the_brute_force_search(engine, next_logprobs):
     for penalty in (0.0, 2.0, -1.0):
         out = engine.beam_search(PROMPTS[1:2], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=penalty))
         assert_same(found(out[0]), reference_beam_search(next_logprobs, engine.encode(PROMPTS[1]), 3, 4, penalty))
+
+
+def test_an_extreme_length_penalty_ranks_as_the_brute_force_search(eos_engine):
+    """A length_penalty whose power of a length leaves the float range (8 ** 400 overflows, 8 ** -400 is 0.0: the
+    prompt's 8 tokens counted) ranks as the exact score does: 400 puts the longest first, -400 the shortest."""
+    eos_engine, next_logprobs = eos_engine
+    ids = eos_engine.encode("tpgraph")
+    for penalty in (400.0, -400.0):
+        (out,) = eos_engine.beam_search(["tpgraph"], BeamSearchParams(beam_width=3, max_tokens=5,
+                                                                      length_penalty=penalty))
+        assert_same(found(out), reference_beam_search(next_logprobs, ids, 3, 5, penalty))
+        lengths = [len(s.tokens) - (s.finish_reason == "stop") for s in out.sequences]
+        assert lengths == sorted(lengths, reverse=penalty > 0)
+        assert any(s.finish_reason == "stop" for s in out.sequences) == (penalty < 0)
 
 
 def test_beam_width_one_is_greedy_generate(engine):
@@ -229,6 +252,96 @@ def test_an_early_eos_wins_or_loses_by_its_length_penalized_score():
     # each step one request a live beam: a token, with 2 * beam_width log-probabilities, at the search's temperature
     assert [p for p, _ in calls] == [[[1]], [[1, 2]], [[1, 2, 3]]]
     assert all((q.max_tokens, q.logprobs, q.temperature, q.n) == (1, 4, 0.0, 1) for _, q in calls)
+
+
+# a prompt of 8 tokens (the last 1) whose candidates come out of order: each step's ranking must sort them
+EXTREME = {1: {2: -1.2, 3: -0.4, 8: -0.6, 9: -0.5}, 3: {4: -0.4, 9: -2.0}, 8: {5: -0.1, 9: -0.05}}
+EXTREME_PROMPT = [7] * 7 + [1]
+
+
+def exact_search(script: dict, prompt: list[int], width: int, steps: int, length_penalty: float) -> list:
+    """vLLM's search over a script, each ranking by exact_score (stable, as sorted is: ties keep the candidates'
+    order)."""
+    def score(seq):
+        return exact_score(seq[0], seq[1], 9, length_penalty)
+
+    beams, finished = [(prompt, 0.0)], []
+    for _ in range(steps):
+        children = []
+        for tokens, cum in beams:
+            for token, lp in script[tokens[-1]].items():
+                (finished if token == 9 else children).append((tokens + [token], cum + lp))
+        beams = sorted(children, key=score, reverse=True)[:width]
+    return sorted(finished + beams, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("penalty, want", [
+    # 8.0 ** 400 overflows: the longest rank first, those of one length by their sums
+    (400.0, [([8, 5], "length"), ([3, 4], "length")]),
+    (1e308, [([8, 5], "length"), ([3, 4], "length")]),  # (1e308 * log(length) overflows too)
+    # 8.0 ** -400 is 0.0: the shortest first ([9] at length 8, then [8, 9] (-0.65) before [3, 9] (-2.4) at 9)
+    (-400.0, [([9], "stop"), ([8, 9], "stop")]),
+    (-1e308, [([9], "stop"), ([8, 9], "stop")]),
+    (0.0, [([9], "stop"), ([8, 9], "stop")]),  # (by the sums alone)
+    (1.0, [([9], "stop"), ([8, 5], "length")]),  # (by the means: -0.5 / 8, then -0.7 / 10 before -0.65 / 9)
+])
+def test_an_extreme_length_penalty_ranks_as_the_exact_math_says(penalty, want):
+    """A length_penalty whose power of a length leaves the float range (a length of 8 or more: 8.0 ** 400 raises
+    OverflowError, 8.0 ** -400 is 0.0) ranks each step's beams and the outputs as the exact score does, not raising
+    and not tying them all: the first step keeps [3] and [8] of [2], [3], [8] (one length: by their sums)."""
+    calls = []
+    params = BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=penalty)
+    out = run_beam_search(scripted(calls, EXTREME), [EXTREME_PROMPT], params, eos_token_id=9, max_model_len=64,
+                          decode=None)
+    got = [(s.tokens, s.cum_logprob) for s in out[0].sequences]
+    assert [(s.tokens[8:], s.finish_reason) for s in out[0].sequences] == want
+    assert [p for p, _ in calls] == [[EXTREME_PROMPT], [EXTREME_PROMPT + [3], EXTREME_PROMPT + [8]]]
+    if abs(penalty) < 1e300:  # (no decimal holds 8 ** 1e308)
+        assert got == exact_search(EXTREME, EXTREME_PROMPT, 2, 2, penalty)
+
+
+@pytest.mark.parametrize("penalty", [400.0, -400.0, 1e308, 1.0])
+def test_a_sum_of_zero_ranks_first_at_any_length_penalty(penalty):
+    """A sum of 0 (a token certain at every step) scores 0 at any length, the best possible: such sequences rank
+    first, in their candidates' order (finished before live), the negative ones after."""
+    script = {1: {2: -0.3, 3: 0.0, 9: 0.0}}
+    out = run_beam_search(scripted([], script), [EXTREME_PROMPT], BeamSearchParams(beam_width=3, max_tokens=1,
+                                                                                    length_penalty=penalty),
+                          eos_token_id=9, max_model_len=64, decode=None)
+    assert [(s.tokens[8:], s.cum_logprob) for s in out[0].sequences] == [([9], 0.0), ([3], 0.0), ([2], -0.3)]
+    if abs(penalty) < 1e300:
+        assert [(s.tokens, s.cum_logprob) for s in out[0].sequences] == exact_search(script, EXTREME_PROMPT, 3, 1,
+                                                                                      penalty)
+
+
+def test_scores_in_the_float_range_rank_as_vllms_floats_ties_kept():
+    """Where every score is a float, the ranking is vLLM's by those floats, a tie kept in the candidates' order:
+    [1, 9] (-0.5 over 1) and [1, 2, 3] (-1.5 over 3) are both -0.5 at length_penalty 1, so the finished one, ranked
+    first of the two, stays first (by logarithms, log(1.5) - log(3) is a rounding below log(0.5), and would not)."""
+    script = {1: {9: -0.5, 2: -0.75}, 2: {3: -0.75}}
+    assert -1.5 / 3 == -0.5 / 1 and math.log(1.5) - math.log(3) < math.log(0.5)
+    seqs = run_beam_search(scripted([], script), [[1]], BeamSearchParams(beam_width=2, max_tokens=2), eos_token_id=9,
+                           max_model_len=64, decode=None)[0].sequences
+    assert [(s.tokens, s.cum_logprob) for s in seqs] == [([1, 9], -0.5), ([1, 2, 3], -1.5)]
+
+
+def test_beam_score_is_the_quotient_and_never_raises():
+    """beam_score: cum_logprob / length ** length_penalty where the power is a float; where it is not, the same
+    quotient through logarithms (-0.0 for one too small to hold, -inf for one too large), never an OverflowError
+    or ZeroDivisionError."""
+    tokens = list(range(8))
+    for penalty in (0.0, 0.5, 1.0, 2.0, -1.0, 300.0):
+        assert beam_score(tokens, -1.7, 9, penalty) == -1.7 / 8 ** penalty
+    assert beam_score(tokens + [9], -1.7, 9, 2.0) == -1.7 / 64  # (a final EOS not counted)
+    assert beam_score(tokens, -1.7, 9, 400.0) == -0.0 and math.copysign(1, beam_score(tokens, -1.7, 9, 400.0)) < 0
+    assert beam_score(tokens, -1.7, 9, -400.0) == -math.inf
+    assert beam_score(tokens, -1.7, 9, 1e308) == -0.0 and beam_score(tokens, -1.7, 9, -1e308) == -math.inf
+    assert beam_score(tokens, 0.0, 9, 400.0) == 0.0 and beam_score(tokens, 0.0, 9, -400.0) == 0.0
+    assert beam_score(tokens, -math.inf, 9, 400.0) == -math.inf
+    # 6.0 ** 400 overflows, but the quotient is a (subnormal) float; 7.0 ** -365 is a subnormal, the quotient 1e303
+    for length, penalty, cum in ((6, 400.0, -1.7), (7, -365.0, -1e-5)):
+        want = float(Decimal(cum) / Decimal(length) ** Decimal(penalty))
+        assert beam_score(list(range(length)), cum, 9, penalty) == pytest.approx(want, rel=1e-9)
 
 
 def test_a_search_ends_when_every_beam_has_finished():

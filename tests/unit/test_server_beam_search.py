@@ -252,6 +252,27 @@ def test_beams_the_eos_ended_come_back_as_vllms(eos_served, include_stop):
     assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
 
 
+@pytest.mark.parametrize("penalty", [400.0, -400.0])
+def test_an_extreme_length_penalty_is_searched_not_a_500(eos_served, penalty):
+    """A length_penalty whose power of a length leaves the float range (the prompt's 8 tokens counted: 8.0 ** 400
+    overflows, 8.0 ** -400 is 0.0) is a 200 on both endpoints, its choices TPEngine.beam_search's, ranked as the
+    exact score ranks them (400: the longest first; -400: the shortest), and the server serves on."""
+    served, local = eos_served
+    r = completion(served, prompt="tpgraph", n=3, max_tokens=5, length_penalty=penalty)
+    assert r.status_code == 200, r.text
+    (out,) = local.beam_search(["tpgraph"], BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=penalty))
+    ids = local.encode("tpgraph")
+    assert_reply_is_the_search(r.json()["choices"], ids, out, local.get_tokenizer())
+    lengths = [len(s.tokens) - (s.finish_reason == "stop") for s in out.sequences]
+    assert lengths == sorted(lengths, reverse=penalty > 0)
+    chat = served.post("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "tpgraph"}],
+                                                 "use_beam_search": True, "n": 3, "max_tokens": 5,
+                                                 "temperature": 0.0, "length_penalty": penalty})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 3
+    assert completion(served, prompt="a", n=2, max_tokens=2).status_code == 200
+
+
 def test_a_client_that_leaves_mid_search_ends_it_and_its_requests(served, monkeypatch):
     """A step's requests see the client gone (Api.run aborts them): the search stops there, yielding nothing, and no
     request of it is left in the engine."""

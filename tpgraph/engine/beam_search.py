@@ -15,6 +15,7 @@ one-token requests that reach every rank as any other request does.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,11 +86,75 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def _scored_length(tokens: Sequence[int], eos_token_id: int | None) -> int:
+    """The length a score divides by: the prompt's tokens counted, a final EOS not."""
+    return len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
+
+
 def beam_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
     """vLLM's (after transformers') length-penalized score: cum_logprob / length ** length_penalty, the length counting
-    the prompt's tokens but not a final EOS."""
-    length = len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
-    return cum_logprob / length ** length_penalty
+    the prompt's tokens but not a final EOS. Where that power leaves the float range (8.0 ** 400 raises OverflowError,
+    8.0 ** -400 is 0.0, both of which vLLM's raises on), the same quotient through logarithms,
+    sign(cum_logprob) * exp(log|cum_logprob| - length_penalty * log(length)): a float again where it is one, else -0.0
+    (too small to hold) or -inf (too large), never an error. The search ranks by _Rank, not by this float, so such
+    scores never tie beams that the exact ones order."""
+    length = _scored_length(tokens, eos_token_id)
+    try:
+        scale = float(length) ** length_penalty
+    except OverflowError:
+        scale = math.inf
+    if 0.0 < scale < math.inf:
+        return cum_logprob / scale
+    if cum_logprob == 0.0 or not math.isfinite(cum_logprob):  # (0 or +-inf over any positive length's power)
+        return cum_logprob
+    exponent = math.log(abs(cum_logprob)) - length_penalty * math.log(length)
+    try:
+        size = math.exp(exponent)
+    except OverflowError:
+        size = math.inf
+    return math.copysign(size, cum_logprob)
+
+
+class _Rank:
+    """A sequence's place in a ranking (the sort key: ascending is best first), ordered as beam_score's exact values,
+    descending, never raising. Where both sequences' scores are normal floats (the power of the length in the float
+    range, the quotient neither 0 nor subnormal), by those, as vLLM's ranks (its ties kept: sorted keeps their order).
+    Elsewhere with no power at all: for cum_logprob < 0 the score is -exp(z), z = log(-cum_logprob) - length_penalty
+    * log(length), so a higher score is a lower z, and two sequences compare by the difference of their z's,
+    log(-cum_a) - log(-cum_b) - length_penalty * (log(length_a) - log(length_b)) (+-inf where the penalty's term
+    overflows), or, where their lengths are one (or the penalty is 0), by their sums, exactly: a length_penalty of any
+    size (8.0 ** 400 overflows, 8.0 ** -400 is 0.0) leaves them ordered as the exact scores are, none tied that those
+    order. A sum of 0 scores 0 at any length, the best possible (a positive sum, which no log-probability makes, ranks
+    above it, by a higher z); -inf (or nan) the worst."""
+
+    __slots__ = ("kind", "cum", "score", "length", "size", "log_length", "penalty")
+
+    def __init__(self, seq: BeamSearchSequence, eos_token_id: int | None, length_penalty: float) -> None:
+        cum = self.cum = seq.cum_logprob
+        # 0: +inf, 1: a positive sum, 2: 0, 3: a negative sum, 4: -inf or nan
+        self.kind = 2 if cum == 0.0 else (0 if cum == math.inf else 1) if cum > 0 else 3 if cum > -math.inf else 4
+        self.length = _scored_length(seq.tokens, eos_token_id)
+        self.size = math.log(abs(cum)) if self.kind in (1, 3) else 0.0
+        self.log_length, self.penalty = math.log(self.length), length_penalty
+        self.score = None  # (vLLM's float score, where it is a normal float)
+        if self.kind in (1, 3):
+            try:
+                score = cum / float(self.length) ** length_penalty
+            except (OverflowError, ZeroDivisionError):
+                score = 0.0
+            if sys.float_info.min <= abs(score) < math.inf:
+                self.score = score
+
+    def __lt__(self, other: _Rank) -> bool:
+        """Whether this sequence's score is above the other's."""
+        if self.kind != other.kind:
+            return self.kind < other.kind
+        if self.score is not None and other.score is not None:
+            return self.score > other.score
+        if self.kind not in (1, 3) or self.length == other.length or self.penalty == 0.0:
+            return self.cum > other.cum  # (one divisor, the higher sum the higher score; +infs, 0s, -infs tie)
+        z = (self.size - other.size) - self.penalty * (self.log_length - other.log_length)  # (z_self - z_other)
+        return z < 0 if self.kind == 3 else z > 0
 
 
 @dataclass
@@ -201,9 +266,9 @@ def _live_beams(batch: list[_Search], max_model_len: int) -> list[tuple[_Search,
 
 def _best(sequences: list[BeamSearchSequence], k: int, eos_token_id: int | None,
           length_penalty: float) -> list[BeamSearchSequence]:
-    """The k best by score, best first (sorted is stable: equal scores keep the candidates' order, as vLLM's)."""
-    return sorted(sequences, key=lambda s: beam_score(s.tokens, s.cum_logprob, eos_token_id, length_penalty),
-                  reverse=True)[:k]
+    """The k best by score, best first (sorted is stable: equal scores keep the candidates' order, as vLLM's), ranked
+    by _Rank: beam_score's order, with no power of a length to overflow."""
+    return sorted(sequences, key=lambda s: _Rank(s, eos_token_id, length_penalty))[:k]
 
 
 def _output(search: _Search, params: BeamSearchParams, eos_token_id: int | None,
