@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.errors import ConfigError, PeerError
 from tpgraph.kernels._settings import env_flag
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,8 @@ def gather_objects(state: ParallelState, obj: T) -> list[T]:
 
 
 def run_on_all_ranks(state: ParallelState, fn: Callable[[], T], what: str) -> T:
-    """Run fn on every rank; if it fails on any rank, raise on every rank.
+    """Run fn on every rank; if it fails on any rank, raise on every rank: its own error where fn raised, else a
+    PeerError naming the first rank that failed.
 
     This is how a bad checkpoint on one rank becomes an error everywhere instead of a hang in the
     next collective: every rank reaches the same CPU-group exchange whether or not fn raised.
@@ -200,5 +201,5 @@ def run_on_all_ranks(state: ParallelState, fn: Callable[[], T], what: str) -> T:
                 # until interpreter shutdown, where destroying a gloo group aborts the process
                 del error
         rank, (kind, message) = failed[0]
-        raise TPGraphError(f"{what} failed on rank {rank}: {kind}: {message}")
+        raise PeerError(f"{what} failed on rank {rank}: {kind}: {message}", rank, kind, message)
     return result  # type: ignore[return-value]

@@ -17,6 +17,23 @@ class CommError(TPGraphError):
     """A communication failure or misuse."""
 
 
+class AllReduceUnavailable(CommError):
+    """The custom all-reduce cannot run on this machine for a reason of the machine's, not a bug: peer-to-peer or CUDA
+    IPC missing or not working, GPUs not linked, mixed architectures. The communicator uses NCCL instead."""
+
+
+class PeerError(TPGraphError):
+    """Raised on the other ranks when a step every rank takes together failed on one rank: `rank`, and that rank's
+    error as its type's name (`kind`) and message (`detail`)."""
+
+    def __init__(self, message: str, rank: int | None = None, kind: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.rank, self.kind, self.detail = rank, kind, detail
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.kind, self.detail)
+
+
 class CaptureError(TPGraphError):
     """CUDA-graph capture or replay misuse."""
 

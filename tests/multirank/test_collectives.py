@@ -1,6 +1,9 @@
+import pytest
 import torch
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import collectives
+
+from tpgraph.errors import ConfigError
 
 
 def test_all_reduce_and_all_gather_on_gloo():
@@ -35,3 +38,36 @@ def test_a_peer_workspace_failing_to_map_on_one_rank_sends_every_rank_to_nccl():
     ranks = run_ranks(custom_setup_failing_to_map_on, 2, 1, timeout_s=120)
     for got_one, reason in ranks:
         assert not got_one and "cudaErrorPeerAccessUnsupported" in reason
+
+
+def test_an_expected_custom_all_reduce_failure_on_one_rank_falls_back_everywhere_and_says_why():
+    """P2P or CUDA IPC that this machine does not offer (here: cudaIpcOpenMemHandle refusing a peer's workspace on
+    rank 1) is a reason to use NCCL: every rank falls back, with the failing rank and its reason in a warning."""
+    from tpgtest.workers import custom_setup_raising_on
+
+    error = RuntimeError("CUDA error cudaErrorPeerAccessUnsupported (peer access is not supported between these two "
+                         "devices) in `cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess)`")
+    for outcome, got_one, reason, warnings in run_ranks(custom_setup_raising_on, 2, 1, error, timeout_s=120):
+        assert outcome == "fell back" and not got_one
+        assert "rank 1" in reason and "cudaErrorPeerAccessUnsupported" in reason
+        assert len(warnings) == 1 and "NCCL" in warnings[0] and reason in warnings[0]
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA error cudaErrorIllegalAddress (an illegal memory access was encountered) in "
+                 "`cudaStreamSynchronize(stream)`"),
+    RuntimeError("expected a tensor of shape [8192], got [4096]"),
+    ValueError("IPC handle must be 64 bytes, got 3"),
+    ConfigError("timeout_s must be >= 0, got -1"),
+], ids=["kernel fault", "shape mistake", "bad argument", "config error"])
+def test_an_unexpected_custom_all_reduce_failure_on_one_rank_is_raised_on_every_rank(error):
+    """A bug met while setting up the custom all-reduce (a kernel fault, a wrong shape, an argument the extension
+    refuses, a bad setting) is no reason to use NCCL: it was turned into a silent slow path (every RuntimeError fell
+    back), or, not being a RuntimeError, raised on its rank alone while the others fell back and waited for it. The
+    failing rank raises its own error; the others raise, naming it."""
+    from tpgtest.workers import custom_setup_raising_on
+
+    mine, theirs = run_ranks(custom_setup_raising_on, 2, 1, error, timeout_s=120)[::-1]
+    assert mine == ("raised", type(error).__name__, str(error))
+    assert theirs[0] == "raised" and theirs[1] == "PeerError"
+    assert "rank 1" in theirs[2] and str(error) in theirs[2] and type(error).__name__ in theirs[2]

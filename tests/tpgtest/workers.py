@@ -502,6 +502,9 @@ def custom_setup_failing_on(rank, world_size, init, failing_rank):
             if state.rank == failing_rank:
                 raise RuntimeError("CUDA error cudaErrorPeerAccessUnsupported in `cudaIpcOpenMemHandle`")
 
+        def close(self):
+            pass
+
     tpgraph._ext.extension_available = lambda: True
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     thresholds.load_table_for = lambda capability: None
@@ -511,6 +514,52 @@ def custom_setup_failing_on(rank, world_size, init, failing_rank):
     finally:
         destroy_distributed(state)
     return ar is not None, reason
+
+
+def custom_setup_raising_on(rank, world_size, init, failing_rank, error):
+    """_try_custom_allreduce on a CUDA-shaped state over gloo, whose CustomAllReduce raises `error` on `failing_rank`
+    alone; returns ("fell back", whether this rank got one, its reason, the warnings the communicator logged) or
+    ("raised", the exception's type name, its message)."""
+    import dataclasses
+    import logging
+
+    import torch
+
+    import tpgraph._ext
+    from tpgraph.comm import communicator, custom_ar, thresholds
+
+    state = init_distributed("cpu", rank, world_size, init)
+
+    class Fake:
+        def __init__(self, state, config):
+            if state.rank == failing_rank:
+                raise error
+
+        def close(self):
+            pass
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    kept = Kept()
+    logging.getLogger(communicator.__name__).addHandler(kept)
+    tpgraph._ext.extension_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    thresholds.load_table_for = lambda capability: None
+    custom_ar.CustomAllReduce = Fake
+    try:
+        try:
+            ar, reason = communicator._try_custom_allreduce(dataclasses.replace(state, device=torch.device("cuda", 0)))
+        except Exception as exc:  # the test inspects it
+            return "raised", type(exc).__name__, str(exc)
+        return "fell back", ar is not None, reason, kept.messages
+    finally:
+        destroy_distributed(state)
 
 
 def custom_setup_failing_to_map_on(rank, world_size, init, failing_rank):

@@ -97,3 +97,18 @@ def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_setting
     os.environ.update({td.SHARED_GPU_ENV: "1", "LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="one GPU of one host, but 4 ranks run 2 to a host"):
         td.init_distributed("cuda", rank=1, world_size=4, init_method="file:///nowhere")
+
+
+def test_only_cuda_errors_of_the_machine_count_as_the_custom_all_reduce_being_unavailable():
+    from tpgraph.comm.topology import unavailable_cuda_error
+    from tpgraph.errors import CommError
+
+    assert unavailable_cuda_error(RuntimeError(
+        "CUDA error cudaErrorMapBufferObjectFailed (mapping of buffer object failed) in `cudaIpcOpenMemHandle(...)`"
+    )) == "cudaErrorMapBufferObjectFailed"
+    assert unavailable_cuda_error(RuntimeError("CUDA error cudaErrorMemoryAllocation (out of memory) in `cudaMalloc`"))
+    for error in (RuntimeError("CUDA error cudaErrorIllegalAddress (an illegal memory access was encountered)"),
+                  RuntimeError("peer access unsupported"),  # (no CUDA error named)
+                  ValueError("CUDA error cudaErrorPeerAccessUnsupported"),  # (not how the extension raises one)
+                  CommError("CUDA error cudaErrorPeerAccessUnsupported")):  # (tpgraph's own: AllReduceUnavailable)
+        assert unavailable_cuda_error(error) is None

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from tpgraph.comm.custom_ar import fused_norm_default
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES
-from tpgraph.distributed import ParallelState, run_on_all_ranks
-from tpgraph.errors import CaptureError, CommError, TPGraphError
+from tpgraph.comm.topology import unavailable_cuda_error
+from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks
+from tpgraph.errors import AllReduceUnavailable, CaptureError, PeerError
 from tpgraph.kernels import gemv
 from tpgraph.kernels.lamport import Channel, PendingProjection, ReducedNorm, epilogue_enabled, solo_channel
 from tpgraph.kernels.norm import add_rms_norm
@@ -147,7 +148,12 @@ class TPCommunicator:
 
 
 def _try_custom_allreduce(state: ParallelState, config=None):
-    """(CustomAllReduce, None) when every rank can use it, else (None, reason). Decided the same on all ranks."""
+    """(CustomAllReduce, None) when every rank can use it, else (None, reason), decided the same on all ranks.
+
+    Only a reason of the machine's falls back to NCCL (logged as a warning, naming the rank): an AllReduceUnavailable
+    (P2P or CUDA IPC off or not working, GPUs not linked, mixed architectures) or a CUDA error that says the same
+    (topology.UNAVAILABLE_CUDA_ERRORS). Anything else in the set-up is a bug and is raised on every rank: its own error
+    on the rank that met it, a PeerError naming that rank on the others (a silent slow path would hide it)."""
     if state.device.type != "cuda":
         return None, "not on CUDA"
     if state.world_size not in WORLD_SIZES:
@@ -162,17 +168,44 @@ def _try_custom_allreduce(state: ParallelState, config=None):
     # A missing or broken table is a setup error to fix, not a reason to fall back to NCCL unnoticed.
     capability = torch.cuda.get_device_capability(state.device)
     run_on_all_ranks(state, lambda: load_table_for(capability), "reading the all-reduce table")
-    def set_up() -> CustomAllReduce:
-        try:
-            return CustomAllReduce(state, config)
-        except TPGraphError:
-            raise
-        except RuntimeError as exc:  # (a CUDA error: a peer's workspace refused to map, no memory for ours)
-            # a reason to use NCCL on this rank too, as on the others: raised as it was, it ended this rank alone
-            raise CommError(f"{type(exc).__name__}: {exc}") from exc
-
+    custom, error = None, None
     try:
-        return run_on_all_ranks(state, set_up, "setting up the custom all-reduce"), None
-    except TPGraphError as exc:
-        logger.warning("custom all-reduce unavailable, using NCCL: %s", exc)
-        return None, str(exc)
+        custom = CustomAllReduce(state, config)
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below; raised unless the machine is the reason
+        error = exc
+    try:
+        mine = None if error is None else _verdict(error)
+        failed = [(rank, v) for rank, v in enumerate(gather_objects(state, mine)) if v is not None]
+        if not failed:
+            return custom, None
+        if custom is not None:  # (set-up passed here and failed on a peer: give the workspace back)
+            custom.close()
+        # a rank that failed only because a peer did ("peer") leaves the decision to that peer's own verdict
+        bugs = [(rank, v) for rank, v in failed if v[0] == "error"]
+        unavailable = [(rank, v) for rank, v in failed if v[0] == "unavailable"]
+        if unavailable and not bugs:
+            rank, (_, _, detail) = unavailable[0]
+            reason = f"rank {rank}: {detail}"
+            logger.warning("custom all-reduce unavailable, every rank uses NCCL instead (%s)", reason)
+            return None, reason
+        if mine is not None and mine[0] == "error":
+            raise error
+        rank, (_, kind, detail) = (bugs or failed)[0]
+        raise PeerError(f"setting up the custom all-reduce failed on rank {rank}: {kind}: {detail}", rank, kind, detail)
+    finally:
+        # break the frame <-> exception cycle (as run_on_all_ranks does): it would keep the process groups alive
+        del error
+
+
+def _verdict(error: Exception) -> tuple[str, str, str]:
+    """(verdict, the error's type name, its message) for a rank's failure to set up the custom all-reduce: "unavailable"
+    (a reason of the machine's: fall back to NCCL), "peer" (raised here because another rank failed in a step all
+    take together: that rank's verdict decides) or "error" (a bug: raise it)."""
+    kind = type(error).__name__
+    if isinstance(error, AllReduceUnavailable):
+        return "unavailable", kind, str(error)
+    if unavailable_cuda_error(error) is not None:
+        return "unavailable", kind, f"{kind}: {error}"
+    if isinstance(error, PeerError):
+        return "peer", kind, str(error)
+    return "error", kind, str(error)

@@ -25,7 +25,7 @@ from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
 from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks
-from tpgraph.errors import CommError, ConfigError
+from tpgraph.errors import AllReduceUnavailable, CommError, ConfigError
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import (
     MAX_HIDDEN,
@@ -161,7 +161,7 @@ def agree_on_devices(devices: list[tuple[int, tuple[int, int]]]) -> int:
     the group, so the architectures must match."""
     archs = {cap for _, cap in devices}
     if len(archs) != 1:
-        raise CommError(f"custom all-reduce disabled: the ranks' GPUs differ in architecture "
+        raise AllReduceUnavailable(f"custom all-reduce disabled: the ranks' GPUs differ in architecture "
                         f"{[f'sm_{a}{b}' for _, (a, b) in devices]} (rank order)")
     return min(sms for sms, _ in devices)
 
@@ -181,7 +181,7 @@ class CustomAllReduce:
         group_devices = list(range(state.world_size))
         for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
             if reason:
-                raise CommError(f"custom all-reduce disabled: {reason}")
+                raise AllReduceUnavailable(f"custom all-reduce disabled: {reason}")
         # memory CUDA IPC cannot export (VMM-backed, stream-ordered): graphs then stage their inputs
         backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else None
         unexportable = unexportable_allocator(backend=backend)
@@ -275,7 +275,7 @@ class CustomAllReduce:
         everyone = gather_objects(self.state, bad)
         broken = [(r, p) for r, lost in enumerate(everyone) for p in lost]
         if broken:
-            raise CommError(f"peer writes through CUDA IPC were lost (writer -> reader): "
+            raise AllReduceUnavailable(f"peer writes through CUDA IPC were lost (writer -> reader): "
                             f"{[(p, r) for r, p in broken]}; P2P is advertised but does not work here")
 
     multicast_live = False  # no multicast objects yet; where the environment forbids them, never

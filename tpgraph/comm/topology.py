@@ -4,7 +4,35 @@ when the custom path must not be used (None when it may), so the log can say why
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
+
+# CUDA errors (as the extension names them: "CUDA error <name> (...) in `<call>`") that say this machine cannot share
+# device memory between the ranks' processes, or has no room for the workspace: P2P unsupported or not enabled
+# between the GPUs, CUDA IPC refused (containers without a shared IPC namespace, exclusive-process compute mode, MIG,
+# too many peers). They are reasons to use NCCL. Any other error in the set-up (a kernel fault, an argument refused)
+# is a bug, not a property of the machine, and is raised.
+UNAVAILABLE_CUDA_ERRORS = frozenset({
+    "cudaErrorPeerAccessUnsupported",
+    "cudaErrorPeerAccessNotEnabled",
+    "cudaErrorTooManyPeers",
+    "cudaErrorMapBufferObjectFailed",
+    "cudaErrorInvalidResourceHandle",
+    "cudaErrorDevicesUnavailable",
+    "cudaErrorOperatingSystem",
+    "cudaErrorNotSupported",
+    "cudaErrorMemoryAllocation",
+})
+_CUDA_ERROR_NAME = re.compile(r"\bCUDA error (cudaError\w+)")
+
+
+def unavailable_cuda_error(exc: BaseException) -> str | None:
+    """The CUDA error's name where `exc` is one of UNAVAILABLE_CUDA_ERRORS raised by the extension (a RuntimeError),
+    else None."""
+    if type(exc) is not RuntimeError:  # (the extension raises plain RuntimeErrors; tpgraph's own errors are others)
+        return None
+    m = _CUDA_ERROR_NAME.search(str(exc))
+    return m.group(1) if m and m.group(1) in UNAVAILABLE_CUDA_ERRORS else None
 
 
 def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
