@@ -71,3 +71,23 @@ def test_an_unexpected_custom_all_reduce_failure_on_one_rank_is_raised_on_every_
     assert mine == ("raised", type(error).__name__, str(error))
     assert theirs[0] == "raised" and theirs[1] == "PeerError"
     assert "rank 1" in theirs[2] and str(error) in theirs[2] and type(error).__name__ in theirs[2]
+
+
+@pytest.mark.parametrize("failing_call, error, env, named", [
+    ("ar_create", RuntimeError("CUDA error cudaErrorMemoryAllocation (out of memory) in `cudaMalloc(&ctx->workspace, "
+                               "ctx->layout.total_bytes())`"), None, "cudaErrorMemoryAllocation"),
+    ("ipc_get_handle", RuntimeError("CUDA error cudaErrorNotSupported (operation not supported) in "
+                                    "`cudaIpcGetMemHandle`"), None, "cudaErrorNotSupported"),
+    (None, None, {"NCCL_P2P_DISABLE": "1"}, "NCCL_P2P_DISABLE=1"),
+], ids=["no memory for the workspace", "IPC export refused", "P2P disabled on one rank"])
+def test_a_custom_all_reduce_refused_before_the_handle_exchange_on_one_rank_sends_every_rank_to_nccl(
+        failing_call, error, env, named):
+    """The steps of set-up that one rank takes alone before the ranks exchange their workspace handles (its gates,
+    allocating and exporting its workspace) raised on that rank alone: it went to the agreement while the others
+    waited in set-up's next exchange, which paired with it (the others took its verdict for a handle, then waited
+    for it in the next exchange, which it never made). Every rank now learns of it in an exchange of set-up's own
+    and falls back, the rank and the reason named."""
+    from tpgtest.workers import custom_setup_with_a_fake_extension
+
+    for outcome in run_ranks(custom_setup_with_a_fake_extension, 2, 1, failing_call, error, env, timeout_s=60):
+        assert outcome[:2] == ("fell back", False) and "rank 1" in outcome[2] and named in outcome[2], outcome

@@ -614,6 +614,69 @@ def custom_setup_failing_to_map_on(rank, world_size, init, failing_rank):
     return ar is not None, reason
 
 
+def custom_setup_with_a_fake_extension(rank, world_size, init, failing_rank, failing_call, error, env=None):
+    """The real CustomAllReduce set-up through _try_custom_allreduce on a CUDA-shaped state over gloo, with a fake
+    extension whose `failing_call` raises `error` on `failing_rank` alone (and `env` set there alone); returns
+    ("fell back", whether this rank got one, its reason) or ("raised", the exception's type name, its message)."""
+    import dataclasses
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    import tpgraph._ext
+    from tpgraph.comm import communicator, custom_ar
+
+    state = init_distributed("cpu", rank, world_size, init)
+
+    class Ext:
+        def device_properties(self, index):
+            return SimpleNamespace(sm_count=132, major=9, minor=0)
+
+        def ipc_get_handle(self, base):
+            return f"handle-{rank}".encode()
+
+        def ipc_open_handle(self, handle):
+            return 0x7F00_0000_0000
+
+        def __getattr__(self, name):  # (the rest: creating, filling, closing, destroying)
+            return lambda *args: 1
+
+        def __getattribute__(self, name):
+            if rank == failing_rank and name == failing_call:
+                def fail(*args):
+                    raise error
+                return fail
+            return object.__getattribute__(self, name)
+
+    def p2p_check(self, peers):  # its two exchanges (every write done; the writes lost: none), without CUDA's part
+        custom_ar.gather_objects(self.state, None)
+        custom_ar.gather_objects(self.state, [])
+
+    tpgraph._ext.extension_available = lambda: True
+    custom_ar.load_ext = Ext
+    custom_ar.CustomAllReduce._check_p2p_writes = p2p_check
+    custom_ar.CustomAllReduce._watch_timeouts = lambda self: None
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.synchronize = lambda device=None: None
+    for var in ("NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        os.environ.pop(var, None)
+    if rank == failing_rank:
+        os.environ.update(env or {})
+    config = custom_ar.CustomAllReduceConfig(channel_slot_elems=0)
+    try:
+        try:
+            ar, reason = communicator._try_custom_allreduce(
+                dataclasses.replace(state, device=torch.device("cuda", 0)), config)
+        except Exception as exc:  # the test inspects it
+            return "raised", type(exc).__name__, str(exc)
+        if ar is not None:
+            ar.close()
+        return "fell back", ar is not None, reason
+    finally:
+        destroy_distributed(state)
+
+
 def fail_detokenizers(max_tokens: int) -> None:
     """In this process only (a failure of this rank alone), a request asking for `max_tokens` tokens cannot have its
     detokenizer built."""

@@ -179,9 +179,17 @@ class CustomAllReduce:
         # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r); two PCIe
         # GPUs still gain from it, as vLLM also allows.
         group_devices = list(range(state.world_size))
-        for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
-            if reason:
-                raise AllReduceUnavailable(f"custom all-reduce disabled: {reason}")
+
+        def gates():
+            for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
+                if reason:
+                    raise AllReduceUnavailable(f"custom all-reduce disabled: {reason}")
+            return self.ext.device_properties(state.device.index)
+
+        # Every step a rank takes alone before an exchange is agreed on (run_on_all_ranks): one that raised on its
+        # rank alone (a gate of that rank's environment, no memory for its workspace) sent it to the caller's
+        # exchange while the others went on to set-up's next one, which paired with it.
+        props = run_on_all_ranks(state, gates, "custom all-reduce set-up (this rank's gates)")
         # memory CUDA IPC cannot export (VMM-backed, stream-ordered): graphs then stage their inputs
         backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else None
         unexportable = unexportable_allocator(backend=backend)
@@ -189,7 +197,6 @@ class CustomAllReduce:
         if not self.zero_copy and state.is_driver:
             logger.warning("%s: graph-captured all-reduces copy their input into the workspace (slower) instead of "
                            "zero-copy registration", unexportable)
-        props = self.ext.device_properties(state.device.index)
         self.num_sms = agree_on_devices(gather_objects(state, (props.sm_count, (props.major, props.minor))))
         ws = state.world_size
         table = load_table_for((props.major, props.minor))
@@ -200,10 +207,17 @@ class CustomAllReduce:
         slot_elems = cfg.channel_slot_elems
         channel_bytes = region_bytes(ws, slot_elems) if slot_elems else 0
         self.channel: Channel | None = None
-        self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl, channel_bytes)
+        self.ctx = 0
+
+        def create() -> bytes:
+            self.ctx = self.ext.ar_create(state.rank, ws, push, staging, cfg.pdl, channel_bytes)
+            return self.ext.ipc_get_handle(self.ext.ar_workspace(self.ctx))
+
         try:
+            handle = run_on_all_ranks(state, create,
+                                      "custom all-reduce set-up (allocating and exporting the workspace)")
             base = self.ext.ar_workspace(self.ctx)
-            handles = gather_objects(state, self.ext.ipc_get_handle(base))
+            handles = gather_objects(state, handle)
             # every rank has mapped every workspace before the first kernel, or every rank knows which could not (a
             # peer's workspace refused to map on one rank alone, raised there alone, paired the others' next exchanges
             # with its fallback's)
@@ -537,5 +551,6 @@ class CustomAllReduce:
         for h in self._opened:
             self.ext.ipc_close_handle(h)
         self._opened = []
-        self.ext.ar_destroy(self.ctx)
+        if self.ctx:  # (0: set-up failed before the context was made)
+            self.ext.ar_destroy(self.ctx)
         self.ctx = 0
