@@ -563,55 +563,12 @@ def custom_setup_raising_on(rank, world_size, init, failing_rank, error):
 
 
 def custom_setup_failing_to_map_on(rank, world_size, init, failing_rank):
-    """The real CustomAllReduce set-up through _try_custom_allreduce on a CUDA-shaped state over gloo, with a fake
-    extension whose ipc_open_handle (cudaIpcOpenMemHandle) fails on `failing_rank` alone, after the ranks exchanged
-    their workspace handles; returns (whether this rank got one, its reason)."""
-    import dataclasses
-    import os
-    from types import SimpleNamespace
-
-    import torch
-
-    import tpgraph._ext
-    from tpgraph.comm import communicator, custom_ar
-    from tpgraph.distributed import destroy_distributed, init_distributed
-
-    state = init_distributed("cpu", rank, world_size, init)
-
-    class Ext:
-        def device_properties(self, index):
-            return SimpleNamespace(sm_count=132, major=9, minor=0)
-
-        def ipc_get_handle(self, base):
-            return f"handle-{rank}".encode()
-
-        def ipc_open_handle(self, handle):
-            if rank == failing_rank:
-                raise RuntimeError("CUDA error cudaErrorPeerAccessUnsupported in `cudaIpcOpenMemHandle`")
-            return 0x7F00_0000_0000
-
-        def __getattr__(self, name):  # (the rest: creating, filling, closing, destroying)
-            return lambda *args: 1
-
-    def p2p_check(self, peers):  # its two exchanges (every write done; the writes lost: none), without CUDA's part
-        custom_ar.gather_objects(self.state, None)
-        custom_ar.gather_objects(self.state, [])
-
-    tpgraph._ext.extension_available = lambda: True
-    custom_ar.load_ext = Ext
-    custom_ar.CustomAllReduce._check_p2p_writes = p2p_check
-    custom_ar.CustomAllReduce._watch_timeouts = lambda self: None
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    torch.cuda.synchronize = lambda device=None: None
-    for var in ("NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        os.environ.pop(var, None)
-    config = custom_ar.CustomAllReduceConfig(channel_slot_elems=0)
-    try:
-        ar, reason = communicator._try_custom_allreduce(dataclasses.replace(state, device=torch.device("cuda", 0)),
-                                                        config)
-    finally:
-        destroy_distributed(state)
-    return ar is not None, reason
+    """custom_setup_with_a_fake_extension whose ipc_open_handle (cudaIpcOpenMemHandle) fails on `failing_rank` alone,
+    after the ranks exchanged their workspace handles; returns (whether this rank got one, its reason)."""
+    error = RuntimeError("CUDA error cudaErrorPeerAccessUnsupported in `cudaIpcOpenMemHandle`")
+    outcome = custom_setup_with_a_fake_extension(rank, world_size, init, failing_rank, "ipc_open_handle", error)
+    assert outcome[0] == "fell back", outcome
+    return outcome[1:]
 
 
 def custom_setup_with_a_fake_extension(rank, world_size, init, failing_rank, failing_call, error, env=None):
