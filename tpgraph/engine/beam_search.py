@@ -176,6 +176,16 @@ Candidates = dict[int, Logprob]
 Steps = Generator[list[list[int]], list[Candidates], list[BeamSearchOutput]]
 
 
+def check_width(beam_width: int, max_logprobs: int, width: str = "beam_width", asked_as: str = "",
+                holder: str = "engine") -> None:
+    """A RequestError where a search of `beam_width` cannot run under `max_logprobs`: each step asks 2 * beam_width
+    candidates. width, asked_as, holder: how the caller's users name the width, the request and the limit's owner."""
+    if 2 * beam_width > max_logprobs:
+        raise RequestError(f"{width} {beam_width} needs {2 * beam_width} log-probabilities a step{asked_as} "
+                           f"(2 * {width}), more than this {holder}'s max_logprobs {max_logprobs}: at most {width} "
+                           f"{max_logprobs // 2}")
+
+
 def step_params(params: BeamSearchParams) -> SamplingParams:
     """The request each live beam makes a step, as vLLM's: one token, at the search's temperature, with logprobs =
     2 * beam_width."""

@@ -43,7 +43,7 @@ from tpgraph.chat import (
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
-from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check_width, run_beam_search
 from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
@@ -395,10 +395,7 @@ class TPEngine:
         if not isinstance(params, BeamSearchParams):
             raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}")
         params.check()  # (again: a field may have been set since it was made)
-        if 2 * params.beam_width > self.config.max_logprobs:  # (each step asks 2 * beam_width candidates)
-            raise RequestError(f"beam_width {params.beam_width} needs {2 * params.beam_width} log-probabilities a "
-                               f"step (2 * beam_width), more than this engine's max_logprobs "
-                               f"{self.config.max_logprobs}: at most beam_width {self.config.max_logprobs // 2}")
+        check_width(params.beam_width, self.config.max_logprobs)
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
                 concurrency_limit, int) or concurrency_limit < 1):
             raise RequestError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}")

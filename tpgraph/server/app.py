@@ -25,7 +25,13 @@ from starlette.exceptions import HTTPException
 
 from tpgraph import __version__
 from tpgraph.chat import content_text
-from tpgraph.engine.beam_search import BeamSearchParams, BeamSearchSequence, Candidates, run_beam_search_async
+from tpgraph.engine.beam_search import (
+    BeamSearchParams,
+    BeamSearchSequence,
+    Candidates,
+    check_width,
+    run_beam_search_async,
+)
 from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
@@ -172,11 +178,7 @@ class Api:
         updates once its search ends: its sequences, best first, as samples 0, 1, ... (_beam_updates). params: the
         reply's (n the beam width, logprobs, skip_special_tokens), its seed and priority each step's too. decode:
         a sequence's text from its token ids. A client that goes away ends it with nothing yielded."""
-        most = self.client.limits.max_logprobs
-        if 2 * beam.beam_width > most:  # (each step asks 2 * beam_width candidates)
-            raise RequestError(f"n {beam.beam_width} needs {2 * beam.beam_width} log-probabilities a step with "
-                               f"use_beam_search (2 * n), more than this server's max_logprobs {most}: at most n "
-                               f"{most // 2}")
+        check_width(beam.beam_width, self.client.limits.max_logprobs, "n", " with use_beam_search", "server")
         # the whole search's limits, before any step: the prompt, max_tokens beside it, the steps' log-probabilities
         whole = SamplingParams(temperature=beam.temperature, max_tokens=beam.max_tokens,
                                logprobs=2 * beam.beam_width, seed=params.seed, priority=params.priority)
