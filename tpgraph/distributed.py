@@ -9,6 +9,7 @@ import datetime
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,7 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from tpgraph.errors import ConfigError, PeerError
+from tpgraph.errors import CommError, ConfigError, PeerError
 from tpgraph.kernels._settings import env_flag
 
 logger = logging.getLogger(__name__)
@@ -90,38 +91,19 @@ def init_distributed(
     control_timeout_s: rank 0's step messages get a gloo group of their own with this timeout, for ranks that wait in
     it for as long as rank 0 is idle (a dead or frozen peer is PeerWatch's to find, not the timeout's); every other
     collective keeps `timeout_s`. before_join: called once this rank's own checks pass, as it joins the rendezvous
-    (a started rank tells rank 0: followers.follower_main).
+    (a started rank tells rank 0: followers.follower_main); such a rank's failure before it is rank 0's to report.
+    The ranks meet at a start check before the process group is made (agree_to_start): a rank whose own checks here
+    failed tells the others, which raise a PeerError naming it instead of waiting in the rendezvous for it.
     """
-    rank = env_int("RANK") if rank is None else rank
-    world_size = env_int("WORLD_SIZE") if world_size is None else world_size
-    rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside world size {world_size}")
-    local_rank = env_int("LOCAL_RANK")
-    local_rank = rank if local_rank is None else local_rank
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    shared = device == "cuda" and world_size > 1 and shared_gpu()
-    local_world = env_int("LOCAL_WORLD_SIZE")
-    if shared and local_world is not None and local_world != world_size:
-        raise ConfigError(f"{SHARED_GPU_ENV}=1 puts every rank on one GPU of one host, but {world_size} ranks run "
-                          f"{local_world} to a host")
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' requested but no CUDA GPU is visible; use --device cpu")
-        index = 0 if shared else local_rank
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
-                f"Launch at most one process per GPU ({SHARED_GPU_ENV}=1 puts every rank on GPU 0, for tests)."
-            )
-        torch.cuda.set_device(index)
-        dev = torch.device("cuda", index)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise ConfigError(f"unknown device {device!r}; use 'cuda' or 'cpu'")
+    rank, world_size = _rank_and_world(rank, world_size)
+    try:
+        local_rank = env_int("LOCAL_RANK")
+        local_rank = rank if local_rank is None else local_rank
+        dev, shared = _this_ranks_device(device, world_size, local_rank)
+    except Exception as exc:
+        if before_join is None:
+            report_start_failure(exc, rank, world_size, init_method, timeout_s)
+        raise
 
     if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
         return ParallelState(0, 1, local_rank, dev, None, None)
@@ -146,19 +128,134 @@ def init_distributed(
                            SHARED_GPU_ENV, rank)
             for name, value in nccl_as_separate_hosts(rank).items():
                 os.environ.setdefault(name, value)  # (before NCCL reads its variables)
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method or "env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world_size > 1:  # (the rendezvous's store, made here so that the ranks meet in it before the group forms)
+            group = dict(store=agree_to_start(None, rank, world_size, init_method, timeout_s))
+        else:
+            group = dict(init_method=init_method or "env://")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None, **group)
     tp_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo") if dev.type == "cuda" else tp_group
     control = None if control_timeout_s is None else dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
     return ParallelState(rank, world_size, local_rank, dev, tp_group, cpu_group, control)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): as given, else from torchrun's RANK and WORLD_SIZE, else a world of one."""
+    rank = env_int("RANK") if rank is None else rank
+    world_size = env_int("WORLD_SIZE") if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+def _this_ranks_device(device: str | None, world_size: int, local_rank: int) -> tuple[torch.device, bool]:
+    """(this rank's device, whether every rank shares GPU 0), made current: the checks of init_distributed that a rank
+    may fail alone (no GPU for it)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    shared = device == "cuda" and world_size > 1 and shared_gpu()
+    local_world = env_int("LOCAL_WORLD_SIZE")
+    if shared and local_world is not None and local_world != world_size:
+        raise ConfigError(f"{SHARED_GPU_ENV}=1 puts every rank on one GPU of one host, but {world_size} ranks run "
+                          f"{local_world} to a host")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but no CUDA GPU is visible; use --device cpu")
+        index = 0 if shared else local_rank
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
+                f"Launch at most one process per GPU ({SHARED_GPU_ENV}=1 puts every rank on GPU 0, for tests)."
+            )
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), shared
+    if device == "cpu":
+        return torch.device("cpu"), shared
+    raise ConfigError(f"unknown device {device!r}; use 'cuda' or 'cpu'")
+
+
+# The start check: before the process group forms, every rank posts "ok" or its error in the rendezvous's store, and
+# waits for the others' posts. A rank whose start failed (a check of its own host or settings) would otherwise leave
+# the others waiting for it in the rendezvous for its whole timeout; now they raise at once, naming it and its error.
+# The last rank done with the posts deletes them, for the next start in a store that stays (torchrun's agent's).
+START_PREFIX = "tpgraph/start"
+START_POLL_S = 0.05
+# Rank 0 hosts the store (tcp:// and env:// outside torchrun): where a start fails, it stays until the others have read
+# the posts, this long at most (they arrive within seconds: every rank runs the same checks)
+START_LINGER_S = 30.0
+
+
+def report_start_failure(error: BaseException, rank: int | None = None, world_size: int | None = None,
+                         init_method: str | None = None, timeout_s: float = 600.0) -> None:
+    """Tell the other ranks, waiting for this one in the rendezvous (init_distributed), that its start failed with
+    `error` (the caller then raises it). Nothing where this rank has no peers, or belongs to a process group made
+    before; a failure to reach them is logged, never raised over `error`."""
+    try:
+        rank, world_size = _rank_and_world(rank, world_size)
+    except ConfigError:
+        return
+    if world_size == 1 or dist.is_initialized():
+        return
+    try:  # (not the whole timeout where the store's host never comes: this rank's own error waits meanwhile)
+        agree_to_start(error, rank, world_size, init_method, min(timeout_s, START_LINGER_S))
+    except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+        logger.warning("rank %d could not tell the other ranks that its start failed: %s", rank, exc)
+
+
+def agree_to_start(error: BaseException | None, rank: int, world_size: int, init_method: str | None,
+                   timeout_s: float) -> dist.Store:
+    """Join the rendezvous's store and post this rank's start: "ok" (error None) or its error. With "ok", wait for every
+    other rank's post and return the store for the process group (under init_process_group's own prefix), or raise a
+    PeerError naming the first failed rank (CommError where a rank has posted nothing within timeout_s: it died, or
+    hangs). With an error, return once posted. Where a start fails, rank 0 (which may host the store) returns or raises
+    once the others have read the posts."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix = f"{START_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.set(keys[rank], "ok" if error is None else f"{type(error).__name__}: {error}")
+
+    def done() -> None:  # (the last rank done deletes the posts)
+        if store.add(f"{prefix}/done", 1) == world_size:
+            for k in (*keys, f"{prefix}/done"):
+                store.delete_key(k)
+
+    def linger() -> None:  # (a start that fails: rank 0 may host the store, read by the others until they are done)
+        deadline = time.monotonic() + min(START_LINGER_S, timeout_s)
+        while (rank == 0 and store.check([keys[0]]) and store.add(f"{prefix}/done", 0) < world_size
+               and time.monotonic() < deadline):
+            time.sleep(START_POLL_S)
+
+    if error is not None:
+        done()
+        linger()
+        return store
+    waiting, deadline = [r for r in range(world_size) if r != rank], time.monotonic() + timeout_s
+    started = False
+    try:
+        while waiting:
+            for r in [r for r in waiting if store.check([keys[r]])]:
+                said = store.get(keys[r]).decode()
+                if said != "ok":
+                    raise PeerError(f"rank {r} failed to start: {said}", r, *said.split(": ", 1))
+                waiting.remove(r)
+            if waiting and time.monotonic() > deadline:
+                raise CommError(f"rank(s) {waiting} did not reach the start of the process group within "
+                                f"{timeout_s:.0f} s (died, or hung, before joining)")
+            if waiting:
+                time.sleep(START_POLL_S)
+        started = True
+    finally:
+        done()
+        if not started:
+            linger()
+    # (as init_process_group keeps the store it makes: its keys apart from anyone else's in the store)
+    return dist.PrefixStore("default_pg", store)
 
 
 def destroy_distributed(state: ParallelState) -> None:

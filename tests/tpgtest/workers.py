@@ -1092,3 +1092,24 @@ def service_precompile(rank, world_size, init, prompt, params, engine_kw, wait_s
         finished = done.wait(wait_s)
         service.shutdown()
         return {"threads": threads, "text": "".join(text), "finished": finished}
+
+
+def engine_start_failing_on(rank, world_size, init, failing_rank, how, init_method=None):
+    """TPEngine(tp_size=world_size) on every rank over gloo, `failing_rank` alone failing at its start: before it joins
+    the process group ("config": a max_model_len past the model's; "device": a CUDA device asked for where none is).
+    `init_method`: instead of the file rendezvous run_ranks gives. Returns (the error's type name, its message, the
+    seconds this rank took to raise it), or None where the engine started."""
+    import time
+
+    from tpgraph import TPEngine
+
+    kw = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=32, block_size=4)
+    if rank == failing_rank:
+        kw.update({"config": {"max_model_len": 10**7}, "device": {"device": "cuda"}}[how])
+    start = time.monotonic()
+    try:
+        with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init_method or init), **kw):
+            return None
+    except Exception as exc:  # the test inspects it
+        return type(exc).__name__, str(exc), time.monotonic() - start
+

@@ -81,6 +81,9 @@ def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_setting
     monkeypatch.setattr(td.dist, "init_process_group", lambda **kw: seen.update(
         nccl={k: os.environ.get(k) for k in ("NCCL_HOSTID", "NCCL_NET", "NCCL_SOCKET_IFNAME")}, **kw))
     monkeypatch.setattr(td.dist, "new_group", lambda **kw: "cpu group")
+    # (the ranks' start check before the group forms, and a failed start's report to the others: no peers here)
+    monkeypatch.setattr(td, "agree_to_start", lambda *args: td.dist.HashStore())
+    monkeypatch.setattr(td, "report_start_failure", lambda error, *args: seen.setdefault("reported", []).append(error))
     for name in ("NCCL_HOSTID", "NCCL_NET", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
     os.environ.update({"NCCL_SOCKET_IFNAME": "eth7", td.SHARED_GPU_ENV: "1"})  # the user's own NCCL setting stays
@@ -89,6 +92,7 @@ def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_setting
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0)
     assert seen["nccl"] == {"NCCL_HOSTID": "tpgraph-shared-gpu-rank1", "NCCL_NET": "Socket",
                             "NCCL_SOCKET_IFNAME": "eth7"}
+    assert "reported" not in seen
     # without the switch, rank 1 needs a second GPU
     os.environ[td.SHARED_GPU_ENV] = "0"
     with pytest.raises(ConfigError, match="local rank 1 has no GPU: only 1 visible.*TPGRAPH_SHARED_GPU=1"):
@@ -97,6 +101,7 @@ def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_setting
     os.environ.update({td.SHARED_GPU_ENV: "1", "LOCAL_WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="one GPU of one host, but 4 ranks run 2 to a host"):
         td.init_distributed("cuda", rank=1, world_size=4, init_method="file:///nowhere")
+    assert [type(e).__name__ for e in seen["reported"]] == ["ConfigError", "ConfigError"]  # (told to the others)
 
 
 def test_only_cuda_errors_of_the_machine_count_as_the_custom_all_reduce_being_unavailable():

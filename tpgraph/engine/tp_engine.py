@@ -42,7 +42,13 @@ from tpgraph.chat import (
 )
 from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
-from tpgraph.distributed import ParallelState, destroy_distributed, gather_objects, init_distributed
+from tpgraph.distributed import (
+    ParallelState,
+    destroy_distributed,
+    gather_objects,
+    init_distributed,
+    report_start_failure,
+)
 from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check_width, run_beam_search
 from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
@@ -180,35 +186,15 @@ class TPEngine:
         vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
         torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py), told as it joins the
         process group (it tells rank 0, which waits for that)."""
-        model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
-        self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
-        # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
-        model_cfg = ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL
-        model_cfg.check_tp(tp_size)
-        if cfg.max_model_len is not None:  # (the runner refuses it too, but once every rank has loaded the weights)
-            model_cfg.check_max_model_len(cfg.max_model_len)
-        # the tokenizer, the chat template and the request defaults (--generation-config, its overrides) are files
-        # and values: read and checked now too, not found broken after the weights load on every rank
-        self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
-                                                                  cfg.override_generation_config)
-        # (vLLM's --tokenizer: the tokenizer, its special tokens and its chat template come from that directory)
-        tokenizer_dir = cfg.model if cfg.tokenizer is None else cfg.tokenizer
-        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.vocab_size)
-        if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > model_cfg.vocab_size:
-            logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's are "
-                           "refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), model_cfg.vocab_size)
-        special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
-            tokenizer_config(tokenizer_dir))
-        # the tokenizer's EOS ends a generation too, as vLLM's (its model EOS), beside config.json's and
-        # generation_config's, which it reads as stop tokens
-        main_eos = self.tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
-        eos_ids = tuple(dict.fromkeys(((main_eos,) if main_eos is not None else ()) + model_cfg.eos_token_id
-                                      + self.generation_defaults.eos_token_ids))
-        eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
-        self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
-            ChatTemplate.from_option(cfg.chat_template, special)
-        self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
-                                   str(cfg.model or "the built-in model"), eos_ids, special)
+        try:
+            model, tp_size, kwargs, model_cfg, main_eos, eos_ids = self._read_settings(model, tp_size, kwargs)
+        except Exception as exc:
+            # the other ranks may wait for this one in the rendezvous already: they hear of it (init_distributed's
+            # start check) and stop now, naming it. (A rank this class started tells rank 0 through its pipe.)
+            if follower is None:
+                report_start_failure(exc, *(dist_init or (None, None, None)))
+            raise
+        cfg = self.config
         self._followers: list = []  # ranks this process started (plain process, tp_size > 1)
         self._user_threads: int | None = None  # (CPU ranks started) this process's torch threads before they were
         if dist_init is None and "WORLD_SIZE" not in os.environ and tp_size > 1:
@@ -289,6 +275,41 @@ class TPEngine:
         # next TPEngine(tp_size=N) joins the stale group and hangs)
         self._dropped = weakref.finalize(self, _release_dropped, self.peer_watch, self.state, self._followers,
                                          self._user_threads) if self._followers else None
+
+    def _read_settings(self, model: str | Path | None, tp_size: int, kwargs: dict[str, Any]) -> tuple:
+        """Settings, checkpoint config, tokenizer, chat template and request defaults, read and checked before this
+        rank joins the others: (model, tp_size, kwargs as EngineConfig takes them, the model's config, the tokenizer's
+        EOS id, every EOS id)."""
+        model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
+        self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
+        # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
+        model_cfg = ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL
+        model_cfg.check_tp(tp_size)
+        if cfg.max_model_len is not None:  # (the runner refuses it too, but once every rank has loaded the weights)
+            model_cfg.check_max_model_len(cfg.max_model_len)
+        # the tokenizer, the chat template and the request defaults (--generation-config, its overrides) are files
+        # and values: read and checked now too, not found broken after the weights load on every rank
+        self.generation_defaults = GenerationDefaults.from_option(cfg.generation_config, model,
+                                                                  cfg.override_generation_config)
+        # (vLLM's --tokenizer: the tokenizer, its special tokens and its chat template come from that directory)
+        tokenizer_dir = cfg.model if cfg.tokenizer is None else cfg.tokenizer
+        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.vocab_size)
+        if cfg.tokenizer is not None and self.tokenizer.get_vocab_size() > model_cfg.vocab_size:
+            logger.warning("the tokenizer in %s has %d tokens, the model %d: prompts holding ids past the model's are "
+                           "refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), model_cfg.vocab_size)
+        special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
+            tokenizer_config(tokenizer_dir))
+        # the tokenizer's EOS ends a generation too, as vLLM's (its model EOS), beside config.json's and
+        # generation_config's, which it reads as stop tokens
+        main_eos = self.tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        eos_ids = tuple(dict.fromkeys(((main_eos,) if main_eos is not None else ()) + model_cfg.eos_token_id
+                                      + self.generation_defaults.eos_token_ids))
+        eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
+        self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
+            ChatTemplate.from_option(cfg.chat_template, special)
+        self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
+                                   str(cfg.model or "the built-in model"), eos_ids, special)
+        return model, tp_size, kwargs, model_cfg, main_eos, eos_ids
 
     # ---- generation ------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
