@@ -209,7 +209,7 @@ def report_start_failure(error: BaseException, rank: int | None = None, world_si
 def agree_to_start(error: BaseException | None, rank: int, world_size: int, init_method: str | None,
                    timeout_s: float) -> dist.Store:
     """Join the rendezvous's store and post this rank's start: "ok" (error None) or its error. With "ok", wait for every
-    other rank's post and return the store for the process group (under init_process_group's own prefix), or raise a
+    other rank's post and return the store for the process group (under a prefix of this start's own), or raise a
     PeerError naming the first failed rank (CommError where a rank has posted nothing within timeout_s: it died, or
     hangs). With an error, return once posted. Where a start fails, rank 0 (which may host the store) returns or raises
     once the others have read the posts."""
@@ -218,12 +218,15 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
     store.set_timeout(timeout)
     prefix = f"{START_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
+    # this start's number in the store, the same on every rank (read before any rank can be done with this start)
+    start = store.add(f"{prefix}/starts", 0)
     store.set(keys[rank], "ok" if error is None else f"{type(error).__name__}: {error}")
 
-    def done() -> None:  # (the last rank done deletes the posts)
+    def done() -> None:  # (the last rank done deletes the posts and numbers the next start)
         if store.add(f"{prefix}/done", 1) == world_size:
             for k in (*keys, f"{prefix}/done"):
                 store.delete_key(k)
+            store.add(f"{prefix}/starts", 1)
 
     def linger() -> None:  # (a start that fails: rank 0 may host the store, read by the others until they are done)
         deadline = time.monotonic() + min(START_LINGER_S, timeout_s)
@@ -254,8 +257,9 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
         done()
         if not started:
             linger()
-    # (as init_process_group keeps the store it makes: its keys apart from anyone else's in the store)
-    return dist.PrefixStore("default_pg", store)
+    # The process group's keys apart from an earlier start's in a store that stays (torchrun's agent's): gloo read a
+    # peer's address from the last process group there before the peer wrote its new one, and waited on it for good.
+    return dist.PrefixStore(f"default_pg/{prefix}/{start}", store)
 
 
 def destroy_distributed(state: ParallelState) -> None:

@@ -1113,3 +1113,20 @@ def engine_start_failing_on(rank, world_size, init, failing_rank, how, init_meth
     except Exception as exc:  # the test inspects it
         return type(exc).__name__, str(exc), time.monotonic() - start
 
+
+def process_groups_in_a_kept_store(rank, world_size, init, port, rounds):
+    """`rounds` process groups one after another, each joined through env:// in a store that outlives them (hosted by
+    the test at `port`, as torchrun's agent hosts one for its workers), each checked with a gather; returns the rounds
+    that gathered every rank."""
+    import os
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    whole = 0
+    for _ in range(rounds):
+        state = init_distributed("cpu")
+        try:
+            whole += gather_objects(state, rank) == list(range(world_size))
+        finally:
+            destroy_distributed(state)
+    return whole
