@@ -262,6 +262,42 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
     return dist.PrefixStore(f"default_pg/{prefix}/{start}", store)
 
 
+# After the process group formed, a rank whose start failed leaves its error in the group's store: the others meet its
+# absence in their next collective as a lost connection (gloo's "Connection closed by peer"), not its reason.
+START_FAILED = "tpgraph/start-failed"
+
+
+def _group_store(state: ParallelState):
+    return dist.distributed_c10d._get_default_store() if state.world_size > 1 and dist.is_initialized() else None
+
+
+def post_start_failure(state: ParallelState, error: BaseException) -> None:
+    """Leave this rank's start failure in the process group's store, for peer_start_failure on the others (before the
+    group is destroyed). Not a PeerError (a peer's failure, which that peer posts itself); nothing raised."""
+    if isinstance(error, PeerError):
+        return
+    try:
+        store = _group_store(state)
+        if store is not None:
+            store.set(f"{START_FAILED}/{state.rank}", f"{type(error).__name__}: {error}")
+    except Exception as exc:  # noqa: BLE001 - this rank's own error is the one to raise
+        logger.warning("rank %d could not leave its start failure for the other ranks: %s", state.rank, exc)
+
+
+def peer_start_failure(state: ParallelState) -> PeerError | None:
+    """A PeerError for the first other rank whose start failure is in the process group's store (post_start_failure),
+    else None (none there, or the store gone with its host)."""
+    try:
+        store = _group_store(state)
+        for r in range(state.world_size if store is not None else 0):
+            if r != state.rank and store.check([f"{START_FAILED}/{r}"]):
+                said = store.get(f"{START_FAILED}/{r}").decode()
+                return PeerError(f"rank {r} failed to start: {said}", r, *said.split(": ", 1))
+    except Exception:  # noqa: BLE001 - (the store's host is gone): this rank raises the error it met
+        return None
+    return None
+
+
 def destroy_distributed(state: ParallelState) -> None:
     # (a world of one has a process group too where it was joined through one: an init method, or MASTER_ADDR)
     if state.tp_group is not None and dist.is_initialized():

@@ -4,7 +4,7 @@ stop at once with its reason, instead of waiting out the rendezvous's timeout (6
 
 import pytest
 from tpgtest.spawn import run_ranks
-from tpgtest.workers import engine_start_failing_on, process_groups_in_a_kept_store
+from tpgtest.workers import engine_failing_after_joining_on, engine_start_failing_on, process_groups_in_a_kept_store
 
 from tpgraph.engine.followers import free_tcp_init
 
@@ -27,6 +27,19 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_others_with_its_reason(f
         if rank != failing_rank:
             assert kind == "PeerError" and f"rank {failing_rank}" in message and own[1] in message, message
             assert seconds < PROMPT_S
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_rank_failing_after_the_process_group_formed_stops_the_others_with_its_reason(failing_rank):
+    """Once the group has formed, the others meet the failed rank's absence in their next collective (gloo: the
+    connection closed by the peer, at once) and raised that, with nothing of the failed rank's reason: it now leaves
+    its error in the group's store before it leaves, and they raise it, naming the rank."""
+    outcomes = run_ranks(engine_failing_after_joining_on, 2, failing_rank, timeout_s=90)
+    own = outcomes[failing_rank]
+    assert own[0] == "ConfigError" and "KV cache cannot be sized" in own[1]
+    kind, message, seconds = outcomes[1 - failing_rank]
+    assert kind == "PeerError" and f"rank {failing_rank}" in message and own[1] in message, message
+    assert seconds < 60.0
 
 
 def test_process_groups_one_after_another_in_a_store_that_stays_each_form():

@@ -1130,3 +1130,26 @@ def process_groups_in_a_kept_store(rank, world_size, init, port, rounds):
         finally:
             destroy_distributed(state)
     return whole
+
+
+def engine_failing_after_joining_on(rank, world_size, init, failing_rank):
+    """TPEngine(tp_size=world_size) on every rank over gloo, `failing_rank` alone failing once the process group has
+    formed (sizing its KV cache, while the others wait for it in a collective). Returns (the error's type name, its
+    message, the seconds this rank took to raise it), or None where the engine started."""
+    import time
+
+    from tpgraph import TPEngine
+    from tpgraph.engine import runner
+    from tpgraph.errors import ConfigError
+
+    if rank == failing_rank:
+        def refuse(self):
+            raise ConfigError(f"rank {rank}'s KV cache cannot be sized")
+        runner.ModelRunner._size_kv_cache = refuse
+    start = time.monotonic()
+    try:
+        with TPEngine(tp_size=world_size, dist_init=(rank, world_size, init), device="cpu", max_num_seqs=4,
+                      max_model_len=64, num_kv_blocks=32, block_size=4):
+            return None
+    except Exception as exc:  # the test inspects it
+        return type(exc).__name__, str(exc), time.monotonic() - start

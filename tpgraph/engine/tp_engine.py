@@ -47,6 +47,8 @@ from tpgraph.distributed import (
     destroy_distributed,
     gather_objects,
     init_distributed,
+    peer_start_failure,
+    post_start_failure,
     report_start_failure,
 )
 from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check_width, run_beam_search
@@ -61,7 +63,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
-from tpgraph.errors import ConfigError, RequestError
+from tpgraph.errors import ConfigError, RequestError, TPGraphError
 from tpgraph.model.loader import load_model
 from tpgraph.prompts import (
     EngineTokenizer,
@@ -258,11 +260,20 @@ class TPEngine:
                 eos_ids=eos_ids, tokenizer=self.tokenizer, seed=cfg.seed, overlap=cfg.overlap_scheduling,
                 max_logprobs=cfg.max_logprobs, main_eos=main_eos if main_eos in eos_ids else None)
         except BaseException as exc:
+            # a peer's failure met here as the connection it closed (no error of tpgraph's: those are this rank's own,
+            # or agreed ones that name the rank) is raised as that failure, with its reason; this rank's own is left
+            # for the others to raise alike
+            lost = isinstance(exc, Exception) and not isinstance(exc, TPGraphError)
+            cause = peer_start_failure(self.state) if lost else None
+            if cause is None and isinstance(exc, Exception):
+                post_start_failure(self.state, exc)
             destroy_distributed(self.state)
             # a failure every rank meets (a bad checkpoint) ends the started ranks by themselves: they get time to; a
             # Ctrl-C is this rank's alone (they ignore SIGINT), and they would wait in a collective it left for good
             self._stop_followers(timeout_s=30.0 if isinstance(exc, Exception) else 0.0)
             self._restore_threads()
+            if cause is not None:
+                raise cause from exc
             raise
         self.peer_watch = PeerWatch(self.state)  # a dead or frozen rank ends every rank, named
         self.peer_watch.start()
