@@ -7,7 +7,7 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2]
+#        [shared-tp2] [shared-engine]
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -63,6 +63,10 @@ for step in "$@"; do
              --allreduce custom+gemv,custom+gemv+push,custom+gemv+push+late --profile --steps 20 \
              --out "$out/profile_push.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -60 | tee "$out/profile_push.log" ;;
+    shared-engine) # TPEngine at TP=2 on ONE GPU (TPGRAPH_SHARED_GPU=1): started ranks and torchrun's, two starts in
+         # one process each, the custom all-reduce set up, TP=1's tokens (tests/gpu/test_engine_tp_gpu.py)
+         TPGRAPH_SHARED_GPU=1 timeout 560 python3 -m pytest tests/gpu/test_engine_tp_gpu.py -q -rfEs --durations=5 2>&1 \
+             | tail -40 | tee "$out/shared_engine.log" ;;
     shared-ar|shared-tp2) # TP=2 on ONE GPU (TPGRAPH_SHARED_GPU=1: both ranks on GPU 0, tpgraph.distributed.shared_gpu),
          # for correctness only: the ranks' contexts take the GPU in turns, so nothing here is a timing. Two steps, a
          # call each (their limits add to 460 and 450 s). shared-ar: CUDA IPC between the ranks and the custom
