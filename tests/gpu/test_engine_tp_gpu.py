@@ -38,8 +38,8 @@ if __name__ == "__main__":
     print("tp2 == tp1:", first == one, "again:", second == one, flush=True)
 """
 TORCHRUN = COMMON + """
-first, custom, reason = run()
-second, custom2, _ = run()
+first, custom, reason = run(tp_size=2)
+second, custom2, _ = run(tp_size=2)
 print("custom:", custom, custom2, reason, flush=True)
 print("ids:", first, flush=True)
 print("again:", first == second, flush=True)
