@@ -68,11 +68,14 @@ def shared_gpu() -> bool:
     return env_flag(SHARED_GPU_ENV)
 
 
+SHARED_HOSTID_PREFIX = "tpgraph-shared-gpu-rank"
+
+
 def nccl_as_separate_hosts(rank: int) -> dict[str, str]:
     """The NCCL settings (set where the environment has none) for ranks that share a GPU: NCCL refuses two ranks on
     one device of one host ("Duplicate GPU detected"), so each rank gets its own host id and the ranks talk over
     NCCL's socket transport on the loopback interface."""
-    return {"NCCL_HOSTID": f"tpgraph-shared-gpu-rank{rank}", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+    return {"NCCL_HOSTID": f"{SHARED_HOSTID_PREFIX}{rank}", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 def init_distributed(
@@ -126,8 +129,12 @@ def init_distributed(
         if shared:
             logger.warning("%s=1: rank %d shares GPU 0 with every other rank (a functional stand-in, never timed)",
                            SHARED_GPU_ENV, rank)
-            for name, value in nccl_as_separate_hosts(rank).items():
-                os.environ.setdefault(name, value)  # (before NCCL reads its variables)
+            for name, value in nccl_as_separate_hosts(rank).items():  # (before NCCL reads its variables)
+                # where unset, or set by tpgraph for the rank whose process started this one (TPEngine's followers
+                # inherit rank 0's environment, host id included, from its earlier starts)
+                current = os.environ.get(name)
+                if current is None or current.startswith(SHARED_HOSTID_PREFIX):
+                    os.environ[name] = value
         timeout = datetime.timedelta(seconds=timeout_s)
         if world_size > 1:  # (the rendezvous's store, made here so that the ranks meet in it before the group forms)
             group = dict(store=agree_to_start(None, rank, world_size, init_method, timeout_s))

@@ -93,6 +93,14 @@ def test_shared_gpu_puts_every_rank_on_device_0_and_keeps_the_users_nccl_setting
     assert seen["nccl"] == {"NCCL_HOSTID": "tpgraph-shared-gpu-rank1", "NCCL_NET": "Socket",
                             "NCCL_SOCKET_IFNAME": "eth7"}
     assert "reported" not in seen
+    # a rank started by another rank's process (TPEngine's followers) inherits that rank's host id, which tpgraph set
+    # at its own start: it takes its own (else a second start's NCCL finds both ranks on one host's GPU 0)
+    os.environ["NCCL_HOSTID"] = "tpgraph-shared-gpu-rank0"
+    td.init_distributed("cuda", rank=1, world_size=2, init_method="file:///nowhere")
+    assert seen["nccl"]["NCCL_HOSTID"] == "tpgraph-shared-gpu-rank1"
+    os.environ["NCCL_HOSTID"] = "users-own"  # (the user's own stays)
+    td.init_distributed("cuda", rank=1, world_size=2, init_method="file:///nowhere")
+    assert seen["nccl"]["NCCL_HOSTID"] == "users-own"
     # without the switch, rank 1 needs a second GPU
     os.environ[td.SHARED_GPU_ENV] = "0"
     with pytest.raises(ConfigError, match="local rank 1 has no GPU: only 1 visible.*TPGRAPH_SHARED_GPU=1"):
