@@ -274,7 +274,8 @@ def test_beam_search_params_are_vllms_to_beam_search_params():
     for body in ({"model": "m", "prompt": "x"}, CHAT):
         kind = CompletionRequest if "prompt" in body else ChatRequest
         r = kind.model_validate({**body, "use_beam_search": True, "n": 3, "length_penalty": 0.5, "ignore_eos": True,
-                                 "include_stop_str_in_output": True, "top_p": 1, "stop": [], "seed": 4})
+                                 "include_stop_str_in_output": True, "top_p": 1, "stop": [], "seed": 4,
+                                 "top_k": -1})  # (-1 turns top_k off, as 0 does: vLLM's and SamplingParams')
         assert r.beam_search_params(7, None) == BeamSearchParams(
             beam_width=3, max_tokens=7, ignore_eos=True, temperature=1.0, length_penalty=0.5,
             include_stop_str_in_output=True)

@@ -88,9 +88,10 @@ class StreamOptions(NullMeansDefault):
 
 # the fields a beam search leaves unused, each with the values that ask nothing of it (null too): vLLM's beam search
 # takes n, max_tokens, temperature, length_penalty, ignore_eos and include_stop_str_in_output alone, and ignores these;
-# here they are refused, as the server refuses what it would not honour
+# here they are refused, as the server refuses what it would not honour (top_k -1 turns it off as 0 does: vLLM's
+# other neutral value, which SamplingParams takes too)
 BEAM_SEARCH_UNUSED: dict[str, tuple] = {
-    "top_p": (1.0,), "top_k": (0,), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,), "stop": ("", []), "stop_token_ids": ([],), "min_tokens": (0,), "logit_bias": ({},),
     "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "spaces_between_special_tokens": (True,)}
 
