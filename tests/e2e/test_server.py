@@ -438,8 +438,8 @@ def test_sixteen_concurrent_requests_equal_tp_engine(server, local_engine):
 def test_beam_search_at_tp2_finds_tp_engines_beams(server, local_engine):
     """use_beam_search on a TP=2 server: each step's beams are ordinary one-token requests, which rank 0 sends its
     follower as any other, so both endpoints return TPEngine.beam_search's sequences (best first, as vLLM's: the
-    generated tokens, the EOS only with include_stop_str_in_output); a stream of completions is refused, as vLLM's
-    server refuses it, and the server serves on."""
+    generated tokens, the EOS only with include_stop_str_in_output); a stream of completions is the whole reply as one
+    event, as vLLM's server sends it, and the server serves on."""
     from tpgraph import BeamSearchParams, SamplingParams
 
     def generated(seq, prompt_len):
@@ -461,8 +461,11 @@ def test_beam_search_at_tp2_finds_tp_engines_beams(server, local_engine):
     (out,) = local_engine.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=6))
     assert [c["token_ids"] for c in chat.json()["choices"]] == [generated(s, len(ids)) for s in out.sequences]
 
-    refused = server.post("/v1/completions", {**search, "prompt": "a", "stream": True})
-    assert refused.status_code == 400 and "stream is not supported with use_beam_search" in refused.text
+    streamed = server.post("/v1/completions", {**search, "prompt": PROMPTS[:2], "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    (event,) = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+                if line.startswith("data: {")]
+    assert [c["token_ids"] for c in event["choices"]] == want and streamed.text.endswith("data: [DONE]\n\n")
     greedy_ids = local_engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
     assert served_greedy(server, PROMPTS[:1], 4) == [greedy_ids.token_ids]
 

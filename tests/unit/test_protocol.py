@@ -318,8 +318,8 @@ def test_what_a_beam_search_would_not_honour_is_refused(fields, message):
 
 
 def test_a_beam_searchs_logprobs_stream_and_echo():
-    """Each token's alternatives are its step's 2 * n candidates; a completion's search neither streams (as vLLM's
-    server refuses it) nor returns an echo's log-probabilities; a chat's streams."""
+    """Each token's alternatives are its step's 2 * n candidates; a completion's search returns no echo's
+    log-probabilities; both endpoints take stream (a completion's is the whole reply as one event, as vLLM's)."""
     search = {"model": "m", "prompt": "x", "use_beam_search": True, "n": 2}
     assert CompletionRequest.model_validate(search).beam_search_params(4, 4).beam_width == 2
     with pytest.raises(RequestError, match=r"logprobs 5 is more than use_beam_search returns: .* 2 \* n = 4"):
@@ -327,8 +327,7 @@ def test_a_beam_searchs_logprobs_stream_and_echo():
     with pytest.raises(RequestError, match=r"top_logprobs 5 is more than use_beam_search returns"):
         ChatRequest.model_validate({**CHAT, "use_beam_search": True, "n": 2}).beam_search_params(
             4, 5, logprobs_name="top_logprobs")
-    with pytest.raises(RequestError, match=r"stream is not supported with use_beam_search \(as vLLM's server"):
-        CompletionRequest.model_validate({**search, "stream": True}).beam_search_params(4, None)
+    CompletionRequest.model_validate({**search, "stream": True}).beam_search_params(4, None)
     with pytest.raises(RequestError, match="echo with logprobs is not supported with use_beam_search"):
         CompletionRequest.model_validate({**search, "echo": True}).beam_search_params(4, 0)
     CompletionRequest.model_validate({**search, "echo": True}).beam_search_params(4, None)

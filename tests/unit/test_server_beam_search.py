@@ -181,8 +181,24 @@ def test_chat_finds_tp_engines_beams_whole_or_streamed(served, reference):
     assert events[-1]["usage"] == body["usage"]
 
 
+def test_a_streamed_completions_search_is_its_whole_reply_as_one_event(served):
+    """stream: true with use_beam_search is taken, as vLLM's server takes it: the search's beams are ranked only once
+    it ends, so the stream is one event, the whole reply (usage included), then [DONE]."""
+    fields = dict(prompt=PROMPTS, n=2, max_tokens=4, echo=True)
+    whole = completion(served, **fields)
+    assert whole.status_code == 200, whole.text
+    r = completion(served, **fields, stream=True, stream_options={"include_usage": True})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("data: [DONE]\n\n")
+    (event,) = sse_events(r.text)
+    want = whole.json()
+    assert {k: v for k, v in event.items() if k not in ("id", "created")} == \
+        {k: v for k, v in want.items() if k not in ("id", "created")}
+    assert event["object"] == "text_completion" and event["id"].startswith("cmpl-")
+
+
 @pytest.mark.parametrize("path, fields, status, needle", [
-    ("/v1/completions", {"stream": True}, 400, "stream is not supported with use_beam_search"),
     ("/v1/completions", {"top_p": 0.5}, 400, "top_p is not used by a beam search"),
     ("/v1/completions", {"stop": ["a"]}, 400, "stop is not used by a beam search"),
     ("/v1/completions", {"n": 11}, 400, "n 11 needs 22 log-probabilities a step with use_beam_search (2 * n), "

@@ -509,7 +509,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                           prompts.generation_defaults.sampling,
                                           prompt_logprobs=body.logprobs if body.echo else None)
         rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
-        choices = [Choice(i, keeps_text=not body.stream) for i in range(len(token_ids) * params.n)]
+        # (a search streams nothing as it goes, as vLLM's: its beams are ranked only once it ends; a stream of it is
+        # the whole reply, one event)
+        streamed = body.stream and beam is None
+        choices = [Choice(i, keeps_text=not streamed) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params, texts) if beam is None else \
             api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts)
         first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
@@ -566,13 +569,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         # each choice's prompt_logprobs field: its own count, else (as vLLM's) an echo's logprobs
         prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
-        if not body.stream:
+        if not streamed:
             try:
                 async for i, u in _chain(first, stream):
                     apply(i, u)
             finally:  # (its requests end with the reply, also where folding an update raised)
                 await stream.aclose()
-            return JSONResponse({
+            reply = {
                 "id": rid, "object": "text_completion", "created": created, "model": model_name,
                 # (numbered as returned: a search may find fewer than n sequences, as vLLM's)
                 "choices": [{"index": k, "text": c.text, "logprobs": choice_logprobs(c.logprobs),
@@ -582,7 +585,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "prompt_logprobs": None if prompt_top is None else _prompt_logprobs_field(
                                  prompts, firsts.get(c.index // params.n), prompt_top)}
                             for k, c in enumerate(_returned(choices, beam))],
-                "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
+                "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS}
+            if body.stream:  # (a search's: vLLM's one event of the whole reply, then [DONE])
+                return StreamingResponse(iter([_sse(reply), _sse("[DONE]")]), media_type="text/event-stream")
+            return JSONResponse(reply)
 
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far

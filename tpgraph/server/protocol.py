@@ -308,12 +308,9 @@ class CompletionRequest(SamplingFields):
 
     def beam_search_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None,
                            tools: ToolPlan | None = None, logprobs_name: str = "logprobs") -> BeamSearchParams:
-        """SamplingFields.beam_search_params, with what a completion's search cannot give refused: a stream (as vLLM's
-        server refuses it: the beams are ranked only once the search ends), and an echo's log-probabilities (a search
-        computes none of the prompt's)."""
-        if self.stream:
-            raise RequestError("stream is not supported with use_beam_search (as vLLM's server: a search ranks its "
-                               "beams only once it ends); send stream: false")
+        """SamplingFields.beam_search_params, with what a completion's search cannot give refused: an echo's
+        log-probabilities (a search computes none of the prompt's). (A stream is taken: the server sends the whole
+        reply as its one event, as vLLM's, the beams being ranked only once the search ends.)"""
         if self.echo and logprobs is not None:
             raise RequestError("echo with logprobs is not supported with use_beam_search (a beam search computes no "
                                "log-probabilities of the prompt's tokens)")
