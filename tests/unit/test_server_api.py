@@ -444,13 +444,15 @@ def test_time_per_output_token_ends_at_the_last_token_not_at_the_requests_end(mo
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_request_that_names_no_model_gets_the_one_served(path):
-    """As vLLM's server: `model` may be left out (or null); another model's name is still a 404."""
+    """As vLLM's server: `model` may be left out, null or empty (vLLM's _is_model_supported takes any falsy name as
+    the served model's); another model's name is still a 404."""
     body = {"max_tokens": 2, **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user",
                                                                                           "content": "hi"}]})}
     app = server_app.create_app(ScriptedClient(["a", "b"]), builtin_codec(), ServerMetrics(), "m", 128)
-    left_out, null, other = post_all(app, [(path, body), (path, {**body, "model": None}),
-                                           (path, {**body, "model": "gpt-4"})])
-    assert left_out.status_code == null.status_code == 200 and left_out.json()["model"] == null.json()["model"] == "m"
+    left_out, null, empty, other = post_all(app, [(path, body), (path, {**body, "model": None}),
+                                                  (path, {**body, "model": ""}), (path, {**body, "model": "gpt-4"})])
+    assert left_out.status_code == null.status_code == empty.status_code == 200
+    assert left_out.json()["model"] == null.json()["model"] == empty.json()["model"] == "m"
     assert other.status_code == 404 and "`gpt-4` does not exist" in other.json()["error"]["message"]
 
 

@@ -111,6 +111,14 @@ def test_detokenize_is_the_inverse_and_version_answers():
     assert text.json() == {"prompt": f"{BOS}Hello, tpgraph"} and version.json() == {"version": __version__}
 
 
+def test_an_empty_model_name_is_the_model_served_on_the_token_routes():
+    """As vLLM's _is_model_supported: an empty `model` names no model, so the one served answers (a 404 here)."""
+    tokens, text = call([("POST", "/tokenize", {"model": "", "prompt": "Hi"}, None),
+                         ("POST", "/detokenize", {"model": "", "tokens": [104, 105]}, None)])
+    assert tokens.status_code == text.status_code == 200, (tokens.text, text.text)
+    assert text.json() == {"prompt": "hi"}
+
+
 @pytest.mark.parametrize(("path", "body", "status", "needle"), [
     ("/tokenize", {"model": MODEL}, 400, "give either prompt or messages"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "either prompt or messages"),

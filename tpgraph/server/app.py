@@ -98,8 +98,9 @@ class Api:
         self.served_names = served_names or (model_name,)
 
     def check_model(self, name: str | None) -> None:
-        """A request's model must be one served; one that names none gets the first."""
-        if name is not None and name not in self.served_names:
+        """A request's model must be one served; one that names none (null or "", as vLLM's _is_model_supported
+        reads any falsy name) gets the first."""
+        if name and name not in self.served_names:
             served = ", ".join(f"`{n}`" for n in self.served_names)
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", "NotFoundError",
                            "model")
