@@ -639,6 +639,35 @@ def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():
     assert elsewhere.json()["choices"][0]["message"]["content"] == "ab"
 
 
+
+def test_a_chats_echo_fills_its_prompt_logprobs_as_vllms():
+    """vLLM's chat runs an echo as prompt_logprobs of its top_logprobs (0 without logprobs; its own prompt_logprobs
+    where given), and the whole reply's prompt_logprobs field gives them; a stream's reply has no such field, so a
+    streamed echo computes none. It was null with echo."""
+
+    class PromptScoringClient(ScriptedClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            self.params.append(params)
+            first = StepUpdate(request_id, 0, 7, "a", "length")
+            if params.prompt_logprobs is not None:  # (as the engine: only where asked)
+                first.prompt_logprobs = [(t, -1.0, [(t, -1.0)][:params.prompt_logprobs]) for t in prompt[1:]]
+                first.prompt_ranks = [1] * (len(prompt) - 1)
+            sink(first)
+
+    client = PromptScoringClient(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    body = {"model": "m", "max_tokens": 1, "echo": True, "messages": [{"role": "user", "content": "hi"}]}
+    plain, top, own, streamed, no_echo = post_all(app, [
+        ("/v1/chat/completions", body), ("/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2}),
+        ("/v1/chat/completions", {**body, "prompt_logprobs": 1}), ("/v1/chat/completions", {**body, "stream": True}),
+        ("/v1/chat/completions", {**body, "echo": False})])
+    assert [p.prompt_logprobs for p in client.params] == [0, 2, 1, None, None]
+    for reply in (plain, top, own):
+        field = reply.json()["prompt_logprobs"]
+        assert field[0] is None and len(field) == reply.json()["usage"]["prompt_tokens"]
+        assert all(entry[next(iter(entry))]["logprob"] == -1.0 for entry in field[1:])
+    assert streamed.status_code == 200 and no_echo.json()["prompt_logprobs"] is None
+
 def test_add_special_tokens_says_whether_the_prompt_gets_a_bos():
     """vLLM's add_special_tokens: a completion's prompt text gets the tokenizer's special tokens (BOS) unless it is
     false; a chat's gets none beside the template's unless it is true. It was ignored on both."""

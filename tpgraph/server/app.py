@@ -646,8 +646,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             params = _beam_reply_params(beam, body, body.logprobs_count(),
                                         body.skip_special_tokens and not keep_special)
         else:
-            params = body.sampling_params(max_tokens, body.logprobs_count(),
-                                          prompts.generation_defaults.sampling, tools=tools)
+            # (vLLM's: an unstreamed echo asks the prompt's log-probabilities, top_logprobs of them, for the reply's
+            # prompt_logprobs field; a stream has no such field)
+            echo_top = (body.top_logprobs or 0) if body.echo and not body.stream else None
+            params = body.sampling_params(max_tokens, body.logprobs_count(), prompts.generation_defaults.sampling,
+                                          prompt_logprobs=echo_top, tools=tools)
         rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
         thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
@@ -707,8 +710,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason, **_token_ids(give_ids, token_ids=c.token_ids)}
                             for k, (c, reply) in enumerate((c, replies[c.index]) for c in _returned(choices, beam))],
-                "prompt_logprobs": None if body.prompt_logprobs is None else _prompt_logprobs_field(
-                    prompts, firsts[0] if firsts else None, body.prompt_logprobs),
+                "prompt_logprobs": None if params.prompt_logprobs is None else _prompt_logprobs_field(
+                    prompts, firsts[0] if firsts else None,
+                    body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs),
                 **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 
