@@ -152,7 +152,7 @@ class Api:
                 if update.finish_reason == "error":
                     if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
                         raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")
-                    raise ApiError(500, f"the engine failed: {update.text}", "InternalError")
+                    raise ApiError(500, f"the engine failed: {update.text}", "InternalServerError")  # (vLLM's type)
                 self.metrics.observe(update, received)
                 if update.finish_reason is not None:
                     open_samples[ids[i]] -= 1
