@@ -2,6 +2,7 @@
 starts, each started twice in one process (every start's process group keys its rendezvous under its own prefix),
 with the custom all-reduce set up (not fallen back to NCCL) and the TP=1 tokens (fp32, greedy)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -38,11 +39,12 @@ if __name__ == "__main__":
     print("tp2 == tp1:", first == one, "again:", second == one, flush=True)
 """
 TORCHRUN = COMMON + """
+import json, os
+
 first, custom, reason = run(tp_size=2)
 second, custom2, _ = run(tp_size=2)
-print("custom:", custom, custom2, reason, flush=True)
-print("ids:", first, flush=True)
-print("again:", first == second, flush=True)
+with open(f"rank{os.environ['RANK']}.json", "w") as f:  # (the ranks' prints would interleave in one stdout)
+    json.dump(dict(custom=[custom, custom2], reason=reason, ids=first, again=first == second), f)
 """
 
 
@@ -64,9 +66,8 @@ def test_started_ranks_use_the_custom_all_reduce_and_match_one_rank_twice(tmp_pa
 
 
 def test_torchrun_ranks_start_two_engines_in_one_job_with_the_custom_all_reduce(tmp_path):
-    out = script_run(tmp_path, TORCHRUN, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
-                     timeout_s=500)
-    assert out.count("custom: True True") == 2, out
-    assert out.count("again: True") == 2, out
-    ids = [line for line in out.splitlines() if line.startswith("ids:")]
-    assert len(ids) == 2 and ids[0] == ids[1], out  # (the ranks sample the same tokens)
+    script_run(tmp_path, TORCHRUN, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
+               timeout_s=500)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["custom"] == [True, True] and r["again"] for r in ranks), ranks
+    assert ranks[0]["ids"] == ranks[1]["ids"], ranks  # (the ranks sample the same tokens)
