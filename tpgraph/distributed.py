@@ -236,9 +236,10 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
             store.add(f"{prefix}/starts", 1)
 
     def linger() -> None:  # (a start that fails: rank 0 may host the store, read by the others until they are done)
+        # until the next start is numbered, the last rank's last request: its count of done, or the posts it deletes
+        # first, came before it was done with the store, which went with rank 0 under its next requests
         deadline = time.monotonic() + min(START_LINGER_S, timeout_s)
-        while (rank == 0 and store.check([keys[0]]) and store.add(f"{prefix}/done", 0) < world_size
-               and time.monotonic() < deadline):
+        while rank == 0 and store.add(f"{prefix}/starts", 0) == start and time.monotonic() < deadline:
             time.sleep(START_POLL_S)
 
     if error is not None:

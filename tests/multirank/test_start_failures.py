@@ -4,7 +4,12 @@ stop at once with its reason, instead of waiting out the rendezvous's timeout (6
 
 import pytest
 from tpgtest.spawn import run_ranks
-from tpgtest.workers import engine_failing_after_joining_on, engine_start_failing_on, process_groups_in_a_kept_store
+from tpgtest.workers import (
+    engine_failing_after_joining_on,
+    engine_start_failing_on,
+    engine_start_failing_with_a_slow_store_on,
+    process_groups_in_a_kept_store,
+)
 
 from tpgraph.engine.followers import free_tcp_init
 
@@ -28,6 +33,18 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_others_with_its_reason(f
             assert kind == "PeerError" and f"rank {failing_rank}" in message and own[1] in message, message
             assert seconds < PROMPT_S
 
+
+
+def test_the_rank_hosting_the_store_stays_until_the_last_rank_is_done_with_it():
+    """Rank 0 hosts the rendezvous's store (tcp://). Failing its start, it stayed only until every rank had counted
+    itself done, and its store went while the last rank still cleared the start's keys: that rank's next request met
+    the lost connection, raised instead of rank 0's reason. (That rank's requests are slowed here, as on a loaded
+    host.)"""
+    outcomes = run_ranks(engine_start_failing_with_a_slow_store_on, 2, 0, "config", free_tcp_init(), 1, timeout_s=90)
+    assert outcomes[0][0] == "ConfigError", outcomes
+    kind, message, seconds = outcomes[1]
+    assert kind == "PeerError" and "rank 0" in message and outcomes[0][1] in message, outcomes
+    assert seconds < PROMPT_S
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_a_rank_failing_after_the_process_group_formed_stops_the_others_with_its_reason(failing_rank):

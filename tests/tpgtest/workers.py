@@ -1153,3 +1153,30 @@ def engine_failing_after_joining_on(rank, world_size, init, failing_rank):
             return None
     except Exception as exc:  # the test inspects it
         return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def engine_start_failing_with_a_slow_store_on(rank, world_size, init, failing_rank, how, init_method, slow_rank):
+    """engine_start_failing_on, `slow_rank`'s deletions of keys in the rendezvous's store taking 0.2 s each (a loaded
+    host, a slow link)."""
+    import time
+
+    if rank == slow_rank:
+        rendezvous = dist.rendezvous
+
+        class SlowDeletes:
+            def __init__(self, store):
+                self._store = store
+
+            def __getattr__(self, name):
+                return getattr(self._store, name)
+
+            def delete_key(self, key):
+                time.sleep(0.2)
+                return self._store.delete_key(key)
+
+        def slow_rendezvous(*args, **kwargs):
+            for store, r, w in rendezvous(*args, **kwargs):
+                yield SlowDeletes(store), r, w
+
+        dist.rendezvous = slow_rendezvous
+    return engine_start_failing_on(rank, world_size, init, failing_rank, how, init_method)
