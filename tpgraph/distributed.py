@@ -191,8 +191,9 @@ def _this_ranks_device(device: str | None, world_size: int, local_rank: int) -> 
 # The last rank done with the posts deletes them, for the next start in a store that stays (torchrun's agent's).
 START_PREFIX = "tpgraph/start"
 START_POLL_S = 0.05
-# Rank 0 hosts the store (tcp:// and env:// outside torchrun): where a start fails, it stays until the others have read
-# the posts, this long at most (they arrive within seconds: every rank runs the same checks)
+# Where a start fails, every rank stays until the others have read the posts (rank 0 may host the store: tcp://, and
+# env:// outside torchrun; a rank's next start would post over them), this long at most (they arrive within seconds:
+# every rank runs the same checks)
 START_LINGER_S = 30.0
 
 
@@ -218,8 +219,8 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
     """Join the rendezvous's store and post this rank's start: "ok" (error None) or its error. With "ok", wait for every
     other rank's post and return the store for the process group (under a prefix of this start's own), or raise a
     PeerError naming the first failed rank (CommError where a rank has posted nothing within timeout_s: it died, or
-    hangs). With an error, return once posted. Where a start fails, rank 0 (which may host the store) returns or raises
-    once the others have read the posts."""
+    hangs). With an error, return once posted. Where a start fails, every rank returns or raises once the others have
+    read the posts."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -235,12 +236,15 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
                 store.delete_key(k)
             store.add(f"{prefix}/starts", 1)
 
-    def linger() -> None:  # (a start that fails: rank 0 may host the store, read by the others until they are done)
-        # until the next start is numbered, the last rank's last request: its count of done, or the posts it deletes
-        # first, came before it was done with the store, which went with rank 0 under its next requests
+    def linger() -> None:  # (a start that fails) until the last rank's last request, numbering the next start:
+        # rank 0 may host the store, which goes with it; and a rank starting again sooner posted "ok" over its failure
+        # before a later rank read it, which then joined that next start as this one, and every rank waited for good
         deadline = time.monotonic() + min(START_LINGER_S, timeout_s)
-        while rank == 0 and store.add(f"{prefix}/starts", 0) == start and time.monotonic() < deadline:
-            time.sleep(START_POLL_S)
+        try:
+            while store.add(f"{prefix}/starts", 0) == start and time.monotonic() < deadline:
+                time.sleep(START_POLL_S)
+        except dist.DistNetworkError:  # (the store gone with rank 0, which leaves once the start is done)
+            pass
 
     if error is not None:
         done()

@@ -5,6 +5,7 @@ stop at once with its reason, instead of waiting out the rendezvous's timeout (6
 import pytest
 from tpgtest.spawn import run_ranks
 from tpgtest.workers import (
+    a_failed_start_retried_in_a_kept_store,
     engine_failing_after_joining_on,
     engine_start_failing_on,
     engine_start_failing_with_a_slow_store_on,
@@ -72,3 +73,20 @@ def test_process_groups_one_after_another_in_a_store_that_stays_each_form():
                           timeout=datetime.timedelta(seconds=30))
     rounds = 12
     assert run_ranks(process_groups_in_a_kept_store, 2, store.port, rounds, timeout_s=120) == [rounds, rounds]
+
+
+def test_a_rank_starting_again_after_its_failed_start_waits_until_the_others_have_read_it():
+    """A rank whose start failed returned at once, and its next start posted over its failure in the store (a store
+    that stays: torchrun's agent's): a rank coming later read that post as this start's and went on into a process
+    group of its own, and the last rank done deleted the second start's posts with the first's: every rank then waited
+    out its timeout. The failed rank now returns once every rank has read its failure."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    late, failed = run_ranks(a_failed_start_retried_in_a_kept_store, 2, store.port, 1, 1.0, timeout_s=120)
+    assert failed[0][0] == "ConfigError" and "tpu" in failed[0][1] and failed[1:] == [[0, 1]], failed
+    assert late[0][0] == "PeerError" and "rank 1 failed to start: ConfigError" in late[0][1], late
+    assert late[1:] == [[0, 1]], late

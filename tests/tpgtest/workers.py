@@ -1180,3 +1180,30 @@ def engine_start_failing_with_a_slow_store_on(rank, world_size, init, failing_ra
 
         dist.rendezvous = slow_rendezvous
     return engine_start_failing_on(rank, world_size, init, failing_rank, how, init_method)
+
+
+def a_failed_start_retried_in_a_kept_store(rank, world_size, init, port, failing_rank, wait_s):
+    """Two starts at most on every rank, joined through env:// in a store that outlives them (hosted by the test at
+    `port`, as torchrun's agent hosts one): `failing_rank`'s first fails (a device nobody has) and it starts again at
+    once; the others come `wait_s` later, and start again where theirs failed. Returns each start's outcome: its
+    error's type name and message, or the ranks a gather over its process group collected."""
+    import os
+    import time
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    if rank != failing_rank:
+        time.sleep(wait_s)
+    outcomes = []
+    for device in ("tpu", "cpu") if rank == failing_rank else ("cpu", "cpu"):
+        try:
+            state = init_distributed(device, timeout_s=10.0)  # (short: a start that hangs fails the test soon)
+        except Exception as exc:  # the test inspects it
+            outcomes.append((type(exc).__name__, str(exc)))
+            continue
+        try:
+            outcomes.append(gather_objects(state, rank))
+        finally:
+            destroy_distributed(state)
+        break
+    return outcomes
