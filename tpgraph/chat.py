@@ -420,7 +420,9 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # (or a directory holding a genera
 class GenerationDefaults:
     """generation_config.json: the ids that end a generation, and default sampling values."""
 
-    eos_token_ids: tuple[int, ...] = ()
+    # None: there is no generation_config.json, and config.json's EOS ids stand in (as vLLM's, whose generation
+    # config is then transformers' GenerationConfig.from_model_config); a file read gives its own, () where it has none
+    eos_token_ids: tuple[int, ...] | None = None
     sampling: dict[str, float] = field(default_factory=dict)  # temperature, top_p, top_k, repetition_penalty
     max_tokens: int | None = None  # (its max_new_tokens) a request's limit where it sets none, as vLLM's server
 
@@ -429,6 +431,8 @@ class GenerationDefaults:
         if model_dir is None:
             return GenerationDefaults()
         path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return GenerationDefaults()
         cfg = _json_object(path)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

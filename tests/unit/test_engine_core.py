@@ -197,6 +197,28 @@ def test_the_tokenizers_eos_ends_a_sample_with_no_stop_reason_and_the_others_wit
         EOT_ID: ([EOT_ID], "stop", None), EOS_ID: ([EOS_ID], "stop", EOS_ID), 97: ([97], "stop", 97)}
 
 
+def test_config_jsons_eos_ends_a_generation_only_without_a_generation_config(tmp_path):
+    """vLLM's EOS ids beside the tokenizer's are generation_config.json's; config.json's stand in only where there is
+    no such file (try_get_generation_config falls back to GenerationConfig.from_model_config). config.json's EOS id
+    (<|end_of_text|> here), named by neither the tokenizer nor generation_config.json, ended a sample here."""
+    import json
+
+    from tpgtest.chat_fixtures import EOS_ID, EOT_ID, make_chat_checkpoint
+
+    path = make_chat_checkpoint(tmp_path / "ckpt")  # (config.json's eos_token_id: EOS_ID; the tokenizer's: EOT_ID)
+    forced = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={EOS_ID: 100})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOT_ID, 97]}))
+    with TPEngine(path, device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=64, block_size=4) as e:
+        assert e.core.eos_ids == (EOT_ID, 97)
+        out = e.generate(["hi"], forced)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([EOS_ID] * 3, "length")
+    (path / "generation_config.json").unlink()
+    with TPEngine(path, device="cpu", load_format="dummy", max_num_seqs=2, max_model_len=64, block_size=4) as e:
+        assert e.core.eos_ids == (EOT_ID, EOS_ID)
+        out = e.generate(["hi"], forced)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([EOS_ID], "stop", EOS_ID)
+
+
 def test_stop_strings_wait_for_min_tokens(reference):
     """As in vLLM: a stop string ends a sequence only from its (min_tokens + 1)-th token on; the ones before stay in
     the text. (PROMPTS[2] makes the built-in model say "aaaa...", a token a character.)"""

@@ -310,11 +310,13 @@ class TPEngine:
                            "refused", cfg.tokenizer, self.tokenizer.get_vocab_size(), model_cfg.vocab_size)
         special = {"bos_token": BOS, "eos_token": EOS} if tokenizer_dir is None else special_tokens(
             tokenizer_config(tokenizer_dir))
-        # the tokenizer's EOS ends a generation too, as vLLM's (its model EOS), beside config.json's and
-        # generation_config's, which it reads as stop tokens
+        # the tokenizer's EOS ends a generation too, as vLLM's (its model EOS), beside generation_config's, which it
+        # reads as stop tokens; config.json's only where there is no generation_config.json (vLLM's
+        # try_get_generation_config reads the model's config then alone)
         main_eos = self.tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
-        eos_ids = tuple(dict.fromkeys(((main_eos,) if main_eos is not None else ()) + model_cfg.eos_token_id
-                                      + self.generation_defaults.eos_token_ids))
+        configured = self.generation_defaults.eos_token_ids
+        eos_ids = tuple(dict.fromkeys(((main_eos,) if main_eos is not None else ())
+                                      + (model_cfg.eos_token_id if configured is None else configured)))
         eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
         self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
             ChatTemplate.from_option(cfg.chat_template, special)
