@@ -231,8 +231,9 @@ def test_stop_strings_wait_for_min_tokens(reference):
     assert (later.token_ids, later.text, later.finish_reason) == (reference[2][:5], "aaaa", "stop")
 
 
-def test_a_tiny_temperature_samples_greedily(reference):
-    """Logits over a temperature of 1e-40 overflow fp32; below 1e-5 the sampler takes the argmax (as vLLM does)."""
+def test_a_tiny_temperature_is_raised_and_draws_no_nan(reference):
+    """Logits over a temperature of 1e-40 overflow fp32; vLLM's floor raises it to 0.01, at which this model's tokens
+    are its greedy ones."""
     with engine() as e:
         out = e.generate(PROMPTS, SamplingParams(temperature=1e-40, max_tokens=12))
     assert tokens(out) == reference

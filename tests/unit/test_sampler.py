@@ -83,6 +83,23 @@ def test_top_k_top_p_min_p_keep_the_right_tokens():
     assert set(drawn({"temperature": 1e-4})) == {0}
 
 
+def test_a_temperature_below_vllms_floor_samples_at_the_floor():
+    """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (its _MAX_TEMP: smaller ones make inf or NaN
+    in the scaled logits) before it reads temperature < 1e-5 as greedy: such a temperature samples, at 0.01, and only
+    0 is greedy. Logits 0.01 apart then draw the second e^-1 / (1 + e^-1) of the time (27%), where at 1e-3 it was
+    never drawn (e^-10)."""
+    for t in (1e-40, 1e-6, 1e-3, 0.0099):
+        p = SamplingParams(temperature=t)
+        assert p.temperature == 0.01 and not p.greedy, t
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+    p = SamplingParams()
+    p.temperature = 1e-3  # (set later, as vLLM's scripts do: read as when made)
+    assert p.temperature == 0.01
+    logits = torch.tensor([0.0, -0.01]).expand(4000, -1).clone()
+    share = Sampler("cpu").sample(logits, rows(4000, temperature=1e-3)).token_ids.count(1) / 4000
+    assert abs(share - 1 / (1 + math.e)) < 0.03, share
+
+
 def test_masks_per_row():
     x = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
     masked = top_k_mask(x, [2, 0])

@@ -28,17 +28,19 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and th
 MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
 MAX_BAD_WORD_CHARS = 1000  # (each is tokenized on every rank's step thread, where a long one would hold every request)
 MAX_STOP_STRINGS = 100  # (each is scanned on the step thread for every character every request writes)
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy): after MIN_TEMPERATURE, 0 alone
+# vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it (logits over smaller ones risk inf and NaN)
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperatures below GREEDY_BELOW (1e-5; 0 among them) are greedy. top_k 0 (or -1) and top_p 1 and min_p 0
-    switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is below min_p times the
-    largest probability, both on the temperature-scaled distribution (SGLang's order; vLLM's V1 applies min-p first and
-    renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence: subtracted per output
-    occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones, for every prompt and
-    output token).
+    """Temperature 0 is greedy; one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as vLLM's is. top_k 0 (or -1)
+    and top_p 1 and min_p 0 switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is
+    below min_p times the largest probability, both on the temperature-scaled distribution (SGLang's order; vLLM's V1
+    applies min-p first and renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence:
+    subtracted per output occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones,
+    for every prompt and output token).
     `seed` -1 is no seed, as in vLLM. `detokenize` False (vLLM's): the output's token ids alone, its text "" (no stop
     strings then). `spaces_between_special_tokens` False (vLLM's; with skip_special_tokens False): no space a decoder
     would put between two special (added) tokens in a row.
@@ -114,6 +116,9 @@ class SamplingParams:
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if type(self.temperature) in (int, float) and 0 < self.temperature < MIN_TEMPERATURE:
+            # (vLLM's SamplingParams does this before reading temperature < 1e-5 as greedy: 1e-6 samples, at 0.01)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed" (its LLM and server alike)
             object.__setattr__(self, "seed", None)
         most = max_n()
@@ -207,8 +212,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0, or below GREEDY_BELOW: logits divided by a temperature that small overflow to inf in fp32,
-        and the softmax of those is NaN (vLLM draws the same line)."""
+        """Temperature 0 (below GREEDY_BELOW, as vLLM's line; a positive one below MIN_TEMPERATURE was raised to it)."""
         return self.temperature < GREEDY_BELOW
 
     @property
