@@ -4,6 +4,7 @@ are not constrained and keep their own tokens; bad specs are refused when the re
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -463,3 +464,20 @@ def test_allowed_ids_that_the_grammar_cannot_begin_with_are_refused_when_the_req
         nine = tuple(e.tokenizer.encode("9", add_special_tokens=False).ids)
         out = e.generate(["x"], SamplingParams(max_tokens=3, structured=digits, allowed_token_ids=letters + nine))
         assert out[0].outputs[0].text == "999"
+
+
+def test_log_probabilities_are_of_what_the_grammar_allows():
+    """vLLM applies the grammar's bitmask to the logits before its sampler, so the log-probabilities it reports (its
+    raw ones too) are of the tokens the grammar allows: the greedy token is the likeliest (rank 1), one the grammar
+    forces has log-probability 0, and a step's allowed tokens share all the probability. They were the model's own,
+    before the mask."""
+    choice = StructuredOutput.choice(["yes", "no"])
+    with engine() as e:
+        out = e.generate(["Answer:"], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2,
+                                                     structured=choice))[0].outputs[0]
+        first = {t for t in (e.tokenizer.encode(w, add_special_tokens=False).ids[0] for w in ("yes", "no"))}
+    assert out.text in ("yes", "no") and len(out.logprobs) == len(out.token_ids) > 1
+    assert all(entry[t].rank == 1 for entry, t in zip(out.logprobs, out.token_ids, strict=True))
+    assert sum(math.exp(out.logprobs[0][t].logprob) for t in first) == pytest.approx(1.0, abs=1e-5)
+    assert all(entry[t].logprob == pytest.approx(0.0, abs=1e-5)
+               for entry, t in zip(out.logprobs[1:], out.token_ids[1:], strict=True))

@@ -10,7 +10,8 @@ update in stream order, so they need no output token on the host.
 
 Order: logit bias, then penalties on the logits (greedy rows too), then temperature, top-k, top-p, min-p, and a
 draw by the exponential race (argmax of p / E with E ~ Exp(1), which samples p exactly). Log-probabilities are those
-of the model's own distribution (log_softmax of the raw logits), as OpenAI reports them.
+of the model's own distribution (log_softmax of the raw logits), as OpenAI reports them; under a structured output,
+of what its grammar allows (vLLM masks the logits before its sampler).
 
 On CUDA, everything after the penalties and banned ids runs in kernels/top_k.py's and kernels/sampling.py's
 launches instead of the torch chain below, without a sort: the same distribution, with its own
@@ -143,10 +144,12 @@ class Sampler:
         constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None and r.grammar.masks]
         x = logits if fused and not biased and not constrained and not any(
             r.params.has_penalties for r in rows) else logits.float()
-        raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
         if constrained:  # (in place: on a copy of the caller's logits)
             x = x if x is not logits else x.clone()
             apply_masks(x, constrained)
+        # after the grammars' masks: vLLM masks the logits before its sampler, whose log-probabilities are then those
+        # of the tokens a grammar allows (and before bias, penalties and the rest)
+        raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
         if biased:  # before penalties, as vLLM orders them; in place where x is a copy already
             x = add_logit_bias(x, rows, in_place=x is not logits)
         x, counted = penalize(x, rows, self.penalties)

@@ -47,11 +47,12 @@ class SamplingParams:
     `logit_bias` = {token id: value in [-100, 100]} added to those logits before penalties and sampling (OpenAI's
     field; greedy rows too); given as a mapping or (id, value) pairs, kept as pairs in id order.
     `logprobs` = how many top alternatives to return beside the sampled token's log-probability (None: no
-    log-probabilities); they are the model's own, before bias and penalties. `prompt_logprobs` = the same for each
-    prompt token after the first (vLLM's field; the server's `echo` with `logprobs`): such a request's prompt runs in
-    full, never read from the prefix cache. `structured`: what the output must match (structured.py); with
-    `structured_after` (a reasoning model's end of thoughts, "</think>"), only the output after that text's tokens
-    (as the tokenizer encodes it: the model must write them so, which a one-token marker ensures). vLLM's
+    log-probabilities); they are the model's own, before bias and penalties (over what `structured`'s grammar allows,
+    as vLLM's). `prompt_logprobs` = the same for each prompt token after the first (vLLM's field; the server's `echo`
+    with `logprobs`): such a request's prompt runs in full, never read from the prefix cache. `structured`: what the
+    output must match (structured.py); with `structured_after` (a reasoning model's end of thoughts, "</think>"),
+    only the output after that text's tokens (as the tokenizer encodes it: the model must write them so, which a
+    one-token marker ensures). vLLM's
     `structured_outputs=StructuredOutputsParams(...)` and `guided_decoding=GuidedDecodingParams(...)` are read as
     `structured`; its `best_of` is taken only equal to n.
     vLLM's `allowed_token_ids`: the only ids the output may hold (every other logit masked; log-probabilities are the
