@@ -589,7 +589,7 @@ def test_offline_logprobs_are_vllms_logprob_dicts_with_ranks_and_texts():
     bare floats, and the alternatives a list of pairs beside them."""
     from tpgraph import Logprob
 
-    hot = SamplingParams(temperature=3.0, seed=1, max_tokens=8, logprobs=2)
+    hot = SamplingParams(temperature=2.0, seed=1, max_tokens=8, logprobs=2)
     with engine() as e:
         (sampled,) = e.generate(PROMPTS[0], hot)
         (greedy,) = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))

@@ -349,7 +349,7 @@ def test_the_sampler_takes_the_kernel_for_sampled_rows():
     top = logits.float().argmax(-1).tolist()
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
     rows = [SampleRow(SamplingParams(temperature=0.0), [1], []),
-            SampleRow(SamplingParams(temperature=5.0, top_k=3), [1], []),
+            SampleRow(SamplingParams(temperature=2.0, top_k=3), [1], []),
             SampleRow(seeded, [1], [2, 3]),
             SampleRow(SamplingParams(temperature=1e-4), [1], [], banned_ids=(top[3],)),
             SampleRow(SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1), [1], [])]

@@ -187,6 +187,7 @@ def test_logprobs_are_the_models_log_softmax():
 @pytest.mark.parametrize("field,value,message", [
     ("temperature", -0.1, "temperature must be in"),
     ("temperature", float("nan"), "temperature must be a finite number"),
+    ("temperature", 2.5, r"temperature must be in \[0.0, 2.0\], got 2.5"),  # (vLLM's range, OpenAI's)
     ("top_p", 0.0, r"top_p must be in \(0.0"),
     ("top_p", 1.5, "top_p must be in"),
     ("top_k", -2, "top_k must be >= 0"),

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tpgraph.engine.logprob import Logprob
-from tpgraph.engine.sampling_params import SamplingParams, _check_int, _check_real, max_n
+from tpgraph.engine.sampling_params import MAX_TEMPERATURE, SamplingParams, _check_int, _check_real, max_n
 from tpgraph.errors import RequestError
 
 
@@ -55,7 +55,8 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):  # (a truthy "no" would silently mean yes)
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check_real("temperature", self.temperature, 0.0, 100.0)  # (SamplingParams' range: each step takes it)
+        # (SamplingParams' range: each step takes it)
+        _check_real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_real("length_penalty", self.length_penalty, -math.inf, math.inf)
         if self.structured_outputs is not None:
             raise RequestError("structured_outputs is not supported with beam search here: leave it None (generate's "

@@ -31,16 +31,17 @@ MAX_STOP_STRINGS = 100  # (each is scanned on the step thread for every characte
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy): after MIN_TEMPERATURE, 0 alone
 # vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it (logits over smaller ones risk inf and NaN)
 MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a larger one (OpenAI's range)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature 0 is greedy; one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as vLLM's is. top_k 0 (or -1)
-    and top_p 1 and min_p 0 switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is
-    below min_p times the largest probability, both on the temperature-scaled distribution (SGLang's order; vLLM's V1
-    applies min-p first and renormalizes, so its top-p may keep fewer). Penalties follow OpenAI (frequency, presence:
-    subtracted per output occurrence / once) and HF (repetition: divides positive logits and multiplies negative ones,
-    for every prompt and output token).
+    """Temperature (at most 2, as vLLM's) 0 is greedy; one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as
+    vLLM's is. top_k 0 (or -1) and top_p 1 and min_p 0 switch those filters off. Together: top-p over what top-k keeps,
+    and min-p cuts what is below min_p times the largest probability, both on the temperature-scaled distribution
+    (SGLang's order; vLLM's V1 applies min-p first and renormalizes, so its top-p may keep fewer). Penalties follow
+    OpenAI (frequency, presence: subtracted per output occurrence / once) and HF (repetition: divides positive logits
+    and multiplies negative ones, for every prompt and output token).
     `seed` -1 is no seed, as in vLLM. `detokenize` False (vLLM's): the output's token ids alone, its text "" (no stop
     strings then). `spaces_between_special_tokens` False (vLLM's; with skip_special_tokens False): no space a decoder
     would put between two special (added) tokens in a row.
@@ -125,7 +126,7 @@ class SamplingParams:
         most = max_n()
         _check_int("n", self.n, 1, most, hint=f"{MAX_N_VARIABLE} sets the most" if type(self.n) is int
                    and self.n > most else "")
-        _check_real("temperature", self.temperature, 0.0, 100.0)
+        _check_real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, None, hint="0 or -1 turns it off")
         _check_real("min_p", self.min_p, 0.0, 1.0)
