@@ -9,6 +9,7 @@ of its own; a completion's null `max_tokens` is its default, 16, as vLLM's norma
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Union, get_args, get_origin
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from tpgraph.chat import developer_tools, set_history_calls, template_content
 from tpgraph.engine.beam_search import BeamSearchParams
 from tpgraph.engine.limits import kept_prompt_tokens
-from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams, _check_int, max_n
+from tpgraph.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, _check_int, max_n
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan
@@ -285,11 +286,14 @@ class SamplingFields(NullMeansDefault):
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
-        ("7" and "07") are refused by SamplingParams, not merged."""
+        ("7" and "07") are refused by SamplingParams, not merged. Numbers past +-100 are clamped to it, as vLLM's
+        server clamps them (SamplingParams checks the rest: NaN, true, a string)."""
         pairs = []
         for key, value in (self.logit_bias or {}).items():
             if not key.isascii() or not key.strip().isdigit():
                 raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if type(value) in (int, float) and not math.isnan(value):
+                value = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
             pairs.append((int(key), value))
         return pairs
 
