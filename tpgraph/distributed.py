@@ -228,7 +228,7 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     # this start's number in the store, the same on every rank (read before any rank can be done with this start)
     start = store.add(f"{prefix}/starts", 0)
-    store.set(keys[rank], "ok" if error is None else f"{type(error).__name__}: {error}")
+    store.set(keys[rank], "ok" if error is None else _said(error))
 
     def done() -> None:  # (the last rank done deletes the posts and numbers the next start)
         if store.add(f"{prefix}/done", 1) == world_size:
@@ -257,7 +257,7 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
             for r in [r for r in waiting if store.check([keys[r]])]:
                 said = store.get(keys[r]).decode()
                 if said != "ok":
-                    raise PeerError(f"rank {r} failed to start: {said}", r, *said.split(": ", 1))
+                    raise _failed_peer(r, said)
                 waiting.remove(r)
             if waiting and time.monotonic() > deadline:
                 raise CommError(f"rank(s) {waiting} did not reach the start of the process group within "
@@ -279,7 +279,17 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
 START_FAILED = "tpgraph/start-failed"
 
 
-def _group_store(state: ParallelState):
+def _said(error: BaseException) -> str:
+    """A failed start as a rank posts it for the others: "ErrorType: message"."""
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed_peer(rank: int, said: str) -> PeerError:
+    """The error a rank raises for a peer's failed start, as that peer posted it (_said)."""
+    return PeerError(f"rank {rank} failed to start: {said}", rank, *said.split(": ", 1))
+
+
+def _group_store(state: ParallelState) -> dist.Store | None:
     return dist.distributed_c10d._get_default_store() if state.world_size > 1 and dist.is_initialized() else None
 
 
@@ -291,7 +301,7 @@ def post_start_failure(state: ParallelState, error: BaseException) -> None:
     try:
         store = _group_store(state)
         if store is not None:
-            store.set(f"{START_FAILED}/{state.rank}", f"{type(error).__name__}: {error}")
+            store.set(f"{START_FAILED}/{state.rank}", _said(error))
     except Exception as exc:  # noqa: BLE001 - this rank's own error is the one to raise
         logger.warning("rank %d could not leave its start failure for the other ranks: %s", state.rank, exc)
 
@@ -303,8 +313,7 @@ def peer_start_failure(state: ParallelState) -> PeerError | None:
         store = _group_store(state)
         for r in range(state.world_size if store is not None else 0):
             if r != state.rank and store.check([f"{START_FAILED}/{r}"]):
-                said = store.get(f"{START_FAILED}/{r}").decode()
-                return PeerError(f"rank {r} failed to start: {said}", r, *said.split(": ", 1))
+                return _failed_peer(r, store.get(f"{START_FAILED}/{r}").decode())
     except Exception:  # noqa: BLE001 - (the store's host is gone): this rank raises the error it met
         return None
     return None
