@@ -297,8 +297,11 @@ class ChatTemplate:
                                    add_generation_prompt=add_generation_prompt, documents=None)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None
-        except TypeError as exc:  # (a variable of a type the template cannot use)
-            raise RequestError(f"the chat template cannot render these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (anything else the template raised: vLLM's safe_apply_chat_template
+            # makes every failure a ValueError, a 400; a variable of a type it cannot use, a range past the sandbox's
+            # limit, a division by zero were a 500 here)
+            raise RequestError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") \
+                from None
         return _cut_at_end_mark(text) if continue_final_message else text
 
     def content_format(self, tools: list[dict] | None = None) -> str:

@@ -145,6 +145,19 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+@pytest.mark.parametrize("source, variables", [
+    ("{% for i in range(n) %}{% endfor %}", {"n": 10 ** 8}),  # (the sandbox's range limit: an OverflowError)
+    ("{{ total // n }}", {"total": 6, "n": 0}),  # (a ZeroDivisionError)
+    ("{{ '{:d}'.format(n) }}", {"n": "x"}),  # (a ValueError)
+])
+def test_a_template_that_fails_in_any_way_is_the_requests_error(source, variables):
+    """vLLM's safe_apply_chat_template turns whatever the template raises into a ValueError (a 400): a template that
+    fails on the variables a request gives it (chat_template_kwargs) is the request's error, not the server's (a
+    500)."""
+    with pytest.raises(RequestError, match="the chat template"):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}], variables=variables)
+
+
 @pytest.mark.parametrize("content", ["Lima ", "Lima\n", " Lima", "Lima", "The answer is  "])
 def test_continuing_a_message_the_template_trims_cuts_as_hf(ckpt, hf_tokenizer, content):
     """Llama 3's template trims each message: apply_chat_template then leaves out the whitespace at the end of the
