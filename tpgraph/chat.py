@@ -276,11 +276,12 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, documents: list[dict] | None = None) -> str:
         """tools: function tools ({"type": "function", "function": {...}}), for templates that describe them.
         variables: more of the template's own variables (vLLM's chat_template_kwargs, e.g. a system prompt switch).
         continue_final_message: the text ends inside the last message (an assistant's reply begun), as HF's
-        apply_chat_template cuts it, so the model continues it."""
+        apply_chat_template cuts it, so the model continues it. documents: a RAG template's sources (vLLM's chat
+        request field, each {"title", "text"}), as apply_chat_template gives them."""
         variables = dict(variables or {})
         taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
         if taken:
@@ -294,7 +295,7 @@ class ChatTemplate:
             self.template
         try:
             text = template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt, documents=None)
+                                   add_generation_prompt=add_generation_prompt, documents=documents)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None
         except Exception as exc:  # noqa: BLE001 (anything else the template raised: vLLM's safe_apply_chat_template

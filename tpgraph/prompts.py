@@ -84,7 +84,8 @@ class PromptCodec:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
-                    continue_final_message: bool = False, template: ChatTemplate | None = None) -> str:
+                    continue_final_message: bool = False, template: ChatTemplate | None = None,
+                    documents: list[dict] | None = None) -> str:
         """Chat messages as text, through the chat template, or `template` in its place (ChatTemplate.render says
         what each argument does)."""
         template = self.chat_template if template is None else template
@@ -96,7 +97,7 @@ class PromptCodec:
                 raise RequestError(f"chat message {i} has no role: messages are {{'role': ..., 'content': ...}}, got "
                                    f"{m!r} (vLLM's {{'prompt': ...}} and {{'prompt_token_ids': ...}} prompts are given "
                                    f"to generate alone or in a list of prompts, not among chat messages)")
-        return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
+        return template.render(messages, add_generation_prompt, tools, variables, continue_final_message, documents)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config defaults (its max_new_tokens as max_tokens, as

@@ -797,3 +797,24 @@ def test_a_completions_null_max_tokens_is_its_default_16():
     post_all(app, [("/v1/completions", {"prompt": "hi", "max_tokens": None}),
                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None})])
     assert [p.max_tokens for p in client.params] == [16, None]
+
+
+def test_a_chats_documents_reach_the_chat_template():
+    """vLLM's chat request field documents (RAG templates' sources, each {"title", "text"}) is given to the chat
+    template as its `documents`, as apply_chat_template takes them. It was taken and ignored: the template saw none."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    template = ChatTemplate("{{ bos_token }}{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS})
+    codec, client = dataclasses.replace(builtin_codec(), chat_template=template), ScriptedClient(["a"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    docs = [{"title": "Peru", "text": "Lima"}, {"title": "Chile", "text": "Santiago"}]
+    given, none, bad = post_all(app, [("/v1/chat/completions", {**chat, "documents": docs}),
+                                      ("/v1/chat/completions", chat),
+                                      ("/v1/chat/completions", {**chat, "documents": "Lima"})])
+    assert given.status_code == 200 and none.status_code == 200 and bad.status_code == 400
+    assert client.prompts == [codec.encode_chat(f"{BOS}[Peru: Lima][Chile: Santiago]hi"), codec.encode_chat(f"{BOS}hi")]

@@ -354,6 +354,7 @@ class ChatRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # (vLLM's; refused, as vLLM refuses it unless trusted: no_request_template)
+    documents: list[dict[str, str]] | None = None  # (vLLM's: a RAG template's sources, given to it as `documents`)
     tools: list[Any] | None = None  # (each checked by tools.check_tools, with a message that names it)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
