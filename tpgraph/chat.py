@@ -106,8 +106,9 @@ def template_content(content: Any, where: str, content_format: str = "string", r
 def text_messages(messages: list[Any], content_format: str = "string") -> list[Any]:
     """Chat messages as TPEngine.chat hands them to the template, as vLLM's LLM.chat does: their content as
     template_content gives it, an assistant's earlier tool calls as history_call gives them (an empty list dropped,
-    as vLLM drops it), a developer message's tools as developer_tools gives them. Copies: the caller's are left as
-    they are; what is no message is left for the template's checks to name."""
+    as vLLM drops it) and its reasoning as reasoning_content too, a developer message's tools as developer_tools
+    gives them. Copies: the caller's are left as they are; what is no message is left for the template's checks to
+    name."""
     return [_template_message(m, i, content_format) if isinstance(m, dict) and "role" in m else m
             for i, m in enumerate(messages)]
 
@@ -119,6 +120,10 @@ def _template_message(m: dict[str, Any], i: int, content_format: str) -> dict[st
     calls = m.get("tool_calls")
     if m["role"] == "assistant" and isinstance(calls, list):
         set_history_calls(out, calls, i)
+    # (vLLM's parser gives an assistant's reasoning under both keys, as the server's template_messages does: Qwen3's
+    # and DeepSeek's templates read reasoning_content)
+    if m["role"] == "assistant" and isinstance(m.get("reasoning"), str):
+        out["reasoning_content"] = m["reasoning"]
     return out
 
 

@@ -370,6 +370,21 @@ def test_names_and_an_assistants_reasoning_reach_the_template():
         {"role": "user", "content": "x"}]
 
 
+def test_offline_chat_gives_an_assistants_reasoning_to_the_template_as_reasoning_content_too():
+    """vLLM's LLM.chat parses messages as its server does (_parse_chat_message_content): an assistant's `reasoning`
+    reaches the template as `reasoning` and `reasoning_content` (the key Qwen3's and DeepSeek's templates read).
+    TPEngine.chat passed the message as given, so such a template wrote no earlier thoughts where the server and vLLM
+    write them."""
+    from tpgraph.chat import text_messages
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning": "she greets"}]
+    served = ChatRequest.model_validate({**CHAT, "messages": messages}).checked_messages()
+    assert text_messages(messages) == served == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "reasoning": "she greets", "reasoning_content": "she greets"}]
+    assert messages[1] == {"role": "assistant", "content": "ok", "reasoning": "she greets"}  # (the caller's kept)
+
+
 def test_a_schema_given_as_text_nested_past_the_stack_is_a_400():
     """A JSON schema sent as text (guided_json, structured_outputs.json) nested deeper than json.loads can follow
     raised RecursionError, a 500; it is a request's mistake, as an earlier call's arguments nested so deep are."""
