@@ -35,8 +35,9 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # transformers' named special tokens, in its order (its special_tokens_map; template variables, as there)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# the template's variables that a request's own fields set: chat_template_kwargs may not set them
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# the template's variables that a request's own fields set: chat_template_kwargs may not set them (documents may:
+# vLLM's LLM.chat has no argument for them, and its server takes them where the request's documents field is unset)
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 # the content parts vLLM reads as text (the Responses API's input_text and output_text, an assistant's refusal and
 # earlier thoughts, as clients of reasoning models send them back), and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -286,7 +287,7 @@ class ChatTemplate:
         variables: more of the template's own variables (vLLM's chat_template_kwargs, e.g. a system prompt switch).
         continue_final_message: the text ends inside the last message (an assistant's reply begun), as HF's
         apply_chat_template cuts it, so the model continues it. documents: a RAG template's sources (vLLM's chat
-        request field, each {"title", "text"}), as apply_chat_template gives them."""
+        request field, each {"title", "text"}), as apply_chat_template gives them; where None, variables' own."""
         variables = dict(variables or {})
         taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
         if taken:
@@ -298,9 +299,12 @@ class ChatTemplate:
             messages = _with_end_mark(messages)
         template = self.tool_use_template if tools is not None and self.tool_use_template is not None else \
             self.template
+        context = {**self.special_tokens, **variables}
+        if documents is not None or "documents" not in context:  # (the request's field over chat_template_kwargs'
+            context["documents"] = documents  # where it is set, as vLLM's merge_kwargs takes it)
         try:
-            text = template.render(**{**self.special_tokens, **variables}, messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt, documents=documents)
+            text = template.render(**context, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:  # raise_exception in the template: the messages break its rules
             raise RequestError(f"the chat template refused these messages: {exc}") from None
         except Exception as exc:  # noqa: BLE001 (anything else the template raised: vLLM's safe_apply_chat_template

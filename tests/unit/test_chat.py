@@ -145,6 +145,24 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+def test_documents_given_as_a_template_variable_reach_the_template():
+    """vLLM's LLM.chat has no documents argument: a RAG template's sources go in chat_template_kwargs, which reach
+    apply_chat_template's `documents`; its server takes them there too where the request's documents field is unset
+    (merge_kwargs keeps a variable the field leaves None). They were refused here ("may not set documents"), though
+    no argument of TPEngine.chat sets them."""
+    template = ChatTemplate("{% for d in documents or [] %}[{{ d.text }}]{% endfor %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    hi = [{"role": "user", "content": "hi"}]
+    assert template.render(hi, variables={"documents": [{"title": "t", "text": "Lima"}]}) == "[Lima]hi"
+    assert template.render(hi, variables={"documents": [{"text": "Lima"}]}, documents=[{"text": "Quito"}]) == \
+        "[Quito]hi"  # (the request's field, where given)
+    assert template.render(hi) == "hi"
+    with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
+        (out,) = engine.chat(hi, SamplingParams(temperature=0.0, max_tokens=1), chat_template=template.source,
+                             chat_template_kwargs={"documents": [{"title": "t", "text": "Lima"}]})
+        assert out.prompt == "[Lima]hi"
+
+
 @pytest.mark.parametrize("source, variables", [
     ("{% for i in range(n) %}{% endfor %}", {"n": 10 ** 8}),  # (the sandbox's range limit: an OverflowError)
     ("{{ total // n }}", {"total": 6, "n": 0}),  # (a ZeroDivisionError)
