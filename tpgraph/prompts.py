@@ -92,6 +92,8 @@ class PromptCodec:
         if template is None:
             raise RequestError(f"{self.model_label} has no chat template (chat_template.jinja, or "
                                f"tokenizer_config.json's chat_template, or --chat-template); send a plain prompt")
+        if not messages:  # (as vLLM's, whose apply_chat_template raises: else the generation prompt alone was run)
+            raise RequestError("cannot apply the chat template to an empty conversation: give at least one message")
         for i, m in enumerate(messages):  # (a template renders a missing role as nothing: a prompt of garbage)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"chat message {i} has no role: messages are {{'role': ..., 'content': ...}}, got "

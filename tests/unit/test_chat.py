@@ -145,6 +145,21 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+def test_an_empty_conversation_is_refused_as_vllms_apply_chat_template_refuses_it():
+    """vLLM's LLM.chat hands each conversation to transformers' apply_chat_template, which raises on an empty one
+    ("Cannot apply chat template to an empty conversation"; transformers 4 failed on its first message). TPEngine.chat
+    rendered the template over no messages, and completed the generation prompt alone."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    hi = [{"role": "user", "content": "hi"}]
+    with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
+        for conversations in ([[]], [hi, []]):
+            with pytest.raises(RequestError, match="an empty conversation"):
+                engine.chat(conversations, greedy)
+        with pytest.raises(RequestError, match="an empty conversation"):
+            engine.get_tokenizer().apply_chat_template([], tokenize=False)
+        assert engine.chat([hi], greedy)[0].prompt == engine.render_chat(hi)
+
+
 def test_documents_given_as_a_template_variable_reach_the_template():
     """vLLM's LLM.chat has no documents argument: a RAG template's sources go in chat_template_kwargs, which reach
     apply_chat_template's `documents`; its server takes them there too where the request's documents field is unset

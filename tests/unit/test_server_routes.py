@@ -132,6 +132,8 @@ def test_an_empty_model_name_is_the_model_served_on_the_token_routes():
     ("/detokenize", {"tokens": [True]}, 400, "token ids must be integers"),
     ("/detokenize", {}, 400, "tokens: Field required"),
     ("/tokenize", {"prompt": "x" * 4_000_001}, 400, "4000001 characters; /tokenize takes at most 4000000"),
+    # (as vLLM's: apply_chat_template refuses an empty conversation; it rendered the generation prompt alone)
+    ("/tokenize", {"messages": []}, 400, "an empty conversation"),
     # (as vLLM refuses a request's own template, unless trusted: taken and ignored, the server's rendered the prompt)
     *((path, {"messages": [{"role": "user", "content": "x"}], **extra}, 400, "a chat template sent with the request")
       for path in ("/tokenize", "/v1/chat/completions")
