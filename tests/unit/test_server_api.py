@@ -409,6 +409,16 @@ def test_time_per_output_token_is_a_samples_not_the_requests_tokens_pooled(monke
     assert registry.get_sample_value("vllm:request_time_per_output_token_seconds_sum", LABELS) == pytest.approx(0.02)
 
 
+def test_inter_token_latency_is_each_gap_between_a_samples_tokens(monkeypatch):
+    """vLLM's vllm:inter_token_latency_seconds (beside its per-request mean, request_time_per_output_token): one
+    observation per token after a sample's first, the time since that sample's previous token. n = 2 samples each get
+    a token every 10 ms: 2 x 4 gaps of 10 ms. It was not exported, so a dashboard's ITL panel built on vLLM's was
+    empty."""
+    registry = _tokens_every_10_ms(monkeypatch, 2, "length", 0.05, "length")
+    assert registry.get_sample_value("vllm:inter_token_latency_seconds_count", LABELS) == 8
+    assert registry.get_sample_value("vllm:inter_token_latency_seconds_sum", LABELS) == pytest.approx(0.08)
+
+
 def test_each_of_n_samples_is_counted_as_vllm_counts_its_requests(monkeypatch):
     """vLLM's engine runs each of n samples as a request of its own: TTFT, TPOT, end-to-end latency and the finished
     count are each sample's, a sample that ended on its own under its own reason, the ones the request's end cut

@@ -1,8 +1,8 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, queue time, end-to-end latency, finished requests, prompt and generated tokens: each of a request's n samples
-counted as a request, as vLLM's engine runs them). /metrics serves both.
+TPOT, inter-token latency, queue time, end-to-end latency, finished requests, prompt and generated tokens: each of a
+request's n samples counted as a request, as vLLM's engine runs them). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -107,6 +107,9 @@ class ServerMetrics:
                           "its arrival there to its first admission", buckets=REQUEST_BUCKETS)
         self.tpot = vllm(Histogram, "vllm:request_time_per_output_token_seconds", "Mean time between a request's "
                          "tokens", buckets=LATENCY_BUCKETS)
+        # (vLLM exports each gap too, beside the mean: the ITL that its dashboards plot)
+        self.itl = vllm(Histogram, "vllm:inter_token_latency_seconds", "Time between a sample's token and its "
+                        "previous one", buckets=LATENCY_BUCKETS)
         self.requests = Counter("vllm:request_success", "Requests finished, by finish reason",
                                 (*VLLM_LABELS, "finished_reason"), registry=r)
         self.refused = Counter("tpgraph_requests_refused", "Requests the engine refused as it came to add them (a "
@@ -143,12 +146,14 @@ class ServerMetrics:
         if update.token_id is not None:
             self.tokens.inc()
             samples = self._samples.setdefault(rid, {})
-            count, first, _ = samples.get(update.sample_index, (0, now, now))
+            count, first, last = samples.get(update.sample_index, (0, now, now))
             samples[update.sample_index] = (count + 1, first, now)
             if not count:  # this sample's first token: its prompt is computed
                 self.prompt_tokens.inc(self._prompt_len.get(rid, 0))
                 if rid in self._arrival:
                     self.ttft.observe(now - self._arrival[rid])
+            else:  # (a later token: the gap since this sample's previous one, as vLLM's decode outputs are timed)
+                self.itl.observe(now - last)
         if update.finish_reason is not None:
             self._sample_ended(rid, update.sample_index, update.finish_reason, now)
 
