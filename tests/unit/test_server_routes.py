@@ -161,6 +161,16 @@ def test_an_api_key_guards_every_route_but_the_operators():
     assert call([("GET", "/v1/models", None, None)])[0].status_code == 200  # without a key set, nothing is asked
 
 
+def test_the_bearer_scheme_is_read_in_any_case_as_vllms():
+    """vLLM's AuthenticationMiddleware takes the scheme in any case (`scheme.lower() != "bearer"`), as HTTP's schemes
+    are: `bearer KEY` was a 401 here. The key itself is still matched exactly, and another scheme is still refused."""
+    body = {"prompt": "x"}
+    replies = call([("POST", "/tokenize", body, {"Authorization": header})
+                    for header in ("bearer s3cret", "BEARER s3cret", "bearer S3CRET", "Basic s3cret", "s3cret")],
+                   api_key="s3cret")
+    assert [r.status_code for r in replies] == [200, 200, 401, 401, 401]
+
+
 @pytest.mark.parametrize("api_key", [None, "k3y", "clé"])
 def test_with_a_key_a_client_that_leaves_is_still_noticed(api_key):
     """The key's check must not hide the client's going away from the endpoint (Starlette's BaseHTTPMiddleware,

@@ -32,14 +32,17 @@ class ApiKeyMiddleware:
         """key: the key, or several (vLLM's --api-key KEY...), any of which a client may send."""
         self.app = app
         # (compared as bytes: a key need not be ASCII)
-        self.expected = [b"Bearer " + k.encode() for k in ((key,) if isinstance(key, str) else key)]
+        self.expected = [k.encode() for k in ((key,) if isinstance(key, str) else key)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        # (the scheme in any case, as HTTP's schemes are and as vLLM reads it: `bearer KEY` too; the key exactly)
+        scheme, _, sent = given.partition(b" ")
         # (each in constant time, and all of them: no key guessed a byte at a time, nor which one matched)
-        if sum(secrets.compare_digest(given, expected) for expected in self.expected):
+        matched = sum(secrets.compare_digest(sent, expected) for expected in self.expected)
+        if matched and scheme.lower() == b"bearer":
             return await self.app(scope, receive, send)
         message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
                    else "the API key is wrong (send the header `Authorization: Bearer <key>`)")
