@@ -419,6 +419,22 @@ def test_inter_token_latency_is_each_gap_between_a_samples_tokens(monkeypatch):
     assert registry.get_sample_value("vllm:inter_token_latency_seconds_sum", LABELS) == pytest.approx(0.08)
 
 
+def test_each_samples_prompt_and_generation_lengths_are_histograms_as_vllms(monkeypatch):
+    """vLLM's vllm:request_prompt_tokens and vllm:request_generation_tokens (its dashboard's prompt and generation
+    length heatmaps): each finished sample's prompt length and tokens generated, in 1-2-5 buckets up to max_model_len.
+    They were not exported. n = 2 samples of a 4-token prompt, 5 tokens each."""
+    registry = _tokens_every_10_ms(monkeypatch, 2, "length", 0.05, "length")
+    get = registry.get_sample_value
+    assert (get("vllm:request_prompt_tokens_count", LABELS), get("vllm:request_prompt_tokens_sum", LABELS)) == (2, 8)
+    assert get("vllm:request_generation_tokens_count", LABELS) == 2
+    assert get("vllm:request_generation_tokens_sum", LABELS) == 10
+    assert get("vllm:request_generation_tokens_bucket", {**LABELS, "le": "5.0"}) == 2
+    assert get("vllm:request_generation_tokens_bucket", {**LABELS, "le": "2.0"}) == 0
+    bounds = [s.labels["le"] for m in ServerMetrics(max_model_len=600).registry.collect()
+              if m.name == "vllm:request_prompt_tokens" for s in m.samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+
+
 def test_each_of_n_samples_is_counted_as_vllm_counts_its_requests(monkeypatch):
     """vLLM's engine runs each of n samples as a request of its own: TTFT, TPOT, end-to-end latency and the finished
     count are each sample's, a sample that ended on its own under its own reason, the ones the request's end cut

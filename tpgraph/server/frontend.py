@@ -93,8 +93,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
         timer.start()
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
-    app = create_app(client, spec.prompts, ServerMetrics(spec.model_name), spec.model_name, spec.max_model_len,
-                     spec.api_key,
+    metrics = ServerMetrics(spec.model_name, spec.max_model_len)  # (its token histograms reach max_model_len)
+    app = create_app(client, spec.prompts, metrics, spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
                      spec.served_names, spec.model_root)
     server = Server(uvicorn_config(app, spec))

@@ -1,8 +1,9 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, inter-token latency, queue time, end-to-end latency, finished requests, prompt and generated tokens: each of a
-request's n samples counted as a request, as vLLM's engine runs them). /metrics serves both.
+TPOT, inter-token latency, queue time, end-to-end latency, finished requests, prompt and generated tokens, and each
+finished request's prompt and generation lengths: each of a request's n samples counted as a request, as vLLM's engine
+runs them). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -24,6 +25,16 @@ HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
 VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
 ENGINE_INDEX = "0"
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
+DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts (build_1_2_5_buckets): 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while scale <= max_model_len:
+        buckets += [b for b in (scale, 2 * scale, 5 * scale) if b <= max_model_len]
+        scale *= 10
+    return tuple(buckets)
 
 
 def vllm_metrics(model_name: str, registry: CollectorRegistry) -> Callable[..., Gauge | Counter | Histogram]:
@@ -98,7 +109,7 @@ class EngineMetrics:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str = DEFAULT_MODEL_NAME) -> None:
+    def __init__(self, model_name: str = DEFAULT_MODEL_NAME, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         self.registry = r = CollectorRegistry()
         vllm = vllm_metrics(model_name, r)
         self.ttft = vllm(Histogram, "vllm:time_to_first_token_seconds", "Arrival to first token",
@@ -119,6 +130,11 @@ class ServerMetrics:
                                   "first token)")
         self.e2e = vllm(Histogram, "vllm:e2e_request_latency_seconds", "Arrival to the request's end",
                         buckets=REQUEST_BUCKETS)
+        # (vLLM's per finished request, which its dashboard draws as prompt and generation length heatmaps)
+        self.prompt_lengths = vllm(Histogram, "vllm:request_prompt_tokens", "A finished sample's prompt tokens",
+                                   buckets=token_buckets(max_model_len))
+        self.generation_lengths = vllm(Histogram, "vllm:request_generation_tokens", "A finished sample's generated "
+                                       "tokens", buckets=token_buckets(max_model_len))
         self.model_name = model_name
         # each request's arrival, prompt length and samples asked (n), and its samples by index: (tokens, the first's
         # time, the last's time), and which have ended
@@ -169,6 +185,8 @@ class ServerMetrics:
             self.tpot.observe((last - first) / (count - 1))
         if request_id in self._arrival:
             self.e2e.observe(now - self._arrival[request_id])
+        self.prompt_lengths.observe(self._prompt_len.get(request_id, 0))
+        self.generation_lengths.observe(count)
 
     def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
         """The whole request is over (at `now`, perf_counter; default: now): its samples still open end with
