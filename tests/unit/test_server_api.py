@@ -844,3 +844,35 @@ def test_a_chats_documents_reach_the_chat_template():
                                       ("/v1/chat/completions", {**chat, "documents": "Lima"})])
     assert given.status_code == 200 and none.status_code == 200 and bad.status_code == 400
     assert client.prompts == [codec.encode_chat(f"{BOS}[Peru: Lima][Chile: Santiago]hi"), codec.encode_chat(f"{BOS}hi")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_token_a_grammar_rules_out_has_a_json_log_probability_as_vllms(path):
+    """Under a structured output the log-probabilities are over what the grammar allows (the sampler masks the logits
+    first), so an alternative it rules out has -inf, which JSON cannot write: the whole reply was a 500 (the response's
+    json.dumps refuses it) and a stream's event held `-Infinity`, which a client's JSON parser refuses. vLLM's server
+    writes such a log-probability as -9999.0, in both endpoints' logprobs."""
+
+    class MaskedClient(ScriptedClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            self.params.append(params)
+            sink(StepUpdate(request_id, 0, 7, "a", "stop", logprob=0.0,
+                            top_logprobs=[(7, 0.0), (8, float("-inf"))][:params.logprobs]))
+
+    def strict(text: str):  # (json.loads takes NaN and Infinity, which JSON has not)
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    chat = "chat" in path
+    body = {"model": "m", "max_tokens": 1, **({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                               "top_logprobs": 2} if chat else {"prompt": "hi", "logprobs": 2})}
+    app = server_app.create_app(MaskedClient(["a"]), builtin_codec(), ServerMetrics(), "m", 128)
+    whole, streamed = post_all(app, [(path, body), (path, {**body, "stream": True})])
+    assert whole.status_code == streamed.status_code == 200, whole.text
+    events = [strict(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    (chunk,) = [e for e in events if e["choices"] and e["choices"][0]["logprobs"]]  # (a chat's role chunk has none)
+    for choice in [strict(whole.text)["choices"][0], chunk["choices"][0]]:
+        if chat:
+            assert [e["logprob"] for e in choice["logprobs"]["content"][0]["top_logprobs"]] == [0.0, -9999.0]
+        else:
+            assert list(choice["logprobs"]["top_logprobs"][0].values()) == [0.0, -9999.0]

@@ -346,6 +346,15 @@ def _echoed(echoed: str, message: dict) -> dict:
     return {"role": message.pop("role"), "content": message.pop("content"), **MESSAGE_NULLS, **message}
 
 
+# a log-probability of -inf (a token a structured output's grammar rules out: the sampler masks the logits first) as
+# vLLM's servers write it, which JSON cannot: max(logprob, -9999.0)
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -534,13 +543,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 offsets.append(at)
                 at += len(t)
             # the OpenAI completions API: the top `logprobs` tokens and always the sampled one (logprobs + 1 at most)
-            tops = [None if lp is None else {prompts.token_text(t, as_id): v for t, v in top}
+            tops = [None if lp is None else {prompts.token_text(t, as_id): _json_logprob(v) for t, v in top}
                     for _, lp, top in entries]
             for top, token, (_, lp, _) in zip(tops, tokens, entries, strict=True):
                 if top is not None:
-                    top.setdefault(token, lp)
-            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
-                    "text_offset": offsets}
+                    top.setdefault(token, _json_logprob(lp))
+            return {"tokens": tokens, "token_logprobs": [_json_logprob(lp) for _, lp, _ in entries],
+                    "top_logprobs": tops, "text_offset": offsets}
 
         started: set[int] = set()  # the choices that have had an update (with echo, the prompt)
         firsts: dict[int, StepUpdate] = {}  # each prompt's first update, which carries its prompt log-probabilities
@@ -672,7 +681,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         def entry(t: int, lp: float) -> dict:
             s = prompts.token_text(t, body.tokens_as_ids(http.return_tokens_as_token_ids))
-            return {"token": s, "logprob": lp, "bytes": prompts.token_bytes(t)}
+            return {"token": s, "logprob": _json_logprob(lp), "bytes": prompts.token_bytes(t)}
 
         def content_logprobs(items: list) -> dict | None:
             if params.logprobs is None or hidden:
