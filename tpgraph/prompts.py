@@ -21,8 +21,9 @@ from tpgraph.tokenizer import unicode_to_byte
 Prompt = str | list[int] | list[dict[str, str]]
 _BYTE_OF = unicode_to_byte()  # (byte-level BPE vocabularies spell each byte as one of these characters)
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # (SentencePiece's byte-fallback tokens)
-# transformers' apply_chat_template options EngineTokenizer does not take (else they would reach the template unused)
-NOT_TEMPLATE_VARIABLES = frozenset({"chat_template", "documents", "padding", "truncation", "max_length",
+# transformers' apply_chat_template options EngineTokenizer does not take (else they would reach the template unused;
+# its documents are taken, as a template variable: ChatTemplate.render gives them to the template)
+NOT_TEMPLATE_VARIABLES = frozenset({"chat_template", "padding", "truncation", "max_length",
                                     "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 

@@ -178,6 +178,22 @@ def test_documents_given_as_a_template_variable_reach_the_template():
         assert out.prompt == "[Lima]hi"
 
 
+def test_get_tokenizers_apply_chat_template_gives_documents_to_the_template_as_transformers(hf_tokenizer):
+    """transformers' apply_chat_template(documents=...) hands a RAG template its sources, and so does vLLM's
+    LLM.get_tokenizer(); the engine's stand-in for it refused them ("takes no documents") though the chat template now
+    takes documents, from chat_template_kwargs and the server's documents field."""
+    from tpgraph.prompts import EngineTokenizer, PromptCodec
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    source = ("{% for d in documents or [] %}[{{ d.text }}]{% endfor %}"
+              "{% for m in messages %}{{ m.content }}{% endfor %}")
+    codec = PromptCodec(builtin_tokenizer(), ChatTemplate(source), GenerationDefaults(), "m")
+    hi, docs = [{"role": "user", "content": "hi"}], [{"title": "Peru", "text": "Lima"}]
+    ours = EngineTokenizer(codec).apply_chat_template(hi, documents=docs, tokenize=False)
+    assert ours == hf_tokenizer.apply_chat_template(hi, documents=docs, chat_template=source, tokenize=False) == \
+        "[Lima]hi"
+
+
 @pytest.mark.parametrize("source, variables", [
     ("{% for i in range(n) %}{% endfor %}", {"n": 10 ** 8}),  # (the sandbox's range limit: an OverflowError)
     ("{{ total // n }}", {"total": 6, "n": 0}),  # (a ZeroDivisionError)
