@@ -440,7 +440,9 @@ class GenerationDefaults:
     max_tokens: int | None = None  # (its max_new_tokens) a request's limit where it sets none, as vLLM's server
 
     @staticmethod
-    def from_dir(model_dir: str | Path | None) -> GenerationDefaults:
+    def from_dir(model_dir: str | Path | None, defaults: bool = True) -> GenerationDefaults:
+        """defaults False: its EOS ids alone (--generation-config vllm), its sampling values neither read nor checked
+        (none is served)."""
         if model_dir is None:
             return GenerationDefaults()
         path = Path(model_dir) / "generation_config.json"
@@ -451,6 +453,8 @@ class GenerationDefaults:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if any(isinstance(t, bool) or not isinstance(t, int) for t in eos_ids):  # (a string id would never match)
             raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        if not defaults:
+            return GenerationDefaults(eos_ids)
         # as vLLM: these become the request defaults
         sampling = {key: cfg[key] for key in SAMPLING_DEFAULTS
                     if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
@@ -472,7 +476,7 @@ class GenerationDefaults:
         generation_config.json; "vllm": none of its defaults (its EOS ids still end a generation, as vLLM's); else a
         directory whose generation_config.json is read instead. overrides then set or, where null, unset values."""
         if source == "vllm":
-            base = GenerationDefaults(GenerationDefaults.from_dir(model_dir).eos_token_ids)
+            base = GenerationDefaults.from_dir(model_dir, defaults=False)
         elif source == "auto":
             base = GenerationDefaults.from_dir(model_dir)
         else:

@@ -135,6 +135,19 @@ def test_generation_config_auto_vllm_or_a_directory_and_overrides(tmp_path):
     assert GenerationDefaults.from_option("auto", None) == GenerationDefaults()  # (the built-in model has none)
 
 
+def test_generation_config_vllm_neither_reads_nor_checks_the_checkpoints_defaults(tmp_path):
+    """--generation-config vllm serves none of generation_config.json's defaults (its EOS ids alone, as vLLM's), so a
+    value a request would refuse there (a temperature past 2, vLLM's and now SamplingParams' limit) does not stop the
+    engine's start, as it does with auto, which serves it: it refused the checkpoint with vllm too."""
+    from tpgraph.chat import GenerationDefaults
+    from tpgraph.errors import CheckpointError
+
+    ckpt = generation_config(tmp_path / "ckpt", eos_token_id=7, temperature=3.0)
+    assert GenerationDefaults.from_option("vllm", ckpt) == GenerationDefaults((7,))
+    with pytest.raises(CheckpointError, match=r"temperature must be in \[0.0, 2.0\], got 3.0"):
+        GenerationDefaults.from_option("auto", ckpt)
+
+
 def test_the_flags_reach_the_engines_defaults(tmp_path):
     other = generation_config(tmp_path / "other", temperature=0.25, max_new_tokens=5)
     args = parse_args(["--generation-config", str(other), "--override-generation-config", '{"top_p": 0.75}'])
