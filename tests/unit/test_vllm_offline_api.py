@@ -829,3 +829,32 @@ def test_offline_chat_hands_earlier_tool_calls_to_the_template_as_the_server_and
     # (arguments that do not parse are {}, with a warning, as newest vLLM's _postprocess_messages coerces them)
     assert prompts == ['user:hi|assistant:CALLSf{"x": 1}|', 'user:hi|assistant:CALLSf{"x": 1}|',
                        "user:hi|assistant:ok|", "user:hi|assistant:CALLSf{}|"]
+
+
+def test_tokenization_kwargs_are_read_as_vllms_generate_and_chat_read_them():
+    """vLLM's generate and chat take tokenization_kwargs, overrides for the prompts' tokenization (TokenizeParams):
+    add_special_tokens (False: a text prompt without its BOS; True: the chat's rendered text with one) and
+    truncate_prompt_tokens (the prompt's last k tokens; a SamplingParams' own wins, as vLLM merges them). Each was a
+    TypeError here ("unexpected keyword argument"); a key tpgraph does not read is refused, named."""
+    chat = [{"role": "user", "content": "hi"}]
+    cut_own = SamplingParams(temperature=0.0, max_tokens=6, truncate_prompt_tokens=3)
+    with engine() as e:
+        ids = e.encode("hello there")
+        assert e.generate("hello there", GREEDY, tokenization_kwargs=None)[0].prompt_token_ids == ids
+        (bare,) = e.generate(["hello there"], GREEDY, tokenization_kwargs={"add_special_tokens": False})
+        (cut,) = e.generate("hello there", GREEDY, tokenization_kwargs={"truncate_prompt_tokens": 4})
+        (own,) = e.generate("hello there", cut_own, tokenization_kwargs={"truncate_prompt_tokens": 4})
+        want = e.chat(chat, GREEDY)[0].prompt_token_ids
+        (chat_cut,) = e.chat(chat, GREEDY, tokenization_kwargs={"truncate_prompt_tokens": 2})
+        (chat_bos,) = e.chat(chat, GREEDY, tokenization_kwargs={"add_special_tokens": True})
+        for kwargs, refusal in [({"padding": "max_length"}, r"tokenization_kwargs here take add_special_tokens and "
+                                 r"truncate_prompt_tokens alone, got \['padding'\]"),
+                                ({"add_special_tokens": 1}, "add_special_tokens must be True or False, got 1"),
+                                ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
+                                ([("add_special_tokens", False)],
+                                 "tokenization_kwargs must be a dict or None, got list")]:
+            with pytest.raises(RequestError, match=refusal):
+                e.generate("hi", GREEDY, tokenization_kwargs=kwargs)
+    assert (bare.prompt, bare.prompt_token_ids) == ("hello there", ids[1:])
+    assert cut.prompt_token_ids == ids[-4:] and own.prompt_token_ids == ids[-3:]
+    assert chat_cut.prompt_token_ids == want[-2:] and chat_bos.prompt_token_ids == [ids[0], *want]

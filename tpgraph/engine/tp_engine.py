@@ -351,23 +351,34 @@ class TPEngine:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = False, *,
-                 priority: list[int] | None = None, lora_request: None = None) -> list[GenerationOutput]:
+                 priority: list[int] | None = None, lora_request: None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
         vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
         scheduling_policy "priority" serves lower values first). lora_request: vLLM's, taken as None alone (no
-        adapters here). Calls from several threads run one after another."""
+        adapters here). tokenization_kwargs (vLLM's): add_special_tokens for text prompts, truncate_prompt_tokens
+        (TokenizeOptions). Calls from several threads run one after another."""
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
             self._check_open()
-            # (lora_request refused inside the check, where every rank meets: one rank refusing it alone before it
-            # left the others waiting in the gather)
-            prompts = self._agreed_call("generate", lambda: no_lora(lora_request) or _prompt_list(prompts),
-                                        sampling_params, priority)
-            limit = self._encode_limit(sampling_params)
-            encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else (p if isinstance(p, str) else None,
-                                                                        self.prompts.encode(p, limit)) for p in prompts]
-            return self._generate(encoded, sampling_params, use_tqdm, priority)
+            options = TokenizeOptions()
+
+            def normalized() -> list:
+                # (lora_request and tokenization_kwargs refused inside the check, where every rank meets: one rank
+                # refusing alone before it left the others waiting in the gather)
+                nonlocal options
+                no_lora(lora_request)
+                options = TokenizeOptions.read(tokenization_kwargs)
+                return _prompt_list(prompts)
+
+            prompts = self._agreed_call("generate", normalized, sampling_params, priority, tokenization_kwargs)
+            limit = self._encode_limit(sampling_params, options)
+            special = True if options.add_special_tokens is None else options.add_special_tokens
+            encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else
+                       (p, self.prompts.encode_text(p, special, limit)) if isinstance(p, str) else
+                       (None, self.prompts.encode(p, limit)) for p in prompts]
+            return self._generate(encoded, sampling_params, use_tqdm, priority, options.truncate_prompt_tokens)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
@@ -375,32 +386,43 @@ class TPEngine:
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              chat_template: str | None = None, lora_request: None = None,
-             chat_template_content_format: str = "auto") -> list[GenerationOutput]:
+             chat_template_content_format: str = "auto",
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
         by name): a conversation (a list of messages), or a list of them, each rendered through the chat
         template (or `chat_template`, a Jinja template's text, in its place) with these options (ChatTemplate.render)
         and completed; a message's content parts (OpenAI's) reach the template as vLLM gives them: for
         chat_template_content_format "auto", a list of text parts where the template loops over them, else their texts
         joined by newlines, a null content none ("string" always joins them, "openai" always lists them). Each
-        output's prompt is the rendered text."""
+        output's prompt is the rendered text. tokenization_kwargs as generate's (the rendered text takes no special
+        tokens of the tokenizer's unless add_special_tokens is True, as vLLM's chat encodes it)."""
         with self._lock:
             self._check_open()
-            conversations = self._agreed_call("chat", lambda: no_lora(lora_request) or known_content_format(
-                chat_template_content_format) or _conversation_list(messages),
-                                              sampling_params, tools, add_generation_prompt, continue_final_message,
-                                              chat_template_kwargs, chat_template, chat_template_content_format)
+            options = TokenizeOptions()
+
+            def normalized() -> list:
+                nonlocal options
+                no_lora(lora_request)
+                known_content_format(chat_template_content_format)
+                options = TokenizeOptions.read(tokenization_kwargs)
+                return _conversation_list(messages)
+
+            conversations = self._agreed_call("chat", normalized, sampling_params, tools, add_generation_prompt,
+                                              continue_final_message, chat_template_kwargs, chat_template,
+                                              chat_template_content_format, tokenization_kwargs)
             template = None
             if chat_template is not None:
                 if not isinstance(chat_template, str):
                     raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
-            encoded, limit = [], self._encode_limit(sampling_params)
+            encoded, limit = [], self._encode_limit(sampling_params, options)
             content_format = self.prompts.content_format(tools, chat_template_content_format, template)
             for conversation in conversations:
                 text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt, tools,
                                         chat_template_kwargs, continue_final_message, template)
-                encoded.append((text, self.prompts.encode_chat(text, limit)))
-            return self._generate(encoded, sampling_params, use_tqdm)
+                encoded.append((text, self.prompts.encode_text(text, bool(options.add_special_tokens), limit)))
+            return self._generate(encoded, sampling_params, use_tqdm,
+                                  truncate_prompt_tokens=options.truncate_prompt_tokens)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: None = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -453,12 +475,13 @@ class TPEngine:
             logger.warning("the prefix cache was not reset: requests are running")
         return done
 
-    def _encode_limit(self, params: Any) -> int | None:
+    def _encode_limit(self, params: Any, options: TokenizeOptions) -> int | None:
         """The most tokens a call's prompts may encode to before they are refused, unread: max_model_len, or none
-        where its sampling params (one, a list, or None) cut any prompt (truncate_prompt_tokens), which is then
-        refused or cut once encoded (_generate)."""
+        where its sampling params (one, a list, or None) or its tokenization_kwargs cut any prompt
+        (truncate_prompt_tokens), which is then refused or cut once encoded (_generate)."""
         listed = params if isinstance(params, (list, tuple)) else [params]
-        cuts = any(getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
+        cuts = options.truncate_prompt_tokens is not None or any(
+            getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
         return None if cuts else self.runner.max_model_len
 
     def _check_open(self) -> None:
@@ -468,9 +491,11 @@ class TPEngine:
     def _generate(self, encoded: list[tuple[str | None, list[int]]],
                   params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
                   use_tqdm: bool | Callable[..., tqdm],
-                  priority: list[int] | tuple[int, ...] | None = None) -> list[GenerationOutput]:
+                  priority: list[int] | tuple[int, ...] | None = None,
+                  truncate_prompt_tokens: int | None = None) -> list[GenerationOutput]:
         """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids); priority:
-        each prompt's, in place of its SamplingParams' (vLLM's generate keyword)."""
+        each prompt's, in place of its SamplingParams' (vLLM's generate keyword); truncate_prompt_tokens: the call's
+        tokenization_kwargs' cut, for the prompts whose SamplingParams set none."""
         if params is None:  # (its limit, generation_config's max_new_tokens or SamplingParams' 16, is cut below)
             params = self.default_params()
         # each request's own copy, as vLLM clones them: a field the caller sets later changes later requests alone
@@ -486,6 +511,9 @@ class TPEngine:
                 raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
+        if truncate_prompt_tokens is not None:  # (a SamplingParams' own wins, as vLLM's merge_kwargs merges them)
+            per_prompt = [p if p.truncate_prompt_tokens is not None else
+                          dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in per_prompt]
         context = self.runner.max_model_len
         # truncate_prompt_tokens: the prompt's last tokens (its text stays the prompt as given, as vLLM's output's);
         # -1 is max_model_len whatever max_tokens, as vLLM's LLM reads it (_get_cmpl_tok_params asks no room for output)
@@ -717,6 +745,36 @@ def no_lora(lora_request: object) -> None:
     if lora_request is not None:
         raise RequestError("lora_request: tpgraph serves no LoRA adapters; merge the adapter into the weights (peft's "
                            "merge_and_unload) and serve the merged checkpoint")
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """vLLM's tokenization_kwargs (LLM.generate and LLM.chat; its TokenizeParams.with_kwargs reads them): None where
+    not given. add_special_tokens: the tokenizer's special tokens (BOS) around a text prompt (default True) or a chat's
+    rendered text (default False); truncate_prompt_tokens: as SamplingParams', which wins where set."""
+
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    @classmethod
+    def read(cls, kwargs: object) -> TokenizeOptions:
+        """The options, or a RequestError naming what is wrong: tokenizer.encode's other keys (padding, truncation,
+        max_length, ...), which vLLM reads or ignores, are refused rather than run otherwise than the script meant."""
+        if kwargs is None:
+            return cls()
+        if not isinstance(kwargs, dict):
+            raise RequestError(f"tokenization_kwargs must be a dict or None, got {type(kwargs).__name__}")
+        other = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)}, key=str)
+        if other:
+            raise RequestError(f"tokenization_kwargs here take add_special_tokens and truncate_prompt_tokens alone, "
+                               f"got {other}")
+        special = kwargs.get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            raise RequestError(f"add_special_tokens must be True or False, got {special!r}")
+        cut = kwargs.get("truncate_prompt_tokens")
+        if cut is not None:
+            SamplingParams(truncate_prompt_tokens=cut)  # (checked as SamplingParams' own: k >= 1, or -1)
+        return cls(special, cut)
 
 
 def known_content_format(content_format: object) -> None:
