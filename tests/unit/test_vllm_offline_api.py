@@ -858,3 +858,18 @@ def test_tokenization_kwargs_are_read_as_vllms_generate_and_chat_read_them():
     assert (bare.prompt, bare.prompt_token_ids) == ("hello there", ids[1:])
     assert cut.prompt_token_ids == ids[-4:] and own.prompt_token_ids == ids[-3:]
     assert chat_cut.prompt_token_ids == want[-2:] and chat_bos.prompt_token_ids == [ids[0], *want]
+
+
+def test_a_list_of_lora_requests_none_is_taken_as_vllms_generate_takes_it():
+    """vLLM's generate takes lora_request as one or a list, one for each prompt (_validate_and_add_requests), so a
+    script that picks each prompt's adapter passes [None, None] where it uses none: refused here as an adapter ("serves
+    no LoRA adapters"). A list holding an adapter is still refused; one of another length is refused as vLLM's is."""
+    with engine() as e:
+        want = [o.outputs[0].token_ids for o in e.generate(["a", "b"], GREEDY)]
+        assert [o.outputs[0].token_ids for o in e.generate(["a", "b"], GREEDY, lora_request=[None, None])] == want
+        (chat,) = e.chat([{"role": "user", "content": "hi"}], GREEDY, lora_request=(None,))
+        assert chat.outputs[0].token_ids
+        with pytest.raises(RequestError, match="merge_and_unload"):
+            e.generate(["a", "b"], GREEDY, lora_request=[None, object()])
+        with pytest.raises(RequestError, match=r"The lengths of prompts \(2\) and lora_request \(1\) must be the same"):
+            e.generate(["a", "b"], GREEDY, lora_request=[None])

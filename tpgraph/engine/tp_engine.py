@@ -351,13 +351,13 @@ class TPEngine:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = False, *,
-                 priority: list[int] | None = None, lora_request: None = None,
+                 priority: list[int] | None = None, lora_request: list[None] | tuple[None, ...] | None = None,
                  tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
         vLLM's LLM.generate name). priority (vLLM's): one for each prompt, its SamplingParams' priority (the
         scheduling_policy "priority" serves lower values first). lora_request: vLLM's, taken as None alone (no
-        adapters here). tokenization_kwargs (vLLM's): add_special_tokens for text prompts, truncate_prompt_tokens
-        (TokenizeOptions). Calls from several threads run one after another."""
+        adapters here), or a list of None, one for each prompt. tokenization_kwargs (vLLM's): add_special_tokens for
+        text prompts, truncate_prompt_tokens (TokenizeOptions). Calls from several threads run one after another."""
         # one call steps the core at a time: two threads' loops each read the other's updates (a KeyError for one, a
         # token lost from the other's outputs)
         with self._lock:
@@ -368,9 +368,10 @@ class TPEngine:
                 # (lora_request and tokenization_kwargs refused inside the check, where every rank meets: one rank
                 # refusing alone before it left the others waiting in the gather)
                 nonlocal options
-                no_lora(lora_request)
+                listed = _prompt_list(prompts)
+                no_lora(lora_request, len(listed))
                 options = TokenizeOptions.read(tokenization_kwargs)
-                return _prompt_list(prompts)
+                return listed
 
             prompts = self._agreed_call("generate", normalized, sampling_params, priority, tokenization_kwargs)
             limit = self._encode_limit(sampling_params, options)
@@ -385,7 +386,7 @@ class TPEngine:
              use_tqdm: bool | Callable[..., tqdm] = False, *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None, lora_request: None = None,
+             chat_template: str | None = None, lora_request: list[None] | tuple[None, ...] | None = None,
              chat_template_content_format: str = "auto",
              tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """vLLM's LLM.chat, its arguments named and ordered as there (messages, sampling_params, use_tqdm; the rest
@@ -402,10 +403,11 @@ class TPEngine:
 
             def normalized() -> list:
                 nonlocal options
-                no_lora(lora_request)
+                conversations = _conversation_list(messages)
+                no_lora(lora_request, len(conversations))
                 known_content_format(chat_template_content_format)
                 options = TokenizeOptions.read(tokenization_kwargs)
-                return _conversation_list(messages)
+                return conversations
 
             conversations = self._agreed_call("chat", normalized, sampling_params, tools, add_generation_prompt,
                                               continue_final_message, chat_template_kwargs, chat_template,
@@ -739,9 +741,15 @@ class TPEngine:
         self.close()
 
 
-def no_lora(lora_request: object) -> None:
+def no_lora(lora_request: object, count: int | None = None) -> None:
     """vLLM's lora_request, which scripts pass as None: anything else asks for an adapter, which tpgraph does not
-    serve (a TypeError for the keyword itself broke scripts that name it)."""
+    serve (a TypeError for the keyword itself broke scripts that name it). With count (generate's and chat's prompts),
+    a list of them, one for each prompt, as vLLM's generate takes it: None each."""
+    if count is not None and isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != count:  # (vLLM's _validate_and_add_requests' words)
+            raise RequestError(f"The lengths of prompts ({count}) and lora_request ({len(lora_request)}) must be the "
+                               f"same")
+        lora_request = next((r for r in lora_request if r is not None), None)
     if lora_request is not None:
         raise RequestError("lora_request: tpgraph serves no LoRA adapters; merge the adapter into the weights (peft's "
                            "merge_and_unload) and serve the merged checkpoint")
