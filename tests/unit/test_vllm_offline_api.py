@@ -873,3 +873,18 @@ def test_a_list_of_lora_requests_none_is_taken_as_vllms_generate_takes_it():
             e.generate(["a", "b"], GREEDY, lora_request=[None, object()])
         with pytest.raises(RequestError, match=r"The lengths of prompts \(2\) and lora_request \(1\) must be the same"):
             e.generate(["a", "b"], GREEDY, lora_request=[None])
+
+
+def test_reset_prefix_cache_takes_vllms_arguments():
+    """vLLM's LLM.reset_prefix_cache(reset_running_requests=False, reset_connector=False): a TypeError here for
+    either. Offline nothing runs while it acts (it waits for a generate call to end) and there is no KV connector, so
+    either value forgets the cached prefixes alike; a value that is not True or False is refused, named."""
+    with engine() as e:
+        for kwargs in ({"reset_running_requests": True}, {"reset_connector": True}, {"reset_running_requests": False}):
+            e.generate("Hi, a prompt of a few blocks", GREEDY)
+            assert e.core.scheduler.allocator.num_cached_blocks > 0
+            assert e.reset_prefix_cache(**kwargs) and e.core.scheduler.allocator.num_cached_blocks == 0
+        e.generate("Hi, a prompt of a few blocks", GREEDY)
+        assert e.reset_prefix_cache(True, False) and e.core.scheduler.allocator.num_cached_blocks == 0
+        with pytest.raises(RequestError, match="reset_running_requests must be True or False, got 'yes'"):
+            e.reset_prefix_cache(reset_running_requests="yes")

@@ -458,14 +458,24 @@ class TPEngine:
                 concurrency_limit, int) or concurrency_limit < 1):
             raise RequestError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}")
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prompt prefix, so that the next requests compute theirs
         again (a benchmark's cold runs). False, with nothing changed, while requests run (never between generate
         calls here). Under torchrun every rank calls it, as it calls generate, and the ranks check so at generate's
-        gather: a rank that reset alone would compute prompts the others read cached, and step apart from them."""
+        gather: a rank that reset alone would compute prompts the others read cached, and step apart from them.
+        reset_running_requests and reset_connector (vLLM's) change nothing: no request runs while it acts (it waits
+        for generate's lock) and there is no KV connector."""
         with self._lock:
             self._check_open()
-            self._agreed_call("reset_prefix_cache", list)
+
+            def checked() -> list:
+                for name, value in (("reset_running_requests", reset_running_requests),
+                                    ("reset_connector", reset_connector)):
+                    if not isinstance(value, bool):
+                        raise RequestError(f"{name} must be True or False, got {value!r}")
+                return []
+
+            self._agreed_call("reset_prefix_cache", checked)
             if self.service is None:
                 done = self.core.reset_prefix_cache()
             else:  # (the started ranks forget theirs in the same turn)
