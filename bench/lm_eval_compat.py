@@ -62,7 +62,8 @@ def main() -> int:
             else:
                 ctx = [engine.tokenizer.token_to_id(engine.prompts.tokenizer_info(args.max_model_len)["bos_token"])]
                 whole = ctx + ids(continuation)
-            out = engine.generate([whole], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+            out = engine.generate([whole], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                                  use_tqdm=False)[0]
             tail = range(len(ctx), len(whole))
             want = sum(out.prompt_logprobs[j][whole[j]].logprob for j in tail)
             want_greedy = all(out.prompt_logprobs[j][whole[j]].rank == 1 for j in tail)  # (the top one's rank is 1)
@@ -74,7 +75,7 @@ def main() -> int:
         print("|---|---|---|---|")
         for (context, kw), text in zip(GENERATE, generated, strict=True):
             out = engine.generate([ids(context)], SamplingParams(temperature=0.0, max_tokens=kw["max_gen_toks"],
-                                                                 stop=kw["until"]))[0].outputs[0].text
+                                                                 stop=kw["until"]), use_tqdm=False)[0].outputs[0].text
             ok = text == out
             failures += not ok
             print(f"| {context!r} | {kw['until']} | {text!r} | {out!r}{'' if ok else ' MISMATCH'} |")

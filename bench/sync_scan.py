@@ -22,13 +22,13 @@ MIXES = {"greedy": SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=Tru
                                                ignore_eos=True)}
 with TPEngine(device="cuda", max_num_seqs=8, max_model_len=512, dtype="bfloat16", gpu_memory_utilization=0.3) as eng:
     for name, params in MIXES.items():
-        eng.generate(PROMPTS, params)  # warm
+        eng.generate(PROMPTS, params, use_tqdm=False)  # warm
         sites = collections.Counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                outs = eng.generate(PROMPTS, params)
+                outs = eng.generate(PROMPTS, params, use_tqdm=False)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         for w in caught:

@@ -571,6 +571,18 @@ def test_use_tqdm_given_a_callable_makes_the_progress_bar_with_it_as_vllms():
     assert [m["total"] for m in made] == [2, 1]
 
 
+def test_generate_and_chat_draw_a_progress_bar_unless_told_not_to_as_vllms(capsys):
+    """vLLM's LLM.generate and LLM.chat default to use_tqdm=True (a bar on stderr); here the default was False, so a
+    vLLM script's long run showed no progress."""
+    with engine() as e:
+        capsys.readouterr()
+        e.generate(["a", "b"], GREEDY)
+        e.chat([{"role": "user", "content": "hi"}], GREEDY)
+        assert capsys.readouterr().err.count("2/2") >= 1
+        e.generate(["a", "b"], GREEDY, use_tqdm=False)
+        assert "2/2" not in capsys.readouterr().err
+
+
 def test_lora_request_none_is_taken_and_an_adapter_refused_saying_what_to_do():
     """vLLM scripts pass lora_request=None to generate and chat: a TypeError here; an adapter is refused, named."""
     with engine() as e:

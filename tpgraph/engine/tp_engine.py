@@ -350,7 +350,7 @@ class TPEngine:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = False, *,
+                 use_tqdm: bool | Callable[..., tqdm] = True, *,
                  priority: list[int] | None = None, lora_request: list[None] | tuple[None, ...] | None = None,
                  tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """Complete every prompt (text or token ids); one SamplingParams for all, or one per prompt (`sampling_params`,
@@ -383,7 +383,7 @@ class TPEngine:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = False, *, tools: list[dict] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              chat_template: str | None = None, lora_request: list[None] | tuple[None, ...] | None = None,
@@ -444,7 +444,7 @@ class TPEngine:
             limit = self.runner.max_model_len
             ids = [p.ids if isinstance(p, TextedIds) else self.prompts.encode(p, limit) for p in listed]
         tokenizer = self.get_tokenizer()
-        return run_beam_search(lambda batch, step: self.generate(batch, step), ids, params,
+        return run_beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False), ids, params,
                                eos_token_id=tokenizer.eos_token_id, max_model_len=limit, decode=tokenizer.decode,
                                concurrency_limit=concurrency_limit, progress=bool(use_tqdm) and self.state.is_driver)
 
@@ -619,7 +619,7 @@ class TPEngine:
         params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True) if i % 2 else
                   SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=new, ignore_eos=True)
                   for i in range(len(prompts))]
-        self.generate(prompts, params)
+        self.generate(prompts, params, use_tqdm=False)  # (its own requests: no bar)
         # then each kind of row alone, 1, 3 and 16 at a time: Triton compiles apart an integer argument equal to 1,
         # one divisible by 16 and any other, and a fresh server's first bursts of greedy requests compiled three argmax
         # variants in their time to first token (session 39). Penalties (fp32 logits into the argmax and the draw)
@@ -628,13 +628,13 @@ class TPEngine:
             for kind in WARM_UP_KINDS:
                 if "logprobs" in kind:  # (checked against max_logprobs, as a request's are)
                     kind = {**kind, "logprobs": min(kind["logprobs"], self.config.max_logprobs)}
-                self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind))
+                self.generate(prompts[:n], SamplingParams(max_tokens=new, ignore_eos=True, **kind), use_tqdm=False)
         if self.core.eos_ids and structured_outputs_available():
             # xgrammar's vocabulary tables, and its mask kernel (Triton: the constrained rows' count compiles apart
             # at 1, 3 and 16, as above); a model without an EOS id refuses constrained requests
             digits = SamplingParams(max_tokens=new, structured=StructuredOutput("regex", "[0-9]+"))
             for n in (n for n in (1, 3, 16) if n <= batch):
-                self.generate(prompts[:n], digits)
+                self.generate(prompts[:n], digits, use_tqdm=False)
         took = time.perf_counter() - start
         if self.state.is_driver:
             logger.info("warmed up in %.1f s (%d short prompts and one of %d tokens)", took, batch, long)
