@@ -171,6 +171,31 @@ def test_structured_outputs_options_the_server_cannot_honour_are_refused_as_offl
         StructuredOutputsParams(json=schema, **options)
 
 
+def test_guided_decoding_backend_naming_another_backend_is_refused_where_a_grammar_is_asked():
+    """vLLM's guided_decoding_backend (beside the guided_* fields) becomes the request's backend, and its engine
+    refuses a request-level backend other than its own ("Request-level structured output backend selection is no
+    longer supported"); here it was ignored, and a guided_json asking for outlines ran on xgrammar unsaid. It is read
+    as structured_outputs' backend is: xgrammar or auto taken, another refused; without a grammar it asks nothing,
+    as vLLM's from_optional makes no params of it (clients send it on every request)."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for form in ({"guided_json": schema}, {"response_format": {"type": "json_object"}},
+                 {"tools": tools, "tool_choice": "required"},
+                 {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        body = ChatRequest.model_validate({**CHAT, **form, "guided_decoding_backend": "outlines"})
+        with pytest.raises(RequestError, match="backend='outlines' is not taken"):
+            body.sampling_params(4, None, tools=body.tool_plan(ToolOptions()))
+        for taken in ("xgrammar", "auto", None):
+            body = ChatRequest.model_validate({**CHAT, **form, "guided_decoding_backend": taken})
+            assert body.sampling_params(4, None, tools=body.tool_plan(ToolOptions())).structured is not None
+    for endpoint, body in ((ChatRequest, CHAT), (CompletionRequest, {"model": "m", "prompt": "x"})):
+        assert endpoint.model_validate({**body, "guided_decoding_backend": "outlines"}).sampling_params(
+            4, None).structured is None
+    with pytest.raises(RequestError, match="backend='lm-format-enforcer' is not taken"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "guided_regex": "a",
+                                          "guided_decoding_backend": "lm-format-enforcer"}).sampling_params(4, None)
+
+
 def test_disable_any_whitespace_false_is_honoured_on_json_as_offline():
     """disable_any_whitespace: false asks for JSON with free whitespace (vLLM's xgrammar default); it was dropped
     here, the request compiled without. True, null or absent is this server's default; backend xgrammar or auto is

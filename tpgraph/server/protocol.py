@@ -133,6 +133,8 @@ class SamplingFields(NullMeansDefault):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
+    # (vLLM's, beside the guided_* fields: the grammar's backend, read as structured_outputs' backend; sampling_params)
+    guided_decoding_backend: str | None = None
     # (vLLM's: keep the prompt's last k tokens, at most what max_tokens leaves of max_model_len; -1: all that,
     # limits.kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
@@ -178,6 +180,9 @@ class SamplingFields(NullMeansDefault):
                 raise RequestError(f"tool_choice {tools.mode!r} holds the reply to the tools' schema: it cannot also "
                                    "take response_format or a guided_* field")
             structured = tools.structured
+        if structured is not None and self.guided_decoding_backend is not None:
+            # (vLLM's engine refuses a request's backend other than its own; without a grammar it asks nothing)
+            with_structured_options(structured, backend=self.guided_decoding_backend)
         if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
             skip_special_tokens = False  # (the parser's markers are special tokens)
         d = defaults or {}
