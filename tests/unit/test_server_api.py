@@ -63,9 +63,13 @@ def test_a_client_that_leaves_mid_decode_is_noticed_and_its_request_aborted():
     (server_app.ApiError(500, "the engine failed: gone", "InternalServerError"),
      (500, "the engine failed: gone", "InternalServerError")),
     (server_app.EngineUnavailable("the engine stopped: x"), (503, "the engine stopped: x", "ServiceUnavailableError")),
+    (RequestError("a bad request"), (400, "a bad request", "BadRequestError")),
+    (KeyError("index"), (500, "'index'", "InternalServerError")),
 ])
 def test_a_guarded_stream_that_fails_ends_with_an_error_event_and_done(failure, expected):
-    """_guarded, which both endpoints' streams go through: a failure after the first event (the 200 is sent)."""
+    """_guarded, which both endpoints' streams go through: a failure after the first event (the 200 is sent). As
+    vLLM's stream generators (`except Exception`), any failure ends it so, not only the engine's: a refusal as the
+    400 a whole reply gets for it, anything else as a 500 (it cut the connection, with no error event or [DONE])."""
     async def events():
         yield server_app._sse({"choices": [{"text": "a"}]})
         raise failure
@@ -617,6 +621,20 @@ class RefusingSecondClient(ScriptedClient):
             sink(StepUpdate(request_id, 0, None, "a bad request", REFUSED))
         else:
             super().submit(request_id, prompt, params, sink)
+
+
+def test_a_completions_stream_whose_later_prompt_the_engine_refuses_ends_with_an_error_event_and_done():
+    """The engine refuses a completion's second prompt after the first's tokens streamed (the 200 is sent): vLLM's
+    completion_stream_generator sends the error as an event (a ValueError as a 400 BadRequestError) and [DONE]. The
+    RequestError went through the stream here: the connection was cut, with neither."""
+    app = server_app.create_app(RefusingSecondClient(["a", "b", "c"], finish=None), builtin_codec(), ServerMetrics(),
+                                "m", 128)
+    reply, = post_all(app, [("/v1/completions", {"model": "m", "prompt": ["x", "y"], "stream": True,
+                                                 "max_tokens": 4})])
+    assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+    events = sse_events(reply.text)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c"]
+    assert events[-1] == {"error": {"message": "a bad request", "type": "BadRequestError", "param": None, "code": 400}}
 
 
 @pytest.mark.parametrize("client,prompts,finish", [

@@ -360,14 +360,22 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events; if the engine fails after the stream began (the 200 is sent), an error event and
-    [DONE] end it, as vLLM's server does, instead of a cut connection."""
+    """A stream's events; if anything fails after the stream began (the 200 is sent), an error event and [DONE] end
+    it, as vLLM's stream generators do (`except Exception`), instead of a cut connection: the engine's failure, a
+    refusal (a later prompt the engine refused) as the 400 a whole reply gets, anything else as a 500."""
     try:
         async for event in events:
             yield event
-    except (ApiError, EngineUnavailable) as exc:
-        status, message, kind = (exc.status, exc.message, exc.kind) if isinstance(exc, ApiError) else (
-            503, str(exc), "ServiceUnavailableError")
+    except Exception as exc:  # (not CancelledError nor GeneratorExit: a client that left is sent nothing)
+        if isinstance(exc, ApiError):
+            status, message, kind = exc.status, exc.message, exc.kind
+        elif isinstance(exc, EngineUnavailable):
+            status, message, kind = 503, str(exc), "ServiceUnavailableError"
+        elif isinstance(exc, RequestError):
+            status, message, kind = 400, str(exc), "BadRequestError"
+        else:  # (a whole reply's would be Starlette's 500)
+            logger.exception("a stream failed after it began")
+            status, message, kind = 500, str(exc), "InternalServerError"
         yield _sse(error_body(status, message, kind))
         yield _sse("[DONE]")
 
