@@ -662,6 +662,19 @@ def test_requests_an_update_ended_are_timed_at_its_delivery_not_as_a_slow_reader
     assert get("vllm:e2e_request_latency_seconds_sum", LABELS) < 0.02 * len(prompts)
 
 
+def test_a_plain_chat_streams_content_in_its_finish_chunk_as_vllms():
+    """vLLM's chat stream without a reasoning or tool parser sends each chunk's delta as DeltaMessage(content=text),
+    the finish chunk's too: {"content": ""} where the last token (an EOS) adds no text. Here that chunk's delta was
+    {}, so a client that joins delta.content read None from it."""
+    app = server_app.create_app(ScriptedClient(["a", ""]), builtin_codec(), ServerMetrics(), "m", 128)
+    body = {"model": "m", "stream": True, "n": 2, "messages": [{"role": "user", "content": "hi"}]}
+    chunks = [c["choices"][0] for c in sse_events(post_all(app, [("/v1/chat/completions", body)])[0].text)]
+    finish = [c for c in chunks if c["finish_reason"] is not None]
+    assert [(c["index"], c["delta"], c["finish_reason"]) for c in finish] == [(0, {"content": ""}, "stop"),
+                                                                               (1, {"content": ""}, "stop")]
+    assert all(isinstance(c["delta"]["content"], str) for c in chunks)
+
+
 def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():
     """vLLM's chat `echo`: where the reply is in the last message's role (continuing it, add_generation_prompt
     false), that message's text comes first, in the whole message and as a stream's first content; a reply in

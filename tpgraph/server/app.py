@@ -712,7 +712,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             if u.finish_reason is not None:
                 rest, finish_reason = reply.finish(u.finish_reason)
                 added = added + rest
-            plain = tools.mode == "none" and reasoning is None and u.finish_reason is None
+            # (no parser reads it: as vLLM's DeltaMessage(content=text), every chunk sends content, "" too, its
+            # finish chunk's as well)
+            plain = tools.mode == "none" and reasoning is None
             return c, added.fields(plain), finish_reason
 
         if not body.stream:

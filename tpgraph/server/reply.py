@@ -25,8 +25,9 @@ class Delta:
         return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning)
 
     def fields(self, plain: bool) -> dict:
-        """The delta as a streamed chunk's `delta` object. plain: a reply without tools sends content with every
-        token ("" too), as it always has; otherwise what is held back sends nothing."""
+        """The delta as a streamed chunk's `delta` object. plain: a reply without tools or thoughts sends content
+        with every token ("" too, its finish chunk's as well, as vLLM's); otherwise what is held back sends
+        nothing."""
         out: dict = {}
         if self.reasoning:
             out["reasoning"] = out["reasoning_content"] = self.reasoning
