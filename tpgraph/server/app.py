@@ -519,13 +519,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         echo_only = body.echo and body.max_tokens == 0
         max_tokens = _max_tokens(body.max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         beam = None
+        echo_count = body.logprobs if body.echo else None  # (vLLM's: an echo with logprobs scores the prompt too)
         if body.use_beam_search:
             beam = body.beam_search_params(max_tokens, body.logprobs, prompts.generation_defaults.sampling)
             params = _beam_reply_params(beam, body, body.logprobs, body.skip_special_tokens)
         else:
             params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
-                                          prompts.generation_defaults.sampling,
-                                          prompt_logprobs=body.logprobs if body.echo else None)
+                                          prompts.generation_defaults.sampling, prompt_logprobs=echo_count)
         rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
         # (a search streams nothing as it goes, as vLLM's: its beams are ranked only once it ends; a stream of it is
         # the whole reply, one event)
@@ -585,8 +585,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             c.add(u)
             return c, head + u.text, c.logprobs[entries_at:], u.finish_reason, first_update
 
-        # each choice's prompt_logprobs field: its own count, else (as vLLM's) an echo's logprobs
-        prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
+        prompt_top = body.shown_prompt_logprobs(echo_count)  # (each choice's prompt_logprobs field)
         if not streamed:
             try:
                 async for i, u in _chain(first, stream):
@@ -655,7 +654,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
-        beam = None
+        beam, echo_top = None, None
         if body.use_beam_search:  # (no limit: what the context leaves beside the prompt, as vLLM's)
             room = max(max_model_len - len(token_ids[0]), 1)  # (a prompt that leaves none is refused for it)
             beam = body.beam_search_params(room if max_tokens is None else max_tokens, body.logprobs_count(),
@@ -718,6 +717,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             return c, added.fields(plain), finish_reason
 
         if not body.stream:
+            shown_top = body.shown_prompt_logprobs(echo_top)  # (the reply's prompt_logprobs field)
             try:
                 async for _, u in _chain(first, stream):
                     apply(u)
@@ -730,9 +730,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                              "logprobs": content_logprobs(c.logprobs), "finish_reason": reply.finish_reason,
                              "stop_reason": c.stop_reason, **_token_ids(give_ids, token_ids=c.token_ids)}
                             for k, (c, reply) in enumerate((c, replies[c.index]) for c in _returned(choices, beam))],
-                "prompt_logprobs": None if params.prompt_logprobs is None else _prompt_logprobs_field(
-                    prompts, firsts[0] if firsts else None,
-                    body.prompt_logprobs if body.prompt_logprobs is not None else params.prompt_logprobs),
+                "prompt_logprobs": None if shown_top is None else _prompt_logprobs_field(
+                    prompts, firsts[0] if firsts else None, shown_top),
                 **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS})
 

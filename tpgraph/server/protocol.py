@@ -285,6 +285,11 @@ class SamplingFields(NullMeansDefault):
         options = {k: v for k, v in (self.structured_outputs or {}).items() if k in STRUCTURED_OPTIONS}
         return with_structured_options(asked[0] if asked else None, **options)
 
+    def shown_prompt_logprobs(self, echo_count: int | None) -> int | None:
+        """The alternatives a whole reply's prompt_logprobs field shows for each prompt token: the request's own
+        prompt_logprobs, else an echo's count (vLLM's: its echo runs with prompt logprobs), None for no field."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else echo_count
+
     def truncation(self, max_model_len: int, max_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens to keep (limits.kept_prompt_tokens)."""
         return kept_prompt_tokens(self.truncate_prompt_tokens, max_model_len, max_tokens)
