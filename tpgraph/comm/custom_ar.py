@@ -162,7 +162,7 @@ def agree_on_devices(devices: list[tuple[int, tuple[int, int]]]) -> int:
     archs = {cap for _, cap in devices}
     if len(archs) != 1:
         raise AllReduceUnavailable(f"custom all-reduce disabled: the ranks' GPUs differ in architecture "
-                        f"{[f'sm_{a}{b}' for _, (a, b) in devices]} (rank order)")
+                                   f"{[f'sm_{a}{b}' for _, (a, b) in devices]} (rank order)")
     return min(sms for sms, _ in devices)
 
 
@@ -290,7 +290,7 @@ class CustomAllReduce:
         broken = [(r, p) for r, lost in enumerate(everyone) for p in lost]
         if broken:
             raise AllReduceUnavailable(f"peer writes through CUDA IPC were lost (writer -> reader): "
-                            f"{[(p, r) for r, p in broken]}; P2P is advertised but does not work here")
+                                       f"{[(p, r) for r, p in broken]}; P2P is advertised but does not work here")
 
     multicast_live = False  # no multicast objects yet; where the environment forbids them, never
 
