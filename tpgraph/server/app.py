@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,43 +47,11 @@ from tpgraph.server.reply import ReplyReader
 from tpgraph.server.request_ids import RequestIdMiddleware, request_id
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
+from tpgraph.server.turn import ChatTurn, Choice, chained, submitted
 
 logger = logging.getLogger(__name__)
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
-
-
-@dataclass
-class Choice:
-    """One choice being built: text, token ids, log-probabilities, finish reason."""
-
-    index: int
-    keeps_text: bool = True  # (a streamed or chat choice sends its text as it comes: none is kept here)
-    parts: list[str] = field(default_factory=list)  # the text's pieces (joined once read: += copies it all per token)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, ...)
-    cached_tokens: int | None = None  # its prompt tokens read from the prefix cache (with its first token)
-
-    @property
-    def text(self) -> str:
-        if not self.keeps_text:  # (a streamed or chat choice: its text went out as it came)
-            raise RuntimeError(f"choice {self.index} keeps no text")
-        return "".join(self.parts)
-
-    def add(self, u: StepUpdate) -> Choice:
-        if u.text and self.keeps_text:
-            self.parts.append(u.text)
-        if u.cached_tokens is not None:
-            self.cached_tokens = u.cached_tokens
-        if u.token_id is not None:
-            self.token_ids.append(u.token_id)
-            if u.logprob is not None:
-                self.logprobs.append((u.token_id, u.logprob, u.top_logprobs or []))
-        if u.finish_reason is not None:
-            self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
-        return self
 
 
 class Api:
@@ -533,7 +500,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         choices = [Choice(i, keeps_text=not streamed) for i in range(len(token_ids) * params.n)]
         stream = api.run(request, token_ids, params, texts) if beam is None else \
             api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts)
-        first = await _first(stream)  # submit now, so a refused request is a 400, not a broken stream
+        first = await submitted(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
         if body.echo:  # (ids decoded once checked: the tokenizer overflows on a negative one), off the event loop
             echoed = await asyncio.to_thread(lambda: [p if isinstance(p, str) else prompts.decode(ids)
@@ -588,7 +555,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         prompt_top = body.shown_prompt_logprobs(echo_count)  # (each choice's prompt_logprobs field)
         if not streamed:
             try:
-                async for i, u in _chain(first, stream):
+                async for i, u in chained(first, stream):
                     apply(i, u)
             finally:  # (its requests end with the reply, also where folding an update raised)
                 await stream.aclose()
@@ -609,7 +576,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         async def events() -> AsyncIterator[str]:
             text_at = [0] * len(choices)  # each choice's log-probability tokens' text so far
-            async for i, u in _chain(first, stream):
+            async for i, u in chained(first, stream):
                 ids_at = len(choices[i * params.n + u.sample_index].token_ids)
                 c, text, entries, finish_reason, first_update = apply(i, u)
                 logprobs = choice_logprobs(entries, text_at[c.index])
@@ -629,8 +596,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         return _EventStream(events(), stream)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
+    async def start_chat(body: ChatRequest, request: Request) -> ChatTurn:
+        """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses API's once
+        it has read its input as chat messages)."""
         api.check_model(body.model)
         tools = body.tool_plan(tool_options)
         # (content as vLLM gives this template: a string, or a list of text parts where it loops over them)
@@ -668,7 +636,6 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             echo_top = (body.top_logprobs or 0) if body.echo and not body.stream else None
             params = body.sampling_params(max_tokens, body.logprobs_count(), prompts.generation_defaults.sampling,
                                           prompt_logprobs=echo_top, tools=tools)
-        rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
         thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
         if thinking and params.structured is not None:  # (the grammar holds the answer, not thoughts)
@@ -680,11 +647,18 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                body.stream, body.include_reasoning) for _ in choices]
         stream = api.run(request, token_ids, params, [text]) if beam is None else \
             api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), [text])
-        first = await _first(stream)
-
         # thoughts left out: so are the choices' log-probabilities and token ids, which would name their tokens (as
         # vLLM's suppress_metadata)
         hidden = reasoning is not None and not body.include_reasoning
+        return ChatTurn(text, token_ids, params, role, echoed, beam, choices, replies, stream, await submitted(stream),
+                        hidden, plain=tools.mode == "none" and reasoning is None, echo_top=echo_top)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        turn = await start_chat(body, request)
+        params, choices, replies, stream, hidden = turn.params, turn.choices, turn.replies, turn.stream, turn.hidden
+        token_ids, role, echoed, beam = turn.token_ids, turn.role, turn.echoed, turn.beam
+        rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
 
         def entry(t: int, lp: float) -> dict:
             s = prompts.token_text(t, body.tokens_as_ids(http.return_tokens_as_token_ids))
@@ -705,21 +679,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             finish reason the reply reports."""
             if u.prompt_logprobs is not None and not firsts:
                 firsts.append(u)
-            c, reply = choices[u.sample_index].add(u), replies[u.sample_index]
-            added = reply.feed(u.text)
-            finish_reason = None
-            if u.finish_reason is not None:
-                rest, finish_reason = reply.finish(u.finish_reason)
-                added = added + rest
+            c, added, finish_reason = turn.apply(u)
             # (no parser reads it: as vLLM's DeltaMessage(content=text), every chunk sends content, "" too, its
             # finish chunk's as well)
-            plain = tools.mode == "none" and reasoning is None
-            return c, added.fields(plain), finish_reason
+            return c, added.fields(turn.plain), finish_reason
 
         if not body.stream:
-            shown_top = body.shown_prompt_logprobs(echo_top)  # (the reply's prompt_logprobs field)
+            shown_top = body.shown_prompt_logprobs(turn.echo_top)  # (the reply's prompt_logprobs field)
             try:
-                async for _, u in _chain(first, stream):
+                async for _, u in turn.updates():
                     apply(u)
             finally:  # (its requests end with the reply, also where folding an update raised)
                 await stream.aclose()
@@ -746,7 +714,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
                                                  "finish_reason": None, "stop_reason": None}],
                             **api.chunk_usage(body, token_ids[0], c)})
-            async for _, u in _chain(first, stream):
+            async for _, u in turn.updates():
                 c, delta, finish_reason = apply(u)
                 items = [(u.token_id, u.logprob, u.top_logprobs or [])] if u.logprob is not None and not hidden else []
                 new_ids = [u.token_id] if give_ids and u.token_id is not None else []
@@ -764,22 +732,3 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         return _EventStream(events(), stream)
 
     return app
-
-
-_END = object()
-
-
-async def _first(stream: AsyncIterator) -> object:
-    """Run the stream to its first item (submitting the request, so refusals raise here)."""
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _chain(first: object, stream: AsyncIterator) -> AsyncIterator:
-    if first is _END:
-        return
-    yield first
-    async for item in stream:
-        yield item
