@@ -28,6 +28,7 @@ from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
 from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
+from tpgraph.server import sse as server_sse  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
 
 
@@ -71,11 +72,11 @@ def test_a_guarded_stream_that_fails_ends_with_an_error_event_and_done(failure, 
     vLLM's stream generators (`except Exception`), any failure ends it so, not only the engine's: a refusal as the
     400 a whole reply gets for it, anything else as a 500 (it cut the connection, with no error event or [DONE])."""
     async def events():
-        yield server_app._sse({"choices": [{"text": "a"}]})
+        yield server_sse.sse({"choices": [{"text": "a"}]})
         raise failure
 
     async def collect() -> list[str]:
-        return [e async for e in server_app._guarded(events())]
+        return [e async for e in server_sse.guarded(events())]
 
     got = asyncio.run(collect())
     assert len(got) == 3 and got[-1] == "data: [DONE]\n\n"

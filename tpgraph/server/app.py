@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -45,6 +44,7 @@ from tpgraph.server.protocol import ChatRequest, CompletionRequest
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
 from tpgraph.server.reply import ReplyReader
 from tpgraph.server.request_ids import RequestIdMiddleware, request_id
+from tpgraph.server.sse import EventStream, sse
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
 from tpgraph.server.turn import ChatTurn, Choice, chained, submitted
@@ -322,47 +322,6 @@ def _json_logprob(logprob: float | None) -> float | None:
     return None if logprob is None else max(logprob, LOGPROB_FLOOR)
 
 
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events; if anything fails after the stream began (the 200 is sent), an error event and [DONE] end
-    it, as vLLM's stream generators do (`except Exception`), instead of a cut connection: the engine's failure, a
-    refusal (a later prompt the engine refused) as the 400 a whole reply gets, anything else as a 500."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as exc:  # (not CancelledError nor GeneratorExit: a client that left is sent nothing)
-        if isinstance(exc, ApiError):
-            status, message, kind = exc.status, exc.message, exc.kind
-        elif isinstance(exc, EngineUnavailable):
-            status, message, kind = 503, str(exc), "ServiceUnavailableError"
-        elif isinstance(exc, RequestError):
-            status, message, kind = 400, str(exc), "BadRequestError"
-        else:  # (a whole reply's would be Starlette's 500)
-            logger.exception("a stream failed after it began")
-            status, message, kind = 500, str(exc), "InternalServerError"
-        yield _sse(error_body(status, message, kind))
-        yield _sse("[DONE]")
-
-
-class _EventStream(StreamingResponse):
-    """A stream's events (through _guarded), whose engine requests end with the response however it ends: a client
-    that goes away while a send waits (a slow reader) cancels the response with its generators suspended, and
-    nothing else closes them (their requests ran on, KV blocks held, until the garbage collector found them)."""
-
-    def __init__(self, events: AsyncIterator[str], requests: AsyncIterator) -> None:
-        super().__init__(_guarded(events), media_type="text/event-stream")
-        self.requests = requests  # (Api.run's stream: closing it aborts whatever is unfinished)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.requests.aclose()
-
-
 def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetrics, model_name: str,
                max_model_len: int, api_key: str | tuple[str, ...] | None = None,
                tool_options: ToolOptions | None = None, reasoning: ReasoningParser | None = None,
@@ -571,7 +530,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                             for k, c in enumerate(_returned(choices, beam))],
                 "usage": _usage(token_ids, choices, prompt_tokens_details), **REPLY_NULLS}
             if body.stream:  # (a search's: vLLM's one event of the whole reply, then [DONE])
-                return StreamingResponse(iter([_sse(reply), _sse("[DONE]")]), media_type="text/event-stream")
+                return StreamingResponse(iter([sse(reply), sse("[DONE]")]), media_type="text/event-stream")
             return JSONResponse(reply)
 
         async def events() -> AsyncIterator[str]:
@@ -582,7 +541,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 logprobs = choice_logprobs(entries, text_at[c.index])
                 if logprobs is not None:
                     text_at[c.index] += sum(len(t) for t in logprobs["tokens"])
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                                          **_token_ids(body.return_token_ids,
@@ -590,11 +549,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                                       token_ids=c.token_ids[ids_at:])}],
                             **api.chunk_usage(body, token_ids[i], c)})
             if api.streams_usage(body):
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                             "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
-            yield _sse("[DONE]")
+            yield sse("[DONE]")
 
-        return _EventStream(events(), stream)
+        return EventStream(events(), stream)
 
     async def start_chat(body: ChatRequest, request: Request) -> ChatTurn:
         """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses API's once
@@ -706,12 +665,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
             for c in choices:  # (each with the prompt's ids where asked, as vLLM's role chunks)
-                yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
+                yield sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}],
                             **_token_ids(body.return_token_ids, prompt_token_ids=token_ids[0]),
                             **api.chunk_usage(body, token_ids[0], c)})
             for c in choices if echoed else ():  # (vLLM's echo: its own chunk, after the role's)
-                yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
+                yield sse({**head, "choices": [{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
                                                  "finish_reason": None, "stop_reason": None}],
                             **api.chunk_usage(body, token_ids[0], c)})
             async for _, u in turn.updates():
@@ -720,15 +679,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                 new_ids = [u.token_id] if give_ids and u.token_id is not None else []
                 if not delta and not items and not new_ids and finish_reason is None:
                     continue  # (held back by the tool-call reader, with no log-probabilities or ids to carry)
-                yield _sse({**head, "choices": [{"index": c.index, "delta": delta,
+                yield sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                  "logprobs": content_logprobs(items),
                                                  "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                                                  **_token_ids(give_ids, token_ids=new_ids)}],
                             **api.chunk_usage(body, token_ids[0], c)})
             if api.streams_usage(body):
-                yield _sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
-            yield _sse("[DONE]")
+                yield sse({**head, "choices": [], "usage": _usage(token_ids, choices, prompt_tokens_details)})
+            yield sse("[DONE]")
 
-        return _EventStream(events(), stream)
+        return EventStream(events(), stream)
 
     return app

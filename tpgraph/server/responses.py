@@ -1,0 +1,351 @@
+"""OpenAI's Responses API (/v1/responses), read as a chat turn: the input items (and, with previous_response_id, the
+stored conversation before them) become chat messages, which run through the chat route's own set-up (ChatTurn:
+the template, tools, reasoning, structured outputs); the reply's reasoning, text and function calls come back as
+output items, whole or as the API's stream of typed events.
+
+What vLLM's Responses API takes beside OpenAI's fields (top_k, min_p, repetition_penalty, seed, stop, ignore_eos,
+logit_bias, structured_outputs, ...) is taken here too (RESPONSES_SAMPLING_EXTRAS). Refused with a 400 that names it,
+not ignored: non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...), item references,
+`conversation`, `prompt` templates, `max_tool_calls`, and a background stream."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import ConfigDict, ValidationError, field_validator
+
+from tpgraph.errors import RequestError
+from tpgraph.server.protocol import ChatRequest, NullMeansDefault, _an_integer, _not_a_bool
+from tpgraph.server.reply import Delta
+
+# the include value that asks for the output text's log-probabilities
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+# vLLM's extras of a Responses request, handed to the chat request as they are (checked there)
+RESPONSES_SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+                             "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                             "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
+                             "structured_outputs", "bad_words", "allowed_token_ids", "priority", "request_id",
+                             "return_tokens_as_token_ids")
+
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(NullMeansDefault):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict | None = None
+    reasoning: dict | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None  # "disabled" (the default) or "auto" (the prompt's last tokens that fit)
+    service_tier: str | None = None  # (taken, as vLLM's: one tier here)
+    # refused where given (see the module's docstring)
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+
+    _counts_are_integers = field_validator("max_output_tokens", "top_logprobs", "max_tool_calls",
+                                           mode="before")(_an_integer)
+    _numbers_are_no_bools = field_validator("temperature", "top_p", mode="before")(_not_a_bool)
+
+    def check(self) -> None:
+        """What this server cannot honour, refused by name."""
+        for name in ("conversation", "prompt", "max_tool_calls"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} is not supported by this server's Responses API")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise RequestError(f"truncation must be 'disabled' or 'auto', got {self.truncation!r}")
+        if self.background and not self.store:
+            raise RequestError("background needs store: true (a background response is read back by its id)")
+        if self.background and self.stream:
+            raise RequestError("background with stream: true is not supported: create it in the background, then "
+                               "read it back with GET /v1/responses/{id}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+
+    def input_items(self) -> list[dict]:
+        """The input as a list of items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        if not self.input:
+            raise RequestError("input is empty")
+        return list(self.input)
+
+    def logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def chat_request(self, items: list[dict]) -> ChatRequest:
+        """The chat request this response runs as: the instructions as a system message, then the items' messages."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
+            + chat_messages(items)
+        extras = self.model_extra or {}
+        body: dict[str, Any] = {name: extras[name] for name in RESPONSES_SAMPLING_EXTRAS if name in extras}
+        body.update(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
+                    temperature=self.temperature, top_p=self.top_p, stream=self.stream,
+                    tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
+                    parallel_tool_calls=self.parallel_tool_calls, response_format=response_format(self.text))
+        if self.logprobs():  # (without it, top_logprobs asks for nothing, as vLLM's)
+            body.update(logprobs=True, top_logprobs=self.top_logprobs)
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:  # (given to the chat template, as a chat request's reasoning_effort)
+            body["chat_template_kwargs"] = {"reasoning_effort": effort}
+        if self.truncation == "auto":
+            body["truncate_prompt_tokens"] = -1
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise RequestError(problems) from None
+
+
+def chat_messages(items: list[Any]) -> list[dict]:
+    """Responses input items as chat messages: a message item as itself (its text parts as the chat's), a
+    function_call as an assistant's tool call (calls in a row, or after the assistant's text, one message's), a
+    function_call_output as a tool message, a reasoning item as the next assistant message's reasoning (dropped where
+    none follows: a template renders earlier thoughts only beside a reply)."""
+    messages: list[dict] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object (a message or another input item), got {item!r}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            message = _message(item, where)
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = _call(item, where)
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            if reasoning is not None:
+                last["reasoning"], reasoning = reasoning, None
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise RequestError(f"{where}.call_id must be a string (the call's call_id)")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        else:
+            raise RequestError(f"{where}.type {kind!r} is not supported: give message, function_call, "
+                               "function_call_output or reasoning items")
+    return messages
+
+
+def _message(item: dict, where: str) -> dict:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise RequestError(f"{where}.role must be user, system, developer or assistant, got {role!r}")
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _text(content: Any, where: str) -> str:
+    """A content's text: a string, or text parts (input_text, output_text) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of text parts, got {content!r}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise RequestError(f"{where}[{j}] must be a text part (input_text or output_text, with its text); this "
+                               f"server serves a text model, got {part!r}")
+    return "".join(texts)
+
+
+def _call(item: dict, where: str) -> dict:
+    """A function_call item as a chat tool call."""
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
+        if not isinstance(value, str):
+            raise RequestError(f"{where}.{field} must be a string, got {value!r}")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's texts."""
+    for field in ("content", "summary"):
+        parts = item.get(field) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise RequestError(f"{where}.{field} must be a list of text parts")
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict] | None:
+    """Responses function tools ({"type": "function", "name", "parameters", ...}) as chat tools."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise RequestError(f"tools[{i}].type {kind!r} is not supported: this server runs function tools only")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    """A Responses tool_choice as the chat's: "auto", "none", "required", or a function named."""
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise RequestError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name"}}, got '
+                           f"{choice!r}")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def response_format(text: dict | None) -> dict | None:
+    """text.format as the chat's response_format."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise RequestError("text.format json_schema needs schema, a JSON schema object")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict")}}
+    raise RequestError(f"text.format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """A reply's output items as its deltas come (reasoning, message text, function calls), and the stream's events
+    that build them: each item is added, grows, and is done before the next begins. The same fold makes a whole
+    response's output, so a response is the same streamed or not."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the item being written
+        self.pending: list[dict] = []  # log-probability entries not yet given to the text
+        self.reasoning_tokens = 0
+
+    def add(self, delta: Delta, entries: list[dict]) -> list[dict]:
+        """What an update added (its delta, and its tokens' log-probability entries): the events it makes."""
+        events: list[dict] = []
+        self.pending += entries
+        if delta.reasoning:
+            self.reasoning_tokens += 1
+            events += self._reasoning(delta.reasoning)
+        if delta.content:
+            events += self._text(delta.content)
+        for call in delta.calls:
+            events += self._call(call)
+        return events
+
+    def finish(self, incomplete: bool) -> list[dict]:
+        """The last item's end (its status "incomplete" where the reply was cut short)."""
+        if self.pending and self.open is not None and self.open["type"] == "message":
+            self.open["content"][0]["logprobs"] += self.pending  # (tokens that added no text: the end's)
+        self.pending = []
+        return self._close("incomplete" if incomplete else "completed")
+
+    def _begin(self, item: dict, part: dict | None) -> list[dict]:
+        events = self._close("completed")
+        self.items.append(item)
+        self.open = item
+        at = len(self.items) - 1
+        events.append({"type": "response.output_item.added", "output_index": at,
+                       "item": {**item, "content": []} if part is not None else dict(item)})
+        if part is not None:
+            events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": at,
+                           "content_index": 0, "part": dict(part)})
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        at, events = len(self.items) - 1, []
+        where = {"item_id": item["id"], "output_index": at}
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            events += [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
+                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        elif item["type"] == "message":
+            part = item["content"][0]
+            events += [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
+                        "logprobs": part["logprobs"]},
+                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                           "arguments": item["arguments"]})
+        item["status"] = status
+        events.append({"type": "response.output_item.done", "output_index": at, "item": item})
+        return events
+
+    def _reasoning(self, text: str) -> list[dict]:
+        self.pending = []  # (a thought's tokens are no part of the answer's text)
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            part = {"type": "reasoning_text", "text": ""}
+            events += self._begin({"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [part],
+                                   "encrypted_content": None, "status": "in_progress"}, part)
+        self.open["content"][0]["text"] += text
+        return [*events, {"type": "response.reasoning_text.delta", "item_id": self.open["id"],
+                          "output_index": len(self.items) - 1, "content_index": 0, "delta": text}]
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events += self._begin({"id": item_id("msg"), "type": "message", "role": "assistant",
+                                   "status": "in_progress", "content": [part]}, part)
+        part = self.open["content"][0]
+        entries, self.pending = self.pending, []
+        part["text"] += text
+        part["logprobs"] += entries
+        return [*events, {"type": "response.output_text.delta", "item_id": self.open["id"],
+                          "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
+                          "logprobs": entries}]
+
+    def _call(self, call: dict) -> list[dict]:
+        """A chat tool-call delta: a call's first (with its id and name) begins a function_call item."""
+        self.pending = []
+        events = []
+        function = call.get("function", {})
+        if "id" in call:
+            events += self._begin({"id": item_id("fc"), "type": "function_call", "call_id": call["id"],
+                                   "name": function["name"], "arguments": "", "status": "in_progress"}, None)
+        arguments = function.get("arguments") or ""
+        if arguments:
+            self.open["arguments"] += arguments
+            events.append({"type": "response.function_call_arguments.delta", "item_id": self.open["id"],
+                           "output_index": len(self.items) - 1, "delta": arguments})
+        return events

@@ -1,0 +1,62 @@
+"""Server-sent events: a stream's data lines, and the response that sends them, ended cleanly however it ends (a
+failure after the 200 as an error event; the engine's requests aborted with the response)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from tpgraph.errors import RequestError
+from tpgraph.server.bridge import EngineUnavailable
+from tpgraph.server.errors import ApiError, error_body
+
+logger = logging.getLogger(__name__)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events; if anything fails after the stream began (the 200 is sent), an error event and [DONE] end
+    it, as vLLM's stream generators do (`except Exception`), instead of a cut connection: the engine's failure, a
+    refusal (a later prompt the engine refused) as the 400 a whole reply gets, anything else as a 500."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # (not CancelledError nor GeneratorExit: a client that left is sent nothing)
+        yield sse(error_body(*stream_failure(exc)))
+        yield sse("[DONE]")
+
+
+def stream_failure(exc: Exception) -> tuple[int, str, str]:
+    """What failed a stream after it began, as the (status, message, type) a whole reply would have got."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.message, exc.kind
+    if isinstance(exc, EngineUnavailable):
+        return 503, str(exc), "ServiceUnavailableError"
+    if isinstance(exc, RequestError):
+        return 400, str(exc), "BadRequestError"
+    logger.exception("a stream failed after it began")  # (a whole reply's would be Starlette's 500)
+    return 500, str(exc), "InternalServerError"
+
+
+class EventStream(StreamingResponse):
+    """A stream's events (through its guard: guarded, the chat and completion APIs'), whose engine requests end with
+    the response however it ends: a client that goes away while a send waits (a slow reader) cancels the response
+    with its generators suspended, and nothing else closes them (their requests ran on, KV blocks held, until the
+    garbage collector found them)."""
+
+    def __init__(self, events: AsyncIterator[str], requests: AsyncIterator,
+                 guard: Callable[[AsyncIterator[str]], AsyncIterator[str]] = guarded) -> None:
+        super().__init__(guard(events), media_type="text/event-stream")
+        self.requests = requests  # (Api.run's stream: closing it aborts whatever is unfinished)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.requests.aclose()
