@@ -44,6 +44,8 @@ from tpgraph.server.protocol import ChatRequest, CompletionRequest
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
 from tpgraph.server.reply import ReplyReader
 from tpgraph.server.request_ids import RequestIdMiddleware, request_id
+from tpgraph.server.response_routes import response_routes
+from tpgraph.server.response_store import ResponseStore
 from tpgraph.server.sse import EventStream, sse
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
@@ -326,7 +328,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                max_model_len: int, api_key: str | tuple[str, ...] | None = None,
                tool_options: ToolOptions | None = None, reasoning: ReasoningParser | None = None,
                prompt_tokens_details: bool = False, request_id_headers: bool = False, http: HttpOptions | None = None,
-               served_names: tuple[str, ...] = (), model_root: str | None = None) -> FastAPI:
+               served_names: tuple[str, ...] = (), model_root: str | None = None,
+               responses_store: ResponseStore | None = None) -> FastAPI:
     """api_key: where given (a key, or several that are each taken), every route but /health, /ping, /metrics and
     /version asks for it (auth.py). tool_options: function calling's settings (tools.py). reasoning: splits a chat
     reply's thoughts out (reasoning.py). prompt_tokens_details: usage says how many prompt tokens came from the
@@ -334,7 +337,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     (request_ids.py). http: how the server answers beside that (CORS, ...; options.py). served_names: every name a
     request may give, model_name (the one replies give) first, as vLLM's several --served-model-name; () for
     model_name alone. model_root: the checkpoint (--model) they stand for, each /v1/models card's root (None:
-    model_name)."""
+    model_name). responses_store: where the Responses API keeps responses (None: a store of the default size)."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     eos_token_id = EngineTokenizer(prompts).eos_token_id  # (a beam search's EOS, as TPEngine.beam_search's)
@@ -612,6 +615,20 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         return ChatTurn(text, token_ids, params, role, echoed, beam, choices, replies, stream, await submitted(stream),
                         hidden, plain=tools.mode == "none" and reasoning is None, echo_top=echo_top)
 
+    def logprob_entries(body: ChatRequest, items: list) -> list[dict]:
+        """A chat reply's log-probability entries (the chat API's, the Responses API's too) of (token id,
+        log-probability, its alternatives) items."""
+        as_ids = body.tokens_as_ids(http.return_tokens_as_token_ids)
+
+        def entry(t: int, lp: float) -> dict:
+            return {"token": prompts.token_text(t, as_ids), "logprob": _json_logprob(lp),
+                    "bytes": prompts.token_bytes(t)}
+
+        return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]} for t, lp, top in items]
+
+    app.include_router(response_routes(start_chat, logprob_entries, model_name,
+                                       ResponseStore() if responses_store is None else responses_store))
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         turn = await start_chat(body, request)
@@ -619,15 +636,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         token_ids, role, echoed, beam = turn.token_ids, turn.role, turn.echoed, turn.beam
         rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
 
-        def entry(t: int, lp: float) -> dict:
-            s = prompts.token_text(t, body.tokens_as_ids(http.return_tokens_as_token_ids))
-            return {"token": s, "logprob": _json_logprob(lp), "bytes": prompts.token_bytes(t)}
-
         def content_logprobs(items: list) -> dict | None:
             if params.logprobs is None or hidden:
                 return None
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-                                for t, lp, top in items]}
+            return {"content": logprob_entries(body, items)}
 
         firsts: list[StepUpdate] = []  # the first update with the prompt's log-probabilities (prompt_logprobs)
 

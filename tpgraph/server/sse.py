@@ -51,8 +51,9 @@ class EventStream(StreamingResponse):
     garbage collector found them)."""
 
     def __init__(self, events: AsyncIterator[str], requests: AsyncIterator,
-                 guard: Callable[[AsyncIterator[str]], AsyncIterator[str]] = guarded) -> None:
-        super().__init__(guard(events), media_type="text/event-stream")
+                 guard: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = guarded) -> None:
+        """guard: None where the events end a failed stream themselves (the Responses API's error event)."""
+        super().__init__(events if guard is None else guard(events), media_type="text/event-stream")
         self.requests = requests  # (Api.run's stream: closing it aborts whatever is unfinished)
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,0 +1,318 @@
+"""OpenAI's Responses API (/v1/responses) in process, on an engine that answers with set text: the prompt is the chat
+route's for the same messages; output items (reasoning, message, function calls) whole and as the stream's typed
+events, each checked against the openai SDK's own types; stored responses, continued, read back, deleted; background
+responses and their cancel; and every refusal a 400 that names the field."""
+
+import asyncio
+import json
+import typing
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+from pydantic import TypeAdapter, ValidationError  # noqa: E402
+from tpgtest.server_stubs import EndlessClient, ScriptedClient, builtin_codec, httpx_module, post_all  # noqa: E402
+
+from tpgraph.server import app as server_app  # noqa: E402
+from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
+from tpgraph.server.response_store import ResponseStore  # noqa: E402
+from tpgraph.server.responses import chat_messages  # noqa: E402
+from tpgraph.server.tools import ToolOptions  # noqa: E402
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# the SDK's stream event types, by their type field
+EVENTS = {cls.model_fields["type"].annotation.__args__[0]: TypeAdapter(cls)
+          for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+RESPONSE = TypeAdapter(Response)
+
+
+def make_app(client, reasoning: str | None = None, store: ResponseStore | None = None, tools: ToolOptions = None):
+    return server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128,
+                                 reasoning=REASONING_PARSERS[reasoning] if reasoning else None,
+                                 tool_options=tools, responses_store=store)
+
+
+# what the SDK's newest types ask that this server does not know: the tokens a prompt wrote to a prompt cache (vLLM's
+# replies leave it out too)
+UNKNOWN_FIELDS = ("cache_write_tokens",)
+
+
+def sdk_checked(adapter: TypeAdapter, obj: dict) -> None:
+    """obj parses as the SDK's type, but for the fields this server cannot fill."""
+    try:
+        adapter.validate_python(obj)
+    except ValidationError as exc:
+        problems = [e for e in exc.errors() if not (e["type"] == "missing" and e["loc"][-1] in UNKNOWN_FIELDS)]
+        assert not problems, problems
+
+
+def typed_events(text: str) -> list[dict]:
+    """A Responses stream's events, each checked: its event line names its type, and the SDK's types parse it."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        sdk_checked(EVENTS[event["type"]], event)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def respond(pieces: list[str], body: dict, finish: str = "stop", **app_kw) -> tuple[dict, list[dict], ScriptedClient]:
+    """The response whole and as its stream's events, and the engine client that answered both."""
+    client = ScriptedClient(pieces, finish)
+    request = {"model": "m", **body}
+    whole, streamed = post_all(make_app(client, **app_kw), [("/v1/responses", request),
+                                                             ("/v1/responses", {**request, "stream": True})])
+    assert whole.status_code == 200, whole.text
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    sdk_checked(RESPONSE, whole.json())
+    return whole.json(), typed_events(streamed.text), client
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def test_a_text_reply_whole_and_streamed_runs_the_chat_routes_prompt():
+    whole, events, client = respond(["Hel", "lo"], {"input": "Hi there", "instructions": "Be brief."})
+    assert whole["status"] == "completed" and whole["object"] == "response" and whole["id"].startswith("resp_")
+    assert without_ids(whole["output"]) == [{"type": "message", "role": "assistant", "status": "completed",
+                                             "content": [{"type": "output_text", "text": "Hello", "annotations": [],
+                                                          "logprobs": []}]}]
+    usage = whole["usage"]
+    assert (usage["output_tokens"], usage["input_tokens"]) == (2, len(client.prompts[0]))
+    assert usage["total_tokens"] == usage["input_tokens"] + 2
+    # the engine got the prompt the chat route renders for the same messages
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]})])
+    assert client.prompts == chat.prompts * 2
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hel", "lo"]
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+
+
+def test_max_output_tokens_cuts_the_response_incomplete():
+    whole, events, client = respond(["a", "b"], {"input": "x", "max_output_tokens": 2}, finish="length")
+    assert client.params[0].max_tokens == 2
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["output"][0]["status"] == "incomplete"
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
+
+
+def test_sampling_fields_logprobs_and_text_format_reach_the_engine():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    whole, events, client = respond(["{", "}"], {
+        "input": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "top_logprobs": 1,
+        "include": ["message.output_text.logprobs"], "text": {"format": {"type": "json_schema", "name": "a",
+                                                                         "schema": schema}}})
+    params = client.params[0]
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.logprobs) == (0.5, 0.9, 7, 3, 1)
+    assert params.structured.kind == "json_schema" and json.loads(params.structured.spec) == schema
+    logprobs = whole["output"][0]["content"][0]["logprobs"]
+    assert [e["logprob"] for e in logprobs] == [-0.5, -0.5] and logprobs[0]["top_logprobs"][0]["logprob"] == -0.5
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    assert streamed == logprobs
+    assert (whole["temperature"], whole["top_p"], whole["text"]["format"]["type"]) == (0.5, 0.9, "json_schema")
+    # without include, top_logprobs asks for nothing (as vLLM's)
+    _, _, client = respond(["a"], {"input": "x", "top_logprobs": 2})
+    assert client.params[0].logprobs is None
+
+
+@pytest.mark.parametrize(("choice", "pieces", "arguments"), [
+    ({"type": "function", "name": "get_weather"}, ['{"city":', '"Oslo"}'], '{"city":"Oslo"}'),
+    # (a "required" call's arguments are the object's JSON, written out as the chat API writes them)
+    ("required", ['[{"name":"get_weather",', '"parameters":{"city":"Oslo"}}]'], '{"city": "Oslo"}'),
+])
+def test_a_function_call_is_an_output_item(choice, pieces, arguments):
+    whole, events, client = respond(pieces, {"input": "Weather in Oslo?", "tools": [WEATHER],
+                                             "tool_choice": choice})
+    assert client.params[0].structured is not None
+    calls = [item for item in whole["output"] if item["type"] == "function_call"]
+    assert without_ids(calls) == [{"type": "function_call", "name": "get_weather", "arguments": arguments,
+                                   "status": "completed"}]
+    assert calls[0]["call_id"] and calls[0]["id"].startswith("fc_")
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [(e["name"], e["arguments"]) for e in done] == [("get_weather", arguments)]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert deltas == arguments
+
+
+def test_auto_calls_after_text_with_a_parser():
+    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+              "</tool_call>"]
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER]}, tools=ToolOptions(parser="hermes"))
+    assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    assert whole["output"][0]["content"][0]["text"] == "Let me check. "
+    assert whole["output"][1]["arguments"] == '{"city": "Oslo"}'
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+
+
+def test_thoughts_are_a_reasoning_item_before_the_message():
+    whole, events, _ = respond(["Four", " it is.", "</think>", "4"], {"input": "2+2?"}, reasoning="deepseek_r1")
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "Four it is."}]
+    assert whole["output"][1]["content"][0]["text"] == "4"
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert deltas == ["Four", " it is."]
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+
+
+def test_input_items_become_the_chats_messages():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                          {"type": "input_text", "text": "Oslo?"}]},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+             {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Bergen"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "sun"}]}]
+    assert chat_messages(items) == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "reasoning": "Look it up.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Bergen"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "c2", "content": "sun"}]
+
+
+def test_a_stored_response_is_continued_read_back_and_deleted():
+    client = ScriptedClient(["Oslo."])
+    app = make_app(client)
+    first, = post_all(app, [("/v1/responses", {"input": "Capital of Norway?", "instructions": "Be brief."})])
+    rid = first.json()["id"]
+    second, = post_all(app, [("/v1/responses", {"input": "And Sweden?", "previous_response_id": rid})])
+    assert second.status_code == 200, second.text
+    assert second.json()["previous_response_id"] == rid
+    # the continued prompt is the chat of the whole conversation (the first's instructions not carried, as OpenAI's)
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "Capital of Norway?"}, {"role": "assistant", "content": "Oslo."},
+        {"role": "user", "content": "And Sweden?"}]})])
+    assert client.prompts[1] == chat.prompts[0]
+
+    async def main() -> list:
+        httpx = httpx_module()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            got = await http.get(f"/v1/responses/{rid}")
+            deleted = await http.delete(f"/v1/responses/{rid}")
+            gone = await http.get(f"/v1/responses/{rid}")
+            return [got, deleted, gone]
+
+    got, deleted, gone = asyncio.run(main())
+    assert got.json() == first.json()
+    assert deleted.json() == {"id": rid, "object": "response", "deleted": True}
+    assert gone.status_code == 404 and rid in gone.json()["error"]["message"]
+    unknown, = post_all(app, [("/v1/responses", {"input": "x", "previous_response_id": "resp_nope"})])
+    assert unknown.status_code == 404 and "resp_nope" in unknown.json()["error"]["message"]
+
+
+def test_store_false_keeps_nothing_and_the_store_keeps_its_newest():
+    store = ResponseStore(capacity=2)
+    app = make_app(ScriptedClient(["a"]), store=store)
+    replies = post_all(app, [("/v1/responses", {"input": "x", "store": False})]
+                       + [("/v1/responses", {"input": str(i)}) for i in range(3)])
+    assert len(store) == 2
+    oldest = replies[1].json()["id"]
+    again, = post_all(app, [("/v1/responses", {"input": "y", "previous_response_id": oldest})])
+    assert again.status_code == 404 and "newest 2" in again.json()["error"]["message"]
+
+
+def test_the_sdk_reads_a_response_and_its_stream():
+    app = make_app(ScriptedClient(["Hel", "lo"]))
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        client = openai.AsyncOpenAI(api_key="x", base_url="http://t/v1", http_client=http, max_retries=0)
+        whole = await client.responses.create(model="m", input="Hi")
+        async with client.responses.stream(model="m", input="Hi") as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+        await http.aclose()
+        return whole, deltas, final
+
+    whole, deltas, final = asyncio.run(main())
+    assert whole.output_text == "Hello" and deltas == ["Hel", "lo"] and final.output_text == "Hello"
+
+
+def test_a_background_response_runs_on_and_is_cancelled():
+    client = EndlessClient()
+    store = ResponseStore()
+    app = make_app(client, store=store)
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            created = (await http.post("/v1/responses", json={"input": "x", "background": True})).json()
+            await asyncio.sleep(0.1)
+            running = (await http.get(f"/v1/responses/{created['id']}")).json()
+            cancelled = (await http.post(f"/v1/responses/{created['id']}/cancel")).json()
+            again = await http.post(f"/v1/responses/{created['id']}/cancel")
+            for t in client.tasks:
+                t.cancel()
+            return created, running, cancelled, again
+
+    created, running, cancelled, again = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert created["status"] == "queued" and created["background"] is True
+    assert running["status"] == "in_progress"
+    assert cancelled["status"] == "cancelled" and len(client.aborted) == 1
+    assert cancelled["output"][0]["content"][0]["text"].startswith("xx")  # (what it wrote before the cancel)
+    assert again.status_code == 400 and "already cancelled" in again.json()["error"]["message"]
+
+
+def test_a_background_response_completes_in_the_store():
+    app = make_app(ScriptedClient(["a", "b"]))
+    httpx = httpx_module()
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            created = (await http.post("/v1/responses", json={"input": "x", "background": True})).json()
+            for _ in range(100):
+                got = (await http.get(f"/v1/responses/{created['id']}")).json()
+                if got["status"] == "completed":
+                    return got
+                await asyncio.sleep(0.01)
+            raise AssertionError(got)
+
+    got = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert got["output"][0]["content"][0]["text"] == "ab" and got["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": "x", "truncation": "middle"}, "truncation"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": []}, "input is empty"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "top_logprobs": 2, "include": ["message.output_text.logprobs"], "top_k": "a"}, "top_k"),
+])
+def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
+    client = ScriptedClient(["a"])
+    reply, = post_all(make_app(client), [("/v1/responses", body)])
+    assert reply.status_code == 400, reply.text
+    assert named in reply.json()["error"]["message"]
+    assert client.params == []  # (nothing reached the engine)

@@ -1,0 +1,205 @@
+"""The Responses API's routes: POST /v1/responses (whole, streamed as typed events, or in the background),
+GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel. A response runs as a chat turn (responses.py
+reads the request as one); its output items are folded from the turn's deltas (OutputItems)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tpgraph.errors import RequestError
+from tpgraph.server.protocol import ChatRequest
+from tpgraph.server.request_ids import request_id
+from tpgraph.server.response_store import ResponseStore, StoredResponse
+from tpgraph.server.responses import OutputItems, ResponsesRequest
+from tpgraph.server.sse import EventStream, stream_failure
+from tpgraph.server.turn import ChatTurn
+
+StartChat = Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
+# a chat request's log-probability entries ({"token", "logprob", "bytes", "top_logprobs"}) of (token, logprob, top)
+LogprobEntries = Callable[[ChatRequest, list], list[dict]]
+
+
+class _Detached:
+    """A background response's stand-in for its HTTP request: it has no client to go away (cancel ends it)."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+class ResponseRun:
+    """One response being written: the chat turn it runs as, and its output items as they come."""
+
+    def __init__(self, response_id: str, body: ResponsesRequest, chat: ChatRequest, turn: ChatTurn, model_name: str,
+                 entries: LogprobEntries) -> None:
+        self.id, self.body, self.chat, self.turn, self.model_name = response_id, body, chat, turn, model_name
+        self.entries, self.created = entries, int(time.time())
+        self.output = OutputItems()
+        self.final: dict | None = None  # the response once it ended
+
+    def snapshot(self, status: str, error: dict | None = None) -> dict:
+        """The response object as it stands (the output items so far)."""
+        body, params, choice = self.body, self.turn.params, self.turn.choices[0]
+        prompt_tokens, generated = len(self.turn.token_ids[0]), len(choice.token_ids)
+        done = status in ("completed", "incomplete")
+        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": choice.cached_tokens or 0},
+                 "output_tokens": generated,
+                 "output_tokens_details": {"reasoning_tokens": self.output.reasoning_tokens},
+                 "total_tokens": prompt_tokens + generated} if done else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "background": body.background, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "max_tool_calls": None, "model": self.model_name, "output": list(self.output.items),
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "previous_response_id": body.previous_response_id,
+                "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+                "service_tier": body.service_tier or "auto", "store": body.store,
+                "temperature": params.temperature, "text": {"format": (body.text or {}).get("format")
+                                                                      or {"type": "text"}},
+                "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+                "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
+                "truncation": body.truncation or "disabled", "usage": usage, "user": body.user,
+                "metadata": body.metadata or {}}
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The response's stream of events (without their sequence numbers), from response.created to
+        response.completed (or response.incomplete, where max_output_tokens cut it)."""
+        yield {"type": "response.created", "response": self.snapshot("in_progress")}
+        yield {"type": "response.in_progress", "response": self.snapshot("in_progress")}
+        turn, asked = self.turn, self.body.logprobs() and not self.turn.hidden
+        finish = None
+        async for _, u in turn.updates():
+            _, delta, finish_reason = turn.apply(u)
+            items = [(u.token_id, u.logprob, u.top_logprobs or [])] if asked and u.logprob is not None else []
+            for event in self.output.add(delta, self.entries(self.chat, items)):
+                yield event
+            finish = finish_reason or finish
+        status = "incomplete" if finish == "length" else "completed"
+        for event in self.output.finish(status == "incomplete"):
+            yield event
+        self.final = self.snapshot(status)
+        yield {"type": f"response.{status}", "response": self.final}
+
+    async def whole(self) -> dict:
+        try:
+            async for _ in self.events():
+                pass
+        finally:  # (its request ends with the response, also where reading an update raised)
+            await self.turn.stream.aclose()
+        return self.final
+
+
+def typed_event(event: dict, sequence_number: int) -> str:
+    """A Responses stream event as the API sends it: its type named on the event line."""
+    return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': sequence_number})}\n\n"
+
+
+def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: str, store: ResponseStore
+                    ) -> APIRouter:
+    """start_chat: the chat route's set-up (app.py), which submits a chat request as a turn; entries: its
+    log-probability entries."""
+    router = APIRouter()
+
+    def conversation_before(body: ResponsesRequest) -> list[dict]:
+        if body.previous_response_id is None:
+            return []
+        earlier = store.get(body.previous_response_id)
+        status = earlier.response["status"]
+        if status in ("queued", "in_progress"):
+            raise RequestError(f"previous_response_id {body.previous_response_id!r} is still {status}: continue it "
+                               "once it has finished")
+        return earlier.items()
+
+    @router.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request) -> Response:
+        body.check()
+        conversation = [*conversation_before(body), *body.input_items()]
+        chat = body.chat_request(conversation)
+        response_id = f"resp_{request_id(request, chat.request_id)}"
+        if body.background:
+            return JSONResponse(await start_background(response_id, body, chat, conversation))
+        run = ResponseRun(response_id, body, chat, await start_chat(chat, request), model_name, entries)
+        if not body.stream:
+            response = await run.whole()
+            if body.store:
+                store.put(response_id, StoredResponse(response, conversation))
+            return JSONResponse(response)
+
+        async def stream() -> AsyncIterator[str]:
+            numbers = itertools.count()
+            try:
+                async for event in run.events():
+                    yield typed_event(event, next(numbers))
+            except Exception as exc:  # (after the 200: the API's error event ends the stream)
+                status, message, kind = stream_failure(exc)
+                if body.store:
+                    failed = run.snapshot("failed", {"code": kind, "message": message})
+                    store.put(response_id, StoredResponse(failed, conversation))
+                yield typed_event({"type": "error", "code": kind, "message": message, "param": None},
+                                  next(numbers))
+                return
+            if body.store:
+                store.put(response_id, StoredResponse(run.final, conversation))
+
+        return EventStream(stream(), run.turn.stream, guard=None)
+
+    async def start_background(response_id: str, body: ResponsesRequest, chat: ChatRequest,
+                               conversation: list[dict]) -> dict:
+        """Submit the response (a refusal is the request's 400) and write it as it runs, in the store."""
+        run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached()), model_name, entries)
+        stored = StoredResponse(run.snapshot("queued"), conversation)
+
+        async def work() -> None:
+            try:
+                async for event in run.events():
+                    if event["type"] == "response.in_progress":
+                        stored.response = run.snapshot("in_progress")
+                stored.response = run.final
+            except asyncio.CancelledError:
+                stored.response = run.snapshot("cancelled")
+            except Exception as exc:
+                _, message, kind = stream_failure(exc)
+                stored.response = run.snapshot("failed", {"code": kind, "message": message})
+            finally:
+                await run.turn.stream.aclose()
+
+        stored.task = asyncio.get_running_loop().create_task(work())
+        store.put(response_id, stored)
+        return stored.response
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise RequestError("stream: true is not supported here: a stored response is read whole")
+        return JSONResponse(store.get(response_id).response)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> JSONResponse:
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> JSONResponse:
+        stored = store.get(response_id)
+        status = stored.response["status"]
+        if stored.task is None:
+            raise RequestError(f"response {response_id!r} was not created in the background: only a background "
+                               "response can be cancelled")
+        if status not in ("queued", "in_progress"):
+            raise RequestError(f"response {response_id!r} is already {status}: only a queued or in_progress "
+                               "response can be cancelled")
+        stored.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stored.task
+        return JSONResponse(stored.response)
+
+    return router

@@ -1,0 +1,62 @@
+"""The Responses API's stored responses (store: true, OpenAI's default): each response as last written and the
+conversation before its output, for previous_response_id, GET /v1/responses/{id}, DELETE and a background response's
+cancel. In memory and bounded: the newest `capacity` are kept (vLLM's store keeps every one, and its docs warn of the
+leak), and an id dropped or never stored is a 404 that says so."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tpgraph.server.errors import ApiError
+
+# (the default --responses-store-size; a response is its text and its conversation's, kilobytes each)
+DEFAULT_CAPACITY = 1024
+
+
+@dataclass
+class StoredResponse:
+    response: dict  # the response object, as GET returns it
+    conversation: list[dict]  # the input items before its output (an earlier response's conversation, then its own)
+    task: asyncio.Task | None = None  # (a background response) the run that writes it
+
+    def items(self) -> list[dict]:
+        """The conversation a next response continues: the input, then this response's output."""
+        return [*self.conversation, *self.response["output"]]
+
+
+class ResponseStore:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 0:
+            raise ValueError(f"the responses store's capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._stored: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        """Keep (or rewrite) a response; the oldest goes where the store is full (a background one still running is
+        cancelled: nothing could read it back)."""
+        self._stored[response_id] = stored
+        self._stored.move_to_end(response_id)
+        while len(self._stored) > self.capacity:
+            _, dropped = self._stored.popitem(last=False)
+            if dropped.task is not None:
+                dropped.task.cancel()
+
+    def get(self, response_id: str) -> StoredResponse:
+        stored = self._stored.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found (this server keeps the newest "
+                                f"{self.capacity} responses stored with store: true).", "NotFoundError",
+                           "response_id")
+        return stored
+
+    def delete(self, response_id: str) -> StoredResponse:
+        stored = self.get(response_id)
+        del self._stored[response_id]
+        if stored.task is not None:
+            stored.task.cancel()
+        return stored
+
+    def __len__(self) -> int:
+        return len(self._stored)
