@@ -33,6 +33,7 @@ from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
+from tpgraph.server.response_store import DEFAULT_CAPACITY
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
 
@@ -125,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
                    help="every stream reports its usage (each chunk its usage so far, then a usage chunk), "
                         "asked or not")
+    http.add_argument("--responses-store-size", type=int, default=DEFAULT_CAPACITY, metavar="N",
+                      help="the Responses API keeps its newest N stored responses (store: true) for "
+                           f"previous_response_id, GET and cancel (default {DEFAULT_CAPACITY})")
     http.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                       help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     logs = p.add_argument_group("request logs (vLLM's flags)")
@@ -210,7 +214,8 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.root_path,
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
-                       args.enable_force_include_usage, args.chat_template_content_format)
+                       args.enable_force_include_usage, args.chat_template_content_format,
+                       args.responses_store_size)
 
 
 def main(argv: list[str] | None = None) -> int:

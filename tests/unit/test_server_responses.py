@@ -316,3 +316,16 @@ def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     assert reply.status_code == 400, reply.text
     assert named in reply.json()["error"]["message"]
     assert client.params == []  # (nothing reached the engine)
+
+
+def test_the_store_size_flag_bounds_the_store(capsys):
+    from tpgraph.serve import http_options, parse_args
+
+    http = http_options(parse_args(["--responses-store-size", "1"]))
+    app = server_app.create_app(ScriptedClient(["a"]), builtin_codec(), ServerMetrics(), "m", 128, http=http)
+    first, _ = post_all(app, [("/v1/responses", {"input": "1"}), ("/v1/responses", {"input": "2"})])
+    dropped, = post_all(app, [("/v1/responses", {"input": "3", "previous_response_id": first.json()["id"]})])
+    assert dropped.status_code == 404 and "newest 1 responses" in dropped.json()["error"]["message"]
+    with pytest.raises(SystemExit):
+        parse_args(["--responses-store-size", "0"])
+    assert "--responses-store-size must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -337,7 +337,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     (request_ids.py). http: how the server answers beside that (CORS, ...; options.py). served_names: every name a
     request may give, model_name (the one replies give) first, as vLLM's several --served-model-name; () for
     model_name alone. model_root: the checkpoint (--model) they stand for, each /v1/models card's root (None:
-    model_name). responses_store: where the Responses API keeps responses (None: a store of the default size)."""
+    model_name). responses_store: where the Responses API keeps responses (None: a store of --responses-store-size)."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     eos_token_id = EngineTokenizer(prompts).eos_token_id  # (a beam search's EOS, as TPEngine.beam_search's)
@@ -627,7 +627,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]} for t, lp, top in items]
 
     app.include_router(response_routes(start_chat, logprob_entries, model_name,
-                                       ResponseStore() if responses_store is None else responses_store))
+                                       ResponseStore(http.responses_store_size) if responses_store is None
+                                       else responses_store))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:

@@ -9,6 +9,7 @@ from typing import Any
 
 from tpgraph.chat import CONTENT_FORMATS, RESERVED_TEMPLATE_VARIABLES
 from tpgraph.errors import ConfigError
+from tpgraph.server.response_store import DEFAULT_CAPACITY
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -55,6 +56,9 @@ class HttpOptions:
     # vLLM's --chat-template-content-format: how a message's content reaches the chat template ("auto": as vLLM
     # detects it for the template, a list of text parts where it loops over them, else one string; or "string")
     chat_template_content_format: str = "auto"
+    # the Responses API's store (response_store.py): how many responses it keeps for previous_response_id, GET and
+    # cancel, the oldest dropped first (vLLM's store is unbounded and off unless VLLM_ENABLE_RESPONSES_API_STORE)
+    responses_store_size: int = DEFAULT_CAPACITY
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -101,6 +105,9 @@ class HttpOptions:
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
+        size = self.responses_store_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"--responses-store-size must be an integer >= 1, got {size!r}")
         if not isinstance(self.force_include_usage, bool):
             raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
         if not isinstance(self.docs, bool):
