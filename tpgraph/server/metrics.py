@@ -19,8 +19,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tpgraph.engine.core import REFUSED, EngineCore, StepTiming, StepUpdate
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
-# a request's waits: a queue under load, or a long generation, runs to minutes (vLLM's reach 2560 s)
-REQUEST_BUCKETS = LATENCY_BUCKETS + (40.96, 81.92, 163.84, 327.68, 655.36, 1310.72, 2621.44)
+# vLLM's own buckets for its request metrics (PrometheusStatLogger), so that a quantile or heatmap built on vLLM's reads
+# ours alike: time to first token; the gaps between tokens (each, and a request's mean); a request's phases
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
 HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
 VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
 ENGINE_INDEX = "0"
@@ -113,14 +119,14 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         vllm = vllm_metrics(model_name, r)
         self.ttft = vllm(Histogram, "vllm:time_to_first_token_seconds", "Arrival to first token",
-                         buckets=REQUEST_BUCKETS)
+                         buckets=TTFT_BUCKETS)
         self.queue = vllm(Histogram, "vllm:request_queue_time_seconds", "A sample's wait in the engine's queue, from "
                           "its arrival there to its first admission", buckets=REQUEST_BUCKETS)
         self.tpot = vllm(Histogram, "vllm:request_time_per_output_token_seconds", "Mean time between a request's "
-                         "tokens", buckets=LATENCY_BUCKETS)
+                         "tokens", buckets=TOKEN_GAP_BUCKETS)
         # (vLLM exports each gap too, beside the mean: the ITL that its dashboards plot)
         self.itl = vllm(Histogram, "vllm:inter_token_latency_seconds", "Time between a sample's token and its "
-                        "previous one", buckets=LATENCY_BUCKETS)
+                        "previous one", buckets=TOKEN_GAP_BUCKETS)
         self.requests = Counter("vllm:request_success", "Requests finished, by finish reason",
                                 (*VLLM_LABELS, "finished_reason"), registry=r)
         self.refused = Counter("tpgraph_requests_refused", "Requests the engine refused as it came to add them (a "

@@ -1,0 +1,52 @@
+"""/metrics as a scraper reads it: the exposition text of ServerMetrics (the HTTP front end's request metrics) and
+EngineMetrics (the engine's), held to vLLM's v1 metrics (vllm/v1/metrics/loggers.py, PrometheusStatLogger; the
+request phases' definitions in vllm/v1/metrics/stats.py): names, labels, buckets and what each measures."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tpgraph.server.metrics import ServerMetrics
+
+LABELS = {"model_name": "tpgraph", "engine": "0"}  # (ServerMetrics' default model_name)
+
+# vLLM's buckets (PrometheusStatLogger), written out: the test holds ours to them, not to our own constants
+VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0]
+VLLM_TOKEN_GAPS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0]
+VLLM_REQUEST_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                        480.0, 960.0, 1920.0, 7680.0]
+
+
+def scrape(exposition: bytes) -> dict[str, dict]:
+    """The exposition's histograms and counters by name: {"type", "bounds" (a histogram's finite `le`s),
+    "samples" ({(sample name, sorted labels without le): value} and each bucket's under its le)}."""
+    out = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        samples, bounds = {}, []
+        for s in family.samples:
+            labels = tuple(sorted(s.labels.items()))
+            samples[(s.name, labels)] = s.value
+            if s.name == family.name + "_bucket" and s.labels["le"] != "+Inf":
+                bounds.append(float(s.labels["le"]))
+        out[family.name] = {"type": family.type, "bounds": bounds, "samples": samples}
+    return out
+
+
+def value(scraped: dict, family: str, sample: str, **labels: str) -> float | None:
+    return scraped[family]["samples"].get((sample, tuple(sorted({**LABELS, **labels}.items()))))
+
+
+@pytest.mark.parametrize(("name", "bounds"), [
+    ("vllm:time_to_first_token_seconds", VLLM_TTFT),
+    ("vllm:inter_token_latency_seconds", VLLM_TOKEN_GAPS),
+    ("vllm:request_time_per_output_token_seconds", VLLM_TOKEN_GAPS),
+    ("vllm:e2e_request_latency_seconds", VLLM_REQUEST_LATENCY),
+    ("vllm:request_queue_time_seconds", VLLM_REQUEST_LATENCY),
+])
+def test_the_request_histograms_have_vllms_buckets(name, bounds):
+    """vLLM's buckets, so that a dashboard's histogram_quantile or heatmap built on vLLM's reads ours alike: ours
+    were powers of two from 1 ms (TTFT, queue and end-to-end latency to 2621 s, the token gaps to 20 s)."""
+    scraped = scrape(ServerMetrics().exposition())
+    assert scraped[name]["type"] == "histogram"
+    assert scraped[name]["bounds"] == bounds
