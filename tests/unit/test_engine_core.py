@@ -678,3 +678,26 @@ def test_the_spmd_check_reads_a_set_of_stop_strings_alike_in_every_process():
     params = "SamplingParams(stop={'END', 'STOP', '###', 'Q:'}, bad_words={'foo', 'bar', 'baz'})"
     digests = digests_across_hash_seeds(params, seeds=(1, 3, 4))  # (seeds whose set orders differ)
     assert len(digests) == 1
+
+
+def test_a_samples_first_update_says_how_long_it_took_from_admission_to_that_token():
+    """prefill_s, vLLM's prefill time: from a sample's first admission to its first token read back. Admission comes
+    after its queue time, and the token before the step that returns it ends; later updates say nothing."""
+    import time
+
+    with engine(max_num_seqs=1) as e:
+        core = e.core
+        added = time.perf_counter()
+        core.add_request("a", e.encode("first"), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        core.add_request("b", e.encode("second"), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        seen = {}
+        updates = []
+        while core.has_work:
+            for u in core.step():
+                if u.token_id is not None:
+                    updates.append(u)
+                    seen.setdefault(u.request_id, time.perf_counter())
+    first = {u.request_id: u for u in reversed(updates)}
+    for rid, u in first.items():
+        assert 0 < u.prefill_s and u.queue_s + u.prefill_s <= seen[rid] - added
+    assert all(u.prefill_s is None for u in updates if u is not first[u.request_id])

@@ -50,3 +50,29 @@ def test_the_request_histograms_have_vllms_buckets(name, bounds):
     scraped = scrape(ServerMetrics().exposition())
     assert scraped[name]["type"] == "histogram"
     assert scraped[name]["bounds"] == bounds
+
+
+def test_a_samples_prefill_decode_and_inference_phases_are_vllms(monkeypatch):
+    """vLLM's vllm:request_prefill_time_seconds (first admission to first token), request_decode_time_seconds (first
+    token to last) and request_inference_time_seconds (first admission to last token), per finished sample, in its
+    request-latency buckets; a sample that never had a token is left out of them, as vLLM leaves out a request
+    that generated none. They were not exported. Sample 0: admitted 0.25 s before its first token (the engine's
+    prefill_s), tokens delivered at 1.0, 1.5 and 2.0 s; sample 1 is aborted before its first token."""
+    from tpgraph.engine.core import StepUpdate
+    from tpgraph.server import metrics as server_metrics
+
+    monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)  # (the arrival)
+    metrics = ServerMetrics()
+    metrics.arrived("r", 4, 2)
+    metrics.observe(StepUpdate("r", 0, 7, "x", queue_s=0.5, prefill_s=0.25), 1.0)
+    metrics.observe(StepUpdate("r", 0, 7, "x"), 1.5)
+    metrics.observe(StepUpdate("r", 0, 7, "x", "stop"), 2.0)
+    metrics.finished("r", "abort", 3.0)
+    scraped = scrape(metrics.exposition())
+    for name, observed in (("vllm:request_prefill_time_seconds", 0.25), ("vllm:request_decode_time_seconds", 1.0),
+                           ("vllm:request_inference_time_seconds", 1.25)):
+        assert scraped[name]["type"] == "histogram"
+        assert scraped[name]["bounds"] == VLLM_REQUEST_LATENCY
+        assert value(scraped, name, name + "_count") == 1
+        assert value(scraped, name, name + "_sum") == pytest.approx(observed)
+    assert value(scraped, "vllm:request_success", "vllm:request_success_total", finished_reason="abort") == 1

@@ -59,6 +59,8 @@ class StepUpdate:
     prompt_ranks: list[int] | None = None  # (with prompt_logprobs) each prompt token's rank, 1 the most likely
     cached_tokens: int | None = None  # with a sequence's first token: its prompt tokens read from the prefix cache
     queue_s: float | None = None  # with a sequence's first token: seconds from the engine's taking it to its admission
+    # with a sequence's first token: seconds from its first admission to that token's reading back (vLLM's prefill time)
+    prefill_s: float | None = None
 
 
 class _Once:
@@ -355,6 +357,8 @@ class EngineCore:
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
             if index == 0:
                 update.cached_tokens, update.queue_s = seq.prompt_cached or 0, seq.queue_s
+                if seq.queue_s is not None:  # (admitted at queued_at + queue_s; a preemption since stays inside)
+                    update.prefill_s = now - seq.queued_at - seq.queue_s
                 if seq.params.prompt_logprobs is not None:  # (every sample's first update brings its request's)
                     src = seq.reported_prompt_logprobs
                     update.prompt_logprobs, update.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)

@@ -1,9 +1,9 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, inter-token latency, queue time, end-to-end latency, finished requests, prompt and generated tokens, and each
-finished request's prompt and generation lengths: each of a request's n samples counted as a request, as vLLM's engine
-runs them). /metrics serves both.
+TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end latency, finished requests,
+prompt and generated tokens, and each finished request's prompt and generation lengths: each of a request's n samples
+counted as a request, as vLLM's engine runs them). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -136,6 +136,14 @@ class ServerMetrics:
                                   "first token)")
         self.e2e = vllm(Histogram, "vllm:e2e_request_latency_seconds", "Arrival to the request's end",
                         buckets=REQUEST_BUCKETS)
+        # a finished sample's phases, as vLLM's (stats.py): observed for one that had a token, as vLLM observes them
+        # only for a request that generated one
+        self.prefill_time = vllm(Histogram, "vllm:request_prefill_time_seconds", "A sample's first admission to its "
+                                 "first token (a preemption between them included)", buckets=REQUEST_BUCKETS)
+        self.decode_time = vllm(Histogram, "vllm:request_decode_time_seconds", "A sample's first token to its last",
+                                buckets=REQUEST_BUCKETS)
+        self.inference_time = vllm(Histogram, "vllm:request_inference_time_seconds", "A sample's first admission to "
+                                   "its last token (prefill and decode)", buckets=REQUEST_BUCKETS)
         # (vLLM's per finished request, which its dashboard draws as prompt and generation length heatmaps)
         self.prompt_lengths = vllm(Histogram, "vllm:request_prompt_tokens", "A finished sample's prompt tokens",
                                    buckets=token_buckets(max_model_len))
@@ -143,11 +151,12 @@ class ServerMetrics:
                                        "tokens", buckets=token_buckets(max_model_len))
         self.model_name = model_name
         # each request's arrival, prompt length and samples asked (n), and its samples by index: (tokens, the first's
-        # time, the last's time), and which have ended
+        # time, the last's time), their prefill times (the engine's, with their first tokens), and which have ended
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
         self._asked: dict[str, int] = {}
         self._samples: dict[str, dict[int, tuple[int, float, float]]] = {}
+        self._prefill_s: dict[str, dict[int, float]] = {}
         self._ended: dict[str, set[int]] = {}
 
     def arrived(self, request_id: str, prompt_tokens: int = 0, n: int = 1) -> None:
@@ -165,6 +174,8 @@ class ServerMetrics:
         rid = update.request_id
         if update.queue_s is not None:  # (a sample's first update, with a token or ending it without one)
             self.queue.observe(update.queue_s)
+        if update.prefill_s is not None:
+            self._prefill_s.setdefault(rid, {})[update.sample_index] = update.prefill_s
         if update.token_id is not None:
             self.tokens.inc()
             samples = self._samples.setdefault(rid, {})
@@ -189,10 +200,21 @@ class ServerMetrics:
         count, first, last = self._samples.get(request_id, {}).get(index, (0, 0.0, 0.0))
         if count > 1:
             self.tpot.observe((last - first) / (count - 1))
+        prefill_s = self._prefill_s.get(request_id, {}).get(index)
+        if count and prefill_s is not None:
+            self._phases_ended(prefill_s, last - first)
         if request_id in self._arrival:
             self.e2e.observe(now - self._arrival[request_id])
         self.prompt_lengths.observe(self._prompt_len.get(request_id, 0))
         self.generation_lengths.observe(count)
+
+    def _phases_ended(self, prefill_s: float, decode_s: float) -> None:
+        """A sample's phases, as vLLM's: prefill (the engine's: its first admission to its first token read back),
+        decode (its first token to its last, delivered: the span TPOT divides) and inference, the two together (vLLM's
+        first admission to last token)."""
+        self.prefill_time.observe(prefill_s)
+        self.decode_time.observe(decode_s)
+        self.inference_time.observe(prefill_s + decode_s)
 
     def finished(self, request_id: str, reason: str, now: float | None = None) -> None:
         """The whole request is over (at `now`, perf_counter; default: now): its samples still open end with
@@ -204,7 +226,7 @@ class ServerMetrics:
             now = time.perf_counter() if now is None else now
             for index in range(self._asked.get(request_id, 1)):
                 self._sample_ended(request_id, index, reason, now)
-        for kept in (self._arrival, self._prompt_len, self._asked, self._samples, self._ended):
+        for kept in (self._arrival, self._prompt_len, self._asked, self._samples, self._prefill_s, self._ended):
             kept.pop(request_id, None)
 
     def exposition(self) -> bytes:
