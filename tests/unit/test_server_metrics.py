@@ -76,3 +76,60 @@ def test_a_samples_prefill_decode_and_inference_phases_are_vllms(monkeypatch):
         assert value(scraped, name, name + "_count") == 1
         assert value(scraped, name, name + "_sum") == pytest.approx(observed)
     assert value(scraped, "vllm:request_success", "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_a_requests_n_max_tokens_and_longest_sample_are_vllms_histograms(monkeypatch):
+    """vLLM's vllm:request_params_n (buckets 1, 2, 5, 10, 20) and vllm:request_max_num_generation_tokens (the most
+    tokens one of a request's samples generated), once per request when all its samples are over, and
+    vllm:request_params_max_tokens per finished sample (where the request set none, the room its prompt left, as
+    vLLM's server fills it in), in 1-2-5 buckets up to max_model_len. They were not exported. A request of n = 3
+    and no max_tokens, 4 prompt tokens: its samples generate 3, 1 and no tokens before it is aborted; one of n = 1
+    and max_tokens 16 generates 1; a refused one counts in none."""
+    from tpgraph.engine.core import REFUSED, StepUpdate
+
+    metrics = ServerMetrics(max_model_len=600)
+    metrics.arrived("r", 4, 3)
+    for sample, tokens in ((0, 3), (1, 1)):
+        for _ in range(tokens):
+            metrics.observe(StepUpdate("r", sample, 7, "x"))
+    metrics.finished("r", "abort")
+    metrics.arrived("q", 4, 1, 16)
+    metrics.observe(StepUpdate("q", 0, 7, "x", "length"))
+    metrics.finished("q", "length")
+    metrics.arrived("x", 4, 2, 8)
+    metrics.finished("x", REFUSED)
+    scraped = scrape(metrics.exposition())
+    one_two_five = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0]
+    for name, bounds, count, total in (("vllm:request_params_n", [1.0, 2.0, 5.0, 10.0, 20.0], 2, 3 + 1),
+                                       ("vllm:request_max_num_generation_tokens", one_two_five, 2, 3 + 1),
+                                       ("vllm:request_params_max_tokens", one_two_five, 4, 3 * (600 - 4) + 16)):
+        assert scraped[name]["type"] == "histogram"
+        assert scraped[name]["bounds"] == bounds
+        assert (value(scraped, name, name + "_count"), value(scraped, name, name + "_sum")) == (count, total)
+
+
+def test_the_server_hands_the_metrics_each_requests_max_tokens():
+    """Api.run gives the metrics the request's max_tokens (vllm:request_params_max_tokens)."""
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    from tpgtest.server_stubs import ScriptedClient
+
+    from tpgraph.engine.sampling_params import SamplingParams
+    from tpgraph.server import app as server_app
+
+    class Request:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    metrics = ServerMetrics()
+
+    async def main() -> None:
+        async for _ in server_app.Api(ScriptedClient(["a", "b"]), metrics, "m").run(
+                Request(), [[1, 2]], SamplingParams(n=2, max_tokens=7)):
+            pass
+
+    asyncio.run(main())
+    scraped = scrape(metrics.exposition())
+    name = "vllm:request_params_max_tokens"
+    assert (value(scraped, name, name + "_count"), value(scraped, name, name + "_sum")) == (2, 14)

@@ -93,7 +93,7 @@ class Api:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 if self.http.log_requests and log:
                     self.log_request(rid, None if texts is None else texts[i], prompt, params)
-                self.metrics.arrived(rid, len(prompt), params.n)
+                self.metrics.arrived(rid, len(prompt), params.n, params.max_tokens)
                 self.client.submit(rid, prompt, params,
                                    lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
             loop = asyncio.get_running_loop()

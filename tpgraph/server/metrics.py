@@ -2,8 +2,9 @@
 step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
 hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
 TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end latency, finished requests,
-prompt and generated tokens, and each finished request's prompt and generation lengths: each of a request's n samples
-counted as a request, as vLLM's engine runs them). /metrics serves both.
+prompt and generated tokens, each finished request's prompt and generation lengths and max_tokens: each of a
+request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and its longest sample's
+length). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -28,6 +29,7 @@ TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for a request's n
 VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
 ENGINE_INDEX = "0"
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
@@ -149,24 +151,38 @@ class ServerMetrics:
                                    buckets=token_buckets(max_model_len))
         self.generation_lengths = vllm(Histogram, "vllm:request_generation_tokens", "A finished sample's generated "
                                        "tokens", buckets=token_buckets(max_model_len))
-        self.model_name = model_name
-        # each request's arrival, prompt length and samples asked (n), and its samples by index: (tokens, the first's
-        # time, the last's time), their prefill times (the engine's, with their first tokens), and which have ended
+        # (vLLM's per request's parameters: max_tokens per finished sample; n, and the most tokens any of its samples
+        # generated, once all of a request's samples are over)
+        self.max_tokens = vllm(Histogram, "vllm:request_params_max_tokens", "A finished sample's max_tokens (where the "
+                               "request set none, the room its prompt left in the context)",
+                               buckets=token_buckets(max_model_len))
+        self.n = vllm(Histogram, "vllm:request_params_n", "A finished request's n", buckets=N_BUCKETS)
+        self.max_generation_lengths = vllm(Histogram, "vllm:request_max_num_generation_tokens", "The most tokens any "
+                                           "of a finished request's samples generated",
+                                           buckets=token_buckets(max_model_len))
+        self.model_name, self.max_model_len = model_name, max_model_len
+        # each request's arrival, prompt length, samples asked (n) and max_tokens, and its samples by index: (tokens,
+        # the first's time, the last's time), their prefill times (the engine's, with their first tokens), and which
+        # have ended
         self._arrival: dict[str, float] = {}
         self._prompt_len: dict[str, int] = {}
         self._asked: dict[str, int] = {}
+        self._max_tokens: dict[str, int] = {}
         self._samples: dict[str, dict[int, tuple[int, float, float]]] = {}
         self._prefill_s: dict[str, dict[int, float]] = {}
         self._ended: dict[str, set[int]] = {}
 
-    def arrived(self, request_id: str, prompt_tokens: int = 0, n: int = 1) -> None:
-        """A request of n samples taken, its prompt `prompt_tokens` long. As vLLM's, whose engine runs each of n
-        samples as a request of its own, the latencies and finished counts are each sample's; the prompt is counted
-        with each sample's first token (each computes it, unless the prefix cache holds it), so that a request
-        refused or aborted before any step computed its prompt counts none."""
+    def arrived(self, request_id: str, prompt_tokens: int = 0, n: int = 1, max_tokens: int | None = None) -> None:
+        """A request of n samples taken, its prompt `prompt_tokens` long, each sample to generate at most max_tokens
+        (None: up to the context's end). As vLLM's, whose engine runs each of n samples as a request of its own, the
+        latencies and finished counts are each sample's; the prompt is counted with each sample's first token (each
+        computes it, unless the prefix cache holds it), so that a request refused or aborted before any step computed
+        its prompt counts none."""
         self._arrival[request_id] = time.perf_counter()
         self._prompt_len[request_id] = prompt_tokens
         self._asked[request_id] = n
+        # (vLLM's server fills in a missing max_tokens with the room the prompt leaves, and records that)
+        self._max_tokens[request_id] = max_tokens if max_tokens is not None else self.max_model_len - prompt_tokens
 
     def observe(self, update: StepUpdate, now: float | None = None) -> None:
         """An update, delivered at `now` (perf_counter; default: now)."""
@@ -207,6 +223,8 @@ class ServerMetrics:
             self.e2e.observe(now - self._arrival[request_id])
         self.prompt_lengths.observe(self._prompt_len.get(request_id, 0))
         self.generation_lengths.observe(count)
+        if request_id in self._max_tokens:
+            self.max_tokens.observe(self._max_tokens[request_id])
 
     def _phases_ended(self, prefill_s: float, decode_s: float) -> None:
         """A sample's phases, as vLLM's: prefill (the engine's: its first admission to its first token read back),
@@ -226,8 +244,18 @@ class ServerMetrics:
             now = time.perf_counter() if now is None else now
             for index in range(self._asked.get(request_id, 1)):
                 self._sample_ended(request_id, index, reason, now)
-        for kept in (self._arrival, self._prompt_len, self._asked, self._samples, self._prefill_s, self._ended):
+            if request_id in self._asked:  # (once: a request is forgotten below)
+                self._request_ended(request_id)
+        for kept in (self._arrival, self._prompt_len, self._asked, self._max_tokens, self._samples, self._prefill_s,
+                     self._ended):
             kept.pop(request_id, None)
+
+    def _request_ended(self, request_id: str) -> None:
+        """All of a request's samples are over: its n, and the most tokens one of them generated (vLLM's parallel
+        sampling records both when its last child request finishes)."""
+        self.n.observe(self._asked[request_id])
+        self.max_generation_lengths.observe(max((count for count, _, _ in self._samples.get(request_id, {}).values()),
+                                                default=0))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
