@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     # the engine knows whether it failed (then the ranks are ended, not told, and the failed engine never steps again)
     service = engine.service or EngineService(engine.core, ControlPlane(engine.state))
     service.heartbeat_s = args.heartbeat_s
-    service.on_step = lambda _, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s)
+    service.on_step = lambda updates, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s,
+                                                                len(updates))
     keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,

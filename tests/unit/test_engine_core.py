@@ -701,3 +701,22 @@ def test_a_samples_first_update_says_how_long_it_took_from_admission_to_that_tok
     for rid, u in first.items():
         assert 0 < u.prefill_s and u.queue_s + u.prefill_s <= seen[rid] - added
     assert all(u.prefill_s is None for u in updates if u is not first[u.request_id])
+
+
+def test_a_steps_tokens_are_counted_as_vllm_counts_an_iterations():
+    """StepTiming.tokens (vllm:iteration_tokens_total): the tokens a step's updates carry, each one read back and,
+    with a sequence's first, its prompt. Over all steps: every prompt once per sample, and every token generated,
+    whatever chunks the prompts were computed in."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2)
+    with engine(max_num_batched_tokens=8) as e:  # (chunked: a prompt's chunks are counted with its first token)
+        core = e.core
+        prompts = [e.encode(p) for p in PROMPTS]
+        for i, ids in enumerate(prompts):
+            core.add_request(str(i), ids, params)
+        counted, generated = [], 0
+        while core.has_work:
+            updates = core.step()
+            generated += sum(u.token_id is not None for u in updates)
+            counted.append(core.timing.tokens if updates else 0)
+    assert generated == 5 * 2 * len(PROMPTS)
+    assert sum(counted) == 2 * sum(map(len, prompts)) + generated

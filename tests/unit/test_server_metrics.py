@@ -133,3 +133,27 @@ def test_the_server_hands_the_metrics_each_requests_max_tokens():
     scraped = scrape(metrics.exposition())
     name = "vllm:request_params_max_tokens"
     assert (value(scraped, name, name + "_count"), value(scraped, name, name + "_sum")) == (2, 14)
+
+
+def test_a_steps_tokens_are_vllms_iteration_tokens_histogram():
+    """vLLM's vllm:iteration_tokens_total, in its buckets (1, 8, ... 16384): the tokens of each step that returned
+    updates (vLLM observes only an iteration with outputs: a step that computed a prompt's chunk alone is not one).
+    It was not exported."""
+    from types import SimpleNamespace
+
+    from tpgraph.engine.core import StepTiming
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    metrics.step_done(StepTiming(tokens=70), 0.01, 0.001, updates=3)  # (a 64-token prompt's first token, 6 decodes)
+    metrics.step_done(StepTiming(tokens=4), 0.01, 0.001, updates=4)
+    metrics.step_done(StepTiming(), 0.01, 0.001, updates=0)  # (a prompt's chunk alone)
+    scraped = scrape(metrics.exposition())
+    name = "vllm:iteration_tokens_total"
+    assert scraped[name]["type"] == "histogram"
+    assert scraped[name]["bounds"] == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert (value(scraped, name, name + "_count"), value(scraped, name, name + "_sum")) == (2, 74)
+    assert value(scraped, name, name + "_bucket", le="64.0") == 1

@@ -90,6 +90,9 @@ class StepTiming:
     decode_batch: int = 0
     gpu: float | None = None
     overlapped: bool = False
+    # the tokens the step's updates carry, as vLLM counts an iteration's: each one read back, and with a sequence's
+    # first its prompt
+    tokens: int = 0
 
 
 @dataclass
@@ -355,7 +358,9 @@ class EngineCore:
                 update.logprob, update.rank = out.logprobs[i], out.ranks[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
+            self.timing.tokens += update.token_id is not None
             if index == 0:
+                self.timing.tokens += len(seq.prompt_ids)
                 update.cached_tokens, update.queue_s = seq.prompt_cached or 0, seq.queue_s
                 if seq.queue_s is not None:  # (admitted at queued_at + queue_s; a preemption since stays inside)
                     update.prefill_s = now - seq.queued_at - seq.queue_s

@@ -1,10 +1,10 @@
 """Prometheus metrics for /metrics (prometheus-client). The engine process keeps the step-level ones (EngineMetrics:
-step and host times, decode GPU time, the control path, queue lengths, KV usage, preemptions, prefix-cache queries and
-hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones (ServerMetrics: TTFT,
-TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end latency, finished requests,
-prompt and generated tokens, each finished request's prompt and generation lengths and max_tokens: each of a
-request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and its longest sample's
-length). /metrics serves both.
+step and host times, decode GPU time, the control path, each step's tokens, queue lengths, KV usage, preemptions,
+prefix-cache queries and hits, beside the runner's graph stats); the HTTP front-end process keeps the request-level ones
+(ServerMetrics: TTFT, TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end
+latency, finished requests, prompt and generated tokens, each finished request's prompt and generation lengths and
+max_tokens: each of a request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and
+its longest sample's length). /metrics serves both.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -30,6 +30,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 HOST_PARTS = ("schedule", "prepare", "submit", "postprocess")
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for a request's n
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's for a step's tokens
 VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
 ENGINE_INDEX = "0"
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
@@ -80,15 +81,21 @@ class EngineMetrics:
         self.prefix_queries = vllm(Counter, "vllm:prefix_cache_queries", "Tokens of the sequences admitted (a "
                                    "recomputed one again), looked up in the prefix cache")
         self.prefix_hits = vllm(Counter, "vllm:prefix_cache_hits", "Of those, tokens found cached (not computed)")
+        self.iteration_tokens = vllm(Histogram, "vllm:iteration_tokens_total", "Tokens of a step that returned "
+                                     "updates: each token read back, and with a sequence's first its prompt",
+                                     buckets=ITERATION_BUCKETS)
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
         self._counted = self._totals()
         core.runner.stats.restart_steps()  # the graph steps too: the warm-up's are not served ones
 
-    def step_done(self, timing: StepTiming, step_s: float, control_s: float) -> None:
-        """One engine step's wall time, its timing parts and its control-path broadcasts."""
+    def step_done(self, timing: StepTiming, step_s: float, control_s: float, updates: int = 0) -> None:
+        """One engine step's wall time, its timing parts, its control-path broadcasts and its tokens (`updates`: how
+        many updates it returned)."""
         self.step.observe(step_s)
         self.control.observe(control_s)
+        if updates:  # (as vLLM's, which counts only a step that returned outputs: not a prompt's chunk alone)
+            self.iteration_tokens.observe(timing.tokens)
         if timing.prefill:
             self.prefill.observe(timing.prefill)
         if timing.decode_batch:
