@@ -190,6 +190,28 @@ def test_chat_stream_equals_non_stream(server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
 
 
+def test_a_response_is_the_chats_reply_whole_streamed_and_continued(server):
+    """The Responses API on the TP=2 server: the greedy reply to an input is the chat reply to the same message,
+    streamed as whole; a response continued by its id runs the chat of the whole conversation."""
+    c = server.client()
+    messages = [{"role": "user", "content": "a" * 20}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **greedy())
+    whole = c.responses.create(model=MODEL, input="a" * 20, max_output_tokens=8, **greedy())
+    assert whole.output_text == chat.choices[0].message.content and whole.output_text
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 8
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    with c.responses.stream(model=MODEL, input="a" * 20, max_output_tokens=8, **greedy()) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text
+    more = c.responses.create(model=MODEL, input="b" * 5, previous_response_id=whole.id, max_output_tokens=4,
+                              **greedy())
+    chat = c.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        *messages, {"role": "assistant", "content": whole.output_text}, {"role": "user", "content": "b" * 5}],
+        **greedy())
+    assert more.output_text == chat.choices[0].message.content and more.previous_response_id == whole.id
+    assert c.responses.retrieve(more.id).output_text == more.output_text
+
+
 def test_stop_strings_and_max_tokens(server):
     c = server.client()
     full = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=12, **greedy()).choices[0].text
