@@ -192,8 +192,7 @@ def test_finished_sequences_are_kept_and_ranked_with_the_live_ones(eos_engine):
                 assert s.tokens[-1] == EOS and s.stop_reason == EOS and len(s.tokens) < len(ids) + 5
             else:
                 assert s.finish_reason == "length" and s.stop_reason is None and len(s.tokens) == len(ids) + 5
-            assert s.text == eos_engine.get_tokenizer().decode(s.tokens[:-1] if s.finish_reason == "stop"
-                                                               else s.tokens)  # (the EOS's text left out)
+            assert s.text == eos_engine.get_tokenizer().decode(s.tokens)  # (the EOS's text too, as vLLM's)
         ranked[penalty] = [(len(s.tokens) - len(ids), s.finish_reason) for s in out.sequences]
     assert ranked[0.0] == [(1, "stop"), (2, "stop"), (2, "stop")]
     assert ranked[3.0] == [(1, "stop"), (5, "length"), (2, "stop")]
@@ -248,7 +247,7 @@ def test_an_early_eos_wins_or_loses_by_its_length_penalized_score():
     assert [s.tokens for s in by_mean] == [[1, 2, 3, 4], [1, 9], [1, 2, 3, 9], [1, 2, 9]]
     assert [beam_score(s.tokens, s.cum_logprob, 9, 1.0) for s in by_mean] == pytest.approx(
         [-0.9 / 4, -0.5, -3.8 / 3, -3.7 / 2])
-    assert by_mean[1].text == "1" and by_mean[1].logprobs[0][9] == Logprob(-0.5, 1)  # (the EOS's text left out)
+    assert by_mean[1].text == "1 9" and by_mean[1].logprobs[0][9] == Logprob(-0.5, 1)  # (the EOS's text too)
     # each step one request a live beam: a token, with 2 * beam_width log-probabilities, at the search's temperature
     assert [p for p, _ in calls] == [[[1]], [[1, 2]], [[1, 2, 3]]]
     assert all((q.max_tokens, q.logprobs, q.temperature, q.n) == (1, 4, 0.0, 1) for _, q in calls)
@@ -381,10 +380,13 @@ def test_an_async_step_drives_the_same_search():
         calls.clear()
 
 
-def test_include_stop_str_in_output_keeps_the_eos_text():
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_finished_sequence_text_holds_its_eos_either_way(include_stop_str_in_output):
+    """vLLM's offline LLM.beam_search decodes each returned sequence's tokens whole (the prompt's and a final EOS's),
+    include_stop_str_in_output or not: that flag is its server's (use_beam_search), which leaves the EOS out."""
     (first,) = search(BeamSearchParams(beam_width=1, max_tokens=1, length_penalty=0.0,
-                                       include_stop_str_in_output=True))
-    assert (first.tokens, first.text) == ([1, 9], "1 9")
+                                       include_stop_str_in_output=include_stop_str_in_output))
+    assert (first.tokens, first.text, first.finish_reason) == ([1, 9], "1 9", "stop")
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------------

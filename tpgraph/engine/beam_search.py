@@ -33,8 +33,9 @@ class BeamSearchParams:
     new tokens. `temperature` is the step's (0: each step's candidates are the most likely tokens; above 0 the sampled
     token joins them where it is not among them). `length_penalty`: a sequence's score is its cumulative log-probability
     over its length (the prompt's tokens counted, an EOS that ends it not) to this power, as vLLM's. A finished
-    sequence's text holds its EOS's only with `include_stop_str_in_output`. `structured_outputs` (vLLM's) is taken only
-    as None. Checked when made, and again by beam_search (a field set afterwards is checked there)."""
+    sequence's offline text holds its EOS's either way, as vLLM's; `include_stop_str_in_output` is the server's (its
+    use_beam_search replies). `structured_outputs` (vLLM's) is taken only as None. Checked when made, and again by
+    beam_search (a field set afterwards is checked there)."""
 
     beam_width: int
     max_tokens: int
@@ -67,8 +68,8 @@ class BeamSearchParams:
 class BeamSearchSequence:
     """vLLM's BeamSearchSequence: `tokens` are the prompt's then the generated ones (an EOS that ended it kept),
     `logprobs` one {token id: Logprob} entry per generated token (the step's candidates, the chosen one among them),
-    `cum_logprob` the generated tokens' sum, `text` all of `tokens` decoded (the prompt's too, as vLLM's; the EOS's
-    only with include_stop_str_in_output). `finish_reason` "stop" with `stop_reason` the EOS id, or "length" (at
+    `cum_logprob` the generated tokens' sum, `text` all of `tokens` decoded (the prompt's and a final EOS's too, as
+    vLLM's offline LLM.beam_search). `finish_reason` "stop" with `stop_reason` the EOS id, or "length" (at
     max_tokens or max_model_len)."""
 
     tokens: list[int]
@@ -289,6 +290,5 @@ def _output(search: _Search, params: BeamSearchParams, eos_token_id: int | None,
         beam.finish_reason = "length"
     best = _best(search.finished + search.beams, params.beam_width, eos_token_id, params.length_penalty)
     for seq in best if decode is not None else ():
-        ends_on_eos = seq.finish_reason == "stop" and not params.include_stop_str_in_output
-        seq.text = decode(seq.tokens[:-1] if ends_on_eos else seq.tokens)
+        seq.text = decode(seq.tokens)  # (whole, a final EOS too: vLLM's offline text; the flag is its server's)
     return BeamSearchOutput(best)
