@@ -363,7 +363,7 @@ def test_a_request_that_fails_while_queued_is_taken_back_whole(reference, monkey
         return real(tokenizer, prompt_ids, params)
 
     monkeypatch.setattr(core_module, "Detokenizer", failing)
-    bad = SamplingParams(temperature=0.0, max_tokens=7, n=2)
+    bad = SamplingParams(temperature=1.0, seed=1, max_tokens=7, n=2)  # (n > 1 samples: greedy takes one)
     with engine() as e:
         with pytest.raises(TypeError, match="cannot be built"):
             e.generate(PROMPTS[0], bad)

@@ -109,7 +109,7 @@ def test_each_decode_step_is_launched_before_the_last_ones_tokens_are_read(monke
 
 
 def test_penalties_overlap_and_fill_each_sequence_once(monkeypatch):
-    params = SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=1.0, repetition_penalty=1.2, n=2)
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=6, presence_penalty=1.0, repetition_penalty=1.2, n=2)
     with engine(overlap_scheduling=False) as e:
         want = e.generate(PROMPTS[0], params)
     with engine() as e:

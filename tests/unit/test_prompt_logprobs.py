@@ -48,7 +48,9 @@ def test_prompt_logprobs_equal_hf_over_chunks_cached_blocks_and_n(checkpoint, hf
         # the prompt's blocks are cached now; asked again (n = 3), it still runs in full for the first sample, whose
         # entries every sample reports, and the later two wait for them and read the prompt from the cache
         hits = engine.core.scheduler.prefix_hit_tokens
-        again = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=0))[0]
+        # (top_k 1: each sample takes the likeliest token, as greedy would, which takes one sample)
+        sampled = SamplingParams(temperature=1.0, top_k=1, max_tokens=2, n=3, prompt_logprobs=0)
+        again = engine.generate([PROMPT], sampled)[0]
         assert engine.core.scheduler.prefix_hit_tokens == hits + 2 * 44  # (11 whole blocks each, the last token run)
         plain = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2))[0]
         assert engine.core.scheduler.prefix_hit_tokens > hits  # (one that does not ask reads them from the cache)
@@ -181,7 +183,7 @@ def test_n_samples_compute_the_prompt_entries_once_and_each_reports_them(checkpo
             return original(spans, hidden)
 
         core.runner._prompt_logprobs = spy
-        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        core.add_request("r", PROMPT, SamplingParams(temperature=1.0, top_k=1, max_tokens=2, n=3, prompt_logprobs=1))
         firsts = {}
         while core.has_work:
             for u in core.step():
@@ -199,7 +201,7 @@ def test_later_samples_waiting_for_the_prompt_entries_count_the_blocks_they_will
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4,
                   num_kv_blocks=64) as engine:
         core = engine.core
-        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        core.add_request("r", PROMPT, SamplingParams(temperature=1.0, top_k=1, max_tokens=2, n=3, prompt_logprobs=1))
         core.scheduler.schedule()
         waiting = list(core.scheduler.waiting)
     assert [s.sample_index for s in waiting] == [1, 2]
@@ -217,7 +219,7 @@ def test_a_first_sample_preempted_mid_prompt_queues_ahead_of_the_samples_that_wa
     with TPEngine(checkpoint, device="cpu", max_model_len=96, max_num_seqs=4, block_size=4, num_kv_blocks=64,
                   max_num_batched_tokens=8) as engine:
         core, sched = engine.core, engine.core.scheduler
-        core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=3, prompt_logprobs=1))
+        core.add_request("r", PROMPT, SamplingParams(temperature=1.0, top_k=1, max_tokens=2, n=3, prompt_logprobs=1))
         # the first sample's last chunk leaves budget for the scheduler to reach its waiters (earlier chunks take it
         # all): then, its entries still in flight (overlapped), it is preempted
         while not (sched.waiting and all(s.awaited_blocks for s in sched.waiting)):

@@ -213,6 +213,15 @@ def test_bad_sampling_params_name_the_field(field, value, message):
         SamplingParams(**{field: value})
 
 
+def test_greedy_takes_one_sample_as_vllms():
+    """vLLM's SamplingParams refuses n > 1 at temperature 0 (greedy: every sample would be the same); a temperature in
+    (0, 0.01), raised to 0.01, samples and may ask for more."""
+    for temperature in (0, 0.0):
+        with pytest.raises(RequestError, match=r"n must be 1 when sampling greedily \(temperature 0\), got n=3"):
+            SamplingParams(n=3, temperature=temperature)
+    assert SamplingParams(n=1, temperature=0).greedy and SamplingParams(n=3, temperature=1e-6).n == 3
+
+
 def test_sampling_params_normalise():
     p = SamplingParams(stop="###", top_k=-1, stop_token_ids=[5])
     assert p.stop == ("###",) and p.top_k == 0 and p.stop_token_ids == (5,)

@@ -36,9 +36,10 @@ MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a larger one (OpenAI's ra
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature (at most 2, as vLLM's) 0 is greedy; one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as
-    vLLM's is. top_k 0 (or -1) and top_p 1 and min_p 0 switch those filters off. Together: top-p over what top-k keeps,
-    and min-p cuts what is below min_p times the largest probability, both on the temperature-scaled distribution
+    """Temperature (at most 2, as vLLM's) 0 is greedy, which takes n 1 alone (vLLM's refuses more: the samples would
+    all be the same); one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as vLLM's is. top_k 0 (or -1) and top_p 1
+    and min_p 0 switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is below min_p
+    times the largest probability, both on the temperature-scaled distribution
     (SGLang's order; vLLM's V1 applies min-p first and renormalizes, so its top-p may keep fewer). Penalties follow
     OpenAI (frequency, presence: subtracted per output occurrence / once) and HF (repetition: divides positive logits
     and multiplies negative ones, for every prompt and output token).
@@ -127,6 +128,9 @@ class SamplingParams:
         _check_int("n", self.n, 1, most, hint=f"{MAX_N_VARIABLE} sets the most" if type(self.n) is int
                    and self.n > most else "")
         _check_real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.greedy and self.n > 1:  # (vLLM's _verify_greedy_sampling: the samples would all be the same)
+            raise RequestError(f"n must be 1 when sampling greedily (temperature 0), got n={self.n}: every sample "
+                               "would be the same; a temperature above 0 samples n different ones")
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, None, hint="0 or -1 turns it off")
         _check_real("min_p", self.min_p, 0.0, 1.0)

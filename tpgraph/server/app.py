@@ -208,8 +208,10 @@ class Api:
 def _beam_reply_params(beam: BeamSearchParams, body: CompletionRequest | ChatRequest, logprobs: int | None,
                        skip_special_tokens: bool) -> SamplingParams:
     """What a beam search's reply is read with, as a sampled reply's params: n (the beam width) samples, with logprobs
-    alternatives a token, text read with skip_special_tokens; its seed and priority reach each step's requests."""
-    return SamplingParams(n=beam.beam_width, temperature=beam.temperature, max_tokens=beam.max_tokens,
+    alternatives a token, text read with skip_special_tokens; its seed and priority reach each step's requests. No
+    temperature: they sample nothing (each step's is the search's), and a search at 0 returns n beams, not n greedy
+    samples, which SamplingParams refuses."""
+    return SamplingParams(n=beam.beam_width, max_tokens=beam.max_tokens,
                           logprobs=logprobs, ignore_eos=beam.ignore_eos, seed=body.seed, priority=body.priority,
                           include_stop_str_in_output=beam.include_stop_str_in_output,
                           skip_special_tokens=skip_special_tokens)
