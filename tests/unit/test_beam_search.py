@@ -13,7 +13,7 @@ import torch
 from tpgraph import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestError, SamplingParams, TPEngine
 from tpgraph.comm import TPCommunicator
 from tpgraph.distributed import init_distributed
-from tpgraph.engine.beam_search import beam_score, run_beam_search, run_beam_search_async
+from tpgraph.engine.beam_search import _Rank, run_beam_search, run_beam_search_async
 from tpgraph.engine.greedy import greedy_generate
 from tpgraph.engine.logprob import Logprob
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
@@ -245,7 +245,7 @@ def test_an_early_eos_wins_or_loses_by_its_length_penalized_score():
     assert by_sum[0].cum_logprob == pytest.approx(-0.5) and by_sum[1].cum_logprob == pytest.approx(-0.9)
     by_mean = search(BeamSearchParams(beam_width=4, max_tokens=3, length_penalty=1.0))
     assert [s.tokens for s in by_mean] == [[1, 2, 3, 4], [1, 9], [1, 2, 3, 9], [1, 2, 9]]
-    assert [beam_score(s.tokens, s.cum_logprob, 9, 1.0) for s in by_mean] == pytest.approx(
+    assert [float(exact_score(s.tokens, s.cum_logprob, 9, 1.0)) for s in by_mean] == pytest.approx(
         [-0.9 / 4, -0.5, -3.8 / 3, -3.7 / 2])
     assert by_mean[1].text == "1 9" and by_mean[1].logprobs[0][9] == Logprob(-0.5, 1)  # (the EOS's text too)
     # each step one request a live beam: a token, with 2 * beam_width log-probabilities, at the search's temperature
@@ -324,23 +324,22 @@ def test_scores_in_the_float_range_rank_as_vllms_floats_ties_kept():
     assert [(s.tokens, s.cum_logprob) for s in seqs] == [([1, 9], -0.5), ([1, 2, 3], -1.5)]
 
 
-def test_beam_score_is_the_quotient_and_never_raises():
-    """beam_score: cum_logprob / length ** length_penalty where the power is a float; where it is not, the same
-    quotient through logarithms (-0.0 for one too small to hold, -inf for one too large), never an OverflowError
-    or ZeroDivisionError."""
-    tokens = list(range(8))
-    for penalty in (0.0, 0.5, 1.0, 2.0, -1.0, 300.0):
-        assert beam_score(tokens, -1.7, 9, penalty) == -1.7 / 8 ** penalty
-    assert beam_score(tokens + [9], -1.7, 9, 2.0) == -1.7 / 64  # (a final EOS not counted)
-    assert beam_score(tokens, -1.7, 9, 400.0) == -0.0 and math.copysign(1, beam_score(tokens, -1.7, 9, 400.0)) < 0
-    assert beam_score(tokens, -1.7, 9, -400.0) == -math.inf
-    assert beam_score(tokens, -1.7, 9, 1e308) == -0.0 and beam_score(tokens, -1.7, 9, -1e308) == -math.inf
-    assert beam_score(tokens, 0.0, 9, 400.0) == 0.0 and beam_score(tokens, 0.0, 9, -400.0) == 0.0
-    assert beam_score(tokens, -math.inf, 9, 400.0) == -math.inf
-    # 6.0 ** 400 overflows, but the quotient is a (subnormal) float; 7.0 ** -365 is a subnormal, the quotient 1e303
-    for length, penalty, cum in ((6, 400.0, -1.7), (7, -365.0, -1e-5)):
-        want = float(Decimal(cum) / Decimal(length) ** Decimal(penalty))
-        assert beam_score(list(range(length)), cum, 9, penalty) == pytest.approx(want, rel=1e-9)
+def test_the_search_ranks_as_the_exact_scores_never_raising():
+    """_Rank, the search's sort key, orders sequences as their exact length-penalized scores do (a final EOS not
+    counted), where the power of a length leaves the float range (8.0 ** 400 overflows, 8.0 ** -400 is 0.0) or the
+    quotient is subnormal (6.0 ** 400 overflows, 7.0 ** -365 is a subnormal), never raising; at +-1e308, which no
+    decimal power holds, as at +-400: the longest (the shortest) first, one length by its sums."""
+    shapes = [(6, -1.7, 0), (7, -1e-5, 0), (8, -1.7, 0), (8, -0.2, 1), (9, -3.0, 0), (1, -0.4, 0), (8, 0.0, 0),
+              (7, -math.inf, 0)]
+    seqs = [BeamSearchSequence(list(range(length)) + [9] * eos, cum_logprob=cum) for length, cum, eos in shapes]
+
+    def ranked(penalty: float) -> list:
+        return [(s.tokens, s.cum_logprob) for s in sorted(seqs, key=lambda s: _Rank(s, 9, penalty))]
+
+    for penalty in (0.0, 0.5, 1.0, 2.0, -1.0, 300.0, 400.0, -400.0, -365.0):
+        exact = sorted(seqs, key=lambda s: exact_score(s.tokens, s.cum_logprob, 9, penalty), reverse=True)
+        assert ranked(penalty) == [(s.tokens, s.cum_logprob) for s in exact], penalty
+    assert ranked(1e308) == ranked(400.0) and ranked(-1e308) == ranked(-400.0)
 
 
 def test_a_search_ends_when_every_beam_has_finished():

@@ -93,41 +93,18 @@ def _scored_length(tokens: Sequence[int], eos_token_id: int | None) -> int:
     return len(tokens) - (1 if eos_token_id is not None and tokens[-1] == eos_token_id else 0)
 
 
-def beam_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
-    """vLLM's (after transformers') length-penalized score: cum_logprob / length ** length_penalty, the length counting
-    the prompt's tokens but not a final EOS. Where that power leaves the float range (8.0 ** 400 raises OverflowError,
-    8.0 ** -400 is 0.0, both of which vLLM's raises on), the same quotient through logarithms,
-    sign(cum_logprob) * exp(log|cum_logprob| - length_penalty * log(length)): a float again where it is one, else -0.0
-    (too small to hold) or -inf (too large), never an error. The search ranks by _Rank, not by this float, so such
-    scores never tie beams that the exact ones order."""
-    length = _scored_length(tokens, eos_token_id)
-    try:
-        scale = float(length) ** length_penalty
-    except OverflowError:
-        scale = math.inf
-    if 0.0 < scale < math.inf:
-        return cum_logprob / scale
-    if cum_logprob == 0.0 or not math.isfinite(cum_logprob):  # (0 or +-inf over any positive length's power)
-        return cum_logprob
-    exponent = math.log(abs(cum_logprob)) - length_penalty * math.log(length)
-    try:
-        size = math.exp(exponent)
-    except OverflowError:
-        size = math.inf
-    return math.copysign(size, cum_logprob)
-
-
 class _Rank:
-    """A sequence's place in a ranking (the sort key: ascending is best first), ordered as beam_score's exact values,
-    descending, never raising. Where both sequences' scores are normal floats (the power of the length in the float
-    range, the quotient neither 0 nor subnormal), by those, as vLLM's ranks (its ties kept: sorted keeps their order).
-    Elsewhere with no power at all: for cum_logprob < 0 the score is -exp(z), z = log(-cum_logprob) - length_penalty
-    * log(length), so a higher score is a lower z, and two sequences compare by the difference of their z's,
-    log(-cum_a) - log(-cum_b) - length_penalty * (log(length_a) - log(length_b)) (+-inf where the penalty's term
-    overflows), or, where their lengths are one (or the penalty is 0), by their sums, exactly: a length_penalty of any
-    size (8.0 ** 400 overflows, 8.0 ** -400 is 0.0) leaves them ordered as the exact scores are, none tied that those
-    order. A sum of 0 scores 0 at any length, the best possible (a positive sum, which no log-probability makes, ranks
-    above it, by a higher z); -inf (or nan) the worst."""
+    """A sequence's place in a ranking (the sort key: ascending is best first), the search's one: ordered as vLLM's
+    (after transformers') length-penalized scores, cum_logprob / length ** length_penalty (the length counting the
+    prompt's tokens but not a final EOS), taken exactly, descending, never raising. Where both sequences' scores are
+    normal floats (the power of the length in the float range, the quotient neither 0 nor subnormal), by those, as
+    vLLM's ranks (its ties kept: sorted keeps their order). Elsewhere with no power at all: for cum_logprob < 0 the
+    score is -exp(z), z = log(-cum_logprob) - length_penalty * log(length), so a higher score is a lower z, and two
+    sequences compare by the difference of their z's, log(-cum_a) - log(-cum_b) - length_penalty * (log(length_a) -
+    log(length_b)) (+-inf where the penalty's term overflows), or, where their lengths are one (or the penalty is 0), by
+    their sums, exactly: a length_penalty of any size (8.0 ** 400 overflows, 8.0 ** -400 is 0.0) leaves them ordered as
+    the exact scores are, none tied that those order. A sum of 0 scores 0 at any length, the best possible (a positive
+    sum, which no log-probability makes, ranks above it, by a higher z); -inf (or nan) the worst."""
 
     __slots__ = ("kind", "cum", "score", "length", "size", "log_length", "penalty")
 
@@ -279,7 +256,7 @@ def _live_beams(batch: list[_Search], max_model_len: int) -> list[tuple[_Search,
 def _best(sequences: list[BeamSearchSequence], k: int, eos_token_id: int | None,
           length_penalty: float) -> list[BeamSearchSequence]:
     """The k best by score, best first (sorted is stable: equal scores keep the candidates' order, as vLLM's), ranked
-    by _Rank: beam_score's order, with no power of a length to overflow."""
+    by _Rank: the length-penalized scores' order, with no power of a length to overflow."""
     return sorted(sequences, key=lambda s: _Rank(s, eos_token_id, length_penalty))[:k]
 
 
