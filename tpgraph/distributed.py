@@ -215,12 +215,12 @@ def report_start_failure(error: BaseException, rank: int | None = None, world_si
 
 
 def agree_to_start(error: BaseException | None, rank: int, world_size: int, init_method: str | None,
-                   timeout_s: float) -> dist.Store:
+                   timeout_s: float) -> dist.Store | None:
     """Join the rendezvous's store and post this rank's start: "ok" (error None) or its error. With "ok", wait for every
     other rank's post and return the store for the process group (under a prefix of this start's own), or raise a
     PeerError naming the first failed rank (CommError where a rank has posted nothing within timeout_s: it died, or
-    hangs). With an error, return once posted. Where a start fails, every rank returns or raises once the others have
-    read the posts."""
+    hangs). With an error, return None once posted (no group forms; the caller raises its error). Where a start fails,
+    every rank returns or raises once the others have read the posts."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -249,7 +249,7 @@ def agree_to_start(error: BaseException | None, rank: int, world_size: int, init
     if error is not None:
         done()
         linger()
-        return store
+        return None  # (the rendezvous's store was for a group that will not form)
     waiting, deadline = [r for r in range(world_size) if r != rank], time.monotonic() + timeout_s
     started = False
     try:

@@ -125,3 +125,17 @@ def test_only_cuda_errors_of_the_machine_count_as_the_custom_all_reduce_being_un
                   ValueError("CUDA error cudaErrorPeerAccessUnsupported"),  # (not how the extension raises one)
                   CommError("CUDA error cudaErrorPeerAccessUnsupported")):  # (tpgraph's own: AllReduceUnavailable)
         assert unavailable_cuda_error(error) is None
+
+
+def test_the_start_check_returns_the_groups_store_on_ok_and_nothing_once_a_failure_is_posted(tmp_path):
+    """agree_to_start: "ok" returns the store the process group meets in (under this start's prefix); a failed start
+    (report_start_failure's) posts its error and returns nothing, no store for a group that will not form."""
+    import torch.distributed as dist
+
+    import tpgraph.distributed as td
+    from tpgraph.errors import ConfigError
+
+    failed = td.agree_to_start(ConfigError("no GPU"), 0, 1, f"file://{tmp_path}/failed", 5.0)
+    assert failed is None
+    store = td.agree_to_start(None, 0, 1, f"file://{tmp_path}/ok", 5.0)
+    assert isinstance(store, dist.PrefixStore)
