@@ -162,12 +162,18 @@ def with_structured_options(asked: StructuredOutput | None, *, disable_fallback:
         raise RequestError("disable_additional_properties=True is not taken (vLLM's option for its guidance "
                            "backend): structured outputs here are xgrammar's, which holds an object to the "
                            "properties its schema lists unless its additionalProperties allows more; leave it out")
-    if backend is not None and backend not in BACKENDS:
-        raise RequestError(f"backend={reprlib.repr(backend)} is not taken: structured outputs here are xgrammar's; "
-                           f"leave backend out or give 'xgrammar' or 'auto'")
+    check_backend(backend)
     if asked is None or disable_any_whitespace is not False or asked.kind not in JSON_KINDS:
         return asked
     return dataclasses.replace(asked, any_whitespace=True)
+
+
+def check_backend(backend: Any) -> None:
+    """vLLM's per-request structured-output backend: None, "xgrammar" or "auto" (what runs here), else a RequestError.
+    A check alone: xgrammar runs whichever is taken, so a StructuredOutput holds no backend."""
+    if backend is not None and backend not in BACKENDS:
+        raise RequestError(f"backend={reprlib.repr(backend)} is not taken: structured outputs here are xgrammar's; "
+                           f"leave backend out or give 'xgrammar' or 'auto'")
 
 
 # vLLM's names, as its scripts import them (vllm.sampling_params; SamplingParams(structured_outputs=...) takes them)

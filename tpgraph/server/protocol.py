@@ -19,7 +19,7 @@ from tpgraph.chat import developer_tools, set_history_calls, template_content
 from tpgraph.engine.beam_search import BeamSearchParams
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, _check_int, max_n
-from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, with_structured_options
+from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, check_backend, with_structured_options
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan
 
@@ -180,9 +180,9 @@ class SamplingFields(NullMeansDefault):
                 raise RequestError(f"tool_choice {tools.mode!r} holds the reply to the tools' schema: it cannot also "
                                    "take response_format or a guided_* field")
             structured = tools.structured
-        if structured is not None and self.guided_decoding_backend is not None:
+        if structured is not None:
             # (vLLM's engine refuses a request's backend other than its own; without a grammar it asks nothing)
-            with_structured_options(structured, backend=self.guided_decoding_backend)
+            check_backend(self.guided_decoding_backend)
         if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
             skip_special_tokens = False  # (the parser's markers are special tokens)
         d = defaults or {}
