@@ -329,3 +329,14 @@ def test_the_store_size_flag_bounds_the_store(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--responses-store-size", "0"])
     assert "--responses-store-size must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_whole_response_whose_client_left_is_not_stored_as_completed():
+    from tpgtest.server_stubs import leave_mid_request
+
+    client, store = EndlessClient(), ResponseStore()
+    body = json.dumps({"model": "m", "input": "x"}).encode()
+    took, _ = leave_mid_request(make_app(client, store=store), client, "/v1/responses", body, [])
+    assert took < 3 and len(client.aborted) == 1
+    # (Api.run stopped short when its client went away: what it wrote is no completed response to continue)
+    assert [s.response["status"] for s in store._stored.values()] == []

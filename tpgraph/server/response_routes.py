@@ -72,7 +72,8 @@ class ResponseRun:
 
     async def events(self) -> AsyncIterator[dict]:
         """The response's stream of events (without their sequence numbers), from response.created to
-        response.completed (or response.incomplete, where max_output_tokens cut it)."""
+        response.completed (or response.incomplete, where max_output_tokens cut it). Where the turn stopped short (its
+        client went away: Api.run aborted the request and ended), the events stop there too, and final stays None."""
         yield {"type": "response.created", "response": self.snapshot("in_progress")}
         yield {"type": "response.in_progress", "response": self.snapshot("in_progress")}
         turn, asked = self.turn, self.body.logprobs() and not self.turn.hidden
@@ -83,13 +84,16 @@ class ResponseRun:
             for event in self.output.add(delta, self.entries(self.chat, items)):
                 yield event
             finish = finish_reason or finish
+        if finish is None:  # (no finish came: the client went away; what was written is no completed response)
+            return
         status = "incomplete" if finish == "length" else "completed"
         for event in self.output.finish(status == "incomplete"):
             yield event
         self.final = self.snapshot(status)
         yield {"type": f"response.{status}", "response": self.final}
 
-    async def whole(self) -> dict:
+    async def whole(self) -> dict | None:
+        """The response once it ended (None where its client went away first)."""
         try:
             async for _ in self.events():
                 pass
@@ -130,6 +134,8 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         run = ResponseRun(response_id, body, chat, await start_chat(chat, request), model_name, entries)
         if not body.stream:
             response = await run.whole()
+            if response is None:  # (its client went away: nothing to store, no one to answer)
+                return Response(status_code=499)
             if body.store:
                 store.put(response_id, StoredResponse(response, conversation))
             return JSONResponse(response)
@@ -147,7 +153,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 yield typed_event({"type": "error", "code": kind, "message": message, "param": None},
                                   next(numbers))
                 return
-            if body.store:
+            if body.store and run.final is not None:  # (None: its client went away before the end)
                 store.put(response_id, StoredResponse(run.final, conversation))
 
         return EventStream(stream(), run.turn.stream, guard=None)
