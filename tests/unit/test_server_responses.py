@@ -340,3 +340,12 @@ def test_a_whole_response_whose_client_left_is_not_stored_as_completed():
     assert took < 3 and len(client.aborted) == 1
     # (Api.run stopped short when its client went away: what it wrote is no completed response to continue)
     assert [s.response["status"] for s in store._stored.values()] == []
+
+
+def test_a_whole_auto_call_cut_by_max_output_tokens_is_incomplete_as_streamed():
+    pieces = ["<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>", "\n"]
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER], "max_output_tokens": 5},
+                               finish="length", tools=ToolOptions(parser="hermes"))
+    assert events[-1]["type"] == "response.incomplete"
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert without_ids(whole["output"]) == without_ids(events[-1]["response"]["output"])

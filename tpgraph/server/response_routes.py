@@ -79,11 +79,13 @@ class ResponseRun:
         turn, asked = self.turn, self.body.logprobs() and not self.turn.hidden
         finish = None
         async for _, u in turn.updates():
-            _, delta, finish_reason = turn.apply(u)
+            _, delta, _ = turn.apply(u)
             items = [(u.token_id, u.logprob, u.top_logprobs or [])] if asked and u.logprob is not None else []
             for event in self.output.add(delta, self.entries(self.chat, items)):
                 yield event
-            finish = finish_reason or finish
+            # (the engine's reason, as vLLM's, not the reply's: a whole "auto" reply whose calls are whole reports
+            # "tool_calls" where max_tokens cut it, a streamed one "length"; the status must not differ)
+            finish = u.finish_reason or finish
         if finish is None:  # (no finish came: the client went away; what was written is no completed response)
             return
         status = "incomplete" if finish == "length" else "completed"
