@@ -349,3 +349,16 @@ def test_a_whole_auto_call_cut_by_max_output_tokens_is_incomplete_as_streamed():
     assert events[-1]["type"] == "response.incomplete"
     assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
     assert without_ids(whole["output"]) == without_ids(events[-1]["response"]["output"])
+
+
+def test_a_reasoning_item_is_no_later_turns_reasoning():
+    # (a response cut in its thoughts left a reasoning item alone; the next turn's reply is not its)
+    items = [{"role": "user", "content": "2+2?"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm"}]},
+             {"role": "user", "content": "Just answer."},
+             {"role": "assistant", "content": "4"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it"}]},
+             {"type": "function_call_output", "call_id": "c0", "output": "x"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}]
+    messages = chat_messages(items)
+    assert [m.get("reasoning") for m in messages] == [None, None, None, None, None]

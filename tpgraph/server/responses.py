@@ -119,7 +119,8 @@ def chat_messages(items: list[Any]) -> list[dict]:
     """Responses input items as chat messages: a message item as itself (its text parts as the chat's), a
     function_call as an assistant's tool call (calls in a row, or after the assistant's text, one message's), a
     function_call_output as a tool message, a reasoning item as the next assistant message's reasoning (dropped where
-    none follows: a template renders earlier thoughts only beside a reply)."""
+    no reply follows it directly, as where another message or a call's output comes first: a template renders
+    earlier thoughts only beside a reply)."""
     messages: list[dict] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
@@ -130,7 +131,8 @@ def chat_messages(items: list[Any]) -> list[dict]:
         if kind == "message":
             message = _message(item, where)
             if message["role"] == "assistant" and reasoning is not None:
-                message["reasoning"], reasoning = reasoning, None
+                message["reasoning"] = reasoning
+            reasoning = None  # (thoughts no reply followed are dropped: not a later turn's)
             messages.append(message)
         elif kind == "function_call":
             call = _call(item, where)
@@ -146,6 +148,7 @@ def chat_messages(items: list[Any]) -> list[dict]:
             if not isinstance(call_id, str):
                 raise RequestError(f"{where}.call_id must be a string (the call's call_id)")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")})
+            reasoning = None
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, where)
         else:
