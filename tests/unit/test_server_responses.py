@@ -362,3 +362,30 @@ def test_a_reasoning_item_is_no_later_turns_reasoning():
              {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}]
     messages = chat_messages(items)
     assert [m.get("reasoning") for m in messages] == [None, None, None, None, None]
+
+
+def test_a_background_response_stored_over_under_its_id_is_cancelled():
+    # (the same X-Request-Id names both: the first, no longer stored, could be neither read nor cancelled)
+    client = EndlessClient()
+    store = ResponseStore()
+    app = make_app(client, store=store)
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            headers = {"X-Request-Id": "same"}
+            first = (await http.post("/v1/responses", json={"input": "x", "background": True},
+                                     headers=headers)).json()
+            await asyncio.sleep(0.05)
+            task = store.get(first["id"]).task
+            second = (await http.post("/v1/responses", json={"input": "x", "background": True},
+                                      headers=headers)).json()
+            await asyncio.sleep(0.05)
+            aborted = list(client.aborted)
+            await http.post(f"/v1/responses/{second['id']}/cancel")
+            for t in client.tasks:
+                t.cancel()
+            return [first["id"] == second["id"], task.done(), aborted]
+
+    same, first_done, aborted = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert same and first_done and len(aborted) == 1

@@ -35,7 +35,11 @@ class ResponseStore:
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep (or rewrite) a response; the oldest goes where the store is full (a background one still running is
-        cancelled: nothing could read it back)."""
+        cancelled: nothing could read it back), and so does one still running that another response of its id (the
+        same X-Request-Id or request_id) replaces."""
+        replaced = self._stored.get(response_id)
+        if replaced is not None and replaced is not stored and replaced.task is not None:
+            replaced.task.cancel()
         self._stored[response_id] = stored
         self._stored.move_to_end(response_id)
         while len(self._stored) > self.capacity:
