@@ -908,3 +908,19 @@ def test_a_token_a_grammar_rules_out_has_a_json_log_probability_as_vllms(path):
             assert [e["logprob"] for e in choice["logprobs"]["content"][0]["top_logprobs"]] == [0.0, -9999.0]
         else:
             assert list(choice["logprobs"]["top_logprobs"][0].values()) == [0.0, -9999.0]
+
+
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+def test_a_refused_requests_400_names_the_bodys_request_id_in_its_header(path, prefix):
+    """With --enable-request-id-headers, a request the engine refuses as it is submitted answers 400 with the
+    X-Request-Id its body's request_id names, as a request that runs does."""
+
+    class Refusing(ScriptedClient):
+        def check(self, prompt, params) -> None:
+            raise RequestError("the prompt is too long")
+
+    body = {"model": "m", "max_tokens": 2, "request_id": "mine-4",
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    app = server_app.create_app(Refusing(["a"]), builtin_codec(), ServerMetrics(), "m", 128, request_id_headers=True)
+    (refused,) = post_all(app, [(path, body)])
+    assert refused.status_code == 400 and refused.headers.get("x-request-id") == "mine-4"

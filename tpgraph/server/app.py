@@ -634,10 +634,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
+        # (named before it is submitted, so a refused request's 400 carries the body's request_id in X-Request-Id)
+        rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
         turn = await start_chat(body, request)
         params, choices, replies, stream, hidden = turn.params, turn.choices, turn.replies, turn.stream, turn.hidden
         token_ids, role, echoed, beam = turn.token_ids, turn.role, turn.echoed, turn.beam
-        rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
 
         def content_logprobs(items: list) -> dict | None:
             if params.logprobs is None or hidden:
