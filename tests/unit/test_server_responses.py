@@ -258,8 +258,11 @@ def test_a_background_response_runs_on_and_is_cancelled():
     async def main() -> tuple:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             created = (await http.post("/v1/responses", json={"input": "x", "background": True})).json()
-            await asyncio.sleep(0.1)
-            running = (await http.get(f"/v1/responses/{created['id']}")).json()
+            for _ in range(500):  # (until it has written a few tokens: a loaded machine's loop may be slow)
+                running = (await http.get(f"/v1/responses/{created['id']}")).json()
+                if running["output"] and len(running["output"][0]["content"][0]["text"]) >= 2:
+                    break
+                await asyncio.sleep(0.01)
             cancelled = (await http.post(f"/v1/responses/{created['id']}/cancel")).json()
             again = await http.post(f"/v1/responses/{created['id']}/cancel")
             for t in client.tasks:
@@ -269,6 +272,7 @@ def test_a_background_response_runs_on_and_is_cancelled():
     created, running, cancelled, again = asyncio.run(asyncio.wait_for(main(), timeout=10))
     assert created["status"] == "queued" and created["background"] is True
     assert running["status"] == "in_progress"
+    assert len(running["output"][0]["content"][0]["text"]) >= 2  # (a GET reads what it has written so far)
     assert cancelled["status"] == "cancelled" and len(client.aborted) == 1
     assert cancelled["output"][0]["content"][0]["text"].startswith("xx")  # (what it wrote before the cancel)
     assert again.status_code == 400 and "already cancelled" in again.json()["error"]["message"]
@@ -380,7 +384,7 @@ def test_a_background_response_stored_over_under_its_id_is_cancelled():
             task = store.get(first["id"]).task
             second = (await http.post("/v1/responses", json={"input": "x", "background": True},
                                       headers=headers)).json()
-            await asyncio.sleep(0.05)
+            await asyncio.wait([task], timeout=5)  # (cancelled: it ends, its request aborted)
             aborted = list(client.aborted)
             await http.post(f"/v1/responses/{second['id']}/cancel")
             for t in client.tasks:

@@ -49,7 +49,7 @@ from tpgraph.server.response_store import ResponseStore
 from tpgraph.server.sse import EventStream, sse
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
-from tpgraph.server.turn import ChatTurn, Choice, chained, submitted
+from tpgraph.server.turn import ChatTurn, Choice, RenderedChat, chained, submitted
 
 logger = logging.getLogger(__name__)
 # how often a request waiting on the engine checks whether its client is still there
@@ -560,9 +560,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         return EventStream(events(), stream)
 
-    async def start_chat(body: ChatRequest, request: Request) -> ChatTurn:
-        """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses API's once
-        it has read its input as chat messages)."""
+    async def render_chat(body: ChatRequest) -> RenderedChat:
+        """A chat request checked, rendered by the template and tokenized (cut where it asks to be)."""
         api.check_model(body.model)
         tools = body.tool_plan(tool_options)
         # (content as vLLM gives this template: a string, or a list of text parts where it loops over them)
@@ -586,6 +585,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         if keep is not None:
             token_ids = [token_ids[0][-keep:]]
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
+        return RenderedChat(tools, role, echoed, text, token_ids, max_tokens)
+
+    async def start_chat(body: ChatRequest, request: Request) -> ChatTurn:
+        """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses and Messages
+        APIs' once they have read their input as chat messages)."""
+        rendered = await render_chat(body)
+        tools, role, echoed, text, token_ids = (rendered.tools, rendered.role, rendered.echoed, rendered.text,
+                                                rendered.token_ids)
+        max_tokens = rendered.max_tokens
         beam, echo_top = None, None
         if body.use_beam_search:  # (no limit: what the context leaves beside the prompt, as vLLM's)
             room = max(max_model_len - len(token_ids[0]), 1)  # (a prompt that leaves none is refused for it)

@@ -119,7 +119,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         if body.previous_response_id is None:
             return []
         earlier = store.get(body.previous_response_id)
-        status = earlier.response["status"]
+        status = earlier.current()["status"]
         if status in ("queued", "in_progress"):
             raise RequestError(f"previous_response_id {body.previous_response_id!r} is still {status}: continue it "
                                "once it has finished")
@@ -166,11 +166,15 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached()), model_name, entries)
         stored = StoredResponse(run.snapshot("queued"), conversation)
 
+        status = "queued"
+        stored.live = lambda: run.snapshot(status)
+
         async def work() -> None:
+            nonlocal status
             try:
                 async for event in run.events():
                     if event["type"] == "response.in_progress":
-                        stored.response = run.snapshot("in_progress")
+                        status = "in_progress"
                 stored.response = run.final
             except asyncio.CancelledError:
                 stored.response = run.snapshot("cancelled")
@@ -178,6 +182,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 _, message, kind = stream_failure(exc)
                 stored.response = run.snapshot("failed", {"code": kind, "message": message})
             finally:
+                stored.live = None
                 await run.turn.stream.aclose()
 
         stored.task = asyncio.get_running_loop().create_task(work())
@@ -188,7 +193,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
     async def retrieve(response_id: str, stream: bool = False) -> JSONResponse:
         if stream:
             raise RequestError("stream: true is not supported here: a stored response is read whole")
-        return JSONResponse(store.get(response_id).response)
+        return JSONResponse(store.get(response_id).current())
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> JSONResponse:
@@ -198,7 +203,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str) -> JSONResponse:
         stored = store.get(response_id)
-        status = stored.response["status"]
+        status = stored.current()["status"]
         if stored.task is None:
             raise RequestError(f"response {response_id!r} was not created in the background: only a background "
                                "response can be cancelled")

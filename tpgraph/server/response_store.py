@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpgraph.server.errors import ApiError
@@ -17,9 +18,14 @@ DEFAULT_CAPACITY = 1024
 
 @dataclass
 class StoredResponse:
-    response: dict  # the response object, as GET returns it
+    response: dict  # the response object once written (a background one's: as it was queued)
     conversation: list[dict]  # the input items before its output (an earlier response's conversation, then its own)
     task: asyncio.Task | None = None  # (a background response) the run that writes it
+    live: Callable[[], dict] | None = None  # (a background response being written) the response as it stands
+
+    def current(self) -> dict:
+        """The response as GET returns it: as it stands, where it is still being written."""
+        return self.response if self.live is None else self.live()
 
     def items(self) -> list[dict]:
         """The conversation a next response continues: the input, then this response's output."""

@@ -11,6 +11,7 @@ from tpgraph.engine.beam_search import BeamSearchParams
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.server.reply import Delta, ReplyReader
+from tpgraph.server.tools import ToolPlan
 
 
 @dataclass
@@ -64,6 +65,19 @@ async def chained(first: object, stream: AsyncIterator) -> AsyncIterator:
     yield first
     async for item in stream:
         yield item
+
+
+@dataclass
+class RenderedChat:
+    """A chat request's prompt: what its tools ask, the reply's role, the echoed text (vLLM's echo), the prompt the
+    template rendered and its token ids (one prompt), and the reply's token limit."""
+
+    tools: ToolPlan
+    role: str
+    echoed: str
+    text: str
+    token_ids: list[list[int]]
+    max_tokens: int | None
 
 
 @dataclass
