@@ -212,6 +212,26 @@ def test_a_response_is_the_chats_reply_whole_streamed_and_continued(server):
     assert c.responses.retrieve(more.id).output_text == more.output_text
 
 
+def test_a_message_is_the_chats_reply_whole_and_streamed(server):
+    """Anthropic's Messages API on the TP=2 server, through the anthropic SDK: the greedy reply is the chat reply to
+    the same conversation, streamed as whole, and count_tokens is its prompt's length."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "a" * 20}]
+    chat = server.client().chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "b" * 5},
+                                                                          *messages], max_tokens=8, **greedy())
+    whole = c.messages.create(model=MODEL, system="b" * 5, messages=messages, max_tokens=8,
+                             extra_body={"temperature": 0.0})
+    assert whole.content[0].text == chat.choices[0].message.content and whole.stop_reason == "max_tokens"
+    assert whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+    with c.messages.stream(model=MODEL, system="b" * 5, messages=messages, max_tokens=8,
+                           extra_body={"temperature": 0.0}) as stream:
+        text = "".join(stream.text_stream)
+    assert text == whole.content[0].text
+    assert c.messages.count_tokens(model=MODEL, system="b" * 5, messages=messages).input_tokens == \
+        chat.usage.prompt_tokens
+
+
 def test_stop_strings_and_max_tokens(server):
     c = server.client()
     full = c.completions.create(model=MODEL, prompt="a" * 20, max_tokens=12, **greedy()).choices[0].text

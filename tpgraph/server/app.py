@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
+"""The OpenAI-compatible HTTP API on rank 0: /v1/completions, /v1/chat/completions (SSE streaming), OpenAI's Responses
+API (response_routes.py), Anthropic's Messages API (messages.py), /v1/models,
 /health (and vLLM's /ping), /metrics, /version, and vLLM's /tokenize, /detokenize and /tokenizer_info
 (token_routes.py), behind an API key where one is set (auth.py: a 401 without it). Every mistake in a request is a 400
 (404 for an unknown model) with an OpenAI error body, and the server keeps serving; a client that disconnects aborts
@@ -38,6 +39,7 @@ from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body
+from tpgraph.server.messages import message_routes
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.options import HttpOptions
 from tpgraph.server.protocol import ChatRequest, CompletionRequest
@@ -636,6 +638,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
         return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]} for t, lp, top in items]
 
+    app.include_router(message_routes(start_chat, render_chat, model_name))
     app.include_router(response_routes(start_chat, logprob_entries, model_name,
                                        ResponseStore(http.responses_store_size) if responses_store is None
                                        else responses_store))

@@ -1,6 +1,7 @@
 """--api-key: every route but the operators' (/health, /ping, /metrics, /version) and the API docs asks for
-`Authorization: Bearer KEY`, the header OpenAI's clients send, as vLLM's --api-key does (which guards /v1 only: here
-/tokenize and /detokenize too). A request without the key gets a 401 in OpenAI's error shape and reaches no endpoint.
+`Authorization: Bearer KEY`, the header OpenAI's clients send (or `x-api-key: KEY`, Anthropic's), as vLLM's --api-key
+does (which guards /v1 only: here /tokenize and /detokenize too). A request without the key gets a 401 in OpenAI's
+error shape and reaches no endpoint.
 The docs stay open as vLLM leaves them: Swagger UI's page cannot send the key, and the schema is no secret.
 
 Plain ASGI middleware, not FastAPI's @app.middleware("http"): that wraps each request in Starlette's
@@ -40,12 +41,16 @@ class ApiKeyMiddleware:
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         # (the scheme in any case, as HTTP's schemes are and as vLLM reads it: `bearer KEY` too; the key exactly)
         scheme, _, sent = given.partition(b" ")
-        # (each in constant time, and all of them: no key guessed a byte at a time, nor which one matched)
-        matched = sum(secrets.compare_digest(sent, expected) for expected in self.expected)
-        if matched and scheme.lower() == b"bearer":
+        # Anthropic's clients send the key as `x-api-key: KEY` (the Messages API's header)
+        header_key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+        if scheme.lower() == b"bearer" and self._taken(sent) or header_key is not None and self._taken(header_key):
             return await self.app(scope, receive, send)
         message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
                    else "the API key is wrong (send the header `Authorization: Bearer <key>`)")
         response = JSONResponse(error_body(401, message, "AuthenticationError"), 401,
                                 headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+    def _taken(self, sent: bytes) -> bool:
+        # (each key compared in constant time, and all of them: no key guessed a byte at a time, nor which one matched)
+        return sum(secrets.compare_digest(sent, expected) for expected in self.expected) > 0

@@ -97,6 +97,14 @@ BEAM_SEARCH_UNUSED: dict[str, tuple] = {
     "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "spaces_between_special_tokens": (True,)}
 
 
+# vLLM's sampling fields that the Responses and Messages APIs take beside their own, handed to the chat request they
+# run as (checked there)
+SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                   "spaces_between_special_tokens", "logit_bias", "structured_outputs", "bad_words",
+                   "allowed_token_ids", "priority", "request_id", "return_tokens_as_token_ids")
+
+
 class SamplingFields(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 

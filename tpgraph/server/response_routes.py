@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,7 +19,7 @@ from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.response_store import ResponseStore, StoredResponse
 from tpgraph.server.responses import OutputItems, ResponsesRequest
-from tpgraph.server.sse import EventStream, stream_failure
+from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
 
 StartChat = Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
@@ -105,8 +104,8 @@ class ResponseRun:
 
 
 def typed_event(event: dict, sequence_number: int) -> str:
-    """A Responses stream event as the API sends it: its type named on the event line."""
-    return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': sequence_number})}\n\n"
+    """A Responses stream event as the API sends it, numbered."""
+    return typed_sse({**event, "sequence_number": sequence_number})
 
 
 def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: str, store: ResponseStore

@@ -4,7 +4,7 @@ the template, tools, reasoning, structured outputs); the reply's reasoning, text
 output items, whole or as the API's stream of typed events.
 
 What vLLM's Responses API takes beside OpenAI's fields (top_k, min_p, repetition_penalty, seed, stop, ignore_eos,
-logit_bias, structured_outputs, ...) is taken here too (RESPONSES_SAMPLING_EXTRAS). Refused with a 400 that names it,
+logit_bias, structured_outputs, ...) is taken here too (SAMPLING_EXTRAS). Refused with a 400 that names it,
 not ignored: non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...), item references,
 `conversation`, `prompt` templates, `max_tool_calls`, and a background stream."""
 
@@ -16,18 +16,11 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
-from tpgraph.server.protocol import ChatRequest, NullMeansDefault, _an_integer, _not_a_bool
+from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool
 from tpgraph.server.reply import Delta
 
 # the include value that asks for the output text's log-probabilities
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
-
-# vLLM's extras of a Responses request, handed to the chat request as they are (checked there)
-RESPONSES_SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-                             "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                             "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
-                             "structured_outputs", "bad_words", "allowed_token_ids", "priority", "request_id",
-                             "return_tokens_as_token_ids")
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
@@ -96,7 +89,7 @@ class ResponsesRequest(NullMeansDefault):
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
             + chat_messages(items)
         extras = self.model_extra or {}
-        body: dict[str, Any] = {name: extras[name] for name in RESPONSES_SAMPLING_EXTRAS if name in extras}
+        body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
         body.update(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                     tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),

@@ -20,6 +20,11 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def typed_sse(event: dict) -> str:
+    """An event of a stream whose events name their type on an event line (the Responses and Messages APIs')."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
 async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """A stream's events; if anything fails after the stream began (the 200 is sent), an error event and [DONE] end
     it, as vLLM's stream generators do (`except Exception`), instead of a cut connection: the engine's failure, a

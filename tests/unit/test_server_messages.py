@@ -1,0 +1,254 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) in process, on an engine that answers with set
+text: the prompt is the chat route's for the same conversation; thinking, text and tool_use blocks whole and as the
+stream's events (each parsed by the anthropic SDK's types where it is installed, and folded by its own stream
+accumulator); stop reasons; usage with the prefix cache's tokens; and every refusal in Anthropic's error shape."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module, post_all  # noqa: E402
+
+from tpgraph.server import app as server_app  # noqa: E402
+from tpgraph.server.messages import chat_messages  # noqa: E402
+from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
+from tpgraph.server.tools import ToolOptions  # noqa: E402
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ASK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+
+
+def make_app(client, reasoning: str | None = None, tools: ToolOptions | None = None, **kw):
+    return server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128,
+                                 reasoning=REASONING_PARSERS[reasoning] if reasoning else None, tool_options=tools,
+                                 **kw)
+
+
+def typed_events(text: str) -> list[dict]:
+    """A Messages stream's events, each naming its type on its event line (and parsed by the SDK's type, if any)."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    try:
+        from anthropic.types import RawMessageStreamEvent
+        from pydantic import TypeAdapter
+    except ImportError:
+        return events
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    return events
+
+
+def reply(pieces: list[str], body: dict, finish: str = "stop", cached: int = 0, stop_reason=None,
+          **app_kw) -> tuple[dict, list[dict], ScriptedClient]:
+    """The reply whole and as its stream's events, and the engine client that answered both."""
+    client = ScriptedClient(pieces, finish, cached=cached, stop_reason=stop_reason)
+    whole, streamed = post_all(make_app(client, **app_kw), [("/v1/messages", {**ASK, **body}),
+                                                            ("/v1/messages", {**ASK, **body, "stream": True})])
+    assert whole.status_code == 200, whole.text
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    try:
+        from anthropic.types import Message
+    except ImportError:
+        pass
+    else:
+        Message.model_validate(whole.json())
+    return whole.json(), typed_events(streamed.text), client
+
+
+def folded(events: list[dict]) -> tuple[list[dict], dict]:
+    """A stream's content blocks and its message_delta, folded as a client does."""
+    blocks: list[dict] = []
+    partial: dict[int, str] = {}
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            d, block = e["delta"], blocks[e["index"]]
+            if d["type"] == "text_delta":
+                block["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                block["thinking"] += d["thinking"]
+            elif d["type"] == "input_json_delta":
+                partial[e["index"]] = partial.get(e["index"], "") + d["partial_json"]
+    for index, text in partial.items():
+        blocks[index]["input"] = json.loads(text)
+    delta = next(e for e in events if e["type"] == "message_delta")
+    return blocks, delta
+
+
+def test_a_text_reply_whole_and_streamed_runs_the_chat_routes_prompt():
+    whole, events, client = reply(["Rain", " today."], {"system": "Be brief.", "temperature": 0.5, "top_k": 4,
+                                                         "stop_sequences": ["\n\n"]})
+    assert whole["type"] == "message" and whole["role"] == "assistant" and whole["id"].startswith("msg_")
+    assert whole["content"] == [{"type": "text", "text": "Rain today."}]
+    assert (whole["stop_reason"], whole["stop_sequence"]) == ("end_turn", None)
+    assert whole["usage"]["output_tokens"] == 2 and whole["usage"]["input_tokens"] == len(client.prompts[0])
+    params = client.params[0]
+    assert (params.temperature, params.top_k, params.stop, params.max_tokens) == (0.5, 4, ("\n\n",), 8)
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]})])
+    assert client.prompts == chat.prompts * 2
+    kinds = [e["type"] for e in events]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    blocks, delta = folded(events)
+    assert blocks == whole["content"]
+    assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert delta["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize(("finish", "stop_reason", "expected"), [
+    ("length", None, ("max_tokens", None)),
+    ("stop", "\n\n", ("stop_sequence", "\n\n")),
+    ("stop", 7, ("end_turn", None)),  # (a stop token id: no sequence to name)
+])
+def test_stop_reasons(finish, stop_reason, expected):
+    whole, events, _ = reply(["a"], {"stop_sequences": ["\n\n"]}, finish=finish, stop_reason=stop_reason)
+    assert (whole["stop_reason"], whole["stop_sequence"]) == expected
+    _, delta = folded(events)
+    assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == expected
+
+
+def test_usage_counts_the_prefix_caches_tokens_apart():
+    whole, _, client = reply(["a"], {}, cached=4)
+    usage = whole["usage"]
+    assert (usage["cache_read_input_tokens"], usage["input_tokens"]) == (4, len(client.prompts[0]) - 4)
+
+
+@pytest.mark.parametrize(("choice", "pieces", "mode"), [
+    ({"type": "tool", "name": "get_weather"}, ['{"city":', '"Oslo"}'], "named"),
+    ({"type": "any"}, ['[{"name":"get_weather",', '"parameters":{"city":"Oslo"}}]'], "required"),
+])
+def test_a_tool_call_is_a_tool_use_block(choice, pieces, mode):
+    whole, events, client = reply(pieces, {"tools": [WEATHER], "tool_choice": choice})
+    assert client.params[0].structured is not None
+    uses = [b for b in whole["content"] if b["type"] == "tool_use"]
+    assert [(b["name"], b["input"]) for b in uses] == [("get_weather", {"city": "Oslo"})] and uses[0]["id"]
+    # (a named choice ends "stop": the call is the reply, as vLLM's chat answers it; "any" ends as tool calls)
+    assert whole["stop_reason"] == ("tool_use" if mode == "required" else "end_turn")
+    blocks, delta = folded(events)
+    assert [(b["type"], b.get("input")) for b in blocks if b["type"] == "tool_use"] == [("tool_use",
+                                                                                          {"city": "Oslo"})]
+    assert delta["delta"]["stop_reason"] == whole["stop_reason"]
+
+
+def test_auto_tool_calls_after_text_with_a_parser():
+    pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+              "</tool_call>"]
+    whole, events, _ = reply(pieces, {"tools": [WEATHER]}, tools=ToolOptions(parser="hermes"))
+    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+    assert whole["content"][1]["input"] == {"city": "Oslo"} and whole["stop_reason"] == "tool_use"
+    blocks, _ = folded(events)
+    assert [(b["type"], b.get("text"), b.get("input")) for b in blocks] == [
+        (b["type"], b.get("text"), b.get("input")) for b in whole["content"]]
+
+
+def test_thoughts_are_a_thinking_block():
+    whole, events, _ = reply(["Four", " it is.", "</think>", "4"], {}, reasoning="deepseek_r1")
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text"]
+    assert whole["content"][0]["thinking"] == "Four it is." and whole["content"][1]["text"] == "4"
+    blocks, _ = folded(events)
+    assert [b.get("thinking") or b.get("text") for b in blocks] == ["Four it is.", "4"]
+
+
+def test_a_conversation_with_tools_becomes_the_chats_messages():
+    messages = [
+        {"role": "system", "content": "And be kind."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                                          {"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "rain"}]},
+                                     {"type": "text", "text": "Thanks."}]}]
+    assert chat_messages([{"type": "text", "text": "x-anthropic-billing-header: cc=1"},
+                          {"type": "text", "text": "Be brief. "}], messages) == [
+        {"role": "system", "content": "Be brief. And be kind."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "reasoning": "Look it up.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "rain"},
+        {"role": "user", "content": "Thanks."}]
+
+
+def test_a_final_assistant_message_is_continued():
+    client = ScriptedClient([" sunny."])
+    body = {**ASK, "messages": [*ASK["messages"], {"role": "assistant", "content": "It is"}]}
+    got, = post_all(make_app(client), [("/v1/messages", body)])
+    assert got.json()["content"] == [{"type": "text", "text": " sunny."}]
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": body["messages"],
+                                                        "add_generation_prompt": False,
+                                                        "continue_final_message": True})])
+    assert client.prompts == chat.prompts
+
+
+def test_count_tokens_is_the_prompts_length():
+    client = ScriptedClient(["x"])
+    app = make_app(client)
+    counted, _ = post_all(app, [("/v1/messages/count_tokens", {k: v for k, v in ASK.items() if k != "max_tokens"}),
+                                ("/v1/messages", ASK)])
+    assert counted.json() == {"input_tokens": len(client.prompts[0])}
+
+
+def test_the_sdk_reads_a_message_and_its_stream():
+    anthropic = pytest.importorskip("anthropic")
+    app = make_app(ScriptedClient(["Rain", " today."]), api_key="k3y")
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        client = anthropic.AsyncAnthropic(api_key="k3y", base_url="http://t", http_client=http, max_retries=0)
+        whole = await client.messages.create(**ASK)
+        async with client.messages.stream(**ASK) as stream:
+            texts = [t async for t in stream.text_stream]
+            final = await stream.get_final_message()
+        counted = await client.messages.count_tokens(model="m", messages=ASK["messages"])
+        await http.aclose()
+        return whole, texts, final, counted
+
+    whole, texts, final, counted = asyncio.run(main())
+    assert whole.content[0].text == "Rain today." and texts == ["Rain", " today."]
+    assert final.content[0].text == "Rain today." and final.stop_reason == "end_turn"
+    assert counted.input_tokens == whole.usage.input_tokens
+
+
+@pytest.mark.parametrize(("body", "status", "named"), [
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "messages[0].content[0]"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": []}, 400, "messages"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
+    ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
+    ({"temperature": 3}, 400, "temperature"),
+    ({"model": "other"}, 404, "other"),
+])
+def test_refusals_take_anthropics_error_shape(body, status, named):
+    client = ScriptedClient(["a"])
+    got, = post_all(make_app(client), [("/v1/messages", {**ASK, **body})])
+    assert got.status_code == status, got.text
+    error = got.json()
+    assert error["type"] == "error" and named in error["error"]["message"]
+    assert error["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert client.params == []
+
+
+def test_the_anthropic_api_key_header_is_taken():
+    client = ScriptedClient(["a"])
+    app = make_app(client, api_key="k3y")
+    keyed, bare = post_all(app, [("/v1/messages", ASK)], headers={"x-api-key": "k3y"}) + \
+        post_all(app, [("/v1/messages", ASK)])
+    assert keyed.status_code == 200 and bare.status_code == 401

@@ -1,0 +1,400 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), as vLLM's server serves it beside OpenAI's: the
+request read as a chat turn (the system prompt and messages as chat messages, tools, tool_choice, stop_sequences,
+output_config's JSON schema), which runs through the chat route's own set-up (ChatTurn); the reply's thoughts, text
+and tool calls come back as thinking, text and tool_use content blocks, whole or as Anthropic's stream of events.
+Errors take Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
+
+Beyond vLLM's: a stop sequence that ended the reply is named (stop_reason "stop_sequence"), usage splits off the prompt
+tokens read from the prefix cache (cache_read_input_tokens), a final assistant message is continued (Anthropic's
+prefill), and images, documents, server tools and a tool_result's images are refused by name instead of reaching a
+text model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ConfigDict, Field, ValidationError
+
+from tpgraph.errors import RequestError
+from tpgraph.server.bridge import EngineUnavailable
+from tpgraph.server.errors import ApiError
+from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault
+from tpgraph.server.reply import Delta
+from tpgraph.server.request_ids import request_id
+from tpgraph.server.sse import EventStream, stream_failure, typed_sse
+from tpgraph.server.turn import ChatTurn, RenderedChat
+
+# Claude Code's first system block: a per-request hash that would defeat the prefix cache (vLLM drops it too)
+BILLING_HEADER = "x-anthropic-billing-header"
+# Anthropic's error types by HTTP status
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class MessagesRequest(NullMeansDefault):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[Any] = Field(min_length=1)
+    max_tokens: int
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking
+    output_config: dict | None = None  # format (a JSON schema), effort (the template's reasoning_effort)
+    metadata: dict | None = None  # (user_id: taken, as Anthropic's, for its own records)
+    chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's)
+
+    def chat_request(self, stream: bool) -> ChatRequest:
+        """The chat request these messages run as."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        messages = chat_messages(self.system, self.messages)
+        extras = self.model_extra or {}
+        body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
+        # (a final assistant message is Anthropic's prefill: the reply continues it)
+        prefill = messages[-1]["role"] == "assistant"
+        body.update(model=self.model, messages=messages, max_tokens=self.max_tokens, stop=self.stop_sequences,
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stream=stream,
+                    add_generation_prompt=not prefill, continue_final_message=prefill,
+                    chat_template_kwargs=self.template_variables(), **self.tool_fields())
+        schema = ((self.output_config or {}).get("format") or {}).get("schema")
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise RequestError("; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                                         for e in exc.errors())) from None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """The chat template's variables: the request's own, with thinking's enable_thinking and output_config's
+        effort as reasoning_effort."""
+        variables = dict(self.chat_template_kwargs or {})
+        kind = (self.thinking or {}).get("type")
+        if kind not in (None, "enabled", "disabled"):
+            raise RequestError(f"thinking.type must be enabled or disabled, got {kind!r}")
+        if kind is not None:
+            variables["enable_thinking"] = kind == "enabled"
+        effort = (self.output_config or {}).get("effort")
+        if effort is not None:
+            variables["reasoning_effort"] = effort
+        return variables or None
+
+    def tool_fields(self) -> dict[str, Any]:
+        """tools and tool_choice as the chat's: custom tools as functions; auto, any ("required"), tool (named) and
+        none; disable_parallel_tool_use as parallel_tool_calls false."""
+        if self.tools is None:
+            return {}
+        tools = []
+        for i, tool in enumerate(self.tools):
+            if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
+                raise RequestError(f"tools[{i}] must be a custom tool ({{name, description, input_schema}}); server "
+                                   "tools (web search, bash, text editor, ...) are not run by this server")
+            tools.append({"type": "function", "function": {
+                "name": tool["name"], "description": tool.get("description"),
+                "parameters": tool.get("input_schema") or {"type": "object"}}})
+        choice = self.tool_choice or {"type": "auto"}
+        kind = choice.get("type")
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise RequestError("tool_choice {\"type\": \"tool\"} needs the tool's name")
+            mode: str | dict = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in ("auto", "any", "none"):
+            mode = {"any": "required"}.get(kind, kind)
+        else:
+            raise RequestError(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
+        return {"tools": tools, "tool_choice": mode,
+                "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None}
+
+
+def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[dict]:
+    """Anthropic's system prompt and messages as chat messages: text blocks as text, a thinking block as the
+    assistant's reasoning, tool_use blocks as its tool calls, a user's tool_result blocks as tool messages (before the
+    rest of that user's text, as they answer the calls just made); a system message inside the messages joins the
+    system prompt, as vLLM reads it."""
+    system_texts = _system_texts(system, "system")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "system":
+            system_texts += _system_texts(m.get("content"), f"{where}.content")
+            continue
+        if role not in ("user", "assistant"):
+            raise RequestError(f"{where}.role must be user or assistant, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"{where}.content must be a string or a list of content blocks")
+        out += _blocks(role, content, where)
+    if system_texts:
+        out.insert(0, {"role": "system", "content": "".join(system_texts)})
+    if not any(m["role"] != "system" for m in out):
+        raise RequestError("messages holds no user or assistant content")
+    return out
+
+
+def _system_texts(system: Any, where: str) -> list[str]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [system]
+    if not isinstance(system, list):
+        raise RequestError(f"{where} must be a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise RequestError(f"{where}[{j}] must be a text block")
+        if not block["text"].startswith(BILLING_HEADER):
+            texts.append(block["text"])
+    return texts
+
+
+def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
+    """One message's content blocks as chat messages: a user's tool results each a tool message, then the rest."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    results: list[dict] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # (opaque: nothing to render)
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise RequestError(f"{at} (tool_use) needs its id and name")
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise RequestError(f"{at} (tool_result) needs its tool_use_id")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                             "content": _result_text(block.get("content"), f"{at}.content")})
+        else:
+            raise RequestError(f"{at}: a {kind!r} block is not taken in a {role} message; this server serves a text "
+                               "model (text, thinking, tool_use and tool_result blocks)")
+    message: dict[str, Any] = {"role": role, "content": "".join(texts) if texts or not calls else None}
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return results + ([message] if texts or calls or reasoning or not results else [])
+
+
+def _result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise RequestError(f"{where}[{j}] must be a text block; this server serves a text model")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+class ContentBlocks:
+    """A reply's content blocks as its deltas come (thinking, text, tool_use), and the stream's events that build
+    them: each block starts, grows and stops before the next begins. The same fold makes a whole reply's content, so
+    a reply is the same streamed or not."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+        self.arguments: list[str] = []  # each block's tool input as written (JSON text), "" for the others
+        self.open: str | None = None  # the open block's type
+
+    def add(self, delta: Delta) -> list[dict]:
+        events: list[dict] = []
+        if delta.reasoning:
+            events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                                 {"type": "thinking_delta", "thinking": delta.reasoning})
+            self.blocks[-1]["thinking"] += delta.reasoning
+        if delta.content:
+            events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta.content})
+            self.blocks[-1]["text"] += delta.content
+        for call in delta.calls:
+            function = call.get("function", {})
+            if "id" in call:
+                events += self._close()
+                events += self._start("tool_use", {"type": "tool_use", "id": call["id"], "name": function["name"],
+                                                   "input": {}})
+            arguments = function.get("arguments") or ""
+            if arguments:
+                self.arguments[-1] += arguments
+                events.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                               "delta": {"type": "input_json_delta", "partial_json": arguments}})
+        return events
+
+    def finish(self) -> list[dict]:
+        """The last block's stop; each tool_use block's input, its arguments read as JSON (the text as written
+        where they are not a JSON object: a call cut short)."""
+        for block, arguments in zip(self.blocks, self.arguments, strict=True):
+            if block["type"] == "tool_use":
+                try:
+                    value = json.loads(arguments or "{}")
+                except json.JSONDecodeError:
+                    value = None
+                block["input"] = value if isinstance(value, dict) else {"arguments": arguments}
+        return self._close()
+
+    def _grow(self, kind: str, empty: dict, delta: dict) -> list[dict]:
+        events = []
+        if self.open != kind:
+            events += self._close()
+            events += self._start(kind, empty)
+        return [*events, {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
+
+    def _start(self, kind: str, block: dict) -> list[dict]:
+        self.blocks.append(block)
+        self.arguments.append("")
+        self.open = kind
+        return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+
+def stop_fields(engine_finish: str | None, reply_finish: str | None, stop_reason: int | str | None,
+                stop_sequences: list[str] | None) -> dict:
+    """Anthropic's stop_reason and stop_sequence from the engine's finish reason (max_tokens wherever it cut the
+    reply, so whole and streamed agree), the reply's (tool_use where it made calls) and what stopped it."""
+    if engine_finish == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if reply_finish == "tool_calls":
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if isinstance(stop_reason, str) and stop_reason in (stop_sequences or ()):
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def usage(turn: ChatTurn) -> dict:
+    """Anthropic's usage: the prompt tokens computed (input_tokens) apart from those read from the prefix cache."""
+    choice = turn.choices[0]
+    cached = choice.cached_tokens or 0
+    return {"input_tokens": len(turn.token_ids[0]) - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": len(choice.token_ids)}
+
+
+def error_reply(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                                    "message": message}}, status)
+
+
+def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]],
+                   render_chat: Callable[[ChatRequest], Awaitable[RenderedChat]], model_name: str) -> APIRouter:
+    """start_chat: the chat route's set-up (app.py), which submits a chat request as a turn; render_chat: its
+    template and tokenizer alone (count_tokens)."""
+    router = APIRouter()
+
+    async def read(request: Request, **defaults: Any) -> MessagesRequest:
+        """The body, read here (its fields over `defaults`): every refusal of it in Anthropic's error shape."""
+        try:
+            payload = json.loads(await request.body())
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"the body is not valid JSON ({exc})") from None
+        if not isinstance(payload, dict):
+            raise RequestError("the body must be a JSON object")
+        try:
+            return MessagesRequest.model_validate({**defaults, **payload})
+        except ValidationError as exc:
+            raise RequestError("; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                         for e in exc.errors())) from None
+
+    @router.post("/v1/messages")
+    async def create(request: Request) -> Response:
+        try:
+            body = await read(request)
+            chat = body.chat_request(body.stream)
+            rid = f"msg_{request_id(request, chat.request_id)}"
+            turn = await start_chat(chat, request)
+        except (RequestError, ApiError, EngineUnavailable) as exc:
+            return error_reply(*_status(exc))
+        blocks = ContentBlocks()
+        finishes: list[str | None] = [None, None]  # the engine's and the reply's
+
+        async def events() -> AsyncIterator[dict]:
+            async for _, u in turn.updates():
+                _, delta, reply_finish = turn.apply(u)
+                for event in blocks.add(delta):
+                    yield event
+                if u.finish_reason is not None:
+                    finishes[:] = [u.finish_reason, reply_finish]
+            for event in blocks.finish():
+                yield event
+
+        def message(content: list[dict]) -> dict:
+            choice = turn.choices[0]
+            return {"id": rid, "type": "message", "role": "assistant", "model": model_name, "content": content,
+                    **stop_fields(*finishes, choice.stop_reason, body.stop_sequences), "usage": usage(turn)}
+
+        if not body.stream:
+            try:
+                async for _ in events():
+                    pass
+            except (RequestError, ApiError, EngineUnavailable) as exc:
+                return error_reply(*_status(exc))
+            finally:
+                await turn.stream.aclose()
+            if finishes[0] is None:  # (its client went away)
+                return Response(status_code=499)
+            return JSONResponse(message(blocks.blocks))
+
+        async def stream() -> AsyncIterator[str]:
+            start = {"id": rid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                     "stop_reason": None, "stop_sequence": None,
+                     "usage": {"input_tokens": len(turn.token_ids[0]), "output_tokens": 0}}
+            yield typed_sse({"type": "message_start", "message": start})
+            try:
+                async for event in events():
+                    yield typed_sse(event)
+            except Exception as exc:  # (after the 200: Anthropic's error event ends the stream)
+                status, text, _ = stream_failure(exc)
+                yield typed_sse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                                            "message": text}})
+                return
+            if finishes[0] is None:
+                return
+            whole = message([])
+            yield typed_sse({"type": "message_delta", "delta": {k: whole[k] for k in ("stop_reason", "stop_sequence")},
+                             "usage": whole["usage"]})
+            yield typed_sse({"type": "message_stop"})
+
+        return EventStream(stream(), turn.stream, guard=None)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> JSONResponse:
+        try:  # (counting asks for no reply: max_tokens may be left out)
+            body = await read(request, max_tokens=1)
+            rendered = await render_chat(body.chat_request(stream=False))
+        except (RequestError, ApiError, EngineUnavailable) as exc:
+            return error_reply(*_status(exc))
+        return JSONResponse({"input_tokens": len(rendered.token_ids[0])})
+
+    return router
+
+
+def _status(exc: Exception) -> tuple[int, str]:
+    status, message, _ = stream_failure(exc)
+    return status, message
+
