@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from tpgraph.errors import RequestError
 from tpgraph.server.bridge import EngineUnavailable
 from tpgraph.server.errors import ApiError
-from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault
+from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, invalid
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
@@ -73,8 +73,7 @@ class MessagesRequest(NullMeansDefault):
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
-            raise RequestError("; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                                         for e in exc.errors())) from None
+            raise invalid(exc) from None
 
     def template_variables(self) -> dict[str, Any] | None:
         """The chat template's variables: the request's own, with thinking's enable_thinking and output_config's
@@ -318,8 +317,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
         try:
             return MessagesRequest.model_validate({**defaults, **payload})
         except ValidationError as exc:
-            raise RequestError("; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                                         for e in exc.errors())) from None
+            raise invalid(exc) from None
 
     @router.post("/v1/messages")
     async def create(request: Request) -> Response:

@@ -13,7 +13,7 @@ import math
 import types
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tpgraph.chat import developer_tools, set_history_calls, template_content
 from tpgraph.engine.beam_search import BeamSearchParams
@@ -37,6 +37,11 @@ class NullMeansDefault(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or _takes_none(fields[k].annotation)}
+
+
+def invalid(exc: ValidationError) -> RequestError:
+    """A body's validation errors as one refusal that names each field (where the route validates it itself)."""
+    return RequestError("; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()))
 
 
 def _takes_none(annotation: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
-from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool
+from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
 from tpgraph.server.reply import Delta
 
 # the include value that asks for the output text's log-probabilities
@@ -104,8 +104,7 @@ class ResponsesRequest(NullMeansDefault):
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-            raise RequestError(problems) from None
+            raise invalid(exc) from None
 
 
 def chat_messages(items: list[Any]) -> list[dict]:
