@@ -101,9 +101,10 @@ class Api:
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
             while any(open_samples.values()):
-                try:
-                    i, update, received = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
+                try:  # (asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes as the get ends)
+                    async with asyncio.timeout(DISCONNECT_CHECK_S):
+                        i, update, received = await queue.get()
+                except TimeoutError:
                     update = None
                 # on a timer, not only when updates pause: a decoding request has one every few ms, and a
                 # non-streaming one has no other way to learn that its client left
