@@ -393,3 +393,43 @@ def test_a_background_response_stored_over_under_its_id_is_cancelled():
 
     same, first_done, aborted = asyncio.run(asyncio.wait_for(main(), timeout=10))
     assert same and first_done and len(aborted) == 1
+
+
+def test_input_items_lists_a_responses_own_input_a_page_at_a_time():
+    app = make_app(ScriptedClient(["a"]))
+    first, = post_all(app, [("/v1/responses", {"input": "earlier"})])
+    items = [{"role": "user", "content": str(i)} for i in range(3)]
+    second, = post_all(app, [("/v1/responses", {"input": items, "previous_response_id": first.json()["id"]})])
+    rid = second.json()["id"]
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [(await http.get(f"/v1/responses/{rid}/input_items", params=q)).json()
+                    for q in ({}, {"order": "asc", "limit": 2}, {"limit": 0})]
+
+    newest_first, page, refused = asyncio.run(main())
+    assert [item["content"] for item in newest_first["data"]] == ["2", "1", "0"]  # (not the earlier response's)
+    assert all(item["id"].startswith("msg_") for item in newest_first["data"])
+    assert newest_first["has_more"] is False and newest_first["first_id"] == newest_first["data"][0]["id"]
+    assert [item["content"] for item in page["data"]] == ["0", "1"] and page["has_more"] is True
+
+    async def after() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return (await http.get(f"/v1/responses/{rid}/input_items",
+                                   params={"order": "asc", "after": page["last_id"]})).json()
+
+    assert [item["content"] for item in asyncio.run(after())["data"]] == ["2"]
+    assert "limit must be between 1 and 100" in refused["error"]["message"]
+    # the SDK reads them as its ResponseItem list
+    whole, = post_all(app, [("/v1/responses", {"input": "x"})])
+
+    async def sdk() -> list:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        client = openai.AsyncOpenAI(api_key="x", base_url="http://t/v1", http_client=http, max_retries=0)
+        listed = [item async for item in client.responses.input_items.list(whole.json()["id"])]
+        await http.aclose()
+        return listed
+
+    listed = asyncio.run(sdk())
+    assert [(item.type, item.role, item.content[0].text) for item in listed] == [("message", "user", "x")]

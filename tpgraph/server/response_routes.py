@@ -1,6 +1,7 @@
 """The Responses API's routes: POST /v1/responses (whole, streamed as typed events, or in the background),
-GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel. A response runs as a chat turn (responses.py
-reads the request as one); its output items are folded from the turn's deltas (OutputItems)."""
+GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel. A response
+runs as a chat turn (responses.py reads the request as one); its output items are folded from the turn's deltas
+(OutputItems)."""
 
 from __future__ import annotations
 
@@ -127,18 +128,23 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Response:
         body.check()
-        conversation = [*conversation_before(body), *body.input_items()]
+        own = body.input_items()
+        conversation = [*conversation_before(body), *own]
         chat = body.chat_request(conversation)
         response_id = f"resp_{request_id(request, chat.request_id)}"
+
+        def kept(response: dict) -> StoredResponse:
+            return StoredResponse(response, conversation, inputs=len(own))
+
         if body.background:
-            return JSONResponse(await start_background(response_id, body, chat, conversation))
+            return JSONResponse(await start_background(response_id, body, chat, kept))
         run = ResponseRun(response_id, body, chat, await start_chat(chat, request), model_name, entries)
         if not body.stream:
             response = await run.whole()
             if response is None:  # (its client went away: nothing to store, no one to answer)
                 return Response(status_code=499)
             if body.store:
-                store.put(response_id, StoredResponse(response, conversation))
+                store.put(response_id, kept(response))
             return JSONResponse(response)
 
         async def stream() -> AsyncIterator[str]:
@@ -150,20 +156,20 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 status, message, kind = stream_failure(exc)
                 if body.store:
                     failed = run.snapshot("failed", {"code": kind, "message": message})
-                    store.put(response_id, StoredResponse(failed, conversation))
+                    store.put(response_id, kept(failed))
                 yield typed_event({"type": "error", "code": kind, "message": message, "param": None},
                                   next(numbers))
                 return
             if body.store and run.final is not None:  # (None: its client went away before the end)
-                store.put(response_id, StoredResponse(run.final, conversation))
+                store.put(response_id, kept(run.final))
 
         return EventStream(stream(), run.turn.stream, guard=None)
 
     async def start_background(response_id: str, body: ResponsesRequest, chat: ChatRequest,
-                               conversation: list[dict]) -> dict:
+                               kept: Callable[[dict], StoredResponse]) -> dict:
         """Submit the response (a refusal is the request's 400) and write it as it runs, in the store."""
         run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached()), model_name, entries)
-        stored = StoredResponse(run.snapshot("queued"), conversation)
+        stored = kept(run.snapshot("queued"))
 
         status = "queued"
         stored.live = lambda: run.snapshot(status)
@@ -193,6 +199,25 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         if stream:
             raise RequestError("stream: true is not supported here: a stored response is read whole")
         return JSONResponse(store.get(response_id).current())
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, after: str | None = None, limit: int = 20,
+                          order: str = "desc") -> JSONResponse:
+        """OpenAI's list of a response's own input items (not the earlier conversation's), a page at a time."""
+        if not 1 <= limit <= 100:
+            raise RequestError(f"limit must be between 1 and 100, got {limit}")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order must be asc or desc, got {order!r}")
+        items = store.get(response_id).own_inputs()
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+            if at is None:
+                raise RequestError(f"after {after!r} is no input item of response {response_id!r}")
+            items = items[at + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> JSONResponse:

@@ -22,10 +22,14 @@ class StoredResponse:
     conversation: list[dict]  # the input items before its output (an earlier response's conversation, then its own)
     task: asyncio.Task | None = None  # (a background response) the run that writes it
     live: Callable[[], dict] | None = None  # (a background response being written) the response as it stands
+    inputs: int = 0  # how many of the conversation's last items are its own input (input_items lists them)
 
     def current(self) -> dict:
         """The response as GET returns it: as it stands, where it is still being written."""
         return self.response if self.live is None else self.live()
+
+    def own_inputs(self) -> list[dict]:
+        return self.conversation[len(self.conversation) - self.inputs:]
 
     def items(self) -> list[dict]:
         """The conversation a next response continues: the input, then this response's output."""

@@ -23,6 +23,8 @@ from tpgraph.server.reply import Delta
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
+# the id an input item is given where it has none, by its type (OpenAI's prefixes)
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class ResponsesRequest(NullMeansDefault):
@@ -74,12 +76,15 @@ class ResponsesRequest(NullMeansDefault):
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
 
     def input_items(self) -> list[dict]:
-        """The input as a list of items (a string is one user message)."""
+        """The input as a list of items (a string is one user message), each with an id (its own, else one made for
+        it, as OpenAI names the items GET /v1/responses/{id}/input_items lists)."""
         if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
+            return [{"id": item_id("msg"), "type": "message", "role": "user",
+                     "content": [{"type": "input_text", "text": self.input}]}]
         if not self.input:
             raise RequestError("input is empty")
-        return list(self.input)
+        return [{"id": item_id(ITEM_ID_PREFIXES.get(item.get("type", "message"), "item")), **item}
+                if isinstance(item, dict) and "id" not in item else item for item in self.input]
 
     def logprobs(self) -> bool:
         return OUTPUT_LOGPROBS in (self.include or ())
