@@ -707,7 +707,7 @@ def test_a_steps_tokens_are_counted_as_vllm_counts_an_iterations():
     """StepTiming.tokens (vllm:iteration_tokens_total): the tokens a step's updates carry, each one read back and,
     with a sequence's first, its prompt. Over all steps: every prompt once per sample, and every token generated,
     whatever chunks the prompts were computed in."""
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=5, ignore_eos=True, n=2)
     with engine(max_num_batched_tokens=8) as e:  # (chunked: a prompt's chunks are counted with its first token)
         core = e.core
         prompts = [e.encode(p) for p in PROMPTS]
