@@ -252,3 +252,29 @@ def test_the_anthropic_api_key_header_is_taken():
     keyed, bare = post_all(app, [("/v1/messages", ASK)], headers={"x-api-key": "k3y"}) + \
         post_all(app, [("/v1/messages", ASK)])
     assert keyed.status_code == 200 and bare.status_code == 401
+
+
+def test_a_calls_last_arguments_beside_text_stay_in_its_tool_use_block():
+    """A streamed piece that ends a call's arguments and goes on with text: the arguments' delta belongs to the open
+    tool_use block (sent before the text's block starts), so the SDK's accumulator reads the call's whole input."""
+    anthropic = pytest.importorskip("anthropic")
+    pieces = ["[get_weather(city='Oslo', ", "unit='c')] Done."]
+    whole, events, _ = reply(pieces, {"tools": [WEATHER]}, tools=ToolOptions(parser="pythonic"))
+    for e in events:
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+            assert next(s for s in events if s["type"] == "content_block_start" and s["index"] == e["index"]
+                        )["content_block"]["type"] == "tool_use"
+    app = make_app(ScriptedClient(pieces), tools=ToolOptions(parser="pythonic"))
+    httpx = httpx_module()
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        client = anthropic.AsyncAnthropic(api_key="x", base_url="http://t", http_client=http, max_retries=0)
+        async with client.messages.stream(**ASK, tools=[WEATHER]) as stream:
+            final = await stream.get_final_message()
+        await http.aclose()
+        return final
+
+    final = asyncio.run(main())
+    assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Oslo", "unit": "c"}]
+    assert [b["input"] for b in whole["content"] if b["type"] == "tool_use"] == [{"city": "Oslo", "unit": "c"}]

@@ -219,9 +219,18 @@ class ContentBlocks:
         self.blocks: list[dict] = []
         self.arguments: list[str] = []  # each block's tool input as written (JSON text), "" for the others
         self.open: str | None = None  # the open block's type
+        self.call_blocks: dict[int, int] = {}  # each tool call's (by its index) block
 
     def add(self, delta: Delta) -> list[dict]:
+        """The events a delta adds. A delta keeps no order between its parts: the arguments that continue the open
+        tool_use block were written before anything else in it (text or thoughts after a call close its block), so
+        they go first, then thoughts, text and the calls it begins."""
         events: list[dict] = []
+        calls = delta.calls
+        lead = 0
+        while lead < len(calls) and "id" not in calls[lead] and calls[lead].get("index") in self.call_blocks:
+            lead += 1
+        events += self._calls(calls[:lead])
         if delta.reasoning:
             events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                  {"type": "thinking_delta", "thinking": delta.reasoning})
@@ -229,16 +238,23 @@ class ContentBlocks:
         if delta.content:
             events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta.content})
             self.blocks[-1]["text"] += delta.content
-        for call in delta.calls:
+        return events + self._calls(calls[lead:])
+
+    def _calls(self, calls: list[dict]) -> list[dict]:
+        """Tool-call deltas as tool_use blocks: a call's first starts its block; its arguments go to its own block."""
+        events: list[dict] = []
+        for call in calls:
             function = call.get("function", {})
             if "id" in call:
                 events += self._close()
                 events += self._start("tool_use", {"type": "tool_use", "id": call["id"], "name": function["name"],
                                                    "input": {}})
+                self.call_blocks[call.get("index", len(self.call_blocks))] = len(self.blocks) - 1
             arguments = function.get("arguments") or ""
             if arguments:
-                self.arguments[-1] += arguments
-                events.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                at = self.call_blocks.get(call.get("index"), len(self.blocks) - 1)
+                self.arguments[at] += arguments
+                events.append({"type": "content_block_delta", "index": at,
                                "delta": {"type": "input_json_delta", "partial_json": arguments}})
         return events
 
