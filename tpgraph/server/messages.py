@@ -291,12 +291,14 @@ class ContentBlocks:
 
 
 def stop_fields(engine_finish: str | None, reply_finish: str | None, stop_reason: int | str | None,
-                stop_sequences: list[str] | None) -> dict:
+                stop_sequences: list[str] | None, named_call: bool = False) -> dict:
     """Anthropic's stop_reason and stop_sequence from the engine's finish reason (max_tokens wherever it cut the
-    reply, so whole and streamed agree), the reply's (tool_use where it made calls) and what stopped it."""
+    reply, so whole and streamed agree), the reply's (tool_use where it made calls) and what stopped it. named_call:
+    the reply is the call a named tool_choice asked for, which the chat reports as "stop" (as vLLM's) but Anthropic
+    as tool_use (the SDK's tool runner runs a turn's tool_use blocks only where it ends so)."""
     if engine_finish == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
-    if reply_finish == "tool_calls":
+    if reply_finish == "tool_calls" or named_call:
         return {"stop_reason": "tool_use", "stop_sequence": None}
     if isinstance(stop_reason, str) and stop_reason in (stop_sequences or ()):
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
@@ -360,7 +362,11 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
         def message(content: list[dict]) -> dict:
             choice = turn.choices[0]
             return {"id": rid, "type": "message", "role": "assistant", "model": model_name, "content": content,
-                    **stop_fields(*finishes, choice.stop_reason, body.stop_sequences), "usage": usage(turn)}
+                    **stop_fields(*finishes, choice.stop_reason, body.stop_sequences, named_call=named_call()),
+                    "usage": usage(turn)}
+
+        def named_call() -> bool:
+            return turn.replies[0].plan.mode == "named" and any(b["type"] == "tool_use" for b in blocks.blocks)
 
         if not body.stream:
             try:
