@@ -279,3 +279,18 @@ def test_a_calls_last_arguments_beside_text_stay_in_its_tool_use_block():
     final = asyncio.run(main())
     assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Oslo", "unit": "c"}]
     assert [b["input"] for b in whole["content"] if b["type"] == "tool_use"] == [{"city": "Oslo", "unit": "c"}]
+
+
+def test_a_messages_text_blocks_are_the_chats_text_parts():
+    """Several text blocks in a message reach the template as the chat's text parts do (vLLM hands them over as
+    parts, joined by newlines for a template that takes a string), not glued together."""
+    blocks = [{"type": "text", "text": "<reminder>Be brief.</reminder>"}, {"type": "text", "text": "Weather?"}]
+    client = ScriptedClient(["x"])
+    post_all(make_app(client), [("/v1/messages", {**ASK, "messages": [
+        {"role": "user", "content": blocks}, {"role": "assistant", "content": blocks},
+        {"role": "user", "content": "And tomorrow?"}]})])
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": blocks}, {"role": "assistant", "content": blocks},
+        {"role": "user", "content": "And tomorrow?"}]})])
+    assert client.prompts == chat.prompts

@@ -189,7 +189,12 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
         else:
             raise RequestError(f"{at}: a {kind!r} block is not taken in a {role} message; this server serves a text "
                                "model (text, thinking, tool_use and tool_result blocks)")
-    message: dict[str, Any] = {"role": role, "content": "".join(texts) if texts or not calls else None}
+    # (several text blocks as the chat's text parts, as vLLM hands them over: the template gets them joined by
+    # newlines, or as parts where it loops over them; not glued into one another)
+    texts = [t for t in texts if t]
+    content: str | list[dict] | None = texts[0] if len(texts) == 1 else \
+        [{"type": "text", "text": t} for t in texts] if texts else None if calls else ""
+    message: dict[str, Any] = {"role": role, "content": content}
     if reasoning:
         message["reasoning"] = "".join(reasoning)
     if calls:
