@@ -294,3 +294,14 @@ def test_a_messages_text_blocks_are_the_chats_text_parts():
         {"role": "user", "content": blocks}, {"role": "assistant", "content": blocks},
         {"role": "user", "content": "And tomorrow?"}]})])
     assert client.prompts == chat.prompts
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "between_tools"])
+def test_thinking_the_model_decides_on_is_taken(kind):
+    """thinking types the SDK sends where the model decides when to think are taken (vLLM takes any thinking): the
+    template's own default, as with no thinking field."""
+    client = ScriptedClient(["a"])
+    got, plain = post_all(make_app(client), [("/v1/messages", {**ASK, "thinking": {"type": kind}}),
+                                             ("/v1/messages", ASK)])
+    assert got.status_code == 200, got.text
+    assert client.prompts[0] == client.prompts[1]

@@ -49,7 +49,7 @@ class MessagesRequest(NullMeansDefault):
     top_k: int | None = None
     tools: list[Any] | None = None
     tool_choice: dict | None = None
-    thinking: dict | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking
+    thinking: dict | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking (or "adaptive")
     output_config: dict | None = None  # format (a JSON schema), effort (the template's reasoning_effort)
     metadata: dict | None = None  # (user_id: taken, as Anthropic's, for its own records)
     chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's)
@@ -77,12 +77,12 @@ class MessagesRequest(NullMeansDefault):
 
     def template_variables(self) -> dict[str, Any] | None:
         """The chat template's variables: the request's own, with thinking's enable_thinking and output_config's
-        effort as reasoning_effort."""
+        effort as reasoning_effort (adaptive and between_tools, where the model decides: the template's default)."""
         variables = dict(self.chat_template_kwargs or {})
         kind = (self.thinking or {}).get("type")
-        if kind not in (None, "enabled", "disabled"):
-            raise RequestError(f"thinking.type must be enabled or disabled, got {kind!r}")
-        if kind is not None:
+        if kind not in (None, "enabled", "disabled", "adaptive", "between_tools"):
+            raise RequestError(f"thinking.type must be enabled, disabled, adaptive or between_tools, got {kind!r}")
+        if kind in ("enabled", "disabled"):
             variables["enable_thinking"] = kind == "enabled"
         effort = (self.output_config or {}).get("effort")
         if effort is not None:
