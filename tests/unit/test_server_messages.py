@@ -305,3 +305,19 @@ def test_thinking_the_model_decides_on_is_taken(kind):
                                              ("/v1/messages", ASK)])
     assert got.status_code == 200, got.text
     assert client.prompts[0] == client.prompts[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_body_that_is_no_utf8_is_a_400(path):
+    """A body that does not decode (json.loads raises UnicodeDecodeError, no JSONDecodeError) is refused in Anthropic's
+    shape, as the chat route refuses it, not a 500."""
+    httpx = httpx_module()
+    app = make_app(ScriptedClient(["a"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post(path, content=b'{"model": "\xff"}', headers={"content-type": "application/json"})
+
+    got = asyncio.run(main())
+    assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"

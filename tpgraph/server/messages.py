@@ -333,7 +333,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
         """The body, read here (its fields over `defaults`): every refusal of it in Anthropic's error shape."""
         try:
             payload = json.loads(await request.body())
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # (JSONDecodeError, and UnicodeDecodeError where the body is no UTF-8)
             raise RequestError(f"the body is not valid JSON ({exc})") from None
         if not isinstance(payload, dict):
             raise RequestError("the body must be a JSON object")
