@@ -146,19 +146,22 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
 
 
 def _system_texts(system: Any, where: str) -> list[str]:
-    if system is None:
+    """The system prompt's texts (Claude Code's billing header left out)."""
+    return [t for t in _texts(system, where) if not t.startswith(BILLING_HEADER)]
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A content's texts: a string's, or each text block's of a list (a block of any other kind refused)."""
+    if content is None:
         return []
-    if isinstance(system, str):
-        return [system]
-    if not isinstance(system, list):
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
         raise RequestError(f"{where} must be a string or a list of text blocks")
-    texts = []
-    for j, block in enumerate(system):
+    for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise RequestError(f"{where}[{j}] must be a text block")
-        if not block["text"].startswith(BILLING_HEADER):
-            texts.append(block["text"])
-    return texts
+            raise RequestError(f"{where}[{j}] must be a text block; this server serves a text model")
+    return [block["text"] for block in content]
 
 
 def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
@@ -203,16 +206,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
 
 
 def _result_text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text blocks")
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise RequestError(f"{where}[{j}] must be a text block; this server serves a text model")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    return "\n".join(_texts(content, where))
 
 
 class ContentBlocks:
