@@ -159,6 +159,19 @@ def sse_events(text: str) -> list[dict]:
     return [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: {")]
 
 
+def typed_sse_events(text: str) -> list[dict]:
+    """A stream's events whose event lines name their type (the Responses and Messages APIs'), each line checked."""
+    import json
+
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
 def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
     """An HTTP POST's ASGI scope as uvicorn makes it, with these exact header bytes (JSON content type first)."""
     return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module, post_all  # noqa: E402
+from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module, post_all, typed_sse_events  # noqa: E402,E501
 
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.messages import chat_messages  # noqa: E402
@@ -31,12 +31,7 @@ def make_app(client, reasoning: str | None = None, tools: ToolOptions | None = N
 
 def typed_events(text: str) -> list[dict]:
     """A Messages stream's events, each naming its type on its event line (and parsed by the SDK's type, if any)."""
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}"
-        events.append(event)
+    events = typed_sse_events(text)
     try:
         from anthropic.types import RawMessageStreamEvent
         from pydantic import TypeAdapter

@@ -14,7 +14,14 @@ openai = pytest.importorskip("openai")
 
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter, ValidationError  # noqa: E402
-from tpgtest.server_stubs import EndlessClient, ScriptedClient, builtin_codec, httpx_module, post_all  # noqa: E402
+from tpgtest.server_stubs import (  # noqa: E402
+    EndlessClient,
+    ScriptedClient,
+    builtin_codec,
+    httpx_module,
+    post_all,
+    typed_sse_events,
+)
 
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
@@ -53,13 +60,9 @@ def sdk_checked(adapter: TypeAdapter, obj: dict) -> None:
 
 def typed_events(text: str) -> list[dict]:
     """A Responses stream's events, each checked: its event line names its type, and the SDK's types parse it."""
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}"
+    events = typed_sse_events(text)
+    for event in events:
         sdk_checked(EVENTS[event["type"]], event)
-        events.append(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
