@@ -133,6 +133,14 @@ def write_tiles(variant: Variant, entries: list[tuple[str, str, dict[str, int]]]
     return replace(variant, env={**variant.env, "TPGRAPH_GEMV_TABLE": str(dest.resolve())})
 
 
+def recorded_env(env: dict[str, str], out: Path) -> dict[str, str]:
+    """A variant's settings as ab.json keeps them: a path under out (a --tiles table) relative to it, so that the
+    results name no folder of the machine they ran on."""
+    root = out.resolve()
+    return {name: (str(Path(value).relative_to(root)) if Path(value).is_absolute() and Path(value).is_relative_to(root)
+                   else value) for name, value in env.items()}
+
+
 def prepare(rev: str, dest: Path) -> None:
     """`git archive` rev's tpgraph package and its configs/ tables into dest (dest must not exist yet). The tables
     come too: a package without them finds none (thresholds.config_dir looks beside it) and runs the default tiles,
@@ -263,8 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     (args.out / "ab.md").write_text(text + "\n")
     (args.out / "ab.json").write_text(json.dumps({
-        "variants": [{"label": v.label, "tree": str(v.tree), "env": v.env, "args": list(v.args)}
-                     for v in args.variant],
+        "variants": [{"label": v.label, "tree": str(v.tree), "env": recorded_env(v.env, args.out),
+                      "args": list(v.args)} for v in args.variant],
         "bench_args": bench_args, "nproc": args.nproc, "tpot_ms": runs}, indent=1))
 
 

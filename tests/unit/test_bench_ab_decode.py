@@ -103,6 +103,14 @@ def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypat
     assert sorted(p.name for p in out.glob("*_r*.json")) == ["a_r1.json", "a_r2.json", "b_r1.json", "b_r2.json"]
 
 
+def test_ab_json_names_a_tiles_table_relative_to_its_folder(ab, tmp_path):
+    """A --tiles table lives under --out: ab.json names it from there, not by the machine's absolute path."""
+    out = tmp_path / "out"
+    env = {"TPGRAPH_GEMV_TABLE": str(out / "tables" / "d.json"), "OTHER": "/elsewhere/x.json", "X": "1"}
+    assert ab.recorded_env(env, out) == {"TPGRAPH_GEMV_TABLE": "tables/d.json", "OTHER": "/elsewhere/x.json",
+                                         "X": "1"}
+
+
 def test_the_table_gives_medians_rounds_and_the_change_against_the_first(ab):
     result = {"tpot": [{"allreduce": "custom+gemv", "mode": "full", "batch": 1, "tpot_ms": 2.6},
                        {"allreduce": "custom+gemv", "mode": "full", "batch": 8, "tpot_ms": 2.9}]}
