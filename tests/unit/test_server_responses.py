@@ -436,3 +436,19 @@ def test_input_items_lists_a_responses_own_input_a_page_at_a_time():
 
     listed = asyncio.run(sdk())
     assert [(item.type, item.role, item.content[0].text) for item in listed] == [("message", "user", "x")]
+
+
+@pytest.mark.parametrize(("parser", "pieces"), [
+    ("hermes", ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+                "</tool_call>"]),
+    ("pythonic", ["[get_weather(", "city='Oslo')]", " Done."]),  # (text after the call)
+])
+def test_a_whole_auto_replys_text_logprobs_are_its_texts_tokens_as_streamed(parser, pieces):
+    # (a whole "auto" reply's calls are read once it ends, beside its text: the text's log-probabilities are still its
+    # own tokens', not the calls')
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER],
+                                        "include": ["message.output_text.logprobs"]},
+                               tools=ToolOptions(parser=parser))
+    texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
+    assert [len(text["logprobs"]) for text in texts] == [1]
+    assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts

@@ -19,7 +19,7 @@ from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.response_store import ResponseStore, StoredResponse
-from tpgraph.server.responses import OutputItems, ResponsesRequest
+from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
 
@@ -77,11 +77,18 @@ class ResponseRun:
         yield {"type": "response.created", "response": self.snapshot("in_progress")}
         yield {"type": "response.in_progress", "response": self.snapshot("in_progress")}
         turn, asked = self.turn, self.body.logprobs() and not self.turn.hidden
+        reply = turn.replies[0]
+        # (a whole reply's "auto" or "required" calls are read once it ends: its text comes with them, at the end)
+        answer = AnswerTokens() if asked and reply.calls is None and reply.plan.mode in ("auto", "required") else None
         finish = None
         async for _, u in turn.updates():
+            read = len(reply.pieces)
             _, delta, _ = turn.apply(u)
             items = [(u.token_id, u.logprob, u.top_logprobs or [])] if asked and u.logprob is not None else []
-            for event in self.output.add(delta, self.entries(self.chat, items)):
+            entries = self.entries(self.chat, items)
+            if answer is not None:
+                answer.add("".join(reply.pieces[read:]), entries, bool(delta.reasoning))
+            for event in self.output.add(delta, entries):
                 yield event
             # (the engine's reason, as vLLM's, not the reply's: a whole "auto" reply whose calls are whole reports
             # "tool_calls" where max_tokens cut it, a streamed one "length"; the status must not differ)
@@ -89,6 +96,8 @@ class ResponseRun:
         if finish is None:  # (no finish came: the client went away; what was written is no completed response)
             return
         status = "incomplete" if finish == "length" else "completed"
+        if answer is not None:
+            self.output.retake_text_logprobs(answer)
         for event in self.output.finish(status == "incomplete"):
             yield event
         self.final = self.snapshot(status)

@@ -269,6 +269,17 @@ class OutputItems:
             events += self._call(call)
         return events
 
+    def retake_text_logprobs(self, tokens: AnswerTokens) -> None:
+        """(a reply read whole) Each output text's log-probabilities, its own tokens': its text and calls came at once
+        at the end, when every token's entries were pending."""
+        parts = [item["content"][0] for item in self.items if item["type"] == "message"]
+        found = tokens.entries_of([part["text"] for part in parts])
+        if found is None:  # (a text not found in the answer: left as the fold gave it)
+            return
+        for part, entries in zip(parts, found, strict=True):
+            part["logprobs"] = entries
+        self.pending = []
+
     def finish(self, incomplete: bool) -> list[dict]:
         """The last item's end (its status "incomplete" where the reply was cut short)."""
         if self.pending and self.open is not None and self.open["type"] == "message":
@@ -349,3 +360,48 @@ class OutputItems:
             events.append({"type": "response.function_call_arguments.delta", "item_id": self.open["id"],
                            "output_index": len(self.items) - 1, "delta": arguments})
         return events
+
+
+class AnswerTokens:
+    """A reply's answer as its tokens wrote it: each update's answer text and its log-probability entries (none for a
+    thought's: no part of the answer's text), to find each output text's own tokens in."""
+
+    def __init__(self) -> None:
+        self.tokens: list[tuple[str, list[dict]]] = []
+
+    def add(self, text: str, entries: list[dict], thought: bool) -> None:
+        if thought:  # (what came before the thoughts' end is no answer either: its text "", its entries dropped)
+            self.tokens = [(t, []) for t, _ in self.tokens]
+        self.tokens.append((text, [] if thought else entries))
+
+    def entries_of(self, texts: list[str]) -> list[list[dict]] | None:
+        """Each text's entries (the texts found in order in the answer): those of the tokens whose text falls in it,
+        and of the tokens that wrote none there (or after it, where it ends the answer); None where a text is not
+        found."""
+        answer = "".join(t for t, _ in self.tokens)
+        spans, at = [], 0
+        for text in texts:
+            start = answer.find(text, at)
+            if start < 0:
+                return None
+            at = start + len(text)
+            spans.append((start, at))
+        found: list[list[dict]] = [[] for _ in texts]
+        begin = 0
+        for text, entries in self.tokens:
+            end = begin + len(text)
+            at = next((i for i, span in enumerate(spans) if _falls_in(begin, end, span, len(answer))), None)
+            if at is not None:
+                found[at] += entries
+            begin = end
+        return found
+
+
+def _falls_in(begin: int, end: int, span: tuple[int, int], length: int) -> bool:
+    """Does a token's text [begin, end) fall in the span? One that wrote none goes with the text it stands in, or with
+    the text that ends the answer where it stands at the end (as a streamed text takes the entries that came before
+    it, and the last text those of the tokens after it)."""
+    start, stop = span
+    if begin < end:
+        return begin < stop and end > start
+    return start <= begin < stop or begin == stop == length
