@@ -452,3 +452,13 @@ def test_a_whole_auto_replys_text_logprobs_are_its_texts_tokens_as_streamed(pars
     texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
     assert [len(text["logprobs"]) for text in texts] == [1]
     assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts
+
+
+@pytest.mark.parametrize(("pieces", "count"), [
+    (["Four", "<", "/", "x", "</think>", "4"], 4),  # ("<" and "/" held back: they might begin the end tag)
+    (["<think>", "Four", "", " it is.", "</think>", "4"], 3),  # (a token that writes no text yet; the tags no thought)
+])
+def test_reasoning_tokens_count_the_thoughts_tokens(pieces, count):
+    whole, events, _ = respond(pieces, {"input": "2+2?"}, reasoning="deepseek_r1")
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == count
+    assert events[-1]["response"]["usage"] == whole["usage"]

@@ -19,7 +19,7 @@ from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.response_store import ResponseStore, StoredResponse
-from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest
+from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest, ThoughtTokens
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
 
@@ -43,6 +43,7 @@ class ResponseRun:
         self.id, self.body, self.chat, self.turn, self.model_name = response_id, body, chat, turn, model_name
         self.entries, self.created = entries, int(time.time())
         self.output = OutputItems()
+        self.thoughts = ThoughtTokens(turn.replies[0].thoughts)
         self.final: dict | None = None  # the response once it ended
 
     def snapshot(self, status: str, error: dict | None = None) -> dict:
@@ -52,7 +53,7 @@ class ResponseRun:
         done = status in ("completed", "incomplete")
         usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": choice.cached_tokens or 0},
                  "output_tokens": generated,
-                 "output_tokens_details": {"reasoning_tokens": self.output.reasoning_tokens},
+                 "output_tokens_details": {"reasoning_tokens": self.thoughts.count},
                  "total_tokens": prompt_tokens + generated} if done else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "background": body.background, "error": error,
@@ -83,7 +84,10 @@ class ResponseRun:
         finish = None
         async for _, u in turn.updates():
             read = len(reply.pieces)
+            self.thoughts.before()
             _, delta, _ = turn.apply(u)
+            if u.token_id is not None:
+                self.thoughts.after(u.text)
             items = [(u.token_id, u.logprob, u.top_logprobs or [])] if asked and u.logprob is not None else []
             entries = self.entries(self.chat, items)
             if answer is not None:

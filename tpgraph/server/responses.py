@@ -17,6 +17,7 @@ from pydantic import ConfigDict, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
+from tpgraph.server.reasoning import ReasoningReader
 from tpgraph.server.reply import Delta
 
 # the include value that asks for the output text's log-probabilities
@@ -254,14 +255,12 @@ class OutputItems:
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being written
         self.pending: list[dict] = []  # log-probability entries not yet given to the text
-        self.reasoning_tokens = 0
 
     def add(self, delta: Delta, entries: list[dict]) -> list[dict]:
         """What an update added (its delta, and its tokens' log-probability entries): the events it makes."""
         events: list[dict] = []
         self.pending += entries
         if delta.reasoning:
-            self.reasoning_tokens += 1
             events += self._reasoning(delta.reasoning)
         if delta.content:
             events += self._text(delta.content)
@@ -405,3 +404,26 @@ def _falls_in(begin: int, end: int, span: tuple[int, int], length: int) -> bool:
     if begin < end:
         return begin < stop and end > start
     return start <= begin < stop or begin == stop == length
+
+
+class ThoughtTokens:
+    """How many of a reply's tokens are its thoughts (usage's reasoning_tokens): each token written while the reply
+    is in its thoughts, a token whose text is held back (it might begin the end tag) or that writes none too; not the
+    tags that open and close them (as vLLM's reasoning parsers count them)."""
+
+    def __init__(self, thoughts: ReasoningReader | None) -> None:
+        self.thoughts, self.count = thoughts, 0
+        self.thinking, self.started = False, False
+
+    def before(self) -> None:
+        """(before a token is read) where the reply stands."""
+        if self.thoughts is not None:
+            self.thinking, self.started = self.thoughts.thinking, self.thoughts.started
+
+    def after(self, text: str) -> None:
+        """(once the token of this text is read)"""
+        thoughts = self.thoughts
+        if thoughts is None or not (self.thinking and thoughts.thinking):  # (the end tag's token closed them)
+            return
+        if self.started or text.strip() != thoughts.parser.start:  # (the model's own opening tag is none)
+            self.count += 1
