@@ -316,3 +316,16 @@ def test_a_body_that_is_no_utf8_is_a_400(path):
 
     got = asyncio.run(main())
     assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("pieces", [["[get_weather(city='Oslo')] Done."],  # (the call and the text in one piece)
+                                    ["[get_weather(", "city='Oslo')]", " Done."]])
+def test_text_after_a_call_comes_after_its_tool_use_block(pieces):
+    """Content blocks keep the order the model wrote them in, whole or streamed, also where the call and the text
+    after it come in one piece (a whole reply's calls and text are read at once, at its end)."""
+    whole, events, _ = reply(pieces, {"tools": [WEATHER]}, tools=ToolOptions(parser="pythonic"))
+    assert [(b["type"], b.get("text"), b.get("input")) for b in whole["content"]] == [
+        ("tool_use", None, {"city": "Oslo"}), ("text", " Done.", None)]
+    blocks, _ = folded(events)
+    assert [(b["type"], b.get("text"), b.get("input")) for b in blocks] == [
+        (b["type"], b.get("text"), b.get("input")) for b in whole["content"]]

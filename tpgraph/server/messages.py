@@ -221,23 +221,20 @@ class ContentBlocks:
         self.call_blocks: dict[int, int] = {}  # each tool call's (by its index) block
 
     def add(self, delta: Delta) -> list[dict]:
-        """The events a delta adds. A delta keeps no order between its parts: the arguments that continue the open
-        tool_use block were written before anything else in it (text or thoughts after a call close its block), so
-        they go first, then thoughts, text and the calls it begins."""
+        """The events a delta adds: its thoughts (written before its answer), then its texts and calls in the order
+        they were written (a call's last arguments, then the text after it, each in its own block)."""
         events: list[dict] = []
-        calls = delta.calls
-        lead = 0
-        while lead < len(calls) and "id" not in calls[lead] and calls[lead].get("index") in self.call_blocks:
-            lead += 1
-        events += self._calls(calls[:lead])
         if delta.reasoning:
             events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                  {"type": "thinking_delta", "thinking": delta.reasoning})
             self.blocks[-1]["thinking"] += delta.reasoning
-        if delta.content:
-            events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta.content})
-            self.blocks[-1]["text"] += delta.content
-        return events + self._calls(calls[lead:])
+        for part in delta.in_order():
+            if isinstance(part, str):
+                events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": part})
+                self.blocks[-1]["text"] += part
+            else:
+                events += self._calls([part])
+        return events
 
     def _calls(self, calls: list[dict]) -> list[dict]:
         """Tool-call deltas as tool_use blocks: a call's first starts its block; its arguments go to its own block."""

@@ -20,9 +20,17 @@ class Delta:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
     reasoning: str = ""
+    # the content's texts (str) and the call deltas (dict) in the order they were written, where that is not the
+    # content then the calls (a whole reply's, or a piece that ends a call and goes on with text)
+    parts: list[str | dict] = field(default_factory=list)
 
     def __add__(self, other: Delta) -> Delta:
-        return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning)
+        return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning,
+                     self.in_order() + other.in_order())
+
+    def in_order(self) -> list[str | dict]:
+        """The content's texts and the call deltas, in the order they were written (the thoughts come before both)."""
+        return self.parts or ([self.content] if self.content else []) + self.calls
 
     def fields(self, plain: bool) -> dict:
         """The delta as a streamed chunk's `delta` object. plain: a reply without tools or thoughts sends content
@@ -166,16 +174,20 @@ class ReplyReader:
         """A call stream's events as a delta: a call's first delta carries its index, id and name."""
         delta = Delta()
         for kind, text in events:
+            last = delta.parts[-1] if delta.parts else None
             if kind == "content":
                 delta.content += text
+                delta.parts.append(text)
             elif kind == "call":
                 delta.calls.append({"index": self.sent_calls, "id": tool_call_id(), "type": "function",
                                     "function": {"name": text, "arguments": ""}})
+                delta.parts.append(delta.calls[-1])
                 self.sent_calls += 1
-            elif delta.calls and delta.calls[-1]["index"] == self.sent_calls - 1:
-                delta.calls[-1]["function"]["arguments"] += text
+            elif isinstance(last, dict) and last["index"] == self.sent_calls - 1:
+                last["function"]["arguments"] += text
             else:
                 delta.calls.append({"index": self.sent_calls - 1, "function": {"arguments": text}})
+                delta.parts.append(delta.calls[-1])
         return delta
 
 
