@@ -462,3 +462,12 @@ def test_reasoning_tokens_count_the_thoughts_tokens(pieces, count):
     whole, events, _ = respond(pieces, {"input": "2+2?"}, reasoning="deepseek_r1")
     assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == count
     assert events[-1]["response"]["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize("pieces", [["[get_weather(city='Oslo')] Done."], ["[get_weather(", "city='Oslo')]", " Done."]])
+def test_text_after_a_call_is_a_message_after_its_function_call(pieces):
+    # (the output items keep the order the model wrote them in, whole or streamed: a whole reply's calls and text are
+    # read at once, at its end)
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER]}, tools=ToolOptions(parser="pythonic"))
+    assert [item["type"] for item in whole["output"]] == ["function_call", "message"]
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])

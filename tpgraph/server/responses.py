@@ -262,10 +262,10 @@ class OutputItems:
         self.pending += entries
         if delta.reasoning:
             events += self._reasoning(delta.reasoning)
-        if delta.content:
-            events += self._text(delta.content)
-        for call in delta.calls:
-            events += self._call(call)
+        for part in delta.in_order():  # (as written: a call's last arguments, then the text after it)
+            events += self._text(part) if isinstance(part, str) else self._call(part)
+        if delta.calls and not delta.content:  # (a call's tokens: none of a text's)
+            self.pending = []
         return events
 
     def retake_text_logprobs(self, tokens: AnswerTokens) -> None:
@@ -347,7 +347,6 @@ class OutputItems:
 
     def _call(self, call: dict) -> list[dict]:
         """A chat tool-call delta: a call's first (with its id and name) begins a function_call item."""
-        self.pending = []
         events = []
         function = call.get("function", {})
         if "id" in call:
