@@ -329,3 +329,30 @@ def test_text_after_a_call_comes_after_its_tool_use_block(pieces):
     blocks, _ = folded(events)
     assert [(b["type"], b.get("text"), b.get("input")) for b in blocks] == [
         (b["type"], b.get("text"), b.get("input")) for b in whole["content"]]
+
+
+@pytest.mark.parametrize(("method", "path", "headers", "status", "kind"), [
+    ("POST", "/v1/messages", {}, 401, "authentication_error"),
+    ("POST", "/v1/messages", {"x-api-key": "wrong"}, 401, "authentication_error"),
+    ("POST", "/v1/messages/count_tokens", {"Authorization": "Bearer wrong"}, 401, "authentication_error"),
+    ("GET", "/v1/messages", {"x-api-key": "k3y"}, 405, "invalid_request_error"),
+    ("POST", "/v1/messages/batches", {"x-api-key": "k3y"}, 404, "not_found_error"),
+])
+def test_refusals_before_the_messages_routes_take_anthropics_error_shape(method, path, headers, status, kind):
+    """A request the key's check or the router refuses before the Messages API's routes read it is refused in
+    Anthropic's shape too (its clients read the error's type and message from it); the chat API's in OpenAI's."""
+    client = ScriptedClient(["a"])
+    app = make_app(client, api_key="k3y")
+    httpx = httpx_module()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return (await http.request(method, path, json=ASK, headers=headers),
+                    await http.post("/v1/chat/completions", json=ASK))
+
+    got, chat = asyncio.run(main())
+    assert got.status_code == status
+    error = got.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"]
+    assert chat.status_code == 401 and chat.json()["error"]["type"] == "AuthenticationError"
+    assert client.params == []

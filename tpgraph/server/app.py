@@ -36,9 +36,9 @@ from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import EngineTokenizer, PromptCodec
-from tpgraph.server.auth import ApiKeyMiddleware
+from tpgraph.server.auth import ApiKeyMiddleware, route_path
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
-from tpgraph.server.errors import ApiError, error_body
+from tpgraph.server.errors import ApiError, anthropic_error_body, error_body, is_messages_path
 from tpgraph.server.messages import message_routes
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.options import HttpOptions
@@ -399,10 +399,15 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         return JSONResponse(error_body(503, str(exc), "ServiceUnavailableError"), 503)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own refusals (an unknown path, a wrong method, an unreadable body) in OpenAI's error shape."""
-        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), exc.status_code, headers=exc.headers)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (an unknown path, a wrong method, an unreadable body) in OpenAI's error shape
+        (under the Messages API's path, Anthropic's)."""
+        if is_messages_path(route_path(request.scope)):
+            body = anthropic_error_body(exc.status_code, str(exc.detail))
+        else:
+            kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+            body = error_body(exc.status_code, str(exc.detail), kind)
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

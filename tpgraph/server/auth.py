@@ -1,7 +1,7 @@
 """--api-key: every route but the operators' (/health, /ping, /metrics, /version) and the API docs asks for
 `Authorization: Bearer KEY`, the header OpenAI's clients send (or `x-api-key: KEY`, Anthropic's), as vLLM's --api-key
 does (which guards /v1 only: here /tokenize and /detokenize too). A request without the key gets a 401 in OpenAI's
-error shape and reaches no endpoint.
+error shape (the Messages API's in Anthropic's, which its clients read) and reaches no endpoint.
 The docs stay open as vLLM leaves them: Swagger UI's page cannot send the key, and the schema is no secret.
 
 Plain ASGI middleware, not FastAPI's @app.middleware("http"): that wraps each request in Starlette's
@@ -15,7 +15,7 @@ import secrets
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tpgraph.server.errors import error_body
+from tpgraph.server.errors import anthropic_error_body, error_body, is_messages_path
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
                         "/openapi.json"})
@@ -45,10 +45,12 @@ class ApiKeyMiddleware:
         header_key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
         if scheme.lower() == b"bearer" and self._taken(sent) or header_key is not None and self._taken(header_key):
             return await self.app(scope, receive, send)
-        message = ("this server needs an API key: send the header `Authorization: Bearer <key>`" if not given
-                   else "the API key is wrong (send the header `Authorization: Bearer <key>`)")
-        response = JSONResponse(error_body(401, message, "AuthenticationError"), 401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        anthropic = is_messages_path(route_path(scope))
+        header = "x-api-key: <key>" if anthropic else "Authorization: Bearer <key>"
+        message = (f"this server needs an API key: send the header `{header}`" if not given and header_key is None
+                   else f"the API key is wrong (send the header `{header}`)")
+        body = anthropic_error_body(401, message) if anthropic else error_body(401, message, "AuthenticationError")
+        response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     def _taken(self, sent: bytes) -> bool:

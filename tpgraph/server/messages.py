@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from tpgraph.errors import RequestError
 from tpgraph.server.bridge import EngineUnavailable
-from tpgraph.server.errors import ApiError
+from tpgraph.server.errors import ApiError, anthropic_error_body
 from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, invalid
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
@@ -30,9 +30,6 @@ from tpgraph.server.turn import ChatTurn, RenderedChat
 
 # Claude Code's first system block: a per-request hash that would defeat the prefix cache (vLLM drops it too)
 BILLING_HEADER = "x-anthropic-billing-header"
-# Anthropic's error types by HTTP status
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class MessagesRequest(NullMeansDefault):
@@ -310,8 +307,7 @@ def usage(turn: ChatTurn) -> dict:
 
 
 def error_reply(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                    "message": message}}, status)
+    return JSONResponse(anthropic_error_body(status, message), status)
 
 
 def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]],
@@ -386,8 +382,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
                     yield typed_sse(event)
             except Exception as exc:  # (after the 200: Anthropic's error event ends the stream)
                 status, text, _ = stream_failure(exc)
-                yield typed_sse({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                            "message": text}})
+                yield typed_sse(anthropic_error_body(status, text))
                 return
             if finishes[0] is None:
                 return
