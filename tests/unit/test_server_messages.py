@@ -231,6 +231,8 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
     ({"temperature": 3}, 400, "temperature"),
     ({"model": "other"}, 404, "other"),
+    ({"output_config": {"format": "json"}}, 400, "output_config.format"),
+    ({"output_config": {"format": {"type": "xml", "schema": {"type": "object"}}}}, 400, "output_config.format"),
 ])
 def test_refusals_take_anthropics_error_shape(body, status, named):
     client = ScriptedClient(["a"])

@@ -64,13 +64,24 @@ class MessagesRequest(NullMeansDefault):
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stream=stream,
                     add_generation_prompt=not prefill, continue_final_message=prefill,
                     chat_template_kwargs=self.template_variables(), **self.tool_fields())
-        schema = ((self.output_config or {}).get("format") or {}).get("schema")
+        schema = self.output_schema()
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid(exc) from None
+
+    def output_schema(self) -> Any:
+        """output_config.format's JSON schema (None where none is given, as vLLM reads it): the one format Anthropic
+        has, {"type": "json_schema", "schema"}; another is refused, not left unenforced."""
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema":
+            raise RequestError(f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got '
+                               f"{fmt!r}")
+        return fmt.get("schema")
 
     def template_variables(self) -> dict[str, Any] | None:
         """The chat template's variables: the request's own, with thinking's enable_thinking and output_config's
