@@ -304,6 +304,7 @@ def test_a_background_response_completes_in_the_store():
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "assistant"}]}, "input[0].content"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "x", "background": True, "store": False}, "background"),
@@ -412,17 +413,18 @@ def test_input_items_lists_a_responses_own_input_a_page_at_a_time():
                     for q in ({}, {"order": "asc", "limit": 2}, {"limit": 0})]
 
     newest_first, page, refused = asyncio.run(main())
-    assert [item["content"] for item in newest_first["data"]] == ["2", "1", "0"]  # (not the earlier response's)
+    # (not the earlier response's)
+    assert [item["content"][0]["text"] for item in newest_first["data"]] == ["2", "1", "0"]
     assert all(item["id"].startswith("msg_") for item in newest_first["data"])
     assert newest_first["has_more"] is False and newest_first["first_id"] == newest_first["data"][0]["id"]
-    assert [item["content"] for item in page["data"]] == ["0", "1"] and page["has_more"] is True
+    assert [item["content"][0]["text"] for item in page["data"]] == ["0", "1"] and page["has_more"] is True
 
     async def after() -> dict:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             return (await http.get(f"/v1/responses/{rid}/input_items",
                                    params={"order": "asc", "after": page["last_id"]})).json()
 
-    assert [item["content"] for item in asyncio.run(after())["data"]] == ["2"]
+    assert [item["content"][0]["text"] for item in asyncio.run(after())["data"]] == ["2"]
     assert "limit must be between 1 and 100" in refused["error"]["message"]
     # the SDK reads them as its ResponseItem list
     whole, = post_all(app, [("/v1/responses", {"input": "x"})])
@@ -471,3 +473,30 @@ def test_text_after_a_call_is_a_message_after_its_function_call(pieces):
     whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER]}, tools=ToolOptions(parser="pythonic"))
     assert [item["type"] for item in whole["output"]] == ["function_call", "message"]
     assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+
+
+def test_input_items_are_listed_as_the_sdks_items():
+    # (as OpenAI lists them: each item typed, with its status, a message's text as content parts, whatever short form
+    # the request gave it in)
+    items = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"}]
+    app = make_app(ScriptedClient(["a"]))
+    first, = post_all(app, [("/v1/responses", {"input": items})])
+    httpx = httpx_module()
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return (await http.get(f"/v1/responses/{first.json()['id']}/input_items", params={"order": "asc"})).json()
+
+    listed = asyncio.run(main())["data"]
+    from openai.types.responses import ResponseItem
+
+    for item in listed:
+        sdk_checked(TypeAdapter(ResponseItem), item)
+    assert [(item["type"], item.get("role")) for item in listed] == [
+        ("message", "user"), ("message", "assistant"), ("function_call", None), ("function_call_output", None)]
+    assert [part["text"] for item in listed[:2] for part in item["content"]] == ["Weather?", "Checking."]
+    # (the conversation runs as before: the chat of the same messages)
+    second, = post_all(app, [("/v1/responses", {"input": "And now?", "previous_response_id": first.json()["id"]})])
+    assert second.status_code == 200, second.text

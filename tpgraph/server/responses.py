@@ -77,15 +77,13 @@ class ResponsesRequest(NullMeansDefault):
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
 
     def input_items(self) -> list[dict]:
-        """The input as a list of items (a string is one user message), each with an id (its own, else one made for
-        it, as OpenAI names the items GET /v1/responses/{id}/input_items lists)."""
+        """The input as a list of items (a string is one user message), each as OpenAI keeps it for GET
+        /v1/responses/{id}/input_items (listed_item)."""
         if isinstance(self.input, str):
-            return [{"id": item_id("msg"), "type": "message", "role": "user",
-                     "content": [{"type": "input_text", "text": self.input}]}]
+            return [listed_item({"role": "user", "content": self.input})]
         if not self.input:
             raise RequestError("input is empty")
-        return [{"id": item_id(ITEM_ID_PREFIXES.get(item.get("type", "message"), "item")), **item}
-                if isinstance(item, dict) and "id" not in item else item for item in self.input]
+        return [listed_item(item) if isinstance(item, dict) else item for item in self.input]
 
     def logprobs(self) -> bool:
         return OUTPUT_LOGPROBS in (self.include or ())
@@ -111,6 +109,25 @@ class ResponsesRequest(NullMeansDefault):
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid(exc) from None
+
+
+def listed_item(item: dict) -> dict:
+    """An input item in the form OpenAI lists it (the SDK's ResponseItem): with an id (its own, else one made for it,
+    named as OpenAI names them), its type, its status, and a message's text as content parts (output_text an
+    assistant's, with its annotations), whatever short form the request gave it in."""
+    kind = item.get("type", "message" if "role" in item else None)
+    out = {"id": item_id(ITEM_ID_PREFIXES.get(kind, "item")), **item}
+    if kind == "message":
+        out["type"] = "message"
+        assistant = item.get("role") == "assistant"
+        if isinstance(item.get("content"), str):
+            out["content"] = [{"type": "output_text" if assistant else "input_text", "text": item["content"]}]
+        if assistant and isinstance(out.get("content"), list):
+            out["content"] = [{"annotations": [], **part} if isinstance(part, dict) and part.get("type") ==
+                              "output_text" else part for part in out["content"]]
+    if kind in ("message", "function_call", "function_call_output"):
+        out.setdefault("status", "completed")
+    return out
 
 
 def chat_messages(items: list[Any]) -> list[dict]:
