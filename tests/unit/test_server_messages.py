@@ -358,3 +358,26 @@ def test_refusals_before_the_messages_routes_take_anthropics_error_shape(method,
     assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"]
     assert chat.status_code == 401 and chat.json()["error"]["type"] == "AuthenticationError"
     assert client.params == []
+
+
+class BrokenClient(ScriptedClient):
+    """An engine whose submit fails unexpectedly (no refusal: a bug's exception)."""
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unexpected_failure_is_a_500_in_anthropics_shape(stream):
+    """As vLLM's Messages router answers any exception: Anthropic's error shape, not Starlette's plain text."""
+    httpx = httpx_module()
+    app = make_app(BrokenClient(["a"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post("/v1/messages", json={**ASK, "stream": stream})
+
+    got = asyncio.run(main())
+    assert got.status_code == 500
+    assert got.json() == {"type": "error", "error": {"type": "api_error", "message": "boom"}}

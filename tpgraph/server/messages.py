@@ -20,8 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, ValidationError
 
 from tpgraph.errors import RequestError
-from tpgraph.server.bridge import EngineUnavailable
-from tpgraph.server.errors import ApiError, anthropic_error_body
+from tpgraph.server.errors import anthropic_error_body
 from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, invalid
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
@@ -347,7 +346,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             chat = body.chat_request(body.stream)
             rid = f"msg_{request_id(request, chat.request_id)}"
             turn = await start_chat(chat, request)
-        except (RequestError, ApiError, EngineUnavailable) as exc:
+        except Exception as exc:  # (a refusal, the engine's failure, or a bug's: all in Anthropic's shape)
             return error_reply(*_status(exc))
         blocks = ContentBlocks()
         finishes: list[str | None] = [None, None]  # the engine's and the reply's
@@ -375,7 +374,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             try:
                 async for _ in events():
                     pass
-            except (RequestError, ApiError, EngineUnavailable) as exc:
+            except Exception as exc:
                 return error_reply(*_status(exc))
             finally:
                 await turn.stream.aclose()
@@ -409,7 +408,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
         try:  # (counting asks for no reply: max_tokens may be left out)
             body = await read(request, max_tokens=1)
             rendered = await render_chat(body.chat_request(stream=False))
-        except (RequestError, ApiError, EngineUnavailable) as exc:
+        except Exception as exc:
             return error_reply(*_status(exc))
         return JSONResponse({"input_tokens": len(rendered.token_ids[0])})
 
