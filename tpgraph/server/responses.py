@@ -22,6 +22,11 @@ from tpgraph.server.reply import Delta
 
 # the include value that asks for the output text's log-probabilities
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's include values (the SDK's ResponseIncludable): the others ask for what this server never makes, and are
+# taken (as vLLM takes them); a value not among them is refused, as a typo would give nothing unsaid
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+              "reasoning.encrypted_content", OUTPUT_LOGPROBS)
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # the id an input item is given where it has none, by its type (OpenAI's prefixes)
@@ -75,6 +80,10 @@ class ResponsesRequest(NullMeansDefault):
                                "read it back with GET /v1/responses/{id}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        for i, value in enumerate(self.include or ()):
+            if value not in INCLUDABLE:
+                raise RequestError(f"include[{i}] {value!r} is none of OpenAI's include values "
+                                   f"({', '.join(INCLUDABLE)})")
 
     def input_items(self) -> list[dict]:
         """The input as a list of items (a string is one user message), each as OpenAI keeps it for GET
