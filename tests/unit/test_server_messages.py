@@ -116,9 +116,11 @@ def test_stop_reasons(finish, stop_reason, expected):
 
 
 def test_usage_counts_the_prefix_caches_tokens_apart():
-    whole, _, client = reply(["a"], {}, cached=4)
+    whole, events, client = reply(["a"], {}, cached=4)
     usage = whole["usage"]
     assert (usage["cache_read_input_tokens"], usage["input_tokens"]) == (4, len(client.prompts[0]) - 4)
+    # (the stream's message_start tells the prompt's tokens as the whole message does)
+    assert events[0]["message"]["usage"] == {**usage, "output_tokens": 0}
 
 
 @pytest.mark.parametrize(("choice", "pieces", "mode"), [

@@ -309,11 +309,20 @@ def stop_fields(engine_finish: str | None, reply_finish: str | None, stop_reason
 
 
 def usage(turn: ChatTurn) -> dict:
-    """Anthropic's usage: the prompt tokens computed (input_tokens) apart from those read from the prefix cache."""
     choice = turn.choices[0]
-    cached = choice.cached_tokens or 0
+    return _usage(turn, choice.cached_tokens or 0, len(choice.token_ids))
+
+
+def start_usage(turn: ChatTurn) -> dict:
+    """The usage the stream's message_start tells, before any token is read: the prefix cache's count is the first
+    update's, taken as the turn began (as the whole message's usage splits it off)."""
+    return _usage(turn, turn.cached_tokens(), 0)
+
+
+def _usage(turn: ChatTurn, cached: int, generated: int) -> dict:
+    """Anthropic's usage: the prompt tokens computed (input_tokens) apart from those read from the prefix cache."""
     return {"input_tokens": len(turn.token_ids[0]) - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": len(choice.token_ids)}
+            "cache_creation_input_tokens": 0, "output_tokens": generated}
 
 
 def error_reply(status: int, message: str) -> JSONResponse:
@@ -384,8 +393,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
 
         async def stream() -> AsyncIterator[str]:
             start = {"id": rid, "type": "message", "role": "assistant", "model": model_name, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": len(turn.token_ids[0]), "output_tokens": 0}}
+                     "stop_reason": None, "stop_sequence": None, "usage": start_usage(turn)}
             yield typed_sse({"type": "message_start", "message": start})
             try:
                 async for event in events():

@@ -102,6 +102,11 @@ class ChatTurn:
     def updates(self) -> AsyncIterator[tuple[int, StepUpdate]]:
         return chained(self.first, self.stream)
 
+    def cached_tokens(self) -> int:
+        """The prompt tokens read from the prefix cache, as the first update (taken as the turn began) tells them,
+        before any update is applied."""
+        return 0 if self.first is _END else self.first[1].cached_tokens or 0
+
     def apply(self, u: StepUpdate) -> tuple[Choice, Delta, str | None]:
         """Fold an update into its choice; returns the choice, what the update adds to its reply (reasoning, content,
         tool calls) and the finish reason the reply reports (where the update ends it)."""
