@@ -501,3 +501,13 @@ def test_input_items_are_listed_as_the_sdks_items():
     # (the conversation runs as before: the chat of the same messages)
     second, = post_all(app, [("/v1/responses", {"input": "And now?", "previous_response_id": first.json()["id"]})])
     assert second.status_code == 200, second.text
+
+
+@pytest.mark.parametrize("tools", [{}, {"tools": [WEATHER]}])  # (a reply read as it comes, or whole)
+def test_the_thoughts_end_tag_is_no_token_of_the_texts_logprobs(tools):
+    whole, events, _ = respond(["Four", "</think>", "4"], {"input": "2+2?", "include": ["message.output_text.logprobs"],
+                                                           **tools},
+                               reasoning="deepseek_r1", tools=ToolOptions(parser="hermes"))
+    texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
+    assert [(text["text"], len(text["logprobs"])) for text in texts] == [("4", 1)]
+    assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts

@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tpgraph.engine.core import StepUpdate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
+from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.response_store import ResponseStore, StoredResponse
 from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest, ThoughtTokens
@@ -88,10 +90,10 @@ class ResponseRun:
             _, delta, _ = turn.apply(u)
             if u.token_id is not None:
                 self.thoughts.after(u.text)
-            items = [(u.token_id, u.logprob, u.top_logprobs or [])] if asked and u.logprob is not None else []
-            entries = self.entries(self.chat, items)
+            piece = "".join(reply.pieces[read:])  # (a reply read whole: the answer's text this token wrote)
+            entries = self._entries(u, delta, piece) if asked else []
             if answer is not None:
-                answer.add("".join(reply.pieces[read:]), entries, bool(delta.reasoning))
+                answer.add(piece, entries, bool(delta.reasoning))
             for event in self.output.add(delta, entries):
                 yield event
             # (the engine's reason, as vLLM's, not the reply's: a whole "auto" reply whose calls are whole reports
@@ -106,6 +108,13 @@ class ResponseRun:
             yield event
         self.final = self.snapshot(status)
         yield {"type": f"response.{status}", "response": self.final}
+
+    def _entries(self, u: StepUpdate, delta: Delta, piece: str) -> list[dict]:
+        """An update's log-probability entries, for the text: none where its token was read in the thoughts and wrote
+        no answer (their end tag: no token of the text)."""
+        if u.logprob is None or self.thoughts.in_thoughts() and not (delta.content or piece):
+            return []
+        return self.entries(self.chat, [(u.token_id, u.logprob, u.top_logprobs or [])])
 
     async def whole(self) -> dict | None:
         """The response once it ended (None where its client went away first)."""

@@ -445,6 +445,10 @@ class ThoughtTokens:
         if self.thoughts is not None:
             self.thinking, self.started = self.thoughts.thinking, self.thoughts.started
 
+    def in_thoughts(self) -> bool:
+        """(after before()) Was the reply in its thoughts as the token came?"""
+        return self.thinking
+
     def after(self, text: str) -> None:
         """(once the token of this text is read)"""
         thoughts = self.thoughts
