@@ -511,3 +511,13 @@ def test_the_thoughts_end_tag_is_no_token_of_the_texts_logprobs(tools):
     texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
     assert [(text["text"], len(text["logprobs"])) for text in texts] == [("4", 1)]
     assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts
+
+
+def test_the_streamed_text_deltas_carry_every_logprob_of_the_text():
+    # (the last token writes no text, as an EOS: its entry, which the text's logprobs end with, comes in a delta too)
+    whole, events, _ = respond(["Hel", "lo", ""], {"input": "x", "include": ["message.output_text.logprobs"]})
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(e["delta"] for e in deltas) == done["text"] == "Hello"
+    assert [entry for e in deltas for entry in e["logprobs"]] == done["logprobs"]
+    assert len(done["logprobs"]) == 3 and whole["output"][0]["content"][0]["logprobs"] == done["logprobs"]

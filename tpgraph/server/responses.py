@@ -307,10 +307,12 @@ class OutputItems:
 
     def finish(self, incomplete: bool) -> list[dict]:
         """The last item's end (its status "incomplete" where the reply was cut short)."""
+        events = []
         if self.pending and self.open is not None and self.open["type"] == "message":
-            self.open["content"][0]["logprobs"] += self.pending  # (tokens that added no text: the end's)
+            # (tokens that added no text, the end's: their entries in a last delta, so the deltas carry the text's all)
+            events = self._text("")
         self.pending = []
-        return self._close("incomplete" if incomplete else "completed")
+        return events + self._close("incomplete" if incomplete else "completed")
 
     def _begin(self, item: dict, part: dict | None) -> list[dict]:
         events = self._close("completed")
