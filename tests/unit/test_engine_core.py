@@ -323,6 +323,18 @@ def test_mistyped_params_and_prompts_are_refused_with_a_reason(reference):
         e.generate(PROMPTS[0], GREEDY)
 
 
+def test_sampling_params_of_another_type_are_refused_saying_what_generate_takes():
+    """A dict (or any other object) where a SamplingParams belongs failed with an AttributeError from inside
+    generate ('dict' object has no attribute 'truncate_prompt_tokens'), not the refusal that names the type."""
+    with engine() as e:
+        for params in ({"temperature": 0.0}, [{"temperature": 0.0}], "greedy"):
+            with pytest.raises(RequestError, match="sampling parameters must be a SamplingParams, got (dict|str)"):
+                e.generate(["a"], params)
+        with pytest.raises(RequestError, match="sampling parameters must be a SamplingParams, got dict"):
+            e.chat([{"role": "user", "content": "hi"}], {"max_tokens": 2})
+        assert not e.core.has_work
+
+
 def test_generate_from_two_threads_at_once_gives_each_its_own_outputs():
     """Two threads' generate loops both stepped the core and read each other's updates: one failed with a KeyError,
     the other lost the tokens the first had taken. Calls now run one after the other."""

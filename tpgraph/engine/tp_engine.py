@@ -515,6 +515,9 @@ class TPEngine:
             [copy.copy(params)] * len(encoded)
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
+        for p in per_prompt:  # (before their fields are read below: another type failed there, an AttributeError)
+            if not isinstance(p, SamplingParams):
+                raise RequestError(f"sampling parameters must be a SamplingParams, got {type(p).__name__}")
         if priority is not None:
             if not isinstance(priority, (list, tuple)):
                 raise RequestError(f"priority must be a list of integers, one for each prompt, got "
