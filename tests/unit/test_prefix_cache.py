@@ -292,3 +292,30 @@ def test_a_new_owner_of_the_runner_decodes_over_its_own_blocks(owner):
         e.generate([first], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         got = _decode_as_new_owner(e.runner, owner, second, params, e.core)
     assert len(got) == len(want) and all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))
+
+
+def test_reset_prefix_cache_after_an_interrupted_generate_resets_it(monkeypatch):
+    """A Ctrl-C aborts the call's requests, but its last step stayed in flight (its rows all dropped), so
+    reset_prefix_cache answered False, warning that requests were running though none was, and the next cold run
+    read the cache."""
+    import contextlib
+    import threading
+
+    from tpgraph.engine import tp_engine
+
+    @contextlib.contextmanager
+    def pressed():
+        flag = threading.Event()
+        flag.set()  # (Ctrl-C before the first step ends)
+        yield flag
+
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+    with engine(True) as e:
+        prompt = SHARED + "What is 2+2?"
+        monkeypatch.setattr(tp_engine, "deferred_interrupt", pressed)
+        with pytest.raises(KeyboardInterrupt):
+            e.generate(prompt, short)
+        monkeypatch.undo()
+        assert e.core.scheduler.allocator.num_cached_blocks > 0  # (the interrupted call's prompt)
+        assert e.reset_prefix_cache() and e.core.scheduler.allocator.num_cached_blocks == 0
+        assert e.generate(prompt, short)[0].num_cached_tokens == 0

@@ -253,7 +253,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, while no request runs (else False, nothing changed)."""
-        return not self.has_work and self.scheduler.allocator.reset_prefix_cache()
+        if self.scheduler.has_work:
+            return False
+        if self._in_flight is not None:  # (an aborted call's last step: its sequences all finished, its rows dropped)
+            self._resolve()
+        return self.scheduler.allocator.reset_prefix_cache()
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[StepUpdate]:
