@@ -327,6 +327,18 @@ def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     assert client.params == []  # (nothing reached the engine)
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    ("/v1/responses", {"input": "x", "include": ["message.output_text.logprobs"]}),
+])
+def test_too_many_top_logprobs_is_a_400_that_names_top_logprobs(path, body):
+    client = ScriptedClient(["a"])
+    reply, = post_all(make_app(client), [(path, {"model": "m", **body, "top_logprobs": 21})])
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"].startswith("top_logprobs must be between 0 and 20")
+    assert client.params == []
+
+
 def test_the_store_size_flag_bounds_the_store(capsys):
     from tpgraph.serve import http_options, parse_args
 

@@ -403,7 +403,7 @@ class ChatRequest(SamplingFields):
 
     def logprobs_count(self) -> int | None:
         top = self.top_logprobs
-        if top is not None and top < 0:
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:  # (checked here: the sampling params name logprobs)
             raise RequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}")
         if top and not self.logprobs:  # (0 asks for no alternatives: taken without logprobs, as vLLM's check)
             raise RequestError("top_logprobs needs logprobs: true")
