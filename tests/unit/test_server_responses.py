@@ -318,6 +318,8 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "temperature": 3}, "temperature"),
     ({"input": "x", "top_logprobs": 2, "include": ["message.output_text.logprobs"], "top_k": "a"}, "top_k"),
     ({"input": "x", "include": ["message.output_text.logprob"]}, "include[0]"),  # (a typo: no logprobs, unsaid)
+    ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),  # (echoed back, the SDK could not read it)
+    ({"input": "x", "service_tier": "gold"}, "service_tier"),
 ])
 def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     client = ScriptedClient(["a"])

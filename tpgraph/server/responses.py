@@ -28,6 +28,11 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
               "reasoning.encrypted_content", OUTPUT_LOGPROBS)
 
+# the values OpenAI takes for the fields a response echoes back (the SDK's Response types read no others)
+CHOICES = {"truncation": ("disabled", "auto"),
+           "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
+           "reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max")}
+
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # the id an input item is given where it has none, by its type (OpenAI's prefixes)
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -56,7 +61,7 @@ class ResponsesRequest(NullMeansDefault):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: str | None = None  # "disabled" (the default) or "auto" (the prompt's last tokens that fit)
-    service_tier: str | None = None  # (taken, as vLLM's: one tier here)
+    service_tier: str | None = None  # (one of OpenAI's tiers, taken as vLLM's: one tier here)
     # refused where given (see the module's docstring)
     conversation: Any = None
     prompt: Any = None
@@ -71,8 +76,10 @@ class ResponsesRequest(NullMeansDefault):
         for name in ("conversation", "prompt", "max_tool_calls"):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported by this server's Responses API")
-        if self.truncation not in (None, "disabled", "auto"):
-            raise RequestError(f"truncation must be 'disabled' or 'auto', got {self.truncation!r}")
+        for name, allowed in CHOICES.items():
+            value = self.field(name)
+            if value is not None and value not in allowed:
+                raise RequestError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         if self.background and not self.store:
             raise RequestError("background needs store: true (a background response is read back by its id)")
         if self.background and self.stream:
@@ -84,6 +91,13 @@ class ResponsesRequest(NullMeansDefault):
             if value not in INCLUDABLE:
                 raise RequestError(f"include[{i}] {value!r} is none of OpenAI's include values "
                                    f"({', '.join(INCLUDABLE)})")
+
+    def field(self, name: str) -> Any:
+        """A field's value by its dotted name (None where it or an object above it is not given)."""
+        value: Any = self
+        for key in name.split("."):
+            value = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+        return value
 
     def input_items(self) -> list[dict]:
         """The input as a list of items (a string is one user message), each as OpenAI keeps it for GET
