@@ -160,6 +160,17 @@ def test_thoughts_are_a_thinking_block():
     assert [b.get("thinking") or b.get("text") for b in blocks] == ["Four it is.", "4"]
 
 
+def test_a_thinking_block_is_signed_whole_and_streamed():
+    """A thinking block carries a signature (vLLM's: a made-up one), and a stream sends it in a signature_delta just
+    before the block stops, as Anthropic's do, so a client folding the stream gets it to send back."""
+    whole, events, _ = reply(["Four.", "</think>", "4"], {}, reasoning="deepseek_r1")
+    assert whole["content"][0]["type"] == "thinking" and whole["content"][0]["signature"]
+    stop = next(i for i, e in enumerate(events) if e["type"] == "content_block_stop")
+    assert events[stop - 1]["delta"]["type"] == "signature_delta" and events[stop - 1]["index"] == 0
+    assert events[stop - 1]["delta"]["signature"]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"].count("signature_delta") == 1
+
+
 def test_a_conversation_with_tools_becomes_the_chats_messages():
     messages = [
         {"role": "system", "content": "And be kind."},

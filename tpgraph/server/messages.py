@@ -12,6 +12,7 @@ text model."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -289,8 +290,13 @@ class ContentBlocks:
     def _close(self) -> list[dict]:
         if self.open is None:
             return []
+        at, events = len(self.blocks) - 1, []
+        if self.open == "thinking":  # (signed as it ends, as Anthropic's: the SDK folds the signature_delta in)
+            self.blocks[at]["signature"] = uuid.uuid4().hex  # (vLLM's too: a client sends it back, none checks it)
+            events.append({"type": "content_block_delta", "index": at,
+                           "delta": {"type": "signature_delta", "signature": self.blocks[at]["signature"]}})
         self.open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+        return [*events, {"type": "content_block_stop", "index": at}]
 
 
 def stop_fields(engine_finish: str | None, reply_finish: str | None, stop_reason: int | str | None,
