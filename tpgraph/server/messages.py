@@ -99,11 +99,12 @@ class MessagesRequest(NullMeansDefault):
 
     def tool_fields(self) -> dict[str, Any]:
         """tools and tool_choice as the chat's: custom tools as functions; auto, any ("required"), tool (named) and
-        none; disable_parallel_tool_use as parallel_tool_calls false."""
-        if self.tools is None:
+        none; disable_parallel_tool_use as parallel_tool_calls false. A tool_choice without tools goes to the chat's
+        check (vLLM's: refused, but for none), not dropped."""
+        if self.tools is None and self.tool_choice is None:
             return {}
-        tools = []
-        for i, tool in enumerate(self.tools):
+        tools: list[dict] = []
+        for i, tool in enumerate(self.tools or ()):
             if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
                 raise RequestError(f"tools[{i}] must be a custom tool ({{name, description, input_schema}}); server "
                                    "tools (web search, bash, text editor, ...) are not run by this server")
@@ -120,7 +121,7 @@ class MessagesRequest(NullMeansDefault):
             mode = {"any": "required"}.get(kind, kind)
         else:
             raise RequestError(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
-        return {"tools": tools, "tool_choice": mode,
+        return {"tools": None if self.tools is None else tools, "tool_choice": mode,
                 "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None}
 
 
