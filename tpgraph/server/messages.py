@@ -57,6 +57,8 @@ class MessagesRequest(NullMeansDefault):
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         messages = chat_messages(self.system, self.messages)
         extras = self.model_extra or {}
+        if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
+            raise RequestError("stop is the chat API's field: send the stop strings as stop_sequences")
         body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
         # (a final assistant message is Anthropic's prefill: the reply continues it)
         prefill = messages[-1]["role"] == "assistant"
