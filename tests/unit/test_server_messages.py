@@ -243,6 +243,7 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
+    ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
     ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
     ({"temperature": 3}, 400, "temperature"),
     ({"model": "other"}, 404, "other"),

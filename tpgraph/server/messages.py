@@ -148,6 +148,8 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
             continue
         if not isinstance(content, list):
             raise RequestError(f"{where}.content must be a string or a list of content blocks")
+        if not content and not (role == "assistant" and i == len(messages) - 1):  # (Anthropic's rule: bar a prefill)
+            raise RequestError(f"{where}.content is empty: each message but a final assistant one needs a block")
         out += _blocks(role, content, where)
     if system_texts:
         out.insert(0, {"role": "system", "content": "".join(system_texts)})
