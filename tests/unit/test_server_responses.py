@@ -374,6 +374,22 @@ def test_a_whole_auto_call_cut_by_max_output_tokens_is_incomplete_as_streamed():
     assert without_ids(whole["output"]) == without_ids(events[-1]["response"]["output"])
 
 
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_call_that_broke_off_is_no_completed_function_call(finish):
+    """A call the model began and did not end (an EOS, or max_output_tokens, mid-arguments) is no call to run: read
+    whole it is the reply's text (as vLLM's parser reads it); streamed, its function_call item (sent as it came, not
+    taken back) is done "incomplete", never "completed"."""
+    pieces = ["Sure. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Os']
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER]}, finish=finish,
+                               tools=ToolOptions(parser="hermes"))
+    assert [item["type"] for item in whole["output"]] == ["message"]
+    assert whole["output"][0]["content"][0]["text"] == "".join(pieces)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(item["type"], item["status"]) for item in done] == [("message", "completed"),
+                                                                 ("function_call", "incomplete")]
+    assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
+
+
 def test_a_reasoning_item_is_no_later_turns_reasoning():
     # (a response cut in its thoughts left a reasoning item alone; the next turn's reply is not its)
     items = [{"role": "user", "content": "2+2?"},

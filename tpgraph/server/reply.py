@@ -68,6 +68,7 @@ class ReplyReader:
     sent_calls: int = 0
     finish_reason: str | None = None
     calls: CallStream | None = None  # (streamed "required" and "auto") the calls as they are written
+    broken_call: int | None = None  # the index of a call sent that broke off (its arguments not whole: no call to run)
 
     def __post_init__(self) -> None:
         if self.stream:
@@ -135,7 +136,7 @@ class ReplyReader:
                                      "function": {"name": self.plan.function, "arguments": text}}])
             return Delta(calls=[{"index": 0, "function": {"arguments": text}}])
         if self.calls is not None:
-            return self._events(self.calls.feed(text))
+            return self._noted(self.calls, self._events(self.calls.feed(text)))
         self.pieces.append(text)  # (a whole reply is read once it is whole)
         return Delta()
 
@@ -165,10 +166,16 @@ class ReplyReader:
     def _streamed(self, calls: CallStream, events: list[Event], finish_reason: str | None
                   ) -> tuple[Delta, str | None]:
         """A call stream's last events, and the reply's finish reason."""
-        rest = self._events(events)
+        rest = self._noted(calls, self._events(events))
         # (a call that broke off is no call a client may run: the reply keeps the engine's reason)
         whole = self.sent_calls and not calls.broken
         return rest, "tool_calls" if whole and finish_reason == "stop" else finish_reason
+
+    def _noted(self, calls: CallStream, delta: Delta) -> Delta:
+        """The delta, the call that broke off noted (the last sent as the stream saw it break: none follows it)."""
+        if calls.broken and self.broken_call is None:
+            self.broken_call = self.sent_calls - 1
+        return delta
 
     def _events(self, events: list[Event]) -> Delta:
         """A call stream's events as a delta: a call's first delta carries its index, id and name."""

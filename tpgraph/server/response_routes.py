@@ -94,7 +94,7 @@ class ResponseRun:
             entries = self._entries(u, delta, piece) if asked else []
             if answer is not None:
                 answer.add(piece, entries, bool(delta.reasoning))
-            for event in self.output.add(delta, entries):
+            for event in self.output.add(delta, entries, reply.broken_call):
                 yield event
             # (the engine's reason, as vLLM's, not the reply's: a whole "auto" reply whose calls are whole reports
             # "tool_calls" where max_tokens cut it, a streamed one "length"; the status must not differ)

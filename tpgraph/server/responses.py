@@ -289,15 +289,21 @@ def item_id(prefix: str) -> str:
 class OutputItems:
     """A reply's output items as its deltas come (reasoning, message text, function calls), and the stream's events
     that build them: each item is added, grows, and is done before the next begins. The same fold makes a whole
-    response's output, so a response is the same streamed or not."""
+    response's output, so a response is the same streamed or not (but where a call broke off: a whole "auto" reply
+    is then its text, as vLLM's parser reads it, while a stream's item for it, sent as it came, is done "incomplete",
+    no call to run)."""
 
     def __init__(self) -> None:
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being written
         self.pending: list[dict] = []  # log-probability entries not yet given to the text
+        self.broken_call: int | None = None  # the call (by its index) that broke off: its item is done "incomplete"
+        self.calls = 0  # the function_call items begun
 
-    def add(self, delta: Delta, entries: list[dict]) -> list[dict]:
-        """What an update added (its delta, and its tokens' log-probability entries): the events it makes."""
+    def add(self, delta: Delta, entries: list[dict], broken_call: int | None = None) -> list[dict]:
+        """What an update added (its delta, and its tokens' log-probability entries): the events it makes.
+        broken_call: the reply's call that broke off (ReplyReader.broken_call), once it did."""
+        self.broken_call = broken_call
         events: list[dict] = []
         self.pending += entries
         if delta.reasoning:
@@ -358,6 +364,8 @@ class OutputItems:
         else:
             events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
                            "arguments": item["arguments"]})
+            if self.calls - 1 == self.broken_call:  # (no call to run, though its deltas went out)
+                status = "incomplete"
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": at, "item": item})
         return events
@@ -394,6 +402,7 @@ class OutputItems:
         if "id" in call:
             events += self._begin({"id": item_id("fc"), "type": "function_call", "call_id": call["id"],
                                    "name": function["name"], "arguments": "", "status": "in_progress"}, None)
+            self.calls += 1  # (after _begin: the item it closes is the call before)
         arguments = function.get("arguments") or ""
         if arguments:
             self.open["arguments"] += arguments
