@@ -320,6 +320,7 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "include": ["message.output_text.logprob"]}, "include[0]"),  # (a typo: no logprobs, unsaid)
     ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),  # (echoed back, the SDK could not read it)
     ({"input": "x", "service_tier": "gold"}, "service_tier"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),  # (echoed back)
 ])
 def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     client = ScriptedClient(["a"])

@@ -277,6 +277,8 @@ def response_format(text: dict | None) -> dict | None:
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise RequestError("text.format json_schema needs schema, a JSON schema object")
+        if not isinstance(fmt.get("name"), str):  # (OpenAI's: the response echoes the format, name and all)
+            raise RequestError("text.format json_schema needs text.format.name, the format's name (a string)")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
     raise RequestError(f"text.format.type must be text, json_object or json_schema, got {kind!r}")
