@@ -30,6 +30,8 @@ from tpgraph.server.turn import ChatTurn, RenderedChat
 
 # Claude Code's first system block: a per-request hash that would defeat the prefix cache (vLLM drops it too)
 BILLING_HEADER = "x-anthropic-billing-header"
+# Anthropic's output_config.effort values (as vLLM's AnthropicOutputConfig takes them)
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 class MessagesRequest(NullMeansDefault):
@@ -95,6 +97,8 @@ class MessagesRequest(NullMeansDefault):
         if kind in ("enabled", "disabled"):
             variables["enable_thinking"] = kind == "enabled"
         effort = (self.output_config or {}).get("effort")
+        if effort not in (None, *EFFORTS):  # (a typo would reach the template as an effort it does not know)
+            raise RequestError(f"output_config.effort must be one of {', '.join(EFFORTS)}; got {effort!r}")
         if effort is not None:
             variables["reasoning_effort"] = effort
         return variables or None
