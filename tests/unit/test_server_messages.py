@@ -245,6 +245,8 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
     ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
+    ({"max_tokens": True}, 400, "max_tokens"),  # (not run as 1 token, nor true as temperature 1.0)
+    ({"temperature": True}, 400, "temperature"),
     ({"output_config": {"effort": "huge"}}, 400, "output_config.effort"),  # (not handed to the template unsaid)
     ({"temperature": 3}, 400, "temperature"),
     ({"model": "other"}, 404, "other"),

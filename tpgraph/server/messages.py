@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
 from tpgraph.server.errors import anthropic_error_body
-from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, invalid
+from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
@@ -52,6 +52,10 @@ class MessagesRequest(NullMeansDefault):
     output_config: dict | None = None  # format (a JSON schema), effort (the template's reasoning_effort)
     metadata: dict | None = None  # (user_id: taken, as Anthropic's, for its own records)
     chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's)
+
+    # (as the chat request's own: pydantic would take true as 1 token, or as temperature 1.0, unsaid)
+    _counts_are_integers = field_validator("max_tokens", "top_k", mode="before")(_an_integer)
+    _numbers_are_no_bools = field_validator("temperature", "top_p", mode="before")(_not_a_bool)
 
     def chat_request(self, stream: bool) -> ChatRequest:
         """The chat request these messages run as."""
