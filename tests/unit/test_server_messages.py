@@ -192,6 +192,12 @@ def test_a_conversation_with_tools_becomes_the_chats_messages():
         {"role": "user", "content": "Thanks."}]
 
 
+def test_claude_codes_own_roles_are_user_messages():
+    """Claude Code (2.1.154 on) sends some user turns as roles "ctx" and "msg", which vLLM reads as "user"."""
+    messages = [{"role": "ctx", "content": "Context."}, {"role": "msg", "content": [{"type": "text", "text": "Hi"}]}]
+    assert chat_messages(None, messages) == [{"role": "user", "content": "Context."}, {"role": "user", "content": "Hi"}]
+
+
 def test_a_final_assistant_message_is_continued():
     client = ScriptedClient([" sunny."])
     body = {**ASK, "messages": [*ASK["messages"], {"role": "assistant", "content": "It is"}]}

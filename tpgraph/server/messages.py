@@ -30,6 +30,8 @@ from tpgraph.server.turn import ChatTurn, RenderedChat
 
 # Claude Code's first system block: a per-request hash that would defeat the prefix cache (vLLM drops it too)
 BILLING_HEADER = "x-anthropic-billing-header"
+# the roles Claude Code (2.1.154 on) gives some user turns, read as the user's (as vLLM's AnthropicMessage reads them)
+ROLE_ALIASES = {"ctx": "user", "msg": "user"}
 # Anthropic's output_config.effort values (as vLLM's AnthropicOutputConfig takes them)
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
@@ -145,6 +147,7 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role == "system":
             system_texts += _system_texts(m.get("content"), f"{where}.content")
             continue
