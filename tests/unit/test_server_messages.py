@@ -251,6 +251,9 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
     ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [  # (not run as {})
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": "Oslo"}]}]},
+     400, "messages[1].content[0].input"),
     ({"max_tokens": True}, 400, "max_tokens"),  # (not run as 1 token, nor true as temperature 1.0)
     ({"temperature": True}, 400, "temperature"),
     ({"output_config": {"effort": "huge"}}, 400, "output_config.effort"),  # (not handed to the template unsaid)

@@ -206,6 +206,8 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise RequestError(f"{at} (tool_use) needs its id and name")
+            if not isinstance(block.get("input") or {}, dict):  # (the template would get {} in its place, unsaid)
+                raise RequestError(f"{at}.input must be an object (the tool's arguments), got {block['input']!r}")
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
         elif kind == "tool_result" and role == "user":
