@@ -139,3 +139,16 @@ def test_the_start_check_returns_the_groups_store_on_ok_and_nothing_once_a_failu
     assert failed is None
     store = td.agree_to_start(None, 0, 1, f"file://{tmp_path}/ok", 5.0)
     assert isinstance(store, dist.PrefixStore)
+
+
+@pytest.mark.parametrize("value", ["false", "no", "off", "00", "0x0", " 0"])
+def test_nccl_p2p_disable_set_to_a_clear_no_leaves_the_custom_path_on(value):
+    """NCCL_P2P_DISABLE=false (or no, off, 00) keeps NCCL's own P2P on (NCCL disables it only where the value reads
+    as 1), but anything but "0" turned the custom all-reduce off, logging that the variable forbids P2P. A disable
+    switch is read as the multicast gate reads its own: any value but a clear no disables."""
+    assert p2p_env_reason({"NCCL_P2P_DISABLE": value}) is None
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "2"])
+def test_nccl_p2p_disable_set_to_anything_else_still_turns_the_custom_path_off(value):
+    assert f"NCCL_P2P_DISABLE={value}" in p2p_env_reason({"NCCL_P2P_DISABLE": value})

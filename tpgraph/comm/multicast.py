@@ -40,13 +40,18 @@ def c_integer_prefix(text: str) -> int | None:
     return -value if m.group(0).startswith("-") else value
 
 
+def disable_switch_set(value: str) -> bool:
+    """Whether a "disable" switch's value turns its thing off: any value but a clear no (or empty, as unset)."""
+    s = value.strip(C_WHITESPACE).lower()
+    return bool(value) and s not in FALSE_WORDS and c_integer_prefix(s) != 0
+
+
 def _disables(disabling: str, value: str) -> bool:
     if not value:  # set to nothing: as unset (NCCL too ignores an empty variable)
         return False
-    s = value.strip(C_WHITESPACE).lower()
     if disabling == "0":  # an enable switch, read as NCCL reads it (whitespace alone reads 0 there)
-        return not c_integer_prefix(s)
-    return s not in FALSE_WORDS and c_integer_prefix(s) != 0
+        return not c_integer_prefix(value.strip(C_WHITESPACE).lower())
+    return disable_switch_set(value)
 
 
 def multicast_disabled_reason(env: Mapping[str, str] | None = None) -> str | None:

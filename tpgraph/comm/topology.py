@@ -7,6 +7,8 @@ import os
 import re
 from collections.abc import Mapping
 
+from tpgraph.comm.multicast import disable_switch_set
+
 # CUDA errors (as the extension names them: "CUDA error <name> (...) in `<call>`") that say this machine cannot share
 # device memory between the ranks' processes, or has no room for the workspace: P2P unsupported or not enabled
 # between the GPUs, CUDA IPC refused (containers without a shared IPC namespace, exclusive-process compute mode, MIG,
@@ -37,7 +39,8 @@ def unavailable_cuda_error(exc: BaseException) -> str | None:
 
 def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if env is None else env
-    if env.get("NCCL_P2P_DISABLE", "0").strip() not in ("", "0"):
+    # (read as the multicast gate reads its disable switches: NCCL_P2P_DISABLE=false keeps NCCL's own P2P on)
+    if disable_switch_set(env.get("NCCL_P2P_DISABLE", "")):
         return f"NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']} forbids peer-to-peer traffic"
     return None
 
