@@ -147,3 +147,13 @@ def test_vllms_capture_sizes_and_their_max_are_taken_together_where_they_agree()
         parse("--cudagraph-capture-sizes", "1", "4", "16", "--max-cudagraph-capture-size", "32")
     with pytest.raises(ConfigError, match="--max-cudagraph-capture-size must be a positive"):
         parse("--max-cudagraph-capture-size", "0")
+
+
+def test_the_default_ladder_spelt_out_beside_vllms_sizes_is_refused_not_ignored():
+    """--cuda-graph-ladder sglang (the default, spelt out) beside --cuda-graph-sizes 8 captured 1, 2, 4, 8 and ignored
+    the ladder without a word, where any other ladder beside it is refused as a second setting of the same sizes."""
+    for flags in (("--cuda-graph-ladder", "sglang", "--cuda-graph-sizes", "8"),
+                  ("--cuda-graph-ladder", "sglang", "--max-cudagraph-capture-size", "8")):
+        with pytest.raises(ConfigError, match="not both"):
+            parse(*flags)
+    assert parse("--cuda-graph-ladder", "sglang").ladder == "sglang"

@@ -68,8 +68,10 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                             "(piecewise), the capture/replay path with no graph (breakable, debug), or eager (none)")
     group.add_argument("--prefill-graph-mode", choices=PREFILL_MODES, default=_DEFAULTS["prefill_mode"],
                        help="prefill graph mode")
-    group.add_argument("--cuda-graph-ladder", default=_DEFAULTS["ladder"], metavar="{" + ",".join(LADDERS) + ",N,...}",
-                       help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8")
+    # (None where not given: the default spelt out beside vLLM's size flags is a second setting, refused as such)
+    group.add_argument("--cuda-graph-ladder", default=None, metavar="{" + ",".join(LADDERS) + ",N,...}",
+                       help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8 "
+                            f"(default: {_DEFAULTS['ladder']})")
     group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                        help="vLLM's form of the decode capture sizes: one N is 1, 2, 4 and every 8 up to N; several "
                             "are the sizes themselves (in place of --cuda-graph-ladder)")
@@ -136,13 +138,12 @@ def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:
             raise ConfigError(f"--max-cudagraph-capture-size {top} must be the largest of --cudagraph-capture-sizes "
                               f"({largest}) where both are given, as vLLM checks them")
         top = None
-    ladder = args.cuda_graph_ladder if args.cuda_graph_ladder != _DEFAULTS["ladder"] else None
-    given = {flag: value for flag, value in (("--cuda-graph-ladder", ladder),
+    given = {flag: value for flag, value in (("--cuda-graph-ladder", args.cuda_graph_ladder),
                                              ("--cuda-graph-sizes", args.cuda_graph_sizes),
                                              ("--cudagraph-capture-sizes", args.cudagraph_capture_sizes),
                                              ("--max-cudagraph-capture-size", top))
              if value is not None}
-    return given or {"--cuda-graph-ladder": args.cuda_graph_ladder}
+    return given or {"--cuda-graph-ladder": _DEFAULTS["ladder"]}
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
