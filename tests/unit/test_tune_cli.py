@@ -286,3 +286,20 @@ def test_a_tolerance_that_is_not_a_fraction_is_refused_before_measuring(toleranc
     assert main(["--tolerance", tolerance]) == 2 and "--tolerance is a fraction" in capsys.readouterr().err
     assert not started
     assert main(["--tolerance", "0"]) == 0 and len(started) == 1
+
+
+def test_max_bytes_above_the_largest_size_measured_is_refused(monkeypatch, capsys):
+    """--max-bytes 128 MiB (help: "largest size measured") measured up to 64 MiB all the same, wrote rows as if
+    128 MiB had been, and sized every rank's staging buffer for it."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--max-bytes", str(128 << 20)]) == 2 and "at most 67108864" in capsys.readouterr().err
+    assert not started
+    assert main(["--max-bytes", str(64 << 20)]) == 0 and len(started) == 1

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts as fast")
     p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least")
     p.add_argument("--max-bytes", type=int, default=64 << 20,
-                   help="largest size measured (below 64 MiB only with --dry-run: rows need the whole range)")
+                   help="largest size measured, at most 64 MiB (below it only with --dry-run: rows need the whole "
+                        "range)")
     p.add_argument("--table", type=Path, default=None, help="table to update (default: the one the loader reads)")
     p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing to the table")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the curves with the chosen bands shaded")
@@ -57,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.tune.measure import DEFAULT_SIZES
 
     vector, smallest, largest = kernel_limits().vector_bytes, DEFAULT_SIZES[0], DEFAULT_SIZES[-1]
-    if args.max_bytes % vector or args.max_bytes < smallest:
-        print(f"error: --max-bytes must be a multiple of {vector} bytes, at least {smallest} (the smallest size "
-              f"measured), got {args.max_bytes}", file=sys.stderr)
+    # (above the largest no size is measured: the rows would claim sizes nothing timed)
+    if args.max_bytes % vector or not smallest <= args.max_bytes <= largest:
+        print(f"error: --max-bytes must be a multiple of {vector} bytes, at least {smallest} and at most {largest} "
+              f"(the smallest and largest sizes measured), got {args.max_bytes}", file=sys.stderr)
         return 2
     if args.max_bytes < largest and not args.dry_run:  # (the rule sends what lies above the last band to NCCL)
         print(f"error: --max-bytes {args.max_bytes} measures less than {largest} bytes: rows written from it would "
