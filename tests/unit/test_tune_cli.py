@@ -303,3 +303,19 @@ def test_max_bytes_above_the_largest_size_measured_is_refused(monkeypatch, capsy
     assert main(["--max-bytes", str(128 << 20)]) == 2 and "at most 67108864" in capsys.readouterr().err
     assert not started
     assert main(["--max-bytes", str(64 << 20)]) == 0 and len(started) == 1
+
+
+def test_a_world_size_that_differs_from_torchruns_is_refused(monkeypatch, capsys):
+    """Under torchrun --nproc-per-node 2, --world-size 4 was ignored without a word: the rows written were for 2."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--world-size", "4"]) == 2
+    assert "--world-size 4, but torchrun started 2" in capsys.readouterr().err and not started
+    assert main(["--world-size", "2"]) == 0 and len(started) == 1

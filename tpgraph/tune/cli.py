@@ -31,7 +31,8 @@ logger = logging.getLogger("tpgraph.tune")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tpgraph-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=None, help="ranks to start (outside torchrun)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks to start (outside torchrun; under it, "
+                   "torchrun's world size, which this must then equal)")
     p.add_argument("--runs", type=int, default=20, help="timed runs per candidate (median; at least 20)")
     p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts as fast")
     p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least")
@@ -100,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ["WORLD_SIZE"]) not in WORLD_SIZES:  # (each rank would fail alike, after NCCL started)
             print(f"error: the table has rows for {lo}..{hi} ranks; torchrun started {os.environ['WORLD_SIZE']}",
                   file=sys.stderr)
+            return 2
+        if args.world_size is not None and args.world_size != int(os.environ["WORLD_SIZE"]):  # (torchrun's decides)
+            print(f"error: --world-size {args.world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks: "
+                  "leave --world-size out under torchrun, or start that many (--nproc-per-node)", file=sys.stderr)
             return 2
         return run_rank(args, None)
     import torch.multiprocessing as mp
