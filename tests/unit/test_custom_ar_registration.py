@@ -312,3 +312,11 @@ def test_a_peer_workspace_that_cannot_be_mapped_fails_with_its_own_error_and_fre
     with pytest.raises(RuntimeError, match="cudaErrorPeerAccessUnsupported"):
         CustomAllReduce(state, CustomAllReduceConfig())
     assert ext.destroyed == [7]
+
+
+def test_an_empty_timeout_variable_is_unset(monkeypatch):
+    """TPGRAPH_AR_TIMEOUT_S= (set to nothing, as an env file or `export VAR=` leaves it) stopped the start as "not a
+    number", where every other tpgraph variable (env_flag, env_choice, TPGRAPH_CONFIG_DIR) reads nothing as unset."""
+    for value in ("", "  "):
+        monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", value)
+        assert CustomAllReduceConfig().timeout_s == 30.0

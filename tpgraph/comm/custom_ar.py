@@ -58,8 +58,8 @@ class CallPlan:
 
 def timeout_default() -> float:
     """TPGRAPH_AR_TIMEOUT_S, seconds (30 where unset); one that is no number is refused with its name (float() raised
-    a ValueError traceback from the engine's start)."""
-    text = os.environ.get("TPGRAPH_AR_TIMEOUT_S", "30")
+    a ValueError traceback from the engine's start). Set to nothing: as unset, as tpgraph's other variables read it."""
+    text = os.environ.get("TPGRAPH_AR_TIMEOUT_S", "").strip() or "30"
     try:
         return float(text)
     except ValueError:
