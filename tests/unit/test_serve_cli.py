@@ -463,3 +463,26 @@ def test_a_model_read_as_a_list_flags_value_is_refused_saying_where_it_goes(argv
     args = parse_args([model, *argv[:-1]])
     assert args.model == model
     assert parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]  # (keys that name no model: as they are)
+
+
+def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_loads(monkeypatch):
+    """--cuda-graph-sizes 4 (1, 2, 4) beside the default --max-num-seqs 8 on a GPU was refused only by the runner,
+    once every rank had loaded the weights. Where no decode graph is captured (CPU, --enforce-eager) it still runs."""
+    import torch
+
+    from tpgraph import ConfigError
+    from tpgraph.engine.config import EngineConfig
+    from tpgraph.graphs.config import GraphConfig
+
+    short = GraphConfig(ladder=(1, 2, 4))
+    with pytest.raises(ConfigError, match="tops out at 4 but max_batch is 8"):
+        EngineConfig(device="cuda", max_num_seqs=8, graphs=short)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="tops out at 4"):
+        EngineConfig(max_num_seqs=8, graphs=short)  # (the default device: CUDA where a GPU is visible)
+    with pytest.raises(ConfigError, match="tops out at 4"):
+        EngineConfig(device="cpu", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), decode_mode="breakable"))
+    assert EngineConfig(device="cuda", max_num_seqs=4, graphs=short)
+    assert EngineConfig(device="cpu", max_num_seqs=8, graphs=short)
+    assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), enforce_eager=True))
+    assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), decode_mode="none"))
