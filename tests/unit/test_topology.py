@@ -152,3 +152,16 @@ def test_nccl_p2p_disable_set_to_a_clear_no_leaves_the_custom_path_on(value):
 @pytest.mark.parametrize("value", ["1", "true", "yes", "on", "2"])
 def test_nccl_p2p_disable_set_to_anything_else_still_turns_the_custom_path_off(value):
     assert f"NCCL_P2P_DISABLE={value}" in p2p_env_reason({"NCCL_P2P_DISABLE": value})
+
+
+def test_a_gpu_the_extension_has_no_kernels_for_falls_back_to_nccl():
+    """tpgraph._C is built for sm_90a and sm_100a by default: on another GPU (an A100, an L40S, sm_103) the set-up's
+    first kernel fails with cudaErrorNoKernelImageForDevice, which was raised as a bug on every rank, so that TP >= 2
+    did not start there at all (the "other" table is for those GPUs). It is a property of the machine: NCCL instead."""
+    from tpgraph.comm.communicator import _verdict
+    from tpgraph.comm.topology import unavailable_cuda_error
+
+    error = RuntimeError("CUDA error cudaErrorNoKernelImageForDevice (no kernel image is available for execution on "
+                         "the device) in `cudaGetLastError()` at csrc/device.cu:84")
+    assert unavailable_cuda_error(error) == "cudaErrorNoKernelImageForDevice"
+    assert _verdict(error)[0] == "unavailable"
