@@ -319,3 +319,27 @@ def test_a_world_size_that_differs_from_torchruns_is_refused(monkeypatch, capsys
     assert main(["--world-size", "4"]) == 2
     assert "--world-size 4, but torchrun started 2" in capsys.readouterr().err and not started
     assert main(["--world-size", "2"]) == 0 and len(started) == 1
+
+
+def test_a_table_that_cannot_be_written_is_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    """The shipped table of an install in a read-only site-packages: minutes of measuring, then a PermissionError
+    traceback moving the new table into place, and without --log the run was lost. --dry-run writes no table."""
+    import shutil as sh
+
+    import torch
+
+    from tpgraph.tune import cli
+
+    table = tmp_path / "sm90.json"
+    sh.copy(config_dir() / "allreduce" / "sm90.json", table)
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(tmp_path) else
+                        real(path, mode, **kw))
+    assert main(["--table", str(table)]) == 2
+    assert f"cannot write a new {table} there" in capsys.readouterr().err and not started
+    assert main(["--table", str(table), "--dry-run"]) == 0 and len(started) == 1

@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     capability = torch.cuda.get_device_capability(0)
     try:  # (under torchrun every rank checks the same file against the same GPUs: all refuse or none)
-        check_table_arch(table_for(args, capability), arch_for(capability))
+        table = table_for(args, capability)
+        check_table_arch(table, arch_for(capability))
+        if not args.dry_run:
+            check_table_writable(table)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -171,6 +174,15 @@ def check_table_arch(table: Path, arch: str) -> None:
     found = load_table(table).arch
     if found != arch:
         raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
+
+
+def check_table_writable(table: Path) -> None:
+    """Refuse, before any measuring, a table whose folder takes no new file (the update is a new file moved into
+    place): a read-only install's shipped table failed only after minutes of measuring."""
+    if not os.access(table.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write a new {table} there (its folder is not writable): copy tpgraph's configs "
+                          "folder where you can write and set TPGRAPH_CONFIG_DIR to it (the tuner then updates, and "
+                          "the engine reads, the copy), or add --dry-run")
 
 
 def table_for(args: argparse.Namespace, capability: tuple[int, int]) -> Path:
