@@ -320,3 +320,35 @@ def test_an_empty_timeout_variable_is_unset(monkeypatch):
     for value in ("", "  "):
         monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", value)
         assert CustomAllReduceConfig().timeout_s == 30.0
+
+
+def test_ranks_sharing_one_gpu_take_no_nvlink_check_between_gpus_they_do_not_use(monkeypatch):
+    """TPGRAPH_SHARED_GPU=1 puts every rank on GPU 0, but from 3 ranks up the set-up checked NVLink between GPUs
+    0..world_size-1: with CUDA_VISIBLE_DEVICES=0 a ValueError ("names 1 devices, 4 are in use") stopped the engine,
+    and with more GPUs visible it judged GPUs that no rank uses. One GPU has no pair to link."""
+    from types import SimpleNamespace
+
+    class SetupExt(FakeExt):
+        def device_properties(self, index):
+            return SimpleNamespace(sm_count=132, major=9, minor=0)
+
+        def ar_create(self, rank, ws, push, staging, pdl, channel_bytes):
+            raise RuntimeError("set-up got past the gates")
+
+    checked = []
+    monkeypatch.setattr(custom_ar, "load_ext", lambda: SetupExt())
+    monkeypatch.setattr(custom_ar, "nvlink_reason", lambda devices: checked.append(devices) or "not linked")
+    for var in ("NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TPGRAPH_SHARED_GPU", "1")
+    gather = lambda state, obj: [obj] * state.world_size
+    monkeypatch.setattr(custom_ar, "gather_objects", gather)
+    monkeypatch.setattr("tpgraph.distributed.gather_objects", gather)
+    state = ParallelState(0, 4, 0, torch.device("cuda", 0), None, None)
+    with pytest.raises(RuntimeError, match="past the gates"):
+        CustomAllReduce(state, CustomAllReduceConfig())
+    assert checked == []
+    monkeypatch.setenv("TPGRAPH_SHARED_GPU", "0")  # four GPUs: their pairs are checked
+    with pytest.raises(CommError, match="not linked"):
+        CustomAllReduce(state, CustomAllReduceConfig())
+    assert checked == [[0, 1, 2, 3]]

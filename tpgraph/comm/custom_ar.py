@@ -24,7 +24,7 @@ from tpgraph.comm.limits import algo_codes, dtype_codes, kernel_limits
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
 from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
-from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks
+from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks, shared_gpu
 from tpgraph.errors import AllReduceUnavailable, CommError, ConfigError
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import (
@@ -176,12 +176,14 @@ class CustomAllReduce:
                             f"got {state.world_size}")
         self.ext = load_ext()
         self.state, self.cfg = state, cfg
-        # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r); two PCIe
-        # GPUs still gain from it, as vLLM also allows.
-        group_devices = list(range(state.world_size))
+        # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r, or with
+        # TPGRAPH_SHARED_GPU every rank GPU 0, which has no pair to link); two PCIe GPUs still gain from it, as vLLM
+        # also allows.
+        group_devices = [0] if shared_gpu() else list(range(state.world_size))
+        linked = state.world_size > 2 and len(group_devices) > 1
 
         def gates():
-            for reason in (p2p_env_reason(), nvlink_reason(group_devices) if state.world_size > 2 else None):
+            for reason in (p2p_env_reason(), nvlink_reason(group_devices) if linked else None):
                 if reason:
                     raise AllReduceUnavailable(f"custom all-reduce disabled: {reason}")
             return self.ext.device_properties(state.device.index)
