@@ -343,3 +343,39 @@ def test_a_table_that_cannot_be_written_is_refused_before_measuring(monkeypatch,
     assert main(["--table", str(table)]) == 2
     assert f"cannot write a new {table} there" in capsys.readouterr().err and not started
     assert main(["--table", str(table), "--dry-run"]) == 0 and len(started) == 1
+
+
+def test_a_machine_without_the_custom_all_reduce_is_told_so_not_shown_a_traceback(monkeypatch, capsys):
+    """tpgraph-tune where the custom all-reduce cannot run (NCCL_P2P_DISABLE=1, GPUs without NVLink at 3 ranks up)
+    ended every rank in a traceback of its AllReduceUnavailable, and the launcher in another of the ranks' exit."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.multiprocessing as mp
+
+    import tpgraph.comm.custom_ar as custom_ar
+    import tpgraph.distributed as td
+    from tpgraph.errors import AllReduceUnavailable
+    from tpgraph.tune.cli import parse_args, run_rank
+
+    state = SimpleNamespace(is_driver=True)
+
+    def unavailable(*a, **kw):
+        raise AllReduceUnavailable("custom all-reduce disabled: NCCL_P2P_DISABLE=1 forbids peer-to-peer traffic")
+
+    closed = []
+    monkeypatch.setattr(td, "init_distributed", lambda *a, **kw: state)
+    monkeypatch.setattr(td, "destroy_distributed", lambda s: closed.append(s))
+    monkeypatch.setattr(custom_ar, "CustomAllReduce", unavailable)
+    assert run_rank(parse_args([]), (0, 2, "tcp://x")) == 2 and closed == [state]
+    assert "error: nothing to tune here: custom all-reduce disabled: NCCL_P2P_DISABLE=1" in capsys.readouterr().err
+
+    def exited(*a, **kw):
+        raise mp.ProcessExitedException("process 0 terminated with exit code 2", 0, 1234, 2)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(mp, "start_processes", exited)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--world-size", "2", "--dry-run"]) == 2

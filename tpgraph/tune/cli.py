@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tpgraph.errors import ConfigError
+from tpgraph.errors import ConfigError, TPGraphError
 
 logger = logging.getLogger("tpgraph.tune")
 
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     init = free_tcp_init()
-    mp.start_processes(_spawned, args=(args, init), nprocs=args.world_size, start_method="spawn")
+    try:
+        mp.start_processes(_spawned, args=(args, init), nprocs=args.world_size, start_method="spawn")
+    except mp.ProcessExitedException as exc:  # (a rank that said why and exited: no second traceback here)
+        return exc.exit_code or 1
     return 0
 
 
@@ -143,8 +146,14 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
     try:
         # staging for the largest size, whatever the current table says; the push slot the product gets when push
         # reaches its cap (larger pushes go through it in pieces, as in the product)
-        ar = CustomAllReduce(state, CustomAllReduceConfig(
-            push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes), staging_bytes=args.max_bytes))
+        try:
+            ar = CustomAllReduce(state, CustomAllReduceConfig(
+                push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes),
+                staging_bytes=args.max_bytes))
+        except TPGraphError as exc:  # (every rank raises: its own reason, or a PeerError naming the rank's)
+            if state.is_driver:
+                print(f"error: nothing to tune here: {exc}", file=sys.stderr)
+            return 2
         try:
             props = ar.ext.device_properties(state.device.index)
             table = table_for(args, (props.major, props.minor))
