@@ -379,3 +379,25 @@ def test_a_machine_without_the_custom_all_reduce_is_told_so_not_shown_a_tracebac
     monkeypatch.setattr(mp, "start_processes", exited)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["--world-size", "2", "--dry-run"]) == 2
+
+
+@pytest.mark.parametrize("flag", ["--log", "--plot"])
+def test_a_log_or_plot_written_over_the_table_being_tuned_is_refused(flag, monkeypatch, capsys, tmp_path):
+    """--log naming the table itself (--dry-run too) wrote the measurements over the table first, then failed reading
+    it back as a table: the table was lost."""
+    import shutil as sh
+
+    import torch
+
+    from tpgraph.tune import cli
+
+    table = tmp_path / "sm90.json"
+    sh.copy(config_dir() / "allreduce" / "sm90.json", table)
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--table", str(table), "--dry-run", flag, "sm90.json"]) == 2
+    assert f"{flag} sm90.json is the table being tuned" in capsys.readouterr().err and not started

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # (under torchrun every rank checks the same file against the same GPUs: all refuse or none)
         table = table_for(args, capability)
         check_table_arch(table, arch_for(capability))
+        check_outputs_apart(args, table)
         if not args.dry_run:
             check_table_writable(table)
     except ConfigError as exc:
@@ -183,6 +184,14 @@ def check_table_arch(table: Path, arch: str) -> None:
     found = load_table(table).arch
     if found != arch:
         raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
+
+
+def check_outputs_apart(args: argparse.Namespace, table: Path) -> None:
+    """Refuse a --log or --plot naming the table itself: the log is written first, over the table, which was then
+    lost (the run failed reading it back as a table)."""
+    for flag, path in (("--log", args.log), ("--plot", args.plot)):
+        if path is not None and path.resolve() == table.resolve():
+            raise ConfigError(f"{flag} {path} is the table being tuned: give {flag} another file")
 
 
 def check_table_writable(table: Path) -> None:
