@@ -391,7 +391,10 @@ def test_a_log_or_plot_written_over_the_table_being_tuned_is_refused(flag, monke
 
     from tpgraph.tune import cli
 
-    table = tmp_path / "sm90.json"
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    name = "sm90.json" if flag == "--log" else "sm90.png"  # (a table may have any name; a plot, a figure's suffix)
+    table = tmp_path / name
     sh.copy(config_dir() / "allreduce" / "sm90.json", table)
     started = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -399,5 +402,14 @@ def test_a_log_or_plot_written_over_the_table_being_tuned_is_refused(flag, monke
     monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(tmp_path)
-    assert main(["--table", str(table), "--dry-run", flag, "sm90.json"]) == 2
-    assert f"{flag} sm90.json is the table being tuned" in capsys.readouterr().err and not started
+    assert main(["--table", str(table), "--dry-run", flag, name]) == 2
+    assert f"{flag} {name} is the table being tuned" in capsys.readouterr().err and not started
+
+
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    """--plot tune.txt measured for minutes, then matplotlib refused the format while plotting, before the table was
+    written: the run's table update was lost."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--world-size", "2", "--plot", str(tmp_path / "tune.txt")]) == 2
+    assert "--plot" in (err := capsys.readouterr().err) and "not .txt" in err and "png" in err

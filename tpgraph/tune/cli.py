@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:  # (not after minutes of measuring)
         print("error: --plot needs matplotlib (pip install matplotlib, or tpgraph[bench])", file=sys.stderr)
         return 2
+    if args.plot is not None and (unknown := plot_format_refused(args.plot)):
+        print(f"error: --plot {args.plot}: {unknown}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():  # (under torchrun each rank would fail to find a GPU, with a traceback)
@@ -184,6 +187,18 @@ def check_table_arch(table: Path, arch: str) -> None:
     found = load_table(table).arch
     if found != arch:
         raise ConfigError(f"{table} is the {found!r} table; these GPUs are {arch}: tune into an {arch} table")
+
+
+def plot_format_refused(path: Path) -> str | None:
+    """Why matplotlib would refuse to save a figure at `path` (its suffix names no format it writes), else None: it
+    refused only after the measuring, before the table was written."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix[1:].lower()  # (none: matplotlib's default format, png)
+    if suffix and suffix not in formats:
+        return f"matplotlib writes {', '.join(sorted(formats))}, not .{suffix}"
+    return None
 
 
 def check_outputs_apart(args: argparse.Namespace, table: Path) -> None:
