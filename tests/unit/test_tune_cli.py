@@ -413,3 +413,14 @@ def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_measuring(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["--world-size", "2", "--plot", str(tmp_path / "tune.txt")]) == 2
     assert "--plot" in (err := capsys.readouterr().err) and "not .txt" in err and "png" in err
+
+
+def test_the_config_dir_fix_names_every_table_the_folder_serves(tmp_path, monkeypatch):
+    """TPGRAPH_CONFIG_DIR without the all-reduce table said "copy tpgraph's configs/allreduce there": a folder made so
+    has no gemv/ tables, which the GEMV kernels then read from it no more, falling back to default tiles silently."""
+    from tpgraph.comm.thresholds import load_table_for
+    from tpgraph.errors import ConfigError
+
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"copy tpgraph's configs folder \(allreduce/ and gemv/\) there"):
+        load_table_for((9, 0))

@@ -252,8 +252,10 @@ def load_table_for(capability: tuple[int, int]) -> AlgoTable:
     name = table_file_for(capability)
     path = config_dir() / "allreduce" / name
     if os.environ.get("TPGRAPH_CONFIG_DIR") and not path.exists():  # (the variable, not the package, is the mistake)
+        # (the whole folder: the GEMV kernels read their tiles from its gemv/, and without it fall back silently)
         raise ConfigError(f"TPGRAPH_CONFIG_DIR={os.environ['TPGRAPH_CONFIG_DIR']} has no allreduce/{name}: copy "
-                          f"tpgraph's configs/allreduce there, or unset TPGRAPH_CONFIG_DIR to use the shipped tables")
+                          f"tpgraph's configs folder (allreduce/ and gemv/) there, or unset TPGRAPH_CONFIG_DIR to use "
+                          f"the shipped tables")
     table = load_table(path)
     if table.arch != arch_for(capability):  # (a table copied over another architecture's)
         raise ConfigError(f"{table.source} says arch {table.arch!r}, but it is the {name} table this GPU "
