@@ -732,3 +732,23 @@ def test_a_steps_tokens_are_counted_as_vllm_counts_an_iterations():
             counted.append(core.timing.tokens if updates else 0)
     assert generated == 5 * 2 * len(PROMPTS)
     assert sum(counted) == 2 * sum(map(len, prompts)) + generated
+
+
+def test_a_stop_string_completed_by_the_text_flushed_at_the_end_is_the_finish_reason():
+    """Bytes that never complete a character (0xFD here) are decoded when the sample ends, and a stop string in that
+    text cuts it: the sample then ended by that string, as vLLM's output processor turns a finish into "stop" with the
+    string as stop_reason wherever its detokenizer finds one. The reason stayed "length" (or the EOS's, with no
+    stop_reason). At exactly min_tokens tokens no stop string is looked for (vLLM's num_output_tokens() >
+    min_tokens), and the text is kept whole."""
+    stop = ["\ufffd"]
+    with engine() as e:
+        eos = e.core.eos_ids[0]
+        by_length = e.generate("hi", SamplingParams(temperature=0.0, max_tokens=1, logit_bias={0xFD: 100}, stop=stop))
+        by_eos = e.generate("hi", SamplingParams(temperature=0.0, min_tokens=1, allowed_token_ids=[0xFD, eos],
+                                                 logit_bias={eos: 100}, stop=stop))
+        at_min = e.generate("hi", SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2,
+                                                 logit_bias={0xFD: 100}, stop=stop))
+    outs = [o.outputs[0] for o in by_length + by_eos + at_min]
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs] == [
+        ([0xFD], "", "stop", "\ufffd"), ([0xFD, eos], "", "stop", "\ufffd"),
+        ([0xFD, 0xFD], "\ufffd\ufffd", "length", None)]

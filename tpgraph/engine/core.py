@@ -455,7 +455,9 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             if detok is not None:
-                text += detok.flush()
+                text += detok.flush(may_stop=produced > p.min_tokens)
+                if detok.stop_string is not None:  # (the flushed tail completed one: it ended the sample, as vLLM's)
+                    reason, stop_reason = "stop", detok.stop_string
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self._finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason, stop_reason)

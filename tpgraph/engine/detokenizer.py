@@ -114,13 +114,14 @@ class Detokenizer:
         before, after = self._decode(self.decoded), self._decode(self.decoded + held)
         return after[len(before):] if after.startswith(before) else self._decode(held)
 
-    def flush(self) -> str:
+    def flush(self, may_stop: bool = True) -> str:
         """Everything not handed out yet, when the sequence ends: the held-back tail, and the text of the tokens whose
-        bytes never completed a character (with U+FFFD for those bytes), which stop strings may still cut."""
+        bytes never completed a character (with U+FFFD for those bytes), which stop strings may still cut (then
+        self.stop_string names the one that did). may_stop False (not past min_tokens): none is looked for."""
         if self.undecoded:
             tail = self._tail(self.undecoded)
             self.decoded, self.undecoded = (self.decoded + self.undecoded)[-PRIME_TOKENS:], []
-            self._append(tail, may_stop=True)
+            self._append(tail, may_stop)
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
