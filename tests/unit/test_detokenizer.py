@@ -205,3 +205,15 @@ def test_spaces_between_special_tokens(spaces, expected):
     assert "".join(detok.add(t)[0] for t in ids) + detok.flush() == " " + expected
     skipped = Detokenizer(tok, [2], SamplingParams(spaces_between_special_tokens=spaces))  # (nothing between then)
     assert "".join(skipped.add(t)[0] for t in ids) + skipped.flush() == " hi there"
+
+
+def test_a_prompt_ending_in_real_replacement_characters_still_primes_the_stream():
+    """A SentencePiece-style prompt "Hi" and two U+FFFD characters (complete, each three byte tokens): every token of
+    the 6-token window decodes to U+FFFD, so priming popped them all and the first output token, decoded alone, lost
+    its leading space to the Strip decoder. The window now slides back to the prompt's last tokens that decode
+    cleanly (the replacement characters, the prompt's own text, still add none of it)."""
+    tok, vocab = byte_fallback_tokenizer(["▁Sure", "▁the", "Hi"], strip=True)
+    fffd = [vocab[f"<0x{b:02X}>"] for b in "\ufffd".encode()]
+    d = Detokenizer(tok, [vocab["Hi"], *fffd, *fffd], SamplingParams())
+    text = "".join(d.add(t)[0] for t in [vocab["▁Sure"], vocab["▁the"]]) + d.flush()
+    assert text == " Sure the"

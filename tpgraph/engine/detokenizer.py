@@ -17,6 +17,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.stop_strings import StopScanner
 
 PRIME_TOKENS = 6  # prompt tokens the stream starts from
+PRIME_LOOKBACK = 24  # prompt tokens from its end over which that window may slide back (past an invalid tail)
 _INVALID_PREFIX = "Invalid prefix encountered"  # (DecodeStream.step's error when earlier text changed)
 
 
@@ -24,18 +25,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        prime = list(prompt_ids[-PRIME_TOKENS:])
-        # a window that begins inside a character starts from the next one (a byte-fallback decoder turns a whole
-        # invalid run into U+FFFD, complete characters after it included); a prompt that ends inside one (at most 3
-        # bytes of it) would make the stream's first piece repeat the prompt's text: primed with the tokens before it,
-        # or with none where the window left is that character alone (the first loop stops at one token, and a
-        # skipped BOS before a prompt's partial character decodes to nothing)
-        while len(prime) > 1 and self._decode(prime).startswith("\ufffd"):
-            prime.pop(0)
-        # (every token of an invalid tail goes, not only a partial character's 3: a stream whose prime still ends in
-        # U+FFFD takes no prefix from it, and its first piece is then the whole prime's text)
-        while prime and self._decode(prime).endswith("\ufffd"):
-            prime.pop()
+        prime = self._prime(prompt_ids)
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
@@ -103,6 +93,28 @@ class Detokenizer:
         self.text = self.text[: at + len(stop) if self.include_stop else at]
         self.stops = None  # (nothing is added after a stop; a flush after it must not cut again)
         return True
+
+    def _prime(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt tokens the stream starts from: the last PRIME_TOKENS, or the window of them that ends furthest on
+        and decodes to text not ending in U+FFFD (within PRIME_LOOKBACK tokens of the prompt's end; else none).
+        A prompt that ends inside a character (at most 3 bytes of it) would make the stream's first piece repeat the
+        prompt's text, as would one ending in real U+FFFD characters (a stream whose prime ends in U+FFFD takes no
+        prefix from it, and its first piece is then the whole prime's text): such tokens are left out, and the window
+        slides back past them rather than shrink to nothing (a first token decoded with no prompt before it loses
+        its leading space to a SentencePiece Strip decoder)."""
+        for end in range(len(prompt_ids), max(len(prompt_ids) - PRIME_LOOKBACK, 0), -1):
+            prime = self._from_a_whole_character(prompt_ids[max(end - PRIME_TOKENS, 0):end])
+            if not self._decode(prime).endswith("\ufffd"):
+                return prime
+        return []
+
+    def _from_a_whole_character(self, window: list[int]) -> list[int]:
+        """A window that begins inside a character starts from the next one (a byte-fallback decoder turns a whole
+        invalid run into U+FFFD, complete characters after it included); one token is always left (a skipped BOS
+        before a prompt's partial character decodes to nothing: _prime then looks further back)."""
+        while len(window) > 1 and self._decode(window).startswith("\ufffd"):
+            window = window[1:]
+        return window
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
