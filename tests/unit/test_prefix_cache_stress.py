@@ -199,3 +199,24 @@ def test_arrivals_with_room_go_past_a_sequence_waiting_for_a_prefix():
     step = sched.schedule()
     assert sample.status is Status.RUNNING and sample.num_cached == len(PREFIX)  # the shared prefix: 10 blocks
     assert (sample, 1) in step.prefill
+
+
+def test_a_sequence_preempted_once_the_prefix_it_computed_is_cached_queues_first():
+    """The sequence computing a prefix is preempted in the step after it computed it: the one that waited for that
+    prefix waits for nothing now, but its awaited_blocks, left from the last step that reached it, still said so, and
+    the preempted one (older, ahead of it) queued behind it: it went in first, on the preempted one's cached blocks,
+    and took the last block the preempted one needed. First come, first served: the preempted one is first in line
+    (vLLM's scheduler prepends a preempted request to the waiting queue)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=BS),
+                      PrefixCachingAllocator(15, BS))
+    decoding = Sequence(0, list(range(500, 512)), 1000)  # 3 blocks, a 4th from its 13th token
+    sched.add(decoding)
+    run_step(sched.schedule())
+    first, sample = Sequence(1, PREFIX + [1, 2, 3, 4], 1000), Sequence(2, PREFIX + [5], 1000)
+    sched.add(first)
+    sched.add(sample)
+    run_step(sched.schedule())  # first's whole prompt (11 blocks: none left); sample waits for its prefix
+    assert list(sched.waiting) == [sample] and sample.awaited_blocks == 10
+    step = sched.schedule()  # first's 45th token needs a 12th block: first, the newest, is preempted
+    assert step.preempted == [first]
+    assert list(sched.waiting) == [first, sample] and sample.status is Status.WAITING

@@ -255,14 +255,21 @@ class Scheduler:
         else:  # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them),
             # never behind its own request's samples that wait for it (it would have to go in whole past them)
             at = 0
-            while (at < len(self.waiting) and self.waiting[at].awaited_blocks
-                   and self.waiting[at].prompt_logprobs_from is not seq):
+            while at < len(self.waiting) and self._waits_for_a_prefix(self.waiting[at], seq):
                 at += 1
             self.waiting.insert(at, seq)
         step.preempted.append(seq)
         # a victim scheduled earlier in this step must not run
         step.prefill = [(s, n) for s, n in step.prefill if s is not seq]
         step.decode = [s for s in step.decode if s is not seq]
+
+    def _waits_for_a_prefix(self, waiting: Sequence, preempted: Sequence) -> bool:
+        """Does a waiting sequence wait for blocks a running sequence computes (a preempted one queues behind it)? Its
+        awaited_blocks is what the last step that reached it found, since computed perhaps: it is asked again."""
+        if waiting.prompt_logprobs_from is preempted or not waiting.awaited_blocks:
+            return False
+        self.allocator.worth_waiting(waiting, self.running)
+        return waiting.awaited_blocks > 0
 
     def _free(self, seq: Sequence) -> None:
         if seq.block_table:
