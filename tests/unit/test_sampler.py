@@ -312,3 +312,12 @@ def test_a_nan_logit_is_never_drawn_and_leaves_the_rest_of_the_distribution():
     counts = Counter(Sampler("cpu", 3).sample(x, rows(2000)).token_ids)
     for token, p in enumerate(PROBS.tolist(), start=1):
         assert abs(counts[token] / 2000 - p) < 0.04, counts
+
+
+def test_any_finite_repetition_penalty_above_zero_is_taken_as_vllms():
+    """vLLM's _verify_args asks only that repetition_penalty be finite and above 0; one above 100 was refused here."""
+    assert SamplingParams(repetition_penalty=150.0).repetition_penalty == 150.0
+    assert SamplingParams(repetition_penalty=10 ** 6).has_penalties
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(RequestError, match="repetition_penalty must be a finite number"):
+            SamplingParams(repetition_penalty=bad)

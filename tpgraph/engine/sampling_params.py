@@ -134,7 +134,7 @@ class SamplingParams:
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, None, hint="0 or -1 turns it off")
         _check_real("min_p", self.min_p, 0.0, 1.0)
-        _check_real("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)  # (vLLM's: no cap)
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None:
