@@ -752,3 +752,14 @@ def test_a_stop_string_completed_by_the_text_flushed_at_the_end_is_the_finish_re
     assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs] == [
         ([0xFD], "", "stop", "\ufffd"), ([0xFD, eos], "", "stop", "\ufffd"),
         ([0xFD, 0xFD], "\ufffd\ufffd", "length", None)]
+
+
+def test_sample_i_of_a_seeded_request_draws_as_one_sample_with_seed_plus_i_as_in_vllm():
+    """vLLM gives sample i of a seeded request with n > 1 the seed `seed + i` (vllm/v1/engine/parallel_sampling.py):
+    sample i is what a one-sample request with seed + i draws. Here sample i drew from (seed, i): its own stream,
+    another than seed + i's. (The random numbers are tpgraph's own; the relation is vLLM's.)"""
+    with engine() as e:
+        (many,) = e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=20, n=3, max_tokens=6))
+        alone = [e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=20 + i, max_tokens=6))[0].outputs[0]
+                 for i in range(3)]
+    assert [o.token_ids for o in many.outputs] == [o.token_ids for o in alone]

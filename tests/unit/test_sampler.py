@@ -149,7 +149,8 @@ def test_seeded_rows_do_not_depend_on_the_batch_or_the_shared_generator():
              for s in (0, 1)]
     assert draws[0].token_ids == draws[1].token_ids
     assert len(set(draws[0].token_ids)) > 1
-    assert row_seed(5, 0, 1) != row_seed(5, 1, 1) != row_seed(6, 0, 1)
+    assert row_seed(5, 0, 1) != row_seed(5, 1, 1) != row_seed(5, 1, 2)
+    assert row_seed(5, 1, 1) == row_seed(6, 0, 1)  # (sample i of seed s draws as sample 0 of s + i, as vLLM's)
 
 
 def test_two_ranks_with_one_engine_seed_agree():

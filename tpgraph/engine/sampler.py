@@ -2,7 +2,7 @@
 
 Every rank holds the same gathered logits and runs the same calls with the same generator states, so every rank
 samples the same tokens: nothing is broadcast. A seeded request draws from its own generator, seeded from
-(seed, sample index, output position), so its tokens do not depend on what else is in the batch. Unseeded rows share
+(seed + sample index, output position), so its tokens do not depend on what else is in the batch. Unseeded rows share
 one generator that every rank seeds alike at start-up.
 
 Penalties read each sequence's token counts from a table on the device (penalties.py), which the step's sampled ids
@@ -85,8 +85,9 @@ def warm_rows(rows: int) -> list[SampleRow]:
 
 
 def row_seed(seed: int, sample_index: int, position: int) -> int:
-    """A 64-bit seed for one draw of a seeded request (splitmix64 of the three)."""
-    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK
+    """A 64-bit seed for one draw of a seeded request (splitmix64 of the seed and the position). Sample i draws as
+    sample 0 of seed + i, as vLLM seeds a request's i-th sample (vllm/v1/engine/parallel_sampling.py)."""
+    x = ((seed + sample_index) * 0x9E3779B97F4A7C15 + position * 0x94D049BB133111EB) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return (x ^ (x >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
