@@ -77,6 +77,17 @@ def test_a_non_ascii_id_body_and_header_agree():
     assert json.loads(body)["id"] == "chatcmpl-" + header.decode("utf-8")
 
 
+@pytest.mark.parametrize("given", [" lead", "trail ", "in side"])
+def test_a_body_id_with_edge_spaces_leaves_a_header_http_can_send(given):
+    """With --enable-request-id-headers, a body request_id with a leading or trailing space went into X-Request-Id as
+    it was: HTTP takes no such header value (h11, uvicorn's, refused the response start and closed the connection,
+    the reply lost). Such an id still names the reply; the header carries one HTTP can send."""
+    h11 = pytest.importorskip("h11")
+    start, body = call(app_with_ids(), "/v1/chat/completions", {**CHAT, "request_id": given}, [])
+    h11.Response(status_code=start["status"], headers=start["headers"])  # (raises on a header it cannot send)
+    assert json.loads(body)["id"] == "chatcmpl-" + given
+
+
 def test_the_401_carries_the_header_too():
     start, body = call(app_with_ids(api_key="k"), "/v1/chat/completions", CHAT, [(b"x-request-id", b"z")])
     assert start["status"] == 401 and response_ids(start) == [b"z"]

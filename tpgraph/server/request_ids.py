@@ -21,6 +21,12 @@ def _given(scope: Scope) -> bytes:
     return next((value for name, value in scope["headers"] if name == HEADER), b"")
 
 
+def _header_value(text: str) -> bool:
+    """Whether HTTP can send `text` as a header's value: no control character, and no space at either end (h11,
+    uvicorn's, refuses the response start otherwise, and the reply is lost)."""
+    return text.isprintable() and text == text.strip()
+
+
 def request_id(request: Request, from_body: str | None = None) -> str:
     """The client's X-Request-Id, else the body's request_id (from_body), else a new id (the middleware's, where it
     runs); the middleware's response header is told which."""
@@ -32,7 +38,7 @@ def request_id(request: Request, from_body: str | None = None) -> str:
     holder: dict | None = request.scope.get(SCOPE_KEY)
     if not given and from_body:
         given = from_body
-        if holder is not None and from_body.isprintable():  # (a control character cannot go in a header)
+        if holder is not None and _header_value(from_body):
             holder["id"] = from_body.encode()
     if given:
         return given
