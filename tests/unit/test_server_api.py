@@ -390,6 +390,19 @@ def test_the_bodys_request_id_names_the_reply_where_no_header_does(path, prefix)
         assert header.json()["id"] == prefix + "trace-7"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_id_that_is_no_unicode_text_is_a_400_not_a_500(path):
+    """A body request_id with a lone surrogate (JSON's "\\ud800") named the whole reply, which cannot be written as
+    UTF-8: the request ran, and its reply was a 500. It is refused up front, naming the field."""
+    body = {"model": "m", "max_tokens": 2, "request_id": "id-\ud800",
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    client = ScriptedClient(["a", "b"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    (reply,) = post_all(app, [(path, body)])
+    assert reply.status_code == 400 and "request_id" in reply.json()["error"]["message"]
+    assert not client.prompts  # (refused before it reached the engine)
+
+
 def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
     """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
     metrics' registry."""

@@ -73,6 +73,18 @@ def _an_integer(cls: type, value: Any) -> Any:
     return value
 
 
+def _unicode_text(cls: type, value: Any) -> Any:
+    """Text that UTF-8 can write: a lone surrogate (JSON's "\\ud800") in a field the reply names (request_id, its id)
+    would make the whole reply unwritable, a 500 after the request ran."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"must be valid Unicode text, got a lone surrogate U+{ord(value[exc.start]):04X} at "
+                             f"character {exc.start}") from None
+    return value
+
+
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
@@ -160,6 +172,7 @@ class SamplingFields(NullMeansDefault):
     length_penalty: float = 1.0
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
+    _id_is_text = field_validator("request_id", mode="before")(_unicode_text)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
                                            mode="before")(_an_integer)
     _numbers_are_no_bools = field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
