@@ -222,3 +222,23 @@ def test_a_forced_call_comes_with_empty_content_as_vllm_gives_it(choice, reply, 
     auto = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     whole, _, _ = chat([auto], {}, ToolOptions(parser="llama3_json"))
     assert whole["choices"][0]["message"]["content"] is None and whole["choices"][0]["message"]["tool_calls"]
+
+
+def test_a_tool_name_that_is_no_unicode_text_is_a_400_not_a_500():
+    """A tool named with a lone surrogate (JSON's "\\ud800"): where the chat template does not write the tools out
+    (Llama 2's, say), nothing refused it, and a named tool_choice's reply, which names the function, could not be
+    written as UTF-8: a 500 after the request ran. It is refused, naming the tool."""
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = dataclasses.replace(builtin_codec(), chat_template=ChatTemplate(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", {"bos_token": BOS}))
+    client = ScriptedClient(['{"city": "Oslo"}'])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    name = "get_weather\ud800"
+    tool = {"type": "function", "function": {**WEATHER["function"], "name": name}}
+    (reply,) = post_all(app, [("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": name}}})])
+    assert reply.status_code == 400 and "tools[0].function" in reply.json()["error"]["message"]
+    assert not client.prompts
