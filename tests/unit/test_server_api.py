@@ -963,3 +963,17 @@ def test_a_cancelled_request_loop_ends_though_updates_keep_coming():
         return [await trial() for _ in range(20)]
 
     assert all(asyncio.run(main()))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("bad", [{"temperature": 5}, {"model": "other"}, {"truncate_prompt_tokens": 0}])
+def test_a_request_refused_by_its_checks_names_the_bodys_request_id_in_its_header(path, bad):
+    """With --enable-request-id-headers, a completion refused by the server's own checks (a field out of range, an
+    unknown model, ...) answered with a fresh X-Request-Id, not its body's request_id: the completions route took the
+    id only after tokenizing and reading the sampling fields. The chat route names it first, and so does it now."""
+    body = {"model": "m", "max_tokens": 2, "request_id": "mine-5", **bad,
+            **({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})}
+    app = server_app.create_app(ScriptedClient(["a"]), builtin_codec(), ServerMetrics(), "m", 128,
+                                request_id_headers=True)
+    (refused,) = post_all(app, [(path, body)])
+    assert refused.status_code in (400, 404) and refused.headers.get("x-request-id") == "mine-5"

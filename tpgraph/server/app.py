@@ -441,6 +441,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        # (named first, as the chat route names it, so a refusal's 400 carries the body's request_id in X-Request-Id)
+        rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
         api.check_model(body.model)
         texts = body.prompts()
         keep = body.truncation(max_model_len, body.max_tokens)
@@ -465,7 +467,6 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         else:
             params = body.sampling_params(1 if echo_only else max_tokens, body.logprobs,
                                           prompts.generation_defaults.sampling, prompt_logprobs=echo_count)
-        rid, created = f"cmpl-{request_id(request, body.request_id)}", int(time.time())
         # (a search streams nothing as it goes, as vLLM's: its beams are ranked only once it ends; a stream of it is
         # the whole reply, one event)
         streamed = body.stream and beam is None
