@@ -977,3 +977,25 @@ def test_a_request_refused_by_its_checks_names_the_bodys_request_id_in_its_heade
                                 request_id_headers=True)
     (refused,) = post_all(app, [(path, body)])
     assert refused.status_code in (400, 404) and refused.headers.get("x-request-id") == "mine-5"
+
+
+def test_a_bad_word_that_is_no_unicode_text_is_a_400_not_the_engines_500():
+    """bad_words are tokenized as the engine prepares the request (EngineService._collect, as this client does): one
+    with a lone surrogate (JSON's "\\ud800") failed the tokenizer there ("TextInputSequence must be str"), and the
+    client got the engine's 500. It is refused up front, naming the field."""
+    from tpgraph.engine.bad_words import encode_bad_words
+
+    class Preparing(ScriptedClient):
+        def submit(self, request_id, prompt, params, sink) -> None:
+            try:
+                encode_bad_words(builtin_codec().tokenizer, params.bad_words, 258)
+            except Exception as exc:  # noqa: BLE001 - as the engine service answers a request it cannot prepare
+                sink(StepUpdate(request_id, 0, None, str(exc), "error"))
+                return
+            super().submit(request_id, prompt, params, sink)
+
+    client = Preparing(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    (reply,) = post_all(app, [("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2,
+                                                   "bad_words": ["ok", "x\ud800"]})])
+    assert reply.status_code == 400 and "bad_words" in reply.json()["error"]["message"]

@@ -74,14 +74,18 @@ def _an_integer(cls: type, value: Any) -> Any:
 
 
 def _unicode_text(cls: type, value: Any) -> Any:
-    """Text that UTF-8 can write: a lone surrogate (JSON's "\\ud800") in a field the reply names (request_id, its id)
-    would make the whole reply unwritable, a 500 after the request ran."""
-    if isinstance(value, str):
+    """Text (or a list of texts) that UTF-8 can write: a lone surrogate (JSON's "\\ud800") in a field the reply names
+    (request_id, its id) would make the whole reply unwritable, and in one the engine tokenizes (bad_words) fails the
+    tokenizer: either a 500 for the client's mistake."""
+    for i, text in enumerate(value if isinstance(value, list) else [value]):
+        if not isinstance(text, str):
+            continue
         try:
-            value.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"must be valid Unicode text, got a lone surrogate U+{ord(value[exc.start]):04X} at "
-                             f"character {exc.start}") from None
+            where = f"entry {i} " if isinstance(value, list) else ""
+            raise ValueError(f"{where}must be valid Unicode text, got a lone surrogate U+{ord(text[exc.start]):04X} "
+                             f"at character {exc.start}") from None
     return value
 
 
@@ -172,7 +176,7 @@ class SamplingFields(NullMeansDefault):
     length_penalty: float = 1.0
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
-    _id_is_text = field_validator("request_id", mode="before")(_unicode_text)
+    _texts_are_unicode = field_validator("request_id", "bad_words", mode="before")(_unicode_text)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
                                            mode="before")(_an_integer)
     _numbers_are_no_bools = field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
