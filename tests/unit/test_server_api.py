@@ -403,6 +403,33 @@ def test_a_request_id_that_is_no_unicode_text_is_a_400_not_a_500(path):
     assert not client.prompts  # (refused before it reached the engine)
 
 
+LONE = "x\ud800"  # (JSON's "\ud800" escape decodes to it: a string no UTF-8 encoder takes)
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"prompt": "hi", "user": LONE}, "user"),
+    ("/v1/completions", {"prompt": ["hi", LONE]}, "prompt[1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": LONE}]}, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", LONE: 1}}}},
+     "a key of response_format.json_schema.schema"),
+    ("/v1/responses", {"input": "hi", "metadata": {"k": LONE}}, "metadata.k"),
+    ("/v1/messages", {"max_tokens": 2, "system": LONE, "messages": [{"role": "user", "content": "hi"}]}, "system"),
+])
+def test_a_body_holding_a_lone_surrogate_anywhere_is_a_400_naming_where(path, body, where):
+    """One check for every field of every route: a lone surrogate in any string of a JSON body is a 400 that names
+    where it is (under /v1/messages in Anthropic's error shape), and nothing reaches the engine. (A response's
+    metadata, echoed back, made its reply unwritable: a 500 after the request ran.)"""
+    client = ScriptedClient(["a", "b"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    (reply,) = post_all(app, [(path, {"model": "m", **body})])
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(f"{where} is not valid Unicode text")
+    assert error["type"] == ("invalid_request_error" if path == "/v1/messages" else "BadRequestError")
+    assert not client.prompts
+
+
 def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
     """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
     metrics' registry."""

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +37,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import RequestError
 from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware, route_path
+from tpgraph.server.body_text import refuse_lone_surrogates
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, anthropic_error_body, error_body, is_messages_path
 from tpgraph.server.messages import message_routes
@@ -359,7 +360,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     docs = http.docs
     app = FastAPI(title="tpgraph", version=__version__, lifespan=lifespan,
                   openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None)
+                  redoc_url="/redoc" if docs else None, dependencies=[Depends(refuse_lone_surrogates)])
     # (set as vLLM sets it: FastAPI then names the prefix in each request's scope, and the routes match a path with
     # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
     app.root_path = http.root_path
@@ -391,7 +392,11 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         return JSONResponse(error_body(400, "; ".join(problems) or "invalid request", "BadRequestError"), 400)
 
     @app.exception_handler(RequestError)
-    async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
+    async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
+        """A refusal no route answered itself (the app's body check, before any route runs): under the Messages API's
+        path in Anthropic's shape."""
+        if is_messages_path(route_path(request.scope)):
+            return JSONResponse(anthropic_error_body(400, str(exc)), 400)
         return JSONResponse(error_body(400, str(exc), "BadRequestError"), 400)
 
     @app.exception_handler(EngineUnavailable)

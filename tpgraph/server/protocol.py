@@ -73,22 +73,6 @@ def _an_integer(cls: type, value: Any) -> Any:
     return value
 
 
-def _unicode_text(cls: type, value: Any) -> Any:
-    """Text (or a list of texts) that UTF-8 can write: a lone surrogate (JSON's "\\ud800") in a field the reply names
-    (request_id, its id) would make the whole reply unwritable, and in one the engine tokenizes (bad_words) fails the
-    tokenizer: either a 500 for the client's mistake."""
-    for i, text in enumerate(value if isinstance(value, list) else [value]):
-        if not isinstance(text, str):
-            continue
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            where = f"entry {i} " if isinstance(value, list) else ""
-            raise ValueError(f"{where}must be valid Unicode text, got a lone surrogate U+{ord(text[exc.start]):04X} "
-                             f"at character {exc.start}") from None
-    return value
-
-
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
@@ -176,7 +160,6 @@ class SamplingFields(NullMeansDefault):
     length_penalty: float = 1.0
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
-    _texts_are_unicode = field_validator("request_id", "bad_words", mode="before")(_unicode_text)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
                                            mode="before")(_an_integer)
     _numbers_are_no_bools = field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",

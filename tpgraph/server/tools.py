@@ -53,8 +53,6 @@ def check_tools(tools: list[Any]) -> dict[str, dict]:
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"{where}.function needs a name (a non-empty string)")
-        if not _is_utf8(fn["name"]):  # (the reply names the function: it must be writable, whatever the template)
-            raise RequestError(f"{where}.function.name {fn['name']!r} is not valid Unicode text (a lone surrogate)")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"{where}.function.parameters must be a JSON schema object")
@@ -62,14 +60,6 @@ def check_tools(tools: list[Any]) -> dict[str, dict]:
             raise RequestError(f"{where}: two tools are named {fn['name']!r}")
         by_name[fn["name"]] = fn
     return by_name
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def template_tools(tools: list[dict]) -> list[dict]:

@@ -1,0 +1,58 @@
+"""Every string of a JSON request body must be text UTF-8 can write.
+
+JSON can carry a lone surrogate as an escape ("\\ud800"), which Python decodes into a string no UTF-8 encoder takes.
+Anywhere a request's text goes on, it fails late: a reply that echoes it (a request_id, a tool's name, a response's
+metadata) cannot be written and becomes a 500 after the request ran, and the tokenizer refuses it (bad_words) inside
+the engine. So the server refuses such a body before any route reads it, naming where the string is, for every field
+at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from tpgraph.errors import RequestError
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where in a decoded JSON value a string (or an object's key) holds a lone surrogate, as a path such as
+    `messages[0].content` (the first in the body's order); None where every string is valid Unicode."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _writable(item):
+                return path or "the body"
+        elif isinstance(item, dict):  # (pushed last first: the walk takes them in the body's order)
+            if any(not _writable(key) for key in item if isinstance(key, str)):
+                return f"a key of {path or 'the body'}"
+            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item))))
+    return None
+
+
+def _writable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def refuse_lone_surrogates(request: Request) -> None:
+    """The app's dependency: a JSON body holding a lone surrogate is a 400 that names the field. FastAPI has read and
+    decoded the body before its dependencies run (Starlette keeps the decoded JSON), so this costs one walk over it; a
+    body that is no JSON is left to FastAPI's own refusal."""
+    if not await request.body():
+        return
+    try:
+        body = await request.json()
+    except ValueError:
+        return
+    where = lone_surrogate_at(body)
+    if where is not None:
+        raise RequestError(f"{where} is not valid Unicode text: it holds a lone surrogate (a \\ud800-\\udfff escape "
+                           "that is no half of a pair)")
