@@ -900,3 +900,19 @@ def test_reset_prefix_cache_takes_vllms_arguments():
         assert e.reset_prefix_cache(True, False) and e.core.scheduler.allocator.num_cached_blocks == 0
         with pytest.raises(RequestError, match="reset_running_requests must be True or False, got 'yes'"):
             e.reset_prefix_cache(reset_running_requests="yes")
+
+
+def test_vllms_async_scheduling_is_overlap_scheduling_and_an_unknown_keyword_is_refused_by_name():
+    """LLM(async_scheduling=...) (vLLM's EngineArgs; the server's --async-scheduling) and any keyword EngineConfig
+    has no field for were a bare TypeError from EngineConfig."""
+    from tpgraph.engine.config import vllm_keywords
+
+    assert vllm_keywords(None, 1, {"async_scheduling": False}) == (None, 1, {"overlap_scheduling": False})
+    assert vllm_keywords(None, 1, {"async_scheduling": None}) == (None, 1, {})
+    with pytest.raises(ConfigError, match=r"overlap_scheduling=True and async_scheduling=False differ"):
+        vllm_keywords(None, 1, {"async_scheduling": False, "overlap_scheduling": True})
+    with pytest.raises(ConfigError, match=r"async_scheduling must be True, False or None, got 'yes'"):
+        vllm_keywords(None, 1, {"async_scheduling": "yes"})
+    with pytest.raises(ConfigError, match=r"max_num_seq \(an unknown keyword\) is not taken: TPEngine takes "
+                                          r".*max_num_seqs"):
+        TPEngine(device="cpu", max_num_seq=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -182,14 +183,40 @@ def check_executor_backend(backend: object, tp_size: int, named: str = "distribu
                       f"does; give {fits!r} or leave it out")
 
 
+def async_scheduling(value: object, overlap: object) -> dict[str, Any]:
+    """vLLM's async_scheduling (EngineArgs; the server's --async-scheduling) is overlap_scheduling here; its None
+    leaves the choice to the engine, whose default is to overlap."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"async_scheduling must be True, False or None, got {value!r}")
+    if value is None:
+        return {}
+    if overlap is not None and overlap != value:
+        raise ConfigError(f"overlap_scheduling={overlap!r} and async_scheduling={value!r} differ: give one of them")
+    return {"overlap_scheduling": value}
+
+
+def check_known(kwargs: dict[str, Any]) -> None:
+    """A keyword neither EngineConfig nor vllm_keywords reads is refused by name (not a bare TypeError from the
+    dataclass), listing what is taken: a misspelt one would otherwise leave its setting at the default unsaid."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tp_size"}
+    unknown = sorted(set(kwargs) - fields, key=str)
+    if unknown:
+        vllms = ("tensor_parallel_size", "enforce_eager", "num_gpu_blocks_override", "async_scheduling",
+                 "distributed_executor_backend", "revision", "tokenizer_revision", "download_dir",
+                 *VLLM_KEYWORDS_TAKEN)
+        raise ConfigError(f"{', '.join(map(str, unknown))} (an unknown keyword) is not taken: TPEngine takes model, "
+                          f"tp_size, {', '.join(sorted(fields))} and vLLM's {', '.join(sorted(vllms))}")
+
+
 def vllm_keywords(model: str | Path | None, tp_size: int,
                   kwargs: dict[str, Any]) -> tuple[str | None, int, dict[str, Any]]:
     """TPEngine's model, tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
-    tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, and enforce_eager is the graphs'
-    GraphConfig.enforce_eager. Both names given, differing, is refused; so is a vLLM keyword with no setting here
-    (VLLM_KEYWORDS_NOT_TAKEN, naming what to do), or one at a value meaning other than what tpgraph does
-    (VLLM_KEYWORDS_TAKEN, check_executor_backend). A model or tokenizer given as a hub id is its cached snapshot at
-    `revision` / `tokenizer_revision` in `download_dir` or the hub's cache (hub.py; nothing is downloaded)."""
+    tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, enforce_eager is the graphs'
+    GraphConfig.enforce_eager and async_scheduling is overlap_scheduling. Both names given, differing, is refused; so
+    is a vLLM keyword with no setting here (VLLM_KEYWORDS_NOT_TAKEN, naming what to do), one at a value meaning other
+    than what tpgraph does (VLLM_KEYWORDS_TAKEN, check_executor_backend), and any other keyword (check_known). A model
+    or tokenizer given as a hub id is its cached snapshot at `revision` / `tokenizer_revision` in `download_dir` or
+    the hub's cache (hub.py; nothing is downloaded)."""
     kwargs = dict(kwargs)
     for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
         if name in kwargs:
@@ -219,7 +246,10 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
                 raise ConfigError(f"enforce_eager={eager} and graphs' enforce_eager={graphs.enforce_eager} differ: "
                                   f"give one of them")
             kwargs["graphs"] = replace(graphs, enforce_eager=eager)
+    if "async_scheduling" in kwargs:
+        kwargs.update(async_scheduling(kwargs.pop("async_scheduling"), kwargs.get("overlap_scheduling")))
     hub = {name: kwargs.pop(name, None) for name in ("revision", "tokenizer_revision", "download_dir")}
+    check_known(kwargs)
     if model is not None or any(hub.values()) or kwargs.get("tokenizer") is not None:
         model, tokenizer = checkpoint_dirs(model, kwargs.get("tokenizer"), hub["revision"], hub["tokenizer_revision"],
                                            hub["download_dir"], named=str)
