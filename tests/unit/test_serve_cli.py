@@ -465,6 +465,25 @@ def test_a_model_read_as_a_list_flags_value_is_refused_saying_where_it_goes(argv
     assert parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]  # (keys that name no model: as they are)
 
 
+def test_decode_sizes_too_small_for_max_num_seqs_are_refused_naming_the_flags_or_keywords_given():
+    """The refusal said "explicit cuda graph ladder ... lower max_batch": neither the flag that set the sizes nor
+    --max-num-seqs (max_num_seqs=), which the user can lower."""
+    from tpgraph.engine.config import EngineConfig
+    from tpgraph.graphs.config import GraphConfig
+
+    for flags, named in [(["--cuda-graph-sizes", "4"], "--cuda-graph-sizes"),
+                         (["--cudagraph-capture-sizes", "1", "4"], "--cudagraph-capture-sizes"),
+                         (["--max-cudagraph-capture-size", "4"], "--max-cudagraph-capture-size"),
+                         (["--cuda-graph-ladder", "1,2,4"], "--cuda-graph-ladder")]:
+        with pytest.raises(ConfigError, match=rf"^{named} \(the decode capture sizes\) \[.*\] tops out at 4 but "
+                                              r"--max-num-seqs is 8; add a size >= 8 or lower --max-num-seqs"):
+            engine_kwargs(parse_args(["--device", "cuda", *flags]))
+    assert engine_kwargs(parse_args(["--device", "cpu", "--cuda-graph-sizes", "4"]))["max_num_seqs"] == 8
+    with pytest.raises(ConfigError, match=r"graphs' ladder \(the decode capture sizes\) \[1, 2, 4\] tops out at 4 "
+                                          r"but max_num_seqs is 8; add a size >= 8 or lower max_num_seqs"):
+        EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4)))
+
+
 def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_loads(monkeypatch):
     """--cuda-graph-sizes 4 (1, 2, 4) beside the default --max-num-seqs 8 on a GPU was refused only by the runner,
     once every rank had loaded the weights. Where no decode graph is captured (CPU, --enforce-eager) it still runs."""
@@ -475,7 +494,7 @@ def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_
     from tpgraph.graphs.config import GraphConfig
 
     short = GraphConfig(ladder=(1, 2, 4))
-    with pytest.raises(ConfigError, match="tops out at 4 but max_batch is 8"):
+    with pytest.raises(ConfigError, match="tops out at 4 but max_num_seqs is 8"):
         EngineConfig(device="cuda", max_num_seqs=8, graphs=short)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="tops out at 4"):

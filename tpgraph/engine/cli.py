@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tpgraph.distributed import env_int
-from tpgraph.engine.config import check_executor_backend
+from tpgraph.engine.config import captures_decode, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
-from tpgraph.graphs.config import add_graph_args, graph_config_from_args
+from tpgraph.graphs.config import add_graph_args, graph_config_from_args, ladder_flag
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
@@ -214,6 +214,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     check_executor_backend(args.distributed_executor_backend, tp_size, named="--distributed-executor-backend ")
     model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
                                        args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
+    graphs = graph_config_from_args(args)
+    # EngineConfig's check, naming the flags rather than its keywords (a count below 1 it refuses itself)
+    if args.max_num_seqs >= 1 and captures_decode(graphs, args.device):
+        graphs.decode_sizes(args.max_num_seqs, (f"{ladder_flag(args)} (the decode capture sizes)", "--max-num-seqs"))
     return dict(model=model, tp_size=tp_size, device=args.device, dtype=args.dtype,
                 load_format=args.load_format, seed=args.seed, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -224,4 +228,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 chat_template=args.chat_template, tokenizer=tokenizer,
                 max_logprobs=args.max_logprobs, generation_config=args.generation_config,
-                override_generation_config=args.override_generation_config or {}, graphs=graph_config_from_args(args))
+                override_generation_config=args.override_generation_config or {}, graphs=graphs)

@@ -96,8 +96,8 @@ class EngineConfig:
                               f"{self.scheduling_policy!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
-        if self._captures_decode():  # (the runner refuses it too, but once every rank has loaded the weights)
-            self.graphs.decode_sizes(self.max_num_seqs)
+        if captures_decode(self.graphs, self.device):  # (the runner refuses it too, once every rank has the weights)
+            self.graphs.decode_sizes(self.max_num_seqs, ("graphs' ladder (the decode capture sizes)", "max_num_seqs"))
         utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -105,14 +105,14 @@ class EngineConfig:
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                self.enable_chunked_prefill)
 
-    def _captures_decode(self) -> bool:
-        """Whether decode graphs are captured (their sizes must then hold max_num_seqs): on CUDA unless eager; the
-        breakable debug mode, which captures nothing but keeps the buckets, anywhere (graphs/modes.py)."""
-        g = self.graphs
-        if g.enforce_eager or g.decode_mode == "none":
-            return False
-        on_cuda = self.device == "cuda" or (self.device is None and torch.cuda.is_available())
-        return on_cuda or g.decode_mode == "breakable"
+
+def captures_decode(graphs: GraphConfig, device: str | None) -> bool:
+    """Whether decode graphs are captured (their sizes must then hold max_num_seqs): on CUDA unless eager; the
+    breakable debug mode, which captures nothing but keeps the buckets, anywhere (graphs/modes.py)."""
+    if graphs.enforce_eager or graphs.decode_mode == "none":
+        return False
+    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    return on_cuda or graphs.decode_mode == "breakable"
 
 
 def check_tokenizer_dir(tokenizer: object) -> None:

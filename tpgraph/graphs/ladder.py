@@ -75,8 +75,10 @@ def parse_ladder(spec: str | Sequence[int]) -> str | tuple[int, ...]:
     return check_sizes(spec, "cuda graph ladder")
 
 
-def capture_sizes(spec: str | Sequence[int], max_batch: int) -> tuple[int, ...]:
-    """Ascending bucket sizes covering every batch 1..max_batch: rungs <= max_batch plus the first rung >= it."""
+def capture_sizes(spec: str | Sequence[int], max_batch: int,
+                  named: tuple[str, str] = ("explicit cuda graph ladder", "max_batch")) -> tuple[int, ...]:
+    """Ascending bucket sizes covering every batch 1..max_batch: rungs <= max_batch plus the first rung >= it.
+    `named`: what the refusal calls the sizes and the batch (the flags or keywords the user set them with)."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ConfigError(f"max_batch must be a positive integer, got {max_batch!r}")
     ladder = parse_ladder(spec)
@@ -85,10 +87,9 @@ def capture_sizes(spec: str | Sequence[int], max_batch: int) -> tuple[int, ...]:
     else:
         rungs = ladder
         if rungs[-1] < max_batch:
-            raise ConfigError(
-                f"explicit cuda graph ladder {list(rungs)} tops out at {rungs[-1]} but max_batch is {max_batch}; "
-                f"add a size >= {max_batch} or lower max_batch"
-            )
+            sizes, batch = named
+            raise ConfigError(f"{sizes} {list(rungs)} tops out at {rungs[-1]} but {batch} is {max_batch}; "
+                              f"add a size >= {max_batch} or lower {batch}")
     return rungs[: bisect_left(rungs, max_batch) + 1]
 
 
