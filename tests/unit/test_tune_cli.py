@@ -424,3 +424,21 @@ def test_the_config_dir_fix_names_every_table_the_folder_serves(tmp_path, monkey
     monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=r"copy tpgraph's configs folder \(allreduce/ and gemv/\) there"):
         load_table_for((9, 0))
+
+
+@pytest.mark.parametrize("points", ["0", "-3"])
+def test_a_min_points_below_one_is_refused_before_measuring(points, monkeypatch, capsys):
+    """--min-points 0 or -3 was taken and derived bands as --min-points 1 would (a band of one noisy size), unsaid."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--min-points", points]) == 2
+    assert f"--min-points must be at least 1, got {points}" in capsys.readouterr().err
+    assert not started
+    assert main(["--min-points", "1"]) == 0 and len(started) == 1

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tolerance is a fraction of the fastest time, in [0, 1) (0.03: within 3%), got "
               f"{args.tolerance}", file=sys.stderr)
         return 2
+    if args.min_points < 1:  # (0 or below filtered no band: each behaved as 1, a band of one noisy size)
+        print(f"error: --min-points must be at least 1, got {args.min_points}", file=sys.stderr)
+        return 2
     from tpgraph.comm.limits import kernel_limits
     from tpgraph.tune.measure import DEFAULT_SIZES
 
