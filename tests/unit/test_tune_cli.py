@@ -442,3 +442,16 @@ def test_a_min_points_below_one_is_refused_before_measuring(points, monkeypatch,
     assert f"--min-points must be at least 1, got {points}" in capsys.readouterr().err
     assert not started
     assert main(["--min-points", "1"]) == 0 and len(started) == 1
+
+
+def test_a_world_size_variable_that_is_no_integer_is_refused_by_name(monkeypatch, capsys):
+    """WORLD_SIZE=two (a launcher's, or a leftover export) ended tpgraph-tune in a ValueError traceback."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: pytest.fail("a rank ran"))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert main([]) == 2 and "environment variable WORLD_SIZE='two' is not an integer" in capsys.readouterr().err

@@ -72,7 +72,14 @@ def main(argv: list[str] | None = None) -> int:
               "send every larger message to NCCL unmeasured; add --dry-run to see them without writing",
               file=sys.stderr)
         return 2
-    if "WORLD_SIZE" not in os.environ and args.world_size is None:
+    from tpgraph.distributed import env_int
+
+    try:  # (torchrun's; not an integer, it was a ValueError traceback)
+        launched = env_int("WORLD_SIZE")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if launched is None and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
         return 2
     for flag, path in (("--log", args.log), ("--plot", args.plot)):  # (written after minutes of measuring: a
@@ -107,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.comm.thresholds import WORLD_SIZES
 
     lo, hi = WORLD_SIZES.start, WORLD_SIZES.stop - 1  # (the custom all-reduce's, and the table's rows)
-    if "WORLD_SIZE" in os.environ:
-        if int(os.environ["WORLD_SIZE"]) not in WORLD_SIZES:  # (each rank would fail alike, after NCCL started)
-            print(f"error: the table has rows for {lo}..{hi} ranks; torchrun started {os.environ['WORLD_SIZE']}",
-                  file=sys.stderr)
+    if launched is not None:
+        if launched not in WORLD_SIZES:  # (each rank would fail alike, after NCCL started)
+            print(f"error: the table has rows for {lo}..{hi} ranks; torchrun started {launched}", file=sys.stderr)
             return 2
-        if args.world_size is not None and args.world_size != int(os.environ["WORLD_SIZE"]):  # (torchrun's decides)
-            print(f"error: --world-size {args.world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks: "
+        if args.world_size is not None and args.world_size != launched:  # (torchrun's decides)
+            print(f"error: --world-size {args.world_size}, but torchrun started {launched} ranks: "
                   "leave --world-size out under torchrun, or start that many (--nproc-per-node)", file=sys.stderr)
             return 2
         return run_rank(args, None)
