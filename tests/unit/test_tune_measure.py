@@ -84,3 +84,19 @@ def test_a_grid_refused_on_one_rank_stops_that_algorithm_on_every_rank(faked, mo
     assert len(pushes) == 2  # the third grid was refused elsewhere: no rank times it or any larger one
     graph = {x.algo: x for x in out if x.mode == "graph"}
     assert graph["1shot_push"].us is not None
+
+
+def test_the_progress_ticks_are_as_many_as_count_steps_says_when_grids_are_refused(faked):
+    """The bar's total (count_steps) counted every grid and an eager run per algorithm, but a refused grid stopped
+    its algorithm's later grids, and an algorithm with none ran no eager step: the bar ended short of its total."""
+    class NoPull1(FakeAR):  # refuses 1shot_pull at every grid, and (as FakeAR) grids over its SMs
+        def all_reduce(self, x, algo, blocks=None):
+            if algo == Algo.PULL_1SHOT:
+                raise CommError("no 1shot_pull here")
+            return super().all_reduce(x, algo, blocks)
+
+    state = types.SimpleNamespace(device="cpu", world_size=2, tp_group=None)
+    sizes = [4096, 32 * MB]
+    ticks = []
+    m.measure(state, NoPull1(), sizes, runs=20, progress=ticks.append)
+    assert len(ticks) == m.count_steps(sizes, 2, FakeAR.num_sms)

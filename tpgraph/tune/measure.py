@@ -56,8 +56,8 @@ def skipped_multicast() -> str:
 
 def measure(state: ParallelState, ar: CustomAllReduce, sizes: Iterable[int] = DEFAULT_SIZES, runs: int = MIN_RUNS,
             k: int = K_OPS, progress: Callable[[str], None] | None = None) -> list[Measurement]:
-    """Every candidate at every size, graph and eager. `progress(label)` is called once per captured graph and once
-    per eager candidate."""
+    """Every candidate at every size, graph and eager. `progress(label)` is called once per grid (captured, refused
+    or skipped after a refusal) and once per eager candidate (run or not): count_steps' count."""
     out: list[Measurement] = []
     tick = progress or (lambda _: None)
     for nbytes in sizes:
@@ -69,11 +69,13 @@ def measure(state: ParallelState, ar: CustomAllReduce, sizes: Iterable[int] = DE
             times = {blocks: us for (a, blocks), us in graph_us.items() if a == algo.value}
             if not times:
                 out += [Measurement(m, algo.value, nbytes, None, note=notes[algo.value]) for m in ("graph", "eager")]
+                tick(f"{algo.value} {nbytes} B eager: not run")  # (count_steps counts its eager step all the same)
                 continue
             best = smallest_near_best(times)
             out.append(Measurement("graph", algo.value, nbytes, times[best], best, times))
             if algo != Algo.PUSH_1SHOT and nbytes > ar.staging_bytes:  # eager pull stages its input
                 out.append(Measurement("eager", algo.value, nbytes, None, note="over the staging buffer"))
+                tick(f"{algo.value} {nbytes} B eager: not run")
             else:
                 eager[algo.value] = functools.partial(ar.all_reduce, x, algo, blocks=best)
         out.append(Measurement("graph", Algo.NCCL.value, nbytes, graph_us[(Algo.NCCL.value, None)]))
@@ -99,7 +101,8 @@ def _graphs(state: ParallelState, ar: CustomAllReduce, x: torch.Tensor, runs: in
     with released(ar) as ctx:
         try:
             for algo in CUSTOM:
-                for blocks in grids_for(algo, nbytes, state.world_size, ar.num_sms):
+                grids = grids_for(algo, nbytes, state.world_size, ar.num_sms)
+                for i, blocks in enumerate(grids):
                     name = f"{algo.value}/{blocks}"
                     try:
                         graphs[name] = capture(functools.partial(ar.all_reduce, x, algo, blocks=blocks), k, ctx)
@@ -111,6 +114,8 @@ def _graphs(state: ParallelState, ar: CustomAllReduce, x: torch.Tensor, runs: in
                     if reasons:
                         graphs.pop(name, None)
                         notes[algo.value] = f"{blocks} blocks refused: {reasons[0]}"
+                        for _ in grids[i:]:  # (this grid and the larger ones skipped: count_steps counts each)
+                            tick(f"{algo.value} {nbytes} B, from {blocks} blocks refused")
                         break
                     keys[name] = (algo.value, blocks)
                     tick(f"{algo.value} {nbytes} B, {blocks} blocks")
