@@ -188,6 +188,24 @@ def test_a_tuned_table_picks_the_config_by_shape_and_largest_m_not_above(tmp_pat
         tiles(3072, 4096, 1, bad)
 
 
+@pytest.mark.parametrize("key", ["4096,2048", "4096,2048,1,1", "4096,x,1", "4096,2048,0", "4096,²,1"])
+def test_a_table_key_that_is_no_shape_is_refused_naming_the_file_and_the_key(key, tmp_path):
+    """A key of two parts was read as (n, k) and failed later, unpacking in tiles(), as a bare ValueError; each key
+    is "n,k,m", three positive integers, checked as the file is read."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import _tuned
+
+    path = tmp_path / "gemv.json"
+    tile = {"block_n": 32, "block_k": 512, "num_warps": 8, "num_stages": 3}
+    path.write_text(json.dumps({"best": {"3072,4096,1": tile, key: tile}}))
+    with pytest.raises(ConfigError, match=rf"GEMV table {re.escape(str(path))}: key '{key}' in \"best\" is not "
+                                          r"'n,k,m' \(three positive integers"):
+        _tuned(str(path))
+    path.write_text(json.dumps({"best": {"3072,4096,1": {**tile, "block_n": 3}}}))
+    with pytest.raises(ConfigError, match=r"key '3072,4096,1' in \"best\": .*power of two"):
+        _tuned.__wrapped__(str(path))
+
+
 def test_the_shipped_sm90_table_covers_the_tp2_llama3_8b_decode_shapes(monkeypatch):
     from tpgraph.kernels.gemv import _tuned, resident, table_path
 

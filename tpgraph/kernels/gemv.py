@@ -195,9 +195,28 @@ def _tuned(path: str, section: str = "best") -> dict[tuple[int, int, int], GemvC
     try:
         table = json.loads(Path(path).read_text())
         entries = table["best"] if section == "best" else table.get(section, {})
-        return {tuple(int(v) for v in key.split(",")): GemvConfig(**fields) for key, fields in entries.items()}
+        items = entries.items()
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"GEMV table {path}: not a table from bench_gemv.py --sweep ({exc})") from exc
+    return {_shape(path, section, key): _entry(path, section, key, fields) for key, fields in items}
+
+
+def _shape(path: str, section: str, key: object) -> tuple[int, int, int]:
+    """A table key, "n,k,m": refused here, naming it, rather than failing to unpack later in tiles()."""
+    parts = key.split(",") if isinstance(key, str) else []
+    # (ASCII digits alone: int() refuses some of what isdigit() takes, such as "²")
+    if len(parts) == 3 and all(p.strip().isascii() and p.strip().isdigit() and int(p) > 0 for p in parts):
+        n, k, m = (int(p) for p in parts)
+        return n, k, m
+    raise ConfigError(f"GEMV table {path}: key {key!r} in \"{section}\" is not 'n,k,m' (three positive integers, "
+                      f"e.g. \"4096,2048,1\", as bench_gemv.py --sweep writes them)")
+
+
+def _entry(path: str, section: str, key: str, fields: object) -> GemvConfig:
+    try:
+        return GemvConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"GEMV table {path}: key {key!r} in \"{section}\": not a tile config ({exc})") from exc
 
 
 def table_path(capability: tuple[int, int]) -> Path | None:
