@@ -340,3 +340,15 @@ def test_python_and_cpp_gates_read_spellings_alike(spelling, monkeypatch):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv(name, spelling.format(v=value))
         assert ext.multicast_env_allowed() == multicast_allowed({name: spelling.format(v=value)}), (name, spelling)
+
+
+def test_config_dir_and_the_gemv_table_expand_a_home_written_as_a_tilde(tmp_path, monkeypatch):
+    """TPGRAPH_CONFIG_DIR=~/tables in an env file (no shell to expand it) named a folder "~" under the working
+    directory: the engine then refused the all-reduce table as missing; TPGRAPH_GEMV_TABLE=~/g.json likewise."""
+    from tpgraph.kernels.gemv import table_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", "~/tables")
+    assert config_dir() == tmp_path / "tables"
+    monkeypatch.setenv("TPGRAPH_GEMV_TABLE", "~/g.json")
+    assert table_path((9, 0)) == tmp_path / "g.json"

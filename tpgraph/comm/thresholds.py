@@ -217,8 +217,8 @@ def parse_table(doc: Any, source: str) -> AlgoTable:
 def config_dir() -> Path:
     """TPGRAPH_CONFIG_DIR if set; else the tables installed with the package (tpgraph/configs, from a wheel or
     `pip install .`); else configs/ of this checkout (an editable install)."""
-    if os.environ.get("TPGRAPH_CONFIG_DIR"):
-        return Path(os.environ["TPGRAPH_CONFIG_DIR"])
+    if os.environ.get("TPGRAPH_CONFIG_DIR"):  # (~ expanded: an env file's value reaches here unexpanded by a shell)
+        return Path(os.environ["TPGRAPH_CONFIG_DIR"]).expanduser()
     package = Path(__file__).resolve().parents[1]
     installed = package / "configs"
     return installed if installed.is_dir() else package.parent / "configs"

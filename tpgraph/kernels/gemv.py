@@ -222,7 +222,11 @@ def _entry(path: str, section: str, key: str, fields: object) -> GemvConfig:
 def table_path(capability: tuple[int, int]) -> Path | None:
     """TPGRAPH_GEMV_TABLE if set; else the tuned table shipped for this architecture (configs/gemv), if there is one.
     Without a table every shape gets the default tiles: a table tunes speed, never the result's validity."""
-    return _table_path(os.environ.get("TPGRAPH_GEMV_TABLE"), os.environ.get("TPGRAPH_CONFIG_DIR"), capability)
+    # (~ expanded here, not in the cached lookup, so that the key holds the home it means; an env file's value
+    # reaches here unexpanded by a shell)
+    env, config_dir_env = (os.environ.get(name) for name in ("TPGRAPH_GEMV_TABLE", "TPGRAPH_CONFIG_DIR"))
+    return _table_path(env and os.path.expanduser(env), config_dir_env and os.path.expanduser(config_dir_env),
+                       capability)
 
 
 @functools.lru_cache(maxsize=16)
