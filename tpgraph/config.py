@@ -103,12 +103,15 @@ class RopeConfig:
         # (a "default" rope ignores factor, as transformers does)
         factor = _positive("factor", params["factor"]) if rope_type in _ROPE_FIELDS else \
             float(params.get("factor", 1.0))
+        # (llama3's divide the context by them: 0 was a ZeroDivisionError on every rank as the model was built)
+        low, high = (_positive(name, params[name]) if rope_type == "llama3" else float(params.get(name, default))
+                     for name, default in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)))
         return RopeConfig(
             theta=theta,
             type=rope_type,
             factor=factor,
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            low_freq_factor=low,
+            high_freq_factor=high,
             # (as transformers 5 computes llama3's frequencies: a field beside the rope dict wins over the dict's, and
             # without either it is the model's context, not a fixed 8192; transformers 4 requires the dict's)
             original_max_position_embeddings=int(cfg.get("original_max_position_embeddings")

@@ -263,3 +263,14 @@ def test_a_rope_scale_of_zero_or_less_is_refused_by_name(rope):
         ModelConfig.from_hf_dict({**MINIMAL, **rope})
     # a default rope ignores its factor, as transformers does
     assert ModelConfig.from_hf_dict({**MINIMAL, "rope_scaling": {"rope_type": "default", "factor": 0}})
+
+
+@pytest.mark.parametrize("low, high", [(0, 4.0), (-1.0, 4.0), (1.0, 0), (1.0, True), (None, 4.0)])
+def test_a_llama3_rope_frequency_factor_of_zero_or_less_is_refused_by_name(low, high):
+    """A llama3 low_freq_factor of 0 was taken and failed as a ZeroDivisionError traceback on every rank while the
+    model was built; one below 0 (or a bool read as 1) made another rope, unsaid. Refused as the factor is."""
+    name = "low_freq_factor" if low is None or not (isinstance(low, float) and low > 0) else "high_freq_factor"
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low, "high_freq_factor": high}
+    match = f"needs {name}" if low is None else f"config.json rope {name} must be a number > 0"
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict({**MINIMAL, "rope_scaling": rope})
