@@ -35,7 +35,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return name
     try:
         return DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # (TypeError: a list or a dict, which no name is)
         raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 

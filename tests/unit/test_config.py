@@ -274,3 +274,12 @@ def test_a_llama3_rope_frequency_factor_of_zero_or_less_is_refused_by_name(low, 
     match = f"needs {name}" if low is None else f"config.json rope {name} must be a number > 0"
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf_dict({**MINIMAL, "rope_scaling": rope})
+
+
+@pytest.mark.parametrize("dtype", [["bf16"], {"name": "bf16"}])
+def test_a_dtype_that_is_no_name_is_refused_by_name_not_as_a_type_error(dtype):
+    """TPEngine(dtype=["bf16"]) (a list, a dict) ended in a bare TypeError (unhashable type) from EngineConfig."""
+    from tpgraph.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"unknown dtype .*; choose one of"):
+        EngineConfig(dtype=dtype)
