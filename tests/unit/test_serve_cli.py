@@ -41,6 +41,15 @@ def test_vllms_on_and_off_spellings_both_parse(name):
     assert engine_kwargs(parse_args([]))[name] is True
 
 
+def test_a_gpu_memory_utilization_given_as_text_is_refused_saying_so():
+    """gpu_memory_utilization="0.9" was refused as "must be in (0, 1], got 0.9": a value in that range, by the
+    message; the refusal now shows the text as given and asks for a number."""
+    from tpgraph.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a number in \(0, 1\], got '0.9'"):
+        EngineConfig(gpu_memory_utilization="0.9")
+
+
 def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert engine_kwargs(parse_args(["-tp", "0"]))["tp_size"] == 0
@@ -48,8 +57,8 @@ def test_tp_zero_is_passed_on_to_be_refused_not_taken_as_the_world_size(monkeypa
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
-    ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be in"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be a number in"),
+    ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization must be a number in"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
      "without chunked prefill, max_num_batched_tokens"),
     ({"tp_size": 0}, "tp_size must be a positive integer"),

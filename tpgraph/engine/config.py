@@ -100,7 +100,7 @@ class EngineConfig:
             self.graphs.decode_sizes(self.max_num_seqs, ("graphs' ladder (the decode capture sizes)", "max_num_seqs"))
         utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                self.enable_chunked_prefill)
