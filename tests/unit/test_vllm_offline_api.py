@@ -916,3 +916,16 @@ def test_vllms_async_scheduling_is_overlap_scheduling_and_an_unknown_keyword_is_
     with pytest.raises(ConfigError, match=r"max_num_seq \(an unknown keyword\) is not taken: TPEngine takes "
                                           r".*max_num_seqs"):
         TPEngine(device="cpu", max_num_seq=4)
+
+
+@pytest.mark.parametrize("name, value", [("tensor_parallel_size", "2"), ("tensor_parallel_size", 0),
+                                         ("num_gpu_blocks_override", [1]), ("num_gpu_blocks_override", 0)])
+def test_a_bad_value_under_vllms_name_is_refused_under_that_name(name, value):
+    """LLM(tensor_parallel_size="2") was refused as "tp_size must be a positive integer", and
+    num_gpu_blocks_override=0 as num_kv_blocks: names the script never wrote."""
+    import re
+
+    from tpgraph.engine.config import vllm_keywords
+
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{name} must be a positive integer, got {value!r}")):
+        vllm_keywords(None, 1, {name: value})

@@ -195,6 +195,13 @@ def async_scheduling(value: object, overlap: object) -> dict[str, Any]:
     return {"overlap_scheduling": value}
 
 
+def positive_int(name: str, value: object) -> int:
+    """A count given under vLLM's name, refused under that name (not the tpgraph field it becomes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def check_known(kwargs: dict[str, Any]) -> None:
     """A keyword neither EngineConfig nor vllm_keywords reads is refused by name (not a bare TypeError from the
     dataclass), listing what is taken: a misspelt one would otherwise leave its setting at the default unsaid."""
@@ -225,13 +232,15 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
         if name in kwargs and not takes(value := kwargs.pop(name)):
             raise ConfigError(f"{name}={value!r} (vLLM's) is not taken: {name} takes {meaning}")
     if "tensor_parallel_size" in kwargs:
-        size = kwargs.pop("tensor_parallel_size")
+        size = positive_int("tensor_parallel_size", kwargs.pop("tensor_parallel_size"))
         if tp_size != 1 and size != tp_size:  # (tp_size=1 is also its default, so it cannot be told apart)
             raise ConfigError(f"tp_size={tp_size!r} and tensor_parallel_size={size!r} differ: give one of them")
         tp_size = size
     check_executor_backend(kwargs.pop("distributed_executor_backend", None), tp_size)
     if "num_gpu_blocks_override" in kwargs:
         blocks = kwargs.pop("num_gpu_blocks_override")
+        if blocks is not None:  # (vLLM's default: the cache sized from memory)
+            positive_int("num_gpu_blocks_override", blocks)
         if kwargs.get("num_kv_blocks", blocks) != blocks:
             raise ConfigError(f"num_kv_blocks={kwargs['num_kv_blocks']!r} and num_gpu_blocks_override={blocks!r} "
                               f"differ: give one of them")
