@@ -552,3 +552,28 @@ def test_the_streamed_text_deltas_carry_every_logprob_of_the_text():
     assert "".join(e["delta"] for e in deltas) == done["text"] == "Hello"
     assert [entry for e in deltas for entry in e["logprobs"]] == done["logprobs"]
     assert len(done["logprobs"]) == 3 and whole["output"][0]["content"][0]["logprobs"] == done["logprobs"]
+
+
+class CountingClient(ScriptedClient):
+    """A scripted engine whose i-th token has the log-probability -(i + 1) / 10, to tell the tokens' entries apart."""
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        counted = iter(range(1, 1 << 20))
+
+        def numbered(update) -> None:
+            if update.logprob is not None:
+                update.logprob = -next(counted) / 10
+            sink(update)
+
+        super().submit(request_id, prompt, params, numbered)
+
+
+def test_a_whole_replys_text_after_a_call_takes_its_own_tokens_where_the_call_writes_it_too():
+    # (the call's arguments hold the text after it: its log-probabilities are still the text's own token's)
+    request = {"model": "m", "input": "Weather?", "tools": [WEATHER], "include": ["message.output_text.logprobs"]}
+    app = make_app(CountingClient(["[get_weather(", "city=' Done.')]", " Done."]), tools=ToolOptions(parser="pythonic"))
+    whole, streamed = post_all(app, [("/v1/responses", request), ("/v1/responses", {**request, "stream": True})])
+    texts = [item["content"][0] for item in typed_events(streamed.text)[-1]["response"]["output"]
+             if item["type"] == "message"]
+    assert [(text["text"], [entry["logprob"] for entry in text["logprobs"]]) for text in texts] == [(" Done.", [-0.3])]
+    assert [item["content"][0] for item in whole.json()["output"] if item["type"] == "message"] == texts

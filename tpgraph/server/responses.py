@@ -320,7 +320,9 @@ class OutputItems:
         """(a reply read whole) Each output text's log-probabilities, its own tokens': its text and calls came at once
         at the end, when every token's entries were pending."""
         parts = [item["content"][0] for item in self.items if item["type"] == "message"]
-        found = tokens.entries_of([part["text"] for part in parts])
+        first_call = next((i for i, item in enumerate(self.items) if item["type"] == "function_call"), len(self.items))
+        head = sum(item["type"] == "message" for item in self.items[:first_call])
+        found = tokens.entries_of([part["text"] for part in parts], head)
         if found is None:  # (a text not found in the answer: left as the fold gave it)
             return
         for part, entries in zip(parts, found, strict=True):
@@ -425,18 +427,14 @@ class AnswerTokens:
             self.tokens = [(t, []) for t, _ in self.tokens]
         self.tokens.append((text, [] if thought else entries))
 
-    def entries_of(self, texts: list[str]) -> list[list[dict]] | None:
+    def entries_of(self, texts: list[str], head: int) -> list[list[dict]] | None:
         """Each text's entries (the texts found in order in the answer): those of the tokens whose text falls in it,
         and of the tokens that wrote none there (or after it, where it ends the answer); None where a text is not
-        found."""
+        found. head: how many of the texts come before the first call (the others after one)."""
         answer = "".join(t for t, _ in self.tokens)
-        spans, at = [], 0
-        for text in texts:
-            start = answer.find(text, at)
-            if start < 0:
-                return None
-            at = start + len(text)
-            spans.append((start, at))
+        spans = _spans(answer, texts, head)
+        if spans is None:
+            return None
         found: list[list[dict]] = [[] for _ in texts]
         begin = 0
         for text, entries in self.tokens:
@@ -446,6 +444,28 @@ class AnswerTokens:
                 found[at] += entries
             begin = end
         return found
+
+
+def _spans(answer: str, texts: list[str], head: int) -> list[tuple[int, int]] | None:
+    """Where the texts stand in the answer, in order: the head's (before any call) found from its start, the others
+    from its end, as a call's text before them may write the same words (its arguments); None where one is not."""
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for text in texts[:head]:
+        start = answer.find(text, at)
+        if start < 0:
+            return None
+        at = start + len(text)
+        spans.append((start, at))
+    tail: list[tuple[int, int]] = []
+    end = len(answer)
+    for text in reversed(texts[head:]):
+        start = answer.rfind(text, at, end)
+        if start < 0:
+            return None
+        tail.append((start, start + len(text)))
+        end = start
+    return spans + tail[::-1]
 
 
 def _falls_in(begin: int, end: int, span: tuple[int, int], length: int) -> bool:
