@@ -421,11 +421,12 @@ class AnswerTokens:
 
     def __init__(self) -> None:
         self.tokens: list[tuple[str, list[dict]]] = []
+        self.answer_from = 0  # the first token past the thoughts: those before it give no entries
 
     def add(self, text: str, entries: list[dict], thought: bool) -> None:
-        if thought:  # (what came before the thoughts' end is no answer either: its text "", its entries dropped)
-            self.tokens = [(t, []) for t, _ in self.tokens]
-        self.tokens.append((text, [] if thought else entries))
+        self.tokens.append((text, entries))
+        if thought:  # (what came before the thoughts' end is no answer either; marked, not rewritten every token)
+            self.answer_from = len(self.tokens)
 
     def entries_of(self, texts: list[str], head: int) -> list[list[dict]] | None:
         """Each text's entries (the texts found in order in the answer): those of the tokens whose text falls in it,
@@ -437,10 +438,10 @@ class AnswerTokens:
             return None
         found: list[list[dict]] = [[] for _ in texts]
         begin = 0
-        for text, entries in self.tokens:
+        for n, (text, entries) in enumerate(self.tokens):
             end = begin + len(text)
             at = next((i for i, span in enumerate(spans) if _falls_in(begin, end, span, len(answer))), None)
-            if at is not None:
+            if at is not None and n >= self.answer_from:
                 found[at] += entries
             begin = end
         return found
