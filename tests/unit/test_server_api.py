@@ -430,6 +430,19 @@ def test_a_body_holding_a_lone_surrogate_anywhere_is_a_400_naming_where(path, bo
     assert not client.prompts
 
 
+
+def test_the_lone_surrogate_check_costs_a_token_id_batch_little():
+    """lm-eval sends its prompts as token ids, a batch at once: the body check, run before every route, must not
+    spend a path string on each number (half a second of the event loop for half a million ids)."""
+    from tpgraph.server.body_text import lone_surrogate_at
+
+    body = {"model": "m", "prompt": [list(range(8000)) for _ in range(64)], "stop": ["a", LONE]}
+    began = time.perf_counter()
+    where = lone_surrogate_at(body)
+    assert time.perf_counter() - began < 0.15
+    assert where == "stop[1]"
+
+
 def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
     """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
     metrics' registry."""

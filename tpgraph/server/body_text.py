@@ -15,6 +15,9 @@ from fastapi import Request
 
 from tpgraph.errors import RequestError
 
+TEXTUAL = (str, dict, list)  # the JSON values that are or may hold a string
+TEXTUAL_SET = frozenset(TEXTUAL)
+
 
 def lone_surrogate_at(value: Any) -> str | None:
     """Where in a decoded JSON value a string (or an object's key) holds a lone surrogate, as a path such as
@@ -28,9 +31,12 @@ def lone_surrogate_at(value: Any) -> str | None:
         elif isinstance(item, dict):  # (pushed last first: the walk takes them in the body's order)
             if any(not _writable(key) for key in item if isinstance(key, str)):
                 return f"a key of {path or 'the body'}"
-            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in reversed(item.items()))
-        elif isinstance(item, list):
-            stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(item))))
+            stack.extend((child, f"{path}.{key}" if path else str(key)) for key, child in reversed(item.items())
+                         if isinstance(child, TEXTUAL))
+        elif isinstance(item, list) and not TEXTUAL_SET.isdisjoint(map(type, item)):
+            # (a list of numbers, a batch's token ids, is passed over at C speed; a number gets no path)
+            stack.extend((item[i], f"{path}[{i}]") for i in range(len(item) - 1, -1, -1)
+                         if isinstance(item[i], TEXTUAL))
     return None
 
 
