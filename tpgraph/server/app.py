@@ -39,7 +39,7 @@ from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware, route_path
 from tpgraph.server.body_text import refuse_lone_surrogates
 from tpgraph.server.bridge import EngineClient, EngineUnavailable
-from tpgraph.server.errors import ApiError, anthropic_error_body, error_body, is_messages_path
+from tpgraph.server.errors import ApiError, error_body, refusal_body
 from tpgraph.server.messages import message_routes
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.options import HttpOptions
@@ -395,9 +395,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
         """A refusal no route answered itself (the app's body check, before any route runs): under the Messages API's
         path in Anthropic's shape."""
-        if is_messages_path(route_path(request.scope)):
-            return JSONResponse(anthropic_error_body(400, str(exc)), 400)
-        return JSONResponse(error_body(400, str(exc), "BadRequestError"), 400)
+        return JSONResponse(refusal_body(route_path(request.scope), 400, str(exc), "BadRequestError"), 400)
 
     @app.exception_handler(EngineUnavailable)
     async def unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
@@ -407,11 +405,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         """Starlette's own refusals (an unknown path, a wrong method, an unreadable body) in OpenAI's error shape
         (under the Messages API's path, Anthropic's)."""
-        if is_messages_path(route_path(request.scope)):
-            body = anthropic_error_body(exc.status_code, str(exc.detail))
-        else:
-            kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
-            body = error_body(exc.status_code, str(exc.detail), kind)
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        body = refusal_body(route_path(request.scope), exc.status_code, str(exc.detail), kind)
         return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ApiError)

@@ -15,7 +15,7 @@ import secrets
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tpgraph.server.errors import anthropic_error_body, error_body, is_messages_path
+from tpgraph.server.errors import is_messages_path, refusal_body
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
                         "/openapi.json"})
@@ -45,12 +45,12 @@ class ApiKeyMiddleware:
         header_key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
         if scheme.lower() == b"bearer" and self._taken(sent) or header_key is not None and self._taken(header_key):
             return await self.app(scope, receive, send)
-        anthropic = is_messages_path(route_path(scope))
-        header = "x-api-key: <key>" if anthropic else "Authorization: Bearer <key>"
+        path = route_path(scope)
+        header = "x-api-key: <key>" if is_messages_path(path) else "Authorization: Bearer <key>"
         message = (f"this server needs an API key: send the header `{header}`" if not given and header_key is None
                    else f"the API key is wrong (send the header `{header}`)")
-        body = anthropic_error_body(401, message) if anthropic else error_body(401, message, "AuthenticationError")
-        response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+        response = JSONResponse(refusal_body(path, 401, message, "AuthenticationError"), 401,
+                                headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     def _taken(self, sent: bytes) -> bool:

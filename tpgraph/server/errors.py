@@ -35,3 +35,11 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def is_messages_path(path: str) -> bool:
     """Is this (a route's path) the Messages API's, whose clients read Anthropic's error shape?"""
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def refusal_body(path: str, status: int, message: str, kind: str) -> dict:
+    """A refusal of a request for `path` (a route's) in the shape its client reads: Anthropic's under the Messages
+    API's path, else OpenAI's (of `kind`)."""
+    if is_messages_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, kind)
