@@ -362,7 +362,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
     async def read(request: Request, **defaults: Any) -> MessagesRequest:
         """The body, read here (its fields over `defaults`): every refusal of it in Anthropic's error shape."""
         try:
-            payload = json.loads(await request.body())
+            payload = await request.json()  # (the app's body check decoded it already: Starlette keeps it)
         except ValueError as exc:  # (JSONDecodeError, and UnicodeDecodeError where the body is no UTF-8)
             raise RequestError(f"the body is not valid JSON ({exc})") from None
         if not isinstance(payload, dict):
