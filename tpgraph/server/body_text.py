@@ -49,9 +49,10 @@ def _writable(text: str) -> bool:
 
 
 async def refuse_lone_surrogates(request: Request) -> None:
-    """The app's dependency: a JSON body holding a lone surrogate is a 400 that names the field. FastAPI has read and
-    decoded the body before its dependencies run (Starlette keeps the decoded JSON), so this costs one walk over it; a
-    body that is no JSON is left to FastAPI's own refusal."""
+    """The app's dependency: a JSON body holding a lone surrogate is a 400 that names the field. A route with a body
+    model has FastAPI read and decode the body before its dependencies run, one that reads it itself (the Messages
+    API's) has it decoded here; Starlette keeps the decoded JSON for both, so this costs one walk over it. A body that
+    is no JSON is left to the route's own refusal."""
     if not await request.body():
         return
     try:
