@@ -455,3 +455,31 @@ def test_a_world_size_variable_that_is_no_integer_is_refused_by_name(monkeypatch
     monkeypatch.setattr(cli, "run_rank", lambda args, init: pytest.fail("a rank ran"))
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert main([]) == 2 and "environment variable WORLD_SIZE='two' is not an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", ["cudaErrorNoKernelImageForDevice", "cudaErrorOperatingSystem"])
+def test_a_cuda_error_of_the_machine_in_the_set_up_is_told_so_not_shown_a_traceback(error, monkeypatch, capsys):
+    """The engine falls back to NCCL on a CUDA error that is the machine's (topology.UNAVAILABLE_CUDA_ERRORS: a GPU
+    tpgraph._C has no kernels for, CUDA IPC refused); tpgraph-tune caught only tpgraph's own errors, so on such a
+    machine every rank ended in a traceback of the extension's RuntimeError. Any other RuntimeError is still raised."""
+    from types import SimpleNamespace
+
+    import tpgraph.comm.custom_ar as custom_ar
+    import tpgraph.distributed as td
+    from tpgraph.tune.cli import parse_args, run_rank
+
+    state, raised = SimpleNamespace(is_driver=True), []
+
+    def failing(*a, **kw):
+        raise raised[-1]
+
+    closed = []
+    monkeypatch.setattr(td, "init_distributed", lambda *a, **kw: state)
+    monkeypatch.setattr(td, "destroy_distributed", lambda s: closed.append(s))
+    monkeypatch.setattr(custom_ar, "CustomAllReduce", failing)
+    raised.append(RuntimeError(f"CUDA error {error} (from the driver) in `ar_create`"))
+    assert run_rank(parse_args([]), (0, 2, "tcp://x")) == 2 and closed == [state]
+    assert f"error: nothing to tune here: CUDA error {error}" in capsys.readouterr().err
+    raised.append(RuntimeError("CUDA error cudaErrorIllegalAddress (a bug) in `ar_create`"))
+    with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+        run_rank(parse_args([]), (0, 2, "tcp://x"))

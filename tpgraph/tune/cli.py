@@ -163,7 +163,9 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
             ar = CustomAllReduce(state, CustomAllReduceConfig(
                 push_slot_bytes=min(args.max_bytes, CustomAllReduceConfig().max_push_bytes),
                 staging_bytes=args.max_bytes))
-        except TPGraphError as exc:  # (every rank raises: its own reason, or a PeerError naming the rank's)
+        except RuntimeError as exc:  # (every rank raises: its own reason, or a PeerError naming the rank's)
+            if not set_up_refused(exc):
+                raise
             if state.is_driver:
                 print(f"error: nothing to tune here: {exc}", file=sys.stderr)
             return 2
@@ -185,6 +187,15 @@ def run_rank(args: argparse.Namespace, dist_init: tuple[int, int, str] | None) -
     finally:
         destroy_distributed(state)
     return 0
+
+
+def set_up_refused(exc: BaseException) -> bool:
+    """Whether the custom all-reduce's set-up failed for a reason of the machine's, as the engine reads it before it
+    falls back to NCCL (a CUDA error of topology.UNAVAILABLE_CUDA_ERRORS too: a GPU tpgraph._C has no kernels for,
+    CUDA IPC refused), or was refused by tpgraph: nothing to tune here, said in a line, not a traceback."""
+    from tpgraph.comm.topology import unavailable_cuda_error
+
+    return isinstance(exc, TPGraphError) or unavailable_cuda_error(exc) is not None
 
 
 def check_table_arch(table: Path, arch: str) -> None:
