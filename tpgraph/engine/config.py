@@ -16,6 +16,7 @@ from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.modes import CaptureSupport, resolve_modes
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
@@ -106,13 +107,17 @@ class EngineConfig:
                                self.enable_chunked_prefill)
 
 
+_CAPTURES = CaptureSupport(full_decode=True, piecewise=True)
+
+
 def captures_decode(graphs: GraphConfig, device: str | None) -> bool:
-    """Whether decode graphs are captured (their sizes must then hold max_num_seqs): on CUDA unless eager; the
-    breakable debug mode, which captures nothing but keeps the buckets, anywhere (graphs/modes.py)."""
-    if graphs.enforce_eager or graphs.decode_mode == "none":
-        return False
+    """Whether decode graphs are captured (their sizes must then hold max_num_seqs): the decode mode the runner
+    resolves (graphs/modes.py: on CUDA unless eager; the breakable debug mode, which keeps the buckets, anywhere),
+    with an attention backend that captures (every one here captures piecewise at least)."""
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    return on_cuda or graphs.decode_mode == "breakable"
+    modes = resolve_modes(graphs.decode_mode, graphs.prefill_mode, enforce_eager=graphs.enforce_eager,
+                          device_type="cuda" if on_cuda else "cpu", support=_CAPTURES)
+    return modes.decode != "none"
 
 
 def check_tokenizer_dir(tokenizer: object) -> None:
