@@ -772,7 +772,8 @@ def test_a_pass_at_k_request_of_200_samples_runs_and_vllms_variable_caps_n(monke
     from tpgraph.errors import ConfigError
 
     with engine() as e:
-        (out,) = e.generate(["def f():"], SamplingParams(n=200, temperature=1.0, seed=7, max_tokens=2))
+        (out,) = e.generate(["def f():"], SamplingParams(n=200, temperature=1.0, seed=7, max_tokens=2,
+                                                         ignore_eos=True))  # (two tokens each)
     assert len(out.outputs) == 200 and [c.index for c in out.outputs] == list(range(200))
     assert all(len(c.token_ids) == 2 for c in out.outputs) and len({tuple(c.token_ids) for c in out.outputs}) > 20
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "8")
