@@ -32,6 +32,21 @@ def args(tmp_path, **kw):
     return Namespace(**{**base, **kw})
 
 
+def torchrun_ranks(monkeypatch) -> list:
+    """A two-rank torchrun on an SM90 machine, as far as the CLI can tell: the ranks it starts are recorded (in the
+    list returned), not run."""
+    import torch
+
+    from tpgraph.tune import cli
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return started
+
+
 def test_write_updates_this_world_size_only_and_logs(tmp_path):
     table = tmp_path / "sm90.json"
     shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
@@ -121,15 +136,9 @@ def test_max_bytes_is_checked_before_any_rank_starts_and_a_short_range_writes_no
     """--max-bytes 1 MiB measured up to 1 MiB only, and the row written from it sent every larger message to NCCL
     (the rule's last band) over the shipped table's bands, with nothing measured there: such a run only shows its
     diff. A size the kernels cannot take (or below the smallest measured) is refused before the ranks start."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main(["--max-bytes", str(1 << 20)]) == 2 and "--dry-run" in capsys.readouterr().err
     assert main(["--max-bytes", "100000008"]) == 2 and "multiple of 16" in capsys.readouterr().err
     assert main(["--max-bytes", "1024", "--dry-run"]) == 2 and "at least 4096" in capsys.readouterr().err
@@ -252,15 +261,9 @@ def test_a_config_dir_without_the_table_names_the_variable_and_a_fix_that_works(
 def test_a_log_or_plot_that_cannot_be_written_is_refused_before_measuring(flag, monkeypatch, capsys, tmp_path):
     """They are written after minutes of measuring, and before the table: a --log in a folder that does not exist
     ended the run there with a FileNotFoundError traceback, its measurements and the table's update lost."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main([flag, str(tmp_path / "absent" / "tune.out")]) == 2
     assert f"there is no folder {tmp_path / 'absent'} to write it in" in capsys.readouterr().err
     assert main([flag, str(tmp_path)]) == 2 and "a folder, not a file" in capsys.readouterr().err
@@ -274,15 +277,9 @@ def test_a_tolerance_that_is_not_a_fraction_is_refused_before_measuring(toleranc
     """--tolerance 3 (meant as 3%) counted anything within 4x of the fastest as fast, and nan everything: the fewest
     bands then won, and on synthetic()'s curves the row written sent every size to 1shot_push, twice as slow as the
     winner at 10 of the 15 sizes."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main(["--tolerance", tolerance]) == 2 and "--tolerance is a fraction" in capsys.readouterr().err
     assert not started
     assert main(["--tolerance", "0"]) == 0 and len(started) == 1
@@ -291,15 +288,9 @@ def test_a_tolerance_that_is_not_a_fraction_is_refused_before_measuring(toleranc
 def test_max_bytes_above_the_largest_size_measured_is_refused(monkeypatch, capsys):
     """--max-bytes 128 MiB (help: "largest size measured") measured up to 64 MiB all the same, wrote rows as if
     128 MiB had been, and sized every rank's staging buffer for it."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main(["--max-bytes", str(128 << 20)]) == 2 and "at most 67108864" in capsys.readouterr().err
     assert not started
     assert main(["--max-bytes", str(64 << 20)]) == 0 and len(started) == 1
@@ -307,15 +298,9 @@ def test_max_bytes_above_the_largest_size_measured_is_refused(monkeypatch, capsy
 
 def test_a_world_size_that_differs_from_torchruns_is_refused(monkeypatch, capsys):
     """Under torchrun --nproc-per-node 2, --world-size 4 was ignored without a word: the rows written were for 2."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main(["--world-size", "4"]) == 2
     assert "--world-size 4, but torchrun started 2" in capsys.readouterr().err and not started
     assert main(["--world-size", "2"]) == 0 and len(started) == 1
@@ -326,17 +311,10 @@ def test_a_table_that_cannot_be_written_is_refused_before_measuring(monkeypatch,
     traceback moving the new table into place, and without --log the run was lost. --dry-run writes no table."""
     import shutil as sh
 
-    import torch
-
-    from tpgraph.tune import cli
 
     table = tmp_path / "sm90.json"
     sh.copy(config_dir() / "allreduce" / "sm90.json", table)
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     real = os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(tmp_path) else
                         real(path, mode, **kw))
@@ -387,20 +365,13 @@ def test_a_log_or_plot_written_over_the_table_being_tuned_is_refused(flag, monke
     it back as a table: the table was lost."""
     import shutil as sh
 
-    import torch
-
-    from tpgraph.tune import cli
 
     if flag == "--plot":
         pytest.importorskip("matplotlib")
     name = "sm90.json" if flag == "--log" else "sm90.png"  # (a table may have any name; a plot, a figure's suffix)
     table = tmp_path / name
     sh.copy(config_dir() / "allreduce" / "sm90.json", table)
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert main(["--table", str(table), "--dry-run", flag, name]) == 2
     assert f"{flag} {name} is the table being tuned" in capsys.readouterr().err and not started
@@ -429,15 +400,9 @@ def test_the_config_dir_fix_names_every_table_the_folder_serves(tmp_path, monkey
 @pytest.mark.parametrize("points", ["0", "-3"])
 def test_a_min_points_below_one_is_refused_before_measuring(points, monkeypatch, capsys):
     """--min-points 0 or -3 was taken and derived bands as --min-points 1 would (a band of one noisy size), unsaid."""
-    import torch
 
-    from tpgraph.tune import cli
 
-    started = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(cli, "run_rank", lambda args, init: started.append(args) or 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = torchrun_ranks(monkeypatch)
     assert main(["--min-points", points]) == 2
     assert f"--min-points must be at least 1, got {points}" in capsys.readouterr().err
     assert not started
