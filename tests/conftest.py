@@ -22,3 +22,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tpgtest.interpreter import patch_language_once_a_launch
+
+    patch_language_once_a_launch()
