@@ -544,6 +544,19 @@ def test_the_thoughts_end_tag_is_no_token_of_the_texts_logprobs(tools):
     assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts
 
 
+@pytest.mark.parametrize("tools", [{}, {"tools": [WEATHER]}])  # (a reply read as it comes, or whole)
+def test_a_token_that_ends_the_thoughts_and_begins_the_answer_is_the_texts_token(tools):
+    # (its text is both: its entry goes with the answer's text, whole or streamed, in a delta as the text's others)
+    whole, events, _ = respond(["Four", " it is</think>4", "."], {"input": "2+2?", **tools,
+                                                                 "include": ["message.output_text.logprobs"]},
+                               reasoning="deepseek_r1", tools=ToolOptions(parser="hermes"))
+    texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
+    assert [(text["text"], len(text["logprobs"])) for text in texts] == [("4.", 2)]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [entry for e in deltas for entry in e["logprobs"]] == texts[0]["logprobs"]
+    assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts
+
+
 def test_the_streamed_text_deltas_carry_every_logprob_of_the_text():
     # (the last token writes no text, as an EOS: its entry, which the text's logprobs end with, comes in a delta too)
     whole, events, _ = respond(["Hel", "lo", ""], {"input": "x", "include": ["message.output_text.logprobs"]})

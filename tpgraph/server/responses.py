@@ -375,7 +375,8 @@ class OutputItems:
         return events
 
     def _reasoning(self, text: str) -> list[dict]:
-        self.pending = []  # (a thought's tokens are no part of the answer's text)
+        # (pending is kept: a thought's token brings no entries (ResponseRun._entries), and a token that ends the
+        # thoughts and begins the answer brings its entry for the text that follows in the same delta)
         events = []
         if self.open is None or self.open["type"] != "reasoning":
             part = {"type": "reasoning_text", "text": ""}
@@ -426,7 +427,8 @@ class AnswerTokens:
     def add(self, text: str, entries: list[dict], thought: bool) -> None:
         self.tokens.append((text, entries))
         if thought:  # (what came before the thoughts' end is no answer either; marked, not rewritten every token)
-            self.answer_from = len(self.tokens)
+            # (a token that ends the thoughts and writes the answer's first text is the answer's)
+            self.answer_from = len(self.tokens) - (1 if text else 0)
 
     def entries_of(self, texts: list[str], head: int) -> list[list[dict]] | None:
         """Each text's entries (the texts found in order in the answer): those of the tokens whose text falls in it,
