@@ -26,6 +26,7 @@ from tpgtest.server_stubs import (  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
+from tpgraph.server.reply import Delta  # noqa: E402
 from tpgraph.server.response_store import ResponseStore  # noqa: E402
 from tpgraph.server.responses import chat_messages  # noqa: E402
 from tpgraph.server.tools import ToolOptions  # noqa: E402
@@ -602,3 +603,31 @@ def test_a_long_thought_costs_the_answers_logprob_record_no_work_per_token_that_
     answer.add("4", [{"logprob": -0.2}], thought=False)
     assert answer.tokens[0] == ("", [{"logprob": -0.1}])  # (kept as added: the thoughts' end is a mark, no rewrite)
     assert answer.entries_of(["4"], 1) == [[{"logprob": -0.2}]]
+
+
+class CopyCountingText(str):
+    """A delta's text that counts the characters of the text before it copied where it is appended with +."""
+
+    copied = 0
+
+    def __radd__(self, other: str) -> str:
+        CopyCountingText.copied += len(other)
+        return str(other) + str(self)
+
+
+@pytest.mark.parametrize("delta", [lambda text: Delta(reasoning=text), lambda text: Delta(text),
+                                   lambda text: Delta(calls=[{"index": 0, "function": {"arguments": text}}])],
+                         ids=["reasoning", "text", "arguments"])
+def test_a_long_replys_output_items_grow_with_no_work_per_token_that_grows(delta):
+    # (each token's text must not copy the item's text so far: a long reply's items stay linear to fold)
+    from tpgraph.server.responses import OutputItems
+
+    items = OutputItems()
+    items.add(Delta(calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": ""}}]), [])
+    CopyCountingText.copied = 0
+    for _ in range(2000):
+        items.add(delta(CopyCountingText("abcd")), [])
+    items.finish(incomplete=False)
+    text = items.items[-1]["arguments"] if items.items[-1]["type"] == "function_call" \
+        else items.items[-1]["content"][0]["text"]
+    assert text == "abcd" * 2000 and CopyCountingText.copied == 0

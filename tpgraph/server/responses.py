@@ -301,6 +301,9 @@ class OutputItems:
         self.pending: list[dict] = []  # log-probability entries not yet given to the text
         self.broken_call: int | None = None  # the call (by its index) that broke off: its item is done "incomplete"
         self.calls = 0  # the function_call items begun
+        # the open item's text (a call's: its arguments) in pieces, joined where it is read: += on the item's field
+        # copied all of it every token
+        self.grown: list[str] = []
 
     def add(self, delta: Delta, entries: list[dict], broken_call: int | None = None) -> list[dict]:
         """What an update added (its delta, and its tokens' log-probability entries): the events it makes.
@@ -319,6 +322,7 @@ class OutputItems:
     def retake_text_logprobs(self, tokens: AnswerTokens) -> None:
         """(a reply read whole) Each output text's log-probabilities, its own tokens': its text and calls came at once
         at the end, when every token's entries were pending."""
+        self._settle()
         parts = [item["content"][0] for item in self.items if item["type"] == "message"]
         first_call = next((i for i, item in enumerate(self.items) if item["type"] == "function_call"), len(self.items))
         head = sum(item["type"] == "message" for item in self.items[:first_call])
@@ -328,6 +332,11 @@ class OutputItems:
         for part, entries in zip(parts, found, strict=True):
             part["logprobs"] = entries
         self.pending = []
+
+    def current(self) -> list[dict]:
+        """The output items as they stand (the open one's text so far written in)."""
+        self._settle()
+        return list(self.items)
 
     def finish(self, incomplete: bool) -> list[dict]:
         """The last item's end (its status "incomplete" where the reply was cut short)."""
@@ -341,7 +350,7 @@ class OutputItems:
     def _begin(self, item: dict, part: dict | None) -> list[dict]:
         events = self._close("completed")
         self.items.append(item)
-        self.open = item
+        self.open, self.grown = item, []
         at = len(self.items) - 1
         events.append({"type": "response.output_item.added", "output_index": at,
                        "item": {**item, "content": []} if part is not None else dict(item)})
@@ -350,7 +359,20 @@ class OutputItems:
                            "content_index": 0, "part": dict(part)})
         return events
 
+    def _settle(self) -> None:
+        """The open item's text so far written into it (kept as one piece, so the next join copies it once)."""
+        item = self.open
+        if item is None:
+            return
+        text = "".join(self.grown)
+        self.grown = [text]
+        if item["type"] == "function_call":
+            item["arguments"] = text
+        else:
+            item["content"][0]["text"] = text
+
     def _close(self, status: str) -> list[dict]:
+        self._settle()
         item, self.open = self.open, None
         if item is None:
             return []
@@ -382,7 +404,7 @@ class OutputItems:
             part = {"type": "reasoning_text", "text": ""}
             events += self._begin({"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [part],
                                    "encrypted_content": None, "status": "in_progress"}, part)
-        self.open["content"][0]["text"] += text
+        self.grown.append(text)
         return [*events, {"type": "response.reasoning_text.delta", "item_id": self.open["id"],
                           "output_index": len(self.items) - 1, "content_index": 0, "delta": text}]
 
@@ -394,7 +416,7 @@ class OutputItems:
                                    "status": "in_progress", "content": [part]}, part)
         part = self.open["content"][0]
         entries, self.pending = self.pending, []
-        part["text"] += text
+        self.grown.append(text)
         part["logprobs"] += entries
         return [*events, {"type": "response.output_text.delta", "item_id": self.open["id"],
                           "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
@@ -410,7 +432,7 @@ class OutputItems:
             self.calls += 1  # (after _begin: the item it closes is the call before)
         arguments = function.get("arguments") or ""
         if arguments:
-            self.open["arguments"] += arguments
+            self.grown.append(arguments)
             events.append({"type": "response.function_call_arguments.delta", "item_id": self.open["id"],
                            "output_index": len(self.items) - 1, "delta": arguments})
         return events
