@@ -16,6 +16,7 @@ from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.messages import chat_messages  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
+from tpgraph.server.reply import Delta  # noqa: E402
 from tpgraph.server.tools import ToolOptions  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
@@ -409,3 +410,32 @@ def test_an_unexpected_failure_is_a_500_in_anthropics_shape(stream):
     got = asyncio.run(main())
     assert got.status_code == 500
     assert got.json() == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+class CopyCountingText(str):
+    """A delta's text that counts the characters of the text before it copied where it is appended with +."""
+
+    copied = 0
+
+    def __radd__(self, other: str) -> str:
+        CopyCountingText.copied += len(other)
+        return str(other) + str(self)
+
+
+@pytest.mark.parametrize("delta", [lambda text: Delta(reasoning=text), lambda text: Delta(text),
+                                   lambda text: Delta(calls=[{"index": 0, "function": {"arguments": text}}])],
+                         ids=["thinking", "text", "arguments"])
+def test_a_long_replys_blocks_grow_with_no_work_per_token_that_grows(delta):
+    # (each token's text must not copy the block's text so far: a long reply's blocks stay linear to fold)
+    from tpgraph.server.messages import ContentBlocks
+
+    blocks = ContentBlocks()
+    blocks.add(Delta(calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": ""}}]))
+    CopyCountingText.copied = 0
+    for _ in range(2000):
+        blocks.add(delta(CopyCountingText("ab")))
+    blocks.finish()
+    last = blocks.blocks[-1]
+    written = {"tool_use": lambda: last["input"]["arguments"], "text": lambda: last["text"],
+               "thinking": lambda: last["thinking"]}[last["type"]]()
+    assert written == "ab" * 2000 and CopyCountingText.copied == 0

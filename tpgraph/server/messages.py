@@ -242,7 +242,9 @@ class ContentBlocks:
 
     def __init__(self) -> None:
         self.blocks: list[dict] = []
-        self.arguments: list[str] = []  # each block's tool input as written (JSON text), "" for the others
+        # each block's text (a tool_use block's: its input as written, JSON text) in pieces, joined once it is whole:
+        # += on the block's field copied all of it every token
+        self.texts: list[list[str]] = []
         self.open: str | None = None  # the open block's type
         self.call_blocks: dict[int, int] = {}  # each tool call's (by its index) block
 
@@ -253,11 +255,11 @@ class ContentBlocks:
         if delta.reasoning:
             events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                  {"type": "thinking_delta", "thinking": delta.reasoning})
-            self.blocks[-1]["thinking"] += delta.reasoning
+            self.texts[-1].append(delta.reasoning)
         for part in delta.in_order():
             if isinstance(part, str):
                 events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": part})
-                self.blocks[-1]["text"] += part
+                self.texts[-1].append(part)
             else:
                 events += self._calls([part])
         return events
@@ -275,16 +277,19 @@ class ContentBlocks:
             arguments = function.get("arguments") or ""
             if arguments:
                 at = self.call_blocks.get(call.get("index"), len(self.blocks) - 1)
-                self.arguments[at] += arguments
+                self.texts[at].append(arguments)
                 events.append({"type": "content_block_delta", "index": at,
                                "delta": {"type": "input_json_delta", "partial_json": arguments}})
         return events
 
     def finish(self) -> list[dict]:
-        """The last block's stop; each tool_use block's input, its arguments read as JSON (the text as written
-        where they are not a JSON object: a call cut short)."""
-        for block, arguments in zip(self.blocks, self.arguments, strict=True):
-            if block["type"] == "tool_use":
+        """The last block's stop; each block's text, and each tool_use block's input, its arguments read as JSON (the
+        text as written where they are not a JSON object: a call cut short)."""
+        for block, pieces in zip(self.blocks, self.texts, strict=True):
+            if block["type"] != "tool_use":
+                block[block["type"]] = "".join(pieces)  # (a text block's "text", a thinking block's "thinking")
+            else:
+                arguments = "".join(pieces)
                 try:
                     value = json.loads(arguments or "{}")
                 except json.JSONDecodeError:
@@ -301,7 +306,7 @@ class ContentBlocks:
 
     def _start(self, kind: str, block: dict) -> list[dict]:
         self.blocks.append(block)
-        self.arguments.append("")
+        self.texts.append([])
         self.open = kind
         return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
 
