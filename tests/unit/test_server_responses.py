@@ -193,6 +193,28 @@ def test_input_items_become_the_chats_messages():
         {"role": "tool", "tool_call_id": "c2", "content": "sun"}]
 
 
+@pytest.mark.parametrize("status", ["incomplete", "in_progress"])
+def test_a_last_assistant_message_not_finished_is_continued(status):
+    # (as vLLM's partial message completion: the reply goes on with that message, no new turn opened after it)
+    partial = {"type": "message", "role": "assistant", "status": status,
+               "content": [{"type": "output_text", "text": "Once upon"}]}
+    client = ScriptedClient(["a"])
+    done, = post_all(make_app(client), [("/v1/responses", {"input": [{"role": "user", "content": "A story?"},
+                                                                       partial]})])
+    assert done.status_code == 200, done.text
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "A story?"},
+                                   {"role": "assistant", "content": "Once upon"}],
+        "add_generation_prompt": False, "continue_final_message": True})])
+    assert client.prompts == chat.prompts
+    # (a finished one, or one not last, opens the next turn as before)
+    finished = ScriptedClient(["a"])
+    post_all(make_app(finished), [("/v1/responses", {"input": [{"role": "user", "content": "A story?"},
+                                                              {**partial, "status": "completed"}]})])
+    assert finished.prompts != chat.prompts
+
+
 def test_a_stored_response_is_continued_read_back_and_deleted():
     client = ScriptedClient(["Oslo."])
     app = make_app(client)

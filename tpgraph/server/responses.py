@@ -112,7 +112,8 @@ class ResponsesRequest(NullMeansDefault):
         return OUTPUT_LOGPROBS in (self.include or ())
 
     def chat_request(self, items: list[dict]) -> ChatRequest:
-        """The chat request this response runs as: the instructions as a system message, then the items' messages."""
+        """The chat request this response runs as: the instructions as a system message, then the items' messages (a
+        last assistant message not finished continued)."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
             + chat_messages(items)
         extras = self.model_extra or {}
@@ -128,10 +129,20 @@ class ResponsesRequest(NullMeansDefault):
             body["chat_template_kwargs"] = {"reasoning_effort": effort}
         if self.truncation == "auto":
             body["truncate_prompt_tokens"] = -1
+        if items and continues(items[-1]):
+            body.update(add_generation_prompt=False, continue_final_message=True)
         try:
             return ChatRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid(exc) from None
+
+
+def continues(item: Any) -> bool:
+    """Is the input's last item an assistant message not finished (in_progress or incomplete, as a response cut by
+    max_output_tokens leaves it)? Its reply goes on with it, no new turn opened after it (vLLM's partial message
+    completion)."""
+    return isinstance(item, dict) and item.get("type", "message") == "message" and item.get("role") == "assistant" \
+        and item.get("status") in ("in_progress", "incomplete")
 
 
 def listed_item(item: dict) -> dict:
