@@ -244,6 +244,8 @@ def test_a_stored_response_is_continued_read_back_and_deleted():
     assert gone.status_code == 404 and rid in gone.json()["error"]["message"]
     unknown, = post_all(app, [("/v1/responses", {"input": "x", "previous_response_id": "resp_nope"})])
     assert unknown.status_code == 404 and "resp_nope" in unknown.json()["error"]["message"]
+    # (the error names the request's field that named it, as OpenAI's, where clients look for it)
+    assert (unknown.json()["error"]["param"], gone.json()["error"]["param"]) == ("previous_response_id", "response_id")
 
 
 def test_store_false_keeps_nothing_and_the_store_keeps_its_newest():

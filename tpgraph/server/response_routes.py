@@ -140,7 +140,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
     def conversation_before(body: ResponsesRequest) -> list[dict]:
         if body.previous_response_id is None:
             return []
-        earlier = store.get(body.previous_response_id)
+        earlier = store.get(body.previous_response_id, "previous_response_id")
         status = earlier.current()["status"]
         if status in ("queued", "in_progress"):
             raise RequestError(f"previous_response_id {body.previous_response_id!r} is still {status}: continue it "

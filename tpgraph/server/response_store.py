@@ -57,12 +57,12 @@ class ResponseStore:
             if dropped.task is not None:
                 dropped.task.cancel()
 
-    def get(self, response_id: str) -> StoredResponse:
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """param: the request's field that named it (the error names it)."""
         stored = self._stored.get(response_id)
         if stored is None:
             raise ApiError(404, f"Response with id '{response_id}' not found (this server keeps the newest "
-                                f"{self.capacity} responses stored with store: true).", "NotFoundError",
-                           "response_id")
+                                f"{self.capacity} responses stored with store: true).", "NotFoundError", param)
         return stored
 
     def delete(self, response_id: str) -> StoredResponse:
