@@ -64,7 +64,7 @@ class ResponseRun:
                 "max_tool_calls": None, "model": self.model_name, "output": self.output.current(),
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "previous_response_id": body.previous_response_id,
-                "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+                "reasoning": {"effort": body.field("reasoning.effort"), "summary": body.field("reasoning.summary")},
                 "service_tier": body.service_tier or "auto", "store": body.store,
                 "temperature": params.temperature, "text": {"format": (body.text or {}).get("format")
                                                                       or {"type": "text"}},

@@ -31,7 +31,8 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
 # the values OpenAI takes for the fields a response echoes back (the SDK's Response types read no others)
 CHOICES = {"truncation": ("disabled", "auto"),
            "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
-           "reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max")}
+           "reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+           "reasoning.summary": ("auto", "concise", "detailed")}
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # the id an input item is given where it has none, by its type (OpenAI's prefixes)
