@@ -156,6 +156,16 @@ def test_a_function_call_is_an_output_item(choice, pieces, arguments):
     assert deltas == arguments
 
 
+@pytest.mark.parametrize("tools", [{}, {"tools": []}])
+def test_tool_choice_auto_without_tools_is_the_default_it_names(tools):
+    # (the Responses API's default tool_choice is "auto", with tools or without: SDKs and agents send it explicitly)
+    client = ScriptedClient(["a"])
+    given, plain = post_all(make_app(client), [("/v1/responses", {"input": "x", "tool_choice": "auto", **tools}),
+                                               ("/v1/responses", {"input": "x", **tools})])
+    assert given.status_code == 200, given.text
+    assert given.json()["tool_choice"] == "auto" and client.prompts[0] == client.prompts[1]
+
+
 def test_auto_calls_after_text_with_a_parser():
     pieces = ["Let me check. ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
               "</tool_call>"]

@@ -269,7 +269,11 @@ def chat_tools(tools: list[Any] | None) -> list[dict] | None:
 
 
 def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    """A Responses tool_choice as the chat's: "auto", "none", "required", or a function named."""
+    """A Responses tool_choice as the chat's: "auto", "none", "required", or a function named. "auto" is the Responses
+    API's default, tools or none (SDKs send it explicitly): it is the chat's default too, not a choice that needs
+    tools."""
+    if choice == "auto":
+        return None
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
