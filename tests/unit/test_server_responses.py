@@ -132,6 +132,8 @@ def test_sampling_fields_logprobs_and_text_format_reach_the_engine():
     # the reasoning settings asked for are echoed back, as OpenAI's (and vLLM's) response gives them
     whole, events, _ = respond(["a"], {"input": "x", "reasoning": {"effort": "low", "summary": "auto"}})
     assert whole["reasoning"] == events[-1]["response"]["reasoning"] == {"effort": "low", "summary": "auto"}
+    whole, _, _ = respond(["a"], {"input": "x", "text": {"verbosity": "low"}})
+    assert whole["text"] == {"format": {"type": "text"}, "verbosity": "low"}
     # without include, top_logprobs asks for nothing (as vLLM's)
     _, _, client = respond(["a"], {"input": "x", "top_logprobs": 2})
     assert client.params[0].logprobs is None
@@ -359,6 +361,7 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning.effort"),  # (echoed back, the SDK could not read it)
     ({"input": "x", "service_tier": "gold"}, "service_tier"),
     ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),  # (echoed back too)
+    ({"input": "x", "text": {"verbosity": "terse"}}, "text.verbosity"),  # (echoed back too)
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),  # (echoed back)
 ])
 def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):

@@ -66,8 +66,9 @@ class ResponseRun:
                 "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": body.field("reasoning.effort"), "summary": body.field("reasoning.summary")},
                 "service_tier": body.service_tier or "auto", "store": body.store,
-                "temperature": params.temperature, "text": {"format": (body.text or {}).get("format")
-                                                                      or {"type": "text"}},
+                "temperature": params.temperature,
+                "text": {"format": body.field("text.format") or {"type": "text"},
+                         "verbosity": body.field("text.verbosity")},
                 "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
                 "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
                 "truncation": body.truncation or "disabled", "usage": usage, "user": body.user,

@@ -32,7 +32,8 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
 CHOICES = {"truncation": ("disabled", "auto"),
            "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
            "reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
-           "reasoning.summary": ("auto", "concise", "detailed")}
+           "reasoning.summary": ("auto", "concise", "detailed"),
+           "text.verbosity": ("low", "medium", "high")}
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # the id an input item is given where it has none, by its type (OpenAI's prefixes)
