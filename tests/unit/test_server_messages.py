@@ -439,3 +439,28 @@ def test_a_long_replys_blocks_grow_with_no_work_per_token_that_grows(delta):
     written = {"tool_use": lambda: last["input"]["arguments"], "text": lambda: last["text"],
                "thinking": lambda: last["thinking"]}[last["type"]]()
     assert written == "ab" * 2000 and CopyCountingText.copied == 0
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": ""}]}]},
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": [{"type": "text", "text": ""}]}]},
+     "messages[1].content[0]"),  # (a prefill's empty block too)
+    ({"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]}, "system[1]"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": ""}]}]}]},
+     "messages[2].content[0].content[0]"),
+])
+def test_an_empty_text_block_is_refused_as_anthropics_api_refuses_it(body, named):
+    """Anthropic's API refuses a text block with no text (400 "text content blocks must be non-empty") wherever it
+    stands, rather than taking it into the prompt (or dropping it unsaid)."""
+    client = ScriptedClient(["a"])
+    got, counted = post_all(make_app(client), [("/v1/messages", {**ASK, **body}),
+                                               ("/v1/messages/count_tokens", {**ASK, **body})])
+    for response in (got, counted):
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert named in message and "text content blocks must be non-empty" in message
+    assert client.params == []

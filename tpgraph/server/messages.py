@@ -182,10 +182,19 @@ def _texts(content: Any, where: str) -> list[str]:
         return [content]
     if not isinstance(content, list):
         raise RequestError(f"{where} must be a string or a list of text blocks")
+    texts = []
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise RequestError(f"{where}[{j}] must be a text block; this server serves a text model")
-    return [block["text"] for block in content]
+        texts.append(_text(block, f"{where}[{j}]"))
+    return texts
+
+
+def _text(block: dict, where: str) -> str:
+    """A text block's text; one with none is refused, as Anthropic's API refuses it (not taken in, nor dropped)."""
+    if not block["text"]:
+        raise RequestError(f"{where}: text content blocks must be non-empty")
+    return block["text"]
 
 
 def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
@@ -198,7 +207,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(_text(block, at))
         elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking" and role == "assistant":
@@ -220,7 +229,6 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
                                "model (text, thinking, tool_use and tool_result blocks)")
     # (several text blocks as the chat's text parts, as vLLM hands them over: the template gets them joined by
     # newlines, or as parts where it loops over them; not glued into one another)
-    texts = [t for t in texts if t]
     content: str | list[dict] | None = texts[0] if len(texts) == 1 else \
         [{"type": "text", "text": t} for t in texts] if texts else None if calls else ""
     message: dict[str, Any] = {"role": role, "content": content}
