@@ -464,3 +464,31 @@ def test_an_empty_text_block_is_refused_as_anthropics_api_refuses_it(body, named
         message = response.json()["error"]["message"]
         assert named in message and "text content blocks must be non-empty" in message
     assert client.params == []
+
+
+@pytest.mark.parametrize(("where", "stream", "logged"), [
+    ("submit", False, "a request's set-up"), ("submit", True, "a request's set-up"),
+    ("reply", False, "a whole reply"), ("reply", True, "a stream after it began")])
+def test_an_unexpected_failure_is_logged_as_what_failed(where, stream, logged, monkeypatch, caplog):
+    """The log of a bug's failure names what failed: the request's set-up (before any reply), a whole reply, or a
+    stream after its 200 went out; not every one as a stream's."""
+    from tpgraph.server import messages
+
+    def broken(self, delta):
+        raise RuntimeError("boom")
+
+    if where == "reply":
+        monkeypatch.setattr(messages.ContentBlocks, "add", broken)
+    httpx = httpx_module()
+    app = make_app((BrokenClient if where == "submit" else ScriptedClient)(["a"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post("/v1/messages", json={**ASK, "stream": stream})
+
+    with caplog.at_level("ERROR"):
+        got = asyncio.run(main())
+    assert "boom" in got.text
+    failures = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert len(failures) == 1 and logged in failures[0], failures

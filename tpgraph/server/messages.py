@@ -393,7 +393,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             rid = f"msg_{request_id(request, chat.request_id)}"
             turn = await start_chat(chat, request)
         except Exception as exc:  # (a refusal, the engine's failure, or a bug's: all in Anthropic's shape)
-            return error_reply(*_status(exc))
+            return error_reply(*_status(exc, "a request's set-up (before its reply began)"))
         blocks = ContentBlocks()
         finishes: list[str | None] = [None, None]  # the engine's and the reply's
 
@@ -421,7 +421,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
                 async for _ in events():
                     pass
             except Exception as exc:
-                return error_reply(*_status(exc))
+                return error_reply(*_status(exc, "a whole reply"))
             finally:
                 await turn.stream.aclose()
             if finishes[0] is None:  # (its client went away)
@@ -454,13 +454,13 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             body = await read(request, max_tokens=1)
             rendered = await render_chat(body.chat_request(stream=False))
         except Exception as exc:
-            return error_reply(*_status(exc))
+            return error_reply(*_status(exc, "a token count"))
         return JSONResponse({"input_tokens": len(rendered.token_ids[0])})
 
     return router
 
 
-def _status(exc: Exception) -> tuple[int, str]:
-    status, message, _ = stream_failure(exc)
+def _status(exc: Exception, what: str) -> tuple[int, str]:
+    status, message, _ = stream_failure(exc, what)
     return status, message
 

@@ -207,7 +207,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             except asyncio.CancelledError:
                 stored.response = run.snapshot("cancelled")
             except Exception as exc:
-                _, message, kind = stream_failure(exc)
+                _, message, kind = stream_failure(exc, "a background response")
                 stored.response = run.snapshot("failed", {"code": kind, "message": message})
             finally:
                 stored.live = None

@@ -37,15 +37,17 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse("[DONE]")
 
 
-def stream_failure(exc: Exception) -> tuple[int, str, str]:
-    """What failed a stream after it began, as the (status, message, type) a whole reply would have got."""
+def stream_failure(exc: Exception, what: str = "a stream after it began") -> tuple[int, str, str]:
+    """What failed a stream after it began, as the (status, message, type) a whole reply would have got; `what`:
+    what failed, as the log names a bug's failure (a route that answers a whole reply's or its set-up's failure
+    here too says which)."""
     if isinstance(exc, ApiError):
         return exc.status, exc.message, exc.kind
     if isinstance(exc, EngineUnavailable):
         return 503, str(exc), "ServiceUnavailableError"
     if isinstance(exc, RequestError):
         return 400, str(exc), "BadRequestError"
-    logger.exception("a stream failed after it began")  # (a whole reply's would be Starlette's 500)
+    logger.exception("unexpected failure in %s", what)  # (a whole reply's, unless its route answers it: Starlette's)
     return 500, str(exc), "InternalServerError"
 
 
