@@ -754,6 +754,60 @@ def test_a_stop_string_completed_by_the_text_flushed_at_the_end_is_the_finish_re
         ([0xFD, 0xFD], "\ufffd\ufffd", "length", None)]
 
 
+def _outgrow_the_cache(e, params):
+    """The updates of a request run by a core whose scheduler lets a sequence grow past the whole KV cache (64
+    tokens, max_model_len 128), which ends it there."""
+    from tpgraph.engine.core import EngineCore
+
+    cfg = dataclasses.replace(e.core.scheduler.cfg, max_model_len=128)
+    core = EngineCore(e.runner, cfg, eos_ids=e.core.eos_ids, tokenizer=e.core.tokenizer)
+    core.add_request("r", e.encode("hi"), params)
+    updates = []
+    while core.has_work:
+        updates += core.step()
+    return updates
+
+
+def test_a_sequence_that_outgrows_the_cache_ends_with_its_text_whole_and_its_stop_string_named():
+    """A sequence the KV cache cannot hold ends, min_tokens or not (vLLM's min_tokens holds back stop strings and
+    stop ids alone), and its held-back text is flushed: a stop string only past min_tokens cuts it, as on every
+    other end. The flush looked for stop strings whatever min_tokens said (before it, the bytes' U+FFFD text was
+    cut away), and a string it found past min_tokens cut the text but left the finish "length", the string unnamed."""
+    bias = {0xFD: 100}  # (bytes that never complete a character: decoded only when the sample ends)
+    with engine(num_kv_blocks=17) as e:
+        held = _outgrow_the_cache(e, SamplingParams(temperature=0.0, max_tokens=100, min_tokens=90,
+                                                    logit_bias=bias, stop=["\ufffd"]))
+        past = _outgrow_the_cache(e, SamplingParams(temperature=0.0, max_tokens=100, logit_bias=bias,
+                                                    stop=["\ufffd"]))
+    generated = sum(u.token_id is not None for u in held)
+    assert 0 < generated < 90  # (ended by the cache, under min_tokens)
+    assert ("".join(u.text for u in held), held[-1].finish_reason, held[-1].stop_reason) == (
+        "\ufffd" * generated, "length", None)
+    assert ("".join(u.text for u in past), past[-1].finish_reason, past[-1].stop_reason) == ("", "stop", "\ufffd")
+
+
+def test_a_sample_ended_for_a_banned_token_before_min_tokens_keeps_its_text_whole():
+    """A banned token ends its sample ("abort"), min_tokens or not; the text of the tokens before it is flushed,
+    and a stop string cuts it only past min_tokens, as on every other end. The flush looked for stop strings
+    whatever min_tokens said: "a" and a byte 0xFD whose U+FFFD completes "a\ufffd" lost their text. Past min_tokens
+    that string ends the sample, as a stop string the flush completes ends any other, and is named."""
+    with engine() as e:
+        (a,), (b,) = (e.tokenizer.encode(c, add_special_tokens=False).ids for c in "ab")
+        ends = []
+        for min_tokens in (4, 0):
+            params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=min_tokens, stop=["a\ufffd"],
+                                    allowed_token_ids=(a, 0xFD))
+            core = e.core
+            core.add_request("r", e.encode("hi"), params)
+            state = core.requests.pop("r")
+            seq = state.seqs[0]
+            ends.append([core._accept(seq, state, seq.add_pending(), t) for t in (a, 0xFD, b)])  # (b: not allowed)
+    held, past = ends
+    assert ("".join(u.text for u in held), held[-1].finish_reason, held[-1].stop_reason) == (
+        "a\ufffd", "abort", None)
+    assert ("".join(u.text for u in past), past[-1].finish_reason, past[-1].stop_reason) == ("", "stop", "a\ufffd")
+
+
 def test_sample_i_of_a_seeded_request_draws_as_one_sample_with_seed_plus_i_as_in_vllm():
     """vLLM gives sample i of a seeded request with n > 1 the seed `seed + i` (vllm/v1/engine/parallel_sampling.py):
     sample i is what a one-sample request with seed + i draws. Here sample i drew from (seed, i): its own stream,

@@ -391,10 +391,27 @@ class EngineCore:
         self.runner.penalties.release(seq.seq_id)
 
     def _ended(self, seq: Sequence) -> StepUpdate:
-        """A sequence the scheduler finished (it outgrew the KV cache): hand out its held-back text."""
+        """A sequence the scheduler finished (it outgrew the KV cache), min_tokens or not: hand out its held-back
+        text (its tokens read back so far: the one in flight is dropped)."""
         self.runner.penalties.release(seq.seq_id)
         detok = self.requests[seq.request_id].detokenizers[seq.sample_index]
-        return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", seq.finish_reason)
+        text, seq.finish_reason, stop_reason = self._flushed(seq, detok, len(seq.output_ids) - seq.num_pending,
+                                                             seq.finish_reason)
+        return StepUpdate(seq.request_id, seq.sample_index, None, text, seq.finish_reason, stop_reason)
+
+    @staticmethod
+    def _flushed(seq: Sequence, detok: Detokenizer | None, produced: int, reason: str,
+                 stop_reason: int | str | None = None) -> tuple[str, str, int | str | None]:
+        """The text held back when a sequence of `produced` output tokens ends (by `reason`, `stop_reason`), and how
+        it ended: the flush looks for stop strings only past min_tokens, as every stop check does (min_tokens holds
+        stop strings back, never a sequence that cannot go on), and one it completes ended the sequence, as vLLM's
+        output processor makes any finish "stop" with the string its detokenizer found."""
+        if detok is None:
+            return "", reason, stop_reason
+        text = detok.flush(may_stop=produced > seq.params.min_tokens)
+        if detok.stop_string is not None:
+            return text, "stop", detok.stop_string
+        return text, reason, stop_reason
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         banned = tuple(sorted(self._bans(seq, len(seq.output_ids))))
@@ -431,10 +448,10 @@ class EngineCore:
             logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
-            self._finish(seq, "abort")
             # the tokens before it stay the sample's: so does their text held back (a stop string's start, UTF-8)
-            detok = state.detokenizers[seq.sample_index]
-            return StepUpdate(seq.request_id, seq.sample_index, None, detok.flush() if detok else "", "abort")
+            text, reason, stop_reason = self._flushed(seq, state.detokenizers[seq.sample_index], index, "abort")
+            self._finish(seq, reason)
+            return StepUpdate(seq.request_id, seq.sample_index, None, text, reason, stop_reason)
         detok = state.detokenizers[seq.sample_index]
         reason, stop_reason = None, None
         eos = token in self.eos_ids and not p.ignore_eos
@@ -454,10 +471,8 @@ class EngineCore:
         if reason is None and seq.reached_length(self.scheduler.cfg.max_model_len, produced):
             reason = "length"
         if reason is not None:
-            if detok is not None:
-                text += detok.flush(may_stop=produced > p.min_tokens)
-                if detok.stop_string is not None:  # (the flushed tail completed one: it ended the sample, as vLLM's)
-                    reason, stop_reason = "stop", detok.stop_string
+            rest, reason, stop_reason = self._flushed(seq, detok, produced, reason, stop_reason)
+            text += rest
             seq.drop_pending(keep=produced)  # tokens sampled after its last one are not the sequence's
             self._finish(seq, reason)
         return StepUpdate(seq.request_id, seq.sample_index, token, text, reason, stop_reason)
