@@ -251,6 +251,9 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
+    ({"messages": [{"role": "user", "content": ""}]}, 400, "messages[0].content"),  # (nor as an empty string)
+    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "Hi"}]}, 400,
+     "messages[0].content"),
     ({"thinking": {"type": "sometimes"}}, 400, "thinking.type"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [  # (not run as {})
         {"type": "tool_use", "id": "t", "name": "get_weather", "input": "Oslo"}]}]},

@@ -154,13 +154,14 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
         if role not in ("user", "assistant"):
             raise RequestError(f"{where}.role must be user or assistant, got {role!r}")
         content = m.get("content")
+        if not isinstance(content, str | list):
+            raise RequestError(f"{where}.content must be a string or a list of content blocks")
+        # (Anthropic's rule, an empty string's as an empty list's: bar a prefill)
+        if not content and not (role == "assistant" and i == len(messages) - 1):
+            raise RequestError(f"{where}.content is empty: each message but a final assistant one needs content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        if not isinstance(content, list):
-            raise RequestError(f"{where}.content must be a string or a list of content blocks")
-        if not content and not (role == "assistant" and i == len(messages) - 1):  # (Anthropic's rule: bar a prefill)
-            raise RequestError(f"{where}.content is empty: each message but a final assistant one needs a block")
         out += _blocks(role, content, where)
     if system_texts:
         out.insert(0, {"role": "system", "content": "".join(system_texts)})
