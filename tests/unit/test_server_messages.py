@@ -248,6 +248,8 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"messages": []}, 400, "messages"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
+    ({"tools": [{"name": "get_weather"}]}, 400, "tools[0].input_schema"),  # (Anthropic's and vLLM's: required)
+    ({"tools": [{"name": "get_weather", "input_schema": None}]}, 400, "tools[0].input_schema"),
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
@@ -495,3 +497,12 @@ def test_an_unexpected_failure_is_logged_as_what_failed(where, stream, logged, m
     assert "boom" in got.text
     failures = [r.getMessage() for r in caplog.records if r.exc_info]
     assert len(failures) == 1 and logged in failures[0], failures
+
+
+def test_a_tools_input_schema_without_a_type_is_an_object_schema():
+    """An input_schema that leaves out its type is read as an object's (vLLM's AnthropicTool): a tool's input is an
+    object, so a forced call's arguments are constrained to one, not to any JSON value."""
+    tool = {"name": "get_weather", "input_schema": {"properties": {"city": {"type": "string"}}}}
+    _, _, client = reply(['{"city":', '"Oslo"}'], {"tools": [tool], "tool_choice": {"type": "tool",
+                                                                                   "name": "get_weather"}})
+    assert json.loads(client.params[0].structured.spec) == {"type": "object", **tool["input_schema"]}

@@ -120,9 +120,14 @@ class MessagesRequest(NullMeansDefault):
             if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
                 raise RequestError(f"tools[{i}] must be a custom tool ({{name, description, input_schema}}); server "
                                    "tools (web search, bash, text editor, ...) are not run by this server")
+            schema = tool.get("input_schema")
+            if not isinstance(schema, dict):  # (required: Anthropic's and vLLM's)
+                raise RequestError(f"tools[{i}].input_schema must be the tool input's JSON schema (an object), got "
+                                   f"{schema!r}")
+            # (a tool's input is an object: a schema that leaves out its type is an object's, as vLLM reads it)
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"),
-                "parameters": tool.get("input_schema") or {"type": "object"}}})
+                "parameters": {"type": "object", **schema}}})
         choice = self.tool_choice or {"type": "auto"}
         kind = choice.get("type")
         if kind == "tool":
