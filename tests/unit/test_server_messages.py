@@ -252,6 +252,7 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"tools": [{"name": "get_weather", "input_schema": None}]}, 400, "tools[0].input_schema"),
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
+    ({"stop_sequences": ["\n", ""]}, 400, "stop_sequences"),  # (named as sent, not as the chat's stop)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
     ({"messages": [{"role": "user", "content": ""}]}, 400, "messages[0].content"),  # (nor as an empty string)
     ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "Hi"}]}, 400,

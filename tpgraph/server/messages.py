@@ -63,6 +63,8 @@ class MessagesRequest(NullMeansDefault):
         """The chat request these messages run as."""
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if "" in (self.stop_sequences or ()):  # (named as sent: the chat's check would name its own field, stop)
+            raise RequestError(f"stop_sequences: each stop sequence must be non-empty, got {self.stop_sequences!r}")
         messages = chat_messages(self.system, self.messages)
         extras = self.model_extra or {}
         if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
