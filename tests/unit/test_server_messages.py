@@ -507,3 +507,11 @@ def test_a_tools_input_schema_without_a_type_is_an_object_schema():
     _, _, client = reply(['{"city":', '"Oslo"}'], {"tools": [tool], "tool_choice": {"type": "tool",
                                                                                    "name": "get_weather"}})
     assert json.loads(client.params[0].structured.spec) == {"type": "object", **tool["input_schema"]}
+
+
+def test_an_empty_system_prompt_is_no_system_prompt():
+    """system "" is no system prompt (vLLM's reading: its system is taken only where it has text), not an empty
+    system turn the template renders into the prompt."""
+    client = ScriptedClient(["a"])
+    post_all(make_app(client), [("/v1/messages", {**ASK, "system": ""}), ("/v1/messages", ASK)])
+    assert client.prompts[0] == client.prompts[1]

@@ -170,8 +170,9 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
             out.append({"role": role, "content": content})
             continue
         out += _blocks(role, content, where)
-    if system_texts:
-        out.insert(0, {"role": "system", "content": "".join(system_texts)})
+    system_prompt = "".join(system_texts)
+    if system_prompt:  # (system "" is none, as vLLM reads it: no empty system turn in the prompt)
+        out.insert(0, {"role": "system", "content": system_prompt})
     if not any(m["role"] != "system" for m in out):
         raise RequestError("messages holds no user or assistant content")
     return out
