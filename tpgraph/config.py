@@ -162,11 +162,21 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def max_context(self) -> int:
+        """The positions the model was trained on, as vLLM derives them: max_position_embeddings, times a linear
+        rope's factor (it squeezes positions by it: vicuna-7b-v1.5-16k's 4096 with factor 4 are a 16k context)."""
+        if self.rope.type == "linear":
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
+
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise ConfigError where max_model_len is past the positions the model was trained on."""
-        if max_model_len > self.max_position_embeddings:
+        if max_model_len > self.max_context:
+            scaled = f" x the linear rope factor {self.rope.factor:g} = {self.max_context}" \
+                if self.max_context != self.max_position_embeddings else ""
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                              f"({self.max_position_embeddings})")
+                              f"({self.max_position_embeddings}{scaled})")
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ConfigError unless this model can be split over tp_size ranks."""

@@ -104,7 +104,7 @@ class GpuTimer:
 class RunnerConfig:
     block_size: int = 16
     max_batch: int = 8  # max_num_seqs
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by what the KV cache holds
+    max_model_len: int | None = None  # default: the model's context (max_context), capped by what the KV cache holds
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
@@ -140,7 +140,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.is_driver = model.comm.rank == 0
         self.block_size = cfg.block_size
-        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        self.max_model_len = cfg.max_model_len or mcfg.max_context
         mcfg.check_max_model_len(self.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.use_triton = self.device.type == "cuda" if cfg.use_triton is None else cfg.use_triton

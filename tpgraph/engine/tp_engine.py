@@ -246,7 +246,7 @@ class TPEngine:
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
                 # holds one of max_model_len (vLLM's default too), not the chunked one's (at most DEFAULT_CHUNK_TOKENS),
                 # which was refused
-                budget = default_token_budget(cfg.max_model_len or model_cfg.max_position_embeddings, cfg.max_num_seqs,
+                budget = default_token_budget(cfg.max_model_len or model_cfg.max_context, cfg.max_num_seqs,
                                               chunked_prefill=False)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,

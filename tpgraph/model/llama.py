@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
                                                    comm.rank, comm.world_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, comm, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_context, dtype, device)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", dtype, device)
         lm_head_name = None if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = ParallelLMHead(self.embed_tokens, lm_head_name, dtype, device)

@@ -1,0 +1,64 @@
+"""Checkpoints as the hub holds them (config.json variants, file layouts) against transformers' LlamaForCausalLM on the
+same weights: tiny random models, run at TP=1 on CPU, compared by their prompt log-probabilities."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpgraph import SamplingParams, TPEngine
+from tpgraph.errors import ConfigError
+
+VOCAB = 300
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.1, rms_norm_eps=1e-5)
+
+
+def save_hf_model(out_dir: Path, **config: object) -> Path:
+    """A random transformers LlamaForCausalLM of BASE's shape with `config`'s fields, saved to out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**BASE, **config})).eval()
+    with torch.no_grad():  # norms away from 1, so a wrong norm weight would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the ones before it (from the second on)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    return [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+
+
+def engine_prompt_logprobs(engine: TPEngine, prompt: list[int]) -> list[float]:
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+    return [out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))]
+
+
+def test_a_linear_rope_checkpoint_serves_its_scaled_context_as_transformers_runs_it(tmp_path):
+    """A linear rope squeezes positions by its factor: the checkpoint's context is max_position_embeddings times it
+    (vicuna-7b-v1.5-16k: 4096 and factor 4, a 16k model), as vLLM derives max_model_len. It was capped at
+    max_position_embeddings (a longer max_model_len refused, and the rope tables cut there)."""
+    path = save_hf_model(tmp_path / "c", rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))
+    prompt = [(37 * j + 11) % VOCAB for j in range(60)]  # (past max_position_embeddings, within twice it)
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine.runner.max_model_len == 64
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)
+    doc = json.loads((path / "config.json").read_text())
+    assert doc["max_position_embeddings"] == 32 and doc["rope_parameters"]["factor"] == 2.0
+    with pytest.raises(ConfigError, match=r"max_model_len 65 exceeds the model's max_position_embeddings \(32 x the "
+                                          r"linear rope factor 2 = 64\)"):
+        TPEngine(path, device="cpu", max_model_len=65)
