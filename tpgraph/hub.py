@@ -1,5 +1,5 @@
 """Checkpoints named as vLLM's users name them, found on disk: a directory, or a Hugging Face hub id ("org/name")
-whose snapshot is in the hub's cache (vLLM's --download-dir, else $HF_HUB_CACHE, $HF_HOME/hub or
+whose snapshot is in the hub's cache (vLLM's --download-dir, else $HF_HUB_CACHE, $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub or
 ~/.cache/huggingface/hub), at a revision (--revision, --tokenizer-revision: a branch, a tag or a commit; default
 main). tpgraph downloads nothing: a checkpoint or revision that is not on disk is refused, with the command that
 fetches it."""
@@ -21,10 +21,17 @@ def hub_cache(download_dir: str | None = None) -> Path:
     """Where the hub's snapshots are: --download-dir, else where huggingface_hub keeps them."""
     if download_dir is not None:
         return Path(download_dir).expanduser()
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
-    return Path(home).expanduser() / "hub"
+    # huggingface_hub's order (its constants.HF_HUB_CACHE), the legacy HUGGINGFACE_HUB_CACHE too, $VARIABLES expanded
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return _expanded(os.environ[name])
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                            / "huggingface")
+    return _expanded(home) / "hub"
+
+
+def _expanded(path: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(path)))
 
 
 def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revision: str | None,

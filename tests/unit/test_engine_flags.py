@@ -6,6 +6,7 @@ taken at the one value this engine runs (--kv-cache-dtype, --quantization, ...),
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +254,29 @@ def test_a_hub_id_is_its_cached_snapshot_at_the_revision_asked(tmp_path, monkeyp
     assert dirs("--model", "org/tiny", "--tokenizer", "org/tiny", "--tokenizer-revision", V1) == (at(MAIN), at(V1))
     # a snapshot's directory given with the revision it is
     assert dirs("--model", at(V1), "--revision", "v1")[0] == at(V1)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"HUGGINGFACE_HUB_CACHE": "/legacy"}, "/legacy"),  # (the legacy name, which huggingface_hub reads)
+    ({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HUB_CACHE": "/new"}, "/new"),
+    ({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/home"}, "/legacy"),
+    ({"HF_HOME": "/home"}, "/home/hub"),
+    ({"XDG_CACHE_HOME": "/xdg"}, "/xdg/huggingface/hub"),
+    ({"HF_HUB_CACHE": "$DATA/hub", "DATA": "/data"}, "/data/hub"),  # (huggingface_hub expands variables too)
+    ({"HF_HOME": "${DATA}/hf", "DATA": "/data"}, "/data/hf/hub"),
+])
+def test_the_hub_cache_is_where_huggingface_hub_keeps_snapshots(env, expected, monkeypatch):
+    """huggingface_hub's own order (its constants.HF_HUB_CACHE): HF_HUB_CACHE, the legacy HUGGINGFACE_HUB_CACHE,
+    HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub, each with $VARIABLES expanded. The legacy name and the variables were
+    ignored: a hub id cached there was refused as not on disk."""
+    from tpgraph.hub import hub_cache
+
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hub_cache() == Path(expected)
+    assert hub_cache("/flag") == Path("/flag")  # (--download-dir over them all)
 
 
 def test_a_directory_written_from_home_is_the_directory_the_engine_loads(tmp_path, monkeypatch):
