@@ -1,7 +1,8 @@
 """Chat templates (rendered as HF's apply_chat_template renders them) and a checkpoint's generation_config.
 
-A checkpoint's template is chat_template.jinja where there is one (transformers prefers it), else
-tokenizer_config.json's `chat_template` (a string, or a list of named templates whose "default" is used). It is
+A checkpoint's template is chat_template.jinja where there is one (transformers prefers it; other named ones are in
+additional_chat_templates/), else tokenizer_config.json's `chat_template` (a string, or a list of named templates
+whose "default" is used, and "tool_use" where tools are given). It is
 rendered in a sandboxed Jinja environment with HF's settings (trim_blocks, lstrip_blocks, loop controls,
 raise_exception, strftime_now, tojson, the `{% generation %}` tag) and the tokenizer's special tokens as variables.
 The rendered text already holds BOS where the template puts it, so it is encoded without adding special tokens.
@@ -342,19 +343,30 @@ class ChatTemplate:
         if model_dir is None:
             return ChatTemplate(BUILTIN_TEMPLATE, {"bos_token": builtin_bos})
         cfg = tokenizer_config(model_dir)
-        # newer checkpoints keep the template in its own file, which transformers prefers to the config's
-        jinja_file = Path(model_dir) / "chat_template.jinja"
-        try:
-            source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else cfg.get("chat_template")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"cannot read {jinja_file}: {exc}") from None
+        # newer checkpoints keep the templates in their own files, which transformers prefers to the config's
+        source = template_files(Path(model_dir)) or cfg.get("chat_template")
         tool_use = None
         if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source, tool_use = named.get("default"), named.get("tool_use")
+            source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if isinstance(source, dict):
+            source, tool_use = source.get("default"), source.get("tool_use")
         if not isinstance(source, str):
             return None
         return ChatTemplate(source, special_tokens(cfg), tool_use if isinstance(tool_use, str) else None)
+
+
+def template_files(model_dir: Path) -> dict[str, str]:
+    """The templates a checkpoint keeps in files, by name, as transformers saves them: chat_template.jinja (the
+    default) and additional_chat_templates/NAME.jinja ("tool_use", say); {} without any."""
+    files = [model_dir / "chat_template.jinja", *sorted((model_dir / "additional_chat_templates").glob("*.jinja"))]
+    named = {}
+    for path in (f for f in files if f.is_file()):
+        name = "default" if path.parent == model_dir else path.name.removesuffix(".jinja")
+        try:
+            named[name] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+    return named
 
 
 # marks where the last message's text ends, for continue_final_message (a private-use character: no chat has it);

@@ -240,6 +240,30 @@ def test_a_checkpoints_tool_use_template_renders_where_tools_are_given(tmp_path)
     assert pickle.loads(pickle.dumps(template)).render(messages, tools=tools) == template.render(messages, tools=tools)
 
 
+def test_named_templates_saved_as_jinja_files_are_read_as_transformers_reads_them(tmp_path):
+    """transformers saves named templates as chat_template.jinja (the default) and additional_chat_templates/NAME.jinja
+    (a Hermes 3 re-saved): "tool_use" renders where tools are given. Only chat_template.jinja was read, so a request
+    with tools got the default template, without them."""
+    transformers = pytest.importorskip("transformers")
+    ckpt = make_chat_checkpoint(tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}]
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    transformers.AutoTokenizer.from_pretrained(str(ckpt)).save_pretrained(tmp_path / "saved")
+    saved = tmp_path / "saved"
+    assert (saved / "chat_template.jinja").is_file()
+    assert (saved / "additional_chat_templates" / "tool_use.jinja").is_file()
+    hf = transformers.AutoTokenizer.from_pretrained(str(saved))
+    template = ChatTemplate.from_dir(saved, "")
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    for kw in ({}, {"tools": tools}):
+        assert template.render(messages, **kw) == hf.apply_chat_template(messages, tokenize=False, **kw)
+    assert template.render(messages, tools=tools).startswith('[{"type": "function"')
+
+
 def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     messages = [{"role": "user", "content": "x"}]
