@@ -122,6 +122,19 @@ def test_no_safetensors(tmp_path):
         SafetensorsSource(tmp_path)
 
 
+@pytest.mark.parametrize("files", [["pytorch_model.bin"],
+                                   ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+                                    "pytorch_model.bin.index.json"]])
+def test_a_pytorch_bin_checkpoint_is_refused_naming_its_files_and_the_conversion(tmp_path, files):
+    """Checkpoints that hold only PyTorch pickles (transformers and vLLM load them) were told there were no
+    safetensors files, as if the directory held no weights at all."""
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"holds PyTorch \.bin weights \(pytorch_model.*\.bin\), which tpgraph "
+                                              r"does not load .*\.save_pretrained\(DIR\)"):
+        SafetensorsSource(tmp_path)
+
+
 def test_garbage_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):

@@ -80,6 +80,11 @@ class SafetensorsSource:
                 raise CheckpointError(f"{index} lists shard file(s) that are missing: {', '.join(missing)}")
         else:
             files = sorted(model_dir.glob("*.safetensors"))
+            pickles = sorted(f.name for f in model_dir.glob("*.bin"))
+            if not files and pickles:  # (transformers and vLLM load them: say what they are and how to convert)
+                raise CheckpointError(f"{model_dir} holds PyTorch .bin weights ({', '.join(pickles)}), which tpgraph "
+                                      f"does not load (only safetensors): convert them with transformers: "
+                                      f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR)")
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {model_dir} (only safetensors checkpoints load)")
         for f in files:
