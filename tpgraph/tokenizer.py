@@ -11,6 +11,8 @@ from tpgraph.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# a tokenizer's files other than tokenizer.json: sentencepiece's model, a byte-level BPE's vocabulary and merges
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -49,9 +51,11 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
                 return Tokenizer.from_file(str(path))
             except Exception as exc:
                 raise CheckpointError(f"cannot read {path}: {exc}") from None
-        if (Path(model_dir) / "tokenizer.model").is_file():  # (the byte tokenizer would encode garbage for it)
-            raise CheckpointError(f"{model_dir} has a sentencepiece tokenizer.model but no tokenizer.json; write one "
-                                  f"with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+        # a tokenizer in files transformers reads but tpgraph does not (the byte tokenizer would encode garbage for it)
+        slow = [name for name in SLOW_TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
+        if slow:
+            raise CheckpointError(f"{model_dir} has a tokenizer in {' and '.join(slow)} but no tokenizer.json; write "
+                                  f"one with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         if vocab_size < 258:
             raise CheckpointError(f"{model_dir} has no tokenizer.json and its vocabulary ({vocab_size}) is too "
                                   "small for the built-in byte tokenizer")

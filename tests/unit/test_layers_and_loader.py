@@ -245,7 +245,20 @@ def test_a_sentencepiece_only_checkpoint_is_refused(tmp_path):
     from tpgraph.tokenizer import load_tokenizer
 
     (tmp_path / "tokenizer.model").write_bytes(b"sp")
-    with pytest.raises(CheckpointError, match="sentencepiece tokenizer.model but no tokenizer.json"):
+    with pytest.raises(CheckpointError, match="has a tokenizer in tokenizer.model but no tokenizer.json"):
+        load_tokenizer(tmp_path, 32000)
+
+
+@pytest.mark.parametrize("files", [["vocab.json", "merges.txt"], ["tokenizer.model", "vocab.json"]])
+def test_a_checkpoint_with_slow_tokenizer_files_only_is_refused_naming_them(tmp_path, files):
+    """A byte-level BPE kept as vocab.json + merges.txt (transformers reads them) got the built-in byte tokenizer
+    with a warning: every prompt encoded as bytes, garbage ids to the model."""
+    from tpgraph.tokenizer import load_tokenizer
+
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=rf"has a tokenizer in {' and '.join(files)} but no tokenizer.json; "
+                                              r"write one with transformers"):
         load_tokenizer(tmp_path, 32000)
 
 
