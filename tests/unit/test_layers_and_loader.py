@@ -270,6 +270,23 @@ def test_safetensors_without_a_checkpoint_is_refused():
         load_model(fake_rank(0, 1).state, fake_rank(0, 1), None, "safetensors")
 
 
+@pytest.mark.parametrize(("capability", "dtype"), [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                                                   ((7, 5), torch.float16)])
+def test_a_float32_checkpoint_runs_in_half_precision_on_gpu_as_vllms_auto_dtype(monkeypatch, capability, dtype):
+    """vLLM's dtype "auto" downcasts a float32 checkpoint (many fine-tunes save one) to the GPU's preferred half type:
+    bf16, or fp16 before sm_80. It ran in fp32: twice the weights' and the KV cache's memory, and other numbers than
+    vLLM's. An explicit --dtype float32 still runs fp32 (load_model takes it over this default)."""
+    import dataclasses
+
+    from tpgraph.model import loader
+
+    monkeypatch.setattr(loader.torch.cuda, "get_device_capability", lambda device=None: capability)
+    for name in ("float32", "fp32", "float"):
+        cfg = dataclasses.replace(BUILTIN_MODEL, torch_dtype=name)
+        assert loader.default_dtype(cfg, torch.device("cuda")) is dtype
+        assert loader.default_dtype(cfg, torch.device("cpu")) is torch.float32
+
+
 def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refused():
     """An unknown torch_dtype ("float8", "float64") was run as bf16 with no word; vLLM's spellings ("half") map."""
     import dataclasses
@@ -277,8 +294,7 @@ def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refuse
     from tpgraph.model.loader import default_dtype
 
     cuda = torch.device("cuda")
-    for name, dtype in (("half", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16),
-                        ("float32", torch.float32)):
+    for name, dtype in (("half", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         assert default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype=name), cuda) is dtype
     with pytest.raises(ConfigError, match="torch_dtype 'float8' is not a dtype tpgraph runs in .* pass --dtype"):
         default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float8"), cuda)

@@ -24,8 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks to shard over (default and required value: torchrun's world size)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     p.add_argument("--dtype", default="auto",
-                   help="auto (the checkpoint's; fp32 on CPU) | bfloat16 | float16 | float32 (and bf16 / fp16 / "
-                        "half / fp32 / float)")
+                   help="auto (the checkpoint's, a float32 one's as bf16 on GPU; fp32 on CPU) | bfloat16 | float16 | "
+                        "float32 (and bf16 / fp16 / half / fp32 / float)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the checkpoint's")

@@ -26,7 +26,8 @@ class EngineConfig:
     model: str | Path | None = None  # an HF checkpoint directory; None: the built-in model
     tp_size: int = 1
     device: str | None = None  # "cuda" | "cpu"; default: cuda if a GPU is visible
-    dtype: str | None = None  # "auto" or None: the checkpoint's (fp32 on CPU); else bf16 | fp16 | fp32
+    # "auto" or None: the checkpoint's (a float32 one's bf16 on GPU, as vLLM's; fp32 on CPU); else bf16 | fp16 | fp32
+    dtype: str | None = None
     load_format: str = "auto"
     seed: int = 0  # random weights (built-in / dummy) and the shared sampling generator
     block_size: int = 16

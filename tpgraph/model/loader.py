@@ -180,12 +180,15 @@ def layers_past_the_config(names: Iterable[str], num_layers: int) -> list[int]:
 
 
 def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """The checkpoint's dtype on GPU; fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
+    """The checkpoint's dtype on GPU, a float32 one's downcast to the GPU's half type as vLLM's dtype "auto" does
+    (bf16, or fp16 before sm_80); fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
     if device.type == "cpu":
         return torch.float32
     if cfg.torch_dtype not in DTYPES:  # (one read as bf16 ran a float8 or float64 checkpoint's config with no word)
         raise ConfigError(f"config.json's torch_dtype {cfg.torch_dtype!r} is not a dtype tpgraph runs in (one of "
                           f"{sorted(DTYPES)}): pass --dtype to choose one")
+    if DTYPES[cfg.torch_dtype] is torch.float32:
+        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return DTYPES[cfg.torch_dtype]
 
 
