@@ -14,7 +14,7 @@ from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.hub import HUB_ID
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
 # (not pretraining_tp: transformers' slices of each matmul, joined again, are the same model at any value)
 UNIMPLEMENTED_FIELDS = {
@@ -62,7 +62,7 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
 
 
 def _positive(name: str, value: Any) -> float:
@@ -81,6 +81,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN's (transformers' defaults): the ramp's rotation bounds, whether they are cut to whole dimensions, and the
+    # factor on cos and sin (1 for every other rope)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -112,12 +118,34 @@ class RopeConfig:
             factor=factor,
             low_freq_factor=low,
             high_freq_factor=high,
-            # (as transformers 5 computes llama3's frequencies: a field beside the rope dict wins over the dict's, and
-            # without either it is the model's context, not a fixed 8192; transformers 4 requires the dict's)
+            # (as transformers 5 computes llama3's and yarn's frequencies: a field beside the rope dict wins over the
+            # dict's, and without either it is the model's context, not a fixed 8192; transformers 4 requires the
+            # dict's)
             original_max_position_embeddings=int(cfg.get("original_max_position_embeddings")
                                                  or params.get("original_max_position_embeddings")
                                                  or cfg.get("max_position_embeddings", 2048)),
+            **(_yarn_fields(params, factor) if rope_type == "yarn" else {}),
         )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times longer (its paper's 0.1 * mscale * ln(factor) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_fields(params: dict[str, Any], factor: float) -> dict[str, Any]:
+    """A yarn rope's fields as transformers reads them: betas 32 and 1 where absent (or 0), bounds truncated unless
+    `truncate` is false, and the attention factor given, else from the factor (and mscale / mscale_all_dim where
+    both are set)."""
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, _positive("mscale", mscale)) / _yarn_mscale(
+            factor, _positive("mscale_all_dim", mscale_all_dim)) if mscale and mscale_all_dim else _yarn_mscale(factor)
+    return dict(beta_fast=_positive("beta_fast", params.get("beta_fast") or 32),
+                beta_slow=_positive("beta_slow", params.get("beta_slow") or 1),
+                truncate=_flag("truncate", params.get("truncate", True)),
+                attention_factor=_positive("attention_factor", attention))
 
 
 @dataclass(frozen=True)
@@ -163,20 +191,29 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def _scaled_context(self) -> tuple[str, int] | None:
+        """(the field, its value) that a rope's factor scales into the model's context; None for an unscaled rope."""
+        if self.rope.type == "linear":  # (it squeezes positions by its factor: vicuna-7b-v1.5-16k's 4096 x 4 are 16k)
+            return "max_position_embeddings", self.max_position_embeddings
+        if self.rope.type == "yarn":  # (the pre-YaRN context, stretched)
+            return "original_max_position_embeddings", self.rope.original_max_position_embeddings
+        return None
+
+    @property
     def max_context(self) -> int:
-        """The positions the model was trained on, as vLLM derives them: max_position_embeddings, times a linear
-        rope's factor (it squeezes positions by it: vicuna-7b-v1.5-16k's 4096 with factor 4 are a 16k context)."""
-        if self.rope.type == "linear":
-            return int(self.max_position_embeddings * self.rope.factor)
-        return self.max_position_embeddings
+        """The positions the model was trained on, as vLLM derives them: max_position_embeddings, or for a linear or
+        yarn rope the context it scales times its factor."""
+        scaled = self._scaled_context
+        return self.max_position_embeddings if scaled is None else int(scaled[1] * self.rope.factor)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise ConfigError where max_model_len is past the positions the model was trained on."""
         if max_model_len > self.max_context:
-            scaled = f" x the linear rope factor {self.rope.factor:g} = {self.max_context}" \
-                if self.max_context != self.max_position_embeddings else ""
-            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                              f"({self.max_position_embeddings}{scaled})")
+            scaled = self._scaled_context
+            context = f"max_position_embeddings ({self.max_position_embeddings})" if scaled is None else \
+                f"context ({scaled[0]} {scaled[1]} x the {self.rope.type} rope factor {self.rope.factor:g} = " \
+                f"{self.max_context})"
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {context}")
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ConfigError unless this model can be split over tp_size ranks."""

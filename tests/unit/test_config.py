@@ -85,11 +85,12 @@ def test_unsupported_architecture():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ConfigError, match="rope_scaling type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported; tpgraph supports default, "
+                                          "linear, llama3, yarn"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
 
-@pytest.mark.parametrize("rope,missing", [({"rope_type": "linear"}, "factor"),
+@pytest.mark.parametrize("rope,missing", [({"rope_type": "linear"}, "factor"), ({"rope_type": "yarn"}, "factor"),
                                           ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0},
                                            "low_freq_factor")])
 def test_a_scaled_rope_without_its_factors_is_refused_by_name(rope, missing):
@@ -223,8 +224,8 @@ def test_a_config_that_is_not_an_object_or_not_text_is_named(tmp_path):
 
 
 def test_a_clear_config_error_keeps_its_own_words():
-    with pytest.raises(ConfigError, match="^config.json rope_scaling type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="^config.json rope_scaling type 'dynamic' is not supported"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
 
 def test_swish_is_silu_and_other_activations_are_refused():

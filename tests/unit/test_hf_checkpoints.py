@@ -59,6 +59,25 @@ def test_a_linear_rope_checkpoint_serves_its_scaled_context_as_transformers_runs
     assert got == pytest.approx(want, abs=1e-4)
     doc = json.loads((path / "config.json").read_text())
     assert doc["max_position_embeddings"] == 32 and doc["rope_parameters"]["factor"] == 2.0
-    with pytest.raises(ConfigError, match=r"max_model_len 65 exceeds the model's max_position_embeddings \(32 x the "
-                                          r"linear rope factor 2 = 64\)"):
+    with pytest.raises(ConfigError, match=r"max_model_len 65 exceeds the model's context \(max_position_embeddings 32 "
+                                          r"x the linear rope factor 2 = 64\)"):
         TPEngine(path, device="cpu", max_model_len=65)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(factor=4.0, original_max_position_embeddings=16),
+    dict(factor=4.0, original_max_position_embeddings=16, beta_fast=16, beta_slow=2, attention_factor=1.2,
+         truncate=False),
+    dict(factor=2.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=0.5),
+], ids=["defaults", "betas_attention_factor_untruncated", "mscales"])
+def test_a_yarn_rope_checkpoint_runs_as_transformers_runs_it(tmp_path, rope):
+    """YaRN (rope_type "yarn": blended frequencies, and cos/sin scaled by its attention factor) was refused; it runs
+    now as transformers computes it, over the context vLLM derives (original_max_position_embeddings x factor)."""
+    path = save_hf_model(tmp_path / "c", max_position_embeddings=64,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **rope))
+    prompt = [(37 * j + 11) % VOCAB for j in range(int(16 * rope["factor"]) - 1)]  # (the context, less a token)
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine.runner.max_model_len == int(16 * rope["factor"])
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)

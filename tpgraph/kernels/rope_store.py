@@ -28,14 +28,15 @@ except ImportError:  # CPU-only installs without Triton use the reference path
 
 
 def rope_cos_sin_table(inv_freq: torch.Tensor, max_pos: int, dtype: torch.dtype,
-                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+                       device: torch.device | str, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """inv_freq fp32 [D/2] -> (cos, sin), each [max_pos, D/2] in `dtype`.
 
     Row p holds what HF's rotary embedding computes for position p (its full row is cat(row, row)): the fp32
-    product p * inv_freq, cos/sin in fp32 on `device`, then one cast to `dtype`.
+    product p * inv_freq, cos/sin in fp32 on `device` times `scale` (its attention scaling: YaRN's), then one cast
+    to `dtype`.
     """
     freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq.to(device=device, dtype=torch.float32)
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Rotary position embedding (rotate-half layout, as HF Llama), with linear and llama3 scaling.
+"""Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3 and yarn scaling.
 
 The cos/sin tables are computed once at load for every position; each step's kernel (kernels/rope_store.py)
 indexes them by position, rotates q and k, and writes k and v into the paged cache.
@@ -20,6 +20,8 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.type == "linear":
         return inv_freq / rope.factor
+    if rope.type == "yarn":
+        return _yarn(inv_freq, head_dim, rope)
     if rope.type != "llama3":
         return inv_freq
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
@@ -34,13 +36,30 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are divided by `factor`,
+    those past beta_fast kept, a linear ramp over the dimensions between (as transformers computes them)."""
+    def dimension(rotations: float) -> float:  # (the dimension whose frequency turns this often over the context)
+        ctx = rope.original_max_position_embeddings
+        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # (the share of each frequency left as it is)
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [max_positions, head_dim / 2] in the model dtype, as HF computes them per position."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        cos, sin = rope_cos_sin_table(inv_frequencies(head_dim, rope), max_positions, dtype, device)
+        cos, sin = rope_cos_sin_table(inv_frequencies(head_dim, rope), max_positions, dtype, device,
+                                      rope.attention_factor)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
