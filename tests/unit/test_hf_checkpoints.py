@@ -81,3 +81,21 @@ def test_a_yarn_rope_checkpoint_runs_as_transformers_runs_it(tmp_path, rope):
         assert engine.runner.max_model_len == int(16 * rope["factor"])
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_checkpoint_saved_without_the_model_prefix_loads_as_transformers_loads_it(tmp_path):
+    """Weights saved from the base model (embed_tokens.weight, layers.0..., norm.weight: no "model." prefix), which
+    transformers' LlamaForCausalLM loads by adding its base model's prefix, were refused as missing
+    model.embed_tokens.weight."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_model(tmp_path / "c", tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)

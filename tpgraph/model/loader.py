@@ -30,6 +30,7 @@ from tpgraph.model.shards import ShardSpec
 
 logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
+BASE_PREFIX = "model."  # LlamaForCausalLM's name for its base model (LlamaModel), before every tensor's but lm_head's
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
 
@@ -94,6 +95,13 @@ class SafetensorsSource:
             for f in files:
                 for name in self._open(f).keys():
                     self.file_of[name] = f
+        # the name each tensor has in its file, where it is not the one the model asks for
+        self.stored: dict[str, str] = {}
+        if "embed_tokens.weight" in self.file_of and not any(n.startswith(BASE_PREFIX) for n in self.file_of):
+            # the base model's weights alone (LlamaModel's names): transformers adds its base model's prefix
+            for name in [n for n in self.file_of if not n.startswith("lm_head.")]:
+                self.stored[BASE_PREFIX + name] = name
+                self.file_of[BASE_PREFIX + name] = self.file_of.pop(name)
 
     def _open(self, path: Path):
         if path not in self._handles:
@@ -107,13 +115,16 @@ class SafetensorsSource:
         path = self.file_of.get(name)
         if path is None:
             return None
-        handle = self._open(path)
-        if name not in handle.keys():
+        if self.stored.get(name, name) not in self._open(path).keys():
             raise CheckpointError(f"tensor {name!r} is listed in {INDEX_FILE} but absent from {path.name}")
-        return tuple(handle.get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        """The lazily read tensor `name` (as the model names it) in its file."""
+        return self._open(self.file_of[name]).get_slice(self.stored.get(name, name))
 
     def read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        sl = self._open(self.file_of[name]).get_slice(name)
+        sl = self._slice(name)
         try:
             if dim == 0:
                 return sl[start:start + length]
@@ -138,7 +149,7 @@ class SafetensorsSource:
                 f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} has shape {shape}, expected "
                 f"{spec.hf_shape}: is config.json from the same checkpoint?"
             )
-        stored = self._open(self.file_of[spec.hf_name]).get_slice(spec.hf_name).get_dtype()
+        stored = self._slice(spec.hf_name).get_dtype()
         if stored not in FLOAT_DTYPES:  # (a quantized weight cast to float without its scales is silently wrong)
             raise CheckpointError(f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} is stored as {stored}; "
                                   f"tpgraph loads {', '.join(FLOAT_DTYPES)} weights (quantized checkpoints are "
