@@ -66,6 +66,26 @@ def test_rope_llama3_original_context_is_read_as_transformers_reads_it(in_rope, 
     torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rope", [dict(factor=4.0, original_max_position_embeddings=4096),
+                                  dict(factor=16.0, original_max_position_embeddings=4096, beta_fast=16, beta_slow=2,
+                                       attention_factor=1.2, truncate=False),
+                                  dict(factor=8.0, original_max_position_embeddings=8192, mscale=0.8,
+                                       mscale_all_dim=0.5)])
+def test_rope_yarn_matches_transformers_bit_for_bit(rope):
+    import copy
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=64,
+               num_hidden_layers=1, vocab_size=10, max_position_embeddings=4096 * 16,
+               rope_scaling=dict(rope_type="yarn", rope_theta=500000.0, **rope))
+    hf_inv, hf_attention = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig.from_dict(copy.deepcopy(cfg)), "cpu")
+    ours = ModelConfig.from_hf_dict(copy.deepcopy(cfg)).rope
+    torch.testing.assert_close(inv_frequencies(128, ours), hf_inv, rtol=0, atol=0)
+    assert ours.attention_factor == hf_attention
+
+
 class RecordingSource(SafetensorsSource):
     def __init__(self, path):
         super().__init__(path)
