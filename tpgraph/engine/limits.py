@@ -31,6 +31,13 @@ def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_model_len: int, m
     return k
 
 
+def check_params_type(params: object) -> None:
+    """A request's sampling parameters must be a SamplingParams: anything else (a dict, say) is refused naming the
+    type, before any of its fields is read (an AttributeError from deep inside otherwise)."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     vocab_size: int
@@ -52,8 +59,7 @@ class RequestLimits:
                                f"which leaves no room to generate")
         if len(prompt_ids) > self.cache_tokens:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {self.cache_tokens}")
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        check_params_type(params)
         if len(prompt_ids) + params.min_tokens > self.max_model_len:  # (unbounded where max_tokens is None)
             raise RequestError(f"min_tokens {params.min_tokens} cannot be met: with the prompt's {len(prompt_ids)} "
                                f"tokens that passes max_model_len {self.max_model_len}")

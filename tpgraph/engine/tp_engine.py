@@ -55,7 +55,7 @@ from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check
 from tpgraph.engine.config import EngineConfig, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
-from tpgraph.engine.limits import kept_prompt_tokens
+from tpgraph.engine.limits import check_params_type, kept_prompt_tokens
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.logprob import Logprob, logprob_entry
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
@@ -516,8 +516,7 @@ class TPEngine:
         if len(per_prompt) != len(encoded):
             raise RequestError(f"{len(per_prompt)} SamplingParams for {len(encoded)} prompts")
         for p in per_prompt:  # (before their fields are read below: another type failed there, an AttributeError)
-            if not isinstance(p, SamplingParams):
-                raise RequestError(f"sampling parameters must be a SamplingParams, got {type(p).__name__}")
+            check_params_type(p)
         if priority is not None:
             if not isinstance(priority, (list, tuple)):
                 raise RequestError(f"priority must be a list of integers, one for each prompt, got "
