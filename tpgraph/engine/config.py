@@ -21,6 +21,14 @@ from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
 
+def positive_int(name: str, value: object) -> int:
+    """A count (bools aside: True is no count), refused under the name it was given by: EngineConfig's field, or
+    vLLM's keyword for one (not the tpgraph field it becomes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | Path | None = None  # an HF checkpoint directory; None: the built-in model
@@ -56,15 +64,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_num_seqs", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):  # (RunnerConfig refuses it too, but only after the weights load)
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -199,13 +204,6 @@ def async_scheduling(value: object, overlap: object) -> dict[str, Any]:
     if overlap is not None and overlap != value:
         raise ConfigError(f"overlap_scheduling={overlap!r} and async_scheduling={value!r} differ: give one of them")
     return {"overlap_scheduling": value}
-
-
-def positive_int(name: str, value: object) -> int:
-    """A count given under vLLM's name, refused under that name (not the tpgraph field it becomes)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_known(kwargs: dict[str, Any]) -> None:
