@@ -206,15 +206,19 @@ def async_scheduling(value: object, overlap: object) -> dict[str, Any]:
     return {"overlap_scheduling": value}
 
 
+# vLLM's LLM(...) keywords that vllm_keywords reads as tpgraph's settings (beside VLLM_KEYWORDS_TAKEN): it takes them
+# out of the keywords by this list alone, and check_known names them, so one read but missing here is refused
+VLLM_KEYWORDS_READ = ("tensor_parallel_size", "distributed_executor_backend", "num_gpu_blocks_override",
+                      "enforce_eager", "async_scheduling", "revision", "tokenizer_revision", "download_dir")
+
+
 def check_known(kwargs: dict[str, Any]) -> None:
     """A keyword neither EngineConfig nor vllm_keywords reads is refused by name (not a bare TypeError from the
     dataclass), listing what is taken: a misspelt one would otherwise leave its setting at the default unsaid."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tp_size"}
     unknown = sorted(set(kwargs) - fields, key=str)
     if unknown:
-        vllms = ("tensor_parallel_size", "enforce_eager", "num_gpu_blocks_override", "async_scheduling",
-                 "distributed_executor_backend", "revision", "tokenizer_revision", "download_dir",
-                 *VLLM_KEYWORDS_TAKEN)
+        vllms = (*VLLM_KEYWORDS_READ, *VLLM_KEYWORDS_TAKEN)
         raise ConfigError(f"{', '.join(map(str, unknown))} (an unknown keyword) is not taken: TPEngine takes model, "
                           f"tp_size, {', '.join(sorted(fields))} and vLLM's {', '.join(sorted(vllms))}")
 
@@ -228,29 +232,31 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
     than what tpgraph does (VLLM_KEYWORDS_TAKEN, check_executor_backend), and any other keyword (check_known). A model
     or tokenizer given as a hub id is its cached snapshot at `revision` / `tokenizer_revision` in `download_dir` or
     the hub's cache (hub.py; nothing is downloaded)."""
-    kwargs = dict(kwargs)
     for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
         if name in kwargs:
             raise ConfigError(f"{name} (vLLM's) is not taken: {hint}")
+    kwargs = dict(kwargs)
+    vllm = {name: kwargs.pop(name) for name in (*VLLM_KEYWORDS_TAKEN, *VLLM_KEYWORDS_READ) if name in kwargs}
+    check_known(kwargs)  # (what is left is EngineConfig's)
     for name, (takes, meaning) in VLLM_KEYWORDS_TAKEN.items():
-        if name in kwargs and not takes(value := kwargs.pop(name)):
-            raise ConfigError(f"{name}={value!r} (vLLM's) is not taken: {name} takes {meaning}")
-    if "tensor_parallel_size" in kwargs:
-        size = positive_int("tensor_parallel_size", kwargs.pop("tensor_parallel_size"))
+        if name in vllm and not takes(vllm[name]):
+            raise ConfigError(f"{name}={vllm[name]!r} (vLLM's) is not taken: {name} takes {meaning}")
+    if "tensor_parallel_size" in vllm:
+        size = positive_int("tensor_parallel_size", vllm["tensor_parallel_size"])
         if tp_size != 1 and size != tp_size:  # (tp_size=1 is also its default, so it cannot be told apart)
             raise ConfigError(f"tp_size={tp_size!r} and tensor_parallel_size={size!r} differ: give one of them")
         tp_size = size
-    check_executor_backend(kwargs.pop("distributed_executor_backend", None), tp_size)
-    if "num_gpu_blocks_override" in kwargs:
-        blocks = kwargs.pop("num_gpu_blocks_override")
+    check_executor_backend(vllm.get("distributed_executor_backend"), tp_size)
+    if "num_gpu_blocks_override" in vllm:
+        blocks = vllm["num_gpu_blocks_override"]
         if blocks is not None:  # (vLLM's default: the cache sized from memory)
             positive_int("num_gpu_blocks_override", blocks)
         if kwargs.get("num_kv_blocks", blocks) != blocks:
             raise ConfigError(f"num_kv_blocks={kwargs['num_kv_blocks']!r} and num_gpu_blocks_override={blocks!r} "
                               f"differ: give one of them")
         kwargs["num_kv_blocks"] = blocks
-    if "enforce_eager" in kwargs:
-        eager = kwargs.pop("enforce_eager")
+    if "enforce_eager" in vllm:
+        eager = vllm["enforce_eager"]
         if not isinstance(eager, bool):
             raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
         graphs = kwargs.get("graphs", GraphConfig())
@@ -259,10 +265,9 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
                 raise ConfigError(f"enforce_eager={eager} and graphs' enforce_eager={graphs.enforce_eager} differ: "
                                   f"give one of them")
             kwargs["graphs"] = replace(graphs, enforce_eager=eager)
-    if "async_scheduling" in kwargs:
-        kwargs.update(async_scheduling(kwargs.pop("async_scheduling"), kwargs.get("overlap_scheduling")))
-    hub = {name: kwargs.pop(name, None) for name in ("revision", "tokenizer_revision", "download_dir")}
-    check_known(kwargs)
+    if "async_scheduling" in vllm:
+        kwargs.update(async_scheduling(vllm["async_scheduling"], kwargs.get("overlap_scheduling")))
+    hub = {name: vllm.get(name) for name in ("revision", "tokenizer_revision", "download_dir")}
     if model is not None or any(hub.values()) or kwargs.get("tokenizer") is not None:
         model, tokenizer = checkpoint_dirs(model, kwargs.get("tokenizer"), hub["revision"], hub["tokenizer_revision"],
                                            hub["download_dir"], named=str)
