@@ -298,3 +298,72 @@ def test_each_model_card_carries_vllms_permission_entry():
     assert [perm[k] for k in ("allow_create_engine", "allow_sampling", "allow_logprobs", "allow_search_indices",
                               "allow_view", "allow_fine_tuning", "is_blocking")] == [False, True, True, False, True,
                                                                                      False, False]
+
+
+class _Gate:
+    """A tokenizer's or template's work that blocks until the test lets it go: `entered` once it blocks, `waited`
+    whether each call was let go (False: it gave up, never released while it held the thread it ran on)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.released, self.waited = threading.Event(), threading.Event(), []
+
+    def hold(self) -> None:
+        self.entered.set()
+        self.waited.append(self.released.wait(timeout=10))  # (a guard: on the event loop nothing could release it)
+
+
+def _gated_codec(gate: _Gate) -> PromptCodec:
+    """The built-in codec whose decode and chat template block on the gate."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+
+    c = codec()
+
+    class Template(ChatTemplate):
+        def render(self, *args, **kwargs) -> str:
+            gate.hold()
+            return super().render(*args, **kwargs)
+
+    class Tokenizer:
+        def __getattr__(self, name: str):
+            return getattr(c.tokenizer, name)
+
+        def decode(self, *args, **kwargs) -> str:
+            gate.hold()
+            return c.tokenizer.decode(*args, **kwargs)
+
+    return dataclasses.replace(c, tokenizer=Tokenizer(), chat_template=Template(c.chat_template.source,
+                                                                                c.special_tokens))
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/detokenize", {"tokens": [104, 105]}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 1}),
+])
+def test_other_requests_are_served_while_a_tokenizer_or_template_works(path, body):
+    """Detokenizing and rendering a chat template ran on the event loop: a long prompt's held up every other request
+    and stream. They run on a thread now: a request is answered while another's is still at work."""
+    from tpgtest.server_stubs import OneTokenClient
+
+    httpx = httpx_module()
+    gate = _Gate()
+    app = server_app.create_app(OneTokenClient(), _gated_codec(gate), ServerMetrics(), MODEL, 128)
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            held = asyncio.create_task(http.post(path, json={"model": MODEL, **body}))
+            await asyncio.to_thread(gate.entered.wait, 10)
+            other = await http.get("/version")
+            still_held = not held.done()
+            gate.released.set()
+            return other, still_held, await held
+
+    other, still_held, held = asyncio.run(main())
+    assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
+    assert held.status_code == 200, held.text

@@ -581,9 +581,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # (vLLM's echo: the last message's text before the reply, where the reply is in its role)
         echoed = content_text(messages[-1]["content"], "messages[-1]") if body.echo and messages[-1]["role"] == role \
             else ""
-        text = prompts.render_chat(messages, body.add_generation_prompt, tools.template_tools,
-                                   http.template_variables(body.chat_template_kwargs), body.continue_final_message,
-                                   documents=body.documents)
+        # (off the event loop, as the tokenizer is: a template over a long conversation held up every other stream)
+        text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools.template_tools,
+                                       http.template_variables(body.chat_template_kwargs), body.continue_final_message,
+                                       documents=body.documents)
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

@@ -36,16 +36,20 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
             # (as the chat route's, so the counts agree: [] too, as vLLM's)
             tools = None if body.tools is None else template_tools(body.tools)
             messages = template_messages(body.messages, prompts.content_format(tools, content_format))
-            text = prompts.render_chat(messages, body.add_generation_prompt, tools,
-                                       template_variables(body.chat_template_kwargs), body.continue_final_message)
+            text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools,
+                                           template_variables(body.chat_template_kwargs), body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
         # (not capped at max_model_len tokens: an evaluation tokenizes whole documents here and windows them itself)
         if len(text) > TOKENIZE_MAX_CHARS:
             raise RequestError(f"the text has {len(text)} characters; /tokenize takes at most {TOKENIZE_MAX_CHARS}")
-        ids = await asyncio.to_thread(prompts.encode_text, text, special)  # (off the event loop, as completions do)
-        strs = [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+
+        def encoded() -> tuple[list[int], list[str] | None]:
+            ids = prompts.encode_text(text, special)
+            return ids, [prompts.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+
+        ids, strs = await asyncio.to_thread(encoded)  # (off the event loop, as completions do: a whole document's)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @router.get("/tokenizer_info")
@@ -57,6 +61,6 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
         check_model(body.model)
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise RequestError(f"tokens must be ids in [0, {vocab}) (the tokenizer's vocabulary), got {bad[:8]}")
-        return {"prompt": prompts.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(prompts.decode, body.tokens)}  # (off the event loop, as /tokenize)
 
     return router
