@@ -86,6 +86,24 @@ def test_vllm_keywords_rl_frameworks_pass_at_their_defaults_are_taken_there_alon
             vllm_keywords(None, 1, {name: True})
 
 
+def test_vllm_keywords_at_vllms_own_defaults_are_taken_as_left_out():
+    """Scripts pass vLLM's keywords through from their configs at vLLM's defaults: quantization=None, cpu_offload_gb=0
+    and hf_token=None ask for nothing, and max_num_seqs, block_size, enable_prefix_caching and enable_chunked_prefill
+    None leave the choice to the engine (vLLM's EngineArgs). Each was refused ("quantization (vLLM's) is not taken",
+    "max_num_seqs must be a positive integer, got None"); each is now this engine's default."""
+    from tpgraph.engine.config import EngineConfig, vllm_keywords
+
+    defaults = {"quantization": None, "cpu_offload_gb": 0, "hf_token": None, "max_num_seqs": None,
+                "block_size": None, "enable_prefix_caching": None, "enable_chunked_prefill": None}
+    model, tp_size, kwargs = vllm_keywords(None, 1, defaults)
+    assert (model, tp_size, kwargs) == (None, 1, {})
+    assert EngineConfig(**kwargs) == EngineConfig()
+    # (a value other than vLLM's default still asks for something: refused, or taken as that setting)
+    with pytest.raises(ConfigError, match=r"cpu_offload_gb \(vLLM's\) is not taken"):
+        vllm_keywords(None, 1, {"cpu_offload_gb": 2})
+    assert vllm_keywords(None, 1, {"max_num_seqs": 4}) == (None, 1, {"max_num_seqs": 4})
+
+
 def test_vllms_seed_none_is_refused_saying_why():
     with pytest.raises(ConfigError, match=r"got None \(vLLM's None, no fixed seed, is not taken: every rank draws"):
         TPEngine(device="cpu", seed=None)

@@ -152,6 +152,21 @@ VLLM_KEYWORDS_NOT_TAKEN = {
     "cuda_graph_sizes": _GRAPHS,
     "compilation_config": _GRAPHS,
 }
+# vLLM's keywords at vLLM's own defaults, which ask for nothing: no quantization, no CPU offload, no hub token, and None
+# where vLLM's engine chooses (its EngineArgs' None). Scripts pass them through from their configs: taken as left out,
+# so this engine's defaults hold (any other value is read as ever: refused, or taken as that setting)
+VLLM_DEFAULTS: dict[str, object] = {"quantization": None, "cpu_offload_gb": 0, "hf_token": None, "max_num_seqs": None,
+                                    "block_size": None, "enable_prefix_caching": None, "enable_chunked_prefill": None}
+
+
+def at_vllm_default(name: str, value: object) -> bool:
+    """Whether a keyword is one of VLLM_DEFAULTS given at that default (a bool is no count: False is not 0)."""
+    if name not in VLLM_DEFAULTS:
+        return False
+    default = VLLM_DEFAULTS[name]
+    return value is None if default is None else not isinstance(value, bool) and value == default
+
+
 # vLLM's keywords taken at the values that mean what tpgraph does anyway, as the server's flags take them
 # (engine/cli.py): no checkpoint code runs, so trusting it changes nothing; preemption recomputes, as vLLM's V1 engine
 # does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype;
@@ -228,14 +243,15 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
     """TPEngine's model, tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
     tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, enforce_eager is the graphs'
     GraphConfig.enforce_eager and async_scheduling is overlap_scheduling. Both names given, differing, is refused; so
-    is a vLLM keyword with no setting here (VLLM_KEYWORDS_NOT_TAKEN, naming what to do), one at a value meaning other
+    is a vLLM keyword with no setting here (VLLM_KEYWORDS_NOT_TAKEN, naming what to do) unless at vLLM's default,
+    which asks nothing (VLLM_DEFAULTS: left out), one at a value meaning other
     than what tpgraph does (VLLM_KEYWORDS_TAKEN, check_executor_backend), and any other keyword (check_known). A model
     or tokenizer given as a hub id is its cached snapshot at `revision` / `tokenizer_revision` in `download_dir` or
     the hub's cache (hub.py; nothing is downloaded)."""
+    kwargs = {name: value for name, value in kwargs.items() if not at_vllm_default(name, value)}
     for name, hint in VLLM_KEYWORDS_NOT_TAKEN.items():
         if name in kwargs:
             raise ConfigError(f"{name} (vLLM's) is not taken: {hint}")
-    kwargs = dict(kwargs)
     vllm = {name: kwargs.pop(name) for name in (*VLLM_KEYWORDS_TAKEN, *VLLM_KEYWORDS_READ) if name in kwargs}
     check_known(kwargs)  # (what is left is EngineConfig's)
     for name, (takes, meaning) in VLLM_KEYWORDS_TAKEN.items():
