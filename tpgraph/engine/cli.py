@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
 
 from tpgraph.distributed import env_int
-from tpgraph.engine.config import captures_decode, check_executor_backend
+from tpgraph.engine.config import EngineConfig, captures_decode, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args, ladder_flag
@@ -218,14 +219,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     # EngineConfig's check, naming the flags rather than its keywords (a count below 1 it refuses itself)
     if args.max_num_seqs >= 1 and captures_decode(graphs, args.device):
         graphs.decode_sizes(args.max_num_seqs, (f"{ladder_flag(args)} (the decode capture sizes)", "--max-num-seqs"))
-    return dict(model=model, tp_size=tp_size, device=args.device, dtype=args.dtype,
-                load_format=args.load_format, seed=args.seed, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.enable_chunked_prefill, overlap_scheduling=args.overlap_scheduling,
-                scheduling_policy=args.scheduling_policy,
-                enable_prefix_caching=args.enable_prefix_caching,
-                gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                chat_template=args.chat_template, tokenizer=tokenizer,
-                max_logprobs=args.max_logprobs, generation_config=args.generation_config,
-                override_generation_config=args.override_generation_config or {}, graphs=graphs)
+    # every EngineConfig field from the flag of its name (a field given a flag is passed on with no list to forget it
+    # in), then those read otherwise
+    taken = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return {**taken, "model": model, "tp_size": tp_size, "tokenizer": tokenizer, "graphs": graphs,
+            "override_generation_config": args.override_generation_config or {}}
