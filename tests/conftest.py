@@ -25,6 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tpgtest.interpreter import patch_language_once_a_launch
+    from tpgtest.interpreter import patch_language_once_a_launch, reduce_bitwise_with_numpy
 
     patch_language_once_a_launch()
+    reduce_bitwise_with_numpy()

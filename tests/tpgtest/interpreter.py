@@ -1,15 +1,22 @@
-"""Triton's interpreter (TRITON_INTERPRET=1, the CPU tests' kernels), made to patch triton.language once a launch.
+"""Triton's interpreter (TRITON_INTERPRET=1, the CPU tests' kernels) made faster where it is slow for no reason.
 
 A launch patches triton.language's builtins into numpy ones (inspect.getmembers over its modules) and restores them
 when its programs end. Triton 3.x also redoes that patching on every call of a @triton.jit device function inside the
 launch, though nothing is left to patch: a third of the CPU kernel tests' time went there (tests/unit
 test_fused_sampling.py's draws: 53,213 calls, 36 of 100 s under cProfile). Here a call made while a launch's patching
 stands skips it; the launch's own patching, and its restoring, are Triton's.
+
+Its reductions run numpy's for max, min, sum and argmax, but any other combine function one element at a time in
+Python. tl.sort's compare-and-swap steps reduce with an xor (standard._xor_combine), so a sort of a few thousand
+keys took seconds (tests/unit/test_top_k_kernel.py: 50 of 64 s in that loop). Here the bitwise combines of
+triton.language.standard (xor, or) reduce with numpy's bitwise ones: exact for integers, in any order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import numpy as np
 
 
 def patch_language_once_a_launch() -> bool:
@@ -51,4 +58,32 @@ def patch_language_once_a_launch() -> bool:
     patch_once.once_a_launch = True
     launcher.__call__ = run_marked
     interpreter._patch_lang = patch_once
+    return True
+
+
+def reduce_bitwise_with_numpy() -> bool:
+    """Install numpy's xor and or reductions for standard's combines; False where this Triton lacks the hooks."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    reducer = getattr(interpreter, "ReduceOps", None)
+    standard = getattr(tl, "standard", None)
+    bitwise = {getattr(standard, name, None): ufunc for name, ufunc in
+               (("_xor_combine", np.bitwise_xor), ("_or_combine", np.bitwise_or))}
+    bitwise.pop(None, None)
+    if reducer is None or not bitwise or getattr(reducer.apply_impl, "bitwise_by_numpy", False):
+        return False
+    apply = reducer.apply_impl
+
+    def apply_bitwise(self, input):
+        ufunc = bitwise.get(self.combine_fn)
+        if ufunc is None or len(input) != 1:
+            return apply(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(ufunc.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
+
+    apply_bitwise.bitwise_by_numpy = True
+    reducer.apply_impl = apply_bitwise
     return True
