@@ -2,6 +2,7 @@
 padding, dispatcher, address checks, registrations) without capturing, so all of it runs here."""
 
 import contextlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -334,3 +335,15 @@ def test_persistent_buffers_are_laid_out_before_the_kv_cache_is_sized(model, mon
 def test_runner_config_refuses_bools_and_floats_as_sizes(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RunnerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("value", [True, "0.9", 0, 1.5, float("nan")])
+def test_runner_and_memory_budget_refuse_gpu_memory_utilization_as_the_engine_does(value):
+    """RunnerConfig and MemoryBudget each restated EngineConfig's range check without its type check: True passed as
+    1.0 and "0.9" failed with a TypeError; all three now refuse alike, saying the name and the value given."""
+    message = re.escape(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
+    with pytest.raises(ConfigError, match=message):
+        RunnerConfig(gpu_memory_utilization=value)
+    with pytest.raises(ConfigError, match=message):
+        MemoryBudget(total=1 << 30, utilization=value, in_use=0, weights=0, workspace=0, activation_peak=0,
+                     graph_pool_estimate=0, block_bytes=1)

@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from tpgraph.checks import is_unit_fraction
 from tpgraph.distributed import env_int
 from tpgraph.engine.config import EngineConfig, captures_decode, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
@@ -195,7 +196,7 @@ def logprobs_cap(text: str) -> int:
 def fraction(text: str) -> float:
     """A value in (0, 1], refused at parse time rather than after the weights load."""
     value = float(text)
-    if not 0.0 < value <= 1.0:
+    if not is_unit_fraction(value):
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tpgraph.chat import GENERATION_CONFIG_SOURCES, check_generation_config_dir, check_overrides
+from tpgraph.checks import positive_int, unit_fraction
 from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
@@ -19,14 +20,6 @@ from tpgraph.graphs.config import GraphConfig
 from tpgraph.graphs.modes import CaptureSupport, resolve_modes
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
-
-
-def positive_int(name: str, value: object) -> int:
-    """A count (bools aside: True is no count), refused under the name it was given by: EngineConfig's field, or
-    vLLM's keyword for one (not the tpgraph field it becomes)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -105,9 +98,7 @@ class EngineConfig:
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
         if captures_decode(self.graphs, self.device):  # (the runner refuses it too, once every rank has the weights)
             self.graphs.decode_sizes(self.max_num_seqs, ("graphs' ladder (the decode capture sizes)", "max_num_seqs"))
-        utilization = self.gpu_memory_utilization  # (the runner checks it too; here it is before the weights load)
-        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        unit_fraction("gpu_memory_utilization", self.gpu_memory_utilization)  # (the runner's check, before the weights)
         if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                self.enable_chunked_prefill)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpgraph.checks import unit_fraction
 from tpgraph.errors import ConfigError
 
 GiB = 1 << 30
@@ -52,8 +53,7 @@ class MemoryBudget:
     sharers: int = 1
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.utilization}")
+        unit_fraction("gpu_memory_utilization", self.utilization)  # (the name it is set by)
         if self.block_bytes < 1:
             raise ConfigError(f"a KV block must take at least one byte, got {self.block_bytes}")
         if self.sharers < 1:

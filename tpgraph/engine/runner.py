@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tpgraph.checks import unit_fraction
 from tpgraph.distributed import gather_objects, run_on_all_ranks
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
@@ -122,8 +123,7 @@ class RunnerConfig:
             raise ConfigError(f"block_size must be a power of two, got {bs!r}")
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ConfigError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        unit_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         # (the runner reads these through `or`: a 0 would silently mean the default, a negative nonsense sizes)
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens"):
             value = getattr(self, name)
