@@ -23,6 +23,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tpgraph.checks import positive_int
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import CheckpointError, ConfigError, RequestError
 
@@ -531,8 +532,8 @@ def check_overrides(overrides: object) -> None:
                               f"{', '.join(known)}")
         if value is None:
             continue
-        if key == "max_new_tokens" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"--override-generation-config: max_new_tokens must be a positive integer, got {value!r}")
+        if key == "max_new_tokens":
+            positive_int("--override-generation-config: max_new_tokens", value)
         if key == "top_k" and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"--override-generation-config: top_k must be an integer, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):

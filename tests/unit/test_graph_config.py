@@ -51,10 +51,10 @@ def test_decode_sizes():
         (dict(prefill_sizes=(0, 16)), "prefill_sizes entry 0 is not positive"),
         (dict(prefill_sizes=()), "prefill_sizes is empty"),
         (dict(prefill_sizes=64), "prefill_sizes must be a sequence"),
-        (dict(warmups=-1), r"warmups must be an integer >= 1 .*, got -1"),
-        (dict(warmups=0), r"warmups must be an integer >= 1 \(a size's kernels load in an eager run before its "
+        (dict(warmups=-1), r"warmups must be a positive integer .*, got -1"),
+        (dict(warmups=0), r"warmups must be a positive integer \(a size's kernels load in an eager run before its "
                           r"capture\), got 0"),
-        (dict(warmups=1.5), "warmups must be an integer >= 1"),
+        (dict(warmups=1.5), "warmups must be a positive integer"),
         (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
         (dict(check_addresses=1), "check_addresses must be True or False"),
         (dict(calibrate_prefill="no"), "calibrate_prefill must be True or False"),

@@ -328,9 +328,9 @@ def test_persistent_buffers_are_laid_out_before_the_kv_cache_is_sized(model, mon
     (dict(block_size=True), "block_size must be a power of two, got True"),
     (dict(block_size=16.0), "block_size must be a power of two, got 16.0"),
     (dict(block_size=12), "block_size must be a power of two, got 12"),
-    (dict(max_batch=True), "max_batch must be an integer >= 1, got True"),
-    (dict(max_batch=2.5), "max_batch must be an integer >= 1, got 2.5"),
-    (dict(max_batch=0), "max_batch must be an integer >= 1, got 0"),
+    (dict(max_batch=True), "max_batch must be a positive integer, got True"),
+    (dict(max_batch=2.5), "max_batch must be a positive integer, got 2.5"),
+    (dict(max_batch=0), "max_batch must be a positive integer, got 0"),
 ])
 def test_runner_config_refuses_bools_and_floats_as_sizes(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -394,7 +394,7 @@ def test_the_store_size_flag_bounds_the_store(capsys):
     assert dropped.status_code == 404 and "newest 1 responses" in dropped.json()["error"]["message"]
     with pytest.raises(SystemExit):
         parse_args(["--responses-store-size", "0"])
-    assert "--responses-store-size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--responses-store-size must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_a_whole_response_whose_client_left_is_not_stored_as_completed():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tpgraph.checks import unit_fraction
+from tpgraph.checks import positive_int, unit_fraction
 from tpgraph.distributed import gather_objects, run_on_all_ranks
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
@@ -121,14 +121,12 @@ class RunnerConfig:
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
             raise ConfigError(f"block_size must be a power of two, got {bs!r}")
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
-            raise ConfigError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        positive_int("max_batch", self.max_batch)
         unit_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         # (the runner reads these through `or`: a 0 would silently mean the default, a negative nonsense sizes)
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer or None (the default), got {value!r}")
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name), " or None (the default)")
 
 
 class ModelRunner:

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tpgraph.checks import positive_int
 from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
@@ -49,9 +50,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
         check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                            self.enable_chunked_prefill)
         if self.policy not in SCHEDULING_POLICIES:

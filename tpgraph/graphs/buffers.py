@@ -12,6 +12,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from tpgraph.checks import positive_int
 from tpgraph.errors import CaptureError, ConfigError
 
 PAD_KINDS = ("keep", "zero", "fill", "copy_head_only", "fill_once")
@@ -98,9 +99,7 @@ class PersistentBuffers:
     """
 
     def __init__(self, max_rows: int, device: torch.device | str, pin_memory: bool | None = None) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise ConfigError(f"max_rows must be a positive integer (the largest capture size), got {max_rows!r}")
-        self._max_rows = max_rows
+        self._max_rows = positive_int("max_rows", max_rows, " (the largest capture size)")
         self._device = torch.device(device)
         # Pinned host memory lets the host->device copy run asynchronously; pinning needs CUDA.
         self._pin = self._device.type == "cuda" if pin_memory is None else pin_memory
@@ -134,8 +133,8 @@ class PersistentBuffers:
         if not isinstance(pad, Pad):
             raise ConfigError(f"buffer {name!r}: pad must be a Pad (Pad.KEEP, Pad.ZERO, Pad.fill(v), ...), got {pad!r}")
         row_shape = tuple(row_shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in row_shape):
-            raise ConfigError(f"buffer {name!r}: row_shape must hold positive integers, got {row_shape!r}")
+        for d in row_shape:
+            positive_int(f"buffer {name!r}: each row_shape entry", d, f" (row_shape {row_shape!r})")
         self._buffers[name] = _Buffer(pad, dtype, row_shape)
 
     def allocate(self) -> None:

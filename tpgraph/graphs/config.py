@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.ladder import LADDERS, capture_sizes, check_sizes, parse_ladder, vllm_ladder
 from tpgraph.graphs.modes import DECODE_MODES, PREFILL_MODES
@@ -46,9 +47,7 @@ class GraphConfig:
         object.__setattr__(self, "prefill_sizes", checked)
         # (at least one: Triton loads a kernel variant's module at its first launch, which CUDA refuses inside a
         # capture, and a size's first run may launch variants no other size has)
-        if isinstance(self.warmups, bool) or not isinstance(self.warmups, int) or self.warmups < 1:
-            raise ConfigError(f"warmups must be an integer >= 1 (a size's kernels load in an eager run before its "
-                              f"capture), got {self.warmups!r}")
+        positive_int("warmups", self.warmups, " (a size's kernels load in an eager run before its capture)")
         for name in ("calibrate_prefill", "enforce_eager", "check_addresses"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -122,9 +121,7 @@ def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
     if flag == "--cuda-graph-ladder":
         return value
     if flag == "--max-cudagraph-capture-size":
-        if value < 1:
-            raise ConfigError(f"--max-cudagraph-capture-size must be a positive integer, got {value}")
-        return vllm_ladder(value)
+        return vllm_ladder(positive_int("--max-cudagraph-capture-size", value))
     if flag == "--cuda-graph-sizes" and len(value) == 1:
         value = [s for s in (1, 2, 4, *range(8, value[0] + 1, 8)) if s <= value[0]] or value
     return check_sizes(value, flag)

@@ -9,6 +9,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from numbers import Integral
 
+from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
 
 LADDERS = ("vllm", "sglang")
@@ -79,8 +80,7 @@ def capture_sizes(spec: str | Sequence[int], max_batch: int,
                   named: tuple[str, str] = ("explicit cuda graph ladder", "max_batch")) -> tuple[int, ...]:
     """Ascending bucket sizes covering every batch 1..max_batch: rungs <= max_batch plus the first rung >= it.
     `named`: what the refusal calls the sizes and the batch (the flags or keywords the user set them with)."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ConfigError(f"max_batch must be a positive integer, got {max_batch!r}")
+    positive_int("max_batch", max_batch)
     ladder = parse_ladder(spec)
     if isinstance(ladder, str):
         rungs = _GENERATORS[ladder](max_batch + _MAX_RUNG_GAP)
@@ -94,8 +94,7 @@ def capture_sizes(spec: str | Sequence[int], max_batch: int,
 
 
 def _check_max_size(max_size: int) -> None:
-    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-        raise ConfigError(f"ladder max_size must be a positive integer, got {max_size!r}")
+    positive_int("ladder max_size", max_size)
 
 
 def within_budget(sizes: Sequence[int], budget: int) -> tuple[int, ...]:

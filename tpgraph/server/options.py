@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpgraph.chat import CONTENT_FORMATS, RESERVED_TEMPLATE_VARIABLES
+from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
 from tpgraph.server.response_store import DEFAULT_CAPACITY
 
@@ -105,9 +106,7 @@ class HttpOptions:
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
-        size = self.responses_store_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"--responses-store-size must be an integer >= 1, got {size!r}")
+        positive_int("--responses-store-size", self.responses_store_size)
         if not isinstance(self.force_include_usage, bool):
             raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
         if not isinstance(self.docs, bool):
