@@ -367,3 +367,32 @@ def test_other_requests_are_served_while_a_tokenizer_or_template_works(path, bod
     other, still_held, held = asyncio.run(main())
     assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
     assert held.status_code == 200, held.text
+
+
+def test_other_requests_are_served_while_a_beam_searchs_text_is_decoded():
+    """A beam search's reply decoded each finished sequence's text on the event loop: a long reply held up every other
+    request and stream. It is decoded on a thread now, as /detokenize's text is."""
+    from types import SimpleNamespace
+
+    from tpgtest.server_stubs import ScriptedClient
+
+    httpx = httpx_module()
+    gate = _Gate()
+    client = ScriptedClient(["x"], finish="length")
+    client.limits = SimpleNamespace(max_logprobs=20, max_model_len=128)  # (what a beam search's checks read)
+    app = server_app.create_app(client, _gated_codec(gate), ServerMetrics(), MODEL, 128)
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            held = asyncio.create_task(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 2, "use_beam_search": True}))
+            await asyncio.to_thread(gate.entered.wait, 10)
+            other = await http.get("/version")
+            still_held = not held.done()
+            gate.released.set()
+            return other, still_held, await held
+
+    other, still_held, held = asyncio.run(main())
+    assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
+    assert held.status_code == 200, held.text
+    assert [c["text"] for c in held.json()["choices"]] == ["\x07"]  # (the stub's one candidate: one sequence)

@@ -179,10 +179,14 @@ class Api:
                                                   max_model_len=self.client.limits.max_model_len, decode=None)
         except _ClientGone:
             return
-        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-            for j, seq in enumerate(out.sequences):
-                for u in _beam_updates(j, seq, len(prompt), beam, params, decode):
-                    yield i, u
+
+        def replies() -> list[tuple[int, StepUpdate]]:
+            return [(i, u) for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True))
+                    for j, seq in enumerate(out.sequences)
+                    for u in _beam_updates(j, seq, len(prompt), beam, params, decode)]
+
+        for i, u in await asyncio.to_thread(replies):  # (each text decoded on a thread: a long one stalled the loop)
+            yield i, u
 
     def streams_usage(self, body: CompletionRequest | ChatRequest) -> bool:
         """Whether a stream ends with a usage chunk: the client asked (stream_options.include_usage), or the server's
