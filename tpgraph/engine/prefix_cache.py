@@ -89,10 +89,8 @@ class PrefixCachingAllocator(BlockAllocator):
         ids only grow (outputs dropped after a stop end it), so the list is cut to its length and extended."""
         bs, names = self.block_size, seq.block_names
         del names[len(seq) // bs:]
-        if len(names) < count:
-            tokens = seq.token_ids
-            for i in range(len(names), count):
-                names.append(block_name(names[-1] if names else b"", tokens[i * bs:(i + 1) * bs]))
+        for i in range(len(names), count):
+            names.append(block_name(names[-1] if names else b"", seq.token_span(i * bs, (i + 1) * bs)))
         return names
 
     def _cached_blocks(self, names: list[bytes], usable: int) -> int:

@@ -622,7 +622,7 @@ class ModelRunner:
         slots = np.concatenate([np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, start + n) // bs]
                                 for seq, start, n in spans]) * bs + positions % bs
         inputs = self.prefill_in
-        inputs.host_np("input_ids")[:total] = [t for seq, start, n in spans for t in seq.token_ids[start:start + n]]
+        inputs.host_np("input_ids")[:total] = [t for seq, start, n in spans for t in seq.token_span(start, start + n)]
         inputs.host_np("positions")[:total] = positions
         inputs.host_np("slot_mapping")[:total] = slots
         padded = desc.num_tokens

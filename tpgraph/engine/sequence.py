@@ -92,6 +92,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_span(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], cut from the prompt and outputs as they are (token_ids copies the whole sequence:
+        a block's or a chunk's ids read through it cost the sequence's length each time)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
