@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+from tpgtest.copies import CountedText
 
 from tpgraph.server.reasoning import PARSERS, ReasoningReader
 from tpgraph.server.reply import ReplyReader
@@ -106,3 +107,26 @@ def test_a_reply_with_no_answer_has_null_content_whether_or_not_its_thoughts_are
         message = reply.message()
         assert message["content"] is None, (text, message)
         assert message["reasoning"] == (text.removesuffix("</think>") if include_reasoning else None)
+
+
+class _Thoughts:
+    """A reasoning reader whose every piece is thoughts, as CountedText."""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return CountedText(text), ""
+
+    def finish(self) -> tuple[str, str]:
+        return "", ""
+
+
+def test_a_long_thought_is_kept_without_copying_it_for_every_piece():
+    """The reply's reasoning was kept by += on the reader's field, copying all of it again for every token (the
+    square of its length); its pieces are now joined once, when the message is read."""
+    plan = ToolPlan.of(None, None, None, ToolOptions())
+    reply = ReplyReader(plan, _Thoughts())
+    CountedText.copied = 0
+    for _ in range(2000):
+        reply.feed("word ")
+    reply.finish("length")
+    assert reply.message()["reasoning"] == "word " * 2000
+    assert CountedText.copied <= 4 * len("word " * 2000), CountedText.copied

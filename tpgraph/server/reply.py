@@ -61,7 +61,7 @@ class ReplyReader:
     thoughts: ReasoningReader | None = None
     stream: bool = False
     include_reasoning: bool = True  # (false: the thoughts are split out and left out of the reply)
-    reasoning: str = ""  # all the reasoning sent
+    thoughts_sent: list[str] = field(default_factory=list)  # the reasoning sent, in pieces (as contents)
     pieces: list[str] = field(default_factory=list)  # (a whole reply, "required" or "auto") the answer as it came
     contents: list[str] = field(default_factory=list)  # the content sent, in pieces (+= copied it all every token)
     call_deltas: list[dict] = field(default_factory=list)
@@ -101,7 +101,7 @@ class ReplyReader:
         calls = merge_calls(self.call_deltas)
         message: dict[str, Any] = {"role": role, "content": "".join(self.contents) or self._no_content(calls)}
         if self.thoughts is not None:
-            message["reasoning"] = message["reasoning_content"] = self.reasoning or None
+            message["reasoning"] = message["reasoning_content"] = "".join(self.thoughts_sent) or None
         if calls:
             message["tool_calls"] = calls
         return message
@@ -117,7 +117,8 @@ class ReplyReader:
     def _sent(self, delta: Delta) -> Delta:
         if not self.include_reasoning:
             delta.reasoning = ""
-        self.reasoning += delta.reasoning
+        if delta.reasoning:
+            self.thoughts_sent.append(delta.reasoning)
         if delta.content:
             self.contents.append(delta.content)
         self.call_deltas += delta.calls

@@ -1,0 +1,16 @@
+"""Text that counts the characters copied when it is concatenated: a reply folded with += copies all it has so far
+for every piece (the square of its length), one joined once copies each character once."""
+
+from __future__ import annotations
+
+
+class CountedText(str):
+    copied = 0  # characters copied by + and += with a CountedText on either side, since the last reset
+
+    def __add__(self, other: str) -> CountedText:
+        CountedText.copied += len(self) + len(other)
+        return CountedText(str.__add__(self, other))  # (counted on: what it is added to next is copied again)
+
+    def __radd__(self, other: str) -> CountedText:  # (a plain str's + of one: str has no __add__ slot to go first)
+        CountedText.copied += len(other) + len(self)
+        return CountedText(str.__add__(other, self))
