@@ -4,6 +4,7 @@ whole), the parsers, and earlier calls passed to the chat template."""
 import json
 
 import pytest
+from tpgtest.copies import CountedText
 from tpgtest.tool_replies import TIME, WEATHER, read_reply
 
 from tpgraph.chat import BUILTIN_TEMPLATE, ChatTemplate
@@ -222,6 +223,17 @@ def test_merge_calls_folds_streamed_deltas():
               {"index": 1, "function": {"arguments": "}"}}]
     assert merge_calls(deltas) == [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
                                    {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+
+
+def test_merge_calls_folds_a_long_calls_deltas_without_copying_its_arguments_for_each():
+    """A whole reply's named call (a delta a token) was folded by += on the call's arguments, copying all of them
+    again for every delta (the square of their length); each call's pieces are now joined once."""
+    pieces = ['{"text": "', *["word " for _ in range(2000)], '"}']
+    deltas = [{"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}]
+    deltas += [{"index": 0, "function": {"arguments": CountedText(p)}} for p in pieces]
+    CountedText.copied = 0
+    assert merge_calls(deltas)[0]["function"]["arguments"] == "".join(pieces)
+    assert CountedText.copied <= 2 * len("".join(pieces)), CountedText.copied
 
 
 HISTORY = [

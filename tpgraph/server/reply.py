@@ -202,10 +202,13 @@ class ReplyReader:
 def merge_calls(deltas: list[dict]) -> list[dict]:
     """Streaming tool-call deltas folded into whole calls (a non-streamed reply's message.tool_calls)."""
     calls: dict[int, dict] = {}
+    arguments: dict[int, list[str]] = {}  # each call's in pieces, joined once (+= copied them all every delta)
     for d in deltas:
         call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
                                              "function": {"name": None, "arguments": ""}})
         fn = d.get("function", {})
         call["function"]["name"] = fn.get("name") or call["function"]["name"]
-        call["function"]["arguments"] += fn.get("arguments", "")
+        arguments.setdefault(d["index"], []).append(fn.get("arguments", ""))
+    for i, call in calls.items():
+        call["function"]["arguments"] = "".join(arguments[i])
     return [calls[i] for i in sorted(calls)]
