@@ -1,5 +1,5 @@
-"""Text that counts the characters copied when it is concatenated: a reply folded with += copies all it has so far
-for every piece (the square of its length), one joined once copies each character once."""
+"""Text and token lists that count what is copied out of them: a reply folded with += copies all it has so far for
+every piece (the square of its length), one joined once copies each character once."""
 
 from __future__ import annotations
 
@@ -14,3 +14,19 @@ class CountedText(str):
     def __radd__(self, other: str) -> CountedText:  # (a plain str's + of one: str has no __add__ slot to go first)
         CountedText.copied += len(other) + len(self)
         return CountedText(str.__add__(other, self))
+
+
+class CountedIds(list):
+    """A token list that counts the ids copied out of it (concatenated or sliced)."""
+
+    copied = 0
+
+    def __add__(self, other: list) -> list:
+        CountedIds.copied += len(self) + len(other)
+        return list(self) + list(other)
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        if isinstance(index, slice):
+            CountedIds.copied += len(got)
+        return got

@@ -4,6 +4,7 @@ chat's next turn)."""
 
 import pytest
 import torch
+from tpgtest.copies import CountedIds
 from tpgtest.prefix_engines import BS, engine, prefill_tokens
 
 from tpgraph import SamplingParams
@@ -321,33 +322,17 @@ def test_reset_prefix_cache_after_an_interrupted_generate_resets_it(monkeypatch)
         assert e.generate(prompt, short)[0].num_cached_tokens == 0
 
 
-class _CopyCounting(list):
-    """A token list that counts the ids copied out of it (concatenated or sliced)."""
-
-    copied = 0
-
-    def __add__(self, other):
-        _CopyCounting.copied += len(self) + len(other)
-        return list(self) + list(other)
-
-    def __getitem__(self, index):
-        got = super().__getitem__(index)
-        if isinstance(index, slice):
-            _CopyCounting.copied += len(got)
-        return got
-
-
 def test_naming_a_decoding_sequences_blocks_copies_each_id_a_bounded_number_of_times():
     """Each block a decode filled was named from seq.token_ids, the prompt and outputs copied whole: a reply of L
     tokens copied L * L / block_size ids in all. A block's name now reads only its own ids."""
     alloc = PrefixCachingAllocator(4096, BS)
-    prompt, length = _CopyCounting(range(40)), 40 + 2000
-    s = computed(alloc, Sequence(0, prompt, 4096, output_ids=_CopyCounting()))
-    _CopyCounting.copied = 0
+    prompt, length = CountedIds(range(40)), 40 + 2000
+    s = computed(alloc, Sequence(0, prompt, 4096, output_ids=CountedIds()))
+    CountedIds.copied = 0
     while len(s) < length:
         s.output_ids.append(len(s))
         s.block_table += alloc.allocate(s.blocks_needed(BS, len(s)))
         s.num_cached = len(s)
         alloc.register(s)
     assert s.num_registered == length // BS
-    assert _CopyCounting.copied <= 2 * length, _CopyCounting.copied
+    assert CountedIds.copied <= 2 * length, CountedIds.copied
