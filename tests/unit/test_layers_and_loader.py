@@ -67,6 +67,10 @@ def test_rope_llama3_original_context_is_read_as_transformers_reads_it(in_rope, 
 
 
 @pytest.mark.parametrize("rope", [dict(factor=4.0, original_max_position_embeddings=4096),
+                                  # (factors that are no power of two: 1 / (factor x theta^i) rounds otherwise than
+                                  # (1 / theta^i) / factor, and transformers computes the first)
+                                  dict(factor=3.0, original_max_position_embeddings=4096),
+                                  dict(factor=2.5, original_max_position_embeddings=4096, truncate=False),
                                   dict(factor=16.0, original_max_position_embeddings=4096, beta_fast=16, beta_slow=2,
                                        attention_factor=1.2, truncate=False),
                                   dict(factor=8.0, original_max_position_embeddings=8192, mscale=0.8,

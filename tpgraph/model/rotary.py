@@ -17,11 +17,12 @@ from tpgraph.kernels.rope_store import rope_cos_sin_table
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """fp32 inverse frequencies after the configured scaling."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    powers = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / powers
     if rope.type == "linear":
         return inv_freq / rope.factor
     if rope.type == "yarn":
-        return _yarn(inv_freq, head_dim, rope)
+        return _yarn(powers, head_dim, rope)
     if rope.type != "llama3":
         return inv_freq
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly between.
@@ -36,9 +37,11 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+def _yarn(powers: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than beta_slow times over the original context are divided by `factor`,
-    those past beta_fast kept, a linear ramp over the dimensions between (as transformers computes them)."""
+    those past beta_fast kept, a linear ramp over the dimensions between (as transformers computes them: the divided
+    ones as 1 / (factor x theta^i), which rounds otherwise than (1 / theta^i) / factor where factor is no power of
+    two). `powers`: theta^i, each frequency's inverse."""
     def dimension(rotations: float) -> float:  # (the dimension whose frequency turns this often over the context)
         ctx = rope.original_max_position_embeddings
         return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
@@ -49,7 +52,7 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tens
     low, high = max(low, 0), min(high, head_dim - 1)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
     kept = 1 - ramp  # (the share of each frequency left as it is)
-    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
+    return 1.0 / (rope.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 class RotaryEmbedding(nn.Module):
