@@ -103,6 +103,13 @@ class RopeConfig:
         if params.get("partial_rotary_factor") not in (None, 1, 1.0):  # (transformers rotates part of each head)
             raise ConfigError(f"config.json rope partial_rotary_factor {params['partial_rotary_factor']!r} is not "
                               f"supported; tpgraph rotates whole heads")
+        # (as transformers 5 computes llama3's and yarn's frequencies: a field beside the rope dict wins over the
+        # dict's, and without either it is the model's context, not a fixed 8192; transformers 4 requires the dict's)
+        original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                       or cfg.get("max_position_embeddings", 2048))
+        if rope_type == "yarn" and "factor" in params and params["factor"] is None:
+            # (transformers 5 derives a null one: the post-YaRN context over the pre-YaRN one)
+            params["factor"] = cfg.get("max_position_embeddings", 2048) / original
         missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
         if missing:  # (transformers refuses such a config too; a default would silently be another rope)
             raise ConfigError(f"config.json rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
@@ -118,12 +125,7 @@ class RopeConfig:
             factor=factor,
             low_freq_factor=low,
             high_freq_factor=high,
-            # (as transformers 5 computes llama3's and yarn's frequencies: a field beside the rope dict wins over the
-            # dict's, and without either it is the model's context, not a fixed 8192; transformers 4 requires the
-            # dict's)
-            original_max_position_embeddings=int(cfg.get("original_max_position_embeddings")
-                                                 or params.get("original_max_position_embeddings")
-                                                 or cfg.get("max_position_embeddings", 2048)),
+            original_max_position_embeddings=original,
             **(_yarn_fields(params, factor) if rope_type == "yarn" else {}),
         )
 

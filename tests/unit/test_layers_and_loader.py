@@ -90,6 +90,25 @@ def test_rope_yarn_matches_transformers_bit_for_bit(rope):
     assert ours.attention_factor == hf_attention
 
 
+def test_a_yarn_rope_with_a_null_factor_derives_it_as_transformers_does():
+    """transformers 5 reads a yarn rope's factor null as max_position_embeddings / original_max_position_embeddings
+    (the post-YaRN context over the pre-YaRN one); it was refused as missing."""
+    import copy
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=64,
+               num_hidden_layers=1, vocab_size=10, max_position_embeddings=4096 * 3,
+               rope_scaling=dict(rope_type="yarn", rope_theta=500000.0, factor=None,
+                                 original_max_position_embeddings=4096))
+    hf_inv, hf_attention = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig.from_dict(copy.deepcopy(cfg)), "cpu")
+    ours = ModelConfig.from_hf_dict(copy.deepcopy(cfg))
+    assert ours.rope.factor == 3.0 and ours.max_context == 4096 * 3
+    torch.testing.assert_close(inv_frequencies(128, ours.rope), hf_inv, rtol=0, atol=0)
+    assert ours.rope.attention_factor == hf_attention
+
+
 class RecordingSource(SafetensorsSource):
     def __init__(self, path):
         super().__init__(path)
