@@ -178,6 +178,15 @@ def test_a_pytorch_bin_checkpoint_is_refused_naming_its_files_and_the_conversion
         SafetensorsSource(tmp_path)
 
 
+def test_training_files_are_no_bin_weights(tmp_path):
+    """A fine-tune's training_args.bin or optimizer.bin are no weights (vLLM passes them over as such): a directory
+    with them and no weights was told it held PyTorch .bin weights, and to convert them."""
+    for name in ("training_args.bin", "optimizer.bin"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        SafetensorsSource(tmp_path)
+
+
 def test_garbage_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):

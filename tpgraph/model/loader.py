@@ -33,6 +33,7 @@ INDEX_FILE = "model.safetensors.index.json"
 BASE_PREFIX = "model."  # LlamaForCausalLM's name for its base model (LlamaModel), before every tensor's but lm_head's
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
+TRAINING_FILES = ("training_args.bin", "optimizer.bin")  # .bin files a fine-tune's trainer saves that hold no weights
 
 
 class TensorSource(Protocol):
@@ -81,7 +82,7 @@ class SafetensorsSource:
                 raise CheckpointError(f"{index} lists shard file(s) that are missing: {', '.join(missing)}")
         else:
             files = sorted(model_dir.glob("*.safetensors"))
-            pickles = sorted(f.name for f in model_dir.glob("*.bin"))
+            pickles = sorted(f.name for f in model_dir.glob("*.bin") if f.name not in TRAINING_FILES)
             if not files and pickles:  # (transformers and vLLM load them: say what they are and how to convert)
                 raise CheckpointError(f"{model_dir} holds PyTorch .bin weights ({', '.join(pickles)}), which tpgraph "
                                       f"does not load (only safetensors): convert them with transformers: "
