@@ -99,3 +99,22 @@ def test_a_checkpoint_saved_without_the_model_prefix_loads_as_transformers_loads
     with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_checkpoint_with_some_names_unprefixed_loads_as_transformers_loads_it(tmp_path):
+    """transformers adds its base model's prefix to each name the model holds under it, one name at a time: a
+    checkpoint whose embedding alone is saved without "model." (its layers, norm and lm_head with their usual names)
+    loads. Only a checkpoint with no prefixed name at all was read so; this one was refused as missing
+    model.embed_tokens.weight, which it holds."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_model(tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    assert "lm_head.weight" in tensors
+    tensors["embed_tokens.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)

@@ -98,11 +98,13 @@ class SafetensorsSource:
                     self.file_of[name] = f
         # the name each tensor has in its file, where it is not the one the model asks for
         self.stored: dict[str, str] = {}
-        if "embed_tokens.weight" in self.file_of and not any(n.startswith(BASE_PREFIX) for n in self.file_of):
-            # the base model's weights alone (LlamaModel's names): transformers adds its base model's prefix
-            for name in [n for n in self.file_of if not n.startswith("lm_head.")]:
+        # a name saved without the base model's prefix (LlamaModel's, as a base model saves them) is also read under
+        # it: transformers adds the prefix name by name, where the model holds the name under it (never lm_head's)
+        # and the checkpoint does not hold the prefixed name itself
+        for name in [n for n in self.file_of if not n.startswith((BASE_PREFIX, "lm_head."))]:
+            if BASE_PREFIX + name not in self.file_of:
                 self.stored[BASE_PREFIX + name] = name
-                self.file_of[BASE_PREFIX + name] = self.file_of.pop(name)
+                self.file_of[BASE_PREFIX + name] = self.file_of[name]
 
     def _open(self, path: Path):
         if path not in self._handles:
