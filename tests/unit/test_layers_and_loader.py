@@ -187,6 +187,25 @@ def test_training_files_are_no_bin_weights(tmp_path):
         SafetensorsSource(tmp_path)
 
 
+def test_a_tensor_read_under_the_base_models_prefix_is_named_as_its_file_holds_it(tmp_path):
+    """A checkpoint saved without the "model." prefix is read under it; a tensor of it that cannot load was named
+    by the prefixed name, which the file (and its index) does not hold."""
+    from safetensors.torch import save_file
+
+    from tpgraph.model.shards import ShardSpec
+
+    save_file({"embed_tokens.weight": torch.zeros(3, 4), "norm.weight": torch.zeros(4, dtype=torch.int8)},
+              tmp_path / "model.safetensors")
+    source = SafetensorsSource(tmp_path)
+    param = torch.nn.Parameter(torch.zeros(5, 4))
+    with pytest.raises(CheckpointError, match=r"^tensor 'embed_tokens.weight' \(read as 'model.embed_tokens.weight'\)"
+                                              r" in .*model.safetensors has shape \(3, 4\), expected \(5, 4\)"):
+        source.read_shard(ShardSpec(param, "model.embed_tokens.weight", (5, 4), 0, 0, 5))
+    with pytest.raises(CheckpointError, match=r"^tensor 'norm.weight' \(read as 'model.norm.weight'\) in .* is "
+                                              r"stored as I8"):
+        source.read_shard(ShardSpec(torch.nn.Parameter(torch.zeros(4)), "model.norm.weight", (4,), 0, 0, 4))
+
+
 def test_garbage_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):

@@ -119,8 +119,13 @@ class SafetensorsSource:
         if path is None:
             return None
         if self.stored.get(name, name) not in self._open(path).keys():
-            raise CheckpointError(f"tensor {name!r} is listed in {INDEX_FILE} but absent from {path.name}")
+            raise CheckpointError(f"tensor {self._named(name)} is listed in {INDEX_FILE} but absent from {path.name}")
         return tuple(self._slice(name).get_shape())
+
+    def _named(self, name: str) -> str:
+        """A tensor as an error names it: by its name in its file (and the model's, where that is another)."""
+        stored = self.stored.get(name, name)
+        return repr(name) if stored == name else f"{stored!r} (read as {name!r})"
 
     def _slice(self, name: str):
         """The lazily read tensor `name` (as the model names it) in its file."""
@@ -133,7 +138,7 @@ class SafetensorsSource:
                 return sl[start:start + length]
             return sl[:, start:start + length]
         except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {name!r} from {self.file_of[name]}: {exc}") from None
+            raise CheckpointError(f"cannot read tensor {self._named(name)} from {self.file_of[name]}: {exc}") from None
 
     def same_values(self, a: str, b: str, rows: int = 4096) -> bool:
         """Whether tensors a and b hold equal values, read a block of rows at a time (never two whole tensors)."""
@@ -149,14 +154,14 @@ class SafetensorsSource:
             raise CheckpointError(f"tensor {spec.hf_name!r} is missing from the checkpoint in {self.dir}")
         if shape != spec.hf_shape:
             raise CheckpointError(
-                f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} has shape {shape}, expected "
+                f"tensor {self._named(spec.hf_name)} in {self.file_of[spec.hf_name]} has shape {shape}, expected "
                 f"{spec.hf_shape}: is config.json from the same checkpoint?"
             )
         stored = self._slice(spec.hf_name).get_dtype()
         if stored not in FLOAT_DTYPES:  # (a quantized weight cast to float without its scales is silently wrong)
-            raise CheckpointError(f"tensor {spec.hf_name!r} in {self.file_of[spec.hf_name]} is stored as {stored}; "
-                                  f"tpgraph loads {', '.join(FLOAT_DTYPES)} weights (quantized checkpoints are "
-                                  f"not supported)")
+            raise CheckpointError(f"tensor {self._named(spec.hf_name)} in {self.file_of[spec.hf_name]} is stored as "
+                                  f"{stored}; tpgraph loads {', '.join(FLOAT_DTYPES)} weights (quantized checkpoints "
+                                  f"are not supported)")
         return self.read(spec.hf_name, spec.dim, spec.src_start, spec.length)
 
 
