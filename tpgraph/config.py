@@ -206,7 +206,9 @@ class ModelConfig:
         """The positions the model was trained on, as vLLM derives them: max_position_embeddings, or for a linear or
         yarn rope the context it scales times its factor."""
         scaled = self._scaled_context
-        return self.max_position_embeddings if scaled is None else int(scaled[1] * self.rope.factor)
+        # (vLLM's int() of the product; a hair over it first, so that a product floating point leaves a rounding
+        # short of a whole number, as a yarn factor derived as a ratio of contexts does, is that number)
+        return self.max_position_embeddings if scaled is None else int(scaled[1] * self.rope.factor + 1e-6)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Raise ConfigError where max_model_len is past the positions the model was trained on."""

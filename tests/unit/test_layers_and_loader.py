@@ -109,6 +109,17 @@ def test_a_yarn_rope_with_a_null_factor_derives_it_as_transformers_does():
     assert ours.rope.attention_factor == hf_attention
 
 
+@pytest.mark.parametrize(("context", "original"), [(4055, 1000), (10000, 3000)])
+def test_a_yarn_ropes_derived_factor_gives_the_whole_context(context, original):
+    """A null factor derived as max_position_embeddings / original_max_position_embeddings stretches the original
+    context to max_position_embeddings: in floating point original x (context / original) can fall short of it (4055
+    / 1000 x 1000 = 4054.9999...), and the context was cut to one position less."""
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+               num_hidden_layers=1, vocab_size=10, max_position_embeddings=context,
+               rope_scaling=dict(rope_type="yarn", factor=None, original_max_position_embeddings=original))
+    assert ModelConfig.from_hf_dict(cfg).max_context == context
+
+
 class RecordingSource(SafetensorsSource):
     def __init__(self, path):
         super().__init__(path)
