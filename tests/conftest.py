@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tpgraph.kernels._settings import triton_interpreting
+
 # Without a GPU, Triton kernels run in its interpreter (numpy on CPU). Set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if triton_interpreting():  # (the project's reading of TRITON_INTERPRET, not "1" alone)
     from tpgtest.interpreter import patch_language_once_a_launch, reduce_bitwise_with_numpy
 
     patch_language_once_a_launch()

@@ -1,15 +1,17 @@
 """tests/tpgtest/interpreter.py's speed-ups of Triton's interpreter give the answers its own slow paths give: numpy's
-bitwise reductions equal the one-element-at-a-time fold on every axis (and all), and a kernel whose device functions
-are called many times in a launch, from two modules, runs as before."""
+bitwise reductions equal the one-element-at-a-time fold along either axis of a block, and launches after launches of a
+kernel whose device functions are called many times in each (tl.sort's, from triton.language's own modules) give
+torch's answer."""
 
 import functools
 import operator
-import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's speed-ups")
+from tpgraph.kernels._settings import triton_interpreting
+
+pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="the interpreter's speed-ups")
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
@@ -47,7 +49,7 @@ def _sort_probe(x_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + offs, tl.sort(tl.load(x_ptr + offs), descending=True))  # (xor reductions, device calls)
 
 
-def test_a_sort_in_a_kernel_of_many_programs_equals_torchs():
+def test_sorts_in_launch_after_launch_equal_torchs():
     assert getattr(interpreter._patch_lang, "once_a_launch", False)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     out = torch.empty_like(x)
