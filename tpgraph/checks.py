@@ -10,7 +10,7 @@ def positive_int(name: str, value: object, note: str = "") -> int:
     """A count (bools aside: True is no count), refused under the name it was given by: EngineConfig's field, vLLM's
     keyword for one (not the tpgraph field it becomes), a flag. `note` says more after "a positive integer"."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer{note}, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer{note}, got {value!r}", (name,))
     return value
 
 
@@ -22,5 +22,5 @@ def is_unit_fraction(value: object) -> bool:
 def unit_fraction(name: str, value: object) -> float:
     """A share of something (gpu_memory_utilization), refused under the name it was given by."""
     if not is_unit_fraction(value):
-        raise ConfigError(f"{name} must be a number in (0, 1], got {value!r}")
+        raise ConfigError(f"{name} must be a number in (0, 1], got {value!r}", (name,))
     return value

@@ -6,7 +6,12 @@ class TPGraphError(RuntimeError):
 
 
 class ConfigError(TPGraphError, ValueError):
-    """A configuration that cannot run (bad field, unsupported model, heads not divisible by TP)."""
+    """A configuration that cannot run (bad field, unsupported model, heads not divisible by TP). `settings`: the
+    EngineConfig fields the message names, which a command line says as the flags that set them (cli.py)."""
+
+    def __init__(self, message: str, settings: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.settings = settings
 
 
 class CheckpointError(TPGraphError):

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from tpgraph.engine.cli import add_engine_args, engine_kwargs
+from tpgraph.engine.cli import add_engine_args, engine_from_args
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import TPGraphError
 
@@ -33,12 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from tpgraph.engine.tp_engine import TPEngine
-
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens)
-        engine = TPEngine(**engine_kwargs(args))
+        engine = engine_from_args(args)
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

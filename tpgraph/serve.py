@@ -27,7 +27,7 @@ from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.distributed import env_int
-from tpgraph.engine.cli import add_engine_args, engine_kwargs, json_object, positive_number
+from tpgraph.engine.cli import add_engine_args, engine_from_args, json_object, positive_number
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
@@ -223,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tpgraph.engine.control import ControlPlane
     from tpgraph.engine.service import EngineService
-    from tpgraph.engine.tp_engine import TPEngine
 
     http: HttpOptions = args.http
     try:
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port)  # before minutes of loading, not after
             http.check_tls()
-        engine = TPEngine(**engine_kwargs(args))
+        engine = engine_from_args(args)
         reasoning = None if args.reasoning_parser is None else \
             REASONING_PARSERS[args.reasoning_parser].for_tokenizer(engine.tokenizer)
     except TPGraphError as exc:

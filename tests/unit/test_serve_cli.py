@@ -514,3 +514,29 @@ def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_
     assert EngineConfig(device="cpu", max_num_seqs=8, graphs=short)
     assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), enforce_eager=True))
     assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), decode_mode="none"))
+
+
+@pytest.mark.parametrize("flags,flag,setting", [
+    (["-tp", "0"], "--tensor-parallel-size/-tp must be a positive integer, got 0", "tp_size"),
+    (["--num-gpu-blocks-override", "-1"], "--num-kv-blocks/--num-gpu-blocks-override must be a positive integer",
+     "num_kv_blocks"),
+    (["--block-size", "24"], "--block-size must be a power of two", "block_size"),
+    (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens (4) must be at least",
+     "max_num_batched_tokens"),
+])
+def test_engine_settings_refused_from_the_command_line_name_the_flag(flags, flag, setting, capsys):
+    """EngineConfig's refusals named its fields (`-tp 0`: "tp_size must be a positive integer"), which a command-line
+    user never typed; the CLI now names the flag, and TPEngine's keyword users still see the keyword."""
+    from tpgraph.generate import main
+
+    assert main(["--prompt", "hi", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and setting not in err
+
+
+def test_a_tp_size_from_torchruns_world_size_is_not_blamed_on_the_flag(monkeypatch):
+    from tpgraph.engine.cli import engine_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(ConfigError, match="^tp_size must be a positive integer"):
+        engine_from_args(parse_args([]))

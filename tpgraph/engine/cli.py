@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
 from tpgraph.distributed import env_int
 from tpgraph.engine.config import EngineConfig, captures_decode, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
+from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args, ladder_flag
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
+
+if TYPE_CHECKING:
+    from tpgraph.engine.tp_engine import TPEngine
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -225,3 +230,34 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     taken = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     return {**taken, "model": model, "tp_size": tp_size, "tokenizer": tokenizer, "graphs": graphs,
             "override_generation_config": args.override_generation_config or {}}
+
+
+def engine_from_args(args: argparse.Namespace) -> TPEngine:
+    """TPEngine(**engine_kwargs(args)), its refusals naming the flags typed (-tp 0: --tensor-parallel-size/-tp, not
+    EngineConfig's tp_size, the keyword a TPEngine user gives)."""
+    from tpgraph.engine.tp_engine import TPEngine
+
+    try:
+        return TPEngine(**engine_kwargs(args))
+    except ConfigError as exc:
+        flags = setting_flags(args)
+        named = [name for name in exc.settings if name in flags]
+        if not named:
+            raise
+        message = str(exc)
+        for name in named:
+            message = re.sub(rf"\b{name}\b", flags[name], message)
+        raise ConfigError(message, exc.settings) from None
+
+
+def setting_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Each EngineConfig field engine_kwargs takes from a flag, and that flag as argparse names it in its own errors
+    (every spelling: --num-kv-blocks/--num-gpu-blocks-override). tp_size only where -tp gave it (else torchrun's
+    WORLD_SIZE did)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    flags = {action.dest: "/".join(action.option_strings) for action in p._actions if action.option_strings}
+    fields = {f.name: f.name for f in dataclasses.fields(EngineConfig) if f.name in flags}
+    if args.tensor_parallel_size is not None:
+        fields["tp_size"] = "tensor_parallel_size"
+    return {name: flags[dest] for name, dest in fields.items()}

@@ -59,7 +59,7 @@ class EngineConfig:
         for name in ("tp_size", "max_num_seqs", "block_size"):
             positive_int(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):  # (RunnerConfig refuses it too, but only after the weights load)
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}", ("block_size",))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
@@ -83,7 +83,7 @@ class EngineConfig:
             none = (" (vLLM's None, no fixed seed, is not taken: every rank draws alike from this one, and it makes "
                     "the built-in model's weights; a request's own is SamplingParams(seed=...))")
             raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}"
-                              + (none if self.seed is None else ""))
+                              + (none if self.seed is None else ""), ("seed",))
         if self.dtype not in (None, "auto"):
             parse_dtype(self.dtype)  # (an unknown name is said here, before any rank starts)
         if self.load_format not in LOAD_FORMATS:

@@ -75,10 +75,10 @@ def check_token_budget(tokens: int, max_num_seqs: int, max_model_len: int | None
     if tokens < max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs ({max_num_seqs}): a step "
                           f"decodes a token for each running sequence, so fewer tokens would run fewer sequences at a "
-                          f"time than max_num_seqs")
+                          f"time than max_num_seqs", ("max_num_batched_tokens", "max_num_seqs"))
     if not chunked_prefill and max_model_len is not None and tokens < max_model_len:
         raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({tokens}) must hold a whole prompt of "
-                          f"max_model_len ({max_model_len}) tokens")
+                          f"max_model_len ({max_model_len}) tokens", ("max_num_batched_tokens", "max_model_len"))
 
 
 def queue_order(seq: Sequence) -> tuple[int, int]:
