@@ -338,7 +338,12 @@ def test_max_model_len_auto_is_the_longest_the_cache_holds(text):
 
 @pytest.mark.parametrize("flags,needle", [(["--max-model-len", "1.5K"], "1.5k"), (["--max-model-len", "8q"], "8q"),
                                           (["--max-num-batched-tokens", "auto"], "auto"),
-                                          (["--max-model-len", "-2"], "-2"), (["--max-model-len", "infk"], "infk")])
+                                          (["--max-model-len", "-2"], "-2"), (["--max-model-len", "infk"], "infk"),
+                                          # (float()'s spellings, which vLLM's human_readable_int refuses: digits,
+                                          # with a decimal point before k/m/g/t alone)
+                                          (["--max-model-len", "1e3k"], "1e3k"), (["--max-model-len", "1_0k"], "1_0k"),
+                                          (["--max-num-batched-tokens", ".5k"], ".5k"),
+                                          (["--max-model-len", "+8k"], "+8k")])
 def test_bad_token_counts_are_refused_naming_the_flag(flags, needle, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags)

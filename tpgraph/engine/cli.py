@@ -140,19 +140,24 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
 
 _DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
 _BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+# digits, with a decimal point, before a unit: as vLLM's human_readable_int reads one (float()'s 1e3, inf, 1_0, .5
+# and signs are no count there, so none is one here)
+_WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
 
 
 def token_count(text: str) -> int:
     """A count as vLLM reads one: 8192, 8k (x1000, 25.6k too) or 8K (x1024, whole numbers only)."""
     text = text.strip()
-    unit = text[-1:]
+    match = _WITH_UNIT.fullmatch(text)
     try:
+        if match is None:
+            return int(text)
+        number, unit = match.groups()
         if unit in _DECIMAL:
-            return int(float(text[:-1]) * _DECIMAL[unit])
-        if unit in _BINARY:
-            return int(text[:-1]) * _BINARY[unit]
-        return int(text)
-    except (ValueError, OverflowError):  # (infk: a float too large for an int)
+            return int(float(number) * _DECIMAL[unit])
+        return int(number) * _BINARY[unit]
+    except (ValueError, OverflowError):  # (a float too large for an int: 400 digits and k)
+        unit = text[-1:]
         hint = f" ({unit} multiplies whole numbers: {text[:-1]}{unit.lower()} is x1000)" if unit in _BINARY else ""
         raise argparse.ArgumentTypeError(f"must be a whole number, with k/m/g (x1000) or K/M/G (x1024) if you like, "
                                          f"got {text!r}{hint}") from None
