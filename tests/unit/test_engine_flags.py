@@ -206,7 +206,7 @@ def test_vllm_flags_at_the_value_this_engine_runs_are_taken():
 
 @pytest.mark.parametrize("flags,needle", [
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: 'fp8' is not supported: the KV cache is kept in the "
-                                  "model's dtype (no fp8 cache); use 'auto'"),
+                                  "model's dtype (no fp8 cache); use 'auto' or 'bfloat16' or 'float16' or 'float32'"),
     (["--kv-cache-dtype", "fp8_e5m2"], "'fp8_e5m2' is not supported"),
     (["--quantization", "fp8"], "argument --quantization/-q: 'fp8' is not supported: tpgraph runs unquantized"),
     (["-q", "awq"], "'awq' is not supported"),
@@ -334,3 +334,13 @@ def test_cpu_ranks_started_and_gone_leave_the_users_torch_threads_as_they_were(m
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_kv_cache_dtype_naming_a_dtype_is_taken_and_checked_against_the_models(capsys):
+    """vLLM's --kv-cache-dtype bfloat16 (or float16) was refused here even where the model runs in it; a dtype's name
+    is now taken, and one other than the model's is refused naming the flag (the built-in model: float32 on CPU)."""
+    from tpgraph.generate import main
+
+    assert engine_kwargs(parse_args(["--kv-cache-dtype", "bfloat16"]))["kv_cache_dtype"] == "bfloat16"
+    assert main(["--prompt", "hi", "--device", "cpu", "--kv-cache-dtype", "float16"]) == 2
+    assert "--kv-cache-dtype='float16' is not the model's dtype (float32)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ SamplingParams`): vLLM's LLM keywords, methods and output fields on TPEngine, on
 tpgraph differs on purpose, the refusal says what to use instead."""
 
 import pytest
+import torch
 
 from tpgraph import ConfigError, RequestError, SamplingParams, TPEngine
 from tpgraph.engine.structured import StructuredOutput, StructuredOutputsParams
@@ -61,8 +62,7 @@ def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone(
     with engine(trust_remote_code=True, swap_space=4, disable_log_stats=True, kv_cache_dtype="auto",
                 tokenizer_mode="hf", max_num_partial_prefills=1) as e:
         assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
-    for name, value, meaning in [("kv_cache_dtype", "fp8", "'auto' alone"),
-                                 ("tokenizer_mode", "mistral", "'auto' or 'hf'"),
+    for name, value, meaning in [("tokenizer_mode", "mistral", "'auto' or 'hf'"),
                                  ("max_num_partial_prefills", 4, "1 alone"),
                                  ("trust_remote_code", "yes", "True or False"), ("swap_space", -1, "GiB >= 0")]:
         with pytest.raises(ConfigError, match=rf"{name}={value!r} \(vLLM's\) is not taken: {name} takes {meaning}"):
@@ -948,3 +948,15 @@ def test_a_bad_value_under_vllms_name_is_refused_under_that_name(name, value):
 
     with pytest.raises(ConfigError, match="^" + re.escape(f"{name} must be a positive integer, got {value!r}")):
         vllm_keywords(None, 1, {name: value})
+
+
+def test_a_kv_cache_dtype_naming_the_models_dtype_is_taken_and_another_refused():
+    """vLLM takes kv_cache_dtype "bfloat16" (and "float16"): the cache in that dtype. Here it was refused even where it
+    is the model's own dtype, which is what the cache holds; that name is now taken, and another refused before the
+    weights load, naming the model's (the built-in model runs float32 on CPU)."""
+    with engine(kv_cache_dtype="float32") as e:
+        assert e.config.kv_cache_dtype == "float32" and e.runner.dtype is torch.float32
+    with pytest.raises(ConfigError, match=r"^kv_cache_dtype='bfloat16' is not the model's dtype \(float32\)"):
+        engine(kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp8' .*no fp8 cache"):
+        engine(kv_cache_dtype="fp8")

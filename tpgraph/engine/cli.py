@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
 from tpgraph.distributed import env_int
-from tpgraph.engine.config import EngineConfig, captures_decode, check_executor_backend
+from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, captures_decode, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
@@ -94,9 +94,10 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
     """vLLM's flags for settings this engine has one way of doing: the value that is that way is taken (so a vLLM
     command line that spells it out runs), any other is refused when parsed, never taken and ignored."""
     fixed = p.add_argument_group("vLLM flags taken at the value this engine runs")
-    fixed.add_argument("--kv-cache-dtype", default="auto", type=accepted("auto", why="the KV cache is kept in the "
-                                                                         "model's dtype (no fp8 cache)"),
-                       help="auto: the KV cache in the model's dtype (fp8 caches are refused)")
+    fixed.add_argument("--kv-cache-dtype", default="auto", type=accepted(*KV_CACHE_DTYPES, why="the KV cache is kept "
+                                                                         "in the model's dtype (no fp8 cache)"),
+                       help="auto, or the model's dtype's name: the KV cache in the model's dtype (another dtype, and "
+                            "fp8 caches, are refused)")
     fixed.add_argument("--quantization", "-q", default=None, type=no_quantization, metavar="METHOD",
                        help="refused: tpgraph runs unquantized weights (a checkpoint with a quantization_config is "
                             "refused too)")

@@ -21,6 +21,8 @@ from tpgraph.graphs.modes import CaptureSupport, resolve_modes
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # (vLLM's names, and float32: a CPU model's)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +31,8 @@ class EngineConfig:
     device: str | None = None  # "cuda" | "cpu"; default: cuda if a GPU is visible
     # "auto" or None: the checkpoint's (a float32 one's bf16 on GPU, as vLLM's; fp32 on CPU); else bf16 | fp16 | fp32
     dtype: str | None = None
+    # vLLM's kv_cache_dtype: "auto" or the name of the model's dtype, which the KV cache always holds (no fp8 cache)
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0  # random weights (built-in / dummy) and the shared sampling generator
     block_size: int = 16
@@ -86,6 +90,10 @@ class EngineConfig:
                               + (none if self.seed is None else ""), ("seed",))
         if self.dtype not in (None, "auto"):
             parse_dtype(self.dtype)  # (an unknown name is said here, before any rank starts)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not taken: the KV cache is kept in the "
+                              f"model's dtype (no fp8 cache); give {' or '.join(map(repr, KV_CACHE_DTYPES))}",
+                              ("kv_cache_dtype",))
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("overlap_scheduling", "enable_prefix_caching", "enable_chunked_prefill"):
@@ -102,6 +110,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                self.enable_chunked_prefill)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """A kv_cache_dtype naming a dtype must name the one the model runs in (dtype resolved: "auto" read as the
+    checkpoint's), which the cache holds: another would be ignored."""
+    if kv_cache_dtype != "auto" and parse_dtype(kv_cache_dtype) is not dtype:
+        model = str(dtype).removeprefix("torch.")
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not the model's dtype ({model}): the KV cache is kept "
+                          f"in the model's dtype; give 'auto' or {model!r}", ("kv_cache_dtype",))
 
 
 _CAPTURES = CaptureSupport(full_decode=True, piecewise=True)
@@ -160,7 +177,7 @@ def at_vllm_default(name: str, value: object) -> bool:
 
 # vLLM's keywords taken at the values that mean what tpgraph does anyway, as the server's flags take them
 # (engine/cli.py): no checkpoint code runs, so trusting it changes nothing; preemption recomputes, as vLLM's V1 engine
-# does, so the swap space goes unused; no statistics are logged periodically; the KV cache holds the model's dtype;
+# does, so the swap space goes unused; no statistics are logged periodically;
 # prompts are chunked with no concurrent partial prefills; one pipeline stage and one data-parallel replica
 _TENSOR_PARALLEL_ALONE = "1 alone (tpgraph shards by tensor parallelism alone: tensor_parallel_size, or tp_size)"
 VLLM_KEYWORDS_TAKEN = {
@@ -169,7 +186,6 @@ VLLM_KEYWORDS_TAKEN = {
                    "GiB >= 0 (unused: a preempted sequence is recomputed)"),
     "disable_log_stats": (lambda v: isinstance(v, bool), "True or False (no statistics are logged periodically)"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (tokenizer.json, the fast tokenizer)"),
-    "kv_cache_dtype": (lambda v: v == "auto", "'auto' alone (the KV cache holds the model's dtype; no fp8 cache)"),
     "max_num_partial_prefills": (lambda v: not isinstance(v, bool) and v == 1,
                                  "1 alone (prompts are chunked as vLLM's V1 engine chunks them, one partial prefill at "
                                  "a time)"),

@@ -52,7 +52,7 @@ from tpgraph.distributed import (
     report_start_failure,
 )
 from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check_width, run_beam_search
-from tpgraph.engine.config import EngineConfig, vllm_keywords
+from tpgraph.engine.config import EngineConfig, check_kv_cache_dtype, vllm_keywords
 from tpgraph.engine.control import ControlPlane
 from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
 from tpgraph.engine.limits import check_params_type, kept_prompt_tokens
@@ -64,7 +64,7 @@ from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import ConfigError, RequestError, TPGraphError
-from tpgraph.model.loader import load_model
+from tpgraph.model.loader import default_dtype, load_model
 from tpgraph.prompts import (
     EngineTokenizer,
     Prompt,
@@ -240,7 +240,9 @@ class TPEngine:
             if self.state.world_size != tp_size:
                 raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
             self.comm = TPCommunicator(self.state)
-            dtype = None if cfg.dtype in (None, "auto") else parse_dtype(cfg.dtype)
+            dtype = default_dtype(model_cfg, self.state.device) if cfg.dtype in (None, "auto") else \
+                parse_dtype(cfg.dtype)
+            check_kv_cache_dtype(cfg.kv_cache_dtype, dtype)  # (before the weights load)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
