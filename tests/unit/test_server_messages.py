@@ -253,6 +253,7 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"stop_sequences": ["\n", ""]}, 400, "stop_sequences"),  # (named as sent, not as the chat's stop)
+    ({"stop_sequences": [f"s{i}" for i in range(101)]}, 400, "stop_sequences holds 101 strings"),  # (nor too many)
     ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),  # (no empty user turn)
     ({"messages": [{"role": "user", "content": ""}]}, 400, "messages[0].content"),  # (nor as an empty string)
     ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "Hi"}]}, 400,

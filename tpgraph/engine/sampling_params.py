@@ -8,7 +8,7 @@ import functools
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass
 
 import numpy
@@ -148,10 +148,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:  # (named: max_tokens may be its default)
             raise RequestError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are taken")
+        check_stop(self.stop)
         if self.stop and not self.detokenize:  # (they are matched in the text, which detokenize=False never makes)
             raise RequestError("stop strings need detokenize=True (they are found in the output's text)")
         for t in self.stop_token_ids:
@@ -332,6 +329,14 @@ def _as_tuple(name: str, value: object, what: str) -> tuple:
     if isinstance(value, (set, frozenset)):
         return tuple(sorted(value, key=repr))  # (repr: a mixed set is refused by the checks after, not a TypeError)
     return tuple(value)
+
+
+def check_stop(stop: Sequence[object], name: str = "stop") -> None:
+    """Stop strings as a request's `name` field sent them (the Messages API's stop_sequences is the chat's stop)."""
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise RequestError(f"{name} must hold non-empty strings, got {list(stop)!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"{name} holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are taken")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from tpgraph.engine.sampling_params import check_stop
 from tpgraph.errors import RequestError
 from tpgraph.server.errors import anthropic_error_body
 from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
@@ -63,8 +64,7 @@ class MessagesRequest(NullMeansDefault):
         """The chat request these messages run as."""
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if "" in (self.stop_sequences or ()):  # (named as sent: the chat's check would name its own field, stop)
-            raise RequestError(f"stop_sequences: each stop sequence must be non-empty, got {self.stop_sequences!r}")
+        check_stop(self.stop_sequences or [], "stop_sequences")  # (named as sent: the chat's check names its stop)
         messages = chat_messages(self.system, self.messages)
         extras = self.model_extra or {}
         if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
