@@ -108,6 +108,9 @@ def test_a_text_reply_whole_and_streamed_runs_the_chat_routes_prompt():
     ("length", None, ("max_tokens", None)),
     ("stop", "\n\n", ("stop_sequence", "\n\n")),
     ("stop", 7, ("end_turn", None)),  # (a stop token id: no sequence to name)
+    # (a sample the engine ended, every token banned: not a turn ended naturally, end_turn, nor the model declining,
+    # refusal; null, as vLLM's Messages API tells it)
+    ("abort", None, (None, None)),
 ])
 def test_stop_reasons(finish, stop_reason, expected):
     whole, events, _ = reply(["a"], {"stop_sequences": ["\n\n"]}, finish=finish, stop_reason=stop_reason)

@@ -344,7 +344,11 @@ def stop_fields(engine_finish: str | None, reply_finish: str | None, stop_reason
     """Anthropic's stop_reason and stop_sequence from the engine's finish reason (max_tokens wherever it cut the
     reply, so whole and streamed agree), the reply's (tool_use where it made calls) and what stopped it. named_call:
     the reply is the call a named tool_choice asked for, which the chat reports as "stop" (as vLLM's) but Anthropic
-    as tool_use (the SDK's tool runner runs a turn's tool_use blocks only where it ends so)."""
+    as tool_use (the SDK's tool runner runs a turn's tool_use blocks only where it ends so). A sample the engine
+    ended ("abort": every token banned) has none: it is no turn ended naturally (end_turn), nor the model declining
+    (refusal, which sends clients to a fallback model); null, as vLLM's Messages API tells it."""
+    if engine_finish == "abort":
+        return {"stop_reason": None, "stop_sequence": None}
     if engine_finish == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
     if reply_finish == "tool_calls" or named_call:
