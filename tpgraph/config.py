@@ -217,7 +217,7 @@ class ModelConfig:
             context = f"max_position_embeddings ({self.max_position_embeddings})" if scaled is None else \
                 f"context ({scaled[0]} {scaled[1]} x the {self.rope.type} rope factor {self.rope.factor:g} = " \
                 f"{self.max_context})"
-            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {context}")
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {context}", ("max_model_len",))
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ConfigError unless this model can be split over tp_size ranks."""
