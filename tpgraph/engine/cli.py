@@ -251,8 +251,8 @@ def engine_from_args(args: argparse.Namespace) -> TPEngine:
         if not named:
             raise
         message = str(exc)
-        for name in named:
-            message = re.sub(rf"\b{name}\b", flags[name], message)
+        for name in named:  # (a whole word: max_model_len is not renamed inside another setting's name)
+            message = re.sub(rf"\b{re.escape(name)}\b", flags[name], message)
         raise ConfigError(message, exc.settings) from None
 
 
