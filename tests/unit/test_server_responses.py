@@ -672,3 +672,18 @@ def test_a_long_replys_output_items_grow_with_no_work_per_token_that_grows(delta
     text = items.items[-1]["arguments"] if items.items[-1]["type"] == "function_call" \
         else items.items[-1]["content"][0]["text"]
     assert text == "abcd" * 2000 and CopyCountingText.copied == 0
+
+
+def test_a_stream_that_fails_mid_way_ends_with_response_failed():
+    # (OpenAI's stream ends a failed response with response.failed, the response "failed" with its error, as the SDK's
+    # stream helper reads it; the stored response is that one)
+    store = ResponseStore()
+    streamed, = post_all(make_app(ScriptedClient(["a", "b"], finish="error"), store=store),
+                         [("/v1/responses", {"model": "m", "input": "x", "stream": True})])
+    events = typed_events(streamed.text)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["error"]["message"] == events[-2]["message"] == "the engine failed: b"
+    assert failed["output"][0]["content"][0]["text"] == "a"  # (what it wrote before it failed)
+    assert store.get(failed["id"]).current() == failed

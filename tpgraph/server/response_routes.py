@@ -127,6 +127,12 @@ class ResponseRun:
         return self.final
 
 
+def response_error(status: int, message: str) -> dict:
+    """A failed response's error, as OpenAI's (the SDK's ResponseError, whose code is one of OpenAI's codes): a
+    refusal (a 400: the prompt refused) "invalid_prompt", any other failure "server_error"."""
+    return {"code": "invalid_prompt" if status == 400 else "server_error", "message": message}
+
+
 def typed_event(event: dict, sequence_number: int) -> str:
     """A Responses stream event as the API sends it, numbered."""
     return typed_sse({**event, "sequence_number": sequence_number})
@@ -175,13 +181,14 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             try:
                 async for event in run.events():
                     yield typed_event(event, next(numbers))
-            except Exception as exc:  # (after the 200: the API's error event ends the stream)
+            except Exception as exc:  # (after the 200: the API's error event, then response.failed, end the stream)
                 status, message, kind = stream_failure(exc)
+                failed = run.snapshot("failed", response_error(status, message))
                 if body.store:
-                    failed = run.snapshot("failed", {"code": kind, "message": message})
                     store.put(response_id, kept(failed))
                 yield typed_event({"type": "error", "code": kind, "message": message, "param": None},
                                   next(numbers))
+                yield typed_event({"type": "response.failed", "response": failed}, next(numbers))
                 return
             if body.store and run.final is not None:  # (None: its client went away before the end)
                 store.put(response_id, kept(run.final))
@@ -207,8 +214,8 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             except asyncio.CancelledError:
                 stored.response = run.snapshot("cancelled")
             except Exception as exc:
-                _, message, kind = stream_failure(exc, "a background response")
-                stored.response = run.snapshot("failed", {"code": kind, "message": message})
+                http_status, message, _ = stream_failure(exc, "a background response")
+                stored.response = run.snapshot("failed", response_error(http_status, message))
             finally:
                 stored.live = None
                 await run.turn.stream.aclose()
