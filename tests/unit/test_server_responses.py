@@ -687,3 +687,11 @@ def test_a_stream_that_fails_mid_way_ends_with_response_failed():
     assert failed["error"]["message"] == events[-2]["message"] == "the engine failed: b"
     assert failed["output"][0]["content"][0]["text"] == "a"  # (what it wrote before it failed)
     assert store.get(failed["id"]).current() == failed
+
+
+@pytest.mark.parametrize(("given", "named"), [("resp_given", "resp_given"), ("given", "resp_given")])
+def test_a_body_request_id_names_the_response_prefixed_once(given, named):
+    # (vLLM's response id is the request_id as given, "resp_..." by default: one given so is not prefixed again)
+    app = make_app(ScriptedClient(["a"]))
+    whole, = post_all(app, [("/v1/responses", {"input": "x", "request_id": given})])
+    assert whole.json()["id"] == named

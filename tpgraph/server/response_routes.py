@@ -160,7 +160,9 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         own = body.input_items()
         conversation = [*conversation_before(body), *own]
         chat = body.chat_request(conversation)
-        response_id = f"resp_{request_id(request, chat.request_id)}"
+        given = request_id(request, chat.request_id)
+        # (vLLM's id is the request_id as given, "resp_..." by default: one given so is not prefixed again)
+        response_id = given if given.startswith("resp_") else f"resp_{given}"
 
         def kept(response: dict) -> StoredResponse:
             return StoredResponse(response, conversation, inputs=len(own))
