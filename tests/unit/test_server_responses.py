@@ -363,6 +363,8 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),  # (echoed back too)
     ({"input": "x", "text": {"verbosity": "terse"}}, "text.verbosity"),  # (echoed back too)
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),  # (echoed back)
+    ({"input": "x", "structured_outputs": {"regex": "a+"},  # (the Responses API's fields named, not the chat's)
+      "text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}}, "structured_outputs and text.format"),
 ])
 def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     client = ScriptedClient(["a"])

@@ -119,11 +119,15 @@ class ResponsesRequest(NullMeansDefault):
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
             + chat_messages(items)
         extras = self.model_extra or {}
+        fmt = response_format(self.text)
+        if extras.get("structured_outputs") is not None and fmt is not None and fmt["type"] != "text":
+            # (as vLLM's: each asks the grammar; the chat's own refusal would name the chat's fields)
+            raise RequestError("give one of structured_outputs and text.format (json_object or json_schema), not both")
         body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
         body.update(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                     tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
-                    parallel_tool_calls=self.parallel_tool_calls, response_format=response_format(self.text))
+                    parallel_tool_calls=self.parallel_tool_calls, response_format=fmt)
         if self.logprobs():  # (without it, top_logprobs asks for nothing, as vLLM's)
             body.update(logprobs=True, top_logprobs=self.top_logprobs)
         effort = (self.reasoning or {}).get("effort")
