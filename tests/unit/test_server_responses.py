@@ -697,3 +697,30 @@ def test_a_body_request_id_names_the_response_prefixed_once(given, named):
     app = make_app(ScriptedClient(["a"]))
     whole, = post_all(app, [("/v1/responses", {"input": "x", "request_id": given})])
     assert whole.json()["id"] == named
+
+
+@pytest.mark.parametrize("status", ["incomplete", "in_progress"])
+def test_a_last_reasoning_item_not_finished_is_continued(status):
+    # (as vLLM's: a response cut in its thoughts goes on from them, an assistant message of those thoughts continued,
+    # not dropped for a new turn)
+    thoughts = {"type": "reasoning", "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": "Two and two"}]}
+    from tpgraph.chat import ChatTemplate
+
+    codec = builtin_codec()
+    # (a template that writes an assistant's thoughts, as Qwen3's: the built-in one writes none)
+    codec.chat_template = ChatTemplate("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>"
+                                  "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}[end]{% endfor %}"
+                                  "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+    def prompt(path: str, body: dict) -> str:
+        client = ScriptedClient(["a"])
+        done, = post_all(server_app.create_app(client, codec, ServerMetrics(), "m", 128), [(path, body)])
+        assert done.status_code == 200, done.text
+        return client.prompts[0]
+
+    continued = prompt("/v1/responses", {"input": [{"role": "user", "content": "2+2?"}, thoughts]})
+    assert continued == prompt("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "2+2?"},
+                     {"role": "assistant", "content": "", "reasoning": "Two and two"}],
+        "add_generation_prompt": False, "continue_final_message": True})

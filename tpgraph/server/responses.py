@@ -144,11 +144,13 @@ class ResponsesRequest(NullMeansDefault):
 
 
 def continues(item: Any) -> bool:
-    """Is the input's last item an assistant message not finished (in_progress or incomplete, as a response cut by
-    max_output_tokens leaves it)? Its reply goes on with it, no new turn opened after it (vLLM's partial message
-    completion)."""
-    return isinstance(item, dict) and item.get("type", "message") == "message" and item.get("role") == "assistant" \
-        and item.get("status") in ("in_progress", "incomplete")
+    """Is the input's last item an assistant message or a reasoning item not finished (in_progress or incomplete, as
+    a response cut by max_output_tokens leaves it)? Its reply goes on with it, no new turn opened after it (vLLM's
+    partial message completion)."""
+    if not isinstance(item, dict) or item.get("status") not in ("in_progress", "incomplete"):
+        return False
+    kind = item.get("type", "message")
+    return kind == "reasoning" or kind == "message" and item.get("role") == "assistant"
 
 
 def listed_item(item: dict) -> dict:
@@ -175,7 +177,7 @@ def chat_messages(items: list[Any]) -> list[dict]:
     function_call as an assistant's tool call (calls in a row, or after the assistant's text, one message's), a
     function_call_output as a tool message, a reasoning item as the next assistant message's reasoning (dropped where
     no reply follows it directly, as where another message or a call's output comes first: a template renders
-    earlier thoughts only beside a reply)."""
+    earlier thoughts only beside a reply; a last one not finished is an assistant message of its own, continued)."""
     messages: list[dict] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
@@ -209,6 +211,8 @@ def chat_messages(items: list[Any]) -> list[dict]:
         else:
             raise RequestError(f"{where}.type {kind!r} is not supported: give message, function_call, "
                                "function_call_output or reasoning items")
+    if reasoning is not None and continues(items[-1]):  # (thoughts not finished: the reply goes on from them)
+        messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
     return messages
 
 
