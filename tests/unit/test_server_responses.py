@@ -724,3 +724,24 @@ def test_a_last_reasoning_item_not_finished_is_continued(status):
         "messages": [{"role": "user", "content": "2+2?"},
                      {"role": "assistant", "content": "", "reasoning": "Two and two"}],
         "add_generation_prompt": False, "continue_final_message": True})
+
+
+@pytest.mark.parametrize(("pieces", "kinds"), [
+    (["Hm", "</think>", "\n\n", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+      "</tool_call>"], ["reasoning", "function_call"]),
+    (["Hm", "</think>", "\n", "\n", "<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+      "</tool_call>", "\n"], ["reasoning", "function_call"]),
+    (["Hm", "</think>", "\n\n", "Hi"], ["reasoning", "message"]),  # (whitespace that begins a text is its own)
+    (["Hm", "</think>", "\n\n"], ["reasoning", "message"]),  # (a reply of whitespace alone is still its message)
+])
+def test_whitespace_beside_a_call_is_no_message_whole_or_streamed(pieces, kinds):
+    # (a reasoning model writes "\n\n" after its thoughts' end, before its call: no text of the answer, no message
+    # item, whole (as vLLM's parsers strip the content beside calls) nor streamed)
+    whole, events, _ = respond(pieces, {"input": "Weather?", "tools": [WEATHER]}, reasoning="deepseek_r1",
+                               tools=ToolOptions(parser="hermes"))
+    assert [item["type"] for item in whole["output"]] == kinds
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+    texts = [item["content"][0]["text"] for item in whole["output"] if item["type"] == "message"]
+    assert texts == [] if "function_call" in kinds else texts == ["".join(pieces[2:])]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == "".join(texts)

@@ -329,6 +329,9 @@ class OutputItems:
         # the open item's text (a call's: its arguments) in pieces, joined where it is read: += on the item's field
         # copied all of it every token
         self.grown: list[str] = []
+        # whitespace written where no message is open (a reasoning model's "\n\n" after its thoughts): held until
+        # text follows it (then its message's beginning); beside a call it is no message of its own
+        self.held = ""
 
     def add(self, delta: Delta, entries: list[dict], broken_call: int | None = None) -> list[dict]:
         """What an update added (its delta, and its tokens' log-probability entries): the events it makes.
@@ -366,9 +369,11 @@ class OutputItems:
     def finish(self, incomplete: bool) -> list[dict]:
         """The last item's end (its status "incomplete" where the reply was cut short)."""
         events = []
+        if self.held and not (self.items and self.items[-1]["type"] == "function_call"):
+            events = self._text("", whole=True)  # (a reply's whitespace alone, after no call: its message)
         if self.pending and self.open is not None and self.open["type"] == "message":
             # (tokens that added no text, the end's: their entries in a last delta, so the deltas carry the text's all)
-            events = self._text("")
+            events += self._text("")
         self.pending = []
         return events + self._close("incomplete" if incomplete else "completed")
 
@@ -433,9 +438,14 @@ class OutputItems:
         return [*events, {"type": "response.reasoning_text.delta", "item_id": self.open["id"],
                           "output_index": len(self.items) - 1, "content_index": 0, "delta": text}]
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str, whole: bool = False) -> list[dict]:
+        """whole: the held whitespace is a message of its own, whatever comes next (the reply ended)."""
         events = []
         if self.open is None or self.open["type"] != "message":
+            if not whole and not (self.held + text).strip():  # (held: a call may come next)
+                self.held += text
+                return []
+            text, self.held = self.held + text, ""
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events += self._begin({"id": item_id("msg"), "type": "message", "role": "assistant",
                                    "status": "in_progress", "content": [part]}, part)
@@ -452,6 +462,8 @@ class OutputItems:
         events = []
         function = call.get("function", {})
         if "id" in call:
+            if self.held:  # (whitespace before the call: no message, nor are its tokens' entries a text's)
+                self.held, self.pending = "", []
             events += self._begin({"id": item_id("fc"), "type": "function_call", "call_id": call["id"],
                                    "name": function["name"], "arguments": "", "status": "in_progress"}, None)
             self.calls += 1  # (after _begin: the item it closes is the call before)
