@@ -363,6 +363,10 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),  # (echoed back too)
     ({"input": "x", "text": {"verbosity": "terse"}}, "text.verbosity"),  # (echoed back too)
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),  # (echoed back)
+    # (OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512)
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
     ({"input": "x", "structured_outputs": {"regex": "a+"},  # (the Responses API's fields named, not the chat's)
       "text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}}, "structured_outputs and text.format"),
 ])
@@ -745,3 +749,9 @@ def test_whitespace_beside_a_call_is_no_message_whole_or_streamed(pieces, kinds)
     assert texts == [] if "function_call" in kinds else texts == ["".join(pieces[2:])]
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert streamed == "".join(texts)
+
+
+def test_metadata_at_openais_limits_is_taken_and_echoed():
+    metadata = {f"{i:064d}": "v" * 512 for i in range(16)}
+    whole, events, _ = respond(["a"], {"input": "x", "metadata": metadata})
+    assert whole["metadata"] == events[-1]["response"]["metadata"] == metadata

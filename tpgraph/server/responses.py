@@ -28,6 +28,9 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
               "reasoning.encrypted_content", OUTPUT_LOGPROBS)
 
+# OpenAI's limits on metadata: pairs, a key's characters, a value's
+METADATA_LIMITS = (16, 64, 512)
+
 # the values OpenAI takes for the fields a response echoes back (the SDK's Response types read no others)
 CHOICES = {"truncation": ("disabled", "auto"),
            "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
@@ -89,6 +92,14 @@ class ResponsesRequest(NullMeansDefault):
                                "read it back with GET /v1/responses/{id}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        pairs, key_chars, value_chars = METADATA_LIMITS
+        metadata = self.metadata or {}
+        if len(metadata) > pairs:
+            raise RequestError(f"metadata has {len(metadata)} pairs; OpenAI's limit is {pairs}")
+        for key, value in metadata.items():
+            if len(key) > key_chars or len(value) > value_chars:
+                raise RequestError(f"metadata {key[:key_chars]!r}: keys are at most {key_chars} characters, values "
+                                   f"at most {value_chars} (OpenAI's limits)")
         for i, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise RequestError(f"include[{i}] {value!r} is none of OpenAI's include values "
