@@ -350,7 +350,7 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
+    ({"input": "x", "max_tool_calls": -1}, "max_tool_calls"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
@@ -755,3 +755,10 @@ def test_metadata_at_openais_limits_is_taken_and_echoed():
     metadata = {f"{i:064d}": "v" * 512 for i in range(16)}
     whole, events, _ = respond(["a"], {"input": "x", "metadata": metadata})
     assert whole["metadata"] == events[-1]["response"]["metadata"] == metadata
+
+
+def test_max_tool_calls_is_taken_and_echoed():
+    # (OpenAI's limit on built-in tool calls: this server runs none, so any limit holds; vLLM takes and echoes it)
+    whole, events, _ = respond(["a"], {"input": "x", "max_tool_calls": 2, "tools": [WEATHER]},
+                               tools=ToolOptions(parser="hermes"))
+    assert whole["max_tool_calls"] == events[-1]["response"]["max_tool_calls"] == 2

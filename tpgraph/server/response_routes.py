@@ -61,7 +61,7 @@ class ResponseRun:
                 "background": body.background, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "max_tool_calls": None, "model": self.model_name, "output": self.output.current(),
+                "max_tool_calls": body.max_tool_calls, "model": self.model_name, "output": self.output.current(),
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": body.field("reasoning.effort"), "summary": body.field("reasoning.summary")},

@@ -6,7 +6,8 @@ output items, whole or as the API's stream of typed events.
 What vLLM's Responses API takes beside OpenAI's fields (top_k, min_p, repetition_penalty, seed, stop, ignore_eos,
 logit_bias, structured_outputs, ...) is taken here too (SAMPLING_EXTRAS). Refused with a 400 that names it,
 not ignored: non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...), item references,
-`conversation`, `prompt` templates, `max_tool_calls`, and a background stream."""
+`conversation`, `prompt` templates, and a background stream. `max_tool_calls` (OpenAI's limit on built-in tool calls,
+none of which run here) is taken and echoed back, as vLLM's."""
 
 from __future__ import annotations
 
@@ -67,10 +68,10 @@ class ResponsesRequest(NullMeansDefault):
     user: str | None = None
     truncation: str | None = None  # "disabled" (the default) or "auto" (the prompt's last tokens that fit)
     service_tier: str | None = None  # (one of OpenAI's tiers, taken as vLLM's: one tier here)
+    max_tool_calls: int | None = None  # (echoed back: it limits built-in tools' calls, and none run here)
     # refused where given (see the module's docstring)
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
 
     _counts_are_integers = field_validator("max_output_tokens", "top_logprobs", "max_tool_calls",
                                            mode="before")(_an_integer)
@@ -78,7 +79,7 @@ class ResponsesRequest(NullMeansDefault):
 
     def check(self) -> None:
         """What this server cannot honour, refused by name."""
-        for name in ("conversation", "prompt", "max_tool_calls"):
+        for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported by this server's Responses API")
         for name, allowed in CHOICES.items():
@@ -92,6 +93,8 @@ class ResponsesRequest(NullMeansDefault):
                                "read it back with GET /v1/responses/{id}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        if self.max_tool_calls is not None and self.max_tool_calls < 0:
+            raise RequestError(f"max_tool_calls must be >= 0, got {self.max_tool_calls}")
         pairs, key_chars, value_chars = METADATA_LIMITS
         metadata = self.metadata or {}
         if len(metadata) > pairs:
