@@ -762,3 +762,20 @@ def test_max_tool_calls_is_taken_and_echoed():
     whole, events, _ = respond(["a"], {"input": "x", "max_tool_calls": 2, "tools": [WEATHER]},
                                tools=ToolOptions(parser="hermes"))
     assert whole["max_tool_calls"] == events[-1]["response"]["max_tool_calls"] == 2
+
+
+def test_a_background_response_that_fails_is_stored_failed_with_openais_error():
+    store = ResponseStore()
+    app = make_app(ScriptedClient(["a", "b"], finish="error"), store=store)
+    httpx = httpx_module()
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            created = (await http.post("/v1/responses", json={"input": "x", "background": True})).json()
+            await store.get(created["id"]).task  # (its run, to its end)
+            return (await http.get(f"/v1/responses/{created['id']}")).json()
+
+    failed = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    sdk_checked(RESPONSE, failed)  # (its error's code one of OpenAI's)
+    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error",
+                                                                "message": "the engine failed: b"}
