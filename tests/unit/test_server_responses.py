@@ -348,7 +348,6 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "max_tool_calls": -1}, "max_tool_calls"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
@@ -779,3 +778,29 @@ def test_a_background_response_that_fails_is_stored_failed_with_openais_error():
     sdk_checked(RESPONSE, failed)  # (its error's code one of OpenAI's)
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error",
                                                                 "message": "the engine failed: b"}
+
+
+def test_a_background_stream_is_streamed_and_read_again_from_any_event():
+    # (as OpenAI's and vLLM's: background with stream: true streams its events, and GET ?stream=true&starting_after=N
+    # streams them again from the event after N, while the response runs on whatever its readers do)
+    store = ResponseStore()
+    app = make_app(ScriptedClient(["Hel", "lo"]), store=store)
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            streamed = await http.post("/v1/responses", json={"input": "x", "background": True, "stream": True})
+            events = typed_events(streamed.text)
+            rid = events[0]["response"]["id"]
+            again = await http.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": 3})
+            whole = await http.get(f"/v1/responses/{rid}")
+            plain, = [r.json() for r in [await http.post("/v1/responses", json={"input": "x"})]]
+            refused = await http.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+            return events, typed_sse_events(again.text), whole.json(), refused
+
+    events, again, whole, refused = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert events[0]["response"]["background"] is True and events[-1]["type"] == "response.completed"
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hel", "lo"]
+    assert again == events[4:]
+    assert whole == events[-1]["response"] and whole["output"][0]["content"][0]["text"] == "Hello"
+    assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]

@@ -1,7 +1,7 @@
-"""The Responses API's routes: POST /v1/responses (whole, streamed as typed events, or in the background),
-GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel. A response
-runs as a chat turn (responses.py reads the request as one); its output items are folded from the turn's deltas
-(OutputItems)."""
+"""The Responses API's routes: POST /v1/responses (whole, streamed as typed events, or in the background, streamed
+too), GET (whole, or a background stream's events again) and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel. A response runs as a chat turn (responses.py reads the
+request as one); its output items are folded from the turn's deltas (OutputItems)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpgraph.engine.core import StepUpdate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
-from tpgraph.server.response_store import ResponseStore, StoredResponse
+from tpgraph.server.response_store import EventLog, ResponseStore, StoredResponse
 from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest, ThoughtTokens
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
@@ -127,6 +127,15 @@ class ResponseRun:
         return self.final
 
 
+def failure_events(run: ResponseRun, exc: Exception, what: str) -> tuple[dict, list[dict]]:
+    """A response that failed after it began: the response "failed" with its error, and the events that end its
+    stream (the API's error event, then response.failed)."""
+    status, message, kind = stream_failure(exc, what)
+    failed = run.snapshot("failed", response_error(status, message))
+    return failed, [{"type": "error", "code": kind, "message": message, "param": None},
+                    {"type": "response.failed", "response": failed}]
+
+
 def response_error(status: int, message: str) -> dict:
     """A failed response's error, as OpenAI's (the SDK's ResponseError, whose code is one of OpenAI's codes): a
     refusal (a 400: the prompt refused) "invalid_prompt", any other failure "server_error"."""
@@ -168,7 +177,10 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             return StoredResponse(response, conversation, inputs=len(own))
 
         if body.background:
-            return JSONResponse(await start_background(response_id, body, chat, kept))
+            stored = await start_background(response_id, body, chat, kept)
+            if stored.log is None:
+                return JSONResponse(stored.response)
+            return logged_stream(stored.log)
         run = ResponseRun(response_id, body, chat, await start_chat(chat, request), model_name, entries)
         if not body.stream:
             response = await run.whole()
@@ -184,13 +196,11 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 async for event in run.events():
                     yield typed_event(event, next(numbers))
             except Exception as exc:  # (after the 200: the API's error event, then response.failed, end the stream)
-                status, message, kind = stream_failure(exc)
-                failed = run.snapshot("failed", response_error(status, message))
+                failed, ending = failure_events(run, exc, "a stream after it began")
                 if body.store:
                     store.put(response_id, kept(failed))
-                yield typed_event({"type": "error", "code": kind, "message": message, "param": None},
-                                  next(numbers))
-                yield typed_event({"type": "response.failed", "response": failed}, next(numbers))
+                for event in ending:
+                    yield typed_event(event, next(numbers))
                 return
             if body.store and run.final is not None:  # (None: its client went away before the end)
                 store.put(response_id, kept(run.final))
@@ -198,10 +208,17 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         return EventStream(stream(), run.turn.stream, guard=None)
 
     async def start_background(response_id: str, body: ResponsesRequest, chat: ChatRequest,
-                               kept: Callable[[dict], StoredResponse]) -> dict:
-        """Submit the response (a refusal is the request's 400) and write it as it runs, in the store."""
+                               kept: Callable[[dict], StoredResponse]) -> StoredResponse:
+        """Submit the response (a refusal is the request's 400) and write it as it runs, in the store (with stream:
+        true, its events too, in its log)."""
         run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached()), model_name, entries)
         stored = kept(run.snapshot("queued"))
+        log = stored.log = EventLog() if body.stream else None
+        numbers = itertools.count()
+
+        def logged(event: dict) -> None:
+            if log is not None:
+                log.add({**event, "sequence_number": next(numbers)})
 
         status = "queued"
         stored.live = lambda: run.snapshot(status)
@@ -212,25 +229,38 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 async for event in run.events():
                     if event["type"] == "response.in_progress":
                         status = "in_progress"
+                    logged(event)
                 stored.response = run.final
             except asyncio.CancelledError:
                 stored.response = run.snapshot("cancelled")
             except Exception as exc:
-                http_status, message, _ = stream_failure(exc, "a background response")
-                stored.response = run.snapshot("failed", response_error(http_status, message))
+                stored.response, ending = failure_events(run, exc, "a background response")
+                for event in ending:
+                    logged(event)
             finally:
                 stored.live = None
+                if log is not None:
+                    log.end()
                 await run.turn.stream.aclose()
 
         stored.task = asyncio.get_running_loop().create_task(work())
         store.put(response_id, stored)
-        return stored.response
+        return stored
+
+    def logged_stream(log: EventLog, starting_after: int | None = None) -> StreamingResponse:
+        """A background stream's events (a reader that goes away stops reading, not the response)."""
+        return StreamingResponse((typed_sse(event) async for event in log.read(starting_after)),
+                                 media_type="text/event-stream")
 
     @router.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, stream: bool = False) -> JSONResponse:
-        if stream:
-            raise RequestError("stream: true is not supported here: a stored response is read whole")
-        return JSONResponse(store.get(response_id).current())
+    async def retrieve(response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        stored = store.get(response_id)
+        if not stream:
+            return JSONResponse(stored.current())
+        if stored.log is None:
+            raise RequestError(f"response {response_id!r} was not created in the background with stream: true: "
+                               "only such a response's events can be streamed again; read it whole")
+        return logged_stream(stored.log, starting_after)
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, after: str | None = None, limit: int = 20,

@@ -7,13 +7,46 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from tpgraph.server.errors import ApiError
 
 # (the default --responses-store-size; a response is its text and its conversation's, kilobytes each)
 DEFAULT_CAPACITY = 1024
+
+
+@dataclass
+class EventLog:
+    """A background stream's events (numbered) as they come, kept so that its readers (the POST that created it,
+    and GET ?stream=true) read them from any point, each at its own pace, none of them holding the run back."""
+
+    events: list[dict] = field(default_factory=list)
+    ended: bool = False
+    _added: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, event: dict) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        added, self._added = self._added, asyncio.Event()  # (each wait is on the event of the log as it stood)
+        added.set()
+
+    async def read(self, starting_after: int | None = None) -> AsyncIterator[dict]:
+        """The events after the one numbered starting_after (all of them without), until the log ends."""
+        at = 0 if starting_after is None else starting_after + 1
+        while True:
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.ended:
+                return
+            await self._added.wait()
 
 
 @dataclass
@@ -23,6 +56,7 @@ class StoredResponse:
     task: asyncio.Task | None = None  # (a background response) the run that writes it
     live: Callable[[], dict] | None = None  # (a background response being written) the response as it stands
     inputs: int = 0  # how many of the conversation's last items are its own input (input_items lists them)
+    log: EventLog | None = None  # (a background response created with stream: true) its events
 
     def current(self) -> dict:
         """The response as GET returns it: as it stands, where it is still being written."""

@@ -6,7 +6,7 @@ output items, whole or as the API's stream of typed events.
 What vLLM's Responses API takes beside OpenAI's fields (top_k, min_p, repetition_penalty, seed, stop, ignore_eos,
 logit_bias, structured_outputs, ...) is taken here too (SAMPLING_EXTRAS). Refused with a 400 that names it,
 not ignored: non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...), item references,
-`conversation`, `prompt` templates, and a background stream. `max_tool_calls` (OpenAI's limit on built-in tool calls,
+`conversation` and `prompt` templates. `max_tool_calls` (OpenAI's limit on built-in tool calls,
 none of which run here) is taken and echoed back, as vLLM's."""
 
 from __future__ import annotations
@@ -88,9 +88,6 @@ class ResponsesRequest(NullMeansDefault):
                 raise RequestError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         if self.background and not self.store:
             raise RequestError("background needs store: true (a background response is read back by its id)")
-        if self.background and self.stream:
-            raise RequestError("background with stream: true is not supported: create it in the background, then "
-                               "read it back with GET /v1/responses/{id}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise RequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
         if self.max_tool_calls is not None and self.max_tool_calls < 0:
