@@ -804,3 +804,12 @@ def test_a_background_stream_is_streamed_and_read_again_from_any_event():
     assert again == events[4:]
     assert whole == events[-1]["response"] and whole["output"][0]["content"][0]["text"] == "Hello"
     assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("tools", [{}, {"tools": [WEATHER]}])  # (a reply read as it comes, or whole)
+def test_a_reply_of_whitespace_alone_keeps_its_texts_logprobs(tools):
+    whole, events, _ = respond(["\n", "\n"], {"input": "x", "include": ["message.output_text.logprobs"], **tools},
+                               tools=ToolOptions(parser="hermes"))
+    texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
+    assert [(text["text"], len(text["logprobs"])) for text in texts] == [("\n\n", 2)]
+    assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts

@@ -103,6 +103,8 @@ class ResponseRun:
         if finish is None:  # (no finish came: the client went away; what was written is no completed response)
             return
         status = "incomplete" if finish == "length" else "completed"
+        for event in self.output.release():  # (before a whole reply's texts take their tokens' entries)
+            yield event
         if answer is not None:
             self.output.retake_text_logprobs(answer)
         for event in self.output.finish(status == "incomplete"):

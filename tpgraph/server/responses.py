@@ -377,11 +377,17 @@ class OutputItems:
         self._settle()
         return list(self.items)
 
+    def release(self) -> list[dict]:
+        """(the reply ended) The whitespace still held: a message of its own after no call (a reply's whitespace
+        alone), else nothing."""
+        if self.held and not (self.items and self.items[-1]["type"] == "function_call"):
+            return self._text("", whole=True)
+        self.held = ""
+        return []
+
     def finish(self, incomplete: bool) -> list[dict]:
         """The last item's end (its status "incomplete" where the reply was cut short)."""
-        events = []
-        if self.held and not (self.items and self.items[-1]["type"] == "function_call"):
-            events = self._text("", whole=True)  # (a reply's whitespace alone, after no call: its message)
+        events = self.release()
         if self.pending and self.open is not None and self.open["type"] == "message":
             # (tokens that added no text, the end's: their entries in a last delta, so the deltas carry the text's all)
             events += self._text("")
