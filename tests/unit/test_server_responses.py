@@ -813,3 +813,18 @@ def test_a_reply_of_whitespace_alone_keeps_its_texts_logprobs(tools):
     texts = [item["content"][0] for item in events[-1]["response"]["output"] if item["type"] == "message"]
     assert [(text["text"], len(text["logprobs"])) for text in texts] == [("\n\n", 2)]
     assert [item["content"][0] for item in whole["output"] if item["type"] == "message"] == texts
+
+
+@pytest.mark.parametrize(("starting_after", "first"), [(None, 0), (-1, 0), (-5, 0), (2, 3), (99, None)])
+def test_a_background_streams_log_is_read_from_the_event_after_starting_after(starting_after, first):
+    from tpgraph.server.response_store import EventLog
+
+    log = EventLog()
+    for n in range(5):
+        log.add({"sequence_number": n})
+    log.end()
+
+    async def read() -> list[int]:
+        return [e["sequence_number"] async for e in log.read(starting_after)]
+
+    assert asyncio.run(read()) == ([] if first is None else list(range(first, 5)))

@@ -39,7 +39,7 @@ class EventLog:
 
     async def read(self, starting_after: int | None = None) -> AsyncIterator[dict]:
         """The events after the one numbered starting_after (all of them without), until the log ends."""
-        at = 0 if starting_after is None else starting_after + 1
+        at = 0 if starting_after is None else max(starting_after + 1, 0)  # (not from the end, as a list's index)
         while True:
             while at < len(self.events):
                 yield self.events[at]
