@@ -828,3 +828,33 @@ def test_a_background_streams_log_is_read_from_the_event_after_starting_after(st
         return [e["sequence_number"] async for e in log.read(starting_after)]
 
     assert asyncio.run(read()) == ([] if first is None else list(range(first, 5)))
+
+
+
+def test_a_texts_part_begins_with_no_logprobs_streamed_or_read_again():
+    # (content_part.added is the part as it begins, no text yet: it carried the entries of the text after it (the
+    # item's list, grown by the first delta's before it was sent), and a background stream's replay all the text's)
+    _, events, _ = respond(["Hel", "lo"], {"input": "x", "include": ["message.output_text.logprobs"]})
+    added, = [e for e in events if e["type"] == "response.content_part.added"]
+    assert added["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    assert [len(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta"] == [1, 1]
+
+
+def test_a_background_streams_part_is_read_again_as_it_began():
+    store = ResponseStore()
+    app = make_app(ScriptedClient(["Hel", "lo"]), store=store)
+    httpx = httpx_module()
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            created = (await http.post("/v1/responses", json={"input": "x", "background": True, "stream": True,
+                                                              "include": ["message.output_text.logprobs"]}))
+            rid = typed_events(created.text)[0]["response"]["id"]
+            await store.get(rid).task  # (its run, to its end)
+            again = await http.get(f"/v1/responses/{rid}", params={"stream": "true"})
+            return typed_sse_events(again.text)
+
+    events = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    added, = [e for e in events if e["type"] == "response.content_part.added"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert added["part"]["logprobs"] == [] and [len(e["logprobs"]) for e in deltas] == [1, 1]

@@ -402,8 +402,10 @@ class OutputItems:
         events.append({"type": "response.output_item.added", "output_index": at,
                        "item": {**item, "content": []} if part is not None else dict(item)})
         if part is not None:
+            # (the part as it begins, its lists its own: the item's grow after it, by its first text's entries too)
+            begun = {key: list(value) if isinstance(value, list) else value for key, value in part.items()}
             events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": at,
-                           "content_index": 0, "part": dict(part)})
+                           "content_index": 0, "part": begun})
         return events
 
     def _settle(self) -> None:
