@@ -258,6 +258,11 @@ def test_response_format_and_guided_fields_become_one_structured_output():
         assert CompletionRequest.model_validate(body).sampling_params(4, None).structured == want, extra
     for extra, needle in (({"response_format": {"type": "xml"}}, "response_format type 'xml' is not one of"),
                           ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+                          # (vLLM's JsonSchemaResponseFormat has name: str, required, as OpenAI's)
+                          ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+                           "needs json_schema.name"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": 5, "schema": schema}}},
+                           "needs json_schema.name"),
                           ({"guided_choice": []}, "a non-empty list of non-empty strings"),
                           ({"guided_json": "{not json"}, "the JSON schema is not valid JSON"),
                           ({"guided_regex": "a", "guided_choice": ["a"]}, "give one of"),

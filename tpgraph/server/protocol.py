@@ -263,10 +263,12 @@ class SamplingFields(NullMeansDefault):
             if kind == "json_object":
                 asked.append(StructuredOutput("json_object"))
             elif kind == "json_schema":
-                schema = fmt.get("json_schema")
-                schema = schema.get("schema") if isinstance(schema, dict) else None
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise RequestError("response_format json_schema needs json_schema.schema, a JSON schema object")
+                if not isinstance(spec.get("name"), str):  # (required, as OpenAI's and vLLM's)
+                    raise RequestError("response_format json_schema needs json_schema.name, a string")
                 asked.append(StructuredOutput.json_schema(schema))
             elif kind != "text":
                 raise RequestError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
