@@ -257,6 +257,9 @@ def test_response_format_and_guided_fields_become_one_structured_output():
         body = {"model": "m", "prompt": "x", **extra}
         assert CompletionRequest.model_validate(body).sampling_params(4, None).structured == want, extra
     for extra, needle in (({"response_format": {"type": "xml"}}, "response_format type 'xml' is not one of"),
+                          # (no type: vLLM's ResponseFormat requires one; taken as text, the schema was left unheld)
+                          ({"response_format": {"json_schema": {"name": "s", "schema": schema}}},
+                           "response_format type None is not one of"),
                           ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
                           # (vLLM's JsonSchemaResponseFormat has name: str, required, as OpenAI's)
                           ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},

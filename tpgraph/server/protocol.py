@@ -259,7 +259,7 @@ class SamplingFields(NullMeansDefault):
         asked = []
         fmt = self.response_format
         if fmt is not None:
-            kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+            kind = fmt.get("type") if isinstance(fmt, dict) else None  # (type is required, as vLLM's and OpenAI's)
             if kind == "json_object":
                 asked.append(StructuredOutput("json_object"))
             elif kind == "json_schema":
