@@ -47,6 +47,7 @@ class MemoryBudget:
     agreed_blocks: int | None = None  # the smallest num_blocks over the ranks, once they have compared
     kernel_workspace: int = 0  # the kernels' persistent buffers: split counters, polled partials (inside in_use)
     penalty_table: int = 0  # penalized sequences' token counts, a row each (inside in_use)
+    rope_tables: int = 0  # the rope cos/sin tables, a row per position of max_model_len (inside in_use)
     # ranks whose allocations share this GPU (TPGRAPH_SHARED_GPU): in_use is then all of theirs (weights and the
     # workspaces are this rank's), and what is left after it is split between them before each takes its own
     # activations and graph pool
@@ -75,8 +76,9 @@ class MemoryBudget:
         return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}{shared}: "
                 f"in use {g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
                 f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB, penalty table "
-                f"{self.penalty_table / (1 << 20):.2f} MiB), activations and sampling "
-                f"{g(self.activation_peak)}, graph pool (estimated) {g(self.graph_pool_estimate)} -> KV cache "
+                f"{self.penalty_table / (1 << 20):.2f} MiB, rope tables {self.rope_tables / (1 << 20):.2f} MiB), "
+                f"activations and sampling {g(self.activation_peak)}, graph pool (estimated) "
+                f"{g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
 
     def check(self, min_blocks: int, max_model_len_asked: bool = True) -> None:

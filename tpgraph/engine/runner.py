@@ -140,6 +140,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or mcfg.max_context
         mcfg.check_max_model_len(self.max_model_len)
+        # rope rows for the positions a sequence can reach, before the KV budget reads what is in use
+        model.rotary.resize(self.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.use_triton = self.device.type == "cuda" if cfg.use_triton is None else cfg.use_triton
         self.prefill_attention = "SDPA per sequence"
@@ -263,6 +265,7 @@ class ModelRunner:
             logger.warning("max_model_len: the model's %d tokens do not fit the KV cache; capped at %d",
                            self.max_model_len, capacity)
         self.max_model_len = capacity
+        self.model.rotary.resize(capacity)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache of num_blocks blocks, bound to the layers; a size given by hand that does not fit is named."""
@@ -370,7 +373,8 @@ class ModelRunner:
                                    workspace=self.model.comm.workspace_bytes, activation_peak=activation_peak,
                                    graph_pool_estimate=estimate, block_bytes=self.block_bytes,
                                    kernel_workspace=kernel_workspace_bytes(self.device),
-                                   penalty_table=self.penalties.nbytes, sharers=sharers)
+                                   penalty_table=self.penalties.nbytes, rope_tables=self.model.rotary.nbytes,
+                                   sharers=sharers)
         # every rank must hold the same number of blocks (one scheduler drives them all): the smallest budget wins
         agreed = min(gather_objects(self.model.comm.state, self.budget.num_blocks))
         self.budget = replace(self.budget, agreed_blocks=agreed)

@@ -243,7 +243,9 @@ class TPEngine:
             dtype = default_dtype(model_cfg, self.state.device) if cfg.dtype in (None, "auto") else \
                 parse_dtype(cfg.dtype)
             check_kv_cache_dtype(cfg.kv_cache_dtype, dtype)  # (before the weights load)
-            self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed)
+            # (rope tables for the positions it reaches, never first the whole context: the runner sizes them too)
+            self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed,
+                                    max_positions=cfg.max_model_len)
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
                 # holds one of max_model_len (vLLM's default too), not the chunked one's (at most DEFAULT_CHUNK_TOKENS),

@@ -133,7 +133,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: TPCommunicator, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, comm: TPCommunicator, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> None:
+        """max_positions: the rope tables' rows (default the model's context); the runner sizes them to its
+        max_model_len."""
         super().__init__()
         cfg.check_tp(comm.world_size)
         self.cfg, self.comm = cfg, comm
@@ -141,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
                                                    comm.rank, comm.world_size, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, comm, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_context, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_context, dtype, device)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight", dtype, device)
         lm_head_name = None if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = ParallelLMHead(self.embed_tokens, lm_head_name, dtype, device)

@@ -219,11 +219,13 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     config: ModelConfig | None = None,
+    max_positions: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the TP model on this rank and fill it.
 
     model_dir None loads the built-in default (seeded random weights of BUILTIN_MODEL, or of `config`).
     load_format 'dummy' fills random weights for the directory's config (benchmarks).
+    max_positions: the rope tables' rows (LlamaForCausalLM), where the max_model_len is known before the load.
     A failure on any rank raises on every rank.
     """
     if load_format not in LOAD_FORMATS:
@@ -246,7 +248,7 @@ def load_model(
                     logger.warning("config.json ties lm_head to the embedding, but the checkpoint holds an "
                                    "lm_head.weight of other values: it is loaded untied, as transformers loads it "
                                    "(vLLM drops it for the embedding)")
-        model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device)
+        model = LlamaForCausalLM(cfg, comm, dtype or default_dtype(cfg, state.device), state.device, max_positions)
         load_weights(model, source, show_progress=state.is_driver)
         return model.eval()
 

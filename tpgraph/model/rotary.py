@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3 and yarn scaling.
 
-The cos/sin tables are computed once at load for every position; each step's kernel (kernels/rope_store.py)
+The cos/sin tables hold a row for each position the engine can reach (its max_model_len, not the model's whole
+context, which for long-context models is large memory never read); each step's kernel (kernels/rope_store.py)
 indexes them by position, rotates q and k, and writes k and v into the paged cache.
 """
 
@@ -61,10 +62,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        cos, sin = rope_cos_sin_table(inv_frequencies(head_dim, rope), max_positions, dtype, device,
-                                      rope.attention_factor)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self._inv_freq, self._scale = inv_frequencies(head_dim, rope), rope.attention_factor
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self._build(max_positions, dtype, device)
+
+    def _build(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.cos = self.sin = None  # (the old tables freed before the new ones are made)
+        self.cos, self.sin = rope_cos_sin_table(self._inv_freq, max_positions, dtype, device, self._scale)
+
+    def resize(self, max_positions: int) -> None:
+        """Tables of max_positions rows (each row as computed for its position, whatever the size)."""
+        if self.cos.shape[0] != max_positions:
+            self._build(max_positions, self.cos.dtype, self.cos.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cos.nbytes + self.sin.nbytes
 
     @property
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
