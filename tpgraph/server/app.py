@@ -90,6 +90,7 @@ class Api:
             self.client.check(prompt, params)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: params.n for rid in ids}
+        samples_left = params.n * len(ids)  # (their sum, kept as they end: not rescanned per update)
         ended = "abort"  # how the requests still open at the end are counted
         ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
         try:
@@ -101,7 +102,7 @@ class Api:
                                    lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
-            while any(open_samples.values()):
+            while samples_left:
                 try:  # (asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes as the get ends)
                     async with asyncio.timeout(DISCONNECT_CHECK_S):
                         i, update, received = await queue.get()
@@ -118,6 +119,7 @@ class Api:
                 if update.finish_reason in (REFUSED, "error"):  # (timed at delivery too, not as a slow reader took it)
                     ended_at = received
                 if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
+                    samples_left -= open_samples[ids[i]]
                     open_samples[ids[i]] = 0  # (never added: nothing to abort)
                     self.metrics.finished(ids[i], REFUSED, received)
                     ended = REFUSED  # (the others share its params; any the engine took is aborted all the same)
@@ -129,6 +131,7 @@ class Api:
                 self.metrics.observe(update, received)
                 if update.finish_reason is not None:
                     open_samples[ids[i]] -= 1
+                    samples_left -= 1
                     if not open_samples[ids[i]]:
                         self.metrics.finished(ids[i], update.finish_reason, received)
                 yield i, update
