@@ -336,3 +336,29 @@ def test_naming_a_decoding_sequences_blocks_copies_each_id_a_bounded_number_of_t
         alloc.register(s)
     assert s.num_registered == length // BS
     assert CountedIds.copied <= 2 * length, CountedIds.copied
+
+
+def test_a_preempted_sequences_lookup_is_counted_apart_from_new_requests():
+    """As vLLM's PrefixCacheStats: a recomputed sequence finding its own blocks again is no hit of the prefix cache's
+    queries (vllm:prefix_cache_queries / hits); it is counted apart."""
+    from tpgtest.scheduling import run_step
+
+    from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS),
+                      PrefixCachingAllocator(6, BS, 1))
+    a, b = seq(range(1, 9), 0), seq(range(20, 28), 1)  # 2 blocks each, the third as they grow
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched.schedule())
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (16, 0)
+    for _ in range(4):
+        run_step(sched.schedule())  # 12 tokens each: 3 blocks each, all 6
+    step = sched.schedule()  # a's 13th token needs a block: b (newest) is preempted, its 2 full blocks named
+    assert step.preempted == [b]
+    run_step(step)
+    sched.finish(a, "stop")  # room for b again: it finds its own blocks (but the tail one a took)
+    sched.schedule()
+    assert b.status.value == "running" and b.num_cached == 2 * BS
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (16, 0)
+    assert (sched.preempted_queried_tokens, sched.preempted_hit_tokens) == (13, 2 * BS)

@@ -109,8 +109,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
-        # tokens of the sequences admitted so far (recomputed ones again), and of those, the ones found cached
+        # tokens of the sequences admitted so far, and of those, the ones found cached; a preempted sequence's
+        # recompute apart (as vLLM's PrefixCacheStats: one finding its own blocks again is no hit of the cache's)
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        self.preempted_queried_tokens = self.preempted_hit_tokens = 0
 
     # ---- requests in and out ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -197,8 +199,12 @@ class Scheduler:
                 self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
                 break
             seq.block_table.extend(self.allocator.allocate(need))
-            self.prefix_queried_tokens += len(seq)
-            self.prefix_hit_tokens += seq.num_cached
+            if seq.num_preemptions:
+                self.preempted_queried_tokens += len(seq)
+                self.preempted_hit_tokens += seq.num_cached
+            else:
+                self.prefix_queried_tokens += len(seq)
+                self.prefix_hit_tokens += seq.num_cached
             if seq.prompt_cached is None:  # (what a request's usage reports: its first admission's, as vLLM's)
                 seq.prompt_cached = min(seq.num_cached, len(seq.prompt_ids))
                 seq.queue_s = time.perf_counter() - seq.queued_at
