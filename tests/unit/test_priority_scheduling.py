@@ -90,19 +90,18 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_budget_back():
     step (FCFS's victim, the newest, never is). Its tokens must go back to the budget, as vLLM's scheduler does
     (`token_budget += num_scheduled_tokens[preempted_req.request_id]`): else the step runs short of what it may."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, block_size=4,
-                                      policy="priority"), BlockAllocator(4, first_block=1))
+                                      policy="priority"), BlockAllocator(5, first_block=1))
     low = seq(0, 9, 9)
     sched.add(low)
     run(sched.schedule())  # low: 8 of its 9 prompt tokens (2 blocks)
-    high = seq(1, 4, 0)
+    high, big = seq(1, 4, 0), seq(2, 20, 0)
     sched.add(high)
-    run(sched.schedule())  # low's last prompt token (3 blocks), high's prompt (1 block): the cache is full
-    later = seq(2, 7, 0)
-    sched.add(later)
+    sched.add(big)
+    run(sched.schedule())  # low's last prompt token (3 blocks), high's prompt (1 block), big's first 3 (1 block)
     step = sched.schedule()  # low decodes (1 token), then high needs a block: low, the lowest, is preempted
     assert step.preempted == [low] and low.status is Status.WAITING and step.decode == [high]
-    # 8 tokens: high's 1 and later's whole prompt of 7 (2 of the 3 blocks low gave back); low's decode token, no
-    # longer in the step, still held the budget: later got a chunk of 6
+    # 8 tokens: high's 1 and a chunk of 7 of big's prompt (2 of the 3 blocks low gave back); low's decode token, no
+    # longer in the step, still held the budget: big got a chunk of 6
     assert [(s.seq_id, n) for s, n in step.prefill] == [(2, 7)], [(s.seq_id, n) for s, n in step.prefill]
     assert step.num_tokens == 8
 
@@ -123,3 +122,20 @@ def test_generate_takes_vllms_priority_list_one_for_each_prompt():
         assert len(e.generate(["a", "b"], params, priority=[0, 0])) == 2
         with pytest.raises(RequestError, match=r"priority 2 needs .* scheduling_policy='priority'"):
             e.generate(["a", "b"], params, priority=[0, 2])
+
+
+def test_a_step_that_preempts_admits_no_waiting_sequence():
+    """As vLLM's scheduler (waiting requests are scheduled only `if not preempted_reqs`): the blocks a victim gives
+    back are not handed to a waiting sequence in the same step, which would only make the next step preempt again."""
+    sched = make(blocks=6)
+    a, b = seq(0, 12, 5), seq(1, 8, 5)  # 3 + 2 blocks of 6
+    for s in (a, b):
+        sched.add(s)
+    run(sched.schedule())
+    sched.add(w := seq(2, 8, 0))  # needs 2 blocks, 1 is free: it waits
+    step = sched.schedule()  # a's 13th token takes the free block, b's 9th has none: b preempts itself
+    assert step.preempted == [b] and step.decode == [a]
+    assert not step.prefill and w.status is Status.WAITING and list(sched.waiting) == [w, b]
+    run(step)
+    step = sched.schedule()  # the next step takes it
+    assert [s for s, _ in step.prefill] == [w] and step.decode == [a]

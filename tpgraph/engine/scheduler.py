@@ -4,11 +4,11 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
 
 1. running sequences first, oldest first: one token for a decoding sequence, the next chunk for one still
    prefilling (chunked prefill);
-2. then waiting sequences, first come first served, while budget, sequence slots and free blocks last. With
-   prefix caching (prefix_cache.py) each takes the cached blocks its tokens begin with, and the head of the queue
-   waits (holding the queue, as a lack of blocks does) while a running sequence computes 32 or more tokens it
-   begins with too, then shares them. A sequence that asks for prompt log-probabilities takes none: its prompt runs
-   in full.
+2. then, unless a running one was preempted this step, waiting sequences, first come first served, while budget,
+   sequence slots and free blocks last. With prefix caching (prefix_cache.py) each takes the cached blocks its
+   tokens begin with, and the head of the queue waits (holding the queue, as a lack of blocks does) while a running
+   sequence computes 32 or more tokens it begins with too, then shares them. A sequence that asks for prompt
+   log-probabilities takes none: its prompt runs in full.
 
 Under the priority policy (vLLM's --scheduling-policy priority) the queue is kept in (priority, arrival) order
 instead, lower priorities first, and the running sequence that comes last in that order is the one preempted.
@@ -171,6 +171,8 @@ class Scheduler:
                 step.decode.append(seq)
             else:
                 step.prefill.append((seq, n))
+        if step.preempted:  # (as vLLM's: the blocks a victim gave back admit nobody this step, who would only make
+            return step     # the next one preempt again)
         # sequences passed over while they wait for a prefix in flight keep the slots and blocks they will take:
         # arrivals behind them go in only whole (their prompt in this step) and with room to spare: the blocks every
         # running sequence's prompt still needs, and a block of growth for each sequence. (Should the running ones
