@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from tpgtest.copies import CountedText
 from tpgtest.server_stubs import ScriptedClient, builtin_codec, httpx_module, post_all, typed_sse_events  # noqa: E402,E501
 
 from tpgraph.server import app as server_app  # noqa: E402
@@ -422,16 +423,6 @@ def test_an_unexpected_failure_is_a_500_in_anthropics_shape(stream):
     assert got.json() == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
 
 
-class CopyCountingText(str):
-    """A delta's text that counts the characters of the text before it copied where it is appended with +."""
-
-    copied = 0
-
-    def __radd__(self, other: str) -> str:
-        CopyCountingText.copied += len(other)
-        return str(other) + str(self)
-
-
 @pytest.mark.parametrize("delta", [lambda text: Delta(reasoning=text), lambda text: Delta(text),
                                    lambda text: Delta(calls=[{"index": 0, "function": {"arguments": text}}])],
                          ids=["thinking", "text", "arguments"])
@@ -441,14 +432,14 @@ def test_a_long_replys_blocks_grow_with_no_work_per_token_that_grows(delta):
 
     blocks = ContentBlocks()
     blocks.add(Delta(calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": ""}}]))
-    CopyCountingText.copied = 0
+    CountedText.before = 0
     for _ in range(2000):
-        blocks.add(delta(CopyCountingText("ab")))
+        blocks.add(delta(CountedText("ab")))
     blocks.finish()
     last = blocks.blocks[-1]
     written = {"tool_use": lambda: last["input"]["arguments"], "text": lambda: last["text"],
                "thinking": lambda: last["thinking"]}[last["type"]]()
-    assert written == "ab" * 2000 and CopyCountingText.copied == 0
+    assert written == "ab" * 2000 and CountedText.before == 0
 
 
 @pytest.mark.parametrize(("body", "named"), [

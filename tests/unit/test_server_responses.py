@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter, ValidationError  # noqa: E402
+from tpgtest.copies import CountedText  # noqa: E402
 from tpgtest.server_stubs import (  # noqa: E402
     EndlessClient,
     ScriptedClient,
@@ -651,16 +652,6 @@ def test_a_long_thought_costs_the_answers_logprob_record_no_work_per_token_that_
     assert answer.entries_of(["4"], 1) == [[{"logprob": -0.2}]]
 
 
-class CopyCountingText(str):
-    """A delta's text that counts the characters of the text before it copied where it is appended with +."""
-
-    copied = 0
-
-    def __radd__(self, other: str) -> str:
-        CopyCountingText.copied += len(other)
-        return str(other) + str(self)
-
-
 @pytest.mark.parametrize("delta", [lambda text: Delta(reasoning=text), lambda text: Delta(text),
                                    lambda text: Delta(calls=[{"index": 0, "function": {"arguments": text}}])],
                          ids=["reasoning", "text", "arguments"])
@@ -670,13 +661,13 @@ def test_a_long_replys_output_items_grow_with_no_work_per_token_that_grows(delta
 
     items = OutputItems()
     items.add(Delta(calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": ""}}]), [])
-    CopyCountingText.copied = 0
+    CountedText.before = 0
     for _ in range(2000):
-        items.add(delta(CopyCountingText("abcd")), [])
+        items.add(delta(CountedText("abcd")), [])
     items.finish(incomplete=False)
     text = items.items[-1]["arguments"] if items.items[-1]["type"] == "function_call" \
         else items.items[-1]["content"][0]["text"]
-    assert text == "abcd" * 2000 and CopyCountingText.copied == 0
+    assert text == "abcd" * 2000 and CountedText.before == 0
 
 
 def test_a_stream_that_fails_mid_way_ends_with_response_failed():
