@@ -339,6 +339,25 @@ def _gated_codec(gate: _Gate) -> PromptCodec:
                                                                                 c.special_tokens))
 
 
+def _served_while_held(app, gate: _Gate, path: str, body: dict):
+    """POST body to path, and while its tokenizer work is held at the gate, GET /version: asserts that one is answered
+    with the POST still held (on a thread, every wait through the gate), then releases it; returns the POST's reply."""
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            held = asyncio.create_task(http.post(path, json=body))
+            await asyncio.to_thread(gate.entered.wait, 10)
+            other = await http.get("/version")
+            still_held = not held.done()
+            gate.released.set()
+            return other, still_held, await held
+
+    other, still_held, held = asyncio.run(main())
+    assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
+    return held
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/detokenize", {"tokens": [104, 105]}),
     ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
@@ -351,21 +370,10 @@ def test_other_requests_are_served_while_a_tokenizer_or_template_works(path, bod
     and stream. They run on a thread now: a request is answered while another's is still at work."""
     from tpgtest.server_stubs import OneTokenClient
 
-    httpx = httpx_module()
     gate = _Gate()
     app = server_app.create_app(OneTokenClient(), _gated_codec(gate), ServerMetrics(), MODEL, 128)
 
-    async def main() -> tuple:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            held = asyncio.create_task(http.post(path, json={"model": MODEL, **body}))
-            await asyncio.to_thread(gate.entered.wait, 10)
-            other = await http.get("/version")
-            still_held = not held.done()
-            gate.released.set()
-            return other, still_held, await held
-
-    other, still_held, held = asyncio.run(main())
-    assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
+    held = _served_while_held(app, gate, path, {"model": MODEL, **body})
     assert held.status_code == 200, held.text
 
 
@@ -376,23 +384,12 @@ def test_other_requests_are_served_while_a_beam_searchs_text_is_decoded():
 
     from tpgtest.server_stubs import ScriptedClient
 
-    httpx = httpx_module()
     gate = _Gate()
     client = ScriptedClient(["x"], finish="length")
     client.limits = SimpleNamespace(max_logprobs=20, max_model_len=128)  # (what a beam search's checks read)
     app = server_app.create_app(client, _gated_codec(gate), ServerMetrics(), MODEL, 128)
 
-    async def main() -> tuple:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            held = asyncio.create_task(http.post("/v1/completions", json={
-                "model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 2, "use_beam_search": True}))
-            await asyncio.to_thread(gate.entered.wait, 10)
-            other = await http.get("/version")
-            still_held = not held.done()
-            gate.released.set()
-            return other, still_held, await held
-
-    other, still_held, held = asyncio.run(main())
-    assert other.status_code == 200 and still_held and gate.waited == [True] * len(gate.waited), gate.waited
+    held = _served_while_held(app, gate, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 2,
+                                                             "use_beam_search": True})
     assert held.status_code == 200, held.text
     assert [c["text"] for c in held.json()["choices"]] == ["\x07"]  # (the stub's one candidate: one sequence)
