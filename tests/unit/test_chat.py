@@ -218,23 +218,35 @@ def test_continuing_a_message_the_template_trims_cuts_as_hf(ckpt, hf_tokenizer, 
     assert ours == theirs and ours.endswith(content.strip())
 
 
-def test_a_checkpoints_tool_use_template_renders_where_tools_are_given(tmp_path):
-    """A checkpoint with named templates (Hermes 2 Pro, Command R: "default" and "tool_use"): apply_chat_template
-    renders "tool_use" where tools are given; the default one was rendered, without the tools."""
-    transformers = pytest.importorskip("transformers")
-    ckpt = make_chat_checkpoint(tmp_path)
+def named_templates_checkpoint(path):
+    """A chat checkpoint whose tokenizer_config.json holds two named templates: "default" and "tool_use"."""
+    ckpt = make_chat_checkpoint(path)
     cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [
         {"name": "default", "template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
         {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}]
     (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
-    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
-    template = ChatTemplate.from_dir(ckpt, "")
+    return ckpt
+
+
+def renders_as_transformers(template, hf) -> tuple[list, list]:
+    """The template renders a message with and without tools as transformers' tokenizer does, "tool_use" where tools
+    are given; returns (messages, tools)."""
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     messages = [{"role": "user", "content": "hi"}]
     for kw in ({}, {"tools": tools}):
         assert template.render(messages, **kw) == hf.apply_chat_template(messages, tokenize=False, **kw)
     assert template.render(messages, tools=tools).startswith('[{"type": "function"')
+    return messages, tools
+
+
+def test_a_checkpoints_tool_use_template_renders_where_tools_are_given(tmp_path):
+    """A checkpoint with named templates (Hermes 2 Pro, Command R: "default" and "tool_use"): apply_chat_template
+    renders "tool_use" where tools are given; the default one was rendered, without the tools."""
+    transformers = pytest.importorskip("transformers")
+    ckpt = named_templates_checkpoint(tmp_path)
+    template = ChatTemplate.from_dir(ckpt, "")
+    messages, tools = renders_as_transformers(template, transformers.AutoTokenizer.from_pretrained(str(ckpt)))
     import pickle  # (the server's front end gets it pickled)
 
     assert pickle.loads(pickle.dumps(template)).render(messages, tools=tools) == template.render(messages, tools=tools)
@@ -245,23 +257,12 @@ def test_named_templates_saved_as_jinja_files_are_read_as_transformers_reads_the
     (a Hermes 3 re-saved): "tool_use" renders where tools are given. Only chat_template.jinja was read, so a request
     with tools got the default template, without them."""
     transformers = pytest.importorskip("transformers")
-    ckpt = make_chat_checkpoint(tmp_path / "ckpt")
-    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [
-        {"name": "default", "template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
-        {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}]
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ckpt = named_templates_checkpoint(tmp_path / "ckpt")
     transformers.AutoTokenizer.from_pretrained(str(ckpt)).save_pretrained(tmp_path / "saved")
     saved = tmp_path / "saved"
     assert (saved / "chat_template.jinja").is_file()
     assert (saved / "additional_chat_templates" / "tool_use.jinja").is_file()
-    hf = transformers.AutoTokenizer.from_pretrained(str(saved))
-    template = ChatTemplate.from_dir(saved, "")
-    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-    messages = [{"role": "user", "content": "hi"}]
-    for kw in ({}, {"tools": tools}):
-        assert template.render(messages, **kw) == hf.apply_chat_template(messages, tokenize=False, **kw)
-    assert template.render(messages, tools=tools).startswith('[{"type": "function"')
+    renders_as_transformers(ChatTemplate.from_dir(saved, ""), transformers.AutoTokenizer.from_pretrained(str(saved)))
 
 
 def test_a_chat_template_from_a_file_or_the_flag_itself(tmp_path):
