@@ -130,3 +130,21 @@ def test_a_long_thought_is_kept_without_copying_it_for_every_piece():
     reply.finish("length")
     assert reply.message()["reasoning"] == "word " * 2000
     assert CountedText.copied <= 4 * len("word " * 2000), CountedText.copied
+
+
+@pytest.mark.parametrize(("after", "reasoning", "content"), [
+    ("<think>Hmm.</think>Four.", "Hmm.", "Four."),  # (the whitespace before the opening tag is dropped with it)
+    ("Hmm.</think>Four.", "\n" * 3000 + "Hmm.", "Four."),  # (no opening tag: the thoughts begin with it)
+    ("", "\n" * 3000, ""),  # (nothing but whitespace, cut)
+], ids=["opening-tag", "no-opening-tag", "whitespace-only"])
+def test_a_reply_opening_with_a_long_run_of_whitespace_is_held_without_copying_it_for_every_token(after, reasoning,
+                                                                                                 content):
+    """While the reply might still open its thoughts with <think>, its leading whitespace was added to the text held
+    back (and stripped again) for every token: a reply opening with a long run of newlines cost the square of it."""
+    CountedText.copied = 0
+    chunks = [CountedText("\n")] * 3000 + ([after] if after else [])
+    assert split("", chunks) == (reasoning, content)
+    assert CountedText.copied <= 4 * 3000 + 100, CountedText.copied
+    # a prompt that closed the thoughts: the whitespace is the answer's, sent as it comes
+    reader = ReasoningReader(R1, thinking=False)
+    assert [reader.feed("\n"), reader.feed("Four."), reader.finish()] == [("", "\n"), ("", "Four."), ("", "")]

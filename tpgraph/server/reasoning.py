@@ -12,7 +12,7 @@ A prompt whose last tag is the end tag has closed the thoughts itself: its reply
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
@@ -56,8 +56,13 @@ class ReasoningReader:
     unsent: str = ""
     thinking: bool = True
     started: bool = False  # past any opening tag
+    blank: list[str] = field(default_factory=list)  # (not started) the reply's leading whitespace, in pieces
 
     def feed(self, text: str) -> tuple[str, str]:
+        if self.thinking and not self.started and not self.unsent and text.isspace():
+            # (held apart: added to unsent and stripped again for every token, a long run of it cost its square)
+            self.blank.append(text)
+            return "", ""
         self.unsent += text
         return self._split(final=False)
 
@@ -74,8 +79,9 @@ class ReasoningReader:
             if start.startswith(head) and head != start and not final:
                 return "", ""  # (maybe the opening tag, not whole yet)
             self.started = True
-            if head.startswith(start):
-                self.unsent = head[len(start):]
+            # (whitespace before the opening tag is dropped with it; else it is the thoughts' beginning)
+            self.unsent = head[len(start):] if head.startswith(start) else "".join(self.blank) + self.unsent
+            self.blank = []
         end = self.unsent.find(end_tag)
         if end < 0:
             until = len(self.unsent) - (0 if final else tag_begun(self.unsent, end_tag))
