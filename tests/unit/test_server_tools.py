@@ -242,3 +242,27 @@ def test_a_tool_name_that_is_no_unicode_text_is_a_400_not_a_500():
         "tool_choice": {"type": "function", "function": {"name": name}}})])
     assert reply.status_code == 400 and "tools[0].function" in reply.json()["error"]["message"]
     assert not client.prompts
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllms():
+    """vLLM gives a chat request's reasoning_effort to the template (over chat_template_kwargs' own), with
+    enable_thinking false for "none" and true otherwise (unless chat_template_kwargs sets it); here it was dropped
+    unsaid, so a client could not turn a model's thinking down or off. A value no template knows is a 400."""
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = dataclasses.replace(builtin_codec(), chat_template=ChatTemplate(
+        "{{ reasoning_effort | default('unset') }}|{{ enable_thinking | default('unset') }}|"
+        "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS}))
+    client = ScriptedClient(["ok"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    messages = [{"role": "user", "content": "x"}]
+    bodies = [{}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+              {"reasoning_effort": "high",
+               "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "low"}},
+              {"reasoning_effort": "extreme"}]
+    replies = post_all(app, [("/v1/chat/completions", {"model": "m", "messages": messages, **b}) for b in bodies])
+    assert [r.status_code for r in replies] == [200, 200, 200, 200, 400]
+    assert "reasoning_effort must be one of" in replies[-1].json()["error"]["message"]
+    rendered = ["unset|unset|x", "low|True|x", "none|False|x", "high|False|x"]
+    assert client.prompts == [codec.encode_text(text, add_special_tokens=False) for text in rendered]

@@ -590,7 +590,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             else ""
         # (off the event loop, as the tokenizer is: a template over a long conversation held up every other stream)
         text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools.template_tools,
-                                       http.template_variables(body.chat_template_kwargs), body.continue_final_message,
+                                       http.template_variables(body.template_kwargs()), body.continue_final_message,
                                        documents=body.documents)
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")

@@ -362,6 +362,10 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+# vLLM's reasoning_effort values (OpenAI's, and DeepSeek's "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 class ChatMessage(NullMeansDefault):
     model_config = ConfigDict(extra="allow")
 
@@ -385,6 +389,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # (the API's deprecated form of tools)
     include_reasoning: bool = True  # (vLLM's: false leaves a reasoning model's thoughts out of the reply)
+    reasoning_effort: str | None = None  # (given to the chat template: template_kwargs)
     echo: bool = False  # (vLLM's: a reply in the last message's role begins with that message's text)
     add_special_tokens: bool = False  # (vLLM's: true adds the tokenizer's special tokens to the template's)
 
@@ -398,6 +403,17 @@ class ChatRequest(SamplingFields):
             raise RequestError("functions (the API's deprecated form of tools) is not supported; send tools")
         no_request_template(self.chat_template, self.chat_template_kwargs)
         return template_messages(self.messages, content_format)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The request's chat template variables: its chat_template_kwargs, and reasoning_effort as vLLM's
+        build_chat_params gives it to the template: as `reasoning_effort` (over the kwargs' own), and as
+        enable_thinking (false for "none"; unless the kwargs set it), which templates that think on request read."""
+        effort = self.reasoning_effort
+        if effort is None:
+            return self.chat_template_kwargs
+        if effort not in REASONING_EFFORTS:  # (a typo would reach the template as an effort it does not know)
+            raise RequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}")
+        return {"enable_thinking": effort != "none", **(self.chat_template_kwargs or {}), "reasoning_effort": effort}
 
     def tool_plan(self, options: ToolOptions) -> ToolPlan:
         """What tools and tool_choice ask for (tools.py), under the server's settings."""
