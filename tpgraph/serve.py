@@ -157,9 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.http = http_options(args)
     except ConfigError as exc:
         p.error(str(exc))
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        p.error("--enable-auto-tool-choice and --tool-call-parser go together: give both to serve tool_choice "
-                '"auto", or neither ("required" and named tool choices need neither)')
+    # (as vLLM's: the parser alone is taken, and reads no "auto" call without the flag that serves them)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice requires --tool-call-parser: the model's tool-call format, "
+                f"one of {', '.join(sorted(PARSERS))}")
     return args
 
 
@@ -205,7 +206,13 @@ def refuse_swallowed_model(p: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def tool_options(args: argparse.Namespace) -> ToolOptions:
-    return ToolOptions(args.tool_call_parser, args.exclude_tools_when_tool_choice_none)  # (given with the flag)
+    """Function calling's settings: --tool-call-parser reads "auto" calls where --enable-auto-tool-choice serves them
+    (given alone, as vLLM takes it, "auto" is refused as without it)."""
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s is not used without --enable-auto-tool-choice: tool_choice \"auto\" is "
+                       "refused", args.tool_call_parser)
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    return ToolOptions(parser, args.exclude_tools_when_tool_choice_none)
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:

@@ -365,6 +365,18 @@ def test_vllms_boolean_flags_take_their_no_forms(name):
     assert getattr(parse_args([]), name) is False
 
 
+def test_a_tool_call_parser_without_auto_tool_choice_is_taken_as_vllm_takes_it(capsys):
+    """vLLM starts with --tool-call-parser alone (legal there: "auto" is refused, as without a parser); here that
+    vLLM command line was refused at start-up. --enable-auto-tool-choice alone is still refused, as vLLM's."""
+    from tpgraph.serve import tool_options
+
+    assert tool_options(parse_args(["--tool-call-parser", "hermes"])).parser is None
+    assert tool_options(parse_args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice"])).parser == "hermes"
+    with pytest.raises(SystemExit):
+        parse_args(["--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
 def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     """vLLM's --config FILE.yaml: each key a flag (true: --X, false: --no-X where there is one, a list its values, a
     mapping its JSON), the command line winning over the file. It was refused as an unrecognized argument."""
