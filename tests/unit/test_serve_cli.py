@@ -412,6 +412,17 @@ def test_a_config_files_value_that_begins_with_a_dash_is_the_flags_value(tmp_pat
     assert (args.api_key, args.served_model_name, args.max_model_len) == (["-k3y"], ["-base"], None)
 
 
+def test_a_config_files_null_leaves_the_flag_at_its_default(tmp_path):
+    """A YAML null (`api-key:`, `served-model-name: null`) reached argparse as the text "None": the server asked for
+    the key "None" and served a model named "None" (a null chat template or max-model-len was refused as "None"). As
+    vLLM's optional flags read "None", it is the flag left out."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key:\nserved-model-name: null\nchat-template: null\nmax-model-len: null\nport: 9000\n")
+    args = parse_args(["--config", str(config)])
+    assert (args.api_key, args.served_model_name, args.chat_template, args.max_model_len) == (None, None, None, None)
+    assert args.port == 9000
+
+
 @pytest.mark.parametrize("name,text,needle", [
     ("serve.json", "{}", "YAML"), ("serve.yaml", "- a\n", "a mapping"), ("serve.yaml", "nonsense-flag: 1\n",
                                                                         "--nonsense-flag"),

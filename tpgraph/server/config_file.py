@@ -67,7 +67,10 @@ def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool]) -> lis
 
 def flag_words(flag: str, value: Any, has_flag: Callable[[str], bool]) -> list[str]:
     """One key's command-line words, as vLLM writes them; one value goes as --X=VALUE, which argparse never reads as
-    another flag where it begins with a dash (a key "-k3y")."""
+    another flag where it begins with a dash (a key "-k3y"). A null is the flag left out (its default), as vLLM's
+    optional flags read it: not the text "None" (an API key, a served name)."""
+    if value is None:
+        return []
     if isinstance(value, bool):
         negated = "--no-" + flag[2:]
         return [flag] if value else [negated] if has_flag(negated) else []
