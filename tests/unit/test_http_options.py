@@ -255,6 +255,20 @@ def test_the_api_docs_are_served_unless_disabled():
     assert [r.status_code for r in keyed] == [200, 200, 200, 401]
 
 
+def test_each_operation_of_the_api_schema_has_its_own_id():
+    """OpenAPI asks that every operation's operationId be unique (a client generator names its methods by them):
+    /ping's GET and POST, one route of two methods, shared one, ping_ping_post, and FastAPI warned of it each time
+    the schema was built."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (FastAPI's "Duplicate Operation ID" warning)
+        (schema,) = call([("GET", "/openapi.json", None)])
+    ids = [op["operationId"] for path in schema.json()["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))
+    assert {"get", "post"} <= set(schema.json()["paths"]["/ping"])
+
+
 def test_requests_are_logged_with_their_prompt_and_parameters_where_asked(caplog):
     """vLLM's --enable-log-requests (off by default, and --disable-log-requests keeps it off): a line for each
     request, its prompt cut to --max-log-len characters or ids, and its parameters."""

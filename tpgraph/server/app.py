@@ -424,7 +424,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def health() -> Response:
         return Response(status_code=200 if client.alive else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for SageMaker's health checks: /health's answer)
+    # (vLLM's, for SageMaker's health checks: /health's answer; a route a method, each its own OpenAPI operationId)
+    @app.get("/ping")
+    @app.post("/ping")
     async def ping() -> Response:
         return await health()
 
