@@ -102,6 +102,31 @@ def test_an_engine_that_is_gone_is_a_503_and_a_failed_step_a_500(gone, raised, m
     assert raised is not server_app.ApiError or (info.value.status, info.value.kind) == (500, "InternalServerError")
 
 
+class BuggyClient(EndlessClient):
+    """An engine client with a bug: its check raises what no route answers."""
+
+    def check(self, prompt, params) -> None:
+        raise KeyError("a bug")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_failure_no_route_answers_is_a_500_in_openais_error_shape(path):
+    """A bug's exception reached Starlette, whose 500 is the plain text "Internal Server Error": a client reading the
+    OpenAI error body got none. vLLM's routes answer it as a JSON 500 naming the failure."""
+    httpx = httpx_module()
+    app = server_app.create_app(BuggyClient(), builtin_codec("m"), ServerMetrics(), "m", 128)
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post(path, json={**body, "max_tokens": 2})
+
+    got = asyncio.run(main())
+    assert got.status_code == 500
+    assert got.json()["error"] == {"message": "'a bug'", "type": "InternalServerError", "param": None, "code": 500}
+
+
 class UnreachableClient(EndlessClient):
     """An engine found gone as a request is submitted (the bridge's submit raises)."""
 

@@ -420,6 +420,13 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(error_body(exc.status, exc.message, exc.kind, exc.param), exc.status)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        """A failure no route answered (a bug's): a 500 in the error shape its client reads, naming it as vLLM's routes
+        do, not Starlette's plain-text page. (Starlette raises it on after this answer: uvicorn logs its traceback.)"""
+        message = str(exc) or type(exc).__name__  # (an exception of no words: AssertionError())
+        return JSONResponse(refusal_body(route_path(request.scope), 500, message, "InternalServerError"), 500)
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if client.alive else 503)
