@@ -152,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         key = None if variable is None else os.environ[variable]
         if key is not None and not key.strip():
             p.error(f"{variable} is blank: set it to the key, or unset it to serve without one")
+        if key is not None and (problem := unsendable(key)) is not None:
+            p.error(f"{variable} {problem}")
         args.api_key = None if key is None else [key]
     try:  # (built once, here: flags that only make sense together are said now, and main serves with it)
         args.http = http_options(args)
@@ -338,7 +340,19 @@ def api_key(text: str) -> str:
     """A key that guards something: an empty one (`--api-key "$UNSET"`) would silently leave the server open."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the API key is empty: give one, or leave --api-key out to serve without one")
+    if (problem := unsendable(text)) is not None:
+        raise argparse.ArgumentTypeError(f"the key {problem}")
     return text
+
+
+def unsendable(key: str) -> str | None:
+    """Why no client can send `key` in a header (HTTP strips a value's surrounding whitespace and carries no line
+    break or control character: the server would answer every request 401), or None where one can."""
+    if key != key.strip() or not key.isprintable():
+        # (the key itself not echoed: the message reaches logs)
+        return ("begins or ends with whitespace or holds a control character (a secret file's trailing newline?), "
+                "which no client can send in a header: remove it")
+    return None
 
 
 def json_strings(text: str) -> list[str]:

@@ -119,6 +119,24 @@ def test_a_blank_key_in_the_environment_is_blamed_on_the_variable(monkeypatch, c
     assert parse_args(["--api-key", "flag"]).api_key == ["flag"]  # (the flag wins over the variable, as before)
 
 
+@pytest.mark.parametrize("key", ["s3cret\n", " s3cret", "s3cret ", "s3\x01cret"])
+def test_a_key_no_client_can_send_is_refused_naming_where_it_came_from(key, monkeypatch, capsys):
+    """HTTP strips a header value's surrounding whitespace and carries no line break or control character, so a key
+    with one (a secret file's trailing newline, in the variable or through $(cat file)) was never matched: the server
+    came up and answered every request 401."""
+    monkeypatch.delenv("TPGRAPH_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--api-key", key])
+    assert exit_.value.code == 2 and "argument --api-key" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", key)
+    with pytest.raises(SystemExit):
+        parse_args([])
+    err = capsys.readouterr().err
+    assert "VLLM_API_KEY" in err and "no client can send" in err
+    assert parse_args(["--api-key", "two words"]).api_key == ["two words"]  # (a space inside is sent as it is)
+
+
 def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):
     """Rank 0's engine loop failed: the server stops with exit code 1. Closing the engine after a failed step may
     hang (a peer waits in the step's collectives); the close's time limit then ended the process with os._exit(0),
