@@ -161,6 +161,14 @@ def test_an_api_key_guards_every_route_but_the_operators():
     assert call([("GET", "/v1/models", None, None)])[0].status_code == 200  # without a key set, nothing is asked
 
 
+def test_the_operators_routes_with_a_trailing_slash_are_not_asked_for_the_key():
+    """/metrics/ and /health/ (a scrape or probe configured with the slash) are redirected to /metrics and /health
+    without a key; with --api-key they were a 401 instead, though the routes they lead to are open."""
+    got = call([("GET", path, None, None) for path in ("/metrics/", "/health/", "/v1/models/")], api_key="s3cret")
+    assert [r.status_code for r in got] == [307, 307, 401]
+    assert [r.headers["location"] for r in got[:2]] == ["http://t/metrics", "http://t/health"]
+
+
 def test_the_bearer_scheme_is_read_in_any_case_as_vllms():
     """vLLM's AuthenticationMiddleware takes the scheme in any case (`scheme.lower() != "bearer"`), as HTTP's schemes
     are: `bearer KEY` was a 401 here. The key itself is still matched exactly, and another scheme is still refused."""

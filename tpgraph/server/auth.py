@@ -36,7 +36,8 @@ class ApiKeyMiddleware:
         self.expected = [k.encode() for k in ((key,) if isinstance(key, str) else key)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+        # (a trailing slash too: /metrics/ is redirected to /metrics, open, not refused for want of a key)
+        if scope["type"] != "http" or route_path(scope).rstrip("/") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         # (the scheme in any case, as HTTP's schemes are and as vLLM reads it: `bearer KEY` too; the key exactly)
