@@ -360,6 +360,25 @@ def test_a_body_that_is_no_utf8_is_a_400(path):
     assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("body", [b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, b"[" * 100_000],
+                         ids=["objects", "arrays"])
+def test_a_body_nested_past_the_json_readers_depth_is_a_400(path, body):
+    """json.loads raises RecursionError (no ValueError) on a body nested some thousands deep: the Messages API's reader
+    let it through as a 500 (api_error). The chat route refuses such a body with a 400."""
+    httpx = httpx_module()
+    app = make_app(ScriptedClient(["a"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post(path, content=body, headers={"content-type": "application/json"})
+
+    got = asyncio.run(main())
+    assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error", got.text
+    assert "nested too deeply" in got.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("pieces", [["[get_weather(city='Oslo')] Done."],  # (the call and the text in one piece)
                                     ["[get_weather(", "city='Oslo')]", " Done."]])
 def test_text_after_a_call_comes_after_its_tool_use_block(pieces):

@@ -169,6 +169,23 @@ def test_the_operators_routes_with_a_trailing_slash_are_not_asked_for_the_key():
     assert [r.headers["location"] for r in got[:2]] == ["http://t/metrics", "http://t/health"]
 
 
+def test_a_body_nested_past_the_json_readers_depth_is_left_to_a_route_that_reads_none():
+    """The app's lone-surrogate check decodes every body: one nested some thousands deep (json.loads raises
+    RecursionError, no ValueError) made /ping, /v1/models and every other route without a body model a 500."""
+    httpx = httpx_module()
+    app = server_app.create_app(IdleClient(), codec(), ServerMetrics(), MODEL, 128)
+    deep = b'{"a": ' * 100_000 + b"1" + b"}" * 100_000
+
+    async def main() -> list:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return [await http.request(method, path, content=deep, headers={"Content-Type": "application/json"})
+                    for method, path in (("POST", "/ping"), ("GET", "/v1/models"), ("POST", "/tokenize"))]
+
+    ping, models, tokenize = asyncio.run(main())
+    assert (ping.status_code, models.status_code, tokenize.status_code) == (200, 200, 400), tokenize.text
+
+
 def test_the_bearer_scheme_is_read_in_any_case_as_vllms():
     """vLLM's AuthenticationMiddleware takes the scheme in any case (`scheme.lower() != "bearer"`), as HTTP's schemes
     are: `bearer KEY` was a 401 here. The key itself is still matched exactly, and another scheme is still refused."""

@@ -57,7 +57,7 @@ async def refuse_lone_surrogates(request: Request) -> None:
         return
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested some thousands deep, past json.loads' stack)
         return
     where = lone_surrogate_at(body)
     if where is not None:

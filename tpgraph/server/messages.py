@@ -391,6 +391,8 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             payload = await request.json()  # (the app's body check decoded it already: Starlette keeps it)
         except ValueError as exc:  # (JSONDecodeError, and UnicodeDecodeError where the body is no UTF-8)
             raise RequestError(f"the body is not valid JSON ({exc})") from None
+        except RecursionError:  # (json.loads past its stack: a body nested some thousands deep)
+            raise RequestError("the body is not JSON this server reads: it is nested too deeply") from None
         if not isinstance(payload, dict):
             raise RequestError("the body must be a JSON object")
         try:
