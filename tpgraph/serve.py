@@ -27,7 +27,7 @@ from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.distributed import env_int
-from tpgraph.engine.cli import add_engine_args, engine_from_args, json_object, positive_number
+from tpgraph.engine.cli import add_engine_args, checkpoint_name, engine_from_args, json_object, positive_number
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
@@ -58,12 +58,12 @@ class ServeParser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ServeParser(prog="python -m tpgraph.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+    p.add_argument("model_tag", nargs="?", type=checkpoint_name, default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` names it: the same as --model")
     p.add_argument("--config", metavar="FILE.yaml",
                    help="flags from a YAML file (port: 8000, enforce-eager: true, ...), as vLLM's; the command line's "
                         "own override them")
-    p.add_argument(CONFIG_MODEL_FLAG, dest="config_model", default=None, help=argparse.SUPPRESS)
+    p.add_argument(CONFIG_MODEL_FLAG, dest="config_model", type=checkpoint_name, default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

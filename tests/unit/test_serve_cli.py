@@ -137,6 +137,23 @@ def test_a_key_no_client_can_send_is_refused_naming_where_it_came_from(key, monk
     assert parse_args(["--api-key", "two words"]).api_key == ["two words"]  # (a space inside is sent as it is)
 
 
+@pytest.mark.parametrize("argv", [["--model", ""], [""], ["--model=  "], ["--tokenizer", ""]])
+def test_an_empty_model_is_refused_when_parsed(argv, capsys):
+    """`--model "$MODEL"` with the variable unset gave the path "", which is the working directory: the engine loaded
+    whatever checkpoint it held (else failed naming '.', not what was typed), and replies named the built-in model."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and "is empty" in capsys.readouterr().err
+
+
+def test_a_config_files_empty_model_is_refused_when_parsed(tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text('model: ""\n')
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
+    assert "is empty" in capsys.readouterr().err
+
+
 def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hangs(monkeypatch):
     """Rank 0's engine loop failed: the server stops with exit code 1. Closing the engine after a failed step may
     hang (a peer waits in the step's collectives); the close's time limit then ended the process with os._exit(0),

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=checkpoint_name, default=None,
                    help="HF checkpoint directory, or a hub id whose snapshot is in the hub cache (default: the "
                         "built-in model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
+    p.add_argument("--tokenizer", type=checkpoint_name, default=None, metavar="DIR",
                    help="a directory (or a cached hub id) whose tokenizer.json, tokenizer_config.json (special tokens, "
                         "chat template) and chat_template.jinja replace --model's")
     hub = p.add_argument_group("the hub's cache (vLLM's flags; nothing is downloaded)")
@@ -126,6 +126,14 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
     # (statistics are served at /metrics and never logged periodically: there is nothing to turn off)
     fixed.add_argument("--disable-log-stats", action="store_true",
                        help="taken: no statistics are logged periodically (/metrics serves them)")
+
+
+def checkpoint_name(text: str) -> str:
+    """A directory or hub id: an empty one (`--model "$UNSET"`) would be the working directory, whatever it holds."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a checkpoint directory or a hub id, or "
+                                         "leave it out")
+    return text
 
 
 def accepted(*values: str, why: str) -> Callable[[str], str]:
