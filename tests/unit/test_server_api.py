@@ -319,6 +319,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     assert uncut.json()["choices"][0]["text"] == "caféx"  # (nothing cut: the prompt's own text is echoed)
 
 
+def test_truncation_side_right_keeps_the_prompts_first_tokens_as_vllms():
+    """vLLM's truncation_side (completion and chat requests): "right" keeps the prompt's first truncate_prompt_tokens
+    tokens, "left" (the default) its last; another value is a 400. (It was ignored: "right" ran the last tokens.)"""
+    codec, client = builtin_codec(), ScriptedClient(["x"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    long_prompt = "one two three " + "word " * 500
+    right, chat, left, other = post_all(app, [
+        ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 5,
+                             "truncation_side": "right", "echo": True, "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": long_prompt}],
+                                  "truncate_prompt_tokens": 7, "truncation_side": "right", "max_tokens": 1}),
+        ("/v1/completions", {"model": "m", "prompt": long_prompt, "truncate_prompt_tokens": 5,
+                             "truncation_side": "left", "max_tokens": 1}),
+        ("/v1/completions", {"model": "m", "prompt": "x", "truncate_prompt_tokens": 5, "truncation_side": "middle"})])
+    first = codec.encode_text(long_prompt)[:5]
+    assert right.status_code == chat.status_code == left.status_code == 200
+    assert client.prompts[0] == first and right.json()["choices"][0]["text"] == codec.decode(first) + "x"
+    assert len(client.prompts[1]) == 7 and client.prompts[1][0] == codec.encode_text(long_prompt)[0]  # (the BOS)
+    assert client.prompts[2] == codec.encode_text(long_prompt)[-5:]
+    assert other.status_code == 400 and "truncation_side" in other.json()["error"]["message"]
+
+
 def test_truncate_prompt_tokens_is_held_to_what_max_tokens_leaves_of_max_model_len_as_vllms():
     """vLLM's TokenizeParams (renderers/params.py): truncate_prompt_tokens keeps at most max_model_len less the
     request's max_tokens (-1: all of that), and a k past it is a 400 whatever the prompt's length. -1 without

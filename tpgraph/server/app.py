@@ -470,8 +470,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             prompts.encode_text(p, body.add_special_tokens, limit) if isinstance(p, str) else prompts.encode(p, limit)
             for p in texts])
         if keep is not None:  # (echo returns a prompt that was cut as it ran)
-            texts = [p if len(ids) <= keep else ids[-keep:] for p, ids in zip(texts, token_ids, strict=True)]
-            token_ids = [ids[-keep:] for ids in token_ids]
+            texts = [p if len(ids) <= keep else body.truncated(ids, keep) for p, ids in zip(texts, token_ids,
+                                                                                          strict=True)]
+            token_ids = [body.truncated(ids, keep) for ids in token_ids]
         # echo with max_tokens 0 scores a prompt (lm-eval's loglikelihood): one token runs, and none is returned
         echo_only = body.echo and body.max_tokens == 0
         max_tokens = _max_tokens(body.max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
@@ -609,7 +610,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         token_ids = [await asyncio.to_thread(prompts.encode_text, text, body.add_special_tokens,
                                              max_model_len if keep is None else None)]
         if keep is not None:
-            token_ids = [token_ids[0][-keep:]]
+            token_ids = [body.truncated(token_ids[0], keep)]
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         return RenderedChat(tools, role, echoed, text, token_ids, max_tokens)
 

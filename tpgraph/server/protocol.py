@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -151,6 +151,8 @@ class SamplingFields(NullMeansDefault):
     # (vLLM's: keep the prompt's last k tokens, at most what max_tokens leaves of max_model_len; -1: all that,
     # limits.kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
+    # (vLLM's: which end truncate_prompt_tokens cuts; left, the default, keeps the last tokens, right the first)
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
     bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
@@ -308,6 +310,10 @@ class SamplingFields(NullMeansDefault):
     def truncation(self, max_model_len: int, max_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens to keep (limits.kept_prompt_tokens)."""
         return kept_prompt_tokens(self.truncate_prompt_tokens, max_model_len, max_tokens)
+
+    def truncated(self, ids: list[int], keep: int) -> list[int]:
+        """ids cut to `keep` tokens (truncation's count): the last, or with truncation_side "right" the first."""
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     def token_bias(self) -> list[tuple[int, Any]]:
         """logit_bias as (token id, value) pairs: its keys are strings (JSON object keys), and two that name one id
