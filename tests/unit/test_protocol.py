@@ -62,6 +62,22 @@ def test_what_cannot_be_honoured_is_refused(extra, needle):
         body.tool_plan(ToolOptions())
 
 
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatRequest])
+@pytest.mark.parametrize("field,value", [("logprob_token_ids", [5, 7]), ("thinking_token_budget", 100),
+                                         ("repetition_detection", {"max_pattern_size": 4})])
+def test_vllms_fields_this_server_does_not_honour_are_refused_not_ignored(kind, field, value):
+    """vLLM's logprob_token_ids, thinking_token_budget and repetition_detection were dropped unread (extra fields): the
+    reply ran without them and said nothing. Each is a 400 naming it, sampled or searched; null (and a budget of -1,
+    vLLM's unlimited) asks nothing and is taken."""
+    body = {**(CHAT if kind is ChatRequest else {"prompt": "x"}), "logprobs": 2 if kind is CompletionRequest else True}
+    for extra in ({}, {"use_beam_search": True, "temperature": 0.0}):
+        request = kind.model_validate({**body, **extra, field: value})
+        with pytest.raises(RequestError, match=f"{field} is not supported"):
+            request.beam_search_params(4, None) if extra else request.sampling_params(4, None)
+    for neutral in (None, -1) if field == "thinking_token_budget" else (None,):
+        kind.model_validate({**body, field: neutral}).sampling_params(4, None)
+
+
 @pytest.mark.parametrize("text", [5, {"a": 1}, ["x"]])
 def test_a_text_part_whose_text_is_no_string_is_refused(text):
     """A content part's text went through str(): a null text became the word "None" in the prompt, silently."""

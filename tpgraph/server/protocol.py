@@ -102,6 +102,12 @@ BEAM_SEARCH_UNUSED: dict[str, tuple] = {
     "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "spaces_between_special_tokens": (True,)}
 
 
+# vLLM's request fields this server does not honour, each with the values that ask nothing of it (null too): refused
+# where they ask something, as a reply run without them would not say so (logprob_token_ids' entries missing, a
+# thinking budget or repetition check not kept)
+UNSERVED: dict[str, tuple] = {"logprob_token_ids": (), "thinking_token_budget": (-1,), "repetition_detection": ()}
+
+
 # vLLM's sampling fields that the Responses and Messages APIs take beside their own, handed to the chat request they
 # run as (checked there)
 SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
@@ -160,6 +166,10 @@ class SamplingFields(NullMeansDefault):
     # vLLM's beam search (beam_search_params): n beams ranked by length_penalty (taken and unused without it, as vLLM's)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # (vLLM's, not served: see UNSERVED)
+    logprob_token_ids: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
 
     _stop_ids_are_integers = field_validator("stop_token_ids", "allowed_token_ids", mode="before")(_ids_are_integers)
     _counts_are_integers = field_validator("truncate_prompt_tokens", "prompt_logprobs", "priority",
@@ -175,6 +185,7 @@ class SamplingFields(NullMeansDefault):
         a chat request's function calling, which may hold the reply to a schema and keep special tokens."""
         if self.use_beam_search:  # (the server's handlers ask beam_search_params instead)
             raise RequestError("a beam search's request takes beam_search_params, not sampling_params")
+        self.check_served()
         # (as vLLM's: an empty object asks for nothing, and is taken)
         if self.stream_options is not None and self.stream_options.asks() and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
@@ -228,6 +239,7 @@ class SamplingFields(NullMeansDefault):
         most likely tokens, so a reply's tokens have at most that many alternatives (logprobs, named logprobs_name).
         What a search would leave unused, which vLLM's takes and ignores, is refused (see BEAM_SEARCH_UNUSED);
         seed and priority reach each step's requests."""
+        self.check_served()
         for name, neutral in BEAM_SEARCH_UNUSED.items():
             value = getattr(self, name)
             if value is not None and value not in neutral:
@@ -248,6 +260,14 @@ class SamplingFields(NullMeansDefault):
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                 temperature=temperature, length_penalty=self.length_penalty,
                                 include_stop_str_in_output=self.include_stop_str_in_output)
+
+    def check_served(self) -> None:
+        """A RequestError naming the first of vLLM's fields this server does not honour (UNSERVED) that asks
+        something."""
+        for name, neutral in UNSERVED.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                raise RequestError(f"{name} is not supported by this server (vLLM's field): leave it out")
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log-probability entries name tokens "token_id:N": the request's choice, else the server's
