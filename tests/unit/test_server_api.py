@@ -652,7 +652,7 @@ def test_a_whole_reply_that_fails_while_it_is_folded_aborts_its_request(path, mo
 
 def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
     """As vLLM's server: a chat request without max_tokens is limited to generation_config.json's max_new_tokens; one
-    that sets its own keeps it (a completion's null max_tokens is its default, 16, as vLLM's)."""
+    that sets a smaller one keeps it (a completion's null max_tokens is its default, 16, as vLLM's)."""
     from dataclasses import replace
 
     client = ScriptedClient(["a"])
@@ -666,9 +666,30 @@ def test_generation_configs_max_new_tokens_limits_a_request_that_sets_none():
     assert [p.max_tokens for p in client.params] == [64, 5, 6, 16, 16]
 
 
+def test_generation_configs_max_new_tokens_limits_a_request_that_sets_more_as_vllms_server_wide_limit():
+    """vLLM's --generation-config: max_new_tokens "sets a server-wide limit on the number of output tokens for all
+    requests" (get_max_tokens takes the least of it and the request's own): a chat or completion asking more gets that
+    limit (it ran the request's own 100 tokens); one asking less keeps its own; one asking past the context's room is
+    still refused by the engine, as vLLM refuses it (left as asked)."""
+    from dataclasses import replace
+
+    client = ScriptedClient(["a"])
+    codec = builtin_codec()
+    codec = replace(codec, generation_defaults=replace(codec.generation_defaults, max_tokens=64))
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    post_all(app, [("/v1/chat/completions", {**chat, "max_tokens": 100}),
+                   ("/v1/chat/completions", {**chat, "max_completion_tokens": 70}),
+                   ("/v1/completions", {"prompt": "hi", "max_tokens": 100}),
+                   ("/v1/completions", {"prompt": "hi", "max_tokens": 63}),
+                   ("/v1/completions", {"prompt": "hi", "max_tokens": 127})])
+    assert [p.max_tokens for p in client.params] == [64, 64, 64, 63, 127]
+
+
 def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves():
     """As vLLM's server: the default limit is at most what the context leaves beside the (longest) prompt, so a
-    request that set none is not refused for a limit it never asked for; a limit the client sets is its own."""
+    request that set none is not refused for a limit it never asked for; a limit the client sets past that room is
+    left as asked, for the engine to refuse."""
     from dataclasses import replace
 
     client = ScriptedClient(["a"])

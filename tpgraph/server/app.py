@@ -290,12 +290,16 @@ def _prompt_logprobs_field(prompts: PromptCodec, update: StepUpdate | None, k: i
 
 
 def _max_tokens(asked: int | None, default: int | None, prompts: list[list[int]], max_model_len: int) -> int | None:
-    """A request's token limit: its own, else (none asked) generation_config's max_new_tokens, cut to what the context
-    leaves beside its longest prompt, as vLLM's server does: a limit the client never set is not refused for its size.
-    (None where no default applies, or the prompt leaves no room: the engine then refuses the prompt.)"""
-    if asked is not None or default is None:
+    """A request's token limit: generation_config's max_new_tokens (where it has one) is a server-wide limit, as
+    vLLM's server reads it (get_max_tokens takes the least): the request's own limit, at most that; none asked, that
+    limit cut to what the context leaves beside its longest prompt, so that a limit the client never set is not
+    refused for its size. (A limit asked past that room is left as asked, for the engine to refuse, as vLLM refuses
+    it; None where no default applies, or the prompt leaves no room: the engine then refuses the prompt.)"""
+    if default is None:
         return asked
     room = max_model_len - max((len(p) for p in prompts), default=0)
+    if asked is not None:
+        return asked if asked > room else min(asked, default)
     return min(default, room) if room > 0 else None
 
 
