@@ -69,7 +69,7 @@ def test_a_words_last_token_is_banned_where_the_output_ends_with_the_rest():
     ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids"),
     ({"bad_words": [" "]}, "bad_words must hold words"),
     ({"bad_words": [3]}, "bad_words must hold words"),
-    ({"bad_words": ["w"] * 101}, "at most 100"),
+    ({"bad_words": [f"w{i}" for i in range(101)]}, "at most 100"),
 ])
 def test_bad_fields_are_refused_with_the_reason(kw, needle):
     with pytest.raises(RequestError, match=needle):

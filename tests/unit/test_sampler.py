@@ -261,6 +261,14 @@ def test_none_is_vllms_default_for_the_list_fields():
     assert p.stop == p.stop_token_ids == p.logit_bias == p.bad_words == ()
 
 
+def test_repeated_stop_token_ids_and_bad_words_are_kept_once_as_vllms():
+    """vLLM's SamplingParams keeps each stop_token_ids entry and bad word once (dict.fromkeys). Repeats were kept: a
+    request listing one stop id 200,000 times had every step look its tokens up in all of them (and, below
+    min_tokens, build a set of them), and 101 copies of one bad word were refused as more than 100 words."""
+    p = SamplingParams(stop_token_ids=[7] * 200_000 + [3, 7], bad_words=["x"] * 150 + ["y", "x"])
+    assert p.stop_token_ids == (7, 3) and p.bad_words == ("x", "y")
+
+
 def test_an_ids_out_that_does_not_fit_is_refused():
     logits = torch.randn(3, 50)
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):

@@ -153,6 +153,8 @@ class SamplingParams:
             raise RequestError("stop strings need detokenize=True (they are found in the output's text)")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, 0, None)
+        # (repeats dropped, as vLLM's: each step looks a token up in them, and below min_tokens bans them all)
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:  # (vLLM's: one alternative)
                 object.__setattr__(self, name, 1)
@@ -172,6 +174,7 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", _as_tuple("bad_words", self.bad_words, "a list of strings"))
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise RequestError(f"bad_words must hold words (non-blank strings), got {list(self.bad_words)!r}")
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # (repeats dropped, as vLLM's)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise RequestError(f"bad_words has {len(self.bad_words)} entries; at most {MAX_BAD_WORDS} are allowed")
         if any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
