@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -259,6 +260,23 @@ def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
     return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _reads(node.node, name)
 
 
+def _check_render_options(add_generation_prompt: Any, tools: Any, variables: Any, continue_final_message: Any) -> None:
+    """A RequestError naming a chat option of the wrong type: chat_template_kwargs not a dict failed inside dict() (a
+    ValueError about "sequence elements", or a list of pairs taken as variables), tools not a list reached the
+    template as it was (a string rendered as a tool), and a truthy "no" meant yes."""
+    if variables is not None and not isinstance(variables, Mapping):
+        raise RequestError(f"chat_template_kwargs must be a dict of the template's variables, got "
+                           f"{type(variables).__name__}")
+    if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)):
+        got = type(tools).__name__ if not isinstance(tools, (list, tuple)) else \
+            f"a list holding {', '.join(sorted({type(t).__name__ for t in tools if not isinstance(t, Mapping)}))}"
+        raise RequestError(f"tools must be a list of tools ({{'type': 'function', 'function': {{...}}}}), got {got}")
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be True or False, got {value!r}")
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None,
                  tool_use_source: str | None = None) -> None:
@@ -290,6 +308,7 @@ class ChatTemplate:
         continue_final_message: the text ends inside the last message (an assistant's reply begun), as HF's
         apply_chat_template cuts it, so the model continues it. documents: a RAG template's sources (vLLM's chat
         request field, each {"title", "text"}), as apply_chat_template gives them; where None, variables' own."""
+        _check_render_options(add_generation_prompt, tools, variables, continue_final_message)
         variables = dict(variables or {})
         taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
         if taken:

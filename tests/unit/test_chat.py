@@ -145,6 +145,26 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+def test_chat_options_of_the_wrong_type_are_refused_naming_them():
+    """chat_template_kwargs not a dict failed inside dict() with a ValueError about "dictionary update sequence
+    elements" (and a list of pairs was taken as variables), tools given as a string were rendered as a tool, and a
+    truthy "no" for add_generation_prompt meant yes: each is a RequestError naming the option."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    hi = [{"role": "user", "content": "hi"}]
+    with TPEngine(device="cpu", max_num_seqs=2, max_model_len=64, num_kv_blocks=20) as engine:
+        for kwargs, named in [(dict(chat_template_kwargs="x"), "chat_template_kwargs must be a dict.*got str"),
+                              (dict(chat_template_kwargs=[("x", 1)]), "chat_template_kwargs must be a dict.*got list"),
+                              (dict(tools="search"), "tools must be a list of tools.*got str"),
+                              (dict(tools=["search"]), "tools must be a list of tools.*got a list holding str"),
+                              (dict(add_generation_prompt="no"), "add_generation_prompt must be True or False"),
+                              (dict(continue_final_message=1), "continue_final_message must be True or False")]:
+            with pytest.raises(RequestError, match=named):
+                engine.chat(hi, greedy, **kwargs)
+        with pytest.raises(RequestError, match="chat_template_kwargs must be a dict"):
+            engine.get_tokenizer().codec.render_chat(hi, variables="x")
+        assert engine.chat(hi, greedy, chat_template_kwargs={}, tools=None)[0].prompt == engine.render_chat(hi)
+
+
 def test_an_empty_conversation_is_refused_as_vllms_apply_chat_template_refuses_it():
     """vLLM's LLM.chat hands each conversation to transformers' apply_chat_template, which raises on an empty one
     ("Cannot apply chat template to an empty conversation"; transformers 4 failed on its first message). TPEngine.chat
