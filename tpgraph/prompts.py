@@ -200,7 +200,10 @@ class EngineTokenizer:
         return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].tokens
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
-        """Ids -> text; one id (an int, numpy's too) is its token's text, as transformers takes it."""
+        """Ids -> text; one id (an int, numpy's too, or a 0-d tensor or array) is its token's text, as transformers
+        takes it (its to_py_obj reads tensors and arrays as lists, a 0-d one as its number)."""
+        if hasattr(token_ids, "tolist"):  # (list() of a 0-d tensor or array raised a TypeError)
+            token_ids = token_ids.tolist()
         ids = [int(token_ids)] if isinstance(token_ids, numbers.Integral) else list(token_ids)
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

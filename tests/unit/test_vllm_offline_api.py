@@ -2,6 +2,7 @@
 SamplingParams`): vLLM's LLM keywords, methods and output fields on TPEngine, on CPU with the built-in model. Where
 tpgraph differs on purpose, the refusal says what to use instead."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,9 @@ def test_get_tokenizer_decodes_one_token_id_as_transformers_does(tmp_path):
     for token_id in (104, 233, EOT_ID):  # ("h", a byte of a character, a special token)
         assert tok.decode(token_id) == hf.decode(token_id)
         assert tok.decode(token_id, skip_special_tokens=True) == hf.decode(token_id, skip_special_tokens=True)
+    # a token read off a tensor or an array (sampled ids, output[0, -1]) is one id too: list() of it was a TypeError
+    for token_id in (torch.tensor(104), np.array(104), np.int64(EOT_ID), torch.tensor([104, 105]), np.array([104])):
+        assert tok.decode(token_id) == hf.decode(token_id)
 
 
 def hf_tokenizers(tmp_path):
