@@ -276,6 +276,33 @@ def test_the_service_delivers_every_samples_last_update():
     assert not service._sinks
 
 
+def test_a_bad_prompt_of_a_batch_is_named_by_its_index_and_the_others_still_run():
+    """A refusal said "the prompt is empty" or "prompt token ids must be integers in [0, 258)" alone: which of a batch
+    of thousands, and which id, was the user's to find. Each now names the prompt (or conversation) by its index and
+    the id by its value and position, wherever it is refused (read, encoded, checked or added); a single prompt's
+    refusal reads as before, and nothing stays queued behind one."""
+    from tpgraph.engine.structured import StructuredOutput
+
+    regex = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[0-9"))
+    with engine() as e:
+        for prompts, params, named in [
+            ([[1, 2], [1, 10 ** 6]], GREEDY, r"prompt 1 was refused: prompt token ids must be integers in \[0, 258\), "
+                                             r"got 1000000 at position 1"),
+            (["a", "b", "x" * 80], GREEDY, "prompt 2 was refused: the prompt has 81 tokens"),
+            (["a", [1, 2.5]], GREEDY, r"prompt 1 was refused: token ids must be integers, got 2.5"),
+            (["a", "b"], [GREEDY, regex], "prompt 1 was refused: the regex cannot be used"),  # (refused when added)
+        ]:
+            with pytest.raises(RequestError, match=named):
+                e.generate(prompts, params, use_tqdm=False)
+            assert not e.core.has_work and not e.core.requests
+        with pytest.raises(RequestError, match="conversation 1 was refused: .*an empty conversation"):
+            e.chat([[{"role": "user", "content": "hi"}], []], GREEDY, use_tqdm=False)
+        alone = r"^prompt token ids must be integers in \[0, 258\), got -1 at position 0$"  # (one prompt: as before)
+        with pytest.raises(RequestError, match=alone):
+            e.generate([[-1]], GREEDY, use_tqdm=False)
+        assert len(e.generate(["a", "b"], GREEDY, use_tqdm=False)) == 2
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
     with engine() as e:
         with pytest.raises(RequestError, match="the prompt is empty"):

@@ -52,8 +52,11 @@ class RequestLimits:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         vocab = self.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        bad = next((i for i, t in enumerate(prompt_ids)
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:  # (named, as vLLM's "Token id N is out of vocabulary": one of thousands is hard to find)
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab}), got {prompt_ids[bad]!r} at "
+                               f"position {bad}")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
                                f"which leaves no room to generate")

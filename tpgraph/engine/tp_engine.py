@@ -143,6 +143,18 @@ def deferred_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def prompt_named(index: int, count: int | None = None, kind: str = "prompt") -> Iterator[None]:
+    """A RequestError raised inside names the prompt (or conversation: kind) it is about, where the call had several
+    (count) or count is None: "the prompt is empty" alone left a user of a batch of thousands to search for it."""
+    try:
+        yield
+    except RequestError as exc:
+        if count == 1:
+            raise
+        raise RequestError(f"{kind} {index} was refused: {exc}") from None
+
+
 def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
     """The checkpoint's EOS ids that can be sampled. One past the vocabulary (a config's typo) could never end a
     sequence, and with min_tokens it would index the logits and fail the step: dropped, with a warning."""
@@ -380,9 +392,12 @@ class TPEngine:
             prompts = self._agreed_call("generate", normalized, sampling_params, priority, tokenization_kwargs)
             limit = self._encode_limit(sampling_params, options)
             special = True if options.add_special_tokens is None else options.add_special_tokens
-            encoded = [(p.text, p.ids) if isinstance(p, TextedIds) else
-                       (p, self.prompts.encode_text(p, special, limit)) if isinstance(p, str) else
-                       (None, self.prompts.encode(p, limit)) for p in prompts]
+            encoded = []
+            for i, p in enumerate(prompts):
+                with prompt_named(i, len(prompts)):
+                    encoded.append((p.text, p.ids) if isinstance(p, TextedIds) else
+                                   (p, self.prompts.encode_text(p, special, limit)) if isinstance(p, str) else
+                                   (None, self.prompts.encode(p, limit)))
             return self._generate(encoded, sampling_params, use_tqdm, priority, options.truncate_prompt_tokens)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -423,10 +438,11 @@ class TPEngine:
                 template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded, limit = [], self._encode_limit(sampling_params, options)
             content_format = self.prompts.content_format(tools, chat_template_content_format, template)
-            for conversation in conversations:
-                text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt, tools,
-                                        chat_template_kwargs, continue_final_message, template)
-                encoded.append((text, self.prompts.encode_text(text, bool(options.add_special_tokens), limit)))
+            for i, conversation in enumerate(conversations):
+                with prompt_named(i, len(conversations), "conversation"):
+                    text = self.render_chat(text_messages(conversation, content_format), add_generation_prompt,
+                                            tools, chat_template_kwargs, continue_final_message, template)
+                    encoded.append((text, self.prompts.encode_text(text, bool(options.add_special_tokens), limit)))
             return self._generate(encoded, sampling_params, use_tqdm,
                                   truncate_prompt_tokens=options.truncate_prompt_tokens)
 
@@ -549,8 +565,9 @@ class TPEngine:
         results: dict[str, GenerationOutput] = {}
         decoders: dict[str, Callable[[int], str] | None] = {}  # a token's text in its Logprobs (vLLM's decoded_token)
         order, adds = [], []
-        for (prompt, ids), p in zip(encoded, per_prompt, strict=True):
-            self.core.check_request(ids, p)  # every prompt is checked before any is queued
+        for i, ((prompt, ids), p) in enumerate(zip(encoded, per_prompt, strict=True)):
+            with prompt_named(i, len(encoded)):
+                self.core.check_request(ids, p)  # every prompt is checked before any is queued
             request_id = str(self._next_id)  # (vLLM's LLM numbers them so, from "0", across its calls)
             self._next_id += 1
             order.append(request_id)
@@ -650,8 +667,9 @@ class TPEngine:
         """Queue the requests and step until the engine is idle, yielding updates. Ctrl-C lands between steps, never
         inside one: a step interrupted halfway would leave the ranks in different collectives."""
         if self.service is None:  # alone, or SPMD under torchrun: every rank runs this same loop
-            for request_id, ids, p in adds:
-                self.core.add_request(request_id, ids, p)
+            for i, (request_id, ids, p) in enumerate(adds):
+                with prompt_named(i):  # (as the started ranks' service path names it)
+                    self.core.add_request(request_id, ids, p)
             while self.core.has_work:
                 yield from self.core.step()
                 if interrupted.is_set():
@@ -822,7 +840,12 @@ def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
         hint = (" (chat messages are given as a list of them)") if isinstance(prompts, dict) else ""
         raise RequestError(f"prompts must be a prompt (text, token ids, chat messages, or vLLM's {{'prompt': ...}} "
                            f"or {{'prompt_token_ids': ...}}) or a list of them, got {type(prompts).__name__}{hint}")
-    return [vllm_prompt(p) if is_vllm_prompt(p) else _as_ids(p) for p in prompts]
+    listed = list(prompts)
+    out = []
+    for i, p in enumerate(listed):
+        with prompt_named(i, len(listed)):
+            out.append(vllm_prompt(p) if is_vllm_prompt(p) else _as_ids(p))
+    return out
 
 
 def _as_ids(prompt: Any) -> Any:
