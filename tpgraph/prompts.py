@@ -57,6 +57,7 @@ class PromptCodec:
     def encode_text(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Text -> ids. Through encode_batch, which lets go of the GIL while it works (encode holds it: a 9 MB prompt
         froze the server's other requests for 11 s), so a caller on a thread leaves the event loop free."""
+        _check_text(text)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # (the tokenizer only raises a TypeError)
@@ -144,6 +145,14 @@ class PromptCodec:
         return list(self.token_text(token_id).encode())
 
 
+def _check_text(text: object) -> None:
+    """Text to tokenize must be a str: another type failed inside (an AttributeError, 'int' object has no attribute
+    'encode', or the tokenizers library's TypeError), where transformers' encode says what it takes."""
+    if not isinstance(text, str):
+        raise RequestError(f"the text to tokenize must be a string, got {type(text).__name__} (token ids are a prompt "
+                           f"as they are; decode turns them into text)")
+
+
 class Encoded(dict):
     """What EngineTokenizer(text) gives: a dict of "input_ids" and "attention_mask", also read as attributes
     (tokenizer(text).input_ids), as transformers' BatchEncoding is."""
@@ -197,6 +206,7 @@ class EngineTokenizer:
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
         """The text's tokens as the vocabulary spells them (transformers' tokenize: no special tokens unless asked)."""
+        _check_text(text)
         return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].tokens
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:

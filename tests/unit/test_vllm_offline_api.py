@@ -199,6 +199,12 @@ def test_get_tokenizer_called_on_text_and_tokenize_answer_as_transformers_do(tmp
         assert tok.tokenize("a", add_special_tokens=True) == hf.tokenize("a", add_special_tokens=True)
         with pytest.raises(RequestError, match="takes text and add_special_tokens alone, not padding, return_tensors"):
             tok(["a", "bc"], padding=True, return_tensors="pt")
+        for wrong in (5, None, b"hi"):  # (an AttributeError, 'int' object has no attribute 'encode', or a TypeError)
+            for call in (tok.encode, tok.tokenize):
+                with pytest.raises(RequestError, match=f"must be a string, got {type(wrong).__name__}"):
+                    call(wrong)
+                with pytest.raises(ValueError):  # (as transformers' encode and tokenize refuse it)
+                    getattr(hf, call.__name__)(wrong)
 
 
 def test_get_tokenizer_names_its_special_tokens_as_transformers_does(tmp_path):
