@@ -303,6 +303,29 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_index_and_the_others_still_run(
         assert len(e.generate(["a", "b"], GREEDY, use_tqdm=False)) == 2
 
 
+def test_a_closed_engine_lets_go_of_its_weights_refuses_work_and_closes_again_harmlessly():
+    """close() (or leaving its with block) released the KV cache and the graphs, but the weights stayed held for as
+    long as the engine object lived: `llm`, still bound after `with TPEngine(...) as llm`, kept them, and the next
+    engine in the process found that memory in use. They go at close now; work after it is refused, naming why."""
+    import gc
+    import weakref
+
+    from tpgraph.engine.beam_search import BeamSearchParams
+
+    with engine() as e:
+        weights = [weakref.ref(p) for p in e.model.parameters()]
+        assert e.generate("a", GREEDY, use_tqdm=False)[0].outputs[0].finished()
+    gc.collect()
+    assert [w for w in weights if w() is not None] == []  # (e is still bound here)
+    e.close()  # a second close changes nothing
+    for work in (lambda: e.generate("a", GREEDY), lambda: e.chat([{"role": "user", "content": "hi"}], GREEDY),
+                 lambda: e.beam_search(["a"], BeamSearchParams(beam_width=2, max_tokens=2)), e.warm_up,
+                 e.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="this TPEngine is closed; start a new one"):
+            work()
+    assert e.get_tokenizer().decode(e.get_tokenizer().encode("hi", add_special_tokens=False)) == "hi"
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_working(reference):
     with engine() as e:
         with pytest.raises(RequestError, match="the prompt is empty"):

@@ -750,6 +750,9 @@ class TPEngine:
         if self.core.grammars is not None:
             self.core.grammars.close()
         self.runner.close()
+        # the weights go now, not when the engine object does: a closed engine still bound to a name (the `with ... as
+        # llm` block's, a notebook's) held them, and the next engine in this process found that memory in use
+        self.model.to("meta")
         self.comm.close()
         destroy_distributed(self.state)
         self._stop_followers()
