@@ -209,16 +209,24 @@ class EngineTokenizer:
         _check_text(text)
         return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].tokens
 
-    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
         """Ids -> text; one id (an int, numpy's too, or a 0-d tensor or array) is its token's text, as transformers
-        takes it (its to_py_obj reads tensors and arrays as lists, a 0-d one as its number)."""
+        takes it (its to_py_obj reads tensors and arrays as lists, a 0-d one as its number).
+        clean_up_tokenization_spaces (transformers', which scripts pass, False mostly: a TypeError here) changes
+        nothing, as transformers 5 ignores it for a BPE tokenizer such as Llama's (its clean-up, meant for WordPiece,
+        strips spaces the text had before punctuation)."""
+        if clean_up_tokenization_spaces is not None and not isinstance(clean_up_tokenization_spaces, bool):
+            raise RequestError(f"clean_up_tokenization_spaces must be True, False or None, got "
+                               f"{clean_up_tokenization_spaces!r}")
         if hasattr(token_ids, "tolist"):  # (list() of a 0-d tensor or array raised a TypeError)
             token_ids = token_ids.tolist()
         ids = [int(token_ids)] if isinstance(token_ids, numbers.Integral) else list(token_ids)
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
-        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False,
+                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+        return [self.decode(ids, skip_special_tokens, clean_up_tokenization_spaces) for ids in sequences]
 
     def apply_chat_template(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
                             tools: list[dict] | None = None, add_generation_prompt: bool = False,

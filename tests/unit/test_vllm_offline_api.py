@@ -163,6 +163,15 @@ def test_get_tokenizer_decodes_one_token_id_as_transformers_does(tmp_path):
     for token_id in (104, 233, EOT_ID):  # ("h", a byte of a character, a special token)
         assert tok.decode(token_id) == hf.decode(token_id)
         assert tok.decode(token_id, skip_special_tokens=True) == hf.decode(token_id, skip_special_tokens=True)
+    # clean_up_tokenization_spaces, which decoding scripts pass (False mostly), was a TypeError (an unexpected keyword):
+    # taken, and True changes nothing for this BPE tokenizer, as transformers 5 reads it (4 stripped the spaces)
+    spaced = tok.encode("Hello , world . Is n't it ?", add_special_tokens=False)
+    for clean in (False, None):
+        assert tok.decode(spaced, skip_special_tokens=True, clean_up_tokenization_spaces=clean) == hf.decode(
+            spaced, skip_special_tokens=True, clean_up_tokenization_spaces=clean)
+        assert tok.batch_decode([spaced], clean_up_tokenization_spaces=clean) == hf.batch_decode(
+            [spaced], clean_up_tokenization_spaces=clean)
+    assert tok.decode(spaced, clean_up_tokenization_spaces=True) == "Hello , world . Is n't it ?"
     # a token read off a tensor or an array (sampled ids, output[0, -1]) is one id too: list() of it was a TypeError
     for token_id in (torch.tensor(104), np.array(104), np.int64(EOT_ID), torch.tensor([104, 105]), np.array([104])):
         assert tok.decode(token_id) == hf.decode(token_id)
