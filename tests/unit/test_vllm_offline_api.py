@@ -2,6 +2,8 @@
 SamplingParams`): vLLM's LLM keywords, methods and output fields on TPEngine, on CPU with the built-in model. Where
 tpgraph differs on purpose, the refusal says what to use instead."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -469,6 +471,22 @@ def test_chat_takes_a_template_for_the_call_as_vllms_does():
         assert e.chat(chat, GREEDY)[0].prompt != out.prompt  # (the engine's own template is left as it was)
         with pytest.raises(RequestError, match="chat_template is a Jinja template's text, got int"):
             e.chat(chat, GREEDY, chat_template=3)
+
+
+
+def test_chat_template_given_as_a_files_path_is_read_and_a_mistyped_one_refused(tmp_path):
+    """chat(chat_template="templates/llama.jinja") rendered the path's text itself as the prompt of every conversation
+    (no messages in it) and completed that: a file holding the template is read, as --chat-template reads it, and a
+    text that is neither a file nor a template is refused, naming it."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    chat = [{"role": "user", "content": "hi"}]
+    with engine() as e:
+        assert e.chat(chat, GREEDY, chat_template=str(tmp_path / "t.jinja"))[0].prompt == "<|begin_of_text|>[user] hi\n"
+        for mistyped in (str(tmp_path / "missing.jinja"), "tool_use"):
+            with pytest.raises(RequestError, match=f"chat_template: the chat template '{re.escape(mistyped)}' is "
+                                                   f"neither a file nor a template"):
+                e.chat(chat, GREEDY, chat_template=mistyped)
 
 
 def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold():

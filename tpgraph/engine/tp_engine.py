@@ -63,7 +63,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
-from tpgraph.errors import ConfigError, RequestError, TPGraphError
+from tpgraph.errors import CheckpointError, ConfigError, RequestError, TPGraphError
 from tpgraph.model.loader import default_dtype, load_model
 from tpgraph.prompts import (
     EngineTokenizer,
@@ -418,24 +418,21 @@ class TPEngine:
         tokens of the tokenizer's unless add_special_tokens is True, as vLLM's chat encodes it)."""
         with self._lock:
             self._check_open()
-            options = TokenizeOptions()
+            options, template = TokenizeOptions(), None
 
             def normalized() -> list:
-                nonlocal options
+                nonlocal options, template
                 conversations = _conversation_list(messages)
                 no_lora(lora_request, len(conversations))
                 known_content_format(chat_template_content_format)
                 options = TokenizeOptions.read(tokenization_kwargs)
+                # (a file read here: a rank that cannot read it refuses where the others meet it)
+                template = None if chat_template is None else self._call_template(chat_template)
                 return conversations
 
             conversations = self._agreed_call("chat", normalized, sampling_params, tools, add_generation_prompt,
                                               continue_final_message, chat_template_kwargs, chat_template,
                                               chat_template_content_format, tokenization_kwargs)
-            template = None
-            if chat_template is not None:
-                if not isinstance(chat_template, str):
-                    raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
-                template = ChatTemplate(chat_template, self.prompts.special_tokens)
             encoded, limit = [], self._encode_limit(sampling_params, options)
             content_format = self.prompts.content_format(tools, chat_template_content_format, template)
             for i, conversation in enumerate(conversations):
@@ -445,6 +442,18 @@ class TPEngine:
                     encoded.append((text, self.prompts.encode_text(text, bool(options.add_special_tokens), limit)))
             return self._generate(encoded, sampling_params, use_tqdm,
                                   truncate_prompt_tokens=options.truncate_prompt_tokens)
+
+    def _call_template(self, chat_template: object) -> ChatTemplate:
+        """chat's chat_template: a Jinja template's text, or a file holding one, as --chat-template reads it. A text
+        that is neither (no braces, no line break: a file's path mistyped, or a template's name) was rendered as it
+        was, the same text for every conversation, and completed: refused, named."""
+        if not isinstance(chat_template, str):
+            raise RequestError(f"chat_template is a Jinja template's text, got {type(chat_template).__name__}")
+        try:
+            return ChatTemplate.from_option(chat_template, self.prompts.special_tokens)
+        except CheckpointError as exc:
+            raise RequestError(f"chat_template: {exc} (give the template's text, or the path of a file holding it)") \
+                from None
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request: None = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
