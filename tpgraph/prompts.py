@@ -348,12 +348,12 @@ class TextedIds(NamedTuple):
 def vllm_prompt(prompt: dict) -> str | list[int] | TextedIds:
     """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them);
     {"prompt_token_ids": ids, "prompt": text} as both (TextedIds). Its other keys (multi_modal_data, cache_salt, ...)
-    ask for what tpgraph does not do: refused, named."""
+    ask for what tpgraph does not do here: refused, named (a cache salt is SamplingParams' cache_salt)."""
     keys = sorted(prompt, key=str)
     if keys not in (["prompt"], ["prompt_token_ids"], ["prompt", "prompt_token_ids"]):
         raise RequestError(f"a vLLM prompt here holds 'prompt' (text), 'prompt_token_ids' or both (ids and the text "
                            f"they stand for), got the keys {keys} (tpgraph runs text-only models: no multi-modal "
-                           f"data, no cache salt)")
+                           f"data; a cache salt is given as SamplingParams(cache_salt=...))")
     text = prompt.get("prompt")
     if "prompt" in prompt and not isinstance(text, str):
         raise RequestError(f"prompt must be text, got {type(text).__name__}")

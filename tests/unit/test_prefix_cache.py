@@ -362,3 +362,47 @@ def test_a_preempted_sequences_lookup_is_counted_apart_from_new_requests():
     assert b.status.value == "running" and b.num_cached == 2 * BS
     assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (16, 0)
     assert (sched.preempted_queried_tokens, sched.preempted_hit_tokens) == (13, 2 * BS)
+
+
+def salted(tokens, salt, seq_id=0):
+    return Sequence(seq_id, list(tokens), 16, params=SamplingParams(cache_salt=salt))
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt():
+    """vLLM's cache_salt: the first block's parent, so a salted prompt's blocks are found only by the same salt (a
+    tenant's prompts neither reused by nor timed from another's), and unsalted ones only unsalted."""
+    alloc = PrefixCachingAllocator(32, BS)
+    computed(alloc, salted(range(12), "tenant-a"))
+    assert alloc.match(salted(range(12), "tenant-a", seq_id=1)) == 8
+    assert alloc.match(salted(range(12), "tenant-b", seq_id=2)) == 0
+    assert alloc.match(seq(range(12), seq_id=3)) == 0
+    computed(alloc, seq(range(12), seq_id=4))
+    assert alloc.match(seq(range(12), seq_id=5)) == 8
+    assert alloc.match(salted(range(12), "tenant-c", seq_id=6)) == 0
+
+
+def test_a_salted_request_waits_only_for_a_prefix_of_its_own_salt():
+    """In-batch sharing (worth_waiting) follows the salt: a burst of one prompt under two salts computes it twice."""
+    alloc = PrefixCachingAllocator(64, BS)
+    running = salted(range(40), "a")
+    running.block_table = alloc.allocate(running.blocks_needed(BS, len(running)))
+    assert alloc.worth_waiting(salted(range(40), "a", seq_id=1), [running])
+    assert not alloc.worth_waiting(salted(range(40), "b", seq_id=2), [running])
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"x"])
+def test_a_cache_salt_must_be_a_non_empty_string(salt):
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        SamplingParams(cache_salt=salt)
+
+
+def test_the_engine_reports_cached_prompt_tokens_only_under_the_same_salt():
+    prompt = SHARED + "What is 2+2?"
+    with engine(True) as e:
+        first = e.generate(prompt, SamplingParams(temperature=0, max_tokens=4, cache_salt="a"))[0]
+        other = e.generate(prompt, SamplingParams(temperature=0, max_tokens=4, cache_salt="b"))[0]
+        same = e.generate(prompt, SamplingParams(temperature=0, max_tokens=4, cache_salt="a"))[0]
+        unsalted = e.generate(prompt, GREEDY)[0]
+        assert first.num_cached_tokens == other.num_cached_tokens == unsalted.num_cached_tokens == 0
+        assert same.num_cached_tokens > 0
+        assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids

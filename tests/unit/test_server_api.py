@@ -1107,3 +1107,22 @@ def test_a_bad_word_that_is_no_unicode_text_is_a_400_not_the_engines_500():
     (reply,) = post_all(app, [("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2,
                                                    "bad_words": ["ok", "x\ud800"]})])
     assert reply.status_code == 400 and "bad_words" in reply.json()["error"]["message"]
+
+
+def test_a_requests_cache_salt_reaches_the_engine_on_every_route_and_an_empty_one_is_a_400():
+    """vLLM's cache_salt (completions, chat, Responses; the Messages API as a sampling extra): the request's params
+    carry it to the prefix cache, which shares its blocks only with its salt's; an empty salt is a 400."""
+    client = ScriptedClient(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    replies = post_all(app, [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": "t1"}),
+        ("/v1/chat/completions", {**chat, "cache_salt": "t2"}),
+        ("/v1/chat/completions", chat),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "cache_salt": "t3"}),
+        ("/v1/messages", {**chat, "cache_salt": "t4"})])
+    assert [r.status_code for r in replies] == [200] * 5
+    assert [p.cache_salt for p in client.params] == ["t1", "t2", None, "t3", "t4"]
+    bad = post_all(app, [("/v1/chat/completions", {**chat, "cache_salt": ""})])[0]
+    assert bad.status_code == 400 and "cache_salt must be a non-empty string" in bad.json()["error"]["message"]
+    assert len(client.params) == 5

@@ -305,7 +305,7 @@ def test_a_client_that_leaves_mid_search_ends_it_and_its_requests(served, monkey
     api = server_app.Api(served.client, ServerMetrics(), "m")
     prompt = served.engine.encode(PROMPTS[0])
     beam = BeamSearchParams(beam_width=2, max_tokens=8)
-    params = server_app._beam_reply_params(beam, SimpleNamespace(seed=None, priority=0), None, True)
+    params = server_app._beam_reply_params(beam, SimpleNamespace(seed=None, priority=0, cache_salt=None), None, True)
 
     async def search() -> list:
         return [u async for u in api.beam_search(Gone(), [prompt], beam, params, EOS, str)]
@@ -317,3 +317,18 @@ def test_a_client_that_leaves_mid_search_ends_it_and_its_requests(served, monkey
     assert not served.engine.core.requests
     monkeypatch.undo()  # (a check every 0 s never waits for an update long enough to take it)
     assert completion(served, prompt="a", n=2, max_tokens=2).status_code == 200
+
+
+def test_each_steps_request_carries_the_searchs_seed_priority_and_cache_salt(served, monkeypatch):
+    """A search's steps are requests of their own: each carries the request's seed and cache_salt (its blocks shared
+    only under that salt), as a sampled request's params do."""
+    sent = []
+    submit = served.client.submit
+
+    def recording(request_id, prompt_ids, params, sink):
+        sent.append(params)
+        return submit(request_id, prompt_ids, params, sink)
+
+    monkeypatch.setattr(served.client, "submit", recording)
+    assert completion(served, prompt=PROMPTS[0], n=2, max_tokens=3, seed=5, cache_salt="tenant").status_code == 200
+    assert sent and {(p.seed, p.cache_salt) for p in sent} == {(5, "tenant")}

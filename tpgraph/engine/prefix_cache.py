@@ -3,6 +3,7 @@ tokens begin with blocks already in the cache shares them instead of computing t
 earlier turns of a chat, a resubmitted prompt, a preempted sequence coming back).
 
 A block's name is sha256(its parent's name + its token ids): equal names mean equal token prefixes, so equal K/V.
+A request's cache_salt (vLLM's) is the first block's parent: only requests of the same salt share blocks.
 A cryptographic hash because a collision would hand one request another's K/V, and a weak hash can be made to
 collide on purpose. Blocks are reference-counted: a block stays named while it is in a sequence's table; when the
 last one lets it go it becomes idle, still named and reusable, and it is handed out again (its name forgotten) only
@@ -30,6 +31,12 @@ WAIT_MIN_TOKENS = 32
 
 def block_name(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+
+def _salt(seq: Sequence) -> bytes:
+    """The first block's parent: its request's cache_salt, hashed as a name is (as long as any parent), else none."""
+    salt = seq.params.cache_salt if seq.params is not None else None
+    return b"" if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -90,7 +97,7 @@ class PrefixCachingAllocator(BlockAllocator):
         bs, names = self.block_size, seq.block_names
         del names[len(seq) // bs:]
         for i in range(len(names), count):
-            names.append(block_name(names[-1] if names else b"", seq.token_span(i * bs, (i + 1) * bs)))
+            names.append(block_name(names[-1] if names else _salt(seq), seq.token_span(i * bs, (i + 1) * bs)))
         return names
 
     def _cached_blocks(self, names: list[bytes], usable: int) -> int:

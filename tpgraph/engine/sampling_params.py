@@ -63,7 +63,9 @@ class SamplingParams:
     priority scheduling policy, lower values are served first (arrival breaks ties) and preempted last; the default
     policy, first come first served, takes only 0. `truncate_prompt_tokens` (vLLM's): keep the prompt's last k tokens
     (-1: max_model_len, as vLLM's LLM reads it: a prompt cut to that is refused, as it leaves no room to generate),
-    where a longer prompt was refused."""
+    where a longer prompt was refused. `cache_salt` (vLLM's request field, a non-empty string): the prefix cache shares
+    this request's blocks only with requests of the same salt (a tenant's prompts are neither reused by, nor timed
+    from, another tenant's)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -92,6 +94,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
     # vLLM's names, read when made into the fields above (structured_outputs and guided_decoding read back and
     # set as `structured`: VLLM_STRUCTURED_NAMES; best_of read back is None)
     structured_outputs: InitVar[StructuredOutput | Mapping | None] = None
@@ -184,6 +187,8 @@ class SamplingParams:
                 raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
             if self.ignore_eos or self.min_tokens:  # (the grammar may allow nothing but the EOS they hold back)
                 raise RequestError("a structured output cannot be combined with ignore_eos or min_tokens")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string if given, got {self.cache_salt!r}")
         if self.structured_after is not None and (self.structured is None or not isinstance(self.structured_after, str)
                                                   or not self.structured_after):
             raise RequestError("structured_after is the text (non-empty) after which `structured` holds the output")

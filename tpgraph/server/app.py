@@ -153,12 +153,13 @@ class Api:
         each step's live beams one ordinary request each for one token (Api.run: checked, sent to the engine, and so
         to every rank, as any other request, aborted where the client goes away). Yields, as run does, each prompt's
         updates once its search ends: its sequences, best first, as samples 0, 1, ... (_beam_updates). params: the
-        reply's (n the beam width, logprobs, skip_special_tokens), its seed and priority each step's too. decode:
-        a sequence's text from its token ids. A client that goes away ends it with nothing yielded."""
+        reply's (n the beam width, logprobs, skip_special_tokens), its seed, priority and cache_salt each step's too.
+        decode: a sequence's text from its token ids. A client that goes away ends it with nothing yielded."""
         check_width(beam.beam_width, self.client.limits.max_logprobs, "n", " with use_beam_search", "server")
         # the whole search's limits, before any step: the prompt, max_tokens beside it, the steps' log-probabilities
         whole = SamplingParams(temperature=beam.temperature, max_tokens=beam.max_tokens,
-                               logprobs=2 * beam.beam_width, seed=params.seed, priority=params.priority)
+                               logprobs=2 * beam.beam_width, seed=params.seed, priority=params.priority,
+                               cache_salt=params.cache_salt)
         for prompt in prompts:
             self.client.check(prompt, whole)
         if self.http.log_requests:
@@ -167,7 +168,8 @@ class Api:
                 self.log_request(f"{rid}-{i}", None if texts is None else texts[i], prompt, beam)
 
         async def step(batch: list[list[int]], sampling: SamplingParams) -> list[Candidates]:
-            sampling = dataclasses.replace(sampling, seed=params.seed, priority=params.priority)
+            sampling = dataclasses.replace(sampling, seed=params.seed, priority=params.priority,
+                                           cache_salt=params.cache_salt)
             got: dict[int, StepUpdate] = {}
             async for i, u in self.run(request, batch, sampling, log=False):
                 if u.token_id is not None:
@@ -219,11 +221,13 @@ class Api:
 def _beam_reply_params(beam: BeamSearchParams, body: CompletionRequest | ChatRequest, logprobs: int | None,
                        skip_special_tokens: bool) -> SamplingParams:
     """What a beam search's reply is read with, as a sampled reply's params: n (the beam width) samples, with logprobs
-    alternatives a token, text read with skip_special_tokens; its seed and priority reach each step's requests. No
+    alternatives a token, text read with skip_special_tokens; its seed, priority and cache_salt reach each step's
+    requests. No
     temperature: they sample nothing (each step's is the search's), and a search at 0 returns n beams, not n greedy
     samples, which SamplingParams refuses."""
     return SamplingParams(n=beam.beam_width, max_tokens=beam.max_tokens,
                           logprobs=logprobs, ignore_eos=beam.ignore_eos, seed=body.seed, priority=body.priority,
+                          cache_salt=body.cache_salt,
                           include_stop_str_in_output=beam.include_stop_str_in_output,
                           skip_special_tokens=skip_special_tokens)
 

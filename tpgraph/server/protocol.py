@@ -113,7 +113,7 @@ UNSERVED: dict[str, tuple] = {"logprob_token_ids": (), "thinking_token_budget": 
 SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
                    "spaces_between_special_tokens", "logit_bias", "structured_outputs", "bad_words",
-                   "allowed_token_ids", "priority", "request_id", "return_tokens_as_token_ids")
+                   "allowed_token_ids", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt")
 
 
 class SamplingFields(NullMeansDefault):
@@ -159,6 +159,7 @@ class SamplingFields(NullMeansDefault):
     truncate_prompt_tokens: int | None = None
     # (vLLM's: which end truncate_prompt_tokens cuts; left, the default, keeps the last tokens, right the first)
     truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None  # (vLLM's: the prefix cache shares this request's blocks only with its salt's)
     prompt_logprobs: int | None = None  # (vLLM's: each prompt token's log-probability, rank and top k, unstreamed)
     allowed_token_ids: list[int] | None = None  # (vLLM's: the only ids the output may hold)
     bad_words: list[str] | None = None  # (vLLM's: words the output may not complete)
@@ -229,7 +230,7 @@ class SamplingFields(NullMeansDefault):
             spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=self.token_bias(),
             prompt_logprobs=prompt_logprobs, structured=structured,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            bad_words=tuple(self.bad_words or ()), priority=self.priority)
+            bad_words=tuple(self.bad_words or ()), priority=self.priority, cache_salt=self.cache_salt)
 
     def beam_search_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None,
                            tools: ToolPlan | None = None, logprobs_name: str = "logprobs") -> BeamSearchParams:
@@ -238,7 +239,7 @@ class SamplingFields(NullMeansDefault):
         length_penalty, with ignore_eos and include_stop_str_in_output. Each step's candidates are a beam's 2 * n
         most likely tokens, so a reply's tokens have at most that many alternatives (logprobs, named logprobs_name).
         What a search would leave unused, which vLLM's takes and ignores, is refused (see BEAM_SEARCH_UNUSED);
-        seed and priority reach each step's requests."""
+        seed, priority and cache_salt reach each step's requests."""
         self.check_served()
         for name, neutral in BEAM_SEARCH_UNUSED.items():
             value = getattr(self, name)
