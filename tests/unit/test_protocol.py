@@ -513,3 +513,13 @@ def test_stream_options_that_name_a_field_need_a_stream_whatever_its_value():
                 kind.model_validate({**body, "stream_options": options}).sampling_params(4, None)
         streamed = {**body, "stream": True, "stream_options": {"include_usage": None}}
         kind.model_validate(streamed).sampling_params(4, None)
+
+
+def test_a_completions_prompt_embeds_is_refused_not_ignored():
+    """vLLM's prompt_embeds (a completion's prompt as embeddings) was dropped unread: the reply was the text prompt's
+    alone. A 400 naming it, sampled or searched; null asks nothing."""
+    for extra in ({}, {"use_beam_search": True, "temperature": 0.0}):
+        request = CompletionRequest.model_validate({"prompt": "x", **extra, "prompt_embeds": "AAAA"})
+        with pytest.raises(RequestError, match="prompt_embeds is not supported"):
+            request.beam_search_params(4, None) if extra else request.sampling_params(4, None)
+    CompletionRequest.model_validate({"prompt": "x", "prompt_embeds": None}).sampling_params(4, None)

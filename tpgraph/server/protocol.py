@@ -105,7 +105,8 @@ BEAM_SEARCH_UNUSED: dict[str, tuple] = {
 # vLLM's request fields this server does not honour, each with the values that ask nothing of it (null too): refused
 # where they ask something, as a reply run without them would not say so (logprob_token_ids' entries missing, a
 # thinking budget or repetition check not kept)
-UNSERVED: dict[str, tuple] = {"logprob_token_ids": (), "thinking_token_budget": (-1,), "repetition_detection": ()}
+UNSERVED: dict[str, tuple] = {"logprob_token_ids": (), "thinking_token_budget": (-1,), "repetition_detection": (),
+                               "prompt_embeds": ()}  # (the last, a completion's: its prompt as embeddings)
 
 
 # vLLM's sampling fields that the Responses and Messages APIs take beside their own, handed to the chat request they
@@ -266,7 +267,7 @@ class SamplingFields(NullMeansDefault):
         """A RequestError naming the first of vLLM's fields this server does not honour (UNSERVED) that asks
         something."""
         for name, neutral in UNSERVED.items():
-            value = getattr(self, name)
+            value = getattr(self, name, None)
             if value is not None and value not in neutral:
                 raise RequestError(f"{name} is not supported by this server (vLLM's field): leave it out")
 
@@ -358,6 +359,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True  # (vLLM's: false, a text prompt gets no BOS from the tokenizer)
     best_of: int | None = None
+    prompt_embeds: Any = None  # (vLLM's, not served: see UNSERVED)
 
     _prompt_ids_are_integers = field_validator("prompt", mode="before")(_ids_are_integers)
     _counts_are_no_bools = field_validator("max_tokens", "logprobs", "best_of", mode="before")(_not_a_bool)
