@@ -272,6 +272,26 @@ def test_a_log_or_plot_that_cannot_be_written_is_refused_before_measuring(flag, 
         assert main([flag, str(tmp_path / "tune.json")]) == 0 and len(started) == 1
 
 
+@pytest.mark.parametrize("flag", ["--log", "--plot"])
+def test_a_log_or_plot_in_a_folder_or_file_that_is_not_writable_is_refused_before_measuring(flag, monkeypatch, capsys,
+                                                                                           tmp_path):
+    """Only the folder's existence was checked: a --log or --plot in a read-only folder (or over a read-only file)
+    passed, and after minutes of measuring its write ended the run in a PermissionError traceback, before the table
+    was written."""
+    started = torchrun_ranks(monkeypatch)
+    locked, kept = tmp_path / "locked", tmp_path / "kept.png"
+    locked.mkdir()
+    kept.write_text("")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) in (str(locked), str(kept)) else
+                        real(path, mode, **kw))
+    assert main([flag, str(locked / "tune.png")]) == 2
+    assert f"the folder {locked} is not writable" in capsys.readouterr().err
+    assert main([flag, str(kept)]) == 2 and "the file is not writable" in capsys.readouterr().err
+    assert not started
+    assert main([flag, str(tmp_path / "tune.png")]) == 0 and len(started) == 1
+
+
 @pytest.mark.parametrize("tolerance", ["3", "1", "nan", "-0.1"])
 def test_a_tolerance_that_is_not_a_fraction_is_refused_before_measuring(tolerance, monkeypatch, capsys):
     """--tolerance 3 (meant as 3%) counted anything within 4x of the fastest as fast, and nan everything: the fewest

@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for flag, path in (("--log", args.log), ("--plot", args.plot)):  # (written after minutes of measuring: a
         # failed write there lost the run, the table's update included)
-        if path is not None and (path.is_dir() or not path.parent.is_dir()):
-            print(f"error: {flag} {path}: " + ("a folder, not a file" if path.is_dir() else
-                                              f"there is no folder {path.parent} to write it in"), file=sys.stderr)
+        if path is not None and (refused := output_refused(path)):
+            print(f"error: {flag} {path}: {refused}", file=sys.stderr)
             return 2
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:  # (not after minutes of measuring)
         print("error: --plot needs matplotlib (pip install matplotlib, or tpgraph[bench])", file=sys.stderr)
@@ -218,6 +217,21 @@ def plot_format_refused(path: Path) -> str | None:
     suffix = path.suffix[1:].lower()  # (none: matplotlib's default format, png)
     if suffix and suffix not in formats:
         return f"matplotlib writes {', '.join(sorted(formats))}, not .{suffix}"
+    return None
+
+
+def output_refused(path: Path) -> str | None:
+    """Why a --log or --plot file could not be written at `path`, else None: a folder in its place, no folder to
+    write it in, or one (or a file) this user cannot write, which failed only after the measuring, with a traceback
+    and before the table was written."""
+    if path.is_dir():
+        return "a folder, not a file"
+    if not path.parent.is_dir():
+        return f"there is no folder {path.parent} to write it in"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"the folder {path.parent} is not writable"
     return None
 
 
