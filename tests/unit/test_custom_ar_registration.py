@@ -352,3 +352,33 @@ def test_ranks_sharing_one_gpu_take_no_nvlink_check_between_gpus_they_do_not_use
     with pytest.raises(CommError, match="not linked"):
         CustomAllReduce(state, CustomAllReduceConfig())
     assert checked == [[0, 1, 2, 3]]
+
+
+def test_ranks_on_different_machines_fall_back_to_nccl_before_any_gpu_check(monkeypatch):
+    """TP across two machines (torchrun --nnodes 2) reached the single-host set-up: from 3 ranks up the NVLink check
+    judged GPUs 0..world_size-1 of this host (with CUDA_VISIBLE_DEVICES naming this host's two, a ValueError stopped
+    every rank), and at 2 ranks a peer's CUDA IPC handle from another machine was opened here. vLLM's custom
+    all-reduce is off where the group spans nodes; here too: AllReduceUnavailable, which the communicator reads as
+    "use NCCL"."""
+    from tpgraph.comm.communicator import _verdict
+    from tpgraph.comm.topology import host_identity, hosts_reason
+    from tpgraph.errors import AllReduceUnavailable
+
+    class SetupExt(FakeExt):
+        def device_properties(self, index):
+            raise AssertionError("set-up went on past the machines' check")
+
+    checked = []
+    monkeypatch.setattr(custom_ar, "load_ext", lambda: SetupExt())
+    monkeypatch.setattr(custom_ar, "nvlink_reason", lambda devices: checked.append(devices))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    hosts = ["boot a", "boot a", "boot b", "boot b"]
+    gather = lambda state, obj: hosts if isinstance(obj, str) else [obj] * state.world_size
+    monkeypatch.setattr(custom_ar, "gather_objects", gather)
+    monkeypatch.setattr("tpgraph.distributed.gather_objects", gather)
+    state = ParallelState(0, 4, 0, torch.device("cuda", 0), None, None)
+    with pytest.raises(AllReduceUnavailable, match="2 machines .rank 0 and rank 2") as err:
+        CustomAllReduce(state, CustomAllReduceConfig())
+    assert _verdict(err.value)[0] == "unavailable" and checked == []
+    assert hosts_reason(["boot a"] * 4) is None
+    assert host_identity() == host_identity() and host_identity().split(" ", 1)[1]

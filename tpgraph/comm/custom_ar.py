@@ -23,7 +23,7 @@ from tpgraph._ext import load_ext
 from tpgraph.comm.limits import algo_codes, dtype_codes, kernel_limits
 from tpgraph.comm.registration import CaptureRegistration
 from tpgraph.comm.thresholds import WORLD_SIZES, Algo, AlgoTable, Bands, load_table_for, pick_algo
-from tpgraph.comm.topology import nvlink_reason, p2p_env_reason, unexportable_allocator
+from tpgraph.comm.topology import host_identity, hosts_reason, nvlink_reason, p2p_env_reason, unexportable_allocator
 from tpgraph.distributed import ParallelState, gather_objects, run_on_all_ranks, shared_gpu
 from tpgraph.errors import AllReduceUnavailable, CommError, ConfigError
 from tpgraph.kernels._settings import env_flag
@@ -176,6 +176,11 @@ class CustomAllReduce:
                             f"got {state.world_size}")
         self.ext = load_ext()
         self.state, self.cfg = state, cfg
+        # one machine first (every rank reaches this exchange): across machines the NVLink check below would judge
+        # this host's GPUs by other hosts' ranks, and a peer's IPC handle cannot be opened here
+        spread = hosts_reason(gather_objects(state, host_identity()))
+        if spread:
+            raise AllReduceUnavailable(f"custom all-reduce disabled: {spread}")
         # NVLink between every pair matters from 3 ranks up (one node: rank r drives CUDA device r, or with
         # TPGRAPH_SHARED_GPU every rank GPU 0, which has no pair to link); two PCIe GPUs still gain from it, as vLLM
         # also allows.

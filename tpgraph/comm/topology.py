@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 
 from tpgraph.comm.multicast import disable_switch_set
@@ -37,6 +38,28 @@ def unavailable_cuda_error(exc: BaseException) -> str | None:
         return None
     m = _CUDA_ERROR_NAME.search(str(exc))
     return m.group(1) if m and m.group(1) in UNAVAILABLE_CUDA_ERRORS else None
+
+
+def host_identity() -> str:
+    """What tells this machine from another: its kernel's boot id (shared by every container on one host, where CUDA
+    IPC can work between them), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"boot {boot}" if boot else f"host {socket.gethostname()}"
+
+
+def hosts_reason(hosts: list[str]) -> str | None:
+    """Why ranks on these hosts (host_identity, rank order) cannot share a custom all-reduce, or None: CUDA IPC maps
+    memory within one machine, so a group that spans machines uses NCCL (as vLLM's custom all-reduce does)."""
+    distinct = list(dict.fromkeys(hosts))
+    if len(distinct) < 2:
+        return None
+    first_away = next(r for r, h in enumerate(hosts) if h != hosts[0])
+    return (f"the ranks run on {len(distinct)} machines (rank 0 and rank {first_away} do not share one), and CUDA IPC "
+            "shares GPU memory within one machine")
 
 
 def p2p_env_reason(env: Mapping[str, str] | None = None) -> str | None:
