@@ -356,7 +356,8 @@ bool multicast_env_allowed() {
   // Same list and the same reading as tpgraph/comm/multicast.py (trimmed, case-insensitive; unclear values err
   // towards off): any of these means multicast objects must never be created. NCCL_NVLS_ENABLE is read as NCCL
   // reads it (strtoll base 0: off unless it starts with a nonzero number); the others are off switches, set by any
-  // value but a clear no ("0", "false", "no", "n", "off", a number 0). Empty counts as unset.
+  // value but a clear no ("0", "false", "no", "n", "off", a number 0 that is the whole value: not "0abc", "0.5" or
+  // "08"). Empty counts as unset.
   struct Var {
     const char* name;
     bool enable_switch;
@@ -379,8 +380,9 @@ bool multicast_env_allowed() {
     if (v.enable_switch) {
       if (number == 0) return false;  // (no number reads as 0 too, as in NCCL)
     } else {
+      const bool whole_number = has_number && *end == '\0';
       const bool clear_no = s == "0" || s == "false" || s == "no" || s == "n" || s == "off" ||
-                            (has_number && number == 0);
+                            (whole_number && number == 0);
       if (!clear_no) return false;
     }
   }

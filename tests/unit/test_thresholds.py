@@ -255,6 +255,17 @@ def test_off_switches_are_set_by_any_value_but_a_clear_no(value, off):
         assert multicast_allowed({name: value}) is not off, name
 
 
+@pytest.mark.parametrize("value", ["0abc", "0.5", "08", "0x", "0 1", "0,1", "-0x"])
+def test_a_value_that_only_starts_with_a_0_is_no_clear_no(value):
+    """TPGRAPH_DISABLE_MULTICAST=0.5 (or 08, 0abc) was read as the number it starts with, 0, so a value that is no
+    clear no left multicast allowed, against the rule that any value but a clear no turns it off; as a whole number 0
+    ("00", "0x0", "-0") it still reads as no."""
+    for name in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "TPGRAPH_DISABLE_MULTICAST"):
+        assert not multicast_allowed({name: value}), name
+    for clear in ("00", "0x0", "-0", " 0 "):
+        assert multicast_allowed({"TPGRAPH_DISABLE_MULTICAST": clear}), clear
+
+
 def test_the_gate_is_passed_on_to_every_librarys_variable():
     """TPGRAPH_DISABLE_MULTICAST=1 alone would leave NCCL free to build NVLS communicators: init_distributed sets
     the other variables too, before NCCL starts; an allowed environment is left alone."""
@@ -328,7 +339,7 @@ def test_cpp_multicast_gate_reads_the_same_variables(name, value, monkeypatch):
 
 @pytest.mark.parametrize("spelling", ["{v}", " {v} ", "{v}\n", "TRUE", "Yes", "false", "2", "", "00", "0x0", "off",
                                       "n", "abc", "1abc", "-1", "+", " ", "\vfalse", "no\f", "off\xa0", "\xa01",
-                                      "\x1cno"])
+                                      "\x1cno", "0abc", "0.5", "08", "0x", "0 1", "-0", "+0x0"])
 def test_python_and_cpp_gates_read_spellings_alike(spelling, monkeypatch):
     from tpgraph._ext import extension_available, load_ext
 

@@ -5,8 +5,8 @@ list the same way in C++.
 Where a value is unclear the gate errs towards off. NCCL_NVLS_ENABLE is NCCL's switch, which NCCL reads with C's
 strtoll(value, NULL, 0): any value that does not start with a nonzero number ("0", "00", "0x0", "false", "off")
 turns NVLS off there, and so here. The others are "disable" switches: any value but a clear no ("0", "false", "no",
-"n", "off", or a number 0) turns multicast off. An empty value counts as unset; values are trimmed of C's
-whitespace only, so that Python and C++ read every byte alike.
+"n", "off", or a number 0, the whole value: "0abc", "0.5" or "08" are no clear no) turns multicast off. An empty
+value counts as unset; values are trimmed of C's whitespace only, so that Python and C++ read every byte alike.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def c_integer_prefix(text: str) -> int | None:
 
 
 def disable_switch_set(value: str) -> bool:
-    """Whether a "disable" switch's value turns its thing off: any value but a clear no (or empty, as unset)."""
+    """Whether a "disable" switch's value turns its thing off: any value but a clear no (or empty, as unset). A number
+    is a clear no only where it is the whole value and 0: "0abc" or "0.5" start with one but say something else."""
     s = value.strip(C_WHITESPACE).lower()
-    return bool(value) and s not in FALSE_WORDS and c_integer_prefix(s) != 0
+    return bool(value) and s not in FALSE_WORDS and not (_C_INTEGER.fullmatch(s) and c_integer_prefix(s) == 0)
 
 
 def _disables(disabling: str, value: str) -> bool:
