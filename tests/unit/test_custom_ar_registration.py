@@ -174,6 +174,51 @@ def test_the_peer_of_a_failed_capture_raises_instead_of_waiting(monkeypatch):
     assert ar.ext.filled is None
 
 
+def test_a_rank_that_cannot_share_its_captured_inputs_tells_its_peers_in_the_exchange(monkeypatch):
+    """Exporting a captured input failed on one rank alone (memory CUDA IPC cannot export): it raised before the
+    handle exchange, and the peers, waiting in it, took that rank's next collective for its handles."""
+    ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)]], monkeypatch)
+
+    def refuse(base):
+        raise RuntimeError("CUDA error cudaErrorInvalidValue in `cudaIpcGetMemHandle`")
+
+    monkeypatch.setattr(ar.ext, "ipc_get_handle", refuse)
+    with pytest.raises(CommError, match="cannot share a captured all-reduce input"):
+        with ar.capture():
+            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+    assert "rank 0 failed sharing its captured inputs" in ar.sent[1] and "cudaErrorInvalidValue" in ar.sent[1]
+    assert ar.ext.in_use == set() and ar._registrations == []
+
+
+def test_the_peer_of_a_rank_that_could_not_share_its_inputs_raises_naming_it(monkeypatch):
+    ar = fake_communicator(1, [1, "rank 0 failed sharing its captured inputs: CommError: no"], monkeypatch)
+    with pytest.raises(CommError, match="capture abandoned: rank 0 failed sharing its captured inputs"):
+        with ar.capture():
+            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+    assert ar.ext.filled is None and ar.ext.in_use == set() and ar.ext.refs == {}
+
+
+def test_a_rank_that_cannot_map_a_peers_input_tells_its_peers_before_they_replay(monkeypatch):
+    """Mapping a peer's captured input failed on one rank alone: it raised before the last exchange ("all rows
+    everywhere before anyone replays"), which its peers then passed with its next collective, their rows filled and
+    their graphs ready to replay against a rank that had none."""
+    ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)], None], monkeypatch)
+
+    def refuse(handle):
+        raise RuntimeError("CUDA error cudaErrorTooManyPeers in `cudaIpcOpenMemHandle`")
+
+    monkeypatch.setattr(ar.ext, "ipc_open_handle", refuse)
+    with pytest.raises(RuntimeError, match="cudaErrorTooManyPeers"):
+        with ar.capture():
+            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+    assert "rank 0 failed mapping the peers' captured inputs" in ar.sent[2]
+    peer = fake_communicator(1, [1, [(b"handle-0x100000", 16)], ar.sent[2]], monkeypatch)
+    with pytest.raises(CommError, match="capture abandoned: rank 0 failed mapping"):
+        with peer.capture():
+            peer._pending.append((peer.ext.ar_reserve_row(1), 9 * SEGMENT))
+    assert peer.ext.in_use == set() and peer.ext.refs == {}
+
+
 def test_grids_follow_the_smallest_gpu_and_architectures_must_match():
     assert agree_on_devices([(132, (9, 0)), (114, (9, 0))]) == 114
     with pytest.raises(CommError, match=r"differ in architecture \['sm_90', 'sm_100'\]"):

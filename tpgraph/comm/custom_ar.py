@@ -473,6 +473,33 @@ class CustomAllReduce:
                             "every rank must capture the same sequence of collectives")
         # Handles are taken afresh at every registration: a freed graph pool can hand the same address to a new
         # allocation, whose handle differs (peers cache mappings by handle, so a new handle gets a new mapping).
+        # Each step a rank may fail alone ends in an exchange every rank reaches, its failure in it: a rank that
+        # raised before the exchange left its peers to pair it with its next collective.
+        everyone = self._agreed(lambda: self._export(pending), "sharing its captured inputs")
+        self._agreed(lambda: self._fill(pending, everyone, registration), "mapping the peers' captured inputs")
+
+    def _agreed(self, step, what: str):
+        """Every rank's result of `step` (this rank's own error raised where it failed, after the exchange); where a
+        peer failed, a CommError naming it, as for an abandoned capture."""
+        result, error = None, None
+        try:
+            result = step()
+        except Exception as exc:  # noqa: BLE001 - raised below, once the peers know
+            error = exc
+        everyone = gather_objects(self.state, result if error is None else
+                                  f"rank {self.state.rank} failed {what}: {type(error).__name__}: {error}")
+        try:
+            if error is not None:
+                raise error
+            failed = [v for v in everyone if isinstance(v, str)]
+            if failed:
+                raise CommError(f"capture abandoned: {'; '.join(failed)}")
+            return everyone
+        finally:
+            del error
+
+    def _export(self, pending: list[tuple[int, int]]) -> list[tuple[bytes, int]]:
+        """(IPC handle of its allocation, offset in it) of each captured input."""
         exported: dict[int, bytes] = {}
         mine = []
         for _, ptr in pending:
@@ -483,7 +510,10 @@ class CustomAllReduce:
                 except RuntimeError as exc:
                     raise CommError(f"cannot share a captured all-reduce input over CUDA IPC: {exc}") from None
             mine.append((exported[base], ptr - base))
-        everyone = gather_objects(self.state, mine)
+        return mine
+
+    def _fill(self, pending: list[tuple[int, int]], everyone: list, registration: CaptureRegistration) -> None:
+        """Map the peers' captured inputs and fill the rows: all rows everywhere before anyone replays."""
         ptrs = []
         for i, (_, ptr) in enumerate(pending):
             for r in range(self.state.world_size):
@@ -495,7 +525,6 @@ class CustomAllReduce:
                     registration.handles.append(handle)  # each open counts a reference, closed on release
         self.ext.ar_fill_rows(self.ctx, [row for row, _ in pending], ptrs)
         torch.cuda.synchronize()
-        gather_objects(self.state, None)  # all rows everywhere before anyone replays
 
     def release_registration(self, registration: CaptureRegistration) -> None:
         """Give back what a capture registered: its rows (zeroed, reused by later captures) and its mappings of
