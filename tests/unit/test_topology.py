@@ -165,3 +165,20 @@ def test_a_gpu_the_extension_has_no_kernels_for_falls_back_to_nccl():
                          "the device) in `cudaGetLastError()` at csrc/device.cu:84")
     assert unavailable_cuda_error(error) == "cudaErrorNoKernelImageForDevice"
     assert _verdict(error)[0] == "unavailable"
+
+
+@pytest.mark.parametrize("name", ["cudaErrorInsufficientDriver", "cudaErrorCallRequiresNewerDriver",
+                                  "cudaErrorUnsupportedPtxVersion"])
+def test_an_extension_built_for_a_newer_driver_falls_back_to_nccl(name):
+    """tpgraph._C links the CUDA runtime of the nvcc that built it: with a driver older than that toolkit (a CUDA 13
+    nvcc in the image, a 12.x driver on the host, under a torch built for 12.x that runs there) its first CUDA call
+    in the set-up fails with cudaErrorInsufficientDriver, which was raised as a bug on every rank, so TP >= 2 did not
+    start at all where NCCL would have run. Like a GPU it has no kernels for, a property of the machine: NCCL."""
+    from tpgraph.comm.communicator import _verdict
+    from tpgraph.comm.topology import unavailable_cuda_error
+    from tpgraph.tune.cli import set_up_refused
+
+    error = RuntimeError(f"CUDA error {name} (CUDA driver version is insufficient for CUDA runtime version) in "
+                         "`cudaGetDeviceProperties(&prop, device)` at csrc/device.cu:40")
+    assert unavailable_cuda_error(error) == name
+    assert _verdict(error)[0] == "unavailable" and set_up_refused(error)

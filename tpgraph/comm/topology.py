@@ -13,9 +13,10 @@ from tpgraph.comm.multicast import disable_switch_set
 # CUDA errors (as the extension names them: "CUDA error <name> (...) in `<call>`") that say this machine cannot share
 # device memory between the ranks' processes, or has no room for the workspace: P2P unsupported or not enabled
 # between the GPUs, CUDA IPC refused (containers without a shared IPC namespace, exclusive-process compute mode, MIG,
-# too many peers), or a GPU tpgraph._C holds no kernels for (built for other architectures: TPGRAPH_CUDA_ARCHS). They
-# are reasons to use NCCL. Any other error in the set-up (a kernel fault, an argument refused)
-# is a bug, not a property of the machine, and is raised.
+# too many peers), a GPU tpgraph._C holds no kernels for (built for other architectures: TPGRAPH_CUDA_ARCHS), or a
+# driver older than the CUDA toolkit tpgraph._C was built with (its static runtime, or its PTX, needs a newer one;
+# PyTorch's own CUDA, and so NCCL, may well run on it). They are reasons to use NCCL. Any other error in the set-up
+# (a kernel fault, an argument refused) is a bug, not a property of the machine, and is raised.
 UNAVAILABLE_CUDA_ERRORS = frozenset({
     "cudaErrorPeerAccessUnsupported",
     "cudaErrorPeerAccessNotEnabled",
@@ -27,6 +28,9 @@ UNAVAILABLE_CUDA_ERRORS = frozenset({
     "cudaErrorNotSupported",
     "cudaErrorMemoryAllocation",
     "cudaErrorNoKernelImageForDevice",
+    "cudaErrorInsufficientDriver",
+    "cudaErrorCallRequiresNewerDriver",
+    "cudaErrorUnsupportedPtxVersion",
 })
 _CUDA_ERROR_NAME = re.compile(r"\bCUDA error (cudaError\w+)")
 
