@@ -266,7 +266,9 @@ def test_a_log_or_plot_that_cannot_be_written_is_refused_before_measuring(flag, 
     started = torchrun_ranks(monkeypatch)
     assert main([flag, str(tmp_path / "absent" / "tune.out")]) == 2
     assert f"there is no folder {tmp_path / 'absent'} to write it in" in capsys.readouterr().err
-    assert main([flag, str(tmp_path)]) == 2 and "a folder, not a file" in capsys.readouterr().err
+    folder = tmp_path / "out.png"  # (with a suffix: a --plot without one is written with ".png" added, beside it)
+    folder.mkdir()
+    assert main([flag, str(folder)]) == 2 and "a folder, not a file" in capsys.readouterr().err
     assert not started
     if flag == "--log":
         assert main([flag, str(tmp_path / "tune.json")]) == 0 and len(started) == 1
@@ -290,6 +292,19 @@ def test_a_log_or_plot_in_a_folder_or_file_that_is_not_writable_is_refused_befor
     assert main([flag, str(kept)]) == 2 and "the file is not writable" in capsys.readouterr().err
     assert not started
     assert main([flag, str(tmp_path / "tune.png")]) == 0 and len(started) == 1
+
+
+def test_a_plot_named_without_a_suffix_is_checked_where_matplotlib_writes_it(monkeypatch, capsys, tmp_path):
+    """--plot tune: matplotlib writes tune.png, but the checks before the measuring judged "tune": a folder
+    tune.png passed them and the plot's write failed after the measuring (an IsADirectoryError traceback, the
+    table not written), while a folder "tune" refused a plot that would have been written beside it."""
+    pytest.importorskip("matplotlib")
+    started = torchrun_ranks(monkeypatch)
+    (tmp_path / "tune.png").mkdir()
+    assert main(["--plot", str(tmp_path / "tune")]) == 2
+    assert f"--plot {tmp_path / 'tune.png'}: a folder, not a file" in capsys.readouterr().err and not started
+    (tmp_path / "other").mkdir()
+    assert main(["--plot", str(tmp_path / "other")]) == 0 and started[0].plot == tmp_path / "other.png"
 
 
 @pytest.mark.parametrize("tolerance", ["3", "1", "nan", "-0.1"])

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if launched is None and args.world_size is None:
         print("error: outside torchrun, say how many ranks: --world-size N", file=sys.stderr)
         return 2
+    if args.plot is not None:  # (checked, and written, where matplotlib puts it)
+        args.plot = plot_path(args.plot)
     for flag, path in (("--log", args.log), ("--plot", args.plot)):  # (written after minutes of measuring: a
         # failed write there lost the run, the table's update included)
         if path is not None and (refused := output_refused(path)):
@@ -233,6 +235,16 @@ def output_refused(path: Path) -> str | None:
     if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
         return f"the folder {path.parent} is not writable"
     return None
+
+
+def plot_path(path: Path) -> Path:
+    """Where matplotlib writes a figure saved at `path`: a name with no suffix gets its default format's (--plot tune
+    wrote tune.png, while the checks before the measuring judged "tune")."""
+    if path.suffix or importlib.util.find_spec("matplotlib") is None:  # (without matplotlib, refused below)
+        return path
+    import matplotlib
+
+    return path.with_name(f"{path.name}.{matplotlib.rcParams['savefig.format']}")
 
 
 def check_outputs_apart(args: argparse.Namespace, table: Path) -> None:
