@@ -294,6 +294,19 @@ def test_a_log_or_plot_in_a_folder_or_file_that_is_not_writable_is_refused_befor
     assert main([flag, str(tmp_path / "tune.png")]) == 0 and len(started) == 1
 
 
+def test_a_log_and_a_plot_naming_one_file_are_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    """--log tune.png --plot tune.png: the plot was written over the log, and the measurements it kept (the only
+    record of minutes of measuring where deriving the bands failed) were lost."""
+    pytest.importorskip("matplotlib")
+    started = torchrun_ranks(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--log", "tune.png", "--plot", str(tmp_path / "tune.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--log tune.png and --plot" in err and "name one file" in err
+    assert not started
+    assert main(["--log", "tune.json", "--plot", "tune.png"]) == 0 and len(started) == 1
+
+
 def test_a_plot_named_without_a_suffix_is_checked_where_matplotlib_writes_it(monkeypatch, capsys, tmp_path):
     """--plot tune: matplotlib writes tune.png, but the checks before the measuring judged "tune": a folder
     tune.png passed them and the plot's write failed after the measuring (an IsADirectoryError traceback, the

@@ -248,11 +248,14 @@ def plot_path(path: Path) -> Path:
 
 
 def check_outputs_apart(args: argparse.Namespace, table: Path) -> None:
-    """Refuse a --log or --plot naming the table itself: the log is written first, over the table, which was then
-    lost (the run failed reading it back as a table)."""
+    """Refuse a --log or --plot naming the table itself (the log is written first, over the table, which was then
+    lost: the run failed reading it back as a table), or naming each other."""
     for flag, path in (("--log", args.log), ("--plot", args.plot)):
         if path is not None and path.resolve() == table.resolve():
             raise ConfigError(f"{flag} {path} is the table being tuned: give {flag} another file")
+    # (the plot is written after the log, over it: the measurements it kept were lost)
+    if args.log is not None and args.plot is not None and args.log.resolve() == args.plot.resolve():
+        raise ConfigError(f"--log {args.log} and --plot {args.plot} name one file: give each its own")
 
 
 def check_table_writable(table: Path) -> None:
