@@ -187,6 +187,25 @@ def test_structured_outputs_options_the_server_cannot_honour_are_refused_as_offl
         StructuredOutputsParams(json=schema, **options)
 
 
+@pytest.mark.parametrize("extra, refusal", [
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": r"[ ]?"},
+     "guided_whitespace_pattern is not taken"),
+    ({"guided_whitespace_pattern": r"\s*"}, "guided_whitespace_pattern is not taken"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]})},
+     "structural_tag is not taken"),
+])
+def test_vllms_legacy_structural_tag_and_whitespace_pattern_fields_are_refused_not_dropped(extra, refusal):
+    """vLLM's guided_whitespace_pattern and structural_tag, top-level fields beside guided_json and the others, were
+    not fields here: dropped unsaid, a structural_tag's reply ran unconstrained. They are refused as
+    structured_outputs' whitespace_pattern and structural_tag are, on both endpoints."""
+    for body in ({**CHAT, **extra}, {"model": "m", "prompt": "x", **extra}):
+        endpoint = ChatRequest if "messages" in body else CompletionRequest
+        with pytest.raises(RequestError, match=refusal):
+            endpoint.model_validate(body).sampling_params(4, None)
+    assert ChatRequest.model_validate({**CHAT, "structural_tag": None}).sampling_params(4, None).structured is None
+
+
 def test_guided_decoding_backend_naming_another_backend_is_refused_where_a_grammar_is_asked():
     """vLLM's guided_decoding_backend (beside the guided_* fields) becomes the request's backend, and its engine
     refuses a request-level backend other than its own ("Request-level structured output backend selection is no

@@ -155,6 +155,10 @@ class SamplingFields(NullMeansDefault):
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
     # (vLLM's, beside the guided_* fields: the grammar's backend, read as structured_outputs' backend; sampling_params)
     guided_decoding_backend: str | None = None
+    # (vLLM's too, beside them: refused by structured_output, as structured_outputs' whitespace_pattern and
+    # structural_tag are; left out of the model, they were dropped unsaid and the reply ran unconstrained)
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
     # (vLLM's: keep the prompt's last k tokens, at most what max_tokens leaves of max_model_len; -1: all that,
     # limits.kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
@@ -280,6 +284,14 @@ class SamplingFields(NullMeansDefault):
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them), with
         structured_outputs' options (disable_any_whitespace, backend, ...) read as the offline API reads them."""
+        if self.structural_tag is not None:
+            raise RequestError("structural_tag is not taken: give one of response_format (json), guided_json, "
+                               "guided_regex, guided_choice, guided_grammar and structured_outputs")
+        if self.guided_whitespace_pattern is not None:
+            raise RequestError("guided_whitespace_pattern is not taken: structured outputs here are xgrammar's, which "
+                               "cannot hold JSON's whitespace to a pattern; leave it out (JSON is written without free "
+                               "whitespace), or give structured_outputs {\"disable_any_whitespace\": false} for "
+                               "whitespace free between tokens")
         asked = []
         fmt = self.response_format
         if fmt is not None:
