@@ -147,6 +147,20 @@ def test_what_xgrammar_leaves_unenforced_is_what_is_refused():
         ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
           "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "{}", True),
         ({"$defs": {"o": {"type": "object", "required": ["z"]}}, "$ref": "#/$defs/o"}, "{}", True),
+        # xgrammar reads a schema with anyOf, oneOf or allOf by it alone: what is beside it is dropped
+        ({"type": "object", "properties": {"n": {"type": "string"}}, "required": ["n"],
+          "additionalProperties": False, "anyOf": [{"type": "object"}]}, "{}", True),
+        ({"anyOf": [{"type": "integer"}, {"type": "string"}], "maximum": 5}, "7", True),
+        ({"type": "integer", "maximum": 3, "allOf": [{"minimum": 1}]}, '"x"', True),
+        ({"type": "string", "oneOf": [{"maxLength": 3}, {"pattern": "^a"}]}, "5", True),
+        ({"anyOf": [{"type": "integer"}], "oneOf": [{"type": "integer", "minimum": 3}]}, "1", True),
+        # ... which changes nothing where it is an annotation, or a type each branch is of already
+        ({"type": "object", "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                                       "required": ["a"]}]}, "{}", False),
+        ({"type": ["integer", "null"], "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "title": "t",
+          "discriminator": {"propertyName": "k"}, "default": None}, "0", False),
+        ({"type": "number", "oneOf": [{"const": 1}, {"enum": [2, 3.5]}, {"anyOf": [{"type": "integer"}]}]}, '"4"',
+         False),
     ]:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         assert _is_grammar_accept_string(grammar, breaking) is refused, schema

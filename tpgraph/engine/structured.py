@@ -390,9 +390,10 @@ def json_schema_grammar(schema: str, any_whitespace: bool = False) -> Any:
 
 
 # What xgrammar (0.2.9) compiles a JSON schema without, leaving the reply free of it: the keywords it reads past, and
-# the ones it drops beside others (a $ref's siblings, the second schema of allOf on, a pattern's or format's length
-# bounds, multipleOf but an integral one on integers, a required name the same schema's properties do not list:
-# {"required": ["b"]} alone, or an anyOf branch {"required": ["a"]} under its parent's properties, lets "{}" through).
+# the ones it drops beside others (a $ref's siblings, an anyOf's, oneOf's or allOf's, the second schema of allOf on, a
+# pattern's or format's length bounds, multipleOf but an integral one on integers, a required name the same schema's
+# properties do not list: {"required": ["b"]} alone, or an anyOf branch {"required": ["a"]} under its parent's
+# properties, lets "{}" through).
 # vLLM refuses most such schemas for xgrammar too (it has a fallback; this has none).
 _UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                "dependentSchemas", "dependencies")
@@ -406,6 +407,58 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 # (pydantic's "binary" for bytes, "password", ...) is read past and the string keeps its length bounds
 _FORMATS = {"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
             "uuid", "uri-template", "json-pointer", "relative-json-pointer"}
+
+
+# anyOf, oneOf and allOf in the order xgrammar reads a schema by the first it has (after $ref, const and enum, which
+# it reads first), dropping the keywords beside it: those that would hold a reply are refused (_dropped_beside)
+_COMBINERS = ("anyOf", "oneOf", "allOf")
+_VALIDATION = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+               "maxLength", "minLength", "pattern", "format", "items", "prefixItems", "additionalItems",
+               "unevaluatedItems", "contains", "maxItems", "minItems", "uniqueItems", "maxProperties", "minProperties",
+               "required", "properties", "patternProperties", "additionalProperties", "unevaluatedProperties",
+               "propertyNames", "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else",
+               *_COMBINERS}
+# the keywords by which xgrammar takes a schema without a type as an object's or an array's
+_TYPED_BY = {"properties": "object", "additionalProperties": "object", "unevaluatedProperties": "object",
+             "items": "array", "prefixItems": "array", "unevaluatedItems": "array"}
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"),
+               (list, "array"), (dict, "object"))
+
+
+def _types(value: Any) -> set[str]:
+    """A schema's "type" as a set ("integer" beside "number", which holds it)."""
+    types = set(value) if isinstance(value, list) else {value}
+    return types | {"integer"} if "number" in types else types
+
+
+def _held_to(branch: Any, types: set[str]) -> bool:
+    """Whether every value a combiner's branch takes is of `types` (a $ref's target is not looked up: taken as so)."""
+    if not isinstance(branch, dict):
+        return False
+    if "$ref" in branch:
+        return True
+    values = [branch["const"]] if "const" in branch else branch.get("enum")
+    if isinstance(values, list):
+        return all(next(t for py, t in _JSON_TYPES if isinstance(v, py)) in types for v in values)
+    if "type" in branch:
+        return _types(branch["type"]) <= types
+    inferred = {t for k, t in _TYPED_BY.items() if k in branch}
+    if inferred:
+        return len(inferred) == 1 and inferred <= types
+    combiner = next((k for k in _COMBINERS if isinstance(branch.get(k), list)), None)
+    return combiner is not None and all(_held_to(b, types) for b in branch[combiner])
+
+
+def _dropped_beside(schema: dict) -> str | None:
+    """What xgrammar drops beside the combiner it reads a schema by, that would hold a reply ("anyOf beside
+    required, type"; a type each branch is of already is no loss); None if nothing."""
+    combiner = next((k for k in _COMBINERS if isinstance(schema.get(k), list)), None)
+    if combiner is None or any(k in schema for k in ("$ref", "const", "enum")):  # (read before it: see above)
+        return None
+    dropped = set(schema) & _VALIDATION - {combiner}
+    if "type" in dropped and all(_held_to(b, _types(schema["type"])) for b in schema[combiner]):
+        dropped.discard("type")
+    return f"{combiner} beside {', '.join(sorted(dropped))}" if dropped else None
 
 
 def _integers_only(schema: dict) -> bool:
@@ -440,6 +493,8 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
     if "$ref" in schema and set(schema) - _ANNOTATIONS:
         found.append(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS))}")
     found += [f"an empty {k}" for k in ("anyOf", "oneOf", "allOf") if schema.get(k) == []]  # (the reply was "")
+    if (beside := _dropped_beside(schema)) is not None:
+        found.append(beside)
     if found:
         return f"{found[0]} at {at}"
     for key in _SCHEMA_MAPS:
