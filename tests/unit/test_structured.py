@@ -161,6 +161,13 @@ def test_what_xgrammar_leaves_unenforced_is_what_is_refused():
           "discriminator": {"propertyName": "k"}, "default": None}, "0", False),
         ({"type": "number", "oneOf": [{"const": 1}, {"enum": [2, 3.5]}, {"anyOf": [{"type": "integer"}]}]}, '"4"',
          False),
+        # a number's, string's, array's or object's bounds are held only under a type (one its keywords give too)
+        ({"type": "object", "properties": {"r": {"minimum": 1, "maximum": 5}}, "required": ["r"]}, '{"r": 9}', True),
+        ({"minLength": 2}, '"a"', True),
+        ({"maxProperties": 0}, '{"a": 1}', True),
+        ({"items": {"type": "integer"}, "minItems": 2}, "[1]", False),
+        ({"type": ["integer", "string"], "minimum": 3}, "1", False),
+        ({"properties": {"a": {}}, "minProperties": 1}, "{}", False),
     ]:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         assert _is_grammar_accept_string(grammar, breaking) is refused, schema

@@ -461,6 +461,19 @@ def _dropped_beside(schema: dict) -> str | None:
     return f"{combiner} beside {', '.join(sorted(dropped))}" if dropped else None
 
 
+# the bounds xgrammar holds a value to only under a type (given, or one _TYPED_BY reads): without, any JSON is taken
+_TYPED_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
+                 "minItems", "maxItems", "minProperties", "maxProperties", "patternProperties", "propertyNames")
+
+
+def _untyped_bound(schema: dict) -> str | None:
+    """The first of a schema's _TYPED_BOUNDS that xgrammar drops for want of a type; None if it has a type, or is
+    read by a keyword that comes first ($ref, const, enum, a combiner: _dropped_beside's)."""
+    if "type" in schema or any(k in schema for k in (*_TYPED_BY, "$ref", "const", "enum", *_COMBINERS)):
+        return None
+    return next((k for k in _TYPED_BOUNDS if k in schema), None)
+
+
 def _integers_only(schema: dict) -> bool:
     """Whether xgrammar holds this schema's multipleOf: an integral one on integers (a type list with "integer" and
     no "number", such as Optional[int]'s ["integer", "null"], too)."""
@@ -495,6 +508,8 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
     found += [f"an empty {k}" for k in ("anyOf", "oneOf", "allOf") if schema.get(k) == []]  # (the reply was "")
     if (beside := _dropped_beside(schema)) is not None:
         found.append(beside)
+    if (bound := _untyped_bound(schema)) is not None:
+        found.append(f"{bound} without a type")
     if found:
         return f"{found[0]} at {at}"
     for key in _SCHEMA_MAPS:
