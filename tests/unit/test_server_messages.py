@@ -523,6 +523,26 @@ def test_a_tools_input_schema_without_a_type_is_an_object_schema():
     assert json.loads(client.params[0].structured.spec) == {"type": "object", **tool["input_schema"]}
 
 
+def test_the_beta_output_format_holds_the_reply_as_output_config_format_does():
+    """output_format, the name Anthropic's structured outputs beta gave output_config.format (which Anthropic still
+    takes), was left in the extras and dropped: the reply ran unconstrained. It is read as output_config.format;
+    both at once are refused, as another format is."""
+    from tpgraph.engine.structured import StructuredOutput
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"type": "json_schema", "schema": schema}
+    for body in ({"output_format": fmt}, {"output_config": {"format": fmt}}):
+        _, _, client = reply(['{"city": "Oslo"}'], body)
+        assert client.params[0].structured == StructuredOutput.json_schema(schema), body
+    client = ScriptedClient(["a"])
+    both, other = post_all(make_app(client), [
+        ("/v1/messages", {**ASK, "output_format": fmt, "output_config": {"format": fmt}}),
+        ("/v1/messages", {**ASK, "output_format": {"type": "xml"}})])
+    assert both.status_code == other.status_code == 400 and client.params == []
+    assert "output_config.format and output_format" in both.json()["error"]["message"]
+    assert other.json()["error"]["message"].startswith("output_format must be")
+
+
 def test_an_empty_system_prompt_is_no_system_prompt():
     """system "" is no system prompt (vLLM's reading: its system is taken only where it has text), not an empty
     system turn the template renders into the prompt."""

@@ -86,13 +86,19 @@ class MessagesRequest(NullMeansDefault):
 
     def output_schema(self) -> Any:
         """output_config.format's JSON schema (None where none is given, as vLLM reads it): the one format Anthropic
-        has, {"type": "json_schema", "schema"}; another is refused, not left unenforced."""
+        has, {"type": "json_schema", "schema"}; another is refused, not left unenforced. Its beta name, a top-level
+        output_format (which Anthropic still takes, and its SDK's beta sent), is read alike: left in the extras,
+        it was dropped unsaid and the reply ran unconstrained."""
         fmt = (self.output_config or {}).get("format")
+        beta = (self.model_extra or {}).get("output_format")
+        if fmt is not None and beta is not None:
+            raise RequestError("give one of output_config.format and output_format (its beta name), not both")
+        name = "output_config.format" if beta is None else "output_format"
+        fmt = fmt if beta is None else beta
         if fmt is None:
             return None
         if not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema":
-            raise RequestError(f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got '
-                               f"{fmt!r}")
+            raise RequestError(f'{name} must be {{"type": "json_schema", "schema": {{...}}}}, got {fmt!r}')
         return fmt.get("schema")
 
     def template_variables(self) -> dict[str, Any] | None:
