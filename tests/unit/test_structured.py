@@ -96,6 +96,8 @@ LETTERS: /[a-c]+/
 @pytest.mark.parametrize(("spec", "needle"), [
     (StructuredOutput("regex", "[0-9"), "the regex cannot be used"),
     (StructuredOutput("grammar", "root ::= nothing_defined"), "the grammar cannot be used"),
+    # a grammar of no string (every sample aborted at its first token, an error logged, where it was taken)
+    (StructuredOutput("grammar", "root ::= a\na ::= root"), "the grammar cannot be used: it matches nothing"),
     (StructuredOutput.json_schema({"type": "no such type"}), "the json schema cannot be used"),
     # what xgrammar compiles without, leaving replies that break their schema (["a", "a"], "karynii", {"a": 0})
     (StructuredOutput.json_schema({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "uniqueItems": True}),

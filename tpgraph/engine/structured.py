@@ -229,6 +229,8 @@ class GrammarCompiler:
             return running.result()  # (its refusal, a RequestError, is raised here too)
         try:
             compiled = self._compile(compiler, spec)
+            if not self._takes_a_token(compiled):  # (each sample's first draw would find every token masked)
+                raise ValueError("it matches nothing: no token, not even the output's end, can begin it")
         except BaseException as exc:  # (whatever it is, the threads waiting for this compile hear it)
             failure: BaseException = exc
             if isinstance(exc, (RuntimeError, ValueError, TypeError)):  # (xgrammar's refusals of a schema or grammar)
@@ -245,6 +247,15 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         running.set_result(compiled)
         return compiled
+
+    def _takes_a_token(self, compiled: Any) -> bool:
+        """Whether a compiled grammar's first mask allows any token (a grammar of no string, root ::= root, allows
+        none)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def compile_soon(self, spec: StructuredOutput) -> None:
         """Start compiling on a background thread (a follower rank, told of a grammar rank 0 is compiling ahead of
