@@ -22,6 +22,9 @@ class FakeService:
         self.aborted: list[str] = []
         self.precompiled: list = []
 
+    def compiles(self, params) -> bool:
+        return False
+
     def precompile(self, params) -> None:
         self.precompiled.append(params)
 
@@ -73,6 +76,73 @@ def test_requests_updates_metrics_and_a_lost_engine():
         assert errors and errors[0].finish_reason == "error" and not client.alive
 
     asyncio.run(main())
+
+
+class SlowGrammars(FakeService):
+    """A service whose grammars take until `release` is set to compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release, self.compiling = threading.Event(), threading.Event()
+
+    def compiles(self, params) -> bool:
+        return params.structured is not None
+
+    def precompile(self, params) -> None:
+        if self.compiles(params):
+            self.compiling.set()
+            assert self.release.wait(10)
+        super().precompile(params)
+
+
+def test_a_grammars_compile_holds_up_no_other_request_and_one_aborted_meanwhile_never_runs():
+    """The bridge's reader compiled each new grammar before it read the pipe on: every add and abort behind it
+    waited for the compile (at a 128k vocabulary, about 0.1 s for a 40-property schema, more for larger ones). A
+    grammar not compiled yet is compiled on a thread of its own, its request queued once it is; one aborted meanwhile
+    is never queued (its abort reached the service first, and the add after it would have run for nobody)."""
+    from tpgraph.engine.structured import StructuredOutput
+
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    service = SlowGrammars()
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    bridge.start()
+    client = EngineClient(frontend_end, LIMITS)
+    constrained = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
+
+    async def main() -> None:
+        client.attach(asyncio.get_running_loop())
+        got: dict[str, list[StepUpdate]] = {"slow": [], "fast": [], "gone": []}
+        done = {rid: asyncio.Event() for rid in got}
+
+        def sink_for(rid):
+            def sink(u):
+                got[rid].append(u)
+                if u.finish_reason:
+                    done[rid].set()
+            return sink
+
+        client.submit("gone", [1, 2, 3], constrained, sink_for("gone"))
+        client.submit("slow", [4, 5, 6], constrained, sink_for("slow"))
+        assert await asyncio.get_running_loop().run_in_executor(None, service.compiling.wait, 10)
+        client.submit("fast", [7, 8, 9], SamplingParams(), sink_for("fast"))
+        await asyncio.wait_for(done["fast"].wait(), 5)  # (while the grammars compile)
+        assert not got["slow"] and not got["gone"]
+        client._sinks.pop("gone")
+        frontend_end.send(("abort", "gone"))  # (the client's abort, its sink kept to see what would come)
+        client._sinks["gone"] = sink_for("gone")
+        await asyncio.sleep(0.2)
+        service.release.set()
+        await asyncio.wait_for(done["slow"].wait(), 5)
+        await asyncio.sleep(0.2)
+        assert [u.token_id for u in got["slow"]] == [4, 5, 6] and got["gone"] == []
+        assert service.aborted == [] and len(service.precompiled) == 3
+        bridge.close()  # (while the loop runs, which hears the pipe close)
+        await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.release.set()
 
 
 def test_the_engine_side_hears_the_front_end_go():

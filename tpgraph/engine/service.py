@@ -63,8 +63,13 @@ class EngineService:
         self.core.check_request(prompt_ids, params)  # reads fixed configuration only: safe from any thread
         self.enqueue(request_id, prompt_ids, params, sink)
 
+    def compiles(self, params: SamplingParams) -> bool:
+        """Whether precompile would compile a grammar (one the request asks for, not compiled yet), taking a while."""
+        grammars = self.core.grammars
+        return params.structured is not None and grammars is not None and not grammars.compiled(params.structured)
+
     def precompile(self, params: SamplingParams) -> None:
-        """Compile a request's grammar on the caller's thread (the server's reader), so that the engine thread, which
+        """Compile a request's grammar on the caller's thread (the server bridge's), so that the engine thread, which
         adds the request, finds it compiled rather than stalling a step on it; the other ranks are told to compile it
         too, on a thread of theirs. A refusal, or any failure, is left for the add to report."""
         if params.structured is not None and self.core.grammars is not None:

@@ -9,10 +9,10 @@ with a constrained row reads the step in flight between its own forwards and its
 while the forwards do, and steps stay overlapped (engine/core.py). Every rank keeps its own matchers and reaches the
 same states, since it samples the same tokens.
 
-Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on its reader
-thread before queueing it (EngineService.precompile), and keeps the last 64. At TP > 1 rank 0 tells the other ranks
-of the grammar first, and they compile it on a thread of their own while it does (compile_soon), so that none
-stalls a step on it when the request arrives.
+Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on a thread of
+its bridge before queueing it (EngineService.precompile; the pipe's other requests pass it meanwhile), and keeps the
+last 64. At TP > 1 rank 0 tells the other ranks of the grammar first, and they compile it on a thread of their own
+while it does (compile_soon), so that none stalls a step on it when the request arrives.
 
 JSON has no free whitespace by default (xgrammar writes ", " and ": " between items): a model that may emit
 whitespace anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. A request that
@@ -191,7 +191,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._compiler: Any = None
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
-        # the server's reader thread compiles a request's grammar ahead (EngineService.precompile), the engine
+        # a thread of the server's bridge compiles a request's grammar ahead (EngineService.precompile), the engine
         # thread reads it back: the cache is shared, and a compile runs outside the lock
         self._lock = threading.Lock()
         self._compiling: dict[StructuredOutput, Future] = {}  # specs a thread is compiling now
@@ -202,6 +202,11 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compile(spec))
+
+    def compiled(self, spec: StructuredOutput) -> bool:
+        """Whether the spec's grammar is compiled already (compile returns it at once)."""
+        with self._lock:
+            return spec in self._cache
 
     def can_begin_with(self, spec: StructuredOutput, ids: set[int]) -> bool:
         """Can the spec's grammar take one of `ids` first (its mask before any output)?"""

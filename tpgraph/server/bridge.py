@@ -49,7 +49,15 @@ class EngineBridge:
         self.on_ready = on_ready
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._read, name="tpgraph-bridge-in", daemon=True),
-                         threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True)]
+                         threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True),
+                         threading.Thread(target=self._compile, name="tpgraph-bridge-compile", daemon=True)]
+        # a request whose grammar is not compiled yet is compiled on a thread of its own and queued after, so that
+        # the adds and aborts behind it in the pipe wait for no compile; one aborted meanwhile is never queued (a
+        # daemon thread: a compile under way holds up no exit)
+        self._to_compile: queue.SimpleQueue = queue.SimpleQueue()
+        self._compiling: set[str] = set()  # (their request ids)
+        self._dropped: set[str] = set()  # (those aborted while compiling)
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         for t in self._threads:
@@ -67,6 +75,7 @@ class EngineBridge:
         except OSError:
             pass
         self._threads[0].join(2.0)
+        self._to_compile.put(_STOP)
         self.conn.close()
 
     def _read(self) -> None:
@@ -76,10 +85,19 @@ class EngineBridge:
                 kind = message[0]
                 if kind == "add":
                     _, request_id, prompt_ids, params = message
-                    self.service.precompile(params)  # (here, not in a step: a new grammar takes a while)
-                    self.service.enqueue(request_id, prompt_ids, params, self._out.put)
+                    if self.service.compiles(params):  # (here, not in a step: a new grammar takes a while)
+                        with self._lock:
+                            self._compiling.add(request_id)
+                        self._to_compile.put((request_id, prompt_ids, params))
+                    else:
+                        self.service.precompile(params)  # (the other ranks hear of a grammar compiled here)
+                        self.service.enqueue(request_id, prompt_ids, params, self._out.put)
                 elif kind == "abort":
-                    self.service.enqueue_abort(message[1])
+                    with self._lock:
+                        if message[1] in self._compiling:
+                            self._dropped.add(message[1])
+                        else:
+                            self.service.enqueue_abort(message[1])
                 elif kind == "metrics":
                     self._out.put(("metrics", message[1], self.exposition()))
                 elif kind == "ready" and self.on_ready is not None:
@@ -90,6 +108,20 @@ class EngineBridge:
             logger.exception("the pipe from the HTTP front end failed")
         finally:
             self.on_closed()
+
+    def _compile(self) -> None:
+        while (item := self._to_compile.get()) is not _STOP:
+            request_id, prompt_ids, params = item
+            try:
+                self.service.precompile(params)  # (a refusal is the add's to report)
+            except Exception:  # noqa: BLE001 - the add meets it again; this thread must live for the next grammar
+                logger.exception("compiling request %s's grammar failed", request_id)
+            with self._lock:  # (queued, or dropped if aborted meanwhile: under the lock, so no abort slips between)
+                self._compiling.discard(request_id)
+                if request_id in self._dropped:
+                    self._dropped.discard(request_id)
+                else:
+                    self.service.enqueue(request_id, prompt_ids, params, self._out.put)
 
     def _send(self) -> None:
         while True:
