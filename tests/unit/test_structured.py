@@ -170,6 +170,12 @@ def test_what_xgrammar_leaves_unenforced_is_what_is_refused():
         ({"items": {"type": "integer"}, "minItems": 2}, "[1]", False),
         ({"type": ["integer", "string"], "minimum": 3}, "1", False),
         ({"properties": {"a": {}}, "minProperties": 1}, "{}", False),
+        # a pattern with a quote, a backslash or a control character is written unescaped: the reply is no JSON
+        ({"type": "string", "pattern": '^"[a-z]+"$'}, '""ab""', True),
+        ({"type": "string", "pattern": "^C:\\\\.*$"}, '"C:\\x"', True),
+        ({"type": "string", "pattern": "^\\d+\\t\\d+$"}, '"1\t2"', True),
+        ({"type": "string", "pattern": '^[^"]*$'}, '"a\\"', False),  # (its JSON-string regex: none of them)
+        ({"type": "string", "pattern": "^https?://[a-z.]+$"}, '"http://a"b"', False),
     ]:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         assert _is_grammar_accept_string(grammar, breaking) is refused, schema

@@ -26,6 +26,7 @@ would compile without (uniqueItems, not, if, ...: unenforced_keyword) is refused
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -490,6 +491,27 @@ def _untyped_bound(schema: dict) -> str | None:
     return next((k for k in _TYPED_BOUNDS if k in schema), None)
 
 
+# what in a pattern may stand for a character JSON writes only escaped: a quote, an escaped backslash, a control
+# character or its escape (\t, \x01, ...); xgrammar lowers such a pattern to a grammar of its own, not its JSON-string
+# regex, and writes them there as they are
+_RAW_IN_JSON = re.compile(r'"|\\\\|[\x00-\x1f]|\\[tnrfvae0cxu]')
+
+
+@functools.lru_cache(maxsize=256)
+def _written_unescaped(pattern: str) -> bool:
+    """Whether xgrammar writes a string pattern's quotes, backslashes or control characters into the JSON as they are
+    (a reply such as "a"b", which is no JSON): it does where it lowers the pattern to a grammar of its own."""
+    if not _RAW_IN_JSON.search(pattern):
+        return False
+    import xgrammar as xgr
+
+    try:
+        grammar = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern})))
+    except (RuntimeError, ValueError):  # (refused when the schema compiles, with xgrammar's reason)
+        return False
+    return "json_string=true" not in grammar
+
+
 def _integers_only(schema: dict) -> bool:
     """Whether xgrammar holds this schema's multipleOf: an integral one on integers (a type list with "integer" and
     no "number", such as Optional[int]'s ["integer", "null"], too)."""
@@ -526,6 +548,8 @@ def unenforced_keyword(schema: Any, at: str = "#") -> str | None:
         found.append(beside)
     if (bound := _untyped_bound(schema)) is not None:
         found.append(f"{bound} without a type")
+    if isinstance(schema.get("pattern"), str) and _written_unescaped(schema["pattern"]):
+        found.append("pattern with a quote, a backslash or a control character (which xgrammar writes unescaped)")
     if found:
         return f"{found[0]} at {at}"
     for key in _SCHEMA_MAPS:
