@@ -204,6 +204,54 @@ def test_vllm_flags_at_the_value_this_engine_runs_are_taken():
     assert engine_kwargs(args) == engine_kwargs(parse_args([]))  # (nothing the engine is built with differs)
 
 
+def test_disable_custom_all_reduce_is_a_flag_that_reaches_the_engine(capsys):
+    """vLLM's --disable-custom-all-reduce (every all-reduce through NCCL) was an unknown flag: taken, with vLLM's
+    --no- form, and listed in --help."""
+    assert engine_kwargs(parse_args([]))["disable_custom_all_reduce"] is False
+    assert engine_kwargs(parse_args(["--disable-custom-all-reduce"]))["disable_custom_all_reduce"] is True
+    assert engine_kwargs(parse_args(["--no-disable-custom-all-reduce"]))["disable_custom_all_reduce"] is False
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--disable-custom-all-reduce" in capsys.readouterr().out
+
+
+def test_ranks_the_engine_starts_are_built_with_its_all_reduce_choice(monkeypatch):
+    """Every rank must choose the same all-reduce (the custom one's set-up is a collective): the ranks TPEngine starts
+    are given the setting with the others."""
+    from tpgraph.engine import followers
+
+    class Started(Exception):
+        pass
+
+    given = {}
+
+    def start(tp_size, init, kwargs, threads=None):
+        given.update(kwargs)
+        raise Started
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(followers, "start_followers", start)
+    with pytest.raises(Started):
+        TPEngine(**SMALL, tp_size=2, disable_custom_all_reduce=True)
+    assert given["disable_custom_all_reduce"] is True
+
+
+def test_torchrun_ranks_that_differ_on_the_all_reduce_are_refused_on_every_rank(monkeypatch):
+    """Under torchrun each rank reads its own command line: one with --disable-custom-all-reduce beside one without
+    would meet the other's custom all-reduce set-up in a different collective (a hang, or garbled exchanges). Every
+    rank hears every rank's choice and refuses alike, naming them."""
+    from tpgraph.distributed import ParallelState
+    from tpgraph.engine import tp_engine
+
+    state = ParallelState(1, 2, 1, torch.device("cpu"), None, None)
+    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, value: [False, True])
+    with pytest.raises(ConfigError, match=r"disable_custom_all_reduce differs between ranks: rank 0 False, "
+                                          r"rank 1 True"):
+        tp_engine.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
+    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, value: [True, True])
+    tp_engine.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: 'fp8' is not supported: the KV cache is kept in the "
                                   "model's dtype (no fp8 cache); use 'auto' or 'bfloat16' or 'float16' or 'float32'"),

@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -46,6 +47,25 @@ def test_communicator_says_why_it_uses_nccl_on_cpu():
     state = ParallelState(0, 2, 0, torch.device("cpu"), None, None)
     assert TPCommunicator(state).custom_reason == "not on CUDA"
     assert TPCommunicator(state, use_custom_allreduce=False).custom_reason == "disabled by the caller"
+
+
+def test_a_communicator_built_without_the_custom_all_reduce_never_sets_it_up_and_says_so_once(monkeypatch, caplog):
+    """--disable-custom-all-reduce: no set-up (a fake one fails if reached), no push channel, every all-reduce
+    through torch.distributed; rank 0 alone logs it, naming the flag."""
+    from tpgraph.comm import communicator
+
+    monkeypatch.setattr(communicator, "_try_custom_allreduce",
+                        lambda *a: pytest.fail("the custom all-reduce was set up"))
+    lines = []
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tpgraph.comm.communicator"):
+            comm = TPCommunicator(ParallelState(rank, 2, rank, torch.device("cpu"), None, None),
+                                  use_custom_allreduce=False, disabled_by="--disable-custom-all-reduce")
+        lines.append([r.getMessage() for r in caplog.records])
+        assert comm.custom is None and comm.push_channel(torch.zeros(1, 8, dtype=torch.bfloat16)) is None
+        assert comm.custom_reason == "disabled by --disable-custom-all-reduce"
+    assert lines == [["custom all-reduce disabled (--disable-custom-all-reduce): NCCL"], []]
 
 
 def test_shared_gpu_switch_is_0_or_1_and_gives_each_rank_its_own_nccl_host(monkeypatch):

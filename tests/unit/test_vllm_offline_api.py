@@ -73,20 +73,40 @@ def test_vllm_keywords_that_change_nothing_here_are_taken_at_those_values_alone(
 
 
 def test_vllm_keywords_rl_frameworks_pass_at_their_defaults_are_taken_there_alone():
-    """RL frameworks build vLLM's LLM with skip_tokenizer_init=False, enable_lora=False, disable_custom_all_reduce=
-    False and enable_sleep_mode=False (their defaults, from config): each was a bare TypeError ("unexpected keyword
-    argument"). Taken at those values; the others ask for what tpgraph does not do, refused saying so."""
+    """RL frameworks build vLLM's LLM with skip_tokenizer_init=False, enable_lora=False and enable_sleep_mode=False
+    (their defaults, from config): each was a bare TypeError ("unexpected keyword argument"). Taken at those values;
+    the others ask for what tpgraph does not do, refused saying so. (disable_custom_all_reduce, which they pass too,
+    is a setting here: the next test.)"""
     from tpgraph.engine.config import vllm_keywords
 
-    defaults = {"skip_tokenizer_init": False, "enable_lora": False, "disable_custom_all_reduce": False,
-                "enable_sleep_mode": False}
+    defaults = {"skip_tokenizer_init": False, "enable_lora": False, "enable_sleep_mode": False}
     assert vllm_keywords(None, 1, defaults) == (None, 1, {})
     for name, meaning in [("skip_tokenizer_init", "False alone .*detokenizes"),
                           ("enable_lora", "False alone .*merge_and_unload"),
-                          ("disable_custom_all_reduce", "False alone .*picks its all-reduce"),
                           ("enable_sleep_mode", "False alone .*no sleep mode")]:
         with pytest.raises(ConfigError, match=rf"{name}=True \(vLLM's\) is not taken: {name} takes {meaning}"):
             vllm_keywords(None, 1, {name: True})
+
+
+def test_disable_custom_all_reduce_is_taken_and_the_communicator_is_built_without_it(monkeypatch):
+    """LLM(..., disable_custom_all_reduce=True), which RL frameworks and vLLM users pass to run every all-reduce
+    through NCCL, was refused ("takes False alone"), though the communicator can run without the custom all-reduce.
+    Taken: the communicator is built without it (the default still tries it: on CPU, "not on CUDA")."""
+    from tpgraph.engine import tp_engine
+    from tpgraph.engine.config import vllm_keywords
+
+    assert vllm_keywords(None, 1, {"disable_custom_all_reduce": True}) == (None, 1, {"disable_custom_all_reduce": True})
+    built = []
+    real = tp_engine.TPCommunicator
+    monkeypatch.setattr(tp_engine, "TPCommunicator", lambda state, **kw: built.append(kw) or real(state, **kw))
+    with engine(disable_custom_all_reduce=True) as e:
+        assert e.config.disable_custom_all_reduce is True and built[-1]["use_custom_allreduce"] is False
+        assert e.comm.custom is None and e.comm.custom_reason == "disabled by --disable-custom-all-reduce"
+        assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    with engine(disable_custom_all_reduce=False) as e:
+        assert built[-1]["use_custom_allreduce"] is True and e.comm.custom_reason == "not on CUDA"
+    with pytest.raises(ConfigError, match=r"disable_custom_all_reduce must be True or False, got 'yes'"):
+        TPEngine(device="cpu", disable_custom_all_reduce="yes")
 
 
 def test_vllm_keywords_at_vllms_own_defaults_are_taken_as_left_out():

@@ -28,14 +28,17 @@ logger = logging.getLogger(__name__)
 
 
 class TPCommunicator:
-    def __init__(self, state: ParallelState, use_custom_allreduce: bool = True, custom_config=None) -> None:
-        """custom_config: a CustomAllReduceConfig for the custom path (default: its defaults and environment)."""
+    def __init__(self, state: ParallelState, use_custom_allreduce: bool = True, custom_config=None,
+                 disabled_by: str = "the caller") -> None:
+        """custom_config: a CustomAllReduceConfig for the custom path (default: its defaults and environment).
+        disabled_by: what turned the custom path off (use_custom_allreduce=False), named in the log and summary. The
+        choice must be the same on every rank: the custom path's set-up is a collective."""
         self.state = state
         self.world_size = state.world_size
         self.rank = state.rank
         self.custom = None
         self.capture_locked = False  # set by the graph runner once its capture phase is over
-        self.custom_reason = "disabled by the caller" if not use_custom_allreduce else None
+        self.custom_reason = f"disabled by {disabled_by}" if not use_custom_allreduce else None
         # one rank: the residual add and the norm's staging in the row-parallel projections' epilogue unless it is
         # turned off (TPGRAPH_GEMV_ALLREDUCE=0) or the fused norm is (custom_config.fused_norm,
         # TPGRAPH_FUSED_AR_NORM=0: the comparisons' unfused path)
@@ -47,6 +50,8 @@ class TPCommunicator:
         if state.is_driver and state.world_size > 1:
             if self.custom is not None:
                 logger.info("all-reduce: custom (tables: %s), NCCL above its bands", self.custom.table.source)
+            elif not use_custom_allreduce:
+                logger.info("custom all-reduce disabled (%s): NCCL", disabled_by)
             else:
                 logger.info("all-reduce: NCCL/gloo only (%s)", self.custom_reason)
 

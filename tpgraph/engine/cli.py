@@ -84,6 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="vLLM's name for the same: on by default (--no-async-scheduling turns it off)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
+    p.add_argument("--disable-custom-all-reduce", action=argparse.BooleanOptionalAction, default=False,
+                   help="every all-reduce, eager and in CUDA graphs, through NCCL (torch.distributed) instead of "
+                        "tpgraph's custom all-reduce kernels (default: those where every GPU pair allows them)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
     add_graph_args(p)

@@ -43,6 +43,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens
     enable_prefix_caching: bool = True  # share the K/V blocks of token prefixes already computed
+    # vLLM's: every all-reduce (eager and in graphs) through NCCL (torch.distributed), never the custom kernels
+    disable_custom_all_reduce: bool = False
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
     chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
@@ -96,7 +98,8 @@ class EngineConfig:
                               ("kv_cache_dtype",))
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        for name in ("overlap_scheduling", "enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("overlap_scheduling", "enable_prefix_caching", "enable_chunked_prefill",
+                     "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -194,8 +197,6 @@ VLLM_KEYWORDS_TAKEN = {
                                                   "prompts may be token ids all the same)"),
     "enable_lora": (lambda v: v is False, "False alone (no LoRA adapters are served: merge one into the weights, "
                                           "peft's merge_and_unload, and load the merged checkpoint)"),
-    "disable_custom_all_reduce": (lambda v: v is False, "False alone (tpgraph picks its all-reduce itself: its own "
-                                                        "kernel where the GPUs allow, else NCCL)"),
     "enable_sleep_mode": (lambda v: v is False, "False alone (there is no sleep mode here: no LLM.sleep or wake_up)"),
     "pipeline_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),
     "data_parallel_size": (lambda v: not isinstance(v, bool) and v == 1, _TENSOR_PARALLEL_ALONE),

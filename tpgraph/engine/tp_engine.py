@@ -164,6 +164,18 @@ def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...
     return tuple(t for t in eos_ids if 0 <= t < vocab_size)
 
 
+def check_same_on_every_rank(state: ParallelState, name: str, value: object) -> None:
+    """A setting that chooses which collectives run, refused on every rank where the ranks differ on it (torchrun's
+    ranks each read their own command line; ranks TPEngine starts are given rank 0's): they would otherwise meet in
+    different collectives, a hang or garbled exchanges."""
+    if state.world_size == 1:
+        return
+    values = gather_objects(state, value)
+    if any(v != values[0] for v in values):
+        given = ", ".join(f"rank {rank} {v!r}" for rank, v in enumerate(values))
+        raise ConfigError(f"{name} differs between ranks: {given}; give every rank the same", (name,))
+
+
 IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # started followers' wait for rank 0's next message (see __init__)
 
 # the kinds of sampled rows the warm-up runs alone (see warm_up)
@@ -251,7 +263,10 @@ class TPEngine:
         try:
             if self.state.world_size != tp_size:
                 raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
-            self.comm = TPCommunicator(self.state)
+            # (every rank must choose alike: the custom all-reduce's set-up is a collective)
+            check_same_on_every_rank(self.state, "disable_custom_all_reduce", cfg.disable_custom_all_reduce)
+            self.comm = TPCommunicator(self.state, use_custom_allreduce=not cfg.disable_custom_all_reduce,
+                                       disabled_by="--disable-custom-all-reduce")
             dtype = default_dtype(model_cfg, self.state.device) if cfg.dtype in (None, "auto") else \
                 parse_dtype(cfg.dtype)
             check_kv_cache_dtype(cfg.kv_cache_dtype, dtype)  # (before the weights load)
