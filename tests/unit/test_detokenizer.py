@@ -217,3 +217,42 @@ def test_a_prompt_ending_in_real_replacement_characters_still_primes_the_stream(
     d = Detokenizer(tok, [vocab["Hi"], *fffd, *fffd], SamplingParams())
     text = "".join(d.add(t)[0] for t in [vocab["▁Sure"], vocab["▁the"]]) + d.flush()
     assert text == " Sure the"
+
+
+@pytest.mark.parametrize("after", ["b", "你", "🚀 ok", "\ufffd"])
+def test_a_run_of_real_replacement_characters_streams_and_costs_each_token_little(after):
+    """A model writing U+FFFD characters (mojibake in its training text): each one's text ends in U+FFFD, as a
+    character's first bytes do, so the stream held them all, handed out nothing until the run ended and decoded the
+    whole run again with every token (its square: 600 us a token at 4000 of them). What is before a character not
+    whole yet is handed out now; a character after the run still completes."""
+    ids = list("\ufffd".encode()) * 300 + _ids(after)
+    detok = Detokenizer(TOK, PROMPT, SamplingParams())
+    pieces, held = [], 0
+    for t in ids:
+        pieces.append(detok.add(t)[0])
+        held = max(held, len(detok.undecoded))
+    pieces.append(detok.flush())
+    assert "".join(pieces) == TOK.decode(ids) == "\ufffd" * 300 + after
+    assert held <= 8 and len("".join(pieces[:600])) >= 190  # (streamed as it came, a bounded run held)
+
+
+def test_a_stop_string_across_settled_replacement_characters_cuts_there():
+    """A stop string found in a settled piece ends the sequence; the tokens still held after it add nothing."""
+    ids = [0x80, 0x80, 0x80] + list("\ufffd".encode()) * 2 + [0xE4, 0xBD, 0xA0]
+    detok = Detokenizer(TOK, PROMPT, SamplingParams(stop=["\ufffd\ufffd\ufffd\ufffd"]))
+    out, stopped = "", False
+    for t in ids:
+        piece, stopped = detok.add(t)
+        out += piece
+        if stopped:
+            break
+    assert stopped and out + (detok.flush() if not stopped else "") == "" and detok.stop_string is not None
+
+
+def test_a_byte_fallback_run_is_not_cut_early():
+    """A byte-fallback decoder reads a whole run of byte tokens as one (a stray byte makes the run's later
+    characters U+FFFD too): a long held run is not cut, so the text is still what decoding it whole gives."""
+    tok, vocab = byte_fallback_tokenizer(["▁the"])
+    ids = [1 + 0xFD, *(1 + b for b in "\ufffd".encode() * 4), *(1 + b for b in "你".encode())]
+    detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams())
+    assert "".join(detok.add(t)[0] for t in ids) + detok.flush() == tok.decode(ids)

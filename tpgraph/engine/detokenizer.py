@@ -2,13 +2,17 @@
 
 Text comes from tokenizers' DecodeStream (primed with the prompt's last tokens, so a leading space or a word joined
 across the boundary decodes as in one pass), which never returns half a UTF-8 character: it holds back tokens whose
-bytes do not decode yet. When the sequence ends, those are decoded as they are (U+FFFD for bytes that never completed
-a character), so the text holds every generated token, as decoding all of them at once would. While a request
-has stop strings (and does not keep them in its output), a tail of the text that a stop string starts with is held
-back, so text handed out never has to be taken back: the streamed text always equals the final text.
+bytes do not decode yet (and real U+FFFD characters, which end its text as such bytes do: a long run of held tokens
+is handed out up to a character not whole yet, _settle). When the sequence ends, those are decoded as they are
+(U+FFFD for bytes that never completed a character), so the text holds every generated token, as decoding all of
+them at once would. While a request has stop strings (and does not keep them in its output), a tail of the text
+that a stop string starts with is held back, so text handed out never has to be taken back: the streamed text
+always equals the final text.
 """
 
 from __future__ import annotations
+
+import sys
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -18,6 +22,10 @@ from tpgraph.engine.stop_strings import StopScanner
 
 PRIME_TOKENS = 6  # prompt tokens the stream starts from
 PRIME_LOOKBACK = 24  # prompt tokens from its end over which that window may slide back (past an invalid tail)
+# held tokens past which those before a character not whole yet are handed out (_settle): real U+FFFD characters that a
+# model writes hold the stream as a character's first bytes do, and were held all together, their run decoded again
+# with every token (its square) and none of it streamed
+HELD_LIMIT, UTF8_TAIL = 8, 3
 _INVALID_PREFIX = "Invalid prefix encountered"  # (DecodeStream.step's error when earlier text changed)
 
 
@@ -29,6 +37,13 @@ class Detokenizer:
         self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
         self.decoded = prime  # the last tokens whose text is in self.text (or the prompt's)
         self.undecoded: list[int] = []  # tokens after them that the stream holds back (incomplete UTF-8 so far)
+        # held tokens at which those before a character not whole yet are handed out; never with a byte-fallback
+        # decoder, which reads a whole run of byte tokens as one (a stray byte makes every byte of its run U+FFFD, the
+        # run's later characters too: no cut in it is final)
+        decoder = tokenizer.decoder
+        self.held_limit = sys.maxsize if decoder is not None and b'"ByteFallback"' in decoder.__getstate__() \
+            else HELD_LIMIT
+        self.settle_at = self.held_limit
         # spaces_between_special_tokens False: an added token right after another is its own text alone, without the
         # space some decoders (WordPiece's) put before it (as vLLM's detokenizer gives it)
         self.added = {} if params.skip_special_tokens or params.spaces_between_special_tokens else {
@@ -64,10 +79,20 @@ class Detokenizer:
             self.last_added = added is not None
         if not piece:
             self.undecoded.append(token_id)
-            return "", False
+            if len(self.undecoded) < self.settle_at:
+                return "", False
+            piece = self._settle()
+            # (tried again at twice as many held tokens: a run with no place to cut costs its length, not its square)
+            self.settle_at = self.held_limit if piece else 2 * len(self.undecoded)
+            return self._hand_out(piece, may_stop) if piece else ("", False)
         self.decoded = (self.decoded + self.undecoded + [token_id])[-PRIME_TOKENS:]
-        self.undecoded = []
+        self.undecoded, self.settle_at = [], self.held_limit
+        return self._hand_out(piece, may_stop)
+
+    def _hand_out(self, piece: str, may_stop: bool) -> tuple[str, bool]:
+        """The text of the tokens decoded now added: what to hand out, and whether a stop string ended it."""
         if self._append(piece, may_stop):
+            self.undecoded = []  # (tokens still held after a settled piece come after the stop: cut with the text)
             return self.flush(), True
         # (with the stop string kept in the output, a tail it may begin in is never taken back: vLLM holds none)
         held = self.stops.held if self.stops is not None and not self.include_stop else 0
@@ -80,6 +105,32 @@ class Detokenizer:
         if let_go > 0:
             self.text, self.emitted = self.text[let_go:], safe - let_go
         return delta, False
+
+    def _settle(self) -> str:
+        """The text of the held tokens up to the last place among the last few where they split no character (the
+        two sides decode apart to what they decode to together, the later side to some text), which tokens after
+        them no longer change; the stream starts again there and is fed the tokens after it. "" where there is none.
+        (A character not whole yet has at most 3 bytes: its start is among the last 3 held tokens.)"""
+        held = self.undecoded
+        for cut in range(len(held) - 1, max(len(held) - UTF8_TAIL - 2, 0), -1):
+            before, rest = self.decoded + held[:cut], held[cut:]
+            head, tail = self._decode(before), self._decode(rest)
+            if tail and head + tail == self._decode(before + rest):
+                break
+        else:
+            return ""
+        piece = self._tail(held[:cut])
+        self.decoded, self.undecoded = before[-PRIME_TOKENS:], []
+        # (primed as a prompt is: a window ending in U+FFFD would hand its text out again)
+        self.stream = DecodeStream(ids=self._prime(self.decoded), skip_special_tokens=self.skip_special_tokens)
+        for t in rest:
+            more = self.stream.step(self.tokenizer, t) or ""
+            if more:  # (none is expected: their text after the cut is what it was; taken as add takes it)
+                piece += more
+                self.decoded, self.undecoded = (self.decoded + self.undecoded + [t])[-PRIME_TOKENS:], []
+            else:
+                self.undecoded.append(t)
+        return piece
 
     def _append(self, piece: str, may_stop: bool) -> bool:
         """Add text; whether a stop string ending in it cut the text there."""
