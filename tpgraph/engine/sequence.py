@@ -21,7 +21,8 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# (compared by identity: a queue's remove() compared every field of every sequence it passed, per abort)
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     prompt_ids: list[int]
