@@ -4,6 +4,7 @@ right sinks on the event loop, metrics answer by ticket, and a closed pipe fails
 import asyncio
 import multiprocessing as mp
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,3 +208,79 @@ def test_the_front_end_stops_at_once_and_cleanly(stop):
         if proc.is_alive():
             proc.kill()
         conn.close()
+
+
+class BrokenCore:
+    """An engine core whose every step raises (a device error, a bug): the service loop fails on its first step."""
+
+    grammars = None
+
+    def __init__(self) -> None:
+        import torch
+
+        self.runner = SimpleNamespace(device=torch.device("cpu"))
+        self.requests: dict = {}
+        self.has_work = False
+
+    def check_request(self, prompt_ids, params) -> None:
+        pass
+
+    def prepare_request(self, request_id, prompt_ids, params):
+        from tpgraph.engine.core import PreparedRequest
+
+        return PreparedRequest(request_id, list(prompt_ids), params, [None])
+
+    def add_prepared(self, request) -> None:
+        self.has_work = True
+
+    def step(self, while_gpu_runs=None):
+        raise RuntimeError("an illegal memory access")
+
+
+def test_an_engine_loop_that_fails_is_told_to_the_front_end_at_once_as_a_failure():
+    """The loop failing answered its open requests, but the front end heard nothing until rank 0's poll (0.5 s later)
+    stopped the server with the ("closing",) of a planned stop: meanwhile /health said 200 and new requests queued
+    for a loop that was gone, and then every one was told "the engine is shutting down", the request in flight a 503
+    of that too where the two came together (the failure's reason lost), and the front end exited 0 as stopped. Now
+    the failure reaches the front end as it happens: /health's 503 and new requests' refusal name it, the request it
+    failed is a 500 naming it, and a close after it is still a failure."""
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+    from tpgraph.server import app as server_app
+    from tpgraph.server.bridge import EngineUnavailable
+    from tpgraph.server.frontend import exit_code
+    from tpgraph.server.metrics import ServerMetrics
+
+    service = EngineService(BrokenCore(), ControlPlane(SimpleNamespace(rank=0, world_size=1)), heartbeat_s=0.05)
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    service.on_failed = lambda exc: bridge.failed(f"{type(exc).__name__}: {exc}")
+    lost = threading.Event()
+    client = EngineClient(frontend_end, LIMITS, on_lost=lost.set)
+    api = server_app.Api(client, ServerMetrics(), "m")
+
+    class Here:  # (a client that stays)
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def main() -> None:
+        client.attach(asyncio.get_running_loop())
+        with pytest.raises(server_app.ApiError) as failed:
+            async for _ in api.run(Here(), [[1, 2]], SamplingParams(max_tokens=4)):
+                pass
+        assert failed.value.status == 500 and "RuntimeError: an illegal memory access" in failed.value.message
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, lost.wait, 5), 10)
+        await asyncio.sleep(0)
+        assert not client.alive and "an illegal memory access" in client.error  # (/health: 503)
+        with pytest.raises(EngineUnavailable, match="its loop failed: RuntimeError: an illegal memory access"):
+            client.submit("late", [1], SamplingParams(), lambda u: None)
+        bridge.close()  # (rank 0's stop, after the failure)
+        await asyncio.sleep(0.3)
+        assert not client.closing and exit_code(client) == 1
+
+    bridge.start()
+    service.start()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        service.shutdown(timeout_s=1.0)

@@ -47,6 +47,9 @@ class EngineService:
         self.control = control
         self.heartbeat_s = heartbeat_s
         self.on_step = on_step  # metrics hook: (updates, step seconds)
+        # rank 0: told (on the loop's thread) once the loop has failed and every open request has heard it, so that a
+        # front end refuses new requests at once instead of queueing them for a loop that is gone
+        self.on_failed: Callable[[BaseException], None] | None = None
         self.times = LoopTimes()
         self.error: BaseException | None = None
         self.prefix_cache_reset: bool | None = None  # what the last reset_prefix_cache message did (every rank alike)
@@ -114,6 +117,11 @@ class EngineService:
             for request_id, sink in list(self._sinks.items()):
                 sink(StepUpdate(request_id, 0, None, f"{type(exc).__name__}: {exc}", "error"))
             self._sinks.clear()
+            if self.on_failed is not None:
+                try:
+                    self.on_failed(exc)
+                except Exception:  # noqa: BLE001 - the failure is logged above; the server's own poll still sees it
+                    logger.exception("telling the front end that the engine loop failed failed")
 
     def run_worker(self) -> None:
         """Ranks other than 0: follow rank 0's messages until it says shut down."""

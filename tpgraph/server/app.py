@@ -125,7 +125,10 @@ class Api:
                     ended = REFUSED  # (the others share its params; any the engine took is aborted all the same)
                     raise RequestError(update.text)
                 if update.finish_reason == "error":
-                    if self.client.error is not None:  # the engine is gone (shut down or failed): not this request's
+                    # the client's own word that the engine is gone (shut down, or unreachable): not this request's
+                    # failure; the engine's word (a failed step) is a 500, also where the client heard next that the
+                    # engine loop is gone with it
+                    if self.client.error is not None and update.text == self.client.error:
                         raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")
                     raise ApiError(500, f"the engine failed: {update.text}", "InternalServerError")  # (vLLM's type)
                 self.metrics.observe(update, received)

@@ -6,8 +6,8 @@ starts the front end as its own process, and the two talk through one duplex pip
 
     front end -> engine: ("ready",) once, when its HTTP server accepts connections; ("add", request id, prompt ids,
                          params), ("abort", request id), ("metrics", ticket)
-    engine -> front end: a list per send, of StepUpdates, ("metrics", ticket, exposition bytes) replies and a last
-                         ("closing",)
+    engine -> front end: a list per send, of StepUpdates, ("metrics", ticket, exposition bytes) replies, ("failed",
+                         reason) at once where the engine loop failed, and a last ("closing",)
 
 The engine side batches whatever accumulated while the pipe was busy, so a decode step costs one send, not one per
 stream. Either side seeing the pipe close knows the other is gone.
@@ -62,6 +62,11 @@ class EngineBridge:
     def start(self) -> None:
         for t in self._threads:
             t.start()
+
+    def failed(self, reason: str) -> None:
+        """Tell the front end the engine loop failed (`reason`): it refuses new requests and fails /health now, naming
+        the failure, and stops as a failure (the close that follows is no planned stop)."""
+        self._out.put(("failed", reason))
 
     def close(self) -> None:
         """Tell the front end the engine is going (it exits), stop sending, shut the socket down (which also ends
@@ -247,6 +252,8 @@ class EngineClient:
                 future = self._metrics.get(item[1])
                 if future is not None and not future.done():
                     future.set_result(item[2])
+            elif item[0] == "failed":
+                self._lost(f"its loop failed: {item[1]}")
             elif item[0] == "closing" and self.error is None:
                 self.closing = True  # (a stop the engine announced, not a failure)
                 self._lost("the engine is shutting down")
