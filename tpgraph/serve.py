@@ -28,6 +28,7 @@ from typing import NoReturn
 from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.distributed import env_int
 from tpgraph.engine.cli import add_engine_args, checkpoint_name, engine_from_args, json_object, positive_number
+from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         # leaving at once would strand rank 0 inside a step's collectives, so it keeps following until rank 0's
         # shutdown message, and leaves by itself if that is late.
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: _exit_later(FOLLOWER_GRACE_S))
+            signal.signal(sig, lambda *_: leave_later(FOLLOWER_GRACE_S))
         service = EngineService(engine.core, ControlPlane(engine.state))
         failed = True
         try:
@@ -333,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-FOLLOWER_GRACE_S = 8.0
 FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn
 
 
@@ -385,12 +385,6 @@ def _check_listen(host: str, port: int) -> None:
             sock.bind(address)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def _exit_later(seconds: float) -> None:
-    timer = threading.Timer(seconds, os._exit, (0,))
-    timer.daemon = True
-    timer.start()
 
 
 def _close(engine, timeout_s: float = 15.0, followers_told: bool = False, exit_code: int = 0) -> None:

@@ -219,3 +219,54 @@ def test_ctrl_c_while_the_model_loads_ends_the_started_rank_at_once():
     took = [float(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("interrupted after")]
     assert took and took[0] < 10.0, out[-3000:]
     assert len(pids) == 1 and all(gone(p) for p in pids)
+
+
+GROUP_TERM_SCRIPT = """
+import signal, threading
+from tpgraph import SamplingParams, TPEngine
+
+if __name__ == "__main__":
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # (as the server's rank 0 takes it: stop between calls)
+    with TPEngine(tp_size=2, device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=17, block_size=4) as e:
+        print("followers", [p.pid for p in e._followers], flush=True)
+        print("ready", flush=True)
+        calls = 0
+        while not stop.is_set() or calls < 2:  # (two more calls after the signal: the started rank must serve them)
+            e.generate(["hello", "tpgraph"], SamplingParams(temperature=0.0, max_tokens=8))
+            calls = calls + 1 if stop.is_set() else 0
+    print("stopped cleanly", flush=True)
+"""
+
+
+def test_a_sigterm_to_the_whole_process_group_lets_the_started_rank_finish_with_rank_0():
+    """systemd's stop (KillMode=control-group) or `kill -TERM -PGID` sends SIGTERM to every process at once. A rank
+    TPEngine started died of it at once, in the middle of rank 0's step: rank 0's engine loop failed on the lost
+    connection (`python -m tpgraph.serve -tp 2`: a traceback, its requests 500s) instead of stopping as a SIGTERM to
+    rank 0 alone stops it. As torchrun's ranks under the server, the started rank now follows until rank 0 says stop
+    (leaving by itself if that is late)."""
+    proc = run_script(GROUP_TERM_SCRIPT)
+    pids = []
+    for line in proc.stdout:
+        if line.startswith("followers"):
+            pids = followers_of(line)
+        if line.startswith("ready"):
+            break
+    time.sleep(1.0)  # (generating)
+    for pid in [proc.pid, *pids]:  # (the group's signal, to each process of it)
+        os.kill(pid, signal.SIGTERM)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "stopped cleanly" in rest, rest[-3000:]
+    deadline = time.monotonic() + 15
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and all(gone(p) for p in pids)
+
+
+def run_script(script: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)

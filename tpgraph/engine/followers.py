@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,6 +36,15 @@ def cpu_threads_per_rank(world_size: int) -> int | None:
 
 
 JOIN_WAIT_S = 600.0  # (as long as the process group's rendezvous waited for a rank that never came)
+# a follower told to stop by a signal (one its whole process group got) waits this long for rank 0's shutdown message
+FOLLOWER_GRACE_S = 8.0
+
+
+def leave_later(seconds: float) -> None:
+    """End this process in `seconds` (exit code 0), unless it has ended by then."""
+    timer = threading.Timer(seconds, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
 
 
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
@@ -51,6 +61,10 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
         torch.set_num_threads(threads)
     # Ctrl-C in a terminal reaches the whole process group: rank 0 handles it and tells the followers to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # so does a SIGTERM sent to the group (systemd's stop, kill -TERM -PGID): leaving at once stranded rank 0 in a
+    # step's collectives (its engine loop failed), so this rank follows until rank 0 says stop, and leaves by itself if
+    # that is late. (Rank 0 ends a rank it means to end at once with SIGKILL.)
+    signal.signal(signal.SIGTERM, lambda *_: leave_later(FOLLOWER_GRACE_S))
     from tpgraph.engine.tp_engine import TPEngine
     from tpgraph.errors import TPGraphError
 
@@ -112,7 +126,7 @@ def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
     except BaseException:
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # (a follower defers SIGTERM: follower_main)
         for p in procs:
             if p.pid is not None:
                 p.join(5.0)

@@ -195,7 +195,7 @@ def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: lis
     loop is gone with the engine), the process group, and this process's torch threads as they were."""
     peer_watch.stop()
     for p in followers:
-        p.terminate()
+        p.kill()  # (a follower defers SIGTERM: followers.follower_main)
     for p in followers:
         p.join(5.0)
     destroy_distributed(state)
@@ -792,7 +792,7 @@ class TPEngine:
         for p in self._followers:
             p.join(timeout_s)
             if p.is_alive():
-                p.terminate()
+                p.kill()  # (a follower defers SIGTERM: followers.follower_main)
                 p.join(5.0)
 
     def __enter__(self) -> TPEngine:
