@@ -23,6 +23,9 @@ from tpgraph.kernels._settings import env_flag
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# how long a collective waits for a peer (the process group's timeout): a rank waiting for rank 0's next step message
+# too, under torchrun (serve.py's ranks hear from an idle rank 0 every --heartbeat-s)
+PROCESS_GROUP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
     control_timeout_s: float | None = None,
     before_join: Callable[[], None] | None = None,
 ) -> ParallelState:
@@ -198,7 +201,7 @@ START_LINGER_S = 30.0
 
 
 def report_start_failure(error: BaseException, rank: int | None = None, world_size: int | None = None,
-                         init_method: str | None = None, timeout_s: float = 600.0) -> None:
+                         init_method: str | None = None, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
     """Tell the other ranks, waiting for this one in the rendezvous (init_distributed), that its start failed with
     `error` (the caller then raises it). Nothing where this rank has no peers, or belongs to a process group made
     before; a failure to reach them is logged, never raised over `error`."""

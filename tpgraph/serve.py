@@ -26,7 +26,7 @@ import time
 from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
-from tpgraph.distributed import env_int
+from tpgraph.distributed import PROCESS_GROUP_TIMEOUT_S, env_int
 from tpgraph.engine.cli import add_engine_args, checkpoint_name, engine_from_args, json_object, positive_number
 from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="clients must send `Authorization: Bearer KEY`, one of the keys given (every route but "
                         "/health, /ping, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's "
                         "$VLLM_API_KEY), which keeps the key out of the process list")
-    p.add_argument("--heartbeat-s", type=positive_number, default=1.0, help="idle message interval from rank 0")
+    p.add_argument("--heartbeat-s", type=heartbeat_seconds, default=1.0,
+                   help="idle message interval from rank 0 (the other ranks wait for its next message: at most "
+                        f"{PROCESS_GROUP_TIMEOUT_S / 2:.0f} s)")
     tools = p.add_argument_group("function calling (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help='serve tool_choice "auto" (the default when a request gives tools), reading the model\'s '
@@ -365,6 +367,19 @@ def json_strings(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f'must be a JSON list of strings, such as \'["https://example.com"]\', got '
                                          f"{text!r}")
+    return value
+
+
+def heartbeat_seconds(text: str) -> float:
+    """The idle rank 0's message interval: the other ranks wait for its next message in a collective, which fails past
+    the process group's timeout (an idle server's other ranks died of a heartbeat that long, and every rank with them);
+    at most half of it, for rank 0's own time between messages."""
+    value = positive_number(text)
+    if value > PROCESS_GROUP_TIMEOUT_S / 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {PROCESS_GROUP_TIMEOUT_S / 2:.0f} s, got {text}: the other ranks wait for rank 0's next "
+            f"message at most {PROCESS_GROUP_TIMEOUT_S:.0f} s (the process group's timeout), and an idle server's "
+            f"ranks would fail past it")
     return value
 
 

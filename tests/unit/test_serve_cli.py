@@ -12,6 +12,10 @@ from tpgraph.serve import parse_args
     (["--port", "0"], "a port is 1-65535"), (["--port", "70000"], "a port is 1-65535"),
     (["--heartbeat-s", "0"], "must be a positive number"), (["--heartbeat-s", "-1"], "must be a positive number"),
     (["--heartbeat-s", "inf"], "must be a positive number"),
+    # (an idle torchrun server's other ranks wait for rank 0's next message: past the process group's 600 s timeout,
+    # they failed, and the whole server with them)
+    (["--heartbeat-s", "900"], "must be at most 300 s, got 900: the other ranks wait for rank 0's next message at "
+                               "most 600 s"),
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"), (["--gpu-memory-utilization", "1.5"], "must be in"),
     (["--gpu-memory-utilization", "nan"], "must be in"),
     (["--api-key", ""], "the API key is empty"), (["--api-key", "  "], "the API key is empty"),
@@ -25,6 +29,7 @@ def test_bad_values_are_refused_when_parsed(flags, needle, capsys):
 def test_good_values_parse():
     args = parse_args(["--port", "65535", "--heartbeat-s", "0.25", "--gpu-memory-utilization", "1"])
     assert (args.port, args.heartbeat_s, args.gpu_memory_utilization) == (65535, 0.25, 1.0)
+    assert parse_args(["--heartbeat-s", "300"]).heartbeat_s == 300.0
     assert engine_kwargs(parse_args(["--num-kv-blocks", "60"]))["num_kv_blocks"] == 60  # (preemption on a CPU server)
     assert engine_kwargs(args)["num_kv_blocks"] is None
     assert engine_kwargs(args)["enable_prefix_caching"] is True
