@@ -85,6 +85,27 @@ def test_kv_budget_arithmetic_and_refusal():
         MemoryBudget(**{**b.__dict__, "sharers": 0})
 
 
+def test_a_kv_budget_too_small_says_how_much_memory_is_missing_and_what_fits():
+    """The refusal showed the cache at 0.00 GiB whatever the deficit (weights past the utilization's share left the
+    cache gigabytes short), and offered graphs as a remedy where none were captured."""
+    over = MemoryBudget(total=80 * GiB, utilization=0.5, in_use=45 * GiB, weights=40 * GiB, workspace=0,
+                        activation_peak=2 * GiB, graph_pool_estimate=0, block_bytes=2 * MiB)
+    with pytest.raises(ConfigError, match=r"needs at least 100 for one sequence of max_model_len: 0\.20 GiB of KV "
+                                          r"cache, 7\.20 GiB more than is left; --gpu-memory-utilization 0\.59 would "
+                                          r"hold it .*\. To fit it, raise --gpu-memory-utilization or lower "
+                                          r"--max-model-len or --max-num-seqs$"):
+        over.check(100)
+    # past the whole GPU, raising the utilization is no remedy, and is not offered
+    with pytest.raises(ConfigError, match=r"even --gpu-memory-utilization 1\.0 would not hold it .*\. To fit it, "
+                                          r"lower --max-model-len or --max-num-seqs$") as refused:
+        over.check(20_000)
+    assert "raise" not in str(refused.value)
+    # this rank has room, another's smaller budget was agreed on
+    agreed = MemoryBudget(**{**over.__dict__, "utilization": 0.9, "agreed_blocks": 3})
+    with pytest.raises(ConfigError, match="another rank's GPU has room for 3 blocks only"):
+        agreed.check(100)
+
+
 def test_workspaces_never_move_under_a_graph():
     ws = Workspaces()
     ws.reserve("scratch", 100, torch.float32, "cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,11 +84,35 @@ class MemoryBudget:
 
     def check(self, min_blocks: int, max_model_len_asked: bool = True) -> None:
         """Refuse a cache too small to hold min_blocks, with the ways out: one sequence of an asked max_model_len,
-        else (the model's own, which is capped to the cache instead) the null block and one more."""
-        if self.num_blocks < min_blocks:
-            need = "for one sequence of max_model_len" if max_model_len_asked else "(the null block and one more)"
-            lower = "lower --max-model-len or --max-num-seqs" if max_model_len_asked else "lower --max-num-seqs"
-            raise ConfigError(
-                f"the KV cache would get {self.num_blocks} blocks but needs at least {min_blocks} {need} "
-                f"({self.describe()}). Raise --gpu-memory-utilization, {lower}, capture fewer graphs, or use "
-                "--enforce-eager")
+        else (the model's own, which is capped to the cache instead) the null block and one more. The refusal says
+        how much memory is missing and the --gpu-memory-utilization that would hold it, where one would."""
+        if self.num_blocks >= min_blocks:
+            return
+        need = "for one sequence of max_model_len" if max_model_len_asked else "(the null block and one more)"
+        lower = "lower --max-model-len or --max-num-seqs" if max_model_len_asked else "lower --max-num-seqs"
+        need_bytes = min_blocks * self.block_bytes
+        ways = [lower]
+        if self.kv_bytes >= need_bytes:  # (this rank has room: another rank's smaller budget was agreed on)
+            short = f"another rank's GPU has room for {self.agreed_blocks} blocks only"
+            ways.insert(0, "raise --gpu-memory-utilization")
+        else:
+            short = f"{_gib(need_bytes)} of KV cache, {_gib(need_bytes - self.kv_bytes)} more than is left"
+            # the utilization at which kv_bytes reaches need_bytes, every other figure as measured
+            fits = (self.in_use + self.sharers * (self.activation_peak + self.graph_pool_estimate + need_bytes)) \
+                / self.total
+            if fits <= 1:
+                ways.insert(0, "raise --gpu-memory-utilization")
+                short += f"; --gpu-memory-utilization {math.ceil(fits * 100) / 100:.2f} would hold it"
+            else:
+                short += "; even --gpu-memory-utilization 1.0 would not hold it"
+        if self.graph_pool_estimate > 0:
+            ways += ["capture fewer graphs", "use --enforce-eager"]
+        remedies = ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + ("," if len(ways) > 2 else "") + " or " \
+            + ways[-1]
+        raise ConfigError(
+            f"the KV cache would get {self.num_blocks} blocks but needs at least {min_blocks} {need}: {short} "
+            f"({self.describe()}). To fit it, {remedies}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
