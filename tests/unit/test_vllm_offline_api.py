@@ -127,6 +127,37 @@ def test_vllm_keywords_at_vllms_own_defaults_are_taken_as_left_out():
     assert vllm_keywords(None, 1, {"max_num_seqs": 4}) == (None, 1, {"max_num_seqs": 4})
 
 
+def test_vllms_compilation_config_sets_the_cuda_graphs():
+    """vLLM's LLM(compilation_config=...) was refused whatever it held, its default None too (scripts pass it through
+    from their configs), where the server takes --cudagraph-capture-sizes and --max-cudagraph-capture-size: its
+    capture sizes are the decode ladder, its cudagraph_mode the graph modes, None sets nothing."""
+    from tpgraph.engine.config import vllm_keywords
+    from tpgraph.graphs.config import GraphConfig
+
+    assert vllm_keywords(None, 1, {"compilation_config": None}) == (None, 1, {})
+    graphs = lambda config, **kw: vllm_keywords(None, 1, {"compilation_config": config, **kw})[2]["graphs"]
+    assert graphs({"cudagraph_capture_sizes": [8, 1, 2, 4]}) == GraphConfig(ladder=(1, 2, 4, 8))
+    assert graphs({"max_cudagraph_capture_size": 32}).ladder == (1, 2, 4, 8, 16, 24, 32)
+    assert graphs({"cudagraph_capture_sizes": [1, 4], "max_cudagraph_capture_size": 4}).ladder == (1, 4)
+    assert graphs({"cudagraph_mode": "FULL_DECODE_ONLY"}) == GraphConfig(decode_mode="full", prefill_mode="none")
+    assert graphs({"cudagraph_mode": "piecewise"}) == GraphConfig(decode_mode="piecewise")
+    assert graphs({"cudagraph_mode": "NONE", "cudagraph_capture_sizes": None}).decode_mode == "none"
+    eager = graphs({"cudagraph_capture_sizes": [1, 2]}, enforce_eager=True)
+    assert eager.enforce_eager and eager.ladder == (1, 2)
+    for config, message in [
+        (3, r"compilation_config=3 \(vLLM's\) is not taken: give a dict"),
+        ({"level": 3}, r"compilation_config's level \(vLLM's\) is not taken"),
+        ({"cudagraph_mode": "FULL"}, r"cudagraph_mode 'FULL' is not taken: give one of NONE, PIECEWISE"),
+        ({"cudagraph_capture_sizes": [1, 0]}, r"cudagraph_capture_sizes entry 0 is not positive"),
+        ({"cudagraph_capture_sizes": [1, 4], "max_cudagraph_capture_size": 8}, "must be the largest"),
+        ({"max_cudagraph_capture_size": 0}, "max_cudagraph_capture_size must be a positive integer"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            vllm_keywords(None, 1, {"compilation_config": config})
+    with pytest.raises(ConfigError, match="both set the CUDA graphs"):
+        vllm_keywords(None, 1, {"compilation_config": {"cudagraph_mode": "NONE"}, "graphs": GraphConfig()})
+
+
 def test_vllms_seed_none_is_refused_saying_why():
     with pytest.raises(ConfigError, match=r"got None \(vLLM's None, no fixed seed, is not taken: every rank draws"):
         TPEngine(device="cpu", seed=None)

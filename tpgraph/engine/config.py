@@ -16,7 +16,7 @@ from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.config import GraphConfig
+from tpgraph.graphs.config import GraphConfig, from_compilation_config
 from tpgraph.graphs.modes import CaptureSupport, resolve_modes
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
@@ -151,8 +151,8 @@ def check_tokenizer_dir(tokenizer: object) -> None:
 
 
 _DOWNLOADS = "model is a local checkpoint directory here (nothing is downloaded): leave it out"
-_GRAPHS = ("graphs=GraphConfig(...) sets the CUDA graphs (ladder: the decode batch sizes captured); "
-           "enforce_eager=True runs none")
+_GRAPHS = ("graphs=GraphConfig(...) sets the CUDA graphs (ladder: the decode batch sizes captured), or vLLM's "
+           "compilation_config={'cudagraph_capture_sizes': [...]}; enforce_eager=True runs none")
 # vLLM's LLM(...) keywords with no setting here, and what to do instead: TPEngine refuses them by name (a keyword
 # taken and then ignored would run another engine than the script's author meant)
 VLLM_KEYWORDS_NOT_TAKEN = {
@@ -161,7 +161,6 @@ VLLM_KEYWORDS_NOT_TAKEN = {
     "hf_token": _DOWNLOADS,
     "max_seq_len_to_capture": _GRAPHS,
     "cuda_graph_sizes": _GRAPHS,
-    "compilation_config": _GRAPHS,
 }
 # vLLM's keywords at vLLM's own defaults, which ask for nothing: no quantization, no CPU offload, no hub token, and None
 # where vLLM's engine chooses (its EngineArgs' None). Scripts pass them through from their configs: taken as left out,
@@ -232,7 +231,8 @@ def async_scheduling(value: object, overlap: object) -> dict[str, Any]:
 # vLLM's LLM(...) keywords that vllm_keywords reads as tpgraph's settings (beside VLLM_KEYWORDS_TAKEN): it takes them
 # out of the keywords by this list alone, and check_known names them, so one read but missing here is refused
 VLLM_KEYWORDS_READ = ("tensor_parallel_size", "distributed_executor_backend", "num_gpu_blocks_override",
-                      "enforce_eager", "async_scheduling", "revision", "tokenizer_revision", "download_dir")
+                      "enforce_eager", "async_scheduling", "revision", "tokenizer_revision", "download_dir",
+                      "compilation_config")
 
 
 def check_known(kwargs: dict[str, Any]) -> None:
@@ -250,7 +250,9 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
                   kwargs: dict[str, Any]) -> tuple[str | None, int, dict[str, Any]]:
     """TPEngine's model, tp_size and EngineConfig keywords, with vLLM's LLM(...) names read as tpgraph's:
     tensor_parallel_size is tp_size, num_gpu_blocks_override is num_kv_blocks, enforce_eager is the graphs'
-    GraphConfig.enforce_eager and async_scheduling is overlap_scheduling. Both names given, differing, is refused; so
+    GraphConfig.enforce_eager, compilation_config's capture sizes and cudagraph_mode are the graphs' (their ladder and
+    modes: graphs/config.py's from_compilation_config) and async_scheduling is overlap_scheduling. Both names given,
+    differing, is refused; so
     is a vLLM keyword with no setting here (VLLM_KEYWORDS_NOT_TAKEN, naming what to do) unless at vLLM's default,
     which asks nothing (VLLM_DEFAULTS: left out), one at a value meaning other
     than what tpgraph does (VLLM_KEYWORDS_TAKEN, check_executor_backend), and any other keyword (check_known). A model
@@ -279,6 +281,7 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
             raise ConfigError(f"num_kv_blocks={kwargs['num_kv_blocks']!r} and num_gpu_blocks_override={blocks!r} "
                               f"differ: give one of them")
         kwargs["num_kv_blocks"] = blocks
+    graphs_given = "graphs" in kwargs
     if "enforce_eager" in vllm:
         eager = vllm["enforce_eager"]
         if not isinstance(eager, bool):
@@ -289,6 +292,11 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
                 raise ConfigError(f"enforce_eager={eager} and graphs' enforce_eager={graphs.enforce_eager} differ: "
                                   f"give one of them")
             kwargs["graphs"] = replace(graphs, enforce_eager=eager)
+    if vllm.get("compilation_config") is not None:
+        if graphs_given:
+            raise ConfigError("graphs=GraphConfig(...) and compilation_config (vLLM's) both set the CUDA graphs: give "
+                              "one of them")
+        kwargs["graphs"] = from_compilation_config(vllm["compilation_config"], kwargs.get("graphs", GraphConfig()))
     if "async_scheduling" in vllm:
         kwargs.update(async_scheduling(vllm["async_scheduling"], kwargs.get("overlap_scheduling")))
     hub = {name: vllm.get(name) for name in ("revision", "tokenizer_revision", "download_dir")}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
@@ -148,6 +148,47 @@ def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:
                                              ("--max-cudagraph-capture-size", top))
              if value is not None}
     return given or {"--cuda-graph-ladder": _DEFAULTS["ladder"]}
+
+
+# vLLM's CompilationConfig.cudagraph_mode, by name: the (decode, prefill) graph modes it asks for. Its FULL (mixed
+# prefill batches in full graphs too) has no counterpart: prefill graphs are piecewise here
+VLLM_CUDAGRAPH_MODES = {"NONE": ("none", "none"), "PIECEWISE": ("piecewise", "piecewise"),
+                        "FULL_DECODE_ONLY": ("full", "none"), "FULL_AND_PIECEWISE": ("full", "piecewise")}
+COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+
+
+def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
+    """vLLM's compilation_config (LLM(...)'s keyword) as `graphs` with its settings: cudagraph_capture_sizes and
+    max_cudagraph_capture_size the decode capture sizes (as the flags of those names), cudagraph_mode the decode and
+    prefill graph modes. None, or a key at None, sets nothing; what has no setting here is refused by name."""
+    if value is None:
+        return graphs
+    named = "compilation_config"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{named}={value!r} (vLLM's) is not taken: give a dict of {', '.join(COMPILATION_KEYS)} "
+                          "(no torch.compile level: the model runs as written)")
+    unknown = sorted(set(value) - set(COMPILATION_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{named}'s {', '.join(map(str, unknown))} (vLLM's) is not taken: {named} takes "
+                          f"{', '.join(COMPILATION_KEYS)} (no torch.compile here)")
+    sizes, top, mode = (value.get(key) for key in COMPILATION_KEYS)
+    changes: dict[str, object] = {}
+    if sizes is not None:
+        changes["ladder"] = check_sizes(sizes, f"{named}'s cudagraph_capture_sizes")
+        if top is not None and top != changes["ladder"][-1]:
+            raise ConfigError(f"{named}'s max_cudagraph_capture_size {top!r} must be the largest of its "
+                              f"cudagraph_capture_sizes ({changes['ladder'][-1]}) where both are given, as vLLM "
+                              "checks them")
+    elif top is not None:
+        changes["ladder"] = vllm_ladder(positive_int(f"{named}'s max_cudagraph_capture_size", top))
+    if mode is not None:
+        name = mode.upper() if isinstance(mode, str) else getattr(mode, "name", mode)  # (a name, or vLLM's enum)
+        if name not in VLLM_CUDAGRAPH_MODES:
+            raise ConfigError(f"{named}'s cudagraph_mode {mode!r} is not taken: give one of "
+                              f"{', '.join(VLLM_CUDAGRAPH_MODES)} (prefill graphs are piecewise here: vLLM's FULL "
+                              "has none)")
+        changes["decode_mode"], changes["prefill_mode"] = VLLM_CUDAGRAPH_MODES[name]
+    return replace(graphs, **changes)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
