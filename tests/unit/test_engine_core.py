@@ -61,15 +61,41 @@ def test_a_cache_smaller_than_max_model_len_is_refused():
 
 
 def test_num_kv_blocks_too_few_or_too_many_names_the_flag():
-    # the cache was sized by hand: memory flags change nothing, the fix is the flag itself
-    with pytest.raises(ConfigError, match=r"only 48 fit \(12 blocks of 4\).*raise --num-kv-blocks to 17"):
+    # the cache was sized by hand: memory flags change nothing, the fix is the setting itself (named as typed: the
+    # keyword here, the flag on the command line)
+    with pytest.raises(ConfigError, match=r"only 48 fit \(12 blocks of 4; .*raise num_kv_blocks to 17"):
         engine(num_kv_blocks=13)
     # block 0 is the null block: one block leaves none to use (was 'needs at least one block, got 0')
-    with pytest.raises(ConfigError, match=r"num_kv_blocks 1 leaves no block to use.*--num-kv-blocks 2 or more"):
+    with pytest.raises(ConfigError, match=r"num_kv_blocks 1 leaves no block to use.*num_kv_blocks 2 or more"):
         engine(num_kv_blocks=1, max_model_len=None)
     # more than the device holds: refused by name, not a raw allocator error
     with pytest.raises(ConfigError, match=r"--num-kv-blocks 1000000000000 .* lower --num-kv-blocks"):
         engine(num_kv_blocks=10 ** 12)
+
+
+def test_num_kv_blocks_that_cannot_serve_is_refused_before_the_weights_load(monkeypatch):
+    """num_kv_blocks 1 (the null block alone) or too few blocks for one sequence of an asked max_model_len were
+    refused by the runner, once every rank had loaded the weights (minutes for a large checkpoint)."""
+    from tpgraph.engine import tp_engine
+    from tpgraph.engine.cli import engine_from_args
+    from tpgraph.engine.config import EngineConfig
+    from tpgraph.serve import parse_args
+
+    monkeypatch.setattr(tp_engine, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(ConfigError, match=r"num_kv_blocks 1 leaves no block to use"):
+        EngineConfig(num_kv_blocks=1)
+    with pytest.raises(ConfigError, match=r"max_model_len 64 needs .* only 48 fit .*raise num_kv_blocks to 17"):
+        EngineConfig(num_kv_blocks=13, max_model_len=64, block_size=4)
+    EngineConfig(num_kv_blocks=17, max_model_len=64, block_size=4)
+    EngineConfig(num_kv_blocks=2)  # (the model's own max_model_len is capped to the cache instead)
+    with pytest.raises(ConfigError, match=r"only 48 fit"):
+        engine(num_kv_blocks=13)
+    # the command line names its flags
+    args = parse_args(["--device", "cpu", "--num-gpu-blocks-override", "13", "--max-model-len", "64", "--block-size",
+                       "4"])
+    with pytest.raises(ConfigError, match=r"^--max-model-len 64 needs .*lower --max-model-len, or raise "
+                                          r"--num-kv-blocks/--num-gpu-blocks-override to 17"):
+        engine_from_args(args)
 
 
 def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypatch):

@@ -69,6 +69,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        if self.num_kv_blocks is not None:  # (the runner's checks, before the weights load on every rank)
+            check_num_kv_blocks(self.num_kv_blocks, self.block_size, self.max_model_len)
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.model is not None and not isinstance(self.model, (str, Path)):
@@ -113,6 +115,20 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                self.enable_chunked_prefill)
+
+
+def check_num_kv_blocks(num_blocks: int, block_size: int, max_model_len: int | None) -> None:
+    """A KV cache sized by hand (num_kv_blocks) must leave a block past the null one (block 0, which padded slots
+    write), and hold one sequence of an asked max_model_len."""
+    if num_blocks < 2:
+        raise ConfigError(f"num_kv_blocks {num_blocks} leaves no block to use (block 0 is the null block padded slots "
+                          "write): give num_kv_blocks 2 or more", ("num_kv_blocks",))
+    capacity = (num_blocks - 1) * block_size
+    if max_model_len is not None and capacity < max_model_len:
+        raise ConfigError(f"max_model_len {max_model_len} needs that many tokens of KV cache, but only {capacity} fit "
+                          f"({num_blocks - 1} blocks of {block_size}; block 0 is the null block): lower max_model_len, "
+                          f"or raise num_kv_blocks to {-(-max_model_len // block_size) + 1} (the null block and one "
+                          "sequence's)", ("max_model_len", "num_kv_blocks"))
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
