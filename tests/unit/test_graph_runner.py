@@ -66,6 +66,10 @@ def test_kv_budget_arithmetic_and_refusal():
     b.check(10)
     agreed = MemoryBudget(**{**b.__dict__, "agreed_blocks": 100})  # another rank had less room: every rank takes 100
     assert agreed.num_blocks == 100
+    # the log line says the cache every rank takes, not this rank's own budget (it said 67.00 GiB = 100 blocks)
+    assert agreed.describe().endswith(f"-> KV cache 0.20 GiB = 100 blocks of 2.00 MiB (another rank's budget; this "
+                                      f"rank's held {b.num_blocks} blocks, 67.00 GiB)")
+    assert b.describe().endswith(f"-> KV cache 67.00 GiB = {b.num_blocks} blocks of 2.00 MiB")
     assert MemoryBudget(**{**b.__dict__, "agreed_blocks": 10**9}).num_blocks == b.num_blocks
     tight = MemoryBudget(**{**b.__dict__, "in_use": 87 * GiB})
     with pytest.raises(ConfigError, match="needs at least 10 for one sequence.*--gpu-memory-utilization, lower "

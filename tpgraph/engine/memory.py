@@ -80,7 +80,15 @@ class MemoryBudget:
                 f"{self.penalty_table / (1 << 20):.2f} MiB, rope tables {self.rope_tables / (1 << 20):.2f} MiB), "
                 f"activations and sampling {g(self.activation_peak)}, graph pool (estimated) "
                 f"{g(self.graph_pool_estimate)} -> KV cache "
-                f"{g(max(self.kv_bytes, 0))} = {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB")
+                f"{g(self.num_blocks * self.block_bytes)} = {self.num_blocks} blocks of "
+                f"{self.block_bytes / (1 << 20):.2f} MiB{self._agreed_note()}")
+
+    def _agreed_note(self) -> str:
+        """Where another rank's smaller budget set the blocks: what this rank's own would have held."""
+        own = max(self.kv_bytes, 0) // self.block_bytes
+        if own <= self.num_blocks:
+            return ""
+        return f" (another rank's budget; this rank's held {own} blocks, {self.kv_bytes / GiB:.2f} GiB)"
 
     def check(self, min_blocks: int, max_model_len_asked: bool = True) -> None:
         """Refuse a cache too small to hold min_blocks, with the ways out: one sequence of an asked max_model_len,
