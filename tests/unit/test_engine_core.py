@@ -98,6 +98,29 @@ def test_num_kv_blocks_that_cannot_serve_is_refused_before_the_weights_load(monk
         engine_from_args(args)
 
 
+def test_vllms_kv_cache_memory_bytes_sizes_the_cache():
+    """vLLM's kv_cache_memory_bytes (--kv-cache-memory-bytes): the cache's bytes, in place of what
+    gpu_memory_utilization leaves. It was refused as an unknown keyword and an unrecognized flag."""
+    from tpgraph.engine.cli import engine_kwargs
+    from tpgraph.serve import parse_args
+
+    with engine(num_kv_blocks=None) as e:
+        block = e.runner.block_bytes
+    with engine(num_kv_blocks=None, kv_cache_memory_bytes=20 * block + block // 2) as e:
+        assert e.runner.num_kv_blocks == 20  # (the null block among them)
+        assert e.generate("Hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ConfigError, match=rf"kv_cache_memory_bytes {10 * block} holds 10 KV blocks .* needs at least "
+                                          rf"17 .*raise kv_cache_memory_bytes to {17 * block}, or lower max_model_len"):
+        engine(num_kv_blocks=None, kv_cache_memory_bytes=10 * block)
+    with pytest.raises(ConfigError, match="both size the KV cache: give one of them"):
+        engine(num_kv_blocks=20, kv_cache_memory_bytes=20 * block)
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes must be a positive integer"):
+        engine(num_kv_blocks=None, kv_cache_memory_bytes=0)
+    for flag in ("--kv-cache-memory-bytes", "--kv-cache-memory"):
+        assert engine_kwargs(parse_args([flag, "8G"]))["kv_cache_memory_bytes"] == 8 << 30
+    assert engine_kwargs(parse_args([]))["kv_cache_memory_bytes"] is None
+
+
 def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypatch):
     """On CPU the cache is sized for every sequence at max_model_len, not from free memory: one past the host's memory
     was an allocator traceback, or (its pages taken lazily) the OOM killer once serving wrote them."""

@@ -592,6 +592,8 @@ def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_
     (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens (4) must be at least",
      "max_num_batched_tokens"),
     (["--max-model-len", "10m"], "--max-model-len 10000000 exceeds the model's", "max_model_len"),
+    (["--kv-cache-memory-bytes", "1"], "--kv-cache-memory-bytes/--kv-cache-memory 1 holds 0 KV blocks",
+     "kv_cache_memory_bytes"),
 ])
 def test_engine_settings_refused_from_the_command_line_name_the_flag(flags, flag, setting, capsys):
     """EngineConfig's refusals named its fields (`-tp 0`: "tp_size must be a positive integer"), which a command-line

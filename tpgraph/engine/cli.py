@@ -89,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tpgraph's custom all-reduce kernels (default: those where every GPU pair allows them)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="KV cache blocks, instead of sizing the cache from memory (vLLM's --num-gpu-blocks-override)")
+    p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=token_count, default=None, metavar="BYTES",
+                   help="the KV cache's bytes on each GPU, e.g. 8G (x1024^3) or 8g (x1000^3), in place of what "
+                        "--gpu-memory-utilization leaves (vLLM's)")
     add_graph_args(p)
     add_fixed_args(p)
 

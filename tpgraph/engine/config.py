@@ -47,6 +47,9 @@ class EngineConfig:
     disable_custom_all_reduce: bool = False
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the KV sizing (tests, small machines)
+    # vLLM's kv_cache_memory_bytes: the KV cache's bytes on each GPU (null block included), in place of what
+    # gpu_memory_utilization leaves
+    kv_cache_memory_bytes: int | None = None
     chat_template: str | Path | None = None  # a Jinja chat template, or a file holding one; default: the checkpoint's
     # a directory whose tokenizer.json, tokenizer_config.json and chat template replace the model's (vLLM's --tokenizer)
     tokenizer: str | Path | None = None
@@ -66,9 +69,13 @@ class EngineConfig:
             positive_int(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):  # (RunnerConfig refuses it too, but only after the weights load)
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}", ("block_size",))
-        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory_bytes="
+                              f"{self.kv_cache_memory_bytes} both size the KV cache: give one of them",
+                              ("num_kv_blocks", "kv_cache_memory_bytes"))
         if self.num_kv_blocks is not None:  # (the runner's checks, before the weights load on every rank)
             check_num_kv_blocks(self.num_kv_blocks, self.block_size, self.max_model_len)
         if self.device not in (None, "cuda", "cpu"):

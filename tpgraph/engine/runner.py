@@ -107,6 +107,7 @@ class RunnerConfig:
     max_batch: int = 8  # max_num_seqs
     max_model_len: int | None = None  # default: the model's context (max_context), capped by what the KV cache holds
     num_kv_blocks: int | None = None  # default: from free GPU memory (CUDA), max_batch full sequences (CPU)
+    kv_cache_memory_bytes: int | None = None  # vLLM's: the cache's bytes (null block included), in place of the above
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
     # tokens per prefill forward; default scheduler.default_token_budget's (chunked prefill)
@@ -124,7 +125,7 @@ class RunnerConfig:
         positive_int("max_batch", self.max_batch)
         unit_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         # (the runner reads these through `or`: a 0 would silently mean the default, a negative nonsense sizes)
-        for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens"):
+        for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name), " or None (the default)")
 
@@ -273,11 +274,13 @@ class ModelRunner:
             self._bind_kv_cache(num_blocks)
         except RuntimeError as exc:  # (torch.OutOfMemoryError on CUDA; the CPU allocator's is a plain RuntimeError)
             oom = isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
-            if not (oom and self.cfg.num_kv_blocks):
+            if not (oom and (self.cfg.num_kv_blocks or self.cfg.kv_cache_memory_bytes)):
                 raise
-            raise ConfigError(f"--num-kv-blocks {num_blocks} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
+            flag = "--num-kv-blocks" if self.cfg.num_kv_blocks else "--kv-cache-memory-bytes"
+            asked = num_blocks if self.cfg.num_kv_blocks else self.cfg.kv_cache_memory_bytes
+            raise ConfigError(f"{flag} {asked} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
                               f"of KV cache ({self.block_bytes / (1 << 20):.2f} MiB a block), more than the "
-                              f"{self.device.type} has free: lower --num-kv-blocks, or leave it out to size the cache "
+                              f"{self.device.type} has free: lower {flag}, or leave it out to size the cache "
                               "from free memory") from exc
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
@@ -306,6 +309,8 @@ class ModelRunner:
                 raise ConfigError(f"num_kv_blocks {self.cfg.num_kv_blocks} leaves no block to use (block 0 is the null "
                                   "block padded slots write): pass --num-kv-blocks 2 or more")
             return self.cfg.num_kv_blocks
+        if self.cfg.kv_cache_memory_bytes:  # (vLLM's: the size asked, gpu_memory_utilization aside)
+            return self._blocks_in_bytes(self.cfg.kv_cache_memory_bytes)
         if self.device.type != "cuda":
             blocks = self.max_blocks_per_seq * self.cfg.max_batch + 1
             # (sized for the worst case, not from free memory: CPU pages are taken as they are first written, so a
@@ -382,6 +387,19 @@ class ModelRunner:
         if self.is_driver:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks
+
+    def _blocks_in_bytes(self, nbytes: int) -> int:
+        """The blocks kv_cache_memory_bytes holds (the null block among them), refused where too few to serve."""
+        blocks, least = nbytes // self.block_bytes, self.min_cache_blocks()
+        if blocks < least:
+            need = "the null block and one sequence of max_model_len" if self.cfg.max_model_len is not None else \
+                "the null block and one more"
+            raise ConfigError(f"kv_cache_memory_bytes {nbytes} holds {blocks} KV blocks of {self.block_bytes} bytes "
+                              f"but needs at least {least} ({need}): raise kv_cache_memory_bytes to "
+                              f"{least * self.block_bytes}" + (", or lower max_model_len" if self.cfg.max_model_len
+                                                               is not None else ""),
+                              ("kv_cache_memory_bytes", "max_model_len"))
+        return blocks
 
     def _null_prefill(self, tokens: int) -> list[int]:
         """Write a prefill of `tokens` tokens that stores nothing: prompts of at most max_model_len, every token writing

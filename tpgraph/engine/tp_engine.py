@@ -281,7 +281,8 @@ class TPEngine:
                                               chunked_prefill=False)
             self.runner = ModelRunner(self.model, RunnerConfig(
                 block_size=cfg.block_size, max_batch=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_num_batched_tokens=budget, graphs=cfg.graphs,
                 enable_prefix_caching=cfg.enable_prefix_caching))
             self.core = EngineCore(self.runner, SchedulerConfig(
