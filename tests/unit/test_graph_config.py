@@ -157,3 +157,31 @@ def test_the_default_ladder_spelt_out_beside_vllms_sizes_is_refused_not_ignored(
         with pytest.raises(ConfigError, match="not both"):
             parse(*flags)
     assert parse("--cuda-graph-ladder", "sglang").ladder == "sglang"
+
+
+def test_vllms_compilation_config_flag_sets_the_cuda_graphs():
+    """vLLM's --compilation-config / -O (JSON) was refused as unrecognized, though its capture sizes have flags here
+    and TPEngine takes it as compilation_config: its cudagraph_capture_sizes and max_cudagraph_capture_size set the
+    decode ladder, its cudagraph_mode the graph modes. A flag here setting the same beside it is refused."""
+    from tpgraph.engine.cli import engine_kwargs
+    from tpgraph.serve import parse_args
+
+    assert parse("--compilation-config", '{"cudagraph_capture_sizes": [8, 1, 2, 4]}').ladder == (1, 2, 4, 8)
+    assert parse("-O", '{"max_cudagraph_capture_size": 16}').ladder == (1, 2, 4, 8, 16)
+    graphs = parse("-O", '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 8]}')
+    assert (graphs.decode_mode, graphs.prefill_mode, graphs.ladder) == ("full", "none", (1, 8))
+    assert parse("-O", '{"cudagraph_capture_sizes": [1, 8]}', "--cuda-graph-mode", "piecewise").decode_mode == \
+        "piecewise"
+    for flags in (("-O", '{"cudagraph_capture_sizes": [1, 8]}', "--cuda-graph-sizes", "8"),
+                  ("-O", '{"cudagraph_mode": "NONE"}', "--prefill-graph-mode", "none")):
+        with pytest.raises(ConfigError, match="or --compilation-config, not both"):
+            parse(*flags)
+    with pytest.raises(ConfigError, match=r"compilation_config's level \(vLLM's\) is not taken"):
+        parse("-O", '{"level": 3}')
+    with pytest.raises(SystemExit):
+        parse("-O3")  # (vLLM's torch.compile level: argparse says "a torch.compile level ... leave it out")
+    # a refusal of its sizes names it
+    with pytest.raises(ConfigError, match=r"^--compilation-config's cudagraph_capture_sizes \(the decode capture "
+                                          r"sizes\) \[1, 8\] tops out at 8 but --max-num-seqs is 16"):
+        engine_kwargs(parse_args(["--device", "cuda", "--max-num-seqs", "16", "-O",
+                                  '{"cudagraph_capture_sizes": [1, 8]}']))

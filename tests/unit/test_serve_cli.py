@@ -504,8 +504,8 @@ def test_the_openai_content_format_is_taken_and_others_refused(capsys):
     assert exit_.value.code == 2 and "--chat-template-content-format" in err and "'openai'" in err
 
 
-@pytest.mark.parametrize("flags", [["--compilation-config", "{}"], ["-O3"], ["--hf-token", "x"],
-                                   ["--max-seq-len-to-capture", "8192"]])
+# (--compilation-config / -O set the CUDA graphs now: test_graph_config's test_vllms_compilation_config_flag_...)
+@pytest.mark.parametrize("flags", [["--hf-token", "x"], ["--max-seq-len-to-capture", "8192"]])
 def test_a_flag_not_taken_is_refused_saying_what_to_do(flags, capsys):
     """A vLLM flag this server has no setting for was refused as "unrecognized arguments" alone: the message now
     says to leave it out, and where the flags taken are listed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields, replace
 
 from tpgraph.checks import positive_int
@@ -81,6 +82,10 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                        help="vLLM's default decode capture sizes up to N: 1, 2, 4, every 8 below 256, every 16 "
                             "from 256 (beside --cudagraph-capture-sizes: their largest)")
+    group.add_argument("--compilation-config", "-O", type=compilation_json, default=None, metavar="JSON",
+                       help="vLLM's, as JSON: its cudagraph_capture_sizes and max_cudagraph_capture_size set the "
+                            "decode capture sizes, its cudagraph_mode (NONE, PIECEWISE, FULL_DECODE_ONLY, "
+                            "FULL_AND_PIECEWISE) the graph modes (in place of the flags above)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -96,7 +101,7 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
 
 
 def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
-    return GraphConfig(
+    graphs = GraphConfig(
         decode_mode=args.cuda_graph_mode,
         prefill_mode=args.prefill_graph_mode,
         ladder=ladder_from_args(args),
@@ -106,6 +111,36 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
         enforce_eager=args.enforce_eager,
         check_addresses=args.check_graph_addresses,
     )
+    config = getattr(args, "compilation_config", None)
+    if config is None:
+        return graphs
+    # (a flag of this engine beside it setting the same is a second setting: refused, not overridden unsaid)
+    given = []
+    if any(config.get(key) is not None for key in COMPILATION_KEYS[:2]):
+        given += [flag for flag in _ladder_flags(args) if getattr(args, _dest(flag)) is not None]
+    if config.get("cudagraph_mode") is not None:
+        given += [flag for flag, field in (("--cuda-graph-mode", "decode_mode"), ("--prefill-graph-mode",
+                                                                                  "prefill_mode"))
+                  if getattr(args, _dest(flag)) != _DEFAULTS[field]]
+    if given:
+        raise ConfigError(f"give {' or '.join(given)} or --compilation-config, not both: each sets the CUDA graphs")
+    return from_compilation_config(config, graphs)
+
+
+def compilation_json(text: str) -> dict[str, object]:
+    """--compilation-config's JSON object (vLLM's -O3, a torch.compile level, has no setting here)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of {', '.join(COMPILATION_KEYS)}, got {text!r} (a "
+                                         "torch.compile level, -O3, has no setting here: leave it out)")
+    return value
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
@@ -129,6 +164,10 @@ def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
 
 def ladder_flag(args: argparse.Namespace) -> str:
     """The flag that set the decode capture sizes (--cuda-graph-ladder where none did), for refusals to name."""
+    config = getattr(args, "compilation_config", None) or {}
+    if any(config.get(key) is not None for key in COMPILATION_KEYS[:2]):
+        return "--compilation-config's " + ("cudagraph_capture_sizes" if config.get(COMPILATION_KEYS[0]) is not None
+                                            else "max_cudagraph_capture_size")
     return next(iter(_ladder_flags(args)))
 
 
