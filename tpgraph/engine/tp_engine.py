@@ -208,10 +208,10 @@ class TPEngine:
                  dist_init: tuple[int, int, str] | None = None, follower: Callable[[], None] | None = None,
                  **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields, or vLLM's LLM(...) names for them (tensor_parallel_size, enforce_eager,
-        num_gpu_blocks_override; a model given as a hub id, with revision, tokenizer_revision and download_dir:
-        vllm_keywords). `dist_init` = (rank, world_size, init_method) for launchers other than
-        torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py), told as it joins the
-        process group (it tells rank 0, which waits for that)."""
+        num_gpu_blocks_override, compilation_config's CUDA graph settings; a model given as a hub id, with revision,
+        tokenizer_revision and download_dir: vllm_keywords). `dist_init` = (rank, world_size, init_method) for
+        launchers other than torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py),
+        told as it joins the process group (it tells rank 0, which waits for that)."""
         try:
             model, tp_size, kwargs, model_cfg, main_eos, eos_ids = self._read_settings(model, tp_size, kwargs)
         except Exception as exc:
