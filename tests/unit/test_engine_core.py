@@ -131,6 +131,23 @@ def test_a_cpu_cache_too_large_for_memory_names_the_flags_that_size_it(monkeypat
         engine(num_kv_blocks=None)
 
 
+def test_a_cpu_cache_sized_by_hand_past_the_hosts_memory_is_refused(monkeypatch):
+    """A cache sized by hand (--num-kv-blocks, --kv-cache-memory-bytes) skipped the host-memory check the default size
+    meets: one past the host's memory but within its address space was zeroed page by page into the OOM killer."""
+    with engine() as e:
+        need = 64 * e.runner.block_bytes
+    monkeypatch.setattr("tpgraph.engine.runner.host_memory_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match=r"on CPU --num-kv-blocks 64 asks for the KV cache, .* GiB, more than this "
+                                          r"host's .* GiB \(or its container's limit\): lower --num-kv-blocks"):
+        engine(num_kv_blocks=64)
+    with pytest.raises(ConfigError, match=rf"on CPU --kv-cache-memory-bytes {need} asks for .*: lower "
+                                          r"--kv-cache-memory-bytes"):
+        engine(num_kv_blocks=None, kv_cache_memory_bytes=need)
+    monkeypatch.setattr("tpgraph.engine.runner.host_memory_bytes", lambda: need)
+    with engine(num_kv_blocks=64):
+        pass
+
+
 def test_the_cpu_caches_of_every_rank_on_the_host_must_fit_its_memory(monkeypatch):
     """Ranks on one host (torchrun's, or those TPEngine(tp_size=N) starts) each take their shard of the cache from
     the same memory: the check compared one rank's shard with the whole host. Here two ranks' caches outgrow a host

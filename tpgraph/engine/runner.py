@@ -308,28 +308,11 @@ class ModelRunner:
             if self.cfg.num_kv_blocks < 2:
                 raise ConfigError(f"num_kv_blocks {self.cfg.num_kv_blocks} leaves no block to use (block 0 is the null "
                                   "block padded slots write): pass --num-kv-blocks 2 or more")
-            return self.cfg.num_kv_blocks
+            return self._fits_host(self.cfg.num_kv_blocks)
         if self.cfg.kv_cache_memory_bytes:  # (vLLM's: the size asked, gpu_memory_utilization aside)
-            return self._blocks_in_bytes(self.cfg.kv_cache_memory_bytes)
+            return self._fits_host(self._blocks_in_bytes(self.cfg.kv_cache_memory_bytes))
         if self.device.type != "cuda":
-            blocks = self.max_blocks_per_seq * self.cfg.max_batch + 1
-            # (sized for the worst case, not from free memory: CPU pages are taken as they are first written, so a
-            # cache past the host's memory failed as an allocator traceback, or mid-serving as the OOM killer). Every
-            # rank on this host takes its shard of the cache from the same memory (also a check every rank meets).
-            host = socket.gethostname()
-            ranks = gather_objects(self.model.comm.state, host).count(host)
-            need, memory = blocks * self.block_bytes * ranks, host_memory_bytes()
-            on = f"this host's {ranks} ranks' caches" if ranks > 1 else "the KV cache"
-
-            def fits() -> None:
-                if need > memory:
-                    raise ConfigError(f"on CPU the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of "
-                                      f"--max-model-len {self.max_model_len} tokens: {on}, {need / GiB:.1f} GiB, "
-                                      f"more than this host's {memory / GiB:.1f} GiB (or its container's limit): "
-                                      "lower either, or pass --num-kv-blocks")
-
-            run_on_all_ranks(self.model.comm.state, fits, "sizing the CPU KV cache")  # (hosts may differ)
-            return blocks
+            return self._fits_host(self.max_blocks_per_seq * self.cfg.max_batch + 1)
         self._bind_kv_cache(2)  # the null block and one more: enough for profiling and trial captures
         provisional = 2 * self.block_bytes
         torch.cuda.synchronize(self.device)
@@ -387,6 +370,36 @@ class ModelRunner:
         if self.is_driver:
             logger.info("KV budget: %s", self.budget.describe())
         return self.budget.num_blocks
+
+    def _fits_host(self, blocks: int) -> int:
+        """`blocks`, refused on CPU where the caches of this host's ranks outgrow its memory: CPU pages are taken as
+        they are first written, so a cache past the host's memory failed as an allocator traceback, or as the OOM
+        killer (mid-serving, or zeroing a cache sized by hand). Every rank on this host takes its shard of the cache
+        from the same memory (also a check every rank meets). The default size is the worst case: max_batch sequences
+        of max_model_len."""
+        if self.device.type == "cuda":
+            return blocks
+        host = socket.gethostname()
+        ranks = gather_objects(self.model.comm.state, host).count(host)
+        need, memory = blocks * self.block_bytes * ranks, host_memory_bytes()
+        on = f"this host's {ranks} ranks' caches" if ranks > 1 else "the KV cache"
+        if self.cfg.num_kv_blocks:
+            asked, fix = f"--num-kv-blocks {blocks} asks for", "lower --num-kv-blocks"
+        elif self.cfg.kv_cache_memory_bytes:
+            asked, fix = f"--kv-cache-memory-bytes {self.cfg.kv_cache_memory_bytes} asks for", \
+                "lower --kv-cache-memory-bytes"
+        else:
+            asked = (f"the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of --max-model-len "
+                     f"{self.max_model_len} tokens:")
+            fix = "lower either, or pass --num-kv-blocks"
+
+        def fits() -> None:
+            if need > memory:
+                raise ConfigError(f"on CPU {asked} {on}, {need / GiB:.1f} GiB, more than this host's "
+                                  f"{memory / GiB:.1f} GiB (or its container's limit): {fix}")
+
+        run_on_all_ranks(self.model.comm.state, fits, "sizing the CPU KV cache")  # (hosts may differ)
+        return blocks
 
     def _blocks_in_bytes(self, nbytes: int) -> int:
         """The blocks kv_cache_memory_bytes holds (the null block among them), refused where too few to serve."""
