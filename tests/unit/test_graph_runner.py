@@ -63,6 +63,8 @@ def test_kv_budget_arithmetic_and_refusal():
     with_kernels = MemoryBudget(**{**b.__dict__, "kernel_workspace": 8 * MiB + 256 * 1024, "penalty_table": 5 * MiB})
     assert "kernel workspaces 8.25 MiB" in with_kernels.describe() and with_kernels.num_blocks == b.num_blocks
     assert "penalty table 5.00 MiB" in with_kernels.describe()  # shown; in_use holds it already
+    # what in_use holds past the parts named (another process on the GPU, say) was nowhere in the line
+    assert "rope tables 0.00 MiB, the rest 4.56 GiB: CUDA context, input buffers, other processes)" in b.describe()
     b.check(10)
     agreed = MemoryBudget(**{**b.__dict__, "agreed_blocks": 100})  # another rank had less room: every rank takes 100
     assert agreed.num_blocks == 100

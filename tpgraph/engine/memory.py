@@ -71,13 +71,20 @@ class MemoryBudget:
         own = max(self.kv_bytes, 0) // self.block_bytes
         return own if self.agreed_blocks is None else min(own, self.agreed_blocks)
 
+    @property
+    def own_bytes(self) -> int:
+        """What in_use holds that this rank knows by name: weights, workspaces and tables."""
+        return self.weights + self.workspace + self.kernel_workspace + self.penalty_table + self.rope_tables
+
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"
         shared = f", shared by {self.sharers} ranks" if self.sharers > 1 else ""
         return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}{shared}: "
                 f"in use {g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
                 f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB, penalty table "
-                f"{self.penalty_table / (1 << 20):.2f} MiB, rope tables {self.rope_tables / (1 << 20):.2f} MiB), "
+                f"{self.penalty_table / (1 << 20):.2f} MiB, rope tables {self.rope_tables / (1 << 20):.2f} MiB, "
+                f"the rest {g(self.in_use - self.own_bytes)}: CUDA context, input buffers, other processes"
+                f"{' and ranks' if self.sharers > 1 else ''}), "
                 f"activations and sampling {g(self.activation_peak)}, graph pool (estimated) "
                 f"{g(self.graph_pool_estimate)} -> KV cache "
                 f"{g(self.num_blocks * self.block_bytes)} = {self.num_blocks} blocks of "
