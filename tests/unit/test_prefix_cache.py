@@ -390,6 +390,16 @@ def test_a_salted_request_waits_only_for_a_prefix_of_its_own_salt():
     assert not alloc.worth_waiting(salted(range(40), "b", seq_id=2), [running])
 
 
+def test_a_cache_salt_with_a_lone_surrogate_names_blocks_of_its_own():
+    """A Python str salt holding a lone surrogate (a JSON "\\ud800" read by json.loads) names blocks as any salt does,
+    apart from other salts: no UnicodeEncodeError out of the scheduler's step (where it failed the whole batch)."""
+    alloc = PrefixCachingAllocator(32, BS)
+    computed(alloc, salted(range(12), "a\ud800"))
+    assert alloc.match(salted(range(12), "a\ud800", seq_id=1)) == 8
+    assert alloc.match(salted(range(12), "a\udc00", seq_id=2)) == 0
+    assert alloc.match(seq(range(12), seq_id=3)) == 0
+
+
 @pytest.mark.parametrize("salt", ["", 7, b"x"])
 def test_a_cache_salt_must_be_a_non_empty_string(salt):
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):

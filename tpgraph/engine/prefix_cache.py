@@ -36,7 +36,8 @@ def block_name(parent: bytes, tokens: list[int]) -> bytes:
 def _salt(seq: Sequence) -> bytes:
     """The first block's parent: its request's cache_salt, hashed as a name is (as long as any parent), else none."""
     salt = seq.params.cache_salt if seq.params is not None else None
-    return b"" if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
+    # (surrogatepass: a str may hold a lone surrogate, JSON's "\ud800", which strict UTF-8 refuses mid-step)
+    return b"" if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class PrefixCachingAllocator(BlockAllocator):
