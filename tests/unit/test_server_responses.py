@@ -849,3 +849,24 @@ def test_a_background_streams_part_is_read_again_as_it_began():
     added, = [e for e in events if e["type"] == "response.content_part.added"]
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert added["part"]["logprobs"] == [] and [len(e["logprobs"]) for e in deltas] == [1, 1]
+
+
+def test_reasoning_effort_reaches_the_template_as_a_chat_requests_does():
+    """The Responses API runs as a chat request: its reasoning.effort must reach the chat template as the chat's
+    reasoning_effort does, enable_thinking false for "none" (else true). It went in as chat_template_kwargs'
+    reasoning_effort alone, so {"effort": "none"} left a thinking template (Qwen3's) thinking."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = dataclasses.replace(builtin_codec(), chat_template=ChatTemplate(
+        "{{ reasoning_effort | default('unset') }}|{{ enable_thinking | default('unset') }}|"
+        "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS}))
+    client = ScriptedClient(["ok"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    bodies = [{}, {"reasoning": {"effort": "low"}}, {"reasoning": {"effort": "none"}}]
+    replies = post_all(app, [("/v1/responses", {"model": "m", "input": "x", **b}) for b in bodies])
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    rendered = ["unset|unset|x", "low|True|x", "none|False|x"]
+    assert client.prompts == [codec.encode_text(text, add_special_tokens=False) for text in rendered]

@@ -142,8 +142,8 @@ class ResponsesRequest(NullMeansDefault):
         if self.logprobs():  # (without it, top_logprobs asks for nothing, as vLLM's)
             body.update(logprobs=True, top_logprobs=self.top_logprobs)
         effort = (self.reasoning or {}).get("effort")
-        if effort is not None:  # (given to the chat template, as a chat request's reasoning_effort)
-            body["chat_template_kwargs"] = {"reasoning_effort": effort}
+        if effort is not None:  # (the chat request's reasoning_effort: the template gets it, and enable_thinking)
+            body["reasoning_effort"] = effort
         if self.truncation == "auto":
             body["truncate_prompt_tokens"] = -1
         if items and continues(items[-1]):
