@@ -428,6 +428,24 @@ def test_grammar_state_waits_for_its_marker_tokens():
         SamplingParams(structured_after="</think>")
 
 
+def test_a_refused_grammar_is_not_compiled_again_by_the_add_after_the_servers_precompile():
+    """The server's bridge compiles a new grammar on a thread of its own (EngineService.precompile) so that the
+    engine thread, adding the request, compiles nothing in a step. A refusal was not kept, so the add compiled the
+    grammar again on the engine thread, stalling every stream's step (a grammar that matches nothing compiles whole
+    before it is refused). A refusal is kept as a compiled grammar is: the add raises it at once."""
+    with engine() as e:
+        grammars, calls = e.core.grammars, []
+        real = grammars._compile
+        grammars._compile = lambda compiler, spec: calls.append(spec) or real(compiler, spec)
+        empty = StructuredOutput("grammar", "root ::= a\na ::= root")
+        with pytest.raises(RequestError, match="it matches nothing"):
+            grammars.compile(empty)
+        assert grammars.compiled(empty)  # (the bridge queues it at once: compile answers at once)
+        with pytest.raises(RequestError, match="it matches nothing"):
+            e.generate(["x"], SamplingParams(max_tokens=4, structured=empty))
+        assert calls == [empty]
+
+
 def test_a_compile_that_fails_otherwise_still_releases_its_waiters():
     """A failure other than xgrammar's refusals (MemoryError, say) is raised to the compiling thread and to every
     thread waiting for that compile; the next ask compiles again instead of waiting for good."""

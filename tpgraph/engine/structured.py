@@ -196,6 +196,9 @@ class GrammarCompiler:
         # thread reads it back: the cache is shared, and a compile runs outside the lock
         self._lock = threading.Lock()
         self._compiling: dict[StructuredOutput, Future] = {}  # specs a thread is compiling now
+        # the last CACHED refusals, by spec: the add after the bridge's precompile raises it at once rather than
+        # compile it again on the engine thread, in a step (a grammar that matches nothing compiles whole first)
+        self._refused: OrderedDict[StructuredOutput, str] = OrderedDict()
         self._background: ThreadPoolExecutor | None = None  # (compile_soon's)
 
     def matcher(self, spec: StructuredOutput) -> Any:
@@ -207,7 +210,7 @@ class GrammarCompiler:
     def compiled(self, spec: StructuredOutput) -> bool:
         """Whether the spec's grammar is compiled already (compile returns it at once)."""
         with self._lock:
-            return spec in self._cache
+            return spec in self._cache or spec in self._refused
 
     def can_begin_with(self, spec: StructuredOutput, ids: set[int]) -> bool:
         """Can the spec's grammar take one of `ids` first (its mask before any output)?"""
@@ -224,6 +227,9 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
+            if spec in self._refused:
+                refusal = self._refused[spec]
+                raise RequestError(refusal)
             running = self._compiling.get(spec)
             if running is None:
                 compiler = self._xgrammar_compiler()
@@ -244,6 +250,10 @@ class GrammarCompiler:
                 failure = RequestError(f"the {spec.kind.replace('_', ' ')} cannot be used: {reason}")
             with self._lock:
                 del self._compiling[spec]
+                if isinstance(failure, RequestError):  # (xgrammar's answer for this spec, as it will be again)
+                    self._refused[spec] = str(failure)
+                    if len(self._refused) > self.CACHED:
+                        self._refused.popitem(last=False)
             running.set_exception(failure)
             raise failure from None
         with self._lock:
@@ -268,7 +278,7 @@ class GrammarCompiler:
         its request): the add that follows finds it compiled, or waits only for the rest. Failures are left for the
         add to report."""
         with self._lock:
-            if spec in self._cache or spec in self._compiling:
+            if spec in self._cache or spec in self._compiling or spec in self._refused:
                 return
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="tpgraph-grammar")
