@@ -345,15 +345,31 @@ class TextedIds(NamedTuple):
     ids: list[int]
 
 
-def vllm_prompt(prompt: dict) -> str | list[int] | TextedIds:
+class SaltedPrompt(NamedTuple):
+    """A vLLM prompt dict with a cache_salt: the prompt it holds and its salt (that prompt's SamplingParams.cache_salt,
+    as vLLM's prompt dicts carry it)."""
+
+    prompt: str | list[int] | TextedIds
+    salt: str
+
+
+def vllm_prompt(prompt: dict) -> str | list[int] | TextedIds | SaltedPrompt:
     """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them);
-    {"prompt_token_ids": ids, "prompt": text} as both (TextedIds). Its other keys (multi_modal_data, cache_salt, ...)
-    ask for what tpgraph does not do here: refused, named (a cache salt is SamplingParams' cache_salt)."""
-    keys = sorted(prompt, key=str)
+    {"prompt_token_ids": ids, "prompt": text} as both (TextedIds); with a "cache_salt", a SaltedPrompt of that. Its
+    other keys (multi_modal_data, ...) ask for what tpgraph does not do here: refused, named."""
+    keys = sorted((k for k in prompt if k != "cache_salt"), key=str)
     if keys not in (["prompt"], ["prompt_token_ids"], ["prompt", "prompt_token_ids"]):
         raise RequestError(f"a vLLM prompt here holds 'prompt' (text), 'prompt_token_ids' or both (ids and the text "
-                           f"they stand for), got the keys {keys} (tpgraph runs text-only models: no multi-modal "
-                           f"data; a cache salt is given as SamplingParams(cache_salt=...))")
+                           f"they stand for), with a 'cache_salt' if any, got the keys {sorted(prompt, key=str)} "
+                           f"(tpgraph runs text-only models: no multi-modal data)")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):  # (as SamplingParams says it)
+        raise RequestError(f"cache_salt must be a non-empty string if given, got {salt!r}")
+    held = _held_prompt(prompt)
+    return held if salt is None else SaltedPrompt(held, salt)
+
+
+def _held_prompt(prompt: dict) -> str | list[int] | TextedIds:
     text = prompt.get("prompt")
     if "prompt" in prompt and not isinstance(text, str):
         raise RequestError(f"prompt must be text, got {type(text).__name__}")

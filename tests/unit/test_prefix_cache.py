@@ -416,3 +416,18 @@ def test_the_engine_reports_cached_prompt_tokens_only_under_the_same_salt():
         assert first.num_cached_tokens == other.num_cached_tokens == unsalted.num_cached_tokens == 0
         assert same.num_cached_tokens > 0
         assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_a_vllm_prompt_dicts_cache_salt_salts_that_prompt_as_vllms():
+    """vLLM gives a cache salt in the prompt dict ({"prompt": ..., "cache_salt": ...}: its SamplingParams has no such
+    field), which was refused here though the engine salts its prefix cache: it is now that prompt's cache_salt."""
+    prompt = SHARED + "What is 2+2?"
+    with engine(True) as e:
+        first = e.generate({"prompt": prompt, "cache_salt": "a"}, GREEDY)[0]
+        other, same, unsalted = e.generate([{"prompt": prompt, "cache_salt": "b"},
+                                            {"prompt_token_ids": first.prompt_token_ids, "cache_salt": "a"}, prompt],
+                                           GREEDY)
+        assert first.num_cached_tokens == other.num_cached_tokens == unsalted.num_cached_tokens == 0
+        assert same.num_cached_tokens > 0 and same.prompt is None and first.prompt == prompt
+        with pytest.raises(ValueError, match="prompt 1 was refused: cache_salt must be a non-empty string"):
+            e.generate([prompt, {"prompt": prompt, "cache_salt": ""}], GREEDY)

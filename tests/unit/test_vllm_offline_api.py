@@ -556,8 +556,7 @@ def test_vllms_prompt_dicts_are_the_text_or_ids_they_hold():
                 == [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in plain[:n]]
         for prompt, refusal in [({"prompt": "hi", "multi_modal_data": {}}, r"holds 'prompt' \(text\), "
                                  r"'prompt_token_ids' or both .*, got the keys \['multi_modal_data', 'prompt'\]"),
-                                ({"prompt": "hi", "cache_salt": "t"}, r"a cache salt is given as "
-                                 r"SamplingParams\(cache_salt=...\)"),
+                                ({"prompt": "hi", "cache_salt": ""}, "cache_salt must be a non-empty string"),
                                 ([{"prompt_token_ids": "hi"}], "prompt_token_ids must be a list of token ids, got str"),
                                 ({"role": "user", "content": "hi"}, r"got dict \(chat messages are given as a list"),
                                 ([{"role": "user", "content": "a"}, {"prompt": "b"}], "given to generate alone or in a "

@@ -69,6 +69,7 @@ from tpgraph.prompts import (
     EngineTokenizer,
     Prompt,
     PromptCodec,
+    SaltedPrompt,
     TextedIds,
     is_one_prompt,
     is_vllm_prompt,
@@ -406,6 +407,8 @@ class TPEngine:
                 return listed
 
             prompts = self._agreed_call("generate", normalized, sampling_params, priority, tokenization_kwargs)
+            salts = [p.salt if isinstance(p, SaltedPrompt) else None for p in prompts]
+            prompts = [p.prompt if isinstance(p, SaltedPrompt) else p for p in prompts]
             limit = self._encode_limit(sampling_params, options)
             special = True if options.add_special_tokens is None else options.add_special_tokens
             encoded = []
@@ -414,7 +417,8 @@ class TPEngine:
                     encoded.append((p.text, p.ids) if isinstance(p, TextedIds) else
                                    (p, self.prompts.encode_text(p, special, limit)) if isinstance(p, str) else
                                    (None, self.prompts.encode(p, limit)))
-            return self._generate(encoded, sampling_params, use_tqdm, priority, options.truncate_prompt_tokens)
+            return self._generate(encoded, sampling_params, use_tqdm, priority, options.truncate_prompt_tokens,
+                                  salts)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
@@ -483,7 +487,10 @@ class TPEngine:
             def normalized() -> list:
                 no_lora(lora_request)
                 self._check_beam_search(params, concurrency_limit)
-                return _prompt_list(prompts)
+                listed = _prompt_list(prompts)
+                if any(isinstance(p, SaltedPrompt) for p in listed):  # (its steps share one SamplingParams)
+                    raise RequestError("beam_search takes no prompt's cache_salt: give the prompts without it")
+                return listed
 
             listed = self._agreed_call("beam_search", normalized, params, concurrency_limit)
             limit = self.runner.max_model_len
@@ -549,10 +556,12 @@ class TPEngine:
                   params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None,
                   use_tqdm: bool | Callable[..., tqdm],
                   priority: list[int] | tuple[int, ...] | None = None,
-                  truncate_prompt_tokens: int | None = None) -> list[GenerationOutput]:
+                  truncate_prompt_tokens: int | None = None,
+                  cache_salts: list[str | None] | None = None) -> list[GenerationOutput]:
         """Complete the prompts, each (its text, or None where it was given as ids or messages; its ids); priority:
         each prompt's, in place of its SamplingParams' (vLLM's generate keyword); truncate_prompt_tokens: the call's
-        tokenization_kwargs' cut, for the prompts whose SamplingParams set none."""
+        tokenization_kwargs' cut, for the prompts whose SamplingParams set none; cache_salts: each prompt dict's
+        cache_salt (vLLM's), None where it gave none, in place of its SamplingParams' cache_salt."""
         if params is None:  # (its limit, generation_config's max_new_tokens or SamplingParams' 16, is cut below)
             params = self.default_params()
         # each request's own copy, as vLLM clones them: a field the caller sets later changes later requests alone
@@ -570,6 +579,9 @@ class TPEngine:
                 raise RequestError(f"priority holds {len(priority)} value{'s' * (len(priority) != 1)} for "
                                    f"{len(encoded)} prompts")
             per_prompt = [dataclasses.replace(p, priority=v) for p, v in zip(per_prompt, priority, strict=True)]
+        if cache_salts is not None and any(s is not None for s in cache_salts):
+            per_prompt = [p if s is None else dataclasses.replace(p, cache_salt=s)
+                          for p, s in zip(per_prompt, cache_salts, strict=True)]
         if truncate_prompt_tokens is not None:  # (a SamplingParams' own wins, as vLLM's merge_kwargs merges them)
             per_prompt = [p if p.truncate_prompt_tokens is not None else
                           dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in per_prompt]
@@ -854,10 +866,10 @@ def known_content_format(content_format: object) -> None:
                            f"{content_format!r}")
 
 
-def _prompt_list(prompts: Any) -> list[Prompt | TextedIds]:
+def _prompt_list(prompts: Any) -> list[Prompt | TextedIds | SaltedPrompt]:
     """generate's prompts as a list: one prompt (text, token ids, chat messages, or vLLM's {"prompt": text} or
     {"prompt_token_ids": ids}, with its text or without) or an iterable of them, vLLM's dicts read as the text or ids
-    they hold (TextedIds where both), and ids given
+    they hold (TextedIds where both; a SaltedPrompt of that with a cache_salt), and ids given
     as an array or a tensor as a list (the SPMD check digests their repr, which elides the middle of a long array)."""
     if is_vllm_prompt(prompts):
         return [vllm_prompt(prompts)]
