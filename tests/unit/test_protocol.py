@@ -78,6 +78,15 @@ def test_vllms_fields_this_server_does_not_honour_are_refused_not_ignored(kind, 
         kind.model_validate({**body, field: neutral}).sampling_params(4, None)
 
 
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatRequest])
+def test_an_empty_logprob_token_ids_asks_nothing_sampled_or_searched(kind):
+    """logprob_token_ids [] names no token, so asks nothing, as an empty list asks nothing of a beam search's unused
+    fields (stop_token_ids [], bad_words []): it was refused as if it asked for entries."""
+    body = {**(CHAT if kind is ChatRequest else {"prompt": "x"}), "logprob_token_ids": []}
+    kind.model_validate(body).sampling_params(4, None)
+    kind.model_validate({**body, "use_beam_search": True, "stop_token_ids": []}).beam_search_params(4, None)
+
+
 @pytest.mark.parametrize("text", [5, {"a": 1}, ["x"]])
 def test_a_text_part_whose_text_is_no_string_is_refused(text):
     """A content part's text went through str(): a null text became the word "None" in the prompt, silently."""
@@ -189,20 +198,24 @@ def test_structured_outputs_options_the_server_cannot_honour_are_refused_as_offl
 
 @pytest.mark.parametrize("extra, refusal", [
     ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": r"[ ]?"},
-     "guided_whitespace_pattern is not taken"),
-    ({"guided_whitespace_pattern": r"\s*"}, "guided_whitespace_pattern is not taken"),
+     "guided_whitespace_pattern is not supported.*xgrammar's.*disable_any_whitespace"),
+    ({"guided_whitespace_pattern": r"\s*"}, "guided_whitespace_pattern is not supported.*disable_any_whitespace"),
     ({"structural_tag": json.dumps({"type": "structural_tag", "structures": [
         {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]})},
-     "structural_tag is not taken"),
+     "structural_tag is not supported.*give one of response_format"),
 ])
 def test_vllms_legacy_structural_tag_and_whitespace_pattern_fields_are_refused_not_dropped(extra, refusal):
     """vLLM's guided_whitespace_pattern and structural_tag, top-level fields beside guided_json and the others, were
     not fields here: dropped unsaid, a structural_tag's reply ran unconstrained. They are refused as
-    structured_outputs' whitespace_pattern and structural_tag are, on both endpoints."""
+    structured_outputs' whitespace_pattern and structural_tag are, on both endpoints, sampled or searched (one
+    refusal of what is not served, UNSERVED's, with what serves instead)."""
     for body in ({**CHAT, **extra}, {"model": "m", "prompt": "x", **extra}):
         endpoint = ChatRequest if "messages" in body else CompletionRequest
         with pytest.raises(RequestError, match=refusal):
             endpoint.model_validate(body).sampling_params(4, None)
+        if "guided_json" not in body:  # (a search's own refusal of a grammar would come first)
+            with pytest.raises(RequestError, match=refusal):
+                endpoint.model_validate({**body, "use_beam_search": True}).beam_search_params(4, None)
     assert ChatRequest.model_validate({**CHAT, "structural_tag": None}).sampling_params(4, None).structured is None
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from collections.abc import Iterable
+from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -95,18 +96,44 @@ class StreamOptions(NullMeansDefault):
 # the fields a beam search leaves unused, each with the values that ask nothing of it (null too): vLLM's beam search
 # takes n, max_tokens, temperature, length_penalty, ignore_eos and include_stop_str_in_output alone, and ignores these;
 # here they are refused, as the server refuses what it would not honour (top_k -1 turns it off as 0 does: vLLM's
-# other neutral value, which SamplingParams takes too)
+# other neutral value, which SamplingParams takes too). Served otherwise: not UNSERVED's.
 BEAM_SEARCH_UNUSED: dict[str, tuple] = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,), "stop": ("", []), "stop_token_ids": ([],), "min_tokens": (0,), "logit_bias": ({},),
     "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "spaces_between_special_tokens": (True,)}
 
 
-# vLLM's request fields this server does not honour, each with the values that ask nothing of it (null too): refused
-# where they ask something, as a reply run without them would not say so (logprob_token_ids' entries missing, a
-# thinking budget or repetition check not kept)
-UNSERVED: dict[str, tuple] = {"logprob_token_ids": (), "thinking_token_budget": (-1,), "repetition_detection": (),
-                               "prompt_embeds": ()}  # (the last, a completion's: its prompt as embeddings)
+class Unserved(NamedTuple):
+    neutral: tuple  # the values that ask nothing of the field (null too)
+    hint: str  # what to do instead
+
+
+# vLLM's request fields this server does not honour, sampled or searched: each with the values that ask nothing of it
+# (null too), and what serves instead. Refused where they ask something, as a reply run without them would not say so
+# (logprob_token_ids' entries missing, a thinking budget or repetition check not kept, a grammar not held)
+UNSERVED: dict[str, Unserved] = {
+    "logprob_token_ids": Unserved(([],), "leave it out; top_logprobs gives the likeliest tokens' instead"),
+    "thinking_token_budget": Unserved((-1,), "leave it out (or -1, unlimited); max_tokens bounds the whole reply"),
+    "repetition_detection": Unserved((), "leave it out; repetition_penalty, presence_penalty and frequency_penalty "
+                                         "discourage repeats"),
+    "prompt_embeds": Unserved((), "give the prompt as text or token ids"),  # (a completion's: its prompt as embeddings)
+    # (vLLM's, beside the guided_* fields, as structured_outputs' structural_tag and whitespace_pattern, refused too)
+    "structural_tag": Unserved((), "give one of response_format (json), guided_json, guided_regex, guided_choice, "
+                                   "guided_grammar and structured_outputs"),
+    "guided_whitespace_pattern": Unserved((), "structured outputs here are xgrammar's, which cannot hold JSON's "
+                                              "whitespace to a pattern; leave it out (JSON is written without free "
+                                              "whitespace), or give structured_outputs "
+                                              "{\"disable_any_whitespace\": false} for whitespace free between tokens")}
+
+
+def first_asking(fields: Any, neutrals: Iterable[tuple[str, tuple]]) -> str | None:
+    """The first field named in neutrals (its name, and the values that ask nothing of it) that fields (a request)
+    sets to something else than those and null: the one check of UNSERVED and BEAM_SEARCH_UNUSED."""
+    for name, neutral in neutrals:
+        value = getattr(fields, name, None)
+        if value is not None and value not in neutral:
+            return name
+    return None
 
 
 # vLLM's sampling fields that the Responses and Messages APIs take beside their own, handed to the chat request they
@@ -155,8 +182,8 @@ class SamplingFields(NullMeansDefault):
     structured_outputs: dict | None = None  # (vLLM's newer form: {"json" | "regex" | "choice" | "grammar": ...})
     # (vLLM's, beside the guided_* fields: the grammar's backend, read as structured_outputs' backend; sampling_params)
     guided_decoding_backend: str | None = None
-    # (vLLM's too, beside them: refused by structured_output, as structured_outputs' whitespace_pattern and
-    # structural_tag are; left out of the model, they were dropped unsaid and the reply ran unconstrained)
+    # (vLLM's too, beside them: refused (UNSERVED), as structured_outputs' whitespace_pattern and structural_tag are;
+    # left out of the model, they were dropped unsaid and the reply ran unconstrained)
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     # (vLLM's: keep the prompt's last k tokens, at most what max_tokens leaves of max_model_len; -1: all that,
@@ -246,12 +273,11 @@ class SamplingFields(NullMeansDefault):
         What a search would leave unused, which vLLM's takes and ignores, is refused (see BEAM_SEARCH_UNUSED);
         seed, priority and cache_salt reach each step's requests."""
         self.check_served()
-        for name, neutral in BEAM_SEARCH_UNUSED.items():
-            value = getattr(self, name)
-            if value is not None and value not in neutral:
-                raise RequestError(f"{name} is not used by a beam search, which takes n, max_tokens, temperature, "
-                                   f"length_penalty, ignore_eos and include_stop_str_in_output: leave it out with "
-                                   f"use_beam_search")
+        unused = first_asking(self, BEAM_SEARCH_UNUSED.items())
+        if unused is not None:
+            raise RequestError(f"{unused} is not used by a beam search, which takes n, max_tokens, temperature, "
+                               f"length_penalty, ignore_eos and include_stop_str_in_output: leave it out with "
+                               f"use_beam_search")
         if self.structured_output() is not None or (tools is not None and tools.structured is not None):
             raise RequestError("structured outputs (response_format, guided_*, structured_outputs, or a named or "
                                "required tool_choice) are not supported with use_beam_search: a beam search keeps "
@@ -269,11 +295,10 @@ class SamplingFields(NullMeansDefault):
 
     def check_served(self) -> None:
         """A RequestError naming the first of vLLM's fields this server does not honour (UNSERVED) that asks
-        something."""
-        for name, neutral in UNSERVED.items():
-            value = getattr(self, name, None)
-            if value is not None and value not in neutral:
-                raise RequestError(f"{name} is not supported by this server (vLLM's field): leave it out")
+        something, with what serves instead."""
+        name = first_asking(self, ((name, u.neutral) for name, u in UNSERVED.items()))
+        if name is not None:
+            raise RequestError(f"{name} is not supported by this server (vLLM's field): {UNSERVED[name].hint}")
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log-probability entries name tokens "token_id:N": the request's choice, else the server's
@@ -284,14 +309,6 @@ class SamplingFields(NullMeansDefault):
     def structured_output(self) -> StructuredOutput | None:
         """What response_format or a guided_* field asks the output to match (at most one of them), with
         structured_outputs' options (disable_any_whitespace, backend, ...) read as the offline API reads them."""
-        if self.structural_tag is not None:
-            raise RequestError("structural_tag is not taken: give one of response_format (json), guided_json, "
-                               "guided_regex, guided_choice, guided_grammar and structured_outputs")
-        if self.guided_whitespace_pattern is not None:
-            raise RequestError("guided_whitespace_pattern is not taken: structured outputs here are xgrammar's, which "
-                               "cannot hold JSON's whitespace to a pattern; leave it out (JSON is written without free "
-                               "whitespace), or give structured_outputs {\"disable_any_whitespace\": false} for "
-                               "whitespace free between tokens")
         asked = []
         fmt = self.response_format
         if fmt is not None:
