@@ -369,6 +369,12 @@ def test_a_background_response_completes_in_the_store():
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
     ({"input": "x", "structured_outputs": {"regex": "a+"},  # (the Responses API's fields named, not the chat's)
       "text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}}, "structured_outputs and text.format"),
+    # (vLLM's fields the chat route refuses, not served: left out of the chat request, they were dropped unsaid)
+    ({"input": "x", "logprob_token_ids": [5]}, "logprob_token_ids is not supported"),
+    ({"input": "x", "thinking_token_budget": 100}, "thinking_token_budget is not supported"),
+    ({"input": "x", "repetition_detection": {"max_pattern_size": 4}}, "repetition_detection is not supported"),
+    ({"input": "x", "structural_tag": "{}"}, "structural_tag is not supported"),
+    ({"input": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),
 ])
 def test_what_cannot_be_honoured_is_a_400_that_names_it(body, named):
     client = ScriptedClient(["a"])

@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from tpgraph.engine.sampling_params import check_stop
 from tpgraph.errors import RequestError
 from tpgraph.server.errors import anthropic_error_body
-from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
+from tpgraph.server.protocol import ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, forwarded_extras, invalid
 from tpgraph.server.reply import Delta
 from tpgraph.server.request_ids import request_id
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
@@ -69,7 +69,7 @@ class MessagesRequest(NullMeansDefault):
         extras = self.model_extra or {}
         if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
             raise RequestError("stop is the chat API's field: send the stop strings as stop_sequences")
-        body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
+        body: dict[str, Any] = forwarded_extras(extras)
         # (a final assistant message is Anthropic's prefill: the reply continues it)
         prefill = messages[-1]["role"] == "assistant"
         body.update(model=self.model, messages=messages, max_tokens=self.max_tokens, stop=self.stop_sequences,

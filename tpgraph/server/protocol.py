@@ -137,11 +137,19 @@ def first_asking(fields: Any, neutrals: Iterable[tuple[str, tuple]]) -> str | No
 
 
 # vLLM's sampling fields that the Responses and Messages APIs take beside their own, handed to the chat request they
-# run as (checked there)
+# run as (checked there), with UNSERVED's (refused there): forwarded_extras
 SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
                    "spaces_between_special_tokens", "logit_bias", "structured_outputs", "bad_words",
                    "allowed_token_ids", "priority", "request_id", "return_tokens_as_token_ids", "cache_salt")
+
+
+def forwarded_extras(extras: dict[str, Any]) -> dict[str, Any]:
+    """What a Responses or Messages request hands, beside its own fields, to the chat request it runs as: vLLM's
+    sampling fields (SAMPLING_EXTRAS), and the chat's fields not served (UNSERVED), which the chat's check refuses by
+    name (left behind, they were dropped unsaid)."""
+    names = (*SAMPLING_EXTRAS, *(name for name in UNSERVED if name in ChatRequest.model_fields))
+    return {name: extras[name] for name in names if name in extras}
 
 
 class SamplingFields(NullMeansDefault):

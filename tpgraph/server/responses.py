@@ -5,8 +5,9 @@ output items, whole or as the API's stream of typed events.
 
 What vLLM's Responses API takes beside OpenAI's fields (top_k, min_p, repetition_penalty, seed, stop, ignore_eos,
 logit_bias, structured_outputs, ...) is taken here too (SAMPLING_EXTRAS). Refused with a 400 that names it,
-not ignored: non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...), item references,
-`conversation` and `prompt` templates. `max_tool_calls` (OpenAI's limit on built-in tool calls,
+not ignored: vLLM's fields the chat route does not serve either (UNSERVED: logprob_token_ids, thinking_token_budget,
+structural_tag, ...), non-text input (images, files, audio), hosted tools (web search, file search, MCP, ...),
+item references, `conversation` and `prompt` templates. `max_tool_calls` (OpenAI's limit on built-in tool calls,
 none of which run here) is taken and echoed back, as vLLM's."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
-from tpgraph.server.protocol import SAMPLING_EXTRAS, ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, invalid
+from tpgraph.server.protocol import ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, forwarded_extras, invalid
 from tpgraph.server.reasoning import ReasoningReader
 from tpgraph.server.reply import Delta
 
@@ -134,7 +135,7 @@ class ResponsesRequest(NullMeansDefault):
         if extras.get("structured_outputs") is not None and fmt is not None and fmt["type"] != "text":
             # (as vLLM's: each asks the grammar; the chat's own refusal would name the chat's fields)
             raise RequestError("give one of structured_outputs and text.format (json_object or json_schema), not both")
-        body: dict[str, Any] = {name: extras[name] for name in SAMPLING_EXTRAS if name in extras}
+        body: dict[str, Any] = forwarded_extras(extras)
         body.update(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                     tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
