@@ -553,3 +553,29 @@ def test_an_empty_system_prompt_is_no_system_prompt():
     client = ScriptedClient(["a"])
     post_all(make_app(client), [("/v1/messages", {**ASK, "system": ""}), ("/v1/messages", ASK)])
     assert client.prompts[0] == client.prompts[1]
+
+
+def test_output_config_effort_reaches_the_template_as_a_chat_requests_reasoning_effort_does():
+    """Messages run as a chat request, and output_config.effort is its reasoning_effort (vLLM's Anthropic route sets
+    the chat request's reasoning_effort): the template gets reasoning_effort, and enable_thinking true unless
+    thinking.type sets it (as a chat request's chat_template_kwargs do). It went in as chat_template_kwargs'
+    reasoning_effort alone, a second way to give a template an effort, which left enable_thinking unset."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = dataclasses.replace(builtin_codec(), chat_template=ChatTemplate(
+        "{{ reasoning_effort | default('unset') }}|{{ enable_thinking | default('unset') }}|"
+        "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS}))
+    client = ScriptedClient(["ok"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    bodies = [{}, {"output_config": {"effort": "low"}},
+              {"output_config": {"effort": "max"}, "thinking": {"type": "disabled"}},
+              {"output_config": {"effort": "high"}, "chat_template_kwargs": {"reasoning_effort": "low"}},
+              {"thinking": {"type": "enabled"}}]
+    ask = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    replies = post_all(app, [("/v1/messages", {**ask, **b}) for b in bodies])
+    assert [r.status_code for r in replies] == [200] * len(bodies)
+    rendered = ["unset|unset|x", "low|True|x", "max|False|x", "high|True|x", "unset|True|x"]
+    assert client.prompts == [codec.encode_text(text, add_special_tokens=False) for text in rendered]

@@ -33,7 +33,9 @@ from tpgraph.server.turn import ChatTurn, RenderedChat
 BILLING_HEADER = "x-anthropic-billing-header"
 # the roles Claude Code (2.1.154 on) gives some user turns, read as the user's (as vLLM's AnthropicMessage reads them)
 ROLE_ALIASES = {"ctx": "user", "msg": "user"}
-# Anthropic's output_config.effort values (as vLLM's AnthropicOutputConfig takes them)
+# Anthropic's output_config.effort values (as vLLM's AnthropicOutputConfig takes them): REASONING_EFFORTS less none and
+# minimal, by design (Anthropic turns thinking off with thinking.type, not an effort); each is the chat request's
+# reasoning_effort, which gives it to the template
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
@@ -75,7 +77,8 @@ class MessagesRequest(NullMeansDefault):
         body.update(model=self.model, messages=messages, max_tokens=self.max_tokens, stop=self.stop_sequences,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stream=stream,
                     add_generation_prompt=not prefill, continue_final_message=prefill,
-                    chat_template_kwargs=self.template_variables(), **self.tool_fields())
+                    chat_template_kwargs=self.template_variables(), reasoning_effort=self.effort(),
+                    **self.tool_fields())
         schema = self.output_schema()
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
@@ -102,20 +105,24 @@ class MessagesRequest(NullMeansDefault):
         return fmt.get("schema")
 
     def template_variables(self) -> dict[str, Any] | None:
-        """The chat template's variables: the request's own, with thinking's enable_thinking and output_config's
-        effort as reasoning_effort (adaptive and between_tools, where the model decides: the template's default)."""
+        """The chat template's variables: the request's own, with thinking's enable_thinking (adaptive and
+        between_tools, where the model decides: the template's default, or the effort's, ChatRequest.template_kwargs).
+        """
         variables = dict(self.chat_template_kwargs or {})
         kind = (self.thinking or {}).get("type")
         if kind not in (None, "enabled", "disabled", "adaptive", "between_tools"):
             raise RequestError(f"thinking.type must be enabled, disabled, adaptive or between_tools, got {kind!r}")
         if kind in ("enabled", "disabled"):
             variables["enable_thinking"] = kind == "enabled"
+        return variables or None
+
+    def effort(self) -> str | None:
+        """output_config.effort, the chat request's reasoning_effort (as vLLM's: the template gets it, and
+        enable_thinking where thinking.type does not set it), checked here to be named as sent."""
         effort = (self.output_config or {}).get("effort")
         if effort not in (None, *EFFORTS):  # (a typo would reach the template as an effort it does not know)
             raise RequestError(f"output_config.effort must be one of {', '.join(EFFORTS)}; got {effort!r}")
-        if effort is not None:
-            variables["reasoning_effort"] = effort
-        return variables or None
+        return effort
 
     def tool_fields(self) -> dict[str, Any]:
         """tools and tool_choice as the chat's: custom tools as functions; auto, any ("required"), tool (named) and

@@ -18,7 +18,15 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from tpgraph.errors import RequestError
-from tpgraph.server.protocol import ChatRequest, NullMeansDefault, _an_integer, _not_a_bool, forwarded_extras, invalid
+from tpgraph.server.protocol import (
+    REASONING_EFFORTS,
+    ChatRequest,
+    NullMeansDefault,
+    _an_integer,
+    _not_a_bool,
+    forwarded_extras,
+    invalid,
+)
 from tpgraph.server.reasoning import ReasoningReader
 from tpgraph.server.reply import Delta
 
@@ -36,7 +44,7 @@ METADATA_LIMITS = (16, 64, 512)
 # the values OpenAI takes for the fields a response echoes back (the SDK's Response types read no others)
 CHOICES = {"truncation": ("disabled", "auto"),
            "service_tier": ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"),
-           "reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+           "reasoning.effort": REASONING_EFFORTS,  # (the chat request's reasoning_effort, which it runs as)
            "reasoning.summary": ("auto", "concise", "detailed"),
            "text.verbosity": ("low", "medium", "high")}
 
