@@ -117,10 +117,7 @@ class EngineBridge:
     def _compile(self) -> None:
         while (item := self._to_compile.get()) is not _STOP:
             request_id, prompt_ids, params = item
-            try:
-                self.service.precompile(params)  # (a refusal is the add's to report)
-            except Exception:  # noqa: BLE001 - the add meets it again; this thread must live for the next grammar
-                logger.exception("compiling request %s's grammar failed", request_id)
+            self.service.precompile(params)  # (raises nothing: a refusal, or any failure, is the add's to report)
             with self._lock:  # (queued, or dropped if aborted meanwhile: under the lock, so no abort slips between)
                 self._compiling.discard(request_id)
                 if request_id in self._dropped:
