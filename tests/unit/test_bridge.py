@@ -4,6 +4,7 @@ right sinks on the event loop, metrics answer by ticket, and a closed pipe fails
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -144,6 +145,42 @@ def test_a_grammars_compile_holds_up_no_other_request_and_one_aborted_meanwhile_
         asyncio.run(main())
     finally:
         service.release.set()
+
+
+def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stopped_service():
+    """close() queued its stop behind the grammars waiting to compile: the compile thread went on compiling each
+    (telling the other ranks to compile it too) and queued its request for a service that had stopped. What is
+    waiting is dropped on close, and the compile under way queues nothing."""
+    from tpgraph.engine.structured import StructuredOutput
+
+    class Recording(SlowGrammars):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enqueued: list[str] = []
+
+        def enqueue(self, request_id, prompt_ids, params, sink) -> None:
+            self.enqueued.append(request_id)
+
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    service = Recording()
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    bridge.start()
+    constrained = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
+    try:
+        for rid in ("under way", "waiting", "also waiting"):
+            frontend_end.send(("add", rid, [1, 2, 3], constrained))
+        assert service.compiling.wait(10)
+        deadline = time.monotonic() + 10
+        while len(bridge._compiling) < 3 and time.monotonic() < deadline:  # (all three read off the pipe)
+            time.sleep(0.01)
+        assert len(bridge._compiling) == 3
+        bridge.close()
+    finally:
+        service.release.set()
+    bridge._threads[2].join(10)
+    assert not bridge._threads[2].is_alive()
+    assert len(service.precompiled) == 1 and service.enqueued == []
+    frontend_end.close()
 
 
 def test_the_engine_side_hears_the_front_end_go():

@@ -58,6 +58,7 @@ class EngineBridge:
         self._compiling: set[str] = set()  # (their request ids)
         self._dropped: set[str] = set()  # (those aborted while compiling)
         self._lock = threading.Lock()
+        self._closed = threading.Event()  # (then what waits to compile is dropped: the service has stopped)
 
     def start(self) -> None:
         for t in self._threads:
@@ -70,7 +71,11 @@ class EngineBridge:
 
     def close(self) -> None:
         """Tell the front end the engine is going (it exits), stop sending, shut the socket down (which also ends
-        this side's blocked reader; closing the descriptor alone would not) and close it."""
+        this side's blocked reader; closing the descriptor alone would not) and close it. Grammars waiting to
+        compile are dropped, and the one compiling queues nothing: the service they were for has stopped."""
+        with self._lock:  # (so no request is queued after this)
+            self._closed.set()
+        self._to_compile.put(_STOP)
         self._out.put(("closing",))
         self._out.put(_STOP)
         self._threads[1].join(2.0)
@@ -80,7 +85,6 @@ class EngineBridge:
         except OSError:
             pass
         self._threads[0].join(2.0)
-        self._to_compile.put(_STOP)
         self.conn.close()
 
     def _read(self) -> None:
@@ -115,11 +119,13 @@ class EngineBridge:
             self.on_closed()
 
     def _compile(self) -> None:
-        while (item := self._to_compile.get()) is not _STOP:
+        while (item := self._to_compile.get()) is not _STOP and not self._closed.is_set():
             request_id, prompt_ids, params = item
             self.service.precompile(params)  # (raises nothing: a refusal, or any failure, is the add's to report)
             with self._lock:  # (queued, or dropped if aborted meanwhile: under the lock, so no abort slips between)
                 self._compiling.discard(request_id)
+                if self._closed.is_set():
+                    return
                 if request_id in self._dropped:
                     self._dropped.discard(request_id)
                 else:
