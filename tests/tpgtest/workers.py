@@ -641,10 +641,10 @@ def fail_detokenizers(max_tokens: int) -> None:
 
     real = core_module.Detokenizer
 
-    def detokenizer(tokenizer, prompt_ids, params):
+    def detokenizer(tokenizer, prompt_ids, params, *rest):
         if params.max_tokens == max_tokens:
             raise TypeError("rank 0 alone cannot build this detokenizer")
-        return real(tokenizer, prompt_ids, params)
+        return real(tokenizer, prompt_ids, params, *rest)
 
     core_module.Detokenizer = detokenizer
 

@@ -476,6 +476,27 @@ def test_generate_from_two_threads_at_once_gives_each_its_own_outputs():
         assert results == {0: alone, 1: alone}
 
 
+def test_whether_the_decoder_is_byte_fallback_is_read_once_per_tokenizer_not_per_sample(monkeypatch):
+    """Every detokenizer serialized the tokenizer's decoder to JSON (its __getstate__) to find whether it is a
+    byte-fallback one: once per request and sample, on the engine's path that builds each request. The tokenizer's
+    answer is worked out once."""
+    import tokenizers.decoders
+
+    real = tokenizers.decoders.Decoder.__getstate__
+    calls = []
+
+    def counting(decoder):
+        calls.append(type(decoder).__name__)
+        return real(decoder)
+
+    with engine() as e:
+        monkeypatch.setattr(tokenizers.decoders.Decoder, "__getstate__", counting)
+        for _ in range(3):
+            out = e.generate(PROMPTS, SamplingParams(temperature=1.0, seed=0, max_tokens=2, n=2))
+            assert all(len(o.outputs) == 2 and o.outputs[0].text is not None for o in out)
+    assert len(calls) <= 1, calls
+
+
 def test_a_request_that_fails_while_queued_is_taken_back_whole(reference, monkeypatch):
     """Whatever raises while a request is being added leaves none of its sequences queued: one left queued without
     its state broke every later step (KeyError, then 'pending tokens but token source -1')."""
@@ -485,10 +506,10 @@ def test_a_request_that_fails_while_queued_is_taken_back_whole(reference, monkey
 
     real = core_module.Detokenizer
 
-    def failing(tokenizer, prompt_ids, params):
+    def failing(tokenizer, prompt_ids, params, *rest):
         if params.max_tokens == 7:
             raise TypeError("a detokenizer that cannot be built")
-        return real(tokenizer, prompt_ids, params)
+        return real(tokenizer, prompt_ids, params, *rest)
 
     monkeypatch.setattr(core_module, "Detokenizer", failing)
     bad = SamplingParams(temperature=1.0, seed=1, max_tokens=7, n=2)  # (n > 1 samples: greedy takes one)

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tpgraph.engine.bad_words import bad_word_bans, encode_bad_words
-from tpgraph.engine.detokenizer import Detokenizer
+from tpgraph.engine.detokenizer import Detokenizer, is_byte_fallback
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleRow, plain_greedy
@@ -158,6 +158,7 @@ class EngineCore:
         self.eos_ids = tuple(eos_ids)
         self.main_eos = main_eos
         self.tokenizer = tokenizer
+        self.byte_fallback = tokenizer is not None and is_byte_fallback(tokenizer)  # (each detokenizer's, read once)
         self.grammars = GrammarCompiler(tokenizer, runner.model.cfg.vocab_size, self.eos_ids) if tokenizer else None
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -207,8 +208,8 @@ class EngineCore:
                 raise RequestError(f"allowed_token_ids {list(params.allowed_token_ids)} are all bad_words or stop "
                                    f"tokens, which min_tokens {params.min_tokens} holds back: no token is left to "
                                    f"generate before it")
-        detoks = [Detokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer is not None and params.detokenize
-                  else None for _ in range(params.n)]
+        detoks = [Detokenizer(self.tokenizer, prompt_ids, params, self.byte_fallback)
+                  if self.tokenizer is not None and params.detokenize else None for _ in range(params.n)]
         return PreparedRequest(request_id, list(prompt_ids), params, detoks, after, bad_words)
 
     def add_prepared(self, request: PreparedRequest) -> None:

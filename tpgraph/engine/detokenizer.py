@@ -29,8 +29,17 @@ HELD_LIMIT, UTF8_TAIL = 8, 3
 _INVALID_PREFIX = "Invalid prefix encountered"  # (DecodeStream.step's error when earlier text changed)
 
 
+def is_byte_fallback(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's decoder is, or holds, a byte-fallback one (read from its JSON: a while for a large
+    vocabulary's, so worked out once per tokenizer by whoever holds it, not per detokenizer)."""
+    decoder = tokenizer.decoder
+    return decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
+
+
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 byte_fallback: bool | None = None) -> None:
+        """byte_fallback: is_byte_fallback(tokenizer), given by a caller that makes many (None: worked out here)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         prime = self._prime(prompt_ids)
@@ -40,9 +49,9 @@ class Detokenizer:
         # held tokens at which those before a character not whole yet are handed out; never with a byte-fallback
         # decoder, which reads a whole run of byte tokens as one (a stray byte makes every byte of its run U+FFFD, the
         # run's later characters too: no cut in it is final)
-        decoder = tokenizer.decoder
-        self.held_limit = sys.maxsize if decoder is not None and b'"ByteFallback"' in decoder.__getstate__() \
-            else HELD_LIMIT
+        if byte_fallback is None:
+            byte_fallback = is_byte_fallback(tokenizer)
+        self.held_limit = sys.maxsize if byte_fallback else HELD_LIMIT
         self.settle_at = self.held_limit
         # spaces_between_special_tokens False: an added token right after another is its own text alone, without the
         # space some decoders (WordPiece's) put before it (as vLLM's detokenizer gives it)
