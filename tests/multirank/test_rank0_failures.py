@@ -106,7 +106,7 @@ def run_script(mode: str, timeout_s: float = 120.0) -> tuple[str, list[int]]:
 def test_generate_at_tp2_answers_a_request_rank0_alone_cannot_prepare():
     """TPEngine(tp_size=2)'s own loop: refused, then the next generate is right. Before: a hang."""
     out, _ = run_script("detokenizer")
-    assert "refused: prompt 0 was refused: rank 0 alone" in out, out[-3000:]
+    assert "refused: rank 0 alone" in out, out[-3000:]  # (one prompt's refusal names no prompt, as everywhere)
     assert f"after: {fresh_tokens(PROMPTS[:1], 8)[0]}" in out, out[-3000:]
 
 

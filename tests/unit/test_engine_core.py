@@ -369,6 +369,28 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_index_and_the_others_still_run(
         assert len(e.generate(["a", "b"], GREEDY, use_tqdm=False)) == 2
 
 
+@pytest.mark.parametrize("loop", ["alone", "service"])
+def test_a_single_prompt_refused_when_added_reads_as_before_on_every_path(loop):
+    """A refusal met when the request is added (a regex that does not compile) named "prompt 0" even for a single
+    prompt, on the path every rank runs alone or under torchrun, and on the started ranks' service path; a refusal
+    met when checked read as before, as it does with one prompt everywhere. Every path now names the prompt only
+    where the call had several."""
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+    from tpgraph.engine.structured import StructuredOutput
+
+    regex = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[0-9"))
+    with engine() as e:
+        if loop == "service":  # (the loop rank 0 drives where TPEngine started the other ranks)
+            e.service = EngineService(e.core, ControlPlane(e.state))
+        with pytest.raises(RequestError, match=r"^the regex cannot be used"):
+            e.generate(["a"], regex, use_tqdm=False)
+        with pytest.raises(RequestError, match=r"^prompt 1 was refused: the regex cannot be used"):
+            e.generate(["a", "b"], [GREEDY, regex], use_tqdm=False)
+        assert not e.core.has_work and not e.core.requests
+        assert len(e.generate(["a", "b"], GREEDY, use_tqdm=False)) == 2
+
+
 def test_a_closed_engine_lets_go_of_its_weights_refuses_work_and_closes_again_harmlessly():
     """close() (or leaving its with block) released the KV cache and the graphs, but the weights stayed held for as
     long as the engine object lived: `llm`, still bound after `with TPEngine(...) as llm`, kept them, and the next

@@ -145,9 +145,10 @@ def deferred_interrupt() -> Iterator[threading.Event]:
 
 
 @contextlib.contextmanager
-def prompt_named(index: int, count: int | None = None, kind: str = "prompt") -> Iterator[None]:
+def prompt_named(index: int, count: int, kind: str = "prompt") -> Iterator[None]:
     """A RequestError raised inside names the prompt (or conversation: kind) it is about, where the call had several
-    (count) or count is None: "the prompt is empty" alone left a user of a batch of thousands to search for it."""
+    (count): "the prompt is empty" alone left a user of a batch of thousands to search for it. One prompt's reads as
+    it is, wherever it is refused."""
     try:
         yield
     except RequestError as exc:
@@ -624,7 +625,8 @@ class TPEngine:
             with deferred_interrupt() as interrupted:
                 for update in self._run(adds, interrupted):
                     if update.finish_reason in (REFUSED, "error"):  # refused late by the engine: the others abort
-                        raise RequestError(f"prompt {order.index(update.request_id)} was refused: {update.text}")
+                        with prompt_named(order.index(update.request_id), len(order)):
+                            raise RequestError(update.text)
                     key = update.request_id, update.sample_index
                     texts[key].append(update.text)
                     if update.finish_reason is not None:
@@ -705,7 +707,7 @@ class TPEngine:
         inside one: a step interrupted halfway would leave the ranks in different collectives."""
         if self.service is None:  # alone, or SPMD under torchrun: every rank runs this same loop
             for i, (request_id, ids, p) in enumerate(adds):
-                with prompt_named(i):  # (as the started ranks' service path names it)
+                with prompt_named(i, len(adds)):  # (as the started ranks' service path names it)
                     self.core.add_request(request_id, ids, p)
             while self.core.has_work:
                 yield from self.core.step()
