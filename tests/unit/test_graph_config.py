@@ -176,10 +176,18 @@ def test_vllms_compilation_config_flag_sets_the_cuda_graphs():
                   ("-O", '{"cudagraph_mode": "NONE"}', "--prefill-graph-mode", "none")):
         with pytest.raises(ConfigError, match="or --compilation-config, not both"):
             parse(*flags)
-    with pytest.raises(ConfigError, match=r"compilation_config's level \(vLLM's\) is not taken"):
-        parse("-O", '{"level": 3}')
+    # vLLM's -O3 (its compilation level 3, or its newer optimization level 3, both its default graphs) asks nothing
+    # more; -O0 (either reading) captures no graphs
+    assert parse("-O3") == parse("-O", '{"level": 3}') == parse("--compilation-config", "3") == parse()
+    assert (parse("-O0").decode_mode, parse("-O0").prefill_mode) == ("none", "none")
+    with pytest.raises(ConfigError, match="or --compilation-config, not both"):
+        parse("-O0", "--cuda-graph-mode", "piecewise")
+    with pytest.raises(ConfigError, match=r"compilation.config's mode 1 \(vLLM's torch.compile mode\) is not taken"):
+        parse("-O1")
+    with pytest.raises(ConfigError, match=r"compilation_config's splitting_ops \(vLLM's\) is not taken"):
+        parse("-O", '{"splitting_ops": []}')
     with pytest.raises(SystemExit):
-        parse("-O3")  # (vLLM's torch.compile level: argparse says "a torch.compile level ... leave it out")
+        parse("-O", "[3]")
     # a refusal of its sizes names it
     with pytest.raises(ConfigError, match=r"^--compilation-config's cudagraph_capture_sizes \(the decode capture "
                                           r"sizes\) \[1, 8\] tops out at 8 but --max-num-seqs is 16"):

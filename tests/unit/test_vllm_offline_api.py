@@ -144,9 +144,21 @@ def test_vllms_compilation_config_sets_the_cuda_graphs():
     assert graphs({"cudagraph_mode": "NONE", "cudagraph_capture_sizes": None}).decode_mode == "none"
     eager = graphs({"cudagraph_capture_sizes": [1, 2]}, enforce_eager=True)
     assert eager.enforce_eager and eager.ladder == (1, 2)
+    # vLLM's compilation mode (its older level; an int compilation_config is one) 3, VLLM_COMPILE, is its default:
+    # scripts give it beside the capture sizes, asking for nothing more. 0 (no torch.compile) captures no graphs in
+    # vLLM but full decode ones where cudagraph_mode FULL_DECODE_ONLY asks
+    assert graphs({"level": 3, "cudagraph_capture_sizes": [1, 2, 4, 8]}) == GraphConfig(ladder=(1, 2, 4, 8))
+    assert graphs({"mode": "VLLM_COMPILE"}) == graphs(3) == graphs({"mode": 3, "level": None}) == GraphConfig()
+    assert graphs({"mode": 0}) == graphs(0) == GraphConfig(decode_mode="none", prefill_mode="none")
+    assert graphs({"level": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}) == GraphConfig(decode_mode="full",
+                                                                                    prefill_mode="none")
+    assert graphs({"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE"}).decode_mode == "none"
     for config, message in [
-        (3, r"compilation_config=3 \(vLLM's\) is not taken: give a dict"),
-        ({"level": 3}, r"compilation_config's level \(vLLM's\) is not taken"),
+        ("3", r"compilation_config='3' \(vLLM's\) is not taken: give a dict"),
+        ({"level": 1}, r"compilation_config's level 1 \(vLLM's torch.compile mode\) is not taken"),
+        ({"mode": "STOCK_TORCH_COMPILE"}, r"compilation_config's mode 'STOCK_TORCH_COMPILE' \(vLLM's torch.compile"),
+        (True, r"compilation_config=True \(vLLM's\) is not taken"),
+        ({"splitting_ops": []}, r"compilation_config's splitting_ops \(vLLM's\) is not taken"),
         ({"cudagraph_mode": "FULL"}, r"cudagraph_mode 'FULL' is not taken: give one of NONE, PIECEWISE"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"cudagraph_capture_sizes entry 0 is not positive"),
         ({"cudagraph_capture_sizes": [1, 4], "max_cudagraph_capture_size": 8}, "must be the largest"),

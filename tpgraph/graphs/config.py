@@ -85,7 +85,8 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compilation-config", "-O", type=compilation_json, default=None, metavar="JSON",
                        help="vLLM's, as JSON: its cudagraph_capture_sizes and max_cudagraph_capture_size set the "
                             "decode capture sizes, its cudagraph_mode (NONE, PIECEWISE, FULL_DECODE_ONLY, "
-                            "FULL_AND_PIECEWISE) the graph modes (in place of the flags above)")
+                            "FULL_AND_PIECEWISE) the graph modes (in place of the flags above); its compilation "
+                            "mode (-O3, vLLM's default, asks nothing more; -O0 captures no graphs)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -118,7 +119,7 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
     given = []
     if any(config.get(key) is not None for key in COMPILATION_KEYS[:2]):
         given += [flag for flag in _ladder_flags(args) if getattr(args, _dest(flag)) is not None]
-    if config.get("cudagraph_mode") is not None:
+    if config.get("cudagraph_mode") is not None or _compilation_mode(config, "--compilation-config") == "NONE":
         given += [flag for flag, field in (("--cuda-graph-mode", "decode_mode"), ("--prefill-graph-mode",
                                                                                   "prefill_mode"))
                   if getattr(args, _dest(flag)) != _DEFAULTS[field]]
@@ -128,14 +129,16 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
 
 
 def compilation_json(text: str) -> dict[str, object]:
-    """--compilation-config's JSON object (vLLM's -O3, a torch.compile level, has no setting here)."""
+    """--compilation-config's JSON object; a whole number (vLLM's -O3) is its compilation mode, {"mode": N}."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"mode": value}
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object of {', '.join(COMPILATION_KEYS)}, got {text!r} (a "
-                                         "torch.compile level, -O3, has no setting here: leave it out)")
+        raise argparse.ArgumentTypeError(f"must be a JSON object of {', '.join(COMPILATION_KEYS)}, or vLLM's "
+                                         f"compilation mode (-O3), got {text!r}")
     return value
 
 
@@ -194,18 +197,29 @@ def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:
 VLLM_CUDAGRAPH_MODES = {"NONE": ("none", "none"), "PIECEWISE": ("piecewise", "piecewise"),
                         "FULL_DECODE_ONLY": ("full", "none"), "FULL_AND_PIECEWISE": ("full", "piecewise")}
 COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+# vLLM's CompilationConfig.mode (level before it), the torch.compile mode, by name: VLLM_COMPILE (3) is its default,
+# which asks for nothing here; NONE (0) leaves vLLM no piecewise graphs (those need its compilation), and with no
+# cudagraph_mode no graphs at all. STOCK_TORCH_COMPILE (1) and DYNAMO_TRACE_ONCE (2) have no counterpart
+VLLM_COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
+COMPILATION_MODE_KEYS = ("mode", "level")  # (vLLM reads mode where both are given)
 
 
 def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
     """vLLM's compilation_config (LLM(...)'s keyword) as `graphs` with its settings: cudagraph_capture_sizes and
     max_cudagraph_capture_size the decode capture sizes (as the flags of those names), cudagraph_mode the decode and
-    prefill graph modes. None, or a key at None, sets nothing; what has no setting here is refused by name."""
+    prefill graph modes, its compilation mode (mode, or level; an int compilation_config is one) 3 nothing more and 0
+    vLLM's graphs without compilation. None, or a key at None, sets nothing; what has no setting here is refused by
+    name."""
     if value is None:
         return graphs
     named = "compilation_config"
+    if isinstance(value, int) and not isinstance(value, bool):  # (vLLM's LLM reads an int as the compilation mode)
+        value = {"mode": value}
     if not isinstance(value, dict):
         raise ConfigError(f"{named}={value!r} (vLLM's) is not taken: give a dict of {', '.join(COMPILATION_KEYS)} "
-                          "(no torch.compile level: the model runs as written)")
+                          "(or vLLM's compilation mode, 3)")
+    compile_mode = _compilation_mode(value, named)
+    value = {key: v for key, v in value.items() if key not in COMPILATION_MODE_KEYS}
     unknown = sorted(set(value) - set(COMPILATION_KEYS), key=str)
     if unknown:
         raise ConfigError(f"{named}'s {', '.join(map(str, unknown))} (vLLM's) is not taken: {named} takes "
@@ -227,7 +241,32 @@ def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
                               f"{', '.join(VLLM_CUDAGRAPH_MODES)} (prefill graphs are piecewise here: vLLM's FULL "
                               "has none)")
         changes["decode_mode"], changes["prefill_mode"] = VLLM_CUDAGRAPH_MODES[name]
+    if compile_mode == "NONE":  # (vLLM's full decode graphs need no compilation; its piecewise ones are dropped)
+        changes["decode_mode"] = "full" if mode is not None and changes["decode_mode"] == "full" and \
+            changes["prefill_mode"] == "none" else "none"
+        changes["prefill_mode"] = "none"
     return replace(graphs, **changes)
+
+
+def _compilation_mode(value: dict, named: str) -> str | None:
+    """The compilation mode's name a compilation_config asks for (mode, else level: vLLM's reading), None where
+    neither; one with no counterpart here is refused."""
+    key = next((k for k in COMPILATION_MODE_KEYS if value.get(k) is not None), None)
+    if key is None:
+        return None
+    given = value[key]
+    if isinstance(given, str):
+        name = given.upper()
+    elif isinstance(given, int) and not isinstance(given, bool) and 0 <= given < len(VLLM_COMPILATION_MODES):
+        name = VLLM_COMPILATION_MODES[given]  # (vLLM's IntEnum is an int too)
+    else:
+        name = None
+    if name in ("NONE", "VLLM_COMPILE"):
+        return name
+    raise ConfigError(f"{named}'s {key} {given!r} (vLLM's torch.compile mode) is not taken: no torch.compile runs "
+                      "here; give 3 (VLLM_COMPILE, vLLM's default: the CUDA graphs as cudagraph_mode sets them) or 0 "
+                      "(NONE: no graphs, but full decode ones where cudagraph_mode is FULL_DECODE_ONLY), or leave it "
+                      "out")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
