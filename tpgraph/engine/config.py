@@ -16,7 +16,7 @@ from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.config import GraphConfig, from_compilation_config
+from tpgraph.graphs.config import COMPILATION_KEYS, GraphConfig, from_compilation_config
 from tpgraph.graphs.modes import CaptureSupport, resolve_modes
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
@@ -136,6 +136,20 @@ def check_num_kv_blocks(num_blocks: int, block_size: int, max_model_len: int | N
                           f"({num_blocks - 1} blocks of {block_size}; block 0 is the null block): lower max_model_len, "
                           f"or raise num_kv_blocks to {-(-max_model_len // block_size) + 1} (the null block and one "
                           "sequence's)", ("max_model_len", "num_kv_blocks"))
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def check_compilation_sizes(config: object, kwargs: dict[str, Any]) -> None:
+    """EngineConfig's check that the decode capture sizes hold max_num_seqs, naming compilation_config's key that set
+    them (the graphs' ladder is no keyword the script gave). A max_num_seqs of no count is left for EngineConfig."""
+    key = next((k for k in COMPILATION_KEYS[:2] if isinstance(config, dict) and config.get(k) is not None), None)
+    seqs = kwargs.get("max_num_seqs", _FIELD_DEFAULTS["max_num_seqs"])
+    if key is None or isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+        return
+    if captures_decode(kwargs["graphs"], kwargs.get("device")):
+        kwargs["graphs"].decode_sizes(seqs, (f"compilation_config's {key} (the decode capture sizes)", "max_num_seqs"))
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
@@ -320,6 +334,7 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
             raise ConfigError("graphs=GraphConfig(...) and compilation_config (vLLM's) both set the CUDA graphs: give "
                               "one of them")
         kwargs["graphs"] = from_compilation_config(vllm["compilation_config"], kwargs.get("graphs", GraphConfig()))
+        check_compilation_sizes(vllm["compilation_config"], kwargs)
     if "async_scheduling" in vllm:
         kwargs.update(async_scheduling(vllm["async_scheduling"], kwargs.get("overlap_scheduling")))
     hub = {name: vllm.get(name) for name in ("revision", "tokenizer_revision", "download_dir")}

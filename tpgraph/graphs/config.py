@@ -227,7 +227,7 @@ def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
     sizes, top, mode = (value.get(key) for key in COMPILATION_KEYS)
     changes: dict[str, object] = {}
     if sizes is not None:
-        changes["ladder"] = check_sizes(sizes, f"{named}'s cudagraph_capture_sizes")
+        changes["ladder"] = check_sizes(_distinct(sizes), f"{named}'s cudagraph_capture_sizes")
         if top is not None and top != changes["ladder"][-1]:
             raise ConfigError(f"{named}'s max_cudagraph_capture_size {top!r} must be the largest of its "
                               f"cudagraph_capture_sizes ({changes['ladder'][-1]}) where both are given, as vLLM "
@@ -246,6 +246,18 @@ def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
             changes["prefill_mode"] == "none" else "none"
         changes["prefill_mode"] = "none"
     return replace(graphs, **changes)
+
+
+def _distinct(values: object) -> object:
+    """vLLM's capture sizes each once, as its config keeps them (a repeat dropped); anything but a list or tuple as
+    given, for check_sizes to refuse."""
+    if not isinstance(values, (list, tuple)):
+        return values
+    kept: list = []
+    for v in values:
+        if isinstance(v, bool) or v not in kept:  # (True == 1: left for check_sizes to refuse)
+            kept.append(v)
+    return kept
 
 
 def _compilation_mode(value: dict, named: str) -> str | None:
