@@ -1073,6 +1073,24 @@ def test_a_bad_value_under_vllms_name_is_refused_under_that_name(name, value):
         vllm_keywords(None, 1, {name: value})
 
 
+def test_num_gpu_blocks_override_too_few_to_serve_is_refused_under_that_name():
+    """LLM(num_gpu_blocks_override=1), or too few blocks for one sequence of max_model_len, was refused before the
+    weights load, but as num_kv_blocks: a name the script never wrote."""
+    from tpgraph.engine.config import vllm_keywords
+
+    with pytest.raises(ConfigError, match=r"^num_gpu_blocks_override 1 leaves no block to use .* give "
+                                          r"num_gpu_blocks_override 2 or more"):
+        vllm_keywords(None, 1, {"num_gpu_blocks_override": 1})
+    with pytest.raises(ConfigError, match=r"^max_model_len 64 needs .* only 48 fit .*raise num_gpu_blocks_override to "
+                                          r"17 "):
+        vllm_keywords(None, 1, {"num_gpu_blocks_override": 13, "max_model_len": 64, "block_size": 4})
+    assert vllm_keywords(None, 1, {"num_gpu_blocks_override": 17, "max_model_len": 64, "block_size": 4})[2] == \
+        {"num_kv_blocks": 17, "max_model_len": 64, "block_size": 4}
+    # (a block_size or max_model_len of no count is EngineConfig's to refuse, under its own name)
+    with pytest.raises(ConfigError, match=r"block_size must be a power of two"):
+        TPEngine(device="cpu", num_gpu_blocks_override=13, block_size=3)
+
+
 def test_a_kv_cache_dtype_naming_the_models_dtype_is_taken_and_another_refused():
     """vLLM takes kv_cache_dtype "bfloat16" (and "float16"): the cache in that dtype. Here it was refused even where it
     is the model's own dtype, which is what the cache holds; that name is now taken, and another refused before the

@@ -124,21 +124,31 @@ class EngineConfig:
                                self.enable_chunked_prefill)
 
 
-def check_num_kv_blocks(num_blocks: int, block_size: int, max_model_len: int | None) -> None:
-    """A KV cache sized by hand (num_kv_blocks) must leave a block past the null one (block 0, which padded slots
-    write), and hold one sequence of an asked max_model_len."""
+def check_num_kv_blocks(num_blocks: int, block_size: int, max_model_len: int | None,
+                        named: str = "num_kv_blocks") -> None:
+    """A KV cache sized by hand (num_kv_blocks, or vLLM's `named` for it) must leave a block past the null one (block
+    0, which padded slots write), and hold one sequence of an asked max_model_len."""
     if num_blocks < 2:
-        raise ConfigError(f"num_kv_blocks {num_blocks} leaves no block to use (block 0 is the null block padded slots "
-                          "write): give num_kv_blocks 2 or more", ("num_kv_blocks",))
+        raise ConfigError(f"{named} {num_blocks} leaves no block to use (block 0 is the null block padded slots "
+                          f"write): give {named} 2 or more", ("num_kv_blocks",))
     capacity = (num_blocks - 1) * block_size
     if max_model_len is not None and capacity < max_model_len:
         raise ConfigError(f"max_model_len {max_model_len} needs that many tokens of KV cache, but only {capacity} fit "
                           f"({num_blocks - 1} blocks of {block_size}; block 0 is the null block): lower max_model_len, "
-                          f"or raise num_kv_blocks to {-(-max_model_len // block_size) + 1} (the null block and one "
+                          f"or raise {named} to {-(-max_model_len // block_size) + 1} (the null block and one "
                           "sequence's)", ("max_model_len", "num_kv_blocks"))
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def check_override_blocks(blocks: int | None, kwargs: dict[str, Any]) -> None:
+    """EngineConfig's num_kv_blocks check, naming num_gpu_blocks_override, the keyword the script gave. A block_size or
+    max_model_len of no count is left for EngineConfig to refuse."""
+    size, length = kwargs.get("block_size", _FIELD_DEFAULTS["block_size"]), kwargs.get("max_model_len")
+    counts = all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in (size, length))
+    if blocks is not None and counts and size is not None and not size & (size - 1):
+        check_num_kv_blocks(blocks, size, length, named="num_gpu_blocks_override")
 
 
 def check_compilation_sizes(config: object, kwargs: dict[str, Any]) -> None:
@@ -318,6 +328,7 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
             raise ConfigError(f"num_kv_blocks={kwargs['num_kv_blocks']!r} and num_gpu_blocks_override={blocks!r} "
                               f"differ: give one of them")
         kwargs["num_kv_blocks"] = blocks
+        check_override_blocks(blocks, kwargs)
     graphs_given = "graphs" in kwargs
     if "enforce_eager" in vllm:
         eager = vllm["enforce_eager"]
