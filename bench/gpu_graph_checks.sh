@@ -78,8 +78,10 @@ for step in "$@"; do
          export TPGRAPH_SHARED_GPU=1
          if [ "$step" = shared-ar ]; then
            timeout 60 python3 -m pytest tests/gpu/test_extension_gpu.py -q -rs 2>&1 | tail -4 | tee "$out/shared_ext.log"
-           timeout 400 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rs --durations=20 \
-               -k "not graphs_zero_copy" 2>&1 | tail -30 | tee "$out/shared_ar.log"
+           # (the whole log kept, -rfs naming every failure: session 55's 30-line tail lost one failure's name)
+           timeout 400 python3 -m pytest tests/gpu/test_custom_ar_gpu.py -q -rfs --durations=20 \
+               -k "not graphs_zero_copy" > "$out/shared_ar.log" 2>&1
+           grep -E "^FAILED|^ERROR|passed|failed" "$out/shared_ar.log" | tail -20
          else
            for v in "bf16 0" "fp32 0" "bf16 1"; do set -- $v
              TPGRAPH_GEMV_ALLREDUCE=$2 timeout 100 torchrun --nproc-per-node 2 bench/hf_parity.py --dtype $1 \
