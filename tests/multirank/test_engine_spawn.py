@@ -63,23 +63,34 @@ def test_spawned_ranks_match_one_rank_and_go_away():
     assert len(pids) == 1 and all(gone(p) for p in pids)
 
 
-def test_ctrl_c_stops_the_spawned_ranks():
-    proc = run("hang")
+def followers_until_ready(proc: subprocess.Popen) -> list[int]:
+    """The started ranks' pids the script prints, read from its output up to its "ready" line."""
     pids = []
     for line in proc.stdout:
         if line.startswith("followers"):
             pids = followers_of(line)
         if line.startswith("ready"):
             break
+    return pids
+
+
+def all_gone_within(pids: list[int], seconds: float) -> bool:
+    """Whether every one of these processes is gone within `seconds` (polled)."""
+    deadline = time.monotonic() + seconds
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return all(gone(p) for p in pids)
+
+
+def test_ctrl_c_stops_the_spawned_ranks():
+    proc = run("hang")
+    pids = followers_until_ready(proc)
     time.sleep(2)  # inside generate
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     rest = proc.stdout.read()
     assert proc.returncode != 0 and "KeyboardInterrupt" in rest, rest[-2000:]  # stopped inside generate
-    deadline = time.monotonic() + 30
-    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert pids and all(gone(p) for p in pids)
+    assert pids and all_gone_within(pids, 30)
 
 
 IDLE_SCRIPT = """
@@ -246,12 +257,7 @@ def test_a_sigterm_to_the_whole_process_group_lets_the_started_rank_finish_with_
     rank 0 alone stops it. As torchrun's ranks under the server, the started rank now follows until rank 0 says stop
     (leaving by itself if that is late)."""
     proc = run_script(GROUP_TERM_SCRIPT)
-    pids = []
-    for line in proc.stdout:
-        if line.startswith("followers"):
-            pids = followers_of(line)
-        if line.startswith("ready"):
-            break
+    pids = followers_until_ready(proc)
     time.sleep(1.0)  # (generating)
     for pid in [proc.pid, *pids]:  # (the group's signal, to each process of it)
         os.kill(pid, signal.SIGTERM)
@@ -260,10 +266,7 @@ def test_a_sigterm_to_the_whole_process_group_lets_the_started_rank_finish_with_
     finally:
         proc.kill()
     assert proc.returncode == 0 and "stopped cleanly" in rest, rest[-3000:]
-    deadline = time.monotonic() + 15
-    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert pids and all(gone(p) for p in pids)
+    assert pids and all_gone_within(pids, 15)
 
 
 def run_script(script: str) -> subprocess.Popen:
