@@ -139,10 +139,23 @@ def test_capture_drop_release_forty_times_leaves_nothing_open(monkeypatch):
     assert ar.ext.next_row == calls  # 8 rows served all 320 captured calls
 
 
-def test_close_releases_live_registrations(monkeypatch):
-    ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)], None], monkeypatch)
+def capture_one_input(ar) -> None:
+    """A capture whose one all-reduce input (a row, 9 segments in) is registered as the capture ends."""
     with ar.capture():
         ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+
+
+def refuse(monkeypatch, ar, call: str, cuda_error: str) -> None:
+    """The fake extension's `call` fails as CUDA would, naming `cuda_error`."""
+    def failing(*_):
+        raise RuntimeError(f"CUDA error {cuda_error}")
+
+    monkeypatch.setattr(ar.ext, call, failing)
+
+
+def test_close_releases_live_registrations(monkeypatch):
+    ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)], None], monkeypatch)
+    capture_one_input(ar)
     monkeypatch.setattr(ar.ext, "ar_destroy", lambda ctx: None, raising=False)
     ar._release()
     assert ar.ext.refs == {} and ar.ext.in_use == set() and ar._registrations == []
@@ -179,13 +192,9 @@ def test_a_rank_that_cannot_share_its_captured_inputs_tells_its_peers_in_the_exc
     handle exchange, and the peers, waiting in it, took that rank's next collective for its handles."""
     ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)]], monkeypatch)
 
-    def refuse(base):
-        raise RuntimeError("CUDA error cudaErrorInvalidValue in `cudaIpcGetMemHandle`")
-
-    monkeypatch.setattr(ar.ext, "ipc_get_handle", refuse)
+    refuse(monkeypatch, ar, "ipc_get_handle", "cudaErrorInvalidValue in `cudaIpcGetMemHandle`")
     with pytest.raises(CommError, match="cannot share a captured all-reduce input"):
-        with ar.capture():
-            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+        capture_one_input(ar)
     assert "rank 0 failed sharing its captured inputs" in ar.sent[1] and "cudaErrorInvalidValue" in ar.sent[1]
     assert ar.ext.in_use == set() and ar._registrations == []
 
@@ -193,8 +202,7 @@ def test_a_rank_that_cannot_share_its_captured_inputs_tells_its_peers_in_the_exc
 def test_the_peer_of_a_rank_that_could_not_share_its_inputs_raises_naming_it(monkeypatch):
     ar = fake_communicator(1, [1, "rank 0 failed sharing its captured inputs: CommError: no"], monkeypatch)
     with pytest.raises(CommError, match="capture abandoned: rank 0 failed sharing its captured inputs"):
-        with ar.capture():
-            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+        capture_one_input(ar)
     assert ar.ext.filled is None and ar.ext.in_use == set() and ar.ext.refs == {}
 
 
@@ -204,18 +212,13 @@ def test_a_rank_that_cannot_map_a_peers_input_tells_its_peers_before_they_replay
     their graphs ready to replay against a rank that had none."""
     ar = fake_communicator(0, [1, [(b"handle-0x100000", 16)], None], monkeypatch)
 
-    def refuse(handle):
-        raise RuntimeError("CUDA error cudaErrorTooManyPeers in `cudaIpcOpenMemHandle`")
-
-    monkeypatch.setattr(ar.ext, "ipc_open_handle", refuse)
+    refuse(monkeypatch, ar, "ipc_open_handle", "cudaErrorTooManyPeers in `cudaIpcOpenMemHandle`")
     with pytest.raises(RuntimeError, match="cudaErrorTooManyPeers"):
-        with ar.capture():
-            ar._pending.append((ar.ext.ar_reserve_row(1), 9 * SEGMENT))
+        capture_one_input(ar)
     assert "rank 0 failed mapping the peers' captured inputs" in ar.sent[2]
     peer = fake_communicator(1, [1, [(b"handle-0x100000", 16)], ar.sent[2]], monkeypatch)
     with pytest.raises(CommError, match="capture abandoned: rank 0 failed mapping"):
-        with peer.capture():
-            peer._pending.append((peer.ext.ar_reserve_row(1), 9 * SEGMENT))
+        capture_one_input(peer)
     assert peer.ext.in_use == set() and peer.ext.refs == {}
 
 
