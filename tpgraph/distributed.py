@@ -338,6 +338,18 @@ def gather_objects(state: ParallelState, obj: T) -> list[T]:
     return out
 
 
+def check_same_on_every_rank(state: ParallelState, name: str, value: object) -> None:
+    """A setting that chooses which collectives run, refused on every rank where the ranks differ on it (torchrun's
+    ranks each read their own command line; ranks TPEngine starts are given rank 0's): they would otherwise meet in
+    different collectives, a hang or garbled exchanges."""
+    if state.world_size == 1:
+        return
+    values = gather_objects(state, value)
+    if any(v != values[0] for v in values):
+        given = ", ".join(f"rank {rank} {v!r}" for rank, v in enumerate(values))
+        raise ConfigError(f"{name} differs between ranks: {given}; give every rank the same", (name,))
+
+
 def run_on_all_ranks(state: ParallelState, fn: Callable[[], T], what: str) -> T:
     """Run fn on every rank; if it fails on any rank, raise on every rank: its own error where fn raised, else a
     PeerError naming the first rank that failed.

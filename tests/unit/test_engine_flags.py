@@ -240,16 +240,16 @@ def test_torchrun_ranks_that_differ_on_the_all_reduce_are_refused_on_every_rank(
     """Under torchrun each rank reads its own command line: one with --disable-custom-all-reduce beside one without
     would meet the other's custom all-reduce set-up in a different collective (a hang, or garbled exchanges). Every
     rank hears every rank's choice and refuses alike, naming them."""
+    from tpgraph import distributed
     from tpgraph.distributed import ParallelState
-    from tpgraph.engine import tp_engine
 
     state = ParallelState(1, 2, 1, torch.device("cpu"), None, None)
-    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, value: [False, True])
+    monkeypatch.setattr(distributed, "gather_objects", lambda state, value: [False, True])
     with pytest.raises(ConfigError, match=r"disable_custom_all_reduce differs between ranks: rank 0 False, "
                                           r"rank 1 True"):
-        tp_engine.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
-    monkeypatch.setattr(tp_engine, "gather_objects", lambda state, value: [True, True])
-    tp_engine.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
+        distributed.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
+    monkeypatch.setattr(distributed, "gather_objects", lambda state, value: [True, True])
+    distributed.check_same_on_every_rank(state, "disable_custom_all_reduce", True)
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from tpgraph.checks import positive_int, unit_fraction
-from tpgraph.distributed import gather_objects, run_on_all_ranks
+from tpgraph.distributed import check_same_on_every_rank, gather_objects, run_on_all_ranks
 from tpgraph.engine.argmax import combine_slots, row_argmax, shard_argmax_slots
 from tpgraph.engine.kv_cache import BlockAllocator, allocate_kv_caches, kv_block_bytes
 from tpgraph.engine.memory import GiB, MemoryBudget, host_memory_bytes
@@ -517,9 +517,7 @@ class ModelRunner:
     def _agreed_greedy_in_step(self, wanted: bool) -> bool:
         """The setting, the same on every rank: it decides which collectives a step runs, so ranks that differ would
         hang in them. A vocabulary whose indices int32 cannot carry is refused here, on every rank alike."""
-        state = self.model.comm.state
-        if state.world_size > 1 and len(set(gather_objects(state, wanted))) > 1:
-            raise ConfigError("TPGRAPH_GREEDY_IN_STEP differs between ranks; set it alike on every rank")
+        check_same_on_every_rank(self.model.comm.state, "TPGRAPH_GREEDY_IN_STEP", wanted)
         if wanted and self.model.cfg.vocab_size > MAX_SLOT_INDEX:
             raise ConfigError(f"TPGRAPH_GREEDY_IN_STEP=1 carries token ids as int32: a vocabulary of "
                               f"{self.model.cfg.vocab_size} is too large")

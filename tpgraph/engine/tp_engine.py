@@ -44,6 +44,7 @@ from tpgraph.comm import TPCommunicator
 from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
 from tpgraph.distributed import (
     ParallelState,
+    check_same_on_every_rank,
     destroy_distributed,
     gather_objects,
     init_distributed,
@@ -164,18 +165,6 @@ def checked_eos_ids(eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...
     if outside:
         logger.warning("EOS ids %s are outside the vocabulary (%d tokens): ignored", outside, vocab_size)
     return tuple(t for t in eos_ids if 0 <= t < vocab_size)
-
-
-def check_same_on_every_rank(state: ParallelState, name: str, value: object) -> None:
-    """A setting that chooses which collectives run, refused on every rank where the ranks differ on it (torchrun's
-    ranks each read their own command line; ranks TPEngine starts are given rank 0's): they would otherwise meet in
-    different collectives, a hang or garbled exchanges."""
-    if state.world_size == 1:
-        return
-    values = gather_objects(state, value)
-    if any(v != values[0] for v in values):
-        given = ", ".join(f"rank {rank} {v!r}" for rank, v in enumerate(values))
-        raise ConfigError(f"{name} differs between ranks: {given}; give every rank the same", (name,))
 
 
 IDLE_TIMEOUT_S = 365 * 24 * 3600.0  # started followers' wait for rank 0's next message (see __init__)
