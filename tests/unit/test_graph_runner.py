@@ -205,6 +205,28 @@ def test_breakable_decode_equals_eager_with_padding_recorded(model):
     runner.close()
 
 
+def test_decode_batches_past_the_largest_capture_size_run_eagerly(model, caplog):
+    """Capture sizes topping out below max_batch were refused; vLLM runs the larger batches eagerly, and so does this
+    now, saying so once at start-up: the same tokens, the batches past size 2 dispatched to no graph."""
+    eager = greedy_generate(runner_for(model, "none"), PROMPTS, 4, keep_logits=True)
+    graphs = GraphConfig(decode_mode="breakable", prefill_mode="none", ladder=(1, 2))
+    with caplog.at_level("WARNING", logger="tpgraph.engine.runner"):
+        runner = ModelRunner(model, RunnerConfig(block_size=4, max_batch=5, max_model_len=64, graphs=graphs))
+    assert runner.decode_eager_above == 2
+    assert "decode batches of 3 to 5 sequences run eagerly: the decode capture sizes top out at 2" in caplog.text
+    assert "eager above 2" in runner.summary()
+    short = greedy_generate(runner, PROMPTS, 4, keep_logits=True)
+    assert short.tokens == eager.tokens
+    for a, b in zip(short.step_logits, eager.step_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert ("decode", "none", 3, 3, 3) in runner.stats.frequency_table()  # unpadded, no graph
+    assert runner.allocator.num_free == runner.allocator.num_blocks
+    runner.close()
+    covered = ModelRunner(model, RunnerConfig(block_size=4, max_batch=2, max_model_len=64, graphs=graphs))
+    assert covered.decode_eager_above is None and "eager above" not in covered.summary()
+    covered.close()
+
+
 def test_cpu_downgrades_are_recorded_in_the_metrics(model):
     runner = runner_for(model, "full")
     assert runner.modes.decode == "none"

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.ladder import LADDERS, capture_sizes, parse_ladder, sglang_ladder, vllm_ladder
+from tpgraph.graphs.ladder import LADDERS, capture_sizes, eager_above, parse_ladder, sglang_ladder, vllm_ladder
 
 VLLM_512 = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168,
             176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 272, 288, 304, 320, 336, 352, 368, 384, 400, 416,
@@ -112,9 +112,10 @@ def test_capture_sizes_explicit_list():
     assert capture_sizes([32], 7) == (32,)
 
 
-def test_explicit_list_must_cover_max_batch():
-    with pytest.raises(ConfigError, match=r"tops out at 8 but max_batch is 9"):
-        capture_sizes("1,2,4,8", 9)
+def test_an_explicit_list_below_max_batch_is_kept_whole_and_the_rest_runs_eagerly():
+    assert capture_sizes("1,2,4,8", 9) == (1, 2, 4, 8)
+    assert eager_above((1, 2, 4, 8), 9) == 8
+    assert eager_above((1, 2, 4, 8), 8) is None and eager_above((1, 16), 9) is None and eager_above((), 9) is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5])

@@ -542,67 +542,17 @@ def test_a_model_read_as_a_list_flags_value_is_refused_saying_where_it_goes(argv
     assert parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]  # (keys that name no model: as they are)
 
 
-def test_decode_sizes_too_small_for_max_num_seqs_are_refused_naming_the_flags_or_keywords_given():
-    """The refusal said "explicit cuda graph ladder ... lower max_batch": neither the flag that set the sizes nor
-    --max-num-seqs (max_num_seqs=), which the user can lower."""
+def test_decode_sizes_below_max_num_seqs_are_taken_as_vllm_takes_them():
+    """Sizes topping out below --max-num-seqs were refused (naming the flag, then before the weights load); vLLM takes
+    them and runs the larger batches eagerly, and so does this now (the runner says so at start-up)."""
     from tpgraph.engine.config import EngineConfig
     from tpgraph.graphs.config import GraphConfig
 
-    for flags, named in [(["--cuda-graph-sizes", "4"], "--cuda-graph-sizes"),
-                         (["--cudagraph-capture-sizes", "1", "4"], "--cudagraph-capture-sizes"),
-                         (["--max-cudagraph-capture-size", "4"], "--max-cudagraph-capture-size"),
-                         (["--cuda-graph-ladder", "1,2,4"], "--cuda-graph-ladder")]:
-        with pytest.raises(ConfigError, match=rf"^{named} \(the decode capture sizes\) \[.*\] tops out at 4 but "
-                                              r"--max-num-seqs is 8; add a size >= 8 or lower --max-num-seqs"):
-            engine_kwargs(parse_args(["--device", "cuda", *flags]))
-    assert engine_kwargs(parse_args(["--device", "cpu", "--cuda-graph-sizes", "4"]))["max_num_seqs"] == 8
-    with pytest.raises(ConfigError, match=r"graphs' ladder \(the decode capture sizes\) \[1, 2, 4\] tops out at 4 "
-                                          r"but max_num_seqs is 8; add a size >= 8 or lower max_num_seqs"):
-        EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4)))
-
-
-def test_decode_sizes_that_cannot_hold_max_num_seqs_are_refused_before_anything_loads(monkeypatch):
-    """--cuda-graph-sizes 4 (1, 2, 4) beside the default --max-num-seqs 8 on a GPU was refused only by the runner,
-    once every rank had loaded the weights. Where no decode graph is captured (CPU, --enforce-eager) it still runs."""
-    import torch
-
-    from tpgraph import ConfigError
-    from tpgraph.engine.config import EngineConfig
-    from tpgraph.graphs.config import GraphConfig
-
-    short = GraphConfig(ladder=(1, 2, 4))
-    with pytest.raises(ConfigError, match="tops out at 4 but max_num_seqs is 8"):
-        EngineConfig(device="cuda", max_num_seqs=8, graphs=short)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match="tops out at 4"):
-        EngineConfig(max_num_seqs=8, graphs=short)  # (the default device: CUDA where a GPU is visible)
-    with pytest.raises(ConfigError, match="tops out at 4"):
-        EngineConfig(device="cpu", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), decode_mode="breakable"))
-    assert EngineConfig(device="cuda", max_num_seqs=4, graphs=short)
-    assert EngineConfig(device="cpu", max_num_seqs=8, graphs=short)
-    assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), enforce_eager=True))
-    assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4), decode_mode="none"))
-
-
-@pytest.mark.parametrize("flags,flag,setting", [
-    (["-tp", "0"], "--tensor-parallel-size/-tp must be a positive integer, got 0", "tp_size"),
-    (["--num-gpu-blocks-override", "-1"], "--num-kv-blocks/--num-gpu-blocks-override must be a positive integer",
-     "num_kv_blocks"),
-    (["--block-size", "24"], "--block-size must be a power of two", "block_size"),
-    (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens (4) must be at least",
-     "max_num_batched_tokens"),
-    (["--max-model-len", "10m"], "--max-model-len 10000000 exceeds the model's", "max_model_len"),
-    (["--kv-cache-memory-bytes", "1"], "--kv-cache-memory-bytes/--kv-cache-memory 1 holds 0 KV blocks",
-     "kv_cache_memory_bytes"),
-])
-def test_engine_settings_refused_from_the_command_line_name_the_flag(flags, flag, setting, capsys):
-    """EngineConfig's refusals named its fields (`-tp 0`: "tp_size must be a positive integer"), which a command-line
-    user never typed; the CLI now names the flag, and TPEngine's keyword users still see the keyword."""
-    from tpgraph.generate import main
-
-    assert main(["--prompt", "hi", "--device", "cpu", *flags]) == 2
-    err = capsys.readouterr().err
-    assert flag in err and setting not in err
+    for flags in (["--cuda-graph-sizes", "4"], ["--cudagraph-capture-sizes", "1", "2", "4"],
+                  ["--max-cudagraph-capture-size", "4"], ["--cuda-graph-ladder", "1,2,4"]):
+        graphs = engine_kwargs(parse_args(["--device", "cuda", *flags]))["graphs"]
+        assert graphs.decode_sizes(8) == (1, 2, 4), flags
+    assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4)))
 
 
 def test_a_tp_size_from_torchruns_world_size_is_not_blamed_on_the_flag(monkeypatch):

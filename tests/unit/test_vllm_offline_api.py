@@ -170,26 +170,19 @@ def test_vllms_compilation_config_sets_the_cuda_graphs():
         vllm_keywords(None, 1, {"compilation_config": {"cudagraph_mode": "NONE"}, "graphs": GraphConfig()})
 
 
-def test_vllms_compilation_config_capture_sizes_are_read_and_refused_as_given():
-    """vLLM drops a repeated capture size (its config de-duplicates them), where this refused the whole config; and a
-    set of sizes too small for max_num_seqs was refused as "graphs' ladder", a keyword the script never gave."""
+def test_vllms_compilation_config_capture_sizes_are_read_as_vllm_reads_them():
+    """vLLM drops a repeated capture size (its config de-duplicates them), where this refused the whole config; and it
+    takes sizes below max_num_seqs (its larger batches run eagerly), which this refused."""
     from tpgraph.engine.config import vllm_keywords
     from tpgraph.graphs.config import GraphConfig
 
     kwargs = vllm_keywords(None, 1, {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 2, 4, 8, 1]}})[2]
     assert kwargs["graphs"] == GraphConfig(ladder=(1, 2, 4, 8))
-    with pytest.raises(ConfigError, match=r"^compilation_config's cudagraph_capture_sizes \(the decode capture sizes\)"
-                                          r" \[1, 2, 4\] tops out at 4 but max_num_seqs is 8"):
-        vllm_keywords(None, 1, {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}, "device": "cuda"})
-    with pytest.raises(ConfigError, match=r"^compilation_config's max_cudagraph_capture_size \(the decode capture "
-                                          r"sizes\) \[1, 2, 4\] tops out at 4 but max_num_seqs is 6"):
-        vllm_keywords(None, 1, {"compilation_config": {"max_cudagraph_capture_size": 4}, "device": "cuda",
-                                "max_num_seqs": 6})
-    # where no decode graphs are captured (on CPU, eager, cudagraph_mode NONE), the sizes hold nothing up
-    for extra in ({"device": "cpu"}, {"device": "cuda", "enforce_eager": True}):
-        vllm_keywords(None, 1, {"compilation_config": {"cudagraph_capture_sizes": [1, 2]}, **extra})
-    vllm_keywords(None, 1, {"compilation_config": {"cudagraph_capture_sizes": [1, 2], "cudagraph_mode": "NONE"},
-                            "device": "cuda"})
+    kwargs = vllm_keywords(None, 1, {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}, "device": "cuda"})[2]
+    assert kwargs["graphs"].decode_sizes(kwargs.get("max_num_seqs", 8)) == (1, 2, 4)
+    kwargs = vllm_keywords(None, 1, {"compilation_config": {"max_cudagraph_capture_size": 4}, "device": "cuda",
+                                     "max_num_seqs": 6})[2]
+    assert kwargs["graphs"].decode_sizes(kwargs["max_num_seqs"]) == (1, 2, 4)
 
 
 def test_vllms_seed_none_is_refused_saying_why():

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
 from tpgraph.distributed import env_int
-from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, captures_decode, check_executor_backend
+from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.config import add_graph_args, graph_config_from_args, ladder_flag
+from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
@@ -242,9 +242,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
                                        args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
     graphs = graph_config_from_args(args)
-    # EngineConfig's check, naming the flags rather than its keywords (a count below 1 it refuses itself)
-    if args.max_num_seqs >= 1 and captures_decode(graphs, args.device):
-        graphs.decode_sizes(args.max_num_seqs, (f"{ladder_flag(args)} (the decode capture sizes)", "--max-num-seqs"))
     # every EngineConfig field from the flag of its name (a field given a flag is passed on with no list to forget it
     # in), then those read otherwise
     taken = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}

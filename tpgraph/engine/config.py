@@ -16,8 +16,7 @@ from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
-from tpgraph.graphs.config import COMPILATION_KEYS, GraphConfig, from_compilation_config
-from tpgraph.graphs.modes import CaptureSupport, resolve_modes
+from tpgraph.graphs.config import GraphConfig, from_compilation_config
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
 
@@ -116,8 +115,6 @@ class EngineConfig:
                               f"{self.scheduling_policy!r}")
         if not isinstance(self.graphs, GraphConfig):
             raise ConfigError(f"graphs must be a GraphConfig, got {type(self.graphs).__name__}")
-        if captures_decode(self.graphs, self.device):  # (the runner refuses it too, once every rank has the weights)
-            self.graphs.decode_sizes(self.max_num_seqs, ("graphs' ladder (the decode capture sizes)", "max_num_seqs"))
         unit_fraction("gpu_memory_utilization", self.gpu_memory_utilization)  # (the runner's check, before the weights)
         if self.max_num_batched_tokens is not None:  # (SchedulerConfig checks it too, after the weights load)
             check_token_budget(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
@@ -151,17 +148,6 @@ def check_override_blocks(blocks: int | None, kwargs: dict[str, Any]) -> None:
         check_num_kv_blocks(blocks, size, length, named="num_gpu_blocks_override")
 
 
-def check_compilation_sizes(config: object, kwargs: dict[str, Any]) -> None:
-    """EngineConfig's check that the decode capture sizes hold max_num_seqs, naming compilation_config's key that set
-    them (the graphs' ladder is no keyword the script gave). A max_num_seqs of no count is left for EngineConfig."""
-    key = next((k for k in COMPILATION_KEYS[:2] if isinstance(config, dict) and config.get(k) is not None), None)
-    seqs = kwargs.get("max_num_seqs", _FIELD_DEFAULTS["max_num_seqs"])
-    if key is None or isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
-        return
-    if captures_decode(kwargs["graphs"], kwargs.get("device")):
-        kwargs["graphs"].decode_sizes(seqs, (f"compilation_config's {key} (the decode capture sizes)", "max_num_seqs"))
-
-
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
     """A kv_cache_dtype naming a dtype must name the one the model runs in (dtype resolved: "auto" read as the
     checkpoint's), which the cache holds: another would be ignored."""
@@ -169,19 +155,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
         model = str(dtype).removeprefix("torch.")
         raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not the model's dtype ({model}): the KV cache is kept "
                           f"in the model's dtype; give 'auto' or {model!r}", ("kv_cache_dtype",))
-
-
-_CAPTURES = CaptureSupport(full_decode=True, piecewise=True)
-
-
-def captures_decode(graphs: GraphConfig, device: str | None) -> bool:
-    """Whether decode graphs are captured (their sizes must then hold max_num_seqs): the decode mode the runner
-    resolves (graphs/modes.py: on CUDA unless eager; the breakable debug mode, which keeps the buckets, anywhere),
-    with an attention backend that captures (every one here captures piecewise at least)."""
-    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    modes = resolve_modes(graphs.decode_mode, graphs.prefill_mode, enforce_eager=graphs.enforce_eager,
-                          device_type="cuda" if on_cuda else "cpu", support=_CAPTURES)
-    return modes.decode != "none"
 
 
 def check_tokenizer_dir(tokenizer: object) -> None:
@@ -345,7 +318,6 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
             raise ConfigError("graphs=GraphConfig(...) and compilation_config (vLLM's) both set the CUDA graphs: give "
                               "one of them")
         kwargs["graphs"] = from_compilation_config(vllm["compilation_config"], kwargs.get("graphs", GraphConfig()))
-        check_compilation_sizes(vllm["compilation_config"], kwargs)
     if "async_scheduling" in vllm:
         kwargs.update(async_scheduling(vllm["async_scheduling"], kwargs.get("overlap_scheduling")))
     hub = {name: vllm.get(name) for name in ("revision", "tokenizer_revision", "download_dir")}

@@ -37,7 +37,7 @@ from tpgraph.graphs.calibration import SizeTiming, describe_counts, eager_counts
 from tpgraph.graphs.captured import call
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
-from tpgraph.graphs.ladder import capture_sizes, within_budget
+from tpgraph.graphs.ladder import capture_sizes, eager_above, within_budget
 from tpgraph.graphs.modes import log_downgrades, resolve_modes
 from tpgraph.graphs.runner import GraphRunner, estimate_pool_bytes
 from tpgraph.graphs.stats import GraphStats
@@ -162,6 +162,12 @@ class ModelRunner:
         if self.is_driver:
             log_downgrades(self.modes, logger)
         decode_sizes = capture_sizes(g.ladder, cfg.max_batch) if self.modes.decode != "none" else ()
+        # batches past the largest capture size run eagerly (vLLM's behaviour), said once: they are several times slower
+        self.decode_eager_above = eager_above(decode_sizes, cfg.max_batch)
+        if self.decode_eager_above is not None and self.is_driver:
+            logger.warning("decode batches of %d to %d sequences run eagerly: the decode capture sizes top out at %d "
+                           "(add a size >= %d to capture them, or lower max_num_seqs)", self.decode_eager_above + 1,
+                           cfg.max_batch, self.decode_eager_above, cfg.max_batch)
         # longer prompts run in chunks of this many tokens (chunked prefill)
         # (and at least a decode token for each of max_batch sequences: the scheduler's budget is this)
         self.max_prefill_tokens = cfg.max_num_batched_tokens or default_token_budget(self.max_model_len, cfg.max_batch)
@@ -786,7 +792,7 @@ class ModelRunner:
             logits = self.graphs.replay("decode", padded, self._decode_inputs)
         if gpu is not None:
             self.gpu_timer.end(gpu)
-        self.stats.record("decode", n, padded, self._decode_mode_label or mode)
+        self.stats.record("decode", n, padded, mode if mode is GraphMode.NONE else self._decode_mode_label or mode)
         self.last_decode = DecodeTiming(prepare_s=t1 - t0, submit_s=time.perf_counter() - t1)
         for seq in seqs:
             seq.num_cached = len(seq)

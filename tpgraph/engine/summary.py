@@ -25,7 +25,8 @@ def startup_summary(runner: ModelRunner) -> str:
         ("TP / dtype / device", f"{comm.world_size} / {str(runner.dtype).removeprefix('torch.')} / {runner.device}"),
         ("all-reduce (graph)", bands["graph"]),
         ("all-reduce (eager)", bands["eager"]),
-        ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"),
+        ("decode graphs", f"{runner.modes.decode}: {list(sets['decode'].sizes) if 'decode' in sets else '-'}"
+                          + (f"; eager above {runner.decode_eager_above}" if runner.decode_eager_above else "")),
         ("prefill graphs", f"{runner.modes.prefill}: {list(sets['prefill'].sizes) if 'prefill' in sets else '-'}"
                            + (_timed(runner.prefill_dispatcher.eager_counts) if runner.prefill_timings else "")),
         ("prefill attention", runner.prefill_attention),

@@ -53,11 +53,9 @@ class GraphConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
-    def decode_sizes(self, max_batch: int,
-                     named: tuple[str, str] = ("explicit cuda graph ladder", "max_batch")) -> tuple[int, ...]:
-        """The decode batch sizes to capture for `max_batch` (the ladder's rungs up to the first >= max_batch);
-        `named` as capture_sizes'."""
-        return capture_sizes(self.ladder, max_batch, named)
+    def decode_sizes(self, max_batch: int) -> tuple[int, ...]:
+        """The decode batch sizes to capture for `max_batch` (the ladder's rungs up to the first >= max_batch)."""
+        return capture_sizes(self.ladder, max_batch)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(GraphConfig)}
@@ -163,15 +161,6 @@ def ladder_from_args(args: argparse.Namespace) -> str | tuple[int, ...]:
     if flag == "--cuda-graph-sizes" and len(value) == 1:
         value = [s for s in (1, 2, 4, *range(8, value[0] + 1, 8)) if s <= value[0]] or value
     return check_sizes(value, flag)
-
-
-def ladder_flag(args: argparse.Namespace) -> str:
-    """The flag that set the decode capture sizes (--cuda-graph-ladder where none did), for refusals to name."""
-    config = getattr(args, "compilation_config", None) or {}
-    if any(config.get(key) is not None for key in COMPILATION_KEYS[:2]):
-        return "--compilation-config's " + ("cudagraph_capture_sizes" if config.get(COMPILATION_KEYS[0]) is not None
-                                            else "max_cudagraph_capture_size")
-    return next(iter(_ladder_flags(args)))
 
 
 def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:

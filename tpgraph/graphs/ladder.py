@@ -76,21 +76,19 @@ def parse_ladder(spec: str | Sequence[int]) -> str | tuple[int, ...]:
     return check_sizes(spec, "cuda graph ladder")
 
 
-def capture_sizes(spec: str | Sequence[int], max_batch: int,
-                  named: tuple[str, str] = ("explicit cuda graph ladder", "max_batch")) -> tuple[int, ...]:
-    """Ascending bucket sizes covering every batch 1..max_batch: rungs <= max_batch plus the first rung >= it.
-    `named`: what the refusal calls the sizes and the batch (the flags or keywords the user set them with)."""
+def capture_sizes(spec: str | Sequence[int], max_batch: int) -> tuple[int, ...]:
+    """Ascending bucket sizes for batches 1..max_batch: rungs <= max_batch plus the first rung >= it. Explicit sizes
+    that top out below max_batch are all kept: larger batches run eagerly, as vLLM runs batches past its largest
+    capture size (eager_above says from where)."""
     positive_int("max_batch", max_batch)
     ladder = parse_ladder(spec)
-    if isinstance(ladder, str):
-        rungs = _GENERATORS[ladder](max_batch + _MAX_RUNG_GAP)
-    else:
-        rungs = ladder
-        if rungs[-1] < max_batch:
-            sizes, batch = named
-            raise ConfigError(f"{sizes} {list(rungs)} tops out at {rungs[-1]} but {batch} is {max_batch}; "
-                              f"add a size >= {max_batch} or lower {batch}")
+    rungs = _GENERATORS[ladder](max_batch + _MAX_RUNG_GAP) if isinstance(ladder, str) else ladder
     return rungs[: bisect_left(rungs, max_batch) + 1]
+
+
+def eager_above(sizes: Sequence[int], max_batch: int) -> int | None:
+    """The largest captured size where decode batches above it (up to max_batch) run eagerly, else None."""
+    return sizes[-1] if sizes and sizes[-1] < max_batch else None
 
 
 def _check_max_size(max_size: int) -> None:
