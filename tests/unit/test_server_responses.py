@@ -687,6 +687,9 @@ def test_a_stream_that_fails_mid_way_ends_with_response_failed():
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert failed["error"]["message"] == events[-2]["message"] == "the engine failed: b"
+    # (the error event's code is OpenAI's, the failed response's: it was the chat API's error type,
+    # "InternalServerError", beside "server_error" in the same stream)
+    assert events[-2]["code"] == "server_error"
     assert failed["output"][0]["content"][0]["text"] == "a"  # (what it wrote before it failed)
     assert store.get(failed["id"]).current() == failed
 

@@ -131,10 +131,12 @@ class ResponseRun:
 
 def failure_events(run: ResponseRun, exc: Exception, what: str) -> tuple[dict, list[dict]]:
     """A response that failed after it began: the response "failed" with its error, and the events that end its
-    stream (the API's error event, then response.failed)."""
-    status, message, kind = stream_failure(exc, what)
-    failed = run.snapshot("failed", response_error(status, message))
-    return failed, [{"type": "error", "code": kind, "message": message, "param": None},
+    stream (the API's error event, then response.failed). The error event's code is the failed response's: one of
+    OpenAI's error codes ("server_error", ...), not the error type a chat stream's error names."""
+    status, message, _ = stream_failure(exc, what)
+    error = response_error(status, message)
+    failed = run.snapshot("failed", error)
+    return failed, [{"type": "error", "code": error["code"], "message": message, "param": None},
                     {"type": "response.failed", "response": failed}]
 
 
