@@ -11,6 +11,7 @@ import pytest
 from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.engine.core import StepUpdate
 from tpgraph.prompts import PromptCodec
+from tpgraph.server.bridge import UNAVAILABLE
 from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer
 
 
@@ -65,7 +66,8 @@ class FailingClient(EndlessClient):
 
     def submit(self, request_id, prompt, params, sink) -> None:
         self.error = "the engine is shutting down" if self.gone else None
-        sink(StepUpdate(request_id, 0, None, self.error or "ValueError: a bad step", "error"))
+        finish = UNAVAILABLE if self.gone else "error"
+        sink(StepUpdate(request_id, 0, None, self.error or "ValueError: a bad step", finish))
 
 
 class OneTokenClient(FailingClient):

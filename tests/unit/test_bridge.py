@@ -12,7 +12,7 @@ import pytest
 from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.server.bridge import EngineBridge, EngineClient
+from tpgraph.server.bridge import UNAVAILABLE, EngineBridge, EngineClient
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=256)
 
@@ -75,7 +75,7 @@ def test_requests_updates_metrics_and_a_lost_engine():
         bridge.close()
         await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, lost.wait, 10), 15)
         await asyncio.sleep(0)
-        assert errors and errors[0].finish_reason == "error" and not client.alive
+        assert errors and errors[0].finish_reason == UNAVAILABLE and not client.alive
 
     asyncio.run(main())
 

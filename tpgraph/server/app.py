@@ -38,7 +38,7 @@ from tpgraph.errors import RequestError
 from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware, route_path
 from tpgraph.server.body_text import refuse_lone_surrogates
-from tpgraph.server.bridge import EngineClient, EngineUnavailable
+from tpgraph.server.bridge import UNAVAILABLE, EngineClient, EngineUnavailable
 from tpgraph.server.errors import ApiError, error_body, refusal_body
 from tpgraph.server.messages import message_routes
 from tpgraph.server.metrics import ServerMetrics
@@ -116,7 +116,7 @@ class Api:
                     next_check = loop.time() + DISCONNECT_CHECK_S
                 if update is None:
                     continue
-                if update.finish_reason in (REFUSED, "error"):  # (timed at delivery too, not as a slow reader took it)
+                if update.finish_reason in (REFUSED, "error", UNAVAILABLE):  # (timed at delivery, not as read)
                     ended_at = received
                 if update.finish_reason == REFUSED:  # (by the engine as it came to add it: a bad schema, ...)
                     samples_left -= open_samples[ids[i]]
@@ -124,12 +124,9 @@ class Api:
                     self.metrics.finished(ids[i], REFUSED, received)
                     ended = REFUSED  # (the others share its params; any the engine took is aborted all the same)
                     raise RequestError(update.text)
-                if update.finish_reason == "error":
-                    # the client's own word that the engine is gone (shut down, or unreachable): not this request's
-                    # failure; the engine's word (a failed step) is a 500, also where the client heard next that the
-                    # engine loop is gone with it
-                    if self.client.error is not None and update.text == self.client.error:
-                        raise EngineUnavailable(f"the engine is unavailable: {self.client.error}")
+                if update.finish_reason == UNAVAILABLE:  # the engine is gone (shut down, or unreachable): a 503
+                    raise EngineUnavailable(f"the engine is unavailable: {update.text}")
+                if update.finish_reason == "error":  # a failed step: a 500, also where the engine loop went with it
                     raise ApiError(500, f"the engine failed: {update.text}", "InternalServerError")  # (vLLM's type)
                 self.metrics.observe(update, received)
                 if update.finish_reason is not None:

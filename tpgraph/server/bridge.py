@@ -33,6 +33,9 @@ from tpgraph.engine.service import EngineService
 logger = logging.getLogger(__name__)
 Sink = Callable[[StepUpdate], None]
 _STOP = object()
+# the finish reason of the updates the client itself sends its open requests when the engine is gone (shut down or
+# unreachable): not the engine's "error", which a failed step sends its requests
+UNAVAILABLE = "unavailable"
 
 
 class EngineUnavailable(RuntimeError):
@@ -264,7 +267,7 @@ class EngineClient:
     def _fail(self, reason: str) -> None:
         self.error = reason
         for request_id, sink in list(self._sinks.items()):
-            sink(StepUpdate(request_id, 0, None, reason, "error"))
+            sink(StepUpdate(request_id, 0, None, reason, UNAVAILABLE))
         self._sinks.clear()
         if self.on_lost is not None:
             self.on_lost()
