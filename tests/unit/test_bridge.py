@@ -321,3 +321,31 @@ def test_an_engine_loop_that_fails_is_told_to_the_front_end_at_once_as_a_failure
         asyncio.run(asyncio.wait_for(main(), 20))
     finally:
         service.shutdown(timeout_s=1.0)
+
+
+class OneStepCore(BrokenCore):
+    """An engine core whose requests each take one step, which returns no updates."""
+
+    def step(self, while_gpu_runs=None):
+        if while_gpu_runs is not None:
+            while_gpu_runs()
+        self.has_work = False
+        return []
+
+
+def test_the_control_path_time_leaves_out_the_idle_wait_for_a_request():
+    """tpgraph_control_path_seconds (and the decode steps' "control" part) is the broadcast of a step's changes to
+    the other ranks. The first step after the engine sat idle counted the wait for its request too (up to
+    --heartbeat-s: a burst's first step scraped as a control path of hundreds of ms). A request that arrives 0.3 s
+    into an idle wait is stepped with a control path of a few ms."""
+    from tpgraph.engine.control import ControlPlane
+    from tpgraph.engine.service import EngineService
+
+    service = EngineService(OneStepCore(), ControlPlane(SimpleNamespace(rank=0, world_size=1)), heartbeat_s=2.0)
+    timer = threading.Timer(0.3, service.enqueue, ("r", [1, 2], SamplingParams(max_tokens=1), lambda u: None))
+    timer.start()
+    try:
+        assert service.turn()  # (waits for the request, then steps it)
+    finally:
+        timer.cancel()
+    assert service.times.control_s < 0.1, service.times

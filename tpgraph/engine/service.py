@@ -54,6 +54,7 @@ class EngineService:
         self.error: BaseException | None = None
         self.prefix_cache_reset: bool | None = None  # what the last reset_prefix_cache message did (every rank alike)
         self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._idle_s = 0.0  # rank 0: how long the last blocking collect waited for something to arrive
         self._next: tuple[StepMessage, Local | None] | None = None  # exchanged, applied next turn
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
@@ -170,6 +171,7 @@ class EngineService:
         (their cores agree on has_work), so the broadcasts always pair up.
         """
         t0 = time.perf_counter()
+        self._idle_s = 0.0
         if self._next is None:
             self._next = self._exchange(block=not self.core.has_work)
         (message, local), self._next = self._next, None
@@ -178,7 +180,7 @@ class EngineService:
             return False
         if not self.core.has_work:
             return True
-        top = time.perf_counter() - t0
+        top = time.perf_counter() - t0 - self._idle_s  # (an idle engine's wait for its request is no control path)
         mid = 0.0
 
         def exchange_next() -> None:
@@ -236,8 +238,10 @@ class EngineService:
         """Rank 0: what arrived since the last message. A request that fails to prepare (its checks, detokenizers:
         a failure that may be rank 0's alone) is answered here, before any rank hears of it."""
         message, local = StepMessage(), []
+        waited_from = time.perf_counter()
         try:
             item = self._inbox.get(timeout=self.heartbeat_s) if block else self._inbox.get_nowait()
+            self._idle_s = time.perf_counter() - waited_from if block else 0.0
             while True:
                 kind = item[0]
                 if kind == "add":
