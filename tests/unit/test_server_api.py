@@ -150,7 +150,7 @@ def test_a_request_the_engine_failed_is_counted_as_an_error_not_an_abort(client)
         asyncio.run(main())
     registry = metrics.registry
     assert registry.get_sample_value("vllm:request_success_total", {**LABELS, "finished_reason": "error"}) == 2
-    assert registry.get_sample_value("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) is None
+    assert registry.get_sample_value("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) == 0
 
 
 def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
@@ -211,7 +211,7 @@ def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborte
     with pytest.raises(RequestError):
         asyncio.run(three())
     assert len(client.aborted) == 2 and get("tpgraph_requests_refused_total") == 4
-    assert get("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) is None
+    assert get("vllm:request_success_total", {**LABELS, "finished_reason": "abort"}) == 0
     assert get("vllm:e2e_request_latency_seconds_count", LABELS) == 0
 
 

@@ -157,3 +157,13 @@ def test_a_steps_tokens_are_vllms_iteration_tokens_histogram():
     assert scraped[name]["bounds"] == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert (value(scraped, name, name + "_count"), value(scraped, name, name + "_sum")) == (2, 74)
     assert value(scraped, name, name + "_bucket", le="64.0") == 1
+
+
+def test_each_finish_reasons_request_count_is_exported_from_the_start():
+    """vLLM creates vllm:request_success_total's series for every finish reason when it starts, at 0: a scrape before
+    any request finished showed the family with no series at all, and a reason's first finished request was lost to
+    rate() and increase(), which need a series' earlier sample to count from."""
+    scraped = scrape(ServerMetrics().exposition())
+    name = "vllm:request_success"
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(scraped, name, name + "_total", finished_reason=reason) == 0, reason

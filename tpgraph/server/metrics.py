@@ -33,6 +33,9 @@ N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for a request's n
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's for a step's tokens
 VLLM_LABELS = ("model_name", "engine")  # vLLM's labels on its metrics: the served name, the engine's index (one here)
 ENGINE_INDEX = "0"
+# the finish reasons a request may end with here (vLLM's FinishReason strings): each one's count is exported from the
+# start, at 0, as vLLM's are, so that rate() counts a reason's first finished request
+FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
 
@@ -138,6 +141,8 @@ class ServerMetrics:
                         "previous one", buckets=TOKEN_GAP_BUCKETS)
         self.requests = Counter("vllm:request_success", "Requests finished, by finish reason",
                                 (*VLLM_LABELS, "finished_reason"), registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(model_name, ENGINE_INDEX, reason)
         self.refused = Counter("tpgraph_requests_refused", "Requests the engine refused as it came to add them (a "
                                "bad schema, ...): answered 400, not counted as finished", registry=r)
         self.tokens = vllm(Counter, "vllm:generation_tokens", "Tokens generated")
