@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tpgraph.server.bridge import EngineBridge
     from tpgraph.server.frontend import FrontendSpec, start_frontend
-    from tpgraph.server.metrics import EngineMetrics
+    from tpgraph.server.metrics import EngineMetrics, StatsLog
 
     root = args.model or BUILTIN_NAME  # (the checkpoint served: /v1/models' root, and the name where none is given)
     names = tuple(args.served_model_name or [root])
@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     service = engine.service or EngineService(engine.core, ControlPlane(engine.state))
     service.heartbeat_s = args.heartbeat_s
     service.on_step = lambda updates, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s,
-                                                                len(updates))
+                                                                len(updates),
+                                                                sum(u.token_id is not None for u in updates))
+    stats = None if args.disable_log_stats else StatsLog(metrics)  # (vLLM's stats line, every 10 s)
     keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     try:
         while not requested.wait(0.5):
+            if stats is not None:
+                stats.maybe_log()
             if not service.alive:
                 logger.error("the engine loop stopped: %s", service.error)
                 failed = True

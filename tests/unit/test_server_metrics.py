@@ -167,3 +167,38 @@ def test_each_finish_reasons_request_count_is_exported_from_the_start():
     name = "vllm:request_success"
     for reason in ("stop", "length", "abort", "error"):
         assert value(scraped, name, name + "_total", finished_reason=reason) == 0, reason
+
+
+def test_the_engine_logs_vllms_periodic_stats_line(caplog):
+    """vLLM's server logs a line of engine stats every 10 s (its LoggingStatLogger), unless --disable-log-stats: the
+    prompt and generation throughput since the last line, the running and waiting sequences, the KV cache's use and
+    the prefix cache's hit rate; at debug level while idle (no tokens since the last line nor in the one before), so
+    that an idle server's log stays quiet. The server logged nothing of the kind (and took --disable-log-stats for a
+    flag with nothing to turn off). 10 s after the last line: a 64-token prompt's first token (70 tokens: the prompt,
+    and 6 generated in all), then 4 generated; 16 of the 64 prompt tokens were found cached."""
+    import logging
+    from types import SimpleNamespace
+
+    from tpgraph.engine.core import StepTiming
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics, StatsLog
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[1, 2, 3], waiting=[4],
+                                kv_usage=0.25, num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    stats = StatsLog(metrics, now=100.0)
+    metrics.step_done(StepTiming(tokens=70), 0.01, 0.001, updates=6, generated=6)
+    metrics.step_done(StepTiming(tokens=4), 0.01, 0.001, updates=4, generated=4)
+    scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens = 64, 16
+    caplog.set_level(logging.DEBUG, logger="tpgraph.server.metrics")
+    stats.maybe_log(109.0)  # (not yet: the interval is 10 s)
+    assert not caplog.records
+    for now in (110.0, 120.0, 130.0):
+        stats.maybe_log(now)
+    busy, just_idle, idle = caplog.records
+    assert busy.levelno == just_idle.levelno == logging.INFO and idle.levelno == logging.DEBUG
+    assert busy.getMessage() == ("Engine 000: Avg prompt throughput: 6.4 tokens/s, Avg generation throughput: "
+                                 "1.0 tokens/s, Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, "
+                                 "Prefix cache hit rate: 25.0%")
+    assert just_idle.getMessage().startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation "
+                                             "throughput: 0.0 tokens/s")

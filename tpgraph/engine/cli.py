@@ -129,9 +129,9 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
     fixed.add_argument("--distributed-executor-backend", default=None, metavar="{mp,uni,external_launcher}",
                        help="how the ranks run: mp where `python -m tpgraph.serve -tp N` starts them itself (uni at "
                             "one rank), external_launcher under torchrun; ray is refused")
-    # (statistics are served at /metrics and never logged periodically: there is nothing to turn off)
     fixed.add_argument("--disable-log-stats", action="store_true",
-                       help="taken: no statistics are logged periodically (/metrics serves them)")
+                       help="the server logs no line of engine stats every 10 s (throughput, running and waiting "
+                            "requests, KV cache use, prefix cache hit rate; /metrics serves them all the same)")
 
 
 def checkpoint_name(text: str) -> str:

@@ -4,7 +4,7 @@ prefix-cache queries and hits, beside the runner's graph stats); the HTTP front-
 (ServerMetrics: TTFT, TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end
 latency, finished requests, prompt and generated tokens, each finished request's prompt and generation lengths and
 max_tokens: each of a request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and
-its longest sample's length). /metrics serves both.
+its longest sample's length). /metrics serves both. StatsLog logs vLLM's line of engine stats every 10 s.
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -12,6 +12,7 @@ parts, the control path, graph stats) is `tpgraph_*`."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -38,6 +39,9 @@ ENGINE_INDEX = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
+STATS_INTERVAL_S = 10.0  # how often the engine's stats line is logged (vLLM's VLLM_LOG_STATS_INTERVAL default)
+
+logger = logging.getLogger(__name__)
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -89,16 +93,22 @@ class EngineMetrics:
                                      buckets=ITERATION_BUCKETS)
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
-        self._counted = self._totals()
+        self._counted = self._served_from = self._totals()
+        # the prompt tokens computed (each sequence's, with its first token) and tokens generated, as vLLM's stats
+        # line counts them
+        self.prompt_tokens = self.generated_tokens = 0
         core.runner.stats.restart_steps()  # the graph steps too: the warm-up's are not served ones
 
-    def step_done(self, timing: StepTiming, step_s: float, control_s: float, updates: int = 0) -> None:
+    def step_done(self, timing: StepTiming, step_s: float, control_s: float, updates: int = 0,
+                  generated: int = 0) -> None:
         """One engine step's wall time, its timing parts, its control-path broadcasts and its tokens (`updates`: how
-        many updates it returned)."""
+        many updates it returned; `generated`: how many of them carry a token)."""
         self.step.observe(step_s)
         self.control.observe(control_s)
         if updates:  # (as vLLM's, which counts only a step that returned outputs: not a prompt's chunk alone)
             self.iteration_tokens.observe(timing.tokens)
+            self.generated_tokens += generated
+            self.prompt_tokens += timing.tokens - generated
         if timing.prefill:
             self.prefill.observe(timing.prefill)
         if timing.decode_batch:
@@ -124,6 +134,44 @@ class EngineMetrics:
             counter.inc(total - counted)
         self._counted = totals
         return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
+
+    def prefix_hit_rate(self) -> float:
+        """Of the prompt tokens looked up in the prefix cache since serving began, the fraction found (0 if none)."""
+        queried, hits, _ = (now - then for now, then in zip(self._totals(), self._served_from, strict=True))
+        return hits / queried if queried else 0.0
+
+
+class StatsLog:
+    """vLLM's periodic stats line (its LoggingStatLogger), every `interval_s`: the prompt and generation throughput
+    since the last line, the sequences running and waiting, the KV cache's use and the prefix cache's hit rate (since
+    serving began; vLLM's, over its last 1000 requests). While idle (no tokens since the last line nor in the one
+    before) it is logged at debug level, as vLLM's, so that an idle server's log stays quiet."""
+
+    def __init__(self, metrics: EngineMetrics, interval_s: float = STATS_INTERVAL_S, now: float | None = None) -> None:
+        """now: time.monotonic()'s reading when serving began (default: now)."""
+        self.metrics, self.interval_s = metrics, interval_s
+        self._last = time.monotonic() if now is None else now
+        self._tokens = (metrics.prompt_tokens, metrics.generated_tokens)
+        self._was_busy = False
+
+    def maybe_log(self, now: float | None = None) -> None:
+        """Log the line where an interval has passed since the last one (now: time.monotonic()'s reading)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last >= self.interval_s:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        m, sched = self.metrics, self.metrics.core.scheduler  # (read from another thread, as a scrape reads them)
+        tokens = (m.prompt_tokens, m.generated_tokens)
+        prompt_tps, generation_tps = ((t - before) / (now - self._last)
+                                      for t, before in zip(tokens, self._tokens, strict=True))
+        busy = bool(prompt_tps or generation_tps)
+        logger.log(logging.INFO if busy or self._was_busy else logging.DEBUG,
+                   "Engine %s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                   "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                   ENGINE_INDEX.zfill(3), prompt_tps, generation_tps, len(sched.running), len(sched.waiting),
+                   sched.kv_usage * 100, m.prefix_hit_rate() * 100)
+        self._last, self._tokens, self._was_busy = now, tokens, busy
 
 
 class ServerMetrics:
