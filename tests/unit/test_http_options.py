@@ -295,6 +295,29 @@ def test_requests_are_logged_with_their_prompt_and_parameters_where_asked(caplog
         assert line.endswith(f"prompt_token_ids: {ids if '3' not in flags else ids[:3]}")
 
 
+def test_the_request_log_names_each_request_by_its_replys_id(caplog):
+    """vLLM's --enable-log-requests line names a request by the id its reply carries (cmpl-<id>-<prompt index>,
+    chatcmpl-<id>, ...: the client's X-Request-Id, or the body's request_id), so that an operator finds a client's
+    request in the log. It named an id of the engine's own (req-<hex>), which no reply, header or other log line
+    carried."""
+    import logging
+
+    app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(MODEL), ServerMetrics(), MODEL, 128,
+                                http=http_options(parse_args(["--enable-log-requests"])))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with caplog.at_level(logging.INFO, logger="tpgraph.server.app"):
+        replies = [*post_all(app, [("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}),
+                                   ("/v1/chat/completions", chat)], headers={"X-Request-Id": "abc"}),
+                   *post_all(app, [("/v1/chat/completions", {**chat, "request_id": "def"}),
+                                   ("/v1/messages", {**chat, "model": MODEL}),
+                                   ("/v1/responses", {"input": "hi", "max_output_tokens": 1})])]
+    assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies]
+    logged = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("Received request")]
+    assert logged == ["Received request cmpl-abc-0", "Received request cmpl-abc-1", "Received request chatcmpl-abc",
+                      "Received request chatcmpl-def", f"Received request {replies[3].json()['id']}",
+                      f"Received request {replies[4].json()['id']}"]
+
+
 @pytest.mark.parametrize("field, value", [("allowed_origins", ["*"]), ("allowed_methods", ("GET", 1)),
                                           ("allow_credentials", "yes")])
 def test_cors_settings_of_the_wrong_type_are_refused_without_https_too(field, value):

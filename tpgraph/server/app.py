@@ -78,12 +78,13 @@ class Api:
                            "model")
 
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                  texts: list[str | list[int]] | None = None,
-                  log: bool = True) -> AsyncIterator[tuple[int, StepUpdate]]:
+                  texts: list[str | list[int]] | None = None, log: bool = True,
+                  names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
         Aborts whatever is unfinished if the client goes away or the caller stops early. texts: the prompts as the
         client gave them, for the request log; log: False where the caller logged the request (a beam search's
-        steps)."""
+        steps); names: each prompt's name in the request log, as vLLM's log names it by the reply's id (default:
+        its engine request's id)."""
         # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
         queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
@@ -96,7 +97,8 @@ class Api:
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 if self.http.log_requests and log:
-                    self.log_request(rid, None if texts is None else texts[i], prompt, params)
+                    self.log_request(rid if names is None else names[i], None if texts is None else texts[i],
+                                     prompt, params)
                 self.metrics.arrived(rid, len(prompt), params.n, params.max_tokens)
                 self.client.submit(rid, prompt, params,
                                    lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
@@ -148,13 +150,15 @@ class Api:
 
     async def beam_search(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
                           params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
-                          texts: list[str | list[int]] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
+                          texts: list[str | list[int]] | None = None,
+                          names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """vLLM's use_beam_search: the offline API's search (beam_search.py) run through this server's own requests,
         each step's live beams one ordinary request each for one token (Api.run: checked, sent to the engine, and so
         to every rank, as any other request, aborted where the client goes away). Yields, as run does, each prompt's
         updates once its search ends: its sequences, best first, as samples 0, 1, ... (_beam_updates). params: the
         reply's (n the beam width, logprobs, skip_special_tokens), its seed, priority and cache_salt each step's too.
-        decode: a sequence's text from its token ids. A client that goes away ends it with nothing yielded."""
+        decode: a sequence's text from its token ids; texts and names: the request log's, as run's. A client that
+        goes away ends it with nothing yielded."""
         check_width(beam.beam_width, self.client.limits.max_logprobs, "n", " with use_beam_search", "server")
         # the whole search's limits, before any step: the prompt, max_tokens beside it, the steps' log-probabilities
         whole = SamplingParams(temperature=beam.temperature, max_tokens=beam.max_tokens,
@@ -165,7 +169,8 @@ class Api:
         if self.http.log_requests:
             rid = f"beam-{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
-                self.log_request(f"{rid}-{i}", None if texts is None else texts[i], prompt, beam)
+                self.log_request(f"{rid}-{i}" if names is None else names[i], None if texts is None else texts[i],
+                                 prompt, beam)
 
         async def step(batch: list[list[int]], sampling: SamplingParams) -> list[Candidates]:
             sampling = dataclasses.replace(sampling, seed=params.seed, priority=params.priority,
@@ -496,8 +501,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # the whole reply, one event)
         streamed = body.stream and beam is None
         choices = [Choice(i, keeps_text=not streamed) for i in range(len(token_ids) * params.n)]
-        stream = api.run(request, token_ids, params, texts) if beam is None else \
-            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts)
+        names = [f"{rid}-{i}" for i in range(len(token_ids))]  # (the request log's, as vLLM's: cmpl-<id>-<i>)
+        stream = api.run(request, token_ids, params, texts, names=names) if beam is None else \
+            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts, names)
         first = await submitted(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
         if body.echo:  # (ids decoded once checked: the tokenizer overflows on a negative one), off the event loop
@@ -622,9 +628,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         return RenderedChat(tools, role, echoed, text, token_ids, max_tokens)
 
-    async def start_chat(body: ChatRequest, request: Request) -> ChatTurn:
+    async def start_chat(body: ChatRequest, request: Request, name: str | None = None) -> ChatTurn:
         """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses and Messages
-        APIs' once they have read their input as chat messages)."""
+        APIs' once they have read their input as chat messages). name: the reply's id, which the request log names it
+        by."""
         rendered = await render_chat(body)
         tools, role, echoed, text, token_ids = (rendered.tools, rendered.role, rendered.echoed, rendered.text,
                                                 rendered.token_ids)
@@ -652,8 +659,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # each choice's text read as reasoning (where the server splits it out), content and tool calls
         replies = [ReplyReader(tools, None if reasoning is None else ReasoningReader(reasoning, thinking=thinking),
                                body.stream, body.include_reasoning) for _ in choices]
-        stream = api.run(request, token_ids, params, [text]) if beam is None else \
-            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), [text])
+        names = None if name is None else [name]
+        stream = api.run(request, token_ids, params, [text], names=names) if beam is None else \
+            api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), [text], names)
         # thoughts left out: so are the choices' log-probabilities and token ids, which would name their tokens (as
         # vLLM's suppress_metadata)
         hidden = reasoning is not None and not body.include_reasoning
@@ -680,7 +688,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     async def chat(body: ChatRequest, request: Request) -> Response:
         # (named before it is submitted, so a refused request's 400 carries the body's request_id in X-Request-Id)
         rid, created = f"chatcmpl-{request_id(request, body.request_id)}", int(time.time())
-        turn = await start_chat(body, request)
+        turn = await start_chat(body, request, rid)
         params, choices, replies, stream, hidden = turn.params, turn.choices, turn.replies, turn.stream, turn.hidden
         token_ids, role, echoed, beam = turn.token_ids, turn.role, turn.echoed, turn.beam
 

@@ -392,7 +392,7 @@ def error_reply(status: int, message: str) -> JSONResponse:
     return JSONResponse(anthropic_error_body(status, message), status)
 
 
-def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]],
+def message_routes(start_chat: Callable[[ChatRequest, Any, str], Awaitable[ChatTurn]],
                    render_chat: Callable[[ChatRequest], Awaitable[RenderedChat]], model_name: str) -> APIRouter:
     """start_chat: the chat route's set-up (app.py), which submits a chat request as a turn; render_chat: its
     template and tokenizer alone (count_tokens)."""
@@ -419,7 +419,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
             body = await read(request)
             chat = body.chat_request(body.stream)
             rid = f"msg_{request_id(request, chat.request_id)}"
-            turn = await start_chat(chat, request)
+            turn = await start_chat(chat, request, rid)
         except Exception as exc:  # (a refusal, the engine's failure, or a bug's: all in Anthropic's shape)
             return error_reply(*_status(exc, "a request's set-up (before its reply began)"))
         blocks = ContentBlocks()

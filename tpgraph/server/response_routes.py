@@ -25,7 +25,7 @@ from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
 
-StartChat = Callable[[ChatRequest, Any], Awaitable[ChatTurn]]
+StartChat = Callable[[ChatRequest, Any, str], Awaitable[ChatTurn]]  # (a chat request, its HTTP request, its reply's id)
 # a chat request's log-probability entries ({"token", "logprob", "bytes", "top_logprobs"}) of (token, logprob, top)
 LogprobEntries = Callable[[ChatRequest, list], list[dict]]
 
@@ -185,7 +185,8 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             if stored.log is None:
                 return JSONResponse(stored.response)
             return logged_stream(stored.log)
-        run = ResponseRun(response_id, body, chat, await start_chat(chat, request), model_name, entries)
+        run = ResponseRun(response_id, body, chat, await start_chat(chat, request, response_id), model_name,
+                          entries)
         if not body.stream:
             response = await run.whole()
             if response is None:  # (its client went away: nothing to store, no one to answer)
@@ -215,7 +216,8 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                                kept: Callable[[dict], StoredResponse]) -> StoredResponse:
         """Submit the response (a refusal is the request's 400) and write it as it runs, in the store (with stream:
         true, its events too, in its log)."""
-        run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached()), model_name, entries)
+        run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached(), response_id),
+                          model_name, entries)
         stored = kept(run.snapshot("queued"))
         log = stored.log = EventLog() if body.stream else None
         numbers = itertools.count()
