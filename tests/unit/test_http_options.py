@@ -318,6 +318,39 @@ def test_the_request_log_names_each_request_by_its_replys_id(caplog):
                       f"Received request {replies[4].json()['id']}"]
 
 
+def test_the_request_log_says_when_a_request_is_aborted(caplog):
+    """vLLM's --enable-log-requests also logs "Aborted request(s) ..." where a request is aborted (its client went
+    away): the log said a request was received and never what became of it. Two prompts of a completion whose client
+    leaves while they decode."""
+    import logging
+    import time
+
+    from tpgtest.server_stubs import EndlessClient
+
+    from tpgraph.engine.sampling_params import SamplingParams
+
+    class Leaving:  # (a client that goes away 0.2 s after its request)
+        start = time.monotonic()
+
+        async def is_disconnected(self) -> bool:
+            return time.monotonic() - self.start > 0.2
+
+    client = EndlessClient()
+    api = server_app.Api(client, ServerMetrics(), MODEL, HttpOptions(log_requests=True))
+
+    async def main() -> None:
+        async for _ in api.run(Leaving(), [[1], [2]], SamplingParams(max_tokens=100), names=["cmpl-x-0", "cmpl-x-1"]):
+            pass
+        for task in client.tasks:
+            task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="tpgraph.server.app"):
+        asyncio.run(main())
+    assert len(client.aborted) == 2
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted")] == [
+        "Aborted request(s) cmpl-x-0,cmpl-x-1."]
+
+
 @pytest.mark.parametrize("field, value", [("allowed_origins", ["*"]), ("allowed_methods", ("GET", 1)),
                                           ("allow_credentials", "yes")])
 def test_cors_settings_of_the_wrong_type_are_refused_without_https_too(field, value):

@@ -141,12 +141,16 @@ class Api:
             ended = "error"
             raise
         finally:
-            for rid, left in open_samples.items():
+            aborted = []
+            for i, (rid, left) in enumerate(open_samples.items()):
                 if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
                     self.client.abort(rid)
                     self.metrics.finished(rid, ended, ended_at)
+                    aborted.append(rid if names is None else names[i])
                 else:
                     self.client.release(rid)
+            if aborted and self.http.log_requests and log:  # (vLLM's line, beside the one that said each arrived)
+                logger.info("Aborted request(s) %s.", ",".join(aborted))
 
     async def beam_search(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
                           params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
