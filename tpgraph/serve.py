@@ -266,12 +266,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from tpgraph.server.bridge import EngineBridge
     from tpgraph.server.frontend import FrontendSpec, start_frontend
-    from tpgraph.server.metrics import EngineMetrics, StatsLog
+    from tpgraph.server.metrics import EngineMetrics, StatsLog, cache_config_info
 
     root = args.model or BUILTIN_NAME  # (the checkpoint served: /v1/models' root, and the name where none is given)
     names = tuple(args.served_model_name or [root])
     name = names[0]
-    metrics = EngineMetrics(engine.core, name)  # (labelled with the served name, as vLLM's are)
+    # (labelled with the served name, as vLLM's are; with the KV cache's configuration, vLLM's cache_config_info)
+    metrics = EngineMetrics(engine.core, name, cache_config_info(engine.core))
     # ranks the engine started itself (no torchrun) follow its own loop: the server drives that one, so that closing
     # the engine knows whether it failed (then the ranks are ended, not told, and the failed engine never steps again)
     service = engine.service or EngineService(engine.core, ControlPlane(engine.state))

@@ -210,8 +210,9 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
     front = SimpleNamespace(is_alive=lambda: True, join=lambda *_: None, exitcode=None, terminate=lambda: None)
     monkeypatch.setattr(tp_engine, "TPEngine", Engine)
     monkeypatch.setattr(service, "EngineService", FailedService)
-    monkeypatch.setattr(metrics, "EngineMetrics", lambda core, name: SimpleNamespace(exposition=lambda: b"",
-                                                                                   prompt_tokens=0, generated_tokens=0))
+    monkeypatch.setattr(metrics, "EngineMetrics", lambda core, name, cache: SimpleNamespace(
+        exposition=lambda: b"", prompt_tokens=0, generated_tokens=0))
+    monkeypatch.setattr(metrics, "cache_config_info", lambda core: {})
     monkeypatch.setattr(frontend, "start_frontend", lambda spec: (front, None))
     monkeypatch.setattr(bridge, "EngineBridge", Bridge)
     monkeypatch.setattr(signal, "signal", lambda *_: None)

@@ -202,3 +202,26 @@ def test_the_engine_logs_vllms_periodic_stats_line(caplog):
                                  "Prefix cache hit rate: 25.0%")
     assert just_idle.getMessage().startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation "
                                              "throughput: 0.0 tokens/s")
+
+
+def test_the_kv_caches_configuration_is_vllms_cache_config_info():
+    """vLLM exports its KV cache's configuration as vllm:cache_config_info, a gauge of 1 whose labels hold it
+    (block_size, num_gpu_blocks, ...): what a router or autoscaler built on vLLM's metrics reads to turn
+    vllm:kv_cache_usage_perc into tokens. It was not exported."""
+    from types import SimpleNamespace
+
+    from tpgraph.engine.runner import RunnerConfig
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics, cache_config_info
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0, allocator=SimpleNamespace(num_blocks=4096, shares_prefixes=True))
+    runner = SimpleNamespace(stats=GraphStats(), cfg=RunnerConfig(block_size=16, gpu_memory_utilization=0.85))
+    core = SimpleNamespace(scheduler=scheduler, runner=runner)
+    scraped = scrape(EngineMetrics(core, cache=cache_config_info(core)).exposition())
+    (labels,) = [dict(labels) for (sample, labels) in scraped["vllm:cache_config_info"]["samples"]
+                 if sample == "vllm:cache_config_info"]
+    assert scraped["vllm:cache_config_info"]["type"] == "gauge"
+    assert labels == {"engine": "0", "block_size": "16", "num_gpu_blocks": "4096", "num_gpu_blocks_override": "None",
+                      "gpu_memory_utilization": "0.85", "enable_prefix_caching": "True"}
+    assert scraped["vllm:cache_config_info"]["samples"][("vllm:cache_config_info", tuple(sorted(labels.items())))] == 1

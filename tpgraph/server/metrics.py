@@ -62,8 +62,21 @@ def vllm_metrics(model_name: str, registry: CollectorRegistry) -> Callable[..., 
     return make
 
 
+def cache_config_info(core: EngineCore) -> dict[str, str]:
+    """The KV cache's configuration as vLLM's vllm:cache_config_info labels it (CacheConfig.metrics_info: each value
+    as Python writes it): its blocks' size and number, the number asked for (--num-gpu-blocks-override: None where
+    memory sized it), the GPU memory fraction and whether prefixes are shared."""
+    cfg, allocator = core.runner.cfg, core.scheduler.allocator
+    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(allocator.num_blocks),
+            "num_gpu_blocks_override": str(cfg.num_kv_blocks),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+            "enable_prefix_caching": str(allocator.shares_prefixes)}
+
+
 class EngineMetrics:
-    def __init__(self, core: EngineCore, model_name: str = DEFAULT_MODEL_NAME) -> None:
+    def __init__(self, core: EngineCore, model_name: str = DEFAULT_MODEL_NAME,
+                 cache: dict[str, str] | None = None) -> None:
+        """cache: vllm:cache_config_info's labels (cache_config_info; None: not exported)."""
         self.core = core
         self.registry = r = CollectorRegistry()
         self.step = Histogram("tpgraph_engine_step_seconds", "Host wall time of an engine step",
@@ -91,6 +104,10 @@ class EngineMetrics:
         self.iteration_tokens = vllm(Histogram, "vllm:iteration_tokens_total", "Tokens of a step that returned "
                                      "updates: each token read back, and with a sequence's first its prompt",
                                      buckets=ITERATION_BUCKETS)
+        if cache is not None:  # (an info metric, as vLLM's: a gauge of 1 whose labels say it, the engine's beside them)
+            info = {"engine": ENGINE_INDEX, **cache}
+            Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration", tuple(info),
+                  registry=r).labels(**info).set(1)
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
         self._counted = self._served_from = self._totals()
