@@ -127,6 +127,25 @@ def test_a_failure_no_route_answers_is_a_500_in_openais_error_shape(path):
     assert got.json()["error"] == {"message": "'a bug'", "type": "InternalServerError", "param": None, "code": 500}
 
 
+def test_a_500_carries_the_request_id_and_cors_headers_as_every_other_reply():
+    """A failure no route answers was answered by Starlette's outermost middleware, outside the server's own: the 500
+    lacked X-Request-Id (--enable-request-id-headers: the reply that most needs finding in the logs) and the CORS
+    headers, so a browser page could not read it at all. It is answered inside them now, in the same error shape."""
+    httpx = httpx_module()
+    app = server_app.create_app(BuggyClient(), builtin_codec("m"), ServerMetrics(), "m", 128, request_id_headers=True)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                   headers={"X-Request-Id": "abc", "Origin": "https://page.example"})
+
+    got = asyncio.run(main())
+    assert got.status_code == 500
+    assert got.json()["error"] == {"message": "'a bug'", "type": "InternalServerError", "param": None, "code": 500}
+    assert got.headers["x-request-id"] == "abc" and got.headers["access-control-allow-origin"] == "*"
+
+
 class UnreachableClient(EndlessClient):
     """An engine found gone as a request is submitted (the bridge's submit raises)."""
 

@@ -21,6 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpgraph import __version__
 from tpgraph.chat import content_text
@@ -57,6 +58,40 @@ from tpgraph.server.turn import ChatTurn, Choice, RenderedChat, chained, submitt
 logger = logging.getLogger(__name__)
 # how often a request waiting on the engine checks whether its client is still there
 DISCONNECT_CHECK_S = 0.5
+
+
+def server_error_reply(scope: Scope, exc: Exception) -> JSONResponse:
+    """A failure no route answered (a bug's): a 500 in the error shape its client reads, naming it as vLLM's routes
+    do, not Starlette's plain-text page."""
+    message = str(exc) or type(exc).__name__  # (an exception of no words: AssertionError())
+    return JSONResponse(refusal_body(route_path(scope), 500, message, "InternalServerError"), 500)
+
+
+class ServerErrorReplies:
+    """Answers a failure no route answered with server_error_reply, inside the server's other middleware, so that the
+    500 carries X-Request-Id and the CORS headers as every other reply does (Starlette answers it in its outermost
+    middleware, outside them), then raises it on, for uvicorn to log its traceback. Plain ASGI middleware (auth.py
+    says why)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_start)
+        except Exception as exc:
+            if not started:  # (a stream that failed after its 200 is ended by its own guard, or cut)
+                await server_error_reply(scope, exc)(scope, receive, send)
+            raise
 
 
 class Api:
@@ -389,6 +424,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     # or without it; uvicorn's root_path, which FastAPI's deprecation points to, takes only a stripped one)
     app.root_path = http.root_path
     api = Api(client, metrics, model_name, http, served_names)
+    app.add_middleware(ServerErrorReplies)  # (innermost: its 500 passes through the others)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
     if request_id_headers:  # (outside the key's check, so a refused request's 401 carries it too)
@@ -439,10 +475,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        """A failure no route answered (a bug's): a 500 in the error shape its client reads, naming it as vLLM's routes
-        do, not Starlette's plain-text page. (Starlette raises it on after this answer: uvicorn logs its traceback.)"""
-        message = str(exc) or type(exc).__name__  # (an exception of no words: AssertionError())
-        return JSONResponse(refusal_body(route_path(request.scope), 500, message, "InternalServerError"), 500)
+        """A failure outside ServerErrorReplies (a middleware's), answered alike. (Starlette raises it on after this
+        answer: uvicorn logs its traceback.)"""
+        return server_error_reply(request.scope, exc)
 
     @app.get("/health")
     async def health() -> Response:
