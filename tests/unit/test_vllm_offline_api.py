@@ -127,7 +127,7 @@ def test_vllm_keywords_at_vllms_own_defaults_are_taken_as_left_out():
     assert vllm_keywords(None, 1, {"max_num_seqs": 4}) == (None, 1, {"max_num_seqs": 4})
 
 
-def test_vllms_compilation_config_sets_the_cuda_graphs():
+def test_vllms_compilation_config_sets_the_cuda_graphs(caplog):
     """vLLM's LLM(compilation_config=...) was refused whatever it held, its default None too (scripts pass it through
     from their configs), where the server takes --cudagraph-capture-sizes and --max-cudagraph-capture-size: its
     capture sizes are the decode ladder, its cudagraph_mode the graph modes, None sets nothing."""
@@ -153,13 +153,20 @@ def test_vllms_compilation_config_sets_the_cuda_graphs():
     assert graphs({"level": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}) == GraphConfig(decode_mode="full",
                                                                                     prefill_mode="none")
     assert graphs({"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE"}).decode_mode == "none"
+    # vLLM's FULL (mixed batches in full graphs too), as vLLM reads it with an attention backend that has none: full
+    # decode graphs and piecewise ones for the rest, or (compilation off) full decode graphs only; said in the log
+    with caplog.at_level("WARNING", logger="tpgraph.graphs.config"):
+        assert graphs({"cudagraph_mode": "FULL"}) == GraphConfig(decode_mode="full", prefill_mode="piecewise")
+    assert "cudagraph_mode FULL: mixed prefill-decode batches are not captured whole here; setting " \
+           "cudagraph_mode=FULL_AND_PIECEWISE" in caplog.text
+    assert graphs({"mode": 0, "cudagraph_mode": "full"}) == GraphConfig(decode_mode="full", prefill_mode="none")
     for config, message in [
         ("3", r"compilation_config='3' \(vLLM's\) is not taken: give a dict"),
         ({"level": 1}, r"compilation_config's level 1 \(vLLM's torch.compile mode\) is not taken"),
         ({"mode": "STOCK_TORCH_COMPILE"}, r"compilation_config's mode 'STOCK_TORCH_COMPILE' \(vLLM's torch.compile"),
         (True, r"compilation_config=True \(vLLM's\) is not taken"),
         ({"splitting_ops": []}, r"compilation_config's splitting_ops \(vLLM's\) is not taken"),
-        ({"cudagraph_mode": "FULL"}, r"cudagraph_mode 'FULL' is not taken: give one of NONE, PIECEWISE"),
+        ({"cudagraph_mode": "FULL_PIECEWISE"}, r"cudagraph_mode 'FULL_PIECEWISE' is not taken: give one of NONE, "),
         ({"cudagraph_capture_sizes": [1, 0]}, r"cudagraph_capture_sizes entry 0 is not positive"),
         ({"cudagraph_capture_sizes": [1, 4], "max_cudagraph_capture_size": 8}, "must be the largest"),
         ({"max_cudagraph_capture_size": 0}, "max_cudagraph_capture_size must be a positive integer"),

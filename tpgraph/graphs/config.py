@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass, fields, replace
 
 from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.ladder import LADDERS, capture_sizes, check_sizes, parse_ladder, vllm_ladder
 from tpgraph.graphs.modes import DECODE_MODES, PREFILL_MODES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,9 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compilation-config", "-O", type=compilation_json, default=None, metavar="JSON",
                        help="vLLM's, as JSON: its cudagraph_capture_sizes and max_cudagraph_capture_size set the "
                             "decode capture sizes, its cudagraph_mode (NONE, PIECEWISE, FULL_DECODE_ONLY, "
-                            "FULL_AND_PIECEWISE) the graph modes (in place of the flags above); its compilation "
-                            "mode (-O3, vLLM's default, asks nothing more; -O0 captures no graphs)")
+                            "FULL_AND_PIECEWISE; FULL read as vLLM reads it where attention has no full graphs of "
+                            "mixed batches: FULL_AND_PIECEWISE) the graph modes (in place of the flags above); its "
+                            "compilation mode (-O3, vLLM's default, asks nothing more; -O0 captures no graphs)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
                                              "to the first that holds it, or runs eagerly past the last)")
@@ -182,7 +186,7 @@ def _ladder_flags(args: argparse.Namespace) -> dict[str, object]:
 
 
 # vLLM's CompilationConfig.cudagraph_mode, by name: the (decode, prefill) graph modes it asks for. Its FULL (mixed
-# prefill batches in full graphs too) has no counterpart: prefill graphs are piecewise here
+# prefill batches in full graphs too) is read as vLLM reads it with a backend that has no such graphs (below)
 VLLM_CUDAGRAPH_MODES = {"NONE": ("none", "none"), "PIECEWISE": ("piecewise", "piecewise"),
                         "FULL_DECODE_ONLY": ("full", "none"), "FULL_AND_PIECEWISE": ("full", "piecewise")}
 COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
@@ -225,10 +229,14 @@ def from_compilation_config(value: object, graphs: GraphConfig) -> GraphConfig:
         changes["ladder"] = vllm_ladder(positive_int(f"{named}'s max_cudagraph_capture_size", top))
     if mode is not None:
         name = mode.upper() if isinstance(mode, str) else getattr(mode, "name", mode)  # (a name, or vLLM's enum)
+        if name == "FULL":  # (mixed batches in full graphs: no attention here captures those)
+            name = "FULL_DECODE_ONLY" if compile_mode == "NONE" else "FULL_AND_PIECEWISE"
+            logger.warning("compilation_config's cudagraph_mode FULL: mixed prefill-decode batches are not captured "
+                           "whole here; setting cudagraph_mode=%s, as vLLM does with an attention backend that "
+                           "captures uniform decode batches only", name)
         if name not in VLLM_CUDAGRAPH_MODES:
             raise ConfigError(f"{named}'s cudagraph_mode {mode!r} is not taken: give one of "
-                              f"{', '.join(VLLM_CUDAGRAPH_MODES)} (prefill graphs are piecewise here: vLLM's FULL "
-                              "has none)")
+                              f"{', '.join(VLLM_CUDAGRAPH_MODES)} or FULL")
         changes["decode_mode"], changes["prefill_mode"] = VLLM_CUDAGRAPH_MODES[name]
     if compile_mode == "NONE":  # (vLLM's full decode graphs need no compilation; its piecewise ones are dropped)
         changes["decode_mode"] = "full" if mode is not None and changes["decode_mode"] == "full" and \
