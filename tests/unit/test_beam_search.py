@@ -160,6 +160,28 @@ def test_prompts_come_as_generate_takes_them_and_steps_read_the_prefix_cache(eng
         assert_same(found(one), found(together))
 
 
+def test_a_prompt_dicts_cache_salt_reaches_each_of_its_steps(engine, monkeypatch):
+    """vLLM's prompt dicts take a cache_salt, as generate's do: each prompt's steps are requests of its salt (its
+    blocks shared with that salt's alone), to the sequences the unsalted prompts find."""
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    plain = engine.beam_search(PROMPTS[:2], params)
+    sent, generate = [], engine.generate
+
+    def recorded(prompts, step, **kwargs):
+        steps = step if isinstance(step, list) else [step] * len(prompts)
+        sent.extend((tuple(p[:3]), s.cache_salt) for p, s in zip(prompts, steps, strict=True))
+        return generate(prompts, step, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recorded)
+    salted = engine.beam_search([{"prompt": PROMPTS[0], "cache_salt": "a"},
+                                 {"prompt_token_ids": engine.encode(PROMPTS[1]), "cache_salt": "b"}], params)
+    for one, other in zip(salted, plain, strict=True):
+        assert_same(found(one), found(other))
+    heads = {tuple(engine.encode(p)[:3]): salt for p, salt in zip(PROMPTS[:2], "ab", strict=True)}
+    assert sent and all(heads[head] == salt for head, salt in sent)
+    assert {salt for _, salt in sent} == {"a", "b"}
+
+
 @pytest.fixture(scope="module")
 def likely(next_logprobs, engine):
     """The token most likely after "tpgraph", which EOS is made to follow."""

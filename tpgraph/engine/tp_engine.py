@@ -469,7 +469,8 @@ class TPEngine:
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's params.beam_width best sequences (BeamSearchOutput, best first),
         searched through generate one token a step (beam_search.py). Prompts as generate takes them (vLLM's
-        {"prompt": ...} and {"prompt_token_ids": ...} among them). concurrency_limit (vLLM's): at most that many
+        {"prompt": ...} and {"prompt_token_ids": ...} among them; a dict's cache_salt is each of its steps' requests',
+        where vLLM's drops it). concurrency_limit (vLLM's): at most that many
         prompts searched together. Under torchrun every rank calls it with the same arguments, as it calls generate."""
         with self._lock:
             self._check_open()
@@ -477,18 +478,28 @@ class TPEngine:
             def normalized() -> list:
                 no_lora(lora_request)
                 self._check_beam_search(params, concurrency_limit)
-                listed = _prompt_list(prompts)
-                if any(isinstance(p, SaltedPrompt) for p in listed):  # (its steps share one SamplingParams)
-                    raise RequestError("beam_search takes no prompt's cache_salt: give the prompts without it")
-                return listed
+                return _prompt_list(prompts)
 
             listed = self._agreed_call("beam_search", normalized, params, concurrency_limit)
+            salts = [p.salt if isinstance(p, SaltedPrompt) else None for p in listed]
+            listed = [p.prompt if isinstance(p, SaltedPrompt) else p for p in listed]
             limit = self.runner.max_model_len
             ids = [p.ids if isinstance(p, TextedIds) else self.prompts.encode(p, limit) for p in listed]
         tokenizer = self.get_tokenizer()
-        return run_beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False), ids, params,
-                               eos_token_id=tokenizer.eos_token_id, max_model_len=limit, decode=tokenizer.decode,
-                               concurrency_limit=concurrency_limit, progress=bool(use_tqdm) and self.state.is_driver)
+        outputs: list[BeamSearchOutput | None] = [None] * len(ids)
+        # each cache_salt's prompts searched together, its steps requests of that salt (a prompt dict's, as generate's)
+        for salt in dict.fromkeys(salts):
+            picked = [i for i, s in enumerate(salts) if s == salt]
+
+            def salted(batch: list[list[int]], step: SamplingParams, salt: str | None = salt) -> list[GenerationOutput]:
+                return self.generate(batch, dataclasses.replace(step, cache_salt=salt), use_tqdm=False)
+
+            found = run_beam_search(salted, [ids[i] for i in picked], params, eos_token_id=tokenizer.eos_token_id,
+                                    max_model_len=limit, decode=tokenizer.decode, concurrency_limit=concurrency_limit,
+                                    progress=bool(use_tqdm) and self.state.is_driver)
+            for i, out in zip(picked, found, strict=True):
+                outputs[i] = out
+        return outputs
 
     def _check_beam_search(self, params: Any, concurrency_limit: Any) -> None:
         """beam_search's arguments, or a RequestError naming what cannot run (before any step)."""
