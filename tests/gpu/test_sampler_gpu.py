@@ -42,6 +42,40 @@ def test_sampling_every_option_never_waits_for_the_gpu():
     assert int(table.counts.sum()) == 3 + 3 + 3 + 3
 
 
+def test_constrained_rows_are_masked_without_waiting_for_the_gpu():
+    """A grammar's masks and the rows they are for reach the GPU from pinned memory, queued: from pageable memory
+    (xgrammar's own bitmask, a list of rows) each copy waited for the stream's queued work, the step's forward."""
+    pytest.importorskip("xgrammar")
+    from tpgraph.engine.structured import GrammarCompiler, GrammarState, StructuredOutput
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    tokenizer, vocab = builtin_tokenizer(), 258
+    grammars = GrammarCompiler(tokenizer, vocab, (257,))
+    spec = StructuredOutput("regex", "[a-c]+")
+
+    def rows() -> list[SampleRow]:
+        return [SampleRow(SamplingParams(temperature=0.0), [1], [], seq_id=0,
+                          grammar=GrammarState(grammars.matcher(spec))),
+                SampleRow(SamplingParams(temperature=0.0), [2], [], seq_id=1),
+                SampleRow(SamplingParams(temperature=0.8, seed=1), [3], [], seq_id=2,
+                          grammar=GrammarState(grammars.matcher(spec)))]
+
+    sampler = Sampler("cuda")
+    logits = torch.randn(3, vocab, device="cuda")
+    sampler.sample(logits, rows())  # first use: the mask kernel compiled, the allocators warm
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the sampling
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = sampler.sample_async(logits, rows())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    still_busy = not torch.cuda.current_stream().query()
+    out = pending.result()
+    assert still_busy, "the masks' copy waited for the GPU"
+    assert tokenizer.decode([out.token_ids[0]]) in "abc" and tokenizer.decode([out.token_ids[2]]) in "abc"
+
+
 def test_packed_rows_count_ranks_on_the_device_as_on_the_host():
     """Each sampled id's rank (the ids at least as likely, itself among them; vLLM's) and the top k, counted on the
     GPU, as a float64 reference counts them on the CPU: ties included (a row of equal values ranks every id last)."""

@@ -428,6 +428,27 @@ def test_grammar_state_waits_for_its_marker_tokens():
         SamplingParams(structured_after="</think>")
 
 
+def test_masks_leave_each_constrained_row_its_grammars_tokens_and_the_others_whole():
+    """apply_masks on the CPU (its bitmask in pageable memory there, its rows a list): a constrained row keeps only
+    the tokens its grammar can take next, a row between them keeps every logit."""
+    import torch
+
+    from tpgraph.engine.structured import GrammarCompiler, GrammarState, apply_masks
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer()
+    grammars = GrammarCompiler(tokenizer, 258, (257,))
+    logits = torch.randn(3, 258)
+    masked = logits.clone()
+    apply_masks(masked, [(0, GrammarState(grammars.matcher(StructuredOutput("regex", "[a-c]+")))),
+                         (2, GrammarState(grammars.matcher(StructuredOutput("regex", "[xy]"))))])
+    kept = [[tokenizer.decode([t]) for t in row.isfinite().nonzero().flatten().tolist()] for row in masked]
+    assert kept[0] == ["a", "b", "c"] and kept[2] == ["x", "y"]
+    assert torch.equal(masked[1], logits[1])
+    for row in (0, 2):  # (the tokens kept keep their logits)
+        assert torch.equal(masked[row][masked[row].isfinite()], logits[row][masked[row].isfinite()])
+
+
 def test_a_refused_grammar_is_not_compiled_again_by_the_add_after_the_servers_precompile():
     """The server's bridge compiles a new grammar on a thread of its own (EngineService.precompile) so that the
     engine thread, adding the request, compiles nothing in a step. A refusal was not kept, so the add compiled the

@@ -378,14 +378,25 @@ class GrammarState:
 
 def apply_masks(x: Any, grammars: list[tuple[int, GrammarState]]) -> None:
     """Leave each constrained row of x [B, vocab] (fp32, the caller's to change) only the tokens its grammar can take
-    next: (row, grammar) pairs, each masking now (GrammarState.masks)."""
+    next: (row, grammar) pairs, each masking now (GrammarState.masks). On the GPU the masks and their rows are
+    copied from pinned memory, queued: from pageable memory (xgrammar's own bitmask, its list of rows) each copy made
+    the host wait for the stream's queued work, the step's forward, so the overlapped loop could not schedule the next
+    step meanwhile. The caching host allocator keeps each buffer until its copy has read it, then hands it to a later
+    step's masks."""
+    import torch
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(x.shape[0], x.shape[1])
+    from tpgraph.uploads import to_device
+
+    pinned = x.device.type == "cuda"
+    bitmask = torch.full(xgr.get_bitmask_shape(x.shape[0], x.shape[1]), -1, dtype=xgr.bitmask_dtype,
+                         pin_memory=pinned)  # (-1: every token allowed; a constrained row's fill writes it whole)
     for row, grammar in grammars:
         grammar.matcher.fill_next_token_bitmask(bitmask, row)
     rows = [row for row, _ in grammars]
-    xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1], indices=rows)
+    indices = to_device(rows, torch.int32, x.device) if pinned else rows
+    xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1],
+                                    indices=indices)
 
 
 # xgrammar (0.2.9, its issue 800) writes a string with minLength or maxLength as a run of this class: it admits raw
