@@ -201,6 +201,31 @@ def test_a_prompt_that_closes_the_thoughts_gets_an_answer_held_from_its_start():
     assert whole["choices"][0]["message"]["reasoning"] == ", then."
 
 
+def test_a_completion_on_a_reasoning_server_is_its_text_whole_with_a_grammar_held_after_the_thoughts():
+    """/v1/completions reads no thoughts out (vLLM's completions apply no reasoning parser: the text, tags and all, as
+    it comes), but a grammar holds only what follows them, as vLLM's engine holds every structured request under a
+    reasoning parser: from the start where the prompt closed them (its last tag </think>), each prompt for itself."""
+    client = ScriptedClient(["Hmm.", "</think>", "abc"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128,
+                                reasoning=REASONING_PARSERS["deepseek_r1"])
+    body = {"model": "m", "prompt": ["Q: <think>", "Q: <think>x</think>"], "max_tokens": 8,
+            "structured_outputs": {"regex": "[a-c]+"}}
+    whole, streamed = post_all(app, [("/v1/completions", body), ("/v1/completions", {**body, "stream": True})])
+    assert whole.status_code == 200, whole.text
+    assert [c["text"] for c in whole.json()["choices"]] == ["Hmm.</think>abc"] * 2
+    assert "".join(c["choices"][0]["text"] for c in sse_events(streamed.text) if c["choices"]
+                   and c["choices"][0]["index"] == 0) == "Hmm.</think>abc"
+    assert [p.structured_after for p in client.params] == ["</think>", None] * 2
+    assert all(p.structured.kind == "regex" for p in client.params)
+    plain = {**body, "structured_outputs": None}  # (no grammar: nothing held)
+    assert post_all(app, [("/v1/completions", plain)])[0].status_code == 200
+    assert [p.structured_after for p in client.params[4:]] == [None, None]
+    codec = builtin_codec()  # (prompts given as ids: read as their text)
+    ids = {**body, "prompt": [codec.encode_text(p, False, None) for p in body["prompt"]]}
+    assert post_all(app, [("/v1/completions", ids)])[0].status_code == 200
+    assert [p.structured_after for p in client.params[6:]] == ["</think>", None]
+
+
 def test_a_special_end_tag_keeps_special_tokens_in_the_text():
     _, _, client = chat(["a</think>b"], {}, reasoning="deepseek_r1+special", tools=False)
     assert client.params[0].skip_special_tokens is False

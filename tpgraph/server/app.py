@@ -112,30 +112,31 @@ class Api:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", "NotFoundError",
                            "model")
 
-    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                   texts: list[str | list[int]] | None = None, log: bool = True,
                   names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
-        Aborts whatever is unfinished if the client goes away or the caller stops early. texts: the prompts as the
-        client gave them, for the request log; log: False where the caller logged the request (a beam search's
-        steps); names: each prompt's name in the request log, as vLLM's log names it by the reply's id (default:
-        its engine request's id)."""
+        Aborts whatever is unfinished if the client goes away or the caller stops early. params: every prompt's, or
+        each prompt's (of one n). texts: the prompts as the client gave them, for the request log; log: False where
+        the caller logged the request (a beam search's steps); names: each prompt's name in the request log, as
+        vLLM's log names it by the reply's id (default: its engine request's id)."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
         # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
         queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
-        for prompt in prompts:  # all or nothing: a refused prompt queues none of the others
-            self.client.check(prompt, params)
+        for prompt, p in zip(prompts, each, strict=True):  # all or nothing: a refused prompt queues none of the others
+            self.client.check(prompt, p)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
-        open_samples = {rid: params.n for rid in ids}
-        samples_left = params.n * len(ids)  # (their sum, kept as they end: not rescanned per update)
+        open_samples = {rid: p.n for rid, p in zip(ids, each, strict=True)}
+        samples_left = sum(open_samples.values())  # (kept as they end: not rescanned per update)
         ended = "abort"  # how the requests still open at the end are counted
         ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 if self.http.log_requests and log:
                     self.log_request(rid if names is None else names[i], None if texts is None else texts[i],
-                                     prompt, params)
-                self.metrics.arrived(rid, len(prompt), params.n, params.max_tokens)
-                self.client.submit(rid, prompt, params,
+                                     prompt, each[i])
+                self.metrics.arrived(rid, len(prompt), each[i].n, each[i].max_tokens)
+                self.client.submit(rid, prompt, each[i],
                                    lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
@@ -541,7 +542,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         streamed = body.stream and beam is None
         choices = [Choice(i, keeps_text=not streamed) for i in range(len(token_ids) * params.n)]
         names = [f"{rid}-{i}" for i in range(len(token_ids))]  # (the request log's, as vLLM's: cmpl-<id>-<i>)
-        stream = api.run(request, token_ids, params, texts, names=names) if beam is None else \
+        stream = api.run(request, token_ids, await held_after_thoughts(params, texts), texts, names=names) \
+            if beam is None else \
             api.beam_search(request, token_ids, beam, params, eos_token_id, beam_text(params), texts, names)
         first = await submitted(stream)  # submit now, so a refused request is a 400, not a broken stream
         echoed: list[str] = []
@@ -638,6 +640,18 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             yield sse("[DONE]")
 
         return EventStream(events(), stream)
+
+    async def held_after_thoughts(params: SamplingParams, texts: list[str | list[int]]) -> list[SamplingParams]:
+        """Each completion prompt's params: under a reasoning parser a grammar holds only the answer after the
+        thoughts (vLLM's engine holds every structured request so, completions too, whose text it leaves whole), from
+        the start where the prompt closed them itself (its last tag the end tag)."""
+        if reasoning is None or params.structured is None:
+            return [params] * len(texts)
+        held = dataclasses.replace(params, structured_after=reasoning.end)
+        # (prompts given as ids decoded off the event loop, as the echo's are)
+        closed = await asyncio.to_thread(lambda: [reasoning.closed_in(t if isinstance(t, str) else prompts.decode(t))
+                                                  for t in texts])
+        return [params if c else held for c in closed]
 
     async def render_chat(body: ChatRequest) -> RenderedChat:
         """A chat request checked, rendered by the template and tokenized (cut where it asks to be)."""
