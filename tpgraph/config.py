@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ import torch
 from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.hub import HUB_ID
 
+logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
@@ -26,8 +30,21 @@ UNIMPLEMENTED_FIELDS = {
     "quantization_config": (None,),  # (fp8 / int weights with scales)
     "partial_rotary_factor": (None, 1, 1.0),  # (rope over part of each head; also refused inside the rope dict)
 }
+# vLLM's switch for a max_model_len past the model's context (its envs.py reads "1" or "true", any case)
+LONG_MAX_MODEL_LEN_VARIABLE = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}  # (vLLM's)
+
+
+def long_max_model_len_allowed() -> bool:
+    """Whether VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM reads it: "1" or "true" (any case), else off."""
+    return os.environ.get(LONG_MAX_MODEL_LEN_VARIABLE, "0").strip().lower() in ("1", "true")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A warning said once in a process (the engine checks max_model_len before and after the weights load)."""
+    logger.warning(message)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -211,13 +228,20 @@ class ModelConfig:
         return self.max_position_embeddings if scaled is None else int(scaled[1] * self.rope.factor + 1e-6)
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """Raise ConfigError where max_model_len is past the positions the model was trained on."""
-        if max_model_len > self.max_context:
-            scaled = self._scaled_context
-            context = f"max_position_embeddings ({self.max_position_embeddings})" if scaled is None else \
-                f"context ({scaled[0]} {scaled[1]} x the {self.rope.type} rope factor {self.rope.factor:g} = " \
-                f"{self.max_context})"
-            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {context}", ("max_model_len",))
+        """Raise ConfigError where max_model_len is past the positions the model was trained on, unless
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (as vLLM: then a warning)."""
+        if max_model_len <= self.max_context:
+            return
+        scaled = self._scaled_context
+        context = f"max_position_embeddings ({self.max_position_embeddings})" if scaled is None else \
+            f"context ({scaled[0]} {scaled[1]} x the {self.rope.type} rope factor {self.rope.factor:g} = " \
+            f"{self.max_context})"
+        message = f"max_model_len {max_model_len} exceeds the model's {context}"
+        if not long_max_model_len_allowed():
+            raise ConfigError(f"{message}; to allow it, set the environment variable {LONG_MAX_MODEL_LEN_VARIABLE}=1 "
+                              f"(positions past the model's context may give garbage)", ("max_model_len",))
+        _warn_once(f"{message}; allowed by {LONG_MAX_MODEL_LEN_VARIABLE}: positions past the model's context may "
+                   f"give garbage")
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ConfigError unless this model can be split over tp_size ranks."""

@@ -284,3 +284,28 @@ def test_a_dtype_that_is_no_name_is_refused_by_name_not_as_a_type_error(dtype):
 
     with pytest.raises(ConfigError, match=r"unknown dtype .*; choose one of"):
         EngineConfig(dtype=dtype)
+
+
+@pytest.mark.parametrize("value,length", [("1", 40), ("true", 48), ("True", 56), (" 1 ", 64)])
+def test_a_max_model_len_past_the_context_is_allowed_by_vllms_variable(monkeypatch, caplog, value, length):
+    """vLLM refuses a max_model_len past the model's context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set ("1" or
+    "true"), and then warns (once). It was refused whatever the variable said, and the message did not name it."""
+    cfg = ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": 32})
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ConfigError, match=rf"max_model_len {length} exceeds the model's max_position_embeddings "
+                                          rf"\(32\); to allow it, set the environment variable "
+                                          rf"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        cfg.check_max_model_len(length)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
+    with caplog.at_level("WARNING", logger="tpgraph.config"):
+        cfg.check_max_model_len(length)
+        cfg.check_max_model_len(length)  # (the engine checks it twice: said once)
+    assert caplog.text.count(f"max_model_len {length} exceeds the model's max_position_embeddings (32)") == 1
+    cfg.check_max_model_len(32)  # (within the context: nothing to allow)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "", "yes"])
+def test_vllms_long_max_model_len_variable_off_keeps_the_refusal(monkeypatch, value):
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
+        ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": 32}).check_max_model_len(33)

@@ -64,6 +64,19 @@ def test_a_linear_rope_checkpoint_serves_its_scaled_context_as_transformers_runs
         TPEngine(path, device="cpu", max_model_len=65)
 
 
+def test_a_max_model_len_past_the_context_runs_where_vllms_variable_allows_it(tmp_path, monkeypatch):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM serve a max_model_len past max_position_embeddings (the rope goes on
+    past it, as transformers' does); it was refused whatever the variable said."""
+    path = save_hf_model(tmp_path / "c")
+    prompt = [(37 * j + 11) % VOCAB for j in range(40)]  # (past max_position_embeddings, 32)
+    want = hf_prompt_logprobs(path, prompt)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4, max_model_len=48) as engine:
+        assert engine.runner.max_model_len == 48
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)
+
+
 @pytest.mark.parametrize("rope", [
     dict(factor=4.0, original_max_position_embeddings=16),
     dict(factor=4.0, original_max_position_embeddings=16, beta_fast=16, beta_slow=2, attention_factor=1.2,
