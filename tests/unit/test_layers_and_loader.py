@@ -323,6 +323,34 @@ def test_layers_the_config_leaves_out_are_named(tmp_path, caplog):
     assert "holds layers [1], which config.json's num_hidden_layers (1) leaves out" in caplog.text
 
 
+
+def test_tensors_the_model_does_not_read_are_named(tmp_path, caplog):
+    """A checkpoint holding tensors config.json does not describe (a q_proj bias where attention_bias is unset, a
+    qk-norm weight) ran without them and without a word, not as trained; transformers names them as unexpected keys.
+    The rotary buffers older checkpoints saved, and the layers said apart, are not named."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint("llama32_tied_llama3rope_gqa", tmp_path / "c")
+    cfg = ModelConfig.from_dir(path)
+
+    def warnings_loading() -> str:
+        model = LlamaForCausalLM(cfg, fake_rank(0, 1), torch.float32, torch.device("cpu"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tpgraph.model.loader"):
+            load_weights(model, SafetensorsSource(path), show_progress=False)
+        return caplog.text
+
+    assert "does not read" not in warnings_loading()
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(cfg.q_size)
+    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(cfg.head_dim)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(cfg.head_dim // 2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    text = warnings_loading()
+    assert ("the checkpoint holds tensors the model does not read, which are left out (is config.json from the same "
+            "checkpoint?): model.layers.0.self_attn.q_proj.bias, model.layers.1.self_attn.q_norm.weight") in text
+    assert "inv_freq" not in text
+
 def test_a_sentencepiece_only_checkpoint_is_refused(tmp_path):
     from tpgraph.tokenizer import load_tokenizer
 

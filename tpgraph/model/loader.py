@@ -34,6 +34,9 @@ BASE_PREFIX = "model."  # LlamaForCausalLM's name for its base model (LlamaModel
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
 TRAINING_FILES = ("training_args.bin", "optimizer.bin")  # .bin files a fine-tune's trainer saves that hold no weights
+# buffers older Llama checkpoints saved beside the weights, which the model computes itself
+RECOMPUTED_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+UNUSED_SHOWN = 8  # unused tensors a warning names (then how many more)
 
 
 class TensorSource(Protocol):
@@ -190,6 +193,28 @@ def load_weights(model: LlamaForCausalLM, source: TensorSource, show_progress: b
     if extra:  # (a config from another checkpoint of the family: the model runs, but not as trained)
         logger.warning("the checkpoint holds layers %s, which config.json's num_hidden_layers (%d) leaves out",
                        extra, model.cfg.num_hidden_layers)
+    unused = unused_tensors(source, model) if isinstance(source, SafetensorsSource) else []
+    if unused:  # (a bias or a norm config.json does not describe: the model runs without it, not as trained)
+        shown = ", ".join(unused[:UNUSED_SHOWN]) + (f" and {len(unused) - UNUSED_SHOWN} more"
+                                                   if len(unused) > UNUSED_SHOWN else "")
+        logger.warning("the checkpoint holds tensors the model does not read, which are left out (is config.json "
+                       "from the same checkpoint?): %s", shown)
+
+
+def unused_tensors(source: SafetensorsSource, model: LlamaForCausalLM) -> list[str]:
+    """The checkpoint's tensors (by their names in its files) that no parameter reads, as transformers names its
+    unexpected keys: but for rotary buffers older checkpoints saved, layers past the config (said apart) and a tied
+    model's copy of the embedding as lm_head.weight."""
+    read = {source.stored.get(spec.hf_name, spec.hf_name) for spec in model.shard_specs()}
+    read_as = {stored: name for name, stored in source.stored.items()}  # (a file's name -> the model's name for it)
+    past = set(layers_past_the_config(source.file_of, model.cfg.num_hidden_layers))
+    tied_head = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    unused = []
+    for name in set(source.file_of) - set(source.stored) - read - tied_head:
+        layer = re.match(r"model\.layers\.(\d+)\.", read_as.get(name, name))
+        if not name.endswith(RECOMPUTED_BUFFERS) and (layer is None or int(layer.group(1)) not in past):
+            unused.append(name)
+    return sorted(unused)
 
 
 def layers_past_the_config(names: Iterable[str], num_layers: int) -> list[int]:
