@@ -165,10 +165,20 @@ class Encoded(dict):
 
 
 def _special_token(name: str) -> tuple[property, property]:
-    """EngineTokenizer's `name` (the tokenizer config's token, or None) and `name`_id (its id, or None)."""
-    token = property(lambda self: self.codec.special_tokens.get(name))
-    token_id = property(lambda self: None if (t := self.codec.special_tokens.get(name)) is None
-                        else self.backend_tokenizer.token_to_id(t))
+    """EngineTokenizer's `name` (the tokenizer config's token, or None) and `name`_id (its id, or None), each set as
+    transformers' are (`tok.pad_token = tok.eos_token`, `tok.pad_token_id = 0`: a script's padding token): on this
+    tokenizer alone, the engine's own special tokens unchanged."""
+    def set_token(self: EngineTokenizer, value: str | None) -> None:
+        if value is not None and not isinstance(value, str):  # (transformers refuses it alike)
+            raise RequestError(f"cannot set a non-string value as the {name}, got {value!r}")
+        self._set_tokens[name] = value
+
+    def set_id(self: EngineTokenizer, value: int | None) -> None:
+        set_token(self, None if value is None else self.backend_tokenizer.id_to_token(operator.index(value)))
+
+    token = property(lambda self: self._special_tokens().get(name), set_token)
+    token_id = property(lambda self: None if (t := self._special_tokens().get(name)) is None
+                        else self.backend_tokenizer.token_to_id(t), set_id)
     return token, token_id
 
 
@@ -181,6 +191,12 @@ class EngineTokenizer:
     def __init__(self, codec: PromptCodec) -> None:
         self.codec = codec
         self.backend_tokenizer: Tokenizer = codec.tokenizer
+        self._set_tokens: dict[str, str | None] = {}  # special tokens a script set on this tokenizer (None: unset)
+
+    def _special_tokens(self) -> dict[str, str]:
+        """The named special tokens: the tokenizer config's, and those set on this tokenizer."""
+        merged = {**self.codec.special_tokens, **self._set_tokens}
+        return {key: token for key, token in merged.items() if token is not None}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.codec.encode_text(text, add_special_tokens=add_special_tokens)
@@ -284,9 +300,10 @@ class EngineTokenizer:
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
-        """The named special tokens the tokenizer config sets (bos_token, eos_token, unk_token, sep_token,
-        pad_token, cls_token, mask_token), in transformers' order."""
-        return {key: self.codec.special_tokens[key] for key in SPECIAL_TOKEN_KEYS if key in self.codec.special_tokens}
+        """The named special tokens the tokenizer config sets, or a script set on this tokenizer (bos_token,
+        eos_token, unk_token, sep_token, pad_token, cls_token, mask_token), in transformers' order."""
+        special = self._special_tokens()
+        return {key: special[key] for key in SPECIAL_TOKEN_KEYS if key in special}
 
     @property
     def all_special_tokens(self) -> list[str]:

@@ -326,6 +326,32 @@ def test_get_tokenizer_names_its_special_tokens_as_transformers_does(tmp_path):
     assert pairs[-1][1].pad_token_id == 257 and pairs[0][1].pad_token is None  # (both cases were compared)
 
 
+
+def test_get_tokenizers_special_tokens_are_set_as_transformers_sets_them(tmp_path):
+    """`if tok.pad_token is None: tok.pad_token = tok.eos_token` (and tok.pad_token_id = id), which scripts run on
+    vLLM's get_tokenizer() before padding a batch, raised an AttributeError (a property with no setter). They are set
+    on that tokenizer, as transformers sets them, and the engine's own tokens are left as they were."""
+    def names(t):
+        return (t.pad_token, t.pad_token_id, t.eos_token, t.special_tokens_map, t.all_special_ids)
+
+    for kw, hf in hf_tokenizers(tmp_path):
+        with TPEngine(device="cpu", max_num_seqs=2, max_model_len=128, num_kv_blocks=40, **kw) as e:
+            tok = e.get_tokenizer()
+            for t in (tok, hf):
+                t.pad_token = t.eos_token
+            assert names(tok) == names(hf) and tok.pad_token_id == tok.eos_token_id
+            for t in (tok, hf):
+                t.pad_token_id = 65
+            assert names(tok) == names(hf) and tok.pad_token == "A"
+            for t in (tok, hf):
+                t.pad_token = None
+            assert names(tok) == names(hf)
+            with pytest.raises(RequestError, match="cannot set a non-string value as the pad_token, got 5"):
+                tok.pad_token = 5
+            tok.pad_token = tok.eos_token  # (get_tokenizer gives the engine's one tokenizer, as vLLM's: it stays set)
+            assert e.get_tokenizer() is tok and e.get_tokenizer().pad_token == tok.eos_token
+            assert e.prompts.special_tokens.get("pad_token") is None  # (the engine's own tokens as they were)
+
 def test_get_tokenizer_has_no_eos_token_where_the_tokenizer_config_names_none(tmp_path):
     """transformers reads eos_token from the tokenizer config alone: without one it is None (the ids that end a
     generation are the model's and generation_config's, which it does not read). The view gave the text of the first

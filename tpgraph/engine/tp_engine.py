@@ -345,6 +345,8 @@ class TPEngine:
             ChatTemplate.from_option(cfg.chat_template, special)
         self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
                                    str(cfg.model or "the built-in model"), eos_ids, special)
+        # (one for the engine, as vLLM's get_tokenizer gives its one tokenizer: a pad token a script sets stays set)
+        self._engine_tokenizer = EngineTokenizer(self.prompts)
         return model, tp_size, kwargs, model_cfg, main_eos, eos_ids
 
     # ---- generation ------------------------------------------------------------------------------------------
@@ -368,8 +370,8 @@ class TPEngine:
 
     def get_tokenizer(self) -> EngineTokenizer:
         """vLLM's LLM.get_tokenizer: the engine's tokenizer and chat template, with transformers' method names
-        (encode, decode, apply_chat_template, eos_token_id...: EngineTokenizer)."""
-        return EngineTokenizer(self.prompts)
+        (encode, decode, apply_chat_template, eos_token_id...: EngineTokenizer), the same one each call."""
+        return self._engine_tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
