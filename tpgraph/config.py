@@ -306,7 +306,9 @@ class ModelConfig:
                 tie_word_embeddings=_flag("tie_word_embeddings", cfg.get("tie_word_embeddings")),
                 bos_token_id=None if bos is None else _token_id(bos),
                 eos_token_id=eos_ids,
-                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+                # (transformers' own name since 4.56 wins over the legacy one where a config has both, as
+                # transformers and vLLM read it)
+                torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None

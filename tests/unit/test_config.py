@@ -309,3 +309,15 @@ def test_vllms_long_max_model_len_variable_off_keeps_the_refusal(monkeypatch, va
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": 32}).check_max_model_len(33)
+
+
+def test_the_checkpoints_dtype_is_read_under_transformers_name_before_the_legacy_one():
+    """transformers (4.56 on) writes "dtype" and reads it over a legacy "torch_dtype" where a config has both (one
+    edited, the other left over), and vLLM's dtype "auto" takes what transformers reads. The legacy one won here."""
+    from transformers import LlamaConfig
+
+    both = {**MINIMAL, "torch_dtype": "float32", "dtype": "float16"}
+    assert LlamaConfig.from_dict(dict(both)).dtype is torch.float16
+    assert ModelConfig.from_hf_dict(both).torch_dtype == "float16"
+    assert ModelConfig.from_hf_dict({**MINIMAL, "torch_dtype": "float16"}).torch_dtype == "float16"
+    assert ModelConfig.from_hf_dict({**MINIMAL, "dtype": "float16"}).torch_dtype == "float16"
