@@ -397,12 +397,32 @@ def test_a_float32_checkpoint_runs_in_half_precision_on_gpu_as_vllms_auto_dtype(
         assert loader.default_dtype(cfg, torch.device("cpu")) is torch.float32
 
 
-def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refused():
+
+def test_a_bfloat16_checkpoint_runs_in_float16_on_a_gpu_without_bfloat16_as_vllms_auto_dtype(monkeypatch, caplog):
+    """Before sm_80 (a T4, a V100) a GPU has no bf16: vLLM's dtype "auto" runs a bf16 checkpoint in fp16 there, with a
+    warning. It ran in bf16, which such a GPU does not compute. fp16 checkpoints, and GPUs with bf16, are as before."""
+    import dataclasses
+
+    from tpgraph.model import loader
+
+    cuda = torch.device("cuda")
+    bf16 = dataclasses.replace(BUILTIN_MODEL, torch_dtype="bfloat16")
+    monkeypatch.setattr(loader.torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with caplog.at_level("WARNING", logger="tpgraph.model.loader"):
+        assert loader.default_dtype(bf16, cuda) is torch.float16
+    assert "has no bfloat16: the bfloat16 checkpoint runs in float16" in caplog.text
+    assert loader.default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float16"), cuda) is torch.float16
+    monkeypatch.setattr(loader.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert loader.default_dtype(bf16, cuda) is torch.bfloat16
+
+def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refused(monkeypatch):
     """An unknown torch_dtype ("float8", "float64") was run as bf16 with no word; vLLM's spellings ("half") map."""
     import dataclasses
 
+    from tpgraph.model import loader
     from tpgraph.model.loader import default_dtype
 
+    monkeypatch.setattr(loader.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
     for name, dtype in (("half", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         assert default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype=name), cuda) is dtype

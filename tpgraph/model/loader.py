@@ -225,15 +225,21 @@ def layers_past_the_config(names: Iterable[str], num_layers: int) -> list[int]:
 
 def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """The checkpoint's dtype on GPU, a float32 one's downcast to the GPU's half type as vLLM's dtype "auto" does
-    (bf16, or fp16 before sm_80); fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
+    (bf16, or fp16 before sm_80, which has no bf16: a bf16 checkpoint's too, as vLLM falls back); fp32 on CPU (CPU
+    bf16 matmuls are slow and inexact)."""
     if device.type == "cpu":
         return torch.float32
     if cfg.torch_dtype not in DTYPES:  # (one read as bf16 ran a float8 or float64 checkpoint's config with no word)
         raise ConfigError(f"config.json's torch_dtype {cfg.torch_dtype!r} is not a dtype tpgraph runs in (one of "
                           f"{sorted(DTYPES)}): pass --dtype to choose one")
-    if DTYPES[cfg.torch_dtype] is torch.float32:
-        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
-    return DTYPES[cfg.torch_dtype]
+    dtype = DTYPES[cfg.torch_dtype]
+    if dtype is torch.float16:
+        return dtype
+    has_bf16 = torch.cuda.get_device_capability(device)[0] >= 8
+    if dtype is torch.bfloat16 and not has_bf16:
+        logger.warning("this GPU (before sm_80) has no bfloat16: the bfloat16 checkpoint runs in float16, as vLLM's "
+                       "dtype auto falls back (--dtype float32 keeps its range)")
+    return torch.bfloat16 if has_bf16 else torch.float16
 
 
 def load_model(
