@@ -48,7 +48,10 @@ def _warn_once(message: str) -> None:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
+    if isinstance(name, torch.dtype):  # (a torch dtype the model cannot run in, int8 say, failed in its first matmul)
+        if name not in DTYPES.values():
+            raise ConfigError(f"dtype {name} is not one tpgraph runs in; choose torch.bfloat16, torch.float16 or "
+                              f"torch.float32 (or one of {sorted(DTYPES)})")
         return name
     try:
         return DTYPES[name]

@@ -277,6 +277,19 @@ def test_a_llama3_rope_frequency_factor_of_zero_or_less_is_refused_by_name(low, 
         ModelConfig.from_hf_dict({**MINIMAL, "rope_scaling": rope})
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.float8_e4m3fn])
+def test_a_torch_dtype_the_model_does_not_run_in_is_refused_before_the_weights_load(dtype):
+    """TPEngine(dtype=torch.int8) (vLLM takes a torch.dtype too) loaded the weights as int8 and failed in the first
+    matmul ("expected scalar type Float but found Char"); a float64 or float8 model ran where its kernels do not."""
+    from tpgraph.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=rf"dtype {dtype} is not one tpgraph runs in; choose torch.bfloat16, "
+                                          rf"torch.float16 or torch.float32"):
+        EngineConfig(dtype=dtype)
+    for taken in (torch.bfloat16, torch.float16, torch.float32):
+        assert EngineConfig(dtype=taken).dtype is taken and parse_dtype(taken) is taken
+
+
 @pytest.mark.parametrize("dtype", [["bf16"], {"name": "bf16"}])
 def test_a_dtype_that_is_no_name_is_refused_by_name_not_as_a_type_error(dtype):
     """TPEngine(dtype=["bf16"]) (a list, a dict) ended in a bare TypeError (unhashable type) from EngineConfig."""
