@@ -48,9 +48,15 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if path.is_file():
             try:
-                return Tokenizer.from_file(str(path))
+                tok = Tokenizer.from_file(str(path))
             except Exception as exc:
                 raise CheckpointError(f"cannot read {path}: {exc}") from None
+            # a tokenizer.json saved after a call that truncated or padded (a training script's) keeps those settings,
+            # which transformers turns off for each call that asks for none, as vLLM's prompts are encoded: kept, every
+            # prompt was cut to their max_length, or padded with pad tokens
+            tok.no_truncation()
+            tok.no_padding()
+            return tok
         # a tokenizer in files transformers reads but tpgraph does not (the byte tokenizer would encode garbage for it)
         slow = [name for name in SLOW_TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
         if slow:

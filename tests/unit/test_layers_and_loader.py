@@ -351,6 +351,30 @@ def test_tensors_the_model_does_not_read_are_named(tmp_path, caplog):
             "checkpoint?): model.layers.0.self_attn.q_proj.bias, model.layers.1.self_attn.q_norm.weight") in text
     assert "inv_freq" not in text
 
+
+def test_a_tokenizer_saved_with_truncation_or_padding_encodes_whole_prompts_as_transformers_does(tmp_path):
+    """A tokenizer.json saved after a call that truncated or padded (as training scripts save it) holds those
+    settings; transformers turns them off for a call that asks for none, as vLLM encodes prompts. Read as they were,
+    every prompt was cut to their max_length (its end lost) or padded with pad tokens."""
+    from tokenizers import Tokenizer
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+    from transformers import AutoTokenizer
+
+    from tpgraph import TPEngine
+    from tpgraph.tokenizer import load_tokenizer
+
+    path = make_chat_checkpoint(tmp_path / "c")
+    saved = Tokenizer.from_file(str(path / "tokenizer.json"))
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=8, pad_id=257, pad_token="<|end_of_text|>")
+    saved.save(str(path / "tokenizer.json"))
+    text = "hello world, a prompt longer than four tokens"
+    want = AutoTokenizer.from_pretrained(str(path)).encode(text)
+    assert len(want) == len(text)  # (a byte a token: neither cut nor padded)
+    assert load_tokenizer(path, 320).encode_batch([text])[0].ids == want
+    with TPEngine(path, device="cpu", load_format="dummy", max_num_seqs=2, num_kv_blocks=40) as engine:
+        assert engine.encode(text) == want
+
 def test_a_sentencepiece_only_checkpoint_is_refused(tmp_path):
     from tpgraph.tokenizer import load_tokenizer
 
