@@ -364,6 +364,30 @@ def test_a_preempted_sequences_lookup_is_counted_apart_from_new_requests():
     assert (sched.preempted_queried_tokens, sched.preempted_hit_tokens) == (13, 2 * BS)
 
 
+def test_a_sequence_that_never_looks_in_the_prefix_cache_is_no_query_of_it():
+    """As vLLM's KVCacheManager.record_prefix_cache_stats ("don't count a request that skipped the cache lookup"):
+    with prefix caching off, or for a prompt that runs in full for its prompt log-probabilities, nothing is looked up,
+    so nothing is counted in vllm:prefix_cache_queries. Both were counted as lookups that missed: a server with the
+    cache off reported a hit rate of 0 rather than none, and evaluation requests (echo with logprobs) pulled the hit
+    rate of the others down."""
+    from tpgraph.engine.kv_cache import BlockAllocator
+    from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS)
+    off = Scheduler(cfg, BlockAllocator(8, 1))
+    off.add(seq(range(1, 9)))
+    off.schedule()
+    assert (off.prefix_queried_tokens, off.prefix_hit_tokens) == (0, 0)
+
+    on = Scheduler(cfg, PrefixCachingAllocator(8, BS, 1))
+    whole = Sequence(0, list(range(1, 9)), 16, params=SamplingParams(prompt_logprobs=1))
+    plain = seq(range(20, 25), 1)
+    for s in (whole, plain):
+        on.add(s)
+    on.schedule()
+    assert whole.num_cached == 0 and (on.prefix_queried_tokens, on.prefix_hit_tokens) == (5, 0)
+
+
 def salted(tokens, salt, seq_id=0):
     return Sequence(seq_id, list(tokens), 16, params=SamplingParams(cache_salt=salt))
 

@@ -109,8 +109,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
-        # tokens of the sequences admitted so far, and of those, the ones found cached; a preempted sequence's
-        # recompute apart (as vLLM's PrefixCacheStats: one finding its own blocks again is no hit of the cache's)
+        # tokens of the sequences admitted so far that looked in the prefix cache, and of those, the ones found cached;
+        # a preempted sequence's recompute apart (as vLLM's PrefixCacheStats: one finding its own blocks again is no
+        # hit of the cache's)
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self.preempted_queried_tokens = self.preempted_hit_tokens = 0
 
@@ -184,7 +185,10 @@ class Scheduler:
             seq = self.waiting[i]
             if seq.num_pending:
                 break  # preempted with a token still on the GPU: its recompute waits until the token is read
-            if not seq.needs_prompt_logprobs:  # (else its prompt runs in full: cached tokens would have no logits)
+            # one asking prompt log-probabilities looks nothing up (its prompt runs in full: cached tokens would have
+            # no logits), nor does any without prefix caching
+            looked_up = self.allocator.shares_prefixes and not seq.needs_prompt_logprobs
+            if not seq.needs_prompt_logprobs:
                 if self.allocator.worth_waiting(seq, self.running):
                     # a running sequence is computing blocks this one begins with (or its request's first sample the
                     # prompt log-probabilities this one reports): it waits, then shares them
@@ -201,12 +205,8 @@ class Scheduler:
                 self._free(seq)  # queue (waiting sequences never preempt running ones), holding no blocks
                 break
             seq.block_table.extend(self.allocator.allocate(need))
-            if seq.num_preemptions:
-                self.preempted_queried_tokens += len(seq)
-                self.preempted_hit_tokens += seq.num_cached
-            else:
-                self.prefix_queried_tokens += len(seq)
-                self.prefix_hit_tokens += seq.num_cached
+            if looked_up:  # (one that never looked in the cache is no query of it, as vLLM's stats count)
+                self._count_lookup(seq)
             if seq.prompt_cached is None:  # (what a request's usage reports: its first admission's, as vLLM's)
                 seq.prompt_cached = min(seq.num_cached, len(seq.prompt_ids))
                 seq.queue_s = time.perf_counter() - seq.queued_at
@@ -216,6 +216,15 @@ class Scheduler:
             step.prefill.append((seq, n))
             budget -= n
         return step
+
+    def _count_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's prefix-cache lookup: its tokens and those found cached."""
+        if seq.num_preemptions:
+            self.preempted_queried_tokens += len(seq)
+            self.preempted_hit_tokens += seq.num_cached
+        else:
+            self.prefix_queried_tokens += len(seq)
+            self.prefix_hit_tokens += seq.num_cached
 
     def _room_to_grow(self) -> int:
         """Blocks the running sequences need to finish their prompts, and one each to grow."""
