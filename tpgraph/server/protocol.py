@@ -24,6 +24,8 @@ from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, chec
 from tpgraph.errors import RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan
 
+# the roles OpenAI's API names; any other is a custom role (Llama 3.1's "ipython", say), handed to the template as it
+# is, as vLLM's CustomChatCompletionMessageParam takes it
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -503,15 +505,16 @@ def no_request_template(template: str | None, variables: dict[str, Any] | None) 
 
 
 def template_messages(messages: list[ChatMessage], content_format: str = "string") -> list[dict[str, Any]]:
-    """Chat messages as a chat template takes them, each role checked: role and text (content_format: a string, or
+    """Chat messages as a chat template takes them: role (any, as vLLM takes custom roles; the template refuses
+    those it does not know) and text (content_format: a string, or
     vLLM's "openai" list of text parts), a name (any role's, as vLLM gives it), an assistant's earlier tool_calls
     (arguments as objects) and reasoning (vLLM's interleaved thinking: `reasoning` or `reasoning_content`, given as
     both), a tool message's tool_call_id, and a developer message's tools (no role is renamed: "developer" reaches the
     template as it is, as vLLM's does)."""
     out = []
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise RequestError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+        if not m.role:  # (a template renders it as nothing: a turn with no header)
+            raise RequestError(f"messages[{i}].role is empty: give one of {', '.join(ROLES)} or the template's own")
         msg: dict[str, Any] = {"role": m.role, "content": template_content(m.content, f"messages[{i}]", content_format,
                                                                            m.role)}
         extra = m.model_extra or {}
