@@ -201,12 +201,32 @@ def test_input_items_become_the_chats_messages():
              {"type": "function_call_output", "call_id": "c1", "output": "rain"},
              {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "sun"}]}]
     assert chat_messages(items) == [
-        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?"}]},
         {"role": "assistant", "content": "Checking.", "reasoning": "Look it up.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Bergen"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
         {"role": "tool", "tool_call_id": "c2", "content": "sun"}]
+
+
+def test_an_input_messages_text_parts_reach_the_template_as_the_chats_do():
+    """vLLM hands a message item's parts to its chat parser, which joins them by newlines for a template that takes a
+    string: [input_text "Summarize:", input_text "<doc>"] is "Summarize:\n<doc>", as the same parts sent to
+    /v1/chat/completions are. They were glued into "Summarize:<doc>", a prompt vLLM never renders; a tool's output
+    in parts alike."""
+    parts = [{"type": "input_text", "text": "Summarize:"}, {"type": "input_text", "text": "The sky is blue."}]
+    output = [{"type": "input_text", "text": "rain"}, {"type": "input_text", "text": "wind"}]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    client = ScriptedClient(["a"])
+    result = {"type": "function_call_output", "call_id": "c1", "output": output}
+    post_all(make_app(client), [("/v1/responses", {"input": [{"role": "user", "content": parts}, call, result]})])
+    chat = ScriptedClient(["x"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "Summarize:\nThe sky is blue."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain\nwind"}]})])
+    assert client.prompts and client.prompts == chat.prompts
 
 
 @pytest.mark.parametrize("status", ["incomplete", "in_progress"])

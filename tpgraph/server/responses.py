@@ -224,7 +224,7 @@ def chat_messages(items: list[Any]) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise RequestError(f"{where}.call_id must be a string (the call's call_id)")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _parts(output, f"{where}.output")})
             reasoning = None
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, where)
@@ -240,13 +240,27 @@ def _message(item: dict, where: str) -> dict:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise RequestError(f"{where}.role must be user, system, developer or assistant, got {role!r}")
-    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+    content = item.get("content")
+    if role == "assistant":  # (an earlier reply's text, written in pieces: one text)
+        return {"role": role, "content": "".join(_texts(content, f"{where}.content"))}
+    return {"role": role, "content": _parts(content, f"{where}.content")}
 
 
-def _text(content: Any, where: str) -> str:
-    """A content's text: a string, or text parts (input_text, output_text) joined."""
+def _parts(content: Any, where: str) -> str | list[dict]:
+    """A user's (system's, developer's, a tool output's) content as the chat's: a string, one part's text, or several
+    parts as the chat's text parts, as vLLM hands a message item's parts to its chat parser: the template gets them
+    joined by newlines, or as parts where it loops over them (glued into one text, "Describe:" ran into the text it
+    introduced)."""
+    texts = _texts(content, where)
+    if isinstance(content, str) or len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A content's texts: a string's, or each text part's (input_text, output_text, refusal)."""
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise RequestError(f"{where} must be a string or a list of text parts, got {content!r}")
     texts = []
@@ -259,7 +273,7 @@ def _text(content: Any, where: str) -> str:
         else:
             raise RequestError(f"{where}[{j}] must be a text part (input_text or output_text, with its text); this "
                                f"server serves a text model, got {part!r}")
-    return "".join(texts)
+    return texts
 
 
 def _call(item: dict, where: str) -> dict:
