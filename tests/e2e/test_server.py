@@ -534,7 +534,7 @@ def test_four_ranks_serve_the_tokens_two_ranks_serve(server):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 500}, 400, "ask for at most"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 500}, 400, "new tokens, or for none (null)"),
-    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "", "add_special_tokens": False}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs must be between 0 and 20"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "", "content": "x"}]}, 400,

@@ -30,6 +30,7 @@ from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server import sse as server_sse  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.tokenizer import BOS  # noqa: E402
 
 
 class LeavingRequest:
@@ -336,6 +337,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
         over.json()["error"]["message"]
     assert "must be an integer" in boolean.json()["error"]["message"]
     assert uncut.json()["choices"][0]["text"] == "caféx"  # (nothing cut: the prompt's own text is echoed)
+
+
+def test_an_empty_text_prompt_runs_from_the_tokenizers_bos_as_vllms():
+    """vLLM tokenizes a completion's "" prompt and runs what it comes to: BOS alone with a Llama tokenizer, a
+    generation from nothing (refused only where it comes to no tokens). It was refused before it was tokenized."""
+    codec, client = builtin_codec(), ScriptedClient(["x"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    ran, bare, no_ids = post_all(app, [("/v1/completions", {"model": "m", "prompt": "", "max_tokens": 1}),
+                                       ("/v1/completions", {"model": "m", "prompt": ["a", ""], "max_tokens": 1,
+                                                            "add_special_tokens": False}),
+                                       ("/v1/completions", {"model": "m", "prompt": [[]], "max_tokens": 1})])
+    assert ran.status_code == 200, ran.text
+    assert client.prompts == [codec.encode_text("")] and codec.encode_text("") == [codec.tokenizer.token_to_id(BOS)]
+    assert ran.json()["usage"]["prompt_tokens"] == 1
+    assert bare.status_code == no_ids.status_code == 400 and len(client.prompts) == 1
+    assert "the prompt is empty: it comes to no tokens" in bare.json()["error"]["message"]
+    assert "the prompt is empty" in no_ids.json()["error"]["message"]
 
 
 def test_truncation_side_right_keeps_the_prompts_first_tokens_as_vllms():
@@ -1003,7 +1021,6 @@ def test_a_chats_documents_reach_the_chat_template():
     import dataclasses
 
     from tpgraph.chat import ChatTemplate
-    from tpgraph.tokenizer import BOS
 
     template = ChatTemplate("{{ bos_token }}{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
                             "{% for m in messages %}{{ m.content }}{% endfor %}", {"bos_token": BOS})

@@ -522,6 +522,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         token_ids = await asyncio.to_thread(lambda: [
             prompts.encode_text(p, body.add_special_tokens, limit) if isinstance(p, str) else prompts.encode(p, limit)
             for p in texts])
+        if not all(token_ids):  # (an empty text without the tokenizer's BOS: nothing to run, as vLLM refuses it)
+            raise RequestError("the prompt is empty: it comes to no tokens (add_special_tokens false, or a tokenizer "
+                               "that adds no BOS)")
         if keep is not None:  # (echo returns a prompt that was cut as it ran)
             texts = [p if len(ids) <= keep else body.truncated(ids, keep) for p, ids in zip(texts, token_ids,
                                                                                           strict=True)]

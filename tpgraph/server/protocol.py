@@ -421,7 +421,9 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             p = [p]
-        if not p or any(len(x) == 0 for x in p if isinstance(x, (str, list))):
+        # (an empty text is left to the tokenizer, as vLLM leaves it: "" is the BOS alone where the tokenizer adds
+        # one, a prompt to generate from; encoded_prompts refuses one that comes to no tokens)
+        if not p or any(len(x) == 0 for x in p if isinstance(x, list)):
             raise RequestError("the prompt is empty")
         if isinstance(p[0], str):
             return list(p)
