@@ -22,9 +22,17 @@ Prompt = str | list[int] | list[dict[str, str]]
 _BYTE_OF = unicode_to_byte()  # (byte-level BPE vocabularies spell each byte as one of these characters)
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # (SentencePiece's byte-fallback tokens)
 # transformers' apply_chat_template options EngineTokenizer does not take (else they would reach the template unused;
-# its documents are taken, as a template variable: ChatTemplate.render gives them to the template)
-NOT_TEMPLATE_VARIABLES = frozenset({"chat_template", "padding", "truncation", "max_length",
-                                    "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+# its documents are taken, as a template variable: ChatTemplate.render gives them to the template), each with the
+# values that ask nothing of it, transformers' defaults, which scripts spell out (taken, and dropped)
+NOT_TEMPLATE_VARIABLES: dict[str, tuple] = {
+    "chat_template": (None,), "padding": (False, "do_not_pad"), "truncation": (False, None, "do_not_truncate"),
+    "max_length": (None,), "return_tensors": (None,), "tokenizer_kwargs": (None, {}),
+    "return_assistant_tokens_mask": (False,)}
+
+
+def _asks_something(value: object, neutral: tuple) -> bool:
+    """Whether an option's value is other than the ones that ask nothing of it (by type too: 0 is no False)."""
+    return not any(value is n or (type(value) is type(n) and value == n) for n in neutral)
 
 
 @dataclass
@@ -252,8 +260,12 @@ class EngineTokenizer:
         tokenize its token ids (the template writes the special tokens; transformers 4's list, or with return_dict
         5's {"input_ids", "attention_mask"}); a list of conversations gives a list of each (a dict of lists), as
         transformers batches them. Other keywords are template variables, as in transformers, but for its
-        own options that are not taken here (NOT_TEMPLATE_VARIABLES), refused rather than handed to the template."""
-        refused = sorted(NOT_TEMPLATE_VARIABLES & set(kwargs))
+        own options that are not taken here (NOT_TEMPLATE_VARIABLES), refused rather than handed to the template
+        where they ask something (padding=True), dropped where they ask nothing (padding=False, return_tensors=None:
+        transformers' defaults, which a script may spell out)."""
+        refused = sorted(k for k in kwargs if k in NOT_TEMPLATE_VARIABLES
+                         and _asks_something(kwargs[k], NOT_TEMPLATE_VARIABLES[k]))
+        kwargs = {k: v for k, v in kwargs.items() if k not in NOT_TEMPLATE_VARIABLES}
         if refused:
             raise RequestError(f"apply_chat_template here takes no {', '.join(refused)} (transformers' options): "
                                f"tokenize=False gives the text to tokenize or pad as you need")

@@ -95,3 +95,30 @@ def test_token_bytes_are_the_bytes_a_token_stands_for():
     fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     codec = PromptCodec(fallback, None, GenerationDefaults(), "m")
     assert codec.token_bytes(0) == [0xE4] and codec.token_bytes(1) == list(b" the")
+
+
+def test_apply_chat_templates_options_at_transformers_defaults_are_taken(tmp_path):
+    """LLM.get_tokenizer().apply_chat_template: a script that spells out transformers' defaults (padding=False,
+    truncation=False, return_tensors=None, chat_template=None...) ran on transformers' tokenizer under vLLM but was
+    refused here ("takes no padding"), though it asks nothing; one that asks something is still refused."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.prompts import EngineTokenizer
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tok = EngineTokenizer(PromptCodec(tokenizer, ChatTemplate.from_dir(ckpt, ""), GenerationDefaults(), "chat"))
+    chat = [{"role": "user", "content": "hi"}]
+    defaults = {"padding": False, "truncation": False, "return_tensors": None, "max_length": None,
+                "chat_template": None, "tokenizer_kwargs": None, "return_assistant_tokens_mask": False}
+    for tokenize in (False, True):
+        theirs = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize, return_dict=False,
+                                        **defaults)
+        assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize, **defaults) == theirs
+    for asked in ({"padding": True}, {"return_tensors": "pt"}, {"truncation": 0}, {"max_length": 8}):
+        with pytest.raises(RequestError, match=f"apply_chat_template here takes no {next(iter(asked))}"):
+            tok.apply_chat_template(chat, **asked)
