@@ -30,6 +30,14 @@ NOT_TEMPLATE_VARIABLES: dict[str, tuple] = {
     "return_assistant_tokens_mask": (False,)}
 
 
+# transformers' tokenizer(...) options EngineTokenizer does not take, each with the values that ask nothing of it (its
+# defaults; return_attention_mask True is what is given anyway)
+NOT_CALL_OPTIONS: dict[str, tuple] = {
+    "text_pair": (None,), "padding": (False, "do_not_pad"), "truncation": (False, None, "do_not_truncate"),
+    "max_length": (None,), "return_tensors": (None,), "return_attention_mask": (None, True),
+    "return_token_type_ids": (None, False), "verbose": (True, False)}
+
+
 def _asks_something(value: object, neutral: tuple) -> bool:
     """Whether an option's value is other than the ones that ask nothing of it (by type too: 0 is no False)."""
     return not any(value is n or (type(value) is type(n) and value == n) for n in neutral)
@@ -213,12 +221,15 @@ class EngineTokenizer:
         """tokenizer(text) or tokenizer([texts]): {"input_ids", "attention_mask"} (also as attributes), each a list
         for one text or a list of lists for several, as transformers' BatchEncoding holds them unpadded. Its options
         (padding, truncation, max_length, return_tensors, text_pair, by name or as transformers' second positional
-        argument...) are refused, not taken and ignored."""
+        argument...) are refused where they ask something, not taken and ignored (at transformers' defaults,
+        padding=False or return_tensors=None, which scripts spell out, they are taken)."""
         if pair:
             options = {"text_pair": pair[0], **options}
-        if options:
+        asked = sorted(k for k, v in options.items() if k not in NOT_CALL_OPTIONS
+                       or _asks_something(v, NOT_CALL_OPTIONS[k]))
+        if asked:
             raise RequestError(f"tokenizer(...) here takes text and add_special_tokens alone, not "
-                               f"{', '.join(sorted(options))} (transformers' options): pad, truncate or make tensors "
+                               f"{', '.join(asked)} (transformers' options): pad, truncate or make tensors "
                                f"of the input_ids it gives")
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)

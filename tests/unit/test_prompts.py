@@ -122,3 +122,24 @@ def test_apply_chat_templates_options_at_transformers_defaults_are_taken(tmp_pat
     for asked in ({"padding": True}, {"return_tensors": "pt"}, {"truncation": 0}, {"max_length": 8}):
         with pytest.raises(RequestError, match=f"apply_chat_template here takes no {next(iter(asked))}"):
             tok.apply_chat_template(chat, **asked)
+
+
+def test_calling_the_tokenizer_with_transformers_defaults_spelled_out_encodes_as_transformers(tmp_path):
+    """tokenizer(texts, padding=False, truncation=False, return_tensors=None) asks nothing of transformers' tokenizer
+    beyond tokenizer(texts), and encodes so under vLLM; here it was refused ("not padding, return_tensors")."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    from tpgraph.prompts import EngineTokenizer
+
+    ckpt = make_chat_checkpoint(tmp_path / "chat")
+    hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    tok = EngineTokenizer(PromptCodec(Tokenizer.from_file(str(ckpt / "tokenizer.json")), None, GenerationDefaults(),
+                                      "chat"))
+    defaults = {"padding": False, "truncation": False, "return_tensors": None, "max_length": None,
+                "return_attention_mask": None, "text_pair": None}
+    for texts in ("hi there", ["a", "bcd"]):
+        assert dict(tok(texts, **defaults)) == dict(hf(texts, **defaults)) == dict(hf(texts))
+    with pytest.raises(RequestError, match="not padding, return_tensors"):
+        tok(["a", "bc"], padding=True, return_tensors="pt", truncation=False)
