@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how a message's content reaches the chat template, as vLLM's flag says: string (its text "
                         "parts joined), openai (a list of text parts), auto (the one vLLM detects for the template: "
                         "the list where the template loops over a message's content)")
+    p.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                   help="a request's own chat_template renders its chat (/v1/chat/completions, /tokenize), in the "
+                        "same sandbox as the server's (default: such a request is refused)")
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='the chat template\'s variables every chat request starts from, a JSON object (a request\'s '
                         'own chat_template_kwargs override them), e.g. \'{"enable_thinking": false}\'')
@@ -227,7 +230,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
                        args.enable_force_include_usage, args.chat_template_content_format,
-                       args.responses_store_size)
+                       args.responses_store_size, args.trust_request_chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:

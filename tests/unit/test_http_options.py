@@ -387,3 +387,29 @@ def test_force_include_usage_gives_every_stream_its_usage(path):
     chunks = sse_events(streamed.text)
     assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_trust_request_chat_template_renders_a_requests_own_template():
+    """vLLM's --trust-request-chat-template: a request's chat_template renders its chat, on /v1/chat/completions and
+    /tokenize alike (in the same sandbox, with the checkpoint's special tokens). The flag was refused as unknown, so a
+    vLLM launch command that gives it did not start, and such a request was a 400 whatever the server's setting;
+    without the flag it is still refused, as vLLM's, and chat_template_kwargs' chat_template always is."""
+    trusted = http_options(parse_args(["--trust-request-chat-template"]))
+    assert trusted.trust_request_chat_template and not http_options(parse_args([])).trust_request_chat_template
+    codec, client = builtin_codec(), ScriptedClient(["x"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128, http=trusted)
+    own = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[bot]"
+    messages = [{"role": "user", "content": "hi"}]
+    chat, counted, bad, in_kwargs = post_all(app, [
+        ("/v1/chat/completions", {"model": "m", "messages": messages, "chat_template": own, "max_tokens": 1}),
+        ("/tokenize", {"messages": messages, "chat_template": own}),
+        ("/tokenize", {"messages": messages, "chat_template": "{% for %}"}),
+        ("/tokenize", {"messages": messages, "chat_template_kwargs": {"chat_template": own}})])
+    assert chat.status_code == counted.status_code == 200, (chat.text, counted.text)
+    ids = codec.encode_text("<|begin_of_text|>[user] hi\n[bot]", add_special_tokens=False)
+    assert client.prompts == [ids] and counted.json()["tokens"] == ids
+    assert bad.status_code == 400 and "chat_template: the chat template does not parse" in bad.text
+    assert in_kwargs.status_code == 400 and "send it as the request's chat_template" in in_kwargs.text
+    refused, = post_all(server_app.create_app(ScriptedClient(["x"]), codec, ServerMetrics(), "m", 128), [
+        ("/v1/chat/completions", {"model": "m", "messages": messages, "chat_template": own})])
+    assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]

@@ -44,7 +44,7 @@ from tpgraph.server.errors import ApiError, error_body, refusal_body
 from tpgraph.server.messages import message_routes
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.options import HttpOptions
-from tpgraph.server.protocol import ChatRequest, CompletionRequest
+from tpgraph.server.protocol import ChatRequest, CompletionRequest, request_template
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
 from tpgraph.server.reply import ReplyReader
 from tpgraph.server.request_ids import RequestIdMiddleware, request_id
@@ -436,7 +436,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                        allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
                        allow_credentials=http.allow_credentials)
     app.include_router(token_routes(prompts, api.check_model, max_model_len, http.template_variables,
-                                    http.chat_template_content_format))
+                                    http.chat_template_content_format, http.trust_request_chat_template))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -660,9 +660,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         """A chat request checked, rendered by the template and tokenized (cut where it asks to be)."""
         api.check_model(body.model)
         tools = body.tool_plan(tool_options)
+        trusted = http.trust_request_chat_template
+        # (the request's own template, where the server trusts them, in place of the server's)
+        template = request_template(body.chat_template, body.chat_template_kwargs, trusted, prompts.special_tokens)
         # (content as vLLM gives this template: a string, or a list of text parts where it loops over them)
         messages = body.checked_messages(prompts.content_format(tools.template_tools,
-                                                                http.chat_template_content_format))
+                                                                http.chat_template_content_format, template), trusted)
         # (as vLLM's: the reply's role where the generation prompt opens a new turn, else the turn it continues)
         role = http.response_role if body.add_generation_prompt else messages[-1]["role"]
         # (vLLM's echo: the last message's text before the reply, where the reply is in its role)
@@ -671,7 +674,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # (off the event loop, as the tokenizer is: a template over a long conversation held up every other stream)
         text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools.template_tools,
                                        http.template_variables(body.template_kwargs()), body.continue_final_message,
-                                       documents=body.documents)
+                                       template, documents=body.documents)
         if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
             raise RequestError(f"max_completion_tokens must be >= 1, got {body.max_completion_tokens}")
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

@@ -60,6 +60,8 @@ class HttpOptions:
     # the Responses API's store (response_store.py): how many responses it keeps for previous_response_id, GET and
     # cancel, the oldest dropped first (vLLM's store is unbounded and off unless VLLM_ENABLE_RESPONSES_API_STORE)
     responses_store_size: int = DEFAULT_CAPACITY
+    # vLLM's --trust-request-chat-template: a request's own chat_template renders its chat (else it is refused)
+    trust_request_chat_template: bool = False
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -109,6 +111,9 @@ class HttpOptions:
         positive_int("--responses-store-size", self.responses_store_size)
         if not isinstance(self.force_include_usage, bool):
             raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
+        if not isinstance(self.trust_request_chat_template, bool):
+            raise ConfigError(f"trust_request_chat_template must be True or False, got "
+                              f"{self.trust_request_chat_template!r}")
         if not isinstance(self.docs, bool):
             raise ConfigError(f"docs must be True or False, got {self.docs!r}")
         if not isinstance(self.return_tokens_as_token_ids, bool):

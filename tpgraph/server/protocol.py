@@ -16,12 +16,12 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from tpgraph.chat import developer_tools, set_history_calls, template_content
+from tpgraph.chat import ChatTemplate, developer_tools, set_history_calls, template_content
 from tpgraph.engine.beam_search import BeamSearchParams
 from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, _check_int, max_n
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, check_backend, with_structured_options
-from tpgraph.errors import RequestError
+from tpgraph.errors import CheckpointError, RequestError
 from tpgraph.server.tools import ToolOptions, ToolPlan
 
 # the roles OpenAI's API names; any other is a custom role (Llama 3.1's "ipython", say), handed to the template as it
@@ -452,7 +452,7 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: str | None = None  # (vLLM's; refused, as vLLM refuses it unless trusted: no_request_template)
+    chat_template: str | None = None  # (vLLM's; refused, as vLLM refuses it, unless trusted: request_template)
     documents: list[dict[str, str]] | None = None  # (vLLM's: a RAG template's sources, given to it as `documents`)
     tools: list[Any] | None = None  # (each checked by tools.check_tools, with a message that names it)
     tool_choice: str | dict | None = None
@@ -466,12 +466,13 @@ class ChatRequest(SamplingFields):
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
 
-    def checked_messages(self, content_format: str = "string") -> list[dict[str, Any]]:
+    def checked_messages(self, content_format: str = "string", trusted: bool = False) -> list[dict[str, Any]]:
         """The messages as the chat template takes them, their content in content_format ("string" or "openai"); what
-        this server cannot honour is refused, not ignored."""
+        this server cannot honour is refused, not ignored. trusted: the server takes a request's own chat template
+        (request_template)."""
         if self.functions:
             raise RequestError("functions (the API's deprecated form of tools) is not supported; send tools")
-        no_request_template(self.chat_template, self.chat_template_kwargs)
+        no_request_template(self.chat_template, self.chat_template_kwargs, trusted)
         return template_messages(self.messages, content_format)
 
     def template_kwargs(self) -> dict[str, Any] | None:
@@ -498,12 +499,31 @@ class ChatRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def no_request_template(template: str | None, variables: dict[str, Any] | None) -> None:
-    """A chat template sent with a request is refused, as vLLM refuses it (unless started with
-    --trust-request-chat-template): taken and ignored, the server's own template rendered the prompt unsaid."""
-    if template is not None or (variables or {}).get("chat_template") is not None:
-        raise RequestError("a chat template sent with the request (chat_template, or chat_template_kwargs."
-                           "chat_template) is not taken: the server renders chats with its own (--chat-template)")
+def no_request_template(template: str | None, variables: dict[str, Any] | None, trusted: bool = False) -> None:
+    """A chat template sent with a request is refused, as vLLM refuses it, unless the server was started with
+    --trust-request-chat-template (taken and ignored, the server's own template rendered the prompt unsaid);
+    chat_template_kwargs' chat_template is refused whatever the flag, as vLLM refuses that variable."""
+    if (variables or {}).get("chat_template") is not None:
+        raise RequestError("a chat template sent with the request as chat_template_kwargs.chat_template is not "
+                           "taken: " + ("send it as the request's chat_template" if trusted else
+                                        "the server renders chats with its own (--chat-template)"))
+    if template is not None and not trusted:
+        raise RequestError("a chat template sent with the request (chat_template) is not taken: the server renders "
+                           "chats with its own (--chat-template), unless started with --trust-request-chat-template")
+
+
+def request_template(template: str | None, variables: dict[str, Any] | None, trusted: bool,
+                     special_tokens: dict[str, str]) -> ChatTemplate | None:
+    """The request's own chat template (vLLM's chat_template field: the template's text), where the server trusts
+    requests' templates (--trust-request-chat-template), rendered with the checkpoint's special tokens in the
+    sandbox as the server's own is; None where the request sends none. Refused as no_request_template refuses it."""
+    no_request_template(template, variables, trusted)
+    if template is None:
+        return None
+    try:
+        return ChatTemplate(template, special_tokens)
+    except CheckpointError as exc:  # (the request's template, not the checkpoint's: a 400)
+        raise RequestError(f"chat_template: {exc}") from None
 
 
 def template_messages(messages: list[ChatMessage], content_format: str = "string") -> list[dict[str, Any]]:

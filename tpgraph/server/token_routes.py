@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from tpgraph.errors import RequestError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, no_request_template, template_messages
+from tpgraph.server.protocol import DetokenizeRequest, TokenizeRequest, request_template, template_messages
 from tpgraph.server.tools import check_tools, template_tools
 
 TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a thread, not the event loop
@@ -20,9 +20,10 @@ TOKENIZE_MAX_CHARS = 4_000_000  # a long book; tokenizing it takes seconds on a 
 
 def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None], max_model_len: int,
                  template_variables: Callable[[dict | None], dict | None] = lambda given: given,
-                 content_format: str = "auto") -> APIRouter:
+                 content_format: str = "auto", trust_request_template: bool = False) -> APIRouter:
     """template_variables: a chat's template variables as the chat route renders them (the server's defaults under
-    the request's), so that a count here is the chat's; content_format: the server's chat_template_content_format."""
+    the request's), so that a count here is the chat's; content_format: the server's chat_template_content_format;
+    trust_request_template: a request's own chat_template renders its messages (--trust-request-chat-template)."""
     router = APIRouter()
     vocab = prompts.tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -30,14 +31,16 @@ def token_routes(prompts: PromptCodec, check_model: Callable[[str | None], None]
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if body.messages is not None:
-            no_request_template(body.chat_template, body.chat_template_kwargs)
+            template = request_template(body.chat_template, body.chat_template_kwargs, trust_request_template,
+                                        prompts.special_tokens)
             if body.tools is not None:
                 check_tools(body.tools)
             # (as the chat route's, so the counts agree: [] too, as vLLM's)
             tools = None if body.tools is None else template_tools(body.tools)
-            messages = template_messages(body.messages, prompts.content_format(tools, content_format))
+            messages = template_messages(body.messages, prompts.content_format(tools, content_format, template))
             text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools,
-                                           template_variables(body.chat_template_kwargs), body.continue_final_message)
+                                           template_variables(body.chat_template_kwargs), body.continue_final_message,
+                                           template)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
