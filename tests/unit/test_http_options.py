@@ -400,11 +400,13 @@ def test_trust_request_chat_template_renders_a_requests_own_template():
     app = server_app.create_app(client, codec, ServerMetrics(), "m", 128, http=trusted)
     own = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[bot]"
     messages = [{"role": "user", "content": "hi"}]
-    chat, counted, bad, in_kwargs = post_all(app, [
+    chat, counted, bad, in_kwargs, empty = post_all(app, [
         ("/v1/chat/completions", {"model": "m", "messages": messages, "chat_template": own, "max_tokens": 1}),
         ("/tokenize", {"messages": messages, "chat_template": own}),
         ("/tokenize", {"messages": messages, "chat_template": "{% for %}"}),
-        ("/tokenize", {"messages": messages, "chat_template_kwargs": {"chat_template": own}})])
+        ("/tokenize", {"messages": messages, "chat_template_kwargs": {"chat_template": own}}),
+        ("/tokenize", {"messages": messages, "chat_template": ""})])  # (as vLLM's `or`: the server's own)
+    assert empty.json()["tokens"] == codec.encode_text(codec.render_chat(messages), add_special_tokens=False)
     assert chat.status_code == counted.status_code == 200, (chat.text, counted.text)
     ids = codec.encode_text("<|begin_of_text|>[user] hi\n[bot]", add_special_tokens=False)
     assert client.prompts == [ids] and counted.json()["tokens"] == ids

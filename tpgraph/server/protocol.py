@@ -516,9 +516,10 @@ def request_template(template: str | None, variables: dict[str, Any] | None, tru
                      special_tokens: dict[str, str]) -> ChatTemplate | None:
     """The request's own chat template (vLLM's chat_template field: the template's text), where the server trusts
     requests' templates (--trust-request-chat-template), rendered with the checkpoint's special tokens in the
-    sandbox as the server's own is; None where the request sends none. Refused as no_request_template refuses it."""
+    sandbox as the server's own is; None where the request sends none (or ""). Refused as no_request_template refuses
+    it."""
     no_request_template(template, variables, trusted)
-    if template is None:
+    if not template:  # ("" too: vLLM's `request.chat_template or` the server's)
         return None
     try:
         return ChatTemplate(template, special_tokens)
