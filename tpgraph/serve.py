@@ -32,6 +32,7 @@ from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
+from tpgraph.server.logs import check_environment, configure_logging
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.response_store import DEFAULT_CAPACITY
@@ -163,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = None if key is None else [key]
     try:  # (built once, here: flags that only make sense together are said now, and main serves with it)
         args.http = http_options(args)
+        check_environment()  # (vLLM's logging variables: read by both processes, so a bad one is said once, now)
     except ConfigError as exc:
         p.error(str(exc))
     # (as vLLM's: the parser alone is taken, and reads no "auto" call without the flag that serves them)
@@ -235,7 +237,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     from tpgraph.engine.control import ControlPlane
     from tpgraph.engine.service import EngineService
 

@@ -563,3 +563,37 @@ def test_a_tp_size_from_torchruns_world_size_is_not_blamed_on_the_flag(monkeypat
     monkeypatch.setenv("WORLD_SIZE", "0")
     with pytest.raises(ConfigError, match="^tp_size must be a positive integer"):
         engine_from_args(parse_args([]))
+
+
+@pytest.mark.parametrize("variable,value,needle", [
+    ("VLLM_LOGGING_LEVEL", "LOUD", "VLLM_LOGGING_LEVEL='LOUD' is no logging level: give one of CRITICAL, ERROR, "
+                                   "WARNING, INFO, DEBUG"),
+    ("VLLM_CONFIGURE_LOGGING", "yes", "VLLM_CONFIGURE_LOGGING='yes' must be 1"),
+])
+def test_a_bad_vllm_logging_variable_is_refused_when_parsed(variable, value, needle, monkeypatch, capsys):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env,level", [
+    ({}, "INFO"), ({"VLLM_LOGGING_LEVEL": "debug"}, "DEBUG"), ({"VLLM_LOGGING_LEVEL": "WARNING"}, "WARNING"),
+    ({"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "0"}, "NOTSET"),
+])
+def test_the_servers_log_level_is_vllms_logging_level(env, level, monkeypatch):
+    """vLLM's users set VLLM_LOGGING_LEVEL=DEBUG to see its debug lines (the idle stats line, ...), or WARNING to quiet
+    it, and VLLM_CONFIGURE_LOGGING=0 to configure logging themselves: both processes logged at INFO whatever they
+    said. The server's loggers take the level (other libraries stay at INFO: DEBUG is not every library's)."""
+    import logging
+
+    from tpgraph.server.logs import configure_logging
+
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ours = logging.getLogger("tpgraph")
+    monkeypatch.setattr(ours, "level", logging.NOTSET)  # (restored after)
+    configure_logging()
+    assert logging.getLevelName(ours.level) == level

@@ -74,9 +74,10 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     from tpgraph.server.app import create_app
     from tpgraph.server.bridge import EngineClient
+    from tpgraph.server.logs import configure_logging
     from tpgraph.server.metrics import ServerMetrics
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()  # (as rank 0's: the environment it was spawned with, checked there)
     server: Server | None = None
 
     def engine_gone() -> None:
