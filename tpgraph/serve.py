@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     service.on_step = lambda updates, step_s: metrics.step_done(engine.core.timing, step_s, service.times.control_s,
                                                                 len(updates),
                                                                 sum(u.token_id is not None for u in updates))
-    stats = None if args.disable_log_stats else StatsLog(metrics)  # (vLLM's stats line, every 10 s)
+    stats = None if args.disable_log_stats else StatsLog(metrics)  # (vLLM's stats line, every 10 s or as set)
     keys = None if args.api_key is None else tuple(args.api_key)
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,

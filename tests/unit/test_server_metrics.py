@@ -204,6 +204,40 @@ def test_the_engine_logs_vllms_periodic_stats_line(caplog):
                                              "throughput: 0.0 tokens/s")
 
 
+@pytest.mark.parametrize("interval,first_line_at", [("2", 102.0), ("0.5", 100.5), ("0", 110.0), ("-3", 110.0),
+                                                    ("", 110.0)])
+def test_the_stats_lines_interval_is_vllms_log_stats_interval(interval, first_line_at, monkeypatch, caplog):
+    """vLLM logs its stats line every VLLM_LOG_STATS_INTERVAL seconds (10 where unset, or not positive): the server
+    logged it every 10 s whatever the variable said."""
+    import logging
+    from types import SimpleNamespace
+
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics, StatsLog
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", interval)
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0)
+    stats = StatsLog(EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats()))),
+                     now=100.0)
+    caplog.set_level(logging.DEBUG, logger="tpgraph.server.metrics")
+    stats.maybe_log(first_line_at - 0.01)
+    assert not caplog.records
+    stats.maybe_log(first_line_at)
+    assert len(caplog.records) == 1
+
+
+def test_a_log_stats_interval_that_is_no_number_is_refused_when_parsed(monkeypatch, capsys):
+    """(vLLM's float() of it fails with a traceback; every stats line would have nothing to go by)"""
+    from tpgraph.serve import parse_args
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "10s")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2
+    assert "VLLM_LOG_STATS_INTERVAL='10s' is not a number of seconds" in capsys.readouterr().err
+
+
 def test_the_kv_caches_configuration_is_vllms_cache_config_info():
     """vLLM exports its KV cache's configuration as vllm:cache_config_info, a gauge of 1 whose labels hold it
     (block_size, num_gpu_blocks, ...): what a router or autoscaler built on vLLM's metrics reads to turn

@@ -130,8 +130,9 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                        help="how the ranks run: mp where `python -m tpgraph.serve -tp N` starts them itself (uni at "
                             "one rank), external_launcher under torchrun; ray is refused")
     fixed.add_argument("--disable-log-stats", action="store_true",
-                       help="the server logs no line of engine stats every 10 s (throughput, running and waiting "
-                            "requests, KV cache use, prefix cache hit rate; /metrics serves them all the same)")
+                       help="the server logs no line of engine stats every 10 s (or $VLLM_LOG_STATS_INTERVAL: "
+                            "throughput, running and waiting requests, KV cache use, prefix cache hit rate; /metrics "
+                            "serves them all the same)")
 
 
 def checkpoint_name(text: str) -> str:

@@ -1,16 +1,19 @@
-"""The server's logging, as vLLM's environment variables set it (vllm/envs.py, vllm/logger.py): VLLM_LOGGING_LEVEL
-(the server's own loggers' level, default INFO) and VLLM_CONFIGURE_LOGGING (0: the server configures no logging).
-Both processes, rank 0's and the HTTP front end's, read them; a value that is none of what vLLM takes is refused at
-start-up, naming the variable."""
+"""The server's logging, as vLLM's environment variables set it (vllm/envs.py, vllm/logger.py): VLLM_LOGGING_LEVEL (the
+server's own loggers' level, default INFO), VLLM_CONFIGURE_LOGGING (0: the server configures no logging) and
+VLLM_LOG_STATS_INTERVAL (the seconds between the engine's stats lines). Both processes, rank 0's and the HTTP front
+end's, read them; a value that is none of what vLLM takes is refused at start-up, naming the variable."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from tpgraph.errors import ConfigError
 
 LEVEL_VARIABLE, CONFIGURE_VARIABLE = "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"
+STATS_INTERVAL_VARIABLE = "VLLM_LOG_STATS_INTERVAL"
+STATS_INTERVAL_S = 10.0  # (vLLM's default, and what it takes for a value that is not positive)
 LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -34,10 +37,24 @@ def configures_logging() -> bool:
                           f"its logging, the default) or 0 (it does not)") from None
 
 
+def stats_interval_s() -> float:
+    """VLLM_LOG_STATS_INTERVAL: the seconds between the engine's stats lines (unset, or not positive: 10, as vLLM's)."""
+    text = os.environ.get(STATS_INTERVAL_VARIABLE, "").strip()
+    try:
+        value = float(text) if text else STATS_INTERVAL_S
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise ConfigError(f"{STATS_INTERVAL_VARIABLE}={os.environ[STATS_INTERVAL_VARIABLE]!r} is not a number of "
+                          f"seconds")
+    return value if value > 0 else STATS_INTERVAL_S
+
+
 def check_environment() -> None:
     """Raise ConfigError for a logging variable no process could take (said once, at start-up)."""
     logging_level()
     configures_logging()
+    stats_interval_s()
 
 
 def configure_logging() -> None:

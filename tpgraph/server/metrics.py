@@ -4,7 +4,8 @@ prefix-cache queries and hits, beside the runner's graph stats); the HTTP front-
 (ServerMetrics: TTFT, TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end
 latency, finished requests, prompt and generated tokens, each finished request's prompt and generation lengths and
 max_tokens: each of a request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and
-its longest sample's length). /metrics serves both. StatsLog logs vLLM's line of engine stats every 10 s.
+its longest sample's length). /metrics serves both. StatsLog logs vLLM's line of engine stats every 10 s
+(VLLM_LOG_STATS_INTERVAL's seconds, where set).
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tpgraph.engine.core import REFUSED, EngineCore, StepTiming, StepUpdate
+from tpgraph.server.logs import stats_interval_s
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 # vLLM's own buckets for its request metrics (PrometheusStatLogger), so that a quantile or heatmap built on vLLM's reads
@@ -39,7 +41,6 @@ ENGINE_INDEX = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
-STATS_INTERVAL_S = 10.0  # how often the engine's stats line is logged (vLLM's VLLM_LOG_STATS_INTERVAL default)
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +160,16 @@ class EngineMetrics:
 
 
 class StatsLog:
-    """vLLM's periodic stats line (its LoggingStatLogger), every `interval_s`: the prompt and generation throughput
+    """vLLM's periodic stats line (its LoggingStatLogger), every `interval_s` (default: VLLM_LOG_STATS_INTERVAL's, else
+    10 s, as vLLM's): the prompt and generation throughput
     since the last line, the sequences running and waiting, the KV cache's use and the prefix cache's hit rate (since
     serving began; vLLM's, over its last 1000 requests). While idle (no tokens since the last line nor in the one
     before) it is logged at debug level, as vLLM's, so that an idle server's log stays quiet."""
 
-    def __init__(self, metrics: EngineMetrics, interval_s: float = STATS_INTERVAL_S, now: float | None = None) -> None:
+    def __init__(self, metrics: EngineMetrics, interval_s: float | None = None, now: float | None = None) -> None:
         """now: time.monotonic()'s reading when serving began (default: now)."""
-        self.metrics, self.interval_s = metrics, interval_s
+        self.metrics = metrics
+        self.interval_s = stats_interval_s() if interval_s is None else interval_s
         self._last = time.monotonic() if now is None else now
         self._tokens = (metrics.prompt_tokens, metrics.generated_tokens)
         self._was_busy = False
