@@ -183,6 +183,53 @@ def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stoppe
     frontend_end.close()
 
 
+def test_requests_whose_grammar_compiles_are_counted_waiting():
+    """A request whose grammar the bridge compiles is not in the scheduler's queue yet: vllm:num_requests_waiting (and
+    the stats line's Waiting) left it out, where vLLM's scheduler queues it, waiting for its grammar. An autoscaler
+    read an idle server while requests with new schemas piled up. Each of its n samples waits (vLLM runs each as a
+    request); one aborted meanwhile no longer does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tpgraph.engine.structured import StructuredOutput
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics
+
+    def waiting(metrics: EngineMetrics) -> float:
+        (family,) = [f for f in text_string_to_metric_families(metrics.exposition().decode())
+                     if f.name == "vllm:num_requests_waiting"]
+        return family.samples[0].value
+
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    service = SlowGrammars()
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=["queued"],
+                                kv_usage=0.0, num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    metrics.waiting_elsewhere = bridge.compiling  # (as serve.py wires them)
+    bridge.start()
+    try:
+        assert waiting(metrics) == 1
+        frontend_end.send(("add", "pair", [1, 2, 3], SamplingParams(n=2, structured=StructuredOutput("regex", "a"))))
+        frontend_end.send(("add", "one", [1, 2, 3], SamplingParams(structured=StructuredOutput("regex", "b"))))
+        assert service.compiling.wait(10)
+        deadline = time.monotonic() + 10
+        while bridge.compiling() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting(metrics) == 1 + 3 and metrics.num_waiting() == 4
+        frontend_end.send(("abort", "pair"))
+        while bridge.compiling() > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting(metrics) == 1 + 1
+    finally:
+        service.release.set()
+    deadline = time.monotonic() + 10
+    while bridge.compiling() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert bridge.compiling() == 0
+    bridge.close()
+    frontend_end.close()
+
+
 def test_the_engine_side_hears_the_front_end_go():
     engine_end, frontend_end = mp.Pipe(duplex=True)
     closed = threading.Event()

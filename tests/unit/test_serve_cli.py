@@ -203,6 +203,7 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
     class Bridge:
         def __init__(self, *_, **__) -> None:
             self.start = self.close = lambda: None
+            self.compiling = lambda: 0
 
     def exit_now(code: int) -> None:
         raise SystemExit(code)

@@ -58,7 +58,7 @@ class EngineBridge:
         # the adds and aborts behind it in the pipe wait for no compile; one aborted meanwhile is never queued (a
         # daemon thread: a compile under way holds up no exit)
         self._to_compile: queue.SimpleQueue = queue.SimpleQueue()
-        self._compiling: set[str] = set()  # (their request ids)
+        self._compiling: dict[str, int] = {}  # (their request ids, and each one's samples: n)
         self._dropped: set[str] = set()  # (those aborted while compiling)
         self._lock = threading.Lock()
         self._closed = threading.Event()  # (then what waits to compile is dropped: the service has stopped)
@@ -66,6 +66,12 @@ class EngineBridge:
     def start(self) -> None:
         for t in self._threads:
             t.start()
+
+    def compiling(self) -> int:
+        """The samples of the requests whose grammar is compiling, not in the engine's queue yet: waiting all the same
+        (vLLM's scheduler queues them, waiting for their grammar)."""
+        with self._lock:
+            return sum(self._compiling.values())
 
     def failed(self, reason: str) -> None:
         """Tell the front end the engine loop failed (`reason`): it refuses new requests and fails /health now, naming
@@ -99,7 +105,7 @@ class EngineBridge:
                     _, request_id, prompt_ids, params = message
                     if self.service.compiles(params):  # (here, not in a step: a new grammar takes a while)
                         with self._lock:
-                            self._compiling.add(request_id)
+                            self._compiling[request_id] = params.n
                         self._to_compile.put((request_id, prompt_ids, params))
                     else:
                         self.service.precompile(params)  # (the other ranks hear of a grammar compiled here)
@@ -108,6 +114,7 @@ class EngineBridge:
                     with self._lock:
                         if message[1] in self._compiling:
                             self._dropped.add(message[1])
+                            self._compiling[message[1]] = 0  # (no longer waiting: its compile ends it)
                         else:
                             self.service.enqueue_abort(message[1])
                 elif kind == "metrics":
@@ -126,7 +133,7 @@ class EngineBridge:
             request_id, prompt_ids, params = item
             self.service.precompile(params)  # (raises nothing: a refusal, or any failure, is the add's to report)
             with self._lock:  # (queued, or dropped if aborted meanwhile: under the lock, so no abort slips between)
-                self._compiling.discard(request_id)
+                self._compiling.pop(request_id, None)
                 if self._closed.is_set():
                     return
                 if request_id in self._dropped:

@@ -95,7 +95,10 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         vllm = vllm_metrics(model_name, r)
         self.running = vllm(Gauge, "vllm:num_requests_running", "Sequences running")
-        self.waiting = vllm(Gauge, "vllm:num_requests_waiting", "Sequences waiting (queued or preempted)")
+        self.waiting = vllm(Gauge, "vllm:num_requests_waiting", "Sequences waiting (queued, preempted, or their "
+                            "grammar compiling)")
+        # the sequences waiting outside the scheduler's queue: those whose grammar the bridge compiles (serve.py)
+        self.waiting_elsewhere: Callable[[], int] = lambda: 0
         self.kv_usage = vllm(Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 is all)")
         self.preemptions = vllm(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be "
                                 "recomputed)")
@@ -144,7 +147,7 @@ class EngineMetrics:
     def exposition(self) -> bytes:
         sched = self.core.scheduler  # read from another thread: a scrape may see a step half applied, no more
         self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
+        self.waiting.set(self.num_waiting())
         self.kv_usage.set(sched.kv_usage)
         totals = self._totals()
         for counter, total, counted in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
@@ -152,6 +155,10 @@ class EngineMetrics:
             counter.inc(total - counted)
         self._counted = totals
         return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
+
+    def num_waiting(self) -> int:
+        """The sequences waiting: the scheduler's queue, and those whose grammar is compiling (as vLLM counts them)."""
+        return len(self.core.scheduler.waiting) + self.waiting_elsewhere()
 
     def prefix_hit_rate(self) -> float:
         """Of the prompt tokens looked up in the prefix cache since serving began, the fraction found (0 if none)."""
@@ -189,7 +196,7 @@ class StatsLog:
         logger.log(logging.INFO if busy or self._was_busy else logging.DEBUG,
                    "Engine %s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                    "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                   ENGINE_INDEX.zfill(3), prompt_tps, generation_tps, len(sched.running), len(sched.waiting),
+                   ENGINE_INDEX.zfill(3), prompt_tps, generation_tps, len(sched.running), m.num_waiting(),
                    sched.kv_usage * 100, m.prefix_hit_rate() * 100)
         self._last, self._tokens, self._was_busy = now, tokens, busy
 
