@@ -259,3 +259,21 @@ def test_the_kv_caches_configuration_is_vllms_cache_config_info():
     assert labels == {"engine": "0", "block_size": "16", "num_gpu_blocks": "4096", "num_gpu_blocks_override": "None",
                       "gpu_memory_utilization": "0.85", "enable_prefix_caching": "True"}
     assert scraped["vllm:cache_config_info"]["samples"][("vllm:cache_config_info", tuple(sorted(labels.items())))] == 1
+
+
+def test_the_prefix_cache_queries_help_says_what_is_counted():
+    """The scheduler leaves a preempted sequence's recompute out of vllm:prefix_cache_queries (as vLLM's
+    PrefixCacheStats), but its HELP text said a recomputed sequence counted again: a reader of /metrics was told the
+    hit rate included recomputes."""
+    from types import SimpleNamespace
+
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    exposition = metrics.exposition().decode()
+    (doc,) = [f.documentation for f in text_string_to_metric_families(exposition)
+              if f.name == "vllm:prefix_cache_queries"]
+    assert "recomputed one again" not in doc and "preempted one's recompute not counted" in doc

@@ -102,8 +102,10 @@ class EngineMetrics:
         self.kv_usage = vllm(Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 is all)")
         self.preemptions = vllm(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be "
                                 "recomputed)")
-        self.prefix_queries = vllm(Counter, "vllm:prefix_cache_queries", "Tokens of the sequences admitted (a "
-                                   "recomputed one again), looked up in the prefix cache")
+        # (as vLLM's: a preempted sequence's recompute finding its own blocks again is not counted; the scheduler
+        # counts it apart)
+        self.prefix_queries = vllm(Counter, "vllm:prefix_cache_queries", "Tokens of the sequences admitted, looked "
+                                   "up in the prefix cache (a preempted one's recompute not counted again)")
         self.prefix_hits = vllm(Counter, "vllm:prefix_cache_hits", "Of those, tokens found cached (not computed)")
         self.iteration_tokens = vllm(Histogram, "vllm:iteration_tokens_total", "Tokens of a step that returned "
                                      "updates: each token read back, and with a sequence's first its prompt",
