@@ -237,7 +237,11 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging()
+    try:
+        configure_logging()
+    except ConfigError as exc:  # (VLLM_LOGGING_CONFIG_PATH's configuration, which dictConfig refused)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from tpgraph.engine.control import ControlPlane
     from tpgraph.engine.service import EngineService
 

@@ -598,3 +598,45 @@ def test_the_servers_log_level_is_vllms_logging_level(env, level, monkeypatch):
     monkeypatch.setattr(ours, "level", logging.NOTSET)  # (restored after)
     configure_logging()
     assert logging.getLevelName(ours.level) == level
+
+
+@pytest.mark.parametrize("text,configure,needle", [
+    (None, None, "VLLM_LOGGING_CONFIG_PATH='{path}' cannot be read as a JSON logging configuration"),
+    ("{not json", None, "cannot be read as a JSON logging configuration"),
+    ("[1, 2]", None, "must hold a JSON object (logging.config.dictConfig's schema), not a list"),
+    ('{"version": 1}', "0", "VLLM_LOGGING_CONFIG_PATH is set, but VLLM_CONFIGURE_LOGGING=0 says not to configure "
+                            "logging"),
+])
+def test_a_vllm_logging_config_file_that_cannot_be_taken_is_refused_when_parsed(text, configure, needle, tmp_path,
+                                                                               monkeypatch, capsys):
+    path = tmp_path / "logging.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(path))
+    if configure is not None:
+        monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", configure)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2 and needle.format(path=path) in capsys.readouterr().err
+
+
+def test_vllms_logging_config_file_configures_the_servers_logging(tmp_path, monkeypatch, capsys):
+    """vLLM configures its logging from VLLM_LOGGING_CONFIG_PATH's JSON file (dictConfig's schema) where it is set:
+    the server ignored it. One dictConfig refuses stops the server at start-up, as one line."""
+    import json
+    import logging
+
+    from tpgraph.serve import main
+    from tpgraph.server.logs import configure_logging
+
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps({"version": 1, "incremental": True, "loggers": {"tpgraph": {"level": "ERROR"}}}))
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(path))
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # (the file's configuration, not the server's, is taken)
+    ours = logging.getLogger("tpgraph")
+    monkeypatch.setattr(ours, "level", logging.NOTSET)  # (restored after)
+    configure_logging()
+    assert ours.level == logging.ERROR
+    path.write_text(json.dumps({"version": 2}))
+    assert main(["--device", "cpu"]) == 2
+    assert "VLLM_LOGGING_CONFIG_PATH" in capsys.readouterr().err

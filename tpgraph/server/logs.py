@@ -1,18 +1,22 @@
 """The server's logging, as vLLM's environment variables set it (vllm/envs.py, vllm/logger.py): VLLM_LOGGING_LEVEL (the
-server's own loggers' level, default INFO), VLLM_CONFIGURE_LOGGING (0: the server configures no logging) and
-VLLM_LOG_STATS_INTERVAL (the seconds between the engine's stats lines). Both processes, rank 0's and the HTTP front
-end's, read them; a value that is none of what vLLM takes is refused at start-up, naming the variable."""
+server's own loggers' level, default INFO), VLLM_CONFIGURE_LOGGING (0: the server configures no logging),
+VLLM_LOG_STATS_INTERVAL (the seconds between the engine's stats lines), and VLLM_LOGGING_CONFIG_PATH (a JSON logging
+configuration in place of the server's). Both processes, rank 0's and the HTTP front end's, read them; a value that is
+none of what vLLM takes is refused at start-up, naming the variable."""
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.config
 import math
 import os
+from typing import Any
 
 from tpgraph.errors import ConfigError
 
 LEVEL_VARIABLE, CONFIGURE_VARIABLE = "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"
-STATS_INTERVAL_VARIABLE = "VLLM_LOG_STATS_INTERVAL"
+STATS_INTERVAL_VARIABLE, CONFIG_PATH_VARIABLE = "VLLM_LOG_STATS_INTERVAL", "VLLM_LOGGING_CONFIG_PATH"
 STATS_INTERVAL_S = 10.0  # (vLLM's default, and what it takes for a value that is not positive)
 LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -50,17 +54,47 @@ def stats_interval_s() -> float:
     return value if value > 0 else STATS_INTERVAL_S
 
 
+def logging_config() -> dict[str, Any] | None:
+    """VLLM_LOGGING_CONFIG_PATH's logging configuration (a JSON object, as logging.config.dictConfig takes it), which
+    takes the place of the server's own, as vLLM's; None where unset."""
+    path = os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
+    if not path:
+        return None
+    if not configures_logging():  # (as vLLM refuses the two together: the file would configure nothing)
+        raise ConfigError(f"{CONFIG_PATH_VARIABLE} is set, but {CONFIGURE_VARIABLE}=0 says not to configure logging: "
+                          f"unset one of them")
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{CONFIG_PATH_VARIABLE}={path!r} cannot be read as a JSON logging configuration: "
+                          f"{exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{CONFIG_PATH_VARIABLE}={path!r} must hold a JSON object (logging.config.dictConfig's "
+                          f"schema), not a {type(config).__name__}")
+    return config
+
+
 def check_environment() -> None:
     """Raise ConfigError for a logging variable no process could take (said once, at start-up)."""
     logging_level()
     configures_logging()
     stats_interval_s()
+    logging_config()
 
 
 def configure_logging() -> None:
     """Log to stderr, the server's loggers at VLLM_LOGGING_LEVEL (other libraries' at INFO, or quieter with it, so
-    that DEBUG is the server's debug lines, not every library's); nothing where VLLM_CONFIGURE_LOGGING=0."""
+    that DEBUG is the server's debug lines, not every library's); as VLLM_LOGGING_CONFIG_PATH's file says where it
+    is set; nothing where VLLM_CONFIGURE_LOGGING=0. Raises ConfigError for a file dictConfig refuses."""
     if not configures_logging():
+        return
+    if (config := logging_config()) is not None:
+        try:
+            logging.config.dictConfig(config)
+        except (ValueError, TypeError, AttributeError, ImportError) as exc:
+            raise ConfigError(f"{CONFIG_PATH_VARIABLE}={os.environ[CONFIG_PATH_VARIABLE].strip()!r} is no logging "
+                              f"configuration dictConfig takes: {exc}") from None
         return
     level = logging_level()
     logging.basicConfig(level=max(level, logging.INFO), format=FORMAT)
