@@ -33,7 +33,7 @@ from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.logs import check_environment, configure_logging
-from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions
+from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.response_store import DEFAULT_CAPACITY
 from tpgraph.server.tool_parsers import PARSERS
@@ -232,7 +232,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
                        args.enable_force_include_usage, args.chat_template_content_format,
-                       args.responses_store_size, args.trust_request_chat_template)
+                       args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s())
 
 
 def main(argv: list[str] | None = None) -> int:

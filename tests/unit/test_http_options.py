@@ -114,6 +114,38 @@ def test_uvicorns_log_level_and_access_log(flags, started, access, capfd):
     assert ('"GET /version HTTP/1.1" 200' in out) == access, out
 
 
+def test_vllms_keep_alive_timeout_closes_idle_connections(monkeypatch):
+    """vLLM's uvicorn keeps an idle connection open VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds (5 where unset): raised past
+    a load balancer's idle timeout, so that the balancer never reuses a connection the server is closing (a 502). The
+    server kept uvicorn's 5 s whatever it said. At 1 s, an idle connection is closed within 2 s."""
+    import time
+
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")
+    http = http_options(parse_args([]))
+    assert http.keep_alive_s == 1
+    with frontend(http) as address:
+        host, port = address.split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /version HTTP/1.1\r\nHost: t\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b"}"):  # (the headers, then the JSON body)
+                reply += sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            assert sock.recv(65536) == b""  # (the server closed it)
+            assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("value,needle", [("5s", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE='5s' must be a whole number"),
+                                          ("-1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds "
+                                                 ">= 0, got -1")])
+def test_a_keep_alive_timeout_that_is_no_count_of_seconds_is_refused(value, needle, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
 def self_signed(tmp_path, name: str = "server"):
     """A certificate for 127.0.0.1 and its key, made with the openssl command (skipped without it)."""
     import shutil

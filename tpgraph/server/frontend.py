@@ -109,12 +109,13 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
 
 def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
-    """uvicorn's settings: where to listen, what to log, and HTTPS (HttpOptions)."""
+    """uvicorn's settings: where to listen, what to log, keep-alive and HTTPS (HttpOptions)."""
     import uvicorn
 
     http = spec.http
     return uvicorn.Config(app, host=spec.host, port=spec.port, log_level=http.uvicorn_log_level,
-                          access_log=http.access_log, ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile,
+                          access_log=http.access_log, timeout_keep_alive=http.keep_alive_s,
+                          ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile,
                           ssl_ca_certs=http.ssl_ca_certs, ssl_cert_reqs=http.ssl_cert_reqs)
 
 

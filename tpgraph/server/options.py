@@ -3,6 +3,7 @@ maps the flags to it; the front end's process gets it in its FrontendSpec."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,21 @@ from tpgraph.errors import ConfigError
 from tpgraph.server.response_store import DEFAULT_CAPACITY
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+KEEP_ALIVE_VARIABLE, KEEP_ALIVE_S = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5  # (vLLM's, and its default: uvicorn's too)
+
+
+def keep_alive_s() -> int:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE's seconds (unset: 5, as vLLM's)."""
+    text = os.environ.get(KEEP_ALIVE_VARIABLE, "").strip()
+    if not text:
+        return KEEP_ALIVE_S
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{KEEP_ALIVE_VARIABLE}={os.environ[KEEP_ALIVE_VARIABLE]!r} must be a whole number of "
+                          f"seconds") from None
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,10 @@ class HttpOptions:
     responses_store_size: int = DEFAULT_CAPACITY
     # vLLM's --trust-request-chat-template: a request's own chat_template renders its chat (else it is refused)
     trust_request_chat_template: bool = False
+    # how long an idle keep-alive connection stays open, in seconds (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's
+    # timeout_keep_alive): a load balancer that reuses connections longer than this gets a reset, or a 502, unless
+    # it is raised past the balancer's idle timeout
+    keep_alive_s: int = KEEP_ALIVE_S
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -73,6 +93,9 @@ class HttpOptions:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ConfigError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
                               f"{self.uvicorn_log_level!r}")
+        if isinstance(self.keep_alive_s, bool) or not isinstance(self.keep_alive_s, int) or self.keep_alive_s < 0:
+            raise ConfigError(f"{KEEP_ALIVE_VARIABLE} must be a whole number of seconds >= 0, got "
+                              f"{self.keep_alive_s!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
