@@ -32,7 +32,7 @@ from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
-from tpgraph.server.logs import check_environment, configure_logging
+from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.response_store import DEFAULT_CAPACITY
@@ -136,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--responses-store-size", type=int, default=DEFAULT_CAPACITY, metavar="N",
                       help="the Responses API keeps its newest N stored responses (store: true) for "
                            f"previous_response_id, GET and cancel (default {DEFAULT_CAPACITY})")
+    http.add_argument("--log-config-file", default=None, metavar="FILE.json",
+                      help="logging as this JSON file configures it (logging.config.dictConfig's schema), the "
+                           "server's loggers and uvicorn's (default: $VLLM_LOGGING_CONFIG_PATH, else the server's own)")
     http.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                       help="serve no OpenAPI schema (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     logs = p.add_argument_group("request logs (vLLM's flags)")
@@ -232,14 +235,15 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.response_role, args.return_tokens_as_token_ids, not args.disable_fastapi_docs,
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
                        args.enable_force_include_usage, args.chat_template_content_format,
-                       args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s())
+                       args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s(),
+                       log_config=logging_config(args.log_config_file))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        configure_logging()
-    except ConfigError as exc:  # (VLLM_LOGGING_CONFIG_PATH's configuration, which dictConfig refused)
+        configure_logging(args.http.log_config)
+    except ConfigError as exc:  # (a logging configuration file's, which dictConfig refused)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from tpgraph.engine.control import ControlPlane

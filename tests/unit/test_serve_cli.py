@@ -604,8 +604,8 @@ def test_the_servers_log_level_is_vllms_logging_level(env, level, monkeypatch):
     (None, None, "VLLM_LOGGING_CONFIG_PATH='{path}' cannot be read as a JSON logging configuration"),
     ("{not json", None, "cannot be read as a JSON logging configuration"),
     ("[1, 2]", None, "must hold a JSON object (logging.config.dictConfig's schema), not a list"),
-    ('{"version": 1}', "0", "VLLM_LOGGING_CONFIG_PATH is set, but VLLM_CONFIGURE_LOGGING=0 says not to configure "
-                            "logging"),
+    ('{"version": 1}', "0", "VLLM_LOGGING_CONFIG_PATH='{path}' is given, but VLLM_CONFIGURE_LOGGING=0 says not to "
+                            "configure logging"),
 ])
 def test_a_vllm_logging_config_file_that_cannot_be_taken_is_refused_when_parsed(text, configure, needle, tmp_path,
                                                                                monkeypatch, capsys):
@@ -635,8 +635,31 @@ def test_vllms_logging_config_file_configures_the_servers_logging(tmp_path, monk
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # (the file's configuration, not the server's, is taken)
     ours = logging.getLogger("tpgraph")
     monkeypatch.setattr(ours, "level", logging.NOTSET)  # (restored after)
-    configure_logging()
+    configure_logging(parse_args([]).http.log_config)
     assert ours.level == logging.ERROR
     path.write_text(json.dumps({"version": 2}))
     assert main(["--device", "cpu"]) == 2
     assert "VLLM_LOGGING_CONFIG_PATH" in capsys.readouterr().err
+
+
+def test_vllms_log_config_file_flag_configures_the_servers_and_uvicorns_logging(tmp_path, monkeypatch, capsys):
+    """vLLM's --log-config-file (default $VLLM_LOGGING_CONFIG_PATH) configures its loggers and uvicorn's: refused
+    here as a setting the server lacks. The file's configuration reaches the front end, and uvicorn's log_config."""
+    import json
+
+    from tpgraph.server.frontend import FrontendSpec, uvicorn_config
+
+    config = {"version": 1, "incremental": True, "loggers": {"uvicorn.access": {"level": "WARNING"}}}
+    (tmp_path / "flag.json").write_text(json.dumps(config))
+    (tmp_path / "env.json").write_text(json.dumps({"version": 1}))
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "env.json"))  # (the flag's wins)
+    http = parse_args(["--log-config-file", str(tmp_path / "flag.json")]).http
+    assert http.log_config == config
+    spec = FrontendSpec("127.0.0.1", 8000, "m", 64, None, None, http=http)
+    assert uvicorn_config(object(), spec).log_config == config
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH")
+    assert parse_args([]).http.log_config is None
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--log-config-file", str(tmp_path / "missing.json")])
+    assert exit_.value.code == 2
+    assert f"--log-config-file {tmp_path / 'missing.json'} cannot be read" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     from tpgraph.server.logs import configure_logging
     from tpgraph.server.metrics import ServerMetrics
 
-    configure_logging()  # (as rank 0's: the environment it was spawned with, checked there)
+    configure_logging(spec.http.log_config)  # (as rank 0's: the environment it was spawned with, checked there)
     server: Server | None = None
 
     def engine_gone() -> None:
@@ -109,14 +109,16 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
 
 def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
-    """uvicorn's settings: where to listen, what to log, keep-alive and HTTPS (HttpOptions)."""
+    """uvicorn's settings: where to listen, what to log (and how), keep-alive and HTTPS (HttpOptions)."""
     import uvicorn
 
     http = spec.http
+    # (a logging configuration file configures uvicorn's loggers too, as vLLM's; else uvicorn's own)
+    logs = {} if http.log_config is None else {"log_config": http.log_config}
     return uvicorn.Config(app, host=spec.host, port=spec.port, log_level=http.uvicorn_log_level,
                           access_log=http.access_log, timeout_keep_alive=http.keep_alive_s,
                           ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile,
-                          ssl_ca_certs=http.ssl_ca_certs, ssl_cert_reqs=http.ssl_cert_reqs)
+                          ssl_ca_certs=http.ssl_ca_certs, ssl_cert_reqs=http.ssl_cert_reqs, **logs)
 
 
 def exit_code(client: EngineClient) -> int:

@@ -54,24 +54,26 @@ def stats_interval_s() -> float:
     return value if value > 0 else STATS_INTERVAL_S
 
 
-def logging_config() -> dict[str, Any] | None:
-    """VLLM_LOGGING_CONFIG_PATH's logging configuration (a JSON object, as logging.config.dictConfig takes it), which
-    takes the place of the server's own, as vLLM's; None where unset."""
-    path = os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
+def logging_config(path: str | None = None) -> dict[str, Any] | None:
+    """The logging configuration of vLLM's --log-config-file `path`, else VLLM_LOGGING_CONFIG_PATH's file (a JSON
+    object, as logging.config.dictConfig takes it), which takes the place of the server's own and of uvicorn's, as
+    vLLM's; None where neither is given."""
+    named = f"--log-config-file {path}" if path else f"{CONFIG_PATH_VARIABLE}={{!r}}"
+    path = path or os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
     if not path:
         return None
+    named = named.format(path)
     if not configures_logging():  # (as vLLM refuses the two together: the file would configure nothing)
-        raise ConfigError(f"{CONFIG_PATH_VARIABLE} is set, but {CONFIGURE_VARIABLE}=0 says not to configure logging: "
-                          f"unset one of them")
+        raise ConfigError(f"{named} is given, but {CONFIGURE_VARIABLE}=0 says not to configure logging: leave out "
+                          f"one of them")
     try:
         with open(path, encoding="utf-8") as file:
             config = json.load(file)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{CONFIG_PATH_VARIABLE}={path!r} cannot be read as a JSON logging configuration: "
-                          f"{exc}") from None
+        raise ConfigError(f"{named} cannot be read as a JSON logging configuration: {exc}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{CONFIG_PATH_VARIABLE}={path!r} must hold a JSON object (logging.config.dictConfig's "
-                          f"schema), not a {type(config).__name__}")
+        raise ConfigError(f"{named} must hold a JSON object (logging.config.dictConfig's schema), not a "
+                          f"{type(config).__name__}")
     return config
 
 
@@ -80,21 +82,21 @@ def check_environment() -> None:
     logging_level()
     configures_logging()
     stats_interval_s()
-    logging_config()
 
 
-def configure_logging() -> None:
+def configure_logging(config: dict[str, Any] | None = None) -> None:
     """Log to stderr, the server's loggers at VLLM_LOGGING_LEVEL (other libraries' at INFO, or quieter with it, so
-    that DEBUG is the server's debug lines, not every library's); as VLLM_LOGGING_CONFIG_PATH's file says where it
-    is set; nothing where VLLM_CONFIGURE_LOGGING=0. Raises ConfigError for a file dictConfig refuses."""
+    that DEBUG is the server's debug lines, not every library's); as `config` says where one is given (logging_config:
+    --log-config-file's, or VLLM_LOGGING_CONFIG_PATH's); nothing where VLLM_CONFIGURE_LOGGING=0. Raises ConfigError
+    for a configuration dictConfig refuses."""
     if not configures_logging():
         return
-    if (config := logging_config()) is not None:
+    if config is not None:
         try:
             logging.config.dictConfig(config)
         except (ValueError, TypeError, AttributeError, ImportError) as exc:
-            raise ConfigError(f"{CONFIG_PATH_VARIABLE}={os.environ[CONFIG_PATH_VARIABLE].strip()!r} is no logging "
-                              f"configuration dictConfig takes: {exc}") from None
+            raise ConfigError(f"the logging configuration file (--log-config-file, {CONFIG_PATH_VARIABLE}) is none "
+                              f"dictConfig takes: {exc}") from None
         return
     level = logging_level()
     logging.basicConfig(level=max(level, logging.INFO), format=FORMAT)

@@ -82,6 +82,9 @@ class HttpOptions:
     # timeout_keep_alive): a load balancer that reuses connections longer than this gets a reset, or a 502, unless
     # it is raised past the balancer's idle timeout
     keep_alive_s: int = KEEP_ALIVE_S
+    # vLLM's --log-config-file (else VLLM_LOGGING_CONFIG_PATH's file): a logging configuration, as dictConfig takes
+    # it, in place of the server's own and of uvicorn's (logs.py); None: theirs
+    log_config: dict[str, Any] | None = None
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -96,6 +99,8 @@ class HttpOptions:
         if isinstance(self.keep_alive_s, bool) or not isinstance(self.keep_alive_s, int) or self.keep_alive_s < 0:
             raise ConfigError(f"{KEEP_ALIVE_VARIABLE} must be a whole number of seconds >= 0, got "
                               f"{self.keep_alive_s!r}")
+        if self.log_config is not None and not isinstance(self.log_config, dict):
+            raise ConfigError(f"log_config must be a dictConfig mapping, got {self.log_config!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
