@@ -663,3 +663,30 @@ def test_vllms_log_config_file_flag_configures_the_servers_and_uvicorns_logging(
         parse_args(["--log-config-file", str(tmp_path / "missing.json")])
     assert exit_.value.code == 2
     assert f"--log-config-file {tmp_path / 'missing.json'} cannot be read" in capsys.readouterr().err
+
+
+def test_vllms_logging_prefix_and_stream_set_where_the_lines_go_and_how_they_begin():
+    """vLLM begins each line with VLLM_LOGGING_PREFIX and writes to VLLM_LOGGING_STREAM (ext://sys.stdout or
+    ext://sys.stderr): the server ignored both. (A process of its own: logging is configured once a process.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tpgraph.server.logs import configure_logging; configure_logging(); "
+            "import logging; logging.getLogger('tpgraph.serve').info('serving')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_LOGGING_PREFIX": "[node 3, 100%] ",
+           "VLLM_LOGGING_STREAM": "ext://sys.stdout"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "[node 3, 100%] INFO tpgraph.serve: serving\n" and run.stderr == ""
+    env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.stderr == "[node 3, 100%] INFO tpgraph.serve: serving\n" and run.stdout == ""
+
+
+def test_a_logging_stream_that_is_neither_stdout_nor_stderr_is_refused_when_parsed(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "stdout")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2
+    assert "VLLM_LOGGING_STREAM='stdout' must be ext://sys.stdout or ext://sys.stderr" in capsys.readouterr().err

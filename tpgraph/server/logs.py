@@ -1,8 +1,9 @@
 """The server's logging, as vLLM's environment variables set it (vllm/envs.py, vllm/logger.py): VLLM_LOGGING_LEVEL (the
 server's own loggers' level, default INFO), VLLM_CONFIGURE_LOGGING (0: the server configures no logging),
-VLLM_LOG_STATS_INTERVAL (the seconds between the engine's stats lines), and VLLM_LOGGING_CONFIG_PATH (a JSON logging
-configuration in place of the server's). Both processes, rank 0's and the HTTP front end's, read them; a value that is
-none of what vLLM takes is refused at start-up, naming the variable."""
+VLLM_LOGGING_PREFIX and VLLM_LOGGING_STREAM (each line's prefix, and stdout or stderr), VLLM_LOG_STATS_INTERVAL (the
+seconds between the engine's stats lines), and VLLM_LOGGING_CONFIG_PATH (a JSON logging configuration in place of the
+server's). Both processes, rank 0's and the HTTP front end's, read them; a value that is none of what vLLM takes is
+refused at start-up, naming the variable."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import logging.config
 import math
 import os
+import sys
 from typing import Any
 
 from tpgraph.errors import ConfigError
@@ -20,6 +22,10 @@ STATS_INTERVAL_VARIABLE, CONFIG_PATH_VARIABLE = "VLLM_LOG_STATS_INTERVAL", "VLLM
 STATS_INTERVAL_S = 10.0  # (vLLM's default, and what it takes for a value that is not positive)
 LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 FORMAT = "%(levelname)s %(name)s: %(message)s"
+# vLLM's VLLM_LOGGING_PREFIX (text before each line) and VLLM_LOGGING_STREAM (where lines go, as dictConfig names a
+# stream; the server's default is stderr, vLLM's stdout)
+PREFIX_VARIABLE, STREAM_VARIABLE = "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_STREAM"
+STREAMS = {"ext://sys.stdout": "stdout", "ext://sys.stderr": "stderr"}
 
 
 def logging_level() -> int:
@@ -29,6 +35,16 @@ def logging_level() -> int:
         raise ConfigError(f"{LEVEL_VARIABLE}={os.environ[LEVEL_VARIABLE]!r} is no logging level: give one of "
                           f"{', '.join(LEVELS)}")
     return logging.getLevelName(name)
+
+
+def logging_stream() -> str:
+    """VLLM_LOGGING_STREAM's stream, "stdout" or "stderr" (unset: stderr)."""
+    text = os.environ.get(STREAM_VARIABLE, "").strip()
+    if not text:
+        return "stderr"
+    if text not in STREAMS:
+        raise ConfigError(f"{STREAM_VARIABLE}={os.environ[STREAM_VARIABLE]!r} must be {' or '.join(STREAMS)}")
+    return STREAMS[text]
 
 
 def configures_logging() -> bool:
@@ -81,6 +97,7 @@ def check_environment() -> None:
     """Raise ConfigError for a logging variable no process could take (said once, at start-up)."""
     logging_level()
     configures_logging()
+    logging_stream()
     stats_interval_s()
 
 
@@ -99,5 +116,7 @@ def configure_logging(config: dict[str, Any] | None = None) -> None:
                               f"dictConfig takes: {exc}") from None
         return
     level = logging_level()
-    logging.basicConfig(level=max(level, logging.INFO), format=FORMAT)
+    prefix = os.environ.get(PREFIX_VARIABLE, "").replace("%", "%%")  # (text: no % is read as a field)
+    # (the stream looked up now, not at import: a test's or a caller's replaced sys.stdout is the one written to)
+    logging.basicConfig(level=max(level, logging.INFO), format=prefix + FORMAT, stream=getattr(sys, logging_stream()))
     logging.getLogger("tpgraph").setLevel(level)
