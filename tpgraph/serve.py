@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import ssl
+import stat
 import sys
 import threading
 import time
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="HTTPS: CAs to check client certificates")
     http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                       help="HTTPS: client certificates: 0 none, 1 checked if sent, 2 required (the ssl module's)")
+    http.add_argument("--uds", default=None, metavar="PATH",
+                      help="listen on this Unix domain socket, not on --host and --port (vLLM's)")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the prefix a path-routing proxy serves the API under (/llm: /llm/v1/models)")
     p.add_argument("--response-role", default="assistant", metavar="ROLE",
@@ -236,7 +239,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
                        args.enable_force_include_usage, args.chat_template_content_format,
                        args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s(),
-                       log_config=logging_config(args.log_config_file))
+                       log_config=logging_config(args.log_config_file), uds=args.uds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
         if (env_int("RANK") or 0) == 0:
-            _check_listen(args.host, args.port)  # before minutes of loading, not after
+            _check_listen(args.host, args.port, http.uds)  # before minutes of loading, not after
             http.check_tls()
         engine = engine_from_args(args)
         reasoning = None if args.reasoning_parser is None else \
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()
-    url = f"{http.scheme}://{args.host}:{args.port}"
+    url = f"{http.scheme}://{args.host}:{args.port}" if http.uds is None else f"{http.scheme}+unix://{http.uds}"
 
     def serving() -> None:  # the front end's HTTP server accepts connections: only now is "serving" true
         logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)
@@ -409,8 +412,11 @@ def port_number(text: str) -> int:
     return port
 
 
-def _check_listen(host: str, port: int) -> None:
-    """Refuse an address the HTTP server could not listen on (in use, or not this host's), as uvicorn would bind it."""
+def _check_listen(host: str, port: int, uds: str | None = None) -> None:
+    """Refuse an address the HTTP server could not listen on (in use, or not this host's), as uvicorn would bind it;
+    with --uds, a Unix socket path another server listens on, or that is no socket, or in no directory."""
+    if uds is not None:
+        return _check_unix_socket(uds)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
@@ -419,6 +425,23 @@ def _check_listen(host: str, port: int) -> None:
             sock.bind(address)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _check_unix_socket(path: str) -> None:
+    """uvicorn replaces a socket file left at `path` (a stopped server's), but cannot listen where something else is,
+    nor where a server listens already (it would take its place, silently)."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"cannot listen on --uds {path}: its directory does not exist")
+    if not os.path.exists(path):
+        return
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise ConfigError(f"cannot listen on --uds {path}: it exists and is no socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+        except OSError:
+            return  # (a stopped server's socket: taken over)
+    raise ConfigError(f"cannot listen on --uds {path}: a server listens on it already")
 
 
 def _close(engine, timeout_s: float = 15.0, followers_told: bool = False, exit_code: int = 0) -> None:

@@ -146,6 +146,48 @@ def test_a_keep_alive_timeout_that_is_no_count_of_seconds_is_refused(value, need
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_vllms_uds_serves_on_a_unix_socket(tmp_path):
+    """vLLM's --uds serves the API on a Unix domain socket, in place of --host and --port (a sidecar or a local proxy
+    reaches it without a port): refused here as a setting the server lacks."""
+    import json
+
+    path = str(tmp_path / "api.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:  # (a stopped server's socket file: taken over)
+        stale.bind(path)
+    http = http_options(parse_args(["--uds", path]))
+    assert http.uds == path
+    with frontend(http):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(path)
+            sock.sendall(b"GET /version HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and "version" in json.loads(body)
+
+
+def test_a_unix_socket_that_cannot_be_listened_on_is_refused_at_start_up(tmp_path, capsys):
+    """As a port in use: said at once, before the model loads, not as the front end's failure after it."""
+    from tpgraph.serve import main
+
+    taken = tmp_path / "taken.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(taken))
+        server.listen()
+        assert main(["--device", "cpu", "--uds", str(taken)]) == 2
+    assert f"cannot listen on --uds {taken}: a server listens on it already" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["--device", "cpu", "--uds", str(tmp_path / "file")]) == 2
+    assert "it exists and is no socket" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--uds", str(tmp_path / "nowhere" / "api.sock")]) == 2
+    assert "its directory does not exist" in capsys.readouterr().err
+    from tpgraph.serve import _check_listen
+
+    _check_listen("127.0.0.1", 8000, str(taken))  # (its server gone: a stale socket file, which uvicorn takes over)
+
+
 def self_signed(tmp_path, name: str = "server"):
     """A certificate for 127.0.0.1 and its key, made with the openssl command (skipped without it)."""
     import shutil

@@ -115,7 +115,7 @@ def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
     http = spec.http
     # (a logging configuration file configures uvicorn's loggers too, as vLLM's; else uvicorn's own)
     logs = {} if http.log_config is None else {"log_config": http.log_config}
-    return uvicorn.Config(app, host=spec.host, port=spec.port, log_level=http.uvicorn_log_level,
+    return uvicorn.Config(app, host=spec.host, port=spec.port, uds=http.uds, log_level=http.uvicorn_log_level,
                           access_log=http.access_log, timeout_keep_alive=http.keep_alive_s,
                           ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile,
                           ssl_ca_certs=http.ssl_ca_certs, ssl_cert_reqs=http.ssl_cert_reqs, **logs)

@@ -85,6 +85,8 @@ class HttpOptions:
     # vLLM's --log-config-file (else VLLM_LOGGING_CONFIG_PATH's file): a logging configuration, as dictConfig takes
     # it, in place of the server's own and of uvicorn's (logs.py); None: theirs
     log_config: dict[str, Any] | None = None
+    # vLLM's --uds: a Unix domain socket's path to listen on, in place of the host and port
+    uds: str | None = None
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -101,6 +103,8 @@ class HttpOptions:
                               f"{self.keep_alive_s!r}")
         if self.log_config is not None and not isinstance(self.log_config, dict):
             raise ConfigError(f"log_config must be a dictConfig mapping, got {self.log_config!r}")
+        if self.uds is not None and (not isinstance(self.uds, str) or not self.uds):
+            raise ConfigError(f"--uds must be a socket's path, got {self.uds!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigError(f"access_log must be True or False, got {self.access_log!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
