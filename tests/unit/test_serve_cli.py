@@ -580,6 +580,7 @@ def test_a_bad_vllm_logging_variable_is_refused_when_parsed(variable, value, nee
 
 @pytest.mark.parametrize("env,level", [
     ({}, "INFO"), ({"VLLM_LOGGING_LEVEL": "debug"}, "DEBUG"), ({"VLLM_LOGGING_LEVEL": "WARNING"}, "WARNING"),
+    ({"VLLM_LOGGING_LEVEL": "warn"}, "WARNING"),  # (Python's logging, and so vLLM's, takes WARN too)
     ({"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "0"}, "NOTSET"),
 ])
 def test_the_servers_log_level_is_vllms_logging_level(env, level, monkeypatch):

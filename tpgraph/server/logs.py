@@ -20,7 +20,9 @@ from tpgraph.errors import ConfigError
 LEVEL_VARIABLE, CONFIGURE_VARIABLE = "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"
 STATS_INTERVAL_VARIABLE, CONFIG_PATH_VARIABLE = "VLLM_LOG_STATS_INTERVAL", "VLLM_LOGGING_CONFIG_PATH"
 STATS_INTERVAL_S = 10.0  # (vLLM's default, and what it takes for a value that is not positive)
-LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+# (the names Python's logging takes, as vLLM's dictConfig does: WARN and FATAL too)
+LEVELS = {"CRITICAL": logging.CRITICAL, "FATAL": logging.FATAL, "ERROR": logging.ERROR, "WARNING": logging.WARNING,
+          "WARN": logging.WARN, "INFO": logging.INFO, "DEBUG": logging.DEBUG}
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 # vLLM's VLLM_LOGGING_PREFIX (text before each line) and VLLM_LOGGING_STREAM (where lines go, as dictConfig names a
 # stream; the server's default is stderr, vLLM's stdout)
@@ -33,8 +35,8 @@ def logging_level() -> int:
     name = os.environ.get(LEVEL_VARIABLE, "").strip().upper() or "INFO"
     if name not in LEVELS:
         raise ConfigError(f"{LEVEL_VARIABLE}={os.environ[LEVEL_VARIABLE]!r} is no logging level: give one of "
-                          f"{', '.join(LEVELS)}")
-    return logging.getLevelName(name)
+                          f"CRITICAL, ERROR, WARNING, INFO, DEBUG")
+    return LEVELS[name]
 
 
 def logging_stream() -> str:
