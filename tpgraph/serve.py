@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend, conn = start_frontend(spec)
     requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
     listening = threading.Event()
-    url = f"{http.scheme}://{args.host}:{args.port}" if http.uds is None else f"{http.scheme}+unix://{http.uds}"
+    url = serving_url(http, args.host, args.port)
 
     def serving() -> None:  # the front end's HTTP server accepts connections: only now is "serving" true
         logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)
@@ -356,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     _close(engine, timeout_s=3.0, followers_told=followers_told, exit_code=1 if failed else 0)
     return 1 if failed else 0
+
+
+def serving_url(http: HttpOptions, host: str, port: int) -> str:
+    """Where the server is reached, as the log says it: an IPv6 address in brackets (http://[::1]:8000, which a client
+    can read back), or the Unix socket."""
+    if http.uds is not None:
+        return f"{http.scheme}+unix://{http.uds}"
+    return f"{http.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn

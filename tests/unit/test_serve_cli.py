@@ -691,3 +691,12 @@ def test_a_logging_stream_that_is_neither_stdout_nor_stderr_is_refused_when_pars
         parse_args([])
     assert exit_.value.code == 2
     assert "VLLM_LOGGING_STREAM='stdout' must be ext://sys.stdout or ext://sys.stderr" in capsys.readouterr().err
+
+
+def test_the_logged_url_is_one_a_client_can_use():
+    """`--host ::1` was logged as serving on http://::1:8000, which no client reads as a host and a port."""
+    from tpgraph.serve import serving_url
+
+    assert serving_url(parse_args(["--host", "::1"]).http, "::1", 8000) == "http://[::1]:8000"
+    assert serving_url(parse_args([]).http, "127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert serving_url(parse_args(["--uds", "/run/api.sock"]).http, "127.0.0.1", 8000) == "http+unix:///run/api.sock"
