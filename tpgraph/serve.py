@@ -13,6 +13,7 @@ SIGTERM or Ctrl-C stops the server and every rank.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -360,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def serving_url(http: HttpOptions, host: str, port: int) -> str:
     """Where the server is reached, as the log says it: an IPv6 address in brackets (http://[::1]:8000, which a client
-    can read back), or the Unix socket."""
+    can read back), every interface (an empty host) as 0.0.0.0, as vLLM's log says it, or the Unix socket."""
     if http.uds is not None:
         return f"{http.scheme}+unix://{http.uds}"
-    return f"{http.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"{http.scheme}://{f'[{host}]' if ':' in host else host or '0.0.0.0'}:{port}"
 
 
 FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn
@@ -426,13 +427,29 @@ def _check_listen(host: str, port: int, uds: str | None = None) -> None:
     if uds is not None:
         return _check_unix_socket(uds)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
+        # (every address uvicorn's asyncio server binds: each the host resolves to, and for an empty host, as vLLM's
+        # default, every interface's)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses, unusable = list(dict.fromkeys(infos)), []
+        for info in addresses:
+            try:
+                _bind(*info)
+            except OSError as exc:  # (asyncio passes over an address of a family this host has not enabled)
+                if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    raise
+                unusable.append(exc)
+        if len(unusable) == len(addresses):  # (none to listen on: not this host's address)
+            raise unusable[0]
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
+
+
+def _bind(family: int, kind: int, proto: int, _: str, address: tuple) -> None:
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # (as asyncio binds it: beside the IPv4 socket, not over it)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
 
 
 def _check_unix_socket(path: str) -> None:

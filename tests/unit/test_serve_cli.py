@@ -700,3 +700,29 @@ def test_the_logged_url_is_one_a_client_can_use():
     assert serving_url(parse_args(["--host", "::1"]).http, "::1", 8000) == "http://[::1]:8000"
     assert serving_url(parse_args([]).http, "127.0.0.1", 8000) == "http://127.0.0.1:8000"
     assert serving_url(parse_args(["--uds", "/run/api.sock"]).http, "127.0.0.1", 8000) == "http+unix:///run/api.sock"
+
+
+def test_an_empty_host_listens_on_every_interface_as_vllms_default(capsys):
+    """vLLM's --host defaults to none, every interface, and takes `--host ""` for it (as uvicorn's asyncio server
+    does): the start-up check looked the empty name up, and refused it ("Name or service not known"). Every address
+    the server binds is checked: a port taken on IPv6 alone is refused too."""
+    import socket
+
+    from tpgraph.serve import _check_listen, serving_url
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    _check_listen("", free)
+    assert serving_url(parse_args(["--host", ""]).http, "", 8000) == "http://0.0.0.0:8000"
+    if not socket.has_ipv6:
+        return
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            taken.bind(("::", 0))
+        except OSError:
+            return  # (no IPv6 here)
+        taken.listen()
+        with pytest.raises(ConfigError, match=r"cannot listen on \*:\d+: Address already in use"):
+            _check_listen("", taken.getsockname()[1])
