@@ -30,6 +30,7 @@ from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server import sse as server_sse  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
+from tpgraph.server.options import HttpOptions  # noqa: E402
 from tpgraph.tokenizer import BOS  # noqa: E402
 
 
@@ -855,6 +856,19 @@ def test_a_chats_echo_puts_the_last_message_before_a_reply_in_its_role():
         assert "".join(d.get("content", "") for d in deltas) == "Sure, ab"
     assert elsewhere.json()["choices"][0]["message"]["content"] == "ab"
 
+
+
+def test_a_chats_echo_in_the_openai_content_format_keeps_empty_text_parts():
+    """vLLM's chat echo joins the last message's parts as its parser gives them by newlines; in the "openai" content
+    format an empty text part is kept there (a {"type": "text"} object), so ["a", "", "b"] echoes "a\\n\\nb". The
+    empty part was dropped here ("a\\nb")."""
+    app = server_app.create_app(ScriptedClient(["x"]), builtin_codec(), ServerMetrics(), "m", 128,
+                                http=HttpOptions(chat_template_content_format="openai"))
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "text", "text": "b"}]
+    body = {"model": "m", "max_tokens": 1, "echo": True, "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": parts}]}
+    (whole,) = post_all(app, [("/v1/chat/completions", body)])
+    assert whole.json()["choices"][0]["message"]["content"] == "a\n\nbx"
 
 
 def test_a_chats_echo_fills_its_prompt_logprobs_as_vllms():

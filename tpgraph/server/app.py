@@ -668,9 +668,10 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                                                                 http.chat_template_content_format, template), trusted)
         # (as vLLM's: the reply's role where the generation prompt opens a new turn, else the turn it continues)
         role = http.response_role if body.add_generation_prompt else messages[-1]["role"]
-        # (vLLM's echo: the last message's text before the reply, where the reply is in its role)
-        echoed = content_text(messages[-1]["content"], "messages[-1]") if body.echo and messages[-1]["role"] == role \
-            else ""
+        # (vLLM's echo: the last message's text before the reply, where the reply is in its role; its parts joined
+        # as they reach the template, the "openai" format's empty ones too, as vLLM joins them)
+        echoed = content_text(messages[-1]["content"], "messages[-1]", keep_empty=True) \
+            if body.echo and messages[-1]["role"] == role else ""
         # (off the event loop, as the tokenizer is: a template over a long conversation held up every other stream)
         text = await asyncio.to_thread(prompts.render_chat, messages, body.add_generation_prompt, tools.template_tools,
                                        http.template_variables(body.template_kwargs()), body.continue_final_message,
