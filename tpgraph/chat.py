@@ -411,12 +411,15 @@ def _with_end_mark(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _cut_at_end_mark(text: str) -> str:
     """The rendered text up to where the last message's text ends (what the template writes after it, an
-    end-of-turn token, is cut), as apply_chat_template does for continue_final_message: where the template trimmed the
-    message's end (the mark's trailing space is gone), the whitespace before it goes too, as the template wrote none."""
-    at = text.find(_CONTINUE_MARK.rstrip())
+    end-of-turn token, is cut), as apply_chat_template does for continue_final_message: where the template writes the
+    message more than once, at its last (transformers' rindex; the earlier copies are kept, unmarked, where
+    transformers leaves its tag in them); where the template trimmed the message's end (the mark's trailing space is
+    gone), the whitespace before it goes too, as the template wrote none."""
+    at = text.rfind(_CONTINUE_MARK.rstrip())
     if at < 0:
         raise RequestError("continue_final_message: the chat template does not write the last message's text")
-    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
+    head = text[:at].replace(_CONTINUE_MARK, "").replace(_CONTINUE_MARK.rstrip(), "")
+    return head if text.startswith(_CONTINUE_MARK, at) else head.rstrip()
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:

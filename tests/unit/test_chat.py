@@ -145,6 +145,17 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+def test_continuing_a_final_message_the_template_writes_twice_cuts_at_its_last():
+    """transformers' apply_chat_template (which vLLM renders with) cuts a continued message's text where its tag last
+    appears (rindex): a template that writes the final message twice (a recap after the turns, say) keeps everything
+    up to the second. It was cut at the first, dropping the rest of the prompt the template wrote."""
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                            "[recap: {{ messages[-1].content }}]")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == (
+        "<user>hi</user><assistant>The answer is</assistant>[recap: The answer is")
+
+
 def test_chat_options_of_the_wrong_type_are_refused_naming_them():
     """chat_template_kwargs not a dict failed inside dict() with a ValueError about "dictionary update sequence
     elements" (and a list of pairs was taken as variables), tools given as a string were rendered as a tool, and a
