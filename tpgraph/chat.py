@@ -40,7 +40,11 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # the template's variables that a request's own fields set: chat_template_kwargs may not set them (documents may:
 # vLLM's LLM.chat has no argument for them, and its server takes them where the request's documents field is unset)
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools"})
+# apply_chat_template's own options in chat_template_kwargs, dropped: the request's add_generation_prompt and
+# continue_final_message win over the kwargs' (vLLM's merge_kwargs), and its tokenize is no template variable (vLLM's
+# safe_apply_chat_template takes it as its own argument: the prompt comes to the same tokens)
+REQUEST_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "tokenize"})
 # the content parts vLLM reads as text (the Responses API's input_text and output_text, an assistant's refusal and
 # earlier thoughts, as clients of reasoning models send them back), and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -309,7 +313,7 @@ class ChatTemplate:
         apply_chat_template cuts it, so the model continues it. documents: a RAG template's sources (vLLM's chat
         request field, each {"title", "text"}), as apply_chat_template gives them; where None, variables' own."""
         _check_render_options(add_generation_prompt, tools, variables, continue_final_message)
-        variables = dict(variables or {})
+        variables = {k: v for k, v in (variables or {}).items() if k not in REQUEST_OPTIONS}
         taken = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
         if taken:
             raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")

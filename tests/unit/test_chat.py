@@ -145,6 +145,22 @@ def test_template_variables_and_continuing_the_final_message():
         template.render(messages, continue_final_message=True)
 
 
+def test_the_requests_own_chat_options_win_over_chat_template_kwargs_as_in_vllm():
+    """vLLM merges the request's add_generation_prompt and continue_final_message over its chat_template_kwargs
+    (merge_kwargs: the fields win), and a `tokenize` there is apply_chat_template's own option, which no template
+    reads. add_generation_prompt in chat_template_kwargs was a 400 here, and the other two reached the template as
+    variables."""
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}"
+                            "|{{ continue_final_message | default('unset') }}|{{ tokenize | default('unset') }}")
+    hi = [{"role": "user", "content": "hi"}]
+    assert template.render(hi, variables={"add_generation_prompt": False}) == "<user>hi<assistant>|unset|unset"
+    assert template.render(hi, add_generation_prompt=False, variables={"add_generation_prompt": True}) == (
+        "<user>hi|unset|unset")
+    assert template.render(hi, variables={"continue_final_message": True, "tokenize": False}) == (
+        "<user>hi<assistant>|unset|unset")
+
+
 def test_continuing_a_final_message_the_template_writes_twice_cuts_at_its_last():
     """transformers' apply_chat_template (which vLLM renders with) cuts a continued message's text where its tag last
     appears (rindex): a template that writes the final message twice (a recap after the turns, say) keeps everything

@@ -72,6 +72,17 @@ def test_tokenize_chat_with_tools_template_variables_and_a_continued_message():
     assert bad.status_code == 400 and "function tools only" in bad.json()["error"]["message"]
 
 
+def test_a_chat_template_kwargs_add_generation_prompt_gives_way_to_the_requests_own():
+    """vLLM lets the request's add_generation_prompt win over one in chat_template_kwargs (merge_kwargs); it was a 400
+    here ("may not set add_generation_prompt")."""
+    c = codec()
+    messages = [{"role": "user", "content": "Hi"}]
+    got = call([("POST", "/tokenize", {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
+                 None)])[0]
+    assert got.status_code == 200, got.text
+    assert got.json()["tokens"] == c.encode_text(c.render_chat(messages), add_special_tokens=False)
+
+
 def test_tokenizer_info_names_the_special_tokens_and_the_template():
     """vLLM's /tokenizer_info, which lm-eval's remote tokenizer reads: the BOS the tokenizer adds, the first EOS id's
     token, the chat template's source (each encodes back to its id through /tokenize, as lm-eval's does)."""

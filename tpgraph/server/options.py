@@ -133,8 +133,10 @@ class HttpOptions:
         defaults = self.default_chat_template_kwargs
         if defaults is not None and not isinstance(defaults, dict):
             raise ConfigError(f"--default-chat-template-kwargs must be a JSON object, got {defaults!r}")
-        # (what a request's fields set, or the template itself, refused now: else every chat request would be a 400)
-        if taken := sorted(set(defaults or {}) & (RESERVED_TEMPLATE_VARIABLES | {"chat_template"})):
+        # (what a request's fields set, or the template itself, refused now: else every chat request would be a 400;
+        # add_generation_prompt too, as each request's own always wins over it)
+        if taken := sorted(set(defaults or {}) & (RESERVED_TEMPLATE_VARIABLES | {"add_generation_prompt",
+                                                                                "chat_template"})):
             raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)}: a request's own fields "
                               f"do (the template: --chat-template)")
         if self.chat_template_content_format not in CONTENT_FORMATS:
