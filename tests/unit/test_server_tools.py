@@ -226,6 +226,24 @@ def test_a_completion_on_a_reasoning_server_is_its_text_whole_with_a_grammar_hel
     assert [p.structured_after for p in client.params[6:]] == ["</think>", None]
 
 
+def test_a_completion_of_bad_token_ids_with_a_grammar_on_a_reasoning_server_is_a_400():
+    """Ids read as text to find whether the prompt closed its thoughts are checked first: a negative id overflowed
+    the tokenizer's decode (a 500), where every other completion of such ids is refused, naming it."""
+    from tpgraph.engine.limits import RequestLimits
+
+    class CheckingClient(ScriptedClient):  # (the bridge's check: the engine's limits)
+        def check(self, prompt, params) -> None:
+            RequestLimits(vocab_size=258, max_model_len=128, cache_tokens=1024).check(prompt, params)
+
+    client = CheckingClient(["abc"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128,
+                                reasoning=REASONING_PARSERS["deepseek_r1"])
+    body = {"model": "m", "prompt": [5, -1], "max_tokens": 8, "structured_outputs": {"regex": "[a-c]+"}}
+    got = post_all(app, [("/v1/completions", body)])[0]
+    assert got.status_code == 400, got.text
+    assert "at position 1" in got.json()["error"]["message"] and not client.params
+
+
 def test_a_special_end_tag_keeps_special_tokens_in_the_text():
     _, _, client = chat(["a</think>b"], {}, reasoning="deepseek_r1+special", tools=False)
     assert client.params[0].skip_special_tokens is False

@@ -651,6 +651,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         if reasoning is None or params.structured is None:
             return [params] * len(texts)
         held = dataclasses.replace(params, structured_after=reasoning.end)
+        for ids in (t for t in texts if not isinstance(t, str)):  # (checked first: a negative id overflows the decode)
+            api.client.check(ids, held)
         # (prompts given as ids decoded off the event loop, as the echo's are)
         closed = await asyncio.to_thread(lambda: [reasoning.closed_in(t if isinstance(t, str) else prompts.decode(t))
                                                   for t in texts])
