@@ -558,6 +558,27 @@ def test_decode_sizes_below_max_num_seqs_are_taken_as_vllm_takes_them():
     assert EngineConfig(device="cuda", max_num_seqs=8, graphs=GraphConfig(ladder=(1, 2, 4)))
 
 
+@pytest.mark.parametrize("flags,flag,setting", [
+    (["-tp", "0"], "--tensor-parallel-size/-tp must be a positive integer, got 0", "tp_size"),
+    (["--num-gpu-blocks-override", "-1"], "--num-kv-blocks/--num-gpu-blocks-override must be a positive integer",
+     "num_kv_blocks"),
+    (["--block-size", "24"], "--block-size must be a power of two", "block_size"),
+    (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"], "--max-num-batched-tokens (4) must be at least",
+     "max_num_batched_tokens"),
+    (["--max-model-len", "10m"], "--max-model-len 10000000 exceeds the model's", "max_model_len"),
+    (["--kv-cache-memory-bytes", "1"], "--kv-cache-memory-bytes/--kv-cache-memory 1 holds 0 KV blocks",
+     "kv_cache_memory_bytes"),
+])
+def test_engine_settings_refused_from_the_command_line_name_the_flag(flags, flag, setting, capsys):
+    """EngineConfig's refusals named its fields (`-tp 0`: "tp_size must be a positive integer"), which a command-line
+    user never typed; the CLI now names the flag, and TPEngine's keyword users still see the keyword."""
+    from tpgraph.generate import main
+
+    assert main(["--prompt", "hi", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and setting not in err
+
+
 def test_a_tp_size_from_torchruns_world_size_is_not_blamed_on_the_flag(monkeypatch):
     from tpgraph.engine.cli import engine_from_args
 
