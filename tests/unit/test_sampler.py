@@ -330,3 +330,15 @@ def test_any_finite_repetition_penalty_above_zero_is_taken_as_vllms():
     for bad in (float("inf"), float("nan")):
         with pytest.raises(RequestError, match="repetition_penalty must be a finite number"):
             SamplingParams(repetition_penalty=bad)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_log_probabilities_than_the_vocabulary_holds_are_refused_naming_the_field(field):
+    """A model of 12 tokens asked for 15 alternatives a token: the step's top-k over the vocabulary raised 'selected
+    index k out of range' and failed every request of the batch; the request is refused before it runs."""
+    from tpgraph.engine.limits import RequestLimits
+
+    limits = RequestLimits(vocab_size=12, max_model_len=64, cache_tokens=1000)
+    limits.check([1, 2], SamplingParams(**{field: 12}))  # (all of it is taken)
+    with pytest.raises(RequestError, match=rf"{field} .*15 log-probabilities.*vocabulary of 12 tokens"):
+        limits.check([1, 2], SamplingParams(**{field: 15}))

@@ -78,6 +78,9 @@ class RequestLimits:
             if asked is not None and asked > self.max_logprobs:
                 raise RequestError(f"{what} asks for {asked} log-probabilities a token, more than the "
                                    f"{self.max_logprobs} this server returns (its max_logprobs)")
+            if asked is not None and asked > vocab:  # (the step's top-k over the vocabulary would fail the batch)
+                raise RequestError(f"{what} asks for {asked} log-probabilities a token, more than the model's "
+                                   f"vocabulary of {vocab} tokens")
         if any(t >= vocab for t in params.stop_token_ids):  # (they index the logits: an id past them fails the step)
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
