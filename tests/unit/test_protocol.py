@@ -555,3 +555,14 @@ def test_a_completions_prompt_embeds_is_refused_not_ignored():
         with pytest.raises(RequestError, match="prompt_embeds is not supported"):
             request.beam_search_params(4, None) if extra else request.sampling_params(4, None)
     CompletionRequest.model_validate({"prompt": "x", "prompt_embeds": None}).sampling_params(4, None)
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatRequest])
+def test_the_servers_seed_is_a_signed_64_bit_integer_as_vllms(kind):
+    """vLLM's request models bound seed to torch.long's range; offline SamplingParams takes an unsigned 64-bit one
+    too (as vLLM's LLM does), and the server's request keeps vLLM's bound: a larger one is a 400."""
+    body = {"model": "m", "prompt": "x"} if kind is CompletionRequest else CHAT
+    assert kind.model_validate({**body, "seed": 2 ** 63 - 1}).seed == 2 ** 63 - 1
+    assert kind.model_validate({**body, "seed": -(2 ** 63)}).seed == -(2 ** 63)
+    with pytest.raises(ValidationError, match="seed"):
+        kind.model_validate({**body, "seed": 2 ** 63})

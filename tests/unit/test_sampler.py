@@ -342,3 +342,18 @@ def test_more_log_probabilities_than_the_vocabulary_holds_are_refused_naming_the
     limits.check([1, 2], SamplingParams(**{field: 12}))  # (all of it is taken)
     with pytest.raises(RequestError, match=rf"{field} .*15 log-probabilities.*vocabulary of 12 tokens"):
         limits.check([1, 2], SamplingParams(**{field: 15}))
+
+
+def test_an_unsigned_64_bit_seed_is_taken_as_vllms_generator_takes_it():
+    """vLLM seeds a request's torch.Generator with its seed, which takes any 64-bit value, unsigned too (a script's
+    random.getrandbits(64)); 2 ** 63 and above were refused here. Such a seed draws as any other: the same tokens each
+    time, whatever else is in the batch."""
+    seed = 2 ** 64 - 5
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=seed)
+    row = SampleRow(params, [1], [])
+    alone = [Sampler("cpu", seed=s).sample(logits[:1], [row]).token_ids[0] for s in range(2)]
+    beside = Sampler("cpu", seed=9).sample(logits[[1, 2, 3, 0]], [*rows(3, temperature=1.0), row]).token_ids[3]
+    assert alone == [beside] * 2
+    with pytest.raises(RequestError, match="seed must be between"):
+        SamplingParams(seed=2 ** 64)

@@ -141,7 +141,9 @@ class SamplingParams:
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2 ** 63), 2 ** 63 - 1)
+            # (what torch.Generator.manual_seed takes, as vLLM seeds a request's generator with it: a 64-bit seed drawn
+            # unsigned, random.getrandbits(64), too)
+            _check_int("seed", self.seed, -(2 ** 63), 2 ** 64 - 1)
         _check_int("priority", self.priority, -(2 ** 63), 2 ** 63 - 1)
         if self.truncate_prompt_tokens is not None and not (type(self.truncate_prompt_tokens) is int
                                                             and self.truncate_prompt_tokens == -1):  # (-1: to fit)

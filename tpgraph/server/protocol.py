@@ -166,7 +166,9 @@ class SamplingFields(NullMeansDefault):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    # (vLLM's server takes a signed 64-bit seed alone, as its request models bound it; offline SamplingParams takes an
+    # unsigned one too, as vLLM's LLM does)
+    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
