@@ -357,3 +357,49 @@ def test_an_unsigned_64_bit_seed_is_taken_as_vllms_generator_takes_it():
     assert alone == [beside] * 2
     with pytest.raises(RequestError, match="seed must be between"):
         SamplingParams(seed=2 ** 64)
+
+
+def processed_distribution(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+                           ) -> torch.Tensor:
+    """The plain reference of what a row draws from, in float64: bias, repetition (prompt and output tokens), frequency
+    and presence (output tokens), temperature, top-k, top-p over what top-k keeps, min-p of the largest."""
+    x = logits.double().clone()
+    for t, b in params.logit_bias:
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, count in Counter(output).items():
+        x[t] -= params.frequency_penalty * count + params.presence_penalty
+    p = torch.softmax(x / params.temperature, dim=-1)
+    order = p.argsort(descending=True)
+    if params.top_k:
+        p = p * (p >= p[order[params.top_k - 1]])
+        p = p / p.sum()
+    if params.top_p < 1.0:
+        kept = int((p[order].cumsum(0) < params.top_p).sum()) + 1
+        p = p * (p >= p[order[kept - 1]])
+        p = p / p.sum()
+    if params.min_p:
+        p = p * (p >= params.min_p * p.max())
+    return p / p.sum()
+
+
+def test_a_mixed_batchs_draws_follow_each_rows_processed_distribution():
+    """Rows of different parameters in one batch (penalized or not, seeded or not) each draw from their own processed
+    distribution: a chi-square of 8000 draws of each kind against the reference, nothing drawn outside its support."""
+    logits = torch.randn(8, generator=torch.Generator().manual_seed(4)) * 2
+    prompt, output = [1, 2, 3], [3, 4, 4]
+    kinds = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8),
+             SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.5, frequency_penalty=0.5,
+                            presence_penalty=0.3, seed=3),
+             SamplingParams(logit_bias={0: 2.0, 5: -1.0}, top_p=0.9, repetition_penalty=0.8)]
+    n = 8000
+    # (the seeded rows as samples 0 to n - 1 of their request: each draws from its own seed's numbers)
+    batch = [SampleRow(p, prompt, output, sample_index=i) for i in range(n) for p in kinds]
+    ids = torch.tensor(Sampler("cpu", 5).sample(logits.expand(len(batch), -1).clone(), batch).token_ids)
+    for k, params in enumerate(kinds):
+        seen = torch.bincount(ids[k::len(kinds)], minlength=8).double()
+        expected = processed_distribution(logits, params, prompt, output) * n
+        assert seen[expected == 0].sum() == 0, (params, seen, expected)
+        chi2 = float(((seen - expected) ** 2 / expected)[expected > 0].sum())
+        assert chi2 < 30, (params, chi2, seen, expected)  # (7 degrees of freedom at most: 30 is p < 1e-4)
