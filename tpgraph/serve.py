@@ -462,10 +462,14 @@ def _check_unix_socket(path: str) -> None:
     if not stat.S_ISSOCK(os.stat(path).st_mode):
         raise ConfigError(f"cannot listen on --uds {path}: it exists and is no socket")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)  # (a live server's full backlog blocks a connect)
         try:
             sock.connect(path)
-        except OSError:
-            return  # (a stopped server's socket: taken over)
+        except ConnectionRefusedError:
+            return  # (no one listens: a stopped server's socket, taken over)
+        except OSError as exc:  # (a datagram server's, one we may not connect to: uvicorn would delete a live one)
+            raise ConfigError(f"cannot listen on --uds {path}: its server cannot be told gone ({exc.strerror or exc}); "
+                              f"remove the socket file if it is stale") from None
     raise ConfigError(f"cannot listen on --uds {path}: a server listens on it already")
 
 

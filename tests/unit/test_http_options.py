@@ -489,3 +489,16 @@ def test_trust_request_chat_template_renders_a_requests_own_template():
     refused, = post_all(server_app.create_app(ScriptedClient(["x"]), codec, ServerMetrics(), "m", 128), [
         ("/v1/chat/completions", {"model": "m", "messages": messages, "chat_template": own})])
     assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]
+
+
+def test_a_unix_socket_whose_server_cannot_be_told_gone_is_not_taken_over(tmp_path):
+    """Only a refused connection says the socket's server is gone: uvicorn (asyncio) deletes the socket file it takes
+    over, so a live datagram server's socket (its connect fails otherwise) must be refused, not taken."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.serve import _check_listen
+
+    path = str(tmp_path / "dgram.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as live:
+        live.bind(path)
+        with pytest.raises(ConfigError, match="cannot listen on --uds .*: its server cannot be told gone"):
+            _check_listen("127.0.0.1", 8000, path)
