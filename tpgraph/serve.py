@@ -21,7 +21,6 @@ import re
 import signal
 import socket
 import ssl
-import stat
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
-from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, keep_alive_s
+from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.response_store import DEFAULT_CAPACITY
 from tpgraph.server.tool_parsers import PARSERS
@@ -425,7 +424,7 @@ def _check_listen(host: str, port: int, uds: str | None = None) -> None:
     """Refuse an address the HTTP server could not listen on (in use, or not this host's), as uvicorn would bind it;
     with --uds, a Unix socket path another server listens on, or that is no socket, or in no directory."""
     if uds is not None:
-        return _check_unix_socket(uds)
+        return check_unix_socket(uds)
     try:
         # (every address uvicorn's asyncio server binds: each the host resolves to, and for an empty host, as vLLM's
         # default, every interface's)
@@ -450,27 +449,6 @@ def _bind(family: int, kind: int, proto: int, _: str, address: tuple) -> None:
         if family == socket.AF_INET6:  # (as asyncio binds it: beside the IPv4 socket, not over it)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
-
-
-def _check_unix_socket(path: str) -> None:
-    """uvicorn replaces a socket file left at `path` (a stopped server's), but cannot listen where something else is,
-    nor where a server listens already (it would take its place, silently)."""
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ConfigError(f"cannot listen on --uds {path}: its directory does not exist")
-    if not os.path.exists(path):
-        return
-    if not stat.S_ISSOCK(os.stat(path).st_mode):
-        raise ConfigError(f"cannot listen on --uds {path}: it exists and is no socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)  # (a live server's full backlog blocks a connect)
-        try:
-            sock.connect(path)
-        except ConnectionRefusedError:
-            return  # (no one listens: a stopped server's socket, taken over)
-        except OSError as exc:  # (a datagram server's, one we may not connect to: uvicorn would delete a live one)
-            raise ConfigError(f"cannot listen on --uds {path}: its server cannot be told gone ({exc.strerror or exc}); "
-                              f"remove the socket file if it is stale") from None
-    raise ConfigError(f"cannot listen on --uds {path}: a server listens on it already")
 
 
 def _close(engine, timeout_s: float = 15.0, followers_told: bool = False, exit_code: int = 0) -> None:

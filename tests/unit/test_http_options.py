@@ -502,3 +502,31 @@ def test_a_unix_socket_whose_server_cannot_be_told_gone_is_not_taken_over(tmp_pa
         live.bind(path)
         with pytest.raises(ConfigError, match="cannot listen on --uds .*: its server cannot be told gone"):
             _check_listen("127.0.0.1", 8000, path)
+
+
+def test_a_unix_socket_a_server_took_while_the_model_loaded_is_not_taken_over(tmp_path):
+    """rank 0 checks --uds before minutes of loading; a server that began listening there since would lose its socket
+    to uvicorn (asyncio deletes the file), so the front end checks again as it binds, and fails to start."""
+    from tpgraph.server.frontend import FrontendSpec, start_frontend
+
+    path = str(tmp_path / "api.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(path)
+        live.listen()
+        spec = FrontendSpec("127.0.0.1", 8000, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL),
+                            http=HttpOptions(uds=path))
+        proc, conn = start_frontend(spec)
+        try:
+            proc.join(120)
+            assert proc.exitcode not in (0, None)
+            with pytest.raises(EOFError):  # (never said it listens: its end closed, nothing sent)
+                conn.recv()
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(path)  # (still the live server's socket)
+            accepted, _ = live.accept()
+            accepted.close()
+

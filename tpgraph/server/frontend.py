@@ -17,8 +17,9 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from tpgraph.engine.limits import RequestLimits
+from tpgraph.errors import ConfigError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.options import HttpOptions
+from tpgraph.server.options import HttpOptions, check_unix_socket
 from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
 
@@ -68,6 +69,12 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
+            if self.config.uds is not None:  # (checked before the model loaded; a server may listen there since)
+                try:
+                    check_unix_socket(self.config.uds)
+                except ConfigError as exc:  # (as uvicorn leaves on an address it cannot bind)
+                    logger.error("%s", exc)
+                    sys.exit(1)
             await super().startup(sockets)  # binds and listens (or exits non-zero: the address is taken)
             if self.started:  # rank 0 says "serving" only now: a client that reads it and connects gets in
                 client.listening()

@@ -4,7 +4,9 @@ maps the flags to it; the front end's process gets it in its FrontendSpec."""
 from __future__ import annotations
 
 import os
+import socket
 import ssl
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +180,25 @@ class HttpOptions:
                                                                   ("--ssl-keyfile", self.ssl_keyfile),
                                                                   ("--ssl-ca-certs", self.ssl_ca_certs)) if path)
             raise ConfigError(f"cannot serve HTTPS with {files}: {exc}") from None
+
+
+def check_unix_socket(path: str) -> None:
+    """uvicorn replaces a socket file left at `path` (a stopped server's), but cannot listen where something else is,
+    nor where a server listens already (it would take its place, silently): rank 0 checks before loading the model,
+    the front end again as it binds (a server may have begun listening there since)."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"cannot listen on --uds {path}: its directory does not exist")
+    if not os.path.exists(path):
+        return
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise ConfigError(f"cannot listen on --uds {path}: it exists and is no socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)  # (a live server's full backlog blocks a connect)
+        try:
+            sock.connect(path)
+        except ConnectionRefusedError:
+            return  # (no one listens: a stopped server's socket, taken over)
+        except OSError as exc:  # (a datagram server's, one we may not connect to: uvicorn would delete a live one)
+            raise ConfigError(f"cannot listen on --uds {path}: its server cannot be told gone ({exc.strerror or exc}); "
+                              f"remove the socket file if it is stale") from None
+    raise ConfigError(f"cannot listen on --uds {path}: a server listens on it already")
