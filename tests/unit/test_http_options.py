@@ -530,3 +530,18 @@ def test_a_unix_socket_a_server_took_while_the_model_loaded_is_not_taken_over(tm
             accepted, _ = live.accept()
             accepted.close()
 
+
+def test_a_requests_own_chat_template_is_compiled_once_not_per_request(monkeypatch):
+    """Compiling a chat template takes tens of milliseconds, on the event loop: a client sending the same
+    chat_template with every request (as one does under --trust-request-chat-template) stalled every stream that long
+    per request. It is compiled once, as transformers' compile cache does under vLLM."""
+    from tpgraph.server import protocol
+
+    compiled = []
+    real = protocol.ChatTemplate
+    monkeypatch.setattr(protocol, "ChatTemplate", lambda *a, **k: compiled.append(a) or real(*a, **k))
+    own = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[once]"
+    tokens = {"bos_token": "<s>"}
+    first = protocol.request_template(own, None, True, tokens)
+    assert protocol.request_template(own, None, True, dict(tokens)) is first and len(compiled) <= 1
+    assert protocol.request_template(own, None, True, {"bos_token": "<b>"}).special_tokens == {"bos_token": "<b>"}
