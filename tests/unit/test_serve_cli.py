@@ -747,3 +747,12 @@ def test_an_empty_host_listens_on_every_interface_as_vllms_default(capsys):
         taken.listen()
         with pytest.raises(ConfigError, match=r"cannot listen on \*:\d+: Address already in use"):
             _check_listen("", taken.getsockname()[1])
+
+
+def test_a_log_config_file_whose_name_holds_braces_is_read(tmp_path):
+    """The flag's path was put through str.format: a file named {site}.json stopped the server with a KeyError."""
+    import json
+
+    path = tmp_path / "{site}.json"
+    path.write_text(json.dumps({"version": 1, "incremental": True}))
+    assert parse_args(["--log-config-file", str(path)]).http.log_config == {"version": 1, "incremental": True}

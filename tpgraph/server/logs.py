@@ -76,11 +76,11 @@ def logging_config(path: str | None = None) -> dict[str, Any] | None:
     """The logging configuration of vLLM's --log-config-file `path`, else VLLM_LOGGING_CONFIG_PATH's file (a JSON
     object, as logging.config.dictConfig takes it), which takes the place of the server's own and of uvicorn's, as
     vLLM's; None where neither is given."""
-    named = f"--log-config-file {path}" if path else f"{CONFIG_PATH_VARIABLE}={{!r}}"
+    named = f"--log-config-file {path}" if path else None
     path = path or os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
     if not path:
         return None
-    named = named.format(path)
+    named = named or f"{CONFIG_PATH_VARIABLE}={path!r}"
     if not configures_logging():  # (as vLLM refuses the two together: the file would configure nothing)
         raise ConfigError(f"{named} is given, but {CONFIGURE_VARIABLE}=0 says not to configure logging: leave out "
                           f"one of them")
