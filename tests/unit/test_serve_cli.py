@@ -756,3 +756,27 @@ def test_a_log_config_file_whose_name_holds_braces_is_read(tmp_path):
     path = tmp_path / "{site}.json"
     path.write_text(json.dumps({"version": 1, "incremental": True}))
     assert parse_args(["--log-config-file", str(path)]).http.log_config == {"version": 1, "incremental": True}
+
+
+
+def test_a_vllm_logging_config_file_configures_the_servers_loggers_as_vllms(tmp_path):
+    """vLLM's logging configuration files (its documented example among them) configure the "vllm" logger, and leave
+    disable_existing_loggers at dictConfig's True: taken as it was, such a file disabled every tpgraph logger already
+    made, so the server logged nothing at all, errors included. Its "vllm" logger configures the server's loggers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps({
+        "version": 1, "formatters": {"f": {"format": "CFG %(name)s %(message)s"}},
+        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "f", "level": "INFO",
+                                 "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["console"], "level": "INFO", "propagate": False}}}))
+    code = ("from tpgraph.serve import logger; from tpgraph.server.logs import configure_logging, logging_config; "
+            "configure_logging(logging_config()); logger.error('the engine loop stopped')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_LOGGING_CONFIG_PATH": str(path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "CFG tpgraph.serve the engine loop stopped\n"

@@ -28,6 +28,7 @@ FORMAT = "%(levelname)s %(name)s: %(message)s"
 # stream; the server's default is stderr, vLLM's stdout)
 PREFIX_VARIABLE, STREAM_VARIABLE = "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_STREAM"
 STREAMS = {"ext://sys.stdout": "stdout", "ext://sys.stderr": "stderr"}
+VLLM_LOGGER, SERVER_LOGGER = "vllm", "tpgraph"  # (vLLM's loggers' root, and the server's)
 
 
 def logging_level() -> int:
@@ -92,7 +93,17 @@ def logging_config(path: str | None = None) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise ConfigError(f"{named} must hold a JSON object (logging.config.dictConfig's schema), not a "
                           f"{type(config).__name__}")
-    return config
+    return with_servers_logger(config)
+
+
+def with_servers_logger(config: dict[str, Any]) -> dict[str, Any]:
+    """A vLLM logging configuration's "vllm" logger (its documented example's, which leaves disable_existing_loggers
+    at dictConfig's True) as the server's own "tpgraph" too, where the file does not name that one: else it configured
+    none of the server's lines and disabled its loggers, so that nothing was logged, errors included."""
+    loggers = config.get("loggers")
+    if not isinstance(loggers, dict) or VLLM_LOGGER not in loggers or SERVER_LOGGER in loggers:
+        return config
+    return {**config, "loggers": {**loggers, SERVER_LOGGER: loggers[VLLM_LOGGER]}}
 
 
 def check_environment() -> None:
@@ -121,4 +132,4 @@ def configure_logging(config: dict[str, Any] | None = None) -> None:
     prefix = os.environ.get(PREFIX_VARIABLE, "").replace("%", "%%")  # (text: no % is read as a field)
     # (the stream looked up now, not at import: a test's or a caller's replaced sys.stdout is the one written to)
     logging.basicConfig(level=max(level, logging.INFO), format=prefix + FORMAT, stream=getattr(sys, logging_stream()))
-    logging.getLogger("tpgraph").setLevel(level)
+    logging.getLogger(SERVER_LOGGER).setLevel(level)
