@@ -239,13 +239,14 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.enable_log_requests, args.max_log_len, args.default_chat_template_kwargs,
                        args.enable_force_include_usage, args.chat_template_content_format,
                        args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s(),
-                       log_config=logging_config(args.log_config_file), uds=args.uds)
+                       log_config=logging_config(args.log_config_file), uds=args.uds,
+                       server_log_config=logging_config())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        configure_logging(args.http.log_config)
+        configure_logging(args.http.server_log_config)
     except ConfigError as exc:  # (a logging configuration file's, which dictConfig refused)
         print(f"error: {exc}", file=sys.stderr)
         return 2

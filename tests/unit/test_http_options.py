@@ -545,3 +545,23 @@ def test_a_requests_own_chat_template_is_compiled_once_not_per_request(monkeypat
     first = protocol.request_template(own, None, True, tokens)
     assert protocol.request_template(own, None, True, dict(tokens)) is first and len(compiled) <= 1
     assert protocol.request_template(own, None, True, {"bos_token": "<b>"}).special_tokens == {"bos_token": "<b>"}
+
+
+def test_a_log_config_file_for_uvicorn_leaves_the_servers_own_logging(tmp_path, monkeypatch, capfd):
+    """vLLM's --log-config-file is uvicorn's log_config (its server's own logging is VLLM_LOGGING_CONFIG_PATH's, or
+    its default): a file that formats uvicorn's access lines alone, as such files do, took the server's own logging's
+    place, so the server's lines (the stats line, "serving on", ...) below WARNING were lost."""
+    import json
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    path = tmp_path / "uvicorn.json"
+    path.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False, "formatters": {"a": {"format": "ACCESS %(message)s"}},
+        "handlers": {"a": {"class": "logging.StreamHandler", "formatter": "a"}},
+        "loggers": {"uvicorn.access": {"handlers": ["a"], "level": "INFO", "propagate": False}}}))
+    with frontend(http_options(parse_args(["--log-config-file", str(path)]))) as address:
+        with urllib.request.urlopen(f"http://{address}/version", timeout=30) as reply:
+            assert reply.status == 200
+    out = "".join(capfd.readouterr())
+    assert 'ACCESS 127.0.0.1' in out and '"GET /version HTTP/1.1" 200' in out, out
+    assert "INFO tpgraph.serve: the engine is stopping" in out, out

@@ -84,7 +84,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     from tpgraph.server.logs import configure_logging
     from tpgraph.server.metrics import ServerMetrics
 
-    configure_logging(spec.http.log_config)  # (as rank 0's: the environment it was spawned with, checked there)
+    configure_logging(spec.http.server_log_config)  # (as rank 0's; uvicorn's own, log_config, is uvicorn's)
     server: Server | None = None
 
     def engine_gone() -> None:
@@ -105,7 +105,12 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     app = create_app(client, spec.prompts, metrics, spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
                      spec.served_names, spec.model_root)
-    server = Server(uvicorn_config(app, spec))
+    try:
+        server = Server(uvicorn_config(app, spec))
+    except (ValueError, TypeError, AttributeError, ImportError) as exc:  # (log_config's, which dictConfig refused)
+        logger.error("the logging configuration file (--log-config-file, VLLM_LOGGING_CONFIG_PATH) is none uvicorn's "
+                     "dictConfig takes: %s", exc)
+        sys.exit(1)
     # uvicorn raises the signal it stopped for again once it has stopped: Ctrl-C as KeyboardInterrupt, SIGTERM by
     # its default action (killed by it: exit code -15, which rank 0 takes for a failure); either is a clean stop,
     # unless the engine went away unannounced

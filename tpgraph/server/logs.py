@@ -75,8 +75,8 @@ def stats_interval_s() -> float:
 
 def logging_config(path: str | None = None) -> dict[str, Any] | None:
     """The logging configuration of vLLM's --log-config-file `path`, else VLLM_LOGGING_CONFIG_PATH's file (a JSON
-    object, as logging.config.dictConfig takes it), which takes the place of the server's own and of uvicorn's, as
-    vLLM's; None where neither is given."""
+    object, as logging.config.dictConfig takes it): called with the flag's path, uvicorn's (as vLLM's); without, the
+    server's own, in place of its default (as vLLM's variable). None where neither is given."""
     named = f"--log-config-file {path}" if path else None
     path = path or os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
     if not path:
@@ -117,7 +117,7 @@ def check_environment() -> None:
 def configure_logging(config: dict[str, Any] | None = None) -> None:
     """Log to stderr, the server's loggers at VLLM_LOGGING_LEVEL (other libraries' at INFO, or quieter with it, so
     that DEBUG is the server's debug lines, not every library's); as `config` says where one is given (logging_config:
-    --log-config-file's, or VLLM_LOGGING_CONFIG_PATH's); nothing where VLLM_CONFIGURE_LOGGING=0. Raises ConfigError
+    VLLM_LOGGING_CONFIG_PATH's); nothing where VLLM_CONFIGURE_LOGGING=0. Raises ConfigError
     for a configuration dictConfig refuses."""
     if not configures_logging():
         return

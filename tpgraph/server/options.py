@@ -84,11 +84,14 @@ class HttpOptions:
     # timeout_keep_alive): a load balancer that reuses connections longer than this gets a reset, or a 502, unless
     # it is raised past the balancer's idle timeout
     keep_alive_s: int = KEEP_ALIVE_S
-    # vLLM's --log-config-file (else VLLM_LOGGING_CONFIG_PATH's file): a logging configuration, as dictConfig takes
-    # it, in place of the server's own and of uvicorn's (logs.py); None: theirs
+    # vLLM's --log-config-file (else VLLM_LOGGING_CONFIG_PATH's file): uvicorn's logging configuration, as dictConfig
+    # takes it, in place of uvicorn's own (logs.py); None: uvicorn's
     log_config: dict[str, Any] | None = None
     # vLLM's --uds: a Unix domain socket's path to listen on, in place of the host and port
     uds: str | None = None
+    # VLLM_LOGGING_CONFIG_PATH's file: the server's own logging configuration, in place of its default, in both
+    # processes (vLLM's --log-config-file is uvicorn's alone: a file for uvicorn's access lines leaves the server's)
+    server_log_config: dict[str, Any] | None = None
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -103,8 +106,9 @@ class HttpOptions:
         if isinstance(self.keep_alive_s, bool) or not isinstance(self.keep_alive_s, int) or self.keep_alive_s < 0:
             raise ConfigError(f"{KEEP_ALIVE_VARIABLE} must be a whole number of seconds >= 0, got "
                               f"{self.keep_alive_s!r}")
-        if self.log_config is not None and not isinstance(self.log_config, dict):
-            raise ConfigError(f"log_config must be a dictConfig mapping, got {self.log_config!r}")
+        for name in ("log_config", "server_log_config"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a dictConfig mapping, got {getattr(self, name)!r}")
         if self.uds is not None and (not isinstance(self.uds, str) or not self.uds):
             raise ConfigError(f"--uds must be a socket's path, got {self.uds!r}")
         if not isinstance(self.access_log, bool):
