@@ -780,3 +780,16 @@ def test_a_vllm_logging_config_file_configures_the_servers_loggers_as_vllms(tmp_
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "CFG tpgraph.serve the engine loop stopped\n"
+
+
+def test_a_log_config_file_for_uvicorn_is_taken_where_the_server_configures_no_logging(tmp_path, monkeypatch):
+    """vLLM's --log-config-file is uvicorn's: VLLM_CONFIGURE_LOGGING=0 (vLLM's own loggers left alone) does not stop
+    it, as it stops VLLM_LOGGING_CONFIG_PATH's. The pair was refused ("leave out one of them")."""
+    import json
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    path = tmp_path / "uvicorn.json"
+    path.write_text(json.dumps({"version": 1, "disable_existing_loggers": False}))
+    http = parse_args(["--log-config-file", str(path)]).http
+    assert http.log_config == {"version": 1, "disable_existing_loggers": False} and http.server_log_config is None

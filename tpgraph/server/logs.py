@@ -77,12 +77,14 @@ def logging_config(path: str | None = None) -> dict[str, Any] | None:
     """The logging configuration of vLLM's --log-config-file `path`, else VLLM_LOGGING_CONFIG_PATH's file (a JSON
     object, as logging.config.dictConfig takes it): called with the flag's path, uvicorn's (as vLLM's); without, the
     server's own, in place of its default (as vLLM's variable). None where neither is given."""
-    named = f"--log-config-file {path}" if path else None
+    flag = bool(path)
     path = path or os.environ.get(CONFIG_PATH_VARIABLE, "").strip()
     if not path:
         return None
-    named = named or f"{CONFIG_PATH_VARIABLE}={path!r}"
-    if not configures_logging():  # (as vLLM refuses the two together: the file would configure nothing)
+    named = f"--log-config-file {path}" if flag else f"{CONFIG_PATH_VARIABLE}={path!r}"
+    # (as vLLM refuses the variable's file with VLLM_CONFIGURE_LOGGING=0, which it would configure nothing with; the
+    # flag's is uvicorn's, which that leaves to it)
+    if not flag and not configures_logging():
         raise ConfigError(f"{named} is given, but {CONFIGURE_VARIABLE}=0 says not to configure logging: leave out "
                           f"one of them")
     try:
