@@ -227,17 +227,6 @@ def test_the_stats_lines_interval_is_vllms_log_stats_interval(interval, first_li
     assert len(caplog.records) == 1
 
 
-def test_a_log_stats_interval_that_is_no_number_is_refused_when_parsed(monkeypatch, capsys):
-    """(vLLM's float() of it fails with a traceback; every stats line would have nothing to go by)"""
-    from tpgraph.serve import parse_args
-
-    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "10s")
-    with pytest.raises(SystemExit) as exit_:
-        parse_args([])
-    assert exit_.value.code == 2
-    assert "VLLM_LOG_STATS_INTERVAL='10s' is not a number of seconds" in capsys.readouterr().err
-
-
 def test_the_kv_caches_configuration_is_vllms_cache_config_info():
     """vLLM exports its KV cache's configuration as vllm:cache_config_info, a gauge of 1 whose labels hold it
     (block_size, num_gpu_blocks, ...): what a router or autoscaler built on vLLM's metrics reads to turn
