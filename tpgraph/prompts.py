@@ -393,6 +393,12 @@ class SaltedPrompt(NamedTuple):
     salt: str
 
 
+def unsalted(prompts: list) -> tuple[list, list[str | None]]:
+    """The prompts with each SaltedPrompt's prompt in its place, and each one's cache_salt (None where it gave none)."""
+    return ([p.prompt if isinstance(p, SaltedPrompt) else p for p in prompts],
+            [p.salt if isinstance(p, SaltedPrompt) else None for p in prompts])
+
+
 def vllm_prompt(prompt: dict) -> str | list[int] | TextedIds | SaltedPrompt:
     """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as the text or the ids it holds (as generate takes them);
     {"prompt_token_ids": ids, "prompt": text} as both (TextedIds); with a "cache_salt", a SaltedPrompt of that. Its

@@ -75,6 +75,7 @@ from tpgraph.prompts import (
     is_one_prompt,
     is_vllm_prompt,
     token_ids,
+    unsalted,
     vllm_prompt,
 )
 from tpgraph.tokenizer import BOS, EOS, load_tokenizer
@@ -399,8 +400,7 @@ class TPEngine:
                 return listed
 
             prompts = self._agreed_call("generate", normalized, sampling_params, priority, tokenization_kwargs)
-            salts = [p.salt if isinstance(p, SaltedPrompt) else None for p in prompts]
-            prompts = [p.prompt if isinstance(p, SaltedPrompt) else p for p in prompts]
+            prompts, salts = unsalted(prompts)
             limit = self._encode_limit(sampling_params, options)
             special = True if options.add_special_tokens is None else options.add_special_tokens
             encoded = []
@@ -483,8 +483,7 @@ class TPEngine:
                 return _prompt_list(prompts)
 
             listed = self._agreed_call("beam_search", normalized, params, concurrency_limit)
-            salts = [p.salt if isinstance(p, SaltedPrompt) else None for p in listed]
-            listed = [p.prompt if isinstance(p, SaltedPrompt) else p for p in listed]
+            listed, salts = unsalted(listed)
             limit = self.runner.max_model_len
             ids = [p.ids if isinstance(p, TextedIds) else self.prompts.encode(p, limit) for p in listed]
         tokenizer = self.get_tokenizer()
