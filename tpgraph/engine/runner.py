@@ -280,14 +280,23 @@ class ModelRunner:
             self._bind_kv_cache(num_blocks)
         except RuntimeError as exc:  # (torch.OutOfMemoryError on CUDA; the CPU allocator's is a plain RuntimeError)
             oom = isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
-            if not (oom and (self.cfg.num_kv_blocks or self.cfg.kv_cache_memory_bytes)):
+            by_hand = self._sized_by_hand()
+            if not (oom and by_hand):
                 raise
-            flag = "--num-kv-blocks" if self.cfg.num_kv_blocks else "--kv-cache-memory-bytes"
-            asked = num_blocks if self.cfg.num_kv_blocks else self.cfg.kv_cache_memory_bytes
+            flag, asked = by_hand
             raise ConfigError(f"{flag} {asked} asks for {num_blocks * self.block_bytes / GiB:.2f} GiB "
                               f"of KV cache ({self.block_bytes / (1 << 20):.2f} MiB a block), more than the "
                               f"{self.device.type} has free: lower {flag}, or leave it out to size the cache "
                               "from free memory") from exc
+
+    def _sized_by_hand(self) -> tuple[str, int] | None:
+        """The flag that sized the KV cache by hand and its value (--num-kv-blocks, --kv-cache-memory-bytes), for
+        refusals to name; None where memory sizes it."""
+        if self.cfg.num_kv_blocks:
+            return "--num-kv-blocks", self.cfg.num_kv_blocks
+        if self.cfg.kv_cache_memory_bytes:
+            return "--kv-cache-memory-bytes", self.cfg.kv_cache_memory_bytes
+        return None
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         layers, heads, dim = self._kv_shape
@@ -389,11 +398,8 @@ class ModelRunner:
         ranks = gather_objects(self.model.comm.state, host).count(host)
         need, memory = blocks * self.block_bytes * ranks, host_memory_bytes()
         on = f"this host's {ranks} ranks' caches" if ranks > 1 else "the KV cache"
-        if self.cfg.num_kv_blocks:
-            asked, fix = f"--num-kv-blocks {blocks} asks for", "lower --num-kv-blocks"
-        elif self.cfg.kv_cache_memory_bytes:
-            asked, fix = f"--kv-cache-memory-bytes {self.cfg.kv_cache_memory_bytes} asks for", \
-                "lower --kv-cache-memory-bytes"
+        if by_hand := self._sized_by_hand():
+            asked, fix = f"{by_hand[0]} {by_hand[1]} asks for", f"lower {by_hand[0]}"
         else:
             asked = (f"the KV cache holds --max-num-seqs {self.cfg.max_batch} sequences of --max-model-len "
                      f"{self.max_model_len} tokens:")
