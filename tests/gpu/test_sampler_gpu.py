@@ -93,9 +93,11 @@ def test_packed_rows_count_ranks_on_the_device_as_on_the_host():
 
 
 def _kept_probabilities(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> torch.Tensor:
-    """The kept distribution in float64: a token stays when the weight strictly above it is below p of the total
-    (top-p's smallest set of the largest reaching p, ties kept) and its weight is at least min_p of the largest."""
+    """The kept distribution in float64: a token stays when its weight is at least min_p of the largest and the
+    weight strictly above it is below p of what min-p keeps (vLLM's order: top-p's smallest set of the largest
+    reaching p, ties kept, within min-p's)."""
     w = ((row.double() - row.double().max()) / temperature).exp()
+    w = torch.where(w >= min_p, w, 0.0)
     ascending = w.sort().values
     at_or_below = ascending.cumsum(0)[torch.searchsorted(ascending, w, right=True) - 1]
     above = w.sum() - at_or_below
@@ -117,7 +119,8 @@ def _rank_bins(want: torch.Tensor) -> list[torch.Tensor]:
     dict(vocab=128256, scale=3.0, temperature=0.8, top_p=0.9, min_p=0.0),
     dict(vocab=128256, scale=3.0, temperature=1.0, top_p=1.0, min_p=0.02),
     dict(vocab=32003, scale=0.05, temperature=1.0, top_p=0.05, min_p=0.0),  # flat: rejection rounds
-], ids=["probs4", "llama3_p0.9", "llama3_min_p", "flat_p0.05"])
+    dict(vocab=128256, scale=3.0, temperature=1.0, top_p=0.5, min_p=0.01),  # top-p's share of min-p's survivors
+], ids=["probs4", "llama3_p0.9", "llama3_min_p", "flat_p0.05", "llama3_min_p_p0.5"])
 def test_the_fused_kernel_draws_the_kept_distribution(case):
     """200000 draws of one row (a stride-0 batch) by kernels/sampling.py: nothing outside the kept set (float64
     reference, fp32 rounding at its edges aside), and the kept tokens' frequencies against their probabilities (the

@@ -36,11 +36,11 @@ def per_row(n: int, temperature: float, top_p: float, min_p: float, floor: float
 
 
 def kept_set(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> tuple[set[int], set[int]]:
-    """(the tokens the torch chain keeps, those within fp32 rounding of top-p's edge): top_p_keep of the row's
-    weights, then min-p."""
+    """(the tokens the torch chain keeps, those within fp32 rounding of top-p's edge): min-p of the row's weights,
+    then top_p_keep of what it kept (vLLM's order)."""
     w = ((row / temperature) - (row / temperature).max()).exp().unsqueeze(0)
+    w = w.masked_fill(w < min_p, 0.0)
     kept = top_p_keep(w, [top_p])[0]
-    kept = kept.masked_fill(kept < min_p, 0.0)
     mass = w[0].double() / w[0].double().sum()
     order = mass.argsort(descending=True)
     above = torch.zeros_like(mass)
@@ -50,10 +50,13 @@ def kept_set(row: torch.Tensor, temperature: float, top_p: float, min_p: float) 
 
 
 @pytest.mark.parametrize("kw, kept", [({}, [0, 1, 2, 3]), ({"top_p": 0.81}, [0, 1, 2]), ({"min_p": 0.2}, [0, 1, 2]),
-                                      ({"top_p": 0.8}, [0, 1])], ids=["plain", "p0.81", "min_p0.2", "p0.8"])
+                                      ({"top_p": 0.8}, [0, 1]), ({"top_p": 0.84, "min_p": 0.2}, [0, 1])],
+                         ids=["plain", "p0.81", "min_p0.2", "p0.8", "min_p_then_p"])
 def test_the_draw_follows_the_kept_distribution(kw, kept):
     """400 draws from [0.5, 0.3, 0.15, 0.05]: each kept token's frequency within 0.08 of its share of the kept set
-    (4 standard deviations), and nothing else drawn."""
+    (4 standard deviations), and nothing else drawn. min_p_then_p: min-p keeps [0.5, 0.3, 0.15] (0.95), of which
+    0.5 + 0.3 is 0.842, past top_p 0.84, so token 2 goes too, as in vLLM's order (of the whole row, 0.8 < 0.84 would
+    keep it)."""
     counts = Counter(draw(PROBS.log().expand(400, -1), **kw))
     assert set(counts) == set(kept), counts
     total = float(PROBS[kept].sum())

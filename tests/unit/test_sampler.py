@@ -80,6 +80,8 @@ def test_top_k_top_p_min_p_keep_the_right_tokens():
     assert set(drawn({"top_p": 0.81})) == {0, 1, 2}
     assert set(drawn({"min_p": 0.2})) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
     assert set(drawn({"min_p": 0.7})) == {0}
+    # min-p first, then top-p of what it kept (vLLM's order): 0.8 of its 0.95 is past 0.84 (of all, 0.8 is not)
+    assert set(drawn({"min_p": 0.2, "top_p": 0.84})) == {0, 1}
     assert set(drawn({"temperature": 1e-4})) == {0}
 
 
@@ -362,7 +364,8 @@ def test_an_unsigned_64_bit_seed_is_taken_as_vllms_generator_takes_it():
 def processed_distribution(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
                            ) -> torch.Tensor:
     """The plain reference of what a row draws from, in float64: bias, repetition (prompt and output tokens), frequency
-    and presence (output tokens), temperature, top-k, top-p over what top-k keeps, min-p of the largest."""
+    and presence (output tokens), temperature, min-p of the largest, top-k, then top-p over what those kept (vLLM's
+    order)."""
     x = logits.double().clone()
     for t, b in params.logit_bias:
         x[t] += b
@@ -372,15 +375,15 @@ def processed_distribution(logits: torch.Tensor, params: SamplingParams, prompt:
         x[t] -= params.frequency_penalty * count + params.presence_penalty
     p = torch.softmax(x / params.temperature, dim=-1)
     order = p.argsort(descending=True)
+    if params.min_p:
+        p = p * (p >= params.min_p * p.max())
+        p = p / p.sum()
     if params.top_k:
         p = p * (p >= p[order[params.top_k - 1]])
         p = p / p.sum()
     if params.top_p < 1.0:
         kept = int((p[order].cumsum(0) < params.top_p).sum()) + 1
         p = p * (p >= p[order[kept - 1]])
-        p = p / p.sum()
-    if params.min_p:
-        p = p * (p >= params.min_p * p.max())
     return p / p.sum()
 
 
@@ -392,7 +395,8 @@ def test_a_mixed_batchs_draws_follow_each_rows_processed_distribution():
     kinds = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8),
              SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.5, frequency_penalty=0.5,
                             presence_penalty=0.3, seed=3),
-             SamplingParams(logit_bias={0: 2.0, 5: -1.0}, top_p=0.9, repetition_penalty=0.8)]
+             SamplingParams(logit_bias={0: 2.0, 5: -1.0}, top_p=0.9, repetition_penalty=0.8),
+             SamplingParams(temperature=0.9, min_p=0.09, top_p=0.85, seed=8)]  # (min-p first: one token)
     n = 8000
     # (the seeded rows as samples 0 to n - 1 of their request: each draws from its own seed's numbers)
     batch = [SampleRow(p, prompt, output, sample_index=i) for i in range(n) for p in kinds]

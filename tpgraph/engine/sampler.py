@@ -184,11 +184,12 @@ class Sampler:
         # probabilities up to a factor per row (each row's largest is 1): top-p, min-p and the draw below are the same
         # for any positive scale of a row, so no softmax normalizes them
         weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
-        if any(p.top_p < 1.0 for p in params):
-            weights = top_p_keep(weights, [p.top_p for p in params])
+        # min-p, then top-p over what it keeps, as vLLM's V1 orders them (top-p's share is of min-p's survivors)
         if any(p.min_p > 0.0 for p in params):  # (below min_p times the largest, which is 1)
             min_p = to_device([p.min_p for p in params], torch.float32, x.device).unsqueeze(1)
             weights = weights.masked_fill(weights < min_p, 0.0)
+        if any(p.top_p < 1.0 for p in params):
+            weights = top_p_keep(weights, [p.top_p for p in params])
         race = torch.empty_like(weights).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:

@@ -38,9 +38,10 @@ MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a larger one (OpenAI's ra
 class SamplingParams:
     """Temperature (at most 2, as vLLM's) 0 is greedy, which takes n 1 alone (vLLM's refuses more: the samples would
     all be the same); one in (0, 0.01) is raised to 0.01 (MIN_TEMPERATURE), as vLLM's is. top_k 0 (or -1) and top_p 1
-    and min_p 0 switch those filters off. Together: top-p over what top-k keeps, and min-p cuts what is below min_p
-    times the largest probability, both on the temperature-scaled distribution
-    (SGLang's order; vLLM's V1 applies min-p first and renormalizes, so its top-p may keep fewer). Penalties follow
+    and min_p 0 switch those filters off. Together, on the temperature-scaled distribution and in vLLM's V1 order:
+    min-p cuts what is below min_p times the largest probability, top-k what is below the k-th largest, and top-p
+    keeps the smallest set of the largest whose share of what those two kept reaches top_p (SGLang's top-p takes its
+    share of the whole and so may keep more). Penalties follow
     OpenAI (frequency, presence: subtracted per output occurrence / once) and HF (repetition: divides positive logits
     and multiplies negative ones, for every prompt and output token).
     `seed` -1 is no seed, as in vLLM. `detokenize` False (vLLM's): the output's token ids alone, its text "" (no stop

@@ -14,9 +14,11 @@ entries, one program a chunk, and the chunk that arrives last at a row's count (
    race's winner over the chunks' keys (moved to the largest maximum), a chunk drawn in proportion to its weight,
    whose draw j is then a draw of exp(x_j / T) / S. A row without top-p or min-p ends here. (Weighed per chunk
    rather than keyed per entry, as a race over every entry would be, a launch needs no per-entry Philox and logs.)
-2. The check launch: each chunk's weight above x_j. The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is
-   at least min_p and the weight above it is below p * S: j is then in the kept set, the smallest set of the largest
-   tokens whose share reaches p, ties at its last value kept, and min-p's (engine/sampler.top_p_keep's set).
+2. The check launch: each chunk's weight above x_j (and, with min-p and top-p, the weight min-p keeps: S' instead of
+   S below, as vLLM applies min-p first). The last chunk keeps j when its weight w_j = exp((x_j - m) / T) is at least
+   min_p and the weight above it is below p * S: j is then in the kept set, min-p's, and within it the smallest set
+   of the largest tokens whose share reaches p, ties at its last value kept (engine/sampler's chain: min-p, then
+   top_p_keep).
 3. A rejected j lies below the kept set, so the second race (and check) runs over the logits above it whose weight is
    at least min_p, with fresh random numbers. A race over a superset of the kept set, kept when it lands in the set,
    draws from the set in proportion to the weights: the kept distribution, exactly. Without min-p a row keeps the
@@ -56,9 +58,10 @@ MAX_ROUNDS = 48  # races before a row takes its largest logit (never seen: each 
 SEED_HIGH = 1 << 62  # the drawn seeds' range: [0, SEED_HIGH)
 ROWS_PER_LAUNCH = MAX_COUNTERS  # a launch's rows: one arrival counter each
 ROUND_COUNTERS = 1 << 22  # Philox counters a round (one a chunk: more than any vocabulary below 2^24 has)
-# a row's state between launches, fp32 words: its maximum, p * total (inf without top-p), the drawn logit, the
-# logit at or below which nothing is kept, one above which all is (its maximum, for the bisection), whether the row
-# is drawn, and a spare word (8 a row keep the partials after them at a 16-byte boundary: _alignment.py)
+# a row's state between launches, fp32 words: its maximum, p * total (inf without top-p; with min-p, p of what it
+# keeps, from the first check on), the drawn logit, the logit at or below which nothing is kept, one above which all
+# is (its maximum, for the bisection), whether the row is drawn, and a spare word (8 a row keep the partials after
+# them at a 16-byte boundary: _alignment.py)
 M, SHARE, XJ, LOW, HIGH, DONE = range(6)
 STATE_WORDS = 8
 
@@ -292,7 +295,9 @@ if triton is not None:
                       round_stride, LAST: tl.constexpr, MAX_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr):
         """Grid (rows, chunks): the chunk's weight above the drawn logit, and in the row's last chunk the verdict; a
-        rejected draw's logit becomes the row's low, and with LAST the row runs its further rounds there."""
+        rejected draw's logit becomes the row's low, and with LAST the row runs its further rounds there. The first
+        check (not LAST) also sums what min-p keeps of the chunk: with min-p, top-p's share becomes p of that (min-p
+        first, as vLLM's V1 orders them), before its verdict."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         t = tl.load(param_ptr + row * 4)
@@ -303,14 +308,24 @@ if triton is not None:
             m = tl.load(state + _M)
             xj = tl.load(state + _XJ)
             floor = tl.load(param_ptr + row * 4 + 3)
+            min_p = tl.load(param_ptr + row * 4 + 2)
             x = _logits(row_ptr, c * CHUNK + tl.arange(0, CHUNK), V, floor)
-            tl.store(part_ptr + row * chunks + c, _weights_above(x, m, inv_t, xj))
+            part = part_ptr + (row * chunks + c) * 2
+            tl.store(part, _weights_above(x, m, inv_t, xj))
+            if not LAST:  # the chunk's weight that min-p keeps: top-p's share is of it (vLLM's order)
+                w = _weight(x, m, inv_t)
+                tl.store(part + 1, tl.sum(tl.where(w >= min_p, w, 0.0), axis=0))
             if arrived_last(counter_ptr + row, chunks):
                 cs = tl.arange(0, CHUNKS_P2)
-                above = tl.sum(tl.load(part_ptr + row * chunks + cs, mask=cs < chunks, other=0.0,
-                                       cache_modifier=".cg"), axis=0)
+                parts = part_ptr + (row * chunks + cs) * 2
+                above = tl.sum(tl.load(parts, mask=cs < chunks, other=0.0, cache_modifier=".cg"), axis=0)
                 share = tl.load(state + _SHARE)
-                min_p = tl.load(param_ptr + row * 4 + 2)
+                if not LAST:
+                    p = tl.load(param_ptr + row * 4 + 1)
+                    if (p < 1.0) & (min_p > 0.0):  # (the race's share was p of the whole row's weight)
+                        kept = tl.sum(tl.load(parts + 1, mask=cs < chunks, other=0.0, cache_modifier=".cg"), axis=0)
+                        share = tl.maximum(p * kept, 1e-30)
+                        tl.store(state + _SHARE, share)
                 if (_weight(xj, m, inv_t) >= min_p) & (above < share):
                     tl.store(state + _DONE, 1.0)
                 else:
