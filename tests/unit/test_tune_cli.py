@@ -496,3 +496,15 @@ def test_a_cuda_error_of_the_machine_in_the_set_up_is_told_so_not_shown_a_traceb
     raised.append(RuntimeError("CUDA error cudaErrorIllegalAddress (a bug) in `ar_create`"))
     with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
         run_rank(parse_args([]), (0, 2, "tcp://x"))
+
+
+def test_ranks_sharing_one_gpu_write_no_table(monkeypatch, capsys):
+    """TPGRAPH_SHARED_GPU=1 (left set from the one-GPU TP tests) puts every rank on GPU 0, where the ranks take the GPU
+    in turns and NCCL talks over sockets: "results, never timings". tpgraph-tune measured there and wrote its figures
+    into the table every real run reads. --dry-run still shows them."""
+    started = torchrun_ranks(monkeypatch)
+    monkeypatch.setenv("TPGRAPH_SHARED_GPU", "1")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "TPGRAPH_SHARED_GPU=1" in err and "--dry-run" in err and not started
+    assert main(["--dry-run"]) == 0 and len(started) == 1

@@ -72,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
               "send every larger message to NCCL unmeasured; add --dry-run to see them without writing",
               file=sys.stderr)
         return 2
-    from tpgraph.distributed import env_int
+    from tpgraph.distributed import SHARED_GPU_ENV, env_int, shared_gpu
 
+    if shared_gpu() and not args.dry_run:  # (the ranks take GPU 0 in turns: results, never timings)
+        print(f"error: {SHARED_GPU_ENV}=1 puts every rank on GPU 0, where they take it in turns: its timings would "
+              f"steer every real run; unset {SHARED_GPU_ENV} to tune, or add --dry-run to see them without writing",
+              file=sys.stderr)
+        return 2
     try:  # (torchrun's; not an integer, it was a ValueError traceback)
         launched = env_int("WORLD_SIZE")
     except ConfigError as exc:
