@@ -508,3 +508,21 @@ def test_ranks_sharing_one_gpu_write_no_table(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "TPGRAPH_SHARED_GPU=1" in err and "--dry-run" in err and not started
     assert main(["--dry-run"]) == 0 and len(started) == 1
+
+
+def test_torchrun_starting_more_ranks_on_a_host_than_it_has_gpus_is_refused_before_any_rank_starts(monkeypatch,
+                                                                                                    capsys):
+    """torchrun --nproc-per-node 4 on a host of 2 GPUs: the spawn path says "needs 2..2 GPUs here", but under torchrun
+    the ranks without a GPU ended in a ConfigError traceback from the process group's start, and the others in a
+    PeerError traceback about them."""
+    import torch
+
+    started = torchrun_ranks(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 4 ranks on this host" in err and "2 GPUs are visible" in err and not started
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (two hosts of two GPUs: each rank has its GPU)
+    assert main([]) == 0 and len(started) == 1

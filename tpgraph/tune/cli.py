@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:  # (torchrun's; not an integer, it was a ValueError traceback)
-        launched = env_int("WORLD_SIZE")
+        launched, on_host = env_int("WORLD_SIZE"), env_int("LOCAL_WORLD_SIZE")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size is not None and args.world_size != launched:  # (torchrun's decides)
             print(f"error: --world-size {args.world_size}, but torchrun started {launched} ranks: "
                   "leave --world-size out under torchrun, or start that many (--nproc-per-node)", file=sys.stderr)
+            return 2
+        # (a rank past the host's GPUs failed the process group's start in a traceback, and its peers in another)
+        if on_host is not None and on_host > torch.cuda.device_count() and not shared_gpu():
+            print(f"error: torchrun started {on_host} ranks on this host, but {torch.cuda.device_count()} GPUs are "
+                  f"visible: start at most one rank per GPU (--nproc-per-node)", file=sys.stderr)
             return 2
         return run_rank(args, None)
     import torch.multiprocessing as mp
