@@ -526,3 +526,28 @@ def test_torchrun_starting_more_ranks_on_a_host_than_it_has_gpus_is_refused_befo
     assert "torchrun started 4 ranks on this host" in err and "2 GPUs are visible" in err and not started
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (two hosts of two GPUs: each rank has its GPU)
     assert main([]) == 0 and len(started) == 1
+
+
+def test_a_table_that_is_a_link_or_shared_by_a_group_stays_so_when_written(tmp_path, monkeypatch, capsys):
+    """The new table was moved into place over the table's path: a table kept as a link (TPGRAPH_CONFIG_DIR's
+    allreduce/sm90.json pointing into a checkout of tables) became a file of its own there, the link's target kept the
+    old rows, and a group-writable table became one only its writer could change."""
+    shared = tmp_path / "tables"
+    shared.mkdir()
+    target = shared / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", target)
+    os.chmod(target, 0o664)
+    link = tmp_path / "sm90.json"
+    link.symlink_to(target)
+    _write(args(tmp_path), 2, 132, synthetic(), link, "p")
+    assert link.is_symlink() and link.resolve() == target
+    assert load_table(target).bands(2, True).push_max == SIZES[4]
+    assert os.stat(target).st_mode & 0o777 == 0o664
+    assert sorted(p.name for p in shared.iterdir()) == ["sm90.json"]  # no temp file left
+    # and the folder checked before the measuring is the one the new file is written in
+    started = torchrun_ranks(monkeypatch)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(shared) else
+                        real(path, mode, **kw))
+    assert main(["--table", str(link)]) == 2 and f"cannot write a new {target} there" in capsys.readouterr().err
+    assert not started

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -271,6 +272,7 @@ def check_outputs_apart(args: argparse.Namespace, table: Path) -> None:
 def check_table_writable(table: Path) -> None:
     """Refuse, before any measuring, a table whose folder takes no new file (the update is a new file moved into
     place): a read-only install's shipped table failed only after minutes of measuring."""
+    table = table.resolve()  # (a link: the new file is written beside the file it names)
     if not os.access(table.parent, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write a new {table} there (its folder is not writable): copy tpgraph's configs "
                           "folder where you can write and set TPGRAPH_CONFIG_DIR to it (the tuner then updates, and "
@@ -350,14 +352,17 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
     if args.dry_run:
         print(diff(table, new_text) or f"{table}: no change", flush=True)
         return
-    # a new file moved into place: a tuner stopped halfway never leaves a truncated table behind
-    partial = table.with_name(f".{table.name}.{os.getpid()}.tmp")
+    # a new file moved into place: a tuner stopped halfway never leaves a truncated table behind; into the place of
+    # the file a link names (the link stays one), with the old file's permissions (a group's table stays the group's)
+    target = table.resolve()
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(partial, "w") as f:
             f.write(new_text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, table)
+        shutil.copymode(target, partial)
+        os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     print(f"wrote {table}", flush=True)
