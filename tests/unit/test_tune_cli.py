@@ -551,3 +551,16 @@ def test_a_table_that_is_a_link_or_shared_by_a_group_stays_so_when_written(tmp_p
                         real(path, mode, **kw))
     assert main(["--table", str(link)]) == 2 and f"cannot write a new {target} there" in capsys.readouterr().err
     assert not started
+
+
+def test_a_config_dir_without_the_table_is_named_with_a_fix_that_works(tmp_path, monkeypatch, capsys):
+    """TPGRAPH_CONFIG_DIR naming a folder without the table (mistyped, or made empty to tune into): tpgraph-tune said
+    "no such table to update (give --table an existing one)", but with --table the ranks' set-up still read the
+    variable's table (sizing the workspace) and failed there, after the process group had started."""
+    started, shipped = torchrun_ranks(monkeypatch), config_dir() / "allreduce" / "sm90.json"
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path))
+    for extra in ([], ["--table", str(shipped)]):
+        assert main(extra) == 2
+        err = capsys.readouterr().err
+        assert f"TPGRAPH_CONFIG_DIR={tmp_path} has no allreduce/sm90.json" in err and "give --table" not in err
+    assert not started

@@ -106,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():  # (under torchrun each rank would fail to find a GPU, with a traceback)
         print("error: tpgraph-tune measures the all-reduce on CUDA GPUs; none is visible here", file=sys.stderr)
         return 2
-    from tpgraph.comm.thresholds import arch_for
+    from tpgraph.comm.thresholds import arch_for, load_table_for
 
     capability = torch.cuda.get_device_capability(0)
     try:  # (under torchrun every rank checks the same file against the same GPUs: all refuse or none)
+        # the table the ranks' set-up reads (it sizes their workspace), --table or not: where it is missing, the
+        # loader names TPGRAPH_CONFIG_DIR and the fix, before any rank starts
+        load_table_for(capability)
         table = table_for(args, capability)
         check_table_arch(table, arch_for(capability))
         check_outputs_apart(args, table)
