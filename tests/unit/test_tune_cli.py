@@ -564,3 +564,26 @@ def test_a_config_dir_without_the_table_is_named_with_a_fix_that_works(tmp_path,
         err = capsys.readouterr().err
         assert f"TPGRAPH_CONFIG_DIR={tmp_path} has no allreduce/sm90.json" in err and "give --table" not in err
     assert not started
+
+
+@pytest.mark.parametrize("gpus, world, said", [
+    (1, "2", "--world-size 2 starts one rank per GPU, but 1 GPU is visible: the all-reduce is tuned across 2 "
+             "GPUs at least"),
+    (2, "4", "--world-size 4 starts one rank per GPU, but 2 GPUs are visible: give --world-size 2"),
+    (4, "3", None)])
+def test_a_world_size_beyond_the_gpus_here_says_what_to_give(gpus, world, said, monkeypatch, capsys):
+    """--world-size 2 on one GPU said "--world-size 2 needs 2..1 GPUs here", and --world-size 4 on two "needs 2..2
+    GPUs here": ranges that say neither what is wrong nor what to give."""
+    import torch
+    import torch.multiprocessing as mp
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **kw: started.append(kw))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if said is None:
+        assert main(["--world-size", world]) == 0 and len(started) == 1
+    else:
+        assert main(["--world-size", world]) == 2 and said in capsys.readouterr().err and not started

@@ -142,10 +142,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from tpgraph.engine.followers import free_tcp_init
 
-    if args.world_size not in WORLD_SIZES or args.world_size > torch.cuda.device_count():
-        print(f"error: --world-size {args.world_size} needs {lo}..{min(hi, torch.cuda.device_count())} GPUs here "
-              f"(the table has rows for {lo}..{hi} ranks; {torch.cuda.device_count()} GPUs are visible)",
-              file=sys.stderr)
+    if args.world_size not in WORLD_SIZES:
+        print(f"error: --world-size {args.world_size}: the table has rows for {lo}..{hi} ranks", file=sys.stderr)
+        return 2
+    if args.world_size > (gpus := torch.cuda.device_count()):
+        most = min(gpus, hi)
+        fix = (f"the all-reduce is tuned across {lo} GPUs at least" if most < lo
+               else f"give --world-size {lo}" if most == lo else f"give --world-size {lo}..{most}")
+        print(f"error: --world-size {args.world_size} starts one rank per GPU, but {gpus} "
+              f"{'GPU is' if gpus == 1 else 'GPUs are'} visible: {fix}", file=sys.stderr)
         return 2
     init = free_tcp_init()
     try:
