@@ -587,3 +587,27 @@ def test_a_world_size_beyond_the_gpus_here_says_what_to_give(gpus, world, said, 
         assert main(["--world-size", world]) == 0 and len(started) == 1
     else:
         assert main(["--world-size", world]) == 2 and said in capsys.readouterr().err and not started
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_the_exit_status_says_failure(monkeypatch, capsys):
+    """A rank killed by a signal (the OOM killer's SIGKILL, a SIGSEGV) said nothing, unlike a rank that exits with an
+    error of its own; tpgraph-tune swallowed torch's "process 1 terminated with signal SIGKILL" and returned its
+    negative exit code: the run ended without a word, in exit status 247."""
+    import torch
+    import torch.multiprocessing as mp
+
+    raised = []
+
+    def exited(*a, **kw):
+        raise raised[-1]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(mp, "start_processes", exited)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raised.append(mp.ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 1234, -9, "SIGKILL"))
+    assert main(["--world-size", "2", "--dry-run"]) == 1
+    assert "error: rank 1 was killed by signal SIGKILL" in capsys.readouterr().err
+    raised.append(mp.ProcessExitedException("process 0 terminated with exit code 2", 0, 1234, 2))
+    assert main(["--world-size", "2", "--dry-run"]) == 2 and capsys.readouterr().err == ""  # (it said why itself)

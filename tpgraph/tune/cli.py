@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mp.start_processes(_spawned, args=(args, init), nprocs=args.world_size, start_method="spawn")
     except mp.ProcessExitedException as exc:  # (a rank that said why and exited: no second traceback here)
+        if exc.exit_code < 0:  # (killed by a signal, the OOM killer's or a crash's: it said nothing)
+            print(f"error: rank {exc.error_index} was killed by signal {exc.signal_name or -exc.exit_code}",
+                  file=sys.stderr)
+            return 1
         return exc.exit_code or 1
     return 0
 
