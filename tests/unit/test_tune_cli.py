@@ -611,3 +611,18 @@ def test_a_rank_killed_by_a_signal_is_named_and_the_exit_status_says_failure(mon
     assert "error: rank 1 was killed by signal SIGKILL" in capsys.readouterr().err
     raised.append(mp.ProcessExitedException("process 0 terminated with exit code 2", 0, 1234, 2))
     assert main(["--world-size", "2", "--dry-run"]) == 2 and capsys.readouterr().err == ""  # (it said why itself)
+
+
+def test_a_plot_in_a_format_this_machine_cannot_render_is_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    """--plot tune.pgf: matplotlib lists pgf, so the check passed, but it renders pgf through xelatex, which a GPU
+    server seldom has: minutes of measuring, then a RuntimeError while plotting, before the table was written."""
+    pytest.importorskip("matplotlib")
+    if shutil.which("xelatex"):
+        pytest.skip("xelatex is installed: pgf renders here")
+    started = torchrun_ranks(monkeypatch)
+    assert main(["--plot", str(tmp_path / "tune.pgf")]) == 2
+    err = capsys.readouterr().err
+    assert f"--plot {tmp_path / 'tune.pgf'}: matplotlib cannot write .pgf here" in err and "xelatex" in err
+    assert not started
+    assert main(["--plot", str(tmp_path / "tune.svg")]) == 0 and len(started) == 1
+    assert not (tmp_path / "tune.svg").exists()  # (the trial render wrote nothing there)

@@ -242,6 +242,27 @@ def plot_format_refused(path: Path) -> str | None:
     suffix = path.suffix[1:].lower()  # (none: matplotlib's default format, png)
     if suffix and suffix not in formats:
         return f"matplotlib writes {', '.join(sorted(formats))}, not .{suffix}"
+    return _render_refused(suffix) if suffix else None
+
+
+def _render_refused(suffix: str) -> str | None:
+    """Why a figure in this format cannot be rendered on this machine, else None: a format matplotlib lists may need
+    a program it lacks (pgf: xelatex), found only when the plot was saved, after the measuring."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.set_title("µs")  # (text, as the plot has: pgf measures it through LaTeX)
+    try:
+        fig.savefig(io.BytesIO(), format=suffix)
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the plot would raise it after the measuring
+        return f"matplotlib cannot write .{suffix} here ({exc})"
+    finally:
+        plt.close(fig)
     return None
 
 
