@@ -626,3 +626,31 @@ def test_a_plot_in_a_format_this_machine_cannot_render_is_refused_before_measuri
     assert not started
     assert main(["--plot", str(tmp_path / "tune.svg")]) == 0 and len(started) == 1
     assert not (tmp_path / "tune.svg").exists()  # (the trial render wrote nothing there)
+
+
+def test_two_tuners_writing_one_table_keep_each_others_rows(tmp_path, monkeypatch):
+    """Two world sizes tuned at once on one host (GPUs 0-1 and 2-5) write one table: each read it, plotted (a second
+    or so), then moved its copy into place, so the one that read first and wrote last dropped the other's rows."""
+    import threading
+    import time
+
+    from tpgraph.tune import writer
+
+    table = tmp_path / "sm90.json"
+    shutil.copy(config_dir() / "allreduce" / "sm90.json", table)
+    real, others = writer.updated_table, []
+
+    def meanwhile(doc, world_size, *a, **kw):  # the other tuner finishes while this one holds what it read
+        if not others:
+            others.append(threading.Thread(target=_write, args=(args(tmp_path, log=None), 4, 132, synthetic(), table,
+                                                                "other")))
+            others[0].start()
+            time.sleep(0.5)
+        return real(doc, world_size, *a, **kw)
+
+    monkeypatch.setattr(writer, "updated_table", meanwhile)
+    _write(args(tmp_path, log=None), 2, 132, synthetic(), table, "this")
+    others[0].join(timeout=30)
+    t = load_table(table)
+    assert "this" in t.bands(2, True).provenance and "other" in t.bands(4, True).provenance
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sm90.json"]  # no temp or lock file left

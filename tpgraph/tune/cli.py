@@ -14,7 +14,9 @@ loader reads (TPGRAPH_CONFIG_DIR, else the package's), leaving other rows and ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import importlib.util
 import json
 import logging
@@ -22,6 +24,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from tpgraph.errors import ConfigError, TPGraphError
@@ -324,6 +327,27 @@ def _require_table(table: Path) -> None:
         raise ConfigError(f"{table}: no such table to update (give --table an existing one from configs/allreduce)")
 
 
+@contextlib.contextmanager
+def _locked(table: Path) -> Iterator[None]:
+    """The table file held against other tpgraph-tune runs' updates (an flock, on the file the path names once it is
+    held: one that waited holds the file the run before it moved away, and takes the new one)."""
+    while True:
+        _require_table(table)
+        f = open(table)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_ino == os.stat(table).st_ino:
+                break
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+    try:
+        yield
+    finally:
+        f.close()
+
+
 def _provenance(ar, props) -> str:
     """GPU, SM count, driver, CUDA, torch and NCCL versions, date and command."""
     import torch
@@ -374,30 +398,37 @@ def _write(args: argparse.Namespace, world_size: int, num_sms: int, results: lis
         best = {m.nbytes: m.blocks for m in results if m.mode == "graph" and m.algo == algo.value and m.blocks}
         if best:
             launch[algo] = launch_bands(best, num_sms)
-    _require_table(table)
-    doc = json.loads(table.read_text())
-    new_text = render(updated_table(doc, world_size, rows, provenance, launch, str(table)))
-    log(rows=rows, launch={a.value: b for a, b in launch.items()})
+    log(rows=rows, launch={a.value: b for a, b in launch.items()})  # (kept where the plot or the table fails)
     if args.plot:
         from tpgraph.tune.plot import plot_curves
 
         plot_curves(results, choices, args.plot, f"all-reduce, {world_size} ranks")
+
+    def tuned(path: Path) -> str:
+        return render(updated_table(json.loads(path.read_text()), world_size, rows, provenance, launch, str(table)))
+
     if args.dry_run:
+        _require_table(table)
+        new_text = tuned(table)
         print(diff(table, new_text) or f"{table}: no change", flush=True)
         return
-    # a new file moved into place: a tuner stopped halfway never leaves a truncated table behind; into the place of
-    # the file a link names (the link stays one), with the old file's permissions (a group's table stays the group's)
+    # the file a link names (the link stays one); read, updated and replaced under its lock, so that another
+    # tpgraph-tune writing its world size's rows into it meanwhile loses none of them, nor this one's
     target = table.resolve()
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(partial, "w") as f:
-            f.write(new_text)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.copymode(target, partial)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    with _locked(target):
+        new_text = tuned(target)
+        # a new file moved into place: a tuner stopped halfway never leaves a truncated table behind; with the old
+        # file's permissions (a group's table stays the group's)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with open(partial, "w") as f:
+                f.write(new_text)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.copymode(target, partial)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
     print(f"wrote {table}", flush=True)
 
 
