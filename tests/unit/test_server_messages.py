@@ -579,3 +579,15 @@ def test_output_config_effort_reaches_the_template_as_a_chat_requests_reasoning_
     assert [r.status_code for r in replies] == [200] * len(bodies)
     rendered = ["unset|unset|x", "low|True|x", "max|False|x", "high|True|x", "unset|True|x"]
     assert client.prompts == [codec.encode_text(text, add_special_tokens=False) for text in rendered]
+
+
+def test_an_empty_tools_list_runs_as_the_chats_does():
+    """tools [] with no tool_choice (which some clients always send) is no tool to call: the chat route runs it plain,
+    and so does this one. It was sent on as tool_choice "auto", which a server with no tool parser refused."""
+    client = ScriptedClient(["a"])
+    got, = post_all(make_app(client), [("/v1/messages", {**ASK, "tools": []})])
+    assert got.status_code == 200, got.text
+    assert got.json()["content"] == [{"type": "text", "text": "a"}] and got.json()["stop_reason"] == "end_turn"
+    chat = ScriptedClient(["a"])
+    post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": ASK["messages"], "tools": []})])
+    assert client.prompts == chat.prompts

@@ -127,7 +127,8 @@ class MessagesRequest(NullMeansDefault):
     def tool_fields(self) -> dict[str, Any]:
         """tools and tool_choice as the chat's: custom tools as functions; auto, any ("required"), tool (named) and
         none; disable_parallel_tool_use as parallel_tool_calls false. A tool_choice without tools goes to the chat's
-        check (vLLM's: refused, but for none), not dropped."""
+        check (vLLM's: refused, but for none), not dropped. No tool_choice leaves the chat's unset too (auto where
+        there are tools): set to auto, it refused tools [] on a server with no tool parser, where none can be called."""
         if self.tools is None and self.tool_choice is None:
             return {}
         tools: list[dict] = []
@@ -143,12 +144,14 @@ class MessagesRequest(NullMeansDefault):
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"),
                 "parameters": {"type": "object", **schema}}})
-        choice = self.tool_choice or {"type": "auto"}
+        choice = self.tool_choice or {}
         kind = choice.get("type")
-        if kind == "tool":
+        if self.tool_choice is None:
+            mode: str | dict | None = None
+        elif kind == "tool":
             if not isinstance(choice.get("name"), str):
                 raise RequestError("tool_choice {\"type\": \"tool\"} needs the tool's name")
-            mode: str | dict = {"type": "function", "function": {"name": choice["name"]}}
+            mode = {"type": "function", "function": {"name": choice["name"]}}
         elif kind in ("auto", "any", "none"):
             mode = {"any": "required"}.get(kind, kind)
         else:
