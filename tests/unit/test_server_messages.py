@@ -273,6 +273,10 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"model": "other"}, 404, "other"),
     ({"output_config": {"format": "json"}}, 400, "output_config.format"),
     ({"output_config": {"format": {"type": "xml", "schema": {"type": "object"}}}}, 400, "output_config.format"),
+    # (a format with no schema, or one that is no object: not run unconstrained unsaid, nor named as the chat's field)
+    ({"output_config": {"format": {"type": "json_schema"}}}, 400, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": 5}}}, 400, "output_config.format.schema"),
+    ({"output_format": {"type": "json_schema", "schema": None}}, 400, "output_format.schema"),
     # (vLLM's fields the chat route refuses, not served: taken beside SAMPLING_EXTRAS' and refused alike, not dropped)
     ({"thinking_token_budget": 100}, 400, "thinking_token_budget is not supported"),
     ({"logprob_token_ids": [5]}, 400, "logprob_token_ids is not supported"),

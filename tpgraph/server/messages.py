@@ -102,7 +102,10 @@ class MessagesRequest(NullMeansDefault):
             return None
         if not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema":
             raise RequestError(f'{name} must be {{"type": "json_schema", "schema": {{...}}}}, got {fmt!r}')
-        return fmt.get("schema")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):  # (left out, the reply ran unconstrained unsaid: Anthropic requires it)
+            raise RequestError(f"{name}.schema must be the reply's JSON schema (an object), got {schema!r}")
+        return schema
 
     def template_variables(self) -> dict[str, Any] | None:
         """The chat template's variables: the request's own, with thinking's enable_thinking (adaptive and
