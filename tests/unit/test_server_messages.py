@@ -595,3 +595,23 @@ def test_an_empty_tools_list_runs_as_the_chats_does():
     chat = ScriptedClient(["a"])
     post_all(make_app(chat), [("/v1/chat/completions", {"model": "m", "messages": ASK["messages"], "tools": []})])
     assert client.prompts == chat.prompts
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text must be a string"),
+    ({"system": [{"type": "text", "text": None}]}, "system[0].text must be a string"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "thinking"}]}]},
+     "messages[1].content[0].thinking must be a string"),
+])
+def test_a_malformed_block_is_refused_by_its_field_not_as_a_kind_not_taken(body, named):
+    """A text block without a string text (or an assistant's thinking block without its thoughts) was refused as
+    "a 'text' block is not taken in a user message; this server serves a text model", which sent the user looking
+    for some other kind of block; the refusal names the field that is wrong."""
+    client = ScriptedClient(["a"])
+    got, = post_all(make_app(client), [("/v1/messages", {**ASK, **body})])
+    assert got.status_code == 400, got.text
+    message = got.json()["error"]["message"]
+    assert named in message and "not taken" not in message
+    assert client.params == []

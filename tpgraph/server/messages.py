@@ -212,14 +212,17 @@ def _texts(content: Any, where: str) -> list[str]:
         raise RequestError(f"{where} must be a string or a list of text blocks")
     texts = []
     for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text":
             raise RequestError(f"{where}[{j}] must be a text block; this server serves a text model")
         texts.append(_text(block, f"{where}[{j}]"))
     return texts
 
 
 def _text(block: dict, where: str) -> str:
-    """A text block's text; one with none is refused, as Anthropic's API refuses it (not taken in, nor dropped)."""
+    """A text block's text; one with none is refused, as Anthropic's API refuses it (not taken in, nor dropped), and
+    one whose text is no string by name (not as a kind of block the server does not take)."""
+    if not isinstance(block.get("text"), str):
+        raise RequestError(f"{where}.text must be a string (the block's text), got {block.get('text')!r}")
     if not block["text"]:
         raise RequestError(f"{where}: text content blocks must be non-empty")
     return block["text"]
@@ -234,9 +237,11 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
+        if kind == "text":
             texts.append(_text(block, at))
-        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+        elif kind == "thinking" and role == "assistant":
+            if not isinstance(block.get("thinking"), str):
+                raise RequestError(f"{at}.thinking must be a string (the thoughts), got {block.get('thinking')!r}")
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking" and role == "assistant":
             continue  # (opaque: nothing to render)
