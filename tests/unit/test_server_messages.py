@@ -251,6 +251,9 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
     ({"messages": []}, 400, "messages"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
+    # (the MCP connector's servers, whose tools Anthropic's API calls itself: refused as server tools are, not dropped)
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}]}, 400,
+     "mcp_servers"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
     ({"tools": [{"name": "get_weather"}]}, 400, "tools[0].input_schema"),  # (Anthropic's and vLLM's: required)
     ({"tools": [{"name": "get_weather", "input_schema": None}]}, 400, "tools[0].input_schema"),

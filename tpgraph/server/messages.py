@@ -6,8 +6,8 @@ Errors take Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
 
 Beyond vLLM's: a stop sequence that ended the reply is named (stop_reason "stop_sequence"), usage splits off the prompt
 tokens read from the prefix cache (cache_read_input_tokens), a final assistant message is continued (Anthropic's
-prefill), and images, documents, server tools and a tool_result's images are refused by name instead of reaching a
-text model."""
+prefill), and images, documents, server tools, MCP servers and a tool_result's images are refused by name instead of
+reaching a text model (or being dropped)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ class MessagesRequest(NullMeansDefault):
         extras = self.model_extra or {}
         if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
             raise RequestError("stop is the chat API's field: send the stop strings as stop_sequences")
+        if extras.get("mcp_servers"):  # (the server's tools, as server tools are: refused, not dropped unsaid)
+            raise RequestError("mcp_servers (Anthropic's MCP connector) is not served: this server calls no MCP "
+                               "server; give its tools as custom tools and run their calls in the client")
         body: dict[str, Any] = forwarded_extras(extras)
         # (a final assistant message is Anthropic's prefill: the reply continues it)
         prefill = messages[-1]["role"] == "assistant"
