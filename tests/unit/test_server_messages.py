@@ -618,3 +618,12 @@ def test_a_malformed_block_is_refused_by_its_field_not_as_a_kind_not_taken(body,
     message = got.json()["error"]["message"]
     assert named in message and "not taken" not in message
     assert client.params == []
+
+
+def test_a_custom_tool_whose_type_is_null_is_a_custom_tool():
+    """A custom tool's type is nullable in Anthropic's API (the SDKs' Tool.type: "custom" or null), and the SDK's Tool
+    model dumped with its nulls sends "type": null; it was refused as a server tool ("not run by this server")."""
+    tool = {**WEATHER, "type": None, "cache_control": None}
+    _, _, client = reply(['{"city":', '"Oslo"}'], {"tools": [tool], "tool_choice": {"type": "tool",
+                                                                                   "name": "get_weather"}})
+    assert json.loads(client.params[0].structured.spec) == WEATHER["input_schema"]

@@ -139,7 +139,9 @@ class MessagesRequest(NullMeansDefault):
             return {}
         tools: list[dict] = []
         for i, tool in enumerate(self.tools or ()):
-            if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
+            # (a custom tool's type is "custom", null or left out: Anthropic's SDKs type it nullable, and a Tool model
+            # dumped with its nulls sends "type": null)
+            if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "name" not in tool:
                 raise RequestError(f"tools[{i}] must be a custom tool ({{name, description, input_schema}}); server "
                                    "tools (web search, bash, text editor, ...) are not run by this server")
             schema = tool.get("input_schema")
