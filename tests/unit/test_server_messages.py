@@ -255,6 +255,11 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"mcp_servers": [{"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}]}, 400,
      "mcp_servers"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, 400, "tool_choice"),
+    # (an empty or no name named as sent: not as the chat's {"type": "function", "function": {...}}, which the user
+    # never wrote)
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": ""}}, 400, 'tool_choice {"type": "tool"} needs'),
+    ({"tools": [{**WEATHER, "name": ""}]}, 400, "tools[0].name must be a non-empty string"),
+    ({"tools": [{**WEATHER, "name": 5}]}, 400, "tools[0].name must be a non-empty string"),
     ({"tools": [{"name": "get_weather"}]}, 400, "tools[0].input_schema"),  # (Anthropic's and vLLM's: required)
     ({"tools": [{"name": "get_weather", "input_schema": None}]}, 400, "tools[0].input_schema"),
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)

@@ -144,6 +144,8 @@ class MessagesRequest(NullMeansDefault):
             if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "name" not in tool:
                 raise RequestError(f"tools[{i}] must be a custom tool ({{name, description, input_schema}}); server "
                                    "tools (web search, bash, text editor, ...) are not run by this server")
+            if not isinstance(tool["name"], str) or not tool["name"]:  # (named as sent, not as the chat's function)
+                raise RequestError(f"tools[{i}].name must be a non-empty string, got {tool['name']!r}")
             schema = tool.get("input_schema")
             if not isinstance(schema, dict):  # (required: Anthropic's and vLLM's)
                 raise RequestError(f"tools[{i}].input_schema must be the tool input's JSON schema (an object), got "
@@ -157,7 +159,7 @@ class MessagesRequest(NullMeansDefault):
         if self.tool_choice is None:
             mode: str | dict | None = None
         elif kind == "tool":
-            if not isinstance(choice.get("name"), str):
+            if not isinstance(choice.get("name"), str) or not choice["name"]:  # ("": not as the chat's named choice)
                 raise RequestError("tool_choice {\"type\": \"tool\"} needs the tool's name")
             mode = {"type": "function", "function": {"name": choice["name"]}}
         elif kind in ("auto", "any", "none"):
