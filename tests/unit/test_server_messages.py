@@ -262,6 +262,9 @@ def test_the_sdk_reads_a_message_and_its_stream():
     ({"tools": [{**WEATHER, "name": 5}]}, 400, "tools[0].name must be a non-empty string"),
     ({"tools": [{"name": "get_weather"}]}, 400, "tools[0].input_schema"),  # (Anthropic's and vLLM's: required)
     ({"tools": [{"name": "get_weather", "input_schema": None}]}, 400, "tools[0].input_schema"),
+    # (an input that is no object: Anthropic's API refuses the schema; a forced call's input came back
+    # {"arguments": ...}, no input the schema described)
+    ({"tools": [{"name": "get_weather", "input_schema": {"type": "string"}}]}, 400, "tools[0].input_schema.type"),
     ({"tool_choice": {"type": "any"}}, 400, "tool_choice needs tools"),  # (not dropped: a call asked for, unsaid)
     ({"stop": ["\n"]}, 400, "stop_sequences"),  # (the chat's stop: not dropped for an absent stop_sequences)
     ({"stop_sequences": ["\n", ""]}, 400, "stop_sequences"),  # (named as sent, not as the chat's stop)

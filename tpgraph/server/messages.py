@@ -150,7 +150,11 @@ class MessagesRequest(NullMeansDefault):
             if not isinstance(schema, dict):  # (required: Anthropic's and vLLM's)
                 raise RequestError(f"tools[{i}].input_schema must be the tool input's JSON schema (an object), got "
                                    f"{schema!r}")
-            # (a tool's input is an object: a schema that leaves out its type is an object's, as vLLM reads it)
+            # (a tool's input is an object: a schema that leaves out its type is an object's, as vLLM reads it; one of
+            # another type is refused, as Anthropic's API refuses it, not run as a call whose input is no object)
+            if schema.get("type", "object") != "object":
+                raise RequestError(f'tools[{i}].input_schema.type must be "object" (a tool\'s input is an object), '
+                                   f"got {schema['type']!r}")
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"),
                 "parameters": {"type": "object", **schema}}})
