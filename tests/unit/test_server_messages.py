@@ -635,3 +635,25 @@ def test_a_custom_tool_whose_type_is_null_is_a_custom_tool():
     _, _, client = reply(['{"city":', '"Oslo"}'], {"tools": [tool], "tool_choice": {"type": "tool",
                                                                                    "name": "get_weather"}})
     assert json.loads(client.params[0].structured.spec) == WEATHER["input_schema"]
+
+
+def test_thinking_display_omitted_sends_signed_empty_thinking_blocks():
+    """thinking.display "omitted" (Anthropic's) asks for the thinking blocks without their thoughts: each comes back
+    with thinking "" and its signature, whole and streamed (no thinking_delta), the answer as it is. The thoughts were
+    sent whatever it said. Another display is refused by name."""
+    thinking = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    whole, events, _ = reply(["Four", " it is.", "</think>", "4"], {"thinking": thinking}, reasoning="deepseek_r1")
+    assert [(b["type"], b.get("thinking"), b.get("text")) for b in whole["content"]] == [
+        ("thinking", "", None), ("text", None, "4")]
+    assert whole["content"][0]["signature"]
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert "thinking_delta" not in deltas and deltas.count("signature_delta") == 1
+    blocks, _ = folded(events)
+    assert [(b["type"], b.get("thinking"), b.get("text")) for b in blocks] == [("thinking", "", None), ("text", None,
+                                                                                                       "4")]
+    shown, _, _ = reply(["Four.", "</think>", "4"], {"thinking": {**thinking, "display": "summarized"}},
+                        reasoning="deepseek_r1")
+    assert shown["content"][0]["thinking"] == "Four."
+    client = ScriptedClient(["a"])
+    got, = post_all(make_app(client), [("/v1/messages", {**ASK, "thinking": {**thinking, "display": "hidden"}})])
+    assert got.status_code == 400 and "thinking.display" in got.json()["error"]["message"] and client.params == []

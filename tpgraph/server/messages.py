@@ -53,7 +53,9 @@ class MessagesRequest(NullMeansDefault):
     top_k: int | None = None
     tools: list[Any] | None = None
     tool_choice: dict | None = None
-    thinking: dict | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking (or "adaptive")
+    # {"type": "enabled" | "disabled"}: the template's enable_thinking (or "adaptive"); display "omitted": the thinking
+    # blocks come back signed but empty
+    thinking: dict | None = None
     output_config: dict | None = None  # format (a JSON schema), effort (the template's reasoning_effort)
     metadata: dict | None = None  # (user_id: taken, as Anthropic's, for its own records)
     chat_template_kwargs: dict[str, Any] | None = None  # (vLLM's)
@@ -68,6 +70,7 @@ class MessagesRequest(NullMeansDefault):
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         check_stop(self.stop_sequences or [], "stop_sequences")  # (named as sent: the chat's check names its stop)
         messages = chat_messages(self.system, self.messages)
+        self.shows_thoughts()  # (checked as the request is read: a bad display is refused before it runs)
         extras = self.model_extra or {}
         if extras.get("stop") is not None:  # (Anthropic's own field sets the stop strings: one, not two that race)
             raise RequestError("stop is the chat API's field: send the stop strings as stop_sequences")
@@ -121,6 +124,14 @@ class MessagesRequest(NullMeansDefault):
         if kind in ("enabled", "disabled"):
             variables["enable_thinking"] = kind == "enabled"
         return variables or None
+
+    def shows_thoughts(self) -> bool:
+        """Whether the reply's thinking blocks carry the thoughts: thinking.display "omitted" asks for them empty (a
+        signature alone, as Anthropic's), "summarized" (or none) for the thoughts; they were sent whatever it said."""
+        display = (self.thinking or {}).get("display")
+        if display not in (None, "summarized", "omitted"):
+            raise RequestError(f"thinking.display must be summarized or omitted, got {display!r}")
+        return display != "omitted"
 
     def effort(self) -> str | None:
         """output_config.effort, the chat request's reasoning_effort (as vLLM's: the template gets it, and
@@ -292,7 +303,8 @@ class ContentBlocks:
     them: each block starts, grows and stops before the next begins. The same fold makes a whole reply's content, so
     a reply is the same streamed or not."""
 
-    def __init__(self) -> None:
+    def __init__(self, shows_thoughts: bool = True) -> None:
+        self.shows_thoughts = shows_thoughts  # (false: each thinking block starts, is signed and stops, empty)
         self.blocks: list[dict] = []
         # each block's text (a tool_use block's: its input as written, JSON text) in pieces, joined once it is whole:
         # += on the block's field copied all of it every token
@@ -305,9 +317,10 @@ class ContentBlocks:
         they were written (a call's last arguments, then the text after it, each in its own block)."""
         events: list[dict] = []
         if delta.reasoning:
-            events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""},
-                                 {"type": "thinking_delta", "thinking": delta.reasoning})
-            self.texts[-1].append(delta.reasoning)
+            shown = {"type": "thinking_delta", "thinking": delta.reasoning} if self.shows_thoughts else None
+            events += self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""}, shown)
+            if self.shows_thoughts:
+                self.texts[-1].append(delta.reasoning)
         for part in delta.in_order():
             if isinstance(part, str):
                 events += self._grow("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": part})
@@ -349,11 +362,14 @@ class ContentBlocks:
                 block["input"] = value if isinstance(value, dict) else {"arguments": arguments}
         return self._close()
 
-    def _grow(self, kind: str, empty: dict, delta: dict) -> list[dict]:
+    def _grow(self, kind: str, empty: dict, delta: dict | None) -> list[dict]:
+        """The events that open a block of this kind (unless it is open) and add the delta to it (None: nothing)."""
         events = []
         if self.open != kind:
             events += self._close()
             events += self._start(kind, empty)
+        if delta is None:
+            return events
         return [*events, {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
 
     def _start(self, kind: str, block: dict) -> list[dict]:
@@ -444,7 +460,7 @@ def message_routes(start_chat: Callable[[ChatRequest, Any, str], Awaitable[ChatT
             turn = await start_chat(chat, request, rid)
         except Exception as exc:  # (a refusal, the engine's failure, or a bug's: all in Anthropic's shape)
             return error_reply(*_status(exc, "a request's set-up (before its reply began)"))
-        blocks = ContentBlocks()
+        blocks = ContentBlocks(body.shows_thoughts())
         finishes: list[str | None] = [None, None]  # the engine's and the reply's
 
         async def events() -> AsyncIterator[dict]:
