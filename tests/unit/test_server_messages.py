@@ -657,3 +657,18 @@ def test_thinking_display_omitted_sends_signed_empty_thinking_blocks():
     client = ScriptedClient(["a"])
     got, = post_all(make_app(client), [("/v1/messages", {**ASK, "thinking": {**thinking, "display": "hidden"}})])
     assert got.status_code == 400 and "thinking.display" in got.json()["error"]["message"] and client.params == []
+
+
+@pytest.mark.parametrize("prefill", ["It is", [{"type": "text", "text": "It is"}]])
+def test_a_prefill_is_continued_as_answer_on_a_reasoning_server(prefill):
+    """A final assistant message of text is the answer begun (Anthropic's prefill): the reply goes on with it as text.
+    On a reasoning server it was read as thoughts (the prompt closes none), so the reply came back as a thinking
+    block alone, no text. An empty prefill opens the turn as ever, thoughts first."""
+    body = {"messages": [*ASK["messages"], {"role": "assistant", "content": prefill}]}
+    whole, events, _ = reply([" sunny", "."], body, reasoning="deepseek_r1")
+    assert whole["content"] == [{"type": "text", "text": " sunny."}]
+    blocks, _ = folded(events)
+    assert blocks == whole["content"]
+    empty = {"messages": [*ASK["messages"], {"role": "assistant", "content": ""}]}
+    whole, _, _ = reply(["Hm.", "</think>", "Yes."], empty, reasoning="deepseek_r1")
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text"]

@@ -713,7 +713,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
             params = body.sampling_params(max_tokens, body.logprobs_count(), prompts.generation_defaults.sampling,
                                           prompt_logprobs=echo_top, tools=tools)
         choices = [Choice(i, keeps_text=False) for i in range(params.n)]  # (each reply reader keeps its text)
-        thinking = reasoning is not None and not reasoning.closed_in(text)  # (does the reply begin in its thoughts?)
+        # (does the reply begin in its thoughts? not where it goes on with a Messages prefill's answer text)
+        thinking = reasoning is not None and not body._continues_answer and not reasoning.closed_in(text)
         if thinking and params.structured is not None:  # (the grammar holds the answer, not thoughts)
             params = dataclasses.replace(params, structured_after=reasoning.end)
         if reasoning is not None and reasoning.keeps_special_tokens:

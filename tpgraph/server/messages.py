@@ -89,9 +89,13 @@ class MessagesRequest(NullMeansDefault):
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
         try:
-            return ChatRequest.model_validate(body)
+            chat = ChatRequest.model_validate(body)
         except ValidationError as exc:
             raise invalid(exc) from None
+        # (a prefill of text is the answer begun: the reply goes on with it, not read as thoughts on a reasoning
+        # server, which left the reply without a text block; Anthropic takes no prefill with thinking either)
+        chat._continues_answer = prefill and _has_text(messages[-1]["content"])
+        return chat
 
     def output_schema(self) -> Any:
         """output_config.format's JSON schema (None where none is given, as vLLM reads it): the one format Anthropic
@@ -292,6 +296,11 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
     if calls:
         message["tool_calls"] = calls
     return results + ([message] if texts or calls or reasoning or not results else [])
+
+
+def _has_text(content: str | list[dict] | None) -> bool:
+    """Does a chat message's content (a string, or text parts) hold any text?"""
+    return bool(content) if not isinstance(content, list) else any(part.get("text") for part in content)
 
 
 def _result_text(content: Any, where: str) -> str:

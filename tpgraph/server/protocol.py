@@ -465,6 +465,9 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None  # (given to the chat template: template_kwargs)
     echo: bool = False  # (vLLM's: a reply in the last message's role begins with that message's text)
     add_special_tokens: bool = False  # (vLLM's: true adds the tokenizer's special tokens to the template's)
+    # (no field: set by the Messages API, whose prefill, a final assistant message with text, is answer the reply
+    # goes on with, past any thoughts; a chat's continued message is read as vLLM reads it, ReasoningParser.closed_in)
+    _continues_answer: bool = PrivateAttr(default=False)
 
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
