@@ -17,7 +17,14 @@ from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.hub import HUB_ID
 
 logger = logging.getLogger(__name__)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
+# than LlamaConfig (MistralConfig's; its sliding window of 4096 is then refused below, as not implemented)
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
 # (not pretraining_tp: transformers' slices of each matmul, joined again, are the same model at any value)
@@ -271,11 +278,14 @@ class ModelConfig:
     def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if unsupported or cfg.get("model_type", "llama") != "llama":
+        model_type = cfg.get("model_type", "llama")
+        if unsupported or model_type not in MODEL_TYPE_DEFAULTS:
             raise ConfigError(
                 f"unsupported architecture {archs} (model_type={cfg.get('model_type')!r}); tpgraph runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
+        cfg = {**cfg, **defaulted}
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ConfigError("Llama checkpoints with attention_bias or mlp_bias are not supported")
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
@@ -284,8 +294,10 @@ class ModelConfig:
         # fields that change the computation and that this model does not implement: refused, never ignored
         for name, harmless in UNIMPLEMENTED_FIELDS.items():
             if cfg.get(name) not in harmless:
-                raise ConfigError(f"config.json sets {name}={cfg.get(name)!r}, which tpgraph does not implement "
-                                  f"(it would run as if unset and give wrong results)")
+                where = f"leaves out {name}, so model_type {model_type!r} takes its default of {cfg[name]!r}" if \
+                    name in defaulted else f"sets {name}={cfg.get(name)!r}"
+                raise ConfigError(f"config.json {where}, which tpgraph does not implement (it would run as if unset "
+                                  f"and give wrong results)")
         try:
             heads = _integer("num_attention_heads", cfg["num_attention_heads"])
             hidden = _integer("hidden_size", cfg["hidden_size"])

@@ -80,8 +80,27 @@ def test_kv_heads_and_tp_must_divide():
 
 
 def test_unsupported_architecture():
-    with pytest.raises(ConfigError, match="unsupported architecture.*MistralForCausalLM"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported architecture.*Qwen2ForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["Qwen2ForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported architecture.*model_type='qwen2'"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "model_type": "qwen2"})
+
+
+def test_a_mistral_config_takes_mistral_defaults_and_its_sliding_window_is_refused():
+    """Absent fields of a model_type mistral config.json take MistralConfig's defaults, not LlamaConfig's: 8 KV heads,
+    a 131072 context, and a sliding window of 4096, which is refused (as it is where config.json sets it)."""
+    mistral = {**MINIMAL, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_attention_heads": 16,
+               "hidden_size": 64}
+    with pytest.raises(ConfigError, match="config.json leaves out sliding_window, so model_type 'mistral' "
+                                          "takes its default of 4096, which tpgraph does not implement"):
+        ModelConfig.from_hf_dict(mistral)
+    with pytest.raises(ConfigError, match="config.json sets sliding_window=4096"):
+        ModelConfig.from_hf_dict({**mistral, "sliding_window": 4096})
+    cfg = ModelConfig.from_hf_dict({**mistral, "sliding_window": None})
+    assert (cfg.num_key_value_heads, cfg.max_position_embeddings, cfg.head_dim) == (8, 131072, 4)
+    # (a null one is the head count, as transformers 4's MistralConfig reads it)
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None, "num_key_value_heads": None,
+                                     "max_position_embeddings": 4096}).num_key_value_heads == 16
 
 
 def test_unsupported_rope_type():

@@ -131,3 +131,25 @@ def test_a_checkpoint_with_some_names_unprefixed_loads_as_transformers_loads_it(
     with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_mistral_checkpoint_without_a_sliding_window_runs_as_transformers_runs_it(tmp_path):
+    """MistralForCausalLM (model_type mistral: Mistral-7B-Instruct-v0.2 and v0.3, sliding_window null) is Llama's
+    model, which vLLM serves with its Llama code; it was refused as an unsupported architecture."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**BASE, sliding_window=None, head_dim=32)).eval()
+    model.save_pretrained(tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert doc["architectures"] == ["MistralForCausalLM"] and doc["model_type"] == "mistral"
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    with TPEngine(tmp_path / "c", device="cpu", max_num_seqs=2, block_size=4) as engine:
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)
