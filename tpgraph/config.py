@@ -286,8 +286,10 @@ class ModelConfig:
             )
         defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
         cfg = {**cfg, **defaulted}
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ConfigError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+        for name in ("attention_bias", "mlp_bias"):  # (named as set: "or" left the user to find which)
+            if cfg.get(name):
+                raise ConfigError(f"config.json sets {name}={cfg[name]!r}: Llama checkpoints with biases on their "
+                                  f"projections are not supported")
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
                               f"the same function)")

@@ -103,6 +103,14 @@ def test_a_mistral_config_takes_mistral_defaults_and_its_sliding_window_is_refus
                                      "max_position_embeddings": 4096}).num_key_value_heads == 16
 
 
+@pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
+def test_a_bias_is_refused_naming_the_field_set(field):
+    """The refusal named both fields ("attention_bias or mlp_bias"), not the one the checkpoint sets."""
+    with pytest.raises(ConfigError, match=f"config.json sets {field}=True: Llama checkpoints with biases"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "attention_bias": False, "mlp_bias": False, field: True})
+    assert ModelConfig.from_hf_dict({**LLAMA2_7B, "attention_bias": False, "mlp_bias": None}).vocab_size == 32000
+
+
 def test_unsupported_rope_type():
     with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported; tpgraph supports default, "
                                           "linear, llama3, yarn"):
