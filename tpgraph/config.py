@@ -120,11 +120,12 @@ class RopeConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
         # Where a config has both, transformers reads rope_scaling (an edit of it must not be ignored).
         params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        source = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"  # (as refusals name it)
         theta = _positive("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
-                f"config.json rope_scaling type {rope_type!r} is not supported; tpgraph supports "
+                f"config.json {source} type {rope_type!r} is not supported; tpgraph supports "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if params.get("partial_rotary_factor") not in (None, 1, 1.0):  # (transformers rotates part of each head)
@@ -139,7 +140,7 @@ class RopeConfig:
             params["factor"] = cfg.get("max_position_embeddings", 2048) / original
         missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
         if missing:  # (transformers refuses such a config too; a default would silently be another rope)
-            raise ConfigError(f"config.json rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
+            raise ConfigError(f"config.json {source} of type {rope_type!r} needs {', '.join(missing)}")
         # (a "default" rope ignores factor, as transformers does)
         factor = _positive("factor", params["factor"]) if rope_type in _ROPE_FIELDS else \
             float(params.get("factor", 1.0))

@@ -115,6 +115,11 @@ def test_unsupported_rope_type():
     with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported; tpgraph supports default, "
                                           "linear, llama3, yarn"):
         ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    # (a transformers 5 config.json holds rope_parameters: the refusal named rope_scaling, which it does not have)
+    with pytest.raises(ConfigError, match="config.json rope_parameters type 'dynamic' is not supported"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="config.json rope_parameters of type 'linear' needs factor"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}})
 
 
 @pytest.mark.parametrize("rope,missing", [({"rope_type": "linear"}, "factor"), ({"rope_type": "yarn"}, "factor"),
