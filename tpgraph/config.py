@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
-# than LlamaConfig (MistralConfig's; its sliding window of 4096 is then refused below, as not implemented)
+# than LlamaConfig (MistralConfig's; its sliding window of 4096 is then refused below, unless disable_sliding_window)
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
@@ -196,13 +196,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # a sliding window run as full attention over a context no longer than it (vLLM's disable_sliding_window: the
+    # same attention, the window covering every position); None: no window
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # (max_position_embeddings too: the rope tables and the context limit are sized by it, and 0 or less failed
         # as an unrelated buffer's shape or a torch.arange traceback while the engine was built)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "sliding_window"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
         if self.head_dim % 2:  # (rotary pairs each channel with another; transformers refuses an odd head too)
             raise ConfigError(f"head_dim must be even (rotary embeddings rotate channel pairs), got {self.head_dim}")
@@ -232,7 +236,12 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """The positions the model was trained on, as vLLM derives them: max_position_embeddings, or for a linear or
-        yarn rope the context it scales times its factor."""
+        yarn rope the context it scales times its factor; no more than a disabled sliding window."""
+        return min(self._trained_context, self.sliding_window or math.inf)
+
+    @property
+    def _trained_context(self) -> int:
+        """max_context but for a disabled sliding window's cap."""
         scaled = self._scaled_context
         # (vLLM's int() of the product; a hair over it first, so that a product floating point leaves a rounding
         # short of a whole number, as a yarn factor derived as a ratio of contexts does, is that number)
@@ -246,7 +255,9 @@ class ModelConfig:
         scaled = self._scaled_context
         context = f"max_position_embeddings ({self.max_position_embeddings})" if scaled is None else \
             f"context ({scaled[0]} {scaled[1]} x the {self.rope.type} rope factor {self.rope.factor:g} = " \
-            f"{self.max_context})"
+            f"{self._trained_context})"
+        if self.max_context < self._trained_context:
+            context = f"sliding window ({self.sliding_window}), which disable_sliding_window caps its context at"
         message = f"max_model_len {max_model_len} exceeds the model's {context}"
         if not long_max_model_len_allowed():
             raise ConfigError(f"{message}; to allow it, set the environment variable {LONG_MAX_MODEL_LEN_VARIABLE}=1 "
@@ -276,7 +287,9 @@ class ModelConfig:
             )
 
     @staticmethod
-    def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cfg: dict[str, Any], disable_sliding_window: bool = False) -> ModelConfig:
+        """disable_sliding_window: a sliding window is taken (as vLLM's flag of that name takes it: full attention
+        over a context capped at the window), not refused."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
         model_type = cfg.get("model_type", "llama")
@@ -295,12 +308,15 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
                               f"the same function)")
         # fields that change the computation and that this model does not implement: refused, never ignored
+        window = cfg.get("sliding_window")
         for name, harmless in UNIMPLEMENTED_FIELDS.items():
-            if cfg.get(name) not in harmless:
+            if cfg.get(name) not in harmless and not (name == "sliding_window" and disable_sliding_window):
                 where = f"leaves out {name}, so model_type {model_type!r} takes its default of {cfg[name]!r}" if \
                     name in defaulted else f"sets {name}={cfg.get(name)!r}"
+                hint = f"; disable_sliding_window (--disable-sliding-window) runs it as vLLM's does, with full " \
+                    f"attention over a context capped at the window, {window}" if name == "sliding_window" else ""
                 raise ConfigError(f"config.json {where}, which tpgraph does not implement (it would run as if unset "
-                                  f"and give wrong results)")
+                                  f"and give wrong results){hint}")
         try:
             heads = _integer("num_attention_heads", cfg["num_attention_heads"])
             hidden = _integer("hidden_size", cfg["hidden_size"])
@@ -327,6 +343,8 @@ class ModelConfig:
                 # (transformers' own name since 4.56 wins over the legacy one where a config has both, as
                 # transformers and vLLM read it)
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+                sliding_window=None if window is None or not disable_sliding_window else
+                _integer("sliding_window", window),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
@@ -336,7 +354,7 @@ class ModelConfig:
             raise ConfigError(f"config.json has a field of the wrong type or value: {exc}") from None
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> ModelConfig:
+    def from_dir(model_dir: str | Path, disable_sliding_window: bool = False) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
             hub = HUB_ID.fullmatch(str(model_dir)) is not None
@@ -351,7 +369,7 @@ class ModelConfig:
             raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
-        return ModelConfig.from_hf_dict(cfg)
+        return ModelConfig.from_hf_dict(cfg, disable_sliding_window)
 
 
 # The built-in default: small enough for a laptop CPU, shaped like Llama 3 (GQA, llama3 rope, tied

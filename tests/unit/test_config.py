@@ -103,6 +103,21 @@ def test_a_mistral_config_takes_mistral_defaults_and_its_sliding_window_is_refus
                                      "max_position_embeddings": 4096}).num_key_value_heads == 16
 
 
+def test_a_sliding_window_is_taken_as_a_context_cap_under_disable_sliding_window():
+    """vLLM's disable_sliding_window caps the context at the window (full attention within it is the window's), and
+    a window wider than the context changes nothing."""
+    mistral = {**MINIMAL, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_key_value_heads": 2,
+               "max_position_embeddings": 32768}
+    cfg = ModelConfig.from_hf_dict(mistral, disable_sliding_window=True)
+    assert (cfg.sliding_window, cfg.max_context) == (4096, 4096)
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": 65536}, disable_sliding_window=True).max_context == \
+        32768
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}, disable_sliding_window=True).sliding_window \
+        is None
+    with pytest.raises(ConfigError, match="config field sliding_window must be >= 1, got 0"):
+        ModelConfig.from_hf_dict({**mistral, "sliding_window": 0}, disable_sliding_window=True)
+
+
 @pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
 def test_a_bias_is_refused_naming_the_field_set(field):
     """The refusal named both fields ("attention_bias or mlp_bias"), not the one the checkpoint sets."""

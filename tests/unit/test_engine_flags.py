@@ -392,3 +392,9 @@ def test_a_kv_cache_dtype_naming_a_dtype_is_taken_and_checked_against_the_models
     assert engine_kwargs(parse_args(["--kv-cache-dtype", "bfloat16"]))["kv_cache_dtype"] == "bfloat16"
     assert main(["--prompt", "hi", "--device", "cpu", "--kv-cache-dtype", "float16"]) == 2
     assert "--kv-cache-dtype='float16' is not the model's dtype (float32)" in capsys.readouterr().err
+
+
+def test_vllms_disable_sliding_window_flag_is_taken():
+    """--disable-sliding-window (vLLM's) was an unknown flag: a vLLM command line for Mistral-7B-v0.1 did not parse."""
+    assert engine_kwargs(parse_args([]))["disable_sliding_window"] is False
+    assert engine_kwargs(parse_args(["--disable-sliding-window"]))["disable_sliding_window"] is True

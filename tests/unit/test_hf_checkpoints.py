@@ -153,3 +153,29 @@ def test_a_mistral_checkpoint_without_a_sliding_window_runs_as_transformers_runs
     with TPEngine(tmp_path / "c", device="cpu", max_num_seqs=2, block_size=4) as engine:
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_sliding_window_checkpoint_runs_capped_at_its_window_under_vllms_disable_sliding_window(tmp_path):
+    """vLLM's --disable-sliding-window (disable_sliding_window=True) runs a sliding-window checkpoint (Mistral-7B-v0.1,
+    zephyr-7b-beta: a window of 4096) with full attention over a context capped at the window, the same attention as
+    the window's; the flag was unknown, and such a checkpoint refused whatever the user gave."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**{**BASE, "max_position_embeddings": 64}, sliding_window=16)).eval() \
+        .save_pretrained(tmp_path / "c")
+    prompt = [(37 * j + 11) % VOCAB for j in range(15)]  # (the window, less the token it leaves room for)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    with pytest.raises(ConfigError, match="config.json sets sliding_window=16, .* disable_sliding_window "
+                                          r"\(--disable-sliding-window\) runs it"):
+        TPEngine(tmp_path / "c", device="cpu")
+    with TPEngine(tmp_path / "c", device="cpu", max_num_seqs=2, block_size=4, disable_sliding_window=True) as engine:
+        assert engine.runner.max_model_len == 16
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)
+    with pytest.raises(ConfigError, match=r"max_model_len 17 exceeds the model's sliding window \(16\), which "
+                                          r"disable_sliding_window caps its context at"):
+        TPEngine(tmp_path / "c", device="cpu", disable_sliding_window=True, max_model_len=17)

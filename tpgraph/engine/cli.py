@@ -64,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=model_len, default=None, metavar="N",
                    help="context limit, e.g. 8192, 8k (8000) or 8K (8192); default, or -1 / auto: the model's, capped "
                         "by what the KV cache holds")
+    p.add_argument("--disable-sliding-window", action="store_true",
+                   help="a checkpoint with a sliding window (Mistral-7B-v0.1's) runs with full attention over a "
+                        "context capped at the window, as vLLM's flag does (without it, it is refused)")
     p.add_argument("--max-num-batched-tokens", type=token_count, default=None, metavar="N",
                    help="tokens per step, e.g. 8192 or 8K; longer prompts run in chunks (default: min(max_model_len, "
                         f"{DEFAULT_CHUNK_TOKENS}); max_model_len with --no-enable-chunked-prefill)")

@@ -37,6 +37,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 8
     max_model_len: int | None = None
+    # vLLM's: a checkpoint's sliding window (Mistral-7B-v0.1's) runs as full attention over a context capped at the
+    # window (the same attention); without it such a checkpoint is refused
+    disable_sliding_window: bool = False
     max_num_batched_tokens: int | None = None  # default: scheduler.default_token_budget's
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption

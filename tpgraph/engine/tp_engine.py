@@ -264,7 +264,7 @@ class TPEngine:
             check_kv_cache_dtype(cfg.kv_cache_dtype, dtype)  # (before the weights load)
             # (rope tables for the positions it reaches, never first the whole context: the runner sizes them too)
             self.model = load_model(self.state, self.comm, cfg.model, cfg.load_format, dtype, seed=cfg.seed,
-                                    max_positions=cfg.max_model_len)
+                                    config=model_cfg, max_positions=cfg.max_model_len)
             budget = cfg.max_num_batched_tokens
             if budget is None and not cfg.enable_chunked_prefill:  # a step takes a whole prompt: the default budget
                 # holds one of max_model_len (vLLM's default too), not the chunked one's (at most DEFAULT_CHUNK_TOKENS),
@@ -318,7 +318,7 @@ class TPEngine:
         model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
-        model_cfg = ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL
+        model_cfg = ModelConfig.from_dir(model, cfg.disable_sliding_window) if model is not None else BUILTIN_MODEL
         model_cfg.check_tp(tp_size)
         if cfg.max_model_len is not None:  # (the runner refuses it too, but once every rank has loaded the weights)
             model_cfg.check_max_model_len(cfg.max_model_len)
