@@ -179,3 +179,29 @@ def test_a_sliding_window_checkpoint_runs_capped_at_its_window_under_vllms_disab
     with pytest.raises(ConfigError, match=r"max_model_len 17 exceeds the model's sliding window \(16\), which "
                                           r"disable_sliding_window caps its context at"):
         TPEngine(tmp_path / "c", device="cpu", disable_sliding_window=True, max_model_len=17)
+
+
+@pytest.mark.parametrize("layout", ["one_file", "sharded", "legacy_format"])
+def test_a_pytorch_bin_checkpoint_loads_as_vllm_and_transformers_load_it(tmp_path, layout):
+    """A checkpoint of PyTorch .bin weights (pytorch_model.bin, or shards with their index: older fine-tunes ship only
+    these), which vLLM's "auto" load format and transformers load where there are no safetensors, was refused."""
+    from safetensors.torch import load_file
+
+    path = save_hf_model(tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    if layout == "sharded":
+        names = sorted(tensors)
+        shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for fname, part in shards.items():
+            torch.save({n: tensors[n] for n in part}, path / fname)
+        (path / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    else:
+        torch.save(tensors, path / "pytorch_model.bin", _use_new_zipfile_serialization=layout == "one_file")
+    (path / "training_args.bin").write_bytes(b"")  # (a trainer's, beside the weights: passed over)
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        got = engine_prompt_logprobs(engine, prompt)
+    assert got == pytest.approx(want, abs=1e-4)

@@ -172,21 +172,41 @@ def test_random_weights_take_any_64_bit_seed(seed):
 
 
 def test_no_safetensors(tmp_path):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors or PyTorch \\*.bin weights files"):
+        SafetensorsSource(tmp_path)
+
+
+@pytest.mark.parametrize("contents", [b"", b"not a zip or a pickle"])
+def test_a_bin_file_that_is_no_pytorch_weights_is_named(tmp_path, contents):
+    """(.bin weights load, as vLLM's and transformers': test_hf_checkpoints.py) One that torch cannot read is named,
+    not a traceback from torch.load."""
+    (tmp_path / "pytorch_model.bin").write_bytes(contents)
+    with pytest.raises(CheckpointError, match=r"cannot read .*pytorch_model\.bin as PyTorch weights"):
+        SafetensorsSource(tmp_path)
+    torch.save({"step": 3}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin holds no state dict of tensors"):
+        SafetensorsSource(tmp_path)
+
+
+def test_a_bin_file_runs_no_code_of_its_own(tmp_path):
+    """.bin files are unpickled with weights_only, as vLLM's: a pickle that calls a function is refused, not run."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    with (tmp_path / "pytorch_model.bin").open("wb") as f:
+        pickle.dump({"model.norm.weight": Payload()}, f, protocol=2)
+    with pytest.raises(CheckpointError, match=r"cannot read .*pytorch_model\.bin as PyTorch weights"):
+        SafetensorsSource(tmp_path)
+
+
+def test_the_safetensors_load_format_reads_no_bin_files(tmp_path):
+    torch.save({"model.norm.weight": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    assert "model.norm.weight" in SafetensorsSource(tmp_path).file_of
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
-        SafetensorsSource(tmp_path)
-
-
-@pytest.mark.parametrize("files", [["pytorch_model.bin"],
-                                   ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
-                                    "pytorch_model.bin.index.json"]])
-def test_a_pytorch_bin_checkpoint_is_refused_naming_its_files_and_the_conversion(tmp_path, files):
-    """Checkpoints that hold only PyTorch pickles (transformers and vLLM load them) were told there were no
-    safetensors files, as if the directory held no weights at all."""
-    for name in files:
-        (tmp_path / name).write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"holds PyTorch \.bin weights \(pytorch_model.*\.bin\), which tpgraph "
-                                              r"does not load .*\.save_pretrained\(DIR\)"):
-        SafetensorsSource(tmp_path)
+        SafetensorsSource(tmp_path, pickles=False)
 
 
 def test_training_files_are_no_bin_weights(tmp_path):
@@ -194,7 +214,7 @@ def test_training_files_are_no_bin_weights(tmp_path):
     with them and no weights was told it held PyTorch .bin weights, and to convert them."""
     for name in ("training_args.bin", "optimizer.bin"):
         (tmp_path / name).write_bytes(b"")
-    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors or PyTorch \\*.bin weights files"):
         SafetensorsSource(tmp_path)
 
 

@@ -1,8 +1,8 @@
 """Weight loading: each rank reads only its own slices of each checkpoint tensor.
 
-Sources: a Hugging Face safetensors directory (one file or many plus the index JSON), or seeded random
-weights for any config (`dummy`, and the built-in default model). Failures on any rank become a
-one-line error on every rank, never a hang.
+Sources: a Hugging Face safetensors directory (one file or many plus the index JSON), PyTorch .bin weights where it
+holds no safetensors (as vLLM falls back to them), or seeded random weights for any config (`dummy`, and the
+built-in default model). Failures on any rank become a one-line error on every rank, never a hang.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ INDEX_FILE = "model.safetensors.index.json"
 BASE_PREFIX = "model."  # LlamaForCausalLM's name for its base model (LlamaModel), before every tensor's but lm_head's
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
+PICKLED_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
 TRAINING_FILES = ("training_args.bin", "optimizer.bin")  # .bin files a fine-tune's trainer saves that hold no weights
 # buffers older Llama checkpoints saved beside the weights, which the model computes itself
 RECOMPUTED_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -65,8 +66,51 @@ def _check_safetensors_file(path: Path) -> None:
         )
 
 
+class _PickledTensor:
+    """A tensor of a .bin file, read as a safetensors slice is (get_shape, get_dtype, indexing)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        return PICKLED_DTYPES.get(self.tensor.dtype, str(self.tensor.dtype).removeprefix("torch."))
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self.tensor[index]
+
+
+class _PickledFile:
+    """A PyTorch .bin weights file (transformers' pytorch_model*.bin) read as safe_open's handle is: memory-mapped,
+    so each rank reads the pages of its own slices (a legacy, pre-zip file is read whole), and unpickled with
+    weights_only, which runs none of the file's code (as vLLM loads them)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # (the legacy format cannot be mapped)
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # (pickle's, zipfile's and torch's own error types)
+            raise CheckpointError(f"cannot read {path} as PyTorch weights: {type(exc).__name__}: {exc}") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise CheckpointError(f"{path} holds no state dict of tensors (a .bin file of other data?)")
+        self.state = state
+
+    def keys(self) -> Iterable[str]:
+        return self.state.keys()
+
+    def get_slice(self, name: str) -> _PickledTensor:
+        return _PickledTensor(self.state[name])
+
+
 class SafetensorsSource:
-    def __init__(self, model_dir: Path) -> None:
+    """A checkpoint directory's weights: its safetensors files, else its PyTorch .bin files."""
+
+    def __init__(self, model_dir: Path, pickles: bool = True) -> None:
+        """pickles False: safetensors files alone (load_format "safetensors")."""
         self.dir = model_dir
         self.file_of: dict[str, Path] = {}
         index = model_dir / INDEX_FILE
@@ -84,16 +128,16 @@ class SafetensorsSource:
             if missing:
                 raise CheckpointError(f"{index} lists shard file(s) that are missing: {', '.join(missing)}")
         else:
-            files = sorted(model_dir.glob("*.safetensors"))
-            pickles = sorted(f.name for f in model_dir.glob("*.bin") if f.name not in TRAINING_FILES)
-            if not files and pickles:  # (transformers and vLLM load them: say what they are and how to convert)
-                raise CheckpointError(f"{model_dir} holds PyTorch .bin weights ({', '.join(pickles)}), which tpgraph "
-                                      f"does not load (only safetensors): convert them with transformers: "
-                                      f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR)")
+            # (as vLLM's "auto" load format: safetensors where there are any, else .bin files, every one of them but
+            # those a trainer saves beside the weights)
+            files = sorted(model_dir.glob("*.safetensors")) or sorted(
+                f for f in model_dir.glob("*.bin") if pickles and f.name not in TRAINING_FILES)
             if not files:
-                raise CheckpointError(f"no *.safetensors files in {model_dir} (only safetensors checkpoints load)")
+                raise CheckpointError(f"no *.safetensors files in {model_dir}" if not pickles else
+                                      f"no *.safetensors or PyTorch *.bin weights files in {model_dir}")
         for f in files:
-            _check_safetensors_file(f)
+            if f.suffix == ".safetensors":
+                _check_safetensors_file(f)
         self._handles = {}
         if not index.is_file():
             for f in files:
@@ -110,6 +154,8 @@ class SafetensorsSource:
                 self.file_of[BASE_PREFIX + name] = self.file_of[name]
 
     def _open(self, path: Path):
+        if path not in self._handles and path.suffix == ".bin":
+            self._handles[path] = _PickledFile(path)
         if path not in self._handles:
             try:
                 self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
@@ -269,7 +315,7 @@ def load_model(
         if model_dir is None or load_format == "dummy":
             source: TensorSource = RandomSource(cfg, seed, state.device)
         else:
-            source = SafetensorsSource(Path(model_dir))
+            source = SafetensorsSource(Path(model_dir), pickles=load_format == "auto")
             if (cfg.tie_word_embeddings and "lm_head.weight" in source.file_of
                     and not source.same_values("lm_head.weight", "model.embed_tokens.weight")):
                 # transformers ties only a checkpoint without an lm_head.weight of other values: one it holds is the
