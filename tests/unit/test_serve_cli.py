@@ -709,6 +709,37 @@ def test_vllms_logging_prefix_and_stream_set_where_the_lines_go_and_how_they_beg
     assert run.stderr == "[node 3, 100%] INFO tpgraph.serve: serving\n" and run.stdout == ""
 
 
+def test_vllms_logging_prefix_fills_in_its_log_record_fields_and_never_breaks_a_line():
+    """vLLM puts VLLM_LOGGING_PREFIX into its logging format, so that "%(process)d" is each line's process id and "%%"
+    a percent sign: the server wrote them as they were typed. A % that begins no field ("100%") is the character
+    itself (vLLM's logging failed every line with it); a field no log record has is refused when parsed, naming the
+    variable, as every line would fail."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tpgraph.server.logs import configure_logging; configure_logging(); "
+            "import logging, os; print(os.getpid()); logging.getLogger('tpgraph.serve').info('serving')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_LOGGING_STREAM": "ext://sys.stdout",
+           "VLLM_LOGGING_PREFIX": "(pid=%(process)d, %(processName)s) 100%% 50% %%%(levelno)d "}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    pid, line = run.stdout.splitlines()
+    assert line == f"(pid={pid}, MainProcess) 100% 50% %20 INFO tpgraph.serve: serving"
+
+
+@pytest.mark.parametrize("prefix,needle", [
+    ("%(rank)s ", "VLLM_LOGGING_PREFIX='%(rank)s ' cannot begin a log line: Formatting field not found in record: "
+                  "'rank'"),
+    ("%(process)q ", "VLLM_LOGGING_PREFIX='%(process)q ' cannot begin a log line: unsupported format character 'q'"),
+])
+def test_a_logging_prefix_whose_field_no_record_fills_is_refused_when_parsed(prefix, needle, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_LOGGING_PREFIX", prefix)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_the_logged_url_is_one_a_client_can_use():
     """`--host ::1` was logged as serving on http://::1:8000, which no client reads as a host and a port."""
     from tpgraph.serve import serving_url

@@ -12,6 +12,7 @@ import logging
 import logging.config
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -29,6 +30,8 @@ FORMAT = "%(levelname)s %(name)s: %(message)s"
 PREFIX_VARIABLE, STREAM_VARIABLE = "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_STREAM"
 STREAMS = {"ext://sys.stdout": "stdout", "ext://sys.stderr": "stderr"}
 VLLM_LOGGER, SERVER_LOGGER = "vllm", "tpgraph"  # (vLLM's loggers' root, and the server's)
+# in a prefix: a percent sign written twice, a field's beginning, or any other % (one the format would choke on)
+PERCENT = re.compile(r"%%|%\(|%")
 
 
 def logging_level() -> int:
@@ -48,6 +51,20 @@ def logging_stream() -> str:
     if text not in STREAMS:
         raise ConfigError(f"{STREAM_VARIABLE}={os.environ[STREAM_VARIABLE]!r} must be {' or '.join(STREAMS)}")
     return STREAMS[text]
+
+
+def logging_prefix() -> str:
+    """VLLM_LOGGING_PREFIX as the beginning of the logging format, as vLLM puts it there: its log record fields
+    (%(process)d, %(asctime)s, ...) filled in for each line, %% a percent sign. A % that begins neither is the
+    character itself ("100%"), where vLLM's format failed every line with it; a field no record fills is refused."""
+    text = os.environ.get(PREFIX_VARIABLE, "")
+    prefix = PERCENT.sub(lambda m: m[0] if len(m[0]) == 2 else "%%", text)
+    try:  # (a record's every field is there at once: a prefix one record takes, every record takes)
+        logging.Formatter(prefix + FORMAT).format(logging.LogRecord(SERVER_LOGGER, logging.INFO, "", 0, "", (), None))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{PREFIX_VARIABLE}={text!r} cannot begin a log line: {exc} (its fields are a log "
+                          f"record's, such as %(process)d; %% is a percent sign)") from None
+    return prefix
 
 
 def configures_logging() -> bool:
@@ -113,6 +130,7 @@ def check_environment() -> None:
     logging_level()
     configures_logging()
     logging_stream()
+    logging_prefix()
     stats_interval_s()
 
 
@@ -131,7 +149,7 @@ def configure_logging(config: dict[str, Any] | None = None) -> None:
                               f"dictConfig takes: {exc}") from None
         return
     level = logging_level()
-    prefix = os.environ.get(PREFIX_VARIABLE, "").replace("%", "%%")  # (text: no % is read as a field)
     # (the stream looked up now, not at import: a test's or a caller's replaced sys.stdout is the one written to)
-    logging.basicConfig(level=max(level, logging.INFO), format=prefix + FORMAT, stream=getattr(sys, logging_stream()))
+    logging.basicConfig(level=max(level, logging.INFO), format=logging_prefix() + FORMAT,
+                        stream=getattr(sys, logging_stream()))
     logging.getLogger(SERVER_LOGGER).setLevel(level)
