@@ -690,6 +690,31 @@ def test_vllms_log_config_file_flag_configures_the_servers_and_uvicorns_logging(
     assert f"--log-config-file {tmp_path / 'missing.json'} cannot be read" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("configure", [None, "0"])  # (uvicorn takes the flag's file whatever that says)
+def test_a_log_config_file_uvicorn_would_refuse_is_refused_when_parsed(configure, tmp_path, monkeypatch, capsys):
+    """A --log-config-file whose configuration dictConfig refuses (a handler class that does not exist) was found
+    only as the HTTP front end started, once every rank had loaded the weights; it is refused when parsed, naming the
+    file and dictConfig's reason. uvicorn's own TRACE level is taken, as uvicorn names it before configuring."""
+    import json
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    if configure is not None:
+        monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", configure)
+    path = tmp_path / "uvicorn.json"
+    path.write_text(json.dumps({"version": 1, "disable_existing_loggers": False,
+                                "handlers": {"h": {"class": "logging.NoSuchHandler"}},
+                                "loggers": {"uvicorn": {"handlers": ["h"]}}}))
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--log-config-file", str(path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"--log-config-file {path} is no logging configuration uvicorn takes" in err
+    assert "Unable to configure handler 'h'" in err, err
+    taken = {"version": 1, "disable_existing_loggers": False,
+             "loggers": {"uvicorn.access": {"level": "TRACE"}}}
+    path.write_text(json.dumps(taken))
+    assert parse_args(["--log-config-file", str(path)]).http.log_config == taken
+
+
 def test_vllms_logging_prefix_and_stream_set_where_the_lines_go_and_how_they_begin():
     """vLLM begins each line with VLLM_LOGGING_PREFIX and writes to VLLM_LOGGING_STREAM (ext://sys.stdout or
     ext://sys.stderr): the server ignored both. (A process of its own: logging is configured once a process.)"""

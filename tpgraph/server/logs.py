@@ -13,6 +13,7 @@ import logging.config
 import math
 import os
 import re
+import subprocess
 import sys
 from typing import Any
 
@@ -112,7 +113,40 @@ def logging_config(path: str | None = None) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise ConfigError(f"{named} must hold a JSON object (logging.config.dictConfig's schema), not a "
                           f"{type(config).__name__}")
-    return with_servers_logger(config)
+    config = with_servers_logger(config)
+    if flag:  # (the variable's is applied in this process at start-up, before any rank or weight: configure_logging)
+        check_uvicorn_config(config, named)
+    return config
+
+
+# a configuration applied as uvicorn applies it (its TRACE level named first), in a process of its own: dictConfig
+# changes the logging of the process it runs in. It says dictConfig's refusal, and its cause, on stdout.
+UVICORN_CHECK = """
+import json, logging, logging.config, sys
+logging.addLevelName(5, "TRACE")
+try:
+    logging.config.dictConfig(json.load(sys.stdin))
+except Exception as exc:
+    print(exc if exc.__cause__ is None else f"{exc}: {exc.__cause__}", end="")
+    sys.exit(1)
+"""
+UVICORN_CHECK_S = 60.0
+
+
+def check_uvicorn_config(config: dict[str, Any], named: str) -> None:
+    """Raise ConfigError for a logging configuration uvicorn's dictConfig would refuse (a handler class that does not
+    exist, a file handler's missing directory): else found only as the front end starts, after the weights load."""
+    # (the front end is spawned with this process's sys.path: the check imports what the file names from there too)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        run = subprocess.run([sys.executable, "-c", UVICORN_CHECK], input=json.dumps(config), capture_output=True,
+                             text=True, env=env, timeout=UVICORN_CHECK_S)
+    except subprocess.TimeoutExpired:
+        return  # (a handler that waits on something at start-up: the front end says, should it fail)
+    if run.returncode != 0:
+        crash = run.stderr.strip().splitlines()  # (the check itself failed: its traceback's last line)
+        reason = run.stdout.strip() or (crash[-1] if crash else f"exit code {run.returncode}")
+        raise ConfigError(f"{named} is no logging configuration uvicorn takes: {reason}")
 
 
 def with_servers_logger(config: dict[str, Any]) -> dict[str, Any]:
