@@ -1,6 +1,7 @@
 """TPEngine(tp_size=2) from a plain Python process starts its second rank itself, matches TP=1, survives a refused
 request, and takes the rank down on exit and on Ctrl-C."""
 
+import json
 import os
 import re
 import signal
@@ -273,3 +274,53 @@ def run_script(script: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
+
+
+LOGGING_SCRIPT = """
+import logging, multiprocessing
+import tpgraph.engine.tp_engine as tp_engine
+
+# the started rank (it imports this file too) logs a line of its own as it builds its engine
+if multiprocessing.current_process().name == "tpgraph-rank-1":
+    build = tp_engine.TPEngine.__init__
+
+    def says_a_line(self, *args, **kwargs):
+        logging.getLogger("tpgraph.engine").warning("rank 1 builds its engine")
+        build(self, *args, **kwargs)
+
+    tp_engine.TPEngine.__init__ = says_a_line
+
+if __name__ == "__main__":
+    from tpgraph.server.logs import configure_logging, logging_config
+
+    configure_logging(logging_config())  # (as the server's rank 0 does: serve.main)
+    with tp_engine.TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17,
+                            block_size=4):
+        print("built", flush=True)
+"""
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_the_started_ranks_log_as_rank_0_does(from_file, tmp_path):
+    """`serve -tp 2` without torchrun: rank 0 configured its logging from vLLM's variables (VLLM_LOGGING_STREAM,
+    VLLM_LOGGING_PREFIX, VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH's file), and the ranks it started configured
+    none: their warnings and errors went bare to stderr, and never to the configured file. They take rank 0's."""
+    script = tmp_path / "logs.py"  # (a file, not -c: the spawned rank re-imports it, and its line with it)
+    script.write_text(LOGGING_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_LOGGING_STREAM": "ext://sys.stdout",
+           "VLLM_LOGGING_PREFIX": "[%(processName)s] "}
+    expected = "[tpgraph-rank-1] WARNING tpgraph.engine: rank 1 builds its engine"
+    if from_file:
+        config = tmp_path / "logging.json"
+        config.write_text(json.dumps({
+            "version": 1, "disable_existing_loggers": False,
+            "formatters": {"f": {"format": "CFG %(processName)s %(message)s"}},
+            "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
+            "loggers": {"tpgraph": {"handlers": ["h"], "level": "INFO", "propagate": False}}}))
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
+        expected = "CFG tpgraph-rank-1 rank 1 builds its engine"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=240)
+    assert proc.returncode == 0 and "built" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    assert expected in proc.stdout.splitlines(), (proc.stdout + proc.stderr)[-3000:]
+    assert "rank 1 builds its engine" not in proc.stderr

@@ -14,9 +14,21 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tpgraph.errors import ConfigError
+
+# what each rank started here runs first: the logging set-up of the process that starts it (server/logs.py's
+# configure_logging says it), so that the started ranks' lines read and go as rank 0's, as each torchrun rank sets up
+# its own; picklable, as spawn sends it
+_rank_setup: Callable[[], None] | None = None
+
+
+def run_in_started_ranks(setup: Callable[[], None] | None) -> None:
+    """Every rank this process starts from now on runs `setup` before it builds its engine."""
+    global _rank_setup
+    _rank_setup = setup
 
 
 def free_tcp_init() -> str:
@@ -48,7 +60,8 @@ def leave_later(seconds: float) -> None:
 
 
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
-                  started: multiprocessing.connection.Connection, threads: int | None = None) -> None:
+                  started: multiprocessing.connection.Connection, threads: int | None = None,
+                  setup: Callable[[], None] | None = None) -> None:
     started.send("started")  # (reached once the spawned interpreter has imported the user's main module)
 
     def joining() -> None:  # (its own checks passed: it joins the rendezvous now, and so can rank 0)
@@ -69,6 +82,8 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
     from tpgraph.errors import TPGraphError
 
     try:
+        if setup is not None:  # (rank 0's logging: run_in_started_ranks)
+            setup()
         engine = TPEngine(dist_init=(rank, world_size, init), follower=joining, **kwargs)
     except TPGraphError as exc:  # rank 0 raises the same error (run_on_all_ranks); say it once, quietly
         print(f"error: rank {rank}: {exc}", file=sys.stderr)
@@ -84,12 +99,12 @@ def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
     before it started, a script that makes its TPEngine with no `if __name__ == "__main__":` guard (the spawned rank
     runs the script again and multiprocessing refuses the nested start); after, a check of its own (no GPU for it).
     Rank 0 would otherwise wait for it in the process group's rendezvous until that times out. `threads`: each
-    rank's torch threads (CPU ranks: cpu_threads_per_rank)."""
+    rank's torch threads (CPU ranks: cpu_threads_per_rank). Each runs run_in_started_ranks's set-up first."""
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (rank i's is pipes[i - 1])
-    procs = [ctx.Process(target=follower_main, args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads),
-                         daemon=True,
-                         name=f"tpgraph-rank-{rank}") for rank in range(1, world_size)]
+    procs = [ctx.Process(target=follower_main, daemon=True, name=f"tpgraph-rank-{rank}",
+                         args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads, _rank_setup))
+             for rank in range(1, world_size)]
     try:
         for p in procs:
             p.start()
