@@ -605,6 +605,9 @@ def test_a_bad_vllm_logging_variable_is_refused_when_parsed(variable, value, nee
 @pytest.mark.parametrize("env,level", [
     ({}, "INFO"), ({"VLLM_LOGGING_LEVEL": "debug"}, "DEBUG"), ({"VLLM_LOGGING_LEVEL": "WARNING"}, "WARNING"),
     ({"VLLM_LOGGING_LEVEL": "warn"}, "WARNING"),  # (Python's logging, and so vLLM's, takes WARN too)
+    # (vLLM's handler at NOTSET passes every line of its "vllm" logger, which is at DEBUG: refused here, it stopped
+    # the server)
+    ({"VLLM_LOGGING_LEVEL": "notset"}, "DEBUG"),
     ({"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "0"}, "NOTSET"),
 ])
 def test_the_servers_log_level_is_vllms_logging_level(env, level, monkeypatch):

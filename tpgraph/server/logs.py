@@ -24,9 +24,10 @@ from tpgraph.errors import ConfigError
 LEVEL_VARIABLE, CONFIGURE_VARIABLE = "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"
 STATS_INTERVAL_VARIABLE, CONFIG_PATH_VARIABLE = "VLLM_LOG_STATS_INTERVAL", "VLLM_LOGGING_CONFIG_PATH"
 STATS_INTERVAL_S = 10.0  # (vLLM's default, and what it takes for a value that is not positive)
-# (the names Python's logging takes, as vLLM's dictConfig does: WARN and FATAL too)
+# (the names Python's logging takes, as vLLM's dictConfig does: WARN and FATAL too, and NOTSET, which at vLLM's
+# handler passes every line of its "vllm" logger, a DEBUG one)
 LEVELS = {"CRITICAL": logging.CRITICAL, "FATAL": logging.FATAL, "ERROR": logging.ERROR, "WARNING": logging.WARNING,
-          "WARN": logging.WARN, "INFO": logging.INFO, "DEBUG": logging.DEBUG}
+          "WARN": logging.WARN, "INFO": logging.INFO, "DEBUG": logging.DEBUG, "NOTSET": logging.DEBUG}
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 # vLLM's VLLM_LOGGING_PREFIX (text before each line) and VLLM_LOGGING_STREAM (where lines go, as dictConfig names a
 # stream; the server's default is stderr, vLLM's stdout)
