@@ -27,18 +27,22 @@ import time
 from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
+from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.distributed import PROCESS_GROUP_TIMEOUT_S, env_int
 from tpgraph.engine.cli import add_engine_args, checkpoint_name, engine_from_args, json_object, positive_number
 from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.hub import checkpoint_dirs
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
+from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.response_store import DEFAULT_CAPACITY
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
+from tpgraph.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tpgraph.serve")
 BUILTIN_NAME = "tpgraph-builtin"
@@ -259,9 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if (env_int("RANK") or 0) == 0:
             _check_listen(args.host, args.port, http.uds)  # before minutes of loading, not after
             http.check_tls()
+        reasoning = reasoning_parser(args)  # (before the weights load: the tokenizer is a file)
         engine = engine_from_args(args)
-        reasoning = None if args.reasoning_parser is None else \
-            REASONING_PARSERS[args.reasoning_parser].for_tokenizer(engine.tokenizer)
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -357,6 +360,17 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     _close(engine, timeout_s=3.0, followers_told=followers_told, exit_code=1 if failed else 0)
     return 1 if failed else 0
+
+
+def reasoning_parser(args: argparse.Namespace) -> ReasoningParser | None:
+    """--reasoning-parser checked against the tokenizer the engine loads (ReasoningParser.for_tokenizer), read on its
+    own: a model whose tokenizer splits the end tag was refused once every rank had loaded the weights."""
+    if args.reasoning_parser is None:
+        return None
+    model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
+                                       args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
+    vocab_size = (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).vocab_size
+    return REASONING_PARSERS[args.reasoning_parser].for_tokenizer(load_tokenizer(tokenizer or model, vocab_size))
 
 
 def serving_url(http: HttpOptions, host: str, port: int) -> str:

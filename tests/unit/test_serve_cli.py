@@ -847,3 +847,22 @@ def test_a_log_config_file_for_uvicorn_is_taken_where_the_server_configures_no_l
     path.write_text(json.dumps({"version": 1, "disable_existing_loggers": False}))
     http = parse_args(["--log-config-file", str(path)]).http
     assert http.log_config == {"version": 1, "disable_existing_loggers": False} and http.server_log_config is None
+
+
+def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_refused_before_the_weights_load(monkeypatch, capsys):
+    """--reasoning-parser deepseek_r1 for a model whose tokenizer splits </think> was refused only once the engine
+    was built, every rank's weights loaded (minutes, for a large model); the tokenizer is a file, read first."""
+    import socket
+
+    import tpgraph.serve as serve
+
+    def built(args):
+        raise AssertionError("the engine was built (its weights loaded) before the refusal")
+
+    monkeypatch.setattr(serve, "engine_from_args", built)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert serve.main(["--device", "cpu", "--port", str(port), "--reasoning-parser", "deepseek_r1"]) == 2
+    assert "--reasoning-parser deepseek_r1 needs a model whose tokenizer has </think> as one token" in \
+        capsys.readouterr().err
