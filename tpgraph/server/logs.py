@@ -144,8 +144,9 @@ def check_uvicorn_config(config: dict[str, Any], named: str) -> None:
     try:
         run = subprocess.run([sys.executable, "-c", UVICORN_CHECK], input=json.dumps(config), capture_output=True,
                              text=True, env=env, timeout=UVICORN_CHECK_S)
-    except subprocess.TimeoutExpired:
-        return  # (a handler that waits on something at start-up: the front end says, should it fail)
+    except (subprocess.TimeoutExpired, OSError):
+        # (a handler that waits on something at start-up, or no interpreter to run: the front end says, should it fail)
+        return
     if run.returncode != 0:
         crash = run.stderr.strip().splitlines()  # (the check itself failed: its traceback's last line)
         reason = run.stdout.strip() or (crash[-1] if crash else f"exit code {run.returncode}")
