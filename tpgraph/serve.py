@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(CONFIG_MODEL_FLAG, dest="config_model", type=checkpoint_name, default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    p.add_argument("--served-model-name", type=served_name, nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for, replies naming the first (default: --model, or "
                         f"{BUILTIN_NAME})")
     p.add_argument("--api-key", type=api_key, nargs="+", default=None, metavar="KEY",
@@ -390,6 +390,15 @@ def api_key(text: str) -> str:
         raise argparse.ArgumentTypeError("the API key is empty: give one, or leave --api-key out to serve without one")
     if (problem := unsendable(text)) is not None:
         raise argparse.ArgumentTypeError(f"the key {problem}")
+    return text
+
+
+def served_name(text: str) -> str:
+    """A name clients ask for: an empty one (`--served-model-name "$UNSET"`) served the model as "", and every request
+    that named it was answered 404."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give the name clients ask for, or leave "
+                                         "--served-model-name out to serve the model under its own")
     return text
 
 

@@ -19,6 +19,9 @@ from tpgraph.serve import parse_args
     (["--gpu-memory-utilization", "0"], "must be in (0, 1]"), (["--gpu-memory-utilization", "1.5"], "must be in"),
     (["--gpu-memory-utilization", "nan"], "must be in"),
     (["--api-key", ""], "the API key is empty"), (["--api-key", "  "], "the API key is empty"),
+    # (`--served-model-name "$UNSET"` served the model as "", and every request that named it was a 404)
+    (["--served-model-name", ""], "argument --served-model-name: is empty (an unset variable?)"),
+    (["--served-model-name", "llama", " "], "argument --served-model-name: is empty (an unset variable?)"),
 ])
 def test_bad_values_are_refused_when_parsed(flags, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
