@@ -721,6 +721,23 @@ def test_a_log_config_file_uvicorn_would_refuse_is_refused_when_parsed(configure
     assert parse_args(["--log-config-file", str(path)]).http.log_config == taken
 
 
+def test_a_log_config_file_is_checked_after_the_servers_own_as_the_front_end_applies_them(tmp_path, monkeypatch):
+    """The front end applies VLLM_LOGGING_CONFIG_PATH's configuration, then uvicorn the --log-config-file's: an
+    incremental file for uvicorn that changes a handler the server's file made is taken (the check applied it alone,
+    and refused it as naming no handler)."""
+    import json
+
+    server = tmp_path / "server.json"
+    server.write_text(json.dumps({"version": 1, "disable_existing_loggers": False,
+                                  "handlers": {"console": {"class": "logging.StreamHandler"}},
+                                  "loggers": {"tpgraph": {"handlers": ["console"], "level": "INFO"}}}))
+    uvicorn = tmp_path / "uvicorn.json"
+    uvicorn.write_text(json.dumps({"version": 1, "incremental": True, "handlers": {"console": {"level": "WARNING"}}}))
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(server))
+    http = parse_args(["--log-config-file", str(uvicorn)]).http
+    assert http.log_config == {"version": 1, "incremental": True, "handlers": {"console": {"level": "WARNING"}}}
+
+
 def test_vllms_logging_prefix_and_stream_set_where_the_lines_go_and_how_they_begin():
     """vLLM begins each line with VLLM_LOGGING_PREFIX and writes to VLLM_LOGGING_STREAM (ext://sys.stdout or
     ext://sys.stderr): the server ignored both. (A process of its own: logging is configured once a process.)"""

@@ -118,17 +118,25 @@ def logging_config(path: str | None = None) -> dict[str, Any] | None:
                           f"{type(config).__name__}")
     config = with_servers_logger(config)
     if flag:  # (the variable's is applied in this process at start-up, before any rank or weight: configure_logging)
-        check_uvicorn_config(config, named)
+        # (after the server's own, as the front end applies them: an incremental file may change its handlers)
+        check_uvicorn_config(config, named, logging_config() if configures_logging() else None)
     return config
 
 
-# a configuration applied as uvicorn applies it (its TRACE level named first), in a process of its own: dictConfig
-# changes the logging of the process it runs in. It says dictConfig's refusal, and its cause, on stdout.
+# configurations applied as the front end applies them, the server's own (where given) then uvicorn's (its TRACE
+# level named first), in a process of its own: dictConfig changes the logging of the process it runs in. It says
+# dictConfig's refusal, and its cause, on stdout.
 UVICORN_CHECK = """
 import json, logging, logging.config, sys
+server, uvicorn = json.load(sys.stdin)
+try:
+    if server is not None:
+        logging.config.dictConfig(server)
+except Exception:
+    sys.exit(0)  # (the server's own, refused as the server applies it: configure_logging says so)
 logging.addLevelName(5, "TRACE")
 try:
-    logging.config.dictConfig(json.load(sys.stdin))
+    logging.config.dictConfig(uvicorn)
 except Exception as exc:
     print(exc if exc.__cause__ is None else f"{exc}: {exc.__cause__}", end="")
     sys.exit(1)
@@ -136,14 +144,15 @@ except Exception as exc:
 UVICORN_CHECK_S = 60.0
 
 
-def check_uvicorn_config(config: dict[str, Any], named: str) -> None:
+def check_uvicorn_config(config: dict[str, Any], named: str, server: dict[str, Any] | None = None) -> None:
     """Raise ConfigError for a logging configuration uvicorn's dictConfig would refuse (a handler class that does not
-    exist, a file handler's missing directory): else found only as the front end starts, after the weights load."""
+    exist, a file handler's missing directory), applied after `server`, the server's own: else found only as the
+    front end starts, after the weights load."""
     # (the front end is spawned with this process's sys.path: the check imports what the file names from there too)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     try:
-        run = subprocess.run([sys.executable, "-c", UVICORN_CHECK], input=json.dumps(config), capture_output=True,
-                             text=True, env=env, timeout=UVICORN_CHECK_S)
+        run = subprocess.run([sys.executable, "-c", UVICORN_CHECK], input=json.dumps([server, config]),
+                             capture_output=True, text=True, env=env, timeout=UVICORN_CHECK_S)
     except (subprocess.TimeoutExpired, OSError):
         # (a handler that waits on something at start-up, or no interpreter to run: the front end says, should it fail)
         return
