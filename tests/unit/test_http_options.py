@@ -188,6 +188,20 @@ def test_a_unix_socket_that_cannot_be_listened_on_is_refused_at_start_up(tmp_pat
     _check_listen("127.0.0.1", 8000, str(taken))  # (its server gone: a stale socket file, which uvicorn takes over)
 
 
+def test_a_unix_socket_path_too_long_to_bind_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A socket path past the kernel's limit (108 bytes on Linux: a deep directory's) passed the start-up check and
+    failed as the front end bound it, once the weights had loaded. The check binds it (and removes what it made)."""
+    from tpgraph.serve import main
+    from tpgraph.server.options import check_unix_socket
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    assert main(["--device", "cpu", "--uds", str(deep / "api.sock")]) == 2
+    assert f"cannot listen on --uds {deep / 'api.sock'}: AF_UNIX path too long" in capsys.readouterr().err
+    check_unix_socket(str(tmp_path / "api.sock"))
+    assert not (tmp_path / "api.sock").exists()
+
+
 def self_signed(tmp_path, name: str = "server"):
     """A certificate for 127.0.0.1 and its key, made with the openssl command (skipped without it)."""
     import shutil

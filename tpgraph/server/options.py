@@ -193,7 +193,7 @@ def check_unix_socket(path: str) -> None:
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ConfigError(f"cannot listen on --uds {path}: its directory does not exist")
     if not os.path.exists(path):
-        return
+        return _bind_unix(path)
     if not stat.S_ISSOCK(os.stat(path).st_mode):
         raise ConfigError(f"cannot listen on --uds {path}: it exists and is no socket")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -206,3 +206,14 @@ def check_unix_socket(path: str) -> None:
             raise ConfigError(f"cannot listen on --uds {path}: its server cannot be told gone ({exc.strerror or exc}); "
                               f"remove the socket file if it is stale") from None
     raise ConfigError(f"cannot listen on --uds {path}: a server listens on it already")
+
+
+def _bind_unix(path: str) -> None:
+    """Bind a socket at `path` as uvicorn will, and remove it: a path past the kernel's limit (108 bytes on Linux), or
+    in a directory this user may not write, is refused now."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on --uds {path}: {exc.strerror or exc}") from None
+    os.unlink(path)
