@@ -24,6 +24,7 @@ import ssl
 import sys
 import threading
 import time
+from functools import partial
 from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_listen(args.host, args.port, http.uds)  # before minutes of loading, not after
             http.check_tls()
         reasoning = reasoning_parser(args)  # (before the weights load: the tokenizer is a file)
-        engine = engine_from_args(args)
+        # (ranks it starts itself log as this one does, as torchrun's each set up their own)
+        engine = engine_from_args(args, rank_setup=partial(configure_logging, args.http.server_log_config))
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -291,11 +291,13 @@ if multiprocessing.current_process().name == "tpgraph-rank-1":
     tp_engine.TPEngine.__init__ = says_a_line
 
 if __name__ == "__main__":
+    from functools import partial
+
     from tpgraph.server.logs import configure_logging, logging_config
 
-    configure_logging(logging_config())  # (as the server's rank 0 does: serve.main)
+    configure_logging(logging_config())  # (as the server's rank 0 does: serve.main, which hands its ranks the same)
     with tp_engine.TPEngine(tp_size=2, device="cpu", max_num_seqs=2, max_model_len=32, num_kv_blocks=17,
-                            block_size=4):
+                            block_size=4, rank_setup=partial(configure_logging, logging_config())):
         print("built", flush=True)
 """
 

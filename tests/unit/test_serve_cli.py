@@ -886,3 +886,23 @@ def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_refused_before_the_wei
     assert serve.main(["--device", "cpu", "--port", str(port), "--reasoning-parser", "deepseek_r1"]) == 2
     assert "--reasoning-parser deepseek_r1 needs a model whose tokenizer has </think> as one token" in \
         capsys.readouterr().err
+
+
+def test_the_server_hands_its_logging_set_up_to_the_ranks_it_starts(monkeypatch, capsys):
+    """`-tp 2` without torchrun: the engine starts rank 1 itself, which must log as rank 0 does (VLLM_LOGGING_*):
+    serve.main gives the engine its own logging set-up, with the same configuration, for those ranks to run first."""
+    from tpgraph import ConfigError, serve
+    from tpgraph.server.logs import configure_logging
+
+    handed = {}
+
+    def refuse(args, rank_setup=None):
+        handed["setup"] = rank_setup
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(serve, "engine_from_args", refuse)
+    monkeypatch.setattr(serve, "_check_listen", lambda *a: None)
+    assert serve.main(["--device", "cpu", "-tp", "2"]) == 2 and "stop here" in capsys.readouterr().err
+    setup = handed["setup"]
+    config = serve.parse_args(["--device", "cpu"]).http.server_log_config
+    assert setup.func is configure_logging and setup.args == (config,)

@@ -253,13 +253,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "override_generation_config": args.override_generation_config or {}}
 
 
-def engine_from_args(args: argparse.Namespace) -> TPEngine:
+def engine_from_args(args: argparse.Namespace, rank_setup: Callable[[], None] | None = None) -> TPEngine:
     """TPEngine(**engine_kwargs(args)), its refusals naming the flags typed (-tp 0: --tensor-parallel-size/-tp, not
     EngineConfig's tp_size, the keyword a TPEngine user gives)."""
     from tpgraph.engine.tp_engine import TPEngine
 
     try:
-        return TPEngine(**engine_kwargs(args))
+        return TPEngine(**engine_kwargs(args), rank_setup=rank_setup)
     except ConfigError as exc:
         flags = setting_flags(args)
         named = [name for name in exc.settings if name in flags]

@@ -19,17 +19,6 @@ from typing import Any
 
 from tpgraph.errors import ConfigError
 
-# what each rank started here runs first: the logging set-up of the process that starts it (server/logs.py's
-# configure_logging says it), so that the started ranks' lines read and go as rank 0's, as each torchrun rank sets up
-# its own; picklable, as spawn sends it
-_rank_setup: Callable[[], None] | None = None
-
-
-def run_in_started_ranks(setup: Callable[[], None] | None) -> None:
-    """Every rank this process starts from now on runs `setup` before it builds its engine."""
-    global _rank_setup
-    _rank_setup = setup
-
 
 def free_tcp_init() -> str:
     with socket.socket() as s:
@@ -82,7 +71,7 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
     from tpgraph.errors import TPGraphError
 
     try:
-        if setup is not None:  # (rank 0's logging: run_in_started_ranks)
+        if setup is not None:  # (rank 0's logging: TPEngine's rank_setup)
             setup()
         engine = TPEngine(dist_init=(rank, world_size, init), follower=joining, **kwargs)
     except TPGraphError as exc:  # rank 0 raises the same error (run_on_all_ranks); say it once, quietly
@@ -92,18 +81,19 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
         engine.follow()
 
 
-def start_followers(world_size: int, init: str, kwargs: dict[str, Any],
-                    threads: int | None = None) -> list[multiprocessing.Process]:
+def start_followers(world_size: int, init: str, kwargs: dict[str, Any], threads: int | None = None,
+                    setup: Callable[[], None] | None = None) -> list[multiprocessing.Process]:
     """Ranks 1..world_size-1, each once it has started (reached follower_main) and passed its own checks, about to join
     the process group (follower_main's joining). A rank that dies first is a ConfigError naming it, the others ended:
     before it started, a script that makes its TPEngine with no `if __name__ == "__main__":` guard (the spawned rank
     runs the script again and multiprocessing refuses the nested start); after, a check of its own (no GPU for it).
     Rank 0 would otherwise wait for it in the process group's rendezvous until that times out. `threads`: each
-    rank's torch threads (CPU ranks: cpu_threads_per_rank). Each runs run_in_started_ranks's set-up first."""
+    rank's torch threads (CPU ranks: cpu_threads_per_rank). `setup` (picklable: spawn sends it): what each runs
+    before it builds its engine."""
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world_size)]  # (rank i's is pipes[i - 1])
     procs = [ctx.Process(target=follower_main, daemon=True, name=f"tpgraph-rank-{rank}",
-                         args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads, _rank_setup))
+                         args=(rank, world_size, init, kwargs, pipes[rank - 1][1], threads, setup))
              for rank in range(1, world_size)]
     try:
         for p in procs:

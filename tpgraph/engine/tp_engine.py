@@ -198,12 +198,14 @@ def _release_dropped(peer_watch: PeerWatch, state: ParallelState, followers: lis
 class TPEngine:
     def __init__(self, model: str | Path | None = None, tp_size: int = 1, *,
                  dist_init: tuple[int, int, str] | None = None, follower: Callable[[], None] | None = None,
-                 **kwargs: Any) -> None:
+                 rank_setup: Callable[[], None] | None = None, **kwargs: Any) -> None:
         """`kwargs` are EngineConfig fields, or vLLM's LLM(...) names for them (tensor_parallel_size, enforce_eager,
         num_gpu_blocks_override, compilation_config's CUDA graph settings; a model given as a hub id, with revision,
         tokenizer_revision and download_dir: vllm_keywords). `dist_init` = (rank, world_size, init_method) for
         launchers other than torchrun (tests, spawned ranks). `follower`: a rank this class started (followers.py),
-        told as it joins the process group (it tells rank 0, which waits for that)."""
+        told as it joins the process group (it tells rank 0, which waits for that). `rank_setup` (picklable): what
+        each rank this engine starts itself (tp_size > 1 without torchrun) runs first: the server's logging set-up,
+        so that they log as rank 0 does, as torchrun's ranks each set up their own."""
         try:
             model, tp_size, kwargs, model_cfg, main_eos, eos_ids = self._read_settings(model, tp_size, kwargs)
         except Exception as exc:
@@ -232,7 +234,7 @@ class TPEngine:
                 torch.set_num_threads(threads)
             try:
                 self._followers = start_followers(tp_size, init, {"model": model, "tp_size": tp_size, **kwargs},
-                                                  threads)
+                                                  threads, rank_setup)
             except BaseException:
                 self._restore_threads()
                 raise

@@ -15,10 +15,8 @@ import os
 import re
 import subprocess
 import sys
-from functools import partial
 from typing import Any
 
-from tpgraph.engine.followers import run_in_started_ranks
 from tpgraph.errors import ConfigError
 
 LEVEL_VARIABLE, CONFIGURE_VARIABLE = "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"
@@ -194,11 +192,9 @@ def configure_logging(config: dict[str, Any] | None = None) -> None:
         except (ValueError, TypeError, AttributeError, ImportError) as exc:
             raise ConfigError(f"the logging configuration file (--log-config-file, {CONFIG_PATH_VARIABLE}) is none "
                               f"dictConfig takes: {exc}") from None
-    else:
-        level = logging_level()
-        # (the stream looked up now, not at import: a test's or a caller's replaced sys.stdout is the one written to)
-        logging.basicConfig(level=max(level, logging.INFO), format=logging_prefix() + FORMAT,
-                            stream=getattr(sys, logging_stream()))
-        logging.getLogger(SERVER_LOGGER).setLevel(level)
-    # the ranks this process starts itself (-tp N without torchrun) log as it does, as torchrun's ranks each do
-    run_in_started_ranks(partial(configure_logging, config))
+        return
+    level = logging_level()
+    # (the stream looked up now, not at import: a test's or a caller's replaced sys.stdout is the one written to)
+    logging.basicConfig(level=max(level, logging.INFO), format=logging_prefix() + FORMAT,
+                        stream=getattr(sys, logging_stream()))
+    logging.getLogger(SERVER_LOGGER).setLevel(level)
