@@ -198,9 +198,13 @@ def test_a_conversation_with_tools_becomes_the_chats_messages():
 
 
 def test_claude_codes_own_roles_are_user_messages():
-    """Claude Code (2.1.154 on) sends some user turns as roles "ctx" and "msg", which vLLM reads as "user"."""
-    messages = [{"role": "ctx", "content": "Context."}, {"role": "msg", "content": [{"type": "text", "text": "Hi"}]}]
-    assert chat_messages(None, messages) == [{"role": "user", "content": "Context."}, {"role": "user", "content": "Hi"}]
+    """Claude Code (2.1.154 on) sends some user turns as roles "ctx" and "msg", which vLLM reads as "user" (and, as
+    consecutive user turns, they are one, as Anthropic's API combines them)."""
+    messages = [{"role": "ctx", "content": "Context."}, {"role": "msg", "content": [{"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": "Hello."}, {"role": "msg", "content": "Bye"}]
+    assert chat_messages(None, messages) == [
+        {"role": "user", "content": [{"type": "text", "text": "Context."}, {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
 
 
 def test_a_final_assistant_message_is_continued():
@@ -672,3 +676,47 @@ def test_a_prefill_is_continued_as_answer_on_a_reasoning_server(prefill):
     empty = {"messages": [*ASK["messages"], {"role": "assistant", "content": ""}]}
     whole, _, _ = reply(["Hm.", "</think>", "Yes."], empty, reasoning="deepseek_r1")
     assert [b["type"] for b in whole["content"]] == ["thinking", "text"]
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+
+
+def test_consecutive_turns_of_a_role_are_one_turn_as_anthropics_api_combines_them():
+    """Anthropic's API combines consecutive user (or assistant) turns into one turn; they reached the template as
+    turns of their own, which a template that asks for strict alternation refused (400) where Anthropic serves the
+    request. A user's tool results still come first, as tool messages, then the merged turn's text."""
+    import dataclasses
+
+    from tpgraph.chat import ChatTemplate
+    from tpgraph.tokenizer import BOS
+
+    codec = dataclasses.replace(builtin_codec(), chat_template=ChatTemplate(ALTERNATING, {"bos_token": BOS}))
+    client = ScriptedClient(["ok"])
+    app = server_app.create_app(client, codec, ServerMetrics(), "m", 128)
+    messages = [{"role": "user", "content": "Hi."}, {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                {"role": "assistant", "content": "Let me see."}, {"role": "assistant", "content": "Rain."},
+                {"role": "user", "content": "Thanks."}]
+    got, counted = post_all(app, [("/v1/messages", {**ASK, "messages": messages}),
+                                  ("/v1/messages/count_tokens", {"model": "m", "messages": messages})])
+    assert got.status_code == 200, got.text
+    assert counted.json() == {"input_tokens": len(client.prompts[0])}
+    assert chat_messages(None, messages) == [
+        {"role": "user", "content": [{"type": "text", "text": "Hi."}, {"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}, {"type": "text", "text": "Rain."}]},
+        {"role": "user", "content": "Thanks."}]
+    # (a system message between two user turns leaves them consecutive; tool results go first as they always do)
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}
+    assert chat_messages(None, [
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "rain"}]},
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "So?"}]) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "rain"}, {"role": "user", "content": "So?"}]
+    # (a refusal still names the block as the user wrote it, in its own message)
+    bad = [{"role": "user", "content": "Hi."}, {"role": "user", "content": [{"type": "text", "text": ""}]}]
+    with pytest.raises(Exception, match=r"messages\[1\]\.content\[0\]"):
+        chat_messages(None, bad)

@@ -6,8 +6,9 @@ Errors take Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
 
 Beyond vLLM's: a stop sequence that ended the reply is named (stop_reason "stop_sequence"), usage splits off the prompt
 tokens read from the prefix cache (cache_read_input_tokens), a final assistant message is continued (Anthropic's
-prefill), and images, documents, server tools, MCP servers and a tool_result's images are refused by name instead of
-reaching a text model (or being dropped)."""
+prefill), consecutive turns of a role are one turn (as Anthropic's API combines them), and images, documents, server
+tools, MCP servers and a tool_result's images are refused by name instead of reaching a text model (or being
+dropped)."""
 
 from __future__ import annotations
 
@@ -193,9 +194,11 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
     """Anthropic's system prompt and messages as chat messages: text blocks as text, a thinking block as the
     assistant's reasoning, tool_use blocks as its tool calls, a user's tool_result blocks as tool messages (before the
     rest of that user's text, as they answer the calls just made); a system message inside the messages joins the
-    system prompt, as vLLM reads it."""
+    system prompt, as vLLM reads it. Consecutive turns of one role are one turn, as Anthropic's API combines them (a
+    template that asks for alternating roles refused them)."""
     system_texts = _system_texts(system, "system")
-    out: list[dict] = []
+    # each turn's role and its blocks, each with where the user wrote it (a refusal names it so)
+    turns: list[tuple[str, list[tuple[Any, str]]]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
@@ -211,10 +214,15 @@ def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[d
         # (Anthropic's rule, an empty string's as an empty list's: bar a prefill)
         if not content and not (role == "assistant" and i == len(messages) - 1):
             raise RequestError(f"{where}.content is empty: each message but a final assistant one needs content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        out += _blocks(role, content, where)
+        if isinstance(content, str):  # (a text block's; "" none: a final assistant message's, the prefill's)
+            blocks = [({"type": "text", "text": content}, f"{where}.content")] if content else []
+        else:
+            blocks = [(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
+        if turns and turns[-1][0] == role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((role, blocks))
+    out = [message for role, blocks in turns for message in _blocks(role, blocks)]
     system_prompt = "".join(system_texts)
     if system_prompt:  # (system "" is none, as vLLM reads it: no empty system turn in the prompt)
         out.insert(0, {"role": "system", "content": system_prompt})
@@ -254,14 +262,14 @@ def _text(block: dict, where: str) -> str:
     return block["text"]
 
 
-def _blocks(role: str, blocks: list[Any], where: str) -> list[dict]:
-    """One message's content blocks as chat messages: a user's tool results each a tool message, then the rest."""
+def _blocks(role: str, blocks: list[tuple[Any, str]]) -> list[dict]:
+    """One turn's content blocks (each with where it was written) as chat messages: a user's tool results each a tool
+    message, then the rest."""
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[dict] = []
     results: list[dict] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
+    for block, at in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text(block, at))
