@@ -720,3 +720,39 @@ def test_consecutive_turns_of_a_role_are_one_turn_as_anthropics_api_combines_the
     bad = [{"role": "user", "content": "Hi."}, {"role": "user", "content": [{"type": "text", "text": ""}]}]
     with pytest.raises(Exception, match=r"messages\[1\]\.content\[0\]"):
         chat_messages(None, bad)
+
+
+def test_every_messages_reply_carries_anthropics_request_id_header():
+    """Anthropic's SDKs read a reply's id from its request-id header (message._request_id, an APIError's request_id);
+    the server sent none (X-Request-Id alone, and only with --enable-request-id-headers). Each Messages reply carries
+    it, whole, streamed or refused, before or in the route: the client's X-Request-Id where it sent one (the message's
+    id is msg_ and it), else one made for it."""
+    anthropic = pytest.importorskip("anthropic")
+    client = ScriptedClient(["a"])
+    app = make_app(client, api_key="k3y")
+    key = {"x-api-key": "k3y"}
+    whole, streamed, refused = post_all(app, [("/v1/messages", ASK), ("/v1/messages", {**ASK, "stream": True}),
+                                              ("/v1/messages", {**ASK, "max_tokens": 0})], headers=key)
+    unkeyed, = post_all(app, [("/v1/messages/count_tokens", ASK)])
+    for response in (whole, streamed, refused, unkeyed):
+        assert len(response.headers.get("request-id", "")) == 32, response.headers
+    assert whole.json()["id"] == "msg_" + whole.headers["request-id"]
+    traced, = post_all(app, [("/v1/messages", ASK)], headers={**key, "X-Request-Id": "trace-7"})
+    assert traced.headers["request-id"] == "trace-7" and traced.json()["id"] == "msg_trace-7"
+    chat, = post_all(app, [("/v1/chat/completions", ASK)], headers=key)  # (the chat API's as ever: no header)
+    assert "request-id" not in chat.headers and "x-request-id" not in chat.headers
+    httpx = httpx_module()
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        sdk = anthropic.AsyncAnthropic(api_key="k3y", base_url="http://t", http_client=http, max_retries=0)
+        message = await sdk.messages.create(**ASK)
+        try:
+            await sdk.messages.create(**{**ASK, "max_tokens": 0})
+        except anthropic.BadRequestError as exc:
+            error = exc
+        await http.aclose()
+        return message, error
+
+    message, error = asyncio.run(main())
+    assert message._request_id == message.id.removeprefix("msg_") and error.request_id

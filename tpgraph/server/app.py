@@ -428,8 +428,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     app.add_middleware(ServerErrorReplies)  # (innermost: its 500 passes through the others)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
-    if request_id_headers:  # (outside the key's check, so a refused request's 401 carries it too)
-        app.add_middleware(RequestIdMiddleware)
+    # (outside the key's check, so a refused request's 401 carries it too; the Messages API's replies carry their
+    # request-id without the flag, as Anthropic's do)
+    app.add_middleware(RequestIdMiddleware, every_response=request_id_headers)
     # added last: outermost, so a browser's preflight (OPTIONS, without the key) is answered before the key is asked
     # for, and a 401 carries the CORS headers that let the page read it
     app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),

@@ -1,6 +1,7 @@
 """Request ids as vLLM's server gives them: a client's `X-Request-Id` header names its request, and the reply's id is
 `cmpl-<it>` or `chatcmpl-<it>`; without the header, the body's `request_id` (vLLM's field), else a new hex id. With
---enable-request-id-headers every response carries the header too, the id the reply's body names.
+--enable-request-id-headers every response carries the header too, the id the reply's body names. The Messages API's
+replies carry it always as `request-id`, the header Anthropic's SDKs read it from (a message's _request_id).
 
 Plain ASGI middleware (auth.py says why not BaseHTTPMiddleware)."""
 
@@ -11,7 +12,11 @@ import uuid
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tpgraph.server.auth import route_path
+from tpgraph.server.errors import is_messages_path
+
 HEADER = b"x-request-id"
+ANTHROPIC_HEADER = b"request-id"  # (Anthropic's API sends each reply's id so, and its SDKs read it)
 # where the middleware keeps the id its response header will carry (the endpoint may name it from the body)
 SCOPE_KEY = "tpgraph.request_id"
 
@@ -46,22 +51,29 @@ def request_id(request: Request, from_body: str | None = None) -> str:
 
 
 class RequestIdMiddleware:
-    """Every response carries X-Request-Id: the request's, or the one the endpoint named it by (request_id), or one
-    made for it."""
+    """Every response carries X-Request-Id (every_response; else none does): the request's, or the one the endpoint
+    named it by (request_id), or one made for it; the Messages API's carry it as request-id too, whatever
+    every_response says."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, every_response: bool = True) -> None:
         self.app = app
+        self.every_response = every_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        names = [HEADER] if self.every_response else []
+        if is_messages_path(route_path(scope)):
+            names.append(ANTHROPIC_HEADER)
+        if not names:
             return await self.app(scope, receive, send)
         holder = {"id": _given(scope) or uuid.uuid4().hex.encode()}
         scope = {**scope, SCOPE_KEY: holder}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(n, v) for n, v in message.get("headers", []) if n.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, holder["id"])]}
+                headers = [(n, v) for n, v in message.get("headers", []) if n.lower() not in names]
+                message = {**message, "headers": [*headers, *((name, holder["id"]) for name in names)]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
