@@ -756,3 +756,23 @@ def test_every_messages_reply_carries_anthropics_request_id_header():
 
     message, error = asyncio.run(main())
     assert message._request_id == message.id.removeprefix("msg_") and error.request_id
+
+
+@pytest.mark.parametrize("fmt", ["output_config", "output_format"])
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_a_format_beside_a_forced_tool_choice_is_refused_in_the_messages_words(fmt, choice):
+    """A JSON format beside a tool_choice that forces a call is refused (the call's schema holds the reply): it was
+    refused in the chat's words ("tool_choice 'required' ... response_format"), fields the user never wrote."""
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    body = {"tools": [WEATHER], "tool_choice": choice,
+            **({"output_config": {"format": schema}} if fmt == "output_config" else {"output_format": schema})}
+    client = ScriptedClient(["a"])
+    got, counted = post_all(make_app(client), [("/v1/messages", {**ASK, **body}),
+                                               ("/v1/messages/count_tokens", {**ASK, **body})])
+    for response in (got, counted):
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        name = "output_config.format" if fmt == "output_config" else "output_format"
+        assert name in message and json.dumps(choice) in message, message
+        assert "response_format" not in message and "required" not in message and "named" not in message
+    assert client.params == []

@@ -87,6 +87,12 @@ class MessagesRequest(NullMeansDefault):
                     chat_template_kwargs=self.template_variables(), reasoning_effort=self.effort(),
                     **self.tool_fields())
         schema = self.output_schema()
+        forced = (self.tool_choice or {}).get("type") in ("any", "tool")
+        if schema is not None and forced:  # (named as sent: the chat's check names its response_format)
+            fmt = "output_format" if (self.model_extra or {}).get("output_format") is not None else \
+                "output_config.format"
+            raise RequestError(f"tool_choice {json.dumps(self.tool_choice)} forces a tool call, whose input the "
+                               f"tool's schema holds: it cannot also take {fmt}")
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
         try:
