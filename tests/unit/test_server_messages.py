@@ -776,3 +776,21 @@ def test_a_format_beside_a_forced_tool_choice_is_refused_in_the_messages_words(f
         assert name in message and json.dumps(choice) in message, message
         assert "response_format" not in message and "required" not in message and "named" not in message
     assert client.params == []
+
+
+@pytest.mark.parametrize("choice", [None, {"type": "auto"}])
+def test_tools_on_a_server_without_a_tool_parser_are_refused_naming_the_messages_choices(choice):
+    """Tools with the default (or auto) tool_choice on a server started without a tool-call parser are refused, as
+    the chat's are; the refusal sent the Messages user to tool_choice "required", no value of Anthropic's tool_choice:
+    it names {"type": "any"} and {"type": "tool"}, which need no parser."""
+    client = ScriptedClient(["a"])
+    body = {**ASK, "tools": [WEATHER], **({} if choice is None else {"tool_choice": choice})}
+    got, = post_all(make_app(client), [("/v1/messages", body)])
+    assert got.status_code == 400
+    message = got.json()["error"]["message"]
+    assert "--tool-call-parser" in message and '{"type": "any"}' in message and '{"type": "tool"' in message
+    assert '"required"' not in message
+    chat, = post_all(make_app(client), [("/v1/chat/completions", {"model": "m", "messages": ASK["messages"],
+                                                                   "tools": [{"type": "function", "function": {
+                                                                       "name": "f", "parameters": {}}}]})])
+    assert '"required"' in chat.json()["error"]["message"]  # (the chat's own words, its own values)

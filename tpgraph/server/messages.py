@@ -38,6 +38,8 @@ ROLE_ALIASES = {"ctx": "user", "msg": "user"}
 # minimal, by design (Anthropic turns thinking off with thinking.type, not an effort); each is the chat request's
 # reasoning_effort, which gives it to the template
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# the tool choices that force a call (as the chat's "required" and named choice), as a refusal names them
+FORCED_CHOICES = 'tool_choice {"type": "any"}, or {"type": "tool", "name": ...}'
 
 
 class MessagesRequest(NullMeansDefault):
@@ -102,6 +104,7 @@ class MessagesRequest(NullMeansDefault):
         # (a prefill of text is the answer begun: the reply goes on with it, not read as thoughts on a reasoning
         # server, which left the reply without a text block; Anthropic takes no prefill with thinking either)
         chat._continues_answer = prefill and _has_text(messages[-1]["content"])
+        chat._forced_choices = FORCED_CHOICES
         return chat
 
     def output_schema(self) -> Any:

@@ -23,7 +23,7 @@ from tpgraph.engine.limits import kept_prompt_tokens
 from tpgraph.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, _check_int, max_n
 from tpgraph.engine.structured import STRUCTURED_OPTIONS, StructuredOutput, check_backend, with_structured_options
 from tpgraph.errors import CheckpointError, RequestError
-from tpgraph.server.tools import ToolOptions, ToolPlan
+from tpgraph.server.tools import FORCED_CHOICES, ToolOptions, ToolPlan
 
 # the roles OpenAI's API names; any other is a custom role (Llama 3.1's "ipython", say), handed to the template as it
 # is, as vLLM's CustomChatCompletionMessageParam takes it
@@ -468,6 +468,9 @@ class ChatRequest(SamplingFields):
     # (no field: set by the Messages API, whose prefill, a final assistant message with text, is answer the reply
     # goes on with, past any thoughts; a chat's continued message is read as vLLM reads it, ReasoningParser.closed_in)
     _continues_answer: bool = PrivateAttr(default=False)
+    # (no field: the words of the request's own API for the tool choices that force a call, where a refusal names
+    # them; the Messages API's differ from the chat's)
+    _forced_choices: str = PrivateAttr(default=FORCED_CHOICES)
 
     _counts_are_no_bools = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                            mode="before")(_not_a_bool)
@@ -494,7 +497,7 @@ class ChatRequest(SamplingFields):
 
     def tool_plan(self, options: ToolOptions) -> ToolPlan:
         """What tools and tool_choice ask for (tools.py), under the server's settings."""
-        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, options)
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, options, self._forced_choices)
 
     def logprobs_count(self) -> int | None:
         top = self.top_logprobs

@@ -99,6 +99,10 @@ def required_schema(functions: list[dict], one_call: bool) -> dict:
     return schema
 
 
+# the chat API's tool choices that force a call, as a refusal of "auto" names them
+FORCED_CHOICES = 'tool_choice "required", or a named function'
+
+
 @dataclass(frozen=True)
 class ToolOptions:
     """The server's function-calling settings (vLLM's flags)."""
@@ -120,8 +124,9 @@ class ToolPlan:
     names: frozenset[str] = frozenset()  # the tools' names (calls to these alone are taken)
 
     @staticmethod
-    def of(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, options: ToolOptions
-           ) -> ToolPlan:
+    def of(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, options: ToolOptions,
+           forced_choices: str = FORCED_CHOICES) -> ToolPlan:
+        """forced_choices: the request's API's words for the choices that force a call (which need no parser)."""
         if tools is None:
             if tool_choice not in (None, "none"):
                 raise RequestError("tool_choice needs tools")
@@ -139,8 +144,8 @@ class ToolPlan:
         if choice == "auto":
             if options.parser is None:
                 raise RequestError('"auto" tool choice (the default when tools are given) needs a server started with '
-                                   "--enable-auto-tool-choice and --tool-call-parser; or ask for tool_choice "
-                                   '"required", or a named function, which need neither')
+                                   f"--enable-auto-tool-choice and --tool-call-parser; or ask for {forced_choices}, "
+                                   "which need neither")
             if not tools:  # (no tool to call: vLLM runs no parser, the reply is plain)
                 return ToolPlan(template_tools=shown)
             return ToolPlan("auto", shown, parser=PARSERS[options.parser](), one_call=one_call,
