@@ -59,6 +59,8 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
         if revision is not None:
             _check_revision_of(path, revision, flag)
         return str(path)  # (as found: "~/ckpt" expanded, which the loader reads as it is)
+    if path.exists():  # (a file: never a hub id, whatever its slashes)
+        _refuse_file(name, path, flag)
     if not HUB_ID.fullmatch(name):
         raise ConfigError(f"{flag} {name!r} is not a directory (nor a hub id such as meta-llama/Llama-3.1-8B)")
     cache = hub_cache(download_dir)
@@ -72,6 +74,16 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
                           f"revision {wanted!r}; tpgraph downloads nothing: fetch it with `{fetch}`, or give the "
                           f"checkpoint's directory")
     return str(snapshot)
+
+
+def _refuse_file(name: str, path: Path, flag: str) -> None:
+    """A file where a directory goes: a GGUF file (which vLLM loads) is a format not read here; another (a
+    checkpoint's config.json, its tokenizer.json) names the directory it is in."""
+    if path.suffix.lower() == ".gguf":
+        raise ConfigError(f"{flag} {name!r} is a GGUF file: GGUF checkpoints are not supported (tpgraph reads a "
+                          f"Hugging Face checkpoint's directory: config.json, tokenizer.json and safetensors or "
+                          f"PyTorch .bin weights); give the directory of the checkpoint it was converted from")
+    raise ConfigError(f"{flag} {name!r} is a file, not a directory: give its directory, {str(path.parent)!r}")
 
 
 def _snapshot(repo: Path, revision: str) -> Path | None:

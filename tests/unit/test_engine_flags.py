@@ -398,3 +398,33 @@ def test_vllms_disable_sliding_window_flag_is_taken():
     """--disable-sliding-window (vLLM's) was an unknown flag: a vLLM command line for Mistral-7B-v0.1 did not parse."""
     assert engine_kwargs(parse_args([]))["disable_sliding_window"] is False
     assert engine_kwargs(parse_args(["--disable-sliding-window"]))["disable_sliding_window"] is True
+
+
+@pytest.mark.parametrize("flag", ["--model", "--tokenizer"])
+def test_a_file_given_for_a_checkpoint_is_refused_as_a_file_naming_what_to_give(flag, tmp_path, monkeypatch):
+    """A file where a checkpoint directory goes was refused as "not a directory (nor a hub id ...)" and, where the
+    path held a slash and no leading one (models/llama.gguf), taken for a hub id: the message said to `hf download`
+    it. A GGUF file (which vLLM loads) is refused as a format tpgraph does not read; a file inside a checkpoint
+    (its config.json, tokenizer.json) names its directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "llama-q4.gguf").write_bytes(b"GGUF")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "tokenizer.json").write_text("{}")
+
+    def refusal(path: str) -> str:
+        with pytest.raises(ConfigError) as refused:
+            engine_kwargs(parse_args([flag, path]))
+        return str(refused.value)
+
+    for gguf in ("models/llama-q4.gguf", str(tmp_path / "models" / "llama-q4.gguf")):
+        message = refusal(gguf)
+        assert message.startswith(f"{flag} {gguf!r} is a GGUF file") and "hf download" not in message
+        assert "not supported" in message
+    for inside in ("ckpt/config.json", str(ckpt / "tokenizer.json")):
+        message = refusal(inside)
+        assert message.startswith(f"{flag} {inside!r} is a file, not a directory")
+        assert f"give its directory, {str(Path(inside).parent)!r}" in message and "hf download" not in message
