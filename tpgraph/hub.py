@@ -44,10 +44,11 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
         raise ConfigError(f"{named('revision')} and {named('tokenizer_revision')} choose a snapshot of "
                           f"{named('model')} (or {named('tokenizer')}): the built-in model has none")
     resolved = None if model is None else resolve(str(model), revision, download_dir, named("model"))
+    flag = named("tokenizer")
     if tokenizer is None and tokenizer_revision is not None:
-        tokenizer = model
+        tokenizer, flag = model, f"the tokenizer of {named('model')}"  # (the flag the user gave, not --tokenizer)
     if tokenizer is not None:
-        tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, named("tokenizer"))
+        tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, flag)
     return resolved, tokenizer
 
 

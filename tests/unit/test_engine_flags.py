@@ -428,3 +428,20 @@ def test_a_file_given_for_a_checkpoint_is_refused_as_a_file_naming_what_to_give(
         message = refusal(inside)
         assert message.startswith(f"{flag} {inside!r} is a file, not a directory")
         assert f"give its directory, {str(Path(inside).parent)!r}" in message and "hf download" not in message
+
+
+@pytest.mark.parametrize("model", ["org/tiny", "PLAIN"])
+def test_a_tokenizer_revision_of_the_models_tokenizer_refused_names_the_model_not_the_tokenizer_flag(
+        model, tmp_path, monkeypatch):
+    """`--model M --tokenizer-revision R` (no --tokenizer), R not on disk: the refusal named --tokenizer, a flag the
+    command line did not give."""
+    hub_cache(tmp_path / "hub")
+    (tmp_path / "plain").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = str(tmp_path / "plain") if model == "PLAIN" else model
+    with pytest.raises(ConfigError) as refused:
+        engine_kwargs(parse_args(["--model", model, "--tokenizer-revision", "v2"]))
+    assert str(refused.value).startswith(f"the tokenizer of --model {model!r} is ")
+    assert "--tokenizer " not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^the tokenizer of model 'org/tiny' is not a directory"):
+        TPEngine("org/tiny", device="cpu", tokenizer_revision="v2")
