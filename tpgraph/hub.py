@@ -38,7 +38,8 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
                     tokenizer_revision: str | None, download_dir: str | None,
                     named: Callable[[str], str]) -> tuple[str | None, str | None]:
     """The model's and the tokenizer's directories: as given, or a hub id's cached snapshot at its revision. The
-    tokenizer is the model's unless `tokenizer` names another, or `tokenizer_revision` another snapshot of it.
+    tokenizer is the model's unless `tokenizer` names another, or `tokenizer_revision` another snapshot of it; a
+    tokenizer named by hub id is at `revision` where `tokenizer_revision` is not given, as vLLM's.
     `named(field)` is how the caller's user spells a setting (a CLI flag, a keyword), for the messages."""
     if model is None and (revision is not None or (tokenizer_revision is not None and tokenizer is None)):
         raise ConfigError(f"{named('revision')} and {named('tokenizer_revision')} choose a snapshot of "
@@ -47,8 +48,20 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
     flag = named("tokenizer")
     if tokenizer is None and tokenizer_revision is not None:
         tokenizer, flag = model, f"the tokenizer of {named('model')}"  # (the flag the user gave, not --tokenizer)
+    # a tokenizer named by hub id is read at the model's revision unless given its own, as vLLM's tokenizer_revision
+    # defaults to revision (a directory is read as it is: transformers ignores a revision for one)
+    inherited = tokenizer is not None and tokenizer_revision is None and revision is not None and \
+        HUB_ID.fullmatch(str(tokenizer)) is not None and not Path(str(tokenizer)).expanduser().exists()
+    if inherited:
+        tokenizer_revision = revision
     if tokenizer is not None:
-        tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, flag)
+        try:
+            tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, flag)
+        except ConfigError as exc:
+            if not inherited:
+                raise
+            raise ConfigError(f"{exc} ({named('tokenizer_revision')} defaults to {named('revision')}, as vLLM's "
+                              f"does: give the tokenizer's own)") from None
     return resolved, tokenizer
 
 

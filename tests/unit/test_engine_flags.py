@@ -445,3 +445,38 @@ def test_a_tokenizer_revision_of_the_models_tokenizer_refused_names_the_model_no
     assert "--tokenizer " not in str(refused.value)
     with pytest.raises(ConfigError, match=r"^the tokenizer of model 'org/tiny' is not a directory"):
         TPEngine("org/tiny", device="cpu", tokenizer_revision="v2")
+
+
+def test_a_tokenizer_given_as_a_hub_id_is_read_at_the_models_revision_unless_given_its_own(tmp_path, monkeypatch):
+    """vLLM's tokenizer_revision defaults to --revision: `--model org/tiny --revision v1 --tokenizer org/tiny` read
+    the weights at v1 and the tokenizer at main. A tokenizer directory has no revision to take (vLLM's, as
+    transformers', ignores it), so it is read as it is."""
+    cached = hub_cache(tmp_path / "hub")
+    hub_cache(tmp_path / "hub", "org/tok")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "tok").mkdir()
+
+    def tokenizer(*flags: str) -> str:
+        return engine_kwargs(parse_args(["--model", "org/tiny", *flags]))["tokenizer"]
+
+    assert tokenizer("--revision", "v1", "--tokenizer", "org/tiny") == str(cached / "snapshots" / V1)
+    assert tokenizer("--revision", "v1", "--tokenizer", "org/tok") == str(
+        tmp_path / "hub" / "models--org--tok" / "snapshots" / V1)
+    assert tokenizer("--revision", "v1", "--tokenizer", "org/tiny", "--tokenizer-revision", "main") == str(
+        cached / "snapshots" / MAIN)
+    assert tokenizer("--revision", "v1", "--tokenizer", str(tmp_path / "tok")) == str(tmp_path / "tok")
+    (cached / "refs" / "v3").write_text(V1)  # (a tag of the model's that the tokenizer's repo has not)
+    with pytest.raises(ConfigError, match=r"^--tokenizer 'org/tok' is not a directory, and the hub cache .* at "
+                                          r"revision 'v3'.*--tokenizer-revision defaults to --revision"):
+        tokenizer("--revision", "v3", "--tokenizer", "org/tok")
+
+
+def test_a_tokenizer_path_refused_with_revision_given_says_nothing_of_the_revision(tmp_path, monkeypatch):
+    """(The model's revision is a hub-id tokenizer's alone: a tokenizer path refused is refused for what it is.)"""
+    hub_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "t.gguf").write_bytes(b"GGUF")
+    for path in (str(tmp_path / "t.gguf"), str(tmp_path / "missing")):
+        with pytest.raises(ConfigError) as refused:
+            engine_kwargs(parse_args(["--model", "org/tiny", "--revision", "v1", "--tokenizer", path]))
+        assert "revision" not in str(refused.value)

@@ -42,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     hub = p.add_argument_group("the hub's cache (vLLM's flags; nothing is downloaded)")
     hub.add_argument("--revision", default=None,
                      help="the branch, tag or commit of --model's cached snapshot (a plain directory has none)")
-    hub.add_argument("--tokenizer-revision", default=None, help="the same for the tokenizer (--tokenizer or --model)")
+    hub.add_argument("--tokenizer-revision", default=None,
+                     help="the same for the tokenizer (--tokenizer or --model; default: --revision, as vLLM's)")
     hub.add_argument("--download-dir", default=None, metavar="DIR",
                      help="the hub cache holding hub ids' snapshots (default: $HF_HUB_CACHE, $HF_HOME/hub or "
                           "~/.cache/huggingface/hub)")
