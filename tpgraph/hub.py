@@ -72,6 +72,7 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
     if path.is_dir():
         if revision is not None:
             _check_revision_of(path, revision, flag)
+        _check_links(path, name, flag)
         return str(path)  # (as found: "~/ckpt" expanded, which the loader reads as it is)
     if path.exists():  # (a file: never a hub id, whatever its slashes)
         _refuse_file(name, path, flag)
@@ -87,7 +88,30 @@ def resolve(name: str, revision: str | None, download_dir: str | None, flag: str
         raise ConfigError(f"{flag} {name!r} is not a directory, and the hub cache {cache} holds no snapshot of it at "
                           f"revision {wanted!r}; tpgraph downloads nothing: fetch it with `{fetch}`, or give the "
                           f"checkpoint's directory")
+    _check_links(snapshot, name, flag)
     return str(snapshot)
+
+
+# files of a checkpoint that tpgraph reads (its configs, tokenizer, chat template and weights)
+_READ_SUFFIXES = (".json", ".jinja", ".safetensors", ".bin")
+_LINKS_SHOWN = 3
+
+
+def _check_links(path: Path, name: str, flag: str) -> None:
+    """A checkpoint's files that are links to nothing: a hub snapshot copied with `cp -r` keeps its links to
+    ../../blobs, which name nothing from the copy. Each read would find no file (config.json "missing", a weights
+    file an OSError, a tokenizer.json passed over for the byte tokenizer)."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:  # (a directory it may not list: the reads that follow say so)
+        return
+    broken = sorted(f for f in entries if f.suffix in _READ_SUFFIXES and f.is_symlink() and not f.exists())
+    if broken:
+        shown = ", ".join(f"{f.name} -> {os.readlink(f)}" for f in broken[:_LINKS_SHOWN])
+        more = f" (and {len(broken) - _LINKS_SHOWN} more)" if len(broken) > _LINKS_SHOWN else ""
+        raise ConfigError(f"{flag} {name!r} holds links to files that do not exist: {shown}{more}; a hub cache "
+                          f"snapshot copied without the files its links name? copy it with `cp -rL` (which copies "
+                          f"the files), or give the snapshot in the hub cache")
 
 
 def _refuse_file(name: str, path: Path, flag: str) -> None:

@@ -480,3 +480,33 @@ def test_a_tokenizer_path_refused_with_revision_given_says_nothing_of_the_revisi
         with pytest.raises(ConfigError) as refused:
             engine_kwargs(parse_args(["--model", "org/tiny", "--revision", "v1", "--tokenizer", path]))
         assert "revision" not in str(refused.value)
+
+
+def test_a_checkpoint_whose_files_link_to_nothing_is_refused_naming_them(tmp_path, monkeypatch):
+    """A hub snapshot copied with `cp -r` (its files are relative links to ../../blobs, copied as links) was refused
+    as holding "no config.json", which it lists; its weights, where config.json was a real file, raised a bare
+    FileNotFoundError traceback, and a tokenizer.json link to nothing was passed over for the byte tokenizer."""
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    hub = tmp_path / "hub" / "models--org--tiny"
+    make_chat_checkpoint(hub / "blobs")
+    snapshot = hub / "snapshots" / MAIN
+    snapshot.mkdir(parents=True)
+    for blob in (hub / "blobs").iterdir():
+        (snapshot / blob.name).symlink_to(Path("../../blobs") / blob.name)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for link in snapshot.iterdir():  # (as `cp -r` copies them: the links themselves, pointing nowhere from here)
+        (copy / link.name).symlink_to(link.readlink())
+    for flag in ("--model", "--tokenizer"):
+        with pytest.raises(ConfigError) as refused:
+            engine_kwargs(parse_args([flag, str(copy)]))
+        message = str(refused.value)
+        assert message.startswith(f"{flag} {str(copy)!r} holds links to files that do not exist: config.json -> "
+                                  f"../../blobs/config.json")
+        assert "cp -rL" in message
+    (copy / "config.json").unlink()
+    (copy / "config.json").write_text((hub / "blobs" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="generation_config.json -> ../../blobs/generation_config.json"):
+        TPEngine(str(copy), **SMALL)
+    assert engine_kwargs(parse_args(["--model", str(snapshot)]))["model"] == str(snapshot)  # (links that resolve)

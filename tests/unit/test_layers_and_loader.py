@@ -473,3 +473,11 @@ def test_the_checkpoint_dtype_is_read_by_every_name_and_an_unknown_one_is_refuse
     with pytest.raises(ConfigError, match="torch_dtype 'float8' is not a dtype tpgraph runs in .* pass --dtype"):
         default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float8"), cuda)
     assert default_dtype(dataclasses.replace(BUILTIN_MODEL, torch_dtype="float8"), torch.device("cpu")) is torch.float32
+
+
+def test_a_weights_file_that_links_to_nothing_is_named_not_a_traceback(tmp_path):
+    """A *.safetensors link whose target is gone (a snapshot copied without its blobs, an unmounted disk) raised a
+    bare FileNotFoundError from the loader."""
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "gone" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"cannot read .*model.safetensors: .*No such file"):
+        SafetensorsSource(tmp_path)

@@ -47,8 +47,12 @@ class TensorSource(Protocol):
 
 def _check_safetensors_file(path: Path) -> None:
     """Catch truncation up front: the header's data offsets must fit inside the file."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
+    try:
+        size = path.stat().st_size
+        f = path.open("rb")
+    except OSError as exc:  # (a link to nothing, a file it may not read: named, not a traceback)
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with f:
         raw = f.read(8)
         if len(raw) < 8:
             raise CheckpointError(f"{path} is truncated or not a safetensors file ({size} bytes)")
