@@ -510,3 +510,30 @@ def test_a_checkpoint_whose_files_link_to_nothing_is_refused_naming_them(tmp_pat
     with pytest.raises(ConfigError, match="generation_config.json -> ../../blobs/generation_config.json"):
         TPEngine(str(copy), **SMALL)
     assert engine_kwargs(parse_args(["--model", str(snapshot)]))["model"] == str(snapshot)  # (links that resolve)
+
+
+def test_a_chat_refused_for_want_of_a_template_names_the_tokenizer_as_given(tmp_path, monkeypatch):
+    """The template is --tokenizer's where one is given: a chat it cannot render was refused as "<--model's
+    directory> has no chat template", the directory that holds one; a hub id's as its snapshot's path in the
+    server's cache, not the name given."""
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    from tpgraph.errors import RequestError
+
+    model = make_chat_checkpoint(tmp_path / "model")  # (its tokenizer_config.json holds a template)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    builtin_tokenizer().save(str(plain / "tokenizer.json"))  # (a tokenizer with no template)
+    chat = [{"role": "user", "content": "x"}]
+    with TPEngine(str(model), tokenizer=str(plain), load_format="dummy", **SMALL) as engine:
+        with pytest.raises(RequestError, match=rf"^{plain} has no chat template"):
+            engine.render_chat(chat)
+    hub = tmp_path / "hub" / "models--org--plain"
+    (hub / "snapshots" / MAIN).mkdir(parents=True)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text(MAIN)
+    builtin_tokenizer().save(str(hub / "snapshots" / MAIN / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with TPEngine(str(model), tokenizer="org/plain", load_format="dummy", **SMALL) as engine:
+        with pytest.raises(RequestError, match="^org/plain has no chat template"):
+            engine.render_chat(chat)

@@ -317,6 +317,9 @@ class TPEngine:
         """Settings, checkpoint config, tokenizer, chat template and request defaults, read and checked before this
         rank joins the others: (model, tp_size, kwargs as EngineConfig takes them, the model's config, the tokenizer's
         EOS id, every EOS id)."""
+        # the tokenizer (and its chat template) as the user named it: --tokenizer's where given, else --model's (a hub
+        # id, not its snapshot's path in this host's cache)
+        label = next((str(name) for name in (kwargs.get("tokenizer"), model) if name is not None), "the built-in model")
         model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
@@ -346,8 +349,8 @@ class TPEngine:
         eos_ids = checked_eos_ids(eos_ids, model_cfg.vocab_size)
         self.chat_template = ChatTemplate.from_dir(tokenizer_dir, BOS) if cfg.chat_template is None else \
             ChatTemplate.from_option(cfg.chat_template, special)
-        self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults,
-                                   str(cfg.model or "the built-in model"), eos_ids, special)
+        self.prompts = PromptCodec(self.tokenizer, self.chat_template, self.generation_defaults, label, eos_ids,
+                                   special)
         # (one for the engine, as vLLM's get_tokenizer gives its one tokenizer: a pad token a script sets stays set)
         self._engine_tokenizer = EngineTokenizer(self.prompts)
         return model, tp_size, kwargs, model_cfg, main_eos, eos_ids
