@@ -44,7 +44,8 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
     if model is None and (revision is not None or (tokenizer_revision is not None and tokenizer is None)):
         raise ConfigError(f"{named('revision')} and {named('tokenizer_revision')} choose a snapshot of "
                           f"{named('model')} (or {named('tokenizer')}): the built-in model has none")
-    resolved = None if model is None else resolve(str(model), revision, download_dir, named("model"))
+    cache_flag = named("download_dir")
+    resolved = None if model is None else resolve(str(model), revision, download_dir, named("model"), cache_flag)
     flag = named("tokenizer")
     if tokenizer is None and tokenizer_revision is not None:
         tokenizer, flag = model, f"the tokenizer of {named('model')}"  # (the flag the user gave, not --tokenizer)
@@ -56,7 +57,7 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
         tokenizer_revision = revision
     if tokenizer is not None:
         try:
-            tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, flag)
+            tokenizer = resolve(str(tokenizer), tokenizer_revision, download_dir, flag, cache_flag)
         except ConfigError as exc:
             if not inherited:
                 raise
@@ -65,11 +66,13 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
     return resolved, tokenizer
 
 
-def resolve(name: str, revision: str | None, download_dir: str | None, flag: str) -> str:
+def resolve(name: str, revision: str | None, download_dir: str | None, flag: str,
+            cache_flag: str = "--download-dir") -> str:
     """The directory `name` (the value of `flag`) stands for: itself where it is one (a revision must then be the
-    snapshot's own), else the cached snapshot of the hub id at `revision`."""
+    snapshot's own), else the cached snapshot of the hub id at `revision`. `cache_flag` names download_dir."""
     path = Path(name).expanduser()
     if path.is_dir():
+        _refuse_repo_folder(path, name, flag, cache_flag)
         if revision is not None:
             _check_revision_of(path, revision, flag)
         _check_links(path, name, flag)
@@ -112,6 +115,19 @@ def _check_links(path: Path, name: str, flag: str) -> None:
         raise ConfigError(f"{flag} {name!r} holds links to files that do not exist: {shown}{more}; a hub cache "
                           f"snapshot copied without the files its links name? copy it with `cp -rL` (which copies "
                           f"the files), or give the snapshot in the hub cache")
+
+
+def _refuse_repo_folder(path: Path, name: str, flag: str, cache_flag: str) -> None:
+    """A hub cache's folder of a repo (models--org--name), given for one of its snapshots: named as such, with the hub
+    id and the snapshot that stand for it."""
+    if not path.name.startswith("models--") or not (path / "snapshots").is_dir():
+        return
+    repo = "/".join(path.name.split("--")[1:])  # (the hub allows no "--" in a name)
+    main = _snapshot(path, "main")
+    snapshot = str(main) if main is not None else f"{path / 'snapshots'}/<commit>"
+    cache = f"{cache_flag} {path.parent}" if cache_flag.startswith("-") else f"{cache_flag}={str(path.parent)!r}"
+    raise ConfigError(f"{flag} {name!r} is the hub cache's folder of {repo!r}, not a checkpoint: give the hub id "
+                      f"{repo!r} (with {cache}) or a snapshot's directory ({snapshot})")
 
 
 def _refuse_file(name: str, path: Path, flag: str) -> None:

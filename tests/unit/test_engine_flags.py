@@ -537,3 +537,18 @@ def test_a_chat_refused_for_want_of_a_template_names_the_tokenizer_as_given(tmp_
     with TPEngine(str(model), tokenizer="org/plain", load_format="dummy", **SMALL) as engine:
         with pytest.raises(RequestError, match="^org/plain has no chat template"):
             engine.render_chat(chat)
+
+
+def test_a_hub_caches_repo_folder_given_as_the_model_is_refused_naming_the_hub_id_and_a_snapshot(tmp_path):
+    """--model ~/.cache/huggingface/hub/models--org--tiny (the repo's folder in the cache, not a snapshot of it)
+    was refused as "no config.json in ...: is this a Hugging Face checkpoint?", once the engine read it."""
+    cached = hub_cache(tmp_path / "hub")
+    for flag in ("--model", "--tokenizer"):
+        with pytest.raises(ConfigError) as refused:
+            engine_kwargs(parse_args([flag, str(cached)]))
+        message = str(refused.value)
+        assert message.startswith(f"{flag} {str(cached)!r} is the hub cache's folder of 'org/tiny', not a checkpoint")
+        assert f"--download-dir {tmp_path / 'hub'}" in message and str(cached / "snapshots" / MAIN) in message
+    with pytest.raises(ConfigError, match=r"^model .* is the hub cache's folder of 'org/tiny', not a checkpoint: give "
+                                          r"the hub id 'org/tiny' \(with download_dir='.*hub'\)"):
+        TPEngine(str(cached), device="cpu")
