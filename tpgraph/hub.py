@@ -41,6 +41,12 @@ def checkpoint_dirs(model: str | Path | None, tokenizer: str | Path | None, revi
     tokenizer is the model's unless `tokenizer` names another, or `tokenizer_revision` another snapshot of it; a
     tokenizer named by hub id is at `revision` where `tokenizer_revision` is not given, as vLLM's.
     `named(field)` is how the caller's user spells a setting (a CLI flag, a keyword), for the messages."""
+    for field, value in (("revision", revision), ("tokenizer_revision", tokenizer_revision),
+                         ("download_dir", download_dir)):
+        if value is not None and not str(value).strip():  # (not the default read in its place)
+            raise ConfigError(f"{named(field)} is empty (an unset variable?): give "
+                              f"{'the hub cache directory' if field == 'download_dir' else 'a branch, tag or commit'}"
+                              f", or leave it out")
     if model is None and (revision is not None or (tokenizer_revision is not None and tokenizer is None)):
         raise ConfigError(f"{named('revision')} and {named('tokenizer_revision')} choose a snapshot of "
                           f"{named('model')} (or {named('tokenizer')}): the built-in model has none")

@@ -552,3 +552,16 @@ def test_a_hub_caches_repo_folder_given_as_the_model_is_refused_naming_the_hub_i
     with pytest.raises(ConfigError, match=r"^model .* is the hub cache's folder of 'org/tiny', not a checkpoint: give "
                                           r"the hub id 'org/tiny' \(with download_dir='.*hub'\)"):
         TPEngine(str(cached), device="cpu")
+
+
+@pytest.mark.parametrize("flag", ["--revision", "--tokenizer-revision", "--download-dir"])
+def test_an_empty_revision_or_cache_is_refused_not_read_as_the_default(flag, tmp_path, monkeypatch):
+    """`--revision "$REV"` with REV unset served main as though no revision were given (and --download-dir "" read
+    the working directory as the hub cache), where --model "" is refused as an unset variable."""
+    hub_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=rf"^{flag} is empty \(an unset variable\?\)"):
+        engine_kwargs(parse_args(["--model", "org/tiny", flag, " "]))
+    keyword = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(ConfigError, match=rf"^{keyword} is empty"):
+        TPEngine("org/tiny", device="cpu", **{keyword: ""})

@@ -324,7 +324,7 @@ def vllm_keywords(model: str | Path | None, tp_size: int,
     if "async_scheduling" in vllm:
         kwargs.update(async_scheduling(vllm["async_scheduling"], kwargs.get("overlap_scheduling")))
     hub = {name: vllm.get(name) for name in ("revision", "tokenizer_revision", "download_dir")}
-    if model is not None or any(hub.values()) or kwargs.get("tokenizer") is not None:
+    if model is not None or any(v is not None for v in hub.values()) or kwargs.get("tokenizer") is not None:
         model, tokenizer = checkpoint_dirs(model, kwargs.get("tokenizer"), hub["revision"], hub["tokenizer_revision"],
                                            hub["download_dir"], named=str)
         if tokenizer is not None:
