@@ -565,3 +565,18 @@ def test_an_empty_revision_or_cache_is_refused_not_read_as_the_default(flag, tmp
     keyword = flag.removeprefix("--").replace("-", "_")
     with pytest.raises(ConfigError, match=rf"^{keyword} is empty"):
         TPEngine("org/tiny", device="cpu", **{keyword: ""})
+
+
+def test_vllms_config_format_is_taken_at_the_format_this_engine_reads():
+    """vLLM's --config-format (config_format=) was an unknown flag and keyword, its "auto" and "hf" too, which
+    name config.json, the one format read here; Mistral's params.json format is refused saying so."""
+    from tpgraph.engine.config import vllm_keywords
+
+    for value in ("auto", "hf"):
+        assert engine_kwargs(parse_args(["--config-format", value])) == engine_kwargs(parse_args([]))
+        assert vllm_keywords(None, 1, {"config_format": value}) == (None, 1, {})
+    with pytest.raises(SystemExit):
+        parse_args(["--config-format", "mistral"])
+    with pytest.raises(ConfigError, match=r"config_format='mistral' \(vLLM's\) is not taken: config_format takes "
+                                          r"'auto' or 'hf'"):
+        vllm_keywords(None, 1, {"config_format": "mistral"})

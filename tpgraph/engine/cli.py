@@ -108,6 +108,10 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                                                                          "in the model's dtype (no fp8 cache)"),
                        help="auto, or the model's dtype's name: the KV cache in the model's dtype (another dtype, and "
                             "fp8 caches, are refused)")
+    fixed.add_argument("--config-format", default="auto", type=accepted("auto", "hf", why="tpgraph reads the "
+                                                                        "checkpoint's config.json (Hugging Face's "
+                                                                        "format), not Mistral's params.json"),
+                       help="auto or hf: the checkpoint's config.json (Mistral's params.json format is refused)")
     fixed.add_argument("--quantization", "-q", default=None, type=no_quantization, metavar="METHOD",
                        help="refused: tpgraph runs unquantized weights (a checkpoint with a quantization_config is "
                             "refused too)")

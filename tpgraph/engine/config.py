@@ -211,6 +211,8 @@ VLLM_KEYWORDS_TAKEN = {
                    "GiB >= 0 (unused: a preempted sequence is recomputed)"),
     "disable_log_stats": (lambda v: isinstance(v, bool), "True or False (no statistics are logged periodically)"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (tokenizer.json, the fast tokenizer)"),
+    "config_format": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (config.json, Hugging Face's format; Mistral's "
+                                                     "params.json is not read)"),
     "max_num_partial_prefills": (lambda v: not isinstance(v, bool) and v == 1,
                                  "1 alone (prompts are chunked as vLLM's V1 engine chunks them, one partial prefill at "
                                  "a time)"),
