@@ -48,7 +48,7 @@ def test_tensor_parallel_size_is_the_tp_size_checked_before_any_rank_starts(monk
 @pytest.mark.parametrize("name, value, hint", [
     ("quantization", "fp8", "give an unquantized checkpoint"),
     ("cpu_offload_gb", 4, "the weights stay on the device"),
-    ("hf_token", "hf_x", "nothing is downloaded"),
+    ("hf_token", "hf_x", "nothing is downloaded: a hub id is read from the hub cache"),
 ])
 def test_a_vllm_keyword_with_no_setting_here_is_refused_saying_what_to_do(name, value, hint):
     """Such a keyword was a bare TypeError ("unexpected keyword argument"); taking it and changing nothing would run

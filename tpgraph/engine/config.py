@@ -173,7 +173,8 @@ def check_tokenizer_dir(tokenizer: object) -> None:
                           f"AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
 
 
-_DOWNLOADS = "model is a local checkpoint directory here (nothing is downloaded): leave it out"
+_DOWNLOADS = ('nothing is downloaded: a hub id is read from the hub cache, where `hf download` (which takes the '
+              'token) puts it, and a directory from disk; leave it out')
 _GRAPHS = ("graphs=GraphConfig(...) sets the CUDA graphs (ladder: the decode batch sizes captured), or vLLM's "
            "compilation_config={'cudagraph_capture_sizes': [...]}; enforce_eager=True runs none")
 # vLLM's LLM(...) keywords with no setting here, and what to do instead: TPEngine refuses them by name (a keyword
