@@ -362,7 +362,7 @@ class ModelConfig:
                     f"{model_dir} --local-dir DIR`, then give DIR)") if hub else ""
             raise CheckpointError(f"model directory {str(model_dir)!r} does not exist{hint}")
         if not path.is_file():
-            raise CheckpointError(f"no config.json in {str(model_dir)!r}: is this a Hugging Face checkpoint?")
+            raise CheckpointError(_no_config(Path(model_dir)))
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -370,6 +370,20 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
         return ModelConfig.from_hf_dict(cfg, disable_sliding_window)
+
+
+def _no_config(model_dir: Path) -> str:
+    """Why a directory without config.json is no checkpoint, and which directory is: a Hugging Face repo's original/
+    folder (Meta's consolidated weights and params.json) has the checkpoint as its parent."""
+    parent = model_dir.resolve().parent
+    beside = (parent / "config.json").is_file()
+    if (model_dir / "params.json").is_file():
+        where = f"the Hugging Face checkpoint beside it is its parent, {str(parent)!r}" if beside else \
+            "give the model's Hugging Face checkpoint (config.json and safetensors weights)"
+        return (f"{str(model_dir)!r} holds params.json, not config.json: a checkpoint in Meta's or Mistral's own "
+                f"format (consolidated weights), which is not read here; {where}")
+    hint = f"its parent, {str(parent)!r}, has one" if beside else "is this a Hugging Face checkpoint?"
+    return f"no config.json in {str(model_dir)!r}; {hint}"
 
 
 # The built-in default: small enough for a laptop CPU, shaped like Llama 3 (GQA, llama3 rope, tied

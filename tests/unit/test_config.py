@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -381,3 +382,23 @@ def test_the_checkpoints_dtype_is_read_under_transformers_name_before_the_legacy
     assert ModelConfig.from_hf_dict(both).torch_dtype == "float16"
     assert ModelConfig.from_hf_dict({**MINIMAL, "torch_dtype": "float16"}).torch_dtype == "float16"
     assert ModelConfig.from_hf_dict({**MINIMAL, "dtype": "float16"}).torch_dtype == "float16"
+
+
+def test_a_directory_of_metas_or_mistrals_own_format_is_named_as_such(tmp_path):
+    """A Hugging Face repo's original/ folder (Meta's consolidated.00.pth and params.json), or Mistral's own format,
+    was refused as "no config.json in ...: is this a Hugging Face checkpoint?", which it is not, beside the one
+    that is."""
+    original = tmp_path / "original"
+    original.mkdir()
+    (original / "params.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds params.json, not config.json: a checkpoint in Meta's or "
+                                              r"Mistral's own format .*not read here") as refused:
+        ModelConfig.from_dir(original)
+    assert "parent" not in str(refused.value)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    parent = re.escape(repr(str(tmp_path)))
+    with pytest.raises(CheckpointError, match=rf"the Hugging Face checkpoint beside it is its parent, {parent}$"):
+        ModelConfig.from_dir(original)
+    (original / "params.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"no config.json in .*; its parent, {parent}, has one$"):
+        ModelConfig.from_dir(original)
