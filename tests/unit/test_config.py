@@ -351,6 +351,10 @@ def test_a_dtype_that_is_no_name_is_refused_by_name_not_as_a_type_error(dtype):
 def test_a_max_model_len_past_the_context_is_allowed_by_vllms_variable(monkeypatch, caplog, value, length):
     """vLLM refuses a max_model_len past the model's context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set ("1" or
     "true"), and then warns (once). It was refused whatever the variable said, and the message did not name it."""
+    import tpgraph.config
+
+    # (said once a process: another test's engine at the same length, in this worker, must not have said it already)
+    tpgraph.config._warn_once.cache_clear()
     cfg = ModelConfig.from_hf_dict({**MINIMAL, "max_position_embeddings": 32})
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     with pytest.raises(ConfigError, match=rf"max_model_len {length} exceeds the model's max_position_embeddings "
