@@ -1176,3 +1176,27 @@ def test_a_requests_cache_salt_reaches_the_engine_on_every_route_and_an_empty_on
     bad = post_all(app, [("/v1/chat/completions", {**chat, "cache_salt": ""})])[0]
     assert bad.status_code == 400 and "cache_salt must be a non-empty string" in bad.json()["error"]["message"]
     assert len(client.params) == 5
+
+
+def test_a_json_schema_nested_past_the_limit_is_a_400_before_any_grammar_compiles():
+    """A schema nested some hundreds of levels deep (a 30 KB body) took xgrammar minutes to convert and compile, on
+    the one thread that compiles every request's grammar: each constrained request of every client waited behind it.
+    It is refused when the request is read, naming the limit; one at the limit is taken."""
+    from tpgraph.engine.structured import MAX_SCHEMA_DEPTH
+
+    def nested(levels: int) -> dict:  # (each array schema one level of the JSON text)
+        schema: dict = {"type": "string"}
+        for _ in range(levels - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    client = ScriptedClient(["[]"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    deep, at_limit = post_all(app, [
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": nested(500)}}}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_json": nested(MAX_SCHEMA_DEPTH)})])
+    assert deep.status_code == 400, deep.text
+    assert f"more than {MAX_SCHEMA_DEPTH} levels deep" in deep.json()["error"]["message"]
+    assert at_limit.status_code == 200 and len(client.params) == 1

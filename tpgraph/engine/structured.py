@@ -45,6 +45,11 @@ from tpgraph.errors import RequestError
 logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")  # (the kinds whose whitespace any_whitespace frees)
+# the deepest a JSON schema's text may nest (objects and arrays, the schema itself level 1): xgrammar's time to convert
+# and compile one grows with about the cube of its depth (some 500 levels took 20 s, 1000 minutes, on the thread that
+# compiles every request's grammar, so that each constrained request after it waited); OpenAI's structured outputs
+# take 10 levels of objects, some 20 of this count
+MAX_SCHEMA_DEPTH = 64
 BACKENDS = ("xgrammar", "auto")  # (vLLM's backend names that mean what runs here)
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
 _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
@@ -74,6 +79,10 @@ class StructuredOutput:
                 raise RequestError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise RequestError(f"a JSON schema is an object, got {type(schema).__name__}")
+            if _deeper_than(schema, MAX_SCHEMA_DEPTH):
+                raise RequestError(f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels "
+                                   f"deep: at most {MAX_SCHEMA_DEPTH} are taken (a grammar's compile time grows with "
+                                   f"its depth)")
         if self.kind == "choice":
             try:
                 choices = json.loads(self.spec)
@@ -101,6 +110,17 @@ class StructuredOutput:
     @staticmethod
     def json_schema(schema: dict | str) -> StructuredOutput:
         return StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _deeper_than(value: Any, most: int) -> bool:
+    """Whether a decoded JSON value nests objects and arrays more than `most` levels deep (itself level 1)."""
+    level = [value]
+    for _ in range(most):
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def structured_outputs_params(json: dict | str | Any = None, regex: str | None = None, choice: list[str] | None = None,
