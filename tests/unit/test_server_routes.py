@@ -441,3 +441,24 @@ def test_other_requests_are_served_while_a_beam_searchs_text_is_decoded():
                                                              "use_beam_search": True})
     assert held.status_code == 200, held.text
     assert [c["text"] for c in held.json()["choices"]] == ["\x07"]  # (the stub's one candidate: one sequence)
+
+
+def test_a_wrong_keys_comparison_tells_nothing_of_the_keys_length(monkeypatch):
+    """secrets.compare_digest takes time by its inputs' lengths where they differ: comparing the key as sent with the
+    key itself let a client time out how long the key is. As vLLM's AuthenticationMiddleware, both sides are
+    compared as SHA-256 digests, of one length whatever was sent."""
+    from tpgraph.server import auth
+
+    compared = []
+    real = auth.secrets.compare_digest
+
+    def recording(a, b):
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.secrets, "compare_digest", recording)
+    replies = call([("POST", "/tokenize", {"prompt": "x"}, headers) for headers in (
+        {"Authorization": "Bearer x"}, {"x-api-key": "a-much-longer-guess-than-the-key"},
+        {"Authorization": "Bearer s3cret"})], api_key="s3cret")
+    assert [r.status_code for r in replies] == [401, 401, 200]
+    assert compared and set(compared) == {(32, 32)}, compared

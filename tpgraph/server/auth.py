@@ -10,6 +10,7 @@ false), so a request whose client left would run on to its end."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 from fastapi.responses import JSONResponse
@@ -32,8 +33,9 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, key: str | tuple[str, ...]) -> None:
         """key: the key, or several (vLLM's --api-key KEY...), any of which a client may send."""
         self.app = app
-        # (compared as bytes: a key need not be ASCII)
-        self.expected = [k.encode() for k in ((key,) if isinstance(key, str) else key)]
+        # (kept as SHA-256 digests of their UTF-8, as vLLM's: a key need not be ASCII, and a digest is compared with
+        # a digest, of one length whatever a client sends)
+        self.expected = [_digest(k.encode()) for k in ((key,) if isinstance(key, str) else key)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # (a trailing slash too: /metrics/ is redirected to /metrics, open, not refused for want of a key)
@@ -55,5 +57,11 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
     def _taken(self, sent: bytes) -> bool:
-        # (each key compared in constant time, and all of them: no key guessed a byte at a time, nor which one matched)
-        return sum(secrets.compare_digest(sent, expected) for expected in self.expected) > 0
+        # (each key compared in constant time, and all of them: no key guessed a byte at a time, nor which one matched;
+        # as digests: compare_digest's time tells the lengths of what it compares where they differ)
+        given = _digest(sent)
+        return sum(secrets.compare_digest(given, expected) for expected in self.expected) > 0
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
