@@ -64,3 +64,19 @@ def test_a_long_stop_string_costs_each_character_little():
         assert scanner.feed("aaaa") is None
     assert scanner.held == 5000
     assert scanner.feed("ab") == (5001, stop)
+
+
+def test_a_requests_samples_share_their_stop_strings_tables(monkeypatch):
+    """Each of a request's n samples has a scanner (its detokenizer's), all built on the engine's thread as the request
+    is taken: each built its own tables, so n = 1000 with a hundred long stop strings held every other request for
+    seconds. The tables are made once for the list; each scanner keeps its own states."""
+    from tpgraph.engine import stop_strings
+
+    built = []
+    real = stop_strings._failure
+    monkeypatch.setattr(stop_strings, "_failure", lambda s: built.append(s) or real(s))
+    stops = tuple(f"stop-{i}-" + "x" * 50 for i in range(3))
+    scanners = [StopScanner(stops) for _ in range(1000)]
+    assert len(built) == 3
+    assert scanners[0].feed("..stop-1-" + "x" * 50) == (len(stops[1]), stops[1])
+    assert scanners[1].feed("..stop-2-" + "x" * 49) is None and scanners[1].held == len(stops[2]) - 1

@@ -7,6 +7,15 @@ the longest stop string, times their number: a request with long stop strings st
 
 from __future__ import annotations
 
+import functools
+
+
+@functools.lru_cache(maxsize=64)
+def _failures(stops: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each stop string's failure table, made once for a request's stop list: its n samples each scan with their own
+    states, and built again for each sample the tables held up the engine's thread n times over."""
+    return tuple(tuple(_failure(s)) for s in stops)
+
 
 def _failure(s: str) -> list[int]:
     """fail[i]: the longest proper prefix of s[:i + 1] that is also its suffix."""
@@ -23,7 +32,7 @@ def _failure(s: str) -> list[int]:
 class StopScanner:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
-        self._fails = [_failure(s) for s in stops]
+        self._fails = _failures(tuple(stops))
         self._states = [0] * len(stops)  # each string's prefix the text ends with
 
     def feed(self, piece: str, may_stop: bool = True) -> tuple[int, str] | None:
