@@ -1221,3 +1221,24 @@ def test_a_choice_or_enum_past_the_limit_is_a_400_before_any_grammar_compiles():
     assert f"offers {MAX_CHOICES + 1} strings; at most {MAX_CHOICES}" in choice.json()["error"]["message"]
     assert f"an enum of {MAX_CHOICES + 1} values; at most {MAX_CHOICES}" in enum.json()["error"]["message"]
     assert at_limit.status_code == 200 and len(client.params) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_a_stop_string_past_the_length_limit_is_a_400_and_one_at_it_is_taken(path):
+    """A stop string's automaton is built on the engine's thread as the request is taken, a table as long as the
+    string for each sample: a hundred stop strings of 100,000 characters (a 10 MB body) held every request for
+    seconds and took gigabytes. Each may be as long as a bad word (1000 characters), as the Messages API's
+    stop_sequences."""
+    from tpgraph.engine.sampling_params import MAX_STOP_STRING_CHARS
+
+    client = ScriptedClient(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    name = "stop_sequences" if path == "/v1/messages" else "stop"
+    body = {"max_tokens": 2, **({"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]})}
+    long, at_limit = post_all(app, [(path, {**body, name: ["x", "y" * (MAX_STOP_STRING_CHARS + 1)]}),
+                                    (path, {**body, name: ["y" * MAX_STOP_STRING_CHARS]})])
+    assert long.status_code == 400, long.text
+    message = long.text
+    assert f"a string of {MAX_STOP_STRING_CHARS + 1} characters" in message and name in message
+    assert at_limit.status_code == 200 and len(client.params) == 1

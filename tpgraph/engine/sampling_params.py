@@ -28,6 +28,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit (every rank receives them, and th
 MAX_BAD_WORDS = 100  # (each is matched against every step's output tail)
 MAX_BAD_WORD_CHARS = 1000  # (each is tokenized on every rank's step thread, where a long one would hold every request)
 MAX_STOP_STRINGS = 100  # (each is scanned on the step thread for every character every request writes)
+# (each one's automaton is built on the engine's thread as the request is taken, where a long one held every request;
+# as long as a bad word may be)
+MAX_STOP_STRING_CHARS = MAX_BAD_WORD_CHARS
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy): after MIN_TEMPERATURE, 0 alone
 # vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it (logits over smaller ones risk inf and NaN)
 MIN_TEMPERATURE = 0.01
@@ -348,6 +351,9 @@ def check_stop(stop: Sequence[object], name: str = "stop") -> None:
         raise RequestError(f"{name} must hold non-empty strings, got {list(stop)!r}")
     if len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"{name} holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are taken")
+    if (longest := max(map(len, stop), default=0)) > MAX_STOP_STRING_CHARS:
+        raise RequestError(f"{name} holds a string of {longest} characters; each may be at most "
+                           f"{MAX_STOP_STRING_CHARS} characters long")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None, hint: str = "") -> None:
