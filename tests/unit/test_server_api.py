@@ -1242,3 +1242,17 @@ def test_a_stop_string_past_the_length_limit_is_a_400_and_one_at_it_is_taken(pat
     message = long.text
     assert f"a string of {MAX_STOP_STRING_CHARS + 1} characters" in message and name in message
     assert at_limit.status_code == 200 and len(client.params) == 1
+
+
+def test_logit_bias_past_pythons_number_limits_is_a_400_or_clamped_not_a_500():
+    """A logit_bias key of 5000 digits (int() refuses past 4300) and a value written as an integer past a float's
+    range (math.isnan overflowed on it) each raised out of the route: a 500. The key is refused as no token id; the
+    value is clamped to 100, as any value past +-100 is."""
+    client = ScriptedClient(["a"])
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 128)
+    long_key, huge_value = post_all(app, [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"9" * 5000: 1}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                  "logit_bias": {"7": 10 ** 400, "8": -(10 ** 400)}})])
+    assert long_key.status_code == 400 and "logit_bias keys must be token ids" in long_key.json()["error"]["message"]
+    assert huge_value.status_code == 200 and dict(client.params[-1].logit_bias) == {7: 100.0, 8: -100.0}

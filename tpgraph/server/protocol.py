@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 import types
 from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
@@ -385,11 +386,17 @@ class SamplingFields(NullMeansDefault):
         server clamps them (SamplingParams checks the rest: NaN, true, a string)."""
         pairs = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.isascii() or not key.strip().isdigit():
-                raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
-            if type(value) in (int, float) and not math.isnan(value):
+            try:  # (int() refuses more than 4300 digits: a ValueError, which reached the client as a 500)
+                token = int(key) if key.isascii() and key.strip().isdigit() else None
+            except ValueError:
+                token = None
+            if token is None:
+                raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got "
+                                   f"{reprlib.repr(key)}")
+            # (an int is no NaN, and may be past a float's range: isnan overflowed on 1e400 written as an integer)
+            if type(value) is int or type(value) is float and not math.isnan(value):
                 value = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
-            pairs.append((int(key), value))
+            pairs.append((token, value))
         return pairs
 
 
