@@ -396,3 +396,35 @@ def test_the_control_path_time_leaves_out_the_idle_wait_for_a_request():
     finally:
         timer.cancel()
     assert service.times.control_s < 0.1, service.times
+
+
+def test_scrapes_that_come_together_share_one_ask_of_the_engine():
+    """/metrics asks no key, and each scrape sent the engine's process a ticket whose exposition it wrote beside its
+    steps: a client scraping in a loop, or many at once, loaded the engine as much as it liked. Scrapes that come
+    while one is under way share its answer; a later one asks again."""
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, message) -> None:
+            self.sent.append(message)
+
+    pipe = Pipe()
+    client = EngineClient(pipe, LIMITS)
+
+    async def main() -> None:
+        scrapes = [asyncio.ensure_future(client.engine_metrics()) for _ in range(50)]
+        await asyncio.sleep(0.05)
+        scrapes[0].cancel()  # (one scraper goes away: the others still get the answer)
+        assert pipe.sent == [("metrics", 0)]
+        client._dispatch([("metrics", 0, b"engine_metric 1\n")])
+        got = await asyncio.gather(*scrapes[1:])
+        assert got == [b"engine_metric 1\n"] * 49
+        later = asyncio.ensure_future(client.engine_metrics())
+        await asyncio.sleep(0.05)
+        assert pipe.sent == [("metrics", 0), ("metrics", 1)]
+        client._dispatch([("metrics", 1, b"engine_metric 2\n")])
+        assert await later == b"engine_metric 2\n"
+
+    asyncio.run(asyncio.wait_for(main(), 10))

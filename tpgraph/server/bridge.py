@@ -176,6 +176,7 @@ class EngineClient:
         self.closing = False  # the engine said it is stopping (its pipe then closes as planned)
         self._sinks: dict[str, Sink] = {}
         self._metrics: dict[int, asyncio.Future] = {}
+        self._scrape: asyncio.Future | None = None  # the engine_metrics under way, which scrapes meanwhile share
         self._tickets = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -220,9 +221,16 @@ class EngineClient:
                 self._lost(f"the connection to the engine broke: {exc}")
 
     async def engine_metrics(self, timeout_s: float = 5.0) -> bytes:
-        """The engine process's Prometheus exposition (empty if it does not answer in time)."""
+        """The engine process's Prometheus exposition (empty if it does not answer in time). Scrapes that come while
+        one is under way share its answer: /metrics asks no key, and each scrape had the engine's process write its
+        exposition, beside its steps, however many came at once."""
         if self.error is not None:
             return b""
+        if self._scrape is None or self._scrape.done():
+            self._scrape = asyncio.ensure_future(self._fetch_metrics(timeout_s))
+        return await asyncio.shield(self._scrape)  # (a scraper that goes away leaves the others' answer coming)
+
+    async def _fetch_metrics(self, timeout_s: float) -> bytes:
         ticket = next(self._tickets)
         future = asyncio.get_running_loop().create_future()
         self._metrics[ticket] = future
