@@ -1256,3 +1256,35 @@ def test_logit_bias_past_pythons_number_limits_is_a_400_or_clamped_not_a_500():
                                   "logit_bias": {"7": 10 ** 400, "8": -(10 ** 400)}})])
     assert long_key.status_code == 400 and "logit_bias keys must be token ids" in long_key.json()["error"]["message"]
     assert huge_value.status_code == 200 and dict(client.params[-1].logit_bias) == {7: 100.0, 8: -100.0}
+
+
+def test_an_anyof_or_required_tools_past_the_limit_is_a_400_before_any_grammar_compiles():
+    """Each schema of an anyOf (or oneOf), and each tool under tool_choice "required", is a branch of one grammar,
+    whose compile took xgrammar 32 s for 3000 (a 300 KB body) on the one thread that compiles every request's grammar.
+    Past the limit either is refused when the request is read, the tools naming the tools; at it, taken."""
+    from tpgraph.engine.structured import MAX_SCHEMA_BRANCHES
+
+    def branch(i: int) -> dict:
+        return {"type": "object", "properties": {"k": {"const": f"v{i}"}}, "required": ["k"]}
+
+    def tool(i: int) -> dict:
+        return {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+
+    client = ScriptedClient(['[{"name": "f0", "parameters": {}}]'])
+    # (a context that holds the 500 tools' rendered prompt)
+    app = server_app.create_app(client, builtin_codec(), ServerMetrics(), "m", 200_000)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    wide, many_tools, at_limit, tools_at_limit = post_all(app, [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_json": {
+            "oneOf": [branch(i) for i in range(MAX_SCHEMA_BRANCHES + 1)]}}),
+        ("/v1/chat/completions", {**chat, "tool_choice": "required",
+                                  "tools": [tool(i) for i in range(MAX_SCHEMA_BRANCHES + 1)]}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_json": {
+            "anyOf": [branch(i) for i in range(MAX_SCHEMA_BRANCHES)]}}),
+        ("/v1/chat/completions", {**chat, "max_tokens": 40, "tool_choice": "required",
+                                  "tools": [tool(i) for i in range(MAX_SCHEMA_BRANCHES)]})])
+    assert wide.status_code == many_tools.status_code == 400
+    assert f"anyOf or oneOf of {MAX_SCHEMA_BRANCHES + 1} schemas" in wide.json()["error"]["message"]
+    assert f"at most {MAX_SCHEMA_BRANCHES} tools" in many_tools.json()["error"]["message"]
+    assert at_limit.status_code == tools_at_limit.status_code == 200, tools_at_limit.text
+    assert len(client.params) == 2

@@ -53,6 +53,9 @@ MAX_SCHEMA_DEPTH = 64
 # the most strings a choice, or a JSON schema's enum, may offer: xgrammar's compile time grows faster than their
 # square (10,000 took 0.15 s, 100,000 48 s)
 MAX_CHOICES = 10_000
+# the most schemas one anyOf or oneOf of a JSON schema may offer: each is a branch of the grammar, whose compile time
+# grows faster than their square (500 objects took 0.3 s, 1000 5 s, 3000 32 s)
+MAX_SCHEMA_BRANCHES = 500
 BACKENDS = ("xgrammar", "auto")  # (vLLM's backend names that mean what runs here)
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'tpgraph[structured]'"
 _XGRAMMAR_SOURCE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[01:01:03] /project/cpp/x.cc:94: " before its messages
@@ -86,9 +89,13 @@ class StructuredOutput:
                 raise RequestError(f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels "
                                    f"deep: at most {MAX_SCHEMA_DEPTH} are taken (a grammar's compile time grows with "
                                    f"its depth)")
-            if (longest := _longest_enum(schema)) > MAX_CHOICES:
+            if (longest := _longest_list(schema, ("enum",))) > MAX_CHOICES:
                 raise RequestError(f"the JSON schema has an enum of {longest} values; at most {MAX_CHOICES} are taken "
                                    f"(a grammar's compile time grows faster than their square)")
+            if (widest := _longest_list(schema, ("anyOf", "oneOf"))) > MAX_SCHEMA_BRANCHES:
+                raise RequestError(f"the JSON schema has an anyOf or oneOf of {widest} schemas; at most "
+                                   f"{MAX_SCHEMA_BRANCHES} are taken (a grammar's compile time grows faster than their "
+                                   f"square)")
         if self.kind == "choice":
             try:
                 choices = json.loads(self.spec)
@@ -132,14 +139,13 @@ def _deeper_than(value: Any, most: int) -> bool:
     return True
 
 
-def _longest_enum(schema: dict) -> int:
-    """The most values any enum of a decoded JSON schema lists (0 where it has none)."""
+def _longest_list(schema: dict, keys: tuple[str, ...]) -> int:
+    """The most items any list under one of `keys` holds in a decoded JSON schema (0 where it has none)."""
     longest, stack = 0, [schema]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            if isinstance(item.get("enum"), list):
-                longest = max(longest, len(item["enum"]))
+            longest = max(longest, *(len(item[k]) for k in keys if isinstance(item.get(k), list)), 0)
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)

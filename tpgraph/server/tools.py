@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tpgraph.engine.structured import StructuredOutput
+from tpgraph.engine.structured import MAX_SCHEMA_BRANCHES, StructuredOutput
 from tpgraph.errors import RequestError
 from tpgraph.server.tool_parsers import PARSERS, ToolParser
 
@@ -151,6 +151,9 @@ class ToolPlan:
             return ToolPlan("auto", shown, parser=PARSERS[options.parser](), one_call=one_call,
                             names=frozenset(by_name))
         if choice == "required":
+            if len(by_name) > MAX_SCHEMA_BRANCHES:  # (each tool a branch of the grammar that holds the reply)
+                raise RequestError(f'tool_choice "required" holds the reply to one of the tools\' schemas: at most '
+                                   f"{MAX_SCHEMA_BRANCHES} tools are taken with it, got {len(by_name)}")
             return ToolPlan("required", shown, one_call=one_call, names=frozenset(by_name),
                             structured=StructuredOutput.json_schema(required_schema(list(by_name.values()), one_call)))
         if isinstance(choice, dict):
