@@ -4,7 +4,7 @@ import pytest
 import torch
 from tpgtest.logprobs import own_logprobs, ranked
 
-from tpgraph import SamplingParams, TPEngine
+from tpgraph import ConfigError, SamplingParams, TPEngine
 from tpgraph.graphs.calibration import eager_counts
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.graphs.dispatcher import Dispatcher, GraphMode
@@ -66,6 +66,23 @@ def test_decode_batches_past_the_largest_captured_size_run_eagerly_with_the_same
         assert tokens(engine) == eager
         decode = {(row[1], row[2]) for row in engine.runner.stats.frequency_table() if row[0] == "decode"}
         assert ("none", 4) in decode and all(mode == "none" for mode, n in decode if n > 2), decode
+
+
+def test_kv_cache_memory_bytes_sizes_the_gpu_cache_whatever_memory_is_free():
+    """vLLM's kv_cache_memory_bytes on a GPU: the cache holds that many bytes' blocks (gpu_memory_utilization aside:
+    here far below what 0.9 of the GPU would give) and serves the same tokens; one past the GPU's memory is refused
+    naming the keyword and the GiB it asked, before anything is served."""
+    with make() as engine:
+        want, block = tokens(engine), engine.runner.block_bytes
+        sized_by_memory = engine.runner.num_kv_blocks
+    with make(kv_cache_memory_bytes=300 * block + block // 3, gpu_memory_utilization=0.9) as engine:
+        assert engine.runner.num_kv_blocks == 300 < sized_by_memory
+        assert sum(t.numel() * t.element_size() for c in engine.runner.kv_caches for t in (c.k, c.v)) == 300 * block
+        assert tokens(engine) == want
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(ConfigError, match=r"kv_cache_memory_bytes \d+ asks for [\d.]+ GiB of KV cache .* more than "
+                                          r"the cuda has free: lower kv_cache_memory_bytes"):
+        make(kv_cache_memory_bytes=2 * total)
 
 
 def test_prefill_timing_at_start_up_decides_which_counts_run_eagerly():
