@@ -71,7 +71,7 @@ def test_decode_batches_past_the_largest_captured_size_run_eagerly_with_the_same
 def test_kv_cache_memory_bytes_sizes_the_gpu_cache_whatever_memory_is_free():
     """vLLM's kv_cache_memory_bytes on a GPU: the cache holds that many bytes' blocks (gpu_memory_utilization aside:
     here far below what 0.9 of the GPU would give) and serves the same tokens; one past the GPU's memory is refused
-    naming the keyword and the GiB it asked, before anything is served."""
+    naming the flag and the GiB it asked, before anything is served."""
     with make() as engine:
         want, block = tokens(engine), engine.runner.block_bytes
         sized_by_memory = engine.runner.num_kv_blocks
