@@ -371,7 +371,8 @@ def reasoning_parser(args: argparse.Namespace) -> ReasoningParser | None:
         return None
     model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
                                        args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
-    vocab_size = (ModelConfig.from_dir(model) if model is not None else BUILTIN_MODEL).vocab_size
+    vocab_size = (ModelConfig.from_dir(model, args.disable_sliding_window) if model is not None else
+                  BUILTIN_MODEL).vocab_size
     return REASONING_PARSERS[args.reasoning_parser].for_tokenizer(load_tokenizer(tokenizer or model, vocab_size))
 
 

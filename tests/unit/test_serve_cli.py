@@ -906,3 +906,22 @@ def test_the_server_hands_its_logging_set_up_to_the_ranks_it_starts(monkeypatch,
     setup = handed["setup"]
     config = serve.parse_args(["--device", "cpu"]).http.server_log_config
     assert setup.func is configure_logging and setup.args == (config,)
+
+
+def test_the_reasoning_parsers_early_check_takes_disable_sliding_window(tmp_path):
+    """--disable-sliding-window --reasoning-parser ...: the check before the weights load read config.json without
+    the flag, so a sliding-window checkpoint (Mistral-7B-v0.1's) the engine runs was refused as one it cannot."""
+    import json
+
+    import tpgraph.serve as serve
+    from tpgraph.config import BUILTIN_MODEL
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": BUILTIN_MODEL.vocab_size,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "sliding_window": 128}))
+    args = parse_args(["--model", str(tmp_path / "c"), "--disable-sliding-window", "--reasoning-parser", "deepseek_r1"])
+    with pytest.raises(ConfigError) as refused:  # (the byte tokenizer splits </think>: that refusal, no other)
+        serve.reasoning_parser(args)
+    assert "</think>" in str(refused.value) and "sliding_window" not in str(refused.value)
