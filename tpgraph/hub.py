@@ -123,12 +123,26 @@ def _check_links(path: Path, name: str, flag: str) -> None:
                           f"the files), or give the snapshot in the hub cache")
 
 
+def shown_name(name: str | Path) -> str:
+    """A checkpoint as messages to a client name it: a hub cache's snapshot (what a hub id given on the command line
+    is resolved to before the engine is made) as its hub id, not its path on this host; anything else as given."""
+    path = Path(name)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return _repo_id(path.parent.parent)
+    return str(name)
+
+
+def _repo_id(repo: Path) -> str:
+    """The hub id of a hub cache's folder of a repo (models--org--name)."""
+    return "/".join(repo.name.split("--")[1:])  # (the hub allows no "--" in a name)
+
+
 def _refuse_repo_folder(path: Path, name: str, flag: str, cache_flag: str) -> None:
     """A hub cache's folder of a repo (models--org--name), given for one of its snapshots: named as such, with the hub
     id and the snapshot that stand for it."""
     if not path.name.startswith("models--") or not (path / "snapshots").is_dir():
         return
-    repo = "/".join(path.name.split("--")[1:])  # (the hub allows no "--" in a name)
+    repo = _repo_id(path)
     main = _snapshot(path, "main")
     snapshot = str(main) if main is not None else f"{path / 'snapshots'}/<commit>"
     cache = f"{cache_flag} {path.parent}" if cache_flag.startswith("-") else f"{cache_flag}={str(path.parent)!r}"

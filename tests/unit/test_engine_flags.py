@@ -580,3 +580,26 @@ def test_vllms_config_format_is_taken_at_the_format_this_engine_reads():
     with pytest.raises(ConfigError, match=r"config_format='mistral' \(vLLM's\) is not taken: config_format takes "
                                           r"'auto' or 'hf'"):
         vllm_keywords(None, 1, {"config_format": "mistral"})
+
+
+def test_a_chat_refused_for_want_of_a_template_names_the_tokenizers_hub_id_from_the_command_line(tmp_path,
+                                                                                                   monkeypatch):
+    """`--tokenizer org/plain` on the command line: engine_kwargs resolves it to its snapshot before TPEngine is
+    made, so the 400 named the snapshot's path in the server's cache, not the hub id the user typed."""
+    from tpgtest.chat_fixtures import make_chat_checkpoint
+
+    from tpgraph.engine.cli import engine_from_args
+    from tpgraph.errors import RequestError
+
+    model = make_chat_checkpoint(tmp_path / "model")
+    hub = tmp_path / "hub" / "models--org--plain"
+    (hub / "snapshots" / MAIN).mkdir(parents=True)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text(MAIN)
+    builtin_tokenizer().save(str(hub / "snapshots" / MAIN / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = parse_args(["--model", str(model), "--tokenizer", "org/plain", "--load-format", "dummy", "--device", "cpu",
+                       "--max-num-seqs", "2", "--max-model-len", "64", "--num-gpu-blocks-override", "20"])
+    with engine_from_args(args) as engine:
+        with pytest.raises(RequestError, match="^org/plain has no chat template"):
+            engine.render_chat([{"role": "user", "content": "x"}])

@@ -65,6 +65,7 @@ from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.errors import CheckpointError, ConfigError, RequestError, TPGraphError
+from tpgraph.hub import shown_name
 from tpgraph.model.loader import default_dtype, load_model
 from tpgraph.prompts import (
     EngineTokenizer,
@@ -318,8 +319,9 @@ class TPEngine:
         rank joins the others: (model, tp_size, kwargs as EngineConfig takes them, the model's config, the tokenizer's
         EOS id, every EOS id)."""
         # the tokenizer (and its chat template) as the user named it: --tokenizer's where given, else --model's (a hub
-        # id, not its snapshot's path in this host's cache)
-        label = next((str(name) for name in (kwargs.get("tokenizer"), model) if name is not None), "the built-in model")
+        # id, not its snapshot's path in this host's cache, which the CLI has resolved it to already)
+        label = next((shown_name(name) for name in (kwargs.get("tokenizer"), model) if name is not None),
+                     "the built-in model")
         model, tp_size, kwargs = vllm_keywords(model, tp_size, kwargs)
         self.config = cfg = EngineConfig(model=model, tp_size=tp_size, **kwargs)
         # the checkpoint's shape against the TP size before any rank starts (a refusal then comes once, at once)
