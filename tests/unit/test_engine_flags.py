@@ -225,7 +225,7 @@ def test_ranks_the_engine_starts_are_built_with_its_all_reduce_choice(monkeypatc
 
     given = {}
 
-    def start(tp_size, init, kwargs, threads=None):
+    def start(tp_size, init, kwargs, threads=None, setup=None):
         given.update(kwargs)
         raise Started
 
