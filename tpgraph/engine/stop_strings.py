@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 
 
-@functools.lru_cache(maxsize=64)
+# (a few lists: a request's n samples come together; each entry may hold 100 stops of 1000 characters, some 1 MB)
+@functools.lru_cache(maxsize=8)
 def _failures(stops: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """Each stop string's failure table, made once for a request's stop list: its n samples each scan with their own
     states, and built again for each sample the tables held up the engine's thread n times over."""
