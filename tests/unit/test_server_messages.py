@@ -794,3 +794,16 @@ def test_tools_on_a_server_without_a_tool_parser_are_refused_naming_the_messages
                                                                    "tools": [{"type": "function", "function": {
                                                                        "name": "f", "parameters": {}}}]})])
     assert '"required"' in chat.json()["error"]["message"]  # (the chat's own words, its own values)
+
+
+def test_too_many_tools_for_a_forced_call_are_refused_in_the_messages_words():
+    """tool_choice {"type": "any"} with more tools than one grammar takes is refused; the refusal named tool_choice
+    "required", the chat's value, which the Messages user never wrote (as the parser refusal once did)."""
+    from tpgraph.engine.structured import MAX_SCHEMA_BRANCHES
+
+    client = ScriptedClient(["a"])
+    tools = [{**WEATHER, "name": f"tool_{i}"} for i in range(MAX_SCHEMA_BRANCHES + 1)]
+    got, = post_all(make_app(client), [("/v1/messages", {**ASK, "tools": tools, "tool_choice": {"type": "any"}})])
+    assert got.status_code == 400
+    message = got.json()["error"]["message"]
+    assert f"at most {MAX_SCHEMA_BRANCHES} tools" in message and '"required"' not in message, message

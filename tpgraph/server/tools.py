@@ -151,9 +151,11 @@ class ToolPlan:
             return ToolPlan("auto", shown, parser=PARSERS[options.parser](), one_call=one_call,
                             names=frozenset(by_name))
         if choice == "required":
-            if len(by_name) > MAX_SCHEMA_BRANCHES:  # (each tool a branch of the grammar that holds the reply)
-                raise RequestError(f'tool_choice "required" holds the reply to one of the tools\' schemas: at most '
-                                   f"{MAX_SCHEMA_BRANCHES} tools are taken with it, got {len(by_name)}")
+            # (each tool a branch of the grammar that holds the reply; said in no one API's words: the Messages
+            # API's {"type": "any"} comes here as the chat's "required")
+            if len(by_name) > MAX_SCHEMA_BRANCHES:
+                raise RequestError(f"a tool_choice that forces a call holds the reply to one of the tools' schemas: "
+                                   f"at most {MAX_SCHEMA_BRANCHES} tools are taken with it, got {len(by_name)}")
             return ToolPlan("required", shown, one_call=one_call, names=frozenset(by_name),
                             structured=StructuredOutput.json_schema(required_schema(list(by_name.values()), one_call)))
         if isinstance(choice, dict):
