@@ -10,38 +10,61 @@ import argparse
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from tpgraph.engine.cli import add_engine_args, engine_from_args
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import TPGraphError
+
+if TYPE_CHECKING:
+    from tpgraph.engine.tp_engine import TPEngine
+
+DEFAULT_MAX_TOKENS = 32
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tpgraph.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="a per-request seed (reproducible samples)")
+    # (left out, a sampling flag is --generation-config's default, as the server's requests take it, else its own)
+    sampling = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else the value shown)")
+    sampling.add_argument("--max-tokens", type=int, default=None, help=f"default {DEFAULT_MAX_TOKENS}")
+    sampling.add_argument("--temperature", type=float, default=None, help="0: greedy (the default)")
+    sampling.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    sampling.add_argument("--top-k", type=int, default=None, help="default 0 (off)")
+    sampling.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
+    sampling.add_argument("--sampling-seed", type=int, default=None, help="a per-request seed (reproducible samples)")
     add_engine_args(p)
     return p.parse_args(argv)
+
+
+def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields the command line gave (the rest are the engine's defaults)."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "seed": args.sampling_seed, "max_tokens": args.max_tokens}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def own_defaults(engine: TPEngine) -> dict[str, Any]:
+    """This command's defaults (greedy, DEFAULT_MAX_TOKENS) where the checkpoint's generation_config gives none."""
+    defaults = engine.prompts.generation_defaults
+    own: dict[str, Any] = {} if "temperature" in defaults.sampling else {"temperature": 0.0}
+    return own if defaults.max_tokens is not None else {**own, "max_tokens": DEFAULT_MAX_TOKENS}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens)
+        flags = sampling_flags(args)
+        SamplingParams(**flags)  # (a flag out of range said now, before the weights load)
         engine = engine_from_args(args)
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with engine:
         try:
+            params = engine.default_params(**{**own_defaults(engine), **flags})
             start = time.perf_counter()
             outputs = engine.generate(args.prompt, params)
             elapsed = time.perf_counter() - start
