@@ -7,14 +7,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tpgraph.engine.cli import add_engine_args, engine_from_args
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import TPGraphError
+from tpgraph.server.logs import check_environment, configure_logging, logging_config
 
 if TYPE_CHECKING:
     from tpgraph.engine.tp_engine import TPEngine
@@ -54,11 +55,14 @@ def own_defaults(engine: TPEngine) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # (vLLM's logging variables, as the server reads them: vLLM's offline LLM reads them too)
+        check_environment()
+        log_config = logging_config()
+        configure_logging(log_config)
         flags = sampling_flags(args)
         SamplingParams(**flags)  # (a flag out of range said now, before the weights load)
-        engine = engine_from_args(args)
+        # (ranks it starts itself, -tp N without torchrun, log as this one does)
+        engine = engine_from_args(args, rank_setup=partial(configure_logging, log_config))
     except TPGraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

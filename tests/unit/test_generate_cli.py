@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tpgraph.engine.sampling_params import SamplingParams
@@ -55,3 +60,37 @@ def test_a_sampling_flag_out_of_range_is_refused_before_the_engine_starts(monkey
     monkeypatch.setattr("tpgraph.generate.engine_from_args", no_engine)
     assert main(["--prompt", "hi", *SMALL, "--top-p", "2"]) == 2
     assert "top_p must be in (0.0, 1.0]" in capsys.readouterr().err
+
+
+def run_generate(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    """A fresh process: logging is configured once a process, and pytest's own handlers sit on this one's root."""
+    return subprocess.run([sys.executable, "-m", "tpgraph.generate", "--prompt", "hi", "--max-tokens", "1", *SMALL,
+                           *flags], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_vllms_logging_variables_are_honoured_as_the_server_honours_them(tmp_path):
+    """tpgraph.generate set up its own logging whatever VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING,
+    VLLM_LOGGING_PREFIX, VLLM_LOGGING_STREAM and VLLM_LOGGING_CONFIG_PATH said (vLLM's offline LLM reads them
+    as its server does): a bad value ran on, and stream, prefix, level and configuration files were ignored."""
+    bad = run_generate({"VLLM_LOGGING_LEVEL": "LOUD"})
+    assert bad.returncode == 2 and "VLLM_LOGGING_LEVEL='LOUD' is no logging level" in bad.stderr
+
+    moved = run_generate({"VLLM_LOGGING_STREAM": "ext://sys.stdout", "VLLM_LOGGING_PREFIX": "[gen] "})
+    assert moved.returncode == 0, moved.stderr
+    assert "[gen] INFO tpgraph.engine.runner: start-up summary" in moved.stdout
+    assert "start-up summary" not in moved.stderr
+
+    quiet = run_generate({"VLLM_LOGGING_LEVEL": "warning"})
+    assert quiet.returncode == 0 and "start-up summary" not in quiet.stderr + quiet.stdout
+
+    off = run_generate({"VLLM_CONFIGURE_LOGGING": "0"})
+    assert off.returncode == 0 and "INFO tpgraph" not in off.stderr + off.stdout
+
+    log = tmp_path / "gen.log"
+    config = {"version": 1, "formatters": {"f": {"format": "FILE %(name)s %(message)s"}},
+              "handlers": {"h": {"class": "logging.FileHandler", "filename": str(log), "formatter": "f"}},
+              "loggers": {"vllm": {"handlers": ["h"], "level": "INFO"}}}
+    (tmp_path / "log.json").write_text(json.dumps(config))
+    filed = run_generate({"VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "log.json")})
+    assert filed.returncode == 0, filed.stderr
+    assert "FILE tpgraph.engine.runner start-up summary" in log.read_text()
