@@ -12,7 +12,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from tpgraph.engine.cli import add_engine_args, engine_from_args
+from tpgraph.engine.cli import add_engine_args, dashed_names, engine_from_args
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.errors import TPGraphError
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sampling.add_argument("--min-p", type=float, default=None, help="default 0.0 (off)")
     sampling.add_argument("--sampling-seed", type=int, default=None, help="a per-request seed (reproducible samples)")
     add_engine_args(p)
-    return p.parse_args(argv)
+    # (--max_num_seqs=4 as the server, and vLLM's parsers, take it)
+    return p.parse_args(dashed_names(sys.argv[1:] if argv is None else argv))
 
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -30,7 +30,14 @@ from typing import NoReturn
 from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.distributed import PROCESS_GROUP_TIMEOUT_S, env_int
-from tpgraph.engine.cli import add_engine_args, checkpoint_name, engine_from_args, json_object, positive_number
+from tpgraph.engine.cli import (
+    add_engine_args,
+    checkpoint_name,
+    dashed_names,
+    engine_from_args,
+    json_object,
+    positive_number,
+)
 from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
@@ -183,17 +190,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--enable-auto-tool-choice requires --tool-call-parser: the model's tool-call format, "
                 f"one of {', '.join(sorted(PARSERS))}")
     return args
-
-
-def dashed_names(argv: list[str]) -> list[str]:
-    """--max_num_seqs=8 as --max-num-seqs=8: vLLM's parser takes either spelling of a flag's name (not of a value)."""
-    def dashed(arg: str) -> str:
-        if not arg.startswith("--"):
-            return arg
-        name, eq, value = arg.partition("=")
-        return name.replace("_", "-") + eq + value
-
-    return [dashed(arg) for arg in argv]
 
 
 def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

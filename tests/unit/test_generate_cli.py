@@ -11,7 +11,7 @@ import pytest
 
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.tp_engine import TPEngine
-from tpgraph.generate import main
+from tpgraph.generate import main, parse_args
 
 SMALL = ["--device", "cpu", "--max-num-seqs", "2", "--max-model-len", "64", "--num-kv-blocks", "20"]
 
@@ -94,3 +94,10 @@ def test_vllms_logging_variables_are_honoured_as_the_server_honours_them(tmp_pat
     filed = run_generate({"VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "log.json")})
     assert filed.returncode == 0, filed.stderr
     assert "FILE tpgraph.engine.runner start-up summary" in log.read_text()
+
+
+def test_flag_names_written_with_underscores_are_taken_as_the_servers_are():
+    """`--max_num_seqs=4` (vLLM's parsers, the offline examples' too, take either spelling of a flag's name) was an
+    unrecognized argument here, though the README gives this command the server's flags, which take it."""
+    args = parse_args(["--prompt", "a_b", "--max_num_seqs=4", "--max_tokens", "3", "--enable_prefix_caching"])
+    assert (args.max_num_seqs, args.max_tokens, args.enable_prefix_caching, args.prompt) == (4, 3, True, ["a_b"])

@@ -143,6 +143,17 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                             "serves them all the same)")
 
 
+def dashed_names(argv: list[str]) -> list[str]:
+    """--max_num_seqs=8 as --max-num-seqs=8: vLLM's parser takes either spelling of a flag's name (not of a value)."""
+    def dashed(arg: str) -> str:
+        if not arg.startswith("--"):
+            return arg
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-") + eq + value
+
+    return [dashed(arg) for arg in argv]
+
+
 def checkpoint_name(text: str) -> str:
     """A directory or hub id: an empty one (`--model "$UNSET"`) would be the working directory, whatever it holds."""
     if not text.strip():
