@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tpgraph.engine.tp_engine import TPEngine
 
 DEFAULT_MAX_TOKENS = 32
+INTERRUPTED = 128 + 2  # (a shell's status for a command SIGINT stopped)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         except TPGraphError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # (Ctrl-C: the engine aborted its requests; it closes as the block exits)
+            print("interrupted", file=sys.stderr)
+            return INTERRUPTED
         if engine.state.is_driver:
             print(engine.runner.stats.summary())
             for out in outputs:

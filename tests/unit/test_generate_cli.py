@@ -101,3 +101,27 @@ def test_flag_names_written_with_underscores_are_taken_as_the_servers_are():
     unrecognized argument here, though the README gives this command the server's flags, which take it."""
     args = parse_args(["--prompt", "a_b", "--max_num_seqs=4", "--max_tokens", "3", "--enable_prefix_caching"])
     assert (args.max_num_seqs, args.max_tokens, args.enable_prefix_caching, args.prompt) == (4, 3, True, ["a_b"])
+
+
+def test_ctrl_c_stops_with_a_line_and_exit_status_130_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while generating ended in a KeyboardInterrupt traceback; the server stops on it with a line. The engine
+    is still closed on the way out (its ranks with it)."""
+    closed = []
+    real_close = TPEngine.close
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    def close(self, *args, **kwargs):
+        closed.append(True)
+        real_close(self, *args, **kwargs)
+
+    monkeypatch.setattr(TPEngine, "generate", interrupted)
+    monkeypatch.setattr(TPEngine, "close", close)
+    try:
+        status = main(["--prompt", "hi", *SMALL])
+    except KeyboardInterrupt:  # (failed here, not as the test session's own interruption)
+        pytest.fail("main let the KeyboardInterrupt out: a traceback")
+    assert status == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    assert closed
