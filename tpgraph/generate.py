@@ -1,6 +1,7 @@
 """`python -m tpgraph.generate`: completions from the command line, any TP, CPU or GPU (a thin CLI over TPEngine).
 
     python -m tpgraph.generate --prompt "Hello"                          # built-in model, one process
+    python -m tpgraph.generate --chat --prompt "Hi" --model DIR          # a user message, through the chat template
     torchrun --nproc-per-node 2 -m tpgraph.generate --prompt "Hi" --model DIR --temperature 0.7
 """
 
@@ -28,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tpgraph.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt as one user message, rendered through the chat template (the checkpoint's, or "
+                        "--chat-template's), as vLLM's LLM.chat")
     # (left out, a sampling flag is --generation-config's default, as the server's requests take it, else its own)
     sampling = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else the value shown)")
     sampling.add_argument("--max-tokens", type=int, default=None, help=f"default {DEFAULT_MAX_TOKENS}")
@@ -38,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sampling.add_argument("--sampling-seed", type=int, default=None, help="a per-request seed (reproducible samples)")
     add_engine_args(p)
     # (--max_num_seqs=4 as the server, and vLLM's parsers, take it)
-    return p.parse_args(dashed_names(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(dashed_names(sys.argv[1:] if argv is None else argv))
+    if args.chat_template is not None and not args.chat:  # (refused, not taken and ignored)
+        p.error("--chat-template renders chats: add --chat to send each prompt as a user message through it")
+    return args
 
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             params = engine.default_params(**{**own_defaults(engine), **flags})
             start = time.perf_counter()
-            outputs = engine.generate(args.prompt, params)
+            if args.chat:
+                outputs = engine.chat([[{"role": "user", "content": prompt}] for prompt in args.prompt], params)
+            else:
+                outputs = engine.generate(args.prompt, params)
             elapsed = time.perf_counter() - start
         except TPGraphError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -125,3 +125,19 @@ def test_ctrl_c_stops_with_a_line_and_exit_status_130_not_a_traceback(monkeypatc
     assert status == 130
     assert capsys.readouterr().err.strip().endswith("interrupted")
     assert closed
+
+
+def test_chat_renders_each_prompt_as_a_user_turn_through_the_chat_template(capsys):
+    """--chat-template was taken and ignored: every prompt went to the model as plain text, with no way to ask for
+    the chat template. --chat sends each prompt as one user message through it (the checkpoint's, or
+    --chat-template's), as vLLM's LLM.chat; --chat-template without --chat is refused rather than ignored."""
+    assert main(["--prompt", "hi", "--chat", "--chat-template", "T:{{ messages[0]['content'] }}", *SMALL,
+                 "--max-tokens", "2"]) == 0
+    assert "prompt: 'T:hi'" in capsys.readouterr().out
+    assert main(["--prompt", "hi", "--chat", *SMALL, "--max-tokens", "2"]) == 0  # (the built-in template)
+    assert "prompt: 'hi'" not in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--prompt", "hi", "--chat-template", "T:{{ messages[0]['content'] }}"])
+    assert refused.value.code == 2
+    assert "--chat-template renders chats: add --chat" in capsys.readouterr().err
