@@ -141,3 +141,12 @@ def test_chat_renders_each_prompt_as_a_user_turn_through_the_chat_template(capsy
         parse_args(["--prompt", "hi", "--chat-template", "T:{{ messages[0]['content'] }}"])
     assert refused.value.code == 2
     assert "--chat-template renders chats: add --chat" in capsys.readouterr().err
+
+
+def test_a_tp_size_that_is_not_torchruns_world_size_names_the_flag(monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 -m tpgraph.generate -tp 1` was refused as "tp_size=1 but 2 ranks were launched",
+    TPEngine's keyword, not the flag typed."""
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as under torchrun --nproc-per-node 1
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--prompt", "hi", *SMALL, "-tp", "2"]) == 2
+    assert "error: --tensor-parallel-size/-tp=2 but 1 ranks were launched" in capsys.readouterr().err

@@ -257,7 +257,8 @@ class TPEngine:
             raise
         try:
             if self.state.world_size != tp_size:
-                raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched")
+                raise ConfigError(f"tp_size={tp_size} but {self.state.world_size} ranks were launched (torchrun's "
+                                  f"--nproc-per-node): give the same number, or leave it out", ("tp_size",))
             # (every rank must choose alike: the custom all-reduce's set-up is a collective)
             check_same_on_every_rank(self.state, "disable_custom_all_reduce", cfg.disable_custom_all_reduce)
             self.comm = TPCommunicator(self.state, use_custom_allreduce=not cfg.disable_custom_all_reduce,
