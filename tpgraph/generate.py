@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from functools import partial
@@ -15,13 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from tpgraph.engine.cli import add_engine_args, dashed_names, engine_from_args
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.errors import TPGraphError
+from tpgraph.errors import RequestError, TPGraphError
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 
 if TYPE_CHECKING:
     from tpgraph.engine.tp_engine import TPEngine
 
 DEFAULT_MAX_TOKENS = 32
+# each SamplingParams field a flag sets, and the flag
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "min_p": "--min-p", "seed": "--sampling-seed"}
 INTERRUPTED = 128 + 2  # (a shell's status for a command SIGINT stopped)
 
 
@@ -50,9 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The SamplingParams fields the command line gave (the rest are the engine's defaults)."""
-    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-             "seed": args.sampling_seed, "max_tokens": args.max_tokens}
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SAMPLING_FLAGS.items()}
     return {name: value for name, value in given.items() if value is not None}
+
+
+def check_sampling_flags(flags: dict[str, Any]) -> None:
+    """SamplingParams' refusal of a flag's value, naming the flag (--max-tokens, not max_tokens)."""
+    try:
+        SamplingParams(**flags)
+    except TPGraphError as exc:
+        message = str(exc)
+        for field in flags:  # (a whole word: max_tokens is not renamed inside another field's name)
+            message = re.sub(rf"\b{field}\b", SAMPLING_FLAGS[field], message)
+        raise RequestError(message) from None
 
 
 def own_defaults(engine: TPEngine) -> dict[str, Any]:
@@ -69,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         log_config = logging_config()
         configure_logging(log_config)
         flags = sampling_flags(args)
-        SamplingParams(**flags)  # (a flag out of range said now, before the weights load)
+        check_sampling_flags(flags)  # (a flag out of range said now, before the weights load)
         # (ranks it starts itself, -tp N without torchrun, log as this one does)
         engine = engine_from_args(args, rank_setup=partial(configure_logging, log_config))
     except TPGraphError as exc:

@@ -59,7 +59,19 @@ def test_a_sampling_flag_out_of_range_is_refused_before_the_engine_starts(monkey
 
     monkeypatch.setattr("tpgraph.generate.engine_from_args", no_engine)
     assert main(["--prompt", "hi", *SMALL, "--top-p", "2"]) == 2
-    assert "top_p must be in (0.0, 1.0]" in capsys.readouterr().err
+    assert "--top-p must be in (0.0, 1.0]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-tokens", "0"], "error: --max-tokens must be >= 1, got 0"),
+    (["--top-k", "-5"], "error: --top-k must be >= 0, got -5"),
+    (["--min-p", "3"], "error: --min-p must be in [0.0, 1.0], got 3.0"),
+    (["--temperature", "nan"], "error: --temperature must be a finite number, got nan"),
+])
+def test_a_sampling_flag_out_of_range_is_refused_naming_the_flag(flags, needle, capsys):
+    """The refusal named SamplingParams' field (max_tokens must be >= 1), not the flag typed."""
+    assert main(["--prompt", "hi", *SMALL, *flags]) == 2
+    assert needle in capsys.readouterr().err
 
 
 def run_generate(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
