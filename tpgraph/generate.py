@@ -78,6 +78,14 @@ def own_defaults(engine: TPEngine) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # (Ctrl-C, loading or generating: the engine, and its ranks, closed on the way out)
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run(args: argparse.Namespace) -> int:
     try:  # (vLLM's logging variables, as the server reads them: vLLM's offline LLM reads them too)
         check_environment()
         log_config = logging_config()
@@ -101,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         except TPGraphError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:  # (Ctrl-C: the engine aborted its requests; it closes as the block exits)
-            print("interrupted", file=sys.stderr)
-            return INTERRUPTED
         if engine.state.is_driver:
             print(engine.runner.stats.summary())
             for out in outputs:

@@ -139,6 +139,18 @@ def test_ctrl_c_stops_with_a_line_and_exit_status_130_not_a_traceback(monkeypatc
     assert closed
 
 
+def test_ctrl_c_while_the_engine_starts_stops_with_a_line_too(monkeypatch, capsys):
+    def loading(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tpgraph.generate.engine_from_args", loading)
+    try:
+        status = main(["--prompt", "hi", *SMALL])
+    except KeyboardInterrupt:
+        pytest.fail("main let the KeyboardInterrupt out: a traceback")
+    assert status == 130 and capsys.readouterr().err.strip() == "interrupted"
+
+
 def test_chat_renders_each_prompt_as_a_user_turn_through_the_chat_template(capsys):
     """--chat-template was taken and ignored: every prompt went to the model as plain text, with no way to ask for
     the chat template. --chat sends each prompt as one user message through it (the checkpoint's, or
