@@ -116,6 +116,17 @@ def test_max_output_tokens_cuts_the_response_incomplete():
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
 
 
+def test_a_sample_the_engine_aborted_is_no_completed_response():
+    # (as vLLM's: an "abort" finish (the engine ended the sample: every token its grammar or bans allowed was
+    # banned) makes the response "cancelled", its last item cut short, not "completed" as if the model had finished;
+    # the stream still ends with response.completed, as vLLM's, since OpenAI's stream has no response.cancelled)
+    whole, events, _ = respond(["a", "b"], {"input": "x"}, finish="abort")
+    assert whole["status"] == "cancelled" and whole["incomplete_details"] is None
+    assert whole["output"][0]["status"] == "incomplete"
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["status"] == "cancelled"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 2
+
+
 def test_sampling_fields_logprobs_and_text_format_reach_the_engine():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     whole, events, client = respond(["{", "}"], {

@@ -30,6 +30,11 @@ StartChat = Callable[[ChatRequest, Any, str], Awaitable[ChatTurn]]  # (a chat re
 LogprobEntries = Callable[[ChatRequest, list], list[dict]]
 
 
+# a response's status by the engine's finish reason, where not "completed" (vLLM's): "abort" is a sample the engine
+# ended (every token its grammar or bans allowed was banned), no answer the model finished
+FINISHED_STATUSES = {"length": "incomplete", "abort": "cancelled"}
+
+
 class _Detached:
     """A background response's stand-in for its HTTP request: it has no client to go away (cancel ends it)."""
 
@@ -52,7 +57,7 @@ class ResponseRun:
         """The response object as it stands (the output items so far)."""
         body, params, choice = self.body, self.turn.params, self.turn.choices[0]
         prompt_tokens, generated = len(self.turn.token_ids[0]), len(choice.token_ids)
-        done = status in ("completed", "incomplete")
+        done = status in ("completed", "incomplete", "cancelled")  # (what was written is counted)
         usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": choice.cached_tokens or 0},
                  "output_tokens": generated,
                  "output_tokens_details": {"reasoning_tokens": self.thoughts.count},
@@ -102,15 +107,17 @@ class ResponseRun:
             finish = u.finish_reason or finish
         if finish is None:  # (no finish came: the client went away; what was written is no completed response)
             return
-        status = "incomplete" if finish == "length" else "completed"
+        status = FINISHED_STATUSES.get(finish, "completed")
         for event in self.output.release():  # (before a whole reply's texts take their tokens' entries)
             yield event
         if answer is not None:
             self.output.retake_text_logprobs(answer)
-        for event in self.output.finish(status == "incomplete"):
+        for event in self.output.finish(status != "completed"):
             yield event
         self.final = self.snapshot(status)
-        yield {"type": f"response.{status}", "response": self.final}
+        # (OpenAI's stream has no response.cancelled: vLLM ends a cancelled one with response.completed)
+        yield {"type": "response.incomplete" if status == "incomplete" else "response.completed",
+               "response": self.final}
 
     def _entries(self, u: StepUpdate, delta: Delta, piece: str) -> list[dict]:
         """An update's log-probability entries, for the text: none where its token was read in the thoughts and wrote
