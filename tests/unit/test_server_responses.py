@@ -350,6 +350,7 @@ def test_a_background_response_runs_on_and_is_cancelled():
     assert len(running["output"][0]["content"][0]["text"]) >= 2  # (a GET reads what it has written so far)
     assert cancelled["status"] == "cancelled" and len(client.aborted) == 1
     assert cancelled["output"][0]["content"][0]["text"].startswith("xx")  # (what it wrote before the cancel)
+    assert cancelled["output"][0]["status"] == "incomplete"  # (not "in_progress": the response is over)
     assert again.status_code == 400 and "already cancelled" in again.json()["error"]["message"]
 
 
@@ -723,6 +724,15 @@ def test_a_stream_that_fails_mid_way_ends_with_response_failed():
     assert events[-2]["code"] == "server_error"
     assert failed["output"][0]["content"][0]["text"] == "a"  # (what it wrote before it failed)
     assert store.get(failed["id"]).current() == failed
+
+
+def test_a_response_that_ended_short_has_no_item_still_in_progress():
+    # (a failed or cancelled response is over: the item it was writing is done "incomplete", as one cut by
+    # max_output_tokens, not left "in_progress" for a client to wait on)
+    streamed, = post_all(make_app(ScriptedClient(["a", "b"], finish="error")),
+                         [("/v1/responses", {"model": "m", "input": "x", "stream": True})])
+    failed = typed_events(streamed.text)[-1]["response"]
+    assert failed["status"] == "failed" and failed["output"][0]["status"] == "incomplete"
 
 
 @pytest.mark.parametrize(("given", "named"), [("resp_given", "resp_given"), ("given", "resp_given")])

@@ -56,6 +56,8 @@ class ResponseRun:
     def snapshot(self, status: str, error: dict | None = None) -> dict:
         """The response object as it stands (the output items so far)."""
         body, params, choice = self.body, self.turn.params, self.turn.choices[0]
+        if status in ("failed", "cancelled"):  # (it is over: so is the item it was writing)
+            self.output.cut()
         prompt_tokens, generated = len(self.turn.token_ids[0]), len(choice.token_ids)
         done = status in ("completed", "incomplete", "cancelled")  # (what was written is counted)
         usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": choice.cached_tokens or 0},

@@ -417,6 +417,12 @@ class OutputItems:
         self.pending = []
         return events + self._close("incomplete" if incomplete else "completed")
 
+    def cut(self) -> None:
+        """(the response failed or was cancelled) The item being written done "incomplete": no item of a response
+        that is over is still in progress."""
+        self.held, self.pending = "", []
+        self._close("incomplete")
+
     def _begin(self, item: dict, part: dict | None) -> list[dict]:
         events = self._close("completed")
         self.items.append(item)
