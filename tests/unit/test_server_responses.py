@@ -726,6 +726,31 @@ def test_a_stream_that_fails_mid_way_ends_with_response_failed():
     assert store.get(failed["id"]).current() == failed
 
 
+def test_a_streamed_response_is_stored_before_its_last_event_is_sent():
+    # (a client that reads response.completed may at once continue it by previous_response_id: the response must be
+    # stored by then, not once the send of its last event has returned, which waits where the client reads slowly)
+    store = ResponseStore()
+    app = make_app(ScriptedClient(["a"]), store=store)
+    body = json.dumps({"model": "m", "input": "x", "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "client": ("c", 1)}
+    stored_as_sent = []
+    requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()  # (the client stays)
+
+    async def send(message: dict) -> None:
+        if b"response.completed" in message.get("body", b""):
+            stored_as_sent.append(len(store))
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    assert stored_as_sent == [1]
+
+
 def test_a_response_that_ended_short_has_no_item_still_in_progress():
     # (a failed or cancelled response is over: the item it was writing is done "incomplete", as one cut by
     # max_output_tokens, not left "in_progress" for a client to wait on)

@@ -208,6 +208,10 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             numbers = itertools.count()
             try:
                 async for event in run.events():
+                    # (final: the last event's. Stored before it goes out: its client may continue it at once, while
+                    # the send waits on a slow reader)
+                    if body.store and run.final is not None:
+                        store.put(response_id, kept(run.final))
                     yield typed_event(event, next(numbers))
             except Exception as exc:  # (after the 200: the API's error event, then response.failed, end the stream)
                 failed, ending = failure_events(run, exc, "a stream after it began")
@@ -215,9 +219,6 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                     store.put(response_id, kept(failed))
                 for event in ending:
                     yield typed_event(event, next(numbers))
-                return
-            if body.store and run.final is not None:  # (None: its client went away before the end)
-                store.put(response_id, kept(run.final))
 
         return EventStream(stream(), run.turn.stream, guard=None)
 
