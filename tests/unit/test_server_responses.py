@@ -24,6 +24,8 @@ from tpgtest.server_stubs import (  # noqa: E402
     typed_sse_events,
 )
 
+from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
+from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS  # noqa: E402
@@ -844,6 +846,107 @@ def test_a_background_response_that_fails_is_stored_failed_with_openais_error():
     sdk_checked(RESPONSE, failed)  # (its error's code one of OpenAI's)
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error",
                                                                 "message": "the engine failed: b"}
+
+
+class HeldClient(ScriptedClient):
+    """An engine under load: it answers each request as ScriptedClient does (or refuses it, where `refusal` is set),
+    but each update only once the test lets one more through (`let(n)`), as a long prefill ahead holds it."""
+
+    def __init__(self, pieces: list[str], refusal: str | None = None) -> None:
+        super().__init__(pieces)
+        self.refusal, self.permits, self.tasks = refusal, asyncio.Queue(), []
+
+    def check(self, prompt, params) -> None:  # (the engine client's own check, made before it submits)
+        if len(prompt) > 100:
+            raise RequestError(f"the prompt is too long: {len(prompt)} tokens")
+
+    def let(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.permits.put_nowait(None)
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        updates: list[StepUpdate] = []
+        if self.refusal is not None:
+            self.prompts.append(prompt)
+            updates.append(StepUpdate(request_id, 0, None, self.refusal, REFUSED))
+        else:
+            super().submit(request_id, prompt, params, updates.append)
+
+        async def deliver() -> None:
+            for update in updates:
+                await self.permits.get()
+                sink(update)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(deliver()))
+
+
+async def polled(http, rid: str, status: str) -> dict:
+    """The response once GET finds it in `status` (5 s at most)."""
+    for _ in range(500):
+        got = (await http.get(f"/v1/responses/{rid}")).json()
+        if got.get("status") == status:  # (an error's body where it is not stored yet)
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(got)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_background_response_is_queued_at_once_while_the_engine_has_not_answered(stream):
+    # (as OpenAI's and vLLM's: the POST returns the queued response before the engine answers; it hung until the
+    # engine's first update came, the prompt's whole prefill under load)
+    client, store = HeldClient(["a", "b"]), ResponseStore()
+    app = make_app(client, store=store)
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body, rid = {"input": "x", "background": True, "stream": stream}, "resp_held"
+            posting = asyncio.ensure_future(http.post("/v1/responses", json=body, headers={"X-Request-Id": rid}))
+            # (a stream's POST answers as the response ends: this transport reads an answer whole)
+            queued = None if stream else (await asyncio.wait_for(posting, timeout=5)).json()
+            waiting = await polled(http, rid, "queued")
+            client.let()  # (the engine answers its first token)
+            running = await polled(http, rid, "in_progress")
+            client.let()
+            done = await polled(http, rid, "completed")
+            events = typed_events((await posting).text) if stream else []
+            return queued, waiting, running, done, events
+
+    # (a POST still waiting on the engine: the old code's hang, a timeout here, not a hang of the suite)
+    queued, waiting, running, done, events = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    if not stream:
+        assert queued["status"] == "queued" and queued["output"] == [] and queued["background"] is True
+    assert waiting["status"] == "queued" and waiting["output"] == []
+    assert running["output"][0]["content"][0]["text"] == "a"
+    assert done["output"][0]["content"][0]["text"] == "ab" and done["usage"]["output_tokens"] == 2
+    if stream:
+        assert events[-1]["type"] == "response.completed" and events[-1]["response"] == done
+
+
+def test_a_background_response_the_engine_refuses_after_it_was_queued_ends_failed():
+    # (a refusal only the engine can make, a grammar it cannot compile: the response was queued, so it ends "failed"
+    # with OpenAI's invalid_prompt, read back by GET; checks made before it reaches the engine stay the POST's 400)
+    client, store = HeldClient(["a"], refusal="the regex cannot be used: Unclosed '['"), ResponseStore()
+    app = make_app(client, store=store)
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            posting = asyncio.ensure_future(http.post("/v1/responses", json={"input": "x", "background": True}))
+            created = (await asyncio.wait_for(posting, timeout=5)).json()
+            client.let()
+            await store.get(created["id"]).task
+            failed = (await http.get(f"/v1/responses/{created['id']}")).json()
+            too_long = await http.post("/v1/responses", json={"input": "x " * 500, "background": True})
+            return created, failed, too_long
+
+    created, failed, too_long = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert created["status"] == "queued"
+    sdk_checked(RESPONSE, failed)
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": "invalid_prompt", "message": "the regex cannot be used: Unclosed '['"}
+    assert too_long.status_code == 400 and "too long" in too_long.json()["error"]["message"]
+    assert len(client.prompts) == 1  # (the long prompt never reached the engine)
 
 
 def test_a_background_stream_is_streamed_and_read_again_from_any_event():

@@ -53,7 +53,7 @@ from tpgraph.server.response_store import ResponseStore
 from tpgraph.server.sse import EventStream, sse
 from tpgraph.server.token_routes import token_routes
 from tpgraph.server.tools import ToolOptions
-from tpgraph.server.turn import ChatTurn, Choice, RenderedChat, chained, submitted
+from tpgraph.server.turn import NOT_BEGUN, ChatTurn, Choice, RenderedChat, chained, submitted
 
 logger = logging.getLogger(__name__)
 # how often a request waiting on the engine checks whether its client is still there
@@ -112,19 +112,27 @@ class Api:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", "NotFoundError",
                            "model")
 
-    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                  texts: list[str | list[int]] | None = None, log: bool = True,
-                  names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
-        """Submit each prompt as an engine request; yield (prompt index, update) until every sample finished.
-        Aborts whatever is unfinished if the client goes away or the caller stops early. params: every prompt's, or
-        each prompt's (of one n). texts: the prompts as the client gave them, for the request log; log: False where
-        the caller logged the request (a beam search's steps); names: each prompt's name in the request log, as
-        vLLM's log names it by the reply's id (default: its engine request's id)."""
+    def run(self, request: Request, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+            texts: list[str | list[int]] | None = None, log: bool = True,
+            names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
+        """Each prompt's updates as an engine request: (prompt index, update), until every sample finished. The
+        prompts are checked here, as the stream is made (a refusal raises now, before anything waits on the engine);
+        they are submitted as it is first read. Aborts whatever is unfinished if the client goes away or the caller
+        stops early. params: every prompt's, or each prompt's (of one n). texts: the prompts as the client gave them,
+        for the request log; log: False where the caller logged the request (a beam search's steps); names: each
+        prompt's name in the request log, as vLLM's log names it by the reply's id (default: its engine request's
+        id)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
-        # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
-        queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         for prompt, p in zip(prompts, each, strict=True):  # all or nothing: a refused prompt queues none of the others
             self.client.check(prompt, p)
+        return self._submitted(request, prompts, each, texts, log, names)
+
+    async def _submitted(self, request: Request, prompts: list[list[int]], each: list[SamplingParams],
+                         texts: list[str | list[int]] | None, log: bool,
+                         names: list[str] | None) -> AsyncIterator[tuple[int, StepUpdate]]:
+        """run's stream: the checked prompts submitted, and their updates."""
+        # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
+        queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: p.n for rid, p in zip(ids, each, strict=True)}
         samples_left = sum(open_samples.values())  # (kept as they end: not rescanned per update)
@@ -188,17 +196,18 @@ class Api:
             if aborted and self.http.log_requests and log:  # (vLLM's line, beside the one that said each arrived)
                 logger.info("Aborted request(s) %s.", ",".join(aborted))
 
-    async def beam_search(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
-                          params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
-                          texts: list[str | list[int]] | None = None,
-                          names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
+    def beam_search(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
+                    params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
+                    texts: list[str | list[int]] | None = None,
+                    names: list[str] | None = None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """vLLM's use_beam_search: the offline API's search (beam_search.py) run through this server's own requests,
         each step's live beams one ordinary request each for one token (Api.run: checked, sent to the engine, and so
-        to every rank, as any other request, aborted where the client goes away). Yields, as run does, each prompt's
-        updates once its search ends: its sequences, best first, as samples 0, 1, ... (_beam_updates). params: the
-        reply's (n the beam width, logprobs, skip_special_tokens), its seed, priority and cache_salt each step's too.
-        decode: a sequence's text from its token ids; texts and names: the request log's, as run's. A client that
-        goes away ends it with nothing yielded."""
+        to every rank, as any other request, aborted where the client goes away). The search is checked here, as
+        run's prompts are; its stream yields, as run's does, each prompt's updates once its search ends: its
+        sequences, best first, as samples 0, 1, ... (_beam_updates). params: the reply's (n the beam width, logprobs,
+        skip_special_tokens), its seed, priority and cache_salt each step's too. decode: a sequence's text from its
+        token ids; texts and names: the request log's, as run's. A client that goes away ends it with nothing
+        yielded."""
         check_width(beam.beam_width, self.client.limits.max_logprobs, "n", " with use_beam_search", "server")
         # the whole search's limits, before any step: the prompt, max_tokens beside it, the steps' log-probabilities
         whole = SamplingParams(temperature=beam.temperature, max_tokens=beam.max_tokens,
@@ -206,6 +215,13 @@ class Api:
                                cache_salt=params.cache_salt)
         for prompt in prompts:
             self.client.check(prompt, whole)
+        return self._searched(request, prompts, beam, params, eos_token_id, decode, texts, names)
+
+    async def _searched(self, request: Request, prompts: list[list[int]], beam: BeamSearchParams,
+                        params: SamplingParams, eos_token_id: int | None, decode: Callable[[list[int]], str],
+                        texts: list[str | list[int]] | None,
+                        names: list[str] | None) -> AsyncIterator[tuple[int, StepUpdate]]:
+        """beam_search's stream: the checked search run, and its sequences."""
         if self.http.log_requests:
             rid = f"beam-{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
@@ -691,10 +707,12 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         max_tokens = _max_tokens(max_tokens, prompts.generation_defaults.max_tokens, token_ids, max_model_len)
         return RenderedChat(tools, role, echoed, text, token_ids, max_tokens)
 
-    async def start_chat(body: ChatRequest, request: Request, name: str | None = None) -> ChatTurn:
+    async def start_chat(body: ChatRequest, request: Request, name: str | None = None,
+                         begun: bool = True) -> ChatTurn:
         """A chat request checked, rendered, tokenized and submitted (the chat route's, and the Responses and Messages
         APIs' once they have read their input as chat messages). name: the reply's id, which the request log names it
-        by."""
+        by. begun: the engine's first update awaited, so that its refusal raises here too; False leaves that to the
+        turn's begin (a background response, which answers before the engine does, as vLLM's)."""
         rendered = await render_chat(body)
         tools, role, echoed, text, token_ids = (rendered.tools, rendered.role, rendered.echoed, rendered.text,
                                                 rendered.token_ids)
@@ -729,7 +747,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         # thoughts left out: so are the choices' log-probabilities and token ids, which would name their tokens (as
         # vLLM's suppress_metadata)
         hidden = reasoning is not None and not body.include_reasoning
-        return ChatTurn(text, token_ids, params, role, echoed, beam, choices, replies, stream, await submitted(stream),
+        first = await submitted(stream) if begun else NOT_BEGUN
+        return ChatTurn(text, token_ids, params, role, echoed, beam, choices, replies, stream, first,
                         hidden, plain=tools.mode == "none" and reasoning is None, echo_top=echo_top)
 
     def logprob_entries(body: ChatRequest, items: list) -> list[dict]:

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,7 +25,14 @@ from tpgraph.server.responses import AnswerTokens, OutputItems, ResponsesRequest
 from tpgraph.server.sse import EventStream, stream_failure, typed_sse
 from tpgraph.server.turn import ChatTurn
 
-StartChat = Callable[[ChatRequest, Any, str], Awaitable[ChatTurn]]  # (a chat request, its HTTP request, its reply's id)
+
+class StartChat(Protocol):
+    """A chat request submitted as a turn (app.py's start_chat): its HTTP request, its reply's id, and whether the
+    engine's first update is awaited (begun)."""
+
+    def __call__(self, body: ChatRequest, request: Any, name: str, begun: bool = True) -> Awaitable[ChatTurn]: ...
+
+
 # a chat request's log-probability entries ({"token", "logprob", "bytes", "top_logprobs"}) of (token, logprob, top)
 LogprobEntries = Callable[[ChatRequest, list], list[dict]]
 
@@ -224,10 +231,11 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
 
     async def start_background(response_id: str, body: ResponsesRequest, chat: ChatRequest,
                                kept: Callable[[dict], StoredResponse]) -> StoredResponse:
-        """Submit the response (a refusal is the request's 400) and write it as it runs, in the store (with stream:
-        true, its events too, in its log)."""
-        run = ResponseRun(response_id, body, chat, await start_chat(chat, _Detached(), response_id),
-                          model_name, entries)
+        """Check the response (a refusal is the request's 400), store it queued and write it as it runs, in the store
+        (with stream: true, its events too, in its log). It answers before the engine does, as OpenAI's and vLLM's:
+        queued until the engine's first update, then in_progress; a refusal only the engine makes fails it."""
+        turn = await start_chat(chat, _Detached(), response_id, begun=False)
+        run = ResponseRun(response_id, body, chat, turn, model_name, entries)
         stored = kept(run.snapshot("queued"))
         log = stored.log = EventLog() if body.stream else None
         numbers = itertools.count()
@@ -242,9 +250,9 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         async def work() -> None:
             nonlocal status
             try:
+                await turn.begin()  # (the engine has it, and has answered)
+                status = "in_progress"
                 async for event in run.events():
-                    if event["type"] == "response.in_progress":
-                        status = "in_progress"
                     logged(event)
                 stored.response = run.final
             except asyncio.CancelledError:

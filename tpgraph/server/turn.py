@@ -48,6 +48,7 @@ class Choice:
 
 
 _END = object()
+NOT_BEGUN = object()  # (a turn's first item) not taken yet: ChatTurn.begin takes it
 
 
 async def submitted(stream: AsyncIterator) -> object:
@@ -94,12 +95,19 @@ class ChatTurn:
     choices: list[Choice]
     replies: list[ReplyReader]
     stream: AsyncIterator[tuple[int, StepUpdate]]  # (closing it aborts whatever is unfinished)
-    first: object  # the stream's first item, taken as the turn began
+    first: object  # the stream's first item, taken as the turn began (NOT_BEGUN: by begin, later)
     hidden: bool  # thoughts left out: so are log-probabilities and token ids, which would name their tokens
     plain: bool  # no parser reads the reply (no tools, no reasoning)
     echo_top: int | None = None  # (an unstreamed echo) the prompt log-probabilities' alternatives it asked for
 
+    async def begin(self) -> None:
+        """Take the stream's first item, where the turn was made without it (an engine's refusal raises here)."""
+        if self.first is NOT_BEGUN:
+            self.first = await submitted(self.stream)
+
     def updates(self) -> AsyncIterator[tuple[int, StepUpdate]]:
+        if self.first is NOT_BEGUN:
+            raise RuntimeError("the turn has not begun: await begin() first")
         return chained(self.first, self.stream)
 
     def cached_tokens(self) -> int:
