@@ -147,6 +147,58 @@ def test_a_grammars_compile_holds_up_no_other_request_and_one_aborted_meanwhile_
         service.release.set()
 
 
+def test_a_large_grammar_compiling_holds_up_no_other_grammars_request():
+    """Grammars compiled on one thread: one large grammar (minutes, for some deep schemas) held up every constrained
+    request behind it. They compile on a small pool, as vLLM's (a thread pool of at most 8, half the cores), so a
+    small grammar's request runs while the large one compiles, which then runs too."""
+    from tpgraph.engine.structured import StructuredOutput
+
+    class OneSlowGrammar(SlowGrammars):
+        """Each grammar is new (compiled on a compile thread); the one of spec "slow" compiles until released."""
+
+        def precompile(self, params) -> None:
+            if params.structured.spec == "slow":
+                super().precompile(params)
+            else:
+                FakeService.precompile(self, params)
+
+    engine_end, frontend_end = mp.Pipe(duplex=True)
+    service = OneSlowGrammar()
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None, compile_threads=2)
+    bridge.start()
+    client = EngineClient(frontend_end, LIMITS)
+
+    async def main() -> None:
+        client.attach(asyncio.get_running_loop())
+        got: dict[str, list[StepUpdate]] = {"slow": [], "fast": []}
+        done = {rid: asyncio.Event() for rid in got}
+
+        def sink_for(rid):
+            def sink(u):
+                got[rid].append(u)
+                if u.finish_reason:
+                    done[rid].set()
+            return sink
+
+        client.submit("slow", [4, 5, 6], SamplingParams(structured=StructuredOutput("regex", "slow")),
+                      sink_for("slow"))
+        assert await asyncio.get_running_loop().run_in_executor(None, service.compiling.wait, 10)
+        client.submit("fast", [7, 8, 9], SamplingParams(structured=StructuredOutput("regex", "fast")),
+                      sink_for("fast"))
+        await asyncio.wait_for(done["fast"].wait(), 5)  # (while the large grammar compiles)
+        assert not got["slow"]
+        service.release.set()
+        await asyncio.wait_for(done["slow"].wait(), 5)
+        assert [u.token_id for u in got["slow"]] == [4, 5, 6] and [u.token_id for u in got["fast"]] == [7, 8, 9]
+        bridge.close()
+        await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.release.set()
+
+
 def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stopped_service():
     """close() queued its stop behind the grammars waiting to compile: the compile thread went on compiling each
     (telling the other ranks to compile it too) and queued its request for a service that had stopped. What is
@@ -163,7 +215,8 @@ def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stoppe
 
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service = Recording()
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    # (one compile thread: one grammar under way, two waiting, whatever the machine's cores)
+    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None, compile_threads=1)
     bridge.start()
     constrained = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
     try:

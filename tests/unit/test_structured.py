@@ -390,6 +390,33 @@ def test_a_grammar_compiled_on_two_threads_at_once_is_compiled_once():
         assert calls.count(bad) == 1 and not grammars._compiling
 
 
+def test_a_followers_background_compiles_run_a_few_at_once(monkeypatch):
+    """A follower rank compiled the grammars rank 0 told it of on one thread: behind a large one, every other
+    request's add compiled its own in a step. They compile a few at once (COMPILE_THREADS, vLLM's pool), each
+    grammar whole and right."""
+    import threading
+
+    from tpgraph.engine import structured
+
+    monkeypatch.setattr(structured, "COMPILE_THREADS", 2, raising=False)  # (a pool of 2 on any machine)
+    with engine() as e:
+        grammars = e.core.grammars
+        real, together = grammars._compile, threading.Barrier(2, timeout=5)
+
+        def met(compiler, spec):  # (each waits for the other: both compile at once, or neither does)
+            together.wait()
+            return real(compiler, spec)
+
+        grammars._compile = met
+        specs = [StructuredOutput("regex", "[a-c]{3}"), StructuredOutput("regex", "[0-9]{2}")]
+        for spec in specs:
+            grammars.compile_soon(spec)
+        grammars._background.shutdown(wait=True)
+        assert all(grammars.compiled(spec) for spec in specs) and not together.broken
+        grammars._compile = real
+        assert grammars.can_begin_with(specs[1], set(e.tokenizer.encode("7", add_special_tokens=False).ids))
+
+
 def test_a_grammar_held_off_until_the_end_of_thoughts():
     """structured_after (a reasoning model's "</think>"): the output is free until it has that text, and held to the
     grammar after it. The marker here is one token the bias makes certain; the grammar then forbids it."""

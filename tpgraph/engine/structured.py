@@ -10,9 +10,11 @@ while the forwards do, and steps stay overlapped (engine/core.py). Every rank ke
 same states, since it samples the same tokens.
 
 Compiling a grammar for a vocabulary takes a while the first time: the server compiles a request's on a thread of
-its bridge before queueing it (EngineService.precompile; the pipe's other requests pass it meanwhile), and keeps the
-last 64. At TP > 1 rank 0 tells the other ranks of the grammar first, and they compile it on a thread of their own
-while it does (compile_soon), so that none stalls a step on it when the request arrives.
+its bridge before queueing it (EngineService.precompile; the pipe's other requests pass it meanwhile, and a few
+grammars compile at once, COMPILE_THREADS), and keeps the last 64. At TP > 1 rank 0 tells the other ranks of the
+grammar first, and they compile it on threads of their own while it does (compile_soon), so that none stalls a step
+on it when the request arrives. Every rank compiles the grammars of the requests it adds, in whatever order the
+compiles end: a request joins the steps on every rank alike, once its add comes in a step's message.
 
 JSON has no free whitespace by default (xgrammar writes ", " and ": " between items): a model that may emit
 whitespace anywhere can spend its whole budget on it, which is why vLLM offers to turn it off too. A request that
@@ -29,6 +31,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import re
 import reprlib
 import threading
@@ -43,6 +46,9 @@ from tokenizers import Tokenizer
 from tpgraph.errors import RequestError
 
 logger = logging.getLogger(__name__)
+# how many grammars compile at once (the server bridge's compile threads, a follower rank's compile_soon): vLLM's
+# pool, half the cores and at most 8, so that one large grammar holds up no other request's
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")  # (the kinds whose whitespace any_whitespace frees)
 # the deepest a JSON schema's text may nest (objects and arrays, the schema itself level 1): xgrammar's time to convert
@@ -323,14 +329,14 @@ class GrammarCompiler:
         return bool(bitmask.any())
 
     def compile_soon(self, spec: StructuredOutput) -> None:
-        """Start compiling on a background thread (a follower rank, told of a grammar rank 0 is compiling ahead of
-        its request): the add that follows finds it compiled, or waits only for the rest. Failures are left for the
-        add to report."""
+        """Start compiling on a background thread, one of COMPILE_THREADS (a follower rank, told of a grammar rank 0
+        is compiling ahead of its request): the add that follows finds it compiled, or waits only for the rest.
+        Failures are left for the add to report."""
         with self._lock:
             if spec in self._cache or spec in self._compiling or spec in self._refused:
                 return
         if self._background is None:
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="tpgraph-grammar")
+            self._background = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tpgraph-grammar")
         self._background.submit(self._compile_quietly, spec)
 
     def close(self) -> None:

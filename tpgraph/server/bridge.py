@@ -29,6 +29,7 @@ from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.service import EngineService
+from tpgraph.engine.structured import COMPILE_THREADS
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[StepUpdate], None]
@@ -46,17 +47,21 @@ class EngineBridge:
     """Engine side (rank 0's process): requests from the pipe go to the service's inbox; its updates go back."""
 
     def __init__(self, service: EngineService, conn: Connection, exposition: Callable[[], bytes],
-                 on_closed: Callable[[], None], on_ready: Callable[[], None] | None = None) -> None:
-        """on_ready: called (on the reader thread) when the front end says its HTTP server accepts connections."""
+                 on_closed: Callable[[], None], on_ready: Callable[[], None] | None = None,
+                 compile_threads: int = COMPILE_THREADS) -> None:
+        """on_ready: called (on the reader thread) when the front end says its HTTP server accepts connections;
+        compile_threads: how many grammars compile at once."""
         self.service, self.conn, self.exposition, self.on_closed = service, conn, exposition, on_closed
         self.on_ready = on_ready
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._read, name="tpgraph-bridge-in", daemon=True),
                          threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True),
-                         threading.Thread(target=self._compile, name="tpgraph-bridge-compile", daemon=True)]
-        # a request whose grammar is not compiled yet is compiled on a thread of its own and queued after, so that
-        # the adds and aborts behind it in the pipe wait for no compile; one aborted meanwhile is never queued (a
-        # daemon thread: a compile under way holds up no exit)
+                         *(threading.Thread(target=self._compile, name=f"tpgraph-bridge-compile-{i}", daemon=True)
+                           for i in range(compile_threads))]
+        # a request whose grammar is not compiled yet is compiled on a thread of its own (a few at once: one large
+        # grammar holds up no other's request) and queued after, so that the adds and aborts behind it in the pipe
+        # wait for no compile; one aborted meanwhile is never queued (daemon threads: a compile under way holds up no
+        # exit)
         self._to_compile: queue.SimpleQueue = queue.SimpleQueue()
         self._compiling: dict[str, int] = {}  # (their request ids, and each one's samples: n)
         self._dropped: set[str] = set()  # (those aborted while compiling)
@@ -81,10 +86,11 @@ class EngineBridge:
     def close(self) -> None:
         """Tell the front end the engine is going (it exits), stop sending, shut the socket down (which also ends
         this side's blocked reader; closing the descriptor alone would not) and close it. Grammars waiting to
-        compile are dropped, and the one compiling queues nothing: the service they were for has stopped."""
+        compile are dropped, and those compiling queue nothing: the service they were for has stopped."""
         with self._lock:  # (so no request is queued after this)
             self._closed.set()
-        self._to_compile.put(_STOP)
+        for _ in self._threads[2:]:  # (each compile thread's stop)
+            self._to_compile.put(_STOP)
         self._out.put(("closing",))
         self._out.put(_STOP)
         self._threads[1].join(2.0)
