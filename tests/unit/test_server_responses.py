@@ -949,6 +949,23 @@ def test_a_background_response_the_engine_refuses_after_it_was_queued_ends_faile
     assert len(client.prompts) == 1  # (the long prompt never reached the engine)
 
 
+def test_a_background_response_to_an_engine_that_is_gone_is_a_503_not_queued():
+    # (the POST answers before the engine takes the request: an engine already gone is said there, as the other
+    # routes and vLLM's say it, not a response queued to fail)
+    client, store = HeldClient(["a"]), ResponseStore()
+    client.error = "the engine process exited"
+    app = make_app(client, store=store)
+    httpx = httpx_module()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return await http.post("/v1/responses", json={"input": "x", "background": True})
+
+    got = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert got.status_code == 503 and "the engine stopped: the engine process exited" in got.json()["error"]["message"]
+    assert client.prompts == []
+
+
 def test_a_background_stream_is_streamed_and_read_again_from_any_event():
     # (as OpenAI's and vLLM's: background with stream: true streams its events, and GET ?stream=true&starting_after=N
     # streams them again from the event after N, while the response runs on whatever its readers do)

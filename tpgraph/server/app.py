@@ -125,6 +125,8 @@ class Api:
         each = params if isinstance(params, list) else [params] * len(prompts)
         for prompt, p in zip(prompts, each, strict=True):  # all or nothing: a refused prompt queues none of the others
             self.client.check(prompt, p)
+        if self.client.error is not None:  # (said now, as submitting would: a background response is not queued)
+            raise EngineUnavailable(f"the engine stopped: {self.client.error}")
         return self._submitted(request, prompts, each, texts, log, names)
 
     async def _submitted(self, request: Request, prompts: list[list[int]], each: list[SamplingParams],
