@@ -484,6 +484,18 @@ def test_a_long_replys_blocks_grow_with_no_work_per_token_that_grows(delta):
     assert written == "ab" * 2000 and CountedText.before == 0
 
 
+def refusals_of_both_routes(body: dict) -> list[str]:
+    """ASK with `body` on /v1/messages and on count_tokens: each a 400 (nothing reaching the engine), their
+    messages."""
+    client = ScriptedClient(["a"])
+    routes = ("/v1/messages", "/v1/messages/count_tokens")
+    got = post_all(make_app(client), [(path, {**ASK, **body}) for path in routes])
+    for response in got:
+        assert response.status_code == 400, response.text
+    assert client.params == []
+    return [response.json()["error"]["message"] for response in got]
+
+
 @pytest.mark.parametrize(("body", "named"), [
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": ""}]}]},
      "messages[0].content[1]"),
@@ -499,14 +511,8 @@ def test_a_long_replys_blocks_grow_with_no_work_per_token_that_grows(delta):
 def test_an_empty_text_block_is_refused_as_anthropics_api_refuses_it(body, named):
     """Anthropic's API refuses a text block with no text (400 "text content blocks must be non-empty") wherever it
     stands, rather than taking it into the prompt (or dropping it unsaid)."""
-    client = ScriptedClient(["a"])
-    got, counted = post_all(make_app(client), [("/v1/messages", {**ASK, **body}),
-                                               ("/v1/messages/count_tokens", {**ASK, **body})])
-    for response in (got, counted):
-        assert response.status_code == 400, response.text
-        message = response.json()["error"]["message"]
+    for message in refusals_of_both_routes(body):
         assert named in message and "text content blocks must be non-empty" in message
-    assert client.params == []
 
 
 @pytest.mark.parametrize(("where", "stream", "logged"), [
@@ -766,16 +772,10 @@ def test_a_format_beside_a_forced_tool_choice_is_refused_in_the_messages_words(f
     schema = {"type": "json_schema", "schema": {"type": "object"}}
     body = {"tools": [WEATHER], "tool_choice": choice,
             **({"output_config": {"format": schema}} if fmt == "output_config" else {"output_format": schema})}
-    client = ScriptedClient(["a"])
-    got, counted = post_all(make_app(client), [("/v1/messages", {**ASK, **body}),
-                                               ("/v1/messages/count_tokens", {**ASK, **body})])
-    for response in (got, counted):
-        assert response.status_code == 400, response.text
-        message = response.json()["error"]["message"]
-        name = "output_config.format" if fmt == "output_config" else "output_format"
+    name = "output_config.format" if fmt == "output_config" else "output_format"
+    for message in refusals_of_both_routes(body):
         assert name in message and json.dumps(choice) in message, message
         assert "response_format" not in message and "required" not in message and "named" not in message
-    assert client.params == []
 
 
 @pytest.mark.parametrize("choice", [None, {"type": "auto"}])
