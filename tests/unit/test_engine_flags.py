@@ -281,6 +281,14 @@ def hub_cache(root, repo: str = "org/tiny"):
     return cached
 
 
+def cached_plain_tokenizer(root, monkeypatch) -> None:
+    """The hub cache at `root` (HF_HUB_CACHE) with a repo org/plain whose main snapshot is a tokenizer with no chat
+    template."""
+    cached = hub_cache(root, "org/plain")
+    builtin_tokenizer().save(str(cached / "snapshots" / MAIN / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+
+
 def test_a_hub_id_is_its_cached_snapshot_at_the_revision_asked(tmp_path, monkeypatch):
     """vLLM's `--model org/name` (with --revision, --download-dir): the snapshot in the hub's cache, a ref's or a
     commit's; nothing is downloaded."""
@@ -528,12 +536,7 @@ def test_a_chat_refused_for_want_of_a_template_names_the_tokenizer_as_given(tmp_
     with TPEngine(str(model), tokenizer=str(plain), load_format="dummy", **SMALL) as engine:
         with pytest.raises(RequestError, match=rf"^{plain} has no chat template"):
             engine.render_chat(chat)
-    hub = tmp_path / "hub" / "models--org--plain"
-    (hub / "snapshots" / MAIN).mkdir(parents=True)
-    (hub / "refs").mkdir()
-    (hub / "refs" / "main").write_text(MAIN)
-    builtin_tokenizer().save(str(hub / "snapshots" / MAIN / "tokenizer.json"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cached_plain_tokenizer(tmp_path / "hub", monkeypatch)
     with TPEngine(str(model), tokenizer="org/plain", load_format="dummy", **SMALL) as engine:
         with pytest.raises(RequestError, match="^org/plain has no chat template"):
             engine.render_chat(chat)
@@ -592,12 +595,7 @@ def test_a_chat_refused_for_want_of_a_template_names_the_tokenizers_hub_id_from_
     from tpgraph.errors import RequestError
 
     model = make_chat_checkpoint(tmp_path / "model")
-    hub = tmp_path / "hub" / "models--org--plain"
-    (hub / "snapshots" / MAIN).mkdir(parents=True)
-    (hub / "refs").mkdir()
-    (hub / "refs" / "main").write_text(MAIN)
-    builtin_tokenizer().save(str(hub / "snapshots" / MAIN / "tokenizer.json"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cached_plain_tokenizer(tmp_path / "hub", monkeypatch)
     args = parse_args(["--model", str(model), "--tokenizer", "org/plain", "--load-format", "dummy", "--device", "cpu",
                        "--max-num-seqs", "2", "--max-model-len", "64", "--num-gpu-blocks-override", "20"])
     with engine_from_args(args) as engine:
