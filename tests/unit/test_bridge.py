@@ -38,6 +38,22 @@ class FakeService:
         self.aborted.append(request_id)
 
 
+class Collected:
+    """Each request's updates as the client delivers them (on the loop: checked), and an event set by its last."""
+
+    def __init__(self, *request_ids: str) -> None:
+        self.got: dict[str, list[StepUpdate]] = {rid: [] for rid in request_ids}
+        self.done = {rid: asyncio.Event() for rid in request_ids}
+
+    def sink(self, rid: str):
+        def sink(u: StepUpdate) -> None:
+            assert threading.current_thread() is threading.main_thread()  # delivered on the loop
+            self.got[rid].append(u)
+            if u.finish_reason:
+                self.done[rid].set()
+        return sink
+
+
 def test_requests_updates_metrics_and_a_lost_engine():
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service, closed = FakeService(), threading.Event()
@@ -48,16 +64,8 @@ def test_requests_updates_metrics_and_a_lost_engine():
 
     async def main() -> None:
         client.attach(asyncio.get_running_loop())
-        got: dict[str, list[StepUpdate]] = {"a": [], "b": []}
-        done = {rid: asyncio.Event() for rid in got}
-
-        def sink_for(rid):
-            def sink(u):
-                assert threading.current_thread() is threading.main_thread()  # delivered on the loop
-                got[rid].append(u)
-                if u.finish_reason:
-                    done[rid].set()
-            return sink
+        collected = Collected("a", "b")
+        got, done, sink_for = collected.got, collected.done, collected.sink
 
         client.submit("a", [5, 6, 7, 8], SamplingParams(), sink_for("a"))
         client.submit("b", [9, 10, 11], SamplingParams(), sink_for("b"))
@@ -113,15 +121,8 @@ def test_a_grammars_compile_holds_up_no_other_request_and_one_aborted_meanwhile_
 
     async def main() -> None:
         client.attach(asyncio.get_running_loop())
-        got: dict[str, list[StepUpdate]] = {"slow": [], "fast": [], "gone": []}
-        done = {rid: asyncio.Event() for rid in got}
-
-        def sink_for(rid):
-            def sink(u):
-                got[rid].append(u)
-                if u.finish_reason:
-                    done[rid].set()
-            return sink
+        collected = Collected("slow", "fast", "gone")
+        got, done, sink_for = collected.got, collected.done, collected.sink
 
         client.submit("gone", [1, 2, 3], constrained, sink_for("gone"))
         client.submit("slow", [4, 5, 6], constrained, sink_for("slow"))
@@ -170,15 +171,8 @@ def test_a_large_grammar_compiling_holds_up_no_other_grammars_request():
 
     async def main() -> None:
         client.attach(asyncio.get_running_loop())
-        got: dict[str, list[StepUpdate]] = {"slow": [], "fast": []}
-        done = {rid: asyncio.Event() for rid in got}
-
-        def sink_for(rid):
-            def sink(u):
-                got[rid].append(u)
-                if u.finish_reason:
-                    done[rid].set()
-            return sink
+        collected = Collected("slow", "fast")
+        got, done, sink_for = collected.got, collected.done, collected.sink
 
         client.submit("slow", [4, 5, 6], SamplingParams(structured=StructuredOutput("regex", "slow")),
                       sink_for("slow"))
