@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pickle
 import subprocess
 import sys
@@ -13,7 +15,12 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str) -> None:
+def _entry(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, env: dict[str, str], cwd: str
+           ) -> None:
+    # forked from the fork server, which holds the environment and directory of its own start: take the caller's
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     init = f"file://{workdir}/init"
     result = fn(rank, world_size, init, *args)
     Path(workdir, f"result{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -22,10 +29,12 @@ def _entry(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str) 
 def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> list:
     """fn(rank, world_size, init_method, *args) on every rank; returns the ranks' results in order.
 
-    A worker's exception fails the call (torch.multiprocessing re-raises it here)."""
+    A worker's exception fails the call (torch.multiprocessing re-raises it here). The ranks fork from a server that
+    imported torch once: spawned, each rank's import of torch was most of the CPU the multi-rank tests took."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
     with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.start_processes(_entry, args=(world_size, fn, args, workdir), nprocs=world_size, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world_size, fn, args, workdir, dict(os.environ), os.getcwd()),
+                                 nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
