@@ -2,39 +2,96 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 
-_COMPILE = """
-import importlib, json, sys
-import triton
+# One compiler process a test worker, asked a JSON line at a time: a process a kernel spent most of its CPU importing
+# torch and Triton. It runs outside the tests' interpreter mode (TRITON_INTERPRET=1 has no compiler or launcher).
+_SERVER = r"""
+import importlib, json, os, sys, traceback
+import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, typed, scalars, constexprs, options, divisible, cubin = json.loads(sys.argv[1])
-signature = {**typed, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constexprs}}
-names = list(signature)
-attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-fn = getattr(importlib.import_module(module), kernel)
-compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-print(compiled.asm["ptx"])
-if cubin:
-    open(cubin, "wb").write(compiled.asm["cubin"])
+
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # (whatever the compiler prints stays off the replies)
+
+
+def compile_kernel(module, kernel, typed, scalars, constexprs, options, divisible, cubin):
+    signature = {**typed, **{name: "i32" for name in scalars}, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    fn = getattr(importlib.import_module(module), kernel)
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    if cubin:
+        open(cubin, "wb").write(compiled.asm["cubin"])
+    return compiled.asm["ptx"]
+
+
+def specialize(module, kernel, typed, constexprs, calls):
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+    fn = getattr(importlib.import_module(module), kernel)
+    binder = create_function_from_signature(fn.signature, fn.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32,
+              "i64": torch.int64}
+    pointers = {name: torch.empty(64, dtype=dtypes[kind.lstrip("*")]) for name, kind in typed.items()}
+    return [repr(binder(**pointers, **scalars, **constexprs)[1]) for scalars in calls]
+
+
+for line in sys.stdin:
+    op, path, args = json.loads(line)
+    sys.path[:0] = [entry for entry in path if entry not in sys.path]
+    try:
+        reply = {"out": (compile_kernel if op == "compile" else specialize)(*args)}
+    except BaseException as exc:
+        reply = {"error": traceback.format_exc(), "kind": type(exc).__name__}
+    replies.write(json.dumps(reply) + "\n")
+    replies.flush()
 """
+
+
+class _Compiler:
+    """The worker's compiler process, started at its first request and again if it died."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def ask(self, op: str, args: list) -> dict:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+                self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], env=env, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                atexit.register(self.proc.kill)
+            # the caller's PYTHONPATH as it is now (tests add bench/ to it for bench's kernels)
+            path = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+            self.proc.stdin.write(json.dumps([op, path, args]) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the kernel compiler process died")
+        return json.loads(line)
+
+
+_compiler = _Compiler()
 
 
 def sm90_ptx(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
              num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> str:
     """PTX of `module.kernel` for sm_90. Its arguments in order: `typed` with their Triton types ("*bf16", "fp32"),
     then `scalars` (i32), then the constexprs; `divisible`: the arguments known to be multiples of 16 (as Triton
-    specializes them at run time: pointers and sizes, for vector loads). In a subprocess: the tests' interpreter mode
-    (TRITON_INTERPRET=1) has no compiler."""
+    specializes them at run time: pointers and sizes, for vector loads)."""
     return _compile(module, kernel, typed, scalars, constexprs, num_warps, num_stages, divisible)
 
 
@@ -42,11 +99,11 @@ def _compile(module: str, kernel: str, typed: dict[str, str], scalars: list[str]
              num_stages: int, divisible: tuple[str, ...], cubin: str = "") -> str:
     """The kernel's PTX (see sm90_ptx); with `cubin`, its cubin written to that path too."""
     pytest.importorskip("triton.backends.nvidia")
-    args = json.dumps([module, kernel, typed, scalars, constexprs,
-                       {"num_warps": num_warps, "num_stages": num_stages}, list(divisible), cubin])
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    return subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True,
-                          check=True).stdout
+    reply = _compiler.ask("compile", [module, kernel, typed, scalars, constexprs,
+                                      {"num_warps": num_warps, "num_stages": num_stages}, list(divisible), cubin])
+    if "error" in reply:
+        raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{reply['error']}")
+    return reply["out"]
 
 
 def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars: list[str], constexprs: dict,
@@ -68,36 +125,18 @@ def sm90_ptx_and_usage(module: str, kernel: str, typed: dict[str, str], scalars:
     return ptx, {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
-_SPECIALIZE = """
-import importlib, json, sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.runtime.jit import create_function_from_signature
-module, kernel, typed, constexprs, calls = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), kernel)
-binder = create_function_from_signature(fn.signature, fn.params, CUDABackend(GPUTarget("cuda", 90, 32)))
-dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "i32": torch.int32, "i64": torch.int64}
-pointers = {name: torch.empty(64, dtype=dtypes[kind.lstrip("*")]) for name, kind in typed.items()}
-print(json.dumps([repr(binder(**pointers, **scalars, **constexprs)[1]) for scalars in calls]))
-"""
-
-
 def launch_specializations(module: str, kernel: str, typed: dict[str, str], constexprs: dict,
                            calls: list[dict[str, int]]) -> list[str]:
     """For each dict of integer arguments in `calls`, what Triton keys a launch of `module.kernel` on sm_90 by (its
     arguments' types and specialisations; pointers as 16-byte aligned tensors of `typed`'s dtypes): launches with
-    different keys compile apart. Without a GPU, in a subprocess (the tests' interpreter mode has no launcher); skips
-    where this Triton binds arguments another way."""
+    different keys compile apart. Skips where this Triton binds arguments another way."""
     pytest.importorskip("triton.backends.nvidia")
-    args = json.dumps([module, kernel, typed, constexprs, calls])
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", _SPECIALIZE, args], env=env, capture_output=True, text=True)
-    if run.returncode and ("ImportError" in run.stderr or "AttributeError" in run.stderr):
-        pytest.skip(f"this Triton binds launch arguments another way: {run.stderr.strip().splitlines()[-1]}")
-    if run.returncode:
-        raise RuntimeError(run.stderr)
-    return json.loads(run.stdout)
+    reply = _compiler.ask("specialize", [module, kernel, typed, constexprs, calls])
+    if reply.get("kind") in ("ImportError", "AttributeError"):
+        pytest.skip(f"this Triton binds launch arguments another way: {reply['error'].strip().splitlines()[-1]}")
+    if "error" in reply:
+        raise RuntimeError(reply["error"])
+    return reply["out"]
 
 
 def assert_semaphore_order(ptx: str) -> None:
