@@ -55,7 +55,10 @@ class NinjaNvccBuild(build_ext):
         import pybind11
 
         archs = os.environ.get("TPGRAPH_CUDA_ARCHS", DEFAULT_ARCHS)
-        build_dir = Path(self.build_temp).resolve() / "tpgraph_C"
+        # a build folder that outlives the build, one per set of archs: editable installs build in a temporary
+        # folder, so each reinstall (and the wheel after it) compiled every source again; here ninja rebuilds only
+        # what changed
+        build_dir = ROOT / "build" / f"tpgraph_C-{archs.replace(';', '_')}"
         build_dir.mkdir(parents=True, exist_ok=True)
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,8 +72,11 @@ class NinjaNvccBuild(build_ext):
         cxx_flags = "-O2 -std=c++17 -fPIC -fvisibility=hidden"
 
         objs, lines = [], [
-            f"rule nvcc\n  command = {nvcc} {nvcc_flags} {inc} -c $in -o $out\n  description = NVCC $in",
-            f"rule cxx\n  command = {cxx} {cxx_flags} {inc} -c $in -o $out\n  description = CXX $in",
+            # (each object's headers in a depfile: the folder stays, so an edited header must rebuild its users)
+            f"rule nvcc\n  command = {nvcc} {nvcc_flags} {inc} -MD -MF $out.d -c $in -o $out\n  depfile = $out.d"
+            "\n  deps = gcc\n  description = NVCC $in",
+            f"rule cxx\n  command = {cxx} {cxx_flags} {inc} -MD -MF $out.d -c $in -o $out\n  depfile = $out.d"
+            "\n  deps = gcc\n  description = CXX $in",
             # nvcc links: it knows where its own static runtime lives.
             f"rule link\n  command = {nvcc} -shared --cudart static $in -o $out"
             "\n  description = LINK $out",
