@@ -63,7 +63,12 @@ class NinjaNvccBuild(build_ext):
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
 
-        includes = [pybind11.get_include(), sysconfig.get_paths()["include"], str(CSRC)]
+        # pybind11's headers through a link in the folder: an isolated build's pybind11 lives in a temporary folder,
+        # and a new path in the command would rebuild every object
+        headers = build_dir / "pybind11_include"
+        headers.unlink(missing_ok=True)
+        headers.symlink_to(pybind11.get_include(), target_is_directory=True)
+        includes = [str(headers), sysconfig.get_paths()["include"], str(CSRC)]
         inc = " ".join(f"-I{p}" for p in includes)
         cxx = os.environ.get("CXX", "c++")
         arch_macro = f"'-DTPGRAPH_ARCHS=\"{archs.replace(';', ',')}\"'"
