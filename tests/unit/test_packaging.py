@@ -1,6 +1,5 @@
 """What users install must carry every file the code reads: the all-reduce and GEMV tables ship inside the package."""
 
-import os
 import shutil
 import subprocess
 import sys
