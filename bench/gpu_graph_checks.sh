@@ -7,7 +7,9 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2] [shared-engine]
+#        [shared-tp2] [shared-engine] [teardown]
+# A step whose commands all exit 0 is marked "ok", else "FAILED"; the script exits 1 if any step failed, and 2 at
+# once (before the build) for a step name it does not know.
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
 # work folder, and after each step the whole of it is packed into OUTDIR/results.tgz beside OUTDIR/summary.log (the
 # console output so far), so a step that hangs still leaves every earlier step's results.
@@ -20,6 +22,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NPROC=${NPROC:-2}
 export TPGRAPH_GPU_TEST_WORLD_SIZE=$NPROC
 dest=${1:?outdir}; shift
+# every step name checked before the build: a typo would otherwise match no case below and pass as done
+known=" $(sed -n 's/^    \([a-z0-9|-]*\)).*/\1/p' "$0" | tr '|\n' '  ') "
+for step in "$@"; do
+  case $known in *" $step "*) ;; *) echo "unknown step: '$step' (the steps are the case labels in $0)" >&2; exit 2 ;; esac
+done
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
@@ -34,12 +41,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 [ -n "${TPG_SKIP_BUILD:-}" ] || python3 -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import tpgraph._C as c; print(c.build_info())"
+failed=""
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in  # the custom all-reduce needs two ranks or more: these steps cannot run at NPROC=1
     tune|allreduce|ar-exact|ar-tests|lamport-tp2) if [ "$NPROC" -lt 2 ]; then echo "$step needs NPROC >= 2: skipped"
       continue; fi ;;
   esac
+  step_ok=1
+  trap 'step_ok=0' ERR  # any command of the step (a pipeline: any of its parts, pipefail) exiting non-zero
   case $step in
     lamport) timeout 300 python3 -m pytest tests/unit/test_lamport_gemv.py -q -rs -k cuda 2>&1 | tail -6 \
              | tee "$out/lamport_tests.log"
@@ -535,6 +545,10 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
     full-bench) timeout 580 torchrun --nproc-per-node $NPROC bench/bench_decode.py --profile --out "$out/decode.json" 2>&1 \
              | grep -v "it/s\]\|tensor/s\]\|graph/s\]" | tail -80 | tee "$out/bench.log" ;;
   esac
+  trap - ERR
   pack
+  if [ "$step_ok" = 1 ]; then echo "=== $step: ok"; else echo "=== $step: FAILED (a command exited non-zero)"
+    failed="$failed $step"; fi
 done
 echo "=== done $(date +%T)"
+if [ -n "$failed" ]; then echo "=== failed steps:$failed"; exit 1; fi
