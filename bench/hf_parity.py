@@ -28,6 +28,7 @@ from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.model.loader import load_model
 
 TEARDOWN_TIMEOUT_S = 60
+MODEL_LEN = 256
 SHAPE = dict(  # Llama 3.2 1B, 4 of its 16 layers
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32,
     num_key_value_heads=8, tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -82,19 +83,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, each refused by name before any GPU work (a checkpoint written, a model loaded) is spent."""
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=Path, default=None)
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--embed-std", type=float, default=None, help="well-conditioned checkpoint (see make_checkpoint)")
     p.add_argument("--copies", type=int, default=1,
                    help="run the prompts this many times over in one batch (8: 24 rows a decode step), each checked")
-    args = p.parse_args()
-    if args.copies < 1:
-        raise SystemExit(f"--copies must be at least 1, got {args.copies}")
+    args = p.parse_args(argv)
+    for name in ("steps", "layers", "copies"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.embed_std is not None and not args.embed_std > 0:
+        p.error(f"--embed-std must be positive, got {args.embed_std}")
+    if args.out is not None and not args.out.resolve().parent.is_dir():
+        p.error(f"--out {args.out}: folder {args.out.resolve().parent} does not exist")
+    return args
+
+
+def model_len(prompts: list[list[int]], steps: int) -> int:
+    """The runner's max_model_len: 256 (what every recorded run used: it sizes decode attention's splits), or more
+    where the longest prompt and its `steps` new tokens need more."""
+    return max(MODEL_LEN, max(len(prompt) for prompt in prompts) + steps)
+
+
+def main() -> None:
+    args = parse_args()
 
     state = init_distributed("cuda")
     workdir = [tempfile.mkdtemp(prefix="tpgraph_parity_") if state.is_driver else None]
@@ -108,7 +126,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(state, comm, ckpt, dtype=dtype)
     prompts = PROMPTS * args.copies
-    runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts), max_model_len=256))
+    runner = ModelRunner(model, RunnerConfig(block_size=16, max_batch=len(prompts),
+                                             max_model_len=model_len(prompts, args.steps)))
     modes = f"decode {runner.modes.decode}, prefill {runner.modes.prefill} ({runner.prefill_attention})"
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -161,7 +180,7 @@ def main() -> None:
         report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         print(f"PASS={ok}  (ours: {args.steps} steps x {len(prompts)} prompts in {elapsed:.2f}s; graphs: {modes})")
         if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            args.out.write_text(json.dumps(report, indent=1))
     dist.barrier(group=state.cpu_group)  # rank 0 compared against HF meanwhile: start the teardown together
     # a teardown that hangs dumps every thread's stack and exits, instead of holding the job to its time limit
     faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
