@@ -14,6 +14,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -142,15 +143,16 @@ def main() -> None:
     del model, runner
     torch.cuda.empty_cache()
 
+    ok = True  # (the driver's verdict; the other ranks' exit leaves it to the driver's)
     if state.is_driver:
         hf_tokens, forced = hf_reference(ckpt, prompts, result.tokens, args.steps, dtype)
         # fp32 HF on the same (bf16-stored) weights: the noise floor of bf16 arithmetic itself
         _, forced32 = hf_reference(ckpt, prompts, result.tokens, args.steps, torch.float32)
+        shutil.rmtree(ckpt, ignore_errors=True)  # about 1.5 GB a run, left in /tmp by every earlier run
         report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps, "copies": args.copies,
                   "layers": args.layers, "embed_std": args.embed_std,
                   "shape": SHAPE,
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prompts": []}
-        ok = True
         for b, prompt in enumerate(prompts):
             ours = torch.stack([step[b] for step in result.step_logits])
             ref = forced[b]
@@ -185,6 +187,9 @@ def main() -> None:
     # a teardown that hangs dumps every thread's stack and exits, instead of holding the job to its time limit
     faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
     destroy_distributed(state)
+    faulthandler.cancel_dump_traceback_later()
+    if not ok:  # a failed comparison fails the command (torchrun, and the scripts that run it, see the exit status)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
