@@ -44,6 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "bench_decode.py"  # this checkout's benchmark runs every variant's package
+STOP_GRACE_S = 30  # a timed-out run's seconds to end its ranks before it is killed
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,23 @@ def run_command(variant: Variant, nproc: int, bench_args: list[str], out: Path) 
     return cmd, env
 
 
+def run_once(cmd: list[str], env: dict[str, str], timeout: float) -> int | None:
+    """Run one torchrun command; its exit status, or None past `timeout` seconds. Then torchrun is asked to stop
+    (SIGTERM: it ends its ranks, which run in sessions of their own) and killed after STOP_GRACE_S: killed at once,
+    as subprocess.run's timeout does, its ranks lived on, holding the GPU while the next variant was timed."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
 def tpots(result: dict) -> dict[str, float]:
     """'entry mode bs N' -> TPOT ms, from one bench_decode.py JSON."""
     return {f"{r['allreduce']} {r['mode']} bs {r['batch']}": r["tpot_ms"] for r in result["tpot"]}
@@ -258,13 +276,12 @@ def main(argv: list[str] | None = None) -> None:
             out = args.out / f"{v.label}_r{k + 1}.json"
             cmd, env = run_command(v, args.nproc, bench_args, out)
             print(f"== round {k + 1}, {v.label}", flush=True)
-            try:
-                done = subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
-            except subprocess.TimeoutExpired:
+            code = run_once(cmd, env, args.timeout)
+            if code is None:
                 print(f"   {v.label} round {k + 1}: past {args.timeout:.0f} s, left out", flush=True)
                 continue
-            if done.returncode or not out.is_file():
-                print(f"   {v.label} round {k + 1}: exit {done.returncode}, left out", flush=True)
+            if code or not out.is_file():
+                print(f"   {v.label} round {k + 1}: exit {code}, left out", flush=True)
                 continue
             runs[v.label].append(tpots(json.loads(out.read_text())))
     text = table(runs)

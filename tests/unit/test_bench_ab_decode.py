@@ -208,3 +208,39 @@ def test_tiles_only_for_a_given_variant_once(tmp_path):
         done = _main("--out", str(tmp_path / "x"), "--variant", "a=.", "--variant", "b=.", *args)
         assert done.returncode == 2 and "--tiles: one per variant" in done.stderr
         assert not (tmp_path / "x").exists()
+
+
+HANGING_BENCH = """
+import os, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+open(out + ".pid", "w").write(str(os.getpid()))
+time.sleep(120)  # a rank that hangs (a collective waiting for a dead peer)
+"""
+
+
+def test_a_run_past_its_timeout_leaves_no_rank_behind(ab, tmp_path, monkeypatch):
+    """A timed-out run's ranks are ended with it: left running, they hold the GPU while the next variant is timed."""
+    import os
+    import time
+
+    tree = tmp_path / "tree"
+    (tree / "tpgraph").mkdir(parents=True)
+    (tree / "tpgraph" / "__init__.py").write_text("")
+    (tree / "tpgraph" / "_C.fake.so").write_text("")
+    (tmp_path / "bench.py").write_text(HANGING_BENCH)
+    monkeypatch.setattr(ab, "BENCH", tmp_path / "bench.py")
+    out = tmp_path / "out"
+    ab.main(["--out", str(out), "--rounds", "1", "--timeout", "8", "--variant", f"a={tree}", "--variant",
+             f"b={tree}"])
+    pids = [int(p.read_text()) for p in out.glob("*.pid")]
+    assert len(pids) == 2  # both runs started a rank
+    time.sleep(0.5)
+    for pid in pids:
+        alive = True
+        try:
+            os.kill(pid, 0)
+            # a zombie (ended, not yet reaped by its exited parent's reaper) counts as ended
+            alive = "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except (ProcessLookupError, FileNotFoundError):
+            alive = False
+        assert not alive, f"rank {pid} of a timed-out run still runs"
