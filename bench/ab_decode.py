@@ -25,7 +25,8 @@ with a value given in both takes the variant's (a flag given after `--` applies 
 unquoted, write `--args b32=--block-size=32`.
 The arguments after `--` go to every bench_decode.py run (its --out is set here). Writes OUT/LABEL_rK.json per run,
 OUT/ab.json (every TPOT) and OUT/ab.md: per entry and batch the median over rounds, each round, and the change
-against the first variant. Unpacked trees need no git on the device, so `--prepare` runs here.
+against the first variant. A run that fails or times out is left out of them, and the command then exits 1.
+Unpacked trees need no git on the device, so `--prepare` runs here.
 """
 
 from __future__ import annotations
@@ -271,17 +272,17 @@ def main(argv: list[str] | None = None) -> None:
     args.variant = [write_tiles(v, tiles[v.label], args.tiles_arch, args.out) if v.label in tiles else v
                     for v in args.variant]
     runs: dict[str, list[dict[str, float]]] = {v.label: [] for v in args.variant}
+    left_out = []
     for k in range(args.rounds):
         for v in args.variant:
             out = args.out / f"{v.label}_r{k + 1}.json"
             cmd, env = run_command(v, args.nproc, bench_args, out)
             print(f"== round {k + 1}, {v.label}", flush=True)
             code = run_once(cmd, env, args.timeout)
-            if code is None:
-                print(f"   {v.label} round {k + 1}: past {args.timeout:.0f} s, left out", flush=True)
-                continue
-            if code or not out.is_file():
-                print(f"   {v.label} round {k + 1}: exit {code}, left out", flush=True)
+            if code is None or code or not out.is_file():
+                why = f"past {args.timeout:.0f} s" if code is None else f"exit {code}" if code else "no results written"
+                print(f"   {v.label} round {k + 1}: {why}, left out", flush=True)
+                left_out.append(f"{v.label} round {k + 1} ({why})")
                 continue
             runs[v.label].append(tpots(json.loads(out.read_text())))
     text = table(runs)
@@ -290,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "ab.json").write_text(json.dumps({
         "variants": [{"label": v.label, "tree": str(v.tree), "env": recorded_env(v.env, args.out),
                       "args": list(v.args)} for v in args.variant],
-        "bench_args": bench_args, "nproc": args.nproc, "tpot_ms": runs}, indent=1))
+        "bench_args": bench_args, "nproc": args.nproc, "tpot_ms": runs, "left_out": left_out}, indent=1))
+    if left_out:  # the table holds the rest; the command fails, so that a script running it sees the runs that did not
+        raise SystemExit(f"{len(left_out)} run(s) left out: {', '.join(left_out)}")
 
 
 if __name__ == "__main__":

@@ -92,14 +92,17 @@ def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypat
     (tmp_path / "bench.py").write_text(FAKE_BENCH)
     monkeypatch.setattr(ab, "BENCH", tmp_path / "bench.py")
     out = tmp_path / "out"
-    ab.main(["--out", str(out), "--rounds", "2", "--variant", f"a={trees['a']}",
-             "--variant", f"b={trees['b']}:FAKE_EXTRA=0.5", "--variant", f"c={trees['a']}:FAKE_FAIL=1",
-             "--args", "b=--extra 0.25", "--", "--batches", "1"])
+    with pytest.raises(SystemExit, match="2 run\\(s\\) left out: c round 1 \\(no results written\\), c round 2"):
+        ab.main(["--out", str(out), "--rounds", "2", "--variant", f"a={trees['a']}",
+                 "--variant", f"b={trees['b']}:FAKE_EXTRA=0.5", "--variant", f"c={trees['a']}:FAKE_FAIL=1",
+                 "--args", "b=--extra 0.25", "--", "--batches", "1"])
     lines = (out / "ab.md").read_text().splitlines()
     assert lines[2] == "| custom full bs 1 | 2.000 (2.000 / 2.000) | 3.750 (3.750 / 3.750) | - | +1.750 | - |"
     recorded = json.loads((out / "ab.json").read_text())["variants"]
     assert [v["args"] for v in recorded] == [[], ["--extra", "0.25"], []]
     assert recorded[1]["env"] == {"FAKE_EXTRA": "0.5"}
+    assert json.loads((out / "ab.json").read_text())["left_out"] == ["c round 1 (no results written)",
+                                                                "c round 2 (no results written)"]
     assert sorted(p.name for p in out.glob("*_r*.json")) == ["a_r1.json", "a_r2.json", "b_r1.json", "b_r2.json"]
 
 
@@ -230,8 +233,9 @@ def test_a_run_past_its_timeout_leaves_no_rank_behind(ab, tmp_path, monkeypatch)
     (tmp_path / "bench.py").write_text(HANGING_BENCH)
     monkeypatch.setattr(ab, "BENCH", tmp_path / "bench.py")
     out = tmp_path / "out"
-    ab.main(["--out", str(out), "--rounds", "1", "--timeout", "8", "--variant", f"a={tree}", "--variant",
-             f"b={tree}"])
+    with pytest.raises(SystemExit, match="past 8 s"):
+        ab.main(["--out", str(out), "--rounds", "1", "--timeout", "8", "--variant", f"a={tree}", "--variant",
+                 f"b={tree}"])
     pids = [int(p.read_text()) for p in out.glob("*.pid")]
     assert len(pids) == 2  # both runs started a rank
     time.sleep(0.5)
