@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     for k in range(args.rounds):
         for v in args.variant:
             out = args.out / f"{v.label}_r{k + 1}.json"
+            out.unlink(missing_ok=True)  # an earlier ab run's into this --out: never read as this run's
             cmd, env = run_command(v, args.nproc, bench_args, out)
             print(f"== round {k + 1}, {v.label}", flush=True)
             code = run_once(cmd, env, args.timeout)

@@ -92,6 +92,9 @@ def test_the_variants_alternate_and_the_table_is_written(ab, tmp_path, monkeypat
     (tmp_path / "bench.py").write_text(FAKE_BENCH)
     monkeypatch.setattr(ab, "BENCH", tmp_path / "bench.py")
     out = tmp_path / "out"
+    out.mkdir()  # an earlier comparison's folder: its c_r1.json is not this run's result
+    (out / "c_r1.json").write_text(json.dumps({"tpot": [{"allreduce": "custom", "mode": "full", "batch": 1,
+                                                          "tpot_ms": 9.0}]}))
     with pytest.raises(SystemExit, match="2 run\\(s\\) left out: c round 1 \\(no results written\\), c round 2"):
         ab.main(["--out", str(out), "--rounds", "2", "--variant", f"a={trees['a']}",
                  "--variant", f"b={trees['b']}:FAKE_EXTRA=0.5", "--variant", f"c={trees['a']}:FAKE_FAIL=1",
