@@ -31,6 +31,7 @@ from tpgraph.distributed import destroy_distributed, gather_objects, init_distri
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampler import PendingSample
 from tpgraph.engine.sequence import Sequence
+from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig
 from tpgraph.model.loader import load_model
 
@@ -415,11 +416,59 @@ def parse_batches(text: str) -> list[int]:
     return batches
 
 
+def timed_len(args) -> int:
+    """The tokens a timed sequence reaches: --context and every step run on it (warm-up, profile steps included)."""
+    if args.interleave:  # the sequences of one batch at a time, warm-up included
+        return args.context + interleave_rounds(args.steps) * INTERLEAVE_CHUNK + 3 + 16
+    return args.context + 2 * (args.steps + 8)
+
+
+def interleave_rounds(steps: int) -> int:
+    return max(1, -(-steps // INTERLEAVE_CHUNK))
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Every argument refused by name before the HBM copy, a model or a graph is spent on it: a bad one found later
+    (a mode, the profile's batches, a length past the shape's positions) ended the run with a traceback and no
+    results written."""
+    from tpgraph.graphs.modes import DECODE_MODES
+
+    parse_batches(args.batches)
+    if args.profile:
+        parse_batches(args.profile_batches)
+    bad_modes = [m for m in args.modes.split(",") if m not in DECODE_MODES]
+    if bad_modes:
+        p.error(f"--modes: {', '.join(map(repr, bad_modes))} not among {', '.join(DECODE_MODES)}")
+    entries(args)  # a bad --allreduce entry, by name
+    for name in ("steps", "context"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_model_len < 0:
+        p.error(f"--max-model-len must be 0 (what the steps need) or more, got {args.max_model_len}")
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        p.error(f"--block-size must be a power of two, got {args.block_size}")
+    try:  # the runners' max_model_len: the model's positions bound it (as a server's)
+        SHAPES[args.shape].check_max_model_len(max(timed_len(args), args.max_model_len))
+    except ConfigError as e:
+        p.error(f"--shape {args.shape}, --context {args.context} and --steps {args.steps} (sequences of "
+                f"{timed_len(args)} tokens), --max-model-len {args.max_model_len}: {e}"
+                + ("; the llama31-* shapes have 131072 positions" if not args.shape.startswith("llama31") else ""))
+    if args.interleave and (args.modes != "full" or args.profile):
+        p.error("--interleave times full graphs only, without ladders or profiles: pass --modes full and no "
+                "--profile")
+    if args.out.suffix == ".png":
+        p.error(f"--out {args.out}: the plot is written beside the JSON as .png, which would overwrite it")
+    try:
+        args.out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot create its folder ({e.strerror})")
+
+
 def run(args, state) -> dict:
     batches = parse_batches(args.batches)
     modes = args.modes.split(",")
     context, steps = args.context, args.steps
-    max_len = context + 2 * (steps + 8)
+    max_len = timed_len(args)
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
@@ -483,8 +532,8 @@ def run_interleaved(args, state) -> dict:
         raise SystemExit("--interleave times full graphs only, without ladders or profiles: pass --modes full and "
                          "no --profile")
     context, steps, names = args.context, args.steps, entries(args)
-    rounds = max(1, -(-steps // INTERLEAVE_CHUNK))
-    max_len = context + rounds * INTERLEAVE_CHUNK + 3 + 16  # the sequences of one batch at a time, warm-up included
+    rounds = interleave_rounds(steps)
+    max_len = timed_len(args)
     bw = hbm_bandwidth(state.device)
     results = header(state, context, steps, bw, args.shape, args.block_size)
     results["max_model_len"] = args.max_model_len  # 0: each runner's own max_len
@@ -583,7 +632,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--modes", default="full,piecewise,none")
@@ -614,7 +663,13 @@ def main() -> None:
                         "steps timed in interleaved rounds of 10 (--steps rounded up to whole rounds), for comparing "
                         "variants under the same drift")
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     state = init_distributed("cuda")
     try:
         results = run_interleaved(args, state) if args.interleave else run(args, state)

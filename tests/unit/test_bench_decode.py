@@ -192,3 +192,36 @@ def test_projections_are_told_apart_by_their_place_in_the_step(bench):
     assert bench.projections_added(added, layers=2) is None  # another count: not guessed
     split_k = added[:3] + [("_split_sum_kernel", 1.0)] + added[3:]
     assert bench.projections_added(split_k, layers=3) is None
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--modes", "full,fast"], "--modes: 'fast' not among"),
+    (["--profile", "--profile-batches", "1,0"], "batches must be >= 1"),
+    (["--allreduce", "custom,vllm"], "custom or nccl"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--context", "-5"], "--context must be at least 1"),
+    (["--block-size", "24"], "--block-size must be a power of two"),
+    (["--block-size", "0"], "--block-size must be a power of two"),
+    (["--max-model-len", "-1"], "--max-model-len must be 0"),
+    (["--context", "8192"], "llama31-* shapes"),  # 8192 + the steps: past Llama-3-8B's positions
+    (["--interleave"], "--interleave times full graphs only"),
+    (["--out", "decode.png"], "would overwrite it"),
+])
+def test_bad_arguments_are_refused_before_any_gpu_work(bench, argv, reason, capsys, tmp_path, monkeypatch):
+    """Each of these used to surface after the HBM copy and at least one model and timed entry (a mode, the profile's
+    batches, a length past the shape's positions), or as a bare traceback (a zero block size), with no JSON written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code not in (0, None) and reason in capsys.readouterr().err + str(e.value.code)
+
+
+def test_good_arguments_create_the_output_folder(bench, tmp_path):
+    out = tmp_path / "new" / "folder" / "decode.json"
+    args = bench.parse_args(["--out", str(out), "--shape", "llama31-8b", "--context", "32768", "--profile",
+                             "--modes", "full,none"])
+    assert args.out == out and out.parent.is_dir()
+    assert bench.timed_len(args) == 32768 + 2 * (50 + 8)
+    args = bench.parse_args(["--out", str(out), "--interleave", "--modes", "full", "--steps", "25"])
+    assert bench.timed_len(args) == 512 + 3 * 10 + 3 + 16  # rounds of 10 steps, whole
