@@ -251,31 +251,61 @@ def plot(rows: list[KernelRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def whole_numbers(flag: str, text: str, empty_ok: bool = False) -> list[int]:
+    """'1,8' -> [1, 8]; anything but positive whole numbers (or, where `empty_ok`, nothing) refused by name."""
+    try:
+        values = [int(v) for v in text.split(",")] if text else []
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated whole numbers, got {text!r}") from None
+    if (not values and not empty_ok) or any(v < 1 for v in values):
+        raise SystemExit(f"{flag}: each must be >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, every one checked before the GPU work (a bad one surfaced as a traceback, some after minutes
+    of timing), with --out's folder created."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("kernels.json"))
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default="512,4096,32768")
     p.add_argument("--prefill-tokens", default="256,1024,8192",
                    help="token counts at which rope_and_store runs one token a program and 16 (empty: none)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.batches = whole_numbers("--batches", args.batches)
+    args.contexts = whole_numbers("--contexts", args.contexts)
+    args.prefill_tokens = whole_numbers("--prefill-tokens", args.prefill_tokens, empty_ok=True)
+    if args.out.suffix in (".md", ".png"):
+        p.error(f"--out {args.out}: the table and the plot are written beside the JSON as .md and .png, which would "
+                f"overwrite it")
+    try:
+        args.out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot create its folder ({e.strerror})")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     from bench_decode import hbm_bandwidth  # bench/ is on the path when this script runs
 
     device = torch.device("cuda")
     hbm = hbm_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    batches = [int(b) for b in args.batches.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    batches, contexts = args.batches, args.contexts
     rows = elementwise_rows(batches, hbm, l2, device) + projection_rows(batches, hbm, l2, device)
     rows += attention_rows(batches, contexts, hbm, l2, device)
-    for m in (int(t) for t in args.prefill_tokens.split(",") if t):
+    for m in args.prefill_tokens:
         rows += rope_rows(m, hbm, l2, device, per_program=(1, 16))
     text = table(rows, hbm)
     print(text, flush=True)
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,
                                     "rows": [asdict(r) | {"of_floor": r.of_floor} for r in rows]}, indent=1))
     args.out.with_suffix(".md").write_text(text + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    try:
+        plot(rows, args.out.with_suffix(".png"))
+    except ImportError:  # the JSON and the table are written: no traceback for the plot alone
+        print("matplotlib missing: no plot (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,25 @@ def test_table_and_plot(bench, tmp_path):
     pytest.importorskip("matplotlib")
     bench.plot(rows, tmp_path / "k.png")
     assert (tmp_path / "k.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--batches", "0,8"], "--batches: each must be >= 1"),
+    (["--batches", "1,x"], "--batches: comma-separated whole numbers"),
+    (["--contexts", ""], "--contexts: each must be >= 1"),
+    (["--contexts", "512,-4"], "--contexts: each must be >= 1"),
+    (["--prefill-tokens", "256,,1024"], "--prefill-tokens: comma-separated"),
+    (["--out", "kernels.md"], "would overwrite it"),
+])
+def test_bad_arguments_are_refused_by_name(bench, argv, reason, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code not in (0, None) and reason in capsys.readouterr().err + str(e.value.code)
+
+
+def test_arguments_parse_and_the_output_folder_is_made(bench, tmp_path):
+    out = tmp_path / "a" / "b" / "kernels.json"
+    args = bench.parse_args(["--out", str(out), "--batches", "1,8", "--contexts", "512", "--prefill-tokens", ""])
+    assert (args.batches, args.contexts, args.prefill_tokens) == ([1, 8], [512], [])
+    assert out.parent.is_dir()
