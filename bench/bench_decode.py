@@ -345,6 +345,17 @@ def decode_runner(model, max_batch: int, max_len: int, mode: str = "full",
                                            num_kv_blocks=blocks, graphs=graphs))
 
 
+def ladder_runner(model, ladder: str, max_batch: int, max_len: int) -> ModelRunner:
+    """A runner capturing `ladder`'s full decode graphs up to `max_batch` sequences of `max_len` tokens (for their
+    capture time and pool). Its cache: a block a sequence and a few spare, and at least one whole sequence of
+    max_len, which its max_model_len needs (at max_batch + 16 blocks alone, a --context past 4K refused the sglang
+    ladder, after every entry was timed and before any result was written)."""
+    graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
+    blocks = max(max_batch, -(-max_len // 16) + 1) + 16  # (+1: the null block)
+    return ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len, num_kv_blocks=blocks,
+                                           graphs=graphs))
+
+
 def unfused_twin(name: str) -> str:
     """A fused custom entry's unfused version: the same entry with the all-reduce, the add+RMSNorm and SiLU·mul as
     kernels of their own ("+unfused"). An all-reduce in the projection's epilogue ("+push", with "+late") is a fused
@@ -498,9 +509,7 @@ def run(args, state) -> dict:
                 torch.cuda.empty_cache()
             if ar == names[0] and variant(ar)[0] and args.ladders:  # ladders once: the first entry, if custom
                 for ladder, max_batch in (("vllm", 512), ("sglang", 256)):
-                    graphs = GraphConfig(decode_mode="full", prefill_mode="none", ladder=ladder)
-                    runner = ModelRunner(model, RunnerConfig(max_batch=max_batch, max_model_len=max_len,
-                                                             num_kv_blocks=max_batch + 16, graphs=graphs))
+                    runner = ladder_runner(model, ladder, max_batch, max_len)
                     row = {"ladder": ladder, "buckets": len(runner.graphs.sets["decode"].graphs),
                            "capture_s": slowest(state, runner.capture_s),
                            "pool_gib": slowest(state, runner.capture_bytes / GiB)}

@@ -225,3 +225,19 @@ def test_good_arguments_create_the_output_folder(bench, tmp_path):
     assert bench.timed_len(args) == 32768 + 2 * (50 + 8)
     args = bench.parse_args(["--out", str(out), "--interleave", "--modes", "full", "--steps", "25"])
     assert bench.timed_len(args) == 512 + 3 * 10 + 3 + 16  # rounds of 10 steps, whole
+
+
+def test_a_ladders_cache_holds_a_whole_sequence_of_the_timed_length(bench):
+    """The ladder comparison's runners: at a long context their max_batch + 16 blocks held fewer tokens than one
+    timed sequence, and the runner refused its max_model_len after every entry had been timed."""
+    from tpgraph.comm import TPCommunicator
+    from tpgraph.distributed import init_distributed
+    from tpgraph.model.loader import load_model
+
+    model = load_model(state := init_distributed("cpu"), TPCommunicator(state))
+    runner = bench.ladder_runner(model, "sglang", 8, 4000)  # 4000 tokens: 250 blocks, far past 8 + 16
+    assert runner.max_model_len == 4000 and runner.allocator.num_blocks * 16 >= 4000
+    runner.close()
+    runner = bench.ladder_runner(model, "vllm", 64, 100)  # a short context: a block a sequence, as before
+    assert runner.cfg.num_kv_blocks == 64 + 16
+    runner.close()
