@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("variant labels must differ")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.nproc < 1:  # (else every run fails in torchrun, one after another, each after its start-up)
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive seconds, got {args.timeout:g}")
     if sets_out(bench_args):
         p.error("--out after -- is set per run here; leave it out")
     tiles = per_variant(p, "--tiles", args.tiles, args.variant)

@@ -139,6 +139,8 @@ def _main(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("args", "reason"), [
     (["--out", "x", "--variant", "a=."], "at least two"),
     (["--out", "x", "--variant", "a=.", "--variant", "a=."], "labels must differ"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--nproc", "0"], "--nproc must be at least 1"),
+    (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--timeout", "-5"], "--timeout must be positive"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out", "y"], "set per run"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=.", "--", "--out=y"], "set per run"),
     (["--out", "x", "--variant", "a=.", "--variant", "b=no/such/tree"], "holds no tpgraph package"),
