@@ -200,12 +200,15 @@ for step in "$@"; do
          timeout 500 torchrun --nproc-per-node $NPROC -m tpgraph.serve --model "$out/llama3_8b" --load-format dummy \
              --served-model-name llama3-8b --max-num-seqs 64 --max-model-len 1024 --port 8000 ${SERVE_FLAGS:-} \
              > "$out/$tag.log" 2>&1 &
+         server=$!  # (timeout's pid: a TERM to it reaches torchrun, which ends its ranks)
          for _ in $(seq 240); do curl -sf localhost:8000/health >/dev/null && break; sleep 1; done
          curl -sf localhost:8000/health >/dev/null || { echo "server not up"; tail -30 "$out/$tag.log"; }
          timeout 400 python3 bench/bench_serve.py --model llama3-8b --concurrency "${SERVE_CONCURRENCY:-64,1}" \
              --max-tokens ${SERVE_TOKENS:-256} --prompt-len 256 --shared-prefix-len ${SERVE_SHARED:-0} \
              --score-batch ${SERVE_SCORE_BATCH:-0} --out "$out/$tag.json" 2>&1 | tee "$out/bench_$tag.log"
-         pkill -TERM -f "tpgraph.serve" ; sleep 5; tail -5 "$out/$tag.log" ;;
+         # this step's server only (a pattern matched any tpgraph.serve on the host), waited for (5 s of sleep let a
+         # slow shutdown hold the port and the GPU into the next step)
+         kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; tail -5 "$out/$tag.log" ;;
     prefill) # time to first token through the engine (bench_prefill.py, TP=1, SHAPE as for ab): the SDPA loop and
          # varlen FlashAttention, each point's first sight beside its warm runs; then shared-prefix points with prefix
          # caching on and off; then rope_and_store at prefill sizes, one token a program against 16
