@@ -18,6 +18,7 @@ def bench():
     ("_decode_combine_kernel", "attention"),
     ("_add_rms_norm_kernel", "norm"),
     ("_rope_store_kernel", "rope+kv"),
+    ("_qkv_rope_kernel", "gemm"),  # the qkv projection with rope and the cache writes in its epilogue
     ("_silu_and_mul_kernel", "other"),
     ("_gemv_kernel", "gemm"),
     ("_split_sum_kernel", "gemm"),  # split-K's reduce belongs to its projection
