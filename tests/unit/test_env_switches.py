@@ -1,6 +1,9 @@
 """The on/off switches in the environment are read alike: 0 or 1 (unset: the default), anything else refused with its
 name, as env_flag reads the others."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,3 +41,28 @@ def test_the_switches_are_on_unless_set_to_0(name, monkeypatch):
     assert SWITCHES[name]() is False
     monkeypatch.setenv(name, "1")
     assert SWITCHES[name]() is True
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# a file that reads the environment (its own reads, or the helpers that refuse a bad value by name)
+READS_ENV = re.compile(r"os\.environ|getenv|env_flag\(|env_choice\(")
+VARIABLE = re.compile(r"""["']((?:TPGRAPH|VLLM)_[A-Z0-9_]+)["']""")
+
+
+def variables_read() -> set[str]:
+    """Every TPGRAPH_* / VLLM_* name written as a string in a package (or setup.py) file that reads the environment."""
+    names = set()
+    for path in [ROOT / "setup.py", *sorted((ROOT / "tpgraph").rglob("*.py"))]:
+        text = path.read_text()
+        if READS_ENV.search(text):
+            names.update(VARIABLE.findall(text))
+    return names
+
+
+def test_every_variable_the_package_reads_is_in_the_readme():
+    """TPGRAPH_FUSED_AR_NORM, TPGRAPH_PDL_PREFETCH_MB, TPGRAPH_QKV_PAIRED and TPGRAPH_VARLEN_PREFILL were read and
+    acted on, but named nowhere a user looks: a variable set from an old shell changed the kernels unexplained."""
+    readme = (ROOT / "README.md").read_text()
+    read = variables_read()
+    assert {"TPGRAPH_GEMV", "VLLM_API_KEY", "TPGRAPH_CUDA_ARCHS"} <= read  # (the scan finds them at all)
+    assert sorted(name for name in read if not re.search(rf"\b{name}\b", readme)) == []
