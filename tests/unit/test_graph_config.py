@@ -91,8 +91,23 @@ def test_cli_bad_values():
         parse("--graph-warmups", "-2")
     with pytest.raises(ConfigError, match="comma-separated integers, got '16,x'"):
         parse("--prefill-capture-sizes", "16,x")
-    with pytest.raises(ConfigError, match="prefill_sizes must be ascending"):
+    with pytest.raises(ConfigError, match="--prefill-capture-sizes must be ascending"):
         parse("--prefill-capture-sizes", "64,16")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--graph-warmups", "0"), "--graph-warmups must be a positive integer"),
+    (("--prefill-capture-sizes", "64,16"), "--prefill-capture-sizes must be ascending"),
+    (("--prefill-capture-sizes", "0"), "--prefill-capture-sizes entry 0 is not positive"),
+    (("--prefill-capture-sizes", "16,x"), "--prefill-capture-sizes must be comma-separated integers"),
+    (("--cuda-graph-ladder", "1,x"), "--cuda-graph-ladder: .*'x' is not an integer"),
+])
+def test_a_graph_flags_refusal_names_the_flag_typed(argv, message):
+    """`--graph-warmups 0` was refused as "warmups must be ...", and `--prefill-capture-sizes 64,16` as "prefill_sizes
+    must be ascending": GraphConfig's field names, which no command line has, where every other flag's refusal names
+    the flag (vLLM's --cuda-graph-sizes beside them already did)."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        parse(*argv)
 
 
 def test_prefill_sizes_past_a_forwards_budget_are_not_captured():

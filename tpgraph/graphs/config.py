@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from dataclasses import dataclass, fields, replace
 
 from tpgraph.checks import positive_int
@@ -103,17 +104,27 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                        help="debug: check each replay reads the input addresses its graph captured")
 
 
+# the flag that sets each GraphConfig field whose refusal begins with the field's name (the ladder's comes here only
+# from --cuda-graph-ladder: vLLM's size flags are checked, under their own names, before)
+FIELD_FLAGS = {"decode_mode": "--cuda-graph-mode", "prefill_mode": "--prefill-graph-mode",
+               "ladder": "--cuda-graph-ladder", "prefill_sizes": "--prefill-capture-sizes",
+               "warmups": "--graph-warmups"}
+
+
 def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
-    graphs = GraphConfig(
-        decode_mode=args.cuda_graph_mode,
-        prefill_mode=args.prefill_graph_mode,
-        ladder=ladder_from_args(args),
-        prefill_sizes=parse_sizes(args.prefill_capture_sizes),
-        calibrate_prefill=args.calibrate_prefill,
-        warmups=args.graph_warmups,
-        enforce_eager=args.enforce_eager,
-        check_addresses=args.check_graph_addresses,
-    )
+    try:
+        graphs = GraphConfig(
+            decode_mode=args.cuda_graph_mode,
+            prefill_mode=args.prefill_graph_mode,
+            ladder=ladder_from_args(args),
+            prefill_sizes=parse_sizes(args.prefill_capture_sizes, "--prefill-capture-sizes"),
+            calibrate_prefill=args.calibrate_prefill,
+            warmups=args.graph_warmups,
+            enforce_eager=args.enforce_eager,
+            check_addresses=args.check_graph_addresses,
+        )
+    except ConfigError as exc:  # (said as the flag typed: `warmups must be ...` named no flag a user has)
+        raise _as_flag(exc) from None
     config = getattr(args, "compilation_config", None)
     if config is None:
         return graphs
@@ -278,9 +289,19 @@ def _compilation_mode(value: dict, named: str) -> str | None:
                       "out")
 
 
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """A comma-separated list of sizes ("16,32,64"), each an integer (GraphConfig checks the rest)."""
+def parse_sizes(text: str, name: str = "capture sizes") -> tuple[int, ...]:
+    """A comma-separated list of sizes ("16,32,64"), each an integer (GraphConfig checks the rest); `name` is what a
+    refusal calls it."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ConfigError(f"capture sizes must be comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _as_flag(exc: ConfigError) -> ConfigError:
+    """GraphConfig's refusal with the field it begins with named as its flag (any other left as it is)."""
+    message = str(exc)
+    for field, flag in FIELD_FLAGS.items():
+        if re.match(rf"{field}\b", message):
+            return ConfigError(flag + message[len(field):], exc.settings)
+    return exc
