@@ -79,8 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="flags from a YAML file (port: 8000, enforce-eager: true, ...), as vLLM's; the command line's "
                         "own override them")
     p.add_argument(CONFIG_MODEL_FLAG, dest="config_model", type=checkpoint_name, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: %(default)s, this machine alone, where vLLM's listens on "
+                        "every interface: 0.0.0.0 serves other machines)")
+    p.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
     p.add_argument("--served-model-name", type=served_name, nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for, replies naming the first (default: --model, or "
                         f"{BUILTIN_NAME})")
@@ -89,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "/health, /ping, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's "
                         "$VLLM_API_KEY), which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=heartbeat_seconds, default=1.0,
-                   help="idle message interval from rank 0 (the other ranks wait for its next message: at most "
-                        f"{PROCESS_GROUP_TIMEOUT_S / 2:.0f} s)")
+                   help="idle message interval from rank 0 (default: %(default)s; the other ranks wait for its next "
+                        f"message: at most {PROCESS_GROUP_TIMEOUT_S / 2:.0f} s)")
     tools = p.add_argument_group("function calling (vLLM's flags)")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help='serve tool_choice "auto" (the default when a request gives tools), reading the model\'s '
@@ -136,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="HTTPS: serve over TLS with this certificate (chain), PEM")
     http.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="HTTPS: CAs to check client certificates")
     http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
-                      help="HTTPS: client certificates: 0 none, 1 checked if sent, 2 required (the ssl module's)")
+                      help="HTTPS: client certificates: 0 none, 1 checked if sent, 2 required (the ssl module's; "
+                           "default: %(default)s)")
     http.add_argument("--uds", default=None, metavar="PATH",
                       help="listen on this Unix domain socket, not on --host and --port (vLLM's)")
     http.add_argument("--root-path", default="", metavar="PATH",

@@ -1,6 +1,8 @@
 """The server's and the engine's flags: values that can only fail later (after minutes of loading, or as a spinning
 loop) are refused when parsed."""
 
+import re
+
 import pytest
 
 from tpgraph.engine.cli import engine_kwargs
@@ -925,3 +927,40 @@ def test_the_reasoning_parsers_early_check_takes_disable_sliding_window(tmp_path
     with pytest.raises(ConfigError) as refused:  # (the byte tokenizer splits </think>: that refusal, no other)
         serve.reasoning_parser(args)
     assert "</think>" in str(refused.value) and "sliding_window" not in str(refused.value)
+
+
+def parsers_of(monkeypatch, *parse_functions):
+    """The argparse parsers that these parse_args functions build (caught as they parse)."""
+    import argparse
+
+    built = []
+
+    def caught(parser, *args, **kwargs):
+        built.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    for parse in parse_functions:
+        with pytest.raises(SystemExit):
+            parse([])
+    return built
+
+
+def test_help_shows_each_numeric_or_address_default(monkeypatch):
+    """--help showed no default for --max-num-seqs (8, where vLLM's is 256), --host (127.0.0.1, where vLLM's listens
+    on every interface), --port, --block-size, --seed, --gpu-memory-utilization or tpgraph-tune's --runs,
+    --tolerance, --min-points and --max-bytes: a vLLM user read vLLM's defaults into them."""
+    from tpgraph import generate
+    from tpgraph.tune import cli as tune
+
+    shown = []
+    for parser in parsers_of(monkeypatch, parse_args, generate.parse_args, tune.parse_args):
+        for action in parser._actions:
+            default = action.default
+            numeric = isinstance(default, int | float) and not isinstance(default, bool)
+            if action.option_strings and (numeric or action.dest == "host"):
+                text = parser._get_formatter()._expand_help(action) if action.help else ""
+                assert re.search(rf"default:? {re.escape(str(default))}\b", text, re.IGNORECASE), \
+                    f"{parser.prog} {action.option_strings[0]}: help {text!r} shows no default {default!r}"
+                shown.append(action.option_strings[0])
+    assert {"--max-num-seqs", "--host", "--port", "--runs", "--max-bytes"} <= set(shown)

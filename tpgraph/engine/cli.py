@@ -58,10 +58,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="defaults set over --generation-config's, e.g. '{\"temperature\": 0.5}' (null unsets one)")
     p.add_argument("--max-logprobs", type=logprobs_cap, default=MAX_LOGPROBS, metavar="N",
                    help=f"the most log-probabilities a token a request may ask (logprobs, top_logprobs, "
-                        f"prompt_logprobs); more is a 400. At most {MAX_LOGPROBS} (vLLM's -1, no cap, is refused)")
-    p.add_argument("--seed", type=int, default=0, help="random weights (built-in/dummy) and unseeded sampling")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=8, help="largest decode batch (graphs are captured up to it)")
+                        f"prompt_logprobs); more is refused (by the server, a 400). Default: %(default)s, and at most "
+                        f"{MAX_LOGPROBS} (vLLM's -1, no cap, is refused)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random weights (built-in/dummy) and unseeded sampling (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens a KV cache block holds (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=8,
+                   help="largest decode batch, graphs captured up to it (default: %(default)s, where vLLM's is 256: "
+                        "this engine is built for small decode batches)")
     p.add_argument("--max-model-len", type=model_len, default=None, metavar="N",
                    help="context limit, e.g. 8192, 8k (8000) or 8K (8192); default, or -1 / auto: the model's, capped "
                         "by what the KV cache holds")
@@ -87,7 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", dest="overlap_scheduling", action=argparse.BooleanOptionalAction,
                    default=True, help="vLLM's name for the same: on by default (--no-async-scheduling turns it off)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="fraction of GPU memory the engine may use; the KV cache gets what is left of it")
+                   help="fraction of GPU memory the engine may use; the KV cache gets what is left of it "
+                        "(default: %(default)s)")
     p.add_argument("--disable-custom-all-reduce", action=argparse.BooleanOptionalAction, default=False,
                    help="every all-reduce, eager and in CUDA graphs, through NCCL (torch.distributed) instead of "
                         "tpgraph's custom all-reduce kernels (default: those where every GPU pair allows them)")
@@ -121,7 +126,8 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
                        help="taken: the Llama checkpoints tpgraph loads need no code of their own, and none is run")
     # (vLLM's V1 engine preempts by recomputation and never swaps, as this one: the CPU swap space goes unused there)
     fixed.add_argument("--swap-space", type=non_negative, default=4.0, metavar="GIB",
-                       help="taken, unused: a preempted sequence is recomputed, as in vLLM's V1 engine, never swapped")
+                       help="taken, unused: a preempted sequence is recomputed, as in vLLM's V1 engine, never swapped "
+                            "(default: %(default)s)")
     # (a step's token budget goes to the running sequences first, and a prompt is cut only where it runs out, as in
     # vLLM's V1 engine, which takes this flag at 1 alone)
     fixed.add_argument("--max-num-partial-prefills", type=accepted("1", why="prompts are chunked as vLLM's V1 engine "

@@ -69,9 +69,10 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("CUDA graphs")
     group.add_argument("--cuda-graph-mode", choices=DECODE_MODES, default=_DEFAULTS["decode_mode"],
                        help="decode graph mode: one graph per batch size (full), graphs between attention calls "
-                            "(piecewise), the capture/replay path with no graph (breakable, debug), or eager (none)")
+                            "(piecewise), the capture/replay path with no graph (breakable, debug), or eager (none); "
+                            "default: %(default)s")
     group.add_argument("--prefill-graph-mode", choices=PREFILL_MODES, default=_DEFAULTS["prefill_mode"],
-                       help="prefill graph mode")
+                       help="prefill graph mode (default: %(default)s)")
     # (None where not given: the default spelt out beside vLLM's size flags is a second setting, refused as such)
     group.add_argument("--cuda-graph-ladder", default=None, metavar="{" + ",".join(LADDERS) + ",N,...}",
                        help="decode capture sizes: a named ladder or a comma-separated list such as 1,2,4,8 "
@@ -92,12 +93,13 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
                             "compilation mode (-O3, vLLM's default, asks nothing more; -O0 captures no graphs)")
     group.add_argument("--prefill-capture-sizes", default=",".join(map(str, _DEFAULTS["prefill_sizes"])),
                        metavar="N,...", help="token counts captured for piecewise prefill (ascending; a forward pads "
-                                             "to the first that holds it, or runs eagerly past the last)")
+                                             "to the first that holds it, or runs eagerly past the last; "
+                                             "default: %(default)s)")
     group.add_argument("--no-prefill-calibration", dest="calibrate_prefill", action="store_false",
                        help="pad every prefill the capture sizes hold to its graph, without timing at start-up where "
                             "an eager forward is faster")
     group.add_argument("--graph-warmups", type=int, default=_DEFAULTS["warmups"], metavar="N",
-                       help="eager runs per size before capturing it (at least 1)")
+                       help="eager runs per size before capturing it (at least 1; default: %(default)s)")
     group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                        help="never capture or replay CUDA graphs")
     group.add_argument("--check-graph-addresses", action="store_true",

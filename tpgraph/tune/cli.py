@@ -37,12 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=None, help="ranks to start (outside torchrun; under it, "
                    "torchrun's world size, which this must then equal)")
-    p.add_argument("--runs", type=int, default=20, help="timed runs per candidate (median; at least 20)")
-    p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts as fast")
-    p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per candidate (median; at least 20; default: "
+                   "%(default)s)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="within this fraction of the fastest counts "
+                   "as fast (default: %(default)s)")
+    p.add_argument("--min-points", type=int, default=2, help="sizes a band must cover at least (default: "
+                   "%(default)s)")
     p.add_argument("--max-bytes", type=int, default=64 << 20,
-                   help="largest size measured, at most 64 MiB (below it only with --dry-run: rows need the whole "
-                        "range)")
+                   help="largest size measured, at most 64 MiB (default: %(default)s, 64 MiB; below it only with "
+                        "--dry-run: rows need the whole range)")
     p.add_argument("--table", type=Path, default=None, help="table to update (default: the one the loader reads)")
     p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing to the table")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the curves with the chosen bands shaded")
