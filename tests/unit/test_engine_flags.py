@@ -261,6 +261,10 @@ def test_torchrun_ranks_that_differ_on_the_all_reduce_are_refused_on_every_rank(
     (["--max-num-partial-prefills", "4"], "argument --max-num-partial-prefills: '4' is not supported: prompts are "
                                           "chunked"),
     (["--swap-space", "-1"], "argument --swap-space: must be a number >= 0"),
+    # (refused after the imports as "unknown dtype 'int8'; choose one of [...]", naming no flag)
+    (["--dtype", "int8"], "argument --dtype: 'int8' is no dtype tpgraph runs in: use 'auto' or one of 'bf16', "
+                          "'bfloat16', 'float', 'float16', 'float32', 'fp16', 'fp32', 'half'"),
+    (["--dtype", "fp8"], "argument --dtype: 'fp8' is no dtype"),
 ])
 def test_values_this_engine_cannot_honour_are_refused_naming_the_flag(flags, needle, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
+from tpgraph.config import DTYPES
 from tpgraph.distributed import env_int
 from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
@@ -30,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to shard over (default and required value: torchrun's world size)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", type=dtype_name,
                    help="auto (the checkpoint's, a float32 one's as bf16 on GPU; fp32 on CPU) | bfloat16 | float16 | "
                         "float32 (and bf16 / fp16 / half / fp32 / float)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
@@ -177,6 +178,15 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
         return text
 
     return check
+
+
+def dtype_name(text: str) -> str:
+    """--dtype: auto, or a dtype's name the model runs in; another is refused when parsed, naming the flag (EngineConfig
+    refused it later as "unknown dtype", no flag named)."""
+    if text != "auto" and text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is no dtype tpgraph runs in: use 'auto' or one of "
+                                         f"{', '.join(map(repr, sorted(DTYPES)))}")
+    return text
 
 
 _DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
