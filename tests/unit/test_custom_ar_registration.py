@@ -265,6 +265,19 @@ def test_a_timeout_variable_that_is_not_a_number_is_refused_by_name(monkeypatch)
         CustomAllReduceConfig()
 
 
+def test_a_timeout_variable_out_of_range_is_refused_by_name(monkeypatch):
+    """TPGRAPH_AR_TIMEOUT_S=-1 (or inf, nan, 1e11) was refused as "timeout_s must be >= 0": the config field's name,
+    which no user set, where a value that is no number names the variable."""
+    import pytest
+
+    from tpgraph.errors import ConfigError
+
+    for value in ("-1", "inf", "nan", "1e11"):
+        monkeypatch.setenv("TPGRAPH_AR_TIMEOUT_S", value)
+        with pytest.raises(ConfigError, match=f"^TPGRAPH_AR_TIMEOUT_S must be a number of seconds .* got '{value}'"):
+            CustomAllReduceConfig()
+
+
 def test_a_view_that_starts_mid_vector_goes_to_nccl_not_to_an_error(monkeypatch):
     """x[1:] of a bf16 buffer is contiguous and its size a multiple of 16 bytes, but it starts 2 bytes into a 16-byte
     vector: try_all_reduce must decline it (the communicator then uses NCCL), not reach the kernel's alignment

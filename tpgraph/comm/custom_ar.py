@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -61,9 +62,14 @@ def timeout_default() -> float:
     a ValueError traceback from the engine's start). Set to nothing: as unset, as tpgraph's other variables read it."""
     text = os.environ.get("TPGRAPH_AR_TIMEOUT_S", "").strip() or "30"
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ConfigError(f"TPGRAPH_AR_TIMEOUT_S must be a number of seconds (0: wait forever), got {text!r}") from None
+        value = math.nan
+    # (a negative, inf or nan one was refused as the config's "timeout_s", a name no user set)
+    if not 0 <= value < MAX_TIMEOUT_S:
+        raise ConfigError(f"TPGRAPH_AR_TIMEOUT_S must be a number of seconds (0: wait forever), at least 0 and below "
+                          f"{MAX_TIMEOUT_S:.0f}, got {text!r}")
+    return value
 
 
 def fused_norm_default() -> bool:
