@@ -749,7 +749,8 @@ def test_the_prefetch_budget_setting(monkeypatch):
     assert prefetch_budget(4096, 2048) == 17 << 20
     assert prefetch_budget(3072, 4096) == 1 << 19
     assert prefetch_budget(14336, 4096) == prefetch_budget() == PREFETCH_BUDGET
-    for bad in ("4096:17", "4096x2048:many", "ax2048:1", "4096x2048:17/garbage"):  # every entry is checked
+    # (inf was an OverflowError traceback from the first projection, and -4 read as 0 without a word)
+    for bad in ("4096:17", "4096x2048:many", "ax2048:1", "4096x2048:17/garbage", "inf", "-4", "nan", "4096x2048:inf"):
         monkeypatch.setenv("TPGRAPH_PDL_PREFETCH_MB", bad)
         with pytest.raises(ConfigError, match="TPGRAPH_PDL_PREFETCH_MB"):
             prefetch_budget(4096, 2048)

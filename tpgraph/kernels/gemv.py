@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,10 +124,13 @@ def prefetch_budget(n: int | None = None, k: int | None = None) -> int:
 def _parse_budget(env: str, n: int | None, k: int | None) -> int:
     def mb(text: str) -> int:
         try:
-            return max(0, int(float(text) * (1 << 20)))
+            value = float(text)
         except ValueError:
-            raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB or NxK:MB entries joined by '/', "
-                              f"got {env!r}") from None
+            value = math.nan
+        if not 0 <= value < math.inf:  # (inf was an OverflowError traceback, a negative one silently 0)
+            raise ConfigError(f"TPGRAPH_PDL_PREFETCH_MB must be a number of MB (at least 0) or NxK:MB entries joined "
+                              f"by '/', got {env!r}")
+        return int(value * (1 << 20))
 
     if ":" not in env:
         return mb(env)
