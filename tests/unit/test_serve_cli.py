@@ -485,6 +485,19 @@ def test_a_config_file_that_cannot_be_read_is_refused_naming_it(tmp_path, name, 
     assert "missing.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["enable-prefix-cachng: false\n", "enable_lora: false\n", "nonsense-flag: null\n",
+                                  "nonsense-flag: []\n"])
+def test_a_config_files_key_naming_no_flag_is_refused_whatever_its_value(tmp_path, text, capsys):
+    """A key that is no flag was refused where it had a value, but dropped without a word where it was false, null or
+    an empty list: `enable-prefix-cachng: false` (a typo) left the prefix cache on, unsaid."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(config)])
+    key = text.partition(":")[0].replace("_", "-")
+    assert exit_.value.code == 2 and f"unrecognized arguments: --{key}=" in capsys.readouterr().err
+
+
 def test_vllms_async_scheduling_is_the_overlapped_scheduling():
     """vLLM's --async-scheduling (on by default in its newer releases) schedules the next step before the last one's
     tokens are read: this engine's overlap scheduling. --async-scheduling / --no-async-scheduling were refused."""

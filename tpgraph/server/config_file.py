@@ -68,7 +68,11 @@ def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool]) -> lis
 def flag_words(flag: str, value: Any, has_flag: Callable[[str], bool]) -> list[str]:
     """One key's command-line words, as vLLM writes them; one value goes as --X=VALUE, which argparse never reads as
     another flag where it begins with a dash (a key "-k3y"). A null is the flag left out (its default), as vLLM's
-    optional flags read it: not the text "None" (an API key, a served name)."""
+    optional flags read it: not the text "None" (an API key, a served name). A key naming no flag is refused by
+    argparse, whatever its value."""
+    if not has_flag(flag) and (value is None or value is False or value == []):
+        # (left out, a typo's false or null went unsaid: `enable-prefix-cachng: false` left the prefix cache on)
+        return [f"{flag}={json.dumps(value)}"]
     if value is None:
         return []
     if isinstance(value, bool):
