@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{BUILTIN_NAME})")
     p.add_argument("--api-key", type=api_key, nargs="+", default=None, metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY`, one of the keys given (every route but "
-                        "/health, /ping, /metrics and /version); default: $TPGRAPH_API_KEY (else vLLM's "
+                        "/health, /ping, /metrics, /version and the API docs, /docs, /redoc and /openapi.json); "
+                        "default: $TPGRAPH_API_KEY (else vLLM's "
                         "$VLLM_API_KEY), which keeps the key out of the process list")
     p.add_argument("--heartbeat-s", type=heartbeat_seconds, default=1.0,
                    help="idle message interval from rank 0 (default: %(default)s; the other ranks wait for its next "

@@ -977,3 +977,15 @@ def test_help_shows_each_numeric_or_address_default(monkeypatch):
                     f"{parser.prog} {action.option_strings[0]}: help {text!r} shows no default {default!r}"
                 shown.append(action.option_strings[0])
     assert {"--max-num-seqs", "--host", "--port", "--runs", "--max-bytes"} <= set(shown)
+
+
+def test_api_key_help_names_every_route_left_open(monkeypatch):
+    """--api-key's help listed /health, /ping, /metrics and /version as the routes left open, but the API docs
+    (/docs, /redoc, /openapi.json) are open too, as vLLM leaves them: a user hiding the schema behind the key was
+    told it was."""
+    from tpgraph.server.auth import OPEN_PATHS
+
+    parser, = parsers_of(monkeypatch, parse_args)
+    action = parser._option_string_actions["--api-key"]
+    text = " ".join(parser._get_formatter()._expand_help(action).split())
+    assert [path for path in sorted(OPEN_PATHS - {"/docs/oauth2-redirect"}) if path not in text] == []
