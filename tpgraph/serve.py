@@ -169,8 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
     argv = dashed_names(sys.argv[1:] if argv is None else argv)
+    flags = p._option_string_actions
     try:  # (argparse's own table of flags: a false boolean in the file is --no-X only where that exists)
-        argv = expand_config(argv, lambda flag: flag in p._option_string_actions)
+        argv = expand_config(argv, lambda flag: flag in flags, lambda flag: flag in flags and flags[flag].nargs is None)
     except ConfigError as exc:
         p.error(str(exc))
     args = p.parse_args(argv)

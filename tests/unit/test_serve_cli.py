@@ -498,6 +498,20 @@ def test_a_config_files_key_naming_no_flag_is_refused_whatever_its_value(tmp_pat
     assert exit_.value.code == 2 and f"unrecognized arguments: --{key}=" in capsys.readouterr().err
 
 
+def test_a_config_files_list_for_a_flag_of_one_value_is_refused(tmp_path, capsys):
+    """`max-num-seqs: [4, 8]` became `--max-num-seqs 4 8`: the 8 was read as the positional model, and the server
+    looked for a checkpoint named "8" (a list is a flag's values only where it takes several: served-model-name)."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: [4, 8]\n")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(config)])
+    assert exit_.value.code == 2 and "max-num-seqs takes one value, got a list of 2: [4, 8]" in capsys.readouterr().err
+    config.write_text("max-num-seqs: [4]\nserved-model-name: [a, b]\ncuda-graph-sizes: [1, 2]\n")
+    args = parse_args(["--config", str(config)])
+    assert (args.max_num_seqs, args.served_model_name, args.cuda_graph_sizes, args.model) == (4, ["a", "b"], [1, 2],
+                                                                                             None)
+
+
 def test_vllms_async_scheduling_is_the_overlapped_scheduling():
     """vLLM's --async-scheduling (on by default in its newer releases) schedules the next step before the last one's
     tokens are read: this engine's overlap scheduling. --async-scheduling / --no-async-scheduling were refused."""

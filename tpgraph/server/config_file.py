@@ -14,10 +14,12 @@ from tpgraph.errors import ConfigError
 CONFIG_MODEL_FLAG = "--config-model"
 
 
-def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]:
+def expand_config(argv: list[str], has_flag: Callable[[str], bool],
+                  takes_one: Callable[[str], bool] = lambda flag: False) -> list[str]:
     """argv with `--config FILE` (or --config=FILE) replaced by the file's flags, put first (after the positional
     model, where the rest begins with it). has_flag says whether a flag exists: a false boolean becomes --no-X where
-    there is one, and is left out (the default) where there is none."""
+    there is one, and is left out (the default) where there is none. takes_one says whether a flag takes one value
+    alone: a list of several for it is refused."""
     where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
     if not where:
         return argv
@@ -32,7 +34,7 @@ def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
     # (the model first, as vLLM puts it: after the file's flags, a list's last value would take it for its own)
     model = rest[:1] if rest and not rest[0].startswith("-") else []
-    return model + config_flags(load_config(path), has_flag) + rest[len(model):]
+    return model + config_flags(load_config(path), has_flag, takes_one) + rest[len(model):]
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -55,12 +57,16 @@ def load_config(path: str) -> dict[str, Any]:
     return config
 
 
-def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool]) -> list[str]:
+def config_flags(config: dict[str, Any], has_flag: Callable[[str], bool],
+                 takes_one: Callable[[str], bool] = lambda flag: False) -> list[str]:
     flags: list[str] = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
         if flag == "--model":
             flag = CONFIG_MODEL_FLAG
+        # (its values after the first were read as the positional model: `max-num-seqs: [4, 8]` served a model "8")
+        if isinstance(value, list) and len(value) > 1 and takes_one(flag):
+            raise ConfigError(f"--config: {key} takes one value, got a list of {len(value)}: {value}")
         flags += flag_words(flag, value, has_flag)
     return flags
 
