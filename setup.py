@@ -8,6 +8,7 @@ any call that needs the extension raises an error that names the fix.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,19 @@ def find_nvcc() -> Path | None:
     return Path(found).resolve() if found else None
 
 
+def cuda_archs() -> str:
+    """TPGRAPH_CUDA_ARCHS (unset or blank: DEFAULT_ARCHS), each entry an arch as nvcc names it (90a, 100a), refused by
+    the variable's name otherwise: torch's "9.0a" failed in nvcc as compute_9.0a, naming no variable, and a blank
+    value built for nvcc's default arch, which none of the kernels run on."""
+    text = os.environ.get("TPGRAPH_CUDA_ARCHS", "").strip()
+    archs = [arch.strip() for arch in text.split(";") if arch.strip()]
+    for arch in archs:
+        if not re.fullmatch(r"\d{2,3}[af]?", arch):
+            raise SystemExit(f"error: TPGRAPH_CUDA_ARCHS={text!r}: {arch!r} is no CUDA arch as nvcc names it: give "
+                             f"entries such as 90a (sm_90a) or 100a, joined by ';' (default {DEFAULT_ARCHS!r})")
+    return ";".join(archs) or DEFAULT_ARCHS
+
+
 def gencode_flags(archs: str) -> list[str]:
     flags = []
     for arch in filter(None, (a.strip() for a in archs.split(";"))):
@@ -54,7 +68,7 @@ class NinjaNvccBuild(build_ext):
             return
         import pybind11
 
-        archs = os.environ.get("TPGRAPH_CUDA_ARCHS", DEFAULT_ARCHS)
+        archs = cuda_archs()
         # a build folder that outlives the build, one per set of archs: editable installs build in a temporary
         # folder, so each reinstall (and the wheel after it) compiled every source again; here ninja rebuilds only
         # what changed

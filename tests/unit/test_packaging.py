@@ -85,3 +85,23 @@ def test_an_sdist_carries_every_file_the_build_and_the_package_read(tmp_path):
     needed = [p.relative_to(tree).as_posix() for d in ("csrc", "configs") for p in (tree / d).rglob("*")
               if p.is_file() and p.suffix in (".h", ".cuh", ".cu", ".cpp", ".json")]
     assert len(needed) > 15 and not [p for p in needed if p not in carried]
+
+
+def test_a_cuda_arch_list_nvcc_cannot_read_is_refused_naming_the_variable(tmp_path):
+    """TPGRAPH_CUDA_ARCHS="9.0a" (torch's TORCH_CUDA_ARCH_LIST spelling) went to nvcc as compute_9.0a, whose error
+    named no variable, and a blank value built for nvcc's default arch. Checked before anything is compiled (an nvcc
+    here that fails if it is ever run)."""
+    import os
+
+    tree, cuda = tmp_path / "tree", tmp_path / "cuda"
+    shutil.copytree(ROOT / "csrc", tree / "csrc")
+    shutil.copy2(ROOT / "setup.py", tree / "setup.py")
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    env = {**os.environ, "CUDA_HOME": str(cuda), "TPGRAPH_CUDA_ARCHS": "9.0a;100a"}
+    built = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=tree, env=env, capture_output=True,
+                           text=True)
+    assert built.returncode != 0
+    assert "TPGRAPH_CUDA_ARCHS='9.0a;100a': '9.0a' is no CUDA arch as nvcc names it" in built.stderr
+    assert not (tree / "build" / "tpgraph_C-9.0a_100a").exists()
