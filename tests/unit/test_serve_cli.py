@@ -1003,3 +1003,25 @@ def test_api_key_help_names_every_route_left_open(monkeypatch):
     action = parser._option_string_actions["--api-key"]
     text = " ".join(parser._get_formatter()._expand_help(action).split())
     assert [path for path in sorted(OPEN_PATHS - {"/docs/oauth2-redirect"}) if path not in text] == []
+
+
+def test_the_readme_names_every_flag_the_commands_take(monkeypatch):
+    """The README, which says what each command takes, named neither --compilation-config (vLLM's -O),
+    --num-gpu-blocks-override, --kv-cache-memory-bytes, --seed, --block-size, the generate command's sampling flags
+    nor tpgraph-tune's --runs, --tolerance, --min-points, --max-bytes and --table."""
+    import argparse
+    from pathlib import Path
+
+    from tpgraph import generate
+    from tpgraph.tune import cli as tune
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = []
+    for parser in parsers_of(monkeypatch, parse_args, generate.parse_args, tune.parse_args):
+        for action in parser._actions:
+            names = [n for n in action.option_strings if n.startswith("--") and not n.startswith("--no-")]
+            if action.help == argparse.SUPPRESS or not names or "--help" in names:
+                continue
+            if not any(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", readme) for name in names):
+                missing.append(f"{parser.prog} {names[0]}")
+    assert missing == []
