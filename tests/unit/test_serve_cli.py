@@ -1025,3 +1025,16 @@ def test_the_readme_names_every_flag_the_commands_take(monkeypatch):
             if not any(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", readme) for name in names):
                 missing.append(f"{parser.prog} {names[0]}")
     assert missing == []
+
+
+def test_tp_help_says_what_a_plain_process_takes(monkeypatch):
+    """-tp's help said its default "and required value" is torchrun's world size, but a plain process takes any -tp N
+    (and starts the other ranks itself); --device and --load-format said no default at all."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert engine_kwargs(parse_args(["-tp", "2", "--device", "cpu"]))["tp_size"] == 2
+    parser, = parsers_of(monkeypatch, parse_args)
+    helps = {flag: " ".join(parser._get_formatter()._expand_help(parser._option_string_actions[flag]).split())
+             for flag in ("-tp", "--device", "--load-format")}
+    assert "required value" not in helps["-tp"] and "plain process 1 by default" in helps["-tp"]
+    assert "default: cuda where a GPU is visible, else cpu" in helps["--device"]
+    assert "default: auto" in helps["--load-format"]

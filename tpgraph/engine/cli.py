@@ -29,12 +29,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint directory, or a hub id whose snapshot is in the hub cache (default: the "
                         "built-in model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                   help="ranks to shard over (default and required value: torchrun's world size)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+                   help="ranks to shard over: under torchrun its world size (the default, and the only value taken); "
+                        "in a plain process 1 by default, and N starts the other N-1 ranks itself")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="auto: the checkpoint's *.safetensors, else its PyTorch *.bin files; safetensors: those "
+                        "alone; dummy: random weights of --model's config (default: %(default)s)")
     p.add_argument("--dtype", default="auto", type=dtype_name,
                    help="auto (the checkpoint's, a float32 one's as bf16 on GPU; fp32 on CPU) | bfloat16 | float16 | "
                         "float32 (and bf16 / fp16 / half / fp32 / float)")
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"))
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="default: cuda where a GPU is visible, else cpu")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the checkpoint's")
     p.add_argument("--tokenizer", type=checkpoint_name, default=None, metavar="DIR",
