@@ -363,3 +363,20 @@ def test_config_dir_and_the_gemv_table_expand_a_home_written_as_a_tilde(tmp_path
     assert config_dir() == tmp_path / "tables"
     monkeypatch.setenv("TPGRAPH_GEMV_TABLE", "~/g.json")
     assert table_path((9, 0)) == tmp_path / "g.json"
+
+
+def test_a_config_dir_without_the_gemv_tiles_the_package_ships_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    """TPGRAPH_CONFIG_DIR naming a folder without gemv/sm90.json (a typo, or allreduce/ copied alone) ran every
+    projection on the default tiles without a word (at TP=1, where no all-reduce table is read, nothing else looked
+    in the folder); as a missing all-reduce table there is, it is refused, naming the variable."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.kernels.gemv import table_path
+
+    monkeypatch.delenv("TPGRAPH_GEMV_TABLE", raising=False)
+    monkeypatch.setenv("TPGRAPH_CONFIG_DIR", str(tmp_path / "tables"))
+    with pytest.raises(ConfigError, match=r"TPGRAPH_CONFIG_DIR=.*tables has no gemv/sm90\.json: copy"):
+        table_path((9, 0))
+    assert table_path((10, 0)) is None  # (the package ships no SM100 tiles: nothing is missing)
+    (tmp_path / "tables" / "gemv").mkdir(parents=True)
+    (tmp_path / "tables" / "gemv" / "sm90.json").write_text("{}")
+    assert table_path((9, 0)) == tmp_path / "tables" / "gemv" / "sm90.json"

@@ -219,6 +219,11 @@ def config_dir() -> Path:
     `pip install .`); else configs/ of this checkout (an editable install)."""
     if os.environ.get("TPGRAPH_CONFIG_DIR"):  # (~ expanded: an env file's value reaches here unexpanded by a shell)
         return Path(os.environ["TPGRAPH_CONFIG_DIR"]).expanduser()
+    return shipped_config_dir()
+
+
+def shipped_config_dir() -> Path:
+    """The tables installed with the package (tpgraph/configs), else configs/ of this checkout."""
     package = Path(__file__).resolve().parents[1]
     installed = package / "configs"
     return installed if installed.is_dir() else package.parent / "configs"

@@ -236,12 +236,18 @@ def table_path(capability: tuple[int, int]) -> Path | None:
 @functools.lru_cache(maxsize=16)
 def _table_path(env: str | None, config_dir_env: str | None, capability: tuple[int, int]) -> Path | None:
     """Resolved once per setting (every eager projection asks; the file system is not asked again)."""
-    del config_dir_env  # part of the key only: config_dir() reads it
+    # (config_dir_env is part of the key: config_dir() reads the variable itself)
     if env:
         return Path(env)
-    from tpgraph.comm.thresholds import config_dir, table_file_for
+    from tpgraph.comm.thresholds import config_dir, shipped_config_dir, table_file_for
 
-    shipped = config_dir() / "gemv" / table_file_for(capability)
+    name = table_file_for(capability)
+    shipped = config_dir() / "gemv" / name
+    # (TPGRAPH_CONFIG_DIR's folder without this arch's tiles the package ships: every projection ran the default
+    # tiles, slower, without a word; at TP=1, where no all-reduce table is read, a mistyped folder went unsaid)
+    if config_dir_env and not shipped.is_file() and (shipped_config_dir() / "gemv" / name).is_file():
+        raise ConfigError(f"TPGRAPH_CONFIG_DIR={config_dir_env} has no gemv/{name}: copy tpgraph's configs folder "
+                          f"(allreduce/ and gemv/) there, or unset TPGRAPH_CONFIG_DIR to use the shipped tables")
     return shipped if shipped.is_file() else None
 
 
