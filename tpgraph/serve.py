@@ -60,14 +60,22 @@ class ServeParser(argparse.ArgumentParser):
     """Says what to do about a flag it does not take (a vLLM flag with no setting here), or a word that is no flag (a
     second model), beside argparse's naming it."""
 
+    vllm_subcommand = False  # whether the command line begins with vLLM's `serve` (parse_args says)
+
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
+        if message.startswith(prefix) and self.vllm_subcommand:  # (`tpgraph-serve serve MODEL`, as `vllm serve MODEL`)
+            super().error(SUBCOMMAND)
         if message.startswith(prefix):
             flags = any(word.startswith("-") for word in message[len(prefix):].split())
             message += ("; this server has no such setting (it takes vLLM's flags where it can do what they ask; "
                         "--help lists them): leave it out" if flags else
                         "; the command line takes one MODEL, and every other setting as a flag")
         super().error(message)
+
+
+SUBCOMMAND = ("`serve` is vLLM's subcommand (vllm serve MODEL); this command is the server itself: give the model "
+              "alone (tpgraph-serve MODEL, or python -m tpgraph.serve MODEL)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="of a logged prompt, its first N characters or token ids (default: all)")
     add_engine_args(p)
     argv = dashed_names(sys.argv[1:] if argv is None else argv)
+    # (a first word "serve" that is no directory here: vLLM's subcommand, typed out of habit; it was taken as the
+    # model, and the real model refused as a second one)
+    p.vllm_subcommand = bool(argv) and argv[0] == "serve" and not os.path.isdir("serve")
     flags = p._option_string_actions
     try:  # (argparse's own table of flags: a false boolean in the file is --no-X only where that exists)
         argv = expand_config(argv, lambda flag: flag in flags, lambda flag: flag in flags and flags[flag].nargs is None)
@@ -201,6 +212,8 @@ def take_model_tag(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     """The model given positionally (vLLM's model_tag) is --model; both given must agree, as vLLM refuses two. A
     --config file's model is taken where the command line gives none."""
     tag, from_file = args.__dict__.pop("model_tag"), args.__dict__.pop("config_model")
+    if tag == "serve" and getattr(p, "vllm_subcommand", False):
+        p.error(SUBCOMMAND)
     if tag is None:
         args.model = args.model if args.model is not None else from_file
         if args.model is None:

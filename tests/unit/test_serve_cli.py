@@ -1038,3 +1038,16 @@ def test_tp_help_says_what_a_plain_process_takes(monkeypatch):
     assert "required value" not in helps["-tp"] and "plain process 1 by default" in helps["-tp"]
     assert "default: cuda where a GPU is visible, else cpu" in helps["--device"]
     assert "default: auto" in helps["--load-format"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "org/model"], ["serve"], ["serve", "org/model", "--port", "9000"]])
+def test_vllms_serve_subcommand_typed_out_of_habit_is_refused_saying_so(argv, tmp_path, monkeypatch, capsys):
+    """`tpgraph-serve serve org/model` (as `vllm serve org/model`) took "serve" as the model and refused org/model as a
+    second one; `tpgraph-serve serve` looked for a checkpoint named "serve". A directory named serve is still a
+    model."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and "`serve` is vLLM's subcommand (vllm serve MODEL)" in capsys.readouterr().err
+    (tmp_path / "serve").mkdir()
+    assert parse_args(["serve"]).model == "serve"
