@@ -360,7 +360,9 @@ def test_other_parallel_layouts_are_refused_naming_the_flag(flags, needle, capsy
 
 def test_an_executor_backend_other_than_how_ranks_run_here_is_refused(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ConfigError, match="--distributed-executor-backend 'ray'.*give 'mp'"):
+    # (the command line's way to start the ranks, not TPEngine(tensor_parallel_size=N), which it has no use for)
+    with pytest.raises(ConfigError, match=r"--distributed-executor-backend 'ray' \(vLLM's\) is not taken: in a plain "
+                                          r"process -tp N starts its own ranks, as vLLM's 'mp' does; give 'mp'"):
         engine_kwargs(parse_args(["--distributed-executor-backend", "ray"]))
     monkeypatch.setenv("WORLD_SIZE", "2")  # (under torchrun every rank builds an engine: vLLM's external_launcher)
     assert engine_kwargs(parse_args(["--distributed-executor-backend", "external_launcher"]))["tp_size"] == 2

@@ -278,7 +278,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
     world = 1 if world is None else world
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
-    check_executor_backend(args.distributed_executor_backend, tp_size, named="--distributed-executor-backend ")
+    check_executor_backend(args.distributed_executor_backend, tp_size, named="--distributed-executor-backend ",
+                           starter="-tp N")
     model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
                                        args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
     graphs = graph_config_from_args(args)

@@ -228,16 +228,18 @@ VLLM_KEYWORDS_TAKEN = {
 }
 
 
-def check_executor_backend(backend: object, tp_size: int, named: str = "distributed_executor_backend=") -> None:
+def check_executor_backend(backend: object, tp_size: int, named: str = "distributed_executor_backend=",
+                           starter: str = "TPEngine(tensor_parallel_size=N)") -> None:
     """vLLM's distributed_executor_backend, taken where it names how tpgraph runs its ranks: "external_launcher"
     under torchrun (every rank builds an engine, as vLLM's torchrun example does), "mp" in a plain process (the engine
-    starts its ranks), "uni" at one rank. Any other is refused, naming the one that fits here."""
+    starts its ranks), "uni" at one rank. Any other is refused, naming the one that fits here. `starter`: what starts
+    the ranks in a plain process, as the caller's user writes it (the command line's -tp N)."""
     launched = "WORLD_SIZE" in os.environ  # (torchrun's; TPEngine reads it alike)
     fits = "external_launcher" if launched else "mp"
     if backend is None or backend == fits or (backend == "uni" and tp_size == 1):
         return
     how = "under torchrun every rank builds a TPEngine" if launched else \
-        "in a plain process TPEngine(tensor_parallel_size=N) starts its own ranks"
+        f"in a plain process {starter} starts its own ranks"
     raise ConfigError(f"{named}{backend!r} (vLLM's) is not taken: {how}, as vLLM's {fits!r} "
                       f"does; give {fits!r} or leave it out")
 
