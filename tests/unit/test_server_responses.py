@@ -519,6 +519,24 @@ def test_a_background_response_stored_over_under_its_id_is_cancelled():
     assert same and first_done and len(aborted) == 1
 
 
+def test_background_streams_the_store_drops_before_they_begin_still_end():
+    # (a store of 1 and four background streams at once: each put drops the one before, whose task may not have begun;
+    # a task cancelled before its first step never runs its body, so its log never ended and its POST hung for good)
+    store = ResponseStore(1)
+    app = make_app(ScriptedClient(["a", "b"]), store=store)
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body = {"input": "x", "background": True, "stream": True}
+            return await asyncio.gather(*(http.post("/v1/responses", json=body) for _ in range(4)))
+
+    replies = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert [r.status_code for r in replies] == [200] * 4
+    assert typed_events(replies[-1].text)[-1]["type"] == "response.completed"
+    assert len(store) == 1
+
+
 def test_input_items_lists_a_responses_own_input_a_page_at_a_time():
     app = make_app(ScriptedClient(["a"]))
     first, = post_all(app, [("/v1/responses", {"input": "earlier"})])

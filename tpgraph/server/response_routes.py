@@ -267,7 +267,17 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                     log.end()
                 await run.turn.stream.aclose()
 
+        def ended(_: asyncio.Task) -> None:
+            """A task cancelled before its first step (the store dropped it at once) never ran work's body: it is
+            cancelled all the same, and its log ends (its readers, the POST that created it among them, would wait
+            for good)."""
+            if stored.live is not None:
+                stored.response, stored.live = run.snapshot("cancelled"), None
+            if log is not None and not log.ended:
+                log.end()
+
         stored.task = asyncio.get_running_loop().create_task(work())
+        stored.task.add_done_callback(ended)
         store.put(response_id, stored)
         return stored
 
