@@ -253,6 +253,19 @@ def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
     assert sum(uploaded) < 3 * len(allowed), f"{len(uploaded)} uploads of {sum(uploaded)} ids for 20 tokens"
 
 
+def test_the_allowed_ids_uploads_of_finished_requests_are_bounded_in_memory_not_only_in_ids(monkeypatch):
+    """Each request's allowed_token_ids tuple stays cached on the device after its request ends, until the cache holds
+    MAX_IDS ids: a server whose requests each allow a few ids kept millions of tiny device tensors (CUDA's allocator
+    gives each at least 512 bytes: ~2 GiB beside a KV cache sized to fill the GPU). What the cache holds on the
+    device, each tensor taken at that least, stays within MAX_IDS ids' bytes."""
+    monkeypatch.setattr(sampler_module.AllowedIds, "MAX_IDS", 4096)
+    allowed = sampler_module.AllowedIds(torch.device("cpu"))
+    for i in range(2000):  # (one request after another, each its own tuple of one id)
+        assert allowed.get((i,)).tolist() == [i]
+    held = sum(max(t.numel() * t.element_size(), 512) for _, t in allowed._cache.values())
+    assert held <= 4096 * 8, f"{len(allowed._cache)} cached uploads hold {held} bytes"
+
+
 def test_allowed_ids_that_the_request_bans_until_min_tokens_or_for_good_are_refused(engine):
     """Allowed ids that are all stop ids held back by min_tokens (or all one-token bad words) leave a row with every
     logit masked: its argmax is id 0, which is not allowed (the engine wrote [0, 0, EOS] for allowed [EOS] with

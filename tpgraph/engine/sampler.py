@@ -323,6 +323,9 @@ class AllowedIds:
     (it is kept beside its upload, so its id is not reused while cached)."""
 
     MAX_IDS = 1 << 22  # (cached ids of every request together; past this, the cache starts again)
+    # the fewest ids an upload is counted as: CUDA's caching allocator gives a tensor at least 512 bytes, so a cache of
+    # one-id tuples (each finished request's stays until the cache starts again) held 64 times its ids' bytes
+    MIN_CHARGE = 512 // 8
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -332,11 +335,12 @@ class AllowedIds:
     def get(self, ids: tuple[int, ...]) -> torch.Tensor:
         hit = self._cache.get(id(ids))
         if hit is None or hit[0] is not ids:
-            if self._count + len(ids) > self.MAX_IDS:
+            charge = max(len(ids), self.MIN_CHARGE)
+            if self._count + charge > self.MAX_IDS:
                 self._cache.clear()
                 self._count = 0
             hit = self._cache[id(ids)] = (ids, to_device(ids, torch.int64, self.device))
-            self._count += len(ids)
+            self._count += charge
         return hit[1]
 
 
