@@ -1,7 +1,8 @@
 """Prefix caching under stress and at its edges (from session 39's review): metrics count each admitted sequence once,
 short prompts do not wait, every block comes back after an engine error, and random bursts (aborts, preemption,
 n > 1, stop ids, shared prefixes, chunking and overlap on and off) give the tokens and log-probabilities of the engine
-without caching, with every block back at the end."""
+without caching, with every block back at the end; and the scheduler alone, over random schedules at tiny caches,
+counts every block once each step and runs every request to its end."""
 
 import random
 
@@ -10,6 +11,7 @@ from tpgtest.prefix_engines import BS, engine, prefill_tokens
 from tpgtest.scheduling import run_step
 
 from tpgraph import SamplingParams
+from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
@@ -220,3 +222,92 @@ def test_a_sequence_preempted_once_the_prefix_it_computed_is_cached_queues_first
     step = sched.schedule()  # first's 45th token needs a 12th block: first, the newest, is preempted
     assert step.preempted == [first]
     assert list(sched.waiting) == [first, sample] and sample.status is Status.WAITING
+
+
+def _check_step(sched, step):
+    """What every step must keep: its budget and slots, blocks reserved for what it runs, and every block counted once
+    (held blocks by the sequences holding them; shared ones named; waiting sequences holding none)."""
+    cfg, alloc = sched.cfg, sched.allocator
+    assert step.num_tokens <= cfg.max_num_batched_tokens and len(sched.running) <= cfg.max_num_seqs
+    scheduled = [s for s, _ in step.prefill] + step.decode
+    assert len({id(s) for s in scheduled}) == len(scheduled)
+    for s, n in step.prefill:
+        assert s.status is Status.RUNNING and 1 <= n <= s.num_uncached
+        assert len(s.block_table) * cfg.block_size >= s.num_cached + n
+    for s in step.decode:
+        assert s.num_uncached == 1 and len(s.block_table) * cfg.block_size >= len(s)
+    assert all(not s.block_table and s.status is Status.WAITING for s in sched.waiting)
+    held = {}
+    for s in sched.running:
+        assert len(set(s.block_table)) == len(s.block_table)
+        for b in s.block_table:
+            held[b] = held.get(b, 0) + 1
+    if isinstance(alloc, PrefixCachingAllocator):
+        assert held == alloc._refs
+        assert len(alloc._free) + len(alloc._idle) + len(alloc._refs) == alloc.num_blocks
+        assert all(b in alloc._name_of for b, refs in held.items() if refs > 1), "a shared block with no name"
+    else:
+        assert sum(held.values()) + alloc.num_free == alloc.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_schedules_keep_every_block_counted_and_run_every_request_to_its_end(seed):
+    """The scheduler alone over random arrivals (shared prefixes, n > 1, prompt log-probabilities, priorities), aborts
+    and stops, with each step's tokens pending until the next step reads them (overlapped scheduling), at tiny caches,
+    budgets and block sizes: every step keeps _check_step, nothing stalls, and every block is free at the end."""
+    rng = random.Random(seed)
+    bs, max_len = rng.choice([1, 2, 4, 8]), rng.choice([16, 32, 48])
+    num_blocks = -(-max_len // bs) + rng.randrange(12)
+    seqs, chunked, caching = rng.choice([1, 2, 3, 4, 8]), rng.random() < 0.8, rng.random() < 0.8
+    budget = max(seqs, rng.choice([1, 3, 5, 8, 16, 64])) if chunked else max_len
+    policy = rng.choice(["fcfs", "priority"])
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, block_size=bs,
+                          enable_chunked_prefill=chunked, policy=policy)
+    alloc = PrefixCachingAllocator(num_blocks, bs) if caching else BlockAllocator(num_blocks)
+    sched = Scheduler(cfg, alloc)
+    base, requests, in_flight, next_id = [rng.randrange(50) for _ in range(max_len)], [], [], 0
+    for step_no in range(4000):
+        if step_no < 200 and rng.random() < 0.3:
+            size = rng.randrange(1, max_len)
+            shared = rng.choice([0, size // 2, size])
+            prompt = base[:shared] + [rng.randrange(50) for _ in range(size - shared)]
+            asks = rng.random() < 0.2
+            params = SamplingParams(n=rng.choice([1, 1, 2, 3]), temperature=1.0, prompt_logprobs=0 if asks else None,
+                                    priority=rng.choice([0, 1, -1]) if policy == "priority" else 0)
+            limit, first, request = rng.randrange(1, max_len - size + 1), None, []
+            for i in range(params.n):
+                s = Sequence(next_id, list(prompt), limit, params=params, sample_index=i,
+                             prompt_logprobs_from=first if asks and caching else None)
+                next_id, first = next_id + 1, first or s
+                sched.add(s)
+                request.append(s)
+            requests.append(request)
+        if requests and rng.random() < 0.05:
+            for s in requests.pop(rng.randrange(len(requests))):
+                if s.status is not Status.FINISHED:
+                    s.drop_pending()
+                    sched.finish(s, "abort")
+        step = sched.schedule()
+        _check_step(sched, step)
+        rows = []
+        for s, n in step.prefill:  # (the runner's and the core's bookkeeping of a launched step)
+            s.num_cached += n
+            if s.computes_prompt_logprobs:  # (entries up to the tokens computed, each kept once)
+                entries = min(len(s.prompt_ids) - 1, s.num_cached)
+                s.prompt_logprobs += [(0, 0.0, [])] * max(0, entries - len(s.prompt_logprobs))
+            if s.num_uncached == 0:
+                rows.append((s, s.add_pending()))
+        for s in step.decode:
+            s.num_cached = len(s)
+            rows.append((s, s.add_pending()))
+        for s, index in in_flight:  # the last step's tokens read back: a stop or the length ends the sequence
+            if s.status is not Status.FINISHED:
+                s.resolve_pending(index, rng.randrange(50))
+                if s.reached_length(max_len, index + 1) or rng.random() < 0.03:
+                    s.drop_pending(keep=index + 1)
+                    sched.finish(s, "stop")
+        in_flight = rows
+        if step_no >= 200 and not sched.has_work and not in_flight:
+            break
+    assert not sched.has_work, ([s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running])
+    assert alloc.num_free == alloc.num_blocks
