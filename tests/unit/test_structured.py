@@ -476,6 +476,40 @@ def test_masks_leave_each_constrained_row_its_grammars_tokens_and_the_others_who
         assert torch.equal(masked[row][masked[row].isfinite()], logits[row][masked[row].isfinite()])
 
 
+def test_masks_cost_the_constrained_rows_not_the_whole_batch():
+    """A batch with one structured row among many: its mask is filled on the host, and uploaded, for that row alone.
+    The host's bitmask was [batch, vocab / 32], every row filled with -1 and copied to the device each step, so one
+    JSON request made every step's host work grow with the whole batch (4 MB a step: 256 rows, a 128K vocabulary)."""
+    import torch
+
+    from tpgraph.engine.structured import GrammarCompiler, GrammarState, apply_masks
+    from tpgraph.tokenizer import builtin_tokenizer
+
+    class Filling:  # the matcher, noting the host bitmask each fill writes into
+        def __init__(self, matcher) -> None:
+            self.matcher, self.shapes = matcher, []
+
+        def fill_next_token_bitmask(self, bitmask, index):
+            self.shapes.append((tuple(bitmask.shape), index))
+            return self.matcher.fill_next_token_bitmask(bitmask, index)
+
+        def is_terminated(self) -> bool:
+            return self.matcher.is_terminated()
+
+    tokenizer = builtin_tokenizer()
+    grammars = GrammarCompiler(tokenizer, 258, (257,))
+    first = Filling(grammars.matcher(StructuredOutput("regex", "[a-c]+")))
+    second = Filling(grammars.matcher(StructuredOutput("regex", "[xy]")))
+    logits = torch.randn(64, 258)
+    masked = logits.clone()
+    apply_masks(masked, [(37, GrammarState(first)), (5, GrammarState(second))])
+    assert first.shapes == [((2, 9), 0)] and second.shapes == [((2, 9), 1)]  # (258 tokens: 9 words of 32 bits)
+    kept = [[tokenizer.decode([t]) for t in row.isfinite().nonzero().flatten().tolist()] for row in masked]
+    assert kept[37] == ["a", "b", "c"] and kept[5] == ["x", "y"]
+    others = [r for r in range(64) if r not in (5, 37)]
+    assert torch.equal(masked[others], logits[others])
+
+
 def test_a_refused_grammar_is_not_compiled_again_by_the_add_after_the_servers_precompile():
     """The server's bridge compiles a new grammar on a thread of its own (EngineService.precompile) so that the
     engine thread, adding the request, compiles nothing in a step. A refusal was not kept, so the add compiled the

@@ -437,21 +437,24 @@ def apply_masks(x: Any, grammars: list[tuple[int, GrammarState]]) -> None:
     copied from pinned memory, queued: from pageable memory (xgrammar's own bitmask, its list of rows) each copy made
     the host wait for the stream's queued work, the step's forward, so the overlapped loop could not schedule the next
     step meanwhile. The caching host allocator keeps each buffer until its copy has read it, then hands it to a later
-    step's masks."""
+    step's masks. Only the constrained rows' masks are filled and copied (a whole batch's bitmask, for one structured
+    request among many, made every step's host work grow with the batch); the rest of the device's bitmask is set on
+    the device, to every token allowed."""
     import torch
     import xgrammar as xgr
 
     from tpgraph.uploads import to_device
 
     pinned = x.device.type == "cuda"
-    bitmask = torch.full(xgr.get_bitmask_shape(x.shape[0], x.shape[1]), -1, dtype=xgr.bitmask_dtype,
-                         pin_memory=pinned)  # (-1: every token allowed; a constrained row's fill writes it whole)
-    for row, grammar in grammars:
-        grammar.matcher.fill_next_token_bitmask(bitmask, row)
+    masks = torch.empty(xgr.get_bitmask_shape(len(grammars), x.shape[1]), dtype=xgr.bitmask_dtype,
+                        pin_memory=pinned)  # (each row is written whole by its grammar's fill)
+    for i, (_, grammar) in enumerate(grammars):
+        grammar.matcher.fill_next_token_bitmask(masks, i)
     rows = [row for row, _ in grammars]
-    indices = to_device(rows, torch.int32, x.device) if pinned else rows
-    xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), vocab_size=x.shape[1],
-                                    indices=indices)
+    at = to_device(rows, torch.int64, x.device)
+    bitmask = torch.full((x.shape[0], masks.shape[1]), -1, dtype=masks.dtype, device=x.device)  # (-1: all allowed)
+    bitmask.index_copy_(0, at, masks.to(x.device, non_blocking=True))
+    xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=x.shape[1], indices=at.int() if pinned else rows)
 
 
 # xgrammar (0.2.9, its issue 800) writes a string with minLength or maxLength as a run of this class: it admits raw
