@@ -105,3 +105,46 @@ def test_dummy_load_format_needs_only_config(tmp_path):
     assert model.layers[0].mlp.down_proj.weight.abs().sum() > 0  # filled, not left at zero
     with pytest.raises(ConfigError, match="load_format must be one of"):
         load_model(state, TPCommunicator(state), tmp_path, load_format="gguf")
+
+
+def test_decode_block_tables_are_moved_and_extended_not_rewritten(monkeypatch):
+    """A decode row's block table is written from the host's list once; when its sequence moves to another row (one
+    before it finished, or sat out a step) the row is copied over, and a grown table gets its new entries alone. Each
+    shift of the batch rewrote every moved row's whole table from its list: O(batch x context) Python work in the
+    step, 2.7 ms at 256 rows of 4000 tokens."""
+    from tpgraph.engine.sequence import Sequence
+
+    state = init_distributed("cpu")
+    model = load_model(state, TPCommunicator(state))
+    r = ModelRunner(model, RunnerConfig(block_size=4, max_batch=4, max_model_len=64, num_kv_blocks=80))
+    seqs = [Sequence(i, [1] * 39, 8, output_ids=[2], block_table=list(range(10 * i + 1, 10 * i + 11)), num_cached=39)
+            for i in range(5)]
+    written = []
+    real = ModelRunner._write_table_row
+    monkeypatch.setattr(r, "_write_table_row",
+                        lambda tables, row, table, start: written.append(len(table) - start)
+                        or real(tables, row, table, start))
+    tables = r.decode_in.host_np("block_tables")
+
+    def check(batch):
+        r._write_decode_inputs(batch)
+        for i, seq in enumerate(batch):
+            assert list(tables[i, :len(seq.block_table)]) == seq.block_table
+
+    check(seqs[:4])
+    assert sum(written) == 40  # (every table once, whole)
+    written.clear()
+    check(seqs[1:5])  # the first finished: three move up a row, one arrives
+    assert sum(written) == 10
+    written.clear()
+    check([seqs[4], seqs[2], seqs[1], seqs[3]])  # every row changes hands
+    assert sum(written) == 0
+    written.clear()
+    seqs[2].output_ids.append(3)  # a new block
+    check([seqs[2], seqs[4], seqs[1], seqs[3]])
+    assert sum(written) == 1
+    written.clear()
+    seqs[1].num_preemptions += 1  # preempted and back with other blocks: written whole
+    seqs[1].block_table = list(range(61, 71))
+    check([seqs[2], seqs[4], seqs[1], seqs[3]])
+    assert sum(written) == 10

@@ -732,6 +732,13 @@ class ModelRunner:
             raise ConfigError(f"{len(token_sources)} token sources for {n} sequences")
         inputs, rows = self.decode_in, self._bt_rows
         tables = inputs.host_np("block_tables")
+        # where each sequence's table was written (a row's key: seq id, preemptions, the table's length then): a
+        # sequence that moved to another row (one before it finished or sat out) has its row copied over in C, and a
+        # table that grew gets its new entries alone; rewritten whole from its list, a shift of the batch cost every
+        # row its whole context's blocks
+        written: dict[tuple[int, int], tuple[int, int]] | None = None  # (made at the first row that changed)
+        moves: list[tuple[int, int]] = []
+        tails: list[tuple[int, list[int], int, tuple[int, int, int]]] = []
         lens, tokens, blocks = [0] * n, [0] * n, [0] * n
         for i, (seq, source) in enumerate(zip(seqs, token_sources, strict=True)):
             if seq.num_pending != (source != NO_SOURCE) or not NO_SOURCE <= source < self.seq_rows:
@@ -743,15 +750,31 @@ class ModelRunner:
                 self.reserve(seq, length)
             lens[i], tokens[i], blocks[i] = length, seq.last_token, table[(length - 1) // bs]
             key = (seq.seq_id, seq.num_preemptions, len(table))
-            if rows[i] != key:  # a block table row changes once every block_size steps
-                tables[i, :len(table)] = table
-                rows[i] = key
+            if rows[i] != key:  # a block table row changes once every block_size steps, or when its sequence moves
+                if written is None:
+                    written = {k[:2]: (row, k[2]) for row, k in enumerate(rows) if k is not None}
+                row, done = written.get(key[:2], (i, 0))
+                done = done if done <= len(table) else 0  # (a table only grows while its key's sequence runs)
+                if row != i and done:
+                    moves.append((i, row))
+                tails.append((i, table, done, key))
+        if moves:  # (the rows read are copied out before any is written)
+            tables[[to for to, _ in moves]] = tables[[of for _, of in moves]]
+        for i, table, done, key in tails:  # (keys changed last: `written` is the rows as the last step left them)
+            self._write_table_row(tables, i, table, done)
+            rows[i] = key
         last = np.array(lens, dtype=np.int64) - 1
         inputs.host_np("seq_lens")[:n] = lens
         inputs.host_np("positions")[:n] = last
         inputs.host_np("input_ids")[:n] = tokens
         inputs.host_np("token_source")[:n] = token_sources
         inputs.host_np("slot_mapping")[:n] = np.array(blocks, dtype=np.int64) * bs + last % bs
+
+    @staticmethod
+    def _write_table_row(tables: np.ndarray, row: int, table: list[int], start: int) -> None:
+        """Write block table entries [start, len(table)) of a decode row from the sequence's list."""
+        if start < len(table):
+            tables[row, start:len(table)] = table[start:]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], token_sources: list[int] | None = None) -> torch.Tensor:
