@@ -114,3 +114,31 @@ def test_a_sampled_row_draws_from_the_biased_distribution(fused):
         p = w / sum(weights.values())
         sd = math.sqrt(p * (1 - p) / (n - 10))
         assert abs(counts[token] / (n - 10) - p) < 5 * sd, (token, counts)
+
+
+def test_a_requests_bias_is_uploaded_once_not_every_step(monkeypatch):
+    """A request's logit_bias (up to 300 entries) is uploaded to the device at its first step and kept: later steps
+    upload a row index and a count per biased row. Every entry was listed and uploaded again each step, host work
+    that outgrew the step itself at a few dozen such rows (6.6 ms a step for 64 rows of 300 entries, on CPU)."""
+    import tpgraph.engine.sampler as sampler_module
+
+    uploaded = []
+    for name, parts in (("to_device", False), ("to_device_parts", True)):
+        real = getattr(sampler_module, name)
+        monkeypatch.setattr(sampler_module, name, lambda values, *a, real=real, parts=parts:
+                            uploaded.append(sum(map(len, values)) if parts else len(values)) or real(values, *a))
+    rows = [row(temperature=0.0, logit_bias={(7 * i + 3 * j) % 50: 1.0 + j for j in range(40)}) for i in range(4)]
+    rows.append(row(temperature=0.0))  # (unbiased, in the same batch)
+    sampler = Sampler("cpu")
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    first = sampler.sample(logits, rows)
+    assert sum(uploaded) >= 4 * 40 * 2
+    uploaded.clear()
+    again = sampler.sample(logits, rows)
+    assert sum(uploaded) <= 2 * 4  # (each biased row's index and count)
+    assert again.token_ids == first.token_ids
+    biased = logits.clone()
+    for i, r in enumerate(rows):
+        for t, b in r.params.logit_bias:
+            biased[i, t] += b
+    assert again.token_ids == biased.argmax(-1).tolist()

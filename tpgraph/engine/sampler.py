@@ -114,6 +114,7 @@ class Sampler:
         self.penalties = penalties
         self.fused = fused
         self.allowed = AllowedIds(self.device)
+        self.biases = LogitBiases(self.device)
 
     def _takes_fused(self, logits: torch.Tensor) -> bool:
         if fused_sampling.triton is None or logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -152,7 +153,7 @@ class Sampler:
         # of the tokens a grammar allows (and before bias, penalties and the rest)
         raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
         if biased:  # before penalties, as vLLM orders them; in place where x is a copy already
-            x = add_logit_bias(x, rows, in_place=x is not logits)
+            x = add_logit_bias(x, rows, in_place=x is not logits, biases=self.biases)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.params.allowed_token_ids is not None for r in rows):  # (out of place, as below)
             x = keep_allowed(x, rows, self.allowed)
@@ -357,13 +358,45 @@ def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: AllowedIds) ->
     return x.masked_fill(~keep, float("-inf"))
 
 
-def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False) -> torch.Tensor:
+class LogitBiases:
+    """Each request's logit_bias on the device, uploaded once (its ids and its values): a request's pairs are the same
+    object every step (kept beside its upload, so its id is not reused while cached). A step then costs the host a
+    lookup per biased row; its every entry (300 a request) listed and uploaded again each step took longer than the
+    step itself in a batch of a few dozen such rows."""
+
+    MAX_ENTRIES = 1 << 22  # (cached entries of every request together; past this, the cache starts again)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[int, tuple[tuple[tuple[int, float], ...], torch.Tensor, torch.Tensor]] = {}
+        self._count = 0
+
+    def get(self, pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [n] int64, values [n] fp32) of one request's logit_bias pairs, on the device."""
+        hit = self._cache.get(id(pairs))
+        if hit is None or hit[0] is not pairs:
+            if self._count + len(pairs) > self.MAX_ENTRIES:
+                self._cache.clear()
+                self._count = 0
+            ids = to_device([t for t, _ in pairs], torch.int64, self.device)
+            hit = self._cache[id(pairs)] = (pairs, ids, to_device([b for _, b in pairs], torch.float32, self.device))
+            self._count += len(pairs)
+        return hit[1], hit[2]
+
+
+def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False,
+                   biases: LogitBiases | None = None) -> torch.Tensor:
     """x [B, vocab] fp32 with each row's logit_bias added (a row's ids are distinct, so one gather and one scatter
-    add them exactly): x itself if in_place, else a new tensor."""
-    at, ids = to_device_parts([[i for i, r in enumerate(rows) for _ in r.params.logit_bias],
-                               [t for r in rows for t, _ in r.params.logit_bias]], torch.int64, x.device)
-    bias = to_device([b for r in rows for _, b in r.params.logit_bias], torch.float32, x.device)
-    return (x.index_put_ if in_place else x.index_put)((at, ids), x[at, ids] + bias)
+    add them exactly): x itself if in_place, else a new tensor. `biases`: the uploads kept between steps (None: made
+    for this call)."""
+    biases = biases if biases is not None else LogitBiases(x.device)
+    biased = [(i, biases.get(r.params.logit_bias)) for i, r in enumerate(rows) if r.params.logit_bias]
+    ids = torch.cat([t for _, (t, _) in biased])
+    values = torch.cat([v for _, (_, v) in biased])
+    biased_rows, counts = to_device_parts([[i for i, _ in biased], [len(t) for _, (t, _) in biased]], torch.int64,
+                                          x.device)
+    at = biased_rows.repeat_interleave(counts, output_size=len(ids))
+    return (x.index_put_ if in_place else x.index_put)((at, ids), x[at, ids] + values)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
