@@ -253,17 +253,18 @@ def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
     assert sum(uploaded) < 3 * len(allowed), f"{len(uploaded)} uploads of {sum(uploaded)} ids for 20 tokens"
 
 
-def test_the_allowed_ids_uploads_of_finished_requests_are_bounded_in_memory_not_only_in_ids(monkeypatch):
-    """Each request's allowed_token_ids tuple stays cached on the device after its request ends, until the cache holds
-    MAX_IDS ids: a server whose requests each allow a few ids kept millions of tiny device tensors (CUDA's allocator
-    gives each at least 512 bytes: ~2 GiB beside a KV cache sized to fill the GPU). What the cache holds on the
-    device, each tensor taken at that least, stays within MAX_IDS ids' bytes."""
-    monkeypatch.setattr(sampler_module.AllowedIds, "MAX_IDS", 4096)
-    allowed = sampler_module.AllowedIds(torch.device("cpu"))
-    for i in range(2000):  # (one request after another, each its own tuple of one id)
-        assert allowed.get((i,)).tolist() == [i]
-    held = sum(max(t.numel() * t.element_size(), 512) for _, t in allowed._cache.values())
-    assert held <= 4096 * 8, f"{len(allowed._cache)} cached uploads hold {held} bytes"
+def test_the_kept_uploads_of_finished_requests_are_bounded_in_memory_not_only_in_entries(monkeypatch):
+    """Each request's allowed_token_ids (and logit_bias) stays cached on the device after its request ends, until the
+    cache holds MAX_ENTRIES entries: a server whose requests each allow a few ids kept millions of tiny device tensors
+    (CUDA's allocator gives each at least 512 bytes: ~2 GiB beside a KV cache sized to fill the GPU). What the cache
+    holds on the device, each tensor taken at that least, stays within MAX_ENTRIES entries' bytes."""
+    monkeypatch.setattr(sampler_module.KeptUploads, "MAX_ENTRIES", 4096)
+    for uploads, value in ((sampler_module.allowed_ids_uploads(torch.device("cpu")), lambda i: (i,)),
+                           (sampler_module.logit_bias_uploads(torch.device("cpu")), lambda i: ((i, 0.5),))):
+        for i in range(2000):  # (one request after another, each its own tuple of one entry)
+            assert uploads.get(value(i))[0].tolist() == [i]
+        held = sum(max(t.numel() * t.element_size(), 512) for _, tensors in uploads._cache.values() for t in tensors)
+        assert held <= 4096 * 8, f"{len(uploads._cache)} cached uploads hold {held} bytes"
 
 
 def test_allowed_ids_that_the_request_bans_until_min_tokens_or_for_good_are_refused(engine):

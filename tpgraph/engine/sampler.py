@@ -21,6 +21,7 @@ table applies and counts in kernels/penalties.py's launches there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -113,8 +114,8 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.penalties = penalties
         self.fused = fused
-        self.allowed = AllowedIds(self.device)
-        self.biases = LogitBiases(self.device)
+        self.allowed = allowed_ids_uploads(self.device)
+        self.biases = logit_bias_uploads(self.device)
 
     def _takes_fused(self, logits: torch.Tensor) -> bool:
         if fused_sampling.triton is None or logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -319,35 +320,49 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
     return x.index_put((at,), table.apply(x[at], slots, params)), Counted(at, slots)
 
 
-class AllowedIds:
-    """Each request's allowed_token_ids on the device, uploaded once: a request's tuple is the same object every step
-    (it is kept beside its upload, so its id is not reused while cached)."""
+class KeptUploads:
+    """Each request's fixed per-token lists (allowed_token_ids, logit_bias) on the device, uploaded once: a request's
+    tuple is the same object every step (it is kept beside its upload, so its id is not reused while cached). A step
+    then costs the host a lookup per row that has one; listed and uploaded again each step, 300 logit_bias entries a
+    request took longer than the step itself in a batch of a few dozen such rows."""
 
-    MAX_IDS = 1 << 22  # (cached ids of every request together; past this, the cache starts again)
-    # the fewest ids an upload is counted as: CUDA's caching allocator gives a tensor at least 512 bytes, so a cache of
-    # one-id tuples (each finished request's stays until the cache starts again) held 64 times its ids' bytes
+    MAX_ENTRIES = 1 << 22  # (cached 8-byte entries of every request together; past this, the cache starts again)
+    # the fewest entries a tensor is counted as: CUDA's caching allocator gives a tensor at least 512 bytes, so a cache
+    # of one-id tuples (each finished request's stays until the cache starts again) held 64 times its ids' bytes
     MIN_CHARGE = 512 // 8
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cache: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+    def __init__(self, upload: Callable[[tuple], tuple[torch.Tensor, ...]]) -> None:
+        self.upload = upload
+        self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
         self._count = 0
 
-    def get(self, ids: tuple[int, ...]) -> torch.Tensor:
-        hit = self._cache.get(id(ids))
-        if hit is None or hit[0] is not ids:
-            charge = max(len(ids), self.MIN_CHARGE)
-            if self._count + charge > self.MAX_IDS:
+    def get(self, values: tuple) -> tuple[torch.Tensor, ...]:
+        hit = self._cache.get(id(values))
+        if hit is None or hit[0] is not values:
+            tensors = self.upload(values)
+            charge = sum(max(t.numel(), self.MIN_CHARGE) for t in tensors)
+            if self._count + charge > self.MAX_ENTRIES:
                 self._cache.clear()
                 self._count = 0
-            hit = self._cache[id(ids)] = (ids, to_device(ids, torch.int64, self.device))
+            hit = self._cache[id(values)] = (values, tensors)
             self._count += charge
         return hit[1]
 
 
-def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: AllowedIds) -> torch.Tensor:
+def allowed_ids_uploads(device: torch.device) -> KeptUploads:
+    """allowed_token_ids -> (ids [n] int64,) on the device."""
+    return KeptUploads(lambda ids: (to_device(ids, torch.int64, device),))
+
+
+def logit_bias_uploads(device: torch.device) -> KeptUploads:
+    """logit_bias pairs -> (ids [n] int64, values [n] fp32) on the device."""
+    return KeptUploads(lambda pairs: (to_device([t for t, _ in pairs], torch.int64, device),
+                                      to_device([b for _, b in pairs], torch.float32, device)))
+
+
+def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: KeptUploads) -> torch.Tensor:
     """x with every logit masked (-inf) but each row's allowed_token_ids (rows without any keep all)."""
-    asking = [(i, allowed.get(r.params.allowed_token_ids)) for i, r in enumerate(rows)
+    asking = [(i, allowed.get(r.params.allowed_token_ids)[0]) for i, r in enumerate(rows)
               if r.params.allowed_token_ids is not None]
     ids = torch.cat([t for _, t in asking])
     masked, counts = to_device_parts([[i for i, _ in asking], [len(t) for _, t in asking]], torch.int64, x.device)
@@ -358,38 +373,12 @@ def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: AllowedIds) ->
     return x.masked_fill(~keep, float("-inf"))
 
 
-class LogitBiases:
-    """Each request's logit_bias on the device, uploaded once (its ids and its values): a request's pairs are the same
-    object every step (kept beside its upload, so its id is not reused while cached). A step then costs the host a
-    lookup per biased row; its every entry (300 a request) listed and uploaded again each step took longer than the
-    step itself in a batch of a few dozen such rows."""
-
-    MAX_ENTRIES = 1 << 22  # (cached entries of every request together; past this, the cache starts again)
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cache: dict[int, tuple[tuple[tuple[int, float], ...], torch.Tensor, torch.Tensor]] = {}
-        self._count = 0
-
-    def get(self, pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [n] int64, values [n] fp32) of one request's logit_bias pairs, on the device."""
-        hit = self._cache.get(id(pairs))
-        if hit is None or hit[0] is not pairs:
-            if self._count + len(pairs) > self.MAX_ENTRIES:
-                self._cache.clear()
-                self._count = 0
-            ids = to_device([t for t, _ in pairs], torch.int64, self.device)
-            hit = self._cache[id(pairs)] = (pairs, ids, to_device([b for _, b in pairs], torch.float32, self.device))
-            self._count += len(pairs)
-        return hit[1], hit[2]
-
-
 def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False,
-                   biases: LogitBiases | None = None) -> torch.Tensor:
+                   biases: KeptUploads | None = None) -> torch.Tensor:
     """x [B, vocab] fp32 with each row's logit_bias added (a row's ids are distinct, so one gather and one scatter
     add them exactly): x itself if in_place, else a new tensor. `biases`: the uploads kept between steps (None: made
     for this call)."""
-    biases = biases if biases is not None else LogitBiases(x.device)
+    biases = biases if biases is not None else logit_bias_uploads(x.device)
     biased = [(i, biases.get(r.params.logit_bias)) for i, r in enumerate(rows) if r.params.logit_bias]
     ids = torch.cat([t for _, (t, _) in biased])
     values = torch.cat([v for _, (_, v) in biased])
