@@ -15,12 +15,13 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, env: dict[str, str], cwd: str
-           ) -> None:
-    # forked from the fork server, which holds the environment and directory of its own start: take the caller's
+def _entry(rank: int, world_size: int, call: bytes, workdir: str, env: dict[str, str], cwd: str) -> None:
+    # forked from the fork server, which holds the environment and directory of its own start: take the caller's, and
+    # only then unpickle the call (which imports fn's module: a variable read at its import sees the caller's value)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    fn, args = pickle.loads(call)
     init = f"file://{workdir}/init"
     result = fn(rank, world_size, init, *args)
     Path(workdir, f"result{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -33,7 +34,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) ->
     imported torch once: spawned, each rank's import of torch was most of the CPU the multi-rank tests took."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
     with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.start_processes(_entry, args=(world_size, fn, args, workdir, dict(os.environ), os.getcwd()),
+        call = pickle.dumps((fn, args))
+        ctx = mp.start_processes(_entry, args=(world_size, call, workdir, dict(os.environ), os.getcwd()),
                                  nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
