@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -182,6 +183,21 @@ def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
             "server": ("t", 80)}
 
 
+def request_then_disconnect(body: bytes) -> tuple[Callable[[], Awaitable[dict]], asyncio.Event]:
+    """An ASGI receive that gives the request whole, then waits until the event returned is set and says the client
+    disconnected."""
+    left = asyncio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return receive, left
+
+
 def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
                       stuck_send: int | None = None) -> tuple[float, list[dict]]:
     """The ASGI exchange of a client that sends its request, waits 0.3 s, then goes away: the seconds until the
@@ -190,14 +206,7 @@ def leave_mid_request(app, client, path: str, body: bytes, headers: list[tuple[b
     sent: list[dict] = []
 
     async def main() -> float:
-        left = asyncio.Event()
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop(0)
-            await left.wait()
-            return {"type": "http.disconnect"}
+        receive, left = request_then_disconnect(body)
 
         async def send(message: dict) -> None:
             sent.append(message)
