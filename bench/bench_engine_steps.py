@@ -28,6 +28,7 @@ from bench_decode import SHAPES
 from tpgraph import TPEngine
 from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.structured import StructuredOutput
 from tpgraph.graphs.config import GraphConfig
 
 MIXES = {
@@ -40,7 +41,13 @@ MIXES = {
     "top-k+min-p": dict(temperature=0.7, top_k=50, min_p=0.05),
     "top-k+penalties": dict(temperature=0.8, top_k=50, repetition_penalty=1.1),
     "sampled+penalties": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2),
+    # 300 biased ids a request (the OpenAI limit; run_point lists them): the bias upload a step (session 58)
+    "logit-bias": dict(temperature=0.0),
+    # one constrained row among greedy ones (row 0 below): the grammar bitmask's host work a step (session 58)
+    "one-regex": dict(temperature=0.0),
 }
+# mixes whose first row differs from the rest; its regex outlasts any --tokens, so every step is constrained
+FIRST_ROW = {"one-regex": dict(temperature=0.0, structured=StructuredOutput("regex", "[a-z ]{1000,3000}"))}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -65,9 +72,13 @@ def run_point(engine: TPEngine, batch: int, prompt_len: int, tokens: int, mix: s
     table = getattr(engine.runner, "penalties", None)  # (None in trees from before the count table)
     fills = table.fills if table is not None else 0
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, **MIXES[mix])
+    biased = {"logit_bias": {token: 0.5 for token in range(min(300, vocab))}} if mix == "logit-bias" else {}
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, **MIXES[mix], **biased)
+    # (a constrained row cannot ignore the EOS: its grammar allows it only past 1000 letters)
+    first = SamplingParams(max_tokens=tokens, **FIRST_ROW[mix]) if mix in FIRST_ROW else params
     for i in range(batch):
-        core.add_request(f"{mix}-{batch}-{seed}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
+        core.add_request(f"{mix}-{batch}-{seed}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                         first if i == 0 else params)
     steps = []
     while core.has_work:
         t0 = time.perf_counter()

@@ -540,6 +540,22 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              'bos_token_id': 128000, 'eos_token_id': 128001}, open(sys.argv[1], 'w'))" "$out/llama3_8b_cfg/config.json"
          timeout 300 python3 bench/bench_structured_steps.py "$out/llama3_8b_cfg" --out "$out/structured_steps.json" 2>&1 \
              | grep -E "^\{|Error" | tee "$out/structured_steps.log" ;;
+    engine-steps-ab) need_xgrammar  # whole engine steps (bench_engine_steps.py: the sampler, the host's work) of package
+         # trees in alternating processes, as ab does for the forward alone. ES_VARIANTS: LABEL=DIR ... ("new=. old=
+         # ab/old"; prepare the trees before the call: python bench/ab_decode.py --prepare REV ab/old); ES_ROUNDS (2),
+         # ES_BATCHES (8,64,256), ES_PROMPT (1024), ES_MIXES (greedy,logit-bias,one-regex), SHAPE (llama3-8b-half)
+         mkdir -p "$out/engine_steps"
+         for round in $(seq "${ES_ROUNDS:-2}"); do
+           for variant in ${ES_VARIANTS:?set ES_VARIANTS to LABEL=DIR pairs}; do
+             label=${variant%%=*} tree=${variant#*=}
+             ls "$tree"/tpgraph/_C*.so > /dev/null 2>&1 || cp tpgraph/_C*.so "$tree/tpgraph/"  # (a prepared tree)
+             echo "--- $label round $round"
+             PYTHONPATH=$(realpath "$tree"):$PYTHONPATH timeout 240 python3 bench/bench_engine_steps.py --warmup \
+                 --shape "${SHAPE:-llama3-8b-half}" --batches "${ES_BATCHES:-8,64,256}" --prompt-len "${ES_PROMPT:-1024}" \
+                 --mixes "${ES_MIXES:-greedy,logit-bias,one-regex}" --out "$out/engine_steps/${label}_r$round.json" 2>&1 \
+                 | grep -E "^batch|Error" | tee -a "$out/engine_steps.log"
+           done
+         done ;;
     engine-tests) need_xgrammar  # (structured outputs' tests)
          timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
              tests/gpu/test_uploads_gpu.py tests/gpu/test_sampler_gpu.py -q -rfEs 2>&1 \

@@ -33,3 +33,16 @@ def test_a_point_times_the_whole_batch_decode_steps(steps, tmp_path):
         r = steps.run_point(engine, 3, 20, 6, "sampled+penalties", seed=1)
     # 6 tokens: the prefill's, then 5 decode steps of all 3 rows; all but the first overlap a read-back
     assert r["steps"] == 5 and r["overlapped"] >= 0.8 and r["fills"] == 3 and r["step_ms"] > 0
+
+
+@pytest.mark.parametrize("mix", ["logit-bias", "one-regex"])
+def test_the_step_loop_mixes_decode_the_whole_batch(steps, tmp_path, mix):
+    """The mixes that time session 58's host work (a bias upload, one constrained row among free ones) run a point:
+    the constrained row is not let end, so every step decodes all rows."""
+    from tpgraph import TPEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(steps.hf_config(BUILTIN_MODEL)))
+    with TPEngine(str(tmp_path), load_format="dummy", device="cpu", max_num_seqs=3, max_model_len=64,
+                  num_kv_blocks=32, block_size=8) as engine:
+        r = steps.run_point(engine, 3, 20, 6, mix, seed=1)
+    assert r["steps"] == 5 and r["step_ms"] > 0
