@@ -7,7 +7,9 @@ decode batch sizes `--batches`. For each kernel: the bytes it must move (reads +
 (those bytes over the HBM copy bandwidth measured the same way as bench_decode.py), the time by the one timing method
 (tpgraph/tune/timing.py: a graph of 64 calls cycling through enough input copies that they cannot sit in L2, the
 median of 20 replays after a GPU sleep), and the floor's share of that time. The projections come from
-tpgraph/kernels/gemv.py (the shipped tiles) beside cuBLAS. Attention: ours (paged, GQA-grouped, split-KV) against
+tpgraph/kernels/gemv.py (the shipped tiles) beside cuBLAS; at a batch above the small-M kernels' rows (32, or
+TPGRAPH_GEMV_MAX_M) the engine runs cuBLAS, timed alone, and the table and JSON list the Triton rows as not
+applicable, as they do a fused kernel that declines a shape. Attention: ours (paged, GQA-grouped, split-KV) against
 `F.scaled_dot_product_attention` on a contiguous cache (`enable_gqa`), at contexts `--contexts`.
 Writes JSON, a markdown table (`.md`) and a plot (`.png`).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +48,14 @@ class KernelRow:
     def of_floor(self) -> float:
         """The floor's share of the time: 1.0 is a kernel at the bandwidth floor."""
         return self.floor_us / self.us
+
+
+@dataclass
+class NotApplicable:
+    """A kernel the engine does not run at this batch (a row left out would read as forgotten): why, and what runs."""
+    kernel: str
+    batch: int
+    why: str
 
 
 def moved_bytes(kernel: str, m: int, context: int = 0) -> int:
@@ -139,38 +149,53 @@ def rope_rows(m: int, hbm: float, l2: int, device: torch.device,
     return rows
 
 
-def projection_rows(batches: list[int], hbm: float, l2: int, device: torch.device) -> list[KernelRow]:
+def projection_rows(batches: list[int], hbm: float, l2: int,
+                    device: torch.device) -> tuple[list[KernelRow], list[NotApplicable]]:
+    """Each projection by cuBLAS and by the small-M kernels at each batch, and the fused ones where they apply. Above
+    the small-M kernels' rows the engine runs cuBLAS: that row is timed, the Triton ones listed as not applicable (as is
+    a fused kernel that declines a shape: decode then runs the two steps)."""
     from tpgraph.kernels.gemv import gate_up_silu, linear_small_m, max_rows, qkv_rope_store
 
     most = max_rows(2)  # 32 (16 with TPGRAPH_GEMV_MAX_M=16)
+    above = f"above the small-M kernels' {most} rows (max_rows, TPGRAPH_GEMV_MAX_M): the engine runs cuBLAS"
+    two_steps = "does not apply at this shape and batch: decode runs the two steps"
 
     rope = (torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16),
             torch.rand(4096, HEAD_DIM // 2, device=device).to(torch.bfloat16))
     rope_rows = torch.arange(most, device=device)  # positions and cache slots of the rows
     kc = torch.zeros(most // BLOCK_SIZE + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     vc = torch.zeros_like(kc)
+    skipped: list[NotApplicable] = []
 
     def at(name: str, n: int, k: int) -> list[KernelRow]:  # one shape (the timed closures bind its inputs)
         rows = []
         copies = copies_for(n * k * BF16, l2)
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
-        for m in (b for b in batches if b <= most):
+        fused = {"gate_up": "gate_up+silu (Triton)", "qkv": "qkv+rope_store (Triton)"}.get(name)
+        for m in batches:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-            timed = {f"{name} (cuBLAS)": lambda i, x=x: F.linear(x, ws[i]),
-                     f"{name} (Triton)": lambda i, x=x: linear_small_m(x, ws[i])}
+            timed = {f"{name} (cuBLAS)": lambda i, x=x: F.linear(x, ws[i])}
+            if m > most:
+                skipped.extend(NotApplicable(label, m, above) for label in (f"{name} (Triton)", fused) if label)
+                rows += [_row(label, m, None, hbm, per_op_us(fn, copies)) for label, fn in timed.items()]
+                continue
+            timed[f"{name} (Triton)"] = lambda i, x=x: linear_small_m(x, ws[i])
             if name == "gate_up" and gate_up_silu(x, ws[0]) is not None:  # None: these tiles split K, no epilogue
-                timed["gate_up+silu (Triton)"] = lambda i, x=x: gate_up_silu(x, ws[i])
+                timed[fused] = lambda i, x=x: gate_up_silu(x, ws[i])
             # (None: where it does not apply, decode runs the two steps; a row then would time a no-op)
             if name == "qkv" and qkv_rope_store(x, ws[0], rope_rows[:m], rope, rope_rows[:m], kc, vc, HEADS, KV_HEADS,
                                                 HEAD_DIM) is not None:
-                timed["qkv+rope_store (Triton)"] = lambda i, x=x, rows=rope_rows[:m]: qkv_rope_store(
+                timed[fused] = lambda i, x=x, rows=rope_rows[:m]: qkv_rope_store(
                     x, ws[i], rows, rope, rows, kc, vc, HEADS, KV_HEADS, HEAD_DIM)
+            if fused and fused not in timed:
+                skipped.append(NotApplicable(fused, m, two_steps))
             rows += [_row(label, m, None, hbm, per_op_us(fn, copies)) for label, fn in timed.items()]
         ws.clear()
         torch.cuda.empty_cache()
         return rows
 
-    return [row for name, (n, k) in PROJECTION_SHAPES.items() for row in at(name, n, k)]
+    rows = [row for name, (n, k) in PROJECTION_SHAPES.items() for row in at(name, n, k)]
+    return rows, skipped
 
 
 def attention_rows(batches: list[int], contexts: list[int], hbm: float, l2: int,
@@ -216,13 +241,16 @@ def _row(kernel: str, m: int, context: int | None, hbm: float, us: float, nbytes
     return KernelRow(kernel, m, context, nbytes, us, nbytes / hbm * 1e6)
 
 
-def table(rows: list[KernelRow], hbm: float) -> str:
+def table(rows: list[KernelRow], hbm: float, skipped: Sequence[NotApplicable] = ()) -> str:
+    """The markdown table: a row per timed kernel, then one per kernel not applicable at its batch, saying why."""
     lines = [f"HBM copy bandwidth {hbm / 1e12:.2f} TB/s; floor = bytes moved / that bandwidth", "",
              "| kernel | batch | context | bytes moved | µs | floor µs | floor ÷ time |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.kernel} | {r.batch} | {r.context or ''} | {r.moved_bytes:,} | {r.us:.2f} | "
                      f"{r.floor_us:.2f} | {r.of_floor:.0%} |")
+    for s in skipped:
+        lines.append(f"| {s.kernel} | {s.batch} |  |  | not applicable: {s.why} |  |  |")
     return "\n".join(lines)
 
 
@@ -293,14 +321,17 @@ def main() -> None:
     hbm = hbm_bandwidth(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     batches, contexts = args.batches, args.contexts
-    rows = elementwise_rows(batches, hbm, l2, device) + projection_rows(batches, hbm, l2, device)
+    rows = elementwise_rows(batches, hbm, l2, device)
+    projections, skipped = projection_rows(batches, hbm, l2, device)
+    rows += projections
     rows += attention_rows(batches, contexts, hbm, l2, device)
     for m in args.prefill_tokens:
         rows += rope_rows(m, hbm, l2, device, per_program=(1, 16))
-    text = table(rows, hbm)
+    text = table(rows, hbm, skipped)
     print(text, flush=True)
     args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm,
-                                    "rows": [asdict(r) | {"of_floor": r.of_floor} for r in rows]}, indent=1))
+                                    "rows": [asdict(r) | {"of_floor": r.of_floor} for r in rows],
+                                    "not_applicable": [asdict(s) for s in skipped]}, indent=1))
     args.out.with_suffix(".md").write_text(text + "\n")
     try:
         plot(rows, args.out.with_suffix(".png"))

@@ -55,3 +55,27 @@ def test_arguments_parse_and_the_output_folder_is_made(bench, tmp_path):
     args = bench.parse_args(["--out", str(out), "--batches", "1,8", "--contexts", "512", "--prefill-tokens", ""])
     assert (args.batches, args.contexts, args.prefill_tokens) == ([1, 8], [512], [])
     assert out.parent.is_dir()
+
+
+def test_projections_above_the_small_m_kernels_rows_are_timed_or_said_not_to_apply(bench, monkeypatch):
+    """A batch above max_rows (32) kept no projection row at all; there the engine runs cuBLAS, so the cuBLAS rows are
+    timed and each Triton row is listed as not applicable, with the reason, in the table and the JSON's entries."""
+    import torch
+
+    monkeypatch.setattr(bench, "PROJECTION_SHAPES", {"qkv": (96, 64), "o_proj": (64, 32), "gate_up": (128, 64),
+                                                      "down": (64, 64), "lm_head": (160, 64)})  # small: CPU
+    timed = []
+    monkeypatch.setattr(bench, "per_op_us", lambda fn, copies: (timed.append(fn(0).shape), 2.0)[1])
+    rows, skipped = bench.projection_rows([8, 64], 1e12, 1, torch.device("cpu"))
+    got = {(r.kernel, r.batch) for r in rows}
+    for name in bench.PROJECTION_SHAPES:
+        assert {(f"{name} (cuBLAS)", 8), (f"{name} (Triton)", 8), (f"{name} (cuBLAS)", 64)} <= got
+        assert (f"{name} (Triton)", 64) not in got
+        assert any(s.kernel == f"{name} (Triton)" and s.batch == 64 and "32 rows" in s.why for s in skipped)
+    assert len(timed) == len(rows) and (64, 96) in timed  # every row ran its call, at its batch
+    # on CPU the fused kernels never apply: said at every batch, not left out
+    assert {(s.kernel, s.batch) for s in skipped if "+" in s.kernel} == {
+        ("gate_up+silu (Triton)", 8), ("gate_up+silu (Triton)", 64), ("qkv+rope_store (Triton)", 8),
+        ("qkv+rope_store (Triton)", 64)}
+    text = bench.table(rows, 1e12, skipped)
+    assert "| qkv (Triton) | 64 |  |" in text and "not applicable" in text and "| qkv (cuBLAS) | 64 |  |" in text
