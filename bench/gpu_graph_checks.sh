@@ -36,6 +36,11 @@ need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse 
     --no-index --no-deps --find-links wheelhouse xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
     typing-inspection typing-extensions; } || true; }
 exec > >(tee -a "$dest/summary.log") 2>&1
+# bash does not wait for a process substitution: at exit, close our end of the pipe and let tee drain it into
+# summary.log (else the last lines, the ok/FAILED summary, could be missing when the caller reads OUTDIR). Bounded: a
+# step's leftover process holding the pipe would keep tee from ending, and a call past its limit brings back nothing.
+log_pid=$!
+trap 'exec >&- 2>&-; timeout 10 tail -s 0.05 --pid="$log_pid" -f /dev/null >/dev/null 2>&1' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 [ -n "${TPG_SKIP_BUILD:-}" ] || python3 -m pip install --no-build-isolation --no-deps -v -e . > "$out/build.log" 2>&1 \

@@ -25,3 +25,22 @@ def test_a_step_whose_command_fails_is_reported_and_the_script_fails(tmp_path):
     done = _run(tmp_path / "out", "kernel-bench")
     assert "=== kernel-bench: FAILED" in done.stdout and "failed steps: kernel-bench" in done.stdout
     assert done.returncode == 1
+
+
+def test_the_summary_log_is_whole_when_the_script_has_exited(tmp_path):
+    """Its console goes to summary.log through a process substitution's tee, which bash did not wait for: a caller
+    that reads the log once the script has exited (the device call packs OUTDIR) could miss its last lines, the
+    ok/FAILED summary. A tee slowed down (a wrapper that starts it late) makes that certain; the script must wait."""
+    import shutil
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tee").write_text(f"#!/bin/sh\nsleep 0.5\nexec {shutil.which('tee')} \"$@\"\n")
+    (fake / "tee").chmod(0o755)
+    env = {**os.environ, "TPG_SKIP_BUILD": "1", "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    out = tmp_path / "out"
+    with open(tmp_path / "console.txt", "w") as console:  # not a pipe: run() returns when bash exits, not tee
+        done = subprocess.run(["bash", str(SCRIPT), str(out)], stdout=console, stderr=subprocess.STDOUT, cwd=REPO,
+                              env=env, timeout=120)
+    assert done.returncode == 0
+    assert (out / "summary.log").read_text().splitlines()[-1].startswith("=== done")
