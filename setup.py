@@ -53,6 +53,15 @@ def gencode_flags(archs: str) -> list[str]:
     return flags
 
 
+def build_folder(archs: str, pybind11_version: str) -> Path:
+    """The ninja folder kept between builds: one per set of archs, Python ABI (the Python headers every object
+    includes; SOABI names version, debug and free-threaded builds and the platform) and pybind11 (its headers and the
+    internals ABI it stamps). Keyed by archs alone, two Pythons' builds in one checkout rebuilt each other's objects,
+    or clobbered them when run at once. No torch header is compiled: torch's version changes no object."""
+    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    return ROOT / "build" / f"tpgraph_C-{archs.replace(';', '_')}-{abi}-pybind11-{pybind11_version}"
+
+
 class NinjaNvccBuild(build_ext):
     """Writes a build.ninja for the CUDA/C++ sources and runs ninja on it."""
 
@@ -69,10 +78,10 @@ class NinjaNvccBuild(build_ext):
         import pybind11
 
         archs = cuda_archs()
-        # a build folder that outlives the build, one per set of archs: editable installs build in a temporary
-        # folder, so each reinstall (and the wheel after it) compiled every source again; here ninja rebuilds only
-        # what changed
-        build_dir = ROOT / "build" / f"tpgraph_C-{archs.replace(';', '_')}"
+        # a build folder that outlives the build (build_folder: one per archs, Python ABI and pybind11): editable
+        # installs build in a temporary folder, so each reinstall (and the wheel after it) compiled every source
+        # again; here ninja rebuilds only what changed
+        build_dir = build_folder(archs, pybind11.__version__)
         build_dir.mkdir(parents=True, exist_ok=True)
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)

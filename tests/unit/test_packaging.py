@@ -104,4 +104,29 @@ def test_a_cuda_arch_list_nvcc_cannot_read_is_refused_naming_the_variable(tmp_pa
                            text=True)
     assert built.returncode != 0
     assert "TPGRAPH_CUDA_ARCHS='9.0a;100a': '9.0a' is no CUDA arch as nvcc names it" in built.stderr
-    assert not (tree / "build" / "tpgraph_C-9.0a_100a").exists()
+    assert not list((tree / "build").glob("tpgraph_C-*"))  # refused before the build folder is made
+
+
+def test_the_kept_build_folder_is_one_per_python_abi_and_pybind11(tmp_path):
+    """The ninja folder that outlives a build was keyed by the archs alone: builds for two Pythons (or two pybind11s)
+    in one checkout shared its objects, build.ninja and pybind11 header link, so one rebuilt or clobbered the other's
+    (at once: a race). What an object depends on is the Python ABI (its headers) and pybind11's headers; no torch
+    header is compiled. An nvcc here that fails when run: the folder is made before the first compile."""
+    import os
+    import sysconfig
+
+    import pybind11
+
+    tree, cuda = tmp_path / "tree", tmp_path / "cuda"
+    shutil.copytree(ROOT / "csrc", tree / "csrc")
+    shutil.copy2(ROOT / "setup.py", tree / "setup.py")
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    env = {**os.environ, "CUDA_HOME": str(cuda), "TPGRAPH_CUDA_ARCHS": "90a;100a"}
+    built = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=tree, env=env, capture_output=True,
+                           text=True)
+    assert built.returncode != 0  # the fake nvcc
+    soabi = sysconfig.get_config_var("SOABI")
+    assert soabi and [p.name for p in (tree / "build").glob("tpgraph_C-*")] == [
+        f"tpgraph_C-90a_100a-{soabi}-pybind11-{pybind11.__version__}"]
