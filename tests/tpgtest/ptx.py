@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,28 +61,64 @@ for line in sys.stdin:
 """
 
 
-class _Compiler:
-    """The worker's compiler process, started at its first request and again if it died."""
+# a request's reply time past which the compiler is taken for hung (the slowest kernels compile in seconds; a loaded
+# machine running many workers can take minutes)
+REPLY_TIMEOUT_S = 300.0
 
-    def __init__(self) -> None:
+
+class _Compiler:
+    """The worker's compiler process, started at its first request and again if it died or was killed for a request it
+    did not answer within `timeout_s` (a hung compile then fails its test by name, not hangs the run)."""
+
+    def __init__(self, server: str = _SERVER, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        self.server, self.timeout_s = server, timeout_s
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
+        atexit.register(self.close)
 
-    def ask(self, op: str, args: list) -> dict:
+    def ask(self, op: str, args: list, what: str | None = None) -> dict:
+        """The reply to one request; `what` names it in the timeout's message (default: the op)."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-                self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], env=env, stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                atexit.register(self.proc.kill)
+                # (a session of its own: a kill takes the ptxas a hung compile may be waiting on too)
+                self.proc = subprocess.Popen([sys.executable, "-c", self.server], env=env, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                             start_new_session=True)
             # the caller's PYTHONPATH as it is now (tests add bench/ to it for bench's kernels)
             path = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
             self.proc.stdin.write(json.dumps([op, path, args]) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            line = self._reply()
+            if line is None:
+                self._kill()
+                raise TimeoutError(f"the kernel compiler process gave no reply in {self.timeout_s:g} s to "
+                                   f"{what or op}: killed (the next request starts a new one)")
         if not line:
             raise RuntimeError("the kernel compiler process died")
         return json.loads(line)
+
+    def _reply(self) -> str | None:
+        """The process's next line ("" at its end), or None if none came within the timeout. Read by a thread that
+        the wait can give up on (a pipe's readline takes no timeout); a kill then ends its read."""
+        got: list[str] = []
+        reader = threading.Thread(target=lambda out=self.proc.stdout: got.append(out.readline()), daemon=True)
+        reader.start()
+        reader.join(self.timeout_s)
+        return got[0] if got else None
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # (ended by itself meanwhile)
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        """Ends the process (at exit; tests' own instances)."""
+        if self.proc is not None:
+            self._kill()
 
 
 _compiler = _Compiler()
@@ -100,7 +137,8 @@ def _compile(module: str, kernel: str, typed: dict[str, str], scalars: list[str]
     """The kernel's PTX (see sm90_ptx); with `cubin`, its cubin written to that path too."""
     pytest.importorskip("triton.backends.nvidia")
     reply = _compiler.ask("compile", [module, kernel, typed, scalars, constexprs,
-                                      {"num_warps": num_warps, "num_stages": num_stages}, list(divisible), cubin])
+                                      {"num_warps": num_warps, "num_stages": num_stages}, list(divisible), cubin],
+                          what=f"compile {module}.{kernel} for sm_90")
     if "error" in reply:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{reply['error']}")
     return reply["out"]
@@ -131,7 +169,8 @@ def launch_specializations(module: str, kernel: str, typed: dict[str, str], cons
     arguments' types and specialisations; pointers as 16-byte aligned tensors of `typed`'s dtypes): launches with
     different keys compile apart. Skips where this Triton binds arguments another way."""
     pytest.importorskip("triton.backends.nvidia")
-    reply = _compiler.ask("specialize", [module, kernel, typed, constexprs, calls])
+    reply = _compiler.ask("specialize", [module, kernel, typed, constexprs, calls],
+                          what=f"specialize {module}.{kernel}")
     if reply.get("kind") in ("ImportError", "AttributeError"):
         pytest.skip(f"this Triton binds launch arguments another way: {reply['error'].strip().splitlines()[-1]}")
     if "error" in reply:
