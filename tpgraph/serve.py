@@ -47,7 +47,7 @@ from tpgraph.server.logs import check_environment, configure_logging, logging_co
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
 from tpgraph.server.reasoning import ReasoningParser
-from tpgraph.server.response_store import DEFAULT_CAPACITY
+from tpgraph.server.response_store import DEFAULT_CAPACITY, DEFAULT_MIB
 from tpgraph.server.tool_parsers import PARSERS
 from tpgraph.server.tools import ToolOptions
 from tpgraph.tokenizer import load_tokenizer
@@ -163,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--responses-store-size", type=int, default=DEFAULT_CAPACITY, metavar="N",
                       help="the Responses API keeps its newest N stored responses (store: true) for "
                            f"previous_response_id, GET and cancel (default {DEFAULT_CAPACITY})")
+    http.add_argument("--responses-store-mib", type=int, default=DEFAULT_MIB, metavar="N",
+                      help="and of them no more than N MiB (as JSON): past it the oldest go first, but for background "
+                           f"responses still running, which stay till they end (default {DEFAULT_MIB})")
     http.add_argument("--log-config-file", default=None, metavar="FILE.json",
                       help="logging as this JSON file configures it (logging.config.dictConfig's schema), the "
                            "server's loggers and uvicorn's (default: $VLLM_LOGGING_CONFIG_PATH, else the server's own)")
@@ -259,7 +262,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
                        args.enable_force_include_usage, args.chat_template_content_format,
                        args.responses_store_size, args.trust_request_chat_template, keep_alive_s=keep_alive_s(),
                        log_config=logging_config(args.log_config_file), uds=args.uds,
-                       server_log_config=logging_config())
+                       server_log_config=logging_config(), responses_store_mib=args.responses_store_mib)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -443,6 +443,89 @@ def test_the_store_size_flag_bounds_the_store(capsys):
     assert "--responses-store-size must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def get_all(app, paths: list[str]) -> list:
+    """GET each path from the app in process, in order."""
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.get(path) for path in paths]
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_the_store_mib_flag_bounds_the_stores_bytes(capsys):
+    """The store bounded the number of responses alone: 1024 of long outputs (or top_logprobs, or background event
+    logs) held gigabytes. Past --responses-store-mib the oldest goes, a 404 as for one the count dropped."""
+    from tpgraph.serve import http_options, parse_args
+
+    http = http_options(parse_args(["--responses-store-mib", "1"]))
+    app = server_app.create_app(ScriptedClient(["x" * 400_000]), builtin_codec(), ServerMetrics(), "m", 128, http=http)
+    ids = [r.json()["id"] for r in post_all(app, [("/v1/responses", {"input": str(i)}) for i in range(3)])]
+    got = get_all(app, [f"/v1/responses/{rid}" for rid in ids])
+    assert [r.status_code for r in got] == [404, 200, 200]  # (400 kB each: three are past 1 MiB)
+    assert "newest 1024 responses stored with store: true, up to 1 MiB of them" in got[0].json()["error"]["message"]
+    assert got[2].json()["output"][0]["content"][0]["text"] == "x" * 400_000
+    with pytest.raises(SystemExit):
+        parse_args(["--responses-store-mib", "0"])
+    assert "--responses-store-mib must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_the_store_drops_no_running_response_for_its_bytes():
+    """Past its bytes the store drops the oldest responses no longer being written; one still running stays (its run
+    goes on, and GET and cancel still find it), even where such responses alone are past the bound; the one just
+    written stays too. Each is counted again as it ends, its event log with it."""
+    from tpgraph.server.errors import ApiError
+    from tpgraph.server.response_store import EventLog, StoredResponse
+
+    def stored(text: str, running: bool = False) -> StoredResponse:
+        kept = StoredResponse({"status": "completed", "output": [text]}, [{"role": "user", "content": "x"}])
+        if running:
+            kept.live = lambda: kept.response
+        return kept
+
+    store = ResponseStore(capacity=10, max_bytes=10_000)
+    run0, run1 = stored("r" * 3000, running=True), stored("r" * 3000, running=True)
+    for rid, kept in [("done0", stored("d" * 3000)), ("run0", run0), ("done1", stored("d" * 3000)), ("run1", run1)]:
+        store.put(rid, kept)
+    assert list(store._stored) == ["run0", "done1", "run1"] and store.bytes <= 10_000
+    store.put("big", stored("b" * 20_000))  # (alone past the bound: every other response done goes, the running stay)
+    assert list(store._stored) == ["run0", "run1", "big"] and store.bytes > 10_000
+    with pytest.raises(ApiError) as dropped:
+        store.get("done1")
+    assert dropped.value.status == 404 and "up to 10000 bytes of them" in dropped.value.message
+    run0.log, run0.live = EventLog([{"delta": "e" * 5000}]), None  # (it ends, its events grown past what was put)
+    store.ended("run0", run0)
+    assert list(store._stored) == ["run0", "run1"] and store.bytes == run0.size() + run1.size() > 10_000
+    run1.live = None
+    store.ended("run1", run1)
+    assert list(store._stored) == ["run1"] and store.bytes == run1.size() <= 10_000
+    store.ended("run0", run0)  # (no longer stored: nothing)
+    assert list(store._stored) == ["run1"]
+    store.delete("run1")
+    assert (len(store), store.bytes) == (0, 0)
+
+
+def test_a_background_streams_event_log_counts_once_it_ends():
+    """A background response is put queued, a few hundred bytes; its output and event log grow as it runs, and were
+    never counted: it is measured again as it ends, and older responses go for it."""
+    store = ResponseStore(max_bytes=1_000_000)
+    app = make_app(ScriptedClient(["x" * 150_000]), store=store)
+    httpx = httpx_module()
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            first = (await http.post("/v1/responses", json={"input": "x"})).json()["id"]
+            streamed = await http.post("/v1/responses", json={"input": "x", "background": True, "stream": True})
+            background = typed_events(streamed.text)[-1]["response"]["id"]
+            await asyncio.wait([store.get(background).task], timeout=5)  # (its done callbacks, the store's first)
+            return [first, background, (await http.get(f"/v1/responses/{first}")).status_code]
+
+    first, background, status = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert status == 404 and list(store._stored) == [background]
+    assert store.bytes == store.get(background).size() > 4 * 150_000  # (its log holds its 150 kB text many times over)
+
+
 def test_a_whole_response_whose_client_left_is_not_stored_as_completed():
     from tpgtest.server_stubs import leave_mid_request
 

@@ -766,7 +766,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
 
     app.include_router(message_routes(start_chat, render_chat, model_name))
     app.include_router(response_routes(start_chat, logprob_entries, model_name,
-                                       ResponseStore(http.responses_store_size) if responses_store is None
+                                       ResponseStore(http.responses_store_size, http.responses_store_mib << 20)
+                                       if responses_store is None
                                        else responses_store))
 
     @app.post("/v1/chat/completions")

@@ -13,7 +13,7 @@ from typing import Any
 from tpgraph.chat import CONTENT_FORMATS, RESERVED_TEMPLATE_VARIABLES
 from tpgraph.checks import positive_int
 from tpgraph.errors import ConfigError
-from tpgraph.server.response_store import DEFAULT_CAPACITY
+from tpgraph.server.response_store import DEFAULT_CAPACITY, DEFAULT_MIB
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -92,6 +92,9 @@ class HttpOptions:
     # VLLM_LOGGING_CONFIG_PATH's file: the server's own logging configuration, in place of its default, in both
     # processes (vLLM's --log-config-file is uvicorn's alone: a file for uvicorn's access lines leaves the server's)
     server_log_config: dict[str, Any] | None = None
+    # the Responses API's store: how many MiB of responses (as JSON) it keeps, the oldest no longer being written
+    # dropped first past them (with responses_store_size, whichever bound comes first)
+    responses_store_mib: int = DEFAULT_MIB
 
     def template_variables(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: the server's defaults, each overridden by the request's own."""
@@ -149,6 +152,7 @@ class HttpOptions:
             raise ConfigError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
         positive_int("--responses-store-size", self.responses_store_size)
+        positive_int("--responses-store-mib", self.responses_store_mib)
         if not isinstance(self.force_include_usage, bool):
             raise ConfigError(f"force_include_usage must be True or False, got {self.force_include_usage!r}")
         if not isinstance(self.trust_request_chat_template, bool):

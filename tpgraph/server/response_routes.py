@@ -270,11 +270,12 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
         def ended(_: asyncio.Task) -> None:
             """A task cancelled before its first step (the store dropped it at once) never ran work's body: it is
             cancelled all the same, and its log ends (its readers, the POST that created it among them, would wait
-            for good)."""
+            for good). Then the store counts its bytes as they are now."""
             if stored.live is not None:
                 stored.response, stored.live = run.snapshot("cancelled"), None
             if log is not None and not log.ended:
                 log.end()
+            store.ended(response_id, stored)  # (its bytes, grown as it ran, counted now)
 
         stored.task = asyncio.get_running_loop().create_task(work())
         stored.task.add_done_callback(ended)
