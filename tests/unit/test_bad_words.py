@@ -106,6 +106,24 @@ def test_only_allowed_ids_are_drawn_and_banned_ones_never(path):
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("path", ["greedy", "torch", pytest.param("fused", marks=interpreted)])
+def test_fixed_ban_lists_draw_what_the_same_ids_banned_each_step_draw(path):
+    """A row's fixed ban lists (uploaded once, kept) mask exactly what the same ids given as the step's banned_ids
+    mask: the same tokens and log-probabilities, step after step, and none of them ever drawn."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.0 if path == "greedy" else 1.0, logprobs=3)
+    lists = [(tuple(range(0, 40, 2)), (1, 3, 5)), (tuple(range(0, 40, 2)), (1, 3, 5)), ((7, 9),), ((7, 9),), (), ()]
+    per_step = [(), (11, 13), (), (9, 21), (4,), ()]
+    fixed = [SampleRow(params, [1], [], banned_ids=b, fixed_banned=f) for f, b in zip(lists, per_step, strict=True)]
+    given = [SampleRow(params, [1], [], banned_ids=tuple(sorted({*b, *(t for ids in f for t in ids)})))
+             for f, b in zip(lists, per_step, strict=True)]
+    kept, listed = Sampler("cpu", seed=3, fused=path == "fused"), Sampler("cpu", seed=3, fused=path == "fused")
+    for _ in range(3):
+        a, b = kept.sample(logits, fixed), listed.sample(logits, given)
+        assert (a.token_ids, a.logprobs, a.top_ids) == (b.token_ids, b.logprobs, b.top_ids)
+        assert all(t not in r.banned_ids for t, r in zip(a.token_ids, given, strict=True))
+
+
 @pytest.fixture(scope="module")
 def engine():
     with TPEngine(device="cpu", max_model_len=128, max_num_seqs=8, block_size=8) as e:
@@ -251,6 +269,29 @@ def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
                                                   allowed_token_ids=allowed))
     assert set(out[0].outputs[0].token_ids) <= set(allowed)
     assert sum(uploaded) < 3 * len(allowed), f"{len(uploaded)} uploads of {sum(uploaded)} ids for 20 tokens"
+
+
+def test_one_token_bad_words_and_min_tokens_stop_ids_are_uploaded_once_not_every_step(monkeypatch):
+    """A request's one-token bad words (banned at every step) and, before min_tokens, its stop ids and EOS were listed
+    into the step's banned ids and uploaded again each step, as the allowed ids were: they are fixed for the request
+    (for each side of min_tokens), so they reach the device once. Only the bans of words of several tokens, which
+    read the output's last tokens, change from step to step."""
+    uploaded = []
+    upload_parts, upload = sampler_module.to_device_parts, sampler_module.to_device
+    monkeypatch.setattr(sampler_module, "to_device_parts", lambda parts, *a, **k: uploaded.append(
+        sum(len(p) for p in parts)) or upload_parts(parts, *a, **k))
+    monkeypatch.setattr(sampler_module, "to_device",
+                        lambda values, *a, **k: uploaded.append(len(values)) or upload(values, *a, **k))
+    letters, stops = "cdefghijklmnopqrstuvwxyz", list(range(130, 250))
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=24, min_tokens=12, ignore_eos=True,
+                            bad_words=list(letters) + ["ab"], stop_token_ids=stops)
+    with TPEngine(device="cpu", max_model_len=64, max_num_seqs=4, block_size=8) as engine:
+        out = engine.generate("a", params)[0].outputs[0].token_ids
+        banned = {ord(c) for c in letters}
+    assert len(out) >= 12 and not set(out) & banned and not set(out[:11]) & set(stops)
+    assert all((x, y) != (ord("a"), ord("b")) for x, y in zip(out, out[1:], strict=False))
+    fixed = len(banned) + len(stops) + 1 + len(banned)  # (both sides of min_tokens, once each)
+    assert sum(uploaded) < fixed + 8 * len(out), f"{len(uploaded)} uploads of {sum(uploaded)} ids for {len(out)} tokens"
 
 
 def test_the_kept_uploads_of_finished_requests_are_bounded_in_memory_not_only_in_entries(monkeypatch):

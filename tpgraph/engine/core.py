@@ -221,10 +221,12 @@ class EngineCore:
         # later samples report the first's prompt log-probabilities and then read its prompt from the prefix cache;
         # without one they would wait for nothing to share, so each computes its own
         shared_prompt = params.prompt_logprobs is not None and self.scheduler.allocator.shares_prefixes
+        held = tuple(sorted(held_before_min_tokens(params, self.eos_ids))) if params.min_tokens else ()
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, list(prompt_ids), params.max_tokens or max_len,
                                  request_id=request_id, sample_index=i, params=params, bad_words=request.bad_words,
+                                 held_bans=held,
                                  grammar=GrammarState(self.grammars.matcher(params.structured), request.grammar_after)
                                  if params.structured else None,
                                  prompt_logprobs_from=seqs[0] if seqs and shared_prompt else None))
@@ -415,9 +417,17 @@ class EngineCore:
         return text, reason, stop_reason
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        banned = tuple(sorted(self._bans(seq, len(seq.output_ids))))
+        """seq's row: its bans as _bans has them, those fixed for the request (its one-token bad words, and below
+        min_tokens the ids that would stop it) as the sequence's own tuples, which the sampler uploads once."""
+        produced = len(seq.output_ids)
+        fixed = tuple(ids for ids in (seq.word_bans, seq.held_bans if produced < seq.params.min_tokens else ()) if ids)
+        banned: tuple[int, ...] = ()
+        if seq.reads_output:  # (only the output's tail can begin a word)
+            longest = max(map(len, seq.long_bad_words))
+            banned = tuple(sorted(bad_word_bans(seq.long_bad_words,
+                                                seq.output_ids[max(0, produced - longest + 1):produced])))
         return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
-                         grammar=seq.grammar)
+                         grammar=seq.grammar, fixed_banned=fixed)
 
     def _bans(self, seq: Sequence, produced: int) -> set[int]:
         """The ids seq's row bans after its first `produced` output tokens (allowed_token_ids aside): its bad words'

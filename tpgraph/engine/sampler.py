@@ -52,6 +52,9 @@ class SampleRow:
     # from prompt_ids and output_ids for this call only)
     seq_id: int | None = None
     grammar: GrammarState | None = None  # a structured output (structured.py): only the tokens it can take next
+    # more ids this step may not produce, in lists fixed for the request (its one-token bad words; before min_tokens,
+    # its stop and EOS ids): each list the same tuple at every step, so that it is uploaded once (KeptUploads)
+    fixed_banned: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -98,7 +101,7 @@ def plain_greedy(rows: list[SampleRow]) -> bool:
     """Whether every row's token is its logits' argmax and nothing else is asked (no log-probabilities, bias,
     penalties or banned ids): such a step needs no logits on the host's side, only the argmax."""
     return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and not r.params.has_penalties
-               and not r.banned_ids and r.grammar is None and r.params.allowed_token_ids is None
+               and not r.banned_ids and not r.fixed_banned and r.grammar is None and r.params.allowed_token_ids is None
                and not r.params.bad_words for r in rows)
 
 
@@ -114,7 +117,8 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.penalties = penalties
         self.fused = fused
-        self.allowed = allowed_ids_uploads(self.device)
+        # (allowed_token_ids and the fixed ban lists: both id lists, in one cache and its one memory bound)
+        self.id_lists = allowed_ids_uploads(self.device)
         self.biases = logit_bias_uploads(self.device)
 
     def _takes_fused(self, logits: torch.Tensor) -> bool:
@@ -157,11 +161,9 @@ class Sampler:
             x = add_logit_bias(x, rows, in_place=x is not logits, biases=self.biases)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.params.allowed_token_ids is not None for r in rows):  # (out of place, as below)
-            x = keep_allowed(x, rows, self.allowed)
-        if any(r.banned_ids for r in rows):  # (out of place: x may be the caller's logits)
-            at, banned = to_device_parts([[i for i, r in enumerate(rows) for _ in r.banned_ids],
-                                          [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
-            x = x.index_put((at, banned), torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
+            x = keep_allowed(x, rows, self.id_lists)
+        if any(r.banned_ids or r.fixed_banned for r in rows):
+            x = ban(x, rows, self.id_lists)
         if all(r.params.greedy for r in rows):
             ids = row_argmax(x)
         elif fused:
@@ -321,10 +323,10 @@ def penalize(x: torch.Tensor, rows: list[SampleRow], table: PenaltyTable | None
 
 
 class KeptUploads:
-    """Each request's fixed per-token lists (allowed_token_ids, logit_bias) on the device, uploaded once: a request's
-    tuple is the same object every step (it is kept beside its upload, so its id is not reused while cached). A step
-    then costs the host a lookup per row that has one; listed and uploaded again each step, 300 logit_bias entries a
-    request took longer than the step itself in a batch of a few dozen such rows."""
+    """Each request's fixed per-token lists (allowed_token_ids, logit_bias, SampleRow.fixed_banned's) on the device,
+    uploaded once: a request's tuple is the same object every step (it is kept beside its upload, so its id is not
+    reused while cached). A step then costs the host a lookup per row that has one; listed and uploaded again each
+    step, 300 logit_bias entries a request took longer than the step itself in a batch of a few dozen such rows."""
 
     MAX_ENTRIES = 1 << 22  # (cached 8-byte entries of every request together; past this, the cache starts again)
     # the fewest entries a tensor is counted as: CUDA's caching allocator gives a tensor at least 512 bytes, so a cache
@@ -350,7 +352,8 @@ class KeptUploads:
 
 
 def allowed_ids_uploads(device: torch.device) -> KeptUploads:
-    """allowed_token_ids -> (ids [n] int64,) on the device."""
+    """allowed_token_ids (or another fixed list of ids: SampleRow.fixed_banned's) -> (ids [n] int64,) on the
+    device."""
     return KeptUploads(lambda ids: (to_device(ids, torch.int64, device),))
 
 
@@ -371,6 +374,20 @@ def keep_allowed(x: torch.Tensor, rows: list[SampleRow], allowed: KeptUploads) -
     keep.index_put_((masked.repeat_interleave(counts, output_size=len(ids)), ids),
                     torch.ones((), dtype=torch.bool, device=x.device))
     return x.masked_fill(~keep, float("-inf"))
+
+
+def ban(x: torch.Tensor, rows: list[SampleRow], kept: KeptUploads) -> torch.Tensor:
+    """x with each row's banned ids masked (-inf), out of place (x may be the caller's logits): its fixed lists from
+    the uploads kept between steps (a row index and a count uploaded for each), its banned_ids uploaded whole, all in
+    one upload."""
+    fixed = [(i, kept.get(ids)[0]) for i, r in enumerate(rows) for ids in r.fixed_banned]
+    fixed_rows, counts, step_rows, step_ids = to_device_parts(
+        [[i for i, _ in fixed], [len(t) for _, t in fixed], [i for i, r in enumerate(rows) for _ in r.banned_ids],
+         [t for r in rows for t in r.banned_ids]], torch.int64, x.device)
+    fixed_ids = [t for _, t in fixed]
+    at = torch.cat([fixed_rows.repeat_interleave(counts, output_size=sum(len(t) for t in fixed_ids)), step_rows])
+    return x.index_put((at, torch.cat([*fixed_ids, step_ids])),
+                       torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
 
 
 def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False,

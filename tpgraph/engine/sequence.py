@@ -55,13 +55,21 @@ class Sequence:
     queued_at: float = field(default_factory=time.perf_counter)  # (perf_counter) when the engine took it
     queue_s: float | None = None  # from then to its first admission (vLLM's queue time)
     bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
-    # do its sampling bans read its last output tokens (a bad word of more than one token)? its row must then see the
-    # step in flight read back (set once: the step loop asks of every row)
+    # the ids that would stop it, which its row bans before min_tokens (its stop ids and EOS ids, sorted)
+    held_bans: tuple[int, ...] = ()
+    # its one-token bad words' ids (sorted), banned at every step. This and held_bans are each one tuple for good, so
+    # that the sampler uploads them once (KeptUploads), not each step
+    word_bans: tuple[int, ...] = field(init=False, default=())
+    # its bad words of more than one token: their bans read its last output tokens, so its row must then see the step
+    # in flight read back (reads_output: set once, as the step loop asks of every row)
+    long_bad_words: tuple[tuple[int, ...], ...] = field(init=False, default=())
     reads_output: bool = field(init=False, default=False)
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
 
     def __post_init__(self) -> None:
-        self.reads_output = any(len(w) > 1 for w in self.bad_words)
+        self.word_bans = tuple(sorted({w[0] for w in self.bad_words if len(w) == 1}))
+        self.long_bad_words = tuple(w for w in self.bad_words if len(w) > 1)
+        self.reads_output = bool(self.long_bad_words)
 
     @property
     def num_uncached(self) -> int:
