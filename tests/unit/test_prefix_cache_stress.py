@@ -4,6 +4,7 @@ n > 1, stop ids, shared prefixes, chunking and overlap on and off) give the toke
 without caching, with every block back at the end; and the scheduler alone, over random schedules at tiny caches,
 counts every block once each step and runs every request to its end."""
 
+import bisect
 import random
 
 import pytest
@@ -255,6 +256,28 @@ def test_random_schedules_keep_every_block_counted_and_run_every_request_to_its_
     """The scheduler alone over random arrivals (shared prefixes, n > 1, prompt log-probabilities, priorities), aborts
     and stops, with each step's tokens pending until the next step reads them (overlapped scheduling), at tiny caches,
     budgets and block sizes: every step keeps _check_step, nothing stalls, and every block is free at the end."""
+    random_schedule(seed)
+
+
+class ListQueue(list):
+    """The waiting queue as a plain list, searched for each sequence taken out: what the scheduler's WaitQueue (a
+    finished one marked gone, dropped later) must decide as."""
+
+    def insort(self, seq, key):
+        bisect.insort(self, seq, key=key)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_schedules_with_many_aborts_decide_as_a_plain_queue_would(seed):
+    """The waiting queue takes a finished sequence out lazily (marked gone, dropped when reached): over random
+    schedules with an abort most steps, every step admits, runs, preempts and leaves queued what a plain list would."""
+    assert random_schedule(seed, abort_rate=0.4) == random_schedule(seed, ListQueue(), abort_rate=0.4)
+
+
+def random_schedule(seed, queue=None, abort_rate=0.05):
+    """The random schedule of `seed` (a whole request aborted at abort_rate a step; `queue`: the scheduler's waiting
+    queue instead of its own), each step checked; each step's decisions: the sequence ids prefilled (with their
+    tokens), decoded, preempted, and left queued."""
     rng = random.Random(seed)
     bs, max_len = rng.choice([1, 2, 4, 8]), rng.choice([16, 32, 48])
     num_blocks = -(-max_len // bs) + rng.randrange(12)
@@ -264,7 +287,9 @@ def test_random_schedules_keep_every_block_counted_and_run_every_request_to_its_
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, block_size=bs,
                           enable_chunked_prefill=chunked, policy=policy)
     alloc = PrefixCachingAllocator(num_blocks, bs) if caching else BlockAllocator(num_blocks)
-    sched = Scheduler(cfg, alloc)
+    sched, trace = Scheduler(cfg, alloc), []
+    if queue is not None:
+        sched.waiting = queue
     base, requests, in_flight, next_id = [rng.randrange(50) for _ in range(max_len)], [], [], 0
     for step_no in range(4000):
         if step_no < 200 and rng.random() < 0.3:
@@ -282,13 +307,15 @@ def test_random_schedules_keep_every_block_counted_and_run_every_request_to_its_
                 sched.add(s)
                 request.append(s)
             requests.append(request)
-        if requests and rng.random() < 0.05:
+        if requests and rng.random() < abort_rate:
             for s in requests.pop(rng.randrange(len(requests))):
                 if s.status is not Status.FINISHED:
                     s.drop_pending()
                     sched.finish(s, "abort")
         step = sched.schedule()
         _check_step(sched, step)
+        trace.append(([(s.seq_id, n) for s, n in step.prefill], [s.seq_id for s in step.decode],
+                      [s.seq_id for s in step.preempted], [s.seq_id for s in sched.waiting]))
         rows = []
         for s, n in step.prefill:  # (the runner's and the core's bookkeeping of a launched step)
             s.num_cached += n
@@ -311,3 +338,4 @@ def test_random_schedules_keep_every_block_counted_and_run_every_request_to_its_
             break
     assert not sched.has_work, ([s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running])
     assert alloc.num_free == alloc.num_blocks
+    return trace

@@ -135,6 +135,52 @@ def test_cancelling_thousands_of_waiting_requests_takes_no_quadratic_stall():
     assert seq(0, 3) != seq(0, 3)  # (two sequences are never one, whatever their fields)
 
 
+def counted_sequences():
+    """A Sequence class whose == counts its calls, and the count: a queue that searches for the sequence it takes out
+    compares it with the others."""
+    calls = [0]
+
+    class Counted(Sequence):
+        def __eq__(self, other):
+            calls[0] += 1
+            return self is other
+
+        __hash__ = Sequence.__hash__
+
+    return Counted, calls
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_aborting_queued_sequences_searches_no_queue(policy):
+    """Finishing a waiting sequence takes it out of the queue without a search of it: 20,000 queued requests aborted
+    newest first took 3.5 s, each compared with every one queued before it. Newest first, in random order, oldest
+    first: no comparison at all, and the rest stay queued in their order, the next admitted first."""
+    import random
+
+    from tpgraph import SamplingParams
+
+    counted, calls = counted_sequences()
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, block_size=4, policy=policy)
+    sched = Scheduler(cfg, BlockAllocator(100, first_block=1))
+    for i in range(2000):
+        sched.add(counted(i, [1, 2, 3], 100, params=SamplingParams(priority=i % 3 if policy == "priority" else 0)))
+    order = list(sched.waiting)
+    rng, left = random.Random(0), order[:]
+    middle = left[100:1500]
+    rng.shuffle(middle)
+    for batch in (order[-500:][::-1], middle[:900], order[:100]):  # newest first, random, oldest first
+        for s in batch:
+            sched.finish(s, "abort")
+        aborted = {s.seq_id for s in batch}
+        left = [s for s in left if s.seq_id not in aborted]
+        assert [s.seq_id for s in sched.waiting] == [s.seq_id for s in left] and len(sched.waiting) == len(left)
+        assert all(s.status is Status.FINISHED and s.finish_reason == "abort" for s in batch)
+    assert calls[0] == 0
+    step = sched.schedule()
+    assert [s.seq_id for s, _ in step.prefill] == [s.seq_id for s in left[:4]]
+    assert [s.seq_id for s in sched.waiting] == [s.seq_id for s in left[4:]]
+
+
 def pending(s):
     """Its last output token sampled on the GPU, not read back yet (overlapped scheduling)."""
     s.add_pending()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tpgraph.checks import positive_int
@@ -102,11 +103,98 @@ class ScheduledStep:
         return not self.prefill and not self.decode
 
 
+class WaitQueue:
+    """The waiting sequences, in order. One finished anywhere in it leaves in O(1) amortised (aborting 20,000 queued
+    requests searched the queue for each: 3.5 s): one at either end is taken off; one elsewhere is only marked gone,
+    and dropped when a walk from the front (an index) reaches it, or all at once when the gone outnumber the queued.
+    Indices, len and iteration see the queued ones alone."""
+
+    def __init__(self) -> None:
+        self._items: deque[Sequence] = deque()
+        self._gone: set[int] = set()  # id() of sequences marked gone, still in _items (which keeps them alive)
+        self._clean = 0  # while some are gone: _items[:_clean] holds none of them
+
+    def __len__(self) -> int:
+        return len(self._items) - len(self._gone)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (s for s in self._items if id(s) not in self._gone) if self._gone else iter(self._items)
+
+    def __getitem__(self, i: int) -> Sequence:
+        return self._items[self._position(i)]
+
+    def __delitem__(self, i: int) -> None:
+        del self._items[self._position(i)]
+        self._clean -= 1
+
+    def append(self, seq: Sequence) -> None:
+        self._revive(seq)
+        self._items.append(seq)
+
+    def insert(self, i: int, seq: Sequence) -> None:
+        """Queue seq at index i (len(self): last)."""
+        self._revive(seq)
+        at = self._position(i) if i < len(self) else len(self._items)
+        self._items.insert(at, seq)
+        self._clean += at <= self._clean
+
+    def insort(self, seq: Sequence, key: Callable[[Sequence], tuple[int, int]]) -> None:
+        """Queue seq after every one that comes before it or with it in key's order (those gone keep their place)."""
+        self._revive(seq)
+        at = bisect.bisect_right(self._items, key(seq), key=key)
+        self._items.insert(at, seq)
+        self._clean += at <= self._clean
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a queued sequence out."""
+        if self._items[-1] is seq:
+            self._items.pop()
+            self._clean = min(self._clean, len(self._items))
+        elif self._items[0] is seq:
+            self._items.popleft()
+            self._clean = max(self._clean - 1, 0)
+        else:
+            self._gone.add(id(seq))
+            self._clean = 0  # (wherever it is)
+            if len(self._gone) > len(self._items) // 2:
+                self._drop_gone()
+
+    def _position(self, i: int) -> int:
+        """The position in _items of the queued sequence at index i, the gone before it dropped."""
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("waiting queue index out of range")
+        if not self._gone:
+            return i
+        while self._clean <= i:  # (a queued one lies at or past i: the walk ends in _items)
+            s = self._items[self._clean]
+            if id(s) in self._gone:
+                self._gone.discard(id(s))
+                del self._items[self._clean]
+            else:
+                self._clean += 1
+        return i
+
+    def _revive(self, seq: Sequence) -> None:
+        """A sequence queued again while marked gone (none is, once finished) must not come back where it was."""
+        if id(seq) in self._gone:
+            self._drop_gone()
+
+    def _drop_gone(self) -> None:
+        self._items = deque(s for s in self._items if id(s) not in self._gone)
+        self._gone.clear()
+        self._clean = len(self._items)
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator) -> None:
         self.cfg = cfg
         self.allocator = allocator
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
         # tokens of the sequences admitted so far that looked in the prefix cache, and of those, the ones found cached;
@@ -125,7 +213,7 @@ class Scheduler:
                                f"{self.cfg.block_size})")
         seq.status = Status.WAITING
         if self.cfg.policy == "priority":
-            bisect.insort(self.waiting, seq, key=queue_order)
+            self.waiting.insort(seq, queue_order)
         else:
             self.waiting.append(seq)
 
@@ -267,7 +355,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.cfg.policy == "priority":  # (in its place: ahead of later arrivals of its priority)
-            bisect.insort(self.waiting, seq, key=queue_order)
+            self.waiting.insort(seq, queue_order)
         else:  # first in the queue, but behind sequences waiting for a prefix in flight (it may have gone past them),
             # never behind its own request's samples that wait for it (it would have to go in whole past them)
             at = 0
