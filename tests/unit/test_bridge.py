@@ -475,3 +475,42 @@ def test_scrapes_that_come_together_share_one_ask_of_the_engine():
         assert await later == b"engine_metric 2\n"
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_prompts_never_sent_to_an_engine_whose_pipe_broke_are_not_counted_as_finished(caplog):
+    """A completion of five prompts (n=2) whose pipe to the engine breaks as its third prompt is sent: the two sent
+    end with "error" (4 samples) and are named aborted in the request log, but the three never sent were counted
+    too, as requests finished with "error", and logged aborted, though the engine never had them. The client gets the
+    503 of an engine that is gone."""
+    import logging
+
+    from tpgtest.server_stubs import builtin_codec, post_all
+
+    from tpgraph.server import app as server_app
+    from tpgraph.server.metrics import ServerMetrics
+    from tpgraph.server.options import HttpOptions
+
+    class BreakingPipe:  # (the engine's process died: the third add finds the pipe broken)
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, message) -> None:
+            if message[0] == "add" and sum(m[0] == "add" for m in self.sent) == 2:
+                raise BrokenPipeError(32, "Broken pipe")
+            self.sent.append(message)
+
+    pipe, metrics = BreakingPipe(), ServerMetrics("m", 64)
+    client = EngineClient(pipe, LIMITS)
+    app = server_app.create_app(client, builtin_codec("m"), metrics, "m", 64, http=HttpOptions(log_requests=True))
+    body = {"model": "m", "prompt": [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], "n": 2, "max_tokens": 4}
+    with caplog.at_level(logging.INFO, logger="tpgraph.server.app"):
+        [reply] = post_all(app, [("/v1/completions", body)])
+    assert reply.status_code == 503 and "Broken pipe" in reply.json()["error"]["message"], reply.text
+    assert [m[0] for m in pipe.sent] == ["add", "add"] and not client.alive
+    ended = {reason: metrics.registry.get_sample_value("vllm:request_success_total", {
+        "model_name": "m", "engine": "0", "finished_reason": reason}) for reason in ("error", "abort", "stop")}
+    assert ended == {"error": 4, "abort": 0, "stop": 0}
+    assert not (metrics._arrival or metrics._asked or client._sinks)  # (nothing kept of any of the five)
+    [aborted] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted")]
+    names = aborted.removeprefix("Aborted request(s) ").removesuffix(".").split(",")
+    assert [name.rsplit("-", 1)[1] for name in names] == ["0", "1"], aborted  # (cmpl-<id>-<prompt>: the two sent)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -140,14 +141,23 @@ class Api:
         samples_left = sum(open_samples.values())  # (kept as they end: not rescanned per update)
         ended = "abort"  # how the requests still open at the end are counted
         ended_at: float | None = None  # when an update ended them (refused, error); else when the loop stops
+        # the prompts handed to the engine: where a send finds the engine gone, that prompt and those after it never
+        # started, so they are neither aborted nor counted as finished (each was counted as a request ended "error")
+        taken = 0
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 if self.http.log_requests and log:
                     self.log_request(rid if names is None else names[i], None if texts is None else texts[i],
                                      prompt, each[i])
                 self.metrics.arrived(rid, len(prompt), each[i].n, each[i].max_tokens)
-                self.client.submit(rid, prompt, each[i],
-                                   lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
+                taken += 1
+                try:
+                    self.client.submit(rid, prompt, each[i],
+                                       lambda u, i=i: queue.put_nowait((i, u, time.perf_counter())))
+                except EngineUnavailable:  # (nothing sent, no sink kept: nothing to abort)
+                    taken -= 1
+                    self.metrics.forget(rid)
+                    raise
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
             while samples_left:
@@ -188,7 +198,7 @@ class Api:
             raise
         finally:
             aborted = []
-            for i, (rid, left) in enumerate(open_samples.items()):
+            for i, (rid, left) in enumerate(itertools.islice(open_samples.items(), taken)):
                 if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
                     self.client.abort(rid)
                     self.metrics.finished(rid, ended, ended_at)

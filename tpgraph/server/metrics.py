@@ -335,6 +335,11 @@ class ServerMetrics:
                 self._sample_ended(request_id, index, reason, now)
             if request_id in self._asked:  # (once: a request is forgotten below)
                 self._request_ended(request_id)
+        self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept of a request, counting nothing: one that never reached the engine (its send found the
+        engine gone) never started, so it never finished either."""
         for kept in (self._arrival, self._prompt_len, self._asked, self._max_tokens, self._samples, self._prefill_s,
                      self._ended):
             kept.pop(request_id, None)
