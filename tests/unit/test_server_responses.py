@@ -506,6 +506,27 @@ def test_the_store_drops_no_running_response_for_its_bytes():
     assert (len(store), store.bytes) == (0, 0)
 
 
+def test_the_store_full_by_count_drops_a_finished_response_before_a_running_one():
+    """Full by count, the store drops its oldest response no longer being written; a running background response goes
+    (cancelled) only where every other is running too."""
+    from tpgraph.server.response_store import StoredResponse
+
+    def stored(running: bool = False) -> StoredResponse:
+        kept = StoredResponse({"status": "completed", "output": []}, [])
+        if running:
+            kept.live = lambda: kept.response
+        return kept
+
+    store = ResponseStore(capacity=2)
+    for rid, kept in [("run0", stored(running=True)), ("done0", stored()), ("done1", stored())]:
+        store.put(rid, kept)
+    assert list(store._stored) == ["run0", "done1"]
+    store.put("run1", stored(running=True))
+    assert list(store._stored) == ["run0", "run1"]
+    store.put("run2", stored(running=True))  # (all running: the oldest goes)
+    assert list(store._stored) == ["run1", "run2"]
+
+
 def test_a_background_streams_event_log_counts_once_it_ends():
     """A background response is put queued, a few hundred bytes; its output and event log grow as it runs, and were
     never counted: it is measured again as it ends, and older responses go for it."""

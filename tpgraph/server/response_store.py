@@ -100,10 +100,10 @@ class ResponseStore:
         self.bytes = 0
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        """Keep (or rewrite) a response; the oldest goes where the store is full (a background one still running is
-        cancelled: nothing could read it back), and so does one still running that another response of its id (the
-        same X-Request-Id or request_id) replaces. Past max_bytes, the oldest responses no longer being written go
-        too (see _shrink)."""
+        """Keep (or rewrite) a response; where the store is full, the oldest no longer being written goes (where every
+        other is still running, the oldest: cancelled, as nothing could read it back), and so does one still running
+        that another response of its id (the same X-Request-Id or request_id) replaces. Past max_bytes, the oldest
+        responses no longer being written go too (see _shrink)."""
         replaced = self._stored.get(response_id)
         if replaced is not None and replaced is not stored and replaced.task is not None:
             replaced.task.cancel()
@@ -111,7 +111,8 @@ class ResponseStore:
         self._stored.move_to_end(response_id)
         self._measure(response_id, stored)
         while len(self._stored) > self.capacity:
-            self._drop(next(iter(self._stored)))
+            done = (r for r, s in self._stored.items() if r != response_id and not s.running())
+            self._drop(next(done, next(iter(self._stored))))
         self._shrink(response_id)
 
     def ended(self, response_id: str, stored: StoredResponse) -> None:
