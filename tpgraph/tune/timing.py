@@ -11,7 +11,7 @@ bench/bench_allreduce.py use it alike, for ours, NCCL and symm_mem):
   K eager calls);
 - the median of at least 20 runs per rank, and the slowest rank's median is the figure.
 
-One candidate (`graph_op_us`, `eager_op_us`) gets its runs back to back. Several candidates compared with each
+One candidate (`graph_op_us`) gets its runs back to back. Several candidates compared with each
 other (`graph_ops_us_interleaved`, `eager_ops_us_interleaved`: what the tuner and bench_allreduce use) get them
 interleaved: in round r every graph gets one run, in an order from a Williams design (`round_order`), so slow drift
 of the machine (clocks, other work) falls on all of them alike, and no candidate always runs first in a round or
@@ -194,18 +194,6 @@ def _bodies_us_interleaved(state: ParallelState | None, bodies: Mapping[str, Cal
     token = _alignment_token(state)
     mine = interleaved_medians(list(bodies), runs, lambda name: _aligned_run(state, bodies[name], token), per)
     return mine if state is None else slowest_per_candidate(gather_objects(state, mine))
-
-
-def eager_op_us(state: ParallelState | None, fn: Callable[[], object], k: int = K_OPS, runs: int = MIN_RUNS) -> float:
-    """Per-op µs of k eager calls issued back to back."""
-    fn()  # warm-up
-    torch.cuda.synchronize()
-
-    def body() -> None:
-        for _ in range(k):
-            fn()
-
-    return slowest_median(state, _aligned_runs(state, body, runs), k)
 
 
 @contextlib.contextmanager
