@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tpgraph.engine.penalties import PenaltyTable
-from tpgraph.engine.sampler import Sampler, SampleRow, apply_penalties, penalize
+from tpgraph.engine.sampler import Sampler, SampleRow, penalize
 from tpgraph.engine.sampling_params import SamplingParams
 
 
@@ -29,20 +29,20 @@ def test_penalties_match_a_per_token_reference():
     batch = [SampleRow(SamplingParams(repetition_penalty=1.3), [1, 2, 2, 5], [7, 7, 8]),
              SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=-0.25), [3], [4, 4, 4, 9]),
              SampleRow(SamplingParams(), [1], [])]
-    got = apply_penalties(x, batch)
+    got = penalize(x, batch, None)[0]
     for i, row in enumerate(batch):
         torch.testing.assert_close(got[i], reference_penalties(x[i], row))
 
 
 def test_penalties_refuse_a_pending_token_and_other_rows_ignore_theirs():
     logits = torch.zeros(2, 4)
-    assert apply_penalties(logits, [SampleRow(SamplingParams(), [1], [2, -1])]) is logits  # none penalized
+    assert penalize(logits, [SampleRow(SamplingParams(), [1], [2, -1])], None)[0] is logits  # none penalized
     plain = SampleRow(SamplingParams(temperature=0.0), [1], [2, -1])  # its last token pending (overlap): unused
     penalized = SampleRow(SamplingParams(temperature=0.0, presence_penalty=1.0), [1], [2, 3])
-    out = apply_penalties(logits, [plain, penalized])
+    out = penalize(logits, [plain, penalized], None)[0]
     assert torch.equal(out[0], logits[0]) and out[1].tolist() == [0.0, 0.0, -1.0, -1.0]
     with pytest.raises(ValueError, match="one is still pending"):
-        apply_penalties(logits, [SampleRow(penalized.params, [1], [2, -1])])
+        penalize(logits, [SampleRow(penalized.params, [1], [2, -1])], None)[0]
 
 
 PARAMS = [SamplingParams(repetition_penalty=1.4), SamplingParams(frequency_penalty=0.7, presence_penalty=0.3),

@@ -158,7 +158,7 @@ class Sampler:
         # of the tokens a grammar allows (and before bias, penalties and the rest)
         raw_logprobs = torch.log_softmax(x, dim=-1, dtype=torch.float32) if want_logprobs else None
         if biased:  # before penalties, as vLLM orders them; in place where x is a copy already
-            x = add_logit_bias(x, rows, in_place=x is not logits, biases=self.biases)
+            x = add_logit_bias(x, rows, self.biases, in_place=x is not logits)
         x, counted = penalize(x, rows, self.penalties)
         if any(r.params.allowed_token_ids is not None for r in rows):  # (out of place, as below)
             x = keep_allowed(x, rows, self.id_lists)
@@ -390,12 +390,9 @@ def ban(x: torch.Tensor, rows: list[SampleRow], kept: KeptUploads) -> torch.Tens
                        torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
 
 
-def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = False,
-                   biases: KeptUploads | None = None) -> torch.Tensor:
+def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], biases: KeptUploads, in_place: bool) -> torch.Tensor:
     """x [B, vocab] fp32 with each row's logit_bias added (a row's ids are distinct, so one gather and one scatter
-    add them exactly): x itself if in_place, else a new tensor. `biases`: the uploads kept between steps (None: made
-    for this call)."""
-    biases = biases if biases is not None else logit_bias_uploads(x.device)
+    add them exactly): x itself if in_place, else a new tensor. `biases`: the uploads kept between steps."""
     biased = [(i, biases.get(r.params.logit_bias)) for i, r in enumerate(rows) if r.params.logit_bias]
     ids = torch.cat([t for _, (t, _) in biased])
     values = torch.cat([v for _, (_, v) in biased])
@@ -403,12 +400,6 @@ def add_logit_bias(x: torch.Tensor, rows: list[SampleRow], in_place: bool = Fals
                                           x.device)
     at = biased_rows.repeat_interleave(counts, output_size=len(ids))
     return (x.index_put_ if in_place else x.index_put)((at, ids), x[at, ids] + values)
-
-
-def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF: prompt and output tokens), frequency and presence (OpenAI: output tokens) penalties, counted
-    from the rows' ids (rows without penalties are left as they are)."""
-    return penalize(x, rows, None)[0]
 
 
 def top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
