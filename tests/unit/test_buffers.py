@@ -95,7 +95,7 @@ def test_rows_and_mixed_buffers():
     assert emb.tolist() == [[2.0, 2.0], [0.0, 0.0], [1.5, 1.5], [0.0, 0.0]]
     assert bufs.names == ("seq_lens", "h", "block_tables")
     assert bufs.nbytes == 3 * ALIGN  # each buffer 256-byte aligned in one arena
-    assert [bufs.data_ptrs()[name] - seq.data_ptr() for name in bufs.names] == [0, ALIGN, 2 * ALIGN]
+    assert [bufs.device(name).data_ptr() - seq.data_ptr() for name in bufs.names] == [0, ALIGN, 2 * ALIGN]
     with pytest.raises(ConfigError, match="numpy cannot view"):
         bufs.host_np("h")
 
@@ -106,12 +106,12 @@ def test_device_views_share_storage():
     full = bufs.device("ids")
     view = bufs.device("ids", 3)
     assert view.shape == (3,)
-    assert view.data_ptr() == full.data_ptr() == bufs.data_ptrs()["ids"]
+    assert view.data_ptr() == full.data_ptr()
     assert bufs.device("ids") is full
     bufs.host_np("ids")[:3] = [7, 8, 9]
     bufs.commit(3, 3)
     assert view.tolist() == [7, 8, 9]
-    assert bufs.data_ptrs()["ids"] == full.data_ptr()  # commit writes in place, never reallocates
+    assert bufs.device("ids").data_ptr() == full.data_ptr()  # commit writes in place, never reallocates
     assert bufs.host_np("ids").ctypes.data == bufs.host("ids").data_ptr()  # numpy view, not a copy
 
 

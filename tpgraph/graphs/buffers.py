@@ -187,11 +187,6 @@ class PersistentBuffers:
             raise CaptureError(f"buffer {name!r} has {self._max_rows} rows; cannot view {rows}")
         return buf.device[:rows]
 
-    def data_ptrs(self) -> dict[str, int]:
-        """Device address of every buffer, for the debug check that replays read the captured addresses."""
-        self.allocate()
-        return {name: b.device.data_ptr() for name, b in self._buffers.items()}
-
     def commit(self, n: int, padded: int, non_blocking: bool = True) -> int:
         """Apply every padding policy to host rows [n, padded) and copy the rows the policy needs to the device.
 
