@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from tpgraph.comm.multicast import DISABLING_VARIABLES, multicast_allowed, multicast_disabled_reason
+from tpgraph.comm.multicast import DISABLING_VARIABLES, multicast_disabled_reason
 from tpgraph.comm.thresholds import (
     MODES,
     WORLD_SIZES,
@@ -18,6 +18,10 @@ from tpgraph.comm.thresholds import (
 from tpgraph.errors import ConfigError
 
 ARCHS = {"sm90": (9, 0), "sm100": (10, 0), "other": (8, 0)}
+
+
+def multicast_allowed(env: dict[str, str]) -> bool:
+    return multicast_disabled_reason(env) is None
 
 
 KB, MB = 1 << 10, 1 << 20

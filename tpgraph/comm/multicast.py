@@ -79,7 +79,3 @@ def pass_gate_on(env: MutableMapping[str, str] | None = None) -> list[str]:
             env[name] = disabling
             changed.append(name)
     return changed
-
-
-def multicast_allowed(env: Mapping[str, str] | None = None) -> bool:
-    return multicast_disabled_reason(env) is None
