@@ -169,16 +169,16 @@ class EngineMetrics:
 
 
 class StatsLog:
-    """vLLM's periodic stats line (its LoggingStatLogger), every `interval_s` (default: VLLM_LOG_STATS_INTERVAL's, else
-    10 s, as vLLM's): the prompt and generation throughput
-    since the last line, the sequences running and waiting, the KV cache's use and the prefix cache's hit rate (since
-    serving began; vLLM's, over its last 1000 requests). While idle (no tokens since the last line nor in the one
-    before) it is logged at debug level, as vLLM's, so that an idle server's log stays quiet."""
+    """vLLM's periodic stats line (its LoggingStatLogger), every VLLM_LOG_STATS_INTERVAL seconds (else 10 s, as
+    vLLM's): the prompt and generation throughput since the last line, the sequences running and waiting, the KV
+    cache's use and the prefix cache's hit rate (since serving began; vLLM's, over its last 1000 requests). While
+    idle (no tokens since the last line nor in the one before) it is logged at debug level, as vLLM's, so that an
+    idle server's log stays quiet."""
 
-    def __init__(self, metrics: EngineMetrics, interval_s: float | None = None, now: float | None = None) -> None:
+    def __init__(self, metrics: EngineMetrics, now: float | None = None) -> None:
         """now: time.monotonic()'s reading when serving began (default: now)."""
         self.metrics = metrics
-        self.interval_s = stats_interval_s() if interval_s is None else interval_s
+        self.interval_s = stats_interval_s()
         self._last = time.monotonic() if now is None else now
         self._tokens = (metrics.prompt_tokens, metrics.generated_tokens)
         self._was_busy = False
