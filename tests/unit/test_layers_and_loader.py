@@ -157,7 +157,7 @@ def test_random_weights_are_tp_invariant():
     whole = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(0, 1), torch.float32, torch.device("cpu"))
     half = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(1, 2), torch.float32, torch.device("cpu"))
     for m in (whole, half):
-        load_weights(m, RandomSource(BUILTIN_MODEL, 0, torch.device("cpu")), show_progress=False)
+        load_weights(m, RandomSource(0, torch.device("cpu")), show_progress=False)
     w, h = whole.layers[0].mlp.down_proj.weight, half.layers[0].mlp.down_proj.weight
     assert torch.equal(h, w[:, w.shape[1] // 2:])
     assert torch.equal(half.norm.weight, whole.norm.weight)
@@ -167,7 +167,7 @@ def test_random_weights_are_tp_invariant():
 def test_random_weights_take_any_64_bit_seed(seed):
     """(seed * 1_000_003 + crc overflowed torch's 64-bit seed past about 2 ** 43: a ValueError at load)"""
     model = LlamaForCausalLM(BUILTIN_MODEL, fake_rank(0, 1), torch.float32, torch.device("cpu"))
-    load_weights(model, RandomSource(BUILTIN_MODEL, seed, torch.device("cpu")), show_progress=False)
+    load_weights(model, RandomSource(seed, torch.device("cpu")), show_progress=False)
     assert model.norm.weight.std() > 0
 
 

@@ -222,8 +222,10 @@ class RandomSource:
     """Seeded random weights in checkpoint layout. Each tensor is generated whole from a seed derived
     from its name, then sliced, so any TP size sees the same model."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device, std: float = 0.02) -> None:
-        self.cfg, self.seed, self.device, self.std = cfg, seed, device, std
+    STD = 0.02  # (transformers' LlamaConfig initializer_range)
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed, self.device = seed, device
 
     def read_shard(self, spec: ShardSpec) -> torch.Tensor:
         # (in 64 bits, as torch takes seeds: a negative one is its two's complement, so every seed keeps its weights)
@@ -232,7 +234,7 @@ class RandomSource:
             full = 1.0 + 0.1 * torch.randn(spec.hf_shape, generator=torch.Generator().manual_seed(seed))
         else:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-            full = torch.randn(spec.hf_shape, generator=gen, device=self.device) * self.std
+            full = torch.randn(spec.hf_shape, generator=gen, device=self.device) * self.STD
         return full.narrow(spec.dim, spec.src_start, spec.length)
 
 
@@ -317,7 +319,7 @@ def load_model(
     def build() -> LlamaForCausalLM:
         cfg = config or (ModelConfig.from_dir(model_dir) if model_dir is not None else BUILTIN_MODEL)
         if model_dir is None or load_format == "dummy":
-            source: TensorSource = RandomSource(cfg, seed, state.device)
+            source: TensorSource = RandomSource(seed, state.device)
         else:
             source = SafetensorsSource(Path(model_dir), pickles=load_format == "auto")
             if (cfg.tie_word_embeddings and "lm_head.weight" in source.file_of
