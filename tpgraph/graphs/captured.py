@@ -42,7 +42,6 @@ class FullGraph:
                 self.output = forward(size, call)
             finally:
                 self.graph.capture_end()
-        self.num_pieces = 1
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
@@ -86,7 +85,6 @@ class PiecewiseGraph:
                     pieces.append(live["graph"])
                 live.clear()
         self.pieces, self.ops = pieces, ops
-        self.num_pieces = len(pieces)
 
     def replay(self) -> torch.Tensor:
         for i, piece in enumerate(self.pieces):
@@ -101,7 +99,6 @@ class BreakableGraph:
     def __init__(self, forward: Forward, size: int) -> None:
         self.forward, self.size = forward, size
         self.output = torch.empty(0)
-        self.num_pieces = 0
 
     def replay(self) -> torch.Tensor:
         self.output = self.forward(self.size, call)
