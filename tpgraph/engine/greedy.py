@@ -19,8 +19,9 @@ class GreedyResult:
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
-                    eos_ids: tuple[int, ...] = (), keep_logits: bool = False) -> GreedyResult:
-    """Prefill all prompts together, then decode until each hits max_new_tokens or an EOS id.
+                    keep_logits: bool = False) -> GreedyResult:
+    """Prefill all prompts together, then decode max_new_tokens for each (no EOS stops them: what parity checks
+    compare, step by step).
 
     Every rank makes the same ids (from the same gathered logits, or the same all-reduced shard maxima), so they agree
     everywhere without a broadcast.
@@ -39,24 +40,18 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
     runner.forget_rows()  # (its sequence ids start from 0: a decode row an earlier owner left is not theirs)
     result = GreedyResult(tokens=[[] for _ in prompts])
     try:
-        active = seqs
-        logits, ids = runner.prefill(active), None
-        while True:
+        logits, ids = runner.prefill(seqs), None
+        for step in range(max_new_tokens):  # (every sequence runs them all: they end together)
             if keep_logits:
-                full = torch.full((len(seqs), logits.shape[-1]), float("nan"))
-                full[[s.seq_id for s in active]] = logits.float().cpu()
-                result.step_logits.append(full)
-            next_ids = (row_argmax(logits) if ids is None else ids).tolist()
-            for seq, tok in zip(active, next_ids, strict=True):
+                result.step_logits.append(logits.to("cpu", torch.float32, copy=True))  # (a runner reuses its buffer)
+            for seq, tok in zip(seqs, (row_argmax(logits) if ids is None else ids).tolist(), strict=True):
                 seq.output_ids.append(tok)
-                seq.finished = tok in eos_ids or len(seq.output_ids) >= seq.max_new_tokens
-            active = [s for s in active if not s.finished]
-            if not active:
+            if step == max_new_tokens - 1:
                 break
             if keep_logits:
-                logits = runner.decode(active)
+                logits = runner.decode(seqs)
             else:  # the step makes its greedy ids itself (at TP > 1 without gathering the logits)
-                ids = runner.decode_greedy(active)
+                ids = runner.decode_greedy(seqs)
     finally:
         for seq in seqs:
             runner.free(seq)
