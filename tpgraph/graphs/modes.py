@@ -16,8 +16,6 @@ PREFILL_MODES = ("piecewise", "none")
 PHASES = ("decode", "prefill")
 NO_CUDA_REASON = "CUDA graphs need a CUDA device"
 
-_logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class CaptureSupport:
@@ -99,7 +97,7 @@ def resolve_modes(
     return ResolvedModes(decode, prefill, tuple(downgrades))
 
 
-def log_downgrades(resolved: ResolvedModes, logger: logging.Logger | None = None) -> None:
+def log_downgrades(resolved: ResolvedModes, logger: logging.Logger) -> None:
     """A multi-line WARNING banner, one line per downgrade; nothing when every phase runs what was asked."""
     if not resolved.downgrades:
         return
@@ -108,7 +106,7 @@ def log_downgrades(resolved: ResolvedModes, logger: logging.Logger | None = None
     lines += [f"  {d.describe()}" for d in resolved.downgrades]
     lines += [f"  running with decode={resolved.decode} prefill={resolved.prefill}", bar]
     # One record, so ranks logging at once cannot interleave the banner's lines.
-    (logger or _logger).warning("\n%s", "\n".join(lines))
+    logger.warning("\n%s", "\n".join(lines))
 
 
 def _check_mode(phase: str, mode: str, choices: tuple[str, ...]) -> None:
