@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 def startup_summary(runner: ModelRunner) -> str:
     """Model, TP, dtype, all-reduce bands, graph modes and buckets, graph memory, KV blocks: one table."""
     comm, mcfg = runner.model.comm, runner.model.cfg
-    custom = getattr(comm, "custom", None)
+    custom = comm.custom
     if custom is not None:
         bands = {m: custom.table.bands(comm.world_size, m == "graph").describe() for m in ("graph", "eager")}
     else:

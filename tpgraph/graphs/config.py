@@ -127,7 +127,7 @@ def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
         )
     except ConfigError as exc:  # (said as the flag typed: `warmups must be ...` named no flag a user has)
         raise _as_flag(exc) from None
-    config = getattr(args, "compilation_config", None)
+    config = args.compilation_config
     if config is None:
         return graphs
     # (a flag of this engine beside it setting the same is a second setting: refused, not overridden unsaid)
