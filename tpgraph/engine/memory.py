@@ -77,17 +77,16 @@ class MemoryBudget:
         return self.weights + self.workspace + self.kernel_workspace + self.penalty_table + self.rope_tables
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GiB:.2f} GiB"
         shared = f", shared by {self.sharers} ranks" if self.sharers > 1 else ""
-        return (f"GPU {g(self.total)} x {self.utilization:.2f} = {g(int(self.total * self.utilization))}{shared}: "
-                f"in use {g(self.in_use)} (weights {g(self.weights)}, all-reduce workspace {g(self.workspace)}, kernel "
-                f"workspaces {self.kernel_workspace / (1 << 20):.2f} MiB, penalty table "
+        return (f"GPU {_gib(self.total)} x {self.utilization:.2f} = {_gib(int(self.total * self.utilization))}"
+                f"{shared}: in use {_gib(self.in_use)} (weights {_gib(self.weights)}, all-reduce workspace "
+                f"{_gib(self.workspace)}, kernel workspaces {self.kernel_workspace / (1 << 20):.2f} MiB, penalty table "
                 f"{self.penalty_table / (1 << 20):.2f} MiB, rope tables {self.rope_tables / (1 << 20):.2f} MiB, "
-                f"the rest {g(self.in_use - self.own_bytes)}: CUDA context, input buffers, other processes"
+                f"the rest {_gib(self.in_use - self.own_bytes)}: CUDA context, input buffers, other processes"
                 f"{' and ranks' if self.sharers > 1 else ''}), "
-                f"activations and sampling {g(self.activation_peak)}, graph pool (estimated) "
-                f"{g(self.graph_pool_estimate)} -> KV cache "
-                f"{g(self.num_blocks * self.block_bytes)} = {self.num_blocks} blocks of "
+                f"activations and sampling {_gib(self.activation_peak)}, graph pool (estimated) "
+                f"{_gib(self.graph_pool_estimate)} -> KV cache "
+                f"{_gib(self.num_blocks * self.block_bytes)} = {self.num_blocks} blocks of "
                 f"{self.block_bytes / (1 << 20):.2f} MiB{self._agreed_note()}")
 
     def _agreed_note(self) -> str:
@@ -95,7 +94,7 @@ class MemoryBudget:
         own = max(self.kv_bytes, 0) // self.block_bytes
         if own <= self.num_blocks:
             return ""
-        return f" (another rank's budget; this rank's held {own} blocks, {self.kv_bytes / GiB:.2f} GiB)"
+        return f" (another rank's budget; this rank's held {own} blocks, {_gib(self.kv_bytes)})"
 
     def check(self, min_blocks: int, max_model_len_asked: bool = True) -> None:
         """Refuse a cache too small to hold min_blocks, with the ways out: one sequence of an asked max_model_len,
