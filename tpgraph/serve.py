@@ -32,6 +32,7 @@ from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.distributed import PROCESS_GROUP_TIMEOUT_S, env_int
 from tpgraph.engine.cli import (
     add_engine_args,
+    checkpoint_dirs_from_args,
     checkpoint_name,
     dashed_names,
     engine_from_args,
@@ -41,7 +42,6 @@ from tpgraph.engine.cli import (
 from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
-from tpgraph.hub import checkpoint_dirs
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
@@ -386,8 +386,7 @@ def reasoning_parser(args: argparse.Namespace) -> ReasoningParser | None:
     own: a model whose tokenizer splits the end tag was refused once every rank had loaded the weights."""
     if args.reasoning_parser is None:
         return None
-    model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
-                                       args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
+    model, tokenizer = checkpoint_dirs_from_args(args)
     vocab_size = (ModelConfig.from_dir(model, args.disable_sliding_window) if model is not None else
                   BUILTIN_MODEL).vocab_size
     return REASONING_PARSERS[args.reasoning_parser].for_tokenizer(load_tokenizer(tokenizer or model, vocab_size))

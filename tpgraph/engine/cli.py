@@ -273,6 +273,12 @@ def positive_number(text: str) -> float:
     return value
 
 
+def checkpoint_dirs_from_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """hub.checkpoint_dirs of --model, --tokenizer, --revision, --tokenizer-revision and --download-dir."""
+    return checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision, args.download_dir,
+                           named=lambda name: f"--{name.replace('_', '-')}")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """TPEngine(**engine_kwargs(args)): tp_size from the flag, else from torchrun's WORLD_SIZE."""
     world = env_int("WORLD_SIZE")  # (a ConfigError naming it where it is no integer, not a ValueError traceback)
@@ -280,8 +286,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     tp_size = world if args.tensor_parallel_size is None else args.tensor_parallel_size  # (0 is refused, not 1)
     check_executor_backend(args.distributed_executor_backend, tp_size, named="--distributed-executor-backend ",
                            starter="-tp N")
-    model, tokenizer = checkpoint_dirs(args.model, args.tokenizer, args.revision, args.tokenizer_revision,
-                                       args.download_dir, named=lambda name: f"--{name.replace('_', '-')}")
+    model, tokenizer = checkpoint_dirs_from_args(args)
     graphs = graph_config_from_args(args)
     # every EngineConfig field from the flag of its name (a field given a flag is passed on with no list to forget it
     # in), then those read otherwise
