@@ -39,7 +39,7 @@ from tpgraph.engine.cli import (
     json_object,
     positive_number,
 )
-from tpgraph.engine.followers import FOLLOWER_GRACE_S, leave_later
+from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
@@ -292,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun sends SIGTERM to every rank at once, and passes a Ctrl-C on to every rank as SIGINT. A follower
         # leaving at once would strand rank 0 inside a step's collectives, so it keeps following until rank 0's
         # shutdown message, and leaves by itself if that is late.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: leave_later(FOLLOWER_GRACE_S))
+        leave_later_on(signal.SIGTERM, signal.SIGINT)
         service = EngineService(engine.core, ControlPlane(engine.state))
         failed = True
         try:

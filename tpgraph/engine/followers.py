@@ -41,11 +41,15 @@ JOIN_WAIT_S = 600.0  # (as long as the process group's rendezvous waited for a r
 FOLLOWER_GRACE_S = 8.0
 
 
-def leave_later(seconds: float) -> None:
-    """End this process in `seconds` (exit code 0), unless it has ended by then."""
-    timer = threading.Timer(seconds, os._exit, (0,))
-    timer.daemon = True
-    timer.start()
+def leave_later_on(*signals: signal.Signals) -> None:
+    """On any of `signals`, end this process FOLLOWER_GRACE_S later (exit code 0), unless it has ended by then."""
+    def leave_later(*_: object) -> None:
+        timer = threading.Timer(FOLLOWER_GRACE_S, os._exit, (0,))
+        timer.daemon = True
+        timer.start()
+
+    for sig in signals:
+        signal.signal(sig, leave_later)
 
 
 def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
@@ -66,7 +70,7 @@ def follower_main(rank: int, world_size: int, init: str, kwargs: dict[str, Any],
     # so does a SIGTERM sent to the group (systemd's stop, kill -TERM -PGID): leaving at once stranded rank 0 in a
     # step's collectives (its engine loop failed), so this rank follows until rank 0 says stop, and leaves by itself if
     # that is late. (Rank 0 ends a rank it means to end at once with SIGKILL.)
-    signal.signal(signal.SIGTERM, lambda *_: leave_later(FOLLOWER_GRACE_S))
+    leave_later_on(signal.SIGTERM)
     from tpgraph.engine.tp_engine import TPEngine
     from tpgraph.errors import TPGraphError
 
