@@ -1,4 +1,5 @@
-"""The greedy generation loop (the scheduler-driven engine replaces it later)."""
+"""A greedy generation loop straight over a ModelRunner, without the scheduler: what parity checks
+(bench/hf_parity.py, the multi-rank and graph tests) compare, step by step, against a reference."""
 
 from __future__ import annotations
 
