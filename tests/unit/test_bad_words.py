@@ -252,17 +252,23 @@ def test_rows_without_bad_words_pay_nothing_for_them_each_step(monkeypatch):
     assert not Sequence(0, [1], 4).reads_output and Sequence(0, [1], 4, bad_words=((1, 2),)).reads_output
 
 
-def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
-    """keep_allowed builds Python lists of every allowed id of every row and uploads them each step: 8 rows allowing
-    60k ids cost ~12 ms of host time a step in list building alone (more than a whole 8B decode step on an H200),
-    for the whole batch. vLLM builds a request's mask once, when it joins the batch. A request's allowed ids should
-    reach the device once, not every step."""
-    uploaded = []
+def count_uploads(monkeypatch) -> list[int]:
+    """The sampler's uploads from now on, each as the ids it carried (appended to the list returned)."""
+    uploaded: list[int] = []
     upload_parts, upload = sampler_module.to_device_parts, sampler_module.to_device
     monkeypatch.setattr(sampler_module, "to_device_parts", lambda parts, *a, **k: uploaded.append(
         sum(len(p) for p in parts)) or upload_parts(parts, *a, **k))
     monkeypatch.setattr(sampler_module, "to_device",
                         lambda values, *a, **k: uploaded.append(len(values)) or upload(values, *a, **k))
+    return uploaded
+
+
+def test_allowed_token_ids_are_not_rebuilt_and_uploaded_every_step(monkeypatch):
+    """keep_allowed builds Python lists of every allowed id of every row and uploads them each step: 8 rows allowing
+    60k ids cost ~12 ms of host time a step in list building alone (more than a whole 8B decode step on an H200),
+    for the whole batch. vLLM builds a request's mask once, when it joins the batch. A request's allowed ids should
+    reach the device once, not every step."""
+    uploaded = count_uploads(monkeypatch)
     allowed = tuple(range(20, 220))
     with TPEngine(device="cpu", max_model_len=64, max_num_seqs=4, block_size=8) as engine:
         out = engine.generate("a", SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,
@@ -276,12 +282,7 @@ def test_one_token_bad_words_and_min_tokens_stop_ids_are_uploaded_once_not_every
     into the step's banned ids and uploaded again each step, as the allowed ids were: they are fixed for the request
     (for each side of min_tokens), so they reach the device once. Only the bans of words of several tokens, which
     read the output's last tokens, change from step to step."""
-    uploaded = []
-    upload_parts, upload = sampler_module.to_device_parts, sampler_module.to_device
-    monkeypatch.setattr(sampler_module, "to_device_parts", lambda parts, *a, **k: uploaded.append(
-        sum(len(p) for p in parts)) or upload_parts(parts, *a, **k))
-    monkeypatch.setattr(sampler_module, "to_device",
-                        lambda values, *a, **k: uploaded.append(len(values)) or upload(values, *a, **k))
+    uploaded = count_uploads(monkeypatch)
     letters, stops = "cdefghijklmnopqrstuvwxyz", list(range(130, 250))
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=24, min_tokens=12, ignore_eos=True,
                             bad_words=list(letters) + ["ab"], stop_token_ids=stops)

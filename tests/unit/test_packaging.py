@@ -87,18 +87,24 @@ def test_an_sdist_carries_every_file_the_build_and_the_package_read(tmp_path):
     assert len(needed) > 15 and not [p for p in needed if p not in carried]
 
 
-def test_a_cuda_arch_list_nvcc_cannot_read_is_refused_naming_the_variable(tmp_path):
-    """TPGRAPH_CUDA_ARCHS="9.0a" (torch's TORCH_CUDA_ARCH_LIST spelling) went to nvcc as compute_9.0a, whose error
-    named no variable, and a blank value built for nvcc's default arch. Checked before anything is compiled (an nvcc
-    here that fails if it is ever run)."""
-    import os
-
+def tree_with_failing_nvcc(tmp_path):
+    """A copy of the build's sources, and a CUDA_HOME whose nvcc fails if it is ever run: (tree, cuda)."""
     tree, cuda = tmp_path / "tree", tmp_path / "cuda"
     shutil.copytree(ROOT / "csrc", tree / "csrc")
     shutil.copy2(ROOT / "setup.py", tree / "setup.py")
     (cuda / "bin").mkdir(parents=True)
     (cuda / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
     (cuda / "bin" / "nvcc").chmod(0o755)
+    return tree, cuda
+
+
+def test_a_cuda_arch_list_nvcc_cannot_read_is_refused_naming_the_variable(tmp_path):
+    """TPGRAPH_CUDA_ARCHS="9.0a" (torch's TORCH_CUDA_ARCH_LIST spelling) went to nvcc as compute_9.0a, whose error
+    named no variable, and a blank value built for nvcc's default arch. Checked before anything is compiled (an nvcc
+    here that fails if it is ever run)."""
+    import os
+
+    tree, cuda = tree_with_failing_nvcc(tmp_path)
     env = {**os.environ, "CUDA_HOME": str(cuda), "TPGRAPH_CUDA_ARCHS": "9.0a;100a"}
     built = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=tree, env=env, capture_output=True,
                            text=True)
@@ -117,12 +123,7 @@ def test_the_kept_build_folder_is_one_per_python_abi_and_pybind11(tmp_path):
 
     import pybind11
 
-    tree, cuda = tmp_path / "tree", tmp_path / "cuda"
-    shutil.copytree(ROOT / "csrc", tree / "csrc")
-    shutil.copy2(ROOT / "setup.py", tree / "setup.py")
-    (cuda / "bin").mkdir(parents=True)
-    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
-    (cuda / "bin" / "nvcc").chmod(0o755)
+    tree, cuda = tree_with_failing_nvcc(tmp_path)
     env = {**os.environ, "CUDA_HOME": str(cuda), "TPGRAPH_CUDA_ARCHS": "90a;100a"}
     built = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=tree, env=env, capture_output=True,
                            text=True)
