@@ -107,10 +107,12 @@ class WaitQueue:
     """The waiting sequences, in order. One finished anywhere in it leaves in O(1) amortised (aborting 20,000 queued
     requests searched the queue for each: 3.5 s): one at either end is taken off; one elsewhere is only marked gone,
     and dropped when a walk from the front (an index) reaches it, or all at once when the gone outnumber the queued.
-    Indices, len and iteration see the queued ones alone."""
+    Indices, len and iteration see the queued ones alone. Taking out one not queued, or queueing one twice, is a
+    ValueError (one not queued marked gone would hide a queued one from len and indices: never admitted)."""
 
     def __init__(self) -> None:
         self._items: deque[Sequence] = deque()
+        self._queued: set[int] = set()  # id() of the queued sequences (all in _items, which keeps them alive)
         self._gone: set[int] = set()  # id() of sequences marked gone, still in _items (which keeps them alive)
         self._clean = 0  # while some are gone: _items[:_clean] holds none of them
 
@@ -127,18 +129,22 @@ class WaitQueue:
         return self._items[self._position(i)]
 
     def __delitem__(self, i: int) -> None:
-        del self._items[self._position(i)]
+        at = self._position(i)
+        self._queued.discard(id(self._items[at]))
+        del self._items[at]
         self._clean -= 1
 
     def append(self, seq: Sequence) -> None:
         self._revive(seq)
         self._items.append(seq)
+        self._queued.add(id(seq))
 
     def insert(self, i: int, seq: Sequence) -> None:
         """Queue seq at index i (len(self): last)."""
         self._revive(seq)
         at = self._position(i) if i < len(self) else len(self._items)
         self._items.insert(at, seq)
+        self._queued.add(id(seq))
         self._clean += at <= self._clean
 
     def insort(self, seq: Sequence, key: Callable[[Sequence], tuple[int, int]]) -> None:
@@ -146,10 +152,14 @@ class WaitQueue:
         self._revive(seq)
         at = bisect.bisect_right(self._items, key(seq), key=key)
         self._items.insert(at, seq)
+        self._queued.add(id(seq))
         self._clean += at <= self._clean
 
     def remove(self, seq: Sequence) -> None:
         """Take a queued sequence out."""
+        if id(seq) not in self._queued:
+            raise ValueError(f"sequence {getattr(seq, 'seq_id', seq)} is not in the waiting queue")
+        self._queued.discard(id(seq))
         if self._items[-1] is seq:
             self._items.pop()
             self._clean = min(self._clean, len(self._items))
@@ -181,6 +191,8 @@ class WaitQueue:
 
     def _revive(self, seq: Sequence) -> None:
         """A sequence queued again while marked gone (none is, once finished) must not come back where it was."""
+        if id(seq) in self._queued:
+            raise ValueError(f"sequence {getattr(seq, 'seq_id', seq)} is already in the waiting queue")
         if id(seq) in self._gone:
             self._drop_gone()
 
