@@ -129,3 +129,51 @@ def test_queueing_a_sequence_twice_is_refused():
         with pytest.raises(ValueError):
             queue_again()
         check_same(q, [a, b])
+
+
+class Observed(set):
+    """A set that calls `look` just before and after each change: as a thread that reads the queue at that moment."""
+
+    look = staticmethod(lambda: None)
+
+    def add(self, x):
+        self.look()
+        super().add(x)
+        self.look()
+
+    def discard(self, x):
+        self.look()
+        super().discard(x)
+        self.look()
+
+    def clear(self):
+        self.look()
+        super().clear()
+        self.look()
+
+
+def test_len_read_from_another_thread_mid_change_is_the_count_before_or_after():
+    """The engine's metrics read len(waiting) from another thread (a scrape, the stats line): read while gone ones were
+    being dropped, len was the queued less those still marked, below zero, and len() raised ValueError in the
+    engine's pipe reader, which then stopped serving. Read between any two of a change's steps, it is the count
+    before or after the change."""
+    items = [Item(i, 0) for i in range(12)]
+    q, ref = WaitQueue(), list(items)
+    for s in items:
+        q.append(s)
+    counts = (len(ref), len(ref))
+    seen = []
+
+    def look():
+        seen.append(len(q))
+        assert len(q) in counts, (len(q), counts)
+
+    q._gone = Observed()
+    q._gone.look = staticmethod(look)
+    for s in items[1:-1:2] + items[2:-1:2]:  # in the middle: marked gone, then all dropped at once
+        counts = (len(ref), len(ref) - 1)
+        q.remove(s)
+        ref.remove(s)
+        counts = (len(ref), len(ref))
+        assert q[0] is ref[0] and list(q) == ref
+    assert seen and len(q) == 2 and not q._gone

@@ -117,7 +117,9 @@ class WaitQueue:
         self._clean = 0  # while some are gone: _items[:_clean] holds none of them
 
     def __len__(self) -> int:
-        return len(self._items) - len(self._gone)
+        # (one read of a set changed once per call: the metrics read it from another thread, and _items less _gone
+        # could be read mid-change, below zero while gone ones were dropped, where len() raised)
+        return len(self._queued)
 
     def __bool__(self) -> bool:
         return len(self) > 0
