@@ -1,0 +1,227 @@
+"""The HTTP front end's per-token cost, on CPU: N streaming requests through the real app (create_app, its middleware
+and routes, called over ASGI in process, as uvicorn calls it) fed by a fake engine that sends one token to every open
+stream per step, the next step once the server has taken the last (an engine faster than the server, as a 256-stream
+batch at ~3 ms a step is). What the server does per token is all here: the update's hand-off through the request's
+queue, metrics, the chunk's dict and JSON, SSE, the response's send through the middleware (not uvicorn's HTTP
+writing, nor the pipe's reader thread: each step's updates are unpickled here, as EngineClient's reader does).
+
+    PYTHONPATH=. python bench/bench_server_tokens.py --streams 1 64 256 --tokens 256 --api chat
+    PYTHONPATH=. python bench/bench_server_tokens.py --streams 256 --profile prof.out   # cProfile of the run
+
+Reports, per N: tokens/s (wall, steady decode only: from the first step to the last stream's end), and the server's
+CPU time per token (the process's CPU time over that span, less the fake engine's own time making the updates), whose
+inverse is the front end's ceiling on one core (the event loop thread's CPU time: wall time on a shared machine
+counts others' turns too). Detokenization and stop strings run in the engine (StepUpdate.text
+comes decoded), so they are not here; the tokenizer is used for logprobs' token texts and bytes (--logprobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import pickle
+import statistics
+import time
+from pathlib import Path
+
+from tpgraph.chat import ChatTemplate, GenerationDefaults
+from tpgraph.engine.core import StepUpdate
+from tpgraph.prompts import PromptCodec
+from tpgraph.server.app import create_app
+from tpgraph.server.metrics import ServerMetrics
+from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer, load_tokenizer
+
+# each token's text: the built-in tokenizer's ids are bytes, so a token is one printable byte
+PIECES = [(t, chr(t)) for t in range(97, 123)]
+
+
+class CountingMetrics(ServerMetrics):
+    """ServerMetrics that also counts the updates the server has taken from its queues (Api.run observes each as it
+    takes it, then formats and sends its chunk before it waits again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = 0
+        self.wanted = 0
+        self.caught_up = asyncio.Event()
+
+    def observe(self, update: StepUpdate, now: float | None = None) -> None:
+        super().observe(update, now)
+        self.taken += 1
+        if self.taken >= self.wanted:
+            self.caught_up.set()
+
+
+class FakeEngine:
+    """EngineClient's interface: every open request gets a token per step; its last ends it ("length")."""
+
+    alive, error, closing = True, None, False
+
+    def __init__(self, metrics: CountingMetrics, tokens: int, logprobs: int | None, streams: int) -> None:
+        self.metrics, self.tokens, self.logprobs, self.streams = metrics, tokens, logprobs, streams
+        self.sinks: dict[str, object] = {}
+        self.sent: dict[str, int] = {}
+        self.engine_s = 0.0  # (time making the updates and pickling them: the engine process's in production)
+        self.started_at: float | None = None
+        self.cpu_at: float | None = None
+        self.all_in = asyncio.Event()
+
+    def attach(self, loop) -> None:
+        pass
+
+    def check(self, prompt, params) -> None:
+        pass
+
+    def submit(self, request_id, prompt, params, sink) -> None:
+        self.sinks[request_id], self.sent[request_id] = sink, 0
+        if len(self.sinks) == self.streams:
+            self.all_in.set()
+
+    def abort(self, request_id) -> None:
+        self.sinks.pop(request_id, None)
+
+    def release(self, request_id) -> None:
+        self.sinks.pop(request_id, None)
+
+    async def engine_metrics(self) -> bytes:
+        return b""
+
+    def _step(self) -> bytes:
+        batch = []
+        for rid in list(self.sinks):
+            k = self.sent[rid]
+            token, text = PIECES[k % len(PIECES)]
+            u = StepUpdate(rid, 0, token, text, "length" if k + 1 == self.tokens else None)
+            if self.logprobs is not None:
+                u.logprob, u.rank = -0.25, 1
+                u.top_logprobs = [(t, -0.25 - j) for j, (t, _) in enumerate(PIECES[:self.logprobs])]
+            if k == 0:
+                u.cached_tokens, u.queue_s, u.prefill_s = 0, 0.001, 0.002
+            self.sent[rid] = k + 1
+            batch.append(u)
+        return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+
+    async def run(self) -> None:
+        await self.all_in.wait()
+        self.started_at, self.cpu_at = time.perf_counter(), time.thread_time()
+        while self.sinks:
+            t0 = time.thread_time()  # (CPU time: on a shared machine, wall time here counts others' turns too)
+            data = self._step()
+            self.engine_s += time.thread_time() - t0
+            batch = pickle.loads(data)  # (EngineClient's reader thread: the front end's)
+            self.metrics.wanted += len(batch)
+            self.metrics.caught_up.clear()
+            for u in batch:  # (EngineClient._dispatch)
+                sink = self.sinks.get(u.request_id)
+                if sink is not None:
+                    sink(u)
+            if self.metrics.taken < self.metrics.wanted:
+                await self.metrics.caught_up.wait()
+
+
+def codec(tokenizer_dir: str | None) -> PromptCodec:
+    tokenizer = builtin_tokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir, 0)
+    eos = tokenizer.token_to_id(EOS)
+    return PromptCodec(tokenizer, ChatTemplate.from_dir(None, BOS), GenerationDefaults(), "m",
+                       () if eos is None else (eos,), {"bos_token": BOS, "eos_token": EOS})
+
+
+def request_body(api: str, tokens: int, logprobs: int | None, usage: bool) -> tuple[str, bytes]:
+    body: dict = {"model": "m", "max_tokens": tokens, "stream": True, "temperature": 0.0}
+    if api == "chat":
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": "hello there"}]
+        if logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, logprobs
+    else:
+        path = "/v1/completions"
+        body["prompt"] = "hello there"
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+    if usage:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return path, json.dumps(body).encode()
+
+
+async def one_stream(app, path: str, body: bytes, out: list[int]) -> None:
+    """A streaming request over ASGI, as uvicorn makes it: its body, then a receive that waits (the client stays)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    stay = asyncio.Event()
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await stay.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200, message
+        elif message["type"] == "http.response.body":
+            out[0] += 1
+            out[1] += len(message.get("body", b""))
+
+    await app(scope, receive, send)
+
+
+async def run_once(streams: int, tokens: int, api: str, logprobs: int | None, usage: bool,
+                   tokenizer_dir: str | None) -> dict:
+    metrics = CountingMetrics()
+    engine = FakeEngine(metrics, tokens, logprobs, streams)
+    app = create_app(engine, codec(tokenizer_dir), metrics, "m", 1 << 16)
+    path, body = request_body(api, tokens, logprobs, usage)
+    counts = [[0, 0] for _ in range(streams)]
+    stepping = asyncio.create_task(engine.run())
+    await asyncio.gather(*(one_stream(app, path, body, counts[i]) for i in range(streams)))
+    wall, cpu = time.perf_counter() - engine.started_at, time.thread_time() - engine.cpu_at
+    await stepping
+    n = streams * tokens
+    server_cpu = cpu - engine.engine_s
+    return {"streams": streams, "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+            "server_cpu_us_per_token": 1e6 * server_cpu / n, "ceiling_tokens_per_s": n / server_cpu,
+            "engine_us_per_token": 1e6 * engine.engine_s / n, "chunks": sum(c[0] for c in counts),
+            "bytes": sum(c[1] for c in counts)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    p.add_argument("--api", choices=["chat", "completions"], default="chat")
+    p.add_argument("--logprobs", type=int, default=None, help="top logprobs asked per token")
+    p.add_argument("--usage", action="store_true", help="stream_options: include_usage, continuous_usage_stats")
+    p.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: the built-in one)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per N (the median is reported)")
+    p.add_argument("--profile", default=None, help="write a cProfile of one run of the largest N here")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    results = []
+    asyncio.run(run_once(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
+    for n in args.streams:
+        runs = [asyncio.run(run_once(n, args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
+                for _ in range(args.repeat)]
+        med = sorted(runs, key=lambda r: r["server_cpu_us_per_token"])[len(runs) // 2]
+        spread = [round(r["server_cpu_us_per_token"], 1) for r in runs]
+        results.append({**med, "runs_us_per_token": spread})
+        print(f"N={n:4d}  {med['tokens_per_s']:9.0f} tok/s wall  server CPU {med['server_cpu_us_per_token']:6.1f} "
+              f"us/token (runs {spread}; median {statistics.median(spread):.1f})  ceiling "
+              f"{med['ceiling_tokens_per_s']:8.0f} tok/s  ({med['bytes'] / med['tokens']:.0f} B/token)", flush=True)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        asyncio.run(run_once(max(args.streams), args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
+        prof.disable()
+        prof.dump_stats(args.profile)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
