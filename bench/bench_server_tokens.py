@@ -30,6 +30,7 @@ from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.engine.core import StepUpdate
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.app import create_app
+from tpgraph.server.frontend import freeze_startup_heap
 from tpgraph.server.metrics import ServerMetrics
 from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer, load_tokenizer
 
@@ -204,6 +205,7 @@ def main() -> None:
     args = p.parse_args()
     results = []
     asyncio.run(run_once(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
+    freeze_startup_heap()  # (as the front end's process does before it serves)
     for n in args.streams:
         runs = [asyncio.run(run_once(n, args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
                 for _ in range(args.repeat)]
