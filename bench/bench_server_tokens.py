@@ -194,7 +194,9 @@ async def run_once(streams: int, tokens: int, api: str, logprobs: int | None, us
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream (at least --min-total over all streams)")
+    p.add_argument("--min-total", type=int, default=16384, help="tokens over all streams, at least (a timed span "
+                   "long enough to read: N=1 at 256 tokens timed ~10 ms)")
     p.add_argument("--api", choices=["chat", "completions"], default="chat")
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs asked per token")
     p.add_argument("--usage", action="store_true", help="stream_options: include_usage, continuous_usage_stats")
@@ -207,7 +209,8 @@ def main() -> None:
     asyncio.run(run_once(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
     freeze_startup_heap()  # (as the front end's process does before it serves)
     for n in args.streams:
-        runs = [asyncio.run(run_once(n, args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
+        tokens = max(args.tokens, -(-args.min_total // n))
+        runs = [asyncio.run(run_once(n, tokens, args.api, args.logprobs, args.usage, args.tokenizer))
                 for _ in range(args.repeat)]
         med = sorted(runs, key=lambda r: r["server_cpu_us_per_token"])[len(runs) // 2]
         spread = [round(r["server_cpu_us_per_token"], 1) for r in runs]
