@@ -135,7 +135,7 @@ class Api:
                          names: list[str] | None) -> AsyncIterator[tuple[int, StepUpdate]]:
         """run's stream: the checked prompts submitted, and their updates."""
         # (each update stamped as it arrives: the metrics time its delivery, not when a slow reader takes it)
-        queue: asyncio.Queue[tuple[int, StepUpdate, float]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, StepUpdate, float] | None] = asyncio.Queue()  # (None: _Ticker's tick)
         ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
         open_samples = {rid: p.n for rid, p in zip(ids, each, strict=True)}
         samples_left = sum(open_samples.values())  # (kept as they end: not rescanned per update)
@@ -144,6 +144,7 @@ class Api:
         # the prompts handed to the engine: where a send finds the engine gone, that prompt and those after it never
         # started, so they are neither aborted nor counted as finished (each was counted as a request ended "error")
         taken = 0
+        ticker: _Ticker | None = None
         try:
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 if self.http.log_requests and log:
@@ -160,15 +161,14 @@ class Api:
                     raise
             loop = asyncio.get_running_loop()
             next_check = loop.time() + DISCONNECT_CHECK_S
+            ticker = _Ticker(loop, queue)
             while samples_left:
-                try:  # (asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes as the get ends)
-                    async with asyncio.timeout(DISCONNECT_CHECK_S):
-                        i, update, received = await queue.get()
-                except TimeoutError:
-                    update = None
+                item, update = await queue.get(), None
+                if item is not None:
+                    i, update, received = item
                 # on a timer, not only when updates pause: a decoding request has one every few ms, and a
-                # non-streaming one has no other way to learn that its client left
-                if loop.time() >= next_check:
+                # non-streaming one has no other way to learn that its client left (a tick: a wait's end)
+                if item is None or loop.time() >= next_check:
                     if await request.is_disconnected():
                         return
                     next_check = loop.time() + DISCONNECT_CHECK_S
@@ -197,6 +197,8 @@ class Api:
             ended = "error"
             raise
         finally:
+            if ticker is not None:
+                ticker.stop()
             aborted = []
             for i, (rid, left) in enumerate(itertools.islice(open_samples.items(), taken)):
                 if left:  # the client went away (or the caller stopped, or one was refused): the engine drops the rest
@@ -309,6 +311,24 @@ def _returned(choices: list[Choice], beam: BeamSearchParams | None) -> list[Choi
     """The choices a whole reply returns: every one; a beam search's, those of the sequences it found (fewer than n
     where fewer than n candidates were left)."""
     return choices if beam is None else [c for c in choices if c.finish_reason is not None]
+
+
+class _Ticker:
+    """Wakes a request's wait for its next update every DISCONNECT_CHECK_S (a None in its queue, where the queue is
+    empty: a backlog wakes it anyway), so that it checks for a gone client: one timer a request, where a timeout
+    around each wait armed and cancelled one for every token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
+        self.handle = loop.call_later(DISCONNECT_CHECK_S, self._tick)
+
+    def _tick(self) -> None:
+        if self.queue.empty():
+            self.queue.put_nowait(None)
+        self.handle = self.loop.call_later(DISCONNECT_CHECK_S, self._tick)
+
+    def stop(self) -> None:
+        self.handle.cancel()
 
 
 class _ClientGone(Exception):
