@@ -7,6 +7,7 @@ writing, nor the pipe's reader thread: each step's updates are unpickled here, a
 
     PYTHONPATH=. python bench/bench_server_tokens.py --streams 1 64 256 --tokens 256 --api chat
     PYTHONPATH=. python bench/bench_server_tokens.py --streams 256 --profile prof.out   # cProfile of the run
+    PYTHONPATH=. python bench/bench_server_tokens.py --http    # through uvicorn on localhost (its HTTP writes too)
 
 Reports, per N: tokens/s (wall, steady decode only: from the first step to the last stream's end), and the server's
 CPU time per token (the process's CPU time over that span, less the fake engine's own time making the updates), whose
@@ -191,6 +192,70 @@ async def run_once(streams: int, tokens: int, api: str, logprobs: int | None, us
             "bytes": sum(c[1] for c in counts)}
 
 
+# --http's client, a process of its own: N connections, each a POST, read (and dropped) until [DONE]
+HTTP_CLIENT = r"""
+import selectors, socket, sys
+host, port, n, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+body = sys.stdin.buffer.read()
+head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+sel, tails, total = selectors.DefaultSelector(), {}, 0
+for _ in range(n):
+    s = socket.create_connection((host, port))
+    s.sendall(head.encode() + body)
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+    tails[s] = b""
+while tails:
+    for key, _ in sel.select():
+        s = key.fileobj
+        data = s.recv(1 << 20)
+        total += len(data)
+        tail = tails[s] + data
+        if not data or b"data: [DONE]" in tail:
+            sel.unregister(s)
+            s.close()
+            del tails[s]
+        else:
+            tails[s] = tail[-32:]
+print(total)
+"""
+
+
+async def run_once_http(streams: int, tokens: int, api: str, logprobs: int | None, usage: bool,
+                        tokenizer_dir: str | None) -> dict:
+    """run_once through uvicorn (as the front end runs it, with whatever HTTP parser this environment gives it) on
+    localhost, its client another process: uvicorn's own cost per chunk (parsing, chunked writes) counted too."""
+    import socket
+    import sys
+
+    import uvicorn
+
+    metrics = CountingMetrics()
+    engine = FakeEngine(metrics, tokens, logprobs, streams)
+    app = create_app(engine, codec(tokenizer_dir), metrics, "m", 1 << 16)
+    path, body = request_body(api, tokens, logprobs, usage)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    stepping = asyncio.create_task(engine.run())
+    client = await asyncio.create_subprocess_exec(sys.executable, "-c", HTTP_CLIENT, "127.0.0.1",
+                                                  str(sock.getsockname()[1]), str(streams), path,
+                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    out, _ = await client.communicate(body)
+    wall, cpu = time.perf_counter() - engine.started_at, time.thread_time() - engine.cpu_at
+    await stepping
+    server.should_exit = True
+    await serving
+    n = streams * tokens
+    server_cpu = cpu - engine.engine_s
+    return {"streams": streams, "tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+            "server_cpu_us_per_token": 1e6 * server_cpu / n, "ceiling_tokens_per_s": n / server_cpu,
+            "engine_us_per_token": 1e6 * engine.engine_s / n, "chunks": n, "bytes": int(out)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
@@ -203,14 +268,16 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: the built-in one)")
     p.add_argument("--repeat", type=int, default=3, help="runs per N (the median is reported)")
     p.add_argument("--profile", default=None, help="write a cProfile of one run of the largest N here")
+    p.add_argument("--http", action="store_true", help="through uvicorn on localhost, the client another process")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     results = []
-    asyncio.run(run_once(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
+    run_once_ = run_once_http if args.http else run_once
+    asyncio.run(run_once_(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
     freeze_startup_heap()  # (as the front end's process does before it serves)
     for n in args.streams:
         tokens = max(args.tokens, -(-args.min_total // n))
-        runs = [asyncio.run(run_once(n, tokens, args.api, args.logprobs, args.usage, args.tokenizer))
+        runs = [asyncio.run(run_once_(n, tokens, args.api, args.logprobs, args.usage, args.tokenizer))
                 for _ in range(args.repeat)]
         med = sorted(runs, key=lambda r: r["server_cpu_us_per_token"])[len(runs) // 2]
         spread = [round(r["server_cpu_us_per_token"], 1) for r in runs]
@@ -221,7 +288,7 @@ def main() -> None:
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        asyncio.run(run_once(max(args.streams), args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
+        asyncio.run(run_once_(max(args.streams), args.tokens, args.api, args.logprobs, args.usage, args.tokenizer))
         prof.disable()
         prof.dump_stats(args.profile)
     if args.out:
