@@ -51,6 +51,10 @@ class PromptCodec:
     model_label: str  # names the checkpoint in messages
     eos_ids: tuple[int, ...] = ()  # the ids that end a generation (the tokenizer's EOS first, then the configs')
     special_tokens: dict[str, str] = field(default_factory=dict)  # tokenizer_config.json's bos_token, eos_token, ...
+    # each token's text and bytes, by id, as token_text and token_bytes read them: a streamed token with top_logprobs
+    # k names k + 1 tokens, and asking the tokenizer for each every time was ~10 us a token at k = 5
+    _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _bytes: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def encode(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
         """Text (BOS added as the tokenizer does), token ids as they are, or chat messages through the template (their
@@ -146,12 +150,23 @@ class PromptCodec:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
-        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The bytes a token stands for (OpenAI's log-probability `bytes`, from which clients join a character split
         over tokens): a byte-level BPE token's own bytes, a byte-fallback token's byte, else its text in UTF-8. (Its
-        text alone would give U+FFFD's three bytes for each part of a split character.)"""
+        text alone would give U+FFFD's three bytes for each part of a split character.) A new list each call."""
+        kept = self._bytes.get(token_id)
+        if kept is None:
+            kept = self._bytes[token_id] = tuple(self._read_bytes(token_id))
+        return list(kept)
+
+    def _read_bytes(self, token_id: int) -> list[int]:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is not None:
             if type(self.tokenizer.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in piece):

@@ -143,3 +143,37 @@ def test_calling_the_tokenizer_with_transformers_defaults_spelled_out_encodes_as
         assert dict(tok(texts, **defaults)) == dict(hf(texts, **defaults)) == dict(hf(texts))
     with pytest.raises(RequestError, match="not padding, return_tensors"):
         tok(["a", "bc"], padding=True, return_tensors="pt", truncation=False)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its decode and id_to_token calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def id_to_token(self, *args):
+        self.calls += 1
+        return self.tokenizer.id_to_token(*args)
+
+
+def test_a_tokens_text_and_bytes_are_read_from_the_tokenizer_once():
+    """Each streamed token with top_logprobs k names k + 1 tokens by text and bytes (chat), the tokenizer asked for
+    each every time: ~10 us a token at k = 5 (bench/bench_server_tokens.py --logprobs 5). They are kept per id; a
+    caller that changes a list it was given changes nothing kept."""
+    tokenizer = CountingTokenizer(builtin_tokenizer())
+    codec = PromptCodec(tokenizer, None, GenerationDefaults(), "m")
+    first = [codec.token_text(0xE4), codec.token_bytes(0xE4), codec.token_text(256), codec.token_bytes(256)]
+    asked = tokenizer.calls
+    assert [[codec.token_text(0xE4), codec.token_bytes(0xE4), codec.token_text(256), codec.token_bytes(256)]
+            for _ in range(3)] == [first] * 3
+    assert tokenizer.calls == asked
+    codec.token_bytes(0xE4).append(0)
+    assert codec.token_bytes(0xE4) == [0xE4] and codec.token_text(7, as_id=True) == "token_id:7"
+    assert first == ["\ufffd", [0xE4], "<|begin_of_text|>", list(b"<|begin_of_text|>")]
