@@ -962,3 +962,19 @@ def test_a_whole_reply_that_cannot_hold_a_call_is_content_at_once_as_a_stream_re
                 expected = merged([e for ch in text for e in streamed.feed(ch)] + streamed.finish())
                 assert merged(stream.read_whole(text)) == expected, (text, names)
     assert early > 100 if parser != "pythonic" else early == 0  # (the exit was taken; a Python name has other forms)
+
+
+def test_a_reply_without_thoughts_reads_a_token_without_joining_deltas(monkeypatch):
+    """A reply with no reasoning parser fed each token through an empty thoughts delta joined to the answer's (two
+    more Deltas and their lists a token, ~2 us of a streamed token's ~40); it reads the answer alone, the same
+    delta."""
+    from tpgraph.server.reply import Delta
+
+    def joined(*_):
+        raise AssertionError("deltas joined")
+
+    monkeypatch.setattr(Delta, "__add__", joined)
+    reader = ReplyReader(ToolPlan(), stream=True)
+    deltas = [reader.feed(t) for t in ("a", "", "b")]
+    assert [d.fields(True) for d in deltas] == [{"content": "a"}, {"content": ""}, {"content": "b"}]
+    assert [d.in_order() for d in deltas] == [["a"], [], ["b"]] and reader.contents == ["a", "b"]

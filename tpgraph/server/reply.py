@@ -82,9 +82,9 @@ class ReplyReader:
 
     def feed(self, text: str) -> Delta:
         """The reply's next text: what it adds to send now."""
-        reasoning = ""
-        if self.thoughts is not None:
-            reasoning, text = self.thoughts.feed(text)
+        if self.thoughts is None:  # (no thoughts to split out: the answer's delta alone, a token at a time)
+            return self._sent(self._feed(text))
+        reasoning, text = self.thoughts.feed(text)
         return self._sent(Delta(reasoning=reasoning) + self._feed(text))
 
     def finish(self, finish_reason: str | None) -> tuple[Delta, str | None]:
