@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tpgraph.chat import ChatTemplate, GenerationDefaults
 from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.app import create_app
 from tpgraph.server.frontend import freeze_startup_heap
@@ -256,6 +257,19 @@ async def run_once_http(streams: int, tokens: int, api: str, logprobs: int | Non
             "engine_us_per_token": 1e6 * engine.engine_s / n, "chunks": n, "bytes": int(out)}
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any run, what would fail inside one (a stream's 400) or after it (no runs to take a median of)."""
+    if min(args.streams) < 1:
+        p.error(f"--streams must be at least 1 each, got {args.streams}")
+    for flag, value in (("--tokens", args.tokens), ("--repeat", args.repeat)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
+    if args.min_total < 0:
+        p.error(f"--min-total must be at least 0, got {args.min_total}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:  # (the server's limit: a 400 past it)
+        p.error(f"--logprobs must be between 0 and {MAX_LOGPROBS}, got {args.logprobs}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
@@ -271,6 +285,7 @@ def main() -> None:
     p.add_argument("--http", action="store_true", help="through uvicorn on localhost, the client another process")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    check_args(p, args)
     results = []
     run_once_ = run_once_http if args.http else run_once
     asyncio.run(run_once_(8, 16, args.api, args.logprobs, args.usage, args.tokenizer))  # (warm-up: first-use costs)
