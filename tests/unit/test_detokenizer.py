@@ -256,3 +256,19 @@ def test_a_byte_fallback_run_is_not_cut_early():
     ids = [1 + 0xFD, *(1 + b for b in "\ufffd".encode() * 4), *(1 + b for b in "你".encode())]
     detok = Detokenizer(tok, [vocab["▁the"]], SamplingParams())
     assert "".join(detok.add(t)[0] for t in ids) + detok.flush() == tok.decode(ids)
+
+
+def test_without_stop_strings_each_piece_is_handed_out_at_once_and_the_window_follows_the_tokens():
+    # (the no-stop-string path hands a decoded piece straight out: it must match the held-back path's text, token
+    # by token, and keep the last PRIME_TOKENS decoded ids a restarted stream is primed with)
+    text = "ab héllo 你好 🚀 xyz, wörld and more plain ascii"
+    ids = TOK.encode(text, add_special_tokens=False).ids
+    plain = Detokenizer(TOK, PROMPT, SamplingParams())
+    held = Detokenizer(TOK, PROMPT, SamplingParams(stop=["\x00never"]))  # (holds nothing back in this text)
+    for i, t in enumerate(ids):
+        assert plain.add(t) == held.add(t)
+        if not plain.undecoded:
+            assert plain.decoded == (PROMPT + ids[:i + 1])[-6:] == held.decoded
+    assert plain.flush() == held.flush() == ""
+    again = Detokenizer(TOK, PROMPT, SamplingParams())
+    assert "".join(again.add(t)[0] for t in ids) == text

@@ -94,8 +94,13 @@ class Detokenizer:
             # (tried again at twice as many held tokens: a run with no place to cut costs its length, not its square)
             self.settle_at = self.held_limit if piece else 2 * len(self.undecoded)
             return self._hand_out(piece, may_stop) if piece else ("", False)
-        self.decoded = (self.decoded + self.undecoded + [token_id])[-PRIME_TOKENS:]
-        self.undecoded, self.settle_at = [], self.held_limit
+        if self.undecoded:
+            self.decoded = (self.decoded + self.undecoded + [token_id])[-PRIME_TOKENS:]
+            self.undecoded, self.settle_at = [], self.held_limit
+        else:  # (the common case, a token that decodes at once: one list made, not three)
+            self.decoded, self.settle_at = self.decoded[1 - PRIME_TOKENS:] + [token_id], self.held_limit
+        if self.stops is None and not self.hold and not self.text:
+            return piece, False  # no stop string to look for and nothing held back: the piece is all handed out
         return self._hand_out(piece, may_stop)
 
     def _hand_out(self, piece: str, may_stop: bool) -> tuple[str, bool]:
