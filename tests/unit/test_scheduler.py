@@ -248,3 +248,24 @@ def test_the_default_budget_is_one_function_for_both_prefill_modes():
     assert [default_token_budget(n, 8) for n in (64, 4096, 9000)] == [512, 4096, 8192]
     assert [default_token_budget(n, 8, chunked_prefill=False) for n in (64, 4096, 9000)] == [512, 4096, 9000]
     assert default_token_budget(16, 600) == default_token_budget(16, 600, chunked_prefill=False) == 600
+
+
+def test_a_one_token_chunk_with_room_in_its_block_stays_a_prefill_and_a_full_block_still_grows():
+    # (running rows whose next token fits their last block skip the reservation: a prompt's one-token chunk (the
+    # budget's last token) is still a prefill, and a decoding row at a block's end still gets its next block)
+    sched = make(seqs=2, tokens=2, block=4)
+    a, b = seq(0, 2), seq(1, 10)
+    sched.add(a)
+    sched.add(b)
+    run(sched.schedule())  # a's prompt
+    step = sched.schedule()
+    assert step.decode == [a] and [(s.seq_id, n) for s, n in step.prefill] == [(1, 1)]
+    run(step)
+    for _ in range(3):  # b's prompt one token a step, past a block's end; a decodes past its first block's
+        step = sched.schedule()
+        assert step.decode == [a] and [(s.seq_id, n) for s, n in step.prefill] == [(1, 1)]
+        assert len(a.block_table) * 4 >= len(a) and len(b.block_table) * 4 >= b.num_cached + 1
+        run(step)
+    assert len(a.block_table) == 2 and len(b.block_table) == 1 and b.num_cached == 4
+    step = sched.schedule()
+    assert [(s.seq_id, n) for s, n in step.prefill] == [(1, 1)] and len(b.block_table) == 2

@@ -255,14 +255,24 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         for seq in self.running:  # blocks the last steps filled can be shared from now on
             self.allocator.register(seq)
+        running, block_size = Status.RUNNING, self.cfg.block_size
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop to make room
+            if seq.status is not running:  # preempted earlier in this loop to make room
                 continue
             if seq.num_pending and self._decided_by_pending(seq):
                 continue  # its pending token ends it, or it outgrows the cache: decided once the token is read
-            n = 1 if seq.num_uncached == 1 else min(seq.num_uncached, budget)
+            uncached = len(seq) - seq.num_cached
+            n = 1 if uncached == 1 else min(uncached, budget)
+            # (a decoding row whose last block has room needs nothing reserved: the common case, taken without calls)
+            if n == 1 and seq.num_cached < len(seq.block_table) * block_size:
+                budget -= 1
+                if uncached == 1 and seq.num_cached >= len(seq.prompt_ids):
+                    step.decode.append(seq)
+                else:
+                    step.prefill.append((seq, 1))
+                continue
             preempted = len(step.preempted)
             reserved = self._reserve_running(seq, n, step)
             if len(step.preempted) != preempted:  # (a victim scheduled earlier in this step gives its tokens back:
@@ -339,6 +349,8 @@ class Scheduler:
         token would be thrown away."""
         if seq.reached_length(self.cfg.max_model_len):
             return True
+        if seq.num_cached < len(seq.block_table) * self.cfg.block_size:
+            return False  # (its next token fits its last block: no block to outgrow the cache with)
         return self._outgrows_cache(seq, seq.blocks_needed(self.cfg.block_size, seq.num_cached + 1))
 
     def _outgrows_cache(self, seq: Sequence, need: int) -> bool:
