@@ -976,3 +976,24 @@ def test_sample_i_of_a_seeded_request_draws_as_one_sample_with_seed_plus_i_as_in
         alone = [e.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=20 + i, max_tokens=6))[0].outputs[0]
                  for i in range(3)]
     assert [o.token_ids for o in many.outputs] == [o.token_ids for o in alone]
+
+
+def test_a_sequences_sample_row_is_kept_until_min_tokens_is_passed_and_never_where_its_bans_read_the_output():
+    """A row is built once and reused while nothing in it changes (it holds the sequence's own lists); past
+    min_tokens the held stop ids leave it, and a row whose bad words read the output is made each step."""
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8)
+    with engine() as e:
+        seq = Sequence(0, [5, 6, 7], 8, params=params, held_bans=(9,), bad_words=((3,),))
+        first = e.core._sample_row(seq)
+        assert first.fixed_banned == ((3,), (9,)) and first.output_ids is seq.output_ids
+        seq.output_ids.append(11)
+        assert e.core._sample_row(seq) is first
+        seq.output_ids.append(12)  # min_tokens reached: the stop id may come
+        past = e.core._sample_row(seq)
+        assert past.fixed_banned == ((3,),) and e.core._sample_row(seq) is past
+        words = Sequence(1, [5, 6, 7], 8, params=dataclasses.replace(params, min_tokens=0),
+                         bad_words=((11, 12),), output_ids=[11])
+        row = e.core._sample_row(words)
+        assert row.banned_ids == (12,) and e.core._sample_row(words) is not row
+        words.output_ids.append(4)
+        assert e.core._sample_row(words).banned_ids == ()

@@ -420,14 +420,22 @@ class EngineCore:
         """seq's row: its bans as _bans has them, those fixed for the request (its one-token bad words, and below
         min_tokens the ids that would stop it) as the sequence's own tuples, which the sampler uploads once."""
         produced = len(seq.output_ids)
-        fixed = tuple(ids for ids in (seq.word_bans, seq.held_bans if produced < seq.params.min_tokens else ()) if ids)
+        held = produced < seq.params.min_tokens
+        # (a row holds the sequence's own lists and grammar, which change in place: the same row serves every step
+        # until min_tokens is passed, unless its bans read the output)
+        if seq.sample_row is not None and seq.sample_row_held == held:
+            return seq.sample_row
+        fixed = tuple(ids for ids in (seq.word_bans, seq.held_bans if held else ()) if ids)
         banned: tuple[int, ...] = ()
         if seq.reads_output:  # (only the output's tail can begin a word)
             longest = max(map(len, seq.long_bad_words))
             banned = tuple(sorted(bad_word_bans(seq.long_bad_words,
                                                 seq.output_ids[max(0, produced - longest + 1):produced])))
-        return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
-                         grammar=seq.grammar, fixed_banned=fixed)
+        row = SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
+                        grammar=seq.grammar, fixed_banned=fixed)
+        if not seq.reads_output:
+            seq.sample_row, seq.sample_row_held = row, held
+        return row
 
     def _bans(self, seq: Sequence, produced: int) -> set[int]:
         """The ids seq's row bans after its first `produced` output tokens (allowed_token_ids aside): its bad words'

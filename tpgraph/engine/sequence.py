@@ -65,6 +65,10 @@ class Sequence:
     long_bad_words: tuple[tuple[int, ...], ...] = field(init=False, default=())
     reads_output: bool = field(init=False, default=False)
     grammar: Any = None  # params.structured: a GrammarState, after the tokens read back (structured.py)
+    # the engine's SampleRow for it (core.py's _sample_row), kept while it stays the same (reads_output: never), and
+    # whether it bans held_bans (below min_tokens): built afresh each step, its rows cost ~1.9 us each
+    sample_row: Any = field(default=None, init=False, repr=False)
+    sample_row_held: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.word_bans = tuple(sorted({w[0] for w in self.bad_words if len(w) == 1}))
