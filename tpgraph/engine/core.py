@@ -355,17 +355,21 @@ class EngineCore:
         out = flight.sample.result()
         now = time.perf_counter()
         self.timing.sample += now - t0
-        updates = []
+        updates, read = [], 0
+        # (per row: names looked up once a step, not once a row)
+        finished, requests, accept, token_ids, logprobs = (Status.FINISHED, self.requests, self._accept, out.token_ids,
+                                                           out.logprobs)
         for i, (seq, index) in enumerate(flight.rows):
-            if seq.status is Status.FINISHED:
+            if seq.status is finished:
                 continue
-            update = self._accept(seq, self.requests[seq.request_id], index, out.token_ids[i])
+            update = accept(seq, requests[seq.request_id], index, token_ids[i])
             # (a token the grammar refused is dropped, and its log-probabilities with it)
-            if out.logprobs is not None and seq.params.logprobs is not None and update.token_id is not None:
-                update.logprob, update.rank = out.logprobs[i], out.ranks[i]
+            if logprobs is not None and seq.params.logprobs is not None and update.token_id is not None:
+                update.logprob, update.rank = logprobs[i], out.ranks[i]
                 k = seq.params.logprobs
                 update.top_logprobs = list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k], strict=True))
-            self.timing.tokens += update.token_id is not None
+            updates.append(update)
+            read += update.token_id is not None
             if index == 0:
                 self.timing.tokens += len(seq.prompt_ids)
                 update.cached_tokens, update.queue_s = seq.prompt_cached or 0, seq.queue_s
@@ -374,7 +378,7 @@ class EngineCore:
                 if seq.params.prompt_logprobs is not None:  # (every sample's first update brings its request's)
                     src = seq.reported_prompt_logprobs
                     update.prompt_logprobs, update.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
-            updates.append(update)
+        self.timing.tokens += read
         self.timing.postprocess += time.perf_counter() - now
         return updates
 
@@ -463,7 +467,8 @@ class EngineCore:
         p = seq.params
         seq.resolve_pending(index, token)
         # a token the row's masks banned (or its grammar refuses, where it needed only banned ones) ends the sample
-        if self._refuses(seq, index, token) or (seq.grammar is not None and not seq.grammar.accept(token)):
+        bans = p.allowed_token_ids is not None or seq.bad_words or index < p.min_tokens  # (most rows ban nothing)
+        if (bans and self._refuses(seq, index, token)) or (seq.grammar is not None and not seq.grammar.accept(token)):
             logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
