@@ -266,19 +266,13 @@ class Scheduler:
             uncached = len(seq) - seq.num_cached
             n = 1 if uncached == 1 else min(uncached, budget)
             # (a decoding row whose last block has room needs nothing reserved: the common case, taken without calls)
-            if n == 1 and seq.num_cached < len(seq.block_table) * block_size:
-                budget -= 1
-                if uncached == 1 and seq.num_cached >= len(seq.prompt_ids):
-                    step.decode.append(seq)
-                else:
-                    step.prefill.append((seq, 1))
-                continue
-            preempted = len(step.preempted)
-            reserved = self._reserve_running(seq, n, step)
-            if len(step.preempted) != preempted:  # (a victim scheduled earlier in this step gives its tokens back:
-                budget = self.cfg.max_num_batched_tokens - step.num_tokens  # the priority policy's may be anywhere)
-            if not reserved:
-                continue  # seq itself was preempted
+            if n != 1 or seq.num_cached >= len(seq.block_table) * block_size:
+                preempted = len(step.preempted)
+                reserved = self._reserve_running(seq, n, step)
+                if len(step.preempted) != preempted:  # (a victim scheduled earlier in this step gives its tokens back:
+                    budget = self.cfg.max_num_batched_tokens - step.num_tokens  # the priority policy's may be anywhere)
+                if not reserved:
+                    continue  # seq itself was preempted
             budget -= n
             if seq.num_uncached == 1 and seq.num_cached >= len(seq.prompt_ids):
                 step.decode.append(seq)
