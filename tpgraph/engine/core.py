@@ -137,6 +137,13 @@ class RequestState:
         return all(s.status is Status.FINISHED for s in self.seqs)
 
 
+def long_word_bans(seq: Sequence, produced: int) -> set[int]:
+    """The next tokens of seq's bad words of more than one token, after its first `produced` output tokens (only the
+    output's tail can begin a word)."""
+    longest = max(map(len, seq.long_bad_words))
+    return bad_word_bans(seq.long_bad_words, seq.output_ids[max(0, produced - longest + 1):produced])
+
+
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, eos_ids: tuple[int, ...] = (),
                  tokenizer: Tokenizer | None = None, seed: int = 0, overlap: bool = True,
@@ -430,11 +437,7 @@ class EngineCore:
         if seq.sample_row is not None and seq.sample_row_held == held:
             return seq.sample_row
         fixed = tuple(ids for ids in (seq.word_bans, seq.held_bans if held else ()) if ids)
-        banned: tuple[int, ...] = ()
-        if seq.reads_output:  # (only the output's tail can begin a word)
-            longest = max(map(len, seq.long_bad_words))
-            banned = tuple(sorted(bad_word_bans(seq.long_bad_words,
-                                                seq.output_ids[max(0, produced - longest + 1):produced])))
+        banned = tuple(sorted(long_word_bans(seq, produced))) if seq.reads_output else ()
         row = SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.sample_index, banned, seq_id=seq.seq_id,
                         grammar=seq.grammar, fixed_banned=fixed)
         if not seq.reads_output:
@@ -444,12 +447,11 @@ class EngineCore:
     def _bans(self, seq: Sequence, produced: int) -> set[int]:
         """The ids seq's row bans after its first `produced` output tokens (allowed_token_ids aside): its bad words'
         next tokens, and below min_tokens the ids that would stop it."""
-        p, ids = seq.params, set()
-        if seq.bad_words:  # (only the output's tail can begin a word)
-            longest = max(map(len, seq.bad_words))
-            ids = bad_word_bans(seq.bad_words, seq.output_ids[max(0, produced - longest + 1):produced])
-        if produced < p.min_tokens:
-            ids |= held_before_min_tokens(p, self.eos_ids)
+        ids = set(seq.word_bans)  # (the union of what _sample_row's row bans: its kept lists and this step's)
+        if seq.reads_output:
+            ids |= long_word_bans(seq, produced)
+        if produced < seq.params.min_tokens:
+            ids.update(seq.held_bans)
         return ids
 
     def _refuses(self, seq: Sequence, index: int, token: int) -> bool:
@@ -467,8 +469,7 @@ class EngineCore:
         p = seq.params
         seq.resolve_pending(index, token)
         # a token the row's masks banned (or its grammar refuses, where it needed only banned ones) ends the sample
-        bans = p.allowed_token_ids is not None or seq.bad_words or index < p.min_tokens  # (most rows ban nothing)
-        if (bans and self._refuses(seq, index, token)) or (seq.grammar is not None and not seq.grammar.accept(token)):
+        if self._refuses(seq, index, token) or (seq.grammar is not None and not seq.grammar.accept(token)):
             logger.error("request %s: token %d is one its request bans (every token was banned at this step); the "
                          "sample ends", seq.request_id, token)
             seq.drop_pending(keep=index)
