@@ -266,7 +266,7 @@ class Scheduler:
             uncached = len(seq) - seq.num_cached
             n = 1 if uncached == 1 else min(uncached, budget)
             # (a decoding row whose last block has room needs nothing reserved: the common case, taken without calls)
-            if n != 1 or seq.num_cached >= len(seq.block_table) * block_size:
+            if n != 1 or not seq.next_token_fits(block_size):
                 preempted = len(step.preempted)
                 reserved = self._reserve_running(seq, n, step)
                 if len(step.preempted) != preempted:  # (a victim scheduled earlier in this step gives its tokens back:
@@ -343,7 +343,7 @@ class Scheduler:
         token would be thrown away."""
         if seq.reached_length(self.cfg.max_model_len):
             return True
-        if seq.num_cached < len(seq.block_table) * self.cfg.block_size:
+        if seq.next_token_fits(self.cfg.block_size):
             return False  # (its next token fits its last block: no block to outgrow the cache with)
         return self._outgrows_cache(seq, seq.blocks_needed(self.cfg.block_size, seq.num_cached + 1))
 

@@ -155,6 +155,10 @@ class Sequence:
         self.block_table = []
         self.num_cached = self.num_registered = 0
 
+    def next_token_fits(self, block_size: int) -> bool:
+        """Whether its next token's KV has room in the blocks it holds (a decoding row needs no block reserved)."""
+        return self.num_cached < len(self.block_table) * block_size
+
     def blocks_needed(self, block_size: int, num_tokens: int) -> int:
         """Extra blocks to hold num_tokens in total."""
         return max(0, -(-num_tokens // block_size) - len(self.block_table))
