@@ -53,6 +53,14 @@ class FrontendSpec:
     # every name a request may give, model_name first (vLLM's several --served-model-name); () for model_name alone
     served_names: tuple[str, ...] = ()
     model_root: str | None = None  # the --model the names stand for (/v1/models' root, as vLLM's); None: model_name
+    # several front ends (--api-server-count): this one's index and their number. With more than one, their
+    # request-level metrics go through prometheus-client's multiprocess mode in metrics_dir (any front end's /metrics
+    # then reports them all), and the Responses API's requests all go to front end 0, which alone keeps the store:
+    # it also listens on the Unix socket responses_uds, and the others relay those requests there
+    index: int = 0
+    count: int = 1
+    metrics_dir: str | None = None
+    responses_uds: str | None = None
 
 
 def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
