@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)
         listening.set()
 
-    bridge = EngineBridge(service, conn, metrics.exposition, on_closed=frontend_closed.set, on_ready=serving)
+    bridge = EngineBridge(service, [conn], metrics.exposition, on_closed=frontend_closed.set, on_ready=serving)
     metrics.waiting_elsewhere = bridge.compiling  # (requests whose grammar compiles wait too, as vLLM counts them)
     service.on_failed = lambda exc: bridge.failed(f"{type(exc).__name__}: {exc}")  # (/health's 503 at once)
     signal.signal(signal.SIGTERM, lambda *_: requested.set())

@@ -22,7 +22,7 @@ class Served:
         self.engine = engine
         self.service = EngineService(engine.core, ControlPlane(engine.state))
         engine_end, frontend_end = mp.Pipe(duplex=True)
-        self.bridge = EngineBridge(self.service, engine_end, lambda: b"", on_closed=lambda: None)
+        self.bridge = EngineBridge(self.service, [engine_end], lambda: b"", on_closed=lambda: None)
         self.client = EngineClient(frontend_end, engine.core.limits)
         self.metrics = ServerMetrics()
         self.app = create_app(self.client, engine.prompts, self.metrics, "m", engine.runner.max_model_len)

@@ -57,7 +57,7 @@ class Collected:
 def test_requests_updates_metrics_and_a_lost_engine():
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service, closed = FakeService(), threading.Event()
-    bridge = EngineBridge(service, engine_end, lambda: b"engine_metric 1\n", on_closed=closed.set)
+    bridge = EngineBridge(service, [engine_end], lambda: b"engine_metric 1\n", on_closed=closed.set)
     bridge.start()
     lost = threading.Event()
     client = EngineClient(frontend_end, LIMITS, on_lost=lost.set)
@@ -114,7 +114,7 @@ def test_a_grammars_compile_holds_up_no_other_request_and_one_aborted_meanwhile_
 
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service = SlowGrammars()
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    bridge = EngineBridge(service, [engine_end], lambda: b"", on_closed=lambda: None)
     bridge.start()
     client = EngineClient(frontend_end, LIMITS)
     constrained = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
@@ -165,7 +165,7 @@ def test_a_large_grammar_compiling_holds_up_no_other_grammars_request():
 
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service = OneSlowGrammar()
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None, compile_threads=2)
+    bridge = EngineBridge(service, [engine_end], lambda: b"", on_closed=lambda: None, compile_threads=2)
     bridge.start()
     client = EngineClient(frontend_end, LIMITS)
 
@@ -210,7 +210,7 @@ def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stoppe
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service = Recording()
     # (one compile thread: one grammar under way, two waiting, whatever the machine's cores)
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None, compile_threads=1)
+    bridge = EngineBridge(service, [engine_end], lambda: b"", on_closed=lambda: None, compile_threads=1)
     bridge.start()
     constrained = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
     try:
@@ -224,8 +224,8 @@ def test_grammars_queued_at_close_are_neither_compiled_nor_queued_for_the_stoppe
         bridge.close()
     finally:
         service.release.set()
-    bridge._threads[2].join(10)
-    assert not bridge._threads[2].is_alive()
+    bridge._compilers[0].join(10)
+    assert not bridge._compilers[0].is_alive()
     assert len(service.precompiled) == 1 and service.enqueued == []
     frontend_end.close()
 
@@ -248,7 +248,7 @@ def test_requests_whose_grammar_compiles_are_counted_waiting():
 
     engine_end, frontend_end = mp.Pipe(duplex=True)
     service = SlowGrammars()
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    bridge = EngineBridge(service, [engine_end], lambda: b"", on_closed=lambda: None)
     scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=["queued"],
                                 kv_usage=0.0, num_preemptions=0)
     metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
@@ -280,7 +280,7 @@ def test_requests_whose_grammar_compiles_are_counted_waiting():
 def test_the_engine_side_hears_the_front_end_go():
     engine_end, frontend_end = mp.Pipe(duplex=True)
     closed = threading.Event()
-    EngineBridge(FakeService(), engine_end, lambda: b"", on_closed=closed.set).start()
+    EngineBridge(FakeService(), [engine_end], lambda: b"", on_closed=closed.set).start()
     frontend_end.close()
     assert closed.wait(10)
 
@@ -288,7 +288,7 @@ def test_the_engine_side_hears_the_front_end_go():
 def test_the_front_end_says_when_it_listens():
     engine_end, frontend_end = mp.Pipe(duplex=True)
     ready = threading.Event()
-    bridge = EngineBridge(FakeService(), engine_end, lambda: b"", on_closed=lambda: None, on_ready=ready.set)
+    bridge = EngineBridge(FakeService(), [engine_end], lambda: b"", on_closed=lambda: None, on_ready=ready.set)
     bridge.start()
     EngineClient(frontend_end, LIMITS).listening()
     assert ready.wait(10)
@@ -384,7 +384,7 @@ def test_an_engine_loop_that_fails_is_told_to_the_front_end_at_once_as_a_failure
 
     service = EngineService(BrokenCore(), ControlPlane(SimpleNamespace(rank=0, world_size=1)), heartbeat_s=0.05)
     engine_end, frontend_end = mp.Pipe(duplex=True)
-    bridge = EngineBridge(service, engine_end, lambda: b"", on_closed=lambda: None)
+    bridge = EngineBridge(service, [engine_end], lambda: b"", on_closed=lambda: None)
     service.on_failed = lambda exc: bridge.failed(f"{type(exc).__name__}: {exc}")
     lost = threading.Event()
     client = EngineClient(frontend_end, LIMITS, on_lost=lost.set)
@@ -514,3 +514,46 @@ def test_prompts_never_sent_to_an_engine_whose_pipe_broke_are_not_counted_as_fin
     [aborted] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted")]
     names = aborted.removeprefix("Aborted request(s) ").removesuffix(".").split(",")
     assert [name.rsplit("-", 1)[1] for name in names] == ["0", "1"], aborted  # (cmpl-<id>-<prompt>: the two sent)
+
+
+def _received(conn, until) -> list:
+    """Items from the engine's batches on `conn` until one satisfies `until` (10 s at most)."""
+    items: list = []
+    while not any(until(item) for item in items):
+        assert conn.poll(10), f"nothing more came; got {items}"
+        items += conn.recv()
+    return items
+
+
+def test_several_front_ends_each_hear_only_their_own_requests_and_metrics():
+    """--api-server-count: one pipe per front end; a request's updates and a scrape's answer go back down the pipe
+    they came by; "ready" is said once every front end listens; a close tells each; any one pipe closing is heard."""
+    pipes = [mp.Pipe(duplex=True) for _ in range(3)]
+    ready, closed = threading.Event(), threading.Event()
+    bridge = EngineBridge(FakeService(), [engine for engine, _ in pipes], lambda: b"engine_metric 1\n",
+                          on_closed=closed.set, on_ready=ready.set)
+    bridge.start()
+    fronts = [front for _, front in pipes]
+    for i, front in enumerate(fronts):
+        front.send(("add", f"req-{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], SamplingParams()))
+    fronts[1].send(("metrics", 7))
+    scrape_answer = ("metrics", 7, b"engine_metric 1\n")
+    for i, front in enumerate(fronts):
+        # (front end 1's answer is queued after its request's updates: the last thing it hears)
+        items = _received(front, (lambda item: item == scrape_answer) if i == 1 else
+                          (lambda u: isinstance(u, StepUpdate) and u.finish_reason is not None))
+        updates = [u for u in items if isinstance(u, StepUpdate)]
+        assert {u.request_id for u in updates} == {f"req-{i}"}  # (none of another front end's)
+        assert [u.token_id for u in updates] == [10 * i + 1, 10 * i + 2, 10 * i + 3]
+        assert [u for u in items if not isinstance(u, StepUpdate)] == ([scrape_answer] if i == 1 else [])
+    fronts[0].send(("ready",))
+    fronts[2].send(("ready",))
+    assert not ready.wait(0.3)  # (front end 1 does not listen yet: nothing serves on its behalf)
+    fronts[1].send(("ready",))
+    assert ready.wait(10)
+    assert not closed.is_set()
+    fronts[2].close()  # (one front end gone: the engine side hears it)
+    assert closed.wait(10)
+    bridge.close()
+    for front in fronts[:2]:
+        assert _received(front, lambda item: item == ("closing",))[-1] == ("closing",)

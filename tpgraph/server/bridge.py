@@ -10,7 +10,8 @@ starts the front end as its own process, and the two talk through one duplex pip
                          reason) at once where the engine loop failed, and a last ("closing",)
 
 The engine side batches whatever accumulated while the pipe was busy, so a decode step costs one send, not one per
-stream. Either side seeing the pipe close knows the other is gone.
+stream. Either side seeing the pipe close knows the other is gone. With several front ends (--api-server-count), each
+has a pipe of its own, and a request's updates go down the pipe it came in by.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from tpgraph.engine.core import StepUpdate
@@ -44,20 +46,24 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineBridge:
-    """Engine side (rank 0's process): requests from the pipe go to the service's inbox; its updates go back."""
+    """Engine side (rank 0's process): requests from the front ends' pipes go to the service's inbox; each request's
+    updates go back down the pipe it came from (its sink is that pipe's queue), so no request id is looked up."""
 
-    def __init__(self, service: EngineService, conn: Connection, exposition: Callable[[], bytes],
+    def __init__(self, service: EngineService, conns: Sequence[Connection], exposition: Callable[[], bytes],
                  on_closed: Callable[[], None], on_ready: Callable[[], None] | None = None,
                  compile_threads: int = COMPILE_THREADS) -> None:
-        """on_ready: called (on the reader thread) when the front end says its HTTP server accepts connections;
-        compile_threads: how many grammars compile at once."""
-        self.service, self.conn, self.exposition, self.on_closed = service, conn, exposition, on_closed
+        """conns: one pipe per front end (--api-server-count); on_closed: called when any of them closes (a front end
+        gone: the server stops); on_ready: called (on a reader thread) once every front end has said its HTTP server
+        accepts connections; compile_threads: how many grammars compile at once."""
+        self.service, self.conns, self.exposition, self.on_closed = service, list(conns), exposition, on_closed
         self.on_ready = on_ready
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._read, name="tpgraph-bridge-in", daemon=True),
-                         threading.Thread(target=self._send, name="tpgraph-bridge-out", daemon=True),
-                         *(threading.Thread(target=self._compile, name=f"tpgraph-bridge-compile-{i}", daemon=True)
-                           for i in range(compile_threads))]
+        self._outs: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.conns]
+        self._readers = [threading.Thread(target=self._read, args=(i,), name=f"tpgraph-bridge-in-{i}", daemon=True)
+                         for i in range(len(self.conns))]
+        self._senders = [threading.Thread(target=self._send, args=(i,), name=f"tpgraph-bridge-out-{i}", daemon=True)
+                         for i in range(len(self.conns))]
+        self._compilers = [threading.Thread(target=self._compile, name=f"tpgraph-bridge-compile-{i}", daemon=True)
+                           for i in range(compile_threads)]
         # a request whose grammar is not compiled yet is compiled on a thread of its own (a few at once: one large
         # grammar holds up no other's request) and queued after, so that the adds and aborts behind it in the pipe
         # wait for no compile; one aborted meanwhile is never queued (daemon threads: a compile under way holds up no
@@ -67,9 +73,10 @@ class EngineBridge:
         self._dropped: set[str] = set()  # (those aborted while compiling)
         self._lock = threading.Lock()
         self._closed = threading.Event()  # (then what waits to compile is dropped: the service has stopped)
+        self._not_ready = len(self.conns)  # (front ends yet to say they listen; under the lock)
 
     def start(self) -> None:
-        for t in self._threads:
+        for t in (*self._readers, *self._senders, *self._compilers):
             t.start()
 
     def compiling(self) -> int:
@@ -79,43 +86,52 @@ class EngineBridge:
             return sum(self._compiling.values())
 
     def failed(self, reason: str) -> None:
-        """Tell the front end the engine loop failed (`reason`): it refuses new requests and fails /health now, naming
-        the failure, and stops as a failure (the close that follows is no planned stop)."""
-        self._out.put(("failed", reason))
+        """Tell the front ends the engine loop failed (`reason`): they refuse new requests and fail /health now,
+        naming the failure, and stop as a failure (the close that follows is no planned stop)."""
+        for out in self._outs:
+            out.put(("failed", reason))
 
     def close(self) -> None:
-        """Tell the front end the engine is going (it exits), stop sending, shut the socket down (which also ends
-        this side's blocked reader; closing the descriptor alone would not) and close it. Grammars waiting to
+        """Tell the front ends the engine is going (they exit), stop sending, shut the sockets down (which also ends
+        this side's blocked readers; closing the descriptors alone would not) and close them. Grammars waiting to
         compile are dropped, and those compiling queue nothing: the service they were for has stopped."""
         with self._lock:  # (so no request is queued after this)
             self._closed.set()
-        for _ in self._threads[2:]:  # (each compile thread's stop)
+        for _ in self._compilers:  # (each compile thread's stop)
             self._to_compile.put(_STOP)
-        self._out.put(("closing",))
-        self._out.put(_STOP)
-        self._threads[1].join(2.0)
-        try:
-            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._threads[0].join(2.0)
-        self.conn.close()
+        for out in self._outs:
+            out.put(("closing",))
+            out.put(_STOP)
+        deadline = time.monotonic() + 2.0  # (all the senders together, as one did)
+        for t in self._senders:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for conn in self.conns:
+            try:
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for t in self._readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for conn in self.conns:
+            conn.close()
 
-    def _read(self) -> None:
+    def _read(self, index: int) -> None:
+        conn, sink = self.conns[index], self._outs[index].put
         try:
             while True:
-                message = self.conn.recv()
+                message = conn.recv()
                 kind = message[0]
                 if kind == "add":
                     _, request_id, prompt_ids, params = message
                     if self.service.compiles(params):  # (here, not in a step: a new grammar takes a while)
                         with self._lock:
                             self._compiling[request_id] = params.n
-                        self._to_compile.put((request_id, prompt_ids, params))
+                        self._to_compile.put((request_id, prompt_ids, params, sink))
                     else:
                         self.service.precompile(params)  # (the other ranks hear of a grammar compiled here)
-                        self.service.enqueue(request_id, prompt_ids, params, self._out.put)
+                        self.service.enqueue(request_id, prompt_ids, params, sink)
                 elif kind == "abort":
                     with self._lock:
                         if message[1] in self._compiling:
@@ -124,19 +140,23 @@ class EngineBridge:
                         else:
                             self.service.enqueue_abort(message[1])
                 elif kind == "metrics":
-                    self._out.put(("metrics", message[1], self.exposition()))
-                elif kind == "ready" and self.on_ready is not None:
-                    self.on_ready()
+                    sink(("metrics", message[1], self.exposition()))
+                elif kind == "ready":
+                    with self._lock:
+                        self._not_ready -= 1
+                        everyone = self._not_ready == 0
+                    if everyone and self.on_ready is not None:
+                        self.on_ready()
         except (EOFError, OSError):
-            logger.info("the HTTP front end closed its pipe")
+            logger.info("the HTTP front end %d closed its pipe", index)
         except Exception:  # noqa: BLE001 - a message the engine cannot take: stop serving rather than hang
-            logger.exception("the pipe from the HTTP front end failed")
+            logger.exception("the pipe from the HTTP front end %d failed", index)
         finally:
             self.on_closed()
 
     def _compile(self) -> None:
         while (item := self._to_compile.get()) is not _STOP and not self._closed.is_set():
-            request_id, prompt_ids, params = item
+            request_id, prompt_ids, params, sink = item
             self.service.precompile(params)  # (raises nothing: a refusal, or any failure, is the add's to report)
             with self._lock:  # (queued, or dropped if aborted meanwhile: under the lock, so no abort slips between)
                 self._compiling.pop(request_id, None)
@@ -145,25 +165,26 @@ class EngineBridge:
                 if request_id in self._dropped:
                     self._dropped.discard(request_id)
                 else:
-                    self.service.enqueue(request_id, prompt_ids, params, self._out.put)
+                    self.service.enqueue(request_id, prompt_ids, params, sink)
 
-    def _send(self) -> None:
+    def _send(self, index: int) -> None:
+        conn, out = self.conns[index], self._outs[index]
         while True:
-            batch = [self._out.get()]
+            batch = [out.get()]
             while True:  # whatever else is waiting goes in the same send
                 try:
-                    batch.append(self._out.get_nowait())
+                    batch.append(out.get_nowait())
                 except queue.Empty:
                     break
             stop = _STOP in batch
             batch = [item for item in batch if item is not _STOP]
             try:
                 if batch:
-                    self.conn.send(batch)
+                    conn.send(batch)
             except (OSError, ValueError):  # the front end is gone; the reader reports it
                 return
             except Exception:  # noqa: BLE001 - an update that does not pickle: streams would hang, so stop serving
-                logger.exception("sending to the HTTP front end failed")
+                logger.exception("sending to the HTTP front end %d failed", index)
                 self.on_closed()
                 return
             if stop:
