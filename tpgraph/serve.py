@@ -13,7 +13,6 @@ SIGTERM or Ctrl-C stops the server and every rank.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -22,9 +21,12 @@ import signal
 import socket
 import ssl
 import sys
+import tempfile
 import threading
 import time
 from functools import partial
+from multiprocessing.connection import wait as mp_wait
+from multiprocessing.process import BaseProcess
 from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
@@ -43,6 +45,7 @@ from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
+from tpgraph.server.listeners import bind_sockets, close_sockets
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -91,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the address to listen on (default: %(default)s, this machine alone, where vLLM's listens on "
                         "every interface: 0.0.0.0 serves other machines)")
     p.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-server-count", "-asc", type=api_server_count, default=1, metavar="N",
+                   help="HTTP front-end processes sharing the address (vLLM's): each takes the connections the kernel "
+                        "gives it, for streams past one core's worth of JSON and SSE; the Responses API is served by "
+                        "the first, the others relaying to it (default: %(default)s)")
     p.add_argument("--served-model-name", type=served_name, nargs="+", default=None, metavar="NAME",
                    help="the names clients may ask for, replies naming the first (default: --model, or "
                         f"{BUILTIN_NAME})")
@@ -276,15 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.service import EngineService
 
     http: HttpOptions = args.http
+    sockets: list[socket.socket] = []  # (rank 0's, which the front ends serve)
     try:
         max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
-        if (env_int("RANK") or 0) == 0:
-            _check_listen(args.host, args.port, http.uds)  # before minutes of loading, not after
+        if (env_int("RANK") or 0) == 0:  # (an address in use said now, before minutes of loading, not after)
+            if http.uds is None:  # bound now and held (as vLLM's): no other server listens there meanwhile
+                sockets = bind_sockets(args.host, args.port)
+            else:  # bound as the front ends start: a socket file held through the load looks a stopped server's,
+                check_unix_socket(http.uds)  # which another server's asyncio would take over
             http.check_tls()
         reasoning = reasoning_parser(args)  # (before the weights load: the tokenizer is a file)
         # (ranks it starts itself log as this one does, as torchrun's each set up their own)
         engine = engine_from_args(args, rank_setup=partial(configure_logging, args.http.server_log_config))
     except TPGraphError as exc:
+        close_sockets(sockets)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()  # every rank, before anyone is served: the first burst of requests should not pay first-use costs
@@ -303,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from tpgraph.server.bridge import EngineBridge
-    from tpgraph.server.frontend import FrontendSpec, start_frontend
+    from tpgraph.server.frontend import FrontendSpec, start_frontends
     from tpgraph.server.metrics import EngineMetrics, StatsLog, cache_config_info
 
     root = args.model or BUILTIN_NAME  # (the checkpoint served: /v1/models' root, and the name where none is given)
@@ -323,16 +335,30 @@ def main(argv: list[str] | None = None) -> int:
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,
                         args.enable_request_id_headers, http, names, root)
-    frontend, conn = start_frontend(spec)
-    requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; the front end gone
+    # (several front ends share their metrics and the Responses API's socket in a directory of their own)
+    scratch = tempfile.TemporaryDirectory(prefix="tpgraph-") if args.api_server_count > 1 else None
+    try:
+        sockets = sockets or bind_sockets(args.host, args.port, http.uds)  # (--uds: a server may listen there since)
+        fronts = start_frontends(spec, args.api_server_count, sockets, None if scratch is None else scratch.name)
+    except ConfigError as exc:
+        logger.error("%s; stopping", exc)
+        close_sockets(sockets)
+        if scratch is not None:
+            scratch.cleanup()
+        _close(engine, timeout_s=3.0, exit_code=1)
+        return 1
+    frontends = [proc for proc, _ in fronts]
+    requested, frontend_closed = threading.Event(), threading.Event()  # a stop we were asked for; a front end gone
     listening = threading.Event()
     url = serving_url(http, args.host, args.port)
 
-    def serving() -> None:  # the front end's HTTP server accepts connections: only now is "serving" true
-        logger.info("serving %s on %s (tp=%d)", name, url, engine.state.world_size)
+    def serving() -> None:  # every front end's HTTP server serves: only now is "serving" true
+        logger.info("serving %s on %s (tp=%d%s)", name, url, engine.state.world_size,
+                    "" if len(frontends) == 1 else f", {len(frontends)} API server processes")
         listening.set()
 
-    bridge = EngineBridge(service, [conn], metrics.exposition, on_closed=frontend_closed.set, on_ready=serving)
+    bridge = EngineBridge(service, [conn for _, conn in fronts], metrics.exposition, on_closed=frontend_closed.set,
+                          on_ready=serving)
     metrics.waiting_elsewhere = bridge.compiling  # (requests whose grammar compiles wait too, as vLLM counts them)
     service.on_failed = lambda exc: bridge.failed(f"{type(exc).__name__}: {exc}")  # (/health's 503 at once)
     signal.signal(signal.SIGTERM, lambda *_: requested.set())
@@ -348,31 +374,35 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("the engine loop stopped: %s", service.error)
                 failed = True
                 break
-            if frontend_closed.is_set() or not frontend.is_alive():
-                frontend.join(1.0)
-                if frontend.exitcode == 0:  # it was stopped (Ctrl-C reaches it first, or SIGTERM): so are we
-                    logger.info("the HTTP front end stopped; stopping")
-                elif not listening.is_set():  # (a port taken since the check, an import that failed): say so, stop
-                    logger.error("the HTTP front end failed to start (exit code %s); nothing serves %s; stopping",
-                                 frontend.exitcode, url)
+            if frontend_closed.is_set() or not all(proc.is_alive() for proc in frontends):
+                gone = _first_gone(frontends)
+                code, which = None if gone is None else gone.exitcode, _frontend_named(frontends, gone)
+                if code == 0:  # it was stopped (Ctrl-C reaches it first, or SIGTERM): so are we
+                    logger.info("%s stopped; stopping", which)
+                elif not listening.is_set():  # (an import that failed, a certificate it cannot load): say so, stop
+                    logger.error("%s failed to start (exit code %s); nothing serves %s; stopping", which, code, url)
                     failed = True
                 else:
-                    logger.error("the HTTP front end exited (code %s)", frontend.exitcode)
+                    logger.error("%s exited (code %s)", which, code)
                     failed = True
                 break
             if not listening.is_set() and time.monotonic() > start_deadline:
-                logger.error("the HTTP front end was not listening on %s after %.0f s; stopping", url,
-                             FRONTEND_START_S)
+                logger.error("the HTTP front end%s not listening on %s after %.0f s; stopping",
+                             " was" if len(frontends) == 1 else "s were", url, FRONTEND_START_S)
                 failed = True
                 break
-    except KeyboardInterrupt:  # Ctrl-C reaches the front end too; it stops by itself
+    except KeyboardInterrupt:  # Ctrl-C reaches the front ends too; they stop by themselves
         pass
     # Every step of the way is bounded, so SIGTERM ends the process within 10 s even with requests in flight.
     followers_told = service.shutdown(timeout_s=4.0)
     bridge.close()
-    frontend.join(2.0)
-    if frontend.is_alive():
-        frontend.terminate()
+    deadline = time.monotonic() + 2.0  # (all the front ends together)
+    for proc in frontends:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+    if scratch is not None:
+        scratch.cleanup()
     if service.alive:  # still inside a step whose collectives will not complete: releasing would hang or trap
         logger.warning("the engine loop did not stop in time; exiting without releasing the GPU state")
         os._exit(1)
@@ -397,6 +427,21 @@ def serving_url(http: HttpOptions, host: str, port: int) -> str:
     if http.uds is not None:
         return f"{http.scheme}+unix://{http.uds}"
     return f"{http.scheme}://{f'[{host}]' if ':' in host else host or '0.0.0.0'}:{port}"
+
+
+def _first_gone(frontends: list[BaseProcess], wait_s: float = 1.0) -> BaseProcess | None:
+    """The front end that has exited (a closed pipe's, whose exit may take a moment: up to wait_s), else None."""
+    ended = mp_wait([proc.sentinel for proc in frontends], timeout=wait_s)
+    gone = next((proc for proc in frontends if proc.sentinel in ended), None)
+    if gone is not None:
+        gone.join()
+    return gone
+
+
+def _frontend_named(frontends: list[BaseProcess], which: BaseProcess | None) -> str:
+    if len(frontends) == 1:
+        return "the HTTP front end"
+    return "an HTTP front end" if which is None else f"HTTP front end {frontends.index(which)}"
 
 
 FRONTEND_START_S = 60.0  # from its start to listening: a spawned interpreter importing FastAPI and uvicorn
@@ -455,42 +500,18 @@ def heartbeat_seconds(text: str) -> float:
     return value
 
 
+def api_server_count(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"at least one HTTP front end serves, got {count}")
+    return count
+
+
 def port_number(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
-
-
-def _check_listen(host: str, port: int, uds: str | None = None) -> None:
-    """Refuse an address the HTTP server could not listen on (in use, or not this host's), as uvicorn would bind it;
-    with --uds, a Unix socket path another server listens on, or that is no socket, or in no directory."""
-    if uds is not None:
-        return check_unix_socket(uds)
-    try:
-        # (every address uvicorn's asyncio server binds: each the host resolves to, and for an empty host, as vLLM's
-        # default, every interface's)
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        addresses, unusable = list(dict.fromkeys(infos)), []
-        for info in addresses:
-            try:
-                _bind(*info)
-            except OSError as exc:  # (asyncio passes over an address of a family this host has not enabled)
-                if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                    raise
-                unusable.append(exc)
-        if len(unusable) == len(addresses):  # (none to listen on: not this host's address)
-            raise unusable[0]
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
-
-
-def _bind(family: int, kind: int, proto: int, _: str, address: tuple) -> None:
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:  # (as asyncio binds it: beside the IPv4 socket, not over it)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
 
 
 def _close(engine, timeout_s: float = 15.0, followers_told: bool = False, exit_code: int = 0) -> None:

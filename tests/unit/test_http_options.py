@@ -81,13 +81,13 @@ def test_cors_lists_are_json_lists_of_strings(value, capsys):
 @contextlib.contextmanager
 def frontend(http: HttpOptions):
     """The HTTP front end's own process (uvicorn, as the server starts it), with no engine behind it: its URL."""
-    from tpgraph.server.frontend import FrontendSpec, start_frontend
+    from tpgraph.server.frontend import FrontendSpec, start_frontends
+    from tpgraph.server.listeners import bind_sockets
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sockets = bind_sockets("127.0.0.1", 0, http.uds)
+    port = 0 if http.uds is not None else sockets[0].getsockname()[1]
     spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
-    proc, conn = start_frontend(spec)
+    [(proc, conn)] = start_frontends(spec, 1, sockets, None)
     try:
         assert conn.poll(120) and conn.recv() == ("ready",)
         yield f"127.0.0.1:{port}"
@@ -183,9 +183,9 @@ def test_a_unix_socket_that_cannot_be_listened_on_is_refused_at_start_up(tmp_pat
     assert "it exists and is no socket" in capsys.readouterr().err
     assert main(["--device", "cpu", "--uds", str(tmp_path / "nowhere" / "api.sock")]) == 2
     assert "its directory does not exist" in capsys.readouterr().err
-    from tpgraph.serve import _check_listen
+    from tpgraph.server.options import check_unix_socket
 
-    _check_listen("127.0.0.1", 8000, str(taken))  # (its server gone: a stale socket file, which uvicorn takes over)
+    check_unix_socket(str(taken))  # (its server gone: a stale socket file, which the server takes over)
 
 
 def test_a_unix_socket_path_too_long_to_bind_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -509,40 +509,37 @@ def test_a_unix_socket_whose_server_cannot_be_told_gone_is_not_taken_over(tmp_pa
     """Only a refused connection says the socket's server is gone: uvicorn (asyncio) deletes the socket file it takes
     over, so a live datagram server's socket (its connect fails otherwise) must be refused, not taken."""
     from tpgraph.errors import ConfigError
-    from tpgraph.serve import _check_listen
+    from tpgraph.server.listeners import bind_sockets
 
     path = str(tmp_path / "dgram.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as live:
         live.bind(path)
         with pytest.raises(ConfigError, match="cannot listen on --uds .*: its server cannot be told gone"):
-            _check_listen("127.0.0.1", 8000, path)
+            bind_sockets("127.0.0.1", 8000, path)
 
 
 def test_a_unix_socket_a_server_took_while_the_model_loaded_is_not_taken_over(tmp_path):
-    """rank 0 checks --uds before minutes of loading; a server that began listening there since would lose its socket
-    to uvicorn (asyncio deletes the file), so the front end checks again as it binds, and fails to start."""
-    from tpgraph.server.frontend import FrontendSpec, start_frontend
+    """rank 0 checks --uds before minutes of loading, and binds it as the front ends start; a server that began
+    listening there since would lose its socket to a take-over (asyncio deletes the file), so the bind checks again
+    and refuses, and the live server keeps its socket. A stopped server's socket file is taken over."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.server.listeners import bind_sockets, close_sockets
 
     path = str(tmp_path / "api.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
         live.bind(path)
         live.listen()
-        spec = FrontendSpec("127.0.0.1", 8000, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL),
-                            http=HttpOptions(uds=path))
-        proc, conn = start_frontend(spec)
-        try:
-            proc.join(120)
-            assert proc.exitcode not in (0, None)
-            with pytest.raises(EOFError):  # (never said it listens: its end closed, nothing sent)
-                conn.recv()
-        finally:
-            if proc.is_alive():
-                proc.kill()
-            conn.close()
+        with pytest.raises(ConfigError, match="a server listens on it already"):
+            bind_sockets("127.0.0.1", 8000, path)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.connect(path)  # (still the live server's socket)
             accepted, _ = live.accept()
             accepted.close()
+    ours = bind_sockets("127.0.0.1", 8000, path)  # (its server gone: taken over)
+    try:
+        assert [sock.getsockname() for sock in ours] == [path]
+    finally:
+        close_sockets(ours)
 
 
 def test_a_requests_own_chat_template_is_compiled_once_not_per_request(monkeypatch):

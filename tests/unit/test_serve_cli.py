@@ -219,7 +219,7 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
     monkeypatch.setattr(metrics, "EngineMetrics", lambda core, name, cache: SimpleNamespace(
         exposition=lambda: b"", prompt_tokens=0, generated_tokens=0))
     monkeypatch.setattr(metrics, "cache_config_info", lambda core: {})
-    monkeypatch.setattr(frontend, "start_frontend", lambda spec: (front, None))
+    monkeypatch.setattr(frontend, "start_frontends", lambda spec, count, sockets, scratch: [(front, None)])
     monkeypatch.setattr(bridge, "EngineBridge", Bridge)
     monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(os, "_exit", exit_now)
@@ -834,12 +834,13 @@ def test_an_empty_host_listens_on_every_interface_as_vllms_default(capsys):
     the server binds is checked: a port taken on IPv6 alone is refused too."""
     import socket
 
-    from tpgraph.serve import _check_listen, serving_url
+    from tpgraph.serve import serving_url
+    from tpgraph.server.listeners import bind_sockets, close_sockets
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    _check_listen("", free)
+    close_sockets(bind_sockets("", free))
     assert serving_url(parse_args(["--host", ""]).http, "", 8000) == "http://0.0.0.0:8000"
     if not socket.has_ipv6:
         return
@@ -851,7 +852,7 @@ def test_an_empty_host_listens_on_every_interface_as_vllms_default(capsys):
             return  # (no IPv6 here)
         taken.listen()
         with pytest.raises(ConfigError, match=r"cannot listen on \*:\d+: Address already in use"):
-            _check_listen("", taken.getsockname()[1])
+            bind_sockets("", taken.getsockname()[1])
 
 
 def test_a_log_config_file_whose_name_holds_braces_is_read(tmp_path):
@@ -932,7 +933,7 @@ def test_the_server_hands_its_logging_set_up_to_the_ranks_it_starts(monkeypatch,
         raise ConfigError("stop here")
 
     monkeypatch.setattr(serve, "engine_from_args", refuse)
-    monkeypatch.setattr(serve, "_check_listen", lambda *a: None)
+    monkeypatch.setattr(serve, "bind_sockets", lambda *a: [])
     assert serve.main(["--device", "cpu", "-tp", "2"]) == 2 and "stop here" in capsys.readouterr().err
     setup = handed["setup"]
     config = serve.parse_args(["--device", "cpu"]).http.server_log_config

@@ -1,6 +1,7 @@
-"""The HTTP front end as its own process (see bridge.py for why): rank 0 starts it with `start_frontend` and it runs
-FastAPI + uvicorn until the engine's end of the pipe closes, or until it is told to stop (SIGTERM, Ctrl-C). It says
-("ready",) over the pipe once uvicorn listens; if it cannot (the address is taken), it exits non-zero."""
+"""The HTTP front end as its own process (see bridge.py for why): rank 0 starts it, or several (--api-server-count),
+with `start_frontends`, and each runs FastAPI + uvicorn on the sockets rank 0 bound (listeners.py) until the engine's
+end of its pipe closes, or until it is told to stop (SIGTERM, Ctrl-C). It says ("ready",) over the pipe once uvicorn
+serves; if it cannot, it exits non-zero."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.errors import ConfigError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.options import HttpOptions, check_unix_socket
+from tpgraph.server.listeners import close_sockets
+from tpgraph.server.options import HttpOptions
 from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
 
@@ -30,6 +33,7 @@ if TYPE_CHECKING:  # (the front end's process imports the server's modules itsel
     from tpgraph.server.bridge import EngineClient
 
 logger = logging.getLogger("tpgraph.serve")
+STARTUP_FAILURE = 3  # (uvicorn's exit code for a server that could not start)
 EXIT_GRACE_S = 3.0  # after the engine is gone, streams still open get this long to hear it before the process ends
 
 
@@ -63,14 +67,46 @@ class FrontendSpec:
     responses_uds: str | None = None
 
 
-def start_frontend(spec: FrontendSpec) -> tuple[BaseProcess, Connection]:
-    """Start the front-end process; returns it and the engine's end of the pipe."""
+def start_frontend(spec: FrontendSpec, sockets: list[socket.socket]) -> tuple[BaseProcess, Connection]:
+    """Start a front-end process serving `sockets` (bound: server/listeners.py); returns it and the engine's end of
+    the pipe."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context, no process group, no engine threads
     engine_end, frontend_end = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=run_frontend, args=(frontend_end, spec), name="tpgraph-http", daemon=True)
+    # (the sockets travel as the pipe's end does: duplicated into the new process as it starts)
+    proc = ctx.Process(target=run_frontend, args=(frontend_end, spec, sockets), daemon=True,
+                       name="tpgraph-http" if spec.count == 1 else f"tpgraph-http-{spec.index}")
     proc.start()
     frontend_end.close()
     return proc, engine_end
+
+
+def start_frontends(spec: FrontendSpec, count: int, sockets: list[socket.socket],
+                    scratch: str | None) -> list[tuple[BaseProcess, Connection]]:
+    """Start `count` front ends serving `sockets` (--api-server-count), each with its pipe; this process's copies of
+    the sockets are closed then. With more than one, `scratch` (an empty directory, which outlives them) holds their
+    shared metrics and front end 0's private socket for the Responses API (FrontendSpec)."""
+    private: list[socket.socket] = []
+    if count > 1:
+        assert scratch is not None, "several front ends share a scratch directory"
+        metrics_dir, responses_uds = os.path.join(scratch, "metrics"), os.path.join(scratch, "responses.sock")
+        os.mkdir(metrics_dir)
+        private = [_bind_private(responses_uds)]
+        spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
+    try:
+        return [start_frontend(replace(spec, index=i), sockets + (private if i == 0 else [])) for i in range(count)]
+    finally:
+        close_sockets(sockets + private)
+
+
+def _bind_private(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:  # (a temporary directory deep enough to pass the kernel's 108 bytes: TMPDIR)
+        sock.close()
+        raise ConfigError(f"cannot make the front ends' private socket {path} for the Responses API: "
+                          f"{exc.strerror or exc} (set TMPDIR to a shorter directory)") from None
+    return sock
 
 
 def freeze_startup_heap() -> None:
@@ -81,18 +117,19 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
+def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.socket]) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
-            if self.config.uds is not None:  # (checked before the model loaded; a server may listen there since)
-                try:
-                    check_unix_socket(self.config.uds)
-                except ConfigError as exc:  # (as uvicorn leaves on an address it cannot bind)
-                    logger.error("%s", exc)
-                    sys.exit(1)
-            await super().startup(sockets)  # binds and listens (or exits non-zero: the address is taken)
+            try:
+                await super().startup(sockets)  # listens on the sockets rank 0 bound
+            except OSError as exc:  # (another server listens there since: one that binds with SO_REUSEADDR can)
+                logger.error("cannot listen on the address: %s", exc)
+                await self.lifespan.shutdown()
+                sys.exit(STARTUP_FAILURE)  # (as uvicorn exits where it cannot bind)
+            if self.started and spec.index == 0:  # (uvicorn says where it runs only for sockets it bound itself)
+                self._log_started_message(sockets)
             if self.started:  # rank 0 says "serving" only now: a client that reads it and connects gets in
                 client.listening()
 
@@ -134,7 +171,7 @@ def run_frontend(conn: Connection, spec: FrontendSpec) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code(client)))
     freeze_startup_heap()
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=sockets)
     sys.exit(exit_code(client))
 
 

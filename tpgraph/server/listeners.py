@@ -1,0 +1,71 @@
+"""The HTTP server's listening sockets. Rank 0 binds them before the model loads (an address it cannot have is said
+then, not minutes later) and holds them, not listening, until it hands them to each front-end process (uvicorn serves
+the sockets it is given, and listens on them): several front ends (--api-server-count) share one address, the kernel
+giving each new connection to one of them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from tpgraph.errors import ConfigError
+from tpgraph.server.options import check_unix_socket
+
+
+def bind_sockets(host: str, port: int, uds: str | None = None) -> list[socket.socket]:
+    """Every address the server listens on, bound (not listening: a connection before a front end serves is refused,
+    not left waiting): each address `host` resolves to (an empty host: every interface, as uvicorn's asyncio server
+    binds it), else the Unix socket `uds` (a stopped server's socket file there is taken over, as asyncio does; a live
+    one's is refused). Raises ConfigError naming the address where it cannot."""
+    if uds is not None:
+        return [_bind_unix(uds)]
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        bound: list[socket.socket] = []
+        unusable: list[OSError] = []
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                bound.append(_bind(family, kind, proto, address))
+            except OSError as exc:  # (asyncio passes over an address of a family this host has not enabled)
+                if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    close_sockets(bound)
+                    raise
+                unusable.append(exc)
+        if not bound:  # (none to listen on: not this host's address)
+            raise unusable[0]
+        return bound
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
+
+
+def _bind(family: int, kind: int, proto: int, address: tuple) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # (as asyncio binds it: beside the IPv4 socket, not over it)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_unix(path: str) -> socket.socket:
+    check_unix_socket(path)  # (a live server's socket, or no socket, or no directory: refused, saying which)
+    if os.path.exists(path):  # a stopped server's socket file: taken over
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on --uds {path}: {exc.strerror or exc}") from None
+    return sock
+
+
+def close_sockets(sockets: list[socket.socket]) -> None:
+    """Close this process's copies (a front end's own stay open)."""
+    for sock in sockets:
+        sock.close()
