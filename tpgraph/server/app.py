@@ -47,6 +47,7 @@ from tpgraph.server.metrics import ServerMetrics
 from tpgraph.server.options import HttpOptions
 from tpgraph.server.protocol import ChatRequest, CompletionRequest, request_template
 from tpgraph.server.reasoning import ReasoningParser, ReasoningReader
+from tpgraph.server.relay import Relay, RelayMiddleware
 from tpgraph.server.reply import ReplyReader
 from tpgraph.server.request_ids import RequestIdMiddleware, request_id
 from tpgraph.server.response_routes import response_routes
@@ -443,7 +444,7 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
                tool_options: ToolOptions | None = None, reasoning: ReasoningParser | None = None,
                prompt_tokens_details: bool = False, request_id_headers: bool = False, http: HttpOptions | None = None,
                served_names: tuple[str, ...] = (), model_root: str | None = None,
-               responses_store: ResponseStore | None = None) -> FastAPI:
+               responses_store: ResponseStore | None = None, relay_uds: str | None = None) -> FastAPI:
     """api_key: where given (a key, or several that are each taken), every route but /health, /ping, /metrics and
     /version asks for it (auth.py). tool_options: function calling's settings (tools.py). reasoning: splits a chat
     reply's thoughts out (reasoning.py). prompt_tokens_details: usage says how many prompt tokens came from the
@@ -451,7 +452,9 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     (request_ids.py). http: how the server answers beside that (CORS, ...; options.py). served_names: every name a
     request may give, model_name (the one replies give) first, as vLLM's several --served-model-name; () for
     model_name alone. model_root: the checkpoint (--model) they stand for, each /v1/models card's root (None:
-    model_name). responses_store: where the Responses API keeps responses (None: a store of --responses-store-size)."""
+    model_name). responses_store: where the Responses API keeps responses (None: a store of --responses-store-size).
+    relay_uds: where another front end serves the Responses API (several front ends: front end 0, which alone keeps
+    the store): every request under /v1/responses is relayed there (relay.py), before any of this app's checks."""
     tool_options = tool_options or ToolOptions()
     http = http or HttpOptions()
     eos_token_id = EngineTokenizer(prompts).eos_token_id  # (a beam search's EOS, as TPEngine.beam_search's)
@@ -460,10 +463,16 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
         """A searched sequence's text, read with the reply's skip_special_tokens."""
         return lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
+    relay = None if relay_uds is None else Relay(relay_uds, keepalive_s=http.keep_alive_s / 2)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
-        yield
+        try:
+            yield
+        finally:
+            if relay is not None:
+                await relay.aclose()
 
     docs = http.docs
     app = FastAPI(title="tpgraph", version=__version__, lifespan=lifespan,
@@ -484,6 +493,8 @@ def create_app(client: EngineClient, prompts: PromptCodec, metrics: ServerMetric
     app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
                        allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
                        allow_credentials=http.allow_credentials)
+    if relay is not None:  # (outermost: front end 0 checks the key, answers CORS, names, counts and logs the request)
+        app.add_middleware(RelayMiddleware, relay=relay)
     app.include_router(token_routes(prompts, api.check_model, max_model_len, http.template_variables,
                                     http.chat_template_content_format, http.trust_request_chat_template))
 
