@@ -259,3 +259,31 @@ def test_a_response_stored_through_the_relay_is_read_back_through_it(sockets):
         assert (await http.get("/v1/responses/resp_abc", headers=key)).status_code == 404
 
     relayed(sockets, test, upstream_app=front0)
+
+
+def test_a_front_end_but_the_first_relays_to_the_first(sockets):
+    """run_frontend: a FrontendSpec of index > 0 relays to its responses_uds (front end 0 there: the stand-in)."""
+    from tpgraph.engine.limits import RequestLimits
+    from tpgraph.server.frontend import FrontendSpec, start_frontend
+
+    up, front = sockets
+    spec = FrontendSpec("127.0.0.1", 0, "m", 64, RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=256),
+                        builtin_codec(), http=HttpOptions(uds=front), index=1, count=2, responses_uds=up)
+    proc, conn = start_frontend(spec)
+    upstream = Upstream()
+
+    async def main() -> tuple:
+        async with served(upstream, up), httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=front),
+                                                           base_url="http://t", timeout=TIMEOUT_S) as http:
+            return (await http.get("/v1/responses/resp_1")).status_code, (await http.get("/v1/models")).status_code
+
+    try:
+        assert conn.poll(60) and conn.recv() == ("ready",)
+        assert asyncio.run(asyncio.wait_for(main(), TIMEOUT_S)) == (201, 200)
+        assert [s["path"] for s in upstream.seen] == ["/v1/responses/resp_1"]
+    finally:
+        conn.send([("closing",)])
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+        conn.close()

@@ -158,7 +158,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
     metrics = ServerMetrics(spec.model_name, spec.max_model_len)  # (its token histograms reach max_model_len)
     app = create_app(client, spec.prompts, metrics, spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
-                     spec.served_names, spec.model_root)
+                     spec.served_names, spec.model_root,
+                     relay_uds=spec.responses_uds if spec.index > 0 else None)  # (front end 0 keeps the store)
     try:
         server = Server(uvicorn_config(app, spec))
     except (ValueError, TypeError, AttributeError, ImportError) as exc:  # (log_config's, which dictConfig refused)
