@@ -27,26 +27,34 @@ TIMEOUT_S = 3
 class Upstream:
     """Front end 0's stand-in, as raw ASGI: notes each request; /v1/responses/stream sends an event, waits for go_on,
     sends another; /v1/responses/left sends an event and /v1/responses/held nothing, each then waiting for its client
-    to go (gone); any other path echoes the request as JSON, with a 201 and headers of its own."""
+    to go (gone, also set where the client goes before its body's end); /v1/responses/broken sends an event and
+    fails; any other path echoes the request as JSON, with a 201 and headers of its own."""
 
     def __init__(self) -> None:
         self.seen: list[dict] = []
         self.go_on, self.holding, self.gone = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.arrived = asyncio.Event()  # (a request, before its body is read)
 
     async def __call__(self, scope, receive, send) -> None:
         assert scope["type"] == "http"
+        self.arrived.set()
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":  # (the relayed request closed before its body's end)
+                self.gone.set()
+                return
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
         self.seen.append({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
                           "headers": {k.decode(): v.decode() for k, v in scope["headers"]}, "body": body})
-        if scope["path"] in ("/v1/responses/stream", "/v1/responses/left"):
+        if scope["path"] in ("/v1/responses/stream", "/v1/responses/left", "/v1/responses/broken"):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream"), (b"x-upstream", b"stream")]})
             await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
+            if scope["path"] == "/v1/responses/broken":
+                raise RuntimeError("front end 0 failed mid-stream")
             if scope["path"] == "/v1/responses/stream":
                 await self.go_on.wait()
                 await send({"type": "http.response.body", "body": b"data: two\n\n"})
@@ -66,7 +74,7 @@ class Upstream:
 @contextlib.asynccontextmanager
 async def served(app, uds: str):
     """uvicorn serving `app` on the Unix socket `uds`, on this loop, until the block ends."""
-    server = uvicorn.Server(uvicorn.Config(app, uds=uds, log_level="warning", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn.Config(app, uds=uds, log_config=None, timeout_graceful_shutdown=1))
     server.capture_signals = contextlib.nullcontext  # (pytest's own signal handlers stay)
     task = asyncio.create_task(server.serve())
     while not server.started:  # (serve() ends at once where it cannot start: its error is raised here)
@@ -188,6 +196,32 @@ def test_a_client_that_leaves_before_the_reply_begins_closes_the_relayed_request
         await asyncio.wait_for(upstream.gone.wait(), TIMEOUT_S)
 
     relayed(sockets, test)
+
+
+def test_a_stream_that_front_end_0_breaks_off_is_cut_not_ended(sockets):
+    """The client must not take a stream cut short for a whole one: its connection is closed mid-body."""
+    async def test(http, _) -> None:
+        async with http.stream("GET", "/v1/responses/broken") as reply:
+            chunks = reply.aiter_raw()
+            assert await anext(chunks) == b"data: one\n\n"
+            with pytest.raises(httpx.RemoteProtocolError):
+                await anext(chunks)
+
+    relayed(sockets, test)
+
+
+def test_a_client_that_leaves_mid_body_closes_the_relayed_request(sockets, caplog):
+    async def test(_, upstream: Upstream) -> None:
+        reader, writer = await asyncio.open_unix_connection(sockets[1])
+        writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+        await writer.drain()
+        await asyncio.wait_for(upstream.arrived.wait(), TIMEOUT_S)  # (the relayed request is under way)
+        writer.close()
+        await asyncio.wait_for(upstream.gone.wait(), TIMEOUT_S)
+        assert upstream.seen == []
+
+    relayed(sockets, test)
+    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_other_paths_are_served_here(sockets):
