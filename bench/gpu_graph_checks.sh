@@ -30,6 +30,10 @@ done
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
+# the HTTP server's own dependencies (fastapi, uvicorn, ...; httpx2: the front ends' Responses API relay), from the carried wheelhouse where missing
+need_server() { python3 -c "import fastapi, uvicorn, prometheus_client, httpx2" 2>/dev/null || { [ -d wheelhouse ] \
+    && python3 -m pip install -q --no-index --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client \
+    httpx2; }; }
 # xgrammar (structured outputs) from the carried wheelhouse where it is missing; -U: pydantic there needs a newer
 # typing-extensions than the image may hold, which a plain install leaves as it is
 need_xgrammar() { python3 -c "import xgrammar" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q -U \
@@ -192,8 +196,7 @@ for step in "$@"; do
          # (needs fastapi + uvicorn there); SERVE_FLAGS adds server flags, e.g. --no-overlap-scheduling; SERVE_SHARED
          # gives every request a common system prompt of that many characters (prefix caching computes it once);
          # SERVE_SCORE_BATCH adds scoring runs of that many prompts a request (echo + logprobs, nothing generated)
-         python3 -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null || { [ -d wheelhouse ] && python3 -m pip install -q --no-index \
-             --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client; }
+         need_server
          need_xgrammar
          mkdir -p "$out/llama3_8b" && python3 -c "import json, sys; json.dump({'architectures': ['LlamaForCausalLM'],
              'model_type': 'llama', 'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336,

@@ -8,7 +8,7 @@ py=${1:-3.12}
 rm -rf wheelhouse && mkdir -p wheelhouse
 python3 -m pip download -q -d wheelhouse --only-binary=:all: --python-version "$py" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  --implementation cp fastapi uvicorn jinja2 pydantic prometheus-client
+  --implementation cp fastapi uvicorn jinja2 pydantic prometheus-client httpx2
 # structured outputs: xgrammar and its FFI alone (--no-deps: its torch, transformers and triton are there already)
 python3 -m pip download -q -d wheelhouse --only-binary=:all: --python-version "$py" --no-deps \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \

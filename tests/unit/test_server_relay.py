@@ -299,11 +299,14 @@ def test_a_front_end_but_the_first_relays_to_the_first(sockets):
     """run_frontend: a FrontendSpec of index > 0 relays to its responses_uds (front end 0 there: the stand-in)."""
     from tpgraph.engine.limits import RequestLimits
     from tpgraph.server.frontend import FrontendSpec, start_frontend
+    from tpgraph.server.listeners import bind_sockets, close_sockets
 
     up, front = sockets
     spec = FrontendSpec("127.0.0.1", 0, "m", 64, RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=256),
                         builtin_codec(), http=HttpOptions(uds=front), index=1, count=2, responses_uds=up)
-    proc, conn = start_frontend(spec)
+    listening = bind_sockets("127.0.0.1", 0, front)
+    proc, conn = start_frontend(spec, listening)
+    close_sockets(listening)
     upstream = Upstream()
 
     async def main() -> tuple:
