@@ -30,7 +30,8 @@ done
 mkdir -p "$dest"
 out=$(mktemp -d /tmp/gpc.XXXX)
 pack() { tar czf "$dest/results.tgz" -C "$out" . 2>/dev/null; }
-# the HTTP server's own dependencies (fastapi, uvicorn, ...; httpx2: the front ends' Responses API relay), from the carried wheelhouse where missing
+# the HTTP server's own dependencies (fastapi, uvicorn, ...; httpx2: the front ends' Responses API relay), from the
+# carried wheelhouse where missing
 need_server() { python3 -c "import fastapi, uvicorn, prometheus_client, httpx2" 2>/dev/null || { [ -d wheelhouse ] \
     && python3 -m pip install -q --no-index --find-links wheelhouse fastapi uvicorn jinja2 pydantic prometheus-client \
     httpx2; }; }

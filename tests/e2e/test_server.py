@@ -960,3 +960,50 @@ def test_prompt_logprobs_as_vllm_returns_them(server, local_engine):
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # (k = 0: the token alone)
     streamed = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "prompt_logprobs": 1})
     assert streamed.status_code == 400 and "not available with stream" in streamed.json()["error"]["message"]
+
+
+def front_ends(pid: int) -> list[int]:
+    """The HTTP front-end processes rank 0 (`pid`) started (spawned interpreters; not its resource tracker)."""
+    return [p for p in children(pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()
+            and b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+
+
+def test_several_api_server_processes_serve_one_address_and_stop_cleanly(local_engine, tmp_path):
+    """--api-server-count 2: two front ends share the port; concurrent streams all get TPEngine's tokens, /metrics
+    (either front end's) counts every request, and SIGTERM stops them all with exit code 0, their shared directory
+    removed."""
+    s = Server(free_port(), ranks=1, torchrun=False, env={"TMPDIR": str(tmp_path)},
+               flags=("--api-server-count", "2"))
+    try:
+        assert f"serving {MODEL} on {s.url} (tp=1, 2 API server processes)" in s.output()
+        fronts = front_ends(s.proc.pid)
+        assert len(fronts) == 2 and len(list(tmp_path.glob("tpgraph-*"))) == 1
+        from tpgraph import SamplingParams
+
+        served = served_greedy(s, PROMPTS, 12)
+        local = local_engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+        assert served == [o.outputs[0].token_ids for o in local]
+        for _ in range(4):  # (each scrape on a new connection: any front end may answer, each reports them all)
+            counts = re.findall(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)$',
+                                http("GET", f"{s.url}/metrics").text, re.M)
+            assert [float(c) for c in counts] == [len(PROMPTS)]
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0, s.output()[-3000:]
+        assert wait_gone(fronts, 10) < 10
+        assert list(tmp_path.glob("tpgraph-*")) == []
+    finally:
+        s.stop()
+
+
+def test_a_dead_front_end_of_several_stops_the_server_naming_it():
+    s = Server(free_port(), ranks=1, torchrun=False, flags=("--api-server-count", "3"))
+    try:
+        fronts = front_ends(s.proc.pid)
+        assert len(fronts) == 3
+        os.kill(fronts[1], signal.SIGKILL)
+        assert s.proc.wait(timeout=30) == 1
+        out = s.output()
+        assert re.search(r"HTTP front end \d exited \(code -9\)", out), out[-3000:]
+        assert wait_gone(fronts, 10) < 10
+    finally:
+        s.stop()
