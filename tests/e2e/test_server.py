@@ -970,8 +970,8 @@ def front_ends(pid: int) -> list[int]:
 
 def test_several_api_server_processes_serve_one_address_and_stop_cleanly(local_engine, tmp_path):
     """--api-server-count 2: two front ends share the port; concurrent streams all get TPEngine's tokens, /metrics
-    (either front end's) counts every request, and SIGTERM stops them all with exit code 0, their shared directory
-    removed."""
+    (either front end's) counts every request, a stored response is read back whichever front end a request lands
+    on, and SIGTERM stops them all with exit code 0, their shared directory removed."""
     s = Server(free_port(), ranks=1, torchrun=False, env={"TMPDIR": str(tmp_path)},
                flags=("--api-server-count", "2"))
     try:
@@ -987,6 +987,11 @@ def test_several_api_server_processes_serve_one_address_and_stop_cleanly(local_e
             counts = re.findall(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)$',
                                 http("GET", f"{s.url}/metrics").text, re.M)
             assert [float(c) for c in counts] == [len(PROMPTS)]
+        # the Responses API's store is front end 0's: a response stored through either is read back through either
+        stored = s.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 4}).json()
+        for _ in range(6):
+            got = http("GET", f"{s.url}/v1/responses/{stored['id']}")
+            assert got.status_code == 200 and got.json()["output"] == stored["output"], got.text
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0, s.output()[-3000:]
         assert wait_gone(fronts, 10) < 10
