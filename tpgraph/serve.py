@@ -6,7 +6,8 @@
          -d '{"model": "tpgraph-builtin", "prompt": "Hello", "max_tokens": 16}'
 
 Every rank builds the engine; rank 0 runs the step loop and starts the HTTP front end as its own process (FastAPI +
-uvicorn, server/frontend.py), and the other ranks follow rank 0's messages.
+uvicorn, server/frontend.py), or several on one address (--api-server-count), and the other ranks follow rank 0's
+messages.
 SIGTERM or Ctrl-C stops the server and every rank.
 """
 
