@@ -67,6 +67,29 @@ def hf_config(cfg: ModelConfig) -> dict:
             "eos_token_id": 2}
 
 
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer.json whose every id decodes (the built-in byte tokenizer has 258: the random model's ids
+    past it were held back undecoded, which understated the detokenizer's work a token): the 256 byte symbols, then
+    words of a space and letters, as a real BPE vocabulary's ids decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = ["<unk>", "<s>", "</s>", *pre_tokenizers.ByteLevel.alphabet()]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    while len(tokens) < vocab_size:
+        i, word = len(tokens), ""
+        while True:
+            i, r = divmod(i, len(letters))
+            word += letters[r]
+            if not i:
+                break
+        tokens.append("\u0120" + word)  # (Ġ: the byte-level symbol of a space)
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens[:vocab_size])}, [], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+
+
 def run_point(engine: TPEngine, batch: int, prompt_len: int, tokens: int, mix: str, seed: int) -> dict:
     core, vocab = engine.core, engine.model.cfg.vocab_size
     table = getattr(engine.runner, "penalties", None)  # (None in trees from before the count table)
@@ -116,7 +139,9 @@ def main() -> None:
         raise SystemExit(f"unknown mixes {unknown}; choose from {', '.join(MIXES)}")
     max_len = args.max_model_len or args.prompt_len + args.tokens + 16
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(SHAPES.get(args.shape, BUILTIN_MODEL))))
+        cfg = SHAPES.get(args.shape, BUILTIN_MODEL)
+        (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(cfg)))
+        write_tokenizer(Path(model_dir), cfg.vocab_size)
         with TPEngine(model_dir, load_format="dummy", max_num_seqs=max(batches), max_model_len=max_len,
                       max_num_batched_tokens=max(max_len, 8192),
                       graphs=GraphConfig(ladder=tuple(sorted(set(batches))))) as engine:
