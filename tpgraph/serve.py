@@ -46,7 +46,7 @@ from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
-from tpgraph.server.listeners import bind_sockets, close_sockets
+from tpgraph.server.listeners import close_sockets, front_end_sockets
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -284,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     from tpgraph.engine.service import EngineService
 
     http: HttpOptions = args.http
-    sockets: list[socket.socket] = []  # (rank 0's, which the front ends serve)
+    sockets: list[list[socket.socket]] = []  # (rank 0's, each front end's to serve)
     try:
         max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
         if (env_int("RANK") or 0) == 0:  # (an address in use said now, before minutes of loading, not after)
             if http.uds is None:  # bound now and held (as vLLM's): no other server listens there meanwhile
-                sockets = bind_sockets(args.host, args.port)
+                sockets = front_end_sockets(args.host, args.port, None, args.api_server_count)
             else:  # bound as the front ends start: a socket file held through the load looks a stopped server's,
                 check_unix_socket(http.uds)  # which another server's asyncio would take over
             http.check_tls()
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         # (ranks it starts itself log as this one does, as torchrun's each set up their own)
         engine = engine_from_args(args, rank_setup=partial(configure_logging, args.http.server_log_config))
     except TPGraphError as exc:
-        close_sockets(sockets)
+        close_sockets([sock for each in sockets for sock in each])
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()  # every rank, before anyone is served: the first burst of requests should not pay first-use costs
@@ -339,11 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     # (several front ends share their metrics and the Responses API's socket in a directory of their own)
     scratch = tempfile.TemporaryDirectory(prefix="tpgraph-") if args.api_server_count > 1 else None
     try:
-        sockets = sockets or bind_sockets(args.host, args.port, http.uds)  # (--uds: a server may listen there since)
+        # (--uds: bound now, where a server may listen since the check)
+        sockets = sockets or front_end_sockets(args.host, args.port, http.uds, args.api_server_count)
         fronts = start_frontends(spec, args.api_server_count, sockets, None if scratch is None else scratch.name)
     except ConfigError as exc:
         logger.error("%s; stopping", exc)
-        close_sockets(sockets)
         if scratch is not None:
             scratch.cleanup()
         _close(engine, timeout_s=3.0, exit_code=1)

@@ -87,7 +87,7 @@ def frontend(http: HttpOptions):
     sockets = bind_sockets("127.0.0.1", 0, http.uds)
     port = 0 if http.uds is not None else sockets[0].getsockname()[1]
     spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
-    [(proc, conn)] = start_frontends(spec, 1, sockets, None)
+    [(proc, conn)] = start_frontends(spec, 1, [sockets], None)
     try:
         assert conn.poll(120) and conn.recv() == ("ready",)
         yield f"127.0.0.1:{port}"
@@ -576,3 +576,40 @@ def test_a_log_config_file_for_uvicorn_leaves_the_servers_own_logging(tmp_path, 
     out = "".join(capfd.readouterr())
     assert 'ACCESS 127.0.0.1' in out and '"GET /version HTTP/1.1" 200' in out, out
     assert "INFO tpgraph.serve: the engine is stopping" in out, out
+
+
+def test_several_front_ends_get_a_socket_each_that_the_kernel_spreads_connections_over():
+    """One listening socket shared by several front ends let the one that woke first accept a whole burst (asyncio
+    takes up to its backlog at a wake-up): each gets its own, SO_REUSEPORT, and the kernel spreads connections over
+    them. Before they are bound, the port is checked as a lone server's: a server listening there, even one with
+    SO_REUSEPORT (another of ours), is refused, not joined."""
+    from tpgraph.errors import ConfigError
+    from tpgraph.server.listeners import close_sockets, front_end_sockets
+
+    copies = front_end_sockets("127.0.0.1", 0, None, 1)
+    port = copies[0][0].getsockname()[1]
+    close_sockets(copies[0])
+    copies = front_end_sockets("127.0.0.1", port, None, 4)
+    clients: list[socket.socket] = []
+    try:
+        assert len({id(each[0]) for each in copies}) == 4
+        for each in copies:
+            each[0].listen()
+        counts = [0] * 4
+        clients += [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        for i, each in enumerate(copies):
+            each[0].setblocking(False)
+            while True:
+                try:
+                    accepted, _ = each[0].accept()
+                except BlockingIOError:
+                    break
+                accepted.close()
+                counts[i] += 1
+        assert sum(counts) == 64 and min(counts) > 0, counts  # (hashed: each gets some; P(one gets none) ~ 1e-8)
+        with pytest.raises(ConfigError, match="Address already in use"):
+            front_end_sockets("127.0.0.1", port, None, 2)
+    finally:
+        for client in clients:
+            client.close()
+        close_sockets([sock for each in copies for sock in each])

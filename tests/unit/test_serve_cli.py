@@ -933,7 +933,7 @@ def test_the_server_hands_its_logging_set_up_to_the_ranks_it_starts(monkeypatch,
         raise ConfigError("stop here")
 
     monkeypatch.setattr(serve, "engine_from_args", refuse)
-    monkeypatch.setattr(serve, "bind_sockets", lambda *a: [])
+    monkeypatch.setattr(serve, "front_end_sockets", lambda *a: [])
     assert serve.main(["--device", "cpu", "-tp", "2"]) == 2 and "stop here" in capsys.readouterr().err
     setup = handed["setup"]
     config = serve.parse_args(["--device", "cpu"]).http.server_log_config

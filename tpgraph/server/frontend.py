@@ -80,22 +80,23 @@ def start_frontend(spec: FrontendSpec, sockets: list[socket.socket]) -> tuple[Ba
     return proc, engine_end
 
 
-def start_frontends(spec: FrontendSpec, count: int, sockets: list[socket.socket],
+def start_frontends(spec: FrontendSpec, count: int, sockets: list[list[socket.socket]],
                     scratch: str | None) -> list[tuple[BaseProcess, Connection]]:
-    """Start `count` front ends serving `sockets` (--api-server-count), each with its pipe; this process's copies of
-    the sockets are closed then. With more than one, `scratch` (an empty directory, which outlives them) holds their
-    shared metrics and front end 0's private socket for the Responses API (FrontendSpec)."""
+    """Start `count` front ends (--api-server-count), each serving its sockets (listeners.front_end_sockets), each
+    with its pipe; this process's copies of the sockets are closed then. With more than one, `scratch` (an empty
+    directory, which outlives them) holds their shared metrics and front end 0's private socket for the Responses API
+    (FrontendSpec)."""
     private: list[socket.socket] = []
-    if count > 1:
-        assert scratch is not None, "several front ends share a scratch directory"
-        metrics_dir, responses_uds = os.path.join(scratch, "metrics"), os.path.join(scratch, "responses.sock")
-        os.mkdir(metrics_dir)
-        private = [_bind_private(responses_uds)]
-        spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
     try:
-        return [start_frontend(replace(spec, index=i), sockets + (private if i == 0 else [])) for i in range(count)]
+        if count > 1:
+            assert scratch is not None, "several front ends share a scratch directory"
+            metrics_dir, responses_uds = os.path.join(scratch, "metrics"), os.path.join(scratch, "responses.sock")
+            os.mkdir(metrics_dir)
+            private = [_bind_private(responses_uds)]
+            spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
+        return [start_frontend(replace(spec, index=i), sockets[i] + (private if i == 0 else [])) for i in range(count)]
     finally:
-        close_sockets(sockets + private)
+        close_sockets(list({id(sock): sock for each in sockets for sock in each}.values()) + private)
 
 
 def _bind_private(path: str) -> socket.socket:

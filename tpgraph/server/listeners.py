@@ -13,11 +13,32 @@ from tpgraph.errors import ConfigError
 from tpgraph.server.options import check_unix_socket
 
 
-def bind_sockets(host: str, port: int, uds: str | None = None) -> list[socket.socket]:
+def front_end_sockets(host: str, port: int, uds: str | None, count: int) -> list[list[socket.socket]]:
+    """Each of `count` front ends' sockets (bind_sockets'). Over TCP, several front ends get a set each, bound with
+    SO_REUSEPORT, among which the kernel spreads new connections: one socket shared let the front end that woke first
+    take a whole burst of connections (asyncio accepts up to its backlog at a wake-up; 64 streams at once all went to
+    one of two, bench/bench_api_servers.py). A Unix socket has no SO_REUSEPORT: its one socket is shared."""
+    if uds is not None or count == 1:
+        return [bind_sockets(host, port, uds)] * count
+    # (first as a lone server: refused where a server listens, also one of ours with SO_REUSEPORT, which the copies
+    # below would join, splitting the connections with it)
+    close_sockets(bind_sockets(host, port))
+    copies: list[list[socket.socket]] = []
+    try:
+        for _ in range(count):
+            copies.append(bind_sockets(host, port, reuse_port=True))
+    except ConfigError:
+        close_sockets([sock for each in copies for sock in each])
+        raise
+    return copies
+
+
+def bind_sockets(host: str, port: int, uds: str | None = None, reuse_port: bool = False) -> list[socket.socket]:
     """Every address the server listens on, bound (not listening: a connection before a front end serves is refused,
     not left waiting): each address `host` resolves to (an empty host: every interface, as uvicorn's asyncio server
     binds it), else the Unix socket `uds` (a stopped server's socket file there is taken over, as asyncio does; a live
-    one's is refused). Raises ConfigError naming the address where it cannot."""
+    one's is refused); reuse_port: with SO_REUSEPORT, beside this process's other such sockets there. Raises
+    ConfigError naming the address where it cannot."""
     if uds is not None:
         return [_bind_unix(uds)]
     try:
@@ -26,7 +47,7 @@ def bind_sockets(host: str, port: int, uds: str | None = None) -> list[socket.so
         unusable: list[OSError] = []
         for family, kind, proto, _, address in dict.fromkeys(infos):
             try:
-                bound.append(_bind(family, kind, proto, address))
+                bound.append(_bind(family, kind, proto, address, reuse_port))
             except OSError as exc:  # (asyncio passes over an address of a family this host has not enabled)
                 if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
                     close_sockets(bound)
@@ -39,10 +60,12 @@ def bind_sockets(host: str, port: int, uds: str | None = None) -> list[socket.so
         raise ConfigError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
 
 
-def _bind(family: int, kind: int, proto: int, address: tuple) -> socket.socket:
+def _bind(family: int, kind: int, proto: int, address: tuple, reuse_port: bool) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:  # (as asyncio binds it: beside the IPv4 socket, not over it)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
