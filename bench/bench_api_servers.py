@@ -1,6 +1,6 @@
 """The HTTP front ends' streaming capacity against their number (--api-server-count), on CPU: a fake engine in this
-process drives the real front ends (start_frontends: uvicorn processes on one shared address, each with its pipe to
-a real EngineBridge here), and client processes read the streams over real HTTP connections.
+process drives the real front ends (start_frontends: uvicorn processes on one address, bound as tpgraph.serve binds
+it, each with its pipe to a real EngineBridge here), and client processes read the streams over real HTTP connections.
 
 The fake engine models a decode batch: every --step-ms it sends one token (one printable byte of the built-in
 tokenizer, a StepUpdate as the engine makes it) to every open request, through the bridge's sinks, and finishes each
@@ -18,8 +18,8 @@ moment the first stream ends), the offered rate, their ratio, the front ends' CP
 stime of every front-end process over the run, from /proc, summed), the busiest front end's CPU utilisation (100% is
 a core: the GIL's ceiling), the busiest client process's utilisation (near 100% the clients, not the front ends,
 were the bottleneck), what the fake engine itself sent a second over the span (engine/s: below the offered rate, it
-could not hold its step), and how the kernel spread the streams over the front ends (they share one listening
-socket: whichever front end accepts first takes the connection).
+could not hold its step), and how the kernel spread the streams over the front ends (a socket each, SO_REUSEPORT:
+listeners.front_end_sockets).
 The fake engine's thread and the bridge's pickling share this process's GIL: on a small machine they compete with the
 front ends and the clients for cores, so read capacity on a machine with a core for each.
 """
@@ -301,11 +301,11 @@ def run_point(count: int, streams: int, tokens: int, step_ms: float, api: str, c
     measured one. Everything started here is stopped before it returns."""
     from tpgraph.server.bridge import EngineBridge
     from tpgraph.server.frontend import start_frontends
-    from tpgraph.server.listeners import bind_sockets
+    from tpgraph.server.listeners import front_end_sockets
 
     engine = FakeEngine(tokens, step_ms / 1000.0)
-    sockets = bind_sockets(HOST, 0)
-    port = sockets[0].getsockname()[1]
+    sockets = front_end_sockets(HOST, 0, None, count)  # (as tpgraph.serve binds them)
+    port = sockets[0][0].getsockname()[1]
     scratch = tempfile.TemporaryDirectory(prefix="tpg-asc-") if count > 1 else None
     fronts = start_frontends(spec_for(port, tokens, access_log), count, sockets,
                              None if scratch is None else scratch.name)

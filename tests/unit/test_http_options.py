@@ -586,13 +586,12 @@ def test_several_front_ends_get_a_socket_each_that_the_kernel_spreads_connection
     from tpgraph.errors import ConfigError
     from tpgraph.server.listeners import close_sockets, front_end_sockets
 
-    copies = front_end_sockets("127.0.0.1", 0, None, 1)
+    copies = front_end_sockets("127.0.0.1", 0, None, 4)
     port = copies[0][0].getsockname()[1]
-    close_sockets(copies[0])
-    copies = front_end_sockets("127.0.0.1", port, None, 4)
     clients: list[socket.socket] = []
     try:
         assert len({id(each[0]) for each in copies}) == 4
+        assert {each[0].getsockname()[1] for each in copies} == {port}  # (port 0: the kernel's choice, for all)
         for each in copies:
             each[0].listen()
         counts = [0] * 4

@@ -22,7 +22,9 @@ def front_end_sockets(host: str, port: int, uds: str | None, count: int) -> list
         return [bind_sockets(host, port, uds)] * count
     # (first as a lone server: refused where a server listens, also one of ours with SO_REUSEPORT, which the copies
     # below would join, splitting the connections with it)
-    close_sockets(bind_sockets(host, port))
+    lone = bind_sockets(host, port)
+    port = lone[0].getsockname()[1]  # (port 0: the one the kernel chose, for every copy)
+    close_sockets(lone)
     copies: list[list[socket.socket]] = []
     try:
         for _ in range(count):
