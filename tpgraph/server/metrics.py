@@ -4,8 +4,9 @@ prefix-cache queries and hits, beside the runner's graph stats); the HTTP front-
 (ServerMetrics: TTFT, TPOT, inter-token latency, queue time, the prefill, decode and inference phases, end-to-end
 latency, finished requests, prompt and generated tokens, each finished request's prompt and generation lengths and
 max_tokens: each of a request's n samples counted as a request, as vLLM's engine runs them; and per request, its n and
-its longest sample's length). /metrics serves both. StatsLog logs vLLM's line of engine stats every 10 s
-(VLLM_LOG_STATS_INTERVAL's seconds, where set).
+its longest sample's length). /metrics serves both. Several front ends (--api-server-count) each keep theirs in
+prometheus-client's multiprocess mode, in a directory they share, so that any one's /metrics reports them all.
+StatsLog logs vLLM's line of engine stats every 10 s (VLLM_LOG_STATS_INTERVAL's seconds, where set).
 
 What vLLM's server also reports carries vLLM's name and labels (`vllm:num_requests_running{model_name, engine}`, ...),
 so that a dashboard or autoscaler built on vLLM's metrics reads ours; what only this engine measures (its step's
@@ -14,10 +15,12 @@ parts, the control path, graph stats) is `tpgraph_*`."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from tpgraph.engine.core import REFUSED, EngineCore, StepTiming, StepUpdate
 from tpgraph.server.logs import stats_interval_s
@@ -41,6 +44,7 @@ ENGINE_INDEX = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # (prometheus-client's: where its multiprocess mode keeps the values)
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +207,43 @@ class StatsLog:
         self._last, self._tokens, self._was_busy = now, tokens, busy
 
 
+def check_multiprocess_mode(path: str) -> None:
+    """Raise unless the metrics this process makes now keep their values in `path`'s files (prometheus-client's
+    multiprocess mode): it picks where values live as prometheus_client is imported, from PROMETHEUS_MULTIPROC_DIR,
+    and opens the files where that names as the first metric is made; the variable must name `path` before both."""
+    if os.environ.get(MULTIPROC_DIR_ENV) != path:
+        raise RuntimeError(f"{MULTIPROC_DIR_ENV} must be {path!r} in this process (it is "
+                           f"{os.environ.get(MULTIPROC_DIR_ENV)!r}) for several front ends to share their metrics")
+    if values.ValueClass is values.MutexValue:
+        raise RuntimeError(f"prometheus_client was imported before {MULTIPROC_DIR_ENV} was set in this process, so its "
+                           "metrics are not shared between front ends: set the variable before anything imports it")
+
+
+def share_created(registry: CollectorRegistry) -> None:
+    """Each series' creation time (its `_created` sample) in `registry`, kept in prometheus-client's multiprocess files
+    as a gauge of that name, the earliest process's reported (multiprocess_mode "min"): its collector of the files
+    keeps no creation time, where one process's exposition reports each counter's and histogram's as a gauge family
+    of the same name and HELP. (The series made now: a finish reason other than FINISH_REASONS would have none.)"""
+    for family in registry.collect():
+        gauges: dict[str, Gauge] = {}
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                if sample.name not in gauges:  # (registered nowhere: the files are what is exported)
+                    gauges[sample.name] = Gauge(sample.name, family.documentation, tuple(sample.labels),
+                                                registry=None, multiprocess_mode="min")
+                gauge = gauges[sample.name]
+                (gauge.labels(**sample.labels) if sample.labels else gauge).set(sample.value)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str = DEFAULT_MODEL_NAME, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+    def __init__(self, model_name: str = DEFAULT_MODEL_NAME, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 multiprocess_dir: str | None = None) -> None:
+        """multiprocess_dir: where several front ends (--api-server-count) each keep their metrics' values
+        (prometheus-client's multiprocess mode: PROMETHEUS_MULTIPROC_DIR must name it before prometheus_client is
+        imported, check_multiprocess_mode); the exposition then reports them all, summed. None: this process's."""
+        if multiprocess_dir is not None:
+            check_multiprocess_mode(multiprocess_dir)
+        self.multiprocess_dir = multiprocess_dir
         self.registry = r = CollectorRegistry()
         vllm = vllm_metrics(model_name, r)
         self.ttft = vllm(Histogram, "vllm:time_to_first_token_seconds", "Arrival to first token",
@@ -250,6 +289,8 @@ class ServerMetrics:
                                            "of a finished request's samples generated",
                                            buckets=token_buckets(max_model_len))
         self.model_name, self.max_model_len = model_name, max_model_len
+        if multiprocess_dir is not None:
+            share_created(r)
         # each request's arrival, prompt length, samples asked (n) and max_tokens, and its samples by index: (tokens,
         # the first's time, the last's time), their prefill times (the engine's, with their first tokens), and which
         # have ended
@@ -352,4 +393,10 @@ class ServerMetrics:
                                                 default=0))
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The metrics' exposition text: this process's, or with a multiprocess_dir every front end's, summed."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        # (a registry of its own: the collector reads every process's values from the files, this one's included)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, self.multiprocess_dir)
+        return generate_latest(registry)
