@@ -4,8 +4,6 @@ prometheus_client at import time: each process names the directory first, as run
 
 from __future__ import annotations
 
-import os
-
 # (request id, prompt tokens, max_tokens, tokens generated, finish reason) per front end
 Requests = list[tuple[str, int, int, int, str]]
 
@@ -14,7 +12,9 @@ def record_requests(rank: int, world_size: int, init: str, metrics_dir: str, req
                     max_model_len: int) -> bytes:
     """Record rank's requests (each sample's tokens, then its end), wait for every rank to have recorded its own,
     and return this rank's /metrics exposition of the request metrics."""
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (before prometheus_client's import)
+    from tpgraph.server.frontend import share_metrics_in
+
+    share_metrics_in(metrics_dir)  # (as run_frontend: before prometheus_client's import)
     import torch.distributed as dist
 
     from tpgraph.server.metrics import ServerMetrics

@@ -2,14 +2,23 @@
 multiprocess mode, in a directory they share, and any one's /metrics reports them all, named and labelled as one
 front end's."""
 
+import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tpgtest.metrics_front_ends import record, record_requests
+from tpgtest.server_stubs import builtin_codec
 from tpgtest.spawn import run_ranks
 
+from tpgraph.engine.limits import RequestLimits
+from tpgraph.server.frontend import FrontendSpec, run_frontend
 from tpgraph.server.metrics import ServerMetrics
+from tpgraph.server.reasoning import PARSERS
+from tpgraph.server.tools import ToolOptions
 
 MAX_MODEL_LEN = 600
 REQUESTS = [[("a0", 4, 16, 3, "stop"), ("a1", 9, 16, 16, "length")],  # (front end 0's)
@@ -61,3 +70,21 @@ def test_a_front_end_whose_prometheus_client_is_not_in_multiprocess_mode_refuses
     with pytest.raises(RuntimeError, match="imported"):
         ServerMetrics(multiprocess_dir=str(tmp_path))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_front_ends_process_has_not_imported_prometheus_client_when_run_frontend_starts(tmp_path):
+    """run_frontend names the metrics' directory to prometheus-client first, which works only where nothing the
+    spawned process imported before it (the server's main module again, as multiprocessing's spawn imports it, and
+    what unpickling run_frontend and its FrontendSpec imports: the codec's tokenizer, ...) imported prometheus_client:
+    that process, a fresh interpreter, imports tpgraph.serve and unpickles the call, and says what it holds."""
+    spec = FrontendSpec("127.0.0.1", 8000, "m", 128, RequestLimits(100, 128, 1000), builtin_codec(), "key",
+                        ToolOptions("auto"), next(iter(PARSERS.values())), index=1, count=2,
+                        metrics_dir=str(tmp_path))
+    call = tmp_path / "call.pkl"
+    call.write_bytes(pickle.dumps((run_frontend, spec)))
+    code = (f"import pickle, sys; import tpgraph.serve; pickle.loads(open({str(call)!r}, 'rb').read()); "
+            "print('prometheus_client' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

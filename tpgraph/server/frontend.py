@@ -118,7 +118,16 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def share_metrics_in(metrics_dir: str | None) -> None:
+    """Where several front ends share their request metrics (FrontendSpec.metrics_dir), name the directory to
+    prometheus-client before this process imports it: it reads PROMETHEUS_MULTIPROC_DIR once, as it is imported, to
+    choose where every metric's values live (ServerMetrics refuses to start where it was imported first)."""
+    if metrics_dir is not None:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (metrics.MULTIPROC_DIR_ENV: that module imports it)
+
+
 def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.socket]) -> None:
+    share_metrics_in(spec.metrics_dir)  # (first: the imports below import prometheus_client)
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -156,7 +165,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
         timer.start()
 
     client = EngineClient(conn, spec.limits, on_lost=engine_gone)
-    metrics = ServerMetrics(spec.model_name, spec.max_model_len)  # (its token histograms reach max_model_len)
+    # (its token histograms reach max_model_len)
+    metrics = ServerMetrics(spec.model_name, spec.max_model_len, multiprocess_dir=spec.metrics_dir)
     app = create_app(client, spec.prompts, metrics, spec.model_name, spec.max_model_len, spec.api_key,
                      spec.tool_options, spec.reasoning, spec.prompt_tokens_details, spec.request_id_headers, spec.http,
                      spec.served_names, spec.model_root,
