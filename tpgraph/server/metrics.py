@@ -45,6 +45,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 DEFAULT_MODEL_NAME = "tpgraph"  # (the label where none is given: tests; the server passes the served name)
 DEFAULT_MAX_MODEL_LEN = 10 ** 6  # (the token histograms' reach where none is given: tests; the server passes its own)
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # (prometheus-client's: where its multiprocess mode keeps the values)
+# (multiprocess mode: at most this long, while a stream runs, before the other front ends' /metrics count its tokens)
+TOKENS_SENT_EVERY_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +303,11 @@ class ServerMetrics:
         self._samples: dict[str, dict[int, tuple[int, float, float]]] = {}
         self._prefill_s: dict[str, dict[int, float]] = {}
         self._ended: dict[str, set[int]] = {}
+        # (multiprocess mode: the tokens generated not yet written to the files, and when they are due. A write costs
+        # ~0.6 us more than an increment in the process, and one came with every streamed token: ~0.9 us of a token's
+        # 3.5; written every TOKENS_SENT_EVERY_S, at each request's end and before an exposition)
+        self._unsent: int | None = None if multiprocess_dir is None else 0
+        self._send_at = 0.0
 
     def arrived(self, request_id: str, prompt_tokens: int = 0, n: int = 1, max_tokens: int | None = None) -> None:
         """A request of n samples taken, its prompt `prompt_tokens` long, each sample to generate at most max_tokens
@@ -323,7 +330,12 @@ class ServerMetrics:
         if update.prefill_s is not None:
             self._prefill_s.setdefault(rid, {})[update.sample_index] = update.prefill_s
         if update.token_id is not None:
-            self.tokens.inc()
+            if self._unsent is None:
+                self.tokens.inc()
+            else:
+                self._unsent += 1
+                if now >= self._send_at:
+                    self._send_tokens(now)
             samples = self._samples.setdefault(rid, {})
             count, first, last = samples.get(update.sample_index, (0, now, now))
             samples[update.sample_index] = (count + 1, first, now)
@@ -377,6 +389,14 @@ class ServerMetrics:
             if request_id in self._asked:  # (once: a request is forgotten below)
                 self._request_ended(request_id)
         self.forget(request_id)
+        if self._unsent:  # (its tokens counted for every front end by its end, however recent the last write)
+            self._send_tokens(time.perf_counter() if now is None else now)
+
+    def _send_tokens(self, now: float) -> None:
+        """Write the tokens counted since the last write to the files (multiprocess mode), the next due in
+        TOKENS_SENT_EVERY_S."""
+        self.tokens.inc(self._unsent)
+        self._unsent, self._send_at = 0, now + TOKENS_SENT_EVERY_S
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept of a request, counting nothing: one that never reached the engine (its send found the
@@ -396,6 +416,8 @@ class ServerMetrics:
         """The metrics' exposition text: this process's, or with a multiprocess_dir every front end's, summed."""
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
+        if self._unsent:
+            self._send_tokens(time.perf_counter())
         # (a registry of its own: the collector reads every process's values from the files, this one's included)
         registry = CollectorRegistry()
         MultiProcessCollector(registry, self.multiprocess_dir)
