@@ -221,22 +221,6 @@ def check_multiprocess_mode(path: str) -> None:
                            "metrics are not shared between front ends: set the variable before anything imports it")
 
 
-def share_created(registry: CollectorRegistry) -> None:
-    """Each series' creation time (its `_created` sample) in `registry`, kept in prometheus-client's multiprocess files
-    as a gauge of that name, the earliest process's reported (multiprocess_mode "min"): its collector of the files
-    keeps no creation time, where one process's exposition reports each counter's and histogram's as a gauge family
-    of the same name and HELP. (The series made now: a finish reason other than FINISH_REASONS would have none.)"""
-    for family in registry.collect():
-        gauges: dict[str, Gauge] = {}
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                if sample.name not in gauges:  # (registered nowhere: the files are what is exported)
-                    gauges[sample.name] = Gauge(sample.name, family.documentation, tuple(sample.labels),
-                                                registry=None, multiprocess_mode="min")
-                gauge = gauges[sample.name]
-                (gauge.labels(**sample.labels) if sample.labels else gauge).set(sample.value)
-
-
 class ServerMetrics:
     def __init__(self, model_name: str = DEFAULT_MODEL_NAME, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                  multiprocess_dir: str | None = None) -> None:
@@ -291,8 +275,6 @@ class ServerMetrics:
                                            "of a finished request's samples generated",
                                            buckets=token_buckets(max_model_len))
         self.model_name, self.max_model_len = model_name, max_model_len
-        if multiprocess_dir is not None:
-            share_created(r)
         # each request's arrival, prompt length, samples asked (n) and max_tokens, and its samples by index: (tokens,
         # the first's time, the last's time), their prefill times (the engine's, with their first tokens), and which
         # have ended
