@@ -975,7 +975,8 @@ def test_several_api_server_processes_serve_one_address_and_stop_cleanly(local_e
     s = Server(free_port(), ranks=1, torchrun=False, env={"TMPDIR": str(tmp_path)},
                flags=("--api-server-count", "2"))
     try:
-        assert f"serving {MODEL} on {s.url} (tp=1, 2 API server processes)" in s.output()
+        # (said once both serve; /health may answer from the first before)
+        s.wait_for(f"serving {MODEL} on {s.url} (tp=1, 2 API server processes)", 60)
         fronts = front_ends(s.proc.pid)
         assert len(fronts) == 2 and len(list(tmp_path.glob("tpgraph-*"))) == 1
         from tpgraph import SamplingParams
