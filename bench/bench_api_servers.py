@@ -58,7 +58,7 @@ class FakeEngine:
     advancing once a step. A request ends after `tokens` tokens (or its max_tokens, if fewer)."""
 
     def __init__(self, tokens: int, step_s: float) -> None:
-        from tpgraph.engine.core import StepUpdate
+        from tpgraph.engine.updates import StepUpdate
 
         self.tokens, self.step_s, self._update = tokens, step_s, StepUpdate
         self._open: dict[str, list] = {}  # request id -> [sink, tokens sent, tokens it gets]

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from tpgraph.chat import ChatTemplate, GenerationDefaults
-from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
+from tpgraph.engine.updates import StepUpdate
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.app import create_app
 from tpgraph.server.frontend import freeze_startup_heap

@@ -38,7 +38,7 @@ def record(metrics: object, requests: Requests) -> None:
     is None is a stream still open: its last token comes 10 s after the others, and it does not end."""
     import time
 
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
 
     for rid, prompt, max_tokens, tokens, reason in requests:
         metrics.arrived(rid, prompt, 1, max_tokens)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tpgraph.chat import ChatTemplate, GenerationDefaults
-from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.updates import StepUpdate
 from tpgraph.prompts import PromptCodec
 from tpgraph.server.bridge import UNAVAILABLE
 from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer

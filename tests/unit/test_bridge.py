@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.updates import StepUpdate
 from tpgraph.server.bridge import UNAVAILABLE, EngineBridge, EngineClient
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, cache_tokens=256)

@@ -24,8 +24,8 @@ from tpgtest.server_stubs import (  # noqa: E402
 
 LABELS = {"model_name": "tpgraph", "engine": "0"}  # (ServerMetrics' default model_name)
 
-from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.engine.sampling_params import SamplingParams  # noqa: E402
+from tpgraph.engine.updates import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server import sse as server_sse  # noqa: E402
@@ -206,7 +206,7 @@ def test_tokenizing_does_not_hold_up_the_event_loop(monkeypatch):
 def test_a_request_the_engine_refuses_is_a_400_counted_as_refused_and_not_aborted():
     """The engine refuses a request as it comes to add it (a grammar that does not compile): the front end raises
     the reason as a RequestError (a 400), counts it as refused, and sends no abort for what was never added."""
-    from tpgraph.engine.core import REFUSED, StepUpdate
+    from tpgraph.engine.updates import REFUSED, StepUpdate
     from tpgraph.errors import RequestError
 
     class RefusingClient(EndlessClient):
@@ -242,7 +242,7 @@ def test_prompt_tokens_are_counted_as_a_samples_prompt_is_computed_not_as_a_requ
     """vllm:prompt_tokens, as vLLM's: each sample's prompt once it is computed (with its first
     token). They were counted as the request arrived, so a request the engine refused (never run) or one aborted
     while it waited in the queue counted prompt tokens no step computed."""
-    from tpgraph.engine.core import REFUSED, StepUpdate
+    from tpgraph.engine.updates import REFUSED, StepUpdate
 
     class RefusingClient(EndlessClient):
         def submit(self, request_id, prompt, params, sink) -> None:
@@ -411,7 +411,7 @@ def test_truncate_prompt_tokens_is_held_to_what_max_tokens_leaves_of_max_model_l
 def test_the_prompt_logprobs_field_gives_tied_tokens_their_top_k_places():
     """Two ids tied for the top: the prompt token's own rank counts the tie (2), and each top-k entry keeps its
     place (1 and 2), as vLLM's do; a negative count is a 400, not a slice."""
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
     from tpgraph.errors import RequestError
     from tpgraph.server.protocol import CompletionRequest
 
@@ -533,7 +533,7 @@ def test_the_lone_surrogate_check_looks_past_a_token_id_batch():
 def _tokens_every_10_ms(monkeypatch, samples: int, last: str | None, end_s: float, reason: str):
     """Each sample gets a token every 10 ms for 50 ms (the last update says `last`); the request ends at end_s. The
     metrics' registry."""
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
     from tpgraph.server import metrics as server_metrics
 
     monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)  # (the arrival)
@@ -584,7 +584,7 @@ def test_each_of_n_samples_is_counted_as_vllm_counts_its_requests(monkeypatch):
     """vLLM's engine runs each of n samples as a request of its own: TTFT, TPOT, end-to-end latency and the finished
     count are each sample's, a sample that ended on its own under its own reason, the ones the request's end cut
     off under that end's (an abort). They were the request's, once."""
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
     from tpgraph.server import metrics as server_metrics
 
     monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)
@@ -744,7 +744,7 @@ def test_generation_configs_max_new_tokens_is_cut_to_the_room_the_prompt_leaves(
 
 
 def test_queue_time_is_observed_once_per_sample_from_its_first_update():
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
 
     metrics = ServerMetrics()
     metrics.arrived("r", 3)

@@ -58,7 +58,7 @@ def test_a_samples_prefill_decode_and_inference_phases_are_vllms(monkeypatch):
     request-latency buckets; a sample that never had a token is left out of them, as vLLM leaves out a request
     that generated none. They were not exported. Sample 0: admitted 0.25 s before its first token (the engine's
     prefill_s), tokens delivered at 1.0, 1.5 and 2.0 s; sample 1 is aborted before its first token."""
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
     from tpgraph.server import metrics as server_metrics
 
     monkeypatch.setattr(server_metrics.time, "perf_counter", lambda: 0.0)  # (the arrival)
@@ -85,7 +85,7 @@ def test_a_requests_n_max_tokens_and_longest_sample_are_vllms_histograms(monkeyp
     vLLM's server fills it in), in 1-2-5 buckets up to max_model_len. They were not exported. A request of n = 3
     and no max_tokens, 4 prompt tokens: its samples generate 3, 1 and no tokens before it is aborted; one of n = 1
     and max_tokens 16 generates 1; a refused one counts in none."""
-    from tpgraph.engine.core import REFUSED, StepUpdate
+    from tpgraph.engine.updates import REFUSED, StepUpdate
 
     metrics = ServerMetrics(max_model_len=600)
     metrics.arrived("r", 4, 3)

@@ -64,7 +64,7 @@ def test_a_front_ends_tokens_reach_the_files_within_a_tenth_of_a_second_and_at_e
     increment in the process); they are written together, at most TOKENS_SENT_EVERY_S after the first not yet
     written, at a request's end, and before this front end's exposition. (This process's prometheus_client is not in
     multiprocess mode: what would be written is read from the metrics' own registry.)"""
-    from tpgraph.engine.core import StepUpdate
+    from tpgraph.engine.updates import StepUpdate
     from tpgraph.server import metrics as server_metrics
 
     monkeypatch.setattr(server_metrics, "check_multiprocess_mode", lambda path: None)

@@ -24,7 +24,7 @@ from tpgtest.server_stubs import (  # noqa: E402
     typed_sse_events,
 )
 
-from tpgraph.engine.core import REFUSED, StepUpdate  # noqa: E402
+from tpgraph.engine.updates import REFUSED, StepUpdate  # noqa: E402
 from tpgraph.errors import RequestError  # noqa: E402
 from tpgraph.server import app as server_app  # noqa: E402
 from tpgraph.server.metrics import ServerMetrics  # noqa: E402

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.server import app as server_app
 from tpgraph.server.bridge import UNAVAILABLE, EngineUnavailable
 from tpgraph.server.metrics import ServerMetrics

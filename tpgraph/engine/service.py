@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from tpgraph.engine.control import ControlPlane, StepMessage
-from tpgraph.engine.core import REFUSED, EngineCore, PreparedRequest, StepUpdate
+from tpgraph.engine.core import EngineCore, PreparedRequest
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.errors import RequestError
 
 logger = logging.getLogger(__name__)

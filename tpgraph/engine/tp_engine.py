@@ -55,7 +55,7 @@ from tpgraph.distributed import (
 from tpgraph.engine.beam_search import BeamSearchOutput, BeamSearchParams, check_width, run_beam_search
 from tpgraph.engine.config import EngineConfig, check_kv_cache_dtype, vllm_keywords
 from tpgraph.engine.control import ControlPlane
-from tpgraph.engine.core import REFUSED, EngineCore, StepUpdate
+from tpgraph.engine.core import EngineCore
 from tpgraph.engine.limits import check_params_type, kept_prompt_tokens
 from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.logprob import Logprob, logprob_entry
@@ -64,6 +64,7 @@ from tpgraph.engine.sampling_params import SamplingParams
 from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
+from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.errors import CheckpointError, ConfigError, RequestError, TPGraphError
 from tpgraph.hub import shown_name
 from tpgraph.model.loader import default_dtype, load_model

@@ -33,9 +33,9 @@ from tpgraph.engine.beam_search import (
     check_width,
     run_beam_search_async,
 )
-from tpgraph.engine.core import REFUSED, StepUpdate
 from tpgraph.engine.logprob import logprob_entry
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.errors import RequestError
 from tpgraph.prompts import EngineTokenizer, PromptCodec
 from tpgraph.server.auth import ApiKeyMiddleware, route_path

@@ -26,12 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import COMPILE_THREADS
+from tpgraph.engine.updates import StepUpdate
+
+if TYPE_CHECKING:  # (EngineBridge runs beside it, in rank 0's process; a front end's process never imports the engine)
+    from tpgraph.engine.service import EngineService
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[StepUpdate], None]

@@ -18,12 +18,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from tpgraph.engine.core import REFUSED, EngineCore, StepTiming, StepUpdate
+from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.server.logs import stats_interval_s
+
+if TYPE_CHECKING:  # (EngineMetrics, on the engine's side, reads them; a front end's process never imports the engine)
+    from tpgraph.engine.core import EngineCore, StepTiming
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 # vLLM's own buckets for its request metrics (PrometheusStatLogger), so that a quantile or heatmap built on vLLM's reads

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tpgraph.engine.core import StepUpdate
+from tpgraph.engine.updates import StepUpdate
 from tpgraph.errors import RequestError
 from tpgraph.server.protocol import ChatRequest
 from tpgraph.server.reply import Delta

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tpgraph.engine.beam_search import BeamSearchParams
-from tpgraph.engine.core import StepUpdate
 from tpgraph.engine.sampling_params import SamplingParams
+from tpgraph.engine.updates import StepUpdate
 from tpgraph.server.reply import Delta, ReplyReader
 from tpgraph.server.tools import ToolPlan
 
