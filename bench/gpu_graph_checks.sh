@@ -7,7 +7,7 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2] [shared-engine] [teardown]
+#        [shared-tp2] [shared-engine] [teardown] [engine-steps-ab] [api-servers]
 # A step whose commands all exit 0 is marked "ok", else "FAILED"; the script exits 1 if any step failed, and 2 at
 # once (before the build) for a step name it does not know.
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -565,6 +565,13 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
                  | grep -E "^batch|Error" | tee -a "$out/engine_steps.log"
            done
          done ;;
+    api-servers) need_server  # the HTTP front ends' streaming capacity against --api-server-count (bench_api_servers.py:
+         # a fake engine, no GPU; on this machine's cores): AS_COUNTS (1,2,4), AS_STREAMS (256), AS_STEP_MS (0: the
+         # front ends' ceiling), AS_API (completions)
+         timeout 500 python3 bench/bench_api_servers.py --api-server-counts "${AS_COUNTS:-1,2,4}" \
+             --streams "${AS_STREAMS:-256}" --tokens 256 --step-ms "${AS_STEP_MS:-0}" --api "${AS_API:-completions}" \
+             --out "$out/api_servers.json" --plot "$out/api_servers.png" 2>&1 | grep -v "nanobind\|leaked" \
+             | tail -20 | tee "$out/api_servers.log" ;;
     engine-tests) need_xgrammar  # (structured outputs' tests)
          timeout 300 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_varlen_prefill_gpu.py \
              tests/gpu/test_uploads_gpu.py tests/gpu/test_sampler_gpu.py -q -rfEs 2>&1 \
