@@ -612,3 +612,25 @@ def test_several_front_ends_get_a_socket_each_that_the_kernel_spreads_connection
         for client in clients:
             client.close()
         close_sockets([sock for each in copies for sock in each])
+
+
+def test_a_unix_socket_may_be_reached_by_other_users_as_uvicorns_is(tmp_path):
+    """uvicorn made its --uds socket file 0o666 (a stale one's mode kept): a proxy running as another user (nginx's
+    www-data) connects. rank 0 binds it now, and the umask's 0o755 left every other user refused."""
+    import os
+    import stat
+
+    from tpgraph.server.listeners import bind_sockets, close_sockets
+
+    path = tmp_path / "api.sock"
+    ours = bind_sockets("127.0.0.1", 8000, str(path))
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+    finally:
+        close_sockets(ours)
+    os.chmod(path, 0o660)  # (a stale socket's mode, chosen by its owner, is kept as the file is taken over)
+    ours = bind_sockets("127.0.0.1", 8000, str(path))
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    finally:
+        close_sockets(ours)

@@ -12,6 +12,8 @@ import socket
 from tpgraph.errors import ConfigError
 from tpgraph.server.options import check_unix_socket
 
+UDS_MODE = 0o666  # (uvicorn's for a socket file it binds: the umask's would refuse other users' connections)
+
 
 def front_end_sockets(host: str, port: int, uds: str | None, count: int) -> list[list[socket.socket]]:
     """Each of `count` front ends' sockets (bind_sockets'). Over TCP, several front ends get a set each, bound with
@@ -79,11 +81,15 @@ def _bind(family: int, kind: int, proto: int, address: tuple, reuse_port: bool) 
 
 def _bind_unix(path: str) -> socket.socket:
     check_unix_socket(path)  # (a live server's socket, or no socket, or no directory: refused, saying which)
+    # (as uvicorn leaves it: 0o666, so that a proxy running as another user connects, or a stale socket file's mode)
+    mode = UDS_MODE
     if os.path.exists(path):  # a stopped server's socket file: taken over
+        mode = os.stat(path).st_mode
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        os.chmod(path, mode)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on --uds {path}: {exc.strerror or exc}") from None
