@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import urllib.error
 import urllib.request
 
 import pytest
@@ -634,3 +635,50 @@ def test_a_unix_socket_may_be_reached_by_other_users_as_uvicorns_is(tmp_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
     finally:
         close_sockets(ours)
+
+
+def test_https_with_several_front_ends_relays_the_responses_api_to_the_first(tmp_path):
+    """With --api-server-count, front ends but the first relay /v1/responses to front end 0's private Unix socket in
+    plain HTTP; front end 0 served that socket with the certificate too, so every relayed request was a 503 under
+    HTTPS. The private socket speaks plain HTTP (the client's TLS ended at the front end it reached)."""
+    import ssl
+    import tempfile
+
+    from tpgraph.server.frontend import FrontendSpec, start_frontends
+    from tpgraph.server.listeners import front_end_sockets
+
+    key, cert = self_signed(tmp_path)
+    http = http_options(parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]))
+    sockets = front_end_sockets("127.0.0.1", 0, None, 2)
+    port = sockets[0][0].getsockname()[1]
+    spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
+    with tempfile.TemporaryDirectory(prefix="tpg-") as scratch:
+        fronts = start_frontends(spec, 2, sockets, scratch)
+        try:
+            for _, conn in fronts:
+                assert conn.poll(120) and conn.recv() == ("ready",)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # (as the relay reaches front end 0)
+                sock.settimeout(10)
+                sock.connect(f"{scratch}/responses.sock")
+                sock.sendall(b"GET /v1/responses/resp_x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                reply = b""
+                while chunk := sock.recv(65536):
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
+            trusting = ssl.create_default_context(cafile=str(cert))
+            statuses = set()
+            for _ in range(16):  # (a connection each, which the kernel hands to either: P(front end 1 none) ~ 2e-5)
+                try:
+                    urllib.request.urlopen(f"https://127.0.0.1:{port}/v1/responses/resp_x", timeout=10,
+                                           context=trusting)
+                except urllib.error.HTTPError as exc:
+                    statuses.add(exc.code)
+            assert statuses == {404}
+        finally:
+            for _, conn in fronts:
+                conn.send([("closing",)])
+            for proc, conn in fronts:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                conn.close()

@@ -5,6 +5,7 @@ serves; if it cannot, it exits non-zero."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -132,8 +133,11 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
+            public, private = _split_private(sockets, spec.responses_uds if spec.index == 0 else None)
             try:
-                await super().startup(sockets)  # listens on the sockets rank 0 bound
+                await super().startup(public)  # listens on the sockets rank 0 bound
+                if private is not None and self.started:
+                    await self._serve_plain(private)
             except OSError as exc:  # (another server listens there since: one that binds with SO_REUSEADDR can)
                 logger.error("cannot listen on the address: %s", exc)
                 await self.lifespan.shutdown()
@@ -142,6 +146,18 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
                 self._log_started_message(sockets)
             if self.started:  # rank 0 says "serving" only now: a client that reads it and connects gets in
                 client.listening()
+
+        async def _serve_plain(self, sock: socket.socket) -> None:
+            """Serve front end 0's private socket for the other front ends' relays in plain HTTP, HTTPS or not (the
+            client's TLS ends at the front end it reached; the relay speaks plain HTTP), as uvicorn serves the rest."""
+            config = self.config
+
+            def protocol() -> asyncio.Protocol:
+                return config.http_protocol_class(config=config, server_state=self.server_state,
+                                                  app_state=self.lifespan.state)
+
+            self.servers.append(await asyncio.get_running_loop().create_server(protocol, sock=sock,
+                                                                               backlog=config.backlog))
 
     from tpgraph.server.app import create_app
     from tpgraph.server.bridge import EngineClient
@@ -185,6 +201,13 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=sockets)
     sys.exit(exit_code(client))
+
+
+def _split_private(sockets: list[socket.socket], responses_uds: str | None
+                   ) -> tuple[list[socket.socket], socket.socket | None]:
+    """The sockets clients reach, and front end 0's private one for the relays (bound at responses_uds), if any."""
+    private = [sock for sock in sockets if sock.family == socket.AF_UNIX and sock.getsockname() == responses_uds]
+    return [sock for sock in sockets if sock not in private], (private[0] if private else None)
 
 
 def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
