@@ -46,7 +46,7 @@ from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
-from tpgraph.server.listeners import close_sockets, front_end_sockets
+from tpgraph.server.listeners import ListenPoints, close_sockets, front_end_sockets
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -341,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # (--uds: bound now, where a server may listen since the check)
         sockets = sockets or front_end_sockets(args.host, args.port, http.uds, args.api_server_count)
+        # (several front ends' SO_REUSEPORT sockets: another server's that joined them is looked for once they serve)
+        shared = http.uds is None and len(sockets) > 1
+        points = ListenPoints([sock for each in sockets for sock in each]) if shared else None
         fronts = start_frontends(spec, args.api_server_count, sockets, None if scratch is None else scratch.name)
     except ConfigError as exc:
         logger.error("%s; stopping", exc)
@@ -353,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     listening = threading.Event()
     url = serving_url(http, args.host, args.port)
 
+    clash: list[str] = []  # (where another server listens beside our front ends, splitting the connections)
+
     def serving() -> None:  # every front end's HTTP server serves: only now is "serving" true
+        if points is not None and (others := points.others()):
+            clash.extend(others)
+            requested.set()
+            return
         logger.info("serving %s on %s (tp=%d%s)", name, url, engine.state.world_size,
                     "" if len(frontends) == 1 else f", {len(frontends)} API server processes")
         listening.set()
@@ -394,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                 break
     except KeyboardInterrupt:  # Ctrl-C reaches the front ends too; they stop by themselves
         pass
+    if clash:  # (the server that came second stops; the first goes on serving alone)
+        logger.error("another server listens on %s beside this one's front ends, and the kernel would split the "
+                     "connections between the two (SO_REUSEPORT: one started there while this one loaded); stopping",
+                     ", ".join(clash))
+        failed = True
     # Every step of the way is bounded, so SIGTERM ends the process within 10 s even with requests in flight.
     followers_told = service.shutdown(timeout_s=4.0)
     bridge.close()

@@ -1013,3 +1013,27 @@ def test_a_dead_front_end_of_several_stops_the_server_naming_it():
         assert wait_gone(fronts, 10) < 10
     finally:
         s.stop()
+
+
+def test_a_second_server_on_the_port_of_several_front_ends_stops_rather_than_share_it():
+    """Another server's SO_REUSEPORT sockets, bound on the port while this one loads (neither listening, so the
+    start-up check passes) and listening before its front ends serve, would get half of its connections: the server
+    stops, naming the address, and leaves the other's sockets alone."""
+    from tpgraph.server.listeners import close_sockets, front_end_sockets
+
+    port = free_port()
+    theirs = front_end_sockets("127.0.0.1", port, None, 2)
+    s = Server(port, ranks=1, torchrun=False, wait=False, flags=("--api-server-count", "2"))
+    try:
+        s.wait_for("warmed up", 60)  # (past its start-up check, before its front ends start)
+        for each in theirs:
+            each[0].listen()
+        assert s.proc.wait(timeout=30) == 1
+        out = s.output()
+        assert f"another server listens on 127.0.0.1:{port} beside this one's front ends" in out, out[-3000:]
+        assert "serving" not in out
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # (theirs, still listening)
+            pass
+    finally:
+        s.stop()
+        close_sockets([sock for each in theirs for sock in each])

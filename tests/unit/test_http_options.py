@@ -682,3 +682,27 @@ def test_https_with_several_front_ends_relays_the_responses_api_to_the_first(tmp
                 if proc.is_alive():
                     proc.kill()
                 conn.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_another_server_sharing_the_port_with_so_reuseport_is_found(host):
+    """A second server with several front ends started on the port while the first loaded (neither listening yet:
+    SO_REUSEADDR lets both bind) joins the first's SO_REUSEPORT sockets as they listen, and the kernel splits the
+    connections between the two servers. ListenPoints finds the other's listening sockets; ours alone, none."""
+    from tpgraph.server.listeners import ListenPoints, close_sockets, front_end_sockets
+
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    ours = front_end_sockets(host, 0, None, 2)
+    port = ours[0][0].getsockname()[1]
+    points = ListenPoints([sock for each in ours for sock in each])
+    theirs = front_end_sockets(host, port, None, 2)  # (ours bound, not listening: its lone check passes)
+    try:
+        for each in ours:
+            each[0].listen()
+        assert points.others() == []
+        for each in theirs:
+            each[0].listen()
+        assert points.others() == [f"{host}:{port}"]
+    finally:
+        close_sockets([sock for each in ours + theirs for sock in each])

@@ -96,6 +96,52 @@ def _bind_unix(path: str) -> socket.socket:
     return sock
 
 
+class ListenPoints:
+    """Where several front ends' SO_REUSEPORT sockets listen, and which sockets are theirs, to find another server's
+    among them: one of ours started on the port while this one loaded binds there too (neither yet listens, and
+    SO_REUSEADDR lets both bind), and once both listen the kernel splits the connections between the two servers,
+    where a lone server's listen would fail. Taken from rank 0's copies before they are handed over (Linux's
+    /proc/net/tcp and tcp6 list every listening socket, by address and inode)."""
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self.addresses = {_point(sock.family, sock.getsockname()) for sock in sockets}
+        self.inodes = {os.fstat(sock.fileno()).st_ino for sock in sockets}
+
+    def others(self, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> list[str]:
+        """Other sockets listening where ours do (as host:port), from the kernel's tables (none where unreadable)."""
+        found = []
+        for table in tables:
+            try:
+                with open(table) as rows:
+                    lines = rows.readlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if len(fields) < 10 or fields[3] != _LISTEN or int(fields[9]) in self.inodes:
+                    continue
+                address, port = _proc_address(fields[1])
+                if (address, port) in self.addresses:
+                    family = socket.AF_INET if len(address) == 4 else socket.AF_INET6
+                    found.append(f"{socket.inet_ntop(family, address)}:{port}")
+        return list(dict.fromkeys(found))  # (each address once, however many sockets listen there)
+
+
+_LISTEN = "0A"  # (TCP_LISTEN's state in /proc/net/tcp)
+
+
+def _point(family: int, name: tuple) -> tuple[bytes, int]:
+    return socket.inet_pton(family, name[0].partition("%")[0]), name[1]
+
+
+def _proc_address(text: str) -> tuple[bytes, int]:
+    """/proc/net/tcp's local_address ("0100007F:1F90": the address's 32-bit words each in host order, little-endian
+    here) as packed bytes and a port."""
+    hex_address, _, hex_port = text.partition(":")
+    raw = bytes.fromhex(hex_address)
+    return b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)), int(hex_port, 16)
+
+
 def close_sockets(sockets: list[socket.socket]) -> None:
     """Close this process's copies (a front end's own stay open)."""
     for sock in sockets:
