@@ -1004,6 +1004,8 @@ def test_several_api_server_processes_serve_one_address_and_stop_cleanly(local_e
 def test_a_dead_front_end_of_several_stops_the_server_naming_it():
     s = Server(free_port(), ranks=1, torchrun=False, flags=("--api-server-count", "3"))
     try:
+        # (/health may answer from one before the others serve: one killed then "failed to start", not "exited")
+        s.wait_for(f"serving {MODEL} on {s.url} (tp=1, 3 API server processes)", 60)
         fronts = front_ends(s.proc.pid)
         assert len(fronts) == 3
         os.kill(fronts[1], signal.SIGKILL)
