@@ -2,6 +2,8 @@
 EngineMetrics (the engine's), held to vLLM's v1 metrics (vllm/v1/metrics/loggers.py, PrometheusStatLogger; the
 request phases' definitions in vllm/v1/metrics/stats.py): names, labels, buckets and what each measures."""
 
+import contextlib
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -266,3 +268,38 @@ def test_the_prefix_cache_queries_help_says_what_is_counted():
     (doc,) = [f.documentation for f in text_string_to_metric_families(exposition)
               if f.name == "vllm:prefix_cache_queries"]
     assert "recomputed one again" not in doc and "preempted one's recompute not counted" in doc
+
+
+def test_scrapes_at_once_through_several_front_ends_count_the_engines_totals_once():
+    """With --api-server-count, each front end's pipe has its own reader thread on rank 0, and two scrapes at once
+    (two Prometheus servers, a dashboard beside one) ran EngineMetrics.exposition together: both read the totals last
+    exported before either stored the new ones, and the prefix cache's queries (hits, preemptions) were added twice."""
+    import threading
+    from types import SimpleNamespace
+
+    from tpgraph.graphs.stats import GraphStats
+    from tpgraph.server.metrics import EngineMetrics
+
+    scheduler = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, running=[], waiting=[], kv_usage=0.0,
+                                num_preemptions=0)
+    metrics = EngineMetrics(SimpleNamespace(scheduler=scheduler, runner=SimpleNamespace(stats=GraphStats())))
+    scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens, scheduler.num_preemptions = 64, 16, 1
+    together, counter = threading.Barrier(2), metrics.prefix_queries
+
+    class Meeting:  # (the two scrapes meet as they add to the counter, where they can)
+        @staticmethod
+        def inc(amount: float) -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(timeout=0.5)
+            counter.inc(amount)
+
+    metrics.prefix_queries = Meeting()
+    scrapes = [threading.Thread(target=metrics.exposition) for _ in range(2)]
+    for scrape_ in scrapes:
+        scrape_.start()
+    for scrape_ in scrapes:
+        scrape_.join(5)
+    scraped = scrape(metrics.exposition())
+    assert value(scraped, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 64
+    assert value(scraped, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 16
+    assert value(scraped, "vllm:num_preemptions", "vllm:num_preemptions_total") == 1

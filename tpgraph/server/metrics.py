@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -127,6 +128,7 @@ class EngineMetrics:
         # the scheduler's totals when serving began (the warm-up's are not counted; a small cache preempts in its
         # batch), then as last exported
         self._counted = self._served_from = self._totals()
+        self._scrape_lock = threading.Lock()
         # the prompt tokens computed (each sequence's, with its first token) and tokens generated, as vLLM's stats
         # line counts them
         self.prompt_tokens = self.generated_tokens = 0
@@ -158,15 +160,18 @@ class EngineMetrics:
 
     def exposition(self) -> bytes:
         sched = self.core.scheduler  # read from another thread: a scrape may see a step half applied, no more
-        self.running.set(len(sched.running))
-        self.waiting.set(self.num_waiting())
-        self.kv_usage.set(sched.kv_usage)
-        totals = self._totals()
-        for counter, total, counted in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
-                                           self._counted, strict=True):
-            counter.inc(total - counted)
-        self._counted = totals
-        return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
+        # (one scrape at a time: each front end's pipe has a reader thread of its own (--api-server-count), and two
+        # scrapes at once each added what the totals grew by since the last export)
+        with self._scrape_lock:
+            self.running.set(len(sched.running))
+            self.waiting.set(self.num_waiting())
+            self.kv_usage.set(sched.kv_usage)
+            totals = self._totals()
+            for counter, total, counted in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
+                                               self._counted, strict=True):
+                counter.inc(total - counted)
+            self._counted = totals
+            return generate_latest(self.registry) + generate_latest(self.core.runner.stats.registry)
 
     def num_waiting(self) -> int:
         """The sequences waiting: the scheduler's queue, and those whose grammar is compiling (as vLLM counts them)."""
