@@ -706,3 +706,20 @@ def test_another_server_sharing_the_port_with_so_reuseport_is_found(host):
         assert points.others() == [f"{host}:{port}"]
     finally:
         close_sockets([sock for each in ours + theirs for sock in each])
+
+
+def test_another_server_on_one_address_of_a_port_we_serve_on_every_interface_is_found():
+    """Ours on every interface (--host ""): another's SO_REUSEPORT socket on 127.0.0.1 of that port takes every
+    connection to 127.0.0.1 (the kernel prefers the more specific address)."""
+    from tpgraph.server.listeners import ListenPoints, close_sockets, front_end_sockets
+
+    ours = front_end_sockets("", 0, None, 2)
+    port = ours[0][0].getsockname()[1]
+    points = ListenPoints([sock for each in ours for sock in each])
+    theirs = front_end_sockets("127.0.0.1", port, None, 2)
+    try:
+        for sock in (*ours[0], *ours[1], theirs[0][0]):
+            sock.listen()
+        assert points.others() == [f"127.0.0.1:{port}"]
+    finally:
+        close_sockets([sock for each in ours + theirs for sock in each])

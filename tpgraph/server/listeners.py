@@ -121,7 +121,8 @@ class ListenPoints:
                 if len(fields) < 10 or fields[3] != _LISTEN or int(fields[9]) in self.inodes:
                     continue
                 address, port = _proc_address(fields[1])
-                if (address, port) in self.addresses:
+                # (ours on every interface: one listening on any address of the family takes that address's share)
+                if (address, port) in self.addresses or (bytes(len(address)), port) in self.addresses:
                     family = socket.AF_INET if len(address) == 4 else socket.AF_INET6
                     found.append(f"{socket.inet_ntop(family, address)}:{port}")
         return list(dict.fromkeys(found))  # (each address once, however many sockets listen there)
