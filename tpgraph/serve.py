@@ -46,7 +46,7 @@ from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
-from tpgraph.server.listeners import ListenPoints, close_sockets, front_end_sockets
+from tpgraph.server.listeners import ListenPoints, check_private_socket, close_sockets, front_end_sockets
 from tpgraph.server.logs import check_environment, configure_logging, logging_config
 from tpgraph.server.options import UVICORN_LOG_LEVELS, HttpOptions, check_unix_socket, keep_alive_s
 from tpgraph.server.reasoning import PARSERS as REASONING_PARSERS
@@ -285,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
 
     http: HttpOptions = args.http
     sockets: list[list[socket.socket]] = []  # (rank 0's, each front end's to serve)
+    scratch: tempfile.TemporaryDirectory | None = None  # (several front ends' shared metrics and relay socket)
     try:
         max_n()  # (VLLM_MAX_N_SEQUENCES, read by every request: a bad value said now, not as each request's 500)
         if (env_int("RANK") or 0) == 0:  # (an address in use said now, before minutes of loading, not after)
+            if args.api_server_count > 1:  # (a TMPDIR too deep for its socket's path: said now too)
+                scratch = tempfile.TemporaryDirectory(prefix="tpgraph-")
+                check_private_socket(scratch.name)
             if http.uds is None:  # bound now and held (as vLLM's): no other server listens there meanwhile
                 sockets = front_end_sockets(args.host, args.port, None, args.api_server_count)
             else:  # bound as the front ends start: a socket file held through the load looks a stopped server's,
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_from_args(args, rank_setup=partial(configure_logging, args.http.server_log_config))
     except TPGraphError as exc:
         close_sockets([sock for each in sockets for sock in each])
+        if scratch is not None:
+            scratch.cleanup()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()  # every rank, before anyone is served: the first burst of requests should not pay first-use costs
@@ -336,8 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     spec = FrontendSpec(args.host, args.port, name, engine.runner.max_model_len, engine.core.limits, engine.prompts,
                         keys, tool_options(args), reasoning, args.enable_prompt_tokens_details,
                         args.enable_request_id_headers, http, names, root)
-    # (several front ends share their metrics and the Responses API's socket in a directory of their own)
-    scratch = tempfile.TemporaryDirectory(prefix="tpgraph-") if args.api_server_count > 1 else None
     try:
         # (--uds: bound now, where a server may listen since the check)
         sockets = sockets or front_end_sockets(args.host, args.port, http.uds, args.api_server_count)

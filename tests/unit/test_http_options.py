@@ -723,3 +723,31 @@ def test_another_server_on_one_address_of_a_port_we_serve_on_every_interface_is_
         assert points.others() == [f"127.0.0.1:{port}"]
     finally:
         close_sockets([sock for each in ours + theirs for sock in each])
+
+
+def test_a_temporary_directory_too_deep_for_the_relay_socket_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """Several front ends share a directory under TMPDIR, front end 0's Unix socket for the Responses API relay in it:
+    a TMPDIR deep enough to pass the kernel's 108 bytes stopped the server once the weights had loaded, minutes in."""
+    import tempfile
+
+    from tpgraph.engine import tp_engine
+    from tpgraph.serve import main
+
+    def no_loading(**_):
+        raise AssertionError("the model was loaded")
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (read again from TMPDIR)
+    monkeypatch.setattr(tp_engine, "TPEngine", no_loading)
+    monkeypatch.delenv("RANK", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["--device", "cpu", "--port", str(port), "--api-server-count", "2"]) == 2
+    assert "cannot make the front ends' private socket" in capsys.readouterr().err
+    assert list(deep.iterdir()) == []  # (the shared directory made for the check is removed)
+    with socket.socket() as s:  # (the port's sockets closed)
+        s.bind(("127.0.0.1", port))

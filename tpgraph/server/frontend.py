@@ -21,9 +21,8 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from tpgraph.engine.limits import RequestLimits
-from tpgraph.errors import ConfigError
 from tpgraph.prompts import PromptCodec
-from tpgraph.server.listeners import close_sockets
+from tpgraph.server.listeners import bind_private, close_sockets, private_socket_path
 from tpgraph.server.options import HttpOptions
 from tpgraph.server.reasoning import ReasoningParser
 from tpgraph.server.tools import ToolOptions
@@ -91,24 +90,13 @@ def start_frontends(spec: FrontendSpec, count: int, sockets: list[list[socket.so
     try:
         if count > 1:
             assert scratch is not None, "several front ends share a scratch directory"
-            metrics_dir, responses_uds = os.path.join(scratch, "metrics"), os.path.join(scratch, "responses.sock")
+            metrics_dir, responses_uds = os.path.join(scratch, "metrics"), private_socket_path(scratch)
             os.mkdir(metrics_dir)
-            private = [_bind_private(responses_uds)]
+            private = [bind_private(responses_uds)]
             spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
         return [start_frontend(replace(spec, index=i), sockets[i] + (private if i == 0 else [])) for i in range(count)]
     finally:
         close_sockets(list({id(sock): sock for each in sockets for sock in each}.values()) + private)
-
-
-def _bind_private(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-    except OSError as exc:  # (a temporary directory deep enough to pass the kernel's 108 bytes: TMPDIR)
-        sock.close()
-        raise ConfigError(f"cannot make the front ends' private socket {path} for the Responses API: "
-                          f"{exc.strerror or exc} (set TMPDIR to a shorter directory)") from None
-    return sock
 
 
 def freeze_startup_heap() -> None:

@@ -143,6 +143,29 @@ def _proc_address(text: str) -> tuple[bytes, int]:
     return b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)), int(hex_port, 16)
 
 
+def private_socket_path(scratch: str) -> str:
+    """Front end 0's Unix socket for the other front ends' Responses API relays, in their shared directory."""
+    return os.path.join(scratch, "responses.sock")
+
+
+def bind_private(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:  # (a temporary directory deep enough to pass the kernel's 108 bytes: TMPDIR)
+        sock.close()
+        raise ConfigError(f"cannot make the front ends' private socket {path} for the Responses API: "
+                          f"{exc.strerror or exc} (set TMPDIR to a shorter directory)") from None
+    return sock
+
+
+def check_private_socket(scratch: str) -> None:
+    """Refuse a shared directory where front end 0's private socket cannot be bound (said before the model loads)."""
+    path = private_socket_path(scratch)
+    bind_private(path).close()
+    os.unlink(path)
+
+
 def close_sockets(sockets: list[socket.socket]) -> None:
     """Close this process's copies (a front end's own stay open)."""
     for sock in sockets:
