@@ -191,9 +191,11 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
     sys.exit(exit_code(client))
 
 
-def _split_private(sockets: list[socket.socket], responses_uds: str | None
-                   ) -> tuple[list[socket.socket], socket.socket | None]:
+def _split_private(sockets: list[socket.socket] | None, responses_uds: str | None
+                   ) -> tuple[list[socket.socket] | None, socket.socket | None]:
     """The sockets clients reach, and front end 0's private one for the relays (bound at responses_uds), if any."""
+    if sockets is None or responses_uds is None:
+        return sockets, None
     private = [sock for sock in sockets if sock.family == socket.AF_UNIX and sock.getsockname() == responses_uds]
     return [sock for sock in sockets if sock not in private], (private[0] if private else None)
 
