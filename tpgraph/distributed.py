@@ -19,13 +19,11 @@ import torch.distributed as dist
 
 from tpgraph.errors import CommError, ConfigError, PeerError
 from tpgraph.kernels._settings import env_flag
+from tpgraph.ranks import PROCESS_GROUP_TIMEOUT_S, env_int
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# how long a collective waits for a peer (the process group's timeout): a rank waiting for rank 0's next step message
-# too, under torchrun (serve.py's ranks hear from an idle rank 0 every --heartbeat-s)
-PROCESS_GROUP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -48,16 +46,6 @@ class ParallelState:
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
-
-
-def env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 SHARED_GPU_ENV = "TPGRAPH_SHARED_GPU"

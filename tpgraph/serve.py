@@ -32,7 +32,6 @@ from typing import NoReturn
 
 from tpgraph.chat import CONTENT_FORMATS
 from tpgraph.config import BUILTIN_MODEL, ModelConfig
-from tpgraph.distributed import PROCESS_GROUP_TIMEOUT_S, env_int
 from tpgraph.engine.cli import (
     add_engine_args,
     checkpoint_dirs_from_args,
@@ -45,6 +44,7 @@ from tpgraph.engine.cli import (
 from tpgraph.engine.followers import leave_later_on
 from tpgraph.engine.sampling_params import max_n
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.ranks import PROCESS_GROUP_TIMEOUT_S, env_int
 from tpgraph.server.config_file import CONFIG_MODEL_FLAG, expand_config
 from tpgraph.server.listeners import ListenPoints, check_private_socket, close_sockets, front_end_sockets
 from tpgraph.server.logs import check_environment, configure_logging, logging_config

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
 from tpgraph.config import DTYPES
-from tpgraph.distributed import env_int
 from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
@@ -19,6 +18,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.hub import checkpoint_dirs
 from tpgraph.model.loader import LOAD_FORMATS
+from tpgraph.ranks import env_int
 
 if TYPE_CHECKING:
     from tpgraph.engine.tp_engine import TPEngine

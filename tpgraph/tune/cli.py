@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tpgraph.errors import ConfigError, TPGraphError
+from tpgraph.ranks import env_int
 
 logger = logging.getLogger("tpgraph.tune")
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               "send every larger message to NCCL unmeasured; add --dry-run to see them without writing",
               file=sys.stderr)
         return 2
-    from tpgraph.distributed import SHARED_GPU_ENV, env_int, shared_gpu
+    from tpgraph.distributed import SHARED_GPU_ENV, shared_gpu
 
     if shared_gpu() and not args.dry_run:  # (the ranks take GPU 0 in turns: results, never timings)
         print(f"error: {SHARED_GPU_ENV}=1 puts every rank on GPU 0, where they take it in turns: its timings would "
