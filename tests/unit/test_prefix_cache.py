@@ -343,7 +343,8 @@ def test_a_preempted_sequences_lookup_is_counted_apart_from_new_requests():
     queries (vllm:prefix_cache_queries / hits); it is counted apart."""
     from tpgtest.scheduling import run_step
 
-    from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+    from tpgraph.engine.scheduler import Scheduler
+    from tpgraph.engine.scheduler_config import SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS),
                       PrefixCachingAllocator(6, BS, 1))
@@ -371,7 +372,8 @@ def test_a_sequence_that_never_looks_in_the_prefix_cache_is_no_query_of_it():
     cache off reported a hit rate of 0 rather than none, and evaluation requests (echo with logprobs) pulled the hit
     rate of the others down."""
     from tpgraph.engine.kv_cache import BlockAllocator
-    from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+    from tpgraph.engine.scheduler import Scheduler
+    from tpgraph.engine.scheduler_config import SchedulerConfig
 
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS)
     off = Scheduler(cfg, BlockAllocator(8, 1))

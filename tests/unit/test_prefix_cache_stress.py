@@ -14,7 +14,8 @@ from tpgtest.scheduling import run_step
 from tpgraph import SamplingParams
 from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.prefix_cache import PrefixCachingAllocator
-from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+from tpgraph.engine.scheduler import Scheduler
+from tpgraph.engine.scheduler_config import SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 
 

@@ -8,7 +8,8 @@ from tpgtest.scheduling import run_step as run
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.engine.kv_cache import BlockAllocator
 from tpgraph.engine.limits import RequestLimits
-from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+from tpgraph.engine.scheduler import Scheduler
+from tpgraph.engine.scheduler_config import SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
 from tpgraph.server.protocol import CompletionRequest

@@ -4,7 +4,8 @@ import pytest
 from tpgtest.scheduling import run_step as run
 
 from tpgraph.engine.kv_cache import BlockAllocator
-from tpgraph.engine.scheduler import Scheduler, SchedulerConfig
+from tpgraph.engine.scheduler import Scheduler
+from tpgraph.engine.scheduler_config import SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.errors import ConfigError, RequestError
 
@@ -243,7 +244,7 @@ def test_the_default_budget_holds_a_decode_token_for_each_of_max_num_seqs():
 def test_the_default_budget_is_one_function_for_both_prefill_modes():
     """default_token_budget, which the runner (chunked prefill) and TPEngine (without it) both read: max_model_len,
     at most 8192 with chunked prefill; at least 512 and max_num_seqs either way."""
-    from tpgraph.engine.scheduler import default_token_budget
+    from tpgraph.engine.scheduler_config import default_token_budget
 
     assert [default_token_budget(n, 8) for n in (64, 4096, 9000)] == [512, 4096, 8192]
     assert [default_token_budget(n, 8, chunked_prefill=False) for n in (64, 4096, 9000)] == [512, 4096, 9000]

@@ -13,7 +13,7 @@ from tpgraph.checks import is_unit_fraction
 from tpgraph.config import DTYPES
 from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
-from tpgraph.engine.scheduler import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
+from tpgraph.engine.scheduler_config import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.hub import checkpoint_dirs

@@ -14,7 +14,7 @@ from tpgraph.chat import GENERATION_CONFIG_SOURCES, check_generation_config_dir,
 from tpgraph.checks import positive_int, unit_fraction
 from tpgraph.config import parse_dtype
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
-from tpgraph.engine.scheduler import SCHEDULING_POLICIES, check_token_budget
+from tpgraph.engine.scheduler_config import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig, from_compilation_config
 from tpgraph.hub import checkpoint_dirs
@@ -40,7 +40,7 @@ class EngineConfig:
     # vLLM's: a checkpoint's sliding window (Mistral-7B-v0.1's) runs as full attention over a context capped at the
     # window (the same attention); without it such a checkpoint is refused
     disable_sliding_window: bool = False
-    max_num_batched_tokens: int | None = None  # default: scheduler.default_token_budget's
+    max_num_batched_tokens: int | None = None  # default: scheduler_config.default_token_budget's
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the queue and preemption
     overlap_scheduling: bool = True  # schedule and launch each step before reading the last one's tokens

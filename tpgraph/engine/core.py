@@ -24,7 +24,8 @@ from tpgraph.engine.limits import RequestLimits
 from tpgraph.engine.runner import ModelRunner
 from tpgraph.engine.sampler import PendingSample, SampleOutput, Sampler, SampleRow, plain_greedy
 from tpgraph.engine.sampling_params import MAX_LOGPROBS, SamplingParams, held_before_min_tokens
-from tpgraph.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from tpgraph.engine.scheduler import ScheduledStep, Scheduler
+from tpgraph.engine.scheduler_config import SchedulerConfig
 from tpgraph.engine.sequence import Sequence, Status
 from tpgraph.engine.structured import GrammarCompiler, GrammarState
 from tpgraph.engine.updates import StepUpdate

@@ -28,7 +28,7 @@ from tpgraph.engine.prefix_cache import PrefixCachingAllocator
 from tpgraph.engine.prompt_logprobs import PASS_ROWS, packed_logprobs, prompt_targets
 from tpgraph.engine.sampler import PendingSample, Sampler, warm_rows, worst_case_rows
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
-from tpgraph.engine.scheduler import default_token_budget
+from tpgraph.engine.scheduler_config import default_token_budget
 from tpgraph.engine.sequence import Sequence
 from tpgraph.engine.summary import startup_summary
 from tpgraph.errors import ConfigError
@@ -110,7 +110,7 @@ class RunnerConfig:
     kv_cache_memory_bytes: int | None = None  # vLLM's: the cache's bytes (null block included), in place of the above
     use_triton: bool | None = None  # default: on GPU
     gpu_memory_utilization: float = 0.9
-    # tokens per prefill forward; default scheduler.default_token_budget's (chunked prefill)
+    # tokens per prefill forward; default scheduler_config.default_token_budget's (chunked prefill)
     max_num_batched_tokens: int | None = None
     # the allocator names computed blocks for sharing (engine/prefix_cache.py); the engine turns it on, while a runner
     # driven by hand (the greedy loop, hf_parity) has no scheduler to match prompts

@@ -61,7 +61,7 @@ from tpgraph.engine.liveness import PeerWatch
 from tpgraph.engine.logprob import Logprob, logprob_entry
 from tpgraph.engine.runner import ModelRunner, RunnerConfig
 from tpgraph.engine.sampling_params import SamplingParams
-from tpgraph.engine.scheduler import SchedulerConfig, default_token_budget
+from tpgraph.engine.scheduler_config import SchedulerConfig, default_token_budget
 from tpgraph.engine.service import EngineService
 from tpgraph.engine.structured import StructuredOutput, structured_outputs_available
 from tpgraph.engine.updates import REFUSED, StepUpdate
