@@ -9,12 +9,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.hub import HUB_ID
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 # (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code)
@@ -39,8 +40,11 @@ UNIMPLEMENTED_FIELDS = {
 }
 # vLLM's switch for a max_model_len past the model's context (its envs.py reads "1" or "true", any case)
 LONG_MAX_MODEL_LEN_VARIABLE = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}  # (vLLM's)
+# the dtypes the model runs in: each name taken (vLLM's) and torch's name for it. Names alone, so that the command
+# line and EngineConfig check them without torch (model/loader.py's parse_dtype resolves them, as the model is built)
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16", "float": "float32"}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # (model/loader.py's load_model reads them)
 
 
 def long_max_model_len_allowed() -> bool:
@@ -54,16 +58,19 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):  # (a torch dtype the model cannot run in, int8 say, failed in its first matmul)
-        if name not in DTYPES.values():
-            raise ConfigError(f"dtype {name} is not one tpgraph runs in; choose torch.bfloat16, torch.float16 or "
-                              f"torch.float32 (or one of {sorted(DTYPES)})")
+def torch_dtype_name(dtype: str | torch.dtype) -> str:
+    """torch's name ("bfloat16") of a dtype the model runs in, given by one of DTYPE_NAMES' names or as a torch dtype
+    (told by its type, torch.dtype, which needs no import of torch here); any other is refused."""
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_NAMES.values():  # (one the model cannot run in, int8 say, failed in its first matmul)
+            raise ConfigError(f"dtype {dtype} is not one tpgraph runs in; choose torch.bfloat16, torch.float16 or "
+                              f"torch.float32 (or one of {sorted(DTYPE_NAMES)})")
         return name
     try:
-        return DTYPES[name]
+        return DTYPE_NAMES[dtype]
     except (KeyError, TypeError):  # (TypeError: a list or a dict, which no name is)
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}") from None
 
 
 def _token_id(value: Any) -> int:

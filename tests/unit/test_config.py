@@ -4,8 +4,9 @@ import re
 import pytest
 import torch
 
-from tpgraph.config import BUILTIN_MODEL, ModelConfig, RopeConfig, parse_dtype
+from tpgraph.config import BUILTIN_MODEL, ModelConfig, RopeConfig, torch_dtype_name
 from tpgraph.errors import CheckpointError, ConfigError
+from tpgraph.model.loader import parse_dtype
 
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
@@ -192,6 +193,8 @@ def test_parse_dtype():
     with pytest.raises(ConfigError, match="unknown dtype"):
         parse_dtype("int4")
     assert parse_dtype("float") is parse_dtype("float32") and parse_dtype("half") is torch.float16  # (vLLM's names)
+    # (the names checked without torch, as the command line and EngineConfig check them)
+    assert torch_dtype_name("bf16") == "bfloat16" and torch_dtype_name(torch.half) == "float16"
 
 
 @pytest.mark.parametrize("field,value", [("sliding_window", 4096), ("use_sliding_window", True),

@@ -103,19 +103,33 @@ def test_a_front_end_whose_prometheus_client_is_not_in_multiprocess_mode_refuses
     assert not list(tmp_path.iterdir())
 
 
-def test_the_front_ends_process_has_not_imported_prometheus_client_when_run_frontend_starts(tmp_path):
-    """run_frontend names the metrics' directory to prometheus-client first, which works only where nothing the
-    spawned process imported before it (the server's main module again, as multiprocessing's spawn imports it, and
-    what unpickling run_frontend and its FrontendSpec imports: the codec's tokenizer, ...) imported prometheus_client:
-    that process, a fresh interpreter, imports tpgraph.serve and unpickles the call, and says what it holds."""
+def modules_of_a_spawned_front_end(tmp_path: Path, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a spawned front end's process holds as run_frontend starts: a fresh interpreter imports
+    tpgraph.serve (the server's main module again, as multiprocessing's spawn imports it) and unpickles the call
+    (run_frontend and its FrontendSpec: the codec's tokenizer, ...), and says."""
     spec = FrontendSpec("127.0.0.1", 8000, "m", 128, RequestLimits(100, 128, 1000), builtin_codec(), "key",
                         ToolOptions("auto"), next(iter(PARSERS.values())), index=1, count=2,
                         metrics_dir=str(tmp_path))
     call = tmp_path / "call.pkl"
     call.write_bytes(pickle.dumps((run_frontend, spec)))
     code = (f"import pickle, sys; import tpgraph.serve; pickle.loads(open({str(call)!r}, 'rb').read()); "
-            "print('prometheus_client' in sys.modules)")
+            f"print(' '.join(name for name in {names!r} if name in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    return done.stdout.split()
+
+
+def test_the_front_ends_process_has_not_imported_prometheus_client_when_run_frontend_starts(tmp_path):
+    """run_frontend names the metrics' directory to prometheus-client first, which works only where nothing the
+    spawned process imported before it imported prometheus_client."""
+    assert modules_of_a_spawned_front_end(tmp_path, ("prometheus_client",)) == []
+
+
+def test_a_spawned_front_end_imports_no_torch_triton_or_engine(tmp_path):
+    """A front end serves HTTP and needs no torch: the server's main module, which each spawned front end imports
+    again, held torch and triton through its flags' constants (335 MB of each front end's memory, 2 s of its start,
+    and triton's nanobind leak report at its exit)."""
+    heavy = ("torch", "triton", "tpgraph.engine.core", "tpgraph.engine.runner", "tpgraph.engine.tp_engine",
+             "tpgraph.engine.scheduler", "tpgraph.model", "tpgraph.kernels", "tpgraph.distributed", "tpgraph.comm")
+    assert modules_of_a_spawned_front_end(tmp_path, heavy) == []

@@ -10,14 +10,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tpgraph.checks import is_unit_fraction
-from tpgraph.config import DTYPES
+from tpgraph.config import DTYPE_NAMES, LOAD_FORMATS
 from tpgraph.engine.config import KV_CACHE_DTYPES, EngineConfig, check_executor_backend
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler_config import DEFAULT_CHUNK_TOKENS, SCHEDULING_POLICIES
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import add_graph_args, graph_config_from_args
 from tpgraph.hub import checkpoint_dirs
-from tpgraph.model.loader import LOAD_FORMATS
 from tpgraph.ranks import env_int
 
 if TYPE_CHECKING:
@@ -187,9 +186,9 @@ def accepted(*values: str, why: str) -> Callable[[str], str]:
 def dtype_name(text: str) -> str:
     """--dtype: auto, or a dtype's name the model runs in; another is refused when parsed, naming the flag (EngineConfig
     refused it later as "unknown dtype", no flag named)."""
-    if text != "auto" and text not in DTYPES:
+    if text != "auto" and text not in DTYPE_NAMES:
         raise argparse.ArgumentTypeError(f"{text!r} is no dtype tpgraph runs in: use 'auto' or one of "
-                                         f"{', '.join(map(repr, sorted(DTYPES)))}")
+                                         f"{', '.join(map(repr, sorted(DTYPE_NAMES)))}")
     return text
 
 

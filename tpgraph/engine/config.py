@@ -6,19 +6,19 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tpgraph.chat import GENERATION_CONFIG_SOURCES, check_generation_config_dir, check_overrides
 from tpgraph.checks import positive_int, unit_fraction
-from tpgraph.config import parse_dtype
+from tpgraph.config import LOAD_FORMATS, torch_dtype_name
 from tpgraph.engine.sampling_params import MAX_LOGPROBS
 from tpgraph.engine.scheduler_config import SCHEDULING_POLICIES, check_token_budget
 from tpgraph.errors import ConfigError
 from tpgraph.graphs.config import GraphConfig, from_compilation_config
 from tpgraph.hub import checkpoint_dirs
-from tpgraph.model.loader import LOAD_FORMATS
+
+if TYPE_CHECKING:
+    import torch
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # (vLLM's names, and float32: a CPU model's)
 
@@ -102,7 +102,7 @@ class EngineConfig:
             raise ConfigError(f"seed must be an integer of 64 bits (what torch.manual_seed takes), got {self.seed!r}"
                               + (none if self.seed is None else ""), ("seed",))
         if self.dtype not in (None, "auto"):
-            parse_dtype(self.dtype)  # (an unknown name is said here, before any rank starts)
+            torch_dtype_name(self.dtype)  # (an unknown name is said here, before any rank starts)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not taken: the KV cache is kept in the "
                               f"model's dtype (no fp8 cache); give {' or '.join(map(repr, KV_CACHE_DTYPES))}",
@@ -154,8 +154,8 @@ def check_override_blocks(blocks: int | None, kwargs: dict[str, Any]) -> None:
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> None:
     """A kv_cache_dtype naming a dtype must name the one the model runs in (dtype resolved: "auto" read as the
     checkpoint's), which the cache holds: another would be ignored."""
-    if kv_cache_dtype != "auto" and parse_dtype(kv_cache_dtype) is not dtype:
-        model = str(dtype).removeprefix("torch.")
+    model = str(dtype).removeprefix("torch.")
+    if kv_cache_dtype != "auto" and torch_dtype_name(kv_cache_dtype) != model:
         raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not the model's dtype ({model}): the KV cache is kept "
                           f"in the model's dtype; give 'auto' or {model!r}", ("kv_cache_dtype",))
 

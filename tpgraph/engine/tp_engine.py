@@ -41,7 +41,7 @@ from tpgraph.chat import (
     tokenizer_config,
 )
 from tpgraph.comm import TPCommunicator
-from tpgraph.config import BUILTIN_MODEL, ModelConfig, parse_dtype
+from tpgraph.config import BUILTIN_MODEL, ModelConfig
 from tpgraph.distributed import (
     ParallelState,
     check_same_on_every_rank,
@@ -67,7 +67,7 @@ from tpgraph.engine.structured import StructuredOutput, structured_outputs_avail
 from tpgraph.engine.updates import REFUSED, StepUpdate
 from tpgraph.errors import CheckpointError, ConfigError, RequestError, TPGraphError
 from tpgraph.hub import shown_name
-from tpgraph.model.loader import default_dtype, load_model
+from tpgraph.model.loader import default_dtype, load_model, parse_dtype
 from tpgraph.prompts import (
     EngineTokenizer,
     Prompt,

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tpgraph.comm import TPCommunicator
-from tpgraph.config import BUILTIN_MODEL, DTYPES, ModelConfig
+from tpgraph.config import BUILTIN_MODEL, DTYPE_NAMES, LOAD_FORMATS, ModelConfig, torch_dtype_name
 from tpgraph.distributed import ParallelState, run_on_all_ranks
 from tpgraph.errors import CheckpointError, ConfigError
 from tpgraph.model.llama import LlamaForCausalLM
@@ -31,7 +31,6 @@ from tpgraph.model.shards import ShardSpec
 logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 BASE_PREFIX = "model."  # LlamaForCausalLM's name for its base model (LlamaModel), before every tensor's but lm_head's
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors names of the dtypes a checkpoint may store weights in
 PICKLED_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
 TRAINING_FILES = ("training_args.bin", "optimizer.bin")  # .bin files a fine-tune's trainer saves that hold no weights
@@ -275,16 +274,21 @@ def layers_past_the_config(names: Iterable[str], num_layers: int) -> list[int]:
     return sorted(i for i in found if i >= num_layers)
 
 
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a name the model runs in (config.py's DTYPE_NAMES), or of such a torch dtype: itself."""
+    return getattr(torch, torch_dtype_name(dtype))
+
+
 def default_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """The checkpoint's dtype on GPU, a float32 one's downcast to the GPU's half type as vLLM's dtype "auto" does
     (bf16, or fp16 before sm_80, which has no bf16: a bf16 checkpoint's too, as vLLM falls back); fp32 on CPU (CPU
     bf16 matmuls are slow and inexact)."""
     if device.type == "cpu":
         return torch.float32
-    if cfg.torch_dtype not in DTYPES:  # (one read as bf16 ran a float8 or float64 checkpoint's config with no word)
+    if cfg.torch_dtype not in DTYPE_NAMES:  # (one read as bf16 ran a float8 or float64 checkpoint with no word)
         raise ConfigError(f"config.json's torch_dtype {cfg.torch_dtype!r} is not a dtype tpgraph runs in (one of "
-                          f"{sorted(DTYPES)}): pass --dtype to choose one")
-    dtype = DTYPES[cfg.torch_dtype]
+                          f"{sorted(DTYPE_NAMES)}): pass --dtype to choose one")
+    dtype = parse_dtype(cfg.torch_dtype)
     if dtype is torch.float16:
         return dtype
     has_bf16 = torch.cuda.get_device_capability(device)[0] >= 8
