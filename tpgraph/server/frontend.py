@@ -67,13 +67,14 @@ class FrontendSpec:
     responses_uds: str | None = None
 
 
-def start_frontend(spec: FrontendSpec, sockets: list[socket.socket]) -> tuple[BaseProcess, Connection]:
-    """Start a front-end process serving `sockets` (bound: server/listeners.py); returns it and the engine's end of
-    the pipe."""
+def start_frontend(spec: FrontendSpec, sockets: list[socket.socket],
+                   private: socket.socket | None = None) -> tuple[BaseProcess, Connection]:
+    """Start a front-end process serving `sockets` (bound: server/listeners.py), and front end 0 of several the other
+    front ends' relays on `private` (at spec.responses_uds); returns it and the engine's end of the pipe."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA context, no process group, no engine threads
     engine_end, frontend_end = ctx.Pipe(duplex=True)
     # (the sockets travel as the pipe's end does: duplicated into the new process as it starts)
-    proc = ctx.Process(target=run_frontend, args=(frontend_end, spec, sockets), daemon=True,
+    proc = ctx.Process(target=run_frontend, args=(frontend_end, spec, sockets, private), daemon=True,
                        name="tpgraph-http" if spec.count == 1 else f"tpgraph-http-{spec.index}")
     proc.start()
     frontend_end.close()
@@ -86,17 +87,18 @@ def start_frontends(spec: FrontendSpec, count: int, sockets: list[list[socket.so
     with its pipe; this process's copies of the sockets are closed then. With more than one, `scratch` (an empty
     directory, which outlives them) holds their shared metrics and front end 0's private socket for the Responses API
     (FrontendSpec)."""
-    private: list[socket.socket] = []
+    private: socket.socket | None = None
     try:
         if count > 1:
             assert scratch is not None, "several front ends share a scratch directory"
             metrics_dir, responses_uds = os.path.join(scratch, "metrics"), private_socket_path(scratch)
             os.mkdir(metrics_dir)
-            private = [bind_private(responses_uds)]
+            private = bind_private(responses_uds)
             spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
-        return [start_frontend(replace(spec, index=i), sockets[i] + (private if i == 0 else [])) for i in range(count)]
+        return [start_frontend(replace(spec, index=i), sockets[i], private if i == 0 else None) for i in range(count)]
     finally:
-        close_sockets(list({id(sock): sock for each in sockets for sock in each}.values()) + private)
+        close_sockets(list({id(sock): sock for each in sockets for sock in each}.values())
+                      + ([] if private is None else [private]))
 
 
 def freeze_startup_heap() -> None:
@@ -115,15 +117,15 @@ def share_metrics_in(metrics_dir: str | None) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (metrics.MULTIPROC_DIR_ENV: that module imports it)
 
 
-def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.socket]) -> None:
+def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.socket],
+                 private: socket.socket | None = None) -> None:
     share_metrics_in(spec.metrics_dir)  # (first: the imports below import prometheus_client)
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
-            public, private = _split_private(sockets, spec.responses_uds if spec.index == 0 else None)
             try:
-                await super().startup(public)  # listens on the sockets rank 0 bound
+                await super().startup(sockets)  # listens on the sockets rank 0 bound
                 if private is not None and self.started:
                     await self._serve_plain(private)
             except OSError as exc:  # (another server listens there since: one that binds with SO_REUSEADDR can)
@@ -189,15 +191,6 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=sockets)
     sys.exit(exit_code(client))
-
-
-def _split_private(sockets: list[socket.socket] | None, responses_uds: str | None
-                   ) -> tuple[list[socket.socket] | None, socket.socket | None]:
-    """The sockets clients reach, and front end 0's private one for the relays (bound at responses_uds), if any."""
-    if sockets is None or responses_uds is None:
-        return sockets, None
-    private = [sock for sock in sockets if sock.family == socket.AF_UNIX and sock.getsockname() == responses_uds]
-    return [sock for sock in sockets if sock not in private], (private[0] if private else None)
 
 
 def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
