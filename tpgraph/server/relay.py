@@ -15,16 +15,12 @@ from collections.abc import AsyncIterator
 from urllib.parse import quote_from_bytes
 
 import anyio
+import httpx2 as httpx  # (httpx's successor, of the same API, which openai's and anthropic's SDKs bring)
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tpgraph.server.auth import route_path
 from tpgraph.server.errors import error_body
-
-try:
-    import httpx2 as httpx  # (httpx's successor, of the same API, which openai's and anthropic's SDKs bring)
-except ImportError:
-    import httpx
 
 logger = logging.getLogger(__name__)
 RESPONSES_PATH = "/v1/responses"
