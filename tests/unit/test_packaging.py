@@ -131,3 +131,26 @@ def test_the_kept_build_folder_is_one_per_python_abi_and_pybind11(tmp_path):
     soabi = sysconfig.get_config_var("SOABI")
     assert soabi and [p.name for p in (tree / "build").glob("tpgraph_C-*")] == [
         f"tpgraph_C-90a_100a-{soabi}-pybind11-{pybind11.__version__}"]
+
+
+
+# the newest release of a dependency that installs on requires-python's oldest Python, 3.10 (PyPI's Requires-Python:
+# every later one needs 3.11)
+NEWEST_FOR_PY310 = {"httpx2": "2.14.0"}
+
+
+def test_every_dependency_has_a_release_for_the_oldest_python_taken():
+    """requires-python takes 3.10, so `pip install .` there must find a release of each dependency: httpx2>=2.16 (the
+    front ends' Responses API relay) has none for 3.10 (2.15.0 on need 3.11), and the install failed as a whole."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert SpecifierSet(project["requires-python"]).contains("3.10")
+    checked = [Requirement(line) for line in project["dependencies"] if Requirement(line).name in NEWEST_FOR_PY310]
+    assert [req.name for req in checked] == list(NEWEST_FOR_PY310)
+    for req in checked:
+        assert req.specifier.contains(NEWEST_FOR_PY310[req.name]), f"{req}: no release of it installs on Python 3.10"
