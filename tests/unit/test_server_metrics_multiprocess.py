@@ -103,10 +103,11 @@ def test_a_front_end_whose_prometheus_client_is_not_in_multiprocess_mode_refuses
     assert not list(tmp_path.iterdir())
 
 
-def modules_of_a_spawned_front_end(tmp_path: Path, names: tuple[str, ...]) -> list[str]:
+def modules_of_a_spawned_front_end(tmp_path: Path, names: tuple[str, ...], serving: bool = False) -> list[str]:
     """Which of `names` a spawned front end's process holds as run_frontend starts: a fresh interpreter imports
     tpgraph.serve (the server's main module again, as multiprocessing's spawn imports it) and unpickles the call
-    (run_frontend and its FrontendSpec: the codec's tokenizer, ...), and says."""
+    (run_frontend and its FrontendSpec: the codec's tokenizer, ...), and says; serving: also once it has imported
+    what it serves with (the app, the engine client, the metrics, uvicorn)."""
     spec = FrontendSpec("127.0.0.1", 8000, "m", 128, RequestLimits(100, 128, 1000), builtin_codec(), "key",
                         ToolOptions("auto"), next(iter(PARSERS.values())), index=1, count=2,
                         metrics_dir=str(tmp_path))
@@ -114,6 +115,9 @@ def modules_of_a_spawned_front_end(tmp_path: Path, names: tuple[str, ...]) -> li
     call.write_bytes(pickle.dumps((run_frontend, spec)))
     code = (f"import pickle, sys; import tpgraph.serve; pickle.loads(open({str(call)!r}, 'rb').read()); "
             f"print(' '.join(name for name in {names!r} if name in sys.modules))")
+    if serving:  # (and what run_frontend itself imports then, once it has named the metrics' directory)
+        code += ("; import tpgraph.server.app, tpgraph.server.bridge, tpgraph.server.metrics, uvicorn; "
+                 f"print(' '.join(name for name in {names!r} if name in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
@@ -132,4 +136,4 @@ def test_a_spawned_front_end_imports_no_torch_triton_or_engine(tmp_path):
     and triton's nanobind leak report at its exit)."""
     heavy = ("torch", "triton", "tpgraph.engine.core", "tpgraph.engine.runner", "tpgraph.engine.tp_engine",
              "tpgraph.engine.scheduler", "tpgraph.model", "tpgraph.kernels", "tpgraph.distributed", "tpgraph.comm")
-    assert modules_of_a_spawned_front_end(tmp_path, heavy) == []
+    assert modules_of_a_spawned_front_end(tmp_path, heavy, serving=True) == []

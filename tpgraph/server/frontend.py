@@ -102,9 +102,10 @@ def start_frontends(spec: FrontendSpec, count: int, sockets: list[list[socket.so
 
 
 def freeze_startup_heap() -> None:
-    """Move what startup left alive (the imported modules, torch's among them: ~200k objects) out of the garbage
-    collector's sight, its garbage collected first. Each full collection walked them all while serving, ~100 ms
-    that stalled every stream, and at 256 streams it cost ~8 us a streamed token (bench/bench_server_tokens.py)."""
+    """Move what startup left alive (the imported modules: FastAPI's, pydantic's, ...) out of the garbage collector's
+    sight, its garbage collected first. Each full collection walked them all while serving: with torch's too, as a
+    front end held them once, ~100 ms that stalled every stream, ~8 us a streamed token at 256 streams
+    (bench/bench_server_tokens.py)."""
     gc.collect()
     gc.freeze()
 
