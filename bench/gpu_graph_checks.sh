@@ -562,7 +562,7 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
              PYTHONPATH=$(realpath "$tree"):$PYTHONPATH timeout 240 python3 bench/bench_engine_steps.py --warmup \
                  --shape "${SHAPE:-llama3-8b-half}" --batches "${ES_BATCHES:-8,64,256}" --prompt-len "${ES_PROMPT:-1024}" \
                  --mixes "${ES_MIXES:-greedy,logit-bias,one-regex}" --out "$out/engine_steps/${label}_r$round.json" 2>&1 \
-                 | grep -E "^batch|Error" | tee -a "$out/engine_steps.log"
+                 | grep -oE "batch +[0-9]+ prompt .*|[A-Za-z]*Error.*" | tee -a "$out/engine_steps.log"
            done
          done ;;
     api-servers) need_server  # the HTTP front ends' streaming capacity against --api-server-count (bench_api_servers.py:
