@@ -307,7 +307,7 @@ def run_point(count: int, streams: int, tokens: int, step_ms: float, api: str, c
     sockets = front_end_sockets(HOST, 0, None, count)  # (as tpgraph.serve binds them)
     port = sockets[0][0].getsockname()[1]
     scratch = tempfile.TemporaryDirectory(prefix="tpg-asc-") if count > 1 else None
-    fronts = start_frontends(spec_for(port, tokens, access_log), count, sockets,
+    fronts = start_frontends(spec_for(port, tokens, access_log), sockets,
                              None if scratch is None else scratch.name)
     ready, closed = threading.Event(), threading.Event()
     bridge = EngineBridge(engine, [c for _, c in fronts], lambda: b"", on_closed=closed.set, on_ready=ready.set,

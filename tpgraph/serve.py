@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         # (several front ends' SO_REUSEPORT sockets: another server's that joined them is looked for once they serve)
         shared = http.uds is None and len(sockets) > 1
         points = ListenPoints([sock for each in sockets for sock in each]) if shared else None
-        fronts = start_frontends(spec, args.api_server_count, sockets, None if scratch is None else scratch.name)
+        fronts = start_frontends(spec, sockets, None if scratch is None else scratch.name)
     except ConfigError as exc:
         logger.error("%s; stopping", exc)
         if scratch is not None:

@@ -325,7 +325,7 @@ def test_the_front_end_stops_at_once_and_cleanly(stop):
     from tpgraph.server.frontend import FrontendSpec, start_frontends
     from tpgraph.server.listeners import bind_sockets
 
-    [(proc, conn)] = start_frontends(FrontendSpec("127.0.0.1", 0, "m", 64, LIMITS, builtin_codec()), 1,
+    [(proc, conn)] = start_frontends(FrontendSpec("127.0.0.1", 0, "m", 64, LIMITS, builtin_codec()),
                                      [bind_sockets("127.0.0.1", 0)], None)
     try:
         assert conn.poll(120) and conn.recv() == ("ready",)

@@ -88,7 +88,7 @@ def frontend(http: HttpOptions):
     sockets = bind_sockets("127.0.0.1", 0, http.uds)
     port = 0 if http.uds is not None else sockets[0].getsockname()[1]
     spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
-    [(proc, conn)] = start_frontends(spec, 1, [sockets], None)
+    [(proc, conn)] = start_frontends(spec, [sockets], None)
     try:
         assert conn.poll(120) and conn.recv() == ("ready",)
         yield f"127.0.0.1:{port}"
@@ -653,7 +653,7 @@ def test_https_with_several_front_ends_relays_the_responses_api_to_the_first(tmp
     port = sockets[0][0].getsockname()[1]
     spec = FrontendSpec("127.0.0.1", port, MODEL, 64, RequestLimits(258, 64, 256), builtin_codec(MODEL), http=http)
     with tempfile.TemporaryDirectory(prefix="tpg-") as scratch:
-        fronts = start_frontends(spec, 2, sockets, scratch)
+        fronts = start_frontends(spec, sockets, scratch)
         try:
             for _, conn in fronts:
                 assert conn.poll(120) and conn.recv() == ("ready",)

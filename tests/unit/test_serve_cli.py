@@ -219,7 +219,7 @@ def test_a_server_whose_engine_failed_exits_1_also_where_closing_the_engine_hang
     monkeypatch.setattr(metrics, "EngineMetrics", lambda core, name, cache: SimpleNamespace(
         exposition=lambda: b"", prompt_tokens=0, generated_tokens=0))
     monkeypatch.setattr(metrics, "cache_config_info", lambda core: {})
-    monkeypatch.setattr(frontend, "start_frontends", lambda spec, count, sockets, scratch: [(front, None)])
+    monkeypatch.setattr(frontend, "start_frontends", lambda spec, sockets, scratch: [(front, None)])
     monkeypatch.setattr(bridge, "EngineBridge", Bridge)
     monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(os, "_exit", exit_now)

@@ -81,24 +81,25 @@ def start_frontend(spec: FrontendSpec, sockets: list[socket.socket],
     return proc, engine_end
 
 
-def start_frontends(spec: FrontendSpec, count: int, sockets: list[list[socket.socket]],
+def start_frontends(spec: FrontendSpec, sockets: list[list[socket.socket]],
                     scratch: str | None) -> list[tuple[BaseProcess, Connection]]:
-    """Start `count` front ends (--api-server-count), each serving its sockets (listeners.front_end_sockets), each
-    with its pipe; this process's copies of the sockets are closed then. With more than one, `scratch` (an empty
-    directory, which outlives them) holds their shared metrics and front end 0's private socket for the Responses API
-    (FrontendSpec)."""
+    """Start a front end (--api-server-count of them) for each entry of `sockets` (listeners.front_end_sockets), each
+    serving that entry's sockets, each with its pipe; this process's copies of the sockets are closed then. With more
+    than one, `scratch` (an empty directory, which outlives them) holds their shared metrics and front end 0's private
+    socket for the Responses API (FrontendSpec)."""
     private: socket.socket | None = None
     try:
-        if count > 1:
+        if (count := len(sockets)) > 1:
             assert scratch is not None, "several front ends share a scratch directory"
             metrics_dir, responses_uds = os.path.join(scratch, "metrics"), private_socket_path(scratch)
             os.mkdir(metrics_dir)
             private = bind_private(responses_uds)
             spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
-        return [start_frontend(replace(spec, index=i), sockets[i], private if i == 0 else None) for i in range(count)]
+        return [start_frontend(replace(spec, index=i), each, private if i == 0 else None)
+                for i, each in enumerate(sockets)]
     finally:
-        close_sockets(list({id(sock): sock for each in sockets for sock in each}.values())
-                      + ([] if private is None else [private]))
+        # (one socket shared by several front ends, a Unix socket's, is closed again: a no-op)
+        close_sockets([sock for each in sockets for sock in each] + ([] if private is None else [private]))
 
 
 def freeze_startup_heap() -> None:
