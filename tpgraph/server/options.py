@@ -191,9 +191,9 @@ class HttpOptions:
 
 
 def check_unix_socket(path: str) -> None:
-    """uvicorn replaces a socket file left at `path` (a stopped server's), but cannot listen where something else is,
-    nor where a server listens already (it would take its place, silently): rank 0 checks before loading the model,
-    the front end again as it binds (a server may have begun listening there since)."""
+    """A socket file left at `path` (a stopped server's) is taken over, as uvicorn does, but nothing may listen where
+    something else is, nor where a server listens already (it would take its place, silently): rank 0 checks before
+    loading the model, and again as it binds the front ends' socket (listeners.py: a server may listen there since)."""
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ConfigError(f"cannot listen on --uds {path}: its directory does not exist")
     if not os.path.exists(path):
