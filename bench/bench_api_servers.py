@@ -278,21 +278,17 @@ def steady_rate(rounds: list[ClientRound]) -> tuple[float, float, float, int]:
 
 
 def spec_for(port: int, tokens: int, access_log: bool):
-    from tpgraph.chat import ChatTemplate, GenerationDefaults
+    from bench_server_tokens import codec  # (the built-in tokenizer's, its model named "m": MODEL)
+
     from tpgraph.engine.limits import RequestLimits
-    from tpgraph.prompts import PromptCodec
     from tpgraph.server.frontend import FrontendSpec
     from tpgraph.server.options import HttpOptions
-    from tpgraph.tokenizer import BOS, EOS, builtin_tokenizer
 
-    tokenizer = builtin_tokenizer()
-    eos = tokenizer.token_to_id(EOS)
-    codec = PromptCodec(tokenizer, ChatTemplate.from_dir(None, BOS), GenerationDefaults(), MODEL, (eos,),
-                        {"bos_token": BOS, "eos_token": EOS})
+    prompts = codec(None)
     max_model_len = tokens + 1024  # (room for the prompt, chat template and all)
-    limits = RequestLimits(tokenizer.get_vocab_size(), max_model_len, max_model_len)
+    limits = RequestLimits(prompts.tokenizer.get_vocab_size(), max_model_len, max_model_len)
     http = HttpOptions(uvicorn_log_level="info" if access_log else "warning", access_log=access_log)
-    return FrontendSpec(HOST, port, MODEL, max_model_len, limits, codec, http=http)
+    return FrontendSpec(HOST, port, MODEL, max_model_len, limits, prompts, http=http)
 
 
 def run_point(count: int, streams: int, tokens: int, step_ms: float, api: str, client_procs: int,
