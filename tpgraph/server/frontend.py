@@ -39,7 +39,8 @@ EXIT_GRACE_S = 3.0  # after the engine is gone, streams still open get this long
 
 @dataclass
 class FrontendSpec:
-    """Everything the front end needs, picklable: where to listen, what to call the model, how to check and encode."""
+    """Everything the front end needs, picklable: where it listens (rank 0 binds the sockets, listeners.py: host and
+    port name them in uvicorn's log), what to call the model, how to check and encode."""
 
     host: str
     port: int
@@ -196,7 +197,8 @@ def run_frontend(conn: Connection, spec: FrontendSpec, sockets: list[socket.sock
 
 
 def uvicorn_config(app: object, spec: FrontendSpec) -> uvicorn.Config:
-    """uvicorn's settings: where to listen, what to log (and how), keep-alive and HTTPS (HttpOptions)."""
+    """uvicorn's settings: the address it names (it serves the sockets it is given), what to log (and how),
+    keep-alive and HTTPS (HttpOptions)."""
     import uvicorn
 
     http = spec.http
