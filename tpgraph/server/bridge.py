@@ -105,18 +105,14 @@ class EngineBridge:
         for out in self._outs:
             out.put(("closing",))
             out.put(_STOP)
-        deadline = time.monotonic() + 2.0  # (all the senders together, as one did)
-        for t in self._senders:
-            t.join(max(0.0, deadline - time.monotonic()))
+        _join_within(self._senders, 2.0)
         for conn in self.conns:
             try:
                 with socket.socket(fileno=os.dup(conn.fileno())) as sock:
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        deadline = time.monotonic() + 2.0
-        for t in self._readers:
-            t.join(max(0.0, deadline - time.monotonic()))
+        _join_within(self._readers, 2.0)
         for conn in self.conns:
             conn.close()
 
@@ -192,6 +188,13 @@ class EngineBridge:
                 return
             if stop:
                 return
+
+
+def _join_within(threads: list[threading.Thread], seconds: float) -> None:
+    """Wait for the threads to end, `seconds` for them all together (as for one), not each."""
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 class EngineClient:
