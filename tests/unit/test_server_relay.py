@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import socket
 import tempfile
 
 import pytest
@@ -324,3 +325,20 @@ def test_a_front_end_but_the_first_relays_to_the_first(sockets):
         if proc.is_alive():
             proc.kill()
         conn.close()
+
+
+def test_front_end_0s_relay_socket_listens_before_front_end_0_serves(tmp_path, monkeypatch):
+    """The other front ends may serve before front end 0 does (the kernel hands connections to whichever listens):
+    a Responses API request they relayed to front end 0's socket, bound but not yet listening, was refused, a 503.
+    It listens as it is handed over, so such a request waits in its backlog for front end 0."""
+    from tpgraph.engine.limits import RequestLimits
+    from tpgraph.server import frontend
+    from tpgraph.server.listeners import front_end_sockets
+
+    handed = {}
+    monkeypatch.setattr(frontend, "start_frontend", lambda spec, sockets, private=None: handed.setdefault(
+        spec.index, (private, private is not None and private.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))))
+    spec = frontend.FrontendSpec("127.0.0.1", 0, "m", 64, RequestLimits(vocab_size=100, max_model_len=64,
+                                                                        cache_tokens=256), builtin_codec())
+    frontend.start_frontends(spec, front_end_sockets("127.0.0.1", 0, None, 2), str(tmp_path))
+    assert handed[0][1] == 1 and handed[1] == (None, False)

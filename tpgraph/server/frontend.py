@@ -95,6 +95,8 @@ def start_frontends(spec: FrontendSpec, sockets: list[list[socket.socket]],
             metrics_dir, responses_uds = os.path.join(scratch, "metrics"), private_socket_path(scratch)
             os.mkdir(metrics_dir)
             private = bind_private(responses_uds)
+            # (listening now: a request the others relay before front end 0 serves waits in the backlog, not refused)
+            private.listen()
             spec = replace(spec, count=count, metrics_dir=metrics_dir, responses_uds=responses_uds)
         return [start_frontend(replace(spec, index=i), each, private if i == 0 else None)
                 for i, each in enumerate(sockets)]
