@@ -1190,3 +1190,37 @@ def test_reasoning_effort_reaches_the_template_as_a_chat_requests_does():
     assert [r.status_code for r in replies] == [200, 200, 200]
     rendered = ["unset|unset|x", "low|True|x", "none|False|x"]
     assert client.prompts == [codec.encode_text(text, add_special_tokens=False) for text in rendered]
+
+
+def test_a_cancelled_background_stream_ends_with_the_cancelled_response():
+    """A background stream's readers (the POST that created it, GET ?stream=true) saw a cancelled response's events
+    stop with no closing event, as if cut off; it ends, as a response whose client went away does (vLLM's: OpenAI's
+    stream has no response.cancelled), with response.completed carrying the cancelled response."""
+    client = EndlessClient()
+    app = make_app(client, store=ResponseStore())
+    httpx = httpx_module()
+
+    async def main() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            # (the test transport hands the POST's reply over whole, once its stream ends: read after the cancel)
+            rid = "resp_cut"
+            posted = asyncio.ensure_future(http.post("/v1/responses", headers={"X-Request-Id": rid},
+                                                     json={"input": "x", "background": True, "stream": True}))
+            for _ in range(500):  # (until it has written a few tokens)
+                got = await http.get(f"/v1/responses/{rid}")
+                if got.status_code == 200 and got.json()["output"] and \
+                        len(got.json()["output"][0]["content"][0]["text"]) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            cancelled = (await http.post(f"/v1/responses/{rid}/cancel")).json()
+            streamed = typed_events((await asyncio.wait_for(posted, 5)).text)
+            again = typed_sse_events((await http.get(f"/v1/responses/{rid}", params={"stream": "true"})).text)
+            for t in client.tasks:
+                t.cancel()
+            return cancelled, streamed, again
+
+    cancelled, streamed, again = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert cancelled["status"] == "cancelled"
+    for events in (streamed, again):
+        assert events[-1]["type"] == "response.completed", events[-1]
+        assert events[-1]["response"]["status"] == "cancelled" and events[-1]["response"] == cancelled

@@ -156,6 +156,12 @@ def failure_events(run: ResponseRun, exc: Exception, what: str) -> tuple[dict, l
                     {"type": "response.failed", "response": failed}]
 
 
+def cancelled_event(cancelled: dict) -> dict:
+    """The event that ends a cancelled background response's stream, so that its readers hear it end: OpenAI's stream
+    has no response.cancelled, and vLLM's, as a response whose client went away here, ends with response.completed."""
+    return {"type": "response.completed", "response": cancelled}
+
+
 def response_error(status: int, message: str) -> dict:
     """A failed response's error, as OpenAI's (the SDK's ResponseError, whose code is one of OpenAI's codes): a
     refusal (a 400: the prompt refused) "invalid_prompt", any other failure "server_error"."""
@@ -257,6 +263,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
                 stored.response = run.final
             except asyncio.CancelledError:
                 stored.response = run.snapshot("cancelled")
+                logged(cancelled_event(stored.response))
             except Exception as exc:
                 stored.response, ending = failure_events(run, exc, "a background response")
                 for event in ending:
@@ -273,6 +280,7 @@ def response_routes(start_chat: StartChat, entries: LogprobEntries, model_name: 
             for good). Then the store counts its bytes as they are now."""
             if stored.live is not None:
                 stored.response, stored.live = run.snapshot("cancelled"), None
+                logged(cancelled_event(stored.response))
             if log is not None and not log.ended:
                 log.end()
             store.ended(response_id, stored)  # (its bytes, grown as it ran, counted now)
