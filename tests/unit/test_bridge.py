@@ -559,3 +559,21 @@ def test_several_front_ends_each_hear_only_their_own_requests_and_metrics():
     bridge.close()
     for front in fronts[:2]:
         assert _received(front, lambda item: item == ("closing",))[-1] == ("closing",)
+
+
+def test_the_log_names_a_lone_front_end_as_the_server_does(caplog):
+    """With one front end the bridge said "the HTTP front end 0 closed its pipe", naming an index no one gave; it says
+    "the HTTP front end" (as serve.py does), and "HTTP front end N" where there are several."""
+    import logging
+
+    for count, said in ((1, "the HTTP front end closed its pipe"), (2, "HTTP front end 1 closed its pipe")):
+        pipes = [mp.Pipe(duplex=True) for _ in range(count)]
+        closed = threading.Event()
+        bridge = EngineBridge(FakeService(), [engine for engine, _ in pipes], lambda: b"", on_closed=closed.set)
+        with caplog.at_level(logging.INFO, logger="tpgraph.server.bridge"):
+            bridge.start()
+            pipes[-1][1].close()
+            assert closed.wait(10)
+            bridge.close()
+        assert said in caplog.text and (count > 1 or "front end 0" not in caplog.text), caplog.text
+        caplog.clear()

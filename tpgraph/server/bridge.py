@@ -147,11 +147,15 @@ class EngineBridge:
                     if everyone and self.on_ready is not None:
                         self.on_ready()
         except (EOFError, OSError):
-            logger.info("the HTTP front end %d closed its pipe", index)
+            logger.info("%s closed its pipe", self._named(index))
         except Exception:  # noqa: BLE001 - a message the engine cannot take: stop serving rather than hang
-            logger.exception("the pipe from the HTTP front end %d failed", index)
+            logger.exception("the pipe from %s failed", self._named(index))
         finally:
             self.on_closed()
+
+    def _named(self, index: int) -> str:
+        """A front end as the log names it: "the HTTP front end" where it is the only one (serve.py's wording)."""
+        return "the HTTP front end" if len(self.conns) == 1 else f"HTTP front end {index}"
 
     def _compile(self) -> None:
         while (item := self._to_compile.get()) is not _STOP and not self._closed.is_set():
@@ -183,7 +187,7 @@ class EngineBridge:
             except (OSError, ValueError):  # the front end is gone; the reader reports it
                 return
             except Exception:  # noqa: BLE001 - an update that does not pickle: streams would hang, so stop serving
-                logger.exception("sending to the HTTP front end %d failed", index)
+                logger.exception("sending to %s failed", self._named(index))
                 self.on_closed()
                 return
             if stop:
