@@ -230,7 +230,7 @@ class Scheduler:
                 if not reserved:
                     continue  # seq itself was preempted
             budget -= n
-            if seq.num_uncached == 1 and seq.num_cached >= len(seq.prompt_ids):
+            if uncached == 1 and seq.num_cached >= len(seq.prompt_ids):  # (a reservation changes neither)
                 step.decode.append(seq)
             else:
                 step.prefill.append((seq, n))
