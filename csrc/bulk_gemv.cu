@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kBulkThreads) bulk_gemv_kernel(BulkGemvParams 
     const int v = lane + 32 * (part + warps_a_row * i);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      xs[m][i] = v < vectors ? __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) +
+      xs[m][i] = v < vectors ? __ldcg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) +
                                                                      static_cast<size_t>(m) * p.k) + v)
                              : make_uint4(0, 0, 0, 0);
     }

@@ -98,3 +98,16 @@ def test_refuses_what_it_cannot_take():
     x = torch.ones(1, 32768, device="cuda", dtype=torch.bfloat16)  # a lane would hold x in 16 vectors
     with pytest.raises(ValueError, match="vectors a lane"):
         bulk_linear(x, torch.ones(16, 32768, device="cuda", dtype=torch.bfloat16))
+
+
+def test_linear_small_m_hands_it_the_rows_it_takes(monkeypatch):
+    from tpgraph.kernels import bulk_gemv, gemv
+
+    x, w, want = integer_case(4096, 2048, 2, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(bulk_gemv, "bulk_linear", lambda *a, **k: calls.append(1) or want)
+    monkeypatch.setenv("TPGRAPH_BULK_GEMV", "1")
+    assert torch.equal(gemv.linear_small_m(x, w), want) and calls == [1]
+    x5 = torch.ones(5, 2048, device="cuda", dtype=torch.bfloat16)
+    gemv.linear_small_m(x5, w)  # five rows: the Triton kernel
+    assert calls == [1]

@@ -43,3 +43,16 @@ def test_label_names_every_field():
 def test_inputs_refused_with_the_reason(x, w, match):
     with pytest.raises(ValueError, match=match):
         bulk_linear(x, w)
+
+
+def test_the_projections_take_it_only_when_asked(monkeypatch):
+    from tpgraph.kernels.bulk_gemv import takes
+
+    x, w = torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
+    monkeypatch.delenv("TPGRAPH_BULK_GEMV", raising=False)
+    assert not takes(x, w)
+    monkeypatch.setenv("TPGRAPH_BULK_GEMV", "1")
+    assert not takes(x, w)  # CPU tensors: the Triton or dense path as before
+    monkeypatch.setenv("TPGRAPH_BULK_GEMV", "yes")
+    with pytest.raises(Exception, match="TPGRAPH_BULK_GEMV must be 0 or 1"):
+        takes(x, w)

@@ -6,8 +6,8 @@ already on their way while the kernel before it (which writes x) finishes. gemv.
 pays launch, ramp and drain after the wait (bench/results/2026-12-02_h200_read_ceiling: no wait-first read reached
 88% of the bandwidth at o_proj's or qkv's size).
 
-An experiment beside gemv.py: nothing in the model calls it; bench/bench_bulk_gemv.py times it against the shipped
-kernel and cuBLAS at each projection's shape.
+An experiment beside gemv.py: the plain projections (gemv.linear_small_m) take it only with TPGRAPH_BULK_GEMV=1
+(`takes`); bench/bench_bulk_gemv.py times it against the shipped kernel and cuBLAS at each projection's shape.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from tpgraph._ext import load_ext
 from tpgraph.kernels._pdl import use_pdl
+from tpgraph.kernels._settings import env_flag
 
 MAX_ROWS = 4
 TRIGGERS = ("start", "issued", "exit")  # when the kernel after may become resident: csrc/bulk_gemv.cu's BulkTrigger
@@ -87,6 +88,18 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"bulk_linear needs K a multiple of {elems}, got {x.shape[1]}")
     if not (x.is_contiguous() and w.is_contiguous()) or x.data_ptr() % VECTOR or w.data_ptr() % VECTOR:
         raise ValueError(f"bulk_linear needs contiguous, {VECTOR}-byte aligned x and w")
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gemv.linear_small_m hands x @ w.T to bulk_linear: TPGRAPH_BULK_GEMV=1 (off by default until it wins
+    whole steps) and inputs it takes (1-4 rows, bf16/fp16, sm_90+, K whole vectors that a lane's x fits, aligned)."""
+    if not env_flag("TPGRAPH_BULK_GEMV") or not x.is_cuda:
+        return False
+    try:
+        check_inputs(x, w)
+    except ValueError:
+        return False
+    return x.shape[1] * x.element_size() // VECTOR <= MAX_VECTORS * 32 * WARPS
 
 
 @functools.cache
