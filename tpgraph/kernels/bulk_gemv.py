@@ -36,11 +36,13 @@ class BulkConfig:
     before the wait; trigger: when the next kernel is let in (TRIGGERS); evict_first: the copies ask L2 to drop the
     weights first."""
 
-    blocks_per_sm: int = 1
+    # the fastest alone at qkv and o_proj on an H100 (bench/results/2026-12-07_h100_s61), within 5% of each
+    # projection's fastest: two blocks a SM (one block's chunk loop did not keep up), two stages, evict first
+    blocks_per_sm: int = 2
     rows_per_chunk: int | None = None
-    stages: int = 4
+    stages: int = 2
     trigger: str = "start"
-    evict_first: bool = False
+    evict_first: bool = True
 
     def __post_init__(self) -> None:
         if self.blocks_per_sm < 1:
