@@ -36,7 +36,7 @@ def test_exact_on_integers(n, k, m):
 
 
 @pytest.mark.parametrize("rows,stages,trigger,blocks,evict", list(itertools.product(
-    (1, 2, 4, 8), (1, 2, 6), ("start", "issued", "exit"), (1, 2), (False, True)))[::5])
+    (1, 2, 4, 8), (1, 2, 6, 0), ("start", "issued", "exit"), (1, 2), (False, True)))[::5])
 def test_every_launch_shape_is_exact(rows, stages, trigger, blocks, evict):
     config = BulkConfig(blocks_per_sm=blocks, rows_per_chunk=rows, stages=stages, trigger=trigger,
                         evict_first=evict)
@@ -105,9 +105,12 @@ def test_linear_small_m_hands_it_the_rows_it_takes(monkeypatch):
 
     x, w, want = integer_case(4096, 2048, 2, torch.bfloat16)
     calls = []
-    monkeypatch.setattr(bulk_gemv, "bulk_linear", lambda *a, **k: calls.append(1) or want)
+    monkeypatch.setattr(bulk_gemv, "bulk_linear", lambda *a, **k: calls.append(a[3]) or want)
     monkeypatch.setenv("TPGRAPH_BULK_GEMV", "1")
-    assert torch.equal(gemv.linear_small_m(x, w), want) and calls == [1]
+    assert torch.equal(gemv.linear_small_m(x, w), want) and calls == [bulk_gemv.BulkConfig()]
     x5 = torch.ones(5, 2048, device="cuda", dtype=torch.bfloat16)
     gemv.linear_small_m(x5, w)  # five rows: the Triton kernel
-    assert calls == [1]
+    assert len(calls) == 1
+    monkeypatch.setenv("TPGRAPH_BULK_GEMV", "0")
+    gemv.linear_small_m(x, w)
+    assert len(calls) == 1

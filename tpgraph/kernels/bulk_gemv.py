@@ -19,7 +19,7 @@ import torch
 
 from tpgraph._ext import load_ext
 from tpgraph.kernels._pdl import use_pdl
-from tpgraph.kernels._settings import env_flag
+from tpgraph.kernels._settings import env_choice
 
 MAX_ROWS = 4
 TRIGGERS = ("start", "issued", "exit")  # when the kernel after may become resident: csrc/bulk_gemv.cu's BulkTrigger
@@ -49,15 +49,16 @@ class BulkConfig:
             raise ValueError(f"BulkConfig.blocks_per_sm must be >= 1, got {self.blocks_per_sm}")
         if self.rows_per_chunk is not None and self.rows_per_chunk not in (1, 2, 4, 8):
             raise ValueError(f"BulkConfig.rows_per_chunk must be 1, 2, 4 or 8, got {self.rows_per_chunk}")
-        if not 1 <= self.stages <= 8:
-            raise ValueError(f"BulkConfig.stages must be 1-8, got {self.stages}")
+        if not 0 <= self.stages <= 8:
+            raise ValueError(f"BulkConfig.stages must be 1-8 (0: FILL), got {self.stages}")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"BulkConfig.trigger must be one of {TRIGGERS}, got {self.trigger!r}")
 
     @property
     def label(self) -> str:
         rows = "auto" if self.rows_per_chunk is None else self.rows_per_chunk
-        return (f"bulk b{self.blocks_per_sm} r{rows} s{self.stages} {self.trigger}"
+        stages = "fill" if self.stages == FILL else self.stages
+        return (f"bulk b{self.blocks_per_sm} r{rows} s{stages} {self.trigger}"
                 + (" evict" if self.evict_first else ""))
 
 
@@ -92,10 +93,32 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"bulk_linear needs contiguous, {VECTOR}-byte aligned x and w")
 
 
+def step_config() -> BulkConfig | None:
+    """The config gemv.linear_small_m hands its projections to bulk_linear with, or None (the shipped Triton kernel):
+    TPGRAPH_BULK_GEMV=1 the default config, 2 with each block's whole slice issued before the wait where it fits
+    FILL_BYTES (`filled`); 0 or unset: none (off by default until it wins whole steps)."""
+    choice = env_choice("TPGRAPH_BULK_GEMV", (0, 1, 2), 0)
+    return None if not choice else BulkConfig(stages=FILL if choice == 2 else BulkConfig().stages)
+
+
+FILL = 0  # BulkConfig.stages for "as many as the block's slice has chunks, within FILL_BYTES"
+FILL_BYTES = 96 << 10  # two blocks a SM keep their rings in shared memory
+
+
+def stages_for(config: BulkConfig, n: int, k: int, elem: int, blocks: int) -> int:
+    """The config's stages; for FILL, the chunks of the largest block's slice, at most 8 and FILL_BYTES (at least 1)."""
+    if config.stages != FILL:
+        return config.stages
+    rows = rows_per_chunk(k, elem, config)
+    largest = -(-n // blocks)  # rows of the largest block's slice
+    chunks = -(-largest // rows)
+    return max(1, min(8, chunks, FILL_BYTES // (rows * k * elem)))
+
+
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gemv.linear_small_m hands x @ w.T to bulk_linear: TPGRAPH_BULK_GEMV=1 (off by default until it wins
-    whole steps) and inputs it takes (1-4 rows, bf16/fp16, sm_90+, K whole vectors that a lane's x fits, aligned)."""
-    if not env_flag("TPGRAPH_BULK_GEMV") or not x.is_cuda:
+    """Whether gemv.linear_small_m may hand x @ w.T to bulk_linear: inputs it takes (1-4 rows, bf16/fp16, sm_90+, K
+    whole vectors that a lane's x fits, aligned)."""
+    if not x.is_cuda:
         return False
     try:
         check_inputs(x, w)
@@ -122,6 +145,7 @@ def bulk_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     ext = load_ext()
     blocks = min(n, _sm_count(x.device.index) * config.blocks_per_sm)
     ext.bulk_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, ext.dtype_codes()[str(x.dtype)[6:]], blocks,
-                  rows_per_chunk(k, x.element_size(), config), config.stages, TRIGGERS.index(config.trigger),
+                  rows_per_chunk(k, x.element_size(), config), stages_for(config, n, k, x.element_size(), blocks),
+                  TRIGGERS.index(config.trigger),
                   config.evict_first, use_pdl(x), torch.cuda.current_stream(x.device).cuda_stream)
     return out
