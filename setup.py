@@ -133,7 +133,7 @@ setup(
             "tpgraph._C",
             sources=["csrc/device.cu", "csrc/ipc.cu", "csrc/ar_context.cu", "csrc/push.cu", "csrc/push_norm.cu",
                      "csrc/pull.cu",
-                     "csrc/multicast.cu", "csrc/bulk_gemv.cu", "csrc/bindings.cpp"],
+                     "csrc/multicast.cu", "csrc/bindings.cpp"],
         )
     ],
     cmdclass={"build_ext": NinjaNvccBuild},

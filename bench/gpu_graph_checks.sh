@@ -7,7 +7,7 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2] [shared-engine] [teardown] [engine-steps-ab] [api-servers] [bulk-gemv]
+#        [shared-tp2] [shared-engine] [teardown] [engine-steps-ab] [api-servers]
 # A step whose commands all exit 0 is marked "ok", else "FAILED"; the script exits 1 if any step failed, and 2 at
 # once (before the build) for a step name it does not know.
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -398,13 +398,6 @@ watchdog dumps, $(grep -E '^PASS' "$out/teardown.tmp")" | tee -a "$out/teardown.
          # PDL waiting, PDL free), beside the shipped small-M kernel, by bench_kernels' method (a table and a plot)
          timeout 400 python3 bench/bench_read_ceiling.py --out "$out/read_ceiling.json" 2>&1 | tail -60 \
              | tee "$out/read_ceiling.log" ;;
-    bulk-gemv) # issue 11: the bulk-copy projection (csrc/bulk_gemv.cu, weights issued before the PDL wait): its GPU
-         # tests, then bench_bulk_gemv.py alone (its configs swept) and in the layer's chain, against the shipped Triton
-         # kernel and cuBLAS; BG_ROWS (1), BG_GRID (full)
-         timeout 200 python3 -m pytest tests/gpu/test_bulk_gemv_gpu.py -q -rfEs -x 2>&1 | tail -15 \
-             | tee "$out/bulk_gemv_tests.log"; pack
-         timeout 350 python3 bench/bench_bulk_gemv.py --rows "${BG_ROWS:-1}" --grid "${BG_GRID:-full}" \
-             --out "$out/bulk_gemv.json" 2>&1 | tail -40 | tee "$out/bulk_gemv.log" ;;
     boundary) # what one kernel boundary costs in a graph (plain, PDL, PDL with the late trigger) against a software
          # grid barrier in one kernel, at 1-264 programs (bench/bench_pdl_boundary.py: a table and a plot)
          timeout 200 python3 bench/bench_pdl_boundary.py --grids 1,33,132,264 --out "$out/boundary.json" 2>&1 \

@@ -86,9 +86,4 @@ uintptr_t ar_timeout_record(uintptr_t ctx);
 void ar_destroy(uintptr_t ctx);
 bool multicast_env_allowed();
 
-// out[m, n] = sum_k x[m, k] * w[n, k] for 1-4 rows of bf16/fp16, weights streamed by bulk copies (sm_90+,
-// bulk_gemv.cu); trigger: 0 let the next kernel in at the start, 1 once the last chunk is issued, 2 at exit.
-void bulk_gemv(uintptr_t x, uintptr_t w, uintptr_t out, int m, int n, int k, int dtype, int blocks,
-               int rows_per_chunk, int stages, int trigger, bool evict_first, bool pdl, uintptr_t stream);
-
 }  // namespace tpgraph

@@ -97,10 +97,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("ar_timeout_record", &ar_timeout_record, py::arg("ctx"),
         "device address of the timeout record, for kernels that record their own timeouts");
   m.def("ar_destroy", &ar_destroy, py::arg("ctx"));
-  m.def("bulk_gemv", &bulk_gemv, py::arg("x"), py::arg("w"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("k"),
-        py::arg("dtype"), py::arg("blocks"), py::arg("rows_per_chunk"), py::arg("stages"), py::arg("trigger"),
-        py::arg("evict_first"), py::arg("pdl"), py::arg("stream"),
-        "out = x @ w.T for 1-4 rows, the weights streamed by bulk copies, the first stages before the PDL wait");
   m.def("multicast_env_allowed", &multicast_env_allowed,
         "false if any of NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, "
         "TPGRAPH_DISABLE_MULTICAST=1 is set");

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from tpgraph.errors import ConfigError
-from tpgraph.kernels import bulk_gemv
 from tpgraph.kernels._counters import (
     last_split_reduces,
     partials_buffer,
@@ -800,8 +799,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None 
                          f"{tuple(out.shape)} {out.dtype}")
     if not _applies(x, w, use_triton):
         return dense_linear(x, w, out)
-    if config is None and (bulk := bulk_gemv.step_config()) is not None and bulk_gemv.takes(x, w):
-        return bulk_gemv.bulk_linear(x, w, out, bulk)
     return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
 
 
