@@ -19,13 +19,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 # (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
-# than LlamaConfig (MistralConfig's; its sliding window of 4096 is then refused below, unless disable_sliding_window)
+# than LlamaConfig (MistralConfig's: its sliding window of 4096 is then refused below, unless disable_sliding_window;
+# Qwen2Config's)
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+              "bos_token_id": None, "eos_token_id": None},
 }
+# the architecture a model_type's checkpoints name, where it decides the model's code (Qwen2's q, k and v carry biases
+# that a Llama does not): a config naming one with the other's model_type is refused, not run as either
+ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
 # (not pretraining_tp: transformers' slices of each matmul, joined again, are the same model at any value)
@@ -206,6 +212,11 @@ class ModelConfig:
     # a sliding window run as full attention over a context no longer than it (vLLM's disable_sliding_window: the
     # same attention, the window covering every position); None: no window
     sliding_window: int | None = None
+    # biases on the projections, as transformers builds them: a Llama's attention_bias puts one on q, k, v and o,
+    # its mlp_bias on gate, up and down; Qwen2 has them on q, k and v only
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         # (max_position_embeddings too: the rope tables and the context limit are sized by it, and 0 or less failed
@@ -297,27 +308,37 @@ class ModelConfig:
     def from_hf_dict(cfg: dict[str, Any], disable_sliding_window: bool = False) -> ModelConfig:
         """disable_sliding_window: a sliding window is taken (as vLLM's flag of that name takes it: full attention
         over a context capped at the window), not refused."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
         model_type = cfg.get("model_type", "llama")
+        archs = cfg.get("architectures") or [ARCHITECTURE_OF_MODEL_TYPE.get(model_type, "LlamaForCausalLM")]
+        unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
         if unsupported or model_type not in MODEL_TYPE_DEFAULTS:
             raise ConfigError(
                 f"unsupported architecture {archs} (model_type={cfg.get('model_type')!r}); tpgraph runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        own = ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+        if any(a != own if own else a in ARCHITECTURE_OF_MODEL_TYPE.values() for a in archs):
+            raise ConfigError(f"config.json names architecture {archs} with model_type {model_type!r}: the two do not "
+                              f"go together (transformers builds the model_type's own model), so it is not run as "
+                              f"either")
         defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
         cfg = {**cfg, **defaulted}
-        for name in ("attention_bias", "mlp_bias"):  # (named as set: "or" left the user to find which)
-            if cfg.get(name):
-                raise ConfigError(f"config.json sets {name}={cfg[name]!r}: Llama checkpoints with biases on their "
-                                  f"projections are not supported")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window"):
+            # (transformers' Qwen2Config keeps no window unless use_sliding_window: Qwen2.5's configs name one unused)
+            cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "max_window_layers")}
+        layer_types = cfg.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ConfigError(f"config.json sets layer_types with {sorted(set(layer_types) - {'full_attention'})}: "
+                              f"only full attention in every layer is implemented")
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
                               f"the same function)")
         # fields that change the computation and that this model does not implement: refused, never ignored
         window = cfg.get("sliding_window")
         for name, harmless in UNIMPLEMENTED_FIELDS.items():
-            if cfg.get(name) not in harmless and not (name == "sliding_window" and disable_sliding_window):
+            # (use_sliding_window: Qwen2's switch for its window, taken with it)
+            excused = disable_sliding_window and name in ("sliding_window", "use_sliding_window")
+            if cfg.get(name) not in harmless and not excused:
                 where = f"leaves out {name}, so model_type {model_type!r} takes its default of {cfg[name]!r}" if \
                     name in defaulted else f"sets {name}={cfg.get(name)!r}"
                 hint = f"; disable_sliding_window (--disable-sliding-window) runs it as vLLM's does, with full " \
@@ -352,6 +373,7 @@ class ModelConfig:
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
                 sliding_window=None if window is None or not disable_sliding_window else
                 _integer("sliding_window", window),
+                **_biases(model_type, cfg),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
@@ -377,6 +399,18 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
         return ModelConfig.from_hf_dict(cfg, disable_sliding_window)
+
+
+def _biases(model_type: str, cfg: dict[str, Any]) -> dict[str, bool]:
+    """ModelConfig's bias fields as transformers builds the model_type's projections: Qwen2 always has q, k and v
+    biases (and reads no attention_bias); a Llama's attention_bias and mlp_bias give them; Mistral's code builds none,
+    whatever the fields say."""
+    if model_type == "qwen2":
+        return {"qkv_bias": True}
+    if model_type != "llama":
+        return {}
+    attention = _flag("attention_bias", cfg.get("attention_bias"))
+    return {"qkv_bias": attention, "o_proj_bias": attention, "mlp_bias": _flag("mlp_bias", cfg.get("mlp_bias"))}
 
 
 def _no_config(model_dir: Path) -> str:

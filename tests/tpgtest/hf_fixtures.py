@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Llama checkpoints, written with save_pretrained (no network)."""
+"""Tiny random Hugging Face Llama (and Qwen2) checkpoints, written with save_pretrained (no network)."""
 
 from __future__ import annotations
 
@@ -29,27 +29,45 @@ CASES: dict[str, dict] = {
                           original_max_position_embeddings=32, rope_theta=500000.0),
         shard_size="200KB",
     ),
+    # a Llama with attention_bias and mlp_bias: column biases split with their rows (one KV head, replicated past TP=1),
+    # the row-parallel ones (o, down) added once
+    "llama_biases_kv1": dict(
+        vocab_size=517, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=256, rms_norm_eps=1e-5,
+        attention_bias=True, mlp_bias=True,
+    ),
+    # Qwen2 (q, k, v biases), tied, 2 KV heads (< TP at TP=4), the unused window its configs name
+    "qwen2_tied_gqa": dict(
+        model="qwen2", vocab_size=601, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=32, use_sliding_window=False, max_window_layers=1,
+    ),
 }
 
 PROMPTS = [[1, 17, 29, 3, 99], [5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 500], [7] * 17]
 
 
 def make_checkpoint(case: str, out_dir: Path, seed: int = 0, init_std: float = 0.08) -> Path:
-    """Write a random LlamaForCausalLM for `case` to out_dir and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Write a random LlamaForCausalLM (Qwen2ForCausalLM where the case says model="qwen2") for `case` to out_dir and
+    return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     kwargs = dict(CASES[case])
     shard_size = kwargs.pop("shard_size", None)
     rope = kwargs.pop("rope_scaling", None)
     if rope is not None:
         kwargs["rope_parameters"] = rope
-    config = LlamaConfig(initializer_range=init_std, **kwargs)
+    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kwargs.pop("model", "llama") == "qwen2" else \
+        (LlamaConfig, LlamaForCausalLM)
+    config = config_class(initializer_range=init_std, **kwargs)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so a wrong norm weight would show
+    model = model_class(config).eval()
+    with torch.no_grad():  # norms away from 1 and biases away from 0 (their init), so a wrong one would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
     save_kwargs = {"safe_serialization": True}
     if shard_size:
         save_kwargs["max_shard_size"] = shard_size
@@ -59,9 +77,9 @@ def make_checkpoint(case: str, out_dir: Path, seed: int = 0, init_std: float = 0
 
 def hf_greedy_reference(model_dir: Path, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list]:
     """HF's own greedy tokens, and its logits at each generated position ([steps, vocab] per prompt)."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens, logits = [], []
     with torch.no_grad():
         for prompt in prompts:

@@ -82,10 +82,57 @@ def test_kv_heads_and_tp_must_divide():
 
 
 def test_unsupported_architecture():
-    with pytest.raises(ConfigError, match="unsupported architecture.*Qwen2ForCausalLM"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["Qwen2ForCausalLM"]})
-    with pytest.raises(ConfigError, match="unsupported architecture.*model_type='qwen2'"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "model_type": "qwen2"})
+    with pytest.raises(ConfigError, match="unsupported architecture.*Qwen3ForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported architecture.*model_type='gemma'"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "model_type": "gemma"})
+
+
+@pytest.mark.parametrize("archs,model_type", [(["Qwen2ForCausalLM"], "llama"), (["LlamaForCausalLM"], "qwen2"),
+                                              (["Qwen2ForCausalLM"], None), (["MistralForCausalLM"], "qwen2")])
+def test_an_architecture_and_model_type_that_do_not_go_together_are_refused(archs, model_type):
+    """transformers builds a model_type's own model: Qwen2's q, k and v carry biases a Llama's do not, so a config
+    naming one with the other's model_type would run neither as trained."""
+    doc = {**LLAMA2_7B, "architectures": archs}
+    doc = doc if model_type is None else {**doc, "model_type": model_type}
+    with pytest.raises(ConfigError, match=r"names architecture .* with model_type .*: the two do not go together"):
+        ModelConfig.from_hf_dict(doc)
+
+
+QWEN25_7B = {  # Qwen/Qwen2.5-7B-Instruct's config.json, as the hub holds it
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+}
+
+
+def test_a_qwen2_config_reads_as_transformers_reads_it():
+    """Qwen2ForCausalLM: biases on q, k and v (none on o or the MLP); the window its configs name is unused unless
+    use_sliding_window (transformers' Qwen2Config drops it), so it neither caps the context nor is refused."""
+    cfg = ModelConfig.from_hf_dict(QWEN25_7B)
+    assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias) == (True, False, False)
+    assert (cfg.sliding_window, cfg.max_context, cfg.head_dim, cfg.rope.theta) == (None, 32768, 128, 1e6)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.rms_norm_eps) == (151643, (151645,), 1e-6)
+    # absent fields take Qwen2Config's defaults (no bos or eos, a 32768 context), not LlamaConfig's
+    bare = {k: v for k, v in QWEN25_7B.items() if k not in ("bos_token_id", "eos_token_id", "max_position_embeddings",
+                                                            "architectures")}
+    cfg = ModelConfig.from_hf_dict(bare)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.max_position_embeddings, cfg.qkv_bias) == (None, (), 32768, True)
+    with pytest.raises(ConfigError, match="config.json sets sliding_window=131072, which tpgraph does not implement"):
+        ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True})
+    capped = ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096},
+                                      disable_sliding_window=True)
+    assert capped.max_context == 4096
+
+
+def test_layer_types_other_than_full_attention_are_refused():
+    """transformers 5 writes layer_types; a sliding layer among them ran as a full one, unsaid."""
+    assert ModelConfig.from_hf_dict({**LLAMA2_7B, "layer_types": ["full_attention"] * 32}).vocab_size == 32000
+    with pytest.raises(ConfigError, match=r"layer_types with \['sliding_attention'\]: only full attention"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "layer_types": ["full_attention", "sliding_attention"] * 16})
 
 
 def test_a_mistral_config_takes_mistral_defaults_and_its_sliding_window_is_refused():
@@ -120,12 +167,20 @@ def test_a_sliding_window_is_taken_as_a_context_cap_under_disable_sliding_window
         ModelConfig.from_hf_dict({**mistral, "sliding_window": 0}, disable_sliding_window=True)
 
 
-@pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
-def test_a_bias_is_refused_naming_the_field_set(field):
-    """The refusal named both fields ("attention_bias or mlp_bias"), not the one the checkpoint sets."""
-    with pytest.raises(ConfigError, match=f"config.json sets {field}=True: Llama checkpoints with biases"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "attention_bias": False, "mlp_bias": False, field: True})
-    assert ModelConfig.from_hf_dict({**LLAMA2_7B, "attention_bias": False, "mlp_bias": None}).vocab_size == 32000
+def test_a_llamas_biases_follow_attention_bias_and_mlp_bias():
+    """As transformers' LlamaForCausalLM builds them: attention_bias on q, k, v and o, mlp_bias on gate, up and down
+    (they were refused); Mistral's code builds none whatever its config says; a field not true or false is refused."""
+    def biases(**fields):
+        cfg = ModelConfig.from_hf_dict({**LLAMA2_7B, **fields})
+        return cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias
+
+    assert biases() == biases(attention_bias=False, mlp_bias=None) == (False, False, False)
+    assert biases(attention_bias=True) == (True, True, False)
+    assert biases(mlp_bias=True) == (False, False, True)
+    assert biases(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None,
+                  attention_bias=True) == (False, False, False)
+    with pytest.raises(ConfigError, match="attention_bias must be true or false, got 'yes'"):
+        biases(attention_bias="yes")
 
 
 def test_unsupported_rope_type():

@@ -23,10 +23,18 @@ def save_hf_model(out_dir: Path, **config: object) -> Path:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**BASE, **config})).eval()
-    with torch.no_grad():  # norms away from 1, so a wrong norm weight would show
+    return save_varied(model, out_dir)
+
+
+def save_varied(model: torch.nn.Module, out_dir: Path) -> Path:
+    """model saved to out_dir with its norms away from 1 and its biases (transformers makes them 0) random, so that a
+    wrong norm weight or a bias left out or added twice would show."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -131,6 +139,73 @@ def test_a_checkpoint_with_some_names_unprefixed_loads_as_transformers_loads_it(
     with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
+    """transformers' own greedy continuation (AutoModelForCausalLM: the config's architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def engine_greedy(engine: TPEngine, prompt: list[int], steps: int) -> list[int]:
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))[0]
+    return list(out.outputs[0].token_ids)
+
+
+def test_a_llama_checkpoint_with_attention_and_mlp_biases_runs_as_transformers_runs_it(tmp_path):
+    """attention_bias (q, k, v and o) and mlp_bias (gate, up and down), as transformers' LlamaForCausalLM builds them
+    (they were refused): the prompt's log-probabilities and the greedy decode match, the decode steps included."""
+    path = save_hf_model(tmp_path / "c", attention_bias=True, mlp_bias=True, num_key_value_heads=1)
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    want = hf_prompt_logprobs(path, prompt)
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine_prompt_logprobs(engine, prompt) == pytest.approx(want, abs=1e-4)
+        assert engine_greedy(engine, prompt, 8) == hf_greedy(path, prompt, 8)
+    # the biases are read, not zeros: without them the same weights give other log-probabilities
+    doc = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**doc, "attention_bias": False, "mlp_bias": False}))
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine_prompt_logprobs(engine, prompt) != pytest.approx(want, abs=1e-3)
+
+
+def test_a_qwen2_checkpoint_runs_as_transformers_runs_it(tmp_path):
+    """Qwen2ForCausalLM (Qwen2 and Qwen2.5) is a Llama with biases on q, k and v: it was refused as an unsupported
+    architecture. Its config names a window it does not use (use_sliding_window false), tied embeddings here."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**BASE, "max_position_embeddings": 64}, tie_word_embeddings=True, sliding_window=16,
+                         use_sliding_window=False, max_window_layers=1, rope_theta=1e6)
+    path = save_varied(Qwen2ForCausalLM(config).eval(), tmp_path / "c")
+    doc = json.loads((path / "config.json").read_text())
+    assert doc["architectures"] == ["Qwen2ForCausalLM"] and doc["model_type"] == "qwen2"
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]  # (past the window it names)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine.runner.max_model_len == 64
+        assert engine_prompt_logprobs(engine, prompt) == pytest.approx(want, abs=1e-4)
+        assert engine_greedy(engine, prompt, 8) == hf_greedy(path, prompt, 8)
+
+
+def test_a_checkpoint_whose_config_asks_for_biases_it_lacks_is_refused_naming_one(tmp_path):
+    path = save_hf_model(tmp_path / "c")
+    doc = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**doc, "mlp_bias": True}))
+    from tpgraph.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.mlp.gate_proj.bias' is missing"):
+        TPEngine(path, device="cpu")
 
 
 def test_a_mistral_checkpoint_without_a_sliding_window_runs_as_transformers_runs_it(tmp_path):

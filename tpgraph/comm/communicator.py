@@ -89,7 +89,8 @@ class TPCommunicator:
         else the projection first, then as above."""
         if isinstance(x, PendingProjection):
             channel = self.push_channel(residual)
-            if channel is not None and getattr(x.layer, "small_m", False):
+            # (a biased projection, a Llama's with attention_bias or mlp_bias, runs first: the epilogue adds no bias)
+            if channel is not None and getattr(x.layer, "small_m", False) and getattr(x.layer, "bias", None) is None:
                 # the residual predates x's branch (the contract of a PendingProjection): read before the PDL wait
                 reduced = gemv.linear_all_reduce_norm(x.x, x.layer.weight, channel, residual, weight, eps,
                                                       residual_early=True)

@@ -784,22 +784,30 @@ def prefetch_tiles(cfg: GemvConfig, n: int, k: int, elem: int, budget: int | Non
     return max(1, min(steps, (prefetch_budget(n, k) if budget is None else budget) // tile_bytes))
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T by cuBLAS (torch on CPU), into `out` where given: the path wherever the small-M kernel does not run."""
-    return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+def dense_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) by cuBLAS (torch on CPU), into `out` where given: the path wherever the small-M kernel does not
+    run. The bias is added as nn.Linear adds it (F.linear, or addmm into out: one rounding)."""
+    if out is None:
+        return F.linear(x, w, bias)
+    return torch.matmul(x, w.t(), out=out) if bias is None else torch.addmm(bias, x, w.t(), out=out)
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, *, use_triton: bool | None = None,
-                   config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype; F.linear where the kernel does not apply (M above `max_rows`,
-    CPU without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned tables). `out`
-    (contiguous [M, N] in x's dtype), where given, receives the product (a persistent buffer graphs write into)."""
+                   config: GemvConfig | None = None, out: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype; F.linear where the kernel does not apply (M above
+    `max_rows`, CPU without the interpreter, strided inputs). `config` overrides `tiles(N, K)` (benchmarks, tuned
+    tables). `out` (contiguous [M, N] in x's dtype), where given, receives the product (a persistent buffer graphs
+    write into). A bias is added to the kernel's rounded product by a kernel of its own (Qwen2's q, k and v; a Llama
+    with attention_bias or mlp_bias): within a rounding of F.linear's."""
     if out is not None and (out.shape != (x.shape[0], w.shape[0]) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"linear_small_m's out must be contiguous [{x.shape[0]}, {w.shape[0]}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     if not _applies(x, w, use_triton):
-        return dense_linear(x, w, out)
-    return _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
+        return dense_linear(x, w, out, bias)
+    y = _launch(x, w, config or config_for(x, w.shape[0], x.shape[1], x.shape[0]), gate_up=False, y=out)
+    return y if bias is None else y.add_(bias)
 
 
 def linear_all_reduce_norm(x: torch.Tensor, w: torch.Tensor, channel: Channel, residual: torch.Tensor,

@@ -19,10 +19,17 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (into `out` where given): the small-M kernel when it is on (the default; TPGRAPH_GEMV=0 turns it
-    off) and applies (decode rows on an sm_80+ GPU), else cuBLAS."""
-    return gemv.linear_small_m(x, weight, out=out) if small_m else gemv.dense_linear(x, weight, out)
+def _project(x: torch.Tensor, weight: torch.Tensor, small_m: bool, out: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias; into `out` where given): the small-M kernel when it is on (the default; TPGRAPH_GEMV=0
+    turns it off) and applies (decode rows on an sm_80+ GPU), else cuBLAS."""
+    if small_m:
+        return gemv.linear_small_m(x, weight, out=out, bias=bias)
+    return gemv.dense_linear(x, weight, out, bias)
+
+
+def _bias_name(weight_name: str) -> str:
+    return weight_name.removesuffix("weight") + "bias"
 
 
 class ColumnParallelLinear(nn.Module):
@@ -30,16 +37,18 @@ class ColumnParallelLinear(nn.Module):
     tensors (parts) along the output dim; each part is (hf_name, hf_rows, src_start, local_rows)."""
 
     def __init__(self, input_size: int, parts: list[tuple[str, int, int, int]], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, bias: bool = False) -> None:
         super().__init__()
         self.parts = parts
         self.output_sizes = [local for _, _, _, local in parts]
         self.weight = _param(sum(self.output_sizes), input_size, dtype=dtype, device=device)
+        # each part's bias rows split as its weight rows are
+        self.bias = _param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
         self.small_m = gemv.enabled()
 
     def forward(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
         """x may be what a fused all-reduce left (ReducedNorm): its normalised input is made first (rms_norm)."""
-        return _project(materialized(x), self.weight, self.small_m)
+        return _project(materialized(x), self.weight, self.small_m, bias=self.bias)
 
     def forward_silu_and_mul(self, x: torch.Tensor | ReducedNorm) -> torch.Tensor:
         """silu_and_mul(forward(x)) for a cat(gate, up) weight. With the small-M kernel on, one launch whose epilogue
@@ -47,13 +56,16 @@ class ColumnParallelLinear(nn.Module):
         staged input and RMS scale (within bf16 rounding); else the two steps."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this layer has {self.output_sizes}")
-        fused = gemv.gate_up_silu(x, self.weight) if self.small_m else None
+        # (the fused kernel has no bias: a biased gate_up takes the two steps)
+        fused = gemv.gate_up_silu(x, self.weight) if self.small_m and self.bias is None else None
         return fused if fused is not None else silu_and_mul(self.forward(x))
 
     def shard_specs(self) -> list[ShardSpec]:
         specs, dst = [], 0
         for hf_name, hf_rows, src_start, local in self.parts:
             specs.append(ShardSpec(self.weight, hf_name, (hf_rows, self.weight.shape[1]), 0, src_start, local, dst))
+            if self.bias is not None:
+                specs.append(ShardSpec(self.bias, _bias_name(hf_name), (hf_rows,), 0, src_start, local, dst))
             dst += local
         return specs
 
@@ -62,16 +74,19 @@ class RowParallelLinear(nn.Module):
     """Partial y = x_local @ W_local^T, W split along input columns. The caller all-reduces."""
 
     def __init__(self, input_size: int, output_size: int, hf_name: str, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, bias: bool = False) -> None:
         super().__init__()
         self.hf_name, self.input_size = hf_name, input_size
         self.src_start, local = even_split(input_size, tp_rank, tp_size)
         self.weight = _param(output_size, local, dtype=dtype, device=device)
+        # the whole bias on every rank; rank 0 adds it to its partial sums, so the all-reduce's sum holds it once
+        self.bias = _param(output_size, dtype=dtype, device=device) if bias else None
+        self.adds_bias = bias and tp_rank == 0
         self.small_m = gemv.enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums."""
-        return _project(x, self.weight, self.small_m)
+        return _project(x, self.weight, self.small_m, bias=self.bias if self.adds_bias else None)
 
     def pending(self, x: torch.Tensor) -> PendingProjection:
         """This projection of x, left for the all-reduce after it to run (with the all-reduce in its epilogue where
@@ -80,7 +95,8 @@ class RowParallelLinear(nn.Module):
 
     def shard_specs(self) -> list[ShardSpec]:
         shape = (self.weight.shape[0], self.input_size)
-        return [ShardSpec(self.weight, self.hf_name, shape, 1, self.src_start, self.weight.shape[1])]
+        specs = [ShardSpec(self.weight, self.hf_name, shape, 1, self.src_start, self.weight.shape[1])]
+        return specs if self.bias is None else specs + [whole(self.bias, _bias_name(self.hf_name))]
 
 
 class VocabShard:

@@ -45,9 +45,9 @@ class LlamaAttention(nn.Module):
             (f"{prefix}.q_proj.weight", cfg.q_size, rank * self.num_heads * d, self.num_heads * d),
             (f"{prefix}.k_proj.weight", cfg.kv_size, kv_start * d, self.num_kv_heads * d),
             (f"{prefix}.v_proj.weight", cfg.kv_size, kv_start * d, self.num_kv_heads * d),
-        ], dtype, device)
+        ], dtype, device, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, f"{prefix}.o_proj.weight", rank, tp, dtype,
-                                        device)
+                                        device, bias=cfg.o_proj_bias)
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
         self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
@@ -59,7 +59,9 @@ class LlamaAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
-        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and last_split_reduces():
+        # (the fused kernel adds no bias: a biased qkv, Qwen2's, takes the projection and rope_and_store below)
+        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and self.qkv_proj.bias is None \
+                and last_split_reduces():
             # decode rows: the projection, rope and the cache writes in one kernel (None: it does not apply here)
             # (positions and slots are the step's metadata, copied in before its first kernel: settled early)
             q = gemv.qkv_rope_store(x, self.qkv_proj.weight, positions, rope, meta.slot_mapping, cache.k, cache.v,
@@ -91,9 +93,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [
             (f"{prefix}.gate_proj.weight", cfg.intermediate_size, start, local),
             (f"{prefix}.up_proj.weight", cfg.intermediate_size, start, local),
-        ], dtype, device)
+        ], dtype, device, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight",
-                                           rank, tp, dtype, device)
+                                           rank, tp, dtype, device, bias=cfg.mlp_bias)
         # SiLU·mul made in the gate_up projection's epilogue where the small-M kernel runs (the same bits, one launch
         # and one [M, 2 * inter] round trip fewer); bench_decode's +unfused turns it off to time the two kernels
         self.fused_activation = True
