@@ -326,10 +326,6 @@ class ModelConfig:
         if model_type == "qwen2" and not cfg.get("use_sliding_window"):
             # (transformers' Qwen2Config keeps no window unless use_sliding_window: Qwen2.5's configs name one unused)
             cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "max_window_layers")}
-        layer_types = cfg.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ConfigError(f"config.json sets layer_types with {sorted(set(layer_types) - {'full_attention'})}: "
-                              f"only full attention in every layer is implemented")
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
                               f"the same function)")
@@ -345,6 +341,13 @@ class ModelConfig:
                     f"attention over a context capped at the window, {window}" if name == "sliding_window" else ""
                 raise ConfigError(f"config.json {where}, which tpgraph does not implement (it would run as if unset "
                                   f"and give wrong results){hint}")
+        # (after the window's own refusal, which names disable_sliding_window; under it a sliding layer is the window
+        # it runs as full attention, as vLLM's flag runs every layer)
+        taken = {"full_attention", "sliding_attention"} if disable_sliding_window else {"full_attention"}
+        layer_types = cfg.get("layer_types") or []
+        if any(t not in taken for t in layer_types):
+            raise ConfigError(f"config.json sets layer_types with {sorted(set(layer_types) - taken)}: only full "
+                              f"attention in every layer is implemented")
         try:
             heads = _integer("num_attention_heads", cfg["num_attention_heads"])
             hidden = _integer("hidden_size", cfg["hidden_size"])

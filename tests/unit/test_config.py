@@ -167,6 +167,22 @@ def test_a_sliding_window_is_taken_as_a_context_cap_under_disable_sliding_window
         ModelConfig.from_hf_dict({**mistral, "sliding_window": 0}, disable_sliding_window=True)
 
 
+def test_sliding_layers_in_layer_types_are_taken_under_disable_sliding_window_and_refused_with_its_hint():
+    """A window transformers 5 writes out as layer_types (a Qwen2 with use_sliding_window, max_window_layers below
+    the depth) is the window disable_sliding_window runs as full attention, as vLLM's flag does (it ran before
+    layer_types were read); without the flag the refusal names the window and the flag, not layer_types alone."""
+    qwen = {**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 14,
+            "layer_types": ["full_attention"] * 14 + ["sliding_attention"] * 14}
+    assert ModelConfig.from_hf_dict(qwen, disable_sliding_window=True).max_context == 4096
+    mistral = {**MINIMAL, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_key_value_heads": 2,
+               "num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf_dict(mistral, disable_sliding_window=True).max_context == 4096
+    with pytest.raises(ConfigError, match="sets sliding_window=4096.*--disable-sliding-window"):
+        ModelConfig.from_hf_dict(qwen)
+    with pytest.raises(ConfigError, match=r"layer_types with \['chunked_attention'\]"):
+        ModelConfig.from_hf_dict({**qwen, "layer_types": ["chunked_attention"] * 28}, disable_sliding_window=True)
+
+
 def test_a_llamas_biases_follow_attention_bias_and_mlp_bias():
     """As transformers' LlamaForCausalLM builds them: attention_bias on q, k, v and o, mlp_bias on gate, up and down
     (they were refused); Mistral's code builds none whatever its config says; a field not true or false is refused."""
