@@ -167,6 +167,15 @@ def test_a_sliding_window_is_taken_as_a_context_cap_under_disable_sliding_window
         ModelConfig.from_hf_dict({**mistral, "sliding_window": 0}, disable_sliding_window=True)
 
 
+def test_a_qwen2_config_without_num_key_value_heads_takes_qwen2configs_32():
+    """Qwen2Config's default is 32 KV heads, not LlamaConfig's one per attention head: a 64-head config that leaves the
+    field out is GQA over 32 heads in transformers (k and v of 32 heads' rows), which ran as 64 and was refused at the
+    load as a checkpoint of other shapes. An explicit null is still one per attention head, as transformers reads it."""
+    bare = {k: v for k, v in QWEN25_7B.items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_hf_dict({**bare, "num_attention_heads": 64, "hidden_size": 8192}).num_key_value_heads == 32
+    assert ModelConfig.from_hf_dict({**bare, "num_key_value_heads": None}).num_key_value_heads == 28
+
+
 def test_sliding_layers_in_layer_types_are_taken_under_disable_sliding_window_and_refused_with_its_hint():
     """A window transformers 5 writes out as layer_types (a Qwen2 with use_sliding_window, max_window_layers below
     the depth) is the window disable_sliding_window runs as full attention, as vLLM's flag does (it ran before
