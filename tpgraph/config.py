@@ -27,7 +27,8 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
+              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "sliding_window": 4096},
 }
 # the architecture a model_type's checkpoints name, where it decides the model's code (Qwen2's q, k and v carry biases
 # that a Llama does not): a config naming one with the other's model_type is refused, not run as either

@@ -176,6 +176,19 @@ def test_a_qwen2_config_without_num_key_value_heads_takes_qwen2configs_32():
     assert ModelConfig.from_hf_dict({**bare, "num_key_value_heads": None}).num_key_value_heads == 28
 
 
+def test_a_qwen2_window_switched_on_without_its_size_takes_qwen2configs_4096():
+    """use_sliding_window with no sliding_window field is Qwen2Config's 4096 window (transformers and vLLM read it so):
+    disable_sliding_window caps the context at it, as it does a window the config names (it ran uncapped, over a 32k
+    context, its sliding layers attending past their window); without the flag the refusal says where the window came
+    from."""
+    bare = {k: v for k, v in QWEN25_7B.items() if k not in ("sliding_window", "max_window_layers")}
+    on = {**bare, "use_sliding_window": True}
+    assert ModelConfig.from_hf_dict(on, disable_sliding_window=True).max_context == 4096
+    with pytest.raises(ConfigError, match="leaves out sliding_window, so model_type 'qwen2' takes its default of 4096"):
+        ModelConfig.from_hf_dict(on)
+    assert ModelConfig.from_hf_dict(bare).max_context == 32768  # (switched off: no window, whatever its default)
+
+
 def test_sliding_layers_in_layer_types_are_taken_under_disable_sliding_window_and_refused_with_its_hint():
     """A window transformers 5 writes out as layer_types (a Qwen2 with use_sliding_window, max_window_layers below
     the depth) is the window disable_sliding_window runs as full attention, as vLLM's flag does (it ran before
