@@ -319,9 +319,10 @@ class ModelConfig:
             )
         own = ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
         if any(a != own if own else a in ARCHITECTURE_OF_MODEL_TYPE.values() for a in archs):
-            raise ConfigError(f"config.json names architecture {archs} with model_type {model_type!r}: the two do not "
-                              f"go together (transformers builds the model_type's own model), so it is not run as "
-                              f"either")
+            named = "" if "model_type" in cfg else " (its default: config.json names none)"
+            raise ConfigError(f"config.json names architecture {archs} with model_type {model_type!r}{named}: the two "
+                              f"do not go together (transformers builds the model_type's own model), so it is not run "
+                              f"as either")
         defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
         cfg = {**cfg, **defaulted}
         if model_type == "qwen2" and not cfg.get("use_sliding_window"):

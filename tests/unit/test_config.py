@@ -99,6 +99,14 @@ def test_an_architecture_and_model_type_that_do_not_go_together_are_refused(arch
         ModelConfig.from_hf_dict(doc)
 
 
+def test_an_architecture_without_a_model_type_is_refused_saying_the_config_names_none():
+    """A Qwen2ForCausalLM config that leaves model_type out was refused as one naming model_type 'llama', which it
+    does not: the message says it names none."""
+    with pytest.raises(ConfigError, match=r"names architecture \['Qwen2ForCausalLM'\] with model_type 'llama' \(its "
+                                          r"default: config.json names none\)"):
+        ModelConfig.from_hf_dict({**MINIMAL, "architectures": ["Qwen2ForCausalLM"]})
+
+
 QWEN25_7B = {  # Qwen/Qwen2.5-7B-Instruct's config.json, as the hub holds it
     "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
     "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
