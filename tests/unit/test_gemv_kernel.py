@@ -335,7 +335,8 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch, rows):
         return out
 
     monkeypatch.setattr(gemv, "gate_up_silu", fused_gate_up)
-    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None: linear(x, w, use_triton=True, out=out))
+    monkeypatch.setattr(gemv, "linear_small_m",
+                        lambda x, w, out=None, bias=None: linear(x, w, use_triton=True, out=out, bias=bias))
     x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
     assert mlp.fused_activation
     fused = mlp(x).run()  # (the MLP leaves its down projection to the all-reduce after it)

@@ -335,7 +335,8 @@ def interpreted_o_proj(monkeypatch, ranks: Ranks):
     monkeypatch.setattr(gemv, "config_for", lambda *a: cfg)
     monkeypatch.setattr(gemv, "_device_takes", lambda *a: True)
     monkeypatch.setattr(gemv, "linear_small_m",
-                        lambda x, w, out=None: linear_small_m(x, w, use_triton=True, config=cfg, out=out))
+                        lambda x, w, out=None, bias=None: linear_small_m(x, w, use_triton=True, config=cfg, out=out,
+                                                                          bias=bias))
     monkeypatch.setattr(gemv, "linear_all_reduce_norm",
                         lambda *a, **kw: linear_all_reduce_norm(*a, **kw, use_triton=True, config=cfg))
     return layer, cfg
