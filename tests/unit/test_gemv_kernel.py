@@ -35,6 +35,22 @@ def test_matches_matmul_in_fp32(m, n, k):
 
 
 @interpreted
+def test_a_bias_is_added_as_f_linear_adds_it():
+    """The kernel's product plus the bias (Qwen2's q, k, v): fp32 within F.linear's rounding, into `out` too; where the
+    kernel does not apply (more rows than it takes), F.linear's own bits."""
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    torch.testing.assert_close(linear_small_m(x, w, use_triton=True, bias=b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    out = torch.full((3, 40), float("nan"))
+    assert linear_small_m(x, w, use_triton=True, bias=b, out=out) is out
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    many = torch.randn(40, 96, generator=g)
+    assert torch.equal(linear_small_m(many, w, use_triton=True, bias=b), F.linear(many, w, b))
+    into = torch.empty(40, 40)
+    assert torch.equal(linear_small_m(many, w, use_triton=True, bias=b, out=into), F.linear(many, w, b))
+
+
+@interpreted
 @pytest.mark.parametrize("m", [1, 5])
 def test_bf16_within_rounding(m):
     g = torch.Generator().manual_seed(m)
