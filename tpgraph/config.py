@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-# (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code)
+# (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code; Qwen2's is Llama's with
+# biases on q, k and v)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
 # than LlamaConfig (MistralConfig's: its sliding window of 4096 is then refused below, unless disable_sliding_window;

@@ -124,8 +124,8 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
     fixed.add_argument("--quantization", "-q", default=None, type=no_quantization, metavar="METHOD",
                        help="refused: tpgraph runs unquantized weights (a checkpoint with a quantization_config is "
                             "refused too)")
-    # (checkpoints load as LlamaForCausalLM or MistralForCausalLM, read by tpgraph's own code: no checkpoint's code
-    # runs, so trusting it changes nothing)
+    # (checkpoints load as LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, read by tpgraph's own code: no
+    # checkpoint's code runs, so trusting it changes nothing)
     fixed.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                        help="taken: the Llama, Mistral and Qwen2 checkpoints tpgraph loads need no code of their own, "
                             "and none is run")
