@@ -1,6 +1,7 @@
 """Checkpoints with biased projections (Qwen2's q, k and v; a Llama's attention_bias and mlp_bias) on the GPU, against
-transformers on the same weights: full decode graphs, where the fused kernels without a bias (qkv + rope, gate_up +
-SiLU·mul, the projection with the residual add in its epilogue) give way to the projection and a bias add."""
+transformers on the same weights: full decode graphs, where the fused qkv + rope kernel adds q, k and v's biases and
+the fused kernels without a bias (gate_up + SiLU·mul, the projection with the residual add in its epilogue) give way
+to the projection and a bias add."""
 
 import pytest
 import torch

@@ -56,9 +56,11 @@ def test_matches_hf(checkpoints, case, tp):
 
 
 @pytest.mark.slow
-def test_triton_decode_path_matches_hf(checkpoints):
-    """The same comparison with decode attention through the Triton kernel (interpreted on CPU)."""
-    path, hf_tokens, hf_logits = checkpoints["llama32_tied_llama3rope_gqa"]
+@pytest.mark.parametrize("case", ["llama32_tied_llama3rope_gqa", "qwen2_tied_gqa"])
+def test_triton_decode_path_matches_hf(checkpoints, case):
+    """The same comparison with decode attention through the Triton kernel (interpreted on CPU), for a Llama and a
+    Qwen2 (its biased q, k and v)."""
+    path, hf_tokens, hf_logits = checkpoints[case]
     steps = 6
     results = run_ranks(greedy_with_logits, 2, str(path), PROMPTS, steps, 4, True)
     for res in results:

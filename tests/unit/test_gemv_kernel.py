@@ -472,9 +472,11 @@ def test_qkv_rope_store_reads_strided_positions_and_slots_as_given():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: bool, g: torch.Generator) -> None:
+def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: bool, g: torch.Generator,
+                         biased: bool = False) -> None:
     """qkv_rope_store on m random rows (4 + 2 * 2 heads of 64) against linear_small_m (the same tiles) and then
-    rope_and_store: q and both caches bit for bit, and the counters back at zero."""
+    rope_and_store: q and both caches bit for bit, and the counters back at zero. biased: with a bias (Qwen2's q, k, v)
+    given to both."""
     from tpgraph.kernels._counters import split_counters
     from tpgraph.kernels.gemv import qkv_rope_store
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
@@ -486,13 +488,39 @@ def _check_qkv_rope_bits(m: int, dtype: torch.dtype, cfg: GemvConfig, early: boo
     positions = torch.randint(0, 64, (m,), generator=g)
     slots = torch.randperm(8 * block_size, generator=g)[:m]
     caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    bias = torch.randn(w.shape[0], generator=g).to(dtype) if biased else None
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                       inputs_early=early, use_triton=True, config=cfg)
-    qkv = linear_small_m(x, w, use_triton=True, config=cfg)
+                       inputs_early=early, use_triton=True, config=cfg, bias=bias)
+    qkv = linear_small_m(x, w, use_triton=True, config=cfg, bias=bias)
     rq, _ = rope_and_store(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim, use_triton=True)
     assert q is not None and torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert not split_counters(x.device, w.shape[0] // cfg.block_n).any()  # (a count per head or per column block)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("polled", "paired"), [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])
+def test_qkv_rope_store_with_a_bias_gives_the_two_steps_bits(monkeypatch, dtype, polled, paired):
+    """Qwen2's q, k and v biases in the fused kernel: added to the rounded projection and rounded again before the
+    rotation, as linear_small_m's bias and then rope_and_store do it, bit for bit, whichever reducer rotates (a head's,
+    counted or polled; a paired column block's)."""
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
+    monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", polled)
+    monkeypatch.setenv("TPGRAPH_QKV_PAIRED", paired)
+    _check_qkv_rope_bits(3, dtype, GemvConfig(32, 32, 4, 2, 2), True, torch.Generator().manual_seed(11), biased=True)
+
+
+def test_qkv_rope_store_declines_a_bias_it_cannot_add():
+    from tpgraph.kernels.gemv import qkv_rope_store
+    from tpgraph.kernels.rope_store import rope_cos_sin_table
+
+    x, w = torch.randn(2, 96), torch.randn(8 * 64, 96)
+    tables = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), 64, torch.float32, "cpu")
+    caches = [torch.zeros(8, 4, 2, 64) for _ in range(2)]
+    args = (torch.arange(2), tables, torch.arange(2), *caches, 4, 2, 64)
+    for bias in (torch.zeros(8 * 64 - 1), torch.zeros(8 * 64, dtype=torch.bfloat16), torch.zeros(8 * 64 * 2)[::2]):
+        assert qkv_rope_store(x, w, *args, use_triton=True, bias=bias) is None
 
 
 @interpreted
@@ -631,10 +659,10 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
 
 
 def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, polled: bool = False,
-                  paired: bool = False) -> str:
+                  paired: bool = False, bias: bool = False) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
-                "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16"}
+                "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "bias_ptr": "*bf16"}
     ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
@@ -642,7 +670,7 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, poll
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "POLLED": polled, "PAIRED": paired})
+                     "ROPE_EARLY": rope_early, "POLLED": polled, "PAIRED": paired, "HAS_BIAS": bias})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -662,6 +690,14 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     four = _loads_after_the_count(ptx)
     assert four and all(".cg" in ld for ld in four)
     assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
+
+
+def test_a_biased_qkv_rope_kernel_adds_its_bias_as_its_own_rounded_add():
+    """sm_90a with a bias (Qwen2's): each rotated half takes its bias by an add.rn.f32 of its own (no FMA may fold it
+    into a product), loaded after the count, and the unbiased kernel loads no bias."""
+    biased, plain = _qkv_rope_ptx(4, bias=True), _qkv_rope_ptx(4)
+    assert biased.count("add.rn.f32") >= plain.count("add.rn.f32") + 2
+    assert len(_loads_after_the_count(biased)) > len(_loads_after_the_count(plain))
 
 
 def test_the_polled_qkv_rope_reducer_compiles_for_sm90_without_a_count():

@@ -68,7 +68,7 @@ try:
         unfilled,
     )
     from tpgraph.kernels._pdl import pdl_enter
-    from tpgraph.kernels._rounding import round_to, to_dtype
+    from tpgraph.kernels._rounding import add_rn, round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.lamport import all_reduce_tile, epilogue_inputs, rows_squares, rstd_of
     from tpgraph.kernels.rope_store import rotate_pair
@@ -528,14 +528,14 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-                         v_cache_ptr, q_out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos, stride_sin,
-                         stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps, mean_scale,
+                         v_cache_ptr, q_out_ptr, bias_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos,
+                         stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps, mean_scale,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
                          PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
-                         POLLED: tl.constexpr, PAIRED: tl.constexpr):
+                         POLLED: tl.constexpr, PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel.
         Unless PAIRED (below), every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED)
         counts itself in at counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the
@@ -593,13 +593,14 @@ if triton is not None:
                 reduces, total = _split_total(acc, ws_ptr, counter_ptr + pid, stride_os, tile, tile_ok, pid_k, SPLITS,
                                               POLLED)
             if reduces:
-                _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
-                            stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                            HEAD_DIM, EXACT_MUL, STAGED)
+                _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M,
+                            stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS,
+                            NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS)
         else:
-            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, pid,
-                        pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
-                        BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, POLLED)
+            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head,
+                        pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
+                        BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS,
+                        POLLED, HAS_BIAS)
 
     @triton.jit
     def _split_total(acc, ws_ptr, counter_ptr, stride_os, tile, tile_ok, pid_k, SPLITS: tl.constexpr,
@@ -627,11 +628,11 @@ if triton is not None:
         return reduces, total
 
     @triton.jit
-    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, pid, pid_k,
-                    tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
+    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head,
+                    pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                    SPLITS: tl.constexpr, POLLED: tl.constexpr):
+                    SPLITS: tl.constexpr, POLLED: tl.constexpr, HAS_BIAS: tl.constexpr):
         """_qkv_rope_kernel's reduction by heads (not PAIRED): this program's partial stored, then the head's reducer
         (its last column block at the last split, POLLED; else the last of the head's programs to arrive at
         counter_ptr[head]) adds and rotates the whole head (_rope_head)."""
@@ -639,13 +640,13 @@ if triton is not None:
         if POLLED:  # the head's last column block at the last split: its partners have lower program ids
             if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
                 tl.debug_barrier()  # its own partial's stores, seen by all of its threads
-                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
-                           stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
-                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True)
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N,
+                           stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True, HAS_BIAS)
         elif arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
-            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os,
+            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N, stride_os,
                        stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False)
+                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False, HAS_BIAS)
             reset_counter(counter_ptr + head)
 
     @triton.jit
@@ -661,10 +662,11 @@ if triton is not None:
         return c, sn, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
 
     @triton.jit
-    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, N, stride_os, stride_ch,
-                   stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
+    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N, stride_os,
+                   stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr):
+                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
         they are in flight together; POLLED: until none holds the sentinel, then the slots go back to it), then
         _rope_store."""
@@ -690,27 +692,28 @@ if triton is not None:
             for s in tl.static_range(1, SPLITS):
                 t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
                 t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
                     stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                    EXACT_MUL, STAGED)
+                    EXACT_MUL, STAGED, HAS_BIAS)
 
     @triton.jit
-    def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+    def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
                     stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
         """A PAIRED tile's fp32 sums [BLOCK_M, BLOCK_N] (dims offs_h and offs_h + HEAD_DIM / 2 of head `head`,
         interleaved) through _rope_store."""
         t1, t2 = tl.split(tl.reshape(total, (BLOCK_M, BLOCK_N // 2, 2)))
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
                     stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                    EXACT_MUL, STAGED)
+                    EXACT_MUL, STAGED, HAS_BIAS)
 
     @triton.jit
-    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, head, M, stride_ch,
+    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
                     stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr):
+                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Head `head`'s fp32 sums at dims offs_h (t1) and offs_h + HEAD_DIM / 2 (t2) of every row, scaled by the
         rows' 1 / RMS (STAGED), then q/k rotated with the rows' cos/sin at offs_h (c, sn; every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
@@ -724,9 +727,18 @@ if triton is not None:
             rstd = rstd_of(squares, mean_scale, eps)
             t1 = t1 * rstd[:, None]
             t2 = t2 * rstd[:, None]
+        x1 = round_to(t1, dtype, SOFT_BF16)  # the qkv output, as the GEMV would have stored it
+        x2 = round_to(t2, dtype, SOFT_BF16)
+        if HAS_BIAS:  # then its bias added and rounded again, as linear_small_m's add_ does (Qwen2's q, k, v)
+            b1 = tl.load(bias_ptr + head * HEAD_DIM + offs_h).to(tl.float32)[None, :]
+            b2 = tl.load(bias_ptr + head * HEAD_DIM + half + offs_h).to(tl.float32)[None, :]
+            if EXACT_MUL:  # (its own instruction: never an FMA with the RMS scale's product)
+                x1, x2 = add_rn(x1, b1), add_rn(x2, b2)
+            else:
+                x1, x2 = x1 + b1, x2 + b2
+            x1 = round_to(x1, dtype, SOFT_BF16)
+            x2 = round_to(x2, dtype, SOFT_BF16)
         if head < NUM_HEADS + NUM_KV_HEADS:
-            x1 = round_to(t1, dtype, SOFT_BF16)  # the qkv output, as the GEMV would have stored it
-            x2 = round_to(t2, dtype, SOFT_BF16)
             o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
@@ -736,8 +748,8 @@ if triton is not None:
             tl.store(dst + half, o2, mask=rows_ok)
         else:
             dst = v_cache_ptr + cache_row[:, None] + (head - NUM_HEADS - NUM_KV_HEADS) * stride_ch + offs_h[None, :]
-            tl.store(dst, to_dtype(t1, dtype, SOFT_BF16), mask=rows_ok)
-            tl.store(dst + half, to_dtype(t2, dtype, SOFT_BF16), mask=rows_ok)
+            tl.store(dst, to_dtype(x1, dtype, SOFT_BF16), mask=rows_ok)  # (x1 holds a value of dtype: exact)
+            tl.store(dst + half, to_dtype(x2, dtype, SOFT_BF16), mask=rows_ok)
 
     @triton.jit
     def _polled_halves(ws_ptr, at, ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr):
@@ -966,7 +978,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
                    cos_sin: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                    inputs_early: bool = False, use_triton: bool | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor | None:
+                   config: GemvConfig | None = None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would
@@ -974,7 +986,9 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     ReducedNorm (see gate_up_silu: then within bf16 rounding, not the same bits).
     inputs_early: the caller vouches that positions and slot_mapping were written before the kernel before this one
     was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
-    rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe)."""
+    rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe).
+    bias [N] (Qwen2's q, k and v): added to the projection's rounded output and rounded again before the rotation, as
+    linear_small_m(x, w, bias=bias) and then rope_and_store do it."""
     recv = x if isinstance(x, ReducedNorm) else None
     x = x.staged if recv is not None else x
     if not _applies(x, w, use_triton):
@@ -987,7 +1001,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return None
     if cos.shape[-1] != head_dim // 2 or k_cache.shape[2:] != (num_kv_heads, head_dim) or any(
-            t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)):
+            t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)) or bias is not None and (
+            bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
@@ -1006,10 +1021,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     ws = split_workspace(partials, (config.split_k, m, n), x.device)
     counters = split_counters(x.device, blocks if paired else num_heads + 2 * num_kv_heads)
     _qkv_rope_kernel[(blocks, config.split_k)](
-        x, w, ws, counters, positions, cos, sin, slot_mapping, k_cache, v_cache, q,
+        x, w, ws, counters, positions, cos, sin, slot_mapping, k_cache, v_cache, q, x if bias is None else bias,
         m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early, POLLED=partials is not None, PAIRED=paired,
+        ROPE_EARLY=inputs_early, POLLED=partials is not None, PAIRED=paired, HAS_BIAS=bias is not None,
         **_staged_args(x, recv), **tile)
     return q

@@ -59,14 +59,12 @@ class LlamaAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
-        # (the fused kernel adds no bias: a biased qkv, Qwen2's, takes the projection and rope_and_store below)
-        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and self.qkv_proj.bias is None \
-                and last_split_reduces():
+        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and last_split_reduces():
             # decode rows: the projection, rope and the cache writes in one kernel (None: it does not apply here)
             # (positions and slots are the step's metadata, copied in before its first kernel: settled early)
             q = gemv.qkv_rope_store(x, self.qkv_proj.weight, positions, rope, meta.slot_mapping, cache.k, cache.v,
                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                    inputs_early=gemv.rope_inputs_early())
+                                    inputs_early=gemv.rope_inputs_early(), bias=self.qkv_proj.bias)
             if q is not None:
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
                 return self.o_proj.pending(out.view(out.shape[0], -1))
