@@ -345,18 +345,22 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     assert bool(taken) == (polled == "1")
 
 
+QKV_ROPE_CASES = [(m, dtype, False) for m in (1, 5, 16) for dtype in DTYPES] + [
+    (24, torch.bfloat16, False), (24, torch.float16, False), (32, torch.bfloat16, False),  # 16-bit only
+    (1, torch.bfloat16, True), (5, torch.float32, True), (24, torch.float16, True)]  # Qwen2's q, k, v biases
+
+
 @pytest.mark.parametrize("paired", ["0", "1"])
 @pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize(("m", "dtype"), [(m, dtype) for m in (1, 5, 16) for dtype in DTYPES]
-                         + [(24, torch.bfloat16), (24, torch.float16), (32, torch.bfloat16)])  # 16-bit only
-def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, polled, paired):
+@pytest.mark.parametrize(("m", "dtype", "biased"), QKV_ROPE_CASES)
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, biased, early, polled, paired):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32), its
     splits reduced by head or, paired (TPGRAPH_QKV_PAIRED), by column block, found by the count or by polling
     (TPGRAPH_POLLED_ROPE; paired, TPGRAPH_POLLED_PARTIALS): q and both caches bit for bit the two steps, eager and
     replayed in a graph with new rows before each replay (a reducer that read a stale partial would show), and every
     partial slot back at the sentinel. early: the rotation inputs read before the PDL wait (inputs_early; positions
-    and slots are written before x here, as the model's are)."""
+    and slots are written before x here, as the model's are). biased: with a bias, given to both."""
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
@@ -372,22 +376,24 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, early, p
     caches = [torch.zeros(64, block_size, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
     x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
+    bias = torch.randn(w.shape[0], device="cuda", generator=g).to(dtype) if biased else None
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                       inputs_early=early)
-    rq, _ = rope_and_store(linear_small_m(x, w), positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim)
+                       inputs_early=early, bias=bias)
+    rq, _ = rope_and_store(linear_small_m(x, w, bias=bias), positions, tables, slots, caches[2], caches[3], heads,
+                           kv_heads, dim)
     assert q is not None and torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                                  inputs_early=early)
+                                  inputs_early=early, bias=bias)
     for _ in range(3):
         x.copy_(torch.randn(m, hidden, device="cuda", generator=g).to(dtype))
         for cache in caches:
             cache.zero_()
         graph.replay()
-        rq, _ = rope_and_store(linear_small_m(x, w), positions, tables, slots, caches[2], caches[3], heads, kv_heads,
-                               dim)
+        rq, _ = rope_and_store(linear_small_m(x, w, bias=bias), positions, tables, slots, caches[2], caches[3], heads,
+                               kv_heads, dim)
         torch.cuda.synchronize()
         assert torch.equal(captured, rq) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
