@@ -361,6 +361,63 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch, rows):
     assert torch.equal(fused, mlp(x).run())
 
 
+@interpreted
+def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
+    """The model's attention with Qwen2's q, k and v biases at decode rows: the fused qkv + rope kernel (the layer
+    hands it its bias) and the two steps (the projection with its bias, then rope_and_store) give the same q and
+    caches, and the fused kernel did run. (The CPU parity tests run neither: their projections take F.linear.)"""
+    from tpgraph.config import ModelConfig
+    from tpgraph.kernels import gemv
+    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+    from tpgraph.model import llama
+    from tpgraph.model.attention import AttentionMetadata, KVCache
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, qkv_bias=True)
+
+    class OneRank:
+        rank, world_size = 0, 1
+
+    class Echo:  # decode attention that returns q: what the test compares
+        name = "echo"
+
+        def decode(self, q, cache, meta, scale):
+            return q
+
+    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", OneRank(), torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    attn.qkv_proj.small_m = True
+    tiles = GemvConfig(32, 32, 4, 2, 2)  # the same tiles both ways (the shipped table's may not divide a head)
+    ran, fused_call, linear = [], gemv.qkv_rope_store, gemv.linear_small_m
+
+    def fused(*args, **kwargs):
+        q = fused_call(*args, **kwargs, use_triton=True, config=tiles)
+        ran.append(q is not None)
+        return q
+
+    monkeypatch.setattr(gemv, "qkv_rope_store", fused)
+    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None, bias=None: linear(
+        x, w, use_triton=True, config=tiles, out=out, bias=bias))
+    monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
+    rows = 3
+    rope = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), 64, torch.bfloat16, "cpu")
+    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([9, 2, 30])
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=positions.int() + 1,
+                             block_tables=torch.zeros(rows, 1, dtype=torch.int32), backend=Echo(), max_seq_len=18)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    results = []
+    for fused_on in (True, False):
+        attn.fused_qkv_rope = fused_on
+        attn.kv_cache = KVCache(*(torch.zeros(8, 4, 2, 64, dtype=torch.bfloat16) for _ in range(2)))
+        results.append((attn(positions, rope, x, meta).x, attn.kv_cache.k, attn.kv_cache.v))
+    assert ran == [True]
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
     from tpgraph.kernels.gemv import GemvConfig, prefetch_tiles
 
