@@ -19,21 +19,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 # (Mistral's is Llama's model without a sliding window: vLLM runs both with its Llama code; Qwen2's is Llama's with
-# biases on q, k and v)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# biases on q, k and v; Qwen3's, Llama's with an RMSNorm over each head of q and k before the rotation)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
 # than LlamaConfig (MistralConfig's: its sliding window of 4096 is then refused below, unless disable_sliding_window;
-# Qwen2Config's)
+# Qwen2Config's and Qwen3Config's)
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
               "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "sliding_window": 4096},
+    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128,
+              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "sliding_window": 4096},
 }
 # the architecture a model_type's checkpoints name, where it decides the model's code (Qwen2's q, k and v carry biases
 # that a Llama does not): a config naming one with the other's model_type is refused, not run as either
-ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# the model_types whose window is unused unless use_sliding_window (their config classes drop it)
+SLIDING_WINDOW_SWITCHED = ("qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # config.json fields whose other values change the model: the values here are the ones tpgraph computes
 # (not pretraining_tp: transformers' slices of each matmul, joined again, are the same model at any value)
@@ -219,6 +224,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    # Qwen3's RMSNorm over each head of q and k (weights [head_dim]), after the projection, before the rotation
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         # (max_position_embeddings too: the rope tables and the context limit are sized by it, and 0 or less failed
@@ -326,7 +333,7 @@ class ModelConfig:
                               f"as either")
         defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
         cfg = {**cfg, **defaulted}
-        if model_type == "qwen2" and not cfg.get("use_sliding_window"):
+        if model_type in SLIDING_WINDOW_SWITCHED and not cfg.get("use_sliding_window"):
             # (transformers' Qwen2Config keeps no window unless use_sliding_window: Qwen2.5's configs name one unused)
             cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "max_window_layers")}
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
@@ -380,6 +387,7 @@ class ModelConfig:
                 sliding_window=None if window is None or not disable_sliding_window else
                 _integer("sliding_window", window),
                 **_biases(model_type, cfg),
+                qk_norm=model_type == "qwen3",
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the required field {exc.args[0]!r}") from None
@@ -409,14 +417,15 @@ class ModelConfig:
 
 def _biases(model_type: str, cfg: dict[str, Any]) -> dict[str, bool]:
     """ModelConfig's bias fields as transformers builds the model_type's projections: Qwen2 always has q, k and v
-    biases (and reads no attention_bias); a Llama's attention_bias and mlp_bias give them; Mistral's code builds none,
-    whatever the fields say."""
+    biases (and reads no attention_bias); a Llama's attention_bias and mlp_bias give them, a Qwen3's attention_bias
+    (its MLP has none); Mistral's code builds none, whatever the fields say."""
     if model_type == "qwen2":
         return {"qkv_bias": True}
-    if model_type != "llama":
+    if model_type not in ("llama", "qwen3"):
         return {}
     attention = _flag("attention_bias", cfg.get("attention_bias"))
-    return {"qkv_bias": attention, "o_proj_bias": attention, "mlp_bias": _flag("mlp_bias", cfg.get("mlp_bias"))}
+    mlp = model_type == "llama" and _flag("mlp_bias", cfg.get("mlp_bias"))
+    return {"qkv_bias": attention, "o_proj_bias": attention, "mlp_bias": mlp}
 
 
 def _no_config(model_dir: Path) -> str:

@@ -1,4 +1,5 @@
-"""Checkpoints with biased projections (Qwen2's q, k and v; a Llama's attention_bias and mlp_bias) on the GPU, against
+"""Checkpoints with biased projections (Qwen2's q, k and v; a Llama's attention_bias and mlp_bias), and Qwen3's (its
+q and k heads normed), on the GPU, against
 transformers on the same weights: full decode graphs, where the fused qkv + rope kernel adds q, k and v's biases and
 the fused kernels without a bias (gate_up + SiLU·mul, the projection with the residual add in its epilogue) give way
 to the projection and a bias add."""
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 16
 
 
-@pytest.mark.parametrize("case", ["llama_biases_kv1", "qwen2_tied_gqa"])
+@pytest.mark.parametrize("case", ["llama_biases_kv1", "qwen2_tied_gqa", "qwen3_kv2_headdim"])
 def test_a_biased_checkpoint_decodes_under_graphs_as_transformers_does(tmp_path, case):
     path = make_checkpoint(case, tmp_path / "c")
     hf_tokens, hf_logits = hf_greedy_reference(path, PROMPTS, STEPS)

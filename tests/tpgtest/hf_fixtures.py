@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Llama (and Qwen2) checkpoints, written with save_pretrained (no network)."""
+"""Tiny random Hugging Face Llama (and Qwen2, Qwen3) checkpoints, written with save_pretrained (no network)."""
 
 from __future__ import annotations
 
@@ -42,23 +42,36 @@ CASES: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256,
         rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=32, use_sliding_window=False, max_window_layers=1,
     ),
+    # Qwen3 (an RMSNorm over each head of q and k), 2 KV heads, untied, a head_dim apart from hidden / heads
+    "qwen3_kv2_headdim": dict(
+        model="qwen3", vocab_size=601, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
+    ),
 }
 
 PROMPTS = [[1, 17, 29, 3, 99], [5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 500], [7] * 17]
 
 
 def make_checkpoint(case: str, out_dir: Path, seed: int = 0, init_std: float = 0.08) -> Path:
-    """Write a random LlamaForCausalLM (Qwen2ForCausalLM where the case says model="qwen2") for `case` to out_dir and
-    return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a random LlamaForCausalLM (Qwen2's or Qwen3's where the case says model="qwen2" or "qwen3") for `case`
+    to out_dir and return it."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     kwargs = dict(CASES[case])
     shard_size = kwargs.pop("shard_size", None)
     rope = kwargs.pop("rope_scaling", None)
     if rope is not None:
         kwargs["rope_parameters"] = rope
-    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kwargs.pop("model", "llama") == "qwen2" else \
-        (LlamaConfig, LlamaForCausalLM)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kwargs.pop("model", "llama")]
     config = config_class(initializer_range=init_std, **kwargs)
     torch.manual_seed(seed)
     model = model_class(config).eval()

@@ -82,8 +82,8 @@ def test_kv_heads_and_tp_must_divide():
 
 
 def test_unsupported_architecture():
-    with pytest.raises(ConfigError, match="unsupported architecture.*Qwen3ForCausalLM"):
-        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported architecture.*Qwen3MoeForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA2_7B, "architectures": ["Qwen3MoeForCausalLM"]})
     with pytest.raises(ConfigError, match="unsupported architecture.*model_type='gemma'"):
         ModelConfig.from_hf_dict({**LLAMA2_7B, "model_type": "gemma"})
 
@@ -134,6 +134,31 @@ def test_a_qwen2_config_reads_as_transformers_reads_it():
     capped = ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096},
                                       disable_sliding_window=True)
     assert capped.max_context == 4096
+
+
+QWEN3_8B = {  # Qwen/Qwen3-8B's config.json, as the hub holds it
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_a_qwen3_config_reads_as_transformers_reads_it():
+    """Qwen3ForCausalLM: a norm over each head of q and k; attention_bias on q, k, v and o (none on the MLP, whatever
+    mlp_bias says); absent fields take Qwen3Config's defaults (a head_dim of 128, not hidden / heads)."""
+    cfg = ModelConfig.from_hf_dict(QWEN3_8B)
+    assert (cfg.qk_norm, cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias) == (True, False, False, False)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.max_context, cfg.eos_token_id) == (128, 8, 40960, (151645,))
+    cfg = ModelConfig.from_hf_dict({**QWEN3_8B, "attention_bias": True, "mlp_bias": True})
+    assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias) == (True, True, False)
+    bare = {k: v for k, v in QWEN3_8B.items() if k not in ("head_dim", "hidden_size", "sliding_window")}
+    assert ModelConfig.from_hf_dict({**bare, "hidden_size": 2048}).head_dim == 128  # (2048 / 32 would be 64)
+    assert not ModelConfig.from_hf_dict(LLAMA2_7B).qk_norm
+    with pytest.raises(ConfigError, match="names architecture .*Qwen3ForCausalLM.* with model_type 'qwen2'"):
+        ModelConfig.from_hf_dict({**QWEN3_8B, "model_type": "qwen2"})
 
 
 def test_layer_types_other_than_full_attention_are_refused():

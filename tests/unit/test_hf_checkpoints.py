@@ -198,6 +198,28 @@ def test_a_qwen2_checkpoint_runs_as_transformers_runs_it(tmp_path):
         assert engine_greedy(engine, prompt, 8) == hf_greedy(path, prompt, 8)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_qwen3_checkpoint_runs_as_transformers_runs_it(tmp_path, bias):
+    """Qwen3ForCausalLM (Qwen3's dense models): a Llama with an RMSNorm over each head of q and k before the rotation,
+    and attention_bias on q, k, v and o; it was refused as an unsupported architecture."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**BASE, "max_position_embeddings": 64}, head_dim=32, attention_bias=bias,
+                         tie_word_embeddings=True, rope_theta=1e6)
+    path = save_varied(Qwen3ForCausalLM(config).eval(), tmp_path / "c")
+    prompt = [(37 * j + 11) % VOCAB for j in range(20)]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
+        assert engine_prompt_logprobs(engine, prompt) == pytest.approx(want, abs=1e-4)
+        assert engine_greedy(engine, prompt, 8) == hf_greedy(path, prompt, 8)
+
+
 def test_a_checkpoint_whose_config_asks_for_biases_it_lacks_is_refused_naming_one(tmp_path):
     path = save_hf_model(tmp_path / "c")
     doc = json.loads((path / "config.json").read_text())

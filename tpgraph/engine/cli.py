@@ -124,11 +124,11 @@ def add_fixed_args(p: argparse.ArgumentParser) -> None:
     fixed.add_argument("--quantization", "-q", default=None, type=no_quantization, metavar="METHOD",
                        help="refused: tpgraph runs unquantized weights (a checkpoint with a quantization_config is "
                             "refused too)")
-    # (checkpoints load as LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, read by tpgraph's own code: no
-    # checkpoint's code runs, so trusting it changes nothing)
+    # (checkpoints load as LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, read by
+    # tpgraph's own code: no checkpoint's code runs, so trusting it changes nothing)
     fixed.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
-                       help="taken: the Llama, Mistral and Qwen2 checkpoints tpgraph loads need no code of their own, "
-                            "and none is run")
+                       help="taken: the Llama, Mistral, Qwen2 and Qwen3 checkpoints tpgraph loads need no code of "
+                            "their own, and none is run")
     # (vLLM's V1 engine preempts by recomputation and never swaps, as this one: the CPU swap space goes unused there)
     fixed.add_argument("--swap-space", type=non_negative, default=4.0, metavar="GIB",
                        help="taken, unused: a preempted sequence is recomputed, as in vLLM's V1 engine, never swapped "

@@ -48,9 +48,21 @@ class LlamaAttention(nn.Module):
         ], dtype, device, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, f"{prefix}.o_proj.weight", rank, tp, dtype,
                                         device, bias=cfg.o_proj_bias)
+        # Qwen3's norms over each head of q and k (replicated: [head_dim] each)
+        self.q_norm, self.k_norm = (RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.{name}.weight", dtype, device)
+                                    for name in ("q_norm", "k_norm")) if cfg.qk_norm else (None, None)
         self.scale = d ** -0.5
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
         self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
+
+    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm of each head of q and of k over head_dim (v as it is), as transformers applies it after the
+        projection and before the rotation."""
+        d, rows = self.head_dim, qkv.shape[0]
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = self.q_norm(q.reshape(-1, d)).view(rows, -1)
+        k = self.k_norm(k.reshape(-1, d)).view(rows, -1)
+        return torch.cat((q, k, v), dim=-1)
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
                 meta: AttentionMetadata) -> PendingProjection:
@@ -59,7 +71,9 @@ class LlamaAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
-        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and last_split_reduces():
+        # (the fused kernel has no norm of the heads: Qwen3's q and k take the steps below)
+        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and self.q_norm is None \
+                and last_split_reduces():
             # decode rows: the projection, rope and the cache writes in one kernel (None: it does not apply here)
             # (positions and slots are the step's metadata, copied in before its first kernel: settled early)
             q = gemv.qkv_rope_store(x, self.qkv_proj.weight, positions, rope, meta.slot_mapping, cache.k, cache.v,
@@ -69,6 +83,8 @@ class LlamaAttention(nn.Module):
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
                 return self.o_proj.pending(out.view(out.shape[0], -1))
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self.norm_heads(qkv)
         # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
         q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
                               self.num_kv_heads, self.head_dim)
