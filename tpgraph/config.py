@@ -24,15 +24,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # each model_type's defaults for absent config.json fields, where transformers' config class for it has other ones
 # than LlamaConfig (MistralConfig's: its sliding window of 4096 is then refused below, unless disable_sliding_window;
 # Qwen2Config's and Qwen3Config's)
+_QWEN_DEFAULTS = {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+                  "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096}
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
-    "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-              "sliding_window": 4096},
-    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128,
-              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-              "sliding_window": 4096},
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128},  # (not hidden / heads)
 }
 # the architecture a model_type's checkpoints name, where it decides the model's code (Qwen2's q, k and v carry biases
 # that a Llama does not): a config naming one with the other's model_type is refused, not run as either
