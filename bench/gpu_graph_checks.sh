@@ -7,7 +7,7 @@
 #        [full-bench] [all-gpu-tests] [all-gpu-tests-parallel] [wide-m] [attn-prefetch] [attn-sweep] [boundary]
 #        [argmax] [l2-carry] [acceptance] [prefill] [prefill-sizes] [structured]
 #        [read-ceiling] [polled] [polled-ab] [polled-attn] [polled-attn-debug] [polled-attn-32] [shared-ar]
-#        [shared-tp2] [shared-engine] [teardown] [engine-steps-ab] [api-servers]
+#        [shared-tp2] [shared-engine] [teardown] [engine-steps-ab] [api-servers] [parity-archs]
 # A step whose commands all exit 0 is marked "ok", else "FAILED"; the script exits 1 if any step failed, and 2 at
 # once (before the build) for a step name it does not know.
 # The device call brings back at most 8 files and nothing from a call that runs past its limit: every file goes to a
@@ -181,6 +181,12 @@ for step in "$@"; do
              2>&1 | grep -E "prompt|PASS" | tee "$out/hf_parity.log"
             timeout 120 torchrun --nproc-per-node $NPROC bench/hf_parity.py --dtype fp32 --out "$out/hf_parity_fp32.json" \
              2>&1 | grep -E "prompt|PASS" | tee -a "$out/hf_parity.log" ;;
+    parity-archs) # HF parity of Qwen2.5-1.5B's shape (random q, k, v biases: the qkv + rope kernel adds them) and
+         # Qwen3-1.7B's (q and k normed per head), 4 layers, bf16 and fp32, at NPROC ranks
+         for arch in qwen2 qwen3; do for dt in bf16 fp32; do timeout 150 torchrun --nproc-per-node $NPROC \
+             bench/hf_parity.py --arch $arch --dtype $dt $([ $dt = bf16 ] && echo --embed-std 4.0) \
+             --out "$out/hf_parity_${arch}_$dt.json" 2>&1 | grep -E "prompt|PASS" | sed "s/^/$arch $dt: /" \
+             | tee -a "$out/hf_parity_archs.log"; pack; done; done ;;
     ar-gap) timeout 150 torchrun --nproc-per-node $NPROC bench/bench_decode.py --modes full --batches 1,8,32 --steps 60 \
              --no-ladders --out "$out/decode_full.json" 2>&1 | grep -E "TPOT" | tee "$out/bench_full.log" ;;
     host) timeout 200 torchrun --nproc-per-node $NPROC bench/decode_host_breakdown.py --out "$out/host_breakdown.json" 2>&1 \

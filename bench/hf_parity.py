@@ -1,8 +1,9 @@
 """GPU parity check: our TP Llama vs transformers.LlamaForCausalLM on a random checkpoint.
 
-    torchrun --nproc-per-node 2 bench/hf_parity.py --out bench/results/hf_parity.json
+    torchrun --nproc-per-node 2 bench/hf_parity.py --out bench/results/hf_parity.json [--arch qwen2|qwen3]
 
-Rank 0 writes a random Llama-3.2-1B-shaped checkpoint (fewer layers) with save_pretrained. Every rank
+Rank 0 writes a random Llama-3.2-1B-shaped checkpoint (fewer layers; --arch: Qwen2.5-1.5B's shape with its q, k and v
+biases drawn at random, or Qwen3-1.7B's with its q and k norms) with save_pretrained. Every rank
 loads its TP shard and generates greedily in bf16 (prefill + paged decode with the Triton kernel).
 Rank 0 then runs HF on one GPU: its own greedy tokens (generate with KV cache), and its logits along
 our tokens (one teacher-forced pass). Pass: identical tokens and per-step relative logits error < 1e-2.
@@ -36,22 +37,40 @@ SHAPE = dict(  # Llama 3.2 1B, 4 of its 16 layers
     rope_parameters=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                          original_max_position_embeddings=8192, rope_theta=500000.0),
 )
+# the other architectures' shapes (--arch): Qwen2.5-1.5B (biases on q, k, v) and Qwen3-1.7B (q and k normed per head)
+ARCH_SHAPES = {
+    "llama": SHAPE,
+    "qwen2": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=4,
+                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen3": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+}
 PROMPTS = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311, 1373, 264, 3446, 922, 264, 2697, 11, 279],
            [128000] + list(range(1000, 1040))]
 
 
-def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None) -> None:
+def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None, arch: str = "llama") -> None:
     """HF's default init, or (embed_std set) a well-conditioned variant: large embeddings that dominate the
     residual stream and an untied head whose rows are a permutation of them, so each step's top logit is
-    far above bf16 rounding noise (HF's default init has exact bf16 ties at the top)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    far above bf16 rounding noise (HF's default init has exact bf16 ties at the top). Biases (which HF's init makes
+    0) are drawn at random, so that one left out or added twice would show."""
+    import transformers
 
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
     torch.manual_seed(seed)
-    shape = {**SHAPE, "num_hidden_layers": layers}
+    shape = {**ARCH_SHAPES[arch], "num_hidden_layers": layers}
     if embed_std is not None:
         shape["tie_word_embeddings"] = False
-    cfg = LlamaConfig(initializer_range=0.02, dtype="bfloat16", **shape)
-    model = LlamaForCausalLM(cfg)
+    cfg = getattr(transformers, f"{name}Config")(initializer_range=0.02, dtype="bfloat16", **shape)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     if embed_std is not None:
         with torch.no_grad():
             emb = model.model.embed_tokens.weight
@@ -63,9 +82,9 @@ def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None)
 
 def hf_reference(path: Path, prompts, our_tokens, steps: int, dtype: torch.dtype):
     """HF greedy tokens (generate, KV cache) and HF logits along our tokens (one teacher-forced pass)."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     hf_tokens, forced = [], []
     with torch.no_grad():
         for prompt, ours in zip(prompts, our_tokens, strict=True):
@@ -92,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--arch", default="llama", choices=tuple(ARCH_SHAPES),
+                   help="the checkpoint's architecture and shape (ARCH_SHAPES)")
     p.add_argument("--embed-std", type=float, default=None, help="well-conditioned checkpoint (see make_checkpoint)")
     p.add_argument("--copies", type=int, default=1,
                    help="run the prompts this many times over in one batch (8: 24 rows a decode step), each checked")
@@ -120,7 +141,7 @@ def main() -> None:
     dist.broadcast_object_list(workdir, src=0, group=state.cpu_group)
     ckpt = Path(workdir[0])
     if state.is_driver:
-        make_checkpoint(ckpt, args.seed, args.layers, args.embed_std)
+        make_checkpoint(ckpt, args.seed, args.layers, args.embed_std, args.arch)
     dist.barrier(group=state.cpu_group)
 
     comm = TPCommunicator(state)
@@ -150,8 +171,8 @@ def main() -> None:
         _, forced32 = hf_reference(ckpt, prompts, result.tokens, args.steps, torch.float32)
         shutil.rmtree(ckpt, ignore_errors=True)  # about 1.5 GB a run, left in /tmp by every earlier run
         report = {"tp": state.world_size, "dtype": args.dtype, "steps": args.steps, "copies": args.copies,
-                  "layers": args.layers, "embed_std": args.embed_std,
-                  "shape": SHAPE,
+                  "layers": args.layers, "embed_std": args.embed_std, "arch": args.arch,
+                  "shape": ARCH_SHAPES[args.arch],
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "prompts": []}
         for b, prompt in enumerate(prompts):
             ours = torch.stack([step[b] for step in result.step_logits])

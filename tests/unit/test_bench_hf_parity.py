@@ -33,3 +33,21 @@ def test_bad_arguments_are_refused_before_any_gpu_work(parity, argv, reason, cap
 def test_good_arguments(parity, tmp_path):
     args = parity.parse_args(["--steps", "300", "--out", str(tmp_path / "p.json"), "--embed-std", "4.0"])
     assert (args.steps, args.out, args.embed_std) == (300, tmp_path / "p.json", 4.0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_the_other_architectures_checkpoint_loads_as_transformers_names_it(parity, arch, tmp_path, monkeypatch):
+    """--arch writes a checkpoint of that architecture (a layer of it here, its vocabulary cut, on CPU) whose config
+    the engine reads with the architecture's own features, its biases drawn away from 0."""
+    from safetensors import safe_open
+
+    from tpgraph.config import ModelConfig
+
+    monkeypatch.setitem(parity.ARCH_SHAPES, arch, {**parity.ARCH_SHAPES[arch], "vocab_size": 1000})
+    parity.make_checkpoint(tmp_path, 0, 1, None, arch)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert (cfg.qkv_bias, cfg.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
+    if arch == "qwen2":
+        with safe_open(tmp_path / "model.safetensors", "pt") as f:
+            assert f.get_tensor("model.layers.0.self_attn.q_proj.bias").abs().max() > 0
+    assert parity.parse_args(["--arch", arch]).arch == arch
