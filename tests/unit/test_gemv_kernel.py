@@ -418,6 +418,78 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
         assert torch.equal(got, want)
 
 
+@interpreted
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bit(monkeypatch, reduced):
+    """Qwen3's q and k norms at decode rows on the GPU's path (the small-M projection, the Triton norm over each head,
+    rope_and_store; the fused qkv + rope kernel, which has no norm, not called), from a plain input or a fused
+    all-reduce's ReducedNorm: q and the caches as transformers' Qwen3RMSNorm and rotation make them, in bf16. (The
+    CPU parity tests run none of these kernels: their projections take F.linear and their norms the reference.)"""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from tpgraph.config import ModelConfig
+    from tpgraph.kernels import gemv
+    from tpgraph.kernels.lamport import ReducedNorm
+    from tpgraph.kernels.norm import rms_norm, rms_norm_reference
+    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+    from tpgraph.model import layers, llama
+    from tpgraph.model.attention import AttentionMetadata, KVCache
+
+    heads, kv_heads, d, rows, eps = 4, 2, 64, 3, 1e-6
+    cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d, rms_norm_eps=eps,
+                      qk_norm=True)
+
+    class OneRank:
+        rank, world_size = 0, 1
+
+    class Echo:  # decode attention that returns q: what the test compares
+        name = "echo"
+
+        def decode(self, q, cache, meta, scale):
+            return q
+
+    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", OneRank(), torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # (norm weights about 1, apart from one another)
+        for name, p in attn.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else noise)
+    attn.qkv_proj.small_m = True
+    tiles = GemvConfig(32, 32, 4, 2, 2)
+    ran, linear = [], gemv.linear_small_m
+    monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: ran.append("fused"))
+    monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None, bias=None: ran.append("small-m") or linear(
+        x, w, use_triton=True, config=tiles, out=out, bias=bias))
+    monkeypatch.setattr(layers, "rms_norm", lambda x, w, e: ran.append("norm") or rms_norm(x, w, e, use_triton=True))
+    monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
+    rope = rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d)), 64, torch.bfloat16, "cpu")
+    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([9, 2, 30])
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=positions.int() + 1,
+                             block_tables=torch.zeros(rows, 1, dtype=torch.int32), backend=Echo(), max_seq_len=18)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    weight = (1 + 0.2 * torch.randn(96, generator=g)).to(torch.bfloat16)
+    given = ReducedNorm(x * 3, x, x, 1, weight, eps) if reduced else x  # (materialize reads residual_out alone)
+    attn.kv_cache = KVCache(*(torch.zeros(8, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(2)))
+    q = attn(positions, rope, given, meta).x.view(rows, heads, d)
+    assert ran == ["small-m", "norm", "norm"]
+
+    # transformers' Qwen3Attention on the same projection: [1, heads, rows, d] after each head's norm, then rotated
+    qkv = linear(rms_norm_reference(x * 3, weight, eps) if reduced else x, attn.qkv_proj.weight, use_triton=True,
+                 config=tiles)
+    hq, hk, hv = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    normed = []
+    for norm, h, n in ((attn.q_norm, hq, heads), (attn.k_norm, hk, kv_heads)):
+        hf_norm = Qwen3RMSNorm(d, eps).to(torch.bfloat16)
+        hf_norm.weight.data.copy_(norm.weight)
+        normed.append(hf_norm(h.view(1, rows, n, d)).transpose(1, 2))
+    cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[None] for t in rope)
+    want_q, want_k = (t[0].transpose(0, 1) for t in apply_rotary_pos_emb(*normed, cos, sin))
+    assert torch.equal(q, want_q)
+    assert torch.equal(attn.kv_cache.k.view(-1, kv_heads, d)[slots], want_k)
+    assert torch.equal(attn.kv_cache.v.view(-1, kv_heads, d)[slots], hv.view(rows, kv_heads, d))
+
+
 def test_prefetch_covers_small_weights_whole_and_caps_large_ones(monkeypatch):
     from tpgraph.kernels.gemv import GemvConfig, prefetch_tiles
 
