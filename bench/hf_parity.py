@@ -57,7 +57,8 @@ def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None,
     """HF's default init, or (embed_std set) a well-conditioned variant: large embeddings that dominate the
     residual stream and an untied head whose rows are a permutation of them, so each step's top logit is
     far above bf16 rounding noise (HF's default init has exact bf16 ties at the top). Biases (which HF's init makes
-    0) are drawn at random, so that one left out or added twice would show."""
+    0) are drawn at random, and Qwen3's q and k norms (all 1 there) moved 0.1 apart, so that one left out, added
+    twice or taken for the other would show."""
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
@@ -71,6 +72,8 @@ def make_checkpoint(path: Path, seed: int, layers: int, embed_std: float | None,
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif param_name.endswith((".q_norm.weight", ".k_norm.weight")):
+                param.add_(0.1 * torch.randn_like(param))
     if embed_std is not None:
         with torch.no_grad():
             emb = model.model.embed_tokens.weight

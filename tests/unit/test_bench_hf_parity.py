@@ -1,6 +1,7 @@
 """bench/hf_parity.py's CPU parts: its arguments and the runner's length."""
 
 import pytest
+import torch
 from tpgtest.bench_modules import load_bench_module
 
 
@@ -38,7 +39,7 @@ def test_good_arguments(parity, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_the_other_architectures_checkpoint_loads_as_transformers_names_it(parity, arch, tmp_path, monkeypatch):
     """--arch writes a checkpoint of that architecture (a layer of it here, its vocabulary cut, on CPU) whose config
-    the engine reads with the architecture's own features, its biases drawn away from 0."""
+    the engine reads with the architecture's own features, its biases drawn away from 0 and its head norms from 1."""
     from safetensors import safe_open
 
     from tpgraph.config import ModelConfig
@@ -47,7 +48,11 @@ def test_the_other_architectures_checkpoint_loads_as_transformers_names_it(parit
     parity.make_checkpoint(tmp_path, 0, 1, None, arch)
     cfg = ModelConfig.from_dir(tmp_path)
     assert (cfg.qkv_bias, cfg.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
-    if arch == "qwen2":
-        with safe_open(tmp_path / "model.safetensors", "pt") as f:
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        if arch == "qwen2":
             assert f.get_tensor("model.layers.0.self_attn.q_proj.bias").abs().max() > 0
+        else:  # (transformers' init makes the head norms all 1: a weight left out, or q's and k's swapped, would pass)
+            q_norm, k_norm = (f.get_tensor(f"model.layers.0.self_attn.{n}_norm.weight").float() for n in "qk")
+            assert (q_norm - 1).abs().max() > 0.05 and (k_norm - 1).abs().max() > 0.05
+            assert not torch.equal(q_norm, k_norm)
     assert parity.parse_args(["--arch", arch]).arch == arch
