@@ -361,6 +361,27 @@ def test_the_mlp_gives_the_same_bits_fused_or_not(monkeypatch, rows):
     assert torch.equal(fused, mlp(x).run())
 
 
+class _OneRank:  # the communicator's rank and size, all an attention layer reads of it
+    rank, world_size = 0, 1
+
+
+class _EchoAttention:  # decode attention that returns q: what the attention layer tests compare
+    name = "echo"
+
+    def decode(self, q, cache, meta, scale):
+        return q
+
+
+def _three_decode_rows():
+    """Positions of three decode rows and their metadata (slots 9, 2 and 30; attention that returns q)."""
+    from tpgraph.model.attention import AttentionMetadata
+
+    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([9, 2, 30])
+    return positions, AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=positions.int() + 1,
+                                        block_tables=torch.zeros(3, 1, dtype=torch.int32), backend=_EchoAttention(),
+                                        max_seq_len=18)
+
+
 @interpreted
 def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
     """The model's attention with Qwen2's q, k and v biases at decode rows: the fused qkv + rope kernel (the layer
@@ -370,21 +391,12 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
     from tpgraph.kernels import gemv
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
     from tpgraph.model import llama
-    from tpgraph.model.attention import AttentionMetadata, KVCache
+    from tpgraph.model.attention import KVCache
 
     cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, qkv_bias=True)
 
-    class OneRank:
-        rank, world_size = 0, 1
-
-    class Echo:  # decode attention that returns q: what the test compares
-        name = "echo"
-
-        def decode(self, q, cache, meta, scale):
-            return q
-
-    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", OneRank(), torch.bfloat16, torch.device("cpu"))
+    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", _OneRank(), torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in attn.parameters():
@@ -404,9 +416,7 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
     monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
     rows = 3
     rope = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), 64, torch.bfloat16, "cpu")
-    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([9, 2, 30])
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=positions.int() + 1,
-                             block_tables=torch.zeros(rows, 1, dtype=torch.int32), backend=Echo(), max_seq_len=18)
+    positions, meta = _three_decode_rows()
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     results = []
     for fused_on in (True, False):
@@ -433,23 +443,14 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
     from tpgraph.kernels.norm import rms_norm, rms_norm_reference
     from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
     from tpgraph.model import layers, llama
-    from tpgraph.model.attention import AttentionMetadata, KVCache
+    from tpgraph.model.attention import KVCache
 
     heads, kv_heads, d, rows, eps = 4, 2, 64, 3, 1e-6
     cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d, rms_norm_eps=eps,
                       qk_norm=True)
 
-    class OneRank:
-        rank, world_size = 0, 1
-
-    class Echo:  # decode attention that returns q: what the test compares
-        name = "echo"
-
-        def decode(self, q, cache, meta, scale):
-            return q
-
-    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", OneRank(), torch.bfloat16, torch.device("cpu"))
+    attn = llama.LlamaAttention(cfg, "model.layers.0.self_attn", _OneRank(), torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # (norm weights about 1, apart from one another)
         for name, p in attn.named_parameters():
@@ -464,9 +465,8 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
     monkeypatch.setattr(layers, "rms_norm", lambda x, w, e: ran.append("norm") or rms_norm(x, w, e, use_triton=True))
     monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
     rope = rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d)), 64, torch.bfloat16, "cpu")
-    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([9, 2, 30])
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, seq_lens=positions.int() + 1,
-                             block_tables=torch.zeros(rows, 1, dtype=torch.int32), backend=Echo(), max_seq_len=18)
+    positions, meta = _three_decode_rows()
+    slots = meta.slot_mapping
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     weight = (1 + 0.2 * torch.randn(96, generator=g)).to(torch.bfloat16)
     given = ReducedNorm(x * 3, x, x, 1, weight, eps) if reduced else x  # (materialize reads residual_out alone)
