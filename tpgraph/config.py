@@ -331,9 +331,11 @@ class ModelConfig:
                               f"as either")
         defaulted = {k: v for k, v in MODEL_TYPE_DEFAULTS[model_type].items() if k not in cfg}
         cfg = {**cfg, **defaulted}
-        if model_type in SLIDING_WINDOW_SWITCHED and not cfg.get("use_sliding_window"):
-            # (transformers' Qwen2Config keeps no window unless use_sliding_window: Qwen2.5's configs name one unused)
-            cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "max_window_layers")}
+        if model_type in SLIDING_WINDOW_SWITCHED and not _some_layer_slides(cfg):
+            # (Qwen2.5's and Qwen3's configs name a window no layer uses: without use_sliding_window, or with every
+            # layer below max_window_layers, transformers runs full attention throughout)
+            unused = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+            cfg = {k: v for k, v in cfg.items() if k not in unused}
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
             raise ConfigError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only 'silu', or 'swish', "
                               f"the same function)")
@@ -411,6 +413,19 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
         return ModelConfig.from_hf_dict(cfg, disable_sliding_window)
+
+
+def _some_layer_slides(cfg: dict[str, Any]) -> bool:
+    """Whether a Qwen2 / Qwen3 config gives any layer a window, as its config class decides: none without
+    use_sliding_window or a window; else the layers its layer_types name sliding, or where it names none, the layers
+    from max_window_layers on."""
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return False
+    if cfg.get("layer_types"):  # (a type other than these two is kept, for the layer_types check to name)
+        return any(t != "full_attention" for t in cfg["layer_types"])
+    first, layers = cfg.get("max_window_layers", 28), cfg.get("num_hidden_layers")
+    # (fields of the wrong type: taken as sliding, so that the window's own refusal names what is wrong)
+    return not (isinstance(first, int) and isinstance(layers, int)) or first < layers
 
 
 def _biases(model_type: str, cfg: dict[str, Any]) -> dict[str, bool]:

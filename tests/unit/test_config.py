@@ -130,9 +130,9 @@ def test_a_qwen2_config_reads_as_transformers_reads_it():
     cfg = ModelConfig.from_hf_dict(bare)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.max_position_embeddings, cfg.qkv_bias) == (None, (), 32768, True)
     with pytest.raises(ConfigError, match="config.json sets sliding_window=131072, which tpgraph does not implement"):
-        ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True})
-    capped = ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096},
-                                      disable_sliding_window=True)
+        ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True, "max_window_layers": 21})
+    capped = ModelConfig.from_hf_dict({**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096,
+                                       "max_window_layers": 21}, disable_sliding_window=True)
     assert capped.max_context == 4096
 
 
@@ -159,6 +159,30 @@ def test_a_qwen3_config_reads_as_transformers_reads_it():
     assert not ModelConfig.from_hf_dict(LLAMA2_7B).qk_norm
     with pytest.raises(ConfigError, match="names architecture .*Qwen3ForCausalLM.* with model_type 'qwen2'"):
         ModelConfig.from_hf_dict({**QWEN3_8B, "model_type": "qwen2"})
+
+
+@pytest.mark.parametrize("fields,slides", [
+    ({"use_sliding_window": True, "max_window_layers": 28}, False),  # every layer below max_window_layers
+    ({"use_sliding_window": True, "max_window_layers": 40}, False),
+    ({"use_sliding_window": True, "max_window_layers": 20}, True),
+    ({"use_sliding_window": True, "sliding_window": None}, False),
+    ({"use_sliding_window": True, "layer_types": ["full_attention"] * 28}, False),
+    ({"use_sliding_window": True, "max_window_layers": 40, "layer_types": ["sliding_attention"] * 28}, True),
+    ({"use_sliding_window": False, "layer_types": ["sliding_attention"] * 28}, False),  # no window to slide with
+])
+def test_a_qwen_window_counts_only_where_a_layer_uses_it(fields, slides):
+    """As Qwen2Config and Qwen3Config decide it: a window applies to the layers from max_window_layers on (or those
+    layer_types names sliding), and only with use_sliding_window; a config whose layers all attend in full runs as one
+    without a window (it was refused), and one with a sliding layer is refused, naming the window and the flag."""
+    for base in (QWEN25_7B, {**QWEN3_8B, "num_hidden_layers": 28}):
+        doc = {**base, "sliding_window": 4096, **fields}
+        if slides:
+            with pytest.raises(ConfigError, match="sliding_window=4096, .*--disable-sliding-window"):
+                ModelConfig.from_hf_dict(doc)
+            assert ModelConfig.from_hf_dict(doc, disable_sliding_window=True).max_context == 4096
+        else:
+            cfg = ModelConfig.from_hf_dict(doc)
+            assert cfg.sliding_window is None and cfg.max_context == base["max_position_embeddings"]
 
 
 def test_layer_types_other_than_full_attention_are_refused():
@@ -215,7 +239,7 @@ def test_a_qwen2_window_switched_on_without_its_size_takes_qwen2configs_4096():
     context, its sliding layers attending past their window); without the flag the refusal says where the window came
     from."""
     bare = {k: v for k, v in QWEN25_7B.items() if k not in ("sliding_window", "max_window_layers")}
-    on = {**bare, "use_sliding_window": True}
+    on = {**bare, "use_sliding_window": True, "num_hidden_layers": 32}  # (layers 28-31 past max_window_layers)
     assert ModelConfig.from_hf_dict(on, disable_sliding_window=True).max_context == 4096
     with pytest.raises(ConfigError, match="leaves out sliding_window, so model_type 'qwen2' takes its default of 4096"):
         ModelConfig.from_hf_dict(on)
