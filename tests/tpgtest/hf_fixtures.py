@@ -50,6 +50,18 @@ CASES: dict[str, dict] = {
     ),
 }
 
+def vary(model: torch.nn.Module) -> torch.nn.Module:
+    """Norms away from 1 and biases away from 0 (transformers' init), so that a wrong norm weight, or a bias left out
+    or added twice, would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
 PROMPTS = [[1, 17, 29, 3, 99], [5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 500], [7] * 17]
 
 
@@ -75,12 +87,7 @@ def make_checkpoint(case: str, out_dir: Path, seed: int = 0, init_std: float = 0
     config = config_class(initializer_range=init_std, **kwargs)
     torch.manual_seed(seed)
     model = model_class(config).eval()
-    with torch.no_grad():  # norms away from 1 and biases away from 0 (their init), so a wrong one would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.3)
+    vary(model)
     save_kwargs = {"safe_serialization": True}
     if shard_size:
         save_kwargs["max_shard_size"] = shard_size

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tpgtest.hf_fixtures import vary
 
 from tpgraph import SamplingParams, TPEngine
 from tpgraph.errors import ConfigError
@@ -27,23 +28,17 @@ def save_hf_model(out_dir: Path, **config: object) -> Path:
 
 
 def save_varied(model: torch.nn.Module, out_dir: Path) -> Path:
-    """model saved to out_dir with its norms away from 1 and its biases (transformers makes them 0) random, so that a
-    wrong norm weight or a bias left out or added twice would show."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out_dir)
+    """model saved to out_dir, its norms and biases varied (hf_fixtures.vary)."""
+    vary(model).save_pretrained(out_dir)
     return out_dir
 
 
 def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
-    """transformers' log-probability of each prompt token after the ones before it (from the second on)."""
-    from transformers import LlamaForCausalLM
+    """transformers' log-probability of each prompt token after the ones before it (from the second on), by the
+    config's own architecture (AutoModelForCausalLM)."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
     return [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
@@ -186,12 +181,7 @@ def test_a_qwen2_checkpoint_runs_as_transformers_runs_it(tmp_path):
     doc = json.loads((path / "config.json").read_text())
     assert doc["architectures"] == ["Qwen2ForCausalLM"] and doc["model_type"] == "qwen2"
     prompt = [(37 * j + 11) % VOCAB for j in range(20)]  # (past the window it names)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    want = hf_prompt_logprobs(path, prompt)
     with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
         assert engine.runner.max_model_len == 64
         assert engine_prompt_logprobs(engine, prompt) == pytest.approx(want, abs=1e-4)
@@ -209,12 +199,7 @@ def test_a_qwen3_checkpoint_runs_as_transformers_runs_it(tmp_path, bias):
                          tie_word_embeddings=True, rope_theta=1e6)
     path = save_varied(Qwen3ForCausalLM(config).eval(), tmp_path / "c")
     prompt = [(37 * j + 11) % VOCAB for j in range(20)]
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    want = hf_prompt_logprobs(path, prompt)
     with TPEngine(path, device="cpu", max_num_seqs=2, block_size=4) as engine:
         assert engine_prompt_logprobs(engine, prompt) == pytest.approx(want, abs=1e-4)
         assert engine_greedy(engine, prompt, 8) == hf_greedy(path, prompt, 8)
@@ -241,12 +226,7 @@ def test_a_mistral_checkpoint_without_a_sliding_window_runs_as_transformers_runs
     doc = json.loads((tmp_path / "c" / "config.json").read_text())
     assert doc["architectures"] == ["MistralForCausalLM"] and doc["model_type"] == "mistral"
     prompt = [(37 * j + 11) % VOCAB for j in range(20)]
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32).eval()
-    with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    want = hf_prompt_logprobs(tmp_path / "c", prompt)
     with TPEngine(tmp_path / "c", device="cpu", max_num_seqs=2, block_size=4) as engine:
         got = engine_prompt_logprobs(engine, prompt)
     assert got == pytest.approx(want, abs=1e-4)
@@ -256,16 +236,13 @@ def test_a_sliding_window_checkpoint_runs_capped_at_its_window_under_vllms_disab
     """vLLM's --disable-sliding-window (disable_sliding_window=True) runs a sliding-window checkpoint (Mistral-7B-v0.1,
     zephyr-7b-beta: a window of 4096) with full attention over a context capped at the window, the same attention as
     the window's; the flag was unknown, and such a checkpoint refused whatever the user gave."""
-    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     MistralForCausalLM(MistralConfig(**{**BASE, "max_position_embeddings": 64}, sliding_window=16)).eval() \
         .save_pretrained(tmp_path / "c")
     prompt = [(37 * j + 11) % VOCAB for j in range(15)]  # (the window, less the token it leaves room for)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32).eval()
-    with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    want = hf_prompt_logprobs(tmp_path / "c", prompt)
     with pytest.raises(ConfigError, match="config.json sets sliding_window=16, .* disable_sliding_window "
                                           r"\(--disable-sliding-window\) runs it"):
         TPEngine(tmp_path / "c", device="cpu")
