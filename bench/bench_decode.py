@@ -40,15 +40,25 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
                         max_position_embeddings=8192, tie_word_embeddings=False)
-# one rank's share of Llama-3-8B at TP=2 (half the heads, the MLP and the vocabulary), as a whole model: its decode
-# step at TP=1 is a TP=2 rank's step without the all-reduces (for studying the kernels on one GPU)
-_HALF = replace(LLAMA3_8B, vocab_size=LLAMA3_8B.vocab_size // 2, intermediate_size=LLAMA3_8B.intermediate_size // 2,
-                num_attention_heads=LLAMA3_8B.num_attention_heads // 2,
-                num_key_value_heads=LLAMA3_8B.num_key_value_heads // 2)
+# Qwen3-8B: q and k RMS-normed per head (the fused qkv + rope kernel norms them), 36 layers, a 152K vocabulary
+QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960, tie_word_embeddings=False,
+                       qk_norm=True)
+
+
+def _tp2_share(cfg: ModelConfig) -> ModelConfig:
+    """One rank's share of `cfg` at TP=2 (half the heads, the MLP and the vocabulary), as a whole model: its decode
+    step at TP=1 is a TP=2 rank's step without the all-reduces (for studying the kernels on one GPU)."""
+    return replace(cfg, vocab_size=cfg.vocab_size // 2, intermediate_size=cfg.intermediate_size // 2,
+                   num_attention_heads=cfg.num_attention_heads // 2, num_key_value_heads=cfg.num_key_value_heads // 2)
+
+
 # llama31-*: the same weights with Llama-3.1's 128K positions, for contexts past 8K (--context 32768)
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-8b-half": _HALF,
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-8b-half": _tp2_share(LLAMA3_8B),
           "llama31-8b": replace(LLAMA3_8B, max_position_embeddings=131072),
-          "llama31-8b-half": replace(_HALF, max_position_embeddings=131072)}
+          "llama31-8b-half": replace(_tp2_share(LLAMA3_8B), max_position_embeddings=131072),
+          "qwen3-8b": QWEN3_8B, "qwen3-8b-half": _tp2_share(QWEN3_8B)}
 GiB = 1 << 30
 TOP_KERNELS = 8  # the profile's kernels by total time, by name
 LAYER_WINDOW = 16  # kernels listed in order from the middle of the step (a layer and a half)
@@ -655,8 +665,8 @@ def parse_args(argv: list[str] | None = None):
                         "custom+gemv+overlap is the product's default path, plain custom forces cuBLAS projections")
     p.add_argument("--unfused", action="store_true", help="time each fused custom entry's unfused twin beside it")
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
-                   help="llama3-8b-half: one TP=2 rank's share of it as a whole model, to run at TP=1; llama31-*: "
-                        "the same with 128K positions, for --context past 8K")
+                   help="llama3-8b-half, qwen3-8b-half: one TP=2 rank's share of it as a whole model, to run at "
+                        "TP=1; llama31-*: the same with 128K positions, for --context past 8K")
     p.add_argument("--max-model-len", type=int, default=LLAMA3_8B.max_position_embeddings,
                    help="the runners' max_model_len, which sizes static grids (attention's split count) as a server's "
                         "does; default: the model's own (8192), what a server runs with. 0: just what the timed "

@@ -429,12 +429,13 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("reduced", [False, True])
-def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bit(monkeypatch, reduced):
-    """Qwen3's q and k norms at decode rows on the GPU's path (the small-M projection, the Triton norm over each head,
-    rope_and_store; the fused qkv + rope kernel, which has no norm, not called), from a plain input or a fused
-    all-reduce's ReducedNorm: q and the caches as transformers' Qwen3RMSNorm and rotation make them, in bf16. (The
-    CPU parity tests run none of these kernels: their projections take F.linear and their norms the reference.)"""
+@pytest.mark.parametrize(("reduced", "fused"), [(False, True), (False, False), (True, False)])
+def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bit(monkeypatch, reduced, fused):
+    """Qwen3's q and k norms at decode rows on the GPU's paths, the fused qkv + rope kernel norming each head, or
+    (fused off) the small-M projection, the Triton norm over each head and rope_and_store, from a plain input or a
+    fused all-reduce's ReducedNorm (its stand-in here carries no squares for the fused kernel: test_lamport_gemv's
+    boundaries give it a real one): q and the caches as transformers' Qwen3RMSNorm and rotation make them, in bf16.
+    (The CPU parity tests run none of these kernels: their projections take F.linear and their norms the reference.)"""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
     from tpgraph.config import ModelConfig
@@ -458,8 +459,9 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
             p.copy_(1 + 0.2 * noise if "norm" in name else noise)
     attn.qkv_proj.small_m = True
     tiles = GemvConfig(32, 32, 4, 2, 2)
-    ran, linear = [], gemv.linear_small_m
-    monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: ran.append("fused"))
+    ran, linear, fused_call = [], gemv.linear_small_m, gemv.qkv_rope_store
+    monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: ran.append("fused") or fused_call(
+        *a, **k, use_triton=True, config=tiles))
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None, bias=None: ran.append("small-m") or linear(
         x, w, use_triton=True, config=tiles, out=out, bias=bias))
     monkeypatch.setattr(layers, "rms_norm", lambda x, w, e: ran.append("norm") or rms_norm(x, w, e, use_triton=True))
@@ -471,8 +473,9 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
     weight = (1 + 0.2 * torch.randn(96, generator=g)).to(torch.bfloat16)
     given = ReducedNorm(x * 3, x, x, 1, weight, eps) if reduced else x  # (materialize reads residual_out alone)
     attn.kv_cache = KVCache(*(torch.zeros(8, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(2)))
+    attn.fused_qkv_rope = fused
     q = attn(positions, rope, given, meta).x.view(rows, heads, d)
-    assert ran == ["small-m", "norm", "norm"]
+    assert ran == (["fused"] if fused else ["small-m", "norm", "norm"])
 
     # transformers' Qwen3Attention on the same projection: [1, heads, rows, d] after each head's norm, then rotated
     qkv = linear(rms_norm_reference(x * 3, weight, eps) if reduced else x, attn.qkv_proj.weight, use_triton=True,
@@ -640,6 +643,43 @@ def test_qkv_rope_store_with_a_bias_gives_the_two_steps_bits(monkeypatch, dtype,
     _check_qkv_rope_bits(3, dtype, GemvConfig(32, 32, 4, 2, 2), True, torch.Generator().manual_seed(11), biased=True)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "split_k", "polled"), [(1, 1, "0"), (3, 2, "0"), (5, 3, "1")])
+def test_qkv_rope_store_with_head_norms_gives_the_three_steps_values(monkeypatch, dtype, m, split_k, polled):
+    """Qwen3's q and k norms in the fused kernel (TPGRAPH_QKV_PAIRED set, and declined: a head's reducer norms it): q
+    and the caches as the projection, rms_norm over each q and k head and then rope_and_store give them, bit for bit
+    in bf16, and in fp32 within the variance's last bit (the kernel sums each head's squares by halves)."""
+    from tpgraph.kernels.gemv import qkv_rope_store
+    from tpgraph.kernels.norm import rms_norm
+    from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
+
+    monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
+    monkeypatch.setenv("TPGRAPH_POLLED_ROPE", polled)
+    g = torch.Generator().manual_seed(m + split_k)
+    heads, kv_heads, dim, hidden, block_size, eps = 4, 2, 64, 96, 4, 1e-6
+    cfg = GemvConfig(32, 32, 4, 2, split_k)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
+    q_weight, k_weight = ((1 + 0.2 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2))
+    tables = rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
+    positions, slots = torch.randint(0, 64, (m,), generator=g), torch.randperm(8 * block_size, generator=g)[:m]
+    caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, use_triton=True,
+                       config=cfg, head_norm=(q_weight, k_weight, eps))
+    hq, hk, hv = linear_small_m(x, w, use_triton=True, config=cfg).split([heads * dim, kv_heads * dim, kv_heads * dim],
+                                                                         dim=-1)
+    normed = (rms_norm(h.reshape(-1, dim), weight, eps, use_triton=True).view(m, -1)
+              for h, weight in ((hq, q_weight), (hk, k_weight)))
+    want, _ = rope_and_store(torch.cat((*normed, hv), dim=-1), positions, tables, slots, caches[2], caches[3], heads,
+                             kv_heads, dim, use_triton=True)
+    assert q is not None
+    tolerance = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    for got, expected in ((q, want), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, expected, **tolerance)
+    assert caches[0].any() and caches[1].any()
+
+
 def test_qkv_rope_store_declines_a_bias_it_cannot_add():
     from tpgraph.kernels.gemv import qkv_rope_store
     from tpgraph.kernels.rope_store import rope_cos_sin_table
@@ -650,6 +690,8 @@ def test_qkv_rope_store_declines_a_bias_it_cannot_add():
     args = (torch.arange(2), tables, torch.arange(2), *caches, 4, 2, 64)
     for bias in (torch.zeros(8 * 64 - 1), torch.zeros(8 * 64, dtype=torch.bfloat16), torch.zeros(8 * 64 * 2)[::2]):
         assert qkv_rope_store(x, w, *args, use_triton=True, bias=bias) is None
+    for norm in (torch.ones(63), torch.ones(64, dtype=torch.bfloat16), torch.ones(128)[::2]):  # nor such head norms
+        assert qkv_rope_store(x, w, *args, use_triton=True, head_norm=(torch.ones(64), norm, 1e-6)) is None
 
 
 @interpreted
@@ -788,10 +830,11 @@ def test_qkv_rope_store_declines_what_it_cannot_do():
 
 
 def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, polled: bool = False,
-                  paired: bool = False, bias: bool = False) -> str:
+                  paired: bool = False, bias: bool = False, qk_norm: bool = False) -> str:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "pos_ptr": "*i64",
                 "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16",
-                "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "bias_ptr": "*bf16"}
+                "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "bias_ptr": "*bf16", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+                "head_eps": "fp32"}
     ints = {name: "i32" for name in ["M", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_cos", "stride_sin",
                                      "stride_cb", "stride_ct", "stride_ch", "stride_qo"]}
     scale = {"sq_ptr": "*fp32", "tiles": "i32", "eps": "fp32", "mean_scale": "fp32"}
@@ -799,7 +842,8 @@ def _qkv_rope_ptx(splits: int, rope_early: bool = False, block_m: int = 16, poll
                     {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "SOFT_BF16": False, "IEEE": False,
                      "PDL": True, "PREFETCH_TILES": 4, "LINE": 64, "NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128,
                      "BLOCK_SIZE": 16, "EXACT_MUL": True, "STAGED": False, "PIECES": 1, "SPLITS": splits,
-                     "ROPE_EARLY": rope_early, "POLLED": polled, "PAIRED": paired, "HAS_BIAS": bias})
+                     "ROPE_EARLY": rope_early, "POLLED": polled, "PAIRED": paired, "HAS_BIAS": bias,
+                     "QK_NORM": qk_norm})
 
 
 def _loads_after_the_count(ptx: str) -> list[str]:
@@ -827,6 +871,16 @@ def test_a_biased_qkv_rope_kernel_adds_its_bias_as_its_own_rounded_add():
     biased, plain = _qkv_rope_ptx(4, bias=True), _qkv_rope_ptx(4)
     assert biased.count("add.rn.f32") >= plain.count("add.rn.f32") + 2
     assert len(_loads_after_the_count(biased)) > len(_loads_after_the_count(plain))
+
+
+def test_a_qk_normed_qkv_rope_kernel_squares_by_rounded_products_after_the_count():
+    """sm_90a with Qwen3's head norms: the squares are mul.rn.f32 products of their own (an FMA into their sum would
+    skip the norm kernel's rounding), an rsqrt the plain kernel lacks, and the norms' weights loaded after the count;
+    without them, no such load."""
+    normed, plain = _qkv_rope_ptx(4, qk_norm=True), _qkv_rope_ptx(4)
+    assert normed.count("mul.rn.f32") >= plain.count("mul.rn.f32") + 2
+    assert normed.count("rsqrt") > plain.count("rsqrt")
+    assert len(_loads_after_the_count(normed)) > len(_loads_after_the_count(plain))
 
 
 def test_the_polled_qkv_rope_reducer_compiles_for_sm90_without_a_count():

@@ -19,7 +19,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.gemv import GemvConfig, gate_up_silu, linear_all_reduce_norm, linear_small_m, qkv_rope_store
 from tpgraph.kernels.lamport import EPILOGUE_ALGO, GRANULE, epilogue_enabled, local_channels, solo_channel
-from tpgraph.kernels.norm import add_rms_norm
+from tpgraph.kernels.norm import add_rms_norm, rms_norm_reference
 from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
 triton = pytest.importorskip("triton")
@@ -102,15 +102,15 @@ def assert_armed_and_advanced(ranks: Ranks, boundaries: int) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_the_fused_all_reduce_matches_the_unfused_sequence_across_phases(monkeypatch, device, world_size):
-    """With the count (TPGRAPH_POLLED_PARTIALS=0; polling, the default, below): seven boundaries (more than the 3
+    """With the count (TPGRAPH_POLLED_PARTIALS=0; polling, the default, below): eight boundaries (more than the 3
     phases; rows changing), split-K and not, each taken by one of the three consumers: the gate_up projection, the
-    qkv + rope projection, and the plain norm (materialize), every other one with the residual read before the PDL
-    wait (written before the inputs, as in the model). The new residual is the unfused one bit for bit on every rank,
-    the materialized norm is the unfused add + RMSNorm's bits, and the projections are within bf16 rounding of the
-    unfused sequence."""
+    qkv + rope projection (the last with Qwen3's per-head norms), and the plain norm (materialize), every other one
+    with the residual read before the PDL wait (written before the inputs, as in the model). The new residual is the
+    unfused one bit for bit on every rank, the materialized norm is the unfused add + RMSNorm's bits, and the
+    projections are within bf16 rounding of the unfused sequence."""
     monkeypatch.setenv("TPGRAPH_POLLED_PARTIALS", "0")
-    check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=world_size), device, [3, 1, 5, 2, 16, 4, 1],
-                     ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv"])
+    check_boundaries(Ranks(world_size, device, torch.bfloat16, seed=world_size), device, [3, 1, 5, 2, 16, 4, 1, 3],
+                     ["gate_up", "qkv", "norm", "gate_up", "qkv", "norm", "qkv", "qkv_normed"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,9 +197,18 @@ def check_boundaries(ranks: Ranks, device: str, rows_each: list[int], consumers:
                 slots = torch.arange(rows, device=device) * 2 + 1
                 positions = torch.arange(rows, device=device) + step
                 caches = [torch.zeros(16, BLOCK_SIZE, KV_HEADS, DIM, dtype=dtype, device=device) for _ in range(4)]
+                head_norm = (torch.linspace(0.5, 1.5, DIM, device=device).to(dtype),
+                             torch.linspace(1.5, 0.5, DIM, device=device).to(dtype), EPS)
+                head_norm = head_norm if consumer == "qkv_normed" else None
                 q = qkv_rope_store(got, ranks.w_qkv[r], positions, ranks.rope, slots, caches[0], caches[1], HEADS,
-                                   KV_HEADS, DIM, use_triton=True, config=GemvConfig(16, 32, 4, 2, 3))
+                                   KV_HEADS, DIM, use_triton=True, config=GemvConfig(16, 32, 4, 2, 3),
+                                   head_norm=head_norm)
                 qkv = F.linear(normed.float(), ranks.w_qkv[r].float()).to(dtype)
+                if head_norm is not None:  # q's and k's heads normed, v as it is
+                    heads = qkv[:, :(HEADS + KV_HEADS) * DIM].reshape(rows, -1, DIM)
+                    qkv[:, :HEADS * DIM] = rms_norm_reference(heads[:, :HEADS], head_norm[0], EPS).flatten(1)
+                    qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM] = rms_norm_reference(
+                        heads[:, HEADS:], head_norm[1], EPS).flatten(1)
                 rq, _ = rope_and_store(qkv, positions, ranks.rope, slots, caches[2], caches[3], HEADS, KV_HEADS, DIM,
                                        use_triton=True)
                 torch.testing.assert_close(q, rq, rtol=2e-2, atol=2e-2)

@@ -68,7 +68,7 @@ try:
         unfilled,
     )
     from tpgraph.kernels._pdl import pdl_enter
-    from tpgraph.kernels._rounding import add_rn, round_to, to_dtype
+    from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.lamport import all_reduce_tile, epilogue_inputs, rows_squares, rstd_of
     from tpgraph.kernels.rope_store import rotate_pair
@@ -528,14 +528,16 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-                         v_cache_ptr, q_out_ptr, bias_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_cos,
-                         stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles, eps, mean_scale,
+                         v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr, head_eps, M, N, K, stride_xm, stride_wn,
+                         stride_os, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, sq_ptr, tiles,
+                         eps, mean_scale,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_BF16: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LINE: tl.constexpr,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
                          PIECES: tl.constexpr, SPLITS: tl.constexpr, ROPE_EARLY: tl.constexpr,
-                         POLLED: tl.constexpr, PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         POLLED: tl.constexpr, PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         QK_NORM: tl.constexpr):
         """The qkv projection, then rope_store's work, in one launch. Grid (column blocks, splits), as _gemv_kernel.
         Unless PAIRED (below), every program stores its fp32 partial to the workspace [splits, M, N] and (unless POLLED)
         counts itself in at counter_ptr[head]; the last of a head's HEAD_DIM // BLOCK_N column blocks x splits adds the
@@ -555,7 +557,9 @@ if triton is not None:
         embedding pairs with them (_weight_rows' ROPE_HALF), so each column block rotates its own outputs: its splits
         reduce as _gemv_kernel's do (the last to arrive by a count at counter_ptr[column block], or POLLED: the last
         split, polling the others), and no program waits for a whole head. The bits are the same: each column sums
-        over K in the same order whichever rows share its tile."""
+        over K in the same order whichever rows share its tile.
+        QK_NORM (Qwen3): each q and k head RMS-normed over HEAD_DIM (its weight at qn_ptr or kn_ptr, head_eps) before
+        its rotation, by the head's reducer (never PAIRED: a column block holds part of a head)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -597,10 +601,10 @@ if triton is not None:
                             stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS,
                             NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS)
         else:
-            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head,
-                        pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
-                        BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS,
-                        POLLED, HAS_BIAS)
+            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
+                        qn_ptr, kn_ptr, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch,
+                        stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
+                        HEAD_DIM, EXACT_MUL, STAGED, SPLITS, POLLED, HAS_BIAS, QK_NORM)
 
     @triton.jit
     def _split_total(acc, ws_ptr, counter_ptr, stride_os, tile, tile_ok, pid_k, SPLITS: tl.constexpr,
@@ -628,11 +632,12 @@ if triton is not None:
         return reduces, total
 
     @triton.jit
-    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head,
-                    pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr,
-                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
-                    SPLITS: tl.constexpr, POLLED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr,
+                    kn_ptr, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares,
+                    eps, mean_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_BF16: tl.constexpr,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
         """_qkv_rope_kernel's reduction by heads (not PAIRED): this program's partial stored, then the head's reducer
         (its last column block at the last split, POLLED; else the last of the head's programs to arrive at
         counter_ptr[head]) adds and rotates the whole head (_rope_head)."""
@@ -640,13 +645,15 @@ if triton is not None:
         if POLLED:  # the head's last column block at the last split: its partners have lower program ids
             if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
                 tl.debug_barrier()  # its own partial's stores, seen by all of its threads
-                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N,
-                           stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
-                           NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True, HAS_BIAS)
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
+                           head_eps, head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
+                           SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True, HAS_BIAS,
+                           QK_NORM)
         elif arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
-            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N, stride_os,
-                       stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False, HAS_BIAS)
+            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
+                       head_eps, head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
+                       SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False, HAS_BIAS,
+                       QK_NORM)
             reset_counter(counter_ptr + head)
 
     @triton.jit
@@ -662,11 +669,11 @@ if triton is not None:
         return c, sn, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
 
     @triton.jit
-    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, N, stride_os,
-                   stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr, head_eps,
+                   head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr,
+                   POLLED: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
         """One head of every row: its two halves summed over the SPLITS splits in split order (the loads unrolled, so
         they are in flight together; POLLED: until none holds the sentinel, then the slots go back to it), then
         _rope_store."""
@@ -692,9 +699,9 @@ if triton is not None:
             for s in tl.static_range(1, SPLITS):
                 t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
                 t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
-                    stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                    EXACT_MUL, STAGED, HAS_BIAS)
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
+                    head_eps, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                    NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS, QK_NORM)
 
     @triton.jit
     def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
@@ -705,20 +712,21 @@ if triton is not None:
         """A PAIRED tile's fp32 sums [BLOCK_M, BLOCK_N] (dims offs_h and offs_h + HEAD_DIM / 2 of head `head`,
         interleaved) through _rope_store."""
         t1, t2 = tl.split(tl.reshape(total, (BLOCK_M, BLOCK_N // 2, 2)))
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
-                    stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                    EXACT_MUL, STAGED, HAS_BIAS)
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, bias_ptr, bias_ptr,
+                    0.0, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
+                    NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS, False)
 
     @triton.jit
-    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
-                    stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, SOFT_BF16: tl.constexpr,
-                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
+                    head_eps, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
+                    SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    QK_NORM: tl.constexpr):
         """Head `head`'s fp32 sums at dims offs_h (t1) and offs_h + HEAD_DIM / 2 (t2) of every row, scaled by the
         rows' 1 / RMS (STAGED), then q/k rotated with the rows' cos/sin at offs_h (c, sn; every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
         rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
-        GEMV's bits."""
+        GEMV's bits. QK_NORM: q's and k's heads then normed (_normed_head) before the rotation."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -739,6 +747,9 @@ if triton is not None:
             x1 = round_to(x1, dtype, SOFT_BF16)
             x2 = round_to(x2, dtype, SOFT_BF16)
         if head < NUM_HEADS + NUM_KV_HEADS:
+            if QK_NORM:
+                x1, x2 = _normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, head < NUM_HEADS, head_eps, dtype, SOFT_BF16,
+                                      EXACT_MUL, HEAD_DIM)
             o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
@@ -750,6 +761,29 @@ if triton is not None:
             dst = v_cache_ptr + cache_row[:, None] + (head - NUM_HEADS - NUM_KV_HEADS) * stride_ch + offs_h[None, :]
             tl.store(dst, to_dtype(x1, dtype, SOFT_BF16), mask=rows_ok)  # (x1 holds a value of dtype: exact)
             tl.store(dst + half, to_dtype(x2, dtype, SOFT_BF16), mask=rows_ok)
+
+    @triton.jit
+    def _normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, is_q, eps, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr,
+                     EXACT_MUL: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Qwen3's RMSNorm of one head of every row (fp32 halves x1, x2 holding DTYPE values) over HEAD_DIM, rounded
+        where the norm kernel rounds: the normed row to DTYPE, then its product with the weight (qn_ptr's for a q head,
+        kn_ptr's for a k head). The mean's scale 1 / HEAD_DIM is a power of two, so exact; the squares are summed by
+        halves, the one order the norm kernel may not share (the variance's last bit). EXACT_MUL: the squares by
+        mul_rn, never an FMA with their sum."""
+        half: tl.constexpr = HEAD_DIM // 2
+        if is_q:
+            w1, w2 = tl.load(qn_ptr + offs_h), tl.load(qn_ptr + half + offs_h)
+        else:
+            w1, w2 = tl.load(kn_ptr + offs_h), tl.load(kn_ptr + half + offs_h)
+        if EXACT_MUL:
+            s1, s2 = mul_rn(x1, x1), mul_rn(x2, x2)
+        else:
+            s1, s2 = x1 * x1, x2 * x2
+        var = (tl.sum(s1, axis=1) + tl.sum(s2, axis=1)) * (1.0 / HEAD_DIM)
+        rstd = tl.rsqrt(var + eps)[:, None]
+        n1, n2 = round_to(x1 * rstd, DTYPE, SOFT_BF16), round_to(x2 * rstd, DTYPE, SOFT_BF16)
+        return (round_to(w1.to(tl.float32)[None, :] * n1, DTYPE, SOFT_BF16),
+                round_to(w2.to(tl.float32)[None, :] * n2, DTYPE, SOFT_BF16))
 
     @triton.jit
     def _polled_halves(ws_ptr, at, ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr):
@@ -978,7 +1012,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
                    cos_sin: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                    inputs_early: bool = False, use_triton: bool | None = None,
-                   config: GemvConfig | None = None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                   config: GemvConfig | None = None, bias: torch.Tensor | None = None,
+                   head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would
@@ -988,7 +1023,10 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     was launched (a step's metadata, copied in before its first kernel), so the kernel reads them, and the cos/sin
     rows at them, before its PDL wait (linear_all_reduce_norm's residual_early says why that is safe).
     bias [N] (Qwen2's q, k and v): added to the projection's rounded output and rounded again before the rotation, as
-    linear_small_m(x, w, bias=bias) and then rope_and_store do it."""
+    linear_small_m(x, w, bias=bias) and then rope_and_store do it.
+    head_norm (q_norm's weight, k_norm's weight, eps; each [head_dim]: Qwen3): every q and k head RMS-normed before its
+    rotation, as rms_norm over each head would, within the variance's last fp32 bit (it sums the squares in another
+    order). Not with paired tiles (qkv_paired): a head's reducer normalizes it."""
     recv = x if isinstance(x, ReducedNorm) else None
     x = x.staged if recv is not None else x
     if not _applies(x, w, use_triton):
@@ -1002,7 +1040,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
         return None
     if cos.shape[-1] != head_dim // 2 or k_cache.shape[2:] != (num_kv_heads, head_dim) or any(
             t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)) or bias is not None and (
-            bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+            bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()) or head_norm is not None and any(
+            t.shape != (head_dim,) or t.dtype != x.dtype or not t.is_contiguous() for t in head_norm[:2]):
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)
@@ -1012,7 +1051,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     # here is a kernel that reading them early (before the PDL wait) would run ahead of
     inputs_early = inputs_early and positions.is_contiguous() and slot_mapping.is_contiguous()
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
-    paired = qkv_paired()
+    paired = qkv_paired() and head_norm is None
     blocks = triton.cdiv(n, config.block_n)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     # (a paired column block reduces as _gemv_kernel's do, so it polls where they do; a head's reducer by its rule)
@@ -1022,9 +1061,9 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
     counters = split_counters(x.device, blocks if paired else num_heads + 2 * num_kv_heads)
     _qkv_rope_kernel[(blocks, config.split_k)](
         x, w, ws, counters, positions, cos, sin, slot_mapping, k_cache, v_cache, q, x if bias is None else bias,
-        m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"], SPLITS=config.split_k,
-        ROPE_EARLY=inputs_early, POLLED=partials is not None, PAIRED=paired, HAS_BIAS=bias is not None,
-        **_staged_args(x, recv), **tile)
+        *(head_norm or (x, x, 0.0)), m, n, k, x.stride(0), w.stride(0), ws.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], EXACT_MUL=not tile["SOFT_BF16"],
+        SPLITS=config.split_k, ROPE_EARLY=inputs_early, POLLED=partials is not None, PAIRED=paired,
+        HAS_BIAS=bias is not None, QK_NORM=head_norm is not None, **_staged_args(x, recv), **tile)
     return q

@@ -64,6 +64,10 @@ class LlamaAttention(nn.Module):
         k = self.k_norm(k.reshape(-1, d)).view(rows, -1)
         return torch.cat((q, k, v), dim=-1)
 
+    def head_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Qwen3's per-head norms as the fused qkv + rope kernel takes them (None without them)."""
+        return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
                 meta: AttentionMetadata) -> PendingProjection:
         """x: the normalised input, or what a fused all-reduce left for it (ReducedNorm). Returns o_proj of the
@@ -71,14 +75,13 @@ class LlamaAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; allocate it through the runner")
-        # (the fused kernel has no norm of the heads: Qwen3's q and k take the steps below)
-        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and self.q_norm is None \
-                and last_split_reduces():
+        if not meta.is_prefill and self.fused_qkv_rope and self.qkv_proj.small_m and last_split_reduces():
             # decode rows: the projection, rope and the cache writes in one kernel (None: it does not apply here)
             # (positions and slots are the step's metadata, copied in before its first kernel: settled early)
             q = gemv.qkv_rope_store(x, self.qkv_proj.weight, positions, rope, meta.slot_mapping, cache.k, cache.v,
                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                    inputs_early=gemv.rope_inputs_early(), bias=self.qkv_proj.bias)
+                                    inputs_early=gemv.rope_inputs_early(), bias=self.qkv_proj.bias,
+                                    head_norm=self.head_norm())
             if q is not None:
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
                 return self.o_proj.pending(out.view(out.shape[0], -1))
