@@ -405,8 +405,9 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, biased, 
 def test_qkv_rope_store_with_head_norms_gives_the_three_steps_values(monkeypatch, dtype, m, polled):
     """Qwen3's q and k norms in the fused kernel (the shipped tiles, TPGRAPH_QKV_PAIRED set and declined), eager and
     replayed in a graph with new rows: q and both caches as the projection, rms_norm over each q and k head and
-    rope_and_store give them, v bit for bit, and q and k within the variance's last fp32 bit: in 16-bit dtypes at most
-    one unit in the last place apart, on under 1% of the elements; in fp32 within 1e-5."""
+    rope_and_store give them, v bit for bit, and q and k within the variance's last fp32 bit: in 16-bit dtypes apart
+    on under 1% of the elements, by at most a few units in the last place of a normed head's unit scale (a rotation
+    that cancels makes a small output from two rounded terms); in fp32 within 1e-5."""
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
     monkeypatch.setenv("TPGRAPH_QKV_PAIRED", "1")
@@ -433,10 +434,8 @@ def test_qkv_rope_store_with_head_norms_gives_the_three_steps_values(monkeypatch
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             return
-        apart = got != want
-        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-        assert ((got.float() - want.float()).abs() <= ulp)[apart].all()
-        assert apart.float().mean() < 0.01
+        assert (got.float() - want.float()).abs().max() <= 4 * torch.finfo(dtype).eps
+        assert (got != want).float().mean() < 0.01
 
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, inputs_early=True,
                        head_norm=head_norm)
