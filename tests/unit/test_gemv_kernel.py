@@ -413,7 +413,7 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
     monkeypatch.setattr(gemv, "qkv_rope_store", fused)
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None, bias=None: linear(
         x, w, use_triton=True, config=tiles, out=out, bias=bias))
-    monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
+    monkeypatch.setattr(llama, "rope_and_store", lambda *a, **k: rope_and_store(*a, **k, use_triton=True))
     rows = 3
     rope = rope_cos_sin_table(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), 64, torch.bfloat16, "cpu")
     positions, meta = _three_decode_rows()
@@ -432,7 +432,7 @@ def test_a_biased_attention_layer_gives_the_same_bits_fused_or_not(monkeypatch):
 @pytest.mark.parametrize(("reduced", "fused"), [(False, True), (False, False), (True, False)])
 def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bit(monkeypatch, reduced, fused):
     """Qwen3's q and k norms at decode rows on the GPU's paths, the fused qkv + rope kernel norming each head, or
-    (fused off) the small-M projection, the Triton norm over each head and rope_and_store, from a plain input or a
+    (fused off) the small-M projection, and rope_and_store norming each head, from a plain input or a
     fused all-reduce's ReducedNorm (its stand-in here carries no squares for the fused kernel: test_lamport_gemv's
     boundaries give it a real one): q and the caches as transformers' Qwen3RMSNorm and rotation make them, in bf16.
     (The CPU parity tests run none of these kernels: their projections take F.linear and their norms the reference.)"""
@@ -465,7 +465,8 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
     monkeypatch.setattr(gemv, "linear_small_m", lambda x, w, out=None, bias=None: ran.append("small-m") or linear(
         x, w, use_triton=True, config=tiles, out=out, bias=bias))
     monkeypatch.setattr(layers, "rms_norm", lambda x, w, e: ran.append("norm") or rms_norm(x, w, e, use_triton=True))
-    monkeypatch.setattr(llama, "rope_and_store", lambda *a: rope_and_store(*a, use_triton=True))
+    monkeypatch.setattr(llama, "rope_and_store", lambda *a, **k: ran.append("rope") or rope_and_store(
+        *a, **k, use_triton=True))
     rope = rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d)), 64, torch.bfloat16, "cpu")
     positions, meta = _three_decode_rows()
     slots = meta.slot_mapping
@@ -475,7 +476,7 @@ def test_a_qwen3_attention_layer_at_decode_rows_is_transformers_qwen3_bit_for_bi
     attn.kv_cache = KVCache(*(torch.zeros(8, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(2)))
     attn.fused_qkv_rope = fused
     q = attn(positions, rope, given, meta).x.view(rows, heads, d)
-    assert ran == (["fused"] if fused else ["small-m", "norm", "norm"])
+    assert ran == (["fused"] if fused else ["small-m", "rope"])  # (no norm of the heads of its own)
 
     # transformers' Qwen3Attention on the same projection: [1, heads, rows, d] after each head's norm, then rotated
     qkv = linear(rms_norm_reference(x * 3, weight, eps) if reduced else x, attn.qkv_proj.weight, use_triton=True,

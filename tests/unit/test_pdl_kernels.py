@@ -8,12 +8,14 @@ from tpgtest.ptx import sm90_ptx
 
 ROPE = ("tpgraph.kernels.rope_store", "_rope_store_kernel",
         {"qkv_ptr": "*bf16", "pos_ptr": "*i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i32",
-         "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16"},
+         "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16",
+         "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps": "fp32", "mean_scale": "fp32"},
         ["num_tokens", "stride_qkv", "stride_cos", "stride_sin", "stride_cb", "stride_ct", "stride_ch", "stride_qo",
          "stride_ko"],
         {"NUM_HEADS": 16, "NUM_KV_HEADS": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HALF_PAD": 64, "DIM_PAD": 128,
-         "BLOCK_T": 1, "SOFT_BF16": False})
-ROPE_BLOCKS = (*ROPE[:4], {**ROPE[4], "BLOCK_T": 16})  # prefill sizes (and decode from 256 rows): 16 tokens a program
+         "BLOCK_T": 1, "SOFT_BF16": False, "HEAD_NORM": False, "MEAN_BY_DIV": False})
+# prefill sizes (and decode from 256 rows): 16 tokens a program; with Qwen3's head norms
+ROPE_BLOCKS = (*ROPE[:4], {**ROPE[4], "BLOCK_T": 16, "HEAD_NORM": True})
 SPLIT_SUM = ("tpgraph.kernels.gemv", "_split_sum_kernel", {"ws_ptr": "*fp32", "y_ptr": "*bf16"},
              ["numel", "SPLITS"], {"BLOCK": 512, "SOFT_BF16": False})
 NORM = ("tpgraph.kernels.norm", "_rms_norm_kernel",

@@ -37,19 +37,21 @@ def _case(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, bloc
 
 
 def _matches_reference(seed: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype, index_dtype: torch.dtype, **launch):
+                       dtype: torch.dtype, index_dtype: torch.dtype, head_norm: tuple | None = None, **launch):
     """The Triton launch on `_case`'s problem (with `launch`'s keywords) equals the reference bit for bit: q, k and
-    both caches (other slots untouched too). Returns the launch's q and k."""
+    both caches (other slots untouched too). Returns the launch's q and k. head_norm (Qwen3's), given to both: in
+    fp32 within the variance's last bit (the kernel sums a head's squares by halves)."""
     qkv, positions, slots, k_cache, v_cache = _case(seed, tokens, heads, kv_heads, head_dim, block_size, dtype,
                                                     index_dtype)
     cos_sin = rope_cos_sin_table(_inv_freq(head_dim), MAX_POS, dtype, "cpu")
     k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
     q, k = rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
-                          use_triton=True, **launch)
+                          use_triton=True, head_norm=head_norm, **launch)
     q_ref, k_ref = rope_and_store_reference(qkv, positions, cos_sin, slots, k_ref_cache, v_ref_cache, heads,
-                                            kv_heads, head_dim)
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(k_cache, k_ref_cache) and torch.equal(v_cache, v_ref_cache)
+                                            kv_heads, head_dim, head_norm=head_norm)
+    exact = head_norm is None or dtype != torch.float32
+    for got, want in ((q, q_ref), (k, k_ref), (k_cache, k_ref_cache), (v_cache, v_ref_cache)):
+        torch.testing.assert_close(got, want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
     return q, k
 
 
@@ -157,6 +159,60 @@ def test_reference_is_hf_apply_rotary_pos_emb(rope_parameters):
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
 
 
+def _head_norm(head_dim: int, dtype: torch.dtype, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, float]:
+    g = torch.Generator().manual_seed(seed)
+    return *((1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)), 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [
+    (6, 4, 2, 64),
+    (5, 2, 2, 80),  # a padded half: its empty lanes add nothing to the squares
+    (300, 2, 1, 128),  # 16 tokens a program, a ragged last block
+])
+def test_head_norms_match_the_reference(dtype, tokens, heads, kv_heads, head_dim):
+    """Qwen3's q and k norms in the kernel, before the rotation: q, k and the caches as the reference makes them
+    (transformers' Qwen3RMSNorm over each head, then the rotation), bit for bit in bf16; v untouched by them."""
+    q, _ = _matches_reference(tokens, tokens, heads, kv_heads, head_dim, 16, dtype, torch.int64,
+                              head_norm=_head_norm(head_dim, dtype))
+    plain, _ = _matches_reference(tokens, tokens, heads, kv_heads, head_dim, 16, dtype, torch.int64)
+    assert not torch.equal(q, plain)  # (the norms did something)
+
+
+def test_the_reference_norms_heads_as_transformers_qwen3():
+    """The reference's head norms are transformers' Qwen3RMSNorm over each head, bit for bit in bf16."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    heads, kv_heads, head_dim, dtype, tokens = 4, 2, 64, torch.bfloat16, 7
+    qkv, positions, slots, k_cache, v_cache = _case(2, tokens, heads, kv_heads, head_dim, 4, dtype, torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(head_dim, 1e6), MAX_POS, dtype, "cpu")
+    head_norm = _head_norm(head_dim, dtype)
+    q, k = rope_and_store_reference(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
+                                    head_norm=head_norm)
+    normed = []
+    for weight, start, count in ((head_norm[0], 0, heads), (head_norm[1], heads, kv_heads)):
+        hf_norm = Qwen3RMSNorm(head_dim, head_norm[2]).to(dtype)
+        hf_norm.weight.data.copy_(weight)
+        part = qkv[:, start * head_dim:(start + count) * head_dim].reshape(1, tokens, count, head_dim)
+        normed.append(hf_norm(part).transpose(1, 2))
+    cos, sin = (torch.cat((t[positions],) * 2, dim=-1)[None] for t in cos_sin)
+    hf_q, hf_k = apply_rotary_pos_emb(*normed, cos, sin)
+    assert torch.equal(q, hf_q[0].transpose(0, 1)) and torch.equal(k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_head_norms_of_the_wrong_shape_or_dtype_are_refused_by_name(use_triton):
+    qkv, positions, slots, k_cache, v_cache = _case(1, 3, 4, 2, 64, 4, torch.float32, torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.float32, "cpu")
+    good = torch.ones(64)
+    for q_weight, k_weight, name in ((torch.ones(63), good, "q"), (good, torch.ones(64, dtype=torch.bfloat16), "k"),
+                                     (good, torch.ones(128)[::2], "k")):
+        with pytest.raises(ValueError, match=f"the {name} head norm's weight must be a contiguous \\[64\\]"):
+            rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 4, 2, 64, use_triton=use_triton,
+                           head_norm=(q_weight, k_weight, 1e-6))
+
+
 def test_a_new_prompt_length_compiles_no_new_kernel():
     """Eager prefill (above the piecewise graphs' sizes) launches at any token count; the count must not key the
     compiled kernel, or a first prompt of an unseen length class (300 after 512) compiles in its time to first token.
@@ -164,11 +220,13 @@ def test_a_new_prompt_length_compiles_no_new_kernel():
     from tpgtest.ptx import launch_specializations
 
     typed = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
-             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16"}
+             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "q_out_ptr": "*bf16", "k_out_ptr": "*bf16",
+             "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps": "fp32", "mean_scale": "fp32"}
     strides = dict(stride_qkv=6144, stride_cos=64, stride_sin=64, stride_cb=16384, stride_ct=1024, stride_ch=128,
                    stride_qo=4096, stride_ko=1024)
     constexprs = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HALF_PAD": 64,
-                  "DIM_PAD": 128, "BLOCK_T": 16, "SOFT_BF16": False, "PDL": False}
+                  "DIM_PAD": 128, "BLOCK_T": 16, "SOFT_BF16": False, "PDL": False, "HEAD_NORM": False,
+                  "MEAN_BY_DIV": False}
     keys = launch_specializations("tpgraph.kernels.rope_store", "_rope_store_kernel", typed, constexprs,
                                   [{"num_tokens": n, **strides} for n in (512, 300, 301, 8192)])
     assert len(set(keys)) == 1, keys

@@ -53,6 +53,7 @@ from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
+from tpgraph.kernels.rope_store import HeadNorm
 
 try:
     import triton
@@ -68,10 +69,10 @@ try:
         unfilled,
     )
     from tpgraph.kernels._pdl import pdl_enter
-    from tpgraph.kernels._rounding import add_rn, mul_rn, round_to, to_dtype
+    from tpgraph.kernels._rounding import add_rn, round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.lamport import all_reduce_tile, epilogue_inputs, rows_squares, rstd_of
-    from tpgraph.kernels.rope_store import rotate_pair
+    from tpgraph.kernels.rope_store import normed_head, rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
@@ -726,7 +727,7 @@ if triton is not None:
         rows' 1 / RMS (STAGED), then q/k rotated with the rows' cos/sin at offs_h (c, sn; every op rounded as
         _rope_store_kernel rounds it: rotate_pair) or v copied, to where rope_store would write them (cache_row: the
         rows' cache offsets). EXACT_MUL: the kernel keeps FMA contraction on for its projection, which must give the
-        GEMV's bits. QK_NORM: q's and k's heads then normed (_normed_head) before the rotation."""
+        GEMV's bits. QK_NORM: q's and k's heads then normed (normed_head) before the rotation."""
         half: tl.constexpr = HEAD_DIM // 2
         dtype = q_out_ptr.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
@@ -748,8 +749,8 @@ if triton is not None:
             x2 = round_to(x2, dtype, SOFT_BF16)
         if head < NUM_HEADS + NUM_KV_HEADS:
             if QK_NORM:
-                x1, x2 = _normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, head < NUM_HEADS, head_eps, dtype, SOFT_BF16,
-                                      EXACT_MUL, HEAD_DIM)
+                x1, x2 = normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, head < NUM_HEADS, head_eps, 1.0 / HEAD_DIM, dtype,
+                                     SOFT_BF16, EXACT_MUL, False, HEAD_DIM)  # (1 / HEAD_DIM: a power of two, exact)
             o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]
@@ -761,29 +762,6 @@ if triton is not None:
             dst = v_cache_ptr + cache_row[:, None] + (head - NUM_HEADS - NUM_KV_HEADS) * stride_ch + offs_h[None, :]
             tl.store(dst, to_dtype(x1, dtype, SOFT_BF16), mask=rows_ok)  # (x1 holds a value of dtype: exact)
             tl.store(dst + half, to_dtype(x2, dtype, SOFT_BF16), mask=rows_ok)
-
-    @triton.jit
-    def _normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, is_q, eps, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr,
-                     EXACT_MUL: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Qwen3's RMSNorm of one head of every row (fp32 halves x1, x2 holding DTYPE values) over HEAD_DIM, rounded
-        where the norm kernel rounds: the normed row to DTYPE, then its product with the weight (qn_ptr's for a q head,
-        kn_ptr's for a k head). The mean's scale 1 / HEAD_DIM is a power of two, so exact; the squares are summed by
-        halves, the one order the norm kernel may not share (the variance's last bit). EXACT_MUL: the squares by
-        mul_rn, never an FMA with their sum."""
-        half: tl.constexpr = HEAD_DIM // 2
-        if is_q:
-            w1, w2 = tl.load(qn_ptr + offs_h), tl.load(qn_ptr + half + offs_h)
-        else:
-            w1, w2 = tl.load(kn_ptr + offs_h), tl.load(kn_ptr + half + offs_h)
-        if EXACT_MUL:
-            s1, s2 = mul_rn(x1, x1), mul_rn(x2, x2)
-        else:
-            s1, s2 = x1 * x1, x2 * x2
-        var = (tl.sum(s1, axis=1) + tl.sum(s2, axis=1)) * (1.0 / HEAD_DIM)
-        rstd = tl.rsqrt(var + eps)[:, None]
-        n1, n2 = round_to(x1 * rstd, DTYPE, SOFT_BF16), round_to(x2 * rstd, DTYPE, SOFT_BF16)
-        return (round_to(w1.to(tl.float32)[None, :] * n1, DTYPE, SOFT_BF16),
-                round_to(w2.to(tl.float32)[None, :] * n2, DTYPE, SOFT_BF16))
 
     @triton.jit
     def _polled_halves(ws_ptr, at, ok, stride_os, half: tl.constexpr, SPLITS: tl.constexpr):
@@ -1013,7 +991,7 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                    inputs_early: bool = False, use_triton: bool | None = None,
                    config: GemvConfig | None = None, bias: torch.Tensor | None = None,
-                   head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
+                   head_norm: HeadNorm | None = None) -> torch.Tensor | None:
     """rope_and_store(linear_small_m(x, w), ...)'s q [M, Hq, D], with k and v written into the caches, in one launch
     and with the same bits (the same tiles, the same sums, the same roundings). None where it does not apply (the
     caller then runs the two steps): M above max_rows, a head_dim the tiles do not divide, layouts rope_store would

@@ -12,10 +12,12 @@ then their sum; so the result is bit-identical to the eager math.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tpgraph.kernels._pdl import pdl_launch, use_pdl
 from tpgraph.kernels._rounding import soft_bf16_rounding
+from tpgraph.kernels.norm import rms_norm_reference
 
 try:
     import triton
@@ -39,6 +41,20 @@ def rope_cos_sin_table(inv_freq: torch.Tensor, max_pos: int, dtype: torch.dtype,
     return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
+# Qwen3's per-head norms: (q_norm's weight, k_norm's weight, eps), each weight [head_dim]
+HeadNorm = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def check_head_norm(head_norm: HeadNorm | None, head_dim: int, dtype: torch.dtype) -> None:
+    """Refuse head norms the kernels cannot apply, naming what is wrong."""
+    if head_norm is None:
+        return
+    for name, weight in zip(("q", "k"), head_norm[:2], strict=True):
+        if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous():
+            raise ValueError(f"the {name} head norm's weight must be a contiguous [{head_dim}] tensor of {dtype}; got "
+                             f"{tuple(weight.shape)} of {weight.dtype}")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -55,13 +71,19 @@ def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
 
 def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                              slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             num_heads: int, num_kv_heads: int, head_dim: int, *,
+                             head_norm: HeadNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (Hq + 2 * Hkv) * D] -> (q [T, Hq, D], k [T, Hkv, D]) rotated; k and v written to the caches.
 
     cos_sin: (cos, sin) tables [max_pos, D/2] (see `rope_cos_sin_table`); slot_mapping [T]: flat cache slot
-    (block * block_size + offset); caches [num_blocks, block_size, Hkv, D].
+    (block * block_size + offset); caches [num_blocks, block_size, Hkv, D]. head_norm (Qwen3's q_norm and k_norm
+    weights, [D] each, and their eps): each q and k head RMS-normed before the rotation, as transformers does.
     """
+    check_head_norm(head_norm, head_dim, qkv.dtype)
     q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if head_norm is not None:
+        q_weight, k_weight, eps = head_norm
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
     cos, sin = cos_sin
     pos = positions.long()
     c, s = cos[pos], sin[pos]
@@ -91,19 +113,50 @@ if triton is not None:
         o2 = to_dtype(round_to(x2c, DTYPE, SOFT_BF16) + round_to(x1s, DTYPE, SOFT_BF16), DTYPE, SOFT_BF16)
         return o1, o2
 
+    @triton.jit
+    def normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, is_q, eps, mean_scale, DTYPE: tl.constexpr,
+                    SOFT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, MEAN_BY_DIV: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+        """Qwen3's RMSNorm of one head of every row, from fp32 halves x1, x2 (DTYPE values at dims offs_h and
+        offs_h + HEAD_DIM / 2; lanes past the half hold 0), rounded where the norm kernel rounds: the normed row to
+        DTYPE, then its product with the weight (qn_ptr's for a q head, kn_ptr's for a k head). The mean as torch
+        takes it on the tensors' device (MEAN_BY_DIV: sum / mean_scale, else sum * mean_scale). The squares are summed
+        by halves, the one order the norm kernel may not share (the variance's last bit). EXACT_MUL: the squares by
+        mul_rn, for kernels that keep FMA contraction on."""
+        half: tl.constexpr = HEAD_DIM // 2
+        ok = offs_h < half
+        if is_q:
+            w1, w2 = tl.load(qn_ptr + offs_h, mask=ok, other=0.0), tl.load(qn_ptr + half + offs_h, mask=ok, other=0.0)
+        else:
+            w1, w2 = tl.load(kn_ptr + offs_h, mask=ok, other=0.0), tl.load(kn_ptr + half + offs_h, mask=ok, other=0.0)
+        if EXACT_MUL:
+            s1, s2 = mul_rn(x1, x1), mul_rn(x2, x2)
+        else:
+            s1, s2 = x1 * x1, x2 * x2
+        total = tl.sum(s1, axis=1) + tl.sum(s2, axis=1)
+        if MEAN_BY_DIV:
+            var = tl.div_rn(total, mean_scale)
+        else:
+            var = total * mean_scale
+        rstd = tl.rsqrt(var + eps)[:, None]
+        n1, n2 = round_to(x1 * rstd, DTYPE, SOFT_BF16), round_to(x2 * rstd, DTYPE, SOFT_BF16)
+        return (round_to(w1.to(tl.float32)[None, :] * n1, DTYPE, SOFT_BF16),
+                round_to(w2.to(tl.float32)[None, :] * n2, DTYPE, SOFT_BF16))
+
     # num_tokens only bounds the last token block: unspecialised, so that a new prompt length (eager prefill above
     # the piecewise sizes) compiles no variant (Triton keys an int equal to 1 or divisible by 16 apart)
     @triton.jit(do_not_specialize=["num_tokens"])
     def _rope_store_kernel(
-        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, num_tokens,
-        stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo, stride_ko,
-        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SOFT_BF16: tl.constexpr,
-        PDL: tl.constexpr,
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_out_ptr, k_out_ptr, qn_ptr, kn_ptr,
+        num_tokens, eps, mean_scale, stride_qkv, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_qo,
+        stride_ko, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+        SOFT_BF16: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr, MEAN_BY_DIV: tl.constexpr,
     ):
         """One head (program_id 1) of BLOCK_T tokens (program_id 0). Decode-sized launches take a token a program;
         prefill takes 16, so that each program moves more than a 256-byte row (at one token a program, 8192 tokens
-        were 327k programs of a warp each, at about a tenth of HBM bandwidth)."""
+        were 327k programs of a warp each, at about a tenth of HBM bandwidth). HEAD_NORM (Qwen3): the head RMS-normed
+        (normed_head; qn_ptr's weight for q, kn_ptr's for k, eps) before its rotation."""
         pdl_enter(PDL)
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = offs_t < num_tokens
@@ -120,6 +173,9 @@ if triton is not None:
         src = row + h * HEAD_DIM + offs[None, :]
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=ok, other=0.0).to(tl.float32)
+        if HEAD_NORM:
+            x1, x2 = normed_head(x1, x2, offs, qn_ptr, kn_ptr, h < NUM_HEADS, eps, mean_scale, dtype, SOFT_BF16, False,
+                                 MEAN_BY_DIV, HEAD_DIM)
         o1, o2 = rotate_pair(x1, x2, c, s, dtype, SOFT_BF16, False)  # the launch turns FMA contraction off
         if h < NUM_HEADS:
             dst = q_out_ptr + offs_t[:, None] * stride_qo + h * HEAD_DIM + offs[None, :]
@@ -149,8 +205,8 @@ PREFILL_TOKENS, PREFILL_BLOCK_T = 256, 16
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, num_kv_heads: int, head_dim: int, *,
-                   use_triton: bool | None = None,
-                   tokens_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_triton: bool | None = None, tokens_per_program: int | None = None,
+                   head_norm: HeadNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same arguments and result as `rope_and_store_reference`, in one Triton launch (grid: token blocks x heads).
 
     q and k come back as new contiguous tensors; qkv rows may be a strided view (last dim contiguous).
@@ -159,7 +215,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     """
     if not (qkv.is_cuda if use_triton is None else use_triton):
         return rope_and_store_reference(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache,
-                                        num_heads, num_kv_heads, head_dim)
+                                        num_heads, num_kv_heads, head_dim, head_norm=head_norm)
     if triton is None:
         raise RuntimeError("Triton is not installed; use rope_and_store_reference or install triton")
     cos, sin = cos_sin
@@ -173,6 +229,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
         raise ValueError("K and V caches must be [blocks, block_size, Hkv, D] with one layout and a contiguous D")
     if qkv.dtype != cos.dtype or qkv.dtype != sin.dtype or qkv.dtype != k_cache.dtype:
         raise ValueError("qkv, the cos/sin tables and the caches must share the model dtype")
+    check_head_norm(head_norm, head_dim, qkv.dtype)
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
@@ -183,13 +240,15 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
     block_t = tokens_per_program or (PREFILL_BLOCK_T if tokens >= PREFILL_TOKENS else 1)
     if block_t & (block_t - 1):
         raise ValueError(f"tokens_per_program must be a power of two, got {block_t}")
+    by_div = not qkv.is_cuda  # torch's mean, as the norm kernel copies it
+    qn, kn, eps = head_norm or (qkv, qkv, 0.0)
     _rope_store_kernel[(triton.cdiv(tokens, block_t), num_heads + num_kv_heads)](
-        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k, tokens,
-        qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.stride(0), k.stride(0),
+        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, k, qn, kn, tokens, eps,
+        float(head_dim) if by_div else float(np.float32(1.0) / np.float32(head_dim)), qkv.stride(0), cos.stride(0),
+        sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), k.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HALF_PAD=triton.next_power_of_2(head_dim // 2), DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
-        SOFT_BF16=soft_bf16_rounding(qkv), PDL=pdl,
+        SOFT_BF16=soft_bf16_rounding(qkv), PDL=pdl, HEAD_NORM=head_norm is not None, MEAN_BY_DIV=by_div,
         num_warps=(1 if head_dim <= 128 else 2) * (4 if block_t > 1 else 1),
         enable_fp_fusion=False,  # an FMA would skip a rounding that eager torch does
         **pdl_launch(pdl),

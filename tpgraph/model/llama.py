@@ -11,7 +11,7 @@ from tpgraph.kernels import gemv
 from tpgraph.kernels._counters import last_split_reduces
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.lamport import PendingProjection, ReducedNorm, materialized
-from tpgraph.kernels.rope_store import rope_and_store
+from tpgraph.kernels.rope_store import HeadNorm, rope_and_store
 from tpgraph.model.attention import AttentionMetadata, KVCache
 from tpgraph.model.layers import (
     ColumnParallelLinear,
@@ -55,17 +55,9 @@ class LlamaAttention(nn.Module):
         self.kv_cache: KVCache | None = None  # bound by the runner once the cache is sized
         self.fused_qkv_rope = True  # with the small-M kernel and last-split reductions; +unfused turns it off
 
-    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3's RMSNorm of each head of q and of k over head_dim (v as it is), as transformers applies it after the
-        projection and before the rotation."""
-        d, rows = self.head_dim, qkv.shape[0]
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = self.q_norm(q.reshape(-1, d)).view(rows, -1)
-        k = self.k_norm(k.reshape(-1, d)).view(rows, -1)
-        return torch.cat((q, k, v), dim=-1)
-
-    def head_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Qwen3's per-head norms as the fused qkv + rope kernel takes them (None without them)."""
+    def head_norm(self) -> HeadNorm | None:
+        """Qwen3's norms over each head of q and k, as the rotation kernels apply them after the projection and before
+        the rotation (None without them)."""
         return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | ReducedNorm,
@@ -86,11 +78,9 @@ class LlamaAttention(nn.Module):
                 out = meta.boundary(meta.backend.decode, q, cache, meta, self.scale)
                 return self.o_proj.pending(out.view(out.shape[0], -1))
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
-            qkv = self.norm_heads(qkv)
-        # one kernel: rotate q and k, write k and v into the paged cache at meta.slot_mapping
+        # one kernel: (Qwen3: norm q's and k's heads,) rotate q and k, write k and v into the paged cache
         q, k = rope_and_store(qkv, positions, rope, meta.slot_mapping, cache.k, cache.v, self.num_heads,
-                              self.num_kv_heads, self.head_dim)
+                              self.num_kv_heads, self.head_dim, head_norm=self.head_norm())
         # the attention core is where piecewise capture splits its graphs (meta.boundary)
         if meta.is_prefill:
             v = qkv[:, -self.num_kv_heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
