@@ -365,22 +365,26 @@ def test_split_kv_decode_with_the_last_split_combining(monkeypatch, seed, dtype,
     assert bool(taken) == (polled == "1")
 
 
-QKV_ROPE_CASES = [(m, dtype, False) for m in (1, 5, 16) for dtype in DTYPES] + [
-    (24, torch.bfloat16, False), (24, torch.float16, False), (32, torch.bfloat16, False),  # 16-bit only
-    (1, torch.bfloat16, True), (5, torch.float32, True), (24, torch.float16, True)]  # Qwen2's q, k, v biases
+QKV_ROPE_CASES = [(m, dtype, "") for m in (1, 5, 16) for dtype in DTYPES] + [
+    (24, torch.bfloat16, ""), (24, torch.float16, ""), (32, torch.bfloat16, ""),  # 16-bit only
+    (1, torch.bfloat16, "bias"), (5, torch.float32, "bias"), (24, torch.float16, "bias"),  # Qwen2's q, k, v biases
+    (1, torch.bfloat16, "head norms"), (5, torch.float16, "head norms"), (16, torch.float32, "head norms"),  # Qwen3's
+    (24, torch.bfloat16, "head norms")]
 
 
 @pytest.mark.parametrize("paired", ["0", "1"])
 @pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize(("m", "dtype", "biased"), QKV_ROPE_CASES)
-def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, biased, early, polled, paired):
+@pytest.mark.parametrize(("m", "dtype", "extra"), QKV_ROPE_CASES)
+def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, extra, early, polled, paired):
     """The qkv projection and rope_store in one launch (the shipped tiles: split-K over column blocks of 32), its
     splits reduced by head or, paired (TPGRAPH_QKV_PAIRED), by column block, found by the count or by polling
     (TPGRAPH_POLLED_ROPE; paired, TPGRAPH_POLLED_PARTIALS): q and both caches bit for bit the two steps, eager and
     replayed in a graph with new rows before each replay (a reducer that read a stale partial would show), and every
     partial slot back at the sentinel. early: the rotation inputs read before the PDL wait (inputs_early; positions
-    and slots are written before x here, as the model's are). biased: with a bias, given to both."""
+    and slots are written before x here, as the model's are). extra: a bias, or Qwen3's head norms (paired tiles
+    declined: a head's reducer norms it), given to both; with the norms, q and k within the variance's last bit
+    (assert_within_a_variance_bit), v bit for bit."""
     from tpgraph.kernels._counters import PARTIAL_SENTINEL, partials_buffer
     from tpgraph.kernels.gemv import linear_small_m, qkv_rope_store
 
@@ -396,30 +400,39 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, biased, 
     caches = [torch.zeros(64, block_size, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
     x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
-    bias = torch.randn(w.shape[0], device="cuda", generator=g).to(dtype) if biased else None
-    q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                       inputs_early=early, bias=bias)
-    rq, _ = rope_and_store(linear_small_m(x, w, bias=bias), positions, tables, slots, caches[2], caches[3], heads,
-                           kv_heads, dim)
-    assert q is not None and torch.equal(q, rq)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    bias = torch.randn(w.shape[0], device="cuda", generator=g).to(dtype) if extra == "bias" else None
+    head_norm = (*((1 + 0.2 * torch.randn(dim, device="cuda", generator=g)).to(dtype) for _ in range(2)), 1e-6) \
+        if extra == "head norms" else None
+    check = assert_within_a_variance_bit if head_norm else lambda got, want: torch.testing.assert_close(
+        got, want, rtol=0, atol=0)
+
+    def fused() -> torch.Tensor | None:
+        return qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
+                              inputs_early=early, bias=bias, head_norm=head_norm)
+
+    def assert_two_steps(q: torch.Tensor) -> None:
+        rq, _ = rope_and_store(linear_small_m(x, w, bias=bias), positions, tables, slots, caches[2], caches[3], heads,
+                               kv_heads, dim, head_norm=head_norm)
+        torch.cuda.synchronize()
+        check(q, rq)
+        check(caches[0], caches[2])
+        assert torch.equal(caches[1], caches[3]) and caches[1].any()
+
+    q = fused()
+    assert q is not None
+    assert_two_steps(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
-                                  inputs_early=early, bias=bias)
+        captured = fused()
     for _ in range(3):
         x.copy_(torch.randn(m, hidden, device="cuda", generator=g).to(dtype))
         for cache in caches:
             cache.zero_()
         graph.replay()
-        rq, _ = rope_and_store(linear_small_m(x, w, bias=bias), positions, tables, slots, caches[2], caches[3], heads,
-                               kv_heads, dim)
-        torch.cuda.synchronize()
-        assert torch.equal(captured, rq) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        assert_two_steps(captured)
     assert (partials_buffer(x.device, 1).view(torch.int32) == PARTIAL_SENTINEL).all()
 
 
-@pytest.mark.parametrize("polled", ["0", "1"])
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qkv_rope_store_with_head_norms_gives_the_three_steps_values(monkeypatch, dtype, m, polled):
