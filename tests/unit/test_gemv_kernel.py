@@ -691,7 +691,8 @@ def test_qkv_rope_store_declines_a_bias_it_cannot_add():
     args = (torch.arange(2), tables, torch.arange(2), *caches, 4, 2, 64)
     for bias in (torch.zeros(8 * 64 - 1), torch.zeros(8 * 64, dtype=torch.bfloat16), torch.zeros(8 * 64 * 2)[::2]):
         assert qkv_rope_store(x, w, *args, use_triton=True, bias=bias) is None
-    for norm in (torch.ones(63), torch.ones(64, dtype=torch.bfloat16), torch.ones(128)[::2]):  # nor such head norms
+    for norm in (torch.ones(63), torch.ones(64, dtype=torch.bfloat16), torch.ones(128)[::2],  # nor such head norms
+                 torch.ones(64, device="meta")):  # (nor one on another device: rope_and_store says what is wrong)
         assert qkv_rope_store(x, w, *args, use_triton=True, head_norm=(torch.ones(64), norm, 1e-6)) is None
 
 

@@ -213,6 +213,20 @@ def test_head_norms_of_the_wrong_shape_or_dtype_are_refused_by_name(use_triton):
                            head_norm=(q_weight, k_weight, 1e-6))
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_head_norm_refused_for_its_layout_or_device_says_so(use_triton):
+    """A strided weight of the right shape and dtype, or one on another device than qkv: the message names that
+    (not a shape and dtype that match what it asks for, nor a copy's error from inside the launch)."""
+    qkv, positions, slots, k_cache, v_cache = _case(1, 3, 4, 2, 64, 4, torch.float32, torch.int64)
+    cos_sin = rope_cos_sin_table(_inv_freq(64), MAX_POS, torch.float32, "cpu")
+    good = torch.ones(64)
+    for k_weight, said in ((torch.ones(128)[::2], "got a non-contiguous \\(64,\\)"),
+                           (torch.ones(64, device="meta"), "got a \\(64,\\) tensor of torch.float32 on meta")):
+        with pytest.raises(ValueError, match=f"the k head norm's weight must be .* on cpu; {said}"):
+            rope_and_store(qkv, positions, cos_sin, slots, k_cache, v_cache, 4, 2, 64, use_triton=use_triton,
+                           head_norm=(good, k_weight, 1e-6))
+
+
 def test_a_new_prompt_length_compiles_no_new_kernel():
     """Eager prefill (above the piecewise graphs' sizes) launches at any token count; the count must not key the
     compiled kernel, or a first prompt of an unseen length class (300 after 512) compiles in its time to first token.

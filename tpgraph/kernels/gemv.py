@@ -53,7 +53,7 @@ from tpgraph.kernels._rounding import soft_bf16_rounding
 from tpgraph.kernels._rows import block_m, max_rows
 from tpgraph.kernels._settings import env_flag
 from tpgraph.kernels.lamport import Channel, ReducedNorm, pieces_for
-from tpgraph.kernels.rope_store import HeadNorm
+from tpgraph.kernels.rope_store import HeadNorm, head_norm_problem
 
 try:
     import triton
@@ -1018,8 +1018,8 @@ def qkv_rope_store(x: torch.Tensor | ReducedNorm, w: torch.Tensor, positions: to
         return None
     if cos.shape[-1] != head_dim // 2 or k_cache.shape[2:] != (num_kv_heads, head_dim) or any(
             t.dtype != x.dtype for t in (cos, sin, k_cache, v_cache)) or bias is not None and (
-            bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()) or head_norm is not None and any(
-            t.shape != (head_dim,) or t.dtype != x.dtype or not t.is_contiguous() for t in head_norm[:2]):
+            bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()) or head_norm_problem(
+            head_norm, head_dim, x.dtype, x.device) is not None:
         return None  # rope_and_store refuses these with a reason: the caller's two steps will say it
     config = config or config_for(x, n, k, m)
     if head_dim % config.block_n or resident(config, k, m):  # (resident tiles sum in another order: other bits)

@@ -45,14 +45,25 @@ def rope_cos_sin_table(inv_freq: torch.Tensor, max_pos: int, dtype: torch.dtype,
 HeadNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def check_head_norm(head_norm: HeadNorm | None, head_dim: int, dtype: torch.dtype) -> None:
-    """Refuse head norms the kernels cannot apply, naming what is wrong."""
+def head_norm_problem(head_norm: HeadNorm | None, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> str | None:
+    """What keeps the kernels from applying these head norms to qkv of `dtype` on `device`, or None."""
     if head_norm is None:
-        return
+        return None
     for name, weight in zip(("q", "k"), head_norm[:2], strict=True):
-        if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous():
-            raise ValueError(f"the {name} head norm's weight must be a contiguous [{head_dim}] tensor of {dtype}; got "
-                             f"{tuple(weight.shape)} of {weight.dtype}")
+        if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous() or \
+                weight.device != device:
+            layout = "a" if weight.is_contiguous() else "a non-contiguous"
+            return (f"the {name} head norm's weight must be a contiguous [{head_dim}] tensor of {dtype} on {device}; "
+                    f"got {layout} {tuple(weight.shape)} tensor of {weight.dtype} on {weight.device}")
+    return None
+
+
+def check_head_norm(head_norm: HeadNorm | None, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse head norms the kernels cannot apply, naming what is wrong."""
+    problem = head_norm_problem(head_norm, head_dim, dtype, device)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +90,7 @@ def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin
     (block * block_size + offset); caches [num_blocks, block_size, Hkv, D]. head_norm (Qwen3's q_norm and k_norm
     weights, [D] each, and their eps): each q and k head RMS-normed before the rotation, as transformers does.
     """
-    check_head_norm(head_norm, head_dim, qkv.dtype)
+    check_head_norm(head_norm, head_dim, qkv.dtype, qkv.device)
     q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     if head_norm is not None:
         q_weight, k_weight, eps = head_norm
@@ -229,7 +240,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[to
         raise ValueError("K and V caches must be [blocks, block_size, Hkv, D] with one layout and a contiguous D")
     if qkv.dtype != cos.dtype or qkv.dtype != sin.dtype or qkv.dtype != k_cache.dtype:
         raise ValueError("qkv, the cos/sin tables and the caches must share the model dtype")
-    check_head_norm(head_norm, head_dim, qkv.dtype)
+    check_head_norm(head_norm, head_dim, qkv.dtype, qkv.device)
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
