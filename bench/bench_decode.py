@@ -43,7 +43,8 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 # Qwen3-8B: q and k RMS-normed per head (the fused qkv + rope kernel norms them), 36 layers, a 152K vocabulary
 QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                       rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960, tie_word_embeddings=False,
+                       rope=RopeConfig(theta=1000000.0, original_max_position_embeddings=40960),
+                       max_position_embeddings=40960, tie_word_embeddings=False,
                        qk_norm=True)
 
 

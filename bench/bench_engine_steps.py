@@ -57,7 +57,11 @@ def hf_config(cfg: ModelConfig) -> dict:
         "rope_type": rope.type, "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
         "high_freq_factor": rope.high_freq_factor,
         "original_max_position_embeddings": rope.original_max_position_embeddings}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    if cfg.qkv_bias or cfg.o_proj_bias or cfg.mlp_bias:
+        raise ValueError("hf_config writes Llama and Qwen3 shapes without biases")
+    # Qwen3's config names its per-head q/k norms by its architecture alone
+    arch, model_type = ("Qwen3ForCausalLM", "qwen3") if cfg.qk_norm else ("LlamaForCausalLM", "llama")
+    return {"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,

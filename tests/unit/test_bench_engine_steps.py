@@ -1,6 +1,7 @@
 """bench/bench_engine_steps.py off the GPU: the config.json it writes reads back as the shape it names, and a point
 on the built-in model times the steps that decode the whole batch."""
 
+import dataclasses
 import json
 
 import pytest
@@ -14,14 +15,12 @@ def steps():
     return load_bench_module("bench_engine_steps")
 
 
-@pytest.mark.parametrize("shape", ["llama3-8b", "llama3-8b-half", "llama31-8b-half"])
+@pytest.mark.parametrize("shape", ["llama3-8b", "llama3-8b-half", "llama31-8b-half", "qwen3-8b", "qwen3-8b-half"])
 def test_the_written_config_reads_back_as_the_shape(steps, shape):
+    """Every field of the shape (Qwen3's head norms included) but the token ids the checkpoint names."""
     cfg = steps.SHAPES[shape]
     back = ModelConfig.from_hf_dict(json.loads(json.dumps(steps.hf_config(cfg))))
-    assert (back.vocab_size, back.intermediate_size, back.num_attention_heads, back.num_key_value_heads,
-            back.head_dim, back.rope, back.max_position_embeddings) == (
-        cfg.vocab_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        cfg.rope, cfg.max_position_embeddings)
+    assert dataclasses.replace(back, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id) == cfg
 
 
 def test_a_point_times_the_whole_batch_decode_steps(steps, tmp_path):
