@@ -868,22 +868,29 @@ def test_the_fused_qkv_rope_kernel_compiles_for_sm90_without_contracting_rope():
     assert len(four) == 2 * len(_loads_after_the_count(_qkv_rope_ptx(2)))
 
 
+def _loads_before_the_wait(ptx: str) -> list[str]:
+    return re.findall(r"ld\.global[.\w]*", ptx[:ptx.index("griddepcontrol.wait")])
+
+
 def test_a_biased_qkv_rope_kernel_adds_its_bias_as_its_own_rounded_add():
     """sm_90a with a bias (Qwen2's): each rotated half takes its bias by an add.rn.f32 of its own (no FMA may fold it
-    into a product), loaded after the count, and the unbiased kernel loads no bias."""
+    into a product), loaded before the PDL wait (a weight no kernel writes), so that after the count the reducer loads
+    only what the unbiased kernel loads."""
     biased, plain = _qkv_rope_ptx(4, bias=True), _qkv_rope_ptx(4)
     assert biased.count("add.rn.f32") >= plain.count("add.rn.f32") + 2
-    assert len(_loads_after_the_count(biased)) > len(_loads_after_the_count(plain))
+    assert len(_loads_before_the_wait(biased)) > len(_loads_before_the_wait(plain))
+    assert _loads_after_the_count(biased) == _loads_after_the_count(plain)
 
 
 def test_a_qk_normed_qkv_rope_kernel_squares_by_rounded_products_after_the_count():
     """sm_90a with Qwen3's head norms: the squares are mul.rn.f32 products of their own (an FMA into their sum would
-    skip the norm kernel's rounding), an rsqrt the plain kernel lacks, and the norms' weights loaded after the count;
-    without them, no such load."""
+    skip the norm kernel's rounding), an rsqrt the plain kernel lacks, and the norms' weights loaded before the PDL
+    wait, so that after the count the reducer loads only what the plain kernel loads."""
     normed, plain = _qkv_rope_ptx(4, qk_norm=True), _qkv_rope_ptx(4)
     assert normed.count("mul.rn.f32") >= plain.count("mul.rn.f32") + 2
     assert normed.count("rsqrt") > plain.count("rsqrt")
-    assert len(_loads_after_the_count(normed)) > len(_loads_after_the_count(plain))
+    assert len(_loads_before_the_wait(normed)) > len(_loads_before_the_wait(plain))
+    assert _loads_after_the_count(normed) == _loads_after_the_count(plain)
 
 
 def test_the_polled_qkv_rope_reducer_compiles_for_sm90_without_a_count():

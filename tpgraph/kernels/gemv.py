@@ -72,7 +72,7 @@ try:
     from tpgraph.kernels._rounding import add_rn, round_to, to_dtype
     from tpgraph.kernels.activation import silu_mul
     from tpgraph.kernels.lamport import all_reduce_tile, epilogue_inputs, rows_squares, rstd_of
-    from tpgraph.kernels.rope_store import normed_head, rotate_pair
+    from tpgraph.kernels.rope_store import head_norm_weights, normed_head, rotate_pair
 except ImportError:  # CPU-only installs without Triton use F.linear
     triton = None
 
@@ -545,9 +545,10 @@ if triton is not None:
         head's partials in split order (the GEMV's bits), rounds them as the GEMV output would be, rotates q and k as
         _rope_store_kernel does, and writes q to q_out and k, v into the paged cache at the row's slot. STAGED: x is a
         fused all-reduce's staged input, and the head's sums are scaled by the rows' 1 / RMS (see _gemv_kernel). What
-        the last program needs besides the partials (positions, slots, cos/sin rows: written before the step) is loaded
-        by every program before its K loop, and the SPLITS partials in one unrolled batch of loads: after the head's
-        last count the work is one round of loads and the stores, not a chain of dependent loads.
+        the last program needs besides the partials (positions, slots, cos/sin rows: written before the step; the bias
+        and the head norms' weights, before the PDL wait) is loaded by every program before its K loop, and the
+        SPLITS partials in one unrolled batch of loads: after the head's last count the work is one round of loads and
+        the stores, not a chain of dependent loads.
         ROPE_EARLY: those are loaded before the PDL wait (qkv_rope_store's inputs_early): after the wait the cos/sin
         loads waited on the positions' load, and the K loop's third stage of weight loads waited with them (SASS).
         POLLED (ws is the sentinel-filled partials buffer, as _gemv_kernel's POLLED): no count; the head's last column
@@ -578,6 +579,9 @@ if triton is not None:
         if ROPE_EARLY:  # settled before the kernel before us started (qkv_rope_store's inputs_early)
             c, sn, cache_row = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb,
                                             stride_ct, offs_m, m_ok, offs_h, BLOCK_SIZE)
+        # weights no kernel writes: read before the wait, so that after a head's count only its partials load
+        b1, b2, nw1, nw2 = _head_constants(bias_ptr, qn_ptr, kn_ptr, head, offs_h, NUM_HEADS, HEAD_DIM, HAS_BIAS,
+                                           QK_NORM)
         _enter(w_ptr, N, K, stride_wn, pid, pid_k, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_TILES, LINE, rope_half)
         if STAGED:  # loaded before the K loop (_gemv_kernel); only a reducer (a head's; PAIRED, a block's) reads them
             squares = rows_squares(sq_ptr, tiles, offs_m, m_ok, BLOCK_M, PIECES)
@@ -598,12 +602,12 @@ if triton is not None:
                 reduces, total = _split_total(acc, ws_ptr, counter_ptr + pid, stride_os, tile, tile_ok, pid_k, SPLITS,
                                               POLLED)
             if reduces:
-                _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M,
+                _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, head, M,
                             stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS,
                             NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS)
         else:
-            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr,
-                        qn_ptr, kn_ptr, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch,
+            _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2,
+                        nw1, nw2, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch,
                         stride_qo, squares, eps, mean_scale, BLOCK_M, BLOCK_N, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
                         HEAD_DIM, EXACT_MUL, STAGED, SPLITS, POLLED, HAS_BIAS, QK_NORM)
 
@@ -633,8 +637,8 @@ if triton is not None:
         return reduces, total
 
     @triton.jit
-    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr,
-                    kn_ptr, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares,
+    def _rope_heads(acc, ws_ptr, counter_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1,
+                    nw2, head_eps, head, pid, pid_k, tile, tile_ok, M, N, stride_os, stride_ch, stride_qo, squares,
                     eps, mean_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_BF16: tl.constexpr,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr, POLLED: tl.constexpr,
@@ -646,16 +650,28 @@ if triton is not None:
         if POLLED:  # the head's last column block at the last split: its partners have lower program ids
             if (pid % (HEAD_DIM // BLOCK_N) == HEAD_DIM // BLOCK_N - 1) & (pid_k == SPLITS - 1):
                 tl.debug_barrier()  # its own partial's stores, seen by all of its threads
-                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
-                           head_eps, head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
-                           SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True, HAS_BIAS,
-                           QK_NORM)
+                _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1, nw2, head_eps,
+                           head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16,
+                           NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, True, HAS_BIAS, QK_NORM)
         elif arrived_last(counter_ptr + head, (HEAD_DIM // BLOCK_N) * SPLITS):
-            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
-                       head_eps, head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M,
-                       SOFT_BF16, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False, HAS_BIAS,
-                       QK_NORM)
+            _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1, nw2, head_eps,
+                       head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16,
+                       NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, SPLITS, False, HAS_BIAS, QK_NORM)
             reset_counter(counter_ptr + head)
+
+    @triton.jit
+    def _head_constants(bias_ptr, qn_ptr, kn_ptr, head, offs_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+        """What head `head`'s reducer adds and norms with at dims offs_h and offs_h + HEAD_DIM / 2, fp32: its bias
+        (HAS_BIAS) and its norm's weight (QK_NORM: q_norm's for a q head, k_norm's otherwise); zeros where absent."""
+        zero = tl.zeros(offs_h.shape, dtype=tl.float32)
+        b1, b2, nw1, nw2 = zero, zero, zero, zero
+        if HAS_BIAS:
+            b1 = tl.load(bias_ptr + head * HEAD_DIM + offs_h).to(tl.float32)
+            b2 = tl.load(bias_ptr + head * HEAD_DIM + HEAD_DIM // 2 + offs_h).to(tl.float32)
+        if QK_NORM:
+            nw1, nw2 = head_norm_weights(qn_ptr, kn_ptr, head < NUM_HEADS, offs_h, HEAD_DIM)
+        return b1, b2, nw1, nw2
 
     @triton.jit
     def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cos, stride_sin, stride_cb, stride_ct, offs_m, m_ok,
@@ -670,8 +686,8 @@ if triton is not None:
         return c, sn, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
 
     @triton.jit
-    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr, head_eps,
-                   head, M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
+    def _rope_head(ws_ptr, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1, nw2, head_eps, head,
+                   M, N, stride_os, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
                    SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, SPLITS: tl.constexpr,
                    POLLED: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
@@ -700,12 +716,12 @@ if triton is not None:
             for s in tl.static_range(1, SPLITS):
                 t1 += tl.load(ws_ptr + s * stride_os + at, mask=rows_ok, other=0.0, cache_modifier=".cg")
                 t2 += tl.load(ws_ptr + s * stride_os + at + half, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1, nw2,
                     head_eps, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
                     NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS, QK_NORM)
 
     @triton.jit
-    def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, head, M, stride_ch,
+    def _rope_pairs(total, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, head, M, stride_ch,
                     stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr,
@@ -713,13 +729,13 @@ if triton is not None:
         """A PAIRED tile's fp32 sums [BLOCK_M, BLOCK_N] (dims offs_h and offs_h + HEAD_DIM / 2 of head `head`,
         interleaved) through _rope_store."""
         t1, t2 = tl.split(tl.reshape(total, (BLOCK_M, BLOCK_N // 2, 2)))
-        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, bias_ptr, bias_ptr,
-                    0.0, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS,
-                    NUM_KV_HEADS, HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS, False)
+        _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, b1, b2, 0.0, head,
+                    M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M, SOFT_BF16, NUM_HEADS, NUM_KV_HEADS,
+                    HEAD_DIM, EXACT_MUL, STAGED, HAS_BIAS, False)
 
     @triton.jit
-    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, bias_ptr, qn_ptr, kn_ptr,
-                    head_eps, head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
+    def _rope_store(t1, t2, offs_h, c, sn, cache_row, k_cache_ptr, v_cache_ptr, q_out_ptr, b1, b2, nw1, nw2, head_eps,
+                    head, M, stride_ch, stride_qo, squares, eps, mean_scale, BLOCK_M: tl.constexpr,
                     SOFT_BF16: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, EXACT_MUL: tl.constexpr, STAGED: tl.constexpr, HAS_BIAS: tl.constexpr,
                     QK_NORM: tl.constexpr):
@@ -739,18 +755,15 @@ if triton is not None:
         x1 = round_to(t1, dtype, SOFT_BF16)  # the qkv output, as the GEMV would have stored it
         x2 = round_to(t2, dtype, SOFT_BF16)
         if HAS_BIAS:  # then its bias added and rounded again, as linear_small_m's add_ does (Qwen2's q, k, v)
-            b1 = tl.load(bias_ptr + head * HEAD_DIM + offs_h).to(tl.float32)[None, :]
-            b2 = tl.load(bias_ptr + head * HEAD_DIM + half + offs_h).to(tl.float32)[None, :]
             if EXACT_MUL:  # (its own instruction: never an FMA with the RMS scale's product)
-                x1, x2 = add_rn(x1, b1), add_rn(x2, b2)
+                x1, x2 = add_rn(x1, b1[None, :]), add_rn(x2, b2[None, :])
             else:
-                x1, x2 = x1 + b1, x2 + b2
+                x1, x2 = x1 + b1[None, :], x2 + b2[None, :]
             x1 = round_to(x1, dtype, SOFT_BF16)
             x2 = round_to(x2, dtype, SOFT_BF16)
         if head < NUM_HEADS + NUM_KV_HEADS:
-            if QK_NORM:
-                x1, x2 = normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, head < NUM_HEADS, head_eps, 1.0 / HEAD_DIM, dtype,
-                                     SOFT_BF16, EXACT_MUL, False, HEAD_DIM)  # (1 / HEAD_DIM: a power of two, exact)
+            if QK_NORM:  # (1 / HEAD_DIM: a power of two, exact)
+                x1, x2 = normed_head(x1, x2, nw1, nw2, head_eps, 1.0 / HEAD_DIM, dtype, SOFT_BF16, EXACT_MUL, False)
             o1, o2 = rotate_pair(x1, x2, c, sn, dtype, SOFT_BF16, EXACT_MUL)
             if head < NUM_HEADS:
                 dst = q_out_ptr + offs_m[:, None] * stride_qo + head * HEAD_DIM + offs_h[None, :]

@@ -128,21 +128,26 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
-    def normed_head(x1, x2, offs_h, qn_ptr, kn_ptr, is_q, eps, mean_scale, DTYPE: tl.constexpr,
-                    SOFT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, MEAN_BY_DIV: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-        """Qwen3's RMSNorm of one head of every row, from fp32 halves x1, x2 (DTYPE values at dims offs_h and
-        offs_h + HEAD_DIM / 2; lanes past the half hold 0), rounded where the norm kernel rounds: the normed row to
-        DTYPE, then its product with the weight (qn_ptr's for a q head, kn_ptr's for a k head). The mean as torch
-        takes it on the tensors' device (MEAN_BY_DIV: sum / mean_scale, else sum * mean_scale). The squares are summed
-        by halves, the one order the norm kernel may not share (the variance's last bit). EXACT_MUL: the squares by
-        mul_rn, for kernels that keep FMA contraction on."""
+    def head_norm_weights(qn_ptr, kn_ptr, is_q, offs_h, HEAD_DIM: tl.constexpr):
+        """A head's norm weight at dims offs_h and offs_h + HEAD_DIM / 2, fp32 (q_norm's for a q head, k_norm's
+        otherwise; 0 past the half)."""
         half: tl.constexpr = HEAD_DIM // 2
         ok = offs_h < half
         if is_q:
             w1, w2 = tl.load(qn_ptr + offs_h, mask=ok, other=0.0), tl.load(qn_ptr + half + offs_h, mask=ok, other=0.0)
         else:
             w1, w2 = tl.load(kn_ptr + offs_h, mask=ok, other=0.0), tl.load(kn_ptr + half + offs_h, mask=ok, other=0.0)
+        return w1.to(tl.float32), w2.to(tl.float32)
+
+    @triton.jit
+    def normed_head(x1, x2, w1, w2, eps, mean_scale, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr,
+                    EXACT_MUL: tl.constexpr, MEAN_BY_DIV: tl.constexpr):
+        """Qwen3's RMSNorm of one head of every row, from fp32 halves x1, x2 (DTYPE values; lanes past the half hold
+        0) and the weight's halves w1, w2 (head_norm_weights), rounded where the norm kernel rounds: the normed row to
+        DTYPE, then its product with the weight. The mean as torch takes it on the tensors' device (MEAN_BY_DIV:
+        sum / mean_scale, else sum * mean_scale). The squares are summed by halves, the one order the norm kernel may
+        not share (the variance's last bit). EXACT_MUL: the squares by mul_rn, for kernels that keep FMA contraction
+        on."""
         if EXACT_MUL:
             s1, s2 = mul_rn(x1, x1), mul_rn(x2, x2)
         else:
@@ -154,8 +159,7 @@ if triton is not None:
             var = total * mean_scale
         rstd = tl.rsqrt(var + eps)[:, None]
         n1, n2 = round_to(x1 * rstd, DTYPE, SOFT_BF16), round_to(x2 * rstd, DTYPE, SOFT_BF16)
-        return (round_to(w1.to(tl.float32)[None, :] * n1, DTYPE, SOFT_BF16),
-                round_to(w2.to(tl.float32)[None, :] * n2, DTYPE, SOFT_BF16))
+        return round_to(w1[None, :] * n1, DTYPE, SOFT_BF16), round_to(w2[None, :] * n2, DTYPE, SOFT_BF16)
 
     # num_tokens only bounds the last token block: unspecialised, so that a new prompt length (eager prefill above
     # the piecewise sizes) compiles no variant (Triton keys an int equal to 1 or divisible by 16 apart)
@@ -188,8 +192,8 @@ if triton is not None:
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=ok, other=0.0).to(tl.float32)
         if HEAD_NORM:
-            x1, x2 = normed_head(x1, x2, offs, qn_ptr, kn_ptr, h < NUM_HEADS, eps, mean_scale, dtype, SOFT_BF16, False,
-                                 MEAN_BY_DIV, HEAD_DIM)
+            w1, w2 = head_norm_weights(qn_ptr, kn_ptr, h < NUM_HEADS, offs, HEAD_DIM)
+            x1, x2 = normed_head(x1, x2, w1, w2, eps, mean_scale, dtype, SOFT_BF16, False, MEAN_BY_DIV)
         o1, o2 = rotate_pair(x1, x2, c, s, dtype, SOFT_BF16, False)  # the launch turns FMA contraction off
         if h < NUM_HEADS:
             dst = q_out_ptr + offs_t[:, None] * stride_qo + h * HEAD_DIM + offs[None, :]
