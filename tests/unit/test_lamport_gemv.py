@@ -19,7 +19,7 @@ from tpgraph.errors import ConfigError
 from tpgraph.kernels.activation import silu_and_mul
 from tpgraph.kernels.gemv import GemvConfig, gate_up_silu, linear_all_reduce_norm, linear_small_m, qkv_rope_store
 from tpgraph.kernels.lamport import EPILOGUE_ALGO, GRANULE, epilogue_enabled, local_channels, solo_channel
-from tpgraph.kernels.norm import add_rms_norm, rms_norm_reference
+from tpgraph.kernels.norm import add_rms_norm
 from tpgraph.kernels.rope_store import rope_and_store, rope_cos_sin_table
 
 triton = pytest.importorskip("triton")
@@ -204,13 +204,8 @@ def check_boundaries(ranks: Ranks, device: str, rows_each: list[int], consumers:
                                    KV_HEADS, DIM, use_triton=True, config=GemvConfig(16, 32, 4, 2, 3),
                                    head_norm=head_norm)
                 qkv = F.linear(normed.float(), ranks.w_qkv[r].float()).to(dtype)
-                if head_norm is not None:  # q's and k's heads normed, v as it is
-                    heads = qkv[:, :(HEADS + KV_HEADS) * DIM].reshape(rows, -1, DIM)
-                    qkv[:, :HEADS * DIM] = rms_norm_reference(heads[:, :HEADS], head_norm[0], EPS).flatten(1)
-                    qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM] = rms_norm_reference(
-                        heads[:, HEADS:], head_norm[1], EPS).flatten(1)
                 rq, _ = rope_and_store(qkv, positions, ranks.rope, slots, caches[2], caches[3], HEADS, KV_HEADS, DIM,
-                                       use_triton=True)
+                                       use_triton=True, head_norm=head_norm)
                 torch.testing.assert_close(q, rq, rtol=2e-2, atol=2e-2)
                 torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
                 torch.testing.assert_close(caches[1], caches[3], rtol=2e-2, atol=2e-2)
