@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tpgtest.head_norms import assert_within_a_variance_bit
+from tpgtest.head_norms import assert_within_a_variance_bit, random_head_norm
 from tpgtest.paged_cases import random_paged_case
 from tpgtest.polled import spy_partials
 
@@ -53,7 +53,7 @@ def test_rope_and_store_equal_reference_bit_for_bit(dtype, tokens, normed):
     tables = rope_cos_sin_table(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 4096, dtype, "cuda")
     slots = torch.randperm(64 * block_size, device="cuda")[:tokens]
     caches = [torch.zeros(64, block_size, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
-    head_norm = (*((1 + 0.2 * torch.randn(dim, device="cuda")).to(dtype) for _ in range(2)), 1e-6) if normed else None
+    head_norm = random_head_norm(dim, dtype, device="cuda") if normed else None
     q, k = rope_and_store(qkv, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim,
                           head_norm=head_norm)
     rq, rk = rope_and_store_reference(qkv, positions, tables, slots, caches[2], caches[3], heads, kv_heads, dim,
@@ -391,8 +391,7 @@ def test_qkv_rope_store_gives_the_two_steps_bits(monkeypatch, m, dtype, extra, e
     x = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.02).to(dtype)
     bias = torch.randn(w.shape[0], device="cuda", generator=g).to(dtype) if extra == "bias" else None
-    head_norm = (*((1 + 0.2 * torch.randn(dim, device="cuda", generator=g)).to(dtype) for _ in range(2)), 1e-6) \
-        if extra == "head norms" else None
+    head_norm = random_head_norm(dim, dtype, g, "cuda") if extra == "head norms" else None
     check = assert_within_a_variance_bit if head_norm else lambda got, want: torch.testing.assert_close(
         got, want, rtol=0, atol=0)
 

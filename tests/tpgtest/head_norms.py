@@ -13,3 +13,9 @@ def assert_within_a_variance_bit(got: torch.Tensor, want: torch.Tensor) -> None:
         return
     assert (got.float() - want.float()).abs().max() <= 4 * torch.finfo(got.dtype).eps
     assert (got != want).float().mean() < 0.01
+
+
+def random_head_norm(head_dim: int, dtype: torch.dtype, generator: torch.Generator | None = None,
+                     device: str = "cpu", eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Qwen3-like (q_norm weight, k_norm weight, eps): weights about 1, apart from one another and from 1."""
+    return *((1 + 0.2 * torch.randn(head_dim, generator=generator, device=device)).to(dtype) for _ in range(2)), eps

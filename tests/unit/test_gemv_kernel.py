@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from tpgtest.head_norms import assert_within_a_variance_bit
+from tpgtest.head_norms import assert_within_a_variance_bit, random_head_norm
 from tpgtest.launches import spy_launches
 from tpgtest.markers import interpreted
 from tpgtest.polled import arrive_late, spy_partials, spy_polled_rope
@@ -664,16 +664,16 @@ def test_qkv_rope_store_with_head_norms_gives_the_three_steps_values(monkeypatch
     cfg = GemvConfig(32, 32, 4, 2, split_k)
     x = torch.randn(m, hidden, generator=g).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) * 0.1).to(dtype)
-    q_weight, k_weight = ((1 + 0.2 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2))
+    head_norm = random_head_norm(dim, dtype, g, eps=eps)
     tables = rope_cos_sin_table(1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim)), 64, dtype, "cpu")
     positions, slots = torch.randint(0, 64, (m,), generator=g), torch.randperm(8 * block_size, generator=g)[:m]
     caches = [torch.zeros(8, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
     q = qkv_rope_store(x, w, positions, tables, slots, caches[0], caches[1], heads, kv_heads, dim, use_triton=True,
-                       config=cfg, head_norm=(q_weight, k_weight, eps))
+                       config=cfg, head_norm=head_norm)
     hq, hk, hv = linear_small_m(x, w, use_triton=True, config=cfg).split([heads * dim, kv_heads * dim, kv_heads * dim],
                                                                          dim=-1)
     normed = (rms_norm(h.reshape(-1, dim), weight, eps, use_triton=True).view(m, -1)
-              for h, weight in ((hq, q_weight), (hk, k_weight)))
+              for h, weight in zip((hq, hk), head_norm[:2], strict=True))
     want, _ = rope_and_store(torch.cat((*normed, hv), dim=-1), positions, tables, slots, caches[2], caches[3], heads,
                              kv_heads, dim, use_triton=True)
     assert q is not None

@@ -4,7 +4,7 @@ reference against Hugging Face's rotary embedding."""
 
 import pytest
 import torch
-from tpgtest.head_norms import assert_within_a_variance_bit
+from tpgtest.head_norms import assert_within_a_variance_bit, random_head_norm
 from tpgtest.launches import spy_launches
 from tpgtest.markers import interpreted
 
@@ -162,11 +162,6 @@ def test_reference_is_hf_apply_rotary_pos_emb(rope_parameters):
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
 
 
-def _head_norm(head_dim: int, dtype: torch.dtype, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, float]:
-    g = torch.Generator().manual_seed(seed)
-    return *((1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)), 1e-6
-
-
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [
@@ -179,7 +174,7 @@ def test_head_norms_match_the_reference(dtype, tokens, heads, kv_heads, head_dim
     (transformers' Qwen3RMSNorm over each head, then the rotation), within the variance's last bit; v untouched by
     them."""
     q, _ = _matches_reference(tokens, tokens, heads, kv_heads, head_dim, 16, dtype, torch.int64,
-                              head_norm=_head_norm(head_dim, dtype))
+                              head_norm=random_head_norm(head_dim, dtype, torch.Generator().manual_seed(3)))
     plain, _ = _matches_reference(tokens, tokens, heads, kv_heads, head_dim, 16, dtype, torch.int64)
     assert not torch.equal(q, plain)  # (the norms did something)
 
@@ -191,7 +186,7 @@ def test_the_reference_norms_heads_as_transformers_qwen3():
     heads, kv_heads, head_dim, dtype, tokens = 4, 2, 64, torch.bfloat16, 7
     qkv, positions, slots, k_cache, v_cache = _case(2, tokens, heads, kv_heads, head_dim, 4, dtype, torch.int64)
     cos_sin = rope_cos_sin_table(_inv_freq(head_dim, 1e6), MAX_POS, dtype, "cpu")
-    head_norm = _head_norm(head_dim, dtype)
+    head_norm = random_head_norm(head_dim, dtype, torch.Generator().manual_seed(3))
     q, k = rope_and_store_reference(qkv, positions, cos_sin, slots, k_cache, v_cache, heads, kv_heads, head_dim,
                                     head_norm=head_norm)
     normed = []
